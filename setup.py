@@ -1,0 +1,28 @@
+"""Build script for speedswap (tool settings live in pyproject.toml)."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "speedswap" / "__init__.py").read_text()).group(1)
+
+setup(
+    name="speedswap",
+    version=VERSION,
+    description="Train embedding tables and optimizer state that do not fit in GPU memory",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["speedswap", "speedswap.*"]),
+    python_requires=">=3.9",
+    install_requires=["numpy>=1.22", "torch>=2.1", "h5py>=3.6"],
+    extras_require={
+        # CuPy is optional and only the cuda backend imports it.
+        "cuda12": ["cupy-cuda12x>=13"],
+        "cuda13": ["cupy-cuda13x>=13"],
+        "test": ["pytest>=7", "hypothesis>=6"],
+    },
+    entry_points={"console_scripts": ["speedswap=speedswap.__main__:main"]},
+    classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
+)

@@ -1,0 +1,36 @@
+"""speedswap: train parameters that do not fit in GPU memory.
+
+Full tables and their optimizer state live in host memory (pinned, mapped, or
+a memory-mapped file); only the rows a step touches travel to the device.
+``import speedswap`` never imports CuPy: the cuda backend imports it when it
+is first used.
+"""
+
+from .backends import STORAGE_KINDS, available_backends, get_backend
+from .errors import (BackendUnavailableError, CapacityError, DeviceError, DTypeError,
+                     DuplicateIdError, FileFormatError, IdError, OptionError, ShapeError,
+                     SpeedswapError, StateError)
+from .info import info
+from .table import HostTable
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "HostTable",
+    "STORAGE_KINDS",
+    "available_backends",
+    "get_backend",
+    "info",
+    "SpeedswapError",
+    "IdError",
+    "DuplicateIdError",
+    "DTypeError",
+    "ShapeError",
+    "DeviceError",
+    "FileFormatError",
+    "BackendUnavailableError",
+    "CapacityError",
+    "StateError",
+    "OptionError",
+]

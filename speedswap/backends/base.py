@@ -1,0 +1,124 @@
+"""The Backend interface: where table memory comes from and how rows move.
+
+A backend allocates a :class:`Buffer` for a table and moves rows between that
+buffer and tensors on its device. Ids and values reach a backend already
+validated (see :mod:`speedswap.convert`), so backends only move bytes.
+"""
+
+import abc
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+__all__ = ["Backend", "Buffer", "STORAGE_KINDS", "HOST_KINDS"]
+
+#: Where a table's rows may live. ``pinned``: page-locked host memory;
+#: ``mapped``: page-locked and mapped into the device address space
+#: (zero-copy); ``pageable``: ordinary host memory; ``mmap``: a ``.npy`` file
+#: on disk, paged in on demand (tables larger than RAM); ``device``: memory of
+#: the backend's device.
+STORAGE_KINDS = ("pinned", "mapped", "pageable", "mmap", "device")
+
+#: The storage kinds whose rows are a numpy array in host memory.
+HOST_KINDS = ("pinned", "mapped", "pageable", "mmap")
+
+
+@dataclass
+class Buffer:
+    """The memory behind one table.
+
+    Attributes:
+        kind: the storage kind (one of :data:`STORAGE_KINDS`).
+        host: the rows as a numpy array when they live in host memory, else None.
+        tensor: a torch view of the same memory (never a copy).
+        pinned: whether the host memory really is page-locked.
+        device_ptr: the address the device reads the rows at (zero-copy
+            kinds on the cuda backend), else None.
+        pending: the event of the last asynchronous device write, which host
+            code waits on before touching the rows (cuda backend only).
+    """
+
+    kind: str
+    host: Optional[np.ndarray]
+    tensor: torch.Tensor
+    pinned: bool = False
+    device_ptr: Optional[int] = None
+    pending: Optional[object] = None
+
+
+class Backend(abc.ABC):
+    """Allocates table memory and moves rows between it and the device.
+
+    Attributes:
+        name: ``"numpy"`` or ``"cuda"``.
+        device: the torch device that ``gather`` returns tensors on.
+    """
+
+    name: str
+    device: torch.device
+
+    @classmethod
+    @abc.abstractmethod
+    def is_available(cls):
+        """Whether this backend can run on this machine."""
+
+    @abc.abstractmethod
+    def allocate(self, shape, dtype, kind):
+        """Allocate uninitialised rows.
+
+        Args:
+            shape: ``(num_rows, dim)``.
+            dtype: a numpy dtype.
+            kind: one of :data:`STORAGE_KINDS` except ``mmap``.
+
+        Returns:
+            Buffer
+        """
+
+    @abc.abstractmethod
+    def adopt(self, array, kind):
+        """Use an existing C-contiguous host array as a table's memory, without copying.
+
+        Args:
+            array: a 2-D numpy array (an ``np.memmap`` for ``mmap``).
+            kind: ``"mmap"`` or ``"pageable"``.
+
+        Returns:
+            Buffer
+        """
+
+    @abc.abstractmethod
+    def gather(self, buffer, rows, out):
+        """Copy rows ``rows`` of ``buffer`` into ``out``.
+
+        Args:
+            buffer: the table's Buffer.
+            rows: validated int64 ids (1-D tensor, any device the backend reads).
+            out: a contiguous tensor ``(len(rows), dim)`` on :attr:`device`.
+
+        Returns:
+            ``out``. On a GPU the copy is ordered on torch's current stream
+            and may not have finished when this returns.
+        """
+
+    @abc.abstractmethod
+    def scatter(self, buffer, rows, values):
+        """Write ``values[i]`` to row ``rows[i]`` of ``buffer``.
+
+        Args:
+            buffer: the table's Buffer.
+            rows: validated, unique int64 ids (1-D tensor).
+            values: a contiguous tensor ``(len(rows), dim)`` of the table's dtype.
+        """
+
+    def wait_host(self, buffer):
+        """Block until asynchronous device work on ``buffer`` is done, before host code reads it.
+
+        The CPU backend has none; the cuda backend waits on the buffer's event.
+        """
+
+    def describe(self):
+        """A one-line description of the backend and its device."""
+        return f"{self.name} on {self.device}"

@@ -1,0 +1,190 @@
+"""The GPU backend: page-locked host tables read by CUDA kernels, or staged copies.
+
+CuPy is imported here and nowhere else, and only when this backend is built.
+Transport by storage kind:
+
+* ``pinned`` / ``mapped``: the table is page-locked host memory from
+  ``cudaHostAlloc``. Under unified addressing the GPU reads and writes it in
+  place, so :class:`~speedswap.backends.cuda_kernels.RowKernels` move the rows
+  straight between the table and device tensors (zero-copy): one kernel per
+  gather or scatter, no host thread, no staging copy.
+* ``pageable`` / ``mmap``: the GPU cannot address that memory, so the CPU
+  gathers rows into a page-locked staging slot and the slot is copied
+  asynchronously (:class:`StagingRing`).
+* ``device``: the table is a CUDA tensor; rows move with ``index_select`` /
+  ``index_copy_``.
+
+Everything is ordered on torch's current stream. Nothing calls a device-wide
+synchronize: host code that touches a table after a kernel wrote it waits on
+that table's own event (:meth:`CudaBackend.wait_host`).
+"""
+
+import numpy as np
+import torch
+
+from ..errors import BackendUnavailableError
+from .base import Backend, Buffer
+from .cuda_kernels import RowKernels
+
+__all__ = ["CudaBackend", "StagingRing"]
+
+_HOST_ALLOC_PORTABLE = 1
+_HOST_ALLOC_MAPPED = 2
+_INSTALL_HINT = ("install CuPy for your CUDA version: pip install 'speedswap[cuda12]' "
+                 "or 'speedswap[cuda13]'")
+
+
+def _import_cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailableError(f"the cuda backend needs CuPy, which is not installed; "
+                                      f"{_INSTALL_HINT}") from exc
+    return cupy
+
+
+class StagingRing:
+    """Page-locked staging slots for tables the GPU cannot address.
+
+    A slot is reused only after the copy that last read or wrote it has
+    finished, which is waited for on that slot's event, never on the device.
+
+    Args:
+        device: the CUDA device.
+        slots: how many gathers may be in flight at once.
+    """
+
+    def __init__(self, device, slots=3):
+        self._device = device
+        self._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(slots)]
+        self._events = [None] * slots
+        self._next = 0
+
+    def _take(self, nbytes, dtype, shape):
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        if self._events[i] is not None:
+            self._events[i].synchronize()
+        if self._buffers[i].numel() < nbytes:
+            self._buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self._events[i] = torch.cuda.Event()
+        return self._buffers[i][:nbytes].view(dtype).view(shape), self._events[i]
+
+    def gather(self, host, rows, out):
+        """CPU-gather ``host[rows]`` into a slot, then copy it to ``out`` asynchronously.
+
+        Returns before the copy has finished; it is ordered on torch's current stream.
+        """
+        staging, event = self._take(out.numel() * out.element_size(), out.dtype, out.shape)
+        torch.index_select(host, 0, rows, out=staging)
+        out.copy_(staging, non_blocking=True)
+        event.record(torch.cuda.current_stream(self._device))
+        return out
+
+    def scatter(self, host, rows, values):
+        """Copy ``values`` into a slot, wait for that copy only, then CPU-scatter."""
+        staging, event = self._take(values.numel() * values.element_size(), values.dtype, values.shape)
+        staging.copy_(values, non_blocking=True)
+        event.record(torch.cuda.current_stream(self._device))
+        event.synchronize()
+        host.index_copy_(0, rows, staging)
+
+
+class CudaBackend(Backend):
+    """Tables in page-locked host memory (or on the GPU), rows moved by CUDA kernels.
+
+    Args:
+        device: CUDA device index; the current device when None.
+
+    Raises:
+        BackendUnavailableError: no CUDA device, or CuPy is missing.
+    """
+
+    name = "cuda"
+
+    @classmethod
+    def is_available(cls):
+        if not torch.cuda.is_available():
+            return False
+        try:
+            import cupy
+        except ImportError:
+            return False
+        return bool(cupy.is_available())
+
+    def __init__(self, device=None):
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("the cuda backend needs a CUDA device and a CUDA build "
+                                          "of torch; none is visible here. Use backend='numpy' "
+                                          "(or 'auto', which falls back to it)")
+        self._cupy = _import_cupy()
+        index = torch.cuda.current_device() if device is None else int(device)
+        self.device = torch.device("cuda", index)
+        self._kernels = RowKernels(self._cupy, index)
+        self._staging = StagingRing(self.device)
+
+    def describe(self):
+        return f"cuda on {self.device} ({torch.cuda.get_device_name(self.device)})"
+
+    def allocate(self, shape, dtype, kind):
+        if kind == "device":
+            from ..convert import torch_dtype
+            tensor = torch.empty(shape, dtype=torch_dtype(dtype), device=self.device)
+            return Buffer(kind=kind, host=None, tensor=tensor)
+        if kind == "pageable":
+            return self.adopt(np.empty(shape, dtype=dtype), kind)
+        cupy = self._cupy
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        flags = _HOST_ALLOC_PORTABLE | (_HOST_ALLOC_MAPPED if kind == "mapped" else 0)
+        with cupy.cuda.Device(self.device.index):
+            # PinnedMemory (not the pooled alloc_pinned_memory) so that the
+            # memory goes back to the driver when the last view of it dies.
+            memory = cupy.cuda.PinnedMemory(nbytes, flags)
+            pointer = cupy.cuda.PinnedMemoryPointer(memory, 0)
+            array = np.ndarray(shape, dtype=dtype, buffer=pointer)
+            # Under unified addressing every cudaHostAlloc block is device
+            # visible at its host address; ask the driver for mapped memory
+            # so that this also holds where the address differs.
+            device_ptr = (cupy.cuda.runtime.hostGetDevicePointer(pointer.ptr, 0)
+                          if kind == "mapped" else pointer.ptr)
+        return Buffer(kind=kind, host=array, tensor=torch.from_numpy(array), pinned=True,
+                      device_ptr=device_ptr)
+
+    def adopt(self, array, kind):
+        return Buffer(kind=kind, host=array, tensor=torch.from_numpy(array))
+
+    def _stream_ptr(self):
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _record_write(self, buffer):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        buffer.pending = event
+
+    def wait_host(self, buffer):
+        pending = getattr(buffer, "pending", None)
+        if pending is not None:
+            pending.synchronize()
+            buffer.pending = None
+
+    def gather(self, buffer, rows, out):
+        if buffer.kind == "device":
+            return torch.index_select(buffer.tensor, 0, rows.to(self.device), out=out)
+        if buffer.device_ptr is not None:
+            row_bytes = buffer.host.shape[1] * buffer.host.itemsize
+            self._kernels.gather(buffer.device_ptr, rows.to(self.device), out, row_bytes,
+                                 self._stream_ptr())
+            self._record_write(buffer)
+            return out
+        return self._staging.gather(buffer.tensor, rows.cpu(), out)
+
+    def scatter(self, buffer, rows, values):
+        if buffer.kind == "device":
+            buffer.tensor.index_copy_(0, rows.to(self.device), values.to(self.device))
+        elif buffer.device_ptr is not None:
+            row_bytes = buffer.host.shape[1] * buffer.host.itemsize
+            self._kernels.scatter(buffer.device_ptr, rows.to(self.device), values.to(self.device),
+                                  row_bytes, self._stream_ptr())
+            self._record_write(buffer)
+        else:
+            self._staging.scatter(buffer.tensor, rows.cpu(), values)

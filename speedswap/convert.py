@@ -1,0 +1,173 @@
+"""Validation and conversion of ids and values between numpy and torch.
+
+Every public call that takes row ids or row values passes them through here
+first, so a bad input is rejected before any row is touched. CuPy never
+appears in this module: the cuda backend converts torch tensors itself.
+"""
+
+import numpy as np
+import torch
+
+from .errors import DeviceError, DTypeError, IdError, ShapeError
+
+__all__ = ["as_row_ids", "as_row_values", "torch_dtype", "numpy_dtype"]
+
+_NUMPY_TO_TORCH = {
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.bool_): torch.bool,
+}
+_TORCH_TO_NUMPY = {t: n for n, t in _NUMPY_TO_TORCH.items()}
+
+
+def torch_dtype(dtype):
+    """The torch dtype matching a numpy dtype, torch dtype, or name.
+
+    Args:
+        dtype: ``"float32"``, ``np.float16``, ``torch.float32``, ...
+
+    Returns:
+        torch.dtype
+
+    Raises:
+        DTypeError: the dtype has no torch equivalent speedswap supports.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_TO_NUMPY:
+            raise DTypeError(f"dtype {dtype!r} is not supported; use one of "
+                             f"{sorted(str(n) for n in _NUMPY_TO_TORCH)}")
+        return dtype
+    return _NUMPY_TO_TORCH[numpy_dtype(dtype)]
+
+
+def numpy_dtype(dtype):
+    """The numpy dtype matching a numpy dtype, torch dtype, or name.
+
+    Args:
+        dtype: ``"float32"``, ``np.float16``, ``torch.float32``, ...
+
+    Returns:
+        numpy.dtype
+
+    Raises:
+        DTypeError: the dtype has no equivalent speedswap supports.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _TORCH_TO_NUMPY:
+            raise DTypeError(f"dtype {dtype!r} is not supported; use one of "
+                             f"{sorted(str(n) for n in _NUMPY_TO_TORCH)}")
+        return _TORCH_TO_NUMPY[dtype]
+    try:
+        npd = np.dtype(dtype)
+    except TypeError as exc:
+        raise DTypeError(f"{dtype!r} is not a dtype; use e.g. 'float32'") from exc
+    if npd not in _NUMPY_TO_TORCH:
+        raise DTypeError(f"dtype {npd} is not supported; use one of "
+                         f"{sorted(str(n) for n in _NUMPY_TO_TORCH)}")
+    return npd
+
+
+def _device_readable(tensor_device, backend_device):
+    """Whether a backend on ``backend_device`` can read a tensor on ``tensor_device``."""
+    if tensor_device.type == "cpu":
+        return True
+    if backend_device.type != "cuda" or tensor_device.type != "cuda":
+        return False
+    return (tensor_device.index or 0) == (backend_device.index or 0)
+
+
+def as_row_ids(ids, num_rows, device, *, what="ids"):
+    """Validate row ids and return them as a flat int64 tensor on ``device``.
+
+    Args:
+        ids: a numpy array, list, int, or torch tensor of integer ids, any shape.
+        num_rows: ids must lie in ``[0, num_rows)``.
+        device: the torch device the result is moved to.
+        what: how the ids are named in error messages.
+
+    Returns:
+        (flat_ids, shape): a 1-D ``torch.int64`` tensor on ``device`` and the
+        input's original shape.
+
+    Raises:
+        DTypeError: ids are not integers (floats and bools are refused).
+        DeviceError: ids live on a device the backend cannot read.
+        IdError: an id is negative or ``>= num_rows``.
+    """
+    device = torch.device(device)
+    if isinstance(ids, torch.Tensor):
+        if not _device_readable(ids.device, device):
+            raise DeviceError(f"{what} are on {ids.device} but this table lives on "
+                              f"{device}; move them with .to({str(device)!r})")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise DTypeError(f"{what} must be integers, got a tensor of {ids.dtype}; "
+                             f"convert with .long() if they are whole numbers")
+        flat = ids.reshape(-1)
+        shape = tuple(ids.shape)
+        if flat.numel():
+            lo, hi = (int(v) for v in torch.aminmax(flat))
+            _check_range(lo, hi, num_rows, what)
+        return flat.to(device=device, dtype=torch.int64), shape
+    arr = np.asarray(ids)
+    if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
+        raise DTypeError(f"{what} must be integers, got an array of {arr.dtype}; "
+                         f"convert with .astype(np.int64) if they are whole numbers")
+    shape = arr.shape
+    flat = arr.reshape(-1)
+    if flat.size:
+        _check_range(int(flat.min()), int(flat.max()), num_rows, what)
+    tensor = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64))
+    return tensor.to(device), shape
+
+
+def _check_range(lo, hi, num_rows, what):
+    if lo < 0:
+        raise IdError(f"{what} contain {lo}, but ids must be in [0, {num_rows}); "
+                      f"negative ids are not wrapped around")
+    if hi >= num_rows:
+        raise IdError(f"{what} contain {hi}, out of range for a table of {num_rows} rows "
+                      f"(ids must be in [0, {num_rows})); check the vocabulary size")
+
+
+def as_row_values(values, num_ids, dim, dtype, device):
+    """Validate values for a scatter and return them as a tensor on ``device``.
+
+    Args:
+        values: a torch tensor or numpy array of shape ``(num_ids, dim)``.
+        num_ids: the number of rows being written.
+        dim: the table's row length.
+        dtype: the table's torch dtype; values must have it exactly (no silent
+            lossy cast).
+        device: the torch device the result is moved to.
+
+    Returns:
+        A contiguous tensor of shape ``(num_ids, dim)`` on ``device``.
+
+    Raises:
+        DTypeError: values have another dtype.
+        ShapeError: values have another shape.
+        DeviceError: values live on a device the backend cannot read.
+    """
+    device = torch.device(device)
+    if not isinstance(values, torch.Tensor):
+        arr = np.asarray(values)
+        if arr.dtype == object or arr.dtype not in _NUMPY_TO_TORCH:
+            raise DTypeError(f"values of dtype {arr.dtype} cannot be written; "
+                             f"pass a float array of the table's dtype")
+        values = torch.from_numpy(np.ascontiguousarray(arr))
+    if not _device_readable(values.device, device):
+        raise DeviceError(f"values are on {values.device} but this table lives on "
+                          f"{device}; move them with .to({str(device)!r})")
+    if values.dtype != dtype:
+        raise DTypeError(f"values have dtype {values.dtype} but the table holds {dtype}; "
+                         f"cast them with .to({dtype}) first")
+    if tuple(values.shape) != (num_ids, dim):
+        raise ShapeError(f"values have shape {tuple(values.shape)} but {num_ids} ids of a "
+                         f"table with rows of {dim} need shape ({num_ids}, {dim})")
+    return values.to(device).contiguous()

@@ -1,0 +1,68 @@
+"""The speedswap exception family.
+
+Every error speedswap raises derives from :class:`SpeedswapError` *and* from
+the built-in exception a caller would naturally catch (``IndexError`` for bad
+ids, ``TypeError`` for wrong dtypes, ``OSError`` for bad files, ...), so both
+``except speedswap.SpeedswapError`` and ``except IndexError`` work.
+
+Messages say what was expected and how to fix it. Every check that can fail
+runs before any row is changed.
+"""
+
+__all__ = [
+    "SpeedswapError",
+    "IdError",
+    "DuplicateIdError",
+    "DTypeError",
+    "ShapeError",
+    "DeviceError",
+    "FileFormatError",
+    "BackendUnavailableError",
+    "CapacityError",
+    "StateError",
+    "OptionError",
+]
+
+
+class SpeedswapError(Exception):
+    """Base class of every exception speedswap raises."""
+
+
+class IdError(SpeedswapError, IndexError):
+    """A row id is out of range or negative."""
+
+
+class DuplicateIdError(SpeedswapError, ValueError):
+    """Ids that must be unique (a scatter's rows) repeat."""
+
+
+class DTypeError(SpeedswapError, TypeError):
+    """Ids are not integers, or values do not have the table's dtype."""
+
+
+class ShapeError(SpeedswapError, ValueError):
+    """An array does not have the shape the call expects."""
+
+
+class DeviceError(SpeedswapError, ValueError):
+    """A tensor lives on a device the backend cannot read from."""
+
+
+class FileFormatError(SpeedswapError, OSError):
+    """A file is truncated, malformed, or does not match the table."""
+
+
+class BackendUnavailableError(SpeedswapError, RuntimeError):
+    """The requested backend cannot run here (no CuPy, no CUDA device)."""
+
+
+class CapacityError(SpeedswapError, ValueError):
+    """A step touches more unique rows than the working set can hold."""
+
+
+class StateError(SpeedswapError, RuntimeError):
+    """A call came in the wrong order (closed table, mismatched step)."""
+
+
+class OptionError(SpeedswapError, ValueError):
+    """An argument is outside its allowed choices (unknown storage kind, bad size)."""

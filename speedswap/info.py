@@ -1,0 +1,42 @@
+"""What speedswap sees on this machine and what its live tables hold."""
+
+import torch
+
+from .backends import available_backends, get_backend
+from .table import live_tables
+
+__all__ = ["info", "format_info"]
+
+
+def info():
+    """A summary of versions, backends, the device, and memory held by live tables.
+
+    Returns:
+        dict with ``version``, ``torch``, ``backends`` (available names),
+        ``device`` (what ``backend="auto"`` would use), ``tables`` (the number
+        open) and ``host_bytes`` / ``device_bytes`` / ``file_bytes`` held by them.
+    """
+    from . import __version__
+    backends = available_backends()
+    summary = {
+        "version": __version__,
+        "torch": torch.__version__,
+        "backends": backends,
+        "device": get_backend(backends[0]).describe(),
+        "tables": 0,
+        "host_bytes": 0,
+        "device_bytes": 0,
+        "file_bytes": 0,
+    }
+    for table in live_tables():
+        summary["tables"] += 1
+        for where, nbytes in table.memory().items():
+            summary[f"{where}_bytes"] += nbytes
+    return summary
+
+
+def format_info(summary):
+    """Render :func:`info` as aligned text lines."""
+    width = max(len(k) for k in summary)
+    return "\n".join(f"{key:<{width}}  {', '.join(value) if isinstance(value, list) else value}"
+                     for key, value in summary.items())

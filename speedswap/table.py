@@ -1,0 +1,458 @@
+"""HostTable: a 2-D row table in host (or device) memory with row transport.
+
+>>> import numpy as np, speedswap as ss
+>>> table = ss.HostTable.from_numpy(np.arange(12, dtype=np.float32).reshape(4, 3),
+...                                 storage="pageable", backend="numpy")
+>>> table.gather([3, 0, 3]).tolist()
+[[9.0, 10.0, 11.0], [0.0, 1.0, 2.0], [9.0, 10.0, 11.0]]
+>>> table.scatter([1], torch.ones(1, 3))
+>>> table.to_numpy()[1].tolist()
+[1.0, 1.0, 1.0]
+"""
+
+import os
+import weakref
+
+import numpy as np
+import torch
+
+from . import io
+from .backends import STORAGE_KINDS, get_backend
+from .convert import as_row_ids, as_row_values, numpy_dtype
+from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError,
+                     ShapeError, StateError)
+
+__all__ = ["HostTable", "live_tables"]
+
+_LIVE = weakref.WeakSet()
+
+
+def live_tables():
+    """The tables that are open now (not closed, not collected)."""
+    return list(_LIVE)
+
+
+def _check_storage(storage, path):
+    if storage not in STORAGE_KINDS:
+        raise OptionError(f"unknown storage {storage!r}; choose one of {STORAGE_KINDS}")
+    if storage == "mmap" and path is None:
+        raise OptionError("storage='mmap' keeps the table in a .npy file: pass path='table.npy'")
+    if storage == "mmap" and io.file_format(path) != "npy":
+        raise OptionError(f"storage='mmap' needs a .npy path, got {os.fspath(path)!r}")
+
+
+def _check_size(num_rows, dim):
+    for name, value in (("num_rows", num_rows), ("dim", dim)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise OptionError(f"{name} must be a positive int, got {value!r}")
+
+
+class HostTable:
+    """A ``(num_rows, dim)`` table whose rows move to and from the device on demand.
+
+    Build one with :meth:`empty`, :meth:`zeros`, :meth:`from_numpy` or
+    :meth:`load`. ``storage`` picks where the rows live: ``pinned``
+    (page-locked host memory), ``mapped`` (page-locked and mapped for
+    zero-copy device access), ``pageable`` (ordinary host memory), ``mmap`` (a
+    ``.npy`` file, for tables larger than RAM) or ``device`` (GPU memory). On
+    the numpy backend there is no device to pin for, so ``pinned``, ``mapped``
+    and ``device`` are ordinary host memory (:attr:`pinned` says which).
+
+    Pinned memory is returned to the driver when the table is closed (or used
+    as a context manager) and no view from :meth:`to_numpy` is still alive.
+    """
+
+    def __init__(self, buffer, backend, path=None):
+        self._buffer = buffer
+        self._backend = backend
+        self._path = None if path is None else os.fspath(path)
+        self._shape = tuple(buffer.tensor.shape)
+        self._dtype = buffer.tensor.dtype
+        _LIVE.add(self)
+
+    # ----------------------------------------------------------- constructors
+    @classmethod
+    def empty(cls, num_rows, dim, dtype="float32", storage="pinned", backend="auto", path=None):
+        """An uninitialised table.
+
+        Args:
+            num_rows: number of rows.
+            dim: row length.
+            dtype: ``"float32"``, ``"float16"``, ... (numpy or torch dtype).
+            storage: one of ``pinned``, ``mapped``, ``pageable``, ``mmap``, ``device``.
+            backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
+            path: the ``.npy`` file backing an ``mmap`` table (created or overwritten).
+
+        Returns:
+            HostTable
+
+        Raises:
+            OptionError: bad sizes or storage kind, or ``mmap`` without a path.
+            DTypeError: an unsupported dtype.
+            BackendUnavailableError: ``backend="cuda"`` cannot run here.
+        """
+        _check_size(num_rows, dim)
+        _check_storage(storage, path)
+        dtype = numpy_dtype(dtype)
+        backend = get_backend(backend)
+        shape = (int(num_rows), int(dim))
+        if storage == "mmap":
+            return cls(backend.adopt(io.create_npy_memmap(path, shape, dtype), "mmap"), backend, path)
+        return cls(backend.allocate(shape, dtype, storage), backend)
+
+    @classmethod
+    def zeros(cls, num_rows, dim, dtype="float32", storage="pinned", backend="auto", path=None):
+        """A table of zeros; arguments as :meth:`empty`."""
+        table = cls.empty(num_rows, dim, dtype, storage, backend, path)
+        table.zero_()
+        return table
+
+    @classmethod
+    def from_numpy(cls, array, storage="pinned", backend="auto", path=None):
+        """A table holding a copy of the 2-D ``array``; arguments as :meth:`empty`.
+
+        Raises:
+            ShapeError: ``array`` is not 2-D.
+        """
+        array = np.asarray(array)
+        if array.ndim != 2:
+            raise ShapeError(f"a table is 2-D (rows, dim); got an array of shape {array.shape}: "
+                             f"reshape it with a.reshape(len(a), -1)")
+        table = cls.empty(array.shape[0], array.shape[1], array.dtype, storage, backend, path)
+        table._fill_from(lambda start, stop: array[start:stop])
+        return table
+
+    @classmethod
+    def load(cls, path, storage="pinned", backend="auto", mmap=False, dataset="table"):
+        """A table read from a ``.npy`` or HDF5 file.
+
+        Args:
+            path: ``*.npy``, ``*.h5`` or ``*.hdf5``.
+            storage: where the rows will live (ignored when ``mmap``).
+            backend: as in :meth:`empty`.
+            mmap: map the ``.npy`` file itself (storage ``mmap``): nothing is
+                read up front and writes go through to the file.
+            dataset: the HDF5 dataset holding the table.
+
+        Returns:
+            HostTable
+
+        Raises:
+            FileFormatError: a truncated, malformed or non-2-D file.
+            FileNotFoundError: no such file.
+        """
+        fmt = io.file_format(path)
+        header = io.read_npy_header(path) if fmt == "npy" else io.read_h5_header(path, dataset)
+        if len(header.shape) != 2:
+            raise FileFormatError(f"{os.fspath(path)!r} holds an array of shape {header.shape}; "
+                                     f"a table needs 2-D (rows, dim)")
+        if mmap:
+            _check_storage("mmap", path)
+            backend = get_backend(backend)
+            return cls(backend.adopt(io.open_npy_memmap(path), "mmap"), backend, path)
+        if storage == "mmap":
+            raise OptionError("to use the file itself as the table pass mmap=True; "
+                              "storage='mmap' with a copy would need a second file")
+        table = cls.empty(header.shape[0], header.shape[1], header.dtype, storage, backend)
+        table._read_file(path, fmt, header, dataset)
+        return table
+
+    # ------------------------------------------------------------- properties
+    @property
+    def shape(self):
+        """``(num_rows, dim)``."""
+        return self._shape
+
+    @property
+    def num_rows(self):
+        return self._shape[0]
+
+    @property
+    def dim(self):
+        return self._shape[1]
+
+    @property
+    def dtype(self):
+        """The torch dtype of the rows."""
+        return self._dtype
+
+    @property
+    def storage(self):
+        """The storage kind asked for."""
+        return self._buffer.kind
+
+    @property
+    def pinned(self):
+        """Whether the rows really are in page-locked host memory."""
+        return self._buffer.pinned
+
+    @property
+    def backend(self):
+        return self._backend
+
+    @property
+    def device(self):
+        """The device :meth:`gather` returns tensors on."""
+        return self._backend.device
+
+    @property
+    def path(self):
+        """The backing file of an ``mmap`` table, else None."""
+        return self._path
+
+    @property
+    def nbytes(self):
+        """Bytes the rows occupy."""
+        return self._shape[0] * self._shape[1] * self._buffer.tensor.element_size()
+
+    @property
+    def closed(self):
+        return self._buffer is None
+
+    def memory(self):
+        """Where this table's bytes are held.
+
+        Returns:
+            dict with ``host`` (RAM), ``device`` (GPU memory) and ``file``
+            (an ``mmap`` table's file, paged in on demand) byte counts.
+        """
+        held = {"host": 0, "device": 0, "file": 0}
+        if self._buffer is not None:
+            where = ("file" if self.storage == "mmap"
+                     else "device" if self._buffer.tensor.device.type != "cpu" else "host")
+            held[where] = self.nbytes
+        return held
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"storage={self.storage!r}, backend={self._backend.name!r}"
+        return f"HostTable({self.num_rows}, {self.dim}, dtype={self.dtype}, {state})"
+
+    # -------------------------------------------------------------- transport
+    def _live_buffer(self):
+        if self._buffer is None:
+            raise StateError("this HostTable is closed; its memory was released")
+        return self._buffer
+
+    def gather(self, rows, out=None):
+        """Copy rows to a tensor on :attr:`device`.
+
+        Args:
+            rows: integer ids of any shape (numpy, list, or tensor on the CPU
+                or the backend's device); duplicates allowed.
+            out: optional contiguous tensor of shape ``(*rows.shape, dim)``,
+                the table's dtype, on :attr:`device`, to write into.
+
+        Returns:
+            torch.Tensor of shape ``(*rows.shape, dim)``. On a GPU the copy is
+            ordered on torch's current stream and may still be running.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids (see :func:`~speedswap.convert.as_row_ids`).
+            ShapeError, DTypeError, DeviceError: a bad ``out``.
+        """
+        buffer = self._live_buffer()
+        flat, shape = as_row_ids(rows, self.num_rows, self.device)
+        target_shape = (*shape, self.dim)
+        if out is None:
+            out = torch.empty(target_shape, dtype=self.dtype, device=self.device)
+        else:
+            self._check_out(out, target_shape)
+        self._backend.gather(buffer, flat, out.view(len(flat), self.dim))
+        return out
+
+    def _check_out(self, out, shape):
+        if not isinstance(out, torch.Tensor):
+            raise DTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if tuple(out.shape) != tuple(shape):
+            raise ShapeError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
+        if out.dtype != self.dtype:
+            raise DTypeError(f"out has dtype {out.dtype}, the table holds {self.dtype}")
+        if out.device != self.device:
+            raise DeviceError(f"out is on {out.device}; gather writes to {self.device}")
+        if not out.is_contiguous():
+            raise ShapeError("out must be contiguous; pass a fresh tensor or out.contiguous()")
+
+    def scatter(self, rows, values, *, check_unique=True):
+        """Write ``values[i]`` into row ``rows[i]``.
+
+        Args:
+            rows: unique integer ids of any shape.
+            values: tensor or array of shape ``(*rows.shape, dim)`` (or
+                ``(len(rows), dim)``) with the table's dtype, on the CPU or the
+                backend's device.
+            check_unique: refuse repeated ids (two writes to one row would make
+                the result depend on write order). Pass False only when the ids
+                are unique by construction: on a GPU the check costs a
+                synchronisation.
+
+        Raises:
+            IdError, DTypeError, DeviceError, ShapeError: bad ids or values.
+            DuplicateIdError: ``rows`` repeat an id.
+
+        Every check runs before any row is written. On a GPU the write is
+        ordered on torch's current stream and may still be running on return.
+        """
+        buffer = self._live_buffer()
+        flat, _ = as_row_ids(rows, self.num_rows, self.device)
+        if isinstance(values, torch.Tensor) and values.dim() > 2:
+            values = values.reshape(-1, values.shape[-1])
+        values = as_row_values(values, len(flat), self.dim, self.dtype, self.device)
+        if check_unique and len(flat) > 1 and len(torch.unique(flat)) != len(flat):
+            raise DuplicateIdError("scatter rows repeat an id, so the value kept would depend on "
+                                   "write order; de-duplicate them first (torch.unique, or "
+                                   "sum the rows' values with index_add_ if that is the intent)")
+        self._backend.scatter(buffer, flat, values)
+
+    # ------------------------------------------------------------ initialisers
+    def _row_chunks(self):
+        """Row-range views of the table, about 64 MiB each."""
+        tensor = self._live_buffer().tensor
+        self._backend.wait_host(self._buffer)
+        for start, stop in io.row_ranges(self._shape, numpy_dtype(self.dtype)):
+            yield start, stop, tensor[start:stop]
+
+    def _fill_from(self, source):
+        for start, stop, chunk in self._row_chunks():
+            chunk.copy_(torch.as_tensor(np.ascontiguousarray(source(start, stop))))
+
+    def zero_(self):
+        """Set every row to zero, chunk by chunk. Returns self."""
+        for _, _, chunk in self._row_chunks():
+            chunk.zero_()
+        return self
+
+    def uniform_(self, low=0.0, high=1.0, *, generator=None):
+        """Fill with U(low, high) in place, chunk by chunk (no full-size temporary).
+
+        Args:
+            low, high: the bounds.
+            generator: a ``torch.Generator`` on the table's memory's device, for
+                reproducible fills.
+
+        Returns:
+            self
+        """
+        for _, _, chunk in self._row_chunks():
+            chunk.uniform_(low, high, generator=generator)
+        return self
+
+    def normal_(self, mean=0.0, std=1.0, *, generator=None):
+        """Fill with N(mean, std²) in place, chunk by chunk. Returns self."""
+        for _, _, chunk in self._row_chunks():
+            chunk.normal_(mean, std, generator=generator)
+        return self
+
+    def apply_(self, fn, *args, **kwargs):
+        """Call an in-place initialiser such as ``torch.nn.init.xavier_uniform_`` on the table.
+
+        ``fn`` receives one tensor viewing the whole table (no copy), so
+        initialisers that read the shape (fan-in/fan-out) see the true one.
+        ``fn`` must work in place, as every ``torch.nn.init`` function does.
+
+        Args:
+            fn: ``fn(tensor, *args, **kwargs)``.
+
+        Returns:
+            self
+        """
+        tensor = self._live_buffer().tensor
+        self._backend.wait_host(self._buffer)
+        with torch.no_grad():
+            fn(tensor, *args, **kwargs)
+        return self
+
+    # ----------------------------------------------------------------- files
+    def _host_chunks(self):
+        for _, _, chunk in self._row_chunks():
+            yield chunk.cpu().numpy()
+
+    def save(self, path, dataset="table"):
+        """Write the table to ``path`` (``.npy`` or ``.h5``) atomically.
+
+        The file is written beside ``path`` under a temporary name, flushed,
+        and renamed over ``path`` only when complete: a failure midway leaves
+        any previous file intact. A device table is copied out chunk by chunk.
+
+        Args:
+            path: ``*.npy``, ``*.h5`` or ``*.hdf5``.
+            dataset: the HDF5 dataset name.
+        """
+        fmt = io.file_format(path)
+        np_dtype = numpy_dtype(self.dtype)
+        if self.storage == "mmap" and os.path.abspath(path) == os.path.abspath(self._path):
+            self._buffer.host.flush()
+            return
+        if fmt == "npy":
+            io.write_npy(path, self._shape, np_dtype, self._host_chunks())
+        else:
+            io.write_h5(path, {dataset: (self._shape, np_dtype, self._host_chunks())})
+
+    def load_from(self, path, dataset="table"):
+        """Replace this table's rows with a file's, which must match shape and dtype.
+
+        Raises:
+            FileFormatError: the file is malformed or another shape/dtype; the
+                table is left unchanged.
+        """
+        self._live_buffer()
+        fmt = io.file_format(path)
+        header = io.read_npy_header(path) if fmt == "npy" else io.read_h5_header(path, dataset)
+        io.check_matches(header, self._shape, numpy_dtype(self.dtype), path)
+        self._read_file(path, fmt, header, dataset)
+        return self
+
+    def _read_file(self, path, fmt, header, dataset):
+        buffer = self._live_buffer()
+        self._backend.wait_host(buffer)
+        if buffer.host is not None:
+            if fmt == "npy":
+                io.read_npy_into(path, buffer.host, header)
+            else:
+                io.read_h5_into(path, buffer.host, dataset, header)
+            return
+        if fmt == "npy":
+            source = io.open_npy_memmap(path, writable=False)
+            self._fill_from(lambda start, stop: source[start:stop])
+            return
+        with io.open_h5(path) as f:
+            self._fill_from(lambda start, stop: f[dataset][start:stop])
+
+    def to_numpy(self, copy=False):
+        """The rows as a numpy array.
+
+        Args:
+            copy: return an independent copy. When False, a host table returns
+                its own memory (writes go through; the memory stays alive as
+                long as the array does), a device table returns a host copy.
+
+        Returns:
+            numpy.ndarray of shape :attr:`shape`.
+        """
+        buffer = self._live_buffer()
+        self._backend.wait_host(buffer)
+        if buffer.host is not None:
+            return np.array(buffer.host, copy=True) if copy else buffer.host
+        return buffer.tensor.cpu().numpy()
+
+    def flush(self):
+        """Wait for pending device writes; an ``mmap`` table also flushes its file."""
+        buffer = self._live_buffer()
+        self._backend.wait_host(buffer)
+        if self.storage == "mmap":
+            buffer.host.flush()
+
+    # ------------------------------------------------------------- lifecycle
+    def close(self):
+        """Release the table's memory (flushing an ``mmap`` file first). Idempotent."""
+        if self._buffer is None:
+            return
+        self.flush()
+        self._buffer = None
+        _LIVE.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+

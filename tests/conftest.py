@@ -1,0 +1,42 @@
+"""Shared fixtures: every test that takes ``backend`` runs on each available backend."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+
+
+def _cuda_ready():
+    return "cuda" in ss.available_backends()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_ready():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device with CuPy (pip install 'speedswap[cuda13]')")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=ss.available_backends())
+def backend(request):
+    """The name of each backend this machine can run."""
+    return request.param
+
+
+@pytest.fixture
+def seed(request):
+    """A fresh seed per test run, printed so a failure can be replayed (SPEEDSWAP_SEED=...)."""
+    value = int(os.environ.get("SPEEDSWAP_SEED", np.random.SeedSequence().entropy % (2**31)))
+    print(f"seed for {request.node.name}: {value} (replay with SPEEDSWAP_SEED={value})")
+    torch.manual_seed(value)
+    return value
+
+
+@pytest.fixture
+def rng(seed):
+    return np.random.default_rng(seed)
