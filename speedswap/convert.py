@@ -115,6 +115,8 @@ def as_row_ids(ids, num_rows, device, *, what="ids"):
             _check_range(lo, hi, num_rows, what)
         return flat.to(device=device, dtype=torch.int64), shape
     arr = np.asarray(ids)
+    if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
+        arr = arr.astype(np.int64)
     if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
         raise DTypeError(f"{what} must be integers, got an array of {arr.dtype}; "
                          f"convert with .astype(np.int64) if they are whole numbers")
@@ -139,7 +141,8 @@ def as_row_values(values, num_ids, dim, dtype, device):
     """Validate values for a scatter and return them as a tensor on ``device``.
 
     Args:
-        values: a torch tensor or numpy array of shape ``(num_ids, dim)``.
+        values: a torch tensor or numpy array of shape ``(num_ids, dim)``, or
+            ``(*ids_shape, dim)`` (flattened to that).
         num_ids: the number of rows being written.
         dim: the table's row length.
         dtype: the table's torch dtype; values must have it exactly (no silent
@@ -161,6 +164,8 @@ def as_row_values(values, num_ids, dim, dtype, device):
             raise DTypeError(f"values of dtype {arr.dtype} cannot be written; "
                              f"pass a float array of the table's dtype")
         values = torch.from_numpy(np.ascontiguousarray(arr))
+    if values.dim() > 2:
+        values = values.reshape(-1, values.shape[-1])
     if not _device_readable(values.device, device):
         raise DeviceError(f"values are on {values.device} but this table lives on "
                           f"{device}; move them with .to({str(device)!r})")

@@ -294,8 +294,9 @@ def write_h5(path, datasets, attrs=None):
             f.attrs[key] = value
 
 
-def row_ranges(shape, dtype, chunk_bytes=_CHUNK_BYTES):
-    """``(start, stop)`` row ranges of about ``chunk_bytes`` each covering ``shape[0]`` rows."""
+def row_ranges(shape, dtype, chunk_bytes=None):
+    """``(start, stop)`` row ranges of about ``chunk_bytes`` (64 MiB) each covering ``shape[0]`` rows."""
+    chunk_bytes = chunk_bytes or _CHUNK_BYTES
     row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize)
     step = max(1, chunk_bytes // row_bytes)
     return [(s, min(s + step, shape[0])) for s in range(0, shape[0], step)]

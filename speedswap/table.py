@@ -294,8 +294,6 @@ class HostTable:
         """
         buffer = self._live_buffer()
         flat, _ = as_row_ids(rows, self.num_rows, self.device)
-        if isinstance(values, torch.Tensor) and values.dim() > 2:
-            values = values.reshape(-1, values.shape[-1])
         values = as_row_values(values, len(flat), self.dim, self.dtype, self.device)
         if check_unique and len(flat) > 1 and len(torch.unique(flat)) != len(flat):
             raise DuplicateIdError("scatter rows repeat an id, so the value kept would depend on "

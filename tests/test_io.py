@@ -1,0 +1,168 @@
+"""Saving and loading: round trips, validation of bad files, atomic saves."""
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+import speedswap as ss
+from speedswap import io
+
+
+@pytest.fixture
+def values(rng):
+    return (rng.standard_normal((300, 17)) + 5.0).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["t.npy", "t.h5", "t.hdf5"])
+@pytest.mark.parametrize("storage", ["pinned", "pageable", "device"])
+def test_save_load_round_trip(backend, values, tmp_path, name, storage):
+    table = ss.HostTable.from_numpy(values, storage=storage, backend=backend)
+    table.save(tmp_path / name)
+    loaded = ss.HostTable.load(tmp_path / name, storage=storage, backend=backend)
+    assert loaded.shape == values.shape and loaded.storage == storage
+    np.testing.assert_array_equal(loaded.to_numpy(), values)
+    other = ss.HostTable.zeros(*values.shape, backend=backend, storage=storage)
+    other.load_from(tmp_path / name)
+    np.testing.assert_array_equal(other.to_numpy(), values)
+
+
+def test_npy_file_is_plain_numpy(backend, values, tmp_path):
+    ss.HostTable.from_numpy(values, backend=backend).save(tmp_path / "t.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), values)
+    assert oct(os.stat(tmp_path / "t.npy").st_mode & 0o777) == oct(0o644)
+
+
+def test_float16_round_trip(backend, values, tmp_path):
+    table = ss.HostTable.from_numpy(values.astype(np.float16), backend=backend)
+    table.save(tmp_path / "h.h5", dataset="weights")
+    loaded = ss.HostTable.load(tmp_path / "h.h5", backend=backend, dataset="weights")
+    assert loaded.to_numpy().dtype == np.float16
+    np.testing.assert_array_equal(loaded.to_numpy(), values.astype(np.float16))
+
+
+def test_load_mmap_maps_the_file(backend, values, tmp_path):
+    np.save(tmp_path / "m.npy", values)
+    table = ss.HostTable.load(tmp_path / "m.npy", mmap=True, backend=backend)
+    assert table.storage == "mmap" and table.memory()["file"] == values.nbytes
+    table.scatter([2], np.full((1, 17), -3.0, np.float32))
+    table.close()
+    assert (np.load(tmp_path / "m.npy")[2] == -3.0).all()
+
+
+def test_truncated_npy_is_refused(backend, values, tmp_path):
+    path = tmp_path / "t.npy"
+    np.save(path, values)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 10)
+    with pytest.raises(ss.FileFormatError, match="truncated") as info:
+        ss.HostTable.load(path, backend=backend)
+    assert isinstance(info.value, OSError)
+    with pytest.raises(ss.FileFormatError, match="truncated"):
+        ss.HostTable.load(path, mmap=True, backend=backend)
+
+
+def test_npy_longer_than_its_header_is_refused(backend, values, tmp_path):
+    path = tmp_path / "t.npy"
+    np.save(path, values)
+    with open(path, "ab") as f:
+        f.write(b"\0" * 68)
+    with pytest.raises(ss.FileFormatError, match="longer than its header"):
+        ss.HostTable.load(path, backend=backend)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p, v: p.write_bytes(b"not a numpy file at all"), "not a valid .npy"),
+    (lambda p, v: np.save(p, np.asfortranarray(v)), "Fortran order"),
+    (lambda p, v: np.save(p, np.array([{"a": 1}], dtype=object), allow_pickle=True), "objects"),
+    (lambda p, v: np.save(p, v[:, 0]), "2-D"),
+])
+def test_malformed_npy_is_refused(backend, values, tmp_path, make, message):
+    path = tmp_path / "bad.npy"
+    make(path, values)
+    with pytest.raises(ss.FileFormatError, match=message):
+        ss.HostTable.load(path, backend=backend)
+
+
+def test_h5_without_the_dataset_is_refused(backend, values, tmp_path):
+    path = tmp_path / "t.h5"
+    with h5py.File(path, "w") as f:
+        f["other"] = values
+    with pytest.raises(ss.FileFormatError, match="no dataset 'table'.*other"):
+        ss.HostTable.load(path, backend=backend)
+
+
+def test_corrupt_h5_is_refused(backend, tmp_path):
+    path = tmp_path / "t.h5"
+    path.write_bytes(b"\x89HDF garbage" * 10)
+    with pytest.raises(ss.FileFormatError, match="not a readable HDF5"):
+        ss.HostTable.load(path, backend=backend)
+
+
+def test_missing_file_is_file_not_found(backend, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        ss.HostTable.load(tmp_path / "nope.npy", backend=backend)
+
+
+def test_unknown_suffix_is_refused(backend, values, tmp_path):
+    table = ss.HostTable.from_numpy(values, backend=backend)
+    with pytest.raises(ss.OptionError, match=r"\*.npy"):
+        table.save(tmp_path / "t.pt")
+
+
+@pytest.mark.parametrize("name", ["t.npy", "t.h5"])
+def test_load_from_a_mismatched_file_changes_nothing(backend, values, tmp_path, name):
+    ss.HostTable.from_numpy(values[:, :16], backend=backend).save(tmp_path / name)
+    table = ss.HostTable.from_numpy(values, backend=backend)
+    with pytest.raises(ss.FileFormatError, match=r"holds \(300, 16\).*\(300, 17\)"):
+        table.load_from(tmp_path / name)
+    np.testing.assert_array_equal(table.to_numpy(), values)
+    ss.HostTable.from_numpy(values.astype(np.float64), backend=backend).save(tmp_path / "d.npy")
+    with pytest.raises(ss.FileFormatError, match="float64"):
+        table.load_from(tmp_path / "d.npy")
+    np.testing.assert_array_equal(table.to_numpy(), values)
+
+
+def test_failing_npy_writer_leaves_the_old_file_intact(backend, values, tmp_path, monkeypatch):
+    path = tmp_path / "t.npy"
+    ss.HostTable.from_numpy(values, backend=backend).save(path)
+    original = path.read_bytes()
+    calls = []
+
+    def failing_write(f, chunk):
+        calls.append(len(chunk))
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(io, "_write_chunk", failing_write)
+    with pytest.raises(OSError, match="No space left"):
+        ss.HostTable.from_numpy(values * 2, backend=backend).save(path)
+    assert calls, "the failing writer was not reached"
+    assert path.read_bytes() == original
+    assert os.listdir(tmp_path) == ["t.npy"], "the temporary file was not removed"
+
+
+def test_failing_h5_save_leaves_the_old_file_intact(values, tmp_path):
+    path = tmp_path / "t.h5"
+    io.write_h5(path, {"table": (values.shape, values.dtype, [values])})
+    original = path.read_bytes()
+
+    def chunks():
+        yield values[:100]
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(OSError, match="Input/output"):
+        io.write_h5(path, {"table": (values.shape, values.dtype, chunks())})
+    assert path.read_bytes() == original
+    assert os.listdir(tmp_path) == ["t.h5"]
+
+
+def test_save_of_a_device_table_is_chunked(backend, values, tmp_path, monkeypatch):
+    monkeypatch.setattr(io, "_CHUNK_BYTES", 17 * 4 * 64)  # 64 rows a chunk
+    sizes = []
+    original = io._write_chunk
+    monkeypatch.setattr(io, "_write_chunk", lambda f, c: (sizes.append(len(c)), original(f, c)))
+    ss.HostTable.from_numpy(values, storage="device", backend=backend).save(tmp_path / "c.npy")
+    assert sizes == [64, 64, 64, 64, 44]
+    np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), values)

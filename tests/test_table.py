@@ -1,0 +1,202 @@
+"""HostTable round trips over every backend and storage kind, against numpy references."""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import speedswap as ss
+
+DTYPES = [np.float32, np.float16, np.float64]
+
+
+def random_rows(rng, shape, dtype):
+    """Fresh random data, never zeros: values in [1, 2) with random signs."""
+    values = rng.uniform(1.0, 2.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+    return values.astype(dtype)
+
+
+@pytest.fixture(params=ss.STORAGE_KINDS)
+def storage(request):
+    return request.param
+
+
+def make(array, storage, backend, tmp_path):
+    path = tmp_path / "table.npy" if storage == "mmap" else None
+    return ss.HostTable.from_numpy(array, storage=storage, backend=backend, path=path)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_with_duplicates_matches_numpy(backend, storage, dtype, rng, tmp_path):
+    rows, dim = int(rng.integers(1, 3000)), int(rng.integers(1, 70))
+    ref = random_rows(rng, (rows, dim), dtype)
+    table = make(ref, storage, backend, tmp_path)
+    ids = rng.integers(0, rows, size=int(rng.integers(1, 5000)))  # with replacement: duplicates
+    got = table.gather(ids)
+    assert got.device == table.device and got.dtype == table.dtype
+    np.testing.assert_array_equal(got.cpu().numpy(), ref[ids])
+
+
+def test_gather_keeps_the_ids_shape(backend, storage, rng, tmp_path):
+    ref = random_rows(rng, (50, 8), np.float32)
+    table = make(ref, storage, backend, tmp_path)
+    ids = torch.from_numpy(rng.integers(0, 50, size=(6, 7)))
+    got = table.gather(ids)
+    assert tuple(got.shape) == (6, 7, 8)
+    np.testing.assert_array_equal(got.cpu().numpy(), ref[ids.numpy()])
+
+
+def test_gather_into_out(backend, storage, rng, tmp_path):
+    ref = random_rows(rng, (100, 16), np.float32)
+    table = make(ref, storage, backend, tmp_path)
+    ids = rng.integers(0, 100, size=40)
+    out = torch.empty((40, 16), dtype=torch.float32, device=table.device)
+    assert table.gather(ids, out=out) is out
+    np.testing.assert_array_equal(out.cpu().numpy(), ref[ids])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_then_gather_round_trip(backend, storage, dtype, rng, tmp_path):
+    rows, dim = int(rng.integers(2, 2000)), int(rng.integers(1, 70))
+    ref = random_rows(rng, (rows, dim), dtype)
+    table = make(ref, storage, backend, tmp_path)
+    ids = rng.choice(rows, size=int(rng.integers(1, rows)), replace=False)
+    new = random_rows(rng, (len(ids), dim), dtype)
+    table.scatter(ids, torch.from_numpy(new).to(table.device))
+    ref[ids] = new
+    np.testing.assert_array_equal(table.to_numpy(), ref)
+    np.testing.assert_array_equal(table.gather(ids).cpu().numpy(), new)
+
+
+def test_scatter_accepts_numpy_values_and_nd_ids(backend, storage, rng, tmp_path):
+    ref = random_rows(rng, (30, 5), np.float32)
+    table = make(ref, storage, backend, tmp_path)
+    ids = rng.choice(30, size=12, replace=False).reshape(3, 4)
+    new = random_rows(rng, (3, 4, 5), np.float32)
+    table.scatter(ids, new)
+    ref[ids.reshape(-1)] = new.reshape(-1, 5)
+    np.testing.assert_array_equal(table.to_numpy(), ref)
+
+
+def test_empty_ids_are_a_no_op(backend, rng, tmp_path):
+    ref = random_rows(rng, (10, 3), np.float32)
+    table = make(ref, "pageable", backend, tmp_path)
+    assert tuple(table.gather([]).shape) == (0, 3)
+    table.scatter(np.array([], dtype=np.int64), np.empty((0, 3), np.float32))
+    np.testing.assert_array_equal(table.to_numpy(), ref)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 300), dim=st.integers(1, 40), n=st.integers(0, 600),
+       dtype=st.sampled_from(DTYPES), data_seed=st.integers(0, 2**31 - 1),
+       id_dtype=st.sampled_from([np.int64, np.int32, np.uint16, np.int16]))
+def test_gather_scatter_property(backend, rows, dim, n, dtype, data_seed, id_dtype):
+    rng = np.random.default_rng(data_seed)
+    ref = random_rows(rng, (rows, dim), dtype)
+    table = ss.HostTable.from_numpy(ref, storage="pageable", backend=backend)
+    ids = rng.integers(0, min(rows, np.iinfo(id_dtype).max + 1), size=n).astype(id_dtype)
+    np.testing.assert_array_equal(table.gather(ids).cpu().numpy(), ref[ids])
+    unique = np.unique(ids)
+    new = random_rows(rng, (len(unique), dim), dtype)
+    table.scatter(unique, new)
+    ref[unique] = new
+    np.testing.assert_array_equal(table.to_numpy(), ref)
+
+
+def test_uniform_and_normal_fill_every_row(backend, storage, tmp_path):
+    path = tmp_path / "t.npy" if storage == "mmap" else None
+    table = ss.HostTable.empty(20_000, 16, storage=storage, backend=backend, path=path)
+    table.uniform_(-0.5, 0.25, generator=torch.Generator().manual_seed(1)) if table.device.type == "cpu" \
+        else table.uniform_(-0.5, 0.25)
+    values = table.to_numpy()
+    assert values.min() >= -0.5 and values.max() < 0.25
+    assert abs(values.mean() - (-0.125)) < 0.01
+    assert (values != 0).mean() > 0.999  # every chunk was filled
+    table.normal_(3.0, 2.0)
+    values = table.to_numpy()
+    assert abs(values.mean() - 3.0) < 0.05 and abs(values.std() - 2.0) < 0.05
+    table.zero_()
+    assert not table.to_numpy().any()
+
+
+def test_uniform_is_reproducible_with_a_generator(backend):
+    a = ss.HostTable.empty(5000, 8, storage="pageable", backend=backend)
+    b = ss.HostTable.empty(5000, 8, storage="pageable", backend=backend)
+    a.uniform_(generator=torch.Generator().manual_seed(7))
+    b.uniform_(generator=torch.Generator().manual_seed(7))
+    np.testing.assert_array_equal(a.to_numpy(), b.to_numpy())
+
+
+def test_apply_sees_the_whole_table_shape(backend):
+    table = ss.HostTable.empty(4000, 64, storage="pageable", backend=backend)
+    table.apply_(torch.nn.init.xavier_uniform_)
+    bound = np.sqrt(6.0 / (4000 + 64))  # fan_in + fan_out of the *whole* table
+    values = table.to_numpy()
+    assert np.abs(values).max() <= bound
+    assert np.abs(values).max() > 0.95 * bound
+
+
+def test_zeros_constructor(backend, storage, tmp_path):
+    path = tmp_path / "z.npy" if storage == "mmap" else None
+    table = ss.HostTable.zeros(33, 3, dtype="float16", storage=storage, backend=backend, path=path)
+    assert table.to_numpy().dtype == np.float16 and not table.to_numpy().any()
+    assert table.shape == (33, 3) and table.nbytes == 33 * 3 * 2
+
+
+def test_to_numpy_shares_host_memory(backend, rng):
+    ref = random_rows(rng, (10, 4), np.float32)
+    table = ss.HostTable.from_numpy(ref, storage="pageable", backend=backend)
+    view = table.to_numpy()
+    view[3] = 42.0
+    np.testing.assert_array_equal(table.gather([3]).cpu().numpy(), np.full((1, 4), 42.0))
+    copy = table.to_numpy(copy=True)
+    copy[4] = -1.0
+    assert table.to_numpy()[4, 0] != -1.0
+
+
+def test_memory_accounting_and_close(backend, rng):
+    table = ss.HostTable.from_numpy(random_rows(rng, (100, 10), np.float32), backend=backend)
+    held = table.memory()
+    assert held["host"] + held["device"] == 100 * 10 * 4 and held["file"] == 0
+    before = ss.info()
+    assert before["tables"] >= 1
+    table.close()
+    table.close()  # idempotent
+    assert table.closed and table.memory() == {"host": 0, "device": 0, "file": 0}
+    after = ss.info()
+    assert after["tables"] == before["tables"] - 1
+    assert after["host_bytes"] + after["device_bytes"] == \
+        before["host_bytes"] + before["device_bytes"] - 4000
+    with pytest.raises(ss.StateError, match="closed"):
+        table.gather([0])
+
+
+def test_context_manager_releases_memory(backend, rng):
+    with ss.HostTable.from_numpy(random_rows(rng, (64, 8), np.float32), backend=backend) as table:
+        memory = weakref.ref(table._buffer.tensor)
+        assert table.gather([1]).shape == (1, 8)
+    assert table.closed
+    gc.collect()
+    assert memory() is None  # nothing keeps the rows alive after close
+
+
+def test_mmap_table_larger_than_touched_pages_writes_through(backend, rng, tmp_path):
+    path = tmp_path / "big.npy"
+    rows, dim = 2_000_000, 128  # a 1 GiB file, created sparse
+    table = ss.HostTable.empty(rows, dim, storage="mmap", backend=backend, path=path)
+    ids = np.unique(rng.integers(0, rows, size=200))
+    new = random_rows(rng, (len(ids), dim), np.float32)
+    table.scatter(ids, new)
+    np.testing.assert_array_equal(table.gather(ids).cpu().numpy(), new)
+    table.close()
+    on_disk = np.load(path, mmap_mode="r")
+    assert on_disk.shape == (rows, dim)
+    np.testing.assert_array_equal(on_disk[ids], new)
+    allocated = path.stat().st_blocks * 512
+    assert allocated < rows * dim * 4 // 8, "the file should hold only the pages written"
+    reopened = ss.HostTable.load(path, mmap=True, backend=backend)
+    np.testing.assert_array_equal(reopened.gather(ids[:5]).cpu().numpy(), new[:5])

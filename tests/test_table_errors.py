@@ -1,0 +1,109 @@
+"""Every bad input raises the right speedswap error and leaves the table bit-for-bit unchanged."""
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+
+
+@pytest.fixture
+def table(backend, rng):
+    values = rng.standard_normal((40, 6)).astype(np.float32) + 3.0
+    return ss.HostTable.from_numpy(values, storage="pageable", backend=backend)
+
+
+def unchanged(table, before):
+    np.testing.assert_array_equal(table.to_numpy(), before)
+
+
+BAD_IDS = [
+    ([0, 40], ss.IdError, IndexError, "out of range.*40 rows"),
+    ([3, -1], ss.IdError, IndexError, "negative"),
+    (np.array([1.0, 2.0]), ss.DTypeError, TypeError, "must be integers.*float64"),
+    (torch.tensor([1.0]), ss.DTypeError, TypeError, "must be integers.*torch.float32"),
+    (torch.tensor([True, False]), ss.DTypeError, TypeError, "must be integers.*bool"),
+    (np.array(["1"]), ss.DTypeError, TypeError, "must be integers"),
+    (np.array([1, None], dtype=object), ss.DTypeError, TypeError, "must be integers"),
+    (np.array([2**40], dtype=np.int64), ss.IdError, IndexError, "out of range"),
+    (torch.zeros(3, dtype=torch.int64, device="meta"), ss.DeviceError, ValueError, "meta"),
+]
+
+
+@pytest.mark.parametrize("ids, error, builtin, message", BAD_IDS)
+def test_bad_ids_in_gather(table, ids, error, builtin, message):
+    with pytest.raises(error, match=message) as info:
+        table.gather(ids)
+    assert isinstance(info.value, builtin)
+
+
+@pytest.mark.parametrize("ids, error, builtin, message", BAD_IDS)
+def test_bad_ids_in_scatter_change_nothing(table, ids, error, builtin, message):
+    before = table.to_numpy(copy=True)
+    n = len(ids) if hasattr(ids, "__len__") else 1
+    with pytest.raises(error, match=message) as info:
+        table.scatter(ids, np.ones((n, 6), np.float32))
+    assert isinstance(info.value, builtin)
+    unchanged(table, before)
+
+
+@pytest.mark.parametrize("values, error, builtin, message", [
+    (np.ones((2, 6), np.float64), ss.DTypeError, TypeError, "float64.*float32"),
+    (torch.ones(2, 6, dtype=torch.float16), ss.DTypeError, TypeError, "cast"),
+    (np.ones((3, 6), np.float32), ss.ShapeError, ValueError, r"\(2, 6\)"),
+    (np.ones((2, 5), np.float32), ss.ShapeError, ValueError, r"\(2, 6\)"),
+    (np.ones(12, np.float32), ss.ShapeError, ValueError, r"\(2, 6\)"),
+    (np.array([[object()] * 6] * 2), ss.DTypeError, TypeError, "object"),
+    (torch.ones(2, 6, device="meta"), ss.DeviceError, ValueError, "meta"),
+])
+def test_bad_values_change_nothing(table, values, error, builtin, message):
+    before = table.to_numpy(copy=True)
+    with pytest.raises(error, match=message) as info:
+        table.scatter([5, 9], values)
+    assert isinstance(info.value, builtin)
+    unchanged(table, before)
+
+
+def test_duplicate_scatter_ids_change_nothing(table):
+    before = table.to_numpy(copy=True)
+    with pytest.raises(ss.DuplicateIdError, match="repeat") as info:
+        table.scatter([4, 7, 4], np.full((3, 6), 9.0, np.float32))
+    assert isinstance(info.value, ValueError)
+    unchanged(table, before)
+
+
+@pytest.mark.parametrize("out, error, message", [
+    (torch.empty(3, 6), ss.ShapeError, "shape"),
+    (torch.empty(2, 6, dtype=torch.float64), ss.DTypeError, "dtype"),
+    (torch.empty(6, 2).t(), ss.ShapeError, "contiguous"),
+    (np.empty((2, 6), np.float32), ss.DTypeError, "torch.Tensor"),
+    (torch.empty(2, 6, device="meta"), ss.DeviceError, "meta"),
+])
+def test_bad_out(table, out, error, message):
+    with pytest.raises(error, match=message):
+        table.gather([0, 1], out=out)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_rows=0, dim=4), "num_rows must be a positive int"),
+    (dict(num_rows=10, dim=-1), "dim must be a positive int"),
+    (dict(num_rows=2.5, dim=4), "num_rows"),
+    (dict(num_rows=10, dim=4, storage="gpu"), "unknown storage 'gpu'"),
+    (dict(num_rows=10, dim=4, storage="mmap"), "path="),
+    (dict(num_rows=10, dim=4, storage="mmap", path="t.h5"), "needs a .npy path"),
+])
+def test_bad_construction(backend, kwargs, message):
+    with pytest.raises(ss.OptionError, match=message):
+        ss.HostTable.empty(backend=backend, **kwargs)
+
+
+def test_unsupported_dtype(backend):
+    with pytest.raises(ss.DTypeError, match="complex64"):
+        ss.HostTable.empty(3, 3, dtype="complex64", backend=backend)
+    with pytest.raises(ss.DTypeError, match="not a dtype"):
+        ss.HostTable.empty(3, 3, dtype="floaty", backend=backend)
+
+
+def test_from_numpy_needs_2d(backend):
+    with pytest.raises(ss.ShapeError, match="reshape"):
+        ss.HostTable.from_numpy(np.ones(5, np.float32), backend=backend)
