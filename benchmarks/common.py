@@ -69,30 +69,56 @@ def machine():
 
 def time_cpu(fn, repeats=20, warmup=3):
     """Median and spread (min, max) of ``fn()``'s wall time in seconds."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return summarize(samples)
+    return time_interleaved({"fn": fn}, repeats, warmup, timer=_cpu_once)["fn"]
 
 
 def time_cuda(fn, repeats=20, warmup=3):
     """Median and spread of ``fn()``'s GPU time, measured with CUDA events."""
+    return time_interleaved({"fn": fn}, repeats, warmup, timer=_cuda_once)["fn"]
+
+
+def time_interleaved(fns, repeats=20, warmup=3, timer=None):
+    """Time several functions side by side, one call of each per round.
+
+    Interleaving spreads drift (turbo, page cache, a noisy neighbour) evenly
+    over all contenders, so their ratios are fairer than back-to-back runs.
+
+    Args:
+        fns: ``{name: fn}``.
+        repeats: rounds timed.
+        warmup: rounds run first and discarded.
+        timer: ``time_cpu`` or ``time_cuda``-style single-shot timer; by
+            default wall time, or CUDA events when CUDA is available.
+
+    Returns:
+        ``{name: summary}`` as :func:`summarize` returns.
+    """
+    timer = timer or (_cuda_once if torch.cuda.is_available() else _cpu_once)
     for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop) / 1000.0)
-    return summarize(samples)
+        for fn in fns.values():
+            timer(fn)
+    samples = {name: [] for name in fns}
+    names = list(fns)
+    for round_ in range(repeats):
+        # Rotate who goes first so no contender always follows the same one.
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            samples[name].append(timer(fns[name]))
+    return {name: summarize(values) for name, values in samples.items()}
+
+
+def _cpu_once(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _cuda_once(fn):
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / 1000.0
 
 
 def summarize(samples):
@@ -105,7 +131,8 @@ def print_table(rows, columns):
     cells = [[str(c) for c in columns]] + [[_fmt(r.get(c)) for c in columns] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     for n, row in enumerate(cells):
-        print("  ".join(cell.rjust(w) if n else cell.ljust(w) for cell, w in zip(row, widths)))
+        print("  ".join(cell.ljust(w) if i == 0 or n == 0 else cell.rjust(w)
+                        for i, (cell, w) in enumerate(zip(row, widths))))
         if n == 0:
             print("  ".join("-" * w for w in widths))
 

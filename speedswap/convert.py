@@ -111,7 +111,7 @@ def as_row_ids(ids, num_rows, device, *, what="ids"):
         flat = ids.reshape(-1)
         shape = tuple(ids.shape)
         if flat.numel():
-            lo, hi = (int(v) for v in torch.aminmax(flat))
+            lo, hi = torch.stack(torch.aminmax(flat)).tolist()  # one sync on a GPU, not two
             _check_range(lo, hi, num_rows, what)
         return flat.to(device=device, dtype=torch.int64), shape
     arr = np.asarray(ids)

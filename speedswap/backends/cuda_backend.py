@@ -22,6 +22,7 @@ that table's own event (:meth:`CudaBackend.wait_host`).
 import numpy as np
 import torch
 
+from ..convert import torch_dtype
 from ..errors import BackendUnavailableError
 from .base import Backend, Buffer
 from .cuda_kernels import RowKernels
@@ -128,7 +129,6 @@ class CudaBackend(Backend):
 
     def allocate(self, shape, dtype, kind):
         if kind == "device":
-            from ..convert import torch_dtype
             tensor = torch.empty(shape, dtype=torch_dtype(dtype), device=self.device)
             return Buffer(kind=kind, host=None, tensor=tensor)
         if kind == "pageable":
@@ -145,7 +145,7 @@ class CudaBackend(Backend):
             # Under unified addressing every cudaHostAlloc block is device
             # visible at its host address; ask the driver for mapped memory
             # so that this also holds where the address differs.
-            device_ptr = (cupy.cuda.runtime.hostGetDevicePointer(pointer.ptr, 0)
+            device_ptr = (cupy.cuda.runtime.pointerGetAttributes(pointer.ptr).devicePointer
                           if kind == "mapped" else pointer.ptr)
         return Buffer(kind=kind, host=array, tensor=torch.from_numpy(array), pinned=True,
                       device_ptr=device_ptr)
