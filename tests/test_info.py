@@ -1,0 +1,38 @@
+"""`speedswap.info()` and `python -m speedswap info` report backends and memory held."""
+
+import subprocess
+import sys
+
+import speedswap as ss
+
+def test_info_counts_bytes_of_live_tables(backend, tmp_path):
+    before = ss.info()
+    host = ss.HostTable.zeros(1000, 8, storage="pageable", backend=backend)
+    mapped = ss.HostTable.zeros(500, 4, storage="mmap", backend=backend, path=tmp_path / "m.npy")
+    now = ss.info()
+    assert now["tables"] == before["tables"] + 2
+    assert now["host_bytes"] == before["host_bytes"] + 1000 * 8 * 4
+    assert now["file_bytes"] == before["file_bytes"] + 500 * 4 * 4
+    assert now["backends"] == ss.available_backends()
+    assert now["version"] == ss.__version__
+    host.close()
+    mapped.close()
+    assert ss.info()["host_bytes"] == before["host_bytes"]
+
+def test_info_command_prints_the_summary():
+    code = ("import numpy as np, speedswap as ss, sys\n"
+            "t = ss.HostTable.from_numpy(np.ones((256, 16), np.float32), backend='numpy')\n"
+            "from speedswap.__main__ import main\n"
+            "sys.exit(main(['info']))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    lines = dict(line.split(None, 1) for line in out.strip().splitlines())
+    assert lines["version"] == ss.__version__
+    assert "numpy" in lines["backends"]
+    assert int(lines["host_bytes"]) == 256 * 16 * 4
+    assert lines["tables"] == "1"
+
+def test_info_command_runs_as_a_module():
+    out = subprocess.run([sys.executable, "-m", "speedswap", "info"], check=True,
+                         capture_output=True, text=True).stdout
+    assert "backends" in out and "device" in out
+    assert int(out.split("host_bytes")[1].split()[0]) == 0
