@@ -5,6 +5,7 @@ import sys
 
 import speedswap as ss
 
+
 def test_info_counts_bytes_of_live_tables(backend, tmp_path):
     before = ss.info()
     host = ss.HostTable.zeros(1000, 8, storage="pageable", backend=backend)
