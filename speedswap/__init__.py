@@ -12,12 +12,20 @@ from .errors import (BackendUnavailableError, CapacityError, DeviceError, DTypeE
                      SpeedswapError, StateError)
 from .info import info
 from .table import HostTable
+from .embedding import OffloadedEmbedding
+from .switchers import (GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
+                        OptimizerFactory)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
     "HostTable",
+    "OffloadedEmbedding",
+    "ModelFactory",
+    "OptimizerFactory",
+    "GPUPytorchModelFactory",
+    "GPUPytorchOptimizerFactory",
     "STORAGE_KINDS",
     "available_backends",
     "get_backend",

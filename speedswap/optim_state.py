@@ -1,0 +1,247 @@
+"""Optimizer state kept in host tables, one table per state tensor shaped like the parameter.
+
+What each ``torch.optim`` optimizer keeps per element, and what torch fills it
+with when it creates it, is the one piece of per-optimizer knowledge speedswap
+needs; it lives in :data:`_ROW_STATE`. Scalar state (``step``, NAdam's
+``mu_product``, ASGD's ``eta``/``mu``) is shared by all rows and stays in the
+optimizer, where ``optimizer.state_dict()`` saves it.
+
+State is found by identity, ``optimizer.state[param]``, never by position in
+``state_dict()``.
+"""
+
+import os
+
+import torch
+
+from .errors import OptionError, StateError
+from .table import HostTable
+
+__all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep"]
+
+
+def _adam_like(group):
+    names = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+    if group.get("amsgrad"):
+        names["max_exp_avg_sq"] = 0.0
+    return names
+
+
+def _rmsprop(group):
+    names = {"square_avg": 0.0}
+    if group["momentum"] > 0:
+        names["momentum_buffer"] = 0.0
+    if group["centered"]:
+        names["grad_avg"] = 0.0
+    return names
+
+
+def _lr(group):
+    lr = group["lr"]
+    return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+
+
+#: optimizer class -> group -> {state name: the value torch fills it with}.
+#: SGD's momentum buffer is created from the first gradient rather than
+#: filled; zero is what a row untouched by that first step holds.
+_ROW_STATE = {
+    torch.optim.SGD: lambda g: {"momentum_buffer": 0.0} if g["momentum"] != 0 else {},
+    torch.optim.Adam: _adam_like,
+    torch.optim.AdamW: _adam_like,  # not a subclass of Adam in every torch version
+    torch.optim.Adamax: lambda g: {"exp_avg": 0.0, "exp_inf": 0.0},
+    torch.optim.NAdam: lambda g: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
+    torch.optim.RAdam: lambda g: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
+    torch.optim.Adagrad: lambda g: {"sum": float(g["initial_accumulator_value"])},
+    torch.optim.Adadelta: lambda g: {"square_avg": 0.0, "acc_delta": 0.0},
+    torch.optim.RMSprop: _rmsprop,
+    torch.optim.Rprop: lambda g: {"prev": 0.0, "step_size": _lr(g)},
+    torch.optim.ASGD: lambda g: {"ax": 0.0},
+    torch.optim.SparseAdam: lambda g: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
+}
+
+SUPPORTED_OPTIMIZERS = tuple(sorted({cls.__name__ for cls in _ROW_STATE}))
+
+#: Optimizers that refuse dense gradients.
+_SPARSE_GRAD_ONLY = (torch.optim.SparseAdam,)
+
+
+def _group_of(optimizer, param):
+    for group in optimizer.param_groups:
+        if any(p is param for p in group["params"]):
+            return group
+    raise OptionError(f"the optimizer {type(optimizer).__name__} does not hold this parameter "
+                      f"(shape {tuple(param.shape)}); build it from model.parameters() that "
+                      f"include the embedding")
+
+
+def row_state_spec(optimizer, param):
+    """The per-row state tensors ``optimizer`` keeps for ``param`` and their initial values.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` holding ``param``.
+        param: the parameter.
+
+    Returns:
+        dict ``{name: fill value}``, e.g. ``{"exp_avg": 0.0, "exp_avg_sq": 0.0}``
+        for Adam, ``{"prev": 0.0, "step_size": lr}`` for Rprop.
+
+    Raises:
+        OptionError: the optimizer does not hold ``param``, or its state is not
+            element-wise (LBFGS keeps whole-parameter history) or unknown.
+    """
+    for cls in type(optimizer).__mro__:
+        if cls in _ROW_STATE:
+            return _ROW_STATE[cls](_group_of(optimizer, param))
+    raise OptionError(f"{type(optimizer).__name__} cannot be offloaded: speedswap moves optimizer "
+                      f"state row by row, which is exact only for optimizers whose state is "
+                      f"element-wise; supported: {', '.join(SUPPORTED_OPTIMIZERS)}")
+
+
+class NarrowedStep:
+    """Narrows ``param`` to the first ``k`` rows of its storage for one optimizer step.
+
+    Outside the step the parameter keeps its declared ``(capacity, dim)``
+    shape, which autograd remembers for it across steps; only the step itself
+    sees the ``k`` touched rows, so the optimizer's work scales with the batch
+    and no slot outside the step is updated. The gradient is narrowed with it
+    (a dense one to a view, a sparse one re-sized, or made sparse for an
+    optimizer that takes only sparse gradients); :meth:`restore` puts both back.
+
+    Args:
+        param: the working-set parameter.
+        k: rows the step touched (slots ``0..k-1``).
+        sparse: hand the optimizer a sparse gradient.
+    """
+
+    def __init__(self, param, k, sparse=False):
+        self._param, self._full, self._grad = param, param.data, param.grad
+        param.data = self._full[:k]
+        grad = self._grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            # Local ids are below k, so the entries fit the narrowed shape as they are.
+            grad = torch.sparse_coo_tensor(grad._indices(), grad._values(), param.shape,
+                                           check_invariants=False)
+        else:
+            grad = grad[:k]
+            if sparse:
+                slots = torch.arange(k, device=grad.device).unsqueeze(0)
+                grad = torch.sparse_coo_tensor(slots, grad, grad.shape, is_coalesced=True,
+                                               check_invariants=False)
+        param.grad = grad
+
+    def restore(self):
+        """Give the parameter back its full storage and its full gradient."""
+        self._param.data = self._full
+        self._param.grad = self._grad
+
+
+class RowState:
+    """The per-row optimizer state of one embedding parameter, in host tables.
+
+    Before a step, :meth:`gather` puts the state rows of the working set into
+    ``optimizer.state[param]`` (narrowed to the ``k`` rows the step touches);
+    after it, :meth:`scatter` writes them back. Rows never touched keep the
+    value torch itself creates (zeros, Adagrad's ``initial_accumulator_value``,
+    Rprop's ``lr``).
+
+    Args:
+        optimizer: the optimizer holding ``param``.
+        param: the working-set parameter, ``(capacity, dim)``.
+        num_rows: rows of the full table.
+        dtype: the state dtype (the parameter's).
+        storage: storage kind of the state tables.
+        backend: the backend (name or instance).
+        path: for ``storage="mmap"``, the directory for ``<name>.npy`` files.
+
+    Raises:
+        OptionError: an optimizer that cannot be offloaded (see :func:`row_state_spec`).
+    """
+
+    def __init__(self, optimizer, param, num_rows, dtype, storage, backend, path=None):
+        self.optimizer = optimizer
+        self.param = param
+        self.spec = row_state_spec(optimizer, param)
+        self._shape = tuple(param.shape)
+        if storage == "mmap":
+            if path is None:
+                raise OptionError("storage='mmap' keeps optimizer state in files: pass path= a "
+                                  "directory for them")
+            os.makedirs(path, exist_ok=True)
+        self.tables = {
+            name: HostTable.empty(num_rows, param.shape[1], dtype, storage, backend,
+                                  None if path is None else os.path.join(path, f"{name}.npy"))
+            for name in self.spec}
+        self._scratch = {}
+        self.needs_sparse_grad = isinstance(optimizer, _SPARSE_GRAD_ONLY)
+        self.init_state()
+
+    def init_state(self):
+        """Set every row's state to the value torch creates it with (a fresh optimizer)."""
+        for name, value in self.spec.items():
+            if value == 0:
+                self.tables[name].zero_()
+            else:
+                self.tables[name].apply_(torch.nn.init.constant_, value)
+        # Until a step has written rows back, every row holds torch's initial
+        # state, so torch may create the state itself at the first step.
+        self._fresh = True
+
+    def mark_loaded(self):
+        """Record that the tables now hold trained state (read from a checkpoint)."""
+        self._fresh = False
+
+    def _buffer(self, name):
+        if name not in self._scratch:
+            # Sized from the declared shape: the parameter may be narrowed right now.
+            self._scratch[name] = torch.empty(self._shape, dtype=self.param.dtype,
+                                              device=self.param.device)
+        return self._scratch[name]
+
+    def gather(self, rows):
+        """Put the state of ``rows`` (the step's working set, by slot) into the optimizer.
+
+        Raises:
+            StateError: the optimizer has no state for the parameter although
+                the tables hold trained state (its state_dict was not restored).
+        """
+        state = self.optimizer.state.get(self.param)
+        if not state or any(name not in state for name in self.spec):
+            if self._fresh:
+                return  # torch creates the initial state, equal to every table row, at the step
+            raise StateError(
+                f"{type(self.optimizer).__name__} holds no state for the offloaded parameter, but "
+                f"the host tables hold trained state; restore the optimizer with "
+                f"optimizer.load_state_dict(...) (it holds the step count), or call "
+                f"init_state() to restart the optimizer from scratch")
+        k = len(rows)
+        for name, table in self.tables.items():
+            view = self._buffer(name)[:k]
+            table.gather(rows, out=view)
+            state[name] = view
+
+    def scatter(self, rows):
+        """Write the state of ``rows`` back to the tables after the step.
+
+        Raises:
+            StateError: the optimizer's state does not have the names this
+                torch version was expected to use (nothing is written).
+        """
+        state = self.optimizer.state.get(self.param)
+        if not state:
+            return  # the parameter had no gradient: torch skipped it, nothing changed
+        k = len(rows)
+        shaped = {name for name, value in state.items()
+                  if isinstance(value, torch.Tensor) and value.dim() == 2}
+        if shaped != set(self.spec):
+            raise StateError(
+                f"{type(self.optimizer).__name__} keeps per-row state {sorted(shaped)} but "
+                f"speedswap expected {sorted(self.spec)}; this torch version is not supported "
+                f"for offloading this optimizer")
+        for name, table in self.tables.items():
+            table.scatter(rows, state[name][:k], check_unique=False)
+            # Between steps the optimizer holds full-size scratch, so its
+            # state_dict has the parameter's declared shape.
+            state[name] = self._buffer(name)
+        self._fresh = False

@@ -1,0 +1,466 @@
+"""SpeedTorch-style switchers: ModelFactory and OptimizerFactory (and their GPU-resident aliases).
+
+A switcher keeps a full table in a :class:`~speedswap.HostTable` and, around
+each optimizer step, swaps the rows a batch touches into (and out of) the
+model's own ``nn.Embedding``, whose rows are the step's *working set*:
+
+>>> import torch, speedswap as ss
+>>> model = torch.nn.Embedding(8, 4)            # capacity: 8 distinct rows per step
+>>> switch = ss.ModelFactory(model, total_classes=1000, embed_dimension=4, backend="numpy")
+>>> switch.uniformDistributionInit(-0.1, 0.1)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> ids = torch.tensor([17, 999, 17])
+>>> local = switch.before_forward(ids)          # [0, 1, 0]: one slot per distinct row
+>>> model(local).sum().backward(); opt.step(); opt.zero_grad()
+>>> switch.after_step(ids)                      # rows 17 and 999 written back, once each
+
+Unlike SpeedTorch, each distinct row occupies one slot, so repeated ids get
+their gradients summed exactly as in ``nn.Embedding`` instead of losing all
+updates but the last. With an :class:`OptimizerFactory`, ``optimizer.step()``
+sees the parameter (and its gradient and state) narrowed to the ``k`` rows
+the step touches, so the optimizer's work scales with the batch, not with the
+capacity, and no unused slot is updated.
+"""
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .convert import as_row_ids, torch_dtype
+from .errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
+from .optim_state import NarrowedStep, RowState
+from .table import HostTable
+from .working_set import WorkingSet
+
+__all__ = ["ModelFactory", "OptimizerFactory", "GPUPytorchModelFactory",
+           "GPUPytorchOptimizerFactory"]
+
+
+def _weight_of(variable):
+    """The 2-D parameter behind an ``nn.Embedding`` (or anything with ``.weight``) or a Parameter."""
+    weight = variable if isinstance(variable, torch.nn.Parameter) else getattr(variable, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
+        raise OptionError(f"expected an nn.Embedding or its 2-D weight Parameter, got "
+                          f"{type(variable).__name__}")
+    return weight
+
+
+class _Step:
+    """The ids one ``before_forward`` saw and the slots they were given."""
+
+    def __init__(self, flats, shapes, locals_, rows):
+        self.flats = flats
+        self.shapes = shapes
+        self.locals = locals_
+        self.rows = rows
+
+    def same_ids(self, flats):
+        return len(flats) == len(self.flats) and all(
+            a.shape == b.shape and torch.equal(a, b) for a, b in zip(flats, self.flats))
+
+
+class _SharedSteps:
+    """The step in progress for one parameter, shared by its ModelFactory and OptimizerFactory.
+
+    Whichever switcher's ``before_forward`` runs first de-duplicates the ids;
+    the other finds the same ids and reuses the slots.
+    """
+
+    def __init__(self, param, num_rows):
+        self.param = param
+        self.working_set = WorkingSet(param.shape[0], num_rows, param.device)
+        self.current = None
+
+    def validate(self, pos, neg):
+        ids = (pos,) if neg is None else (pos, neg)
+        names = ("pos ids", "neg ids")
+        checked = [as_row_ids(i, self.working_set.num_rows, self.param.device, what=n)
+                   for i, n in zip(ids, names)]
+        return [flat for flat, _ in checked], [shape for _, shape in checked]
+
+    def prepare(self, pos, neg):
+        """The step for these ids: the current one when they are the same, else a new one.
+
+        Nothing is committed (see :meth:`commit`), so a later check can still refuse.
+        """
+        flats, shapes = self.validate(pos, neg)
+        if self.current is not None and self.current.same_ids(flats):
+            return self.current
+        ws = self.working_set
+        ws.clear()
+        local, _ = ws.add(torch.cat(flats) if len(flats) > 1 else flats[0])
+        pieces = torch.split(local, [len(f) for f in flats])
+        locals_ = tuple(p.view(s) for p, s in zip(pieces, shapes))
+        return _Step(flats, shapes, locals_, ws.rows)
+
+    def commit(self, step):
+        self.current = step
+
+    def match(self, pos, neg, who):
+        """The current step, which must have been started with exactly these ids."""
+        flats, _ = self.validate(pos, neg)
+        if self.current is None or not self.current.same_ids(flats):
+            raise StateError(f"{who}.after_step got ids other than those of the last "
+                             f"before_forward; pass the same pos (and neg) ids to both, in the "
+                             f"same order (nothing was written back)")
+        return self.current
+
+
+_STEPS = WeakIdKeyDictionary()
+
+
+def _steps_for(param, num_rows):
+    steps = _STEPS.get(param)
+    if steps is None:
+        steps = _STEPS[param] = _SharedSteps(param, num_rows)
+    elif steps.working_set.num_rows != num_rows:
+        raise OptionError(f"this parameter already has a switcher over {steps.working_set.num_rows}"
+                          f" rows; every switcher of one parameter needs the same total_classes")
+    return steps
+
+
+class _Switcher:
+    """What both switchers share: the parameter, the shared step, the step protocol."""
+
+    def __init__(self, param, total_classes, embed_dimension, dtype):
+        if param.shape[1] != embed_dimension:
+            raise ShapeError(f"the model's embedding has rows of {param.shape[1]} but "
+                             f"embed_dimension={embed_dimension}; they must match")
+        if param.dtype != torch_dtype(dtype):
+            raise DTypeError(f"the model's embedding holds {param.dtype} but the table would "
+                             f"hold {torch_dtype(dtype)}; pass the same dtype")
+        self._param = param
+        self._full = param.data
+        self._steps = _steps_for(param, total_classes)
+        self._gathered = None
+
+    def _check_device(self, table):
+        if table.device != self._param.device:
+            raise DeviceError(f"the table's rows move to {table.device} but the model's "
+                              f"embedding is on {self._param.device}; move the model with "
+                              f".to({str(table.device)!r}) or pick the matching backend")
+
+    def _check_idle(self, what):
+        if self._gathered is not None:
+            raise StateError(f"{what} between before_forward and after_step would be undone by "
+                             f"after_step; call it between steps")
+
+    def _finish(self, pos, neg):
+        step = self._steps.match(pos, neg, type(self).__name__)
+        if self._gathered is not step:
+            raise StateError(f"{type(self).__name__}.after_step without a matching "
+                             f"before_forward on this switcher; call before_forward(ids) first")
+        return step
+
+    @staticmethod
+    def _result(step):
+        return step.locals[0] if len(step.locals) == 1 else step.locals
+
+
+class ModelFactory(_Switcher):
+    """Keeps a full embedding table on the host and swaps a step's rows into the model.
+
+    Args:
+        model_variable: the model's ``nn.Embedding`` (or its weight). Its rows
+            are the working set: their number is the capacity, the most
+            distinct rows one step may touch.
+        total_classes: rows of the full table.
+        embed_dimension: row length; must equal the embedding's.
+        datatype: the table's dtype; must equal the embedding's.
+        CPUPinn: keep the table in pinned host memory (True) or in device
+            memory (False, as in SpeedTorch).
+        storage: any storage kind, overriding ``CPUPinn`` (``"mmap"`` for a
+            table larger than RAM, with ``path``).
+        backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
+        path: the ``.npy`` file of an ``mmap`` table.
+
+    The table starts at zero; call an initialiser (``uniformDistributionInit``,
+    ``customInit``, ...) before training.
+
+    Raises:
+        OptionError, ShapeError, DTypeError: a bad embedding, size or dtype.
+        DeviceError: the model is not on the backend's device.
+    """
+
+    def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32",
+                 CPUPinn=False, *, storage=None, backend="auto", path=None):
+        param = _weight_of(model_variable)
+        super().__init__(param, total_classes, embed_dimension, datatype)
+        storage = storage or ("pinned" if CPUPinn else "device")
+        # An mmap table starts as a zero-filled sparse file; writing zeros would make it dense.
+        make = HostTable.empty if storage == "mmap" else HostTable.zeros
+        self.table = make(total_classes, embed_dimension, datatype, storage, backend, path)
+        self._check_device(self.table)
+        self._placeholders = None
+
+    # ------------------------------------------------------------------ steps
+    def variableTransformer(self, batchSize, posPerBatch, negPerBatch=None):
+        """Placeholder id tensors that every later :meth:`before_forward` fills with local ids.
+
+        For SpeedTorch code that feeds these placeholders to the model instead
+        of the ids :meth:`before_forward` returns.
+
+        Args:
+            batchSize: rows of the batch.
+            posPerBatch: positive ids per row.
+            negPerBatch: negative ids per row, when a second input is used.
+
+        Returns:
+            an int64 tensor ``(batchSize, posPerBatch)`` on the model's device,
+            or a tuple with a second ``(batchSize, negPerBatch)`` one.
+        """
+        n_pos = batchSize * posPerBatch
+        device = self._param.device
+        pos = torch.arange(n_pos, device=device).view(batchSize, posPerBatch)
+        if negPerBatch is None:
+            self._placeholders = (pos,)
+            return pos
+        neg = torch.arange(n_pos, n_pos + batchSize * negPerBatch,
+                           device=device).view(batchSize, negPerBatch)
+        self._placeholders = (pos, neg)
+        return pos, neg
+
+    def _check_placeholders(self, step):
+        if self._placeholders is None:
+            return
+        if len(self._placeholders) != len(step.flats) or any(
+                p.numel() != len(f) for p, f in zip(self._placeholders, step.flats)):
+            want = [tuple(p.shape) for p in self._placeholders]
+            got = [tuple(s) for s in step.shapes]
+            raise ShapeError(f"before_forward got ids of shapes {got} but variableTransformer "
+                             f"made placeholders of shapes {want}; call variableTransformer "
+                             f"again for this batch size, or feed the ids before_forward returns")
+
+    def before_forward(self, pos, neg=None):
+        """Gather the rows of ``pos`` (and ``neg``) into the model's embedding.
+
+        Args:
+            pos: table ids of any shape: numpy array, list, or tensor on the
+                CPU or the model's device. Duplicates are fine.
+            neg: optional second set of ids (negative samples).
+
+        Returns:
+            the local ids to feed the model, shaped like ``pos`` (a tuple with
+            ``neg``'s when ``neg`` is given). Placeholders from
+            :meth:`variableTransformer` are filled with them too.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids.
+            CapacityError: more distinct rows than the embedding has.
+            ShapeError: ids that do not fit the placeholders.
+            StateError: the previous step was not finished with :meth:`after_step`.
+
+        Nothing changes when this raises.
+        """
+        if self._gathered is not None:
+            raise StateError("before_forward called twice without after_step; finish the "
+                             "step with after_step(ids) so its rows are written back")
+        step = self._steps.prepare(pos, neg)
+        self._check_placeholders(step)
+        self._steps.commit(step)
+        k = len(step.rows)
+        with torch.no_grad():
+            self.table.gather(step.rows, out=self._full[:k])
+        for placeholder, local in zip(self._placeholders or (), step.locals):
+            placeholder.view(-1).copy_(local.view(-1))
+        self._gathered = step
+        return self._result(step)
+
+    def after_step(self, pos, neg=None):
+        """Write the step's updated rows back to the table, each distinct row once.
+
+        Args:
+            pos, neg: the same ids given to :meth:`before_forward`.
+
+        Raises:
+            StateError: other ids than the last ``before_forward``'s, or no
+                ``before_forward`` on this switcher; nothing is written.
+        """
+        step = self._finish(pos, neg)
+        self.table.scatter(step.rows, self._full[:len(step.rows)], check_unique=False)
+        self._gathered = None
+
+    # ------------------------------------------------------------ whole table
+    def zerosInit(self):
+        """Set every row to zero."""
+        self._check_idle("zerosInit")
+        self.table.zero_()
+
+    def uniformDistributionInit(self, low, high):
+        """Fill the table from U(low, high) (torch's global generator)."""
+        self._check_idle("uniformDistributionInit")
+        self.table.uniform_(low, high)
+
+    def normalDistributionInit(self, mean, stdDev):
+        """Fill the table from N(mean, stdDev²) (torch's global generator)."""
+        self._check_idle("normalDistributionInit")
+        self.table.normal_(mean, stdDev)
+
+    def customInit(self, initFunction, *args):
+        """Run an in-place initialiser such as ``torch.nn.init.xavier_uniform_`` on the whole table."""
+        self._check_idle("customInit")
+        self.table.apply_(initFunction, *args)
+
+    def save(self, path):
+        """Write the table to ``path`` (``.npy`` or ``.h5``) atomically. Alias ``saveCupy``."""
+        self.table.save(path)
+
+    def load(self, path):
+        """Replace the table's rows with a file's of the same shape and dtype. Alias ``loadCupy``.
+
+        Raises:
+            FileFormatError: another shape or dtype, or a bad file (nothing changes).
+            StateError: called in the middle of a step.
+        """
+        self._check_idle("load")
+        self.table.load_from(path)
+
+    def to_numpy(self, copy=False):
+        """The table as a numpy array (the table's own memory for host storage). Alias ``getNumpyVersion``."""
+        return self.table.to_numpy(copy=copy)
+
+    beforeForwardPass = before_forward
+    afterOptimizerStep = after_step
+    saveCupy = saveTorch = save
+    loadCupy = loadTorch = load
+    getNumpyVersion = to_numpy
+
+
+def _parameter_named(model, variable_name):
+    """``model``'s parameter ``variable_name``, or the ``weight`` of its submodule of that name."""
+    try:
+        return model.get_parameter(variable_name)
+    except AttributeError:
+        pass
+    try:
+        return _weight_of(model.get_submodule(variable_name))
+    except AttributeError:
+        names = [n for n, _ in model.named_parameters()]
+        raise OptionError(f"the model has no parameter or embedding {variable_name!r}; its "
+                          f"parameters are {names}") from None
+
+
+class OptimizerFactory(_Switcher):
+    """Keeps an optimizer's per-row state for one embedding in host tables.
+
+    One table per state tensor shaped like the parameter (Adam's ``exp_avg``
+    and ``exp_avg_sq``, ...); scalar state such as ``step`` stays in the
+    optimizer. Rows never touched hold the value torch creates the state with.
+
+    Args:
+        given_optimizer: the optimizer over the model's parameters. SGD (with
+            momentum), Adam, AdamW (incl. amsgrad), Adamax, NAdam, RAdam,
+            Adagrad, Adadelta, RMSprop, Rprop, ASGD and SparseAdam are supported.
+        total_classes: rows of the full table.
+        embed_dimension: row length.
+        model: the model holding the embedding.
+        variable_name: the embedding's name in ``model`` (``"u_embeddings"``) or
+            its parameter's (``"u_embeddings.weight"``).
+        dtype: the state dtype; must equal the embedding's.
+        CPUPinn: pinned host memory (True) or device memory (False).
+        storage: any storage kind, overriding ``CPUPinn``.
+        backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
+        path: for ``storage="mmap"``, a directory for the state files.
+
+    Raises:
+        OptionError: no such parameter, an optimizer not holding it, or one
+            whose state is not element-wise (LBFGS).
+    """
+
+    def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
+                 dtype="float32", CPUPinn=False, *, storage=None, backend="auto", path=None):
+        param = _parameter_named(model, variable_name)
+        super().__init__(param, total_classes, embed_dimension, dtype)
+        self.state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),
+                              storage or ("pinned" if CPUPinn else "device"), backend, path)
+        for table in self.state.tables.values():
+            self._check_device(table)
+        self._narrowed = None
+        # The hooks live as long as the optimizer; they act only inside a step.
+        given_optimizer.register_step_pre_hook(self._before_step)
+        given_optimizer.register_step_post_hook(self._after_step)
+
+    def _before_step(self, optimizer, args, kwargs):
+        if self._gathered is not None:
+            self._narrowed = NarrowedStep(self._param, len(self._gathered.rows))
+
+    def _after_step(self, optimizer, args, kwargs):
+        if self._narrowed is not None:
+            self._narrowed.restore()
+            self._narrowed = None
+
+    def init_state(self):
+        """Reset every row's state to torch's initial value. Alias ``optInit``."""
+        self._check_idle("init_state")
+        self.state.init_state()
+
+    def before_forward(self, pos, neg=None):
+        """Put the optimizer state of the step's rows into the optimizer.
+
+        Call it with the same ids as the embedding's :class:`ModelFactory`
+        (before or after it); the de-duplication is shared.
+
+        Returns:
+            the local ids, as :meth:`ModelFactory.before_forward`.
+
+        Raises:
+            as :meth:`ModelFactory.before_forward`; StateError also when the
+            optimizer's state was lost (see :meth:`RowState.gather`).
+        """
+        if self._gathered is not None:
+            raise StateError("before_forward called twice without after_step; finish the "
+                             "step with after_step(ids) so its state rows are written back")
+        step = self._steps.prepare(pos, neg)
+        self._steps.commit(step)
+        self.state.gather(step.rows)
+        self._gathered = step
+        return self._result(step)
+
+    def after_step(self, pos, neg=None):
+        """Write the step's optimizer state rows back, each distinct row once.
+
+        Raises:
+            StateError: other ids than the last ``before_forward``'s, or no
+                ``before_forward`` on this switcher; nothing is written.
+        """
+        step = self._finish(pos, neg)
+        self.state.scatter(step.rows)
+        self._gathered = None
+
+    def save(self, path):
+        """Write every state table to one checkpoint (``.h5`` file or directory), atomically."""
+        from .checkpoint import save_tables
+        save_tables(path, self.state.tables, {"optimizer": type(self.state.optimizer).__name__})
+
+    def load(self, path):
+        """Read state tables written by :meth:`save`; restore the optimizer's state_dict too.
+
+        Raises:
+            FileFormatError: a checkpoint of another optimizer or shape (nothing changes).
+            StateError: called in the middle of a step.
+        """
+        from .checkpoint import load_tables
+        self._check_idle("load")
+        load_tables(path, self.state.tables, {"optimizer": type(self.state.optimizer).__name__})
+        self.state.mark_loaded()
+
+    optInit = init_state
+    beforeForwardPass = before_forward
+    afterOptimizerStep = after_step
+
+
+class GPUPytorchModelFactory(ModelFactory):
+    """:class:`ModelFactory` with the table in device memory (``storage="device"``)."""
+
+    def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32", *,
+                 backend="auto"):
+        super().__init__(model_variable, total_classes, embed_dimension, datatype,
+                         storage="device", backend=backend)
+
+
+class GPUPytorchOptimizerFactory(OptimizerFactory):
+    """:class:`OptimizerFactory` with the state tables in device memory (``storage="device"``)."""
+
+    def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
+                 dtype="float32", *, backend="auto"):
+        super().__init__(given_optimizer, total_classes, embed_dimension, model, variable_name,
+                         dtype, storage="device", backend=backend)

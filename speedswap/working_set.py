@@ -1,0 +1,101 @@
+"""The working set: which table rows occupy which slots of a step's device parameter.
+
+A step touches a handful of rows of a large table. The device parameter that
+the model trains holds each of those rows exactly once, in "slots" ``0..k-1``;
+the model is fed *local* ids (slot numbers) instead of table ids. Holding a row
+once is what makes repeated ids behave as in ``nn.Embedding``: autograd sums
+their gradients into the one slot, the optimizer updates the row once, and the
+row is written back once (SpeedTorch gave each occurrence its own slot, so all
+but the last update of a repeated row were lost).
+
+>>> import torch
+>>> ws = WorkingSet(capacity=4, num_rows=100, device="cpu")
+>>> local, first_new = ws.add(torch.tensor([[42, 7], [42, 99]]))
+>>> local.tolist(), ws.rows.tolist(), first_new
+([[1, 0], [1, 2]], [7, 42, 99], 0)
+>>> local, first_new = ws.add(torch.tensor([99, 5]))
+>>> local.tolist(), ws.rows.tolist(), first_new
+([2, 3], [7, 42, 99, 5], 3)
+"""
+
+import torch
+
+from .convert import as_row_ids
+from .errors import CapacityError
+
+__all__ = ["WorkingSet"]
+
+
+class WorkingSet:
+    """Assigns each distinct table row touched in a step one slot of a capacity-row buffer.
+
+    Args:
+        capacity: the number of slots (rows of the device parameter): the
+            most distinct rows one step may touch.
+        num_rows: rows of the full table; ids must lie in ``[0, num_rows)``.
+        device: the device of the parameter (local ids are returned there).
+    """
+
+    def __init__(self, capacity, num_rows, device):
+        self.capacity = int(capacity)
+        self.num_rows = int(num_rows)
+        self.device = torch.device(device)
+        self.clear()
+
+    def clear(self):
+        """Forget every row: the next :meth:`add` starts a new step at slot 0."""
+        self._rows = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._sorted = self._rows
+        self._slot_of_sorted = self._rows
+
+    @property
+    def rows(self):
+        """The table ids held, by slot: a 1-D int64 tensor of length :attr:`size`."""
+        return self._rows
+
+    @property
+    def size(self):
+        """How many slots are in use."""
+        return len(self._rows)
+
+    def add(self, ids):
+        """Give every id a slot (reusing the slot of a row already held) and return local ids.
+
+        Nothing changes when this raises.
+
+        Args:
+            ids: table ids of any shape (numpy, list, or tensor); duplicates allowed.
+
+        Returns:
+            (local, first_new): ``local`` is an int64 tensor shaped like ``ids``
+            on :attr:`device` holding each id's slot; the rows that were not
+            held before occupy slots ``first_new..size-1`` (in :attr:`rows`),
+            and the caller must fill exactly those.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids.
+            CapacityError: the step would touch more distinct rows than :attr:`capacity`.
+        """
+        flat, shape = as_row_ids(ids, self.num_rows, self.device)
+        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        held = self.size
+        if held == 0:
+            new_rows, slots = unique, torch.arange(len(unique), device=self.device)
+        else:
+            # Both lists are sorted, so one binary search per new id finds the held ones.
+            pos = torch.searchsorted(self._sorted, unique).clamp_(max=held - 1)
+            found = self._sorted[pos] == unique
+            new_rows = unique[~found]
+            slots = torch.empty_like(unique)
+            slots[found] = self._slot_of_sorted[pos[found]]
+            slots[~found] = torch.arange(held, held + len(new_rows), device=self.device)
+        if held + len(new_rows) > self.capacity:
+            raise CapacityError(
+                f"this step touches {held + len(new_rows)} distinct rows but the working set "
+                f"holds at most {self.capacity} (the capacity: rows of the device parameter); "
+                f"use smaller batches or a larger capacity (more rows in the model's "
+                f"nn.Embedding, or a larger max_rows)")
+        self._rows = torch.cat([self._rows, new_rows]) if held else new_rows
+        self._sorted, self._slot_of_sorted = (torch.sort(self._rows) if held
+                                              else (new_rows, slots))
+        return slots[inverse].view(shape), held

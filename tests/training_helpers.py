@@ -1,0 +1,126 @@
+"""Shared pieces of the training tests: Zipf batches, a skip-gram loss, and the runners.
+
+Each runner trains one table for the same batches and returns the final
+table and per-row optimizer state as numpy arrays, so tests compare
+offloaded training against in-memory references.
+"""
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import speedswap as ss
+
+NUM_ROWS, DIM, BATCH, NEGS = 400, 8, 24, 3
+CAPACITY = BATCH * (1 + NEGS)
+
+
+def zipf_batches(rng, steps, device, num_rows=NUM_ROWS):
+    """``steps`` batches of (pos (BATCH,), neg (BATCH, NEGS), context (BATCH, DIM)).
+
+    Ids follow p(r) ~ 1/(r+1): the head rows repeat within almost every batch,
+    and tail rows are often never touched.
+    """
+    weights = 1.0 / np.arange(1, num_rows + 1)
+    perm = rng.permutation(num_rows)  # popular rows are scattered over the table
+    p = weights / weights.sum()
+    batches = []
+    for _ in range(steps):
+        ids = perm[rng.choice(num_rows, size=BATCH * (1 + NEGS), p=p)]
+        pos = torch.from_numpy(ids[:BATCH]).to(device)
+        neg = torch.from_numpy(ids[BATCH:].reshape(BATCH, NEGS)).to(device)
+        ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+        batches.append((pos, neg, ctx))
+    return batches
+
+
+def skipgram_loss(pos_rows, neg_rows, ctx):
+    """Negative-sampling loss of rows against fixed random context vectors."""
+    pos_score = (pos_rows * ctx).sum(-1)
+    neg_score = (neg_rows * ctx.unsqueeze(1)).sum(-1)
+    return -(F.logsigmoid(pos_score).sum() + F.logsigmoid(-neg_score).sum())
+
+
+def row_state(optimizer, param):
+    """The optimizer's state tensors shaped like ``param``, as numpy arrays."""
+    state = optimizer.state.get(param, {})
+    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.shape == param.shape}
+
+
+def run_switchers(make_opt, table0, batches, backend, sparse=False):
+    """SpeedTorch-style training: placeholders, camelCase methods, host tables."""
+    device = ss.get_backend(backend).device
+    model = torch.nn.ModuleDict({"u_embeddings": torch.nn.Embedding(CAPACITY, DIM, sparse=sparse)})
+    model.to(device)
+    emb = model["u_embeddings"]
+    opt = make_opt(model.parameters())
+    u_switch = ss.ModelFactory(emb, total_classes=len(table0), embed_dimension=DIM,
+                               CPUPinn=True, backend=backend)
+    u_switch.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt_switch = ss.OptimizerFactory(opt, len(table0), DIM, model, "u_embeddings",
+                                     CPUPinn=True, backend=backend)
+    opt_switch.optInit()
+    pos_in, neg_in = u_switch.variableTransformer(BATCH, 1, NEGS)
+    for pos, neg, ctx in batches:
+        u_switch.beforeForwardPass(pos, neg)
+        opt_switch.beforeForwardPass(pos, neg)
+        # SpeedTorch code feeds the placeholders, now filled with de-duplicated slots.
+        loss = skipgram_loss(emb(pos_in).squeeze(1), emb(neg_in), ctx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        u_switch.afterOptimizerStep(pos, neg)
+        opt_switch.afterOptimizerStep(pos, neg)
+    state = {k: t.to_numpy(copy=True) for k, t in opt_switch.state.tables.items()}
+    return u_switch.getNumpyVersion().copy(), state
+
+
+def run_offloaded(make_opt, table0, batches, backend):
+    """OffloadedEmbedding training: two forward calls per step share one working set."""
+    emb = ss.OffloadedEmbedding(len(table0), DIM, max_rows=CAPACITY, storage="pinned",
+                                backend=backend)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = make_opt(emb.parameters())
+    emb.attach(opt)
+    for pos, neg, ctx in batches:
+        skipgram_loss(emb(pos), emb(neg), ctx).backward()
+        opt.step()
+        opt.zero_grad()
+    state = {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
+    return emb.table.to_numpy(copy=True), state
+
+
+def run_in_memory(make_opt, table0, batches, device, sparse=False, initial_state=None):
+    """The whole table as one in-memory parameter.
+
+    With ``initial_state`` given, the reference is lazy: after each step every
+    row the batch did not touch gets its parameter and per-row state back as
+    they were before the step (``initial_state(name, group)`` is the value a row
+    holds before torch first creates the state). That is "the same torch
+    optimizer applied to the touched rows only", computed independently of
+    speedswap's working set.
+    """
+    weight = torch.nn.Parameter(torch.from_numpy(table0.copy()).to(device))
+    opt = make_opt([weight])
+    group = opt.param_groups[0]
+    for pos, neg, ctx in batches:
+        before = weight.detach().clone()
+        state_before = {k: v.clone() for k, v in opt.state.get(weight, {}).items()
+                        if isinstance(v, torch.Tensor) and v.shape == weight.shape}
+        loss = skipgram_loss(F.embedding(pos, weight, sparse=sparse),
+                             F.embedding(neg, weight, sparse=sparse), ctx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if initial_state is None:
+            continue
+        untouched = torch.ones(len(table0), dtype=torch.bool, device=device)
+        untouched[torch.cat([pos, neg.reshape(-1)])] = False
+        with torch.no_grad():
+            weight[untouched] = before[untouched]
+            for name, value in opt.state[weight].items():
+                if isinstance(value, torch.Tensor) and value.shape == weight.shape:
+                    value[untouched] = (state_before[name][untouched] if name in state_before
+                                        else initial_state(name, group))
+    return weight.detach().cpu().numpy(), row_state(opt, weight)
