@@ -11,6 +11,7 @@
 """
 
 import os
+import warnings
 import weakref
 
 import numpy as np
@@ -47,6 +48,15 @@ def _check_size(num_rows, dim):
             raise OptionError(f"{name} must be a positive int, got {value!r}")
 
 
+def _has_duplicates(flat):
+    # A sort and a neighbour compare: cheaper than torch.unique, no extra
+    # memory per table row, and the same code on the CPU and the GPU.
+    if len(flat) < 2:
+        return False
+    ordered = torch.sort(flat).values
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 class HostTable:
     """A ``(num_rows, dim)`` table whose rows move to and from the device on demand.
 
@@ -68,6 +78,7 @@ class HostTable:
         self._path = None if path is None else os.fspath(path)
         self._shape = tuple(buffer.tensor.shape)
         self._dtype = buffer.tensor.dtype
+        self._writable = buffer.host is None or bool(buffer.host.flags.writeable)
         _LIVE.add(self)
 
     # ----------------------------------------------------------- constructors
@@ -121,6 +132,49 @@ class HostTable:
         table = cls.empty(array.shape[0], array.shape[1], array.dtype, storage, backend, path)
         table._fill_from(lambda start, stop: array[start:stop])
         return table
+
+    @classmethod
+    def adopt(cls, array, backend="auto"):
+        """A table over an existing 2-D host array, sharing its memory (no copy).
+
+        Use it to serve rows of data you already hold: an in-memory array, or
+        an ``np.memmap`` / ``np.load(..., mmap_mode=...)`` file larger than RAM,
+        which stays on disk and is paged in as rows are read.
+
+        Args:
+            array: a C-contiguous 2-D ``numpy.ndarray`` (or ``np.memmap``).
+                Writes through the table (``scatter``, initialisers) change it;
+                a read-only array gives a read-only table.
+            backend: as in :meth:`empty`.
+
+        Returns:
+            HostTable with storage ``mmap`` for a memmap (writes reach the file
+            when it was mapped ``r+``) and ``pageable`` otherwise.
+
+        Raises:
+            ShapeError: ``array`` is not 2-D or not C-contiguous.
+            DTypeError: an unsupported dtype.
+        """
+        if not isinstance(array, np.ndarray):
+            raise DTypeError(f"adopt takes a numpy array, got {type(array).__name__}; "
+                             f"use from_numpy to copy other array types")
+        if array.ndim != 2:
+            raise ShapeError(f"a table is 2-D (rows, dim); got an array of shape {array.shape}: "
+                             f"reshape it with a.reshape(len(a), -1)")
+        if not array.flags.c_contiguous:
+            raise ShapeError("adopt needs a C-contiguous array (rows contiguous in memory); "
+                             "pass np.ascontiguousarray(a) or copy it with from_numpy")
+        _check_size(*array.shape)
+        numpy_dtype(array.dtype)
+        backend = get_backend(backend)
+        mapped = isinstance(array, np.memmap)
+        path = array.filename if mapped and array.mode in ("r+", "w+") else None
+        with warnings.catch_warnings():
+            # torch warns that it cannot mark a tensor read-only; this table
+            # refuses writes itself (see _writable_buffer).
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            buffer = backend.adopt(array, "mmap" if mapped else "pageable")
+        return cls(buffer, backend, path)
 
     @classmethod
     def load(cls, path, storage="pinned", backend="auto", mmap=False, dataset="table"):
@@ -209,6 +263,11 @@ class HostTable:
     def closed(self):
         return self._buffer is None
 
+    @property
+    def writable(self):
+        """False for a table adopted from a read-only array (writes raise StateError)."""
+        return self._writable
+
     def memory(self):
         """Where this table's bytes are held.
 
@@ -232,6 +291,29 @@ class HostTable:
         if self._buffer is None:
             raise StateError("this HostTable is closed; its memory was released")
         return self._buffer
+
+    def _writable_buffer(self):
+        buffer = self._live_buffer()
+        if not self._writable:
+            raise StateError("this HostTable shares a read-only array (e.g. a file mapped with "
+                             "mmap_mode='r'), so its rows cannot be written; map the file 'r+' "
+                             "or copy the rows with HostTable.from_numpy")
+        return buffer
+
+    def as_tensor(self):
+        """The rows as a torch tensor sharing the table's memory (no copy).
+
+        For loops that move rows themselves (such as :class:`~speedswap.BatchFeeder`).
+        The tensor is on the CPU for host storage kinds and on the GPU for
+        ``device``; pending device writes are waited for first. Do not write
+        through it when :attr:`writable` is False.
+
+        Returns:
+            torch.Tensor of shape :attr:`shape`.
+        """
+        buffer = self._live_buffer()
+        self._backend.wait_host(buffer)
+        return buffer.tensor
 
     def gather(self, rows, out=None):
         """Copy rows to a tensor on :attr:`device`.
@@ -292,19 +374,19 @@ class HostTable:
         Every check runs before any row is written. On a GPU the write is
         ordered on torch's current stream and may still be running on return.
         """
-        buffer = self._live_buffer()
+        buffer = self._writable_buffer()
         flat, _ = as_row_ids(rows, self.num_rows, self.device)
         values = as_row_values(values, len(flat), self.dim, self.dtype, self.device)
-        if check_unique and len(flat) > 1 and len(torch.unique(flat)) != len(flat):
+        if check_unique and _has_duplicates(flat):
             raise DuplicateIdError("scatter rows repeat an id, so the value kept would depend on "
                                    "write order; de-duplicate them first (torch.unique, or "
                                    "sum the rows' values with index_add_ if that is the intent)")
         self._backend.scatter(buffer, flat, values)
 
     # ------------------------------------------------------------ initialisers
-    def _row_chunks(self):
+    def _row_chunks(self, writing=True):
         """Row-range views of the table, about 64 MiB each."""
-        tensor = self._live_buffer().tensor
+        tensor = (self._writable_buffer() if writing else self._live_buffer()).tensor
         self._backend.wait_host(self._buffer)
         for start, stop in io.row_ranges(self._shape, numpy_dtype(self.dtype)):
             yield start, stop, tensor[start:stop]
@@ -353,7 +435,7 @@ class HostTable:
         Returns:
             self
         """
-        tensor = self._live_buffer().tensor
+        tensor = self._writable_buffer().tensor
         self._backend.wait_host(self._buffer)
         with torch.no_grad():
             fn(tensor, *args, **kwargs)
@@ -361,7 +443,7 @@ class HostTable:
 
     # ----------------------------------------------------------------- files
     def _host_chunks(self):
-        for _, _, chunk in self._row_chunks():
+        for _, _, chunk in self._row_chunks(writing=False):
             yield chunk.cpu().numpy()
 
     def save(self, path, dataset="table"):
@@ -377,7 +459,8 @@ class HostTable:
         """
         fmt = io.file_format(path)
         np_dtype = numpy_dtype(self.dtype)
-        if self.storage == "mmap" and os.path.abspath(path) == os.path.abspath(self._path):
+        if (self.storage == "mmap" and self._path is not None
+                and os.path.abspath(path) == os.path.abspath(self._path)):
             self._buffer.host.flush()
             return
         if fmt == "npy":
@@ -392,7 +475,7 @@ class HostTable:
             FileFormatError: the file is malformed or another shape/dtype; the
                 table is left unchanged.
         """
-        self._live_buffer()
+        self._writable_buffer()
         fmt = io.file_format(path)
         header = io.read_npy_header(path) if fmt == "npy" else io.read_h5_header(path, dataset)
         io.check_matches(header, self._shape, numpy_dtype(self.dtype), path)

@@ -1,0 +1,85 @@
+"""HostTable.adopt (sharing an existing array), read-only tables, and as_tensor."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+
+
+def random_rows(rng, shape, dtype=np.float32):
+    return (rng.uniform(1.0, 2.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)).astype(dtype)
+
+
+def test_adopt_shares_the_array(backend, rng):
+    array = random_rows(rng, (300, 7))
+    table = ss.HostTable.adopt(array, backend=backend)
+    assert table.storage == "pageable" and table.writable and table.shape == (300, 7)
+    ids = rng.integers(0, 300, size=500)
+    np.testing.assert_array_equal(table.gather(ids).cpu().numpy(), array[ids])
+    rows = rng.choice(300, size=20, replace=False)
+    values = random_rows(rng, (20, 7))
+    table.scatter(rows, torch.from_numpy(values))
+    table.flush()
+    np.testing.assert_array_equal(array[rows], values)  # written into the caller's array
+
+
+def test_adopt_memmap_writes_reach_the_file(backend, rng, tmp_path):
+    path = tmp_path / "rows.npy"
+    expected = random_rows(rng, (200, 5))
+    np.save(path, expected)
+    table = ss.HostTable.adopt(np.load(path, mmap_mode="r+"), backend=backend)
+    assert table.storage == "mmap" and table.path == str(path)
+    assert table.memory()["file"] == expected.nbytes and table.memory()["host"] == 0
+    rows = np.array([3, 150, 7])
+    values = random_rows(rng, (3, 5))
+    table.scatter(rows, values)
+    table.close()
+    expected[rows] = values
+    np.testing.assert_array_equal(np.load(path), expected)
+
+
+def test_read_only_array_gives_a_read_only_table(rng, tmp_path):
+    path = tmp_path / "rows.npy"
+    expected = random_rows(rng, (100, 4))
+    np.save(path, expected)
+    mapped = np.load(path, mmap_mode="r")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "array is not writable" warning leaks out
+        table = ss.HostTable.adopt(mapped, backend="numpy")
+    assert not table.writable and table.path is None
+    ids = rng.integers(0, 100, size=50)
+    np.testing.assert_array_equal(table.gather(ids).numpy(), expected[ids])
+    for write in (lambda: table.scatter([1], np.ones((1, 4), np.float32)),
+                  lambda: table.uniform_(),
+                  lambda: table.zero_(),
+                  lambda: table.apply_(torch.nn.init.ones_),
+                  lambda: table.load_from(path)):
+        with pytest.raises(ss.StateError, match="read-only"):
+            write()
+    np.testing.assert_array_equal(np.load(path), expected)
+    table.save(tmp_path / "copy.npy")  # reading still works, into another file
+    np.testing.assert_array_equal(np.load(tmp_path / "copy.npy"), expected)
+
+
+def test_as_tensor_shares_memory(backend, rng):
+    array = random_rows(rng, (10, 3))
+    table = ss.HostTable.from_numpy(array, storage="pageable", backend=backend)
+    view = table.as_tensor()
+    assert tuple(view.shape) == (10, 3)
+    view[2] = 5.0
+    assert table.to_numpy()[2].tolist() == [5.0, 5.0, 5.0]
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (np.ones(5, np.float32), ss.ShapeError, "2-D"),
+    (np.ones((4, 6), np.float32)[:, ::2], ss.ShapeError, "C-contiguous"),
+    ([[1.0, 2.0]], ss.DTypeError, "numpy array"),
+    (np.ones((2, 2), np.complex64), ss.DTypeError, "not supported"),
+    (np.ones((0, 3), np.float32), ss.OptionError, "num_rows"),
+])
+def test_adopt_refuses_bad_arrays(bad, error, match):
+    with pytest.raises(error, match=match):
+        ss.HostTable.adopt(bad, backend="numpy")
