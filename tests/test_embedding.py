@@ -1,0 +1,196 @@
+"""OffloadedEmbedding: a two-tower model equals its in-memory twin; checkpoints; errors."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+
+USERS, ITEMS, DIM, BATCH, STEPS = 300, 500, 8, 32, 200
+TOL = dict(rtol=1e-5, atol=1e-6)  # float32 rounding (repeated ids' gradients summed in another order)
+
+
+class TwoTower(torch.nn.Module):
+    """User and item towers: an embedding and a linear layer each, scored by a dot product."""
+
+    def __init__(self, users, items):
+        super().__init__()
+        self.users, self.items = users, items
+        self.user_proj = torch.nn.Linear(DIM, DIM)
+        self.item_proj = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, user_ids, item_ids, labels):
+        u = self.user_proj(self.users(user_ids))
+        i = self.item_proj(self.items(item_ids))
+        return torch.nn.functional.binary_cross_entropy_with_logits((u * i).sum(-1), labels)
+
+
+def zipf(rng, n, size):
+    p = 1.0 / np.arange(1, n + 1)
+    return rng.permutation(n)[rng.choice(n, size=size, p=p / p.sum())]
+
+
+def batches(rng, steps, device):
+    out = []
+    for _ in range(steps):
+        users = torch.from_numpy(zipf(rng, USERS, BATCH)).to(device)
+        items = torch.from_numpy(zipf(rng, ITEMS, (BATCH, 2))).to(device)  # item 0 is padding
+        labels = torch.from_numpy(rng.integers(0, 2, (BATCH, 2)).astype(np.float32)).to(device)
+        out.append((users.unsqueeze(1).expand(BATCH, 2), items, labels))
+    return out
+
+
+def offloaded_model(backend, user0, item0, linear_state, storage="pinned", path=None):
+    users = ss.OffloadedEmbedding(USERS, DIM, max_rows=BATCH, storage=storage, backend=backend,
+                                  path=None if path is None else path / "users")
+    items = ss.OffloadedEmbedding(ITEMS, DIM, max_rows=2 * BATCH, storage=storage,
+                                  backend=backend, padding_idx=0,
+                                  path=None if path is None else path / "items")
+    users.table.apply_(lambda t: t.copy_(torch.from_numpy(user0)))
+    items.table.apply_(lambda t: t.copy_(torch.from_numpy(item0)))
+    model = TwoTower(users, items).to(ss.get_backend(backend).device)
+    model.load_state_dict(linear_state, strict=False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-30)
+    users.attach(opt)
+    items.attach(opt)
+    return model, [opt]
+
+
+def in_memory_model(device, user0, item0, linear_state):
+    users = torch.nn.Embedding.from_pretrained(torch.from_numpy(user0), freeze=False, sparse=True)
+    items = torch.nn.Embedding.from_pretrained(torch.from_numpy(item0), freeze=False, sparse=True,
+                                               padding_idx=0)
+    model = TwoTower(users, items).to(device)
+    model.load_state_dict(linear_state, strict=False)
+    embeddings = [users.weight, items.weight]
+    dense = [p for p in model.parameters() if all(p is not e for e in embeddings)]
+    # Adam with a negligible eps is the same function as SparseAdam.
+    return model, [torch.optim.SparseAdam(embeddings, lr=0.01, eps=1e-30),
+                   torch.optim.Adam(dense, lr=0.01, eps=1e-30)]
+
+
+def train(model, opts, data):
+    for users, items, labels in data:
+        model(users, items, labels).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.fixture
+def init(rng):
+    user0 = rng.standard_normal((USERS, DIM), dtype=np.float32)
+    item0 = rng.standard_normal((ITEMS, DIM), dtype=np.float32)
+    item0[0] = 0
+    linear = TwoTower(torch.nn.Identity(), torch.nn.Identity()).state_dict()
+    return user0, item0, linear
+
+
+def test_two_tower_equals_in_memory_model(backend, init, rng):
+    device = ss.get_backend(backend).device
+    data = batches(rng, STEPS, device)
+    off, off_opts = offloaded_model(backend, *init)
+    ref, ref_opts = in_memory_model(device, *init)
+    train(off, off_opts, data)
+    train(ref, ref_opts, data)
+    np.testing.assert_allclose(off.users.table.to_numpy(), ref.users.weight.detach().cpu(), **TOL)
+    np.testing.assert_allclose(off.items.table.to_numpy(), ref.items.weight.detach().cpu(), **TOL)
+    assert not off.items.table.to_numpy()[0].any()  # padding row never trained
+    for name in ("user_proj.weight", "item_proj.weight", "item_proj.bias"):
+        np.testing.assert_allclose(off.get_parameter(name).detach().cpu(),
+                                   ref.get_parameter(name).detach().cpu(), **TOL)
+    # In eval mode the table is read directly, with no capacity limit.
+    off.eval()
+    with torch.no_grad():
+        every_user = off.users(torch.arange(USERS, device=device))
+    np.testing.assert_allclose(every_user.cpu(), ref.users.weight.detach().cpu(), **TOL)
+
+
+def test_state_dict_holds_the_working_set_not_the_table(backend):
+    emb = ss.OffloadedEmbedding(100_000, DIM, max_rows=16, backend=backend)
+    assert {k: tuple(v.shape) for k, v in emb.state_dict().items()} == {"weight": (16, DIM)}
+
+
+@pytest.mark.parametrize("fmt", ["ckpt.h5", "ckpt"])
+def test_checkpoint_restore_equals_never_stopping(fmt, backend, init, rng, tmp_path):
+    device = ss.get_backend(backend).device
+    data = batches(rng, 40, device)
+    straight, straight_opts = offloaded_model(backend, *init)
+    train(straight, straight_opts, data)
+
+    model, opts = offloaded_model(backend, *init)
+    train(model, opts, data[:15])
+    model.users.save(tmp_path / f"users-{fmt}")
+    model.items.save(tmp_path / f"items-{fmt}")
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opts[0].state_dict()}, saved)
+
+    other = [np.ones_like(init[0]), np.ones_like(init[1]), init[2]]
+    model, opts = offloaded_model(backend, *other)
+    saved.seek(0)
+    state = torch.load(saved)
+    model.load_state_dict(state["model"])
+    opts[0].load_state_dict(state["opt"])
+    model.users.load(tmp_path / f"users-{fmt}")
+    model.items.load(tmp_path / f"items-{fmt}")
+    train(model, opts, data[15:])
+    for part in ("users", "items"):
+        mine, theirs = getattr(model, part), getattr(straight, part)
+        np.testing.assert_array_equal(mine.table.to_numpy(), theirs.table.to_numpy())
+        for name, table in mine._state.tables.items():
+            np.testing.assert_array_equal(table.to_numpy(), theirs._state.tables[name].to_numpy())
+    for name, value in model.named_parameters():
+        if "proj" in name:
+            assert torch.equal(value, straight.get_parameter(name))
+
+
+def test_mmap_storage_trains_in_files(backend, init, rng, tmp_path):
+    device = ss.get_backend(backend).device
+    data = batches(rng, 20, device)
+    in_ram, ram_opts = offloaded_model(backend, *init)
+    on_disk, disk_opts = offloaded_model(backend, *init, storage="mmap", path=tmp_path)
+    train(in_ram, ram_opts, data)
+    train(on_disk, disk_opts, data)
+    on_disk.users.table.flush()
+    np.testing.assert_array_equal(np.load(tmp_path / "users" / "table.npy"),
+                                  in_ram.users.table.to_numpy())
+    assert (tmp_path / "users" / "exp_avg_sq.npy").exists()
+
+
+def test_errors_change_nothing(backend, init, tmp_path):
+    device = ss.get_backend(backend).device
+    emb = ss.OffloadedEmbedding(50, DIM, max_rows=4, backend=backend)
+    with pytest.raises(ss.StateError, match="attach"):
+        emb(torch.tensor([1]))
+    opt = torch.optim.Adam(emb.parameters())
+    emb.attach(opt)
+    before = emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.CapacityError, match="at most 4"):
+        emb(torch.tensor([1, 2, 3, 4, 5], device=device))
+    with pytest.raises(ss.IdError):
+        emb(torch.tensor([50], device=device))
+    with pytest.raises(ss.DTypeError):
+        emb(torch.tensor([1.0], device=device))
+    emb(torch.tensor([1, 2], device=device)).sum().backward()
+    with pytest.raises(ss.CapacityError):  # two more rows would overflow this step's set
+        emb(torch.tensor([3, 4, 5], device=device))
+    opt.step()
+    trained = emb.table.to_numpy(copy=True)
+    assert (trained[[1, 2]] != before[[1, 2]]).all()
+    np.testing.assert_array_equal(np.delete(trained, [1, 2], 0), np.delete(before, [1, 2], 0))
+
+    other = ss.OffloadedEmbedding(51, DIM, max_rows=4, backend=backend)
+    other.attach(torch.optim.Adam(other.parameters()))
+    other.save(tmp_path / "other.h5")
+    with pytest.raises(ss.FileFormatError):
+        emb.load(tmp_path / "other.h5")
+    sgd_emb = ss.OffloadedEmbedding(50, DIM, max_rows=4, backend=backend)
+    sgd_emb.attach(torch.optim.SGD(sgd_emb.parameters(), lr=0.1))
+    sgd_emb.save(tmp_path / "sgd")
+    with pytest.raises(ss.FileFormatError, match="optimizer"):
+        emb.load(tmp_path / "sgd")
+    np.testing.assert_array_equal(emb.table.to_numpy(), trained)
+    with pytest.raises(ss.OptionError, match="element-wise"):
+        emb.attach(torch.optim.LBFGS(emb.parameters()))

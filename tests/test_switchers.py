@@ -1,0 +1,270 @@
+"""ModelFactory / OptimizerFactory: the step protocol, errors that change nothing, checkpoints."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+from training_helpers import BATCH, CAPACITY, DIM, NEGS, skipgram_loss, zipf_batches
+
+ROWS = 300
+
+
+class SkipGram(torch.nn.Module):
+    def __init__(self, capacity=CAPACITY):
+        super().__init__()
+        self.u_embeddings = torch.nn.Embedding(capacity, DIM)
+
+
+def build(backend, seed_table, capacity=CAPACITY, lr=0.01):
+    device = ss.get_backend(backend).device
+    model = SkipGram(capacity).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    u = ss.ModelFactory(model.u_embeddings, ROWS, DIM, CPUPinn=True, backend=backend)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(seed_table)))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u_embeddings", CPUPinn=True, backend=backend)
+    return model, opt, u, o
+
+
+def train(model, opt, u, o, batches):
+    for pos, neg, ctx in batches:
+        lp, ln = u.before_forward(pos, neg)
+        o.before_forward(pos, neg)
+        skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), ctx).backward()
+        opt.step()
+        opt.zero_grad()
+        u.after_step(pos, neg)
+        o.after_step(pos, neg)
+
+
+@pytest.fixture
+def table0(rng):
+    return rng.standard_normal((ROWS, DIM), dtype=np.float32)
+
+
+def test_local_ids_are_slots_of_distinct_rows(backend, table0):
+    model, opt, u, o = build(backend, table0)
+    pos = np.array([[7, 7], [3, 299]])
+    neg = [3, 5]
+    local_pos, local_neg = u.beforeForwardPass(pos, neg)
+    assert local_pos.shape == (2, 2) and local_neg.shape == (2,)
+    rows = table0[np.concatenate([pos.ravel(), neg])]
+    got = model.u_embeddings(torch.cat([local_pos.ravel(), local_neg])).detach().cpu().numpy()
+    np.testing.assert_array_equal(got, rows)
+    # 4 distinct rows use the first 4 slots.
+    assert sorted(set(torch.cat([local_pos.ravel(), local_neg]).tolist())) == [0, 1, 2, 3]
+
+
+def test_repeated_ids_sum_their_gradients(backend, table0):
+    """Row 7 appears three times: SGD must move it by three gradients, like nn.Embedding."""
+    device = ss.get_backend(backend).device
+    emb = torch.nn.Embedding(4, DIM).to(device)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    u = ss.ModelFactory(emb, ROWS, DIM, storage="pageable", backend=backend)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    ids = torch.tensor([7, 7, 7, 1])
+    emb(u.before_forward(ids)).sum().backward()
+    opt.step()
+    u.after_step(ids)
+    expected = table0.copy()
+    expected[7] -= 0.3
+    expected[1] -= 0.1
+    np.testing.assert_allclose(u.to_numpy(), expected, rtol=1e-6)
+
+
+def test_placeholders_are_filled_in_place(backend, table0):
+    model, opt, u, o = build(backend, table0)
+    pos_in, neg_in = u.variableTransformer(2, 1, 3)
+    assert pos_in.tolist() == [[0], [1]] and neg_in.tolist() == [[2, 3, 4], [5, 6, 7]]
+    pos, neg = torch.tensor([9, 9]), torch.tensor([[9, 4, 4], [1, 2, 9]])
+    local_pos, local_neg = u.before_forward(pos, neg)
+    assert torch.equal(pos_in.view(-1).cpu(), local_pos.cpu())
+    assert torch.equal(neg_in.view(-1).cpu(), local_neg.view(-1).cpu())
+    assert pos_in[0, 0] == pos_in[1, 0] == neg_in[0, 0] == neg_in[1, 2]
+
+
+def test_init_methods(backend, table0):
+    torch.manual_seed(0)
+    model, opt, u, o = build(backend, table0)
+    u.zerosInit()
+    assert not u.getNumpyVersion().any()
+    u.uniformDistributionInit(-0.5, 0.25)
+    values = u.getNumpyVersion()
+    assert values.min() >= -0.5 and values.max() <= 0.25 and values.std() > 0.1
+    u.normalDistributionInit(3.0, 0.5)
+    assert abs(u.getNumpyVersion().mean() - 3.0) < 0.05
+    u.customInit(torch.nn.init.constant_, 1.5)
+    assert (u.getNumpyVersion() == 1.5).all()
+
+
+def test_gpu_aliases_keep_the_table_in_device_storage(backend, table0):
+    device = ss.get_backend(backend).device
+    model = SkipGram().to(device)
+    opt = torch.optim.Adagrad(model.parameters())
+    u = ss.GPUPytorchModelFactory(model.u_embeddings, ROWS, DIM, backend=backend)
+    o = ss.GPUPytorchOptimizerFactory(opt, ROWS, DIM, model, "u_embeddings.weight", backend=backend)
+    assert u.table.storage == "device"
+    assert all(t.storage == "device" for t in o.state.tables.values())
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _snapshot(u, o):
+    return u.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in o.state.tables.items()}
+
+
+def _assert_unchanged(u, o, snap):
+    np.testing.assert_array_equal(u.to_numpy(), snap[0])
+    for k, t in o.state.tables.items():
+        np.testing.assert_array_equal(t.to_numpy(), snap[1][k])
+
+
+@pytest.mark.parametrize("bad, error", [
+    ([1, ROWS], ss.IdError), ([-1, 2], ss.IdError), ([1.0, 2.0], ss.DTypeError)])
+def test_bad_ids_change_nothing(bad, error, backend, table0, rng):
+    model, opt, u, o = build(backend, table0)
+    train(model, opt, u, o, zipf_batches(rng, 3, ss.get_backend(backend).device, ROWS))
+    snap = _snapshot(u, o)
+    with pytest.raises(error):
+        u.before_forward(bad)
+    with pytest.raises(error):
+        o.before_forward([0], bad)
+    _assert_unchanged(u, o, snap)
+    # The switchers are still usable.
+    train(model, opt, u, o, zipf_batches(rng, 2, ss.get_backend(backend).device, ROWS))
+
+
+def test_capacity_overflow_names_the_capacity(backend, table0):
+    model, opt, u, o = build(backend, table0, capacity=8)
+    snap = _snapshot(u, o)
+    with pytest.raises(ss.CapacityError, match="at most 8"):
+        u.before_forward(torch.arange(9))
+    with pytest.raises(ss.CapacityError):
+        u.before_forward(torch.arange(5), torch.arange(5, 10))
+    _assert_unchanged(u, o, snap)
+    u.before_forward(torch.tensor([1, 2, 1, 2, 3, 4, 5, 6, 7, 8, 8]))  # 8 distinct rows fit
+
+
+def test_mismatched_after_step_changes_nothing(backend, table0):
+    model, opt, u, o = build(backend, table0)
+    pos, neg = torch.tensor([1, 2]), torch.tensor([[3], [4]])
+    lp, ln = u.before_forward(pos, neg)
+    o.before_forward(pos, neg)
+    skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), torch.ones(2, DIM)).backward()
+    opt.step()
+    snap = _snapshot(u, o)
+    for wrong in [(torch.tensor([2, 1]), neg), (pos, None), (pos, torch.tensor([[3], [5]]))]:
+        with pytest.raises(ss.StateError, match="other than those of the last before_forward"):
+            u.after_step(*wrong)
+        with pytest.raises(ss.StateError):
+            o.after_step(*wrong)
+    _assert_unchanged(u, o, snap)
+    u.after_step(pos, neg)
+    o.after_step(pos, neg)
+    assert not np.array_equal(u.to_numpy(), snap[0])
+    with pytest.raises(ss.StateError, match="without a matching before_forward"):
+        u.after_step(pos, neg)
+
+
+def test_placeholder_shape_mismatch_changes_nothing(backend, table0):
+    model, opt, u, o = build(backend, table0)
+    pos_in = u.variableTransformer(4, 1)
+    before = pos_in.clone()
+    with pytest.raises(ss.ShapeError, match="variableTransformer"):
+        u.before_forward(torch.tensor([1, 2, 3]))
+    assert torch.equal(pos_in, before)
+    u.before_forward(torch.tensor([1, 2, 3, 3]))
+
+
+def test_construction_errors(backend):
+    device = ss.get_backend(backend).device
+    model = SkipGram().to(device)
+    with pytest.raises(ss.ShapeError, match="embed_dimension"):
+        ss.ModelFactory(model.u_embeddings, ROWS, DIM + 1, backend=backend)
+    with pytest.raises(ss.DTypeError):
+        ss.ModelFactory(model.u_embeddings, ROWS, DIM, datatype="float16", backend=backend)
+    with pytest.raises(ss.OptionError, match="no parameter or embedding 'v_embeddings'"):
+        ss.OptimizerFactory(torch.optim.Adam(model.parameters()), ROWS, DIM, model, "v_embeddings",
+                            backend=backend)
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(ss.OptionError, match="element-wise"):
+        ss.OptimizerFactory(lbfgs, ROWS, DIM, model, "u_embeddings", backend=backend)
+    other = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2, device=device))])
+    with pytest.raises(ss.OptionError, match="does not hold"):
+        ss.OptimizerFactory(other, ROWS, DIM, model, "u_embeddings", backend=backend)
+
+
+def test_lost_optimizer_state_is_refused(backend, table0, rng):
+    model, opt, u, o = build(backend, table0)
+    batches = zipf_batches(rng, 2, ss.get_backend(backend).device, ROWS)
+    train(model, opt, u, o, batches[:1])
+    opt.state.clear()
+    with pytest.raises(ss.StateError, match="load_state_dict"):
+        o.before_forward(*batches[1][:2])
+
+
+# ------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("fmt", ["h5", "dir"])
+def test_checkpoint_restore_equals_never_stopping(fmt, backend, table0, rng, tmp_path):
+    device = ss.get_backend(backend).device
+    batches = zipf_batches(rng, 60, device, ROWS)
+    straight = build(backend, table0)
+    train(*straight, batches)
+
+    first = build(backend, table0)
+    train(*first, batches[:25])
+    model, opt, u, o = first
+    u.saveCupy(tmp_path / "u.npy")
+    o.save(tmp_path / ("opt.h5" if fmt == "h5" else "opt"))
+    opt_bytes = io.BytesIO()
+    torch.save(opt.state_dict(), opt_bytes)
+
+    other = rng.standard_normal((ROWS, DIM), dtype=np.float32)  # would differ if not loaded
+    model, opt, u, o = resumed = build(backend, other)
+    u.loadCupy(tmp_path / "u.npy")
+    o.load(tmp_path / ("opt.h5" if fmt == "h5" else "opt"))
+    opt_bytes.seek(0)
+    opt.load_state_dict(torch.load(opt_bytes))
+    train(*resumed, batches[25:])
+    np.testing.assert_array_equal(u.to_numpy(), straight[2].to_numpy())
+    for name, table in o.state.tables.items():
+        np.testing.assert_array_equal(table.to_numpy(), straight[3].state.tables[name].to_numpy())
+
+
+def test_loading_another_shape_changes_nothing(backend, table0, tmp_path):
+    model, opt, u, o = build(backend, table0)
+    np.save(tmp_path / "small.npy", np.ones((ROWS - 1, DIM), np.float32))
+    snap = _snapshot(u, o)
+    with pytest.raises(ss.FileFormatError, match="holds"):
+        u.load(tmp_path / "small.npy")
+    # A checkpoint of another optimizer, and one of another table size.
+    sgd_model = SkipGram()
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
+    ss.OptimizerFactory(sgd, ROWS, DIM, sgd_model, "u_embeddings", storage="pageable",
+                        backend="numpy").save(tmp_path / "sgd.h5")
+    with pytest.raises(ss.FileFormatError, match="optimizer='SGD'"):
+        o.load(tmp_path / "sgd.h5")
+    small_model = SkipGram()
+    small_opt = torch.optim.Adam(small_model.parameters())
+    ss.OptimizerFactory(small_opt, ROWS - 1, DIM, small_model, "u_embeddings",
+                        storage="pageable", backend="numpy").save(tmp_path / "small_opt")
+    with pytest.raises(ss.FileFormatError):
+        o.load(tmp_path / "small_opt")
+    _assert_unchanged(u, o, snap)
+
+
+def test_directory_checkpoint_never_replaces_a_foreign_directory(backend, table0, tmp_path):
+    model, opt, u, o = build(backend, table0)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ss.FileFormatError, match="not a speedswap checkpoint"):
+        o.save(tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    o.save(tmp_path / "ckpt")
+    o.save(tmp_path / "ckpt")  # replacing its own checkpoint is fine
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "mine"]
