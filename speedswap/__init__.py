@@ -7,6 +7,8 @@ is first used.
 """
 
 from .backends import STORAGE_KINDS, available_backends, get_backend
+from .data import DataGadget
+from .feeder import BatchFeeder
 from .errors import (BackendUnavailableError, CapacityError, DeviceError, DTypeError,
                      DuplicateIdError, FileFormatError, IdError, OptionError, ShapeError,
                      SpeedswapError, StateError)
@@ -26,6 +28,8 @@ __all__ = [
     "OptimizerFactory",
     "GPUPytorchModelFactory",
     "GPUPytorchOptimizerFactory",
+    "DataGadget",
+    "BatchFeeder",
     "STORAGE_KINDS",
     "available_backends",
     "get_backend",

@@ -1,0 +1,343 @@
+"""DataGadget: a ``.npy`` dataset held in host memory (or mapped from disk) whose rows move to the device.
+
+A dataset of shape ``(n, *row_shape)`` is kept as a :class:`~speedswap.HostTable`
+of ``(n, prod(row_shape))`` rows and reshaped back on the way out, so pinning,
+transport, validation and saving are the table's.
+
+>>> import numpy as np, speedswap as ss
+>>> images = np.arange(24, dtype=np.float32).reshape(4, 2, 3)
+>>> gadget = ss.DataGadget(images, backend="numpy")
+>>> gadget.get([3, 0]).shape
+torch.Size([2, 2, 3])
+"""
+
+import os
+
+import numpy as np
+import torch
+
+from . import io
+from .backends import STORAGE_KINDS
+from .convert import numpy_dtype
+from .errors import OptionError, ShapeError, StateError
+from .table import HostTable
+
+__all__ = ["DataGadget", "available_ram"]
+
+#: A file is memory-mapped (when ``mmap=None``) once it needs more than this
+#: share of the RAM available now: the rest is left for the model and the OS.
+RAM_SHARE = 0.75
+
+
+def available_ram():
+    """Bytes of RAM available to new allocations now (``MemAvailable`` on Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _row_shape_of(shape, what):
+    if len(shape) == 0 or shape[0] == 0:
+        raise ShapeError(f"{what} has shape {tuple(shape)}; a dataset needs at least one row "
+                         f"along its first axis")
+    return tuple(int(d) for d in shape[1:])
+
+
+def _row_length(row_shape):
+    return int(np.prod(row_shape, dtype=np.int64))
+
+
+class DataGadget:
+    """A dataset whose rows are gathered into device tensors (SpeedTorch's DataGadget).
+
+    The data is a ``.npy`` file or an array already in memory (no need to save
+    a file first). It is held in host memory, page-locked with ``CPUPinn=True``
+    so that rows reach the GPU at full bus speed, or memory-mapped from the
+    file when it is larger than the RAM available (or when ``mmap=True``):
+    then nothing is read up front and rows are paged in as they are used.
+
+    The file is validated when the gadget is built (truncated files, Fortran
+    order, object or record dtypes raise :class:`~speedswap.FileFormatError`);
+    its rows are read on first use or by :meth:`gadgetInit`.
+
+    Args:
+        fileName_or_array: a ``.npy`` path, or a numpy array / CPU tensor of
+            shape ``(n, ...)``. A C-contiguous array kept in pageable memory
+            is shared, not copied (writes through :meth:`put` change it); an
+            ``np.memmap`` stays mapped.
+        CPUPinn: hold the rows in page-locked memory (a copy). Without it they
+            stay in ordinary pageable memory. (SpeedTorch kept them in GPU
+            memory instead; pass ``storage="device"`` for that.)
+        mmap: ``True`` maps the file itself (writes through :meth:`put` reach
+            the file when it is writable; a read-only file gives a read-only
+            gadget), ``False`` reads it into memory, ``None`` maps it only when
+            it would take more than 3/4 of the RAM available.
+        backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
+        storage: any :data:`~speedswap.STORAGE_KINDS` kind except ``mmap``,
+            overriding ``CPUPinn`` (e.g. ``"device"`` keeps the data in GPU memory).
+
+    Raises:
+        FileFormatError: a malformed ``.npy`` file.
+        FileNotFoundError: no such file.
+        OptionError: a file that is not ``.npy``, ``mmap=True`` for an
+            in-memory array, or a bad ``storage``.
+        ShapeError: an array with no rows.
+        DTypeError: an unsupported dtype.
+
+    Example:
+        >>> gadget = ss.DataGadget("pairs.npy", CPUPinn=True)       # doctest: +SKIP
+        >>> batch = gadget.get(torch.randint(0, len(gadget), (4096,)))  # doctest: +SKIP
+    """
+
+    def __init__(self, fileName_or_array, CPUPinn=False, *, mmap=None, backend="auto", storage=None):
+        if storage is None:
+            storage = "pinned" if CPUPinn else "pageable"
+        if storage not in STORAGE_KINDS or storage == "mmap":
+            raise OptionError(f"storage must be one of {[k for k in STORAGE_KINDS if k != 'mmap']}, "
+                              f"got {storage!r}; memory-map a file with mmap=True instead")
+        if mmap not in (None, True, False):
+            raise OptionError(f"mmap must be True, False or None (decide by size), got {mmap!r}")
+        self._storage = storage
+        self._mmap = mmap
+        self._backend = backend
+        self._table = None
+        self._set_source(fileName_or_array)
+
+    def _set_source(self, data):
+        """Validate the file header or array and remember it; the rows are read later."""
+        if isinstance(data, (str, os.PathLike)):
+            path, array = os.fspath(data), None
+            header = self._read_header(path)
+            shape, dtype = header.shape, header.dtype
+        else:
+            path, array, header = None, self._as_array(data), None
+            shape, dtype = array.shape, array.dtype
+            if self._mmap and not isinstance(array, np.memmap):
+                raise OptionError("mmap=True maps a .npy file; this array is already in memory. "
+                                  "Pass the file's path, or np.load(path, mmap_mode='r+')")
+        row_shape = _row_shape_of(shape, "the dataset")
+        numpy_dtype(dtype)
+        self._path, self._array, self._header = path, array, header
+        self._row_shape, self._num_rows = row_shape, int(shape[0])
+
+    @staticmethod
+    def _read_header(path):
+        if io.file_format(path) != "npy":
+            raise OptionError(f"DataGadget reads .npy files; {path!r} is not one. Convert it "
+                              f"with np.save, or load HDF5 tables with HostTable.load")
+        return io.read_npy_header(path)
+
+    @staticmethod
+    def _as_array(data):
+        if isinstance(data, torch.Tensor):
+            if data.device.type != "cpu":
+                raise OptionError(f"DataGadget takes host data; this tensor is on {data.device}. "
+                                  f"Pass data.cpu(), or feed device tensors to BatchFeeder directly")
+            return data.detach().numpy()
+        return np.asarray(data)
+
+    # ------------------------------------------------------------------ load
+    def gadgetInit(self):
+        """Read the rows now (otherwise the first :meth:`get` does). Returns self.
+
+        Raises:
+            FileFormatError: the file changed since the gadget was built.
+        """
+        self._live_table()
+        return self
+
+    def _live_table(self):
+        if self._table is None:
+            self._table = self._build_table()
+        elif self._table.closed:
+            raise StateError("this DataGadget is closed; build a new one to read the data again")
+        return self._table
+
+    def _wants_mmap(self, nbytes):
+        if self._mmap is None:
+            return nbytes > RAM_SHARE * available_ram()
+        return self._mmap
+
+    def _build_table(self):
+        rows = (self._num_rows, _row_length(self._row_shape))
+        if self._array is not None:
+            flat = self._array.reshape(rows)
+            mapped = isinstance(flat, np.memmap) and self._mmap is not False
+            shared = self._storage == "pageable" and flat.flags.c_contiguous and self._mmap is not False
+            if mapped or shared:
+                return HostTable.adopt(flat, backend=self._backend)
+            return HostTable.from_numpy(flat, storage=self._storage, backend=self._backend)
+        header = io.read_npy_header(self._path)  # again: the file may have changed since then
+        io.check_matches(header, self._header.shape, self._header.dtype, self._path)
+        if self._wants_mmap(rows[0] * rows[1] * header.dtype.itemsize):
+            mode = "r+" if os.access(self._path, os.W_OK) else "r"
+            return HostTable.adopt(self._map(header, rows, mode), backend=self._backend)
+        # Copied chunk by chunk from a map, so there is no full-size temporary;
+        # copy-on-write ("c") because torch warns about read-only arrays.
+        return HostTable.from_numpy(self._map(header, rows, "c"), storage=self._storage,
+                                    backend=self._backend)
+
+    def _map(self, header, rows, mode):
+        return np.memmap(self._path, dtype=header.dtype, mode=mode, offset=header.offset,
+                         shape=rows, order="C")
+
+    # ------------------------------------------------------------ properties
+    @property
+    def shape(self):
+        """``(n, *row_shape)``, the dataset's shape."""
+        return (self._num_rows, *self._row_shape)
+
+    @property
+    def row_shape(self):
+        """The shape of one row (``()`` for a 1-D dataset such as labels)."""
+        return self._row_shape
+
+    @property
+    def table(self):
+        """The :class:`~speedswap.HostTable` holding the rows (reads them if needed)."""
+        return self._live_table()
+
+    @property
+    def dtype(self):
+        """The torch dtype of the rows."""
+        return self._live_table().dtype
+
+    @property
+    def device(self):
+        """The device :meth:`get` returns tensors on."""
+        return self._live_table().device
+
+    @property
+    def storage(self):
+        """Where the rows live: a storage kind, ``mmap`` when mapped from the file."""
+        return self._live_table().storage
+
+    @property
+    def path(self):
+        """The ``.npy`` file the data came from, or None for an in-memory array."""
+        return self._path
+
+    def __len__(self):
+        return self._num_rows
+
+    def __repr__(self):
+        where = repr(self._path) if self._path is not None else "<array>"
+        state = "not read yet" if self._table is None else f"storage={self.storage!r}"
+        return f"DataGadget({where}, shape={self.shape}, {state})"
+
+    # ------------------------------------------------------------- transport
+    def get(self, idx):
+        """Rows ``idx`` as a tensor on :attr:`device`.
+
+        Args:
+            idx: integer ids of any shape (numpy, list, or tensor on the CPU or
+                the device); duplicates allowed.
+
+        Returns:
+            torch.Tensor of shape ``(*idx.shape, *row_shape)``. On a GPU the
+            copy is ordered on torch's current stream and may still be running.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids.
+        """
+        rows = self._live_table().gather(idx)
+        return rows.view(*rows.shape[:-1], *self._row_shape)
+
+    def put(self, t, idx):
+        """Write ``t[i]`` into row ``idx[i]``.
+
+        Args:
+            t: values of shape ``(*idx.shape, *row_shape)`` with the dataset's
+                dtype (tensor on the CPU or the device, or numpy array).
+            idx: unique integer ids.
+
+        Raises:
+            IdError, DTypeError, DeviceError, ShapeError: bad ids or values.
+            DuplicateIdError: ``idx`` repeats an id.
+            StateError: the data is read-only (a read-only file or array).
+        """
+        table = self._live_table()
+        count = int(np.prod(np.shape(idx), dtype=np.int64))
+        if tuple(np.shape(t)) != (*np.shape(idx), *self._row_shape):
+            raise ShapeError(f"values have shape {tuple(np.shape(t))} but {count} ids of rows "
+                             f"shaped {self._row_shape} need shape "
+                             f"{(*np.shape(idx), *self._row_shape)}")
+        values = t.reshape(count, table.dim) if isinstance(t, torch.Tensor) else \
+            np.asarray(t).reshape(count, table.dim)
+        table.scatter(idx, values)
+
+    # ------------------------------------------------------------------ files
+    def save(self, path):
+        """Write the dataset to a ``.npy`` file atomically (previous file intact on failure).
+
+        Args:
+            path: the target ``*.npy``; the gadget's own mapped file is flushed in place.
+
+        Raises:
+            OptionError: ``path`` is not a ``.npy`` file.
+        """
+        if io.file_format(path) != "npy":
+            raise OptionError(f"DataGadget saves .npy files; name the target *.npy, got {os.fspath(path)!r}")
+        table = self._live_table()
+        if table.path is not None and os.path.abspath(path) == os.path.abspath(table.path):
+            table.flush()
+            return
+        rows = table.as_tensor()
+        np_dtype = numpy_dtype(table.dtype)
+        chunks = (rows[start:stop].cpu().numpy() for start, stop in io.row_ranges(table.shape, np_dtype))
+        io.write_npy(path, self.shape, np_dtype, chunks)
+
+    def load(self, path):
+        """Replace the data with a ``.npy`` file's (any shape), held as this gadget was asked to.
+
+        Args:
+            path: the ``*.npy`` file.
+
+        Returns:
+            self
+
+        Raises:
+            FileFormatError, FileNotFoundError, OptionError: as the constructor.
+        """
+        self._set_source(path)
+        self.close()
+        self._table = None
+        return self.gadgetInit()
+
+    def to_numpy(self, copy=False):
+        """The data as a numpy array of :attr:`shape`.
+
+        Args:
+            copy: an independent copy; otherwise host data is returned without
+                a copy (writes go through), device data as a host copy.
+
+        Returns:
+            numpy.ndarray
+        """
+        return self._live_table().to_numpy(copy=copy).reshape(self.shape)
+
+    def close(self):
+        """Release the rows' memory (flushing a mapped file). Idempotent."""
+        if self._table is not None:
+            self._table.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # SpeedTorch's names.
+    getData = get
+    getNumpyVersion = to_numpy
+    saveCupy = save
+    loadCupy = load
+
+    def insertData(self, dataObject, indexes):
+        """SpeedTorch's name for :meth:`put` (same argument order)."""
+        self.put(dataObject, indexes)

@@ -1,0 +1,351 @@
+"""BatchFeeder: whole batches of rows from arrays, memory-mapped files or DataGadgets, on the device.
+
+One index array per epoch (see :mod:`speedswap.orders`), one gather per
+source per batch: no per-row ``__getitem__``, no collate step.
+
+>>> import numpy as np, speedswap as ss
+>>> x = np.random.default_rng(0).standard_normal((10, 3)).astype(np.float32)
+>>> y = np.arange(10)
+>>> feeder = ss.BatchFeeder(x, y, batch_size=4, order="sequential", device="cpu")
+>>> [tuple(labels.tolist()) for _, labels in feeder]
+[(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
+"""
+
+import numpy as np
+import torch
+
+from .data import DataGadget
+from .errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
+from .orders import make_order, shard
+from .prefetch import CudaStager, ReaderThread, SyncReader
+from .table import HostTable
+
+__all__ = ["BatchFeeder"]
+
+_STATE_KEYS = ("epoch", "batch", "seed", "num_rows", "batch_size", "drop_last", "rank",
+               "world_size", "order")
+
+
+def _as_tensor(source, what):
+    """``(tensor, mapped)``: a source's rows as a tensor sharing its memory, and whether it is a file map."""
+    if isinstance(source, DataGadget):
+        table = source.table
+        return table.as_tensor().view(source.shape), table.storage == "mmap"
+    if isinstance(source, HostTable):
+        return source.as_tensor(), source.storage == "mmap"
+    if isinstance(source, torch.Tensor):
+        if source.dim() == 0:
+            raise ShapeError(f"{what} is a 0-d tensor; sources need rows along their first axis")
+        return source.detach().contiguous(), False
+    if isinstance(source, np.ndarray):
+        if source.ndim == 0:
+            raise ShapeError(f"{what} is a 0-d array; sources need rows along their first axis")
+        if source.size == 0:
+            raise ShapeError(f"{what} has shape {source.shape}: no rows, or empty rows; "
+                             f"sources need at least one non-empty row")
+        flat = source.reshape(len(source), -1)
+        if not flat.flags.c_contiguous:  # rows must be contiguous to be gathered: one copy
+            flat = np.ascontiguousarray(flat)
+        # Shares the array's memory; a memmap stays on disk and is paged in as rows are read.
+        table = HostTable.adopt(flat, backend="numpy")
+        return table.as_tensor().view(source.shape), isinstance(flat, np.memmap)
+    raise DTypeError(f"{what} is a {type(source).__name__}; sources must be numpy arrays, "
+                     f"memmaps, torch tensors, DataGadgets or HostTables")
+
+
+def _resolve_device(device):
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise OptionError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("device='cuda' but torch sees no CUDA device here; use device='auto' "
+                          "(falls back to the CPU) or device='cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise OptionError(f"BatchFeeder delivers to the CPU or a CUDA device, not {device.type!r}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _is_positive_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+
+
+def _resolve_ranks(rank, world_size):
+    dist = torch.distributed
+    initialised = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    if not _is_positive_int(world_size):
+        raise OptionError(f"world_size must be a positive int, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
+        raise OptionError(f"rank {rank!r} is outside the world of {world_size} ranks; "
+                          f"ranks are 0 .. {world_size - 1}")
+    return int(rank), int(world_size)
+
+
+class BatchFeeder:
+    """Iterate over whole batches of rows of one or more sources, delivered on the device.
+
+    Sources are numpy arrays, ``np.memmap`` files, torch tensors,
+    :class:`~speedswap.DataGadget` or :class:`~speedswap.HostTable` objects with
+    the same number of rows; they are read in place, never copied. Each batch
+    is a tuple with one tensor per source (a dict when the sources are given by
+    name), each gathered with one indexing call.
+
+    **Epochs.** Iterating yields the rest of the current epoch; after its last
+    batch the feeder moves to the next epoch by itself (``set_epoch`` sets it,
+    as with ``DistributedSampler``). The position lives in the feeder, not in
+    the loop: a loop left early with ``break`` is continued by the next one,
+    and :meth:`state_dict` / :meth:`load_state_dict` restart the exact stream.
+
+    **Lifetime.** Yielded tensors are never reused by the feeder: keep them
+    as long as you like. On the CPU each is a fresh tensor. On a GPU each is a
+    fresh device allocation filled on a side stream and recorded as used by
+    your current stream, so the caching allocator does not hand its memory out
+    again while your work on it is queued.
+
+    **Read-ahead.** On a GPU, rows are gathered into a ring of ``prefetch + 2``
+    page-locked staging slots per source by a background thread and copied on
+    a side CUDA stream, so batch ``i + 1`` is read and copied while batch ``i``
+    trains. On the CPU a background thread reads ``prefetch`` batches ahead
+    when a source is a memory-mapped file (page faults overlap training);
+    in-RAM sources are gathered on the spot, which is faster than any hand-off.
+    An exception met while reading ahead is raised in the training loop.
+    Sources must not be changed while a feeder iterates over them.
+
+    Args:
+        *sources: the data, each of shape ``(n, ...)``.
+        batch_size: rows per batch.
+        order: ``"random"`` (a new permutation each epoch, from ``(seed, epoch)``),
+            ``"block"`` (quasi-random: shuffled contiguous blocks, rows
+            shuffled within a window of blocks, for files larger than RAM),
+            ``"sequential"``, or an order object from :mod:`speedswap.orders`.
+        drop_last: drop the last, incomplete batch (and, with several ranks,
+            the rows that do not divide evenly between them).
+        seed: seeds the order; the same seed gives the same stream.
+        device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        prefetch: batches read ahead (0: none, everything on the calling thread).
+        rank, world_size: this process's share of every epoch, split as
+            ``DistributedSampler`` does (padded by repeating rows unless
+            ``drop_last``). Default: from ``torch.distributed`` when it is
+            initialised, else a single rank.
+        transform: ``transform(batch)`` applied to each batch before it is
+            yielded, on the calling thread.
+        **named_sources: sources by name; batches are then dicts.
+
+    Raises:
+        OptionError: no sources, both positional and named ones, a bad
+            ``batch_size``/``prefetch``/``seed``, an unknown ``order``, a rank
+            outside the world, or a non-callable ``transform``.
+        ShapeError: sources with different numbers of rows, or none.
+        DeviceError: a source on another device than ``device``, or no CUDA.
+        DTypeError: a source of an unsupported type or dtype.
+
+    Example:
+        >>> feeder = ss.BatchFeeder(ss.DataGadget("x.npy"), labels, batch_size=4096)  # doctest: +SKIP
+        >>> for epoch in range(10):                                            # doctest: +SKIP
+        ...     for x, y in feeder:
+        ...         loss = model(x, y); ...
+    """
+
+    def __init__(self, *sources, batch_size, order="random", drop_last=False, seed=0, device="auto",
+                 prefetch=2, rank=None, world_size=None, transform=None, **named_sources):
+        if sources and named_sources:
+            raise OptionError("give the sources either all by position (batches are tuples) or "
+                              "all by name (batches are dicts), not both")
+        if not sources and not named_sources:
+            raise OptionError("BatchFeeder needs at least one source: BatchFeeder(x, y, batch_size=...)")
+        if not _is_positive_int(batch_size):
+            raise OptionError(f"batch_size must be a positive int, got {batch_size!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+            raise OptionError(f"prefetch must be an int >= 0 (batches read ahead), got {prefetch!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise OptionError(f"seed must be an int >= 0, got {seed!r}")
+        if transform is not None and not callable(transform):
+            raise OptionError(f"transform must be callable, got {type(transform).__name__}")
+        self._names = tuple(named_sources) if named_sources else None
+        items = named_sources.items() if named_sources else enumerate(sources)
+        described = [(f"source {key!r}", source) for key, source in items]
+        columns = [_as_tensor(source, what) for what, source in described]
+        self._columns = tuple(tensor for tensor, _ in columns)
+        self._mapped = any(mapped for _, mapped in columns)
+        lengths = {what: len(tensor) for (what, _), tensor in zip(described, self._columns)}
+        if len(set(lengths.values())) != 1:
+            raise ShapeError(f"sources must have the same number of rows, got "
+                             f"{', '.join(f'{w}: {n}' for w, n in lengths.items())}")
+        if not self._columns[0].numel():
+            raise ShapeError("the sources have no rows (or empty rows); give at least one row")
+        self._device = _resolve_device(device)
+        for (what, _), tensor in zip(described, self._columns):
+            if tensor.device.type != "cpu" and tensor.device != self._device:
+                raise DeviceError(f"{what} lives on {tensor.device} but this feeder delivers to "
+                                  f"{self._device}; move it, or pass device={str(tensor.device)!r}")
+        self._num_rows = len(self._columns[0])
+        row_bytes = sum(t[0].numel() * t.element_size() for t in self._columns)
+        self._order = make_order(order, row_bytes)
+        self._batch_size = int(batch_size)
+        self._drop_last = bool(drop_last)
+        self._seed = int(seed)
+        self._prefetch = int(prefetch)
+        self._rank, self._world_size = _resolve_ranks(rank, world_size)
+        self._transform = transform
+        self._stager = (CudaStager(self._device, sum(t.device.type == "cpu" for t in self._columns),
+                                   self._prefetch + 2)
+                        if self._device.type == "cuda" else None)
+        self._epoch = 0
+        self._batch = 0
+        self._generation = 0  # bumped whenever the position is set from outside an iteration
+        self._reader = None
+        self._ids = (None, None, None)  # (epoch, CPU ids, device ids) of the epoch being read
+
+    # ------------------------------------------------------------ properties
+    @property
+    def rows_per_rank(self):
+        """Rows this rank reads per epoch (including padding rows)."""
+        n, w = self._num_rows, self._world_size
+        if w == 1:
+            return n
+        return n // w if self._drop_last else -(-n // w)
+
+    def __len__(self):
+        """Batches per epoch on this rank (the same on every rank)."""
+        rows = self.rows_per_rank
+        return rows // self._batch_size if self._drop_last else -(-rows // self._batch_size)
+
+    @property
+    def epoch(self):
+        """The epoch the next batch comes from."""
+        return self._epoch
+
+    @property
+    def device(self):
+        """The device batches are delivered on."""
+        return self._device
+
+    @property
+    def order(self):
+        """The order object (see :mod:`speedswap.orders`)."""
+        return self._order
+
+    def __repr__(self):
+        return (f"BatchFeeder({len(self._columns)} sources x {self._num_rows} rows, "
+                f"batch_size={self._batch_size}, order={self._order.name!r}, device={self._device}, "
+                f"rank {self._rank}/{self._world_size}, epoch {self._epoch}, batch {self._batch}/{len(self)})")
+
+    # -------------------------------------------------------------- position
+    def _reposition(self, epoch, batch):
+        self._stop_reader()
+        self._generation += 1
+        self._epoch, self._batch = epoch, batch
+
+    def set_epoch(self, epoch):
+        """Start epoch ``epoch`` from its first batch (its order depends on it).
+
+        Raises:
+            OptionError: a negative or non-int epoch.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise OptionError(f"epoch must be an int >= 0, got {epoch!r}")
+        self._reposition(int(epoch), 0)
+
+    def state_dict(self):
+        """Where the stream stands: the next batch to yield, and what defines the stream.
+
+        Batches read ahead but not yet yielded are not counted, so resuming
+        repeats none and skips none.
+
+        Returns:
+            dict of plain Python values (safe for ``torch.save`` / JSON).
+        """
+        return {"epoch": self._epoch, "batch": self._batch, "seed": self._seed,
+                "num_rows": self._num_rows, "batch_size": self._batch_size,
+                "drop_last": self._drop_last, "rank": self._rank, "world_size": self._world_size,
+                "order": self._order.describe()}
+
+    def load_state_dict(self, state):
+        """Continue the stream from :meth:`state_dict`'s position.
+
+        Raises:
+            StateError: the state comes from a feeder with another seed, data
+                size, batch size, order, ``drop_last`` or rank; or is malformed.
+        """
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise StateError(f"not a BatchFeeder state: keys {missing} are missing")
+        mine = self.state_dict()
+        differ = [f"{key}: saved {state[key]!r}, this feeder {mine[key]!r}"
+                  for key in _STATE_KEYS[2:] if state[key] != mine[key]]
+        if differ:
+            raise StateError("this state belongs to a different stream (" + "; ".join(differ) +
+                             "); build the feeder with the same arguments to resume it")
+        epoch, batch = state["epoch"], state["batch"]
+        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(batch, int) and 0 <= batch < max(1, len(self))):
+            raise StateError(f"state position epoch={epoch!r}, batch={batch!r} is not one of this "
+                             f"feeder's ({len(self)} batches per epoch)")
+        self._reposition(epoch, batch)
+
+    # ------------------------------------------------------------- iteration
+    def _epoch_ids(self, epoch):
+        if self._ids[0] != epoch:
+            order = self._order.indices(self._num_rows, self._seed, epoch)
+            ids = torch.from_numpy(shard(order, self._rank, self._world_size, self._drop_last))
+            on_device = (ids.to(self._device) if any(t.device.type == "cuda" for t in self._columns)
+                         else None)
+            self._ids = (epoch, ids, on_device)
+        return self._ids[1], self._ids[2]
+
+    def _stop_reader(self):
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def __iter__(self):
+        self._reposition(self._epoch, self._batch)
+        return self._run(self._generation)
+
+    def _run(self, generation):
+        self._check_current(generation)
+        count = len(self)
+        epoch, start = self._epoch, self._batch
+        ids, device_ids = self._epoch_ids(epoch)
+        size = self._batch_size
+
+        def read(k):
+            lo, hi = k * size, (k + 1) * size
+            if self._stager is not None:
+                return self._stager.launch(self._columns, ids[lo:hi],
+                                           None if device_ids is None else device_ids[lo:hi])
+            return tuple(torch.index_select(column, 0, ids[lo:hi]) for column in self._columns), None
+
+        threaded = self._prefetch > 0 and (self._stager is not None or self._mapped)
+        reader = ReaderThread(read, start, count, self._prefetch) if threaded else SyncReader(read, start)
+        self._reader = reader
+        try:
+            for _ in range(start, count):
+                self._check_current(generation)
+                tensors, done = reader.next()
+                self._batch += 1
+                if self._batch == count:
+                    self._epoch, self._batch = self._epoch + 1, 0
+                yield self._finish(tensors, done)
+        finally:
+            reader.close()
+            if self._reader is reader:
+                self._reader = None
+
+    def _check_current(self, generation):
+        if self._generation != generation:
+            raise StateError("this loop over the feeder was superseded: a newer loop, set_epoch "
+                             "or load_state_dict moved the feeder since; iterate the feeder anew")
+
+    def _finish(self, tensors, done):
+        if done is not None:
+            tensors = self._stager.deliver(tensors, done)
+        batch = dict(zip(self._names, tensors)) if self._names is not None else tensors
+        return batch if self._transform is None else self._transform(batch)

@@ -1,0 +1,212 @@
+"""Epoch orders and sharding: which rows each rank reads, in which order.
+
+An order turns ``(num_rows, seed, epoch)`` into a permutation of
+``range(num_rows)``; :func:`shard` then splits it between ranks the way
+``torch.utils.data.DistributedSampler`` does. Both are pure functions of
+their arguments, which is what makes a :class:`~speedswap.BatchFeeder`
+resumable: the rest of an epoch is recomputed, never stored.
+
+>>> from speedswap.orders import BlockOrder, shard
+>>> order = BlockOrder(block_rows=2, window=2)
+>>> sorted(order.indices(7, seed=0, epoch=0).tolist())
+[0, 1, 2, 3, 4, 5, 6]
+>>> shard(np.arange(5), rank=1, world_size=2, drop_last=False).tolist()
+[1, 3, 0]
+"""
+
+import numpy as np
+
+from .errors import OptionError
+
+__all__ = ["RandomOrder", "BlockOrder", "SequentialOrder", "ORDERS", "make_order", "shard"]
+
+#: Bytes per block when ``order="block"`` picks the block size itself: large
+#: enough that reading one block from disk is a sequential read, small enough
+#: that a window of blocks stays a small share of RAM.
+BLOCK_BYTES = 4 << 20
+
+
+def _generator(seed, epoch):
+    # A SeedSequence of the pair, not seed + epoch: (seed=0, epoch=1) and
+    # (seed=1, epoch=0) must not give the same order.
+    return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
+
+
+class SequentialOrder:
+    """Rows in file order, every epoch the same."""
+
+    name = "sequential"
+
+    def indices(self, num_rows, seed, epoch):
+        """The row order of one epoch: ``arange(num_rows)``.
+
+        Args:
+            num_rows: rows in the dataset.
+            seed, epoch: ignored by this order; accepted so every order is called alike.
+
+        Returns:
+            numpy.ndarray of int64.
+        """
+        return np.arange(num_rows, dtype=np.int64)
+
+    def describe(self):
+        return {"name": self.name}
+
+
+class RandomOrder:
+    """A fresh uniform permutation per epoch, drawn from ``(seed, epoch)``.
+
+    Reads rows at random, so a memory-mapped source larger than RAM is read
+    at the disk's random-access speed; prefer :class:`BlockOrder` there.
+    """
+
+    name = "random"
+
+    def indices(self, num_rows, seed, epoch):
+        """The row order of one epoch.
+
+        Args:
+            num_rows: rows in the dataset.
+            seed: the feeder's seed.
+            epoch: the epoch number.
+
+        Returns:
+            numpy.ndarray of int64, a permutation of ``range(num_rows)``.
+        """
+        return _generator(seed, epoch).permutation(num_rows)
+
+    def describe(self):
+        return {"name": self.name}
+
+
+class BlockOrder:
+    """Quasi-random order that reads a large file mostly sequentially (FFCV's QUASI_RANDOM).
+
+    The rows are cut into contiguous blocks of ``block_rows``; the blocks are
+    shuffled, taken ``window`` at a time, and the rows of each window are
+    shuffled together. At any moment only one window of blocks is being read,
+    each block a contiguous stretch of the file, so a memory-mapped dataset
+    larger than RAM streams from disk instead of seeking per row. Every row
+    still appears exactly once per epoch; rows from blocks far apart in the
+    file never share a batch window, which is the price of the speed.
+
+    Args:
+        block_rows: rows per block, or None to let the feeder pick about
+            4 MiB of rows (see :func:`make_order`).
+        window: blocks shuffled together.
+
+    Raises:
+        OptionError: a non-positive ``block_rows`` or ``window``.
+    """
+
+    name = "block"
+
+    def __init__(self, block_rows=None, window=8):
+        for what, value in (("block_rows", block_rows), ("window", window)):
+            if value is None and what == "block_rows":
+                continue
+            if not _positive_int(value):
+                raise OptionError(f"BlockOrder {what} must be a positive int, got {value!r}")
+        self.block_rows = None if block_rows is None else int(block_rows)
+        self.window = int(window)
+
+    def indices(self, num_rows, seed, epoch):
+        """The row order of one epoch.
+
+        Args:
+            num_rows: rows in the dataset.
+            seed: the feeder's seed.
+            epoch: the epoch number.
+
+        Returns:
+            numpy.ndarray of int64, a permutation of ``range(num_rows)``.
+
+        Raises:
+            OptionError: ``block_rows`` was never chosen (use :func:`make_order`).
+        """
+        if self.block_rows is None:
+            raise OptionError("BlockOrder(block_rows=None) needs a block size; build it with "
+                              "make_order(order, row_bytes) or pass block_rows")
+        rng = _generator(seed, epoch)
+        size, window = self.block_rows, self.window
+        num_blocks = -(-num_rows // size)
+        num_windows = -(-num_blocks // window)
+        # A (windows, window * size) grid of row ids, block after block in the
+        # shuffled block order, with -1 where the last block or window is
+        # short; shuffling each grid row and dropping the -1s shuffles every
+        # window in one vectorised pass.
+        blocks = np.full(num_windows * window, -1, dtype=np.int64)
+        blocks[:num_blocks] = rng.permutation(num_blocks)
+        grid = blocks[:, None] * size + np.arange(size, dtype=np.int64)
+        grid[(blocks < 0)[:, None] | (grid >= num_rows)] = -1
+        grid = rng.permuted(grid.reshape(num_windows, window * size), axis=1).reshape(-1)
+        return grid[grid >= 0]
+
+    def describe(self):
+        return {"name": self.name, "block_rows": self.block_rows, "window": self.window}
+
+
+ORDERS = {"random": RandomOrder, "block": BlockOrder, "sequential": SequentialOrder}
+
+
+def _positive_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+
+
+def make_order(order, row_bytes):
+    """The order object for a feeder's ``order`` argument.
+
+    Args:
+        order: ``"random"``, ``"block"``, ``"sequential"``, or an order object
+            (:class:`RandomOrder`, :class:`BlockOrder`, :class:`SequentialOrder`).
+        row_bytes: bytes of one row across all sources; sets the block size
+            of a :class:`BlockOrder` that has none (about 4 MiB per block).
+
+    Returns:
+        An order object with an ``indices(num_rows, seed, epoch)`` method.
+
+    Raises:
+        OptionError: an unknown order.
+    """
+    if isinstance(order, str):
+        if order not in ORDERS:
+            raise OptionError(f"unknown order {order!r}; choose one of {sorted(ORDERS)} "
+                              f"or pass an order object such as BlockOrder(block_rows=4096)")
+        order = ORDERS[order]()
+    if not isinstance(order, tuple(ORDERS.values())):
+        raise OptionError(f"order must be one of {sorted(ORDERS)} or an order object, "
+                          f"got {type(order).__name__}")
+    if isinstance(order, BlockOrder) and order.block_rows is None:
+        order = BlockOrder(max(1, BLOCK_BYTES // max(1, int(row_bytes))), order.window)
+    return order
+
+
+def shard(indices, rank, world_size, drop_last):
+    """This rank's share of an epoch's indices, as ``DistributedSampler`` splits them.
+
+    Every rank gets the same number of rows. Without ``drop_last`` the order
+    is padded by repeating its first rows until it divides evenly (so a few
+    rows are read twice per epoch); with ``drop_last`` the tail that does not
+    divide evenly is dropped. Rank ``r`` takes positions ``r, r + world_size, ...``.
+
+    Args:
+        indices: the epoch's order (a permutation of the rows).
+        rank: this rank, in ``[0, world_size)``.
+        world_size: the number of ranks.
+        drop_last: drop the uneven tail instead of padding.
+
+    Returns:
+        numpy.ndarray of int64.
+    """
+    n = len(indices)
+    if world_size == 1:
+        return indices
+    if drop_last:
+        per_rank = n // world_size
+        indices = indices[:per_rank * world_size]
+    else:
+        per_rank = -(-n // world_size)
+        padding = per_rank * world_size - n
+        if padding:
+            indices = np.concatenate([indices, np.resize(indices, padding)])
+    return indices[rank::world_size]

@@ -1,0 +1,180 @@
+"""Read-ahead for :class:`~speedswap.BatchFeeder`: a background reader thread and GPU staging.
+
+Two pieces, used together or alone:
+
+* :class:`ReaderThread` runs the feeder's batch reads on a daemon thread,
+  a fixed number of batches ahead, and hands them over through a bounded
+  queue. An exception raised while reading is handed over in place of the
+  batch and re-raised in the training loop; the thread always posts either a
+  batch or an error for every batch it owes, so the loop never waits forever.
+* :class:`CudaStager` moves a batch to the GPU the way FFCV does: rows are
+  gathered on the CPU into a ring of page-locked staging slots
+  (:class:`~speedswap.backends.cuda_backend.StagingRing`, one event per slot so
+  a slot is rewritten only after its previous copy finished) and copied on a
+  side CUDA stream; the training stream waits on an event recorded after the
+  copies, never on the whole device.
+"""
+
+import atexit
+import queue
+import threading
+import weakref
+
+import torch
+
+__all__ = ["SyncReader", "ReaderThread", "CudaStager"]
+
+
+class SyncReader:
+    """Reads batch ``k`` when asked for it, on the calling thread.
+
+    Args:
+        read: ``read(k)`` returns batch ``k``.
+        start: the first batch to read.
+    """
+
+    def __init__(self, read, start):
+        self._read = read
+        self._next = start
+
+    def next(self):
+        """The next batch."""
+        batch = self._read(self._next)
+        self._next += 1
+        return batch
+
+    def close(self):
+        """Nothing runs in the background; present so readers are interchangeable."""
+
+
+_RUNNING = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_readers():
+    # A loop abandoned without being closed leaves its reader blocked on a full
+    # queue; stop it before the interpreter tears torch down under it.
+    for reader in list(_RUNNING):
+        reader.close()
+
+
+class ReaderThread:
+    """Reads batches ``start .. stop - 1`` on a daemon thread, up to ``depth`` ahead.
+
+    Args:
+        read: ``read(k)`` returns batch ``k``; runs on the reader thread.
+        start, stop: the batches to read, in order.
+        depth: how many finished batches may wait in the queue.
+    """
+
+    _POLL_S = 0.05  # how often a reader blocked on a full queue checks for close()
+
+    def __init__(self, read, start, stop, depth):
+        self._queue = queue.Queue(maxsize=depth)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._work, args=(read, start, stop), daemon=True,
+                                        name="speedswap-feeder-reader")
+        self._thread.start()
+        _RUNNING.add(self)
+
+    def _work(self, read, start, stop):
+        try:
+            for k in range(start, stop):
+                if not self._offer((True, read(k))):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - handed to the training loop, re-raised there
+            self._offer((False, exc))
+
+    def _offer(self, item):
+        while not self._closing.is_set():
+            try:
+                self._queue.put(item, timeout=self._POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def next(self):
+        """The next batch; re-raises here an exception the reader thread met.
+
+        Raises:
+            Exception: whatever reading the batch raised, with its traceback.
+        """
+        ok, value = self._queue.get()
+        if ok:
+            return value
+        self.close()
+        raise value
+
+    def close(self):
+        """Stop reading ahead and wait for the thread (at most the batch it is reading). Idempotent."""
+        self._closing.set()
+        self._thread.join()
+        _RUNNING.discard(self)
+
+    @property
+    def alive(self):
+        """Whether the reader thread is still running."""
+        return self._thread.is_alive()
+
+
+class CudaStager:
+    """Gathers batches into page-locked staging slots and copies them to the GPU on a side stream.
+
+    The tensors it returns are fresh device allocations made on the side
+    stream; :meth:`deliver` makes the caller's stream wait for the copies and
+    records the tensors as used by that stream, so the caching allocator does
+    not hand their memory out again while the caller still uses them. The
+    caller may keep them as long as it likes.
+
+    Args:
+        device: the CUDA device.
+        host_columns: how many sources live in host memory (one staging ring each).
+        slots: staging slots per source; reads ahead by up to ``slots - 1`` batches
+            without waiting for a copy.
+    """
+
+    def __init__(self, device, host_columns, slots):
+        from .backends.cuda_backend import StagingRing  # torch-only; no CuPy import
+        self._device = device
+        self._stream = torch.cuda.Stream(device)
+        self._rings = [StagingRing(device, slots) for _ in range(host_columns)]
+
+    def launch(self, columns, ids, device_ids):
+        """Start moving rows ``ids`` of every column to the GPU; returns before the copies finish.
+
+        Args:
+            columns: the feeder's source tensors, in order; host ones are
+                gathered on the CPU and staged, device ones gathered on the GPU.
+            ids: the batch's row ids, a CPU int64 tensor.
+            device_ids: the same ids on the GPU (None when no column is on it).
+
+        Returns:
+            ``(tensors, event)``: the batch's device tensors and the event that
+            fires when they are complete.
+        """
+        rings = iter(self._rings)
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            out = []
+            for column in columns:
+                if column.device.type == "cuda":
+                    out.append(torch.index_select(column, 0, device_ids))
+                    continue
+                target = torch.empty((len(ids), *column.shape[1:]), dtype=column.dtype,
+                                     device=self._device)
+                out.append(next(rings).gather(column, ids, target))
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        return tuple(out), done
+
+    def deliver(self, tensors, done):
+        """Order the caller's current stream after a batch's copies (no host wait).
+
+        Returns:
+            ``tensors``.
+        """
+        stream = torch.cuda.current_stream(self._device)
+        stream.wait_event(done)
+        for tensor in tensors:
+            tensor.record_stream(stream)
+        return tensors

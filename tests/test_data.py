@@ -1,0 +1,225 @@
+"""DataGadget: rows of .npy files and in-memory arrays to the device and back."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+import speedswap.data
+
+
+def random_data(rng, shape, dtype=np.float32):
+    """Fresh random values in [1, 2) with random signs: never zeros."""
+    return (rng.uniform(1.0, 2.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)).astype(dtype)
+
+
+@pytest.fixture(params=["file", "array"])
+def kind(request):
+    return request.param
+
+
+def gadget_of(data, kind, tmp_path, **kwargs):
+    if kind == "file":
+        path = tmp_path / "data.npy"
+        np.save(path, data)
+        return ss.DataGadget(path, **kwargs)
+    return ss.DataGadget(data, **kwargs)
+
+
+@pytest.mark.parametrize("shape", [(500, 12), (300, 3, 4), (400,)])
+@pytest.mark.parametrize("pinned", [False, True])
+def test_get_matches_numpy(backend, kind, shape, pinned, rng, tmp_path):
+    data = random_data(rng, shape)
+    gadget = gadget_of(data, kind, tmp_path, CPUPinn=pinned, backend=backend)
+    assert gadget.shape == shape and len(gadget) == shape[0]
+    ids = rng.integers(0, shape[0], size=(7, 90))  # duplicates, any shape
+    got = gadget.get(ids)
+    assert tuple(got.shape) == (7, 90, *shape[1:])
+    assert got.device == gadget.device and got.dtype == torch.float32
+    np.testing.assert_array_equal(got.cpu().numpy(), data[ids])
+    np.testing.assert_array_equal(gadget.getData(torch.from_numpy(ids[0])).cpu().numpy(), data[ids[0]])
+    assert gadget.storage == ("pinned" if pinned else "pageable")
+
+
+def test_integer_labels_round_trip(backend, rng):
+    labels = rng.integers(-1000, 1000, size=777)
+    gadget = ss.DataGadget(labels, backend=backend)
+    ids = rng.integers(0, 777, size=1000)
+    got = gadget.get(ids)
+    assert got.dtype == torch.int64
+    np.testing.assert_array_equal(got.cpu().numpy(), labels[ids])
+
+
+def test_put_then_get(backend, kind, rng, tmp_path):
+    data = random_data(rng, (200, 2, 5))
+    gadget = gadget_of(data.copy(), kind, tmp_path, CPUPinn=True, backend=backend)
+    rows = rng.choice(200, size=30, replace=False)
+    values = random_data(rng, (30, 2, 5))
+    gadget.put(torch.from_numpy(values).to(gadget.device), rows)
+    expected = data.copy()
+    expected[rows] = values
+    np.testing.assert_array_equal(gadget.to_numpy(), expected)
+    more = rng.choice(200, size=4, replace=False)
+    values = random_data(rng, (4, 2, 5))
+    gadget.insertData(values, more)  # SpeedTorch's argument order: data, then indexes
+    expected[more] = values
+    np.testing.assert_array_equal(gadget.getNumpyVersion(), expected)
+
+
+def test_pageable_array_is_shared_pinned_is_copied(rng):
+    data = random_data(rng, (50, 3))
+    shared = ss.DataGadget(data, backend="numpy")
+    shared.put(np.full((1, 3), 7.0, np.float32), [4])
+    assert data[4].tolist() == [7.0, 7.0, 7.0]
+    copied = ss.DataGadget(data, CPUPinn=True, backend="numpy")
+    copied.put(np.full((1, 3), 9.0, np.float32), [4])
+    assert data[4].tolist() == [7.0, 7.0, 7.0]
+
+
+def test_bad_puts_change_nothing(rng):
+    data = random_data(rng, (40, 3))
+    gadget = ss.DataGadget(data.copy(), backend="numpy")
+    with pytest.raises(ss.ShapeError, match=r"need shape \(2, 3\)"):
+        gadget.put(np.ones((2, 4), np.float32), [1, 2])
+    with pytest.raises(ss.DuplicateIdError):
+        gadget.put(np.ones((2, 3), np.float32), [5, 5])
+    with pytest.raises(ss.IdError):
+        gadget.put(np.ones((2, 3), np.float32), [5, 40])
+    with pytest.raises(ss.DTypeError):
+        gadget.put(np.ones((2, 3), np.float64), [1, 2])
+    np.testing.assert_array_equal(gadget.to_numpy(), data)
+
+
+def test_read_only_sources_refuse_puts(rng, tmp_path):
+    data = random_data(rng, (30, 2))
+    frozen = data.copy()
+    frozen.setflags(write=False)
+    path = tmp_path / "ro.npy"
+    np.save(path, data)
+    for gadget in (ss.DataGadget(frozen, backend="numpy"),
+                   ss.DataGadget(np.load(path, mmap_mode="r"), backend="numpy")):
+        np.testing.assert_array_equal(gadget.get([0, 29]).numpy(), data[[0, 29]])
+        with pytest.raises(ss.StateError, match="read-only"):
+            gadget.put(np.ones((1, 2), np.float32), [0])
+    np.testing.assert_array_equal(np.load(path), data)
+
+
+def test_save_load_round_trip_keeps_the_shape(backend, rng, tmp_path):
+    data = random_data(rng, (120, 3, 2))
+    gadget = ss.DataGadget(data, CPUPinn=True, backend=backend)
+    gadget.saveCupy(tmp_path / "out.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), data)
+    other = random_data(rng, (9, 4))
+    np.save(tmp_path / "other.npy", other)
+    assert gadget.loadCupy(tmp_path / "other.npy") is gadget
+    assert gadget.shape == (9, 4) and gadget.storage == "pinned"
+    np.testing.assert_array_equal(gadget.get([8, 0]).cpu().numpy(), other[[8, 0]])
+
+
+def test_mmap_reads_lazily_and_writes_through(backend, rng, tmp_path):
+    path = tmp_path / "data.npy"
+    data = random_data(rng, (300, 6))
+    np.save(path, data)
+    gadget = ss.DataGadget(path, mmap=True, backend=backend)
+    assert "not read yet" in repr(gadget)
+    assert gadget.gadgetInit() is gadget and gadget.storage == "mmap"
+    ids = rng.integers(0, 300, size=100)
+    np.testing.assert_array_equal(gadget.get(ids).cpu().numpy(), data[ids])
+    values = random_data(rng, (2, 6))
+    gadget.put(values, [10, 20])
+    gadget.save(path)  # its own file: flushed in place
+    data[[10, 20]] = values
+    np.testing.assert_array_equal(np.load(path), data)
+
+
+def test_mmap_is_chosen_when_the_file_outgrows_ram(rng, tmp_path, monkeypatch):
+    path = tmp_path / "data.npy"
+    data = random_data(rng, (64, 16))  # 4 KiB
+    np.save(path, data)
+    monkeypatch.setattr(speedswap.data, "available_ram", lambda: 4096)
+    assert ss.DataGadget(path, backend="numpy").storage == "mmap"
+    monkeypatch.setattr(speedswap.data, "available_ram", lambda: 1 << 30)
+    assert ss.DataGadget(path, backend="numpy").storage == "pageable"
+    assert ss.DataGadget(path, mmap=True, backend="numpy").storage == "mmap"
+
+
+def _resident_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc to read memory use")
+def test_mmap_over_a_file_far_larger_than_the_rows_touched(rng, tmp_path):
+    rows, dim = 2_000_000, 256  # a 2 GiB file, sparse on disk: only the rows written use space
+    path = tmp_path / "big.npy"
+    big = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, dim))
+    touched = rng.choice(rows, size=2000, replace=False)
+    values = random_data(rng, (2000, dim))
+    big[touched] = values
+    big.flush()
+    del big
+    before = _resident_bytes()
+    gadget = ss.DataGadget(path, mmap=True, backend="numpy")
+    order = rng.permutation(2000)
+    np.testing.assert_array_equal(gadget.get(touched[order]).numpy(), values[order])
+    grown = _resident_bytes() - before
+    assert gadget.storage == "mmap" and gadget.table.memory()["host"] == 0
+    # The kernel pages in some read-ahead around each row touched (~64 KiB), but
+    # nothing like the whole file: reading it up front would add 2 GiB.
+    file_bytes = rows * dim * 4
+    assert grown < file_bytes // 4, f"resident memory grew by {grown} bytes reading 2000 rows"
+    gadget.close()
+
+
+def test_bad_files_fail_at_construction(tmp_path):
+    good = np.random.default_rng(1).standard_normal((10, 4)).astype(np.float32)
+    np.save(tmp_path / "t.npy", good)
+    raw = (tmp_path / "t.npy").read_bytes()
+    (tmp_path / "truncated.npy").write_bytes(raw[:-8])
+    np.save(tmp_path / "fortran.npy", np.asfortranarray(good))
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}, None], dtype=object), allow_pickle=True)
+    (tmp_path / "junk.npy").write_bytes(b"not a numpy file at all")
+    for name, match in [("truncated", "truncated"), ("fortran", "Fortran"),
+                        ("objects", "object"), ("junk", "not a valid .npy")]:
+        with pytest.raises(ss.FileFormatError, match=match):
+            ss.DataGadget(tmp_path / f"{name}.npy", backend="numpy")
+    np.save(tmp_path / "complex.npy", good.astype(np.complex64))
+    with pytest.raises(ss.DTypeError, match="complex64"):
+        ss.DataGadget(tmp_path / "complex.npy", backend="numpy")
+    with pytest.raises(FileNotFoundError):
+        ss.DataGadget(tmp_path / "missing.npy", backend="numpy")
+    with pytest.raises(ss.OptionError, match=".npy"):
+        ss.DataGadget(tmp_path / "data.h5", backend="numpy")
+
+
+def test_file_changed_before_it_is_read(tmp_path):
+    path = tmp_path / "d.npy"
+    np.save(path, np.random.default_rng(2).standard_normal((10, 4)).astype(np.float32))
+    gadget = ss.DataGadget(path, backend="numpy")
+    np.save(path, np.random.default_rng(3).standard_normal((11, 4)).astype(np.float32))
+    with pytest.raises(ss.FileFormatError, match=r"\(11, 4\)"):
+        gadget.gadgetInit()
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: ss.DataGadget(np.ones((3, 2), np.float32), mmap=True), ss.OptionError, "already in memory"),
+    (lambda: ss.DataGadget(np.ones((3, 2), np.float32), storage="mmap"), ss.OptionError, "mmap=True"),
+    (lambda: ss.DataGadget(np.ones((3, 2), np.float32), storage="gpu"), ss.OptionError, "storage"),
+    (lambda: ss.DataGadget(np.ones((3, 2), np.float32), mmap="yes"), ss.OptionError, "mmap"),
+    (lambda: ss.DataGadget(np.ones((0, 2), np.float32)), ss.ShapeError, "at least one row"),
+    (lambda: ss.DataGadget(np.float32(3.0)), ss.ShapeError, "at least one row"),
+    (lambda: ss.DataGadget(np.array(["a", "b"])), ss.DTypeError, "not supported"),
+])
+def test_bad_arguments(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_closed_gadget_says_so(rng):
+    gadget = ss.DataGadget(random_data(rng, (5, 2)), backend="numpy")
+    gadget.get([0])
+    gadget.close()
+    with pytest.raises(ss.StateError, match="closed"):
+        gadget.get([0])

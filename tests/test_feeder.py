@@ -1,0 +1,383 @@
+"""BatchFeeder: every row once per epoch, reproducible orders, exact resume, sharding."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+from speedswap.orders import BlockOrder
+
+ORDERS = ["random", "block", "sequential"]
+
+
+def random_data(rng, shape, dtype=np.float32):
+    """Fresh random values in [1, 2) with random signs: never zeros."""
+    return (rng.uniform(1.0, 2.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)).astype(dtype)
+
+
+def ids_of(feeder, batches=None):
+    """The row ids of the next ``batches`` batches (default: the rest of the epoch), one array each.
+
+    The feeder's first source must be ``np.arange(n)`` so that a batch of it
+    names the rows it holds.
+    """
+    out = []
+    for batch in feeder:
+        out.append(batch[0].cpu().numpy().copy())
+        if batches is not None and len(out) == batches:
+            break
+    return out
+
+
+def small_order(order):
+    # Blocks far smaller than the data, so the block order is really exercised.
+    return BlockOrder(block_rows=7, window=3) if order == "block" else order
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_row_once_per_epoch(order, drop_last, rng):
+    n, batch = int(rng.integers(1, 3000)), int(rng.integers(1, 400))
+    data = random_data(rng, (n, 3, 2))
+    feeder = ss.BatchFeeder(np.arange(n), data, batch_size=batch, order=small_order(order),
+                            drop_last=drop_last, seed=int(rng.integers(1000)), device="cpu")
+    for epoch in range(2):
+        batches = list(feeder)
+        assert len(batches) == len(feeder) == (n // batch if drop_last else -(-n // batch))
+        for ids, rows in batches:
+            np.testing.assert_array_equal(rows.numpy(), data[ids.numpy()])
+        sizes = [len(ids) for ids, _ in batches]
+        assert all(size == batch for size in sizes[:-1])
+        seen = np.concatenate([ids.numpy() for ids, _ in batches]) if batches else np.array([], int)
+        assert len(np.unique(seen)) == len(seen)  # no row twice
+        if drop_last:
+            assert len(seen) == (n // batch) * batch
+        else:
+            np.testing.assert_array_equal(np.sort(seen), np.arange(n))
+        assert feeder.epoch == epoch + 1 or len(feeder) == 0
+
+
+@pytest.mark.parametrize("order", ["random", "block"])
+def test_seeds_and_epochs_change_the_order_and_the_same_seed_repeats_it(order, seed):
+    n = 5000
+
+    def stream(s, epochs=2):
+        feeder = ss.BatchFeeder(np.arange(n), batch_size=512, order=small_order(order), seed=s,
+                                device="cpu")
+        return [np.concatenate(ids_of(feeder)) for _ in range(epochs)]
+
+    first, second = stream(seed)
+    assert not np.array_equal(first, second)  # epochs differ
+    again = stream(seed)
+    np.testing.assert_array_equal(again[0], first)
+    np.testing.assert_array_equal(again[1], second)
+    assert not np.array_equal(stream(seed + 1)[0], first)
+    assert not np.array_equal(first, np.arange(n))
+
+
+def test_sequential_order_is_file_order():
+    feeder = ss.BatchFeeder(np.arange(10), batch_size=4, order="sequential", device="cpu")
+    for _ in range(2):
+        assert [ids.tolist() for ids in ids_of(feeder)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_block_order_reads_one_window_of_blocks_at_a_time(rng):
+    n, block, window = 10_000, 100, 4
+    order = BlockOrder(block_rows=block, window=window).indices(n, seed=int(rng.integers(99)), epoch=3)
+    np.testing.assert_array_equal(np.sort(order), np.arange(n))
+    for start in range(0, n, block * window):
+        blocks = np.unique(order[start:start + block * window] // block)
+        assert len(blocks) <= window  # each stretch of the epoch touches at most `window` blocks
+    # ... and the rows within a window are really shuffled
+    assert not np.array_equal(order[:block], np.sort(order[:block]))
+
+
+def test_set_epoch_gives_that_epochs_order():
+    natural = ss.BatchFeeder(np.arange(300), batch_size=64, seed=5, device="cpu")
+    explicit = ss.BatchFeeder(np.arange(300), batch_size=64, seed=5, device="cpu")
+    for epoch in range(3):
+        explicit.set_epoch(epoch)
+        np.testing.assert_array_equal(np.concatenate(ids_of(natural)), np.concatenate(ids_of(explicit)))
+    explicit.set_epoch(1)
+    natural.set_epoch(1)
+    np.testing.assert_array_equal(np.concatenate(ids_of(natural)), np.concatenate(ids_of(explicit)))
+
+
+def make_resumable(order, drop_last, source):
+    return ss.BatchFeeder(source, batch_size=37, order=small_order(order), drop_last=drop_last, seed=11,
+                          device="cpu")
+
+
+@pytest.fixture(params=["memory", "memmap"])
+def id_source(request, tmp_path):
+    """np.arange(1000) in memory, or as a memory-mapped file (read by the reader thread)."""
+    if request.param == "memory":
+        return np.arange(1000)
+    path = tmp_path / "ids.npy"
+    np.save(path, np.arange(1000))
+    return np.load(path, mmap_mode="r")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_resume_matches_the_uninterrupted_stream(order, drop_last, id_source, rng):
+    per_epoch = len(make_resumable(order, drop_last, id_source))
+    total = 3 * per_epoch
+    reference = make_resumable(order, drop_last, id_source)
+    expected = [b for _ in range(3) for b in ids_of(reference)]
+    assert len(expected) == total
+    # Interrupt mid-epoch, then twice within one epoch, then exactly at an epoch boundary.
+    cuts = sorted({int(rng.integers(1, per_epoch)), per_epoch + 3, per_epoch + per_epoch // 2,
+                   2 * per_epoch})
+    got, state, done = [], None, 0
+    for cut in cuts + [total]:
+        feeder = make_resumable(order, drop_last, id_source)
+        if state is not None:
+            feeder.load_state_dict(state)
+        while done < cut:
+            got.extend(ids_of(feeder, batches=cut - done))
+            done = len(got)
+        state = feeder.state_dict()
+    assert len(got) == total
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_state_at_an_epoch_boundary_points_at_the_next_epoch():
+    feeder = ss.BatchFeeder(np.arange(100), batch_size=10, device="cpu")
+    list(feeder)
+    assert feeder.state_dict()["epoch"] == 1 and feeder.state_dict()["batch"] == 0
+
+
+def test_a_loop_left_early_is_continued_by_the_next():
+    feeder = ss.BatchFeeder(np.arange(100), batch_size=10, seed=3, device="cpu")
+    reference = ss.BatchFeeder(np.arange(100), batch_size=10, seed=3, device="cpu")
+    first = ids_of(feeder, batches=4)
+    rest = ids_of(feeder)
+    np.testing.assert_array_equal(np.concatenate(first + rest), np.concatenate(ids_of(reference)))
+
+
+def test_a_superseded_loop_raises():
+    feeder = ss.BatchFeeder(np.arange(100), batch_size=10, device="cpu")
+    old = iter(feeder)
+    next(old)
+    feeder.set_epoch(4)
+    with pytest.raises(ss.StateError, match="superseded"):
+        next(old)
+    assert len(list(feeder)) == 10
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_sharding_splits_each_epoch_between_ranks(world_size, drop_last, rng):
+    n, batch = int(rng.integers(world_size, 900)), int(rng.integers(1, 60))
+    for epoch in range(2):
+        shares = []
+        for rank in range(world_size):
+            feeder = ss.BatchFeeder(np.arange(n), batch_size=batch, drop_last=drop_last, seed=9,
+                                    rank=rank, world_size=world_size, device="cpu")
+            feeder.set_epoch(epoch)
+            batches = ids_of(feeder)
+            assert len(batches) == len(feeder)
+            shares.append(np.concatenate(batches) if batches else np.array([], np.int64))
+        assert len({len(feeder) for _ in shares}) == 1  # the same number of batches everywhere
+        everything = np.concatenate(shares)
+        if drop_last:
+            assert len(np.unique(everything)) == len(everything)  # disjoint
+            per_rank = (n // world_size) // batch * batch
+            assert all(len(share) == per_rank for share in shares)
+        else:
+            np.testing.assert_array_equal(np.unique(everything), np.arange(n))  # union covers the data
+            per_rank = -(-n // world_size)
+            assert all(len(share) == per_rank for share in shares)
+            # DistributedSampler pads with repeated rows: exactly that many repeats
+            assert len(everything) - n == per_rank * world_size - n
+            if n % world_size == 0:
+                assert len(np.unique(everything)) == len(everything)
+
+
+def test_rank_defaults_to_torch_distributed(monkeypatch):
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 2)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    feeder = ss.BatchFeeder(np.arange(40), batch_size=5, seed=1, device="cpu")
+    assert feeder.state_dict()["rank"] == 2 and feeder.state_dict()["world_size"] == 4
+    mine = np.concatenate(ids_of(feeder))
+    explicit = ss.BatchFeeder(np.arange(40), batch_size=5, seed=1, device="cpu", rank=2, world_size=4)
+    np.testing.assert_array_equal(mine, np.concatenate(ids_of(explicit)))
+
+
+def test_sources_of_every_kind_and_names(backend, rng, tmp_path):
+    n = 257
+    features = random_data(rng, (n, 4, 3))
+    labels = rng.integers(0, 10, size=n)
+    weights = random_data(rng, (n,), np.float64)
+    np.save(tmp_path / "features.npy", features)
+    feeder = ss.BatchFeeder(ids=torch.arange(n),
+                            features=ss.DataGadget(tmp_path / "features.npy", CPUPinn=True, backend=backend),
+                            labels=np.load(tmp_path / "features.npy", mmap_mode="r")[:, 0, 0].copy(),
+                            weights=torch.from_numpy(weights),
+                            table=ss.HostTable.from_numpy(labels.reshape(n, 1), storage="pageable",
+                                                          backend=backend),
+                            batch_size=50, device="cpu")
+    total = 0
+    for batch in feeder:
+        assert set(batch) == {"ids", "features", "labels", "weights", "table"}
+        ids = batch["ids"].numpy()
+        np.testing.assert_array_equal(batch["features"].numpy(), features[ids])
+        np.testing.assert_array_equal(batch["labels"].numpy(), features[ids, 0, 0])
+        np.testing.assert_array_equal(batch["weights"].numpy(), weights[ids])
+        np.testing.assert_array_equal(batch["table"].numpy(), labels[ids].reshape(-1, 1))
+        assert batch["weights"].dtype == torch.float64
+        total += len(ids)
+    assert total == n
+
+
+def test_transform_and_lifetime():
+    data = np.arange(60, dtype=np.float32).reshape(30, 2)
+    feeder = ss.BatchFeeder(data, batch_size=7, order="sequential", device="cpu",
+                            transform=lambda batch: batch[0] * 2)
+    kept = list(feeder)  # every yielded tensor stays valid after later batches
+    list(feeder)
+    np.testing.assert_array_equal(torch.cat(kept).numpy(), data * 2)
+
+
+def reader_threads():
+    return [t for t in threading.enumerate() if t.name == "speedswap-feeder-reader"]
+
+
+def test_memmapped_sources_are_read_ahead_on_a_thread(tmp_path, rng):
+    data = random_data(rng, (2000, 16))
+    np.save(tmp_path / "x.npy", data)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    feeder = ss.BatchFeeder(np.arange(2000), mapped, batch_size=100, seed=4, device="cpu", prefetch=3)
+    inline = ss.BatchFeeder(np.arange(2000), mapped, batch_size=100, seed=4, device="cpu", prefetch=0)
+    for k, ((ids, rows), (ids0, rows0)) in enumerate(zip(feeder, inline)):
+        assert len(reader_threads()) <= 1
+        if k < 10:  # 20 batches, 3 ahead: the reader is at work (it ends once all are read)
+            assert len(reader_threads()) == 1
+        np.testing.assert_array_equal(ids.numpy(), ids0.numpy())
+        np.testing.assert_array_equal(rows.numpy(), data[ids.numpy()])
+    assert reader_threads() == []
+    for _ in feeder:  # leaving a loop early stops its reader
+        break
+    assert reader_threads() == []
+
+
+def run_with_deadline(fn, seconds=30):
+    """Run ``fn`` on a helper thread; fail (instead of hanging the suite) if it does not finish."""
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            outcome["error"] = exc
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"the feeder hung for {seconds} s"
+    return outcome
+
+
+def test_a_reader_error_reaches_the_loop_and_never_hangs(tmp_path, monkeypatch):
+    path = tmp_path / "x.npy"
+    np.save(path, np.random.default_rng(0).standard_normal((1000, 8)).astype(np.float32))
+    feeder = ss.BatchFeeder(np.load(path, mmap_mode="r"), batch_size=50, device="cpu", prefetch=2)
+    real, calls = torch.index_select, []
+
+    class DiskGone(OSError):
+        pass
+
+    def failing(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 5:
+            raise DiskGone("input/output error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "index_select", failing)
+    seen = []
+    outcome = run_with_deadline(lambda: [seen.append(b) for b in feeder])
+    assert isinstance(outcome.get("error"), DiskGone)
+    assert "speedswap-feeder-reader" in calls  # it really was raised on the reader thread
+    assert len(seen) == 4 and feeder.state_dict()["batch"] == 4
+    assert reader_threads() == []
+    monkeypatch.setattr(torch, "index_select", real)
+    assert len(run_with_deadline(lambda: list(feeder))["value"]) == len(feeder) - 4
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: ss.BatchFeeder(np.ones(5), np.ones(6), batch_size=2), ss.ShapeError, "same number of rows.*5.*6"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=0), ss.OptionError, "batch_size"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=-3), ss.OptionError, "batch_size"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2.0), ss.OptionError, "batch_size"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=True), ss.OptionError, "batch_size"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, order="shuffle"), ss.OptionError, "unknown order"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, rank=4, world_size=4), ss.OptionError, "outside"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, rank=-1, world_size=2), ss.OptionError, "outside"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, world_size=0), ss.OptionError, "world_size"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, prefetch=-1), ss.OptionError, "prefetch"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, seed=-1), ss.OptionError, "seed"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, transform=3), ss.OptionError, "callable"),
+    (lambda: ss.BatchFeeder(batch_size=2), ss.OptionError, "at least one source"),
+    (lambda: ss.BatchFeeder(np.ones(5), y=np.ones(5), batch_size=2), ss.OptionError, "not both"),
+    (lambda: ss.BatchFeeder([1, 2, 3], batch_size=2), ss.DTypeError, "list"),
+    (lambda: ss.BatchFeeder(np.ones(5, np.complex64), batch_size=2), ss.DTypeError, "complex64"),
+    (lambda: ss.BatchFeeder(np.ones((0, 3)), batch_size=2), ss.ShapeError, "no rows"),
+    (lambda: ss.BatchFeeder(np.array(1.0), batch_size=2), ss.ShapeError, "0-d"),
+    (lambda: ss.BatchFeeder(torch.tensor(1.0), batch_size=2), ss.ShapeError, "0-d"),
+    (lambda: ss.BatchFeeder(torch.ones(0, 2), batch_size=2), ss.ShapeError, "no rows"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, device="tpu"), ss.OptionError, "device"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, order=BlockOrder(window=0)), ss.OptionError, "window"),
+])
+def test_bad_arguments_fail_at_construction(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_cuda_without_a_gpu_says_so():
+    with pytest.raises(ss.DeviceError, match="no CUDA device"):
+        ss.BatchFeeder(np.ones(5), batch_size=2, device="cuda")
+
+
+def test_foreign_or_malformed_state_is_refused():
+    feeder = ss.BatchFeeder(np.arange(100), batch_size=10, seed=1, device="cpu")
+    other = ss.BatchFeeder(np.arange(100), batch_size=10, seed=2, device="cpu").state_dict()
+    with pytest.raises(ss.StateError, match="seed: saved 2, this feeder 1"):
+        feeder.load_state_dict(other)
+    with pytest.raises(ss.StateError, match="missing"):
+        feeder.load_state_dict({"epoch": 1})
+    bad = dict(feeder.state_dict(), batch=10)
+    with pytest.raises(ss.StateError, match="batch=10"):
+        feeder.load_state_dict(bad)
+    with pytest.raises(ss.OptionError):
+        feeder.set_epoch(-1)
+    assert feeder.state_dict()["epoch"] == 0 and feeder.state_dict()["batch"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_batches_match_the_cpu_and_stay_valid(rng, tmp_path):
+    n = 5000
+    data = random_data(rng, (n, 33))
+    np.save(tmp_path / "x.npy", data)
+    on_gpu = torch.from_numpy(random_data(rng, (n, 5))).cuda()
+    sources = (np.arange(n), ss.DataGadget(tmp_path / "x.npy", CPUPinn=True, backend="cuda"),
+               np.load(tmp_path / "x.npy", mmap_mode="r"), on_gpu)
+    gpu = ss.BatchFeeder(*sources, batch_size=256, seed=2, device="cuda", prefetch=3)
+    kept = []
+    for batch in gpu:
+        assert all(t.device.type == "cuda" for t in batch)
+        kept.append(batch)
+        torch.cuda._sleep(1000)  # keep the training stream busy, so copies overlap with it
+    torch.cuda.synchronize()
+    for ids, a, b, c in kept:  # no batch was overwritten by a later one
+        ids = ids.cpu()
+        np.testing.assert_array_equal(a.cpu().numpy(), data[ids.numpy()])
+        np.testing.assert_array_equal(b.cpu().numpy(), data[ids.numpy()])
+        torch.testing.assert_close(c.cpu(), on_gpu.cpu()[ids], rtol=0, atol=0)
+    assert sorted(torch.cat([k[0].cpu() for k in kept]).tolist()) == list(range(n))
