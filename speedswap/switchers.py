@@ -23,13 +23,12 @@ capacity, and no unused slot is updated.
 """
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .convert import as_row_ids, torch_dtype
+from .convert import torch_dtype
 from .errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
 from .optim_state import NarrowedStep, RowState
 from .table import HostTable
-from .working_set import WorkingSet
+from .working_set import steps_for
 
 __all__ = ["ModelFactory", "OptimizerFactory", "GPUPytorchModelFactory",
            "GPUPytorchOptimizerFactory"]
@@ -44,80 +43,6 @@ def _weight_of(variable):
     return weight
 
 
-class _Step:
-    """The ids one ``before_forward`` saw and the slots they were given."""
-
-    def __init__(self, flats, shapes, locals_, rows):
-        self.flats = flats
-        self.shapes = shapes
-        self.locals = locals_
-        self.rows = rows
-
-    def same_ids(self, flats):
-        return len(flats) == len(self.flats) and all(
-            a.shape == b.shape and torch.equal(a, b) for a, b in zip(flats, self.flats))
-
-
-class _SharedSteps:
-    """The step in progress for one parameter, shared by its ModelFactory and OptimizerFactory.
-
-    Whichever switcher's ``before_forward`` runs first de-duplicates the ids;
-    the other finds the same ids and reuses the slots.
-    """
-
-    def __init__(self, param, num_rows):
-        self.param = param
-        self.working_set = WorkingSet(param.shape[0], num_rows, param.device)
-        self.current = None
-
-    def validate(self, pos, neg):
-        ids = (pos,) if neg is None else (pos, neg)
-        names = ("pos ids", "neg ids")
-        checked = [as_row_ids(i, self.working_set.num_rows, self.param.device, what=n)
-                   for i, n in zip(ids, names)]
-        return [flat for flat, _ in checked], [shape for _, shape in checked]
-
-    def prepare(self, pos, neg):
-        """The step for these ids: the current one when they are the same, else a new one.
-
-        Nothing is committed (see :meth:`commit`), so a later check can still refuse.
-        """
-        flats, shapes = self.validate(pos, neg)
-        if self.current is not None and self.current.same_ids(flats):
-            return self.current
-        ws = self.working_set
-        ws.clear()
-        local, _ = ws.add(torch.cat(flats) if len(flats) > 1 else flats[0])
-        pieces = torch.split(local, [len(f) for f in flats])
-        locals_ = tuple(p.view(s) for p, s in zip(pieces, shapes))
-        return _Step(flats, shapes, locals_, ws.rows)
-
-    def commit(self, step):
-        self.current = step
-
-    def match(self, pos, neg, who):
-        """The current step, which must have been started with exactly these ids."""
-        flats, _ = self.validate(pos, neg)
-        if self.current is None or not self.current.same_ids(flats):
-            raise StateError(f"{who}.after_step got ids other than those of the last "
-                             f"before_forward; pass the same pos (and neg) ids to both, in the "
-                             f"same order (nothing was written back)")
-        return self.current
-
-
-_STEPS = WeakIdKeyDictionary()
-
-
-def _steps_for(param, num_rows):
-    steps = _STEPS.get(param)
-    if steps is None:
-        steps = _STEPS[param] = _SharedSteps(param, num_rows)
-    elif steps.working_set.num_rows != num_rows:
-        raise OptionError(f"this parameter already has a switcher over {steps.working_set.num_rows}"
-                          f" rows; every switcher of one parameter needs the same total_classes")
-    return steps
-
-
 class _Switcher:
     """What both switchers share: the parameter, the shared step, the step protocol."""
 
@@ -130,7 +55,7 @@ class _Switcher:
                              f"hold {torch_dtype(dtype)}; pass the same dtype")
         self._param = param
         self._full = param.data
-        self._steps = _steps_for(param, total_classes)
+        self._steps = steps_for(param, total_classes)
         self._gathered = None
 
     def _check_device(self, table):

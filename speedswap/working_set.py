@@ -16,14 +16,19 @@ but the last update of a repeated row were lost).
 >>> local, first_new = ws.add(torch.tensor([99, 5]))
 >>> local.tolist(), ws.rows.tolist(), first_new
 ([2, 3], [7, 42, 99, 5], 3)
+
+The switchers of one parameter (its ModelFactory and OptimizerFactory) share
+one :class:`SharedSteps`, found by the parameter's identity, so the ids of a
+step are de-duplicated once and ``after_step`` can check it got the same ids.
 """
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .convert import as_row_ids
-from .errors import CapacityError
+from .errors import CapacityError, OptionError, StateError
 
-__all__ = ["WorkingSet"]
+__all__ = ["WorkingSet", "SharedSteps", "steps_for"]
 
 
 class WorkingSet:
@@ -99,3 +104,83 @@ class WorkingSet:
         self._sorted, self._slot_of_sorted = (torch.sort(self._rows) if held
                                               else (new_rows, slots))
         return slots[inverse].view(shape), held
+
+
+class _Step:
+    """The ids one ``before_forward`` saw and the slots they were given."""
+
+    def __init__(self, flats, shapes, locals_, rows):
+        self.flats = flats
+        self.shapes = shapes
+        self.locals = locals_
+        self.rows = rows
+
+    def same_ids(self, flats):
+        return len(flats) == len(self.flats) and all(
+            a.shape == b.shape and torch.equal(a, b) for a, b in zip(flats, self.flats))
+
+
+class SharedSteps:
+    """The step in progress for one parameter, shared by its ModelFactory and OptimizerFactory.
+
+    Whichever switcher's ``before_forward`` runs first de-duplicates the ids;
+    the other finds the same ids and reuses the slots.
+    """
+
+    def __init__(self, param, num_rows):
+        self.param = param
+        self.working_set = WorkingSet(param.shape[0], num_rows, param.device)
+        self.current = None
+
+    def validate(self, pos, neg):
+        ids = (pos,) if neg is None else (pos, neg)
+        names = ("pos ids", "neg ids")
+        checked = [as_row_ids(i, self.working_set.num_rows, self.param.device, what=n)
+                   for i, n in zip(ids, names)]
+        return [flat for flat, _ in checked], [shape for _, shape in checked]
+
+    def prepare(self, pos, neg):
+        """The step for these ids: the current one when they are the same, else a new one.
+
+        Nothing is committed (see :meth:`commit`), so a later check can still refuse.
+        """
+        flats, shapes = self.validate(pos, neg)
+        if self.current is not None and self.current.same_ids(flats):
+            return self.current
+        ws = self.working_set
+        ws.clear()
+        local, _ = ws.add(torch.cat(flats) if len(flats) > 1 else flats[0])
+        pieces = torch.split(local, [len(f) for f in flats])
+        locals_ = tuple(p.view(s) for p, s in zip(pieces, shapes))
+        return _Step(flats, shapes, locals_, ws.rows)
+
+    def commit(self, step):
+        """Make ``step`` (from :meth:`prepare`) the step in progress."""
+        self.current = step
+
+    def match(self, pos, neg, who):
+        """The current step, which must have been started with exactly these ids."""
+        flats, _ = self.validate(pos, neg)
+        if self.current is None or not self.current.same_ids(flats):
+            raise StateError(f"{who}.after_step got ids other than those of the last "
+                             f"before_forward; pass the same pos (and neg) ids to both, in the "
+                             f"same order (nothing was written back)")
+        return self.current
+
+
+_STEPS = WeakIdKeyDictionary()
+
+
+def steps_for(param, num_rows):
+    """The :class:`SharedSteps` of ``param`` (created on first use), found by identity.
+
+    Raises:
+        OptionError: another switcher of ``param`` was built for another table size.
+    """
+    steps = _STEPS.get(param)
+    if steps is None:
+        steps = _STEPS[param] = SharedSteps(param, num_rows)
+    elif steps.working_set.num_rows != num_rows:
+        raise OptionError(f"this parameter already has a switcher over {steps.working_set.num_rows}"
+                          f" rows; every switcher of one parameter needs the same total_classes")
+    return steps
