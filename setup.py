@@ -8,6 +8,9 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "speedswap" / "__init__.py").read_text()).group(1)
 
+# The notebooks and the bench chart.
+EXAMPLES_EXTRA = ["matplotlib>=3.5", "nbclient>=0.7", "nbformat>=5.7", "ipykernel>=6"]
+
 setup(
     name="speedswap",
     version=VERSION,
@@ -16,12 +19,13 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["speedswap", "speedswap.*"]),
     python_requires=">=3.9",
-    install_requires=["numpy>=1.22", "torch>=2.1", "h5py>=3.6"],
+    install_requires=["numpy>=1.22", "torch>=2.1", "h5py>=3.6", "tqdm>=4.60"],
     extras_require={
         # CuPy is optional and only the cuda backend imports it.
         "cuda12": ["cupy-cuda12x>=13"],
         "cuda13": ["cupy-cuda13x>=13"],
-        "test": ["pytest>=7", "hypothesis>=6"],
+        "examples": EXAMPLES_EXTRA,
+        "test": ["pytest>=7", "hypothesis>=6", *EXAMPLES_EXTRA],  # the tests run the notebooks
     },
     entry_points={"console_scripts": ["speedswap=speedswap.__main__:main"]},
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],

@@ -1,0 +1,33 @@
+"""Command-line plumbing the examples share: the --device and --json flags.
+
+The examples put every tensor where speedswap's backend computes (its
+``device``), so a table, the model and the batches can never end up on
+different devices.
+"""
+
+import json
+
+import speedswap as ss
+
+BACKEND_OF_DEVICE = {"auto": "auto", "cpu": "numpy", "cuda": "cuda"}
+
+
+def add_common_arguments(parser):
+    """Add ``--device``, ``--seed`` and ``--json`` to an argparse parser."""
+    parser.add_argument("--device", choices=sorted(BACKEND_OF_DEVICE), default="auto",
+                        help="where to train: cuda needs CuPy and a GPU; auto uses one if present")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data and the training")
+    parser.add_argument("--json", metavar="PATH", help="also write the reported figures to PATH")
+
+
+def backend_and_device(args):
+    """``(backend name, torch.device)`` for the ``--device`` flag."""
+    backend = BACKEND_OF_DEVICE[args.device]
+    return backend, ss.get_backend(backend).device
+
+
+def write_json(args, figures):
+    """Write ``figures`` to ``--json`` when given (the tests read it)."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)

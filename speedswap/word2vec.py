@@ -1,0 +1,460 @@
+"""Skip-gram word2vec with both embedding tables offloaded: the job behind the demo.
+
+``python -m speedswap demo`` and ``examples/word2vec.py`` both run
+:func:`train`; this module holds everything they share so neither copies the
+other: a corpus (synthetic with planted topics, or a text8-style file), the
+skip-gram pairs with subsampling, the unigram^0.75 negative sampler, the
+model, the training loop (with :class:`~speedswap.OffloadedEmbedding` or with
+the SpeedTorch-style ``ModelFactory``/``OptimizerFactory`` switchers), and
+the quality figure, nearest-neighbour topic purity.
+
+>>> corpus = synthetic_corpus(vocab=500, topics=10, tokens=20_000, seed=0)
+>>> result = train(corpus, dim=16, steps=50, batch_size=256, backend="numpy", progress=False)
+>>> result.vectors.shape
+(500, 16)
+"""
+
+import collections
+import dataclasses
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Corpus", "synthetic_corpus", "read_text_corpus", "skipgram_pairs", "NegativeSampler",
+           "SkipGram", "TrainResult", "train", "topic_purity", "nearest_neighbours"]
+
+
+@dataclasses.dataclass
+class Corpus:
+    """Word ids in reading order, with what training and evaluation need about them.
+
+    Attributes:
+        tokens: int32 word ids.
+        doc_starts: int64 offsets where a document (line, sentence) starts;
+            skip-gram windows never cross one.
+        counts: int64 occurrences of each word id (the vocabulary size is its length).
+        words: the word strings, or None for a synthetic corpus.
+        topics: the planted topic of each word id (synthetic corpus only), else None.
+    """
+
+    tokens: np.ndarray
+    doc_starts: np.ndarray
+    counts: np.ndarray
+    words: list = None
+    topics: np.ndarray = None
+
+    @property
+    def vocab_size(self):
+        return len(self.counts)
+
+    def name(self, word_id):
+        """A printable name: the word, or ``w<id>/t<topic>`` for synthetic words."""
+        if self.words is not None:
+            return self.words[word_id]
+        return f"w{word_id}/t{self.topics[word_id]}"
+
+
+def synthetic_corpus(vocab, topics, tokens, *, doc_len=50, background=0.2, zipf=1.0, seed=0):
+    """A corpus with planted structure, so the trained vectors can be scored.
+
+    Every word belongs to one topic (assigned at random, so each topic has
+    frequent and rare words) and word ``i`` has Zipf weight ``1/(i+1)**zipf``,
+    as natural text does. Each document picks a topic and draws its words
+    from that topic's words by weight; a ``background`` share of tokens is
+    instead drawn from the whole vocabulary, the way function words and
+    digressions blur real topics.
+
+    Args:
+        vocab: number of word ids (the embedding tables' rows).
+        topics: number of planted topics.
+        tokens: corpus length.
+        doc_len: tokens per document.
+        background: share of tokens drawn regardless of the document's topic.
+        zipf: the frequency exponent.
+        seed: for reproducible corpora.
+
+    Returns:
+        Corpus with ``topics`` set.
+    """
+    rng = np.random.default_rng(seed)
+    topic_of = rng.integers(0, topics, vocab)
+    weight = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** zipf
+    num_docs = max(1, tokens // doc_len)
+    doc_topic = rng.integers(0, topics, num_docs)
+    ids = np.empty((num_docs, doc_len), dtype=np.int32)
+    for topic in range(topics):
+        members = np.flatnonzero(topic_of == topic)
+        docs = np.flatnonzero(doc_topic == topic)
+        if len(members) == 0 or len(docs) == 0:
+            continue
+        cdf = np.cumsum(weight[members])
+        ids[docs] = members[np.searchsorted(cdf, rng.random((len(docs), doc_len)) * cdf[-1])]
+    noise = rng.random(ids.shape) < background
+    cdf = np.cumsum(weight)
+    ids[noise] = np.searchsorted(cdf, rng.random(int(noise.sum())) * cdf[-1])
+    ids = ids.ravel()
+    return Corpus(tokens=ids, doc_starts=np.arange(0, len(ids), doc_len, dtype=np.int64),
+                  counts=np.bincount(ids, minlength=vocab).astype(np.int64), topics=topic_of)
+
+
+def read_text_corpus(path, vocab):
+    """Read a text8-style corpus: words separated by whitespace, one document per line.
+
+    text8 itself is a single line of 17 million lower-case words. Words are
+    ranked by frequency and the ``vocab`` most frequent kept (id 0 is the most
+    frequent); rarer words are dropped from the token stream, as word2vec does.
+
+    Args:
+        path: a UTF-8 text file.
+        vocab: how many distinct words to keep.
+
+    Returns:
+        Corpus (``topics`` is None: there is no planted structure to score).
+    """
+    with open(path, encoding="utf-8") as f:
+        lines = [line.split() for line in f]
+    counter = collections.Counter(word for line in lines for word in line)
+    # Rank by count, ties alphabetically so the vocabulary does not depend on dict order.
+    ranked = sorted(counter.items(), key=lambda item: (-item[1], item[0]))[:vocab]
+    index = {word: i for i, (word, _) in enumerate(ranked)}
+    ids, starts = [], []
+    for line in lines:
+        line_ids = [index[w] for w in line if w in index]
+        if line_ids:
+            starts.append(len(ids))
+            ids.extend(line_ids)
+    return Corpus(tokens=np.array(ids, dtype=np.int32), doc_starts=np.array(starts, dtype=np.int64),
+                  counts=np.array([c for _, c in ranked], dtype=np.int64),
+                  words=[w for w, _ in ranked])
+
+
+def keep_probabilities(counts, threshold=1e-3):
+    """Mikolov's subsampling: the chance a word's occurrence is kept, ``(sqrt(f/t) + 1) t/f``.
+
+    Frequent words ("the", "of") carry little about their neighbours and
+    dominate the pairs; dropping most of their occurrences speeds training
+    and improves the rare words' vectors.
+    """
+    freq = counts / max(1, counts.sum())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        keep = (np.sqrt(freq / threshold) + 1) * threshold / freq
+    return np.nan_to_num(np.minimum(keep, 1.0), nan=1.0)
+
+
+def skipgram_pairs(tokens, doc_ids, keep_prob, window, rng):
+    """(centre, context) pairs of a stretch of tokens, vectorised.
+
+    Each kept token's window is shrunk to a random reach in ``[1, window]``
+    (word2vec's dynamic window, which weights near neighbours more); pairs
+    never cross a document boundary.
+
+    Args:
+        tokens: int word ids.
+        doc_ids: the document of each token (same length).
+        keep_prob: per-word keep probability (:func:`keep_probabilities`).
+        window: the largest reach.
+        rng: numpy Generator.
+
+    Returns:
+        (centres, contexts): two int64 arrays of equal length.
+    """
+    kept = rng.random(len(tokens)) < keep_prob[tokens]
+    tokens, doc_ids = tokens[kept].astype(np.int64), doc_ids[kept]
+    reach = rng.integers(1, window + 1, len(tokens))
+    centres, contexts = [], []
+    for offset in range(1, min(window, len(tokens) - 1) + 1):
+        same_doc = doc_ids[offset:] == doc_ids[:-offset]
+        left, right = tokens[:-offset], tokens[offset:]
+        forward = same_doc & (reach[:-offset] >= offset)
+        backward = same_doc & (reach[offset:] >= offset)
+        centres += [left[forward], right[backward]]
+        contexts += [right[forward], left[backward]]
+    if not centres:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(centres), np.concatenate(contexts)
+
+
+class NegativeSampler:
+    """Draws negative words from the unigram distribution raised to ``power`` (0.75).
+
+    Sampling is an inverse-CDF lookup on the device (``torch.searchsorted``),
+    so it needs no multi-hundred-megabyte table for large vocabularies and
+    never draws a word that does not occur.
+    """
+
+    def __init__(self, counts, device, power=0.75, seed=0):
+        weight = np.asarray(counts, dtype=np.float64) ** power
+        self._cdf = torch.from_numpy(np.cumsum(weight) / weight.sum()).to(device)
+        self._generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, shape):
+        """Negative word ids of ``shape`` (int64, on the sampler's device)."""
+        u = torch.rand(shape, dtype=torch.float64, device=self._cdf.device, generator=self._generator)
+        return torch.searchsorted(self._cdf, u).clamp_(max=len(self._cdf) - 1)
+
+
+class SkipGram(torch.nn.Module):
+    """Skip-gram with negative sampling over two embedding modules.
+
+    ``centre`` and ``context`` are anything called like ``nn.Embedding``:
+    :class:`~speedswap.OffloadedEmbedding` (global word ids) or a small
+    ``nn.Embedding`` batch buffer fed local ids by SpeedTorch-style switchers.
+    The context table is called once per step with the positive and negative
+    ids together, so each row it holds is gathered once.
+    """
+
+    def __init__(self, centre, context):
+        super().__init__()
+        self.centre = centre
+        self.context = context
+
+    def forward(self, centres, contexts, negatives):
+        """Mean negative-sampling loss of a batch.
+
+        Args:
+            centres: ``(B,)`` ids.
+            contexts: ``(B,)`` ids of words seen near the centres.
+            negatives: ``(B, K)`` ids of sampled words.
+        """
+        u = self.centre(centres)
+        v = self.context(torch.cat([contexts, negatives.reshape(-1)]))
+        positive, negative = v[:len(contexts)], v[len(contexts):].view(*negatives.shape, -1)
+        score = F.logsigmoid((u * positive).sum(-1))
+        score = score + F.logsigmoid(-torch.bmm(negative, u.unsqueeze(-1)).squeeze(-1)).sum(-1)
+        return -score.mean()
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What :func:`train` returns.
+
+    Attributes:
+        vectors: the trained centre (input) vectors, ``(vocab, dim)`` numpy.
+        losses: mean loss of each step.
+        words: corpus tokens read (before subsampling), word2vec's unit of speed.
+        pairs: (centre, context) pairs trained on.
+        seconds: wall time of the training loop.
+        model, optimizer: kept for memory accounting and further use.
+        storage: where the tables lived.
+    """
+
+    vectors: np.ndarray
+    losses: list
+    words: int
+    pairs: int
+    seconds: float
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    storage: str
+
+    @property
+    def words_per_second(self):
+        return self.words / self.seconds if self.seconds else float("nan")
+
+
+def _batches(corpus, *, batch_size, window, subsample, chunk_tokens, device, seed):
+    """Endless (centres, contexts, words_read) batches, one corpus chunk at a time.
+
+    Pairs are made per chunk of ``chunk_tokens`` tokens, so memory stays flat
+    however long the corpus is, and shuffled within the chunk by the feeder.
+    """
+    import speedswap as ss
+
+    rng = np.random.default_rng(seed)
+    keep_prob = keep_probabilities(corpus.counts, subsample)
+    doc_id = np.searchsorted(corpus.doc_starts, np.arange(len(corpus.tokens)), side="right")
+    epoch = 0
+    while True:
+        for start in range(0, len(corpus.tokens), chunk_tokens):
+            stop = min(start + chunk_tokens, len(corpus.tokens))
+            centres, contexts = skipgram_pairs(corpus.tokens[start:stop], doc_id[start:stop],
+                                               keep_prob, window, rng)
+            if len(centres) < batch_size:
+                continue
+            feeder = ss.BatchFeeder(centres, contexts, batch_size=batch_size, order="random",
+                                    drop_last=True, seed=seed + epoch, device=device)
+            words_per_batch = (stop - start) / len(feeder)
+            for batch_centres, batch_contexts in feeder:
+                yield batch_centres, batch_contexts, words_per_batch
+        epoch += 1
+
+
+def _table_files(directory, name):
+    """Where an ``mmap`` table's files go: ``directory/name`` (None when not memory-mapped)."""
+    return None if directory is None else os.path.join(directory, name)
+
+
+def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
+                     directory):
+    """Model, optimizer, step function and vector getter with two OffloadedEmbedding tables."""
+    import speedswap as ss
+
+    def table(name, max_rows):
+        return ss.OffloadedEmbedding(vocab, dim, max_rows=max_rows, storage=storage, backend=backend,
+                                     path=_table_files(directory, name))
+
+    # The context table is called once per step with the positives and negatives together.
+    centre, context = table("centre", batch_size), table("context", batch_size * (negatives + 1))
+    # word2vec's initialisation: small random input vectors, zero output vectors.
+    centre.table.uniform_(-0.5 / dim, 0.5 / dim, generator=torch.Generator().manual_seed(seed))
+    context.table.zero_()
+    model = SkipGram(centre, context)
+    optimizer = optimizer_cls(model.parameters(), lr=lr)
+    centre.attach(optimizer)
+    context.attach(optimizer)
+
+    def step(centres, contexts, negative_ids):
+        loss = model(centres, contexts, negative_ids)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()  # the attached hooks write rows and state back to the host
+        return loss.detach()
+
+    return model, optimizer, step, centre.table.to_numpy
+
+
+def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
+                      directory):
+    """The same job written the SpeedTorch way: batch-sized nn.Embeddings plus switchers."""
+    import speedswap as ss
+
+    device = ss.get_backend(backend).device
+    model = SkipGram(torch.nn.Embedding(batch_size, dim),
+                     torch.nn.Embedding(batch_size * (negatives + 1), dim)).to(device)
+    optimizer = optimizer_cls(model.parameters(), lr=lr)
+    options = dict(storage=storage, backend=backend)
+    u_switch = ss.ModelFactory(model.centre, vocab, dim, path=_table_files(directory, "centre.npy"),
+                               **options)
+    v_switch = ss.ModelFactory(model.context, vocab, dim, path=_table_files(directory, "context.npy"),
+                               **options)
+    torch.manual_seed(seed)  # SpeedTorch's initialisers draw from torch's global generator
+    u_switch.uniformDistributionInit(-0.5 / dim, 0.5 / dim)
+    v_switch.zerosInit()
+    u_opt = ss.OptimizerFactory(optimizer, vocab, dim, model, "centre",
+                                path=_table_files(directory, "centre-state"), **options)
+    v_opt = ss.OptimizerFactory(optimizer, vocab, dim, model, "context",
+                                path=_table_files(directory, "context-state"), **options)
+    u_opt.optInit()
+    v_opt.optInit()
+
+    def step(centres, contexts, negative_ids):
+        local_centres = u_switch.beforeForwardPass(centres)
+        local_contexts, local_negatives = v_switch.beforeForwardPass(contexts, negative_ids)
+        u_opt.beforeForwardPass(centres)
+        v_opt.beforeForwardPass(contexts, negative_ids)
+        loss = model(local_centres, local_contexts, local_negatives)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        u_switch.afterOptimizerStep(centres)
+        v_switch.afterOptimizerStep(contexts, negative_ids)
+        u_opt.afterOptimizerStep(centres)
+        v_opt.afterOptimizerStep(contexts, negative_ids)
+        return loss.detach()
+
+    return model, optimizer, step, u_switch.getNumpyVersion
+
+
+def train(corpus, *, dim=64, steps=1000, batch_size=2048, negatives=5, window=4, subsample=1e-3,
+          lr=0.01, optimizer="adam", storage="pinned", backend="auto", directory=None,
+          speedtorch_api=False, chunk_tokens=1_000_000, seed=0, progress=True):
+    """Train skip-gram vectors with both tables in host memory.
+
+    Args:
+        corpus: a :class:`Corpus`.
+        dim: vector length.
+        steps: optimizer steps (the corpus is cycled as needed).
+        batch_size: (centre, context) pairs per step.
+        negatives: negative words per pair.
+        window: largest context reach.
+        subsample: subsampling threshold ``t`` (:func:`keep_probabilities`).
+        lr: learning rate.
+        optimizer: ``"adam"`` or ``"adamax"`` -- dense optimizers, which
+            sparse embedding training could not use before offloading.
+        storage: speedswap storage kind of the tables and optimizer state.
+        backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
+        directory: for ``storage="mmap"``, where the table and state files go.
+        speedtorch_api: train through ``ModelFactory``/``OptimizerFactory``
+            instead of :class:`~speedswap.OffloadedEmbedding`.
+        chunk_tokens: tokens turned into pairs at a time.
+        seed: seeds the initial vectors, subsampling, windows, order and negatives.
+        progress: show a tqdm bar with words/s.
+
+    Returns:
+        TrainResult
+    """
+    import speedswap as ss
+    from tqdm.auto import tqdm
+
+    optimizer_cls = {"adam": torch.optim.Adam, "adamax": torch.optim.Adamax}[optimizer]
+    build = _build_speedtorch if speedtorch_api else _build_offloaded
+    model, opt, step, vectors = build(corpus.vocab_size, dim, batch_size, negatives, optimizer_cls,
+                                      lr, seed, storage, backend, directory)
+    device = ss.get_backend(backend).device
+    sampler = NegativeSampler(corpus.counts, device, seed=seed)
+    batches = _batches(corpus, batch_size=batch_size, window=window, subsample=subsample,
+                       chunk_tokens=chunk_tokens, device=device, seed=seed)
+    losses, words = [], 0.0
+    bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True)
+    start = time.perf_counter()
+    for n in range(steps):
+        centres, contexts, words_read = next(batches)
+        loss = step(centres, contexts, sampler((batch_size, negatives)))
+        words += words_read
+        # Reading the loss synchronises a GPU; do it only as often as the bar redraws.
+        if n % 20 == 0 or n == steps - 1:
+            losses.append((n, float(loss)))
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(loss=f"{losses[-1][1]:.3f}", words_s=f"{words / elapsed:,.0f}", refresh=False)
+        bar.update(1)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    bar.close()
+    return TrainResult(vectors=vectors(), losses=losses, words=int(words), pairs=steps * batch_size,
+                       seconds=seconds, model=model, optimizer=opt, storage=storage)
+
+
+def nearest_neighbours(vectors, query_ids, candidate_ids, k=10):
+    """The ``k`` nearest candidates (by cosine) of each query, excluding itself.
+
+    Returns:
+        ``(len(query_ids), k)`` numpy array of candidate word ids.
+    """
+    def unit(ids):
+        v = torch.from_numpy(np.ascontiguousarray(vectors[ids], dtype=np.float32))
+        return v / v.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+    candidate_ids = np.asarray(candidate_ids)
+    sim = unit(query_ids) @ unit(candidate_ids).T
+    sim[torch.from_numpy(np.asarray(query_ids)[:, None] == candidate_ids[None, :])] = -2.0
+    return candidate_ids[sim.topk(k, dim=1).indices.numpy()]
+
+
+def topic_purity(vectors, corpus, *, words=1000, k=10, min_count=20):
+    """Share of each word's nearest neighbours that belong to its planted topic.
+
+    Scored over the ``words`` most frequent words with at least ``min_count``
+    occurrences (rarer ones have too little signal to judge the library by).
+    Random vectors score the chance level, the share of same-topic pairs among
+    the scored words; a model that learned the topics scores near 1.
+
+    Returns:
+        (purity, chance): two floats.
+    """
+    if corpus.topics is None:
+        raise ValueError("topic purity needs a synthetic corpus with planted topics")
+    ranked = np.argsort(-corpus.counts, kind="stable")[:words]
+    scored = ranked[corpus.counts[ranked] >= min_count]
+    if len(scored) <= k:
+        raise ValueError(f"only {len(scored)} words occur {min_count}+ times; "
+                         f"make the corpus longer to score topic purity")
+    topic = corpus.topics[scored]
+    neighbours = nearest_neighbours(vectors, scored, scored, k)
+    purity = float((corpus.topics[neighbours] == topic[:, None]).mean())
+    sizes = np.bincount(topic).astype(np.float64)
+    chance = float((sizes * (sizes - 1)).sum() / (len(scored) * (len(scored) - 1)))
+    return purity, chance

@@ -1,0 +1,165 @@
+"""The examples and the demo run from the command line at tiny sizes and reach their quality figures.
+
+Each example runs in a subprocess exactly as a user would start it, writes its
+figures with ``--json``, and the test checks them against what the planted
+structure of its synthetic data makes reachable (and what chance or a
+trivial predictor would give), so a broken training loop fails here.
+"""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def run(args, tmp_path, timeout=180):
+    """Run ``python *args`` from the repository root; returns stdout, failing with its output."""
+    # One torch thread per process: the suite may share a small machine with
+    # other jobs, and contended OpenMP spinning makes tiny steps 100x slower.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::RuntimeWarning"}
+    done = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def run_example(name, args, tmp_path):
+    """Run ``examples/<name>.py`` on the CPU without progress bars; returns (stdout, figures)."""
+    figures = tmp_path / f"{name}.json"
+    out = run([EXAMPLES / f"{name}.py", "--device", "cpu", "--quiet", "--json", figures, *args], tmp_path)
+    return out, json.loads(figures.read_text())
+
+
+def load_example(name):
+    """Import an example file as a module (for its loaders)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY_W2V = ["--vocab", "2000", "--topics", "20", "--tokens", "200000", "--dim", "32",
+            "--steps", "150", "--batch-size", "512"]
+
+
+def test_word2vec_learns_topics_and_both_apis_agree(tmp_path):
+    out, offloaded = run_example("word2vec", TINY_W2V + ["--storage", "mmap", "--table-dir", tmp_path / "tables",
+                                                         "--save", tmp_path / "offloaded.npy"], tmp_path)
+    # Random vectors score the chance level (~0.05 with 20 topics); the planted
+    # topics are learned well within 150 steps.
+    assert offloaded["topic_purity"] > 0.6, out
+    assert offloaded["topic_purity"] > 8 * offloaded["chance"], out
+    assert offloaded["losses"][-1][1] < 0.7 * offloaded["losses"][0][1]
+    assert offloaded["memory"]["file_bytes"] > 0  # mmap tables are files, not RAM
+    assert "nearest neighbours" in out
+
+    _, speedtorch = run_example("word2vec", TINY_W2V + ["--storage", "pageable", "--speedtorch-api",
+                                                        "--save", tmp_path / "speedtorch.npy"], tmp_path)
+    # Same seed, same batches: the switcher API and OffloadedEmbedding train the same vectors.
+    np.testing.assert_allclose(np.load(tmp_path / "speedtorch.npy"), np.load(tmp_path / "offloaded.npy"),
+                               rtol=0, atol=1e-5)
+    assert speedtorch["topic_purity"] == pytest.approx(offloaded["topic_purity"], abs=0.01)
+
+
+def test_word2vec_reads_a_text_corpus(tmp_path):
+    rng = np.random.default_rng(0)
+    themes = [["king", "queen", "crown", "throne", "palace", "royal"],
+              ["apple", "pear", "fruit", "juice", "banana", "orange"],
+              ["car", "truck", "road", "engine", "wheel", "drive"]]
+    lines = [" ".join(rng.choice(themes[i % 3], 12)) for i in range(600)]
+    (tmp_path / "text8").write_text("\n".join(lines) + "\n")
+    out, figures = run_example("word2vec", ["--corpus", tmp_path / "text8", "--vocab", "100", "--dim", "16",
+                                            "--steps", "200", "--batch-size", "256"], tmp_path)
+    assert "vocabulary 18" in out
+    assert figures["losses"][-1][1] < 0.8 * figures["losses"][0][1]
+    assert "topic_purity" not in figures  # a real corpus has no planted topics to score
+
+
+def test_demo_tiny(tmp_path):
+    out = run(["-m", "speedswap", "demo", "--tiny", "--device", "cpu", "--no-progress"], tmp_path)
+    purity, chance = map(float, re.search(r"topic purity\s+([\d.]+)\s+\(chance ([\d.]+)\)", out).groups())
+    assert purity > 0.6 and purity > 8 * chance, out
+    for label in ("words/s", "host tables", "on cpu for the step", "storage"):
+        assert label in out
+
+
+TINY_RECOMMENDER = ["--users", "500", "--items", "300", "--rank", "4", "--count", "40000", "--dim", "4",
+                    "--epochs", "8", "--batch-size", "512", "--lr", "0.02"]
+
+
+def test_recommender_reaches_the_noise_and_equals_in_memory_training(tmp_path):
+    out, figures = run_example("recommender", TINY_RECOMMENDER, tmp_path)
+    offloaded, in_memory = figures["offloaded"][-1], figures["in_memory"][-1]
+    assert offloaded["test_rmse"] < 0.6 * figures["baseline_rmse"], out  # well below predicting the mean
+    assert offloaded["test_rmse"] < 1.2 * figures["noise"], out          # near the best reachable
+    # Offloaded Adam is lazy Adam: it equals SparseAdam on in-memory tables.
+    for ours, theirs in zip(figures["offloaded"], figures["in_memory"]):
+        assert ours["test_rmse"] == pytest.approx(theirs["test_rmse"], abs=1e-5)
+        assert ours["train_rmse"] == pytest.approx(theirs["train_rmse"], abs=1e-5)
+    assert figures["max_table_difference"] < 1e-5  # float32 rounding
+    assert in_memory["test_rmse"] < 0.6 * figures["baseline_rmse"]
+
+
+def test_recommender_reads_movielens_formats(tmp_path):
+    recommender = load_example("recommender")
+    rng = np.random.default_rng(1)
+    user_ids = rng.choice(np.arange(1, 5000), 40)            # MovieLens ids have gaps
+    item_ids = rng.choice(np.arange(1, 90000), 70)
+    users, items = rng.choice(user_ids, 500), rng.choice(item_ids, 500)
+    stars = rng.integers(1, 6, 500)                          # ml-100k: whole stars
+    half_stars = rng.integers(1, 11, 500) / 2                 # ml-latest: half stars
+    stamps = rng.integers(8e8, 9e8, 500)
+    (tmp_path / "u.data").write_text("".join(f"{u}\t{i}\t{r}\t{t}\n"
+                                             for u, i, r, t in zip(users, items, stars, stamps)))
+    (tmp_path / "ratings.csv").write_text("userId,movieId,rating,timestamp\n" + "".join(
+        f"{u},{i},{r},{t}\n" for u, i, r, t in zip(users, items, half_stars, stamps)))
+    for name, expected in (("u.data", stars), ("ratings.csv", half_stars)):
+        u, i, r = recommender.read_ratings(tmp_path / name)
+        # Dense 0-based ids that keep the original ids' identity and order.
+        np.testing.assert_array_equal(np.unique(users)[u], users)
+        np.testing.assert_array_equal(np.unique(items)[i], items)
+        np.testing.assert_allclose(r, expected)
+
+
+def test_linear_regression_recovers_the_weights(tmp_path):
+    out, figures = run_example("linear_regression", [
+        "--rows", "20000", "--features", "20", "--epochs", "4", "--batch-size", "512",
+        "--order", "block", "--mmap", "--data-dir", tmp_path / "data", "--compare"], tmp_path)
+    start = figures["initial_w_distance"]
+    for run_name in ("speedswap", "dataloader"):
+        distances = [epoch["w_distance"] for epoch in figures[run_name]]
+        assert distances[0] < 0.3 * start, out
+        assert distances[-1] < 0.15 * start, out
+        assert min(distances[1:]) < distances[0], out
+    assert "mmap X" in out
+
+
+def test_logistic_regression_accuracy(tmp_path):
+    out, figures = run_example("logistic_regression", [
+        "--samples", "20000", "--features", "50", "--informative", "10", "--epochs", "4",
+        "--l1", "1e-4", "--l2", "1e-4"], tmp_path)
+    # Chance is ~0.3 here and the Bayes-optimal classifier scores ~0.82.
+    assert figures["test_accuracy"] > 0.75, out
+    assert figures["test_accuracy"] > figures["bayes_accuracy"] - 0.05, out
+    assert figures["test_accuracy"] > 2 * figures["chance"]
+
+
+def test_logistic_regression_reads_arrays(tmp_path):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3000, 6)).astype(np.float32) * 5 + 3   # unscaled: the example standardises
+    y = np.argmax(x[:, :3], axis=1)                                 # linearly separable classes
+    np.save(tmp_path / "X.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    _, figures = run_example("logistic_regression", ["--x", tmp_path / "X.npy", "--y", tmp_path / "y.npy",
+                                                     "--epochs", "10", "--lr", "0.05"], tmp_path)
+    assert figures["bayes_accuracy"] is None
+    assert figures["test_accuracy"] > 0.9
