@@ -392,8 +392,15 @@ class HostTable:
             yield start, stop, tensor[start:stop]
 
     def _fill_from(self, source):
+        """Copy ``source(start, stop)`` (numpy rows) into the table, chunk by chunk."""
+        host = self._buffer.host
         for start, stop, chunk in self._row_chunks():
-            chunk.copy_(torch.as_tensor(np.ascontiguousarray(source(start, stop))))
+            rows = source(start, stop)
+            if host is not None:
+                # numpy reads read-only inputs (np.load(mmap_mode="r")) without torch's warning
+                np.copyto(host[start:stop], rows, casting="no")
+            else:
+                chunk.copy_(torch.from_numpy(np.array(rows)))  # one chunk-sized host copy
 
     def zero_(self):
         """Set every row to zero, chunk by chunk. Returns self."""

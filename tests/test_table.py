@@ -200,3 +200,12 @@ def test_mmap_table_larger_than_touched_pages_writes_through(backend, rng, tmp_p
     assert allocated < rows * dim * 4 // 8, "the file should hold only the pages written"
     reopened = ss.HostTable.load(path, mmap=True, backend=backend)
     np.testing.assert_array_equal(reopened.gather(ids[:5]).cpu().numpy(), new[:5])
+
+
+@pytest.mark.filterwarnings("error")
+def test_from_numpy_copies_a_read_only_memmap_without_warnings(backend, storage, rng, tmp_path):
+    ref = random_rows(rng, (500, 12), np.float32)
+    np.save(tmp_path / "src.npy", ref)
+    source = np.load(tmp_path / "src.npy", mmap_mode="r")
+    table = make(source, storage, backend, tmp_path)
+    np.testing.assert_array_equal(table.to_numpy(), ref)
