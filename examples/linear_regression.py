@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import speedswap as ss
 
@@ -82,27 +83,28 @@ def feature_stats(x, batch_size, device):
     return mean.float(), (total_sq / len(x) - mean.pow(2)).sqrt().float()
 
 
-def fit(loader, mean, std, true_w, args, device, label):
+def fit(loader, mean, std, true_w, *, epochs, lr, device, label, progress=True):
     """SGD on the squared loss over the normalised features; per-epoch figures.
 
     ``loader`` is any iterable of ``(x, y)`` batches, so the speedswap feeder
     and the DataLoader baseline run exactly the same arithmetic.
-    """
-    from tqdm.auto import tqdm
 
+    Returns:
+        a list with each epoch's ``seconds``, mean ``loss`` and ``w_distance`` (``||w - W||``).
+    """
     w = torch.zeros(len(mean), device=device)
     b = torch.zeros(1, device=device)
     true_w = torch.from_numpy(true_w).to(device)
     history = []
-    for epoch in range(args.epochs):
+    for epoch in range(epochs):
         total_loss, seen = 0.0, 0
         start = time.perf_counter()
-        for x, y in tqdm(loader, desc=f"{label} epoch {epoch + 1}", leave=False, disable=args.quiet):
+        for x, y in tqdm(loader, desc=f"{label} epoch {epoch + 1}", leave=False, disable=not progress):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             x = (x - mean) / std
             residual = x @ w + b - y
-            w -= args.lr * (x.T @ residual) / len(x)
-            b -= args.lr * residual.mean()
+            w -= lr * (x.T @ residual) / len(x)
+            b -= lr * residual.mean()
             total_loss += float(residual.pow(2).sum())
             seen += len(x)
         seconds = time.perf_counter() - start
@@ -154,12 +156,13 @@ def main(argv=None):
     feeder = ss.BatchFeeder(x, y, batch_size=args.batch_size, order=args.order, seed=args.seed,
                             device=device)
     print(f"speedswap: {x.storage} X, order {args.order!r}, {len(feeder)} batches of {args.batch_size}")
+    options = dict(epochs=args.epochs, lr=args.lr, device=device, progress=not args.quiet)
     figures = {"rows": args.rows, "features": args.features, "order": args.order,
                "initial_w_distance": float(np.linalg.norm(true_w)),
-               "speedswap": fit(feeder, mean, std, true_w, args, device, "speedswap")}
+               "speedswap": fit(feeder, mean, std, true_w, label="speedswap", **options)}
     if args.compare:
         figures["dataloader"] = fit(dataloader(x_path, y_path, args.batch_size, args.seed),
-                                    mean, std, true_w, args, device, "DataLoader")
+                                    mean, std, true_w, label="DataLoader", **options)
         ours = np.median([e["seconds"] for e in figures["speedswap"]])
         theirs = np.median([e["seconds"] for e in figures["dataloader"]])
         print(f"median epoch: speedswap {ours:.2f} s, DataLoader {theirs:.2f} s "

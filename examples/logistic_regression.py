@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import speedswap as ss
 
@@ -101,8 +102,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if (args.x is None) != (args.y is None):
         parser.error("give both --x and --y, or neither for synthetic data")
-    from tqdm.auto import tqdm
-
     backend, device = backend_and_device(args)
     torch.manual_seed(args.seed)
     bayes = None

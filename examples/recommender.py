@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import speedswap as ss
 from speedswap.demo import format_bytes, format_rows, memory_summary
@@ -136,8 +137,6 @@ def rmse(tables, mean, users, items, ratings):
 
 def fit(model, optimizer, tables, data, train, test, mean, args, device, label):
     """Train for ``--epochs``; returns per-epoch figures and the wall time."""
-    from tqdm.auto import tqdm
-
     users, items, ratings = data
     feeder = ss.BatchFeeder(users[train], items[train], ratings[train], batch_size=args.batch_size,
                             order="random", seed=args.seed, device=device)

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["load_benchmark", "fitting_rows", "run_bench", "plot"]
+__all__ = ["load_benchmark", "fitting_rows", "run_bench", "plot", "chart"]
 
 CHECKOUT = Path(__file__).resolve().parent.parent
 #: The SpeedTorch case's table height; smaller machines get a shorter table.
@@ -92,12 +92,26 @@ def _panels(payload):
 
 
 def plot(payload, path):
-    """A bar chart of throughput (GB/s, higher is better) per method and direction."""
+    """Save :func:`chart` of ``payload`` as a PNG at ``path``."""
     try:
         import matplotlib
     except ImportError as exc:
         raise ImportError("the bench chart needs matplotlib: pip install 'speedswap[examples]'") from exc
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = chart(payload)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def chart(payload):
+    """A matplotlib figure: throughput (GB/s, higher is better) per method and direction.
+
+    speedswap's own rows are orange. ``payload`` is what :func:`run_bench`
+    (or ``benchmarks/transport.py``) returns.
+    """
     import matplotlib.pyplot as plt
 
     panels = _panels(payload)
@@ -115,6 +129,4 @@ def plot(payload, path):
         for y, speed in enumerate(speeds):
             ax.text(speed, y, f" {speed:.1f}", va="center", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig

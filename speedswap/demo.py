@@ -5,8 +5,8 @@ runs the same code with every knob exposed). This module sizes it, runs it on
 the embedded synthetic corpus, and prints what a newcomer wants to see: speed,
 quality against chance, and where the bytes are.
 
->>> summary = run_demo(tiny=True, backend="numpy", progress=False)   # doctest: +SKIP
->>> summary["topic purity"] > summary["chance"]                       # doctest: +SKIP
+>>> summary = run_demo(tiny=True, backend="numpy", progress=False)
+>>> summary["topic purity"] > 5 * summary["chance"]
 True
 """
 
@@ -51,9 +51,9 @@ def memory_summary(model, optimizer):
     Returns:
         dict of byte counts plus ``device`` (where the step runs).
     """
-    import speedswap as ss
+    from .info import info
 
-    held = ss.info()
+    held = info()
     seen = set()
     working = _tensor_bytes(model.parameters(), seen)
     working += _tensor_bytes((t for state in optimizer.state.values() for t in state.values()), seen)

@@ -22,6 +22,12 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
+
+from .backends import get_backend
+from .embedding import OffloadedEmbedding
+from .feeder import BatchFeeder
+from .switchers import ModelFactory, OptimizerFactory
 
 __all__ = ["Corpus", "synthetic_corpus", "read_text_corpus", "skipgram_pairs", "NegativeSampler",
            "SkipGram", "TrainResult", "train", "topic_purity", "nearest_neighbours"]
@@ -261,8 +267,6 @@ def _batches(corpus, *, batch_size, window, subsample, chunk_tokens, device, see
     Pairs are made per chunk of ``chunk_tokens`` tokens, so memory stays flat
     however long the corpus is, and shuffled within the chunk by the feeder.
     """
-    import speedswap as ss
-
     rng = np.random.default_rng(seed)
     keep_prob = keep_probabilities(corpus.counts, subsample)
     doc_id = np.searchsorted(corpus.doc_starts, np.arange(len(corpus.tokens)), side="right")
@@ -274,7 +278,7 @@ def _batches(corpus, *, batch_size, window, subsample, chunk_tokens, device, see
                                                keep_prob, window, rng)
             if len(centres) < batch_size:
                 continue
-            feeder = ss.BatchFeeder(centres, contexts, batch_size=batch_size, order="random",
+            feeder = BatchFeeder(centres, contexts, batch_size=batch_size, order="random",
                                     drop_last=True, seed=seed + epoch, device=device)
             words_per_batch = (stop - start) / len(feeder)
             for batch_centres, batch_contexts in feeder:
@@ -290,10 +294,8 @@ def _table_files(directory, name):
 def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
                      directory):
     """Model, optimizer, step function and vector getter with two OffloadedEmbedding tables."""
-    import speedswap as ss
-
     def table(name, max_rows):
-        return ss.OffloadedEmbedding(vocab, dim, max_rows=max_rows, storage=storage, backend=backend,
+        return OffloadedEmbedding(vocab, dim, max_rows=max_rows, storage=storage, backend=backend,
                                      path=_table_files(directory, name))
 
     # The context table is called once per step with the positives and negatives together.
@@ -319,23 +321,21 @@ def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed,
 def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
                       directory):
     """The same job written the SpeedTorch way: batch-sized nn.Embeddings plus switchers."""
-    import speedswap as ss
-
-    device = ss.get_backend(backend).device
+    device = get_backend(backend).device
     model = SkipGram(torch.nn.Embedding(batch_size, dim),
                      torch.nn.Embedding(batch_size * (negatives + 1), dim)).to(device)
     optimizer = optimizer_cls(model.parameters(), lr=lr)
     options = dict(storage=storage, backend=backend)
-    u_switch = ss.ModelFactory(model.centre, vocab, dim, path=_table_files(directory, "centre.npy"),
+    u_switch = ModelFactory(model.centre, vocab, dim, path=_table_files(directory, "centre.npy"),
                                **options)
-    v_switch = ss.ModelFactory(model.context, vocab, dim, path=_table_files(directory, "context.npy"),
+    v_switch = ModelFactory(model.context, vocab, dim, path=_table_files(directory, "context.npy"),
                                **options)
     torch.manual_seed(seed)  # SpeedTorch's initialisers draw from torch's global generator
     u_switch.uniformDistributionInit(-0.5 / dim, 0.5 / dim)
     v_switch.zerosInit()
-    u_opt = ss.OptimizerFactory(optimizer, vocab, dim, model, "centre",
+    u_opt = OptimizerFactory(optimizer, vocab, dim, model, "centre",
                                 path=_table_files(directory, "centre-state"), **options)
-    v_opt = ss.OptimizerFactory(optimizer, vocab, dim, model, "context",
+    v_opt = OptimizerFactory(optimizer, vocab, dim, model, "context",
                                 path=_table_files(directory, "context-state"), **options)
     u_opt.optInit()
     v_opt.optInit()
@@ -386,14 +386,11 @@ def train(corpus, *, dim=64, steps=1000, batch_size=2048, negatives=5, window=4,
     Returns:
         TrainResult
     """
-    import speedswap as ss
-    from tqdm.auto import tqdm
-
     optimizer_cls = {"adam": torch.optim.Adam, "adamax": torch.optim.Adamax}[optimizer]
     build = _build_speedtorch if speedtorch_api else _build_offloaded
     model, opt, step, vectors = build(corpus.vocab_size, dim, batch_size, negatives, optimizer_cls,
                                       lr, seed, storage, backend, directory)
-    device = ss.get_backend(backend).device
+    device = get_backend(backend).device
     sampler = NegativeSampler(corpus.counts, device, seed=seed)
     batches = _batches(corpus, batch_size=batch_size, window=window, subsample=subsample,
                        chunk_tokens=chunk_tokens, device=device, seed=seed)

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import speedswap as ss
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
@@ -163,3 +165,13 @@ def test_logistic_regression_reads_arrays(tmp_path):
                                                      "--epochs", "10", "--lr", "0.05"], tmp_path)
     assert figures["bayes_accuracy"] is None
     assert figures["test_accuracy"] > 0.9
+
+
+def test_bench_quick_writes_results_and_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = run(["-m", "speedswap", "bench", "--quick", "--repeats", "3", "--out", tmp_path], tmp_path)
+    stem = tmp_path / f"transport-bench-{'gpu' if 'cuda' in ss.available_backends() else 'cpu'}"
+    assert set(tmp_path.iterdir()) == {stem.with_suffix(".json"), stem.with_suffix(".png")}, out
+    result = json.loads(stem.with_suffix(".json").read_text())
+    assert result["machine"]["cores"] and result["cpu"]["gather"][0]["method"] == "HostTable.gather"
+    assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
