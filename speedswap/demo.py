@@ -15,7 +15,7 @@ import torch
 __all__ = ["DEMO", "TINY", "run_demo", "format_demo", "memory_summary", "format_bytes", "format_rows"]
 
 #: The demo's size: about a minute on a 2-core CPU, seconds on a GPU.
-DEMO = dict(vocab=50_000, topics=50, tokens=3_000_000, dim=64, steps=2500, batch_size=2048)
+DEMO = dict(vocab=100_000, topics=50, tokens=5_000_000, dim=64, steps=6000, batch_size=2048)
 #: A smoke-test size for the test suite.
 TINY = dict(vocab=2_000, topics=20, tokens=200_000, dim=32, steps=150, batch_size=512)
 
