@@ -34,6 +34,7 @@ import numpy as np
 
 import speedswap as ss
 from speedswap import word2vec
+from speedswap.corpus import read_text_corpus, synthetic_corpus
 from speedswap.demo import format_bytes, format_rows, memory_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,9 +78,9 @@ def main(argv=None):
 
     start = time.perf_counter()
     if args.corpus:
-        corpus = word2vec.read_text_corpus(args.corpus, args.vocab)
+        corpus = read_text_corpus(args.corpus, args.vocab)
     else:
-        corpus = word2vec.synthetic_corpus(args.vocab, args.topics, args.tokens, seed=args.seed)
+        corpus = synthetic_corpus(args.vocab, args.topics, args.tokens, seed=args.seed)
     print(f"corpus: {len(corpus.tokens):,} tokens, vocabulary {corpus.vocab_size:,} "
           f"({'synthetic, ' + str(args.topics) + ' topics' if corpus.topics is not None else args.corpus}), "
           f"ready in {time.perf_counter() - start:.1f} s")

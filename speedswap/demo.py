@@ -85,9 +85,10 @@ def run_demo(tiny=False, backend="auto", storage="pinned", progress=True, seed=0
         dict: ``words/s``, ``topic purity``, ``chance``, memory figures, ...
     """
     from . import word2vec
+    from .corpus import synthetic_corpus
 
     size = TINY if tiny else DEMO
-    corpus = word2vec.synthetic_corpus(size["vocab"], size["topics"], size["tokens"], seed=seed)
+    corpus = synthetic_corpus(size["vocab"], size["topics"], size["tokens"], seed=seed)
     result = word2vec.train(corpus, dim=size["dim"], steps=size["steps"], batch_size=size["batch_size"],
                             storage=storage, backend=backend, seed=seed, progress=progress)
     purity, chance = word2vec.topic_purity(result.vectors, corpus)

@@ -1,21 +1,22 @@
 """Skip-gram word2vec with both embedding tables offloaded: the job behind the demo.
 
 ``python -m speedswap demo`` and ``examples/word2vec.py`` both run
-:func:`train`; this module holds everything they share so neither copies the
-other: a corpus (synthetic with planted topics, or a text8-style file), the
-skip-gram pairs with subsampling, the unigram^0.75 negative sampler, the
-model, the training loop (with :class:`~speedswap.OffloadedEmbedding` or with
-the SpeedTorch-style ``ModelFactory``/``OptimizerFactory`` switchers), and
-the quality figure, nearest-neighbour topic purity.
+:func:`train`; this module and :mod:`speedswap.corpus` (the text and its
+pairs) hold everything they share, so neither copies the other: the
+unigram^0.75 negative sampler, the model, the training loop (with
+:class:`~speedswap.OffloadedEmbedding` or with the SpeedTorch-style
+``ModelFactory``/``OptimizerFactory`` switchers), and the quality figure,
+nearest-neighbour topic purity.
 
+>>> from speedswap.corpus import synthetic_corpus
 >>> corpus = synthetic_corpus(vocab=500, topics=10, tokens=20_000, seed=0)
 >>> result = train(corpus, dim=16, steps=50, batch_size=256, backend="numpy", progress=False)
 >>> result.vectors.shape
 (500, 16)
 """
 
-import collections
 import dataclasses
+import itertools
 import os
 import time
 
@@ -25,162 +26,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .backends import get_backend
+from .corpus import keep_probabilities, skipgram_pairs
 from .embedding import OffloadedEmbedding
 from .feeder import BatchFeeder
 from .switchers import ModelFactory, OptimizerFactory
 
-__all__ = ["Corpus", "synthetic_corpus", "read_text_corpus", "skipgram_pairs", "NegativeSampler",
-           "SkipGram", "TrainResult", "train", "topic_purity", "nearest_neighbours"]
-
-
-@dataclasses.dataclass
-class Corpus:
-    """Word ids in reading order, with what training and evaluation need about them.
-
-    Attributes:
-        tokens: int32 word ids.
-        doc_starts: int64 offsets where a document (line, sentence) starts;
-            skip-gram windows never cross one.
-        counts: int64 occurrences of each word id (the vocabulary size is its length).
-        words: the word strings, or None for a synthetic corpus.
-        topics: the planted topic of each word id (synthetic corpus only), else None.
-    """
-
-    tokens: np.ndarray
-    doc_starts: np.ndarray
-    counts: np.ndarray
-    words: list = None
-    topics: np.ndarray = None
-
-    @property
-    def vocab_size(self):
-        return len(self.counts)
-
-    def name(self, word_id):
-        """A printable name: the word, or ``w<id>/t<topic>`` for synthetic words."""
-        if self.words is not None:
-            return self.words[word_id]
-        return f"w{word_id}/t{self.topics[word_id]}"
-
-
-def synthetic_corpus(vocab, topics, tokens, *, doc_len=50, background=0.2, zipf=1.0, seed=0):
-    """A corpus with planted structure, so the trained vectors can be scored.
-
-    Every word belongs to one topic (assigned at random, so each topic has
-    frequent and rare words) and word ``i`` has Zipf weight ``1/(i+1)**zipf``,
-    as natural text does. Each document picks a topic and draws its words
-    from that topic's words by weight; a ``background`` share of tokens is
-    instead drawn from the whole vocabulary, the way function words and
-    digressions blur real topics.
-
-    Args:
-        vocab: number of word ids (the embedding tables' rows).
-        topics: number of planted topics.
-        tokens: corpus length.
-        doc_len: tokens per document.
-        background: share of tokens drawn regardless of the document's topic.
-        zipf: the frequency exponent.
-        seed: for reproducible corpora.
-
-    Returns:
-        Corpus with ``topics`` set.
-    """
-    rng = np.random.default_rng(seed)
-    topic_of = rng.integers(0, topics, vocab)
-    weight = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** zipf
-    num_docs = max(1, tokens // doc_len)
-    doc_topic = rng.integers(0, topics, num_docs)
-    ids = np.empty((num_docs, doc_len), dtype=np.int32)
-    for topic in range(topics):
-        members = np.flatnonzero(topic_of == topic)
-        docs = np.flatnonzero(doc_topic == topic)
-        if len(members) == 0 or len(docs) == 0:
-            continue
-        cdf = np.cumsum(weight[members])
-        ids[docs] = members[np.searchsorted(cdf, rng.random((len(docs), doc_len)) * cdf[-1])]
-    noise = rng.random(ids.shape) < background
-    cdf = np.cumsum(weight)
-    ids[noise] = np.searchsorted(cdf, rng.random(int(noise.sum())) * cdf[-1])
-    ids = ids.ravel()
-    return Corpus(tokens=ids, doc_starts=np.arange(0, len(ids), doc_len, dtype=np.int64),
-                  counts=np.bincount(ids, minlength=vocab).astype(np.int64), topics=topic_of)
-
-
-def read_text_corpus(path, vocab):
-    """Read a text8-style corpus: words separated by whitespace, one document per line.
-
-    text8 itself is a single line of 17 million lower-case words. Words are
-    ranked by frequency and the ``vocab`` most frequent kept (id 0 is the most
-    frequent); rarer words are dropped from the token stream, as word2vec does.
-
-    Args:
-        path: a UTF-8 text file.
-        vocab: how many distinct words to keep.
-
-    Returns:
-        Corpus (``topics`` is None: there is no planted structure to score).
-    """
-    with open(path, encoding="utf-8") as f:
-        lines = [line.split() for line in f]
-    counter = collections.Counter(word for line in lines for word in line)
-    # Rank by count, ties alphabetically so the vocabulary does not depend on dict order.
-    ranked = sorted(counter.items(), key=lambda item: (-item[1], item[0]))[:vocab]
-    index = {word: i for i, (word, _) in enumerate(ranked)}
-    ids, starts = [], []
-    for line in lines:
-        line_ids = [index[w] for w in line if w in index]
-        if line_ids:
-            starts.append(len(ids))
-            ids.extend(line_ids)
-    return Corpus(tokens=np.array(ids, dtype=np.int32), doc_starts=np.array(starts, dtype=np.int64),
-                  counts=np.array([c for _, c in ranked], dtype=np.int64),
-                  words=[w for w, _ in ranked])
-
-
-def keep_probabilities(counts, threshold=1e-3):
-    """Mikolov's subsampling: the chance a word's occurrence is kept, ``(sqrt(f/t) + 1) t/f``.
-
-    Frequent words ("the", "of") carry little about their neighbours and
-    dominate the pairs; dropping most of their occurrences speeds training
-    and improves the rare words' vectors.
-    """
-    freq = counts / max(1, counts.sum())
-    with np.errstate(divide="ignore", invalid="ignore"):
-        keep = (np.sqrt(freq / threshold) + 1) * threshold / freq
-    return np.nan_to_num(np.minimum(keep, 1.0), nan=1.0)
-
-
-def skipgram_pairs(tokens, doc_ids, keep_prob, window, rng):
-    """(centre, context) pairs of a stretch of tokens, vectorised.
-
-    Each kept token's window is shrunk to a random reach in ``[1, window]``
-    (word2vec's dynamic window, which weights near neighbours more); pairs
-    never cross a document boundary.
-
-    Args:
-        tokens: int word ids.
-        doc_ids: the document of each token (same length).
-        keep_prob: per-word keep probability (:func:`keep_probabilities`).
-        window: the largest reach.
-        rng: numpy Generator.
-
-    Returns:
-        (centres, contexts): two int64 arrays of equal length.
-    """
-    kept = rng.random(len(tokens)) < keep_prob[tokens]
-    tokens, doc_ids = tokens[kept].astype(np.int64), doc_ids[kept]
-    reach = rng.integers(1, window + 1, len(tokens))
-    centres, contexts = [], []
-    for offset in range(1, min(window, len(tokens) - 1) + 1):
-        same_doc = doc_ids[offset:] == doc_ids[:-offset]
-        left, right = tokens[:-offset], tokens[offset:]
-        forward = same_doc & (reach[:-offset] >= offset)
-        backward = same_doc & (reach[offset:] >= offset)
-        centres += [left[forward], right[backward]]
-        contexts += [right[forward], left[backward]]
-    if not centres:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(centres), np.concatenate(contexts)
+__all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "topic_purity", "nearest_neighbours"]
 
 
 class NegativeSampler:
@@ -270,8 +121,8 @@ def _batches(corpus, *, batch_size, window, subsample, chunk_tokens, device, see
     rng = np.random.default_rng(seed)
     keep_prob = keep_probabilities(corpus.counts, subsample)
     doc_id = np.searchsorted(corpus.doc_starts, np.arange(len(corpus.tokens)), side="right")
-    epoch = 0
-    while True:
+    for epoch in itertools.count():
+        batches = 0
         for start in range(0, len(corpus.tokens), chunk_tokens):
             stop = min(start + chunk_tokens, len(corpus.tokens))
             centres, contexts = skipgram_pairs(corpus.tokens[start:stop], doc_id[start:stop],
@@ -279,11 +130,15 @@ def _batches(corpus, *, batch_size, window, subsample, chunk_tokens, device, see
             if len(centres) < batch_size:
                 continue
             feeder = BatchFeeder(centres, contexts, batch_size=batch_size, order="random",
-                                    drop_last=True, seed=seed + epoch, device=device)
+                                 drop_last=True, seed=seed + epoch, device=device)
             words_per_batch = (stop - start) / len(feeder)
             for batch_centres, batch_contexts in feeder:
+                batches += 1
                 yield batch_centres, batch_contexts, words_per_batch
-        epoch += 1
+        if batches == 0:
+            raise ValueError(f"a pass over the corpus ({len(corpus.tokens):,} tokens) gives fewer "
+                             f"than batch_size={batch_size} pairs per chunk; use a smaller "
+                             f"batch_size or a longer corpus")
 
 
 def _table_files(directory, name):
@@ -364,7 +219,7 @@ def train(corpus, *, dim=64, steps=1000, batch_size=2048, negatives=5, window=4,
     """Train skip-gram vectors with both tables in host memory.
 
     Args:
-        corpus: a :class:`Corpus`.
+        corpus: a :class:`~speedswap.corpus.Corpus`.
         dim: vector length.
         steps: optimizer steps (the corpus is cycled as needed).
         batch_size: (centre, context) pairs per step.
