@@ -8,8 +8,7 @@ different devices.
 import json
 
 import speedswap as ss
-
-BACKEND_OF_DEVICE = {"auto": "auto", "cpu": "numpy", "cuda": "cuda"}
+from speedswap.demo import BACKEND_OF_DEVICE
 
 
 def add_common_arguments(parser):

@@ -35,7 +35,7 @@ import numpy as np
 import speedswap as ss
 from speedswap import word2vec
 from speedswap.corpus import read_text_corpus, synthetic_corpus
-from speedswap.demo import format_bytes, format_rows, memory_summary
+from speedswap.demo import DEMO, format_bytes, format_rows, memory_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_arguments, backend_and_device, write_json  # noqa: E402
@@ -52,12 +52,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--corpus", metavar="PATH", help="a text8-style file: whitespace-separated "
                         "words, one document per line (default: synthetic)")
-    parser.add_argument("--vocab", type=int, default=50_000, help="vocabulary size (table rows)")
-    parser.add_argument("--topics", type=int, default=50, help="synthetic topics")
-    parser.add_argument("--tokens", type=int, default=3_000_000, help="synthetic corpus length")
-    parser.add_argument("--dim", type=int, default=64, help="vector length")
-    parser.add_argument("--steps", type=int, default=2500, help="optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=2048, help="(centre, context) pairs per step")
+    # The defaults are the demo's size (about a minute on a 2-core CPU).
+    parser.add_argument("--vocab", type=int, default=DEMO["vocab"], help="vocabulary size (table rows)")
+    parser.add_argument("--topics", type=int, default=DEMO["topics"], help="synthetic topics")
+    parser.add_argument("--tokens", type=int, default=DEMO["tokens"], help="synthetic corpus length")
+    parser.add_argument("--dim", type=int, default=DEMO["dim"], help="vector length")
+    parser.add_argument("--steps", type=int, default=DEMO["steps"], help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=DEMO["batch_size"],
+                        help="(centre, context) pairs per step")
     parser.add_argument("--negatives", type=int, default=5, help="negative words per pair")
     parser.add_argument("--window", type=int, default=4, help="largest context reach")
     parser.add_argument("--subsample", type=float, default=1e-3, help="frequent-word subsampling threshold")

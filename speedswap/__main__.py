@@ -3,9 +3,8 @@
 import argparse
 import sys
 
+from .demo import BACKEND_OF_DEVICE
 from .info import format_info, info
-
-_DEVICES = {"auto": "auto", "cpu": "numpy", "cuda": "cuda"}
 
 
 def _demo(args):
@@ -14,7 +13,7 @@ def _demo(args):
     size = "tiny" if args.tiny else "demo"
     print(f"speedswap demo: word2vec (skip-gram, Adam) on a synthetic corpus with planted topics, "
           f"both tables and their Adam state in {args.storage} host memory ({size} size)")
-    summary = run_demo(tiny=args.tiny, backend=_DEVICES[args.device], storage=args.storage,
+    summary = run_demo(tiny=args.tiny, backend=BACKEND_OF_DEVICE[args.device], storage=args.storage,
                        progress=not args.no_progress)
     print(format_demo(summary))
 
@@ -33,7 +32,7 @@ def main(argv=None):
     commands.add_parser("info", help="version, backends, device, memory held by live tables")
     demo = commands.add_parser("demo", help="train word2vec with offloaded tables (about a minute)")
     demo.add_argument("--tiny", action="store_true", help="a few seconds, for smoke tests")
-    demo.add_argument("--device", choices=sorted(_DEVICES), default="auto",
+    demo.add_argument("--device", choices=sorted(BACKEND_OF_DEVICE), default="auto",
                       help="cuda needs CuPy and a GPU; auto uses one when present")
     demo.add_argument("--storage", default="pinned", choices=("pinned", "mapped", "pageable", "device"),
                       help="where the tables and optimizer state live")

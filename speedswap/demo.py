@@ -12,7 +12,10 @@ True
 
 import torch
 
-__all__ = ["DEMO", "TINY", "run_demo", "format_demo", "memory_summary", "format_bytes", "format_rows"]
+__all__ = ["BACKEND_OF_DEVICE", "DEMO", "TINY", "run_demo", "format_demo", "memory_summary", "format_bytes", "format_rows"]
+
+#: ``--device`` choices of the demo and the examples, and the backend each means.
+BACKEND_OF_DEVICE = {"auto": "auto", "cpu": "numpy", "cuda": "cuda"}
 
 #: The demo's size: about a minute on a 2-core CPU, seconds on a GPU.
 DEMO = dict(vocab=100_000, topics=50, tokens=5_000_000, dim=64, steps=6000, batch_size=2048)
