@@ -99,7 +99,8 @@ def run_demo(tiny=False, backend="auto", storage="pinned", progress=True, seed=0
     return {"vocab": corpus.vocab_size, "dim": size["dim"], "steps": size["steps"],
             "words/s": result.words_per_second, "pairs/s": result.pairs / result.seconds,
             "seconds": result.seconds, "final loss": result.losses[-1][1],
-            "topic purity": purity, "chance": chance, "storage": storage, **memory}
+            "topic purity": purity, "chance": chance, "storage": storage,
+            "page-locked": result.model.centre.table.pinned, **memory}
 
 
 def format_demo(summary):
@@ -110,7 +111,8 @@ def format_demo(summary):
                      f"final loss {summary['final loss']:.3f}"),
         ("words/s", f"{summary['words/s']:,.0f}  ({summary['pairs/s']:,.0f} pairs/s)"),
         ("topic purity", f"{summary['topic purity']:.3f}  (chance {summary['chance']:.3f})"),
-        ("storage", summary["storage"]),
+        ("storage", summary["storage"] + ("" if summary["page-locked"] or summary["storage"] == "pageable"
+                                          else " (plain host memory: the CPU backend has no GPU)")),
         ("host tables", format_bytes(summary["host_bytes"] + summary["file_bytes"])),
         (f"on {summary['device']} for the step", format_bytes(summary["device_bytes"])),
     ]
