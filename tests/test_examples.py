@@ -53,6 +53,7 @@ TINY_W2V = ["--vocab", "2000", "--topics", "20", "--tokens", "200000", "--dim", 
             "--steps", "150", "--batch-size", "512"]
 
 
+@pytest.mark.slow
 def test_word2vec_learns_topics_and_both_apis_agree(tmp_path):
     out, offloaded = run_example("word2vec", TINY_W2V + ["--storage", "mmap", "--table-dir", tmp_path / "tables",
                                                          "--save", tmp_path / "offloaded.npy"], tmp_path)
@@ -72,6 +73,7 @@ def test_word2vec_learns_topics_and_both_apis_agree(tmp_path):
     assert speedtorch["topic_purity"] == pytest.approx(offloaded["topic_purity"], abs=0.01)
 
 
+@pytest.mark.slow
 def test_word2vec_reads_a_text_corpus(tmp_path):
     rng = np.random.default_rng(0)
     themes = [["king", "queen", "crown", "throne", "palace", "royal"],
@@ -86,6 +88,7 @@ def test_word2vec_reads_a_text_corpus(tmp_path):
     assert "topic_purity" not in figures  # a real corpus has no planted topics to score
 
 
+@pytest.mark.slow
 def test_demo_tiny(tmp_path):
     out = run(["-m", "speedswap", "demo", "--tiny", "--device", "cpu", "--no-progress"], tmp_path)
     purity, chance = map(float, re.search(r"topic purity\s+([\d.]+)\s+\(chance ([\d.]+)\)", out).groups())
@@ -98,6 +101,7 @@ TINY_RECOMMENDER = ["--users", "500", "--items", "300", "--rank", "4", "--count"
                     "--epochs", "8", "--batch-size", "512", "--lr", "0.02"]
 
 
+@pytest.mark.slow
 def test_recommender_reaches_the_noise_and_equals_in_memory_training(tmp_path):
     out, figures = run_example("recommender", TINY_RECOMMENDER, tmp_path)
     offloaded, in_memory = figures["offloaded"][-1], figures["in_memory"][-1]
@@ -132,6 +136,7 @@ def test_recommender_reads_movielens_formats(tmp_path):
         np.testing.assert_allclose(r, expected)
 
 
+@pytest.mark.slow
 def test_linear_regression_recovers_the_weights(tmp_path):
     out, figures = run_example("linear_regression", [
         "--rows", "20000", "--features", "20", "--epochs", "4", "--batch-size", "512",
@@ -145,6 +150,7 @@ def test_linear_regression_recovers_the_weights(tmp_path):
     assert "mmap X" in out
 
 
+@pytest.mark.slow
 def test_logistic_regression_accuracy(tmp_path):
     out, figures = run_example("logistic_regression", [
         "--samples", "20000", "--features", "50", "--informative", "10", "--epochs", "4",
@@ -155,6 +161,7 @@ def test_logistic_regression_accuracy(tmp_path):
     assert figures["test_accuracy"] > 2 * figures["chance"]
 
 
+@pytest.mark.slow
 def test_logistic_regression_reads_arrays(tmp_path):
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3000, 6)).astype(np.float32) * 5 + 3   # unscaled: the example standardises
@@ -167,6 +174,7 @@ def test_logistic_regression_reads_arrays(tmp_path):
     assert figures["test_accuracy"] > 0.9
 
 
+@pytest.mark.slow
 def test_bench_quick_writes_results_and_chart(tmp_path):
     pytest.importorskip("matplotlib")
     out = run(["-m", "speedswap", "bench", "--quick", "--repeats", "3", "--out", tmp_path], tmp_path)

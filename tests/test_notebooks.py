@@ -34,6 +34,7 @@ def test_there_are_notebooks():
                                        "03_streaming_npy.ipynb"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
 def test_notebook_runs(path, monkeypatch):
     pytest.importorskip("nbclient")
