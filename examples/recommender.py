@@ -120,7 +120,7 @@ def offloaded_model(initial, mean, args, backend):
 
 def in_memory_model(initial, mean, args, device):
     """The same model with whole tables in memory: nn.Embedding(sparse=True) + SparseAdam."""
-    tables = [torch.nn.Embedding.from_pretrained(torch.from_numpy(values), freeze=False, sparse=True)
+    tables = [torch.nn.Embedding.from_pretrained(torch.tensor(values), freeze=False, sparse=True)
               for values in initial]
     model = Factorisation(*tables, mean).to(device)
     optimizer = torch.optim.SparseAdam(list(model.parameters()), lr=args.lr, eps=EPS)
@@ -182,7 +182,6 @@ def main(argv=None):
     add_common_arguments(parser)
     args = parser.parse_args(argv)
     backend, device = backend_and_device(args)
-    torch.manual_seed(args.seed)
 
     if args.ratings:
         data = read_ratings(args.ratings)
