@@ -14,6 +14,9 @@ Usage::
     python examples/recommender.py --ratings ml-100k/u.data # MovieLens 100k
     python examples/recommender.py --ratings ml-25m/ratings.csv --dim 64 --epochs 5
 
+MovieLens files come from https://grouplens.org/datasets/movielens/ (ml-100k
+holds ``u.data``; ml-latest-small, ml-25m hold ``ratings.csv``).
+
 By default the ratings are synthetic: ``users x items`` with a planted rank
 ``--rank`` structure plus biases and Gaussian noise of ``--noise``, so the
 reachable test RMSE (the noise) and the predict-the-mean baseline are known.
