@@ -94,7 +94,6 @@ def run_cpu(num_rows=2_000_000, dim=128, num_ids=131_072, repeats=20, seed=0):
         "gather_fraction_of_copy": copy_g / gather["HostTable.gather"]["median_s"],
         "scatter_fraction_of_copy": copy_s / scatter["HostTable.scatter"]["median_s"],
     }
-    del same
     table.close()
     return result
 

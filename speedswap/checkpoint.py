@@ -22,7 +22,6 @@ import shutil
 import tempfile
 
 import numpy as np
-import torch
 
 from . import io
 from .convert import numpy_dtype
@@ -32,12 +31,6 @@ __all__ = ["save_tables", "load_tables"]
 
 _MANIFEST = "checkpoint.json"
 _FORMAT = "speedswap-checkpoint-1"
-
-
-def _chunks(table):
-    """The table's rows as host numpy chunks of about 64 MiB (no full-size copy)."""
-    for start, stop in io.row_ranges(table.shape, numpy_dtype(table.dtype)):
-        yield table.gather(torch.arange(start, stop)).cpu().numpy()
 
 
 def save_tables(path, tables, attrs):
@@ -55,7 +48,7 @@ def save_tables(path, tables, attrs):
     """
     attrs = {"format": _FORMAT, **attrs}
     if _is_h5(path):
-        io.write_h5(path, {name: (t.shape, numpy_dtype(t.dtype), _chunks(t))
+        io.write_h5(path, {name: (t.shape, numpy_dtype(t.dtype), t.host_chunks())
                            for name, t in tables.items()}, attrs)
         return
     path = os.path.abspath(os.fspath(path))
@@ -67,7 +60,7 @@ def save_tables(path, tables, attrs):
     try:
         for name, table in tables.items():
             io.write_npy(os.path.join(tmp, f"{name}.npy"), table.shape,
-                         numpy_dtype(table.dtype), _chunks(table))
+                         numpy_dtype(table.dtype), table.host_chunks())
         manifest = {"attrs": attrs, "tables": sorted(tables)}
         with open(os.path.join(tmp, _MANIFEST), "w") as f:
             json.dump(manifest, f)

@@ -22,6 +22,10 @@ from .working_set import WorkingSet
 __all__ = ["OffloadedEmbedding"]
 
 
+def _is_npy(path):
+    return os.fspath(path).lower().endswith(".npy")
+
+
 class OffloadedEmbedding(torch.nn.Module):
     """A drop-in ``nn.Embedding`` for tables larger than device memory.
 
@@ -182,13 +186,20 @@ class OffloadedEmbedding(torch.nn.Module):
         """Write the table and all offloaded optimizer state to one checkpoint, atomically.
 
         Args:
-            path: ``*.h5`` for one HDF5 file, otherwise a directory of ``.npy``
-                files (see :mod:`speedswap.checkpoint`).
+            path: ``*.h5`` for one HDF5 file; ``*.npy`` for the table alone as
+                a plain numpy file (an export, without optimizer state);
+                otherwise a directory of ``.npy`` files (see :mod:`speedswap.checkpoint`).
         """
+        if _is_npy(path):
+            self.table.save(path)
+            return
         save_tables(path, self._tables(), self._attrs())
 
     def load(self, path):
         """Restore a checkpoint written by :meth:`save` (attach the same optimizer class first).
+
+        A ``*.npy`` path replaces the table's rows only (pretrained vectors, say)
+        and leaves the optimizer state as it is.
 
         Restore the optimizer's own ``state_dict`` too: it holds the step count.
 
@@ -199,6 +210,9 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._working_set.size:
             raise StateError("load between a training forward and optimizer.step() would be "
                              "undone by the step; load between steps")
+        if _is_npy(path):
+            self.table.load_from(path)  # the table alone; optimizer state is left as it is
+            return
         load_tables(path, self._tables(), self._attrs())
         if self._state is not None:
             self._state.mark_loaded()

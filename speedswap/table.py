@@ -449,7 +449,15 @@ class HostTable:
         return self
 
     # ----------------------------------------------------------------- files
-    def _host_chunks(self):
+    def host_chunks(self):
+        """The rows as numpy arrays of about 64 MiB each, in order.
+
+        Host tables yield views of their own memory; a device table yields one
+        chunk-sized host copy at a time, so no full-size copy is ever made.
+
+        Yields:
+            numpy.ndarray chunks of consecutive rows.
+        """
         for _, _, chunk in self._row_chunks(writing=False):
             yield chunk.cpu().numpy()
 
@@ -471,9 +479,9 @@ class HostTable:
             self._buffer.host.flush()
             return
         if fmt == "npy":
-            io.write_npy(path, self._shape, np_dtype, self._host_chunks())
+            io.write_npy(path, self._shape, np_dtype, self.host_chunks())
         else:
-            io.write_h5(path, {dataset: (self._shape, np_dtype, self._host_chunks())})
+            io.write_h5(path, {dataset: (self._shape, np_dtype, self.host_chunks())})
 
     def load_from(self, path, dataset="table"):
         """Replace this table's rows with a file's, which must match shape and dtype.

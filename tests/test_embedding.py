@@ -194,3 +194,29 @@ def test_errors_change_nothing(backend, init, tmp_path):
     np.testing.assert_array_equal(emb.table.to_numpy(), trained)
     with pytest.raises(ss.OptionError, match="element-wise"):
         emb.attach(torch.optim.LBFGS(emb.parameters()))
+
+
+def test_npy_path_exports_and_imports_the_table_alone(backend, rng, tmp_path):
+    emb = ss.OffloadedEmbedding(USERS, DIM, max_rows=BATCH, backend=backend)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    ids = torch.from_numpy(zipf(rng, USERS, BATCH)).to(emb.table.device)
+    emb(ids).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    trained = emb.table.to_numpy(copy=True)
+    state = {name: t.to_numpy(copy=True) for name, t in emb._state.tables.items()}
+    emb.save(tmp_path / "vectors.npy")
+    assert (tmp_path / "vectors.npy").is_file()  # a plain numpy file, not a directory
+    np.testing.assert_array_equal(np.load(tmp_path / "vectors.npy"), trained)
+
+    pretrained = rng.standard_normal((USERS, DIM)).astype(np.float32)
+    np.save(tmp_path / "pretrained.npy", pretrained)
+    emb.load(tmp_path / "pretrained.npy")
+    np.testing.assert_array_equal(emb.table.to_numpy(), pretrained)
+    for name, table in emb._state.tables.items():  # optimizer state is left as it was
+        np.testing.assert_array_equal(table.to_numpy(), state[name])
+    np.save(tmp_path / "short.npy", pretrained[:-1])
+    with pytest.raises(ss.FileFormatError, match="holds"):
+        emb.load(tmp_path / "short.npy")
+    np.testing.assert_array_equal(emb.table.to_numpy(), pretrained)

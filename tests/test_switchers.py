@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from training_helpers import BATCH, CAPACITY, DIM, NEGS, skipgram_loss, zipf_batches
+from training_helpers import CAPACITY, DIM, skipgram_loss, zipf_batches
 
 ROWS = 300
 
