@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import OptionError
 
-__all__ = ["RandomOrder", "BlockOrder", "SequentialOrder", "ORDERS", "make_order", "shard"]
+__all__ = ["Order", "RandomOrder", "BlockOrder", "SequentialOrder", "ORDERS", "make_order", "shard"]
 
 #: Bytes per block when ``order="block"`` picks the block size itself: large
 #: enough that reading one block from disk is a sequential read, small enough
@@ -32,38 +32,17 @@ def _generator(seed, epoch):
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
 
 
-class SequentialOrder:
-    """Rows in file order, every epoch the same."""
+class Order:
+    """An epoch order: which permutation of the rows each epoch reads.
 
-    name = "sequential"
-
-    def indices(self, num_rows, seed, epoch):
-        """The row order of one epoch: ``arange(num_rows)``.
-
-        Args:
-            num_rows: rows in the dataset.
-            seed, epoch: ignored by this order; accepted so every order is called alike.
-
-        Returns:
-            numpy.ndarray of int64.
-        """
-        return np.arange(num_rows, dtype=np.int64)
-
-    def describe(self):
-        return {"name": self.name}
-
-
-class RandomOrder:
-    """A fresh uniform permutation per epoch, drawn from ``(seed, epoch)``.
-
-    Reads rows at random, so a memory-mapped source larger than RAM is read
-    at the disk's random-access speed; prefer :class:`BlockOrder` there.
+    Subclasses set :attr:`name` and implement :meth:`indices`; the feeder
+    calls nothing else, so any object with these two methods is an order.
     """
 
-    name = "random"
+    name = None
 
     def indices(self, num_rows, seed, epoch):
-        """The row order of one epoch.
+        """The row order of one epoch, a pure function of the arguments.
 
         Args:
             num_rows: rows in the dataset.
@@ -73,13 +52,38 @@ class RandomOrder:
         Returns:
             numpy.ndarray of int64, a permutation of ``range(num_rows)``.
         """
-        return _generator(seed, epoch).permutation(num_rows)
+        raise NotImplementedError
 
     def describe(self):
+        """The order's settings, compared when a feeder state is loaded."""
         return {"name": self.name}
 
 
-class BlockOrder:
+class SequentialOrder(Order):
+    """Rows in file order, every epoch the same."""
+
+    name = "sequential"
+
+    def indices(self, num_rows, seed, epoch):
+        """``arange(num_rows)``; ``seed`` and ``epoch`` are ignored."""
+        return np.arange(num_rows, dtype=np.int64)
+
+
+class RandomOrder(Order):
+    """A fresh uniform permutation per epoch, drawn from ``(seed, epoch)``.
+
+    Reads rows at random, so a memory-mapped source larger than RAM is read
+    at the disk's random-access speed; prefer :class:`BlockOrder` there.
+    """
+
+    name = "random"
+
+    def indices(self, num_rows, seed, epoch):
+        """A uniform permutation drawn from ``(seed, epoch)``."""
+        return _generator(seed, epoch).permutation(num_rows)
+
+
+class BlockOrder(Order):
     """Quasi-random order that reads a large file mostly sequentially (FFCV's QUASI_RANDOM).
 
     The rows are cut into contiguous blocks of ``block_rows``; the blocks are
@@ -111,15 +115,7 @@ class BlockOrder:
         self.window = int(window)
 
     def indices(self, num_rows, seed, epoch):
-        """The row order of one epoch.
-
-        Args:
-            num_rows: rows in the dataset.
-            seed: the feeder's seed.
-            epoch: the epoch number.
-
-        Returns:
-            numpy.ndarray of int64, a permutation of ``range(num_rows)``.
+        """Blocks shuffled, then rows shuffled within each window of blocks (see :meth:`Order.indices`).
 
         Raises:
             OptionError: ``block_rows`` was never chosen (use :func:`make_order`).

@@ -1,6 +1,6 @@
 """HostTable: a 2-D row table in host (or device) memory with row transport.
 
->>> import numpy as np, speedswap as ss
+>>> import numpy as np, torch, speedswap as ss
 >>> table = ss.HostTable.from_numpy(np.arange(12, dtype=np.float32).reshape(4, 3),
 ...                                 storage="pageable", backend="numpy")
 >>> table.gather([3, 0, 3]).tolist()
