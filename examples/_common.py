@@ -8,7 +8,7 @@ different devices.
 import json
 
 import speedswap as ss
-from speedswap.demo import BACKEND_OF_DEVICE
+from speedswap.apps.demo import BACKEND_OF_DEVICE
 
 
 def add_common_arguments(parser):

@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 import speedswap as ss
-from speedswap.demo import format_bytes, format_rows, memory_summary
+from speedswap.apps.demo import format_bytes, format_rows, memory_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_arguments, backend_and_device, write_json  # noqa: E402

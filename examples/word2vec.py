@@ -21,7 +21,7 @@ nearest neighbours from its own topic (topic purity), against the chance
 level. With a real corpus (text8: http://mattmahoney.net/dc/text8.zip,
 unzipped) the nearest neighbours of a few frequent words are printed instead.
 
-The training loop is :func:`speedswap.word2vec.train`, shared with
+The training loop is :func:`speedswap.apps.word2vec.train`, shared with
 ``python -m speedswap demo``.
 """
 
@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 
 import speedswap as ss
-from speedswap import word2vec
-from speedswap.corpus import read_text_corpus, synthetic_corpus
-from speedswap.demo import DEMO, format_bytes, format_rows, memory_summary
+from speedswap.apps import word2vec
+from speedswap.apps.corpus import read_text_corpus, synthetic_corpus
+from speedswap.apps.demo import DEMO, format_bytes, format_rows, memory_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import add_common_arguments, backend_and_device, write_json  # noqa: E402

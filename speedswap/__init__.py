@@ -7,16 +7,15 @@ is first used.
 """
 
 from .backends import STORAGE_KINDS, available_backends, get_backend
-from .data import DataGadget
-from .feeder import BatchFeeder
 from .errors import (BackendUnavailableError, CapacityError, DeviceError, DTypeError,
                      DuplicateIdError, FileFormatError, IdError, OptionError, ShapeError,
                      SpeedswapError, StateError)
 from .info import info
 from .table import HostTable
-from .embedding import OffloadedEmbedding
-from .switchers import (GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
-                        OptimizerFactory)
+from .train import OffloadedEmbedding
+from .data import BatchFeeder, DataGadget
+from .compat import (GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
+                     OptimizerFactory)
 
 __version__ = "0.1.0"
 

@@ -3,12 +3,12 @@
 import argparse
 import sys
 
-from .demo import BACKEND_OF_DEVICE
+from .apps.demo import BACKEND_OF_DEVICE
 from .info import format_info, info
 
 
 def _demo(args):
-    from .demo import format_demo, run_demo
+    from .apps.demo import format_demo, run_demo
 
     size = "tiny" if args.tiny else "demo"
     print(f"speedswap demo: word2vec (skip-gram, Adam) on a synthetic corpus with planted topics, "
@@ -19,7 +19,7 @@ def _demo(args):
 
 
 def _bench(args):
-    from .bench import run_bench
+    from .apps.bench import run_bench
 
     _, json_path, png_path = run_bench(out_dir=args.out, quick=args.quick, repeats=args.repeats)
     print(f"\nwrote {json_path}\nwrote {png_path}")

@@ -17,7 +17,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import io
+from . import files
 from .backends import STORAGE_KINDS, get_backend
 from .convert import as_row_ids, as_row_values, numpy_dtype
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError,
@@ -38,7 +38,7 @@ def _check_storage(storage, path):
         raise OptionError(f"unknown storage {storage!r}; choose one of {STORAGE_KINDS}")
     if storage == "mmap" and path is None:
         raise OptionError("storage='mmap' keeps the table in a .npy file: pass path='table.npy'")
-    if storage == "mmap" and io.file_format(path) != "npy":
+    if storage == "mmap" and files.file_format(path) != "npy":
         raise OptionError(f"storage='mmap' needs a .npy path, got {os.fspath(path)!r}")
 
 
@@ -108,7 +108,7 @@ class HostTable:
         backend = get_backend(backend)
         shape = (int(num_rows), int(dim))
         if storage == "mmap":
-            return cls(backend.adopt(io.create_npy_memmap(path, shape, dtype), "mmap"), backend, path)
+            return cls(backend.adopt(files.create_npy_memmap(path, shape, dtype), "mmap"), backend, path)
         return cls(backend.allocate(shape, dtype, storage), backend)
 
     @classmethod
@@ -195,15 +195,15 @@ class HostTable:
             FileFormatError: a truncated, malformed or non-2-D file.
             FileNotFoundError: no such file.
         """
-        fmt = io.file_format(path)
-        header = io.read_npy_header(path) if fmt == "npy" else io.read_h5_header(path, dataset)
+        fmt = files.file_format(path)
+        header = files.read_npy_header(path) if fmt == "npy" else files.read_h5_header(path, dataset)
         if len(header.shape) != 2:
             raise FileFormatError(f"{os.fspath(path)!r} holds an array of shape {header.shape}; "
                                      f"a table needs 2-D (rows, dim)")
         if mmap:
             _check_storage("mmap", path)
             backend = get_backend(backend)
-            return cls(backend.adopt(io.open_npy_memmap(path), "mmap"), backend, path)
+            return cls(backend.adopt(files.open_npy_memmap(path), "mmap"), backend, path)
         if storage == "mmap":
             raise OptionError("to use the file itself as the table pass mmap=True; "
                               "storage='mmap' with a copy would need a second file")
@@ -388,7 +388,7 @@ class HostTable:
         """Row-range views of the table, about 64 MiB each."""
         tensor = (self._writable_buffer() if writing else self._live_buffer()).tensor
         self._backend.wait_host(self._buffer)
-        for start, stop in io.row_ranges(self._shape, numpy_dtype(self.dtype)):
+        for start, stop in files.row_ranges(self._shape, numpy_dtype(self.dtype)):
             yield start, stop, tensor[start:stop]
 
     def _fill_from(self, source):
@@ -472,16 +472,16 @@ class HostTable:
             path: ``*.npy``, ``*.h5`` or ``*.hdf5``.
             dataset: the HDF5 dataset name.
         """
-        fmt = io.file_format(path)
+        fmt = files.file_format(path)
         np_dtype = numpy_dtype(self.dtype)
         if (self.storage == "mmap" and self._path is not None
                 and os.path.abspath(path) == os.path.abspath(self._path)):
             self._buffer.host.flush()
             return
         if fmt == "npy":
-            io.write_npy(path, self._shape, np_dtype, self.host_chunks())
+            files.write_npy(path, self._shape, np_dtype, self.host_chunks())
         else:
-            io.write_h5(path, {dataset: (self._shape, np_dtype, self.host_chunks())})
+            files.write_h5(path, {dataset: (self._shape, np_dtype, self.host_chunks())})
 
     def load_from(self, path, dataset="table"):
         """Replace this table's rows with a file's, which must match shape and dtype.
@@ -491,9 +491,9 @@ class HostTable:
                 table is left unchanged.
         """
         self._writable_buffer()
-        fmt = io.file_format(path)
-        header = io.read_npy_header(path) if fmt == "npy" else io.read_h5_header(path, dataset)
-        io.check_matches(header, self._shape, numpy_dtype(self.dtype), path)
+        fmt = files.file_format(path)
+        header = files.read_npy_header(path) if fmt == "npy" else files.read_h5_header(path, dataset)
+        files.check_matches(header, self._shape, numpy_dtype(self.dtype), path)
         self._read_file(path, fmt, header, dataset)
         return self
 
@@ -502,15 +502,15 @@ class HostTable:
         self._backend.wait_host(buffer)
         if buffer.host is not None:
             if fmt == "npy":
-                io.read_npy_into(path, buffer.host, header)
+                files.read_npy_into(path, buffer.host, header)
             else:
-                io.read_h5_into(path, buffer.host, dataset, header)
+                files.read_h5_into(path, buffer.host, dataset, header)
             return
         if fmt == "npy":
-            source = io.open_npy_memmap(path, writable=False)
+            source = files.open_npy_memmap(path, writable=False)
             self._fill_from(lambda start, stop: source[start:stop])
             return
-        with io.open_h5(path) as f:
+        with files.open_h5(path) as f:
             self._fill_from(lambda start, stop: f[dataset][start:stop])
 
     def to_numpy(self, copy=False):

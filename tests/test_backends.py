@@ -43,7 +43,7 @@ def test_cuda_without_device_names_the_fix():
 
 
 def test_cuda_without_cupy_names_the_extra(monkeypatch):
-    from speedswap.backends import cuda_backend
+    from speedswap.backends import cuda as cuda_backend
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
     assert not cuda_backend.CudaBackend.is_available()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap.backends.cuda_kernels import KERNEL_SOURCE, vector_width
+from speedswap.backends.kernels import KERNEL_SOURCE, vector_width
 
 HOST_KINDS = ["pinned", "mapped", "pageable", "mmap", "device"]
 

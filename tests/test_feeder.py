@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap.orders import BlockOrder
+from speedswap.data.orders import BlockOrder
 
 ORDERS = ["random", "block", "sequential"]
 

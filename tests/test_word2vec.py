@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from speedswap import word2vec
-from speedswap.corpus import keep_probabilities, read_text_corpus, skipgram_pairs, synthetic_corpus
+from speedswap.apps import word2vec
+from speedswap.apps.corpus import keep_probabilities, read_text_corpus, skipgram_pairs, synthetic_corpus
 
 
 def test_synthetic_corpus_plants_topics_with_zipf_frequencies(seed):

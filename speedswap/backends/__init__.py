@@ -9,7 +9,7 @@ import warnings
 
 from ..errors import OptionError
 from .base import HOST_KINDS, STORAGE_KINDS, Backend, Buffer
-from .numpy_backend import NumpyBackend
+from .cpu import NumpyBackend
 
 __all__ = ["get_backend", "available_backends", "Backend", "Buffer", "STORAGE_KINDS", "HOST_KINDS"]
 
@@ -21,7 +21,7 @@ _warned_fallback = False
 def _cuda_backend_class():
     # Imported lazily: the module itself imports nothing from CuPy, but keeping
     # it out of `import speedswap` keeps that import cheap.
-    from .cuda_backend import CudaBackend
+    from .cuda import CudaBackend
     return CudaBackend
 
 

@@ -1,6 +1,6 @@
 """``python -m speedswap demo``: word2vec with both tables offloaded, scored, in about a minute.
 
-The job itself lives in :mod:`speedswap.word2vec` (``examples/word2vec.py``
+The job itself lives in :mod:`speedswap.apps.word2vec` (``examples/word2vec.py``
 runs the same code with every knob exposed). This module sizes it, runs it on
 the embedded synthetic corpus, and prints what a newcomer wants to see: speed,
 quality against chance, and where the bytes are.
@@ -54,7 +54,7 @@ def memory_summary(model, optimizer):
     Returns:
         dict of byte counts plus ``device`` (where the step runs).
     """
-    from .info import info
+    from ..info import info
 
     held = info()
     seen = set()

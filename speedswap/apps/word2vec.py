@@ -1,14 +1,14 @@
 """Skip-gram word2vec with both embedding tables offloaded: the job behind the demo.
 
 ``python -m speedswap demo`` and ``examples/word2vec.py`` both run
-:func:`train`; this module and :mod:`speedswap.corpus` (the text and its
+:func:`train`; this module and :mod:`speedswap.apps.corpus` (the text and its
 pairs) hold everything they share, so neither copies the other: the
 unigram^0.75 negative sampler, the model, the training loop (with
 :class:`~speedswap.OffloadedEmbedding` or with the SpeedTorch-style
 ``ModelFactory``/``OptimizerFactory`` switchers), and the quality figure,
 nearest-neighbour topic purity.
 
->>> from speedswap.corpus import synthetic_corpus
+>>> from speedswap.apps.corpus import synthetic_corpus
 >>> corpus = synthetic_corpus(vocab=500, topics=10, tokens=20_000, seed=0)
 >>> result = train(corpus, dim=16, steps=50, batch_size=256, backend="numpy", progress=False)
 >>> result.vectors.shape
@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .backends import get_backend
+from ..backends import get_backend
 from .corpus import keep_probabilities, skipgram_pairs
-from .embedding import OffloadedEmbedding
-from .feeder import BatchFeeder
-from .switchers import ModelFactory, OptimizerFactory
+from ..train.embedding import OffloadedEmbedding
+from ..data.feeder import BatchFeeder
+from ..compat.speedtorch import ModelFactory, OptimizerFactory
 
 __all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "topic_purity", "nearest_neighbours"]
 
@@ -219,7 +219,7 @@ def train(corpus, *, dim=64, steps=1000, batch_size=2048, negatives=5, window=4,
     """Train skip-gram vectors with both tables in host memory.
 
     Args:
-        corpus: a :class:`~speedswap.corpus.Corpus`.
+        corpus: a :class:`~speedswap.apps.corpus.Corpus`.
         dim: vector length.
         steps: optimizer steps (the corpus is cycled as needed).
         batch_size: (centre, context) pairs per step.

@@ -24,11 +24,11 @@ capacity, and no unused slot is updated.
 
 import torch
 
-from .convert import torch_dtype
-from .errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
-from .optim_state import NarrowedStep, RowState
-from .table import HostTable
-from .working_set import steps_for
+from ..convert import torch_dtype
+from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
+from ..train.row_state import NarrowedStep, RowState
+from ..table import HostTable
+from ..train.working_set import steps_for
 
 __all__ = ["ModelFactory", "OptimizerFactory", "GPUPytorchModelFactory",
            "GPUPytorchOptimizerFactory"]
@@ -353,7 +353,7 @@ class OptimizerFactory(_Switcher):
 
     def save(self, path):
         """Write every state table to one checkpoint (``.h5`` file or directory), atomically."""
-        from .checkpoint import save_tables
+        from ..train.checkpoint import save_tables
         save_tables(path, self.state.tables, {"optimizer": type(self.state.optimizer).__name__})
 
     def load(self, path):
@@ -363,7 +363,7 @@ class OptimizerFactory(_Switcher):
             FileFormatError: a checkpoint of another optimizer or shape (nothing changes).
             StateError: called in the middle of a step.
         """
-        from .checkpoint import load_tables
+        from ..train.checkpoint import load_tables
         self._check_idle("load")
         load_tables(path, self.state.tables, {"optimizer": type(self.state.optimizer).__name__})
         self.state.mark_loaded()

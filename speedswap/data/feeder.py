@@ -1,6 +1,6 @@
 """BatchFeeder: whole batches of rows from arrays, memory-mapped files or DataGadgets, on the device.
 
-One index array per epoch (see :mod:`speedswap.orders`), one gather per
+One index array per epoch (see :mod:`speedswap.data.orders`), one gather per
 source per batch: no per-row ``__getitem__``, no collate step.
 
 >>> import numpy as np, speedswap as ss
@@ -14,11 +14,11 @@ source per batch: no per-row ``__getitem__``, no collate step.
 import numpy as np
 import torch
 
-from .data import DataGadget
-from .errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
+from .gadget import DataGadget
+from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
 from .orders import make_order, shard
-from .prefetch import CudaStager, ReaderThread, SyncReader
-from .table import HostTable
+from .readahead import CudaStager, ReaderThread, SyncReader
+from ..table import HostTable
 
 __all__ = ["BatchFeeder"]
 
@@ -125,7 +125,7 @@ class BatchFeeder:
         order: ``"random"`` (a new permutation each epoch, from ``(seed, epoch)``),
             ``"block"`` (quasi-random: shuffled contiguous blocks, rows
             shuffled within a window of blocks, for files larger than RAM),
-            ``"sequential"``, or an order object from :mod:`speedswap.orders`.
+            ``"sequential"``, or an order object from :mod:`speedswap.data.orders`.
         drop_last: drop the last, incomplete batch (and, with several ranks,
             the rows that do not divide evenly between them).
         seed: seeds the order; the same seed gives the same stream.
@@ -230,7 +230,7 @@ class BatchFeeder:
 
     @property
     def order(self):
-        """The order object (see :mod:`speedswap.orders`)."""
+        """The order object (see :mod:`speedswap.data.orders`)."""
         return self._order
 
     def __repr__(self):

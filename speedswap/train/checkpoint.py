@@ -5,7 +5,7 @@ together: a checkpoint whose table is from step 1000 and whose Adam moments are
 from step 900 silently trains wrong. Both formats are therefore all-or-nothing:
 
 * ``*.h5`` / ``*.hdf5``: one file with a dataset per table, written through
-  :func:`speedswap.io.write_h5` (temporary file, fsync, rename).
+  :func:`speedswap.files.write_h5` (temporary file, fsync, rename).
 * any other path: a directory holding ``<name>.npy`` per table and a
   ``checkpoint.json`` manifest. It is written complete into a temporary
   sibling directory, then swapped in with two renames; should the process die
@@ -23,9 +23,9 @@ import tempfile
 
 import numpy as np
 
-from . import io
-from .convert import numpy_dtype
-from .errors import FileFormatError
+from .. import files
+from ..convert import numpy_dtype
+from ..errors import FileFormatError
 
 __all__ = ["save_tables", "load_tables"]
 
@@ -48,7 +48,7 @@ def save_tables(path, tables, attrs):
     """
     attrs = {"format": _FORMAT, **attrs}
     if _is_h5(path):
-        io.write_h5(path, {name: (t.shape, numpy_dtype(t.dtype), t.host_chunks())
+        files.write_h5(path, {name: (t.shape, numpy_dtype(t.dtype), t.host_chunks())
                            for name, t in tables.items()}, attrs)
         return
     path = os.path.abspath(os.fspath(path))
@@ -59,7 +59,7 @@ def save_tables(path, tables, attrs):
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
     try:
         for name, table in tables.items():
-            io.write_npy(os.path.join(tmp, f"{name}.npy"), table.shape,
+            files.write_npy(os.path.join(tmp, f"{name}.npy"), table.shape,
                          numpy_dtype(table.dtype), table.host_chunks())
         manifest = {"attrs": attrs, "tables": sorted(tables)}
         with open(os.path.join(tmp, _MANIFEST), "w") as f:
@@ -81,12 +81,12 @@ def save_tables(path, tables, attrs):
 
 
 def _is_h5(path):
-    return os.path.splitext(os.fspath(path))[1].lower() in io.H5_SUFFIXES
+    return os.path.splitext(os.fspath(path))[1].lower() in files.H5_SUFFIXES
 
 
 def _read_attrs(path):
     if _is_h5(path):
-        with io.open_h5(path) as f:
+        with files.open_h5(path) as f:
             return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
     manifest = os.path.join(os.fspath(path), _MANIFEST)
     try:
@@ -103,7 +103,7 @@ def _read_attrs(path):
 
 def _stored_names(path):
     if _is_h5(path):
-        with io.open_h5(path) as f:
+        with files.open_h5(path) as f:
             return set(f.keys())
     return {name[:-4] for name in os.listdir(path) if name.endswith(".npy")}
 
@@ -140,11 +140,11 @@ def load_tables(path, tables, attrs):
     for name, table in tables.items():
         if _is_h5(path):
             source, dataset = path, name
-            header = io.read_h5_header(path, name)
+            header = files.read_h5_header(path, name)
         else:
             source, dataset = os.path.join(os.fspath(path), f"{name}.npy"), "table"
-            header = io.read_npy_header(source)
-        io.check_matches(header, table.shape, numpy_dtype(table.dtype), source)
+            header = files.read_npy_header(source)
+        files.check_matches(header, table.shape, numpy_dtype(table.dtype), source)
         sources[name] = (source, dataset)
     for name, table in tables.items():
         table.load_from(*sources[name])

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from .checkpoint import load_tables, save_tables
-from .errors import OptionError, StateError
-from .optim_state import NarrowedStep, RowState
-from .table import HostTable
+from ..errors import OptionError, StateError
+from .row_state import NarrowedStep, RowState
+from ..table import HostTable
 from .working_set import WorkingSet
 
 __all__ = ["OffloadedEmbedding"]
@@ -188,7 +188,7 @@ class OffloadedEmbedding(torch.nn.Module):
         Args:
             path: ``*.h5`` for one HDF5 file; ``*.npy`` for the table alone as
                 a plain numpy file (an export, without optimizer state);
-                otherwise a directory of ``.npy`` files (see :mod:`speedswap.checkpoint`).
+                otherwise a directory of ``.npy`` files (see :mod:`speedswap.train.checkpoint`).
         """
         if _is_npy(path):
             self.table.save(path)

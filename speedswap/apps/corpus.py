@@ -1,7 +1,7 @@
 """Text for word2vec: a corpus (synthetic with planted topics, or a text8-style file) and its skip-gram pairs.
 
 The synthetic corpus plants structure that trained vectors can be scored
-against (:func:`speedswap.word2vec.topic_purity`); the text reader takes real
+against (:func:`speedswap.apps.word2vec.topic_purity`); the text reader takes real
 corpora. Both give a :class:`Corpus`, which :func:`skipgram_pairs` turns into
 (centre, context) pairs with word2vec's subsampling and dynamic window.
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import speedswap as ss
-from speedswap import io
+from speedswap import files
 
 
 @pytest.fixture
@@ -135,7 +135,7 @@ def test_failing_npy_writer_leaves_the_old_file_intact(backend, values, tmp_path
         f.write(b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(io, "_write_chunk", failing_write)
+    monkeypatch.setattr(files, "_write_chunk", failing_write)
     with pytest.raises(OSError, match="No space left"):
         ss.HostTable.from_numpy(values * 2, backend=backend).save(path)
     assert calls, "the failing writer was not reached"
@@ -145,7 +145,7 @@ def test_failing_npy_writer_leaves_the_old_file_intact(backend, values, tmp_path
 
 def test_failing_h5_save_leaves_the_old_file_intact(values, tmp_path):
     path = tmp_path / "t.h5"
-    io.write_h5(path, {"table": (values.shape, values.dtype, [values])})
+    files.write_h5(path, {"table": (values.shape, values.dtype, [values])})
     original = path.read_bytes()
 
     def chunks():
@@ -153,16 +153,16 @@ def test_failing_h5_save_leaves_the_old_file_intact(values, tmp_path):
         raise OSError(5, "Input/output error")
 
     with pytest.raises(OSError, match="Input/output"):
-        io.write_h5(path, {"table": (values.shape, values.dtype, chunks())})
+        files.write_h5(path, {"table": (values.shape, values.dtype, chunks())})
     assert path.read_bytes() == original
     assert os.listdir(tmp_path) == ["t.h5"]
 
 
 def test_save_of_a_device_table_is_chunked(backend, values, tmp_path, monkeypatch):
-    monkeypatch.setattr(io, "_CHUNK_BYTES", 17 * 4 * 64)  # 64 rows a chunk
+    monkeypatch.setattr(files, "_CHUNK_BYTES", 17 * 4 * 64)  # 64 rows a chunk
     sizes = []
-    original = io._write_chunk
-    monkeypatch.setattr(io, "_write_chunk", lambda f, c: (sizes.append(len(c)), original(f, c)))
+    original = files._write_chunk
+    monkeypatch.setattr(files, "_write_chunk", lambda f, c: (sizes.append(len(c)), original(f, c)))
     ss.HostTable.from_numpy(values, storage="device", backend=backend).save(tmp_path / "c.npy")
     assert sizes == [64, 64, 64, 64, 44]
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), values)

@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from .errors import OptionError, StateError
-from .table import HostTable
+from ..errors import OptionError, StateError
+from ..table import HostTable
 
 __all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep"]
 

@@ -25,8 +25,8 @@ step are de-duplicated once and ``after_step`` can check it got the same ids.
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .convert import as_row_ids
-from .errors import CapacityError, OptionError, StateError
+from ..convert import as_row_ids
+from ..errors import CapacityError, OptionError, StateError
 
 __all__ = ["WorkingSet", "SharedSteps", "steps_for"]
 

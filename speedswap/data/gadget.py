@@ -16,11 +16,11 @@ import os
 import numpy as np
 import torch
 
-from . import io
-from .backends import STORAGE_KINDS
-from .convert import numpy_dtype
-from .errors import OptionError, ShapeError, StateError
-from .table import HostTable
+from .. import files
+from ..backends import STORAGE_KINDS
+from ..convert import numpy_dtype
+from ..errors import OptionError, ShapeError, StateError
+from ..table import HostTable
 
 __all__ = ["DataGadget", "available_ram"]
 
@@ -127,10 +127,10 @@ class DataGadget:
 
     @staticmethod
     def _read_header(path):
-        if io.file_format(path) != "npy":
+        if files.file_format(path) != "npy":
             raise OptionError(f"DataGadget reads .npy files; {path!r} is not one. Convert it "
                               f"with np.save, or load HDF5 tables with HostTable.load")
-        return io.read_npy_header(path)
+        return files.read_npy_header(path)
 
     @staticmethod
     def _as_array(data):
@@ -172,8 +172,8 @@ class DataGadget:
             if mapped or shared:
                 return HostTable.adopt(flat, backend=self._backend)
             return HostTable.from_numpy(flat, storage=self._storage, backend=self._backend)
-        header = io.read_npy_header(self._path)  # again: the file may have changed since then
-        io.check_matches(header, self._header.shape, self._header.dtype, self._path)
+        header = files.read_npy_header(self._path)  # again: the file may have changed since then
+        files.check_matches(header, self._header.shape, self._header.dtype, self._path)
         if self._wants_mmap(rows[0] * rows[1] * header.dtype.itemsize):
             mode = "r+" if os.access(self._path, os.W_OK) else "r"
             return HostTable.adopt(self._map(header, rows, mode), backend=self._backend)
@@ -281,7 +281,7 @@ class DataGadget:
         Raises:
             OptionError: ``path`` is not a ``.npy`` file.
         """
-        if io.file_format(path) != "npy":
+        if files.file_format(path) != "npy":
             raise OptionError(f"DataGadget saves .npy files; name the target *.npy, got {os.fspath(path)!r}")
         table = self._live_table()
         if table.path is not None and os.path.abspath(path) == os.path.abspath(table.path):
@@ -289,8 +289,8 @@ class DataGadget:
             return
         rows = table.as_tensor()
         np_dtype = numpy_dtype(table.dtype)
-        chunks = (rows[start:stop].cpu().numpy() for start, stop in io.row_ranges(table.shape, np_dtype))
-        io.write_npy(path, self.shape, np_dtype, chunks)
+        chunks = (rows[start:stop].cpu().numpy() for start, stop in files.row_ranges(table.shape, np_dtype))
+        files.write_npy(path, self.shape, np_dtype, chunks)
 
     def load(self, path):
         """Replace the data with a ``.npy`` file's (any shape), held as this gadget was asked to.

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import speedswap as ss
-import speedswap.data
+import speedswap.data.gadget
 
 
 def random_data(rng, shape, dtype=np.float32):
@@ -138,9 +138,9 @@ def test_mmap_is_chosen_when_the_file_outgrows_ram(rng, tmp_path, monkeypatch):
     path = tmp_path / "data.npy"
     data = random_data(rng, (64, 16))  # 4 KiB
     np.save(path, data)
-    monkeypatch.setattr(speedswap.data, "available_ram", lambda: 4096)
+    monkeypatch.setattr(speedswap.data.gadget, "available_ram", lambda: 4096)
     assert ss.DataGadget(path, backend="numpy").storage == "mmap"
-    monkeypatch.setattr(speedswap.data, "available_ram", lambda: 1 << 30)
+    monkeypatch.setattr(speedswap.data.gadget, "available_ram", lambda: 1 << 30)
     assert ss.DataGadget(path, backend="numpy").storage == "pageable"
     assert ss.DataGadget(path, mmap=True, backend="numpy").storage == "mmap"
 

@@ -9,7 +9,7 @@ Two pieces, used together or alone:
   batch or an error for every batch it owes, so the loop never waits forever.
 * :class:`CudaStager` moves a batch to the GPU the way FFCV does: rows are
   gathered on the CPU into a ring of page-locked staging slots
-  (:class:`~speedswap.backends.cuda_backend.StagingRing`, one event per slot so
+  (:class:`~speedswap.backends.staging.StagingRing`, one event per slot so
   a slot is rewritten only after its previous copy finished) and copied on a
   side CUDA stream; the training stream waits on an event recorded after the
   copies, never on the whole device.
@@ -135,7 +135,7 @@ class CudaStager:
     """
 
     def __init__(self, device, host_columns, slots):
-        from .backends.cuda_backend import StagingRing  # torch-only; no CuPy import
+        from ..backends.staging import StagingRing  # torch-only; no CuPy import
         self._device = device
         self._stream = torch.cuda.Stream(device)
         self._rings = [StagingRing(device, slots) for _ in range(host_columns)]

@@ -6,7 +6,7 @@ An order turns ``(num_rows, seed, epoch)`` into a permutation of
 their arguments, which is what makes a :class:`~speedswap.BatchFeeder`
 resumable: the rest of an epoch is recomputed, never stored.
 
->>> from speedswap.orders import BlockOrder, shard
+>>> from speedswap.data.orders import BlockOrder, shard
 >>> order = BlockOrder(block_rows=2, window=2)
 >>> sorted(order.indices(7, seed=0, epoch=0).tolist())
 [0, 1, 2, 3, 4, 5, 6]
@@ -16,7 +16,7 @@ resumable: the rest of an epoch is recomputed, never stored.
 
 import numpy as np
 
-from .errors import OptionError
+from ..errors import OptionError
 
 __all__ = ["Order", "RandomOrder", "BlockOrder", "SequentialOrder", "ORDERS", "make_order", "shard"]
 

@@ -1,0 +1,9 @@
+"""Data: .npy datasets as device batches (DataGadget, BatchFeeder, epoch orders, read-ahead).
+
+Built on :class:`~speedswap.HostTable`; independent of the training layer.
+"""
+
+from .feeder import BatchFeeder
+from .gadget import DataGadget, available_ram
+
+__all__ = ["BatchFeeder", "DataGadget", "available_ram"]
