@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap import backends
+from speedswap.backends import resolve
 
 
 def test_numpy_is_always_available():
@@ -27,8 +27,8 @@ def test_unknown_backend_is_refused():
 
 @pytest.mark.skipif("cuda" in ss.available_backends(), reason="tests the fallback")
 def test_auto_falls_back_to_numpy_with_one_warning(monkeypatch):
-    monkeypatch.setattr(backends, "_warned_fallback", False)
-    with pytest.warns(RuntimeWarning, match="numpy backend"):
+    monkeypatch.setattr(resolve, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="numpy backend.*--device cpu"):
         assert ss.get_backend("auto").name == "numpy"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -42,10 +42,20 @@ def test_cuda_without_device_names_the_fix():
     assert isinstance(info.value, RuntimeError)
 
 
-def test_cuda_without_cupy_names_the_extra(monkeypatch):
-    from speedswap.backends import cuda as cuda_backend
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
-    assert not cuda_backend.CudaBackend.is_available()
-    with pytest.raises(ss.BackendUnavailableError, match=r"speedswap\[cuda12\].*speedswap\[cuda13\]"):
-        cuda_backend.CudaBackend()
+def test_auto_on_cpu_device_is_numpy_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ss.get_backend("auto", device="cpu").name == "numpy"
+        assert ss.get_backend("numpy", device="cpu") is ss.get_backend("numpy")
+
+
+def test_resolve_device_agrees_with_get_backend():
+    from speedswap.backends import resolve_device
+    assert resolve_device("cpu") == torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert resolve_device("auto") == ss.get_backend("auto").device
+    with pytest.raises(ss.OptionError, match="not 'meta'"):
+        resolve_device("meta")
+    with pytest.raises(ss.OptionError, match="'cpu', 'cuda' or 'cuda:N'"):
+        resolve_device("gpu0")

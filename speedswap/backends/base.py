@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-__all__ = ["Backend", "Buffer", "STORAGE_KINDS", "HOST_KINDS"]
+__all__ = ["Backend", "Buffer", "STORAGE_KINDS"]
 
 #: Where a table's rows may live. ``pinned``: page-locked host memory;
 #: ``mapped``: page-locked and mapped into the device address space
@@ -20,9 +20,6 @@ __all__ = ["Backend", "Buffer", "STORAGE_KINDS", "HOST_KINDS"]
 #: on disk, paged in on demand (tables larger than RAM); ``device``: memory of
 #: the backend's device.
 STORAGE_KINDS = ("pinned", "mapped", "pageable", "mmap", "device")
-
-#: The storage kinds whose rows are a numpy array in host memory.
-HOST_KINDS = ("pinned", "mapped", "pageable", "mmap")
 
 
 @dataclass
@@ -95,7 +92,7 @@ class Backend(abc.ABC):
 
         Args:
             buffer: the table's Buffer.
-            rows: validated int64 ids (1-D tensor, any device the backend reads).
+            rows: validated ids: a contiguous 1-D int64 tensor on :meth:`ids_device`.
             out: a contiguous tensor ``(len(rows), dim)`` on :attr:`device`.
 
         Returns:
@@ -109,9 +106,22 @@ class Backend(abc.ABC):
 
         Args:
             buffer: the table's Buffer.
-            rows: validated, unique int64 ids (1-D tensor).
-            values: a contiguous tensor ``(len(rows), dim)`` of the table's dtype.
+            rows: validated, unique ids: a contiguous 1-D int64 tensor on :meth:`ids_device`.
+            values: a contiguous tensor ``(len(rows), dim)`` of the table's dtype on
+                :meth:`ids_device`.
         """
+
+    def ids_device(self, buffer):
+        """Where :meth:`gather` and :meth:`scatter` want ``buffer``'s row ids and scatter values.
+
+        The backend's device where a kernel or the device moves the rows; the
+        CPU where the CPU does (the cuda backend's staged kinds), so that ids
+        and values are not sent to the GPU and back.
+
+        Returns:
+            torch.device
+        """
+        return self.device
 
     def wait_host(self, buffer):
         """Block until asynchronous device work on ``buffer`` is done, before host code reads it.

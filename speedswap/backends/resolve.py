@@ -1,0 +1,169 @@
+"""The one place that decides which backend and which device an object uses.
+
+Every table, embedding, switcher, gadget and feeder asks :func:`get_backend`
+(or :func:`resolve_device`), so ``"auto"`` means the same thing everywhere:
+
+* a CUDA device is visible to torch: the ``cuda`` backend on that device. With
+  CuPy (and its runtime compiler) the rows of ``pinned``/``mapped`` tables move
+  with zero-copy kernels; without it they are staged through page-locked
+  memory allocated by torch and copied asynchronously, and one warning names
+  the extra that brings the kernels;
+* no CUDA device: the ``numpy`` backend on the CPU, with one warning.
+
+``device=None`` means torch's *current* CUDA device at the time of the call
+(not at the first call of the process), so a rank that calls
+``torch.cuda.set_device(local_rank)`` first gets its own GPU. One backend
+instance exists per device.
+
+>>> from speedswap.backends import get_backend
+>>> get_backend("numpy").device
+device(type='cpu')
+"""
+
+import warnings
+from typing import Optional, Union
+
+import torch
+
+from ..errors import BackendUnavailableError, OptionError
+from .base import Backend
+from .cpu import NumpyBackend
+
+__all__ = ["get_backend", "available_backends", "resolve_device", "BackendLike", "DeviceLike"]
+
+BackendLike = Union[str, Backend]
+DeviceLike = Union[None, str, int, torch.device]
+
+_NAMES = ("auto", "cuda", "numpy")
+_CPU = NumpyBackend()
+_cuda_instances = {}
+_warned = set()
+
+
+def _cuda_class():
+    # Imported on first use: the module imports no CuPy itself, but keeping it
+    # out of `import speedswap` keeps that import cheap.
+    from .cuda import CudaBackend
+    return CudaBackend
+
+
+def _warn_once(key, message):
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def available_backends() -> list:
+    """Names of the backends that can run on this machine, fastest first.
+
+    Returns:
+        ``["cuda", "numpy"]`` where torch sees a CUDA device, else ``["numpy"]``.
+    """
+    return ["cuda", "numpy"] if torch.cuda.is_available() else ["numpy"]
+
+
+def _cuda_index(device):
+    """The CUDA device index ``device`` names (None: torch's current device)."""
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int) and not isinstance(device, bool):
+        index = device
+    else:
+        try:
+            parsed = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise OptionError(f"device must be 'cuda', 'cuda:N', an int or a torch.device, "
+                              f"got {device!r}") from exc
+        if parsed.type != "cuda":
+            raise OptionError(f"the cuda backend runs on a CUDA device, not {parsed}; pass "
+                              f"backend='numpy' for the CPU")
+        index = torch.cuda.current_device() if parsed.index is None else parsed.index
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        raise OptionError(f"CUDA device {index} does not exist; this machine has {count} "
+                          f"(cuda:0 .. cuda:{count - 1})")
+    return index
+
+
+def _names_cpu(device):
+    return isinstance(device, (str, torch.device)) and str(device) == "cpu"
+
+
+def _cuda_backend(device):
+    cls = _cuda_class()
+    index = _cuda_index(device)
+    if index not in _cuda_instances:
+        problem = cls.zero_copy_problem()
+        if problem is not None:
+            _warn_once("no-zero-copy",
+                       f"speedswap: {problem}; pinned tables reach the GPU through staged "
+                       f"copies instead of the zero-copy kernels. Install the kernels' "
+                       f"dependencies with pip install 'speedswap[cuda12]' or "
+                       f"'speedswap[cuda13]' (matching your CUDA version)")
+        _cuda_instances[index] = cls(torch.device("cuda", index), zero_copy=problem is None)
+    return _cuda_instances[index]
+
+
+def get_backend(name: BackendLike = "auto", device: DeviceLike = None) -> Backend:
+    """The backend called ``name`` on ``device`` (one shared instance per device).
+
+    Args:
+        name: ``"auto"`` (cuda when torch sees a GPU, else numpy with one
+            warning), ``"cuda"``, ``"numpy"``, or a :class:`Backend` (returned as is).
+        device: for the cuda backend, ``"cuda:N"``, ``N`` or a ``torch.device``;
+            None is torch's current device. ``"cpu"`` with ``name="auto"``
+            picks the numpy backend.
+
+    Returns:
+        Backend
+
+    Raises:
+        OptionError: an unknown name, or a device that does not exist.
+        BackendUnavailableError: ``"cuda"`` was asked for and torch sees no CUDA device.
+    """
+    if isinstance(name, Backend):
+        return name
+    if name not in _NAMES:
+        raise OptionError(f"unknown backend {name!r}; choose one of {_NAMES}")
+    if name == "numpy" or (name == "auto" and _names_cpu(device)):
+        return _CPU
+    if torch.cuda.is_available():
+        return _cuda_backend(device)
+    if name == "cuda":
+        raise BackendUnavailableError("the cuda backend needs a CUDA device and a CUDA build of "
+                                      "torch; none is visible here. Use backend='numpy' "
+                                      "(--device cpu on the command line), or 'auto', which "
+                                      "falls back to it")
+    _warn_once("cpu-fallback", "speedswap: no CUDA device here; running on the CPU with the "
+                               "numpy backend (pass backend='numpy', or --device cpu on the "
+                               "command line, to silence this)")
+    return _CPU
+
+
+def resolve_device(device: DeviceLike = "auto") -> torch.device:
+    """The torch device that ``device`` means, decided as :func:`get_backend` decides.
+
+    Args:
+        device: ``"auto"`` (the device of ``get_backend("auto")``), ``"cpu"``,
+            ``"cuda"``, ``"cuda:N"``, an int or a ``torch.device``.
+
+    Returns:
+        torch.device (with an index for CUDA).
+
+    Raises:
+        OptionError: not a CPU or CUDA device, or a device that does not exist.
+        BackendUnavailableError: a CUDA device was asked for and none is visible.
+    """
+    if device is None or (isinstance(device, str) and device == "auto"):
+        return get_backend("auto").device
+    if isinstance(device, (str, torch.device)):
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError) as exc:
+            raise OptionError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
+                              f"got {device!r}") from exc
+        if kind == "cpu":
+            return _CPU.device
+        if kind != "cuda":
+            raise OptionError(f"speedswap delivers to the CPU or a CUDA device, not {kind!r}")
+    return get_backend("cuda", device).device
