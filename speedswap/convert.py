@@ -10,7 +10,7 @@ import torch
 
 from .errors import DeviceError, DTypeError, IdError, ShapeError
 
-__all__ = ["as_row_ids", "as_row_values", "torch_dtype", "numpy_dtype"]
+__all__ = ["as_row_ids", "as_row_values", "torch_dtype", "numpy_dtype", "host_tensor"]
 
 _NUMPY_TO_TORCH = {
     np.dtype(np.float32): torch.float32,
@@ -24,13 +24,20 @@ _NUMPY_TO_TORCH = {
     np.dtype(np.bool_): torch.bool,
 }
 _TORCH_TO_NUMPY = {t: n for n, t in _NUMPY_TO_TORCH.items()}
+#: numpy has no bfloat16: its rows are held as their 16-bit patterns and viewed by torch.
+_BF16_BITS = np.dtype(np.uint16)
+_SUPPORTED = sorted([str(n) for n in _NUMPY_TO_TORCH] + ["bfloat16"])
 
 
-def torch_dtype(dtype):
-    """The torch dtype matching a numpy dtype, torch dtype, or name.
+def _unsupported(dtype):
+    return DTypeError(f"dtype {dtype} is not supported; use one of {_SUPPORTED}")
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """The torch dtype a numpy dtype, torch dtype, or name stands for.
 
     Args:
-        dtype: ``"float32"``, ``np.float16``, ``torch.float32``, ...
+        dtype: ``"float32"``, ``"bfloat16"``, ``np.float16``, ``torch.bfloat16``, ...
 
     Returns:
         torch.dtype
@@ -39,38 +46,45 @@ def torch_dtype(dtype):
         DTypeError: the dtype has no torch equivalent speedswap supports.
     """
     if isinstance(dtype, torch.dtype):
-        if dtype not in _TORCH_TO_NUMPY:
-            raise DTypeError(f"dtype {dtype!r} is not supported; use one of "
-                             f"{sorted(str(n) for n in _NUMPY_TO_TORCH)}")
+        if dtype is not torch.bfloat16 and dtype not in _TORCH_TO_NUMPY:
+            raise _unsupported(dtype)
         return dtype
-    return _NUMPY_TO_TORCH[numpy_dtype(dtype)]
-
-
-def numpy_dtype(dtype):
-    """The numpy dtype matching a numpy dtype, torch dtype, or name.
-
-    Args:
-        dtype: ``"float32"``, ``np.float16``, ``torch.float32``, ...
-
-    Returns:
-        numpy.dtype
-
-    Raises:
-        DTypeError: the dtype has no equivalent speedswap supports.
-    """
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _TORCH_TO_NUMPY:
-            raise DTypeError(f"dtype {dtype!r} is not supported; use one of "
-                             f"{sorted(str(n) for n in _NUMPY_TO_TORCH)}")
-        return _TORCH_TO_NUMPY[dtype]
+    if isinstance(dtype, str) and dtype in ("bfloat16", "torch.bfloat16"):
+        return torch.bfloat16
     try:
         npd = np.dtype(dtype)
     except TypeError as exc:
         raise DTypeError(f"{dtype!r} is not a dtype; use e.g. 'float32'") from exc
     if npd not in _NUMPY_TO_TORCH:
-        raise DTypeError(f"dtype {npd} is not supported; use one of "
-                         f"{sorted(str(n) for n in _NUMPY_TO_TORCH)}")
-    return npd
+        raise _unsupported(npd)
+    return _NUMPY_TO_TORCH[npd]
+
+
+def numpy_dtype(dtype) -> np.dtype:
+    """The numpy dtype of a table's host memory for a numpy dtype, torch dtype, or name.
+
+    bfloat16 rows are held as ``uint16`` bit patterns (numpy has no bfloat16);
+    :func:`host_tensor` views them as ``torch.bfloat16``.
+
+    Raises:
+        DTypeError: the dtype has no equivalent speedswap supports.
+    """
+    dtype = torch_dtype(dtype)
+    return _BF16_BITS if dtype is torch.bfloat16 else _TORCH_TO_NUMPY[dtype]
+
+
+def host_tensor(array, dtype) -> torch.Tensor:
+    """A torch view (no copy) of the host array ``array`` as a table of ``dtype``.
+
+    Args:
+        array: a numpy array whose dtype is ``numpy_dtype(dtype)``.
+        dtype: the table's torch dtype.
+
+    Returns:
+        torch.Tensor sharing ``array``'s memory.
+    """
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype is torch.bfloat16 else tensor
 
 
 def _device_readable(tensor_device, backend_device):

@@ -19,7 +19,7 @@ import torch
 
 from . import files
 from .backends import STORAGE_KINDS, get_backend
-from .convert import as_row_ids, as_row_values, numpy_dtype
+from .convert import as_row_ids, as_row_values, numpy_dtype, torch_dtype
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError,
                      ShapeError, StateError)
 
@@ -104,11 +104,12 @@ class HostTable:
         """
         _check_size(num_rows, dim)
         _check_storage(storage, path)
-        dtype = numpy_dtype(dtype)
+        dtype = torch_dtype(dtype)
         backend = get_backend(backend)
         shape = (int(num_rows), int(dim))
         if storage == "mmap":
-            return cls(backend.adopt(files.create_npy_memmap(path, shape, dtype), "mmap"), backend, path)
+            array = files.create_npy_memmap(path, shape, numpy_dtype(dtype))
+            return cls(backend.adopt(array, "mmap", dtype), backend, path)
         return cls(backend.allocate(shape, dtype, storage), backend)
 
     @classmethod

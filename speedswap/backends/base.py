@@ -67,7 +67,11 @@ class Backend(abc.ABC):
 
         Args:
             shape: ``(num_rows, dim)``.
-            dtype: a numpy dtype.
+            dtype: the table's torch dtype; host memory holds
+                :func:`~speedswap.convert.numpy_dtype` of it and
+                :attr:`Buffer.tensor` views it with
+                :func:`~speedswap.convert.host_tensor` (bfloat16 rows are
+                uint16 bit patterns on the host).
             kind: one of :data:`STORAGE_KINDS` except ``mmap``.
 
         Returns:
@@ -75,12 +79,14 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def adopt(self, array, kind):
+    def adopt(self, array, kind, dtype=None):
         """Use an existing C-contiguous host array as a table's memory, without copying.
 
         Args:
             array: a 2-D numpy array (an ``np.memmap`` for ``mmap``).
             kind: ``"mmap"`` or ``"pageable"``.
+            dtype: the table's torch dtype when it is not the array's own
+                (``torch.bfloat16`` over ``uint16`` bit patterns).
 
         Returns:
             Buffer

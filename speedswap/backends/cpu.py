@@ -10,6 +10,7 @@ import mmap
 import numpy as np
 import torch
 
+from ..convert import host_tensor, numpy_dtype, torch_dtype
 from .base import Backend, Buffer
 
 __all__ = ["NumpyBackend", "huge_page_array"]
@@ -47,10 +48,11 @@ class NumpyBackend(Backend):
         return True
 
     def allocate(self, shape, dtype, kind):
-        return self.adopt(huge_page_array(shape, dtype), kind)
+        array = huge_page_array(shape, numpy_dtype(dtype))
+        return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype))
 
-    def adopt(self, array, kind):
-        return Buffer(kind=kind, host=array, tensor=torch.from_numpy(array))
+    def adopt(self, array, kind, dtype=None):
+        return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype or torch_dtype(array.dtype)))
 
     def gather(self, buffer, rows, out):
         # index_select into a preallocated output: one parallel pass, no temporary.

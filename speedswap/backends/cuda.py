@@ -22,7 +22,7 @@ that table's own event (:meth:`CudaBackend.wait_host`).
 import numpy as np
 import torch
 
-from ..convert import torch_dtype
+from ..convert import host_tensor, numpy_dtype, torch_dtype
 from ..errors import BackendUnavailableError
 from .base import Backend, Buffer
 from .kernels import RowKernels
@@ -83,29 +83,31 @@ class CudaBackend(Backend):
 
     def allocate(self, shape, dtype, kind):
         if kind == "device":
-            tensor = torch.empty(shape, dtype=torch_dtype(dtype), device=self.device)
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
             return Buffer(kind=kind, host=None, tensor=tensor)
+        host_dtype = numpy_dtype(dtype)
         if kind == "pageable":
-            return self.adopt(np.empty(shape, dtype=dtype), kind)
+            array = np.empty(shape, dtype=host_dtype)
+            return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype))
         cupy = self._cupy
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        nbytes = int(np.prod(shape)) * host_dtype.itemsize
         flags = _HOST_ALLOC_PORTABLE | (_HOST_ALLOC_MAPPED if kind == "mapped" else 0)
         with cupy.cuda.Device(self.device.index):
             # PinnedMemory (not the pooled alloc_pinned_memory) so that the
             # memory goes back to the driver when the last view of it dies.
             memory = cupy.cuda.PinnedMemory(nbytes, flags)
             pointer = cupy.cuda.PinnedMemoryPointer(memory, 0)
-            array = np.ndarray(shape, dtype=dtype, buffer=pointer)
+            array = np.ndarray(shape, dtype=host_dtype, buffer=pointer)
             # Under unified addressing every cudaHostAlloc block is device
             # visible at its host address; ask the driver for mapped memory
             # so that this also holds where the address differs.
             device_ptr = (cupy.cuda.runtime.pointerGetAttributes(pointer.ptr).devicePointer
                           if kind == "mapped" else pointer.ptr)
-        return Buffer(kind=kind, host=array, tensor=torch.from_numpy(array), pinned=True,
+        return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype), pinned=True,
                       device_ptr=device_ptr)
 
-    def adopt(self, array, kind):
-        return Buffer(kind=kind, host=array, tensor=torch.from_numpy(array))
+    def adopt(self, array, kind, dtype=None):
+        return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype or torch_dtype(array.dtype)))
 
     def _stream_ptr(self):
         return torch.cuda.current_stream(self.device).cuda_stream
