@@ -13,9 +13,9 @@ from .errors import (BackendUnavailableError, CapacityError, DeviceError, DTypeE
 from .info import info
 from .table import HostTable
 from .train import OffloadedEmbedding
-from .data import BatchFeeder, DataGadget
-from .compat import (GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
-                     OptimizerFactory)
+from .data import BatchFeeder
+from .compat import (DataGadget, GPUPytorchModelFactory, GPUPytorchOptimizerFactory,
+                     ModelFactory, OptimizerFactory)
 
 __version__ = "0.1.0"
 

@@ -8,9 +8,33 @@ appears in this module: the cuda backend converts torch tensors itself.
 import numpy as np
 import torch
 
-from .errors import DeviceError, DTypeError, IdError, ShapeError
+from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
-__all__ = ["as_row_ids", "as_row_values", "torch_dtype", "numpy_dtype", "host_tensor"]
+__all__ = ["int_option", "check_rows", "as_host_array", "as_row_ids", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
+           "numpy_dtype", "host_tensor"]
+
+def int_option(value, name, *, minimum=1, hint=""):
+    """``value`` as an int, if it is a whole number (Python or numpy, not bool) ``>= minimum``.
+
+    The one check of every size, count, seed and index option speedswap takes.
+
+    Args:
+        value: the option's value.
+        name: the option's name, for the message.
+        minimum: the smallest allowed value.
+        hint: appended to the message (what the option means).
+
+    Returns:
+        int
+
+    Raises:
+        OptionError: not an integer, or below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise OptionError(f"{name} must be {kind}, got {value!r}{hint}")
+    return int(value)
+
 
 _NUMPY_TO_TORCH = {
     np.dtype(np.float32): torch.float32,
@@ -87,6 +111,59 @@ def host_tensor(array, dtype) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if dtype is torch.bfloat16 else tensor
 
 
+def check_rows(shape, what="the data") -> tuple:
+    """The shape of one row of data shaped ``shape``, which needs rows along its first axis.
+
+    Args:
+        shape: the data's shape.
+        what: how the data is named in messages.
+
+    Returns:
+        the row shape (``()`` for 1-D data such as labels).
+
+    Raises:
+        ShapeError: 0-d data, no rows, or rows of no elements.
+    """
+    shape = tuple(int(d) for d in shape)
+    if not shape:
+        raise ShapeError(f"{what} is 0-d; data needs at least one row along its first axis")
+    if shape[0] == 0 or 0 in shape[1:]:
+        raise ShapeError(f"{what} has shape {shape}: no rows, or empty rows; data needs at "
+                         f"least one row of at least one element")
+    return shape[1:]
+
+
+def as_host_array(data, what="the data") -> np.ndarray:
+    """Host data as a numpy array sharing its memory: the one normaliser of datasets.
+
+    Args:
+        data: a numpy array (``np.memmap`` included), a CPU tensor, or anything
+            ``np.asarray`` takes; shape ``(n, ...)``.
+        what: how the data is named in messages.
+
+    Returns:
+        numpy.ndarray (a view where possible; a memmap stays a memmap).
+
+    Raises:
+        DeviceError: a tensor on a device (host data is expected).
+        DTypeError: a dtype speedswap does not hold.
+        ShapeError: see :func:`check_rows`.
+    """
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu":
+            raise DeviceError(f"{what} is a tensor on {data.device}; host data is expected here. "
+                              f"Pass data.cpu(), or give device tensors to BatchFeeder directly")
+        data = data.detach().numpy()
+    elif not isinstance(data, np.ndarray):  # np.asarray would turn a memmap into a plain array
+        try:
+            data = np.asarray(data)
+        except ValueError as exc:
+            raise ShapeError(f"{what} is not rectangular ({exc})") from None
+    check_rows(data.shape, what)
+    torch_dtype(data.dtype)
+    return data
+
+
 def _device_readable(tensor_device, backend_device):
     """Whether a backend on ``backend_device`` can read a tensor on ``tensor_device``."""
     if tensor_device.type == "cpu":
@@ -96,23 +173,25 @@ def _device_readable(tensor_device, backend_device):
     return (tensor_device.index or 0) == (backend_device.index or 0)
 
 
-def as_row_ids(ids, num_rows, device, *, what="ids"):
-    """Validate row ids and return them as a flat int64 tensor on ``device``.
+def as_id_tensor(ids, device, *, what="ids"):
+    """Convert ids to a flat, contiguous int64 tensor on ``device``, without the range check.
+
+    For comparing ids with ids that were already validated (no host
+    synchronisation on a GPU); use :func:`as_row_ids` for ids that index a table.
 
     Args:
         ids: a numpy array, list, int, or torch tensor of integer ids, any shape.
-        num_rows: ids must lie in ``[0, num_rows)``.
         device: the torch device the result is moved to.
         what: how the ids are named in error messages.
 
     Returns:
-        (flat_ids, shape): a 1-D ``torch.int64`` tensor on ``device`` and the
-        input's original shape.
+        (flat_ids, shape): a contiguous 1-D ``torch.int64`` tensor on ``device``
+        (never a strided or expanded view: kernels read it through a raw
+        pointer) and the input's original shape.
 
     Raises:
-        DTypeError: ids are not integers (floats and bools are refused).
+        DTypeError: ids are not integers (floats and bools are refused), or a ragged list.
         DeviceError: ids live on a device the backend cannot read.
-        IdError: an id is negative or ``>= num_rows``.
     """
     device = torch.device(device)
     if isinstance(ids, torch.Tensor):
@@ -122,24 +201,66 @@ def as_row_ids(ids, num_rows, device, *, what="ids"):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise DTypeError(f"{what} must be integers, got a tensor of {ids.dtype}; "
                              f"convert with .long() if they are whole numbers")
-        flat = ids.reshape(-1)
-        shape = tuple(ids.shape)
-        if flat.numel():
-            lo, hi = torch.stack(torch.aminmax(flat)).tolist()  # one sync on a GPU, not two
-            _check_range(lo, hi, num_rows, what)
-        return flat.to(device=device, dtype=torch.int64), shape
-    arr = np.asarray(ids)
+        flat = ids.detach().reshape(-1).to(device=device, dtype=torch.int64)
+        return flat.contiguous(), tuple(ids.shape)
+    try:
+        arr = np.asarray(ids)
+    except ValueError as exc:  # a ragged list
+        raise DTypeError(f"{what} must be a rectangular array of integers ({exc})") from None
     if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
         arr = arr.astype(np.int64)
     if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
         raise DTypeError(f"{what} must be integers, got an array of {arr.dtype}; "
                          f"convert with .astype(np.int64) if they are whole numbers")
-    shape = arr.shape
-    flat = arr.reshape(-1)
-    if flat.size:
-        _check_range(int(flat.min()), int(flat.max()), num_rows, what)
-    tensor = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64))
-    return tensor.to(device), shape
+    flat = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1), dtype=np.int64))
+    return flat.to(device), arr.shape
+
+
+def check_id_range(flat, num_rows, *, what="ids"):
+    """Raise :class:`IdError` unless every id of ``flat`` lies in ``[0, num_rows)``.
+
+    On a GPU tensor this is one host synchronisation (both bounds in one
+    transfer), which is why speedswap checks each user call's ids once, here.
+
+    Args:
+        flat: a 1-D integer tensor.
+        num_rows: the table's row count.
+        what: how the ids are named in error messages.
+    """
+    if flat.numel():
+        lo, hi = torch.stack(torch.aminmax(flat)).tolist()
+        _check_range(lo, hi, num_rows, what)
+
+
+def as_row_ids(ids, num_rows, device, *, what="ids"):
+    """Validate row ids and return them as a flat, contiguous int64 tensor on ``device``.
+
+    The one check of a public call's ids (see :func:`check_id_range`); inner
+    layers take its result as it is.
+
+    Args:
+        ids: a numpy array, list, int, or torch tensor of integer ids, any shape.
+        num_rows: ids must lie in ``[0, num_rows)``.
+        device: the torch device the result is moved to.
+        what: how the ids are named in error messages.
+
+    Returns:
+        (flat_ids, shape), as :func:`as_id_tensor`.
+
+    Raises:
+        DTypeError: ids are not integers (floats and bools are refused).
+        DeviceError: ids live on a device the backend cannot read.
+        IdError: an id is negative or ``>= num_rows``.
+    """
+    device = torch.device(device)
+    if isinstance(ids, torch.Tensor) and ids.device.type == "cpu" and device.type != "cpu":
+        # Check on the CPU before the copy: no device synchronisation at all.
+        flat, shape = as_id_tensor(ids, "cpu", what=what)
+        check_id_range(flat, num_rows, what=what)
+        return flat.to(device), shape
+    flat, shape = as_id_tensor(ids, device, what=what)
+    check_id_range(flat, num_rows, what=what)
+    return flat, shape
 
 
 def _check_range(lo, hi, num_rows, what):

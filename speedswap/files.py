@@ -10,11 +10,14 @@ that the file is as long as its header says) before a single row is read.
 import contextlib
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import numpy as np
+import torch
 
-from .errors import FileFormatError, OptionError
+from .convert import torch_dtype
+from .errors import DTypeError, FileFormatError, OptionError
 
 __all__ = [
     "NPY_SUFFIXES",
@@ -33,25 +36,39 @@ __all__ = [
     "check_matches",
     "write_h5",
     "row_ranges",
+    "suffix_format",
+    "stored_dtype",
+    "read_table_header",
+    "check_table_matches",
+    "save_table",
+    "read_table",
 ]
 
 NPY_SUFFIXES = (".npy",)
 H5_SUFFIXES = (".h5", ".hdf5")
 
 
-def file_format(path):
-    """``"npy"`` or ``"h5"`` from a path's suffix.
-
-    Raises:
-        OptionError: the suffix is neither.
-    """
+def suffix_format(path) -> Optional[str]:
+    """``"npy"``, ``"h5"``, or None (another suffix) from a path's suffix: the one place that sniffs it."""
     suffix = os.path.splitext(os.fspath(path))[1].lower()
     if suffix in NPY_SUFFIXES:
         return "npy"
     if suffix in H5_SUFFIXES:
         return "h5"
-    raise OptionError(f"cannot tell the format of {os.fspath(path)!r}: name it *.npy "
-                      f"(numpy) or *.h5 / *.hdf5 (HDF5)")
+    return None
+
+
+def file_format(path) -> str:
+    """``"npy"`` or ``"h5"`` from a path's suffix.
+
+    Raises:
+        OptionError: the suffix is neither.
+    """
+    fmt = suffix_format(path)
+    if fmt is None:
+        raise OptionError(f"cannot tell the format of {os.fspath(path)!r}: name it *.npy "
+                          f"(numpy) or *.h5 / *.hdf5 (HDF5)")
+    return fmt
 
 
 @contextlib.contextmanager
@@ -93,11 +110,21 @@ def atomic_output(path):
 
 @dataclass(frozen=True)
 class TableHeader:
-    """What a file says about the array inside it."""
+    """What a file says about the array inside it.
+
+    Attributes:
+        shape: the array's shape.
+        dtype: the numpy dtype stored in the file.
+        offset: where the data starts (``.npy`` only).
+        table_dtype: the torch dtype of the table it holds. ``bfloat16`` tables
+            are stored as float32 (exact, and readable by any tool) and say so
+            in an HDF5 attribute or a checkpoint's manifest.
+    """
 
     shape: tuple
     dtype: np.dtype
-    offset: int = 0  # where the data starts (``.npy`` only)
+    offset: int = 0
+    table_dtype: Optional[torch.dtype] = None
 
 
 def _check_dtype(dtype, path):
@@ -142,7 +169,7 @@ def read_npy_header(path):
         kind = "truncated" if actual < expected else "longer than its header says"
         raise FileFormatError(f"{path!r} is {kind}: its header describes {shape} {dtype} "
                               f"({expected} bytes) but the file has {actual} bytes")
-    return TableHeader(tuple(shape), dtype, offset)
+    return TableHeader(tuple(shape), dtype, offset, _table_dtype(dtype))
 
 
 def open_npy_memmap(path, writable=True):
@@ -246,12 +273,14 @@ def read_h5_header(path, dataset):
                 raise FileFormatError(f"{path!r} has no dataset {dataset!r} (it has "
                                       f"{sorted(f.keys())}); pass dataset= to pick one")
             shape, dtype = f[dataset].shape, f[dataset].dtype
+            table_dtype = f[dataset].attrs.get(_TABLE_DTYPE_ATTR)
     except OSError as exc:
         if isinstance(exc, FileFormatError) or isinstance(exc, FileNotFoundError):
             raise
         raise FileFormatError(f"{path!r} is not a readable HDF5 file ({exc})") from exc
     _check_dtype(np.dtype(dtype), path)
-    return TableHeader(tuple(shape), np.dtype(dtype))
+    table_dtype = _table_dtype(np.dtype(dtype)) if table_dtype is None else torch_dtype(str(table_dtype))
+    return TableHeader(tuple(shape), np.dtype(dtype), table_dtype=table_dtype)
 
 
 def open_h5(path):
@@ -274,18 +303,22 @@ def read_h5_into(path, out, dataset, header=None):
             data.read_direct(out, np.s_[start:stop], np.s_[start:stop])
 
 
-def write_h5(path, datasets, attrs=None):
+def write_h5(path, datasets, attrs=None, table_dtypes=None):
     """Atomically write one HDF5 file holding several datasets.
 
     Args:
         path: the target file.
         datasets: ``{name: (shape, dtype, chunks)}`` with chunks as in :func:`write_npy`.
         attrs: optional ``{name: value}`` stored on the file's root.
+        table_dtypes: optional ``{name: torch dtype}`` recorded on datasets
+            whose table dtype is not the stored one (bfloat16).
     """
     h5py = _h5py()
     with atomic_output(path) as tmp, h5py.File(tmp, "w") as f:
         for name, (shape, dtype, chunks) in datasets.items():
             data = f.create_dataset(name, shape=tuple(shape), dtype=np.dtype(dtype))
+            if (table_dtypes or {}).get(name) is torch.bfloat16:
+                data.attrs[_TABLE_DTYPE_ATTR] = "bfloat16"
             start = 0
             for chunk in chunks:
                 data[start:start + len(chunk)] = chunk
@@ -300,3 +333,121 @@ def row_ranges(shape, dtype, chunk_bytes=None):
     row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize)
     step = max(1, chunk_bytes // row_bytes)
     return [(s, min(s + step, shape[0])) for s in range(0, shape[0], step)]
+
+
+# ------------------------------------------------------------------ tables
+_TABLE_DTYPE_ATTR = "speedswap_dtype"
+
+
+def _table_dtype(dtype):
+    """The table dtype a stored numpy dtype stands for, or None when no table can hold it."""
+    try:
+        return torch_dtype(dtype)
+    except DTypeError:
+        return None
+
+
+def stored_dtype(table_dtype) -> np.dtype:
+    """The numpy dtype a table of ``table_dtype`` is written as: its own, float32 for bfloat16.
+
+    bfloat16 has no numpy dtype; float32 holds every bfloat16 value exactly
+    and every tool reads it.
+    """
+    table_dtype = torch_dtype(table_dtype)
+    return np.dtype(np.float32) if table_dtype is torch.bfloat16 else np.dtype(
+        str(table_dtype).replace("torch.", ""))
+
+
+def read_table_header(path, dataset: str = "table") -> TableHeader:
+    """The validated header of a file holding a 2-D table.
+
+    Args:
+        path: ``*.npy``, ``*.h5`` or ``*.hdf5``.
+        dataset: the HDF5 dataset.
+
+    Raises:
+        OptionError: another suffix.
+        FileFormatError: a malformed file, not 2-D, or a dtype no table holds.
+        FileNotFoundError: no such file.
+    """
+    header = read_npy_header(path) if file_format(path) == "npy" else read_h5_header(path, dataset)
+    if len(header.shape) != 2:
+        raise FileFormatError(f"{os.fspath(path)!r} holds an array of shape {header.shape}; "
+                              f"a table needs 2-D (rows, dim)")
+    if header.table_dtype is None:
+        raise FileFormatError(f"{os.fspath(path)!r} holds {header.dtype}, which no table holds; "
+                              f"convert it with numpy first (e.g. a.astype(np.float32))")
+    return header
+
+
+def check_table_matches(header: TableHeader, shape, dtype, path) -> None:
+    """Raise FileFormatError unless ``header`` describes a table of ``shape`` and torch ``dtype``.
+
+    A float32 file also matches a bfloat16 table (that is how one is stored);
+    its values are checked to be exact bfloat16 values when they are read.
+    """
+    same_dtype = header.table_dtype == dtype or (
+        dtype is torch.bfloat16 and header.dtype == np.float32)
+    if tuple(header.shape) != tuple(shape) or not same_dtype:
+        raise FileFormatError(f"{os.fspath(path)!r} holds {tuple(header.shape)} "
+                              f"{header.table_dtype}, but this table is {tuple(shape)} {dtype}; "
+                              f"load it into a table of the file's shape (HostTable.load) instead")
+
+
+def save_table(table, path, dataset: str = "table") -> None:
+    """Write ``table`` (a :class:`~speedswap.HostTable`) to ``.npy`` or HDF5 atomically.
+
+    Rows are copied out in chunks (:meth:`~speedswap.HostTable.host_chunks`),
+    so a device table never needs a full host copy; a bfloat16 table is
+    written as float32 (exact) and, in HDF5, records its dtype.
+    """
+    stored = stored_dtype(table.dtype)
+    if file_format(path) == "npy":
+        write_npy(path, table.shape, stored, table.host_chunks())
+    else:
+        write_h5(path, {dataset: (table.shape, stored, table.host_chunks())},
+                 table_dtypes={dataset: table.dtype})
+
+
+def _file_chunks(path, header, dataset, ranges):
+    """Yield ``(start, stop, numpy rows)`` of a validated table file, chunk by chunk."""
+    if file_format(path) == "npy":
+        source = np.memmap(path, dtype=header.dtype, mode="r", offset=header.offset,
+                           shape=header.shape, order="C")
+        for start, stop in ranges:
+            yield start, stop, np.array(source[start:stop])
+        return
+    with open_h5(path) as f:
+        for start, stop in ranges:
+            yield start, stop, f[dataset][start:stop]
+
+
+def read_table(table, path, header: TableHeader, dataset: str = "table") -> None:
+    """Fill ``table`` with the rows of a file whose ``header`` matches it (see :func:`check_table_matches`).
+
+    A host table of the file's own dtype is read straight into its memory;
+    other tables (device memory, bfloat16) are filled chunk by chunk. A
+    float32 file read into a bfloat16 table must hold exact bfloat16 values:
+    that is checked over the whole file before any row changes.
+
+    Raises:
+        FileFormatError: the file changed, or holds values a bfloat16 table would round.
+    """
+    ranges = row_ranges(header.shape, header.dtype)
+    if table.dtype is torch.bfloat16:
+        for start, stop, rows in _file_chunks(path, header, dataset, ranges):
+            values = torch.from_numpy(np.ascontiguousarray(rows))
+            if not torch.equal(values.to(torch.bfloat16).float(), values):
+                raise FileFormatError(f"{os.fspath(path)!r} holds float32 values that are not "
+                                      f"bfloat16 values (rows {start}..{stop}); a bfloat16 table "
+                                      f"would round them: load it into a float32 table")
+    target = table.as_tensor()
+    if target.device.type == "cpu" and table.dtype is not torch.bfloat16:
+        host = table.to_numpy()
+        if file_format(path) == "npy":
+            read_npy_into(path, host, header)
+        else:
+            read_h5_into(path, host, dataset, header)
+        return
+    for start, stop, rows in _file_chunks(path, header, dataset, ranges):
+        target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(rows)))

@@ -13,17 +13,19 @@
 import os
 import warnings
 import weakref
+from typing import Optional
 
 import numpy as np
 import torch
 
 from . import files
-from .backends import STORAGE_KINDS, get_backend
-from .convert import as_row_ids, as_row_values, numpy_dtype, torch_dtype
-from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError,
-                     ShapeError, StateError)
+from .backends import STORAGE_KINDS, Backend, get_backend
+from .backends.resolve import BackendLike, DeviceLike
+from .convert import as_row_ids, as_row_values, int_option, numpy_dtype, torch_dtype
+from .errors import (DeviceError, DuplicateIdError, DTypeError, OptionError, ShapeError,
+                     StateError)
 
-__all__ = ["HostTable", "live_tables"]
+__all__ = ["HostTable", "live_tables", "check_storage"]
 
 _LIVE = weakref.WeakSet()
 
@@ -33,19 +35,14 @@ def live_tables():
     return list(_LIVE)
 
 
-def _check_storage(storage, path):
+def check_storage(storage, path=None):
+    """Raise :class:`OptionError` unless ``storage`` is a storage kind (``mmap`` with a .npy path)."""
     if storage not in STORAGE_KINDS:
         raise OptionError(f"unknown storage {storage!r}; choose one of {STORAGE_KINDS}")
     if storage == "mmap" and path is None:
         raise OptionError("storage='mmap' keeps the table in a .npy file: pass path='table.npy'")
     if storage == "mmap" and files.file_format(path) != "npy":
         raise OptionError(f"storage='mmap' needs a .npy path, got {os.fspath(path)!r}")
-
-
-def _check_size(num_rows, dim):
-    for name, value in (("num_rows", num_rows), ("dim", dim)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise OptionError(f"{name} must be a positive int, got {value!r}")
 
 
 def _has_duplicates(flat):
@@ -83,16 +80,20 @@ class HostTable:
 
     # ----------------------------------------------------------- constructors
     @classmethod
-    def empty(cls, num_rows, dim, dtype="float32", storage="pinned", backend="auto", path=None):
+    def empty(cls, num_rows: int, dim: int, dtype="float32", storage: str = "pinned",
+              backend: BackendLike = "auto", path=None, *, device: DeviceLike = None) -> "HostTable":
         """An uninitialised table.
 
         Args:
             num_rows: number of rows.
             dim: row length.
-            dtype: ``"float32"``, ``"float16"``, ... (numpy or torch dtype).
+            dtype: ``"float32"``, ``"float16"``, ``"bfloat16"``, ... (numpy or torch dtype).
             storage: one of ``pinned``, ``mapped``, ``pageable``, ``mmap``, ``device``.
-            backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
+            backend: ``"auto"``, ``"cuda"`` or ``"numpy"`` (see
+                :func:`~speedswap.backends.get_backend`).
             path: the ``.npy`` file backing an ``mmap`` table (created or overwritten).
+            device: the CUDA device the rows move to (``"cuda:1"``); None is
+                torch's current device.
 
         Returns:
             HostTable
@@ -102,25 +103,26 @@ class HostTable:
             DTypeError: an unsupported dtype.
             BackendUnavailableError: ``backend="cuda"`` cannot run here.
         """
-        _check_size(num_rows, dim)
-        _check_storage(storage, path)
+        shape = (int_option(num_rows, "num_rows"), int_option(dim, "dim"))
+        check_storage(storage, path)
         dtype = torch_dtype(dtype)
-        backend = get_backend(backend)
-        shape = (int(num_rows), int(dim))
+        backend = get_backend(backend, device)
         if storage == "mmap":
             array = files.create_npy_memmap(path, shape, numpy_dtype(dtype))
             return cls(backend.adopt(array, "mmap", dtype), backend, path)
         return cls(backend.allocate(shape, dtype, storage), backend)
 
     @classmethod
-    def zeros(cls, num_rows, dim, dtype="float32", storage="pinned", backend="auto", path=None):
+    def zeros(cls, num_rows: int, dim: int, dtype="float32", storage: str = "pinned",
+              backend: BackendLike = "auto", path=None, *, device: DeviceLike = None) -> "HostTable":
         """A table of zeros; arguments as :meth:`empty`."""
-        table = cls.empty(num_rows, dim, dtype, storage, backend, path)
+        table = cls.empty(num_rows, dim, dtype, storage, backend, path, device=device)
         table.zero_()
         return table
 
     @classmethod
-    def from_numpy(cls, array, storage="pinned", backend="auto", path=None):
+    def from_numpy(cls, array, storage: str = "pinned", backend: BackendLike = "auto", path=None,
+                   *, device: DeviceLike = None) -> "HostTable":
         """A table holding a copy of the 2-D ``array``; arguments as :meth:`empty`.
 
         Raises:
@@ -130,12 +132,13 @@ class HostTable:
         if array.ndim != 2:
             raise ShapeError(f"a table is 2-D (rows, dim); got an array of shape {array.shape}: "
                              f"reshape it with a.reshape(len(a), -1)")
-        table = cls.empty(array.shape[0], array.shape[1], array.dtype, storage, backend, path)
+        table = cls.empty(array.shape[0], array.shape[1], array.dtype, storage, backend, path,
+                          device=device)
         table._fill_from(lambda start, stop: array[start:stop])
         return table
 
     @classmethod
-    def adopt(cls, array, backend="auto"):
+    def adopt(cls, array, backend: BackendLike = "auto", *, device: DeviceLike = None) -> "HostTable":
         """A table over an existing 2-D host array, sharing its memory (no copy).
 
         Use it to serve rows of data you already hold: an in-memory array, or
@@ -146,7 +149,7 @@ class HostTable:
             array: a C-contiguous 2-D ``numpy.ndarray`` (or ``np.memmap``).
                 Writes through the table (``scatter``, initialisers) change it;
                 a read-only array gives a read-only table.
-            backend: as in :meth:`empty`.
+            backend, device: as in :meth:`empty`.
 
         Returns:
             HostTable with storage ``mmap`` for a memmap (writes reach the file
@@ -165,9 +168,10 @@ class HostTable:
         if not array.flags.c_contiguous:
             raise ShapeError("adopt needs a C-contiguous array (rows contiguous in memory); "
                              "pass np.ascontiguousarray(a) or copy it with from_numpy")
-        _check_size(*array.shape)
-        numpy_dtype(array.dtype)
-        backend = get_backend(backend)
+        int_option(array.shape[0], "num_rows")
+        int_option(array.shape[1], "dim")
+        torch_dtype(array.dtype)
+        backend = get_backend(backend, device)
         mapped = isinstance(array, np.memmap)
         path = array.filename if mapped and array.mode in ("r+", "w+") else None
         with warnings.catch_warnings():
@@ -178,13 +182,14 @@ class HostTable:
         return cls(buffer, backend, path)
 
     @classmethod
-    def load(cls, path, storage="pinned", backend="auto", mmap=False, dataset="table"):
+    def load(cls, path, storage: str = "pinned", backend: BackendLike = "auto", mmap: bool = False,
+             dataset: str = "table", *, device: DeviceLike = None) -> "HostTable":
         """A table read from a ``.npy`` or HDF5 file.
 
         Args:
             path: ``*.npy``, ``*.h5`` or ``*.hdf5``.
             storage: where the rows will live (ignored when ``mmap``).
-            backend: as in :meth:`empty`.
+            backend, device: as in :meth:`empty`.
             mmap: map the ``.npy`` file itself (storage ``mmap``): nothing is
                 read up front and writes go through to the file.
             dataset: the HDF5 dataset holding the table.
@@ -196,20 +201,18 @@ class HostTable:
             FileFormatError: a truncated, malformed or non-2-D file.
             FileNotFoundError: no such file.
         """
-        fmt = files.file_format(path)
-        header = files.read_npy_header(path) if fmt == "npy" else files.read_h5_header(path, dataset)
-        if len(header.shape) != 2:
-            raise FileFormatError(f"{os.fspath(path)!r} holds an array of shape {header.shape}; "
-                                     f"a table needs 2-D (rows, dim)")
+        header = files.read_table_header(path, dataset)
         if mmap:
-            _check_storage("mmap", path)
-            backend = get_backend(backend)
-            return cls(backend.adopt(files.open_npy_memmap(path), "mmap"), backend, path)
+            check_storage("mmap", path)
+            backend = get_backend(backend, device)
+            array = files.open_npy_memmap(path)
+            return cls(backend.adopt(array, "mmap", header.table_dtype), backend, path)
         if storage == "mmap":
             raise OptionError("to use the file itself as the table pass mmap=True; "
                               "storage='mmap' with a copy would need a second file")
-        table = cls.empty(header.shape[0], header.shape[1], header.dtype, storage, backend)
-        table._read_file(path, fmt, header, dataset)
+        table = cls.empty(header.shape[0], header.shape[1], header.table_dtype, storage, backend,
+                          device=device)
+        files.read_table(table, path, header, dataset)
         return table
 
     # ------------------------------------------------------------- properties
@@ -316,7 +319,7 @@ class HostTable:
         self._backend.wait_host(buffer)
         return buffer.tensor
 
-    def gather(self, rows, out=None):
+    def gather(self, rows, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Copy rows to a tensor on :attr:`device`.
 
         Args:
@@ -334,13 +337,31 @@ class HostTable:
             ShapeError, DTypeError, DeviceError: a bad ``out``.
         """
         buffer = self._live_buffer()
-        flat, shape = as_row_ids(rows, self.num_rows, self.device)
+        flat, shape = as_row_ids(rows, self.num_rows, self._backend.ids_device(buffer))
         target_shape = (*shape, self.dim)
         if out is None:
             out = torch.empty(target_shape, dtype=self.dtype, device=self.device)
         else:
             self._check_out(out, target_shape)
         self._backend.gather(buffer, flat, out.view(len(flat), self.dim))
+        return out
+
+    def gather_validated(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`gather` for ids a public call has already validated: no checks at all.
+
+        The training layer's path (a second range check would be a second
+        host synchronisation on a GPU).
+
+        Args:
+            rows: a contiguous 1-D int64 tensor of ids in ``[0, num_rows)``, on
+                :attr:`device` or the CPU.
+            out: a contiguous ``(len(rows), dim)`` tensor of the table's dtype on :attr:`device`.
+
+        Returns:
+            ``out``, as :meth:`gather`.
+        """
+        buffer = self._live_buffer()
+        self._backend.gather(buffer, rows.to(self._backend.ids_device(buffer)), out)
         return out
 
     def _check_out(self, out, shape):
@@ -354,15 +375,18 @@ class HostTable:
             raise DeviceError(f"out is on {out.device}; gather writes to {self.device}")
         if not out.is_contiguous():
             raise ShapeError("out must be contiguous; pass a fresh tensor or out.contiguous()")
+        if out.requires_grad:
+            raise DTypeError("out requires grad, and gather writes into it in place; pass "
+                             "out.detach() or a tensor made under torch.no_grad()")
 
-    def scatter(self, rows, values, *, check_unique=True):
+    def scatter(self, rows, values, *, check_unique: bool = True) -> None:
         """Write ``values[i]`` into row ``rows[i]``.
 
         Args:
             rows: unique integer ids of any shape.
             values: tensor or array of shape ``(*rows.shape, dim)`` (or
                 ``(len(rows), dim)``) with the table's dtype, on the CPU or the
-                backend's device.
+                backend's device. A tensor that requires grad is read, not kept.
             check_unique: refuse repeated ids (two writes to one row would make
                 the result depend on write order). Pass False only when the ids
                 are unique by construction: on a GPU the check costs a
@@ -371,18 +395,32 @@ class HostTable:
         Raises:
             IdError, DTypeError, DeviceError, ShapeError: bad ids or values.
             DuplicateIdError: ``rows`` repeat an id.
+            StateError: a read-only table.
 
         Every check runs before any row is written. On a GPU the write is
         ordered on torch's current stream and may still be running on return.
         """
         buffer = self._writable_buffer()
-        flat, _ = as_row_ids(rows, self.num_rows, self.device)
-        values = as_row_values(values, len(flat), self.dim, self.dtype, self.device)
+        where = self._backend.ids_device(buffer)
+        flat, _ = as_row_ids(rows, self.num_rows, where)
+        values = as_row_values(values, len(flat), self.dim, self.dtype, where)
         if check_unique and _has_duplicates(flat):
             raise DuplicateIdError("scatter rows repeat an id, so the value kept would depend on "
                                    "write order; de-duplicate them first (torch.unique, or "
                                    "sum the rows' values with index_add_ if that is the intent)")
         self._backend.scatter(buffer, flat, values)
+
+    def scatter_validated(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """:meth:`scatter` for ids and values already validated: no checks at all.
+
+        Args:
+            rows: a contiguous 1-D int64 tensor of **unique** ids in ``[0, num_rows)``.
+            values: a contiguous ``(len(rows), dim)`` tensor of the table's dtype
+                on :attr:`device` or the CPU, not requiring grad.
+        """
+        buffer = self._writable_buffer()
+        where = self._backend.ids_device(buffer)
+        self._backend.scatter(buffer, rows.to(where), values.to(where))
 
     # ------------------------------------------------------------ initialisers
     def _row_chunks(self, writing=True):
@@ -451,68 +489,53 @@ class HostTable:
 
     # ----------------------------------------------------------------- files
     def host_chunks(self):
-        """The rows as numpy arrays of about 64 MiB each, in order.
+        """The rows as numpy arrays of about 64 MiB each, in order, as files store them.
 
         Host tables yield views of their own memory; a device table yields one
-        chunk-sized host copy at a time, so no full-size copy is ever made.
+        chunk-sized host copy at a time, so no full-size copy is ever made. A
+        bfloat16 table yields float32 chunks (exact; numpy has no bfloat16).
 
         Yields:
             numpy.ndarray chunks of consecutive rows.
         """
         for _, _, chunk in self._row_chunks(writing=False):
-            yield chunk.cpu().numpy()
+            yield (chunk.float() if self.dtype is torch.bfloat16 else chunk).cpu().numpy()
 
-    def save(self, path, dataset="table"):
+    def save(self, path, dataset: str = "table") -> None:
         """Write the table to ``path`` (``.npy`` or ``.h5``) atomically.
 
         The file is written beside ``path`` under a temporary name, flushed,
         and renamed over ``path`` only when complete: a failure midway leaves
-        any previous file intact. A device table is copied out chunk by chunk.
+        any previous file intact. A device table is copied out chunk by chunk;
+        a bfloat16 table is written as float32 (see :func:`~speedswap.files.save_table`).
 
         Args:
             path: ``*.npy``, ``*.h5`` or ``*.hdf5``.
             dataset: the HDF5 dataset name.
         """
-        fmt = files.file_format(path)
-        np_dtype = numpy_dtype(self.dtype)
+        files.file_format(path)
         if (self.storage == "mmap" and self._path is not None
                 and os.path.abspath(path) == os.path.abspath(self._path)):
-            self._buffer.host.flush()
+            self._live_buffer().host.flush()
             return
-        if fmt == "npy":
-            files.write_npy(path, self._shape, np_dtype, self.host_chunks())
-        else:
-            files.write_h5(path, {dataset: (self._shape, np_dtype, self.host_chunks())})
+        files.save_table(self, path, dataset)
 
-    def load_from(self, path, dataset="table"):
+    def load_from(self, path, dataset: str = "table") -> "HostTable":
         """Replace this table's rows with a file's, which must match shape and dtype.
+
+        Returns:
+            self
 
         Raises:
             FileFormatError: the file is malformed or another shape/dtype; the
                 table is left unchanged.
+            StateError: a closed or read-only table.
         """
         self._writable_buffer()
-        fmt = files.file_format(path)
-        header = files.read_npy_header(path) if fmt == "npy" else files.read_h5_header(path, dataset)
-        files.check_matches(header, self._shape, numpy_dtype(self.dtype), path)
-        self._read_file(path, fmt, header, dataset)
+        header = files.read_table_header(path, dataset)
+        files.check_table_matches(header, self._shape, self.dtype, path)
+        files.read_table(self, path, header, dataset)
         return self
-
-    def _read_file(self, path, fmt, header, dataset):
-        buffer = self._live_buffer()
-        self._backend.wait_host(buffer)
-        if buffer.host is not None:
-            if fmt == "npy":
-                files.read_npy_into(path, buffer.host, header)
-            else:
-                files.read_h5_into(path, buffer.host, dataset, header)
-            return
-        if fmt == "npy":
-            source = files.open_npy_memmap(path, writable=False)
-            self._fill_from(lambda start, stop: source[start:stop])
-            return
-        with files.open_h5(path) as f:
-            self._fill_from(lambda start, stop: f[dataset][start:stop])
 
     def to_numpy(self, copy=False):
         """The rows as a numpy array.

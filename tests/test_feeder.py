@@ -341,7 +341,7 @@ def test_bad_arguments_fail_at_construction(make, error, match):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_cuda_without_a_gpu_says_so():
-    with pytest.raises(ss.DeviceError, match="no CUDA device"):
+    with pytest.raises(ss.BackendUnavailableError, match="no CUDA device"):
         ss.BatchFeeder(np.ones(5), batch_size=2, device="cuda")
 
 

@@ -40,7 +40,7 @@ def test_get_matches_numpy(backend, kind, shape, pinned, rng, tmp_path):
     assert got.device == gadget.device and got.dtype == torch.float32
     np.testing.assert_array_equal(got.cpu().numpy(), data[ids])
     np.testing.assert_array_equal(gadget.getData(torch.from_numpy(ids[0])).cpu().numpy(), data[ids[0]])
-    assert gadget.storage == ("pinned" if pinned else "pageable")
+    assert gadget.storage == ("pinned" if pinned else "device")  # SpeedTorch's CPUPinn
 
 
 def test_integer_labels_round_trip(backend, rng):
@@ -70,7 +70,7 @@ def test_put_then_get(backend, kind, rng, tmp_path):
 
 def test_pageable_array_is_shared_pinned_is_copied(rng):
     data = random_data(rng, (50, 3))
-    shared = ss.DataGadget(data, backend="numpy")
+    shared = ss.DataGadget(data, storage="pageable", backend="numpy")
     shared.put(np.full((1, 3), 7.0, np.float32), [4])
     assert data[4].tolist() == [7.0, 7.0, 7.0]
     copied = ss.DataGadget(data, CPUPinn=True, backend="numpy")
@@ -98,7 +98,7 @@ def test_read_only_sources_refuse_puts(rng, tmp_path):
     frozen.setflags(write=False)
     path = tmp_path / "ro.npy"
     np.save(path, data)
-    for gadget in (ss.DataGadget(frozen, backend="numpy"),
+    for gadget in (ss.DataGadget(frozen, storage="pageable", backend="numpy"),
                    ss.DataGadget(np.load(path, mmap_mode="r"), backend="numpy")):
         np.testing.assert_array_equal(gadget.get([0, 29]).numpy(), data[[0, 29]])
         with pytest.raises(ss.StateError, match="read-only"):
@@ -141,7 +141,7 @@ def test_mmap_is_chosen_when_the_file_outgrows_ram(rng, tmp_path, monkeypatch):
     monkeypatch.setattr(speedswap.data.gadget, "available_ram", lambda: 4096)
     assert ss.DataGadget(path, backend="numpy").storage == "mmap"
     monkeypatch.setattr(speedswap.data.gadget, "available_ram", lambda: 1 << 30)
-    assert ss.DataGadget(path, backend="numpy").storage == "pageable"
+    assert ss.DataGadget(path, backend="numpy").storage == "device"  # CPUPinn=False
     assert ss.DataGadget(path, mmap=True, backend="numpy").storage == "mmap"
 
 

@@ -12,7 +12,8 @@ device(type='cpu')
 """
 
 from .base import STORAGE_KINDS, Backend, Buffer
+from .cpu import available_ram
 from .resolve import available_backends, get_backend, resolve_device
 
-__all__ = ["get_backend", "available_backends", "resolve_device", "Backend", "Buffer",
+__all__ = ["available_ram", "get_backend", "available_backends", "resolve_device", "Backend", "Buffer",
            "STORAGE_KINDS"]

@@ -6,6 +6,7 @@ device to pin for; :attr:`Buffer.pinned` says so.
 """
 
 import mmap
+import os
 
 import numpy as np
 import torch
@@ -13,10 +14,22 @@ import torch
 from ..convert import host_tensor, numpy_dtype, torch_dtype
 from .base import Backend, Buffer
 
-__all__ = ["NumpyBackend", "huge_page_array"]
+__all__ = ["NumpyBackend", "huge_page_array", "available_ram"]
 
 # Below this a table spans few pages anyway; above it TLB misses dominate random row access.
 _HUGE_PAGE_MIN_BYTES = 8 << 20
+
+
+def available_ram() -> int:
+    """Bytes of RAM available to new allocations now (``MemAvailable`` on Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def huge_page_array(shape, dtype):

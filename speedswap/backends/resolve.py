@@ -130,10 +130,10 @@ def get_backend(name: BackendLike = "auto", device: DeviceLike = None) -> Backen
     if torch.cuda.is_available():
         return _cuda_backend(device)
     if name == "cuda":
-        raise BackendUnavailableError("the cuda backend needs a CUDA device and a CUDA build of "
-                                      "torch; none is visible here. Use backend='numpy' "
-                                      "(--device cpu on the command line), or 'auto', which "
-                                      "falls back to it")
+        raise BackendUnavailableError("torch sees no CUDA device here, and the cuda backend needs "
+                                      "one (and a CUDA build of torch). Use backend='numpy' or "
+                                      "device='cpu' (--device cpu on the command line), or "
+                                      "'auto', which falls back to the CPU")
     _warn_once("cpu-fallback", "speedswap: no CUDA device here; running on the CPU with the "
                                "numpy backend (pass backend='numpy', or --device cpu on the "
                                "command line, to silence this)")

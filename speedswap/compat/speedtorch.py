@@ -22,16 +22,31 @@ the step touches, so the optimizer's work scales with the batch, not with the
 capacity, and no unused slot is updated.
 """
 
+from typing import Optional
+
+import numpy as np
 import torch
 
+from ..backends import get_backend
+from ..data.gadget import DataGadget as CoreDataGadget
 from ..convert import torch_dtype
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
 from ..train.row_state import NarrowedStep, RowState
 from ..table import HostTable
-from ..train.working_set import steps_for
+from .steps import steps_for
 
 __all__ = ["ModelFactory", "OptimizerFactory", "GPUPytorchModelFactory",
-           "GPUPytorchOptimizerFactory"]
+           "GPUPytorchOptimizerFactory", "DataGadget"]
+
+
+def _storage_of(CPUPinn):
+    """SpeedTorch's ``CPUPinn``, for every class that takes it: pinned host memory, or the device."""
+    return "pinned" if CPUPinn else "device"
+
+
+def _device_of(param):
+    """The device a switcher's tables serve: the parameter's (None, the default, on the CPU)."""
+    return param.device if param.device.type == "cuda" else None
 
 
 def _weight_of(variable):
@@ -110,10 +125,11 @@ class ModelFactory(_Switcher):
                  CPUPinn=False, *, storage=None, backend="auto", path=None):
         param = _weight_of(model_variable)
         super().__init__(param, total_classes, embed_dimension, datatype)
-        storage = storage or ("pinned" if CPUPinn else "device")
+        storage = storage or _storage_of(CPUPinn)
         # An mmap table starts as a zero-filled sparse file; writing zeros would make it dense.
         make = HostTable.empty if storage == "mmap" else HostTable.zeros
-        self.table = make(total_classes, embed_dimension, datatype, storage, backend, path)
+        self.table = make(total_classes, embed_dimension, datatype, storage, backend, path,
+                          device=_device_of(param))
         self._check_device(self.table)
         self._placeholders = None
 
@@ -184,7 +200,7 @@ class ModelFactory(_Switcher):
         self._steps.commit(step)
         k = len(step.rows)
         with torch.no_grad():
-            self.table.gather(step.rows, out=self._full[:k])
+            self.table.gather_validated(step.rows, self._full[:k])
         for placeholder, local in zip(self._placeholders or (), step.locals):
             placeholder.view(-1).copy_(local.view(-1))
         self._gathered = step
@@ -201,7 +217,7 @@ class ModelFactory(_Switcher):
                 ``before_forward`` on this switcher; nothing is written.
         """
         step = self._finish(pos, neg)
-        self.table.scatter(step.rows, self._full[:len(step.rows)], check_unique=False)
+        self.table.scatter_validated(step.rows, self._full[:len(step.rows)])
         self._gathered = None
 
     # ------------------------------------------------------------ whole table
@@ -239,15 +255,18 @@ class ModelFactory(_Switcher):
         self._check_idle("load")
         self.table.load_from(path)
 
-    def to_numpy(self, copy=False):
-        """The table as a numpy array (the table's own memory for host storage). Alias ``getNumpyVersion``."""
+    def to_numpy(self, copy: bool = False) -> np.ndarray:
+        """The table as a numpy array (the table's own memory for host storage, unless ``copy``)."""
         return self.table.to_numpy(copy=copy)
+
+    def getNumpyVersion(self) -> np.ndarray:
+        """A copy of the table as a numpy array, as SpeedTorch returned (``to_numpy()`` shares memory)."""
+        return self.to_numpy(copy=True)
 
     beforeForwardPass = before_forward
     afterOptimizerStep = after_step
     saveCupy = saveTorch = save
     loadCupy = loadTorch = load
-    getNumpyVersion = to_numpy
 
 
 def _parameter_named(model, variable_name):
@@ -296,7 +315,8 @@ class OptimizerFactory(_Switcher):
         param = _parameter_named(model, variable_name)
         super().__init__(param, total_classes, embed_dimension, dtype)
         self.state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),
-                              storage or ("pinned" if CPUPinn else "device"), backend, path)
+                              storage or _storage_of(CPUPinn),
+                              get_backend(backend, _device_of(param)), path)
         for table in self.state.tables.values():
             self._check_device(table)
         self._narrowed = None
@@ -389,3 +409,49 @@ class GPUPytorchOptimizerFactory(OptimizerFactory):
                  dtype="float32", *, backend="auto"):
         super().__init__(given_optimizer, total_classes, embed_dimension, model, variable_name,
                          dtype, storage="device", backend=backend)
+
+
+class DataGadget(CoreDataGadget):
+    """SpeedTorch's ``DataGadget(fileName, CPUPinn=False)``: a dataset whose rows become device tensors.
+
+    A thin layer over :class:`speedswap.data.gadget.DataGadget` with SpeedTorch's
+    argument names and methods (``getData``, ``insertData``, ``gadgetInit``,
+    ``getNumpyVersion``, ``saveCupy``, ``loadCupy``).
+
+    ``CPUPinn`` means what it meant in SpeedTorch, as for the switchers:
+    ``True`` holds the rows in page-locked host memory, ``False`` (the
+    default) holds them in device memory (plain host memory on the numpy
+    backend). A file larger than the RAM available is memory-mapped either
+    way (see ``mmap``). Pass ``storage="pageable"`` to share an in-memory
+    array instead of copying it.
+
+    Args:
+        fileName_or_array: a ``.npy`` path, or a numpy array / CPU tensor ``(n, ...)``.
+        CPUPinn: pinned host memory (True) or device memory (False).
+        mmap, backend, device: as in the core class.
+        storage: any storage kind but ``mmap``, overriding ``CPUPinn``.
+
+    Raises:
+        as :class:`speedswap.data.gadget.DataGadget`.
+    """
+
+    def __init__(self, fileName_or_array, CPUPinn: bool = False, *, mmap: Optional[bool] = None,
+                 backend="auto", storage: Optional[str] = None, device=None):
+        super().__init__(fileName_or_array, storage=storage or _storage_of(CPUPinn), mmap=mmap,
+                         backend=backend, device=device)
+
+    def getNumpyVersion(self) -> np.ndarray:
+        """A copy of the data as a numpy array (SpeedTorch returned a copy).
+
+        ``to_numpy(copy=False)`` gives the zero-copy view instead.
+        """
+        return self.to_numpy(copy=True)
+
+    def insertData(self, dataObject, indexes) -> None:
+        """SpeedTorch's name for :meth:`put` (same argument order: data, then indexes)."""
+        self.put(dataObject, indexes)
+
+    getData = CoreDataGadget.get
+    gadgetInit = CoreDataGadget.read
+    saveCupy = CoreDataGadget.save
+    loadCupy = CoreDataGadget.load

@@ -4,6 +4,6 @@ Built on :class:`~speedswap.HostTable`; independent of the training layer.
 """
 
 from .feeder import BatchFeeder
-from .gadget import DataGadget, available_ram
+from .gadget import DataGadget
 
-__all__ = ["BatchFeeder", "DataGadget", "available_ram"]
+__all__ = ["BatchFeeder", "DataGadget"]

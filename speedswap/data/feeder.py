@@ -14,11 +14,13 @@ source per batch: no per-row ``__getitem__``, no collate step.
 import numpy as np
 import torch
 
-from .gadget import DataGadget
+from ..backends import resolve_device
+from ..convert import as_host_array, check_rows, int_option
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
+from ..table import HostTable
+from .gadget import DataGadget
 from .orders import make_order, shard
 from .readahead import CudaStager, ReaderThread, SyncReader
-from ..table import HostTable
 
 __all__ = ["BatchFeeder"]
 
@@ -33,45 +35,19 @@ def _as_tensor(source, what):
         return table.as_tensor().view(source.shape), table.storage == "mmap"
     if isinstance(source, HostTable):
         return source.as_tensor(), source.storage == "mmap"
-    if isinstance(source, torch.Tensor):
-        if source.dim() == 0:
-            raise ShapeError(f"{what} is a 0-d tensor; sources need rows along their first axis")
+    if isinstance(source, torch.Tensor) and source.device.type != "cpu":
+        check_rows(source.shape, what)
         return source.detach().contiguous(), False
-    if isinstance(source, np.ndarray):
-        if source.ndim == 0:
-            raise ShapeError(f"{what} is a 0-d array; sources need rows along their first axis")
-        if source.size == 0:
-            raise ShapeError(f"{what} has shape {source.shape}: no rows, or empty rows; "
-                             f"sources need at least one non-empty row")
-        flat = source.reshape(len(source), -1)
-        if not flat.flags.c_contiguous:  # rows must be contiguous to be gathered: one copy
-            flat = np.ascontiguousarray(flat)
-        # Shares the array's memory; a memmap stays on disk and is paged in as rows are read.
-        table = HostTable.adopt(flat, backend="numpy")
-        return table.as_tensor().view(source.shape), isinstance(flat, np.memmap)
-    raise DTypeError(f"{what} is a {type(source).__name__}; sources must be numpy arrays, "
-                     f"memmaps, torch tensors, DataGadgets or HostTables")
-
-
-def _resolve_device(device):
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise OptionError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DeviceError("device='cuda' but torch sees no CUDA device here; use device='auto' "
-                          "(falls back to the CPU) or device='cpu'")
-    if device.type not in ("cpu", "cuda"):
-        raise OptionError(f"BatchFeeder delivers to the CPU or a CUDA device, not {device.type!r}")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _is_positive_int(value):
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
+    if not isinstance(source, (np.ndarray, torch.Tensor)):
+        raise DTypeError(f"{what} is a {type(source).__name__}; sources must be numpy arrays, "
+                         f"memmaps, torch tensors, DataGadgets or HostTables")
+    array = as_host_array(source, what)
+    flat = array.reshape(len(array), -1)
+    if not flat.flags.c_contiguous:  # rows must be contiguous to be gathered: one copy
+        flat = np.ascontiguousarray(flat)
+    # Shares the array's memory; a memmap stays on disk and is paged in as rows are read.
+    table = HostTable.adopt(flat, backend="numpy")
+    return table.as_tensor().view(array.shape), isinstance(flat, np.memmap)
 
 
 def _resolve_ranks(rank, world_size):
@@ -81,12 +57,12 @@ def _resolve_ranks(rank, world_size):
         world_size = dist.get_world_size() if initialised else 1
     if rank is None:
         rank = dist.get_rank() if initialised else 0
-    if not _is_positive_int(world_size):
-        raise OptionError(f"world_size must be a positive int, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
-        raise OptionError(f"rank {rank!r} is outside the world of {world_size} ranks; "
-                          f"ranks are 0 .. {world_size - 1}")
-    return int(rank), int(world_size)
+    world_size = int_option(world_size, "world_size")
+    outside = f" (outside the world of {world_size} ranks: ranks are 0 .. {world_size - 1})"
+    rank = int_option(rank, "rank", minimum=0, hint=outside)
+    if rank >= world_size:
+        raise OptionError(f"rank {rank!r} is{outside[:-1]})")
+    return rank, world_size
 
 
 class BatchFeeder:
@@ -161,12 +137,9 @@ class BatchFeeder:
                               "all by name (batches are dicts), not both")
         if not sources and not named_sources:
             raise OptionError("BatchFeeder needs at least one source: BatchFeeder(x, y, batch_size=...)")
-        if not _is_positive_int(batch_size):
-            raise OptionError(f"batch_size must be a positive int, got {batch_size!r}")
-        if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
-            raise OptionError(f"prefetch must be an int >= 0 (batches read ahead), got {prefetch!r}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise OptionError(f"seed must be an int >= 0, got {seed!r}")
+        batch_size = int_option(batch_size, "batch_size")
+        prefetch = int_option(prefetch, "prefetch", minimum=0, hint=" (batches read ahead)")
+        seed = int_option(seed, "seed", minimum=0)
         if transform is not None and not callable(transform):
             raise OptionError(f"transform must be callable, got {type(transform).__name__}")
         self._names = tuple(named_sources) if named_sources else None
@@ -181,7 +154,7 @@ class BatchFeeder:
                              f"{', '.join(f'{w}: {n}' for w, n in lengths.items())}")
         if not self._columns[0].numel():
             raise ShapeError("the sources have no rows (or empty rows); give at least one row")
-        self._device = _resolve_device(device)
+        self._device = resolve_device(device)
         for (what, _), tensor in zip(described, self._columns):
             if tensor.device.type != "cpu" and tensor.device != self._device:
                 raise DeviceError(f"{what} lives on {tensor.device} but this feeder delivers to "
@@ -250,9 +223,7 @@ class BatchFeeder:
         Raises:
             OptionError: a negative or non-int epoch.
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise OptionError(f"epoch must be an int >= 0, got {epoch!r}")
-        self._reposition(int(epoch), 0)
+        self._reposition(int_option(epoch, "epoch", minimum=0), 0)
 
     def state_dict(self):
         """Where the stream stands: the next batch to yield, and what defines the stream.

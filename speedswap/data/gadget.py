@@ -16,36 +16,20 @@ import os
 import numpy as np
 import torch
 
+from typing import Optional
+
 from .. import files
-from ..backends import STORAGE_KINDS
-from ..convert import numpy_dtype
+from ..backends import STORAGE_KINDS, available_ram, get_backend
+from ..backends.resolve import BackendLike, DeviceLike
+from ..convert import as_host_array, check_rows, numpy_dtype
 from ..errors import OptionError, ShapeError, StateError
 from ..table import HostTable
 
-__all__ = ["DataGadget", "available_ram"]
+__all__ = ["DataGadget"]
 
 #: A file is memory-mapped (when ``mmap=None``) once it needs more than this
 #: share of the RAM available now: the rest is left for the model and the OS.
 RAM_SHARE = 0.75
-
-
-def available_ram():
-    """Bytes of RAM available to new allocations now (``MemAvailable`` on Linux)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def _row_shape_of(shape, what):
-    if len(shape) == 0 or shape[0] == 0:
-        raise ShapeError(f"{what} has shape {tuple(shape)}; a dataset needs at least one row "
-                         f"along its first axis")
-    return tuple(int(d) for d in shape[1:])
 
 
 def _row_length(row_shape):
@@ -53,50 +37,48 @@ def _row_length(row_shape):
 
 
 class DataGadget:
-    """A dataset whose rows are gathered into device tensors (SpeedTorch's DataGadget).
+    """A dataset whose rows are gathered into device tensors.
 
     The data is a ``.npy`` file or an array already in memory (no need to save
-    a file first). It is held in host memory, page-locked with ``CPUPinn=True``
-    so that rows reach the GPU at full bus speed, or memory-mapped from the
-    file when it is larger than the RAM available (or when ``mmap=True``):
-    then nothing is read up front and rows are paged in as they are used.
+    a file first). It is held where ``storage`` says: ``pageable`` (the
+    default: an in-memory C-contiguous array is shared, not copied),
+    ``pinned`` (a page-locked copy, so rows reach the GPU at full bus speed),
+    ``device`` (a copy in GPU memory), ... A file larger than the RAM
+    available (or any file with ``mmap=True``) is memory-mapped instead:
+    nothing is read up front and rows are paged in as they are used.
 
     The file is validated when the gadget is built (truncated files, Fortran
     order, object or record dtypes raise :class:`~speedswap.FileFormatError`);
-    its rows are read on first use or by :meth:`gadgetInit`.
+    its rows are read on first use or by :meth:`read`. SpeedTorch's spelling
+    (``DataGadget(fileName, CPUPinn)``, ``getData``, ``insertData``, ...) is
+    :class:`speedswap.DataGadget`, a thin layer over this class.
 
     Args:
-        fileName_or_array: a ``.npy`` path, or a numpy array / CPU tensor of
-            shape ``(n, ...)``. A C-contiguous array kept in pageable memory
-            is shared, not copied (writes through :meth:`put` change it); an
-            ``np.memmap`` stays mapped.
-        CPUPinn: hold the rows in page-locked memory (a copy). Without it they
-            stay in ordinary pageable memory. (SpeedTorch kept them in GPU
-            memory instead; pass ``storage="device"`` for that.)
+        source: a ``.npy`` path, or a numpy array / CPU tensor of shape ``(n, ...)``.
+            An ``np.memmap`` stays mapped.
+        storage: any :data:`~speedswap.STORAGE_KINDS` kind except ``mmap``.
         mmap: ``True`` maps the file itself (writes through :meth:`put` reach
             the file when it is writable; a read-only file gives a read-only
             gadget), ``False`` reads it into memory, ``None`` maps it only when
             it would take more than 3/4 of the RAM available.
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
-        storage: any :data:`~speedswap.STORAGE_KINDS` kind except ``mmap``,
-            overriding ``CPUPinn`` (e.g. ``"device"`` keeps the data in GPU memory).
+        device: the CUDA device rows are delivered to; None is torch's current one.
 
     Raises:
         FileFormatError: a malformed ``.npy`` file.
         FileNotFoundError: no such file.
         OptionError: a file that is not ``.npy``, ``mmap=True`` for an
             in-memory array, or a bad ``storage``.
-        ShapeError: an array with no rows.
+        ShapeError: an array with no rows, or rows of no elements.
         DTypeError: an unsupported dtype.
 
     Example:
-        >>> gadget = ss.DataGadget("pairs.npy", CPUPinn=True)       # doctest: +SKIP
+        >>> gadget = DataGadget("pairs.npy", storage="pinned")           # doctest: +SKIP
         >>> batch = gadget.get(torch.randint(0, len(gadget), (4096,)))  # doctest: +SKIP
     """
 
-    def __init__(self, fileName_or_array, CPUPinn=False, *, mmap=None, backend="auto", storage=None):
-        if storage is None:
-            storage = "pinned" if CPUPinn else "pageable"
+    def __init__(self, source, *, storage: str = "pageable", mmap: Optional[bool] = None,
+                 backend: BackendLike = "auto", device: DeviceLike = None):
         if storage not in STORAGE_KINDS or storage == "mmap":
             raise OptionError(f"storage must be one of {[k for k in STORAGE_KINDS if k != 'mmap']}, "
                               f"got {storage!r}; memory-map a file with mmap=True instead")
@@ -104,9 +86,9 @@ class DataGadget:
             raise OptionError(f"mmap must be True, False or None (decide by size), got {mmap!r}")
         self._storage = storage
         self._mmap = mmap
-        self._backend = backend
+        self._backend = get_backend(backend, device)
         self._table = None
-        self._set_source(fileName_or_array)
+        self._set_source(source)
 
     def _set_source(self, data):
         """Validate the file header or array and remember it; the rows are read later."""
@@ -115,12 +97,12 @@ class DataGadget:
             header = self._read_header(path)
             shape, dtype = header.shape, header.dtype
         else:
-            path, array, header = None, self._as_array(data), None
+            path, array, header = None, as_host_array(data, "the dataset"), None
             shape, dtype = array.shape, array.dtype
             if self._mmap and not isinstance(array, np.memmap):
                 raise OptionError("mmap=True maps a .npy file; this array is already in memory. "
                                   "Pass the file's path, or np.load(path, mmap_mode='r+')")
-        row_shape = _row_shape_of(shape, "the dataset")
+        row_shape = check_rows(shape, "the dataset")
         numpy_dtype(dtype)
         self._path, self._array, self._header = path, array, header
         self._row_shape, self._num_rows = row_shape, int(shape[0])
@@ -132,17 +114,8 @@ class DataGadget:
                               f"with np.save, or load HDF5 tables with HostTable.load")
         return files.read_npy_header(path)
 
-    @staticmethod
-    def _as_array(data):
-        if isinstance(data, torch.Tensor):
-            if data.device.type != "cpu":
-                raise OptionError(f"DataGadget takes host data; this tensor is on {data.device}. "
-                                  f"Pass data.cpu(), or feed device tensors to BatchFeeder directly")
-            return data.detach().numpy()
-        return np.asarray(data)
-
     # ------------------------------------------------------------------ load
-    def gadgetInit(self):
+    def read(self) -> "DataGadget":
         """Read the rows now (otherwise the first :meth:`get` does). Returns self.
 
         Raises:
@@ -307,7 +280,7 @@ class DataGadget:
         self._set_source(path)
         self.close()
         self._table = None
-        return self.gadgetInit()
+        return self.read()
 
     def to_numpy(self, copy=False):
         """The data as a numpy array of :attr:`shape`.
@@ -331,13 +304,3 @@ class DataGadget:
 
     def __exit__(self, *exc):
         self.close()
-
-    # SpeedTorch's names.
-    getData = get
-    getNumpyVersion = to_numpy
-    saveCupy = save
-    loadCupy = load
-
-    def insertData(self, dataObject, indexes):
-        """SpeedTorch's name for :meth:`put` (same argument order)."""
-        self.put(dataObject, indexes)

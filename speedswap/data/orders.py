@@ -16,6 +16,7 @@ resumable: the rest of an epoch is recomputed, never stored.
 
 import numpy as np
 
+from ..convert import int_option
 from ..errors import OptionError
 
 __all__ = ["Order", "RandomOrder", "BlockOrder", "SequentialOrder", "ORDERS", "make_order", "shard"]
@@ -106,13 +107,8 @@ class BlockOrder(Order):
     name = "block"
 
     def __init__(self, block_rows=None, window=8):
-        for what, value in (("block_rows", block_rows), ("window", window)):
-            if value is None and what == "block_rows":
-                continue
-            if not _positive_int(value):
-                raise OptionError(f"BlockOrder {what} must be a positive int, got {value!r}")
-        self.block_rows = None if block_rows is None else int(block_rows)
-        self.window = int(window)
+        self.block_rows = None if block_rows is None else int_option(block_rows, "BlockOrder block_rows")
+        self.window = int_option(window, "BlockOrder window")
 
     def indices(self, num_rows, seed, epoch):
         """Blocks shuffled, then rows shuffled within each window of blocks (see :meth:`Order.indices`).
@@ -143,10 +139,6 @@ class BlockOrder(Order):
 
 
 ORDERS = {"random": RandomOrder, "block": BlockOrder, "sequential": SequentialOrder}
-
-
-def _positive_int(value):
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1
 
 
 def make_order(order, row_bytes):

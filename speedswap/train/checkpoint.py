@@ -24,12 +24,29 @@ import tempfile
 import numpy as np
 
 from .. import files
-from ..convert import numpy_dtype
-from ..errors import FileFormatError
+from ..errors import FileFormatError, OptionError
 
-__all__ = ["save_tables", "load_tables"]
+__all__ = ["save_tables", "load_tables", "file_in"]
 
 _MANIFEST = "checkpoint.json"
+
+
+def file_in(directory, name, storage):
+    """The ``.npy`` file of table ``name`` when ``storage`` is ``mmap``, else None.
+
+    An embedding and its optimizer state keep their ``mmap`` tables as
+    ``<name>.npy`` files of one directory, which is created if needed.
+
+    Raises:
+        OptionError: ``mmap`` storage without a directory.
+    """
+    if storage != "mmap":
+        return None
+    if directory is None:
+        raise OptionError("storage='mmap' keeps the table and optimizer state in files: pass "
+                          "path= a directory for them")
+    os.makedirs(directory, exist_ok=True)
+    return os.path.join(os.fspath(directory), f"{name}.npy")
 _FORMAT = "speedswap-checkpoint-1"
 
 
@@ -48,8 +65,9 @@ def save_tables(path, tables, attrs):
     """
     attrs = {"format": _FORMAT, **attrs}
     if _is_h5(path):
-        files.write_h5(path, {name: (t.shape, numpy_dtype(t.dtype), t.host_chunks())
-                           for name, t in tables.items()}, attrs)
+        files.write_h5(path, {name: (t.shape, files.stored_dtype(t.dtype), t.host_chunks())
+                              for name, t in tables.items()}, attrs,
+                       table_dtypes={name: t.dtype for name, t in tables.items()})
         return
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isfile(os.path.join(path, _MANIFEST)):
@@ -60,7 +78,7 @@ def save_tables(path, tables, attrs):
     try:
         for name, table in tables.items():
             files.write_npy(os.path.join(tmp, f"{name}.npy"), table.shape,
-                         numpy_dtype(table.dtype), table.host_chunks())
+                            files.stored_dtype(table.dtype), table.host_chunks())
         manifest = {"attrs": attrs, "tables": sorted(tables)}
         with open(os.path.join(tmp, _MANIFEST), "w") as f:
             json.dump(manifest, f)
@@ -81,7 +99,7 @@ def save_tables(path, tables, attrs):
 
 
 def _is_h5(path):
-    return os.path.splitext(os.fspath(path))[1].lower() in files.H5_SUFFIXES
+    return files.suffix_format(path) == "h5"
 
 
 def _read_attrs(path):
@@ -144,7 +162,7 @@ def load_tables(path, tables, attrs):
         else:
             source, dataset = os.path.join(os.fspath(path), f"{name}.npy"), "table"
             header = files.read_npy_header(source)
-        files.check_matches(header, table.shape, numpy_dtype(table.dtype), source)
+        files.check_table_matches(header, table.shape, table.dtype, source)
         sources[name] = (source, dataset)
     for name, table in tables.items():
         table.load_from(*sources[name])

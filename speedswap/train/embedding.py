@@ -13,17 +13,16 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import load_tables, save_tables
-from ..errors import OptionError, StateError
-from .row_state import NarrowedStep, RowState
+from .. import files
+from ..backends.resolve import BackendLike, DeviceLike
+from ..convert import as_row_ids, int_option, torch_dtype
+from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
+from .checkpoint import file_in, load_tables, save_tables
+from .row_state import NarrowedStep, RowState
 from .working_set import WorkingSet
 
 __all__ = ["OffloadedEmbedding"]
-
-
-def _is_npy(path):
-    return os.fspath(path).lower().endswith(".npy")
 
 
 class OffloadedEmbedding(torch.nn.Module):
@@ -56,46 +55,59 @@ class OffloadedEmbedding(torch.nn.Module):
         storage: where the table (and optimizer state) lives: ``pinned``,
             ``mapped``, ``pageable``, ``mmap`` (files in the directory ``path``)
             or ``device``.
-        dtype: the rows' torch dtype.
+        dtype: the rows' torch dtype. ``torch.bfloat16`` keeps the table in
+            bfloat16 while :attr:`weight` and the optimizer state are float32:
+            the step's math is float32 and each touched row is rounded back to
+            bfloat16 once per step.
         padding_idx: as in ``nn.Embedding``: this row starts at zero and gets
             no gradient.
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
         path: for ``storage="mmap"``, the directory for ``table.npy`` and the
             optimizer state files.
+        device: the CUDA device the rows move to (``"cuda:1"``); None is
+            torch's current device.
 
     Raises:
         OptionError: bad sizes, padding_idx or storage.
+        DTypeError: a dtype that is not floating point.
     """
 
-    def __init__(self, num_embeddings, embedding_dim, *, max_rows, storage="pinned",
-                 dtype=torch.float32, padding_idx=None, backend="auto", path=None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
+                 storage: str = "pinned", dtype: torch.dtype = torch.float32,
+                 padding_idx: int = None, backend: BackendLike = "auto", path=None,
+                 device: DeviceLike = None):
         super().__init__()
-        if not isinstance(max_rows, int) or max_rows < 1:
-            raise OptionError(f"max_rows must be a positive int, got {max_rows!r}")
-        if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
-            raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx!r}")
-        if storage == "mmap":
-            if path is None:
-                raise OptionError("storage='mmap' keeps the table in files: pass path= a directory")
-            os.makedirs(path, exist_ok=True)
+        num_embeddings = int_option(num_embeddings, "num_embeddings")
+        embedding_dim = int_option(embedding_dim, "embedding_dim")
+        max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
+                                  "step may touch)"), num_embeddings)
+        dtype = torch_dtype(dtype)
+        if not dtype.is_floating_point:
+            raise DTypeError(f"an embedding trains floating-point rows, not {dtype}; use "
+                             f"torch.float32, torch.bfloat16, torch.float16 or torch.float64")
+        if padding_idx is not None:
+            padding_idx = int_option(padding_idx, "padding_idx", minimum=0)
+            if padding_idx >= num_embeddings:
+                raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx!r}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.max_rows, self.padding_idx = max_rows, padding_idx
-        self._storage, self._backend, self._path = storage, backend, path
+        self._storage, self._path = storage, path
         self.table = HostTable.empty(num_embeddings, embedding_dim, dtype, storage, backend,
-                                     self._file("table"))
+                                     file_in(path, "table", storage), device=device)
+        self._backend = self.table.backend
         self.table.normal_()  # nn.Embedding's initialisation
         if padding_idx is not None:
             self.table.scatter([padding_idx], torch.zeros(1, embedding_dim, dtype=dtype))
+        # bfloat16 rows train in float32: the step's math and the optimizer
+        # state are float32, and each row is rounded back once per step.
+        compute = torch.float32 if dtype is torch.bfloat16 else dtype
         self.weight = torch.nn.Parameter(
-            torch.zeros(max_rows, embedding_dim, dtype=dtype, device=self.table.device))
+            torch.zeros(max_rows, embedding_dim, dtype=compute, device=self.table.device))
         self._full = self.weight.data
-        self._working_set = WorkingSet(max_rows, num_embeddings, self.table.device)
+        self._working_set = WorkingSet(max_rows, self.table.device)
         self._state = None
         self._narrowed = None
         self._hooks = ()
-
-    def _file(self, name):
-        return None if self._path is None else os.path.join(self._path, f"{name}.npy")
 
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
@@ -124,36 +136,43 @@ class OffloadedEmbedding(torch.nn.Module):
         self._hooks = (optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(self._after_step))
 
-    def forward(self, ids):
+    def forward(self, ids) -> torch.Tensor:
         """The rows of ``ids``: a tensor of shape ``(*ids.shape, embedding_dim)``.
 
         Args:
             ids: integer ids of any shape (tensor on the CPU or the table's
-                device, numpy array, or list).
+                device, numpy array, or list). They are checked once, here.
 
         Raises:
-            IdError, DTypeError, DeviceError: bad ids.
+            IdError, DTypeError, DeviceError: bad ids (nothing changes).
             CapacityError: the step touches more than ``max_rows`` distinct rows.
             StateError: training before :meth:`attach`.
         """
         if not (self.training and torch.is_grad_enabled()):
-            return self.table.gather(ids)
+            return self.table.gather(ids).to(self.weight.dtype)
         if self._state is None:
             raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                              "step() is where the updated rows are written back")
+        flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
         ws = self._working_set
         if ws.size == 0 and self.padding_idx is not None:
-            self._gather_new(*ws.add(torch.tensor([self.padding_idx])))  # always slot 0
-        local, first_new = ws.add(ids)
-        self._gather_new(local, first_new)
+            pad = torch.tensor([self.padding_idx], device=self.weight.device)
+            self._gather_new(ws.add(pad)[1])  # always slot 0
+        local, first_new = ws.add(flat.view(shape))
+        self._gather_new(first_new)
         return F.embedding(local, self.weight,
                            padding_idx=None if self.padding_idx is None else 0)
 
-    def _gather_new(self, _local, first_new):
+    def _gather_new(self, first_new):
         rows = self._working_set.rows[first_new:]
         if len(rows):
+            target = self._full[first_new:first_new + len(rows)]
             with torch.no_grad():
-                self.table.gather(rows, out=self._full[first_new:first_new + len(rows)])
+                if self.table.dtype == target.dtype:
+                    self.table.gather_validated(rows, target)
+                else:
+                    target.copy_(self.table.gather_validated(
+                        rows, torch.empty_like(target, dtype=self.table.dtype)))
 
     def _before_step(self, optimizer, args, kwargs):
         rows = self._working_set.rows
@@ -168,7 +187,8 @@ class OffloadedEmbedding(torch.nn.Module):
             return
         self._narrowed.restore()
         self._state.scatter(rows)
-        self.table.scatter(rows, self._full[:len(rows)], check_unique=False)
+        # Working-set rows are unique and were validated when they were added.
+        self.table.scatter_validated(rows, self._full[:len(rows)].to(self.table.dtype))
         self._working_set.clear()
 
     # ---------------------------------------------------------- checkpoints
@@ -190,7 +210,7 @@ class OffloadedEmbedding(torch.nn.Module):
                 a plain numpy file (an export, without optimizer state);
                 otherwise a directory of ``.npy`` files (see :mod:`speedswap.train.checkpoint`).
         """
-        if _is_npy(path):
+        if files.suffix_format(path) == "npy":
             self.table.save(path)
             return
         save_tables(path, self._tables(), self._attrs())
@@ -210,7 +230,7 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._working_set.size:
             raise StateError("load between a training forward and optimizer.step() would be "
                              "undone by the step; load between steps")
-        if _is_npy(path):
+        if files.suffix_format(path) == "npy":
             self.table.load_from(path)  # the table alone; optimizer state is left as it is
             return
         load_tables(path, self._tables(), self._attrs())

@@ -10,12 +10,11 @@ State is found by identity, ``optimizer.state[param]``, never by position in
 ``state_dict()``.
 """
 
-import os
-
 import torch
 
 from ..errors import OptionError, StateError
 from ..table import HostTable
+from .checkpoint import file_in
 
 __all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep"]
 
@@ -164,14 +163,9 @@ class RowState:
         self.param = param
         self.spec = row_state_spec(optimizer, param)
         self._shape = tuple(param.shape)
-        if storage == "mmap":
-            if path is None:
-                raise OptionError("storage='mmap' keeps optimizer state in files: pass path= a "
-                                  "directory for them")
-            os.makedirs(path, exist_ok=True)
         self.tables = {
             name: HostTable.empty(num_rows, param.shape[1], dtype, storage, backend,
-                                  None if path is None else os.path.join(path, f"{name}.npy"))
+                                  file_in(path, name, storage), device=param.device)
             for name in self.spec}
         self._scratch = {}
         self.needs_sparse_grad = isinstance(optimizer, _SPARSE_GRAD_ONLY)
@@ -202,6 +196,9 @@ class RowState:
     def gather(self, rows):
         """Put the state of ``rows`` (the step's working set, by slot) into the optimizer.
 
+        Args:
+            rows: the working set's rows: validated, unique int64 ids (not checked again).
+
         Raises:
             StateError: the optimizer has no state for the parameter although
                 the tables hold trained state (its state_dict was not restored).
@@ -218,11 +215,14 @@ class RowState:
         k = len(rows)
         for name, table in self.tables.items():
             view = self._buffer(name)[:k]
-            table.gather(rows, out=view)
+            table.gather_validated(rows, view)
             state[name] = view
 
     def scatter(self, rows):
         """Write the state of ``rows`` back to the tables after the step.
+
+        Args:
+            rows: the ids given to :meth:`gather`.
 
         Raises:
             StateError: the optimizer's state does not have the names this
@@ -240,7 +240,7 @@ class RowState:
                 f"speedswap expected {sorted(self.spec)}; this torch version is not supported "
                 f"for offloading this optimizer")
         for name, table in self.tables.items():
-            table.scatter(rows, state[name][:k], check_unique=False)
+            table.scatter_validated(rows, state[name][:k])
             # Between steps the optimizer holds full-size scratch, so its
             # state_dict has the parameter's declared shape.
             state[name] = self._buffer(name)
