@@ -6,7 +6,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
-VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "speedswap" / "__init__.py").read_text()).group(1)
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "speedswap" / "version.py").read_text()).group(1)
 
 # The notebooks and the bench chart.
 EXAMPLES_EXTRA = ["matplotlib>=3.5", "nbclient>=0.7", "nbformat>=5.7", "ipykernel>=6"]

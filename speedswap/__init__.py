@@ -11,13 +11,12 @@ from .errors import (BackendUnavailableError, CapacityError, DeviceError, DTypeE
                      DuplicateIdError, FileFormatError, IdError, OptionError, ShapeError,
                      SpeedswapError, StateError)
 from .info import info
+from .version import __version__
 from .table import HostTable
 from .train import OffloadedEmbedding
 from .data import BatchFeeder
 from .compat import (DataGadget, GPUPytorchModelFactory, GPUPytorchOptimizerFactory,
                      ModelFactory, OptimizerFactory)
-
-__version__ = "0.1.0"
 
 __all__ = [
     "__version__",

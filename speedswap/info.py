@@ -4,6 +4,7 @@ import torch
 
 from .backends import available_backends, get_backend
 from .table import live_tables
+from .version import __version__
 
 __all__ = ["info", "format_info"]
 
@@ -16,7 +17,6 @@ def info():
         ``device`` (what ``backend="auto"`` would use), ``tables`` (the number
         open) and ``host_bytes`` / ``device_bytes`` / ``file_bytes`` held by them.
     """
-    from . import __version__
     backends = available_backends()
     summary = {
         "version": __version__,

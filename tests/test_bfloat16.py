@@ -1,0 +1,133 @@
+"""bfloat16 tables: transport, files, checkpoints, and training with float32 math and state.
+
+A bfloat16 embedding trains like this in-memory reference: float32 weights and
+optimizer state; after each step the touched rows are rounded to bfloat16 once.
+"""
+
+import h5py
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import speedswap as ss
+
+from training_helpers import CAPACITY, DIM, skipgram_loss, zipf_batches
+
+ROWS = 300
+
+
+def bf16_rows(rng, shape):
+    """Fresh random bfloat16 values (never zeros), and their exact float32 copy."""
+    values = torch.from_numpy(rng.uniform(0.5, 2.0, size=shape) * rng.choice([-1, 1], size=shape))
+    bf16 = values.to(torch.bfloat16)
+    return bf16, bf16.float().numpy()
+
+
+@pytest.fixture(params=["pinned", "pageable", "mmap", "device"])
+def storage(request):
+    return request.param
+
+
+def bf16_table(rng, storage, backend, tmp_path):
+    rows, exact = bf16_rows(rng, (ROWS, DIM))
+    table = ss.HostTable.empty(ROWS, DIM, "bfloat16", storage, backend,
+                               tmp_path / "t.npy" if storage == "mmap" else None)
+    table.scatter(np.arange(ROWS), rows.to(table.device))
+    return table, exact
+
+
+def test_gather_scatter_round_trip(backend, storage, rng, tmp_path):
+    table, exact = bf16_table(rng, storage, backend, tmp_path)
+    assert table.dtype is torch.bfloat16 and table.nbytes == ROWS * DIM * 2
+    ids = rng.integers(0, ROWS, size=500)
+    got = table.gather(ids)
+    assert got.dtype is torch.bfloat16
+    np.testing.assert_array_equal(got.float().cpu().numpy(), exact[ids])
+    new, new_exact = bf16_rows(rng, (5, DIM))
+    rows = rng.choice(ROWS, size=5, replace=False)
+    table.scatter(rows, new.to(table.device))
+    exact[rows] = new_exact
+    np.testing.assert_array_equal(table.gather(np.arange(ROWS)).float().cpu().numpy(), exact)
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".h5"])
+def test_save_writes_exact_float32_and_load_restores_bfloat16(backend, storage, suffix, rng, tmp_path):
+    table, exact = bf16_table(rng, storage, backend, tmp_path)
+    path = tmp_path / f"saved{suffix}"
+    table.save(path)
+    if suffix == ".npy":
+        np.testing.assert_array_equal(np.load(path), exact)  # a plain numpy file
+        loaded = ss.HostTable.load(path, storage="pageable", backend=backend)
+        assert loaded.dtype is torch.float32  # the file says float32
+    else:
+        with h5py.File(path) as f:
+            assert f["table"].attrs["speedswap_dtype"] == "bfloat16"
+            np.testing.assert_array_equal(f["table"][...], exact)
+        loaded = ss.HostTable.load(path, storage="pageable", backend=backend)
+        assert loaded.dtype is torch.bfloat16  # recorded in the file
+    np.testing.assert_array_equal(loaded.gather(np.arange(ROWS)).float().cpu().numpy(), exact)
+    other = ss.HostTable.zeros(ROWS, DIM, "bfloat16", "pageable", backend)
+    other.load_from(path)  # float32 file into a bfloat16 table: exact values, accepted
+    np.testing.assert_array_equal(other.gather(np.arange(ROWS)).float().cpu().numpy(), exact)
+
+
+def test_load_refuses_float32_values_a_bfloat16_table_would_round(backend, rng, tmp_path):
+    table, exact = bf16_table(rng, "pageable", backend, tmp_path)
+    inexact = exact.copy()
+    inexact[7, 3] += 1e-3
+    np.save(tmp_path / "f32.npy", inexact)
+    before = table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match="would round"):
+        table.load_from(tmp_path / "f32.npy")
+    np.testing.assert_array_equal(table.to_numpy(), before)
+
+
+def _reference(make_opt, table0, batches, device):
+    """float32 in-memory training, touched rows rounded to bfloat16 after every step."""
+    weight = torch.nn.Parameter(torch.from_numpy(table0.copy()).to(device))
+    opt = make_opt([weight])
+    for pos, neg, ctx in batches:
+        loss = skipgram_loss(F.embedding(pos, weight, sparse=True),
+                             F.embedding(neg, weight, sparse=True), ctx)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        touched = torch.unique(torch.cat([pos, neg.reshape(-1)]))
+        with torch.no_grad():
+            weight[touched] = weight[touched].to(torch.bfloat16).float()
+    state = opt.state[weight]
+    return weight.detach().cpu().numpy(), {k: v.cpu().numpy() for k, v in state.items()
+                                           if isinstance(v, torch.Tensor) and v.dim() == 2}
+
+
+def test_bfloat16_embedding_trains_with_float32_state(backend, rng):
+    device = ss.get_backend(backend).device
+    rows, table0 = bf16_rows(rng, (ROWS, DIM))
+    batches = zipf_batches(rng, 150, device, ROWS)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAPACITY, storage="pinned",
+                                dtype=torch.bfloat16, backend=backend)
+    emb.table.scatter(np.arange(ROWS), rows.to(emb.table.device))
+    assert emb.weight.dtype is torch.float32
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01, eps=1e-30)
+    emb.attach(opt)
+    for name, table in emb._state.tables.items():
+        assert table.dtype is torch.float32, name
+    for pos, neg, ctx in batches:
+        skipgram_loss(emb(pos), emb(neg), ctx).backward()
+        opt.step()
+        opt.zero_grad()
+    ref_table, ref_state = _reference(
+        lambda p: torch.optim.SparseAdam(p, lr=0.01, eps=1e-30), table0, batches, device)
+    got = emb.table.gather(np.arange(ROWS)).float().cpu().numpy()
+    # Equal on the CPU, element for element. Where float32 math differs in its
+    # last bit (another device's kernels), rounding may land one bfloat16 ulp
+    # (2**-8 relative) away, rarely.
+    np.testing.assert_allclose(got, ref_table, rtol=2 ** -8, atol=0)
+    assert (got == ref_table).mean() > 0.999
+    for name, value in ref_state.items():
+        np.testing.assert_allclose(emb._state.tables[name].to_numpy(), value, rtol=1e-4, atol=1e-6)
+    emb.eval()  # reads the table directly, in the weight's dtype
+    looked_up = emb(torch.tensor([1, 2], device=device))
+    assert looked_up.dtype is torch.float32
+    np.testing.assert_array_equal(looked_up.cpu().numpy(), got[[1, 2]])

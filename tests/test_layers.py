@@ -1,0 +1,89 @@
+"""The package's layers: every module imports only from its own layer or below.
+
+apps -> compat -> train | data -> table -> files | backends -> convert -> errors.
+``train`` and ``data`` sit side by side and do not import each other; ``info``
+reports on tables and backends. ``apps`` builds on the public API (the root
+package) and nothing imports ``apps``.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "speedswap"
+
+#: layer of each top-level name under speedswap/ (a module or a subpackage).
+RANKS = {
+    "version": 0,
+    "errors": 0,
+    "convert": 1,
+    "backends": 2,
+    "files": 2,
+    "table": 3,
+    "train": 4,
+    "data": 4,
+    "info": 4,
+    "compat": 5,
+    "apps": 6,
+    "__init__": 7,   # the public API
+    "__main__": 8,   # the command line
+}
+
+
+def _unit(module_path):
+    """The top-level name (module or subpackage) a file of the package belongs to."""
+    return module_path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+
+
+def _imported_units(module_path):
+    """Top-level speedswap names a module imports (relative or absolute)."""
+    tree = ast.parse(module_path.read_text(), filename=str(module_path))
+    depth = len(module_path.relative_to(PACKAGE).parts) - 1  # folders below speedswap/
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: climb to the package root
+                climb = node.level - 1
+                if climb < depth:  # stays inside this module's own folder
+                    continue
+                parts = (node.module or "").split(".") if node.module else []
+                names = [parts[0]] if parts and parts[0] else [alias.name for alias in node.names]
+            elif node.module and node.module.split(".")[0] == "speedswap":
+                parts = node.module.split(".")
+                names = [parts[1]] if len(parts) > 1 else ["__init__"]
+            else:
+                continue
+            found.update(names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "speedswap":
+                    found.add(parts[1] if len(parts) > 1 else "__init__")
+    return found
+
+
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+@pytest.mark.parametrize("module_path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_downward(module_path):
+    unit = _unit(module_path)
+    assert unit in RANKS, f"{unit} has no layer in this test: place it"
+    for name in _imported_units(module_path):
+        if name == unit:
+            continue
+        assert name in RANKS, f"{module_path.name} imports speedswap.{name}, which has no layer"
+        if unit == "apps" and name == "__init__":
+            continue  # apps build on the public API
+        assert RANKS[name] < RANKS[unit], (
+            f"speedswap/{module_path.relative_to(PACKAGE)} (layer {unit}) imports "
+            f"speedswap.{name}, which is not below it")
+
+
+def test_the_walk_finds_relative_and_absolute_imports():
+    """The walk above sees what a module imports, so the test above can fail."""
+    assert _imported_units(PACKAGE / "backends" / "resolve.py") >= {"errors"}
+    assert "backends" not in _imported_units(PACKAGE / "backends" / "resolve.py")  # its own folder
+    assert {"table", "convert", "files"} <= _imported_units(PACKAGE / "train" / "embedding.py")
+    assert "data" in _imported_units(PACKAGE / "compat" / "speedtorch.py")
