@@ -3,17 +3,19 @@
 import torch
 
 from .backends import available_backends, get_backend
+from .backends.resolve import cuda_status
 from .table import live_tables
 from .version import __version__
 
 __all__ = ["info", "format_info"]
 
 
-def info():
+def info() -> dict:
     """A summary of versions, backends, the device, and memory held by live tables.
 
     Returns:
         dict with ``version``, ``torch``, ``backends`` (available names),
+        ``cuda`` (whether the cuda backend runs here, and why not),
         ``device`` (what ``backend="auto"`` would use), ``tables`` (the number
         open) and ``host_bytes`` / ``device_bytes`` / ``file_bytes`` held by them.
     """
@@ -22,6 +24,7 @@ def info():
         "version": __version__,
         "torch": torch.__version__,
         "backends": backends,
+        "cuda": cuda_status(),
         "device": get_backend(backends[0]).describe(),
         "tables": 0,
         "host_bytes": 0,
@@ -35,7 +38,7 @@ def info():
     return summary
 
 
-def format_info(summary):
+def format_info(summary: dict) -> str:
     """Render :func:`info` as aligned text lines."""
     width = max(len(k) for k in summary)
     return "\n".join(f"{key:<{width}}  {', '.join(value) if isinstance(value, list) else value}"

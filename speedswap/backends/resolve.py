@@ -29,7 +29,8 @@ from ..errors import BackendUnavailableError, OptionError
 from .base import Backend
 from .cpu import NumpyBackend
 
-__all__ = ["get_backend", "available_backends", "resolve_device", "BackendLike", "DeviceLike"]
+__all__ = ["get_backend", "available_backends", "resolve_device", "cuda_status", "BackendLike",
+           "DeviceLike"]
 
 BackendLike = Union[str, Backend]
 DeviceLike = Union[None, str, int, torch.device]
@@ -60,6 +61,27 @@ def available_backends() -> list:
         ``["cuda", "numpy"]`` where torch sees a CUDA device, else ``["numpy"]``.
     """
     return ["cuda", "numpy"] if torch.cuda.is_available() else ["numpy"]
+
+
+def cuda_status() -> str:
+    """Whether the cuda backend runs here and, if not, why, in one line (for ``info``).
+
+    Returns:
+        e.g. ``"no: torch 2.13.0+cpu is a CPU build (install a CUDA build of torch)"`` or
+        ``"yes: 1 device; zero-copy kernels: no (CuPy is not installed) ..."``.
+    """
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return (f"no: torch {torch.__version__} is a CPU build (install a CUDA build of "
+                    f"torch to use a GPU)")
+        return (f"no: torch (built for CUDA {torch.version.cuda}) sees no CUDA device (no NVIDIA "
+                f"driver, or CUDA_VISIBLE_DEVICES hides them)")
+    count = torch.cuda.device_count()
+    problem = _cuda_class().zero_copy_problem()
+    kernels = "yes" if problem is None else (
+        f"no ({problem}): pinned tables use staged copies; pip install 'speedswap[cuda12]' "
+        f"or 'speedswap[cuda13]' for the kernels")
+    return f"yes: {count} device{'s' if count > 1 else ''}; zero-copy kernels: {kernels}"
 
 
 def _cuda_index(device):
