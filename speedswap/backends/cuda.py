@@ -75,7 +75,7 @@ class CudaBackend(Backend):
         self._cupy = _import_cupy()
         index = torch.cuda.current_device() if device is None else int(device)
         self.device = torch.device("cuda", index)
-        self._kernels = RowKernels(self._cupy, index)
+        self._kernels = RowKernels(self._cupy, self.device)
         self._staging = StagingRing(self.device)
 
     def describe(self):
@@ -109,9 +109,6 @@ class CudaBackend(Backend):
     def adopt(self, array, kind, dtype=None):
         return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype or torch_dtype(array.dtype)))
 
-    def _stream_ptr(self):
-        return torch.cuda.current_stream(self.device).cuda_stream
-
     def _record_write(self, buffer):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
@@ -127,9 +124,8 @@ class CudaBackend(Backend):
         if buffer.kind == "device":
             return torch.index_select(buffer.tensor, 0, rows.to(self.device), out=out)
         if buffer.device_ptr is not None:
-            row_bytes = buffer.host.shape[1] * buffer.host.itemsize
-            self._kernels.gather(buffer.device_ptr, rows.to(self.device), out, row_bytes,
-                                 self._stream_ptr())
+            self._kernels.gather(buffer.tensor, buffer.device_ptr, rows.to(self.device), out,
+                                 torch.cuda.current_stream(self.device))
             self._record_write(buffer)
             return out
         return self._staging.gather(buffer.tensor, rows.cpu(), out)
@@ -138,9 +134,8 @@ class CudaBackend(Backend):
         if buffer.kind == "device":
             buffer.tensor.index_copy_(0, rows.to(self.device), values.to(self.device))
         elif buffer.device_ptr is not None:
-            row_bytes = buffer.host.shape[1] * buffer.host.itemsize
-            self._kernels.scatter(buffer.device_ptr, rows.to(self.device), values.to(self.device),
-                                  row_bytes, self._stream_ptr())
+            self._kernels.scatter(buffer.tensor, buffer.device_ptr, rows.to(self.device),
+                                  values.to(self.device), torch.cuda.current_stream(self.device))
             self._record_write(buffer)
         else:
             self._staging.scatter(buffer.tensor, rows.cpu(), values)
