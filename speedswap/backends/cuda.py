@@ -10,7 +10,8 @@ Transport by storage kind:
   gather or scatter, no host thread, no staging copy.
 * ``pageable`` / ``mmap``: the GPU cannot address that memory, so the CPU
   gathers rows into a page-locked staging slot and the slot is copied
-  asynchronously (:class:`StagingRing`).
+  asynchronously (:class:`StagingRing`), and writes scattered rows itself.
+  Ids and values stay on the CPU (:meth:`CudaBackend.ids_device`).
 * ``device``: the table is a CUDA tensor; rows move with ``index_select`` /
   ``index_copy_``.
 
@@ -32,6 +33,7 @@ __all__ = ["CudaBackend"]
 
 _HOST_ALLOC_PORTABLE = 1
 _HOST_ALLOC_MAPPED = 2
+_CPU = torch.device("cpu")
 _INSTALL_HINT = ("install CuPy for your CUDA version: pip install 'speedswap[cuda12]' "
                  "or 'speedswap[cuda13]'")
 
@@ -109,6 +111,12 @@ class CudaBackend(Backend):
     def adopt(self, array, kind, dtype=None):
         return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype or torch_dtype(array.dtype)))
 
+    def ids_device(self, buffer):
+        """The GPU for ``device`` and kernel-moved buffers, the CPU for staged ones."""
+        if buffer.kind == "device" or buffer.device_ptr is not None:
+            return self.device
+        return _CPU
+
     def _record_write(self, buffer):
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
@@ -122,20 +130,20 @@ class CudaBackend(Backend):
 
     def gather(self, buffer, rows, out):
         if buffer.kind == "device":
-            return torch.index_select(buffer.tensor, 0, rows.to(self.device), out=out)
+            return torch.index_select(buffer.tensor, 0, rows, out=out)
         if buffer.device_ptr is not None:
-            self._kernels.gather(buffer.tensor, buffer.device_ptr, rows.to(self.device), out,
+            self._kernels.gather(buffer.tensor, buffer.device_ptr, rows, out,
                                  torch.cuda.current_stream(self.device))
             self._record_write(buffer)
             return out
-        return self._staging.gather(buffer.tensor, rows.cpu(), out)
+        return self._staging.gather(buffer.tensor, rows, out)
 
     def scatter(self, buffer, rows, values):
-        if buffer.kind == "device":
-            buffer.tensor.index_copy_(0, rows.to(self.device), values.to(self.device))
-        elif buffer.device_ptr is not None:
-            self._kernels.scatter(buffer.tensor, buffer.device_ptr, rows.to(self.device),
-                                  values.to(self.device), torch.cuda.current_stream(self.device))
-            self._record_write(buffer)
-        else:
-            self._staging.scatter(buffer.tensor, rows.cpu(), values)
+        if buffer.device_ptr is None:
+            # A device table gets ids and values on the GPU, a staged one on
+            # the CPU (ids_device): either way one write where the rows live.
+            buffer.tensor.index_copy_(0, rows, values)
+            return
+        self._kernels.scatter(buffer.tensor, buffer.device_ptr, rows, values,
+                              torch.cuda.current_stream(self.device))
+        self._record_write(buffer)
