@@ -16,9 +16,12 @@ Transport by storage kind:
   ``index_copy_``.
 
 Everything is ordered on torch's current stream. Nothing calls a device-wide
-synchronize: host code that touches a table after a kernel wrote it waits on
-that table's own event (:meth:`CudaBackend.wait_host`).
+synchronize: host code that touches a table after kernels used it waits on
+that table's own events, one per stream (:meth:`CudaBackend.wait_host`), and
+so does the release of its memory.
 """
+
+import weakref
 
 import numpy as np
 import torch
@@ -36,6 +39,28 @@ _HOST_ALLOC_MAPPED = 2
 _CPU = torch.device("cpu")
 _INSTALL_HINT = ("install CuPy for your CUDA version: pip install 'speedswap[cuda12]' "
                  "or 'speedswap[cuda13]'")
+
+
+def _wait_all(pending):
+    """Wait for every event in ``pending`` (one per stream), then forget them."""
+    for event in list(pending.values()):
+        event.synchronize()
+    pending.clear()
+
+
+def _release_after_pending(array, pending):
+    """Make the release of ``array``'s memory wait for the kernels in ``pending``.
+
+    The finalizer runs when ``array`` (the one array whose base is the
+    page-locked block) is collected, before numpy drops its reference to the
+    block, so kernels still queued on any stream finish before the memory goes
+    back to the driver: a table collected without ``close()`` right after a
+    gather is safe. It holds ``pending`` only, never the array or the Buffer.
+    """
+    finalizer = weakref.finalize(array, _wait_all, pending)
+    # At interpreter exit the process's memory goes away with it; waiting
+    # then would only risk a CUDA call during teardown.
+    finalizer.atexit = False
 
 
 def _import_cupy():
@@ -105,8 +130,10 @@ class CudaBackend(Backend):
             # so that this also holds where the address differs.
             device_ptr = (cupy.cuda.runtime.pointerGetAttributes(pointer.ptr).devicePointer
                           if kind == "mapped" else pointer.ptr)
-        return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype), pinned=True,
-                      device_ptr=device_ptr)
+        buffer = Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype), pinned=True,
+                        device_ptr=device_ptr)
+        _release_after_pending(array, buffer.pending)
+        return buffer
 
     def adopt(self, array, kind, dtype=None):
         return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype or torch_dtype(array.dtype)))
@@ -117,26 +144,29 @@ class CudaBackend(Backend):
             return self.device
         return _CPU
 
-    def _record_write(self, buffer):
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        buffer.pending = event
+    def _record(self, buffer, stream):
+        # One event per (table, stream), re-recorded: an event marks
+        # everything queued before it on its stream, and no event is created
+        # per launch.
+        event = buffer.pending.get(stream.cuda_stream)
+        if event is None:
+            event = buffer.pending[stream.cuda_stream] = torch.cuda.Event()
+        event.record(stream)
 
     def wait_host(self, buffer):
-        pending = getattr(buffer, "pending", None)
-        if pending is not None:
-            pending.synchronize()
-            buffer.pending = None
+        """Block until every kernel queued on ``buffer``, on any stream, has finished."""
+        _wait_all(buffer.pending)
 
     def gather(self, buffer, rows, out):
         if buffer.kind == "device":
             return torch.index_select(buffer.tensor, 0, rows, out=out)
-        if buffer.device_ptr is not None:
-            self._kernels.gather(buffer.tensor, buffer.device_ptr, rows, out,
-                                 torch.cuda.current_stream(self.device))
-            self._record_write(buffer)
-            return out
-        return self._staging.gather(buffer.tensor, rows, out)
+        if buffer.device_ptr is None:
+            return self._staging.gather(buffer.tensor, rows, out)
+        stream = torch.cuda.current_stream(self.device)
+        self._kernels.gather(buffer.tensor, buffer.device_ptr, rows, out, stream)
+        if len(rows):
+            self._record(buffer, stream)
+        return out
 
     def scatter(self, buffer, rows, values):
         if buffer.device_ptr is None:
@@ -144,6 +174,7 @@ class CudaBackend(Backend):
             # the CPU (ids_device): either way one write where the rows live.
             buffer.tensor.index_copy_(0, rows, values)
             return
-        self._kernels.scatter(buffer.tensor, buffer.device_ptr, rows, values,
-                              torch.cuda.current_stream(self.device))
-        self._record_write(buffer)
+        stream = torch.cuda.current_stream(self.device)
+        self._kernels.scatter(buffer.tensor, buffer.device_ptr, rows, values, stream)
+        if len(rows):
+            self._record(buffer, stream)
