@@ -1,11 +1,12 @@
 """Page-locked staging slots for rows the GPU cannot address in place.
 
-Tables in pageable memory or in a memory-mapped file, and the feeder's host
-sources, reach the GPU through a ring of slots allocated by torch with
-``pin_memory=True``: the CPU gathers rows into a slot and the slot is copied
-asynchronously. Each slot has its own event, so a slot is rewritten only
-after the copy that last used it finished (FFCV's ring), never after a
-device-wide synchronize. Needs torch's CUDA build only, not CuPy.
+Tables in pageable memory or in a memory-mapped file (and pinned tables when
+the zero-copy kernels are not installed), and the feeder's host sources, reach
+the GPU through a ring of slots allocated by torch with ``pin_memory=True``:
+the CPU gathers rows into a slot and the slot is copied asynchronously. Each
+slot has its own event, so a slot is rewritten only after the copy that last
+used it finished (FFCV's ring), never after a device-wide synchronize. Needs
+torch's CUDA build only, not CuPy.
 
 Writes need no ring: the rows to write arrive on the CPU (see
 :meth:`~speedswap.backends.base.Backend.ids_device`) and the CPU writes them.
