@@ -21,9 +21,11 @@ setup(
     python_requires=">=3.9",
     install_requires=["numpy>=1.22", "torch>=2.1", "h5py>=3.6", "tqdm>=4.60"],
     extras_require={
-        # CuPy is optional and only the cuda backend imports it.
-        "cuda12": ["cupy-cuda12x>=13"],
-        "cuda13": ["cupy-cuda13x>=13"],
+        # CuPy is optional and only the cuda backend imports it. From 14 on it finds the CUDA
+        # runtime and NVRTC (which compiles the row kernels) in NVIDIA's wheels; CuPy 13
+        # needed a system CUDA toolkit for NVRTC.
+        "cuda12": ["cupy-cuda12x>=14", "cuda-toolkit[cudart,nvrtc]==12.*"],
+        "cuda13": ["cupy-cuda13x>=14", "cuda-toolkit[cudart,nvrtc]==13.*"],
         "examples": EXAMPLES_EXTRA,
         "test": ["pytest>=7", "hypothesis>=6", *EXAMPLES_EXTRA],  # the tests run the notebooks
     },

@@ -1,111 +1,235 @@
-"""The cuda backend: real pinned/mapped memory, kernels equal to the CPU result, no races.
+"""The cuda backend: real pinned/mapped memory, kernels equal to numpy, ids of any layout.
 
-Tests marked ``gpu`` skip themselves without a CUDA device and CuPy. The
-kernel source is also compiled with nvcc wherever nvcc exists, GPU or not.
+Tests marked ``gpu`` skip themselves without a CUDA device; those that need
+the zero-copy kernels also skip where CuPy or its NVRTC is missing. Streams,
+events and memory lifetime are in test_cuda_streams.py; the kernels' PTX and
+index arithmetic, which need no GPU, in test_kernels.py.
 """
 
-import gc
-import shutil
+import os
 import subprocess
-import weakref
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import speedswap as ss
-from speedswap.backends.kernels import KERNEL_SOURCE, vector_width
+from speedswap.backends import cuda
+
+from cuda_helpers import kernels_or_skip, make_table
 
 HOST_KINDS = ["pinned", "mapped", "pageable", "mmap", "device"]
+NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
+REPO = Path(__file__).resolve().parents[1]
 
 
-def test_vector_width_follows_row_size_and_alignment():
-    assert vector_width(512, 0, 4096) == 16
-    assert vector_width(24, 0, 0) == 8
-    assert vector_width(512, 0, 4100) == 4
-    assert vector_width(6, 0, 0) == 2
-    assert vector_width(3, 0, 0) == 1
+# ------------------------------------------------------------- no GPU needed
+@pytest.fixture
+def fresh_problem_cache():
+    cuda._zero_copy_problem.cache_clear()
+    yield
+    cuda._zero_copy_problem.cache_clear()
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-def test_kernel_source_compiles_with_nvcc(tmp_path):
-    source = tmp_path / "rows.cu"
-    source.write_text(KERNEL_SOURCE)
-    subprocess.run(["nvcc", "-std=c++17", "-arch=sm_80", "-ptx", str(source), "-o", str(tmp_path / "rows.ptx")],
-                   check=True)
-    ptx = (tmp_path / "rows.ptx").read_text()
-    for width in (16, 8, 4, 2, 1):
-        assert f"gather_rows_{width}" in ptx and f"scatter_rows_{width}" in ptx
-    assert "v4.u32" in ptx, "16-byte rows should use vectorised loads"
+def test_without_cupy_zero_copy_names_the_extras(monkeypatch, fresh_problem_cache):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` fail
+    assert cuda.CudaBackend.zero_copy_problem() == "CuPy is not installed"
+    # Past the device check, so that this runs without a GPU too.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ss.BackendUnavailableError,
+                       match=r"CuPy is not installed.*speedswap\[cuda12\].*speedswap\[cuda13\]"):
+        cuda.CudaBackend(torch.device("cuda", 0), zero_copy=True)
 
 
-def _table(kind, values, tmp_path):
-    path = tmp_path / "t.npy" if kind == "mmap" else None
-    return ss.HostTable.from_numpy(values, storage=kind, backend="cuda", path=path)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the missing-GPU error")
+def test_no_device_is_refused_before_anything_else():
+    with pytest.raises(ss.BackendUnavailableError, match="backend='numpy'"):
+        cuda.CudaBackend(torch.device("cuda", 0), zero_copy=False)
+
+
+# --------------------------------------------------------------- GPU tests
+def random_rows(rng, shape, dtype):
+    """Random values over the dtype's range (every byte pattern for 1-byte integers)."""
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    return (rng.standard_normal(shape) * 40).astype(dtype)
 
 
 @pytest.mark.gpu
 def test_pinned_and_mapped_memory_really_are(tmp_path):
+    for kind in ("pinned", "mapped"):
+        table = make_table(kind, np.ones((1000, 64), np.float32), tmp_path)
+        assert table.pinned and table.as_tensor().is_pinned()
+    assert not make_table("pageable", np.ones((10, 4), np.float32), tmp_path).as_tensor().is_pinned()
+
+
+@pytest.mark.gpu
+def test_zero_copy_tables_are_device_mapped(tmp_path):
+    kernels_or_skip()
     import cupy
     for kind in ("pinned", "mapped"):
-        table = _table(kind, np.ones((1000, 64), np.float32), tmp_path)
-        assert table.pinned
+        table = make_table(kind, np.ones((1000, 64), np.float32), tmp_path)
         attrs = cupy.cuda.runtime.pointerGetAttributes(table.to_numpy().ctypes.data)
         assert attrs.type == cupy.cuda.runtime.memoryTypeHost
         assert attrs.devicePointer != 0
-    assert not _table("pageable", np.ones((10, 4), np.float32), tmp_path).pinned
+
+
+@pytest.mark.gpu
+def test_ids_live_where_the_rows_are_moved(tmp_path):
+    backend = ss.get_backend("cuda")
+    cpu = torch.device("cpu")
+    for kind in ("pinned", "mapped", "pageable", "device"):
+        buffer = backend.allocate((8, 4), torch.float32, kind)
+        moved_by_gpu = kind == "device" or (kind != "pageable" and backend.zero_copy)
+        assert backend.ids_device(buffer) == (backend.device if moved_by_gpu else cpu), kind
+    mapped = np.lib.format.open_memmap(tmp_path / "m.npy", mode="w+", dtype=np.float32, shape=(8, 4))
+    assert backend.ids_device(backend.adopt(mapped, "mmap")) == cpu
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", HOST_KINDS)
 @pytest.mark.parametrize("dtype, dim", [(np.float32, 128), (np.float16, 64), (np.float32, 3),
-                                        (np.float16, 7), (np.float64, 33)])
-def test_gpu_gather_scatter_equal_cpu(kind, dtype, dim, rng, tmp_path):
-    values = rng.standard_normal((5000, dim)).astype(dtype)
-    gpu = _table(kind, values, tmp_path)
-    cpu = ss.HostTable.from_numpy(values, storage="pageable", backend="numpy")
+                                        (np.float16, 7), (np.float64, 33), (np.int8, 5),
+                                        (np.uint8, 64)])
+def test_gpu_gather_scatter_equal_numpy(kind, dtype, dim, rng, tmp_path):
+    values = random_rows(rng, (5000, dim), dtype)
+    table = make_table(kind, values, tmp_path)
     ids = rng.integers(0, 5000, size=20_000)
-    got = gpu.gather(torch.from_numpy(ids).cuda())
+    got = table.gather(torch.from_numpy(ids).cuda())
     assert got.is_cuda
-    np.testing.assert_array_equal(got.cpu().numpy(), cpu.gather(ids).numpy())
+    np.testing.assert_array_equal(got.cpu().numpy(), values[ids])
     unique = rng.choice(5000, size=1500, replace=False)
-    new = rng.standard_normal((1500, dim)).astype(dtype)
-    gpu.scatter(unique, torch.from_numpy(new).cuda())
-    cpu.scatter(unique, new)
-    np.testing.assert_array_equal(gpu.to_numpy(), cpu.to_numpy())
+    new = random_rows(rng, (1500, dim), dtype)
+    table.scatter(torch.from_numpy(unique).cuda(), torch.from_numpy(new).cuda())
+    values[unique] = new
+    np.testing.assert_array_equal(table.to_numpy(), values)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["pinned", "mapped", "pageable"])
-def test_no_stream_races_over_many_rounds(kind, rng, tmp_path):
-    """Gather, modify on the GPU, scatter back, round after round, on a non-default stream."""
-    values = rng.standard_normal((20_000, 32)).astype(np.float32)
-    table = _table(kind, values, tmp_path)
-    reference = torch.from_numpy(values.copy()).cuda()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(200):
-            ids = torch.from_numpy(rng.choice(20_000, size=2048, replace=False)).cuda()
-            rows = table.gather(ids)
-            rows.mul_(0.5).add_(1.0)
-            table.scatter(ids, rows, check_unique=False)
-            reference[ids] = reference[ids] * 0.5 + 1.0
-    np.testing.assert_allclose(table.to_numpy(), reference.cpu().numpy(), rtol=0, atol=0)
+@pytest.mark.parametrize("kind", HOST_KINDS)
+@pytest.mark.parametrize("dim", [64, 7])
+def test_bfloat16_rows_move_as_bytes(kind, dim, rng, tmp_path):
+    source = torch.from_numpy(rng.standard_normal((3000, dim)).astype(np.float32) * 50).bfloat16()
+    path = tmp_path / "t.npy" if kind == "mmap" else None
+    table = ss.HostTable.empty(3000, dim, dtype="bfloat16", storage=kind, backend="cuda", path=path)
+    table.as_tensor().copy_(source)
+    ids = torch.from_numpy(rng.integers(0, 3000, size=9000))
+    got = table.gather(ids.cuda())
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.cpu().view(torch.int16), source[ids].view(torch.int16))
+    unique = torch.from_numpy(rng.choice(3000, size=800, replace=False))
+    new = torch.from_numpy(rng.standard_normal((800, dim)).astype(np.float32)).bfloat16()
+    table.scatter(unique.cuda(), new.cuda())
+    source[unique] = new
+    assert torch.equal(table.as_tensor().cpu().view(torch.int16), source.view(torch.int16))
+
+
+def _ids(layout, rng, n, unique):
+    """Ids on the GPU in the layouts that once reached the kernel as raw pointers."""
+    draw = (lambda k: rng.choice(n, size=k, replace=False)) if unique else (lambda k: rng.integers(0, n, size=k))
+    if layout == "strided":  # pairs[:, 0]
+        return torch.from_numpy(draw(1000).reshape(500, 2)).cuda()[:, 0]
+    if layout == "transposed":
+        return torch.from_numpy(draw(600).reshape(30, 20)).cuda().t()
+    if layout == "int32":
+        return torch.from_numpy(draw(700).astype(np.int32)).cuda()
+    assert layout == "expanded" and not unique  # stride 0: one id, repeated
+    return torch.tensor(int(draw(1)[0]), device="cuda").expand(400)
 
 
 @pytest.mark.gpu
-def test_pinned_memory_is_released_on_close(tmp_path):
-    table = _table("pinned", np.ones((1 << 16, 64), np.float32), tmp_path)
-    memory = weakref.ref(table._buffer.host.base.mem)  # the cupy PinnedMemory block
+@pytest.mark.parametrize("kind", HOST_KINDS)
+@pytest.mark.parametrize("layout", ["strided", "transposed", "int32", "expanded"])
+def test_ids_of_any_layout_move_the_right_rows(kind, layout, rng, tmp_path):
+    n, dim = 2000, 24
+    values = rng.standard_normal((n, dim)).astype(np.float32)
+    table = make_table(kind, values, tmp_path)
+    ids = _ids(layout, rng, n, unique=False)
+    got = table.gather(ids)
+    assert got.shape == (*ids.shape, dim)
+    np.testing.assert_array_equal(got.cpu().numpy(), values[ids.cpu().numpy()])
+    if layout == "expanded":
+        return  # repeated ids cannot be scattered
+    ids = _ids(layout, rng, n, unique=True)
+    new = rng.standard_normal((*ids.shape, dim)).astype(np.float32)
+    table.scatter(ids, torch.from_numpy(new).cuda())
+    values[ids.cpu().numpy().reshape(-1)] = new.reshape(-1, dim)
+    np.testing.assert_array_equal(table.to_numpy(), values)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", HOST_KINDS)
+@pytest.mark.parametrize("dtype, dim, offset", [(torch.float32, 128, 4), (torch.float16, 64, 2),
+                                                (torch.float64, 16, 8), (torch.float32, 3, 4)])
+def test_misaligned_out_and_values(kind, dtype, dim, offset, rng, tmp_path):
+    n, m = 5000, 700
+    values = rng.standard_normal((n, dim)).astype(NUMPY[dtype])
+    table = make_table(kind, values, tmp_path)
+    nbytes = m * dim * values.itemsize
+
+    def misaligned():
+        # Guard bytes either side catch writes past the view.
+        raw = torch.full((nbytes + 32,), 0xAB, dtype=torch.uint8, device="cuda")
+        view = raw[offset:offset + nbytes].view(dtype).view(m, dim)
+        assert view.data_ptr() % 16 != 0
+        return raw, view
+
+    ids = rng.integers(0, n, size=m)
+    raw, out = misaligned()
+    table.gather(torch.from_numpy(ids).cuda(), out=out)
+    np.testing.assert_array_equal(out.cpu().numpy(), values[ids])
+    guards = torch.cat([raw[:offset], raw[offset + nbytes:]])
+    assert bool((guards == 0xAB).all())
+
+    unique = rng.choice(n, size=m, replace=False)
+    _, new = misaligned()
+    new.copy_(torch.from_numpy(rng.standard_normal((m, dim))).to(dtype))
+    table.scatter(torch.from_numpy(unique).cuda(), new)
+    values[unique] = new.cpu().numpy()
+    np.testing.assert_array_equal(table.to_numpy(), values)
+
+
+def _available_ram():
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_table_over_two_to_the_31_elements(rng):
+    # 3-byte rows move in 1-byte vectors: the kernel's vector index and the
+    # byte offset of the last rows both pass 2**31.
+    num_rows, dim = (1 << 31) // 3 + 4096, 3
+    if _available_ram() < 4 * num_rows * dim:
+        pytest.skip("needs about 8 GiB of free host memory")
+    table = ss.HostTable.empty(num_rows, dim, dtype="uint8", storage="pinned", backend="cuda")
+    host = table.to_numpy()
+    edges = [slice(0, 4096), slice(num_rows - 4096, num_rows)]
+    for edge in edges:
+        host[edge] = rng.integers(0, 256, size=host[edge].shape, dtype=np.uint8)
+    ids = np.concatenate([rng.choice(4096, 500, replace=False),
+                          num_rows - 1 - rng.choice(4096, 500, replace=False)])
+    got = table.gather(torch.from_numpy(ids).cuda())
+    np.testing.assert_array_equal(got.cpu().numpy(), host[ids])
+    expected = [host[edge].copy() for edge in edges]
+    new = rng.integers(0, 256, size=(len(ids), dim), dtype=np.uint8)
+    table.scatter(torch.from_numpy(ids).cuda(), torch.from_numpy(new).cuda())
+    expected[0][ids[:500]] = new[:500]
+    expected[1][ids[500:] - (num_rows - 4096)] = new[500:]
+    host = table.to_numpy()
+    for edge, want in zip(edges, expected):
+        np.testing.assert_array_equal(host[edge], want)
     table.close()
-    gc.collect()
-    assert memory() is None
 
 
 @pytest.mark.gpu
 def test_ids_on_the_gpu_and_the_cpu_give_the_same_rows(rng, tmp_path):
     values = rng.standard_normal((300, 16)).astype(np.float32)
-    table = _table("pinned", values, tmp_path)
+    table = make_table("pinned", values, tmp_path)
     ids = rng.integers(0, 300, size=(4, 50))
     a = table.gather(ids)
     b = table.gather(torch.from_numpy(ids).cuda())
@@ -113,3 +237,49 @@ def test_ids_on_the_gpu_and_the_cpu_give_the_same_rows(rng, tmp_path):
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     with pytest.raises(ss.IdError):
         table.gather(torch.tensor([300], device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+@pytest.mark.parametrize("kind", HOST_KINDS)
+def test_tables_on_a_second_gpu(kind, rng, tmp_path):
+    backend = ss.get_backend("cuda", "cuda:1")
+    assert backend.device == torch.device("cuda", 1) and backend is not ss.get_backend("cuda", 0)
+    values = rng.standard_normal((4000, 32)).astype(np.float32)
+    with torch.cuda.device(0):  # the caller's current device is another one
+        table = make_table(kind, values, tmp_path, backend=backend)
+        ids = rng.integers(0, 4000, size=6000)
+        got = table.gather(torch.from_numpy(ids).to("cuda:1"))
+        assert got.device == torch.device("cuda", 1)
+        np.testing.assert_array_equal(got.cpu().numpy(), values[ids])
+        unique = rng.choice(4000, size=1000, replace=False)
+        new = rng.standard_normal((1000, 32)).astype(np.float32)
+        table.scatter(torch.from_numpy(unique).to("cuda:1"), torch.from_numpy(new).to("cuda:1"))
+    values[unique] = new
+    np.testing.assert_array_equal(table.to_numpy(), values)
+
+
+@pytest.mark.gpu
+def test_the_staged_backend_needs_no_cupy(seed):
+    """zero_copy=False: every kind round-trips with torch alone, and CuPy is never imported."""
+    script = f"""
+import sys, numpy as np, torch, speedswap as ss
+from speedswap.backends.cuda import CudaBackend
+backend = CudaBackend(torch.device("cuda", 0), zero_copy=False)
+rng = np.random.default_rng({seed})
+for kind in ("pinned", "mapped", "pageable", "device"):
+    values = rng.standard_normal((3000, 40)).astype(np.float32)
+    table = ss.HostTable.from_numpy(values, storage=kind, backend=backend)
+    assert table.pinned == (kind in ("pinned", "mapped")), kind
+    ids = rng.integers(0, 3000, size=5000)
+    assert np.array_equal(table.gather(torch.from_numpy(ids).cuda()).cpu().numpy(), values[ids]), kind
+    unique = rng.choice(3000, 1000, replace=False)
+    new = rng.standard_normal((1000, 40)).astype(np.float32)
+    table.scatter(torch.from_numpy(unique).cuda(), torch.from_numpy(new).cuda())
+    values[unique] = new
+    assert np.array_equal(table.to_numpy(), values), kind
+assert "cupy" not in sys.modules, "zero_copy=False imported CuPy"
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -6,8 +6,8 @@ validated (see :mod:`speedswap.convert`), so backends only move bytes.
 """
 
 import abc
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -33,8 +33,12 @@ class Buffer:
         pinned: whether the host memory really is page-locked.
         device_ptr: the address the device reads the rows at (zero-copy
             kinds on the cuda backend), else None.
-        pending: the event of the last asynchronous device write, which host
-            code waits on before touching the rows (cuda backend only).
+        pending: kernels that may still read or write the rows, as one event
+            per CUDA stream (keyed by the stream's handle) recorded after the
+            last kernel queued on that stream; an event covers everything
+            queued before it on its stream. Host code waits on all of them
+            before touching the rows, and before the memory is freed (cuda
+            backend only).
     """
 
     kind: str
@@ -42,7 +46,7 @@ class Buffer:
     tensor: torch.Tensor
     pinned: bool = False
     device_ptr: Optional[int] = None
-    pending: Optional[object] = None
+    pending: Dict[int, object] = field(default_factory=dict)
 
 
 class Backend(abc.ABC):
@@ -132,7 +136,8 @@ class Backend(abc.ABC):
     def wait_host(self, buffer):
         """Block until asynchronous device work on ``buffer`` is done, before host code reads it.
 
-        The CPU backend has none; the cuda backend waits on the buffer's event.
+        The CPU backend has none; the cuda backend waits on every event in
+        :attr:`Buffer.pending` (one per stream that ran kernels on the rows).
         """
 
     def describe(self):

@@ -1,23 +1,32 @@
 """The GPU backend: page-locked host tables read by CUDA kernels, or staged copies.
 
-CuPy is imported here and nowhere else, and only when this backend is built.
-Transport by storage kind:
+One instance per CUDA device (:mod:`~speedswap.backends.resolve` keeps them);
+every stream, event and context it uses is that device's. Transport by
+storage kind:
 
-* ``pinned`` / ``mapped``: the table is page-locked host memory from
-  ``cudaHostAlloc``. Under unified addressing the GPU reads and writes it in
-  place, so :class:`~speedswap.backends.cuda_kernels.RowKernels` move the rows
-  straight between the table and device tensors (zero-copy): one kernel per
-  gather or scatter, no host thread, no staging copy.
-* ``pageable`` / ``mmap``: the GPU cannot address that memory, so the CPU
-  gathers rows into a page-locked staging slot and the slot is copied
-  asynchronously (:class:`StagingRing`).
+* ``pinned`` / ``mapped`` with ``zero_copy=True``: the table is page-locked
+  host memory from ``cudaHostAlloc`` (through CuPy). Under unified addressing
+  the GPU reads and writes it in place, so
+  :class:`~speedswap.backends.kernels.RowKernels` move the rows straight
+  between the table and device tensors: one kernel per gather or scatter, no
+  host thread, no staging copy. Ids and values live on the GPU.
+* ``pinned`` / ``mapped`` with ``zero_copy=False`` (no CuPy): page-locked
+  memory allocated by torch, moved like ``pageable``.
+* ``pageable`` / ``mmap`` (and the above): the CPU gathers rows into a
+  page-locked staging slot copied asynchronously (:class:`StagingRing`), and
+  writes scattered rows itself. Ids and values live on the CPU.
 * ``device``: the table is a CUDA tensor; rows move with ``index_select`` /
   ``index_copy_``.
 
-Everything is ordered on torch's current stream. Nothing calls a device-wide
-synchronize: host code that touches a table after a kernel wrote it waits on
-that table's own event (:meth:`CudaBackend.wait_host`).
+Everything is ordered on torch's current stream of the backend's device.
+Nothing calls a device-wide synchronize: host code that touches a table after
+kernels used it waits on that table's own events, one per stream
+(:meth:`CudaBackend.wait_host`), and so does the release of its memory.
 """
+
+import functools
+import weakref
+from typing import Optional
 
 import numpy as np
 import torch
@@ -32,54 +41,128 @@ __all__ = ["CudaBackend"]
 
 _HOST_ALLOC_PORTABLE = 1
 _HOST_ALLOC_MAPPED = 2
-_INSTALL_HINT = ("install CuPy for your CUDA version: pip install 'speedswap[cuda12]' "
-                 "or 'speedswap[cuda13]'")
+_CPU = torch.device("cpu")
+_INSTALL_HINT = ("install CuPy >= 14 with the CUDA runtime and NVRTC from the package index: "
+                 "pip install 'speedswap[cuda12]' or 'speedswap[cuda13]' (matching your CUDA "
+                 "version)")
+# The smallest program NVRTC can compile: loading the library and its
+# builtins is what fails on a broken install, not our source.
+_PROBE_SOURCE = 'extern "C" __global__ void speedswap_probe() {}'
 
 
-def _import_cupy():
+def _nvrtc_problem(cupy) -> Optional[str]:
+    """Why CuPy's NVRTC cannot compile a kernel, or None when it can."""
+    nvrtc = cupy.cuda.nvrtc
+    try:
+        program = nvrtc.createProgram(_PROBE_SOURCE, "probe.cu", (), ())
+        try:
+            nvrtc.compileProgram(program, ())
+        finally:
+            nvrtc.destroyProgram(program)
+    except Exception as exc:  # missing library, missing builtins, version mismatch, ...
+        return f"CuPy cannot load NVRTC, its runtime compiler ({type(exc).__name__}: {exc})"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_copy_problem() -> Optional[str]:
     try:
         import cupy
-    except ImportError as exc:
-        raise BackendUnavailableError(f"the cuda backend needs CuPy, which is not installed; "
-                                      f"{_INSTALL_HINT}") from exc
-    return cupy
+    except ModuleNotFoundError as exc:
+        if exc.name != "cupy":
+            return f"CuPy cannot import {exc.name!r}"
+        return "CuPy is not installed"
+    except Exception as exc:  # CuPy wraps a broken CUDA install in ImportError, others vary
+        return f"CuPy is installed but fails to import ({type(exc).__name__}: {exc})"
+    if not cupy.is_available():
+        return ("CuPy is installed but sees no CUDA device (a CuPy build for another CUDA "
+                "major version, or a driver too old for it?)")
+    return _nvrtc_problem(cupy)
+
+
+def _wait_all(pending):
+    """Wait for every event in ``pending`` (one per stream), then forget them."""
+    for event in list(pending.values()):
+        event.synchronize()
+    pending.clear()
+
+
+def _release_after_pending(array, pending):
+    """Make the release of ``array``'s memory wait for the kernels in ``pending``.
+
+    The finalizer runs when ``array`` (the one array whose base is the
+    page-locked block) is collected, before numpy drops its reference to the
+    block, so kernels still queued on any stream finish before the memory goes
+    back to the driver: a table collected without ``close()`` right after a
+    gather is safe. It holds ``pending`` only, never the array or the Buffer.
+    """
+    finalizer = weakref.finalize(array, _wait_all, pending)
+    # At interpreter exit the process's memory goes away with it; waiting
+    # then would only risk a CUDA call during teardown.
+    finalizer.atexit = False
 
 
 class CudaBackend(Backend):
-    """Tables in page-locked host memory (or on the GPU), rows moved by CUDA kernels.
+    """Tables in page-locked host memory (or on the GPU), rows moved by CUDA kernels or staged.
 
     Args:
-        device: CUDA device index; the current device when None.
+        device: the CUDA device, with its index (resolve.py validates it).
+        zero_copy: move ``pinned``/``mapped`` rows with the CuPy kernels
+            (compiled here, on ``device``); False uses torch alone and never
+            imports CuPy.
 
     Raises:
-        BackendUnavailableError: no CUDA device, or CuPy is missing.
+        BackendUnavailableError: no CUDA device; or ``zero_copy`` and CuPy,
+            its NVRTC, or the kernels' compilation is missing or broken.
     """
 
     name = "cuda"
 
     @classmethod
-    def is_available(cls):
-        if not torch.cuda.is_available():
-            return False
-        try:
-            import cupy
-        except ImportError:
-            return False
-        return bool(cupy.is_available())
+    def is_available(cls) -> bool:
+        """Whether torch sees a CUDA device (CuPy is optional: see :meth:`zero_copy_problem`)."""
+        return torch.cuda.is_available()
 
-    def __init__(self, device=None):
+    @classmethod
+    def zero_copy_problem(cls) -> Optional[str]:
+        """Why the zero-copy kernels cannot run here, or None when they can.
+
+        Checked once per process: CuPy imports, sees a device, and its
+        runtime compiler (NVRTC) compiles a kernel.
+
+        Returns:
+            None, or a short reason such as ``"CuPy is not installed"``.
+        """
+        return _zero_copy_problem()
+
+    def __init__(self, device: torch.device, *, zero_copy: bool):
         if not torch.cuda.is_available():
             raise BackendUnavailableError("the cuda backend needs a CUDA device and a CUDA build "
                                           "of torch; none is visible here. Use backend='numpy' "
                                           "(or 'auto', which falls back to it)")
-        self._cupy = _import_cupy()
-        index = torch.cuda.current_device() if device is None else int(device)
-        self.device = torch.device("cuda", index)
-        self._kernels = RowKernels(self._cupy, index)
+        self.device = torch.device(device)
+        self.zero_copy = bool(zero_copy)
+        self._cupy = None
+        self._kernels = None
+        if self.zero_copy:
+            problem = self.zero_copy_problem()
+            if problem is not None:
+                raise BackendUnavailableError(f"the zero-copy kernels cannot run: {problem}; "
+                                              f"{_INSTALL_HINT}, or use zero_copy=False")
+            import cupy
+            try:
+                self._kernels = RowKernels(cupy, self.device)
+            except Exception as exc:  # NVRTC or driver failures come in many types
+                raise BackendUnavailableError(
+                    f"CuPy could not compile or load the row kernels on {self.device} "
+                    f"({type(exc).__name__}: {exc}); {_INSTALL_HINT}, or use "
+                    f"zero_copy=False") from exc
+            self._cupy = cupy
         self._staging = StagingRing(self.device)
 
     def describe(self):
-        return f"cuda on {self.device} ({torch.cuda.get_device_name(self.device)})"
+        transport = "zero-copy kernels" if self.zero_copy else "staged copies (no CuPy kernels)"
+        return f"cuda on {self.device} ({torch.cuda.get_device_name(self.device)}), {transport}"
 
     def allocate(self, shape, dtype, kind):
         if kind == "device":
@@ -89,58 +172,73 @@ class CudaBackend(Backend):
         if kind == "pageable":
             array = np.empty(shape, dtype=host_dtype)
             return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype))
-        cupy = self._cupy
         nbytes = int(np.prod(shape)) * host_dtype.itemsize
+        if not self.zero_copy:
+            with torch.cuda.device(self.device):
+                block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            # .numpy() keeps the torch block alive as the array's base.
+            array = block.numpy().view(host_dtype).reshape(shape)
+            return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype), pinned=True)
+        return self._allocate_zero_copy(shape, host_dtype, nbytes, kind, dtype)
+
+    def _allocate_zero_copy(self, shape, host_dtype, nbytes, kind, dtype):
+        cupy = self._cupy
         flags = _HOST_ALLOC_PORTABLE | (_HOST_ALLOC_MAPPED if kind == "mapped" else 0)
         with cupy.cuda.Device(self.device.index):
             # PinnedMemory (not the pooled alloc_pinned_memory) so that the
             # memory goes back to the driver when the last view of it dies.
             memory = cupy.cuda.PinnedMemory(nbytes, flags)
             pointer = cupy.cuda.PinnedMemoryPointer(memory, 0)
-            array = np.ndarray(shape, dtype=host_dtype, buffer=pointer)
-            # Under unified addressing every cudaHostAlloc block is device
-            # visible at its host address; ask the driver for mapped memory
-            # so that this also holds where the address differs.
-            device_ptr = (cupy.cuda.runtime.pointerGetAttributes(pointer.ptr).devicePointer
-                          if kind == "mapped" else pointer.ptr)
-        return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype), pinned=True,
-                      device_ptr=device_ptr)
+            # Under unified addressing the host address is the device address
+            # of any cudaHostAlloc block; asking the driver also covers mapped
+            # memory where the two differ.
+            device_ptr = cupy.cuda.runtime.pointerGetAttributes(pointer.ptr).devicePointer
+        array = np.ndarray(shape, dtype=host_dtype, buffer=pointer)
+        buffer = Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype), pinned=True,
+                        device_ptr=device_ptr)
+        _release_after_pending(array, buffer.pending)
+        return buffer
 
     def adopt(self, array, kind, dtype=None):
         return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype or torch_dtype(array.dtype)))
 
-    def _stream_ptr(self):
-        return torch.cuda.current_stream(self.device).cuda_stream
+    def ids_device(self, buffer):
+        """The GPU for ``device`` and kernel-moved buffers, the CPU for staged ones."""
+        if buffer.kind == "device" or buffer.device_ptr is not None:
+            return self.device
+        return _CPU
 
-    def _record_write(self, buffer):
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        buffer.pending = event
+    def _record(self, buffer, stream):
+        # One event per (table, stream), re-recorded: an event marks
+        # everything queued before it on its stream, and no event is created
+        # per launch.
+        event = buffer.pending.get(stream.cuda_stream)
+        if event is None:
+            event = buffer.pending[stream.cuda_stream] = torch.cuda.Event()
+        event.record(stream)
 
     def wait_host(self, buffer):
-        pending = getattr(buffer, "pending", None)
-        if pending is not None:
-            pending.synchronize()
-            buffer.pending = None
+        """Block until every kernel queued on ``buffer``, on any stream, has finished."""
+        _wait_all(buffer.pending)
 
     def gather(self, buffer, rows, out):
         if buffer.kind == "device":
-            return torch.index_select(buffer.tensor, 0, rows.to(self.device), out=out)
-        if buffer.device_ptr is not None:
-            row_bytes = buffer.host.shape[1] * buffer.host.itemsize
-            self._kernels.gather(buffer.device_ptr, rows.to(self.device), out, row_bytes,
-                                 self._stream_ptr())
-            self._record_write(buffer)
-            return out
-        return self._staging.gather(buffer.tensor, rows.cpu(), out)
+            return torch.index_select(buffer.tensor, 0, rows, out=out)
+        if buffer.device_ptr is None:
+            return self._staging.gather(buffer.tensor, rows, out)
+        stream = torch.cuda.current_stream(self.device)
+        self._kernels.gather(buffer.tensor, buffer.device_ptr, rows, out, stream)
+        if len(rows):
+            self._record(buffer, stream)
+        return out
 
     def scatter(self, buffer, rows, values):
-        if buffer.kind == "device":
-            buffer.tensor.index_copy_(0, rows.to(self.device), values.to(self.device))
-        elif buffer.device_ptr is not None:
-            row_bytes = buffer.host.shape[1] * buffer.host.itemsize
-            self._kernels.scatter(buffer.device_ptr, rows.to(self.device), values.to(self.device),
-                                  row_bytes, self._stream_ptr())
-            self._record_write(buffer)
-        else:
-            self._staging.scatter(buffer.tensor, rows.cpu(), values)
+        if buffer.device_ptr is None:
+            # A device table gets ids and values on the GPU, a staged one on
+            # the CPU (ids_device): either way one write where the rows live.
+            buffer.tensor.index_copy_(0, rows, values)
+            return
+        stream = torch.cuda.current_stream(self.device)
+        self._kernels.scatter(buffer.tensor, buffer.device_ptr, rows, values, stream)
+        if len(rows):
+            self._record(buffer, stream)

@@ -1,11 +1,15 @@
 """Page-locked staging slots for rows the GPU cannot address in place.
 
-Tables in pageable memory or in a memory-mapped file, and the feeder's host
-sources, reach the GPU through a ring of slots allocated by torch with
-``pin_memory=True``: the CPU gathers rows into a slot and the slot is copied
-asynchronously. Each slot has its own event, so a slot is rewritten only after
-the copy that last used it finished (FFCV's ring), never after a device-wide
-synchronize. Needs torch's CUDA build only, not CuPy.
+Tables in pageable memory or in a memory-mapped file (and pinned tables when
+the zero-copy kernels are not installed), and the feeder's host sources, reach
+the GPU through a ring of slots allocated by torch with ``pin_memory=True``:
+the CPU gathers rows into a slot and the slot is copied asynchronously. Each
+slot has its own event, so a slot is rewritten only after the copy that last
+used it finished (FFCV's ring), never after a device-wide synchronize. Needs
+torch's CUDA build only, not CuPy.
+
+Writes need no ring: the rows to write arrive on the CPU (see
+:meth:`~speedswap.backends.base.Backend.ids_device`) and the CPU writes them.
 """
 
 import torch
@@ -16,8 +20,8 @@ __all__ = ["StagingRing"]
 class StagingRing:
     """Page-locked staging slots for tables the GPU cannot address.
 
-    A slot is reused only after the copy that last read or wrote it has
-    finished, which is waited for on that slot's event, never on the device.
+    A slot is reused only after the copy that last read it has finished,
+    which is waited for on that slot's event, never on the device.
 
     Args:
         device: the CUDA device.
@@ -27,34 +31,35 @@ class StagingRing:
     def __init__(self, device, slots=3):
         self._device = device
         self._buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(slots)]
-        self._events = [None] * slots
+        # One event per slot, re-recorded by every copy out of it: waiting on
+        # a slot costs no allocation. Waiting on a never-recorded event returns at once.
+        self._events = [torch.cuda.Event() for _ in range(slots)]
         self._next = 0
 
     def _take(self, nbytes, dtype, shape):
         i = self._next
         self._next = (i + 1) % len(self._buffers)
-        if self._events[i] is not None:
-            self._events[i].synchronize()
+        self._events[i].synchronize()
         if self._buffers[i].numel() < nbytes:
-            self._buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self._events[i] = torch.cuda.Event()
+            with torch.cuda.device(self._device):
+                self._buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return self._buffers[i][:nbytes].view(dtype).view(shape), self._events[i]
 
     def gather(self, host, rows, out):
         """CPU-gather ``host[rows]`` into a slot, then copy it to ``out`` asynchronously.
 
-        Returns before the copy has finished; it is ordered on torch's current stream.
+        Args:
+            host: a CPU tensor of rows.
+            rows: ids, a 1-D int64 CPU tensor.
+            out: a contiguous ``(len(rows), *host.shape[1:])`` tensor of
+                ``host``'s dtype on the ring's device.
+
+        Returns:
+            ``out``, before the copy has finished; it is ordered on torch's
+            current stream of the ring's device.
         """
         staging, event = self._take(out.numel() * out.element_size(), out.dtype, out.shape)
         torch.index_select(host, 0, rows, out=staging)
         out.copy_(staging, non_blocking=True)
         event.record(torch.cuda.current_stream(self._device))
         return out
-
-    def scatter(self, host, rows, values):
-        """Copy ``values`` into a slot, wait for that copy only, then CPU-scatter."""
-        staging, event = self._take(values.numel() * values.element_size(), values.dtype, values.shape)
-        staging.copy_(values, non_blocking=True)
-        event.record(torch.cuda.current_stream(self._device))
-        event.synchronize()
-        host.index_copy_(0, rows, staging)
