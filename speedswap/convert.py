@@ -173,7 +173,7 @@ def _device_readable(tensor_device, backend_device):
     return (tensor_device.index or 0) == (backend_device.index or 0)
 
 
-def as_id_tensor(ids, device, *, what="ids"):
+def as_id_tensor(ids, device, *, to=None, what="ids"):
     """Convert ids to a flat, contiguous int64 tensor on ``device``, without the range check.
 
     For comparing ids with ids that were already validated (no host
@@ -181,11 +181,13 @@ def as_id_tensor(ids, device, *, what="ids"):
 
     Args:
         ids: a numpy array, list, int, or torch tensor of integer ids, any shape.
-        device: the torch device the result is moved to.
+        device: the device the ids are for: tensors must be on the CPU or on it.
+        to: where the result goes (default ``device``): the CPU for a table
+            whose rows the CPU moves.
         what: how the ids are named in error messages.
 
     Returns:
-        (flat_ids, shape): a contiguous 1-D ``torch.int64`` tensor on ``device``
+        (flat_ids, shape): a contiguous 1-D ``torch.int64`` tensor on ``to``
         (never a strided or expanded view: kernels read it through a raw
         pointer) and the input's original shape.
 
@@ -194,6 +196,7 @@ def as_id_tensor(ids, device, *, what="ids"):
         DeviceError: ids live on a device the backend cannot read.
     """
     device = torch.device(device)
+    target = device if to is None else torch.device(to)
     if isinstance(ids, torch.Tensor):
         if not _device_readable(ids.device, device):
             raise DeviceError(f"{what} are on {ids.device} but this table lives on "
@@ -201,7 +204,7 @@ def as_id_tensor(ids, device, *, what="ids"):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise DTypeError(f"{what} must be integers, got a tensor of {ids.dtype}; "
                              f"convert with .long() if they are whole numbers")
-        flat = ids.detach().reshape(-1).to(device=device, dtype=torch.int64)
+        flat = ids.detach().reshape(-1).to(device=target, dtype=torch.int64)
         return flat.contiguous(), tuple(ids.shape)
     try:
         arr = np.asarray(ids)
@@ -213,7 +216,7 @@ def as_id_tensor(ids, device, *, what="ids"):
         raise DTypeError(f"{what} must be integers, got an array of {arr.dtype}; "
                          f"convert with .astype(np.int64) if they are whole numbers")
     flat = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1), dtype=np.int64))
-    return flat.to(device), arr.shape
+    return flat.to(target), arr.shape
 
 
 def check_id_range(flat, num_rows, *, what="ids"):
@@ -232,7 +235,7 @@ def check_id_range(flat, num_rows, *, what="ids"):
         _check_range(lo, hi, num_rows, what)
 
 
-def as_row_ids(ids, num_rows, device, *, what="ids"):
+def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
     """Validate row ids and return them as a flat, contiguous int64 tensor on ``device``.
 
     The one check of a public call's ids (see :func:`check_id_range`); inner
@@ -241,7 +244,7 @@ def as_row_ids(ids, num_rows, device, *, what="ids"):
     Args:
         ids: a numpy array, list, int, or torch tensor of integer ids, any shape.
         num_rows: ids must lie in ``[0, num_rows)``.
-        device: the torch device the result is moved to.
+        device, to: as in :func:`as_id_tensor`.
         what: how the ids are named in error messages.
 
     Returns:
@@ -253,12 +256,13 @@ def as_row_ids(ids, num_rows, device, *, what="ids"):
         IdError: an id is negative or ``>= num_rows``.
     """
     device = torch.device(device)
-    if isinstance(ids, torch.Tensor) and ids.device.type == "cpu" and device.type != "cpu":
+    target = device if to is None else torch.device(to)
+    if isinstance(ids, torch.Tensor) and ids.device.type == "cpu" and target.type != "cpu":
         # Check on the CPU before the copy: no device synchronisation at all.
-        flat, shape = as_id_tensor(ids, "cpu", what=what)
+        flat, shape = as_id_tensor(ids, device, to="cpu", what=what)
         check_id_range(flat, num_rows, what=what)
-        return flat.to(device), shape
-    flat, shape = as_id_tensor(ids, device, what=what)
+        return flat.to(target), shape
+    flat, shape = as_id_tensor(ids, device, to=target, what=what)
     check_id_range(flat, num_rows, what=what)
     return flat, shape
 
@@ -272,7 +276,7 @@ def _check_range(lo, hi, num_rows, what):
                       f"(ids must be in [0, {num_rows})); check the vocabulary size")
 
 
-def as_row_values(values, num_ids, dim, dtype, device):
+def as_row_values(values, num_ids, dim, dtype, device, *, to=None):
     """Validate values for a scatter and return them as a tensor on ``device``.
 
     Args:
@@ -282,10 +286,12 @@ def as_row_values(values, num_ids, dim, dtype, device):
         dim: the table's row length.
         dtype: the table's torch dtype; values must have it exactly (no silent
             lossy cast).
-        device: the torch device the result is moved to.
+        device: the device the values are for: tensors must be on the CPU or on it.
+        to: where the result goes (default ``device``).
 
     Returns:
-        A contiguous tensor of shape ``(num_ids, dim)`` on ``device``.
+        A contiguous tensor of shape ``(num_ids, dim)`` on ``to``, detached
+        (its values are copied into a table, never its graph).
 
     Raises:
         DTypeError: values have another dtype.
@@ -310,4 +316,4 @@ def as_row_values(values, num_ids, dim, dtype, device):
     if tuple(values.shape) != (num_ids, dim):
         raise ShapeError(f"values have shape {tuple(values.shape)} but {num_ids} ids of a "
                          f"table with rows of {dim} need shape ({num_ids}, {dim})")
-    return values.to(device).contiguous()
+    return values.detach().to(device if to is None else to).contiguous()

@@ -337,7 +337,8 @@ class HostTable:
             ShapeError, DTypeError, DeviceError: a bad ``out``.
         """
         buffer = self._live_buffer()
-        flat, shape = as_row_ids(rows, self.num_rows, self._backend.ids_device(buffer))
+        flat, shape = as_row_ids(rows, self.num_rows, self.device,
+                                 to=self._backend.ids_device(buffer))
         target_shape = (*shape, self.dim)
         if out is None:
             out = torch.empty(target_shape, dtype=self.dtype, device=self.device)
@@ -402,8 +403,8 @@ class HostTable:
         """
         buffer = self._writable_buffer()
         where = self._backend.ids_device(buffer)
-        flat, _ = as_row_ids(rows, self.num_rows, where)
-        values = as_row_values(values, len(flat), self.dim, self.dtype, where)
+        flat, _ = as_row_ids(rows, self.num_rows, self.device, to=where)
+        values = as_row_values(values, len(flat), self.dim, self.dtype, self.device, to=where)
         if check_unique and _has_duplicates(flat):
             raise DuplicateIdError("scatter rows repeat an id, so the value kept would depend on "
                                    "write order; de-duplicate them first (torch.unique, or "

@@ -16,7 +16,7 @@ def _cuda_ready():
 def pytest_collection_modifyitems(config, items):
     if _cuda_ready():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device with CuPy (pip install 'speedswap[cuda13]')")
+    skip = pytest.mark.skip(reason="needs a CUDA device (tests of the zero-copy kernels also need CuPy)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

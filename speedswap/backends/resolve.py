@@ -21,7 +21,7 @@ device(type='cpu')
 """
 
 import warnings
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
@@ -122,7 +122,15 @@ def _cuda_backend(device):
                        f"copies instead of the zero-copy kernels. Install the kernels' "
                        f"dependencies with pip install 'speedswap[cuda12]' or "
                        f"'speedswap[cuda13]' (matching your CUDA version)")
-        _cuda_instances[index] = cls(torch.device("cuda", index), zero_copy=problem is None)
+        try:
+            _cuda_instances[index] = cls(torch.device("cuda", index), zero_copy=problem is None)
+        except BackendUnavailableError as exc:
+            if problem is not None:
+                raise
+            # The probe compiled but the kernels did not: still use the GPU, staged.
+            _warn_once("no-zero-copy", f"speedswap: {exc}; pinned tables reach the GPU "
+                                       f"through staged copies instead")
+            _cuda_instances[index] = cls(torch.device("cuda", index), zero_copy=False)
     return _cuda_instances[index]
 
 
