@@ -157,6 +157,22 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
     assert "pinned H2D 10.0 GB/s, pinned D2H 10.0 GB/s, device-to-device 10.0 GB/s" in text
 
 
+def test_summary_of_failed_steps_still_lists_every_target_and_section():
+    failed = {"status": "failed", "reason": "RuntimeError: boom", "seconds": 0.5}
+    machine = dict.fromkeys(["date", "host", "cpu", "cores", "torch", "numpy", "python", "speedswap", "gpu",
+                             "load_average"], "x")
+    record = {"mode": "full", "machine": {**machine, "ram_bytes": 2**30, "ram_available_bytes": 2**29},
+              "seconds": 500.0, "budget_s": 480, "steps": dict.fromkeys(suite.STEPS, failed)}
+    text = render_summary(record)
+    found = sections(text)
+    assert list(found) == SECTIONS
+    targets = target_rows(record)
+    assert len(targets) == 7 and all("step failed (RuntimeError: boom)" in row[2] for row in targets)
+    for name in ("Transport", "Training step", "Feeder"):
+        assert "not measured: RuntimeError: boom" in found[name]
+    assert "over the 480 s budget" in found["Steps"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_transport_case_runs_every_contender(dtype):
