@@ -131,6 +131,11 @@ def run_transport_bench(out_dir: os.PathLike = DEFAULT_OUT, quick: bool = False,
     return payload, written
 
 
+def _kind(dry_run: bool) -> str:
+    """The results files' suffix, as benchmarks/results/ names them."""
+    return "cpu" if dry_run else "gpu"
+
+
 def _gpu_tests_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
     outcome = run_gpu_tests(out_dir, hide_gpu=dry_run, timeout=sizes.tests_timeout)
     write_json(out_dir / "gpu_tests.json", "gpu_tests", {"gpu_tests": outcome})
@@ -149,7 +154,7 @@ def _transport_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callab
     else:
         payload = {"gpu": transport.run_gpu(sizes.transport_rows, sizes.transport_ids, sizes.transport_repeats)}
         log(transport.format_gpu(payload["gpu"]))
-    name = f"transport-{'cpu' if dry_run else 'gpu'}.json"
+    name = f"transport-{_kind(dry_run)}.json"
     write_json(out_dir / name, "transport", payload)
     return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
 
@@ -158,7 +163,7 @@ def _training_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callabl
     device = torch.device("cpu" if dry_run else "cuda")
     payload = training_step.run(sizes.training_vocabs, sizes.training_repeats, device, sizes.training_shape)
     log(training_step.format_results(payload))
-    name = f"training_step-{device.type.replace('cuda', 'gpu')}.json"
+    name = f"training_step-{_kind(dry_run)}.json"
     write_json(out_dir / name, "training_step", payload)
     return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
 
@@ -169,7 +174,7 @@ def _feeder_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable)
     payload = {"regression": feeder.regression(rows, sizes.feeder_epochs, sizes.feeder_workers, device,
                                                dim=sizes.feeder_dim, batch=sizes.feeder_batch)}
     log(feeder.format_regression(payload["regression"]))
-    name = f"feeder-{device.type.replace('cuda', 'gpu')}.json"
+    name = f"feeder-{_kind(dry_run)}.json"
     write_json(out_dir / name, "feeder", payload)
     return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
 
