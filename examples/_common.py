@@ -5,10 +5,20 @@ The examples put every tensor where speedswap's backend computes (its
 different devices.
 """
 
+import argparse
 import json
 
 import speedswap as ss
 from speedswap.apps.demo import BACKEND_OF_DEVICE
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default, except where there is none or the help already says it."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_common_arguments(parser):

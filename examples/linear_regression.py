@@ -34,7 +34,7 @@ from tqdm import tqdm
 import speedswap as ss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_arguments, backend_and_device, write_json  # noqa: E402
+from _common import HelpFormatter, add_common_arguments, backend_and_device, write_json  # noqa: E402
 
 
 def generate_dataset(directory, rows, features, seed=0, chunk_bytes=64 << 20):
@@ -99,7 +99,9 @@ def fit(loader, mean, std, true_w, *, epochs, lr, device, label, progress=True):
     for epoch in range(epochs):
         total_loss, seen = 0.0, 0
         start = time.perf_counter()
-        for x, y in tqdm(loader, desc=f"{label} epoch {epoch + 1}", leave=False, disable=not progress):
+        # disable=None: bars only on a terminal, so redirected logs are not flooded.
+        for x, y in tqdm(loader, desc=f"{label} epoch {epoch + 1}", leave=False,
+                         disable=None if progress else True):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             x = (x - mean) / std
             residual = x @ w + b - y
@@ -127,14 +129,15 @@ def dataloader(x_path, y_path, batch_size, seed):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--rows", type=int, default=100_000, help="N, rows of X")
     parser.add_argument("--features", type=int, default=100, help="D, columns of X")
     parser.add_argument("--data-dir", help="where X.npy / Y.npy go (default: a folder in the temp dir)")
-    parser.add_argument("--order", choices=("random", "block", "sequential"), default="random")
-    parser.add_argument("--batch-size", type=int, default=2048)
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--order", choices=("random", "block", "sequential"), default="random",
+                        help="order rows are visited in each epoch (block: random blocks, read sequentially)")
+    parser.add_argument("--batch-size", type=int, default=2048, help="rows per step")
+    parser.add_argument("--epochs", type=int, default=5, help="passes over the data")
+    parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
     parser.add_argument("--mmap", action="store_true",
                         help="memory-map X.npy even if it fits in RAM (default: only if it does not)")
     parser.add_argument("--compare", action="store_true",

@@ -33,7 +33,7 @@ from tqdm import tqdm
 import speedswap as ss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_arguments, backend_and_device, write_json  # noqa: E402
+from _common import HelpFormatter, add_common_arguments, backend_and_device, write_json  # noqa: E402
 
 
 def synthetic_classes(samples, features, classes, informative, separation, seed):
@@ -82,7 +82,7 @@ def accuracy(model, x, y, batch_size, device):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--x", metavar="X.npy", help="features, (n, d) (default: synthetic)")
     parser.add_argument("--y", metavar="y.npy", help="integer labels, (n,)")
     parser.add_argument("--samples", type=int, default=100_000, help="synthetic rows")
@@ -90,11 +90,11 @@ def main(argv=None):
     parser.add_argument("--classes", type=int, default=5, help="synthetic classes")
     parser.add_argument("--informative", type=int, default=20, help="synthetic features with signal")
     parser.add_argument("--separation", type=float, default=4.0, help="synthetic logit std")
-    parser.add_argument("--val-share", type=float, default=0.15)
-    parser.add_argument("--test-share", type=float, default=0.15)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--val-share", type=float, default=0.15, help="share of rows held out for validation")
+    parser.add_argument("--test-share", type=float, default=0.15, help="share of rows held out for the test")
+    parser.add_argument("--batch-size", type=int, default=256, help="rows per step")
+    parser.add_argument("--epochs", type=int, default=5, help="passes over the training rows")
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate")
     parser.add_argument("--l1", type=float, default=0.0, help="L1 strength")
     parser.add_argument("--l2", type=float, default=0.0, help="L2 strength")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -128,7 +128,9 @@ def main(argv=None):
     history = []
     for epoch in range(args.epochs):
         start, total = time.perf_counter(), 0.0
-        for xb, yb in tqdm(feeder, desc=f"epoch {epoch + 1}", leave=False, disable=args.quiet):
+        # disable=None: bars only on a terminal, so redirected logs are not flooded.
+        for xb, yb in tqdm(feeder, desc=f"epoch {epoch + 1}", leave=False,
+                           disable=True if args.quiet else None):
             loss = penalised_loss(model, xb, yb, args.l1, args.l2)
             optimizer.zero_grad()
             loss.backward()

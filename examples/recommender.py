@@ -35,7 +35,7 @@ import speedswap as ss
 from speedswap.apps.demo import format_bytes, format_rows, memory_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_arguments, backend_and_device, write_json  # noqa: E402
+from _common import HelpFormatter, add_common_arguments, backend_and_device, write_json  # noqa: E402
 
 
 def read_ratings(path):
@@ -146,8 +146,9 @@ def fit(model, optimizer, tables, data, train, test, mean, args, device, label):
     history, seconds = [], 0.0
     for epoch in range(args.epochs):
         start = time.perf_counter()
-        for batch_users, batch_items, batch_ratings in tqdm(feeder, desc=f"{label} epoch {epoch + 1}",
-                                                            leave=False, disable=args.quiet):
+        # disable=None: bars only on a terminal, so redirected logs are not flooded.
+        bar = tqdm(feeder, desc=f"{label} epoch {epoch + 1}", leave=False, disable=True if args.quiet else None)
+        for batch_users, batch_items, batch_ratings in bar:
             predicted, norms = model(batch_users, batch_items)
             loss = (predicted - batch_ratings).pow(2).mean() + args.l2 * norms.mean()
             optimizer.zero_grad()
@@ -164,7 +165,7 @@ def fit(model, optimizer, tables, data, train, test, mean, args, device, label):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--ratings", metavar="PATH", help="MovieLens u.data or ratings.csv "
                         "(default: synthetic low-rank ratings)")
     parser.add_argument("--users", type=int, default=2000, help="synthetic users")
@@ -173,11 +174,11 @@ def main(argv=None):
     parser.add_argument("--count", type=int, default=200_000, help="synthetic ratings")
     parser.add_argument("--noise", type=float, default=0.5, help="synthetic rating noise (std)")
     parser.add_argument("--dim", type=int, default=8, help="factor dimension")
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--epochs", type=int, default=6, help="passes over the training ratings")
+    parser.add_argument("--batch-size", type=int, default=1024, help="ratings per step")
+    parser.add_argument("--lr", type=float, default=0.01, help="Adam's learning rate")
     parser.add_argument("--l2", type=float, default=0.02, help="L2 penalty on the pair's vectors")
-    parser.add_argument("--test-share", type=float, default=0.1)
+    parser.add_argument("--test-share", type=float, default=0.1, help="share of ratings held out for the test")
     parser.add_argument("--storage", default="pinned", choices=("pinned", "mapped", "pageable", "device"),
                         help="where the offloaded tables and their Adam state live")
     parser.add_argument("--no-reference", action="store_true", help="skip the in-memory run")

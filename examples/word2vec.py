@@ -38,7 +38,7 @@ from speedswap.apps.corpus import read_text_corpus, synthetic_corpus
 from speedswap.apps.demo import DEMO, format_bytes, format_rows, memory_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import add_common_arguments, backend_and_device, write_json  # noqa: E402
+from _common import HelpFormatter, add_common_arguments, backend_and_device, write_json  # noqa: E402
 
 
 def show_neighbours(vectors, corpus, query_ids, k=8):
@@ -49,7 +49,7 @@ def show_neighbours(vectors, corpus, query_ids, k=8):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--corpus", metavar="PATH", help="a text8-style file: whitespace-separated "
                         "words, one document per line (default: synthetic)")
     # The defaults are the demo's size (about a minute on a 2-core CPU).
@@ -63,8 +63,9 @@ def main(argv=None):
     parser.add_argument("--negatives", type=int, default=5, help="negative words per pair")
     parser.add_argument("--window", type=int, default=4, help="largest context reach")
     parser.add_argument("--subsample", type=float, default=1e-3, help="frequent-word subsampling threshold")
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--optimizer", choices=("adam", "adamax"), default="adam")
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate")
+    parser.add_argument("--optimizer", choices=("adam", "adamax"), default="adam",
+                        help="a dense optimizer, its state offloaded with the tables")
     parser.add_argument("--storage", default="pinned", choices=ss.STORAGE_KINDS,
                         help="where tables and optimizer state live (mmap: files, for more than RAM)")
     parser.add_argument("--table-dir", help="directory for --storage mmap's files")

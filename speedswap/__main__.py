@@ -1,13 +1,19 @@
 """Command line: ``python -m speedswap demo | bench | info``."""
 
+from __future__ import annotations
+
 import argparse
 import sys
+from typing import Optional, Sequence
 
 from .apps.demo import BACKEND_OF_DEVICE
 from .info import format_info, info
 
+_FORMAT = argparse.ArgumentDefaultsHelpFormatter
+_REPEATS = 20  # the plain bench's timed rounds per contender
 
-def _demo(args):
+
+def _demo(args: argparse.Namespace) -> int:
     from .apps.demo import format_demo, run_demo
 
     size = "tiny" if args.tiny else "demo"
@@ -16,39 +22,78 @@ def _demo(args):
     summary = run_demo(tiny=args.tiny, backend=BACKEND_OF_DEVICE[args.device], storage=args.storage,
                        progress=not args.no_progress)
     print(format_demo(summary))
+    return 0
 
 
-def _bench(args):
-    from .apps.bench import run_bench
+def _bench(args: argparse.Namespace) -> int:
+    import torch
 
-    _, json_path, png_path = run_bench(out_dir=args.out, quick=args.quick, repeats=args.repeats)
-    print(f"\nwrote {json_path}\nwrote {png_path}")
+    from .apps.bench import run_all, run_transport_bench
+
+    if not args.all:
+        _, written = run_transport_bench(out_dir=args.out, quick=args.quick, repeats=args.repeats)
+        print("\n" + "\n".join(f"wrote {path}" for path in written))
+        return 0
+    if not args.dry_run and not torch.cuda.is_available():
+        print("bench --all measures the GPU suite and torch sees no CUDA device here; add --dry-run "
+              "to exercise it at tiny sizes on the CPU, or run plain bench for the CPU transport "
+              "benchmark", file=sys.stderr)
+        return 2
+    record = run_all(out_dir=args.out, dry_run=args.dry_run)
+    failed = [name for name, outcome in record["steps"].items() if outcome["status"] == "failed"]
+    print(f"\n{record['mode']} done in {record['seconds']:.0f} s; wrote {args.out}/SUMMARY.md"
+          + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m speedswap",
-                                     description="speedswap command line")
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m speedswap`` argument parser (every ``--help`` shows the defaults)."""
+    from .apps.bench import DEFAULT_OUT
+
+    parser = argparse.ArgumentParser(prog="python -m speedswap", description="speedswap command line",
+                                     formatter_class=_FORMAT)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("info", help="version, backends, device, memory held by live tables")
-    demo = commands.add_parser("demo", help="train word2vec with offloaded tables (about a minute)")
+    commands.add_parser("info", help="version, backends, device, memory held by live tables",
+                        formatter_class=_FORMAT)
+    demo = commands.add_parser("demo", help="train word2vec with offloaded tables (about a minute)",
+                               formatter_class=_FORMAT)
     demo.add_argument("--tiny", action="store_true", help="a few seconds, for smoke tests")
     demo.add_argument("--device", choices=sorted(BACKEND_OF_DEVICE), default="auto",
                       help="cuda needs CuPy and a GPU; auto uses one when present")
     demo.add_argument("--storage", default="pinned", choices=("pinned", "mapped", "pageable", "device"),
                       help="where the tables and optimizer state live")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench = commands.add_parser("bench", help="row transport benchmark, JSON + PNG chart")
-    bench.add_argument("--quick", action="store_true", help="16x smaller sizes (a smoke run)")
-    bench.add_argument("--repeats", type=int, default=20, help="timed repeats per method")
-    bench.add_argument("--out", help="directory for the JSON and PNG (default benchmarks/results)")
+    bench = commands.add_parser(
+        "bench", formatter_class=_FORMAT,
+        help="row transport benchmark (JSON, table, PNG chart); --all: the whole GPU suite",
+        description="Without --all: the row transport benchmark at a size this machine holds. "
+                    "With --all: every gpu-marked test of the checkout and every GPU benchmark "
+                    "(transport, training step, feeder), JSON plus SUMMARY.md.")
+    bench.add_argument("--out", default=DEFAULT_OUT, help="directory for the results")
+    bench.add_argument("--quick", action="store_true", help="16x smaller sizes (a smoke run; without --all)")
+    bench.add_argument("--repeats", type=int, default=_REPEATS, help="timed repeats per method (without --all)")
+    bench.add_argument("--all", action="store_true",
+                       help="the GPU suite: gpu tests and every GPU benchmark (about 8 minutes on an H100)")
+    bench.add_argument("--dry-run", action="store_true",
+                       help="with --all: every step at tiny sizes on the CPU, GPU parts reported as skipped")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.all and (args.quick or args.repeats != _REPEATS):
+        parser.error("--quick and --repeats size the plain transport benchmark; bench --all has its own "
+                     "sizes (use --dry-run for a small run)")
+    if args.command == "bench" and args.dry_run and not args.all:
+        parser.error("--dry-run goes with --all (bench --all --dry-run)")
     if args.command == "info":
         print(format_info(info()))
-    elif args.command == "demo":
-        _demo(args)
-    else:
-        _bench(args)
-    return 0
+        return 0
+    if args.command == "demo":
+        return _demo(args)
+    return _bench(args)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ structure of its synthetic data makes reachable (and what chance or a
 trivial predictor would give), so a broken training loop fails here.
 """
 
+import argparse
 import importlib.util
 import json
 import os
@@ -183,3 +184,20 @@ def test_bench_quick_writes_results_and_chart(tmp_path):
     result = json.loads(stem.with_suffix(".json").read_text())
     assert result["machine"]["cores"] and result["cpu"]["gather"][0]["method"] == "HostTable.gather"
     assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The printed table carries the JSON's figures.
+    gather = result["cpu"]["gather"][0]
+    assert re.search(rf"HostTable\.gather\s+{gather['median_ms']:.4g}\s", out), out
+
+
+@pytest.mark.parametrize("name", ["word2vec", "recommender", "linear_regression", "logistic_regression"])
+def test_example_help_shows_every_default(name, monkeypatch, capsys):
+    parsers = []
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args",
+                        lambda self, *a, **k: parsers.append(self) or sys.exit(0))
+    with pytest.raises(SystemExit):
+        load_example(name).main([])
+    (parser,) = parsers
+    help_text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, argparse.SUPPRESS):
+            assert f"(default: {action.default})" in help_text, action.option_strings

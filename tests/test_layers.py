@@ -2,8 +2,9 @@
 
 apps -> compat -> train | data -> table -> files | backends -> convert -> errors.
 ``train`` and ``data`` sit side by side and do not import each other; ``info``
-reports on tables and backends. ``apps`` builds on the public API (the root
-package) and nothing imports ``apps``.
+reports on tables and backends. ``apps`` builds on the public API only (the
+root package), nothing but the command line imports ``apps``, and no module
+loads code from the source checkout.
 """
 
 import ast
@@ -74,8 +75,10 @@ def test_imports_point_downward(module_path):
         if name == unit:
             continue
         assert name in RANKS, f"{module_path.name} imports speedswap.{name}, which has no layer"
-        if unit == "apps" and name == "__init__":
-            continue  # apps build on the public API
+        if unit == "apps":
+            assert name == "__init__", (f"speedswap/{module_path.relative_to(PACKAGE)} reaches "
+                                        f"past the public API into speedswap.{name}")
+            continue
         assert RANKS[name] < RANKS[unit], (
             f"speedswap/{module_path.relative_to(PACKAGE)} (layer {unit}) imports "
             f"speedswap.{name}, which is not below it")
@@ -87,3 +90,10 @@ def test_the_walk_finds_relative_and_absolute_imports():
     assert "backends" not in _imported_units(PACKAGE / "backends" / "resolve.py")  # its own folder
     assert {"table", "convert", "files"} <= _imported_units(PACKAGE / "train" / "embedding.py")
     assert "data" in _imported_units(PACKAGE / "compat" / "speedtorch.py")
+
+
+@pytest.mark.parametrize("module_path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_loads_files_from_the_checkout(module_path):
+    """An installed wheel has no checkout: nothing may import code by path from one."""
+    source = module_path.read_text()
+    assert "spec_from_file_location" not in source and '"benchmarks"' not in source

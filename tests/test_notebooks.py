@@ -5,13 +5,21 @@ To refresh the committed outputs after editing a notebook::
     python tests/test_notebooks.py            # executes notebooks/*.ipynb in place
 """
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
+
+
+def checkout_first_path():
+    """A PYTHONPATH for the kernel with this checkout first, so it imports the speedswap beside the notebooks
+    (not another one installed elsewhere, such as an editable install of a different worktree)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def execute(path):
@@ -42,6 +50,7 @@ def test_notebook_runs(path, monkeypatch):
     # The kernel inherits the environment: one torch thread keeps tiny steps
     # fast when the suite shares a small machine.
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PYTHONPATH", checkout_first_path())
     notebook = execute(path)
     outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
     assert not [out for out in outputs if out.output_type == "error"]
@@ -51,6 +60,7 @@ def test_notebook_runs(path, monkeypatch):
 if __name__ == "__main__":
     import nbformat
 
+    os.environ["PYTHONPATH"] = checkout_first_path()
     for notebook_path in PATHS if len(sys.argv) < 2 else map(Path, sys.argv[1:]):
         print("executing", notebook_path)
         nbformat.write(execute(notebook_path), notebook_path)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+import speedswap as ss
 from speedswap.apps import word2vec
 from speedswap.apps.corpus import keep_probabilities, read_text_corpus, skipgram_pairs, synthetic_corpus
 
@@ -66,5 +67,32 @@ def test_topic_purity_is_chance_for_random_vectors_and_one_for_planted_ones(rng)
 
 def test_training_refuses_a_corpus_too_short_for_one_batch():
     corpus = synthetic_corpus(vocab=50, topics=2, tokens=200, seed=0)
-    with pytest.raises(ValueError, match="batch_size"):
+    with pytest.raises(ss.OptionError, match="batch_size") as error:
         word2vec.train(corpus, dim=4, steps=3, batch_size=10_000, backend="numpy", progress=False)
+    assert isinstance(error.value, ValueError)  # speedswap errors subclass the built-in one
+
+
+def test_training_refuses_an_unknown_optimizer():
+    corpus = synthetic_corpus(vocab=50, topics=2, tokens=2000, seed=0)
+    with pytest.raises(ss.OptionError, match="'sgd'.*adam"):
+        word2vec.train(corpus, dim=4, steps=3, batch_size=16, optimizer="sgd", backend="numpy", progress=False)
+
+
+def test_topic_purity_needs_planted_topics_and_enough_frequent_words(tmp_path, rng):
+    (tmp_path / "text").write_text("a b c a b\n")
+    text = read_text_corpus(tmp_path / "text", vocab=3)
+    with pytest.raises(ss.OptionError, match="planted topics"):
+        word2vec.topic_purity(rng.standard_normal((3, 4)), text)
+    short = synthetic_corpus(vocab=100, topics=4, tokens=300, seed=0)
+    with pytest.raises(ss.OptionError, match="longer"):
+        word2vec.topic_purity(rng.standard_normal((100, 4)), short)
+
+
+def test_corpus_errors_say_what_is_wrong(tmp_path):
+    (tmp_path / "empty").write_text("\n \n")
+    with pytest.raises(ss.FileFormatError, match="no words"):
+        read_text_corpus(tmp_path / "empty", vocab=10)
+    with pytest.raises(ss.OptionError, match="vocab"):
+        read_text_corpus(tmp_path / "empty", vocab=0)
+    with pytest.raises(ss.OptionError, match="topics must be a positive int, got 0"):
+        synthetic_corpus(vocab=10, topics=0, tokens=100)

@@ -10,10 +10,16 @@ corpora. Both give a :class:`Corpus`, which :func:`skipgram_pairs` turns into
 (1000, 100, True)
 """
 
+from __future__ import annotations
+
 import collections
 import dataclasses
+import os
+from typing import Optional
 
 import numpy as np
+
+import speedswap as ss
 
 __all__ = ["Corpus", "synthetic_corpus", "read_text_corpus", "keep_probabilities", "skipgram_pairs"]
 
@@ -34,21 +40,29 @@ class Corpus:
     tokens: np.ndarray
     doc_starts: np.ndarray
     counts: np.ndarray
-    words: list = None
-    topics: np.ndarray = None
+    words: Optional[list] = None
+    topics: Optional[np.ndarray] = None
 
     @property
-    def vocab_size(self):
+    def vocab_size(self) -> int:
+        """Distinct word ids (the embedding tables' rows)."""
         return len(self.counts)
 
-    def name(self, word_id):
+    def name(self, word_id: int) -> str:
         """A printable name: the word, or ``w<id>/t<topic>`` for synthetic words."""
         if self.words is not None:
             return self.words[word_id]
         return f"w{word_id}/t{self.topics[word_id]}"
 
 
-def synthetic_corpus(vocab, topics, tokens, *, doc_len=50, background=0.2, zipf=1.0, seed=0):
+def _check_positive(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ss.OptionError(f"{name} must be a positive int, got {value!r}")
+
+
+def synthetic_corpus(vocab: int, topics: int, tokens: int, *, doc_len: int = 50, background: float = 0.2,
+                     zipf: float = 1.0, seed: int = 0) -> Corpus:
     """A corpus with planted structure, so the trained vectors can be scored.
 
     Every word belongs to one topic (assigned at random, so each topic has
@@ -69,7 +83,11 @@ def synthetic_corpus(vocab, topics, tokens, *, doc_len=50, background=0.2, zipf=
 
     Returns:
         Corpus with ``topics`` set.
+
+    Raises:
+        OptionError: a size that is not a positive int.
     """
+    _check_positive(vocab=vocab, topics=topics, tokens=tokens, doc_len=doc_len)
     rng = np.random.default_rng(seed)
     topic_of = rng.integers(0, topics, vocab)
     weight = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** zipf
@@ -91,7 +109,7 @@ def synthetic_corpus(vocab, topics, tokens, *, doc_len=50, background=0.2, zipf=
                   counts=np.bincount(ids, minlength=vocab).astype(np.int64), topics=topic_of)
 
 
-def read_text_corpus(path, vocab):
+def read_text_corpus(path: os.PathLike, vocab: int) -> Corpus:
     """Read a text8-style corpus: words separated by whitespace, one document per line.
 
     text8 itself is a single line of 17 million lower-case words. Words are
@@ -104,10 +122,18 @@ def read_text_corpus(path, vocab):
 
     Returns:
         Corpus (``topics`` is None: there is no planted structure to score).
+
+    Raises:
+        OptionError: ``vocab`` is not a positive int.
+        FileFormatError: the file holds no words.
     """
+    _check_positive(vocab=vocab)
     with open(path, encoding="utf-8") as f:
         lines = [line.split() for line in f]
     counter = collections.Counter(word for line in lines for word in line)
+    if not counter:
+        raise ss.FileFormatError(f"{os.fspath(path)!r} holds no words; a corpus is whitespace-separated "
+                                 f"words, one document per line")
     # Rank by count, ties alphabetically so the vocabulary does not depend on dict order.
     ranked = sorted(counter.items(), key=lambda item: (-item[1], item[0]))[:vocab]
     index = {word: i for i, (word, _) in enumerate(ranked)}
@@ -122,7 +148,7 @@ def read_text_corpus(path, vocab):
                   words=[w for w, _ in ranked])
 
 
-def keep_probabilities(counts, threshold=1e-3):
+def keep_probabilities(counts: np.ndarray, threshold: float = 1e-3) -> np.ndarray:
     """Mikolov's subsampling: the chance a word's occurrence is kept, ``(sqrt(f/t) + 1) t/f``.
 
     Frequent words ("the", "of") carry little about their neighbours and
@@ -135,7 +161,8 @@ def keep_probabilities(counts, threshold=1e-3):
     return np.nan_to_num(np.minimum(keep, 1.0), nan=1.0)
 
 
-def skipgram_pairs(tokens, doc_ids, keep_prob, window, rng):
+def skipgram_pairs(tokens: np.ndarray, doc_ids: np.ndarray, keep_prob: np.ndarray, window: int,
+                   rng: np.random.Generator) -> tuple:
     """(centre, context) pairs of a stretch of tokens, vectorised.
 
     Each kept token's window is shrunk to a random reach in ``[1, window]``

@@ -10,7 +10,13 @@ quality against chance, and where the bytes are.
 True
 """
 
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
 import torch
+
+import speedswap as ss
 
 __all__ = ["BACKEND_OF_DEVICE", "DEMO", "TINY", "run_demo", "format_demo", "memory_summary", "format_bytes", "format_rows"]
 
@@ -23,7 +29,7 @@ DEMO = dict(vocab=100_000, topics=50, tokens=5_000_000, dim=64, steps=6000, batc
 TINY = dict(vocab=2_000, topics=20, tokens=200_000, dim=32, steps=150, batch_size=512)
 
 
-def format_bytes(n):
+def format_bytes(n: float) -> str:
     """``1536`` -> ``'1.5 KiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -31,7 +37,7 @@ def format_bytes(n):
         n /= 1024
 
 
-def _tensor_bytes(tensors, seen):
+def _tensor_bytes(tensors: Iterable, seen: set) -> int:
     total = 0
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.numel() and t.data_ptr() not in seen:
@@ -40,7 +46,7 @@ def _tensor_bytes(tensors, seen):
     return total
 
 
-def memory_summary(model, optimizer):
+def memory_summary(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Where a training job's bytes are: host tables vs what lives on the compute device.
 
     ``host_bytes``/``file_bytes`` are the live speedswap tables (embedding
@@ -54,9 +60,7 @@ def memory_summary(model, optimizer):
     Returns:
         dict of byte counts plus ``device`` (where the step runs).
     """
-    from ..info import info
-
-    held = info()
+    held = ss.info()
     seen = set()
     working = _tensor_bytes(model.parameters(), seen)
     working += _tensor_bytes((t for state in optimizer.state.values() for t in state.values()), seen)
@@ -68,13 +72,14 @@ def memory_summary(model, optimizer):
     return summary
 
 
-def format_rows(rows):
+def format_rows(rows: Sequence[tuple]) -> str:
     """``[(label, value), ...]`` as aligned ``label  value`` lines."""
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
-def run_demo(tiny=False, backend="auto", storage="pinned", progress=True, seed=0):
+def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned", progress: bool = True,
+             seed: int = 0) -> dict:
     """Train word2vec on the synthetic topic corpus and summarise the run.
 
     Args:
@@ -103,7 +108,7 @@ def run_demo(tiny=False, backend="auto", storage="pinned", progress=True, seed=0
             "page-locked": result.model.centre.table.pinned, **memory}
 
 
-def format_demo(summary):
+def format_demo(summary: dict) -> str:
     """The demo's closing table."""
     rows = [
         ("vocabulary x dim", f"{summary['vocab']:,} x {summary['dim']} (2 tables + Adam state)"),

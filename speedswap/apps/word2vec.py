@@ -15,21 +15,22 @@ nearest-neighbour topic purity.
 (500, 16)
 """
 
+from __future__ import annotations
+
 import dataclasses
 import itertools
 import os
 import time
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..backends import get_backend
-from .corpus import keep_probabilities, skipgram_pairs
-from ..train.embedding import OffloadedEmbedding
-from ..data.feeder import BatchFeeder
-from ..compat.speedtorch import ModelFactory, OptimizerFactory
+import speedswap as ss
+
+from .corpus import Corpus, keep_probabilities, skipgram_pairs
 
 __all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "topic_purity", "nearest_neighbours"]
 
@@ -42,12 +43,12 @@ class NegativeSampler:
     never draws a word that does not occur.
     """
 
-    def __init__(self, counts, device, power=0.75, seed=0):
+    def __init__(self, counts: Sequence[int], device: torch.device, power: float = 0.75, seed: int = 0):
         weight = np.asarray(counts, dtype=np.float64) ** power
         self._cdf = torch.from_numpy(np.cumsum(weight) / weight.sum()).to(device)
         self._generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, shape):
+    def __call__(self, shape: Sequence[int]) -> torch.Tensor:
         """Negative word ids of ``shape`` (int64, on the sampler's device)."""
         u = torch.rand(shape, dtype=torch.float64, device=self._cdf.device, generator=self._generator)
         return torch.searchsorted(self._cdf, u).clamp_(max=len(self._cdf) - 1)
@@ -63,12 +64,12 @@ class SkipGram(torch.nn.Module):
     ids together, so each row it holds is gathered once.
     """
 
-    def __init__(self, centre, context):
+    def __init__(self, centre: torch.nn.Module, context: torch.nn.Module):
         super().__init__()
         self.centre = centre
         self.context = context
 
-    def forward(self, centres, contexts, negatives):
+    def forward(self, centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
         """Mean negative-sampling loss of a batch.
 
         Args:
@@ -108,15 +109,20 @@ class TrainResult:
     storage: str
 
     @property
-    def words_per_second(self):
+    def words_per_second(self) -> float:
+        """Corpus words read per second of training."""
         return self.words / self.seconds if self.seconds else float("nan")
 
 
-def _batches(corpus, *, batch_size, window, subsample, chunk_tokens, device, seed):
+def _batches(corpus: Corpus, *, batch_size: int, window: int, subsample: float, chunk_tokens: int,
+             device: torch.device, seed: int) -> Iterator[tuple]:
     """Endless (centres, contexts, words_read) batches, one corpus chunk at a time.
 
     Pairs are made per chunk of ``chunk_tokens`` tokens, so memory stays flat
     however long the corpus is, and shuffled within the chunk by the feeder.
+
+    Raises:
+        OptionError: a whole pass over the corpus gives no full batch.
     """
     rng = np.random.default_rng(seed)
     keep_prob = keep_probabilities(corpus.counts, subsample)
@@ -129,19 +135,19 @@ def _batches(corpus, *, batch_size, window, subsample, chunk_tokens, device, see
                                                keep_prob, window, rng)
             if len(centres) < batch_size:
                 continue
-            feeder = BatchFeeder(centres, contexts, batch_size=batch_size, order="random",
+            feeder = ss.BatchFeeder(centres, contexts, batch_size=batch_size, order="random",
                                  drop_last=True, seed=seed + epoch, device=device)
             words_per_batch = (stop - start) / len(feeder)
             for batch_centres, batch_contexts in feeder:
                 batches += 1
                 yield batch_centres, batch_contexts, words_per_batch
         if batches == 0:
-            raise ValueError(f"a pass over the corpus ({len(corpus.tokens):,} tokens) gives fewer "
+            raise ss.OptionError(f"a pass over the corpus ({len(corpus.tokens):,} tokens) gives fewer "
                              f"than batch_size={batch_size} pairs per chunk; use a smaller "
                              f"batch_size or a longer corpus")
 
 
-def _table_files(directory, name):
+def _table_files(directory: Optional[str], name: str) -> Optional[str]:
     """Where an ``mmap`` table's files go: ``directory/name`` (None when not memory-mapped)."""
     return None if directory is None else os.path.join(directory, name)
 
@@ -150,7 +156,7 @@ def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed,
                      directory):
     """Model, optimizer, step function and vector getter with two OffloadedEmbedding tables."""
     def table(name, max_rows):
-        return OffloadedEmbedding(vocab, dim, max_rows=max_rows, storage=storage, backend=backend,
+        return ss.OffloadedEmbedding(vocab, dim, max_rows=max_rows, storage=storage, backend=backend,
                                      path=_table_files(directory, name))
 
     # The context table is called once per step with the positives and negatives together.
@@ -176,21 +182,21 @@ def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed,
 def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
                       directory):
     """The same job written the SpeedTorch way: batch-sized nn.Embeddings plus switchers."""
-    device = get_backend(backend).device
+    device = ss.get_backend(backend).device
     model = SkipGram(torch.nn.Embedding(batch_size, dim),
                      torch.nn.Embedding(batch_size * (negatives + 1), dim)).to(device)
     optimizer = optimizer_cls(model.parameters(), lr=lr)
     options = dict(storage=storage, backend=backend)
-    u_switch = ModelFactory(model.centre, vocab, dim, path=_table_files(directory, "centre.npy"),
+    u_switch = ss.ModelFactory(model.centre, vocab, dim, path=_table_files(directory, "centre.npy"),
                                **options)
-    v_switch = ModelFactory(model.context, vocab, dim, path=_table_files(directory, "context.npy"),
+    v_switch = ss.ModelFactory(model.context, vocab, dim, path=_table_files(directory, "context.npy"),
                                **options)
     torch.manual_seed(seed)  # SpeedTorch's initialisers draw from torch's global generator
     u_switch.uniformDistributionInit(-0.5 / dim, 0.5 / dim)
     v_switch.zerosInit()
-    u_opt = OptimizerFactory(optimizer, vocab, dim, model, "centre",
+    u_opt = ss.OptimizerFactory(optimizer, vocab, dim, model, "centre",
                                 path=_table_files(directory, "centre-state"), **options)
-    v_opt = OptimizerFactory(optimizer, vocab, dim, model, "context",
+    v_opt = ss.OptimizerFactory(optimizer, vocab, dim, model, "context",
                                 path=_table_files(directory, "context-state"), **options)
     u_opt.optInit()
     v_opt.optInit()
@@ -213,9 +219,14 @@ def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed
     return model, optimizer, step, u_switch.getNumpyVersion
 
 
-def train(corpus, *, dim=64, steps=1000, batch_size=2048, negatives=5, window=4, subsample=1e-3,
-          lr=0.01, optimizer="adam", storage="pinned", backend="auto", directory=None,
-          speedtorch_api=False, chunk_tokens=1_000_000, seed=0, progress=True):
+_OPTIMIZERS = {"adam": torch.optim.Adam, "adamax": torch.optim.Adamax}
+
+
+def train(corpus: Corpus, *, dim: int = 64, steps: int = 1000, batch_size: int = 2048, negatives: int = 5,
+          window: int = 4, subsample: float = 1e-3, lr: float = 0.01, optimizer: str = "adam",
+          storage: str = "pinned", backend: str = "auto", directory: Optional[str] = None,
+          speedtorch_api: bool = False, chunk_tokens: int = 1_000_000, seed: int = 0,
+          progress: bool = True) -> TrainResult:
     """Train skip-gram vectors with both tables in host memory.
 
     Args:
@@ -236,21 +247,28 @@ def train(corpus, *, dim=64, steps=1000, batch_size=2048, negatives=5, window=4,
             instead of :class:`~speedswap.OffloadedEmbedding`.
         chunk_tokens: tokens turned into pairs at a time.
         seed: seeds the initial vectors, subsampling, windows, order and negatives.
-        progress: show a tqdm bar with words/s.
+        progress: show a tqdm bar with words/s (only when stderr is a
+            terminal, so logs of a redirected run are not flooded).
 
     Returns:
         TrainResult
+
+    Raises:
+        OptionError: an unknown optimizer, or a corpus too short for one batch.
     """
-    optimizer_cls = {"adam": torch.optim.Adam, "adamax": torch.optim.Adamax}[optimizer]
+    if optimizer not in _OPTIMIZERS:
+        raise ss.OptionError(f"unknown optimizer {optimizer!r}; choose one of {sorted(_OPTIMIZERS)}")
+    optimizer_cls = _OPTIMIZERS[optimizer]
     build = _build_speedtorch if speedtorch_api else _build_offloaded
     model, opt, step, vectors = build(corpus.vocab_size, dim, batch_size, negatives, optimizer_cls,
                                       lr, seed, storage, backend, directory)
-    device = get_backend(backend).device
+    device = ss.get_backend(backend).device
     sampler = NegativeSampler(corpus.counts, device, seed=seed)
     batches = _batches(corpus, batch_size=batch_size, window=window, subsample=subsample,
                        chunk_tokens=chunk_tokens, device=device, seed=seed)
     losses, words = [], 0.0
-    bar = tqdm(total=steps, unit="step", disable=not progress, dynamic_ncols=True)
+    # disable=None: tqdm draws only on a terminal.
+    bar = tqdm(total=steps, unit="step", disable=None if progress else True, dynamic_ncols=True)
     start = time.perf_counter()
     for n in range(steps):
         centres, contexts, words_read = next(batches)
@@ -270,7 +288,8 @@ def train(corpus, *, dim=64, steps=1000, batch_size=2048, negatives=5, window=4,
                        seconds=seconds, model=model, optimizer=opt, storage=storage)
 
 
-def nearest_neighbours(vectors, query_ids, candidate_ids, k=10):
+def nearest_neighbours(vectors: np.ndarray, query_ids: Sequence[int], candidate_ids: Sequence[int],
+                       k: int = 10) -> np.ndarray:
     """The ``k`` nearest candidates (by cosine) of each query, excluding itself.
 
     Returns:
@@ -286,7 +305,8 @@ def nearest_neighbours(vectors, query_ids, candidate_ids, k=10):
     return candidate_ids[sim.topk(k, dim=1).indices.numpy()]
 
 
-def topic_purity(vectors, corpus, *, words=1000, k=10, min_count=20):
+def topic_purity(vectors: np.ndarray, corpus: Corpus, *, words: int = 1000, k: int = 10,
+                 min_count: int = 20) -> tuple:
     """Share of each word's nearest neighbours that belong to its planted topic.
 
     Scored over the ``words`` most frequent words with at least ``min_count``
@@ -296,13 +316,17 @@ def topic_purity(vectors, corpus, *, words=1000, k=10, min_count=20):
 
     Returns:
         (purity, chance): two floats.
+
+    Raises:
+        OptionError: the corpus has no planted topics, or too few frequent words to score.
     """
     if corpus.topics is None:
-        raise ValueError("topic purity needs a synthetic corpus with planted topics")
+        raise ss.OptionError("topic purity needs a synthetic corpus with planted topics "
+                             "(synthetic_corpus); a text corpus has none to score against")
     ranked = np.argsort(-corpus.counts, kind="stable")[:words]
     scored = ranked[corpus.counts[ranked] >= min_count]
     if len(scored) <= k:
-        raise ValueError(f"only {len(scored)} words occur {min_count}+ times; "
+        raise ss.OptionError(f"only {len(scored)} words occur {min_count}+ times; "
                          f"make the corpus longer to score topic purity")
     topic = corpus.topics[scored]
     neighbours = nearest_neighbours(vectors, scored, scored, k)

@@ -1,0 +1,292 @@
+"""BatchFeeder against DataLoader, a hand-written numpy loop and the copy limit.
+
+Cases (each side by side in one run, as ratios):
+
+* :func:`fast_loops` -- "The fast train loops": 300,000 rows x 64 float32
+  features + int64 labels, batch 300, shuffled every epoch, time per epoch of
+  (a) ``DataLoader`` with the default per-item ``__getitem__`` and collate,
+  (b) ``DataLoader(batch_size=None, sampler=BatchSampler(RandomSampler))`` over
+  a dataset indexed by whole batches, (c) a hand-written numpy loop
+  (permutation, then one fancy index per array per batch: the ceiling), and
+  (d) ``BatchFeeder(x, y, batch_size=300)`` on the CPU.
+* :func:`disk` -- a ``.npy`` file read through a memory map, ``order="random"``
+  vs ``order="block"``: epoch time and bytes per second, with the file's pages
+  evicted from the page cache before each epoch.
+* :func:`regression` -- the FFCV linear-regression shape scaled to the machine
+  (rows x 1,000 float32 + a target, batch 2048): an epoch of BatchFeeder
+  (pinned DataGadgets on a GPU) vs ``DataLoader`` over whole batches vs a
+  contiguous copy of the same bytes to the device (pinned host-to-device on a
+  GPU, a memory copy on the CPU), the limit an epoch cannot beat.
+
+>>> result = regression(rows=2048, epochs=2, workers=0, device=torch.device("cpu"), dim=16, batch=256)
+>>> [row["case"] for row in result["rows"]]
+['BatchFeeder', 'DataLoader 0 workers', 'contiguous copy limit']
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import tempfile
+import time
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
+
+import speedswap as ss
+
+from .timing import format_table, machine, time_one
+
+__all__ = ["TARGET", "PerItem", "WholeBatch", "fast_loops", "disk", "regression", "format_fast_loops",
+           "format_disk", "format_regression"]
+
+#: An epoch of BatchFeeder over the time of a contiguous copy of the same bytes (GPU).
+TARGET = ("<=", 1.3)
+
+
+class PerItem(Dataset):
+    """The textbook Dataset: one row per ``__getitem__``, batched by the default collate."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class WholeBatch(PerItem):
+    """A Dataset indexed by a list of ids, for ``batch_size=None`` + ``BatchSampler``."""
+
+    def __getitem__(self, ids):
+        # index_select, the kernel BatchFeeder uses, so the comparison measures
+        # the DataLoader's own overhead (x[ids] is slower when cores are busy).
+        ids = torch.as_tensor(ids)
+        return torch.index_select(self.x, 0, ids), torch.index_select(self.y, 0, ids)
+
+
+def _drain(iterable: Iterable) -> int:
+    count = 0
+    for batch in iterable:
+        count += len(batch[1])
+    return count
+
+
+def fast_loops(epochs: int, repeats: int, rows: int = 300_000, dim: int = 64, batch: int = 300) -> dict:
+    """Epoch time of DataLoader (per item, whole batches), a numpy loop and BatchFeeder.
+
+    Args:
+        epochs: epochs per timed repeat.
+        repeats: timed repeats (the per-item DataLoader, 30x slower, runs once).
+        rows, dim, batch: the data's size.
+
+    Returns:
+        ``{"shape", "batch", "rows": figures per case, "ratios"}``.
+    """
+    rng = np.random.default_rng(0)
+    x_np = rng.standard_normal((rows, dim), dtype=np.float32)
+    y_np = rng.integers(0, 10, size=rows)
+    x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
+
+    per_item = DataLoader(PerItem(x, y), batch_size=batch, shuffle=True)
+    batched = DataLoader(WholeBatch(x, y), batch_size=None,
+                         sampler=BatchSampler(RandomSampler(range(rows)), batch, drop_last=False))
+    feeder = ss.BatchFeeder(x_np, y_np, batch_size=batch, order="random", device="cpu")
+    loop_rng = np.random.default_rng(1)
+
+    def numpy_loop():
+        order = loop_rng.permutation(rows)
+        count = 0
+        for start in range(0, rows, batch):
+            ids = order[start:start + batch]
+            count += len(y_np[ids])
+            x_np[ids]
+        return count
+
+    def epochs_of(fn: Callable[[], int]) -> Callable[[], None]:
+        def run():
+            for _ in range(epochs):
+                delivered = fn()
+                if delivered != rows:
+                    raise ss.SpeedswapError(f"an epoch delivered {delivered} rows, not {rows}")
+        return run
+
+    cases = [("DataLoader per item", epochs_of(lambda: _drain(per_item)), 1),
+             ("DataLoader BatchSampler", epochs_of(lambda: _drain(batched)), repeats),
+             ("numpy loop", epochs_of(numpy_loop), repeats),
+             ("BatchFeeder", epochs_of(lambda: _drain(feeder)), repeats)]
+    table = []
+    for name, fn, reps in cases:
+        timing = time_one(fn, repeats=reps, warmup=1)
+        table.append({"case": name, "epoch_s": timing["median_s"] / epochs,
+                      "min_s": timing["min_s"] / epochs, "max_s": timing["max_s"] / epochs,
+                      "repeats": reps, "epochs_per_repeat": epochs})
+    feeder_s = table[-1]["epoch_s"]
+    for row in table:
+        row["vs_feeder"] = row["epoch_s"] / feeder_s
+    ratios = {"speedup_vs_per_item": table[0]["epoch_s"] / feeder_s,
+              "speedup_vs_batch_sampler": table[1]["epoch_s"] / feeder_s,
+              "feeder_over_numpy": feeder_s / table[2]["epoch_s"],
+              "targets": {"speedup_vs_per_item": ">= 25", "speedup_vs_batch_sampler": ">= 3",
+                          "feeder_over_numpy": "<= 1.25"}}
+    return {"shape": [rows, dim], "batch": batch, "epochs_per_repeat": epochs, "rows": table,
+            "ratios": ratios}
+
+
+def _evict(path: str) -> None:
+    """Drop the file's pages from the page cache, so the next read comes from disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _write_big(path: str, rows: int, dim: int, seed: int) -> None:
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, dim))
+    rng = np.random.default_rng(seed)
+    step = max(1, (64 << 20) // (dim * 4))
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        out[start:stop] = rng.standard_normal((stop - start, dim), dtype=np.float32)
+    out.flush()
+    del out
+
+
+def disk(gigabytes: float, directory: Optional[str], batch: int, max_seconds: float) -> dict:
+    """Epoch time of a memory-mapped ``.npy`` file in block vs random order, cold page cache.
+
+    Args:
+        gigabytes: file size (4 KiB rows: one page each, so random order costs a read per row).
+        directory: where the temporary file goes (deleted at the end).
+        batch: rows per batch.
+        max_seconds: stop an epoch after this long and extrapolate.
+
+    Returns:
+        ``{"file_bytes", "shape", "batch", "ram_bytes", "larger_than_ram", "rows": per order}``.
+    """
+    dim = 1024
+    rows = int(gigabytes * (1 << 30)) // (dim * 4)
+    nbytes = rows * dim * 4
+    ram = machine().get("ram_bytes")
+    fd, path = tempfile.mkstemp(suffix=".npy", dir=directory)
+    os.close(fd)
+    results = []
+    try:
+        _write_big(path, rows, dim, seed=0)
+        for order in ("block", "random"):
+            # Evicted while nothing maps the file: the kernel keeps mapped pages.
+            _evict(path)
+            gadget = ss.DataGadget(path, mmap=True, backend="numpy")
+            feeder = ss.BatchFeeder(gadget, batch_size=batch, order=order, device="cpu", prefetch=4)
+            read = batches = 0
+            start = time.perf_counter()
+            for (x,) in feeder:
+                read += x.numel() * 4
+                batches += 1
+                if time.perf_counter() - start > max_seconds:
+                    break
+            seconds = time.perf_counter() - start
+            complete = batches == len(feeder)
+            results.append({"order": order, "batches": batches, "of": len(feeder), "complete": complete,
+                            "seconds": seconds, "MB_per_s": read / seconds / 1e6,
+                            "epoch_s": seconds if complete else seconds * nbytes / read,
+                            "epoch_s_is": "measured" if complete else "extrapolated from the part read"})
+            del feeder, x
+            gadget.close()
+            gc.collect()
+    finally:
+        os.unlink(path)
+    return {"file_bytes": nbytes, "shape": [rows, dim], "batch": batch, "ram_bytes": ram,
+            "larger_than_ram": bool(ram and nbytes > ram), "page_cache": "evicted before each epoch",
+            "rows": results}
+
+
+def regression(rows: int, epochs: int, workers: int, device: torch.device, dim: int = 1000,
+               batch: int = 2048) -> dict:
+    """An epoch of the FFCV linear-regression shape: BatchFeeder vs DataLoader vs the copy limit.
+
+    Args:
+        rows: dataset rows (scale to the machine: the data is held about four times over).
+        epochs: timed epochs per case (after one warm-up epoch).
+        workers: the DataLoader's worker processes.
+        device: where batches are delivered; on ``cuda`` the data is pinned
+            and times are CUDA events.
+        dim, batch: features per row and rows per batch.
+
+    Returns:
+        ``{"shape", "batch", "device", "rows": per case, "feeder_over_limit", "target"}``.
+    """
+    cuda = device.type == "cuda"
+    rng = np.random.default_rng(0)
+    x_np = rng.standard_normal((rows, dim), dtype=np.float32)
+    y_np = rng.standard_normal(rows, dtype=np.float32)
+    backend = "cuda" if cuda else "numpy"
+    gadgets = [ss.DataGadget(a, CPUPinn=cuda, backend=backend) for a in (x_np, y_np)]
+    feeder = ss.BatchFeeder(*gadgets, batch_size=batch, order="random", device=device)
+    loader = DataLoader(WholeBatch(torch.from_numpy(x_np), torch.from_numpy(y_np)), batch_size=None,
+                        num_workers=workers, pin_memory=cuda, persistent_workers=workers > 0,
+                        sampler=BatchSampler(RandomSampler(range(rows)), batch, drop_last=False))
+    source = torch.empty((rows, dim + 1), dtype=torch.float32, pin_memory=cuda)
+    target = torch.empty_like(source, device=device)
+
+    def consume(iterable, to_device):
+        total = torch.zeros((), device=device)
+        for xb, yb in iterable:
+            if to_device:
+                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+            total += xb[:, 0].sum() + yb.sum()  # touch the batch where it was delivered
+        return total
+
+    cases = [("BatchFeeder", lambda: consume(feeder, False)),
+             (f"DataLoader {workers} workers" + (" pin_memory" if cuda else ""), lambda: consume(loader, True)),
+             ("contiguous copy limit", lambda: target.copy_(source, non_blocking=True))]
+    table = []
+    for name, fn in cases:
+        timing = time_one(fn, repeats=epochs, warmup=1, cuda=cuda)
+        table.append({"case": name, "epoch_s": timing["median_s"], "min_s": timing["min_s"],
+                      "max_s": timing["max_s"], "repeats": timing["repeats"]})
+    limit = table[-1]["epoch_s"]
+    for row in table:
+        row["vs_limit"] = row["epoch_s"] / limit
+    for gadget in gadgets:
+        gadget.close()
+    return {"shape": [rows, dim], "batch": batch, "device": str(device), "rows": table,
+            "feeder_over_limit": table[0]["vs_limit"],
+            "limit": "pinned host-to-device copy" if cuda else "host memory copy",
+            "target": "BatchFeeder <= 1.3x the limit"}
+
+
+def format_fast_loops(result: dict) -> str:
+    """:func:`fast_loops`'s figures as text."""
+    ratios = result["ratios"]
+    (rows, dim), batch = result["shape"], result["batch"]
+    return "\n".join([
+        f"fast train loops: {rows} x {dim} float32 + labels, batch {batch}, "
+        f"{result['epochs_per_repeat']} epochs per repeat",
+        format_table(result["rows"], ["case", "epoch_s", "min_s", "max_s", "repeats", "vs_feeder"]),
+        f"BatchFeeder: {ratios['speedup_vs_per_item']:.1f}x per-item DataLoader, "
+        f"{ratios['speedup_vs_batch_sampler']:.1f}x BatchSampler DataLoader, "
+        f"{ratios['feeder_over_numpy']:.2f}x the numpy loop's time"])
+
+
+def format_disk(result: dict) -> str:
+    """:func:`disk`'s figures as text."""
+    return "\n".join([
+        f"disk: {result['file_bytes'] / 1e9:.2f} GB file via mmap, batch {result['batch']}, cold page "
+        f"cache each epoch ({'larger' if result['larger_than_ram'] else 'smaller'} than RAM)",
+        format_table(result["rows"], ["order", "batches", "of", "seconds", "MB_per_s", "epoch_s", "epoch_s_is"])])
+
+
+def format_regression(result: dict) -> str:
+    """:func:`regression`'s figures as text."""
+    (rows, dim), batch = result["shape"], result["batch"]
+    return "\n".join([
+        f"FFCV regression shape on {result['device']}: {rows} x {dim} float32 + targets, batch {batch} "
+        f"(limit: {result['limit']})",
+        format_table(result["rows"], ["case", "epoch_s", "min_s", "max_s", "vs_limit"])])

@@ -1,0 +1,107 @@
+"""Run the checkout's ``gpu``-marked tests in a subprocess and read back what happened.
+
+The tests ship with the source, not with the wheel: :func:`find_tests`
+looks for a ``tests/`` directory beside the installed package, and an
+installed wheel without one is reported as such, not as a pass.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+from typing import Optional
+
+import speedswap as ss
+
+__all__ = ["find_tests", "run_gpu_tests", "read_junit"]
+
+
+def find_tests() -> Optional[Path]:
+    """The ``tests/`` directory of the checkout this speedswap runs from, or None (an installed wheel)."""
+    tests = Path(ss.__file__).resolve().parent.parent / "tests"
+    return tests if (tests / "conftest.py").is_file() else None
+
+
+def read_junit(path: os.PathLike) -> dict:
+    """Counts and the failed tests' names from a pytest ``--junitxml`` report.
+
+    Returns:
+        ``{"tests", "passed", "failed", "errors", "skipped", "seconds", "failed_tests",
+        "skip_reasons"}``.
+    """
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    failed, reasons = [], set()
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(name)
+        skipped = case.find("skipped")
+        if skipped is not None:
+            reasons.add(skipped.get("message", ""))
+    return {"tests": counts["tests"], "failed": counts["failures"], "errors": counts["errors"],
+            "skipped": counts["skipped"],
+            "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+            "seconds": sum(float(s.get("time", 0)) for s in suites),
+            "failed_tests": failed, "skip_reasons": sorted(reasons)}
+
+
+def run_gpu_tests(out_dir: os.PathLike, *, hide_gpu: bool, timeout: float) -> dict:
+    """Run ``python -m pytest -m gpu tests/`` of the checkout; log and JUnit XML go to ``out_dir``.
+
+    The subprocess imports the checkout's own package (its root goes first on
+    ``PYTHONPATH``), so the tests check the code that is being benchmarked.
+
+    Args:
+        out_dir: where ``gpu-tests.log`` and ``gpu-tests.xml`` are written.
+        hide_gpu: run with ``CUDA_VISIBLE_DEVICES=""``, so every gpu test
+            reports skipped (the dry run exercises the plumbing on a CPU).
+        timeout: seconds before the run is stopped and reported as timed out.
+
+    Returns:
+        ``{"status": "ran" | "skipped" | "failed", "reason", "command", ...}``
+        plus :func:`read_junit`'s counts when pytest wrote its report.
+    """
+    tests = find_tests()
+    if tests is None:
+        return {"status": "skipped",
+                "reason": "no tests directory next to the package: this speedswap is an installed "
+                          "wheel; run bench --all from a checkout (pip install -e .) to include the gpu tests"}
+    out_dir = Path(out_dir)
+    root = tests.parent
+    xml, log = out_dir / "gpu-tests.xml", out_dir / "gpu-tests.log"
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", str(tests), "-q", "-rs",
+               "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    if hide_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        returncode, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode = None
+        output = "".join(part.decode() if isinstance(part, bytes) else (part or "")
+                         for part in (exc.stdout, exc.stderr))
+    log.write_text(output)
+    result = {"command": "python " + " ".join(command[1:6]), "returncode": returncode,
+              "wall_seconds": time.perf_counter() - start, "cuda_hidden": hide_gpu,
+              "log": log.name}
+    if returncode is None:
+        return {**result, "status": "failed", "reason": f"timed out after {timeout:.0f} s (see {log.name})"}
+    if not xml.exists():
+        return {**result, "status": "failed", "reason": f"pytest exited {returncode} without a report (see {log.name})"}
+    counts = read_junit(xml)
+    # pytest exits 0 (all passed or skipped), 1 (failures) or 5 (no gpu tests collected).
+    status = "ran" if returncode in (0, 5) and not counts["failed"] and not counts["errors"] else "failed"
+    reason = None
+    if hide_gpu:
+        reason = "dry run: CUDA hidden from the tests, so every gpu test reports skipped"
+    elif status == "failed":
+        reason = f"{counts['failed']} failed, {counts['errors']} errors (see {log.name})"
+    return {**result, **counts, "status": status, "reason": reason, "junit": xml.name}

@@ -1,0 +1,227 @@
+"""What ``python -m speedswap bench`` runs: the transport benchmark, or with ``--all`` the GPU suite.
+
+* :func:`run_transport_bench` (plain ``bench``): the transport benchmark at a
+  size this machine holds (CPU, plus the GPU cases where torch sees a GPU);
+  JSON, a text table and, when matplotlib is installed, a PNG chart.
+* :func:`run_all` (``bench --all``): on a GPU, every ``gpu``-marked test of the
+  checkout and every GPU benchmark (transport, training step, feeder), sized
+  to finish in about 8 minutes on an H100; JSON per benchmark plus
+  ``SUMMARY.md`` with the machine, each figure and each target ratio. With
+  ``dry_run`` every step runs at tiny sizes on the CPU and the GPU parts are
+  reported as skipped, so CI exercises the whole orchestration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from . import feeder, training_step, transport
+from .chart import matplotlib_missing, plot
+from .gpu_tests import run_gpu_tests
+from .summary import render_summary
+from .timing import available_ram, load_average, machine, write_json
+
+__all__ = ["DEFAULT_OUT", "BUDGET_S", "SuiteSizes", "GPU_SIZES", "DRY_RUN_SIZES", "fitting_rows",
+           "run_transport_bench", "run_all"]
+
+#: Where results go unless ``--out`` says otherwise: beside the caller, not in the checkout.
+DEFAULT_OUT = "speedswap-bench"
+#: What ``bench --all`` should take on an H100, in seconds.
+BUDGET_S = 480
+#: The plain bench's CPU table height; smaller machines get a shorter table.
+CPU_ROWS, DIM, IDS = 2_000_000, 128, 131_072
+#: Why the GPU parts do not run in a dry run.
+DRY_RUN_SKIP = "dry run: tiny sizes on the CPU; run bench --all on a CUDA machine for the GPU figures"
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteSizes:
+    """How big each step of ``bench --all`` is.
+
+    Attributes:
+        transport_rows, transport_ids, transport_repeats: the transport cases.
+        training_vocabs, training_repeats, training_shape: the training step.
+        feeder_rows: rows of the FFCV regression shape (None: scaled to free RAM).
+        feeder_epochs, feeder_workers, feeder_dim, feeder_batch: the rest of the feeder case.
+        tests_timeout: seconds the gpu tests may take.
+    """
+
+    transport_rows: int
+    transport_ids: int
+    transport_repeats: int
+    training_vocabs: tuple
+    training_repeats: int
+    training_shape: training_step.StepShape
+    feeder_rows: Optional[int]
+    feeder_epochs: int
+    feeder_workers: int
+    feeder_dim: int
+    feeder_batch: int
+    tests_timeout: float
+
+
+# The H100 budget, from bytes moved: a transport case moves its 131,072 rows
+# about 10 times per round (23 rounds, the torch-pinned contender dominating at
+# ~0.1 s), and building its host copies (up to 1 GiB each, 4 of them) costs a
+# few seconds: ~10 s per case, 5 cases. Training: 15 GB of pinned table and
+# state at 10M rows take ~15 s to allocate and fill; steps are milliseconds.
+# Feeder: 4 GB of data generated once (~5 s), 6 epochs per contender, the
+# DataLoader's ~2 s each dominating. The gpu tests get up to 5 minutes.
+GPU_SIZES = SuiteSizes(transport_rows=1_000_000, transport_ids=131_072, transport_repeats=20,
+                       training_vocabs=(1_000_000, 10_000_000), training_repeats=20,
+                       training_shape=training_step.StepShape(),
+                       feeder_rows=None, feeder_epochs=5, feeder_workers=min(8, os.cpu_count() or 1),
+                       feeder_dim=1000, feeder_batch=2048, tests_timeout=300)
+DRY_RUN_SIZES = SuiteSizes(transport_rows=32_768, transport_ids=4096, transport_repeats=3,
+                           training_vocabs=(5_000,), training_repeats=3,
+                           training_shape=training_step.StepShape(batch=256, dim=32),
+                           feeder_rows=4096, feeder_epochs=2, feeder_workers=1, feeder_dim=1000,
+                           feeder_batch=512, tests_timeout=300)
+
+
+def fitting_rows(available_bytes: int, share: int = 8) -> int:
+    """Table rows for the CPU transport case: the full height, or what fits in ``1/share`` of free RAM."""
+    return int(max(IDS, min(CPU_ROWS, available_bytes // share // (DIM * 4))))
+
+
+def _regression_rows(dim: int, cap: int = 1_000_000) -> int:
+    """Rows of the FFCV regression shape that fit: the data is held about four times, in a quarter of free RAM."""
+    free = available_ram() or 0
+    return int(max(16_384, min(cap, free // 16 // ((dim + 1) * 4))))
+
+
+def run_transport_bench(out_dir: os.PathLike = DEFAULT_OUT, quick: bool = False, repeats: int = 20,
+                        log: Callable[[str], None] = print) -> tuple:
+    """The transport benchmark at a size this machine holds: JSON, text table, PNG chart.
+
+    matplotlib is checked first: without it the JSON is written and the
+    chart skipped with a one-line note.
+
+    Args:
+        out_dir: where ``transport-bench-{cpu,gpu}.json`` (and ``.png``) go.
+        quick: 16x smaller sizes (a smoke run).
+        repeats: timed rounds per contender.
+        log: receives progress lines and the tables of figures.
+
+    Returns:
+        (payload dict, list of paths written)
+    """
+    no_chart = matplotlib_missing()
+    if no_chart:
+        log(f"note: {no_chart}; the JSON is written, the chart skipped")
+    scale = 16 if quick else 1
+    payload = {"cpu": transport.run_cpu(fitting_rows(available_ram() or 0) // scale, DIM, IDS // scale,
+                                        repeats=repeats)}
+    log(transport.format_cpu(payload["cpu"]))
+    if torch.cuda.is_available():
+        payload["gpu"] = transport.run_gpu(1_000_000 // scale, IDS // scale, repeats)
+        log(transport.format_gpu(payload["gpu"]))
+    stem = Path(out_dir) / f"transport-bench-{'gpu' if 'gpu' in payload else 'cpu'}"
+    written = [write_json(stem.with_suffix(".json"), "transport", payload)]
+    if not no_chart:
+        written.append(plot(payload, stem.with_suffix(".png")))
+    return payload, written
+
+
+def _kind(dry_run: bool) -> str:
+    """The results files' suffix, as benchmarks/results/ names them."""
+    return "cpu" if dry_run else "gpu"
+
+
+def _gpu_tests_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
+    outcome = run_gpu_tests(out_dir, hide_gpu=dry_run, timeout=sizes.tests_timeout)
+    write_json(out_dir / "gpu_tests.json", "gpu_tests", {"gpu_tests": outcome})
+    counts = ", ".join(f"{outcome[k]} {k}" for k in ("passed", "failed", "errors", "skipped") if k in outcome)
+    log(f"gpu tests: {outcome['status']}" + (f" ({counts})" if counts else "")
+        + (f"; {outcome['reason']}" if outcome.get("reason") else ""))
+    return {**outcome, "json": "gpu_tests.json", "result": outcome}
+
+
+def _transport_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
+    if dry_run:
+        payload = {"cpu": transport.run_cpu(sizes.transport_rows, DIM, sizes.transport_ids,
+                                            repeats=sizes.transport_repeats),
+                   "gpu_skipped": DRY_RUN_SKIP}
+        log(transport.format_cpu(payload["cpu"]))
+    else:
+        payload = {"gpu": transport.run_gpu(sizes.transport_rows, sizes.transport_ids, sizes.transport_repeats)}
+        log(transport.format_gpu(payload["gpu"]))
+    name = f"transport-{_kind(dry_run)}.json"
+    write_json(out_dir / name, "transport", payload)
+    return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
+
+
+def _training_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
+    device = torch.device("cpu" if dry_run else "cuda")
+    payload = training_step.run(sizes.training_vocabs, sizes.training_repeats, device, sizes.training_shape)
+    log(training_step.format_results(payload))
+    name = f"training_step-{_kind(dry_run)}.json"
+    write_json(out_dir / name, "training_step", payload)
+    return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
+
+
+def _feeder_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
+    device = torch.device("cpu" if dry_run else "cuda")
+    rows = sizes.feeder_rows or _regression_rows(sizes.feeder_dim)
+    payload = {"regression": feeder.regression(rows, sizes.feeder_epochs, sizes.feeder_workers, device,
+                                               dim=sizes.feeder_dim, batch=sizes.feeder_batch)}
+    log(feeder.format_regression(payload["regression"]))
+    name = f"feeder-{_kind(dry_run)}.json"
+    write_json(out_dir / name, "feeder", payload)
+    return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
+
+
+#: The steps of ``bench --all``, in order.
+STEPS = {"gpu tests": _gpu_tests_step, "transport": _transport_step, "training step": _training_step,
+         "feeder": _feeder_step}
+
+
+def run_all(out_dir: os.PathLike = DEFAULT_OUT, dry_run: bool = False,
+            log: Callable[[str], None] = print) -> dict:
+    """Every gpu test and GPU benchmark; JSON per step, ``suite.json`` and ``SUMMARY.md`` in ``out_dir``.
+
+    A step that raises is recorded as failed with its traceback and the
+    others still run: minutes of measurements are not thrown away.
+
+    Args:
+        out_dir: the results directory (created).
+        dry_run: tiny sizes on the CPU, GPU parts reported as skipped.
+        log: receives progress lines and each step's table of figures.
+
+    Returns:
+        The suite record: ``mode``, ``machine``, ``seconds``, and per step its
+        ``status``, ``reason``, ``seconds``, ``json`` file and ``result`` (the
+        figures; ``suite.json`` holds the rest of the record).
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sizes = DRY_RUN_SIZES if dry_run else GPU_SIZES
+    record = {"mode": "dry run" if dry_run else "full", "machine": machine(),
+              "sizes": dataclasses.asdict(sizes), "budget_s": BUDGET_S, "steps": {}}
+    start = time.perf_counter()
+    for name, step in STEPS.items():
+        log(f"\n== {name} ({time.perf_counter() - start:.0f} s into the run)")
+        began = time.perf_counter()
+        try:
+            outcome = step(out_dir, sizes, dry_run, log)
+        except Exception as exc:  # noqa: BLE001 -- a broken step must not lose the others' results
+            outcome = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}",
+                       "traceback": traceback.format_exc()}
+            log(f"{name} failed:\n{outcome['traceback']}")
+        outcome["seconds"] = time.perf_counter() - began
+        record["steps"][name] = outcome
+    record["seconds"] = time.perf_counter() - start
+    record["load_average_after"] = load_average()
+    # The figures are in each step's own JSON file; suite.json says how the run went.
+    steps = {name: {k: v for k, v in outcome.items() if k != "result"} for name, outcome in record["steps"].items()}
+    (out_dir / "suite.json").write_text(json.dumps({**record, "steps": steps}, indent=2, default=str))
+    (out_dir / "SUMMARY.md").write_text(render_summary(record))
+    return record

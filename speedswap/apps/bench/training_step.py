@@ -1,0 +1,235 @@
+"""A skip-gram training step with Adam: offloaded (OffloadedEmbedding) vs entirely in memory.
+
+Step: 4096 (center, context) pairs and 5 negatives per pair, dim 128, ids
+drawn from a Zipf distribution over the vocabulary (p ~ 1/rank, as word
+frequencies), one table shared by centers, contexts and negatives (tied
+embeddings: the work per step is that of two tables, the memory half, so a
+10M-row table with Adam's two state tables, 15 GB, fits a 24 GB machine).
+
+* in memory: ``nn.Embedding(sparse=True)`` + ``SparseAdam`` (in RAM on a CPU,
+  all on the GPU on a GPU) -- lazy Adam, the same function as the offloaded one.
+* offloaded: ``OffloadedEmbedding`` with ``Adam`` attached; table and state in
+  host memory (pinned on a GPU), ``max_rows`` = batch * (2 + negatives).
+
+The two setups are timed interleaved (one step of each per round, so a noisy
+neighbour hits both alike) when both fit at once; otherwise one after the
+other, each alone. On a GPU each setup's device memory is measured when it is
+built (torch's allocator, resident and peak over its first steps): the
+offloaded one holds only the working set and must not grow with the vocabulary.
+
+>>> payload = run([500], repeats=2, device=torch.device("cpu"), shape=StepShape(batch=32, dim=8))
+>>> entry = payload["results"][0]
+>>> entry["vocab"], entry["offloaded"]["interleaved"], entry["throughput_ratio"] > 0
+(500, True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import speedswap as ss
+
+from .timing import available_ram, format_table, load_average, time_interleaved, time_one
+
+__all__ = ["StepShape", "TARGET", "zipf_batches", "skipgram_loss", "build_in_memory", "build_offloaded",
+           "measure", "run", "format_results"]
+
+#: Offloaded throughput over in-memory throughput at a vocabulary that fits both (GPU).
+TARGET = (">=", 0.9)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """The size of one training step.
+
+    Attributes:
+        batch: (center, context) pairs per step.
+        negatives: negative words per pair.
+        dim: embedding length.
+        lr: Adam's learning rate.
+    """
+
+    batch: int = 4096
+    negatives: int = 5
+    dim: int = 128
+    lr: float = 1e-3
+
+    @property
+    def rows_per_step(self) -> int:
+        """Ids a step looks up: centers, contexts and negatives."""
+        return self.batch * (2 + self.negatives)
+
+
+def zipf_batches(vocab: int, count: int, device: torch.device, shape: StepShape, seed: int = 0) -> list:
+    """``count`` batches of (center, context, negatives) ids on ``device``, p(rank r) ~ 1/r."""
+    rng = np.random.default_rng(seed)
+    cdf = np.cumsum(1.0 / np.arange(1, vocab + 1))
+    cdf /= cdf[-1]
+
+    def draw(size):
+        return torch.from_numpy(np.minimum(np.searchsorted(cdf, rng.random(size)), vocab - 1)).to(device)
+
+    return [(draw(shape.batch), draw(shape.batch), draw((shape.batch, shape.negatives)))
+            for _ in range(count)]
+
+
+def skipgram_loss(emb: torch.nn.Module, center: torch.Tensor, context: torch.Tensor,
+                  negatives: torch.Tensor) -> torch.Tensor:
+    """Mean negative-sampling loss with one (tied) table for centers and contexts."""
+    u = emb(center)
+    pos = F.logsigmoid((u * emb(context)).sum(-1))
+    neg = F.logsigmoid(-(emb(negatives) @ u.unsqueeze(-1)).squeeze(-1)).sum(-1)
+    return -(pos + neg).mean()
+
+
+def build_in_memory(vocab: int, device: torch.device, shape: StepShape):
+    """``nn.Embedding(sparse=True)`` on ``device`` and ``SparseAdam``; returns (module, optimizer)."""
+    emb = torch.nn.Embedding(vocab, shape.dim, sparse=True, device=device)
+    return emb, torch.optim.SparseAdam(list(emb.parameters()), lr=shape.lr)
+
+
+def build_offloaded(vocab: int, device: torch.device, shape: StepShape):
+    """``OffloadedEmbedding`` (pinned on a GPU) with ``Adam`` attached; returns (module, optimizer)."""
+    if device.type == "cuda":
+        emb = ss.OffloadedEmbedding(vocab, shape.dim, max_rows=shape.rows_per_step, storage="pinned",
+                                    backend="cuda")
+    else:
+        emb = ss.OffloadedEmbedding(vocab, shape.dim, max_rows=shape.rows_per_step, storage="pageable",
+                                    backend="numpy")
+    opt = torch.optim.Adam(emb.parameters(), lr=shape.lr)
+    emb.attach(opt)
+    return emb, opt
+
+
+_BUILDS = {"in_memory": build_in_memory, "offloaded": build_offloaded}
+
+
+def _step_fn(build: Callable, vocab: int, batches: list, device: torch.device, shape: StepShape):
+    """Build a setup and return (step function cycling through ``batches``, its device memory).
+
+    The memory figures (None off the GPU) are torch allocator bytes added by
+    building the setup and running two steps: ``device_bytes`` still held
+    after them, ``device_peak_bytes`` at the highest point.
+    """
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    emb, opt = build(vocab, device, shape)
+    position = [0]
+
+    def step():
+        center, context, negatives = batches[position[0] % len(batches)]
+        position[0] += 1
+        skipgram_loss(emb, center, context, negatives).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    memory = {"device_bytes": None, "device_peak_bytes": None}
+    if cuda:
+        torch.cuda.synchronize(device)
+        memory = {"device_bytes": torch.cuda.memory_allocated(device) - before,
+                  "device_peak_bytes": torch.cuda.max_memory_allocated(device) - before}
+    return step, memory
+
+
+def _fit_together(vocab: int, device: torch.device, shape: StepShape) -> bool:
+    """Whether both setups fit at once, with room to spare (table + Adam's two moments each)."""
+    nbytes = vocab * shape.dim * 4 * 3
+    ram = available_ram() or 0
+    if device.type == "cpu":
+        return 2 * nbytes < 0.7 * ram
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes < 0.7 * ram and nbytes < 0.7 * free
+
+
+def measure(vocab: int, device: torch.device, repeats: int, shape: StepShape) -> dict:
+    """Time both setups at ``vocab`` rows; one :func:`run` result entry.
+
+    Returns:
+        dict with ``vocab``, ``distinct_rows_per_step``, ``ratio`` (offloaded time / in-memory time), ``throughput_ratio``
+        (its inverse), ``load_average_before``, and per setup its timing
+        summary, device memory and whether it ran ``interleaved``.
+    """
+    batches = zipf_batches(vocab, 8, device, shape)
+    distinct = float(np.mean([len(torch.unique(torch.cat([c, x, n.reshape(-1)]))) for c, x, n in batches]))
+    load = load_average()
+    cuda = device.type == "cuda"
+    interleaved = _fit_together(vocab, device, shape)
+    timings = {}
+    if interleaved:
+        steps, memory = {}, {}
+        for name, build in _BUILDS.items():
+            steps[name], memory[name] = _step_fn(build, vocab, batches, device, shape)
+        for name, summary in time_interleaved(steps, repeats=repeats, cuda=cuda).items():
+            timings[name] = {**summary, **memory[name], "interleaved": True}
+        del steps
+    else:
+        for name, build in _BUILDS.items():
+            step, memory = _step_fn(build, vocab, batches, device, shape)
+            timings[name] = {**time_one(step, repeats=repeats, cuda=cuda), **memory, "interleaved": False}
+            del step
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    ratio = timings["offloaded"]["median_s"] / timings["in_memory"]["median_s"]
+    return {"vocab": vocab, "distinct_rows_per_step": distinct, "ratio": ratio, "throughput_ratio": 1.0 / ratio,
+            "pairs_per_s": {name: shape.batch / t["median_s"] for name, t in timings.items()},
+            "load_average_before": load, **timings}
+
+
+def run(vocabs: Sequence[int], repeats: int, device: torch.device, shape: StepShape = StepShape()) -> dict:
+    """:func:`measure` at each vocabulary size.
+
+    Args:
+        vocabs: table rows to try, e.g. ``[1_000_000, 10_000_000]``.
+        repeats: timed steps per setup.
+        device: ``cuda`` (in-memory means all-GPU) or ``cpu`` (in RAM).
+        shape: the step's size.
+
+    Returns:
+        ``{"setup": description, "results": [entry per vocabulary]}``.
+    """
+    results = []
+    for vocab in vocabs:
+        results.append(measure(vocab, device, repeats, shape))
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"setup": {"batch": shape.batch, "negatives": shape.negatives, "dim": shape.dim,
+                      "optimizer": "Adam", "lr": shape.lr, "device": str(device),
+                      "ids": "Zipf p~1/rank", "tied_embeddings": True,
+                      "in_memory": "nn.Embedding(sparse=True) + SparseAdam",
+                      "offloaded": "OffloadedEmbedding + Adam (lazy; same function as SparseAdam "
+                                   "up to where eps is added)",
+                      "device_memory": "torch allocator bytes added by building the setup and "
+                                       "running two steps (resident after; peak)",
+                      "target": ("GPU: offloaded throughput >= 0.9x all-GPU at a vocabulary that fits; "
+                                 "CPU: offloaded <= 1.2x in-memory time")},
+            "results": results}
+
+
+def _mib(value: Optional[int]) -> Optional[float]:
+    return None if value is None else value / 2**20
+
+
+def format_results(payload: dict) -> str:
+    """:func:`run`'s figures as a text table."""
+    rows = [{"vocab": e["vocab"], "distinct rows": round(e["distinct_rows_per_step"]),
+             "in-memory ms": 1e3 * e["in_memory"]["median_s"], "offloaded ms": 1e3 * e["offloaded"]["median_s"],
+             "throughput offloaded/in-memory": e["throughput_ratio"], "interleaved": e["in_memory"]["interleaved"],
+             "device MiB in-memory": _mib(e["in_memory"]["device_bytes"]),
+             "device MiB offloaded": _mib(e["offloaded"]["device_bytes"])}
+            for e in payload["results"]]
+    setup = payload["setup"]
+    return (f"training step: skip-gram, Adam, {setup['batch']} pairs x {setup['negatives']} negatives, "
+            f"dim {setup['dim']}, on {setup['device']}\n" + format_table(rows, list(rows[0])))

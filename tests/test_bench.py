@@ -1,0 +1,207 @@
+"""``python -m speedswap bench``: the plain transport benchmark and the ``--all`` suite (dry run here, GPU on a GPU)."""
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from speedswap.__main__ import main
+from speedswap.apps.bench import feeder, gpu_tests, suite, training_step, transport
+from speedswap.apps.bench.summary import render_summary, target_rows
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ["Machine", "Steps", "Targets", "GPU tests", "Transport", "Training step", "Feeder"]
+
+
+def sections(markdown):
+    """``{heading: body}`` of the ``## `` sections of a Markdown text."""
+    parts = re.split(r"^## (.+)$", markdown, flags=re.M)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_result_and_a_summary_with_numbers(tmp_path):
+    out = tmp_path / "results"
+    # From outside the checkout, as a user would: results go where --out says.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "speedswap", "bench", "--all", "--dry-run", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    names = {p.name for p in out.iterdir()}
+    assert {"SUMMARY.md", "suite.json", "gpu_tests.json", "gpu-tests.log", "gpu-tests.xml", "transport-cpu.json",
+            "training_step-cpu.json", "feeder-cpu.json"} <= names, names
+
+    summary = (out / "SUMMARY.md").read_text()
+    found = sections(summary)
+    assert list(found) == SECTIONS
+    for name, body in found.items():
+        assert re.search(r"\d+\.\d+", body), f"section {name!r} has no figure:\n{body}"
+    # Every GPU target is listed, each skipped with its reason.
+    targets = [line for line in found["Targets"].splitlines() if line.startswith("| ") and "goal" not in line]
+    assert len(targets) == 7
+    assert all("skipped: dry run" in line for line in targets), targets
+
+    transport_json = json.loads((out / "transport-cpu.json").read_text())
+    assert transport_json["machine"]["cores"] and len(transport_json["machine"]["load_average"]) == 3
+    assert all(value > 0 for value in transport_json["cpu"]["targets"].values())
+    feeder_json = json.loads((out / "feeder-cpu.json").read_text())["regression"]
+    # The summary quotes the run's own figures.
+    assert f"{feeder_json['feeder_over_limit']:.3g}x the limit" in found["Feeder"]
+    training_json = json.loads((out / "training_step-cpu.json").read_text())
+    assert f"{training_json['results'][0]['throughput_ratio']:.3g}" in found["Training step"]
+
+    tests = json.loads((out / "gpu_tests.json").read_text())["gpu_tests"]
+    assert tests["status"] == "ran" and tests["cuda_hidden"]
+    assert tests["tests"] > 0 and tests["skipped"] == tests["tests"]  # CUDA was hidden from every one
+    record = json.loads((out / "suite.json").read_text())
+    assert record["mode"] == "dry run" and set(record["steps"]) == set(suite.STEPS)
+    assert all(step["status"] == "ran" for step in record["steps"].values())
+
+
+def test_bench_all_needs_a_gpu_or_dry_run(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: bench --all would run the full suite")
+    assert main(["bench", "--all"]) == 2
+    assert "--dry-run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["bench", "--dry-run"], ["bench", "--all", "--quick"],
+                                  ["bench", "--all", "--repeats", "3"]])
+def test_bench_refuses_options_that_would_be_ignored(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert "bench --all" in capsys.readouterr().err
+
+
+def test_without_matplotlib_bench_writes_the_json_and_skips_the_chart(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec now says it is not installed
+    lines = []
+    payload, written = suite.run_transport_bench(tmp_path, quick=True, repeats=2, log=lines.append)
+    assert lines[0].startswith("note: matplotlib is not installed") and "chart skipped" in lines[0]
+    assert [p.suffix for p in written] == [".json"] and not list(tmp_path.glob("*.png"))
+    assert any("HostTable.gather" in line for line in lines)  # the table of figures is printed
+    assert json.loads(written[0].read_text())["cpu"]["targets"] == payload["cpu"]["targets"]
+
+
+def test_plain_bench_writes_beside_the_caller_by_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--quick", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    written = sorted(p.name for p in (tmp_path / suite.DEFAULT_OUT).iterdir())
+    assert written[0] == "transport-bench-" + ("gpu" if torch.cuda.is_available() else "cpu") + ".json"
+    assert f"wrote {suite.DEFAULT_OUT}/{written[0]}" in out
+    assert "median_ms" in out and "HostTable.gather" in out  # the figures, not only the paths
+
+
+def test_an_installed_wheel_says_the_gpu_tests_are_not_there(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_tests, "find_tests", lambda: None)
+    outcome = gpu_tests.run_gpu_tests(tmp_path, hide_gpu=False, timeout=10)
+    assert outcome["status"] == "skipped" and "installed wheel" in outcome["reason"]
+
+
+def _gpu_case(row_bytes, dtype, gather, scatter, speedtorch, torch_pinned):
+    """A transport case shaped as run_gpu_case returns it, with chosen ratios (to test the summary's logic)."""
+    rows = [{"method": m, "median_ms": 1.0, "min_ms": 0.9, "max_ms": 1.2, "GB/s": 10.0}
+            for m in ("speedswap", "(a) SpeedTorch cupy", "(b) torch pinned", "(d) pinned memcpy H2D",
+                      "(e) device-to-device copy")]
+    return {"config": {"num_rows": 1000, "dim": row_bytes // 4, "num_ids": 100, "dtype": dtype,
+                       "row_bytes": row_bytes, "repeats": 3, "load_average_before": [0.0, 0.0, 0.0],
+                       "skipped": {} if speedtorch else {"(a) SpeedTorch cupy": "CuPy is not installed"}},
+            "to_gpu": rows, "from_gpu": [dict(r, method=r["method"].replace("H2D", "D2H")) for r in rows[:4]],
+            "targets": {"gather_fraction_of_h2d": gather, "scatter_fraction_of_d2h": scatter,
+                        "round_trip_vs_speedtorch": speedtorch, "round_trip_vs_torch_pinned": torch_pinned}}
+
+
+def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
+    machine = {"date": "d", "host": "h", "cpu": "c", "cores": 16, "ram_bytes": 2**37, "ram_available_bytes": 2**36,
+               "load_average": [0.5, 0.5, 0.5], "gpu": "NVIDIA H100", "gpu_memory_bytes": 80 * 2**30,
+               "driver": "580", "cuda": "12.8", "pcie_link": "5, 16", "torch": "2.9", "cupy": None,
+               "numpy": "2.3", "python": "3.12", "speedswap": "0.1.0"}
+    entry = {"vocab": 1_000_000, "distinct_rows_per_step": 9000.0, "ratio": 1 / 0.95, "throughput_ratio": 0.95,
+             "pairs_per_s": {}, "load_average_before": None,
+             "in_memory": {"median_s": 0.01, "min_s": 0.01, "max_s": 0.01, "repeats": 3, "interleaved": True,
+                           "device_bytes": 1536 * 2**20, "device_peak_bytes": 1600 * 2**20},
+             "offloaded": {"median_s": 0.0105, "min_s": 0.01, "max_s": 0.011, "repeats": 3, "interleaved": True,
+                           "device_bytes": 64 * 2**20, "device_peak_bytes": 80 * 2**20}}
+    regression = {"shape": [1000, 1000], "batch": 2048, "device": "cuda", "feeder_over_limit": 1.5,
+                  "limit": "pinned host-to-device copy",
+                  "rows": [{"case": "BatchFeeder", "epoch_s": 1.5, "min_s": 1.4, "max_s": 1.6, "vs_limit": 1.5}]}
+    ran = lambda result: {"status": "ran", "reason": None, "seconds": 1.0, "json": "x.json", "result": result}  # noqa: E731
+    record = {"mode": "full", "machine": machine, "seconds": 100.0, "budget_s": 480, "load_average_after": None,
+              "steps": {"gpu tests": {"status": "skipped", "reason": "installed wheel", "seconds": 0.0},
+                        "transport": ran({"gpu": [_gpu_case(512, "float32", 0.8, 0.7, None, 25.0)]}),
+                        "training step": ran({"setup": {**dataclasses.asdict(training_step.StepShape()),
+                                                        "device": "cuda", "in_memory": "e", "offloaded": "o",
+                                                        "device_memory": "m"},
+                                              "results": [entry]}),
+                        "feeder": ran({"regression": regression})}}
+    rows = {row[0]: row for row in target_rows(record)}
+    case = "512 B float32 rows (SpeedTorch case)"
+    assert rows[f"{case}: gather / pinned H2D copy bandwidth"][2:] == [0.8, "yes"]
+    assert rows[f"{case}: scatter / pinned D2H copy bandwidth"][2:] == [0.7, "**no**"]
+    speedtorch = rows[f"{case}: gather+scatter speed-up over SpeedTorch (CuPy on pinned memory)"]
+    assert speedtorch[2] == "skipped: CuPy is not installed" and speedtorch[3] == "—"
+    assert rows["training throughput offloaded / all-GPU, vocab 1,000,000 (interleaved)"][2:] == [0.95, "yes"]
+    assert rows["GPU memory at vocab 1,000,000: all-GPU / offloaded (MiB, resident)"][2] == "1,536 / 64"
+    assert rows["feeder epoch (FFCV regression shape) / pinned copy of the same bytes"][2:] == [1.5, "**no**"]
+    text = render_summary(record)
+    assert list(sections(text)) == SECTIONS
+    assert "pinned H2D 10.0 GB/s, pinned D2H 10.0 GB/s, device-to-device 10.0 GB/s" in text
+
+
+def test_summary_of_failed_steps_still_lists_every_target_and_section():
+    failed = {"status": "failed", "reason": "RuntimeError: boom", "seconds": 0.5}
+    machine = dict.fromkeys(["date", "host", "cpu", "cores", "torch", "numpy", "python", "speedswap", "gpu",
+                             "load_average"], "x")
+    record = {"mode": "full", "machine": {**machine, "ram_bytes": 2**30, "ram_available_bytes": 2**29},
+              "seconds": 500.0, "budget_s": 480, "steps": dict.fromkeys(suite.STEPS, failed)}
+    text = render_summary(record)
+    found = sections(text)
+    assert list(found) == SECTIONS
+    targets = target_rows(record)
+    assert len(targets) == 7 and all("step failed (RuntimeError: boom)" in row[2] for row in targets)
+    for name in ("Transport", "Training step", "Feeder"):
+        assert "not measured: RuntimeError: boom" in found[name]
+    assert "over the 480 s budget" in found["Steps"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_transport_case_runs_every_contender(dtype):
+    case = transport.run_gpu_case(num_rows=65_536, dim=64, num_ids=8192, dtype=dtype, repeats=2)
+    methods = sorted(row["method"].split(" ")[0] for row in case["to_gpu"])
+    if transport.cupy_missing():  # SpeedTorch's method needs CuPy; the run says why it is missing
+        assert methods == ["(b)", "(c)", "(d)", "(e)", "speedswap"] and case["config"]["skipped"]
+        assert case["targets"].pop("round_trip_vs_speedtorch") is None
+    else:
+        assert methods == ["(a)", "(b)", "(c)", "(d)", "(e)", "speedswap"]
+    assert all(value > 0 for value in case["targets"].values())
+
+
+@pytest.mark.gpu
+def test_speedtorch_baseline_holds_the_values_it_was_filled_with():
+    cupy = pytest.importorskip("cupy")
+    values = torch.randn(1000, 16).to(torch.bfloat16)
+    table, _memory = transport._speedtorch_table(cupy, values)
+    ids = torch.tensor([5, 999, 0, 5], device="cuda")
+    rows = torch.from_dlpack(table[cupy.from_dlpack(ids)]).view(torch.bfloat16)
+    assert torch.equal(rows.cpu(), values[ids.cpu()])
+
+
+@pytest.mark.gpu
+def test_gpu_training_and_feeder_measure_at_small_sizes():
+    payload = training_step.run([5000], 2, torch.device("cuda"), training_step.StepShape(batch=256, dim=32))
+    entry = payload["results"][0]
+    # The all-GPU table (plus Adam's state) is on the device; offloaded holds only the working set there.
+    assert entry["in_memory"]["device_bytes"] >= 5000 * 32 * 4 * 3
+    assert 0 < entry["offloaded"]["device_bytes"] < entry["in_memory"]["device_bytes"]
+    result = feeder.regression(rows=4096, epochs=2, workers=0, device=torch.device("cuda"), dim=64, batch=512)
+    assert result["feeder_over_limit"] > 0 and np.isfinite(result["feeder_over_limit"])

@@ -1,0 +1,34 @@
+"""``python -m speedswap``: every command's ``--help`` shows the defaults."""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from speedswap.__main__ import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _subparsers(parser):
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return commands.choices
+
+
+@pytest.mark.parametrize("command", ["info", "demo", "bench"])
+def test_every_option_with_a_default_says_it_in_help(command):
+    parser = _subparsers(build_parser())[command]
+    assert issubclass(parser.formatter_class, argparse.ArgumentDefaultsHelpFormatter)
+    help_text = parser.format_help()
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, argparse.SUPPRESS):
+            assert action.help, f"{command} {action.option_strings[0]} has no help to show its default in"
+            assert f"(default: {action.default})" in " ".join(help_text.split())
+
+
+def test_bench_help_runs_as_a_module():
+    out = subprocess.run([sys.executable, "-m", "speedswap", "bench", "--help"], check=True, cwd=ROOT,
+                         capture_output=True, text=True).stdout
+    assert "--all" in out and "--dry-run" in out and "(default: speedswap-bench)" in out
