@@ -198,3 +198,22 @@ def test_eval_forward_reads_rows_and_attach_is_required(rng):
     with pytest.raises(ss.IdError):
         emb.eval()(torch.tensor([50]))
     assert emb.state_dict() == {}
+
+
+@pytest.mark.slow
+def test_word2vec_example_under_torchrun(tmp_path):
+    """``torchrun --nproc-per-node 2 examples/word2vec.py --distributed`` learns the planted topics."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "examples/word2vec.py", "--distributed", "--device", "cpu", "--vocab", "2000",
+         "--topics", "20", "--tokens", "200000", "--dim", "32", "--steps", "150",
+         "--batch-size", "512", "--quiet", "--storage", "pageable", "--json", tmp_path / "w.json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads((tmp_path / "w.json").read_text())
+    assert figures["world_size"] == 2
+    # The same bar the one-process example meets (tests/test_examples.py).
+    assert figures["topic_purity"] > 0.6 and figures["topic_purity"] > 8 * figures["chance"]
+    assert figures["losses"][-1][1] < 0.7 * figures["losses"][0][1]
+    assert figures["bytes_sent_per_step"] > 0
