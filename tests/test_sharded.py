@@ -217,3 +217,25 @@ def test_word2vec_example_under_torchrun(tmp_path):
     assert figures["topic_purity"] > 0.6 and figures["topic_purity"] > 8 * figures["chance"]
     assert figures["losses"][-1][1] < 0.7 * figures["losses"][0][1]
     assert figures["bytes_sent_per_step"] > 0
+
+
+def test_one_rank_bfloat16_equals_offloaded_embedding(rng):
+    """Without a process group the sharded class is one shard; bfloat16 rows train in float32."""
+    table0 = torch.from_numpy(rng.standard_normal((40, 4), dtype=np.float32)).to(torch.bfloat16)
+    embs = [cls(40, 4, max_rows=12, dtype=torch.bfloat16, backend="numpy", storage="pageable")
+            for cls in (ss.ShardedOffloadedEmbedding, ss.OffloadedEmbedding)]
+    opts = []
+    for emb in embs:
+        emb.table.scatter(torch.arange(40), table0)
+        opts.append(torch.optim.Adagrad(emb.parameters(), lr=0.1))
+        emb.attach(opts[-1])
+    for _ in range(30):
+        ids = torch.from_numpy(rng.integers(0, 40, size=12))
+        target = torch.from_numpy(rng.standard_normal((12, 4), dtype=np.float32))
+        for emb, opt in zip(embs, opts):
+            ((emb(ids[:5]) - target[:5]) ** 2).sum().add(((emb(ids[5:]) - target[5:]) ** 2).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    sharded, plain = (emb.table.as_tensor().float() for emb in embs)
+    assert sharded.dtype == torch.float32 and not torch.equal(sharded, table0.float())  # it trained
+    torch.testing.assert_close(sharded, plain, rtol=0, atol=0)
