@@ -13,6 +13,7 @@ Usage::
     python examples/word2vec.py --corpus text8 --vocab 71290 --steps 20000
     python examples/word2vec.py --vocab 20000000 --storage mmap --table-dir /data/w2v   # > RAM
     python examples/word2vec.py --speedtorch-api             # ModelFactory / OptimizerFactory
+    torchrun --nproc-per-node 2 examples/word2vec.py --distributed   # tables sharded over 2 ranks
 
 Without ``--corpus`` the corpus is synthetic: every word belongs to one of
 ``--topics`` topics, documents are drawn from one topic each with Zipf word
@@ -71,6 +72,8 @@ def main(argv=None):
     parser.add_argument("--table-dir", help="directory for --storage mmap's files")
     parser.add_argument("--speedtorch-api", action="store_true",
                         help="train through ModelFactory/OptimizerFactory instead of OffloadedEmbedding")
+    parser.add_argument("--distributed", action="store_true",
+                        help="run under torchrun: tables row-sharded over the ranks (docs/distributed.md)")
     parser.add_argument("--save", metavar="PATH", help="save the trained centre vectors (.npy)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_common_arguments(parser)
@@ -87,6 +90,12 @@ def main(argv=None):
     print(f"corpus: {len(corpus.tokens):,} tokens, vocabulary {corpus.vocab_size:,} "
           f"({'synthetic, ' + str(args.topics) + ' topics' if corpus.topics is not None else args.corpus}), "
           f"ready in {time.perf_counter() - start:.1f} s")
+    if args.distributed:
+        from _distributed import word2vec_sharded
+        figures = word2vec_sharded(args, corpus, backend)
+        if figures is not None:
+            write_json(args, figures)
+        return figures
 
     result = word2vec.train(corpus, dim=args.dim, steps=args.steps, batch_size=args.batch_size,
                             negatives=args.negatives, window=args.window, subsample=args.subsample,

@@ -13,7 +13,7 @@ from .errors import (BackendUnavailableError, CapacityError, DeviceError, DTypeE
 from .info import info
 from .version import __version__
 from .table import HostTable
-from .train import OffloadedEmbedding
+from .train import OffloadedEmbedding, ShardedOffloadedEmbedding, load_sharded
 from .data import BatchFeeder
 from .compat import (DataGadget, GPUPytorchModelFactory, GPUPytorchOptimizerFactory,
                      ModelFactory, OptimizerFactory)
@@ -22,6 +22,8 @@ __all__ = [
     "__version__",
     "HostTable",
     "OffloadedEmbedding",
+    "ShardedOffloadedEmbedding",
+    "load_sharded",
     "ModelFactory",
     "OptimizerFactory",
     "GPUPytorchModelFactory",

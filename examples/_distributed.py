@@ -1,0 +1,121 @@
+"""The examples' ``--distributed`` mode: tables row-sharded over the ranks torchrun starts.
+
+Start one process per rank with torchrun (it sets the ``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR`` variables :func:`init` reads)::
+
+    torchrun --nproc-per-node 2 examples/word2vec.py --distributed
+
+Each rank owns ``1/W`` of every table's rows and of their Adam state
+(:class:`speedswap.ShardedOffloadedEmbedding`), reads its own share of every
+epoch (:class:`speedswap.BatchFeeder` takes rank and world size from
+``torch.distributed``), and trains on ``--batch-size / W`` pairs per step, so
+one step covers the same number of pairs as one process does; the ranks'
+gradients are averaged, so the loss is the mean over all of them.
+"""
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import speedswap as ss
+from speedswap.apps import word2vec
+from speedswap.apps.corpus import keep_probabilities, skipgram_pairs
+
+
+def init(device):
+    """Join the process group torchrun describes: NCCL for a GPU, gloo for the CPU.
+
+    Returns:
+        (rank, world_size)
+    """
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _batches(corpus, args, per_rank, device):
+    """Endless (centres, contexts) batches: this rank's share of every chunk of the corpus.
+
+    Every rank draws the same pairs (the same seed) and the feeder hands each
+    its own share, the same number of batches on every rank (``drop_last``).
+    """
+    rng = np.random.default_rng(args.seed)
+    keep = keep_probabilities(corpus.counts, args.subsample)
+    doc_id = np.searchsorted(corpus.doc_starts, np.arange(len(corpus.tokens)), side="right")
+    chunk, epoch = 1_000_000, 0
+    while True:
+        for start in range(0, len(corpus.tokens), chunk):
+            stop = min(start + chunk, len(corpus.tokens))
+            centres, contexts = skipgram_pairs(corpus.tokens[start:stop], doc_id[start:stop],
+                                               keep, args.window, rng)
+            feeder = ss.BatchFeeder(centres, contexts, batch_size=per_rank, order="random",
+                                    drop_last=True, seed=args.seed + epoch, device=device)
+            yield from feeder
+        epoch += 1
+
+
+def word2vec_sharded(args, corpus, backend):
+    """Train skip-gram vectors with both tables sharded over the ranks; rank 0 reports.
+
+    Returns:
+        the figures (on rank 0; None on the others).
+    """
+    device = ss.get_backend(backend).device
+    rank, world = init(device)
+    per_rank = max(1, args.batch_size // world)
+
+    def table(name, max_rows):
+        path = None if args.table_dir is None else f"{args.table_dir}/{name}"
+        return ss.ShardedOffloadedEmbedding(corpus.vocab_size, args.dim, max_rows=max_rows,
+                                            storage=args.storage, backend=backend, path=path)
+
+    centre, context = table("centre", per_rank), table("context", per_rank * (args.negatives + 1))
+    # word2vec's initialisation; each rank draws its own rows (a seed per rank).
+    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    centre.table.uniform_(-0.5 / args.dim, 0.5 / args.dim, generator=generator)
+    context.table.zero_()
+    model = word2vec.SkipGram(centre, context)
+    optimizer_cls = {"adam": torch.optim.Adam, "adamax": torch.optim.Adamax}[args.optimizer]
+    optimizer = optimizer_cls(model.parameters(), lr=args.lr)
+    centre.attach(optimizer)
+    context.attach(optimizer)
+    sampler = word2vec.NegativeSampler(corpus.counts, device, seed=args.seed * 1000 + rank)
+    batches = _batches(corpus, args, per_rank, device)
+
+    losses, start = [], time.perf_counter()
+    for step in range(args.steps):
+        centres, contexts = next(batches)
+        loss = model(centres, contexts, sampler((len(centres), args.negatives)))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()  # gradients reach the rows' owners, which step them
+        if step % 20 == 0 or step == args.steps - 1:
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append((step, float(mean) / world))
+    seconds = time.perf_counter() - start
+
+    # An eval forward is a collective too: rank 0 asks for every row, the others for none.
+    with torch.no_grad():
+        wanted = torch.arange(corpus.vocab_size if rank == 0 else 0, device=device)
+        vectors = centre(wanted).cpu().numpy()
+    sent = torch.tensor([centre.bytes_sent + context.bytes_sent], dtype=torch.float64)
+    dist.all_reduce(sent)
+    if rank != 0:
+        return None
+    figures = {"world_size": world, "seconds": seconds, "losses": losses,
+               "pairs_per_second": args.steps * per_rank * world / seconds,
+               "bytes_sent_per_step": float(sent) / args.steps,
+               "host_bytes_rank0": ss.info()["host_bytes"] + ss.info()["file_bytes"]}
+    print(f"{world} ranks: {figures['pairs_per_second']:,.0f} pairs/s, loss "
+          f"{losses[0][1]:.3f} -> {losses[-1][1]:.3f}, "
+          f"{figures['bytes_sent_per_step'] / 1024:.1f} KiB exchanged per step (all ranks)")
+    if corpus.topics is not None:
+        purity, chance = word2vec.topic_purity(vectors, corpus)
+        figures.update(topic_purity=purity, chance=chance)
+        print(f"topic purity {purity:.3f} (chance {chance:.3f})")
+    if args.save:
+        np.save(args.save, vectors)
+    return figures

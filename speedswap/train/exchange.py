@@ -1,0 +1,183 @@
+"""Row ownership and the collectives that move ids, rows and gradients between ranks.
+
+**The split.** A table of ``num_rows`` rows sharded over ``world_size`` ranks
+is cut into contiguous ranges exactly as ``torch.tensor_split(rows,
+world_size)`` cuts it: the first ``num_rows % world_size`` ranks own
+``num_rows // world_size + 1`` rows, the others one fewer. Rank ``r`` owns
+rows ``bounds[r] <= id < bounds[r + 1]``. Contiguous ranges make the owner of
+an id one binary search, keep sorted ids grouped by owner, and make a
+checkpoint shard one slice of the table (resharding reads ranges).
+
+**The exchange.** Every message is an ``all_to_all_single`` with per-rank
+split sizes (NCCL and, since torch 2.x, gloo implement it with uneven
+splits), so a message is as long as the rows a step touches, never the
+table. A rank with nothing to send takes part with empty splits.
+
+**Failures.** A collective that one rank skips hangs the others. So every
+check that can fail runs *before* a step's first collective, and the result
+travels with it: a rank that met bad input sends ``-1`` as its counts
+(:meth:`Exchange.counts`), every rank sees it, the failing rank raises its
+own error and the others a :class:`~speedswap.StateError` naming it, all
+without changing a row. Work that can fail between collectives (file
+writes) ends with :meth:`Exchange.agree`.
+
+>>> row_bounds(10, 3)
+[0, 4, 7, 10]
+>>> owners(torch.tensor([0, 3, 4, 9]), row_bounds(10, 3)).tolist()
+[0, 0, 1, 2]
+"""
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import OptionError, StateError
+
+__all__ = ["row_bounds", "owners", "Exchange"]
+
+
+def row_bounds(num_rows: int, world_size: int) -> List[int]:
+    """The first row of each rank's range, then ``num_rows``: ``torch.tensor_split``'s cut.
+
+    Args:
+        num_rows: rows of the whole table.
+        world_size: ranks sharing it.
+
+    Returns:
+        ``world_size + 1`` increasing offsets; rank ``r`` owns ``[bounds[r], bounds[r + 1])``.
+
+    Raises:
+        OptionError: fewer rows than ranks (a rank would own no row).
+    """
+    if num_rows < world_size:
+        raise OptionError(f"a table of {num_rows} rows cannot be sharded over {world_size} ranks: "
+                          f"every rank must own at least one row; use fewer ranks or an "
+                          f"unsharded OffloadedEmbedding")
+    base, extra = divmod(num_rows, world_size)
+    bounds = [0]
+    for rank in range(world_size):
+        bounds.append(bounds[-1] + base + (rank < extra))
+    return bounds
+
+
+def owners(ids: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
+    """The rank owning each id (int64, same shape and device as ``ids``).
+
+    Args:
+        ids: validated ids in ``[0, bounds[-1])``.
+        bounds: from :func:`row_bounds`.
+    """
+    starts = torch.tensor(bounds[1:-1], dtype=ids.dtype, device=ids.device)
+    return torch.bucketize(ids, starts, right=True)
+
+
+class Exchange:
+    """All-to-all messages between the ranks of one process group.
+
+    With one rank (``torch.distributed`` not initialised, or a group of one)
+    every message is handed back as it is, with no collective, so a sharded
+    table also works in a single process.
+
+    Args:
+        process_group: the group; None is the default group when
+            ``torch.distributed`` is initialised, else a single rank.
+        device: where messages are built: the table's device (a CUDA device
+            for NCCL, the CPU for gloo).
+        local: a single rank even when ``torch.distributed`` is initialised
+            (one process reading a whole sharded checkpoint).
+
+    Raises:
+        OptionError: a ``process_group`` without ``torch.distributed`` initialised.
+    """
+
+    def __init__(self, process_group=None, device="cpu", *, local: bool = False):
+        self.distributed = not local and dist.is_available() and dist.is_initialized()
+        if process_group is not None and not self.distributed:
+            raise OptionError("a process_group was given but torch.distributed is not "
+                              "initialised; call torch.distributed.init_process_group first")
+        self.group = process_group
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.world_size = dist.get_world_size(process_group) if self.distributed else 1
+        self.device = torch.device(device)
+        self.bytes_sent = 0  # rows' bytes this rank sent to other ranks (the benchmark reads it)
+
+    def _all_to_all(self, send: torch.Tensor, send_counts: List[int],
+                    recv_counts: List[int]) -> torch.Tensor:
+        if self.world_size == 1:
+            return send
+        recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+        dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts,
+                               group=self.group)
+        return recv
+
+    def counts(self, send_counts: Optional[List[int]], error: Optional[BaseException],
+               what: str) -> List[int]:
+        """Swap message sizes, and whether every rank's input was good.
+
+        Args:
+            send_counts: rows this rank will send to each rank (ignored when ``error``).
+            error: the exception this rank's checks raised, or None.
+            what: the call, named in the error the other ranks raise.
+
+        Returns:
+            the rows this rank will receive from each rank.
+
+        Raises:
+            the ``error`` itself on the rank that met it; StateError naming
+            the failed ranks on the others.
+        """
+        if error is not None:
+            send_counts = [-1] * self.world_size
+        sent = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
+        recv = self._all_to_all(sent, [1] * self.world_size, [1] * self.world_size).tolist()
+        if error is not None:
+            raise error
+        failed = [rank for rank, count in enumerate(recv) if count < 0]
+        if failed:
+            raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why); "
+                             f"every rank stopped before changing a row, so the step can be "
+                             f"retried with good input on all ranks")
+        return recv
+
+    def rows(self, send: torch.Tensor, send_counts: List[int],
+             recv_counts: List[int]) -> torch.Tensor:
+        """Send ``send``'s rows, grouped by destination, and receive the rows sent here.
+
+        Args:
+            send: ``(sum(send_counts), ...)`` rows, those for rank 0 first.
+            send_counts: rows for each rank.
+            recv_counts: rows from each rank (what :meth:`counts` returned, or
+                known from an earlier message).
+
+        Returns:
+            ``(sum(recv_counts), ...)`` rows, those from rank 0 first.
+        """
+        if len(send):
+            row_bytes = send[0].numel() * send.element_size()
+            self.bytes_sent += row_bytes * (sum(send_counts) - send_counts[self.rank])
+        return self._all_to_all(send, send_counts, recv_counts)
+
+    def agree(self, error: Optional[BaseException], what: str) -> None:
+        """Raise on every rank if ``what`` failed on any: the end of work that may fail.
+
+        Args:
+            error: this rank's exception, or None.
+            what: the work, named in the error the other ranks raise.
+
+        Raises:
+            ``error`` on the rank that met it; StateError naming the failed
+            ranks on the others.
+        """
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        flags = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        flags[self.rank] = error is not None
+        dist.all_reduce(flags, group=self.group)
+        if error is not None:
+            raise error
+        failed = flags.nonzero().flatten().tolist()
+        if failed:
+            raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why)")

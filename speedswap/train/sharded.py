@@ -1,0 +1,344 @@
+"""ShardedOffloadedEmbedding: one embedding table row-sharded over ``torch.distributed`` ranks.
+
+Each rank holds a contiguous range of rows (see :mod:`speedswap.train.exchange`
+for the split) and their optimizer state, in its own host memory. Every rank
+calls the module on its own batch; ids travel to the rank that owns them, the
+rows come back, and at ``optimizer.step()`` every row's gradient travels to
+its owner, which sums the contributions of all ranks and steps the row once.
+
+A separate class rather than a flag on :class:`~speedswap.OffloadedEmbedding`:
+its forward and step are collectives that every rank must enter together,
+its ``weight`` holds owned rows rather than the rows this rank looked up, and
+its checkpoints are per shard; a flag would put two contracts behind one name.
+
+Run in one process (``torch.distributed`` not initialised) it is one shard
+owning every row, which is how sharded checkpoints are read for evaluation:
+
+>>> import torch, speedswap as ss
+>>> emb = ss.ShardedOffloadedEmbedding(100, 4, max_rows=16, storage="pageable", backend="numpy")
+>>> emb.row_range, emb.world_size
+(range(0, 100), 1)
+>>> opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+>>> emb.attach(opt)
+>>> emb(torch.tensor([[3, 99], [3, 5]])).pow(2).sum().backward(); opt.step()
+"""
+
+import copy
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ..backends import get_backend
+from ..backends.resolve import BackendLike, DeviceLike
+from ..convert import as_row_ids, int_option, torch_dtype
+from ..errors import DTypeError, StateError
+from ..table import HostTable
+from .checkpoint import file_in
+from .exchange import Exchange, owners, row_bounds
+from .row_state import NarrowedStep, RowState
+from .sharded_checkpoint import load_shards, read_table_rows, save_shards
+from .working_set import WorkingSet
+
+__all__ = ["ShardedOffloadedEmbedding"]
+
+
+class ShardedOffloadedEmbedding(torch.nn.Module):
+    """An ``nn.Embedding`` whose rows and optimizer state are split over the ranks of a process group.
+
+    **Contract.** Like DDP, every rank of the group calls :meth:`forward` the
+    same number of times per step (with its own ids, possibly none) and
+    calls ``optimizer.step()`` every step: both are collectives.
+
+    **What is averaged.** A row's gradient is the sum over ranks of each
+    rank's gradient for it, divided by the world size ``W``: the average DDP
+    takes of a dense parameter. Training therefore equals one process that
+    sees the union of the ranks' batches and minimises ``(1/W) * sum over
+    ranks of each rank's loss`` (the mean loss when each rank averages over
+    a batch of the same size). Each touched row is stepped once per step by
+    its owner, lazily, as :class:`~speedswap.OffloadedEmbedding` steps rows
+    (offloaded Adam equals ``SparseAdam``, and so on).
+
+    **The optimizer.** Each rank builds its own optimizer over
+    ``model.parameters()`` and :meth:`attach` es it. :attr:`weight` is the
+    working set of the rows *this rank owns* that some rank touched this
+    step (capacity ``min(W * max_rows, ceil(num_embeddings / W))``, equal on
+    every rank); it gets its gradient from the exchange, not from autograd,
+    so it has ``requires_grad=False`` and DDP leaves it alone (a rank's
+    weight holds other rows than its peers'). Wrap the model in DDP as a
+    whole; the dense parameters are averaged by DDP, the table here.
+
+    ``state_dict()`` holds nothing of this module (:attr:`weight` is
+    per-step scratch whose size depends on ``W``): :meth:`save` writes the
+    rows, their optimizer state and the optimizer's step count.
+
+    Args:
+        num_embeddings: rows of the whole table (at least the world size).
+        embedding_dim: row length.
+        max_rows: the most distinct rows *this rank* looks up in one step.
+        process_group: the ranks sharing the table; None is the default
+            group, or a single rank when ``torch.distributed`` is not initialised.
+        storage: where this rank's rows and optimizer state live (as for
+            :class:`~speedswap.OffloadedEmbedding`; ``mmap`` files go in
+            ``path/rank<r>``).
+        dtype: the rows' dtype (bfloat16 tables train in float32, as in
+            :class:`~speedswap.OffloadedEmbedding`).
+        backend: ``"auto"``, ``"cuda"`` or ``"numpy"``. Use NCCL for tables
+            on a GPU and gloo for tables on the CPU: messages are built on
+            the table's device.
+        path: for ``storage="mmap"``, the directory for every rank's files.
+        device: the CUDA device the rows move to.
+
+    Raises:
+        OptionError: bad sizes or storage, fewer rows than ranks.
+        DTypeError: a dtype that is not floating point.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
+                 process_group=None, storage: str = "pinned", dtype: torch.dtype = torch.float32,
+                 backend: BackendLike = "auto", path=None, device: DeviceLike = None):
+        super().__init__()
+        num_embeddings = int_option(num_embeddings, "num_embeddings")
+        embedding_dim = int_option(embedding_dim, "embedding_dim")
+        max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
+                                  "rank looks up in one step)"), num_embeddings)
+        dtype = torch_dtype(dtype)
+        if not dtype.is_floating_point:
+            raise DTypeError(f"an embedding trains floating-point rows, not {dtype}; use "
+                             f"torch.float32, torch.bfloat16, torch.float16 or torch.float64")
+        backend = get_backend(backend, device)
+        self._exchange = Exchange(process_group, backend.device)
+        self.rank, self.world_size = self._exchange.rank, self._exchange.world_size
+        self.bounds = row_bounds(num_embeddings, self.world_size)
+        self.num_embeddings, self.embedding_dim, self.max_rows = num_embeddings, embedding_dim, max_rows
+        shard_rows = self.bounds[self.rank + 1] - self.bounds[self.rank]
+        self._storage = storage
+        self._path = None if path is None else os.path.join(os.fspath(path), f"rank{self.rank}")
+        self.table = HostTable.empty(shard_rows, embedding_dim, dtype, storage, backend,
+                                     file_in(self._path, "table", storage))
+        self.table.normal_()  # nn.Embedding's initialisation, drawn by each rank for its rows
+        compute = torch.float32 if dtype is torch.bfloat16 else dtype
+        device = self.table.device
+        # Each rank looks up at most max_rows distinct rows per step, so an owner
+        # receives at most W * max_rows: the owned working set can never overflow
+        # after the lookups passed their own checks (nothing fails between collectives).
+        capacity = min(self.world_size * max_rows, self.bounds[1] - self.bounds[0])
+        self.weight = torch.nn.Parameter(
+            torch.zeros(capacity, embedding_dim, dtype=compute, device=device), requires_grad=False)
+        self._full = self.weight.data
+        self._owned = WorkingSet(capacity, device)          # shard-local ids of owned rows
+        self._looked_up = WorkingSet(max_rows, device)      # global ids this rank asked for
+        # The rows this rank looked up, as the leaf autograd sums their gradients into.
+        self._rows = torch.zeros(max_rows, embedding_dim, dtype=compute, device=device,
+                                 requires_grad=True)
+        self._grad = torch.zeros_like(self._full)
+        self._state = None
+        self._hooks = ()
+        self._narrowed = None
+        self._new_step()
+
+    def _new_step(self):
+        self._owned.clear()
+        self._looked_up.clear()
+        self._sent_to_me = [[] for _ in range(self.world_size)]  # owned slots, per source, per call
+        self._forwards = 0
+        self._rows.grad = None
+
+    @property
+    def row_range(self) -> range:
+        """The rows this rank owns: ``range(bounds[rank], bounds[rank + 1])``."""
+        return range(self.bounds[self.rank], self.bounds[self.rank + 1])
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes of ids, rows and gradients this rank has sent to other ranks so far."""
+        return self._exchange.bytes_sent
+
+    def extra_repr(self):
+        return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
+                f"rank={self.rank}, world_size={self.world_size}, rows={self.row_range.start}.."
+                f"{self.row_range.stop - 1}, storage={self.table.storage!r}")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Save nothing: :attr:`weight` is scratch; the rows are saved by :meth:`save`."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """Load nothing, and accept a ``weight`` key from any world size (see :meth:`load`)."""
+
+    # ------------------------------------------------------------- training
+    def attach(self, optimizer):
+        """Offload ``optimizer``'s per-row state for the rows this rank owns and hook its ``step()``.
+
+        Args:
+            optimizer: this rank's ``torch.optim`` optimizer, built over
+                parameters that include :attr:`weight`.
+
+        Raises:
+            OptionError: the optimizer does not hold :attr:`weight`, or its
+                state is not element-wise.
+        """
+        state = RowState(optimizer, self.weight, self.table.num_rows, self.weight.dtype,
+                         self._storage, self.table.backend, self._path)
+        for handle in self._hooks:
+            handle.remove()
+        self._state = state
+        self._hooks = (optimizer.register_step_pre_hook(self._before_step),
+                       optimizer.register_step_post_hook(self._after_step))
+
+    def forward(self, ids) -> torch.Tensor:
+        """The rows of this rank's ``ids``: a tensor of shape ``(*ids.shape, embedding_dim)``.
+
+        A collective: every rank of the group must call it (with empty ids
+        if it has none). In eval mode or under ``torch.no_grad()`` it reads
+        the owners' tables directly, with no capacity limit.
+
+        Args:
+            ids: integer ids of any shape, in ``[0, num_embeddings)``.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids on this rank.
+            CapacityError: this rank looks up more than ``max_rows`` distinct rows in a step.
+            StateError: training before :meth:`attach`, or bad input on
+                another rank. Whoever fails, every rank raises and no row changes.
+        """
+        training = self.training and torch.is_grad_enabled()
+        before, error, send, counts = copy.copy(self._looked_up), None, None, None
+        try:
+            flat, shape = as_row_ids(ids, self.num_embeddings, self.table.device)
+            if training:
+                if self._state is None:
+                    raise StateError("call emb.attach(optimizer) before training: the optimizer's "
+                                     "step() is where gradients reach the rows' owners")
+                # WorkingSet.add replaces its tensors rather than writing into them,
+                # so the shallow copy above restores it should another rank fail.
+                local, first_new = self._looked_up.add(flat.view(shape))
+                send = self._looked_up.rows[first_new:]  # sorted, so grouped by owner
+            else:
+                send, inverse = torch.unique(flat, return_inverse=True)
+            counts = torch.bincount(owners(send, self.bounds), minlength=self.world_size).tolist()
+        except Exception as exc:  # noqa: BLE001 -- any failure must still reach the other ranks
+            error = exc
+        try:
+            recv_counts = self._exchange.counts(counts, error, "a forward")
+        except BaseException:
+            self._looked_up = before
+            raise
+        asked = self._exchange.rows(send, counts, recv_counts) - self.bounds[self.rank]
+        if training:
+            slots, first_owned = self._owned.add(asked)
+            self._gather_owned(first_owned)
+            for source, part in enumerate(slots.split(recv_counts)):
+                self._sent_to_me[source].append(part)
+            reply = self._full[slots]
+        else:
+            out = torch.empty(len(asked), self.embedding_dim, dtype=self.table.dtype,
+                              device=self.table.device)
+            reply = self.table.gather_validated(asked, out).to(self.weight.dtype)
+        rows = self._exchange.rows(reply, recv_counts, counts)
+        if not training:
+            return rows[inverse].view(*shape, self.embedding_dim)
+        self._forwards += 1
+        with torch.no_grad():
+            self._rows[first_new:first_new + len(rows)] = rows
+        return F.embedding(local, self._rows)
+
+    def _gather_owned(self, first):
+        rows = self._owned.rows[first:]
+        if len(rows):
+            target = self._full[first:first + len(rows)]
+            if self.table.dtype == target.dtype:
+                self.table.gather_validated(rows, target)
+            else:
+                target.copy_(self.table.gather_validated(
+                    rows, torch.empty_like(target, dtype=self.table.dtype)))
+
+    def _before_step(self, optimizer, args, kwargs):
+        if self._forwards == 0:
+            return  # no rank looked anything up (forwards are collective): no gradient, no step
+        k_local = self._looked_up.size
+        grad = self._rows.grad
+        grad = (grad[:k_local] if grad is not None
+                else torch.zeros(k_local, self.embedding_dim, dtype=self.weight.dtype,
+                                 device=self.weight.device))
+        # Stable: an owner gets each source's rows in the order it sent the ids.
+        dest = owners(self._looked_up.rows, self.bounds)
+        order = torch.argsort(dest, stable=True)
+        counts = torch.bincount(dest, minlength=self.world_size).tolist()
+        recv_counts = [sum(len(part) for part in parts) for parts in self._sent_to_me]
+        received = self._exchange.rows(grad[order], counts, recv_counts)
+        slots = torch.cat([part for parts in self._sent_to_me for part in parts])
+        k = self._owned.size
+        owned_grad = self._grad[:k].zero_()
+        owned_grad.index_add_(0, slots, received)  # sources in rank order: deterministic sums
+        owned_grad.div_(self.world_size)
+        self.weight.grad = self._grad
+        self._narrowed = NarrowedStep(self.weight, k, self._state.needs_sparse_grad)
+        self._state.gather(self._owned.rows)
+
+    def _after_step(self, optimizer, args, kwargs):
+        if self._forwards == 0:
+            return
+        rows, k = self._owned.rows, self._owned.size
+        self._narrowed.restore()
+        self._narrowed = None
+        self._state.scatter(rows)
+        # Owned rows are unique shard-local ids, validated when they were looked up.
+        self.table.scatter_validated(rows, self._full[:k].to(self.table.dtype))
+        self.weight.grad = None
+        self._new_step()
+
+    # ---------------------------------------------------------- checkpoints
+    def _tables(self):
+        tables = {"table": self.table}
+        if self._state is not None:
+            tables.update({f"optimizer.{name}": t for name, t in self._state.tables.items()})
+        return tables
+
+    def _check_between_steps(self, what):
+        if self._looked_up.size or self._forwards:
+            raise StateError(f"{what} between a training forward and optimizer.step() would be "
+                             f"undone by the step; call it between steps")
+
+    def save(self, path) -> None:
+        """Write every rank's rows and optimizer state to the checkpoint directory ``path``.
+
+        A collective. Each rank writes its shard; the checkpoint (a manifest
+        with the world size, the split, the optimizer and its step count) is
+        complete only when every rank succeeded, and replaces an earlier
+        one at ``path`` atomically. ``path`` must be on a file system that every
+        rank sees (see :mod:`speedswap.train.sharded_checkpoint`).
+
+        Raises:
+            StateError: called between a forward and the step, or a rank failed to write.
+            FileFormatError: ``path`` exists and is not a sharded checkpoint.
+        """
+        self._check_between_steps("save")
+        save_shards(path, self._tables(), self._state, self.bounds, self._exchange)
+
+    def load(self, path) -> None:
+        """Restore a checkpoint written by :meth:`save` with any world size, or a ``.npy`` table.
+
+        A collective. Each rank reads the rows it now owns from the saved
+        shards (memory-mapped, so only those rows are read). With an
+        optimizer attached (the class that saved), its per-row state and step
+        count are restored too; without one, the rows alone (for evaluation).
+        A ``*.npy`` path holds a whole table (pretrained vectors): each rank
+        reads its rows and the optimizer state is left as it is.
+
+        Raises:
+            FileFormatError: another table size, dtype or optimizer, or bad files
+                (checked on every rank before any row changes).
+            StateError: called between a forward and the step, or a rank failed.
+        """
+        self._check_between_steps("load")
+        if os.fspath(path).endswith(".npy"):
+            error = None
+            try:
+                read_table_rows(path, self.table, self.row_range, self.num_embeddings)
+            except Exception as exc:  # noqa: BLE001 -- every rank must reach agree()
+                error = exc
+            self._exchange.agree(error, f"loading {os.fspath(path)!r}")
+            return
+        load_shards(path, self._tables(), self._state, self.row_range, self.num_embeddings,
+                    self._exchange)

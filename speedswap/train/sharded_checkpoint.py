@@ -1,0 +1,278 @@
+"""Checkpoints of a row-sharded table: one ``.npy`` file per table per rank, and a manifest.
+
+A checkpoint directory holds ``<name>.rank<r>.npy`` for every table
+(``table``, ``optimizer.exp_avg``, ...) and every saving rank ``r``, each
+holding that rank's contiguous row range, plus ``manifest.json``: the
+format, table size and dtype, the saving world size and its row split, the
+optimizer's class and its scalar state for the table (the step count), and
+the table names.
+
+**Complete or absent.** Rank 0 creates ``<path>.partial``; every rank writes
+its shard files into it (each one atomically); the ranks agree that all
+succeeded; rank 0 writes the manifest into it last and renames it over
+``<path>`` (an earlier checkpoint is moved aside and removed only after the
+rename, as :mod:`speedswap.train.checkpoint` does). A checkpoint without a
+manifest is not one, so a crash on any rank at any point leaves the earlier
+checkpoint whole. ``path`` must be on a file system every rank sees (local
+disk for one machine; NFS, Lustre or similar across machines).
+
+**Resharding.** Loading does not require the saving world size: each rank
+works out which saved shards overlap the rows it owns now, checks every
+header, and copies the overlaps out of memory-mapped files, so a rank reads
+only its own rows. One process can read the whole checkpoint into a plain
+:class:`~speedswap.OffloadedEmbedding` (:func:`load_sharded`).
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+
+from .. import files
+from ..errors import FileFormatError, StateError
+from .exchange import Exchange, row_bounds
+
+__all__ = ["save_shards", "load_shards", "read_table_rows", "load_sharded", "MANIFEST"]
+
+MANIFEST = "manifest.json"
+_FORMAT = "speedswap-sharded-1"
+
+
+def _shard_file(path, name, rank):
+    return os.path.join(path, f"{name}.rank{rank}.npy")
+
+
+def _scalar_state(row_state):
+    """The optimizer's state for the table that is not per row (the step count), as JSON."""
+    if row_state is None:
+        return {}
+    state = row_state.optimizer.state.get(row_state.param, {})
+    scalars = {}
+    for name, value in state.items():
+        if name in row_state.spec:
+            continue
+        if isinstance(value, torch.Tensor):
+            scalars[name] = [value.item(), str(value.dtype).replace("torch.", "")]
+        else:
+            scalars[name] = [value, None]
+    return scalars
+
+
+def _restore_scalar_state(row_state, scalars):
+    """Give the optimizer the saved step count; its per-row state is read from the tables."""
+    optimizer, param = row_state.optimizer, row_state.param
+    optimizer.state.pop(param, None)
+    if not scalars:  # saved before the first step: every row holds torch's initial state
+        row_state.init_state()
+        return
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    # Fused and capturable optimizers keep the step count on the parameter's device.
+    device = param.device if group.get("fused") or group.get("capturable") else "cpu"
+    state = optimizer.state[param]
+    for name in row_state.spec:
+        state[name] = row_state._buffer(name)  # replaced by the step's rows at the next step
+    for name, (value, dtype) in scalars.items():
+        state[name] = value if dtype is None else torch.tensor(
+            value, dtype=getattr(torch, dtype), device=device)
+    row_state.mark_loaded()
+
+
+def _run_everywhere(exchange, what, work, *, on_rank=None):
+    """Run ``work()`` (on every rank, or only ``on_rank``), then raise everywhere if it failed anywhere."""
+    error, result = None, None
+    if on_rank is None or exchange.rank == on_rank:
+        try:
+            result = work()
+        except Exception as exc:  # noqa: BLE001 -- every rank must reach agree()
+            error = exc
+    exchange.agree(error, what)
+    return result
+
+
+def save_shards(path, tables, row_state, bounds, exchange) -> None:
+    """Write this rank's ``tables`` as its shard of the checkpoint ``path`` (a collective).
+
+    Args:
+        path: the checkpoint directory.
+        tables: ``{name: HostTable}``: this rank's rows of each table.
+        row_state: the :class:`~speedswap.train.row_state.RowState` or None.
+        bounds: the row split (:func:`~speedswap.train.exchange.row_bounds`).
+        exchange: the ranks' :class:`~speedswap.train.exchange.Exchange`.
+
+    Raises:
+        FileFormatError: ``path`` exists and is not a sharded checkpoint (on every rank).
+        StateError: another rank failed; OSError: this rank failed to write.
+    """
+    path = os.path.abspath(os.fspath(path))
+    partial = path + ".partial"
+
+    def prepare():
+        if os.path.exists(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
+            raise FileFormatError(f"{path!r} exists and is not a sharded speedswap checkpoint; "
+                                  f"refusing to replace it: choose another path")
+        shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
+        os.makedirs(partial)
+
+    def write_shard():
+        for name, table in tables.items():
+            files.write_npy(_shard_file(partial, name, exchange.rank), table.shape,
+                            files.stored_dtype(table.dtype), table.host_chunks())
+
+    def finish():
+        manifest = {"format": _FORMAT, "num_embeddings": bounds[-1],
+                    "embedding_dim": tables["table"].dim,
+                    "dtype": str(tables["table"].dtype).replace("torch.", ""),
+                    "world_size": len(bounds) - 1, "bounds": list(bounds),
+                    "optimizer": "" if row_state is None else type(row_state.optimizer).__name__,
+                    "scalar_state": _scalar_state(row_state), "tables": sorted(tables)}
+        with files.atomic_output(os.path.join(partial, MANIFEST)) as tmp, open(tmp, "w") as f:
+            json.dump(manifest, f, indent=1)
+        if os.path.exists(path):
+            old = path + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+            os.rename(partial, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(partial, path)
+
+    _run_everywhere(exchange, f"preparing checkpoint {path!r}", prepare, on_rank=0)
+    try:
+        _run_everywhere(exchange, f"writing the shards of {path!r}", write_shard)
+        _run_everywhere(exchange, f"completing checkpoint {path!r}", finish, on_rank=0)
+    except BaseException:
+        if exchange.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def read_manifest(path) -> dict:
+    """The validated manifest of the sharded checkpoint ``path``.
+
+    Raises:
+        FileFormatError: no manifest, or not a sharded speedswap checkpoint.
+    """
+    manifest_path = os.path.join(os.fspath(path), MANIFEST)
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise FileFormatError(f"{os.fspath(path)!r} has no {MANIFEST}: it is not a (complete) "
+                              f"sharded speedswap checkpoint") from None
+    except ValueError as exc:
+        raise FileFormatError(f"{manifest_path!r} is not valid JSON ({exc})") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+        raise FileFormatError(f"{manifest_path!r} is not a sharded speedswap checkpoint manifest")
+    bounds = manifest["bounds"]
+    if bounds != row_bounds(manifest["num_embeddings"], manifest["world_size"]):
+        raise FileFormatError(f"{manifest_path!r} has a row split {bounds} that is not the one "
+                              f"speedswap makes; was it edited?")
+    return manifest
+
+
+def _plan(path, manifest, tables, row_state, rows, num_embeddings):
+    """``[(table, file, header, file_start, table_start, count)]``: what to copy, all checked."""
+    dim = tables["table"].dim
+    dtype = str(tables["table"].dtype).replace("torch.", "")
+    stored = (manifest["num_embeddings"], manifest["embedding_dim"], manifest["dtype"])
+    if stored != (num_embeddings, dim, dtype):
+        raise FileFormatError(f"{os.fspath(path)!r} holds a {stored[0]} x {stored[1]} {stored[2]} "
+                              f"table, this one is {num_embeddings} x {dim} {dtype}")
+    wanted = {"table": tables["table"]} if row_state is None else tables
+    if row_state is not None:
+        optimizer = type(row_state.optimizer).__name__
+        if manifest["optimizer"] != optimizer or set(manifest["tables"]) != set(tables):
+            raise FileFormatError(
+                f"{os.fspath(path)!r} was saved with optimizer {manifest['optimizer'] or 'none'!r} "
+                f"(tables {manifest['tables']}), but {optimizer} is attached here (tables "
+                f"{sorted(tables)}); attach the optimizer class that saved it, or load before "
+                f"attaching to read the rows alone")
+    bounds, plan = manifest["bounds"], []
+    for name, table in wanted.items():
+        for rank in range(manifest["world_size"]):
+            lo, hi = max(bounds[rank], rows.start), min(bounds[rank + 1], rows.stop)
+            if lo >= hi:
+                continue
+            source = _shard_file(path, name, rank)
+            header = files.read_npy_header(source)
+            files.check_table_matches(header, (bounds[rank + 1] - bounds[rank], dim), table.dtype,
+                                      source)
+            plan.append((table, source, header, lo - bounds[rank], lo - rows.start, hi - lo))
+    return plan
+
+
+def _copy_rows(table, source, header, file_start, table_start, count):
+    """Copy ``count`` rows of a checked ``.npy`` file into ``table``, chunk by chunk."""
+    mapped = np.memmap(source, dtype=header.dtype, mode="r", offset=header.offset,
+                       shape=header.shape, order="C")
+    for start, stop in files.row_ranges((count, header.shape[1]), header.dtype):
+        rows = torch.from_numpy(np.array(mapped[file_start + start:file_start + stop]))
+        ids = torch.arange(table_start + start, table_start + stop)
+        table.scatter_validated(ids, rows.to(table.dtype))
+
+
+def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None:
+    """Fill this rank's ``tables`` (rows ``rows``) from a checkpoint of any world size (a collective).
+
+    Args:
+        path: the checkpoint directory.
+        tables: ``{name: HostTable}`` holding this rank's rows of each table.
+        row_state: the attached RowState, or None to read the ``table`` rows alone.
+        rows: the global row range this rank owns.
+        num_embeddings: rows of the whole table.
+        exchange: the ranks' Exchange.
+
+    Raises:
+        FileFormatError: the checkpoint does not match (on the rank that saw
+            it; StateError on the others). Every file is checked on every
+            rank before any row changes.
+    """
+    def check():
+        return _plan(path, read_manifest(path), tables, row_state, rows, num_embeddings)
+
+    plan = _run_everywhere(exchange, f"checking checkpoint {os.fspath(path)!r}", check)
+
+    def read():
+        for piece in plan:
+            _copy_rows(*piece)
+        if row_state is not None:
+            _restore_scalar_state(row_state, read_manifest(path)["scalar_state"])
+
+    _run_everywhere(exchange, f"reading checkpoint {os.fspath(path)!r}", read)
+
+
+def read_table_rows(path, table, rows, num_embeddings) -> None:
+    """Fill ``table`` with rows ``rows`` of the whole-table ``.npy`` file ``path``.
+
+    Raises:
+        FileFormatError: the file is not a ``(num_embeddings, dim)`` table of
+            the table's dtype (checked before any row changes).
+    """
+    header = files.read_npy_header(path)
+    files.check_table_matches(header, (num_embeddings, table.dim), table.dtype, path)
+    _copy_rows(table, os.fspath(path), header, rows.start, 0, len(rows))
+
+
+def load_sharded(path, embedding) -> None:
+    """Read a sharded checkpoint, whatever its world size, into one plain OffloadedEmbedding.
+
+    For evaluation or export in a single process: afterwards
+    ``embedding.save("table.npy")`` writes the whole table. With an optimizer
+    attached (the class that saved), its state and step count are restored
+    too, so training can go on unsharded.
+
+    Args:
+        path: a directory written by :meth:`ShardedOffloadedEmbedding.save`.
+        embedding: a :class:`~speedswap.OffloadedEmbedding` of the same size and dtype.
+
+    Raises:
+        FileFormatError: another size, dtype or optimizer, or bad files (nothing changes).
+        StateError: called between a training forward and the optimizer step.
+    """
+    if embedding._working_set.size:
+        raise StateError("load between a training forward and optimizer.step() would be "
+                         "undone by the step; load between steps")
+    load_shards(path, embedding._tables(), embedding._state, range(embedding.num_embeddings),
+                embedding.num_embeddings, Exchange(local=True))

@@ -1,0 +1,170 @@
+"""One rank of the sharded-training tests, and the data every rank and the reference share.
+
+Run by ``tests/test_sharded.py`` as ``python tests/sharded_worker.py RANK WORLD PORT OUT
+SCENARIO...``, one process per rank, over gloo on 127.0.0.1. Each scenario trains a
+:class:`~speedswap.ShardedOffloadedEmbedding` on this rank's share of every step's global
+batch and writes the rank's rows and optimizer state (``OUT/<scenario>.rank<r>.npz``),
+or the errors it met (``OUT/<scenario>.rank<r>.json``).
+
+The data is defined per *step*, not per rank: a global batch of ids (Zipf, so rows
+repeat across ranks, plus a private block of rows only the batch's last slice uses),
+cut into ``world`` contiguous slices, with the last rank's slice empty every fifth
+step. Each rank's loss is ``world * sum(its squared errors) / GLOBAL_BATCH``, so the
+DDP average of the ranks' gradients is the gradient of ``sum(all squared errors) /
+GLOBAL_BATCH``: one reference for every world size.
+"""
+
+import datetime
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+NUM_ROWS, DIM, GLOBAL_BATCH = 301, 6, 60
+STEPS, SAVE_AT = 120, 50
+#: scenario -> (optimizer class, its reference in one process, kwargs, sparse reference gradient)
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, torch.optim.SGD, dict(lr=0.05), False),
+    # Adam with eps=1e-30 is the same function as SparseAdam (which adds eps elsewhere).
+    "adam": (torch.optim.Adam, torch.optim.SparseAdam, dict(lr=0.01, eps=1e-30), True),
+    "adagrad": (torch.optim.Adagrad, torch.optim.Adagrad,
+                dict(lr=0.1, initial_accumulator_value=0.1), True),
+}
+
+
+def initial_table(seed):
+    return torch.randn(NUM_ROWS, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def global_batch(seed, step):
+    """``(ids (GLOBAL_BATCH,), targets (GLOBAL_BATCH, DIM))`` of one step."""
+    rng = np.random.default_rng([seed, step])
+    shared = NUM_ROWS - 20
+    p = 1.0 / np.arange(1, shared + 1)
+    ids = rng.permutation(shared)[rng.choice(shared, size=GLOBAL_BATCH, p=p / p.sum())]
+    ids[-4:] = rng.integers(shared, NUM_ROWS, size=4)  # rows only the last slice touches
+    targets = rng.standard_normal((GLOBAL_BATCH, DIM), dtype=np.float32)
+    return torch.from_numpy(ids), torch.from_numpy(targets)
+
+
+def rank_slice(step, world, rank):
+    """This rank's share of a step's global batch: a slice, empty for the last rank every fifth step."""
+    ranks = world - 1 if world > 1 and step % 5 == 2 else world
+    bounds = np.linspace(0, GLOBAL_BATCH, ranks + 1).astype(int)
+    return slice(bounds[rank], bounds[rank + 1]) if rank < ranks else slice(0, 0)
+
+
+def rank_loss(emb, ids, targets, world):
+    """This rank's loss, from two forward calls (they share one step's working set)."""
+    half = len(ids) // 2
+    loss = ((emb(ids[:half]) - targets[:half]) ** 2).sum()
+    loss = loss + ((emb(ids[half:]) - targets[half:]) ** 2).sum()
+    return loss * (world / GLOBAL_BATCH)
+
+
+def reference(name, seed, steps=STEPS):
+    """One process, one dense parameter, the union batch: the table and per-row state after ``steps``."""
+    _, ref_cls, kwargs, sparse = OPTIMIZERS[name]
+    weight = torch.nn.Parameter(initial_table(seed))
+    opt = ref_cls([weight], **kwargs)
+    for step in range(steps):
+        ids, targets = global_batch(seed, step)
+        loss = ((F.embedding(ids, weight, sparse=sparse) - targets) ** 2).sum() / GLOBAL_BATCH
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.numpy() for k, v in opt.state[weight].items() if getattr(v, "dim", int)() == 2}
+    return weight.detach().numpy(), state
+
+
+def make(name, **options):
+    """A sharded embedding and its attached optimizer for scenario ``name``."""
+    import speedswap as ss
+    opt_cls, _, kwargs, _ = OPTIMIZERS[name]
+    emb = ss.ShardedOffloadedEmbedding(NUM_ROWS, DIM, max_rows=GLOBAL_BATCH, backend="numpy",
+                                       storage=options.pop("storage", "pageable"), **options)
+    opt = opt_cls(emb.parameters(), **kwargs)
+    emb.attach(opt)
+    return emb, opt
+
+
+def train(emb, opt, seed, steps, world, rank):
+    for step in steps:
+        ids, targets = global_batch(seed, step)
+        part = rank_slice(step, world, rank)
+        rank_loss(emb, ids[part], targets[part], world).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def shard_arrays(emb):
+    arrays = {"table": emb.table.to_numpy(copy=True), "start": np.array(emb.row_range.start)}
+    arrays.update({f"state.{k}": t.to_numpy(copy=True) for k, t in emb._state.tables.items()})
+    return arrays
+
+
+def run_scenario(scenario, seed, world, rank, out):
+    """Train (and checkpoint) one scenario; write this rank's shard or its errors."""
+    import speedswap as ss
+    kind, _, name = scenario.partition(":")
+    table_file = os.path.join(out, "table0.npy")
+    if kind == "train":      # train every step; the adam run also saves at SAVE_AT
+        storage = "mmap" if name == "adagrad" else "pageable"
+        emb, opt = make(name, storage=storage, path=os.path.join(out, f"mmap-{name}-{world}"))
+        emb.load(table_file)
+        train(emb, opt, seed, range(SAVE_AT), world, rank)
+        if name == "adam":
+            emb.save(os.path.join(out, f"ckpt-{world}"))
+        train(emb, opt, seed, range(SAVE_AT, STEPS), world, rank)
+    elif kind == "resume":   # load another world size's Adam checkpoint and go on
+        emb, opt = make("adam")
+        emb.load(os.path.join(out, name))
+        train(emb, opt, seed, range(SAVE_AT, STEPS), world, rank)
+        name = f"{name}-resumed"
+    elif kind == "bad":      # rank 1 passes an id out of range at step 3, then good ids
+        emb, opt = make(name)
+        emb.load(table_file)
+        errors = {}
+        for step in range(STEPS):
+            ids, targets = global_batch(seed, step)
+            part = rank_slice(step, world, rank)
+            if step == 3:
+                bad = ids[part].clone()
+                if rank == 1:
+                    bad[0] = NUM_ROWS
+                try:
+                    emb(bad)
+                except ss.SpeedswapError as exc:
+                    errors[type(exc).__name__] = str(exc)
+            rank_loss(emb, ids[part], targets[part], world).backward()
+            opt.step()
+            opt.zero_grad()
+        with open(os.path.join(out, f"bad.rank{rank}.json"), "w") as f:
+            json.dump(errors, f)
+        name = "bad"
+    elif kind == "crash":    # rank 1 does not catch its error: every rank must exit, not hang
+        emb, opt = make(name)
+        ids = torch.arange(4) + (NUM_ROWS if rank == 1 else 0)
+        emb(ids)
+        raise AssertionError("unreachable: the forward above raises on every rank")
+    np.savez(os.path.join(out, f"{name}.rank{rank}.npz"), **shard_arrays(emb))
+
+
+def main(argv):
+    rank, world, port, seed = map(int, argv[:4])
+    out, scenarios = argv[4], argv[5:]
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60))
+    try:
+        for scenario in scenarios:
+            run_scenario(scenario, seed, world, rank, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,241 @@
+"""ShardedOffloadedEmbedding over real process groups: equal to one process, reshardable, no hangs.
+
+Every multi-rank case starts one ``tests/sharded_worker.py`` process per rank
+(gloo over 127.0.0.1, a free port) and kills them all after a deadline, so a
+hang fails the test instead of blocking CI. Each launch runs several
+scenarios to pay the processes' start-up once.
+"""
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+import sharded_worker
+from sharded_worker import DIM, NUM_ROWS, SAVE_AT, STEPS, initial_table, make, shard_arrays, train
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "sharded_worker.py"
+TOL = dict(rtol=1e-5, atol=1e-6)
+DEADLINE = 90  # seconds for one launch; the gloo timeout in the worker is 60
+
+
+@functools.lru_cache(maxsize=None)
+def reference(name, seed):
+    """The one-process reference, computed once per optimizer and seed."""
+    return sharded_worker.reference(name, seed)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world, out, seed, *scenarios):
+    """Run ``scenarios`` on ``world`` ranks; return [(returncode, stderr)] per rank, killing hangs."""
+    np.save(out / "table0.npy", initial_table(seed).numpy())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), str(port),
+                               str(seed), str(out), *scenarios],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for rank in range(world)]
+    deadline = time.monotonic() + DEADLINE
+    results = []
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((proc.returncode, err))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"ranks still running after {DEADLINE} s: a collective hung")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def assert_ok(results):
+    for rank, (code, err) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+
+
+def gathered(out, name, world):
+    """The whole table and per-row state, concatenated from the ranks' shards in row order."""
+    shards = [dict(np.load(out / f"{name}.rank{r}.npz")) for r in range(world)]
+    assert [int(s["start"]) for s in shards] == sorted(int(s["start"]) for s in shards)
+    table = np.concatenate([s["table"] for s in shards])
+    state = {k[6:]: np.concatenate([s[k] for s in shards]) for k in shards[0] if k.startswith("state.")}
+    return table, state
+
+
+def assert_same(actual, expected):
+    (table, state), (ref_table, ref_state) = actual, expected
+    assert table.shape == (NUM_ROWS, DIM)
+    np.testing.assert_allclose(table, ref_table, **TOL)
+    assert set(state) == set(ref_state)
+    for name in state:
+        np.testing.assert_allclose(state[name], ref_state[name], **TOL, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    """Three ranks train with SGD, Adam (saving a checkpoint at SAVE_AT) and Adagrad (mmap)."""
+    out = tmp_path_factory.mktemp("three")
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print(f"three_ranks seed {seed}")
+    assert_ok(launch(3, out, seed, "train:sgd", "train:adam", "train:adagrad"))
+    return out, seed
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adagrad"])
+def test_three_ranks_equal_one_process(three_ranks, name):
+    out, seed = three_ranks
+    assert_same(gathered(out, name, 3), reference(name, seed))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(three_ranks):
+    """Two ranks resume the three ranks' checkpoint, train with a bad id on rank 1 at step 3,
+    and end with an error rank 1 does not catch."""
+    out, seed = three_ranks
+    started = time.monotonic()
+    results = launch(2, out, seed, "resume:ckpt-3", "bad:adam", "crash:sgd")
+    return out, seed, results, time.monotonic() - started
+
+
+def test_resume_three_rank_checkpoint_on_two_ranks(two_ranks):
+    out, seed, *_ = two_ranks
+    assert_same(gathered(out, "ckpt-3-resumed", 2), reference("adam", seed))
+
+
+def test_bad_input_on_one_rank_raises_everywhere_and_changes_nothing(two_ranks):
+    out, seed, *_ = two_ranks
+    errors = [json.loads((out / f"bad.rank{r}.json").read_text()) for r in range(2)]
+    assert list(errors[1]) == ["IdError"] and str(NUM_ROWS) in errors[1]["IdError"]
+    assert list(errors[0]) == ["StateError"] and "rank(s) [1]" in errors[0]["StateError"]
+    # After the failed forward both ranks trained on: the result is as if it never happened.
+    assert_same(gathered(out, "bad", 2), reference("adam", seed))
+
+
+def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):
+    *_, results, seconds = two_ranks
+    assert seconds < DEADLINE / 2  # ended by the error, not by the 60 s gloo timeout
+    (code0, err0), (code1, err1) = results
+    assert code1 != 0 and "IdError" in err1
+    assert code0 != 0 and "StateError" in err0 and "rank(s) [1]" in err0
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process(tmp_path, seed):
+    assert_ok(launch(2, tmp_path, seed, "train:sgd", "train:adam", "train:adagrad"))
+    for name in ("sgd", "adam", "adagrad"):
+        assert_same(gathered(tmp_path, name, 2), reference(name, seed))
+
+
+def test_resume_three_rank_checkpoint_in_one_process(three_ranks):
+    """World size 1 (no process group): the sharded class and a plain OffloadedEmbedding."""
+    out, seed = three_ranks
+    ckpt = out / "ckpt-3"
+    assert json.loads((ckpt / "manifest.json").read_text())["world_size"] == 3
+    emb, opt = make("adam")
+    emb.load(ckpt)
+    train(emb, opt, seed, range(SAVE_AT, STEPS), world=1, rank=0)
+    expected = reference("adam", seed)
+    arrays = shard_arrays(emb)
+    assert_same((arrays["table"], {k[6:]: v for k, v in arrays.items() if k.startswith("state.")}),
+                expected)
+
+    plain = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=NUM_ROWS, storage="pageable",
+                                  backend="numpy")
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01, eps=1e-30)
+    plain.attach(plain_opt)
+    ss.load_sharded(ckpt, plain)
+    train(plain, plain_opt, seed, range(SAVE_AT, STEPS), world=1, rank=0)
+    assert_same((plain.table.to_numpy(), {k: t.to_numpy() for k, t in plain._state.tables.items()}),
+                expected)
+
+
+def test_checkpoint_must_match(three_ranks, tmp_path):
+    out, _ = three_ranks
+    emb, _ = make("sgd")
+    with pytest.raises(ss.FileFormatError, match="optimizer 'Adam'"):
+        emb.load(out / "ckpt-3")
+    other = ss.ShardedOffloadedEmbedding(NUM_ROWS + 1, DIM, max_rows=4, backend="numpy",
+                                         storage="pageable")
+    before = other.table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match=f"{NUM_ROWS} x {DIM}"):
+        other.load(out / "ckpt-3")
+    np.testing.assert_array_equal(other.table.to_numpy(), before)
+    with pytest.raises(ss.FileFormatError, match="manifest.json"):
+        other.load(tmp_path)
+    (tmp_path / "not-a-checkpoint").mkdir()
+    (tmp_path / "not-a-checkpoint" / "keep.txt").write_text("x")
+    with pytest.raises(ss.FileFormatError, match="refusing"):
+        emb.save(tmp_path / "not-a-checkpoint")
+    assert (tmp_path / "not-a-checkpoint" / "keep.txt").exists()
+
+
+def test_eval_forward_reads_rows_and_attach_is_required(rng):
+    emb = ss.ShardedOffloadedEmbedding(50, 3, max_rows=8, backend="numpy", storage="pageable")
+    ids = torch.from_numpy(rng.integers(0, 50, size=(4, 5)))
+    with pytest.raises(ss.StateError, match="attach"):
+        emb(ids)
+    with torch.no_grad():
+        rows = emb(ids)
+    np.testing.assert_array_equal(rows.numpy(), emb.table.to_numpy()[ids.numpy()])
+    with pytest.raises(ss.IdError):
+        emb.eval()(torch.tensor([50]))
+    assert emb.state_dict() == {}
+
+
+@pytest.mark.slow
+def test_word2vec_example_under_torchrun(tmp_path):
+    """``torchrun --nproc-per-node 2 examples/word2vec.py --distributed`` learns the planted topics."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "examples/word2vec.py", "--distributed", "--device", "cpu", "--vocab", "2000",
+         "--topics", "20", "--tokens", "200000", "--dim", "32", "--steps", "150",
+         "--batch-size", "512", "--quiet", "--storage", "pageable", "--json", tmp_path / "w.json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads((tmp_path / "w.json").read_text())
+    assert figures["world_size"] == 2
+    # The same bar the one-process example meets (tests/test_examples.py).
+    assert figures["topic_purity"] > 0.6 and figures["topic_purity"] > 8 * figures["chance"]
+    assert figures["losses"][-1][1] < 0.7 * figures["losses"][0][1]
+    assert figures["bytes_sent_per_step"] > 0
+
+
+def test_one_rank_bfloat16_equals_offloaded_embedding(rng):
+    """Without a process group the sharded class is one shard; bfloat16 rows train in float32."""
+    table0 = torch.from_numpy(rng.standard_normal((40, 4), dtype=np.float32)).to(torch.bfloat16)
+    embs = [cls(40, 4, max_rows=12, dtype=torch.bfloat16, backend="numpy", storage="pageable")
+            for cls in (ss.ShardedOffloadedEmbedding, ss.OffloadedEmbedding)]
+    opts = []
+    for emb in embs:
+        emb.table.scatter(torch.arange(40), table0)
+        opts.append(torch.optim.Adagrad(emb.parameters(), lr=0.1))
+        emb.attach(opts[-1])
+    for _ in range(30):
+        ids = torch.from_numpy(rng.integers(0, 40, size=12))
+        target = torch.from_numpy(rng.standard_normal((12, 4), dtype=np.float32))
+        for emb, opt in zip(embs, opts):
+            ((emb(ids[:5]) - target[:5]) ** 2).sum().add(((emb(ids[5:]) - target[5:]) ** 2).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    sharded, plain = (emb.table.as_tensor().float() for emb in embs)
+    assert sharded.dtype == torch.float32 and not torch.equal(sharded, table0.float())  # it trained
+    torch.testing.assert_close(sharded, plain, rtol=0, atol=0)
