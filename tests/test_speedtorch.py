@@ -268,3 +268,18 @@ def test_directory_checkpoint_never_replaces_a_foreign_directory(backend, table0
     o.save(tmp_path / "ckpt")
     o.save(tmp_path / "ckpt")  # replacing its own checkpoint is fine
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "mine"]
+
+
+def test_switchers_refuse_several_ranks_and_name_the_sharded_embedding(monkeypatch):
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    model = torch.nn.Embedding(8, 4)
+    with pytest.raises(ss.OptionError, match="ShardedOffloadedEmbedding"):
+        ss.ModelFactory(model, 100, 4, backend="numpy")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ss.OptionError, match="2 ranks"):
+        ss.OptimizerFactory(opt, 100, 4, torch.nn.ModuleDict({"e": model}), "e", backend="numpy")
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    ss.ModelFactory(model, 100, 4, backend="numpy")  # one rank: fine

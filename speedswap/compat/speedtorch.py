@@ -58,10 +58,22 @@ def _weight_of(variable):
     return weight
 
 
+def _refuse_process_group(name):
+    """Raise when ``torch.distributed`` runs several ranks: each would train its own whole table."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise OptionError(
+            f"{name} keeps the whole table in this process, but torch.distributed runs "
+            f"{dist.get_world_size()} ranks: each rank would train its own copy and the copies "
+            f"would drift apart. Use speedswap.ShardedOffloadedEmbedding, which splits the rows "
+            f"over the ranks and trains like one process (README: 'Several processes and machines')")
+
+
 class _Switcher:
     """What both switchers share: the parameter, the shared step, the step protocol."""
 
     def __init__(self, param, total_classes, embed_dimension, dtype):
+        _refuse_process_group(type(self).__name__)
         if param.shape[1] != embed_dimension:
             raise ShapeError(f"the model's embedding has rows of {param.shape[1]} but "
                              f"embed_dimension={embed_dimension}; they must match")
