@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap.apps import word2vec
+from speedswap.apps import evaluate, word2vec
 from speedswap.apps.corpus import keep_probabilities, read_text_corpus, skipgram_pairs, synthetic_corpus
 from speedswap.apps.pairs import PairChunks
+from speedswap.apps.w2v_format import load_word2vec_format, save_word2vec_format
 
 
 def test_synthetic_corpus_plants_topics_with_zipf_frequencies(seed):
@@ -183,3 +184,54 @@ def test_corpus_errors_say_what_is_wrong(tmp_path):
         read_text_corpus(tmp_path / "empty", vocab=0)
     with pytest.raises(ss.OptionError, match="topics must be a positive int, got 0"):
         synthetic_corpus(vocab=10, topics=0, tokens=100)
+
+
+def test_similarity_and_analogy_files_read_as_gensim_reads_them(tmp_path):
+    (tmp_path / "ws.tsv").write_text("# Word 1\tWord 2\tHuman (mean)\nTiger\tcat\t7.35\nking\tqueen\t8.58\n")
+    assert evaluate.read_word_pairs(tmp_path / "ws.tsv") == [("tiger", "cat", 7.35), ("king", "queen", 8.58)]
+    (tmp_path / "q.txt").write_text(": capital-common-countries\nAthens Greece Baghdad Iraq\n: family\nboy girl he she\n")
+    assert evaluate.read_analogies(tmp_path / "q.txt") == [("athens", "greece", "baghdad", "iraq"),
+                                                          ("boy", "girl", "he", "she")]
+    (tmp_path / "bad.tsv").write_text("tiger cat\n")
+    with pytest.raises(ss.FileFormatError, match="bad.tsv:1: expected"):
+        evaluate.read_word_pairs(tmp_path / "bad.tsv")
+    (tmp_path / "bad.txt").write_text(": s\na b c\n")
+    with pytest.raises(ss.FileFormatError, match="bad.txt:2: an analogy is four words"):
+        evaluate.read_analogies(tmp_path / "bad.txt")
+
+
+def test_word_similarity_is_spearmans_rho_over_known_pairs(rng):
+    scipy_stats = pytest.importorskip("scipy.stats")
+    words = [f"w{i}" for i in range(50)]
+    vectors = rng.standard_normal((50, 8))
+    pairs = [(f"w{a}", f"w{b}", float(rng.integers(0, 5))) for a, b in rng.integers(0, 50, (80, 2)) if a != b]
+    score = evaluate.word_similarity(vectors, words, pairs + [("w1", "unknown", 3.0)])
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    cosine = [unit[int(a[1:])] @ unit[int(b[1:])] for a, b, _ in pairs]
+    expected = scipy_stats.spearmanr(cosine, [s for *_, s in pairs]).statistic  # ties in the human scores
+    assert score.value == pytest.approx(expected, abs=1e-6)
+    assert (score.used, score.total) == (len(pairs), len(pairs) + 1)
+
+
+def test_analogies_are_solved_by_3cosadd_excluding_the_question_words():
+    # Two directions: "royal" (x) and "female" (y); the answer to man:woman::king:? is queen.
+    words = ["man", "woman", "king", "queen", "prince"]
+    vectors = np.array([[0, 1, 0.1], [0, 0, 1.1], [1, 1, 0.1], [1, 0, 1], [1, 1, 0.3]])
+    questions = [("man", "woman", "king", "queen"), ("man", "king", "woman", "prince"), ("a", "b", "c", "d")]
+    score = evaluate.analogy_accuracy(vectors, words, questions)
+    assert (score.value, score.used, score.total) == (0.5, 2, 3)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_word2vec_format_round_trips_and_gensim_reads_it(tmp_path, rng, binary):
+    words = ["the", "caf\u00e9", "x"]
+    vectors = rng.standard_normal((3, 5)).astype(np.float32)
+    path = tmp_path / "vectors.bin"
+    save_word2vec_format(path, words, vectors, binary=binary)
+    read_words, read_vectors = load_word2vec_format(path, binary=binary)
+    assert read_words == words and np.array_equal(read_vectors, vectors)  # exact, text included
+    with pytest.raises(ss.OptionError, match="'two words'"):
+        save_word2vec_format(path, ["two words"], vectors[:1])
+    assert load_word2vec_format(path, binary=binary)[0] == words  # a failed save leaves the old file
+    keyed = pytest.importorskip("gensim.models").KeyedVectors.load_word2vec_format(str(path), binary=binary)
+    assert keyed.index_to_key == words and np.array_equal(keyed.vectors, vectors)
