@@ -24,6 +24,10 @@ from speedswap.apps import word2vec
 from speedswap.apps.corpus import keep_probabilities, skipgram_pairs
 
 
+#: Optimizer steps when ``--steps`` is not given: the sharded run counts steps, not epochs.
+STEPS = 300
+
+
 def init(device):
     """Join the process group torchrun describes: NCCL for a GPU, gloo for the CPU.
 
@@ -77,21 +81,24 @@ def word2vec_sharded(args, corpus, backend):
     centre.table.uniform_(-0.5 / args.dim, 0.5 / args.dim, generator=generator)
     context.table.zero_()
     model = word2vec.SkipGram(centre, context)
-    optimizer_cls = {"adam": torch.optim.Adam, "adamax": torch.optim.Adamax}[args.optimizer]
-    optimizer = optimizer_cls(model.parameters(), lr=args.lr)
+    optimizer_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,
+                     "adamax": torch.optim.Adamax}[args.optimizer]
+    lr = word2vec.DEFAULT_LR[args.optimizer] if args.lr is None else args.lr
+    optimizer = optimizer_cls(model.parameters(), lr=lr)
     centre.attach(optimizer)
     context.attach(optimizer)
     sampler = word2vec.NegativeSampler(corpus.counts, device, seed=args.seed * 1000 + rank)
     batches = _batches(corpus, args, per_rank, device)
 
+    steps = args.steps or STEPS
     losses, start = [], time.perf_counter()
-    for step in range(args.steps):
+    for step in range(steps):
         centres, contexts = next(batches)
         loss = model(centres, contexts, sampler((len(centres), args.negatives)))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()  # gradients reach the rows' owners, which step them
-        if step % 20 == 0 or step == args.steps - 1:
+        if step % 20 == 0 or step == steps - 1:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append((step, float(mean) / world))
@@ -106,8 +113,8 @@ def word2vec_sharded(args, corpus, backend):
     if rank != 0:
         return None
     figures = {"world_size": world, "seconds": seconds, "losses": losses,
-               "pairs_per_second": args.steps * per_rank * world / seconds,
-               "bytes_sent_per_step": float(sent) / args.steps,
+               "pairs_per_second": steps * per_rank * world / seconds,
+               "bytes_sent_per_step": float(sent) / steps,
                "host_bytes_rank0": ss.info()["host_bytes"] + ss.info()["file_bytes"]}
     print(f"{world} ranks: {figures['pairs_per_second']:,.0f} pairs/s, loss "
           f"{losses[0][1]:.3f} -> {losses[-1][1]:.3f}, "

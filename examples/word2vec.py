@@ -1,16 +1,18 @@
-"""word2vec (skip-gram, negative sampling) with both embedding tables and Adam's state offloaded.
+"""word2vec (skip-gram, negative sampling) with both embedding tables, and any optimizer state, offloaded.
 
-Both tables (centre and context vectors, ``--vocab x --dim`` each) and the
-optimizer's two moment tables per table live in host memory (``--storage``);
-each step moves only the rows its words touch to the device and writes them
-back after ``optimizer.step()``. The optimizer is a dense one (Adam or
-Adamax): training a sparse model with it was SpeedTorch's point, and is
-exact here, repeated words included.
+Both tables (centre and context vectors, ``vocabulary x --dim`` each) and the
+optimizer's state tables live in host memory (``--storage``); each step moves
+only the rows its words touch to the device and writes them back after
+``optimizer.step()``. The default recipe is word2vec's own: plain SGD at 0.025
+per (centre, context) pair, decayed linearly to ~0 over the run. ``--optimizer
+adam`` or ``adamax`` trains with a dense optimizer instead (SpeedTorch's point),
+exact here, repeated words included, its state offloaded with the tables.
 
 Usage::
 
     python examples/word2vec.py                              # synthetic corpus, planted topics
-    python examples/word2vec.py --corpus text8 --vocab 71290 --steps 20000
+    python examples/word2vec.py --corpus text8 --epochs 5 --min-count 5 --dim 100 \
+        --wordsim wordsim353.tsv --analogies questions-words.txt --save vectors.txt
     python examples/word2vec.py --vocab 20000000 --storage mmap --table-dir /data/w2v   # > RAM
     python examples/word2vec.py --speedtorch-api             # ModelFactory / OptimizerFactory
     torchrun --nproc-per-node 2 examples/word2vec.py --distributed   # tables sharded over 2 ranks
@@ -20,23 +22,40 @@ Without ``--corpus`` the corpus is synthetic: every word belongs to one of
 frequencies, so the vectors can be scored: the share of each frequent word's
 nearest neighbours from its own topic (topic purity), against the chance
 level. With a real corpus (text8: http://mattmahoney.net/dc/text8.zip,
-unzipped) the nearest neighbours of a few frequent words are printed instead.
+unzipped; one document per line) the vocabulary is every word seen
+``--min-count`` times, the nearest neighbours of a few frequent words are
+printed, and ``--wordsim``/``--analogies`` score the vectors on the files
+gensim ships (``gensim/test/test_data/wordsim353.tsv``, ``questions-words.txt``).
+
+``--save`` writes word2vec's text format (``--binary``: its binary format),
+which gensim's ``KeyedVectors.load_word2vec_format`` reads; a ``.npy`` path
+gets the bare array. On a CPU the torch thread count is ``--threads``, else
+``OMP_NUM_THREADS``, else every core this process may use.
 
 The training loop is :func:`speedswap.apps.word2vec.train`, shared with
 ``python -m speedswap demo``.
 """
 
-import argparse
-import sys
-import time
-from pathlib import Path
+import os
 
-import numpy as np
+# Idle OpenMP threads sleep instead of spinning: on a CPU shared with other
+# jobs, spinning threads steal the cores the working ones wait for, and two
+# threads ran slower than one. Set before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import speedswap as ss
-from speedswap.apps import word2vec
-from speedswap.apps.corpus import read_text_corpus, synthetic_corpus
-from speedswap.apps.demo import DEMO, format_bytes, format_rows, memory_summary
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import speedswap as ss  # noqa: E402
+from speedswap.apps import evaluate, word2vec  # noqa: E402
+from speedswap.apps.corpus import read_text_corpus, synthetic_corpus  # noqa: E402
+from speedswap.apps.demo import DEMO, format_bytes, format_rows, memory_summary  # noqa: E402
+from speedswap.apps.w2v_format import save_word2vec_format  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import HelpFormatter, add_common_arguments, backend_and_device, write_json  # noqa: E402
@@ -49,44 +68,96 @@ def show_neighbours(vectors, corpus, query_ids, k=8):
         print(f"  {corpus.name(word):>14}: {', '.join(corpus.name(n) for n in row)}")
 
 
+def add_corpus_arguments(parser):
+    """The corpus and its vocabulary."""
+    group = parser.add_argument_group("corpus")
+    group.add_argument("--corpus", metavar="PATH", help="a text8-style file: whitespace-separated "
+                       "words, one document per line (default: synthetic)")
+    group.add_argument("--min-count", type=int, default=5,
+                       help="with --corpus: keep words seen at least this often, as word2vec does")
+    group.add_argument("--vocab", type=int, help="synthetic: the vocabulary size; with --corpus: keep at "
+                       f"most this many most frequent words (default: {DEMO['vocab']} synthetic, no cap "
+                       "for a corpus)")
+    group.add_argument("--topics", type=int, default=DEMO["topics"], help="synthetic topics")
+    group.add_argument("--tokens", type=int, default=DEMO["tokens"], help="synthetic corpus length")
+
+
+def add_training_arguments(parser):
+    """The model and the recipe; the defaults are the demo's size (about a minute on a 2-core CPU)."""
+    group = parser.add_argument_group("training")
+    group.add_argument("--dim", type=int, default=DEMO["dim"], help="vector length")
+    group.add_argument("--epochs", type=int, default=DEMO["epochs"], help="passes over the corpus")
+    group.add_argument("--steps", type=int, help="optimizer steps instead of --epochs")
+    group.add_argument("--batch-size", type=int, default=DEMO["batch_size"],
+                       help="(centre, context) pairs per step")
+    group.add_argument("--negatives", type=int, default=5, help="negative words per pair")
+    group.add_argument("--window", type=int, default=5, help="largest context reach")
+    group.add_argument("--subsample", type=float, default=1e-3, help="frequent-word subsampling threshold")
+    group.add_argument("--optimizer", choices=sorted(word2vec.DEFAULT_LR), default="sgd",
+                       help="sgd: word2vec's recipe; adam/adamax: dense optimizers, state offloaded")
+    group.add_argument("--lr", type=float, help="learning rate; for sgd the step size per pair (the loss "
+                       "is summed over a batch, never averaged) (default: "
+                       + ", ".join(f"{k} {v}" for k, v in word2vec.DEFAULT_LR.items()) + ")")
+    group.add_argument("--schedule", choices=("linear", "constant"), default="linear",
+                       help="linear: decay to lr*1e-4 over the run, as word2vec does")
+    group.add_argument("--threads", type=int, help="torch CPU threads (default: OMP_NUM_THREADS, else "
+                       "every core this process may use)")
+    group.add_argument("--storage", default="pinned", choices=ss.STORAGE_KINDS,
+                       help="where tables and optimizer state live (mmap: files, for more than RAM)")
+    group.add_argument("--table-dir", help="directory for --storage mmap's files")
+    group.add_argument("--speedtorch-api", action="store_true",
+                       help="train through ModelFactory/OptimizerFactory instead of OffloadedEmbedding")
+    group.add_argument("--distributed", action="store_true",
+                       help="run under torchrun: tables row-sharded over the ranks (README: 'Several "
+                       "processes and machines')")
+
+
+def add_output_arguments(parser):
+    """Evaluation and the saved vectors."""
+    group = parser.add_argument_group("evaluation and output")
+    group.add_argument("--wordsim", metavar="PATH", help="score word similarity (WordSim353's format)")
+    group.add_argument("--analogies", metavar="PATH", help="score analogies (questions-words.txt's format)")
+    group.add_argument("--save", metavar="PATH", help="save the centre vectors: word2vec's text format, "
+                       "or a bare numpy array for a .npy path")
+    group.add_argument("--binary", action="store_true", help="--save in word2vec's binary format")
+    group.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def evaluate_vectors(args, vectors, corpus):
+    """``[(label, value)]`` rows and figures for ``--wordsim``/``--analogies``."""
+    rows, figures = [], {}
+    words = [corpus.name(i) for i in range(corpus.vocab_size)]
+    if args.wordsim:
+        score = evaluate.word_similarity(vectors, words, evaluate.read_word_pairs(args.wordsim))
+        figures["wordsim_spearman"], figures["wordsim_pairs"] = score.value, score.used
+        rows.append(("word similarity", f"Spearman {score.value:.3f}  ({score.used} of {score.total} "
+                                        f"pairs in the vocabulary)"))
+    if args.analogies:
+        score = evaluate.analogy_accuracy(vectors, words, evaluate.read_analogies(args.analogies))
+        figures["analogy_accuracy"], figures["analogy_questions"] = score.value, score.used
+        rows.append(("analogies", f"{100 * score.value:.1f}% solved  ({score.used} of {score.total} "
+                                  f"questions in the vocabulary)"))
+    return rows, figures
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
-    parser.add_argument("--corpus", metavar="PATH", help="a text8-style file: whitespace-separated "
-                        "words, one document per line (default: synthetic)")
-    # The defaults are the demo's size (about a minute on a 2-core CPU).
-    parser.add_argument("--vocab", type=int, default=DEMO["vocab"], help="vocabulary size (table rows)")
-    parser.add_argument("--topics", type=int, default=DEMO["topics"], help="synthetic topics")
-    parser.add_argument("--tokens", type=int, default=DEMO["tokens"], help="synthetic corpus length")
-    parser.add_argument("--dim", type=int, default=DEMO["dim"], help="vector length")
-    parser.add_argument("--steps", type=int, default=DEMO["steps"], help="optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=DEMO["batch_size"],
-                        help="(centre, context) pairs per step")
-    parser.add_argument("--negatives", type=int, default=5, help="negative words per pair")
-    parser.add_argument("--window", type=int, default=4, help="largest context reach")
-    parser.add_argument("--subsample", type=float, default=1e-3, help="frequent-word subsampling threshold")
-    parser.add_argument("--lr", type=float, default=0.01, help="learning rate")
-    parser.add_argument("--optimizer", choices=("adam", "adamax"), default="adam",
-                        help="a dense optimizer, its state offloaded with the tables")
-    parser.add_argument("--storage", default="pinned", choices=ss.STORAGE_KINDS,
-                        help="where tables and optimizer state live (mmap: files, for more than RAM)")
-    parser.add_argument("--table-dir", help="directory for --storage mmap's files")
-    parser.add_argument("--speedtorch-api", action="store_true",
-                        help="train through ModelFactory/OptimizerFactory instead of OffloadedEmbedding")
-    parser.add_argument("--distributed", action="store_true",
-                        help="run under torchrun: tables row-sharded over the ranks (docs/distributed.md)")
-    parser.add_argument("--save", metavar="PATH", help="save the trained centre vectors (.npy)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_corpus_arguments(parser)
+    add_training_arguments(parser)
+    add_output_arguments(parser)
     add_common_arguments(parser)
     args = parser.parse_args(argv)
     if args.storage == "mmap" and not args.table_dir:
         parser.error("--storage mmap keeps the tables in files: give --table-dir DIR")
-    backend, _ = backend_and_device(args)
+    backend, device = backend_and_device(args)
+    if device.type == "cpu":
+        torch.set_num_threads(word2vec.cpu_threads(args.threads))
 
     start = time.perf_counter()
     if args.corpus:
-        corpus = read_text_corpus(args.corpus, args.vocab)
+        corpus = read_text_corpus(args.corpus, args.vocab, min_count=args.min_count)
     else:
-        corpus = synthetic_corpus(args.vocab, args.topics, args.tokens, seed=args.seed)
+        corpus = synthetic_corpus(args.vocab or DEMO["vocab"], args.topics, args.tokens, seed=args.seed)
     print(f"corpus: {len(corpus.tokens):,} tokens, vocabulary {corpus.vocab_size:,} "
           f"({'synthetic, ' + str(args.topics) + ' topics' if corpus.topics is not None else args.corpus}), "
           f"ready in {time.perf_counter() - start:.1f} s")
@@ -97,30 +168,40 @@ def main(argv=None):
             write_json(args, figures)
         return figures
 
-    result = word2vec.train(corpus, dim=args.dim, steps=args.steps, batch_size=args.batch_size,
-                            negatives=args.negatives, window=args.window, subsample=args.subsample,
-                            lr=args.lr, optimizer=args.optimizer, storage=args.storage, backend=backend,
+    result = word2vec.train(corpus, dim=args.dim, epochs=None if args.steps else args.epochs,
+                            steps=args.steps, batch_size=args.batch_size, negatives=args.negatives,
+                            window=args.window, subsample=args.subsample, optimizer=args.optimizer,
+                            lr=args.lr, schedule=args.schedule, storage=args.storage, backend=backend,
                             directory=args.table_dir, speedtorch_api=args.speedtorch_api,
                             seed=args.seed, progress=not args.quiet)
     memory = memory_summary(result.model, result.optimizer)
     figures = {"words_per_second": result.words_per_second, "pairs_per_second": result.pairs / result.seconds,
-               "seconds": result.seconds, "losses": result.losses, "memory": memory,
+               "seconds": result.seconds, "words": result.words, "steps": result.steps,
+               "losses": result.losses, "memory": memory, "threads": torch.get_num_threads(),
                "api": "speedtorch" if args.speedtorch_api else "OffloadedEmbedding"}
-    rows = [("API", figures["api"]),
+    rows = [("API", f"{figures['api']}, {args.optimizer}, {device.type}"
+                    + (f" ({figures['threads']} threads)" if device.type == "cpu" else "")),
+            ("training", f"{result.steps:,} steps, {result.words:,} words in {result.seconds:.1f} s"),
             ("words/s", f"{result.words_per_second:,.0f}  ({figures['pairs_per_second']:,.0f} pairs/s)"),
-            ("loss", f"{result.losses[0][1]:.3f} -> {result.losses[-1][1]:.3f}")]
+            ("loss per pair", f"{result.losses[0][1]:.3f} -> {result.losses[-1][1]:.3f}")]
     if corpus.topics is not None:
         purity, chance = word2vec.topic_purity(result.vectors, corpus)
         figures.update(topic_purity=purity, chance=chance)
         rows.append(("topic purity", f"{purity:.3f}  (chance {chance:.3f})"))
+    quality_rows, quality = evaluate_vectors(args, result.vectors, corpus)
+    figures.update(quality)
+    rows += quality_rows
     rows += [("host tables", f"{format_bytes(memory['host_bytes'] + memory['file_bytes'])} ({args.storage})"),
              (f"on {memory['device']} for the step", format_bytes(memory["device_bytes"]))]
     print(format_rows(rows))
     print("nearest neighbours:")
     ranked = np.argsort(-corpus.counts, kind="stable")
     show_neighbours(result.vectors, corpus, ranked[[r for r in (0, 10, 100, 1000) if r < len(ranked)]])
-    if args.save:
+    if args.save and args.save.endswith(".npy"):
         np.save(args.save, result.vectors)
+    elif args.save:
+        save_word2vec_format(args.save, [corpus.name(i) for i in range(corpus.vocab_size)], result.vectors,
+                             binary=args.binary)
     write_json(args, figures)
     return figures
 

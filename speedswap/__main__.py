@@ -17,8 +17,8 @@ def _demo(args: argparse.Namespace) -> int:
     from .apps.demo import format_demo, run_demo
 
     size = "tiny" if args.tiny else "demo"
-    print(f"speedswap demo: word2vec (skip-gram, Adam) on a synthetic corpus with planted topics, "
-          f"both tables and their Adam state in {args.storage} host memory ({size} size)")
+    print(f"speedswap demo: word2vec (skip-gram, SGD with word2vec's linear decay) on a synthetic "
+          f"corpus with planted topics, both tables in {args.storage} host memory ({size} size)")
     summary = run_demo(tiny=args.tiny, backend=BACKEND_OF_DEVICE[args.device], storage=args.storage,
                        progress=not args.no_progress)
     print(format_demo(summary))

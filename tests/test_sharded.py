@@ -208,7 +208,8 @@ def test_word2vec_example_under_torchrun(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "examples/word2vec.py", "--distributed", "--device", "cpu", "--vocab", "2000",
          "--topics", "20", "--tokens", "200000", "--dim", "32", "--steps", "150",
-         "--batch-size", "512", "--quiet", "--storage", "pageable", "--json", tmp_path / "w.json"],
+         "--batch-size", "512", "--optimizer", "adam", "--quiet", "--storage", "pageable",
+         "--json", tmp_path / "w.json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads((tmp_path / "w.json").read_text())

@@ -1,12 +1,16 @@
 """The word2vec pieces the demo and examples/word2vec.py share: corpus, pairs, negatives, scoring."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
 import speedswap as ss
-from speedswap.apps import word2vec
+from speedswap.apps import evaluate, word2vec
 from speedswap.apps.corpus import keep_probabilities, read_text_corpus, skipgram_pairs, synthetic_corpus
+from speedswap.apps.pairs import PairChunks
+from speedswap.apps.w2v_format import load_word2vec_format, save_word2vec_format
 
 
 def test_synthetic_corpus_plants_topics_with_zipf_frequencies(seed):
@@ -55,6 +59,11 @@ def test_read_text_corpus_ranks_words_and_keeps_lines_apart(tmp_path):
     assert corpus.tokens.tolist() == [1, 0, 0, 2, 0, 1]  # "rare" is outside the vocabulary
     assert corpus.doc_starts.tolist() == [0, 3]
     assert corpus.counts.tolist() == [3, 2, 1]
+    # word2vec's vocabulary: every word seen min_count times, however many.
+    frequent = read_text_corpus(tmp_path / "text", min_count=2)
+    assert frequent.words == ["a", "b"] and frequent.tokens.tolist() == [1, 0, 0, 0, 1]
+    with pytest.raises(ss.FileFormatError, match="occurs 9 times.*most frequent occurs 3"):
+        read_text_corpus(tmp_path / "text", min_count=9)
 
 
 def test_topic_purity_is_chance_for_random_vectors_and_one_for_planted_ones(rng):
@@ -65,17 +74,96 @@ def test_topic_purity_is_chance_for_random_vectors_and_one_for_planted_ones(rng)
     assert word2vec.topic_purity(planted, corpus)[0] == 1.0
 
 
-def test_training_refuses_a_corpus_too_short_for_one_batch():
-    corpus = synthetic_corpus(vocab=50, topics=2, tokens=200, seed=0)
-    with pytest.raises(ss.OptionError, match="batch_size") as error:
-        word2vec.train(corpus, dim=4, steps=3, batch_size=10_000, backend="numpy", progress=False)
+def test_training_refuses_a_corpus_without_pairs_and_bad_run_lengths(tmp_path):
+    (tmp_path / "text").write_text("a\nb\na\n")  # one-word documents: no window holds two words
+    lonely = read_text_corpus(tmp_path / "text")
+    with pytest.raises(ss.OptionError, match="no skip-gram pairs") as error:
+        word2vec.train(lonely, dim=4, steps=3, batch_size=8, backend="numpy", progress=False)
     assert isinstance(error.value, ValueError)  # speedswap errors subclass the built-in one
-
-
-def test_training_refuses_an_unknown_optimizer():
     corpus = synthetic_corpus(vocab=50, topics=2, tokens=2000, seed=0)
-    with pytest.raises(ss.OptionError, match="'sgd'.*adam"):
-        word2vec.train(corpus, dim=4, steps=3, batch_size=16, optimizer="sgd", backend="numpy", progress=False)
+    with pytest.raises(ss.OptionError, match="not both"):
+        word2vec.train(corpus, dim=4, epochs=1, steps=3, backend="numpy", progress=False)
+    with pytest.raises(ss.OptionError, match="epochs must be a positive int, got 0"):
+        word2vec.train(corpus, dim=4, epochs=0, backend="numpy", progress=False)
+
+
+def test_training_refuses_an_unknown_optimizer_or_schedule():
+    corpus = synthetic_corpus(vocab=50, topics=2, tokens=2000, seed=0)
+    with pytest.raises(ss.OptionError, match="'lbfgs'.*adam"):
+        word2vec.train(corpus, dim=4, steps=3, batch_size=16, optimizer="lbfgs", backend="numpy", progress=False)
+    with pytest.raises(ss.OptionError, match="'cosine'"):
+        word2vec.train(corpus, dim=4, steps=3, batch_size=16, schedule="cosine", backend="numpy", progress=False)
+
+
+def test_an_epoch_reads_every_token_once_and_a_partial_batch_trains():
+    corpus = synthetic_corpus(vocab=300, topics=4, tokens=30_000, seed=0)
+    result = word2vec.train(corpus, dim=8, epochs=2, batch_size=4096, chunk_tokens=7_000, backend="numpy",
+                            progress=False)
+    assert result.words == 60_000
+    # Each chunk's pairs train in full: its last batch may be smaller than batch_size.
+    assert result.pairs > (result.steps - 10) * 4096 - 1 and result.pairs % 4096 != 0
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_linear_schedule_decays_to_word2vecs_floor_and_constant_stays(optimizer):
+    corpus = synthetic_corpus(vocab=300, topics=4, tokens=20_000, seed=0)
+    lr = word2vec.DEFAULT_LR[optimizer]
+    decayed = word2vec.train(corpus, dim=8, epochs=1, batch_size=256, optimizer=optimizer, backend="numpy",
+                             progress=False)
+    assert decayed.optimizer.param_groups[0]["lr"] == pytest.approx(lr * 1e-4, rel=1e-6)
+    constant = word2vec.train(corpus, dim=8, steps=20, batch_size=256, optimizer=optimizer, lr=0.003,
+                              schedule="constant", backend="numpy", progress=False)
+    assert constant.optimizer.param_groups[0]["lr"] == 0.003
+
+
+def test_loss_is_summed_over_pairs_so_lr_is_per_pair(seed):
+    torch.manual_seed(seed)
+    model = word2vec.SkipGram(torch.nn.Embedding(20, 6), torch.nn.Embedding(20, 6))
+    centres, contexts = torch.randint(0, 20, (8,)), torch.randint(0, 20, (8,))
+    negatives = torch.randint(0, 20, (8, 3))
+    whole = model(centres, contexts, negatives)
+    parts = sum(model(centres[i:i + 1], contexts[i:i + 1], negatives[i:i + 1]) for i in range(8))
+    torch.testing.assert_close(whole, parts)
+    # One pair's loss is word2vec's: -log s(u.v) - sum log s(-u.n).
+    u, v, n = model.centre.weight[centres[0]], model.context.weight[contexts[0]], model.context.weight[negatives[0]]
+    expected = -torch.nn.functional.logsigmoid(u @ v) - torch.nn.functional.logsigmoid(-(n @ u)).sum()
+    torch.testing.assert_close(model(centres[:1], contexts[:1], negatives[:1]), expected)
+
+
+def test_cpu_threads_respects_omp_num_threads_and_the_cores_granted(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert word2vec.cpu_threads() == cores
+    assert word2vec.cpu_threads(cores + 7) == cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert word2vec.cpu_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "many")
+    with pytest.raises(ss.OptionError, match="OMP_NUM_THREADS='many'"):
+        word2vec.cpu_threads()
+    with pytest.raises(ss.OptionError, match="threads must be a positive int, got 0"):
+        word2vec.cpu_threads(0)
+
+
+def test_pair_stream_equals_the_epochs_and_raises_the_threads_errors():
+    corpus = synthetic_corpus(vocab=200, topics=4, tokens=9_000, seed=0)
+    chunks = PairChunks(corpus, window=3, negatives=2, subsample=1e-3, chunk_tokens=2_000, seed=5)
+    expected = [c for epoch in range(2) for c in chunks.epoch(epoch)]
+    streamed = list(chunks.stream(2, ahead=1))
+    assert [c.tokens for c in streamed] == [c.tokens for c in expected] == [2000] * 4 + [1000] + [2000] * 4 + [1000]
+    for a, b in zip(streamed, expected):
+        assert torch.equal(a.centres, b.centres) and torch.equal(a.negatives, b.negatives)
+    assert streamed[0].negatives.shape == (len(streamed[0].centres), 2)
+    early = chunks.stream(100, ahead=1)
+    next(early)
+    early.close()  # stops the thread: leaving a loop early strands nothing
+
+    def broken(epoch):
+        yield from ()
+        raise RuntimeError("disk gone")
+
+    chunks.epoch = broken
+    with pytest.raises(RuntimeError, match="disk gone"):
+        list(chunks.stream(1))
 
 
 def test_topic_purity_needs_planted_topics_and_enough_frequent_words(tmp_path, rng):
@@ -96,3 +184,54 @@ def test_corpus_errors_say_what_is_wrong(tmp_path):
         read_text_corpus(tmp_path / "empty", vocab=0)
     with pytest.raises(ss.OptionError, match="topics must be a positive int, got 0"):
         synthetic_corpus(vocab=10, topics=0, tokens=100)
+
+
+def test_similarity_and_analogy_files_read_as_gensim_reads_them(tmp_path):
+    (tmp_path / "ws.tsv").write_text("# Word 1\tWord 2\tHuman (mean)\nTiger\tcat\t7.35\nking\tqueen\t8.58\n")
+    assert evaluate.read_word_pairs(tmp_path / "ws.tsv") == [("tiger", "cat", 7.35), ("king", "queen", 8.58)]
+    (tmp_path / "q.txt").write_text(": capital-common-countries\nAthens Greece Baghdad Iraq\n: family\nboy girl he she\n")
+    assert evaluate.read_analogies(tmp_path / "q.txt") == [("athens", "greece", "baghdad", "iraq"),
+                                                          ("boy", "girl", "he", "she")]
+    (tmp_path / "bad.tsv").write_text("tiger cat\n")
+    with pytest.raises(ss.FileFormatError, match="bad.tsv:1: expected"):
+        evaluate.read_word_pairs(tmp_path / "bad.tsv")
+    (tmp_path / "bad.txt").write_text(": s\na b c\n")
+    with pytest.raises(ss.FileFormatError, match="bad.txt:2: an analogy is four words"):
+        evaluate.read_analogies(tmp_path / "bad.txt")
+
+
+def test_word_similarity_is_spearmans_rho_over_known_pairs(rng):
+    scipy_stats = pytest.importorskip("scipy.stats")
+    words = [f"w{i}" for i in range(50)]
+    vectors = rng.standard_normal((50, 8))
+    pairs = [(f"w{a}", f"w{b}", float(rng.integers(0, 5))) for a, b in rng.integers(0, 50, (80, 2)) if a != b]
+    score = evaluate.word_similarity(vectors, words, pairs + [("w1", "unknown", 3.0)])
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    cosine = [unit[int(a[1:])] @ unit[int(b[1:])] for a, b, _ in pairs]
+    expected = scipy_stats.spearmanr(cosine, [s for *_, s in pairs]).statistic  # ties in the human scores
+    assert score.value == pytest.approx(expected, abs=1e-6)
+    assert (score.used, score.total) == (len(pairs), len(pairs) + 1)
+
+
+def test_analogies_are_solved_by_3cosadd_excluding_the_question_words():
+    # Two directions: "royal" (x) and "female" (y); the answer to man:woman::king:? is queen.
+    words = ["man", "woman", "king", "queen", "prince"]
+    vectors = np.array([[0, 1, 0.1], [0, 0, 1.1], [1, 1, 0.1], [1, 0, 1], [1, 1, 0.3]])
+    questions = [("man", "woman", "king", "queen"), ("man", "king", "woman", "prince"), ("a", "b", "c", "d")]
+    score = evaluate.analogy_accuracy(vectors, words, questions)
+    assert (score.value, score.used, score.total) == (0.5, 2, 3)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_word2vec_format_round_trips_and_gensim_reads_it(tmp_path, rng, binary):
+    words = ["the", "caf\u00e9", "x"]
+    vectors = rng.standard_normal((3, 5)).astype(np.float32)
+    path = tmp_path / "vectors.bin"
+    save_word2vec_format(path, words, vectors, binary=binary)
+    read_words, read_vectors = load_word2vec_format(path, binary=binary)
+    assert read_words == words and np.array_equal(read_vectors, vectors)  # exact, text included
+    with pytest.raises(ss.OptionError, match="'two words'"):
+        save_word2vec_format(path, ["two words"], vectors[:1])
+    assert load_word2vec_format(path, binary=binary)[0] == words  # a failed save leaves the old file
+    keyed = pytest.importorskip("gensim.models").KeyedVectors.load_word2vec_format(str(path), binary=binary)
+    assert keyed.index_to_key == words and np.array_equal(keyed.vectors, vectors)

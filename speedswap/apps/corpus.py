@@ -109,25 +109,28 @@ def synthetic_corpus(vocab: int, topics: int, tokens: int, *, doc_len: int = 50,
                   counts=np.bincount(ids, minlength=vocab).astype(np.int64), topics=topic_of)
 
 
-def read_text_corpus(path: os.PathLike, vocab: int) -> Corpus:
+def read_text_corpus(path: os.PathLike, vocab: Optional[int] = None, *, min_count: int = 1) -> Corpus:
     """Read a text8-style corpus: words separated by whitespace, one document per line.
 
-    text8 itself is a single line of 17 million lower-case words. Words are
-    ranked by frequency and the ``vocab`` most frequent kept (id 0 is the most
-    frequent); rarer words are dropped from the token stream, as word2vec does.
+    text8 itself is a single line of 17 million lower-case words. The
+    vocabulary is built as word2vec builds it: words occurring at least
+    ``min_count`` times, ranked by frequency (id 0 is the most frequent), and
+    of those at most the ``vocab`` most frequent; every other word is dropped
+    from the token stream before windows are drawn, as word2vec does.
 
     Args:
         path: a UTF-8 text file.
-        vocab: how many distinct words to keep.
+        vocab: the most distinct words to keep (None: no cap).
+        min_count: the fewest occurrences a kept word has (word2vec's ``-min-count``).
 
     Returns:
         Corpus (``topics`` is None: there is no planted structure to score).
 
     Raises:
-        OptionError: ``vocab`` is not a positive int.
-        FileFormatError: the file holds no words.
+        OptionError: ``vocab`` or ``min_count`` is not a positive int.
+        FileFormatError: the file holds no words, or none occurs ``min_count`` times.
     """
-    _check_positive(vocab=vocab)
+    _check_positive(min_count=min_count, **({} if vocab is None else {"vocab": vocab}))
     with open(path, encoding="utf-8") as f:
         lines = [line.split() for line in f]
     counter = collections.Counter(word for line in lines for word in line)
@@ -135,7 +138,12 @@ def read_text_corpus(path: os.PathLike, vocab: int) -> Corpus:
         raise ss.FileFormatError(f"{os.fspath(path)!r} holds no words; a corpus is whitespace-separated "
                                  f"words, one document per line")
     # Rank by count, ties alphabetically so the vocabulary does not depend on dict order.
-    ranked = sorted(counter.items(), key=lambda item: (-item[1], item[0]))[:vocab]
+    ranked = sorted((item for item in counter.items() if item[1] >= min_count),
+                    key=lambda item: (-item[1], item[0]))[:vocab]
+    if not ranked:
+        raise ss.FileFormatError(f"no word of {os.fspath(path)!r} occurs {min_count} times or more "
+                                 f"(the most frequent occurs {max(counter.values())} times); "
+                                 f"lower min_count")
     index = {word: i for i, (word, _) in enumerate(ranked)}
     ids, starts = [], []
     for line in lines:

@@ -24,9 +24,9 @@ __all__ = ["BACKEND_OF_DEVICE", "DEMO", "TINY", "run_demo", "format_demo", "memo
 BACKEND_OF_DEVICE = {"auto": "auto", "cpu": "numpy", "cuda": "cuda"}
 
 #: The demo's size: about a minute on a 2-core CPU, seconds on a GPU.
-DEMO = dict(vocab=100_000, topics=50, tokens=5_000_000, dim=64, steps=6000, batch_size=2048)
+DEMO = dict(vocab=100_000, topics=50, tokens=4_000_000, dim=64, epochs=1, batch_size=2048)
 #: A smoke-test size for the test suite.
-TINY = dict(vocab=2_000, topics=20, tokens=200_000, dim=32, steps=150, batch_size=512)
+TINY = dict(vocab=2_000, topics=20, tokens=200_000, dim=32, epochs=2, batch_size=1024)
 
 
 def format_bytes(n: float) -> str:
@@ -80,7 +80,7 @@ def format_rows(rows: Sequence[tuple]) -> str:
 
 def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned", progress: bool = True,
              seed: int = 0) -> dict:
-    """Train word2vec on the synthetic topic corpus and summarise the run.
+    """Train word2vec on the synthetic topic corpus with the default recipe and summarise the run.
 
     Args:
         tiny: the test-suite size (:data:`TINY`) instead of :data:`DEMO`.
@@ -96,12 +96,15 @@ def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned",
     from .corpus import synthetic_corpus
 
     size = TINY if tiny else DEMO
+    if ss.get_backend(backend).device.type == "cpu":
+        torch.set_num_threads(word2vec.cpu_threads())
     corpus = synthetic_corpus(size["vocab"], size["topics"], size["tokens"], seed=seed)
-    result = word2vec.train(corpus, dim=size["dim"], steps=size["steps"], batch_size=size["batch_size"],
+    result = word2vec.train(corpus, dim=size["dim"], epochs=size["epochs"], batch_size=size["batch_size"],
                             storage=storage, backend=backend, seed=seed, progress=progress)
     purity, chance = word2vec.topic_purity(result.vectors, corpus)
     memory = memory_summary(result.model, result.optimizer)
-    return {"vocab": corpus.vocab_size, "dim": size["dim"], "steps": size["steps"],
+    return {"vocab": corpus.vocab_size, "dim": size["dim"], "steps": result.steps, "epochs": size["epochs"],
+            "optimizer": type(result.optimizer).__name__, "threads": torch.get_num_threads(),
             "words/s": result.words_per_second, "pairs/s": result.pairs / result.seconds,
             "seconds": result.seconds, "final loss": result.losses[-1][1],
             "topic purity": purity, "chance": chance, "storage": storage,
@@ -111,9 +114,11 @@ def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned",
 def format_demo(summary: dict) -> str:
     """The demo's closing table."""
     rows = [
-        ("vocabulary x dim", f"{summary['vocab']:,} x {summary['dim']} (2 tables + Adam state)"),
-        ("training", f"{summary['steps']} steps in {summary['seconds']:.1f} s, "
-                     f"final loss {summary['final loss']:.3f}"),
+        ("vocabulary x dim", f"{summary['vocab']:,} x {summary['dim']} (2 tables + {summary['optimizer']} "
+                             f"state)"),
+        ("training", f"{summary['epochs']} epoch(s), {summary['steps']} steps in {summary['seconds']:.1f} s "
+                     f"({summary['optimizer']}, {summary['threads']} CPU threads), "
+                     f"final loss per pair {summary['final loss']:.3f}"),
         ("words/s", f"{summary['words/s']:,.0f}  ({summary['pairs/s']:,.0f} pairs/s)"),
         ("topic purity", f"{summary['topic purity']:.3f}  (chance {summary['chance']:.3f})"),
         ("storage", summary["storage"] + ("" if summary["page-locked"] or summary["storage"] == "pageable"

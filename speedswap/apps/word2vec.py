@@ -1,12 +1,20 @@
 """Skip-gram word2vec with both embedding tables offloaded: the job behind the demo.
 
 ``python -m speedswap demo`` and ``examples/word2vec.py`` both run
-:func:`train`; this module and :mod:`speedswap.apps.corpus` (the text and its
-pairs) hold everything they share, so neither copies the other: the
-unigram^0.75 negative sampler, the model, the training loop (with
-:class:`~speedswap.OffloadedEmbedding` or with the SpeedTorch-style
-``ModelFactory``/``OptimizerFactory`` switchers), and the quality figure,
+:func:`train`; this module, :mod:`speedswap.apps.corpus` (the text) and
+:mod:`speedswap.apps.pairs` (its training examples) hold everything they
+share: the model, the training loop (with :class:`~speedswap.OffloadedEmbedding`
+or with the SpeedTorch-style ``ModelFactory``/``OptimizerFactory`` switchers),
+word2vec's learning-rate recipe, and the synthetic corpus's quality figure,
 nearest-neighbour topic purity.
+
+**What ``lr`` means.** The loss of a step is the *sum* of its pairs' losses,
+never the mean, so the gradient each pair contributes does not depend on the
+batch size: with ``optimizer="sgd"``, ``lr`` is the step size per pair, the
+``-alpha`` of the word2vec C tool and gensim (0.025 for skip-gram). Adam and
+Adamax normalise the gradient's scale away, so for them ``lr`` is the usual
+per-coordinate step size. With ``schedule="linear"`` the rate falls linearly
+to ``lr * 1e-4`` over the run, as word2vec's does.
 
 >>> from speedswap.apps.corpus import synthetic_corpus
 >>> corpus = synthetic_corpus(vocab=500, topics=10, tokens=20_000, seed=0)
@@ -18,10 +26,9 @@ nearest-neighbour topic purity.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,28 +37,40 @@ from tqdm import tqdm
 
 import speedswap as ss
 
-from .corpus import Corpus, keep_probabilities, skipgram_pairs
+from .corpus import Corpus
+from .pairs import NegativeSampler, PairChunks
 
-__all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "topic_purity", "nearest_neighbours"]
+__all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "cpu_threads", "DEFAULT_LR",
+           "topic_purity", "nearest_neighbours"]
+
+#: The default learning rate of each optimizer: word2vec's 0.025 per pair for SGD.
+DEFAULT_LR = {"sgd": 0.025, "adam": 0.01, "adamax": 0.01}
+_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamax": torch.optim.Adamax}
+#: word2vec's floor for the decayed rate, as a share of the starting rate.
+_LR_FLOOR = 1e-4
 
 
-class NegativeSampler:
-    """Draws negative words from the unigram distribution raised to ``power`` (0.75).
+def cpu_threads(requested: Optional[int] = None) -> int:
+    """How many torch threads a CPU run should use.
 
-    Sampling is an inverse-CDF lookup on the device (``torch.searchsorted``),
-    so it needs no multi-hundred-megabyte table for large vocabularies and
-    never draws a word that does not occur.
+    ``requested``, else ``OMP_NUM_THREADS`` when set, else every core this
+    process may run on; never more than ``len(os.sched_getaffinity(0))``,
+    since threads beyond the cores granted only contend.
+
+    Raises:
+        OptionError: ``requested`` (or ``OMP_NUM_THREADS``) is not a positive int.
     """
-
-    def __init__(self, counts: Sequence[int], device: torch.device, power: float = 0.75, seed: int = 0):
-        weight = np.asarray(counts, dtype=np.float64) ** power
-        self._cdf = torch.from_numpy(np.cumsum(weight) / weight.sum()).to(device)
-        self._generator = torch.Generator(device=device).manual_seed(seed)
-
-    def __call__(self, shape: Sequence[int]) -> torch.Tensor:
-        """Negative word ids of ``shape`` (int64, on the sampler's device)."""
-        u = torch.rand(shape, dtype=torch.float64, device=self._cdf.device, generator=self._generator)
-        return torch.searchsorted(self._cdf, u).clamp_(max=len(self._cdf) - 1)
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if requested is None:
+        env = os.environ.get("OMP_NUM_THREADS", "").strip()
+        try:
+            requested = int(env) if env else available
+        except ValueError:
+            raise ss.OptionError(f"OMP_NUM_THREADS={env!r} is not an int; unset it or give a "
+                                 f"thread count") from None
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ss.OptionError(f"threads must be a positive int, got {requested!r}")
+    return min(requested, available)
 
 
 class SkipGram(torch.nn.Module):
@@ -70,19 +89,24 @@ class SkipGram(torch.nn.Module):
         self.context = context
 
     def forward(self, centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
-        """Mean negative-sampling loss of a batch.
+        """Negative-sampling loss of a batch, summed over its pairs (see the module's note on ``lr``).
 
         Args:
             centres: ``(B,)`` ids.
             contexts: ``(B,)`` ids of words seen near the centres.
             negatives: ``(B, K)`` ids of sampled words.
+
+        Returns:
+            the scalar loss.
         """
         u = self.centre(centres)
-        v = self.context(torch.cat([contexts, negatives.reshape(-1)]))
-        positive, negative = v[:len(contexts)], v[len(contexts):].view(*negatives.shape, -1)
-        score = F.logsigmoid((u * positive).sum(-1))
-        score = score + F.logsigmoid(-torch.bmm(negative, u.unsqueeze(-1)).squeeze(-1)).sum(-1)
-        return -score.mean()
+        v = self.context(torch.cat([contexts.unsqueeze(1), negatives], dim=1))
+        # An element-wise product and sum, not bmm: on a CPU, B tiny (K+1)x1
+        # matrix products cost several times more than one pass over (B, K+1, D).
+        score = (v * u.unsqueeze(1)).sum(-1)
+        sign = torch.ones(score.shape[1], dtype=score.dtype, device=score.device)
+        sign[1:] = -1.0  # column 0 is the true context, the rest are negatives
+        return -F.logsigmoid(score * sign).sum()
 
 
 @dataclasses.dataclass
@@ -91,9 +115,10 @@ class TrainResult:
 
     Attributes:
         vectors: the trained centre (input) vectors, ``(vocab, dim)`` numpy.
-        losses: mean loss of each step.
+        losses: ``(step, mean loss per pair)`` every few steps.
         words: corpus tokens read (before subsampling), word2vec's unit of speed.
         pairs: (centre, context) pairs trained on.
+        steps: optimizer steps taken.
         seconds: wall time of the training loop.
         model, optimizer: kept for memory accounting and further use.
         storage: where the tables lived.
@@ -103,6 +128,7 @@ class TrainResult:
     losses: list
     words: int
     pairs: int
+    steps: int
     seconds: float
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -114,42 +140,14 @@ class TrainResult:
         return self.words / self.seconds if self.seconds else float("nan")
 
 
-def _batches(corpus: Corpus, *, batch_size: int, window: int, subsample: float, chunk_tokens: int,
-             device: torch.device, seed: int) -> Iterator[tuple]:
-    """Endless (centres, contexts, words_read) batches, one corpus chunk at a time.
-
-    Pairs are made per chunk of ``chunk_tokens`` tokens, so memory stays flat
-    however long the corpus is, and shuffled within the chunk by the feeder.
-
-    Raises:
-        OptionError: a whole pass over the corpus gives no full batch.
-    """
-    rng = np.random.default_rng(seed)
-    keep_prob = keep_probabilities(corpus.counts, subsample)
-    doc_id = np.searchsorted(corpus.doc_starts, np.arange(len(corpus.tokens)), side="right")
-    for epoch in itertools.count():
-        batches = 0
-        for start in range(0, len(corpus.tokens), chunk_tokens):
-            stop = min(start + chunk_tokens, len(corpus.tokens))
-            centres, contexts = skipgram_pairs(corpus.tokens[start:stop], doc_id[start:stop],
-                                               keep_prob, window, rng)
-            if len(centres) < batch_size:
-                continue
-            feeder = ss.BatchFeeder(centres, contexts, batch_size=batch_size, order="random",
-                                 drop_last=True, seed=seed + epoch, device=device)
-            words_per_batch = (stop - start) / len(feeder)
-            for batch_centres, batch_contexts in feeder:
-                batches += 1
-                yield batch_centres, batch_contexts, words_per_batch
-        if batches == 0:
-            raise ss.OptionError(f"a pass over the corpus ({len(corpus.tokens):,} tokens) gives fewer "
-                             f"than batch_size={batch_size} pairs per chunk; use a smaller "
-                             f"batch_size or a longer corpus")
-
-
 def _table_files(directory: Optional[str], name: str) -> Optional[str]:
     """Where an ``mmap`` table's files go: ``directory/name`` (None when not memory-mapped)."""
     return None if directory is None else os.path.join(directory, name)
+
+
+def _capacities(vocab: int, batch_size: int, negatives: int) -> tuple:
+    """The most distinct rows one step can touch in the centre and the context table."""
+    return min(vocab, batch_size), min(vocab, batch_size * (negatives + 1))
 
 
 def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
@@ -160,7 +158,8 @@ def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed,
                                      path=_table_files(directory, name))
 
     # The context table is called once per step with the positives and negatives together.
-    centre, context = table("centre", batch_size), table("context", batch_size * (negatives + 1))
+    centre, context = (table(name, rows) for name, rows in zip(("centre", "context"),
+                                                               _capacities(vocab, batch_size, negatives)))
     # word2vec's initialisation: small random input vectors, zero output vectors.
     centre.table.uniform_(-0.5 / dim, 0.5 / dim, generator=torch.Generator().manual_seed(seed))
     context.table.zero_()
@@ -183,8 +182,8 @@ def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed
                       directory):
     """The same job written the SpeedTorch way: batch-sized nn.Embeddings plus switchers."""
     device = ss.get_backend(backend).device
-    model = SkipGram(torch.nn.Embedding(batch_size, dim),
-                     torch.nn.Embedding(batch_size * (negatives + 1), dim)).to(device)
+    rows = _capacities(vocab, batch_size, negatives)
+    model = SkipGram(torch.nn.Embedding(rows[0], dim), torch.nn.Embedding(rows[1], dim)).to(device)
     optimizer = optimizer_cls(model.parameters(), lr=lr)
     options = dict(storage=storage, backend=backend)
     u_switch = ss.ModelFactory(model.centre, vocab, dim, path=_table_files(directory, "centre.npy"),
@@ -219,11 +218,19 @@ def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed
     return model, optimizer, step, u_switch.getNumpyVersion
 
 
-_OPTIMIZERS = {"adam": torch.optim.Adam, "adamax": torch.optim.Adamax}
+def _check_run_length(epochs: Optional[int], steps: Optional[int]) -> tuple:
+    if epochs is not None and steps is not None:
+        raise ss.OptionError("give the run's length either as epochs (passes over the corpus) or as "
+                             "steps, not both")
+    for name, value in (("epochs", epochs), ("steps", steps)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ss.OptionError(f"{name} must be a positive int, got {value!r}")
+    return (1 if epochs is None and steps is None else epochs), steps
 
 
-def train(corpus: Corpus, *, dim: int = 64, steps: int = 1000, batch_size: int = 2048, negatives: int = 5,
-          window: int = 4, subsample: float = 1e-3, lr: float = 0.01, optimizer: str = "adam",
+def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps: Optional[int] = None,
+          batch_size: int = 2048, negatives: int = 5, window: int = 5, subsample: float = 1e-3,
+          optimizer: str = "sgd", lr: Optional[float] = None, schedule: str = "linear",
           storage: str = "pinned", backend: str = "auto", directory: Optional[str] = None,
           speedtorch_api: bool = False, chunk_tokens: int = 1_000_000, seed: int = 0,
           progress: bool = True) -> TrainResult:
@@ -232,60 +239,103 @@ def train(corpus: Corpus, *, dim: int = 64, steps: int = 1000, batch_size: int =
     Args:
         corpus: a :class:`~speedswap.apps.corpus.Corpus`.
         dim: vector length.
-        steps: optimizer steps (the corpus is cycled as needed).
+        epochs: passes over the corpus (default 1 when ``steps`` is not given).
+        steps: optimizer steps instead of passes (the corpus is cycled as needed).
         batch_size: (centre, context) pairs per step.
         negatives: negative words per pair.
         window: largest context reach.
-        subsample: subsampling threshold ``t`` (:func:`keep_probabilities`).
-        lr: learning rate.
-        optimizer: ``"adam"`` or ``"adamax"`` -- dense optimizers, which
-            sparse embedding training could not use before offloading.
+        subsample: subsampling threshold ``t`` (:func:`~speedswap.apps.corpus.keep_probabilities`).
+        optimizer: ``"sgd"`` (word2vec's own), ``"adam"`` or ``"adamax"``
+            (dense optimizers, which sparse embedding training could not use
+            before offloading; their state is offloaded with the tables).
+        lr: learning rate; None is :data:`DEFAULT_LR` of the optimizer. See
+            the module's note for what it means per pair.
+        schedule: ``"linear"`` (word2vec's decay to ``lr * 1e-4`` over the
+            run's words, or its steps) or ``"constant"``.
         storage: speedswap storage kind of the tables and optimizer state.
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
         directory: for ``storage="mmap"``, where the table and state files go.
         speedtorch_api: train through ``ModelFactory``/``OptimizerFactory``
             instead of :class:`~speedswap.OffloadedEmbedding`.
-        chunk_tokens: tokens turned into pairs at a time.
+        chunk_tokens: tokens turned into pairs at a time (a background thread
+            makes the next chunk while one trains).
         seed: seeds the initial vectors, subsampling, windows, order and negatives.
-        progress: show a tqdm bar with words/s (only when stderr is a
-            terminal, so logs of a redirected run are not flooded).
+        progress: show a tqdm bar with words/s and the learning rate (only
+            when stderr is a terminal, so logs of a redirected run are not flooded).
 
     Returns:
         TrainResult
 
     Raises:
-        OptionError: an unknown optimizer, or a corpus too short for one batch.
+        OptionError: an unknown optimizer or schedule, both or neither-valid
+            ``epochs``/``steps``, or a corpus that gives no pairs.
     """
+    epochs, steps = _check_run_length(epochs, steps)
     if optimizer not in _OPTIMIZERS:
         raise ss.OptionError(f"unknown optimizer {optimizer!r}; choose one of {sorted(_OPTIMIZERS)}")
-    optimizer_cls = _OPTIMIZERS[optimizer]
+    if schedule not in ("linear", "constant"):
+        raise ss.OptionError(f"unknown schedule {schedule!r}; choose 'linear' or 'constant'")
+    lr = DEFAULT_LR[optimizer] if lr is None else lr
     build = _build_speedtorch if speedtorch_api else _build_offloaded
-    model, opt, step, vectors = build(corpus.vocab_size, dim, batch_size, negatives, optimizer_cls,
+    model, opt, step, vectors = build(corpus.vocab_size, dim, batch_size, negatives, _OPTIMIZERS[optimizer],
                                       lr, seed, storage, backend, directory)
     device = ss.get_backend(backend).device
-    sampler = NegativeSampler(corpus.counts, device, seed=seed)
-    batches = _batches(corpus, batch_size=batch_size, window=window, subsample=subsample,
-                       chunk_tokens=chunk_tokens, device=device, seed=seed)
-    losses, words = [], 0.0
+    chunks = PairChunks(corpus, window=window, negatives=negatives, subsample=subsample,
+                        chunk_tokens=chunk_tokens, seed=seed)
+    total_words = None if steps is not None else epochs * len(corpus.tokens)
+    done = {"words": 0.0, "steps": 0, "pairs": 0}
+
+    def remaining() -> float:
+        return 1 - (done["steps"] / steps if steps is not None else done["words"] / total_words)
+
+    # word2vec's decay: linear in the share of the run already read, with a floor.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda _: max(remaining(), _LR_FLOOR) if schedule == "linear" else 1.0)
     # disable=None: tqdm draws only on a terminal.
-    bar = tqdm(total=steps, unit="step", disable=None if progress else True, dynamic_ncols=True)
+    bar = tqdm(total=steps or total_words, unit="step" if steps else "word", unit_scale=not steps,
+               disable=None if progress else True, dynamic_ncols=True, smoothing=0.05)
+    losses = []
+    # An endless stream in steps mode; the loop stops it.
+    stream = chunks.stream(epochs if steps is None else 1 << 30)
     start = time.perf_counter()
-    for n in range(steps):
-        centres, contexts, words_read = next(batches)
-        loss = step(centres, contexts, sampler((batch_size, negatives)))
-        words += words_read
-        # Reading the loss synchronises a GPU; do it only as often as the bar redraws.
-        if n % 20 == 0 or n == steps - 1:
-            losses.append((n, float(loss)))
-            elapsed = time.perf_counter() - start
-            bar.set_postfix(loss=f"{losses[-1][1]:.3f}", words_s=f"{words / elapsed:,.0f}", refresh=False)
-        bar.update(1)
+    try:
+        for chunk in stream:
+            if len(chunk.centres) == 0:
+                done["words"] += chunk.tokens
+                if not done["steps"] and done["words"] >= len(corpus.tokens):
+                    break  # a whole pass without a pair: no run length would change that
+                continue
+            feeder = ss.BatchFeeder(chunk.centres, chunk.contexts, chunk.negatives, batch_size=batch_size,
+                                    order="random", seed=seed + done["steps"], device=device)
+            words_per_batch = chunk.tokens / len(feeder)
+            for centres, contexts, negative_ids in feeder:
+                loss = step(centres, contexts, negative_ids)
+                done["words"] += words_per_batch
+                done["steps"] += 1
+                done["pairs"] += len(centres)
+                scheduler.step()  # the next step's rate, from the share read so far
+                # Reading the loss synchronises a GPU; do it only as often as the bar redraws.
+                if done["steps"] % 50 == 1 or done["steps"] == steps:
+                    losses.append((done["steps"], float(loss) / len(centres)))
+                    bar.set_postfix(loss=f"{losses[-1][1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
+                                    refresh=False)
+                bar.update(1 if steps else words_per_batch)
+                if done["steps"] == steps:
+                    break
+            if done["steps"] == steps:
+                break
+    finally:
+        stream.close()
+        bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    bar.close()
-    return TrainResult(vectors=vectors(), losses=losses, words=int(words), pairs=steps * batch_size,
-                       seconds=seconds, model=model, optimizer=opt, storage=storage)
+    if not done["steps"]:
+        raise ss.OptionError(f"the corpus ({len(corpus.tokens):,} tokens) gives no skip-gram pairs; "
+                             f"it needs documents of two or more words")
+    return TrainResult(vectors=vectors(), losses=losses, words=int(round(done["words"])),
+                       pairs=done["pairs"], steps=done["steps"], seconds=seconds, model=model, optimizer=opt,
+                       storage=storage)
 
 
 def nearest_neighbours(vectors: np.ndarray, query_ids: Sequence[int], candidate_ids: Sequence[int],

@@ -1,0 +1,180 @@
+"""Word-vector quality on the standard test sets, read in the formats gensim reads.
+
+* **Word similarity** (WordSim353's ``wordsim353.tsv``, SimLex-999): lines of
+  ``word1<TAB>word2<TAB>score``, ``#`` comments; the figure is the Spearman
+  correlation between the human scores and the vectors' cosine similarities
+  over the pairs whose two words are in the vocabulary.
+* **Analogies** (``questions-words.txt``): ``: section`` headers, then lines
+  ``a b c d`` meaning "a is to b as c is to d"; a question counts as solved
+  when the word nearest ``b - a + c`` (by cosine, among unit vectors, the
+  three question words excluded) is ``d`` (3CosAdd). The figure is the share
+  solved among the questions whose four words are in the vocabulary.
+
+Both match gensim's ``KeyedVectors.evaluate_word_pairs`` and
+``evaluate_word_analogies`` with their defaults (case-insensitive; only the
+300,000 most frequent words are candidates), so figures compare across the
+two libraries.
+
+>>> import numpy as np
+>>> vectors = np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
+>>> pairs = [("a", "b", 9.0), ("a", "c", 1.0), ("b", "c", 2.0)]
+>>> word_similarity(vectors, ["a", "b", "c"], pairs).spearman
+1.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+import speedswap as ss
+
+__all__ = ["Score", "read_word_pairs", "read_analogies", "word_similarity", "analogy_accuracy"]
+
+#: gensim's ``restrict_vocab`` default: answers are sought among this many most frequent words.
+RESTRICT_VOCAB = 300_000
+
+
+@dataclasses.dataclass
+class Score:
+    """One evaluation's figure and how much of the test set it covers.
+
+    Attributes:
+        value: Spearman correlation (similarity) or accuracy in [0, 1] (analogies).
+        used: items scored (both or all four words in the vocabulary).
+        total: items in the file.
+    """
+
+    value: float
+    used: int
+    total: int
+
+    @property
+    def spearman(self) -> float:
+        """The similarity figure under its usual name."""
+        return self.value
+
+
+def _lines(path: os.PathLike):
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if line and not line.startswith("#"):
+                yield number, line
+
+
+def read_word_pairs(path: os.PathLike) -> list:
+    """``[(word1, word2, score), ...]`` of a word-similarity file (tab- or space-separated).
+
+    Raises:
+        FileFormatError: a line that is not two words and a number, or no pairs at all.
+    """
+    pairs = []
+    for number, line in _lines(path):
+        fields = line.split("\t") if "\t" in line else line.split()
+        try:
+            pairs.append((fields[0].lower(), fields[1].lower(), float(fields[2])))
+        except (IndexError, ValueError):
+            raise ss.FileFormatError(f"{os.fspath(path)}:{number}: expected 'word1<TAB>word2<TAB>score' "
+                                     f"(WordSim353's format), got {line[:80]!r}") from None
+    if not pairs:
+        raise ss.FileFormatError(f"{os.fspath(path)!r} holds no word pairs")
+    return pairs
+
+
+def read_analogies(path: os.PathLike) -> list:
+    """``[(a, b, c, d), ...]`` of an analogy file (questions-words.txt's format), lower-cased.
+
+    Raises:
+        FileFormatError: a question that is not four words, or no questions at all.
+    """
+    questions = []
+    for number, line in _lines(path):
+        if line.startswith(":"):
+            continue  # a section header
+        words = line.lower().split()
+        if len(words) != 4:
+            raise ss.FileFormatError(f"{os.fspath(path)}:{number}: an analogy is four words "
+                                     f"'a b c d' (a is to b as c is to d), got {line[:80]!r}")
+        questions.append(tuple(words))
+    if not questions:
+        raise ss.FileFormatError(f"{os.fspath(path)!r} holds no analogy questions")
+    return questions
+
+
+def _unit(vectors: np.ndarray) -> torch.Tensor:
+    v = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
+    return v / v.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def _index(words: Sequence[str], limit: int) -> dict:
+    # The first (most frequent) spelling wins when lower-casing merges two words, as in gensim.
+    index = {}
+    for i, word in enumerate(words[:limit]):
+        index.setdefault(word.lower(), i)
+    return index
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks with ties given their average rank (what Spearman's correlation needs)."""
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x))
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    return sums[inverse] / counts[inverse]
+
+
+def word_similarity(vectors: np.ndarray, words: Sequence[str], pairs: Sequence[tuple]) -> Score:
+    """Spearman correlation of cosine similarity with human scores (gensim's ``evaluate_word_pairs``).
+
+    Args:
+        vectors: ``(vocab, dim)`` vectors, rows in ``words`` order (most frequent first).
+        words: the vocabulary.
+        pairs: ``(word1, word2, score)`` from :func:`read_word_pairs`.
+
+    Returns:
+        Score (``value`` is NaN when fewer than two pairs are in the vocabulary).
+    """
+    index = _index(words, RESTRICT_VOCAB)
+    known = [(index[a], index[b], s) for a, b, s in pairs if a in index and b in index]
+    if len(known) < 2:
+        return Score(float("nan"), len(known), len(pairs))
+    unit = _unit(vectors)
+    a, b, human = (np.array(column) for column in zip(*known))
+    cosine = (unit[a] * unit[b]).sum(1).numpy().astype(np.float64)
+    value = float(np.corrcoef(_ranks(cosine), _ranks(human))[0, 1])
+    return Score(value, len(known), len(pairs))
+
+
+def analogy_accuracy(vectors: np.ndarray, words: Sequence[str], questions: Sequence[tuple],
+                     batch: int = 1024) -> Score:
+    """Share of analogies solved by 3CosAdd (gensim's ``evaluate_word_analogies``).
+
+    Args:
+        vectors: ``(vocab, dim)`` vectors, rows in ``words`` order (most frequent first).
+        words: the vocabulary.
+        questions: ``(a, b, c, d)`` from :func:`read_analogies`.
+        batch: questions scored per matrix product.
+
+    Returns:
+        Score (``value`` is NaN when no question is in the vocabulary).
+    """
+    index = _index(words, RESTRICT_VOCAB)
+    known = np.array([[index[w] for w in q] for q in questions if all(w in index for w in q)],
+                     dtype=np.int64).reshape(-1, 4)
+    if not len(known):
+        return Score(float("nan"), 0, len(questions))
+    unit = _unit(vectors[:RESTRICT_VOCAB])
+    correct = 0
+    for start in range(0, len(known), batch):
+        q = torch.from_numpy(known[start:start + batch])
+        target = unit[q[:, 1]] - unit[q[:, 0]] + unit[q[:, 2]]
+        sim = target @ unit.T
+        sim.scatter_(1, q[:, :3], float("-inf"))  # the question's own words are never the answer
+        correct += int((sim.argmax(1) == q[:, 3]).sum())
+    return Score(correct / len(known), len(known), len(questions))

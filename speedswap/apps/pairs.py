@@ -1,0 +1,144 @@
+"""Skip-gram training examples made ahead of the training loop: pairs and their negatives, per chunk.
+
+A background thread turns the corpus, one chunk of tokens at a time, into
+(centre, context, negatives) arrays (subsampling, dynamic window, unigram^0.75
+negatives) while the training loop consumes the previous chunk; numpy's and
+torch's kernels release the GIL, so on a CPU with two cores the pairs cost
+little of the training thread's time.
+
+>>> from speedswap.apps.corpus import synthetic_corpus
+>>> corpus = synthetic_corpus(vocab=200, topics=4, tokens=5_000, seed=0)
+>>> chunks = PairChunks(corpus, window=5, negatives=5, subsample=1e-3, chunk_tokens=2_000, seed=0)
+>>> sum(chunk.tokens for chunk in chunks.epoch(0))
+5000
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .corpus import Corpus, keep_probabilities, skipgram_pairs
+
+__all__ = ["NegativeSampler", "Chunk", "PairChunks"]
+
+
+class NegativeSampler:
+    """Draws negative words from the unigram distribution raised to ``power`` (0.75).
+
+    Sampling is an inverse-CDF lookup (``torch.searchsorted``), so it needs no
+    multi-hundred-megabyte table for large vocabularies and never draws a word
+    that does not occur.
+    """
+
+    def __init__(self, counts: Sequence[int], device: torch.device, power: float = 0.75, seed: int = 0):
+        weight = np.asarray(counts, dtype=np.float64) ** power
+        self._cdf = torch.from_numpy(np.cumsum(weight) / weight.sum()).to(device)
+        self._generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, shape: Sequence[int]) -> torch.Tensor:
+        """Negative word ids of ``shape`` (int64, on the sampler's device)."""
+        u = torch.rand(shape, dtype=torch.float64, device=self._cdf.device, generator=self._generator)
+        return torch.searchsorted(self._cdf, u).clamp_(max=len(self._cdf) - 1)
+
+
+@dataclasses.dataclass
+class Chunk:
+    """The training examples of one stretch of the corpus.
+
+    Attributes:
+        centres, contexts: ``(P,)`` int64 CPU tensors, one (centre, context) pair per row.
+        negatives: ``(P, K)`` int64 CPU tensor of negative words for each pair.
+        tokens: corpus tokens the chunk covers (before subsampling): its share of an epoch.
+    """
+
+    centres: torch.Tensor
+    contexts: torch.Tensor
+    negatives: torch.Tensor
+    tokens: int
+
+
+class PairChunks:
+    """Makes :class:`Chunk` s of a corpus, epoch after epoch, optionally on a background thread.
+
+    Pairs are made per chunk of ``chunk_tokens`` tokens, so memory stays flat
+    however long the corpus is. Every random draw comes from ``(seed, epoch)``
+    generators, so the stream is the same with or without the thread.
+
+    Args:
+        corpus: the corpus.
+        window: largest context reach (word2vec's dynamic window draws each
+            centre's reach from ``1..window``).
+        negatives: negative words per pair.
+        subsample: subsampling threshold (:func:`~speedswap.apps.corpus.keep_probabilities`).
+        chunk_tokens: tokens per chunk.
+        seed: seeds subsampling, windows and negatives.
+    """
+
+    def __init__(self, corpus: Corpus, *, window: int, negatives: int, subsample: float, chunk_tokens: int,
+                 seed: int):
+        self._corpus = corpus
+        self._window, self._negatives, self._chunk_tokens, self._seed = window, negatives, chunk_tokens, seed
+        self._keep = keep_probabilities(corpus.counts, subsample)
+        self._doc_id = np.searchsorted(corpus.doc_starts, np.arange(len(corpus.tokens)), side="right")
+
+    def epoch(self, epoch: int) -> Iterator[Chunk]:
+        """The chunks of one pass over the corpus, made on the calling thread."""
+        rng = np.random.default_rng([self._seed, epoch])
+        sampler = NegativeSampler(self._corpus.counts, torch.device("cpu"), seed=self._seed * 100_003 + epoch)
+        tokens = self._corpus.tokens
+        for start in range(0, len(tokens), self._chunk_tokens):
+            stop = min(start + self._chunk_tokens, len(tokens))
+            centres, contexts = skipgram_pairs(tokens[start:stop], self._doc_id[start:stop], self._keep,
+                                               self._window, rng)
+            yield Chunk(torch.from_numpy(centres), torch.from_numpy(contexts),
+                        sampler((len(centres), self._negatives)), stop - start)
+
+    def stream(self, epochs: int, *, ahead: int = 2) -> Iterator[Chunk]:
+        """The chunks of ``epochs`` passes, made by a background thread up to ``ahead`` chunks early.
+
+        An exception raised while making pairs is raised here, in the
+        training loop. Leaving the loop early stops the thread.
+        """
+        slots: queue.Queue = queue.Queue(maxsize=ahead)
+        stop = threading.Event()
+        finished = object()
+
+        def put(item) -> bool:
+            # A timed put, so a loop left early (stop set, nobody reading) never strands the thread.
+            while not stop.is_set():
+                try:
+                    slots.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce():
+            try:
+                for epoch in range(epochs):
+                    for chunk in self.epoch(epoch):
+                        if not put(chunk):
+                            return
+                put(finished)
+            except BaseException as exc:  # handed to the training loop, which raises it
+                put(exc)
+
+        thread = threading.Thread(target=produce, name="speedswap-w2v-pairs", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = slots.get()
+                if item is finished:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            thread.join()
