@@ -8,7 +8,7 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "speedswap" / "__init__.py").read_text()).group(1)
 
-# The notebooks and the bench chart.
+# What running the notebooks (the tests do it headless) and the bench chart need.
 EXAMPLES_EXTRA = ["matplotlib>=3.5", "nbclient>=0.7", "nbformat>=5.7", "ipykernel>=6"]
 
 setup(
@@ -24,7 +24,7 @@ setup(
         # CuPy is optional and only the cuda backend imports it.
         "cuda12": ["cupy-cuda12x>=13"],
         "cuda13": ["cupy-cuda13x>=13"],
-        "examples": EXAMPLES_EXTRA,
+        "examples": [*EXAMPLES_EXTRA, "notebook>=7"],  # and Jupyter, to open the notebooks
         "test": ["pytest>=7", "hypothesis>=6", *EXAMPLES_EXTRA],  # the tests run the notebooks
     },
     entry_points={"console_scripts": ["speedswap=speedswap.__main__:main"]},
