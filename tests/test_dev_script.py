@@ -128,7 +128,7 @@ def plan(machine, index, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "DEV_"))}
     env.update(PATH=str(machine / "bin"), PIP_CONFIG_FILE=os.devnull,  # no pip.conf, no find-links
                PIP_FIND_LINKS=str(machine / "links"), DEV_VENV=str(machine / "venv"),
-               DEV_TORCH_INDEX=index)
+               DEV_TORCH_INDEX=index, no_proxy="127.0.0.1", NO_PROXY="127.0.0.1")  # a proxy can't reach our index
     result = subprocess.run([sys.executable, str(DEV), "--plan", *args], env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
