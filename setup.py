@@ -8,7 +8,7 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "speedswap" / "version.py").read_text()).group(1)
 
-# The notebooks and the bench chart.
+# What running the notebooks (the tests do it headless) and the bench chart need.
 EXAMPLES_EXTRA = ["matplotlib>=3.5", "nbclient>=0.7", "nbformat>=5.7", "ipykernel>=6"]
 
 setup(
@@ -18,7 +18,7 @@ setup(
     long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["speedswap", "speedswap.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.10",  # CuPy 14, which the cuda extras need
     install_requires=["numpy>=1.22", "torch>=2.1", "h5py>=3.6", "tqdm>=4.60"],
     extras_require={
         # CuPy is optional and only the cuda backend imports it. From 14 on it finds the CUDA
@@ -26,8 +26,12 @@ setup(
         # needed a system CUDA toolkit for NVRTC.
         "cuda12": ["cupy-cuda12x>=14", "cuda-toolkit[cudart,nvrtc]==12.*"],
         "cuda13": ["cupy-cuda13x>=14", "cuda-toolkit[cudart,nvrtc]==13.*"],
-        "examples": EXAMPLES_EXTRA,
-        "test": ["pytest>=7", "hypothesis>=6", *EXAMPLES_EXTRA],  # the tests run the notebooks
+        "examples": [*EXAMPLES_EXTRA, "notebook>=7"],  # and Jupyter, to open the notebooks
+        # gensim only for benchmarks/word2vec_quality.py's comparison.
+        "gensim": ["gensim==4.4.0"],
+        # The tests run the notebooks, and compile the row kernels to PTX with NVRTC (no GPU needed).
+        "test": ["pytest>=7", "hypothesis>=6", "nvidia-cuda-nvrtc-cu12; platform_system == 'Linux'",
+                 *EXAMPLES_EXTRA],
     },
     entry_points={"console_scripts": ["speedswap=speedswap.__main__:main"]},
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering :: Artificial Intelligence"],
