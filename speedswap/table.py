@@ -527,14 +527,16 @@ class HostTable:
             self
 
         Raises:
-            FileFormatError: the file is malformed or another shape/dtype; the
-                table is left unchanged.
+            FileFormatError: the file is malformed, corrupt, or another
+                shape/dtype; the table is left unchanged (the file is read and
+                verified completely before any row changes).
             StateError: a closed or read-only table.
         """
         self._writable_buffer()
         header = files.read_table_header(path, dataset)
         files.check_table_matches(header, self._shape, self.dtype, path)
-        files.read_table(self, path, header, dataset)
+        # Every row is read and verified before the first one changes.
+        files.stage_table(path, header, dataset, self.dtype).commit(self)
         return self
 
     def to_numpy(self, copy=False):
