@@ -10,7 +10,7 @@ import torch
 
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
-__all__ = ["int_option", "check_rows", "as_host_array", "as_row_ids", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
+__all__ = ["int_option", "float_option", "check_rows", "as_host_array", "as_row_ids", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
            "numpy_dtype", "host_tensor"]
 
 def int_option(value, name, *, minimum=1, hint=""):
@@ -34,6 +34,26 @@ def int_option(value, name, *, minimum=1, hint=""):
         kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise OptionError(f"{name} must be {kind}, got {value!r}{hint}")
     return int(value)
+
+
+def float_option(value, name) -> float:
+    """``value`` as a float, if it is a finite real number (Python, numpy, or a 0-d tensor; not bool).
+
+    The one check of every real-valued argument (initialiser bounds, means, deviations).
+
+    Raises:
+        DTypeError: not a real number.
+        OptionError: NaN or infinite.
+    """
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise DTypeError(f"{name} must be a real number, got {value!r} of type "
+                         f"{type(value).__name__}")
+    value = float(value)
+    if not np.isfinite(value):
+        raise OptionError(f"{name} must be finite, got {value!r}")
+    return value
 
 
 _NUMPY_TO_TORCH = {
@@ -272,20 +292,24 @@ def _check_range(lo, hi, num_rows, what):
                       f"(ids must be in [0, {num_rows})); check the vocabulary size")
 
 
-def as_row_values(values, num_ids, dim, dtype, device):
+def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None):
     """Validate values for a scatter and return them as a tensor on ``device``.
+
+    A tensor that requires grad (an ``nn.Parameter``, a result of a graph) is
+    detached: its values are written, the graph is not kept.
 
     Args:
         values: a torch tensor or numpy array of shape ``(num_ids, dim)``, or
-            ``(*ids_shape, dim)`` (flattened to that).
+            ``(*ids_shape, dim)`` (a scalar id takes one row of shape ``(dim,)``).
         num_ids: the number of rows being written.
         dim: the table's row length.
         dtype: the table's torch dtype; values must have it exactly (no silent
             lossy cast).
         device: the torch device the result is moved to.
+        ids_shape: the shape the ids were given in, when not 1-D.
 
     Returns:
-        A contiguous tensor of shape ``(num_ids, dim)`` on ``device``.
+        A contiguous tensor of shape ``(num_ids, dim)`` on ``device``, not requiring grad.
 
     Raises:
         DTypeError: values have another dtype.
@@ -299,8 +323,9 @@ def as_row_values(values, num_ids, dim, dtype, device):
             raise DTypeError(f"values of dtype {arr.dtype} cannot be written; "
                              f"pass a float array of the table's dtype")
         values = torch.from_numpy(np.ascontiguousarray(arr))
-    if values.dim() > 2:
-        values = values.reshape(-1, values.shape[-1])
+    values = values.detach()  # never let a table join an autograd graph
+    if ids_shape is not None and tuple(values.shape) == (*ids_shape, dim):
+        values = values.reshape(num_ids, dim)
     if not _device_readable(values.device, device):
         raise DeviceError(f"values are on {values.device} but this table lives on "
                           f"{device}; move them with .to({str(device)!r})")
@@ -308,6 +333,9 @@ def as_row_values(values, num_ids, dim, dtype, device):
         raise DTypeError(f"values have dtype {values.dtype} but the table holds {dtype}; "
                          f"cast them with .to({dtype}) first")
     if tuple(values.shape) != (num_ids, dim):
+        wanted = f"({num_ids}, {dim})"
+        if ids_shape is not None and tuple(ids_shape) != (num_ids,):
+            wanted += f" or {(*ids_shape, dim)}"
         raise ShapeError(f"values have shape {tuple(values.shape)} but {num_ids} ids of a "
-                         f"table with rows of {dim} need shape ({num_ids}, {dim})")
+                         f"table with rows of {dim} need shape {wanted}")
     return values.to(device).contiguous()

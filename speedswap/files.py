@@ -333,13 +333,36 @@ def open_npy_memmap(path, writable=True):
                      offset=header.offset, shape=header.shape, order="C")
 
 
-def create_npy_memmap(path, shape, dtype):
+def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
     """Create a ``.npy`` file of ``shape``/``dtype`` and memory-map it read-write.
 
     The file is created sparse where the file system allows, so a table larger
-    than RAM costs disk only as its rows are written.
+    than RAM costs disk only as its rows are written. An existing file is
+    never replaced unless ``overwrite``: it may be someone's trained table.
+
+    Raises:
+        PathError: ``path`` exists (without ``overwrite``), is a directory, its
+            directory does not exist, or the file system refused it.
     """
-    return np.lib.format.open_memmap(os.fspath(path), mode="w+", dtype=dtype, shape=tuple(shape))
+    path = os.fspath(path)
+    check_writable_dir(path)
+    if os.path.isdir(path):
+        raise PathError(f"cannot create {path!r}: it is a directory; choose a file name")
+    dtype = np.dtype(dtype)
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+              "shape": tuple(shape)}
+    try:
+        with open(path, "wb" if overwrite else "xb") as f:
+            np.lib.format.write_array_header_2_0(f, header)
+            offset = f.tell()
+            f.truncate(offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    except FileExistsError:
+        raise PathError(f"{path!r} already exists; speedswap does not replace a file it did not "
+                        f"create. Open it with HostTable.load(path, mmap=True), or pass "
+                        f"overwrite=True to start it afresh") from None
+    except OSError as exc:
+        raise saving_error(path, exc) from exc
+    return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
 
 
 def read_npy_into(path, out, header=None):
