@@ -225,8 +225,9 @@ def as_id_tensor(ids, device, *, what="ids"):
         return flat.contiguous(), tuple(ids.shape)
     try:
         arr = np.asarray(ids)
-    except ValueError as exc:  # a ragged list
-        raise DTypeError(f"{what} must be a rectangular array of integers ({exc})") from None
+    except ValueError:  # a ragged list
+        raise DTypeError(f"{what} must be a rectangular array of integers, got nested lists of "
+                         f"different lengths; pad them to one length or pass them separately") from None
     if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
         arr = arr.astype(np.int64)
     if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
