@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .. import files
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_row_ids, int_option, torch_dtype
-from ..errors import DTypeError, OptionError, StateError
+from ..errors import CapacityError, DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in, load_tables, save_tables
 from .row_state import NarrowedStep, RowState, row_state_spec
@@ -194,11 +194,16 @@ class OffloadedEmbedding(torch.nn.Module):
                              "step() is where the updated rows are written back")
         flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
         ws = self._working_set
-        if ws.size == 0 and self.padding_idx is not None:
-            pad = torch.tensor([self.padding_idx], device=self.weight.device)
-            self._gather_new(ws.add(pad)[1])  # always slot 0
-        local, first_new = ws.add(flat.view(shape))
-        self._gather_new(first_new)
+        start = ws.size
+        try:
+            if start == 0 and self.padding_idx is not None:
+                ws.add(torch.tensor([self.padding_idx], device=self.weight.device))  # slot 0
+            local, _ = ws.add(flat.view(shape))
+        except CapacityError:
+            if start == 0:
+                ws.clear()  # the padding row too: a refused forward leaves no trace
+            raise
+        self._gather_new(start)
         return F.embedding(local, self.weight,
                            padding_idx=None if self.padding_idx is None else 0)
 
