@@ -29,7 +29,8 @@ import zlib
 import numpy as np
 
 from .. import files
-from ..errors import FileFormatError, MissingFileError, OptionError, PathError
+from ..errors import (FileFormatError, MissingFileError, OptionError, PathError,
+                      SpeedswapError)
 
 __all__ = ["save_tables", "load_tables", "file_in", "checkpoint_kind", "current_version"]
 
@@ -220,9 +221,12 @@ def save_tables(path, tables, attrs):
     try:
         _save_dir(path, tables, attrs)
     except OSError as exc:
-        if isinstance(exc, PathError):
-            raise
-        raise files.saving_error(path, exc) from exc
+        # A file inside the new version failed: report the checkpoint's path
+        # and the root cause, never the hidden temporary it was written to.
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        if isinstance(cause, SpeedswapError):
+            raise  # a refusal that already names the path
+        raise files.saving_error(path, cause) from exc
 
 
 def _read_manifest(path):
