@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from . import files
-from .backends import STORAGE_KINDS, Backend, available_ram, get_backend
+from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
 from .convert import (as_row_ids, as_row_values, float_option, int_option, numpy_dtype,
                       torch_dtype)

@@ -11,6 +11,7 @@ state must be bit-identical afterwards, and a valid call must still work.
 Other engineers add rows for their entry points (the feeder) to ``CASES``.
 """
 
+import gc
 import hashlib
 import os
 
@@ -54,6 +55,12 @@ def _tensors(obj):
             out[key] = value
     walk(obj, "")
     return out
+
+
+def _registry():
+    """The table sizes of the live shared steps of switchers (earlier tests' garbage collected first)."""
+    gc.collect()
+    return sorted(r().num_rows for r in list(_STEPS.values()) if r() is not None)
 
 
 class Subject:
@@ -142,7 +149,7 @@ def switchers_subject(rng, tmp_path):
         return {"table": u.table.as_tensor(), "param": model["u"].weight,
                 "state": {k: t.as_tensor() for k, t in o.state.tables.items()},
                 "optimizer": opt.state_dict(), "files": _files(tmp_path),
-                "registry": {str(i): r().num_rows for i, r in enumerate(_STEPS.values()) if r()}}
+                "registry": _registry()}
     return Subject((u, o), parts, step)
 
 
@@ -158,8 +165,7 @@ def gadget_subject(rng, tmp_path):
 def nothing_subject(rng, tmp_path):
     """For constructors: the state is the test directory's files and the switcher registry."""
     def parts():
-        return {"files": _files(tmp_path),
-                "registry": {str(i): r().num_rows for i, r in enumerate(_STEPS.values()) if r()}}
+        return {"files": _files(tmp_path), "registry": _registry()}
 
     def valid():
         ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, backend="numpy")

@@ -4,6 +4,7 @@ Each test failed before its fix. The table-driven bad inputs are in
 test_bad_inputs.py, the crash points of every save in test_fault_injection.py.
 """
 
+import errno
 import gc
 import os
 import subprocess
@@ -16,10 +17,9 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap import files
+from speedswap import atomic, files
 from speedswap.errors import MissingFileError, OutOfMemoryError, PathError
-from training_helpers import (BATCH, CAPACITY, DIM, NEGS, run_in_memory, skipgram_loss,
-                              zipf_batches)
+from training_helpers import BATCH, CAPACITY, DIM, run_in_memory, skipgram_loss, zipf_batches
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -290,7 +290,7 @@ def test_later_saves_remove_only_the_temporaries_of_dead_saves(rng, tmp_path):
     table = make_table(rng)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    host = files._HOST
+    host = atomic._HOST
     stale = tmp_path / f".t.npy.{host}.{dead}.0123abcd.tmp"
     live = tmp_path / f".t.npy.{host}.{os.getppid()}.0123abcd.tmp"
     foreign = [tmp_path / ".t.npy.x7f3k2.tmp", tmp_path / f".u.npy.{host}.{dead}.0123abcd.tmp"]
@@ -373,3 +373,18 @@ def test_a_table_larger_than_ram_says_how_much_and_suggests_mmap():
     with pytest.raises(OutOfMemoryError, match="storage='mmap'") as info:
         ss.HostTable.empty(2**40, 1024, storage="pageable", backend="numpy")
     assert "GiB" in str(info.value) and isinstance(info.value, MemoryError)
+
+
+def test_saving_onto_a_read_only_file_system_names_the_users_path(rng, tmp_path, monkeypatch):
+    table = make_table(rng)
+    table.save(tmp_path / "t.npy")
+    before = (tmp_path / "t.npy").read_bytes()
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+    monkeypatch.setattr(atomic, "open", read_only, raising=False)
+    with pytest.raises(PathError, match="read-only") as info:
+        table.save(tmp_path / "t.npy")
+    assert os.fspath(tmp_path / "t.npy") in str(info.value) and ".tmp" not in str(info.value)
+    assert isinstance(info.value, OSError) and info.value.errno == errno.EROFS
+    assert (tmp_path / "t.npy").read_bytes() == before

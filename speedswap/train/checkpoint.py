@@ -28,7 +28,7 @@ import zlib
 
 import numpy as np
 
-from .. import files
+from .. import atomic, files
 from ..errors import (FileFormatError, MissingFileError, OptionError, PathError,
                       SpeedswapError)
 
@@ -132,17 +132,17 @@ def _write_version(directory, tables, attrs):
         checksums[name] = crc
     manifest = {"attrs": attrs, "tables": sorted(tables), "crc32": checksums}
     text = json.dumps(manifest).encode()
-    with files.atomic_output(os.path.join(directory, _MANIFEST)) as tmp, open(tmp, "wb") as f:
+    with atomic.atomic_output(os.path.join(directory, _MANIFEST)) as tmp, open(tmp, "wb") as f:
         files._write_chunk(f, 0, np.frombuffer(text, dtype=np.uint8))
 
 
 def _save_dir(path, tables, attrs):
     path = os.path.abspath(os.fspath(path))
-    files.check_writable_dir(path)
-    files.remove_stale_temporaries(path)
+    atomic.check_writable_dir(path)
+    atomic.remove_stale_temporaries(path)
     if not os.path.exists(path):
         # The first save builds the whole directory aside and renames it into place.
-        staging = files.temp_path(path)
+        staging = atomic.temp_path(path)
         os.mkdir(staging)
         try:
             os.mkdir(os.path.join(staging, "v000001"))
@@ -152,7 +152,7 @@ def _save_dir(path, tables, attrs):
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        files.fsync_dir(os.path.dirname(path))
+        atomic.fsync_dir(os.path.dirname(path))
         return
     if not os.path.isdir(path) or not _ours(path):
         raise PathError(f"{path!r} exists and is not a speedswap checkpoint directory; "
@@ -163,8 +163,8 @@ def _save_dir(path, tables, attrs):
     final = os.path.join(path, name)
     if os.path.exists(final):  # a version a killed save renamed in but never pointed to
         shutil.rmtree(final)
-    files.remove_stale_temporaries(final)
-    staging = files.temp_path(final)
+    atomic.remove_stale_temporaries(final)
+    staging = atomic.temp_path(final)
     os.mkdir(staging)
     try:
         _write_version(staging, tables, attrs)
@@ -172,13 +172,13 @@ def _save_dir(path, tables, attrs):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    files.fsync_dir(path)
+    atomic.fsync_dir(path)
     _write_pointer(path, name)  # the commit point
     _remove_old_versions(path, name, legacy=current == path)
 
 
 def _write_pointer(directory, name):
-    with files.atomic_output(os.path.join(directory, _POINTER)) as tmp, open(tmp, "wb") as f:
+    with atomic.atomic_output(os.path.join(directory, _POINTER)) as tmp, open(tmp, "wb") as f:
         files._write_chunk(f, 0, np.frombuffer(f"{name}\n".encode(), dtype=np.uint8))
 
 
@@ -226,7 +226,7 @@ def save_tables(path, tables, attrs):
         cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
         if isinstance(cause, SpeedswapError):
             raise  # a refusal that already names the path
-        raise files.saving_error(path, cause) from exc
+        raise atomic.saving_error(path, cause) from exc
 
 
 def _read_manifest(path):
