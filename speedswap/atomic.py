@@ -17,10 +17,18 @@ import socket
 
 from .errors import PathError, SpeedswapError
 
-__all__ = ["atomic_output", "temp_path", "remove_stale_temporaries", "check_writable_dir",
+__all__ = ["atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
            "saving_error", "fsync_dir"]
 
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9-]+\.\d+\.[0-9a-f]{8}\.tmp")
+
+
+def is_temporary(name) -> bool:
+    """Whether the file name ``name`` is one :func:`temp_path` makes (of any target, host, process)."""
+    return _TEMPORARY.fullmatch(name) is not None
 
 
 def temp_path(path) -> str:

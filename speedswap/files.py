@@ -9,6 +9,7 @@ single row is read, and a load into a table in use reads and verifies every
 row first (:func:`stage_table`), so a corrupt file changes nothing.
 """
 
+import contextlib
 import errno
 import io
 import os
@@ -21,7 +22,7 @@ import torch
 
 from .backends import available_ram
 from .convert import torch_dtype
-from .atomic import atomic_output, check_writable_dir, saving_error
+from .atomic import atomic_output, check_writable_dir, saving_error, temp_path
 from .errors import (DTypeError, FileFormatError, MissingFileError, OptionError, PathError,
                      SpeedswapError)
 
@@ -199,16 +200,36 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
     dtype = np.dtype(dtype)
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
               "shape": tuple(shape)}
+    if os.path.exists(path) and not overwrite:
+        raise PathError(f"{path!r} already exists; speedswap does not replace a file it did not "
+                        f"create. Open it with HostTable.load(path, mmap=True), or pass "
+                        f"overwrite=True to start it afresh")
+    # Created under a temporary name and renamed: a replaced file keeps its inode for
+    # whoever still maps it, and the name never holds a half-made header.
+    tmp = temp_path(path)
     try:
-        with open(path, "wb" if overwrite else "xb") as f:
+        with open(tmp, "xb") as f:
             np.lib.format.write_array_header_2_0(f, header)
             offset = f.tell()
             f.truncate(offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # fails if the file appeared meanwhile: never replaced
+            except FileExistsError:
+                raise
+            except OSError:  # no hard links on this file system: rename, after the check above
+                os.rename(tmp, path)
+            else:
+                os.unlink(tmp)
     except FileExistsError:
+        os.unlink(tmp)
         raise PathError(f"{path!r} already exists; speedswap does not replace a file it did not "
-                        f"create. Open it with HostTable.load(path, mmap=True), or pass "
-                        f"overwrite=True to start it afresh") from None
+                        f"create; pass overwrite=True to start it afresh") from None
     except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise saving_error(path, exc) from exc
     return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
 

@@ -286,10 +286,15 @@ def test_a_bad_id_with_padding_changes_nothing(rng):
 
 
 # 12 --------------------------------------------------------------------------
+def dead_pid():
+    """The id of a process that has exited."""
+    return subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
 def test_later_saves_remove_only_the_temporaries_of_dead_saves(rng, tmp_path):
     table = make_table(rng)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    dead = dead_pid()
     host = atomic._HOST
     stale = tmp_path / f".t.npy.{host}.{dead}.0123abcd.tmp"
     live = tmp_path / f".t.npy.{host}.{os.getppid()}.0123abcd.tmp"
@@ -388,3 +393,16 @@ def test_saving_onto_a_read_only_file_system_names_the_users_path(rng, tmp_path,
     assert os.fspath(tmp_path / "t.npy") in str(info.value) and ".tmp" not in str(info.value)
     assert isinstance(info.value, OSError) and info.value.errno == errno.EROFS
     assert (tmp_path / "t.npy").read_bytes() == before
+
+
+def test_a_directory_checkpoint_may_go_into_an_empty_directory_or_over_debris(rng, tmp_path):
+    emb = make_embedding(rng)
+    (tmp_path / "ckpt").mkdir()
+    emb.save(tmp_path / "ckpt")  # made with os.makedirs beforehand: nothing to lose
+    (tmp_path / "ckpt" / "v000009").mkdir()  # a version a killed save never pointed to
+    (tmp_path / "ckpt" / f".v000010.{atomic._HOST}.{dead_pid()}.0123abcd.tmp").mkdir()
+    emb.save(tmp_path / "ckpt")
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["CURRENT", "v000010"]
+    fresh = make_embedding(rng)
+    fresh.load(tmp_path / "ckpt")
+    np.testing.assert_array_equal(fresh.table.to_numpy(), emb.table.to_numpy())

@@ -107,12 +107,12 @@ def current_version(path):
 
 
 def _ours(path):
-    """Whether the existing directory ``path`` holds only what speedswap checkpoints write."""
-    try:
-        current_version(path)
+    """Whether the existing directory ``path`` is a checkpoint, or holds nothing but the
+    debris of one (empty, versions never pointed to, temporaries of killed saves)."""
+    entries = os.listdir(path)
+    if _POINTER in entries or _MANIFEST in entries:
         return True
-    except FileFormatError:
-        return False
+    return all(_VERSION.fullmatch(e) or atomic.is_temporary(e) for e in entries)
 
 
 def _write_version(directory, tables, attrs):
@@ -157,12 +157,12 @@ def _save_dir(path, tables, attrs):
     if not os.path.isdir(path) or not _ours(path):
         raise PathError(f"{path!r} exists and is not a speedswap checkpoint directory; "
                         f"refusing to replace it: choose another path")
-    current = current_version(path)
-    match = _VERSION.fullmatch(os.path.basename(current))
-    name = f"v{(int(match.group(1)) if match else 0) + 1:06d}"
+    has_checkpoint = any(os.path.isfile(os.path.join(path, f)) for f in (_POINTER, _MANIFEST))
+    current = current_version(path) if has_checkpoint else None
+    # Above every version present, so a version a killed save left unpointed is never reused.
+    numbers = [int(m.group(1)) for m in map(_VERSION.fullmatch, os.listdir(path)) if m]
+    name = f"v{max(numbers, default=0) + 1:06d}"
     final = os.path.join(path, name)
-    if os.path.exists(final):  # a version a killed save renamed in but never pointed to
-        shutil.rmtree(final)
     atomic.remove_stale_temporaries(final)
     staging = atomic.temp_path(final)
     os.mkdir(staging)
