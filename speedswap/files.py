@@ -20,7 +20,6 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .backends import available_ram
 from .convert import torch_dtype
 from .atomic import atomic_output, check_writable_dir, saving_error, temp_path
 from .errors import (DTypeError, FileFormatError, MissingFileError, OptionError, PathError,
@@ -562,8 +561,8 @@ class StagedRows:
                 target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(rows)))
 
 
-def stage_table(path, header: TableHeader, dataset: str, table_dtype,
-                in_memory: Optional[bool] = None, crc32: Optional[int] = None) -> StagedRows:
+def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_available: int,
+                crc32: Optional[int] = None) -> StagedRows:
     """Read and verify every row of a table file before any table changes.
 
     The first half of an all-or-nothing load: a corrupt chunk, a truncated
@@ -575,8 +574,10 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype,
         header: its header.
         dataset: the HDF5 dataset.
         table_dtype: the torch dtype of the table it will fill.
-        in_memory: hold the rows in RAM (True), only verify them (False), or
-            hold them when they take at most :data:`STAGE_RAM_SHARE` of the RAM available (None).
+        ram_available: bytes of RAM available now
+            (:func:`speedswap.backends.available_ram`): the rows are held in
+            RAM when they take at most :data:`STAGE_RAM_SHARE` of it, else
+            only verified (and read again by :meth:`StagedRows.commit`).
         crc32: the CRC-32 of the stored bytes recorded when it was saved, checked when given.
 
     Returns:
@@ -587,8 +588,7 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype,
             bfloat16 table would round.
     """
     nbytes = int(np.prod(header.shape, dtype=np.int64)) * header.dtype.itemsize
-    if in_memory is None:
-        in_memory = nbytes <= STAGE_RAM_SHARE * available_ram()
+    in_memory = nbytes <= STAGE_RAM_SHARE * ram_available
     ranges = row_ranges(header.shape, header.dtype)
     rows = np.empty(header.shape, dtype=header.dtype) if in_memory else None
     crc = 0

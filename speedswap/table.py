@@ -575,7 +575,7 @@ class HostTable:
         header = files.read_table_header(path, dataset)
         files.check_table_matches(header, self._shape, self.dtype, path)
         # Every row is read and verified before the first one changes.
-        files.stage_table(path, header, dataset, self.dtype).commit(self)
+        files.stage_table(path, header, dataset, self.dtype, available_ram()).commit(self)
         return self
 
     def to_numpy(self, copy=False):

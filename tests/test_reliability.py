@@ -406,3 +406,21 @@ def test_a_directory_checkpoint_may_go_into_an_empty_directory_or_over_debris(rn
     fresh = make_embedding(rng)
     fresh.load(tmp_path / "ckpt")
     np.testing.assert_array_equal(fresh.table.to_numpy(), emb.table.to_numpy())
+
+
+def test_a_file_too_large_to_stage_in_ram_is_verified_first_then_read_again(rng, tmp_path,
+                                                                            monkeypatch):
+    import speedswap.table as table_module
+    monkeypatch.setattr(table_module, "available_ram", lambda: 0)  # nothing may be staged in RAM
+    rows = 20_000
+    table = make_table(rng, rows=rows)
+    before = table.to_numpy(copy=True)
+    good = rng.standard_normal((rows, 4), dtype=np.float32)
+    write_compressed(tmp_path / "bad.h5", {"table": good})
+    corrupt_chunk(tmp_path / "bad.h5", "table", 7)
+    with pytest.raises(ss.FileFormatError):
+        table.load_from(tmp_path / "bad.h5")
+    np.testing.assert_array_equal(table.to_numpy(), before)
+    write_compressed(tmp_path / "good.h5", {"table": good})
+    table.load_from(tmp_path / "good.h5")
+    np.testing.assert_array_equal(table.to_numpy(), good)

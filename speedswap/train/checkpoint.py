@@ -29,6 +29,7 @@ import zlib
 import numpy as np
 
 from .. import atomic, files
+from ..backends import available_ram
 from ..errors import (FileFormatError, MissingFileError, OptionError, PathError,
                       SpeedswapError)
 
@@ -283,8 +284,9 @@ def load_tables(path, tables, attrs):
                   else files.read_npy_header(source))
         files.check_table_matches(header, table.shape, table.dtype, source)
         headers[name] = header
-    staged = {name: files.stage_table(sources[name][0], headers[name], sources[name][1],
-                                      table.dtype, crc32=sources[name][2])
-              for name, table in tables.items()}
+    staged = {}
+    for name, table in tables.items():  # RAM is asked again: earlier stagings took some
+        staged[name] = files.stage_table(sources[name][0], headers[name], sources[name][1],
+                                         table.dtype, available_ram(), crc32=sources[name][2])
     for name, table in tables.items():  # the commit: nothing below reads a file that could fail
         staged[name].commit(table)
