@@ -144,7 +144,7 @@ class HostTable:
 
     @classmethod
     def from_numpy(cls, array, storage: str = "pinned", backend: BackendLike = "auto", path=None,
-                   *, device: DeviceLike = None) -> "HostTable":
+                   *, device: DeviceLike = None, overwrite: bool = False) -> "HostTable":
         """A table holding a copy of the 2-D ``array``; arguments as :meth:`empty`.
 
         Raises:
@@ -155,7 +155,7 @@ class HostTable:
             raise ShapeError(f"a table is 2-D (rows, dim); got an array of shape {array.shape}: "
                              f"reshape it with a.reshape(len(a), -1)")
         table = cls.empty(array.shape[0], array.shape[1], array.dtype, storage, backend, path,
-                          device=device)
+                          device=device, overwrite=overwrite)
         table._fill_from(lambda start, stop: array[start:stop])
         return table
 
