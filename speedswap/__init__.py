@@ -8,8 +8,8 @@ is first used.
 
 from .backends import STORAGE_KINDS, available_backends, get_backend
 from .errors import (BackendUnavailableError, CapacityError, DeviceError, DTypeError,
-                     DuplicateIdError, FileFormatError, IdError, OptionError, ShapeError,
-                     SpeedswapError, StateError)
+                     DuplicateIdError, FileFormatError, IdError, MissingFileError, OptionError,
+                     OutOfMemoryError, PathError, ShapeError, SpeedswapError, StateError)
 from .info import info
 from .version import __version__
 from .table import HostTable
@@ -45,4 +45,7 @@ __all__ = [
     "CapacityError",
     "StateError",
     "OptionError",
+    "PathError",
+    "OutOfMemoryError",
+    "MissingFileError",
 ]

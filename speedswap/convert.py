@@ -10,7 +10,7 @@ import torch
 
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
-__all__ = ["int_option", "check_rows", "as_host_array", "as_row_ids", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
+__all__ = ["int_option", "float_option", "check_rows", "as_host_array", "as_row_ids", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
            "numpy_dtype", "host_tensor"]
 
 def int_option(value, name, *, minimum=1, hint=""):
@@ -34,6 +34,26 @@ def int_option(value, name, *, minimum=1, hint=""):
         kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise OptionError(f"{name} must be {kind}, got {value!r}{hint}")
     return int(value)
+
+
+def float_option(value, name) -> float:
+    """``value`` as a float, if it is a finite real number (Python, numpy, or a 0-d tensor; not bool).
+
+    The one check of every real-valued argument (initialiser bounds, means, deviations).
+
+    Raises:
+        DTypeError: not a real number.
+        OptionError: NaN or infinite.
+    """
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise DTypeError(f"{name} must be a real number, got {value!r} of type "
+                         f"{type(value).__name__}")
+    value = float(value)
+    if not np.isfinite(value):
+        raise OptionError(f"{name} must be finite, got {value!r}")
+    return value
 
 
 _NUMPY_TO_TORCH = {
@@ -208,8 +228,9 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
         return flat.contiguous(), tuple(ids.shape)
     try:
         arr = np.asarray(ids)
-    except ValueError as exc:  # a ragged list
-        raise DTypeError(f"{what} must be a rectangular array of integers ({exc})") from None
+    except ValueError:  # a ragged list
+        raise DTypeError(f"{what} must be a rectangular array of integers, got nested lists of "
+                         f"different lengths; pad them to one length or pass them separately") from None
     if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
         arr = arr.astype(np.int64)
     if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
@@ -276,22 +297,25 @@ def _check_range(lo, hi, num_rows, what):
                       f"(ids must be in [0, {num_rows})); check the vocabulary size")
 
 
-def as_row_values(values, num_ids, dim, dtype, device, *, to=None):
+def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=None):
     """Validate values for a scatter and return them as a tensor on ``device``.
+
+    A tensor that requires grad (an ``nn.Parameter``, a result of a graph) is
+    detached: its values are written, the graph is not kept.
 
     Args:
         values: a torch tensor or numpy array of shape ``(num_ids, dim)``, or
-            ``(*ids_shape, dim)`` (flattened to that).
+            ``(*ids_shape, dim)`` (a scalar id takes one row of shape ``(dim,)``).
         num_ids: the number of rows being written.
         dim: the table's row length.
         dtype: the table's torch dtype; values must have it exactly (no silent
             lossy cast).
         device: the device the values are for: tensors must be on the CPU or on it.
+        ids_shape: the shape the ids were given in, when not 1-D.
         to: where the result goes (default ``device``).
 
     Returns:
-        A contiguous tensor of shape ``(num_ids, dim)`` on ``to``, detached
-        (its values are copied into a table, never its graph).
+        A contiguous tensor of shape ``(num_ids, dim)`` on ``to``, not requiring grad.
 
     Raises:
         DTypeError: values have another dtype.
@@ -305,8 +329,9 @@ def as_row_values(values, num_ids, dim, dtype, device, *, to=None):
             raise DTypeError(f"values of dtype {arr.dtype} cannot be written; "
                              f"pass a float array of the table's dtype")
         values = torch.from_numpy(np.ascontiguousarray(arr))
-    if values.dim() > 2:
-        values = values.reshape(-1, values.shape[-1])
+    values = values.detach()  # never let a table join an autograd graph
+    if ids_shape is not None and tuple(values.shape) == (*ids_shape, dim):
+        values = values.reshape(num_ids, dim)
     if not _device_readable(values.device, device):
         raise DeviceError(f"values are on {values.device} but this table lives on "
                           f"{device}; move them with .to({str(device)!r})")
@@ -314,6 +339,9 @@ def as_row_values(values, num_ids, dim, dtype, device, *, to=None):
         raise DTypeError(f"values have dtype {values.dtype} but the table holds {dtype}; "
                          f"cast them with .to({dtype}) first")
     if tuple(values.shape) != (num_ids, dim):
+        wanted = f"({num_ids}, {dim})"
+        if ids_shape is not None and tuple(ids_shape) != (num_ids,):
+            wanted += f" or {(*ids_shape, dim)}"
         raise ShapeError(f"values have shape {tuple(values.shape)} but {num_ids} ids of a "
-                         f"table with rows of {dim} need shape ({num_ids}, {dim})")
-    return values.detach().to(device if to is None else to).contiguous()
+                         f"table with rows of {dim} need shape {wanted}")
+    return values.to(device if to is None else to).contiguous()

@@ -21,6 +21,9 @@ __all__ = [
     "CapacityError",
     "StateError",
     "OptionError",
+    "PathError",
+    "OutOfMemoryError",
+    "MissingFileError",
 ]
 
 
@@ -66,3 +69,17 @@ class StateError(SpeedswapError, RuntimeError):
 
 class OptionError(SpeedswapError, ValueError):
     """An argument is outside its allowed choices (unknown storage kind, bad size)."""
+
+
+class PathError(SpeedswapError, OSError):
+    """A path cannot be written or read as asked: a missing directory, a read-only
+    file system, a directory where a file is expected, or a file speedswap did
+    not create and will not replace without ``overwrite=True``."""
+
+
+class OutOfMemoryError(SpeedswapError, MemoryError):
+    """A table does not fit in the memory available (use ``storage="mmap"``)."""
+
+
+class MissingFileError(PathError, FileNotFoundError):
+    """A file or checkpoint to read does not exist."""

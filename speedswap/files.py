@@ -1,29 +1,34 @@
-"""File formats: ``.npy`` and HDF5 reading, writing, validation, atomic saves.
+"""File formats: ``.npy`` and HDF5 reading, writing, validation; all-or-nothing loads.
 
-Every save goes through :func:`atomic_output`: the data is written to a
-temporary file beside the target, flushed to disk, and renamed over the target
-only when complete, so a crash or a full disk mid-save leaves the previous
-file intact. Every load validates the header (magic, dtype, order, shape, and
-that the file is as long as its header says) before a single row is read.
+Every save goes through :func:`speedswap.atomic.atomic_output`: the data is
+written to a temporary file beside the target, flushed to disk, and renamed
+over the target only when complete, so a crash or a full disk mid-save leaves
+the previous file intact. Every load validates the header (magic, dtype,
+order, shape, and that the file is as long as its header says) before a
+single row is read, and a load into a table in use reads and verifies every
+row first (:func:`stage_table`), so a corrupt file changes nothing.
 """
 
 import contextlib
+import errno
+import io
 import os
-import tempfile
-from dataclasses import dataclass, replace
+import zlib
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
 from .convert import torch_dtype
-from .errors import DTypeError, FileFormatError, OptionError
+from .atomic import atomic_output, check_writable_dir, saving_error, temp_path
+from .errors import (DTypeError, FileFormatError, MissingFileError, OptionError, PathError,
+                     SpeedswapError)
 
 __all__ = [
     "NPY_SUFFIXES",
     "H5_SUFFIXES",
     "file_format",
-    "atomic_output",
     "TableHeader",
     "read_npy_header",
     "open_npy_memmap",
@@ -42,6 +47,9 @@ __all__ = [
     "check_table_matches",
     "save_table",
     "read_table",
+    "stage_table",
+    "StagedRows",
+    "check_readable_file",
 ]
 
 NPY_SUFFIXES = (".npy",)
@@ -71,43 +79,6 @@ def file_format(path) -> str:
     return fmt
 
 
-@contextlib.contextmanager
-def atomic_output(path):
-    """Yield a temporary path; on success move it over ``path`` atomically.
-
-    The temporary file lives in the target's directory (a rename is atomic
-    only within one file system) and is fsynced before the rename. On any
-    exception it is removed and the exception propagates; ``path`` is untouched.
-
-    Args:
-        path: the file to create or replace.
-
-    Yields:
-        str: where to write.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        # mkstemp creates 0600; give the new file the mode the old one had.
-        os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # not every file system can fsync a directory
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
 @dataclass(frozen=True)
 class TableHeader:
     """What a file says about the array inside it.
@@ -133,6 +104,28 @@ def _check_dtype(dtype, path):
                               f"numeric arrays only (no objects or records)")
 
 
+def check_readable_file(path, what="file") -> str:
+    """``path`` as a string, if it names an existing regular file.
+
+    Raises:
+        MissingFileError: nothing at ``path``.
+        PathError: ``path`` is a directory.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise PathError(f"{path!r} is a directory, but a {what} was expected here; pass the "
+                        f"file's path")
+    if not os.path.exists(path):
+        raise MissingFileError(errno.ENOENT, f"no {what} at {path!r}; check the path", path)
+    return path
+
+
+def reading_error(path, exc) -> FileFormatError:
+    """A :class:`FileFormatError` for an OSError raised while reading rows of ``path``."""
+    return FileFormatError(f"{os.fspath(path)!r} could not be read ({exc}); the file is "
+                           f"corrupt or was changed during the load: nothing was loaded")
+
+
 def read_npy_header(path):
     """Read and validate the header of a ``.npy`` file.
 
@@ -145,9 +138,10 @@ def read_npy_header(path):
     Raises:
         FileFormatError: not a ``.npy`` file, Fortran order, object or record
             dtype, or a file shorter or longer than its header says.
-        FileNotFoundError: the file does not exist.
+        MissingFileError: the file does not exist.
+        PathError: ``path`` is a directory.
     """
-    path = os.fspath(path)
+    path = check_readable_file(path, ".npy file")
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
@@ -187,13 +181,56 @@ def open_npy_memmap(path, writable=True):
                      offset=header.offset, shape=header.shape, order="C")
 
 
-def create_npy_memmap(path, shape, dtype):
+def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
     """Create a ``.npy`` file of ``shape``/``dtype`` and memory-map it read-write.
 
     The file is created sparse where the file system allows, so a table larger
-    than RAM costs disk only as its rows are written.
+    than RAM costs disk only as its rows are written. An existing file is
+    never replaced unless ``overwrite``: it may be someone's trained table.
+
+    Raises:
+        PathError: ``path`` exists (without ``overwrite``), is a directory, its
+            directory does not exist, or the file system refused it.
     """
-    return np.lib.format.open_memmap(os.fspath(path), mode="w+", dtype=dtype, shape=tuple(shape))
+    path = os.fspath(path)
+    check_writable_dir(path)
+    if os.path.isdir(path):
+        raise PathError(f"cannot create {path!r}: it is a directory; choose a file name")
+    dtype = np.dtype(dtype)
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+              "shape": tuple(shape)}
+    if os.path.exists(path) and not overwrite:
+        raise PathError(f"{path!r} already exists; speedswap does not replace a file it did not "
+                        f"create. Open it with HostTable.load(path, mmap=True), or pass "
+                        f"overwrite=True to start it afresh")
+    # Created under a temporary name and renamed: a replaced file keeps its inode for
+    # whoever still maps it, and the name never holds a half-made header.
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "xb") as f:
+            np.lib.format.write_array_header_2_0(f, header)
+            offset = f.tell()
+            f.truncate(offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # fails if the file appeared meanwhile: never replaced
+            except FileExistsError:
+                raise
+            except OSError:  # no hard links on this file system: rename, after the check above
+                os.rename(tmp, path)
+            else:
+                os.unlink(tmp)
+    except FileExistsError:
+        os.unlink(tmp)
+        raise PathError(f"{path!r} already exists; speedswap does not replace a file it did not "
+                        f"create; pass overwrite=True to start it afresh") from None
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise saving_error(path, exc) from exc
+    return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
 
 
 def read_npy_into(path, out, header=None):
@@ -207,15 +244,20 @@ def read_npy_into(path, out, header=None):
     header = header or read_npy_header(path)
     check_matches(header, out.shape, out.dtype, path)
     view = memoryview(out.reshape(-1).view(np.uint8))
-    with open(path, "rb") as f:
-        f.seek(header.offset)
-        done = 0
-        while done < len(view):
-            n = f.readinto(view[done:done + _CHUNK_BYTES])
-            if not n:
-                raise FileFormatError(f"{os.fspath(path)!r} ended early while reading; "
-                                      f"was it changed during the load?")
-            done += n
+    try:
+        with open(path, "rb") as f:
+            f.seek(header.offset)
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done:done + _CHUNK_BYTES])
+                if not n:
+                    raise FileFormatError(f"{os.fspath(path)!r} ended early while reading; "
+                                          f"was it changed during the load?")
+                done += n
+    except OSError as exc:
+        if isinstance(exc, SpeedswapError):
+            raise
+        raise reading_error(path, exc) from exc
 
 
 def check_matches(header, shape, dtype, path):
@@ -229,9 +271,16 @@ def check_matches(header, shape, dtype, path):
 _CHUNK_BYTES = 64 << 20
 
 
-def _write_chunk(f, chunk):
-    """Write one chunk of rows; the single place bytes reach a file (tests fail it on purpose)."""
-    f.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+def _write_chunk(sink, start, chunk):
+    """Write one chunk of rows at row ``start``: the single place table bytes reach a file.
+
+    ``sink`` is an open binary file (written sequentially) or an HDF5 dataset.
+    Fault-injection tests make this fail on purpose.
+    """
+    if isinstance(sink, io.IOBase):
+        sink.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+    else:
+        sink[start:start + len(chunk)] = chunk
 
 
 def write_npy(path, shape, dtype, chunks):
@@ -249,8 +298,10 @@ def write_npy(path, shape, dtype, chunks):
               "shape": tuple(shape)}
     with atomic_output(path) as tmp, open(tmp, "wb") as f:
         np.lib.format.write_array_header_2_0(f, header)
+        start = 0
         for chunk in chunks:
-            _write_chunk(f, chunk)
+            _write_chunk(f, start, chunk)
+            start += len(chunk)
         f.flush()
 
 
@@ -263,29 +314,39 @@ def read_h5_header(path, dataset):
     """Validate dataset ``dataset`` of an HDF5 file and describe it.
 
     Raises:
-        FileFormatError: not an HDF5 file, no such dataset, or a non-numeric dtype.
+        FileFormatError: not an HDF5 file, no such dataset (or a group), or a non-numeric dtype.
+        MissingFileError, PathError: no such file, or a directory.
     """
     h5py = _h5py()
     path = os.fspath(path)
-    try:
-        with h5py.File(path, "r") as f:
-            if dataset not in f:
-                raise FileFormatError(f"{path!r} has no dataset {dataset!r} (it has "
-                                      f"{sorted(f.keys())}); pass dataset= to pick one")
-            shape, dtype = f[dataset].shape, f[dataset].dtype
-            table_dtype = f[dataset].attrs.get(_TABLE_DTYPE_ATTR)
-    except OSError as exc:
-        if isinstance(exc, FileFormatError) or isinstance(exc, FileNotFoundError):
-            raise
-        raise FileFormatError(f"{path!r} is not a readable HDF5 file ({exc})") from exc
+    with open_h5(path) as f:
+        if dataset not in f:
+            raise FileFormatError(f"{path!r} has no dataset {dataset!r} (it has "
+                                  f"{sorted(f.keys())}); pass dataset= to pick one")
+        data = f[dataset]
+        if not isinstance(data, h5py.Dataset):
+            raise FileFormatError(f"{path!r}: {dataset!r} is an HDF5 {type(data).__name__}, not "
+                                  f"a dataset; pass dataset= naming the array itself")
+        shape, dtype = data.shape, data.dtype
+        table_dtype = data.attrs.get(_TABLE_DTYPE_ATTR)
     _check_dtype(np.dtype(dtype), path)
     table_dtype = _table_dtype(np.dtype(dtype)) if table_dtype is None else torch_dtype(str(table_dtype))
     return TableHeader(tuple(shape), np.dtype(dtype), table_dtype=table_dtype)
 
 
 def open_h5(path):
-    """Open an HDF5 file for reading (h5py is imported only when HDF5 is used)."""
-    return _h5py().File(os.fspath(path), "r")
+    """Open an HDF5 file for reading (h5py is imported only when HDF5 is used).
+
+    Raises:
+        MissingFileError, PathError: no such file, or a directory.
+        FileFormatError: not a readable HDF5 file (truncated, another format).
+    """
+    path = check_readable_file(path, "HDF5 file")
+    try:
+        return _h5py().File(path, "r")
+    except OSError as exc:
+        raise FileFormatError(f"{path!r} is not a readable HDF5 file ({exc}); it is truncated "
+                              f"or not HDF5: write it with h5py or HostTable.save") from exc
 
 
 def read_h5_into(path, out, dataset, header=None):
@@ -296,11 +357,13 @@ def read_h5_into(path, out, dataset, header=None):
     """
     header = header or read_h5_header(path, dataset)
     check_matches(header, out.shape, out.dtype, path)
-    h5py = _h5py()
-    with h5py.File(os.fspath(path), "r") as f:
+    with open_h5(path) as f:
         data = f[dataset]
         for start, stop in row_ranges(out.shape, out.dtype):
-            data.read_direct(out, np.s_[start:stop], np.s_[start:stop])
+            try:
+                data.read_direct(out, np.s_[start:stop], np.s_[start:stop])
+            except OSError as exc:  # a corrupt (compressed) chunk
+                raise reading_error(path, exc) from exc
 
 
 def write_h5(path, datasets, attrs=None, table_dtypes=None):
@@ -321,7 +384,7 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None):
                 data.attrs[_TABLE_DTYPE_ATTR] = "bfloat16"
             start = 0
             for chunk in chunks:
-                data[start:start + len(chunk)] = chunk
+                _write_chunk(data, start, chunk)
                 start += len(chunk)
         for key, value in (attrs or {}).items():
             f.attrs[key] = value
@@ -410,37 +473,46 @@ def save_table(table, path, dataset: str = "table") -> None:
 
 
 def _file_chunks(path, header, dataset, ranges):
-    """Yield ``(start, stop, numpy rows)`` of a validated table file, chunk by chunk."""
-    if file_format(path) == "npy":
-        source = np.memmap(path, dtype=header.dtype, mode="r", offset=header.offset,
-                           shape=header.shape, order="C")
-        for start, stop in ranges:
-            yield start, stop, np.array(source[start:stop])
-        return
-    with open_h5(path) as f:
-        for start, stop in ranges:
-            yield start, stop, f[dataset][start:stop]
+    """Yield ``(start, stop, numpy rows)`` of a validated table file, chunk by chunk.
+
+    Raises:
+        FileFormatError: a chunk cannot be read (corrupt, or the file changed).
+    """
+    try:
+        if file_format(path) == "npy":
+            source = np.memmap(path, dtype=header.dtype, mode="r", offset=header.offset,
+                               shape=header.shape, order="C")
+            for start, stop in ranges:
+                yield start, stop, np.array(source[start:stop])
+            return
+        with open_h5(path) as f:
+            for start, stop in ranges:
+                yield start, stop, f[dataset][start:stop]
+    except OSError as exc:
+        if isinstance(exc, SpeedswapError):
+            raise
+        raise reading_error(path, exc) from exc
+
+
+def _check_bfloat16(path, start, stop, rows):
+    values = torch.from_numpy(np.ascontiguousarray(rows))
+    if not torch.equal(values.to(torch.bfloat16).float(), values):
+        raise FileFormatError(f"{os.fspath(path)!r} holds float32 values that are not "
+                              f"bfloat16 values (rows {start}..{stop}); a bfloat16 table "
+                              f"would round them: load it into a float32 table")
 
 
 def read_table(table, path, header: TableHeader, dataset: str = "table") -> None:
-    """Fill ``table`` with the rows of a file whose ``header`` matches it (see :func:`check_table_matches`).
+    """Fill a *new* ``table`` with the rows of a file whose ``header`` matches it.
 
-    A host table of the file's own dtype is read straight into its memory;
-    other tables (device memory, bfloat16) are filled chunk by chunk. A
-    float32 file read into a bfloat16 table must hold exact bfloat16 values:
-    that is checked over the whole file before any row changes.
+    For a table nobody holds yet (:meth:`~speedswap.HostTable.load`): rows are
+    read straight into its memory, so a failure midway leaves it half-filled.
+    To replace the rows of a table in use, :func:`stage_table` then
+    :meth:`StagedRows.commit`, which is all-or-nothing.
 
     Raises:
-        FileFormatError: the file changed, or holds values a bfloat16 table would round.
+        FileFormatError: the file cannot be read, or holds values a bfloat16 table would round.
     """
-    ranges = row_ranges(header.shape, header.dtype)
-    if table.dtype is torch.bfloat16:
-        for start, stop, rows in _file_chunks(path, header, dataset, ranges):
-            values = torch.from_numpy(np.ascontiguousarray(rows))
-            if not torch.equal(values.to(torch.bfloat16).float(), values):
-                raise FileFormatError(f"{os.fspath(path)!r} holds float32 values that are not "
-                                      f"bfloat16 values (rows {start}..{stop}); a bfloat16 table "
-                                      f"would round them: load it into a float32 table")
     target = table.as_tensor()
     if target.device.type == "cpu" and table.dtype is not torch.bfloat16:
         host = table.to_numpy()
@@ -449,5 +521,86 @@ def read_table(table, path, header: TableHeader, dataset: str = "table") -> None
         else:
             read_h5_into(path, host, dataset, header)
         return
-    for start, stop, rows in _file_chunks(path, header, dataset, ranges):
+    for start, stop, rows in _file_chunks(path, header, dataset, row_ranges(header.shape, header.dtype)):
+        if table.dtype is torch.bfloat16:
+            _check_bfloat16(path, start, stop, rows)
         target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(rows)))
+
+
+#: Rows are staged in RAM when they need at most this share of the RAM available.
+STAGE_RAM_SHARE = 0.5
+
+
+class StagedRows:
+    """A table file read and verified completely, ready to be copied into a table.
+
+    Made by :func:`stage_table`. Either the rows themselves (``rows``, a host
+    array) or, for a file too large to hold twice in RAM, the proof that every
+    chunk was readable, in which case :meth:`commit` reads the file again.
+    """
+
+    def __init__(self, path, header, dataset, rows):
+        self.path, self.header, self.dataset, self.rows = path, header, dataset, rows
+
+    def commit(self, table) -> None:
+        """Copy the staged rows into ``table`` (same shape and dtype as checked when staging).
+
+        Raises:
+            FileFormatError: only for a file too large to stage in RAM that
+                changed since it was verified.
+        """
+        ranges = row_ranges(self.header.shape, self.header.dtype)
+        chunks = ((a, b, self.rows[a:b]) for a, b in ranges) if self.rows is not None else (
+            _file_chunks(self.path, self.header, self.dataset, ranges))
+        host = None if table.dtype is torch.bfloat16 else table.to_numpy()
+        target = table.as_tensor()
+        for start, stop, rows in chunks:
+            if host is not None and host.dtype == rows.dtype:
+                np.copyto(host[start:stop], rows, casting="no")
+            else:
+                target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(rows)))
+
+
+def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_available: int,
+                crc32: Optional[int] = None) -> StagedRows:
+    """Read and verify every row of a table file before any table changes.
+
+    The first half of an all-or-nothing load: a corrupt chunk, a truncated
+    file or a float32 file with values a bfloat16 table would round raises
+    here, while every table still holds what it held.
+
+    Args:
+        path: a file whose ``header`` was validated and matched to the table.
+        header: its header.
+        dataset: the HDF5 dataset.
+        table_dtype: the torch dtype of the table it will fill.
+        ram_available: bytes of RAM available now
+            (:func:`speedswap.backends.available_ram`): the rows are held in
+            RAM when they take at most :data:`STAGE_RAM_SHARE` of it, else
+            only verified (and read again by :meth:`StagedRows.commit`).
+        crc32: the CRC-32 of the stored bytes recorded when it was saved, checked when given.
+
+    Returns:
+        StagedRows
+
+    Raises:
+        FileFormatError: a chunk cannot be read, a CRC-32 mismatch, or values a
+            bfloat16 table would round.
+    """
+    nbytes = int(np.prod(header.shape, dtype=np.int64)) * header.dtype.itemsize
+    in_memory = nbytes <= STAGE_RAM_SHARE * ram_available
+    ranges = row_ranges(header.shape, header.dtype)
+    rows = np.empty(header.shape, dtype=header.dtype) if in_memory else None
+    crc = 0
+    for start, stop, chunk in _file_chunks(path, header, dataset, ranges):
+        if table_dtype is torch.bfloat16:
+            _check_bfloat16(path, start, stop, chunk)
+        if crc32 is not None:
+            crc = zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
+        if rows is not None:
+            rows[start:stop] = chunk
+    if crc32 is not None and crc != crc32:
+        raise FileFormatError(f"{os.fspath(path)!r} does not hold the bytes that were saved "
+                              f"(CRC-32 {crc:#010x}, saved {crc32:#010x}): the file is corrupt; "
+                              f"nothing was loaded. Restore it from a backup")
+    return StagedRows(path, header, dataset, rows)

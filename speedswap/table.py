@@ -10,6 +10,7 @@
 [1.0, 1.0, 1.0]
 """
 
+import errno
 import os
 import warnings
 import weakref
@@ -19,11 +20,12 @@ import numpy as np
 import torch
 
 from . import files
-from .backends import STORAGE_KINDS, Backend, get_backend
+from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
-from .convert import as_row_ids, as_row_values, int_option, numpy_dtype, torch_dtype
-from .errors import (DeviceError, DuplicateIdError, DTypeError, OptionError, ShapeError,
-                     StateError)
+from .convert import (as_row_ids, as_row_values, float_option, int_option, numpy_dtype,
+                      torch_dtype)
+from .errors import (DeviceError, DuplicateIdError, DTypeError, OptionError, OutOfMemoryError,
+                     ShapeError, StateError)
 
 __all__ = ["HostTable", "live_tables", "check_storage"]
 
@@ -43,6 +45,15 @@ def check_storage(storage, path=None):
         raise OptionError("storage='mmap' keeps the table in a .npy file: pass path='table.npy'")
     if storage == "mmap" and files.file_format(path) != "npy":
         raise OptionError(f"storage='mmap' needs a .npy path, got {os.fspath(path)!r}")
+
+
+def _out_of_memory(shape, dtype, storage):
+    nbytes = shape[0] * shape[1] * torch.empty(0, dtype=dtype).element_size()
+    where = "device memory" if storage == "device" else "RAM"
+    return OutOfMemoryError(
+        f"a {shape[0]} x {shape[1]} {dtype} table needs {nbytes / 2**30:.2f} GiB of {where}, "
+        f"which could not be allocated ({available_ram() / 2**30:.2f} GiB of RAM is available "
+        f"now); use storage='mmap' with path='table.npy' to keep it in a file, or fewer rows")
 
 
 def _has_duplicates(flat):
@@ -81,7 +92,8 @@ class HostTable:
     # ----------------------------------------------------------- constructors
     @classmethod
     def empty(cls, num_rows: int, dim: int, dtype="float32", storage: str = "pinned",
-              backend: BackendLike = "auto", path=None, *, device: DeviceLike = None) -> "HostTable":
+              backend: BackendLike = "auto", path=None, *, device: DeviceLike = None,
+              overwrite: bool = False) -> "HostTable":
         """An uninitialised table.
 
         Args:
@@ -91,9 +103,10 @@ class HostTable:
             storage: one of ``pinned``, ``mapped``, ``pageable``, ``mmap``, ``device``.
             backend: ``"auto"``, ``"cuda"`` or ``"numpy"`` (see
                 :func:`~speedswap.backends.get_backend`).
-            path: the ``.npy`` file backing an ``mmap`` table (created or overwritten).
+            path: the ``.npy`` file backing an ``mmap`` table, created here.
             device: the CUDA device the rows move to (``"cuda:1"``); None is
                 torch's current device.
+            overwrite: let an ``mmap`` table replace an existing file at ``path``.
 
         Returns:
             HostTable
@@ -102,27 +115,36 @@ class HostTable:
             OptionError: bad sizes or storage kind, or ``mmap`` without a path.
             DTypeError: an unsupported dtype.
             BackendUnavailableError: ``backend="cuda"`` cannot run here.
+            PathError: ``path`` exists (and not ``overwrite``) or cannot be created.
+            OutOfMemoryError: the rows do not fit in the memory available.
         """
         shape = (int_option(num_rows, "num_rows"), int_option(dim, "dim"))
         check_storage(storage, path)
         dtype = torch_dtype(dtype)
         backend = get_backend(backend, device)
         if storage == "mmap":
-            array = files.create_npy_memmap(path, shape, numpy_dtype(dtype))
+            array = files.create_npy_memmap(path, shape, numpy_dtype(dtype), overwrite)
             return cls(backend.adopt(array, "mmap", dtype), backend, path)
-        return cls(backend.allocate(shape, dtype, storage), backend)
+        try:
+            return cls(backend.allocate(shape, dtype, storage), backend)
+        except (MemoryError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
+                raise
+            raise _out_of_memory(shape, dtype, storage) from exc
 
     @classmethod
     def zeros(cls, num_rows: int, dim: int, dtype="float32", storage: str = "pinned",
-              backend: BackendLike = "auto", path=None, *, device: DeviceLike = None) -> "HostTable":
+              backend: BackendLike = "auto", path=None, *, device: DeviceLike = None,
+              overwrite: bool = False) -> "HostTable":
         """A table of zeros; arguments as :meth:`empty`."""
-        table = cls.empty(num_rows, dim, dtype, storage, backend, path, device=device)
+        table = cls.empty(num_rows, dim, dtype, storage, backend, path, device=device,
+                          overwrite=overwrite)
         table.zero_()
         return table
 
     @classmethod
     def from_numpy(cls, array, storage: str = "pinned", backend: BackendLike = "auto", path=None,
-                   *, device: DeviceLike = None) -> "HostTable":
+                   *, device: DeviceLike = None, overwrite: bool = False) -> "HostTable":
         """A table holding a copy of the 2-D ``array``; arguments as :meth:`empty`.
 
         Raises:
@@ -133,7 +155,7 @@ class HostTable:
             raise ShapeError(f"a table is 2-D (rows, dim); got an array of shape {array.shape}: "
                              f"reshape it with a.reshape(len(a), -1)")
         table = cls.empty(array.shape[0], array.shape[1], array.dtype, storage, backend, path,
-                          device=device)
+                          device=device, overwrite=overwrite)
         table._fill_from(lambda start, stop: array[start:stop])
         return table
 
@@ -386,8 +408,9 @@ class HostTable:
         Args:
             rows: unique integer ids of any shape.
             values: tensor or array of shape ``(*rows.shape, dim)`` (or
-                ``(len(rows), dim)``) with the table's dtype, on the CPU or the
-                backend's device. A tensor that requires grad is read, not kept.
+                ``(len(rows), dim)``; one row ``(dim,)`` for a scalar id) with the
+                table's dtype, on the CPU or the backend's device. A tensor that
+                requires grad is read (detached), never kept in a graph.
             check_unique: refuse repeated ids (two writes to one row would make
                 the result depend on write order). Pass False only when the ids
                 are unique by construction: on a GPU the check costs a
@@ -403,8 +426,9 @@ class HostTable:
         """
         buffer = self._writable_buffer()
         where = self._backend.ids_device(buffer)
-        flat, _ = as_row_ids(rows, self.num_rows, self.device, to=where)
-        values = as_row_values(values, len(flat), self.dim, self.dtype, self.device, to=where)
+        flat, ids_shape = as_row_ids(rows, self.num_rows, self.device, to=where)
+        values = as_row_values(values, len(flat), self.dim, self.dtype, self.device, ids_shape,
+                               to=where)
         if check_unique and _has_duplicates(flat):
             raise DuplicateIdError("scatter rows repeat an id, so the value kept would depend on "
                                    "write order; de-duplicate them first (torch.unique, or "
@@ -458,13 +482,29 @@ class HostTable:
 
         Returns:
             self
+
+        Raises:
+            DTypeError: a bound is not a real number.
+            OptionError: a bound is NaN or infinite, or ``low > high``.
         """
+        low, high = float_option(low, "low"), float_option(high, "high")
+        if low > high:
+            raise OptionError(f"uniform_ needs low <= high, got low={low!r} > high={high!r}; "
+                              f"swap them")
         for _, _, chunk in self._row_chunks():
             chunk.uniform_(low, high, generator=generator)
         return self
 
     def normal_(self, mean=0.0, std=1.0, *, generator=None):
-        """Fill with N(mean, std²) in place, chunk by chunk. Returns self."""
+        """Fill with N(mean, std²) in place, chunk by chunk. Returns self.
+
+        Raises:
+            DTypeError: ``mean`` or ``std`` is not a real number.
+            OptionError: NaN or infinite, or ``std < 0``.
+        """
+        mean, std = float_option(mean, "mean"), float_option(std, "std")
+        if std < 0:
+            raise OptionError(f"normal_ needs std >= 0, got std={std!r}")
         for _, _, chunk in self._row_chunks():
             chunk.normal_(mean, std, generator=generator)
         return self
@@ -528,14 +568,16 @@ class HostTable:
             self
 
         Raises:
-            FileFormatError: the file is malformed or another shape/dtype; the
-                table is left unchanged.
+            FileFormatError: the file is malformed, corrupt, or another
+                shape/dtype; the table is left unchanged (the file is read and
+                verified completely before any row changes).
             StateError: a closed or read-only table.
         """
         self._writable_buffer()
         header = files.read_table_header(path, dataset)
         files.check_table_matches(header, self._shape, self.dtype, path)
-        files.read_table(self, path, header, dataset)
+        # Every row is read and verified before the first one changes.
+        files.stage_table(path, header, dataset, self.dtype, available_ram()).commit(self)
         return self
 
     def to_numpy(self, copy=False):

@@ -130,7 +130,7 @@ def test_failing_npy_writer_leaves_the_old_file_intact(backend, values, tmp_path
     original = path.read_bytes()
     calls = []
 
-    def failing_write(f, chunk):
+    def failing_write(f, start, chunk):
         calls.append(len(chunk))
         f.write(b"partial")
         raise OSError(28, "No space left on device")
@@ -162,7 +162,7 @@ def test_save_of_a_device_table_is_chunked(backend, values, tmp_path, monkeypatc
     monkeypatch.setattr(files, "_CHUNK_BYTES", 17 * 4 * 64)  # 64 rows a chunk
     sizes = []
     original = files._write_chunk
-    monkeypatch.setattr(files, "_write_chunk", lambda f, c: (sizes.append(len(c)), original(f, c)))
+    monkeypatch.setattr(files, "_write_chunk", lambda f, s, c: (sizes.append(len(c)), original(f, s, c)))
     ss.HostTable.from_numpy(values, storage="device", backend=backend).save(tmp_path / "c.npy")
     assert sizes == [64, 64, 64, 64, 44]
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), values)

@@ -19,6 +19,7 @@ RANKS = {
     "version": 0,
     "errors": 0,
     "convert": 1,
+    "atomic": 1,     # atomic saves: errors only
     "backends": 2,
     "files": 2,
     "table": 3,

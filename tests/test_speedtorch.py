@@ -262,7 +262,7 @@ def test_directory_checkpoint_never_replaces_a_foreign_directory(backend, table0
     model, opt, u, o = build(backend, table0)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    with pytest.raises(ss.FileFormatError, match="not a speedswap checkpoint"):
+    with pytest.raises(ss.errors.PathError, match="not a speedswap checkpoint"):
         o.save(tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     o.save(tmp_path / "ckpt")

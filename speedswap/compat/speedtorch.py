@@ -29,11 +29,12 @@ import torch
 
 from ..backends import get_backend
 from ..data.gadget import DataGadget as CoreDataGadget
-from ..convert import torch_dtype
+from ..convert import int_option, torch_dtype
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
 from ..train.row_state import NarrowedStep, RowState
+from ..train.step_hooks import StepHooks
 from ..table import HostTable
-from .steps import steps_for
+from .steps import register_steps, steps_for
 
 __all__ = ["ModelFactory", "OptimizerFactory", "GPUPytorchModelFactory",
            "GPUPytorchOptimizerFactory", "DataGadget"]
@@ -74,6 +75,8 @@ class _Switcher:
 
     def __init__(self, param, total_classes, embed_dimension, dtype):
         _refuse_process_group(type(self).__name__)
+        total_classes = int_option(total_classes, "total_classes", hint=" (rows of the full table)")
+        embed_dimension = int_option(embed_dimension, "embed_dimension")
         if param.shape[1] != embed_dimension:
             raise ShapeError(f"the model's embedding has rows of {param.shape[1]} but "
                              f"embed_dimension={embed_dimension}; they must match")
@@ -84,6 +87,10 @@ class _Switcher:
         self._full = param.data
         self._steps = steps_for(param, total_classes)
         self._gathered = None
+
+    def _register(self):
+        """Share the step with the parameter's other switchers: the constructor's last act."""
+        register_steps(self._steps)
 
     def _check_device(self, table):
         if table.device != self._param.device:
@@ -124,6 +131,7 @@ class ModelFactory(_Switcher):
             table larger than RAM, with ``path``).
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
         path: the ``.npy`` file of an ``mmap`` table.
+        overwrite: let an ``mmap`` table replace an existing file at ``path``.
 
     The table starts at zero; call an initialiser (``uniformDistributionInit``,
     ``customInit``, ...) before training.
@@ -134,16 +142,17 @@ class ModelFactory(_Switcher):
     """
 
     def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32",
-                 CPUPinn=False, *, storage=None, backend="auto", path=None):
+                 CPUPinn=False, *, storage=None, backend="auto", path=None, overwrite=False):
         param = _weight_of(model_variable)
         super().__init__(param, total_classes, embed_dimension, datatype)
         storage = storage or _storage_of(CPUPinn)
         # An mmap table starts as a zero-filled sparse file; writing zeros would make it dense.
         make = HostTable.empty if storage == "mmap" else HostTable.zeros
         self.table = make(total_classes, embed_dimension, datatype, storage, backend, path,
-                          device=_device_of(param))
+                          device=_device_of(param), overwrite=overwrite)
         self._check_device(self.table)
         self._placeholders = None
+        self._register()
 
     # ------------------------------------------------------------------ steps
     def variableTransformer(self, batchSize, posPerBatch, negPerBatch=None):
@@ -267,6 +276,10 @@ class ModelFactory(_Switcher):
         self._check_idle("load")
         self.table.load_from(path)
 
+    def close(self):
+        """Release the table's memory. Idempotent."""
+        self.table.close()
+
     def to_numpy(self, copy: bool = False) -> np.ndarray:
         """The table as a numpy array (the table's own memory for host storage, unless ``copy``)."""
         return self.table.to_numpy(copy=copy)
@@ -316,6 +329,7 @@ class OptimizerFactory(_Switcher):
         storage: any storage kind, overriding ``CPUPinn``.
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
         path: for ``storage="mmap"``, a directory for the state files.
+        overwrite: let ``mmap`` state files replace existing ones in ``path``.
 
     Raises:
         OptionError: no such parameter, an optimizer not holding it, or one
@@ -323,27 +337,40 @@ class OptimizerFactory(_Switcher):
     """
 
     def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
-                 dtype="float32", CPUPinn=False, *, storage=None, backend="auto", path=None):
+                 dtype="float32", CPUPinn=False, *, storage=None, backend="auto", path=None,
+                 overwrite=False):
         param = _parameter_named(model, variable_name)
         super().__init__(param, total_classes, embed_dimension, dtype)
         self.state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),
                               storage or _storage_of(CPUPinn),
-                              get_backend(backend, _device_of(param)), path)
+                              get_backend(backend, _device_of(param)), path, overwrite=overwrite)
         for table in self.state.tables.values():
             self._check_device(table)
         self._narrowed = None
-        # The hooks live as long as the optimizer; they act only inside a step.
-        given_optimizer.register_step_pre_hook(self._before_step)
-        given_optimizer.register_step_post_hook(self._after_step)
+        # Weak hooks (see StepHooks): they act only inside a step, and
+        # optimizer.step(closure) narrows after the closure's forward.
+        self._hooks = StepHooks(self, given_optimizer)
+        self._register()
 
-    def _before_step(self, optimizer, args, kwargs):
-        if self._gathered is not None:
+    # The step protocol of StepHooks.
+    def _begin_step(self):
+        if self._gathered is not None and self._narrowed is None:
             self._narrowed = NarrowedStep(self._param, len(self._gathered.rows))
 
-    def _after_step(self, optimizer, args, kwargs):
+    def _end_step(self):
         if self._narrowed is not None:
             self._narrowed.restore()
             self._narrowed = None
+
+    def _abort_step(self):
+        if self._narrowed is not None:
+            self._end_step()
+            self.state.release()
+
+    def close(self):
+        """Release the state tables' memory and unhook the optimizer. Idempotent."""
+        self._hooks.remove()
+        self.state.close()
 
     def init_state(self):
         """Reset every row's state to torch's initial value. Alias ``optInit``."""

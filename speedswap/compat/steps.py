@@ -7,6 +7,8 @@ same ids and reuses the slots, and ``after_step`` only compares its ids with
 the step's (no second range check: on a GPU each one is a host synchronisation).
 """
 
+import weakref
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -14,7 +16,7 @@ from ..convert import as_id_tensor, check_id_range
 from ..errors import OptionError, StateError
 from ..train.working_set import WorkingSet
 
-__all__ = ["SharedSteps", "steps_for"]
+__all__ = ["SharedSteps", "steps_for", "register_steps"]
 
 _NAMES = ("pos ids", "neg ids")
 
@@ -99,19 +101,30 @@ class SharedSteps:
         return self.current
 
 
+#: param -> weak reference to its SharedSteps: an entry lives as long as a
+#: switcher of the parameter does, so dropping every switcher frees the size.
 _STEPS = WeakIdKeyDictionary()
 
 
 def steps_for(param: torch.nn.Parameter, num_rows: int) -> SharedSteps:
-    """The :class:`SharedSteps` of ``param`` (created on first use), found by identity.
+    """The :class:`SharedSteps` of ``param``, found by identity, or a new unregistered one.
+
+    A new one is registered by :func:`register_steps` once its switcher is
+    built, so a constructor that fails later leaves nothing behind.
 
     Raises:
-        OptionError: another switcher of ``param`` was built for another table size.
+        OptionError: a live switcher of ``param`` was built for another table size.
     """
-    steps = _STEPS.get(param)
+    ref = _STEPS.get(param)
+    steps = None if ref is None else ref()
     if steps is None:
-        steps = _STEPS[param] = SharedSteps(param, num_rows)
-    elif steps.num_rows != num_rows:
+        return SharedSteps(param, num_rows)
+    if steps.num_rows != num_rows:
         raise OptionError(f"this parameter already has a switcher over {steps.num_rows}"
                           f" rows; every switcher of one parameter needs the same total_classes")
     return steps
+
+
+def register_steps(steps: SharedSteps) -> None:
+    """Make ``steps`` the shared step of its parameter (the last act of a switcher's constructor)."""
+    _STEPS[steps.param] = weakref.ref(steps)

@@ -6,29 +6,39 @@ from step 900 silently trains wrong. Both formats are therefore all-or-nothing:
 
 * ``*.h5`` / ``*.hdf5``: one file with a dataset per table, written through
   :func:`speedswap.files.write_h5` (temporary file, fsync, rename).
-* any other path: a directory holding ``<name>.npy`` per table and a
-  ``checkpoint.json`` manifest. It is written complete into a temporary
-  sibling directory, then swapped in with two renames; should the process die
-  between them, the previous checkpoint is left whole at ``<path>.old``.
+* a path with no suffix: a directory. Each save writes a complete new version
+  ``v000007/`` (``<name>.npy`` per table and a ``checkpoint.json`` manifest with
+  a CRC-32 per table) under a temporary name, renames it into place, and only
+  then replaces the one-line pointer file ``CURRENT`` atomically; older
+  versions are removed after that. Whenever the process dies, ``CURRENT``
+  names a whole version: the old one or the new one. The first save builds
+  the whole directory under a temporary name and renames it to ``path``.
 
-Loading reads every header and checks names, shapes and dtypes against the
-tables before any row is read.
+Loading reads every header, checks names, shapes and dtypes, then reads and
+verifies every row of every table (CRC-32, readable chunks) before the first
+table changes.
 """
 
 import contextlib
 import json
 import os
+import re
 import shutil
-import tempfile
+import zlib
 
 import numpy as np
 
-from .. import files
-from ..errors import FileFormatError, OptionError
+from .. import atomic, files
+from ..backends import available_ram
+from ..errors import (FileFormatError, MissingFileError, OptionError, PathError,
+                      SpeedswapError)
 
-__all__ = ["save_tables", "load_tables", "file_in"]
+__all__ = ["save_tables", "load_tables", "file_in", "checkpoint_kind", "current_version"]
 
 _MANIFEST = "checkpoint.json"
+_POINTER = "CURRENT"
+_VERSION = re.compile(r"v(\d{6,})")
+_FORMAT = "speedswap-checkpoint-1"
 
 
 def file_in(directory, name, storage):
@@ -47,89 +57,203 @@ def file_in(directory, name, storage):
                           "path= a directory for them")
     os.makedirs(directory, exist_ok=True)
     return os.path.join(os.fspath(directory), f"{name}.npy")
-_FORMAT = "speedswap-checkpoint-1"
+
+
+def checkpoint_kind(path) -> str:
+    """``"h5"`` for ``*.h5`` / ``*.hdf5``, ``"dir"`` for a path with no suffix.
+
+    Raises:
+        OptionError: any other suffix (``emb.pt`` is not a directory name
+            anyone expects): say which format is meant.
+    """
+    fmt = files.suffix_format(path)
+    if fmt == "h5":
+        return "h5"
+    suffix = os.path.splitext(os.fspath(path))[1]
+    if fmt is None and (not suffix or os.path.isdir(path)):
+        return "dir"
+    raise OptionError(f"cannot tell what to write at {os.fspath(path)!r}: a checkpoint is "
+                      f"*.h5 / *.hdf5 (one HDF5 file) or a path with no suffix (a directory "
+                      f"of .npy files); *.npy is the table alone (an export)")
+
+
+def current_version(path):
+    """The directory holding the tables of the directory checkpoint ``path``.
+
+    Raises:
+        MissingFileError: no checkpoint at ``path``.
+        FileFormatError: ``path`` is not a speedswap checkpoint directory.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        if os.path.exists(path):
+            raise PathError(f"{path!r} is a file; a directory checkpoint was expected")
+        hint = ""
+        if os.path.isfile(os.path.join(path + ".old", _MANIFEST)):
+            hint = (f"; an interrupted save of an older speedswap left the previous checkpoint "
+                    f"at {path + '.old'!r}: rename it to {path!r}")
+        raise MissingFileError(2, f"no checkpoint at {path!r}{hint}", path)
+    pointer = os.path.join(path, _POINTER)
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            name = f.read().strip()
+        if not _VERSION.fullmatch(name) or not os.path.isdir(os.path.join(path, name)):
+            raise FileFormatError(f"{pointer!r} names {name!r}, which is not a version of this "
+                                  f"checkpoint; the directory was changed by hand")
+        return os.path.join(path, name)
+    if os.path.isfile(os.path.join(path, _MANIFEST)):
+        return path  # a checkpoint written before versions existed
+    raise FileFormatError(f"{path!r} has no {_POINTER} or {_MANIFEST}: it is not a speedswap "
+                          f"checkpoint directory")
+
+
+def _ours(path):
+    """Whether the existing directory ``path`` is a checkpoint, or holds nothing but the
+    debris of one (empty, versions never pointed to, temporaries of killed saves)."""
+    entries = os.listdir(path)
+    if _POINTER in entries or _MANIFEST in entries:
+        return True
+    return all(_VERSION.fullmatch(e) or atomic.is_temporary(e) for e in entries)
+
+
+def _write_version(directory, tables, attrs):
+    """Write every table and the manifest (with CRC-32s) into the new directory ``directory``."""
+    checksums = {}
+    for name, table in tables.items():
+        crc = 0
+
+        def tapped(chunks):
+            nonlocal crc
+            for chunk in chunks:
+                crc = zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
+                yield chunk
+
+        files.write_npy(os.path.join(directory, f"{name}.npy"), table.shape,
+                        files.stored_dtype(table.dtype), tapped(table.host_chunks()))
+        checksums[name] = crc
+    manifest = {"attrs": attrs, "tables": sorted(tables), "crc32": checksums}
+    text = json.dumps(manifest).encode()
+    with atomic.atomic_output(os.path.join(directory, _MANIFEST)) as tmp, open(tmp, "wb") as f:
+        files._write_chunk(f, 0, np.frombuffer(text, dtype=np.uint8))
+
+
+def _save_dir(path, tables, attrs):
+    path = os.path.abspath(os.fspath(path))
+    atomic.check_writable_dir(path)
+    atomic.remove_stale_temporaries(path)
+    if not os.path.exists(path):
+        # The first save builds the whole directory aside and renames it into place.
+        staging = atomic.temp_path(path)
+        os.mkdir(staging)
+        try:
+            os.mkdir(os.path.join(staging, "v000001"))
+            _write_version(os.path.join(staging, "v000001"), tables, attrs)
+            _write_pointer(staging, "v000001")
+            os.rename(staging, path)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        atomic.fsync_dir(os.path.dirname(path))
+        return
+    if not os.path.isdir(path) or not _ours(path):
+        raise PathError(f"{path!r} exists and is not a speedswap checkpoint directory; "
+                        f"refusing to replace it: choose another path")
+    has_checkpoint = any(os.path.isfile(os.path.join(path, f)) for f in (_POINTER, _MANIFEST))
+    current = current_version(path) if has_checkpoint else None
+    # Above every version present, so a version a killed save left unpointed is never reused.
+    numbers = [int(m.group(1)) for m in map(_VERSION.fullmatch, os.listdir(path)) if m]
+    name = f"v{max(numbers, default=0) + 1:06d}"
+    final = os.path.join(path, name)
+    atomic.remove_stale_temporaries(final)
+    staging = atomic.temp_path(final)
+    os.mkdir(staging)
+    try:
+        _write_version(staging, tables, attrs)
+        os.rename(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    atomic.fsync_dir(path)
+    _write_pointer(path, name)  # the commit point
+    _remove_old_versions(path, name, legacy=current == path)
+
+
+def _write_pointer(directory, name):
+    with atomic.atomic_output(os.path.join(directory, _POINTER)) as tmp, open(tmp, "wb") as f:
+        files._write_chunk(f, 0, np.frombuffer(f"{name}\n".encode(), dtype=np.uint8))
+
+
+def _remove_old_versions(path, keep, legacy):
+    """Remove versions other than ``keep`` (and the files of a pre-version checkpoint)."""
+    for entry in os.listdir(path):
+        if _VERSION.fullmatch(entry) and entry != keep:
+            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+    if legacy:  # after the commit a failure here only leaves files behind: never raise
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(path, _MANIFEST)) as f:
+                names = json.load(f).get("tables", [])
+            os.unlink(os.path.join(path, _MANIFEST))
+            for name in names:
+                os.unlink(os.path.join(path, f"{name}.npy"))
 
 
 def save_tables(path, tables, attrs):
     """Write ``tables`` to one checkpoint atomically.
 
     Args:
-        path: ``*.h5`` / ``*.hdf5`` for one HDF5 file; any other path is a directory.
+        path: ``*.h5`` / ``*.hdf5`` for one HDF5 file; a path with no suffix is a directory.
         tables: ``{name: HostTable}``.
         attrs: ``{key: str or int}`` stored beside the tables and checked by
             :func:`load_tables` (the optimizer's class, for example).
 
     Raises:
-        FileFormatError: ``path`` is an existing directory that is not a
-            speedswap checkpoint (it is never replaced).
+        OptionError: a path with another suffix.
+        PathError: ``path`` is an existing file or directory that is not a
+            speedswap checkpoint (it is never replaced), its parent directory
+            does not exist, or the file system refused the write (whatever
+            ``path`` held before is intact).
     """
     attrs = {"format": _FORMAT, **attrs}
-    if _is_h5(path):
+    if checkpoint_kind(path) == "h5":
         files.write_h5(path, {name: (t.shape, files.stored_dtype(t.dtype), t.host_chunks())
                               for name, t in tables.items()}, attrs,
                        table_dtypes={name: t.dtype for name, t in tables.items()})
         return
-    path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path) and not os.path.isfile(os.path.join(path, _MANIFEST)):
-        raise FileFormatError(f"{path!r} exists and is not a speedswap checkpoint directory; "
-                              f"refusing to replace it: choose another path")
-    parent = os.path.dirname(path)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
     try:
-        for name, table in tables.items():
-            files.write_npy(os.path.join(tmp, f"{name}.npy"), table.shape,
-                            files.stored_dtype(table.dtype), table.host_chunks())
-        manifest = {"attrs": attrs, "tables": sorted(tables)}
-        with open(os.path.join(tmp, _MANIFEST), "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(path):
-            old = path + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(tmp)
-        raise
+        _save_dir(path, tables, attrs)
+    except OSError as exc:
+        # A file inside the new version failed: report the checkpoint's path
+        # and the root cause, never the hidden temporary it was written to.
+        cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
+        if isinstance(cause, SpeedswapError):
+            raise  # a refusal that already names the path
+        raise atomic.saving_error(path, cause) from exc
 
 
-def _is_h5(path):
-    return files.suffix_format(path) == "h5"
-
-
-def _read_attrs(path):
-    if _is_h5(path):
+def _read_manifest(path):
+    """``(attrs, {name: (source file, dataset, crc32 or None)})`` of a checkpoint."""
+    if checkpoint_kind(path) == "h5":
         with files.open_h5(path) as f:
-            return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
-    manifest = os.path.join(os.fspath(path), _MANIFEST)
+            attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
+            return attrs, {name: (os.fspath(path), name, None) for name in f.keys()}
+    version = current_version(path)
+    manifest = os.path.join(version, _MANIFEST)
     try:
         with open(manifest) as f:
-            return json.load(f)["attrs"]
-    except FileNotFoundError:
-        if not os.path.exists(path):
-            raise
-        raise FileFormatError(f"{os.fspath(path)!r} has no {_MANIFEST}: it is not a speedswap "
-                              f"checkpoint directory") from None
-    except (ValueError, KeyError) as exc:
+            content = json.load(f)
+        attrs, names, crcs = content["attrs"], content["tables"], content.get("crc32", {})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise FileFormatError(f"{manifest!r} is not a valid checkpoint manifest ({exc})") from exc
-
-
-def _stored_names(path):
-    if _is_h5(path):
-        with files.open_h5(path) as f:
-            return set(f.keys())
-    return {name[:-4] for name in os.listdir(path) if name.endswith(".npy")}
+    return attrs, {name: (os.path.join(version, f"{name}.npy"), "table", crcs.get(name))
+                   for name in names}
 
 
 def load_tables(path, tables, attrs):
-    """Read a checkpoint written by :func:`save_tables` into ``tables``.
+    """Read a checkpoint written by :func:`save_tables` into ``tables``, all or nothing.
 
-    Every check runs before any row is read, so on error no table changes.
+    Every header is checked, then every row of every table is read and
+    verified into staging (:func:`~speedswap.files.stage_table`), and only then
+    are the tables written: on any error no table changes.
 
     Args:
         path: as given to :func:`save_tables`.
@@ -137,11 +261,11 @@ def load_tables(path, tables, attrs):
         attrs: ``{key: value}`` the checkpoint's attributes must equal.
 
     Raises:
-        FileNotFoundError: no such file or directory.
+        MissingFileError: no such file or directory.
         FileFormatError: not a speedswap checkpoint, other tables, other
-            attributes, or a table of another shape or dtype.
+            attributes, a table of another shape or dtype, or a corrupt file.
     """
-    stored_attrs = _read_attrs(path)
+    stored_attrs, sources = _read_manifest(path)
     if stored_attrs.get("format") != _FORMAT:
         raise FileFormatError(f"{os.fspath(path)!r} is not a speedswap checkpoint "
                               f"(format {stored_attrs.get('format')!r})")
@@ -150,19 +274,19 @@ def load_tables(path, tables, attrs):
             raise FileFormatError(f"{os.fspath(path)!r} was saved with {key}="
                                   f"{stored_attrs.get(key)!r}, but this one has {key}={value!r}; "
                                   f"a checkpoint restores only the setup that wrote it")
-    stored = _stored_names(path)
-    if stored != set(tables):
-        raise FileFormatError(f"{os.fspath(path)!r} holds tables {sorted(stored)}, expected "
+    if set(sources) != set(tables):
+        raise FileFormatError(f"{os.fspath(path)!r} holds tables {sorted(sources)}, expected "
                               f"{sorted(tables)}; was it saved by another model or optimizer?")
-    sources = {}
+    headers = {}
     for name, table in tables.items():
-        if _is_h5(path):
-            source, dataset = path, name
-            header = files.read_h5_header(path, name)
-        else:
-            source, dataset = os.path.join(os.fspath(path), f"{name}.npy"), "table"
-            header = files.read_npy_header(source)
+        source, dataset, _ = sources[name]
+        header = (files.read_h5_header(source, dataset) if files.suffix_format(source) == "h5"
+                  else files.read_npy_header(source))
         files.check_table_matches(header, table.shape, table.dtype, source)
-        sources[name] = (source, dataset)
-    for name, table in tables.items():
-        table.load_from(*sources[name])
+        headers[name] = header
+    staged = {}
+    for name, table in tables.items():  # RAM is asked again: earlier stagings took some
+        staged[name] = files.stage_table(sources[name][0], headers[name], sources[name][1],
+                                         table.dtype, available_ram(), crc32=sources[name][2])
+    for name, table in tables.items():  # the commit: nothing below reads a file that could fail
+        staged[name].commit(table)

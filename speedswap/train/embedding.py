@@ -8,7 +8,7 @@
 >>> loss.backward(); opt.step(); opt.zero_grad()    # rows 3, 5, 999 written back once each
 """
 
-import os
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from .. import files
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_row_ids, int_option, torch_dtype
-from ..errors import DTypeError, OptionError, StateError
+from ..errors import CapacityError, DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in, load_tables, save_tables
-from .row_state import NarrowedStep, RowState
+from .row_state import NarrowedStep, RowState, row_state_spec
+from .step_hooks import StepHooks
 from .working_set import WorkingSet
 
 __all__ = ["OffloadedEmbedding"]
@@ -66,16 +67,23 @@ class OffloadedEmbedding(torch.nn.Module):
             optimizer state files.
         device: the CUDA device the rows move to (``"cuda:1"``); None is
             torch's current device.
+        overwrite: for ``storage="mmap"``, let the table and state files
+            replace existing files in ``path`` (they are refused otherwise: they
+            may hold a trained table).
 
     Raises:
         OptionError: bad sizes, padding_idx or storage.
         DTypeError: a dtype that is not floating point.
+        PathError: ``mmap`` files exist in ``path`` (without ``overwrite``).
+
+    The embedding holds host (pinned) memory until :meth:`close` or until it
+    is dropped; ``with OffloadedEmbedding(...) as emb:`` closes it on exit.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
                  storage: str = "pinned", dtype: torch.dtype = torch.float32,
                  padding_idx: int = None, backend: BackendLike = "auto", path=None,
-                 device: DeviceLike = None):
+                 device: DeviceLike = None, overwrite: bool = False):
         super().__init__()
         num_embeddings = int_option(num_embeddings, "num_embeddings")
         embedding_dim = int_option(embedding_dim, "embedding_dim")
@@ -91,9 +99,11 @@ class OffloadedEmbedding(torch.nn.Module):
                 raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx!r}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.max_rows, self.padding_idx = max_rows, padding_idx
-        self._storage, self._path = storage, path
+        self._storage, self._path, self._overwrite = storage, path, bool(overwrite)
+        table_file = file_in(path, "table", storage)
         self.table = HostTable.empty(num_embeddings, embedding_dim, dtype, storage, backend,
-                                     file_in(path, "table", storage), device=device)
+                                     table_file, device=device, overwrite=overwrite)
+        self._created = {table_file}  # mmap files this embedding made and may replace
         self._backend = self.table.backend
         self.table.normal_()  # nn.Embedding's initialisation
         if padding_idx is not None:
@@ -107,7 +117,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._working_set = WorkingSet(max_rows, self.table.device)
         self._state = None
         self._narrowed = None
-        self._hooks = ()
+        self._hooks = None
 
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
@@ -119,22 +129,49 @@ class OffloadedEmbedding(torch.nn.Module):
         """Offload ``optimizer``'s per-row state for :attr:`weight` and hook its ``step()``.
 
         Attaching (again, or to another optimizer) starts the offloaded
-        optimizer state afresh.
+        optimizer state afresh. ``optimizer.step(closure)`` works: the rows are
+        narrowed after the closure's forward and backward.
 
         Args:
             optimizer: a ``torch.optim`` optimizer whose params include :attr:`weight`.
 
         Raises:
             OptionError: the optimizer does not hold :attr:`weight`, or its
-                state is not element-wise (LBFGS).
+                state is not element-wise (LBFGS). Nothing changes.
+            StateError: a closed embedding, or between a training forward and the step.
         """
-        state = RowState(optimizer, self.weight, self.num_embeddings, self.weight.dtype,
-                         self._storage, self._backend, self._path)
-        for handle in self._hooks:
-            handle.remove()
-        self._state = state
-        self._hooks = (optimizer.register_step_pre_hook(self._before_step),
-                       optimizer.register_step_post_hook(self._after_step))
+        self._check_open()
+        if self._working_set.size:
+            raise StateError("attach between a training forward and optimizer.step() would drop "
+                             "the step's rows; attach between steps")
+        row_state_spec(optimizer, self.weight)  # refuse an unsupported optimizer before any change
+        if self._state is not None:
+            self._hooks.remove()
+            self._state.close()  # its mmap files may be replaced below
+            self._state = None
+        self._state = RowState(optimizer, self.weight, self.num_embeddings, self.weight.dtype,
+                               self._storage, self._backend, self._path,
+                               overwrite=self._overwrite or self._created)
+        self._created |= {t.path for t in self._state.tables.values()}
+        self._hooks = StepHooks(self, optimizer)
+
+    def init_state(self):
+        """Reset every row's optimizer state to the value torch creates it with.
+
+        For restarting the optimizer (a fresh ``torch.optim`` optimizer after
+        :meth:`load`, when its ``state_dict`` was not saved).
+
+        Raises:
+            StateError: before :meth:`attach`, or on a closed embedding.
+        """
+        self._check_open()
+        if self._state is None:
+            raise StateError("init_state needs an attached optimizer: call emb.attach(optimizer)")
+        self._state.init_state()
+
+    def _check_open(self):
+        if self.table.closed:
+            raise StateError("this OffloadedEmbedding is closed; its memory was released")
 
     def forward(self, ids) -> torch.Tensor:
         """The rows of ``ids``: a tensor of shape ``(*ids.shape, embedding_dim)``.
@@ -148,6 +185,8 @@ class OffloadedEmbedding(torch.nn.Module):
             CapacityError: the step touches more than ``max_rows`` distinct rows.
             StateError: training before :meth:`attach`.
         """
+        self._check_open()
+        self._abort_step()
         if not (self.training and torch.is_grad_enabled()):
             return self.table.gather(ids).to(self.weight.dtype)
         if self._state is None:
@@ -155,11 +194,16 @@ class OffloadedEmbedding(torch.nn.Module):
                              "step() is where the updated rows are written back")
         flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
         ws = self._working_set
-        if ws.size == 0 and self.padding_idx is not None:
-            pad = torch.tensor([self.padding_idx], device=self.weight.device)
-            self._gather_new(ws.add(pad)[1])  # always slot 0
-        local, first_new = ws.add(flat.view(shape))
-        self._gather_new(first_new)
+        start = ws.size
+        try:
+            if start == 0 and self.padding_idx is not None:
+                ws.add(torch.tensor([self.padding_idx], device=self.weight.device))  # slot 0
+            local, _ = ws.add(flat.view(shape))
+        except CapacityError:
+            if start == 0:
+                ws.clear()  # the padding row too: a refused forward leaves no trace
+            raise
+        self._gather_new(start)
         return F.embedding(local, self.weight,
                            padding_idx=None if self.padding_idx is None else 0)
 
@@ -174,22 +218,34 @@ class OffloadedEmbedding(torch.nn.Module):
                     target.copy_(self.table.gather_validated(
                         rows, torch.empty_like(target, dtype=self.table.dtype)))
 
-    def _before_step(self, optimizer, args, kwargs):
+    # The step protocol of StepHooks.
+    def _begin_step(self):
         rows = self._working_set.rows
-        if not len(rows):
+        if not len(rows) or self._narrowed is not None:
             return
+        self._state.gather(rows)  # raises before anything changes
         self._narrowed = NarrowedStep(self.weight, len(rows), self._state.needs_sparse_grad)
-        self._state.gather(rows)
 
-    def _after_step(self, optimizer, args, kwargs):
-        rows = self._working_set.rows
-        if not len(rows):
+    def _end_step(self):
+        if self._narrowed is None:
             return
+        rows = self._working_set.rows
         self._narrowed.restore()
+        self._narrowed = None
         self._state.scatter(rows)
         # Working-set rows are unique and were validated when they were added.
         self.table.scatter_validated(rows, self._full[:len(rows)].to(self.table.dtype))
         self._working_set.clear()
+
+    def _abort_step(self):
+        if self._narrowed is None:
+            return
+        # The optimizer raised inside a step: the table and state tables still
+        # hold every row as before it, so the working set is read back from them.
+        self._narrowed.restore()
+        self._narrowed = None
+        self._state.release()
+        self._gather_new(0)
 
     # ---------------------------------------------------------- checkpoints
     def _tables(self):
@@ -206,10 +262,20 @@ class OffloadedEmbedding(torch.nn.Module):
         """Write the table and all offloaded optimizer state to one checkpoint, atomically.
 
         Args:
-            path: ``*.h5`` for one HDF5 file; ``*.npy`` for the table alone as
-                a plain numpy file (an export, without optimizer state);
-                otherwise a directory of ``.npy`` files (see :mod:`speedswap.train.checkpoint`).
+            path: ``*.h5`` / ``*.hdf5`` for one HDF5 file; a path with no suffix
+                for a directory of ``.npy`` files (see
+                :mod:`speedswap.train.checkpoint`); ``*.npy`` for the table alone
+                as a plain numpy file (an export, without optimizer state).
+
+        Raises:
+            OptionError: another suffix (``emb.pt``): pick one of the above.
+            PathError: the directory does not exist, ``path`` is something else
+                than a speedswap checkpoint, or the file system refused the
+                write; whatever was at ``path`` is intact.
+            StateError: a closed embedding.
         """
+        self._check_open()
+        self._abort_step()
         if files.suffix_format(path) == "npy":
             self.table.save(path)
             return
@@ -224,9 +290,14 @@ class OffloadedEmbedding(torch.nn.Module):
         Restore the optimizer's own ``state_dict`` too: it holds the step count.
 
         Raises:
-            FileFormatError: another shape, optimizer or a bad file (nothing changes).
-            StateError: called between a training forward and the optimizer step.
+            FileFormatError: another shape, optimizer or a corrupt file: every
+                row is read and verified before any changes, so nothing changes.
+            MissingFileError: no checkpoint at ``path``.
+            StateError: called between a training forward and the optimizer
+                step, or on a closed embedding.
         """
+        self._check_open()
+        self._abort_step()
         if self._working_set.size:
             raise StateError("load between a training forward and optimizer.step() would be "
                              "undone by the step; load between steps")
@@ -236,3 +307,42 @@ class OffloadedEmbedding(torch.nn.Module):
         load_tables(path, self._tables(), self._attrs())
         if self._state is not None:
             self._state.mark_loaded()
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, refusing a ``state_dict`` that is not a mapping.
+
+        The state dict holds only the ``max_rows`` working-set scratch; the
+        table and optimizer state are restored with :meth:`load`.
+
+        Raises:
+            DTypeError: ``state_dict`` is not a mapping (nothing changes).
+        """
+        if not isinstance(state_dict, Mapping):
+            raise DTypeError(f"load_state_dict takes a mapping (what state_dict() returns), got "
+                             f"{type(state_dict).__name__}; the table itself is restored "
+                             f"with emb.load(path)")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # ------------------------------------------------------------- lifecycle
+    def close(self):
+        """Release the table and optimizer state memory and unhook the optimizer. Idempotent.
+
+        An ``mmap`` embedding's files are flushed and kept. Afterwards every
+        call but :meth:`close` raises :class:`~speedswap.StateError`; the
+        optimizer's ``step()`` no longer touches this embedding.
+        """
+        if self.table.closed:
+            return
+        self._narrowed = None
+        if self._hooks is not None:
+            self._hooks.remove()
+        if self._state is not None:
+            self._state.close()
+        self._working_set.clear()
+        self.table.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

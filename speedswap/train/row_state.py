@@ -153,20 +153,30 @@ class RowState:
         storage: storage kind of the state tables.
         backend: the backend (name or instance).
         path: for ``storage="mmap"``, the directory for ``<name>.npy`` files.
+        overwrite: let ``mmap`` tables replace existing files: True, or the set
+            of file paths that may be replaced (those the owner created itself).
 
     Raises:
         OptionError: an optimizer that cannot be offloaded (see :func:`row_state_spec`).
+        PathError: an ``mmap`` file exists and may not be replaced.
     """
 
-    def __init__(self, optimizer, param, num_rows, dtype, storage, backend, path=None):
+    def __init__(self, optimizer, param, num_rows, dtype, storage, backend, path=None,
+                 overwrite=False):
         self.optimizer = optimizer
         self.param = param
         self.spec = row_state_spec(optimizer, param)
         self._shape = tuple(param.shape)
-        self.tables = {
-            name: HostTable.empty(num_rows, param.shape[1], dtype, storage, backend,
-                                  file_in(path, name, storage), device=param.device)
-            for name in self.spec}
+        self.tables = {}
+        try:
+            for name in self.spec:
+                file = file_in(path, name, storage)
+                self.tables[name] = HostTable.empty(
+                    num_rows, param.shape[1], dtype, storage, backend, file, device=param.device,
+                    overwrite=overwrite if isinstance(overwrite, bool) else file in overwrite)
+        except BaseException:
+            self.close()
+            raise
         self._scratch = {}
         self.needs_sparse_grad = isinstance(optimizer, _SPARSE_GRAD_ONLY)
         self.init_state()
@@ -202,6 +212,7 @@ class RowState:
         Raises:
             StateError: the optimizer has no state for the parameter although
                 the tables hold trained state (its state_dict was not restored).
+                Nothing changes.
         """
         state = self.optimizer.state.get(self.param)
         if not state or any(name not in state for name in self.spec):
@@ -210,13 +221,27 @@ class RowState:
             raise StateError(
                 f"{type(self.optimizer).__name__} holds no state for the offloaded parameter, but "
                 f"the host tables hold trained state; restore the optimizer with "
-                f"optimizer.load_state_dict(...) (it holds the step count), or call "
-                f"init_state() to restart the optimizer from scratch")
+                f"optimizer.load_state_dict(...) (it holds the step count), or restart the "
+                f"optimizer state from scratch with init_state() (OffloadedEmbedding.init_state, "
+                f"OptimizerFactory.optInit); then call step() again")
         k = len(rows)
-        for name, table in self.tables.items():
-            view = self._buffer(name)[:k]
-            table.gather_validated(rows, view)
-            state[name] = view
+        views = {name: table.gather_validated(rows, self._buffer(name)[:k])
+                 for name, table in self.tables.items()}
+        state.update(views)  # only once every gather succeeded
+
+    def release(self):
+        """Give the optimizer its full-size scratch back after a step that never finished.
+
+        The tables still hold every row's state as it was before that step.
+        """
+        state = self.optimizer.state.get(self.param)
+        if state and all(name in state for name in self.spec):
+            state.update({name: self._buffer(name) for name in self.spec})
+
+    def close(self):
+        """Release the state tables' memory."""
+        for table in self.tables.values():
+            table.close()
 
     def scatter(self, rows):
         """Write the state of ``rows`` back to the tables after the step.

@@ -1,0 +1,172 @@
+"""Atomic saves: a temporary beside the target, fsync, one rename; and the debris of killed saves.
+
+Every file speedswap writes goes through :func:`atomic_output`, so a crash or
+a full disk mid-save leaves the previous file intact. Temporaries are named
+``.<name>.<host>.<pid>.<random>.tmp`` so a later save can prove which ones a
+dead process left behind and remove exactly those. OSErrors become
+:class:`~speedswap.errors.PathError` naming the user's path, never the temporary.
+"""
+
+import contextlib
+import errno
+import os
+import re
+import secrets
+import shutil
+import socket
+
+from .errors import PathError, SpeedswapError
+
+__all__ = ["atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
+           "saving_error", "fsync_dir"]
+
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+_TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9-]+\.\d+\.[0-9a-f]{8}\.tmp")
+
+
+def is_temporary(name) -> bool:
+    """Whether the file name ``name`` is one :func:`temp_path` makes (of any target, host, process)."""
+    return _TEMPORARY.fullmatch(name) is not None
+
+
+def temp_path(path) -> str:
+    """A fresh hidden temporary name beside ``path`` that says who made it.
+
+    ``.<name>.<host>.<pid>.<random>.tmp``: the host and process id let a later
+    save prove a leftover temporary is a dead save's (see :func:`remove_stale_temporaries`).
+    """
+    path = os.path.abspath(os.fspath(path))
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def _pid_alive(pid):
+    if pid == os.getpid():
+        return True  # another save of this process may be running in a thread
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by another user
+    return True
+
+
+def remove_stale_temporaries(path) -> list:
+    """Remove the temporaries of saves to ``path`` whose process has died.
+
+    Only names made by :func:`temp_path` for this very ``path``, on this host,
+    by a process id that no longer exists, are removed: never a file speedswap
+    cannot prove it left behind.
+
+    Returns:
+        the paths removed.
+    """
+    path = os.path.abspath(os.fspath(path))
+    directory, name = os.path.split(path)
+    pattern = re.compile(re.escape(f".{name}.{_HOST}.") + r"(\d+)\.[0-9a-f]{8}\.tmp")
+    removed = []
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return removed
+    for entry in entries:
+        match = pattern.fullmatch(entry)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        stale = os.path.join(directory, entry)
+        with contextlib.suppress(OSError):
+            if os.path.isdir(stale) and not os.path.islink(stale):
+                shutil.rmtree(stale)
+            else:
+                os.unlink(stale)
+            removed.append(stale)
+    return removed
+
+
+def check_writable_dir(path) -> str:
+    """The absolute directory ``path`` will be written in, which must exist.
+
+    Raises:
+        PathError: the directory does not exist or is not a directory.
+    """
+    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+    if not os.path.isdir(directory):
+        raise PathError(f"cannot save {os.fspath(path)!r}: the directory {directory!r} does "
+                        f"not exist; create it first (os.makedirs(..., exist_ok=True))")
+    return directory
+
+
+def saving_error(path, exc) -> "PathError":
+    """A :class:`PathError` naming the user's ``path`` for an OSError raised while saving it."""
+    reason = exc.strerror or str(exc)
+    hint = {errno.EROFS: "the file system is read-only; save somewhere writable",
+            errno.EACCES: "no permission to write there; save somewhere writable",
+            errno.EPERM: "no permission to write there; save somewhere writable",
+            errno.ENOSPC: "the disk is full; free space or save elsewhere",
+            errno.EDQUOT: "the disk quota is exceeded; free space or save elsewhere"}.get(
+        exc.errno, "check the path")
+    error = PathError(f"could not save {os.fspath(path)!r} ({reason}): {hint}. Any previous "
+                      f"file at that path is intact")
+    error.errno = exc.errno
+    return error
+
+
+def fsync_dir(directory) -> None:
+    """Make a rename in ``directory`` durable (not every file system can fsync a directory)."""
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+@contextlib.contextmanager
+def atomic_output(path):
+    """Yield a temporary path; on success move it over ``path`` atomically.
+
+    The temporary file lives in the target's directory (a rename is atomic
+    only within one file system) and is fsynced before the rename. On any
+    exception it is removed and the exception propagates; ``path`` is untouched.
+    Temporaries of earlier saves to ``path`` that were killed are removed first.
+
+    Args:
+        path: the file to create or replace.
+
+    Yields:
+        str: where to write.
+
+    Raises:
+        PathError: the directory does not exist, ``path`` is a directory, or the
+            file system refused the write (read-only, full, no permission); the
+            message names ``path``, not the temporary.
+    """
+    directory = check_writable_dir(path)
+    if os.path.isdir(path):
+        raise PathError(f"cannot save {os.fspath(path)!r}: it is a directory; choose a file name")
+    remove_stale_temporaries(path)
+    tmp = temp_path(path)
+    try:
+        try:
+            open(tmp, "xb").close()
+            # give the new file the mode the old one had
+            os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)
+        except OSError as exc:
+            raise saving_error(path, exc) from exc
+        yield tmp
+        try:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise saving_error(path, exc) from exc
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError) and not isinstance(exc, SpeedswapError):
+            raise saving_error(path, exc) from exc
+        raise
+    fsync_dir(directory)

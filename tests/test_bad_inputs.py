@@ -1,0 +1,365 @@
+"""Bad inputs, as a table, against every public entry point: a clear error, and nothing changes.
+
+Each row is (subject, call, expected exception family, message fragment). The
+subject is built fresh with random data, its **full state** (table rows,
+optimizer state tables, working set, module parameters and gradients,
+optimizer state, files in the test directory) is snapshotted, the bad call
+must raise a :class:`~speedswap.SpeedswapError` of the expected family whose
+message holds the fragment (and never names a hidden temporary file), the
+state must be bit-identical afterwards, and a valid call must still work.
+
+Other engineers add rows for their entry points (the feeder) to ``CASES``.
+"""
+
+import gc
+import hashlib
+import os
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+from speedswap.compat.steps import _STEPS
+from speedswap.errors import MissingFileError, OutOfMemoryError, PathError
+
+ROWS, DIM, CAP = 40, 4, 16
+
+
+def _files(directory):
+    """Every file under ``directory`` with a hash of its bytes."""
+    found = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, directory)] = hashlib.sha1(f.read()).hexdigest()
+    return found
+
+
+def _tensors(obj):
+    """Every tensor reachable in a (nested) dict/list, as numpy copies keyed by path."""
+    out = {}
+
+    def walk(value, key):
+        if isinstance(value, torch.Tensor):
+            out[key] = value.detach().cpu().clone().numpy()
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{key}.{k}")
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{key}[{i}]")
+        elif isinstance(value, (int, float, str, type(None))):
+            out[key] = value
+    walk(obj, "")
+    return out
+
+
+def _registry():
+    """The table sizes of the live shared steps of switchers (earlier tests' garbage collected first)."""
+    gc.collect()
+    return sorted(r().num_rows for r in list(_STEPS.values()) if r() is not None)
+
+
+class Subject:
+    """An object under test, how to snapshot its whole state, and one valid call."""
+
+    def __init__(self, obj, parts, valid):
+        self.obj, self._parts, self._valid = obj, parts, valid
+
+    def snapshot(self):
+        return _tensors(self._parts())
+
+    def valid(self):
+        self._valid()
+
+
+def _ids(rng, n=6):
+    return torch.from_numpy(rng.integers(0, ROWS, size=n))
+
+
+def table_subject(rng, tmp_path):
+    table = ss.HostTable.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32),
+                                    storage="pageable", backend="numpy")
+
+    def valid():
+        rows = table.gather([1, 2])
+        table.scatter([3, 4], rows * 2)
+        table.save(tmp_path / "ok.npy")
+    return Subject(table, lambda: {"rows": table.as_tensor()}, valid)
+
+
+def _embedding(rng, tmp_path, mid_step):
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="pageable", backend="numpy",
+                                padding_idx=0)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
+        rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    emb(_ids(rng)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    if mid_step:
+        emb(_ids(rng)).pow(2).sum().backward()
+
+    def parts():
+        return {"table": emb.table.as_tensor(), "working_set": emb._working_set.rows,
+                "weight": emb.weight, "grad": emb.weight.grad,
+                "state": {k: t.as_tensor() for k, t in emb._state.tables.items()},
+                "optimizer": opt.state_dict(), "files": _files(tmp_path)}
+
+    def valid():
+        emb(_ids(rng)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        emb.save(tmp_path / "ok")
+    return Subject(emb, parts, valid)
+
+
+def embedding_subject(rng, tmp_path):
+    return _embedding(rng, tmp_path, mid_step=False)
+
+
+def mid_step_subject(rng, tmp_path):
+    """An embedding after a training forward, before its optimizer step."""
+    return _embedding(rng, tmp_path, mid_step=True)
+
+
+def switchers_subject(rng, tmp_path):
+    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(CAP, DIM)})
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    u = ss.ModelFactory(model["u"], ROWS, DIM, backend="numpy")
+    u.uniformDistributionInit(-0.5, 0.5)
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", backend="numpy")
+
+    def step():
+        ids = _ids(rng)
+        local = u.before_forward(ids)
+        o.before_forward(ids)
+        model["u"](local).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        u.after_step(ids)
+        o.after_step(ids)
+    step()
+
+    def parts():
+        return {"table": u.table.as_tensor(), "param": model["u"].weight,
+                "state": {k: t.as_tensor() for k, t in o.state.tables.items()},
+                "optimizer": opt.state_dict(), "files": _files(tmp_path),
+                "registry": _registry()}
+    return Subject((u, o), parts, step)
+
+
+def gadget_subject(rng, tmp_path):
+    gadget = ss.DataGadget(rng.standard_normal((ROWS, 2, 3), dtype=np.float32), backend="numpy",
+                           storage="pinned")
+
+    def valid():
+        gadget.insertData(gadget.getData([1]) + 1, [2])
+    return Subject(gadget, lambda: {"rows": torch.from_numpy(gadget.to_numpy(copy=True))}, valid)
+
+
+def nothing_subject(rng, tmp_path):
+    """For constructors: the state is the test directory's files and the switcher registry."""
+    def parts():
+        return {"files": _files(tmp_path), "registry": _registry()}
+
+    def valid():
+        ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, backend="numpy")
+        ss.ModelFactory(torch.nn.Embedding(CAP, DIM), ROWS, DIM, backend="numpy")
+    return Subject(None, parts, valid)
+
+
+SUBJECTS = {"table": table_subject, "embedding": embedding_subject, "mid_step": mid_step_subject,
+            "switchers": switchers_subject, "gadget": gadget_subject, "nothing": nothing_subject}
+
+
+# ------------------------------------------------------------ bad files
+def missing(d):
+    return d / "missing.npy"
+
+
+def a_directory(d, name="dir.npy"):
+    (d / name).mkdir(exist_ok=True)
+    return d / name
+
+
+def h5_group(d):
+    with h5py.File(d / "group.h5", "w") as f:
+        f.create_group("table")
+    return d / "group.h5"
+
+
+def truncated_h5(d):
+    ss.HostTable.zeros(ROWS, DIM, backend="numpy").save(d / "full.h5")
+    data = (d / "full.h5").read_bytes()
+    (d / "trunc.h5").write_bytes(data[:len(data) // 2])
+    (d / "full.h5").unlink()
+    return d / "trunc.h5"
+
+
+def truncated_npy(d):
+    np.save(d / "t.npy", np.ones((ROWS, DIM), np.float32))
+    data = (d / "t.npy").read_bytes()
+    (d / "t.npy").write_bytes(data[:-5])
+    return d / "t.npy"
+
+
+def other_shape(d):
+    np.save(d / "other.npy", np.ones((ROWS + 1, DIM), np.float32))
+    return d / "other.npy"
+
+
+def other_embedding_checkpoint(d, suffix=""):
+    emb = ss.OffloadedEmbedding(ROWS + 1, DIM, max_rows=CAP, backend="numpy")
+    emb.attach(torch.optim.Adam(emb.parameters()))
+    emb.save(d / f"other{suffix}")
+    return d / f"other{suffix}"
+
+
+def a_foreign_directory(d):
+    (d / "mine").mkdir(exist_ok=True)
+    (d / "mine" / "notes.txt").write_text("keep")
+    return d / "mine"
+
+
+def existing_table_dir(d):
+    (d / "tables").mkdir(exist_ok=True)
+    np.save(d / "tables" / "table.npy", np.ones((ROWS, DIM), np.float32))
+    return d / "tables"
+
+
+def t(x):
+    return torch.tensor(x)
+
+
+def nparams(emb):
+    return emb.parameters()
+
+
+# subject, call(obj, tmp_path), family, fragment
+CASES = [
+    # HostTable
+    ("table", lambda o, d: o.gather([0, ROWS]), ss.IdError, "out of range"),
+    ("table", lambda o, d: o.gather([-1]), ss.IdError, "negative"),
+    ("table", lambda o, d: o.gather([1.5]), ss.DTypeError, "integers"),
+    ("table", lambda o, d: o.gather([[1, 2], [3]]), ss.DTypeError, "different lengths"),
+    ("table", lambda o, d: o.gather([1], out=torch.zeros(1, DIM, requires_grad=True)),
+     ss.DTypeError, "requires grad"),
+    ("table", lambda o, d: o.gather([1], out=torch.zeros(2, DIM)), ss.ShapeError, "out has shape"),
+    ("table", lambda o, d: o.scatter([1, 1], torch.ones(2, DIM)), ss.DuplicateIdError, "repeat"),
+    ("table", lambda o, d: o.scatter([1], torch.ones(1, DIM, dtype=torch.float64)),
+     ss.DTypeError, "float64"),
+    ("table", lambda o, d: o.scatter([1, 2], torch.ones(3, DIM)), ss.ShapeError, "shape"),
+    ("table", lambda o, d: o.scatter([1, ROWS], torch.ones(2, DIM)), ss.IdError, "out of range"),
+    ("table", lambda o, d: o.uniform_(1, 0), ss.OptionError, "low <= high"),
+    ("table", lambda o, d: o.uniform_("a", 1), ss.DTypeError, "real number"),
+    ("table", lambda o, d: o.normal_(0, -1), ss.OptionError, "std >= 0"),
+    ("table", lambda o, d: o.normal_(float("nan")), ss.OptionError, "finite"),
+    ("table", lambda o, d: o.normal_(0, float("inf")), ss.OptionError, "finite"),
+    ("table", lambda o, d: o.load_from(missing(d)), MissingFileError, "missing.npy"),
+    ("table", lambda o, d: o.load_from(a_directory(d)), PathError, "is a directory"),
+    ("table", lambda o, d: o.load_from(h5_group(d)), ss.FileFormatError, "not a dataset"),
+    ("table", lambda o, d: o.load_from(truncated_h5(d)), ss.FileFormatError, "truncated"),
+    ("table", lambda o, d: o.load_from(truncated_npy(d)), ss.FileFormatError, "truncated"),
+    ("table", lambda o, d: o.load_from(other_shape(d)), ss.FileFormatError, "of the file's shape"),
+    ("table", lambda o, d: o.save(d / "nope" / "t.npy"), PathError, "does not exist"),
+    ("table", lambda o, d: o.save(d / "t.pt"), ss.OptionError, "*.npy"),
+    ("table", lambda o, d: o.save(a_directory(d)), PathError, "is a directory"),
+    # OffloadedEmbedding between steps
+    ("embedding", lambda o, d: o(t([1, ROWS])), ss.IdError, "out of range"),
+    ("embedding", lambda o, d: o(t([1.0])), ss.DTypeError, "integers"),
+    ("embedding", lambda o, d: o([[1, 2], [3]]), ss.DTypeError, "different lengths"),
+    ("embedding", lambda o, d: o(t(list(range(CAP + 1)))), ss.CapacityError, "at most"),
+    ("embedding", lambda o, d: o.load_state_dict(None), ss.DTypeError, "mapping"),
+    ("embedding", lambda o, d: o.save(d / "emb.pt"), ss.OptionError, "no suffix"),
+    ("embedding", lambda o, d: o.save(d / "nope" / "ckpt"), PathError, "does not exist"),
+    ("embedding", lambda o, d: o.save(a_foreign_directory(d)), PathError, "not a speedswap"),
+    ("embedding", lambda o, d: o.load(d / "missing"), MissingFileError, "no checkpoint"),
+    ("embedding", lambda o, d: o.load(other_embedding_checkpoint(d)), ss.FileFormatError,
+     "of the file's shape"),
+    ("embedding", lambda o, d: o.load(other_embedding_checkpoint(d, ".h5")), ss.FileFormatError,
+     "of the file's shape"),
+    ("embedding", lambda o, d: o.load(truncated_h5(d)), ss.FileFormatError, "truncated"),
+    ("embedding", lambda o, d: o.load(a_foreign_directory(d)), ss.FileFormatError,
+     "not a speedswap"),
+    ("embedding", lambda o, d: o.attach(torch.optim.LBFGS(o.parameters())), ss.OptionError,
+     "LBFGS"),
+    # OffloadedEmbedding after a forward, before the step
+    ("mid_step", lambda o, d: o(t([ROWS + 3])), ss.IdError, "out of range"),
+    ("mid_step", lambda o, d: o(t(list(range(CAP + 1)))), ss.CapacityError, "at most"),
+    ("mid_step", lambda o, d: o.load(d / "missing"), ss.StateError, "between steps"),
+    ("mid_step", lambda o, d: o.attach(torch.optim.SGD(o.parameters(), lr=1)), ss.StateError,
+     "between steps"),
+    # ModelFactory / OptimizerFactory
+    ("switchers", lambda o, d: o[0].before_forward(t([1, ROWS])), ss.IdError, "out of range"),
+    ("switchers", lambda o, d: o[1].before_forward(t([-2])), ss.IdError, "negative"),
+    ("switchers", lambda o, d: o[0].after_step(t([1])), ss.StateError, "before_forward"),
+    ("switchers", lambda o, d: o[0].uniformDistributionInit(1, 0), ss.OptionError, "low <= high"),
+    ("switchers", lambda o, d: o[0].normalDistributionInit(0, float("nan")), ss.OptionError,
+     "finite"),
+    ("switchers", lambda o, d: o[0].load(other_shape(d)), ss.FileFormatError, "shape"),
+    ("switchers", lambda o, d: o[0].save(d / "nope" / "t.npy"), PathError, "does not exist"),
+    ("switchers", lambda o, d: o[1].load(d / "missing"), MissingFileError, "no checkpoint"),
+    ("switchers", lambda o, d: o[1].save(d / "state.pt"), ss.OptionError, "no suffix"),
+    # DataGadget
+    ("gadget", lambda o, d: o.getData([ROWS]), ss.IdError, "out of range"),
+    ("gadget", lambda o, d: o.insertData(torch.ones(1, 2, 3, dtype=torch.float64), [1]),
+     ss.DTypeError, "float64"),
+    # constructors
+    ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, dtype=torch.int64),
+     ss.DTypeError, "floating-point"),
+    ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, padding_idx=1.5),
+     ss.OptionError, "padding_idx"),
+    ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=0), ss.OptionError,
+     "max_rows"),
+    ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="mmap",
+                                                   path=existing_table_dir(d), backend="numpy"),
+     PathError, "overwrite=True"),
+    ("nothing", lambda o, d: ss.ModelFactory(torch.nn.Embedding(CAP, DIM), "many", DIM),
+     ss.OptionError, "total_classes"),
+    ("nothing", lambda o, d: ss.ModelFactory(torch.nn.Embedding(CAP, DIM), ROWS, DIM,
+                                             storage="mmap", backend="numpy"),
+     ss.OptionError, "path="),
+    ("nothing", lambda o, d: ss.DataGadget(np.zeros((5, 0), np.float32), backend="numpy"),
+     ss.ShapeError, "empty rows"),
+    ("nothing", lambda o, d: ss.DataGadget(a_directory(d), backend="numpy"), PathError,
+     "is a directory"),
+    ("nothing", lambda o, d: ss.HostTable.load(a_directory(d, "d.h5")), PathError,
+     "is a directory"),
+    ("nothing", lambda o, d: ss.HostTable.empty(2**40, 1024, storage="pageable", backend="numpy"),
+     OutOfMemoryError, "storage='mmap'"),
+]
+
+
+def _case_id(case):
+    subject, call, family, fragment = case
+    return f"{subject}-{family.__name__}-{fragment}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_bad_input_raises_clearly_and_changes_nothing(case, rng, tmp_path):
+    subject_name, call, family, fragment = case
+    work = tmp_path / "work"
+    work.mkdir()
+    subject = SUBJECTS[subject_name](rng, work)
+    inputs = tmp_path / "inputs"  # bad files are made here, outside the snapshot
+    inputs.mkdir()
+    before = subject.snapshot()
+    with pytest.raises(family) as info:
+        call(subject.obj, inputs)
+    assert isinstance(info.value, ss.SpeedswapError), type(info.value).__mro__
+    message = str(info.value)
+    assert fragment in message, message
+    assert ".tmp" not in message, message
+    after = subject.snapshot()
+    assert before.keys() == after.keys()
+    for key in before:
+        if isinstance(before[key], np.ndarray):
+            np.testing.assert_array_equal(after[key], before[key], err_msg=key)
+        else:
+            assert after[key] == before[key], key
+    subject.valid()

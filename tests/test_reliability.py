@@ -1,0 +1,426 @@
+"""Regression tests of the defects found by fault injection and bad input (one test per defect).
+
+Each test failed before its fix. The table-driven bad inputs are in
+test_bad_inputs.py, the crash points of every save in test_fault_injection.py.
+"""
+
+import errno
+import gc
+import os
+import subprocess
+import sys
+import weakref
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+from speedswap import atomic, files
+from speedswap.errors import MissingFileError, OutOfMemoryError, PathError
+from training_helpers import BATCH, CAPACITY, DIM, run_in_memory, skipgram_loss, zipf_batches
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def make_table(rng, rows=50, dim=4):
+    return ss.HostTable.from_numpy(rng.standard_normal((rows, dim), dtype=np.float32),
+                                   storage="pageable", backend="numpy")
+
+
+def make_embedding(rng, rows=60, **kwargs):
+    emb = ss.OffloadedEmbedding(rows, DIM, max_rows=CAPACITY, storage="pageable",
+                                backend="numpy", **kwargs)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
+        rng.standard_normal((rows, DIM), dtype=np.float32))))
+    return emb
+
+
+def train_step(emb, opt, rng, rows):
+    ids = torch.from_numpy(rng.integers(0, rows, size=(BATCH,)))
+    emb(ids).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+# 1 ---------------------------------------------------------------------------
+@pytest.mark.parametrize("make_values", [
+    lambda v: torch.nn.Parameter(v),
+    lambda v: torch.nn.Parameter(v) * 1.0,  # a result of a graph
+], ids=["parameter", "graph"])
+def test_scatter_of_values_that_require_grad_keeps_the_table_usable(rng, tmp_path, make_values):
+    table = make_table(rng)
+    values = torch.from_numpy(rng.standard_normal((2, 4), dtype=np.float32))
+    table.scatter([3, 7], make_values(values.clone()))
+    assert not table.as_tensor().requires_grad
+    assert torch.equal(table.gather([3, 7]), values)
+    table.save(tmp_path / "t.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "t.npy")[[3, 7]], values.numpy())
+
+
+# 2 ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name,make_opt", [
+    ("sgd", lambda p: torch.optim.SGD(p, lr=0.05)),
+    ("adam", lambda p: torch.optim.Adam(p, lr=0.01)),
+])
+def test_step_with_the_forward_inside_a_closure_equals_in_memory(rng, name, make_opt):
+    table0 = rng.standard_normal((400, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, 40, "cpu")
+    emb = ss.OffloadedEmbedding(400, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = make_opt(emb.parameters())
+    emb.attach(opt)  # a fresh embedding: the first step's closure is its first forward
+    for pos, neg, ctx in batches:
+        def closure():
+            opt.zero_grad()
+            loss = skipgram_loss(emb(pos), emb(neg), ctx)
+            loss.backward()
+            return loss
+        opt.step(closure)
+    ref_table, ref_state = run_in_memory(make_opt, table0, batches, "cpu",
+                                         initial_state=lambda n, g: 0.0)
+    np.testing.assert_allclose(emb.table.to_numpy(), ref_table, **TOL)
+    for key, table in emb._state.tables.items():
+        np.testing.assert_allclose(table.to_numpy(), ref_state[key], **TOL, err_msg=key)
+
+
+def test_switchers_step_with_a_closure_equals_in_memory(rng):
+    table0 = rng.standard_normal((400, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, 30, "cpu")
+    make_opt = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
+    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(CAPACITY, DIM)})
+    opt = make_opt(model.parameters())
+    u = ss.ModelFactory(model["u"], 400, DIM, backend="numpy")
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    o = ss.OptimizerFactory(opt, 400, DIM, model, "u", backend="numpy")
+    for pos, neg, ctx in batches:
+        lpos, lneg = u.before_forward(pos, neg)
+        o.before_forward(pos, neg)
+
+        def closure():
+            opt.zero_grad()
+            loss = skipgram_loss(model["u"](lpos), model["u"](lneg), ctx)
+            loss.backward()
+            return loss
+        opt.step(closure)
+        u.after_step(pos, neg)
+        o.after_step(pos, neg)
+    ref_table, ref_state = run_in_memory(make_opt, table0, batches, "cpu",
+                                         initial_state=lambda n, g: 0.0)
+    np.testing.assert_allclose(u.to_numpy(), ref_table, **TOL)
+    for key, table in o.state.tables.items():
+        np.testing.assert_allclose(table.to_numpy(), ref_state[key], **TOL, err_msg=key)
+
+
+# 3 ---------------------------------------------------------------------------
+def test_a_refused_step_leaves_the_embedding_as_it_was_and_the_advice_works(rng, tmp_path):
+    emb = make_embedding(rng)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    train_step(emb, opt, rng, 60)
+    emb.save(tmp_path / "ckpt")
+    fresh = torch.optim.Adam(emb.parameters(), lr=0.01)  # its state_dict is not restored
+    emb.attach(fresh)
+    emb.load(tmp_path / "ckpt")
+    ids = torch.from_numpy(rng.integers(0, 60, size=(BATCH,)))
+    emb(ids).pow(2).sum().backward()
+    table_before = emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.StateError, match="init_state"):
+        fresh.step()
+    assert emb.weight.shape == (emb.max_rows, DIM)
+    assert emb.weight.grad.shape == (emb.max_rows, DIM)
+    np.testing.assert_array_equal(emb.table.to_numpy(), table_before)
+    emb.init_state()  # the message's advice
+    fresh.step()
+    fresh.zero_grad()
+    train_step(emb, fresh, rng, 60)  # and training goes on
+
+
+def test_a_step_the_optimizer_aborts_is_undone_before_the_next_use(rng, monkeypatch):
+    emb = make_embedding(rng)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    ids = torch.from_numpy(rng.integers(0, 60, size=(BATCH,)))
+    emb(ids).pow(2).sum().backward()
+    table_before = emb.table.to_numpy(copy=True)
+    weight_before = emb.weight.detach().clone()
+
+    def half_step(self, closure=None):
+        for p in self.param_groups[0]["params"]:
+            p.data.mul_(3)  # changes the narrowed rows in place, then fails
+        raise RuntimeError("injected optimizer failure")
+    monkeypatch.setattr(torch.optim.SGD, "step", torch.optim.Optimizer.profile_hook_step(half_step))
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()
+    monkeypatch.undo()
+    emb(ids)  # the next use puts the step back
+    assert emb.weight.shape == (emb.max_rows, DIM)
+    assert torch.equal(emb.weight.detach(), weight_before)
+    np.testing.assert_array_equal(emb.table.to_numpy(), table_before)
+
+
+# 4 ---------------------------------------------------------------------------
+def corrupt_chunk(path, dataset, chunk_index):
+    """Overwrite the middle of one compressed chunk of ``dataset`` with garbage."""
+    with h5py.File(path, "r") as f:
+        info = f[dataset].id.get_chunk_info(chunk_index)
+    with open(path, "r+b") as f:
+        f.seek(info.byte_offset + info.size // 2)
+        f.write(b"\xff\x00" * 8)
+
+
+def write_compressed(path, datasets, attrs=None):
+    with h5py.File(path, "w") as f:
+        for name, data in datasets.items():
+            f.create_dataset(name, data=data, chunks=(max(1, len(data) // 8), data.shape[1]),
+                             compression="gzip")
+        f.attrs.update(attrs or {})
+
+
+def test_a_corrupt_hdf5_chunk_loads_nothing(rng, tmp_path):
+    rows = 20_000
+    table = make_table(rng, rows=rows)
+    before = table.to_numpy(copy=True)
+    path = tmp_path / "t.h5"
+    write_compressed(path, {"table": rng.standard_normal((rows, 4), dtype=np.float32)})
+    corrupt_chunk(path, "table", 6)  # after three quarters of the rows
+    with pytest.raises(ss.FileFormatError, match="nothing was loaded"):
+        table.load_from(path)
+    np.testing.assert_array_equal(table.to_numpy(), before)
+
+
+def test_a_checkpoint_with_a_corrupt_table_loads_neither_table_nor_state(rng, tmp_path):
+    emb = make_embedding(rng)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    train_step(emb, opt, rng, 60)
+    emb.save(tmp_path / "good.h5")
+    with h5py.File(tmp_path / "good.h5") as f:
+        content = {name: f[name][()] for name in f}
+        attrs = dict(f.attrs)
+    write_compressed(tmp_path / "bad.h5", {k: v + 1 for k, v in content.items()}, attrs)
+    corrupt_chunk(tmp_path / "bad.h5", "optimizer.exp_avg_sq", 5)  # read after the table
+    train_step(emb, opt, rng, 60)
+    snapshot = {k: t.to_numpy(copy=True) for k, t in emb._tables().items()}
+    with pytest.raises(ss.FileFormatError):
+        emb.load(tmp_path / "bad.h5")
+    for name, table in emb._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), snapshot[name], err_msg=name)
+
+
+def test_a_directory_checkpoint_with_a_flipped_byte_fails_its_checksum(rng, tmp_path):
+    emb = make_embedding(rng)
+    emb.attach(torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9))
+    emb.save(tmp_path / "ckpt")
+    version = files.os.path.join(tmp_path / "ckpt", (tmp_path / "ckpt" / "CURRENT").read_text().strip())
+    with open(os.path.join(version, "optimizer.momentum_buffer.npy"), "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x7f")
+    before = emb.table.to_numpy(copy=True)
+    emb.table.zero_()
+    with pytest.raises(ss.FileFormatError, match="CRC-32"):
+        emb.load(tmp_path / "ckpt")
+    assert not emb.table.to_numpy().any()  # the table was not loaded either
+    assert before.any()
+
+
+# 5, 6 -------------------------------------------------------------------------
+def test_save_never_touches_a_dot_old_it_did_not_write(rng, tmp_path):
+    emb = make_embedding(rng)
+    (tmp_path / "ckpt.old").mkdir()
+    (tmp_path / "ckpt.old" / "mine.txt").write_text("keep me")
+    emb.save(tmp_path / "ckpt")
+    emb.save(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt.old" / "mine.txt").read_text() == "keep me"
+
+
+def test_load_says_where_an_interrupted_old_style_save_left_the_checkpoint(rng, tmp_path):
+    (tmp_path / "ckpt.old").mkdir()
+    (tmp_path / "ckpt.old" / "checkpoint.json").write_text("{}")
+    with pytest.raises(MissingFileError, match="rename it"):
+        make_embedding(rng).load(tmp_path / "ckpt")
+
+
+def test_mmap_embedding_never_overwrites_an_existing_table_file(rng, tmp_path):
+    saved = rng.standard_normal((60, DIM), dtype=np.float32)
+    np.save(tmp_path / "table.npy", saved)
+    with pytest.raises(PathError, match="overwrite=True"):
+        ss.OffloadedEmbedding(60, DIM, max_rows=8, storage="mmap", path=tmp_path, backend="numpy")
+    np.testing.assert_array_equal(np.load(tmp_path / "table.npy"), saved)
+    emb = ss.OffloadedEmbedding(60, DIM, max_rows=8, storage="mmap", path=tmp_path,
+                                backend="numpy", overwrite=True)
+    assert not np.array_equal(emb.table.to_numpy(), saved)
+
+
+def test_mmap_embedding_reattaches_over_its_own_state_files(rng, tmp_path):
+    emb = ss.OffloadedEmbedding(60, DIM, max_rows=CAPACITY, storage="mmap", path=tmp_path,
+                                backend="numpy")
+    emb.attach(torch.optim.Adam(emb.parameters(), lr=0.01))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(opt)  # its own exp_avg.npy may be replaced
+    train_step(emb, opt, rng, 60)
+
+
+# 9 ---------------------------------------------------------------------------
+def test_a_failed_model_factory_does_not_block_the_corrected_retry():
+    emb = torch.nn.Embedding(8, 4)
+    with pytest.raises(ss.OptionError, match="path="):
+        ss.ModelFactory(emb, 100, 4, storage="mmap", backend="numpy")
+    switch = ss.ModelFactory(emb, 200, 4, backend="numpy")
+    assert switch.table.num_rows == 200
+    del switch
+    gc.collect()
+    assert ss.ModelFactory(emb, 300, 4, backend="numpy").table.num_rows == 300
+
+
+# 10 --------------------------------------------------------------------------
+def test_a_bad_id_with_padding_changes_nothing(rng):
+    emb = make_embedding(rng, padding_idx=2)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    with pytest.raises(ss.IdError):
+        emb(torch.tensor([1, 60]))
+    assert emb._working_set.size == 0
+    train_step(emb, opt, rng, 60)
+
+
+# 12 --------------------------------------------------------------------------
+def dead_pid():
+    """The id of a process that has exited."""
+    return subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_later_saves_remove_only_the_temporaries_of_dead_saves(rng, tmp_path):
+    table = make_table(rng)
+    dead = dead_pid()
+    host = atomic._HOST
+    stale = tmp_path / f".t.npy.{host}.{dead}.0123abcd.tmp"
+    live = tmp_path / f".t.npy.{host}.{os.getppid()}.0123abcd.tmp"
+    foreign = [tmp_path / ".t.npy.x7f3k2.tmp", tmp_path / f".u.npy.{host}.{dead}.0123abcd.tmp"]
+    for path in [stale, live, *foreign]:
+        path.write_bytes(b"partial")
+    table.save(tmp_path / "t.npy")
+    assert not stale.exists()
+    assert live.exists() and all(p.exists() for p in foreign)
+
+
+# 13 --------------------------------------------------------------------------
+def test_dropping_an_embedding_frees_its_tables_without_the_cycle_collector(rng):
+    emb = make_embedding(rng)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    train_step(emb, opt, rng, 60)
+    table, state = weakref.ref(emb.table), weakref.ref(emb._state.tables["exp_avg"])
+    gc.collect()
+    gc.disable()
+    try:
+        del emb
+        assert table() is None and state() is None
+        assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    finally:
+        gc.enable()
+
+
+def test_dropping_an_optimizer_factory_frees_its_state_without_the_cycle_collector():
+    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(8, 4)})
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    switch = ss.OptimizerFactory(opt, 100, 4, model, "u", backend="numpy")
+    state = weakref.ref(switch.state.tables["exp_avg"])
+    gc.collect()
+    gc.disable()
+    try:
+        del switch
+        assert state() is None
+    finally:
+        gc.enable()
+
+
+def test_close_releases_the_embedding_and_unhooks_the_optimizer(rng):
+    with make_embedding(rng) as emb:
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        emb.attach(opt)
+        train_step(emb, opt, rng, 60)
+    assert emb.table.closed
+    with pytest.raises(ss.StateError, match="closed"):
+        emb(torch.tensor([1]))
+    emb.close()  # idempotent
+    opt.step()  # the optimizer no longer reaches the embedding
+
+
+# 15 and the first hour ------------------------------------------------------
+def test_a_scalar_id_takes_one_row(rng):
+    table = make_table(rng)
+    row = torch.from_numpy(rng.standard_normal(4, dtype=np.float32))
+    table.scatter(np.int64(5), row)
+    assert torch.equal(table.gather(5), row)
+
+
+def test_numpy_integers_are_sizes_everywhere():
+    emb = ss.OffloadedEmbedding(np.int64(50), np.int32(4), max_rows=np.int64(8), backend="numpy")
+    assert (emb.num_embeddings, emb.max_rows) == (50, 8)
+
+
+def test_saving_into_a_missing_directory_names_the_users_path(rng, tmp_path):
+    with pytest.raises(PathError, match="nope") as info:
+        make_table(rng).save(tmp_path / "nope" / "t.npy")
+    assert ".tmp" not in str(info.value)
+
+
+def test_an_unknown_checkpoint_suffix_is_refused(rng, tmp_path):
+    with pytest.raises(ss.OptionError, match="no suffix"):
+        make_embedding(rng).save(tmp_path / "emb.pt")
+    assert not (tmp_path / "emb.pt").exists()
+
+
+def test_a_table_larger_than_ram_says_how_much_and_suggests_mmap():
+    with pytest.raises(OutOfMemoryError, match="storage='mmap'") as info:
+        ss.HostTable.empty(2**40, 1024, storage="pageable", backend="numpy")
+    assert "GiB" in str(info.value) and isinstance(info.value, MemoryError)
+
+
+def test_saving_onto_a_read_only_file_system_names_the_users_path(rng, tmp_path, monkeypatch):
+    table = make_table(rng)
+    table.save(tmp_path / "t.npy")
+    before = (tmp_path / "t.npy").read_bytes()
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+    monkeypatch.setattr(atomic, "open", read_only, raising=False)
+    with pytest.raises(PathError, match="read-only") as info:
+        table.save(tmp_path / "t.npy")
+    assert os.fspath(tmp_path / "t.npy") in str(info.value) and ".tmp" not in str(info.value)
+    assert isinstance(info.value, OSError) and info.value.errno == errno.EROFS
+    assert (tmp_path / "t.npy").read_bytes() == before
+
+
+def test_a_directory_checkpoint_may_go_into_an_empty_directory_or_over_debris(rng, tmp_path):
+    emb = make_embedding(rng)
+    (tmp_path / "ckpt").mkdir()
+    emb.save(tmp_path / "ckpt")  # made with os.makedirs beforehand: nothing to lose
+    (tmp_path / "ckpt" / "v000009").mkdir()  # a version a killed save never pointed to
+    (tmp_path / "ckpt" / f".v000010.{atomic._HOST}.{dead_pid()}.0123abcd.tmp").mkdir()
+    emb.save(tmp_path / "ckpt")
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["CURRENT", "v000010"]
+    fresh = make_embedding(rng)
+    fresh.load(tmp_path / "ckpt")
+    np.testing.assert_array_equal(fresh.table.to_numpy(), emb.table.to_numpy())
+
+
+def test_a_file_too_large_to_stage_in_ram_is_verified_first_then_read_again(rng, tmp_path,
+                                                                            monkeypatch):
+    import speedswap.table as table_module
+    monkeypatch.setattr(table_module, "available_ram", lambda: 0)  # nothing may be staged in RAM
+    rows = 20_000
+    table = make_table(rng, rows=rows)
+    before = table.to_numpy(copy=True)
+    good = rng.standard_normal((rows, 4), dtype=np.float32)
+    write_compressed(tmp_path / "bad.h5", {"table": good})
+    corrupt_chunk(tmp_path / "bad.h5", "table", 7)
+    with pytest.raises(ss.FileFormatError):
+        table.load_from(tmp_path / "bad.h5")
+    np.testing.assert_array_equal(table.to_numpy(), before)
+    write_compressed(tmp_path / "good.h5", {"table": good})
+    table.load_from(tmp_path / "good.h5")
+    np.testing.assert_array_equal(table.to_numpy(), good)
