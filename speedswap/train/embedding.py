@@ -18,6 +18,7 @@ from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_row_ids, int_option, torch_dtype
 from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
+from .cache import COUNTERS, RowCache
 from .checkpoint import file_in, load_tables, save_tables
 from .row_state import NarrowedStep, RowState
 from .working_set import WorkingSet
@@ -66,6 +67,10 @@ class OffloadedEmbedding(torch.nn.Module):
             optimizer state files.
         device: the CUDA device the rows move to (``"cuda:1"``); None is
             torch's current device.
+        cache_rows: rows (with their optimizer state) kept in device memory
+            between steps, a write-back LRU cache of hot rows (see
+            :mod:`speedswap.train.cache`); 0 turns it off. Call :meth:`flush`
+            before reading or writing :attr:`table` directly.
 
     Raises:
         OptionError: bad sizes, padding_idx or storage.
@@ -75,12 +80,13 @@ class OffloadedEmbedding(torch.nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
                  storage: str = "pinned", dtype: torch.dtype = torch.float32,
                  padding_idx: int = None, backend: BackendLike = "auto", path=None,
-                 device: DeviceLike = None):
+                 device: DeviceLike = None, cache_rows: int = 0):
         super().__init__()
         num_embeddings = int_option(num_embeddings, "num_embeddings")
         embedding_dim = int_option(embedding_dim, "embedding_dim")
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
                                   "step may touch)"), num_embeddings)
+        cache_rows = min(int_option(cache_rows, "cache_rows", minimum=0), num_embeddings)
         dtype = torch_dtype(dtype)
         if not dtype.is_floating_point:
             raise DTypeError(f"an embedding trains floating-point rows, not {dtype}; use "
@@ -108,6 +114,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._state = None
         self._narrowed = None
         self._hooks = ()
+        self.cache_rows, self._cache = cache_rows, None
 
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
@@ -132,6 +139,9 @@ class OffloadedEmbedding(torch.nn.Module):
                          self._storage, self._backend, self._path)
         for handle in self._hooks:
             handle.remove()
+        if self._cache is not None:
+            self._cache.flush()  # its rows are the current ones
+        self._cache = RowCache(self.cache_rows, self.table, state.tables, self.weight.dtype)
         self._state = state
         self._hooks = (optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(self._after_step))
@@ -149,7 +159,10 @@ class OffloadedEmbedding(torch.nn.Module):
             StateError: training before :meth:`attach`.
         """
         if not (self.training and torch.is_grad_enabled()):
-            return self.table.gather(ids).to(self.weight.dtype)
+            if self._cache is None:
+                return self.table.gather(ids).to(self.weight.dtype)
+            flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
+            return self._cache.read(flat).view(*shape, self.embedding_dim).to(self.weight.dtype)
         if self._state is None:
             raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                              "step() is where the updated rows are written back")
@@ -159,37 +172,86 @@ class OffloadedEmbedding(torch.nn.Module):
             pad = torch.tensor([self.padding_idx], device=self.weight.device)
             self._gather_new(ws.add(pad)[1])  # always slot 0
         local, first_new = ws.add(flat.view(shape))
-        self._gather_new(first_new)
+        self._gather_new(first_new, len(flat))
         return F.embedding(local, self.weight,
                            padding_idx=None if self.padding_idx is None else 0)
 
-    def _gather_new(self, first_new):
+    def _gather_new(self, first_new, lookups=0):
         rows = self._working_set.rows[first_new:]
-        if len(rows):
-            target = self._full[first_new:first_new + len(rows)]
-            with torch.no_grad():
-                if self.table.dtype == target.dtype:
-                    self.table.gather_validated(rows, target)
-                else:
-                    target.copy_(self.table.gather_validated(
-                        rows, torch.empty_like(target, dtype=self.table.dtype)))
+        target = self._full[first_new:first_new + len(rows)]
+        with torch.no_grad():
+            self._cache.fetch(rows, target, first_new, lookups)
 
     def _before_step(self, optimizer, args, kwargs):
         rows = self._working_set.rows
         if not len(rows):
             return
         self._narrowed = NarrowedStep(self.weight, len(rows), self._state.needs_sparse_grad)
-        self._state.gather(rows)
+        self._state.gather(rows, read=self._cache.read_state)
 
     def _after_step(self, optimizer, args, kwargs):
         rows = self._working_set.rows
         if not len(rows):
             return
         self._narrowed.restore()
-        self._state.scatter(rows)
+        weights = self._full[:len(rows)]
         # Working-set rows are unique and were validated when they were added.
-        self.table.scatter_validated(rows, self._full[:len(rows)].to(self.table.dtype))
+        self._state.scatter(rows, write=lambda states: self._cache.store(rows, weights, states))
         self._working_set.clear()
+
+    # ---------------------------------------------------------------- cache
+    def prefetch(self, ids) -> int:
+        """Start bringing the rows of the next step's ``ids`` (and their state) into the cache.
+
+        Call it while the current step computes. Rows of the current working
+        set are skipped (their updated values reach the cache at the step's
+        end); rows brought or already cached cannot be evicted before the end
+        of the next step. Without a cache (``cache_rows=0``) it does nothing.
+        On a GPU the copies run on a side stream and may still be running on
+        return; on the CPU they are done.
+
+        Args:
+            ids: the next step's ids, of any shape (as for :meth:`forward`).
+
+        Returns:
+            the number of rows brought from the host.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids (nothing changes).
+            StateError: called before :meth:`attach`.
+        """
+        if self._cache is None:
+            raise StateError("call emb.attach(optimizer) before prefetch: the cache holds "
+                             "optimizer state rows too")
+        flat, _ = as_row_ids(ids, self.num_embeddings, self.weight.device)
+        with torch.no_grad():
+            return self._cache.prefetch(flat, self._working_set.rows)
+
+    def flush(self):
+        """Write the cached rows and their optimizer state back to the host tables.
+
+        After it :attr:`table` and the state tables hold every row's current
+        value (rows stay cached). Call it before reading or writing
+        :attr:`table` directly; after writing it directly, call :meth:`load`
+        instead, or attach again.
+        """
+        if self._cache is not None:
+            self._cache.flush()
+
+    def stats(self) -> dict:
+        """Transport counters: ``{"last_step": {...}, "total": {...}, "cache_rows", "cache_bytes"}``.
+
+        Counters (see :data:`speedswap.train.cache.COUNTERS`): steps, lookups
+        (ids in training forwards), unique_rows, hits, misses, rows and bytes
+        host-to-device and device-to-host (rows with their state; flushes count
+        in ``total``), evictions and prefetched rows. They start at
+        :meth:`attach`; before it every counter is zero.
+        """
+        if self._cache is None:
+            zeros = dict.fromkeys(COUNTERS, 0)
+            return {"last_step": zeros, "total": dict(zeros), "cache_rows": self.cache_rows,
+                    "cache_bytes": 0}
+        return self._cache.stats()
 
     # ---------------------------------------------------------- checkpoints
     def _tables(self):
@@ -210,6 +272,7 @@ class OffloadedEmbedding(torch.nn.Module):
                 a plain numpy file (an export, without optimizer state);
                 otherwise a directory of ``.npy`` files (see :mod:`speedswap.train.checkpoint`).
         """
+        self.flush()
         if files.suffix_format(path) == "npy":
             self.table.save(path)
             return
@@ -230,9 +293,13 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._working_set.size:
             raise StateError("load between a training forward and optimizer.step() would be "
                              "undone by the step; load between steps")
+        # A .npy load keeps the optimizer state, part of which is cached.
+        self.flush()
         if files.suffix_format(path) == "npy":
             self.table.load_from(path)  # the table alone; optimizer state is left as it is
-            return
-        load_tables(path, self._tables(), self._attrs())
-        if self._state is not None:
-            self._state.mark_loaded()
+        else:
+            load_tables(path, self._tables(), self._attrs())
+            if self._state is not None:
+                self._state.mark_loaded()
+        if self._cache is not None:
+            self._cache.invalidate()  # its rows predate the file's

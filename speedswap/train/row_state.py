@@ -193,11 +193,13 @@ class RowState:
                                               device=self.param.device)
         return self._scratch[name]
 
-    def gather(self, rows):
+    def gather(self, rows, read=None):
         """Put the state of ``rows`` (the step's working set, by slot) into the optimizer.
 
         Args:
             rows: the working set's rows: validated, unique int64 ids (not checked again).
+            read: fills the state instead of the tables (a device cache):
+                called as ``read(rows, {name: (k, dim) view to fill})``.
 
         Raises:
             StateError: the optimizer has no state for the parameter although
@@ -212,17 +214,22 @@ class RowState:
                 f"the host tables hold trained state; restore the optimizer with "
                 f"optimizer.load_state_dict(...) (it holds the step count), or call "
                 f"init_state() to restart the optimizer from scratch")
-        k = len(rows)
-        for name, table in self.tables.items():
-            view = self._buffer(name)[:k]
-            table.gather_validated(rows, view)
+        views = {name: self._buffer(name)[:len(rows)] for name in self.tables}
+        if read is not None:
+            read(rows, views)
+        for name, view in views.items():
+            if read is None:
+                self.tables[name].gather_validated(rows, view)
             state[name] = view
 
-    def scatter(self, rows):
+    def scatter(self, rows, write=None):
         """Write the state of ``rows`` back to the tables after the step.
 
         Args:
             rows: the ids given to :meth:`gather`.
+            write: stores the state instead of the tables (a device cache):
+                called once, as ``write({name: (k, dim) state})``, or as
+                ``write(None)`` when torch skipped a parameter that has per-row state.
 
         Raises:
             StateError: the optimizer's state does not have the names this
@@ -230,6 +237,9 @@ class RowState:
         """
         state = self.optimizer.state.get(self.param)
         if not state:
+            if write is not None:
+                # Without per-row state (plain SGD) there is none to lose.
+                write(None if self.spec else {})
             return  # the parameter had no gradient: torch skipped it, nothing changed
         k = len(rows)
         shaped = {name for name, value in state.items()
@@ -239,8 +249,11 @@ class RowState:
                 f"{type(self.optimizer).__name__} keeps per-row state {sorted(shaped)} but "
                 f"speedswap expected {sorted(self.spec)}; this torch version is not supported "
                 f"for offloading this optimizer")
+        if write is not None:
+            write({name: state[name][:k] for name in self.tables})
         for name, table in self.tables.items():
-            table.scatter_validated(rows, state[name][:k])
+            if write is None:
+                table.scatter_validated(rows, state[name][:k])
             # Between steps the optimizer holds full-size scratch, so its
             # state_dict has the parameter's declared shape.
             state[name] = self._buffer(name)
