@@ -27,7 +27,8 @@ cached nor in the current working set from the host into evictable slots and
 stamps them (and those already cached) with the next step, so neither this
 step's nor the next step's write-back can evict them. Rows of the current
 working set are skipped: their host copies are stale until the step ends, and
-after it they are in the cache (or back on the host) with their updated values.
+after it they are in the cache (or back on the host) with their updated values;
+bringing one in would also give it a second slot when the step stores it.
 
 **Bookkeeping** is four ``(num_slots,)`` device tensors (row per slot, -1 when
 empty; stamp per slot; sorted rows and their slots for ``searchsorted``) and

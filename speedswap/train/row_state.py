@@ -205,6 +205,8 @@ class RowState:
             StateError: the optimizer has no state for the parameter although
                 the tables hold trained state (its state_dict was not restored).
         """
+        if not self.spec:
+            return  # plain SGD keeps no per-row state (even after a checkpoint load)
         state = self.optimizer.state.get(self.param)
         if not state or any(name not in state for name in self.spec):
             if self._fresh:
