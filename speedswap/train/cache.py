@@ -164,9 +164,10 @@ class RowCache:
                              {name: s[held] for name, s in self.states.items()})
 
     def _fill(self, slots, weights, states):
-        self.weights[slots] = weights.to(self.weights.dtype)
+        # index_copy_/index_select: on the CPU several times faster than index_put_.
+        self.weights.index_copy_(0, slots, weights.to(self.weights.dtype))
         for name, values in states.items():
-            self.states[name][slots] = values
+            self.states[name].index_copy_(0, slots, values)
 
     def _victims(self, count):
         """The ``count`` evictable slots used longest ago (free ones first); count <= evictable."""
@@ -200,11 +201,13 @@ class RowCache:
         order = torch.argsort((~found).to(torch.uint8), stable=True)  # hits first
         hit, miss = order[:n_hit], order[n_hit:]
         hit_slot = slot[hit]
-        out[hit] = self.weights[hit_slot].to(out.dtype)
+        out.index_copy_(0, hit, self.weights.index_select(0, hit_slot).to(out.dtype))
         # A row this step uses must outlive the step: eviction takes stamps below the clock.
         self.stamp[hit_slot] = torch.clamp(self.stamp[hit_slot], min=self.clock)
         if len(miss):
-            out[miss] = self._gather_host(self.table, rows[miss], torch.empty_like(out[miss]))
+            out.index_copy_(0, miss, self._gather_host(
+                self.table, rows[miss], torch.empty(len(miss), out.shape[1], dtype=out.dtype,
+                                                    device=out.device)))
         self._hit_pos.append(hit + first)
         self._hit_slot.append(hit_slot)
         self._miss_pos.append(miss + first)
@@ -236,10 +239,11 @@ class RowCache:
             if self._n_hits == 0:
                 table.gather_validated(rows, view)
                 continue
-            view[hit_pos] = self.states[name][hit_slot]
+            view.index_copy_(0, hit_pos, self.states[name].index_select(0, hit_slot))
             if len(miss_pos):
-                view[miss_pos] = self._gather_host(table, rows[miss_pos],
-                                                   torch.empty_like(view[miss_pos]))
+                view.index_copy_(0, miss_pos, self._gather_host(
+                    table, rows[miss_pos], torch.empty(len(miss_pos), view.shape[1],
+                                                       dtype=view.dtype, device=view.device)))
         self._count(bytes_h2d=self._n_misses * self._state_row_bytes * len(views))
 
     def store(self, rows: torch.Tensor, weights: torch.Tensor, states):
@@ -258,8 +262,9 @@ class RowCache:
         self._wait_prefetch()
         hit_pos, hit_slot, miss_pos = self._positions()
         if self._n_hits:
-            self._fill(hit_slot, weights[hit_pos],
-                       {name: values[hit_pos] for name, values in (states or {}).items()})
+            self._fill(hit_slot, weights.index_select(0, hit_pos),
+                       {name: values.index_select(0, hit_pos)
+                        for name, values in (states or {}).items()})
         cached = 0
         if self._n_misses and self.num_slots and states is not None:
             cached = min(self._n_misses, int((self.stamp < self.clock).sum()))
