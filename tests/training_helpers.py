@@ -5,6 +5,10 @@ table and per-row optimizer state as numpy arrays, so tests compare
 offloaded training against in-memory references.
 """
 
+import copy
+import os
+import tempfile
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -76,17 +80,43 @@ def run_switchers(make_opt, table0, batches, backend, sparse=False):
     return u_switch.getNumpyVersion().copy(), state
 
 
-def run_offloaded(make_opt, table0, batches, backend):
-    """OffloadedEmbedding training: two forward calls per step share one working set."""
+def run_offloaded(make_opt, table0, batches, backend, cache_rows=0, prefetch=False,
+                  replay_at=None):
+    """OffloadedEmbedding training: two forward calls per step share one working set.
+
+    Args:
+        cache_rows: the embedding's device cache of hot rows.
+        prefetch: call ``emb.prefetch`` with the next step's ids between the
+            step's two forwards (so some of them are in the working set already).
+        replay_at: a step at which to save a checkpoint, train 10 more steps,
+            then load the checkpoint (and the optimizer's state_dict) and train
+            those steps again: the result must not change.
+    """
     emb = ss.OffloadedEmbedding(len(table0), DIM, max_rows=CAPACITY, storage="pinned",
-                                backend=backend)
+                                backend=backend, cache_rows=cache_rows)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     opt = make_opt(emb.parameters())
     emb.attach(opt)
-    for pos, neg, ctx in batches:
-        skipgram_loss(emb(pos), emb(neg), ctx).backward()
-        opt.step()
-        opt.zero_grad()
+    with tempfile.TemporaryDirectory() as tmp:
+        step, saved = 0, None
+        while step < len(batches):
+            if step == replay_at and saved is None:
+                emb.save(os.path.join(tmp, "ckpt"))
+                saved = (step, copy.deepcopy(opt.state_dict()))
+            elif replay_at is not None and saved is not None and step == saved[0] + 10:
+                emb.load(os.path.join(tmp, "ckpt"))
+                opt.load_state_dict(saved[1])
+                step, replay_at = saved[0], None
+            pos, neg, ctx = batches[step]
+            pos_rows = emb(pos)
+            if prefetch and step + 1 < len(batches):
+                nxt_pos, nxt_neg, _ = batches[step + 1]
+                emb.prefetch(torch.cat([nxt_pos, nxt_neg.reshape(-1)]))
+            skipgram_loss(pos_rows, emb(neg), ctx).backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+    emb.flush()
     state = {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
     return emb.table.to_numpy(copy=True), state
 

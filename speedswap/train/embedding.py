@@ -18,6 +18,7 @@ from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_row_ids, int_option, torch_dtype
 from ..errors import CapacityError, DTypeError, OptionError, StateError
 from ..table import HostTable
+from .cache import COUNTERS, RowCache
 from .checkpoint import file_in, load_tables, save_tables
 from .row_state import NarrowedStep, RowState, row_state_spec
 from .step_hooks import StepHooks
@@ -70,6 +71,10 @@ class OffloadedEmbedding(torch.nn.Module):
         overwrite: for ``storage="mmap"``, let the table and state files
             replace existing files in ``path`` (they are refused otherwise: they
             may hold a trained table).
+        cache_rows: rows (with their optimizer state) kept in device memory
+            between steps, a write-back LRU cache of hot rows (see
+            :mod:`speedswap.train.cache`); 0 turns it off. Call :meth:`flush`
+            before reading or writing :attr:`table` directly.
 
     Raises:
         OptionError: bad sizes, padding_idx or storage.
@@ -83,12 +88,13 @@ class OffloadedEmbedding(torch.nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
                  storage: str = "pinned", dtype: torch.dtype = torch.float32,
                  padding_idx: int = None, backend: BackendLike = "auto", path=None,
-                 device: DeviceLike = None, overwrite: bool = False):
+                 device: DeviceLike = None, overwrite: bool = False, cache_rows: int = 0):
         super().__init__()
         num_embeddings = int_option(num_embeddings, "num_embeddings")
         embedding_dim = int_option(embedding_dim, "embedding_dim")
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
                                   "step may touch)"), num_embeddings)
+        cache_rows = min(int_option(cache_rows, "cache_rows", minimum=0), num_embeddings)
         dtype = torch_dtype(dtype)
         if not dtype.is_floating_point:
             raise DTypeError(f"an embedding trains floating-point rows, not {dtype}; use "
@@ -118,6 +124,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._state = None
         self._narrowed = None
         self._hooks = None
+        self.cache_rows, self._cache = cache_rows, None
 
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
@@ -145,6 +152,9 @@ class OffloadedEmbedding(torch.nn.Module):
             raise StateError("attach between a training forward and optimizer.step() would drop "
                              "the step's rows; attach between steps")
         row_state_spec(optimizer, self.weight)  # refuse an unsupported optimizer before any change
+        if self._cache is not None:
+            self._cache.flush()  # cached rows are the current ones (their old state goes below)
+            self._cache = None
         if self._state is not None:
             self._hooks.remove()
             self._state.close()  # its mmap files may be replaced below
@@ -153,6 +163,7 @@ class OffloadedEmbedding(torch.nn.Module):
                                self._storage, self._backend, self._path,
                                overwrite=self._overwrite or self._created)
         self._created |= {t.path for t in self._state.tables.values()}
+        self._cache = RowCache(self.cache_rows, self.table, self._state.tables, self.weight.dtype)
         self._hooks = StepHooks(self, optimizer)
 
     def init_state(self):
@@ -188,7 +199,10 @@ class OffloadedEmbedding(torch.nn.Module):
         self._check_open()
         self._abort_step()
         if not (self.training and torch.is_grad_enabled()):
-            return self.table.gather(ids).to(self.weight.dtype)
+            if self._cache is None:
+                return self.table.gather(ids).to(self.weight.dtype)
+            flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
+            return self._cache.read(flat).view(*shape, self.embedding_dim).to(self.weight.dtype)
         if self._state is None:
             raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                              "step() is where the updated rows are written back")
@@ -203,27 +217,23 @@ class OffloadedEmbedding(torch.nn.Module):
             if start == 0:
                 ws.clear()  # the padding row too: a refused forward leaves no trace
             raise
-        self._gather_new(start)
+        self._gather_new(start, len(flat))
         return F.embedding(local, self.weight,
                            padding_idx=None if self.padding_idx is None else 0)
 
-    def _gather_new(self, first_new):
+    def _gather_new(self, first_new, lookups=0):
+        # Rows new to the working set: hits from the device cache, misses from the host.
         rows = self._working_set.rows[first_new:]
-        if len(rows):
-            target = self._full[first_new:first_new + len(rows)]
-            with torch.no_grad():
-                if self.table.dtype == target.dtype:
-                    self.table.gather_validated(rows, target)
-                else:
-                    target.copy_(self.table.gather_validated(
-                        rows, torch.empty_like(target, dtype=self.table.dtype)))
+        target = self._full[first_new:first_new + len(rows)]
+        with torch.no_grad():
+            self._cache.fetch(rows, target, first_new, lookups)
 
     # The step protocol of StepHooks.
     def _begin_step(self):
         rows = self._working_set.rows
         if not len(rows) or self._narrowed is not None:
             return
-        self._state.gather(rows)  # raises before anything changes
+        self._state.gather(rows, read=self._cache.read_state)  # raises before anything changes
         self._narrowed = NarrowedStep(self.weight, len(rows), self._state.needs_sparse_grad)
 
     def _end_step(self):
@@ -232,9 +242,9 @@ class OffloadedEmbedding(torch.nn.Module):
         rows = self._working_set.rows
         self._narrowed.restore()
         self._narrowed = None
-        self._state.scatter(rows)
-        # Working-set rows are unique and were validated when they were added.
-        self.table.scatter_validated(rows, self._full[:len(rows)].to(self.table.dtype))
+        weights = self._full[:len(rows)]
+        # Rows and state go to the cache, or back to the host: each row written once.
+        self._state.scatter(rows, write=lambda states: self._cache.store(rows, weights, states))
         self._working_set.clear()
 
     def _abort_step(self):
@@ -245,7 +255,62 @@ class OffloadedEmbedding(torch.nn.Module):
         self._narrowed.restore()
         self._narrowed = None
         self._state.release()
+        self._cache.end_step()  # nothing was stored: the cache too holds the rows as before
         self._gather_new(0)
+
+    # ---------------------------------------------------------------- cache
+    def prefetch(self, ids) -> int:
+        """Start bringing the rows of the next step's ``ids`` (and their state) into the cache.
+
+        Call it while the current step computes. Rows of the current working
+        set are skipped (their updated values reach the cache at the step's
+        end); rows brought or already cached cannot be evicted before the end
+        of the next step. Without a cache (``cache_rows=0``) it does nothing.
+        On a GPU the copies run on a side stream and may still be running on
+        return; on the CPU they are done.
+
+        Args:
+            ids: the next step's ids, of any shape (as for :meth:`forward`).
+
+        Returns:
+            the number of rows brought from the host.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids (nothing changes).
+            StateError: called before :meth:`attach`.
+        """
+        if self._cache is None:
+            raise StateError("call emb.attach(optimizer) before prefetch: the cache holds "
+                             "optimizer state rows too")
+        flat, _ = as_row_ids(ids, self.num_embeddings, self.weight.device)
+        with torch.no_grad():
+            return self._cache.prefetch(flat, self._working_set.rows)
+
+    def flush(self):
+        """Write the cached rows and their optimizer state back to the host tables.
+
+        After it :attr:`table` and the state tables hold every row's current
+        value (rows stay cached). Call it before reading or writing
+        :attr:`table` directly; after writing it directly, call :meth:`load`
+        instead, or attach again.
+        """
+        if self._cache is not None:
+            self._cache.flush()
+
+    def stats(self) -> dict:
+        """Transport counters: ``{"last_step": {...}, "total": {...}, "cache_rows", "cache_bytes"}``.
+
+        Counters (see :data:`speedswap.train.cache.COUNTERS`): steps, lookups
+        (ids in training forwards), unique_rows, hits, misses, rows and bytes
+        host-to-device and device-to-host (rows with their state; flushes count
+        in ``total``), evictions and prefetched rows. They start at
+        :meth:`attach`; before it every counter is zero.
+        """
+        if self._cache is None:
+            zeros = dict.fromkeys(COUNTERS, 0)
+            return {"last_step": zeros, "total": dict(zeros), "cache_rows": self.cache_rows,
+                    "cache_bytes": 0}
+        return self._cache.stats()
 
     # ---------------------------------------------------------- checkpoints
     def _tables(self):
@@ -276,6 +341,7 @@ class OffloadedEmbedding(torch.nn.Module):
         """
         self._check_open()
         self._abort_step()
+        self.flush()
         if files.suffix_format(path) == "npy":
             self.table.save(path)
             return
@@ -301,12 +367,16 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._working_set.size:
             raise StateError("load between a training forward and optimizer.step() would be "
                              "undone by the step; load between steps")
+        # A .npy load keeps the optimizer state, part of which may be cached.
+        self.flush()
         if files.suffix_format(path) == "npy":
             self.table.load_from(path)  # the table alone; optimizer state is left as it is
-            return
-        load_tables(path, self._tables(), self._attrs())
-        if self._state is not None:
-            self._state.mark_loaded()
+        else:
+            load_tables(path, self._tables(), self._attrs())
+            if self._state is not None:
+                self._state.mark_loaded()
+        if self._cache is not None:
+            self._cache.invalidate()  # its rows predate the file's
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, refusing a ``state_dict`` that is not a mapping.
@@ -333,6 +403,8 @@ class OffloadedEmbedding(torch.nn.Module):
         """
         if self.table.closed:
             return
+        self._abort_step()
+        self.flush()  # an mmap embedding's files keep the cached rows too
         self._narrowed = None
         if self._hooks is not None:
             self._hooks.remove()

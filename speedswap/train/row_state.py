@@ -203,17 +203,21 @@ class RowState:
                                               device=self.param.device)
         return self._scratch[name]
 
-    def gather(self, rows):
+    def gather(self, rows, read=None):
         """Put the state of ``rows`` (the step's working set, by slot) into the optimizer.
 
         Args:
             rows: the working set's rows: validated, unique int64 ids (not checked again).
+            read: fills the state instead of the tables (a device cache):
+                called as ``read(rows, {name: (k, dim) view to fill})``.
 
         Raises:
             StateError: the optimizer has no state for the parameter although
                 the tables hold trained state (its state_dict was not restored).
                 Nothing changes.
         """
+        if not self.spec:
+            return  # plain SGD keeps no per-row state (even after a checkpoint load)
         state = self.optimizer.state.get(self.param)
         if not state or any(name not in state for name in self.spec):
             if self._fresh:
@@ -224,9 +228,12 @@ class RowState:
                 f"optimizer.load_state_dict(...) (it holds the step count), or restart the "
                 f"optimizer state from scratch with init_state() (OffloadedEmbedding.init_state, "
                 f"OptimizerFactory.optInit); then call step() again")
-        k = len(rows)
-        views = {name: table.gather_validated(rows, self._buffer(name)[:k])
-                 for name, table in self.tables.items()}
+        views = {name: self._buffer(name)[:len(rows)] for name in self.tables}
+        if read is not None:
+            read(rows, views)
+        else:
+            for name, view in views.items():
+                self.tables[name].gather_validated(rows, view)
         state.update(views)  # only once every gather succeeded
 
     def release(self):
@@ -243,11 +250,15 @@ class RowState:
         for table in self.tables.values():
             table.close()
 
-    def scatter(self, rows):
+
+    def scatter(self, rows, write=None):
         """Write the state of ``rows`` back to the tables after the step.
 
         Args:
             rows: the ids given to :meth:`gather`.
+            write: stores the state instead of the tables (a device cache):
+                called once, as ``write({name: (k, dim) state})``, or as
+                ``write(None)`` when torch skipped a parameter that has per-row state.
 
         Raises:
             StateError: the optimizer's state does not have the names this
@@ -255,6 +266,9 @@ class RowState:
         """
         state = self.optimizer.state.get(self.param)
         if not state:
+            if write is not None:
+                # Without per-row state (plain SGD) there is none to lose.
+                write(None if self.spec else {})
             return  # the parameter had no gradient: torch skipped it, nothing changed
         k = len(rows)
         shaped = {name for name, value in state.items()
@@ -264,8 +278,11 @@ class RowState:
                 f"{type(self.optimizer).__name__} keeps per-row state {sorted(shaped)} but "
                 f"speedswap expected {sorted(self.spec)}; this torch version is not supported "
                 f"for offloading this optimizer")
+        if write is not None:
+            write({name: state[name][:k] for name in self.tables})
         for name, table in self.tables.items():
-            table.scatter_validated(rows, state[name][:k])
+            if write is None:
+                table.scatter_validated(rows, state[name][:k])
             # Between steps the optimizer holds full-size scratch, so its
             # state_dict has the parameter's declared shape.
             state[name] = self._buffer(name)

@@ -1,0 +1,179 @@
+"""The device cache of hot rows: hit rate, bytes moved per step and step time vs cache size.
+
+Skip-gram with Adam on one tied OffloadedEmbedding (vocabulary 1M, dim 128):
+4096 (center, context) pairs and 5 negatives per pair a step, ids Zipf with
+exponents 1.05, 1.1, 1.2 (popular rows scattered over the table) and one
+uniform case; caches of 0, 1, 5 and 20% of the rows. Per distribution the
+four embeddings are built, warmed up (the cache fills), then timed in
+interleaved rounds so load from other processes hits every size alike. Each
+figure carries ``os.getloadavg()`` from when it was measured.
+
+Hit rate is per unique row of a step (what decides the bytes): hits /
+unique rows. Bytes count rows and their Adam state, both directions.
+
+Usage:
+    python benchmarks/cache.py [--steps 8] [--warmup 30]
+
+Writes benchmarks/results/cache-{cpu,gpu}.json and a PNG plot beside it.
+"""
+
+import argparse
+import os
+import time
+
+import common
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import speedswap as ss
+
+VOCAB, DIM, PAIRS, NEGS = 1_000_000, 128, 4096, 5
+CACHE_FRACTIONS = [0.0, 0.01, 0.05, 0.20]
+DISTRIBUTIONS = [1.05, 1.1, 1.2, "uniform"]
+
+
+def id_sampler(exponent, rng):
+    """A function drawing n ids: Zipf over ranks 1..VOCAB (or uniform), ranks scattered over rows."""
+    if exponent == "uniform":
+        return lambda n: rng.integers(0, VOCAB, n)
+    cdf = np.cumsum(np.arange(1, VOCAB + 1, dtype=np.float64) ** -exponent)
+    cdf /= cdf[-1]
+    perm = rng.permutation(VOCAB)
+    return lambda n: perm[np.minimum(np.searchsorted(cdf, rng.random(n)), VOCAB - 1)]
+
+
+def make_batch(sample):
+    ids = torch.from_numpy(sample(PAIRS * (2 + NEGS)))
+    return ids[:PAIRS], ids[PAIRS:2 * PAIRS], ids[2 * PAIRS:].view(PAIRS, NEGS)
+
+
+def step(emb, opt, batch):
+    center, context, negatives = (emb(ids) for ids in batch)
+    pos = (center * context).sum(-1)
+    neg = (negatives * center.unsqueeze(1)).sum(-1)
+    (-(F.logsigmoid(pos).sum() + F.logsigmoid(-neg).sum())).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def measure(exponent, steps, warmup, seed):
+    """Warm up and time the four cache sizes on one id distribution; returns their rows."""
+    rng = np.random.default_rng(seed)
+    sample = id_sampler(exponent, rng)
+    setups = []
+    for fraction in CACHE_FRACTIONS:
+        emb = ss.OffloadedEmbedding(VOCAB, DIM, max_rows=PAIRS * (2 + NEGS), storage="pageable",
+                                    backend="numpy", cache_rows=int(fraction * VOCAB))
+        opt = torch.optim.Adam(emb.parameters(), lr=1e-3)
+        emb.attach(opt)
+        setups.append((fraction, emb, opt))
+    batches = [make_batch(sample) for _ in range(warmup + steps)]
+    for _, emb, opt in setups:
+        for batch in batches[:warmup]:
+            step(emb, opt, batch)
+    times = {fraction: [] for fraction in CACHE_FRACTIONS}
+    before = {fraction: emb.stats()["total"] for fraction, emb, _ in setups}
+    loads = []
+    for batch in batches[warmup:]:
+        # One step of each size per round, in a rotating order.
+        order = setups[len(loads) % len(setups):] + setups[:len(loads) % len(setups)]
+        loads.append(os.getloadavg()[0])
+        for fraction, emb, opt in order:
+            start = time.perf_counter()
+            step(emb, opt, batch)
+            times[fraction].append(time.perf_counter() - start)
+    rows = []
+    for fraction, emb, _ in setups:
+        after = emb.stats()["total"]
+        delta = {k: after[k] - before[fraction][k] for k in after}
+        t = np.array(times[fraction])
+        rows.append({
+            "distribution": exponent if exponent == "uniform" else f"zipf {exponent}",
+            "cache_fraction": fraction, "cache_rows": emb.cache_rows,
+            "cache_bytes": emb.stats()["cache_bytes"],
+            "hit_rate": delta["hits"] / max(delta["unique_rows"], 1),
+            "unique_rows_per_step": delta["unique_rows"] / steps,
+            "bytes_h2d_per_step": delta["bytes_h2d"] / steps,
+            "bytes_d2h_per_step": delta["bytes_d2h"] / steps,
+            "evictions_per_step": delta["evictions"] / steps,
+            "step_s_median": float(np.median(t)),
+            "step_s_p25": float(np.percentile(t, 25)), "step_s_p75": float(np.percentile(t, 75)),
+            "loadavg_1min": [round(x, 2) for x in loads],
+        })
+    for _, emb, _ in setups:
+        emb.table.close()
+        for table in emb._state.tables.values():
+            table.close()
+    return rows
+
+
+def annotate(rows):
+    """Ratios to the no-cache run of the same distribution, and whether a timing gap is noise."""
+    for row in rows:
+        base = next(r for r in rows if r["distribution"] == row["distribution"]
+                    and r["cache_fraction"] == 0.0)
+        moved = row["bytes_h2d_per_step"] + row["bytes_d2h_per_step"]
+        row["bytes_vs_no_cache"] = moved / (base["bytes_h2d_per_step"] + base["bytes_d2h_per_step"])
+        row["step_vs_no_cache"] = row["step_s_median"] / base["step_s_median"]
+        # Interquartile ranges that overlap: the difference is within the noise of a loaded machine.
+        row["step_difference_is_noise"] = bool(row["step_s_p25"] <= base["step_s_p75"]
+                                               and base["step_s_p25"] <= row["step_s_p75"])
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (hit_ax, time_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for dist in dict.fromkeys(r["distribution"] for r in rows):
+        mine = [r for r in rows if r["distribution"] == dist]
+        x = [100 * r["cache_fraction"] for r in mine]
+        hit_ax.plot(x, [r["hit_rate"] for r in mine], marker="o", label=dist)
+        med = np.array([r["step_s_median"] for r in mine]) * 1e3
+        err = [med - np.array([r["step_s_p25"] for r in mine]) * 1e3,
+               np.array([r["step_s_p75"] for r in mine]) * 1e3 - med]
+        time_ax.errorbar(x, med, yerr=err, marker="o", capsize=3, label=dist)
+    hit_ax.set(xlabel="cache (% of rows)", ylabel="hit rate (per unique row)", ylim=(0, 1))
+    time_ax.set(xlabel="cache (% of rows)", ylabel="step time, ms (median, p25-p75)")
+    loads = [x for r in rows for x in r["loadavg_1min"]]
+    fig.suptitle(f"skip-gram + Adam, 1M x 128, CPU; load average {min(loads):.1f}-{max(loads):.1f}")
+    hit_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=30, help="steps before timing (cache fills)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    started = os.getloadavg()
+    rows = []
+    for exponent in DISTRIBUTIONS:
+        rows += measure(exponent, args.steps, args.warmup, args.seed)
+        print(f"{exponent}: done, load {os.getloadavg()[0]:.1f}", flush=True)
+    annotate(rows)
+    print(f"{'ids':>10} {'cache':>6} {'hit':>6} {'MB h2d':>8} {'MB d2h':>8} {'bytes x':>8} "
+          f"{'step ms':>8} {'x':>6} {'noise':>6} {'load':>6}")
+    for r in rows:
+        print(f"{r['distribution']:>10} {100 * r['cache_fraction']:5.0f}% {r['hit_rate']:6.2f} "
+              f"{r['bytes_h2d_per_step'] / 1e6:8.2f} {r['bytes_d2h_per_step'] / 1e6:8.2f} "
+              f"{r['bytes_vs_no_cache']:8.2f} {r['step_s_median'] * 1e3:8.1f} "
+              f"{r['step_vs_no_cache']:6.2f} {str(r['step_difference_is_noise']):>6} "
+              f"{np.mean(r['loadavg_1min']):6.1f}")
+    payload = {"vocab": VOCAB, "dim": DIM, "pairs": PAIRS, "negatives": NEGS,
+               "optimizer": "Adam", "backend": "numpy", "steps": args.steps,
+               "warmup": args.warmup, "loadavg_start": started, "loadavg_end": os.getloadavg(),
+               "cpu_count": os.cpu_count(), "rows": rows}
+    path = common.write_results("cache", payload)
+    plot(rows, path.with_suffix(".png"))
+    print(f"wrote {path.with_suffix('.png')}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""The device cache of hot rows and next-batch prefetch keep offloaded training exact.
+
+Sizes are of the 400-row table of training_helpers: 0, 4 (1%), 20 (5%) and
+200 (50%) rows. A step of Zipf ids touches 44-66 distinct rows, so the 1% and
+5% caches are smaller than one step: they exercise the fallback (rows that do
+not fit go back to the host). The runs save a checkpoint, train 10 steps, load
+it and train them again, so ``save`` (flush) and ``load`` (invalidate) sit in the
+middle of every run.
+"""
+
+import copy
+import tempfile
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import speedswap as ss
+from speedswap.train.cache import COUNTERS
+from test_optimizer_equivalence import OPTIMIZERS, TOL, assert_same, torch_initial
+from training_helpers import NUM_ROWS, run_in_memory, run_offloaded, zipf_batches
+
+STEPS = 300
+SIZES = [0, NUM_ROWS // 100, NUM_ROWS // 20, NUM_ROWS // 2]
+
+EQUALITIES = {
+    # name: (offloaded optimizer, in-memory optimizer, reference needs sparse gradients)
+    "sgd": (lambda p: torch.optim.SGD(p, lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05), False),
+    "adam": (lambda p: torch.optim.Adam(p, lr=0.01, eps=1e-30),
+             lambda p: torch.optim.SparseAdam(list(p), lr=0.01, eps=1e-30), True),
+    "adagrad": (lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1),
+                lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1), True),
+}
+
+#: Every size and both prefetch settings, in a few runs each (the full product is `slow`).
+#: Size 0 runs in test_optimizer_equivalence too (the same code path, caching nothing).
+CORE = [("sgd", 4, True), ("adam", 20, True), ("adam", 200, False), ("adagrad", 4, False),
+        ("adagrad", 200, True)]
+FULL = [(n, c, p) for n in EQUALITIES for c in SIZES for p in (False, True)
+        if (n, c, p) not in CORE]
+
+
+def _equality(name, cache_rows, prefetch, rng, backend):
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((NUM_ROWS, 8), dtype=np.float32)
+    batches = zipf_batches(rng, STEPS, device)
+    offloaded, in_memory, sparse = EQUALITIES[name]
+    expected = run_in_memory(in_memory, table0, batches, device, sparse=sparse)
+    assert_same(run_offloaded(offloaded, table0, batches, backend, cache_rows=cache_rows,
+                              prefetch=prefetch, replay_at=STEPS // 2), expected)
+
+
+@pytest.mark.parametrize("name,cache_rows,prefetch", CORE)
+def test_cached_training_equals_in_memory(name, cache_rows, prefetch, rng, backend):
+    _equality(name, cache_rows, prefetch, rng, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,cache_rows,prefetch", FULL)
+def test_cached_training_equals_in_memory_every_size(name, cache_rows, prefetch, rng, backend):
+    _equality(name, cache_rows, prefetch, rng, backend)
+
+
+def _touched_rows(name, cache_rows, rng, backend):
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((NUM_ROWS, 8), dtype=np.float32)
+    batches = zipf_batches(rng, 200, device)
+    make = OPTIMIZERS[name]
+    expected = run_in_memory(make, table0, batches, device, sparse=name == "sparse_adam",
+                             initial_state=torch_initial)
+    assert_same(run_offloaded(make, table0, batches, backend, cache_rows=cache_rows,
+                              prefetch=True, replay_at=100), expected)
+
+
+@pytest.mark.parametrize("name", ["adamw_amsgrad", "rmsprop_centered_momentum", "rprop"])
+def test_element_wise_optimizers_with_a_cache(name, rng, backend):
+    _touched_rows(name, NUM_ROWS // 20, rng, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_rows", [NUM_ROWS // 20, NUM_ROWS // 2])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_element_wise_optimizer_with_a_cache(name, cache_rows, rng, backend):
+    _touched_rows(name, cache_rows, rng, backend)
+
+
+# ------------------------------------------------------------------ helpers
+
+def _embedding(backend, cache_rows, rows=100, dim=4, dtype=torch.float32, opt=torch.optim.SGD):
+    emb = ss.OffloadedEmbedding(rows, dim, max_rows=32, storage="pageable", backend=backend,
+                                cache_rows=cache_rows, dtype=dtype)
+    optimizer = opt(emb.parameters(), lr=0.1)
+    emb.attach(optimizer)
+    return emb, optimizer
+
+
+def _step(emb, opt, ids):
+    ids = torch.as_tensor(ids, device=emb.weight.device)
+    emb(ids).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_bfloat16_rows_are_rounded_as_without_a_cache(backend, rng):
+    """bfloat16 rows are cached in bfloat16, so each step rounds them exactly as the host does."""
+    device = ss.get_backend(backend).device
+    runs = []
+    for cache_rows in (0, 30):
+        torch.manual_seed(0)
+        emb, opt = _embedding(backend, cache_rows, dtype=torch.bfloat16, opt=torch.optim.Adam)
+        for pos, neg, _ in zipf_batches(np.random.default_rng(1), 60, device, num_rows=100)[:60]:
+            _step(emb, opt, torch.cat([pos, neg.reshape(-1)])[:30])
+        emb.flush()
+        runs.append((emb.table.to_numpy(copy=True),
+                     {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}))
+    np.testing.assert_array_equal(runs[0][0], runs[1][0])
+    for name in runs[0][1]:
+        np.testing.assert_array_equal(runs[0][1][name], runs[1][1][name])
+
+
+# ------------------------------------------------------------------- stats
+
+def test_stats_count_hits_misses_bytes_and_evictions(backend):
+    row = 4 * 4  # dim 4, float32; SGD keeps no per-row state
+    emb, opt = _embedding(backend, cache_rows=2)
+    assert emb.stats()["total"] == dict.fromkeys(COUNTERS, 0)
+    _step(emb, opt, [1, 2, 3, 3])
+    first = emb.stats()["last_step"]
+    assert (first["lookups"], first["unique_rows"], first["hits"], first["misses"]) == (4, 3, 0, 3)
+    # Two rows fit in the cache; the third goes back to the host.
+    assert (first["bytes_h2d"], first["rows_d2h"], first["evictions"]) == (3 * row, 1, 0)
+    _step(emb, opt, [1, 2])
+    assert emb.stats()["last_step"]["hits"] == 2 and emb.stats()["last_step"]["bytes_h2d"] == 0
+    _step(emb, opt, [5, 6])
+    third = emb.stats()["last_step"]
+    assert (third["misses"], third["evictions"], third["rows_d2h"]) == (2, 2, 2)
+    total = emb.stats()["total"]
+    assert total["steps"] == 3 and total["lookups"] == 8 and total["hits"] == 2
+    assert emb.stats()["cache_bytes"] == 2 * (row + 32)
+
+
+def test_stats_count_optimizer_state_and_no_cache_moves_every_row(backend):
+    emb, opt = _embedding(backend, cache_rows=0, opt=torch.optim.Adam)
+    for _ in range(3):
+        _step(emb, opt, [7, 8, 9])
+    last = emb.stats()["last_step"]
+    # Weights plus Adam's two moments, each 4 float32 per row, both ways.
+    assert last["bytes_h2d"] == last["bytes_d2h"] == 3 * 3 * 16
+    assert last["hits"] == 0 and emb.stats()["cache_bytes"] == 0
+
+
+# ---------------------------------------------------------------- prefetch
+
+def test_prefetched_rows_are_hits_and_are_not_evicted_early(backend):
+    emb, opt = _embedding(backend, cache_rows=4)
+    emb(torch.tensor([1, 2]))  # step 1 is under way; its rows are in the working set
+    assert emb.prefetch([2, 3, 4, 5]) == 2  # 2 is skipped (working set), 3 evicts nothing
+    assert emb.prefetch([2, 3]) == 0  # already cached or in the working set
+    opt.step()  # 2 slots left for 1, 2: both fit
+    opt.zero_grad()
+    stats = emb.stats()["last_step"]
+    assert stats["prefetched_rows"] == 2 and stats["rows_d2h"] == 0
+    # 1, 2 (step 1) and 3, 4 (pinned for step 2) fill the cache: 9 cannot evict 3 or 4.
+    _step(emb, opt, [3, 4, 9])
+    step2 = emb.stats()["last_step"]
+    assert (step2["hits"], step2["misses"], step2["evictions"]) == (2, 1, 1)
+    emb.eval()
+    with torch.no_grad():
+        cached = emb(torch.tensor([3, 4]))
+    emb.flush()
+    np.testing.assert_array_equal(cached.numpy(), emb.table.to_numpy()[[3, 4]])
+
+
+def test_prefetch_checks_ids_and_order(backend):
+    emb = ss.OffloadedEmbedding(10, 4, max_rows=8, storage="pageable", backend=backend,
+                                cache_rows=4)
+    with pytest.raises(ss.StateError, match="attach"):
+        emb.prefetch([1])
+    emb.attach(torch.optim.SGD(emb.parameters(), lr=0.1))
+    with pytest.raises(ss.IdError):
+        emb.prefetch([1, 10])
+    assert emb.stats()["total"] == dict.fromkeys(COUNTERS, 0)
+    with pytest.raises(ss.OptionError, match="cache_rows"):
+        ss.OffloadedEmbedding(10, 4, max_rows=8, backend=backend, cache_rows=-1)
+
+
+# ------------------------------------------------------- whole-table access
+
+def test_eval_save_and_load_see_the_cache(backend, tmp_path, rng):
+    emb, opt = _embedding(backend, cache_rows=100)  # every row fits: none is written back
+    host_before = emb.table.to_numpy(copy=True)
+    for _ in range(5):
+        _step(emb, opt, rng.integers(0, 100, 20))
+    # Dirty rows live in the cache only: the host table is stale until a flush...
+    trained = emb.table.to_numpy(copy=True)
+    np.testing.assert_array_equal(trained, host_before)
+    emb.eval()
+    with torch.no_grad():
+        current = emb(torch.arange(100)).numpy()
+    assert not np.array_equal(current, host_before)
+    # ...but saving flushes, and an export holds the current rows.
+    emb.save(tmp_path / "table.npy")
+    np.testing.assert_array_equal(np.load(tmp_path / "table.npy"), current)
+    np.testing.assert_array_equal(emb.table.to_numpy(), current)
+    # Loading replaces what the cache held.
+    np.save(tmp_path / "ones.npy", np.ones((100, 4), dtype=np.float32))
+    emb.load(tmp_path / "ones.npy")
+    with torch.no_grad():
+        np.testing.assert_array_equal(emb(torch.arange(100)).numpy(), 1.0)
+
+
+# ------------------------------------------------ a random mix of operations
+
+ROWS, DIM = 40, 4
+
+
+class CachedAgainstInMemory(RuleBasedStateMachine):
+    """Steps, prefetches, saves, loads and eval reads, against an in-memory SparseAdam.
+
+    Offloaded Adam with eps=1e-30 is SparseAdam (see test_optimizer_equivalence).
+    """
+
+    @initialize(cache_rows=st.sampled_from([0, 3, 10, 40]), seed=st.integers(0, 2**16))
+    def build(self, cache_rows, seed):
+        gen = np.random.default_rng(seed)
+        table0 = gen.standard_normal((ROWS, DIM), dtype=np.float32)
+        self.emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=16, storage="pageable",
+                                         backend="numpy", cache_rows=cache_rows)
+        self.emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+        self.opt = torch.optim.Adam(self.emb.parameters(), lr=0.05, eps=1e-30)
+        self.emb.attach(self.opt)
+        self.ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+        self.ref_opt = torch.optim.SparseAdam([self.ref], lr=0.05, eps=1e-30)
+        self.ctx = torch.from_numpy(gen.standard_normal(DIM, dtype=np.float32))
+        self.saved = []
+        self.tmp = tempfile.TemporaryDirectory()
+        # Optimizer state exists before any save: a checkpoint of never-stepped
+        # state cannot be restored into an optimizer (it holds no state to load).
+        self.step([0, 1])
+
+    def teardown(self):
+        if hasattr(self, "tmp"):
+            self.tmp.cleanup()
+
+    @rule(ids=st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=12),
+          ahead=st.lists(st.integers(0, ROWS - 1), max_size=12))
+    def step(self, ids, ahead=()):
+        """One step; ``ahead`` is prefetched between its forward and its optimizer step."""
+        ids = torch.tensor(ids)
+        self.emb.train()
+        rows = self.emb(ids)
+        if len(ahead):
+            self.emb.prefetch(ahead)
+        (rows @ self.ctx).sigmoid().sum().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        (F.embedding(ids, self.ref, sparse=True) @ self.ctx).sigmoid().sum().backward()
+        self.ref_opt.step()
+        self.ref_opt.zero_grad()
+
+    @rule(ids=st.lists(st.integers(0, ROWS - 1), min_size=1, max_size=12))
+    def prefetch(self, ids):
+        self.emb.prefetch(ids)
+
+    @rule()
+    def save(self):
+        path = f"{self.tmp.name}/ckpt{len(self.saved)}"
+        self.emb.save(path)
+        self.saved.append((path, copy.deepcopy(self.opt.state_dict()), self.ref.detach().clone(),
+                           copy.deepcopy(self.ref_opt.state_dict())))
+
+    @precondition(lambda self: self.saved)
+    @rule(which=st.integers(0, 10))
+    def load(self, which):
+        path, opt_state, ref, ref_opt_state = self.saved[which % len(self.saved)]
+        self.emb.load(path)
+        # load_state_dict keeps the tensors it is given, which the steps then update in place.
+        self.opt.load_state_dict(copy.deepcopy(opt_state))
+        with torch.no_grad():
+            self.ref.copy_(ref)
+        self.ref_opt.load_state_dict(copy.deepcopy(ref_opt_state))
+
+    @invariant()
+    def eval_reads_current_rows(self):
+        if not hasattr(self, "emb"):
+            return
+        self.emb.eval()
+        with torch.no_grad():
+            rows = self.emb(torch.arange(ROWS))
+        np.testing.assert_allclose(rows.numpy(), self.ref.detach().numpy(), **TOL)
+
+    @rule()
+    def flushed_tables_hold_table_and_state(self):
+        self.emb.flush()
+        np.testing.assert_allclose(self.emb.table.to_numpy(), self.ref.detach().numpy(), **TOL)
+        state = self.ref_opt.state.get(self.ref, {})
+        for name in ("exp_avg", "exp_avg_sq"):
+            expected = state[name].numpy() if name in state else np.zeros((ROWS, DIM))
+            np.testing.assert_allclose(self.emb._state.tables[name].to_numpy(), expected, **TOL,
+                                       err_msg=name)
+
+
+CachedAgainstInMemory.TestCase.settings = settings(max_examples=20, stateful_step_count=15,
+                                                   deadline=None)
+TestCachedAgainstInMemory = CachedAgainstInMemory.TestCase
