@@ -1,5 +1,6 @@
 """BatchFeeder: every row once per epoch, reproducible orders, exact resume, sharding."""
 
+import os
 import threading
 
 import numpy as np
@@ -284,30 +285,37 @@ def run_with_deadline(fn, seconds=30):
     return outcome
 
 
-def test_a_reader_error_reaches_the_loop_and_never_hangs(tmp_path, monkeypatch):
+def io_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("speedswap-io")]
+
+
+@pytest.mark.parametrize("order, fail_at", [("random", 230), (BlockOrder(block_rows=50, window=2), 7)])
+def test_a_reader_error_reaches_the_loop_and_never_hangs(tmp_path, monkeypatch, order, fail_at):
     path = tmp_path / "x.npy"
-    np.save(path, np.random.default_rng(0).standard_normal((1000, 8)).astype(np.float32))
-    feeder = ss.BatchFeeder(np.load(path, mmap_mode="r"), batch_size=50, device="cpu", prefetch=2)
-    real, calls = torch.index_select, []
+    np.save(path, np.arange(1000))
+    feeder = ss.BatchFeeder(np.load(path, mmap_mode="r"), batch_size=50, order=order, device="cpu",
+                            prefetch=2)
+    real, calls = os.preadv, []
 
     class DiskGone(OSError):
         pass
 
-    def failing(*args, **kwargs):
+    def failing(*args):
         calls.append(threading.current_thread().name)
-        if len(calls) == 5:
+        if len(calls) == fail_at:
             raise DiskGone("input/output error")
-        return real(*args, **kwargs)
+        return real(*args)
 
-    monkeypatch.setattr(torch, "index_select", failing)
+    monkeypatch.setattr(os, "preadv", failing)
     seen = []
-    outcome = run_with_deadline(lambda: [seen.append(b) for b in feeder])
+    outcome = run_with_deadline(lambda: [seen.append(b[0].numpy().copy()) for b in feeder])
     assert isinstance(outcome.get("error"), DiskGone)
-    assert "speedswap-feeder-reader" in calls  # it really was raised on the reader thread
-    assert len(seen) == 4 and feeder.state_dict()["batch"] == 4
-    assert reader_threads() == []
-    monkeypatch.setattr(torch, "index_select", real)
-    assert len(run_with_deadline(lambda: list(feeder))["value"]) == len(feeder) - 4
+    assert calls[fail_at - 1].startswith("speedswap-io")  # it really was raised on an I/O thread
+    assert 0 < len(seen) < len(feeder) and feeder.state_dict()["batch"] == len(seen)
+    assert reader_threads() == [] and io_threads() == []
+    monkeypatch.setattr(os, "preadv", real)
+    rest = run_with_deadline(lambda: [b[0].numpy().copy() for b in feeder])["value"]
+    np.testing.assert_array_equal(np.sort(np.concatenate(seen + rest)), np.arange(1000))
 
 
 @pytest.mark.parametrize("make, error, match", [
