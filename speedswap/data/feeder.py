@@ -11,6 +11,8 @@ source per batch: no per-row ``__getitem__``, no collate step.
 [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
 """
 
+import threading
+
 import numpy as np
 import torch
 
@@ -204,6 +206,7 @@ class BatchFeeder:
         self._epoch = 0
         self._batch = 0
         self._generation = 0  # bumped whenever the position is set from outside an iteration
+        self._lock = threading.Lock()  # the position and generation change together
         self._readers = ()  # the running loop's batch reader and file reader
         self._ids = (None, None, None)  # (epoch, CPU ids, device ids) of the epoch being read
 
@@ -243,9 +246,11 @@ class BatchFeeder:
 
     # -------------------------------------------------------------- position
     def _reposition(self, epoch, batch):
+        with self._lock:
+            self._generation += 1
+            self._epoch, self._batch = epoch, batch
+        # After the bump: a loop on another thread that wakes up sees it was superseded.
         self._stop_reader()
-        self._generation += 1
-        self._epoch, self._batch = epoch, batch
 
     def set_epoch(self, epoch):
         """Start epoch ``epoch`` from its first batch (its order depends on it).
@@ -346,10 +351,13 @@ class BatchFeeder:
             for _ in range(start, count):
                 self._check_current(generation)
                 batch = self._finish(*reader.next())
-                # Counted only once transformed: a batch whose transform raised comes again on resume.
-                self._batch += 1
-                if self._batch == count:
-                    self._epoch, self._batch = self._epoch + 1, 0
+                # Counted only once transformed (a batch whose transform raised comes
+                # again on resume), and only if no other thread moved the feeder meanwhile.
+                with self._lock:
+                    self._check_current(generation)
+                    self._batch += 1
+                    if self._batch == count:
+                        self._epoch, self._batch = self._epoch + 1, 0
                 yield batch
         finally:
             for each in readers:

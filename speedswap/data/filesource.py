@@ -218,8 +218,9 @@ class WindowReader(_PoolReader):
         num_rows = files[0].num_rows
         self._ids, self._size, self._block_rows = ids, batch_size, block_rows
         self._windows = windows
-        self._window_rows = windows.shape[1] * block_rows
         num_blocks = -(-num_rows // block_rows)
+        # No window holds more blocks than the file has (small files, large blocks).
+        self._window_rows = min(windows.shape[1], num_blocks) * block_rows
         self._window_of_block = np.empty(num_blocks, dtype=np.int64)
         self._slot_of_block = np.empty(num_blocks, dtype=np.int64)
         valid = windows >= 0

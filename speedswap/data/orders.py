@@ -138,6 +138,7 @@ class BlockOrder(Order):
     def __init__(self, block_rows=None, window=8):
         self.block_rows = None if block_rows is None else int_option(block_rows, "BlockOrder block_rows")
         self.window = int_option(window, "BlockOrder window")
+        self._last = (None, None)
 
     def indices(self, num_rows, seed, epoch):
         """Blocks shuffled, then rows shuffled within each window of blocks (see :meth:`Order.indices`).
@@ -162,6 +163,13 @@ class BlockOrder(Order):
         return self._layout(num_rows, seed, epoch)[0]
 
     def _layout(self, num_rows, seed, epoch):
+        # The feeder asks for an epoch's indices and then its windows: compute them once.
+        key = (num_rows, seed, epoch, self.block_rows, self.window)
+        if self._last[0] != key:
+            self._last = (key, self._compute_layout(num_rows, seed, epoch))
+        return self._last[1]
+
+    def _compute_layout(self, num_rows, seed, epoch):
         size, window = _chosen(self), self.window
         rng = _generator(seed, epoch)
         num_blocks = -(-num_rows // size)
