@@ -1,5 +1,7 @@
 """BatchFeeder over files read with pread: same stream as from memory, bounded memory, errors not signals."""
 
+import ctypes
+import mmap
 import os
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 import speedswap as ss
+from speedswap.data.filesource import drop_cache
 from speedswap.data.orders import BlockOrder
 
 from test_feeder import io_threads, reader_threads, run_with_deadline
@@ -92,6 +95,30 @@ def test_resident_memory_stays_within_the_budget_for_a_file_four_times_larger(tm
     assert peak - before <= budget + index_bytes, (
         f"RSS grew by {(peak - before) / 2**20:.0f} MiB over a {rows * row_bytes / 2**20:.0f} MiB file "
         f"(budget {(budget + index_bytes) / 2**20:.0f} MiB)")
+
+
+def cached_fraction(path):
+    """The share of ``path``'s pages in the page cache (mincore over a fresh map)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(np.frombuffer(mapped, np.uint8).ctypes.data, size, vec) == 0, ctypes.get_errno()
+        return sum(v & 1 for v in vec) / pages
+
+
+@pytest.mark.parametrize("order", ["block", "random"])
+def test_drop_behind_keeps_an_epoch_out_of_the_page_cache(tmp_path, order):
+    mapped = write(tmp_path / "x.npy", np.random.default_rng(0).random((8192, 512), dtype=np.float32))
+    for drop_behind in (False, True):
+        drop_cache(tmp_path / "x.npy")
+        assert cached_fraction(tmp_path / "x.npy") < 0.05  # a cold start
+        feeder = ss.BatchFeeder(mapped, batch_size=512, order=order, device="cpu", drop_behind=drop_behind)
+        assert sum(len(x) for (x,) in feeder) == 8192
+        fraction = cached_fraction(tmp_path / "x.npy")
+        assert fraction < 0.05 if drop_behind else fraction > 0.9, (drop_behind, fraction)
 
 
 TRUNCATE = textwrap.dedent("""

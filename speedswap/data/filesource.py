@@ -31,6 +31,8 @@ from ..errors import FileFormatError, StateError
 
 __all__ = ["FileRows", "WindowReader", "RowReader", "drop_cache"]
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
 
 def drop_cache(path):
     """Drop a file's clean pages from the page cache, so its next read comes from disk.
@@ -40,6 +42,7 @@ def drop_cache(path):
     """
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fsync(fd)  # dirty pages cannot be dropped until they are written
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -118,8 +121,13 @@ class _PoolReader:
                     f"it; restore it (or rebuild the DataGadget/memmap) and resume from a state_dict")
             done += got
         if self._drop:
-            # Read once per epoch: keep it out of the page cache (drop behind).
-            os.posix_fadvise(fd, position, end - position, os.POSIX_FADV_DONTNEED)
+            # Read once per epoch: keep it out of the page cache (drop behind). The
+            # kernel drops only whole pages inside the range, so round it out: a
+            # page shared with a row not read yet is read again then, and the
+            # page cache stays bounded whatever the row size.
+            first_page = position - position % _PAGE
+            os.posix_fadvise(fd, first_page, end - first_page + _PAGE - 1 - (end - 1) % _PAGE,
+                             os.POSIX_FADV_DONTNEED)
 
     def _submit(self, fn, *args):
         if self._closed:
@@ -214,7 +222,10 @@ class WindowReader(_PoolReader):
     """
 
     def __init__(self, files, ids, batch_size, block_rows, windows, threads=2, drop_behind=True):
-        super().__init__(files, threads, drop_behind, os.POSIX_FADV_SEQUENTIAL)
+        # RANDOM turns the kernel's read-ahead off: a block is read whole by its own
+        # pread, and read-ahead past its end would fetch the neighbouring block,
+        # which this epoch reads at another time (or, with drop_behind, reads again).
+        super().__init__(files, threads, drop_behind, os.POSIX_FADV_RANDOM)
         num_rows = files[0].num_rows
         self._ids, self._size, self._block_rows = ids, batch_size, block_rows
         self._windows = windows
@@ -226,13 +237,14 @@ class WindowReader(_PoolReader):
         valid = windows >= 0
         self._window_of_block[windows[valid]] = np.nonzero(valid)[0]
         self._slot_of_block[windows[valid]] = np.nonzero(valid)[1]
-        wins = self._window_of_block[ids // block_rows]
         # The windows in reading order are non-decreasing along the epoch
         # except for padding rows: `frontier` is the window each position
-        # needs resident, `needed` the windows this rank really visits.
-        frontier = np.maximum.accumulate(wins)
+        # needs resident, `needed` the windows this rank really visits. Kept
+        # as int32, 4 bytes a row: the only per-row array besides the ids.
+        frontier = np.maximum.accumulate(self._window_of_block[ids // block_rows])
         self._needed = np.unique(frontier)
-        self._wins, self._frontier = wins, np.searchsorted(self._needed, frontier)
+        self._frontier = np.searchsorted(self._needed, frontier).astype(np.int32)
+        del frontier
         lo = np.arange(0, len(ids), batch_size)
         hi = np.minimum(lo + batch_size, len(ids)) - 1
         span = int((self._frontier[hi] - self._frontier[lo]).max()) + 1 if len(ids) else 1
@@ -264,8 +276,9 @@ class WindowReader(_PoolReader):
             self._next += 1
         for index in range(first, last + 1):
             self._wait(self._resident[index][1])
-        ids, wins = self._ids[lo:hi], self._wins[lo:hi]
+        ids = self._ids[lo:hi]
         blocks = ids // self._block_rows
+        wins = self._window_of_block[blocks]
         slots = np.zeros(hi - lo, dtype=np.int64)
         held = np.zeros(hi - lo, dtype=bool)
         for index in range(first, last + 1):
