@@ -316,7 +316,7 @@ class BatchFeeder:
         files = list(self._files.values())
         windows = getattr(self._order, "windows", None)
         if windows is None:
-            return RowReader(files, drop_behind=self._drop_behind)
+            return RowReader(files, ids.numpy(), drop_behind=self._drop_behind)
         return WindowReader(files, ids.numpy(), self._batch_size, self._order.block_rows,
                             windows(self._num_rows, self._seed, epoch), drop_behind=self._drop_behind)
 
@@ -336,8 +336,7 @@ class BatchFeeder:
         def read(k):
             lo, hi = k * size, min((k + 1) * size, len(ids))
             # File sources come already gathered, in batch order.
-            parts = dict(zip(self._files, files.read(lo, hi) if isinstance(files, WindowReader)
-                             else files.read(ids[lo:hi].numpy()))) if files is not None else {}
+            parts = {} if files is None else dict(zip(self._files, files.read(lo, hi)))
             if self._stager is not None:
                 return self._stager.launch(self._columns, ids[lo:hi],
                                            None if device_ids is None else device_ids[lo:hi], parts)
@@ -345,7 +344,12 @@ class BatchFeeder:
                          for j, column in enumerate(self._columns)), None
 
         threaded = self._prefetch > 0 and (self._stager is not None or files is not None)
-        reader = ReaderThread(read, start, count, self._prefetch) if threaded else SyncReader(read, start)
+        try:
+            reader = ReaderThread(read, start, count, self._prefetch) if threaded else SyncReader(read, start)
+        except BaseException:
+            if files is not None:  # no thread to read for it: close its files now
+                files.close()
+            raise
         readers = self._readers = (reader,) if files is None else (reader, files)
         try:
             for _ in range(start, count):

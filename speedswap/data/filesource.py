@@ -22,6 +22,7 @@ descriptors) never races a read.
 """
 
 import concurrent.futures
+import mmap
 import os
 
 import numpy as np
@@ -81,7 +82,6 @@ class FileRows:
         # numpy maps from the allocation-granularity boundary below the memmap's
         # offset, and views keep that offset: the array's file offset follows
         # from its address inside the map.
-        import mmap
         base = np.frombuffer(handle, dtype=np.uint8).ctypes.data
         start = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
         offset = start + array.ctypes.data - base
@@ -163,24 +163,23 @@ class RowReader(_PoolReader):
 
     Args:
         files: the :class:`FileRows` of the file sources.
+        ids: this rank's row ids for the whole epoch (int64 numpy array, in range).
         threads: reads in flight at once.
         drop_behind: drop each row from the page cache once read.
     """
 
-    def __init__(self, files, threads=16, drop_behind=True):
+    def __init__(self, files, ids, threads=16, drop_behind=True):
         super().__init__(files, threads, drop_behind, os.POSIX_FADV_RANDOM)
-        self._threads = threads
+        self._ids, self._threads = ids, threads
 
-    def read(self, ids):
-        """Rows ``ids`` of every file source, one fresh CPU tensor each.
-
-        Args:
-            ids: int64 numpy array of row ids, in range (validated by the feeder).
+    def read(self, lo, hi):
+        """Positions ``[lo, hi)`` of the epoch, one fresh CPU tensor per file.
 
         Raises:
             FileFormatError: a file is shorter than its rows.
             StateError: the reader was closed by another thread.
         """
+        ids = self._ids[lo:hi]
         outs = [torch.empty((len(ids), *f.row_shape), dtype=f.dtype) for f in self._files]
         # Each thread takes a stretch of the sorted ids: nearby rows go to the
         # disk together, and a thread's requests arrive in ascending order.
