@@ -215,9 +215,6 @@ class WindowReader(_PoolReader):
             padded (an order's ``windows(...)``); the epoch visits them in turn.
         threads: blocks read at once.
         drop_behind: drop each block from the page cache once copied.
-
-    Attributes:
-        buffer_bytes: bytes of the arena, the bound on what this reader holds.
     """
 
     def __init__(self, files, ids, batch_size, block_rows, windows, threads=2, drop_behind=True):
@@ -251,7 +248,6 @@ class WindowReader(_PoolReader):
         self._arenas = [torch.empty((self._slots * self._window_rows, f.row_bytes), dtype=torch.uint8)
                         for f in files]
         self._typed = [a.view(f.dtype).view(len(a), *f.row_shape) for a, f in zip(self._arenas, files)]
-        self.buffer_bytes = sum(a.numel() for a in self._arenas)
         self._resident = {}  # index into `needed` -> (slot, futures)
         self._free = list(range(self._slots))
         self._next = None  # index into `needed` of the next window to read
@@ -290,7 +286,8 @@ class WindowReader(_PoolReader):
         outs = [torch.index_select(typed, 0, local) for typed in self._typed]
         stray = np.nonzero(~held)[0]
         if len(stray):
-            futures = [self._submit(self._read, column, int(ids[p]), 1, out[p].view(-1).view(torch.uint8).numpy())
+            futures = [self._submit(self._read, column, int(ids[p]), 1,
+                                    out[p].view(-1).view(torch.uint8).numpy())
                        for column, out in enumerate(outs) for p in stray]
             self._wait(futures)
         return outs
