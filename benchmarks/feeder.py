@@ -2,7 +2,7 @@
 
 * fast_loops: "The fast train loops" (300,000 x 64 float32 + labels, batch
   300): per-item DataLoader, BatchSampler DataLoader, a numpy loop, BatchFeeder.
-* disk: a .npy file through a memory map, block vs random order, cold page cache.
+* disk: a memory-mapped .npy (the feeder reads it with pread; see disk.py), block vs random order, cold page cache.
 * gpu (only with CUDA): the FFCV linear-regression shape (rows x 1,000
   float32, batch 2048): BatchFeeder vs DataLoader(num_workers, pin_memory)
   vs the pinned host-to-device copy of the same bytes.

@@ -1,10 +1,12 @@
 """Large-scale linear regression streamed from a .npy file (the FFCV tutorial, with speedswap).
 
-An ``N x D`` float32 matrix ``X`` is written to ``X.npy`` chunk by chunk (so
-it may be larger than RAM), with responses ``Y = X @ W + b + noise``. Training
-streams it with :class:`speedswap.BatchFeeder` over a :class:`speedswap.DataGadget`
-(memory-mapped when the file is larger than the RAM available, or with
-``--mmap``): one gather per batch instead of one ``__getitem__`` per row.
+An ``N x D`` float32 matrix ``X`` is written to ``X.npy`` chunk by chunk with
+``ss.data.create_npy`` (so it may be larger than RAM), with responses
+``Y = X @ W + b + noise``. Training streams it with :class:`speedswap.BatchFeeder`
+over a :class:`speedswap.DataGadget` (memory-mapped when the file is larger
+than the RAM available, or with ``--mmap``; the feeder then reads it with
+large ``pread`` calls, not through the map): one gather per batch instead of
+one ``__getitem__`` per row.
 Features are normalised with statistics from one sequential pass, then
 plain SGD on the squared loss runs on the device. Each epoch reports its time,
 the mean loss and ``||w - W||``, the distance of the recovered weights from
@@ -15,13 +17,19 @@ Usage::
     python examples/linear_regression.py                        # 100,000 x 100, random order
     python examples/linear_regression.py --rows 1000000 --features 1000 --order block
     python examples/linear_regression.py --compare              # also TensorDataset + DataLoader
+    python examples/linear_regression.py --rows 6750000 --features 1000 --order block \
+        --cold --ceiling --compare --max-seconds 60 --epochs 2  # 27 GB, larger than a 24 GiB machine's RAM
 
 ``--order block`` is the quasi-random order for files larger than RAM
 (FFCV's QUASI_RANDOM): contiguous blocks read in shuffled order, rows
-shuffled within a window of blocks.
+shuffled within a window of blocks. ``--cold`` empties the page cache for
+the files before every epoch, so each epoch reads from disk; ``--ceiling``
+times ``dd`` reading ``X.npy`` once (the sequential-read ceiling) to compare.
 """
 
 import argparse
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +40,7 @@ import torch
 from tqdm import tqdm
 
 import speedswap as ss
+from speedswap.data.filesource import drop_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import HelpFormatter, add_common_arguments, backend_and_device, write_json  # noqa: E402
@@ -42,7 +51,7 @@ def generate_dataset(directory, rows, features, seed=0, chunk_bytes=64 << 20):
 
     ``X`` is uniform on [0, 1) and ``Y = X @ W + b + N(0, 1)`` with ``W`` and
     ``b`` uniform on [0, 1), as in the FFCV tutorial. Rows are produced
-    ``chunk_bytes`` at a time straight into the memory-mapped file, so a
+    ``chunk_bytes`` at a time and written by ``ss.data.create_npy``, so a
     dataset larger than RAM can be made. An existing dataset of the same
     shape and seed is reused.
 
@@ -58,16 +67,15 @@ def generate_dataset(directory, rows, features, seed=0, chunk_bytes=64 << 20):
             return x_path, y_path, truth["W"], float(truth["b"])
     rng = np.random.default_rng(seed)
     w, b = rng.random(features).astype(np.float32), float(rng.random())
-    x = np.lib.format.open_memmap(x_path, mode="w+", dtype=np.float32, shape=(rows, features))
-    y = np.lib.format.open_memmap(y_path, mode="w+", dtype=np.float32, shape=(rows,))
-    step = max(1, chunk_bytes // (4 * features))
-    for start in range(0, rows, step):
-        chunk = rng.random((min(step, rows - start), features), dtype=np.float32)
-        x[start:start + len(chunk)] = chunk
-        y[start:start + len(chunk)] = chunk @ w + b + rng.standard_normal(len(chunk))
-    x.flush()
-    y.flush()
-    del x, y
+    y = np.empty(rows, dtype=np.float32)  # 4 bytes a row: fits where X does not
+
+    def x_rows(start, stop):
+        chunk = rng.random((stop - start, features), dtype=np.float32)
+        y[start:stop] = chunk @ w + b + rng.standard_normal(stop - start)
+        return chunk
+
+    ss.data.create_npy(x_path, (rows, features), np.float32, x_rows, chunk_bytes=chunk_bytes)
+    np.save(y_path, y)
     np.savez(truth_path, W=w, b=b, shape=(rows, features), seed=seed)
     return x_path, y_path, w, b
 
@@ -83,25 +91,35 @@ def feature_stats(x, batch_size, device):
     return mean.float(), (total_sq / len(x) - mean.pow(2)).sqrt().float()
 
 
-def fit(loader, mean, std, true_w, *, epochs, lr, device, label, progress=True):
+def fit(loader, mean, std, true_w, *, epochs, lr, device, label, progress=True, cold=(),
+        max_seconds=float("inf")):
     """SGD on the squared loss over the normalised features; per-epoch figures.
 
     ``loader`` is any iterable of ``(x, y)`` batches, so the speedswap feeder
-    and the DataLoader baseline run exactly the same arithmetic.
+    and the DataLoader baseline run exactly the same arithmetic. The files in
+    ``cold`` are dropped from the page cache before each epoch. An epoch
+    that passes ``max_seconds`` is stopped, and its time extrapolated from
+    the share of rows it saw (``complete`` says which).
 
     Returns:
-        a list with each epoch's ``seconds``, mean ``loss`` and ``w_distance`` (``||w - W||``).
+        a list with each epoch's ``seconds``, mean ``loss``, ``w_distance``
+        (``||w - W||``) and ``complete``.
     """
     w = torch.zeros(len(mean), device=device)
     b = torch.zeros(1, device=device)
     true_w = torch.from_numpy(true_w).to(device)
     history = []
+    rows = len(loader.dataset) if hasattr(loader, "dataset") else None
     for epoch in range(epochs):
+        for path in cold:
+            drop_cache(path)
         total_loss, seen = 0.0, 0
         start = time.perf_counter()
         # disable=None: bars only on a terminal, so redirected logs are not flooded.
         for x, y in tqdm(loader, desc=f"{label} epoch {epoch + 1}", leave=False,
                          disable=None if progress else True):
+            if time.perf_counter() - start > max_seconds:
+                break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             x = (x - mean) / std
             residual = x @ w + b - y
@@ -110,22 +128,40 @@ def fit(loader, mean, std, true_w, *, epochs, lr, device, label, progress=True):
             total_loss += float(residual.pow(2).sum())
             seen += len(x)
         seconds = time.perf_counter() - start
+        total = rows if rows is not None else loader.rows_per_rank
+        complete = seen == total
+        if not complete:
+            seconds *= total / seen
         # In the normalised coordinates w_j = W_j * std_j, so W is recovered as w / std.
         distance = float(torch.linalg.vector_norm(w / std - true_w))
         history.append({"epoch": epoch + 1, "seconds": seconds, "loss": total_loss / seen,
-                        "w_distance": distance})
+                        "w_distance": distance, "complete": complete})
+        note = "" if complete else f"  (extrapolated from {seen:,} of {total:,} rows)"
         print(f"{label:>10} epoch {epoch + 1}: {seconds:6.2f} s  loss {total_loss / seen:8.4f}  "
-              f"||w - W|| {distance:.4f}")
+              f"||w - W|| {distance:.4f}{note}")
     return history
 
 
 def dataloader(x_path, y_path, batch_size, seed):
-    """The baseline from the FFCV tutorial: the whole file in RAM, TensorDataset + DataLoader."""
+    """The baseline from the FFCV tutorial, over memory maps: TensorDataset + shuffling DataLoader."""
+    import warnings
+
     from torch.utils.data import DataLoader, TensorDataset
 
-    dataset = TensorDataset(torch.from_numpy(np.load(x_path)), torch.from_numpy(np.load(y_path)))
+    with warnings.catch_warnings():  # torch cannot mark a tensor over a read-only map read-only
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        dataset = TensorDataset(torch.from_numpy(np.load(x_path, mmap_mode="r")),
+                                torch.from_numpy(np.load(y_path, mmap_mode="r")))
     return DataLoader(dataset, batch_size=batch_size, shuffle=True,
                       generator=torch.Generator().manual_seed(seed))
+
+
+def dd_seconds(path):
+    """Seconds ``dd bs=16M`` takes to read ``path`` from disk: the sequential-read ceiling."""
+    drop_cache(path)
+    start = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
+    return time.perf_counter() - start
 
 
 def main(argv=None):
@@ -141,7 +177,13 @@ def main(argv=None):
     parser.add_argument("--mmap", action="store_true",
                         help="memory-map X.npy even if it fits in RAM (default: only if it does not)")
     parser.add_argument("--compare", action="store_true",
-                        help="also train from a TensorDataset + DataLoader (loads X into RAM)")
+                        help="also train from a TensorDataset + DataLoader over memory maps of the files")
+    parser.add_argument("--cold", action="store_true",
+                        help="empty the page cache for the files before every epoch (read from disk)")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="time dd reading X.npy once from disk, the sequential-read ceiling")
+    parser.add_argument("--max-seconds", type=float, default=float("inf"),
+                        help="stop a DataLoader epoch after this long and extrapolate its time")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_common_arguments(parser)
     args = parser.parse_args(argv)
@@ -159,17 +201,27 @@ def main(argv=None):
     feeder = ss.BatchFeeder(x, y, batch_size=args.batch_size, order=args.order, seed=args.seed,
                             device=device)
     print(f"speedswap: {x.storage} X, order {args.order!r}, {len(feeder)} batches of {args.batch_size}")
-    options = dict(epochs=args.epochs, lr=args.lr, device=device, progress=not args.quiet)
-    figures = {"rows": args.rows, "features": args.features, "order": args.order,
-               "initial_w_distance": float(np.linalg.norm(true_w)),
+    cold = (x_path, y_path) if args.cold else ()
+    options = dict(epochs=args.epochs, lr=args.lr, device=device, progress=not args.quiet, cold=cold)
+    size = os.path.getsize(x_path)
+    figures = {"rows": args.rows, "features": args.features, "order": args.order, "x_bytes": size,
+               "cold": args.cold, "initial_w_distance": float(np.linalg.norm(true_w)),
+               "load_1min": [os.getloadavg()[0]],
                "speedswap": fit(feeder, mean, std, true_w, label="speedswap", **options)}
+    ours = np.median([e["seconds"] for e in figures["speedswap"]])
+    figures["load_1min"].append(os.getloadavg()[0])
+    if args.ceiling:
+        figures["dd_seconds"] = dd_seconds(x_path)
+        print(f"dd reads X.npy ({size / 1e9:.1f} GB) in {figures['dd_seconds']:.1f} s: a speedswap epoch "
+              f"takes {ours / figures['dd_seconds']:.2f}x that")
     if args.compare:
         figures["dataloader"] = fit(dataloader(x_path, y_path, args.batch_size, args.seed),
-                                    mean, std, true_w, label="DataLoader", **options)
-        ours = np.median([e["seconds"] for e in figures["speedswap"]])
+                                    mean, std, true_w, label="DataLoader", max_seconds=args.max_seconds,
+                                    **options)
         theirs = np.median([e["seconds"] for e in figures["dataloader"]])
         print(f"median epoch: speedswap {ours:.2f} s, DataLoader {theirs:.2f} s "
               f"({theirs / ours:.1f}x)")
+    figures["load_1min"].append(os.getloadavg()[0])
     write_json(args, figures)
     return figures
 

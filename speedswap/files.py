@@ -41,6 +41,7 @@ __all__ = [
     "check_matches",
     "write_h5",
     "row_ranges",
+    "check_size",
     "suffix_format",
     "stored_dtype",
     "read_table_header",
@@ -164,6 +165,21 @@ def read_npy_header(path):
         raise FileFormatError(f"{path!r} is {kind}: its header describes {shape} {dtype} "
                               f"({expected} bytes) but the file has {actual} bytes")
     return TableHeader(tuple(shape), dtype, offset, _table_dtype(dtype))
+
+
+def check_size(path, header: "TableHeader") -> None:
+    """Raise FileFormatError when a ``.npy`` file is shorter than ``header`` says.
+
+    Reading a memory-mapped page past the end of a truncated file kills the
+    process with SIGBUS, so mapped readers check before they touch the pages
+    (a truncation between this check and the read can still crash).
+    """
+    need = header.offset + int(np.prod(header.shape, dtype=np.int64)) * header.dtype.itemsize
+    size = os.path.getsize(path)
+    if size < need:
+        raise FileFormatError(f"{os.fspath(path)!r} is {size:,} bytes but its header needs {need:,}: "
+                              f"it was truncated after it was opened; restore it and rebuild the "
+                              f"DataGadget")
 
 
 def open_npy_memmap(path, writable=True):

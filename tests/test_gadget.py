@@ -223,3 +223,14 @@ def test_closed_gadget_says_so(rng):
     gadget.close()
     with pytest.raises(ss.StateError, match="closed"):
         gadget.get([0])
+
+
+def test_a_mapped_file_truncated_after_opening_raises_not_sigbus(rng, tmp_path):
+    path = tmp_path / "data.npy"
+    np.save(path, random_data(rng, (4096, 64)))
+    gadget = ss.DataGadget(path, mmap=True, backend="numpy")
+    gadget.get([0, 4095])
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(ss.FileFormatError, match="truncated"):
+        gadget.get([4095])

@@ -11,13 +11,16 @@ source per batch: no per-row ``__getitem__``, no collate step.
 [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
 """
 
+import threading
+
 import numpy as np
 import torch
 
-from ..backends import resolve_device
+from ..backends import available_ram, resolve_device
 from ..convert import as_host_array, check_rows, int_option
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
 from ..table import HostTable
+from .filesource import FileRows, RowReader, WindowReader
 from .gadget import DataGadget
 from .orders import make_order, shard
 from .readahead import CudaStager, ReaderThread, SyncReader
@@ -29,15 +32,15 @@ _STATE_KEYS = ("epoch", "batch", "seed", "num_rows", "batch_size", "drop_last", 
 
 
 def _as_tensor(source, what):
-    """``(tensor, mapped)``: a source's rows as a tensor sharing its memory, and whether it is a file map."""
-    if isinstance(source, DataGadget):
-        table = source.table
-        return table.as_tensor().view(source.shape), table.storage == "mmap"
-    if isinstance(source, HostTable):
-        return source.as_tensor(), source.storage == "mmap"
+    """``(tensor, file)``: a source's rows as a tensor sharing its memory, and the file it maps (or None)."""
+    if isinstance(source, (DataGadget, HostTable)):
+        table = source.table if isinstance(source, DataGadget) else source
+        tensor = table.as_tensor().view(source.shape)
+        mapped = table.storage == "mmap" and table.device.type == "cpu"
+        return tensor, FileRows.of(table.to_numpy(), tensor) if mapped else None
     if isinstance(source, torch.Tensor) and source.device.type != "cpu":
         check_rows(source.shape, what)
-        return source.detach().contiguous(), False
+        return source.detach().contiguous(), None
     if not isinstance(source, (np.ndarray, torch.Tensor)):
         raise DTypeError(f"{what} is a {type(source).__name__}; sources must be numpy arrays, "
                          f"memmaps, torch tensors, DataGadgets or HostTables")
@@ -47,7 +50,8 @@ def _as_tensor(source, what):
         flat = np.ascontiguousarray(flat)
     # Shares the array's memory; a memmap stays on disk and is paged in as rows are read.
     table = HostTable.adopt(flat, backend="numpy")
-    return table.as_tensor().view(array.shape), isinstance(flat, np.memmap)
+    tensor = table.as_tensor().view(array.shape)
+    return tensor, FileRows.of(flat, tensor)
 
 
 def _resolve_ranks(rank, world_size):
@@ -90,10 +94,22 @@ class BatchFeeder:
     page-locked staging slots per source by a background thread and copied on
     a side CUDA stream, so batch ``i + 1`` is read and copied while batch ``i``
     trains. On the CPU a background thread reads ``prefetch`` batches ahead
-    when a source is a memory-mapped file (page faults overlap training);
-    in-RAM sources are gathered on the spot, which is faster than any hand-off.
-    An exception met while reading ahead is raised in the training loop.
-    Sources must not be changed while a feeder iterates over them.
+    when a source is a memory-mapped file; in-RAM sources are gathered on the
+    spot, which is faster than any hand-off. An exception met while reading
+    ahead is raised in the training loop. Sources must not be changed while a
+    feeder iterates over them. One thread at a time iterates a feeder: a loop
+    superseded from another thread raises :class:`~speedswap.StateError`.
+
+    **Files.** A memory-mapped source (``np.load(path, mmap_mode="r")``, a
+    mapped DataGadget) is read with ``pread``, never through its map (see
+    :mod:`speedswap.data.filesource`). In ``block`` and ``sequential`` order
+    each block is one large read into RAM the feeder owns, the next window is
+    read while batches come from the current one, so an epoch streams at
+    about the disk's sequential speed; ``random`` order keeps 16 row reads in
+    flight. Resident memory stays within ``max(2, windows one batch spans)``
+    windows of ``window * block_rows`` rows plus ``prefetch + 1`` batches,
+    whatever the file's size. A file truncated while it is read raises
+    :class:`~speedswap.FileFormatError`.
 
     Args:
         *sources: the data, each of shape ``(n, ...)``.
@@ -112,13 +128,20 @@ class BatchFeeder:
             ``drop_last``). Default: from ``torch.distributed`` when it is
             initialised, else a single rank.
         transform: ``transform(batch)`` applied to each batch before it is
-            yielded, on the calling thread.
+            yielded, on the calling thread. A batch whose transform raises
+            is not counted as delivered: resuming yields it again.
+        drop_behind: drop file pages from the page cache once read (they are
+            read once per epoch). Default (None): only when the file sources
+            exceed half the RAM available, since a smaller file stays cached
+            for the next epoch.
         **named_sources: sources by name; batches are then dicts.
 
     Raises:
         OptionError: no sources, both positional and named ones, a bad
             ``batch_size``/``prefetch``/``seed``, an unknown ``order``, a rank
-            outside the world, or a non-callable ``transform``.
+            outside the world, a non-callable ``transform``, or
+            ``drop_last`` with fewer rows per rank than ``batch_size`` (every
+            epoch would be empty).
         ShapeError: sources with different numbers of rows, or none.
         DeviceError: a source on another device than ``device``, or no CUDA.
         DTypeError: a source of an unsupported type or dtype.
@@ -131,7 +154,8 @@ class BatchFeeder:
     """
 
     def __init__(self, *sources, batch_size, order="random", drop_last=False, seed=0, device="auto",
-                 prefetch=2, rank=None, world_size=None, transform=None, **named_sources):
+                 prefetch=2, rank=None, world_size=None, transform=None, drop_behind=None,
+                 **named_sources):
         if sources and named_sources:
             raise OptionError("give the sources either all by position (batches are tuples) or "
                               "all by name (batches are dicts), not both")
@@ -142,12 +166,14 @@ class BatchFeeder:
         seed = int_option(seed, "seed", minimum=0)
         if transform is not None and not callable(transform):
             raise OptionError(f"transform must be callable, got {type(transform).__name__}")
+        if drop_behind not in (None, True, False):
+            raise OptionError(f"drop_behind must be True, False or None (decide by size), got {drop_behind!r}")
         self._names = tuple(named_sources) if named_sources else None
         items = named_sources.items() if named_sources else enumerate(sources)
         described = [(f"source {key!r}", source) for key, source in items]
         columns = [_as_tensor(source, what) for what, source in described]
         self._columns = tuple(tensor for tensor, _ in columns)
-        self._mapped = any(mapped for _, mapped in columns)
+        self._files = {k: file for k, (_, file) in enumerate(columns) if file is not None}
         lengths = {what: len(tensor) for (what, _), tensor in zip(described, self._columns)}
         if len(set(lengths.values())) != 1:
             raise ShapeError(f"sources must have the same number of rows, got "
@@ -167,14 +193,21 @@ class BatchFeeder:
         self._seed = int(seed)
         self._prefetch = int(prefetch)
         self._rank, self._world_size = _resolve_ranks(rank, world_size)
+        if self._drop_last and self.rows_per_rank < self._batch_size:
+            raise OptionError(f"batch_size={self._batch_size} with drop_last=True leaves every epoch "
+                              f"empty: each of the {self._world_size} rank(s) gets {self.rows_per_rank} "
+                              f"rows; use a batch_size <= {self.rows_per_rank} or drop_last=False")
         self._transform = transform
+        file_bytes = sum(f.row_bytes * f.num_rows for f in self._files.values())
+        self._drop_behind = file_bytes > available_ram() // 2 if drop_behind is None else drop_behind
         self._stager = (CudaStager(self._device, sum(t.device.type == "cpu" for t in self._columns),
                                    self._prefetch + 2)
                         if self._device.type == "cuda" else None)
         self._epoch = 0
         self._batch = 0
         self._generation = 0  # bumped whenever the position is set from outside an iteration
-        self._reader = None
+        self._lock = threading.Lock()  # the position and generation change together
+        self._readers = ()  # the running loop's batch reader and file reader
         self._ids = (None, None, None)  # (epoch, CPU ids, device ids) of the epoch being read
 
     # ------------------------------------------------------------ properties
@@ -213,9 +246,11 @@ class BatchFeeder:
 
     # -------------------------------------------------------------- position
     def _reposition(self, epoch, batch):
+        with self._lock:
+            self._generation += 1
+            self._epoch, self._batch = epoch, batch
+        # After the bump: a loop on another thread that wakes up sees it was superseded.
         self._stop_reader()
-        self._generation += 1
-        self._epoch, self._batch = epoch, batch
 
     def set_epoch(self, epoch):
         """Start epoch ``epoch`` from its first batch (its order depends on it).
@@ -272,9 +307,18 @@ class BatchFeeder:
         return self._ids[1], self._ids[2]
 
     def _stop_reader(self):
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        readers, self._readers = self._readers, ()
+        for reader in readers:  # the batch reader first: it may be waiting on the file reader
+            reader.close()
+
+    def _file_reader(self, ids, epoch):
+        """The reader of this epoch's file sources: whole blocks if the order has windows, else rows."""
+        files = list(self._files.values())
+        windows = getattr(self._order, "windows", None)
+        if windows is None:
+            return RowReader(files, ids.numpy(), drop_behind=self._drop_behind)
+        return WindowReader(files, ids.numpy(), self._batch_size, self._order.block_rows,
+                            windows(self._num_rows, self._seed, epoch), drop_behind=self._drop_behind)
 
     def __iter__(self):
         self._reposition(self._epoch, self._batch)
@@ -287,28 +331,43 @@ class BatchFeeder:
         ids, device_ids = self._epoch_ids(epoch)
         size = self._batch_size
 
+        files = self._file_reader(ids, epoch) if self._files else None
+
         def read(k):
-            lo, hi = k * size, (k + 1) * size
+            lo, hi = k * size, min((k + 1) * size, len(ids))
+            # File sources come already gathered, in batch order.
+            parts = {} if files is None else dict(zip(self._files, files.read(lo, hi)))
             if self._stager is not None:
                 return self._stager.launch(self._columns, ids[lo:hi],
-                                           None if device_ids is None else device_ids[lo:hi])
-            return tuple(torch.index_select(column, 0, ids[lo:hi]) for column in self._columns), None
+                                           None if device_ids is None else device_ids[lo:hi], parts)
+            return tuple(parts[j] if j in parts else torch.index_select(column, 0, ids[lo:hi])
+                         for j, column in enumerate(self._columns)), None
 
-        threaded = self._prefetch > 0 and (self._stager is not None or self._mapped)
-        reader = ReaderThread(read, start, count, self._prefetch) if threaded else SyncReader(read, start)
-        self._reader = reader
+        threaded = self._prefetch > 0 and (self._stager is not None or files is not None)
+        try:
+            reader = ReaderThread(read, start, count, self._prefetch) if threaded else SyncReader(read, start)
+        except BaseException:
+            if files is not None:  # no thread to read for it: close its files now
+                files.close()
+            raise
+        readers = self._readers = (reader,) if files is None else (reader, files)
         try:
             for _ in range(start, count):
                 self._check_current(generation)
-                tensors, done = reader.next()
-                self._batch += 1
-                if self._batch == count:
-                    self._epoch, self._batch = self._epoch + 1, 0
-                yield self._finish(tensors, done)
+                batch = self._finish(*reader.next())
+                # Counted only once transformed (a batch whose transform raised comes
+                # again on resume), and only if no other thread moved the feeder meanwhile.
+                with self._lock:
+                    self._check_current(generation)
+                    self._batch += 1
+                    if self._batch == count:
+                        self._epoch, self._batch = self._epoch + 1, 0
+                yield batch
         finally:
-            reader.close()
-            if self._reader is reader:
-                self._reader = None
+            for each in readers:
+                each.close()
+            if self._readers is readers:
+                self._readers = ()
 
     def _check_current(self, generation):
         if self._generation != generation:

@@ -217,12 +217,16 @@ class DataGadget:
 
         Raises:
             IdError, DTypeError, DeviceError: bad ids.
+            FileFormatError: a memory-mapped file was truncated since the gadget was built.
         """
-        rows = self._live_table().gather(idx)
+        table = self._live_table()
+        if self._path is not None and table.storage == "mmap":
+            files.check_size(self._path, self._header)  # not SIGBUS on a truncated file
+        rows = table.gather(idx)
         return rows.view(*rows.shape[:-1], *self._row_shape)
 
     def put(self, t, idx):
-        """Write ``t[i]`` into row ``idx[i]``.
+        """Write ``t[i]`` into row ``idx[i]`` (through to the file when memory-mapped; see :meth:`flush`).
 
         Args:
             t: values of shape ``(*idx.shape, *row_shape)`` with the dataset's
@@ -243,6 +247,19 @@ class DataGadget:
         values = t.reshape(count, table.dim) if isinstance(t, torch.Tensor) else \
             np.asarray(t).reshape(count, table.dim)
         table.scatter(idx, values)
+
+    def flush(self):
+        """Make rows written with :meth:`put` durable: a mapped file is synced to disk.
+
+        ``put`` on a memory-mapped gadget writes through to the file at once
+        (other readers of the file, a :class:`~speedswap.BatchFeeder`
+        included, see the new rows); ``flush`` waits until they are on disk.
+        For in-memory data it only waits for pending device writes.
+
+        Raises:
+            StateError: the gadget is closed.
+        """
+        self._live_table().flush()
 
     # ------------------------------------------------------------------ files
     def save(self, path):

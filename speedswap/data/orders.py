@@ -27,6 +27,14 @@ __all__ = ["Order", "RandomOrder", "BlockOrder", "SequentialOrder", "ORDERS", "m
 BLOCK_BYTES = 4 << 20
 
 
+def _chosen(order):
+    """The order's ``block_rows``; raises if nobody chose one."""
+    if order.block_rows is None:
+        raise OptionError(f"{type(order).__name__}(block_rows=None) needs a block size; build it with "
+                          f"make_order(order, row_bytes) or pass block_rows")
+    return order.block_rows
+
+
 def _generator(seed, epoch):
     # A SeedSequence of the pair, not seed + epoch: (seed=0, epoch=1) and
     # (seed=1, epoch=0) must not give the same order.
@@ -36,8 +44,11 @@ def _generator(seed, epoch):
 class Order:
     """An epoch order: which permutation of the rows each epoch reads.
 
-    Subclasses set :attr:`name` and implement :meth:`indices`; the feeder
-    calls nothing else, so any object with these two methods is an order.
+    Subclasses set :attr:`name` and implement :meth:`indices`. An order that
+    visits the rows a window of contiguous blocks at a time also has
+    ``block_rows`` and ``windows(num_rows, seed, epoch)`` (see
+    :meth:`BlockOrder.windows`): the feeder then reads a file source in whole
+    blocks instead of row by row.
     """
 
     name = None
@@ -61,13 +72,31 @@ class Order:
 
 
 class SequentialOrder(Order):
-    """Rows in file order, every epoch the same."""
+    """Rows in file order, every epoch the same.
+
+    Args:
+        block_rows: rows per block when a file source is read a window of
+            blocks at a time (see :meth:`windows`); None lets :func:`make_order`
+            pick about 4 MiB of rows. It does not change the order.
+        window: blocks read together.
+    """
 
     name = "sequential"
+
+    def __init__(self, block_rows=None, window=8):
+        self.block_rows = None if block_rows is None else int_option(block_rows, "SequentialOrder block_rows")
+        self.window = int_option(window, "SequentialOrder window")
 
     def indices(self, num_rows, seed, epoch):
         """``arange(num_rows)``; ``seed`` and ``epoch`` are ignored."""
         return np.arange(num_rows, dtype=np.int64)
+
+    def windows(self, num_rows, seed, epoch):
+        """The blocks in file order, ``window`` at a time (see :meth:`BlockOrder.windows`)."""
+        num_blocks = -(-num_rows // _chosen(self))
+        grid = np.full(-(-num_blocks // self.window) * self.window, -1, dtype=np.int64)
+        grid[:num_blocks] = np.arange(num_blocks)
+        return grid.reshape(-1, self.window)
 
 
 class RandomOrder(Order):
@@ -109,6 +138,7 @@ class BlockOrder(Order):
     def __init__(self, block_rows=None, window=8):
         self.block_rows = None if block_rows is None else int_option(block_rows, "BlockOrder block_rows")
         self.window = int_option(window, "BlockOrder window")
+        self._last = (None, None)
 
     def indices(self, num_rows, seed, epoch):
         """Blocks shuffled, then rows shuffled within each window of blocks (see :meth:`Order.indices`).
@@ -116,11 +146,32 @@ class BlockOrder(Order):
         Raises:
             OptionError: ``block_rows`` was never chosen (use :func:`make_order`).
         """
-        if self.block_rows is None:
-            raise OptionError("BlockOrder(block_rows=None) needs a block size; build it with "
-                              "make_order(order, row_bytes) or pass block_rows")
+        return self._layout(num_rows, seed, epoch)[1]
+
+    def windows(self, num_rows, seed, epoch):
+        """Which blocks each window of the epoch holds, in the order the epoch reads them.
+
+        A file source is read one window at a time: the rows of window ``k``
+        are exactly the rows of its blocks, and the epoch's indices visit
+        window 0's rows, then window 1's, ... (each window shuffled within).
+
+        Returns:
+            numpy.ndarray of int64, shape ``(num_windows, window)``: block ids
+            (block ``b`` is rows ``[b * block_rows, (b + 1) * block_rows)``),
+            ``-1`` where the last window is short.
+        """
+        return self._layout(num_rows, seed, epoch)[0]
+
+    def _layout(self, num_rows, seed, epoch):
+        # The feeder asks for an epoch's indices and then its windows: compute them once.
+        key = (num_rows, seed, epoch, self.block_rows, self.window)
+        if self._last[0] != key:
+            self._last = (key, self._compute_layout(num_rows, seed, epoch))
+        return self._last[1]
+
+    def _compute_layout(self, num_rows, seed, epoch):
+        size, window = _chosen(self), self.window
         rng = _generator(seed, epoch)
-        size, window = self.block_rows, self.window
         num_blocks = -(-num_rows // size)
         num_windows = -(-num_blocks // window)
         # A (windows, window * size) grid of row ids, block after block in the
@@ -132,7 +183,7 @@ class BlockOrder(Order):
         grid = blocks[:, None] * size + np.arange(size, dtype=np.int64)
         grid[(blocks < 0)[:, None] | (grid >= num_rows)] = -1
         grid = rng.permuted(grid.reshape(num_windows, window * size), axis=1).reshape(-1)
-        return grid[grid >= 0]
+        return blocks.reshape(num_windows, window), grid[grid >= 0]
 
     def describe(self):
         return {"name": self.name, "block_rows": self.block_rows, "window": self.window}
@@ -164,8 +215,8 @@ def make_order(order, row_bytes):
     if not isinstance(order, tuple(ORDERS.values())):
         raise OptionError(f"order must be one of {sorted(ORDERS)} or an order object, "
                           f"got {type(order).__name__}")
-    if isinstance(order, BlockOrder) and order.block_rows is None:
-        order = BlockOrder(max(1, BLOCK_BYTES // max(1, int(row_bytes))), order.window)
+    if isinstance(order, (BlockOrder, SequentialOrder)) and order.block_rows is None:
+        order = type(order)(max(1, BLOCK_BYTES // max(1, int(row_bytes))), order.window)
     return order
 
 

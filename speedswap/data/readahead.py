@@ -6,7 +6,8 @@ Two pieces, used together or alone:
   a fixed number of batches ahead, and hands them over through a bounded
   queue. An exception raised while reading is handed over in place of the
   batch and re-raised in the training loop; the thread always posts either a
-  batch or an error for every batch it owes, so the loop never waits forever.
+  batch or an error for every batch it owes, and a loop waiting for a batch
+  wakes up when another thread closes the reader, so it never waits forever.
 * :class:`CudaStager` moves a batch to the GPU the way FFCV does: rows are
   gathered on the CPU into a ring of page-locked staging slots
   (:class:`~speedswap.backends.staging.StagingRing`, one event per slot so
@@ -21,6 +22,8 @@ import threading
 import weakref
 
 import torch
+
+from ..errors import StateError
 
 __all__ = ["SyncReader", "ReaderThread", "CudaStager"]
 
@@ -67,7 +70,7 @@ class ReaderThread:
         depth: how many finished batches may wait in the queue.
     """
 
-    _POLL_S = 0.05  # how often a reader blocked on a full queue checks for close()
+    _POLL_S = 0.05  # how often a thread blocked on the queue checks for close()
 
     def __init__(self, read, start, stop, depth):
         self._queue = queue.Queue(maxsize=depth)
@@ -99,8 +102,20 @@ class ReaderThread:
 
         Raises:
             Exception: whatever reading the batch raised, with its traceback.
+            StateError: another thread closed this reader (it moved the feeder)
+                while this one waited.
         """
-        ok, value = self._queue.get()
+        while True:
+            try:
+                ok, value = self._queue.get(timeout=self._POLL_S)
+                break
+            except queue.Empty:
+                # The reader posts nothing more once closed: without this check
+                # a loop on another thread than the closing one would wait forever.
+                if self._closing.is_set():
+                    raise StateError("this loop's read-ahead was stopped by another thread (set_epoch, "
+                                     "load_state_dict or a new loop over the feeder); iterate the "
+                                     "feeder anew, from one thread at a time") from None
         if ok:
             return value
         self.close()
@@ -111,11 +126,6 @@ class ReaderThread:
         self._closing.set()
         self._thread.join()
         _RUNNING.discard(self)
-
-    @property
-    def alive(self):
-        """Whether the reader thread is still running."""
-        return self._thread.is_alive()
 
 
 class CudaStager:
@@ -140,7 +150,7 @@ class CudaStager:
         self._stream = torch.cuda.Stream(device)
         self._rings = [StagingRing(device, slots) for _ in range(host_columns)]
 
-    def launch(self, columns, ids, device_ids):
+    def launch(self, columns, ids, device_ids, gathered):
         """Start moving rows ``ids`` of every column to the GPU; returns before the copies finish.
 
         Args:
@@ -148,6 +158,8 @@ class CudaStager:
                 gathered on the CPU and staged, device ones gathered on the GPU.
             ids: the batch's row ids, a CPU int64 tensor.
             device_ids: the same ids on the GPU (None when no column is on it).
+            gathered: ``{column index: CPU tensor}`` of columns whose batch was
+                already read (file sources); they are staged whole.
 
         Returns:
             ``(tensors, event)``: the batch's device tensors and the event that
@@ -156,13 +168,17 @@ class CudaStager:
         rings = iter(self._rings)
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             out = []
-            for column in columns:
+            for k, column in enumerate(columns):
                 if column.device.type == "cuda":
                     out.append(torch.index_select(column, 0, device_ids))
                     continue
                 target = torch.empty((len(ids), *column.shape[1:]), dtype=column.dtype,
                                      device=self._device)
-                out.append(next(rings).gather(column, ids, target))
+                if k in gathered:
+                    column, rows = gathered[k], torch.arange(len(ids))
+                else:
+                    rows = ids
+                out.append(next(rings).gather(column, rows, target))
             done = torch.cuda.Event()
             done.record(self._stream)
         return tuple(out), done

@@ -1,0 +1,116 @@
+"""Build a ``.npy`` dataset larger than RAM, chunk by chunk.
+
+>>> import numpy as np, tempfile, os, speedswap as ss
+>>> path = os.path.join(tempfile.mkdtemp(), "x.npy")
+>>> x = ss.data.create_npy(path, (10, 3), np.float32, lambda lo, hi: np.full((hi - lo, 3), lo, np.float32),
+...                        chunk_bytes=48)
+>>> np.load(path)[:, 0].tolist()
+[0.0, 0.0, 0.0, 0.0, 4.0, 4.0, 4.0, 4.0, 8.0, 8.0]
+"""
+
+import os
+import sys
+
+import numpy as np
+from tqdm import tqdm
+
+from ..convert import check_rows, int_option, numpy_dtype
+from ..errors import DTypeError, ShapeError
+
+__all__ = ["create_npy"]
+
+#: Written data is synced and dropped from the page cache this often, so a
+#: file larger than RAM does not push everything else out of memory.
+_SYNC_BYTES = 1 << 30
+
+
+def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=None):
+    """Create a ``.npy`` file of ``shape``/``dtype`` and return it as a writable memory map.
+
+    Without ``fill`` the file is created sparse (disk is used as rows are
+    written) and you write rows into the returned map; ``map.flush()`` makes
+    them durable. With ``fill``, ``fill(start, stop)`` is called for
+    consecutive chunks of about ``chunk_bytes`` and must return rows
+    ``start .. stop - 1``; they are written with ``pwrite`` (not through a
+    map, so the process's resident memory stays at one chunk), synced and
+    dropped from the page cache every GiB, into a temporary file renamed to
+    ``path`` once complete: a failure leaves no half-written dataset behind.
+
+    Args:
+        path: the ``.npy`` file to create (replaced if it exists).
+        shape: ``(num_rows, ...)``.
+        dtype: a numpy dtype speedswap supports.
+        fill: optional ``fill(start, stop) -> array`` of shape ``(stop - start, *shape[1:])``.
+        chunk_bytes: bytes per ``fill`` call.
+        progress: show a tqdm bar while filling; None shows it only on a terminal.
+
+    Returns:
+        numpy.memmap opened ``r+`` over the file.
+
+    Raises:
+        ShapeError: a bad ``shape``, or ``fill`` returned rows of another shape.
+        DTypeError: an unsupported ``dtype``, or ``fill`` returned another dtype
+            that does not convert safely.
+        OptionError: a non-positive ``chunk_bytes``.
+
+    Example:
+        >>> x = create_npy("X.npy", (10**8, 100), np.float32,                  # doctest: +SKIP
+        ...                lambda lo, hi: rng.random((hi - lo, 100), dtype=np.float32))
+    """
+    shape = tuple(int(d) for d in shape)
+    check_rows(shape, "the dataset")
+    dtype = np.dtype(dtype)
+    numpy_dtype(dtype)
+    chunk_bytes = int_option(chunk_bytes, "chunk_bytes")
+    path = os.fspath(path)
+    if fill is None:
+        return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+    partial = f"{path}.partial-{os.getpid()}"
+    try:
+        header = np.lib.format.open_memmap(partial, mode="w+", dtype=dtype, shape=shape)
+        offset = header.offset
+        del header
+        _fill(partial, offset, shape, dtype, fill, chunk_bytes, progress)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return np.lib.format.open_memmap(path, mode="r+")
+
+
+def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress):
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    step = max(1, chunk_bytes // max(1, row_bytes))
+    disable = not sys.stderr.isatty() if progress is None else not progress
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        unsynced = 0
+        with tqdm(total=shape[0] * row_bytes, unit="B", unit_scale=True, desc=os.path.basename(path),
+                  disable=disable) as bar:
+            for start in range(0, shape[0], step):
+                stop = min(start + step, shape[0])
+                rows = np.asarray(fill(start, stop))
+                if rows.shape != (stop - start, *shape[1:]):
+                    raise ShapeError(f"fill({start}, {stop}) returned shape {rows.shape}; expected "
+                                     f"{(stop - start, *shape[1:])} (rows start .. stop - 1)")
+                if rows.dtype != dtype and not np.can_cast(rows.dtype, dtype, "same_kind"):
+                    raise DTypeError(f"fill({start}, {stop}) returned {rows.dtype}; the file holds "
+                                     f"{dtype}: return {dtype} rows")
+                data = np.ascontiguousarray(rows, dtype=dtype)
+                view, written = memoryview(data).cast("B"), 0
+                while written < len(view):
+                    written += os.pwrite(fd, view[written:], offset + start * row_bytes + written)
+                unsynced += len(view)
+                if unsynced >= _SYNC_BYTES:
+                    _sync_and_drop(fd)
+                    unsynced = 0
+                bar.update(len(view))
+        _sync_and_drop(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_and_drop(fd):
+    # Written pages are dirty until synced, and only clean pages can be dropped.
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

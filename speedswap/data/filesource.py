@@ -1,0 +1,310 @@
+"""Rows of memory-mapped ``.npy`` sources read with ``pread``: whole blocks a window at a time, or rows in parallel.
+
+A :class:`~speedswap.BatchFeeder` never reads a file source through its
+memory map. Page faults fetch a few pages at a time, so rows shuffled inside
+a window of blocks defeat the kernel's read-ahead; every page touched counts
+in the process's resident memory and stays in the page cache; and a file
+truncated under a map kills the process with SIGBUS. ``pread`` into RAM the
+feeder owns has none of these problems: a short read becomes a
+:class:`~speedswap.FileFormatError`.
+
+* :class:`WindowReader` serves orders that visit a window of contiguous
+  blocks at a time (``block``, ``sequential``). Each block is one large
+  ``pread`` into a fixed arena of window slots; the next window is read on
+  I/O threads while batches are gathered from the current one, and each
+  block is dropped from the page cache once copied (``drop_behind``).
+* :class:`RowReader` serves ``random`` order: each batch's rows are read by
+  several threads at once, so the disk sees many requests in flight.
+
+Both take validated input from the feeder; their I/O runs on a small thread
+pool and only there, so closing a reader (shut the pool, then close the file
+descriptors) never races a read.
+"""
+
+import concurrent.futures
+import mmap
+import os
+
+import numpy as np
+import torch
+
+from ..errors import FileFormatError, StateError
+
+__all__ = ["FileRows", "WindowReader", "RowReader", "drop_cache"]
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def drop_cache(path):
+    """Drop a file's clean pages from the page cache, so its next read comes from disk.
+
+    Args:
+        path: the file.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be dropped until they are written
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class FileRows:
+    """Where a source's rows lie in a file: ``num_rows`` rows of ``row_bytes`` from byte ``offset``.
+
+    Args:
+        path: the file.
+        offset: byte offset of row 0.
+        num_rows: rows.
+        row_shape: the torch shape of one row.
+        dtype: the torch dtype of the rows.
+    """
+
+    def __init__(self, path, offset, num_rows, row_shape, dtype):
+        self.path, self.offset, self.num_rows = path, int(offset), int(num_rows)
+        self.row_shape, self.dtype = tuple(row_shape), dtype
+        self.row_bytes = int(np.prod(row_shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def of(cls, array, tensor):
+        """The file behind ``array``, or None when it is not a shared file map pread can read.
+
+        Args:
+            array: a host numpy array (the source's memory), C-contiguous.
+            tensor: the source's tensor view of it (gives the row shape and dtype).
+        """
+        handle = getattr(array, "_mmap", None)
+        # A copy-on-write map ("c") may hold private changes pread would not see.
+        if not isinstance(array, np.memmap) or handle is None or array.mode == "c" or not array.filename:
+            return None
+        if not array.flags.c_contiguous:
+            return None
+        # numpy maps from the allocation-granularity boundary below the memmap's
+        # offset, and views keep that offset: the array's file offset follows
+        # from its address inside the map.
+        base = np.frombuffer(handle, dtype=np.uint8).ctypes.data
+        start = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
+        offset = start + array.ctypes.data - base
+        return cls(array.filename, offset, len(array), tensor.shape[1:], tensor.dtype)
+
+
+class _PoolReader:
+    """Open file descriptors and the I/O thread pool shared by both readers."""
+
+    def __init__(self, files, threads, drop_behind, advice):
+        self._files = files
+        self._fds = []
+        try:
+            for file in files:
+                self._fds.append(os.open(file.path, os.O_RDONLY))
+                os.posix_fadvise(self._fds[-1], 0, 0, advice)
+        except OSError:
+            self._close_fds()
+            raise
+        self._drop = drop_behind
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="speedswap-io")
+        self._closed = False
+
+    def _read(self, column, first, count, out):
+        """``pread`` rows ``[first, first + count)`` of file ``column`` into the uint8 array ``out``."""
+        file, fd = self._files[column], self._fds[column]
+        view = memoryview(out).cast("B")
+        position, end = file.offset + first * file.row_bytes, file.offset + (first + count) * file.row_bytes
+        done = 0
+        while done < len(view):  # a regular file returns less only at its end, but loop to be sure
+            got = os.preadv(fd, [view[done:]], position + done)
+            if got == 0:
+                size = os.fstat(fd).st_size
+                raise FileFormatError(
+                    f"{file.path!r} ends at byte {size:,} but rows {first}..{first + count - 1} need "
+                    f"bytes up to {end:,}: the file was truncated or rewritten while the feeder read "
+                    f"it; restore it (or rebuild the DataGadget/memmap) and resume from a state_dict")
+            done += got
+        if self._drop:
+            # Read once per epoch: keep it out of the page cache (drop behind). The
+            # kernel drops only whole pages inside the range, so round it out: a
+            # page shared with a row not read yet is read again then, and the
+            # page cache stays bounded whatever the row size.
+            first_page = position - position % _PAGE
+            os.posix_fadvise(fd, first_page, end - first_page + _PAGE - 1 - (end - 1) % _PAGE,
+                             os.POSIX_FADV_DONTNEED)
+
+    def _submit(self, fn, *args):
+        if self._closed:
+            raise StateError("this feeder loop's file reader was closed by another thread (set_epoch, "
+                             "load_state_dict or a new loop); iterate the feeder anew, one thread at a time")
+        return self._pool.submit(fn, *args)
+
+    @staticmethod
+    def _wait(futures):
+        try:
+            for future in futures:
+                future.result()
+        except concurrent.futures.CancelledError:
+            raise StateError("this feeder loop's file reader was closed by another thread (set_epoch, "
+                             "load_state_dict or a new loop); iterate the feeder anew") from None
+
+    def _close_fds(self):
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def close(self):
+        """Cancel reads not started, wait for running ones, close the files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._close_fds()
+
+
+class RowReader(_PoolReader):
+    """Reads a batch's rows from files with ``threads`` ``pread`` calls in flight (random order).
+
+    Args:
+        files: the :class:`FileRows` of the file sources.
+        ids: this rank's row ids for the whole epoch (int64 numpy array, in range).
+        threads: reads in flight at once.
+        drop_behind: drop each row from the page cache once read.
+    """
+
+    def __init__(self, files, ids, threads=16, drop_behind=True):
+        super().__init__(files, threads, drop_behind, os.POSIX_FADV_RANDOM)
+        self._ids, self._threads = ids, threads
+
+    def read(self, lo, hi):
+        """Positions ``[lo, hi)`` of the epoch, one fresh CPU tensor per file.
+
+        Raises:
+            FileFormatError: a file is shorter than its rows.
+            StateError: the reader was closed by another thread.
+        """
+        ids = self._ids[lo:hi]
+        outs = [torch.empty((len(ids), *f.row_shape), dtype=f.dtype) for f in self._files]
+        # Each thread takes a stretch of the sorted ids: nearby rows go to the
+        # disk together, and a thread's requests arrive in ascending order.
+        order = np.argsort(ids, kind="stable")
+        futures = [self._submit(self._rows, column, ids, part, out.view(-1).view(torch.uint8).numpy())
+                   for column, out in enumerate(outs)
+                   for part in np.array_split(order, min(self._threads, len(ids)))]
+        self._wait(futures)
+        return outs
+
+    def _rows(self, column, ids, positions, out):
+        size = self._files[column].row_bytes
+        for position in positions.tolist():
+            self._read(column, int(ids[position]), 1, out[position * size:(position + 1) * size])
+
+
+class WindowReader(_PoolReader):
+    """Serves an epoch that visits a window of contiguous blocks at a time from RAM, reading ahead.
+
+    The epoch's windows are read in order into an arena of ``slots`` window
+    slots per file (one large ``pread`` per block), ``slots - 1`` windows
+    ahead of the batch being gathered; a window's slot is reused once no
+    later batch needs it. A batch is one ``index_select`` from the arena. The
+    few rows a window no longer resident holds (the padding that evens out
+    ranks repeats the epoch's first rows) are read directly.
+
+    Args:
+        files: the :class:`FileRows` of the file sources.
+        ids: this rank's row ids for the whole epoch (int64 numpy array).
+        batch_size: rows per batch.
+        block_rows: rows per block.
+        windows: ``(num_windows, window)`` block ids in reading order, ``-1``
+            padded (an order's ``windows(...)``); the epoch visits them in turn.
+        threads: blocks read at once.
+        drop_behind: drop each block from the page cache once copied.
+    """
+
+    def __init__(self, files, ids, batch_size, block_rows, windows, threads=2, drop_behind=True):
+        # RANDOM turns the kernel's read-ahead off: a block is read whole by its own
+        # pread, and read-ahead past its end would fetch the neighbouring block,
+        # which this epoch reads at another time (or, with drop_behind, reads again).
+        super().__init__(files, threads, drop_behind, os.POSIX_FADV_RANDOM)
+        num_rows = files[0].num_rows
+        self._ids, self._size, self._block_rows = ids, batch_size, block_rows
+        self._windows = windows
+        num_blocks = -(-num_rows // block_rows)
+        # No window holds more blocks than the file has (small files, large blocks).
+        self._window_rows = min(windows.shape[1], num_blocks) * block_rows
+        self._window_of_block = np.empty(num_blocks, dtype=np.int64)
+        self._slot_of_block = np.empty(num_blocks, dtype=np.int64)
+        valid = windows >= 0
+        self._window_of_block[windows[valid]] = np.nonzero(valid)[0]
+        self._slot_of_block[windows[valid]] = np.nonzero(valid)[1]
+        # The windows in reading order are non-decreasing along the epoch
+        # except for padding rows: `frontier` is the window each position
+        # needs resident, `needed` the windows this rank really visits. Kept
+        # as int32, 4 bytes a row: the only per-row array besides the ids.
+        frontier = np.maximum.accumulate(self._window_of_block[ids // block_rows])
+        self._needed = np.unique(frontier)
+        self._frontier = np.searchsorted(self._needed, frontier).astype(np.int32)
+        del frontier
+        lo = np.arange(0, len(ids), batch_size)
+        hi = np.minimum(lo + batch_size, len(ids)) - 1
+        span = int((self._frontier[hi] - self._frontier[lo]).max()) + 1 if len(ids) else 1
+        self._slots = max(2, span)
+        self._arenas = [torch.empty((self._slots * self._window_rows, f.row_bytes), dtype=torch.uint8)
+                        for f in files]
+        self._typed = [a.view(f.dtype).view(len(a), *f.row_shape) for a, f in zip(self._arenas, files)]
+        self._resident = {}  # index into `needed` -> (slot, futures)
+        self._free = list(range(self._slots))
+        self._next = None  # index into `needed` of the next window to read
+
+    def read(self, lo, hi):
+        """Positions ``[lo, hi)`` of the epoch (batches come in order), one fresh CPU tensor per file.
+
+        Raises:
+            FileFormatError: a file is shorter than its rows.
+            StateError: the reader was closed by another thread.
+        """
+        first, last = int(self._frontier[lo]), int(self._frontier[hi - 1])
+        for index in [i for i in self._resident if i < first]:
+            slot, futures = self._resident.pop(index)
+            self._wait(futures)  # a slot is rewritten only after its reads finished
+            self._free.append(slot)
+        if self._next is None or self._next < first:
+            self._next = first
+        while self._free and self._next < len(self._needed):
+            self._load(self._next)
+            self._next += 1
+        for index in range(first, last + 1):
+            self._wait(self._resident[index][1])
+        ids = self._ids[lo:hi]
+        blocks = ids // self._block_rows
+        wins = self._window_of_block[blocks]
+        slots = np.zeros(hi - lo, dtype=np.int64)
+        held = np.zeros(hi - lo, dtype=bool)
+        for index in range(first, last + 1):
+            here = wins == self._needed[index]
+            slots[here], held[here] = self._resident[index][0], True
+        local = (slots * self._window_rows + self._slot_of_block[blocks] * self._block_rows
+                 + ids - blocks * self._block_rows)
+        local[~held] = 0
+        local = torch.from_numpy(local)
+        outs = [torch.index_select(typed, 0, local) for typed in self._typed]
+        stray = np.nonzero(~held)[0]
+        if len(stray):
+            futures = [self._submit(self._read, column, int(ids[p]), 1,
+                                    out[p].view(-1).view(torch.uint8).numpy())
+                       for column, out in enumerate(outs) for p in stray]
+            self._wait(futures)
+        return outs
+
+    def _load(self, index):
+        slot = self._free.pop()
+        blocks = self._windows[self._needed[index]]
+        futures = []
+        # Blocks in file order, so the requests in flight are close together on disk.
+        for position in np.argsort(blocks):
+            block = int(blocks[position])
+            if block < 0:
+                continue
+            first = block * self._block_rows
+            count = min(self._block_rows, self._files[0].num_rows - first)
+            row = slot * self._window_rows + int(position) * self._block_rows
+            for column, arena in enumerate(self._arenas):
+                futures.append(self._submit(self._read, column, first, count,
+                                            arena[row:row + count].numpy()))
+        self._resident[index] = (slot, futures)

@@ -1,0 +1,235 @@
+"""BatchFeeder over files read with pread: same stream as from memory, bounded memory, errors not signals."""
+
+import ctypes
+import mmap
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import speedswap as ss
+from speedswap.data.filesource import drop_cache
+from speedswap.data.orders import BlockOrder
+
+from test_feeder import io_threads, reader_threads, run_with_deadline
+
+
+def write(path, array):
+    np.save(path, array)
+    return np.load(path, mmap_mode="r")
+
+
+def stream(feeder, epochs=1):
+    return [[t.numpy().copy() for t in batch] for _ in range(epochs) for batch in feeder]
+
+
+@pytest.mark.parametrize("order", ["random", "block", "sequential", BlockOrder(block_rows=7, window=3)])
+@pytest.mark.parametrize("world_size, drop_last", [(1, False), (1, True), (3, False), (3, True)])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_file_source_gives_the_stream_of_the_same_data_in_memory(tmp_path, rng, order, world_size,
+                                                                   drop_last, prefetch):
+    n, batch = int(rng.integers(200, 2000)), int(rng.integers(1, 60))
+    data = rng.uniform(1, 2, size=(n, 3)).astype(np.float32)
+    mapped = write(tmp_path / "x.npy", data)
+    labels = write(tmp_path / "y.npy", np.arange(n))
+    for rank in range(world_size):
+        def make(*sources):
+            return ss.BatchFeeder(*sources, batch_size=batch,
+                                  order=order, seed=3, device="cpu", rank=rank, world_size=world_size,
+                                  drop_last=drop_last, prefetch=prefetch)
+        # Two epochs each, so the order of epoch 1 (a new permutation) is compared too.
+        from_files = stream(make(labels, mapped), epochs=2)
+        from_memory = stream(make(np.arange(n), data), epochs=2)
+        assert len(from_files) == len(from_memory) > 0
+        for (ids, rows), (ids0, rows0) in zip(from_files, from_memory):
+            np.testing.assert_array_equal(ids, ids0)  # the same order, batch by batch
+            np.testing.assert_array_equal(rows, data[ids])
+
+
+def test_a_mapped_data_gadget_is_read_from_its_file_and_sees_put_rows(tmp_path, rng):
+    data = rng.uniform(1, 2, size=(500, 2, 4)).astype(np.float32)
+    np.save(tmp_path / "x.npy", data)
+    gadget = ss.DataGadget(str(tmp_path / "x.npy"), mmap=True, backend="numpy")
+    assert gadget.storage == "mmap"
+    new = -data[[3, 7]]
+    gadget.put(new, np.array([3, 7]))  # writes through to the file ...
+    gadget.flush()                     # ... and is on disk after flush
+    data[[3, 7]] = new
+    with open(tmp_path / "x.npy", "rb") as f:  # an independent reader of the file
+        f.seek(np.load(tmp_path / "x.npy", mmap_mode="r").offset)
+        np.testing.assert_array_equal(np.frombuffer(f.read(), np.float32).reshape(data.shape), data)
+    feeder = ss.BatchFeeder(np.arange(500), gadget, batch_size=64, order=BlockOrder(16, 2), device="cpu")
+    for ids, rows in feeder:
+        np.testing.assert_array_equal(rows.numpy(), data[ids.numpy()])
+
+
+def rss_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", [BlockOrder(block_rows=256, window=4), "random"])
+def test_resident_memory_stays_within_the_budget_for_a_file_four_times_larger(tmp_path, order):
+    row_bytes, batch, prefetch = 4096, 256, 2
+    window_bytes = 256 * 4 * row_bytes                            # 4 MiB
+    budget = 2 * window_bytes + (prefetch + 2) * batch * row_bytes + (48 << 20)  # + 48 MiB for the allocator
+    rows = 4 * budget // row_bytes
+    rng = np.random.default_rng(0)
+    x = ss.data.create_npy(tmp_path / "x.npy", (rows, row_bytes // 4), np.float32,
+                           lambda lo, hi: rng.random((hi - lo, row_bytes // 4), dtype=np.float32),
+                           progress=False)
+    del x
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    feeder = ss.BatchFeeder(mapped, batch_size=batch, order=order, device="cpu", prefetch=prefetch)
+    index_bytes = 4 * 8 * rows  # the epoch's order and the reader's per-row arrays
+    before, peak, total = rss_bytes(), 0, 0.0
+    for (x,) in feeder:
+        total += float(x[:, 0].sum())  # use the batch, as training would
+        peak = max(peak, rss_bytes())
+    assert peak - before <= budget + index_bytes, (
+        f"RSS grew by {(peak - before) / 2**20:.0f} MiB over a {rows * row_bytes / 2**20:.0f} MiB file "
+        f"(budget {(budget + index_bytes) / 2**20:.0f} MiB)")
+
+
+def cached_fraction(path):
+    """The share of ``path``'s pages in the page cache (mincore over a fresh map)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(np.frombuffer(mapped, np.uint8).ctypes.data, size, vec) == 0, ctypes.get_errno()
+        return sum(v & 1 for v in vec) / pages
+
+
+@pytest.mark.parametrize("order", ["block", "random"])
+def test_drop_behind_keeps_an_epoch_out_of_the_page_cache(tmp_path, order):
+    mapped = write(tmp_path / "x.npy", np.random.default_rng(0).random((8192, 512), dtype=np.float32))
+    for drop_behind in (False, True):
+        drop_cache(tmp_path / "x.npy")
+        assert cached_fraction(tmp_path / "x.npy") < 0.05  # a cold start
+        feeder = ss.BatchFeeder(mapped, batch_size=512, order=order, device="cpu", drop_behind=drop_behind)
+        assert sum(len(x) for (x,) in feeder) == 8192
+        fraction = cached_fraction(tmp_path / "x.npy")
+        assert fraction < 0.05 if drop_behind else fraction > 0.9, (drop_behind, fraction)
+
+
+TRUNCATE = textwrap.dedent("""
+    import os, sys, numpy as np, speedswap as ss
+    from speedswap.data.orders import BlockOrder, SequentialOrder
+    # Blocks far smaller than the file, so most of it is still unread when it is cut.
+    orders = {"block": BlockOrder(100, 2), "sequential": SequentialOrder(100, 2), "random": "random"}
+    for name, order in orders.items():
+        path = os.path.join(sys.argv[1], name + ".npy")
+        np.save(path, np.ones((20000, 64), np.float32))
+        feeder = ss.BatchFeeder(np.load(path, mmap_mode="r"), batch_size=100, order=order, device="cpu")
+        batches = iter(feeder)
+        for _ in range(3):
+            next(batches)
+        os.truncate(path, os.path.getsize(path) // 10)
+        try:
+            for _ in batches:
+                pass
+        except ss.FileFormatError as exc:
+            print(name, "raised:", exc)
+    """)
+
+
+def test_a_file_truncated_under_a_running_feeder_raises_instead_of_sigbus(tmp_path):
+    # In a subprocess: a SIGBUS would kill pytest itself.
+    done = subprocess.run([sys.executable, "-c", TRUNCATE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, f"exit status {done.returncode} (-7 is SIGBUS): {done.stderr}"
+    for order in ("block", "sequential", "random"):
+        assert f"{order} raised:" in done.stdout, done.stdout + done.stderr
+    assert "truncated" in done.stdout
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_loop_waiting_for_read_ahead_wakes_up_when_another_thread_moves_the_feeder(tmp_path, monkeypatch,
+                                                                                    prefetch):
+    mapped = write(tmp_path / "x.npy", np.arange(4000))
+    feeder = ss.BatchFeeder(mapped, batch_size=100, order=BlockOrder(block_rows=100, window=2),
+                            device="cpu", prefetch=prefetch)
+    real = os.preadv
+
+    def slow(*args):  # a slow disk: the loop is waiting for reads when set_epoch comes
+        time.sleep(0.2)
+        return real(*args)
+
+    monkeypatch.setattr(os, "preadv", slow)
+    started = threading.Event()
+
+    def loop():
+        started.set()
+        return [b for b in feeder]
+
+    outcome = {}
+    waiter = threading.Thread(target=lambda: outcome.update(run_with_deadline(loop, seconds=60)))
+    waiter.start()
+    started.wait()
+    time.sleep(0.3)
+    feeder.set_epoch(1)  # from this thread, while the loop waits on the other
+    waiter.join()
+    assert isinstance(outcome.get("error"), ss.StateError), outcome
+    monkeypatch.setattr(os, "preadv", real)
+    assert reader_threads() == [] and io_threads() == []
+    assert feeder.epoch == 1 and len(list(feeder)) == 40
+
+
+@pytest.mark.parametrize("source", ["memory", "file"])
+def test_a_batch_whose_transform_raised_comes_again_on_resume(tmp_path, source):
+    data = np.arange(100) if source == "memory" else write(tmp_path / "x.npy", np.arange(100))
+    calls = []
+
+    def transform(batch):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("bad batch")
+        return batch
+
+    feeder = ss.BatchFeeder(data, batch_size=10, order="random", seed=2, device="cpu", transform=transform)
+    first = []
+    with pytest.raises(ValueError, match="bad batch"):
+        for (ids,) in feeder:
+            first.append(ids.numpy())
+    assert len(first) == 2 and feeder.state_dict()["batch"] == 2
+    resumed = ss.BatchFeeder(data, batch_size=10, order="random", seed=2, device="cpu")
+    resumed.load_state_dict(feeder.state_dict())
+    rest = [ids.numpy() for (ids,) in resumed]
+    np.testing.assert_array_equal(np.sort(np.concatenate(first + rest)), np.arange(100))
+
+
+@pytest.mark.parametrize("n, batch, world_size", [(10, 11, 1), (10, 3, 4), (5, 2, 8)])
+def test_drop_last_with_a_batch_larger_than_the_data_raises(n, batch, world_size):
+    with pytest.raises(ss.OptionError, match="empty.*batch_size <="):
+        ss.BatchFeeder(np.arange(n), batch_size=batch, drop_last=True, rank=0, world_size=world_size,
+                       device="cpu")
+    assert len(ss.BatchFeeder(np.arange(n), batch_size=batch, drop_last=False, rank=0,
+                              world_size=world_size, device="cpu")) > 0
+
+
+def test_create_npy_fills_chunk_by_chunk_and_leaves_nothing_on_failure(tmp_path, rng):
+    data = rng.uniform(1, 2, size=(1000, 5)).astype(np.float32)
+    x = ss.data.create_npy(tmp_path / "x.npy", data.shape, np.float32, lambda lo, hi: data[lo:hi],
+                           chunk_bytes=999, progress=False)
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), data)
+    x[0] = 7.0  # the returned map is writable and writes reach the file
+    x.flush()
+    assert np.load(tmp_path / "x.npy")[0].tolist() == [7.0] * 5
+    with pytest.raises(ss.ShapeError, match=r"fill\(0, 10\) returned shape \(10, 4\)"):
+        ss.data.create_npy(tmp_path / "x.npy", (20, 5), np.float32,
+                           lambda lo, hi: np.ones((hi - lo, 4), np.float32), chunk_bytes=200)
+    assert np.load(tmp_path / "x.npy")[0].tolist() == [7.0] * 5  # the previous file is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
+    empty = ss.data.create_npy(tmp_path / "e.npy", (3, 2), np.int64)
+    empty[:] = [[1, 2], [3, 4], [5, 6]]
+    empty.flush()
+    assert np.load(tmp_path / "e.npy").tolist() == [[1, 2], [3, 4], [5, 6]]
