@@ -276,6 +276,15 @@ class HostTable:
         return self._backend.device
 
     @property
+    def moves_on_device(self) -> bool:
+        """Whether :meth:`gather` runs on the device (a zero-copy kernel or a device table).
+
+        Such a table takes ids on the device and needs no CPU work or staging
+        copy; the others are gathered by the CPU.
+        """
+        return self._backend.ids_device(self._live_buffer()).type != "cpu"
+
+    @property
     def path(self):
         """The backing file of an ``mmap`` table, else None."""
         return self._path

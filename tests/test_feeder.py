@@ -391,3 +391,24 @@ def test_gpu_batches_match_the_cpu_and_stay_valid(rng, tmp_path):
         np.testing.assert_array_equal(b.cpu().numpy(), data[ids.numpy()])
         torch.testing.assert_close(c.cpu(), on_gpu.cpu()[ids], rtol=0, atol=0)
     assert sorted(torch.cat([k[0].cpu() for k in kept]).tolist()) == list(range(n))
+
+
+@pytest.mark.gpu
+def test_pinned_sources_go_through_the_zero_copy_kernel_not_staging(rng):
+    """A pinned table's rows reach the batch in one kernel, not a CPU gather plus a copy."""
+    n = 4000
+    data = random_data(rng, (n, 3, 7))
+    gadget = ss.DataGadget(data, CPUPinn=True, backend="cuda")
+    labels = np.arange(n)
+    feeder = ss.BatchFeeder(gadget, labels, batch_size=300, seed=4, device="cuda", prefetch=2)
+    if not gadget.table.moves_on_device:
+        pytest.skip("no zero-copy kernels here (CuPy missing): pinned rows are staged")
+    assert list(feeder._kernel_tables) == [0]
+    assert len(feeder._stager._rings) == 1  # the labels only
+    seen = []
+    for rows, ids in feeder:
+        seen.append((rows, ids))
+    torch.cuda.synchronize()
+    for rows, ids in seen:
+        np.testing.assert_array_equal(rows.cpu().numpy(), data[ids.cpu().numpy()])
+    assert sorted(torch.cat([ids.cpu() for _, ids in seen]).tolist()) == list(range(n))

@@ -31,10 +31,17 @@ _STATE_KEYS = ("epoch", "batch", "seed", "num_rows", "batch_size", "drop_last", 
                "world_size", "order")
 
 
+def _table_of(source):
+    """The HostTable behind a DataGadget or HostTable source, else None."""
+    if isinstance(source, DataGadget):
+        return source.table
+    return source if isinstance(source, HostTable) else None
+
+
 def _as_tensor(source, what):
     """``(tensor, file)``: a source's rows as a tensor sharing its memory, and the file it maps (or None)."""
     if isinstance(source, (DataGadget, HostTable)):
-        table = source.table if isinstance(source, DataGadget) else source
+        table = _table_of(source)
         tensor = table.as_tensor().view(source.shape)
         mapped = table.storage == "mmap" and table.device.type == "cpu"
         return tensor, FileRows.of(table.to_numpy(), tensor) if mapped else None
@@ -173,6 +180,7 @@ class BatchFeeder:
         described = [(f"source {key!r}", source) for key, source in items]
         columns = [_as_tensor(source, what) for what, source in described]
         self._columns = tuple(tensor for tensor, _ in columns)
+        tables = [_table_of(source) for _, source in described]
         self._files = {k: file for k, (_, file) in enumerate(columns) if file is not None}
         lengths = {what: len(tensor) for (what, _), tensor in zip(described, self._columns)}
         if len(set(lengths.values())) != 1:
@@ -200,8 +208,14 @@ class BatchFeeder:
         self._transform = transform
         file_bytes = sum(f.row_bytes * f.num_rows for f in self._files.values())
         self._drop_behind = file_bytes > available_ram() // 2 if drop_behind is None else drop_behind
-        self._stager = (CudaStager(self._device, sum(t.device.type == "cpu" for t in self._columns),
-                                   self._prefetch + 2)
+        # Pinned tables the zero-copy kernel reads go straight into the device
+        # batch: no CPU gather, no staging copy.
+        self._kernel_tables = {k: t for k, t in enumerate(tables)
+                               if t is not None and t.device == self._device and t.moves_on_device
+                               and self._columns[k].device.type == "cpu"}
+        host_columns = sum(t.device.type == "cpu" for t in self._columns) - len(self._kernel_tables)
+        self._stager = (CudaStager(self._device, host_columns, self._prefetch + 2,
+                                   self._kernel_tables)
                         if self._device.type == "cuda" else None)
         self._epoch = 0
         self._batch = 0
@@ -301,7 +315,8 @@ class BatchFeeder:
         if self._ids[0] != epoch:
             order = self._order.indices(self._num_rows, self._seed, epoch)
             ids = torch.from_numpy(shard(order, self._rank, self._world_size, self._drop_last))
-            on_device = (ids.to(self._device) if any(t.device.type == "cuda" for t in self._columns)
+            on_device = (ids.to(self._device)
+                         if self._kernel_tables or any(t.device.type == "cuda" for t in self._columns)
                          else None)
             self._ids = (epoch, ids, on_device)
         return self._ids[1], self._ids[2]

@@ -142,13 +142,17 @@ class CudaStager:
         host_columns: how many sources live in host memory (one staging ring each).
         slots: staging slots per source; reads ahead by up to ``slots - 1`` batches
             without waiting for a copy.
+        kernel_tables: ``{column index: HostTable}`` of sources in pinned memory
+            that the zero-copy kernel gathers straight into the batch on the
+            GPU (no staging ring for them).
     """
 
-    def __init__(self, device, host_columns, slots):
+    def __init__(self, device, host_columns, slots, kernel_tables=None):
         from ..backends.staging import StagingRing  # torch-only; no CuPy import
         self._device = device
         self._stream = torch.cuda.Stream(device)
         self._rings = [StagingRing(device, slots) for _ in range(host_columns)]
+        self._kernel_tables = dict(kernel_tables or {})
 
     def launch(self, columns, ids, device_ids, gathered):
         """Start moving rows ``ids`` of every column to the GPU; returns before the copies finish.
@@ -157,7 +161,8 @@ class CudaStager:
             columns: the feeder's source tensors, in order; host ones are
                 gathered on the CPU and staged, device ones gathered on the GPU.
             ids: the batch's row ids, a CPU int64 tensor.
-            device_ids: the same ids on the GPU (None when no column is on it).
+            device_ids: the same ids on the GPU (None when no column is on it or
+                read by a kernel).
             gathered: ``{column index: CPU tensor}`` of columns whose batch was
                 already read (file sources); they are staged whole.
 
@@ -174,6 +179,10 @@ class CudaStager:
                     continue
                 target = torch.empty((len(ids), *column.shape[1:]), dtype=column.dtype,
                                      device=self._device)
+                if k in self._kernel_tables:  # ids were checked when the epoch was drawn
+                    self._kernel_tables[k].gather_validated(device_ids, target.view(len(ids), -1))
+                    out.append(target)
+                    continue
                 if k in gathered:
                     column, rows = gathered[k], torch.arange(len(ids))
                 else:
