@@ -15,8 +15,9 @@ from .version import __version__
 from .table import HostTable
 from .train import OffloadedEmbedding, ShardedOffloadedEmbedding, load_sharded
 from .data import BatchFeeder
-from .compat import (DataGadget, GPUPytorchModelFactory, GPUPytorchOptimizerFactory,
-                     ModelFactory, OptimizerFactory)
+from .compat import (CPUPytorchModelFactory, CPUPytorchOptimizerFactory, DataGadget,
+                     GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
+                     OptimizerFactory)
 
 __all__ = [
     "__version__",
@@ -28,6 +29,8 @@ __all__ = [
     "OptimizerFactory",
     "GPUPytorchModelFactory",
     "GPUPytorchOptimizerFactory",
+    "CPUPytorchModelFactory",
+    "CPUPytorchOptimizerFactory",
     "DataGadget",
     "BatchFeeder",
     "STORAGE_KINDS",

@@ -5,8 +5,10 @@ Everything SpeedTorch users call lives here as a thin layer over the core
 so the core never learns SpeedTorch's vocabulary.
 """
 
-from .speedtorch import (DataGadget, GPUPytorchModelFactory, GPUPytorchOptimizerFactory,
-                         ModelFactory, OptimizerFactory)
+from .speedtorch import (CPUPytorchModelFactory, CPUPytorchOptimizerFactory, DataGadget,
+                         GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
+                         OptimizerFactory)
 
 __all__ = ["ModelFactory", "OptimizerFactory", "GPUPytorchModelFactory",
-           "GPUPytorchOptimizerFactory", "DataGadget"]
+           "GPUPytorchOptimizerFactory", "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory",
+           "DataGadget"]

@@ -22,6 +22,7 @@ the step touches, so the optimizer's work scales with the batch, not with the
 capacity, and no unused slot is updated.
 """
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -30,14 +31,19 @@ import torch
 from ..backends import get_backend
 from ..data.gadget import DataGadget as CoreDataGadget
 from ..convert import int_option, torch_dtype
-from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
+from ..errors import DeviceError, DTypeError, FileFormatError, OptionError, ShapeError, StateError
 from ..train.row_state import NarrowedStep, RowState
 from ..train.step_hooks import StepHooks
 from ..table import HostTable
 from .steps import register_steps, steps_for
 
 __all__ = ["ModelFactory", "OptimizerFactory", "GPUPytorchModelFactory",
-           "GPUPytorchOptimizerFactory", "DataGadget"]
+           "GPUPytorchOptimizerFactory", "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory",
+           "DataGadget"]
+
+
+def _is_torch_file(path):
+    return os.path.splitext(os.fspath(path))[1].lower() in (".pt", ".pth")
 
 
 def _storage_of(CPUPinn):
@@ -84,7 +90,7 @@ class _Switcher:
             raise DTypeError(f"the model's embedding holds {param.dtype} but the table would "
                              f"hold {torch_dtype(dtype)}; pass the same dtype")
         self._param = param
-        self._full = param.data
+        self._built_for = (param.dtype, param.device)
         self._steps = steps_for(param, total_classes)
         self._gathered = None
 
@@ -97,6 +103,25 @@ class _Switcher:
             raise DeviceError(f"the table's rows move to {table.device} but the model's "
                               f"embedding is on {self._param.device}; move the model with "
                               f".to({str(table.device)!r}) or pick the matching backend")
+
+    def _param_rows(self):
+        """The parameter's storage now; it must still be the dtype and device it was built with.
+
+        ``model.double()``, ``.half()``, ``.to(device)`` after the switcher was
+        built give the parameter new storage of another kind, which the host
+        table cannot fill: training would silently stop.
+
+        Raises:
+            OptionError: the parameter was converted since.
+        """
+        data = self._param.data
+        if (data.dtype, data.device) != self._built_for:
+            dtype, device = self._built_for
+            raise OptionError(f"the model's embedding was converted to {data.dtype} on "
+                              f"{data.device} after {type(self).__name__} was built for {dtype} on "
+                              f"{device}; convert the model first (model.to(...), .double(), ...) "
+                              f"and build the switchers after it, with the matching datatype")
+        return data
 
     def _check_idle(self, what):
         if self._gathered is not None:
@@ -216,12 +241,13 @@ class ModelFactory(_Switcher):
         if self._gathered is not None:
             raise StateError("before_forward called twice without after_step; finish the "
                              "step with after_step(ids) so its rows are written back")
+        rows = self._param_rows()
         step = self._steps.prepare(pos, neg)
         self._check_placeholders(step)
         self._steps.commit(step)
         k = len(step.rows)
         with torch.no_grad():
-            self.table.gather_validated(step.rows, self._full[:k])
+            self.table.gather_validated(step.rows, rows[:k])
         for placeholder, local in zip(self._placeholders or (), step.locals):
             placeholder.view(-1).copy_(local.view(-1))
         self._gathered = step
@@ -238,7 +264,7 @@ class ModelFactory(_Switcher):
                 ``before_forward`` on this switcher; nothing is written.
         """
         step = self._finish(pos, neg)
-        self.table.scatter_validated(step.rows, self._full[:len(step.rows)])
+        self.table.scatter_validated(step.rows, self._param_rows()[:len(step.rows)])
         self._gathered = None
 
     # ------------------------------------------------------------ whole table
@@ -288,10 +314,54 @@ class ModelFactory(_Switcher):
         """A copy of the table as a numpy array, as SpeedTorch returned (``to_numpy()`` shares memory)."""
         return self.to_numpy(copy=True)
 
+    def saveTorch(self, path) -> None:
+        """SpeedTorch's ``saveTorch``: ``*.pt``/``*.pth`` through ``torch.save`` (the table as one
+        CPU tensor, as SpeedTorch wrote it); other suffixes as :meth:`save`."""
+        if _is_torch_file(path):
+            torch.save(self.table.as_tensor().cpu().clone(), path)
+        else:
+            self.save(path)
+
+    def loadTorch(self, path) -> None:
+        """SpeedTorch's ``loadTorch``: reads ``*.pt``/``*.pth`` with ``torch.load(weights_only=True)``.
+
+        Raises:
+            FileFormatError: the file holds no tensor of the table's shape and dtype (nothing changes).
+        """
+        if not _is_torch_file(path):
+            self.load(path)
+            return
+        self._check_idle("loadTorch")
+        try:
+            tensor = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise FileFormatError(f"{os.fspath(path)!r} is not a readable torch file ({exc})") from exc
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != self.table.shape \
+                or tensor.dtype != self.table.dtype:
+            what = (f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor)
+                    else type(tensor).__name__)
+            raise FileFormatError(f"{os.fspath(path)!r} holds {what}, but this table is "
+                                  f"{self.table.shape} {self.table.dtype}")
+        self.table.as_tensor().copy_(tensor)
+
+    def getTorchVar(self) -> torch.Tensor:
+        """SpeedTorch's ``getTorchVar``: the full table as a torch tensor sharing its memory."""
+        return self.table.as_tensor()
+
+    def getCupyVar(self):
+        """SpeedTorch returned the CuPy array behind the table; speedswap keeps CuPy out of its API.
+
+        Raises:
+            OptionError: always; use :meth:`getTorchVar` (a torch view) or :meth:`to_numpy`.
+        """
+        raise OptionError("speedswap hands out no CuPy arrays: use getTorchVar() for a torch view "
+                          "of the table, to_numpy() for a numpy view (cupy.asarray(...) of the "
+                          "torch view if you need CuPy)")
+
     beforeForwardPass = before_forward
     afterOptimizerStep = after_step
-    saveCupy = saveTorch = save
-    loadCupy = loadTorch = load
+    saveCupy = save
+    loadCupy = load
 
 
 def _parameter_named(model, variable_name):
@@ -393,6 +463,7 @@ class OptimizerFactory(_Switcher):
         if self._gathered is not None:
             raise StateError("before_forward called twice without after_step; finish the "
                              "step with after_step(ids) so its state rows are written back")
+        self._param_rows()
         step = self._steps.prepare(pos, neg)
         self._steps.commit(step)
         self.state.gather(step.rows)
@@ -430,6 +501,26 @@ class OptimizerFactory(_Switcher):
     optInit = init_state
     beforeForwardPass = before_forward
     afterOptimizerStep = after_step
+    saveCupy = save
+    loadCupy = load
+
+
+class CPUPytorchModelFactory(ModelFactory):
+    """SpeedTorch's ``CPUPytorchModelFactory``: the table in pinned host memory (``storage="pinned"``)."""
+
+    def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32", *,
+                 backend="auto"):
+        super().__init__(model_variable, total_classes, embed_dimension, datatype,
+                         storage="pinned", backend=backend)
+
+
+class CPUPytorchOptimizerFactory(OptimizerFactory):
+    """SpeedTorch's ``CPUPytorchOptimizerFactory``: the state tables in pinned host memory."""
+
+    def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
+                 dtype="float32", *, backend="auto"):
+        super().__init__(given_optimizer, total_classes, embed_dimension, model, variable_name,
+                         dtype, storage="pinned", backend=backend)
 
 
 class GPUPytorchModelFactory(ModelFactory):
@@ -490,7 +581,12 @@ class DataGadget(CoreDataGadget):
         """SpeedTorch's name for :meth:`put` (same argument order: data, then indexes)."""
         self.put(dataObject, indexes)
 
-    getData = CoreDataGadget.get
+    def getData(self, indexes, negIndexes=None):
+        """SpeedTorch's ``getData``: rows of ``indexes`` (and of ``negIndexes``, as a pair)."""
+        if negIndexes is None:
+            return self.get(indexes)
+        return self.get(indexes), self.get(negIndexes)
+
     gadgetInit = CoreDataGadget.read
     saveCupy = CoreDataGadget.save
     loadCupy = CoreDataGadget.load

@@ -274,7 +274,11 @@ class RowCache:
             self._fill(victims, weights[placed],
                        {name: values[placed] for name, values in states.items()})
         rest = miss_pos[cached:]
-        if len(rest):
+        if len(rest) == len(rows):
+            # Nothing cached this step (always so with cache_rows=0): the rows go back as they
+            # are, without gathering copies of the working set.
+            self._write_host(rows, weights, states)
+        elif len(rest):
             self._write_host(rows[rest], weights[rest],
                              None if states is None else {n: v[rest] for n, v in states.items()})
         self._step["steps"] = 1

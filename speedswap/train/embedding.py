@@ -126,6 +126,21 @@ class OffloadedEmbedding(torch.nn.Module):
         self._hooks = None
         self.cache_rows, self._cache = cache_rows, None
 
+    def _apply(self, fn, recurse=True):
+        # nn.Module's dtype and device conversions (model.double(), .half(),
+        # .to(device), .cuda()) would give `weight` new storage that the host
+        # table cannot fill: training would silently stop. Conversions to what
+        # the embedding already is (model.to(its device), .float() of a float32
+        # one) change nothing and go through.
+        probe = fn(torch.zeros(1, dtype=self.weight.dtype, device=self.weight.device))
+        if (probe.dtype, probe.device) != (self.weight.dtype, self.weight.device):
+            raise OptionError(
+                f"an OffloadedEmbedding cannot be converted to {probe.dtype} on {probe.device} "
+                f"after it is built (its table and optimizer state live on the host for "
+                f"{self.table.dtype} rows on {self.weight.device}); build it with "
+                f"dtype=..., device=... (backend='numpy' for the CPU) instead")
+        return super()._apply(fn, recurse)
+
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
                 f"storage={self.table.storage!r}"

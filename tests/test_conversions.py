@@ -1,0 +1,49 @@
+"""model.double(), .half(), .to(device) after construction never silently stop training."""
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+
+ROWS, DIM = 50, 4
+
+
+def test_embedding_refuses_a_dtype_conversion_and_keeps_training(rng):
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=8, storage="pageable", backend="numpy")
+    model = torch.nn.Sequential(emb)
+    for convert in (model.double, model.half, model.bfloat16):
+        with pytest.raises(ss.OptionError, match="cannot be converted"):
+            convert()
+        assert emb.weight.dtype is torch.float32
+    model.float()           # what it already is: fine
+    model.to("cpu")
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    emb.attach(opt)
+    before = emb.table.to_numpy(copy=True)
+    ids = torch.from_numpy(rng.choice(ROWS, size=6, replace=False))
+    emb(ids).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    after = emb.table.to_numpy()
+    np.testing.assert_allclose(after[ids.numpy()], before[ids.numpy()] - 0.5)
+    untouched = np.setdiff1d(np.arange(ROWS), ids.numpy())
+    np.testing.assert_array_equal(after[untouched], before[untouched])
+
+
+def test_switchers_refuse_a_model_converted_after_them(rng):
+    model = torch.nn.Embedding(8, DIM)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    u = ss.ModelFactory(model, ROWS, DIM, CPUPinn=True, backend="numpy")
+    u.uniformDistributionInit(-0.1, 0.1)
+    o = ss.OptimizerFactory(opt, ROWS, DIM, torch.nn.ModuleDict({"e": model}), "e",
+                            CPUPinn=True, backend="numpy")
+    table = u.to_numpy(copy=True)
+    model.double()
+    ids = torch.tensor([3, 7, 3])
+    with pytest.raises(ss.OptionError, match="converted to torch.float64"):
+        u.before_forward(ids)
+    with pytest.raises(ss.OptionError, match="build the switchers after it"):
+        o.before_forward(ids)
+    np.testing.assert_array_equal(u.to_numpy(), table)  # nothing changed
+    assert u._steps.current is None

@@ -1,0 +1,106 @@
+"""SpeedTorch's documented API, name by name: each works as SpeedTorch's did, or says what replaces it."""
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+
+ROWS, DIM = 60, 4
+
+MODEL_FACTORY = ["zerosInit", "uniformDistributionInit", "normalDistributionInit", "customInit",
+                 "variableTransformer", "beforeForwardPass", "afterOptimizerStep", "saveCupy",
+                 "loadCupy", "saveTorch", "loadTorch", "getNumpyVersion", "getTorchVar", "getCupyVar"]
+OPTIMIZER_FACTORY = ["optInit", "beforeForwardPass", "afterOptimizerStep", "saveCupy", "loadCupy"]
+DATA_GADGET = ["gadgetInit", "getData", "insertData", "saveCupy", "loadCupy", "getNumpyVersion"]
+CLASSES = ["ModelFactory", "OptimizerFactory", "DataGadget", "GPUPytorchModelFactory",
+           "GPUPytorchOptimizerFactory", "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory"]
+
+
+def switchers():
+    model = torch.nn.Embedding(8, DIM)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    u = ss.ModelFactory(model, ROWS, DIM, CPUPinn=True, backend="numpy")
+    o = ss.OptimizerFactory(opt, ROWS, DIM, torch.nn.ModuleDict({"e": model}), "e",
+                            CPUPinn=True, backend="numpy")
+    return model, opt, u, o
+
+
+def test_every_documented_name_exists():
+    for name in CLASSES:
+        assert hasattr(ss, name), name
+    _, _, u, o = switchers()
+    gadget = ss.DataGadget(np.ones((3, 2), np.float32), backend="numpy")
+    for obj, names in ((u, MODEL_FACTORY), (o, OPTIMIZER_FACTORY), (gadget, DATA_GADGET)):
+        missing = [n for n in names if not callable(getattr(obj, n, None))]
+        assert not missing, f"{type(obj).__name__} lacks {missing}"
+
+
+def test_save_and_load_torch_files_as_speedtorch_wrote_them(rng, tmp_path):
+    _, _, u, _ = switchers()
+    u.uniformDistributionInit(-1.0, 1.0)
+    table = u.getNumpyVersion()
+    u.saveTorch(tmp_path / "u.pt")
+    saved = torch.load(tmp_path / "u.pt", weights_only=True)
+    np.testing.assert_array_equal(saved.numpy(), table)        # a plain torch tensor
+    u.zerosInit()
+    u.loadTorch(tmp_path / "u.pt")
+    np.testing.assert_array_equal(u.getNumpyVersion(), table)
+    torch.save(torch.ones(3, 3), tmp_path / "other.pt")
+    with pytest.raises(ss.FileFormatError, match=r"\(3, 3\)"):
+        u.loadTorch(tmp_path / "other.pt")
+    np.testing.assert_array_equal(u.getNumpyVersion(), table)   # nothing changed
+    u.saveTorch(tmp_path / "u.npy")                              # other suffixes: as save
+    np.testing.assert_array_equal(np.load(tmp_path / "u.npy"), table)
+
+
+def test_get_numpy_version_is_a_copy_and_get_torch_var_a_view():
+    _, _, u, _ = switchers()
+    u.uniformDistributionInit(-1.0, 1.0)
+    copy = u.getNumpyVersion()
+    copy /= np.linalg.norm(copy, axis=1, keepdims=True)          # SpeedTorch users normalise it
+    assert not np.allclose(u.to_numpy(), copy)                   # the table is untouched
+    u.getTorchVar()[0] = 5.0
+    assert (u.to_numpy()[0] == 5.0).all()
+
+
+def test_get_cupy_var_names_the_replacement():
+    _, _, u, _ = switchers()
+    with pytest.raises(ss.OptionError, match="getTorchVar"):
+        u.getCupyVar()
+
+
+def test_optimizer_factory_save_cupy_round_trip(tmp_path):
+    model, opt, u, o = switchers()
+    u.uniformDistributionInit(-1.0, 1.0)
+    ids = torch.tensor([1, 5, 1])
+    local = u.beforeForwardPass(ids)
+    o.beforeForwardPass(ids)
+    model(local).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    u.afterOptimizerStep(ids)
+    o.afterOptimizerStep(ids)
+    state = o.state.tables["sum"].to_numpy(copy=True)
+    o.saveCupy(tmp_path / "opt")
+    o.optInit()
+    o.loadCupy(tmp_path / "opt")
+    np.testing.assert_array_equal(o.state.tables["sum"].to_numpy(), state)
+
+
+def test_get_data_takes_positive_and_negative_indexes(rng):
+    data = rng.standard_normal((20, 3)).astype(np.float32)
+    gadget = ss.DataGadget(data, backend="numpy")
+    pos, neg = gadget.getData(np.array([1, 2]), np.array([[3, 4], [5, 6]]))
+    np.testing.assert_array_equal(pos.numpy(), data[[1, 2]])
+    np.testing.assert_array_equal(neg.numpy(), data[[[3, 4], [5, 6]]])
+    np.testing.assert_array_equal(gadget.getData([7]).numpy(), data[[7]])
+
+
+def test_cpu_pytorch_factories_keep_pinned_tables():
+    model = torch.nn.Embedding(8, DIM)
+    u = ss.CPUPytorchModelFactory(model, ROWS, DIM, backend="numpy")
+    o = ss.CPUPytorchOptimizerFactory(torch.optim.Adam(model.parameters()), ROWS, DIM,
+                                      torch.nn.ModuleDict({"e": model}), "e", backend="numpy")
+    assert u.table.storage == "pinned"
+    assert all(t.storage == "pinned" for t in o.state.tables.values())
