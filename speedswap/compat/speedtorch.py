@@ -505,40 +505,27 @@ class OptimizerFactory(_Switcher):
     loadCupy = load
 
 
-class CPUPytorchModelFactory(ModelFactory):
-    """SpeedTorch's ``CPUPytorchModelFactory``: the table in pinned host memory (``storage="pinned"``)."""
+def _with_storage(base, storage, name, where):
+    """SpeedTorch's per-storage class names: ``base`` with every table in ``storage``."""
 
-    def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32", *,
-                 backend="auto"):
-        super().__init__(model_variable, total_classes, embed_dimension, datatype,
-                         storage="pinned", backend=backend)
+    def __init__(self, *args, backend="auto", **kwargs):
+        if "storage" in kwargs:
+            raise OptionError(f"{name} keeps its tables in {storage!r} storage; use "
+                              f"{base.__name__}(..., storage=...) for another kind")
+        base.__init__(self, *args, storage=storage, backend=backend, **kwargs)
 
-
-class CPUPytorchOptimizerFactory(OptimizerFactory):
-    """SpeedTorch's ``CPUPytorchOptimizerFactory``: the state tables in pinned host memory."""
-
-    def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
-                 dtype="float32", *, backend="auto"):
-        super().__init__(given_optimizer, total_classes, embed_dimension, model, variable_name,
-                         dtype, storage="pinned", backend=backend)
+    doc = f":class:`{base.__name__}` with the {where} in {storage!r} storage (SpeedTorch's name)."
+    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__,
+                                "__qualname__": name})
 
 
-class GPUPytorchModelFactory(ModelFactory):
-    """:class:`ModelFactory` with the table in device memory (``storage="device"``)."""
-
-    def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32", *,
-                 backend="auto"):
-        super().__init__(model_variable, total_classes, embed_dimension, datatype,
-                         storage="device", backend=backend)
-
-
-class GPUPytorchOptimizerFactory(OptimizerFactory):
-    """:class:`OptimizerFactory` with the state tables in device memory (``storage="device"``)."""
-
-    def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
-                 dtype="float32", *, backend="auto"):
-        super().__init__(given_optimizer, total_classes, embed_dimension, model, variable_name,
-                         dtype, storage="device", backend=backend)
+CPUPytorchModelFactory = _with_storage(ModelFactory, "pinned", "CPUPytorchModelFactory",
+                                       "table")
+CPUPytorchOptimizerFactory = _with_storage(OptimizerFactory, "pinned", "CPUPytorchOptimizerFactory",
+                                           "state tables")
+GPUPytorchModelFactory = _with_storage(ModelFactory, "device", "GPUPytorchModelFactory", "table")
+GPUPytorchOptimizerFactory = _with_storage(OptimizerFactory, "device", "GPUPytorchOptimizerFactory",
+                                           "state tables")
 
 
 class DataGadget(CoreDataGadget):
