@@ -126,3 +126,44 @@ def word2vec_sharded(args, corpus, backend):
     if args.save:
         np.save(args.save, vectors)
     return figures
+
+
+def recommender_sharded(args, initial, mean, data, train, test, backend, fit, model_class, eps):
+    """The recommender with its four tables row-sharded over the ranks; rank 0 reports.
+
+    Every rank builds the same initial tables (same seed) and loads the rows
+    it owns; ``BatchFeeder`` hands each rank its share of every epoch, and the
+    sharded tables average the ranks' gradients as DDP does.
+
+    Args:
+        fit: the example's training loop; model_class, eps: its model and Adam's eps.
+
+    Returns:
+        ``(history, seconds, rank)``: the per-epoch RMSEs (computed on rank 0
+        only; empty on the others), the training time and this rank.
+    """
+    device = ss.get_backend(backend).device
+    rank, world = init(device)
+    per_rank = max(1, args.batch_size // world)
+    tables = []
+    for values in initial:
+        emb = ss.ShardedOffloadedEmbedding(values.shape[0], values.shape[1], max_rows=per_rank,
+                                           storage=args.storage, backend=backend)
+        rows = emb.row_range
+        emb.table.apply_(lambda t, v=values[rows.start:rows.stop]: t.copy_(torch.from_numpy(v)))
+        tables.append(emb)
+    model = model_class(*tables, mean)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, eps=eps)
+    for emb in tables:
+        emb.attach(optimizer)
+
+    def whole_tables():
+        # An eval forward is a collective: rank 0 asks for every row, the others for none.
+        with torch.no_grad():
+            return [emb(torch.arange(emb.num_embeddings if rank == 0 else 0, device=device))
+                    .cpu().numpy() for emb in tables]
+
+    args.batch_size = per_rank
+    history, seconds = fit(model, optimizer, whole_tables, data, train, test, mean, args, device,
+                           f"rank {rank}/{world}", score=rank == 0)
+    return history, seconds, rank

@@ -240,3 +240,21 @@ def test_one_rank_bfloat16_equals_offloaded_embedding(rng):
     sharded, plain = (emb.table.as_tensor().float() for emb in embs)
     assert sharded.dtype == torch.float32 and not torch.equal(sharded, table0.float())  # it trained
     torch.testing.assert_close(sharded, plain, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_recommender_example_under_torchrun(tmp_path):
+    """``torchrun --nproc-per-node 2 examples/recommender.py --distributed`` learns the ratings."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "examples/recommender.py", "--distributed", "--device", "cpu", "--epochs", "4",
+         "--storage", "pageable", "--quiet", "--json", tmp_path / "r.json"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads((tmp_path / "r.json").read_text())
+    assert figures["world_size"] == 2
+    test_rmse = [epoch["test_rmse"] for epoch in figures["sharded"]]
+    assert test_rmse[-1] < test_rmse[0] < figures["baseline_rmse"]
+    # The planted noise (0.5) bounds what any model reaches; the mean predictor is far above it.
+    assert test_rmse[-1] < 0.6 * figures["baseline_rmse"]
