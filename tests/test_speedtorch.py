@@ -80,8 +80,9 @@ def test_placeholders_are_filled_in_place(backend, table0):
     assert pos_in.tolist() == [[0], [1]] and neg_in.tolist() == [[2, 3, 4], [5, 6, 7]]
     pos, neg = torch.tensor([9, 9]), torch.tensor([[9, 4, 4], [1, 2, 9]])
     local_pos, local_neg = u.before_forward(pos, neg)
-    assert torch.equal(pos_in.view(-1).cpu(), local_pos.cpu())
-    assert torch.equal(neg_in.view(-1).cpu(), local_neg.view(-1).cpu())
+    assert isinstance(pos_in, np.ndarray) and pos_in.dtype == np.int64  # SpeedTorch's type
+    assert np.array_equal(pos_in.reshape(-1), local_pos.cpu().numpy())
+    assert np.array_equal(neg_in.reshape(-1), local_neg.reshape(-1).cpu().numpy())
     assert pos_in[0, 0] == pos_in[1, 0] == neg_in[0, 0] == neg_in[1, 2]
 
 
@@ -172,10 +173,10 @@ def test_mismatched_after_step_changes_nothing(backend, table0):
 def test_placeholder_shape_mismatch_changes_nothing(backend, table0):
     model, opt, u, o = build(backend, table0)
     pos_in = u.variableTransformer(4, 1)
-    before = pos_in.clone()
+    before = pos_in.copy()
     with pytest.raises(ss.ShapeError, match="variableTransformer"):
         u.before_forward(torch.tensor([1, 2, 3]))
-    assert torch.equal(pos_in, before)
+    assert np.array_equal(pos_in, before)
     u.before_forward(torch.tensor([1, 2, 3, 3]))
 
 
@@ -283,3 +284,33 @@ def test_switchers_refuse_several_ranks_and_name_the_sharded_embedding(monkeypat
         ss.OptimizerFactory(opt, 100, 4, torch.nn.ModuleDict({"e": model}), "e", backend="numpy")
     monkeypatch.setattr(dist, "get_world_size", lambda: 1)
     ss.ModelFactory(model, 100, 4, backend="numpy")  # one rank: fine
+
+
+def _placeholder_run(convert_once, steps=4):
+    """SpeedTorch-style steps feeding placeholders; ``convert_once`` copies them before the loop."""
+    model = torch.nn.Embedding(16, DIM)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    u = ss.ModelFactory(model, ROWS, DIM, CPUPinn=True, backend="numpy")
+    u.uniformDistributionInit(-0.1, 0.1)
+    pos_in = u.variableTransformer(4, 1)
+    fed = convert_once(pos_in)
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        ids = torch.from_numpy(rng.choice(ROWS, size=4, replace=False))
+        u.beforeForwardPass(ids)
+        model(fed).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        u.afterOptimizerStep(ids)
+
+
+def test_a_placeholder_copied_once_before_the_loop_warns():
+    with pytest.warns(RuntimeWarning, match="earlier content of the variableTransformer"):
+        _placeholder_run(lambda x: torch.tensor(x))
+
+
+def test_a_from_numpy_view_of_the_placeholder_stays_current():
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _placeholder_run(lambda x: torch.from_numpy(x))

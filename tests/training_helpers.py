@@ -69,8 +69,10 @@ def run_switchers(make_opt, table0, batches, backend, sparse=False):
     for pos, neg, ctx in batches:
         u_switch.beforeForwardPass(pos, neg)
         opt_switch.beforeForwardPass(pos, neg)
-        # SpeedTorch code feeds the placeholders, now filled with de-duplicated slots.
-        loss = skipgram_loss(emb(pos_in).squeeze(1), emb(neg_in), ctx)
+        # SpeedTorch code feeds the placeholders (numpy, converted every step), now filled
+        # with de-duplicated slots.
+        loss = skipgram_loss(emb(torch.from_numpy(pos_in).to(device)).squeeze(1),
+                             emb(torch.from_numpy(neg_in).to(device)), ctx)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -23,6 +23,8 @@ capacity, and no unused slot is updated.
 """
 
 import os
+import warnings
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -40,6 +42,16 @@ from .steps import register_steps, steps_for
 __all__ = ["ModelFactory", "OptimizerFactory", "GPUPytorchModelFactory",
            "GPUPytorchOptimizerFactory", "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory",
            "DataGadget"]
+
+
+#: How many forwards of a switcher's embedding are checked for stale placeholder copies.
+_STALE_CHECKS = 20
+
+
+def _check_stale(owner, args):
+    switcher = owner()
+    if switcher is not None and args:
+        switcher._warn_if_stale(args[0])
 
 
 def _is_torch_file(path):
@@ -177,14 +189,25 @@ class ModelFactory(_Switcher):
                           device=_device_of(param), overwrite=overwrite)
         self._check_device(self.table)
         self._placeholders = None
+        # The first forwards of the model's embedding are checked for stale placeholder copies.
+        self._stale_checks, self._stale_hook = _STALE_CHECKS, None
+        if isinstance(model_variable, torch.nn.Module):
+            owner = weakref.ref(self)
+            self._stale_hook = model_variable.register_forward_pre_hook(
+                lambda module, args: _check_stale(owner, args))
         self._register()
 
     # ------------------------------------------------------------------ steps
     def variableTransformer(self, batchSize, posPerBatch, negPerBatch=None):
-        """Placeholder id tensors that every later :meth:`before_forward` fills with local ids.
+        """SpeedTorch's placeholders: numpy id arrays that every :meth:`before_forward` fills in place.
 
-        For SpeedTorch code that feeds these placeholders to the model instead
-        of the ids :meth:`before_forward` returns.
+        They are numpy ``int64`` arrays, as SpeedTorch returned, holding the
+        step's *local* ids (slots of the de-duplicated working set) after each
+        :meth:`before_forward`. Convert them every step (``torch.from_numpy(x)``
+        shares their memory, so one ``from_numpy`` view kept across steps stays
+        current; ``torch.tensor(x)`` copies). A copy made once before the loop
+        would feed stale ids: the first forwards are checked for that, with a
+        warning. Simpler: feed the ids :meth:`before_forward` returns.
 
         Args:
             batchSize: rows of the batch.
@@ -192,25 +215,48 @@ class ModelFactory(_Switcher):
             negPerBatch: negative ids per row, when a second input is used.
 
         Returns:
-            an int64 tensor ``(batchSize, posPerBatch)`` on the model's device,
-            or a tuple with a second ``(batchSize, negPerBatch)`` one.
+            an ``int64`` array ``(batchSize, posPerBatch)``, or a tuple with a
+            second ``(batchSize, negPerBatch)`` one.
         """
         n_pos = batchSize * posPerBatch
-        device = self._param.device
-        pos = torch.arange(n_pos, device=device).view(batchSize, posPerBatch)
+        pos = np.arange(n_pos, dtype=np.int64).reshape(batchSize, posPerBatch)
         if negPerBatch is None:
             self._placeholders = (pos,)
-            return pos
-        neg = torch.arange(n_pos, n_pos + batchSize * negPerBatch,
-                           device=device).view(batchSize, negPerBatch)
-        self._placeholders = (pos, neg)
-        return pos, neg
+        else:
+            neg = np.arange(n_pos, n_pos + batchSize * negPerBatch,
+                            dtype=np.int64).reshape(batchSize, negPerBatch)
+            self._placeholders = (pos, neg)
+        # What a copy taken before the loop holds; later, what one taken a step ago holds.
+        self._initial = [p.copy() for p in self._placeholders]
+        self._stale = list(self._initial)
+        return self._placeholders[0] if negPerBatch is None else self._placeholders
+
+    def _warn_if_stale(self, ids):
+        """Warn once when a forward is fed an old copy of the placeholders instead of their ids now."""
+        self._stale_checks -= 1
+        if self._stale_checks <= 0 and self._stale_hook is not None:
+            self._stale_hook.remove()
+            self._stale_hook = None
+        if self._placeholders is None or self._gathered is None or not isinstance(ids, torch.Tensor):
+            return
+        fed = ids.detach().cpu().numpy()
+        for old in self._stale:
+            current = [p for p in self._placeholders if p.shape == old.shape]
+            if fed.shape == old.shape and np.array_equal(fed, old) and not any(
+                    np.array_equal(fed, p) for p in current):
+                warnings.warn("the model was fed ids equal to an earlier content of the "
+                              "variableTransformer placeholders, not their content now: a copy "
+                              "made once (torch.tensor(x)) trains the wrong rows. Convert the "
+                              "placeholders every step, or feed the ids before_forward returns",
+                              RuntimeWarning, stacklevel=3)
+                self._stale_checks = 0
+                return
 
     def _check_placeholders(self, step):
         if self._placeholders is None:
             return
         if len(self._placeholders) != len(step.flats) or any(
-                p.numel() != len(f) for p, f in zip(self._placeholders, step.flats)):
+                p.size != len(f) for p, f in zip(self._placeholders, step.flats)):
             want = [tuple(p.shape) for p in self._placeholders]
             got = [tuple(s) for s in step.shapes]
             raise ShapeError(f"before_forward got ids of shapes {got} but variableTransformer "
@@ -249,7 +295,7 @@ class ModelFactory(_Switcher):
         with torch.no_grad():
             self.table.gather_validated(step.rows, rows[:k])
         for placeholder, local in zip(self._placeholders or (), step.locals):
-            placeholder.view(-1).copy_(local.view(-1))
+            np.copyto(placeholder, local.cpu().numpy().reshape(placeholder.shape))
         self._gathered = step
         return self._result(step)
 
@@ -265,6 +311,9 @@ class ModelFactory(_Switcher):
         """
         step = self._finish(pos, neg)
         self.table.scatter_validated(step.rows, self._param_rows()[:len(step.rows)])
+        if self._placeholders is not None and self._stale_checks > 0:
+            # What a copy made before the loop, or now, would hold.
+            self._stale = self._initial + [p.copy() for p in self._placeholders]
         self._gathered = None
 
     # ------------------------------------------------------------ whole table
@@ -304,6 +353,9 @@ class ModelFactory(_Switcher):
 
     def close(self):
         """Release the table's memory. Idempotent."""
+        if self._stale_hook is not None:
+            self._stale_hook.remove()
+            self._stale_hook = None
         self.table.close()
 
     def to_numpy(self, copy: bool = False) -> np.ndarray:
