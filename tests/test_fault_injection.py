@@ -120,11 +120,8 @@ def _failing_at(original, index, counter):
     return fail
 
 
-@pytest.mark.parametrize("first", [False, True], ids=["replace", "first-save"])
-@pytest.mark.parametrize("module,name", POINTS, ids=[n for _, n in POINTS])
-@pytest.mark.parametrize("kind", list(SAVERS))
-def test_a_save_failing_at_any_call_leaves_the_old_or_the_new_checkpoint(
-        kind, module, name, first, rng, tmp_path, monkeypatch):
+def _prepared(kind, first, rng, tmp_path):
+    """``(saver, path, old)``: a saver with random tables and, unless ``first``, a checkpoint at path."""
     saver = SAVERS[kind]()
     path = tmp_path / f"ckpt{saver.suffix}"
     _fill(saver.tables().values(), rng)
@@ -132,6 +129,15 @@ def test_a_save_failing_at_any_call_leaves_the_old_or_the_new_checkpoint(
     if not first:
         saver.save(path)
         old = _content(saver.tables())
+    return saver, path, old
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["replace", "first-save"])
+@pytest.mark.parametrize("module,name", POINTS, ids=[n for _, n in POINTS])
+@pytest.mark.parametrize("kind", list(SAVERS))
+def test_a_save_failing_at_any_call_leaves_the_old_or_the_new_checkpoint(
+        kind, module, name, first, rng, tmp_path, monkeypatch):
+    saver, path, old = _prepared(kind, first, rng, tmp_path)
     listing = sorted(os.listdir(tmp_path))
     index = 0
     while True:
@@ -165,13 +171,7 @@ def test_a_save_failing_at_any_call_leaves_the_old_or_the_new_checkpoint(
 @pytest.mark.parametrize("kind", ["npy", "h5", "embedding-dir", "optimizer-factory-dir"])
 def test_a_process_dying_at_any_call_of_a_save_leaves_the_old_or_the_new_checkpoint(
         kind, module, name, first, rng, tmp_path):
-    saver = SAVERS[kind]()
-    path = tmp_path / f"ckpt{saver.suffix}"
-    _fill(saver.tables().values(), rng)
-    old = None
-    if not first:
-        saver.save(path)
-        old = _content(saver.tables())
+    saver, path, old = _prepared(kind, first, rng, tmp_path)
     _fill(saver.tables().values(), rng)
     new = _content(saver.tables())
     for index in range(64):

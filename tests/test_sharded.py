@@ -200,20 +200,26 @@ def test_eval_forward_reads_rows_and_attach_is_required(rng):
     assert emb.state_dict() == {}
 
 
-@pytest.mark.slow
-def test_word2vec_example_under_torchrun(tmp_path):
-    """``torchrun --nproc-per-node 2 examples/word2vec.py --distributed`` learns the planted topics."""
+def _example_under_torchrun(example, args, tmp_path):
+    """Run ``examples/<example> --distributed`` on 2 gloo ranks; rank 0's JSON figures."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "examples/word2vec.py", "--distributed", "--device", "cpu", "--vocab", "2000",
-         "--topics", "20", "--tokens", "200000", "--dim", "32", "--steps", "150",
-         "--batch-size", "512", "--optimizer", "adam", "--quiet", "--storage", "pageable",
-         "--json", tmp_path / "w.json"],
+         f"examples/{example}", "--distributed", "--device", "cpu", "--storage", "pageable",
+         "--quiet", "--json", tmp_path / "figures.json", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE)
     assert done.returncode == 0, done.stderr[-3000:]
-    figures = json.loads((tmp_path / "w.json").read_text())
+    figures = json.loads((tmp_path / "figures.json").read_text())
     assert figures["world_size"] == 2
+    return figures
+
+
+@pytest.mark.slow
+def test_word2vec_example_under_torchrun(tmp_path):
+    """``torchrun --nproc-per-node 2 examples/word2vec.py --distributed`` learns the planted topics."""
+    figures = _example_under_torchrun(
+        "word2vec.py", ["--vocab", "2000", "--topics", "20", "--tokens", "200000", "--dim", "32",
+                        "--steps", "150", "--batch-size", "512", "--optimizer", "adam"], tmp_path)
     # The same bar the one-process example meets (tests/test_examples.py).
     assert figures["topic_purity"] > 0.6 and figures["topic_purity"] > 8 * figures["chance"]
     assert figures["losses"][-1][1] < 0.7 * figures["losses"][0][1]
@@ -245,15 +251,7 @@ def test_one_rank_bfloat16_equals_offloaded_embedding(rng):
 @pytest.mark.slow
 def test_recommender_example_under_torchrun(tmp_path):
     """``torchrun --nproc-per-node 2 examples/recommender.py --distributed`` learns the ratings."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "examples/recommender.py", "--distributed", "--device", "cpu", "--epochs", "4",
-         "--storage", "pageable", "--quiet", "--json", tmp_path / "r.json"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE)
-    assert done.returncode == 0, done.stderr[-3000:]
-    figures = json.loads((tmp_path / "r.json").read_text())
-    assert figures["world_size"] == 2
+    figures = _example_under_torchrun("recommender.py", ["--epochs", "4"], tmp_path)
     test_rmse = [epoch["test_rmse"] for epoch in figures["sharded"]]
     assert test_rmse[-1] < test_rmse[0] < figures["baseline_rmse"]
     # The planted noise (0.5) bounds what any model reaches; the mean predictor is far above it.
