@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import speedswap as ss
 from speedswap.train.cache import COUNTERS
+from speedswap.train.sketch import FrequencySketch
 from test_optimizer_equivalence import OPTIMIZERS, TOL, assert_same, torch_initial
 from training_helpers import NUM_ROWS, run_in_memory, run_offloaded, zipf_batches
 
@@ -137,10 +138,12 @@ def test_stats_count_hits_misses_bytes_and_evictions(backend):
     assert emb.stats()["last_step"]["hits"] == 2 and emb.stats()["last_step"]["bytes_h2d"] == 0
     _step(emb, opt, [5, 6])
     third = emb.stats()["last_step"]
-    assert (third["misses"], third["evictions"], third["rows_d2h"]) == (2, 2, 2)
+    # 5 and 6 were used in fewer steps than the cached 1 and 2: they go back to the host.
+    assert (third["misses"], third["evictions"], third["rows_d2h"]) == (2, 0, 2)
     total = emb.stats()["total"]
     assert total["steps"] == 3 and total["lookups"] == 8 and total["hits"] == 2
-    assert emb.stats()["cache_bytes"] == 2 * (row + 32)
+    # Rows and four int64 of bookkeeping per slot, and the sketch: 2 x (4 per slot) float32.
+    assert emb.stats()["cache_bytes"] == 2 * (row + 32) + 2 * 8 * 4
 
 
 def test_stats_count_optimizer_state_and_no_cache_moves_every_row(backend):
@@ -151,6 +154,65 @@ def test_stats_count_optimizer_state_and_no_cache_moves_every_row(backend):
     # Weights plus Adam's two moments, each 4 float32 per row, both ways.
     assert last["bytes_h2d"] == last["bytes_d2h"] == 3 * 3 * 16
     assert last["hits"] == 0 and emb.stats()["cache_bytes"] == 0
+
+
+# ------------------------------------------------------------------ policy
+
+def _distinct_rows(emb, count):
+    """Rows the cache's sketch counts apart (no shared counter), so the policy test is exact."""
+    sketch, rows = emb._cache.sketch, []
+    for row in range(emb.num_embeddings):
+        columns = [c.item() for c in sketch._columns(torch.tensor([row]))]
+        if all(all(a != b for a, b in zip(columns, other)) for _, other in rows):
+            rows.append((row, columns))
+        if len(rows) == count:
+            return [r for r, _ in rows]
+    raise AssertionError("the sketch cannot tell enough rows apart")
+
+
+def test_a_one_off_row_never_evicts_a_hot_one_and_a_row_used_more_often_gets_in(backend):
+    emb, opt = _embedding(backend, cache_rows=2)
+    hot1, hot2, one_off, rising = _distinct_rows(emb, 4)
+    for _ in range(3):
+        _step(emb, opt, [hot1, hot2])
+    _step(emb, opt, [one_off])
+    assert emb.stats()["last_step"]["evictions"] == 0
+    _step(emb, opt, [hot1, hot2])
+    assert emb.stats()["last_step"]["hits"] == 2
+    # hot1 and hot2 count 4 steps, weighted 0.99 per step of age: `rising` passes them at its 4th.
+    evictions = []
+    for _ in range(4):
+        _step(emb, opt, [rising])
+        evictions.append(emb.stats()["last_step"]["evictions"])
+    assert evictions == [0, 0, 0, 1]
+    _step(emb, opt, [rising])
+    assert emb.stats()["last_step"]["hits"] == 1
+
+
+def test_the_sketch_never_counts_less_than_the_decayed_truth(rng):
+    sketch = FrequencySketch(width=4096, device="cpu", decay=0.9)
+    truth = np.zeros(5000)
+    for _ in range(40):
+        truth *= 0.9
+        rows = np.unique(np.minimum(rng.zipf(1.2, 300), 5000) - 1)
+        truth[rows] += 1
+        sketch.add(torch.from_numpy(rows))
+        sketch.next_step()
+    # The sketch holds counts scaled by its current weight; compare in the truth's units.
+    estimate = sketch.estimate(torch.arange(5000)).numpy() / sketch.weight * 0.9 ** -1
+    assert (estimate >= truth * (1 - 1e-5) - 1e-6).all()
+    hot = np.argsort(-truth)[:10]
+    np.testing.assert_allclose(estimate[hot], truth[hot], rtol=0.15)
+
+
+def test_the_sketch_rescales_without_changing_ranks():
+    sketch = FrequencySketch(width=64, device="cpu", decay=0.5)
+    for step in range(120):  # 2**120 > the rescale threshold
+        sketch.add(torch.tensor([1] if step % 2 else [1, 2]))
+        sketch.next_step()
+    assert sketch.weight < 2.0 ** 110 and torch.isfinite(sketch.counts).all()
+    low, high = sketch.estimate(torch.tensor([2, 1]))
+    assert high > low > 0
 
 
 # ---------------------------------------------------------------- prefetch

@@ -13,14 +13,20 @@ they are authoritative); a row leaves it only by eviction or
 step reads each new row from where it is authoritative, so training with a
 cache does the same arithmetic as without one.
 
-**Policy: LRU by step.** ``stamp[slot]`` is the last step that used the slot's
-row. After a step, the step's rows that missed go into the free slots first,
-then into the least recently used ones, never into a slot that holds a row of
-this step or a prefetched row. When fewer slots are free to evict than rows
-missed (a cache smaller than one step's unique rows, or one full of pinned
-prefetched rows) the rest are written back to the host as if there were no
-cache: a small cache *falls back*, it never raises. Which misses are cached
-then is the working set's order (ascending ids within each forward).
+**Policy: frequency by step, with admission.** A small count-min sketch
+(two hashed rows of counters, about four counters per slot, on the device)
+counts in how many recent steps each row was used, with older steps weighing
+less (each step counts ``1 / DECAY`` times the one before, ``DECAY = 0.99``:
+a half-life of about 70 steps). After a step, the step's rows that missed are
+ranked by that count, the evictable slots likewise (free slots first), and a
+missed row takes a slot only from a row counted strictly less often; the
+others go back to the host as if there were no cache. A one-off row
+therefore never pushes out a hot one, which LRU does all the time on Zipf ids
+(``benchmarks/README.md`` has both policies' bytes against the floor of a
+cache that holds the truly most frequent rows). A cache
+smaller than one step's unique rows, or full of pinned rows, *falls back* in
+the same way: it never raises. Rows of the current step and prefetched rows
+are pinned (``stamp`` at or above the clock) and never evicted.
 
 **Prefetch rule.** ``prefetch(ids)`` copies the ids' rows that are neither
 cached nor in the current working set from the host into evictable slots and
@@ -31,8 +37,9 @@ after it they are in the cache (or back on the host) with their updated values;
 bringing one in would also give it a second slot when the step stores it.
 
 **Bookkeeping** is four ``(num_slots,)`` device tensors (row per slot, -1 when
-empty; stamp per slot; sorted rows and their slots for ``searchsorted``) and
-never grows with the vocabulary. Host synchronisations: one per training
+empty; the step each slot is pinned until; sorted rows and their slots for
+``searchsorted``) and the ``(2, ~4 num_slots)`` sketch: it never grows with the
+vocabulary. Host synchronisations: one per training
 forward (how many rows hit), one per step (how many slots may be evicted) and
 one per prefetch (how many rows to bring), the same order as the
 ``torch.unique`` the working set already does. On a GPU a prefetch's copies
@@ -44,6 +51,7 @@ import contextlib
 import torch
 
 from ..table import HostTable
+from .sketch import FrequencySketch
 
 __all__ = ["RowCache", "COUNTERS"]
 
@@ -51,7 +59,8 @@ __all__ = ["RowCache", "COUNTERS"]
 COUNTERS = ("steps", "lookups", "unique_rows", "hits", "misses", "rows_h2d", "bytes_h2d",
             "rows_d2h", "bytes_d2h", "evictions", "prefetched_rows")
 
-_NOT_EVICTABLE = torch.iinfo(torch.int64).max
+#: Sketch counters per cache slot: enough that collisions rarely lift a cold row's count.
+_SKETCH_COUNTERS_PER_SLOT = 4
 
 
 def _itemsize(dtype):
@@ -80,6 +89,7 @@ class RowCache:
         self.device = device
         self.slot_row = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.stamp = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.sketch = FrequencySketch(_SKETCH_COUNTERS_PER_SLOT * max(n, 1), device)
         self.weights = torch.empty((n, dim), dtype=table.dtype, device=device)
         self.states = {name: torch.empty((n, dim), dtype=state_dtype, device=device)
                        for name in state_tables}
@@ -97,8 +107,10 @@ class RowCache:
     @property
     def nbytes(self) -> int:
         """Device bytes the cache holds: rows, state rows and bookkeeping."""
+        if not self.num_slots:
+            return 0
         per_slot = self._row_bytes + self._state_row_bytes * len(self.states) + 4 * 8
-        return self.num_slots * per_slot
+        return self.num_slots * per_slot + self.sketch.nbytes
 
     def _reindex(self):
         self._sorted_rows, self._sorted_slots = torch.sort(self.slot_row)
@@ -170,9 +182,14 @@ class RowCache:
             self.states[name].index_copy_(0, slots, values)
 
     def _victims(self, count):
-        """The ``count`` evictable slots used longest ago (free ones first); count <= evictable."""
-        evictable = torch.where(self.stamp < self.clock, self.stamp, _NOT_EVICTABLE)
-        return torch.topk(evictable, count, largest=False, sorted=True).indices
+        """The ``count`` slots cheapest to give up, and their scores, cheapest first.
+
+        Free slots score -inf, pinned ones (rows of this step, prefetched rows)
+        +inf, the others their row's use count.
+        """
+        score = torch.where(self.slot_row < 0, -torch.inf, self.sketch.estimate(self.slot_row))
+        score = torch.where(self.stamp < self.clock, score, torch.inf)
+        return torch.topk(score, count, largest=False, sorted=True)
 
     # ---------------------------------------------------------------- the step
     def fetch(self, rows: torch.Tensor, out: torch.Tensor, first: int, lookups: int):
@@ -189,6 +206,8 @@ class RowCache:
         self._count(lookups=lookups, unique_rows=len(rows))
         if not len(rows):
             return
+        if self.num_slots:
+            self.sketch.add(rows)
         n_hit = 0
         if self.num_slots:
             found, slot = self._lookup(rows)
@@ -249,10 +268,10 @@ class RowCache:
     def store(self, rows: torch.Tensor, weights: torch.Tensor, states):
         """End the step: every row of the working set goes to the cache, or back to the host.
 
-        Hits are updated in their slots; misses take free or least recently
-        used slots (whose rows and state are written back first); misses left
-        over, or all of them when torch skipped the parameter (``states`` is
-        None), are written back to the host.
+        Hits are updated in their slots; misses take free slots, or the slots
+        of rows used less often (whose rows and state are written back first);
+        misses left over, or all of them when torch skipped the parameter
+        (``states`` is None), are written back to the host.
 
         Args:
             rows: the working set's rows, by slot.
@@ -267,9 +286,15 @@ class RowCache:
                         for name, values in (states or {}).items()})
         cached = 0
         if self._n_misses and self.num_slots and states is not None:
-            cached = min(self._n_misses, int((self.stamp < self.clock).sum()))
+            # Misses by use count, most used first, against slots by score, cheapest first:
+            # "miss i beats victim i" holds for a prefix, the misses admitted.
+            candidates = min(self._n_misses, self.num_slots)
+            victim_score, victims = self._victims(candidates)
+            miss_score, ranked = torch.sort(self.sketch.estimate(rows[miss_pos]), descending=True)
+            miss_pos = miss_pos[ranked]
+            cached = int((miss_score[:candidates] > victim_score).sum())
         if cached:
-            placed, victims = miss_pos[:cached], self._victims(cached)
+            placed, victims = miss_pos[:cached], victims[:cached]
             self._write_back(*self._take(victims, rows[placed], self.clock))
             self._fill(victims, weights[placed],
                        {name: values[placed] for name, values in states.items()})
@@ -287,6 +312,7 @@ class RowCache:
     def end_step(self):
         """Close the step's accounts and advance the clock (also after a step that was abandoned)."""
         self.clock += 1
+        self.sketch.next_step()
         self.last_step = self._step
         for key, value in self._step.items():
             self.total[key] += value
@@ -319,7 +345,7 @@ class RowCache:
         bring = min(n_new, evictable - self._n_misses)
         if bring <= 0:
             return 0
-        rows, victims = unique[new][:bring], self._victims(bring)
+        rows, (_, victims) = unique[new][:bring], self._victims(bring)
         held, held_rows = self._take(victims, rows, self.clock + 1)
         side = contextlib.nullcontext()
         if self._side is not None:

@@ -72,8 +72,8 @@ class OffloadedEmbedding(torch.nn.Module):
             replace existing files in ``path`` (they are refused otherwise: they
             may hold a trained table).
         cache_rows: rows (with their optimizer state) kept in device memory
-            between steps, a write-back LRU cache of hot rows (see
-            :mod:`speedswap.train.cache`); 0 turns it off. Call :meth:`flush`
+            between steps, a write-back cache of the rows used most often
+            (see :mod:`speedswap.train.cache`); 0 turns it off. Call :meth:`flush`
             before reading or writing :attr:`table` directly.
 
     Raises:

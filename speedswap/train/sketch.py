@@ -1,0 +1,76 @@
+"""How often rows were used lately: a count-min sketch of fixed size on the device.
+
+:class:`~speedswap.train.cache.RowCache` ranks rows by this count to decide
+which rows stay cached. A count-min sketch (Cormode and Muthukrishnan) keeps
+``depth`` rows of ``width`` counters; a table row adds to one counter per
+sketch row, chosen by a hash, and its estimate is the smallest of those
+counters. Collisions only ever add, so an estimate is never below the true
+count, and with ``width`` a few times the number of rows that matter the
+excess is small. Its size is fixed by the cache, not by the vocabulary.
+
+Ageing: each step's use counts ``1 / decay`` times the previous step's, so
+old popularity fades without touching every counter each step; when the
+weight grows large the whole sketch is rescaled once (ranks are unchanged).
+
+>>> import torch
+>>> sketch = FrequencySketch(width=64, device="cpu")
+>>> sketch.add(torch.tensor([3, 5])); sketch.next_step()
+>>> sketch.add(torch.tensor([3])); sketch.next_step()
+>>> counts = sketch.estimate(torch.tensor([3, 5, 7]))
+>>> bool(counts[0] > counts[1] > counts[2]), float(counts[2])
+(True, 0.0)
+"""
+
+import torch
+
+__all__ = ["FrequencySketch"]
+
+# Odd multipliers below 2**31: a 32-bit key times one stays below 2**63 (no int64 overflow).
+_MULTIPLIERS = (0x6B43A9B5, 0x2C1B3C6D)
+_RESCALE_AT = 1e30  # far below float32's 3.4e38, even summed over ~1 / (1 - decay) steps
+
+
+class FrequencySketch:
+    """Decayed per-row use counts in a ``(2, width)`` float32 tensor.
+
+    Args:
+        width: counters per sketch row, rounded up to a power of two.
+        device: where the counters live (the cache's device).
+        decay: the weight of the previous step's use relative to this one's, in (0, 1].
+    """
+
+    def __init__(self, width: int, device, decay: float = 0.99):
+        self.bits = max(1, (int(width) - 1).bit_length())
+        self.counts = torch.zeros(len(_MULTIPLIERS), 1 << self.bits, dtype=torch.float32,
+                                  device=device)
+        self.decay = float(decay)
+        self.weight = 1.0  # what one use counts in the current step
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the counters."""
+        return self.counts.numel() * self.counts.element_size()
+
+    def _columns(self, rows: torch.Tensor) -> list:
+        # Multiplicative hashing of the row's 32-bit fold: the top `bits` of the low 32 bits.
+        key = (rows ^ (rows >> 32)) & 0xFFFFFFFF
+        return [((key * m) & 0xFFFFFFFF) >> (32 - self.bits) for m in _MULTIPLIERS]
+
+    def add(self, rows: torch.Tensor):
+        """Count one use of each of ``rows`` (int64, unique) in the current step."""
+        for counters, column in zip(self.counts, self._columns(rows)):
+            counters.index_add_(0, column, torch.full(column.shape, self.weight,
+                                                      dtype=self.counts.dtype, device=column.device))
+
+    def estimate(self, rows: torch.Tensor) -> torch.Tensor:
+        """The decayed use count of each of ``rows`` (never below the true one), float32."""
+        first, second = (counters[column] for counters, column in
+                         zip(self.counts, self._columns(rows)))
+        return torch.minimum(first, second)
+
+    def next_step(self):
+        """Age every count by ``decay`` (by weighing the next step's uses more)."""
+        self.weight /= self.decay
+        if self.weight > _RESCALE_AT:
+            self.counts.div_(self.weight)
+            self.weight = 1.0
