@@ -45,7 +45,7 @@ def test_dry_run_writes_every_result_and_a_summary_with_numbers(tmp_path):
         assert re.search(r"\d+\.\d+", body), f"section {name!r} has no figure:\n{body}"
     # Every GPU target is listed, each skipped with its reason.
     targets = [line for line in found["Targets"].splitlines() if line.startswith("| ") and "goal" not in line]
-    assert len(targets) == 7
+    assert len(targets) == 9
     assert all("skipped: dry run" in line for line in targets), targets
 
     transport_json = json.loads((out / "transport-cpu.json").read_text())
@@ -130,7 +130,10 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
              "in_memory": {"median_s": 0.01, "min_s": 0.01, "max_s": 0.01, "repeats": 3, "interleaved": True,
                            "device_bytes": 1536 * 2**20, "device_peak_bytes": 1600 * 2**20},
              "offloaded": {"median_s": 0.0105, "min_s": 0.01, "max_s": 0.011, "repeats": 3, "interleaved": True,
-                           "device_bytes": 64 * 2**20, "device_peak_bytes": 80 * 2**20}}
+                           "device_bytes": 64 * 2**20, "device_peak_bytes": 80 * 2**20},
+             "cached": {"median_s": 0.0102, "min_s": 0.01, "max_s": 0.011, "repeats": 3, "interleaved": True,
+                        "device_bytes": 300 * 2**20, "device_peak_bytes": 320 * 2**20},
+             "cached_throughput_ratio": 0.98, "cached_gap_ratio": 0.4}
     regression = {"shape": [1000, 1000], "batch": 2048, "device": "cuda", "feeder_over_limit": 1.5,
                   "limit": "pinned host-to-device copy",
                   "rows": [{"case": "BatchFeeder", "epoch_s": 1.5, "min_s": 1.4, "max_s": 1.6, "vs_limit": 1.5}]}
@@ -140,6 +143,7 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
                         "transport": ran({"gpu": [_gpu_case(512, "float32", 0.8, 0.7, None, 25.0)]}),
                         "training step": ran({"setup": {**dataclasses.asdict(training_step.StepShape()),
                                                         "device": "cuda", "in_memory": "e", "offloaded": "o",
+                                                        "cached": "c",
                                                         "device_memory": "m"},
                                               "results": [entry]}),
                         "feeder": ran({"regression": regression})}}
@@ -150,6 +154,8 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
     speedtorch = rows[f"{case}: gather+scatter speed-up over SpeedTorch (CuPy on pinned memory)"]
     assert speedtorch[2] == "skipped: CuPy is not installed" and speedtorch[3] == "—"
     assert rows["training throughput offloaded / all-GPU, vocab 1,000,000 (interleaved)"][2:] == [0.95, "yes"]
+    assert rows["training throughput with cache and prefetch / all-GPU, vocab 1,000,000"][2:] == [0.98, "yes"]
+    assert rows["gap to all-GPU with the cache / without, vocab 1,000,000"][2:] == [0.4, "yes"]
     assert rows["GPU memory at vocab 1,000,000: all-GPU / offloaded (MiB, resident)"][2] == "1,536 / 64"
     assert rows["feeder epoch (FFCV regression shape) / pinned copy of the same bytes"][2:] == [1.5, "**no**"]
     text = render_summary(record)
@@ -167,7 +173,7 @@ def test_summary_of_failed_steps_still_lists_every_target_and_section():
     found = sections(text)
     assert list(found) == SECTIONS
     targets = target_rows(record)
-    assert len(targets) == 7 and all("step failed (RuntimeError: boom)" in row[2] for row in targets)
+    assert len(targets) == 9 and all("step failed (RuntimeError: boom)" in row[2] for row in targets)
     for name in ("Transport", "Training step", "Feeder"):
         assert "not measured: RuntimeError: boom" in found[name]
     assert "over the 480 s budget" in found["Steps"]
