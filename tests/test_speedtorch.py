@@ -71,7 +71,7 @@ def test_repeated_ids_sum_their_gradients(backend, table0):
     expected = table0.copy()
     expected[7] -= 0.3
     expected[1] -= 0.1
-    np.testing.assert_allclose(u.to_numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(u.to_numpy(), expected, rtol=1e-6, atol=1e-6)  # a row near 0.3 ends near 0
 
 
 def test_placeholders_are_filled_in_place(backend, table0):
