@@ -101,7 +101,8 @@ def train(emb, opt, seed, steps, world, rank):
 
 
 def shard_arrays(emb):
-    arrays = {"table": emb.table.to_numpy(copy=True), "start": np.array(emb.row_range.start)}
+    table = emb.table.as_tensor().float().numpy().copy()  # bfloat16 tables as float32
+    arrays = {"table": table, "start": np.array(emb.row_range.start)}
     arrays.update({f"state.{k}": t.to_numpy(copy=True) for k, t in emb._state.tables.items()})
     return arrays
 
@@ -119,6 +120,13 @@ def run_scenario(scenario, seed, world, rank, out):
         if name == "adam":
             emb.save(os.path.join(out, f"ckpt-{world}"))
         train(emb, opt, seed, range(SAVE_AT, STEPS), world, rank)
+    elif kind == "bf16":     # a bfloat16 table: rows travel as bfloat16, gradients as float32
+        emb, opt = make(name, dtype=torch.bfloat16)
+        rows = emb.row_range
+        emb.table.scatter(torch.arange(len(rows)),
+                          initial_table(seed)[rows.start:rows.stop].to(torch.bfloat16))
+        train(emb, opt, seed, range(STEPS), world, rank)
+        name = f"{name}-bf16"
     elif kind == "resume":   # load another world size's Adam checkpoint and go on
         emb, opt = make("adam")
         emb.load(os.path.join(out, name))

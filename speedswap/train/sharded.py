@@ -230,12 +230,14 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             self._gather_owned(first_owned)
             for source, part in enumerate(slots.split(recv_counts)):
                 self._sent_to_me[source].append(part)
-            reply = self._full[slots]
+            # Rows travel in the table's dtype: these were read from the table this step,
+            # so a bfloat16 table's rows go back to bfloat16 exactly, at half the bytes.
+            reply = self._full[slots].to(self.table.dtype)
         else:
             out = torch.empty(len(asked), self.embedding_dim, dtype=self.table.dtype,
                               device=self.table.device)
-            reply = self.table.gather_validated(asked, out).to(self.weight.dtype)
-        rows = self._exchange.rows(reply, recv_counts, counts)
+            reply = self.table.gather_validated(asked, out)
+        rows = self._exchange.rows(reply, recv_counts, counts).to(self.weight.dtype)
         if not training:
             return rows[inverse].view(*shape, self.embedding_dim)
         self._forwards += 1
