@@ -18,7 +18,8 @@ cache does the same arithmetic as without one.
 counts in how many recent steps each row was used, with older steps weighing
 less (each step counts ``1 / DECAY`` times the one before, ``DECAY = 0.99``:
 a half-life of about 70 steps). After a step, the step's rows that missed are
-ranked by that count, the evictable slots likewise (free slots first), and a
+ranked by that count, the evictable slots by their row's count when it was
+last used (free slots first: a row's count only grows when it is used), and a
 missed row takes a slot only from a row counted strictly less often; the
 others go back to the host as if there were no cache. A one-off row
 therefore never pushes out a hot one, which LRU does all the time on Zipf ids
@@ -36,9 +37,9 @@ working set are skipped: their host copies are stale until the step ends, and
 after it they are in the cache (or back on the host) with their updated values;
 bringing one in would also give it a second slot when the step stores it.
 
-**Bookkeeping** is four ``(num_slots,)`` device tensors (row per slot, -1 when
-empty; the step each slot is pinned until; sorted rows and their slots for
-``searchsorted``) and the ``(2, ~4 num_slots)`` sketch: it never grows with the
+**Bookkeeping** is five ``(num_slots,)`` device tensors (row per slot, -1 when
+empty; the step each slot is pinned until; its row's count; sorted rows and
+their slots for ``searchsorted``) and the ``(2, ~4 num_slots)`` sketch: it never grows with the
 vocabulary. Host synchronisations: one per training
 forward (how many rows hit), one per step (how many slots may be evicted) and
 one per prefetch (how many rows to bring), the same order as the
@@ -90,6 +91,9 @@ class RowCache:
         self.slot_row = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.stamp = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.sketch = FrequencySketch(_SKETCH_COUNTERS_PER_SLOT * max(n, 1), device)
+        # Each slot's row count as of its last use (-inf when free): ranking the slots
+        # needs no hashing of every slot, and an unused row's count does not change.
+        self.score = torch.full((n,), -torch.inf, dtype=torch.float32, device=device)
         self.weights = torch.empty((n, dim), dtype=table.dtype, device=device)
         self.states = {name: torch.empty((n, dim), dtype=state_dtype, device=device)
                        for name in state_tables}
@@ -109,7 +113,7 @@ class RowCache:
         """Device bytes the cache holds: rows, state rows and bookkeeping."""
         if not self.num_slots:
             return 0
-        per_slot = self._row_bytes + self._state_row_bytes * len(self.states) + 4 * 8
+        per_slot = self._row_bytes + self._state_row_bytes * len(self.states) + 4 * 8 + 4
         return self.num_slots * per_slot + self.sketch.nbytes
 
     def _reindex(self):
@@ -153,8 +157,8 @@ class RowCache:
         counters["rows_d2h"] += len(rows)
         counters["bytes_d2h"] += moved
 
-    def _take(self, slots, rows, stamp):
-        """Give ``slots`` (sorted by stamp, free ones first) to ``rows``: the bookkeeping half.
+    def _take(self, slots, rows, stamp, score):
+        """Give ``slots`` (cheapest first, free ones first) to ``rows``: the bookkeeping half.
 
         Returns:
             (held, held_rows): the slots that held rows, and those rows, which
@@ -166,6 +170,7 @@ class RowCache:
         held_rows = self.slot_row[held]
         self.slot_row[slots] = rows
         self.stamp[slots] = stamp
+        self.score[slots] = score
         self._reindex()
         self._count(evictions=len(held))
         return held, held_rows
@@ -187,8 +192,7 @@ class RowCache:
         Free slots score -inf, pinned ones (rows of this step, prefetched rows)
         +inf, the others their row's use count.
         """
-        score = torch.where(self.slot_row < 0, -torch.inf, self.sketch.estimate(self.slot_row))
-        score = torch.where(self.stamp < self.clock, score, torch.inf)
+        score = torch.where(self.stamp < self.clock, self.score, torch.inf)
         return torch.topk(score, count, largest=False, sorted=True)
 
     # ---------------------------------------------------------------- the step
@@ -223,6 +227,7 @@ class RowCache:
         out.index_copy_(0, hit, self.weights.index_select(0, hit_slot).to(out.dtype))
         # A row this step uses must outlive the step: eviction takes stamps below the clock.
         self.stamp[hit_slot] = torch.clamp(self.stamp[hit_slot], min=self.clock)
+        self.score[hit_slot] = self.sketch.estimate(rows[hit])
         if len(miss):
             out.index_copy_(0, miss, self._gather_host(
                 self.table, rows[miss], torch.empty(len(miss), out.shape[1], dtype=out.dtype,
@@ -295,7 +300,7 @@ class RowCache:
             cached = int((miss_score[:candidates] > victim_score).sum())
         if cached:
             placed, victims = miss_pos[:cached], victims[:cached]
-            self._write_back(*self._take(victims, rows[placed], self.clock))
+            self._write_back(*self._take(victims, rows[placed], self.clock, miss_score[:cached]))
             self._fill(victims, weights[placed],
                        {name: values[placed] for name, values in states.items()})
         rest = miss_pos[cached:]
@@ -312,7 +317,7 @@ class RowCache:
     def end_step(self):
         """Close the step's accounts and advance the clock (also after a step that was abandoned)."""
         self.clock += 1
-        self.sketch.next_step()
+        self.score.div_(self.sketch.next_step())
         self.last_step = self._step
         for key, value in self._step.items():
             self.total[key] += value
@@ -346,7 +351,7 @@ class RowCache:
         if bring <= 0:
             return 0
         rows, (_, victims) = unique[new][:bring], self._victims(bring)
-        held, held_rows = self._take(victims, rows, self.clock + 1)
+        held, held_rows = self._take(victims, rows, self.clock + 1, self.sketch.estimate(rows))
         side = contextlib.nullcontext()
         if self._side is not None:
             # Copies wait for the current stream's earlier writes; the tensors
@@ -394,6 +399,7 @@ class RowCache:
         self._wait_prefetch()
         self.slot_row.fill_(-1)
         self.stamp.fill_(-1)
+        self.score.fill_(-torch.inf)
         self._n_empty = self.num_slots
         self._reindex()
 

@@ -14,8 +14,8 @@ weight grows large the whole sketch is rescaled once (ranks are unchanged).
 
 >>> import torch
 >>> sketch = FrequencySketch(width=64, device="cpu")
->>> sketch.add(torch.tensor([3, 5])); sketch.next_step()
->>> sketch.add(torch.tensor([3])); sketch.next_step()
+>>> sketch.add(torch.tensor([3, 5])); rescaled_by = sketch.next_step()
+>>> sketch.add(torch.tensor([3])); rescaled_by = sketch.next_step()
 >>> counts = sketch.estimate(torch.tensor([3, 5, 7]))
 >>> bool(counts[0] > counts[1] > counts[2]), float(counts[2])
 (True, 0.0)
@@ -68,9 +68,16 @@ class FrequencySketch:
                          zip(self.counts, self._columns(rows)))
         return torch.minimum(first, second)
 
-    def next_step(self):
-        """Age every count by ``decay`` (by weighing the next step's uses more)."""
+    def next_step(self) -> float:
+        """Age every count by ``decay`` (by weighing the next step's uses more).
+
+        Returns:
+            what the counts were divided by to keep them in range (1.0 almost
+            always): counts the caller keeps must be divided by it too.
+        """
         self.weight /= self.decay
-        if self.weight > _RESCALE_AT:
-            self.counts.div_(self.weight)
-            self.weight = 1.0
+        if self.weight <= _RESCALE_AT:
+            return 1.0
+        divisor, self.weight = self.weight, 1.0
+        self.counts.div_(divisor)
+        return divisor
