@@ -36,7 +36,7 @@ from ..errors import OptionError, StateError
 from ..train.caching import idle_stats, new_cache, rewriting
 from ..train.working_set import WorkingSet
 
-__all__ = ["SharedSteps", "steps_for"]
+__all__ = ["SharedSteps", "steps_for", "MODEL", "OPTIMIZER"]
 
 _NAMES = ("pos ids", "neg ids")
 
