@@ -1,9 +1,10 @@
-"""What speedswap sees on this machine and what its live tables hold."""
+"""What speedswap sees on this machine and what its live tables and device caches hold."""
 
 import torch
 
 from .backends import available_backends, get_backend
 from .backends.resolve import cuda_status
+from .live import live_caches
 from .table import live_tables
 from .version import __version__
 
@@ -11,13 +12,17 @@ __all__ = ["info", "format_info"]
 
 
 def info() -> dict:
-    """A summary of versions, backends, the device, and memory held by live tables.
+    """A summary of versions, backends, the device, and memory held by live tables and caches.
 
     Returns:
         dict with ``version``, ``torch``, ``backends`` (available names),
         ``cuda`` (whether the cuda backend runs here, and why not),
         ``device`` (what ``backend="auto"`` would use), ``tables`` (the number
-        open) and ``host_bytes`` / ``device_bytes`` / ``file_bytes`` held by them.
+        open) and ``host_bytes`` / ``device_bytes`` / ``file_bytes`` held by them;
+        ``caches`` (device caches of hot rows in use: those of open embeddings
+        and switchers built with ``cache_rows`` > 0), ``cache_bytes`` (device
+        bytes they hold) and ``cache_hit_rate`` (their hits over the distinct
+        rows their steps looked up, since they were made; 0.0 before any step).
     """
     backends = available_backends()
     summary = {
@@ -35,6 +40,12 @@ def info() -> dict:
         summary["tables"] += 1
         for where, nbytes in table.memory().items():
             summary[f"{where}_bytes"] += nbytes
+    stats = [cache.stats() for cache in live_caches()
+             if cache.num_slots and not cache.table.closed]
+    hits = sum(s["total"]["hits"] for s in stats)
+    looked_up = sum(s["total"]["unique_rows"] for s in stats)
+    summary.update(caches=len(stats), cache_bytes=sum(s["cache_bytes"] for s in stats),
+                   cache_hit_rate=hits / looked_up if looked_up else 0.0)
     return summary
 
 

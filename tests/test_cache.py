@@ -275,6 +275,16 @@ def test_eval_save_and_load_see_the_cache(backend, tmp_path, rng):
         np.testing.assert_array_equal(emb(torch.arange(100)).numpy(), 1.0)
 
 
+def test_init_state_resets_cached_state_rows_too(backend, rng):
+    emb, opt = _embedding(backend, cache_rows=100, opt=torch.optim.Adam)  # every row fits
+    for _ in range(5):
+        _step(emb, opt, rng.integers(0, 100, 20))
+    emb.init_state()
+    emb.flush()  # a cached state row written back now would undo the reset
+    for name, table in emb._state.tables.items():
+        assert not table.to_numpy().any(), name
+
+
 # ------------------------------------------------ a random mix of operations
 
 ROWS, DIM = 40, 4

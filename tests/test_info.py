@@ -1,7 +1,10 @@
 """`speedswap.info()` and `python -m speedswap info` report backends and memory held."""
 
+import gc
 import subprocess
 import sys
+
+import torch
 
 import speedswap as ss
 
@@ -19,6 +22,31 @@ def test_info_counts_bytes_of_live_tables(backend, tmp_path):
     host.close()
     mapped.close()
     assert ss.info()["host_bytes"] == before["host_bytes"]
+
+def test_info_reports_bytes_and_hit_rate_of_live_caches(backend):
+    gc.collect()  # caches of earlier tests go now, not in the middle of this one
+    before = ss.info()
+    emb = ss.OffloadedEmbedding(100, 4, max_rows=16, storage="pageable", backend=backend,
+                                cache_rows=10)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    uncached = ss.OffloadedEmbedding(100, 4, max_rows=16, backend=backend)
+    uncached.attach(torch.optim.SGD(uncached.parameters(), lr=0.1))
+    device = ss.get_backend(backend).device
+    for _ in range(3):  # the same 3 rows: 3 misses, then 6 hits
+        emb(torch.tensor([5, 6, 7, 5], device=device)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    now = ss.info()
+    assert now["caches"] == before["caches"] + 1  # a cache_rows=0 one holds nothing
+    assert now["cache_bytes"] == before["cache_bytes"] + emb.stats()["cache_bytes"] > 0
+    if before["caches"] == 0:
+        assert now["cache_hit_rate"] == 6 / 9
+    emb.close()
+    after = ss.info()
+    assert (after["caches"], after["cache_bytes"]) == (before["caches"], before["cache_bytes"])
+    uncached.close()
+
 
 def test_info_command_prints_the_summary():
     code = ("import numpy as np, speedswap as ss, sys\n"

@@ -2,7 +2,7 @@
 
 apps -> compat -> train | data -> table -> files | backends -> convert -> errors.
 ``train`` and ``data`` sit side by side and do not import each other; ``info``
-reports on tables and backends. ``apps`` builds on the public API only (the
+reports on tables, backends and the device caches ``train`` registers in ``live``. ``apps`` builds on the public API only (the
 root package), nothing but the command line imports ``apps``, and no module
 loads code from the source checkout.
 """
@@ -20,6 +20,7 @@ RANKS = {
     "errors": 0,
     "convert": 1,
     "atomic": 1,     # atomic saves: errors only
+    "live": 1,       # the registry of device caches that train fills and info reads: no imports
     "backends": 2,
     "files": 2,
     "table": 3,

@@ -52,34 +52,67 @@ def row_state(optimizer, param):
             if isinstance(v, torch.Tensor) and v.shape == param.shape}
 
 
-def run_switchers(make_opt, table0, batches, backend, sparse=False):
-    """SpeedTorch-style training: placeholders, camelCase methods, host tables."""
+def run_switchers(make_opt, table0, batches, backend, sparse=False, cache_rows=0, prefetch=False,
+                  replay_at=None, optimizer_switcher=True):
+    """SpeedTorch-style training: placeholders, camelCase methods, host tables.
+
+    Args:
+        cache_rows: the switchers' device cache of hot rows.
+        prefetch: call ``prefetchNextBatch`` with the next step's ids between
+            the two switchers' ``beforeForwardPass`` (so some of them are in the
+            working set already).
+        replay_at: as in :func:`run_offloaded`, through the switchers' ``save``
+            and ``load`` (and the optimizer's state_dict).
+        optimizer_switcher: build an OptimizerFactory; without it the
+            ModelFactory trains alone (plain SGD keeps no per-row state).
+    """
     device = ss.get_backend(backend).device
     model = torch.nn.ModuleDict({"u_embeddings": torch.nn.Embedding(CAPACITY, DIM, sparse=sparse)})
     model.to(device)
     emb = model["u_embeddings"]
     opt = make_opt(model.parameters())
     u_switch = ss.ModelFactory(emb, total_classes=len(table0), embed_dimension=DIM,
-                               CPUPinn=True, backend=backend)
+                               CPUPinn=True, backend=backend, cache_rows=cache_rows)
     u_switch.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt_switch = ss.OptimizerFactory(opt, len(table0), DIM, model, "u_embeddings",
-                                     CPUPinn=True, backend=backend)
-    opt_switch.optInit()
+    switches = [u_switch]
+    if optimizer_switcher:
+        opt_switch = ss.OptimizerFactory(opt, len(table0), DIM, model, "u_embeddings",
+                                         CPUPinn=True, backend=backend, cache_rows=cache_rows)
+        opt_switch.optInit()
+        switches.append(opt_switch)
     pos_in, neg_in = u_switch.variableTransformer(BATCH, 1, NEGS)
-    for pos, neg, ctx in batches:
-        u_switch.beforeForwardPass(pos, neg)
-        opt_switch.beforeForwardPass(pos, neg)
-        # SpeedTorch code feeds the placeholders (numpy, converted every step), now filled
-        # with de-duplicated slots.
-        loss = skipgram_loss(emb(torch.from_numpy(pos_in).to(device)).squeeze(1),
-                             emb(torch.from_numpy(neg_in).to(device)), ctx)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        u_switch.afterOptimizerStep(pos, neg)
-        opt_switch.afterOptimizerStep(pos, neg)
-    state = {k: t.to_numpy(copy=True) for k, t in opt_switch.state.tables.items()}
-    return u_switch.getNumpyVersion().copy(), state
+    with tempfile.TemporaryDirectory() as tmp:
+        step, saved = 0, None
+        while step < len(batches):
+            if step == replay_at and saved is None:
+                for k, switch in enumerate(switches):
+                    switch.saveCupy(os.path.join(tmp, f"switch{k}" + (".npy" if k == 0 else "")))
+                saved = (step, copy.deepcopy(opt.state_dict()))
+            elif replay_at is not None and saved is not None and step == saved[0] + 10:
+                for k, switch in enumerate(switches):
+                    switch.loadCupy(os.path.join(tmp, f"switch{k}" + (".npy" if k == 0 else "")))
+                opt.load_state_dict(saved[1])
+                step, replay_at = saved[0], None
+            pos, neg, ctx = batches[step]
+            u_switch.beforeForwardPass(pos, neg)
+            if prefetch and step + 1 < len(batches):
+                u_switch.prefetchNextBatch(*batches[step + 1][:2])
+            for switch in switches[1:]:
+                switch.beforeForwardPass(pos, neg)
+            # SpeedTorch code feeds the placeholders (numpy, converted every step), now filled
+            # with de-duplicated slots.
+            loss = skipgram_loss(emb(torch.from_numpy(pos_in).to(device)).squeeze(1),
+                                 emb(torch.from_numpy(neg_in).to(device)), ctx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            for switch in switches:
+                switch.afterOptimizerStep(pos, neg)
+            step += 1
+    table = u_switch.getNumpyVersion()  # cached rows and their state are written back first
+    state = ({k: t.to_numpy(copy=True) for k, t in opt_switch.state.tables.items()}
+             if optimizer_switcher else {})
+    return table, state
 
 
 def run_offloaded(make_opt, table0, batches, backend, cache_rows=0, prefetch=False,

@@ -22,6 +22,7 @@ the step touches, so the optimizer's work scales with the batch, not with the
 capacity, and no unused slot is updated.
 """
 
+import contextlib
 import os
 import warnings
 import weakref
@@ -34,10 +35,11 @@ from ..backends import get_backend
 from ..data.gadget import DataGadget as CoreDataGadget
 from ..convert import int_option, torch_dtype
 from ..errors import DeviceError, DTypeError, FileFormatError, OptionError, ShapeError, StateError
+from ..train.caching import idle_stats
 from ..train.row_state import NarrowedStep, RowState
 from ..train.step_hooks import StepHooks
 from ..table import HostTable
-from .steps import register_steps, steps_for
+from .steps import MODEL, OPTIMIZER, steps_for
 
 __all__ = ["ModelFactory", "OptimizerFactory", "GPUPytorchModelFactory",
            "GPUPytorchOptimizerFactory", "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory",
@@ -89,12 +91,17 @@ def _refuse_process_group(name):
 
 
 class _Switcher:
-    """What both switchers share: the parameter, the shared step, the step protocol."""
+    """What both switchers share: the parameter, the shared step and cache, the step protocol."""
 
-    def __init__(self, param, total_classes, embed_dimension, dtype):
+    _kind = None  # MODEL or OPTIMIZER: the switcher's part in the shared step
+
+    def __init__(self, param, total_classes, embed_dimension, dtype, cache_rows):
         _refuse_process_group(type(self).__name__)
         total_classes = int_option(total_classes, "total_classes", hint=" (rows of the full table)")
         embed_dimension = int_option(embed_dimension, "embed_dimension")
+        cache_rows = min(int_option(cache_rows, "cache_rows", minimum=0,
+                                    hint=" (rows kept on the device between steps)"),
+                         total_classes)
         if param.shape[1] != embed_dimension:
             raise ShapeError(f"the model's embedding has rows of {param.shape[1]} but "
                              f"embed_dimension={embed_dimension}; they must match")
@@ -104,11 +111,30 @@ class _Switcher:
         self._param = param
         self._built_for = (param.dtype, param.device)
         self._steps = steps_for(param, total_classes)
-        self._gathered = None
+        self._steps.check_join(self._kind, cache_rows, type(self).__name__)
+        self.cache_rows = cache_rows
+        self._leave = None
 
-    def _register(self):
-        """Share the step with the parameter's other switchers: the constructor's last act."""
-        register_steps(self._steps)
+    def _register(self, tables):
+        """Share the step and the cache with the parameter's other switcher: the constructor's last act."""
+        self._leave = self._steps.join(self, self._kind, self.cache_rows, tables)
+
+    @property
+    def _gathered(self):
+        """The step this switcher began and has not ended yet, or None."""
+        step = self._steps.current
+        if step is None or self._kind not in step.begun - step.ended or not self._is_member():
+            return None
+        return step
+
+    def _is_member(self):
+        return self._steps.is_member(self, self._kind)
+
+    def _check_member(self):
+        if not self._is_member():
+            name = type(self).__name__
+            raise StateError(f"this {name} was closed, or replaced by a newer {name} of the same "
+                             f"embedding; use the newer one")
 
     def _check_device(self, table):
         if table.device != self._param.device:
@@ -136,11 +162,44 @@ class _Switcher:
         return data
 
     def _check_idle(self, what):
-        if self._gathered is not None:
+        if self._is_member() and self._steps.busy():
             raise StateError(f"{what} between before_forward and after_step would be undone by "
                              f"after_step; call it between steps")
 
+    def _rewriting(self, what):
+        """A context for ``what``, which replaces host rows or state: flush before, invalidate after.
+
+        Raises:
+            StateError: in the middle of a step.
+        """
+        self._check_idle(what)
+        return self._steps.rewriting() if self._is_member() else contextlib.nullcontext()
+
+    def flush(self) -> None:
+        """Write the device cache's rows and their optimizer state back to the host tables.
+
+        Afterwards the tables hold every row's current value (the rows stay
+        cached). The switchers' own methods (``save``, ``getNumpyVersion``,
+        ``load``, the initialisers, ...) do this themselves; call it before
+        reading ``table`` or ``state.tables`` directly. Without a cache
+        (``cache_rows=0``) the tables are always current.
+        """
+        if self._is_member():
+            self._steps.flush()
+
+    def stats(self) -> dict:
+        """The device cache's transport counters, shared by both switchers of the embedding.
+
+        Returns:
+            ``{"last_step": {...}, "total": {...}, "cache_rows", "cache_bytes"}``
+            as :meth:`speedswap.OffloadedEmbedding.stats`: lookups, hits,
+            misses, rows and bytes each way, evictions and prefetched rows.
+            All zero for a lone OptimizerFactory (no table, no cache).
+        """
+        return self._steps.stats(self.cache_rows) if self._is_member() else idle_stats(self.cache_rows)
+
     def _finish(self, pos, neg):
+        self._check_member()
         step = self._steps.match(pos, neg, type(self).__name__)
         if self._gathered is not step:
             raise StateError(f"{type(self).__name__}.after_step without a matching "
@@ -169,19 +228,46 @@ class ModelFactory(_Switcher):
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
         path: the ``.npy`` file of an ``mmap`` table.
         overwrite: let an ``mmap`` table replace an existing file at ``path``.
+        cache_rows: rows kept in device memory between steps, with their
+            optimizer state: a write-back LRU cache of hot rows (see
+            :mod:`speedswap.train.cache`), shared with the embedding's
+            :class:`OptimizerFactory`, which must be built with the same
+            ``cache_rows``. 0 (the default) turns it off. A cached row is
+            current only in the cache until it is evicted or flushed: every
+            method here sees it, but read ``table`` directly only after
+            :meth:`flush`. :meth:`prefetch` brings the next step's rows in.
 
     The table starts at zero; call an initialiser (``uniformDistributionInit``,
     ``customInit``, ...) before training.
 
     Raises:
-        OptionError, ShapeError, DTypeError: a bad embedding, size or dtype.
+        OptionError, ShapeError, DTypeError: a bad embedding, size, dtype or
+            ``cache_rows`` (another than the embedding's OptimizerFactory's).
         DeviceError: the model is not on the backend's device.
+        StateError: built in the middle of a step of the embedding's switchers.
+
+    Example:
+        >>> import torch, speedswap as ss
+        >>> emb = torch.nn.Embedding(8, 4)
+        >>> switch = ss.ModelFactory(emb, 1000, 4, backend="numpy", cache_rows=50)
+        >>> opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        >>> for ids, next_ids in [([1, 2, 2], [2, 3]), ([2, 3], None)]:
+        ...     local = switch.before_forward(ids)
+        ...     if next_ids is not None:
+        ...         _ = switch.prefetch(next_ids)      # while this step computes
+        ...     emb(local).sum().backward(); opt.step(); opt.zero_grad()
+        ...     switch.after_step(ids)
+        >>> switch.stats()["total"]["hits"]    # 2 (stored by step 1) and 3 (prefetched)
+        2
     """
 
+    _kind = MODEL
+
     def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32",
-                 CPUPinn=False, *, storage=None, backend="auto", path=None, overwrite=False):
+                 CPUPinn=False, *, storage=None, backend="auto", path=None, overwrite=False,
+                 cache_rows: int = 0):
         param = _weight_of(model_variable)
-        super().__init__(param, total_classes, embed_dimension, datatype)
+        super().__init__(param, total_classes, embed_dimension, datatype, cache_rows)
         storage = storage or _storage_of(CPUPinn)
         # An mmap table starts as a zero-filled sparse file; writing zeros would make it dense.
         make = HostTable.empty if storage == "mmap" else HostTable.zeros
@@ -195,7 +281,7 @@ class ModelFactory(_Switcher):
             owner = weakref.ref(self)
             self._stale_hook = model_variable.register_forward_pre_hook(
                 lambda module, args: _check_stale(owner, args))
-        self._register()
+        self._register(self.table)
 
     # ------------------------------------------------------------------ steps
     def variableTransformer(self, batchSize, posPerBatch, negPerBatch=None):
@@ -264,7 +350,7 @@ class ModelFactory(_Switcher):
                              f"again for this batch size, or feed the ids before_forward returns")
 
     def before_forward(self, pos, neg=None):
-        """Gather the rows of ``pos`` (and ``neg``) into the model's embedding.
+        """Gather the rows of ``pos`` (and ``neg``) into the model's embedding (cached ones from the cache).
 
         Args:
             pos: table ids of any shape: numpy array, list, or tensor on the
@@ -280,27 +366,28 @@ class ModelFactory(_Switcher):
             IdError, DTypeError, DeviceError: bad ids.
             CapacityError: more distinct rows than the embedding has.
             ShapeError: ids that do not fit the placeholders.
-            StateError: the previous step was not finished with :meth:`after_step`.
+            StateError: the previous step was not finished with :meth:`after_step`
+                (on this switcher, or on the embedding's OptimizerFactory).
 
         Nothing changes when this raises.
         """
         if self._gathered is not None:
             raise StateError("before_forward called twice without after_step; finish the "
                              "step with after_step(ids) so its rows are written back")
+        self._check_member()
         rows = self._param_rows()
-        step = self._steps.prepare(pos, neg)
+        step = self._steps.prepare(pos, neg, MODEL)
         self._check_placeholders(step)
-        self._steps.commit(step)
-        k = len(step.rows)
-        with torch.no_grad():
-            self.table.gather_validated(step.rows, rows[:k])
+        self._steps.begin(step, MODEL, rows)
         for placeholder, local in zip(self._placeholders or (), step.locals):
             np.copyto(placeholder, local.cpu().numpy().reshape(placeholder.shape))
-        self._gathered = step
         return self._result(step)
 
     def after_step(self, pos, neg=None):
         """Write the step's updated rows back to the table, each distinct row once.
+
+        With a cache, rows go to the cache (hits, and misses that find a
+        slot), with their optimizer state, and the rest back to the table.
 
         Args:
             pos, neg: the same ids given to :meth:`before_forward`.
@@ -310,56 +397,104 @@ class ModelFactory(_Switcher):
                 ``before_forward`` on this switcher; nothing is written.
         """
         step = self._finish(pos, neg)
-        self.table.scatter_validated(step.rows, self._param_rows()[:len(step.rows)])
+        self._steps.end(step, MODEL, self._param_rows())
         if self._placeholders is not None and self._stale_checks > 0:
             # What a copy made before the loop, or now, would hold.
             self._stale = self._initial + [p.copy() for p in self._placeholders]
-        self._gathered = None
+
+    def prefetch(self, pos, neg=None) -> int:
+        """Start bringing the rows of the next step's ids (and their optimizer state) into the cache.
+
+        Call it while the current step computes, with the ids the next
+        :meth:`before_forward` will get. Rows of the current step are skipped
+        (its ``after_step`` puts them in the cache with their updated values);
+        rows brought or already cached cannot be evicted before the end of the
+        next step. Without a cache (``cache_rows=0``) it only checks the ids.
+        On a GPU the copies run on a side stream and may still be running on
+        return; on the CPU they are done. Alias ``prefetchNextBatch``.
+
+        Args:
+            pos: the next step's ids, as for :meth:`before_forward`.
+            neg: its second set of ids, if any.
+
+        Returns:
+            the number of rows brought from the host.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids (nothing changes).
+            StateError: a closed or replaced switcher.
+        """
+        self._check_member()
+        return self._steps.prefetch(pos, neg)
 
     # ------------------------------------------------------------ whole table
     def zerosInit(self):
         """Set every row to zero."""
-        self._check_idle("zerosInit")
-        self.table.zero_()
+        with self._rewriting("zerosInit"):
+            self.table.zero_()
 
     def uniformDistributionInit(self, low, high):
         """Fill the table from U(low, high) (torch's global generator)."""
-        self._check_idle("uniformDistributionInit")
-        self.table.uniform_(low, high)
+        with self._rewriting("uniformDistributionInit"):
+            self.table.uniform_(low, high)
 
     def normalDistributionInit(self, mean, stdDev):
         """Fill the table from N(mean, stdDev²) (torch's global generator)."""
-        self._check_idle("normalDistributionInit")
-        self.table.normal_(mean, stdDev)
+        with self._rewriting("normalDistributionInit"):
+            self.table.normal_(mean, stdDev)
 
     def customInit(self, initFunction, *args):
         """Run an in-place initialiser such as ``torch.nn.init.xavier_uniform_`` on the whole table."""
-        self._check_idle("customInit")
-        self.table.apply_(initFunction, *args)
+        with self._rewriting("customInit"):
+            self.table.apply_(initFunction, *args)
 
     def save(self, path):
-        """Write the table to ``path`` (``.npy`` or ``.h5``) atomically. Alias ``saveCupy``."""
+        """Write the table (cached rows included) to ``path`` (``.npy`` or ``.h5``) atomically.
+
+        Alias ``saveCupy``.
+        """
+        self.flush()
         self.table.save(path)
 
     def load(self, path):
         """Replace the table's rows with a file's of the same shape and dtype. Alias ``loadCupy``.
 
+        Cached rows are dropped (their optimizer state is written back first).
+
         Raises:
             FileFormatError: another shape or dtype, or a bad file (nothing changes).
             StateError: called in the middle of a step.
         """
-        self._check_idle("load")
-        self.table.load_from(path)
+        with self._rewriting("load"):
+            self.table.load_from(path)
 
     def close(self):
-        """Release the table's memory. Idempotent."""
+        """Release the table's memory (an ``mmap`` table gets the cached rows first). Idempotent.
+
+        The embedding's OptimizerFactory keeps working, without a cache.
+        Closing in the middle of a step abandons the step: its rows are not
+        written back.
+        """
         if self._stale_hook is not None:
             self._stale_hook.remove()
             self._stale_hook = None
+        self._leave()
         self.table.close()
 
     def to_numpy(self, copy: bool = False) -> np.ndarray:
-        """The table as a numpy array (the table's own memory for host storage, unless ``copy``)."""
+        """The table as a numpy array (the table's own memory for host storage, unless ``copy``).
+
+        Cached rows are written back first. Handing out the table's memory
+        (``copy=False``) also drops them from the cache, so writes to it before
+        the next step are seen by that step (with a cache, call it between steps).
+
+        Raises:
+            StateError: ``copy=False`` in the middle of a step, with a cache.
+        """
+        if copy:
+            self.flush()
+        elif self._is_member():
+            self._steps.hand_out("to_numpy(copy=False)")
         return self.table.to_numpy(copy=copy)
 
     def getNumpyVersion(self) -> np.ndarray:
@@ -370,6 +505,7 @@ class ModelFactory(_Switcher):
         """SpeedTorch's ``saveTorch``: ``*.pt``/``*.pth`` through ``torch.save`` (the table as one
         CPU tensor, as SpeedTorch wrote it); other suffixes as :meth:`save`."""
         if _is_torch_file(path):
+            self.flush()
             torch.save(self.table.as_tensor().cpu().clone(), path)
         else:
             self.save(path)
@@ -394,10 +530,20 @@ class ModelFactory(_Switcher):
                     else type(tensor).__name__)
             raise FileFormatError(f"{os.fspath(path)!r} holds {what}, but this table is "
                                   f"{self.table.shape} {self.table.dtype}")
-        self.table.as_tensor().copy_(tensor)
+        with self._rewriting("loadTorch"):
+            self.table.as_tensor().copy_(tensor)
 
     def getTorchVar(self) -> torch.Tensor:
-        """SpeedTorch's ``getTorchVar``: the full table as a torch tensor sharing its memory."""
+        """SpeedTorch's ``getTorchVar``: the full table as a torch tensor sharing its memory.
+
+        As :meth:`to_numpy` with ``copy=False``: cached rows are written back
+        and dropped from the cache first.
+
+        Raises:
+            StateError: in the middle of a step, with a cache.
+        """
+        if self._is_member():
+            self._steps.hand_out("getTorchVar")
         return self.table.as_tensor()
 
     def getCupyVar(self):
@@ -412,6 +558,7 @@ class ModelFactory(_Switcher):
 
     beforeForwardPass = before_forward
     afterOptimizerStep = after_step
+    prefetchNextBatch = prefetch
     saveCupy = save
     loadCupy = load
 
@@ -452,17 +599,25 @@ class OptimizerFactory(_Switcher):
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
         path: for ``storage="mmap"``, a directory for the state files.
         overwrite: let ``mmap`` state files replace existing ones in ``path``.
+        cache_rows: the embedding's device cache of hot rows (see
+            :class:`ModelFactory`): it holds their state rows too, so it is
+            shared, and both switchers of one embedding must be built with
+            the same ``cache_rows``. Without a ModelFactory there is no cache.
 
     Raises:
-        OptionError: no such parameter, an optimizer not holding it, or one
-            whose state is not element-wise (LBFGS).
+        OptionError: no such parameter, an optimizer not holding it, one
+            whose state is not element-wise (LBFGS), or a bad ``cache_rows``
+            (another than the embedding's ModelFactory's).
+        StateError: built in the middle of a step of the embedding's switchers.
     """
+
+    _kind = OPTIMIZER
 
     def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
                  dtype="float32", CPUPinn=False, *, storage=None, backend="auto", path=None,
-                 overwrite=False):
+                 overwrite=False, cache_rows: int = 0):
         param = _parameter_named(model, variable_name)
-        super().__init__(param, total_classes, embed_dimension, dtype)
+        super().__init__(param, total_classes, embed_dimension, dtype, cache_rows)
         self.state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),
                               storage or _storage_of(CPUPinn),
                               get_backend(backend, _device_of(param)), path, overwrite=overwrite)
@@ -472,7 +627,7 @@ class OptimizerFactory(_Switcher):
         # Weak hooks (see StepHooks): they act only inside a step, and
         # optimizer.step(closure) narrows after the closure's forward.
         self._hooks = StepHooks(self, given_optimizer)
-        self._register()
+        self._register(self.state)
 
     # The step protocol of StepHooks.
     def _begin_step(self):
@@ -490,14 +645,20 @@ class OptimizerFactory(_Switcher):
             self.state.release()
 
     def close(self):
-        """Release the state tables' memory and unhook the optimizer. Idempotent."""
+        """Release the state tables' memory and unhook the optimizer. Idempotent.
+
+        The embedding's ModelFactory keeps working, its cache without state
+        rows. Closing in the middle of a step abandons the step: its rows are
+        not written back.
+        """
         self._hooks.remove()
+        self._leave()  # cached state rows are written back while the tables are open
         self.state.close()
 
     def init_state(self):
-        """Reset every row's state to torch's initial value. Alias ``optInit``."""
-        self._check_idle("init_state")
-        self.state.init_state()
+        """Reset every row's state to torch's initial value (cached state rows too). Alias ``optInit``."""
+        with self._rewriting("init_state"):
+            self.state.init_state()
 
     def before_forward(self, pos, neg=None):
         """Put the optimizer state of the step's rows into the optimizer.
@@ -515,11 +676,15 @@ class OptimizerFactory(_Switcher):
         if self._gathered is not None:
             raise StateError("before_forward called twice without after_step; finish the "
                              "step with after_step(ids) so its state rows are written back")
-        self._param_rows()
-        step = self._steps.prepare(pos, neg)
-        self._steps.commit(step)
-        self.state.gather(step.rows)
-        self._gathered = step
+        self._check_member()
+        rows = self._param_rows()
+        step = self._steps.prepare(pos, neg, OPTIMIZER)
+        self._steps.begin(step, OPTIMIZER, rows)
+        try:
+            self.state.gather(step.rows, read=self._steps.read_state())
+        except BaseException:
+            self._steps.withdraw(step, OPTIMIZER)
+            raise
         return self._result(step)
 
     def after_step(self, pos, neg=None):
@@ -530,12 +695,13 @@ class OptimizerFactory(_Switcher):
                 ``before_forward`` on this switcher; nothing is written.
         """
         step = self._finish(pos, neg)
-        self.state.scatter(step.rows)
-        self._gathered = None
+        self._steps.end(step, OPTIMIZER, self._param_rows())
 
     def save(self, path):
-        """Write every state table to one checkpoint (``.h5`` file or directory), atomically."""
+        """Write every state table (cached state rows included) to one checkpoint (``.h5`` file or
+        directory), atomically."""
         from ..train.checkpoint import save_tables
+        self.flush()
         save_tables(path, self.state.tables, {"optimizer": type(self.state.optimizer).__name__})
 
     def load(self, path):
@@ -546,9 +712,9 @@ class OptimizerFactory(_Switcher):
             StateError: called in the middle of a step.
         """
         from ..train.checkpoint import load_tables
-        self._check_idle("load")
-        load_tables(path, self.state.tables, {"optimizer": type(self.state.optimizer).__name__})
-        self.state.mark_loaded()
+        with self._rewriting("load"):
+            load_tables(path, self.state.tables, {"optimizer": type(self.state.optimizer).__name__})
+            self.state.mark_loaded()
 
     optInit = init_state
     beforeForwardPass = before_forward

@@ -1,10 +1,29 @@
-"""The step a ModelFactory and an OptimizerFactory of one parameter share.
+"""The step a ModelFactory and an OptimizerFactory of one parameter share, and their device cache.
 
 SpeedTorch code calls ``before_forward(ids)`` on both switchers of an
 embedding, then ``after_step(ids)`` on both. The ids of a step are checked and
 de-duplicated once, by whichever switcher comes first; the other finds the
 same ids and reuses the slots, and ``after_step`` only compares its ids with
 the step's (no second range check: on a GPU each one is a host synchronisation).
+
+**The cache.** A cached row is cached with its optimizer state, so the
+switchers of one parameter share one :class:`~speedswap.train.cache.RowCache`
+over the ModelFactory's table and the OptimizerFactory's state tables. It is
+rebuilt, after a flush, whenever a switcher joins or leaves (closed, or
+collected). Within a step:
+
+* the first ``before_forward`` (of either switcher) fetches the step's rows
+  into the parameter: hits from the cache, misses from the host;
+* ``OptimizerFactory.before_forward`` reads their optimizer state the same way;
+* ``ModelFactory.after_step`` stores rows and state together (the rows are
+  final when the model's switcher says so). When the OptimizerFactory's
+  ``after_step`` came first, its state rows wait for that store; when it
+  comes later, the store takes them from the optimizer and its ``after_step``
+  only ends its part.
+
+With ``cache_rows=0`` the cache holds nothing and only moves and counts rows,
+so a switcher has one code path. Without a ModelFactory there is no table to
+cache: a lone OptimizerFactory moves its state rows itself.
 """
 
 import weakref
@@ -14,29 +33,51 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..convert import as_id_tensor, check_id_range
 from ..errors import OptionError, StateError
+from ..train.caching import idle_stats, new_cache, rewriting
 from ..train.working_set import WorkingSet
 
-__all__ = ["SharedSteps", "steps_for", "register_steps"]
+__all__ = ["SharedSteps", "steps_for", "MODEL", "OPTIMIZER"]
 
 _NAMES = ("pos ids", "neg ids")
 
+#: ``_Step.begun`` / ``ended`` hold these: which switcher of the parameter began or ended a step.
+MODEL, OPTIMIZER = "model", "optimizer"
+
+#: The OptimizerFactory's state rows have not been handed to the cache yet.
+_WAITING = object()
+
 
 class _Step:
-    """The ids one ``before_forward`` saw and the slots they were given."""
+    """The ids one ``before_forward`` saw, the slots they were given, and who is in the step."""
 
     def __init__(self, flats, shapes, locals_, rows):
         self.flats = flats
         self.shapes = shapes
         self.locals = locals_
         self.rows = rows
+        self.begun = set()  # kinds whose before_forward joined the step
+        self.ended = set()  # kinds whose after_step ended their part
 
     def same_ids(self, flats):
         return len(flats) == len(self.flats) and all(
             a.shape == b.shape and torch.equal(a, b) for a, b in zip(flats, self.flats))
 
+    def unfinished(self):
+        """A switcher began the step and has not ended it."""
+        return bool(self.begun - self.ended)
+
+
+class _Member:
+    """A switcher of the parameter: a weak reference to it, the tables it brings, its cache size."""
+
+    def __init__(self, switcher, tables, cache_rows):
+        self.ref = weakref.ref(switcher)
+        self.tables = tables  # the ModelFactory's HostTable, or the OptimizerFactory's RowState
+        self.cache_rows = cache_rows
+
 
 class SharedSteps:
-    """The step in progress for one parameter, shared by its switchers.
+    """The step in progress for one parameter and its device cache, shared by its switchers.
 
     Args:
         param: the model's embedding parameter (its rows are the working set).
@@ -48,7 +89,93 @@ class SharedSteps:
         self.num_rows = num_rows
         self.working_set = WorkingSet(param.shape[0], param.device)
         self.current = None
+        self.cache = None
+        self._members = {}  # MODEL / OPTIMIZER -> _Member
+        self._open = False  # the cache fetched the current step's rows and has not stored them
+        self._states = _WAITING  # state rows handed over by OptimizerFactory.after_step
 
+    # ------------------------------------------------------------ members
+    def is_member(self, switcher, kind) -> bool:
+        """Whether ``switcher`` is the parameter's switcher of ``kind`` (not one replaced since)."""
+        member = self._members.get(kind)
+        return member is not None and member.ref() is switcher
+
+    def busy(self) -> bool:
+        """Whether a step is in progress: a switcher began it and has not ended it."""
+        return self.current is not None and self.current.unfinished()
+
+    def check_join(self, kind: str, cache_rows: int, who: str) -> None:
+        """Raise unless a switcher of ``kind`` may join now with ``cache_rows``; nothing changes.
+
+        Raises:
+            StateError: a step of the parameter is in progress.
+            OptionError: the parameter's switcher of the other kind has another ``cache_rows``.
+        """
+        if self.busy():
+            raise StateError(f"{who} built between before_forward and after_step of this "
+                             f"parameter's switchers; build switchers between steps")
+        for kind_, member in self._members.items():
+            other = member.ref()
+            if kind_ != kind and other is not None and member.cache_rows != cache_rows:
+                raise OptionError(
+                    f"{who}(cache_rows={cache_rows}) for an embedding whose "
+                    f"{type(other).__name__} has cache_rows={member.cache_rows}: the switchers "
+                    f"of one embedding share one device cache of rows and their optimizer "
+                    f"state; pass the same cache_rows to both (or close the other one first)")
+
+    def join(self, switcher, kind: str, cache_rows: int, tables) -> weakref.finalize:
+        """Make ``switcher`` the parameter's switcher of ``kind``: the last act of its constructor.
+
+        A switcher of the same kind built earlier is replaced (its steps raise
+        from now on). The cache is rebuilt over the members' tables.
+
+        Args:
+            switcher: the ModelFactory or OptimizerFactory.
+            kind: :data:`MODEL` or :data:`OPTIMIZER`.
+            cache_rows: its ``cache_rows``.
+            tables: its HostTable (a ModelFactory) or RowState (an OptimizerFactory).
+
+        Returns:
+            the call that removes the switcher again (from ``close``); it runs
+            by itself when the switcher is collected.
+
+        Raises:
+            as :meth:`check_join`.
+        """
+        self.check_join(kind, cache_rows, type(switcher).__name__)
+        member = self._members[kind] = _Member(switcher, tables, cache_rows)
+        self._rebuild()
+        _STEPS[self.param] = weakref.ref(self)
+        leave = weakref.finalize(switcher, self._leave, kind, member)
+        leave.atexit = False  # at exit there is nothing to keep consistent
+        return leave
+
+    def _leave(self, kind, member):
+        if self._members.get(kind) is not member:
+            return  # replaced by a newer switcher of its kind
+        if self.busy():
+            self._abandon()
+        del self._members[kind]
+        self._rebuild()
+
+    def _rebuild(self):
+        # The old cache is flushed while the tables it serves are still open.
+        if self.cache is not None:
+            self.cache.flush()
+            self.cache = None
+        model, optimizer = self._members.get(MODEL), self._members.get(OPTIMIZER)
+        if model is not None:
+            states = {} if optimizer is None else optimizer.tables.tables
+            self.cache = new_cache(model.cache_rows, model.tables, states, self.param.dtype)
+
+    def _abandon(self):
+        """Drop the step in progress (a switcher left in the middle of it): nothing is written back."""
+        if self._open:
+            self.cache.end_step()  # the cache still holds the rows as before the step
+        self._open, self._states = False, _WAITING
+        self.current.ended |= self.current.begun
+
+    # ---------------------------------------------------------------- ids
     def _as_tensors(self, pos, neg):
         ids = (pos,) if neg is None else (pos, neg)
         converted = [as_id_tensor(i, self.param.device, what=n) for i, n in zip(ids, _NAMES)]
@@ -62,19 +189,28 @@ class SharedSteps:
                 check_id_range(flat, self.num_rows, what=name)
             raise
 
-    def prepare(self, pos, neg):
-        """The step for these ids: the current one when they are the same, else a new one.
+    # ---------------------------------------------------------------- steps
+    def prepare(self, pos, neg, kind):
+        """The step ``kind``'s switcher begins with these ids: the one in progress, or a new one.
 
         The ids are range-checked once, when a new step starts. Nothing is
-        committed (see :meth:`commit`), so a later check can still refuse.
+        committed (see :meth:`begin`), so a later check can still refuse.
 
         Raises:
             IdError, DTypeError, DeviceError: bad ids.
             CapacityError: more distinct rows than the parameter has.
+            StateError: a step is in progress that ``kind`` cannot join (other
+                ids, or it ended its part already).
         """
         flats, shapes = self._as_tensors(pos, neg)
-        if self.current is not None and self.current.same_ids(flats):
-            return self.current
+        if self.busy():
+            step = self.current
+            if step.same_ids(flats) and kind not in step.ended:
+                return step
+            missing = " and ".join(sorted(step.begun - step.ended))
+            raise StateError(f"before_forward while the {missing} switcher of this embedding "
+                             f"has not called after_step for the last step; finish the step on "
+                             f"every switcher first")
         self._check_range(flats)
         ws = self.working_set
         ws.clear()
@@ -83,9 +219,32 @@ class SharedSteps:
         locals_ = tuple(p.view(s) for p, s in zip(pieces, shapes))
         return _Step(flats, shapes, locals_, ws.rows)
 
-    def commit(self, step):
-        """Make ``step`` (from :meth:`prepare`) the step in progress."""
+    def begin(self, step, kind, rows):
+        """Start ``kind``'s part of ``step`` (from :meth:`prepare`); the first part fetches its rows.
+
+        Args:
+            step: the step.
+            kind: :data:`MODEL` or :data:`OPTIMIZER`.
+            rows: the parameter's storage: its first ``len(step.rows)`` rows
+                receive the step's rows (cached ones from the cache).
+        """
         self.current = step
+        if not self._open and self.cache is not None:
+            k = len(step.rows)
+            with torch.no_grad():
+                self.cache.fetch(step.rows, rows[:k], 0, sum(len(f) for f in step.flats))
+            self._open = True
+        step.begun.add(kind)
+
+    def withdraw(self, step, kind):
+        """Undo :meth:`begin` of a ``before_forward`` that raised after it."""
+        step.begun.discard(kind)
+        if not step.begun:
+            self._abandon()
+
+    def read_state(self):
+        """What fills the optimizer's state views for :meth:`RowState.gather`: the cache, or None (the tables)."""
+        return None if self.cache is None else self.cache.read_state
 
     def match(self, pos, neg, who):
         """The current step, which must have been started with exactly these ids.
@@ -100,6 +259,99 @@ class SharedSteps:
                              f"same order (nothing was written back)")
         return self.current
 
+    def end(self, step, kind, rows):
+        """End ``kind``'s part of ``step``; the model's part stores the step's rows and state.
+
+        The store is the model's: its rows are final when its ``after_step``
+        says so. Only in a step the model's switcher took no part in does the
+        optimizer's part store them.
+
+        Args:
+            step: the step in progress, begun by ``kind``.
+            kind: :data:`MODEL` or :data:`OPTIMIZER`.
+            rows: the parameter's storage (the step's updated rows are its
+                first ``len(step.rows)``).
+
+        Raises:
+            StateError: the optimizer's state does not have the names expected
+                (see :meth:`RowState.scatter`); nothing is written.
+        """
+        if kind == OPTIMIZER:
+            state = self._members[OPTIMIZER].tables
+            if self.cache is None:
+                state.scatter(step.rows)  # no table, no cache: straight to the state tables
+            elif self._open:
+                state.scatter(step.rows, write=self._hand_over)
+        if self._open and (kind == MODEL or MODEL not in step.begun):
+            self.cache.store(step.rows, rows[:len(step.rows)], self._states_of(step))
+            self._open, self._states = False, _WAITING
+        step.ended.add(kind)
+
+    def _hand_over(self, states):
+        self._states = states
+
+    def _states_of(self, step):
+        """The optimizer state rows the store writes with the step's rows."""
+        optimizer = self._members.get(OPTIMIZER)
+        if OPTIMIZER in step.begun:
+            if self._states is _WAITING:  # its after_step comes later: take them now
+                optimizer.tables.scatter(step.rows, write=self._hand_over)
+            return self._states
+        # No offloaded optimizer state took part: cached state rows stay as they are,
+        # and rows that miss go back to the host (their state there is current).
+        return None if optimizer is not None and optimizer.tables.tables else {}
+
+    # -------------------------------------------------------------- the cache
+    def prefetch(self, pos, neg) -> int:
+        """Start bringing the rows of ids ``pos`` (and ``neg``) and their state into the cache.
+
+        Returns:
+            the number of rows brought from the host.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids (nothing changes).
+        """
+        flats, _ = self._as_tensors(pos, neg)
+        self._check_range(flats)
+        if self.cache is None:
+            return 0
+        ids = torch.cat(flats) if len(flats) > 1 else flats[0]
+        # Rows of a step in progress are skipped (see RowCache.prefetch).
+        working = self.current.rows if self._open else ids[:0]
+        with torch.no_grad():
+            return self.cache.prefetch(ids, working)
+
+    def flush(self) -> None:
+        """Write cached rows and state back to the host tables (they stay cached)."""
+        if self.cache is not None:
+            self.cache.flush()
+
+    def rewriting(self):
+        """A context for a call that replaces rows or state in the host tables (see :func:`rewriting`)."""
+        return rewriting(self.cache)
+
+    def hand_out(self, what: str) -> None:
+        """Make the host table current and uncached before ``what`` hands out its memory.
+
+        Afterwards every row is read from the host again, so writes through the
+        memory handed out are seen by the next step.
+
+        Raises:
+            StateError: a cache of rows and a step in progress (its rows are
+                cached until the step ends).
+        """
+        if self.cache is None:
+            return
+        if self.cache.num_slots and self.busy():
+            raise StateError(f"{what} between before_forward and after_step: this step's rows "
+                             f"are in the device cache until it ends; call it between steps")
+        self.cache.flush()
+        self.cache.invalidate()
+
+    def stats(self, cache_rows: int) -> dict:
+        """The cache's counters (see :meth:`RowCache.stats`), all zero without a cache."""
+        return idle_stats(cache_rows) if self.cache is None else self.cache.stats()
+
 
 #: param -> weak reference to its SharedSteps: an entry lives as long as a
 #: switcher of the parameter does, so dropping every switcher frees the size.
@@ -109,7 +361,7 @@ _STEPS = WeakIdKeyDictionary()
 def steps_for(param: torch.nn.Parameter, num_rows: int) -> SharedSteps:
     """The :class:`SharedSteps` of ``param``, found by identity, or a new unregistered one.
 
-    A new one is registered by :func:`register_steps` once its switcher is
+    A new one is registered by :meth:`SharedSteps.join` once its switcher is
     built, so a constructor that fails later leaves nothing behind.
 
     Raises:
@@ -123,8 +375,3 @@ def steps_for(param: torch.nn.Parameter, num_rows: int) -> SharedSteps:
         raise OptionError(f"this parameter already has a switcher over {steps.num_rows}"
                           f" rows; every switcher of one parameter needs the same total_classes")
     return steps
-
-
-def register_steps(steps: SharedSteps) -> None:
-    """Make ``steps`` the shared step of its parameter (the last act of a switcher's constructor)."""
-    _STEPS[steps.param] = weakref.ref(steps)

@@ -91,6 +91,17 @@ class BatchFeeder:
     the loop: a loop left early with ``break`` is continued by the next one,
     and :meth:`state_dict` / :meth:`load_state_dict` restart the exact stream.
 
+    **Lookahead.** With ``lookahead=True`` iterating yields pairs
+    ``(batch, next_batch)``: ``next_batch`` is the batch the next pair will
+    start with (equal values, the same tensors), or None for the last batch
+    of the epoch. A training loop can then start moving the next step's rows
+    while it trains on this one (``emb.prefetch(next_ids)``). Only ``batch``
+    counts as yielded: :meth:`state_dict` after a pair points at
+    ``next_batch``, so a resumed loop starts with it. The stream and its
+    state are the same with and without lookahead; ``next_batch`` is read
+    (and transformed) before ``batch`` is handed over, and an error doing so
+    is raised before it.
+
     **Lifetime.** Yielded tensors are never reused by the feeder: keep them
     as long as you like. On the CPU each is a fresh tensor. On a GPU each is a
     fresh device allocation filled on a side stream and recorded as used by
@@ -141,6 +152,7 @@ class BatchFeeder:
             read once per epoch). Default (None): only when the file sources
             exceed half the RAM available, since a smaller file stays cached
             for the next epoch.
+        lookahead: yield ``(batch, next_batch)`` pairs (see **Lookahead**).
         **named_sources: sources by name; batches are then dicts.
 
     Raises:
@@ -148,7 +160,7 @@ class BatchFeeder:
             ``batch_size``/``prefetch``/``seed``, an unknown ``order``, a rank
             outside the world, a non-callable ``transform``, or
             ``drop_last`` with fewer rows per rank than ``batch_size`` (every
-            epoch would be empty).
+            epoch would be empty), or a ``lookahead`` that is not a bool.
         ShapeError: sources with different numbers of rows, or none.
         DeviceError: a source on another device than ``device``, or no CUDA.
         DTypeError: a source of an unsupported type or dtype.
@@ -158,11 +170,20 @@ class BatchFeeder:
         >>> for epoch in range(10):                                            # doctest: +SKIP
         ...     for x, y in feeder:
         ...         loss = model(x, y); ...
+        >>> import numpy as np, speedswap as ss
+        >>> ids = np.random.default_rng(0).integers(0, 1000, (10, 3))
+        >>> feeder = ss.BatchFeeder(ids, batch_size=4, order="sequential", device="cpu",
+        ...                         lookahead=True)
+        >>> for (ids,), ahead in feeder:       # ahead: the next pair's batch, None at the end
+        ...     print(len(ids), None if ahead is None else len(ahead[0]))
+        4 4
+        4 2
+        2 None
     """
 
     def __init__(self, *sources, batch_size, order="random", drop_last=False, seed=0, device="auto",
                  prefetch=2, rank=None, world_size=None, transform=None, drop_behind=None,
-                 **named_sources):
+                 lookahead: bool = False, **named_sources):
         if sources and named_sources:
             raise OptionError("give the sources either all by position (batches are tuples) or "
                               "all by name (batches are dicts), not both")
@@ -175,6 +196,9 @@ class BatchFeeder:
             raise OptionError(f"transform must be callable, got {type(transform).__name__}")
         if drop_behind not in (None, True, False):
             raise OptionError(f"drop_behind must be True, False or None (decide by size), got {drop_behind!r}")
+        if not isinstance(lookahead, bool):
+            raise OptionError(f"lookahead must be True (yield (batch, next_batch) pairs) or False, "
+                              f"got {lookahead!r}")
         self._names = tuple(named_sources) if named_sources else None
         items = named_sources.items() if named_sources else enumerate(sources)
         described = [(f"source {key!r}", source) for key, source in items]
@@ -206,6 +230,7 @@ class BatchFeeder:
                               f"empty: each of the {self._world_size} rank(s) gets {self.rows_per_rank} "
                               f"rows; use a batch_size <= {self.rows_per_rank} or drop_last=False")
         self._transform = transform
+        self._lookahead = lookahead
         file_bytes = sum(f.row_bytes * f.num_rows for f in self._files.values())
         self._drop_behind = file_bytes > available_ram() // 2 if drop_behind is None else drop_behind
         # Pinned tables the zero-copy kernel reads go straight into the device
@@ -367,9 +392,12 @@ class BatchFeeder:
             raise
         readers = self._readers = (reader,) if files is None else (reader, files)
         try:
-            for _ in range(start, count):
+            ahead = None  # with lookahead: the batch read for the previous pair, yielded now
+            for k in range(start, count):
                 self._check_current(generation)
-                batch = self._finish(*reader.next())
+                batch = self._finish(*reader.next()) if k == start or not self._lookahead else ahead
+                if self._lookahead:
+                    ahead = self._finish(*reader.next()) if k + 1 < count else None
                 # Counted only once transformed (a batch whose transform raised comes
                 # again on resume), and only if no other thread moved the feeder meanwhile.
                 with self._lock:
@@ -377,7 +405,7 @@ class BatchFeeder:
                     self._batch += 1
                     if self._batch == count:
                         self._epoch, self._batch = self._epoch + 1, 0
-                yield batch
+                yield (batch, ahead) if self._lookahead else batch
         finally:
             for each in readers:
                 each.close()

@@ -18,7 +18,7 @@ from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_row_ids, int_option, torch_dtype
 from ..errors import CapacityError, DTypeError, OptionError, StateError
 from ..table import HostTable
-from .cache import COUNTERS, RowCache
+from .caching import idle_stats, new_cache, rewriting
 from .checkpoint import file_in, load_tables, save_tables
 from .row_state import NarrowedStep, RowState, row_state_spec
 from .step_hooks import StepHooks
@@ -178,7 +178,7 @@ class OffloadedEmbedding(torch.nn.Module):
                                self._storage, self._backend, self._path,
                                overwrite=self._overwrite or self._created)
         self._created |= {t.path for t in self._state.tables.values()}
-        self._cache = RowCache(self.cache_rows, self.table, self._state.tables, self.weight.dtype)
+        self._cache = new_cache(self.cache_rows, self.table, self._state.tables, self.weight.dtype)
         self._hooks = StepHooks(self, optimizer)
 
     def init_state(self):
@@ -193,7 +193,8 @@ class OffloadedEmbedding(torch.nn.Module):
         self._check_open()
         if self._state is None:
             raise StateError("init_state needs an attached optimizer: call emb.attach(optimizer)")
-        self._state.init_state()
+        with rewriting(self._cache):  # cached state rows would outlive the reset
+            self._state.init_state()
 
     def _check_open(self):
         if self.table.closed:
@@ -322,9 +323,7 @@ class OffloadedEmbedding(torch.nn.Module):
         :meth:`attach`; before it every counter is zero.
         """
         if self._cache is None:
-            zeros = dict.fromkeys(COUNTERS, 0)
-            return {"last_step": zeros, "total": dict(zeros), "cache_rows": self.cache_rows,
-                    "cache_bytes": 0}
+            return idle_stats(self.cache_rows)
         return self._cache.stats()
 
     # ---------------------------------------------------------- checkpoints
@@ -382,16 +381,15 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._working_set.size:
             raise StateError("load between a training forward and optimizer.step() would be "
                              "undone by the step; load between steps")
-        # A .npy load keeps the optimizer state, part of which may be cached.
-        self.flush()
-        if files.suffix_format(path) == "npy":
-            self.table.load_from(path)  # the table alone; optimizer state is left as it is
-        else:
-            load_tables(path, self._tables(), self._attrs())
-            if self._state is not None:
-                self._state.mark_loaded()
-        if self._cache is not None:
-            self._cache.invalidate()  # its rows predate the file's
+        # A .npy load keeps the optimizer state, part of which may be cached: rewriting
+        # flushes it first, and drops the cached rows after (they predate the file's).
+        with rewriting(self._cache):
+            if files.suffix_format(path) == "npy":
+                self.table.load_from(path)  # the table alone; optimizer state is left as it is
+            else:
+                load_tables(path, self._tables(), self._attrs())
+                if self._state is not None:
+                    self._state.mark_loaded()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, refusing a ``state_dict`` that is not a mapping.

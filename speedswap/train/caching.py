@@ -1,0 +1,65 @@
+"""Owning a :class:`~speedswap.train.cache.RowCache`: what OffloadedEmbedding and the switchers share.
+
+A cache's copy of a row (and of its optimizer state) is the authoritative
+one, so its owner keeps three rules around every call that handles the host
+tables as a whole:
+
+* reading them (``save``, a numpy copy): :meth:`RowCache.flush` first;
+* replacing rows or state in them (``load``, an initialiser, ``init_state``):
+  :func:`rewriting`, which flushes before (cached rows the call leaves alone
+  keep their values) and invalidates after (cached rows it replaced are stale);
+* replacing the tables the cache serves (a new optimizer): flush the old
+  cache while its tables are open, then :func:`new_cache`.
+"""
+
+import contextlib
+
+import torch
+
+from ..live import track_cache
+from ..table import HostTable
+from .cache import COUNTERS, RowCache
+
+__all__ = ["new_cache", "rewriting", "idle_stats"]
+
+
+def new_cache(num_slots: int, table: HostTable, state_tables: dict,
+              state_dtype: torch.dtype) -> RowCache:
+    """A :class:`RowCache` over these tables, counted by :func:`speedswap.info`.
+
+    Args:
+        num_slots: rows it holds (0: it only moves and counts rows).
+        table: the rows' table.
+        state_tables: the optimizer's per-row state tables, ``{name: HostTable}``.
+        state_dtype: the dtype of the optimizer state.
+
+    Returns:
+        the new cache, empty.
+    """
+    cache = RowCache(num_slots, table, state_tables, state_dtype)
+    track_cache(cache)
+    return cache
+
+
+@contextlib.contextmanager
+def rewriting(cache):
+    """Bracket a call that replaces rows or state in the host tables of ``cache`` (None: no cache).
+
+    Call it between steps only: invalidating drops the slots a step in
+    progress would write its rows to. It invalidates even when the call
+    raises, which costs hits but never a row.
+    """
+    if cache is None:
+        yield
+        return
+    cache.flush()
+    try:
+        yield
+    finally:
+        cache.invalidate()
+
+
+def idle_stats(cache_rows: int) -> dict:
+    """What ``stats()`` reports before a cache exists: every counter zero."""
+    zeros = dict.fromkeys(COUNTERS, 0)
+    return {"last_step": zeros, "total": dict(zeros), "cache_rows": cache_rows, "cache_bytes": 0}

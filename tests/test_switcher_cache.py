@@ -1,0 +1,358 @@
+"""The switchers' shared device cache of hot rows and prefetch keep SpeedTorch-style training exact.
+
+The runs of test_cache, through ModelFactory / OptimizerFactory: a 400-row
+table, caches of 0, 4 (1%), 20 (5%) and 200 (50%) rows; a step of Zipf ids
+touches 44-66 distinct rows, so the 1% and 5% caches fall back. Each run
+saves both switchers, trains 10 steps, loads them and trains those steps
+again. Plain SGD trains with a ModelFactory alone (a cache without state).
+"""
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+from test_cache import EQUALITIES, SIZES, STEPS
+from test_optimizer_equivalence import OPTIMIZERS, TOL, assert_same, torch_initial
+from training_helpers import (CAPACITY, DIM, NUM_ROWS, run_in_memory, run_switchers,
+                              skipgram_loss, zipf_batches)
+
+#: Every size and both prefetch settings, in a few runs each (the full product is `slow`).
+CORE = [("sgd", 4, True), ("sgd", 200, False), ("adam", 0, True), ("adam", 20, False),
+        ("adam", 200, True), ("adagrad", 4, False), ("adagrad", 200, True)]
+FULL = [(n, c, p) for n in EQUALITIES for c in SIZES for p in (False, True)
+        if (n, c, p) not in CORE]
+
+
+def _equality(name, cache_rows, prefetch, rng, backend):
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, STEPS, device)
+    offloaded, in_memory, sparse = EQUALITIES[name]
+    expected = run_in_memory(in_memory, table0, batches, device, sparse=sparse)
+    assert_same(run_switchers(offloaded, table0, batches, backend, cache_rows=cache_rows,
+                              prefetch=prefetch, replay_at=STEPS // 2,
+                              optimizer_switcher=name != "sgd"), expected)
+
+
+@pytest.mark.parametrize("name,cache_rows,prefetch", CORE)
+def test_cached_switchers_equal_in_memory(name, cache_rows, prefetch, rng, backend):
+    _equality(name, cache_rows, prefetch, rng, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,cache_rows,prefetch", FULL)
+def test_cached_switchers_equal_in_memory_every_size(name, cache_rows, prefetch, rng, backend):
+    _equality(name, cache_rows, prefetch, rng, backend)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adamw_amsgrad", "rprop"])
+def test_element_wise_optimizers_with_a_switcher_cache(name, rng, backend):
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, 200, device)
+    expected = run_in_memory(OPTIMIZERS[name], table0, batches, device,
+                             initial_state=torch_initial)
+    assert_same(run_switchers(OPTIMIZERS[name], table0, batches, backend,
+                              cache_rows=NUM_ROWS // 20, prefetch=True, replay_at=100), expected)
+
+
+# ------------------------------------------------------------------ helpers
+
+ROWS = 60
+
+
+def _pair(backend, cache_rows, table0, opt=torch.optim.Adam, optimizer_first=False, **kwargs):
+    """A model with a CAPACITY-row embedding, its optimizer, and both switchers (u, o)."""
+    device = ss.get_backend(backend).device
+    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(CAPACITY, DIM)}).to(device)
+    optimizer = opt(model.parameters(), lr=0.05, **kwargs)
+
+    def model_switch():
+        u = ss.ModelFactory(model["u"], len(table0), DIM, storage="pageable", backend=backend,
+                            cache_rows=cache_rows)
+        u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+        return u
+
+    def optimizer_switch():
+        return ss.OptimizerFactory(optimizer, len(table0), DIM, model, "u", storage="pageable",
+                                   backend=backend, cache_rows=cache_rows)
+    if optimizer_first:
+        o = optimizer_switch()
+        return model, optimizer, model_switch(), o
+    u = model_switch()
+    return model, optimizer, u, optimizer_switch()
+
+
+def _train(model, opt, u, o, batches, optimizer_first=False):
+    """SpeedTorch steps; with ``optimizer_first`` the OptimizerFactory's calls come first."""
+    switches = (o, u) if optimizer_first else (u, o)
+    for pos, neg, ctx in batches:
+        for switch in switches:
+            lpos, lneg = switch.before_forward(pos, neg)
+        skipgram_loss(model["u"](lpos), model["u"](lneg), ctx).backward()
+        opt.step()
+        opt.zero_grad()
+        for switch in switches:
+            switch.after_step(pos, neg)
+
+
+def _tables(u, o):
+    """The table and state tables, current (read through the switchers)."""
+    table = u.getNumpyVersion()
+    return table, {k: t.to_numpy(copy=True) for k, t in o.state.tables.items()}
+
+
+def _batches(rng, backend, steps):
+    return zipf_batches(rng, steps, ss.get_backend(backend).device, num_rows=ROWS)
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True])
+def test_either_switcher_may_be_built_and_called_first(optimizer_first, rng, backend):
+    """The state rows wait for the model's after_step, or are taken from the optimizer by it."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    batches = _batches(rng, backend, 40)
+    pair = _pair(backend, 6, table0, eps=1e-30, optimizer_first=optimizer_first)
+    _train(*pair, batches, optimizer_first=optimizer_first)
+    assert pair[2].stats()["total"]["hits"] > 0
+    expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
+                             table0, batches, ss.get_backend(backend).device, sparse=True)
+    assert_same(_tables(*pair[2:]), expected)
+
+
+def test_whole_table_calls_see_the_cache(rng, backend, tmp_path):
+    """Each call, with every row cached, does what it does without a cache."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    batches = _batches(rng, backend, 24)
+    plain, cached = _pair(backend, 0, table0), _pair(backend, ROWS, table0)
+
+    def both(call):
+        for k, pair in enumerate((plain, cached)):
+            call(k, *pair)
+        (table, state), (cached_table, cached_state) = _tables(*plain[2:]), _tables(*cached[2:])
+        np.testing.assert_allclose(cached_table, table, **TOL)
+        assert cached_state.keys() == state.keys()
+        for name in state:
+            np.testing.assert_allclose(cached_state[name], state[name], **TOL, err_msg=name)
+
+    for pair in (plain, cached):
+        _train(*pair, batches[:4])
+    model, opt, u, o = cached
+    # Every touched row is in the cache only: the host table is stale until a flush.
+    assert not np.array_equal(u.table.to_numpy(copy=True), u.getNumpyVersion())
+    both(lambda k, m, opt, u, o: u.saveCupy(tmp_path / f"u{k}.npy"))
+    both(lambda k, m, opt, u, o: o.saveCupy(tmp_path / f"o{k}"))
+    np.testing.assert_array_equal(np.load(tmp_path / "u1.npy"), u.getNumpyVersion())
+    both(lambda k, *pair: _train(*pair, batches[4:8]))
+    both(lambda k, m, opt, u, o: u.customInit(torch.nn.init.constant_, 0.5))
+    both(lambda k, *pair: _train(*pair, batches[8:12]))
+    both(lambda k, m, opt, u, o: o.optInit())
+    both(lambda k, *pair: _train(*pair, batches[12:16]))
+    both(lambda k, m, opt, u, o: (u.loadCupy(tmp_path / f"u{k}.npy"), o.loadCupy(tmp_path / f"o{k}")))
+    both(lambda k, *pair: _train(*pair, batches[16:20]))
+    both(lambda k, m, opt, u, o: u.getTorchVar()[:5].fill_(2.0))  # a write through the view
+    both(lambda k, m, opt, u, o: u.saveTorch(tmp_path / f"u{k}.pt"))
+    both(lambda k, *pair: _train(*pair, batches[20:]))
+    both(lambda k, m, opt, u, o: u.loadTorch(tmp_path / f"u{k}.pt"))
+
+
+def test_stats_are_shared_and_prefetched_rows_hit(backend):
+    table0 = np.random.default_rng(5).standard_normal((ROWS, DIM), dtype=np.float32)
+    model, opt, u, o = _pair(backend, 8, table0, opt=torch.optim.SGD)
+    first, second = torch.tensor([1, 2, 2]), torch.tensor([2, 3, 4])
+    for ids, ahead in ((first, second), (second, None)):
+        local = u.before_forward(ids)
+        o.before_forward(ids)
+        if ahead is not None:
+            assert u.prefetchNextBatch(ahead) == 2  # 2 is in this step: skipped
+        model["u"](local).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        u.after_step(ids)
+        o.after_step(ids)
+    last = u.stats()["last_step"]
+    assert (last["hits"], last["misses"], last["unique_rows"]) == (3, 0, 3)
+    assert o.stats() == u.stats()
+    assert u.stats()["cache_rows"] == 8 and u.stats()["cache_bytes"] > 0
+
+
+def test_a_small_cache_falls_back_without_error(rng, backend):
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    model, opt, u, o = _pair(backend, 1, table0)
+    _train(model, opt, u, o, _batches(rng, backend, 3))
+    assert u.stats()["last_step"]["rows_d2h"] > 0  # rows that did not fit went back
+
+
+def test_a_model_factory_alone_caches_rows_without_state(rng, backend):
+    device = ss.get_backend(backend).device
+    emb = torch.nn.Embedding(8, DIM).to(device)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    u = ss.ModelFactory(emb, ROWS, DIM, storage="pageable", backend=backend, cache_rows=10)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    expected = table0.copy()
+    for ids in ([3, 7, 7], [7, 9], [3, 9, 9, 9]):
+        ids = torch.tensor(ids)
+        emb(u.before_forward(ids)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        u.after_step(ids)
+        np.subtract.at(expected, ids.numpy(), 0.1)
+    assert u.stats()["total"]["hits"] == 3
+    np.testing.assert_allclose(u.getNumpyVersion(), expected, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------- errors
+
+def test_mismatched_cache_rows_are_refused_in_either_order(rng, backend):
+    device = ss.get_backend(backend).device
+    for first_model in (True, False):
+        model = torch.nn.ModuleDict({"u": torch.nn.Embedding(CAPACITY, DIM)}).to(device)
+        opt = torch.optim.Adam(model.parameters())
+
+        def u(rows):
+            switch = ss.ModelFactory(model["u"], ROWS, DIM, backend=backend, cache_rows=rows)
+            switch.uniformDistributionInit(-1.0, 1.0)
+            return switch
+
+        def o(rows):
+            return ss.OptimizerFactory(opt, ROWS, DIM, model, "u", backend=backend, cache_rows=rows)
+        first, second = (u, o) if first_model else (o, u)
+        kept = first(10)
+        with pytest.raises(ss.OptionError, match="cache_rows=10.*same cache_rows"):
+            second(5)
+        assert kept.stats()["cache_rows"] == 10
+        pair = (kept, second(10)) if first_model else (second(10), kept)
+        _train(model, opt, *pair, _batches(rng, backend, 2))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "many", True])
+def test_bad_cache_rows(bad):
+    with pytest.raises(ss.OptionError, match="cache_rows"):
+        ss.ModelFactory(torch.nn.Embedding(8, DIM), ROWS, DIM, backend="numpy", cache_rows=bad)
+
+
+def test_bad_prefetch_ids_change_nothing(rng, backend):
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    model, opt, u, o = _pair(backend, 10, table0)
+    _train(model, opt, u, o, _batches(rng, backend, 2))
+    before = u.stats()
+    for bad, error in (([1, ROWS], ss.IdError), ([-1], ss.IdError), ([0.5], ss.DTypeError)):
+        with pytest.raises(error):
+            u.prefetch(bad)
+        with pytest.raises(error):
+            u.prefetch([1], bad)
+    assert u.stats() == before
+    plain = _pair(backend, 0, table0)[2]
+    assert plain.prefetch([1, 2]) == 0
+
+
+def test_calls_in_the_middle_of_a_step_are_refused(rng, backend, tmp_path):
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    model, opt, u, o = _pair(backend, 10, table0)
+    pos, neg, _ = _batches(rng, backend, 1)[0]
+    o.before_forward(pos, neg)  # the optimizer's switcher began the step, the model's has not
+    with pytest.raises(ss.StateError, match="optimizer switcher"):
+        u.before_forward(pos[:3])
+    for call in (lambda: u.getTorchVar(), lambda: u.to_numpy(), lambda: u.zerosInit(),
+                 lambda: u.load(tmp_path / "missing.npy"), lambda: o.optInit(),
+                 lambda: ss.ModelFactory(model["u"], ROWS, DIM, backend=backend, cache_rows=10)):
+        with pytest.raises(ss.StateError, match="between"):
+            call()
+    u.before_forward(pos, neg)  # the same ids join the step
+    u.getNumpyVersion()  # a copy is fine: cached rows are clean after the flush
+
+
+def test_a_step_ends_on_both_switchers_before_the_next_begins(rng, backend):
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    model, opt, u, o = _pair(backend, 10, table0)
+    batches = _batches(rng, backend, 2)
+    _train(model, opt, u, o, batches[:1])
+    pos, neg, ctx = batches[1]
+    lpos, lneg = u.before_forward(pos, neg)
+    o.before_forward(pos, neg)
+    skipgram_loss(model["u"](lpos), model["u"](lneg), ctx).backward()
+    opt.step()
+    u.after_step(pos, neg)
+    with pytest.raises(ss.StateError, match="optimizer switcher"):
+        u.before_forward(pos, neg)  # the same ids: still not a step it may join again
+    o.after_step(pos, neg)
+    u.before_forward(pos, neg)  # now a new step
+
+
+def test_a_refused_optimizer_step_leaves_the_cache_consistent(rng, backend):
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    model, opt, u, o = _pair(backend, 10, table0)
+    batches = _batches(rng, backend, 3)
+    _train(model, opt, u, o, batches[:1])
+    before = _tables(u, o)
+    opt.state.clear()  # lost: restoring the state_dict would be the fix
+    with pytest.raises(ss.StateError, match="load_state_dict"):
+        o.before_forward(*batches[1][:2])
+    after = _tables(u, o)
+    np.testing.assert_array_equal(after[0], before[0])
+    o.optInit()  # the message's other advice
+    _train(model, opt, u, o, batches[1:])
+
+
+def test_a_newer_switcher_replaces_the_older_one(rng, backend):
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    model, opt, old, o = _pair(backend, 10, table0)
+    new = ss.ModelFactory(model["u"], ROWS, DIM, storage="pageable", backend=backend,
+                          cache_rows=10)
+    with pytest.raises(ss.StateError, match="replaced"):
+        old.before_forward([1])
+    _train(model, opt, new, o, _batches(rng, backend, 2))
+    assert new.stats()["total"]["steps"] == 2
+
+
+def test_closing_one_switcher_leaves_the_other_working(rng, backend):
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    batches = _batches(rng, backend, 4)
+    model, opt, u, o = _pair(backend, 10, table0, opt=torch.optim.SGD, momentum=0.9)
+    _train(model, opt, u, o, batches[:2])
+    buffer = o.state.tables["momentum_buffer"]
+    o.close()  # its cached state rows are written back before its tables close
+    assert buffer.closed
+    for pos, neg, ctx in batches[2:]:
+        lpos, lneg = u.before_forward(pos, neg)
+        skipgram_loss(model["u"](lpos), model["u"](lneg), ctx).backward()
+        opt.step()
+        opt.zero_grad()
+        u.after_step(pos, neg)
+    u.close()
+    with pytest.raises(ss.StateError, match="closed"):
+        u.before_forward([1])
+
+
+def test_dropping_a_switcher_frees_its_tables_without_the_cycle_collector(rng, backend):
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    model, opt, u, o = _pair(backend, 10, table0)
+    _train(model, opt, u, o, _batches(rng, backend, 2))
+    table, state = weakref.ref(u.table), weakref.ref(o.state.tables["exp_avg"])
+    gc.collect()
+    gc.disable()
+    try:
+        del u
+        assert table() is None  # the cache over it went with it
+        del o
+        assert state() is None
+    finally:
+        gc.enable()
+
+
+def test_info_reports_the_switchers_cache(rng, backend):
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    gc.collect()  # caches of earlier tests go now, not in the middle of this one
+    before = ss.info()
+    model, opt, u, o = _pair(backend, 10, table0)
+    _train(model, opt, u, o, _batches(rng, backend, 5))
+    now = ss.info()
+    assert now["caches"] == before["caches"] + 1
+    assert now["cache_bytes"] == before["cache_bytes"] + u.stats()["cache_bytes"]
+    assert 0 < now["cache_hit_rate"] <= 1
+    u.close()
+    assert ss.info()["cache_bytes"] == before["cache_bytes"]
