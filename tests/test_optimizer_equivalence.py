@@ -52,12 +52,22 @@ def torch_initial(name, group):
 
 
 def assert_same(actual, expected):
+    """Equal to float32 rounding after hundreds of steps, at the scale of each array.
+
+    Repeated ids' gradients are summed in another order than the reference's,
+    and Adam's moments carry those last-bit differences along: an element that
+    is small now can hold a difference of a few ulps of the array's largest
+    values (seen: 1.1e-6 on an Adam moment element of 0.004, seed 1771240504).
+    A lost or doubled update is orders of magnitude larger.
+    """
     table, state = actual
     ref_table, ref_state = expected
-    np.testing.assert_allclose(table, ref_table, **TOL)
     assert set(state) == set(ref_state)
-    for name in state:
-        np.testing.assert_allclose(state[name], ref_state[name], **TOL, err_msg=name)
+    for name, value, ref in [("table", table, ref_table),
+                             *((n, state[n], ref_state[n]) for n in sorted(state))]:
+        scale = float(np.max(np.abs(ref))) if np.size(ref) else 0.0
+        np.testing.assert_allclose(value, ref, rtol=TOL["rtol"], atol=max(TOL["atol"], 1e-5 * scale),
+                                   err_msg=name)
 
 
 def _setup(rng, backend, steps):
