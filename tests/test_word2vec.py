@@ -235,3 +235,17 @@ def test_word2vec_format_round_trips_and_gensim_reads_it(tmp_path, rng, binary):
     assert load_word2vec_format(path, binary=binary)[0] == words  # a failed save leaves the old file
     keyed = pytest.importorskip("gensim.models").KeyedVectors.load_word2vec_format(str(path), binary=binary)
     assert keyed.index_to_key == words and np.array_equal(keyed.vectors, vectors)
+
+
+def test_sgd_without_autograd_trains_the_vectors_autograd_trains(seed):
+    corpus = synthetic_corpus(vocab=500, topics=10, tokens=60_000, seed=seed % 1000)
+    runs = [word2vec.train(corpus, dim=16, steps=300, batch_size=256, chunk_tokens=20_000, backend="numpy",
+                           storage="pageable", seed=seed, progress=False, autograd=autograd)
+            for autograd in (True, False)]
+    for table in ("centre", "context"):
+        reference, closed_form = (getattr(run.model, table).table.to_numpy() for run in runs)
+        assert np.abs(reference).max() > 0.1  # trained well away from the initialisation
+        # The same sums in another order: float32 rounding, nothing more.
+        np.testing.assert_allclose(closed_form, reference, rtol=0, atol=2e-6)
+    np.testing.assert_allclose([loss for _, loss in runs[1].losses], [loss for _, loss in runs[0].losses],
+                               rtol=1e-5)

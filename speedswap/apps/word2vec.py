@@ -32,13 +32,13 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import speedswap as ss
 
 from .corpus import Corpus
 from .pairs import NegativeSampler, PairChunks
+from .skipgram import SkipGram, manual_step
 
 __all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "cpu_threads", "DEFAULT_LR",
            "topic_purity", "nearest_neighbours"]
@@ -71,42 +71,6 @@ def cpu_threads(requested: Optional[int] = None) -> int:
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise ss.OptionError(f"threads must be a positive int, got {requested!r}")
     return min(requested, available)
-
-
-class SkipGram(torch.nn.Module):
-    """Skip-gram with negative sampling over two embedding modules.
-
-    ``centre`` and ``context`` are anything called like ``nn.Embedding``:
-    :class:`~speedswap.OffloadedEmbedding` (global word ids) or a small
-    ``nn.Embedding`` batch buffer fed local ids by SpeedTorch-style switchers.
-    The context table is called once per step with the positive and negative
-    ids together, so each row it holds is gathered once.
-    """
-
-    def __init__(self, centre: torch.nn.Module, context: torch.nn.Module):
-        super().__init__()
-        self.centre = centre
-        self.context = context
-
-    def forward(self, centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
-        """Negative-sampling loss of a batch, summed over its pairs (see the module's note on ``lr``).
-
-        Args:
-            centres: ``(B,)`` ids.
-            contexts: ``(B,)`` ids of words seen near the centres.
-            negatives: ``(B, K)`` ids of sampled words.
-
-        Returns:
-            the scalar loss.
-        """
-        u = self.centre(centres)
-        v = self.context(torch.cat([contexts.unsqueeze(1), negatives], dim=1))
-        # An element-wise product and sum, not bmm: on a CPU, B tiny (K+1)x1
-        # matrix products cost several times more than one pass over (B, K+1, D).
-        score = (v * u.unsqueeze(1)).sum(-1)
-        sign = torch.ones(score.shape[1], dtype=score.dtype, device=score.device)
-        sign[1:] = -1.0  # column 0 is the true context, the rest are negatives
-        return -F.logsigmoid(score * sign).sum()
 
 
 @dataclasses.dataclass
@@ -151,7 +115,7 @@ def _capacities(vocab: int, batch_size: int, negatives: int) -> tuple:
 
 
 def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
-                     directory):
+                     directory, autograd=False):
     """Model, optimizer, step function and vector getter with two OffloadedEmbedding tables."""
     def table(name, max_rows):
         return ss.OffloadedEmbedding(vocab, dim, max_rows=max_rows, storage=storage, backend=backend,
@@ -167,6 +131,8 @@ def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed,
     optimizer = optimizer_cls(model.parameters(), lr=lr)
     centre.attach(optimizer)
     context.attach(optimizer)
+    if not autograd:
+        return model, optimizer, manual_step(centre, context, optimizer), centre.table.to_numpy
 
     def step(centres, contexts, negative_ids):
         loss = model(centres, contexts, negative_ids)
@@ -232,7 +198,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
           batch_size: int = 2048, negatives: int = 5, window: int = 5, subsample: float = 1e-3,
           optimizer: str = "sgd", lr: Optional[float] = None, schedule: str = "linear",
           storage: str = "pinned", backend: str = "auto", directory: Optional[str] = None,
-          speedtorch_api: bool = False, chunk_tokens: int = 1_000_000, seed: int = 0,
+          speedtorch_api: bool = False, autograd: Optional[bool] = None, chunk_tokens: int = 1_000_000, seed: int = 0,
           progress: bool = True) -> TrainResult:
     """Train skip-gram vectors with both tables in host memory.
 
@@ -256,7 +222,15 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
         directory: for ``storage="mmap"``, where the table and state files go.
         speedtorch_api: train through ``ModelFactory``/``OptimizerFactory``
-            instead of :class:`~speedswap.OffloadedEmbedding`.
+            instead of :class:`~speedswap.OffloadedEmbedding` (always with autograd).
+        autograd: differentiate :class:`~speedswap.apps.skipgram.SkipGram`
+            with autograd (True) or use its closed-form gradients
+            (:func:`~speedswap.apps.skipgram.manual_step`, False: the same
+            gradients to float32 rounding, and several times cheaper on a
+            CPU). None: closed form for SGD, autograd for Adam and Adamax,
+            whose per-coordinate normalisation turns the rounding of gradient
+            entries near zero into visible differences, so their runs stay
+            those of earlier versions.
         chunk_tokens: tokens turned into pairs at a time (a background thread
             makes the next chunk while one trains).
         seed: seeds the initial vectors, subsampling, windows, order and negatives.
@@ -276,9 +250,12 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     if schedule not in ("linear", "constant"):
         raise ss.OptionError(f"unknown schedule {schedule!r}; choose 'linear' or 'constant'")
     lr = DEFAULT_LR[optimizer] if lr is None else lr
-    build = _build_speedtorch if speedtorch_api else _build_offloaded
-    model, opt, step, vectors = build(corpus.vocab_size, dim, batch_size, negatives, _OPTIMIZERS[optimizer],
-                                      lr, seed, storage, backend, directory)
+    args = (corpus.vocab_size, dim, batch_size, negatives, _OPTIMIZERS[optimizer], lr, seed, storage, backend,
+            directory)
+    if autograd is None:
+        autograd = optimizer != "sgd"
+    model, opt, step, vectors = (_build_speedtorch(*args) if speedtorch_api
+                                 else _build_offloaded(*args, autograd=autograd))
     device = ss.get_backend(backend).device
     chunks = PairChunks(corpus, window=window, negatives=negatives, subsample=subsample,
                         chunk_tokens=chunk_tokens, seed=seed)
