@@ -133,8 +133,10 @@ def test_loss_is_summed_over_pairs_so_lr_is_per_pair(seed):
 def test_cpu_threads_respects_omp_num_threads_and_the_cores_granted(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert word2vec.cpu_threads() == cores
-    assert word2vec.cpu_threads(cores + 7) == cores
+    # One of the budget's threads is the one that makes pairs.
+    assert word2vec.cpu_threads() == max(cores - 1, 1)
+    assert word2vec.cpu_threads(cores + 7) == max(cores - 1, 1)
+    assert word2vec.cpu_threads(1) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert word2vec.cpu_threads() == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "many")
@@ -249,3 +251,32 @@ def test_sgd_without_autograd_trains_the_vectors_autograd_trains(seed):
         np.testing.assert_allclose(closed_form, reference, rtol=0, atol=2e-6)
     np.testing.assert_allclose([loss for _, loss in runs[1].losses], [loss for _, loss in runs[0].losses],
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_device_cache_and_prefetch_leave_the_vectors_as_they_are(optimizer, seed):
+    corpus = synthetic_corpus(vocab=2000, topics=10, tokens=30_000, seed=seed % 1000)
+    options = dict(dim=16, steps=150, batch_size=256, chunk_tokens=10_000, optimizer=optimizer, backend="numpy",
+                   storage="pageable", seed=seed, progress=False)
+    plain = word2vec.train(corpus, **options)
+    # About two steps' context rows: rows are evicted (and written back) and prefetched all along.
+    cached = word2vec.train(corpus, cache_rows=1200, prefetch=True, **options)
+    for table in ("centre", "context"):
+        np.testing.assert_array_equal(getattr(cached.model, table).table.to_numpy(),
+                                      getattr(plain.model, table).table.to_numpy())
+    total = cached.model.context.stats()["total"]
+    assert total["hits"] > 0 and total["evictions"] > 0 and total["prefetched_rows"] > 0
+    assert plain.model.context.stats()["total"]["prefetched_rows"] == 0
+
+
+def test_cache_and_prefetch_options_are_checked():
+    corpus = synthetic_corpus(vocab=50, topics=2, tokens=2000, seed=0)
+    options = dict(dim=4, steps=3, batch_size=16, backend="numpy", progress=False)
+    with pytest.raises(ss.OptionError, match="cache_rows > 0"):
+        word2vec.train(corpus, prefetch=True, **options)
+    with pytest.raises(ss.OptionError, match="cache_rows must be an int >= 0"):
+        word2vec.train(corpus, cache_rows=-1, **options)
+    with pytest.raises(ss.OptionError, match="SpeedTorch API"):
+        word2vec.train(corpus, speedtorch_api=True, cache_rows=8, **options)
+    with pytest.raises(ss.OptionError, match="SpeedTorch API"):
+        word2vec.train(corpus, speedtorch_api=True, autograd=False, **options)
