@@ -264,7 +264,9 @@ def test_slots_checks_ids_once_and_changes_nothing_when_it_refuses(backend):
         with pytest.raises(error):
             emb.slots(torch.tensor(bad, device=device))
         assert len(emb.working_rows) == 0
-    assert emb.slots(torch.tensor([[7, 3], [3, 9]], device=device)).shape == (2, 2)
+    # New rows take the next free slots, in ascending id order.
+    assert emb.slots(torch.tensor([3, 7], device=device)).tolist() == [0, 1]
+    assert emb.slots(torch.tensor([[9, 3], [7, 5]], device=device)).tolist() == [[3, 0], [1, 2]]
     emb.close()
     with pytest.raises(ss.StateError, match="closed"):
         emb.slots(torch.tensor([1]))

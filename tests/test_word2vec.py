@@ -10,6 +10,7 @@ import speedswap as ss
 from speedswap.apps import evaluate, word2vec
 from speedswap.apps.corpus import keep_probabilities, read_text_corpus, skipgram_pairs, synthetic_corpus
 from speedswap.apps.pairs import PairChunks
+from speedswap.apps.skipgram import _groups
 from speedswap.apps.w2v_format import load_word2vec_format, save_word2vec_format
 
 
@@ -280,3 +281,14 @@ def test_cache_and_prefetch_options_are_checked():
         word2vec.train(corpus, speedtorch_api=True, cache_rows=8, **options)
     with pytest.raises(ss.OptionError, match="SpeedTorch API"):
         word2vec.train(corpus, speedtorch_api=True, autograd=False, **options)
+
+
+@pytest.mark.parametrize("bound", [7, 40_000, 3_000_000, 1 << 40])  # one radix pass, two, torch's sort
+def test_context_ids_are_grouped_as_a_stable_sort_and_unique_group_them(bound, rng):
+    ids = torch.from_numpy(rng.integers(0, bound, 5000))
+    unique, inverse, order, starts = _groups(ids, bound)
+    expected_unique, expected_inverse = torch.unique(ids, return_inverse=True)
+    assert torch.equal(unique, expected_unique) and torch.equal(inverse, expected_inverse)
+    assert torch.equal(order, torch.sort(ids, stable=True).indices)
+    counts = torch.bincount(expected_inverse)
+    assert torch.equal(starts, counts.cumsum(0) - counts)

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import speedswap as ss
+
 __all__ = ["SkipGram", "manual_step"]
 
 
@@ -75,37 +77,34 @@ class SkipGram(torch.nn.Module):
         return -F.logsigmoid(score * _signs(score.shape[1], score)).sum()
 
 
-def _argsort_small(values: torch.Tensor, bound: int) -> torch.Tensor:
-    """A stable argsort of non-negative ids below ``bound``.
-
-    On the CPU numpy's stable sort of 16-bit keys is a radix sort, several
-    times faster than torch's comparison sort at a few thousand ids; ids up to
-    2**32 take two such passes (least significant half first).
-    """
-    if values.device.type != "cpu" or bound > 1 << 32:
-        return torch.argsort(values, stable=True)
-    ids = values.numpy()
-    order = np.argsort((ids & 0xFFFF).astype(np.uint16), kind="stable")
-    if bound > 1 << 16:
-        order = order[np.argsort((ids >> 16).astype(np.uint16)[order], kind="stable")]
-    return torch.from_numpy(order)
-
-
 def _groups(ids: torch.Tensor, bound: int) -> tuple:
-    """Each distinct id of a 1-D tensor, and where its occurrences are.
+    """Each distinct id of a 1-D tensor of ids in ``[0, bound)``, and where its occurrences are.
+
+    On the CPU it runs in numpy, whose stable sort of 16-bit keys is a radix
+    sort (ids up to 2**32 take two passes, least significant half first):
+    2 to 4 times faster than torch's comparison sort and its small kernels
+    at a few thousand ids. On a GPU torch's own sort is fast.
 
     Returns:
         ``(unique, inverse, order, starts)``: the sorted distinct ids; for
         each occurrence, the index of its id in ``unique``; the occurrences
         sorted by id (a permutation); where each id's run starts in ``order``.
     """
-    order = _argsort_small(ids, bound)
-    ranked = ids[order]
-    first = torch.ones(len(ids), dtype=torch.bool, device=ids.device)
-    torch.ne(ranked[1:], ranked[:-1], out=first[1:])
-    inverse = torch.empty_like(order)
-    inverse[order] = first.cumsum(0) - 1
-    return ranked[first], inverse, order, first.nonzero().squeeze(1)
+    if ids.device.type != "cpu" or bound > 1 << 32:
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        counts = torch.bincount(inverse, minlength=len(unique))
+        return unique, inverse, torch.argsort(inverse, stable=True), counts.cumsum(0) - counts
+    values = ids.numpy()
+    order = np.argsort((values & 0xFFFF).astype(np.uint16), kind="stable")
+    if bound > 1 << 16:
+        order = order[np.argsort((values >> 16).astype(np.uint16)[order], kind="stable")]
+    ranked = values[order]
+    first = np.empty(len(values), dtype=bool)
+    first[:1] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
+    inverse = np.empty_like(order)
+    inverse[order] = np.cumsum(first) - 1
+    return tuple(torch.from_numpy(a) for a in (ranked[first], inverse, order, np.flatnonzero(first)))
 
 
 def _scores(u: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -141,7 +140,8 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module,
     write the rows back. The result is autograd's, to float32 rounding.
 
     Args:
-        centre, context: :class:`~speedswap.OffloadedEmbedding` tables attached to ``optimizer``.
+        centre, context: :class:`~speedswap.OffloadedEmbedding` tables
+            attached to ``optimizer``, without ``padding_idx``.
         optimizer: the optimizer of both tables' ``weight``.
 
     Returns:
@@ -149,23 +149,33 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module,
         arguments of :meth:`SkipGram.forward`; ``between()``, when given, is
         called once the step's rows are in and before the optimizer updates
         them (where to prefetch the next batch's rows). The loss is detached.
+
+    Raises:
+        OptionError: a table with a padding row (skip-gram has none).
+        StateError: (from a step) a table already holds rows of an unfinished step.
     """
+    if centre.padding_idx is not None or context.padding_idx is not None:
+        raise ss.OptionError("skip-gram tables have no padding row; build them without padding_idx")
     centre_grad, context_grad = torch.zeros_like(centre.weight), torch.zeros_like(context.weight)
 
     def step(centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor,
              between: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        if len(centre.working_rows) or len(context.working_rows):
+            raise ss.StateError("a training forward ran since the last optimizer step; the step's slots "
+                                "would not be its own: call optimizer.step() or zero_grad() first")
         with torch.no_grad():
             ids = torch.cat([contexts.unsqueeze(1), negatives], dim=1)
             pairs, columns = ids.shape
             # Deduplicated here, sorted, so the occurrences of each context row come grouped.
             unique, inverse, order, starts = _groups(ids.view(-1), context.num_embeddings)
             u_slots = centre.slots(centres)
-            v_slots = context.slots(unique)
+            # Sorted, distinct ids at a step's start take slots 0, 1, ...: `inverse` are the local ids.
+            context.slots(unique)
             if between is not None:
                 between()
-            v_local = v_slots[inverse].view(pairs, columns)
-            v_rows, u_all = context.weight.detach(), centre.weight.detach()
-            u = u_all.index_select(0, u_slots)
+            v_local = inverse.view(pairs, columns)
+            v_rows = context.weight.detach()[:len(unique)]
+            u = centre.weight.detach().index_select(0, u_slots)
             score = _scores(u, v_local, v_rows)
             sign = _signs(columns, score)
             signed = score * sign
@@ -174,12 +184,10 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module,
             loss = -F.logsigmoid(signed).sum()
             # Centre rows: sum_k g_k v_k per pair, then summed over each row's pairs.
             per_pair = F.embedding_bag(v_local, v_rows, per_sample_weights=g, mode="sum")
-            held = centre_grad[:len(centre.working_rows)].zero_()
-            held.index_add_(0, u_slots, per_pair)
-            # Context rows: sum of g_k u over each row's occurrences, which `order` groups.
-            per_row = F.embedding_bag(order // columns, u, starts, per_sample_weights=g.view(-1)[order],
-                                      mode="sum")
-            context_grad.index_copy_(0, v_slots, per_row)
+            centre_grad[:len(centre.working_rows)].zero_().index_add_(0, u_slots, per_pair)
+            # Context rows: sum of g_k u over each row's occurrences, which `order` groups by slot.
+            context_grad[:len(unique)] = F.embedding_bag(order // columns, u, starts,
+                                                         per_sample_weights=g.view(-1)[order], mode="sum")
             centre.weight.grad, context.weight.grad = centre_grad, context_grad
         optimizer.step()
         return loss

@@ -231,8 +231,10 @@ class OffloadedEmbedding(torch.nn.Module):
         gradients (:mod:`speedswap.apps.skipgram`): write the gradient of the
         step's rows into a ``weight``-shaped tensor, assign it to
         ``weight.grad`` and call ``optimizer.step()``; the step reads only its
-        first ``len(working_rows)`` rows. With ``padding_idx`` the padding row
-        is slot 0 and must get no gradient. Works in any grad mode.
+        first ``len(working_rows)`` rows. Rows new to the step take the next
+        free slots in ascending id order, so a step's first call with sorted,
+        distinct ids gives them slots ``0, 1, 2, ...``. With ``padding_idx``
+        the padding row is slot 0 and must get no gradient. Works in any grad mode.
 
         Args:
             ids: integer ids of any shape (as for :meth:`forward`), checked once, here.
