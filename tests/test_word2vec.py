@@ -44,6 +44,15 @@ def test_subsampling_keeps_rare_words_and_thins_frequent_ones():
     assert keep[0] < 0.1 and keep[2] == 1.0 and keep[3] == 1.0
 
 
+@pytest.mark.parametrize("vocab", [3, 20_000, 300_000])
+def test_negative_sampler_draws_what_a_binary_search_of_the_cdf_draws(vocab, rng):
+    counts = np.concatenate([[0], (1e7 / np.arange(1, vocab) ** rng.uniform(0.5, 1.5)).astype(np.int64)])
+    sampler = word2vec.NegativeSampler(counts, torch.device("cpu"), seed=7)
+    uniform = torch.rand((50_000, 5), dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    cdf = torch.from_numpy(np.cumsum(counts ** 0.75) / (counts ** 0.75).sum())
+    assert torch.equal(sampler((50_000, 5)), torch.searchsorted(cdf, uniform).clamp_(max=vocab - 1))
+
+
 def test_negative_sampler_follows_unigram_to_the_three_quarters():
     counts = np.array([8000, 0, 1000, 125])
     sampler = word2vec.NegativeSampler(counts, torch.device("cpu"), seed=0)
