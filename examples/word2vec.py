@@ -29,8 +29,9 @@ gensim ships (``gensim/test/test_data/wordsim353.tsv``, ``questions-words.txt``)
 
 ``--save`` writes word2vec's text format (``--binary``: its binary format),
 which gensim's ``KeyedVectors.load_word2vec_format`` reads; a ``.npy`` path
-gets the bare array. On a CPU the torch thread count is ``--threads``, else
-``OMP_NUM_THREADS``, else every core this process may use.
+gets the bare array. On a CPU the run's thread budget is ``--threads``, else
+``OMP_NUM_THREADS``, else every core this process may use: one thread makes
+pairs and negatives, torch gets the rest (at least one).
 
 The training loop is :func:`speedswap.apps.word2vec.train`, shared with
 ``python -m speedswap demo``.
@@ -54,7 +55,8 @@ import torch  # noqa: E402
 import speedswap as ss  # noqa: E402
 from speedswap.apps import evaluate, word2vec  # noqa: E402
 from speedswap.apps.corpus import read_text_corpus, synthetic_corpus  # noqa: E402
-from speedswap.apps.demo import DEMO, format_bytes, format_rows, memory_summary  # noqa: E402
+from speedswap.apps.demo import (DEMO, cache_summary, format_bytes, format_cache, format_rows,  # noqa: E402
+                                 memory_summary)
 from speedswap.apps.w2v_format import save_word2vec_format  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -100,13 +102,21 @@ def add_training_arguments(parser):
                        + ", ".join(f"{k} {v}" for k, v in word2vec.DEFAULT_LR.items()) + ")")
     group.add_argument("--schedule", choices=("linear", "constant"), default="linear",
                        help="linear: decay to lr*1e-4 over the run, as word2vec does")
-    group.add_argument("--threads", type=int, help="torch CPU threads (default: OMP_NUM_THREADS, else "
-                       "every core this process may use)")
+    group.add_argument("--threads", type=int, help="CPU threads, like gensim's workers: one makes pairs, "
+                       "torch gets the rest (default: OMP_NUM_THREADS, else every core this process may use)")
     group.add_argument("--storage", default="pinned", choices=ss.STORAGE_KINDS,
                        help="where tables and optimizer state live (mmap: files, for more than RAM)")
     group.add_argument("--table-dir", help="directory for --storage mmap's files")
     group.add_argument("--speedtorch-api", action="store_true",
                        help="train through ModelFactory/OptimizerFactory instead of OffloadedEmbedding")
+    group.add_argument("--autograd", action="store_true",
+                       help="sgd: differentiate with autograd instead of skip-gram's closed-form gradients "
+                       "(the same vectors to float32 rounding, slower; adam/adamax always use autograd)")
+    group.add_argument("--cache-rows", type=int, default=0, metavar="N",
+                       help="keep N hot rows of each table (and their optimizer state) on the device "
+                       "between steps (0: no cache)")
+    group.add_argument("--prefetch", action="store_true",
+                       help="with --cache-rows: bring the next batch's rows in while a step computes")
     group.add_argument("--distributed", action="store_true",
                        help="run under torchrun: tables row-sharded over the ranks (README: 'Several "
                        "processes and machines')")
@@ -149,6 +159,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.storage == "mmap" and not args.table_dir:
         parser.error("--storage mmap keeps the tables in files: give --table-dir DIR")
+    if args.prefetch and not args.cache_rows:
+        parser.error("--prefetch brings rows into the device cache: give --cache-rows N as well")
     backend, device = backend_and_device(args)
     if device.type == "cpu":
         torch.set_num_threads(word2vec.cpu_threads(args.threads))
@@ -173,14 +185,16 @@ def main(argv=None):
                             window=args.window, subsample=args.subsample, optimizer=args.optimizer,
                             lr=args.lr, schedule=args.schedule, storage=args.storage, backend=backend,
                             directory=args.table_dir, speedtorch_api=args.speedtorch_api,
-                            seed=args.seed, progress=not args.quiet)
+                            autograd=True if args.autograd else None, cache_rows=args.cache_rows,
+                            prefetch=args.prefetch, seed=args.seed, progress=not args.quiet)
     memory = memory_summary(result.model, result.optimizer)
     figures = {"words_per_second": result.words_per_second, "pairs_per_second": result.pairs / result.seconds,
                "seconds": result.seconds, "words": result.words, "steps": result.steps,
                "losses": result.losses, "memory": memory, "threads": torch.get_num_threads(),
-               "api": "speedtorch" if args.speedtorch_api else "OffloadedEmbedding"}
-    rows = [("API", f"{figures['api']}, {args.optimizer}, {device.type}"
-                    + (f" ({figures['threads']} threads)" if device.type == "cpu" else "")),
+               "api": "speedtorch" if args.speedtorch_api else "OffloadedEmbedding",
+               "gradients": "autograd" if result.autograd else "closed form"}
+    rows = [("API", f"{figures['api']}, {args.optimizer} ({figures['gradients']} gradients), {device.type}"
+                    + (f" ({figures['threads']} torch threads + 1 making pairs)" if device.type == "cpu" else "")),
             ("training", f"{result.steps:,} steps, {result.words:,} words in {result.seconds:.1f} s"),
             ("words/s", f"{result.words_per_second:,.0f}  ({figures['pairs_per_second']:,.0f} pairs/s)"),
             ("loss per pair", f"{result.losses[0][1]:.3f} -> {result.losses[-1][1]:.3f}")]
@@ -193,6 +207,9 @@ def main(argv=None):
     rows += quality_rows
     rows += [("host tables", f"{format_bytes(memory['host_bytes'] + memory['file_bytes'])} ({args.storage})"),
              (f"on {memory['device']} for the step", format_bytes(memory["device_bytes"]))]
+    if args.cache_rows:
+        figures["cache"] = cache_summary({"centre": result.model.centre, "context": result.model.context})
+        rows += format_cache(figures["cache"])
     print(format_rows(rows))
     print("nearest neighbours:")
     ranked = np.argsort(-corpus.counts, kind="stable")

@@ -20,7 +20,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"speedswap demo: word2vec (skip-gram, SGD with word2vec's linear decay) on a synthetic "
           f"corpus with planted topics, both tables in {args.storage} host memory ({size} size)")
     summary = run_demo(tiny=args.tiny, backend=BACKEND_OF_DEVICE[args.device], storage=args.storage,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, cache_rows=args.cache_rows)
     print(format_demo(summary))
     return 0
 
@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cuda needs CuPy and a GPU; auto uses one when present")
     demo.add_argument("--storage", default="pinned", choices=("pinned", "mapped", "pageable", "device"),
                       help="where the tables and optimizer state live")
+    demo.add_argument("--cache-rows", type=int, default=0, metavar="N",
+                      help="keep N hot rows of each table on the device between steps, prefetching the next "
+                           "batch's (0: no cache)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench = commands.add_parser(
         "bench", formatter_class=_FORMAT,

@@ -220,3 +220,53 @@ def test_npy_path_exports_and_imports_the_table_alone(backend, rng, tmp_path):
     with pytest.raises(ss.FileFormatError, match="holds"):
         emb.load(tmp_path / "short.npy")
     np.testing.assert_array_equal(emb.table.to_numpy(), pretrained)
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam])
+def test_slots_with_gradients_written_by_hand_train_as_autograd_does(backend, optimizer, rng):
+    device = ss.get_backend(backend).device
+    start = rng.standard_normal((USERS, DIM), dtype=np.float32)
+    start[0] = 0  # the padding row
+    tables = []
+    for by_hand in (False, True):
+        emb = ss.OffloadedEmbedding(USERS, DIM, max_rows=BATCH, backend=backend, padding_idx=0)
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(start)))
+        opt = optimizer(emb.parameters(), lr=0.01)
+        emb.attach(opt)
+        grad = torch.zeros_like(emb.weight)
+        data = np.random.default_rng(1)  # the same batches both ways
+        for _ in range(20):
+            ids = torch.from_numpy(zipf(data, USERS, BATCH)).to(device)  # repeats, and the padding row
+            if by_hand:  # d/dw of sum(w**2) is 2w, summed over the repeats of a row
+                slots = emb.slots(ids)
+                assert torch.equal(emb.working_rows[slots], ids) and emb.working_rows[0] == 0
+                assert len(emb.working_rows) == len(torch.unique(torch.cat([ids, ids.new_zeros(1)])))
+                rows = emb.weight.detach()[slots]
+                grad[:len(emb.working_rows)].zero_().index_add_(0, slots, 2 * rows * (ids != 0).unsqueeze(1))
+                emb.weight.grad = grad
+            else:
+                opt.zero_grad()
+                emb(ids).square().sum().backward()
+            opt.step()
+            assert len(emb.working_rows) == 0  # the step's end empties the working set
+        tables.append(emb.table.to_numpy(copy=True))
+    np.testing.assert_allclose(tables[1], tables[0], **TOL)
+    assert not tables[1][0].any() and (tables[1] != start).any()
+
+
+def test_slots_checks_ids_once_and_changes_nothing_when_it_refuses(backend):
+    device = ss.get_backend(backend).device
+    emb = ss.OffloadedEmbedding(50, DIM, max_rows=4, backend=backend)
+    with pytest.raises(ss.StateError, match="attach"):
+        emb.slots(torch.tensor([1]))
+    emb.attach(torch.optim.SGD(emb.parameters(), lr=0.1))
+    for bad, error in (([1, 2, 3, 4, 5], ss.CapacityError), ([50], ss.IdError), ([1.0], ss.DTypeError)):
+        with pytest.raises(error):
+            emb.slots(torch.tensor(bad, device=device))
+        assert len(emb.working_rows) == 0
+    # New rows take the next free slots, in ascending id order.
+    assert emb.slots(torch.tensor([3, 7], device=device)).tolist() == [0, 1]
+    assert emb.slots(torch.tensor([[9, 3], [7, 5]], device=device)).tolist() == [[3, 0], [1, 2]]
+    emb.close()
+    with pytest.raises(ss.StateError, match="closed"):
+        emb.slots(torch.tensor([1]))

@@ -29,7 +29,8 @@ def run(args, tmp_path, timeout=180):
     """Run ``python *args`` from the repository root; returns stdout, failing with its output."""
     # One torch thread per process: the suite may share a small machine with
     # other jobs, and contended OpenMP spinning makes tiny steps 100x slower.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::RuntimeWarning"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::RuntimeWarning",
+           "PYTHONPATH": str(ROOT)}  # this checkout's speedswap, not an installed one
     done = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
@@ -129,6 +130,14 @@ def test_demo_tiny(tmp_path):
     assert purity > 0.6 and purity > 8 * chance, out
     for label in ("words/s", "host tables", "on cpu for the step", "storage"):
         assert label in out
+    assert "cache" not in out
+    cached = run(["-m", "speedswap", "demo", "--tiny", "--device", "cpu", "--no-progress", "--cache-rows", "500"],
+                 tmp_path)
+    # The same vectors with a cache (tests/test_word2vec.py), and its figures from emb.stats().
+    assert re.search(r"topic purity\s+([\d.]+)", cached).group(1) == f"{purity:.3f}"
+    for table in ("centre", "context"):
+        hit_rate = float(re.search(rf"{table} cache\s+500 rows \(.*\): ([\d.]+)% of rows hit", cached).group(1))
+        assert 0 < hit_rate < 100, cached
 
 
 TINY_RECOMMENDER = ["--users", "500", "--items", "300", "--rank", "4", "--count", "40000", "--dim", "4",

@@ -10,6 +10,7 @@ import speedswap as ss
 from speedswap.apps import evaluate, word2vec
 from speedswap.apps.corpus import keep_probabilities, read_text_corpus, skipgram_pairs, synthetic_corpus
 from speedswap.apps.pairs import PairChunks
+from speedswap.apps.skipgram import _groups
 from speedswap.apps.w2v_format import load_word2vec_format, save_word2vec_format
 
 
@@ -41,6 +42,15 @@ def test_subsampling_keeps_rare_words_and_thins_frequent_ones():
     counts = np.array([1_000_000, 1_000, 10, 0])
     keep = keep_probabilities(counts, threshold=1e-3)
     assert keep[0] < 0.1 and keep[2] == 1.0 and keep[3] == 1.0
+
+
+@pytest.mark.parametrize("vocab", [3, 20_000, 300_000])
+def test_negative_sampler_draws_what_a_binary_search_of_the_cdf_draws(vocab, rng):
+    counts = np.concatenate([[0], (1e7 / np.arange(1, vocab) ** rng.uniform(0.5, 1.5)).astype(np.int64)])
+    sampler = word2vec.NegativeSampler(counts, torch.device("cpu"), seed=7)
+    uniform = torch.rand((50_000, 5), dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    cdf = torch.from_numpy(np.cumsum(counts ** 0.75) / (counts ** 0.75).sum())
+    assert torch.equal(sampler((50_000, 5)), torch.searchsorted(cdf, uniform).clamp_(max=vocab - 1))
 
 
 def test_negative_sampler_follows_unigram_to_the_three_quarters():
@@ -133,8 +143,10 @@ def test_loss_is_summed_over_pairs_so_lr_is_per_pair(seed):
 def test_cpu_threads_respects_omp_num_threads_and_the_cores_granted(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert word2vec.cpu_threads() == cores
-    assert word2vec.cpu_threads(cores + 7) == cores
+    # One of the budget's threads is the one that makes pairs.
+    assert word2vec.cpu_threads() == max(cores - 1, 1)
+    assert word2vec.cpu_threads(cores + 7) == max(cores - 1, 1)
+    assert word2vec.cpu_threads(1) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert word2vec.cpu_threads() == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "many")
@@ -235,3 +247,57 @@ def test_word2vec_format_round_trips_and_gensim_reads_it(tmp_path, rng, binary):
     assert load_word2vec_format(path, binary=binary)[0] == words  # a failed save leaves the old file
     keyed = pytest.importorskip("gensim.models").KeyedVectors.load_word2vec_format(str(path), binary=binary)
     assert keyed.index_to_key == words and np.array_equal(keyed.vectors, vectors)
+
+
+def test_sgd_without_autograd_trains_the_vectors_autograd_trains(seed):
+    corpus = synthetic_corpus(vocab=500, topics=10, tokens=60_000, seed=seed % 1000)
+    runs = [word2vec.train(corpus, dim=16, steps=300, batch_size=256, chunk_tokens=20_000, backend="numpy",
+                           storage="pageable", seed=seed, progress=False, autograd=autograd)
+            for autograd in (True, False)]
+    for table in ("centre", "context"):
+        reference, closed_form = (getattr(run.model, table).table.to_numpy() for run in runs)
+        assert np.abs(reference).max() > 0.1  # trained well away from the initialisation
+        # The same sums in another order: float32 rounding, nothing more.
+        np.testing.assert_allclose(closed_form, reference, rtol=0, atol=2e-6)
+    np.testing.assert_allclose([loss for _, loss in runs[1].losses], [loss for _, loss in runs[0].losses],
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_device_cache_and_prefetch_leave_the_vectors_as_they_are(optimizer, seed):
+    corpus = synthetic_corpus(vocab=2000, topics=10, tokens=30_000, seed=seed % 1000)
+    options = dict(dim=16, steps=150, batch_size=256, chunk_tokens=10_000, optimizer=optimizer, backend="numpy",
+                   storage="pageable", seed=seed, progress=False)
+    plain = word2vec.train(corpus, **options)
+    # About two steps' context rows: rows are evicted (and written back) and prefetched all along.
+    cached = word2vec.train(corpus, cache_rows=1200, prefetch=True, **options)
+    for table in ("centre", "context"):
+        np.testing.assert_array_equal(getattr(cached.model, table).table.to_numpy(),
+                                      getattr(plain.model, table).table.to_numpy())
+    total = cached.model.context.stats()["total"]
+    assert total["hits"] > 0 and total["evictions"] > 0 and total["prefetched_rows"] > 0
+    assert plain.model.context.stats()["total"]["prefetched_rows"] == 0
+
+
+def test_cache_and_prefetch_options_are_checked():
+    corpus = synthetic_corpus(vocab=50, topics=2, tokens=2000, seed=0)
+    options = dict(dim=4, steps=3, batch_size=16, backend="numpy", progress=False)
+    with pytest.raises(ss.OptionError, match="cache_rows > 0"):
+        word2vec.train(corpus, prefetch=True, **options)
+    with pytest.raises(ss.OptionError, match="cache_rows must be an int >= 0"):
+        word2vec.train(corpus, cache_rows=-1, **options)
+    with pytest.raises(ss.OptionError, match="SpeedTorch API"):
+        word2vec.train(corpus, speedtorch_api=True, cache_rows=8, **options)
+    with pytest.raises(ss.OptionError, match="SpeedTorch API"):
+        word2vec.train(corpus, speedtorch_api=True, autograd=False, **options)
+
+
+@pytest.mark.parametrize("bound", [7, 40_000, 3_000_000, 1 << 40])  # one radix pass, two, torch's sort
+def test_context_ids_are_grouped_as_a_stable_sort_and_unique_group_them(bound, rng):
+    ids = torch.from_numpy(rng.integers(0, bound, 5000))
+    unique, inverse, order, starts = _groups(ids, bound)
+    expected_unique, expected_inverse = torch.unique(ids, return_inverse=True)
+    assert torch.equal(unique, expected_unique) and torch.equal(inverse, expected_inverse)
+    assert torch.equal(order, torch.sort(ids, stable=True).indices)
+    counts = torch.bincount(expected_inverse)
+    assert torch.equal(starts, counts.cumsum(0) - counts)

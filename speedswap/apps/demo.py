@@ -18,7 +18,8 @@ import torch
 
 import speedswap as ss
 
-__all__ = ["BACKEND_OF_DEVICE", "DEMO", "TINY", "run_demo", "format_demo", "memory_summary", "format_bytes", "format_rows"]
+__all__ = ["BACKEND_OF_DEVICE", "DEMO", "TINY", "run_demo", "format_demo", "memory_summary", "cache_summary",
+           "format_cache", "format_bytes", "format_rows"]
 
 #: ``--device`` choices of the demo and the examples, and the backend each means.
 BACKEND_OF_DEVICE = {"auto": "auto", "cpu": "numpy", "cuda": "cuda"}
@@ -72,6 +73,41 @@ def memory_summary(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return summary
 
 
+def cache_summary(tables: dict) -> dict:
+    """Per-step device cache figures of offloaded embeddings, from their ``stats()``.
+
+    Args:
+        tables: ``{name: OffloadedEmbedding}``.
+
+    Returns:
+        ``{name: {...}}``: ``cache_rows``, ``cache_bytes``, ``hit_rate`` (the
+        share of each step's distinct rows found in the cache), and per step
+        ``h2d_bytes`` / ``d2h_bytes`` (rows and optimizer state moved to and
+        from the host, evictions and prefetches included), ``evictions``,
+        ``prefetched_rows``.
+    """
+    summary = {}
+    for name, table in tables.items():
+        stats = table.stats()
+        total, steps = stats["total"], max(stats["total"]["steps"], 1)
+        summary[name] = {"cache_rows": stats["cache_rows"], "cache_bytes": stats["cache_bytes"],
+                         "hit_rate": total["hits"] / max(total["unique_rows"], 1),
+                         **{key: total[counter] / steps for key, counter in (
+                             ("h2d_bytes", "bytes_h2d"), ("d2h_bytes", "bytes_d2h"),
+                             ("evictions", "evictions"), ("prefetched_rows", "prefetched_rows"))}}
+    return summary
+
+
+def format_cache(summary: dict) -> list:
+    """:func:`cache_summary` as ``[(label, value)]`` rows for :func:`format_rows`."""
+    return [(f"{name} cache", f"{figures['cache_rows']:,} rows ({format_bytes(figures['cache_bytes'])}): "
+                              f"{100 * figures['hit_rate']:.1f}% of rows hit; per step "
+                              f"{format_bytes(figures['h2d_bytes'])} in, {format_bytes(figures['d2h_bytes'])} "
+                              f"out, {figures['evictions']:,.0f} evicted, {figures['prefetched_rows']:,.0f} "
+                              f"prefetched")
+            for name, figures in summary.items()]
+
+
 def format_rows(rows: Sequence[tuple]) -> str:
     """``[(label, value), ...]`` as aligned ``label  value`` lines."""
     width = max(len(label) for label, _ in rows)
@@ -79,7 +115,7 @@ def format_rows(rows: Sequence[tuple]) -> str:
 
 
 def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned", progress: bool = True,
-             seed: int = 0) -> dict:
+             seed: int = 0, cache_rows: int = 0) -> dict:
     """Train word2vec on the synthetic topic corpus with the default recipe and summarise the run.
 
     Args:
@@ -88,9 +124,12 @@ def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned",
         storage: storage kind of the tables and optimizer state.
         progress: show the progress bar.
         seed: seeds the corpus and the training.
+        cache_rows: rows of each table kept on the device between steps, the
+            next batch's prefetched while a step computes; 0: no cache.
 
     Returns:
-        dict: ``words/s``, ``topic purity``, ``chance``, memory figures, ...
+        dict: ``words/s``, ``topic purity``, ``chance``, memory figures,
+        ``cache`` (:func:`cache_summary`, with a cache), ...
     """
     from . import word2vec
     from .corpus import synthetic_corpus
@@ -100,7 +139,8 @@ def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned",
         torch.set_num_threads(word2vec.cpu_threads())
     corpus = synthetic_corpus(size["vocab"], size["topics"], size["tokens"], seed=seed)
     result = word2vec.train(corpus, dim=size["dim"], epochs=size["epochs"], batch_size=size["batch_size"],
-                            storage=storage, backend=backend, seed=seed, progress=progress)
+                            storage=storage, backend=backend, seed=seed, progress=progress,
+                            cache_rows=cache_rows, prefetch=cache_rows > 0)
     purity, chance = word2vec.topic_purity(result.vectors, corpus)
     memory = memory_summary(result.model, result.optimizer)
     return {"vocab": corpus.vocab_size, "dim": size["dim"], "steps": result.steps, "epochs": size["epochs"],
@@ -108,7 +148,9 @@ def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned",
             "words/s": result.words_per_second, "pairs/s": result.pairs / result.seconds,
             "seconds": result.seconds, "final loss": result.losses[-1][1],
             "topic purity": purity, "chance": chance, "storage": storage,
-            "page-locked": result.model.centre.table.pinned, **memory}
+            "page-locked": result.model.centre.table.pinned, **memory,
+            **({"cache": cache_summary({"centre": result.model.centre, "context": result.model.context})}
+               if cache_rows else {})}
 
 
 def format_demo(summary: dict) -> str:
@@ -117,7 +159,7 @@ def format_demo(summary: dict) -> str:
         ("vocabulary x dim", f"{summary['vocab']:,} x {summary['dim']} (2 tables + {summary['optimizer']} "
                              f"state)"),
         ("training", f"{summary['epochs']} epoch(s), {summary['steps']} steps in {summary['seconds']:.1f} s "
-                     f"({summary['optimizer']}, {summary['threads']} CPU threads), "
+                     f"({summary['optimizer']}, {summary['threads']} torch threads + 1 making pairs), "
                      f"final loss per pair {summary['final loss']:.3f}"),
         ("words/s", f"{summary['words/s']:,.0f}  ({summary['pairs/s']:,.0f} pairs/s)"),
         ("topic purity", f"{summary['topic purity']:.3f}  (chance {summary['chance']:.3f})"),
@@ -128,4 +170,4 @@ def format_demo(summary: dict) -> str:
     ]
     if "device_peak_bytes" in summary:
         rows.append(("GPU peak allocated", format_bytes(summary["device_peak_bytes"])))
-    return format_rows(rows)
+    return format_rows(rows + format_cache(summary.get("cache", {})))

@@ -26,19 +26,20 @@ to ``lr * 1e-4`` over the run, as word2vec's does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
-from typing import Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import speedswap as ss
 
 from .corpus import Corpus
 from .pairs import NegativeSampler, PairChunks
+from .skipgram import SkipGram, manual_step
 
 __all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "cpu_threads", "DEFAULT_LR",
            "topic_purity", "nearest_neighbours"]
@@ -51,11 +52,22 @@ _LR_FLOOR = 1e-4
 
 
 def cpu_threads(requested: Optional[int] = None) -> int:
-    """How many torch threads a CPU run should use.
+    """How many torch threads a CPU run of :func:`train` should use.
 
-    ``requested``, else ``OMP_NUM_THREADS`` when set, else every core this
-    process may run on; never more than ``len(os.sched_getaffinity(0))``,
-    since threads beyond the cores granted only contend.
+    The run's thread budget is ``requested``, else ``OMP_NUM_THREADS`` when
+    set, else every core this process may run on; never more than
+    ``len(os.sched_getaffinity(0))``, since threads beyond the cores granted
+    only contend. The thread that makes pairs and negatives keeps about half a
+    core busy, so torch gets one thread fewer than the budget (at least one):
+    a step is many small kernels, which gain little from a second thread and
+    lose much when it competes with the pair thread (on 2 cores: 116k words/s
+    with 1 torch thread, 83k with 2; see the README's word2vec section).
+
+    Args:
+        requested: the thread budget, like gensim's ``workers``.
+
+    Returns:
+        the count for ``torch.set_num_threads``.
 
     Raises:
         OptionError: ``requested`` (or ``OMP_NUM_THREADS``) is not a positive int.
@@ -70,43 +82,7 @@ def cpu_threads(requested: Optional[int] = None) -> int:
                                  f"thread count") from None
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise ss.OptionError(f"threads must be a positive int, got {requested!r}")
-    return min(requested, available)
-
-
-class SkipGram(torch.nn.Module):
-    """Skip-gram with negative sampling over two embedding modules.
-
-    ``centre`` and ``context`` are anything called like ``nn.Embedding``:
-    :class:`~speedswap.OffloadedEmbedding` (global word ids) or a small
-    ``nn.Embedding`` batch buffer fed local ids by SpeedTorch-style switchers.
-    The context table is called once per step with the positive and negative
-    ids together, so each row it holds is gathered once.
-    """
-
-    def __init__(self, centre: torch.nn.Module, context: torch.nn.Module):
-        super().__init__()
-        self.centre = centre
-        self.context = context
-
-    def forward(self, centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
-        """Negative-sampling loss of a batch, summed over its pairs (see the module's note on ``lr``).
-
-        Args:
-            centres: ``(B,)`` ids.
-            contexts: ``(B,)`` ids of words seen near the centres.
-            negatives: ``(B, K)`` ids of sampled words.
-
-        Returns:
-            the scalar loss.
-        """
-        u = self.centre(centres)
-        v = self.context(torch.cat([contexts.unsqueeze(1), negatives], dim=1))
-        # An element-wise product and sum, not bmm: on a CPU, B tiny (K+1)x1
-        # matrix products cost several times more than one pass over (B, K+1, D).
-        score = (v * u.unsqueeze(1)).sum(-1)
-        sign = torch.ones(score.shape[1], dtype=score.dtype, device=score.device)
-        sign[1:] = -1.0  # column 0 is the true context, the rest are negatives
-        return -F.logsigmoid(score * sign).sum()
+    return max(min(requested, available) - 1, 1)
 
 
 @dataclasses.dataclass
@@ -122,6 +98,7 @@ class TrainResult:
         seconds: wall time of the training loop.
         model, optimizer: kept for memory accounting and further use.
         storage: where the tables lived.
+        autograd: whether autograd computed the gradients (else skip-gram's closed form).
     """
 
     vectors: np.ndarray
@@ -133,6 +110,7 @@ class TrainResult:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     storage: str
+    autograd: bool
 
     @property
     def words_per_second(self) -> float:
@@ -150,12 +128,29 @@ def _capacities(vocab: int, batch_size: int, negatives: int) -> tuple:
     return min(vocab, batch_size), min(vocab, batch_size * (negatives + 1))
 
 
+@dataclasses.dataclass
+class _Job:
+    """What a training loop needs of a model: its optimizer, a step, the trained vectors, a prefetch.
+
+    ``step(centres, contexts, negatives, between=None)`` trains one batch and
+    returns its loss; ``between()``, when given, runs once the batch's rows
+    are in and before they are updated. ``prefetch(batch)`` (None when the
+    API has none) starts bringing a batch's rows into the device caches.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    step: Callable[..., torch.Tensor]
+    vectors: Callable[[], np.ndarray]
+    prefetch: Optional[Callable[[tuple], None]] = None
+
+
 def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
-                     directory):
-    """Model, optimizer, step function and vector getter with two OffloadedEmbedding tables."""
+                     directory, *, autograd, cache_rows):
+    """The job with two OffloadedEmbedding tables."""
     def table(name, max_rows):
         return ss.OffloadedEmbedding(vocab, dim, max_rows=max_rows, storage=storage, backend=backend,
-                                     path=_table_files(directory, name))
+                                     path=_table_files(directory, name), cache_rows=cache_rows)
 
     # The context table is called once per step with the positives and negatives together.
     centre, context = (table(name, rows) for name, rows in zip(("centre", "context"),
@@ -168,19 +163,32 @@ def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed,
     centre.attach(optimizer)
     context.attach(optimizer)
 
-    def step(centres, contexts, negative_ids):
+    def vectors():
+        centre.flush()  # cached rows are newer than the host table's
+        context.flush()
+        return centre.table.to_numpy()
+
+    def prefetch(batch):
+        centres, contexts, negative_ids = batch
+        centre.prefetch(centres)
+        context.prefetch(torch.cat([contexts.unsqueeze(1), negative_ids], dim=1))
+
+    def step(centres, contexts, negative_ids, between=None):
         loss = model(centres, contexts, negative_ids)
+        if between is not None:
+            between()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()  # the attached hooks write rows and state back to the host
         return loss.detach()
 
-    return model, optimizer, step, centre.table.to_numpy
+    return _Job(model, optimizer, step if autograd else manual_step(centre, context, optimizer), vectors,
+                prefetch)
 
 
 def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
                       directory):
-    """The same job written the SpeedTorch way: batch-sized nn.Embeddings plus switchers."""
+    """The same job written the SpeedTorch way: batch-sized nn.Embeddings plus switchers (no prefetch)."""
     device = ss.get_backend(backend).device
     rows = _capacities(vocab, batch_size, negatives)
     model = SkipGram(torch.nn.Embedding(rows[0], dim), torch.nn.Embedding(rows[1], dim)).to(device)
@@ -200,12 +208,14 @@ def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed
     u_opt.optInit()
     v_opt.optInit()
 
-    def step(centres, contexts, negative_ids):
+    def step(centres, contexts, negative_ids, between=None):
         local_centres = u_switch.beforeForwardPass(centres)
         local_contexts, local_negatives = v_switch.beforeForwardPass(contexts, negative_ids)
         u_opt.beforeForwardPass(centres)
         v_opt.beforeForwardPass(contexts, negative_ids)
         loss = model(local_centres, local_contexts, local_negatives)
+        if between is not None:
+            between()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -215,7 +225,7 @@ def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed
         v_opt.afterOptimizerStep(contexts, negative_ids)
         return loss.detach()
 
-    return model, optimizer, step, u_switch.getNumpyVersion
+    return _Job(model, optimizer, step, u_switch.getNumpyVersion)
 
 
 def _check_run_length(epochs: Optional[int], steps: Optional[int]) -> tuple:
@@ -228,11 +238,34 @@ def _check_run_length(epochs: Optional[int], steps: Optional[int]) -> tuple:
     return (1 if epochs is None and steps is None else epochs), steps
 
 
+def _check_offloading(speedtorch_api: bool, autograd: Optional[bool], cache_rows: int, prefetch: bool) -> None:
+    if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 0:
+        raise ss.OptionError(f"cache_rows must be an int >= 0 (0: no cache), got {cache_rows!r}")
+    if prefetch and not cache_rows:
+        raise ss.OptionError("prefetch brings the next batch's rows into the device cache; give "
+                             "cache_rows > 0 as well")
+    if speedtorch_api and (cache_rows or autograd is False):
+        raise ss.OptionError("the SpeedTorch API (ModelFactory/OptimizerFactory) has no device cache and "
+                             "trains with autograd; drop cache_rows/prefetch/autograd=False, or use "
+                             "OffloadedEmbedding (speedtorch_api=False)")
+
+
+def _with_next(batches: Iterable[tuple]) -> Iterator[tuple]:
+    """``(batch, the batch after it)`` for each batch; the last comes with None."""
+    batches = iter(batches)
+    current = next(batches, None)
+    while current is not None:
+        upcoming = next(batches, None)
+        yield current, upcoming
+        current = upcoming
+
+
 def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps: Optional[int] = None,
           batch_size: int = 2048, negatives: int = 5, window: int = 5, subsample: float = 1e-3,
           optimizer: str = "sgd", lr: Optional[float] = None, schedule: str = "linear",
           storage: str = "pinned", backend: str = "auto", directory: Optional[str] = None,
-          speedtorch_api: bool = False, chunk_tokens: int = 1_000_000, seed: int = 0,
+          speedtorch_api: bool = False, autograd: Optional[bool] = None, cache_rows: int = 0,
+          prefetch: bool = False, chunk_tokens: int = 1_000_000, seed: int = 0,
           progress: bool = True) -> TrainResult:
     """Train skip-gram vectors with both tables in host memory.
 
@@ -256,7 +289,22 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
         directory: for ``storage="mmap"``, where the table and state files go.
         speedtorch_api: train through ``ModelFactory``/``OptimizerFactory``
-            instead of :class:`~speedswap.OffloadedEmbedding`.
+            instead of :class:`~speedswap.OffloadedEmbedding` (always with autograd).
+        autograd: differentiate :class:`~speedswap.apps.skipgram.SkipGram`
+            with autograd (True) or use its closed-form gradients
+            (:func:`~speedswap.apps.skipgram.manual_step`, False: the same
+            gradients to float32 rounding, and several times cheaper on a
+            CPU). None: closed form for SGD, autograd for Adam and Adamax,
+            whose per-coordinate normalisation turns the rounding of gradient
+            entries near zero into visible differences, so their runs stay
+            those of earlier versions.
+        cache_rows: rows of each table (with their optimizer state) kept on
+            the device between steps, an LRU cache of hot rows (see
+            :class:`~speedswap.OffloadedEmbedding`); 0: none. The vectors are
+            the same with or without it.
+        prefetch: while a step computes, start bringing the next batch's
+            rows into the caches (needs ``cache_rows``); on a GPU the copies
+            overlap the step. The first batch of each chunk is not prefetched.
         chunk_tokens: tokens turned into pairs at a time (a background thread
             makes the next chunk while one trains).
         seed: seeds the initial vectors, subsampling, windows, order and negatives.
@@ -268,17 +316,23 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
 
     Raises:
         OptionError: an unknown optimizer or schedule, both or neither-valid
-            ``epochs``/``steps``, or a corpus that gives no pairs.
+            ``epochs``/``steps``, a bad ``cache_rows``, ``prefetch`` without a
+            cache, the SpeedTorch API with a cache or without autograd, or a
+            corpus that gives no pairs.
     """
     epochs, steps = _check_run_length(epochs, steps)
+    _check_offloading(speedtorch_api, autograd, cache_rows, prefetch)
     if optimizer not in _OPTIMIZERS:
         raise ss.OptionError(f"unknown optimizer {optimizer!r}; choose one of {sorted(_OPTIMIZERS)}")
     if schedule not in ("linear", "constant"):
         raise ss.OptionError(f"unknown schedule {schedule!r}; choose 'linear' or 'constant'")
     lr = DEFAULT_LR[optimizer] if lr is None else lr
-    build = _build_speedtorch if speedtorch_api else _build_offloaded
-    model, opt, step, vectors = build(corpus.vocab_size, dim, batch_size, negatives, _OPTIMIZERS[optimizer],
-                                      lr, seed, storage, backend, directory)
+    args = (corpus.vocab_size, dim, batch_size, negatives, _OPTIMIZERS[optimizer], lr, seed, storage, backend,
+            directory)
+    if autograd is None:
+        autograd = speedtorch_api or optimizer != "sgd"
+    job = (_build_speedtorch(*args) if speedtorch_api
+           else _build_offloaded(*args, autograd=autograd, cache_rows=cache_rows))
     device = ss.get_backend(backend).device
     chunks = PairChunks(corpus, window=window, negatives=negatives, subsample=subsample,
                         chunk_tokens=chunk_tokens, seed=seed)
@@ -290,7 +344,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
 
     # word2vec's decay: linear in the share of the run already read, with a floor.
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda _: max(remaining(), _LR_FLOOR) if schedule == "linear" else 1.0)
+        job.optimizer, lambda _: max(remaining(), _LR_FLOOR) if schedule == "linear" else 1.0)
     # disable=None: tqdm draws only on a terminal.
     bar = tqdm(total=steps or total_words, unit="step" if steps else "word", unit_scale=not steps,
                disable=None if progress else True, dynamic_ncols=True, smoothing=0.05)
@@ -308,8 +362,10 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
             feeder = ss.BatchFeeder(chunk.centres, chunk.contexts, chunk.negatives, batch_size=batch_size,
                                     order="random", seed=seed + done["steps"], device=device)
             words_per_batch = chunk.tokens / len(feeder)
-            for centres, contexts, negative_ids in feeder:
-                loss = step(centres, contexts, negative_ids)
+            # One batch ahead (in plain Python), so the next batch's rows can be prefetched.
+            for (centres, contexts, negative_ids), upcoming in _with_next(feeder):
+                ahead = None if not prefetch or upcoming is None else functools.partial(job.prefetch, upcoming)
+                loss = job.step(centres, contexts, negative_ids, ahead)
                 done["words"] += words_per_batch
                 done["steps"] += 1
                 done["pairs"] += len(centres)
@@ -333,9 +389,9 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     if not done["steps"]:
         raise ss.OptionError(f"the corpus ({len(corpus.tokens):,} tokens) gives no skip-gram pairs; "
                              f"it needs documents of two or more words")
-    return TrainResult(vectors=vectors(), losses=losses, words=int(round(done["words"])),
-                       pairs=done["pairs"], steps=done["steps"], seconds=seconds, model=model, optimizer=opt,
-                       storage=storage)
+    return TrainResult(vectors=job.vectors(), losses=losses, words=int(round(done["words"])),
+                       pairs=done["pairs"], steps=done["steps"], seconds=seconds, model=job.model,
+                       optimizer=job.optimizer, storage=storage, autograd=autograd)
 
 
 def nearest_neighbours(vectors: np.ndarray, query_ids: Sequence[int], candidate_ids: Sequence[int],

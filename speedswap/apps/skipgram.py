@@ -1,0 +1,195 @@
+"""Skip-gram with negative sampling: the model, and a training step that needs no autograd.
+
+:class:`SkipGram` is the model as an ``nn.Module``, for autograd. Its
+gradients are simple enough to write down (see :func:`manual_step`), and
+computing them directly skips what autograd costs on a CPU here: the graph,
+one ``(B, 1 + K, D)`` product per direction, and embedding gradients the size
+of the working set's capacity. :func:`manual_step` trains two
+:class:`~speedswap.OffloadedEmbedding` tables that way: the rows come from
+:meth:`~speedswap.OffloadedEmbedding.slots`, the gradients go to
+``weight.grad``, and the optimizer's own ``step()`` updates the rows and
+writes them back, so the optimizer, the learning-rate scheduler and the
+device cache work as with autograd, and the vectors are autograd's to
+float32 rounding.
+
+>>> import torch, speedswap as ss
+>>> centre, context = (ss.OffloadedEmbedding(50, 8, max_rows=32, backend="numpy") for _ in range(2))
+>>> opt = torch.optim.SGD([centre.weight, context.weight], lr=0.025)
+>>> centre.attach(opt); context.attach(opt)
+>>> step = manual_step(centre, context, opt)
+>>> loss = step(torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([[5, 6], [7, 1]]))
+>>> loss.shape
+torch.Size([])
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import speedswap as ss
+
+__all__ = ["SkipGram", "manual_step"]
+
+
+def _signs(columns: int, like: torch.Tensor) -> torch.Tensor:
+    """+1 for column 0 (the true context), -1 for the negatives."""
+    sign = torch.ones(columns, dtype=like.dtype, device=like.device)
+    sign[1:] = -1.0
+    return sign
+
+
+class SkipGram(torch.nn.Module):
+    """Skip-gram with negative sampling over two embedding modules.
+
+    ``centre`` and ``context`` are anything called like ``nn.Embedding``:
+    :class:`~speedswap.OffloadedEmbedding` (global word ids) or a small
+    ``nn.Embedding`` batch buffer fed local ids by SpeedTorch-style switchers.
+    The context table is called once per step with the positive and negative
+    ids together, so each row it holds is gathered once.
+    """
+
+    def __init__(self, centre: torch.nn.Module, context: torch.nn.Module):
+        super().__init__()
+        self.centre = centre
+        self.context = context
+
+    def forward(self, centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
+        """Negative-sampling loss of a batch, summed over its pairs (see :mod:`speedswap.apps.word2vec` on ``lr``).
+
+        Args:
+            centres: ``(B,)`` ids.
+            contexts: ``(B,)`` ids of words seen near the centres.
+            negatives: ``(B, K)`` ids of sampled words.
+
+        Returns:
+            the scalar loss.
+        """
+        u = self.centre(centres)
+        v = self.context(torch.cat([contexts.unsqueeze(1), negatives], dim=1))
+        # An element-wise product and sum, not bmm: on a CPU, B tiny (K+1)x1
+        # matrix products cost several times more than one pass over (B, K+1, D).
+        score = (v * u.unsqueeze(1)).sum(-1)
+        return -F.logsigmoid(score * _signs(score.shape[1], score)).sum()
+
+
+def _groups(ids: torch.Tensor, bound: int) -> tuple:
+    """Each distinct id of a 1-D tensor of ids in ``[0, bound)``, and where its occurrences are.
+
+    On the CPU it runs in numpy, whose stable sort of 16-bit keys is a radix
+    sort (ids up to 2**32 take two passes, least significant half first):
+    2 to 4 times faster than torch's comparison sort and its small kernels
+    at a few thousand ids. On a GPU torch's own sort is fast.
+
+    Returns:
+        ``(unique, inverse, order, starts)``: the sorted distinct ids; for
+        each occurrence, the index of its id in ``unique``; the occurrences
+        sorted by id (a permutation); where each id's run starts in ``order``.
+    """
+    if ids.device.type != "cpu" or bound > 1 << 32:
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        counts = torch.bincount(inverse, minlength=len(unique))
+        return unique, inverse, torch.argsort(inverse, stable=True), counts.cumsum(0) - counts
+    values = ids.numpy()
+    order = np.argsort((values & 0xFFFF).astype(np.uint16), kind="stable")
+    if bound > 1 << 16:
+        order = order[np.argsort((values >> 16).astype(np.uint16)[order], kind="stable")]
+    ranked = values[order]
+    first = np.empty(len(values), dtype=bool)
+    first[:1] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
+    inverse = np.empty_like(order)
+    inverse[order] = np.cumsum(first) - 1
+    return tuple(torch.from_numpy(a) for a in (ranked[first], inverse, order, np.flatnonzero(first)))
+
+
+def _scores(u: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``scores[b, k] = u[b] . table[rows[b, k]]`` without gathering the ``(B, K, D)`` rows.
+
+    A sampled matrix product (SDDMM) of ``u`` and ``table`` at the pattern
+    ``rows``: one pass over the rows it reads, against a gather, a product and
+    a sum over ``(B, K, D)``.
+    """
+    pairs, columns = rows.shape
+    crow = torch.arange(0, pairs * columns + 1, columns, device=rows.device)
+    with warnings.catch_warnings():
+        # torch calls sparse CSR tensors beta; this one is built valid, so skip the checks.
+        warnings.simplefilter("ignore", UserWarning)
+        pattern = torch.sparse_csr_tensor(crow, rows.reshape(-1), torch.zeros(pairs * columns, dtype=u.dtype,
+                                          device=u.device), (pairs, len(table)), check_invariants=False)
+    return torch.sparse.sampled_addmm(pattern, u, table.t(), beta=0.0).values().view(pairs, columns)
+
+
+def manual_step(centre: torch.nn.Module, context: torch.nn.Module,
+                optimizer: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+    """A training step of :class:`SkipGram` on two attached OffloadedEmbeddings, without autograd.
+
+    With ``u`` the centre row of a pair and ``v_k`` its context (``k=0``)
+    and negative rows, the loss ``-log s(u.v_0) - sum log s(-u.v_k)`` has
+    ``dL/d(u.v_k) = g_k = s(u.v_k) - [k == 0]``, so the centre row's gradient
+    is ``sum_k g_k v_k`` and row ``v_k``'s is ``g_k u``, summed over every
+    occurrence of a row in the batch. The step brings the rows in with
+    :meth:`~speedswap.OffloadedEmbedding.slots`, computes those sums with
+    gather-and-sum kernels (``embedding_bag``, which never materialises the
+    ``(B, 1 + K, D)`` products), hands them over as ``weight.grad`` (only the
+    step's rows are written) and calls ``optimizer.step()``, whose hooks
+    write the rows back. The result is autograd's, to float32 rounding.
+
+    Args:
+        centre, context: :class:`~speedswap.OffloadedEmbedding` tables
+            attached to ``optimizer``, without ``padding_idx``.
+        optimizer: the optimizer of both tables' ``weight``.
+
+    Returns:
+        ``step(centres, contexts, negatives, between=None) -> loss``: the
+        arguments of :meth:`SkipGram.forward`; ``between()``, when given, is
+        called once the step's rows are in and before the optimizer updates
+        them (where to prefetch the next batch's rows). The loss is detached.
+
+    Raises:
+        OptionError: a table with a padding row (skip-gram has none).
+        StateError: (from a step) a table already holds rows of an unfinished step.
+    """
+    if centre.padding_idx is not None or context.padding_idx is not None:
+        raise ss.OptionError("skip-gram tables have no padding row; build them without padding_idx")
+    centre_grad, context_grad = torch.zeros_like(centre.weight), torch.zeros_like(context.weight)
+
+    def step(centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor,
+             between: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        if len(centre.working_rows) or len(context.working_rows):
+            raise ss.StateError("a training forward ran since the last optimizer step; the step's slots "
+                                "would not be its own: call optimizer.step() or zero_grad() first")
+        with torch.no_grad():
+            ids = torch.cat([contexts.unsqueeze(1), negatives], dim=1)
+            pairs, columns = ids.shape
+            # Deduplicated here, sorted, so the occurrences of each context row come grouped.
+            unique, inverse, order, starts = _groups(ids.view(-1), context.num_embeddings)
+            u_slots = centre.slots(centres)
+            # Sorted, distinct ids at a step's start take slots 0, 1, ...: `inverse` are the local ids.
+            context.slots(unique)
+            if between is not None:
+                between()
+            v_local = inverse.view(pairs, columns)
+            v_rows = context.weight.detach()[:len(unique)]
+            u = centre.weight.detach().index_select(0, u_slots)
+            score = _scores(u, v_local, v_rows)
+            sign = _signs(columns, score)
+            signed = score * sign
+            # dL/d(signed) = -s(-signed), as autograd computes it (no 1 - s(x) cancellation).
+            g = torch.sigmoid(signed.neg()).mul_(sign.neg())
+            loss = -F.logsigmoid(signed).sum()
+            # Centre rows: sum_k g_k v_k per pair, then summed over each row's pairs.
+            per_pair = F.embedding_bag(v_local, v_rows, per_sample_weights=g, mode="sum")
+            centre_grad[:len(centre.working_rows)].zero_().index_add_(0, u_slots, per_pair)
+            # Context rows: sum of g_k u over each row's occurrences, which `order` groups by slot.
+            context_grad[:len(unique)] = F.embedding_bag(order // columns, u, starts,
+                                                         per_sample_weights=g.view(-1)[order], mode="sum")
+            centre.weight.grad, context.weight.grad = centre_grad, context_grad
+        optimizer.step()
+        return loss
+
+    return step
