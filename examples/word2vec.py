@@ -110,8 +110,9 @@ def add_training_arguments(parser):
     group.add_argument("--speedtorch-api", action="store_true",
                        help="train through ModelFactory/OptimizerFactory instead of OffloadedEmbedding")
     group.add_argument("--autograd", action="store_true",
-                       help="sgd: differentiate with autograd instead of skip-gram's closed-form gradients "
-                       "(the same vectors to float32 rounding, slower; adam/adamax always use autograd)")
+                       help="sgd on the CPU: differentiate with autograd instead of skip-gram's closed-form "
+                       "gradients (the same vectors to float32 rounding, slower); adam, adamax and GPU runs "
+                       "always use autograd")
     group.add_argument("--cache-rows", type=int, default=0, metavar="N",
                        help="keep N hot rows of each table (and their optimizer state) on the device "
                        "between steps (0: no cache)")
@@ -161,6 +162,8 @@ def main(argv=None):
         parser.error("--storage mmap keeps the tables in files: give --table-dir DIR")
     if args.prefetch and not args.cache_rows:
         parser.error("--prefetch brings rows into the device cache: give --cache-rows N as well")
+    if args.distributed and args.cache_rows:
+        parser.error("--cache-rows is for one process; the sharded tables of --distributed have no device cache")
     backend, device = backend_and_device(args)
     if device.type == "cpu":
         torch.set_num_threads(word2vec.cpu_threads(args.threads))

@@ -25,7 +25,7 @@ import torch
 
 from .corpus import Corpus, keep_probabilities, skipgram_pairs
 
-__all__ = ["NegativeSampler", "Chunk", "PairChunks"]
+__all__ = ["NegativeSampler", "Chunk", "PairChunks", "ChunkStream"]
 
 
 class NegativeSampler:
@@ -129,46 +129,78 @@ class PairChunks:
             yield Chunk(torch.from_numpy(centres), torch.from_numpy(contexts),
                         sampler((len(centres), self._negatives)), stop - start)
 
-    def stream(self, epochs: int, *, ahead: int = 2) -> Iterator[Chunk]:
+    def stream(self, epochs: int, *, ahead: int = 2) -> ChunkStream:
         """The chunks of ``epochs`` passes, made by a background thread up to ``ahead`` chunks early.
 
-        An exception raised while making pairs is raised here, in the
-        training loop. Leaving the loop early stops the thread.
+        The thread starts at once, so the first chunk is being made while
+        the caller sets up the rest of its job (the tables, for word2vec).
         """
-        slots: queue.Queue = queue.Queue(maxsize=ahead)
-        stop = threading.Event()
-        finished = object()
+        return ChunkStream(self, epochs, ahead)
 
-        def put(item) -> bool:
-            # A timed put, so a loop left early (stop set, nobody reading) never strands the thread.
-            while not stop.is_set():
-                try:
-                    slots.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
 
-        def produce():
+class ChunkStream:
+    """An iterator over a :class:`PairChunks`' chunks, made by a background thread.
+
+    An exception raised while making pairs is raised by ``next``. ``close()``
+    (or leaving a ``with`` block) stops the thread; a loop left early must
+    close the stream.
+
+    Args:
+        chunks: what makes the chunks.
+        epochs: passes over the corpus.
+        ahead: chunks made ahead of the one being consumed.
+    """
+
+    def __init__(self, chunks: PairChunks, epochs: int, ahead: int):
+        self._slots: queue.Queue = queue.Queue(maxsize=ahead)
+        self._stop = threading.Event()
+        self._finished = object()
+        self._thread = threading.Thread(target=self._produce, args=(chunks, epochs),
+                                        name="speedswap-w2v-pairs", daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        # A timed put, so a stream closed early (stop set, nobody reading) never strands the thread.
+        while not self._stop.is_set():
             try:
-                for epoch in range(epochs):
-                    for chunk in self.epoch(epoch):
-                        if not put(chunk):
-                            return
-                put(finished)
-            except BaseException as exc:  # handed to the training loop, which raises it
-                put(exc)
+                self._slots.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
-        thread = threading.Thread(target=produce, name="speedswap-w2v-pairs", daemon=True)
-        thread.start()
+    def _produce(self, chunks: PairChunks, epochs: int) -> None:
         try:
-            while True:
-                item = slots.get()
-                if item is finished:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            stop.set()
-            thread.join()
+            for epoch in range(epochs):
+                for chunk in chunks.epoch(epoch):
+                    if not self._put(chunk):
+                        return
+            self._put(self._finished)
+        except BaseException as exc:  # handed to the consumer, which raises it
+            self._put(exc)
+
+    def __iter__(self) -> ChunkStream:
+        return self
+
+    def __next__(self) -> Chunk:
+        if self._stop.is_set():
+            raise StopIteration
+        item = self._slots.get()
+        if item is self._finished:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the thread and wait for it (idempotent)."""
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self) -> ChunkStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -293,11 +293,12 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
         autograd: differentiate :class:`~speedswap.apps.skipgram.SkipGram`
             with autograd (True) or use its closed-form gradients
             (:func:`~speedswap.apps.skipgram.manual_step`, False: the same
-            gradients to float32 rounding, and several times cheaper on a
-            CPU). None: closed form for SGD, autograd for Adam and Adamax,
-            whose per-coordinate normalisation turns the rounding of gradient
-            entries near zero into visible differences, so their runs stay
-            those of earlier versions.
+            gradients to float32 rounding, and a step about 2.4 times
+            cheaper on a CPU). None: closed form for SGD on the CPU; autograd
+            for Adam and Adamax, whose per-coordinate normalisation turns the
+            rounding of gradient entries near zero into visible differences
+            (so their runs stay those of earlier versions), and on a GPU,
+            where the closed form has not been measured yet.
         cache_rows: rows of each table (with their optimizer state) kept on
             the device between steps, an LRU cache of hot rows (see
             :class:`~speedswap.OffloadedEmbedding`); 0: none. The vectors are
@@ -329,69 +330,90 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     lr = DEFAULT_LR[optimizer] if lr is None else lr
     args = (corpus.vocab_size, dim, batch_size, negatives, _OPTIMIZERS[optimizer], lr, seed, storage, backend,
             directory)
-    if autograd is None:
-        autograd = speedtorch_api or optimizer != "sgd"
-    job = (_build_speedtorch(*args) if speedtorch_api
-           else _build_offloaded(*args, autograd=autograd, cache_rows=cache_rows))
     device = ss.get_backend(backend).device
+    if autograd is None:
+        autograd = speedtorch_api or optimizer != "sgd" or device.type != "cpu"
     chunks = PairChunks(corpus, window=window, negatives=negatives, subsample=subsample,
                         chunk_tokens=chunk_tokens, seed=seed)
-    total_words = None if steps is not None else epochs * len(corpus.tokens)
-    done = {"words": 0.0, "steps": 0, "pairs": 0}
-
-    def remaining() -> float:
-        return 1 - (done["steps"] / steps if steps is not None else done["words"] / total_words)
-
-    # word2vec's decay: linear in the share of the run already read, with a floor.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        job.optimizer, lambda _: max(remaining(), _LR_FLOOR) if schedule == "linear" else 1.0)
-    # disable=None: tqdm draws only on a terminal.
-    bar = tqdm(total=steps or total_words, unit="step" if steps else "word", unit_scale=not steps,
-               disable=None if progress else True, dynamic_ncols=True, smoothing=0.05)
-    losses = []
-    # An endless stream in steps mode; the loop stops it.
-    stream = chunks.stream(epochs if steps is None else 1 << 30)
-    start = time.perf_counter()
-    try:
-        for chunk in stream:
-            if len(chunk.centres) == 0:
-                done["words"] += chunk.tokens
-                if not done["steps"] and done["words"] >= len(corpus.tokens):
-                    break  # a whole pass without a pair: no run length would change that
-                continue
-            feeder = ss.BatchFeeder(chunk.centres, chunk.contexts, chunk.negatives, batch_size=batch_size,
-                                    order="random", seed=seed + done["steps"], device=device)
-            words_per_batch = chunk.tokens / len(feeder)
-            # One batch ahead (in plain Python), so the next batch's rows can be prefetched.
-            for (centres, contexts, negative_ids), upcoming in _with_next(feeder):
-                ahead = None if not prefetch or upcoming is None else functools.partial(job.prefetch, upcoming)
-                loss = job.step(centres, contexts, negative_ids, ahead)
-                done["words"] += words_per_batch
-                done["steps"] += 1
-                done["pairs"] += len(centres)
-                scheduler.step()  # the next step's rate, from the share read so far
-                # Reading the loss synchronises a GPU; do it only as often as the bar redraws.
-                if done["steps"] % 50 == 1 or done["steps"] == steps:
-                    losses.append((done["steps"], float(loss) / len(centres)))
-                    bar.set_postfix(loss=f"{losses[-1][1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                                    refresh=False)
-                bar.update(1 if steps else words_per_batch)
-                if done["steps"] == steps:
-                    break
-            if done["steps"] == steps:
-                break
-    finally:
-        stream.close()
-        bar.close()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    if not done["steps"]:
+    # Started before the tables are built, so the first chunk's pairs are made meanwhile;
+    # an endless stream in steps mode, which the loop stops.
+    with chunks.stream(epochs if steps is None else 1 << 30) as stream:
+        job = (_build_speedtorch(*args) if speedtorch_api
+               else _build_offloaded(*args, autograd=autograd, cache_rows=cache_rows))
+        run = _Run(len(corpus.tokens), epochs if steps is None else None, steps)
+        seconds = run.train(job, stream, batch_size=batch_size, seed=seed, device=device,
+                            linear=schedule == "linear", prefetch=prefetch, progress=progress)
+    if not run.steps:
         raise ss.OptionError(f"the corpus ({len(corpus.tokens):,} tokens) gives no skip-gram pairs; "
                              f"it needs documents of two or more words")
-    return TrainResult(vectors=job.vectors(), losses=losses, words=int(round(done["words"])),
-                       pairs=done["pairs"], steps=done["steps"], seconds=seconds, model=job.model,
-                       optimizer=job.optimizer, storage=storage, autograd=autograd)
+    return TrainResult(vectors=job.vectors(), losses=run.losses, words=int(round(run.words)), pairs=run.pairs,
+                       steps=run.steps, seconds=seconds, model=job.model, optimizer=job.optimizer,
+                       storage=storage, autograd=autograd)
+
+
+class _Run:
+    """The training loop's progress: words read, steps and pairs trained, losses; and the loop itself.
+
+    Args:
+        pass_words: the corpus's length in words.
+        epochs: the run's length in passes over the corpus, or None.
+        total_steps: its length in steps, or None.
+    """
+
+    def __init__(self, pass_words: int, epochs: Optional[int], total_steps: Optional[int]):
+        self.pass_words, self.total_steps = pass_words, total_steps
+        self.total_words = None if epochs is None else pass_words * epochs
+        self.words, self.steps, self.pairs = 0.0, 0, 0
+        self.losses: list = []
+
+    def remaining(self) -> float:
+        """The share of the run still to go."""
+        if self.total_steps is not None:
+            return 1 - self.steps / self.total_steps
+        return 1 - self.words / self.total_words
+
+    def train(self, job: _Job, stream: Iterable, *, batch_size: int, seed: int, device: torch.device,
+              linear: bool, prefetch: bool, progress: bool) -> float:
+        """Train ``job`` on ``stream``'s chunks until the run's length; returns the seconds it took."""
+        # word2vec's decay: linear in the share of the run already read, with a floor.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            job.optimizer, lambda _: max(self.remaining(), _LR_FLOOR) if linear else 1.0)
+        # disable=None: tqdm draws only on a terminal.
+        bar = tqdm(total=self.total_steps or self.total_words, unit="step" if self.total_steps else "word",
+                   unit_scale=not self.total_steps, disable=None if progress else True, dynamic_ncols=True,
+                   smoothing=0.05)
+        start = time.perf_counter()
+        with bar:
+            for chunk in stream:
+                if len(chunk.centres) == 0:
+                    self.words += chunk.tokens
+                    if not self.steps and self.words >= self.pass_words:
+                        break  # a whole pass without a pair: no run length would change that
+                    continue
+                feeder = ss.BatchFeeder(chunk.centres, chunk.contexts, chunk.negatives, batch_size=batch_size,
+                                        order="random", seed=seed + self.steps, device=device)
+                words_per_batch = chunk.tokens / len(feeder)
+                # One batch ahead (in plain Python), so the next batch's rows can be prefetched.
+                for (centres, contexts, negative_ids), upcoming in _with_next(feeder):
+                    ahead = None if not prefetch or upcoming is None else functools.partial(job.prefetch, upcoming)
+                    loss = job.step(centres, contexts, negative_ids, ahead)
+                    self.words += words_per_batch
+                    self.steps += 1
+                    self.pairs += len(centres)
+                    scheduler.step()  # the next step's rate, from the share read so far
+                    # Reading the loss synchronises a GPU; do it only as often as the bar redraws.
+                    if self.steps % 50 == 1 or self.steps == self.total_steps:
+                        self.losses.append((self.steps, float(loss) / len(centres)))
+                        bar.set_postfix(loss=f"{self.losses[-1][1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
+                                        refresh=False)
+                    bar.update(1 if self.total_steps else words_per_batch)
+                    if self.steps == self.total_steps:
+                        break
+                if self.steps == self.total_steps:
+                    break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
 
 
 def nearest_neighbours(vectors: np.ndarray, query_ids: Sequence[int], candidate_ids: Sequence[int],
