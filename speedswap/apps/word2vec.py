@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -250,16 +250,6 @@ def _check_offloading(speedtorch_api: bool, autograd: Optional[bool], cache_rows
                              "OffloadedEmbedding (speedtorch_api=False)")
 
 
-def _with_next(batches: Iterable[tuple]) -> Iterator[tuple]:
-    """``(batch, the batch after it)`` for each batch; the last comes with None."""
-    batches = iter(batches)
-    current = next(batches, None)
-    while current is not None:
-        upcoming = next(batches, None)
-        yield current, upcoming
-        current = upcoming
-
-
 def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps: Optional[int] = None,
           batch_size: int = 2048, negatives: int = 5, window: int = 5, subsample: float = 1e-3,
           optimizer: str = "sgd", lr: Optional[float] = None, schedule: str = "linear",
@@ -390,11 +380,12 @@ class _Run:
                     if not self.steps and self.words >= self.pass_words:
                         break  # a whole pass without a pair: no run length would change that
                     continue
+                # One batch ahead, so the next batch's rows can be prefetched.
                 feeder = ss.BatchFeeder(chunk.centres, chunk.contexts, chunk.negatives, batch_size=batch_size,
-                                        order="random", seed=seed + self.steps, device=device)
+                                        order="random", seed=seed + self.steps, device=device,
+                                        lookahead=True)
                 words_per_batch = chunk.tokens / len(feeder)
-                # One batch ahead (in plain Python), so the next batch's rows can be prefetched.
-                for (centres, contexts, negative_ids), upcoming in _with_next(feeder):
+                for (centres, contexts, negative_ids), upcoming in feeder:
                     ahead = None if not prefetch or upcoming is None else functools.partial(job.prefetch, upcoming)
                     loss = job.step(centres, contexts, negative_ids, ahead)
                     self.words += words_per_batch
