@@ -13,6 +13,8 @@ one step covers the same number of pairs as one process does; the ranks'
 gradients are averaged, so the loss is the mean over all of them.
 """
 
+import atexit
+import sys
 import time
 
 import numpy as np
@@ -36,7 +38,20 @@ def init(device):
     """
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        atexit.register(_destroy_after_success)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _destroy_after_success():
+    """Destroy the process group at a clean exit.
+
+    Left to the interpreter's teardown, gloo's threads can abort the process
+    ("terminate called without an active exception", seen once in CI; pytorch
+    issue 190489). After an uncaught error (``sys.last_value`` set) it is left
+    alone: destroying NCCL communicators while other ranks are stuck can hang.
+    """
+    if getattr(sys, "last_value", None) is None and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _batches(corpus, args, per_rank, device):
