@@ -283,8 +283,8 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
         autograd: differentiate :class:`~speedswap.apps.skipgram.SkipGram`
             with autograd (True) or use its closed-form gradients
             (:func:`~speedswap.apps.skipgram.manual_step`, False: the same
-            gradients to float32 rounding, and a step about 2.4 times
-            cheaper on a CPU). None: closed form for SGD on the CPU; autograd
+            gradients to float32 rounding; 2.2 times the words/s on a 2-core
+            CPU). None: closed form for SGD on the CPU; autograd
             for Adam and Adamax, whose per-coordinate normalisation turns the
             rounding of gradient entries near zero into visible differences
             (so their runs stay those of earlier versions), and on a GPU,
