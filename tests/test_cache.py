@@ -45,14 +45,20 @@ FULL = [(n, c, p) for n in EQUALITIES for c in SIZES for p in (False, True)
         if (n, c, p) not in CORE]
 
 
-def _equality(name, cache_rows, prefetch, rng, backend):
+def assert_cached_run_equals_in_memory(run, name, cache_rows, prefetch, rng, backend, dim=8,
+                                       **options):
+    """``run`` (run_offloaded or run_switchers) with a cache, a save/load mid-run, vs the reference."""
     device = ss.get_backend(backend).device
-    table0 = rng.standard_normal((NUM_ROWS, 8), dtype=np.float32)
+    table0 = rng.standard_normal((NUM_ROWS, dim), dtype=np.float32)
     batches = zipf_batches(rng, STEPS, device)
     offloaded, in_memory, sparse = EQUALITIES[name]
     expected = run_in_memory(in_memory, table0, batches, device, sparse=sparse)
-    assert_same(run_offloaded(offloaded, table0, batches, backend, cache_rows=cache_rows,
-                              prefetch=prefetch, replay_at=STEPS // 2), expected)
+    assert_same(run(offloaded, table0, batches, backend, cache_rows=cache_rows, prefetch=prefetch,
+                    replay_at=STEPS // 2, **options), expected)
+
+
+def _equality(name, cache_rows, prefetch, rng, backend):
+    assert_cached_run_equals_in_memory(run_offloaded, name, cache_rows, prefetch, rng, backend)
 
 
 @pytest.mark.parametrize("name,cache_rows,prefetch", CORE)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from test_cache import EQUALITIES, SIZES, STEPS
+from test_cache import EQUALITIES, SIZES, assert_cached_run_equals_in_memory
 from test_optimizer_equivalence import OPTIMIZERS, TOL, assert_same, torch_initial
 from training_helpers import (CAPACITY, DIM, NUM_ROWS, run_in_memory, run_switchers,
                               skipgram_loss, zipf_batches)
@@ -28,14 +28,8 @@ FULL = [(n, c, p) for n in EQUALITIES for c in SIZES for p in (False, True)
 
 
 def _equality(name, cache_rows, prefetch, rng, backend):
-    device = ss.get_backend(backend).device
-    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
-    batches = zipf_batches(rng, STEPS, device)
-    offloaded, in_memory, sparse = EQUALITIES[name]
-    expected = run_in_memory(in_memory, table0, batches, device, sparse=sparse)
-    assert_same(run_switchers(offloaded, table0, batches, backend, cache_rows=cache_rows,
-                              prefetch=prefetch, replay_at=STEPS // 2,
-                              optimizer_switcher=name != "sgd"), expected)
+    assert_cached_run_equals_in_memory(run_switchers, name, cache_rows, prefetch, rng, backend,
+                                       dim=DIM, optimizer_switcher=name != "sgd")
 
 
 @pytest.mark.parametrize("name,cache_rows,prefetch", CORE)
