@@ -1,5 +1,6 @@
 """The word2vec pieces the demo and examples/word2vec.py share: corpus, pairs, negatives, scoring."""
 
+import functools
 import os
 
 import numpy as np
@@ -10,7 +11,7 @@ import speedswap as ss
 from speedswap.apps import evaluate, word2vec
 from speedswap.apps.corpus import keep_probabilities, read_text_corpus, skipgram_pairs, synthetic_corpus
 from speedswap.apps.pairs import PairChunks
-from speedswap.apps.skipgram import _groups
+from speedswap.apps.skipgram import SkipGram, _groups, manual_step
 from speedswap.apps.w2v_format import load_word2vec_format, save_word2vec_format
 
 
@@ -263,9 +264,92 @@ def test_sgd_without_autograd_trains_the_vectors_autograd_trains(backend, seed):
                                rtol=1e-5)
 
 
+def _skipgram_tables(u0, v0, in_place, tmp_path):
+    """Two attached numpy-backend tables holding ``u0``/``v0``, their SGD (with a decay) and step."""
+    vocab, dim = u0.shape
+    tables = [ss.OffloadedEmbedding(vocab, dim, max_rows=rows, storage="pageable", backend="numpy")
+              for rows in (64, 64 * 4)]
+    for table, init in zip(tables, (u0, v0)):
+        table.table.load_from(_npy(tmp_path / f"{in_place}-{id(table)}.npy", init))
+    optimizer = torch.optim.SGD([t.weight for t in tables], lr=0.05)
+    for table in tables:
+        table.attach(optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / 400)
+    return tables, optimizer, scheduler, manual_step(*tables, optimizer, in_place=in_place)
+
+
+def _npy(path, array):
+    np.save(path, array)
+    return path
+
+
+def test_in_place_sgd_trains_what_the_working_set_and_autograd_train(rng, tmp_path):
+    vocab, dim, pairs, negatives, steps = 300, 12, 64, 3, 240
+    u0 = rng.uniform(-0.5, 0.5, (vocab, dim)).astype(np.float32)
+    v0 = rng.normal(0, 0.3, (vocab, dim)).astype(np.float32)
+    # Zipf ids, popular words scattered over the table: heads repeat in every batch.
+    perm = rng.permutation(vocab)
+    batches = [tuple(torch.from_numpy(perm[(rng.zipf(1.3, size) - 1) % vocab])
+                     for size in (pairs, pairs, (pairs, negatives))) for _ in range(steps)]
+    runs = {mode: _skipgram_tables(u0, v0, mode, tmp_path) for mode in (True, False)}
+    # The independent reference: dense nn.Embeddings, autograd, SGD on the whole tables.
+    model = SkipGram(torch.nn.Embedding.from_pretrained(torch.tensor(u0), freeze=False),
+                     torch.nn.Embedding.from_pretrained(torch.tensor(v0), freeze=False))
+    dense = torch.optim.SGD(model.parameters(), lr=0.05)
+    dense_schedule = torch.optim.lr_scheduler.LambdaLR(dense, lambda step: 1 - step / 400)
+    for i, batch in enumerate(batches):
+        for mode, (tables, optimizer, scheduler, step) in runs.items():
+            loss = step(*batch)
+            scheduler.step()
+            if i == steps // 2 and mode:  # a checkpoint in the middle, restored into the same tables
+                for k, table in enumerate(tables):
+                    table.save(tmp_path / f"mid{k}.h5")
+                    table.table.uniform_(-1, 1)
+                    table.load(tmp_path / f"mid{k}.h5")
+        dense.zero_grad()
+        reference_loss = model(*batch)
+        reference_loss.backward()
+        reference_loss = reference_loss.detach()
+        dense.step()
+        dense_schedule.step()
+        assert abs(float(loss) - float(reference_loss)) <= 1e-4 * abs(float(reference_loss))
+    for k, reference in enumerate((model.centre.weight, model.context.weight)):
+        in_place, copied = (runs[mode][0][k].table.to_numpy() for mode in (True, False))
+        assert np.abs(in_place - (u0, v0)[k]).max() > 0.1  # trained well away from the start
+        np.testing.assert_allclose(in_place, copied, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(in_place, reference.detach().numpy(), rtol=0, atol=2e-5)
+
+
+def test_in_place_sgd_steps_aside_when_it_would_train_the_wrong_thing(rng, tmp_path):
+    u0 = rng.uniform(-0.5, 0.5, (50, 4)).astype(np.float32)
+    v0 = rng.normal(0, 0.3, (50, 4)).astype(np.float32)
+    batch = (torch.tensor([1, 2, 1]), torch.tensor([3, 4, 5]), torch.tensor([[6, 7], [8, 1], [3, 9]]))
+    def train(in_place, weight_decay):
+        tables, optimizer, _, step = _skipgram_tables(u0, v0, in_place, tmp_path)
+        step(*batch)
+        # Weight decay touches every trained row, which the in-place update leaves out: the step copies.
+        optimizer.param_groups[0]["weight_decay"] = weight_decay
+        for _ in range(3):
+            step(*batch)
+        return tables, optimizer, [t.table.to_numpy() for t in tables]
+
+    tables, optimizer, decayed = train(None, 0.5)
+    copied, plain = train(False, 0.5)[2], train(None, 0.0)[2]
+    for k in range(2):
+        np.testing.assert_allclose(decayed[k], copied[k], rtol=0, atol=1e-6)
+        assert np.abs(decayed[k] - plain[k]).max() > 1e-3
+    with pytest.raises(ss.OptionError, match="plain SGD"):
+        manual_step(*tables, optimizer, in_place=True)(*batch)
+    with pytest.raises(ss.IdError, match="context and negative ids contain 50"):
+        _skipgram_tables(u0, v0, True, tmp_path)[3](batch[0], batch[1], torch.tensor([[6, 7], [8, 50], [3, 9]]))
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_a_device_cache_and_prefetch_leave_the_vectors_as_they_are(optimizer, backend, seed):
+def test_a_device_cache_and_prefetch_leave_the_vectors_as_they_are(optimizer, backend, seed, monkeypatch):
     corpus = synthetic_corpus(vocab=2000, topics=10, tokens=30_000, seed=seed % 1000)
+    # A cached table is trained through the working set; so is the uncached one here, for the same
+    # float32 sums (in place they differ by rounding: see the in-place tests).
+    monkeypatch.setattr(word2vec, "manual_step", functools.partial(manual_step, in_place=False))
     # autograd=False: the closed-form step is the default for SGD on the CPU only.
     options = dict(dim=16, steps=150, batch_size=256, chunk_tokens=10_000, optimizer=optimizer, backend=backend,
                    storage="pageable", seed=seed, progress=False, autograd=optimizer == "adam")

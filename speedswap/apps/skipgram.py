@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import speedswap as ss
+from speedswap import convert
 
 __all__ = ["SkipGram", "manual_step"]
 
@@ -124,8 +125,8 @@ def _scores(u: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.T
     return torch.sparse.sampled_addmm(pattern, u, table.t(), beta=0.0).values().view(pairs, columns)
 
 
-def manual_step(centre: torch.nn.Module, context: torch.nn.Module,
-                optimizer: torch.optim.Optimizer) -> Callable[..., torch.Tensor]:
+def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                in_place: Optional[bool] = None) -> Callable[..., torch.Tensor]:
     """A training step of :class:`SkipGram` on two attached OffloadedEmbeddings, without autograd.
 
     With ``u`` the centre row of a pair and ``v_k`` its context (``k=0``)
@@ -139,10 +140,25 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module,
     step's rows are written) and calls ``optimizer.step()``, whose hooks
     write the rows back. The result is autograd's, to float32 rounding.
 
+    **In place.** When the tables' memory is the device's (the CPU backend),
+    without a device cache, and the optimizer is plain SGD (no momentum,
+    weight decay, Nesterov or ``maximize``) on float32 tables, the copies into
+    the working set and back buy nothing: the step then reads the rows where
+    they are and adds ``-lr`` times the same gradients to them in place, the
+    update SGD's ``step()`` makes (``lr`` read from the optimizer at every
+    step, so schedulers work). The vectors equal those of the copying step to
+    float32 rounding. ``optimizer.step()`` is still called, with no gradients
+    (so it changes nothing), so step hooks and schedulers see a step as usual.
+    The conditions are checked at every step; when one stops holding, the
+    step copies again.
+
     Args:
         centre, context: :class:`~speedswap.OffloadedEmbedding` tables
             attached to ``optimizer``, without ``padding_idx``.
         optimizer: the optimizer of both tables' ``weight``.
+        in_place: None: in place whenever the conditions above hold; False:
+            always through the working set; True: in place, raising when the
+            conditions do not hold.
 
     Returns:
         ``step(centres, contexts, negatives, between=None) -> loss``: the
@@ -151,18 +167,16 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module,
         them (where to prefetch the next batch's rows). The loss is detached.
 
     Raises:
-        OptionError: a table with a padding row (skip-gram has none).
+        OptionError: a table with a padding row (skip-gram has none); (also
+            from a step) ``in_place=True`` where the step cannot train in place.
         StateError: (from a step) a table already holds rows of an unfinished step.
     """
     if centre.padding_idx is not None or context.padding_idx is not None:
         raise ss.OptionError("skip-gram tables have no padding row; build them without padding_idx")
     centre_grad, context_grad = torch.zeros_like(centre.weight), torch.zeros_like(context.weight)
 
-    def step(centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor,
-             between: Optional[Callable[[], None]] = None) -> torch.Tensor:
-        if len(centre.working_rows) or len(context.working_rows):
-            raise ss.StateError("a training forward ran since the last optimizer step; the step's slots "
-                                "would not be its own: call optimizer.step() or zero_grad() first")
+    def copying_step(centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor,
+                     between: Optional[Callable[[], None]] = None) -> torch.Tensor:
         with torch.no_grad():
             ids = torch.cat([contexts.unsqueeze(1), negatives], dim=1)
             pairs, columns = ids.shape
@@ -192,4 +206,66 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module,
         optimizer.step()
         return loss
 
+    def step(centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor,
+             between: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        if len(centre.working_rows) or len(context.working_rows):
+            raise ss.StateError("a training forward ran since the last optimizer step; the step's slots "
+                                "would not be its own: call optimizer.step() or zero_grad() first")
+        rates = None if in_place is False else _in_place_rates(centre, context, optimizer)
+        if rates is None and in_place:
+            raise ss.OptionError("in_place=True needs float32 tables on the CPU backend without a device "
+                                 "cache, and plain SGD (no momentum, weight_decay, nesterov or maximize); "
+                                 "pass in_place=None to copy rows when that does not hold")
+        if rates is None:
+            return copying_step(centres, contexts, negatives, between)
+        loss = _in_place_sgd(centre, context, rates, centres, contexts, negatives, between)
+        centre.weight.grad = context.weight.grad = None  # nothing left for step() to apply
+        optimizer.step()
+        return loss
+
     return step
+
+
+def _in_place_rates(centre, context, optimizer) -> Optional[tuple]:
+    """The SGD learning rates of ``centre`` and ``context`` when a step may update their tables in place, else None."""
+    if type(optimizer) is not torch.optim.SGD:
+        return None
+    rates = []
+    for table in (centre, context):
+        if (table.cache_rows or table.table.device.type != "cpu" or table.table.dtype != torch.float32
+                or not table.table.writable):
+            return None
+        group = next((g for g in optimizer.param_groups if any(p is table.weight for p in g["params"])), None)
+        if group is None or group["momentum"] or group["weight_decay"] or group["nesterov"] or group["maximize"]:
+            return None
+        rates.append(float(group["lr"]))
+    return tuple(rates)
+
+
+def _in_place_sgd(centre, context, rates, centres, contexts, negatives, between) -> torch.Tensor:
+    """:func:`manual_step`'s step on the host tables themselves: read the rows, then add ``-lr`` times the gradients."""
+    with torch.no_grad():
+        u_table, v_table = centre.table.as_tensor(), context.table.as_tensor()
+        centres, _ = convert.as_row_ids(centres, centre.num_embeddings, u_table.device, what="centre ids")
+        flat, shape = convert.as_row_ids(torch.cat([contexts.unsqueeze(1), negatives], dim=1),
+                                         context.num_embeddings, v_table.device, what="context and negative ids")
+        ids = flat.view(shape)
+        pairs, columns = ids.shape
+        u = u_table.index_select(0, centres)  # a copy: the context gradients need the rows before the update
+        score = _scores(u, ids, v_table)
+        sign = _signs(columns, score)
+        signed = score * sign
+        g = torch.sigmoid(signed.neg()).mul_(sign.neg())
+        loss = -F.logsigmoid(signed).sum()
+        # The updates, -lr times the gradients: scaling the 1 + K weights per pair is cheaper than
+        # scaling the rows (and index_add_'s alpha took 3 times as long as a plain index_add_).
+        centre_update = F.embedding_bag(ids, v_table, per_sample_weights=g * -rates[0], mode="sum")
+        unique, _, order, starts = _groups(flat, context.num_embeddings)
+        context_update = F.embedding_bag(order // columns, u, starts, per_sample_weights=g.view(-1)[order] * -rates[1],
+                                         mode="sum")
+        if between is not None:
+            between()
+        # Every read is done: the updates cannot feed into this step's own gradients.
+        u_table.index_add_(0, centres, centre_update)
+        v_table.index_add_(0, unique, context_update)
+    return loss
