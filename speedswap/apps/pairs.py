@@ -79,7 +79,7 @@ class NegativeSampler:
 
 @dataclasses.dataclass
 class Chunk:
-    """The training examples of one stretch of the corpus.
+    """The training examples of one stretch of the corpus, in random order.
 
     Attributes:
         centres, contexts: ``(P,)`` int64 CPU tensors, one (centre, context) pair per row.
@@ -126,6 +126,10 @@ class PairChunks:
             stop = min(start + self._chunk_tokens, len(tokens))
             centres, contexts = skipgram_pairs(tokens[start:stop], self._doc_id[start:stop], self._keep,
                                                self._window, rng)
+            # Shuffled here, on the pair thread, so the training loop reads its batches in order:
+            # contiguous copies instead of a random gather on the loop's own thread.
+            shuffle = rng.permutation(len(centres))
+            centres, contexts = centres[shuffle], contexts[shuffle]
             yield Chunk(torch.from_numpy(centres), torch.from_numpy(contexts),
                         sampler((len(centres), self._negatives)), stop - start)
 

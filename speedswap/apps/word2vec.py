@@ -331,7 +331,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
         job = (_build_speedtorch(*args) if speedtorch_api
                else _build_offloaded(*args, autograd=autograd, cache_rows=cache_rows))
         run = _Run(len(corpus.tokens), epochs if steps is None else None, steps)
-        seconds = run.train(job, stream, batch_size=batch_size, seed=seed, device=device,
+        seconds = run.train(job, stream, batch_size=batch_size, device=device,
                             linear=schedule == "linear", prefetch=prefetch, progress=progress)
     if not run.steps:
         raise ss.OptionError(f"the corpus ({len(corpus.tokens):,} tokens) gives no skip-gram pairs; "
@@ -362,7 +362,7 @@ class _Run:
             return 1 - self.steps / self.total_steps
         return 1 - self.words / self.total_words
 
-    def train(self, job: _Job, stream: Iterable, *, batch_size: int, seed: int, device: torch.device,
+    def train(self, job: _Job, stream: Iterable, *, batch_size: int, device: torch.device,
               linear: bool, prefetch: bool, progress: bool) -> float:
         """Train ``job`` on ``stream``'s chunks until the run's length; returns the seconds it took."""
         # word2vec's decay: linear in the share of the run already read, with a floor.
@@ -380,10 +380,10 @@ class _Run:
                     if not self.steps and self.words >= self.pass_words:
                         break  # a whole pass without a pair: no run length would change that
                     continue
-                # One batch ahead, so the next batch's rows can be prefetched.
+                # One batch ahead, so the next batch's rows can be prefetched. In order: the
+                # pair thread shuffled the chunk.
                 feeder = ss.BatchFeeder(chunk.centres, chunk.contexts, chunk.negatives, batch_size=batch_size,
-                                        order="random", seed=seed + self.steps, device=device,
-                                        lookahead=True)
+                                        order="sequential", device=device, lookahead=True)
                 words_per_batch = chunk.tokens / len(feeder)
                 for (centres, contexts, negative_ids), upcoming in feeder:
                     ahead = None if not prefetch or upcoming is None else functools.partial(job.prefetch, upcoming)
