@@ -125,6 +125,17 @@ def _scores(u: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.T
     return torch.sparse.sampled_addmm(pattern, u, table.t(), beta=0.0).values().view(pairs, columns)
 
 
+def _score_gradients(score: torch.Tensor) -> tuple:
+    """The loss's gradient with respect to each score, and the loss, of ``(B, 1 + K)`` scores.
+
+    Column 0 holds the true contexts' scores, the others the negatives'.
+    """
+    sign = _signs(score.shape[1], score)
+    signed = score * sign
+    # dL/d(signed) = -s(-signed), as autograd computes it (no 1 - s(x) cancellation).
+    return torch.sigmoid(signed.neg()).mul_(sign.neg()), -F.logsigmoid(signed).sum()
+
+
 def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                 in_place: Optional[bool] = None) -> Callable[..., torch.Tensor]:
     """A training step of :class:`SkipGram` on two attached OffloadedEmbeddings, without autograd.
@@ -190,12 +201,7 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
             v_local = inverse.view(pairs, columns)
             v_rows = context.weight.detach()[:len(unique)]
             u = centre.weight.detach().index_select(0, u_slots)
-            score = _scores(u, v_local, v_rows)
-            sign = _signs(columns, score)
-            signed = score * sign
-            # dL/d(signed) = -s(-signed), as autograd computes it (no 1 - s(x) cancellation).
-            g = torch.sigmoid(signed.neg()).mul_(sign.neg())
-            loss = -F.logsigmoid(signed).sum()
+            g, loss = _score_gradients(_scores(u, v_local, v_rows))
             # Centre rows: sum_k g_k v_k per pair, then summed over each row's pairs.
             per_pair = F.embedding_bag(v_local, v_rows, per_sample_weights=g, mode="sum")
             centre_grad[:len(centre.working_rows)].zero_().index_add_(0, u_slots, per_pair)
@@ -252,11 +258,7 @@ def _in_place_sgd(centre, context, rates, centres, contexts, negatives, between)
         ids = flat.view(shape)
         pairs, columns = ids.shape
         u = u_table.index_select(0, centres)  # a copy: the context gradients need the rows before the update
-        score = _scores(u, ids, v_table)
-        sign = _signs(columns, score)
-        signed = score * sign
-        g = torch.sigmoid(signed.neg()).mul_(sign.neg())
-        loss = -F.logsigmoid(signed).sum()
+        g, loss = _score_gradients(_scores(u, ids, v_table))
         # The updates are -lr times the gradients, each summed over all of its row's occurrences
         # before it meets the row (as SGD adds one summed gradient; adding each pair's share to the
         # row would round at the row's magnitude, again and again for frequent words). The -lr goes
