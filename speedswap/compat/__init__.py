@@ -5,9 +5,10 @@ Everything SpeedTorch users call lives here as a thin layer over the core
 so the core never learns SpeedTorch's vocabulary.
 """
 
-from .speedtorch import (CPUPytorchModelFactory, CPUPytorchOptimizerFactory, DataGadget,
-                         GPUPytorchModelFactory, GPUPytorchOptimizerFactory, ModelFactory,
-                         OptimizerFactory)
+from .model_factory import ModelFactory
+from .optimizer_factory import OptimizerFactory
+from .speedtorch import (CPUPytorchModelFactory, CPUPytorchOptimizerFactory, DataGadget, GPUPytorchModelFactory,
+                         GPUPytorchOptimizerFactory)
 
 __all__ = ["ModelFactory", "OptimizerFactory", "GPUPytorchModelFactory",
            "GPUPytorchOptimizerFactory", "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory",

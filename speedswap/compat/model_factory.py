@@ -1,0 +1,403 @@
+"""ModelFactory: SpeedTorch's switcher of a model's embedding rows.
+
+A switcher keeps a full table in a :class:`~speedswap.HostTable` and, around
+each optimizer step, swaps the rows a batch touches into (and out of) the
+model's own ``nn.Embedding``, whose rows are the step's *working set*:
+
+>>> import torch, speedswap as ss
+>>> model = torch.nn.Embedding(8, 4)            # capacity: 8 distinct rows per step
+>>> switch = ss.ModelFactory(model, total_classes=1000, embed_dimension=4, backend="numpy")
+>>> switch.uniformDistributionInit(-0.1, 0.1)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> ids = torch.tensor([17, 999, 17])
+>>> local = switch.before_forward(ids)          # [0, 1, 0]: one slot per distinct row
+>>> model(local).sum().backward(); opt.step(); opt.zero_grad()
+>>> switch.after_step(ids)                      # rows 17 and 999 written back, once each
+
+Unlike SpeedTorch, each distinct row occupies one slot, so repeated ids get
+their gradients summed exactly as in ``nn.Embedding`` instead of losing all
+updates but the last. With an :class:`OptimizerFactory`, ``optimizer.step()``
+sees the parameter (and its gradient and state) narrowed to the ``k`` rows
+the step touches, so the optimizer's work scales with the batch, not with the
+capacity, and no unused slot is updated.
+"""
+
+import os
+import warnings
+import weakref
+
+import numpy as np
+import torch
+
+from ..errors import FileFormatError, OptionError, ShapeError, StateError
+from ..table import HostTable
+from .steps import MODEL
+from .switcher import Switcher, device_of, storage_of, weight_of
+
+__all__ = ["ModelFactory"]
+
+
+#: How many forwards of a switcher's embedding are checked for stale placeholder copies.
+_STALE_CHECKS = 20
+
+
+def _check_stale(owner, args):
+    switcher = owner()
+    if switcher is not None and args:
+        switcher._warn_if_stale(args[0])
+
+
+def _is_torch_file(path):
+    return os.path.splitext(os.fspath(path))[1].lower() in (".pt", ".pth")
+
+
+class ModelFactory(Switcher):
+    """Keeps a full embedding table on the host and swaps a step's rows into the model.
+
+    Args:
+        model_variable: the model's ``nn.Embedding`` (or its weight). Its rows
+            are the working set: their number is the capacity, the most
+            distinct rows one step may touch.
+        total_classes: rows of the full table.
+        embed_dimension: row length; must equal the embedding's.
+        datatype: the table's dtype; must equal the embedding's.
+        CPUPinn: keep the table in pinned host memory (True) or in device
+            memory (False, as in SpeedTorch).
+        storage: any storage kind, overriding ``CPUPinn`` (``"mmap"`` for a
+            table larger than RAM, with ``path``).
+        backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
+        path: the ``.npy`` file of an ``mmap`` table.
+        overwrite: let an ``mmap`` table replace an existing file at ``path``.
+        cache_rows: rows kept in device memory between steps, with their
+            optimizer state: a write-back LRU cache of hot rows (see
+            :mod:`speedswap.train.cache`), shared with the embedding's
+            :class:`OptimizerFactory`, which must be built with the same
+            ``cache_rows``. 0 (the default) turns it off. A cached row is
+            current only in the cache until it is evicted or flushed: every
+            method here sees it, but read ``table`` directly only after
+            :meth:`flush`. :meth:`prefetch` brings the next step's rows in.
+
+    The table starts at zero; call an initialiser (``uniformDistributionInit``,
+    ``customInit``, ...) before training.
+
+    Raises:
+        OptionError, ShapeError, DTypeError: a bad embedding, size, dtype or
+            ``cache_rows`` (another than the embedding's OptimizerFactory's).
+        DeviceError: the model is not on the backend's device.
+        StateError: built in the middle of a step of the embedding's switchers.
+
+    Example:
+        >>> import torch, speedswap as ss
+        >>> emb = torch.nn.Embedding(8, 4)
+        >>> switch = ss.ModelFactory(emb, 1000, 4, backend="numpy", cache_rows=50)
+        >>> opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        >>> for ids, next_ids in [([1, 2, 2], [2, 3]), ([2, 3], None)]:
+        ...     local = switch.before_forward(ids)
+        ...     if next_ids is not None:
+        ...         _ = switch.prefetch(next_ids)      # while this step computes
+        ...     emb(local).sum().backward(); opt.step(); opt.zero_grad()
+        ...     switch.after_step(ids)
+        >>> switch.stats()["total"]["hits"]    # 2 (stored by step 1) and 3 (prefetched)
+        2
+    """
+
+    _kind = MODEL
+
+    def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32",
+                 CPUPinn=False, *, storage=None, backend="auto", path=None, overwrite=False,
+                 cache_rows: int = 0):
+        param = weight_of(model_variable)
+        super().__init__(param, total_classes, embed_dimension, datatype, cache_rows)
+        storage = storage or storage_of(CPUPinn)
+        # An mmap table starts as a zero-filled sparse file; writing zeros would make it dense.
+        make = HostTable.empty if storage == "mmap" else HostTable.zeros
+        self.table = make(total_classes, embed_dimension, datatype, storage, backend, path,
+                          device=device_of(param), overwrite=overwrite)
+        self._check_device(self.table)
+        self._placeholders = None
+        # The first forwards of the model's embedding are checked for stale placeholder copies.
+        self._stale_checks, self._stale_hook = _STALE_CHECKS, None
+        if isinstance(model_variable, torch.nn.Module):
+            owner = weakref.ref(self)
+            self._stale_hook = model_variable.register_forward_pre_hook(
+                lambda module, args: _check_stale(owner, args))
+        self._register(self.table)
+
+    # ------------------------------------------------------------------ steps
+    def variableTransformer(self, batchSize, posPerBatch, negPerBatch=None):
+        """SpeedTorch's placeholders: numpy id arrays that every :meth:`before_forward` fills in place.
+
+        They are numpy ``int64`` arrays, as SpeedTorch returned, holding the
+        step's *local* ids (slots of the de-duplicated working set) after each
+        :meth:`before_forward`. Convert them every step (``torch.from_numpy(x)``
+        shares their memory, so one ``from_numpy`` view kept across steps stays
+        current; ``torch.tensor(x)`` copies). A copy made once before the loop
+        would feed stale ids: the first forwards are checked for that, with a
+        warning. Simpler: feed the ids :meth:`before_forward` returns.
+
+        Args:
+            batchSize: rows of the batch.
+            posPerBatch: positive ids per row.
+            negPerBatch: negative ids per row, when a second input is used.
+
+        Returns:
+            an ``int64`` array ``(batchSize, posPerBatch)``, or a tuple with a
+            second ``(batchSize, negPerBatch)`` one.
+        """
+        n_pos = batchSize * posPerBatch
+        pos = np.arange(n_pos, dtype=np.int64).reshape(batchSize, posPerBatch)
+        if negPerBatch is None:
+            self._placeholders = (pos,)
+        else:
+            neg = np.arange(n_pos, n_pos + batchSize * negPerBatch,
+                            dtype=np.int64).reshape(batchSize, negPerBatch)
+            self._placeholders = (pos, neg)
+        # What a copy taken before the loop holds; later, what one taken a step ago holds.
+        self._initial = [p.copy() for p in self._placeholders]
+        self._stale = list(self._initial)
+        return self._placeholders[0] if negPerBatch is None else self._placeholders
+
+    def _warn_if_stale(self, ids):
+        """Warn once when a forward is fed an old copy of the placeholders instead of their ids now."""
+        self._stale_checks -= 1
+        if self._stale_checks <= 0 and self._stale_hook is not None:
+            self._stale_hook.remove()
+            self._stale_hook = None
+        if self._placeholders is None or self._gathered is None or not isinstance(ids, torch.Tensor):
+            return
+        fed = ids.detach().cpu().numpy()
+        for old in self._stale:
+            current = [p for p in self._placeholders if p.shape == old.shape]
+            if fed.shape == old.shape and np.array_equal(fed, old) and not any(
+                    np.array_equal(fed, p) for p in current):
+                warnings.warn("the model was fed ids equal to an earlier content of the "
+                              "variableTransformer placeholders, not their content now: a copy "
+                              "made once (torch.tensor(x)) trains the wrong rows. Convert the "
+                              "placeholders every step, or feed the ids before_forward returns",
+                              RuntimeWarning, stacklevel=3)
+                self._stale_checks = 0
+                return
+
+    def _check_placeholders(self, step):
+        if self._placeholders is None:
+            return
+        if len(self._placeholders) != len(step.flats) or any(
+                p.size != len(f) for p, f in zip(self._placeholders, step.flats)):
+            want = [tuple(p.shape) for p in self._placeholders]
+            got = [tuple(s) for s in step.shapes]
+            raise ShapeError(f"before_forward got ids of shapes {got} but variableTransformer "
+                             f"made placeholders of shapes {want}; call variableTransformer "
+                             f"again for this batch size, or feed the ids before_forward returns")
+
+    def before_forward(self, pos, neg=None):
+        """Gather the rows of ``pos`` (and ``neg``) into the model's embedding (cached ones from the cache).
+
+        Args:
+            pos: table ids of any shape: numpy array, list, or tensor on the
+                CPU or the model's device. Duplicates are fine.
+            neg: optional second set of ids (negative samples).
+
+        Returns:
+            the local ids to feed the model, shaped like ``pos`` (a tuple with
+            ``neg``'s when ``neg`` is given). Placeholders from
+            :meth:`variableTransformer` are filled with them too.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids.
+            CapacityError: more distinct rows than the embedding has.
+            ShapeError: ids that do not fit the placeholders.
+            StateError: the previous step was not finished with :meth:`after_step`
+                (on this switcher, or on the embedding's OptimizerFactory).
+
+        Nothing changes when this raises.
+        """
+        if self._gathered is not None:
+            raise StateError("before_forward called twice without after_step; finish the "
+                             "step with after_step(ids) so its rows are written back")
+        self._check_member()
+        rows = self._param_rows()
+        step = self._steps.prepare(pos, neg, MODEL)
+        self._check_placeholders(step)
+        self._steps.begin(step, MODEL, rows)
+        for placeholder, local in zip(self._placeholders or (), step.locals):
+            np.copyto(placeholder, local.cpu().numpy().reshape(placeholder.shape))
+        return self._result(step)
+
+    def after_step(self, pos, neg=None):
+        """Write the step's updated rows back to the table, each distinct row once.
+
+        With a cache, rows go to the cache (hits, and misses that find a
+        slot), with their optimizer state, and the rest back to the table.
+
+        Args:
+            pos, neg: the same ids given to :meth:`before_forward`.
+
+        Raises:
+            StateError: other ids than the last ``before_forward``'s, or no
+                ``before_forward`` on this switcher; nothing is written.
+        """
+        step = self._finish(pos, neg)
+        self._steps.end(step, MODEL, self._param_rows())
+        if self._placeholders is not None and self._stale_checks > 0:
+            # What a copy made before the loop, or now, would hold.
+            self._stale = self._initial + [p.copy() for p in self._placeholders]
+
+    def prefetch(self, pos, neg=None) -> int:
+        """Start bringing the rows of the next step's ids (and their optimizer state) into the cache.
+
+        Call it while the current step computes, with the ids the next
+        :meth:`before_forward` will get. Rows of the current step are skipped
+        (its ``after_step`` puts them in the cache with their updated values);
+        rows brought or already cached cannot be evicted before the end of the
+        next step. Without a cache (``cache_rows=0``) it only checks the ids.
+        On a GPU the copies run on a side stream and may still be running on
+        return; on the CPU they are done. Alias ``prefetchNextBatch``.
+
+        Args:
+            pos: the next step's ids, as for :meth:`before_forward`.
+            neg: its second set of ids, if any.
+
+        Returns:
+            the number of rows brought from the host.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids (nothing changes).
+            StateError: a closed or replaced switcher.
+        """
+        self._check_member()
+        return self._steps.prefetch(pos, neg)
+
+    # ------------------------------------------------------------ whole table
+    def zerosInit(self):
+        """Set every row to zero."""
+        with self._rewriting("zerosInit"):
+            self.table.zero_()
+
+    def uniformDistributionInit(self, low, high):
+        """Fill the table from U(low, high) (torch's global generator)."""
+        with self._rewriting("uniformDistributionInit"):
+            self.table.uniform_(low, high)
+
+    def normalDistributionInit(self, mean, stdDev):
+        """Fill the table from N(mean, stdDev²) (torch's global generator)."""
+        with self._rewriting("normalDistributionInit"):
+            self.table.normal_(mean, stdDev)
+
+    def customInit(self, initFunction, *args):
+        """Run an in-place initialiser such as ``torch.nn.init.xavier_uniform_`` on the whole table."""
+        with self._rewriting("customInit"):
+            self.table.apply_(initFunction, *args)
+
+    def save(self, path):
+        """Write the table (cached rows included) to ``path`` (``.npy`` or ``.h5``) atomically.
+
+        Alias ``saveCupy``.
+        """
+        self.flush()
+        self.table.save(path)
+
+    def load(self, path):
+        """Replace the table's rows with a file's of the same shape and dtype. Alias ``loadCupy``.
+
+        Cached rows are dropped (their optimizer state is written back first).
+
+        Raises:
+            FileFormatError: another shape or dtype, or a bad file (nothing changes).
+            StateError: called in the middle of a step.
+        """
+        with self._rewriting("load"):
+            self.table.load_from(path)
+
+    def close(self):
+        """Release the table's memory (an ``mmap`` table gets the cached rows first). Idempotent.
+
+        The embedding's OptimizerFactory keeps working, without a cache.
+        Closing in the middle of a step abandons the step: its rows are not
+        written back.
+        """
+        if self._stale_hook is not None:
+            self._stale_hook.remove()
+            self._stale_hook = None
+        self._leave()
+        self.table.close()
+
+    def to_numpy(self, copy: bool = False) -> np.ndarray:
+        """The table as a numpy array (the table's own memory for host storage, unless ``copy``).
+
+        Cached rows are written back first. Handing out the table's memory
+        (``copy=False``) also drops them from the cache, so writes to it before
+        the next step are seen by that step (with a cache, call it between steps).
+
+        Raises:
+            StateError: ``copy=False`` in the middle of a step, with a cache.
+        """
+        if copy:
+            self.flush()
+        elif self._is_member():
+            self._steps.hand_out("to_numpy(copy=False)")
+        return self.table.to_numpy(copy=copy)
+
+    def getNumpyVersion(self) -> np.ndarray:
+        """A copy of the table as a numpy array, as SpeedTorch returned (``to_numpy()`` shares memory)."""
+        return self.to_numpy(copy=True)
+
+    def saveTorch(self, path) -> None:
+        """SpeedTorch's ``saveTorch``: ``*.pt``/``*.pth`` through ``torch.save`` (the table as one
+        CPU tensor, as SpeedTorch wrote it); other suffixes as :meth:`save`."""
+        if _is_torch_file(path):
+            self.flush()
+            torch.save(self.table.as_tensor().cpu().clone(), path)
+        else:
+            self.save(path)
+
+    def loadTorch(self, path) -> None:
+        """SpeedTorch's ``loadTorch``: reads ``*.pt``/``*.pth`` with ``torch.load(weights_only=True)``.
+
+        Raises:
+            FileFormatError: the file holds no tensor of the table's shape and dtype (nothing changes).
+        """
+        if not _is_torch_file(path):
+            self.load(path)
+            return
+        self._check_idle("loadTorch")
+        try:
+            tensor = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise FileFormatError(f"{os.fspath(path)!r} is not a readable torch file ({exc})") from exc
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != self.table.shape \
+                or tensor.dtype != self.table.dtype:
+            what = (f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor)
+                    else type(tensor).__name__)
+            raise FileFormatError(f"{os.fspath(path)!r} holds {what}, but this table is "
+                                  f"{self.table.shape} {self.table.dtype}")
+        with self._rewriting("loadTorch"):
+            self.table.as_tensor().copy_(tensor)
+
+    def getTorchVar(self) -> torch.Tensor:
+        """SpeedTorch's ``getTorchVar``: the full table as a torch tensor sharing its memory.
+
+        As :meth:`to_numpy` with ``copy=False``: cached rows are written back
+        and dropped from the cache first.
+
+        Raises:
+            StateError: in the middle of a step, with a cache.
+        """
+        if self._is_member():
+            self._steps.hand_out("getTorchVar")
+        return self.table.as_tensor()
+
+    def getCupyVar(self):
+        """SpeedTorch returned the CuPy array behind the table; speedswap keeps CuPy out of its API.
+
+        Raises:
+            OptionError: always; use :meth:`getTorchVar` (a torch view) or :meth:`to_numpy`.
+        """
+        raise OptionError("speedswap hands out no CuPy arrays: use getTorchVar() for a torch view "
+                          "of the table, to_numpy() for a numpy view (cupy.asarray(...) of the "
+                          "torch view if you need CuPy)")
+
+    beforeForwardPass = before_forward
+    afterOptimizerStep = after_step
+    prefetchNextBatch = prefetch
+    saveCupy = save
+    loadCupy = load

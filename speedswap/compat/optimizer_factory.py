@@ -1,0 +1,171 @@
+"""OptimizerFactory: SpeedTorch's switcher of an optimizer's per-row state for one embedding."""
+
+from ..backends import get_backend
+from ..convert import torch_dtype
+from ..errors import OptionError, StateError
+from ..train.row_state import NarrowedStep, RowState
+from ..train.step_hooks import StepHooks
+from .steps import OPTIMIZER
+from .switcher import Switcher, device_of, storage_of, weight_of
+
+__all__ = ["OptimizerFactory"]
+
+
+def _parameter_named(model, variable_name):
+    """``model``'s parameter ``variable_name``, or the ``weight`` of its submodule of that name."""
+    try:
+        return model.get_parameter(variable_name)
+    except AttributeError:
+        pass
+    try:
+        return weight_of(model.get_submodule(variable_name))
+    except AttributeError:
+        names = [n for n, _ in model.named_parameters()]
+        raise OptionError(f"the model has no parameter or embedding {variable_name!r}; its "
+                          f"parameters are {names}") from None
+
+
+class OptimizerFactory(Switcher):
+    """Keeps an optimizer's per-row state for one embedding in host tables.
+
+    One table per state tensor shaped like the parameter (Adam's ``exp_avg``
+    and ``exp_avg_sq``, ...); scalar state such as ``step`` stays in the
+    optimizer. Rows never touched hold the value torch creates the state with.
+
+    Args:
+        given_optimizer: the optimizer over the model's parameters. SGD (with
+            momentum), Adam, AdamW (incl. amsgrad), Adamax, NAdam, RAdam,
+            Adagrad, Adadelta, RMSprop, Rprop, ASGD and SparseAdam are supported.
+        total_classes: rows of the full table.
+        embed_dimension: row length.
+        model: the model holding the embedding.
+        variable_name: the embedding's name in ``model`` (``"u_embeddings"``) or
+            its parameter's (``"u_embeddings.weight"``).
+        dtype: the state dtype; must equal the embedding's.
+        CPUPinn: pinned host memory (True) or device memory (False).
+        storage: any storage kind, overriding ``CPUPinn``.
+        backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
+        path: for ``storage="mmap"``, a directory for the state files.
+        overwrite: let ``mmap`` state files replace existing ones in ``path``.
+        cache_rows: the embedding's device cache of hot rows (see
+            :class:`ModelFactory`): it holds their state rows too, so it is
+            shared, and both switchers of one embedding must be built with
+            the same ``cache_rows``. Without a ModelFactory there is no cache.
+
+    Raises:
+        OptionError: no such parameter, an optimizer not holding it, one
+            whose state is not element-wise (LBFGS), or a bad ``cache_rows``
+            (another than the embedding's ModelFactory's).
+        StateError: built in the middle of a step of the embedding's switchers.
+    """
+
+    _kind = OPTIMIZER
+
+    def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
+                 dtype="float32", CPUPinn=False, *, storage=None, backend="auto", path=None,
+                 overwrite=False, cache_rows: int = 0):
+        param = _parameter_named(model, variable_name)
+        super().__init__(param, total_classes, embed_dimension, dtype, cache_rows)
+        self.state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),
+                              storage or storage_of(CPUPinn),
+                              get_backend(backend, device_of(param)), path, overwrite=overwrite)
+        for table in self.state.tables.values():
+            self._check_device(table)
+        self._narrowed = None
+        # Weak hooks (see StepHooks): they act only inside a step, and
+        # optimizer.step(closure) narrows after the closure's forward.
+        self._hooks = StepHooks(self, given_optimizer)
+        self._register(self.state)
+
+    # The step protocol of StepHooks.
+    def _begin_step(self):
+        if self._gathered is not None and self._narrowed is None:
+            self._narrowed = NarrowedStep(self._param, len(self._gathered.rows))
+
+    def _end_step(self):
+        if self._narrowed is not None:
+            self._narrowed.restore()
+            self._narrowed = None
+
+    def _abort_step(self):
+        if self._narrowed is not None:
+            self._end_step()
+            self.state.release()
+
+    def close(self):
+        """Release the state tables' memory and unhook the optimizer. Idempotent.
+
+        The embedding's ModelFactory keeps working, its cache without state
+        rows. Closing in the middle of a step abandons the step: its rows are
+        not written back.
+        """
+        self._hooks.remove()
+        self._leave()  # cached state rows are written back while the tables are open
+        self.state.close()
+
+    def init_state(self):
+        """Reset every row's state to torch's initial value (cached state rows too). Alias ``optInit``."""
+        with self._rewriting("init_state"):
+            self.state.init_state()
+
+    def before_forward(self, pos, neg=None):
+        """Put the optimizer state of the step's rows into the optimizer.
+
+        Call it with the same ids as the embedding's :class:`ModelFactory`
+        (before or after it); the de-duplication is shared.
+
+        Returns:
+            the local ids, as :meth:`ModelFactory.before_forward`.
+
+        Raises:
+            as :meth:`ModelFactory.before_forward`; StateError also when the
+            optimizer's state was lost (see :meth:`RowState.gather`).
+        """
+        if self._gathered is not None:
+            raise StateError("before_forward called twice without after_step; finish the "
+                             "step with after_step(ids) so its state rows are written back")
+        self._check_member()
+        rows = self._param_rows()
+        step = self._steps.prepare(pos, neg, OPTIMIZER)
+        self._steps.begin(step, OPTIMIZER, rows)
+        try:
+            self.state.gather(step.rows, read=self._steps.read_state())
+        except BaseException:
+            self._steps.withdraw(step, OPTIMIZER)
+            raise
+        return self._result(step)
+
+    def after_step(self, pos, neg=None):
+        """Write the step's optimizer state rows back, each distinct row once.
+
+        Raises:
+            StateError: other ids than the last ``before_forward``'s, or no
+                ``before_forward`` on this switcher; nothing is written.
+        """
+        step = self._finish(pos, neg)
+        self._steps.end(step, OPTIMIZER, self._param_rows())
+
+    def save(self, path):
+        """Write every state table (cached state rows included) to one checkpoint (``.h5`` file or
+        directory), atomically."""
+        from ..train.checkpoint import save_tables
+        self.flush()
+        save_tables(path, self.state.tables, {"optimizer": type(self.state.optimizer).__name__})
+
+    def load(self, path):
+        """Read state tables written by :meth:`save`; restore the optimizer's state_dict too.
+
+        Raises:
+            FileFormatError: a checkpoint of another optimizer or shape (nothing changes).
+            StateError: called in the middle of a step.
+        """
+        from ..train.checkpoint import load_tables
+        with self._rewriting("load"):
+            load_tables(path, self.state.tables, {"optimizer": type(self.state.optimizer).__name__})
+            self.state.mark_loaded()
+
+    optInit = init_state
+    beforeForwardPass = before_forward
+    afterOptimizerStep = after_step
+    saveCupy = save
+    loadCupy = load

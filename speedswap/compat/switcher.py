@@ -1,0 +1,166 @@
+"""What both SpeedTorch-style switchers share: the parameter, the shared step and cache, the step protocol.
+
+See :mod:`speedswap.compat.model_factory` and :mod:`speedswap.compat.optimizer_factory`.
+"""
+
+import contextlib
+
+import torch
+
+from ..convert import int_option, torch_dtype
+from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
+from ..train.caching import idle_stats
+from .steps import steps_for
+
+__all__ = ["Switcher", "storage_of", "device_of", "weight_of"]
+
+
+def storage_of(CPUPinn):
+    """SpeedTorch's ``CPUPinn``, for every class that takes it: pinned host memory, or the device."""
+    return "pinned" if CPUPinn else "device"
+
+
+def device_of(param):
+    """The device a switcher's tables serve: the parameter's (None, the default, on the CPU)."""
+    return param.device if param.device.type == "cuda" else None
+
+
+def weight_of(variable):
+    """The 2-D parameter behind an ``nn.Embedding`` (or anything with ``.weight``) or a Parameter."""
+    weight = variable if isinstance(variable, torch.nn.Parameter) else getattr(variable, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
+        raise OptionError(f"expected an nn.Embedding or its 2-D weight Parameter, got "
+                          f"{type(variable).__name__}")
+    return weight
+
+
+def _refuse_process_group(name):
+    """Raise when ``torch.distributed`` runs several ranks: each would train its own whole table."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise OptionError(
+            f"{name} keeps the whole table in this process, but torch.distributed runs "
+            f"{dist.get_world_size()} ranks: each rank would train its own copy and the copies "
+            f"would drift apart. Use speedswap.ShardedOffloadedEmbedding, which splits the rows "
+            f"over the ranks and trains like one process (README: 'Several processes and machines')")
+
+
+class Switcher:
+    """What both switchers share: the parameter, the shared step and cache, the step protocol."""
+
+    _kind = None  # MODEL or OPTIMIZER: the switcher's part in the shared step
+
+    def __init__(self, param, total_classes, embed_dimension, dtype, cache_rows):
+        _refuse_process_group(type(self).__name__)
+        total_classes = int_option(total_classes, "total_classes", hint=" (rows of the full table)")
+        embed_dimension = int_option(embed_dimension, "embed_dimension")
+        cache_rows = min(int_option(cache_rows, "cache_rows", minimum=0,
+                                    hint=" (rows kept on the device between steps)"),
+                         total_classes)
+        if param.shape[1] != embed_dimension:
+            raise ShapeError(f"the model's embedding has rows of {param.shape[1]} but "
+                             f"embed_dimension={embed_dimension}; they must match")
+        if param.dtype != torch_dtype(dtype):
+            raise DTypeError(f"the model's embedding holds {param.dtype} but the table would "
+                             f"hold {torch_dtype(dtype)}; pass the same dtype")
+        self._param = param
+        self._built_for = (param.dtype, param.device)
+        self._steps = steps_for(param, total_classes)
+        self._steps.check_join(self._kind, cache_rows, type(self).__name__)
+        self.cache_rows = cache_rows
+        self._leave = None
+
+    def _register(self, tables):
+        """Share the step and the cache with the parameter's other switcher: the constructor's last act."""
+        self._leave = self._steps.join(self, self._kind, self.cache_rows, tables)
+
+    @property
+    def _gathered(self):
+        """The step this switcher began and has not ended yet, or None."""
+        step = self._steps.current
+        if step is None or self._kind not in step.begun - step.ended or not self._is_member():
+            return None
+        return step
+
+    def _is_member(self):
+        return self._steps.is_member(self, self._kind)
+
+    def _check_member(self):
+        if not self._is_member():
+            name = type(self).__name__
+            raise StateError(f"this {name} was closed, or replaced by a newer {name} of the same "
+                             f"embedding; use the newer one")
+
+    def _check_device(self, table):
+        if table.device != self._param.device:
+            raise DeviceError(f"the table's rows move to {table.device} but the model's "
+                              f"embedding is on {self._param.device}; move the model with "
+                              f".to({str(table.device)!r}) or pick the matching backend")
+
+    def _param_rows(self):
+        """The parameter's storage now; it must still be the dtype and device it was built with.
+
+        ``model.double()``, ``.half()``, ``.to(device)`` after the switcher was
+        built give the parameter new storage of another kind, which the host
+        table cannot fill: training would silently stop.
+
+        Raises:
+            OptionError: the parameter was converted since.
+        """
+        data = self._param.data
+        if (data.dtype, data.device) != self._built_for:
+            dtype, device = self._built_for
+            raise OptionError(f"the model's embedding was converted to {data.dtype} on "
+                              f"{data.device} after {type(self).__name__} was built for {dtype} on "
+                              f"{device}; convert the model first (model.to(...), .double(), ...) "
+                              f"and build the switchers after it, with the matching datatype")
+        return data
+
+    def _check_idle(self, what):
+        if self._is_member() and self._steps.busy():
+            raise StateError(f"{what} between before_forward and after_step would be undone by "
+                             f"after_step; call it between steps")
+
+    def _rewriting(self, what):
+        """A context for ``what``, which replaces host rows or state: flush before, invalidate after.
+
+        Raises:
+            StateError: in the middle of a step.
+        """
+        self._check_idle(what)
+        return self._steps.rewriting() if self._is_member() else contextlib.nullcontext()
+
+    def flush(self) -> None:
+        """Write the device cache's rows and their optimizer state back to the host tables.
+
+        Afterwards the tables hold every row's current value (the rows stay
+        cached). The switchers' own methods (``save``, ``getNumpyVersion``,
+        ``load``, the initialisers, ...) do this themselves; call it before
+        reading ``table`` or ``state.tables`` directly. Without a cache
+        (``cache_rows=0``) the tables are always current.
+        """
+        if self._is_member():
+            self._steps.flush()
+
+    def stats(self) -> dict:
+        """The device cache's transport counters, shared by both switchers of the embedding.
+
+        Returns:
+            ``{"last_step": {...}, "total": {...}, "cache_rows", "cache_bytes"}``
+            as :meth:`speedswap.OffloadedEmbedding.stats`: lookups, hits,
+            misses, rows and bytes each way, evictions and prefetched rows.
+            All zero for a lone OptimizerFactory (no table, no cache).
+        """
+        return self._steps.stats(self.cache_rows) if self._is_member() else idle_stats(self.cache_rows)
+
+    def _finish(self, pos, neg):
+        self._check_member()
+        step = self._steps.match(pos, neg, type(self).__name__)
+        if self._gathered is not step:
+            raise StateError(f"{type(self).__name__}.after_step without a matching "
+                             f"before_forward on this switcher; call before_forward(ids) first")
+        return step
+
+    @staticmethod
+    def _result(step):
+        return step.locals[0] if len(step.locals) == 1 else step.locals
