@@ -171,7 +171,8 @@ def main():
                   f"  {figures['words_per_second']:,.0f} words/s  {figures['seconds']:.0f} s"
                   f"  load {figures['load_before']:.1f}->{figures['load_after']:.1f}", flush=True)
     write_results("word2vec_quality", {"corpus": corpus, "gensim": gensim.__version__, "epochs": args.epochs,
-                                       "threads": args.threads, "batch_size": args.batch_size, "runs": runs})
+                                       "threads": args.threads, "batch_size": args.batch_size, "seed": args.seed,
+                                       "runs": runs})
 
 
 if __name__ == "__main__":
