@@ -170,9 +170,9 @@ def _distinct_rows(emb, count):
     """Rows the cache's sketch counts apart (no shared counter), so the policy test is exact."""
     sketch, rows = emb._cache.sketch, []
     for row in range(emb.num_embeddings):
-        columns = [c.item() for c in sketch._columns(torch.tensor([row]))]
-        if all(all(a != b for a, b in zip(columns, other)) for _, other in rows):
-            rows.append((row, columns))
+        cells = sketch._cells(torch.tensor([row])).view(-1).tolist()
+        if all(all(a != b for a, b in zip(cells, other)) for _, other in rows):
+            rows.append((row, cells))
         if len(rows) == count:
             return [r for r, _ in rows]
     raise AssertionError("the sketch cannot tell enough rows apart")
@@ -211,6 +211,15 @@ def test_the_sketch_never_counts_less_than_the_decayed_truth(rng):
     assert (estimate >= truth * (1 - 1e-5) - 1e-6).all()
     hot = np.argsort(-truth)[:10]
     np.testing.assert_allclose(estimate[hot], truth[hot], rtol=0.15)
+
+
+def test_the_sketch_add_returns_what_estimate_gives_after_it(rng):
+    sketch = FrequencySketch(width=256, device="cpu", decay=0.9)
+    for _ in range(30):
+        rows = torch.from_numpy(np.unique(rng.zipf(1.3, 200) % 3000))
+        added = sketch.add(rows)
+        torch.testing.assert_close(added, sketch.estimate(rows), rtol=0, atol=0)
+        sketch.next_step()
 
 
 def test_the_sketch_rescales_without_changing_ranks():

@@ -159,6 +159,7 @@ class RowCache:
     def _begin_step(self):
         self._step = dict.fromkeys(COUNTERS, 0)
         self._slot_parts = []  # per fetch: each new row's slot, -1 for a miss
+        self._count_parts = []  # per fetch: each new row's use count, from the sketch
         self._n_hits = self._n_misses = 0
 
     def _lookup(self, rows):
@@ -169,6 +170,11 @@ class RowCache:
     def _step_slots(self):
         """Each working-set row's slot (by working-set slot), -1 for the step's misses."""
         parts = self._slot_parts
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _step_counts(self):
+        """Each working-set row's use count (by working-set slot) when it was added."""
+        parts = self._count_parts
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _scratch(self, count):
@@ -268,7 +274,7 @@ class RowCache:
             return
         n_hit = 0
         if self.num_slots:
-            self.sketch.add(rows)
+            self._count_parts.append(self.sketch.add(rows))
             found, slot = self._lookup(rows)
             n_hit = int(found.sum())
             self._slot_parts.append(torch.where(found, slot, -1))
@@ -277,7 +283,7 @@ class RowCache:
         else:
             # A row this step uses must outlive the step: eviction takes stamps below the clock.
             hit_slot = slot[found]
-            self.stamp[hit_slot] = torch.clamp(self.stamp[hit_slot], min=self.clock)
+            self.stamp.scatter_reduce_(0, hit_slot, torch.full_like(hit_slot, self.clock), "amax")
             missed = ~found
             # Misses go to scratch, in order: then one gather fills `out` from the cache.
             source = torch.where(found, slot, self.num_slots - 1 + torch.cumsum(missed, 0))
@@ -336,7 +342,7 @@ class RowCache:
             return
         target = self._step_slots()  # each row's slot, -1 for rows going back to the host
         hit = target >= 0
-        count = self.sketch.estimate(rows)
+        count = self._step_counts()
         if self._n_hits:
             hit_slot = target[hit]
             self.score[hit_slot] = count[hit]
