@@ -149,9 +149,10 @@ def test_stats_count_hits_misses_bytes_and_evictions(backend):
     assert (third["misses"], third["evictions"], third["rows_d2h"]) == (2, 0, 2)
     total = emb.stats()["total"]
     assert total["steps"] == 3 and total["lookups"] == 8 and total["hits"] == 2
-    # Rows, four int64, a float32 and a bool of bookkeeping per slot, the sketch: 2 x (4 per
-    # slot) float32, and one scratch row (step 1's third row went back to the host through it).
-    assert emb.stats()["cache_bytes"] == 2 * (row + 37) + 2 * 8 * 4 + row
+    # Rows; three int64, an int32 (the sorted rows), a float32 and a bool of bookkeeping per
+    # slot; the sketch: 2 x (4 per slot) float32; and one scratch row (step 1's third row went
+    # back to the host through it).
+    assert emb.stats()["cache_bytes"] == 2 * (row + 33) + 2 * 8 * 4 + row
 
 
 def test_stats_count_optimizer_state_and_no_cache_moves_every_row(backend):

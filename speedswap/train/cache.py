@@ -139,6 +139,9 @@ class RowCache:
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and n else None
         self.clock = 0  # the current step; stamps below it are evictable
         self._n_empty = n
+        # The sorted index holds rows as int32 where they fit: half the memory a binary
+        # search misses the CPU's caches in, and a faster sort.
+        self._key_dtype = torch.int32 if table.num_rows < 2**31 else torch.int64
         self._reindex()
         self.total = dict.fromkeys(COUNTERS, 0)
         self.last_step = dict.fromkeys(COUNTERS, 0)
@@ -151,10 +154,12 @@ class RowCache:
         if not self.num_slots:
             return 0
         row = self._row_bytes + self._state_row_bytes * len(self.states)
-        return len(self.weights) * row + self.num_slots * (4 * 8 + 4 + 1) + self.sketch.nbytes
+        bookkeeping = sum(t.numel() * t.element_size() for t in (
+            self.slot_row, self.stamp, self.dirty, self.score, self._sorted_rows, self._sorted_slots))
+        return len(self.weights) * row + bookkeeping + self.sketch.nbytes
 
     def _reindex(self):
-        self._sorted_rows, self._sorted_slots = torch.sort(self.slot_row)
+        self._sorted_rows, self._sorted_slots = torch.sort(self.slot_row.to(self._key_dtype))
 
     def _begin_step(self):
         self._step = dict.fromkeys(COUNTERS, 0)
@@ -164,8 +169,9 @@ class RowCache:
 
     def _lookup(self, rows):
         """(found, slot) for unique ``rows``: slot is meaningful where found."""
-        pos = torch.searchsorted(self._sorted_rows, rows).clamp_(max=self.num_slots - 1)
-        return self._sorted_rows[pos] == rows, self._sorted_slots[pos]
+        keys = rows.to(self._key_dtype)
+        pos = torch.searchsorted(self._sorted_rows, keys).clamp_(max=self.num_slots - 1)
+        return self._sorted_rows[pos] == keys, self._sorted_slots[pos]
 
     def _step_slots(self):
         """Each working-set row's slot (by working-set slot), -1 for the step's misses."""
@@ -255,7 +261,10 @@ class RowCache:
         +inf, the others their row's use count.
         """
         score = torch.where(self.stamp < self.clock, self.score, torch.inf)
-        return torch.topk(score, count, largest=False, sorted=True)
+        # Scores are >= +0.0 or +-inf, whose float32 bit patterns order as int32s do; on
+        # the CPU topk over the integers takes about two thirds of the time.
+        _, slots = torch.topk(score.view(torch.int32), count, largest=False, sorted=True)
+        return score[slots], slots
 
     # ---------------------------------------------------------------- the step
     def fetch(self, rows: torch.Tensor, out: torch.Tensor, first: int, lookups: int):
