@@ -14,7 +14,8 @@ unique rows. Bytes count rows and their Adam state, both directions. The
 would reach (see ``static_misses``).
 
 Usage:
-    python benchmarks/cache.py [--steps 20] [--warmup 100]
+    python benchmarks/cache.py [--steps 20] [--warmup 100] [--ids 1.1 uniform] [--caches 0.05]
+        [--threads 1]
 
 Writes benchmarks/results/cache-{cpu,gpu}.json and a PNG plot beside it.
 """
@@ -75,12 +76,12 @@ def step(emb, opt, batch):
     opt.zero_grad()
 
 
-def measure(exponent, steps, warmup, seed):
-    """Warm up and time the four cache sizes on one id distribution; returns their rows."""
+def measure(exponent, fractions, steps, warmup, seed):
+    """Warm up and time the cache sizes ``fractions`` on one id distribution; returns their rows."""
     rng = np.random.default_rng(seed)
     sample, rank = id_sampler(exponent, rng)
     setups = []
-    for fraction in CACHE_FRACTIONS:
+    for fraction in fractions:
         emb = ss.OffloadedEmbedding(VOCAB, DIM, max_rows=PAIRS * (2 + NEGS), storage="pageable",
                                     backend="numpy", cache_rows=int(fraction * VOCAB))
         opt = torch.optim.Adam(emb.parameters(), lr=1e-3)
@@ -90,7 +91,7 @@ def measure(exponent, steps, warmup, seed):
     for _, emb, opt in setups:
         for batch in batches[:warmup]:
             step(emb, opt, batch)
-    times = {fraction: [] for fraction in CACHE_FRACTIONS}
+    times = {fraction: [] for fraction in fractions}
     before = {fraction: emb.stats()["total"] for fraction, emb, _ in setups}
     loads = []
     for batch in batches[warmup:]:
@@ -169,12 +170,21 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=100,
                         help="steps before timing (the cache fills and its counts settle)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ids", nargs="+", default=[str(d) for d in DISTRIBUTIONS],
+                        choices=[str(d) for d in DISTRIBUTIONS], help="id distributions to run")
+    parser.add_argument("--caches", nargs="+", type=float, default=CACHE_FRACTIONS[1:],
+                        help="cache sizes as fractions of the rows (no cache is always run too: "
+                             "the ratios are against it)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch's intra-op threads")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    fractions = sorted({0.0, *args.caches})
     started = os.getloadavg()
     rows = []
-    for exponent in DISTRIBUTIONS:
-        rows += measure(exponent, args.steps, args.warmup, args.seed)
+    for exponent in [d for d in DISTRIBUTIONS if str(d) in args.ids]:
+        rows += measure(exponent, fractions, args.steps, args.warmup, args.seed)
         print(f"{exponent}: done, load {os.getloadavg()[0]:.1f}", flush=True)
     annotate(rows)
     print(f"{'ids':>10} {'cache':>6} {'hit':>6} {'MB h2d':>8} {'MB d2h':>8} {'bytes x':>8} "
@@ -189,6 +199,7 @@ def main(argv=None):
               f"{np.mean(r['loadavg_1min']):6.1f}")
     payload = {"policy": "frequency sketch with admission", "vocab": VOCAB, "dim": DIM, "pairs": PAIRS, "negatives": NEGS,
                "optimizer": "Adam", "backend": "numpy", "steps": args.steps,
+               "threads": args.threads,
                "warmup": args.warmup, "loadavg_start": started, "loadavg_end": os.getloadavg(),
                "cpu_count": os.cpu_count(), "rows": rows}
     path = common.write_results("cache", payload)

@@ -23,7 +23,8 @@ import speedswap as ss
 from speedswap.train.cache import COUNTERS
 from speedswap.train.sketch import FrequencySketch
 from test_optimizer_equivalence import OPTIMIZERS, TOL, assert_same, torch_initial
-from training_helpers import NUM_ROWS, run_in_memory, run_offloaded, zipf_batches
+from training_helpers import (CAPACITY, NUM_ROWS, run_in_memory, run_offloaded, skipgram_loss,
+                              zipf_batches)
 
 STEPS = 300
 SIZES = [0, NUM_ROWS // 100, NUM_ROWS // 20, NUM_ROWS // 2]
@@ -148,8 +149,10 @@ def test_stats_count_hits_misses_bytes_and_evictions(backend):
     assert (third["misses"], third["evictions"], third["rows_d2h"]) == (2, 0, 2)
     total = emb.stats()["total"]
     assert total["steps"] == 3 and total["lookups"] == 8 and total["hits"] == 2
-    # Rows, four int64 and a float32 of bookkeeping per slot, and the sketch: 2 x (4 per slot) float32.
-    assert emb.stats()["cache_bytes"] == 2 * (row + 36) + 2 * 8 * 4
+    # Rows; three int64, an int32 (the sorted rows), a float32 and a bool of bookkeeping per
+    # slot; the sketch: 2 x (4 per slot) float32; and one scratch row (step 1's third row went
+    # back to the host through it).
+    assert emb.stats()["cache_bytes"] == 2 * (row + 33) + 2 * 8 * 4 + row
 
 
 def test_stats_count_optimizer_state_and_no_cache_moves_every_row(backend):
@@ -168,9 +171,9 @@ def _distinct_rows(emb, count):
     """Rows the cache's sketch counts apart (no shared counter), so the policy test is exact."""
     sketch, rows = emb._cache.sketch, []
     for row in range(emb.num_embeddings):
-        columns = [c.item() for c in sketch._columns(torch.tensor([row]))]
-        if all(all(a != b for a, b in zip(columns, other)) for _, other in rows):
-            rows.append((row, columns))
+        cells = sketch._cells(torch.tensor([row])).view(-1).tolist()
+        if all(all(a != b for a, b in zip(cells, other)) for _, other in rows):
+            rows.append((row, cells))
         if len(rows) == count:
             return [r for r, _ in rows]
     raise AssertionError("the sketch cannot tell enough rows apart")
@@ -211,6 +214,15 @@ def test_the_sketch_never_counts_less_than_the_decayed_truth(rng):
     np.testing.assert_allclose(estimate[hot], truth[hot], rtol=0.15)
 
 
+def test_the_sketch_add_returns_what_estimate_gives_after_it(rng):
+    sketch = FrequencySketch(width=256, device="cpu", decay=0.9)
+    for _ in range(30):
+        rows = torch.from_numpy(np.unique(rng.zipf(1.3, 200) % 3000))
+        added = sketch.add(rows)
+        torch.testing.assert_close(added, sketch.estimate(rows), rtol=0, atol=0)
+        sketch.next_step()
+
+
 def test_the_sketch_rescales_without_changing_ranks():
     sketch = FrequencySketch(width=64, device="cpu", decay=0.5)
     for step in range(120):  # 2**120 > the rescale threshold
@@ -219,6 +231,129 @@ def test_the_sketch_rescales_without_changing_ranks():
     assert sketch.weight < 2.0 ** 110 and torch.isfinite(sketch.counts).all()
     low, high = sketch.estimate(torch.tensor([2, 1]))
     assert high > low > 0
+
+
+# ------------------------------------------------------------- dirty rows
+
+def _trained_after(flush_or_prefetch, cache_rows, rows, backend):
+    """SGD steps where hot rows are made clean (``"flush"`` or ``"prefetch"``), trained, then evicted.
+
+    Args:
+        rows: ``(hot1, hot2, rising)``, counted apart by the cache's sketch.
+
+    Returns:
+        the rows read in eval mode, the host table after a flush, and the
+        counters of the last six steps (in one of which, with ``cache_rows``
+        2, ``rising`` evicts a hot row).
+    """
+    emb, opt = _embedding(backend, cache_rows)
+    table0 = np.random.default_rng(7).standard_normal((emb.num_embeddings, 4), dtype=np.float32)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    hot1, hot2, rising = rows
+    if flush_or_prefetch == "flush":
+        for _ in range(3):
+            _step(emb, opt, [hot1, hot2])
+        emb.flush()  # hot1 and hot2 stay cached, clean
+    else:
+        emb(torch.tensor([rising]))  # a step under way, so that the prefetch is for the next one
+        emb.prefetch([hot1, hot2])   # brought from the host: clean
+        opt.step()
+        opt.zero_grad()
+        for _ in range(2):
+            _step(emb, opt, [hot1, hot2])
+    _step(emb, opt, [hot1, hot2])  # they change again in the cache: dirty
+    counters = []
+    for _ in range(6):
+        _step(emb, opt, [rising])  # at some step `rising` counts more and evicts one of them
+        counters.append(emb.stats()["last_step"])
+    emb.eval()
+    with torch.no_grad():
+        rows = emb(torch.arange(emb.num_embeddings)).numpy()
+    emb.flush()
+    return rows, emb.table.to_numpy(copy=True), counters
+
+
+@pytest.mark.parametrize("made_clean_by", ["flush", "prefetch"])
+def test_a_row_changed_after_it_was_clean_is_written_back_when_evicted(made_clean_by, backend):
+    ids = _distinct_rows(_embedding(backend, 2)[0], 3)
+    rows, table, counters = _trained_after(made_clean_by, 2, ids, backend)
+    evicting = [c for c in counters if c["evictions"]]
+    # The evicted row changed after its clean point: its value must reach the host.
+    assert len(evicting) == 1 and evicting[0]["rows_d2h"] == 1
+    expected, expected_table, _ = _trained_after(made_clean_by, 0, ids, backend)
+    np.testing.assert_array_equal(rows, expected)
+    np.testing.assert_array_equal(table, expected_table)
+
+
+def test_evicting_a_clean_row_writes_nothing(backend):
+    emb, opt = _embedding(backend, cache_rows=2)
+    hot1, hot2, rising = _distinct_rows(emb, 3)
+    for _ in range(4):
+        _step(emb, opt, [hot1, hot2])
+    emb.flush()
+    flushed = emb.table.to_numpy(copy=True)
+    evictions, written = [], []
+    for _ in range(6):
+        _step(emb, opt, [rising])
+        evictions.append(emb.stats()["last_step"]["evictions"])
+        written.append(emb.stats()["last_step"]["rows_d2h"])
+    first = evictions.index(1)
+    # Until `rising` is admitted it goes back to the host each step; when it evicts a clean
+    # row, that row's host copy is current and nothing is written.
+    assert written[:first] == [1] * first and written[first] == 0
+    emb.flush()
+    table = emb.table.to_numpy()
+    np.testing.assert_array_equal(table[[hot1, hot2]], flushed[[hot1, hot2]])
+
+
+def _many_flushes_and_prefetches(cache_rows, backend, seed):
+    """Adam on Zipf ids with a prefetch every step, flushes, eval reads and a save/load."""
+    gen = np.random.default_rng(seed)
+    device = ss.get_backend(backend).device
+    table0 = gen.standard_normal((NUM_ROWS, 8), dtype=np.float32)
+    batches = zipf_batches(gen, 120, device)
+    emb = ss.OffloadedEmbedding(NUM_ROWS, 8, max_rows=CAPACITY, storage="pageable",
+                                backend=backend, cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    reads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for step, (pos, neg, ctx) in enumerate(batches):
+            if step == 60:
+                emb.save(f"{tmp}/ckpt")
+                saved = copy.deepcopy(opt.state_dict())
+            if step == 70:
+                emb.load(f"{tmp}/ckpt")
+                opt.load_state_dict(saved)
+            emb.train()
+            pos_rows = emb(pos)
+            if step + 1 < len(batches):
+                emb.prefetch(torch.cat([batches[step + 1][0], batches[step + 1][1].reshape(-1)]))
+            skipgram_loss(pos_rows, emb(neg), ctx).backward()
+            opt.step()
+            opt.zero_grad()
+            if step % 7 == 3:
+                emb.flush()
+            if step % 13 == 5:
+                emb.eval()
+                with torch.no_grad():
+                    reads.append(emb(torch.arange(NUM_ROWS)).cpu().numpy())
+    emb.flush()
+    return (emb.table.to_numpy(copy=True), reads,
+            {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()})
+
+
+@pytest.mark.parametrize("cache_rows", [NUM_ROWS // 20, NUM_ROWS // 2])
+def test_flushes_and_prefetches_between_steps_leave_the_arithmetic_unchanged(cache_rows, backend, seed):
+    """Clean and dirty rows mixed: the cached run is bit for bit the uncached one."""
+    table, reads, state = _many_flushes_and_prefetches(cache_rows, backend, seed)
+    ref_table, ref_reads, ref_state = _many_flushes_and_prefetches(0, backend, seed)
+    np.testing.assert_array_equal(table, ref_table)
+    for read, ref in zip(reads, ref_reads):
+        np.testing.assert_array_equal(read, ref)
+    for name in ref_state:
+        np.testing.assert_array_equal(state[name], ref_state[name], err_msg=name)
 
 
 # ---------------------------------------------------------------- prefetch

@@ -8,10 +8,10 @@ go with them, in device memory, so a hot row stops crossing the bus every step.
 exactly one place: a cache slot while the row is cached, the host tables
 otherwise. Rows enter the cache only after a step (their updated values, from
 the working set) or by :meth:`RowCache.prefetch` (read from the host, where
-they are authoritative); a row leaves it only by eviction or
-:meth:`RowCache.flush`, which write the row and its state back together. A
-step reads each new row from where it is authoritative, so training with a
-cache does the same arithmetic as without one.
+they are authoritative); a row leaves it only by eviction, which writes the
+row and its state back together unless they are clean (below). A step reads
+each new row from where it is authoritative, so training with a cache does
+the same arithmetic as without one.
 
 **Policy: frequency by step, with admission.** A small count-min sketch
 (two hashed rows of counters, about four counters per slot, on the device)
@@ -37,12 +37,28 @@ working set are skipped: their host copies are stale until the step ends, and
 after it they are in the cache (or back on the host) with their updated values;
 bringing one in would also give it a second slot when the step stores it.
 
-**Bookkeeping** is five ``(num_slots,)`` device tensors (row per slot, -1 when
-empty; the step each slot is pinned until; its row's count; sorted rows and
-their slots for ``searchsorted``) and the ``(2, ~4 num_slots)`` sketch: it never grows with the
-vocabulary. Host synchronisations: one per training
-forward (how many rows hit), one per step (how many slots may be evicted) and
-one per prefetch (how many rows to bring), the same order as the
+**Copies.** The slots are the first ``num_slots`` rows of the cache's
+tensors; the rows after them are scratch, for one call's misses (grown to the
+most misses a call has had). A step's new rows arrive in one gather into the
+working set: the misses are first gathered from the host into scratch, so one
+``index_select`` over slots and scratch fills the working set in slot order,
+hits and misses alike. The step's end is one row assignment from the working
+set into the rows' slots, the misses that stay uncached into scratch, whose
+contiguous rows then go to the host. On a CPU, where a hit costs the copy
+that the host gather it replaces would, that keeps a hit at one copy each
+way and a miss at one more than without a cache (see ``benchmarks/README.md``).
+
+**Dirty rows.** A slot is *dirty* when its row or state may differ from the
+host's copy: after a step stored it there. Rows brought by a prefetch, and
+every row after :meth:`RowCache.flush`, are clean; evicting a clean row writes
+nothing back (the host holds the same values).
+
+**Bookkeeping** is six ``(num_slots,)`` device tensors (row per slot, -1 when
+empty; the step each slot is pinned until; its row's count; its dirty flag;
+sorted rows and their slots for ``searchsorted``) and the ``(2, ~4 num_slots)``
+sketch: it never grows with the vocabulary. Host synchronisations: one per
+training forward (how many rows hit), one per step (how many misses are
+admitted) and one per prefetch (how many rows to bring), the same order as the
 ``torch.unique`` the working set already does. On a GPU a prefetch's copies
 run on a side stream; every other call makes the current stream wait for it.
 """
@@ -68,6 +84,26 @@ def _itemsize(dtype):
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _take_rows(source, index, out):
+    """``out[:] = source[index]`` in one gather (two when the dtypes differ); returns ``out``."""
+    if out.dtype == source.dtype:
+        return torch.index_select(source, 0, index, out=out)
+    return out.copy_(source.index_select(0, index))
+
+
+def _put_rows(target, index, values):
+    """``target[index] = values`` for unique ``index``, converted to ``target``'s dtype."""
+    values = values.detach().to(target.dtype)
+    if target.device.type != "cpu":
+        target.index_copy_(0, index, values)
+        return
+    # numpy's fancy assignment copies whole rows: 0.77 ms for 7,000 rows of 128 float32
+    # where index_copy_ took 1.46 ms, and on one thread it does not wait for a busy core.
+    if target.dtype is torch.bfloat16:  # numpy has no bfloat16: move the bit patterns
+        target, values = target.view(torch.int16), values.view(torch.int16)
+    target.numpy()[index.numpy()] = values.numpy()
+
+
 class RowCache:
     """``num_slots`` rows of a :class:`~speedswap.HostTable` and its state tables, on the device.
 
@@ -90,10 +126,12 @@ class RowCache:
         self.device = device
         self.slot_row = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.stamp = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.dirty = torch.zeros(n, dtype=torch.bool, device=device)
         self.sketch = FrequencySketch(_SKETCH_COUNTERS_PER_SLOT * max(n, 1), device)
         # Each slot's row count as of its last use (-inf when free): ranking the slots
         # needs no hashing of every slot, and an unused row's count does not change.
         self.score = torch.full((n,), -torch.inf, dtype=torch.float32, device=device)
+        # Slots first, then scratch rows (none until a call needs them).
         self.weights = torch.empty((n, dim), dtype=table.dtype, device=device)
         self.states = {name: torch.empty((n, dim), dtype=state_dtype, device=device)
                        for name in state_tables}
@@ -102,6 +140,9 @@ class RowCache:
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and n else None
         self.clock = 0  # the current step; stamps below it are evictable
         self._n_empty = n
+        # The sorted index holds rows as int32 where they fit: half the memory a binary
+        # search misses the CPU's caches in, and a faster sort.
+        self._key_dtype = torch.int32 if table.num_rows < 2**31 else torch.int64
         self._reindex()
         self.total = dict.fromkeys(COUNTERS, 0)
         self.last_step = dict.fromkeys(COUNTERS, 0)
@@ -110,24 +151,53 @@ class RowCache:
     # ------------------------------------------------------------ bookkeeping
     @property
     def nbytes(self) -> int:
-        """Device bytes the cache holds: rows, state rows and bookkeeping."""
+        """Device bytes the cache holds: rows, state rows (slots and scratch) and bookkeeping."""
         if not self.num_slots:
             return 0
-        per_slot = self._row_bytes + self._state_row_bytes * len(self.states) + 4 * 8 + 4
-        return self.num_slots * per_slot + self.sketch.nbytes
+        row = self._row_bytes + self._state_row_bytes * len(self.states)
+        bookkeeping = sum(t.numel() * t.element_size() for t in (
+            self.slot_row, self.stamp, self.dirty, self.score, self._sorted_rows, self._sorted_slots))
+        return len(self.weights) * row + bookkeeping + self.sketch.nbytes
 
     def _reindex(self):
-        self._sorted_rows, self._sorted_slots = torch.sort(self.slot_row)
+        self._sorted_rows, self._sorted_slots = torch.sort(self.slot_row.to(self._key_dtype))
 
     def _begin_step(self):
         self._step = dict.fromkeys(COUNTERS, 0)
-        self._hit_pos, self._hit_slot, self._miss_pos = [], [], []
+        self._slot_parts = []  # per fetch: each new row's slot, -1 for a miss
+        self._count_parts = []  # per fetch: each new row's use count, from the sketch
         self._n_hits = self._n_misses = 0
 
     def _lookup(self, rows):
         """(found, slot) for unique ``rows``: slot is meaningful where found."""
-        pos = torch.searchsorted(self._sorted_rows, rows).clamp_(max=self.num_slots - 1)
-        return self._sorted_rows[pos] == rows, self._sorted_slots[pos]
+        keys = rows.to(self._key_dtype)
+        pos = torch.searchsorted(self._sorted_rows, keys).clamp_(max=self.num_slots - 1)
+        return self._sorted_rows[pos] == keys, self._sorted_slots[pos]
+
+    def _step_slots(self):
+        """Each working-set row's slot (by working-set slot), -1 for the step's misses."""
+        parts = self._slot_parts
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _step_counts(self):
+        """Each working-set row's use count (by working-set slot) when it was added."""
+        parts = self._count_parts
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _scratch(self, count):
+        """The scratch rows' first index, after making sure there are ``count`` of them."""
+        n = self.num_slots
+        if len(self.weights) - n < count:
+            size = n + (1 << (count - 1).bit_length())  # powers of two: few regrowths
+
+            def grown(old):
+                new = torch.empty((size, old.shape[1]), dtype=old.dtype, device=old.device)
+                new[:n] = old[:n]  # scratch holds nothing between calls
+                return new
+
+            self.weights = grown(self.weights)
+            self.states = {name: grown(rows) for name, rows in self.states.items()}
+        return n
 
     def _wait_prefetch(self):
         if self._side is not None:
@@ -157,34 +227,33 @@ class RowCache:
         counters["rows_d2h"] += len(rows)
         counters["bytes_d2h"] += moved
 
-    def _take(self, slots, rows, stamp, score):
+    def _take(self, slots, rows, stamp, score, dirty):
         """Give ``slots`` (cheapest first, free ones first) to ``rows``: the bookkeeping half.
 
         Returns:
-            (held, held_rows): the slots that held rows, and those rows, which
-            :meth:`_write_back` must write to the host before the slots are refilled.
+            (changed, changed_rows): the evicted slots that are dirty, and their
+            rows, which :meth:`_write_back` must write to the host before the
+            slots are refilled.
         """
         free = min(len(slots), self._n_empty)
         self._n_empty -= free
         held = slots[free:]
-        held_rows = self.slot_row[held]
+        changed = held[self.dirty[held]]
+        changed_rows = self.slot_row[changed]
         self.slot_row[slots] = rows
         self.stamp[slots] = stamp
         self.score[slots] = score
+        self.dirty[slots] = dirty
         self._reindex()
         self._count(evictions=len(held))
-        return held, held_rows
+        return changed, changed_rows
 
-    def _write_back(self, held, held_rows):
-        if len(held):
-            self._write_host(held_rows, self.weights[held],
-                             {name: s[held] for name, s in self.states.items()})
-
-    def _fill(self, slots, weights, states):
-        # index_copy_/index_select: on the CPU several times faster than index_put_.
-        self.weights.index_copy_(0, slots, weights.to(self.weights.dtype))
-        for name, values in states.items():
-            self.states[name].index_copy_(0, slots, values)
+    def _write_back(self, slots, rows, counters=None):
+        """Write the rows of ``slots`` and their state to the host (``rows``: their ids)."""
+        if len(slots):
+            self._write_host(rows, self.weights.index_select(0, slots),
+                             {name: s.index_select(0, slots) for name, s in self.states.items()},
+                             counters)
 
     def _victims(self, count):
         """The ``count`` slots cheapest to give up, and their scores, cheapest first.
@@ -193,7 +262,10 @@ class RowCache:
         +inf, the others their row's use count.
         """
         score = torch.where(self.stamp < self.clock, self.score, torch.inf)
-        return torch.topk(score, count, largest=False, sorted=True)
+        # Scores are >= +0.0 or +-inf, whose float32 bit patterns order as int32s do; on
+        # the CPU topk over the integers takes about two thirds of the time.
+        _, slots = torch.topk(score.view(torch.int32), count, largest=False, sorted=True)
+        return score[slots], slots
 
     # ---------------------------------------------------------------- the step
     def fetch(self, rows: torch.Tensor, out: torch.Tensor, first: int, lookups: int):
@@ -202,7 +274,7 @@ class RowCache:
         Args:
             rows: the new rows (unique, validated), working-set slots
                 ``first..first+len(rows)-1``.
-            out: ``(len(rows), dim)`` rows of the working-set parameter.
+            out: ``(len(rows), dim)`` rows of the working-set parameter (contiguous).
             first: the working-set slot of ``rows[0]``.
             lookups: the ids the forward looked up (for the counters).
         """
@@ -210,73 +282,63 @@ class RowCache:
         self._count(lookups=lookups, unique_rows=len(rows))
         if not len(rows):
             return
-        if self.num_slots:
-            self.sketch.add(rows)
         n_hit = 0
         if self.num_slots:
+            self._count_parts.append(self.sketch.add(rows))
             found, slot = self._lookup(rows)
             n_hit = int(found.sum())
+            self._slot_parts.append(torch.where(found, slot, -1))
         if n_hit == 0:
             self._gather_host(self.table, rows, out)
-            self._miss_pos.append(torch.arange(first, first + len(rows), device=self.device))
-            self._record_misses(len(rows))
-            return
-        order = torch.argsort((~found).to(torch.uint8), stable=True)  # hits first
-        hit, miss = order[:n_hit], order[n_hit:]
-        hit_slot = slot[hit]
-        out.index_copy_(0, hit, self.weights.index_select(0, hit_slot).to(out.dtype))
-        # A row this step uses must outlive the step: eviction takes stamps below the clock.
-        self.stamp[hit_slot] = torch.clamp(self.stamp[hit_slot], min=self.clock)
-        self.score[hit_slot] = self.sketch.estimate(rows[hit])
-        if len(miss):
-            out.index_copy_(0, miss, self._gather_host(
-                self.table, rows[miss], torch.empty(len(miss), out.shape[1], dtype=out.dtype,
-                                                    device=out.device)))
-        self._hit_pos.append(hit + first)
-        self._hit_slot.append(hit_slot)
-        self._miss_pos.append(miss + first)
+        else:
+            # A row this step uses must outlive the step: eviction takes stamps below the clock.
+            hit_slot = slot[found]
+            self.stamp.scatter_reduce_(0, hit_slot, torch.full_like(hit_slot, self.clock), "amax")
+            missed = ~found
+            # Misses go to scratch, in order: then one gather fills `out` from the cache.
+            source = torch.where(found, slot, self.num_slots - 1 + torch.cumsum(missed, 0))
+            n_miss = len(rows) - n_hit
+            if n_miss:
+                begin = self._scratch(n_miss)
+                self._gather_host(self.table, rows[missed], self.weights[begin:begin + n_miss])
+            _take_rows(self.weights, source, out)
         self._n_hits += n_hit
-        self._count(hits=n_hit)
-        self._record_misses(len(miss))
-
-    def _record_misses(self, count):
-        self._n_misses += count
-        self._count(misses=count, rows_h2d=count, bytes_h2d=count * self._row_bytes)
-
-    def _positions(self):
-        def cat(parts):
-            return (torch.cat(parts) if parts
-                    else torch.empty(0, dtype=torch.int64, device=self.device))
-        return cat(self._hit_pos), cat(self._hit_slot), cat(self._miss_pos)
+        self._n_misses += len(rows) - n_hit
+        self._count(hits=n_hit, misses=len(rows) - n_hit, rows_h2d=len(rows) - n_hit,
+                    bytes_h2d=(len(rows) - n_hit) * self._row_bytes)
 
     def read_state(self, rows: torch.Tensor, views: dict):
         """Fill the optimizer's state ``views`` for the step's ``rows``: hits from the cache.
 
         Args:
             rows: the working set's rows, by slot.
-            views: ``{name: (len(rows), dim) tensor}`` to fill.
+            views: ``{name: (len(rows), dim) contiguous tensor}`` to fill.
         """
         self._wait_prefetch()
-        hit_pos, hit_slot, miss_pos = self._positions()
+        if self._n_hits:
+            step_slot = self._step_slots()
+            missed = step_slot < 0
+            source = torch.where(missed, self.num_slots - 1 + torch.cumsum(missed, 0), step_slot)
+            missed_rows, n_miss = rows[missed], self._n_misses
+            begin = self._scratch(n_miss)
         for name, view in views.items():
             table = self.state_tables[name]
-            if self._n_hits == 0:
-                table.gather_validated(rows, view)
+            if not self._n_hits:
+                self._gather_host(table, rows, view)
                 continue
-            view.index_copy_(0, hit_pos, self.states[name].index_select(0, hit_slot))
-            if len(miss_pos):
-                view.index_copy_(0, miss_pos, self._gather_host(
-                    table, rows[miss_pos], torch.empty(len(miss_pos), view.shape[1],
-                                                       dtype=view.dtype, device=view.device)))
+            cached = self.states[name]
+            if n_miss:
+                self._gather_host(table, missed_rows, cached[begin:begin + n_miss])
+            _take_rows(cached, source, view)
         self._count(bytes_h2d=self._n_misses * self._state_row_bytes * len(views))
 
     def store(self, rows: torch.Tensor, weights: torch.Tensor, states):
         """End the step: every row of the working set goes to the cache, or back to the host.
 
         Hits are updated in their slots; misses take free slots, or the slots
-        of rows used less often (whose rows and state are written back first);
-        misses left over, or all of them when torch skipped the parameter
-        (``states`` is None), are written back to the host.
+        of rows used less often (whose rows and state are written back first
+        when dirty); misses left over, or all of them when torch skipped the
+        parameter (``states`` is None), are written back to the host.
 
         Args:
             rows: the working set's rows, by slot.
@@ -284,40 +346,60 @@ class RowCache:
             states: ``{name: (len(rows), dim)}`` updated state, or None.
         """
         self._wait_prefetch()
-        hit_pos, hit_slot, miss_pos = self._positions()
+        if not self.num_slots:
+            self._write_host(rows, weights, states)
+            self._finish_step()
+            return
+        target = self._step_slots()  # each row's slot, -1 for rows going back to the host
+        hit = target >= 0
+        count = self._step_counts()
         if self._n_hits:
-            self._fill(hit_slot, weights.index_select(0, hit_pos),
-                       {name: values.index_select(0, hit_pos)
-                        for name, values in (states or {}).items()})
+            hit_slot = target[hit]
+            self.score[hit_slot] = count[hit]
+            self.dirty[hit_slot] = True
         cached = 0
-        if self._n_misses and self.num_slots and states is not None:
+        if self._n_misses and states is not None:
             # Misses by use count, most used first, against slots by score, cheapest first:
             # "miss i beats victim i" holds for a prefix, the misses admitted.
+            miss_pos = torch.nonzero(~hit).squeeze(1)
             candidates = min(self._n_misses, self.num_slots)
             victim_score, victims = self._victims(candidates)
-            miss_score, ranked = torch.sort(self.sketch.estimate(rows[miss_pos]), descending=True)
-            miss_pos = miss_pos[ranked]
+            miss_score, ranked = torch.sort(count[miss_pos], descending=True)
             cached = int((miss_score[:candidates] > victim_score).sum())
         if cached:
-            placed, victims = miss_pos[:cached], victims[:cached]
-            self._write_back(*self._take(victims, rows[placed], self.clock, miss_score[:cached]))
-            self._fill(victims, weights[placed],
-                       {name: values[placed] for name, values in states.items()})
-        rest = miss_pos[cached:]
-        if len(rest) == len(rows):
-            # Nothing cached this step (always so with cache_rows=0): the rows go back as they
-            # are, without gathering copies of the working set.
+            placed, victims = miss_pos[ranked[:cached]], victims[:cached]
+            self._write_back(*self._take(victims, rows[placed], self.clock, miss_score[:cached],
+                                         True))
+            target[placed] = victims
+        if cached + self._n_hits == 0:
+            # Nothing cached this step: the rows go back as they are, without a copy.
             self._write_host(rows, weights, states)
-        elif len(rest):
-            self._write_host(rows[rest], weights[rest],
-                             None if states is None else {n: v[rest] for n, v in states.items()})
+        else:
+            rest = torch.nonzero(target < 0).squeeze(1)
+            begin = self._scratch(len(rest))
+            target[rest] = torch.arange(begin, begin + len(rest), device=self.device)
+            # One assignment puts every row in its slot, and the rows going back in scratch
+            # (contiguous, in slot order) for the host writes.
+            _put_rows(self.weights, target, weights)
+            for name, values in (states or {}).items():
+                _put_rows(self.states[name], target, values)
+            if len(rest):
+                end = begin + len(rest)
+                self._write_host(rows[rest], self.weights[begin:end],
+                                 None if states is None else
+                                 {name: self.states[name][begin:end] for name in states})
+        self._finish_step()
+
+    def _finish_step(self):
         self._step["steps"] = 1
         self.end_step()
 
     def end_step(self):
         """Close the step's accounts and advance the clock (also after a step that was abandoned)."""
         self.clock += 1
-        self.score.div_(self.sketch.next_step())
+        divisor = self.sketch.next_step()
+        if divisor != 1.0:
+            self.score.div_(divisor)
         self.last_step = self._step
         for key, value in self._step.items():
             self.total[key] += value
@@ -351,20 +433,24 @@ class RowCache:
         if bring <= 0:
             return 0
         rows, (_, victims) = unique[new][:bring], self._victims(bring)
-        held, held_rows = self._take(victims, rows, self.clock + 1, self.sketch.estimate(rows))
+        # Brought from the host, the rows are clean: evicting them again writes nothing.
+        changed, changed_rows = self._take(victims, rows, self.clock + 1,
+                                           self.sketch.estimate(rows), False)
         side = contextlib.nullcontext()
         if self._side is not None:
             # Copies wait for the current stream's earlier writes; the tensors
             # they read must outlive them on the side stream.
             self._side.wait_stream(torch.cuda.current_stream(self.device))
-            for tensor in (rows, victims, held, held_rows):
+            for tensor in (rows, victims, changed, changed_rows):
                 tensor.record_stream(self._side)
             side = torch.cuda.stream(self._side)
         with side:
-            self._write_back(held, held_rows)
-            self._fill(victims, self._gather_host(self.table, rows, torch.empty_like(self.weights[:bring])),
-                       {name: self._gather_host(t, rows, torch.empty_like(self.states[name][:bring]))
-                        for name, t in self.state_tables.items()})
+            self._write_back(changed, changed_rows)
+            _put_rows(self.weights, victims, self._gather_host(
+                self.table, rows, torch.empty_like(self.weights[:bring])))
+            for name, table in self.state_tables.items():
+                _put_rows(self.states[name], victims, self._gather_host(
+                    table, rows, torch.empty_like(self.states[name][:bring])))
         moved = bring * (self._row_bytes + self._state_row_bytes * len(self.states))
         self._count(prefetched_rows=bring, rows_h2d=bring, bytes_h2d=moved)
         return bring
@@ -381,16 +467,15 @@ class RowCache:
         return out
 
     def flush(self):
-        """Write every cached row and its state back to the host; they stay cached (clean).
+        """Write every dirty cached row and its state back to the host; they stay cached (clean).
 
         Afterwards the host tables hold every row's current value, and on a GPU
         the writes have finished.
         """
         self._wait_prefetch()
-        held = torch.nonzero(self.slot_row >= 0).squeeze(1)
-        if len(held):
-            self._write_host(self.slot_row[held], self.weights[held],
-                             {name: s[held] for name, s in self.states.items()}, self.total)
+        changed = torch.nonzero(self.dirty).squeeze(1)
+        self._write_back(changed, self.slot_row[changed], self.total)
+        self.dirty[changed] = False
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -400,6 +485,7 @@ class RowCache:
         self.slot_row.fill_(-1)
         self.stamp.fill_(-1)
         self.score.fill_(-torch.inf)
+        self.dirty.fill_(False)
         self._n_empty = self.num_slots
         self._reindex()
 

@@ -14,11 +14,13 @@ weight grows large the whole sketch is rescaled once (ranks are unchanged).
 
 >>> import torch
 >>> sketch = FrequencySketch(width=64, device="cpu")
->>> sketch.add(torch.tensor([3, 5])); rescaled_by = sketch.next_step()
->>> sketch.add(torch.tensor([3])); rescaled_by = sketch.next_step()
+>>> first = sketch.add(torch.tensor([3, 5])); rescaled_by = sketch.next_step()
+>>> second = sketch.add(torch.tensor([3])); rescaled_by = sketch.next_step()
 >>> counts = sketch.estimate(torch.tensor([3, 5, 7]))
 >>> bool(counts[0] > counts[1] > counts[2]), float(counts[2])
 (True, 0.0)
+>>> bool(second[0] > first[0]) # add returns the counts including the use it adds
+True
 """
 
 import torch
@@ -45,28 +47,37 @@ class FrequencySketch:
                                   device=device)
         self.decay = float(decay)
         self.weight = 1.0  # what one use counts in the current step
+        self._one = torch.ones((), dtype=torch.float32, device=device)
+        self._multipliers = torch.tensor(_MULTIPLIERS, device=device).unsqueeze(1)
+        # Each sketch row's first counter in the flattened counts (bits below are the column's).
+        self._row_offsets = (torch.arange(len(_MULTIPLIERS), device=device) << self.bits).unsqueeze(1)
 
     @property
     def nbytes(self) -> int:
         """Device bytes of the counters."""
         return self.counts.numel() * self.counts.element_size()
 
-    def _columns(self, rows: torch.Tensor) -> list:
+    def _cells(self, rows: torch.Tensor) -> torch.Tensor:
+        """``(depth, len(rows))`` indices of each row's counters in the flattened counts."""
         # Multiplicative hashing of the row's 32-bit fold: the top `bits` of the low 32 bits.
         key = (rows ^ (rows >> 32)) & 0xFFFFFFFF
-        return [((key * m) & 0xFFFFFFFF) >> (32 - self.bits) for m in _MULTIPLIERS]
+        return ((key * self._multipliers) & 0xFFFFFFFF) >> (32 - self.bits) | self._row_offsets
 
-    def add(self, rows: torch.Tensor):
-        """Count one use of each of ``rows`` (int64, unique) in the current step."""
-        for counters, column in zip(self.counts, self._columns(rows)):
-            counters.index_add_(0, column, torch.full(column.shape, self.weight,
-                                                      dtype=self.counts.dtype, device=column.device))
+    def add(self, rows: torch.Tensor) -> torch.Tensor:
+        """Count one use of each of ``rows`` (int64, unique) in the current step.
+
+        Returns:
+            the rows' estimates including this use, as :meth:`estimate` would
+            give them now (read while their counters are still in cache).
+        """
+        cells = self._cells(rows)
+        self.counts.view(-1).index_add_(0, cells.view(-1), self._one.expand(cells.numel()),
+                                        alpha=self.weight)
+        return torch.take(self.counts, cells).amin(0)
 
     def estimate(self, rows: torch.Tensor) -> torch.Tensor:
         """The decayed use count of each of ``rows`` (never below the true one), float32."""
-        first, second = (counters[column] for counters, column in
-                         zip(self.counts, self._columns(rows)))
-        return torch.minimum(first, second)
+        return torch.take(self.counts, self._cells(rows)).amin(0)
 
     def next_step(self) -> float:
         """Age every count by ``decay`` (by weighing the next step's uses more).
@@ -76,8 +87,8 @@ class FrequencySketch:
             always): counts the caller keeps must be divided by it too.
         """
         self.weight /= self.decay
-        if self.weight <= _RESCALE_AT:
-            return 1.0
-        divisor, self.weight = self.weight, 1.0
-        self.counts.div_(divisor)
+        divisor = 1.0
+        if self.weight > _RESCALE_AT:
+            divisor, self.weight = self.weight, 1.0
+            self.counts.div_(divisor)
         return divisor
