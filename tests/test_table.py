@@ -136,8 +136,8 @@ def test_apply_sees_the_whole_table_shape(backend):
     table.apply_(torch.nn.init.xavier_uniform_)
     bound = np.sqrt(6.0 / (4000 + 64))  # fan_in + fan_out of the *whole* table
     values = table.to_numpy()
-    # Drawn in float32, so a draw may round up past the float64 bound by an ulp; a chunk's
-    # fan (1,000 rows: sqrt(6 / 1,064)) would be twice the bound.
+    # Drawn in float32, so a draw may round up past the float64 bound by an ulp; a fan seen
+    # per chunk (1,000 rows, say: sqrt(6 / 1,064)) would give twice the bound.
     assert np.abs(values).max() <= bound * (1 + 1e-6)
     assert np.abs(values).max() > 0.95 * bound
 
