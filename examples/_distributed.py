@@ -13,7 +13,7 @@ one step covers the same number of pairs as one process does; the ranks'
 gradients are averaged, so the loss is the mean over all of them.
 """
 
-import atexit
+import os
 import sys
 import time
 
@@ -38,20 +38,25 @@ def init(device):
     """
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        atexit.register(_destroy_after_success)
     return dist.get_rank(), dist.get_world_size()
 
 
-def _destroy_after_success():
-    """Destroy the process group at a clean exit.
+def finish():
+    """End a successful run on every rank: wait for the others, then exit without interpreter teardown.
 
-    Left to the interpreter's teardown, gloo's threads can abort the process
-    ("terminate called without an active exception", seen once in CI; pytorch
-    issue 190489). After an uncaught error (``sys.last_value`` set) it is left
-    alone: destroying NCCL communicators while other ranks are stuck can hang.
+    Left to the teardown, gloo's threads can abort the process ("terminate
+    called without an active exception"; CI saw it twice, once after
+    ``destroy_process_group`` had run at exit: pytorch issue 190489, and PR
+    179291 on worker threads that still hold tensors when the interpreter
+    goes). Every rank has written what it reports by now and the barrier
+    means no collective is in flight, so ending the process here loses
+    nothing. Call it only after a run that succeeded: it exits with status 0.
     """
-    if getattr(sys, "last_value", None) is None and dist.is_initialized():
-        dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _batches(corpus, args, per_rank, device):
