@@ -67,6 +67,7 @@ import contextlib
 
 import torch
 
+from ..backends.cpu import assign_rows
 from ..table import HostTable
 from .sketch import FrequencySketch
 
@@ -97,11 +98,9 @@ def _put_rows(target, index, values):
     if target.device.type != "cpu":
         target.index_copy_(0, index, values)
         return
-    # numpy's fancy assignment copies whole rows: 0.77 ms for 7,000 rows of 128 float32
-    # where index_copy_ took 1.46 ms, and on one thread it does not wait for a busy core.
-    if target.dtype is torch.bfloat16:  # numpy has no bfloat16: move the bit patterns
-        target, values = target.view(torch.int16), values.view(torch.int16)
-    target.numpy()[index.numpy()] = values.numpy()
+    # 0.77 ms for 7,000 rows of 128 float32 where index_copy_ took 1.46 ms.
+    rows = target.view(torch.int16) if target.dtype is torch.bfloat16 else target
+    assign_rows(rows.numpy(), index, values)
 
 
 class RowCache:
