@@ -22,7 +22,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(params=ss.available_backends())
+# The cuda case carries the gpu mark, so `pytest -m gpu` (what `bench --all` runs on a
+# GPU) runs every backend-parametrised test there too, not only the GPU-only ones.
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.gpu) if name == "cuda" else name
+                        for name in ss.available_backends()])
 def backend(request):
     """The name of each backend this machine can run."""
     return request.param

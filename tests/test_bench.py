@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from speedswap.__main__ import main
-from speedswap.apps.bench import feeder, gpu_tests, suite, training_step, transport
+from speedswap.apps.bench import feeder, gpu_tests, suite, training_step, transport, word2vec
 from speedswap.apps.bench.summary import render_summary, target_rows
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ["Machine", "Steps", "Targets", "GPU tests", "Transport", "Training step", "Feeder"]
+SECTIONS = ["Machine", "Steps", "Targets", "GPU tests", "Transport", "Training step", "Feeder", "word2vec"]
 
 
 def sections(markdown):
@@ -36,7 +36,7 @@ def test_dry_run_writes_every_result_and_a_summary_with_numbers(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     names = {p.name for p in out.iterdir()}
     assert {"SUMMARY.md", "suite.json", "gpu_tests.json", "gpu-tests.log", "gpu-tests.xml", "transport-cpu.json",
-            "training_step-cpu.json", "feeder-cpu.json"} <= names, names
+            "training_step-cpu.json", "feeder-cpu.json", "word2vec-cpu.json"} <= names, names
 
     summary = (out / "SUMMARY.md").read_text()
     found = sections(summary)
@@ -45,7 +45,7 @@ def test_dry_run_writes_every_result_and_a_summary_with_numbers(tmp_path):
         assert re.search(r"\d+\.\d+", body), f"section {name!r} has no figure:\n{body}"
     # Every GPU target is listed, each skipped with its reason.
     targets = [line for line in found["Targets"].splitlines() if line.startswith("| ") and "goal" not in line]
-    assert len(targets) == 9
+    assert len(targets) == 11
     assert all("skipped: dry run" in line for line in targets), targets
 
     transport_json = json.loads((out / "transport-cpu.json").read_text())
@@ -137,6 +137,12 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
     regression = {"shape": [1000, 1000], "batch": 2048, "device": "cuda", "feeder_over_limit": 1.5,
                   "limit": "pinned host-to-device copy",
                   "rows": [{"case": "BatchFeeder", "epoch_s": 1.5, "min_s": 1.4, "max_s": 1.6, "vs_limit": 1.5}]}
+    job = {"setup": {"vocab": 100_000, "tokens": 4_000_000, "dim": 64, "epochs": 1, "batch_size": 2048,
+                     "window": 5, "negatives": 5, "subsample": 1e-3, "rounds": 3, "cores": 16, "chance": 0.02},
+           "contenders": [{"name": name, "words_per_second": speed, "topic_purity": 0.9, "runs": [{}] * 3}
+                          for name, speed in [("cpu", 2e5), ("gpu", 1e6), ("gpu batch 32768", 5e6), ("gensim", 1e6)]],
+           "ratios": {"gpu": {"over_cpu": 5.0, "over_gensim": 1.0},
+                      "gpu batch 32768": {"over_cpu": 25.0, "over_gensim": 5.0}}, "skipped": {}}
     ran = lambda result: {"status": "ran", "reason": None, "seconds": 1.0, "json": "x.json", "result": result}  # noqa: E731
     record = {"mode": "full", "machine": machine, "seconds": 100.0, "budget_s": 480, "load_average_after": None,
               "steps": {"gpu tests": {"status": "skipped", "reason": "installed wheel", "seconds": 0.0},
@@ -146,7 +152,8 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
                                                         "cached": "c",
                                                         "device_memory": "m"},
                                               "results": [entry]}),
-                        "feeder": ran({"regression": regression})}}
+                        "feeder": ran({"regression": regression}),
+                        "word2vec": ran(job)}}
     rows = {row[0]: row for row in target_rows(record)}
     case = "512 B float32 rows (SpeedTorch case)"
     assert rows[f"{case}: gather / pinned H2D copy bandwidth"][2:] == [0.8, "yes"]
@@ -158,6 +165,10 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
     assert rows["gap to all-GPU with the cache / without, vocab 1,000,000"][2:] == [0.4, "yes"]
     assert rows["GPU memory at vocab 1,000,000: all-GPU / offloaded (MiB, resident)"][2] == "1,536 / 64"
     assert rows["feeder epoch (FFCV regression shape) / pinned copy of the same bytes"][2:] == [1.5, "**no**"]
+    assert rows["word2vec demo words/s: GPU (demo recipe) / the same job on this machine's CPU"][2:] == [5.0, "yes"]
+    # The fastest GPU contender is the one held against gensim.
+    fastest = "word2vec words/s: fastest GPU contender / gensim on this machine's cores (gpu batch 32768)"
+    assert rows[fastest][2:] == [5.0, "**no**"]
     text = render_summary(record)
     assert list(sections(text)) == SECTIONS
     assert "pinned H2D 10.0 GB/s, pinned D2H 10.0 GB/s, device-to-device 10.0 GB/s" in text
@@ -173,8 +184,8 @@ def test_summary_of_failed_steps_still_lists_every_target_and_section():
     found = sections(text)
     assert list(found) == SECTIONS
     targets = target_rows(record)
-    assert len(targets) == 9 and all("step failed (RuntimeError: boom)" in row[2] for row in targets)
-    for name in ("Transport", "Training step", "Feeder"):
+    assert len(targets) == 11 and all("step failed (RuntimeError: boom)" in row[2] for row in targets)
+    for name in ("Transport", "Training step", "Feeder", "word2vec"):
         assert "not measured: RuntimeError: boom" in found[name]
     assert "over the 480 s budget" in found["Steps"]
 
@@ -211,3 +222,14 @@ def test_gpu_training_and_feeder_measure_at_small_sizes():
     assert 0 < entry["offloaded"]["device_bytes"] < entry["in_memory"]["device_bytes"]
     result = feeder.regression(rows=4096, epochs=2, workers=0, device=torch.device("cuda"), dim=64, batch=512)
     assert result["feeder_over_limit"] > 0 and np.isfinite(result["feeder_over_limit"])
+
+
+@pytest.mark.gpu
+def test_gpu_word2vec_job_runs_every_contender_and_trains():
+    payload = word2vec.run(word2vec.DEMO_SIZES["tiny"], rounds=1, gpu=True, gensim=False)
+    names = [c["name"] for c in payload["contenders"]]
+    assert names == ["cpu", *word2vec.GPU_CONTENDERS]
+    chance = payload["setup"]["chance"]
+    # The demo's recipe learns the planted topics on the GPU as on the CPU (the demo's own check).
+    assert all(c["topic_purity"] > 5 * chance for c in payload["contenders"] if c["name"] in ("cpu", "gpu"))
+    assert all(r["over_cpu"] > 0 and r["over_gensim"] is None for r in payload["ratios"].values())

@@ -290,7 +290,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
             (so their runs stay those of earlier versions), and on a GPU,
             where the closed form has not been measured yet.
         cache_rows: rows of each table (with their optimizer state) kept on
-            the device between steps, an LRU cache of hot rows (see
+            the device between steps, a cache of the most used rows (see
             :class:`~speedswap.OffloadedEmbedding`); 0: none. The vectors are
             the same with or without it.
         prefetch: while a step computes, start bringing the next batch's

@@ -69,7 +69,7 @@ class ModelFactory(Switcher):
         path: the ``.npy`` file of an ``mmap`` table.
         overwrite: let an ``mmap`` table replace an existing file at ``path``.
         cache_rows: rows kept in device memory between steps, with their
-            optimizer state: a write-back LRU cache of hot rows (see
+            optimizer state: a write-back cache of the most used rows (see
             :mod:`speedswap.train.cache`), shared with the embedding's
             :class:`OptimizerFactory`, which must be built with the same
             ``cache_rows``. 0 (the default) turns it off. A cached row is

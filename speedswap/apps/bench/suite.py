@@ -4,7 +4,8 @@
   size this machine holds (CPU, plus the GPU cases where torch sees a GPU);
   JSON, a text table and, when matplotlib is installed, a PNG chart.
 * :func:`run_all` (``bench --all``): on a GPU, every ``gpu``-marked test of the
-  checkout and every GPU benchmark (transport, training step, feeder), sized
+  checkout and every GPU benchmark (transport, training step, feeder, the
+  word2vec demo's job against the same job on the CPU and gensim), sized
   to finish in about 8 minutes on an H100; JSON per benchmark plus
   ``SUMMARY.md`` with the machine, each figure and each target ratio. With
   ``dry_run`` every step runs at tiny sizes on the CPU and the GPU parts are
@@ -23,7 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import feeder, training_step, transport
+from . import feeder, training_step, transport, word2vec
 from .chart import matplotlib_missing, plot
 from .gpu_tests import run_gpu_tests
 from .summary import render_summary
@@ -51,6 +52,8 @@ class SuiteSizes:
         training_vocabs, training_repeats, training_shape: the training step.
         feeder_rows: rows of the FFCV regression shape (None: scaled to free RAM).
         feeder_epochs, feeder_workers, feeder_dim, feeder_batch: the rest of the feeder case.
+        word2vec_size, word2vec_rounds: the word2vec job (a key of
+            :data:`~speedswap.apps.bench.word2vec.DEMO_SIZES`) and its runs per contender.
         tests_timeout: seconds the gpu tests may take.
     """
 
@@ -65,6 +68,8 @@ class SuiteSizes:
     feeder_workers: int
     feeder_dim: int
     feeder_batch: int
+    word2vec_size: str
+    word2vec_rounds: int
     tests_timeout: float
 
 
@@ -74,17 +79,20 @@ class SuiteSizes:
 # few seconds: ~10 s per case, 5 cases. Training: 15 GB of pinned table and
 # state at 10M rows take ~15 s to allocate and fill; steps are milliseconds.
 # Feeder: 4 GB of data generated once (~5 s), 6 epochs per contender, the
-# DataLoader's ~2 s each dominating. The gpu tests get up to 5 minutes.
+# DataLoader's ~2 s each dominating. word2vec: the demo's 4M tokens, 3 runs of
+# each contender; the CPU's (~200k words/s on 2 cores) dominates, ~20 s each.
+# The gpu tests get up to 5 minutes.
 GPU_SIZES = SuiteSizes(transport_rows=1_000_000, transport_ids=131_072, transport_repeats=20,
                        training_vocabs=(1_000_000, 10_000_000), training_repeats=20,
                        training_shape=training_step.StepShape(),
                        feeder_rows=None, feeder_epochs=5, feeder_workers=min(8, os.cpu_count() or 1),
-                       feeder_dim=1000, feeder_batch=2048, tests_timeout=300)
+                       feeder_dim=1000, feeder_batch=2048, word2vec_size="demo", word2vec_rounds=3,
+                       tests_timeout=300)
 DRY_RUN_SIZES = SuiteSizes(transport_rows=32_768, transport_ids=4096, transport_repeats=3,
                            training_vocabs=(5_000,), training_repeats=3,
                            training_shape=training_step.StepShape(batch=256, dim=32),
                            feeder_rows=4096, feeder_epochs=2, feeder_workers=1, feeder_dim=1000,
-                           feeder_batch=512, tests_timeout=300)
+                           feeder_batch=512, word2vec_size="tiny", word2vec_rounds=1, tests_timeout=300)
 
 
 def fitting_rows(available_bytes: int, share: int = 8) -> int:
@@ -179,9 +187,19 @@ def _feeder_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable)
     return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
 
 
+def _word2vec_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
+    payload = word2vec.run(word2vec.DEMO_SIZES[sizes.word2vec_size], sizes.word2vec_rounds, gpu=not dry_run)
+    if dry_run:
+        payload["skipped"]["gpu"] = DRY_RUN_SKIP
+    log(word2vec.format_results(payload))
+    name = f"word2vec-{_kind(dry_run)}.json"
+    write_json(out_dir / name, "word2vec", payload)
+    return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
+
+
 #: The steps of ``bench --all``, in order.
 STEPS = {"gpu tests": _gpu_tests_step, "transport": _transport_step, "training step": _training_step,
-         "feeder": _feeder_step}
+         "feeder": _feeder_step, "word2vec": _word2vec_step}
 
 
 def run_all(out_dir: os.PathLike = DEFAULT_OUT, dry_run: bool = False,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from . import feeder, training_step, transport
+from . import feeder, training_step, transport, word2vec
 
 __all__ = ["render_summary", "markdown_table", "target_rows"]
 
@@ -110,7 +110,25 @@ def target_rows(record: dict) -> list:
                      _met(regression["feeder_over_limit"], feeder.TARGET)])
     else:
         rows.append([label, _goal(feeder.TARGET), _why_not(record, "feeder", "the GPU feeder case"), "—"])
-    return rows
+    return rows + _word2vec_targets(record)
+
+
+def _word2vec_targets(record: dict) -> list:
+    """The word2vec job's two targets: the GPU against this machine's CPU, and against gensim."""
+    job = _result(record, "word2vec")
+    cpu_label = "word2vec demo words/s: GPU (demo recipe) / the same job on this machine's CPU"
+    gensim_label = "word2vec words/s: fastest GPU contender / gensim on this machine's cores"
+    if not job or not job["ratios"]:
+        why = _why_not(record, "word2vec", "the GPU word2vec job")
+        return [[cpu_label, _goal(word2vec.CPU_TARGET), why, "—"],
+                [gensim_label, _goal(word2vec.GENSIM_TARGET), why, "—"]]
+    over_cpu = job["ratios"]["gpu"]["over_cpu"]
+    rows = [[cpu_label, _goal(word2vec.CPU_TARGET), over_cpu, _met(over_cpu, word2vec.CPU_TARGET)]]
+    if "gensim" in job["skipped"]:
+        return rows + [[gensim_label, _goal(word2vec.GENSIM_TARGET), "skipped: " + job["skipped"]["gensim"], "—"]]
+    name, ratios = max(job["ratios"].items(), key=lambda item: item[1]["over_gensim"])
+    return rows + [[f"{gensim_label} ({name})", _goal(word2vec.GENSIM_TARGET), ratios["over_gensim"],
+                    _met(ratios["over_gensim"], word2vec.GENSIM_TARGET)]]
 
 
 def _machine_section(record: dict) -> str:
@@ -230,6 +248,26 @@ def _feeder_section(record: dict) -> str:
                               for r in result["rows"]]))
 
 
+def _word2vec_section(record: dict) -> str:
+    problem = _failed(record, "word2vec")
+    if problem:
+        return f"## word2vec\n\n{problem}"
+    result = _result(record, "word2vec")
+    setup = result["setup"]
+    rows = [[c["name"], f"{c['words_per_second']:,.0f}", c["topic_purity"],
+             result["ratios"].get(c["name"], {}).get("over_cpu"),
+             result["ratios"].get(c["name"], {}).get("over_gensim"), len(c["runs"])]
+            for c in result["contenders"]]
+    skipped = "\n".join(f"- {name} skipped: {why}" for name, why in result["skipped"].items())
+    return (f"## word2vec\n\nThe demo's job (`python -m speedswap demo`): synthetic corpus, vocabulary "
+            f"{setup['vocab']:,}, {setup['tokens']:,} tokens, dim {setup['dim']}, {setup['epochs']} epoch(s), "
+            f"batch {setup['batch_size']}, window {setup['window']}, {setup['negatives']} negatives; "
+            f"{setup['cores']} cores; median of {setup['rounds']} run(s) per contender, in rotating order. "
+            f"Topic purity by chance: {setup['chance']:.3f}.\n\n"
+            + markdown_table(["contender", "words/s", "topic purity", "x cpu", "x gensim", "runs"], rows)
+            + (f"\n\n{skipped}" if skipped else ""))
+
+
 def render_summary(record: dict) -> str:
     """The Markdown summary of :func:`~speedswap.apps.bench.suite.run_all`'s record.
 
@@ -238,7 +276,7 @@ def render_summary(record: dict) -> str:
 
     Returns:
         Markdown text with the sections Machine, Steps, Targets, GPU tests,
-        Transport, Training step and Feeder.
+        Transport, Training step, Feeder and word2vec.
     """
     mode = ("dry run: tiny sizes on the CPU, GPU parts skipped" if record["mode"] == "dry run"
             else "full GPU suite")
@@ -249,4 +287,4 @@ def render_summary(record: dict) -> str:
         "(interleaved rounds, medians). The JSON files beside this summary hold every repeat's spread.",
         _machine_section(record), _steps_section(record), "## Targets\n\n" + targets,
         _gpu_tests_section(record), _transport_section(record), _training_section(record),
-        _feeder_section(record)]) + "\n"
+        _feeder_section(record), _word2vec_section(record)]) + "\n"
