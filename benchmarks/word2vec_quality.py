@@ -18,6 +18,10 @@ both alike; the load average is recorded before and after each run.
     pip install gensim==4.4.0
     python benchmarks/word2vec_quality.py --epochs 5 --threads 2 --rounds 1 --recipes sgd,adam
 
+On a GPU machine (``--device cuda``) speedswap trains on the GPU and gensim
+uses ``--threads`` of the machine's cores: the word2vec issue's GPU target.
+Without network there, carry gensim's wheel and the corpus (benchmarks/README.md).
+
 Needs apt-get (Debian) for the corpus, or ``--corpus FILE`` for another one.
 """
 
@@ -106,10 +110,12 @@ def run_gensim(args, corpus, files, out_dir) -> dict:
 def run_speedswap(args, recipe, corpus, files, out_dir) -> dict:
     out = out_dir / f"speedswap-{recipe}.txt"
     figures_path = out_dir / f"speedswap-{recipe}.json"
-    command = [sys.executable, ROOT / "examples" / "word2vec.py", "--corpus", corpus, "--device", "cpu",
+    # Pinned tables on a GPU (what the cuda backend reads rows from); on a CPU pinning buys nothing.
+    storage = "pageable" if args.device == "cpu" else "pinned"
+    command = [sys.executable, ROOT / "examples" / "word2vec.py", "--corpus", corpus, "--device", args.device,
                "--epochs", str(args.epochs), "--min-count", "5", "--dim", "100", "--window", "5",
                "--negatives", "5", "--subsample", "1e-3", "--optimizer", recipe,
-               "--threads", str(args.threads), "--batch-size", str(args.batch_size), "--storage", "pageable",
+               "--threads", str(args.threads), "--batch-size", str(args.batch_size), "--storage", storage,
                "--seed", str(args.seed), "--wordsim", files["wordsim"], "--analogies", files["analogies"],
                "--save", out, "--json", figures_path, "--quiet"]
     # This checkout's speedswap, and --threads alone deciding the thread count.
@@ -150,7 +156,14 @@ def main():
     parser.add_argument("--recipes", default="sgd,adam", help="speedswap optimizers to run")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--corpus-only", action="store_true",
+                        help="assemble the corpus into --cache, print where it is, and stop")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where speedswap trains (gensim always runs on the CPU, with --threads workers)")
     args = parser.parse_args()
+    if args.corpus_only:
+        print(assemble_corpus(Path(args.cache))["path"])
+        return
     import gensim
 
     data = Path(gensim.__file__).parent / "test" / "test_data"
@@ -172,6 +185,7 @@ def main():
                   f"  load {figures['load_before']:.1f}->{figures['load_after']:.1f}", flush=True)
     write_results("word2vec_quality", {"corpus": corpus, "gensim": gensim.__version__, "epochs": args.epochs,
                                        "threads": args.threads, "batch_size": args.batch_size, "seed": args.seed,
+                                       "device": args.device,
                                        "runs": runs})
 
 
