@@ -68,6 +68,7 @@ import contextlib
 import torch
 
 from ..backends.cpu import assign_rows
+from ..errors import StateError
 from ..table import HostTable
 from .sketch import FrequencySketch
 
@@ -479,7 +480,15 @@ class RowCache:
             torch.cuda.current_stream(self.device).synchronize()
 
     def invalidate(self):
-        """Forget every cached row without writing it back (the host tables were replaced)."""
+        """Forget every cached row without writing it back (the host tables were replaced).
+
+        Raises:
+            StateError: a step's rows are in flight (fetched, not yet stored):
+                their slots would be forgotten while the step still writes to them.
+        """
+        if self._slot_parts:
+            raise StateError("the device cache cannot be invalidated while a step's rows are in flight; "
+                             "replace the tables between steps")
         self._wait_prefetch()
         self.slot_row.fill_(-1)
         self.stamp.fill_(-1)

@@ -188,11 +188,16 @@ class OffloadedEmbedding(torch.nn.Module):
         :meth:`load`, when its ``state_dict`` was not saved).
 
         Raises:
-            StateError: before :meth:`attach`, or on a closed embedding.
+            StateError: before :meth:`attach`, on a closed embedding, or
+                between a training forward and the optimizer step.
         """
         self._check_open()
         if self._state is None:
             raise StateError("init_state needs an attached optimizer: call emb.attach(optimizer)")
+        if self._working_set.size:
+            # The step's rows are in flight: a cache would drop the slots they go back to.
+            raise StateError("init_state between a training forward and optimizer.step() would reset "
+                             "state the step is using; call it between steps")
         with rewriting(self._cache):  # cached state rows would outlive the reset
             self._state.init_state()
 
