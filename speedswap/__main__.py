@@ -7,6 +7,7 @@ import sys
 from typing import Optional, Sequence
 
 from .apps.demo import BACKEND_OF_DEVICE
+from .errors import SpeedswapError
 from .info import format_info, info
 
 _FORMAT = argparse.ArgumentDefaultsHelpFormatter
@@ -39,16 +40,27 @@ def _bench(args: argparse.Namespace) -> int:
               "to exercise it at tiny sizes on the CPU, or run plain bench for the CPU transport "
               "benchmark", file=sys.stderr)
         return 2
-    record = run_all(out_dir=args.out, dry_run=args.dry_run)
+    record = run_all(out_dir=args.out, dry_run=args.dry_run, steps=args.steps)
     failed = [name for name, outcome in record["steps"].items() if outcome["status"] == "failed"]
     print(f"\n{record['mode']} done in {record['seconds']:.0f} s; wrote {args.out}/SUMMARY.md"
           + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
+def _steps_option(parse):
+    """An argparse type for ``--steps``: ``parse``'s list, or argparse's own error message."""
+    def steps(text: str) -> list:
+        try:
+            return parse(text)
+        except SpeedswapError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return steps
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m speedswap`` argument parser (every ``--help`` shows the defaults)."""
     from .apps.bench import DEFAULT_OUT
+    from .apps.bench.suite import STEPS, step_names
 
     parser = argparse.ArgumentParser(prog="python -m speedswap", description="speedswap command line",
                                      formatter_class=_FORMAT)
@@ -71,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="row transport benchmark (JSON, table, PNG chart); --all: the whole GPU suite",
         description="Without --all: the row transport benchmark at a size this machine holds. "
                     "With --all: every gpu-marked test of the checkout and every GPU benchmark "
-                    "(transport, training step, feeder), JSON plus SUMMARY.md.")
+                    "(transport, training step, feeder, word2vec), JSON plus SUMMARY.md.")
     bench.add_argument("--out", default=DEFAULT_OUT, help="directory for the results")
     bench.add_argument("--quick", action="store_true", help="16x smaller sizes (a smoke run; without --all)")
     bench.add_argument("--repeats", type=int, default=_REPEATS, help="timed repeats per method (without --all)")
@@ -79,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the GPU suite: gpu tests and every GPU benchmark (about 8 minutes on an H100)")
     bench.add_argument("--dry-run", action="store_true",
                        help="with --all: every step at tiny sizes on the CPU, GPU parts reported as skipped")
+    bench.add_argument("--steps", type=_steps_option(step_names),
+                       help="with --all: only these steps, comma-separated, of "
+                            + ", ".join(name.replace(" ", "-") for name in STEPS)
+                            + " (to split the suite over calls with a time limit; default: all)")
     return parser
 
 
@@ -89,6 +105,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "bench" and args.all and (args.quick or args.repeats != _REPEATS):
         parser.error("--quick and --repeats size the plain transport benchmark; bench --all has its own "
                      "sizes (use --dry-run for a small run)")
+    if args.command == "bench" and args.steps and not args.all:
+        parser.error("--steps goes with --all (bench --all --steps transport,feeder)")
     if args.command == "bench" and args.dry_run and not args.all:
         parser.error("--dry-run goes with --all (bench --all --dry-run)")
     if args.command == "info":

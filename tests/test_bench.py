@@ -73,12 +73,32 @@ def test_bench_all_needs_a_gpu_or_dry_run(capsys):
 
 
 @pytest.mark.parametrize("argv", [["bench", "--dry-run"], ["bench", "--all", "--quick"],
-                                  ["bench", "--all", "--repeats", "3"]])
+                                  ["bench", "--all", "--repeats", "3"], ["bench", "--steps", "feeder"]])
 def test_bench_refuses_options_that_would_be_ignored(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
     assert "bench --all" in capsys.readouterr().err
+
+
+def test_bench_all_refuses_an_unknown_step(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--all", "--dry-run", "--steps", "transport,warp-drive"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "warp drive" in err and "training-step" in err  # what is wrong, and the choices
+
+
+def test_bench_all_runs_only_the_steps_asked_for(tmp_path, capsys):
+    assert main(["bench", "--all", "--dry-run", "--steps", "word2vec", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "suite.json").read_text())
+    assert record["steps"]["word2vec"]["status"] == "ran"
+    others = [outcome for name, outcome in record["steps"].items() if name != "word2vec"]
+    assert len(others) == len(suite.STEPS) - 1
+    assert all(o["status"] == "skipped" and "not among the steps" in o["reason"] for o in others)
+    found = sections((tmp_path / "SUMMARY.md").read_text())
+    assert list(found) == SECTIONS and "not among the steps asked for" in found["Feeder"]
+    assert suite.step_names("training-step, gpu tests") == ["gpu tests", "training step"]
 
 
 def test_without_matplotlib_bench_writes_the_json_and_skips_the_chart(tmp_path, monkeypatch):

@@ -20,10 +20,11 @@ import os
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from ...errors import OptionError
 from . import feeder, training_step, transport, word2vec
 from .chart import matplotlib_missing, plot
 from .gpu_tests import run_gpu_tests
@@ -31,7 +32,7 @@ from .summary import render_summary
 from .timing import available_ram, load_average, machine, write_json
 
 __all__ = ["DEFAULT_OUT", "BUDGET_S", "SuiteSizes", "GPU_SIZES", "DRY_RUN_SIZES", "fitting_rows",
-           "run_transport_bench", "run_all"]
+           "run_transport_bench", "step_names", "run_all"]
 
 #: Where results go unless ``--out`` says otherwise: beside the caller, not in the checkout.
 DEFAULT_OUT = "speedswap-bench"
@@ -202,8 +203,22 @@ STEPS = {"gpu tests": _gpu_tests_step, "transport": _transport_step, "training s
          "feeder": _feeder_step, "word2vec": _word2vec_step}
 
 
+def step_names(spec: str) -> list:
+    """The steps named in ``"gpu-tests,transport"`` (hyphens for spaces), in :data:`STEPS`' order.
+
+    Raises:
+        OptionError: a name that is not a step.
+    """
+    wanted = {name.strip().replace("-", " ") for name in spec.split(",") if name.strip()}
+    unknown = wanted - set(STEPS)
+    if unknown or not wanted:
+        raise OptionError(f"unknown bench --all step(s) {sorted(unknown) or spec!r}; choose from "
+                          + ", ".join(name.replace(" ", "-") for name in STEPS))
+    return [name for name in STEPS if name in wanted]
+
+
 def run_all(out_dir: os.PathLike = DEFAULT_OUT, dry_run: bool = False,
-            log: Callable[[str], None] = print) -> dict:
+            log: Callable[[str], None] = print, steps: Optional[Sequence[str]] = None) -> dict:
     """Every gpu test and GPU benchmark; JSON per step, ``suite.json`` and ``SUMMARY.md`` in ``out_dir``.
 
     A step that raises is recorded as failed with its traceback and the
@@ -213,6 +228,9 @@ def run_all(out_dir: os.PathLike = DEFAULT_OUT, dry_run: bool = False,
         out_dir: the results directory (created).
         dry_run: tiny sizes on the CPU, GPU parts reported as skipped.
         log: receives progress lines and each step's table of figures.
+        steps: the steps to run (names of :data:`STEPS`; None: all). The
+            others are reported as skipped, so a run that must fit a time
+            limit can be split over several calls, each with its own ``out_dir``.
 
     Returns:
         The suite record: ``mode``, ``machine``, ``seconds``, and per step its
@@ -225,7 +243,12 @@ def run_all(out_dir: os.PathLike = DEFAULT_OUT, dry_run: bool = False,
     record = {"mode": "dry run" if dry_run else "full", "machine": machine(),
               "sizes": dataclasses.asdict(sizes), "budget_s": BUDGET_S, "steps": {}}
     start = time.perf_counter()
+    chosen = list(STEPS) if steps is None else step_names(",".join(steps))
     for name, step in STEPS.items():
+        if name not in chosen:
+            record["steps"][name] = {"status": "skipped", "reason": "not among the steps asked for",
+                                     "seconds": 0.0}
+            continue
         log(f"\n== {name} ({time.perf_counter() - start:.0f} s into the run)")
         began = time.perf_counter()
         try:
