@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="16x smaller sizes (a smoke run; without --all)")
     bench.add_argument("--repeats", type=int, default=_REPEATS, help="timed repeats per method (without --all)")
     bench.add_argument("--all", action="store_true",
-                       help="the GPU suite: gpu tests and every GPU benchmark (about 8 minutes on an H100)")
+                       help="the GPU suite: gpu tests and every GPU benchmark (about 12 minutes on an H100, estimated; see --steps)")
     bench.add_argument("--dry-run", action="store_true",
                        help="with --all: every step at tiny sizes on the CPU, GPU parts reported as skipped")
     bench.add_argument("--steps", type=_steps_option(step_names),
