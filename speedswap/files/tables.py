@@ -20,9 +20,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .convert import torch_dtype
-from .atomic import atomic_output, check_writable_dir, saving_error, temp_path
-from .errors import (DTypeError, FileFormatError, MissingFileError, OptionError, PathError,
+from ..convert import torch_dtype
+from ..atomic import atomic_output, check_writable_dir, saving_error, temp_path
+from ..errors import (DTypeError, FileFormatError, MissingFileError, OptionError, PathError,
                      SpeedswapError)
 
 __all__ = [
