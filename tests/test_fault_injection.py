@@ -2,7 +2,7 @@
 
 For each save (``.npy``, ``.h5``, a directory checkpoint, ``OffloadedEmbedding.save``
 to a directory and to HDF5, ``OptimizerFactory.save``), ``os.rename``,
-``os.replace``, ``os.fsync`` and the single write point ``files._write_chunk`` are
+``os.replace``, ``os.fsync`` and the single write point ``files.base.write_chunk`` are
 made to fail at call 0, 1, 2, ... until the save gets through. After each
 failure the path must hold the whole old checkpoint (or nothing, for a first
 save), which ``load`` reads; after success the whole new one. The crash tests
@@ -26,7 +26,7 @@ import speedswap as ss
 from speedswap import files
 
 ROWS, DIM, CAP = 30, 4, 8
-POINTS = [(os, "rename"), (os, "replace"), (os, "fsync"), (files, "_write_chunk")]
+POINTS = [(os, "rename"), (os, "replace"), (os, "fsync"), (files.base, "write_chunk")]
 
 
 class Injected(OSError):
@@ -162,7 +162,7 @@ def test_a_save_failing_at_any_call_leaves_the_old_or_the_new_checkpoint(
         if os.path.isdir(path):
             assert not [e for e in os.listdir(path) if e.endswith(".tmp")]
         index += 1
-    if name in ("replace", "fsync", "_write_chunk"):
+    if name in ("replace", "fsync", "write_chunk"):
         assert index > 0, f"{name} was never called by the {kind} save"
 
 

@@ -135,7 +135,7 @@ def test_failing_npy_writer_leaves_the_old_file_intact(backend, values, tmp_path
         f.write(b"partial")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(files, "_write_chunk", failing_write)
+    monkeypatch.setattr(files.base, "write_chunk", failing_write)
     with pytest.raises(OSError, match="No space left"):
         ss.HostTable.from_numpy(values * 2, backend=backend).save(path)
     assert calls, "the failing writer was not reached"
@@ -159,10 +159,10 @@ def test_failing_h5_save_leaves_the_old_file_intact(values, tmp_path):
 
 
 def test_save_of_a_device_table_is_chunked(backend, values, tmp_path, monkeypatch):
-    monkeypatch.setattr(files, "_CHUNK_BYTES", 17 * 4 * 64)  # 64 rows a chunk
+    monkeypatch.setattr(files.base, "CHUNK_BYTES", 17 * 4 * 64)  # 64 rows a chunk
     sizes = []
-    original = files._write_chunk
-    monkeypatch.setattr(files, "_write_chunk", lambda f, s, c: (sizes.append(len(c)), original(f, s, c)))
+    original = files.base.write_chunk
+    monkeypatch.setattr(files.base, "write_chunk", lambda f, s, c: (sizes.append(len(c)), original(f, s, c)))
     ss.HostTable.from_numpy(values, storage="device", backend=backend).save(tmp_path / "c.npy")
     assert sizes == [64, 64, 64, 64, 44]
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), values)

@@ -99,3 +99,20 @@ def test_no_module_loads_files_from_the_checkout(module_path):
     """An installed wheel has no checkout: nothing may import code by path from one."""
     source = module_path.read_text()
     assert "spec_from_file_location" not in source and '"benchmarks"' not in source
+
+
+#: layer of each module of speedswap/files/: the two formats share ``base``, whole tables use both.
+FILES_RANKS = {"base": 0, "npy": 1, "h5": 1, "tables": 2, "__init__": 3}
+
+
+@pytest.mark.parametrize("module_path", sorted((PACKAGE / "files").glob("*.py")), ids=lambda p: p.name)
+def test_file_modules_import_only_those_below_them(module_path):
+    unit = module_path.stem
+    assert unit in FILES_RANKS, f"files/{module_path.name} has no layer in this test: place it"
+    tree = ast.parse(module_path.read_text(), filename=str(module_path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:  # a sibling in files/
+            names = [node.module.split(".")[0]] if node.module else [alias.name for alias in node.names]
+            for name in names:
+                assert FILES_RANKS[name] < FILES_RANKS[unit], (
+                    f"speedswap/files/{module_path.name} imports files.{name}, which is not below it")

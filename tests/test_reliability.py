@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap import atomic, files
+from speedswap import atomic
 from speedswap.errors import MissingFileError, OutOfMemoryError, PathError
 from training_helpers import BATCH, CAPACITY, DIM, run_in_memory, skipgram_loss, zipf_batches
 
@@ -213,7 +213,7 @@ def test_a_directory_checkpoint_with_a_flipped_byte_fails_its_checksum(rng, tmp_
     emb = make_embedding(rng)
     emb.attach(torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9))
     emb.save(tmp_path / "ckpt")
-    version = files.os.path.join(tmp_path / "ckpt", (tmp_path / "ckpt" / "CURRENT").read_text().strip())
+    version = os.path.join(tmp_path / "ckpt", (tmp_path / "ckpt" / "CURRENT").read_text().strip())
     with open(os.path.join(version, "optimizer.momentum_buffer.npy"), "r+b") as f:
         f.seek(-3, os.SEEK_END)
         f.write(b"\x7f")

@@ -134,7 +134,7 @@ def _write_version(directory, tables, attrs):
     manifest = {"attrs": attrs, "tables": sorted(tables), "crc32": checksums}
     text = json.dumps(manifest).encode()
     with atomic.atomic_output(os.path.join(directory, _MANIFEST)) as tmp, open(tmp, "wb") as f:
-        files._write_chunk(f, 0, np.frombuffer(text, dtype=np.uint8))
+        files.base.write_chunk(f, 0, np.frombuffer(text, dtype=np.uint8))
 
 
 def _save_dir(path, tables, attrs):
@@ -180,7 +180,7 @@ def _save_dir(path, tables, attrs):
 
 def _write_pointer(directory, name):
     with atomic.atomic_output(os.path.join(directory, _POINTER)) as tmp, open(tmp, "wb") as f:
-        files._write_chunk(f, 0, np.frombuffer(f"{name}\n".encode(), dtype=np.uint8))
+        files.base.write_chunk(f, 0, np.frombuffer(f"{name}\n".encode(), dtype=np.uint8))
 
 
 def _remove_old_versions(path, keep, legacy):

@@ -30,7 +30,7 @@ import shutil
 import numpy as np
 import torch
 
-from .. import files
+from .. import atomic, files
 from ..errors import FileFormatError, StateError
 from .exchange import Exchange, row_bounds
 
@@ -127,7 +127,7 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
                     "world_size": len(bounds) - 1, "bounds": list(bounds),
                     "optimizer": "" if row_state is None else type(row_state.optimizer).__name__,
                     "scalar_state": _scalar_state(row_state), "tables": sorted(tables)}
-        with files.atomic_output(os.path.join(partial, MANIFEST)) as tmp, open(tmp, "w") as f:
+        with atomic.atomic_output(os.path.join(partial, MANIFEST)) as tmp, open(tmp, "w") as f:
             json.dump(manifest, f, indent=1)
         if os.path.exists(path):
             old = path + ".old"

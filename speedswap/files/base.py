@@ -1,0 +1,150 @@
+"""What ``.npy`` and HDF5 files share: the format from a suffix, the header, rows in chunks.
+
+The layer under :mod:`~speedswap.files.npy` and :mod:`~speedswap.files.h5`:
+:class:`TableHeader` (what a file says about its array), the checks a file
+passes before it is read, the row ranges reads and writes go by, and
+:func:`write_chunk`, the single place table bytes reach a file.
+"""
+
+import errno
+import io
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..convert import torch_dtype
+from ..errors import DTypeError, FileFormatError, MissingFileError, OptionError, PathError
+
+__all__ = [
+    "NPY_SUFFIXES",
+    "H5_SUFFIXES",
+    "suffix_format",
+    "file_format",
+    "TableHeader",
+    "check_dtype",
+    "table_dtype_of",
+    "check_readable_file",
+    "reading_error",
+    "check_matches",
+    "CHUNK_BYTES",
+    "write_chunk",
+    "row_ranges",
+]
+
+NPY_SUFFIXES = (".npy",)
+H5_SUFFIXES = (".h5", ".hdf5")
+
+
+def suffix_format(path) -> Optional[str]:
+    """``"npy"``, ``"h5"``, or None (another suffix) from a path's suffix: the one place that sniffs it."""
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix in NPY_SUFFIXES:
+        return "npy"
+    if suffix in H5_SUFFIXES:
+        return "h5"
+    return None
+
+
+def file_format(path) -> str:
+    """``"npy"`` or ``"h5"`` from a path's suffix.
+
+    Raises:
+        OptionError: the suffix is neither.
+    """
+    fmt = suffix_format(path)
+    if fmt is None:
+        raise OptionError(f"cannot tell the format of {os.fspath(path)!r}: name it *.npy "
+                          f"(numpy) or *.h5 / *.hdf5 (HDF5)")
+    return fmt
+
+
+@dataclass(frozen=True)
+class TableHeader:
+    """What a file says about the array inside it.
+
+    Attributes:
+        shape: the array's shape.
+        dtype: the numpy dtype stored in the file.
+        offset: where the data starts (``.npy`` only).
+        table_dtype: the torch dtype of the table it holds. ``bfloat16`` tables
+            are stored as float32 (exact, and readable by any tool) and say so
+            in an HDF5 attribute or a checkpoint's manifest.
+    """
+
+    shape: tuple
+    dtype: np.dtype
+    offset: int = 0
+    table_dtype: Optional[torch.dtype] = None
+
+
+def check_dtype(dtype, path):
+    """Raise FileFormatError unless ``dtype`` is a plain numeric dtype (no objects or records)."""
+    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
+        raise FileFormatError(f"{path!r} holds an array of {dtype}; speedswap reads plain "
+                              f"numeric arrays only (no objects or records)")
+
+
+def table_dtype_of(dtype):
+    """The table dtype a stored numpy dtype stands for, or None when no table can hold it."""
+    try:
+        return torch_dtype(dtype)
+    except DTypeError:
+        return None
+
+
+def check_readable_file(path, what="file") -> str:
+    """``path`` as a string, if it names an existing regular file.
+
+    Raises:
+        MissingFileError: nothing at ``path``.
+        PathError: ``path`` is a directory.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise PathError(f"{path!r} is a directory, but a {what} was expected here; pass the "
+                        f"file's path")
+    if not os.path.exists(path):
+        raise MissingFileError(errno.ENOENT, f"no {what} at {path!r}; check the path", path)
+    return path
+
+
+def reading_error(path, exc) -> FileFormatError:
+    """A :class:`FileFormatError` for an OSError raised while reading rows of ``path``."""
+    return FileFormatError(f"{os.fspath(path)!r} could not be read ({exc}); the file is "
+                           f"corrupt or was changed during the load: nothing was loaded")
+
+
+def check_matches(header, shape, dtype, path):
+    """Raise FileFormatError unless ``header`` describes ``shape``/``dtype``."""
+    if tuple(header.shape) != tuple(shape) or np.dtype(header.dtype) != np.dtype(dtype):
+        raise FileFormatError(f"{os.fspath(path)!r} holds {tuple(header.shape)} {header.dtype}, "
+                              f"but this table is {tuple(shape)} {np.dtype(dtype)}; load it into "
+                              f"a table of the file's shape (HostTable.load) instead")
+
+
+#: About how many bytes one chunk of rows holds, read or written.
+CHUNK_BYTES = 64 << 20
+
+
+def write_chunk(sink, start, chunk):
+    """Write one chunk of rows at row ``start``: the single place table bytes reach a file.
+
+    ``sink`` is an open binary file (written sequentially) or an HDF5 dataset.
+    Fault-injection tests make this fail on purpose; every writer calls it as
+    ``base.write_chunk`` so that replacing it here reaches them all.
+    """
+    if isinstance(sink, io.IOBase):
+        sink.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+    else:
+        sink[start:start + len(chunk)] = chunk
+
+
+def row_ranges(shape, dtype, chunk_bytes=None):
+    """``(start, stop)`` row ranges of about ``chunk_bytes`` (64 MiB) each covering ``shape[0]`` rows."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize)
+    step = max(1, chunk_bytes // row_bytes)
+    return [(s, min(s + step, shape[0])) for s in range(0, shape[0], step)]

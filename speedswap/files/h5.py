@@ -1,0 +1,107 @@
+"""HDF5 files: validated dataset headers, chunked reads and atomic writes of several datasets.
+
+h5py is imported only when an HDF5 file is used.
+"""
+
+import os
+
+import numpy as np
+import torch
+
+from ..atomic import atomic_output
+from ..convert import torch_dtype
+from ..errors import FileFormatError
+from . import base
+from .base import (TableHeader, check_dtype, check_matches, check_readable_file, reading_error, row_ranges,
+                   table_dtype_of)
+
+__all__ = ["read_h5_header", "open_h5", "read_h5_into", "write_h5"]
+
+#: The dataset attribute that records a table dtype the stored one stands for (bfloat16).
+_TABLE_DTYPE_ATTR = "speedswap_dtype"
+
+
+def _h5py():
+    import h5py
+    return h5py
+
+
+def read_h5_header(path, dataset):
+    """Validate dataset ``dataset`` of an HDF5 file and describe it.
+
+    Raises:
+        FileFormatError: not an HDF5 file, no such dataset (or a group), or a non-numeric dtype.
+        MissingFileError, PathError: no such file, or a directory.
+    """
+    h5py = _h5py()
+    path = os.fspath(path)
+    with open_h5(path) as f:
+        if dataset not in f:
+            raise FileFormatError(f"{path!r} has no dataset {dataset!r} (it has "
+                                  f"{sorted(f.keys())}); pass dataset= to pick one")
+        data = f[dataset]
+        if not isinstance(data, h5py.Dataset):
+            raise FileFormatError(f"{path!r}: {dataset!r} is an HDF5 {type(data).__name__}, not "
+                                  f"a dataset; pass dataset= naming the array itself")
+        shape, dtype = data.shape, data.dtype
+        table_dtype = data.attrs.get(_TABLE_DTYPE_ATTR)
+    check_dtype(np.dtype(dtype), path)
+    table_dtype = table_dtype_of(np.dtype(dtype)) if table_dtype is None else torch_dtype(str(table_dtype))
+    return TableHeader(tuple(shape), np.dtype(dtype), table_dtype=table_dtype)
+
+
+def open_h5(path):
+    """Open an HDF5 file for reading (h5py is imported only when HDF5 is used).
+
+    Raises:
+        MissingFileError, PathError: no such file, or a directory.
+        FileFormatError: not a readable HDF5 file (truncated, another format).
+    """
+    path = check_readable_file(path, "HDF5 file")
+    try:
+        return _h5py().File(path, "r")
+    except OSError as exc:
+        raise FileFormatError(f"{path!r} is not a readable HDF5 file ({exc}); it is truncated "
+                              f"or not HDF5: write it with h5py or HostTable.save") from exc
+
+
+def read_h5_into(path, out, dataset, header=None):
+    """Read dataset ``dataset`` into the C-contiguous array ``out``, in row chunks.
+
+    Raises:
+        FileFormatError: the dataset's shape or dtype differ from ``out``'s.
+    """
+    header = header or read_h5_header(path, dataset)
+    check_matches(header, out.shape, out.dtype, path)
+    with open_h5(path) as f:
+        data = f[dataset]
+        for start, stop in row_ranges(out.shape, out.dtype):
+            try:
+                data.read_direct(out, np.s_[start:stop], np.s_[start:stop])
+            except OSError as exc:  # a corrupt (compressed) chunk
+                raise reading_error(path, exc) from exc
+
+
+def write_h5(path, datasets, attrs=None, table_dtypes=None):
+    """Atomically write one HDF5 file holding several datasets.
+
+    Args:
+        path: the target file.
+        datasets: ``{name: (shape, dtype, chunks)}`` with chunks as in
+            :func:`~speedswap.files.npy.write_npy`.
+        attrs: optional ``{name: value}`` stored on the file's root.
+        table_dtypes: optional ``{name: torch dtype}`` recorded on datasets
+            whose table dtype is not the stored one (bfloat16).
+    """
+    h5py = _h5py()
+    with atomic_output(path) as tmp, h5py.File(tmp, "w") as f:
+        for name, (shape, dtype, chunks) in datasets.items():
+            data = f.create_dataset(name, shape=tuple(shape), dtype=np.dtype(dtype))
+            if (table_dtypes or {}).get(name) is torch.bfloat16:
+                data.attrs[_TABLE_DTYPE_ATTR] = "bfloat16"
+            start = 0
+            for chunk in chunks:
+                base.write_chunk(data, start, chunk)
+                start += len(chunk)
+        for key, value in (attrs or {}).items():
+            f.attrs[key] = value

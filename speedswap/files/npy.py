@@ -1,0 +1,185 @@
+"""The ``.npy`` format: validated headers, memory maps, chunked reads and atomic chunked writes."""
+
+import contextlib
+import os
+
+import numpy as np
+
+from ..atomic import atomic_output, check_writable_dir, saving_error, temp_path
+from ..errors import FileFormatError, PathError, SpeedswapError
+from . import base
+from .base import TableHeader, check_dtype, check_matches, check_readable_file, reading_error, table_dtype_of
+
+__all__ = ["read_npy_header", "check_size", "open_npy_memmap", "create_npy_memmap", "read_npy_into",
+           "write_npy"]
+
+
+def read_npy_header(path):
+    """Read and validate the header of a ``.npy`` file.
+
+    Args:
+        path: the file.
+
+    Returns:
+        TableHeader
+
+    Raises:
+        FileFormatError: not a ``.npy`` file, Fortran order, object or record
+            dtype, or a file shorter or longer than its header says.
+        MissingFileError: the file does not exist.
+        PathError: ``path`` is a directory.
+    """
+    path = check_readable_file(path, ".npy file")
+    with open(path, "rb") as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        except ValueError as exc:
+            raise FileFormatError(f"{path!r} is not a valid .npy file ({exc}); "
+                                  f"write it with numpy.save") from exc
+        offset = f.tell()
+    check_dtype(dtype, path)
+    if fortran and len(shape) > 1:
+        raise FileFormatError(f"{path!r} is stored in Fortran order; speedswap needs rows "
+                              f"contiguous: re-save it with np.save(path, np.ascontiguousarray(a))")
+    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    actual = os.path.getsize(path)
+    if actual != expected:
+        kind = "truncated" if actual < expected else "longer than its header says"
+        raise FileFormatError(f"{path!r} is {kind}: its header describes {shape} {dtype} "
+                              f"({expected} bytes) but the file has {actual} bytes")
+    return TableHeader(tuple(shape), dtype, offset, table_dtype_of(dtype))
+
+
+def check_size(path, header: "TableHeader") -> None:
+    """Raise FileFormatError when a ``.npy`` file is shorter than ``header`` says.
+
+    Reading a memory-mapped page past the end of a truncated file kills the
+    process with SIGBUS, so mapped readers check before they touch the pages
+    (a truncation between this check and the read can still crash).
+    """
+    need = header.offset + int(np.prod(header.shape, dtype=np.int64)) * header.dtype.itemsize
+    size = os.path.getsize(path)
+    if size < need:
+        raise FileFormatError(f"{os.fspath(path)!r} is {size:,} bytes but its header needs {need:,}: "
+                              f"it was truncated after it was opened; restore it and rebuild the "
+                              f"DataGadget")
+
+
+def open_npy_memmap(path, writable=True):
+    """Memory-map a validated ``.npy`` file.
+
+    Args:
+        path: the file.
+        writable: map read-write (changes write through to the file).
+
+    Returns:
+        numpy.memmap
+    """
+    header = read_npy_header(path)
+    return np.memmap(path, dtype=header.dtype, mode="r+" if writable else "r",
+                     offset=header.offset, shape=header.shape, order="C")
+
+
+def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
+    """Create a ``.npy`` file of ``shape``/``dtype`` and memory-map it read-write.
+
+    The file is created sparse where the file system allows, so a table larger
+    than RAM costs disk only as its rows are written. An existing file is
+    never replaced unless ``overwrite``: it may be someone's trained table.
+
+    Raises:
+        PathError: ``path`` exists (without ``overwrite``), is a directory, its
+            directory does not exist, or the file system refused it.
+    """
+    path = os.fspath(path)
+    check_writable_dir(path)
+    if os.path.isdir(path):
+        raise PathError(f"cannot create {path!r}: it is a directory; choose a file name")
+    dtype = np.dtype(dtype)
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+              "shape": tuple(shape)}
+    if os.path.exists(path) and not overwrite:
+        raise PathError(f"{path!r} already exists; speedswap does not replace a file it did not "
+                        f"create. Open it with HostTable.load(path, mmap=True), or pass "
+                        f"overwrite=True to start it afresh")
+    # Created under a temporary name and renamed: a replaced file keeps its inode for
+    # whoever still maps it, and the name never holds a half-made header.
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "xb") as f:
+            np.lib.format.write_array_header_2_0(f, header)
+            offset = f.tell()
+            f.truncate(offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # fails if the file appeared meanwhile: never replaced
+            except FileExistsError:
+                raise
+            except OSError:  # no hard links on this file system: rename, after the check above
+                os.rename(tmp, path)
+            else:
+                os.unlink(tmp)
+    except FileExistsError:
+        os.unlink(tmp)
+        raise PathError(f"{path!r} already exists; speedswap does not replace a file it did not "
+                        f"create; pass overwrite=True to start it afresh") from None
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise saving_error(path, exc) from exc
+    return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
+
+
+def read_npy_into(path, out, header=None):
+    """Read a validated ``.npy`` file into the C-contiguous array ``out``, in chunks.
+
+    Reads straight into ``out``'s memory (no temporary copy of the data).
+
+    Raises:
+        FileFormatError: the file's shape or dtype differ from ``out``'s.
+    """
+    header = header or read_npy_header(path)
+    check_matches(header, out.shape, out.dtype, path)
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    try:
+        with open(path, "rb") as f:
+            f.seek(header.offset)
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done:done + base.CHUNK_BYTES])
+                if not n:
+                    raise FileFormatError(f"{os.fspath(path)!r} ended early while reading; "
+                                          f"was it changed during the load?")
+                done += n
+    except OSError as exc:
+        if isinstance(exc, SpeedswapError):
+            raise
+        raise reading_error(path, exc) from exc
+
+
+def write_npy(path, shape, dtype, chunks):
+    """Atomically write a ``.npy`` file from row chunks.
+
+    Args:
+        path: the target file.
+        shape: the array's shape.
+        dtype: its numpy dtype.
+        chunks: an iterable of C-contiguous numpy arrays whose rows, in order,
+            make up the array (so device tables never need one full host copy).
+    """
+    dtype = np.dtype(dtype)
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+              "shape": tuple(shape)}
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+        np.lib.format.write_array_header_2_0(f, header)
+        start = 0
+        for chunk in chunks:
+            base.write_chunk(f, start, chunk)
+            start += len(chunk)
+        f.flush()
