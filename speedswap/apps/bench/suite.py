@@ -25,7 +25,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ...errors import OptionError
+import speedswap as ss
+
 from . import feeder, training_step, transport, word2vec
 from .chart import matplotlib_missing, plot
 from .gpu_tests import run_gpu_tests
@@ -214,7 +215,7 @@ def step_names(spec: str) -> list:
     wanted = {name.strip().replace("-", " ") for name in spec.split(",") if name.strip()}
     unknown = wanted - set(STEPS)
     if unknown or not wanted:
-        raise OptionError(f"unknown bench --all step(s) {sorted(unknown) or spec!r}; choose from "
+        raise ss.OptionError(f"unknown bench --all step(s) {sorted(unknown) or spec!r}; choose from "
                           + ", ".join(name.replace(" ", "-") for name in STEPS))
     return [name for name in STEPS if name in wanted]
 
