@@ -370,6 +370,22 @@ def test_foreign_or_malformed_state_is_refused():
     assert feeder.state_dict()["epoch"] == 0 and feeder.state_dict()["batch"] == 0
 
 
+def test_a_state_saved_before_ranks_took_runs_is_refused_where_the_split_changed():
+    # States from before the contiguous split have no "shard" key: their ranks took strides.
+    def old_state(feeder):
+        return {k: v for k, v in feeder.state_dict().items() if k != "shard"}
+
+    blocks = ss.BatchFeeder(np.arange(100), batch_size=10, order="block", device="cpu", rank=1, world_size=2)
+    with pytest.raises(ss.StateError, match="shard: saved 'interleaved', this feeder 'contiguous'"):
+        blocks.load_state_dict(dict(old_state(blocks), batch=2))
+    blocks.load_state_dict(dict(blocks.state_dict(), batch=2))
+    assert blocks.state_dict()["batch"] == 2
+    for feeder in (ss.BatchFeeder(np.arange(100), batch_size=10, order="block", device="cpu"),
+                   ss.BatchFeeder(np.arange(100), batch_size=10, device="cpu", rank=1, world_size=2)):
+        feeder.load_state_dict(dict(old_state(feeder), batch=3))  # one rank, or a random order: unchanged
+        assert feeder.state_dict()["batch"] == 3
+
+
 @pytest.mark.gpu
 def test_gpu_batches_match_the_cpu_and_stay_valid(rng, tmp_path):
     n = 5000

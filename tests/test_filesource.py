@@ -14,7 +14,7 @@ import pytest
 
 import speedswap as ss
 from speedswap.data.filesource import drop_cache
-from speedswap.data.orders import BlockOrder
+from speedswap.data.orders import BlockOrder, SequentialOrder
 
 from test_feeder import io_threads, reader_threads, run_with_deadline
 
@@ -233,3 +233,32 @@ def test_create_npy_fills_chunk_by_chunk_and_leaves_nothing_on_failure(tmp_path,
     empty[:] = [[1, 2], [3, 4], [5, 6]]
     empty.flush()
     assert np.load(tmp_path / "e.npy").tolist() == [[1, 2], [3, 4], [5, 6]]
+
+
+@pytest.mark.parametrize("order", [BlockOrder(block_rows=40, window=2), SequentialOrder(block_rows=40, window=2)])
+def test_ranks_split_a_windowed_epoch_into_runs_and_each_reads_its_share_of_the_file(tmp_path, rng, order,
+                                                                                     monkeypatch):
+    world, n = 4, 4000
+    data = rng.uniform(1, 2, size=(n, 16)).astype(np.float32)
+    mapped = write(tmp_path / "x.npy", data)
+    read = {"bytes": 0}
+    preadv = os.preadv
+
+    def counting(fd, buffers, offset):
+        got = preadv(fd, buffers, offset)
+        read["bytes"] += got
+        return got
+
+    monkeypatch.setattr(os, "preadv", counting)
+    seen = []
+    for rank in range(world):
+        read["bytes"] = 0
+        feeder = ss.BatchFeeder(np.arange(n), mapped, batch_size=50, order=order, seed=5, device="cpu",
+                                rank=rank, world_size=world, prefetch=0)
+        ids = np.concatenate([batch_ids.numpy() for batch_ids, rows in feeder])
+        seen.append(ids)
+        # Each rank reads about its quarter of the file; interleaved ranks read all of it.
+        assert read["bytes"] <= 0.4 * data.nbytes, (rank, read["bytes"] / data.nbytes)
+        assert feeder.state_dict()["shard"] == "contiguous"
+    everything = np.concatenate(seen)
+    np.testing.assert_array_equal(np.sort(everything), np.arange(n))  # every row once: 4000 splits evenly

@@ -28,7 +28,7 @@ from .readahead import CudaStager, ReaderThread, SyncReader
 __all__ = ["BatchFeeder"]
 
 _STATE_KEYS = ("epoch", "batch", "seed", "num_rows", "batch_size", "drop_last", "rank",
-               "world_size", "order")
+               "world_size", "order", "shard")
 
 
 def _table_of(source):
@@ -143,8 +143,12 @@ class BatchFeeder:
         prefetch: batches read ahead (0: none, everything on the calling thread).
         rank, world_size: this process's share of every epoch, split as
             ``DistributedSampler`` does (padded by repeating rows unless
-            ``drop_last``). Default: from ``torch.distributed`` when it is
-            initialised, else a single rank.
+            ``drop_last``): every ``world_size``-th row of the epoch's order;
+            in ``block`` and ``sequential`` order, the ``rank``-th of
+            ``world_size`` equal runs of it instead, so that each rank reads
+            about ``1 / world_size`` of a file rather than all of it.
+            Default: from ``torch.distributed`` when it is initialised, else
+            a single rank.
         transform: ``transform(batch)`` applied to each batch before it is
             yielded, on the calling thread. A batch whose transform raises
             is not counted as delivered: resuming yields it again.
@@ -225,6 +229,10 @@ class BatchFeeder:
         self._seed = int(seed)
         self._prefetch = int(prefetch)
         self._rank, self._world_size = _resolve_ranks(rank, world_size)
+        # Orders that visit a window of blocks at a time give each rank a run of the epoch, not
+        # a stride, or every rank reads every block of a file (see `shard`). Memory sources
+        # are split alike, so a file and the same data in memory give the same stream.
+        self._contiguous = hasattr(self._order, "windows") and self._world_size > 1
         if self._drop_last and self.rows_per_rank < self._batch_size:
             raise OptionError(f"batch_size={self._batch_size} with drop_last=True leaves every epoch "
                               f"empty: each of the {self._world_size} rank(s) gets {self.rows_per_rank} "
@@ -311,7 +319,7 @@ class BatchFeeder:
         return {"epoch": self._epoch, "batch": self._batch, "seed": self._seed,
                 "num_rows": self._num_rows, "batch_size": self._batch_size,
                 "drop_last": self._drop_last, "rank": self._rank, "world_size": self._world_size,
-                "order": self._order.describe()}
+                "order": self._order.describe(), "shard": "contiguous" if self._contiguous else "interleaved"}
 
     def load_state_dict(self, state):
         """Continue the stream from :meth:`state_dict`'s position.
@@ -320,6 +328,8 @@ class BatchFeeder:
             StateError: the state comes from a feeder with another seed, data
                 size, batch size, order, ``drop_last`` or rank; or is malformed.
         """
+        # States saved before the contiguous split had none: theirs was interleaved.
+        state = {"shard": "interleaved", **state} if isinstance(state, dict) else state
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:
             raise StateError(f"not a BatchFeeder state: keys {missing} are missing")
@@ -339,7 +349,7 @@ class BatchFeeder:
     def _epoch_ids(self, epoch):
         if self._ids[0] != epoch:
             order = self._order.indices(self._num_rows, self._seed, epoch)
-            ids = torch.from_numpy(shard(order, self._rank, self._world_size, self._drop_last))
+            ids = torch.from_numpy(shard(order, self._rank, self._world_size, self._drop_last, self._contiguous))
             on_device = (ids.to(self._device)
                          if self._kernel_tables or any(t.device.type == "cuda" for t in self._columns)
                          else None)

@@ -12,6 +12,8 @@ resumable: the rest of an epoch is recomputed, never stored.
 [0, 1, 2, 3, 4, 5, 6]
 >>> shard(np.arange(5), rank=1, world_size=2, drop_last=False).tolist()
 [1, 3, 0]
+>>> shard(np.arange(5), rank=1, world_size=2, drop_last=False, contiguous=True).tolist()
+[3, 4, 0]
 """
 
 import numpy as np
@@ -220,19 +222,24 @@ def make_order(order, row_bytes):
     return order
 
 
-def shard(indices, rank, world_size, drop_last):
+def shard(indices, rank, world_size, drop_last, contiguous=False):
     """This rank's share of an epoch's indices, as ``DistributedSampler`` splits them.
 
     Every rank gets the same number of rows. Without ``drop_last`` the order
     is padded by repeating its first rows until it divides evenly (so a few
     rows are read twice per epoch); with ``drop_last`` the tail that does not
-    divide evenly is dropped. Rank ``r`` takes positions ``r, r + world_size, ...``.
+    divide evenly is dropped. Rank ``r`` takes positions ``r, r + world_size, ...``,
+    or with ``contiguous`` the ``r``-th of ``world_size`` equal runs of them.
 
     Args:
         indices: the epoch's order (a permutation of the rows).
         rank: this rank, in ``[0, world_size)``.
         world_size: the number of ranks.
         drop_last: drop the uneven tail instead of padding.
+        contiguous: runs instead of a stride. For an order that visits a
+            window of blocks at a time, a stride gives every rank rows of
+            every window, so each rank reads the whole file; a run holds
+            about ``1 / world_size`` of the windows.
 
     Returns:
         numpy.ndarray of int64.
@@ -248,4 +255,6 @@ def shard(indices, rank, world_size, drop_last):
         padding = per_rank * world_size - n
         if padding:
             indices = np.concatenate([indices, np.resize(indices, padding)])
+    if contiguous:
+        return indices[rank * per_rank:(rank + 1) * per_rank]
     return indices[rank::world_size]
