@@ -109,10 +109,14 @@ def add_training_arguments(parser):
     group.add_argument("--table-dir", help="directory for --storage mmap's files")
     group.add_argument("--speedtorch-api", action="store_true",
                        help="train through ModelFactory/OptimizerFactory instead of OffloadedEmbedding")
-    group.add_argument("--autograd", action="store_true",
-                       help="sgd on the CPU: differentiate with autograd instead of skip-gram's closed-form "
-                       "gradients (the same vectors to float32 rounding, slower); adam, adamax and GPU runs "
-                       "always use autograd")
+    gradients = group.add_mutually_exclusive_group()
+    gradients.add_argument("--autograd", action="store_true",
+                           help="differentiate with autograd (the default for adam, adamax and on a GPU) "
+                           "instead of skip-gram's closed-form gradients (the default for sgd on the CPU; "
+                           "the same vectors to float32 rounding)")
+    gradients.add_argument("--closed-form", action="store_true",
+                           help="skip-gram's closed-form gradients where autograd is the default (on a GPU, "
+                           "or with adam/adamax)")
     group.add_argument("--cache-rows", type=int, default=0, metavar="N",
                        help="keep N hot rows of each table (and their optimizer state) on the device "
                        "between steps (0: no cache)")
@@ -164,6 +168,8 @@ def main(argv=None):
         parser.error("--prefetch brings rows into the device cache: give --cache-rows N as well")
     if args.distributed and args.cache_rows:
         parser.error("--cache-rows is for one process; the sharded tables of --distributed have no device cache")
+    if args.closed_form and (args.speedtorch_api or args.distributed):
+        parser.error("--speedtorch-api and --distributed train with autograd: drop --closed-form")
     backend, device = backend_and_device(args)
     if device.type == "cpu":
         torch.set_num_threads(word2vec.cpu_threads(args.threads))
@@ -188,7 +194,8 @@ def main(argv=None):
                             window=args.window, subsample=args.subsample, optimizer=args.optimizer,
                             lr=args.lr, schedule=args.schedule, storage=args.storage, backend=backend,
                             directory=args.table_dir, speedtorch_api=args.speedtorch_api,
-                            autograd=True if args.autograd else None, cache_rows=args.cache_rows,
+                            autograd=True if args.autograd else False if args.closed_form else None,
+                            cache_rows=args.cache_rows,
                             prefetch=args.prefetch, seed=args.seed, progress=not args.quiet)
     memory = memory_summary(result.model, result.optimizer)
     figures = {"words_per_second": result.words_per_second, "pairs_per_second": result.pairs / result.seconds,

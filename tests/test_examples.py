@@ -76,6 +76,16 @@ def test_word2vec_learns_topics_and_both_apis_agree(tmp_path):
     assert speedtorch["topic_purity"] == pytest.approx(offloaded["topic_purity"], abs=0.01)
 
 
+def test_word2vec_closed_form_is_asked_for_where_autograd_is_the_default(tmp_path):
+    # Adam defaults to autograd; --closed-form trains it with skip-gram's own gradients.
+    out, figures = run_example("word2vec", TINY_W2V + ["--optimizer", "adam", "--closed-form"], tmp_path)
+    assert figures["gradients"] == "closed form" and "closed form" in out
+    assert figures["topic_purity"] > 8 * figures["chance"], out
+    for clash in (["--autograd", "--closed-form"], ["--speedtorch-api", "--closed-form"]):
+        done = subprocess.run([sys.executable, EXAMPLES / "word2vec.py", *clash], capture_output=True, text=True)
+        assert done.returncode == 2 and "--closed-form" in done.stderr
+
+
 def write_country_corpus(tmp_path, rng, lines=6000):
     """A small text whose words have real relations: countries, their capitals, languages and rivers.
 
