@@ -292,7 +292,6 @@ CASES = [
     ("mid_step", lambda o, d: o(t([ROWS + 3])), ss.IdError, "out of range"),
     ("mid_step", lambda o, d: o(t(list(range(CAP + 1)))), ss.CapacityError, "at most"),
     ("mid_step", lambda o, d: o.load(d / "missing"), ss.StateError, "between steps"),
-    ("mid_step", lambda o, d: o.init_state(), ss.StateError, "between steps"),
     ("mid_step", lambda o, d: o.attach(torch.optim.SGD(o.parameters(), lr=1)), ss.StateError,
      "between steps"),
     # ModelFactory / OptimizerFactory

@@ -479,6 +479,24 @@ class RowCache:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def reload_state(self):
+        """Read every cached row's optimizer state from the host again (its state tables were reset).
+
+        Flush first: a dirty row's state would be lost. The rows keep their
+        slots, so a step whose rows are in flight still stores them where it
+        expects; only the state values change.
+        """
+        self._wait_prefetch()
+        held = torch.nonzero(self.slot_row >= 0).squeeze(1)
+        if not len(held) or not self.states:
+            return
+        rows = self.slot_row[held]
+        for name, table in self.state_tables.items():
+            _put_rows(self.states[name], held, self._gather_host(
+                table, rows, torch.empty_like(self.states[name][:len(held)])))
+        self.total["rows_h2d"] += len(held)
+        self.total["bytes_h2d"] += len(held) * self._state_row_bytes * len(self.states)
+
     def invalidate(self):
         """Forget every cached row without writing it back (the host tables were replaced).
 

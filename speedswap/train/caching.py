@@ -5,9 +5,13 @@ one, so its owner keeps three rules around every call that handles the host
 tables as a whole:
 
 * reading them (``save``, a numpy copy): :meth:`RowCache.flush` first;
-* replacing rows or state in them (``load``, an initialiser, ``init_state``):
-  :func:`rewriting`, which flushes before (cached rows the call leaves alone
-  keep their values) and invalidates after (cached rows it replaced are stale);
+* replacing rows or state in them (``load``, an initialiser): :func:`rewriting`,
+  which flushes before (cached rows the call leaves alone keep their values)
+  and invalidates after (cached rows it replaced are stale); between steps only;
+* resetting the optimizer state alone (``init_state``): :func:`resetting_state`,
+  which flushes before and reads the cached rows' state again after, keeping
+  every row in its slot, so it may run between a forward and its step (the
+  advice of a step refused for missing optimizer state);
 * replacing the tables the cache serves (a new optimizer): flush the old
   cache while its tables are open, then :func:`new_cache`.
 """
@@ -20,7 +24,7 @@ from ..live import track_cache
 from ..table import HostTable
 from .cache import COUNTERS, RowCache
 
-__all__ = ["new_cache", "rewriting", "idle_stats"]
+__all__ = ["new_cache", "rewriting", "resetting_state", "idle_stats"]
 
 
 def new_cache(num_slots: int, table: HostTable, state_tables: dict,
@@ -57,6 +61,23 @@ def rewriting(cache):
         yield
     finally:
         cache.invalidate()
+
+
+@contextlib.contextmanager
+def resetting_state(cache):
+    """Bracket a call that resets the optimizer state tables of ``cache`` (None: no cache).
+
+    Unlike :func:`rewriting` it keeps the cached rows in their slots, so it is
+    safe with a step's rows in flight.
+    """
+    if cache is None:
+        yield
+        return
+    cache.flush()
+    try:
+        yield
+    finally:
+        cache.reload_state()
 
 
 def idle_stats(cache_rows: int) -> dict:

@@ -18,7 +18,7 @@ from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_row_ids, int_option, torch_dtype
 from ..errors import CapacityError, DTypeError, OptionError, StateError
 from ..table import HostTable
-from .caching import idle_stats, new_cache, rewriting
+from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
 from .row_state import NarrowedStep, RowState, row_state_spec
 from .step_hooks import StepHooks
@@ -187,18 +187,16 @@ class OffloadedEmbedding(torch.nn.Module):
         For restarting the optimizer (a fresh ``torch.optim`` optimizer after
         :meth:`load`, when its ``state_dict`` was not saved).
 
+        It may run between a forward and the step: that is the advice of a
+        step refused because the optimizer holds no state for trained rows.
+
         Raises:
-            StateError: before :meth:`attach`, on a closed embedding, or
-                between a training forward and the optimizer step.
+            StateError: before :meth:`attach`, or on a closed embedding.
         """
         self._check_open()
         if self._state is None:
             raise StateError("init_state needs an attached optimizer: call emb.attach(optimizer)")
-        if self._working_set.size:
-            # The step's rows are in flight: a cache would drop the slots they go back to.
-            raise StateError("init_state between a training forward and optimizer.step() would reset "
-                             "state the step is using; call it between steps")
-        with rewriting(self._cache):  # cached state rows would outlive the reset
+        with resetting_state(self._cache):  # cached state rows would outlive the reset
             self._state.init_state()
 
     def _check_open(self):
