@@ -46,7 +46,9 @@ def test_subsampling_keeps_rare_words_and_thins_frequent_ones():
 
 
 @pytest.mark.parametrize("vocab", [3, 20_000, 300_000])
-def test_negative_sampler_draws_what_a_binary_search_of_the_cdf_draws(vocab, rng):
+@pytest.mark.parametrize("slice_", [1 << 20, 4099])  # one slice; many, the last one short
+def test_negative_sampler_draws_what_a_binary_search_of_the_cdf_draws(vocab, slice_, rng, monkeypatch):
+    monkeypatch.setattr(word2vec.NegativeSampler, "SLICE", slice_)
     counts = np.concatenate([[0], (1e7 / np.arange(1, vocab) ** rng.uniform(0.5, 1.5)).astype(np.int64)])
     sampler = word2vec.NegativeSampler(counts, torch.device("cpu"), seed=7)
     uniform = torch.rand((50_000, 5), dtype=torch.float64, generator=torch.Generator().manual_seed(7))

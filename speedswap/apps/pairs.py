@@ -44,6 +44,8 @@ class NegativeSampler:
 
     #: The most compares a guide-table lookup may need before binary search is cheaper.
     _MAX_STEPS = 4
+    #: Draws per pass: 1 MiB of them keeps each temporary at 8 MiB.
+    SLICE = 1 << 20
 
     def __init__(self, counts: Sequence[int], device: torch.device, power: float = 0.75, seed: int = 0):
         weight = np.asarray(counts, dtype=np.float64) ** power
@@ -66,8 +68,23 @@ class NegativeSampler:
             self._guide = torch.from_numpy(np.minimum(guide[:-1], self._last)).to(device)
 
     def __call__(self, shape: Sequence[int]) -> torch.Tensor:
-        """Negative word ids of ``shape`` (int64, on the sampler's device)."""
-        u = torch.rand(shape, dtype=torch.float64, device=self._cdf.device, generator=self._generator)
+        """Negative word ids of ``shape`` (int64, on the sampler's device).
+
+        Drawn :data:`SLICE` at a time into the result: the same draws as one
+        call (the generator's stream does not depend on how it is cut), but
+        the temporaries stay a few MiB, in the CPU's caches and reused by the
+        allocator, where a chunk's worth (tens of millions of draws) made each
+        of the six passes a trip to memory and every new page a page fault.
+        """
+        out = torch.empty(shape, dtype=torch.int64, device=self._cdf.device)
+        flat = out.view(-1)
+        for start in range(0, len(flat), self.SLICE):
+            part = flat[start:start + self.SLICE]
+            part.copy_(self._draw(len(part)))
+        return out
+
+    def _draw(self, count: int) -> torch.Tensor:
+        u = torch.rand(count, dtype=torch.float64, device=self._cdf.device, generator=self._generator)
         if self._guide is None:
             return torch.searchsorted(self._cdf, u).clamp_(max=self._last)
         # The first word whose CDF reaches u lies at most `steps` words past the guide's.
