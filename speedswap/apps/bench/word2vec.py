@@ -107,6 +107,7 @@ def _gensim_sentences(corpus: Corpus) -> tuple:
 
 def _gensim(corpus: Corpus, size: dict, sentences: list, words: list, seed: int) -> dict:
     """One gensim ``Word2Vec(sg=1)`` run with the demo's settings, all cores; its words/s and quality."""
+    import gensim
     from gensim.models import Word2Vec
 
     model = Word2Vec(sg=1, vector_size=size["dim"], window=_WINDOW, negative=_NEGATIVES, sample=_SUBSAMPLE,
@@ -118,7 +119,7 @@ def _gensim(corpus: Corpus, size: dict, sentences: list, words: list, seed: int)
     vectors = np.stack([model.wv[w] for w in words])
     purity, _ = word2vec.topic_purity(vectors, corpus)
     return {"words_per_second": len(corpus.tokens) * size["epochs"] / seconds, "seconds": seconds,
-            "topic_purity": purity, "workers": _cores()}
+            "topic_purity": purity, "workers": _cores(), "gensim": gensim.__version__}
 
 
 def run(size: dict, rounds: int, *, gpu: bool, gensim: bool = True, seed: int = 0) -> dict:
