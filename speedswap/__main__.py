@@ -47,20 +47,20 @@ def _bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _steps_option(parse):
-    """An argparse type for ``--steps``: ``parse``'s list, or argparse's own error message."""
-    def steps(text: str) -> list:
-        try:
-            return parse(text)
-        except SpeedswapError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return steps
+def _bench_steps(text: str) -> list:
+    """``--steps``' type: the suite's step names, or argparse's own error message."""
+    from .apps.bench.suite import step_names
+
+    try:
+        return step_names(text)
+    except SpeedswapError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m speedswap`` argument parser (every ``--help`` shows the defaults)."""
     from .apps.bench import DEFAULT_OUT
-    from .apps.bench.suite import STEPS, step_names
+    from .apps.bench.suite import STEPS
 
     parser = argparse.ArgumentParser(prog="python -m speedswap", description="speedswap command line",
                                      formatter_class=_FORMAT)
@@ -88,10 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="16x smaller sizes (a smoke run; without --all)")
     bench.add_argument("--repeats", type=int, default=_REPEATS, help="timed repeats per method (without --all)")
     bench.add_argument("--all", action="store_true",
-                       help="the GPU suite: gpu tests and every GPU benchmark (about 12 minutes on an H100, estimated; see --steps)")
+                       help="the GPU suite: gpu tests and every GPU benchmark (about 12 minutes on an H100, "
+                            "estimated; see --steps)")
     bench.add_argument("--dry-run", action="store_true",
                        help="with --all: every step at tiny sizes on the CPU, GPU parts reported as skipped")
-    bench.add_argument("--steps", type=_steps_option(step_names),
+    bench.add_argument("--steps", type=_bench_steps,
                        help="with --all: only these steps, comma-separated, of "
                             + ", ".join(name.replace(" ", "-") for name in STEPS)
                             + " (to split the suite over calls with a time limit; default: all)")

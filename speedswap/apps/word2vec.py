@@ -41,7 +41,7 @@ from .corpus import Corpus
 from .pairs import NegativeSampler, PairChunks
 from .skipgram import SkipGram, manual_step
 
-__all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "cpu_threads", "DEFAULT_LR",
+__all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "cores_granted", "cpu_threads", "DEFAULT_LR",
            "topic_purity", "nearest_neighbours"]
 
 #: The default learning rate of each optimizer: word2vec's 0.025 per pair for SGD.
@@ -49,6 +49,11 @@ DEFAULT_LR = {"sgd": 0.025, "adam": 0.01, "adamax": 0.01}
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamax": torch.optim.Adamax}
 #: word2vec's floor for the decayed rate, as a share of the starting rate.
 _LR_FLOOR = 1e-4
+
+
+def cores_granted() -> int:
+    """The cores this process may run on (its affinity where the OS tells it, else all)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cpu_threads(requested: Optional[int] = None) -> int:
@@ -72,7 +77,7 @@ def cpu_threads(requested: Optional[int] = None) -> int:
     Raises:
         OptionError: ``requested`` (or ``OMP_NUM_THREADS``) is not a positive int.
     """
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    available = cores_granted()
     if requested is None:
         env = os.environ.get("OMP_NUM_THREADS", "").strip()
         try:

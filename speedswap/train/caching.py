@@ -46,6 +46,18 @@ def new_cache(num_slots: int, table: HostTable, state_tables: dict,
 
 
 @contextlib.contextmanager
+def _flushed_around(cache, after):
+    """Flush ``cache`` (None: no cache), run the block, then ``after(cache)`` even if it raised."""
+    if cache is None:
+        yield
+        return
+    cache.flush()
+    try:
+        yield
+    finally:
+        after(cache)
+
+
 def rewriting(cache):
     """Bracket a call that replaces rows or state in the host tables of ``cache`` (None: no cache).
 
@@ -53,31 +65,16 @@ def rewriting(cache):
     progress would write its rows to. It invalidates even when the call
     raises, which costs hits but never a row.
     """
-    if cache is None:
-        yield
-        return
-    cache.flush()
-    try:
-        yield
-    finally:
-        cache.invalidate()
+    return _flushed_around(cache, RowCache.invalidate)
 
 
-@contextlib.contextmanager
 def resetting_state(cache):
     """Bracket a call that resets the optimizer state tables of ``cache`` (None: no cache).
 
     Unlike :func:`rewriting` it keeps the cached rows in their slots, so it is
     safe with a step's rows in flight.
     """
-    if cache is None:
-        yield
-        return
-    cache.flush()
-    try:
-        yield
-    finally:
-        cache.reload_state()
+    return _flushed_around(cache, RowCache.reload_state)
 
 
 def idle_stats(cache_rows: int) -> dict:

@@ -29,7 +29,6 @@ vectors, not just spent time.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from typing import Optional
@@ -71,10 +70,6 @@ def gensim_missing() -> Optional[str]:
     return None
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _speedswap(corpus: Corpus, size: dict, backend: str, seed: int, *, batch_size: Optional[int] = None,
                cache_fraction: float = 0.0, **options) -> dict:
     """One :func:`word2vec.train` run of the demo's job; its words/s and quality."""
@@ -111,7 +106,7 @@ def _gensim(corpus: Corpus, size: dict, sentences: list, words: list, seed: int)
     from gensim.models import Word2Vec
 
     model = Word2Vec(sg=1, vector_size=size["dim"], window=_WINDOW, negative=_NEGATIVES, sample=_SUBSAMPLE,
-                     min_count=1, workers=_cores(), seed=seed)
+                     min_count=1, workers=word2vec.cores_granted(), seed=seed)
     model.build_vocab(sentences)
     start = time.perf_counter()
     model.train(sentences, total_examples=model.corpus_count, epochs=size["epochs"])
@@ -119,7 +114,7 @@ def _gensim(corpus: Corpus, size: dict, sentences: list, words: list, seed: int)
     vectors = np.stack([model.wv[w] for w in words])
     purity, _ = word2vec.topic_purity(vectors, corpus)
     return {"words_per_second": len(corpus.tokens) * size["epochs"] / seconds, "seconds": seconds,
-            "topic_purity": purity, "workers": _cores(), "gensim": gensim.__version__}
+            "topic_purity": purity, "workers": word2vec.cores_granted(), "gensim": gensim.__version__}
 
 
 def run(size: dict, rounds: int, *, gpu: bool, gensim: bool = True, seed: int = 0) -> dict:
@@ -165,7 +160,7 @@ def run(size: dict, rounds: int, *, gpu: bool, gensim: bool = True, seed: int = 
               for name in speed if name.startswith("gpu")}
     return {"setup": {**{k: size[k] for k in ("vocab", "tokens", "dim", "epochs", "batch_size")},
                       "window": _WINDOW, "negatives": _NEGATIVES, "subsample": _SUBSAMPLE, "rounds": rounds,
-                      "cores": _cores(), "chance": runs["cpu"][0]["chance"]},
+                      "cores": word2vec.cores_granted(), "chance": runs["cpu"][0]["chance"]},
             "contenders": contenders, "ratios": ratios, "skipped": skipped,
             "targets": {"gpu_over_cpu": CPU_TARGET, "gpu_over_gensim": GENSIM_TARGET}}
 
