@@ -1,7 +1,9 @@
 """The word2vec pieces the demo and examples/word2vec.py share: corpus, pairs, negatives, scoring."""
 
+import dataclasses
 import functools
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -10,8 +12,8 @@ import torch
 import speedswap as ss
 from speedswap.apps import evaluate, word2vec
 from speedswap.apps.corpus import keep_probabilities, read_text_corpus, skipgram_pairs, synthetic_corpus
-from speedswap.apps.pairs import PairChunks
-from speedswap.apps.skipgram import SkipGram, _groups, manual_step
+from speedswap.apps.pairs import PairBatch, PairChunks, _groups
+from speedswap.apps.skipgram import SkipGram, manual_step
 from speedswap.apps.w2v_format import load_word2vec_format, save_word2vec_format
 
 
@@ -181,6 +183,56 @@ def test_pair_stream_equals_the_epochs_and_raises_the_threads_errors():
         list(chunks.stream(1))
 
 
+def test_a_planned_batch_holds_the_same_pairs_sorted_by_centre_and_groups_its_ids(rng):
+    pairs, columns, vocab = 500, 5, 300
+    perm = rng.permutation(vocab)  # Zipf heads scattered over the table
+    centres, contexts = (torch.from_numpy(perm[(rng.zipf(1.3, pairs) - 1) % vocab]) for _ in range(2))
+    negatives = torch.from_numpy(perm[(rng.zipf(1.3, (pairs, columns - 1)) - 1) % vocab])
+    batch = PairBatch.plan(centres, contexts, negatives, centre_rows=vocab, context_rows=vocab, words=12.5)
+    assert len(batch) == pairs and batch.words == 12.5 and batch.ids.shape == (pairs, columns)
+    as_rows = lambda c, x, n: sorted(zip(c.tolist(), x.tolist(), map(tuple, n.tolist())))
+    assert as_rows(batch.centres, batch.contexts, batch.negatives) == as_rows(centres, contexts, negatives)
+    assert bool((batch.centres[1:] >= batch.centres[:-1]).all())
+    assert batch.centre_rows.tolist() == sorted(set(centres.tolist()))
+    runs = torch.bincount(torch.searchsorted(batch.centre_rows, batch.centres))
+    assert torch.equal(batch.centre_starts, (runs.cumsum(0) - runs) * columns)
+    flat = batch.ids.reshape(-1)
+    assert batch.context_rows.tolist() == sorted(set(flat.tolist()))
+    assert torch.equal(batch.context_order, torch.sort(flat, stable=True).indices)
+    assert torch.equal(batch.context_pairs, batch.context_order // columns)
+    occurrences = torch.bincount(torch.searchsorted(batch.context_rows, flat))
+    assert torch.equal(batch.context_starts, occurrences.cumsum(0) - occurrences)
+    assert torch.equal(batch.context_rows[batch.context_slots()], batch.ids)
+    assert batch.to("cpu") is batch
+    with pytest.raises(ss.ShapeError, match=r"got shapes \(500,\), \(499,\) and \(500, 4\)"):
+        PairBatch.plan(centres, contexts[1:], negatives, centre_rows=vocab, context_rows=vocab)
+    with pytest.raises(ss.IdError, match="centre ids contain -1"):
+        PairBatch.plan(torch.cat([centres[1:], torch.tensor([-1])]), contexts, negatives, centre_rows=vocab,
+                       context_rows=vocab)
+
+
+def test_planned_batches_are_the_chunks_cut_in_order_and_closing_stops_both_threads():
+    corpus = synthetic_corpus(vocab=200, topics=4, tokens=9_000, seed=0)
+    chunks = PairChunks(corpus, window=3, negatives=2, subsample=1e-3, chunk_tokens=2_000, seed=5)
+    expected = [b for epoch in range(2) for chunk in chunks.epoch(epoch) for b in chunk.batches(300, 200)]
+    with chunks.batches(2, batch_size=300, ahead_pairs=600) as stream:
+        streamed = list(stream)
+    assert len(streamed) == len(expected) > 10
+    names = [field.name for field in dataclasses.fields(PairBatch)]
+    for a, b in zip(streamed, expected):
+        assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in names if n != "words") and a.words == b.words
+    assert sum(b.words for b in streamed) == pytest.approx(2 * 9_000)
+    assert {len(b) for b in streamed} >= {300} and max(len(b) for b in streamed) == 300
+    # A chunk without a pair (one-word documents) is one empty batch carrying its words.
+    empty = synthetic_corpus(vocab=50, topics=2, tokens=400, doc_len=1, seed=0)
+    lone = next(PairChunks(empty, window=3, negatives=2, subsample=1e-3, chunk_tokens=400, seed=0).epoch(0))
+    assert [(len(b), b.words) for b in lone.batches(64, 50)] == [(0, 400.0)]
+    stream = chunks.batches(100, batch_size=64, ahead_pairs=128)
+    next(stream)
+    stream.close()  # leaving a loop early strands neither thread
+    assert not any(t.name.startswith("speedswap-w2v") for t in threading.enumerate())
+
+
 def test_topic_purity_needs_planted_topics_and_enough_frequent_words(tmp_path, rng):
     (tmp_path / "text").write_text("a b c a b\n")
     text = read_text_corpus(tmp_path / "text", vocab=3)
@@ -300,8 +352,9 @@ def test_in_place_sgd_trains_what_the_working_set_and_autograd_train(rng, tmp_pa
     dense = torch.optim.SGD(model.parameters(), lr=0.05)
     dense_schedule = torch.optim.lr_scheduler.LambdaLR(dense, lambda step: 1 - step / 400)
     for i, batch in enumerate(batches):
+        planned = PairBatch.plan(*batch, centre_rows=vocab, context_rows=vocab)
         for mode, (tables, optimizer, scheduler, step) in runs.items():
-            loss = step(*batch)
+            loss = step(planned)
             scheduler.step()
             if i == steps // 2 and mode:  # a checkpoint in the middle, restored into the same tables
                 for k, table in enumerate(tables):
@@ -325,14 +378,15 @@ def test_in_place_sgd_trains_what_the_working_set_and_autograd_train(rng, tmp_pa
 def test_in_place_sgd_steps_aside_when_it_would_train_the_wrong_thing(rng, tmp_path):
     u0 = rng.uniform(-0.5, 0.5, (50, 4)).astype(np.float32)
     v0 = rng.normal(0, 0.3, (50, 4)).astype(np.float32)
-    batch = (torch.tensor([1, 2, 1]), torch.tensor([3, 4, 5]), torch.tensor([[6, 7], [8, 1], [3, 9]]))
+    batch = PairBatch.plan(torch.tensor([1, 2, 1]), torch.tensor([3, 4, 5]), torch.tensor([[6, 7], [8, 1], [3, 9]]),
+                           centre_rows=50, context_rows=50)
     def train(in_place, weight_decay):
         tables, optimizer, _, step = _skipgram_tables(u0, v0, in_place, tmp_path)
-        step(*batch)
+        step(batch)
         # Weight decay touches every trained row, which the in-place update leaves out: the step copies.
         optimizer.param_groups[0]["weight_decay"] = weight_decay
         for _ in range(3):
-            step(*batch)
+            step(batch)
         return tables, optimizer, [t.table.to_numpy() for t in tables]
 
     tables, optimizer, decayed = train(None, 0.5)
@@ -341,9 +395,21 @@ def test_in_place_sgd_steps_aside_when_it_would_train_the_wrong_thing(rng, tmp_p
         np.testing.assert_allclose(decayed[k], copied[k], rtol=0, atol=1e-6)
         assert np.abs(decayed[k] - plain[k]).max() > 1e-3
     with pytest.raises(ss.OptionError, match="plain SGD"):
-        manual_step(*tables, optimizer, in_place=True)(*batch)
+        manual_step(*tables, optimizer, in_place=True)(batch)
+    # Ids are checked where a batch is planned, and a planned batch against the tables it meets.
     with pytest.raises(ss.IdError, match="context and negative ids contain 50"):
-        _skipgram_tables(u0, v0, True, tmp_path)[3](batch[0], batch[1], torch.tensor([[6, 7], [8, 50], [3, 9]]))
+        PairBatch.plan(batch.centres, batch.contexts, torch.tensor([[6, 7], [8, 50], [3, 9]]), centre_rows=50,
+                       context_rows=50)
+    wide = PairBatch.plan(batch.centres, batch.contexts, torch.tensor([[6, 7], [8, 50], [3, 9]]), centre_rows=50,
+                          context_rows=51)
+    small = _skipgram_tables(u0, v0, True, tmp_path)
+    before = [t.table.to_numpy() for t in small[0]]
+    with pytest.raises(ss.IdError, match="context id 50 but the context table has 50 rows"):
+        small[3](wide)
+    with pytest.raises(ss.ShapeError, match="no pairs"):
+        small[3](PairBatch.plan([], [], np.zeros((0, 2), np.int64), centre_rows=50, context_rows=50))
+    for table, old in zip(small[0], before):
+        assert np.array_equal(table.table.to_numpy(), old)  # refused before anything changed
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
@@ -382,9 +448,9 @@ def test_cache_and_prefetch_options_are_checked():
 @pytest.mark.parametrize("bound", [7, 40_000, 3_000_000, 1 << 40])  # one radix pass, two, torch's sort
 def test_context_ids_are_grouped_as_a_stable_sort_and_unique_group_them(bound, rng):
     ids = torch.from_numpy(rng.integers(0, bound, 5000))
-    unique, inverse, order, starts = _groups(ids, bound)
+    unique, order, starts = _groups(ids, bound)
     expected_unique, expected_inverse = torch.unique(ids, return_inverse=True)
-    assert torch.equal(unique, expected_unique) and torch.equal(inverse, expected_inverse)
+    assert torch.equal(unique, expected_unique)
     assert torch.equal(order, torch.sort(ids, stable=True).indices)
     counts = torch.bincount(expected_inverse)
     assert torch.equal(starts, counts.cumsum(0) - counts)

@@ -1,16 +1,23 @@
-"""Skip-gram training examples made ahead of the training loop: pairs and their negatives, per chunk.
+"""Skip-gram training examples made ahead of the training loop: pairs, their negatives, planned batches.
 
 A background thread turns the corpus, one chunk of tokens at a time, into
 (centre, context, negatives) arrays (subsampling, dynamic window, unigram^0.75
-negatives) while the training loop consumes the previous chunk; numpy's and
-torch's kernels release the GIL, so on a CPU with two cores the pairs cost
-little of the training thread's time.
+negatives); a second one cuts each chunk into batches and plans them
+(:class:`PairBatch`: ids checked, pairs sorted by centre, context ids
+grouped), the bookkeeping of the closed-form training step, while the
+training loop trains the batches planned before. numpy's and torch's
+kernels release the GIL, so on a CPU with two cores the pairs and the plans
+cost little of the training thread's time.
 
 >>> from speedswap.apps.corpus import synthetic_corpus
 >>> corpus = synthetic_corpus(vocab=200, topics=4, tokens=5_000, seed=0)
 >>> chunks = PairChunks(corpus, window=5, negatives=5, subsample=1e-3, chunk_tokens=2_000, seed=0)
 >>> sum(chunk.tokens for chunk in chunks.epoch(0))
 5000
+>>> with chunks.batches(1, batch_size=256) as batches:
+...     batch = next(batches)
+>>> len(batch), batch.ids.shape[1], bool((batch.centres[1:] >= batch.centres[:-1]).all())
+(256, 6, True)
 """
 
 from __future__ import annotations
@@ -18,14 +25,17 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from typing import Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
+import speedswap as ss
+from speedswap import convert
+
 from .corpus import Corpus, keep_probabilities, skipgram_pairs
 
-__all__ = ["NegativeSampler", "Chunk", "PairChunks", "ChunkStream"]
+__all__ = ["NegativeSampler", "PairBatch", "Chunk", "PairChunks", "Background"]
 
 
 class NegativeSampler:
@@ -94,6 +104,139 @@ class NegativeSampler:
         return word
 
 
+def _groups(ids: torch.Tensor, bound: int) -> tuple:
+    """Each distinct id of a 1-D tensor of ids in ``[0, bound)``, and where its occurrences are.
+
+    On the CPU it runs in numpy, whose stable sort of 16-bit keys is a radix
+    sort (ids up to 2**32 take two passes, least significant half first):
+    2 to 4 times faster than torch's comparison sort and its small kernels
+    at a few thousand ids. On a GPU torch's own sort is fast.
+
+    Returns:
+        ``(unique, order, starts)``: the sorted distinct ids; the
+        occurrences sorted by id (a stable permutation); where each id's run
+        starts in ``order``.
+    """
+    if ids.device.type != "cpu" or bound > 1 << 32:
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        counts = torch.bincount(inverse, minlength=len(unique))
+        return unique, torch.argsort(inverse, stable=True), counts.cumsum(0) - counts
+    values = ids.numpy()
+    order = np.argsort((values & 0xFFFF).astype(np.uint16), kind="stable")
+    if bound > 1 << 16:
+        order = order[np.argsort((values >> 16).astype(np.uint16)[order], kind="stable")]
+    ranked = values[order]
+    first = np.empty(len(values), dtype=bool)
+    first[:1] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
+    return torch.from_numpy(ranked[first]), torch.from_numpy(order), torch.from_numpy(np.flatnonzero(first))
+
+
+@dataclasses.dataclass(frozen=True)
+class PairBatch:
+    """A batch of skip-gram pairs, its ids checked and grouped for the closed-form step; made by :meth:`plan`.
+
+    The pairs are sorted by centre, so each centre's pairs are one run. The
+    order of a batch's pairs does not change its gradients (every pair is
+    scored with the same vectors), only the order in which float32 sums
+    add them. Grouping costs the closed-form step about as much as its
+    arithmetic on a CPU; planned on a thread of their own
+    (:meth:`PairChunks.batches`), batches arrive with it done.
+
+    Attributes:
+        centres: ``(B,)`` int64 centre ids, non-decreasing.
+        ids: ``(B, 1 + K)`` int64: each pair's context id, then its K negatives.
+        centre_rows: the distinct centres, ascending.
+        centre_starts: where each distinct centre's pairs start in ``ids.view(-1)``
+            (multiples of ``1 + K``).
+        context_rows: the distinct ids of ``ids``, ascending.
+        context_order: the positions of ``ids.view(-1)`` sorted by id (a
+            stable sort), so each id's occurrences are one run.
+        context_starts: where each distinct id's run starts in ``context_order``.
+        context_pairs: the pair (row of ``ids``) of each position in ``context_order``.
+        words: corpus words the batch stands for, its share of its chunk's
+            tokens (progress and learning-rate schedules count them).
+    """
+
+    centres: torch.Tensor
+    ids: torch.Tensor
+    centre_rows: torch.Tensor
+    centre_starts: torch.Tensor
+    context_rows: torch.Tensor
+    context_order: torch.Tensor
+    context_starts: torch.Tensor
+    context_pairs: torch.Tensor
+    words: float = 0.0
+
+    @classmethod
+    def plan(cls, centres, contexts, negatives, *, centre_rows: int, context_rows: int,
+             words: float = 0.0) -> PairBatch:
+        """Check a batch's ids and group them.
+
+        Args:
+            centres: ``(B,)`` centre ids (a tensor, array or list of ints).
+            contexts: ``(B,)`` ids of words seen near the centres.
+            negatives: ``(B, K)`` ids of sampled words.
+            centre_rows, context_rows: the rows of the centre and the context
+                table: every id must lie below its table's.
+            words: what :attr:`words` records.
+
+        Returns:
+            the :class:`PairBatch`, on the ids' device.
+
+        Raises:
+            ShapeError: the three do not describe the same B pairs.
+            DTypeError, DeviceError, IdError: ids that are not integers, or
+                not on the CPU or the centres' device, or out of their table's range.
+        """
+        device = centres.device if isinstance(centres, torch.Tensor) else torch.device("cpu")
+        centres, centre_shape = convert.as_row_ids(centres, centre_rows, device, what="centre ids")
+        contexts, context_shape = convert.as_id_tensor(contexts, device, what="context ids")
+        negatives, negative_shape = convert.as_id_tensor(negatives, device, what="negative ids")
+        if len(centre_shape) != 1 or context_shape != centre_shape or negative_shape[:1] != centre_shape \
+                or len(negative_shape) != 2:
+            raise ss.ShapeError(f"a batch is B centres, B contexts and (B, K) negatives; got shapes "
+                                f"{centre_shape}, {context_shape} and {negative_shape}")
+        ids = torch.cat([contexts.unsqueeze(1), negatives.view(negative_shape)], dim=1)
+        convert.check_id_range(ids.view(-1), context_rows, what="context and negative ids")
+        columns = ids.shape[1]
+        centre_ids, by_centre, centre_starts = _groups(centres, centre_rows)
+        centres, ids = centres[by_centre], ids[by_centre]
+        context_ids, order, context_starts = _groups(ids.view(-1), context_rows)
+        return cls(centres, ids, centre_ids, centre_starts * columns, context_ids, order, context_starts,
+                   order // columns, words)
+
+    def __len__(self) -> int:
+        return len(self.centres)
+
+    @property
+    def contexts(self) -> torch.Tensor:
+        """``(B,)``: each pair's context id."""
+        return self.ids[:, 0]
+
+    @property
+    def negatives(self) -> torch.Tensor:
+        """``(B, K)``: each pair's negative ids (a view of :attr:`ids`)."""
+        return self.ids[:, 1:]
+
+    def context_slots(self) -> torch.Tensor:
+        """``(B, 1 + K)``: where each of :attr:`ids` is in :attr:`context_rows`."""
+        counts = torch.diff(self.context_starts, append=self.context_starts.new_tensor([self.ids.numel()]))
+        local = torch.empty_like(self.context_order)
+        local[self.context_order] = torch.repeat_interleave(
+            torch.arange(len(self.context_rows), device=local.device), counts, output_size=self.ids.numel())
+        return local.view(self.ids.shape)
+
+    def to(self, device: torch.device) -> PairBatch:
+        """The batch on ``device`` (itself when it is there already)."""
+        device = torch.device(device)
+        if self.centres.device == device:
+            return self
+        moved = {field.name: getattr(self, field.name).to(device, non_blocking=True)
+                 for field in dataclasses.fields(self) if field.name != "words"}
+        return dataclasses.replace(self, **moved)
+
+
 @dataclasses.dataclass
 class Chunk:
     """The training examples of one stretch of the corpus, in random order.
@@ -108,6 +251,22 @@ class Chunk:
     contexts: torch.Tensor
     negatives: torch.Tensor
     tokens: int
+
+    def batches(self, batch_size: int, rows: int) -> Iterator[PairBatch]:
+        """The chunk's pairs in planned batches of ``batch_size`` (the last one may be shorter), in order.
+
+        Each batch stands for an equal share of the chunk's tokens; a chunk
+        without pairs gives one empty batch, which carries its tokens.
+
+        Args:
+            batch_size: pairs per batch.
+            rows: the vocabulary size (both tables' rows).
+        """
+        count = max(1, -(-len(self.centres) // batch_size))
+        for start in range(0, count * batch_size, batch_size):
+            stop = start + batch_size
+            yield PairBatch.plan(self.centres[start:stop], self.contexts[start:stop], self.negatives[start:stop],
+                                 centre_rows=rows, context_rows=rows, words=self.tokens / count)
 
 
 class PairChunks:
@@ -150,34 +309,56 @@ class PairChunks:
             yield Chunk(torch.from_numpy(centres), torch.from_numpy(contexts),
                         sampler((len(centres), self._negatives)), stop - start)
 
-    def stream(self, epochs: int, *, ahead: int = 2) -> ChunkStream:
+    def stream(self, epochs: int, *, ahead: int = 1) -> Background:
         """The chunks of ``epochs`` passes, made by a background thread up to ``ahead`` chunks early.
 
         The thread starts at once, so the first chunk is being made while
         the caller sets up the rest of its job (the tables, for word2vec).
         """
-        return ChunkStream(self, epochs, ahead)
+        def chunks():
+            for epoch in range(epochs):
+                yield from self.epoch(epoch)
+        return Background(chunks, ahead=ahead, name="speedswap-w2v-pairs")
+
+    def batches(self, epochs: int, *, batch_size: int, ahead_pairs: int = 1 << 19) -> Background:
+        """The planned batches of ``epochs`` passes (:meth:`Chunk.batches`), in order.
+
+        Two background threads: one makes the chunks (:meth:`stream`), the
+        other cuts them into batches and plans them, up to about
+        ``ahead_pairs`` pairs early (about 100 MB of plans at 2**19).
+        """
+        chunks = self.stream(epochs)
+        rows = self._corpus.vocab_size
+
+        def planned():
+            for chunk in chunks:
+                yield from chunk.batches(batch_size, rows)
+        return Background(planned, ahead=max(2, ahead_pairs // batch_size), name="speedswap-w2v-plans",
+                          upstream=chunks)
 
 
-class ChunkStream:
-    """An iterator over a :class:`PairChunks`' chunks, made by a background thread.
+class Background:
+    """An iterator whose items a background thread makes, up to ``ahead`` of them early.
 
-    An exception raised while making pairs is raised by ``next``. ``close()``
-    (or leaving a ``with`` block) stops the thread; a loop left early must
-    close the stream.
+    The thread starts at once. An exception raised while making an item is
+    raised by ``next``. ``close()`` (or leaving a ``with`` block) stops the
+    thread, and first the ``upstream`` iterator it reads, if any; a loop
+    left early must close it.
 
     Args:
-        chunks: what makes the chunks.
-        epochs: passes over the corpus.
-        ahead: chunks made ahead of the one being consumed.
+        produce: called on the thread; returns the items' iterable.
+        ahead: items made ahead of the one being consumed.
+        name: the thread's name.
+        upstream: a :class:`Background` that ``produce`` reads, closed with this one.
     """
 
-    def __init__(self, chunks: PairChunks, epochs: int, ahead: int):
+    def __init__(self, produce: Callable[[], Iterable], *, ahead: int, name: str,
+                 upstream: Optional[Background] = None):
         self._slots: queue.Queue = queue.Queue(maxsize=ahead)
         self._stop = threading.Event()
         self._finished = object()
-        self._thread = threading.Thread(target=self._produce, args=(chunks, epochs),
-                                        name="speedswap-w2v-pairs", daemon=True)
+        self._upstream = upstream
+        self._thread = threading.Thread(target=self._produce, args=(produce,), name=name, daemon=True)
         self._thread.start()
 
     def _put(self, item) -> bool:
@@ -190,23 +371,28 @@ class ChunkStream:
                 continue
         return False
 
-    def _produce(self, chunks: PairChunks, epochs: int) -> None:
+    def _produce(self, produce: Callable[[], Iterable]) -> None:
         try:
-            for epoch in range(epochs):
-                for chunk in chunks.epoch(epoch):
-                    if not self._put(chunk):
-                        return
+            for item in produce():
+                if not self._put(item):
+                    return
             self._put(self._finished)
         except BaseException as exc:  # handed to the consumer, which raises it
             self._put(exc)
 
-    def __iter__(self) -> ChunkStream:
+    def __iter__(self) -> Background:
         return self
 
-    def __next__(self) -> Chunk:
-        if self._stop.is_set():
-            raise StopIteration
-        item = self._slots.get()
+    def __next__(self):
+        # A timed get, so a thread reading this one (a downstream Background) sees a close.
+        while True:
+            if self._stop.is_set():
+                raise StopIteration
+            try:
+                item = self._slots.get(timeout=0.1)
+                break
+            except queue.Empty:
+                continue
         if item is self._finished:
             self.close()
             raise StopIteration
@@ -216,11 +402,13 @@ class ChunkStream:
         return item
 
     def close(self) -> None:
-        """Stop the thread and wait for it (idempotent)."""
+        """Stop the thread (and the upstream one) and wait for it (idempotent)."""
         self._stop.set()
+        if self._upstream is not None:
+            self._upstream.close()
         self._thread.join()
 
-    def __enter__(self) -> ChunkStream:
+    def __enter__(self) -> Background:
         return self
 
     def __exit__(self, *exc) -> None:

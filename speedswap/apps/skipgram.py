@@ -13,11 +13,14 @@ device cache work as with autograd, and the vectors are autograd's to
 float32 rounding.
 
 >>> import torch, speedswap as ss
+>>> from speedswap.apps.pairs import PairBatch
 >>> centre, context = (ss.OffloadedEmbedding(50, 8, max_rows=32, backend="numpy") for _ in range(2))
 >>> opt = torch.optim.SGD([centre.weight, context.weight], lr=0.025)
 >>> centre.attach(opt); context.attach(opt)
 >>> step = manual_step(centre, context, opt)
->>> loss = step(torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([[5, 6], [7, 1]]))
+>>> batch = PairBatch.plan(torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([[5, 6], [7, 1]]),
+...                        centre_rows=50, context_rows=50)
+>>> loss = step(batch)
 >>> loss.shape
 torch.Size([])
 """
@@ -27,12 +30,12 @@ from __future__ import annotations
 import warnings
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 import speedswap as ss
-from speedswap import convert
+
+from .pairs import PairBatch
 
 __all__ = ["SkipGram", "manual_step"]
 
@@ -78,36 +81,6 @@ class SkipGram(torch.nn.Module):
         return -F.logsigmoid(score * _signs(score.shape[1], score)).sum()
 
 
-def _groups(ids: torch.Tensor, bound: int) -> tuple:
-    """Each distinct id of a 1-D tensor of ids in ``[0, bound)``, and where its occurrences are.
-
-    On the CPU it runs in numpy, whose stable sort of 16-bit keys is a radix
-    sort (ids up to 2**32 take two passes, least significant half first):
-    2 to 4 times faster than torch's comparison sort and its small kernels
-    at a few thousand ids. On a GPU torch's own sort is fast.
-
-    Returns:
-        ``(unique, inverse, order, starts)``: the sorted distinct ids; for
-        each occurrence, the index of its id in ``unique``; the occurrences
-        sorted by id (a permutation); where each id's run starts in ``order``.
-    """
-    if ids.device.type != "cpu" or bound > 1 << 32:
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        counts = torch.bincount(inverse, minlength=len(unique))
-        return unique, inverse, torch.argsort(inverse, stable=True), counts.cumsum(0) - counts
-    values = ids.numpy()
-    order = np.argsort((values & 0xFFFF).astype(np.uint16), kind="stable")
-    if bound > 1 << 16:
-        order = order[np.argsort((values >> 16).astype(np.uint16)[order], kind="stable")]
-    ranked = values[order]
-    first = np.empty(len(values), dtype=bool)
-    first[:1] = True
-    np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
-    inverse = np.empty_like(order)
-    inverse[order] = np.cumsum(first) - 1
-    return tuple(torch.from_numpy(a) for a in (ranked[first], inverse, order, np.flatnonzero(first)))
-
-
 def _scores(u: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """``scores[b, k] = u[b] . table[rows[b, k]]`` without gathering the ``(B, K, D)`` rows.
 
@@ -146,10 +119,12 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
     is ``sum_k g_k v_k`` and row ``v_k``'s is ``g_k u``, summed over every
     occurrence of a row in the batch. The step brings the rows in with
     :meth:`~speedswap.OffloadedEmbedding.slots`, computes those sums with
-    gather-and-sum kernels (``embedding_bag``, which never materialises the
-    ``(B, 1 + K, D)`` products), hands them over as ``weight.grad`` (only the
-    step's rows are written) and calls ``optimizer.step()``, whose hooks
-    write the rows back. The result is autograd's, to float32 rounding.
+    gather-and-sum kernels (``embedding_bag`` over the runs a
+    :class:`~speedswap.apps.pairs.PairBatch` groups, which never
+    materialises the ``(B, 1 + K, D)`` products), hands them over as
+    ``weight.grad`` (only the step's rows are written) and calls
+    ``optimizer.step()``, whose hooks write the rows back. The result is
+    autograd's, to float32 rounding.
 
     **In place.** When the tables' memory is the device's (the CPU backend),
     without a device cache, and the optimizer is plain SGD (no momentum,
@@ -172,48 +147,48 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
             conditions do not hold.
 
     Returns:
-        ``step(centres, contexts, negatives, between=None) -> loss``: the
-        arguments of :meth:`SkipGram.forward`; ``between()``, when given, is
-        called once the step's rows are in and before the optimizer updates
-        them (where to prefetch the next batch's rows). The loss is detached.
+        ``step(batch, between=None) -> loss``: ``batch`` a non-empty
+        :class:`~speedswap.apps.pairs.PairBatch` on the tables' device;
+        ``between()``, when given, is called once the step's rows are in and
+        before the optimizer updates them (where to prefetch the next
+        batch's rows). The loss (summed over the pairs) is detached.
 
     Raises:
         OptionError: a table with a padding row (skip-gram has none); (also
             from a step) ``in_place=True`` where the step cannot train in place.
+        ShapeError: (from a step) an empty batch.
+        IdError: (from a step) a batch planned for larger tables.
         StateError: (from a step) a table already holds rows of an unfinished step.
     """
     if centre.padding_idx is not None or context.padding_idx is not None:
         raise ss.OptionError("skip-gram tables have no padding row; build them without padding_idx")
     centre_grad, context_grad = torch.zeros_like(centre.weight), torch.zeros_like(context.weight)
 
-    def copying_step(centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor,
-                     between: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    def copying_step(batch: PairBatch, between: Optional[Callable[[], None]]) -> torch.Tensor:
         with torch.no_grad():
-            ids = torch.cat([contexts.unsqueeze(1), negatives], dim=1)
-            pairs, columns = ids.shape
-            # Deduplicated here, sorted, so the occurrences of each context row come grouped.
-            unique, inverse, order, starts = _groups(ids.view(-1), context.num_embeddings)
-            u_slots = centre.slots(centres)
-            # Sorted, distinct ids at a step's start take slots 0, 1, ...: `inverse` are the local ids.
-            context.slots(unique)
+            u_slots = centre.slots(batch.centres)
+            # Sorted, distinct ids at a step's start take slots 0, 1, ...: the batch's local ids.
+            context.slots(batch.context_rows)
             if between is not None:
                 between()
-            v_local = inverse.view(pairs, columns)
-            v_rows = context.weight.detach()[:len(unique)]
+            v_local = batch.context_slots()
+            v_rows = context.weight.detach()[:len(batch.context_rows)]
             u = centre.weight.detach().index_select(0, u_slots)
             g, loss = _score_gradients(_scores(u, v_local, v_rows))
             # Centre rows: sum_k g_k v_k per pair, then summed over each row's pairs.
             per_pair = F.embedding_bag(v_local, v_rows, per_sample_weights=g, mode="sum")
             centre_grad[:len(centre.working_rows)].zero_().index_add_(0, u_slots, per_pair)
-            # Context rows: sum of g_k u over each row's occurrences, which `order` groups by slot.
-            context_grad[:len(unique)] = F.embedding_bag(order // columns, u, starts,
-                                                         per_sample_weights=g.view(-1)[order], mode="sum")
+            # Context rows: sum of g_k u over each row's occurrences, which the batch groups by row.
+            context_grad[:len(batch.context_rows)] = F.embedding_bag(
+                batch.context_pairs, u, batch.context_starts, per_sample_weights=g.view(-1)[batch.context_order],
+                mode="sum")
             centre.weight.grad, context.weight.grad = centre_grad, context_grad
         optimizer.step()
         return loss
 
-    def step(centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor,
-             between: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    def step(batch: PairBatch, between: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        if not len(batch):
+            raise ss.ShapeError("the batch has no pairs, so no step to take; skip empty batches")
         if len(centre.working_rows) or len(context.working_rows):
             raise ss.StateError("a training forward ran since the last optimizer step; the step's slots "
                                 "would not be its own: call optimizer.step() or zero_grad() first")
@@ -223,8 +198,8 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
                                  "cache, and plain SGD (no momentum, weight_decay, nesterov or maximize); "
                                  "pass in_place=None to copy rows when that does not hold")
         if rates is None:
-            return copying_step(centres, contexts, negatives, between)
-        loss = _in_place_sgd(centre, context, rates, centres, contexts, negatives, between)
+            return copying_step(batch, between)
+        loss = _in_place_sgd(centre, context, rates, batch, between)
         centre.weight.grad = context.weight.grad = None  # nothing left for step() to apply
         optimizer.step()
         return loss
@@ -248,31 +223,29 @@ def _in_place_rates(centre, context, optimizer) -> Optional[tuple]:
     return tuple(rates)
 
 
-def _in_place_sgd(centre, context, rates, centres, contexts, negatives, between) -> torch.Tensor:
+def _in_place_sgd(centre, context, rates, batch: PairBatch, between) -> torch.Tensor:
     """:func:`manual_step`'s step on the host tables themselves: read the rows, then add ``-lr`` times the gradients."""
+    for table, rows, what in ((centre, batch.centre_rows, "centre"), (context, batch.context_rows, "context")):
+        # The batch checked its ids against the rows it was planned for; the largest must fit this table.
+        if int(rows[-1]) >= table.num_embeddings:
+            raise ss.IdError(f"the batch holds {what} id {int(rows[-1])} but the {what} table has "
+                             f"{table.num_embeddings} rows; plan it with {what}_rows={table.num_embeddings}")
     with torch.no_grad():
         u_table, v_table = centre.table.as_tensor(), context.table.as_tensor()
-        centres, _ = convert.as_row_ids(centres, centre.num_embeddings, u_table.device, what="centre ids")
-        flat, shape = convert.as_row_ids(torch.cat([contexts.unsqueeze(1), negatives], dim=1),
-                                         context.num_embeddings, v_table.device, what="context and negative ids")
-        ids = flat.view(shape)
-        pairs, columns = ids.shape
-        u = u_table.index_select(0, centres)  # a copy: the context gradients need the rows before the update
-        g, loss = _score_gradients(_scores(u, ids, v_table))
+        u = u_table.index_select(0, batch.centres)  # a copy: the context gradients need the rows before the update
+        g, loss = _score_gradients(_scores(u, batch.ids, v_table))
         # The updates are -lr times the gradients, each summed over all of its row's occurrences
         # before it meets the row (as SGD adds one summed gradient; adding each pair's share to the
         # row would round at the row's magnitude, again and again for frequent words). The -lr goes
         # into the 1 + K weights per pair: cheaper than scaling rows, and index_add_ with alpha
-        # took 3 times as long as without.
-        centre_ids, _, by_centre, centre_starts = _groups(centres, centre.num_embeddings)
-        centre_update = F.embedding_bag(ids[by_centre].view(-1), v_table, centre_starts * columns,
-                                        per_sample_weights=g[by_centre].view(-1) * -rates[0], mode="sum")
-        context_ids, _, by_context, context_starts = _groups(flat, context.num_embeddings)
-        context_update = F.embedding_bag(by_context // columns, u, context_starts,
-                                         per_sample_weights=g.view(-1)[by_context] * -rates[1], mode="sum")
+        # took 3 times as long as without. The batch's pairs come sorted by centre: one bag per centre.
+        centre_update = F.embedding_bag(batch.ids.view(-1), v_table, batch.centre_starts,
+                                        per_sample_weights=g.view(-1) * -rates[0], mode="sum")
+        context_update = F.embedding_bag(batch.context_pairs, u, batch.context_starts,
+                                         per_sample_weights=g.view(-1)[batch.context_order] * -rates[1], mode="sum")
         if between is not None:
             between()
         # Every read is done: the updates cannot feed into this step's own gradients.
-        u_table.index_add_(0, centre_ids, centre_update)
-        v_table.index_add_(0, context_ids, context_update)
+        u_table.index_add_(0, batch.centre_rows, centre_update)
+        v_table.index_add_(0, batch.context_rows, context_update)
     return loss

@@ -38,7 +38,7 @@ from tqdm import tqdm
 import speedswap as ss
 
 from .corpus import Corpus
-from .pairs import NegativeSampler, PairChunks
+from .pairs import NegativeSampler, PairBatch, PairChunks
 from .skipgram import SkipGram, manual_step
 
 __all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "cores_granted", "cpu_threads", "DEFAULT_LR",
@@ -137,17 +137,17 @@ def _capacities(vocab: int, batch_size: int, negatives: int) -> tuple:
 class _Job:
     """What a training loop needs of a model: its optimizer, a step, the trained vectors, a prefetch.
 
-    ``step(centres, contexts, negatives, between=None)`` trains one batch and
-    returns its loss; ``between()``, when given, runs once the batch's rows
-    are in and before they are updated. ``prefetch(batch)`` (None when the
-    API has none) starts bringing a batch's rows into the device caches.
+    ``step(batch, between=None)`` trains one :class:`~speedswap.apps.pairs.PairBatch`
+    and returns its loss; ``between()``, when given, runs once the batch's
+    rows are in and before they are updated. ``prefetch(batch)`` (None when
+    the API has none) starts bringing a batch's rows into the device caches.
     """
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     step: Callable[..., torch.Tensor]
     vectors: Callable[[], np.ndarray]
-    prefetch: Optional[Callable[[tuple], None]] = None
+    prefetch: Optional[Callable[[PairBatch], None]] = None
 
 
 def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
@@ -174,12 +174,11 @@ def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed,
         return centre.table.to_numpy()
 
     def prefetch(batch):
-        centres, contexts, negative_ids = batch
-        centre.prefetch(centres)
-        context.prefetch(torch.cat([contexts.unsqueeze(1), negative_ids], dim=1))
+        centre.prefetch(batch.centres)
+        context.prefetch(batch.ids)
 
-    def step(centres, contexts, negative_ids, between=None):
-        loss = model(centres, contexts, negative_ids)
+    def step(batch, between=None):
+        loss = model(batch.centres, batch.contexts, batch.negatives)
         if between is not None:
             between()
         optimizer.zero_grad()
@@ -213,7 +212,8 @@ def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed
     u_opt.optInit()
     v_opt.optInit()
 
-    def step(centres, contexts, negative_ids, between=None):
+    def step(batch, between=None):
+        centres, contexts, negative_ids = batch.centres, batch.contexts, batch.negatives
         local_centres = u_switch.beforeForwardPass(centres)
         local_contexts, local_negatives = v_switch.beforeForwardPass(contexts, negative_ids)
         u_opt.beforeForwardPass(centres)
@@ -300,9 +300,10 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
             the same with or without it.
         prefetch: while a step computes, start bringing the next batch's
             rows into the caches (needs ``cache_rows``); on a GPU the copies
-            overlap the step. The first batch of each chunk is not prefetched.
+            overlap the step.
         chunk_tokens: tokens turned into pairs at a time (a background thread
-            makes the next chunk while one trains).
+            makes the next chunk while one trains, and another one cuts
+            them into batches and plans those, see :meth:`PairChunks.batches`).
         seed: seeds the initial vectors, subsampling, windows, order and negatives.
         progress: show a tqdm bar with words/s and the learning rate (only
             when stderr is a terminal, so logs of a redirected run are not flooded).
@@ -332,12 +333,12 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
                         chunk_tokens=chunk_tokens, seed=seed)
     # Started before the tables are built, so the first chunk's pairs are made meanwhile;
     # an endless stream in steps mode, which the loop stops.
-    with chunks.stream(epochs if steps is None else 1 << 30) as stream:
+    with chunks.batches(epochs if steps is None else 1 << 30, batch_size=batch_size) as stream:
         job = (_build_speedtorch(*args) if speedtorch_api
                else _build_offloaded(*args, autograd=autograd, cache_rows=cache_rows))
         run = _Run(len(corpus.tokens), epochs if steps is None else None, steps)
-        seconds = run.train(job, stream, batch_size=batch_size, device=device,
-                            linear=schedule == "linear", prefetch=prefetch, progress=progress)
+        seconds = run.train(job, stream, device=device, linear=schedule == "linear", prefetch=prefetch,
+                            progress=progress)
     if not run.steps:
         raise ss.OptionError(f"the corpus ({len(corpus.tokens):,} tokens) gives no skip-gram pairs; "
                              f"it needs documents of two or more words")
@@ -367,9 +368,9 @@ class _Run:
             return 1 - self.steps / self.total_steps
         return 1 - self.words / self.total_words
 
-    def train(self, job: _Job, stream: Iterable, *, batch_size: int, device: torch.device,
-              linear: bool, prefetch: bool, progress: bool) -> float:
-        """Train ``job`` on ``stream``'s chunks until the run's length; returns the seconds it took."""
+    def train(self, job: _Job, stream: Iterable[PairBatch], *, device: torch.device, linear: bool,
+              prefetch: bool, progress: bool) -> float:
+        """Train ``job`` on ``stream``'s batches until the run's length; returns the seconds it took."""
         # word2vec's decay: linear in the share of the run already read, with a floor.
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             job.optimizer, lambda _: max(self.remaining(), _LR_FLOOR) if linear else 1.0)
@@ -377,36 +378,34 @@ class _Run:
         bar = tqdm(total=self.total_steps or self.total_words, unit="step" if self.total_steps else "word",
                    unit_scale=not self.total_steps, disable=None if progress else True, dynamic_ncols=True,
                    smoothing=0.05)
+        # One batch ahead, so the next batch's rows can be prefetched.
+        batches = (batch.to(device) for batch in stream)
         start = time.perf_counter()
         with bar:
-            for chunk in stream:
-                if len(chunk.centres) == 0:
-                    self.words += chunk.tokens
+            batch = next(batches, None)
+            while batch is not None:
+                upcoming = next(batches, None)
+                if not len(batch):  # a stretch of the corpus without pairs
+                    self.words += batch.words
                     if not self.steps and self.words >= self.pass_words:
                         break  # a whole pass without a pair: no run length would change that
+                    batch = upcoming
                     continue
-                # One batch ahead, so the next batch's rows can be prefetched. In order: the
-                # pair thread shuffled the chunk.
-                feeder = ss.BatchFeeder(chunk.centres, chunk.contexts, chunk.negatives, batch_size=batch_size,
-                                        order="sequential", device=device, lookahead=True)
-                words_per_batch = chunk.tokens / len(feeder)
-                for (centres, contexts, negative_ids), upcoming in feeder:
-                    ahead = None if not prefetch or upcoming is None else functools.partial(job.prefetch, upcoming)
-                    loss = job.step(centres, contexts, negative_ids, ahead)
-                    self.words += words_per_batch
-                    self.steps += 1
-                    self.pairs += len(centres)
-                    scheduler.step()  # the next step's rate, from the share read so far
-                    # Reading the loss synchronises a GPU; do it only as often as the bar redraws.
-                    if self.steps % 50 == 1 or self.steps == self.total_steps:
-                        self.losses.append((self.steps, float(loss) / len(centres)))
-                        bar.set_postfix(loss=f"{self.losses[-1][1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
-                                        refresh=False)
-                    bar.update(1 if self.total_steps else words_per_batch)
-                    if self.steps == self.total_steps:
-                        break
+                ahead = functools.partial(job.prefetch, upcoming) if prefetch and upcoming else None
+                loss = job.step(batch, ahead)
+                self.words += batch.words
+                self.steps += 1
+                self.pairs += len(batch)
+                scheduler.step()  # the next step's rate, from the share read so far
+                # Reading the loss synchronises a GPU; do it only as often as the bar redraws.
+                if self.steps % 50 == 1 or self.steps == self.total_steps:
+                    self.losses.append((self.steps, float(loss) / len(batch)))
+                    bar.set_postfix(loss=f"{self.losses[-1][1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
+                                    refresh=False)
+                bar.update(1 if self.total_steps else batch.words)
                 if self.steps == self.total_steps:
                     break
+                batch = upcoming
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
