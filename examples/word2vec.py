@@ -204,7 +204,8 @@ def main(argv=None):
                "api": "speedtorch" if args.speedtorch_api else "OffloadedEmbedding",
                "gradients": "autograd" if result.autograd else "closed form"}
     rows = [("API", f"{figures['api']}, {args.optimizer} ({figures['gradients']} gradients), {device.type}"
-                    + (f" ({figures['threads']} torch threads + 1 making pairs)" if device.type == "cpu" else "")),
+                    + (f" ({figures['threads']} torch threads + 2 making and planning pairs)"
+                       if device.type == "cpu" else "")),
             ("training", f"{result.steps:,} steps, {result.words:,} words in {result.seconds:.1f} s"),
             ("words/s", f"{result.words_per_second:,.0f}  ({figures['pairs_per_second']:,.0f} pairs/s)"),
             ("loss per pair", f"{result.losses[0][1]:.3f} -> {result.losses[-1][1]:.3f}")]

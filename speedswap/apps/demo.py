@@ -159,7 +159,8 @@ def format_demo(summary: dict) -> str:
         ("vocabulary x dim", f"{summary['vocab']:,} x {summary['dim']} (2 tables + {summary['optimizer']} "
                              f"state)"),
         ("training", f"{summary['epochs']} epoch(s), {summary['steps']} steps in {summary['seconds']:.1f} s "
-                     f"({summary['optimizer']}, {summary['threads']} torch threads + 1 making pairs), "
+                     f"({summary['optimizer']}, {summary['threads']} torch threads + 2 making and planning "
+                     f"pairs), "
                      f"final loss per pair {summary['final loss']:.3f}"),
         ("words/s", f"{summary['words/s']:,.0f}  ({summary['pairs/s']:,.0f} pairs/s)"),
         ("topic purity", f"{summary['topic purity']:.3f}  (chance {summary['chance']:.3f})"),

@@ -62,8 +62,9 @@ def cpu_threads(requested: Optional[int] = None) -> int:
     The run's thread budget is ``requested``, else ``OMP_NUM_THREADS`` when
     set, else every core this process may run on; never more than
     ``len(os.sched_getaffinity(0))``, since threads beyond the cores granted
-    only contend. The thread that makes pairs and negatives keeps about half a
-    core busy, so torch gets one thread fewer than the budget (at least one):
+    only contend. The threads that make pairs and negatives and plan the
+    batches keep about half a core busy, so torch gets one thread fewer than
+    the budget (at least one):
     a step is many small kernels, which gain little from a second thread and
     lose much when it competes with the pair thread (on 2 cores: 116k words/s
     with 1 torch thread, 83k with 2; see the README's word2vec section).
