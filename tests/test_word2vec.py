@@ -232,6 +232,15 @@ def test_planned_batches_are_the_chunks_cut_in_order_and_closing_stops_both_thre
     stream.close()  # leaving a loop early strands neither thread
     assert not any(t.name.startswith("speedswap-w2v") for t in threading.enumerate())
 
+    def broken(epoch):
+        yield from ()
+        raise RuntimeError("disk gone")
+
+    chunks.epoch = broken  # an error making pairs reaches the loop through both threads
+    with pytest.raises(RuntimeError, match="disk gone"):
+        list(chunks.batches(1, batch_size=64))
+    assert not any(t.name.startswith("speedswap-w2v") for t in threading.enumerate())
+
 
 def test_topic_purity_needs_planted_topics_and_enough_frequent_words(tmp_path, rng):
     (tmp_path / "text").write_text("a b c a b\n")
