@@ -37,6 +37,8 @@ from pathlib import Path
 
 from common import ROOT, write_results
 
+from speedswap.apps.demo import DEMO
+
 PACKAGES = ("linux-doc-6.1", "python3.11-doc")
 TOKEN = re.compile(r"[a-z]+")
 GENSIM_RUN = r"""
@@ -154,7 +156,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1, help="gensim + recipes, interleaved")
     parser.add_argument("--recipes", default="sgd,adam", help="speedswap optimizers to run")
-    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=DEMO["batch_size"], help="pairs per step (the example's default)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--corpus-only", action="store_true",
                         help="assemble the corpus into --cache, print where it is, and stop")

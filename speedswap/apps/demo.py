@@ -25,7 +25,7 @@ __all__ = ["BACKEND_OF_DEVICE", "DEMO", "TINY", "run_demo", "format_demo", "memo
 BACKEND_OF_DEVICE = {"auto": "auto", "cpu": "numpy", "cuda": "cuda"}
 
 #: The demo's size: about a minute on a 2-core CPU, seconds on a GPU.
-DEMO = dict(vocab=100_000, topics=50, tokens=4_000_000, dim=64, epochs=1, batch_size=2048)
+DEMO = dict(vocab=100_000, topics=50, tokens=4_000_000, dim=64, epochs=1, batch_size=8192)
 #: A smoke-test size for the test suite.
 TINY = dict(vocab=2_000, topics=20, tokens=200_000, dim=32, epochs=2, batch_size=1024)
 

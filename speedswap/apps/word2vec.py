@@ -257,7 +257,7 @@ def _check_offloading(speedtorch_api: bool, autograd: Optional[bool], cache_rows
 
 
 def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps: Optional[int] = None,
-          batch_size: int = 2048, negatives: int = 5, window: int = 5, subsample: float = 1e-3,
+          batch_size: int = 8192, negatives: int = 5, window: int = 5, subsample: float = 1e-3,
           optimizer: str = "sgd", lr: Optional[float] = None, schedule: str = "linear",
           storage: str = "pinned", backend: str = "auto", directory: Optional[str] = None,
           speedtorch_api: bool = False, autograd: Optional[bool] = None, cache_rows: int = 0,

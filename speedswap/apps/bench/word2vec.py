@@ -12,8 +12,8 @@ making, feeding and the learning-rate schedule included:
   (:func:`~speedswap.apps.skipgram.manual_step`).
 * ``gpu cache + prefetch``: a device cache of 5% of each table's rows, the
   next batch's rows prefetched while a step computes.
-* ``gpu batch 32768``: 16 times the pairs per step (a step of 2,048 pairs
-  may be mostly kernel launches and host synchronisations on a GPU).
+* ``gpu batch 32768``: 4 times the demo's pairs per step (a step of 8,192
+  pairs may be mostly kernel launches and host synchronisations on a GPU).
 * ``gensim``: gensim's ``Word2Vec(sg=1)`` with the same settings and one
   worker per core this process may use, when gensim is installed (an
   optional extra: carry its wheel to a machine without network).
