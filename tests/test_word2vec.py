@@ -242,6 +242,14 @@ def test_planned_batches_are_the_chunks_cut_in_order_and_closing_stops_both_thre
     assert not any(t.name.startswith("speedswap-w2v") for t in threading.enumerate())
 
 
+def test_a_run_cut_short_by_its_steps_stops_both_background_threads():
+    corpus = synthetic_corpus(vocab=200, topics=4, tokens=20_000, seed=0)
+    # Steps mode streams endless epochs; the loop's end must close the stream.
+    result = word2vec.train(corpus, dim=8, steps=5, batch_size=64, backend="numpy", progress=False)
+    assert result.steps == 5 and result.pairs == 5 * 64
+    assert not any(t.name.startswith("speedswap-w2v") for t in threading.enumerate())
+
+
 def test_topic_purity_needs_planted_topics_and_enough_frequent_words(tmp_path, rng):
     (tmp_path / "text").write_text("a b c a b\n")
     text = read_text_corpus(tmp_path / "text", vocab=3)
