@@ -139,8 +139,8 @@ class PairBatch:
     The pairs are sorted by centre, so each centre's pairs are one run. The
     order of a batch's pairs does not change its gradients (every pair is
     scored with the same vectors), only the order in which float32 sums
-    add them. Grouping costs the closed-form step about as much as its
-    arithmetic on a CPU; planned on a thread of their own
+    add them. Checking and grouping the ids took about a third of the
+    closed-form step's time on a CPU; planned on a thread of their own
     (:meth:`PairChunks.batches`), batches arrive with it done.
 
     Attributes:
