@@ -183,12 +183,17 @@ def test_pair_stream_equals_the_epochs_and_raises_the_threads_errors():
         list(chunks.stream(1))
 
 
-def test_a_planned_batch_holds_the_same_pairs_sorted_by_centre_and_groups_its_ids(rng):
+def test_a_planned_batch_holds_the_same_pairs_sorted_by_centre_and_groups_its_ids(rng, backend):
+    device = ss.get_backend(backend).device
     pairs, columns, vocab = 500, 5, 300
     perm = rng.permutation(vocab)  # Zipf heads scattered over the table
     centres, contexts = (torch.from_numpy(perm[(rng.zipf(1.3, pairs) - 1) % vocab]) for _ in range(2))
     negatives = torch.from_numpy(perm[(rng.zipf(1.3, (pairs, columns - 1)) - 1) % vocab])
-    batch = PairBatch.plan(centres, contexts, negatives, centre_rows=vocab, context_rows=vocab, words=12.5)
+    planned = PairBatch.plan(centres.to(device), contexts.to(device), negatives.to(device), centre_rows=vocab,
+                             context_rows=vocab, words=12.5)
+    assert planned.centres.device.type == device.type and planned.context_pairs.device.type == device.type
+    names = [field.name for field in dataclasses.fields(PairBatch) if field.name != "words"]
+    batch = dataclasses.replace(planned, **{name: getattr(planned, name).cpu() for name in names})
     assert len(batch) == pairs and batch.words == 12.5 and batch.ids.shape == (pairs, columns)
     as_rows = lambda c, x, n: sorted(zip(c.tolist(), x.tolist(), map(tuple, n.tolist())))
     assert as_rows(batch.centres, batch.contexts, batch.negatives) == as_rows(centres, contexts, negatives)
@@ -202,8 +207,12 @@ def test_a_planned_batch_holds_the_same_pairs_sorted_by_centre_and_groups_its_id
     assert torch.equal(batch.context_pairs, batch.context_order // columns)
     occurrences = torch.bincount(torch.searchsorted(batch.context_rows, flat))
     assert torch.equal(batch.context_starts, occurrences.cumsum(0) - occurrences)
-    assert torch.equal(batch.context_rows[batch.context_slots()], batch.ids)
-    assert batch.to("cpu") is batch
+    assert torch.equal(batch.context_rows[planned.context_slots().cpu()], batch.ids)
+    # Planned on the CPU (numpy's radix sort) and moved, or planned where the ids are: the same batch.
+    on_cpu = PairBatch.plan(centres, contexts, negatives, centre_rows=vocab, context_rows=vocab, words=12.5)
+    assert on_cpu.to("cpu") is on_cpu
+    moved = on_cpu.to(device)
+    assert all(torch.equal(getattr(moved, name).cpu(), getattr(batch, name)) for name in names)
     with pytest.raises(ss.ShapeError, match=r"got shapes \(500,\), \(499,\) and \(500, 4\)"):
         PairBatch.plan(centres, contexts[1:], negatives, centre_rows=vocab, context_rows=vocab)
     with pytest.raises(ss.IdError, match="centre ids contain -1"):
