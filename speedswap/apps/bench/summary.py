@@ -6,7 +6,7 @@ listed as skipped with the reason, never left out.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from . import feeder, training_step, transport, word2vec
 
@@ -169,19 +169,16 @@ def _gpu_tests_section(record: dict) -> str:
     return "## GPU tests\n\n" + "\n".join(lines)
 
 
-def _failed(record: dict, step: str) -> Optional[str]:
+def _step_section(record: dict, step: str, title: str, body: Callable[[dict], str]) -> str:
+    """The section ``## title`` of a suite step: ``body(result)``, or why the step was not measured."""
     outcome = record["steps"].get(step)
     if outcome is None or outcome["status"] != "ran":
-        return f"not measured: {(outcome or {}).get('reason', 'not run')}"
-    return None
+        return f"## {title}\n\nnot measured: {(outcome or {}).get('reason', 'not run')}"
+    return f"## {title}\n\n{body(_result(record, step))}"
 
 
-def _transport_section(record: dict) -> str:
-    problem = _failed(record, "transport")
-    if problem:
-        return f"## Transport\n\n{problem}"
-    result = _result(record, "transport")
-    parts = ["## Transport"]
+def _transport_body(result: dict) -> str:
+    parts = []
     if "cpu" in result:
         cpu = result["cpu"]
         config = cpu["config"]
@@ -211,11 +208,7 @@ def _transport_section(record: dict) -> str:
     return "\n\n".join(parts)
 
 
-def _training_section(record: dict) -> str:
-    problem = _failed(record, "training step")
-    if problem:
-        return f"## Training step\n\n{problem}"
-    result = _result(record, "training step")
+def _training_body(result: dict) -> str:
     setup = result["setup"]
     mib = lambda n: None if n is None else n / 2**20  # noqa: E731
     rows = [[f"{e['vocab']:,}", e["in_memory"]["median_s"] * 1e3, e["offloaded"]["median_s"] * 1e3,
@@ -224,7 +217,7 @@ def _training_section(record: dict) -> str:
              mib(e["in_memory"]["device_bytes"]), mib(e["in_memory"]["device_peak_bytes"]),
              mib(e["offloaded"]["device_bytes"]), mib(e["offloaded"]["device_peak_bytes"])]
             for e in result["results"]]
-    return (f"## Training step\n\nSkip-gram, Adam, {setup['batch']} pairs x {setup['negatives']} negatives, "
+    return (f"Skip-gram, Adam, {setup['batch']} pairs x {setup['negatives']} negatives, "
             f"dim {setup['dim']}, Zipf ids, on {setup['device']}; in memory: {setup['in_memory']}; "
             f"offloaded: {setup['offloaded']}; cached: {setup['cached']}. "
             f"Device memory: {setup['device_memory']}.\n\n"
@@ -234,13 +227,10 @@ def _training_section(record: dict) -> str:
                               "offloaded peak MiB"], rows))
 
 
-def _feeder_section(record: dict) -> str:
-    problem = _failed(record, "feeder")
-    if problem:
-        return f"## Feeder\n\n{problem}"
-    result = _result(record, "feeder")["regression"]
+def _feeder_body(result: dict) -> str:
+    result = result["regression"]
     (rows, dim), batch = result["shape"], result["batch"]
-    return (f"## Feeder\n\nFFCV linear-regression shape on {result['device']}: {rows:,} x {dim} float32 + "
+    return (f"FFCV linear-regression shape on {result['device']}: {rows:,} x {dim} float32 + "
             f"targets, batch {batch}, random order; limit: {result['limit']} of the same bytes. "
             f"BatchFeeder takes {result['feeder_over_limit']:.3g}x the limit's time.\n\n"
             + markdown_table(["case", "epoch s (median)", "min s", "max s", "x limit"],
@@ -248,18 +238,14 @@ def _feeder_section(record: dict) -> str:
                               for r in result["rows"]]))
 
 
-def _word2vec_section(record: dict) -> str:
-    problem = _failed(record, "word2vec")
-    if problem:
-        return f"## word2vec\n\n{problem}"
-    result = _result(record, "word2vec")
+def _word2vec_body(result: dict) -> str:
     setup = result["setup"]
     rows = [[c["name"], f"{c['words_per_second']:,.0f}", c["topic_purity"],
              result["ratios"].get(c["name"], {}).get("over_cpu"),
              result["ratios"].get(c["name"], {}).get("over_gensim"), len(c["runs"])]
             for c in result["contenders"]]
     skipped = "\n".join(f"- {name} skipped: {why}" for name, why in result["skipped"].items())
-    return (f"## word2vec\n\nThe demo's job (`python -m speedswap demo`): synthetic corpus, vocabulary "
+    return (f"The demo's job (`python -m speedswap demo`): synthetic corpus, vocabulary "
             f"{setup['vocab']:,}, {setup['tokens']:,} tokens, dim {setup['dim']}, {setup['epochs']} epoch(s), "
             f"batch {setup['batch_size']}, window {setup['window']}, {setup['negatives']} negatives; "
             f"{setup['cores']} cores; median of {setup['rounds']} run(s) per contender, in rotating order. "
@@ -286,5 +272,7 @@ def render_summary(record: dict) -> str:
         "Every figure below was measured in this run; ratios compare contenders timed side by side "
         "(interleaved rounds, medians). The JSON files beside this summary hold every repeat's spread.",
         _machine_section(record), _steps_section(record), "## Targets\n\n" + targets,
-        _gpu_tests_section(record), _transport_section(record), _training_section(record),
-        _feeder_section(record), _word2vec_section(record)]) + "\n"
+        _gpu_tests_section(record), _step_section(record, "transport", "Transport", _transport_body),
+        _step_section(record, "training step", "Training step", _training_body),
+        _step_section(record, "feeder", "Feeder", _feeder_body),
+        _step_section(record, "word2vec", "word2vec", _word2vec_body)]) + "\n"
