@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,7 @@ def test_dry_run_writes_every_result_and_a_summary_with_numbers(tmp_path):
     assert tests["status"] == "ran" and tests["cuda_hidden"]
     assert tests["tests"] > 0 and tests["skipped"] == tests["tests"]  # CUDA was hidden from every one
     record = json.loads((out / "suite.json").read_text())
-    assert record["mode"] == "dry run" and set(record["steps"]) == set(suite.STEPS)
+    assert record["mode"] == "dry run" and record["finished"] and set(record["steps"]) == set(suite.STEPS)
     assert all(step["status"] == "ran" for step in record["steps"].values())
 
 
@@ -101,6 +102,27 @@ def test_bench_all_runs_only_the_steps_asked_for(tmp_path, capsys):
     assert suite.step_names("training-step, gpu tests") == ["gpu tests", "training step"]
 
 
+def test_a_run_stopped_mid_step_leaves_the_steps_it_finished(tmp_path, monkeypatch):
+    """The summary is rewritten after every step: a run cut off by a time limit keeps what it measured."""
+    def cut_off(*args):
+        raise KeyboardInterrupt  # as if the process were stopped here
+
+    monkeypatch.setitem(suite.STEPS, "training step", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        suite.run_all(tmp_path, dry_run=True, log=lambda line: None,
+                      steps=["transport", "training step", "feeder"])
+    record = json.loads((tmp_path / "suite.json").read_text())
+    assert record["finished"] is False
+    statuses = {name: step["status"] for name, step in record["steps"].items()}
+    assert statuses == {"gpu tests": "skipped", "transport": "ran", "training step": "not reached",
+                        "feeder": "not reached", "word2vec": "skipped"}
+    found = sections((tmp_path / "SUMMARY.md").read_text())
+    assert list(found) == SECTIONS
+    assert "Not finished: so far" in found["Steps"] and "when this was written" in found["Machine"]
+    assert re.search(r"\d+\.\d+", found["Transport"])  # the finished step's figures
+    assert "not measured: the run had not reached this step" in found["Feeder"]
+
+
 def test_without_matplotlib_bench_writes_the_json_and_skips_the_chart(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec now says it is not installed
     lines = []
@@ -125,6 +147,29 @@ def test_an_installed_wheel_says_the_gpu_tests_are_not_there(tmp_path, monkeypat
     monkeypatch.setattr(gpu_tests, "find_tests", lambda: None)
     outcome = gpu_tests.run_gpu_tests(tmp_path, hide_gpu=False, timeout=10)
     assert outcome["status"] == "skipped" and "installed wheel" in outcome["reason"]
+
+
+def test_gpu_tests_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkeypatch):
+    """Past the timeout pytest is interrupted, not killed: its report counts the tests that ran."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "conftest.py").write_text(
+        "def pytest_configure(config):\n    config.addinivalue_line('markers', 'gpu: needs a GPU')\n")
+    (tests / "test_cut.py").write_text(
+        "import time, pytest\n\n"
+        "@pytest.mark.gpu\ndef test_quick():\n    assert 1 + 1 == 2\n\n"
+        "@pytest.mark.gpu\ndef test_hangs():\n    time.sleep(120)\n")
+    monkeypatch.setattr(gpu_tests, "find_tests", lambda: tests)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "gpu-tests.xml").write_text("<testsuite tests='9' failures='0' errors='0' skipped='0'/>")
+    began = time.perf_counter()
+    outcome = gpu_tests.run_gpu_tests(out, hide_gpu=False, timeout=10)
+    assert time.perf_counter() - began < 60  # interrupted, not left to sleep
+    assert outcome["status"] == "failed" and "timed out after 10 s and interrupted" in outcome["reason"]
+    assert outcome["passed"] == 1 and outcome["failed"] == 0  # this run's report, not the stale one
+    log = (out / "gpu-tests.log").read_text()
+    assert "KeyboardInterrupt" in log and "test_hangs" in log
 
 
 def _gpu_case(row_bytes, dtype, gather, scatter, speedtorch, torch_pinned):
@@ -164,7 +209,7 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
            "ratios": {"gpu": {"over_cpu": 5.0, "over_gensim": 1.0},
                       "gpu batch 32768": {"over_cpu": 25.0, "over_gensim": 5.0}}, "skipped": {}}
     ran = lambda result: {"status": "ran", "reason": None, "seconds": 1.0, "json": "x.json", "result": result}  # noqa: E731
-    record = {"mode": "full", "machine": machine, "seconds": 100.0, "budget_s": 480, "load_average_after": None,
+    record = {"mode": "full", "machine": machine, "seconds": 100.0, "budget_s": 480, "finished": True, "load_average_after": None,
               "steps": {"gpu tests": {"status": "skipped", "reason": "installed wheel", "seconds": 0.0},
                         "transport": ran({"gpu": [_gpu_case(512, "float32", 0.8, 0.7, None, 25.0)]}),
                         "training step": ran({"setup": {**dataclasses.asdict(training_step.StepShape()),
@@ -199,7 +244,7 @@ def test_summary_of_failed_steps_still_lists_every_target_and_section():
     machine = dict.fromkeys(["date", "host", "cpu", "cores", "torch", "numpy", "python", "speedswap", "gpu",
                              "load_average"], "x")
     record = {"mode": "full", "machine": {**machine, "ram_bytes": 2**30, "ram_available_bytes": 2**29},
-              "seconds": 500.0, "budget_s": 480, "steps": dict.fromkeys(suite.STEPS, failed)}
+              "seconds": 500.0, "budget_s": 480, "finished": True, "steps": dict.fromkeys(suite.STEPS, failed)}
     text = render_summary(record)
     found = sections(text)
     assert list(found) == SECTIONS

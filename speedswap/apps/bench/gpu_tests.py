@@ -8,6 +8,7 @@ installed wheel without one is reported as such, not as a pass.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,13 +18,45 @@ from typing import Optional
 
 import speedswap as ss
 
-__all__ = ["find_tests", "run_gpu_tests", "read_junit"]
+__all__ = ["find_tests", "run_interruptibly", "run_gpu_tests", "read_junit"]
+
+#: Seconds an interrupted pytest gets to write its report before it is killed.
+GRACE_S = 30
 
 
 def find_tests() -> Optional[Path]:
     """The ``tests/`` directory of the checkout this speedswap runs from, or None (an installed wheel)."""
     tests = Path(ss.__file__).resolve().parent.parent / "tests"
     return tests if (tests / "conftest.py").is_file() else None
+
+
+def run_interruptibly(command: list, *, cwd: os.PathLike, env: dict, timeout: float,
+                      grace: float = GRACE_S) -> tuple:
+    """Run ``command``; past ``timeout`` interrupt it (SIGINT, as Ctrl-C would), then kill it after ``grace``.
+
+    pytest answers SIGINT by ending the session and still writes its
+    ``--junitxml`` report, so a suite cut off by a time limit says what
+    passed and, in its verbose log, which test it stopped in, instead of nothing.
+
+    Returns:
+        (returncode, output, interrupted): the exit status (None when it had
+        to be killed), stdout and stderr together, and whether the timeout
+        was reached.
+    """
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        return process.returncode, output, False
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGINT)
+    try:
+        output, _ = process.communicate(timeout=grace)
+        return process.returncode, output, True
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        return None, output, True
 
 
 def read_junit(path: os.PathLike) -> dict:
@@ -61,7 +94,8 @@ def run_gpu_tests(out_dir: os.PathLike, *, hide_gpu: bool, timeout: float) -> di
         out_dir: where ``gpu-tests.log`` and ``gpu-tests.xml`` are written.
         hide_gpu: run with ``CUDA_VISIBLE_DEVICES=""``, so every gpu test
             reports skipped (the dry run exercises the plumbing on a CPU).
-        timeout: seconds before the run is stopped and reported as timed out.
+        timeout: seconds before the run is interrupted and reported as failed
+            (timed out); the tests that ran until then are still counted.
 
     Returns:
         ``{"status": "ran" | "skipped" | "failed", "reason", "command", ...}``
@@ -75,33 +109,31 @@ def run_gpu_tests(out_dir: os.PathLike, *, hide_gpu: bool, timeout: float) -> di
     out_dir = Path(out_dir)
     root = tests.parent
     xml, log = out_dir / "gpu-tests.xml", out_dir / "gpu-tests.log"
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", str(tests), "-q", "-rs",
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", str(tests), "-v", "-rs",
                "-p", "no:cacheprovider", f"--junitxml={xml}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     if hide_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    xml.unlink(missing_ok=True)  # a report left by an earlier run must not pass for this one's
     start = time.perf_counter()
-    try:
-        done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-        returncode, output = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as exc:
-        returncode = None
-        output = "".join(part.decode() if isinstance(part, bytes) else (part or "")
-                         for part in (exc.stdout, exc.stderr))
+    returncode, output, interrupted = run_interruptibly(command, cwd=root, env=env, timeout=timeout)
     log.write_text(output)
     result = {"command": "python " + " ".join(command[1:6]), "returncode": returncode,
               "wall_seconds": time.perf_counter() - start, "cuda_hidden": hide_gpu,
               "log": log.name}
-    if returncode is None:
-        return {**result, "status": "failed", "reason": f"timed out after {timeout:.0f} s (see {log.name})"}
+    timed_out = f"timed out after {timeout:.0f} s"
     if not xml.exists():
-        return {**result, "status": "failed", "reason": f"pytest exited {returncode} without a report (see {log.name})"}
+        why = timed_out if interrupted else f"pytest exited {returncode} without a report"
+        return {**result, "status": "failed", "reason": f"{why} (see {log.name})"}
     counts = read_junit(xml)
     # pytest exits 0 (all passed or skipped), 1 (failures) or 5 (no gpu tests collected).
-    status = "ran" if returncode in (0, 5) and not counts["failed"] and not counts["errors"] else "failed"
-    reason = None
-    if hide_gpu:
-        reason = "dry run: CUDA hidden from the tests, so every gpu test reports skipped"
-    elif status == "failed":
+    passed = returncode in (0, 5) and not counts["failed"] and not counts["errors"] and not interrupted
+    status, reason = ("ran", None) if passed else ("failed", None)
+    if interrupted:
+        reason = (f"{timed_out} and interrupted: the counts are of the tests that ran until then; the "
+                  f"log's last test line names the one that was running (see {log.name})")
+    elif not passed:
         reason = f"{counts['failed']} failed, {counts['errors']} errors (see {log.name})"
+    elif hide_gpu:
+        reason = "dry run: CUDA hidden from the tests, so every gpu test reports skipped"
     return {**result, **counts, "status": status, "reason": reason, "junit": xml.name}

@@ -42,6 +42,10 @@ DEFAULT_OUT = "speedswap-bench"
 BUDGET_S = 720
 #: The plain bench's CPU table height; smaller machines get a shorter table.
 CPU_ROWS, DIM, IDS = 2_000_000, 128, 131_072
+#: A chosen step's outcome until it has run: what a summary written mid-run, or cut off, shows.
+NOT_REACHED = {"status": "not reached", "seconds": 0.0,
+               "reason": "the run had not reached this step when this was written (if the run has "
+                         "ended, it was cut off: run the step again with --steps)"}
 #: Why the GPU parts do not run in a dry run.
 DRY_RUN_SKIP = "dry run: tiny sizes on the CPU; run bench --all on a CUDA machine for the GPU figures"
 
@@ -235,8 +239,11 @@ def run_all(out_dir: os.PathLike = DEFAULT_OUT, dry_run: bool = False,
             others are reported as skipped, so a run that must fit a time
             limit can be split over several calls, each with its own ``out_dir``.
 
+    ``suite.json`` and ``SUMMARY.md`` are rewritten after every step, so a
+    run stopped from outside (a time limit) leaves the steps it finished.
+
     Returns:
-        The suite record: ``mode``, ``machine``, ``seconds``, and per step its
+        The suite record: ``mode``, ``machine``, ``seconds``, ``finished``, and per step its
         ``status``, ``reason``, ``seconds``, ``json`` file and ``result`` (the
         figures; ``suite.json`` holds the rest of the record).
     """
@@ -244,28 +251,34 @@ def run_all(out_dir: os.PathLike = DEFAULT_OUT, dry_run: bool = False,
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = DRY_RUN_SIZES if dry_run else GPU_SIZES
     record = {"mode": "dry run" if dry_run else "full", "machine": machine(),
-              "sizes": dataclasses.asdict(sizes), "budget_s": BUDGET_S, "steps": {}}
+              "sizes": dataclasses.asdict(sizes), "budget_s": BUDGET_S, "finished": False, "steps": {}}
     start = time.perf_counter()
     chosen = list(STEPS) if steps is None else step_names(",".join(steps))
-    for name, step in STEPS.items():
-        if name not in chosen:
-            record["steps"][name] = {"status": "skipped", "reason": "not among the steps asked for",
-                                     "seconds": 0.0}
-            continue
+    for name in STEPS:
+        record["steps"][name] = (dict(NOT_REACHED) if name in chosen else
+                                 {"status": "skipped", "reason": "not among the steps asked for", "seconds": 0.0})
+    for name in chosen:
         log(f"\n== {name} ({time.perf_counter() - start:.0f} s into the run)")
         began = time.perf_counter()
         try:
-            outcome = step(out_dir, sizes, dry_run, log)
+            outcome = STEPS[name](out_dir, sizes, dry_run, log)
         except Exception as exc:  # noqa: BLE001 -- a broken step must not lose the others' results
             outcome = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}",
                        "traceback": traceback.format_exc()}
             log(f"{name} failed:\n{outcome['traceback']}")
         outcome["seconds"] = time.perf_counter() - began
         record["steps"][name] = outcome
+        _write_record(out_dir, record, start)  # a run cut off by a time limit keeps the steps done
+    record["finished"] = True
+    _write_record(out_dir, record, start)
+    return record
+
+
+def _write_record(out_dir: Path, record: dict, start: float):
+    """Write ``suite.json`` and ``SUMMARY.md`` as the run stands now."""
     record["seconds"] = time.perf_counter() - start
     record["load_average_after"] = load_average()
     # The figures are in each step's own JSON file; suite.json says how the run went.
     steps = {name: {k: v for k, v in outcome.items() if k != "result"} for name, outcome in record["steps"].items()}
     (out_dir / "suite.json").write_text(json.dumps({**record, "steps": steps}, indent=2, default=str))
     (out_dir / "SUMMARY.md").write_text(render_summary(record))
-    return record

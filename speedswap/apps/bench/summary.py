@@ -137,7 +137,8 @@ def _machine_section(record: dict) -> str:
     rows = [["date (UTC)", m["date"]], ["host", m["host"]], ["CPU", f"{m['cpu']}, {m['cores']} cores"],
             ["RAM", f"{gib(m['ram_bytes'])} ({gib(m['ram_available_bytes'])} free at the start)"],
             ["load average (1, 5, 15 min)", f"{m['load_average']} at the start, "
-                                            f"{record.get('load_average_after')} at the end"],
+                                            f"{record.get('load_average_after')} "
+                                            f"{'at the end' if record['finished'] else 'when this was written'}"],
             ["GPU", m["gpu"] or "none visible"],
             ["GPU memory", gib(m.get("gpu_memory_bytes"))], ["driver", m.get("driver")],
             ["CUDA (torch build)", m.get("cuda")], ["PCIe link (gen, width)", m.get("pcie_link")],
@@ -150,8 +151,9 @@ def _steps_section(record: dict) -> str:
     rows = [[name, outcome["status"], outcome["seconds"], outcome.get("json"), outcome.get("reason")]
             for name, outcome in record["steps"].items()]
     over = record["seconds"] > record["budget_s"]
+    total = "Total" if record["finished"] else "Not finished: so far"
     return ("## Steps\n\n" + markdown_table(["step", "status", "seconds", "figures in", "note"], rows)
-            + f"\n\nTotal {record['seconds']:.0f} s"
+            + f"\n\n{total} {record['seconds']:.0f} s"
             + (f", over the {record['budget_s']} s budget." if over else f" (budget {record['budget_s']} s)."))
 
 
