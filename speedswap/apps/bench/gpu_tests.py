@@ -21,7 +21,7 @@ import speedswap as ss
 __all__ = ["find_tests", "run_interruptibly", "run_gpu_tests", "read_junit"]
 
 #: Seconds an interrupted pytest gets to write its report before it is killed.
-GRACE_S = 30
+GRACE_S = 15
 
 
 def find_tests() -> Optional[Path]:
