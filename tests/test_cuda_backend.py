@@ -6,6 +6,9 @@ events and memory lifetime are in test_cuda_streams.py; the kernels' PTX and
 index arithmetic, which need no GPU, in test_kernels.py.
 """
 
+import contextlib
+import gc
+import mmap
 import os
 import subprocess
 import sys
@@ -47,6 +50,64 @@ def test_without_cupy_zero_copy_names_the_extras(monkeypatch, fresh_problem_cach
 def test_no_device_is_refused_before_anything_else():
     with pytest.raises(ss.BackendUnavailableError, match="backend='numpy'"):
         cuda.CudaBackend(torch.device("cuda", 0), zero_copy=False)
+
+
+class FakeCudart:
+    """torch.cuda.cudart()'s host-registration calls, recorded (status: what cudaHostRegister returns)."""
+
+    def __init__(self, status=0):
+        self.status, self.registered, self.unregistered = status, {}, []
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 -- the CUDA runtime's names
+        if not self.status:
+            self.registered[ptr] = (size, flags)
+        return self.status
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+    def cudaGetErrorString(self, status):  # noqa: N802
+        return "out of memory"
+
+
+@pytest.fixture
+def registering_backend(monkeypatch):
+    """A zero_copy=False cuda backend whose CUDA runtime is a FakeCudart (no GPU needed)."""
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    backend = object.__new__(cuda.CudaBackend)  # past __init__'s device and stream set-up
+    backend.device, backend.zero_copy = torch.device("cuda", 0), False
+    return backend, fake
+
+
+@pytest.mark.parametrize("kind, flags", [("pinned", 1), ("mapped", 3)])
+def test_without_cupy_exactly_the_tables_pages_are_locked_and_unlocked_when_collected(
+        registering_backend, kind, flags):
+    """Not torch's pinned allocator, which rounds 12,000 bytes up to 16,384 and keeps them after close."""
+    backend, fake = registering_backend
+    buffer = backend.allocate((1000, 3), torch.float32, kind)
+    ptr = buffer.host.ctypes.data
+    assert fake.registered == {ptr: (12_000, flags)} and buffer.pinned
+    assert ptr % mmap.PAGESIZE == 0  # its own pages: registration locks whole pages
+    buffer.tensor[:] = torch.arange(3000, dtype=torch.float32).view(1000, 3)
+    view = buffer.host[10:20]
+    del buffer
+    gc.collect()
+    assert fake.unregistered == []  # a view still uses the pages
+    assert view[0].tolist() == [30.0, 31.0, 32.0]
+    del view
+    gc.collect()
+    assert fake.unregistered == [ptr]
+
+
+def test_host_memory_that_cannot_be_locked_raises_a_clear_error(registering_backend):
+    backend, fake = registering_backend
+    fake.status = 2  # cudaErrorMemoryAllocation
+    with pytest.raises(ss.OutOfMemoryError, match=r"page-lock 12,000 bytes.*out of memory.*'pageable'"):
+        backend.allocate((1000, 3), torch.float32, "pinned")
+    assert fake.registered == {}
 
 
 # --------------------------------------------------------------- GPU tests
@@ -270,7 +331,7 @@ rng = np.random.default_rng({seed})
 for kind in ("pinned", "mapped", "pageable", "device"):
     values = rng.standard_normal((3000, 40)).astype(np.float32)
     table = ss.HostTable.from_numpy(values, storage=kind, backend=backend)
-    assert table.pinned == (kind in ("pinned", "mapped")), kind
+    assert table.pinned == table.as_tensor().is_pinned() == (kind in ("pinned", "mapped")), kind
     ids = rng.integers(0, 3000, size=5000)
     assert np.array_equal(table.gather(torch.from_numpy(ids).cuda()).cpu().numpy(), values[ids]), kind
     unique = rng.choice(3000, 1000, replace=False)

@@ -14,7 +14,7 @@ import torch
 from ..convert import host_tensor, numpy_dtype, torch_dtype
 from .base import Backend, Buffer
 
-__all__ = ["NumpyBackend", "huge_page_array", "available_ram", "assign_rows"]
+__all__ = ["NumpyBackend", "anonymous_array", "huge_page_array", "available_ram", "assign_rows"]
 
 # Below this a table spans few pages anyway; above it TLB misses dominate random row access.
 _HUGE_PAGE_MIN_BYTES = 8 << 20
@@ -32,22 +32,36 @@ def available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def anonymous_array(shape, dtype):
+    """An uninitialised array in an anonymous mapping of its own, page-aligned.
+
+    Its pages belong to it alone (``cudaHostRegister`` locks whole pages), and
+    the mapping is unmapped when the last array viewing it is collected: the
+    returned array is the owner every view refers back to. From 8 MiB on it
+    asks for transparent huge pages (see :func:`huge_page_array`).
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    block = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= _HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        block.madvise(mmap.MADV_HUGEPAGE)
+    return np.ndarray(shape, dtype=dtype, buffer=block)
+
+
 def huge_page_array(shape, dtype):
     """An uninitialised array in anonymous memory that asks for transparent huge pages.
 
     A gather of random rows from a large table misses the TLB on nearly every
     row with 4 KiB pages; with 2 MiB pages it mostly hits (measured about 25%
     faster gathers and scatters on a 1 GiB table, see benchmarks/NOTES.md).
-    Where the platform has no ``madvise`` this is a plain ``np.empty``. The
-    memory is unmapped when the last array viewing it is collected.
+    Below 8 MiB, or where the platform has no ``madvise``, this is a plain
+    ``np.empty``. The memory is unmapped when the last array viewing it is collected.
     """
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     if nbytes < _HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return np.empty(shape, dtype=dtype)
-    block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    block.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(block, dtype=dtype).reshape(shape)
+    return anonymous_array(shape, dtype)
 
 
 class NumpyBackend(Backend):

@@ -10,8 +10,10 @@ storage kind:
   :class:`~speedswap.backends.kernels.RowKernels` move the rows straight
   between the table and device tensors: one kernel per gather or scatter, no
   host thread, no staging copy. Ids and values live on the GPU.
-* ``pinned`` / ``mapped`` with ``zero_copy=False`` (no CuPy): page-locked
-  memory allocated by torch, moved like ``pageable``.
+* ``pinned`` / ``mapped`` with ``zero_copy=False`` (no CuPy): anonymous host
+  memory of exactly the table's size, page-locked with ``cudaHostRegister``
+  (torch's pinned allocator would round it up to a power of two and keep it
+  after the table is closed), moved like ``pageable``.
 * ``pageable`` / ``mmap`` (and the above): the CPU gathers rows into a
   page-locked staging slot copied asynchronously (:class:`StagingRing`), and
   writes scattered rows itself. Ids and values live on the CPU.
@@ -24,6 +26,7 @@ kernels used it waits on that table's own events, one per stream
 (:meth:`CudaBackend.wait_host`), and so does the release of its memory.
 """
 
+import ctypes
 import functools
 import weakref
 from typing import Optional
@@ -32,13 +35,15 @@ import numpy as np
 import torch
 
 from ..convert import host_tensor, numpy_dtype, torch_dtype
-from ..errors import BackendUnavailableError
+from ..errors import BackendUnavailableError, OutOfMemoryError
 from .base import Backend, Buffer
+from .cpu import anonymous_array
 from .kernels import RowKernels
 from .staging import StagingRing
 
 __all__ = ["CudaBackend"]
 
+# cudaHostAllocPortable / cudaHostAllocMapped, the same bits as cudaHostRegisterPortable / Mapped.
 _HOST_ALLOC_PORTABLE = 1
 _HOST_ALLOC_MAPPED = 2
 _CPU = torch.device("cpu")
@@ -100,6 +105,31 @@ def _release_after_pending(array, pending):
     # At interpreter exit the process's memory goes away with it; waiting
     # then would only risk a CUDA call during teardown.
     finalizer.atexit = False
+
+
+def _clear_last_cuda_error():
+    """Reset the runtime's last error after a failed call, as CuPy does after each failure.
+
+    Left set, the next ``cudaGetLastError`` torch makes after a kernel launch
+    would report it as that kernel's failure. torch exposes no binding for
+    it; its CUDA runtime is loaded with global symbols, so the process can
+    call it directly. Where it cannot, the error stays set: nothing else to do.
+    """
+    try:
+        ctypes.CDLL(None).cudaGetLastError()
+    except (AttributeError, OSError):
+        pass
+
+
+def _unregister_when_collected(array, cudart):
+    """Unlock ``array``'s pages (``cudaHostUnregister``) when it is collected, before they are unmapped.
+
+    Only the CPU touches a registered table (rows are staged), so no kernel
+    can still be using the pages. ``array`` owns its mapping: every view
+    keeps it alive.
+    """
+    finalizer = weakref.finalize(array, cudart.cudaHostUnregister, array.ctypes.data)
+    finalizer.atexit = False  # the process's memory goes with it; no CUDA call during teardown
 
 
 class CudaBackend(Backend):
@@ -172,18 +202,32 @@ class CudaBackend(Backend):
         if kind == "pageable":
             array = np.empty(shape, dtype=host_dtype)
             return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype))
-        nbytes = int(np.prod(shape)) * host_dtype.itemsize
-        if not self.zero_copy:
-            with torch.cuda.device(self.device):
-                block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            # .numpy() keeps the torch block alive as the array's base.
-            array = block.numpy().view(host_dtype).reshape(shape)
-            return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype), pinned=True)
-        return self._allocate_zero_copy(shape, host_dtype, nbytes, kind, dtype)
-
-    def _allocate_zero_copy(self, shape, host_dtype, nbytes, kind, dtype):
-        cupy = self._cupy
         flags = _HOST_ALLOC_PORTABLE | (_HOST_ALLOC_MAPPED if kind == "mapped" else 0)
+        if not self.zero_copy:
+            return self._allocate_registered(shape, host_dtype, flags, kind, dtype)
+        nbytes = int(np.prod(shape)) * host_dtype.itemsize
+        return self._allocate_zero_copy(shape, host_dtype, nbytes, flags, kind, dtype)
+
+    def _allocate_registered(self, shape, host_dtype, flags, kind, dtype):
+        # Not torch.empty(pin_memory=True): torch's caching host allocator rounds every
+        # block up to a power of two (a 40 GiB table would lock 64 GiB) and keeps it
+        # after the table is closed. This locks exactly the table's own pages.
+        array = anonymous_array(shape, host_dtype)
+        if array.nbytes:
+            cudart = torch.cuda.cudart()
+            with torch.cuda.device(self.device):
+                status = cudart.cudaHostRegister(array.ctypes.data, array.nbytes, flags)
+            if int(status):
+                _clear_last_cuda_error()
+                raise OutOfMemoryError(
+                    f"could not page-lock {array.nbytes:,} bytes of host memory for a {kind} table "
+                    f"(cudaHostRegister: {cudart.cudaGetErrorString(status)}); use storage='pageable' "
+                    f"or 'mmap', or free host memory (the locked-memory limit is `ulimit -l`)")
+            _unregister_when_collected(array, cudart)
+        return Buffer(kind=kind, host=array, tensor=host_tensor(array, dtype), pinned=True)
+
+    def _allocate_zero_copy(self, shape, host_dtype, nbytes, flags, kind, dtype):
+        cupy = self._cupy
         with cupy.cuda.Device(self.device.index):
             # PinnedMemory (not the pooled alloc_pinned_memory) so that the
             # memory goes back to the driver when the last view of it dies.

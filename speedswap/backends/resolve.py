@@ -5,8 +5,8 @@ Every table, embedding, switcher, gadget and feeder asks :func:`get_backend`
 
 * a CUDA device is visible to torch: the ``cuda`` backend on that device. With
   CuPy (and its runtime compiler) the rows of ``pinned``/``mapped`` tables move
-  with zero-copy kernels; without it they are staged through page-locked
-  memory allocated by torch and copied asynchronously, and one warning names
+  with zero-copy kernels; without it the tables are page-locked with
+  ``cudaHostRegister`` and rows are staged and copied asynchronously, and one warning names
   the extra that brings the kernels;
 * no CUDA device: the ``numpy`` backend on the CPU, with one warning.
 
