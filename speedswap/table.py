@@ -486,8 +486,8 @@ class HostTable:
 
         Args:
             low, high: the bounds.
-            generator: a ``torch.Generator`` on the table's memory's device, for
-                reproducible fills.
+            generator: a ``torch.Generator`` for reproducible fills, on any
+                device (see :meth:`_fill_random`).
 
         Returns:
             self
@@ -500,12 +500,15 @@ class HostTable:
         if low > high:
             raise OptionError(f"uniform_ needs low <= high, got low={low!r} > high={high!r}; "
                               f"swap them")
-        for _, _, chunk in self._row_chunks():
-            chunk.uniform_(low, high, generator=generator)
-        return self
+        return self._fill_random(lambda tensor: tensor.uniform_(low, high, generator=generator), generator)
 
     def normal_(self, mean=0.0, std=1.0, *, generator=None):
         """Fill with N(mean, std²) in place, chunk by chunk. Returns self.
+
+        Args:
+            mean, std: the distribution's parameters.
+            generator: a ``torch.Generator`` for reproducible fills, on any
+                device (see :meth:`_fill_random`).
 
         Raises:
             DTypeError: ``mean`` or ``std`` is not a real number.
@@ -514,8 +517,21 @@ class HostTable:
         mean, std = float_option(mean, "mean"), float_option(std, "std")
         if std < 0:
             raise OptionError(f"normal_ needs std >= 0, got std={std!r}")
+        return self._fill_random(lambda tensor: tensor.normal_(mean, std, generator=generator), generator)
+
+    def _fill_random(self, fill, generator):
+        """Apply the in-place random ``fill`` to each chunk of rows; returns self.
+
+        torch draws only with a generator on the tensor's own device. With a
+        generator elsewhere (a CPU one for a ``device`` table) each chunk is
+        drawn there and copied in, so one seeded CPU generator fills every
+        storage kind with the same values.
+        """
         for _, _, chunk in self._row_chunks():
-            chunk.normal_(mean, std, generator=generator)
+            if generator is None or generator.device == chunk.device:
+                fill(chunk)
+            else:
+                chunk.copy_(fill(torch.empty(chunk.shape, dtype=chunk.dtype, device=generator.device)))
         return self
 
     def apply_(self, fn, *args, **kwargs):
