@@ -410,6 +410,21 @@ def test_gpu_batches_match_the_cpu_and_stay_valid(rng, tmp_path):
 
 
 @pytest.mark.gpu
+def test_a_source_changed_between_loops_is_read_changed(rng):
+    """The side stream waits for writes the caller's stream queued before the loop, however late they run."""
+    n = 4096
+    source = torch.from_numpy(random_data(rng, (n, 16))).cuda()
+    feeder = ss.BatchFeeder(source, torch.arange(n).cuda(), batch_size=512, order="sequential",
+                            device="cuda", prefetch=3)
+    for rows, ids in feeder:
+        break  # the next loop continues with batch 1, ids as before (no new epoch, no copy of them)
+    torch.cuda._sleep(50_000_000)  # the caller's stream is busy for a while before the write runs
+    source.mul_(-1)
+    for rows, ids in feeder:
+        torch.testing.assert_close(rows, source[ids], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 def test_pinned_sources_go_through_the_zero_copy_kernel_not_staging(rng):
     """A pinned table's rows reach the batch in one kernel, not a CPU gather plus a copy."""
     n = 4000

@@ -115,7 +115,8 @@ class BatchFeeder:
     when a source is a memory-mapped file; in-RAM sources are gathered on the
     spot, which is faster than any hand-off. An exception met while reading
     ahead is raised in the training loop. Sources must not be changed while a
-    feeder iterates over them. One thread at a time iterates a feeder: a loop
+    feeder iterates over them; between loops they may be (on a GPU, a loop's
+    copies wait for the work your stream had queued when the loop began). One thread at a time iterates a feeder: a loop
     superseded from another thread raises :class:`~speedswap.StateError`.
 
     **Files.** A memory-mapped source (``np.load(path, mmap_mode="r")``, a
@@ -394,6 +395,8 @@ class BatchFeeder:
                          for j, column in enumerate(self._columns)), None
 
         threaded = self._prefetch > 0 and (self._stager is not None or files is not None)
+        if self._stager is not None:
+            self._stager.follow()
         try:
             reader = ReaderThread(read, start, count, self._prefetch) if threaded else SyncReader(read, start)
         except BaseException:

@@ -154,6 +154,16 @@ class CudaStager:
         self._rings = [StagingRing(device, slots) for _ in range(host_columns)]
         self._kernel_tables = dict(kernel_tables or {})
 
+    def follow(self):
+        """Order every later batch after the work queued so far on the caller's current stream.
+
+        Called once per loop, on the caller's thread: a device source (or a
+        pinned one the kernel reads) written on that stream before the loop
+        started is read with those writes. Not per batch: that would make
+        each copy wait for the training step queued before it.
+        """
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+
     def launch(self, columns, ids, device_ids, gathered):
         """Start moving rows ``ids`` of every column to the GPU; returns before the copies finish.
 
@@ -171,6 +181,10 @@ class CudaStager:
             fires when they are complete.
         """
         rings = iter(self._rings)
+        if device_ids is not None:
+            # Made on the caller's stream and read here: when the feeder drops them (a new
+            # epoch), their memory must not be reused before these reads have run.
+            device_ids.record_stream(self._stream)
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             out = []
             for k, column in enumerate(columns):
