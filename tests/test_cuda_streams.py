@@ -8,6 +8,7 @@ zero-copy kernels where they need them).
 """
 
 import gc
+import threading
 import warnings
 import weakref
 
@@ -48,6 +49,49 @@ def test_memory_is_released_only_after_every_pending_stream():
     gc.collect()
     assert buffer_alive() is None, "the finalizer must not keep the table's memory alive"
     assert log == ["waited stream 11", "waited stream 22", "freed"]
+
+
+def test_an_event_recorded_while_another_thread_waits_is_not_lost(monkeypatch):
+    """A feeder thread's kernel recorded while the training thread waits on the table stays pending.
+
+    Without the lock, a stream's first event, recorded between the waiter's
+    snapshot of the events and its clearing them, was dropped: the table
+    could then be freed under that kernel.
+    """
+    class FakeEvent:
+        def __init__(self):
+            self.recorded = self.waited = False
+
+        def record(self, stream):
+            self.recorded = True
+
+        def synchronize(self):
+            self.waited = True
+
+    class Stream:
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    backend = object.__new__(cuda.CudaBackend)  # _record and wait_host need no device here
+    recorder = threading.Thread(target=lambda: backend._record(buffer, Stream(22)))
+
+    class Pending(dict):
+        def clear(self):
+            recorder.start()  # the feeder thread records right between snapshot and clear
+            recorder.join(timeout=0.5)  # with the lock it waits for the waiter instead
+            super().clear()
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    array = np.zeros((4, 4), np.float32)
+    buffer = Buffer(kind="pinned", host=array, tensor=torch.from_numpy(array), pinned=True,
+                    pending=Pending())
+    backend._record(buffer, Stream(11))
+    first = buffer.pending[11]
+    backend.wait_host(buffer)
+    recorder.join()
+    assert first.waited
+    late = buffer.pending.get(22)
+    assert late is not None and late.recorded and not late.waited  # still pending: waited on later
 
 
 @pytest.mark.gpu

@@ -28,6 +28,7 @@ kernels used it waits on that table's own events, one per stream
 
 import ctypes
 import functools
+import threading
 import weakref
 from typing import Optional
 
@@ -85,11 +86,19 @@ def _zero_copy_problem() -> Optional[str]:
     return _nvrtc_problem(cupy)
 
 
+# Guards every Buffer.pending: a feeder's reader thread records kernels on a table while
+# the training thread may wait on it. Re-entrant: the finalizer of a collected table
+# waits on its events, and collection can happen inside _record on the same thread.
+_PENDING_LOCK = threading.RLock()
+
+
 def _wait_all(pending):
     """Wait for every event in ``pending`` (one per stream), then forget them."""
-    for event in list(pending.values()):
+    with _PENDING_LOCK:  # an event recorded meanwhile is either in the list or left pending
+        events = list(pending.values())
+        pending.clear()
+    for event in events:
         event.synchronize()
-    pending.clear()
 
 
 def _release_after_pending(array, pending):
@@ -256,10 +265,11 @@ class CudaBackend(Backend):
         # One event per (table, stream), re-recorded: an event marks
         # everything queued before it on its stream, and no event is created
         # per launch.
-        event = buffer.pending.get(stream.cuda_stream)
-        if event is None:
-            event = buffer.pending[stream.cuda_stream] = torch.cuda.Event()
-        event.record(stream)
+        with _PENDING_LOCK:
+            event = buffer.pending.get(stream.cuda_stream)
+            if event is None:
+                event = buffer.pending[stream.cuda_stream] = torch.cuda.Event()
+            event.record(stream)
 
     def wait_host(self, buffer):
         """Block until every kernel queued on ``buffer``, on any stream, has finished."""
