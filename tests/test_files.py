@@ -158,6 +158,16 @@ def test_failing_h5_save_leaves_the_old_file_intact(values, tmp_path):
     assert os.listdir(tmp_path) == ["t.h5"]
 
 
+@pytest.mark.parametrize("name", ["t.npy", "t.h5"])
+def test_load_from_reaches_a_table_whose_to_numpy_is_a_copy(values, tmp_path, name, monkeypatch):
+    """A table on the GPU gives a host copy from to_numpy(): loading must write the table itself."""
+    ss.HostTable.from_numpy(values, storage="pageable", backend="numpy").save(tmp_path / name)
+    table = ss.HostTable.zeros(*values.shape, storage="device", backend="numpy")
+    monkeypatch.setattr(ss.HostTable, "to_numpy", lambda self, copy=False: self.as_tensor().numpy().copy())
+    table.load_from(tmp_path / name)
+    np.testing.assert_array_equal(table.as_tensor().numpy(), values)
+
+
 def test_save_of_a_device_table_is_chunked(backend, values, tmp_path, monkeypatch):
     monkeypatch.setattr(files.base, "CHUNK_BYTES", 17 * 4 * 64)  # 64 rows a chunk
     sizes = []

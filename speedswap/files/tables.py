@@ -165,8 +165,10 @@ class StagedRows:
         ranges = row_ranges(self.header.shape, self.header.dtype)
         chunks = ((a, b, self.rows[a:b]) for a, b in ranges) if self.rows is not None else (
             _file_chunks(self.path, self.header, self.dataset, ranges))
-        host = None if table.dtype is torch.bfloat16 else table.to_numpy()
         target = table.as_tensor()
+        # The table's own memory, not to_numpy(): for a table on the GPU that is a copy,
+        # and rows written into it would never reach the table.
+        host = target.numpy() if target.device.type == "cpu" and table.dtype is not torch.bfloat16 else None
         for start, stop, rows in chunks:
             if host is not None and host.dtype == rows.dtype:
                 np.copyto(host[start:stop], rows, casting="no")
