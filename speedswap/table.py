@@ -614,13 +614,16 @@ class HostTable:
                 long as the array does), a device table returns a host copy.
 
         Returns:
-            numpy.ndarray of shape :attr:`shape`.
+            numpy.ndarray of shape :attr:`shape`; a bfloat16 table's rows as
+            their ``uint16`` bit patterns (numpy has no bfloat16).
         """
         buffer = self._live_buffer()
         self._backend.wait_host(buffer)
         if buffer.host is not None:
             return np.array(buffer.host, copy=True) if copy else buffer.host
-        return buffer.tensor.cpu().numpy()
+        # numpy has no bfloat16: the rows' bit patterns, as a host table's memory holds them.
+        rows = buffer.tensor.view(torch.int16) if self.dtype is torch.bfloat16 else buffer.tensor
+        return rows.cpu().numpy().view(numpy_dtype(self.dtype))
 
     def flush(self):
         """Wait for pending device writes; an ``mmap`` table also flushes its file."""
