@@ -7,6 +7,9 @@ different devices.
 
 import argparse
 import json
+import os
+
+import torch
 
 import speedswap as ss
 from speedswap.apps.demo import BACKEND_OF_DEVICE
@@ -30,8 +33,20 @@ def add_common_arguments(parser):
 
 
 def backend_and_device(args):
-    """``(backend name, torch.device)`` for the ``--device`` flag."""
+    """``(backend name, torch.device)`` for the ``--device`` flag.
+
+    Under torchrun each rank first makes the GPU of its ``LOCAL_RANK`` the
+    current one: speedswap's default device is the current CUDA device,
+    which would otherwise be GPU 0 on every rank (NCCL refuses two ranks on one GPU).
+    """
     backend = BACKEND_OF_DEVICE[args.device]
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None and backend != "numpy" and torch.cuda.is_available():
+        if int(local_rank) >= torch.cuda.device_count():
+            raise SystemExit(f"local rank {local_rank} has no GPU of its own: this machine has "
+                             f"{torch.cuda.device_count()}; start at most that many processes per "
+                             f"node (torchrun --nproc-per-node), or train with --device cpu")
+        torch.cuda.set_device(int(local_rank))
     return backend, ss.get_backend(backend).device
 
 

@@ -128,7 +128,7 @@ def word2vec_sharded(args, corpus, backend):
     with torch.no_grad():
         wanted = torch.arange(corpus.vocab_size if rank == 0 else 0, device=device)
         vectors = centre(wanted).cpu().numpy()
-    sent = torch.tensor([centre.bytes_sent + context.bytes_sent], dtype=torch.float64)
+    sent = torch.tensor([centre.bytes_sent + context.bytes_sent], dtype=torch.float64, device=device)  # NCCL: GPU only
     dist.all_reduce(sent)
     if rank != 0:
         return None
