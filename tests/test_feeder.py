@@ -410,6 +410,20 @@ def test_gpu_batches_match_the_cpu_and_stay_valid(rng, tmp_path):
 
 
 @pytest.mark.gpu
+def test_a_mapped_gadget_on_the_gpu_backend_is_read_by_the_file_reader(rng, tmp_path):
+    """pread and block reads, not page faults through the map: the table's backend does not matter."""
+    data = random_data(rng, (3000, 9))
+    np.save(tmp_path / "x.npy", data)
+    gadget = ss.DataGadget(tmp_path / "x.npy", mmap=True, backend="cuda")
+    feeder = ss.BatchFeeder(gadget, np.arange(3000), batch_size=256, order="block", device="cuda")
+    assert list(feeder._files) == [0]
+    seen = [(rows.cpu().numpy(), ids.cpu().numpy()) for rows, ids in feeder]
+    for rows, ids in seen:
+        np.testing.assert_array_equal(rows, data[ids])
+    assert sorted(np.concatenate([ids for _, ids in seen]).tolist()) == list(range(3000))
+
+
+@pytest.mark.gpu
 def test_a_source_changed_between_loops_is_read_changed(rng):
     """The side stream waits for writes the caller's stream queued before the loop, however late they run."""
     n = 4096

@@ -43,7 +43,7 @@ def _as_tensor(source, what):
     if isinstance(source, (DataGadget, HostTable)):
         table = _table_of(source)
         tensor = table.as_tensor().view(source.shape)
-        mapped = table.storage == "mmap" and table.device.type == "cpu"
+        mapped = table.storage == "mmap"  # on any backend its rows are the file's, in host memory
         return tensor, FileRows.of(table.to_numpy(), tensor) if mapped else None
     if isinstance(source, torch.Tensor) and source.device.type != "cpu":
         check_rows(source.shape, what)
