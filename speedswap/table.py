@@ -49,11 +49,14 @@ def check_storage(storage, path=None):
 
 def _out_of_memory(shape, dtype, storage):
     nbytes = shape[0] * shape[1] * torch.empty(0, dtype=dtype).element_size()
-    where = "device memory" if storage == "device" else "RAM"
+    needs = f"a {shape[0]} x {shape[1]} {dtype} table needs {nbytes / 2**30:.2f} GiB of"
+    if storage == "device":
+        return OutOfMemoryError(f"{needs} GPU memory, which could not be allocated; keep it in "
+                                f"host memory (storage='pinned': only the rows a step touches go "
+                                f"to the GPU), or use fewer rows")
     return OutOfMemoryError(
-        f"a {shape[0]} x {shape[1]} {dtype} table needs {nbytes / 2**30:.2f} GiB of {where}, "
-        f"which could not be allocated ({available_ram() / 2**30:.2f} GiB of RAM is available "
-        f"now); use storage='mmap' with path='table.npy' to keep it in a file, or fewer rows")
+        f"{needs} RAM, which could not be allocated ({available_ram() / 2**30:.2f} GiB of RAM is "
+        f"available now); use storage='mmap' with path='table.npy' to keep it in a file, or fewer rows")
 
 
 def _has_duplicates(flat):
@@ -127,7 +130,7 @@ class HostTable:
             return cls(backend.adopt(array, "mmap", dtype), backend, path)
         try:
             return cls(backend.allocate(shape, dtype, storage), backend)
-        except (MemoryError, OSError) as exc:
+        except (MemoryError, OSError, torch.OutOfMemoryError) as exc:  # the last: GPU memory
             if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
                 raise
             raise _out_of_memory(shape, dtype, storage) from exc

@@ -380,6 +380,18 @@ def test_a_table_larger_than_ram_says_how_much_and_suggests_mmap():
     assert "GiB" in str(info.value) and isinstance(info.value, MemoryError)
 
 
+def test_a_table_larger_than_the_gpu_says_so_and_suggests_host_memory(monkeypatch):
+    """torch's OutOfMemoryError is a RuntimeError, not a MemoryError: it is translated too."""
+    backend = ss.get_backend("numpy")
+
+    def no_gpu_memory(shape, dtype, kind):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 TiB")
+    monkeypatch.setattr(backend, "allocate", no_gpu_memory)
+    with pytest.raises(OutOfMemoryError, match=r"4096\.00 GiB of GPU memory.*storage='pinned'") as info:
+        ss.HostTable.empty(2**30, 1024, storage="device", backend=backend)
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+
+
 def test_saving_onto_a_read_only_file_system_names_the_users_path(rng, tmp_path, monkeypatch):
     table = make_table(rng)
     table.save(tmp_path / "t.npy")

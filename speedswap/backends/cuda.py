@@ -47,6 +47,7 @@ __all__ = ["CudaBackend"]
 # cudaHostAllocPortable / cudaHostAllocMapped, the same bits as cudaHostRegisterPortable / Mapped.
 _HOST_ALLOC_PORTABLE = 1
 _HOST_ALLOC_MAPPED = 2
+_CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation
 _CPU = torch.device("cpu")
 _INSTALL_HINT = ("install CuPy >= 14 with the CUDA runtime and NVRTC from the package index: "
                  "pip install 'speedswap[cuda12]' or 'speedswap[cuda13]' (matching your CUDA "
@@ -240,7 +241,12 @@ class CudaBackend(Backend):
         with cupy.cuda.Device(self.device.index):
             # PinnedMemory (not the pooled alloc_pinned_memory) so that the
             # memory goes back to the driver when the last view of it dies.
-            memory = cupy.cuda.PinnedMemory(nbytes, flags)
+            try:
+                memory = cupy.cuda.PinnedMemory(nbytes, flags)
+            except cupy.cuda.runtime.CUDARuntimeError as exc:
+                if exc.status != _CUDA_ERROR_MEMORY_ALLOCATION:
+                    raise
+                raise MemoryError(f"cudaHostAlloc of {nbytes:,} bytes: {exc}") from exc  # HostTable says more
             pointer = cupy.cuda.PinnedMemoryPointer(memory, 0)
             # Under unified addressing the host address is the device address
             # of any cudaHostAlloc block; asking the driver also covers mapped
