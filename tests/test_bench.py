@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from speedswap.__main__ import main
-from speedswap.apps.bench import feeder, gpu_tests, suite, training_step, transport, word2vec
+from speedswap.apps.bench import feeder, gpu_tests, suite, summary, training_step, transport, word2vec
 from speedswap.apps.bench.summary import render_summary, target_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,6 +253,32 @@ def test_summary_of_failed_steps_still_lists_every_target_and_section():
     for name in ("Transport", "Training step", "Feeder", "word2vec"):
         assert "not measured: RuntimeError: boom" in found[name]
     assert "over the 480 s budget" in found["Steps"]
+
+
+def test_a_word2vec_contender_that_raises_is_dropped_and_the_others_still_run(monkeypatch):
+    pytest.importorskip("gensim")
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("cuSPARSE said no")
+    monkeypatch.setattr(word2vec, "_gensim", broken)
+    payload = word2vec.run(word2vec.DEMO_SIZES["tiny"], rounds=2, gpu=False)
+    assert [c["name"] for c in payload["contenders"]] == ["cpu"] and len(payload["contenders"][0]["runs"]) == 2
+    assert len(calls) == 1  # not tried again in round 2
+    assert payload["skipped"]["gensim"] == "failed in round 1: RuntimeError: cuSPARSE said no"
+    assert "Traceback" in payload["failures"]["gensim"]
+
+
+def test_summary_when_the_demo_recipes_gpu_contender_failed_and_others_ran():
+    job = {"ratios": {"gpu batch 32768": {"over_cpu": 12.0, "over_gensim": 3.0}},
+           "skipped": {"gpu": "failed in round 1: RuntimeError: boom"}}
+    record = {"steps": {"word2vec": {"status": "ran", "result": job}}}
+    rows = {row[0]: row for row in summary._word2vec_targets(record)}
+    cpu = rows["word2vec demo words/s: GPU (demo recipe) / the same job on this machine's CPU"]
+    assert cpu[2] == "skipped: gpu failed in round 1: RuntimeError: boom" and cpu[3] == "—"
+    gensim = rows["word2vec words/s: fastest GPU contender / gensim on this machine's cores (gpu batch 32768)"]
+    assert gensim[2:] == [3.0, "**no**"]
 
 
 @pytest.mark.gpu

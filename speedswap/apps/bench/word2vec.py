@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import traceback
 from typing import Optional
 
 import numpy as np
@@ -129,7 +130,12 @@ def run(size: dict, rounds: int, *, gpu: bool, gensim: bool = True, seed: int = 
 
     Returns:
         ``{"setup", "contenders": [{"name", "words_per_second" (median), "runs", ...}], "ratios",
-        "skipped"}``; ``ratios`` holds each GPU contender's words/s over the CPU's and over gensim's.
+        "skipped", "failures"}``; ``ratios`` holds each GPU contender's words/s over the CPU's and
+        over gensim's. A GPU or gensim contender that raises is dropped from the later rounds and
+        listed in ``skipped`` (its traceback in ``failures``); the others still run.
+
+    Raises:
+        Exception: whatever the CPU contender raised (every ratio needs it).
     """
     corpus = synthetic_corpus(size["vocab"], size["topics"], size["tokens"], seed=seed)
     jobs = {"cpu": lambda: _speedswap(corpus, size, "numpy", seed)}
@@ -146,11 +152,20 @@ def run(size: dict, rounds: int, *, gpu: bool, gensim: bool = True, seed: int = 
     else:
         skipped["gensim"] = why
     runs = {name: [] for name in jobs}
-    names = list(jobs)
+    names, failures = list(jobs), {}
     for round_ in range(rounds):
         shift = round_ % len(names)  # rotate who goes first, as benchmarks/ does
         for name in names[shift:] + names[:shift]:
-            runs[name].append({**jobs[name](), "load_average": load_average()})
+            if name in failures:
+                continue
+            try:
+                runs[name].append({**jobs[name](), "load_average": load_average()})
+            except Exception as exc:  # noqa: BLE001 -- a contender's error must not lose the others' runs
+                if name == "cpu":
+                    raise  # every ratio is taken against it
+                failures[name] = traceback.format_exc()
+                skipped[name] = f"failed in round {round_ + 1}: {type(exc).__name__}: {exc}"
+                del runs[name]
     contenders = [{"name": name, "words_per_second": statistics.median(r["words_per_second"] for r in done),
                    "topic_purity": statistics.median(r["topic_purity"] for r in done), "runs": done}
                   for name, done in runs.items()]
@@ -161,7 +176,7 @@ def run(size: dict, rounds: int, *, gpu: bool, gensim: bool = True, seed: int = 
     return {"setup": {**{k: size[k] for k in ("vocab", "tokens", "dim", "epochs", "batch_size")},
                       "window": _WINDOW, "negatives": _NEGATIVES, "subsample": _SUBSAMPLE, "rounds": rounds,
                       "cores": word2vec.cores_granted(), "chance": runs["cpu"][0]["chance"]},
-            "contenders": contenders, "ratios": ratios, "skipped": skipped,
+            "contenders": contenders, "ratios": ratios, "skipped": skipped, "failures": failures,
             "targets": {"gpu_over_cpu": CPU_TARGET, "gpu_over_gensim": GENSIM_TARGET}}
 
 
