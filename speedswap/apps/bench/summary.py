@@ -145,7 +145,8 @@ def _machine_section(record: dict) -> str:
             ["GPU", m["gpu"] or "none visible"],
             ["GPU memory", gib(m.get("gpu_memory_bytes"))], ["driver", m.get("driver")],
             ["CUDA (torch build)", m.get("cuda")], ["PCIe link (gen, width)", m.get("pcie_link")],
-            ["torch", m["torch"]], ["CuPy", m.get("cupy")], ["numpy", m["numpy"]],
+            ["torch", m["torch"]], ["CuPy", m.get("cupy")], ["cuda backend", m.get("cuda_backend")],
+            ["numpy", m["numpy"]],
             ["Python", m["python"]], ["speedswap", m["speedswap"]]]
     return "## Machine\n\n" + markdown_table(["", ""], rows)
 

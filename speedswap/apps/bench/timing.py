@@ -81,7 +81,8 @@ def machine() -> dict:
     Returns:
         dict with the date, CPU model, cores, RAM, load average, the Python,
         numpy, torch and speedswap versions, and, where torch sees a GPU, its
-        name, memory, driver, CUDA version, PCIe link and the CuPy version.
+        name, memory, driver, CUDA version, PCIe link, the CuPy version and
+        whether pinned tables move by the zero-copy kernels (``cuda_backend``).
     """
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -108,6 +109,8 @@ def machine() -> dict:
             info["cupy"] = cupy.__version__
         except ImportError:
             info["cupy"] = None
+        # Without working CuPy kernels pinned tables are staged: say which path was measured.
+        info["cuda_backend"] = ss.info()["cuda"]
     return info
 
 
