@@ -13,8 +13,27 @@ def _cuda_ready():
     return "cuda" in ss.available_backends()
 
 
+def gpu_only_first(items):
+    """Sort ``items`` (stably) so that tests written for a GPU alone come before the rest.
+
+    Those carry the ``gpu`` mark on their function or module; the cuda cases
+    of backend-parametrised tests carry it on their parameter only. A GPU run
+    cut short by a time limit (``bench --all`` gives the tests 480 s) has then
+    run the tests nothing else covers.
+    """
+    def own_gpu_mark(item):
+        marks = [getattr(item, "function", None), getattr(item, "module", None)]
+        for owner in marks:
+            declared = getattr(owner, "pytestmark", [])
+            if any(mark.name == "gpu" for mark in (declared if isinstance(declared, (list, tuple)) else [declared])):
+                return True
+        return False
+    items.sort(key=lambda item: not own_gpu_mark(item))
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda_ready():
+        gpu_only_first(items)
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (tests of the zero-copy kernels also need CuPy)")
     for item in items:

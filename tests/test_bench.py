@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ import torch
 from speedswap.__main__ import main
 from speedswap.apps.bench import feeder, gpu_tests, suite, summary, training_step, transport, word2vec
 from speedswap.apps.bench.summary import render_summary, target_rows
+
+from conftest import gpu_only_first
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ["Machine", "Steps", "Targets", "GPU tests", "Transport", "Training step", "Feeder", "word2vec"]
@@ -253,6 +256,19 @@ def test_summary_of_failed_steps_still_lists_every_target_and_section():
     for name in ("Transport", "Training step", "Feeder", "word2vec"):
         assert "not measured: RuntimeError: boom" in found[name]
     assert "over the 480 s budget" in found["Steps"]
+
+
+def test_on_a_gpu_the_tests_written_for_it_run_first():
+    """What a GPU run cut short by its time limit must not miss: the gpu-only tests, ahead of cuda cases."""
+    def item(name, function_marks=(), module_marks=()):
+        return SimpleNamespace(name=name, function=SimpleNamespace(pytestmark=list(function_marks)),
+                               module=SimpleNamespace(pytestmark=module_marks))
+
+    items = [item("a cuda case of a parametrised test"), item("b gpu only", [pytest.mark.gpu.mark]),
+             item("c plain"), item("d in a gpu module", module_marks=pytest.mark.gpu.mark)]
+    gpu_only_first(items)
+    assert [i.name for i in items] == ["b gpu only", "d in a gpu module", "a cuda case of a parametrised test",
+                                       "c plain"]
 
 
 def test_a_word2vec_contender_that_raises_is_dropped_and_the_others_still_run(monkeypatch):
