@@ -490,7 +490,9 @@ class HostTable:
         Args:
             low, high: the bounds.
             generator: a ``torch.Generator`` for reproducible fills, on any
-                device (see :meth:`_fill_random`).
+                device: one on another device than the rows (a CPU generator
+                for a ``device`` table) draws each chunk there and copies it
+                in, so one seed fills every storage kind alike.
 
         Returns:
             self
@@ -511,7 +513,7 @@ class HostTable:
         Args:
             mean, std: the distribution's parameters.
             generator: a ``torch.Generator`` for reproducible fills, on any
-                device (see :meth:`_fill_random`).
+                device, as for :meth:`uniform_`.
 
         Raises:
             DTypeError: ``mean`` or ``std`` is not a real number.

@@ -116,8 +116,9 @@ class BatchFeeder:
     spot, which is faster than any hand-off. An exception met while reading
     ahead is raised in the training loop. Sources must not be changed while a
     feeder iterates over them; between loops they may be (on a GPU, a loop's
-    copies wait for the work your stream had queued when the loop began). One thread at a time iterates a feeder: a loop
-    superseded from another thread raises :class:`~speedswap.StateError`.
+    copies wait for the work your stream had queued when the loop began).
+    One thread at a time iterates a feeder: a loop superseded from another
+    thread raises :class:`~speedswap.StateError`.
 
     **Files.** A memory-mapped source (``np.load(path, mmap_mode="r")``, a
     mapped DataGadget) is read with ``pread``, never through its map (see
