@@ -364,7 +364,8 @@ class RowCache:
             miss_pos = torch.nonzero(~hit).squeeze(1)
             candidates = min(self._n_misses, self.num_slots)
             victim_score, victims = self._victims(candidates)
-            miss_score, ranked = torch.sort(count[miss_pos], descending=True)
+            # Stable: tied misses go in working-set order on every device (CUDA's small sorts are not).
+            miss_score, ranked = torch.sort(count[miss_pos], descending=True, stable=True)
             cached = int((miss_score[:candidates] > victim_score).sum())
         if cached:
             placed, victims = miss_pos[ranked[:cached]], victims[:cached]
