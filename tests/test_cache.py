@@ -268,7 +268,7 @@ def _trained_after(flush_or_prefetch, cache_rows, rows, backend):
         counters.append(emb.stats()["last_step"])
     emb.eval()
     with torch.no_grad():
-        rows = emb(torch.arange(emb.num_embeddings)).numpy()
+        rows = emb(torch.arange(emb.num_embeddings)).cpu().numpy()
     emb.flush()
     return rows, emb.table.to_numpy(copy=True), counters
 
@@ -375,7 +375,7 @@ def test_prefetched_rows_are_hits_and_are_not_evicted_early(backend):
     with torch.no_grad():
         cached = emb(torch.tensor([3, 4]))
     emb.flush()
-    np.testing.assert_array_equal(cached.numpy(), emb.table.to_numpy()[[3, 4]])
+    np.testing.assert_array_equal(cached.cpu().numpy(), emb.table.to_numpy()[[3, 4]])
 
 
 def test_prefetch_checks_ids_and_order(backend):
@@ -403,7 +403,7 @@ def test_eval_save_and_load_see_the_cache(backend, tmp_path, rng):
     np.testing.assert_array_equal(trained, host_before)
     emb.eval()
     with torch.no_grad():
-        current = emb(torch.arange(100)).numpy()
+        current = emb(torch.arange(100)).cpu().numpy()
     assert not np.array_equal(current, host_before)
     # ...but saving flushes, and an export holds the current rows.
     emb.save(tmp_path / "table.npy")
@@ -413,7 +413,7 @@ def test_eval_save_and_load_see_the_cache(backend, tmp_path, rng):
     np.save(tmp_path / "ones.npy", np.ones((100, 4), dtype=np.float32))
     emb.load(tmp_path / "ones.npy")
     with torch.no_grad():
-        np.testing.assert_array_equal(emb(torch.arange(100)).numpy(), 1.0)
+        np.testing.assert_array_equal(emb(torch.arange(100)).cpu().numpy(), 1.0)
 
 
 def test_init_state_resets_cached_state_rows_too(backend, rng):

@@ -156,7 +156,9 @@ def _first_step(name, weight0, state_rows, device):
     opt = OPTIMIZERS[name]([weight])
     if state_rows is not None:
         group = opt.param_groups[0]
-        scalars = {k: torch.tensor(f(group), dtype=torch.float32) for k, f in SCALAR_INIT.items()}
+        # Where torch makes them: ASGD's on the parameter's device, the others' on the CPU.
+        where = weight.device if name == "asgd" else None
+        scalars = {k: torch.tensor(f(group), dtype=torch.float32, device=where) for k, f in SCALAR_INIT.items()}
         if name == "sparse_adam":
             scalars["step"] = 0  # SparseAdam counts with a Python int
         expected_scalars = {"sgd": (), "sgd_momentum": (), "sgd_nesterov": (),

@@ -175,9 +175,11 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
             v_rows = context.weight.detach()[:len(batch.context_rows)]
             u = centre.weight.detach().index_select(0, u_slots)
             g, loss = _score_gradients(_scores(u, v_local, v_rows))
-            # Centre rows: sum_k g_k v_k per pair, then summed over each row's pairs.
-            per_pair = F.embedding_bag(v_local, v_rows, per_sample_weights=g, mode="sum")
-            centre_grad[:len(centre.working_rows)].zero_().index_add_(0, u_slots, per_pair)
+            # Centre rows: sum_k g_k v_k over each row's pairs, one bag per centre (the pairs come
+            # sorted by centre, whose slots are 0, 1, ... in the same order). Not a per-pair sum
+            # then index_add_: on a GPU that adds with atomics, in an order that varies run to run.
+            centre_grad[:len(batch.centre_rows)] = F.embedding_bag(
+                v_local.view(-1), v_rows, batch.centre_starts, per_sample_weights=g.view(-1), mode="sum")
             # Context rows: sum of g_k u over each row's occurrences, which the batch groups by row.
             context_grad[:len(batch.context_rows)] = F.embedding_bag(
                 batch.context_pairs, u, batch.context_starts, per_sample_weights=g.view(-1)[batch.context_order],
