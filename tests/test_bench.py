@@ -49,7 +49,7 @@ def test_dry_run_writes_every_result_and_a_summary_with_numbers(tmp_path):
         assert re.search(r"\d+\.\d+", body), f"section {name!r} has no figure:\n{body}"
     # Every GPU target is listed, each skipped with its reason.
     targets = [line for line in found["Targets"].splitlines() if line.startswith("| ") and "goal" not in line]
-    assert len(targets) == 11
+    assert len(targets) == 12
     assert all("skipped: dry run" in line for line in targets), targets
 
     transport_json = json.loads((out / "transport-cpu.json").read_text())
@@ -219,7 +219,12 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
                                                         "device": "cuda", "in_memory": "e", "offloaded": "o",
                                                         "cached": "c",
                                                         "device_memory": "m"},
-                                              "results": [entry]}),
+                                              "results": [entry],
+                                              "beyond_gpu": {"vocab": 52_000_000, "state_bytes": 84 * 2**30,
+                                                             "gpu_bytes": 80 * 2**30, "loss_before": 9.5,
+                                                             "loss_after": 7.25, "pairs_per_s": 150_000.0,
+                                                             "device_bytes": 64 * 2**20,
+                                                             "device_peak_bytes": 96 * 2**20}}),
                         "feeder": ran({"regression": regression}),
                         "word2vec": ran(job)}}
     rows = {row[0]: row for row in target_rows(record)}
@@ -232,6 +237,9 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
     assert rows["training throughput with cache and prefetch / all-GPU, vocab 1,000,000"][2:] == [0.98, "yes"]
     assert rows["gap to all-GPU with the cache / without, vocab 1,000,000"][2:] == [0.4, "yes"]
     assert rows["GPU memory at vocab 1,000,000: all-GPU / offloaded (MiB, resident)"][2] == "1,536 / 64"
+    beyond = rows["a vocabulary whose table + Adam state exceed the GPU's memory trains"]
+    assert beyond[2:] == ["52,000,000 rows (1.05x the GPU's memory): loss 9.5000 -> 7.2500, 64 MiB on the GPU",
+                          "yes"]
     assert rows["feeder epoch (FFCV regression shape) / pinned copy of the same bytes"][2:] == [1.5, "**no**"]
     assert rows["word2vec demo words/s: GPU (demo recipe) / the same job on this machine's CPU"][2:] == [5.0, "yes"]
     # The fastest GPU contender is the one held against gensim.
@@ -252,7 +260,7 @@ def test_summary_of_failed_steps_still_lists_every_target_and_section():
     found = sections(text)
     assert list(found) == SECTIONS
     targets = target_rows(record)
-    assert len(targets) == 11 and all("step failed (RuntimeError: boom)" in row[2] for row in targets)
+    assert len(targets) == 12 and all("step failed (RuntimeError: boom)" in row[2] for row in targets)
     for name in ("Transport", "Training step", "Feeder", "word2vec"):
         assert "not measured: RuntimeError: boom" in found[name]
     assert "over the 480 s budget" in found["Steps"]
@@ -322,13 +330,29 @@ def test_speedtorch_baseline_holds_the_values_it_was_filled_with():
 
 @pytest.mark.gpu
 def test_gpu_training_and_feeder_measure_at_small_sizes():
-    payload = training_step.run([5000], 2, torch.device("cuda"), training_step.StepShape(batch=256, dim=32))
+    payload = training_step.run([5000], 2, torch.device("cuda"), training_step.StepShape(batch=256, dim=32),
+                                beyond=False)
     entry = payload["results"][0]
     # The all-GPU table (plus Adam's state) is on the device; offloaded holds only the working set there.
     assert entry["in_memory"]["device_bytes"] >= 5000 * 32 * 4 * 3
     assert 0 < entry["offloaded"]["device_bytes"] < entry["in_memory"]["device_bytes"]
     result = feeder.regression(rows=4096, epochs=2, workers=0, device=torch.device("cuda"), dim=64, batch=512)
     assert result["feeder_over_limit"] > 0 and np.isfinite(result["feeder_over_limit"])
+
+
+@pytest.mark.gpu
+def test_beyond_the_gpu_trains_a_vocabulary_larger_than_the_memory_it_is_told_of():
+    """The real case fills more host RAM than the GPU has memory; told of 64 MiB, it runs in seconds."""
+    shape = training_step.StepShape(batch=256, dim=32)
+    entry = training_step.beyond_gpu(torch.device("cuda"), 5, shape, gpu_bytes=64 << 20)
+    assert entry["state_bytes"] > entry["gpu_bytes"] == 64 << 20
+    assert entry["loss_after"] < entry["loss_before"]
+    assert 0 < entry["device_bytes"] < entry["gpu_bytes"]
+
+
+def test_beyond_the_gpu_is_skipped_off_a_gpu():
+    entry = training_step.beyond_gpu(torch.device("cpu"), 2, training_step.StepShape(batch=32, dim=8))
+    assert entry == {"skipped": "no GPU memory to exceed on the CPU"}
 
 
 @pytest.mark.gpu

@@ -84,7 +84,10 @@ class SuiteSizes:
 # about 10 times per round (23 rounds, the torch-pinned contender dominating at
 # ~0.1 s), and building its host copies (up to 1 GiB each, 4 of them) costs a
 # few seconds: ~10 s per case, 5 cases. Training: 15 GB of pinned table and
-# state at 10M rows take ~15 s to allocate and fill; steps are milliseconds.
+# state at 10M rows take ~15 s to allocate and fill; steps are milliseconds;
+# then a vocabulary past the GPU's memory (84 GB of pinned table and state on an
+# H100; skipped where the host has less RAM than that, as an H200's 128 GiB host
+# against its 141 GB GPU): about a minute to allocate and fill.
 # Feeder: 4 GB of data generated once (~5 s), 6 epochs per contender, the
 # DataLoader's ~2 s each dominating. word2vec: the demo's 4M tokens, 3 runs of
 # each contender; the CPU's (~200k words/s on 2 cores) dominates, ~20 s each.

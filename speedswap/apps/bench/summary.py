@@ -96,13 +96,15 @@ def target_rows(record: dict) -> list:
                          "offloaded flat in vocab",
                          f"{entry['in_memory']['device_bytes'] / 2**20:,.0f} / "
                          f"{entry['offloaded']['device_bytes'] / 2**20:,.0f}", "—"])
+        rows.append(_beyond_gpu_row(training["beyond_gpu"]))
     else:
         why = _why_not(record, "training step", "the GPU training step")
         rows += [["training throughput offloaded / all-GPU", _goal(training_step.TARGET), why, "—"],
                  ["training throughput with cache and prefetch / all-GPU",
                   _goal(training_step.CACHED_TARGET), why, "—"],
                  ["gap to all-GPU with the cache / without", _goal(training_step.GAP_TARGET), why, "—"],
-                 ["GPU memory at vocab 1M and 10M", "offloaded flat in vocab", why, "—"]]
+                 ["GPU memory at vocab 1M and 10M", "offloaded flat in vocab", why, "—"],
+                 [_BEYOND_GPU_LABEL, "trains", why, "—"]]
     regression = (_result(record, "feeder") or {}).get("regression")
     label = "feeder epoch (FFCV regression shape) / pinned copy of the same bytes"
     if regression and regression["device"].startswith("cuda"):
@@ -111,6 +113,19 @@ def target_rows(record: dict) -> list:
     else:
         rows.append([label, _goal(feeder.TARGET), _why_not(record, "feeder", "the GPU feeder case"), "—"])
     return rows + _word2vec_targets(record)
+
+
+_BEYOND_GPU_LABEL = "a vocabulary whose table + Adam state exceed the GPU's memory trains"
+
+
+def _beyond_gpu_row(entry: dict) -> list:
+    """The target row of the training step's vocabulary beyond the GPU's memory."""
+    if "skipped" in entry:
+        return [_BEYOND_GPU_LABEL, "trains", "skipped: " + entry["skipped"], "—"]
+    measured = (f"{entry['vocab']:,} rows ({entry['state_bytes'] / entry['gpu_bytes']:.2f}x the GPU's memory): "
+                f"loss {entry['loss_before']:.4f} -> {entry['loss_after']:.4f}, "
+                f"{entry['device_bytes'] / 2**20:,.0f} MiB on the GPU")
+    return [_BEYOND_GPU_LABEL, "trains", measured, "yes" if entry["loss_after"] < entry["loss_before"] else "**no**"]
 
 
 def _word2vec_targets(record: dict) -> list:
@@ -230,7 +245,8 @@ def _training_body(result: dict) -> str:
             + markdown_table(["vocab", "in-memory ms", "offloaded ms", "cached ms",
                               "throughput offloaded / in-memory", "throughput cached / in-memory",
                               "interleaved", "in-memory MiB", "in-memory peak MiB", "offloaded MiB",
-                              "offloaded peak MiB"], rows))
+                              "offloaded peak MiB"], rows)
+            + "\n\n" + training_step.describe_beyond_gpu(result["beyond_gpu"]) + ".")
 
 
 def _feeder_body(result: dict) -> str:

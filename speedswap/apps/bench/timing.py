@@ -26,7 +26,7 @@ import torch
 
 import speedswap as ss
 
-__all__ = ["machine", "available_ram", "load_average", "time_interleaved", "time_one", "summarize",
+__all__ = ["machine", "available_ram", "physical_ram", "load_average", "time_interleaved", "time_one", "summarize",
            "format_table", "write_json"]
 
 
@@ -67,6 +67,11 @@ def available_ram() -> Optional[int]:
     return _sysconf_bytes("SC_AVPHYS_PAGES")
 
 
+def physical_ram() -> Optional[int]:
+    """Bytes of RAM this machine has (``SC_PHYS_PAGES``), or None where the platform does not say."""
+    return _sysconf_bytes("SC_PHYS_PAGES")
+
+
 def load_average() -> Optional[list]:
     """The 1, 5 and 15 minute load averages: other work on the machine skews every figure."""
     try:
@@ -90,7 +95,7 @@ def machine() -> dict:
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "ram_bytes": _sysconf_bytes("SC_PHYS_PAGES"),
+        "ram_bytes": physical_ram(),
         "ram_available_bytes": available_ram(),
         "load_average": load_average(),
         "python": platform.python_version(),

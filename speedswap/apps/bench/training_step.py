@@ -37,11 +37,11 @@ import torch.nn.functional as F
 
 import speedswap as ss
 
-from .timing import available_ram, format_table, load_average, time_interleaved, time_one
+from .timing import available_ram, format_table, load_average, physical_ram, time_interleaved, time_one
 
-__all__ = ["StepShape", "TARGET", "CACHED_TARGET", "GAP_TARGET", "CACHE_FRACTION", "zipf_batches",
-           "skipgram_loss", "build_in_memory", "build_offloaded", "build_cached", "measure", "run",
-           "format_results"]
+__all__ = ["StepShape", "TARGET", "CACHED_TARGET", "GAP_TARGET", "CACHE_FRACTION", "BEYOND_GPU",
+           "zipf_batches", "skipgram_loss", "build_in_memory", "build_offloaded", "build_cached", "measure",
+           "beyond_gpu", "run", "format_results", "describe_beyond_gpu"]
 
 #: Offloaded throughput over in-memory throughput at a vocabulary that fits both (GPU).
 TARGET = (">=", 0.9)
@@ -51,6 +51,8 @@ CACHED_TARGET = (">=", 0.95)
 GAP_TARGET = ("<=", 0.5)
 #: The cached setup's cache, as a share of the vocabulary.
 CACHE_FRACTION = 0.05
+#: The table and Adam state of :func:`beyond_gpu`'s vocabulary, as a multiple of the GPU's memory.
+BEYOND_GPU = 1.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +151,7 @@ def _step_fn(build: Callable, vocab: int, batches: list, device: torch.device, s
         opt.step()
         opt.zero_grad()
 
+    step.module = emb  # lives as long as the step function: dropping it frees the setup
     step()
     step()
     memory = {"device_bytes": None, "device_peak_bytes": None}
@@ -216,17 +219,66 @@ def measure(vocab: int, device: torch.device, repeats: int, shape: StepShape) ->
             "load_average_before": load, **timings}
 
 
-def run(vocabs: Sequence[int], repeats: int, device: torch.device, shape: StepShape = StepShape()) -> dict:
-    """:func:`measure` at each vocabulary size.
+def beyond_gpu(device: torch.device, repeats: int, shape: StepShape, gpu_bytes: Optional[int] = None) -> dict:
+    """The offloaded setup alone at a vocabulary whose table and Adam state exceed the GPU's memory.
+
+    No all-GPU setup can hold it: the figures are that it trains (the loss
+    of one batch, read through the table, falls), its speed, and its device
+    memory, which must be what the smaller vocabularies take.
+
+    Args:
+        device, repeats, shape: as for :func:`measure`.
+        gpu_bytes: the memory to exceed; None: the GPU's own.
+
+    Returns:
+        ``{"vocab", "state_bytes" (table and both moments), "gpu_bytes",
+        "loss_before", "loss_after", "pairs_per_s", timing summary, device
+        memory}``, or ``{"skipped": why}`` off a GPU, or where this host's
+        RAM cannot hold more than the GPU does.
+    """
+    if device.type != "cuda":
+        return {"skipped": "no GPU memory to exceed on the CPU"}
+    gpu_bytes = gpu_bytes or torch.cuda.get_device_properties(device).total_memory
+    row_bytes = shape.dim * 4 * 3  # float32 row, exp_avg, exp_avg_sq
+    vocab = int(BEYOND_GPU * gpu_bytes / row_bytes)
+    state_bytes, ram = vocab * row_bytes, physical_ram() or 0
+    if state_bytes > 0.85 * ram:
+        return {"skipped": f"the table and Adam state must exceed the GPU's {gpu_bytes / 2**30:.0f} GiB, "
+                           f"and {state_bytes / 2**30:.0f} GiB of them do not fit in this host's "
+                           f"{ram / 2**30:.0f} GiB of RAM"}
+    batches = zipf_batches(vocab, 16, device, shape)
+    try:
+        step, memory = _step_fn(build_offloaded, vocab, batches, device, shape)
+    except ss.OutOfMemoryError as exc:
+        return {"skipped": f"{vocab:,} rows could not be allocated: {exc}"}
+
+    def loss_of_first_batch():
+        with torch.no_grad():  # the eval path: rows read from the table, not trained
+            return float(skipgram_loss(step.module, *batches[0]))
+
+    before = loss_of_first_batch()
+    timing = time_one(step, repeats=repeats, cuda=True)
+    after = loss_of_first_batch()
+    del step
+    gc.collect()
+    return {"vocab": vocab, "state_bytes": state_bytes, "gpu_bytes": gpu_bytes, "loss_before": before,
+            "loss_after": after, "pairs_per_s": shape.batch / timing["median_s"], **timing, **memory}
+
+
+def run(vocabs: Sequence[int], repeats: int, device: torch.device, shape: StepShape = StepShape(), *,
+        beyond: bool = True) -> dict:
+    """:func:`measure` at each vocabulary size, then :func:`beyond_gpu`.
 
     Args:
         vocabs: table rows to try, e.g. ``[1_000_000, 10_000_000]``.
         repeats: timed steps per setup.
         device: ``cuda`` (in-memory means all-GPU) or ``cpu`` (in RAM).
         shape: the step's size.
+        beyond: also run :func:`beyond_gpu` (on a GPU it fills more host
+            RAM than the GPU has memory: about a minute on an H100).
 
     Returns:
-        ``{"setup": description, "results": [entry per vocabulary]}``.
+        ``{"setup": description, "results": [entry per vocabulary], "beyond_gpu": its entry}``.
     """
     results = []
     for vocab in vocabs:
@@ -234,6 +286,7 @@ def run(vocabs: Sequence[int], repeats: int, device: torch.device, shape: StepSh
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    beyond = beyond_gpu(device, repeats, shape) if beyond else {"skipped": "not asked for"}
     return {"setup": {"batch": shape.batch, "negatives": shape.negatives, "dim": shape.dim,
                       "optimizer": "Adam", "lr": shape.lr, "device": str(device),
                       "ids": "Zipf p~1/rank", "tied_embeddings": True,
@@ -247,7 +300,7 @@ def run(vocabs: Sequence[int], repeats: int, device: torch.device, shape: StepSh
                       "target": ("GPU: offloaded throughput >= 0.9x all-GPU at a vocabulary that fits, "
                                  ">= 0.95x with the cache, and the gap to all-GPU at least halved by "
                                  "the cache; CPU: offloaded <= 1.2x in-memory time")},
-            "results": results}
+            "results": results, "beyond_gpu": beyond}
 
 
 def _mib(value: Optional[int]) -> Optional[float]:
@@ -267,4 +320,16 @@ def format_results(payload: dict) -> str:
             for e in payload["results"]]
     setup = payload["setup"]
     return (f"training step: skip-gram, Adam, {setup['batch']} pairs x {setup['negatives']} negatives, "
-            f"dim {setup['dim']}, on {setup['device']}\n" + format_table(rows, list(rows[0])))
+            f"dim {setup['dim']}, on {setup['device']}\n" + format_table(rows, list(rows[0]))
+            + "\n" + describe_beyond_gpu(payload["beyond_gpu"]))
+
+
+def describe_beyond_gpu(entry: dict) -> str:
+    """One line on :func:`beyond_gpu`'s entry."""
+    if "skipped" in entry:
+        return f"beyond the GPU's memory: skipped ({entry['skipped']})"
+    return (f"beyond the GPU's memory: {entry['vocab']:,} rows, table + Adam state "
+            f"{entry['state_bytes'] / entry['gpu_bytes']:.2f}x the GPU's {entry['gpu_bytes'] / 2**30:.0f} GiB: "
+            f"loss of the first batch {entry['loss_before']:.4f} -> {entry['loss_after']:.4f}, "
+            f"{entry['pairs_per_s']:,.0f} pairs/s, device memory {_mib(entry['device_bytes']):,.0f} MiB "
+            f"(peak {_mib(entry['device_peak_bytes']):,.0f})")
