@@ -1,6 +1,5 @@
 """Backend selection, the CPU fallback, and the errors when CUDA cannot run."""
 
-import sys
 import warnings
 
 import pytest

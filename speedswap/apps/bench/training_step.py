@@ -219,6 +219,12 @@ def measure(vocab: int, device: torch.device, repeats: int, shape: StepShape) ->
             "load_average_before": load, **timings}
 
 
+def _loss_of(module: torch.nn.Module, batch: tuple) -> float:
+    """A batch's loss without training: under no_grad the embedding reads its rows from the table."""
+    with torch.no_grad():
+        return float(skipgram_loss(module, *batch))
+
+
 def beyond_gpu(device: torch.device, repeats: int, shape: StepShape, gpu_bytes: Optional[int] = None) -> dict:
     """The offloaded setup alone at a vocabulary whose table and Adam state exceed the GPU's memory.
 
@@ -252,13 +258,9 @@ def beyond_gpu(device: torch.device, repeats: int, shape: StepShape, gpu_bytes: 
     except ss.OutOfMemoryError as exc:
         return {"skipped": f"{vocab:,} rows could not be allocated: {exc}"}
 
-    def loss_of_first_batch():
-        with torch.no_grad():  # the eval path: rows read from the table, not trained
-            return float(skipgram_loss(step.module, *batches[0]))
-
-    before = loss_of_first_batch()
+    before = _loss_of(step.module, batches[0])
     timing = time_one(step, repeats=repeats, cuda=True)
-    after = loss_of_first_batch()
+    after = _loss_of(step.module, batches[0])
     del step
     gc.collect()
     return {"vocab": vocab, "state_bytes": state_bytes, "gpu_bytes": gpu_bytes, "loss_before": before,
