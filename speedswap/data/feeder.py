@@ -355,6 +355,9 @@ class BatchFeeder:
             on_device = (ids.to(self._device)
                          if self._kernel_tables or any(t.device.type == "cuda" for t in self._columns)
                          else None)
+            if on_device is not None and self._stager is not None:
+                # Its batches are gathered on the side stream: a new epoch must not free it under them.
+                self._stager.reads(on_device)
             self._ids = (epoch, ids, on_device)
         return self._ids[1], self._ids[2]
 

@@ -164,6 +164,14 @@ class CudaStager:
         """
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
 
+    def reads(self, tensor):
+        """Mark ``tensor``, made on the caller's stream, as read by the side stream (once suffices).
+
+        When it is freed, the caching allocator waits for the side stream's
+        work queued until then before handing its memory out again.
+        """
+        tensor.record_stream(self._stream)
+
     def launch(self, columns, ids, device_ids, gathered):
         """Start moving rows ``ids`` of every column to the GPU; returns before the copies finish.
 
@@ -181,10 +189,6 @@ class CudaStager:
             fires when they are complete.
         """
         rings = iter(self._rings)
-        if device_ids is not None:
-            # Made on the caller's stream and read here: when the feeder drops them (a new
-            # epoch), their memory must not be reused before these reads have run.
-            device_ids.record_stream(self._stream)
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
             out = []
             for k, column in enumerate(columns):
