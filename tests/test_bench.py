@@ -238,8 +238,8 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
     assert rows["gap to all-GPU with the cache / without, vocab 1,000,000"][2:] == [0.4, "yes"]
     assert rows["GPU memory at vocab 1,000,000: all-GPU / offloaded (MiB, resident)"][2] == "1,536 / 64"
     beyond = rows["a vocabulary whose table + Adam state exceed the GPU's memory trains"]
-    assert beyond[2:] == ["52,000,000 rows (1.05x the GPU's memory): loss 9.5000 -> 7.2500, 64 MiB on the GPU",
-                          "yes"]
+    assert beyond[2:] == ["52,000,000 rows (1.05x the GPU's memory): loss 9.5000 -> 7.2500, 150,000 pairs/s, "
+                          "64 MiB on the GPU (peak 96)", "yes"]
     assert rows["feeder epoch (FFCV regression shape) / pinned copy of the same bytes"][2:] == [1.5, "**no**"]
     assert rows["word2vec demo words/s: GPU (demo recipe) / the same job on this machine's CPU"][2:] == [5.0, "yes"]
     # The fastest GPU contender is the one held against gensim.

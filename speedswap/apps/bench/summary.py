@@ -120,12 +120,8 @@ _BEYOND_GPU_LABEL = "a vocabulary whose table + Adam state exceed the GPU's memo
 
 def _beyond_gpu_row(entry: dict) -> list:
     """The target row of the training step's vocabulary beyond the GPU's memory."""
-    if "skipped" in entry:
-        return [_BEYOND_GPU_LABEL, "trains", "skipped: " + entry["skipped"], "—"]
-    measured = (f"{entry['vocab']:,} rows ({entry['state_bytes'] / entry['gpu_bytes']:.2f}x the GPU's memory): "
-                f"loss {entry['loss_before']:.4f} -> {entry['loss_after']:.4f}, "
-                f"{entry['device_bytes'] / 2**20:,.0f} MiB on the GPU")
-    return [_BEYOND_GPU_LABEL, "trains", measured, "yes" if entry["loss_after"] < entry["loss_before"] else "**no**"]
+    trained = "—" if "skipped" in entry else "yes" if entry["loss_after"] < entry["loss_before"] else "**no**"
+    return [_BEYOND_GPU_LABEL, "trains", training_step.describe_beyond_gpu(entry), trained]
 
 
 def _word2vec_targets(record: dict) -> list:
@@ -246,7 +242,7 @@ def _training_body(result: dict) -> str:
                               "throughput offloaded / in-memory", "throughput cached / in-memory",
                               "interleaved", "in-memory MiB", "in-memory peak MiB", "offloaded MiB",
                               "offloaded peak MiB"], rows)
-            + "\n\n" + training_step.describe_beyond_gpu(result["beyond_gpu"]) + ".")
+            + "\n\nBeyond the GPU's memory: " + training_step.describe_beyond_gpu(result["beyond_gpu"]) + ".")
 
 
 def _feeder_body(result: dict) -> str:

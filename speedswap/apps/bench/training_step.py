@@ -323,15 +323,13 @@ def format_results(payload: dict) -> str:
     setup = payload["setup"]
     return (f"training step: skip-gram, Adam, {setup['batch']} pairs x {setup['negatives']} negatives, "
             f"dim {setup['dim']}, on {setup['device']}\n" + format_table(rows, list(rows[0]))
-            + "\n" + describe_beyond_gpu(payload["beyond_gpu"]))
+            + "\nbeyond the GPU's memory: " + describe_beyond_gpu(payload["beyond_gpu"]))
 
 
 def describe_beyond_gpu(entry: dict) -> str:
-    """One line on :func:`beyond_gpu`'s entry."""
+    """:func:`beyond_gpu`'s entry in one line: what trained, and how; or why it was skipped."""
     if "skipped" in entry:
-        return f"beyond the GPU's memory: skipped ({entry['skipped']})"
-    return (f"beyond the GPU's memory: {entry['vocab']:,} rows, table + Adam state "
-            f"{entry['state_bytes'] / entry['gpu_bytes']:.2f}x the GPU's {entry['gpu_bytes'] / 2**30:.0f} GiB: "
-            f"loss of the first batch {entry['loss_before']:.4f} -> {entry['loss_after']:.4f}, "
-            f"{entry['pairs_per_s']:,.0f} pairs/s, device memory {_mib(entry['device_bytes']):,.0f} MiB "
-            f"(peak {_mib(entry['device_peak_bytes']):,.0f})")
+        return f"skipped: {entry['skipped']}"
+    return (f"{entry['vocab']:,} rows ({entry['state_bytes'] / entry['gpu_bytes']:.2f}x the GPU's memory): "
+            f"loss {entry['loss_before']:.4f} -> {entry['loss_after']:.4f}, {entry['pairs_per_s']:,.0f} pairs/s, "
+            f"{_mib(entry['device_bytes']):,.0f} MiB on the GPU (peak {_mib(entry['device_peak_bytes']):,.0f})")
