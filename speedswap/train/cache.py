@@ -58,9 +58,13 @@ empty; the step each slot is pinned until; its row's count; its dirty flag;
 sorted rows and their slots for ``searchsorted``) and the ``(2, ~4 num_slots)``
 sketch: it never grows with the vocabulary. Host synchronisations: one per
 training forward (how many rows hit), one per step (how many misses are
-admitted) and one per prefetch (how many rows to bring), the same order as the
-``torch.unique`` the working set already does. On a GPU a prefetch's copies
-run on a side stream; every other call makes the current stream wait for it.
+admitted, and how many of their victims are dirty) and two per prefetch that
+brings rows (how many to bring; how many of their victims are dirty), beside
+the id check and ``torch.unique`` each of those calls makes without a cache.
+Every other size is known on the host and indexes with
+:func:`~speedswap.train.sync_free.positions` (``tests/test_host_syncs.py``
+counts them). On a GPU a prefetch's copies run on a side stream; every other
+call makes the current stream wait for it.
 """
 
 import contextlib
@@ -71,6 +75,7 @@ from ..backends.cpu import assign_rows
 from ..errors import StateError
 from ..table import HostTable
 from .sketch import FrequencySketch
+from .sync_free import positions
 
 __all__ = ["RowCache", "COUNTERS"]
 
@@ -227,8 +232,11 @@ class RowCache:
         counters["rows_d2h"] += len(rows)
         counters["bytes_d2h"] += moved
 
-    def _take(self, slots, rows, stamp, score, dirty):
+    def _take(self, slots, rows, stamp, score, dirty, n_changed):
         """Give ``slots`` (cheapest first, free ones first) to ``rows``: the bookkeeping half.
+
+        ``n_changed`` is how many of ``slots`` are dirty (free slots never
+        are), which the caller learnt in a host synchronisation it needed anyway.
 
         Returns:
             (changed, changed_rows): the evicted slots that are dirty, and their
@@ -238,7 +246,7 @@ class RowCache:
         free = min(len(slots), self._n_empty)
         self._n_empty -= free
         held = slots[free:]
-        changed = held[self.dirty[held]]
+        changed = slots[positions(self.dirty[slots], n_changed)]
         changed_rows = self.slot_row[changed]
         self.slot_row[slots] = rows
         self.stamp[slots] = stamp
@@ -292,15 +300,16 @@ class RowCache:
             self._gather_host(self.table, rows, out)
         else:
             # A row this step uses must outlive the step: eviction takes stamps below the clock.
-            hit_slot = slot[found]
-            self.stamp.scatter_reduce_(0, hit_slot, torch.full_like(hit_slot, self.clock), "amax")
+            # (A miss's `slot` is some other row's; its -1 leaves that stamp as it is.)
+            self.stamp.scatter_reduce_(0, slot, torch.where(found, self.clock, -1), "amax")
             missed = ~found
             # Misses go to scratch, in order: then one gather fills `out` from the cache.
             source = torch.where(found, slot, self.num_slots - 1 + torch.cumsum(missed, 0))
             n_miss = len(rows) - n_hit
             if n_miss:
                 begin = self._scratch(n_miss)
-                self._gather_host(self.table, rows[missed], self.weights[begin:begin + n_miss])
+                self._gather_host(self.table, rows[positions(missed, n_miss)],
+                                  self.weights[begin:begin + n_miss])
             _take_rows(self.weights, source, out)
         self._n_hits += n_hit
         self._n_misses += len(rows) - n_hit
@@ -319,7 +328,8 @@ class RowCache:
             step_slot = self._step_slots()
             missed = step_slot < 0
             source = torch.where(missed, self.num_slots - 1 + torch.cumsum(missed, 0), step_slot)
-            missed_rows, n_miss = rows[missed], self._n_misses
+            n_miss = self._n_misses
+            missed_rows = rows[positions(missed, n_miss)]
             begin = self._scratch(n_miss)
         for name, view in views.items():
             table = self.state_tables[name]
@@ -354,29 +364,34 @@ class RowCache:
         hit = target >= 0
         count = self._step_counts()
         if self._n_hits:
-            hit_slot = target[hit]
-            self.score[hit_slot] = count[hit]
+            hit_pos = positions(hit, self._n_hits)
+            hit_slot = target[hit_pos]
+            self.score[hit_slot] = count[hit_pos]
             self.dirty[hit_slot] = True
         cached = 0
         if self._n_misses and states is not None:
             # Misses by use count, most used first, against slots by score, cheapest first:
             # "miss i beats victim i" holds for a prefix, the misses admitted.
-            miss_pos = torch.nonzero(~hit).squeeze(1)
+            miss_pos = positions(~hit, self._n_misses)
             candidates = min(self._n_misses, self.num_slots)
             victim_score, victims = self._victims(candidates)
             # Stable: tied misses go in working-set order on every device (CUDA's small sorts are not).
             miss_score, ranked = torch.sort(count[miss_pos], descending=True, stable=True)
-            cached = int((miss_score[:candidates] > victim_score).sum())
+            admitted = miss_score[:candidates] > victim_score
+            # The step's one host synchronisation: how many misses are admitted, and how
+            # many of their victims must be written back.
+            cached, n_changed = torch.stack(
+                [admitted.sum(), (admitted & self.dirty[victims]).sum()]).tolist()
         if cached:
             placed, victims = miss_pos[ranked[:cached]], victims[:cached]
             self._write_back(*self._take(victims, rows[placed], self.clock, miss_score[:cached],
-                                         True))
+                                         True, n_changed))
             target[placed] = victims
         if cached + self._n_hits == 0:
             # Nothing cached this step: the rows go back as they are, without a copy.
             self._write_host(rows, weights, states)
         else:
-            rest = torch.nonzero(target < 0).squeeze(1)
+            rest = positions(target < 0, self._n_misses - cached)
             begin = self._scratch(len(rest))
             target[rest] = torch.arange(begin, begin + len(rest), device=self.device)
             # One assignment puts every row in its slot, and the rows going back in scratch
@@ -433,10 +448,11 @@ class RowCache:
         bring = min(n_new, evictable - self._n_misses)
         if bring <= 0:
             return 0
-        rows, (_, victims) = unique[new][:bring], self._victims(bring)
+        rows, (_, victims) = unique[positions(new, n_new)[:bring]], self._victims(bring)
         # Brought from the host, the rows are clean: evicting them again writes nothing.
         changed, changed_rows = self._take(victims, rows, self.clock + 1,
-                                           self.sketch.estimate(rows), False)
+                                           self.sketch.estimate(rows), False,
+                                           int(self.dirty[victims].sum()))
         side = contextlib.nullcontext()
         if self._side is not None:
             # Copies wait for the current stream's earlier writes; the tensors

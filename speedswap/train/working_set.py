@@ -22,6 +22,7 @@ but the last update of a repeated row were lost).
 import torch
 
 from ..errors import CapacityError
+from .sync_free import positions
 
 __all__ = ["WorkingSet"]
 
@@ -84,10 +85,11 @@ class WorkingSet:
             # Both lists are sorted, so one binary search per new id finds the held ones.
             pos = torch.searchsorted(self._sorted, unique).clamp_(max=held - 1)
             found = self._sorted[pos] == unique
-            new_rows = unique[~found]
-            slots = torch.empty_like(unique)
-            slots[found] = self._slot_of_sorted[pos[found]]
-            slots[~found] = torch.arange(held, held + len(new_rows), device=self.device)
+            new = ~found
+            # One host synchronisation sizes the new rows (the capacity check needs it too).
+            new_rows = unique[positions(new, int(new.sum()))]
+            # New rows take the next slots in order: the k-th new row slot held + k - 1.
+            slots = torch.where(found, self._slot_of_sorted[pos], held - 1 + torch.cumsum(new, 0))
         if held + len(new_rows) > self.capacity:
             raise CapacityError(
                 f"this step touches {held + len(new_rows)} distinct rows but the working set "

@@ -1,0 +1,87 @@
+"""Count the calls speedswap makes that would make a GPU's host wait: a model that runs on the CPU.
+
+On CUDA a call whose result the host needs (a value, as ``.item()`` and
+``.tolist()``; or a size, as ``nonzero``, ``unique`` and indexing with a
+boolean mask) waits for every kernel queued before it, and the work queued
+after it cannot overlap what came before. Those calls look the same on the
+CPU, so counting them there shows where a GPU step would stall, in CI.
+
+It is a model: it knows the calls listed below. Copies between devices are
+left out, because on the numpy backend every tensor is on the CPU and a
+copy that crosses to a GPU's host there cannot be told from one that does
+not; so is ``numpy()``, which raises on a CUDA tensor rather than stalling
+(the numpy backend's CPU-only branches use it). The gpu test of the same run counts
+torch's own sync warnings (``torch.cuda.set_sync_debug_mode``) instead.
+"""
+
+import collections
+import os
+import traceback
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import speedswap
+
+#: Calls that always need a value or a size from the device.
+_SYNCING = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+            "argwhere", "unique", "unique_consecutive", "masked_select", "bincount"}
+_PACKAGE = os.path.dirname(speedswap.__file__) + os.sep
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+
+
+def _bool_index(args):
+    """Whether a __getitem__/__setitem__ call indexes with a boolean tensor (sized by its True count)."""
+    if len(args) < 2:
+        return False
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return any(isinstance(i, torch.Tensor) and i.dtype is torch.bool for i in index)
+
+
+def _syncs(name, args, kwargs):
+    if name in _SYNCING:
+        return True
+    if name in ("__getitem__", "__setitem__"):
+        return _bool_index(args)
+    if name == "repeat_interleave":  # sized by its repeats' sum unless told
+        return "output_size" not in kwargs
+    return False
+
+
+class HostSyncs(TorchFunctionMode):
+    """Counts, by ``file:line`` of speedswap's calling line, the calls above made by speedswap's code.
+
+    Calls torch makes for itself (an optimizer's own ``.item()`` of its CPU
+    step count) and the test's own calls are not counted.
+
+    >>> with HostSyncs() as syncs:          # doctest: +SKIP
+    ...     emb(ids)
+    >>> syncs.total, syncs.where            # doctest: +SKIP
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.where = collections.Counter()
+
+    @property
+    def total(self) -> int:
+        return sum(self.where.values())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _syncs(getattr(func, "__name__", ""), args, kwargs):
+            caller = self._caller()
+            if caller is not None:
+                self.where[caller] += 1
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _caller():
+        """speedswap's line that made the call, or None when the innermost caller outside torch is not speedswap."""
+        for frame in reversed(traceback.extract_stack()[:-2]):
+            if frame.filename.startswith(_TORCH) or frame.filename == __file__:
+                continue
+            if frame.filename.startswith(_PACKAGE):
+                return f"{frame.filename[len(_PACKAGE):]}:{frame.lineno}"
+            return None
+        return None

@@ -1,0 +1,140 @@
+"""How often a training step makes a GPU's host wait, with and without the device cache.
+
+The device cache issue asks for eviction and insertion "with no host
+synchronisation beyond what the step already needs". A step already needs
+two per forward: the ids' range check (both bounds in one transfer) and the
+working set's ``torch.unique``. The cache adds one per forward (how many rows
+hit), one per ``optimizer.step()`` (how many misses are admitted, and how many
+of their victims are dirty) and, in a prefetch, two besides the check and its
+``unique`` (how many rows to bring; how many of their victims are dirty).
+
+On the CPU :class:`host_syncs.HostSyncs` counts the calls that would
+synchronise on CUDA; on a GPU torch's sync debug mode counts the real ones,
+and the two must agree.
+"""
+
+import inspect
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+from cuda_helpers import kernels_or_skip
+from host_syncs import HostSyncs
+from speedswap.convert import check_id_range
+from speedswap.train.sync_free import positions
+from training_helpers import CAPACITY, DIM, NUM_ROWS, skipgram_loss, zipf_batches
+
+STEPS = 40
+
+#: The most host synchronisations each call may make: (no cache, with a cache).
+BUDGET = {"forward": (2, 3), "second forward": (3, 4), "prefetch": (1, 4), "step": (0, 1)}
+
+
+class _TorchSyncWarnings:
+    """Counts torch's own warnings of CUDA host synchronisations (``set_sync_debug_mode``)."""
+
+    def __init__(self):
+        self.total = 0
+        self.where = "torch.cuda.set_sync_debug_mode warnings"
+
+    def __enter__(self):
+        self._caught = warnings.catch_warnings(record=True)
+        self._records = self._caught.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
+        self.total += sum("synchroniz" in str(record.message) for record in self._records)
+        self._caught.__exit__(*exc)
+
+
+def _phase_counts(backend, cache_rows, counter_type, seed):
+    """Train STEPS Zipf steps with prefetch, counting each call's host synchronisations.
+
+    Returns:
+        ({phase: [count per call]}, [(phase, where) per call], the cache's total stats).
+    """
+    device = ss.get_backend(backend).device
+    batches = zipf_batches(np.random.default_rng(seed), STEPS + 1, device)
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pinned",
+                                backend=backend, cache_rows=cache_rows)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.05)
+    emb.attach(opt)
+    counts, where = {phase: [] for phase in BUDGET}, []
+
+    def counted(phase, call):
+        with counter_type() as counter:
+            result = call()
+        counts[phase].append(counter.total)
+        where.append((phase, counter.where))
+        return result
+
+    for step in range(STEPS):
+        pos, neg, ctx = batches[step]
+        pos_rows = counted("forward", lambda: emb(pos))
+        neg_rows = counted("second forward", lambda: emb(neg))  # adds its rows to the step's
+        loss = skipgram_loss(pos_rows, neg_rows, ctx)
+        following = torch.cat([batches[step + 1][0], batches[step + 1][1].reshape(-1)])
+        counted("prefetch", lambda: emb.prefetch(following))
+        loss.backward()
+        counted("step", opt.step)
+        opt.zero_grad()
+    emb.close()
+    return counts, where, emb.stats()["total"]
+
+
+@pytest.mark.parametrize("cache_rows", [0, NUM_ROWS // 5])
+def test_a_step_synchronises_the_host_no_more_than_its_budget(cache_rows, seed):
+    counts, where, total = _phase_counts("numpy", cache_rows, HostSyncs, seed)
+    cached = bool(cache_rows)
+    # The run went through every branch that could synchronise: hits and misses,
+    # evictions of dirty rows, prefetched rows.
+    if cached:
+        assert total["hits"] and total["misses"] and total["evictions"] and total["prefetched_rows"]
+    for phase, (plain, with_cache) in BUDGET.items():
+        budget = with_cache if cached else plain
+        worst = max(range(len(counts[phase])), key=counts[phase].__getitem__)
+        # Reached, not only respected: the budget is what the call costs, not a loose bound.
+        assert counts[phase][worst] == budget, (phase, [w for w in where if w[0] == phase][worst])
+    assert min(counts["forward"]) == BUDGET["forward"][cached]  # every forward pays it
+
+
+def test_the_model_counts_what_synchronises():
+    """HostSyncs counts a value or size read back, and not work that stays on the device."""
+    x = torch.arange(10)
+    with HostSyncs() as syncs:
+        # Calls from the test itself are not speedswap's: none is counted.
+        x.sum().item()
+    assert syncs.total == 0
+    with HostSyncs() as syncs:
+        check_id_range(x, 10)  # one transfer of both bounds
+    assert syncs.total == 1 and list(syncs.where) == [f"convert.py:{_line_of_tolist()}"]
+
+
+def _line_of_tolist():
+    source, first = inspect.getsourcelines(check_id_range)
+    return first + next(i for i, line in enumerate(source) if ".tolist()" in line)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_positions_are_the_true_entries_in_order(device, rng):
+    for size, share in [(0, 0.5), (1, 1.0), (1000, 0.0), (1000, 0.3), (1000, 1.0), (70_000, 0.01)]:
+        mask = torch.from_numpy(rng.random(size) < share).to(device)
+        expected = mask.nonzero().squeeze(1)
+        found = positions(mask, len(expected))
+        assert found.dtype == torch.int64 and found.device == mask.device
+        assert torch.equal(found, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_rows", [0, NUM_ROWS // 5])
+def test_the_cuda_step_synchronises_as_the_model_says(cache_rows, seed):
+    kernels_or_skip()  # staged transports read ids on the host: more synchronisations
+    modelled, _, _ = _phase_counts("numpy", cache_rows, HostSyncs, seed)
+    on_gpu, _, _ = _phase_counts("cuda", cache_rows, _TorchSyncWarnings, seed)
+    assert on_gpu == modelled
