@@ -12,7 +12,7 @@ import torch
 import speedswap as ss
 from speedswap.apps import evaluate, word2vec
 from speedswap.apps.corpus import keep_probabilities, read_text_corpus, skipgram_pairs, synthetic_corpus
-from speedswap.apps.pairs import PairBatch, PairChunks, _groups
+from speedswap.apps.pairs import _ID_TENSORS, PairBatch, PairChunks, _groups
 from speedswap.apps.skipgram import SkipGram, manual_step
 from speedswap.apps.w2v_format import load_word2vec_format, save_word2vec_format
 
@@ -192,7 +192,8 @@ def test_a_planned_batch_holds_the_same_pairs_sorted_by_centre_and_groups_its_id
     planned = PairBatch.plan(centres.to(device), contexts.to(device), negatives.to(device), centre_rows=vocab,
                              context_rows=vocab, words=12.5)
     assert planned.centres.device.type == device.type and planned.context_pairs.device.type == device.type
-    names = [field.name for field in dataclasses.fields(PairBatch) if field.name != "words"]
+    names = _ID_TENSORS
+    assert set(names) == {field.name for field in dataclasses.fields(PairBatch)} - {"words", "block"}
     batch = dataclasses.replace(planned, **{name: getattr(planned, name).cpu() for name in names})
     assert len(batch) == pairs and batch.words == 12.5 and batch.ids.shape == (pairs, columns)
     as_rows = lambda c, x, n: sorted(zip(c.tolist(), x.tolist(), map(tuple, n.tolist())))
@@ -213,6 +214,14 @@ def test_a_planned_batch_holds_the_same_pairs_sorted_by_centre_and_groups_its_id
     assert on_cpu.to("cpu") is on_cpu
     moved = on_cpu.to(device)
     assert all(torch.equal(getattr(moved, name).cpu(), getattr(batch, name)) for name in names)
+    # Packed into one block (page-locked for a GPU), the batch is the same and moves in one copy.
+    packed = on_cpu.packed(pin=device.type == "cuda")
+    assert packed.block.is_pinned() == (device.type == "cuda") and packed.words == 12.5
+    block = packed.block.untyped_storage().data_ptr()
+    assert all(getattr(packed, name).untyped_storage().data_ptr() == block for name in names)
+    for copy in (packed, packed.to(device)):
+        assert all(torch.equal(getattr(copy, name).cpu(), getattr(batch, name)) for name in names)
+    assert packed.to(device).block.device.type == device.type
     with pytest.raises(ss.ShapeError, match=r"got shapes \(500,\), \(499,\) and \(500, 4\)"):
         PairBatch.plan(centres, contexts[1:], negatives, centre_rows=vocab, context_rows=vocab)
     with pytest.raises(ss.IdError, match="centre ids contain -1"):
@@ -227,9 +236,8 @@ def test_planned_batches_are_the_chunks_cut_in_order_and_closing_stops_both_thre
     with chunks.batches(2, batch_size=300, ahead_pairs=600) as stream:
         streamed = list(stream)
     assert len(streamed) == len(expected) > 10
-    names = [field.name for field in dataclasses.fields(PairBatch)]
     for a, b in zip(streamed, expected):
-        assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in names if n != "words") and a.words == b.words
+        assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in _ID_TENSORS) and a.words == b.words
     assert sum(b.words for b in streamed) == pytest.approx(2 * 9_000)
     assert {len(b) for b in streamed} >= {300} and max(len(b) for b in streamed) == 300
     # A chunk without a pair (one-word documents) is one empty batch carrying its words.
@@ -249,6 +257,18 @@ def test_planned_batches_are_the_chunks_cut_in_order_and_closing_stops_both_thre
     with pytest.raises(RuntimeError, match="disk gone"):
         list(chunks.batches(1, batch_size=64))
     assert not any(t.name.startswith("speedswap-w2v") for t in threading.enumerate())
+
+
+@pytest.mark.gpu
+def test_batches_planned_for_a_gpu_arrive_packed_in_page_locked_memory():
+    corpus = synthetic_corpus(vocab=200, topics=4, tokens=6_000, seed=0)
+    chunks = PairChunks(corpus, window=3, negatives=2, subsample=1e-3, chunk_tokens=2_000, seed=5)
+    expected = [b for chunk in chunks.epoch(0) for b in chunk.batches(300, 200)]
+    with chunks.batches(1, batch_size=300, pin=True) as stream:
+        streamed = [(b.block.is_pinned(), b.to("cuda")) for b in stream]
+    assert len(streamed) == len(expected) > 5 and all(pinned for pinned, _ in streamed)
+    for (_, a), b in zip(streamed, expected):
+        assert all(torch.equal(getattr(a, n).cpu(), getattr(b, n)) for n in _ID_TENSORS) and a.words == b.words
 
 
 def test_a_run_cut_short_by_its_steps_stops_both_background_threads():

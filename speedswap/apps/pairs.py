@@ -156,6 +156,8 @@ class PairBatch:
         context_pairs: the pair (row of ``ids``) of each position in ``context_order``.
         words: corpus words the batch stands for, its share of its chunk's
             tokens (progress and learning-rate schedules count them).
+        block: for a batch made by :meth:`packed`, the one tensor every id
+            tensor above is a view of (None otherwise).
     """
 
     centres: torch.Tensor
@@ -167,6 +169,7 @@ class PairBatch:
     context_starts: torch.Tensor
     context_pairs: torch.Tensor
     words: float = 0.0
+    block: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def plan(cls, centres, contexts, negatives, *, centre_rows: int, context_rows: int,
@@ -227,14 +230,54 @@ class PairBatch:
             torch.arange(len(self.context_rows), device=local.device), counts, output_size=self.ids.numel())
         return local.view(self.ids.shape)
 
+    def _id_tensors(self) -> dict:
+        return {name: getattr(self, name) for name in _ID_TENSORS}
+
+    def packed(self, *, pin: bool = False) -> PairBatch:
+        """The same batch with its id tensors laid out in one block (page-locked with ``pin``).
+
+        Moving such a batch to a GPU is one copy, and an asynchronous one from
+        page-locked memory. Each of the 8 tensors of an unpacked batch crosses
+        from pageable memory, and CUDA makes the host wait for the stream's
+        earlier work before each such copy: the step queued before it.
+
+        Args:
+            pin: page-lock the block (needs CUDA).
+
+        Returns:
+            the packed batch, on the CPU.
+        """
+        tensors = self._id_tensors()
+        block = torch.empty(sum(t.numel() for t in tensors.values()), dtype=torch.int64, pin_memory=pin)
+        packed = self._views(block)
+        for name, tensor in tensors.items():
+            getattr(packed, name).copy_(tensor)
+        return packed
+
+    def _views(self, block: torch.Tensor) -> PairBatch:
+        """This batch's id tensors as views of ``block``, in :data:`_ID_TENSORS` order."""
+        views, offset = {}, 0
+        for name, tensor in self._id_tensors().items():
+            views[name] = block[offset:offset + tensor.numel()].view(tensor.shape)
+            offset += tensor.numel()
+        return dataclasses.replace(self, block=block, **views)
+
     def to(self, device: torch.device) -> PairBatch:
-        """The batch on ``device`` (itself when it is there already)."""
+        """The batch on ``device`` (itself when it is there already); a packed batch moves in one copy."""
         device = torch.device(device)
         if self.centres.device == device:
             return self
-        moved = {field.name: getattr(self, field.name).to(device, non_blocking=True)
-                 for field in dataclasses.fields(self) if field.name != "words"}
+        if self.block is not None:
+            # The block is never written again, and torch's page-locked allocator keeps
+            # it from reuse until the copy has run: the copy need not be waited for.
+            return self._views(self.block.to(device, non_blocking=True))
+        moved = {name: tensor.to(device, non_blocking=True) for name, tensor in self._id_tensors().items()}
         return dataclasses.replace(self, **moved)
+
+
+#: The id tensors of a :class:`PairBatch`, in the order :meth:`PairBatch.packed` lays them out.
+_ID_TENSORS = tuple(field.name for field in dataclasses.fields(PairBatch)
+                    if field.name not in ("words", "block"))
 
 
 @dataclasses.dataclass
@@ -252,7 +295,7 @@ class Chunk:
     negatives: torch.Tensor
     tokens: int
 
-    def batches(self, batch_size: int, rows: int) -> Iterator[PairBatch]:
+    def batches(self, batch_size: int, rows: int, *, pin: bool = False) -> Iterator[PairBatch]:
         """The chunk's pairs in planned batches of ``batch_size`` (the last one may be shorter), in order.
 
         Each batch stands for an equal share of the chunk's tokens; a chunk
@@ -261,12 +304,14 @@ class Chunk:
         Args:
             batch_size: pairs per batch.
             rows: the vocabulary size (both tables' rows).
+            pin: each batch :meth:`~PairBatch.packed` into page-locked memory, for a GPU.
         """
         count = max(1, -(-len(self.centres) // batch_size))
         for start in range(0, count * batch_size, batch_size):
             stop = start + batch_size
-            yield PairBatch.plan(self.centres[start:stop], self.contexts[start:stop], self.negatives[start:stop],
-                                 centre_rows=rows, context_rows=rows, words=self.tokens / count)
+            batch = PairBatch.plan(self.centres[start:stop], self.contexts[start:stop], self.negatives[start:stop],
+                                   centre_rows=rows, context_rows=rows, words=self.tokens / count)
+            yield batch.packed(pin=True) if pin else batch
 
 
 class PairChunks:
@@ -320,19 +365,22 @@ class PairChunks:
                 yield from self.epoch(epoch)
         return Background(chunks, ahead=ahead, name="speedswap-w2v-pairs")
 
-    def batches(self, epochs: int, *, batch_size: int, ahead_pairs: int = 1 << 19) -> Background:
+    def batches(self, epochs: int, *, batch_size: int, ahead_pairs: int = 1 << 19,
+                pin: bool = False) -> Background:
         """The planned batches of ``epochs`` passes (:meth:`Chunk.batches`), in order.
 
         Two background threads: one makes the chunks (:meth:`stream`), the
         other cuts them into batches and plans them, up to about
-        ``ahead_pairs`` pairs early (about 100 MB of plans at 2**19).
+        ``ahead_pairs`` pairs early (about 100 MB of plans at 2**19), and with
+        ``pin`` packs each into page-locked memory (for a GPU: one
+        asynchronous copy per batch).
         """
         chunks = self.stream(epochs)
         rows = self._corpus.vocab_size
 
         def planned():
             for chunk in chunks:
-                yield from chunk.batches(batch_size, rows)
+                yield from chunk.batches(batch_size, rows, pin=pin)
         return Background(planned, ahead=max(2, ahead_pairs // batch_size), name="speedswap-w2v-plans",
                           upstream=chunks)
 

@@ -334,7 +334,8 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
                         chunk_tokens=chunk_tokens, seed=seed)
     # Started before the tables are built, so the first chunk's pairs are made meanwhile;
     # an endless stream in steps mode, which the loop stops.
-    with chunks.batches(epochs if steps is None else 1 << 30, batch_size=batch_size) as stream:
+    with chunks.batches(epochs if steps is None else 1 << 30, batch_size=batch_size,
+                        pin=device.type == "cuda") as stream:
         job = (_build_speedtorch(*args) if speedtorch_api
                else _build_offloaded(*args, autograd=autograd, cache_rows=cache_rows))
         run = _Run(len(corpus.tokens), epochs if steps is None else None, steps)
