@@ -173,12 +173,16 @@ def test_resume_three_rank_checkpoint_in_one_process(three_ranks):
     assert_same((arrays["table"], {k[6:]: v for k, v in arrays.items() if k.startswith("state.")}),
                 expected)
 
+    # With a device cache holding dirty rows of other training: the load replaces them too.
     plain = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=NUM_ROWS, storage="pageable",
-                                  backend="numpy")
+                                  backend="numpy", cache_rows=NUM_ROWS // 2)
     plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01, eps=1e-30)
     plain.attach(plain_opt)
+    train(plain, plain_opt, seed + 1, range(3), world=1, rank=0)
+    assert plain.stats()["total"]["hits"] > 0  # the cache held rows when the load came
     ss.load_sharded(ckpt, plain)
     train(plain, plain_opt, seed, range(SAVE_AT, STEPS), world=1, rank=0)
+    plain.flush()
     assert_same((plain.table.to_numpy(), {k: t.to_numpy() for k, t in plain._state.tables.items()}),
                 expected)
 

@@ -32,6 +32,7 @@ import torch
 
 from .. import atomic, files
 from ..errors import FileFormatError, StateError
+from .caching import rewriting
 from .exchange import Exchange, row_bounds
 
 __all__ = ["save_shards", "load_shards", "read_table_rows", "load_sharded", "MANIFEST"]
@@ -274,5 +275,7 @@ def load_sharded(path, embedding) -> None:
     if embedding._working_set.size:
         raise StateError("load between a training forward and optimizer.step() would be "
                          "undone by the step; load between steps")
-    load_shards(path, embedding._tables(), embedding._state, range(embedding.num_embeddings),
-                embedding.num_embeddings, Exchange(local=True))
+    # A device cache holds the authoritative copy of its rows: flushed before, forgotten after.
+    with rewriting(embedding._cache):
+        load_shards(path, embedding._tables(), embedding._state, range(embedding.num_embeddings),
+                    embedding.num_embeddings, Exchange(local=True))
