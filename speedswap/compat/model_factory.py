@@ -29,6 +29,7 @@ import weakref
 import numpy as np
 import torch
 
+from ..atomic import atomic_output
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
 from ..table import HostTable
 from .steps import MODEL
@@ -343,10 +344,27 @@ class ModelFactory(Switcher):
 
     def saveTorch(self, path) -> None:
         """SpeedTorch's ``saveTorch``: ``*.pt``/``*.pth`` through ``torch.save`` (the table as one
-        CPU tensor, as SpeedTorch wrote it); other suffixes as :meth:`save`."""
+        CPU tensor, as SpeedTorch wrote it); other suffixes as :meth:`save`.
+
+        Atomic like every save: a failure leaves any previous file at ``path`` whole.
+
+        Raises:
+            PathError: the directory is missing or the write failed (full disk, read-only).
+        """
         if _is_torch_file(path):
             self.flush()
-            torch.save(self.table.as_tensor().cpu().clone(), path)
+            tensor = self.table.as_tensor().cpu().clone()
+            # Written beside the target and renamed over it, as every save is: a failed write
+            # (a full disk) leaves the previous file whole.
+            with atomic_output(path) as temporary, open(temporary, "wb") as file:
+                try:
+                    torch.save(tensor, file)
+                except RuntimeError as exc:
+                    # torch's writer reports the file system's error (a full disk) as a
+                    # RuntimeError raised while handling it; atomic_output names the OSError.
+                    if isinstance(exc.__context__, OSError):
+                        raise exc.__context__ from exc
+                    raise
         else:
             self.save(path)
 
