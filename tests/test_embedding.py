@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import speedswap as ss
+from test_optimizer_equivalence import OPTIMIZERS, assert_same, torch_initial
+from training_helpers import CAPACITY, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
 
 USERS, ITEMS, DIM, BATCH, STEPS = 300, 500, 8, 32, 200
 TOL = dict(rtol=1e-5, atol=1e-6)  # float32 rounding (repeated ids' gradients summed in another order)
@@ -270,3 +272,41 @@ def test_slots_checks_ids_once_and_changes_nothing_when_it_refuses(backend):
     emb.close()
     with pytest.raises(ss.StateError, match="closed"):
         emb.slots(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("cache_rows", [0, NUM_ROWS // 10])
+@pytest.mark.parametrize("how", ["zero_grad", "discard_step"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum", "adagrad"])
+def test_a_skipped_step_leaves_the_rows_of_its_forwards_alone(optimizer, how, cache_rows, backend, rng):
+    """A step skipped (a loss that was not finite, a GradScaler's inf) trains nothing, as in memory.
+
+    ``zero_grad()`` drops the skipped forwards' rows with their gradients;
+    after ``zero_grad(set_to_none=False)`` ``discard_step()`` does. The
+    reference trains only the steps that ran.
+    """
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, 80, device)
+    skipped = rng.random(len(batches)) < 0.3
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend=backend,
+                                cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = OPTIMIZERS[optimizer](emb.parameters())
+    emb.attach(opt)
+    for (pos, neg, ctx), skip in zip(batches, skipped):
+        skipgram_loss(emb(pos), emb(neg), ctx).backward()
+        if not skip:
+            opt.step()
+            opt.zero_grad()
+        elif how == "zero_grad":
+            opt.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=False)
+            emb.discard_step()
+            assert not len(emb.working_rows) and emb.weight.grad is None
+    emb.flush()
+    ran = [batch for batch, skip in zip(batches, skipped) if not skip]
+    assert 0 < len(ran) < len(batches)
+    expected = run_in_memory(OPTIMIZERS[optimizer], table0, ran, device, initial_state=torch_initial)
+    assert_same((emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}),
+                expected)

@@ -193,7 +193,8 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
             raise ss.ShapeError("the batch has no pairs, so no step to take; skip empty batches")
         if len(centre.working_rows) or len(context.working_rows):
             raise ss.StateError("a training forward ran since the last optimizer step; the step's slots "
-                                "would not be its own: call optimizer.step() or zero_grad() first")
+                                "would not be its own: call optimizer.step() first, or the tables' "
+                                "discard_step() to drop that forward")
         rates = None if in_place is False else _in_place_rates(centre, context, optimizer)
         if rates is None and in_place:
             raise ss.OptionError("in_place=True needs float32 tables on the CPU backend without a device "

@@ -10,6 +10,8 @@
 
 from collections.abc import Mapping
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -120,6 +122,10 @@ class OffloadedEmbedding(torch.nn.Module):
         self.weight = torch.nn.Parameter(
             torch.zeros(max_rows, embedding_dim, dtype=compute, device=self.table.device))
         self._full = self.weight.data
+        # Whether a backward reached `weight` since the step began: a forward that then
+        # finds no gradient follows a zero_grad() that dropped the step (see discard_step).
+        self._backward_ran = False
+        self.weight.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
         self._working_set = WorkingSet(max_rows, self.table.device)
         self._state = None
         self._narrowed = None
@@ -264,6 +270,32 @@ class OffloadedEmbedding(torch.nn.Module):
         self._abort_step()
         return self._add_rows(ids)
 
+    def discard_step(self) -> None:
+        """Drop the rows (and gradients) of the training forwards since the last step, which will not run.
+
+        For a step that is skipped: a loss that was not finite, a
+        ``GradScaler`` that found inf gradients. Without it the next
+        ``optimizer.step()`` would also train the skipped forwards' rows, with
+        whatever gradient they hold (Adam moves a row even at a zero
+        gradient), where in-memory lazy training leaves them alone. The table,
+        the optimizer state and the cache keep those rows as they were.
+
+        ``optimizer.zero_grad()`` (whose default ``set_to_none=True`` drops the
+        gradients) between a backward and the next training forward does this
+        by itself; after ``zero_grad(set_to_none=False)``, or to drop rows
+        before their backward, call it.
+
+        Raises:
+            StateError: on a closed embedding.
+        """
+        self._check_open()
+        self._abort_step()
+        if self._working_set.size:
+            self._working_set.clear()
+            self._cache.end_step()  # nothing is stored: the cache holds the rows as before
+        self.weight.grad = None  # its slots will hold other rows
+        self._backward_ran = False
+
     @property
     def working_rows(self) -> torch.Tensor:
         """The table ids of the current step's rows, by slot (empty between steps).
@@ -277,6 +309,8 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._state is None:
             raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                              "step() is where the updated rows are written back")
+        if self._backward_ran and self.weight.grad is None:
+            self.discard_step()  # zero_grad() dropped the gradients of a step that never ran
         flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
         ws = self._working_set
         start = ws.size
@@ -316,6 +350,7 @@ class OffloadedEmbedding(torch.nn.Module):
         # Rows and state go to the cache, or back to the host: each row written once.
         self._state.scatter(rows, write=lambda states: self._cache.store(rows, weights, states))
         self._working_set.clear()
+        self._backward_ran = False
 
     def _abort_step(self):
         if self._narrowed is None:
@@ -485,3 +520,12 @@ class OffloadedEmbedding(torch.nn.Module):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _note_backward(ref):
+    """A post-accumulate-grad hook for an embedding's ``weight`` that holds the embedding weakly."""
+    def note(_weight):
+        embedding = ref()
+        if embedding is not None:
+            embedding._backward_ran = True
+    return note
