@@ -291,7 +291,7 @@ def test_evicting_a_clean_row_writes_nothing(backend):
     for _ in range(4):
         _step(emb, opt, [hot1, hot2])
     emb.flush()
-    flushed = emb.table.to_numpy(copy=True)
+    flushed = emb._table.to_numpy(copy=True)  # the host's copy; emb.table would empty the cache
     evictions, written = [], []
     for _ in range(6):
         _step(emb, opt, [rising])
@@ -398,9 +398,8 @@ def test_eval_save_and_load_see_the_cache(backend, tmp_path, rng):
     host_before = emb.table.to_numpy(copy=True)
     for _ in range(5):
         _step(emb, opt, rng.integers(0, 100, 20))
-    # Dirty rows live in the cache only: the host table is stale until a flush...
-    trained = emb.table.to_numpy(copy=True)
-    np.testing.assert_array_equal(trained, host_before)
+    # Dirty rows live in the cache only: the host's copy is stale until a flush...
+    np.testing.assert_array_equal(emb._table.to_numpy(copy=True), host_before)
     emb.eval()
     with torch.no_grad():
         current = emb(torch.arange(100)).cpu().numpy()
@@ -408,7 +407,7 @@ def test_eval_save_and_load_see_the_cache(backend, tmp_path, rng):
     # ...but saving flushes, and an export holds the current rows.
     emb.save(tmp_path / "table.npy")
     np.testing.assert_array_equal(np.load(tmp_path / "table.npy"), current)
-    np.testing.assert_array_equal(emb.table.to_numpy(), current)
+    np.testing.assert_array_equal(emb._table.to_numpy(), current)
     # Loading replaces what the cache held.
     np.save(tmp_path / "ones.npy", np.ones((100, 4), dtype=np.float32))
     emb.load(tmp_path / "ones.npy")
@@ -545,3 +544,44 @@ class CachedAgainstInMemory(RuleBasedStateMachine):
 CachedAgainstInMemory.TestCase.settings = settings(max_examples=20, stateful_step_count=15,
                                                    deadline=None)
 TestCachedAgainstInMemory = CachedAgainstInMemory.TestCase
+
+
+def test_the_table_through_the_embedding_sees_the_cache_and_writes_reach_the_next_step(backend, rng):
+    """``emb.table`` holds every row as trained, and rows written through it are what the next step reads.
+
+    The same steps and writes on an embedding without a cache are the reference.
+    """
+    runs = []
+    for cache_rows in (100, 0):  # every row fits in the cache
+        emb, opt = _embedding(backend, cache_rows, opt=torch.optim.Adam)
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
+            np.random.default_rng(3).standard_normal((100, 4), dtype=np.float32))))
+        steps = np.random.default_rng(4).integers(0, 100, (12, 20))
+        reads = []
+        for i, ids in enumerate(steps):
+            _step(emb, opt, ids)
+            if i % 4 == 3:
+                reads.append(emb.table.to_numpy(copy=True))  # no flush: the table is current
+                emb.table.scatter([ids[0]], torch.full((1, 4), float(i)))  # and takes writes
+        runs.append((reads, emb.table.to_numpy(copy=True),
+                     {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}))
+        if cache_rows:
+            assert emb.stats()["total"]["hits"] > 0  # the cache refilled between the reads
+    (reads, table, state), (reads0, table0, state0) = runs
+    for read, read0 in zip(reads, reads0):
+        np.testing.assert_array_equal(read, read0)
+    np.testing.assert_array_equal(table, table0)
+    for name in state0:
+        np.testing.assert_array_equal(state[name], state0[name])
+
+
+def test_the_table_through_a_cached_embedding_is_refused_mid_step(backend):
+    emb, opt = _embedding(backend, cache_rows=10)
+    _step(emb, opt, [1, 2, 3])
+    emb(torch.tensor([1, 4]))  # a step under way: its rows are in flight
+    cached = emb.stats()["cache_bytes"]
+    with pytest.raises(ss.StateError, match="between steps"):
+        emb.table
+    opt.step()
+    assert emb.stats()["last_step"]["hits"] == 1 and emb.stats()["cache_bytes"] == cached
+    assert emb.table.num_rows == 100  # between steps it is handed out

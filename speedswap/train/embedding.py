@@ -75,8 +75,8 @@ class OffloadedEmbedding(torch.nn.Module):
             may hold a trained table).
         cache_rows: rows (with their optimizer state) kept in device memory
             between steps, a write-back cache of the rows used most often
-            (see :mod:`speedswap.train.cache`); 0 turns it off. Call :meth:`flush`
-            before reading or writing :attr:`table` directly.
+            (see :mod:`speedswap.train.cache`); 0 turns it off. :attr:`table`
+            sees it (it writes the cached rows back and forgets them first).
 
     Raises:
         OptionError: bad sizes, padding_idx or storage.
@@ -109,24 +109,24 @@ class OffloadedEmbedding(torch.nn.Module):
         self.max_rows, self.padding_idx = max_rows, padding_idx
         self._storage, self._path, self._overwrite = storage, path, bool(overwrite)
         table_file = file_in(path, "table", storage)
-        self.table = HostTable.empty(num_embeddings, embedding_dim, dtype, storage, backend,
+        self._table = HostTable.empty(num_embeddings, embedding_dim, dtype, storage, backend,
                                      table_file, device=device, overwrite=overwrite)
         self._created = {table_file}  # mmap files this embedding made and may replace
-        self._backend = self.table.backend
-        self.table.normal_()  # nn.Embedding's initialisation
+        self._backend = self._table.backend
+        self._table.normal_()  # nn.Embedding's initialisation
         if padding_idx is not None:
-            self.table.scatter([padding_idx], torch.zeros(1, embedding_dim, dtype=dtype))
+            self._table.scatter([padding_idx], torch.zeros(1, embedding_dim, dtype=dtype))
         # bfloat16 rows train in float32: the step's math and the optimizer
         # state are float32, and each row is rounded back once per step.
         compute = torch.float32 if dtype is torch.bfloat16 else dtype
         self.weight = torch.nn.Parameter(
-            torch.zeros(max_rows, embedding_dim, dtype=compute, device=self.table.device))
+            torch.zeros(max_rows, embedding_dim, dtype=compute, device=self._table.device))
         self._full = self.weight.data
         # Whether a backward reached `weight` since the step began: a forward that then
         # finds no gradient follows a zero_grad() that dropped the step (see discard_step).
         self._backward_ran = False
         self.weight.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
-        self._working_set = WorkingSet(max_rows, self.table.device)
+        self._working_set = WorkingSet(max_rows, self._table.device)
         self._state = None
         self._narrowed = None
         self._hooks = None
@@ -143,13 +143,13 @@ class OffloadedEmbedding(torch.nn.Module):
             raise OptionError(
                 f"an OffloadedEmbedding cannot be converted to {probe.dtype} on {probe.device} "
                 f"after it is built (its table and optimizer state live on the host for "
-                f"{self.table.dtype} rows on {self.weight.device}); build it with "
+                f"{self._table.dtype} rows on {self.weight.device}); build it with "
                 f"dtype=..., device=... (backend='numpy' for the CPU) instead")
         return super()._apply(fn, recurse)
 
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
-                f"storage={self.table.storage!r}"
+                f"storage={self._table.storage!r}"
                 + ("" if self.padding_idx is None else f", padding_idx={self.padding_idx}"))
 
     # ------------------------------------------------------------- training
@@ -184,7 +184,7 @@ class OffloadedEmbedding(torch.nn.Module):
                                self._storage, self._backend, self._path,
                                overwrite=self._overwrite or self._created)
         self._created |= {t.path for t in self._state.tables.values()}
-        self._cache = new_cache(self.cache_rows, self.table, self._state.tables, self.weight.dtype)
+        self._cache = new_cache(self.cache_rows, self._table, self._state.tables, self.weight.dtype)
         self._hooks = StepHooks(self, optimizer)
 
     def init_state(self):
@@ -206,7 +206,7 @@ class OffloadedEmbedding(torch.nn.Module):
             self._state.init_state()
 
     def _check_open(self):
-        if self.table.closed:
+        if self._table.closed:
             raise StateError("this OffloadedEmbedding is closed; its memory was released")
 
     def forward(self, ids) -> torch.Tensor:
@@ -225,7 +225,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._abort_step()
         if not (self.training and torch.is_grad_enabled()):
             if self._cache is None:
-                return self.table.gather(ids).to(self.weight.dtype)
+                return self._table.gather(ids).to(self.weight.dtype)
             flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
             return self._cache.read(flat).view(*shape, self.embedding_dim).to(self.weight.dtype)
         local = self._add_rows(ids)
@@ -295,6 +295,29 @@ class OffloadedEmbedding(torch.nn.Module):
             self._cache.end_step()  # nothing is stored: the cache holds the rows as before
         self.weight.grad = None  # its slots will hold other rows
         self._backward_ran = False
+
+    @property
+    def table(self) -> HostTable:
+        """The whole table: a :class:`~speedswap.HostTable` holding every row's current value.
+
+        With a device cache, the cache first writes its rows (and their
+        optimizer state) back and forgets them, so reads see every row as
+        trained and writes reach the next step; the cache fills again as
+        training goes on. Keep the table rather than asking for it every step.
+
+        Raises:
+            StateError: with a device cache, between a training forward and its
+                optimizer step (the step's rows are in flight).
+        """
+        cache = self._cache
+        if cache is not None and cache.num_slots and not self._table.closed:
+            if len(self._working_set.rows):
+                raise StateError("emb.table with a device cache is read between steps: the cache gives "
+                                 "its rows up first, and this step's rows are in flight; call "
+                                 "optimizer.step() first (or read rows with an eval-mode forward)")
+            cache.flush()
+            cache.invalidate()
+        return self._table
 
     @property
     def working_rows(self) -> torch.Tensor:
@@ -394,10 +417,9 @@ class OffloadedEmbedding(torch.nn.Module):
     def flush(self):
         """Write the cached rows and their optimizer state back to the host tables.
 
-        After it :attr:`table` and the state tables hold every row's current
-        value (rows stay cached). Call it before reading or writing
-        :attr:`table` directly; after writing it directly, call :meth:`load`
-        instead, or attach again.
+        After it the host's table and state tables hold every row's current
+        value, and the rows stay cached (unlike :attr:`table`, which also
+        empties the cache so that writes through it are seen).
         """
         if self._cache is not None:
             self._cache.flush()
@@ -417,7 +439,7 @@ class OffloadedEmbedding(torch.nn.Module):
 
     # ---------------------------------------------------------- checkpoints
     def _tables(self):
-        tables = {"table": self.table}
+        tables = {"table": self._table}
         if self._state is not None:
             tables.update({f"optimizer.{name}": t for name, t in self._state.tables.items()})
         return tables
@@ -446,7 +468,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._abort_step()
         self.flush()
         if files.suffix_format(path) == "npy":
-            self.table.save(path)
+            self._table.save(path)
             return
         save_tables(path, self._tables(), self._attrs())
 
@@ -474,7 +496,7 @@ class OffloadedEmbedding(torch.nn.Module):
         # flushes it first, and drops the cached rows after (they predate the file's).
         with rewriting(self._cache):
             if files.suffix_format(path) == "npy":
-                self.table.load_from(path)  # the table alone; optimizer state is left as it is
+                self._table.load_from(path)  # the table alone; optimizer state is left as it is
             else:
                 load_tables(path, self._tables(), self._attrs())
                 if self._state is not None:
@@ -503,7 +525,7 @@ class OffloadedEmbedding(torch.nn.Module):
         call but :meth:`close` raises :class:`~speedswap.StateError`; the
         optimizer's ``step()`` no longer touches this embedding.
         """
-        if self.table.closed:
+        if self._table.closed:
             return
         self._abort_step()
         self.flush()  # an mmap embedding's files keep the cached rows too
@@ -513,7 +535,7 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._state is not None:
             self._state.close()
         self._working_set.clear()
-        self.table.close()
+        self._table.close()
 
     def __enter__(self):
         return self
