@@ -169,6 +169,7 @@ class OffloadedEmbedding(torch.nn.Module):
             StateError: a closed embedding, or between a training forward and the step.
         """
         self._check_open()
+        self._drop_zeroed_step()
         if self._working_set.size:
             raise StateError("attach between a training forward and optimizer.step() would drop "
                              "the step's rows; attach between steps")
@@ -296,6 +297,11 @@ class OffloadedEmbedding(torch.nn.Module):
         self.weight.grad = None  # its slots will hold other rows
         self._backward_ran = False
 
+    def _drop_zeroed_step(self):
+        """Discard the step in flight if ``zero_grad()`` dropped its gradients after a backward (it never ran)."""
+        if self._backward_ran and self.weight.grad is None:
+            self.discard_step()
+
     @property
     def table(self) -> HostTable:
         """The whole table: a :class:`~speedswap.HostTable` holding every row's current value.
@@ -311,7 +317,8 @@ class OffloadedEmbedding(torch.nn.Module):
         """
         cache = self._cache
         if cache is not None and cache.num_slots and not self._table.closed:
-            if len(self._working_set.rows):
+            self._drop_zeroed_step()
+            if self._working_set.size:
                 raise StateError("emb.table with a device cache is read between steps: the cache gives "
                                  "its rows up first, and this step's rows are in flight; call "
                                  "optimizer.step() first (or read rows with an eval-mode forward)")
@@ -332,8 +339,7 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._state is None:
             raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                              "step() is where the updated rows are written back")
-        if self._backward_ran and self.weight.grad is None:
-            self.discard_step()  # zero_grad() dropped the gradients of a step that never ran
+        self._drop_zeroed_step()
         flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
         ws = self._working_set
         start = ws.size
@@ -489,6 +495,7 @@ class OffloadedEmbedding(torch.nn.Module):
         """
         self._check_open()
         self._abort_step()
+        self._drop_zeroed_step()
         if self._working_set.size:
             raise StateError("load between a training forward and optimizer.step() would be "
                              "undone by the step; load between steps")
