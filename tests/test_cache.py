@@ -9,6 +9,8 @@ middle of every run.
 """
 
 import copy
+import gc
+import os
 import tempfile
 
 import hypothesis.strategies as st
@@ -585,3 +587,42 @@ def test_the_table_through_a_cached_embedding_is_refused_mid_step(backend):
     opt.step()
     assert emb.stats()["last_step"]["hits"] == 1 and emb.stats()["cache_bytes"] == cached
     assert emb.table.num_rows == 100  # between steps it is handed out
+
+
+def test_an_mmap_embedding_dropped_without_close_keeps_its_cached_rows_in_its_files(tmp_path):
+    """Without a cache an mmap table's files hold every step; a cache must not lose its rows on a drop."""
+    files = {}
+    for cache_rows in (0, 10):
+        path = tmp_path / f"cache{cache_rows}"
+        emb = ss.OffloadedEmbedding(20, 4, max_rows=8, storage="mmap", path=path, backend="numpy",
+                                    cache_rows=cache_rows)
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
+            np.random.default_rng(6).standard_normal((20, 4), dtype=np.float32))))
+        opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+        emb.attach(opt)
+        for ids in np.random.default_rng(5).integers(0, 20, (6, 5)):
+            _step(emb, opt, ids)
+        if cache_rows:
+            assert emb.stats()["total"]["hits"] > 0
+        del emb, opt
+        gc.collect()
+        files[cache_rows] = {name: np.load(path / name) for name in sorted(os.listdir(path))}
+    assert files[0].keys() == files[10].keys() and len(files[0]) == 3  # the table and Adam's moments
+    for name, values in files[0].items():
+        np.testing.assert_array_equal(files[10][name], values, err_msg=name)
+
+
+def test_close_releases_the_cache_and_keeps_its_counters(backend):
+    emb, opt = _embedding(backend, cache_rows=10)
+    for _ in range(3):
+        _step(emb, opt, [1, 2, 3])
+    emb.flush()  # close's own write-back, counted in the totals
+    before = emb.stats()
+    assert ss.info()["cache_bytes"] >= before["cache_bytes"] > 0
+    emb.close()
+    after = emb.stats()
+    assert after["total"] == before["total"] and after["cache_bytes"] == 0
+    gc.collect()
+    assert ss.info()["cache_bytes"] == 0  # no live cache is left
+    with pytest.raises(ss.StateError, match="closed"):
+        emb.prefetch([1, 2])

@@ -131,6 +131,8 @@ class OffloadedEmbedding(torch.nn.Module):
         self._narrowed = None
         self._hooks = None
         self.cache_rows, self._cache = cache_rows, None
+        self._writeback = None  # writes the cache back should the embedding be dropped unclosed
+        self._closed_stats = None  # what stats() reports once close() has released the cache
 
     def _apply(self, fn, recurse=True):
         # nn.Module's dtype and device conversions (model.double(), .half(),
@@ -176,6 +178,7 @@ class OffloadedEmbedding(torch.nn.Module):
         row_state_spec(optimizer, self.weight)  # refuse an unsupported optimizer before any change
         if self._cache is not None:
             self._cache.flush()  # cached rows are the current ones (their old state goes below)
+            self._writeback.detach()
             self._cache = None
         if self._state is not None:
             self._hooks.remove()
@@ -186,6 +189,9 @@ class OffloadedEmbedding(torch.nn.Module):
                                overwrite=self._overwrite or self._created)
         self._created |= {t.path for t in self._state.tables.values()}
         self._cache = new_cache(self.cache_rows, self._table, self._state.tables, self.weight.dtype)
+        # Dropped without close() (or at exit), the embedding still writes its cached rows
+        # back: an mmap table's files must hold them, as they hold every row without a cache.
+        self._writeback = weakref.finalize(self, self._cache.flush)
         self._hooks = StepHooks(self, optimizer)
 
     def init_state(self):
@@ -411,8 +417,9 @@ class OffloadedEmbedding(torch.nn.Module):
 
         Raises:
             IdError, DTypeError, DeviceError: bad ids (nothing changes).
-            StateError: called before :meth:`attach`.
+            StateError: called before :meth:`attach`, or on a closed embedding.
         """
+        self._check_open()
         if self._cache is None:
             raise StateError("call emb.attach(optimizer) before prefetch: the cache holds "
                              "optimizer state rows too")
@@ -440,7 +447,7 @@ class OffloadedEmbedding(torch.nn.Module):
         :meth:`attach`; before it every counter is zero.
         """
         if self._cache is None:
-            return idle_stats(self.cache_rows)
+            return self._closed_stats or idle_stats(self.cache_rows)
         return self._cache.stats()
 
     # ---------------------------------------------------------- checkpoints
@@ -536,6 +543,10 @@ class OffloadedEmbedding(torch.nn.Module):
             return
         self._abort_step()
         self.flush()  # an mmap embedding's files keep the cached rows too
+        if self._cache is not None:
+            self._writeback.detach()
+            self._closed_stats = {**self._cache.stats(), "cache_bytes": 0}
+            self._cache = None  # its device memory goes now, not with the embedding
         self._narrowed = None
         if self._hooks is not None:
             self._hooks.remove()
