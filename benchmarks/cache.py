@@ -13,9 +13,12 @@ unique rows. Bytes count rows and their Adam state, both directions. The
 "floor" is the ratio a cache that always held the truly most probable rows
 would reach (see ``static_misses``).
 
+With ``--prefetch`` each step also prefetches the next step's rows, which
+trades bytes for a step that finds every row it can in the cache.
+
 Usage:
     python benchmarks/cache.py [--steps 20] [--warmup 100] [--ids 1.1 uniform] [--caches 0.05]
-        [--threads 1]
+        [--threads 1] [--prefetch]
 
 Writes benchmarks/results/cache-{cpu,gpu}.json and a PNG plot beside it.
 """
@@ -67,8 +70,11 @@ def make_batch(sample):
     return ids[:PAIRS], ids[PAIRS:2 * PAIRS], ids[2 * PAIRS:].view(PAIRS, NEGS)
 
 
-def step(emb, opt, batch):
+def step(emb, opt, batch, following=None):
+    """One skip-gram step; with ``following``, the next batch's rows are prefetched during it."""
     center, context, negatives = (emb(ids) for ids in batch)
+    if following is not None:
+        emb.prefetch(torch.cat([ids.reshape(-1) for ids in following]))
     pos = (center * context).sum(-1)
     neg = (negatives * center.unsqueeze(1)).sum(-1)
     (-(F.logsigmoid(pos).sum() + F.logsigmoid(-neg).sum())).backward()
@@ -76,8 +82,11 @@ def step(emb, opt, batch):
     opt.zero_grad()
 
 
-def measure(exponent, fractions, steps, warmup, seed):
-    """Warm up and time the cache sizes ``fractions`` on one id distribution; returns their rows."""
+def measure(exponent, fractions, steps, warmup, seed, prefetch=False):
+    """Warm up and time the cache sizes ``fractions`` on one id distribution; returns their rows.
+
+    With ``prefetch`` every step prefetches the next one's rows (the no-cache run cannot).
+    """
     rng = np.random.default_rng(seed)
     sample, rank = id_sampler(exponent, rng)
     setups = []
@@ -87,25 +96,29 @@ def measure(exponent, fractions, steps, warmup, seed):
         opt = torch.optim.Adam(emb.parameters(), lr=1e-3)
         emb.attach(opt)
         setups.append((fraction, emb, opt))
-    batches = [make_batch(sample) for _ in range(warmup + steps)]
+    batches = [make_batch(sample) for _ in range(warmup + steps + 1)]
+
+    def following(i, emb):
+        return batches[i + 1] if prefetch and emb.cache_rows else None
+
     for _, emb, opt in setups:
-        for batch in batches[:warmup]:
-            step(emb, opt, batch)
+        for i in range(warmup):
+            step(emb, opt, batches[i], following(i, emb))
     times = {fraction: [] for fraction in fractions}
     before = {fraction: emb.stats()["total"] for fraction, emb, _ in setups}
     loads = []
-    for batch in batches[warmup:]:
+    for i in range(warmup, warmup + steps):
         # One step of each size per round, in a rotating order.
         order = setups[len(loads) % len(setups):] + setups[:len(loads) % len(setups)]
         loads.append(os.getloadavg()[0])
         for fraction, emb, opt in order:
             start = time.perf_counter()
-            step(emb, opt, batch)
+            step(emb, opt, batches[i], following(i, emb))
             times[fraction].append(time.perf_counter() - start)
     rows = []
     for fraction, emb, _ in setups:
         floor = (None if rank is None or not fraction else
-                 sum(static_misses(rank, batches[warmup:], emb.cache_rows)))
+                 sum(static_misses(rank, batches[warmup:warmup + steps], emb.cache_rows)))
         after = emb.stats()["total"]
         delta = {k: after[k] - before[fraction][k] for k in after}
         t = np.array(times[fraction])
@@ -177,6 +190,8 @@ def main(argv=None):
                              "the ratios are against it)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch's intra-op threads")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="prefetch each next step's rows (results in cache-prefetch-*.json)")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -184,7 +199,7 @@ def main(argv=None):
     started = os.getloadavg()
     rows = []
     for exponent in [d for d in DISTRIBUTIONS if str(d) in args.ids]:
-        rows += measure(exponent, fractions, args.steps, args.warmup, args.seed)
+        rows += measure(exponent, fractions, args.steps, args.warmup, args.seed, args.prefetch)
         print(f"{exponent}: done, load {os.getloadavg()[0]:.1f}", flush=True)
     annotate(rows)
     print(f"{'ids':>10} {'cache':>6} {'hit':>6} {'MB h2d':>8} {'MB d2h':>8} {'bytes x':>8} "
@@ -198,11 +213,11 @@ def main(argv=None):
               f"{r['step_vs_no_cache']:6.2f} {str(r['step_difference_is_noise']):>6} "
               f"{np.mean(r['loadavg_1min']):6.1f}")
     payload = {"policy": "frequency sketch with admission", "vocab": VOCAB, "dim": DIM, "pairs": PAIRS, "negatives": NEGS,
-               "optimizer": "Adam", "backend": "numpy", "steps": args.steps,
+               "optimizer": "Adam", "backend": "numpy", "steps": args.steps, "prefetch": args.prefetch,
                "threads": args.threads,
                "warmup": args.warmup, "loadavg_start": started, "loadavg_end": os.getloadavg(),
                "cpu_count": os.cpu_count(), "rows": rows}
-    path = common.write_results("cache", payload)
+    path = common.write_results("cache-prefetch" if args.prefetch else "cache", payload)
     plot(rows, path.with_suffix(".png"))
     print(f"wrote {path.with_suffix('.png')}")
     return payload
