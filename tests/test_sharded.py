@@ -268,6 +268,29 @@ def test_one_rank_bfloat16_equals_offloaded_embedding(rng):
     torch.testing.assert_close(sharded, plain, rtol=0, atol=0)
 
 
+def test_a_bfloat16_shard_refuses_float32_values_it_would_round_and_changes_nothing(rng, tmp_path):
+    """As OffloadedEmbedding.load does: an export or a checkpoint shard holding non-bfloat16 values."""
+    table0 = torch.from_numpy(rng.standard_normal((40, 4), dtype=np.float32)).to(torch.bfloat16)
+    emb = ss.ShardedOffloadedEmbedding(40, 4, max_rows=12, dtype=torch.bfloat16, backend="numpy",
+                                       storage="pageable")
+    emb.table.scatter(torch.arange(40), table0)
+    emb.save(tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "table.rank0.npy"
+    values = np.load(shard)
+    values[37, 2] += 2.0 ** -12 * abs(values[37, 2])  # between two bfloat16 values
+    np.save(shard, values)
+    np.save(tmp_path / "export.npy", values)
+    for path in (tmp_path / "ckpt", tmp_path / "export.npy"):
+        with pytest.raises(ss.FileFormatError, match=r"not bfloat16 values \(rows 0\.\.40\)"):
+            emb.load(path)
+        assert torch.equal(emb.table.as_tensor(), table0)
+    values[37, 2] = table0[37, 2].float()
+    np.save(shard, values)
+    emb.table.zero_()
+    emb.load(tmp_path / "ckpt")
+    assert torch.equal(emb.table.as_tensor(), table0)
+
+
 @pytest.mark.slow
 def test_recommender_example_under_torchrun(tmp_path):
     """``torchrun --nproc-per-node 2 examples/recommender.py --distributed`` learns the ratings."""

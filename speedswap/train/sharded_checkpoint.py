@@ -200,6 +200,8 @@ def _plan(path, manifest, tables, row_state, rows, num_embeddings):
             header = files.read_npy_header(source)
             files.check_table_matches(header, (bounds[rank + 1] - bounds[rank], dim), table.dtype,
                                       source)
+            if table.dtype is torch.bfloat16:  # its float32 rows are copied without rounding checks
+                files.check_bfloat16_rows(source, header, lo - bounds[rank], hi - bounds[rank])
             plan.append((table, source, header, lo - bounds[rank], lo - rows.start, hi - lo))
     return plan
 
@@ -249,10 +251,13 @@ def read_table_rows(path, table, rows, num_embeddings) -> None:
 
     Raises:
         FileFormatError: the file is not a ``(num_embeddings, dim)`` table of
-            the table's dtype (checked before any row changes).
+            the table's dtype, or holds values a bfloat16 table would round
+            (checked before any row changes).
     """
     header = files.read_npy_header(path)
     files.check_table_matches(header, (num_embeddings, table.dim), table.dtype, path)
+    if table.dtype is torch.bfloat16:
+        files.check_bfloat16_rows(path, header, rows.start, rows.stop)
     _copy_rows(table, os.fspath(path), header, rows.start, 0, len(rows))
 
 
