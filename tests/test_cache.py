@@ -418,13 +418,27 @@ def test_eval_save_and_load_see_the_cache(backend, tmp_path, rng):
 
 
 def test_init_state_resets_cached_state_rows_too(backend, rng):
-    emb, opt = _embedding(backend, cache_rows=100, opt=torch.optim.Adam)  # every row fits
-    for _ in range(5):
-        _step(emb, opt, rng.integers(0, 100, 20))
-    emb.init_state()
-    emb.flush()  # a cached state row written back now would undo the reset
-    for name, table in emb._state.tables.items():
-        assert not table.to_numpy().any(), name
+    """The steps after a reset use the reset state of cached rows too, as without a cache."""
+    steps = rng.integers(0, 100, (8, 20))
+    runs = []
+    for cache_rows in (100, 0):  # every row fits
+        emb, opt = _embedding(backend, cache_rows=cache_rows, opt=torch.optim.Adam)
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
+            np.random.default_rng(8).standard_normal((100, 4), dtype=np.float32))))
+        for ids in steps[:5]:
+            _step(emb, opt, ids)
+        emb.init_state()
+        emb.flush()  # a cached state row written back now would undo the reset
+        for name, table in emb._state.tables.items():
+            assert not table.to_numpy().any(), name
+        for ids in steps[5:]:  # rows cached before the reset are hits: their state is read there
+            _step(emb, opt, ids)
+        runs.append((emb.table.to_numpy(copy=True),
+                     {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}))
+    (table, state), (table0, state0) = runs
+    np.testing.assert_array_equal(table, table0)
+    for name in state0:
+        np.testing.assert_array_equal(state[name], state0[name])
 
 
 def test_init_state_mid_step_resets_cached_state_and_keeps_the_step(backend, rng):

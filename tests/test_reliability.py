@@ -256,10 +256,19 @@ def test_mmap_embedding_never_overwrites_an_existing_table_file(rng, tmp_path):
 def test_mmap_embedding_reattaches_over_its_own_state_files(rng, tmp_path):
     emb = ss.OffloadedEmbedding(60, DIM, max_rows=CAPACITY, storage="mmap", path=tmp_path,
                                 backend="numpy")
-    emb.attach(torch.optim.Adam(emb.parameters(), lr=0.01))
+    first = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(first)
+    train_step(emb, first, rng, 60)
+    assert all(table.to_numpy().any() for table in emb._state.tables.values())
     opt = torch.optim.Adam(emb.parameters(), lr=0.01)
-    emb.attach(opt)  # its own exp_avg.npy may be replaced
+    emb.attach(opt)  # its own exp_avg.npy may be replaced: the new optimizer starts afresh
+    tables = emb._state.tables
+    assert sorted(os.path.basename(t.path) for t in tables.values()) == ["exp_avg.npy", "exp_avg_sq.npy"]
+    assert not any(table.to_numpy().any() for table in tables.values())
     train_step(emb, opt, rng, 60)
+    for table in tables.values():  # it trains in its files
+        assert table.to_numpy().any()
+        np.testing.assert_array_equal(np.load(table.path), table.to_numpy())
 
 
 # 9 ---------------------------------------------------------------------------
