@@ -173,7 +173,12 @@ def as_host_array(data, what="the data") -> np.ndarray:
         if data.device.type != "cpu":
             raise DeviceError(f"{what} is a tensor on {data.device}; host data is expected here. "
                               f"Pass data.cpu(), or give device tensors to BatchFeeder directly")
-        data = data.detach().numpy()
+        try:
+            data = data.detach().numpy()
+        except TypeError:  # bfloat16 and the like: numpy has no such dtype
+            raise DTypeError(f"{what} is a tensor of {data.dtype}, which host data cannot be (numpy "
+                             f"has no such dtype); convert it, e.g. data.float(), or give a device "
+                             f"tensor to BatchFeeder directly") from None
     elif not isinstance(data, np.ndarray):  # np.asarray would turn a memmap into a plain array
         try:
             data = np.asarray(data)

@@ -226,6 +226,11 @@ def a_foreign_directory(d):
     return d / "mine"
 
 
+def a_file(d):
+    (d / "notes.txt").write_text("keep")
+    return d / "notes.txt"
+
+
 def existing_table_dir(d):
     (d / "tables").mkdir(exist_ok=True)
     np.save(d / "tables" / "table.npy", np.ones((ROWS, DIM), np.float32))
@@ -328,6 +333,13 @@ CASES = [
      ss.ShapeError, "empty rows"),
     ("nothing", lambda o, d: ss.DataGadget(a_directory(d), backend="numpy"), PathError,
      "is a directory"),
+    ("nothing", lambda o, d: ss.DataGadget(torch.ones(5, 2, dtype=torch.bfloat16), backend="numpy"),
+     ss.DTypeError, "data.float()"),
+    ("nothing", lambda o, d: ss.BatchFeeder(torch.ones(5, 2, dtype=torch.bfloat16), batch_size=2,
+                                            device="cpu"), ss.DTypeError, "numpy has no such dtype"),
+    ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="mmap",
+                                                   path=a_file(d), backend="numpy"),
+     PathError, "is a file"),
     ("nothing", lambda o, d: ss.HostTable.load(a_directory(d, "d.h5")), PathError,
      "is a directory"),
     ("nothing", lambda o, d: ss.HostTable.empty(2**40, 1024, storage="pageable", backend="numpy"),

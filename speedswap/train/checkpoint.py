@@ -49,13 +49,21 @@ def file_in(directory, name, storage):
 
     Raises:
         OptionError: ``mmap`` storage without a directory.
+        PathError: ``directory`` is a file, or cannot be created.
     """
     if storage != "mmap":
         return None
     if directory is None:
         raise OptionError("storage='mmap' keeps the table and optimizer state in files: pass "
                           "path= a directory for them")
-    os.makedirs(directory, exist_ok=True)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise PathError(f"path={os.fspath(directory)!r} is a file, but storage='mmap' keeps the table "
+                        f"and optimizer state as .npy files in a directory; pass a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise PathError(f"cannot create the directory {os.fspath(directory)!r} for the mmap files "
+                        f"({exc.strerror}); pass a writable directory") from exc
     return os.path.join(os.fspath(directory), f"{name}.npy")
 
 
