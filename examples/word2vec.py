@@ -218,7 +218,7 @@ def main(argv=None):
     rows += quality_rows
     rows += [("host tables", f"{format_bytes(memory['host_bytes'] + memory['file_bytes'])} ({args.storage})"),
              (f"on {memory['device']} for the step", format_bytes(memory["device_bytes"]))]
-    if args.cache_rows:
+    if args.cache_rows and not args.speedtorch_api:  # the switchers are gone with the run
         figures["cache"] = cache_summary({"centre": result.model.centre, "context": result.model.context})
         rows += format_cache(figures["cache"])
     print(format_rows(rows))

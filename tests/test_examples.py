@@ -69,8 +69,10 @@ def test_word2vec_learns_topics_and_both_apis_agree(tmp_path):
     assert "nearest neighbours" in out
 
     _, speedtorch = run_example("word2vec", TINY_W2V + ["--storage", "pageable", "--speedtorch-api",
+                                                        "--cache-rows", "500", "--prefetch",
                                                         "--save", tmp_path / "speedtorch.npy"], tmp_path)
-    # Same seed, same batches: the switcher API and OffloadedEmbedding train the same vectors.
+    # Same seed, same batches: the switcher API (with its device cache) and OffloadedEmbedding
+    # train the same vectors.
     np.testing.assert_allclose(np.load(tmp_path / "speedtorch.npy"), np.load(tmp_path / "offloaded.npy"),
                                rtol=0, atol=1e-5)
     assert speedtorch["topic_purity"] == pytest.approx(offloaded["topic_purity"], abs=0.01)

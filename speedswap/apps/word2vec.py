@@ -192,13 +192,13 @@ def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed,
 
 
 def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
-                      directory):
-    """The same job written the SpeedTorch way: batch-sized nn.Embeddings plus switchers (no prefetch)."""
+                      directory, *, cache_rows):
+    """The same job written the SpeedTorch way: batch-sized nn.Embeddings plus switchers."""
     device = ss.get_backend(backend).device
     rows = _capacities(vocab, batch_size, negatives)
     model = SkipGram(torch.nn.Embedding(rows[0], dim), torch.nn.Embedding(rows[1], dim)).to(device)
     optimizer = optimizer_cls(model.parameters(), lr=lr)
-    options = dict(storage=storage, backend=backend)
+    options = dict(storage=storage, backend=backend, cache_rows=cache_rows)
     u_switch = ss.ModelFactory(model.centre, vocab, dim, path=_table_files(directory, "centre.npy"),
                                **options)
     v_switch = ss.ModelFactory(model.context, vocab, dim, path=_table_files(directory, "context.npy"),
@@ -231,7 +231,11 @@ def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed
         v_opt.afterOptimizerStep(contexts, negative_ids)
         return loss.detach()
 
-    return _Job(model, optimizer, step, u_switch.getNumpyVersion)
+    def prefetch(batch):
+        u_switch.prefetch(batch.centres)
+        v_switch.prefetch(batch.contexts, batch.negatives)
+
+    return _Job(model, optimizer, step, u_switch.getNumpyVersion, prefetch)
 
 
 def _check_run_length(epochs: Optional[int], steps: Optional[int]) -> tuple:
@@ -250,10 +254,9 @@ def _check_offloading(speedtorch_api: bool, autograd: Optional[bool], cache_rows
     if prefetch and not cache_rows:
         raise ss.OptionError("prefetch brings the next batch's rows into the device cache; give "
                              "cache_rows > 0 as well")
-    if speedtorch_api and (cache_rows or autograd is False):
-        raise ss.OptionError("the SpeedTorch API (ModelFactory/OptimizerFactory) has no device cache and "
-                             "trains with autograd; drop cache_rows/prefetch/autograd=False, or use "
-                             "OffloadedEmbedding (speedtorch_api=False)")
+    if speedtorch_api and autograd is False:
+        raise ss.OptionError("the SpeedTorch API (ModelFactory/OptimizerFactory) trains with autograd; "
+                             "drop autograd=False, or use OffloadedEmbedding (speedtorch_api=False)")
 
 
 def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps: Optional[int] = None,
@@ -297,8 +300,8 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
             where the closed form has not been measured yet.
         cache_rows: rows of each table (with their optimizer state) kept on
             the device between steps, a cache of the most used rows (see
-            :class:`~speedswap.OffloadedEmbedding`); 0: none. The vectors are
-            the same with or without it.
+            :class:`~speedswap.OffloadedEmbedding`, or the switchers' with
+            ``speedtorch_api``); 0: none. The vectors are the same with or without it.
         prefetch: while a step computes, start bringing the next batch's
             rows into the caches (needs ``cache_rows``); on a GPU the copies
             overlap the step.
@@ -336,7 +339,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     # an endless stream in steps mode, which the loop stops.
     with chunks.batches(epochs if steps is None else 1 << 30, batch_size=batch_size,
                         pin=device.type == "cuda") as stream:
-        job = (_build_speedtorch(*args) if speedtorch_api
+        job = (_build_speedtorch(*args, cache_rows=cache_rows) if speedtorch_api
                else _build_offloaded(*args, autograd=autograd, cache_rows=cache_rows))
         run = _Run(len(corpus.tokens), epochs if steps is None else None, steps)
         seconds = run.train(job, stream, device=device, linear=schedule == "linear", prefetch=prefetch,
