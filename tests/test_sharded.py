@@ -291,6 +291,35 @@ def test_a_bfloat16_shard_refuses_float32_values_it_would_round_and_changes_noth
     assert torch.equal(emb.table.as_tensor(), table0)
 
 
+def test_an_mmap_shard_attaches_again_over_its_own_state_files(rng, tmp_path):
+    """As OffloadedEmbedding does: the new optimizer's state starts afresh, in the same files."""
+    emb = ss.ShardedOffloadedEmbedding(40, 4, max_rows=12, backend="numpy", storage="mmap", path=tmp_path)
+
+    def train(opt):
+        for _ in range(5):
+            ids = torch.from_numpy(rng.integers(0, 40, size=12))
+            emb(ids).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    first = torch.optim.Adam(emb.parameters(), lr=0.1)
+    emb.attach(first)
+    train(first)
+    assert all(table.to_numpy().any() for table in emb._state.tables.values())
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    tables = emb._state.tables
+    assert not any(table.to_numpy().any() for table in tables.values())
+    train(opt)
+    for table in tables.values():
+        assert table.to_numpy().any()
+        np.testing.assert_array_equal(np.load(table.path), table.to_numpy())
+    first.step()  # the first optimizer no longer reaches the embedding
+    with pytest.raises(ss.OptionError):
+        emb.attach(torch.optim.LBFGS(emb.parameters()))
+    assert emb._state.tables is tables  # refused before anything changed
+
+
 @pytest.mark.slow
 def test_recommender_example_under_torchrun(tmp_path):
     """``torchrun --nproc-per-node 2 examples/recommender.py --distributed`` learns the ratings."""

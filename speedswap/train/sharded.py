@@ -36,7 +36,7 @@ from ..errors import DTypeError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 from .exchange import Exchange, owners, row_bounds
-from .row_state import NarrowedStep, RowState
+from .row_state import NarrowedStep, RowState, row_state_spec
 from .sharded_checkpoint import load_shards, read_table_rows, save_shards
 from .working_set import WorkingSet
 
@@ -134,6 +134,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._grad = torch.zeros_like(self._full)
         self._state = None
         self._hooks = ()
+        self._created = set()  # mmap state files this embedding made and may replace
         self._narrowed = None
         self._new_step()
 
@@ -174,14 +175,25 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             optimizer: this rank's ``torch.optim`` optimizer, built over
                 parameters that include :attr:`weight`.
 
+        Attaching again starts the offloaded optimizer state afresh (an
+        ``mmap`` embedding's state files included).
+
         Raises:
             OptionError: the optimizer does not hold :attr:`weight`, or its
-                state is not element-wise.
+                state is not element-wise. Nothing changes.
+            StateError: between a training forward and the step.
         """
-        state = RowState(optimizer, self.weight, self.table.num_rows, self.weight.dtype,
-                         self._storage, self.table.backend, self._path)
+        self._check_between_steps("attach")
+        row_state_spec(optimizer, self.weight)  # refuse an unsupported optimizer before any change
         for handle in self._hooks:
             handle.remove()
+        self._hooks = ()
+        if self._state is not None:
+            self._state.close()  # its mmap files are replaced below
+            self._state = None
+        state = RowState(optimizer, self.weight, self.table.num_rows, self.weight.dtype,
+                         self._storage, self.table.backend, self._path, overwrite=self._created)
+        self._created |= {t.path for t in state.tables.values()}
         self._state = state
         self._hooks = (optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(self._after_step))
