@@ -291,6 +291,32 @@ def test_a_bfloat16_shard_refuses_float32_values_it_would_round_and_changes_noth
     assert torch.equal(emb.table.as_tensor(), table0)
 
 
+def test_a_corrupt_shard_is_refused_before_any_row_changes(rng, tmp_path):
+    """Each rank records its shards' CRC-32s; a load reads every shard it needs before changing a row."""
+    emb = ss.ShardedOffloadedEmbedding(40, 4, max_rows=12, backend="numpy", storage="pageable")
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    emb(torch.from_numpy(rng.integers(0, 40, size=12))).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    saved = {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
+    emb.save(tmp_path / "ckpt")
+    state = tmp_path / "ckpt" / "optimizer.exp_avg.rank0.npy"
+    good = state.read_bytes()
+    state.write_bytes(good[:-3] + bytes([good[-3] ^ 1]) + good[-2:])  # one bit of the last row
+    emb.table.zero_()
+    before = {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
+    with pytest.raises(ss.FileFormatError, match="CRC-32"):
+        emb.load(tmp_path / "ckpt")
+    for name, table in emb._tables().items():  # the table too, though its own file is sound
+        np.testing.assert_array_equal(table.to_numpy(), before[name], err_msg=name)
+    state.write_bytes(good)
+    (tmp_path / "ckpt" / "crc32.rank0.json").unlink()  # as a checkpoint saved before CRC-32s
+    emb.load(tmp_path / "ckpt")
+    for name, table in emb._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), saved[name], err_msg=name)
+
+
 def test_an_mmap_shard_attaches_again_over_its_own_state_files(rng, tmp_path):
     """As OffloadedEmbedding does: the new optimizer's state starts afresh, in the same files."""
     emb = ss.ShardedOffloadedEmbedding(40, 4, max_rows=12, backend="numpy", storage="mmap", path=tmp_path)

@@ -2,6 +2,8 @@
 
 import contextlib
 import os
+import zlib
+from typing import Optional
 
 import numpy as np
 
@@ -163,7 +165,7 @@ def read_npy_into(path, out, header=None):
         raise reading_error(path, exc) from exc
 
 
-def write_npy(path, shape, dtype, chunks):
+def write_npy(path, shape, dtype, chunks, *, checksum: bool = False) -> Optional[int]:
     """Atomically write a ``.npy`` file from row chunks.
 
     Args:
@@ -172,14 +174,22 @@ def write_npy(path, shape, dtype, chunks):
         dtype: its numpy dtype.
         chunks: an iterable of C-contiguous numpy arrays whose rows, in order,
             make up the array (so device tables never need one full host copy).
+        checksum: also compute the CRC-32 of the rows' bytes, for a load to verify.
+
+    Returns:
+        the CRC-32 with ``checksum``, else None.
     """
     dtype = np.dtype(dtype)
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
               "shape": tuple(shape)}
+    crc = 0 if checksum else None
     with atomic_output(path) as tmp, open(tmp, "wb") as f:
         np.lib.format.write_array_header_2_0(f, header)
         start = 0
         for chunk in chunks:
             base.write_chunk(f, start, chunk)
             start += len(chunk)
+            if checksum:
+                crc = zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
         f.flush()
+    return crc

@@ -20,7 +20,7 @@ from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import read_npy_header, read_npy_into, write_npy
 
 __all__ = ["stored_dtype", "read_table_header", "check_table_matches", "save_table", "read_table",
-           "stage_table", "StagedRows", "STAGE_RAM_SHARE", "check_bfloat16_rows"]
+           "stage_table", "StagedRows", "STAGE_RAM_SHARE"]
 
 
 def stored_dtype(table_dtype) -> np.dtype:
@@ -113,21 +113,6 @@ def _check_bfloat16(path, start, stop, rows):
         raise FileFormatError(f"{os.fspath(path)!r} holds float32 values that are not "
                               f"bfloat16 values (rows {start}..{stop}); a bfloat16 table "
                               f"would round them: load it into a float32 table")
-
-
-def check_bfloat16_rows(path, header: TableHeader, start: int, stop: int) -> None:
-    """Check that rows ``start..stop`` of a float32 ``.npy`` table file hold only bfloat16 values.
-
-    For a load that copies rows straight into a bfloat16 table in use: run it
-    on every file before the first row changes.
-
-    Raises:
-        FileFormatError: a value a bfloat16 table would round, or an unreadable chunk.
-    """
-    ranges = [(start + lo, start + hi)
-              for lo, hi in row_ranges((stop - start, header.shape[1]), header.dtype)]
-    for lo, hi, rows in _file_chunks(path, header, "table", ranges):
-        _check_bfloat16(path, lo, hi, rows)
 
 
 def read_table(table, path, header: TableHeader, dataset: str = "table") -> None:

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import zlib
 
 import numpy as np
 
@@ -126,19 +125,10 @@ def _ours(path):
 
 def _write_version(directory, tables, attrs):
     """Write every table and the manifest (with CRC-32s) into the new directory ``directory``."""
-    checksums = {}
-    for name, table in tables.items():
-        crc = 0
-
-        def tapped(chunks):
-            nonlocal crc
-            for chunk in chunks:
-                crc = zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
-                yield chunk
-
-        files.write_npy(os.path.join(directory, f"{name}.npy"), table.shape,
-                        files.stored_dtype(table.dtype), tapped(table.host_chunks()))
-        checksums[name] = crc
+    checksums = {name: files.write_npy(os.path.join(directory, f"{name}.npy"), table.shape,
+                                       files.stored_dtype(table.dtype), table.host_chunks(),
+                                       checksum=True)
+                 for name, table in tables.items()}
     manifest = {"attrs": attrs, "tables": sorted(tables), "crc32": checksums}
     text = json.dumps(manifest).encode()
     with atomic.atomic_output(os.path.join(directory, _MANIFEST)) as tmp, open(tmp, "wb") as f:

@@ -2,8 +2,9 @@
 
 A checkpoint directory holds ``<name>.rank<r>.npy`` for every table
 (``table``, ``optimizer.exp_avg``, ...) and every saving rank ``r``, each
-holding that rank's contiguous row range, plus ``manifest.json``: the
-format, table size and dtype, the saving world size and its row split, the
+holding that rank's contiguous row range, ``crc32.rank<r>.json`` with the
+CRC-32 of each of those files' rows, plus ``manifest.json``: the format,
+table size and dtype, the saving world size and its row split, the
 optimizer's class and its scalar state for the table (the step count), and
 the table names.
 
@@ -18,8 +19,10 @@ disk for one machine; NFS, Lustre or similar across machines).
 
 **Resharding.** Loading does not require the saving world size: each rank
 works out which saved shards overlap the rows it owns now, checks every
-header, and copies the overlaps out of memory-mapped files, so a rank reads
-only its own rows. One process can read the whole checkpoint into a plain
+header, reads each of those shards once to verify its CRC-32 (and, into a
+bfloat16 table, that its values are bfloat16 values), and only then, all
+ranks having succeeded, copies the overlaps out of memory-mapped files: a
+corrupt byte changes no row. One process can read the whole checkpoint into a plain
 :class:`~speedswap.OffloadedEmbedding` (:func:`load_sharded`).
 """
 
@@ -43,6 +46,29 @@ _FORMAT = "speedswap-sharded-1"
 
 def _shard_file(path, name, rank):
     return os.path.join(path, f"{name}.rank{rank}.npy")
+
+
+def _checksum_file(path, rank):
+    """Rank ``rank``'s CRC-32s of its shard files: ``{table name: crc}`` as JSON."""
+    return os.path.join(path, f"crc32.rank{rank}.json")
+
+
+def _shard_checksums(path, rank) -> dict:
+    """The CRC-32s rank ``rank`` saved, or ``{}`` for a checkpoint saved before they were."""
+    try:
+        with open(_checksum_file(path, rank)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+    except ValueError as exc:
+        raise FileFormatError(f"{_checksum_file(path, rank)!r} is not valid JSON ({exc}): the "
+                              f"checkpoint is corrupt; restore it from a backup") from exc
+
+
+def _verify(source, header, table, crc32):
+    """Read a shard file once before a load changes anything: its CRC-32, and bfloat16 values for such a table."""
+    if crc32 is not None or table.dtype is torch.bfloat16:
+        files.stage_table(source, header, "table", table.dtype, 0, crc32=crc32)  # 0 bytes of RAM: verify only
 
 
 def _scalar_state(row_state):
@@ -117,9 +143,12 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
         os.makedirs(partial)
 
     def write_shard():
-        for name, table in tables.items():
-            files.write_npy(_shard_file(partial, name, exchange.rank), table.shape,
-                            files.stored_dtype(table.dtype), table.host_chunks())
+        checksums = {name: files.write_npy(_shard_file(partial, name, exchange.rank), table.shape,
+                                           files.stored_dtype(table.dtype), table.host_chunks(),
+                                           checksum=True)
+                     for name, table in tables.items()}
+        with atomic.atomic_output(_checksum_file(partial, exchange.rank)) as tmp, open(tmp, "w") as f:
+            json.dump(checksums, f)
 
     def finish():
         manifest = {"format": _FORMAT, "num_embeddings": bounds[-1],
@@ -191,17 +220,17 @@ def _plan(path, manifest, tables, row_state, rows, num_embeddings):
                 f"{sorted(tables)}); attach the optimizer class that saved it, or load before "
                 f"attaching to read the rows alone")
     bounds, plan = manifest["bounds"], []
-    for name, table in wanted.items():
-        for rank in range(manifest["world_size"]):
-            lo, hi = max(bounds[rank], rows.start), min(bounds[rank + 1], rows.stop)
-            if lo >= hi:
-                continue
+    for rank in range(manifest["world_size"]):
+        lo, hi = max(bounds[rank], rows.start), min(bounds[rank + 1], rows.stop)
+        if lo >= hi:
+            continue
+        checksums = _shard_checksums(path, rank)
+        for name, table in wanted.items():
             source = _shard_file(path, name, rank)
             header = files.read_npy_header(source)
             files.check_table_matches(header, (bounds[rank + 1] - bounds[rank], dim), table.dtype,
                                       source)
-            if table.dtype is torch.bfloat16:  # its float32 rows are copied without rounding checks
-                files.check_bfloat16_rows(source, header, lo - bounds[rank], hi - bounds[rank])
+            _verify(source, header, table, checksums.get(name))
             plan.append((table, source, header, lo - bounds[rank], lo - rows.start, hi - lo))
     return plan
 
@@ -256,8 +285,7 @@ def read_table_rows(path, table, rows, num_embeddings) -> None:
     """
     header = files.read_npy_header(path)
     files.check_table_matches(header, (num_embeddings, table.dim), table.dtype, path)
-    if table.dtype is torch.bfloat16:
-        files.check_bfloat16_rows(path, header, rows.start, rows.stop)
+    _verify(path, header, table, None)
     _copy_rows(table, os.fspath(path), header, rows.start, 0, len(rows))
 
 
