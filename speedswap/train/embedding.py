@@ -8,9 +8,8 @@
 >>> loss.backward(); opt.step(); opt.zero_grad()    # rows 3, 5, 999 written back once each
 """
 
-from collections.abc import Mapping
-
 import weakref
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +130,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._narrowed = None
         self._hooks = None
         self.cache_rows, self._cache = cache_rows, None
-        self._writeback = None  # writes the cache back should the embedding be dropped unclosed
+        self._writeback = None  # an mmap embedding's: writes the cache back should it be dropped unclosed
         self._closed_stats = None  # what stats() reports once close() has released the cache
 
     def _apply(self, fn, recurse=True):
@@ -178,7 +177,8 @@ class OffloadedEmbedding(torch.nn.Module):
         row_state_spec(optimizer, self.weight)  # refuse an unsupported optimizer before any change
         if self._cache is not None:
             self._cache.flush()  # cached rows are the current ones (their old state goes below)
-            self._writeback.detach()
+            if self._writeback is not None:
+                self._writeback.detach()
             self._cache = None
         if self._state is not None:
             self._hooks.remove()
@@ -189,9 +189,10 @@ class OffloadedEmbedding(torch.nn.Module):
                                overwrite=self._overwrite or self._created)
         self._created |= {t.path for t in self._state.tables.values()}
         self._cache = new_cache(self.cache_rows, self._table, self._state.tables, self.weight.dtype)
-        # Dropped without close() (or at exit), the embedding still writes its cached rows
-        # back: an mmap table's files must hold them, as they hold every row without a cache.
-        self._writeback = weakref.finalize(self, self._cache.flush)
+        # Dropped without close() (or at exit), an mmap embedding still writes its cached rows
+        # back: its files must hold them, as they hold every row without a cache. (Other
+        # tables die with the embedding: nothing to write to.)
+        self._writeback = weakref.finalize(self, self._cache.flush) if self._storage == "mmap" else None
         self._hooks = StepHooks(self, optimizer)
 
     def init_state(self):
@@ -544,7 +545,8 @@ class OffloadedEmbedding(torch.nn.Module):
         self._abort_step()
         self.flush()  # an mmap embedding's files keep the cached rows too
         if self._cache is not None:
-            self._writeback.detach()
+            if self._writeback is not None:
+                self._writeback.detach()
             self._closed_stats = {**self._cache.stats(), "cache_bytes": 0}
             self._cache = None  # its device memory goes now, not with the embedding
         self._narrowed = None
