@@ -43,15 +43,27 @@ def test_cached_switchers_equal_in_memory_every_size(name, cache_rows, prefetch,
     _equality(name, cache_rows, prefetch, rng, backend)
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum", "adamw_amsgrad", "rprop"])
-def test_element_wise_optimizers_with_a_switcher_cache(name, rng, backend):
+def _touched_rows(name, cache_rows, rng, backend):
     device = ss.get_backend(backend).device
     table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
     batches = zipf_batches(rng, 200, device)
-    expected = run_in_memory(OPTIMIZERS[name], table0, batches, device,
+    sparse = name == "sparse_adam"
+    expected = run_in_memory(OPTIMIZERS[name], table0, batches, device, sparse=sparse,
                              initial_state=torch_initial)
-    assert_same(run_switchers(OPTIMIZERS[name], table0, batches, backend,
-                              cache_rows=NUM_ROWS // 20, prefetch=True, replay_at=100), expected)
+    assert_same(run_switchers(OPTIMIZERS[name], table0, batches, backend, sparse=sparse,
+                              cache_rows=cache_rows, prefetch=True, replay_at=100), expected)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum", "adamw_amsgrad", "rprop"])
+def test_element_wise_optimizers_with_a_switcher_cache(name, rng, backend):
+    _touched_rows(name, NUM_ROWS // 20, rng, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_rows", [NUM_ROWS // 20, NUM_ROWS // 2])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_element_wise_optimizer_with_a_switcher_cache(name, cache_rows, rng, backend):
+    _touched_rows(name, cache_rows, rng, backend)
 
 
 # ------------------------------------------------------------------ helpers
