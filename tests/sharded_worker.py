@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 NUM_ROWS, DIM, GLOBAL_BATCH = 301, 6, 60
 STEPS, SAVE_AT = 120, 50
+#: Steps the ``skip`` scenario computes but does not take, on every rank (as after a GradScaler's inf).
+SKIPPED = frozenset(range(2, STEPS, 5))
 #: scenario -> (optimizer class, its reference in one process, kwargs, sparse reference gradient)
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, torch.optim.SGD, dict(lr=0.05), False),
@@ -65,12 +67,17 @@ def rank_loss(emb, ids, targets, world):
     return loss * (world / GLOBAL_BATCH)
 
 
-def reference(name, seed, steps=STEPS):
-    """One process, one dense parameter, the union batch: the table and per-row state after ``steps``."""
+def reference(name, seed, steps=STEPS, skipped=()):
+    """One process, one dense parameter, the union batch: the table and per-row state after ``steps``.
+
+    The steps in ``skipped`` are left out.
+    """
     _, ref_cls, kwargs, sparse = OPTIMIZERS[name]
     weight = torch.nn.Parameter(initial_table(seed))
     opt = ref_cls([weight], **kwargs)
     for step in range(steps):
+        if step in skipped:
+            continue
         ids, targets = global_batch(seed, step)
         loss = ((F.embedding(ids, weight, sparse=sparse) - targets) ** 2).sum() / GLOBAL_BATCH
         loss.backward()
@@ -91,12 +98,13 @@ def make(name, **options):
     return emb, opt
 
 
-def train(emb, opt, seed, steps, world, rank):
+def train(emb, opt, seed, steps, world, rank, skipped=()):
     for step in steps:
         ids, targets = global_batch(seed, step)
         part = rank_slice(step, world, rank)
         rank_loss(emb, ids[part], targets[part], world).backward()
-        opt.step()
+        if step not in skipped:
+            opt.step()
         opt.zero_grad()
 
 
@@ -127,6 +135,11 @@ def run_scenario(scenario, seed, world, rank, out):
                           initial_table(seed)[rows.start:rows.stop].to(torch.bfloat16))
         train(emb, opt, seed, range(STEPS), world, rank)
         name = f"{name}-bf16"
+    elif kind == "skip":     # steps in SKIPPED computed and dropped by zero_grad(), on every rank
+        emb, opt = make(name)
+        emb.load(table_file)
+        train(emb, opt, seed, range(STEPS), world, rank, skipped=SKIPPED)
+        name = f"{name}-skip"
     elif kind == "resume":   # load another world size's Adam checkpoint and go on
         emb, opt = make("adam")
         emb.load(os.path.join(out, name))

@@ -91,11 +91,12 @@ def assert_same(actual, expected):
 
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
-    """Three ranks train with SGD, Adam (saving a checkpoint at SAVE_AT) and Adagrad (mmap)."""
+    """Three ranks train with SGD, Adam (saving a checkpoint at SAVE_AT), Adagrad (mmap), and Adam skipping steps."""
     out = tmp_path_factory.mktemp("three")
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print(f"three_ranks seed {seed}")
-    assert_ok(launch(3, out, seed, "train:sgd", "train:adam", "train:adagrad", "bf16:adagrad"))
+    assert_ok(launch(3, out, seed, "train:sgd", "train:adam", "train:adagrad", "bf16:adagrad",
+                     "skip:adam"))
     return out, seed
 
 
@@ -103,6 +104,13 @@ def three_ranks(tmp_path_factory):
 def test_three_ranks_equal_one_process(three_ranks, name):
     out, seed = three_ranks
     assert_same(gathered(out, name, 3), reference(name, seed))
+
+
+def test_steps_skipped_on_every_rank_train_nothing(three_ranks):
+    """zero_grad() after a backward whose step is skipped drops its rows, as for a dense parameter."""
+    out, seed = three_ranks
+    expected = sharded_worker.reference("adam", seed, skipped=sharded_worker.SKIPPED)
+    assert_same(gathered(out, "adam-skip", 3), expected)
 
 
 def test_three_ranks_of_a_bfloat16_table_equal_one_process(three_ranks):

@@ -25,6 +25,7 @@ owning every row, which is how sharded checkpoints are read for evaluation:
 
 import copy
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,11 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
 
     **Contract.** Like DDP, every rank of the group calls :meth:`forward` the
     same number of times per step (with its own ids, possibly none) and
-    calls ``optimizer.step()`` every step: both are collectives.
+    calls ``optimizer.step()`` every step: both are collectives. A step that
+    is skipped (a loss that was not finite, a ``GradScaler`` that found infs)
+    is skipped on every rank: ``optimizer.zero_grad()`` then drops its rows
+    and gradients, as it drops a dense parameter's (or :meth:`discard_step`
+    does, on every rank).
 
     **What is averaged.** A row's gradient is the sum over ranks of each
     rank's gradient for it, divided by the world size ``W``: the average DDP
@@ -135,6 +140,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._state = None
         self._hooks = ()
         self._created = set()  # mmap state files this embedding made and may replace
+        # A backward reaching the looked-up rows gives `weight` a gradient for the optimizer's
+        # zero_grad() to drop: a step whose gradient is gone is then discarded, not taken.
+        self._backward_ran = False
+        self._rows.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
         self._narrowed = None
         self._new_step()
 
@@ -144,6 +153,24 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._sent_to_me = [[] for _ in range(self.world_size)]  # owned slots, per source, per call
         self._forwards = 0
         self._rows.grad = None
+        self.weight.grad = None
+        self._backward_ran = False
+
+    def discard_step(self) -> None:
+        """Drop the rows and gradients of the forwards since the last step, whose step will not run.
+
+        Call it on every rank (the step is skipped everywhere, as DDP needs);
+        ``optimizer.zero_grad()`` after the backward does it by itself. The
+        rows and their optimizer state stay as they were.
+        """
+        self._new_step()
+
+    def _drop_zeroed_step(self) -> bool:
+        """Discard the step if ``zero_grad()`` dropped its gradient after a backward; whether it did."""
+        if self._backward_ran and self.weight.grad is None:
+            self._new_step()
+            return True
+        return False
 
     @property
     def row_range(self) -> range:
@@ -215,6 +242,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 another rank. Whoever fails, every rank raises and no row changes.
         """
         training = self.training and torch.is_grad_enabled()
+        if training:
+            self._drop_zeroed_step()
         before, error, send, counts = copy.copy(self._looked_up), None, None, None
         try:
             flat, shape = as_row_ids(ids, self.num_embeddings, self.table.device)
@@ -268,8 +297,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                     rows, torch.empty_like(target, dtype=self.table.dtype)))
 
     def _before_step(self, optimizer, args, kwargs):
-        if self._forwards == 0:
-            return  # no rank looked anything up (forwards are collective): no gradient, no step
+        if self._drop_zeroed_step() or self._forwards == 0:
+            return  # no gradient (forwards and zero_grad are on every rank alike): no step
         k_local = self._looked_up.size
         grad = self._rows.grad
         grad = (grad[:k_local] if grad is not None
@@ -310,6 +339,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         return tables
 
     def _check_between_steps(self, what):
+        self._drop_zeroed_step()
         if self._looked_up.size or self._forwards:
             raise StateError(f"{what} between a training forward and optimizer.step() would be "
                              f"undone by the step; call it between steps")
@@ -356,3 +386,15 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             return
         load_shards(path, self._tables(), self._state, self.row_range, self.num_embeddings,
                     self._exchange)
+
+
+def _note_backward(ref):
+    """A post-accumulate-grad hook for the looked-up rows that holds the embedding weakly."""
+    def note(_rows):
+        embedding = ref()
+        if embedding is not None and embedding.weight.grad is None:
+            embedding._backward_ran = True
+            # Zeros until the exchange fills it before the step: a gradient-norm clip in
+            # between must not see the last step's values.
+            embedding.weight.grad = embedding._grad.zero_()
+    return note
