@@ -9,6 +9,7 @@ scenarios to pay the processes' start-up once.
 import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import torch
 
 import speedswap as ss
 import sharded_worker
+from speedswap.train import sharded_checkpoint
 from sharded_worker import DIM, NUM_ROWS, SAVE_AT, STEPS, initial_table, make, shard_arrays, train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -321,6 +323,32 @@ def test_a_corrupt_shard_is_refused_before_any_row_changes(rng, tmp_path):
     state.write_bytes(good)
     (tmp_path / "ckpt" / "crc32.rank0.json").unlink()  # as a checkpoint saved before CRC-32s
     emb.load(tmp_path / "ckpt")
+    for name, table in emb._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), saved[name], err_msg=name)
+
+
+def test_a_load_reads_no_file_once_every_shard_is_verified(rng, tmp_path, monkeypatch):
+    """All or nothing: shards are staged in RAM while checked, so losing the files then changes nothing."""
+    emb = ss.ShardedOffloadedEmbedding(40, 4, max_rows=12, backend="numpy", storage="pageable")
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    emb(torch.from_numpy(rng.integers(0, 40, size=12))).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    saved = {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
+    emb.save(tmp_path / "ckpt")
+    for table in emb._tables().values():
+        table.zero_()
+    checked = sharded_checkpoint._plan
+
+    def checked_then_lost(path, *args):
+        plan = checked(path, *args)
+        shutil.rmtree(path)  # the disk goes between the check and the copy
+        return plan
+
+    monkeypatch.setattr(sharded_checkpoint, "_plan", checked_then_lost)
+    emb.load(tmp_path / "ckpt")
+    assert opt.state[emb.weight]["step"] == 1  # the step count too, read with the manifest
     for name, table in emb._tables().items():
         np.testing.assert_array_equal(table.to_numpy(), saved[name], err_msg=name)
 

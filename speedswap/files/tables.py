@@ -155,25 +155,33 @@ class StagedRows:
     def __init__(self, path, header, dataset, rows):
         self.path, self.header, self.dataset, self.rows = path, header, dataset, rows
 
-    def commit(self, table) -> None:
-        """Copy the staged rows into ``table`` (same shape and dtype as checked when staging).
+    def commit(self, table, *, rows: Optional[range] = None, at: int = 0) -> None:
+        """Copy the staged rows into ``table`` (its dtype and width as checked when staging).
+
+        Args:
+            table: the table to fill.
+            rows: which of the file's rows (default: all, into a table of the file's shape).
+            at: the table row the first of them goes to.
 
         Raises:
             FileFormatError: only for a file too large to stage in RAM that
                 changed since it was verified.
         """
-        ranges = row_ranges(self.header.shape, self.header.dtype)
+        rows = range(self.header.shape[0]) if rows is None else rows
+        ranges = [(rows.start + a, rows.start + b)
+                  for a, b in row_ranges((len(rows), *self.header.shape[1:]), self.header.dtype)]
         chunks = ((a, b, self.rows[a:b]) for a, b in ranges) if self.rows is not None else (
             _file_chunks(self.path, self.header, self.dataset, ranges))
-        target = table.as_tensor()
+        target = table.as_tensor()[at:at + len(rows)]
         # The table's own memory, not to_numpy(): for a table on the GPU that is a copy,
         # and rows written into it would never reach the table.
         host = target.numpy() if target.device.type == "cpu" and table.dtype is not torch.bfloat16 else None
-        for start, stop, rows in chunks:
-            if host is not None and host.dtype == rows.dtype:
-                np.copyto(host[start:stop], rows, casting="no")
+        for start, stop, chunk in chunks:
+            start, stop = start - rows.start, stop - rows.start
+            if host is not None and host.dtype == chunk.dtype:
+                np.copyto(host[start:stop], chunk, casting="no")
             else:
-                target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(rows)))
+                target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(chunk)))
 
 
 def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_available: int,

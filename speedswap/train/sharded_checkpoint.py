@@ -20,9 +20,12 @@ disk for one machine; NFS, Lustre or similar across machines).
 **Resharding.** Loading does not require the saving world size: each rank
 works out which saved shards overlap the rows it owns now, checks every
 header, reads each of those shards once to verify its CRC-32 (and, into a
-bfloat16 table, that its values are bfloat16 values), and only then, all
-ranks having succeeded, copies the overlaps out of memory-mapped files: a
-corrupt byte changes no row. One process can read the whole checkpoint into a plain
+bfloat16 table, that its values are bfloat16 values), holding it in RAM
+where it fits, and only then, all ranks having succeeded, copies the
+overlaps (with the manifest read in the same check): a corrupt byte changes
+no row, and a file lost after the check changes none either. A shard too
+large to hold is read again for the copy, as
+:mod:`speedswap.train.checkpoint` does. One process can read the whole checkpoint into a plain
 :class:`~speedswap.OffloadedEmbedding` (:func:`load_sharded`).
 """
 
@@ -30,10 +33,10 @@ import json
 import os
 import shutil
 
-import numpy as np
 import torch
 
 from .. import atomic, files
+from ..backends import available_ram
 from ..errors import FileFormatError, StateError
 from .caching import rewriting
 from .exchange import Exchange, row_bounds
@@ -65,10 +68,14 @@ def _shard_checksums(path, rank) -> dict:
                               f"checkpoint is corrupt; restore it from a backup") from exc
 
 
-def _verify(source, header, table, crc32):
-    """Read a shard file once before a load changes anything: its CRC-32, and bfloat16 values for such a table."""
-    if crc32 is not None or table.dtype is torch.bfloat16:
-        files.stage_table(source, header, "table", table.dtype, 0, crc32=crc32)  # 0 bytes of RAM: verify only
+def _stage(source, header, table, crc32) -> files.StagedRows:
+    """Read and verify a ``.npy`` table file before a load changes any row.
+
+    Checks its CRC-32 when given and, for a bfloat16 table, that its values
+    are bfloat16 values. The rows are held in RAM where they fit, so the
+    copy that follows reads no file and cannot fail midway.
+    """
+    return files.stage_table(source, header, "table", table.dtype, available_ram(), crc32=crc32)
 
 
 def _scalar_state(row_state):
@@ -230,19 +237,9 @@ def _plan(path, manifest, tables, row_state, rows, num_embeddings):
             header = files.read_npy_header(source)
             files.check_table_matches(header, (bounds[rank + 1] - bounds[rank], dim), table.dtype,
                                       source)
-            _verify(source, header, table, checksums.get(name))
-            plan.append((table, source, header, lo - bounds[rank], lo - rows.start, hi - lo))
+            plan.append((_stage(source, header, table, checksums.get(name)), table,
+                         range(lo - bounds[rank], hi - bounds[rank]), lo - rows.start))
     return plan
-
-
-def _copy_rows(table, source, header, file_start, table_start, count):
-    """Copy ``count`` rows of a checked ``.npy`` file into ``table``, chunk by chunk."""
-    mapped = np.memmap(source, dtype=header.dtype, mode="r", offset=header.offset,
-                       shape=header.shape, order="C")
-    for start, stop in files.row_ranges((count, header.shape[1]), header.dtype):
-        rows = torch.from_numpy(np.array(mapped[file_start + start:file_start + stop]))
-        ids = torch.arange(table_start + start, table_start + stop)
-        table.scatter_validated(ids, rows.to(table.dtype))
 
 
 def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None:
@@ -262,15 +259,16 @@ def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None
             rank before any row changes.
     """
     def check():
-        return _plan(path, read_manifest(path), tables, row_state, rows, num_embeddings)
+        manifest = read_manifest(path)
+        return manifest, _plan(path, manifest, tables, row_state, rows, num_embeddings)
 
-    plan = _run_everywhere(exchange, f"checking checkpoint {os.fspath(path)!r}", check)
+    manifest, plan = _run_everywhere(exchange, f"checking checkpoint {os.fspath(path)!r}", check)
 
     def read():
-        for piece in plan:
-            _copy_rows(*piece)
+        for staged, table, file_rows, at in plan:
+            staged.commit(table, rows=file_rows, at=at)
         if row_state is not None:
-            _restore_scalar_state(row_state, read_manifest(path)["scalar_state"])
+            _restore_scalar_state(row_state, manifest["scalar_state"])
 
     _run_everywhere(exchange, f"reading checkpoint {os.fspath(path)!r}", read)
 
@@ -285,8 +283,12 @@ def read_table_rows(path, table, rows, num_embeddings) -> None:
     """
     header = files.read_npy_header(path)
     files.check_table_matches(header, (num_embeddings, table.dim), table.dtype, path)
-    _verify(path, header, table, None)
-    _copy_rows(table, os.fspath(path), header, rows.start, 0, len(rows))
+    path = os.fspath(path)
+    if table.dtype is torch.bfloat16:  # every value must be a bfloat16 value: all read first
+        files.stage_table(path, header, "table", table.dtype, 0)  # no RAM: verified, not held
+    # This rank's rows alone, read as they are copied: an export holds every rank's rows, and
+    # each rank holding (or reading) all of them would multiply the I/O by the world size.
+    files.StagedRows(path, header, "table", None).commit(table, rows=rows, at=0)
 
 
 def load_sharded(path, embedding) -> None:
