@@ -301,16 +301,21 @@ def test_a_bfloat16_shard_refuses_float32_values_it_would_round_and_changes_noth
     assert torch.equal(emb.table.as_tensor(), table0)
 
 
-def test_a_corrupt_shard_is_refused_before_any_row_changes(rng, tmp_path):
-    """Each rank records its shards' CRC-32s; a load reads every shard it needs before changing a row."""
+def _adam_step_saved(rng, path):
+    """A one-rank Adam embedding after one step, saved at ``path``: (emb, opt, its tables' rows)."""
     emb = ss.ShardedOffloadedEmbedding(40, 4, max_rows=12, backend="numpy", storage="pageable")
     opt = torch.optim.Adam(emb.parameters(), lr=0.1)
     emb.attach(opt)
     emb(torch.from_numpy(rng.integers(0, 40, size=12))).pow(2).sum().backward()
     opt.step()
     opt.zero_grad()
-    saved = {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
-    emb.save(tmp_path / "ckpt")
+    emb.save(path)
+    return emb, opt, {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
+
+
+def test_a_corrupt_shard_is_refused_before_any_row_changes(rng, tmp_path):
+    """Each rank records its shards' CRC-32s; a load reads every shard it needs before changing a row."""
+    emb, opt, saved = _adam_step_saved(rng, tmp_path / "ckpt")
     state = tmp_path / "ckpt" / "optimizer.exp_avg.rank0.npy"
     good = state.read_bytes()
     state.write_bytes(good[:-3] + bytes([good[-3] ^ 1]) + good[-2:])  # one bit of the last row
@@ -329,14 +334,7 @@ def test_a_corrupt_shard_is_refused_before_any_row_changes(rng, tmp_path):
 
 def test_a_load_reads_no_file_once_every_shard_is_verified(rng, tmp_path, monkeypatch):
     """All or nothing: shards are staged in RAM while checked, so losing the files then changes nothing."""
-    emb = ss.ShardedOffloadedEmbedding(40, 4, max_rows=12, backend="numpy", storage="pageable")
-    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
-    emb.attach(opt)
-    emb(torch.from_numpy(rng.integers(0, 40, size=12))).pow(2).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    saved = {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
-    emb.save(tmp_path / "ckpt")
+    emb, opt, saved = _adam_step_saved(rng, tmp_path / "ckpt")
     for table in emb._tables().values():
         table.zero_()
     checked = sharded_checkpoint._plan
