@@ -75,15 +75,21 @@ def test_cached_training_equals_in_memory_every_size(name, cache_rows, prefetch,
     _equality(name, cache_rows, prefetch, rng, backend)
 
 
-def _touched_rows(name, cache_rows, rng, backend):
+def assert_touched_rows_equal_reference(run, name, cache_rows, rng, backend, **options):
+    """``run`` (a runner of training_helpers) with optimizer ``name``, a cache, prefetch and a
+    save/load replay, against the optimizer applied in memory to the touched rows only."""
     device = ss.get_backend(backend).device
     table0 = rng.standard_normal((NUM_ROWS, 8), dtype=np.float32)
     batches = zipf_batches(rng, 200, device)
     make = OPTIMIZERS[name]
     expected = run_in_memory(make, table0, batches, device, sparse=name == "sparse_adam",
                              initial_state=torch_initial)
-    assert_same(run_offloaded(make, table0, batches, backend, cache_rows=cache_rows,
-                              prefetch=True, replay_at=100), expected)
+    assert_same(run(make, table0, batches, backend, cache_rows=cache_rows, prefetch=True,
+                    replay_at=100, **options), expected)
+
+
+def _touched_rows(name, cache_rows, rng, backend):
+    assert_touched_rows_equal_reference(run_offloaded, name, cache_rows, rng, backend)
 
 
 @pytest.mark.parametrize("name", ["adamw_amsgrad", "rmsprop_centered_momentum", "rprop"])

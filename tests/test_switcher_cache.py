@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import speedswap as ss
-from test_cache import EQUALITIES, SIZES, assert_cached_run_equals_in_memory
-from test_optimizer_equivalence import OPTIMIZERS, TOL, assert_same, torch_initial
+from test_cache import (EQUALITIES, SIZES, assert_cached_run_equals_in_memory,
+                        assert_touched_rows_equal_reference)
+from test_optimizer_equivalence import OPTIMIZERS, TOL, assert_same
 from training_helpers import (CAPACITY, DIM, NUM_ROWS, run_in_memory, run_switchers,
                               skipgram_loss, zipf_batches)
 
@@ -44,14 +45,8 @@ def test_cached_switchers_equal_in_memory_every_size(name, cache_rows, prefetch,
 
 
 def _touched_rows(name, cache_rows, rng, backend):
-    device = ss.get_backend(backend).device
-    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
-    batches = zipf_batches(rng, 200, device)
-    sparse = name == "sparse_adam"
-    expected = run_in_memory(OPTIMIZERS[name], table0, batches, device, sparse=sparse,
-                             initial_state=torch_initial)
-    assert_same(run_switchers(OPTIMIZERS[name], table0, batches, backend, sparse=sparse,
-                              cache_rows=cache_rows, prefetch=True, replay_at=100), expected)
+    assert_touched_rows_equal_reference(run_switchers, name, cache_rows, rng, backend,
+                                        sparse=name == "sparse_adam")
 
 
 @pytest.mark.parametrize("name", ["sgd_momentum", "adamw_amsgrad", "rprop"])
