@@ -170,8 +170,7 @@ class OffloadedEmbedding(torch.nn.Module):
             StateError: a closed embedding, or between a training forward and the step.
         """
         self._check_open()
-        self._drop_zeroed_step()
-        if self._working_set.size:
+        if self._step_in_flight():
             raise StateError("attach between a training forward and optimizer.step() would drop "
                              "the step's rows; attach between steps")
         row_state_spec(optimizer, self.weight)  # refuse an unsupported optimizer before any change
@@ -309,6 +308,11 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._backward_ran and self.weight.grad is None:
             self.discard_step()
 
+    def _step_in_flight(self) -> bool:
+        """Whether training forwards hold rows for a step still to come (a step zero_grad() dropped holds none)."""
+        self._drop_zeroed_step()
+        return bool(self._working_set.size)
+
     @property
     def table(self) -> HostTable:
         """The whole table: a :class:`~speedswap.HostTable` holding every row's current value.
@@ -324,8 +328,7 @@ class OffloadedEmbedding(torch.nn.Module):
         """
         cache = self._cache
         if cache is not None and cache.num_slots and not self._table.closed:
-            self._drop_zeroed_step()
-            if self._working_set.size:
+            if self._step_in_flight():
                 raise StateError("emb.table with a device cache is read between steps: the cache gives "
                                  "its rows up first, and this step's rows are in flight; call "
                                  "optimizer.step() first (or read rows with an eval-mode forward)")
@@ -503,8 +506,7 @@ class OffloadedEmbedding(torch.nn.Module):
         """
         self._check_open()
         self._abort_step()
-        self._drop_zeroed_step()
-        if self._working_set.size:
+        if self._step_in_flight():
             raise StateError("load between a training forward and optimizer.step() would be "
                              "undone by the step; load between steps")
         # A .npy load keeps the optimizer state, part of which may be cached: rewriting

@@ -307,8 +307,7 @@ def load_sharded(path, embedding) -> None:
         FileFormatError: another size, dtype or optimizer, or bad files (nothing changes).
         StateError: called between a training forward and the optimizer step.
     """
-    embedding._drop_zeroed_step()
-    if embedding._working_set.size:
+    if embedding._step_in_flight():
         raise StateError("load between a training forward and optimizer.step() would be "
                          "undone by the step; load between steps")
     # A device cache holds the authoritative copy of its rows: flushed before, forgotten after.
