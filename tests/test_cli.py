@@ -32,3 +32,12 @@ def test_bench_help_runs_as_a_module():
     out = subprocess.run([sys.executable, "-m", "speedswap", "bench", "--help"], check=True, cwd=ROOT,
                          capture_output=True, text=True).stdout
     assert "--all" in out and "--dry-run" in out and "(default: speedswap-bench)" in out
+
+
+def test_demo_cache_line_shows_rare_per_step_events():
+    from speedswap.apps.demo import format_cache
+    figures = {"cache_rows": 500, "cache_bytes": 2048, "hit_rate": 0.5, "h2d_bytes": 1024.0,
+               "d2h_bytes": 1024.0, "evictions": 1234.6, "prefetched_rows": 0.3}
+    [(label, line)] = format_cache({"centre": figures})
+    assert label == "centre cache"
+    assert "1,235 evicted" in line and "0.3 prefetched" in line

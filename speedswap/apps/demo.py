@@ -103,9 +103,14 @@ def format_cache(summary: dict) -> list:
     return [(f"{name} cache", f"{figures['cache_rows']:,} rows ({format_bytes(figures['cache_bytes'])}): "
                               f"{100 * figures['hit_rate']:.1f}% of rows hit; per step "
                               f"{format_bytes(figures['h2d_bytes'])} in, {format_bytes(figures['d2h_bytes'])} "
-                              f"out, {figures['evictions']:,.0f} evicted, {figures['prefetched_rows']:,.0f} "
-                              f"prefetched")
+                              f"out, {_per_step(figures['evictions'])} evicted, "
+                              f"{_per_step(figures['prefetched_rows'])} prefetched")
             for name, figures in summary.items()]
+
+
+def _per_step(rows: float) -> str:
+    """A per-step average of rows: one decimal below 10, so a rare event does not read as none."""
+    return f"{rows:.1f}" if rows < 10 else f"{rows:,.0f}"
 
 
 def format_rows(rows: Sequence[tuple]) -> str:
