@@ -12,7 +12,7 @@ MODEL_FACTORY = ["zerosInit", "uniformDistributionInit", "normalDistributionInit
                  "variableTransformer", "beforeForwardPass", "afterOptimizerStep", "saveCupy",
                  "loadCupy", "saveTorch", "loadTorch", "getNumpyVersion", "getTorchVar", "getCupyVar"]
 OPTIMIZER_FACTORY = ["optInit", "beforeForwardPass", "afterOptimizerStep", "saveCupy", "loadCupy"]
-DATA_GADGET = ["gadgetInit", "getData", "insertData", "saveCupy", "loadCupy", "getNumpyVersion"]
+DATA_GADGET = ["gadgetInit", "getData", "insertData", "saveCupy", "loadCupy", "getNumpyVersion", "getCupyVar"]
 CLASSES = ["ModelFactory", "OptimizerFactory", "DataGadget", "GPUPytorchModelFactory",
            "GPUPytorchOptimizerFactory", "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory"]
 
@@ -88,13 +88,24 @@ def test_optimizer_factory_save_cupy_round_trip(tmp_path):
     np.testing.assert_array_equal(o.state.tables["sum"].to_numpy(), state)
 
 
-def test_get_data_takes_positive_and_negative_indexes(rng):
+def test_get_data_flattens_and_joins_indexes_as_speedtorch_did(rng, tmp_path):
     data = rng.standard_normal((20, 3)).astype(np.float32)
-    gadget = ss.DataGadget(data, backend="numpy")
-    pos, neg = gadget.getData(np.array([1, 2]), np.array([[3, 4], [5, 6]]))
-    np.testing.assert_array_equal(pos.numpy(), data[[1, 2]])
-    np.testing.assert_array_equal(neg.numpy(), data[[[3, 4], [5, 6]]])
+    np.save(tmp_path / "data.npy", data)
+    gadget = ss.DataGadget(fileName=str(tmp_path / "data.npy"), backend="numpy")
+    pos, neg = rng.integers(0, 20, (4, 2)), rng.integers(0, 20, (4, 5))
+    # SpeedTorch: CUPYcorpus[np.concatenate([pos.reshape(-1), neg.reshape(-1)])]
+    np.testing.assert_array_equal(gadget.getData(pos, neg).numpy(),
+                                  data[np.concatenate([pos.reshape(-1), neg.reshape(-1)])])
+    np.testing.assert_array_equal(gadget.getData(torch.from_numpy(pos)).numpy(), data[pos.reshape(-1)])
     np.testing.assert_array_equal(gadget.getData([7]).numpy(), data[[7]])
+    with pytest.raises(ss.DTypeError, match="negIndexes"):
+        gadget.getData(pos, neg.astype(np.float32))
+
+
+def test_data_gadget_get_cupy_var_names_the_replacement(rng):
+    gadget = ss.DataGadget(rng.standard_normal((5, 2)).astype(np.float32), backend="numpy")
+    with pytest.raises(ss.OptionError, match="get\\(ids\\)"):
+        gadget.getCupyVar()
 
 
 def test_cpu_pytorch_factories_keep_pinned_tables():

@@ -7,7 +7,9 @@
 from typing import Optional
 
 import numpy as np
+import torch
 
+from ..convert import as_id_tensor
 from ..data.gadget import DataGadget as CoreDataGadget
 from ..errors import OptionError
 from .model_factory import ModelFactory
@@ -56,7 +58,8 @@ class DataGadget(CoreDataGadget):
     array instead of copying it.
 
     Args:
-        fileName_or_array: a ``.npy`` path, or a numpy array / CPU tensor ``(n, ...)``.
+        fileName: a ``.npy`` path (SpeedTorch's name for it), or a numpy
+            array / CPU tensor ``(n, ...)``.
         CPUPinn: pinned host memory (True) or device memory (False).
         mmap, backend, device: as in the core class.
         storage: any storage kind but ``mmap``, overriding ``CPUPinn``.
@@ -65,9 +68,9 @@ class DataGadget(CoreDataGadget):
         as :class:`speedswap.data.gadget.DataGadget`.
     """
 
-    def __init__(self, fileName_or_array, CPUPinn: bool = False, *, mmap: Optional[bool] = None,
+    def __init__(self, fileName, CPUPinn: bool = False, *, mmap: Optional[bool] = None,
                  backend="auto", storage: Optional[str] = None, device=None):
-        super().__init__(fileName_or_array, storage=storage or storage_of(CPUPinn), mmap=mmap,
+        super().__init__(fileName, storage=storage or storage_of(CPUPinn), mmap=mmap,
                          backend=backend, device=device)
 
     def getNumpyVersion(self) -> np.ndarray:
@@ -81,11 +84,36 @@ class DataGadget(CoreDataGadget):
         """SpeedTorch's name for :meth:`put` (same argument order: data, then indexes)."""
         self.put(dataObject, indexes)
 
-    def getData(self, indexes, negIndexes=None):
-        """SpeedTorch's ``getData``: rows of ``indexes`` (and of ``negIndexes``, as a pair)."""
-        if negIndexes is None:
-            return self.get(indexes)
-        return self.get(indexes), self.get(negIndexes)
+    def getData(self, indexes, negIndexes=None) -> torch.Tensor:
+        """SpeedTorch's ``getData``: the rows of ``indexes`` flattened, then those of ``negIndexes``.
+
+        As in SpeedTorch, the ids are flattened and concatenated, so the
+        result is one tensor of ``indexes.size + negIndexes.size`` rows;
+        :meth:`get` keeps the ids' shape instead.
+
+        Args:
+            indexes: integer ids of any shape (numpy, list, or tensor).
+            negIndexes: optional second ids (negative samples), any shape.
+
+        Returns:
+            torch.Tensor ``(n, *row_shape)`` on :attr:`device`.
+
+        Raises:
+            IdError, DTypeError, DeviceError: bad ids; nothing is read.
+        """
+        ids = [indexes] if negIndexes is None else [indexes, negIndexes]
+        flats = [as_id_tensor(i, self.device, what=name)[0] for i, name in zip(ids, ("indexes", "negIndexes"))]
+        return self.get(torch.cat(flats) if len(flats) > 1 else flats[0])
+
+    def getCupyVar(self):
+        """SpeedTorch returned the CuPy array behind the data; speedswap keeps CuPy out of its API.
+
+        Raises:
+            OptionError: always; use :meth:`to_numpy` or :meth:`get`.
+        """
+        raise OptionError("speedswap hands out no CuPy arrays: use get(ids) for rows as torch "
+                          "tensors, to_numpy() for a numpy view (cupy.asarray(...) of a device "
+                          "tensor if you need CuPy)")
 
     gadgetInit = CoreDataGadget.read
     saveCupy = CoreDataGadget.save
