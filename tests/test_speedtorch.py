@@ -304,8 +304,8 @@ def _placeholder_run(convert_once, steps=4):
         u.afterOptimizerStep(ids)
 
 
-def test_a_placeholder_copied_once_before_the_loop_warns():
-    with pytest.warns(RuntimeWarning, match="earlier content of the variableTransformer"):
+def test_a_placeholder_copied_once_before_the_loop_raises_before_training_the_wrong_rows():
+    with pytest.raises(ss.StateError, match="earlier content of the variableTransformer"):
         _placeholder_run(lambda x: torch.tensor(x))
 
 

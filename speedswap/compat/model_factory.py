@@ -23,7 +23,6 @@ capacity, and no unused slot is updated.
 """
 
 import os
-import warnings
 import weakref
 
 import numpy as np
@@ -45,7 +44,7 @@ _STALE_CHECKS = 20
 def _check_stale(owner, args):
     switcher = owner()
     if switcher is not None and args:
-        switcher._warn_if_stale(args[0])
+        switcher._refuse_stale(args[0])
 
 
 def _is_torch_file(path):
@@ -133,8 +132,8 @@ class ModelFactory(Switcher):
         :meth:`before_forward`. Convert them every step (``torch.from_numpy(x)``
         shares their memory, so one ``from_numpy`` view kept across steps stays
         current; ``torch.tensor(x)`` copies). A copy made once before the loop
-        would feed stale ids: the first forwards are checked for that, with a
-        warning. Simpler: feed the ids :meth:`before_forward` returns.
+        would feed stale ids: the first forwards are checked for that, and
+        raise :class:`~speedswap.StateError`. Simpler: feed the ids :meth:`before_forward` returns.
 
         Args:
             batchSize: rows of the batch.
@@ -158,8 +157,13 @@ class ModelFactory(Switcher):
         self._stale = list(self._initial)
         return self._placeholders[0] if negPerBatch is None else self._placeholders
 
-    def _warn_if_stale(self, ids):
-        """Warn once when a forward is fed an old copy of the placeholders instead of their ids now."""
+    def _refuse_stale(self, ids):
+        """Refuse a forward fed an old copy of the placeholders instead of their ids now.
+
+        Raises:
+            StateError: the ids equal an earlier content of the placeholders
+                and not their content now (it would train the wrong rows).
+        """
         self._stale_checks -= 1
         if self._stale_checks <= 0 and self._stale_hook is not None:
             self._stale_hook.remove()
@@ -171,13 +175,12 @@ class ModelFactory(Switcher):
             current = [p for p in self._placeholders if p.shape == old.shape]
             if fed.shape == old.shape and np.array_equal(fed, old) and not any(
                     np.array_equal(fed, p) for p in current):
-                warnings.warn("the model was fed ids equal to an earlier content of the "
-                              "variableTransformer placeholders, not their content now: a copy "
-                              "made once (torch.tensor(x)) trains the wrong rows. Convert the "
-                              "placeholders every step, or feed the ids before_forward returns",
-                              RuntimeWarning, stacklevel=3)
                 self._stale_checks = 0
-                return
+                raise StateError("the model was fed ids equal to an earlier content of the "
+                                 "variableTransformer placeholders, not their content now: a copy "
+                                 "made once (torch.tensor(x)) would train the wrong rows. Convert "
+                                 "the placeholders every step (torch.from_numpy(x) shares their "
+                                 "memory), or feed the ids before_forward returns")
 
     def _check_placeholders(self, step):
         if self._placeholders is None:
