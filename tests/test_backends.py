@@ -58,3 +58,12 @@ def test_resolve_device_agrees_with_get_backend():
         resolve_device("meta")
     with pytest.raises(ss.OptionError, match="'cpu', 'cuda' or 'cuda:N'"):
         resolve_device("gpu0")
+
+
+def test_numpy_backend_on_a_gpu_device_is_refused_not_moved_to_the_cpu():
+    for device in ("cuda", "cuda:1", 0):
+        with pytest.raises(ss.OptionError, match="backend='numpy' runs on the CPU"):
+            ss.get_backend("numpy", device)
+        with pytest.raises(ss.OptionError, match="backend='numpy' runs on the CPU"):
+            ss.HostTable.zeros(4, 2, backend="numpy", device=device)
+    assert ss.get_backend("numpy", "cpu").device.type == "cpu"

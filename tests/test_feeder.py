@@ -343,10 +343,24 @@ def test_a_reader_error_reaches_the_loop_and_never_hangs(tmp_path, monkeypatch, 
     (lambda: ss.BatchFeeder(torch.ones(0, 2), batch_size=2), ss.ShapeError, "no rows"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, device="tpu"), ss.OptionError, "device"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, order=BlockOrder(window=0)), ss.OptionError, "window"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, shuffle=True), ss.OptionError, "no option 'shuffle'"),
+    (lambda: ss.BatchFeeder(x=np.ones(5), batch_size=2, shufle=None), ss.OptionError, "no option 'shufle'"),
+    (lambda: ss.BatchFeeder("x.npy", batch_size=2), ss.DTypeError, "DataGadget\\(path\\)"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, backend="tpu"), ss.OptionError, "unknown backend"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, backend="numpy", device="cuda"), ss.OptionError,
+     "backend='numpy' runs on the CPU"),
 ])
 def test_bad_arguments_fail_at_construction(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_backend_numpy_delivers_on_the_cpu(rng):
+    x = rng.standard_normal((10, 3)).astype(np.float32)
+    feeder = ss.BatchFeeder(x, batch_size=4, order="sequential", backend="numpy")
+    (first,) = next(iter(feeder))
+    assert first.device.type == "cpu"
+    np.testing.assert_array_equal(first.numpy(), x[:4])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")

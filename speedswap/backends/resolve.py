@@ -148,13 +148,17 @@ def get_backend(name: BackendLike = "auto", device: DeviceLike = None) -> Backen
         Backend
 
     Raises:
-        OptionError: an unknown name, or a device that does not exist.
+        OptionError: an unknown name, a device that does not exist, or
+            ``"numpy"`` with a device other than the CPU.
         BackendUnavailableError: ``"cuda"`` was asked for and torch sees no CUDA device.
     """
     if isinstance(name, Backend):
         return name
     if name not in _NAMES:
         raise OptionError(f"unknown backend {name!r}; choose one of {_NAMES}")
+    if name == "numpy" and device is not None and not _names_cpu(device):
+        raise OptionError(f"backend='numpy' runs on the CPU, but device={device!r} asks for "
+                          f"another; pass device='cpu' (or none), or backend='cuda'")
     if name == "numpy" or (name == "auto" and _names_cpu(device)):
         return _CPU
     if torch.cuda.is_available():

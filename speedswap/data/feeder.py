@@ -11,12 +11,14 @@ source per batch: no per-row ``__getitem__``, no collate step.
 [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
 """
 
+import inspect
+import os
 import threading
 
 import numpy as np
 import torch
 
-from ..backends import available_ram, resolve_device
+from ..backends import available_ram, get_backend, resolve_device
 from ..convert import as_host_array, check_rows, int_option
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
 from ..table import HostTable
@@ -48,6 +50,9 @@ def _as_tensor(source, what):
     if isinstance(source, torch.Tensor) and source.device.type != "cpu":
         check_rows(source.shape, what)
         return source.detach().contiguous(), None
+    if isinstance(source, (str, os.PathLike)):
+        raise DTypeError(f"{what} is a path ({os.fspath(source)!r}); sources are arrays: pass "
+                         f"ss.DataGadget(path) or np.load(path, mmap_mode='r')")
     if not isinstance(source, (np.ndarray, torch.Tensor)):
         raise DTypeError(f"{what} is a {type(source).__name__}; sources must be numpy arrays, "
                          f"memmaps, torch tensors, DataGadgets or HostTables")
@@ -142,6 +147,8 @@ class BatchFeeder:
             the rows that do not divide evenly between them).
         seed: seeds the order; the same seed gives the same stream.
         device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        backend: ``"auto"``, ``"cuda"`` or ``"numpy"`` (the CPU), as for every
+            speedswap object; ``device`` picks the GPU of ``"cuda"``.
         prefetch: batches read ahead (0: none, everything on the calling thread).
         rank, world_size: this process's share of every epoch, split as
             ``DistributedSampler`` does (padded by repeating rows unless
@@ -162,7 +169,8 @@ class BatchFeeder:
         **named_sources: sources by name; batches are then dicts.
 
     Raises:
-        OptionError: no sources, both positional and named ones, a bad
+        OptionError: no sources, both positional and named ones, an unknown
+            option (a keyword whose value is not a source), a bad backend, a bad
             ``batch_size``/``prefetch``/``seed``, an unknown ``order``, a rank
             outside the world, a non-callable ``transform``, or
             ``drop_last`` with fewer rows per rank than ``batch_size`` (every
@@ -189,7 +197,14 @@ class BatchFeeder:
 
     def __init__(self, *sources, batch_size, order="random", drop_last=False, seed=0, device="auto",
                  prefetch=2, rank=None, world_size=None, transform=None, drop_behind=None,
-                 lookahead: bool = False, **named_sources):
+                 lookahead: bool = False, backend="auto", **named_sources):
+        for name, value in named_sources.items():
+            if value is None or isinstance(value, (bool, int, float, str)):
+                options = [p.name for p in inspect.signature(BatchFeeder).parameters.values()
+                           if p.kind is p.KEYWORD_ONLY]
+                raise OptionError(f"BatchFeeder has no option {name!r} (got {name}={value!r}); a "
+                                  f"keyword that is not an option names a data source (an array, "
+                                  f"tensor, DataGadget or HostTable). Options: {', '.join(options)}")
         if sources and named_sources:
             raise OptionError("give the sources either all by position (batches are tuples) or "
                               "all by name (batches are dicts), not both")
@@ -218,7 +233,9 @@ class BatchFeeder:
                              f"{', '.join(f'{w}: {n}' for w, n in lengths.items())}")
         if not self._columns[0].numel():
             raise ShapeError("the sources have no rows (or empty rows); give at least one row")
-        self._device = resolve_device(device)
+        # A backend named explicitly decides the device as it does for tables and gadgets.
+        self._device = (resolve_device(device) if isinstance(backend, str) and backend == "auto"
+                        else get_backend(backend, None if device == "auto" else device).device)
         for (what, _), tensor in zip(described, self._columns):
             if tensor.device.type != "cpu" and tensor.device != self._device:
                 raise DeviceError(f"{what} lives on {tensor.device} but this feeder delivers to "
