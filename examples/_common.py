@@ -1,4 +1,4 @@
-"""Command-line plumbing the examples share: the --device and --json flags.
+"""Command-line plumbing the examples share: the --device and --json flags, input files, errors.
 
 The examples put every tensor where speedswap's backend computes (its
 ``device``), so a table, the model and the batches can never end up on
@@ -8,6 +8,7 @@ different devices.
 import argparse
 import json
 import os
+import sys
 
 import torch
 
@@ -22,6 +23,25 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or "default:" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+def existing_file(path):
+    """argparse ``type=`` for an input file: a missing one is argparse's own one-line error."""
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"no file at {path!r}")
+    return path
+
+
+def run(main):
+    """Run an example's ``main()``: a speedswap error ends it with its message, not a traceback.
+
+    The message says what was expected and how to fix it; a traceback into
+    the library would only hide it. Other exceptions keep their traceback.
+    """
+    try:
+        main()
+    except ss.SpeedswapError as exc:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: {exc}")
 
 
 def add_common_arguments(parser):

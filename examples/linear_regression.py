@@ -43,7 +43,7 @@ import speedswap as ss
 from speedswap.data.filesource import drop_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import HelpFormatter, add_common_arguments, backend_and_device, write_json  # noqa: E402
+from _common import HelpFormatter, add_common_arguments, backend_and_device, run, write_json  # noqa: E402
 
 
 def generate_dataset(directory, rows, features, seed=0, chunk_bytes=64 << 20):
@@ -227,4 +227,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

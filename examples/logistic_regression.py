@@ -33,7 +33,8 @@ from tqdm import tqdm
 import speedswap as ss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import HelpFormatter, add_common_arguments, backend_and_device, write_json  # noqa: E402
+from _common import (HelpFormatter, add_common_arguments, backend_and_device,  # noqa: E402
+                     existing_file, run, write_json)
 
 
 def synthetic_classes(samples, features, classes, informative, separation, seed):
@@ -81,10 +82,29 @@ def accuracy(model, x, y, batch_size, device):
     return correct / len(y)
 
 
+def load_labelled(x_path, y_path, parser):
+    """Features ``(n, d)`` float32 and class ids ``(n,)`` int64 from two ``.npy`` files.
+
+    Raises:
+        SystemExit: (``parser.error``) different row counts, or labels that
+            are not class ids 0, 1, ... (casting 0.3 to 0 would train on
+            labels nobody gave).
+    """
+    x, y = np.load(x_path), np.load(y_path)
+    if y.ndim != 1 or len(x) != len(y):
+        parser.error(f"--x has {len(x):,} rows and --y has shape {y.shape}: give one label per row of --x")
+    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)) or not np.all(
+            np.isfinite(y) & (np.floor(y) == y) & (y >= 0)):
+        parser.error(f"--y must hold class ids 0, 1, 2, ... (integers >= 0), got {y.dtype} values "
+                     f"such as {y[:3].tolist()}")
+    return x.reshape(len(x), -1).astype(np.float32), y.astype(np.int64)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
-    parser.add_argument("--x", metavar="X.npy", help="features, (n, d) (default: synthetic)")
-    parser.add_argument("--y", metavar="y.npy", help="integer labels, (n,)")
+    parser.add_argument("--x", metavar="X.npy", type=existing_file,
+                        help="features, (n, d) (default: synthetic)")
+    parser.add_argument("--y", metavar="y.npy", type=existing_file, help="integer labels, (n,)")
     parser.add_argument("--samples", type=int, default=100_000, help="synthetic rows")
     parser.add_argument("--features", type=int, default=100, help="synthetic features")
     parser.add_argument("--classes", type=int, default=5, help="synthetic classes")
@@ -106,8 +126,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     bayes = None
     if args.x:
-        x, y = np.load(args.x).astype(np.float32), np.load(args.y).astype(np.int64)
-        x = x.reshape(len(x), -1)
+        x, y = load_labelled(args.x, args.y, parser)
     else:
         x, y, best = synthetic_classes(args.samples, args.features, args.classes, args.informative,
                                        args.separation, args.seed)
@@ -151,4 +170,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

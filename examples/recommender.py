@@ -36,7 +36,8 @@ import speedswap as ss
 from speedswap.apps.demo import format_bytes, format_rows, memory_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import HelpFormatter, add_common_arguments, backend_and_device, write_json  # noqa: E402
+from _common import (HelpFormatter, add_common_arguments, backend_and_device,  # noqa: E402
+                     existing_file, run, write_json)
 
 
 def read_ratings(path):
@@ -173,7 +174,8 @@ def fit(model, optimizer, tables, data, train, test, mean, args, device, label, 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
-    parser.add_argument("--ratings", metavar="PATH", help="MovieLens u.data or ratings.csv "
+    parser.add_argument("--ratings", metavar="PATH", type=existing_file,
+                        help="MovieLens u.data or ratings.csv "
                         "(default: synthetic low-rank ratings)")
     parser.add_argument("--users", type=int, default=2000, help="synthetic users")
     parser.add_argument("--items", type=int, default=1000, help="synthetic items")
@@ -257,7 +259,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         from _distributed import finish
         finish()  # every rank, past a barrier; skips a teardown that gloo can abort

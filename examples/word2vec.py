@@ -60,7 +60,8 @@ from speedswap.apps.demo import (DEMO, cache_summary, format_bytes, format_cache
 from speedswap.apps.w2v_format import save_word2vec_format  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import HelpFormatter, add_common_arguments, backend_and_device, write_json  # noqa: E402
+from _common import (HelpFormatter, add_common_arguments, backend_and_device,  # noqa: E402
+                     existing_file, run, write_json)
 
 
 def show_neighbours(vectors, corpus, query_ids, k=8):
@@ -73,7 +74,8 @@ def show_neighbours(vectors, corpus, query_ids, k=8):
 def add_corpus_arguments(parser):
     """The corpus and its vocabulary."""
     group = parser.add_argument_group("corpus")
-    group.add_argument("--corpus", metavar="PATH", help="a text8-style file: whitespace-separated "
+    group.add_argument("--corpus", metavar="PATH", type=existing_file,
+                       help="a text8-style file: whitespace-separated "
                        "words, one document per line (default: synthetic)")
     group.add_argument("--min-count", type=int, default=5,
                        help="with --corpus: keep words seen at least this often, as word2vec does")
@@ -235,7 +237,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         from _distributed import finish
         finish()  # every rank, past a barrier; skips a teardown that gloo can abort

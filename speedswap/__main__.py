@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 from .apps.demo import BACKEND_OF_DEVICE
 from .errors import SpeedswapError
 from .info import format_info, info
+from .version import __version__
 
 _FORMAT = argparse.ArgumentDefaultsHelpFormatter
 _REPEATS = 20  # the plain bench's timed rounds per contender
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="python -m speedswap", description="speedswap command line",
                                      formatter_class=_FORMAT)
+    parser.add_argument("--version", action="version", version=f"speedswap {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="version, backends, device, memory held by live tables",
                         formatter_class=_FORMAT)
@@ -110,12 +112,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--steps goes with --all (bench --all --steps transport,feeder)")
     if args.command == "bench" and args.dry_run and not args.all:
         parser.error("--dry-run goes with --all (bench --all --dry-run)")
-    if args.command == "info":
-        print(format_info(info()))
-        return 0
-    if args.command == "demo":
-        return _demo(args)
-    return _bench(args)
+    try:
+        if args.command == "info":
+            print(format_info(info()))
+            return 0
+        if args.command == "demo":
+            return _demo(args)
+        return _bench(args)
+    except SpeedswapError as exc:
+        # The message says what was expected and how to fix it; a traceback would bury it.
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

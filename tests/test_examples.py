@@ -229,6 +229,38 @@ def test_logistic_regression_reads_arrays(tmp_path):
     assert figures["test_accuracy"] > 0.9
 
 
+def _fails(args):
+    """Run ``python *args`` expecting failure; returns (return code, stderr)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore::RuntimeWarning", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0, done.stdout
+    return done.returncode, done.stderr
+
+
+def test_logistic_regression_refuses_files_that_would_train_on_wrong_labels(tmp_path):
+    rng = np.random.default_rng(3)
+    np.save(tmp_path / "X.npy", rng.standard_normal((50, 4)))
+    np.save(tmp_path / "y40.npy", rng.integers(0, 3, 40))                 # 10 rows of X without a label
+    np.save(tmp_path / "yfrac.npy", rng.random(50))                       # 0.3 would have become class 0
+    example = EXAMPLES / "logistic_regression.py"
+    for y, message in [("y40.npy", "--x has 50 rows and --y has shape \\(40,\\)"),
+                       ("yfrac.npy", "--y must hold class ids"), ("missing.npy", "no file at")]:
+        code, err = _fails([example, "--device", "cpu", "--x", tmp_path / "X.npy", "--y", tmp_path / y])
+        assert code == 2 and re.search(message, err) and "Traceback" not in err, err
+
+
+def test_examples_and_the_command_line_end_a_speedswap_error_with_its_message(tmp_path):
+    code, err = _fails([EXAMPLES / "linear_regression.py", "--device", "cpu", "--rows", "0",
+                        "--data-dir", tmp_path])
+    assert code == 1 and "linear_regression.py: error:" in err and "Traceback" not in err, err
+    if "cuda" not in ss.available_backends():
+        code, err = _fails(["-m", "speedswap", "demo", "--device", "cuda"])
+        assert code == 2 and "demo: error: torch sees no CUDA device" in err and "Traceback" not in err, err
+    assert subprocess.run([sys.executable, "-m", "speedswap", "--version"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip() == f"speedswap {ss.__version__}"
+
+
 @pytest.mark.slow
 def test_bench_quick_writes_results_and_chart(tmp_path):
     pytest.importorskip("matplotlib")

@@ -102,7 +102,8 @@ class DataGadget(CoreDataGadget):
             IdError, DTypeError, DeviceError: bad ids; nothing is read.
         """
         ids = [indexes] if negIndexes is None else [indexes, negIndexes]
-        flats = [as_id_tensor(i, self.device, what=name)[0] for i, name in zip(ids, ("indexes", "negIndexes"))]
+        flats = [as_id_tensor(i, self.device, what=name)[0]
+                 for i, name in zip(ids, ("indexes", "negIndexes"))]
         return self.get(torch.cat(flats) if len(flats) > 1 else flats[0])
 
     def getCupyVar(self):
