@@ -229,8 +229,8 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise DTypeError(f"{what} must be integers, got a tensor of {ids.dtype}; "
                              f"convert with .long() if they are whole numbers")
-        flat = ids.detach().reshape(-1).to(device=target, dtype=torch.int64)
-        return flat.contiguous(), tuple(ids.shape)
+        flat = ids.detach().reshape(-1).to(dtype=torch.int64)
+        return _moved(flat.contiguous(), target), tuple(ids.shape)
     try:
         arr = np.asarray(ids)
     except ValueError:  # a ragged list
@@ -242,7 +242,21 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
         raise DTypeError(f"{what} must be integers, got an array of {arr.dtype}; "
                          f"convert with .astype(np.int64) if they are whole numbers")
     flat = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1), dtype=np.int64))
-    return flat.to(target), arr.shape
+    return _moved(flat, target), arr.shape
+
+
+def _moved(flat, target):
+    """``flat`` on ``target``; host ids cross to a GPU without making the host wait.
+
+    A copy from pageable memory waits for the work queued on the stream (the
+    previous step's backward and update); from page-locked memory it is
+    queued behind it instead. The page-locked copy is also the caller's ids
+    as they are now: changing the array afterwards cannot reach the transfer,
+    and torch's pinned allocator keeps the block until the copy has run.
+    """
+    if flat.device.type == "cpu" and target.type == "cuda":
+        return flat.pin_memory().to(target, non_blocking=True)
+    return flat.to(target)
 
 
 def check_id_range(flat, num_rows, *, what="ids"):
@@ -283,11 +297,12 @@ def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
     """
     device = torch.device(device)
     target = device if to is None else torch.device(to)
-    if isinstance(ids, torch.Tensor) and ids.device.type == "cpu" and target.type != "cpu":
-        # Check on the CPU before the copy: no device synchronisation at all.
+    if not (isinstance(ids, torch.Tensor) and ids.device.type != "cpu") and target.type != "cpu":
+        # Host ids are checked on the host, then cross without a wait (see
+        # _moved): no device synchronisation at all.
         flat, shape = as_id_tensor(ids, device, to="cpu", what=what)
         check_id_range(flat, num_rows, what=what)
-        return flat.to(target), shape
+        return _moved(flat, target), shape
     flat, shape = as_id_tensor(ids, device, to=target, what=what)
     check_id_range(flat, num_rows, what=what)
     return flat, shape

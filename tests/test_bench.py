@@ -311,10 +311,10 @@ def test_gpu_transport_case_runs_every_contender(dtype):
     case = transport.run_gpu_case(num_rows=65_536, dim=64, num_ids=8192, dtype=dtype, repeats=2)
     methods = sorted(row["method"].split(" ")[0] for row in case["to_gpu"])
     if transport.cupy_missing():  # SpeedTorch's method needs CuPy; the run says why it is missing
-        assert methods == ["(b)", "(c)", "(d)", "(e)", "speedswap"] and case["config"]["skipped"]
+        assert methods == ["(b)", "(c)", "(d)", "(e)", "(f)", "speedswap"] and case["config"]["skipped"]
         assert case["targets"].pop("round_trip_vs_speedtorch") is None
     else:
-        assert methods == ["(a)", "(b)", "(c)", "(d)", "(e)", "speedswap"]
+        assert methods == ["(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "speedswap"]
     assert all(value > 0 for value in case["targets"].values())
 
 

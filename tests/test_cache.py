@@ -179,7 +179,7 @@ def _distinct_rows(emb, count):
     """Rows the cache's sketch counts apart (no shared counter), so the policy test is exact."""
     sketch, rows = emb._cache.sketch, []
     for row in range(emb.num_embeddings):
-        cells = sketch._cells(torch.tensor([row])).view(-1).tolist()
+        cells = sketch._cells(torch.tensor([row], device=sketch.counts.device)).view(-1).tolist()
         if all(all(a != b for a, b in zip(cells, other)) for _, other in rows):
             rows.append((row, cells))
         if len(rows) == count:

@@ -138,3 +138,24 @@ def test_the_cuda_step_synchronises_as_the_model_says(cache_rows, seed):
     modelled, _, _ = _phase_counts("numpy", cache_rows, HostSyncs, seed)
     on_gpu, _, _ = _phase_counts("cuda", cache_rows, _TorchSyncWarnings, seed)
     assert on_gpu == modelled
+
+
+@pytest.mark.gpu
+def test_host_ids_reach_the_gpu_checked_on_the_host_and_without_a_wait(rng):
+    """CPU tensors, numpy arrays and lists: range-checked on the host, copied from page-locked memory."""
+    from speedswap.convert import as_row_ids
+    device = torch.device("cuda")
+    busy = torch.randn(4096, 4096, device=device)
+    for make in (torch.from_numpy, np.asarray, list):
+        ids = rng.integers(0, 1000, 5000)
+        expected = ids.copy()
+        source = make(ids) if make is not list else ids.tolist()
+        busy @ busy  # queued work a pageable copy would wait for
+        with _TorchSyncWarnings() as syncs:
+            flat, shape = as_row_ids(source, 1000, device)
+        ids[:] = -1  # the transfer holds the ids as they were at the call
+        assert syncs.total == 0, make
+        assert shape == (5000,) and flat.device.type == "cuda"
+        np.testing.assert_array_equal(flat.cpu().numpy(), expected)
+    with pytest.raises(ss.IdError):
+        as_row_ids(np.array([0, 1000]), 1000, device)

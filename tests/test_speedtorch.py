@@ -154,7 +154,8 @@ def test_mismatched_after_step_changes_nothing(backend, table0):
     pos, neg = torch.tensor([1, 2]), torch.tensor([[3], [4]])
     lp, ln = u.before_forward(pos, neg)
     o.before_forward(pos, neg)
-    skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), torch.ones(2, DIM)).backward()
+    context = torch.ones(2, DIM, device=model.u_embeddings.weight.device)
+    skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), context).backward()
     opt.step()
     snap = _snapshot(u, o)
     for wrong in [(torch.tensor([2, 1]), neg), (pos, None), (pos, torch.tensor([[3], [5]]))]:
