@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 import speedswap as ss
 from speedswap.data.filesource import drop_cache
@@ -233,6 +234,58 @@ def test_create_npy_fills_chunk_by_chunk_and_leaves_nothing_on_failure(tmp_path,
     empty[:] = [[1, 2], [3, 4], [5, 6]]
     empty.flush()
     assert np.load(tmp_path / "e.npy").tolist() == [[1, 2], [3, 4], [5, 6]]
+
+
+@pytest.mark.parametrize("dtype, values, became", [
+    (np.int8, np.array([100, 200, 300]), "200.*became -56"),                      # would wrap
+    (np.float16, np.array([0.5, 1e5, 2.0]), "100000.0.*became inf"),             # would overflow
+    (np.float32, np.array([1, 2**24 + 1, 3]), "16777217.*became 16777216.0"),    # an int float32 cannot hold
+])
+def test_create_npy_refuses_values_its_dtype_cannot_hold(tmp_path, dtype, values, became):
+    with pytest.raises(ss.DTypeError, match=became):
+        ss.data.create_npy(tmp_path / "x.npy", (3,), dtype, lambda lo, hi: values[lo:hi], progress=False)
+    assert list(tmp_path.iterdir()) == []
+    # Rounding a float64 into float32 is what a float32 file is for.
+    rounded = ss.data.create_npy(tmp_path / "y.npy", (3,), np.float32,
+                                 lambda lo, hi: np.array([0.1, 0.2, 0.3])[lo:hi], progress=False)
+    np.testing.assert_array_equal(rounded, np.array([0.1, 0.2, 0.3], dtype=np.float32))
+
+
+@pytest.mark.parametrize("order", ["random", "block"])
+def test_a_mapped_source_whose_file_is_replaced_or_removed_still_gives_its_own_rows(tmp_path, rng, order):
+    path = tmp_path / "x.npy"
+    data = rng.standard_normal((64, 3)).astype(np.float32)
+    np.save(path, data)
+    source = np.load(path, mmap_mode="r")
+    feeder = ss.BatchFeeder(source, batch_size=16, order=order, device="cpu")
+    first = torch.cat([x for (x,) in feeder])
+    # Saves replace by rename: the map keeps the old file, the path names a new one.
+    ss.data.create_npy(path, data.shape, np.float32, lambda lo, hi: -data[lo:hi], progress=False)
+    feeder.set_epoch(0)
+    with pytest.warns(RuntimeWarning, match="replaced or removed"):
+        again = torch.cat([x for (x,) in feeder])
+    assert torch.equal(again, first)
+    np.testing.assert_array_equal(np.sort(again.numpy(), axis=0), np.sort(data, axis=0))
+    path.unlink()
+    feeder.set_epoch(0)
+    assert torch.equal(torch.cat([x for (x,) in feeder]), first)
+
+
+@pytest.mark.parametrize("change", ["load", "close"])
+def test_a_feeder_over_a_data_gadget_reloaded_or_closed_refuses_to_serve_the_old_rows(tmp_path, rng, change):
+    np.save(tmp_path / "a.npy", rng.standard_normal((20, 2)).astype(np.float32))
+    np.save(tmp_path / "b.npy", rng.standard_normal((20, 2)).astype(np.float32))
+    gadget = ss.DataGadget(str(tmp_path / "a.npy"), backend="numpy")
+    feeder = ss.BatchFeeder(gadget, batch_size=5, device="cpu")
+    assert len(list(feeder)) == 4
+    gadget.load(str(tmp_path / "b.npy")) if change == "load" else gadget.close()
+    with pytest.raises(ss.StateError, match="closed"):
+        next(iter(feeder))
+    table = ss.HostTable.from_numpy(np.ones((6, 2), np.float32), backend="numpy")
+    over_table = ss.BatchFeeder(table, batch_size=3, device="cpu")
+    table.close()
+    with pytest.raises(ss.StateError, match="closed or reloaded"):
+        next(iter(over_table))
 
 
 @pytest.mark.parametrize("order", [BlockOrder(block_rows=40, window=2), SequentialOrder(block_rows=40, window=2)])

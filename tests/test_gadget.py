@@ -50,6 +50,18 @@ def test_integer_labels_round_trip(backend, rng):
     got = gadget.get(ids)
     assert got.dtype == torch.int64
     np.testing.assert_array_equal(got.cpu().numpy(), labels[ids])
+    one = gadget.get(int(ids[0]))  # a scalar id: one label, shape ()
+    assert one.shape == () and int(one) == labels[ids[0]]
+    assert gadget.get(np.array(ids[:6]).reshape(2, 3)).shape == (2, 3)
+
+
+def test_a_strided_view_of_a_map_is_copied_or_refused_when_it_must_be_mapped(rng, tmp_path):
+    np.save(tmp_path / "x.npy", rng.standard_normal((12, 4)).astype(np.float32))
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    gadget = ss.data.DataGadget(mapped[::2], backend="numpy")
+    np.testing.assert_array_equal(gadget.get([1, 5]).numpy(), mapped[::2][[1, 5]])
+    with pytest.raises(ss.OptionError, match="strided view"):
+        ss.data.DataGadget(mapped[::2], mmap=True, backend="numpy")
 
 
 def test_put_then_get(backend, kind, rng, tmp_path):

@@ -49,8 +49,10 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
 
     Raises:
         ShapeError: a bad ``shape``, or ``fill`` returned rows of another shape.
-        DTypeError: an unsupported ``dtype``, or ``fill`` returned another dtype
-            that does not convert safely.
+        DTypeError: an unsupported ``dtype``, ``fill`` returned another kind
+            of dtype (floats for an integer file), or values the file's dtype
+            cannot hold (integers that would wrap, floats that would overflow
+            to infinity; float rounding is accepted).
         OptionError: a non-positive ``chunk_bytes``.
 
     Example:
@@ -96,7 +98,10 @@ def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress):
                 if rows.dtype != dtype and not np.can_cast(rows.dtype, dtype, "same_kind"):
                     raise DTypeError(f"fill({start}, {stop}) returned {rows.dtype}; the file holds "
                                      f"{dtype}: return {dtype} rows")
-                data = np.ascontiguousarray(rows, dtype=dtype)
+                with np.errstate(over="ignore"):  # an overflow is refused just below
+                    data = np.ascontiguousarray(rows, dtype=dtype)
+                if not np.can_cast(rows.dtype, dtype, "safe"):
+                    _check_converted(rows, data, start, stop)
                 view, written = memoryview(data).cast("B"), 0
                 while written < len(view):
                     written += os.pwrite(fd, view[written:], offset + start * row_bytes + written)
@@ -108,6 +113,24 @@ def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress):
         _sync_and_drop(fd)
     finally:
         os.close(fd)
+
+
+def _check_converted(rows, data, start, stop):
+    """Refuse a narrowing conversion that changed values beyond float rounding.
+
+    Integers must come through exactly (int64 300 is int8 44); floats may
+    round but not overflow to infinity.
+    """
+    if np.issubdtype(rows.dtype, np.floating):
+        changed = np.isinf(data) & np.isfinite(rows)
+    else:
+        changed = data != rows
+    if changed.any():
+        first = tuple(int(i) for i in np.argwhere(changed)[0])
+        raise DTypeError(f"fill({start}, {stop}) returned {rows.dtype} values that {data.dtype} "
+                         f"cannot hold (row {start + first[0]}: {rows[first].item()!r} became "
+                         f"{data[first].item()!r}); return {data.dtype} rows or create the file with a "
+                         f"wider dtype. The file was not created")
 
 
 def _sync_and_drop(fd):

@@ -14,6 +14,7 @@ source per batch: no per-row ``__getitem__``, no collate step.
 import inspect
 import os
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -226,6 +227,8 @@ class BatchFeeder:
         columns = [_as_tensor(source, what) for what, source in described]
         self._columns = tuple(tensor for tensor, _ in columns)
         tables = [_table_of(source) for _, source in described]
+        self._tables = [(what, source, table) for (what, source), table in zip(described, tables)
+                        if table is not None]
         self._files = {k: file for k, (_, file) in enumerate(columns) if file is not None}
         lengths = {what: len(tensor) for (what, _), tensor in zip(described, self._columns)}
         if len(set(lengths.values())) != 1:
@@ -396,8 +399,27 @@ class BatchFeeder:
         self._reposition(self._epoch, self._batch)
         return self._run(self._generation)
 
+    def _check_sources(self):
+        """Refuse table sources closed or reloaded since; read replaced files through their maps.
+
+        Raises:
+            StateError: a DataGadget or HostTable source was closed, or a
+                DataGadget reloaded (its rows here would be the old ones).
+        """
+        for what, source, table in self._tables:
+            live = _table_of(source)  # a closed DataGadget raises here
+            if live is not table or live.closed:
+                raise StateError(f"{what} was closed or reloaded after this feeder was built, so "
+                                 f"the feeder would serve its old rows; build a new BatchFeeder over it")
+        replaced = [k for k, file in self._files.items() if file.replaced()]
+        for k in replaced:
+            warnings.warn(f"{self._files.pop(k).path!r} was replaced or removed after it was "
+                          f"memory-mapped; the feeder reads the mapped rows through the map "
+                          f"(slower) from now on", RuntimeWarning, stacklevel=3)
+
     def _run(self, generation):
         self._check_current(generation)
+        self._check_sources()
         count = len(self)
         epoch, start = self._epoch, self._batch
         ids, device_ids = self._epoch_ids(epoch)

@@ -49,6 +49,10 @@ def drop_cache(path):
         os.close(fd)
 
 
+def _identity(stat):
+    return stat.st_dev, stat.st_ino
+
+
 class FileRows:
     """Where a source's rows lie in a file: ``num_rows`` rows of ``row_bytes`` from byte ``offset``.
 
@@ -64,6 +68,16 @@ class FileRows:
         self.path, self.offset, self.num_rows = path, int(offset), int(num_rows)
         self.row_shape, self.dtype = tuple(row_shape), dtype
         self.row_bytes = int(np.prod(row_shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        # The file the map was made from: a file saved over the path later
+        # (saves replace by rename) is another file, which pread must not read.
+        self.identity = _identity(os.stat(path))
+
+    def replaced(self) -> bool:
+        """Whether the path now names another file than the mapped one, or none."""
+        try:
+            return _identity(os.stat(self.path)) != self.identity
+        except FileNotFoundError:
+            return True
 
     @classmethod
     def of(cls, array, tensor):
@@ -97,6 +111,9 @@ class _PoolReader:
         try:
             for file in files:
                 self._fds.append(os.open(file.path, os.O_RDONLY))
+                if _identity(os.fstat(self._fds[-1])) != file.identity:  # replaced since checked
+                    raise FileFormatError(f"{file.path!r} was replaced by another file while the "
+                                          f"feeder opened it; iterate the feeder again")
                 os.posix_fadvise(self._fds[-1], 0, 0, advice)
         except OSError:
             self._close_fds()

@@ -68,7 +68,7 @@ class DataGadget:
         FileFormatError: a malformed ``.npy`` file.
         FileNotFoundError: no such file.
         OptionError: a file that is not ``.npy``, ``mmap=True`` for an
-            in-memory array, or a bad ``storage``.
+            in-memory array or a strided view of a map, or a bad ``storage``.
         ShapeError: an array with no rows, or rows of no elements.
         DTypeError: an unsupported dtype.
 
@@ -102,6 +102,10 @@ class DataGadget:
             if self._mmap and not isinstance(array, np.memmap):
                 raise OptionError("mmap=True maps a .npy file; this array is already in memory. "
                                   "Pass the file's path, or np.load(path, mmap_mode='r+')")
+            if self._mmap and not array.flags.c_contiguous:
+                raise OptionError("mmap=True reads rows in place, and this memmap is a strided view "
+                                  "(such as m[::2]) whose rows are not contiguous in the file; pass "
+                                  "the whole map, or mmap=None to copy the view into memory")
         row_shape = check_rows(shape, "the dataset")
         numpy_dtype(dtype)
         self._path, self._array, self._header = path, array, header
@@ -140,7 +144,8 @@ class DataGadget:
         rows = (self._num_rows, _row_length(self._row_shape))
         if self._array is not None:
             flat = self._array.reshape(rows)
-            mapped = isinstance(flat, np.memmap) and self._mmap is not False
+            # A strided view of a map cannot be adopted; it is copied like any array.
+            mapped = isinstance(flat, np.memmap) and self._mmap is not False and flat.flags.c_contiguous
             shared = self._storage == "pageable" and flat.flags.c_contiguous and self._mmap is not False
             if mapped or shared:
                 return HostTable.adopt(flat, backend=self._backend)
@@ -223,7 +228,7 @@ class DataGadget:
         if self._path is not None and table.storage == "mmap":
             files.check_size(self._path, self._header)  # not SIGBUS on a truncated file
         rows = table.gather(idx)
-        return rows.view(*rows.shape[:-1], *self._row_shape)
+        return rows.view((*rows.shape[:-1], *self._row_shape))  # a tuple: () for one label
 
     def put(self, t, idx):
         """Write ``t[i]`` into row ``idx[i]`` (through to the file when memory-mapped; see :meth:`flush`).
