@@ -105,6 +105,10 @@ class TrainResult:
         model, optimizer: kept for memory accounting and further use.
         storage: where the tables lived.
         autograd: whether autograd computed the gradients (else skip-gram's closed form).
+        switchers: with the SpeedTorch API, the ModelFactory and
+            OptimizerFactory objects that own the host tables (held here so
+            the tables live as long as the result); empty otherwise, where
+            the model's embeddings own them.
     """
 
     vectors: np.ndarray
@@ -117,6 +121,7 @@ class TrainResult:
     optimizer: torch.optim.Optimizer
     storage: str
     autograd: bool
+    switchers: tuple = ()
 
     @property
     def words_per_second(self) -> float:
@@ -149,6 +154,7 @@ class _Job:
     step: Callable[..., torch.Tensor]
     vectors: Callable[[], np.ndarray]
     prefetch: Optional[Callable[[PairBatch], None]] = None
+    switchers: tuple = ()
 
 
 def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed, storage, backend,
@@ -235,7 +241,8 @@ def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed
         u_switch.prefetch(batch.centres)
         v_switch.prefetch(batch.contexts, batch.negatives)
 
-    return _Job(model, optimizer, step, u_switch.getNumpyVersion, prefetch)
+    return _Job(model, optimizer, step, u_switch.getNumpyVersion, prefetch,
+                switchers=(u_switch, v_switch, u_opt, v_opt))
 
 
 def _check_run_length(epochs: Optional[int], steps: Optional[int]) -> tuple:
@@ -349,7 +356,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
                              f"it needs documents of two or more words")
     return TrainResult(vectors=job.vectors(), losses=run.losses, words=int(round(run.words)), pairs=run.pairs,
                        steps=run.steps, seconds=seconds, model=job.model, optimizer=job.optimizer,
-                       storage=storage, autograd=autograd)
+                       storage=storage, autograd=autograd, switchers=job.switchers)
 
 
 class _Run:
