@@ -41,3 +41,14 @@ def test_demo_cache_line_shows_rare_per_step_events():
     [(label, line)] = format_cache({"centre": figures})
     assert label == "centre cache"
     assert "1,235 evicted" in line and "0.3 prefetched" in line
+
+
+@pytest.mark.parametrize("optimizer, tables, says", [("SGD", 2, "(2 tables; SGD keeps no per-row state)"),
+                                                     ("Adam", 4, "(2 tables + 2 Adam state tables)")])
+def test_demo_names_the_state_tables_that_exist(optimizer, tables, says):
+    from speedswap.apps.demo import format_demo
+    summary = {"vocab": 2000, "dim": 32, "optimizer": optimizer, "tables": tables, "epochs": 1, "steps": 10,
+               "seconds": 1.0, "threads": 1, "final loss": 1.5, "words/s": 10.0, "pairs/s": 20.0,
+               "topic purity": 0.9, "chance": 0.05, "storage": "pinned", "page-locked": True,
+               "host_bytes": 1024, "file_bytes": 0, "device": "cpu", "device_bytes": 512}
+    assert says in format_demo(summary)

@@ -59,7 +59,8 @@ def memory_summary(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     allocation (activations included).
 
     Returns:
-        dict of byte counts plus ``device`` (where the step runs).
+        dict of byte counts plus ``device`` (where the step runs) and
+        ``tables`` (live speedswap tables: embeddings and optimizer state).
     """
     held = ss.info()
     seen = set()
@@ -67,7 +68,8 @@ def memory_summary(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     working += _tensor_bytes((t for state in optimizer.state.values() for t in state.values()), seen)
     device = next(model.parameters()).device
     summary = {"host_bytes": held["host_bytes"], "file_bytes": held["file_bytes"],
-               "device_bytes": held["device_bytes"] + working, "device": str(device)}
+               "device_bytes": held["device_bytes"] + working, "device": str(device),
+               "tables": held["tables"]}
     if device.type == "cuda":
         summary["device_peak_bytes"] = torch.cuda.max_memory_allocated(device)
     return summary
@@ -160,13 +162,14 @@ def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned",
 
 def format_demo(summary: dict) -> str:
     """The demo's closing table."""
+    states = summary["tables"] - 2  # beside the two embedding tables
     rows = [
-        ("vocabulary x dim", f"{summary['vocab']:,} x {summary['dim']} (2 tables + {summary['optimizer']} "
-                             f"state)"),
+        ("vocabulary x dim", f"{summary['vocab']:,} x {summary['dim']} (2 tables"
+                             + (f" + {states} {summary['optimizer']} state tables)" if states > 0
+                                else f"; {summary['optimizer']} keeps no per-row state)")),
         ("training", f"{summary['epochs']} epoch(s), {summary['steps']} steps in {summary['seconds']:.1f} s "
-                     f"({summary['optimizer']}, {summary['threads']} torch threads + 2 making and planning "
-                     f"pairs), "
-                     f"final loss per pair {summary['final loss']:.3f}"),
+                     f"({summary['optimizer']}; {summary['threads']} torch thread(s), and 2 threads making "
+                     f"and planning pairs), final loss per pair {summary['final loss']:.3f}"),
         ("words/s", f"{summary['words/s']:,.0f}  ({summary['pairs/s']:,.0f} pairs/s)"),
         ("topic purity", f"{summary['topic purity']:.3f}  (chance {summary['chance']:.3f})"),
         ("storage", summary["storage"] + ("" if summary["page-locked"] or summary["storage"] == "pageable"
