@@ -505,7 +505,8 @@ class HostTable:
         if low > high:
             raise OptionError(f"uniform_ needs low <= high, got low={low!r} > high={high!r}; "
                               f"swap them")
-        return self._fill_random(lambda tensor: tensor.uniform_(low, high, generator=generator), generator)
+        return self._fill_random("uniform_", lambda tensor: tensor.uniform_(low, high, generator=generator),
+                                 generator)
 
     def normal_(self, mean=0.0, std=1.0, *, generator=None):
         """Fill with N(mean, std²) in place, chunk by chunk. Returns self.
@@ -522,16 +523,24 @@ class HostTable:
         mean, std = float_option(mean, "mean"), float_option(std, "std")
         if std < 0:
             raise OptionError(f"normal_ needs std >= 0, got std={std!r}")
-        return self._fill_random(lambda tensor: tensor.normal_(mean, std, generator=generator), generator)
+        return self._fill_random("normal_", lambda tensor: tensor.normal_(mean, std, generator=generator),
+                                 generator)
 
-    def _fill_random(self, fill, generator):
+    def _fill_random(self, name, fill, generator):
         """Apply the in-place random ``fill`` to each chunk of rows; returns self.
 
         torch draws only with a generator on the tensor's own device. With a
         generator elsewhere (a CPU one for a ``device`` table) each chunk is
         drawn there and copied in, so one seeded CPU generator fills every
         storage kind with the same values.
+
+        Raises:
+            DTypeError: an integer table (torch draws these only as floats).
         """
+        if not self.dtype.is_floating_point:
+            raise DTypeError(f"{name} draws floating-point values and this table holds {self.dtype}; "
+                             f"fill integer rows with apply_(torch.Tensor.random_, low, high) or "
+                             f"from a numpy array")
         for _, _, chunk in self._row_chunks():
             if generator is None or generator.device == chunk.device:
                 fill(chunk)
@@ -551,11 +560,20 @@ class HostTable:
 
         Returns:
             self
+
+        Raises:
+            OptionError: ``fn`` returned another tensor than the one it was
+                given: it did not work in place, and its result would be lost.
         """
         tensor = self._writable_buffer().tensor
         self._backend.wait_host(self._buffer)
         with torch.no_grad():
-            fn(tensor, *args, **kwargs)
+            result = fn(tensor, *args, **kwargs)
+        if isinstance(result, torch.Tensor) and result.data_ptr() != tensor.data_ptr():
+            raise OptionError(f"apply_ needs fn to fill the tensor it is given in place, but "
+                              f"{getattr(fn, '__name__', fn)!r} returned a new one, whose values are "
+                              f"not in the table; use an in-place function (a name ending in '_', "
+                              f"as torch.nn.init's), or lambda t: t.copy_(...)")
         return self
 
     # ----------------------------------------------------------------- files

@@ -144,6 +144,22 @@ def test_apply_sees_the_whole_table_shape(backend):
     assert np.abs(values).max() > 0.95 * bound
 
 
+def test_fills_that_would_do_nothing_or_fail_inside_torch_say_what_to_do(backend, rng):
+    table = ss.HostTable.from_numpy(rng.standard_normal((6, 3)).astype(np.float32), backend=backend)
+    before = table.to_numpy(copy=True)
+    with pytest.raises(ss.OptionError, match="returned a new one"):
+        table.apply_(lambda t: torch.ones_like(t))  # not in place: its ones would be dropped
+    np.testing.assert_array_equal(table.to_numpy(), before)
+    table.apply_(lambda t: t.mul_(2))  # in place, returning the tensor itself
+    np.testing.assert_array_equal(table.to_numpy(), 2 * before)
+    ids = ss.HostTable.empty(6, 3, dtype="int64", backend=backend)
+    for fill in (ids.uniform_, ids.normal_):
+        with pytest.raises(ss.DTypeError, match="holds torch.int64.*apply_\\(torch.Tensor.random_"):
+            fill()
+    ids.apply_(torch.Tensor.random_, 0, 5)
+    assert set(np.unique(ids.to_numpy())) <= set(range(5))
+
+
 def test_zeros_constructor(backend, storage, tmp_path):
     path = tmp_path / "z.npy" if storage == "mmap" else None
     table = ss.HostTable.zeros(33, 3, dtype="float16", storage=storage, backend=backend, path=path)
