@@ -96,6 +96,14 @@ def test_switchers_equal_touched_rows_reference(name, sweep, backend):
     assert_same(run_switchers(make, table0, batches, backend, sparse=sparse), expected)
 
 
+def test_switchers_give_sparse_adam_a_sparse_gradient_from_a_dense_embedding(sweep, backend):
+    """SpeedTorch's README builds nn.Embedding(sparse=False); SparseAdam takes only sparse gradients."""
+    table0, batches, device = sweep
+    make = OPTIMIZERS["sparse_adam"]
+    expected = run_in_memory(make, table0, batches, device, sparse=True, initial_state=torch_initial)
+    assert_same(run_switchers(make, table0, batches, backend, sparse=False), expected)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_offloaded_embedding_equals_touched_rows_reference(name, sweep, backend):
     table0, batches, device = sweep

@@ -80,7 +80,10 @@ class OptimizerFactory(Switcher):
     # The step protocol of StepHooks.
     def _begin_step(self):
         if self._gathered is not None and self._narrowed is None:
-            self._narrowed = NarrowedStep(self._param, len(self._gathered.rows))
+            # SparseAdam gets the rows' gradient as a sparse one, even from an
+            # nn.Embedding(sparse=False) as SpeedTorch's README builds it.
+            self._narrowed = NarrowedStep(self._param, len(self._gathered.rows),
+                                          self.state.needs_sparse_grad)
 
     def _end_step(self):
         if self._narrowed is not None:
