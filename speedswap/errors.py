@@ -82,4 +82,12 @@ class OutOfMemoryError(SpeedswapError, MemoryError):
 
 
 class MissingFileError(PathError, FileNotFoundError):
-    """A file or checkpoint to read does not exist."""
+    """A file or checkpoint to read does not exist.
+
+    Built as ``FileNotFoundError`` is (``errno``, message, path), so code that
+    reads ``.errno`` or ``.filename`` keeps working; its text is the message
+    alone, which names the path already.
+    """
+
+    def __str__(self) -> str:
+        return self.strerror or super().__str__()

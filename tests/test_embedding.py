@@ -193,6 +193,10 @@ def test_errors_change_nothing(backend, init, tmp_path):
     sgd_emb.save(tmp_path / "sgd")
     with pytest.raises(ss.FileFormatError, match="optimizer"):
         emb.load(tmp_path / "sgd")
+    bare = ss.OffloadedEmbedding(51, DIM, max_rows=4, backend=backend)  # e.g. built for evaluation
+    with pytest.raises(ss.FileFormatError, match="holds Adam optimizer state, but no optimizer is "
+                                                 "attached here; load it where a torch.optim.Adam is"):
+        bare.load(tmp_path / "other.h5")
     np.testing.assert_array_equal(emb.table.to_numpy(), trained)
     with pytest.raises(ss.OptionError, match="element-wise"):
         emb.attach(torch.optim.LBFGS(emb.parameters()))

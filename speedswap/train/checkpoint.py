@@ -268,6 +268,11 @@ def load_tables(path, tables, attrs):
         raise FileFormatError(f"{os.fspath(path)!r} is not a speedswap checkpoint "
                               f"(format {stored_attrs.get('format')!r})")
     for key, value in attrs.items():
+        if key == "optimizer" and stored_attrs.get(key) and stored_attrs.get(key) != value:
+            here = f"{value} is attached here" if value else "no optimizer is attached here"
+            raise FileFormatError(f"{os.fspath(path)!r} holds {stored_attrs[key]} optimizer state, "
+                                  f"but {here}; load it where a torch.optim.{stored_attrs[key]} is "
+                                  f"attached: a checkpoint restores rows and optimizer state together")
         if stored_attrs.get(key) != value:
             raise FileFormatError(f"{os.fspath(path)!r} was saved with {key}="
                                   f"{stored_attrs.get(key)!r}, but this one has {key}={value!r}; "
