@@ -149,6 +149,15 @@ def test_capacity_overflow_names_the_capacity(backend, table0):
     u.before_forward(torch.tensor([1, 2, 1, 2, 3, 4, 5, 6, 7, 8, 8]))  # 8 distinct rows fit
 
 
+def test_after_step_before_any_before_forward_says_so(backend, table0):
+    model, opt, u, o = build(backend, table0)
+    snap = _snapshot(u, o)
+    for switcher in (u, o):
+        with pytest.raises(ss.StateError, match="after_step before any before_forward"):
+            switcher.after_step(torch.tensor([1, 2]))
+    _assert_unchanged(u, o, snap)
+
+
 def test_mismatched_after_step_changes_nothing(backend, table0):
     model, opt, u, o = build(backend, table0)
     pos, neg = torch.tensor([1, 2]), torch.tensor([[3], [4]])

@@ -250,10 +250,14 @@ class SharedSteps:
         """The current step, which must have been started with exactly these ids.
 
         Raises:
-            StateError: other ids (nothing is written back).
+            StateError: no step begun yet, or other ids (nothing is written back).
         """
         flats, _ = self._as_tensors(pos, neg)
-        if self.current is None or not self.current.same_ids(flats):
+        if self.current is None:
+            raise StateError(f"{who}.after_step before any before_forward: a step begins with "
+                             f"before_forward(ids), then the forward, backward and "
+                             f"optimizer.step(), then after_step(ids) (nothing was written back)")
+        if not self.current.same_ids(flats):
             raise StateError(f"{who}.after_step got ids other than those of the last "
                              f"before_forward; pass the same pos (and neg) ids to both, in the "
                              f"same order (nothing was written back)")
