@@ -77,6 +77,10 @@ def _unsupported(dtype):
     return DTypeError(f"dtype {dtype} is not supported; use one of {_SUPPORTED}")
 
 
+#: Names numpy and torch read differently (torch.float is float32, np.dtype("float") float64).
+_AMBIGUOUS = {"float": ("float64", "float32"), "int": ("int64", "int32")}
+
+
 def torch_dtype(dtype) -> torch.dtype:
     """The torch dtype a numpy dtype, torch dtype, or name stands for.
 
@@ -87,14 +91,24 @@ def torch_dtype(dtype) -> torch.dtype:
         torch.dtype
 
     Raises:
-        DTypeError: the dtype has no torch equivalent speedswap supports.
+        DTypeError: the dtype has no torch equivalent speedswap supports, or
+            a name numpy and torch read differently (``"float"``, ``"int"``).
     """
     if isinstance(dtype, torch.dtype):
         if dtype is not torch.bfloat16 and dtype not in _TORCH_TO_NUMPY:
             raise _unsupported(dtype)
         return dtype
-    if isinstance(dtype, str) and dtype in ("bfloat16", "torch.bfloat16"):
-        return torch.bfloat16
+    if isinstance(dtype, str):
+        if dtype.startswith("torch."):  # "torch.float32", as str(torch.float32) prints it
+            named = getattr(torch, dtype[len("torch."):], None)
+            if not isinstance(named, torch.dtype):
+                raise DTypeError(f"{dtype!r} is not a torch dtype; use e.g. 'float32'")
+            return torch_dtype(named)
+        if dtype in _AMBIGUOUS:
+            raise DTypeError(f"dtype {dtype!r} is {_AMBIGUOUS[dtype][0]} in numpy but "
+                             f"{_AMBIGUOUS[dtype][1]} in torch; name the one you mean")
+        if dtype == "bfloat16":
+            return torch.bfloat16
     try:
         npd = np.dtype(dtype)
     except TypeError as exc:

@@ -104,6 +104,19 @@ def test_unsupported_dtype(backend):
         ss.HostTable.empty(3, 3, dtype="floaty", backend=backend)
 
 
+@pytest.mark.parametrize("name, numpy_reading, torch_reading", [("float", "float64", "float32"),
+                                                                ("int", "int64", "int32")])
+def test_a_dtype_name_numpy_and_torch_read_differently_is_refused(backend, name, numpy_reading,
+                                                                  torch_reading):
+    with pytest.raises(ss.DTypeError, match=f"{numpy_reading} in numpy but {torch_reading} in torch"):
+        ss.HostTable.empty(3, 3, dtype=name, backend=backend)
+    # torch's own spellings are not ambiguous, nor are explicit widths.
+    assert ss.HostTable.empty(3, 3, dtype=f"torch.{name}", backend=backend).dtype == getattr(torch, name)
+    assert ss.HostTable.empty(3, 3, dtype=numpy_reading, backend=backend).dtype == getattr(torch, numpy_reading)
+    with pytest.raises(ss.DTypeError, match="not a torch dtype"):
+        ss.HostTable.empty(3, 3, dtype="torch.floaty", backend=backend)
+
+
 def test_from_numpy_needs_2d(backend):
     with pytest.raises(ss.ShapeError, match="reshape"):
         ss.HostTable.from_numpy(np.ones(5, np.float32), backend=backend)
