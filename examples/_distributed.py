@@ -9,8 +9,8 @@ Each rank owns ``1/W`` of every table's rows and of their Adam state
 (:class:`speedswap.ShardedOffloadedEmbedding`), reads its own share of every
 epoch (:class:`speedswap.BatchFeeder` takes rank and world size from
 ``torch.distributed``), and trains on ``--batch-size / W`` pairs per step, so
-one step covers the same number of pairs as one process does; the ranks'
-gradients are averaged, so the loss is the mean over all of them.
+one step covers the same number of pairs as one process does. The loss is
+reported per pair, over every rank's pairs, as the one-process run reports it.
 """
 
 import os
@@ -119,9 +119,10 @@ def word2vec_sharded(args, corpus, backend):
         loss.backward()
         optimizer.step()  # gradients reach the rows' owners, which step them
         if step % 20 == 0 or step == steps - 1:
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append((step, float(mean) / world))
+            # The loss is summed over a rank's pairs: the sum over every rank's, per pair.
+            total = torch.stack([loss.detach(), torch.tensor(float(len(centres)), device=loss.device)])
+            dist.all_reduce(total)
+            losses.append((step, float(total[0] / total[1])))
     seconds = time.perf_counter() - start
 
     # An eval forward is a collective too: rank 0 asks for every row, the others for none.
@@ -136,7 +137,7 @@ def word2vec_sharded(args, corpus, backend):
                "pairs_per_second": steps * per_rank * world / seconds,
                "bytes_sent_per_step": float(sent) / steps,
                "host_bytes_rank0": ss.info()["host_bytes"] + ss.info()["file_bytes"]}
-    print(f"{world} ranks: {figures['pairs_per_second']:,.0f} pairs/s, loss "
+    print(f"{world} ranks: {figures['pairs_per_second']:,.0f} pairs/s, loss per pair "
           f"{losses[0][1]:.3f} -> {losses[-1][1]:.3f}, "
           f"{figures['bytes_sent_per_step'] / 1024:.1f} KiB exchanged per step (all ranks)")
     if corpus.topics is not None:

@@ -181,9 +181,10 @@ def main(argv=None):
         corpus = read_text_corpus(args.corpus, args.vocab, min_count=args.min_count)
     else:
         corpus = synthetic_corpus(args.vocab or DEMO["vocab"], args.topics, args.tokens, seed=args.seed)
-    print(f"corpus: {len(corpus.tokens):,} tokens, vocabulary {corpus.vocab_size:,} "
-          f"({'synthetic, ' + str(args.topics) + ' topics' if corpus.topics is not None else args.corpus}), "
-          f"ready in {time.perf_counter() - start:.1f} s")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+        print(f"corpus: {len(corpus.tokens):,} tokens, vocabulary {corpus.vocab_size:,} "
+              f"({'synthetic, ' + str(args.topics) + ' topics' if corpus.topics is not None else args.corpus}), "
+              f"ready in {time.perf_counter() - start:.1f} s")
     if args.distributed:
         from _distributed import word2vec_sharded
         figures = word2vec_sharded(args, corpus, backend)

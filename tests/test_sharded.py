@@ -8,6 +8,7 @@ scenarios to pay the processes' start-up once.
 
 import functools
 import json
+import math
 import os
 import shutil
 import socket
@@ -253,6 +254,9 @@ def test_word2vec_example_under_torchrun(tmp_path):
     # The same bar the one-process example meets (tests/test_examples.py).
     assert figures["topic_purity"] > 0.6 and figures["topic_purity"] > 8 * figures["chance"]
     assert figures["losses"][-1][1] < 0.7 * figures["losses"][0][1]
+    # Per pair, as one process reports it: zero context vectors make the first
+    # loss log 2 for the positive and for each of the 5 negatives.
+    assert figures["losses"][0][1] == pytest.approx(6 * math.log(2), rel=1e-5)
     assert figures["bytes_sent_per_step"] > 0
 
 
