@@ -6,8 +6,13 @@ ids, ``TypeError`` for wrong dtypes, ``OSError`` for bad files, ...), so both
 ``except speedswap.SpeedswapError`` and ``except IndexError`` work.
 
 Messages say what was expected and how to fix it. Every check that can fail
-runs before any row is changed.
+runs before any row is changed. :func:`warn` is the warnings' counterpart:
+it names the user's line, not speedswap's.
 """
+
+import os
+import sys
+import warnings
 
 __all__ = [
     "SpeedswapError",
@@ -91,3 +96,19 @@ class MissingFileError(PathError, FileNotFoundError):
 
     def __str__(self) -> str:
         return self.strerror or super().__str__()
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn(message: str, category: type = RuntimeWarning) -> None:
+    """Warn at the first caller outside speedswap, so the warning shows the user's line.
+
+    Args:
+        message: what happened and what to do about it.
+        category: the warning class.
+    """
+    frame, level = sys._getframe(1), 2  # stacklevel 2 is warn's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

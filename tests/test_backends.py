@@ -2,6 +2,7 @@
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,16 @@ def test_auto_falls_back_to_numpy_with_one_warning(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ss.get_backend("auto").name == "numpy"
+
+
+@pytest.mark.skipif("cuda" in ss.available_backends(), reason="tests the fallback")
+def test_the_fallback_warning_names_the_users_line_however_deep_the_call(monkeypatch):
+    for build in (lambda: ss.HostTable.empty(3, 3), lambda: ss.OffloadedEmbedding(5, 2, max_rows=2),
+                  lambda: ss.DataGadget(np.ones((3, 2), np.float32)).read()):
+        monkeypatch.setattr(resolve, "_warned", set())
+        with pytest.warns(RuntimeWarning, match="numpy backend") as caught:
+            build()
+        assert [w.filename for w in caught] == [__file__]
 
 
 @pytest.mark.skipif("cuda" in ss.available_backends(), reason="tests the missing-GPU error")

@@ -20,12 +20,11 @@ instance exists per device.
 device(type='cpu')
 """
 
-import warnings
 from typing import Union
 
 import torch
 
-from ..errors import BackendUnavailableError, OptionError
+from ..errors import BackendUnavailableError, OptionError, warn
 from .base import Backend
 from .cpu import NumpyBackend
 
@@ -51,7 +50,7 @@ def _cuda_class():
 def _warn_once(key, message):
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warn(message)
 
 
 def available_backends() -> list:

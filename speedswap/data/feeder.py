@@ -14,14 +14,13 @@ source per batch: no per-row ``__getitem__``, no collate step.
 import inspect
 import os
 import threading
-import warnings
 
 import numpy as np
 import torch
 
 from ..backends import available_ram, get_backend, resolve_device
 from ..convert import as_host_array, check_rows, int_option
-from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
+from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError, warn
 from ..table import HostTable
 from .filesource import FileRows, RowReader, WindowReader
 from .gadget import DataGadget
@@ -413,9 +412,8 @@ class BatchFeeder:
                                  f"the feeder would serve its old rows; build a new BatchFeeder over it")
         replaced = [k for k, file in self._files.items() if file.replaced()]
         for k in replaced:
-            warnings.warn(f"{self._files.pop(k).path!r} was replaced or removed after it was "
-                          f"memory-mapped; the feeder reads the mapped rows through the map "
-                          f"(slower) from now on", RuntimeWarning, stacklevel=3)
+            warn(f"{self._files.pop(k).path!r} was replaced or removed after it was memory-mapped; "
+                 f"the feeder reads the mapped rows through the map (slower) from now on")
 
     def _run(self, generation):
         self._check_current(generation)
