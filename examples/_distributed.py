@@ -9,8 +9,9 @@ Each rank owns ``1/W`` of every table's rows and of their Adam state
 (:class:`speedswap.ShardedOffloadedEmbedding`), reads its own share of every
 epoch (:class:`speedswap.BatchFeeder` takes rank and world size from
 ``torch.distributed``), and trains on ``--batch-size / W`` pairs per step, so
-one step covers the same number of pairs as one process does. The loss is
-reported per pair, over every rank's pairs, as the one-process run reports it.
+one step covers the same number of pairs as one process does. The ranks'
+gradients are averaged, as DDP averages them; the loss is reported per pair,
+over every rank's pairs, as the one-process run reports it.
 """
 
 import os

@@ -24,6 +24,7 @@ owning every row, which is how sharded checkpoints are read for evaluation:
 """
 
 import copy
+import itertools
 import os
 import weakref
 
@@ -313,7 +314,12 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         slots = torch.cat([part for parts in self._sent_to_me for part in parts])
         k = self._owned.size
         owned_grad = self._grad[:k].zero_()
-        owned_grad.index_add_(0, slots, received)  # sources in rank order: deterministic sums
+        # One add per source, in rank order: a source's rows are distinct, so no
+        # add races another (on a GPU index_add_ sums duplicates atomically, in
+        # no fixed order), and every run sums a row's gradients in the same order.
+        for lo, hi in itertools.pairwise(itertools.accumulate(recv_counts, initial=0)):
+            if hi > lo:
+                owned_grad.index_add_(0, slots[lo:hi], received[lo:hi])
         owned_grad.div_(self.world_size)
         self.weight.grad = self._grad
         self._narrowed = NarrowedStep(self.weight, k, self._state.needs_sparse_grad)
