@@ -392,3 +392,45 @@ def test_recommender_example_under_torchrun(tmp_path):
     assert test_rmse[-1] < test_rmse[0] < figures["baseline_rmse"]
     # The planted noise (0.5) bounds what any model reaches; the mean predictor is far above it.
     assert test_rmse[-1] < 0.6 * figures["baseline_rmse"]
+
+
+@pytest.mark.parametrize("manifest_flag", ["written", "older checkpoint without it"])
+def test_sgd_momentum_survives_a_checkpoint(tmp_path, seed, manifest_flag):
+    """SGD keeps no step count, so 'no scalar state' must not be read as 'never stepped'."""
+    def build():
+        emb = ss.ShardedOffloadedEmbedding(NUM_ROWS, DIM, max_rows=sharded_worker.GLOBAL_BATCH,
+                                           backend="numpy", storage="pageable")
+        emb.table.scatter(torch.arange(NUM_ROWS), initial_table(seed))
+        opt = torch.optim.SGD(emb.parameters(), lr=0.05, momentum=0.9, dampening=0.3)
+        emb.attach(opt)
+        return emb, opt
+
+    straight, straight_opt = build()
+    train(straight, straight_opt, seed, range(STEPS), world=1, rank=0)
+    first, first_opt = build()
+    train(first, first_opt, seed, range(SAVE_AT), world=1, rank=0)
+    first.save(tmp_path / "ckpt")
+    manifest = tmp_path / "ckpt" / "manifest.json"
+    if manifest_flag != "written":
+        saved = json.loads(manifest.read_text())
+        assert saved.pop("stepped") is True and saved["scalar_state"] == {}
+        manifest.write_text(json.dumps(saved))
+    resumed, resumed_opt = build()
+    resumed.load(tmp_path / "ckpt")
+    train(resumed, resumed_opt, seed, range(SAVE_AT, STEPS), world=1, rank=0)
+    for name, array in shard_arrays(straight).items():
+        np.testing.assert_array_equal(shard_arrays(resumed)[name], array, err_msg=name)
+
+
+def test_a_checkpoint_saved_before_the_first_step_starts_the_optimizer_afresh(tmp_path, seed):
+    emb, opt = make("adam")
+    emb.save(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["stepped"] is False
+    loaded, loaded_opt = make("adam")
+    loaded.load(tmp_path / "ckpt")
+    fresh, fresh_opt = make("adam")
+    fresh.table.scatter(torch.arange(NUM_ROWS), emb.table.as_tensor())
+    for e, o in ((loaded, loaded_opt), (fresh, fresh_opt)):
+        train(e, o, seed, range(5), world=1, rank=0)
+    for name, array in shard_arrays(fresh).items():
+        np.testing.assert_array_equal(shard_arrays(loaded)[name], array, err_msg=name)

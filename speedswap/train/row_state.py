@@ -10,6 +10,7 @@ State is found by identity, ``optimizer.state[param]``, never by position in
 ``state_dict()``.
 """
 
+import numpy as np
 import torch
 
 from ..errors import OptionError, StateError
@@ -191,6 +192,11 @@ class RowState:
         # Until a step has written rows back, every row holds torch's initial
         # state, so torch may create the state itself at the first step.
         self._fresh = True
+
+    def holds_initial_state(self) -> bool:
+        """Whether every row's state is the value torch creates it with (read chunk by chunk)."""
+        return all(bool(np.all(chunk == value)) for name, value in self.spec.items()
+                   for chunk in self.tables[name].host_chunks())
 
     def mark_loaded(self):
         """Record that the tables now hold trained state (read from a checkpoint)."""

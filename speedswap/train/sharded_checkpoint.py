@@ -94,11 +94,17 @@ def _scalar_state(row_state):
     return scalars
 
 
-def _restore_scalar_state(row_state, scalars):
+def _restore_scalar_state(row_state, manifest):
     """Give the optimizer the saved step count; its per-row state is read from the tables."""
     optimizer, param = row_state.optimizer, row_state.param
+    scalars = manifest["scalar_state"]
+    stepped = manifest.get("stepped")
+    if stepped is None:
+        # Saved before manifests said so. An optimizer with no scalar state (SGD
+        # with momentum) looks the same stepped or not; the rows tell them apart.
+        stepped = bool(scalars) or not row_state.holds_initial_state()
     optimizer.state.pop(param, None)
-    if not scalars:  # saved before the first step: every row holds torch's initial state
+    if not stepped:  # saved before the first step: every row holds torch's initial state
         row_state.init_state()
         return
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
@@ -163,7 +169,10 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
                     "dtype": str(tables["table"].dtype).replace("torch.", ""),
                     "world_size": len(bounds) - 1, "bounds": list(bounds),
                     "optimizer": "" if row_state is None else type(row_state.optimizer).__name__,
-                    "scalar_state": _scalar_state(row_state), "tables": sorted(tables)}
+                    "scalar_state": _scalar_state(row_state), "tables": sorted(tables),
+                    # Whether the optimizer has stepped: SGD's momentum has no step count to say it.
+                    "stepped": row_state is not None
+                    and bool(row_state.optimizer.state.get(row_state.param))}
         with atomic.atomic_output(os.path.join(partial, MANIFEST)) as tmp, open(tmp, "w") as f:
             json.dump(manifest, f, indent=1)
         if os.path.exists(path):
@@ -268,7 +277,7 @@ def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None
         for staged, table, file_rows, at in plan:
             staged.commit(table, rows=file_rows, at=at)
         if row_state is not None:
-            _restore_scalar_state(row_state, manifest["scalar_state"])
+            _restore_scalar_state(row_state, manifest)
 
     _run_everywhere(exchange, f"reading checkpoint {os.fspath(path)!r}", read)
 
