@@ -434,3 +434,29 @@ def test_a_checkpoint_saved_before_the_first_step_starts_the_optimizer_afresh(tm
         train(e, o, seed, range(5), world=1, rank=0)
     for name, array in shard_arrays(fresh).items():
         np.testing.assert_array_equal(shard_arrays(loaded)[name], array, err_msg=name)
+
+
+def test_a_step_refused_for_missing_optimizer_state_leaves_the_embedding_usable(rng):
+    """The optimizer's state reset between steps: the step raises, and the advice it gives works."""
+    emb = ss.ShardedOffloadedEmbedding(40, 3, max_rows=8, backend="numpy", storage="pageable")
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+
+    def step(ids):
+        emb(torch.as_tensor(ids)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(rng.integers(0, 40, 5))
+    capacity = emb.weight.shape
+    opt.load_state_dict(torch.optim.Adam(emb.parameters(), lr=0.1).state_dict())
+    before = emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.StateError, match="discard_step\\(\\) and attach\\(optimizer\\)"):
+        step(rng.integers(0, 40, 5))
+    assert emb.weight.shape == capacity  # not left narrowed to the failed step's rows
+    np.testing.assert_array_equal(emb.table.to_numpy(), before)
+    emb.discard_step()
+    emb.attach(opt)
+    for _ in range(3):
+        step(rng.integers(0, 40, 8))
+    assert not np.array_equal(emb.table.to_numpy(), before)

@@ -233,7 +233,8 @@ class RowState:
                 f"the host tables hold trained state; restore the optimizer with "
                 f"optimizer.load_state_dict(...) (it holds the step count), or restart the "
                 f"optimizer state from scratch with init_state() (OffloadedEmbedding.init_state, "
-                f"OptimizerFactory.optInit); then call step() again")
+                f"OptimizerFactory.optInit; a ShardedOffloadedEmbedding: discard_step() and "
+                f"attach(optimizer) on every rank); then call step() again")
         views = {name: self._buffer(name)[:len(rows)] for name in self.tables}
         if read is not None:
             read(rows, views)

@@ -322,8 +322,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 owned_grad.index_add_(0, slots[lo:hi], received[lo:hi])
         owned_grad.div_(self.world_size)
         self.weight.grad = self._grad
+        self._state.gather(self._owned.rows)  # raises before the parameter is narrowed
         self._narrowed = NarrowedStep(self.weight, k, self._state.needs_sparse_grad)
-        self._state.gather(self._owned.rows)
 
     def _after_step(self, optimizer, args, kwargs):
         if self._forwards == 0:
