@@ -460,3 +460,27 @@ def test_a_step_refused_for_missing_optimizer_state_leaves_the_embedding_usable(
     for _ in range(3):
         step(rng.integers(0, 40, 8))
     assert not np.array_equal(emb.table.to_numpy(), before)
+
+
+def test_ranks_seeded_alike_draw_different_starting_rows(tmp_path):
+    """DDP code calls torch.manual_seed(s) on every rank; the shards must not repeat each other."""
+    script = tmp_path / "init.py"
+    script.write_text(
+        "import sys, datetime, numpy as np, torch, torch.distributed as dist, speedswap as ss\n"
+        "rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=2,\n"
+        "                        timeout=datetime.timedelta(seconds=60))\n"
+        "torch.manual_seed(0)\n"
+        "emb = ss.ShardedOffloadedEmbedding(10, 4, max_rows=4, backend='numpy', storage='pageable')\n"
+        "np.save(f'{out}/rows{rank}.npy', emb.table.to_numpy())\n"
+        "dist.destroy_process_group()\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path)], env=env)
+             for r in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    rows = np.concatenate([np.load(tmp_path / f"rows{r}.npy") for r in range(2)])
+    assert len(np.unique(rows, axis=0)) == 10
+    assert abs(rows.mean()) < 1 and 0.5 < rows.std() < 1.5  # N(0, 1), as nn.Embedding

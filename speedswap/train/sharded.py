@@ -74,6 +74,12 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     weight holds other rows than its peers'). Wrap the model in DDP as a
     whole; the dense parameters are averaged by DDP, the table here.
 
+    The rows start as ``nn.Embedding``'s do, N(0, 1), each rank drawing its
+    own from a generator seeded by torch's global one and its rank: shards
+    never repeat each other, even when every rank seeds torch alike, and the
+    starting table depends on the world size (load one to start from the
+    same table at any size).
+
     ``state_dict()`` holds nothing of this module (:attr:`weight` is
     per-step scratch whose size depends on ``W``): :meth:`save` writes the
     rows, their optimizer state and the optimizer's step count.
@@ -122,7 +128,11 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._path = None if path is None else os.path.join(os.fspath(path), f"rank{self.rank}")
         self.table = HostTable.empty(shard_rows, embedding_dim, dtype, storage, backend,
                                      file_in(self._path, "table", storage))
-        self.table.normal_()  # nn.Embedding's initialisation, drawn by each rank for its rows
+        # nn.Embedding's initialisation, each rank drawing its own rows. DDP code seeds every
+        # rank alike, so torch's global generator alone would give every shard the same rows:
+        # one draw from it (the same on every rank) plus the rank seeds this rank's generator.
+        seed = int(torch.randint(0, 2 ** 62, ()).item()) + self.rank
+        self.table.normal_(generator=torch.Generator().manual_seed(seed))
         compute = torch.float32 if dtype is torch.bfloat16 else dtype
         device = self.table.device
         # Each rank looks up at most max_rows distinct rows per step, so an owner
