@@ -166,6 +166,26 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"bad.rank{rank}.json"), "w") as f:
             json.dump(errors, f)
         name = "bad"
+    elif kind == "npyfail":  # rank 1 cannot read its rows of a .npy export: no rank changes
+        emb, opt = make(name)
+        before = emb.table.to_numpy(copy=True)
+        if rank == 1:
+            from speedswap.files import tables
+
+            def unreadable(*args, **kwargs):
+                raise ss.FileFormatError("an injected read error")
+                yield  # a generator, as the function it replaces
+
+            tables._file_chunks = unreadable
+        errors = {}
+        try:
+            emb.load(table_file)
+        except ss.SpeedswapError as exc:
+            errors[type(exc).__name__] = str(exc)
+        changed = int((emb.table.to_numpy() != before).any(axis=1).sum())
+        with open(os.path.join(out, f"npyfail.rank{rank}.json"), "w") as f:
+            json.dump({"errors": errors, "changed_rows": changed}, f)
+        name = "npyfail"
     elif kind == "crash":    # rank 1 does not catch its error: every rank must exit, not hang
         emb, opt = make(name)
         ids = torch.arange(4) + (NUM_ROWS if rank == 1 else 0)

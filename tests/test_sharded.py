@@ -138,7 +138,7 @@ def two_ranks(three_ranks):
     and end with an error rank 1 does not catch."""
     out, seed = three_ranks
     started = time.monotonic()
-    results = launch(2, out, seed, "resume:ckpt-3", "bad:adam", "crash:sgd")
+    results = launch(2, out, seed, "resume:ckpt-3", "bad:adam", "npyfail:sgd", "crash:sgd")
     return out, seed, results, time.monotonic() - started
 
 
@@ -154,6 +154,14 @@ def test_bad_input_on_one_rank_raises_everywhere_and_changes_nothing(two_ranks):
     assert list(errors[0]) == ["StateError"] and "rank(s) [1]" in errors[0]["StateError"]
     # After the failed forward both ranks trained on: the result is as if it never happened.
     assert_same(gathered(out, "bad", 2), reference("adam", seed))
+
+
+def test_a_npy_export_one_rank_cannot_read_changes_no_rank(two_ranks):
+    out, *_ = two_ranks
+    results = [json.loads((out / f"npyfail.rank{r}.json").read_text()) for r in range(2)]
+    assert [r["changed_rows"] for r in results] == [0, 0]
+    assert "injected read error" in results[1]["errors"]["FileFormatError"]
+    assert "rank(s) [1]" in results[0]["errors"]["StateError"]
 
 
 def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):

@@ -20,7 +20,7 @@ from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import read_npy_header, read_npy_into, write_npy
 
 __all__ = ["stored_dtype", "read_table_header", "check_table_matches", "save_table", "read_table",
-           "stage_table", "StagedRows", "STAGE_RAM_SHARE"]
+           "stage_table", "stage_rows", "StagedRows", "STAGE_RAM_SHARE"]
 
 
 def stored_dtype(table_dtype) -> np.dtype:
@@ -152,8 +152,9 @@ class StagedRows:
     chunk was readable, in which case :meth:`commit` reads the file again.
     """
 
-    def __init__(self, path, header, dataset, rows):
+    def __init__(self, path, header, dataset, rows, first: int = 0):
         self.path, self.header, self.dataset, self.rows = path, header, dataset, rows
+        self.first = first  # the file row that rows[0] holds
 
     def commit(self, table, *, rows: Optional[range] = None, at: int = 0) -> None:
         """Copy the staged rows into ``table`` (its dtype and width as checked when staging).
@@ -170,8 +171,10 @@ class StagedRows:
         rows = range(self.header.shape[0]) if rows is None else rows
         ranges = [(rows.start + a, rows.start + b)
                   for a, b in row_ranges((len(rows), *self.header.shape[1:]), self.header.dtype)]
-        chunks = ((a, b, self.rows[a:b]) for a, b in ranges) if self.rows is not None else (
-            _file_chunks(self.path, self.header, self.dataset, ranges))
+        if self.rows is None:
+            chunks = _file_chunks(self.path, self.header, self.dataset, ranges)
+        else:
+            chunks = ((a, b, self.rows[a - self.first:b - self.first]) for a, b in ranges)
         target = table.as_tensor()[at:at + len(rows)]
         # The table's own memory, not to_numpy(): for a table on the GPU that is a copy,
         # and rows written into it would never reach the table.
@@ -182,6 +185,28 @@ class StagedRows:
                 np.copyto(host[start:stop], chunk, casting="no")
             else:
                 target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(chunk)))
+
+
+def stage_rows(path, header: TableHeader, dataset: str, table_dtype, rows: range,
+               ram_available: int) -> StagedRows:
+    """:func:`stage_table` for rows ``rows`` of the file only (a shard's share of a whole table).
+
+    Without a checksum, which covers the whole file. Commit with
+    ``commit(table, rows=rows, at=...)``.
+
+    Raises:
+        FileFormatError: a chunk cannot be read, or values a bfloat16 table would round.
+    """
+    shape = (len(rows), *header.shape[1:])
+    in_memory = int(np.prod(shape, dtype=np.int64)) * header.dtype.itemsize <= STAGE_RAM_SHARE * ram_available
+    held = np.empty(shape, dtype=header.dtype) if in_memory else None
+    ranges = [(rows.start + a, rows.start + b) for a, b in row_ranges(shape, header.dtype)]
+    for start, stop, chunk in _file_chunks(path, header, dataset, ranges):
+        if table_dtype is torch.bfloat16:
+            _check_bfloat16(path, start, stop, chunk)
+        if held is not None:
+            held[start - rows.start:stop - rows.start] = chunk
+    return StagedRows(path, header, dataset, held, first=rows.start)
 
 
 def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_available: int,

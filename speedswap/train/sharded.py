@@ -39,7 +39,7 @@ from ..table import HostTable
 from .checkpoint import file_in
 from .exchange import Exchange, owners, row_bounds
 from .row_state import NarrowedStep, RowState, row_state_spec
-from .sharded_checkpoint import load_shards, read_table_rows, save_shards
+from .sharded_checkpoint import load_shards, run_everywhere, save_shards, stage_table_rows
 from .working_set import WorkingSet
 
 __all__ = ["ShardedOffloadedEmbedding"]
@@ -393,12 +393,11 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         """
         self._check_between_steps("load")
         if os.fspath(path).endswith(".npy"):
-            error = None
-            try:
-                read_table_rows(path, self.table, self.row_range, self.num_embeddings)
-            except Exception as exc:  # noqa: BLE001 -- every rank must reach agree()
-                error = exc
-            self._exchange.agree(error, f"loading {os.fspath(path)!r}")
+            # Every rank stages its rows before any rank commits: all ranks load, or none.
+            staged = run_everywhere(self._exchange, f"checking {os.fspath(path)!r}", lambda: stage_table_rows(
+                path, self.table, self.row_range, self.num_embeddings))
+            run_everywhere(self._exchange, f"loading {os.fspath(path)!r}",
+                           lambda: staged.commit(self.table, rows=self.row_range, at=0))
             return
         load_shards(path, self._tables(), self._state, self.row_range, self.num_embeddings,
                     self._exchange)

@@ -41,7 +41,7 @@ from ..errors import FileFormatError, StateError
 from .caching import rewriting
 from .exchange import Exchange, row_bounds
 
-__all__ = ["save_shards", "load_shards", "read_table_rows", "load_sharded", "MANIFEST"]
+__all__ = ["save_shards", "load_shards", "stage_table_rows", "load_sharded", "run_everywhere", "MANIFEST"]
 
 MANIFEST = "manifest.json"
 _FORMAT = "speedswap-sharded-1"
@@ -119,7 +119,7 @@ def _restore_scalar_state(row_state, manifest):
     row_state.mark_loaded()
 
 
-def _run_everywhere(exchange, what, work, *, on_rank=None):
+def run_everywhere(exchange, what, work, *, on_rank=None):
     """Run ``work()`` (on every rank, or only ``on_rank``), then raise everywhere if it failed anywhere."""
     error, result = None, None
     if on_rank is None or exchange.rank == on_rank:
@@ -184,10 +184,10 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
         else:
             os.rename(partial, path)
 
-    _run_everywhere(exchange, f"preparing checkpoint {path!r}", prepare, on_rank=0)
+    run_everywhere(exchange, f"preparing checkpoint {path!r}", prepare, on_rank=0)
     try:
-        _run_everywhere(exchange, f"writing the shards of {path!r}", write_shard)
-        _run_everywhere(exchange, f"completing checkpoint {path!r}", finish, on_rank=0)
+        run_everywhere(exchange, f"writing the shards of {path!r}", write_shard)
+        run_everywhere(exchange, f"completing checkpoint {path!r}", finish, on_rank=0)
     except BaseException:
         if exchange.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -271,7 +271,7 @@ def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None
         manifest = read_manifest(path)
         return manifest, _plan(path, manifest, tables, row_state, rows, num_embeddings)
 
-    manifest, plan = _run_everywhere(exchange, f"checking checkpoint {os.fspath(path)!r}", check)
+    manifest, plan = run_everywhere(exchange, f"checking checkpoint {os.fspath(path)!r}", check)
 
     def read():
         for staged, table, file_rows, at in plan:
@@ -279,25 +279,26 @@ def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None
         if row_state is not None:
             _restore_scalar_state(row_state, manifest)
 
-    _run_everywhere(exchange, f"reading checkpoint {os.fspath(path)!r}", read)
+    run_everywhere(exchange, f"reading checkpoint {os.fspath(path)!r}", read)
 
 
-def read_table_rows(path, table, rows, num_embeddings) -> None:
-    """Fill ``table`` with rows ``rows`` of the whole-table ``.npy`` file ``path``.
+def stage_table_rows(path, table, rows, num_embeddings) -> files.StagedRows:
+    """Read and check rows ``rows`` of the whole-table ``.npy`` file ``path``, for ``table``.
+
+    Only this rank's rows are read: an export holds every rank's rows, and
+    each rank reading all of them would multiply the I/O by the world size.
+    Nothing changes until the result is committed
+    (``commit(table, rows=rows, at=0)``), which every rank does only once
+    every rank has staged its rows.
 
     Raises:
         FileFormatError: the file is not a ``(num_embeddings, dim)`` table of
-            the table's dtype, or holds values a bfloat16 table would round
-            (checked before any row changes).
+            the table's dtype, cannot be read, or holds values a bfloat16
+            table would round.
     """
     header = files.read_npy_header(path)
     files.check_table_matches(header, (num_embeddings, table.dim), table.dtype, path)
-    path = os.fspath(path)
-    if table.dtype is torch.bfloat16:  # every value must be a bfloat16 value: all read first
-        files.stage_table(path, header, "table", table.dtype, 0)  # no RAM: verified, not held
-    # This rank's rows alone, read as they are copied: an export holds every rank's rows, and
-    # each rank holding (or reading) all of them would multiply the I/O by the world size.
-    files.StagedRows(path, header, "table", None).commit(table, rows=rows, at=0)
+    return files.stage_rows(os.fspath(path), header, "table", table.dtype, rows, available_ram())
 
 
 def load_sharded(path, embedding) -> None:
