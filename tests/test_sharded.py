@@ -492,3 +492,31 @@ def test_ranks_seeded_alike_draw_different_starting_rows(tmp_path):
     rows = np.concatenate([np.load(tmp_path / f"rows{r}.npy") for r in range(2)])
     assert len(np.unique(rows, axis=0)) == 10
     assert abs(rows.mean()) < 1 and 0.5 < rows.std() < 1.5  # N(0, 1), as nn.Embedding
+
+
+def test_a_save_that_fails_at_its_last_rename_keeps_the_earlier_checkpoint(tmp_path, seed, monkeypatch):
+    emb, opt = make("adam")
+    train(emb, opt, seed, range(3), world=1, rank=0)
+    emb.save(tmp_path / "ckpt")
+    saved = shard_arrays(emb)
+    train(emb, opt, seed, range(3, 6), world=1, rank=0)
+    rename = os.rename
+
+    def failing(src, dst):
+        if str(src).endswith(".partial"):
+            raise OSError(28, "No space left on device (injected)")
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="injected"):
+        emb.save(tmp_path / "ckpt")
+    monkeypatch.setattr(os, "rename", rename)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    restored, _ = make("adam")
+    restored.load(tmp_path / "ckpt")
+    for name, array in saved.items():
+        np.testing.assert_array_equal(shard_arrays(restored)[name], array, err_msg=name)
+    # A save killed between its renames leaves only the earlier checkpoint, beside the path.
+    rename(tmp_path / "ckpt", tmp_path / "ckpt.old")
+    with pytest.raises(ss.FileFormatError, match="left the previous checkpoint at .*ckpt.old"):
+        restored.load(tmp_path / "ckpt")

@@ -179,7 +179,11 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
             old = path + ".old"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
-            os.rename(partial, path)
+            try:
+                os.rename(partial, path)
+            except BaseException:
+                os.rename(old, path)  # the earlier checkpoint back where it was
+                raise
             shutil.rmtree(old)
         else:
             os.rename(partial, path)
@@ -205,8 +209,12 @@ def read_manifest(path) -> dict:
         with open(manifest_path) as f:
             manifest = json.load(f)
     except FileNotFoundError:
+        old = os.fspath(path) + ".old"
+        hint = (f"; a save killed between its two renames left the previous checkpoint at "
+                f"{old!r}: rename it to {os.fspath(path)!r}"
+                if os.path.isfile(os.path.join(old, MANIFEST)) else "")
         raise FileFormatError(f"{os.fspath(path)!r} has no {MANIFEST}: it is not a (complete) "
-                              f"sharded speedswap checkpoint") from None
+                              f"sharded speedswap checkpoint{hint}") from None
     except ValueError as exc:
         raise FileFormatError(f"{manifest_path!r} is not valid JSON ({exc})") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
