@@ -169,23 +169,49 @@ def run_scenario(scenario, seed, world, rank, out):
     elif kind == "npyfail":  # rank 1 cannot read its rows of a .npy export: no rank changes
         emb, opt = make(name)
         before = emb.table.to_numpy(copy=True)
-        if rank == 1:
-            from speedswap.files import tables
+        from speedswap.files import tables
+        readable = tables._file_chunks
 
-            def unreadable(*args, **kwargs):
-                raise ss.FileFormatError("an injected read error")
-                yield  # a generator, as the function it replaces
+        def unreadable(*args, **kwargs):
+            raise ss.FileFormatError("an injected read error")
+            yield  # a generator, as the function it replaces
 
-            tables._file_chunks = unreadable
         errors = {}
         try:
+            if rank == 1:
+                tables._file_chunks = unreadable
             emb.load(table_file)
         except ss.SpeedswapError as exc:
             errors[type(exc).__name__] = str(exc)
+        finally:
+            tables._file_chunks = readable
         changed = int((emb.table.to_numpy() != before).any(axis=1).sum())
         with open(os.path.join(out, f"npyfail.rank{rank}.json"), "w") as f:
             json.dump({"errors": errors, "changed_rows": changed}, f)
         name = "npyfail"
+    elif kind == "disagree":  # a step skipped everywhere, but rank 1 ran no backward for it
+        emb, opt = make(name)
+        emb.load(table_file)
+        before = emb.table.to_numpy(copy=True)
+        ids = torch.arange(3) * 100 + rank  # rows of both shards
+        out_rows = emb(ids if rank == 0 else ids[:0])
+        if rank == 0:
+            out_rows.sum().backward()
+        opt.zero_grad()  # the step is skipped on every rank
+        emb(ids).pow(2).sum().backward()
+        errors = {}
+        try:
+            opt.step()
+        except ss.SpeedswapError as exc:
+            errors[type(exc).__name__] = str(exc)
+        unchanged = bool(np.array_equal(emb.table.to_numpy(), before))
+        emb.discard_step()  # on every rank, as the error says; then training goes on
+        opt.zero_grad()
+        train(emb, opt, seed, range(3), world, rank)
+        with open(os.path.join(out, f"disagree.rank{rank}.json"), "w") as f:
+            json.dump({"errors": errors, "unchanged": unchanged,
+                       "trained": not np.array_equal(emb.table.to_numpy(), before)}, f)
+        name = "disagree"
     elif kind == "crash":    # rank 1 does not catch its error: every rank must exit, not hang
         emb, opt = make(name)
         ids = torch.arange(4) + (NUM_ROWS if rank == 1 else 0)

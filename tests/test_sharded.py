@@ -138,7 +138,7 @@ def two_ranks(three_ranks):
     and end with an error rank 1 does not catch."""
     out, seed = three_ranks
     started = time.monotonic()
-    results = launch(2, out, seed, "resume:ckpt-3", "bad:adam", "npyfail:sgd", "crash:sgd")
+    results = launch(2, out, seed, "resume:ckpt-3", "bad:adam", "npyfail:sgd", "disagree:adam", "crash:sgd")
     return out, seed, results, time.monotonic() - started
 
 
@@ -162,6 +162,15 @@ def test_a_npy_export_one_rank_cannot_read_changes_no_rank(two_ranks):
     assert [r["changed_rows"] for r in results] == [0, 0]
     assert "injected read error" in results[1]["errors"]["FileFormatError"]
     assert "rank(s) [1]" in results[0]["errors"]["StateError"]
+
+
+def test_ranks_that_disagree_about_a_step_raise_instead_of_exchanging_wrong_rows(two_ranks):
+    """A step skipped everywhere, but one rank ran no backward for it, so only the other dropped it."""
+    out, *_ = two_ranks
+    results = [json.loads((out / f"disagree.rank{r}.json").read_text()) for r in range(2)]
+    for result in results:
+        assert "the ranks disagree about this step" in result["errors"]["StateError"]
+        assert result["unchanged"] and result["trained"]
 
 
 def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):

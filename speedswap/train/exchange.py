@@ -140,6 +140,42 @@ class Exchange:
                              f"retried with good input on all ranks")
         return recv
 
+    def step_counts(self, send_counts: List[int], expected: List[int], what: str) -> List[int]:
+        """Swap message sizes, every rank checking that every pair of ranks agrees on them.
+
+        One all-gather of each rank's send counts and expected receive counts,
+        so every rank reaches the same verdict: rows sent that the receiver
+        does not expect would be written into memory sized for others.
+
+        Args:
+            send_counts: rows this rank will send to each rank.
+            expected: rows this rank expects from each rank.
+            what: the call, named in the error.
+
+        Returns:
+            the rows this rank will receive from each rank (``expected``).
+
+        Raises:
+            StateError: on every rank, when some rank would send another rank
+                a number of rows it does not expect.
+        """
+        if self.world_size == 1:
+            table = [[*send_counts, *expected]]
+        else:
+            mine = torch.tensor([*send_counts, *expected], dtype=torch.int64, device=self.device)
+            gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(gathered, mine, group=self.group)
+            table = torch.stack(gathered).tolist()
+        world = self.world_size
+        wrong = [(s, r, table[s][r], table[r][world + s]) for s in range(world) for r in range(world)
+                 if table[s][r] != table[r][world + s]]
+        if wrong:
+            pairs = ", ".join(f"rank {s} sends rank {r} {n} rows, which expects {m}" for s, r, n, m in wrong)
+            raise StateError(f"{what}: the ranks disagree about this step ({pairs}). A step was "
+                             f"skipped, or a backward left out, on some ranks only; every rank "
+                             f"must do both alike. Call discard_step() on every rank, then train on")
+        return [table[s][self.rank] for s in range(world)]
+
     def rows(self, send: torch.Tensor, send_counts: List[int],
              recv_counts: List[int]) -> torch.Tensor:
         """Send ``send``'s rows, grouped by destination, and receive the rows sent here.

@@ -319,7 +319,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         dest = owners(self._looked_up.rows, self.bounds)
         order = torch.argsort(dest, stable=True)
         counts = torch.bincount(dest, minlength=self.world_size).tolist()
-        recv_counts = [sum(len(part) for part in parts) for parts in self._sent_to_me]
+        recv_counts = self._exchange.step_counts(
+            counts, [sum(len(part) for part in parts) for parts in self._sent_to_me], "optimizer.step()")
         received = self._exchange.rows(grad[order], counts, recv_counts)
         slots = torch.cat([part for parts in self._sent_to_me for part in parts])
         k = self._owned.size
