@@ -279,27 +279,37 @@ def test_slots_checks_ids_once_and_changes_nothing_when_it_refuses(backend):
 
 
 @pytest.mark.parametrize("cache_rows", [0, NUM_ROWS // 10])
-@pytest.mark.parametrize("how", ["zero_grad", "discard_step"])
+@pytest.mark.parametrize("how", ["zero_grad", "discard_step", "before_backward"])
 @pytest.mark.parametrize("optimizer", ["adam", "sgd_momentum", "adagrad"])
 def test_a_skipped_step_leaves_the_rows_of_its_forwards_alone(optimizer, how, cache_rows, backend, rng):
     """A step skipped (a loss that was not finite, a GradScaler's inf) trains nothing, as in memory.
 
     ``zero_grad()`` drops the skipped forwards' rows with their gradients;
-    after ``zero_grad(set_to_none=False)`` ``discard_step()`` does. The
-    reference trains only the steps that ran.
+    after ``zero_grad(set_to_none=False)`` ``discard_step()`` does. A step
+    skipped before its backward leaves its forwards' rows in the next step,
+    which puts back those no backward reached. The reference trains only
+    the steps that ran.
     """
     device = ss.get_backend(backend).device
     table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
     batches = zipf_batches(rng, 80, device)
     skipped = rng.random(len(batches)) < 0.3
-    skipped[-1] = True  # the table is then read with the skipped forward's rows still held
-    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend=backend,
+    # The table is then read with the skipped forward's rows still held; before its backward
+    # nothing can tell a skipped step from one whose backward is still to come.
+    skipped[-1] = how != "before_backward"
+    # The rows of steps skipped before their backward stay in the working set until a step ends.
+    capacity = NUM_ROWS if how == "before_backward" else CAPACITY
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=capacity, storage="pageable", backend=backend,
                                 cache_rows=cache_rows)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     opt = OPTIMIZERS[optimizer](emb.parameters())
     emb.attach(opt)
     for (pos, neg, ctx), skip in zip(batches, skipped):
-        skipgram_loss(emb(pos), emb(neg), ctx).backward()
+        loss = skipgram_loss(emb(pos), emb(neg), ctx)
+        if skip and how == "before_backward":
+            opt.zero_grad()  # the loss was not finite, say: no backward
+            continue
+        loss.backward()
         if not skip:
             opt.step()
             opt.zero_grad()

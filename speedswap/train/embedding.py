@@ -21,6 +21,7 @@ from ..errors import CapacityError, DTypeError, OptionError, StateError
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
+from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, row_state_spec
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
@@ -126,6 +127,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._backward_ran = False
         self.weight.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
         self._working_set = WorkingSet(max_rows, self._table.device)
+        self._reached, self._kept = ReachedRows(), None
         self._state = None
         self._narrowed = None
         self._hooks = None
@@ -236,8 +238,9 @@ class OffloadedEmbedding(torch.nn.Module):
             flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
             return self._cache.read(flat).view(*shape, self.embedding_dim).to(self.weight.dtype)
         local = self._add_rows(ids)
-        return F.embedding(local, self.weight,
-                           padding_idx=None if self.padding_idx is None else 0)
+        out = F.embedding(local, self.weight, padding_idx=None if self.padding_idx is None else 0)
+        self._reached.track(out, local)  # a forward no backward reaches trains nothing
+        return out
 
     def slots(self, ids) -> torch.Tensor:
         """Training without autograd: bring the rows of ``ids`` into the step and return their slots.
@@ -275,7 +278,9 @@ class OffloadedEmbedding(torch.nn.Module):
         """
         self._check_open()
         self._abort_step()
-        return self._add_rows(ids)
+        local = self._add_rows(ids)
+        self._reached.reached(local)  # the caller writes these rows' gradient
+        return local
 
     def discard_step(self) -> None:
         """Drop the rows (and gradients) of the training forwards since the last step, which will not run.
@@ -289,8 +294,10 @@ class OffloadedEmbedding(torch.nn.Module):
 
         ``optimizer.zero_grad()`` (whose default ``set_to_none=True`` drops the
         gradients) between a backward and the next training forward does this
-        by itself; after ``zero_grad(set_to_none=False)``, or to drop rows
-        before their backward, call it.
+        by itself; after ``zero_grad(set_to_none=False)``, call it. A step
+        skipped before its backward needs nothing for exactness: rows that
+        only forwards no backward reached are put back unchanged when the next
+        step ends (:mod:`speedswap.train.reached`); this frees their slots now.
 
         Raises:
             StateError: on a closed embedding.
@@ -302,6 +309,7 @@ class OffloadedEmbedding(torch.nn.Module):
             self._cache.end_step()  # nothing is stored: the cache holds the rows as before
         self.weight.grad = None  # its slots will hold other rows
         self._backward_ran = False
+        self._reached.clear()
 
     def _drop_zeroed_step(self):
         """Discard the step in flight if ``zero_grad()`` dropped its gradients after a backward (it never ran)."""
@@ -378,6 +386,10 @@ class OffloadedEmbedding(torch.nn.Module):
             return
         self._state.gather(rows, read=self._cache.read_state)  # raises before anything changes
         self._narrowed = NarrowedStep(self.weight, len(rows), self._state.needs_sparse_grad)
+        # Rows that only forwards no backward reached (a skipped loss) go back unchanged.
+        unreached = self._reached.unreached_slots(len(rows), self.weight.device)
+        self._kept = None if unreached is None else KeptRows(unreached, self._full, self._state.step_state(),
+                                                             self._state.spec)
 
     def _end_step(self):
         if self._narrowed is None:
@@ -385,6 +397,10 @@ class OffloadedEmbedding(torch.nn.Module):
         rows = self._working_set.rows
         self._narrowed.restore()
         self._narrowed = None
+        if self._kept is not None:
+            self._kept.put_back(self._full, self._state.step_state())
+            self._kept = None
+        self._reached.clear()
         weights = self._full[:len(rows)]
         # Rows and state go to the cache, or back to the host: each row written once.
         self._state.scatter(rows, write=lambda states: self._cache.store(rows, weights, states))
@@ -398,6 +414,7 @@ class OffloadedEmbedding(torch.nn.Module):
         # hold every row as before it, so the working set is read back from them.
         self._narrowed.restore()
         self._narrowed = None
+        self._kept = None  # the rows are read back below, as they were
         self._state.release()
         self._cache.end_step()  # nothing was stored: the cache too holds the rows as before
         self._gather_new(0)

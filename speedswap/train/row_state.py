@@ -243,6 +243,15 @@ class RowState:
                 self.tables[name].gather_validated(rows, view)
         state.update(views)  # only once every gather succeeded
 
+    def step_state(self):
+        """The optimizer's per-row state of the step in progress (``{name: (k, dim)}``), or None.
+
+        None before torch creates it (a fresh optimizer's first step, or a
+        parameter torch skipped).
+        """
+        state = self.optimizer.state.get(self.param)
+        return state if state and all(name in state for name in self.spec) else None
+
     def release(self):
         """Give the optimizer its full-size scratch back after a step that never finished.
 

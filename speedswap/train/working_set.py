@@ -96,7 +96,8 @@ class WorkingSet:
                 f"holds at most {self.capacity} (the capacity: rows of the device parameter); "
                 f"use smaller batches or a larger capacity (more rows in the model's "
                 f"nn.Embedding, or a larger max_rows). Training forwards accumulate into one "
-                f"step until optimizer.step(), so several forwards before a step add up")
+                f"step until optimizer.step(), so several forwards before a step add up, and so "
+                f"do those of a step skipped before its backward (discard_step() drops them)")
         self._rows = torch.cat([self._rows, new_rows]) if held else new_rows
         self._sorted, self._slot_of_sorted = (torch.sort(self._rows) if held
                                               else (new_rows, slots))

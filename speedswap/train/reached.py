@@ -1,0 +1,98 @@
+"""Which of a step's rows a backward reached, so that rows of a dropped forward are left alone.
+
+A training loop that skips a step before its backward (a loss that was not
+finite) drops that forward's graph, and in-memory lazy training
+(``SparseAdam``, sparse Adagrad) never sees its rows. Offloaded, those rows
+are already in the step's working set, and the next ``optimizer.step()``
+would move them at a zero gradient: Adam moves a row that has momentum even
+so. Each training forward's output therefore gets a hook that fires when a
+backward reaches it; at the step, the slots that only unreached forwards
+looked up are put back as they were before the optimizer ran
+(:class:`KeptRows`), so their rows and optimizer state are written back
+unchanged.
+
+Nothing is spent when every forward was reached, the usual case: the check
+is a Python counter, and the slots are computed only when some forward was not.
+"""
+
+import functools
+import weakref
+from typing import Dict, Optional
+
+import torch
+
+__all__ = ["ReachedRows", "KeptRows"]
+
+
+class ReachedRows:
+    """The slots each training forward of a step looked up, and whether a backward reached it."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the step: the next forward starts a new one."""
+        self._reached = []    # slots of forwards a backward reached (or given a gradient by hand)
+        self._unreached = {}  # forward number -> its slots, until a backward reaches its output
+        self._count = 0
+
+    def track(self, output: torch.Tensor, slots: torch.Tensor) -> None:
+        """Watch a training forward's ``output``, which looked up ``slots``."""
+        key, self._count = self._count, self._count + 1
+        self._unreached[key] = slots
+        output.register_hook(functools.partial(_reach, weakref.ref(self), key))
+
+    def reached(self, slots: torch.Tensor) -> None:
+        """Record slots whose gradient the caller writes itself (no autograd to watch)."""
+        self._reached.append(slots)
+
+    def unreached_slots(self, size: int, device) -> Optional[torch.Tensor]:
+        """The slots in ``[0, size)`` that only forwards no backward reached looked up, or None if none.
+
+        Synchronises a GPU's host, only when some forward was not reached.
+        """
+        if not self._unreached:
+            return None
+        untouched = torch.ones(size, dtype=torch.bool, device=device)
+        for slots in self._reached:
+            untouched[slots.reshape(-1)] = False
+        found = untouched.nonzero().squeeze(1)
+        return found if len(found) else None
+
+
+def _reach(ref, key, grad):
+    tracker = ref()
+    if tracker is not None:
+        slots = tracker._unreached.pop(key, None)
+        if slots is not None:
+            tracker._reached.append(slots)
+
+
+class KeptRows:
+    """Rows of a working set and their optimizer state, copied before a step to be put back after it.
+
+    Args:
+        slots: the slots to keep.
+        weight: the working set's full storage (rows by slot).
+        state: the optimizer's per-row state for the step, ``{name: (k, dim)}``,
+            or None when the optimizer creates it at the step (every row then
+            starts from ``initial``).
+        initial: ``{name: value}``, the value torch creates each row's state with.
+    """
+
+    def __init__(self, slots: torch.Tensor, weight: torch.Tensor,
+                 state: Optional[Dict[str, torch.Tensor]], initial: Dict[str, float]):
+        self.slots, self.initial = slots, initial
+        self.rows = weight[slots].clone()
+        self.state = None if state is None else {name: state[name][slots].clone() for name in initial}
+
+    def put_back(self, weight: torch.Tensor, state: Optional[Dict[str, torch.Tensor]]) -> None:
+        """Write the kept rows into ``weight`` and their state into the step's ``state``, as before it."""
+        weight[self.slots] = self.rows
+        if state is None:
+            return  # torch skipped the parameter: its state did not change
+        for name, value in self.initial.items():
+            if self.state is None:
+                state[name][self.slots] = value
+            else:
+                state[name][self.slots] = self.state[name]
