@@ -98,11 +98,15 @@ def make(name, **options):
     return emb, opt
 
 
-def train(emb, opt, seed, steps, world, rank, skipped=()):
+def train(emb, opt, seed, steps, world, rank, skipped=(), before_backward=False):
     for step in steps:
         ids, targets = global_batch(seed, step)
         part = rank_slice(step, world, rank)
-        rank_loss(emb, ids[part], targets[part], world).backward()
+        loss = rank_loss(emb, ids[part], targets[part], world)
+        if step in skipped and before_backward:
+            opt.zero_grad()  # the loss was not finite, say: no backward, no step
+            continue
+        loss.backward()
         if step not in skipped:
             opt.step()
         opt.zero_grad()
@@ -140,6 +144,11 @@ def run_scenario(scenario, seed, world, rank, out):
         emb.load(table_file)
         train(emb, opt, seed, range(STEPS), world, rank, skipped=SKIPPED)
         name = f"{name}-skip"
+    elif kind == "skipfwd":  # the same steps dropped before their backward
+        emb, opt = make(name)
+        emb.load(table_file)
+        train(emb, opt, seed, range(STEPS), world, rank, skipped=SKIPPED, before_backward=True)
+        name = f"{name}-skipfwd"
     elif kind == "resume":   # load another world size's Adam checkpoint and go on
         emb, opt = make("adam")
         emb.load(os.path.join(out, name))

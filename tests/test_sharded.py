@@ -99,7 +99,7 @@ def three_ranks(tmp_path_factory):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print(f"three_ranks seed {seed}")
     assert_ok(launch(3, out, seed, "train:sgd", "train:adam", "train:adagrad", "bf16:adagrad",
-                     "skip:adam"))
+                     "skip:adam", "skipfwd:adam"))
     return out, seed
 
 
@@ -114,6 +114,13 @@ def test_steps_skipped_on_every_rank_train_nothing(three_ranks):
     out, seed = three_ranks
     expected = sharded_worker.reference("adam", seed, skipped=sharded_worker.SKIPPED)
     assert_same(gathered(out, "adam-skip", 3), expected)
+
+
+def test_steps_skipped_before_their_backward_train_nothing(three_ranks):
+    """Their forwards' rows wait for the next step, which puts back those no backward reached."""
+    out, seed = three_ranks
+    expected = sharded_worker.reference("adam", seed, skipped=sharded_worker.SKIPPED)
+    assert_same(gathered(out, "adam-skipfwd", 3), expected)
 
 
 def test_three_ranks_of_a_bfloat16_table_equal_one_process(three_ranks):

@@ -27,7 +27,7 @@ writes) ends with :meth:`Exchange.agree`.
 [0, 0, 1, 2]
 """
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -140,7 +140,8 @@ class Exchange:
                              f"retried with good input on all ranks")
         return recv
 
-    def step_counts(self, send_counts: List[int], expected: List[int], what: str) -> List[int]:
+    def step_counts(self, send_counts: List[int], expected: List[int], flag: bool,
+                    what: str) -> Tuple[List[int], bool]:
         """Swap message sizes, every rank checking that every pair of ranks agrees on them.
 
         One all-gather of each rank's send counts and expected receive counts,
@@ -150,19 +151,20 @@ class Exchange:
         Args:
             send_counts: rows this rank will send to each rank.
             expected: rows this rank expects from each rank.
+            flag: a yes/no of this rank's, told to every rank with the counts.
             what: the call, named in the error.
 
         Returns:
-            the rows this rank will receive from each rank (``expected``).
+            (the rows this rank will receive from each rank, whether any rank's ``flag`` was set).
 
         Raises:
             StateError: on every rank, when some rank would send another rank
                 a number of rows it does not expect.
         """
         if self.world_size == 1:
-            table = [[*send_counts, *expected]]
+            table = [[*send_counts, *expected, int(flag)]]
         else:
-            mine = torch.tensor([*send_counts, *expected], dtype=torch.int64, device=self.device)
+            mine = torch.tensor([*send_counts, *expected, int(flag)], dtype=torch.int64, device=self.device)
             gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
             dist.all_gather(gathered, mine, group=self.group)
             table = torch.stack(gathered).tolist()
@@ -174,7 +176,7 @@ class Exchange:
             raise StateError(f"{what}: the ranks disagree about this step ({pairs}). A step was "
                              f"skipped, or a backward left out, on some ranks only; every rank "
                              f"must do both alike. Call discard_step() on every rank, then train on")
-        return [table[s][self.rank] for s in range(world)]
+        return [table[s][self.rank] for s in range(world)], any(row[-1] for row in table)
 
     def rows(self, send: torch.Tensor, send_counts: List[int],
              recv_counts: List[int]) -> torch.Tensor:

@@ -38,6 +38,7 @@ from ..errors import DTypeError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 from .exchange import Exchange, owners, row_bounds
+from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, row_state_spec
 from .sharded_checkpoint import load_shards, run_everywhere, save_shards, stage_table_rows
 from .working_set import WorkingSet
@@ -52,9 +53,12 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     same number of times per step (with its own ids, possibly none) and
     calls ``optimizer.step()`` every step: both are collectives. A step that
     is skipped (a loss that was not finite, a ``GradScaler`` that found infs)
-    is skipped on every rank: ``optimizer.zero_grad()`` then drops its rows
-    and gradients, as it drops a dense parameter's (or :meth:`discard_step`
-    does, on every rank).
+    is skipped on every rank: ``optimizer.zero_grad()`` after its backward
+    then drops its rows and gradients, as it drops a dense parameter's (or
+    :meth:`discard_step` does, on every rank). Skipped before its backward,
+    its forwards' rows wait for the next step, which puts back those that no
+    backward reached. The ranks check at every step that they agree on the
+    rows they exchange, and raise ``StateError`` together if not.
 
     **What is averaged.** A row's gradient is the sum over ranks of each
     rank's gradient for it, divided by the world size ``W``: the average DDP
@@ -156,6 +160,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._backward_ran = False
         self._rows.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
         self._narrowed = None
+        self._reached = ReachedRows()
         self._new_step()
 
     def _new_step(self):
@@ -166,6 +171,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._rows.grad = None
         self.weight.grad = None
         self._backward_ran = False
+        self._reached.clear()
+        self._kept = None
 
     def discard_step(self) -> None:
         """Drop the rows and gradients of the forwards since the last step, whose step will not run.
@@ -295,7 +302,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._forwards += 1
         with torch.no_grad():
             self._rows[first_new:first_new + len(rows)] = rows
-        return F.embedding(local, self._rows)
+        out = F.embedding(local, self._rows)
+        self._reached.track(out, local)  # a forward no backward reaches trains nothing
+        return out
 
     def _gather_owned(self, first):
         rows = self._owned.rows[first:]
@@ -319,8 +328,17 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         dest = owners(self._looked_up.rows, self.bounds)
         order = torch.argsort(dest, stable=True)
         counts = torch.bincount(dest, minlength=self.world_size).tolist()
-        recv_counts = self._exchange.step_counts(
-            counts, [sum(len(part) for part in parts) for parts in self._sent_to_me], "optimizer.step()")
+        unreached = self._reached.unreached_slots(k_local, grad.device)
+        recv_counts, any_unreached = self._exchange.step_counts(
+            counts, [sum(len(part) for part in parts) for parts in self._sent_to_me], unreached is not None,
+            "optimizer.step()")
+        if any_unreached:
+            # Rows of forwards no backward reached (a step skipped before its backward) are
+            # flagged, so that owners put back those no reached forward looked up.
+            reached = torch.ones(k_local, 1, dtype=grad.dtype, device=grad.device)
+            if unreached is not None:
+                reached[unreached] = 0
+            grad = torch.cat([grad, reached], 1)
         received = self._exchange.rows(grad[order], counts, recv_counts)
         slots = torch.cat([part for parts in self._sent_to_me for part in parts])
         k = self._owned.size
@@ -330,11 +348,17 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         # no fixed order), and every run sums a row's gradients in the same order.
         for lo, hi in itertools.pairwise(itertools.accumulate(recv_counts, initial=0)):
             if hi > lo:
-                owned_grad.index_add_(0, slots[lo:hi], received[lo:hi])
+                owned_grad.index_add_(0, slots[lo:hi], received[lo:hi, :self.embedding_dim])
         owned_grad.div_(self.world_size)
         self.weight.grad = self._grad
         self._state.gather(self._owned.rows)  # raises before the parameter is narrowed
         self._narrowed = NarrowedStep(self.weight, k, self._state.needs_sparse_grad)
+        if any_unreached:
+            got = torch.zeros(k, dtype=torch.bool, device=grad.device)
+            got[slots[received[:, -1] > 0]] = True
+            kept = (~got).nonzero().squeeze(1)
+            if len(kept):
+                self._kept = KeptRows(kept, self._full, self._state.step_state(), self._state.spec)
 
     def _after_step(self, optimizer, args, kwargs):
         if self._forwards == 0:
@@ -342,6 +366,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         rows, k = self._owned.rows, self._owned.size
         self._narrowed.restore()
         self._narrowed = None
+        if self._kept is not None:
+            self._kept.put_back(self._full, self._state.step_state())
         self._state.scatter(rows)
         # Owned rows are unique shard-local ids, validated when they were looked up.
         self.table.scatter_validated(rows, self._full[:k].to(self.table.dtype))
