@@ -536,3 +536,86 @@ def test_a_save_that_fails_at_its_last_rename_keeps_the_earlier_checkpoint(tmp_p
     rename(tmp_path / "ckpt", tmp_path / "ckpt.old")
     with pytest.raises(ss.FileFormatError, match="left the previous checkpoint at .*ckpt.old"):
         restored.load(tmp_path / "ckpt")
+
+
+def _clip_run(table0, batches, clip, exchange, sharded, scaler=None):
+    """SGD on squared errors with a gradient clip (and a GradScaler): sharded (one rank) or a dense reference."""
+    if sharded:
+        emb = ss.ShardedOffloadedEmbedding(len(table0), table0.shape[1], max_rows=16, backend="numpy",
+                                           storage="pageable")
+        emb.table.scatter(torch.arange(len(table0)), torch.from_numpy(table0))
+        params = list(emb.parameters())
+        opt = torch.optim.SGD(params, lr=0.1)
+        emb.attach(opt)
+        lookup = emb
+    else:
+        weight = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+        params = [weight]
+        opt = torch.optim.SGD(params, lr=0.1)
+        lookup = functools.partial(torch.nn.functional.embedding, weight=weight)
+    for ids, targets in batches:
+        loss = ((lookup(ids) - targets) ** 2).sum()
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if exchange:
+            emb.exchange_gradients()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        clip(params)
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()
+    return emb.table.to_numpy() if sharded else weight.detach().numpy()
+
+
+@pytest.mark.parametrize("clip", [lambda p: torch.nn.utils.clip_grad_norm_(p, 0.5),
+                                  lambda p: torch.nn.utils.clip_grad_value_(p, 0.05)], ids=["norm", "value"])
+def test_gradients_clipped_after_exchange_gradients_equal_in_memory_clipping(clip, rng):
+    table0 = rng.standard_normal((40, 3)).astype(np.float32)
+    batches = [(torch.from_numpy(rng.integers(0, 40, 12)), torch.from_numpy(rng.standard_normal((12, 3),
+                                                                                             dtype=np.float32)))
+               for _ in range(20)]
+    expected = _clip_run(table0, batches, clip, exchange=False, sharded=False)
+    np.testing.assert_allclose(_clip_run(table0, batches, clip, exchange=True, sharded=True), expected,
+                               rtol=1e-6, atol=1e-6)
+    # Without the exchange the clip would act on a gradient that has not arrived: refused.
+    with pytest.raises(ss.StateError, match="exchange_gradients\\(\\) on every rank before clipping"):
+        _clip_run(table0, batches, clip, exchange=False, sharded=True)
+
+
+def test_a_grad_scaler_after_exchange_gradients_unscales_the_tables_gradient(rng):
+    table0 = rng.standard_normal((40, 3)).astype(np.float32)
+    batches = [(torch.from_numpy(rng.integers(0, 40, 12)), torch.from_numpy(rng.standard_normal((12, 3),
+                                                                                             dtype=np.float32)))
+               for _ in range(20)]
+    no_clip = lambda p: None  # noqa: E731
+    expected = _clip_run(table0, batches, no_clip, exchange=False, sharded=False,
+                         scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    got = _clip_run(table0, batches, no_clip, exchange=True, sharded=True,
+                    scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_zero_grad_keeping_tensors_after_a_backward_is_refused_at_the_step(rng):
+    """zero_grad(set_to_none=False) would zero a gradient that has not arrived; discard_step() skips."""
+    emb, opt = make("adam")
+    ids = torch.from_numpy(rng.integers(0, NUM_ROWS, 10))
+    emb(ids).pow(2).sum().backward()
+    opt.zero_grad(set_to_none=False)
+    before = emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.StateError, match="discard_step\\(\\) on every rank to skip"):
+        opt.step()
+    emb.discard_step()
+    emb(ids).pow(2).sum().backward()
+    emb.exchange_gradients()
+    with pytest.raises(ss.StateError, match="twice in one step"):
+        emb.exchange_gradients()
+    emb(ids).pow(2).sum().backward()  # after the exchange: its gradient would be lost
+    with pytest.raises(ss.StateError, match="a backward ran after exchange_gradients"):
+        opt.step()
+    emb.discard_step()
+    np.testing.assert_array_equal(emb.table.to_numpy(), before)
+    with pytest.raises(ss.StateError, match="without a training forward"):
+        emb.exchange_gradients()

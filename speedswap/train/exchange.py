@@ -141,7 +141,7 @@ class Exchange:
         return recv
 
     def step_counts(self, send_counts: List[int], expected: List[int], flag: bool,
-                    what: str) -> Tuple[List[int], bool]:
+                    error: Optional[BaseException], what: str) -> Tuple[List[int], bool]:
         """Swap message sizes, every rank checking that every pair of ranks agrees on them.
 
         One all-gather of each rank's send counts and expected receive counts,
@@ -152,22 +152,30 @@ class Exchange:
             send_counts: rows this rank will send to each rank.
             expected: rows this rank expects from each rank.
             flag: a yes/no of this rank's, told to every rank with the counts.
+            error: the exception this rank's checks raised, or None.
             what: the call, named in the error.
 
         Returns:
             (the rows this rank will receive from each rank, whether any rank's ``flag`` was set).
 
         Raises:
-            StateError: on every rank, when some rank would send another rank
-                a number of rows it does not expect.
+            the ``error`` itself on the rank that met it, StateError naming
+            the failed ranks on the others; StateError on every rank when
+            some rank would send another a number of rows it does not expect.
         """
+        mine = [*send_counts, *expected, int(flag), int(error is not None)]
         if self.world_size == 1:
-            table = [[*send_counts, *expected, int(flag)]]
+            table = [mine]
         else:
-            mine = torch.tensor([*send_counts, *expected, int(flag)], dtype=torch.int64, device=self.device)
-            gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-            dist.all_gather(gathered, mine, group=self.group)
+            sent = torch.tensor(mine, dtype=torch.int64, device=self.device)
+            gathered = [torch.empty_like(sent) for _ in range(self.world_size)]
+            dist.all_gather(gathered, sent, group=self.group)
             table = torch.stack(gathered).tolist()
+        if error is not None:
+            raise error
+        failed = [rank for rank, row in enumerate(table) if row[-1]]
+        if failed:
+            raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why)")
         world = self.world_size
         wrong = [(s, r, table[s][r], table[r][world + s]) for s in range(world) for r in range(world)
                  if table[s][r] != table[r][world + s]]
@@ -176,7 +184,7 @@ class Exchange:
             raise StateError(f"{what}: the ranks disagree about this step ({pairs}). A step was "
                              f"skipped, or a backward left out, on some ranks only; every rank "
                              f"must do both alike. Call discard_step() on every rank, then train on")
-        return [table[s][self.rank] for s in range(world)], any(row[-1] for row in table)
+        return [table[s][self.rank] for s in range(world)], any(row[-2] for row in table)
 
     def rows(self, send: torch.Tensor, send_counts: List[int],
              recv_counts: List[int]) -> torch.Tensor:

@@ -172,7 +172,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self.weight.grad = None
         self._backward_ran = False
         self._reached.clear()
-        self._kept = None
+        self._kept = self._put_back = None
+        self._exchanged = self._late_backward = False
+        self._placeholder_version = None
 
     def discard_step(self) -> None:
         """Drop the rows and gradients of the forwards since the last step, whose step will not run.
@@ -316,9 +318,41 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 target.copy_(self.table.gather_validated(
                     rows, torch.empty_like(target, dtype=self.table.dtype)))
 
-    def _before_step(self, optimizer, args, kwargs):
-        if self._drop_zeroed_step() or self._forwards == 0:
-            return  # no gradient (forwards and zero_grad are on every rank alike): no step
+    def exchange_gradients(self) -> None:
+        """Send this step's row gradients to the rows' owners now, so that :attr:`weight` holds them.
+
+        A collective: call it on every rank, after the step's last backward.
+        ``optimizer.step()`` does it by itself; call it first when something
+        reads or rescales gradients between the backward and the step:
+
+        * ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``: without
+          it they would clip a gradient that has not arrived yet, and the step
+          refuses (it sees ``weight.grad`` changed);
+        * a ``GradScaler`` (``unscale_``, or ``scaler.step``, which unscales):
+          without it the table would step on the still-scaled gradient, and
+          that cannot be detected. The ranks must also agree on skipping a
+          step whose gradients hold infs: use a scaler that all-reduces its
+          check, such as ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``.
+
+        Raises:
+            StateError: no training forward since the last step, a second call
+                in one step, or ranks that disagree about the step (on every rank).
+        """
+        self._drop_zeroed_step()
+        if self._forwards == 0:
+            raise StateError("exchange_gradients() without a training forward since the last step: "
+                             "there is no gradient to send")
+        if self._exchanged:
+            raise StateError("exchange_gradients() twice in one step; call it once, after the "
+                             "step's last backward")
+        self._exchange_gradients(None)
+
+    def _exchange_gradients(self, error):
+        """The exchange itself: owners sum every rank's gradient for their rows into ``weight.grad``.
+
+        ``error``, this rank's reason to stop, is raised on every rank (as
+        StateError on the others) before anything is sent.
+        """
         k_local = self._looked_up.size
         grad = self._rows.grad
         grad = (grad[:k_local] if grad is not None
@@ -331,7 +365,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         unreached = self._reached.unreached_slots(k_local, grad.device)
         recv_counts, any_unreached = self._exchange.step_counts(
             counts, [sum(len(part) for part in parts) for parts in self._sent_to_me], unreached is not None,
-            "optimizer.step()")
+            error, "optimizer.step()")
         if any_unreached:
             # Rows of forwards no backward reached (a step skipped before its backward) are
             # flagged, so that owners put back those no reached forward looked up.
@@ -351,14 +385,32 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 owned_grad.index_add_(0, slots[lo:hi], received[lo:hi, :self.embedding_dim])
         owned_grad.div_(self.world_size)
         self.weight.grad = self._grad
-        self._state.gather(self._owned.rows)  # raises before the parameter is narrowed
-        self._narrowed = NarrowedStep(self.weight, k, self._state.needs_sparse_grad)
+        self._exchanged = True
+        self._put_back = None
         if any_unreached:
             got = torch.zeros(k, dtype=torch.bool, device=grad.device)
             got[slots[received[:, -1] > 0]] = True
             kept = (~got).nonzero().squeeze(1)
-            if len(kept):
-                self._kept = KeptRows(kept, self._full, self._state.step_state(), self._state.spec)
+            self._put_back = kept if len(kept) else None
+
+    def _before_step(self, optimizer, args, kwargs):
+        if self._drop_zeroed_step() or self._forwards == 0:
+            return  # no gradient (forwards and zero_grad are on every rank alike): no step
+        if not self._exchanged:
+            changed = self.weight.grad is self._grad and self._grad._version != self._placeholder_version
+            self._exchange_gradients(StateError(
+                "weight.grad was changed between the backward and optimizer.step() (a gradient clip, "
+                "or zero_grad(set_to_none=False)), but a ShardedOffloadedEmbedding's gradient reaches "
+                "its owners only at the step: call emb.exchange_gradients() on every rank before "
+                "clipping, or emb.discard_step() on every rank to skip the step") if changed else None)
+        elif self._late_backward:
+            raise StateError("a backward ran after exchange_gradients(), and its gradient would be "
+                             "lost: call exchange_gradients() after the step's last backward (or "
+                             "discard_step() on every rank to skip the step)")
+        self._state.gather(self._owned.rows)  # raises before the parameter is narrowed
+        self._narrowed = NarrowedStep(self.weight, self._owned.size, self._state.needs_sparse_grad)
+        if self._put_back is not None:
+            self._kept = KeptRows(self._put_back, self._full, self._state.step_state(), self._state.spec)
 
     def _after_step(self, optimizer, args, kwargs):
         if self._forwards == 0:
@@ -434,9 +486,14 @@ def _note_backward(ref):
     """A post-accumulate-grad hook for the looked-up rows that holds the embedding weakly."""
     def note(_rows):
         embedding = ref()
-        if embedding is not None and embedding.weight.grad is None:
+        if embedding is None:
+            return
+        if embedding._exchanged:
+            embedding._late_backward = True  # its gradient arrives after the exchange
+        elif embedding.weight.grad is None:
             embedding._backward_ran = True
-            # Zeros until the exchange fills it before the step: a gradient-norm clip in
-            # between must not see the last step's values.
+            # Zeros until the exchange fills it before the step; a change to them (a clip,
+            # zero_grad(set_to_none=False)) is refused at the step, by the version.
             embedding.weight.grad = embedding._grad.zero_()
+            embedding._placeholder_version = embedding._grad._version
     return note
