@@ -354,7 +354,13 @@ def test_a_corrupt_shard_is_refused_before_any_row_changes(rng, tmp_path):
     for name, table in emb._tables().items():  # the table too, though its own file is sound
         np.testing.assert_array_equal(table.to_numpy(), before[name], err_msg=name)
     state.write_bytes(good)
-    (tmp_path / "ckpt" / "crc32.rank0.json").unlink()  # as a checkpoint saved before CRC-32s
+    (tmp_path / "ckpt" / "crc32.rank0.json").unlink()
+    with pytest.raises(ss.FileFormatError, match="crc32.rank0.json' is missing"):
+        emb.load(tmp_path / "ckpt")  # the manifest says the CRC-32s were saved
+    manifest = tmp_path / "ckpt" / "manifest.json"
+    older = json.loads(manifest.read_text())
+    del older["checksums"]  # as a checkpoint saved before CRC-32s
+    manifest.write_text(json.dumps(older))
     emb.load(tmp_path / "ckpt")
     for name, table in emb._tables().items():
         np.testing.assert_array_equal(table.to_numpy(), saved[name], err_msg=name)

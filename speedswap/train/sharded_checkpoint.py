@@ -56,12 +56,20 @@ def _checksum_file(path, rank):
     return os.path.join(path, f"crc32.rank{rank}.json")
 
 
-def _shard_checksums(path, rank) -> dict:
-    """The CRC-32s rank ``rank`` saved, or ``{}`` for a checkpoint saved before they were."""
+def _shard_checksums(path, rank, manifest) -> dict:
+    """The CRC-32s rank ``rank`` saved, or ``{}`` for a checkpoint saved before they were.
+
+    Raises:
+        FileFormatError: the manifest says they were saved and they are gone.
+    """
     try:
         with open(_checksum_file(path, rank)) as f:
             return json.load(f)
     except FileNotFoundError:
+        if manifest.get("checksums"):
+            raise FileFormatError(f"{_checksum_file(path, rank)!r} is missing, so rank {rank}'s shards "
+                                  f"cannot be verified: the checkpoint is incomplete; restore it from "
+                                  f"a backup") from None
         return {}
     except ValueError as exc:
         raise FileFormatError(f"{_checksum_file(path, rank)!r} is not valid JSON ({exc}): the "
@@ -172,7 +180,8 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
                     "scalar_state": _scalar_state(row_state), "tables": sorted(tables),
                     # Whether the optimizer has stepped: SGD's momentum has no step count to say it.
                     "stepped": row_state is not None
-                    and bool(row_state.optimizer.state.get(row_state.param))}
+                    and bool(row_state.optimizer.state.get(row_state.param)),
+                    "checksums": True}  # every rank's crc32.rank<r>.json: a lost one is refused
         with atomic.atomic_output(os.path.join(partial, MANIFEST)) as tmp, open(tmp, "w") as f:
             json.dump(manifest, f, indent=1)
         if os.path.exists(path):
@@ -248,8 +257,11 @@ def _plan(path, manifest, tables, row_state, rows, num_embeddings):
         lo, hi = max(bounds[rank], rows.start), min(bounds[rank + 1], rows.stop)
         if lo >= hi:
             continue
-        checksums = _shard_checksums(path, rank)
+        checksums = _shard_checksums(path, rank, manifest)
         for name, table in wanted.items():
+            if manifest.get("checksums") and name not in checksums:
+                raise FileFormatError(f"{_checksum_file(path, rank)!r} has no CRC-32 for {name!r}: "
+                                      f"the checkpoint is incomplete; restore it from a backup")
             source = _shard_file(path, name, rank)
             header = files.read_npy_header(source)
             files.check_table_matches(header, (bounds[rank + 1] - bounds[rank], dim), table.dtype,
