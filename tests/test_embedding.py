@@ -325,3 +325,57 @@ def test_a_skipped_step_leaves_the_rows_of_its_forwards_alone(optimizer, how, ca
     expected = run_in_memory(OPTIMIZERS[optimizer], table0, ran, device, initial_state=torch_initial)
     assert_same((emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}),
                 expected)
+
+
+def test_a_frozen_embedding_trains_nothing_and_does_not_fail(backend, rng):
+    """weight.requires_grad_(False), as when only other layers train: forwards work, rows stay."""
+    emb = ss.OffloadedEmbedding(20, 3, max_rows=8, storage="pageable", backend=backend)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    emb.weight.requires_grad_(False)
+    before = emb.table.to_numpy(copy=True)
+    head = torch.nn.Linear(3, 1)
+    head_opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    for _ in range(3):
+        ids = torch.from_numpy(rng.integers(0, 20, 6)).to(ss.get_backend(backend).device)
+        head(emb(ids).cpu()).sum().backward()
+        opt.step()
+        head_opt.step()
+        opt.zero_grad()
+        head_opt.zero_grad()
+    np.testing.assert_array_equal(emb.table.to_numpy(), before)
+
+
+def test_a_gradient_cleared_after_a_step_that_raised_stays_cleared(rng):
+    """A check that raises inside optimizer.step(), then zero_grad(): the batch is dropped, as in memory."""
+    table0 = rng.standard_normal((20, 3)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(20, 3, max_rows=8, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1, eps=1e-30)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.1, eps=1e-30)
+
+    class Skip(Exception):
+        pass
+
+    def refuse_once(*_):
+        if refuse_once.armed:
+            refuse_once.armed = False
+            raise Skip
+    refuse_once.armed = False
+    opt.register_step_pre_hook(refuse_once)  # after the embedding's own hook
+    for step, ids in enumerate([[1, 2, 3], [3, 4], [5, 6], [3, 6]]):
+        ids = torch.tensor(ids)
+        emb(ids).pow(2).sum().backward()
+        refuse_once.armed = step == 1
+        try:
+            opt.step()
+        except Skip:
+            pass
+        opt.zero_grad()
+        if step != 1:
+            torch.nn.functional.embedding(ids, ref, sparse=True).pow(2).sum().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)

@@ -37,7 +37,13 @@ class ReachedRows:
         self._count = 0
 
     def track(self, output: torch.Tensor, slots: torch.Tensor) -> None:
-        """Watch a training forward's ``output``, which looked up ``slots``."""
+        """Watch a training forward's ``output``, which looked up ``slots``.
+
+        An output that needs no gradient (a frozen embedding) gets none and
+        changes nothing at the step: there is nothing to watch.
+        """
+        if not output.requires_grad:
+            return
         key, self._count = self._count, self._count + 1
         self._unreached[key] = slots
         output.register_hook(functools.partial(_reach, weakref.ref(self), key))

@@ -132,9 +132,13 @@ class NarrowedStep:
         param.grad = grad
 
     def restore(self):
-        """Give the parameter back its full storage and its full gradient."""
+        """Give the parameter back its full storage and its full gradient.
+
+        A gradient set to None meanwhile (``zero_grad()`` after a step that
+        raised) stays None: the step is being dropped.
+        """
         self._param.data = self._full
-        self._param.grad = self._grad
+        self._param.grad = None if self._param.grad is None else self._grad
 
 
 class RowState:
