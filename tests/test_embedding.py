@@ -379,3 +379,12 @@ def test_a_gradient_cleared_after_a_step_that_raised_stays_cleared(rng):
             ref_opt.step()
             ref_opt.zero_grad()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_load_state_dict_with_assign_is_refused_before_it_disconnects_the_working_set():
+    emb = ss.OffloadedEmbedding(20, 3, max_rows=4, storage="pageable", backend="numpy")
+    weight = emb.weight
+    with pytest.raises(ss.OptionError, match="assign=True"):
+        emb.load_state_dict({k: v.clone() for k, v in emb.state_dict().items()}, assign=True)
+    assert emb.weight is weight
+    emb.load_state_dict({k: v.clone() for k, v in emb.state_dict().items()})

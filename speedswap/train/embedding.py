@@ -328,7 +328,10 @@ class OffloadedEmbedding(torch.nn.Module):
         With a device cache, the cache first writes its rows (and their
         optimizer state) back and forgets them, so reads see every row as
         trained and writes reach the next step; the cache fills again as
-        training goes on. Keep the table rather than asking for it every step.
+        training goes on. So with a cache the table is current when it is
+        asked for: ask again after training steps (a reference kept across
+        steps misses the rows the cache took since, and writes to them are
+        overwritten when they are evicted). Without a cache it stays current.
 
         Raises:
             StateError: with a device cache, between a training forward and its
@@ -544,11 +547,17 @@ class OffloadedEmbedding(torch.nn.Module):
 
         Raises:
             DTypeError: ``state_dict`` is not a mapping (nothing changes).
+            OptionError: ``assign=True``: it would replace :attr:`weight`, whose
+                storage the embedding gathers rows into (nothing changes).
         """
         if not isinstance(state_dict, Mapping):
             raise DTypeError(f"load_state_dict takes a mapping (what state_dict() returns), got "
                              f"{type(state_dict).__name__}; the table itself is restored "
                              f"with emb.load(path)")
+        if assign:
+            raise OptionError("load_state_dict(assign=True) would replace the embedding's weight, the "
+                              "working set its rows are gathered into, and training would stop reaching "
+                              "it; load without assign (the state dict holds only that scratch)")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # ------------------------------------------------------------- lifecycle
