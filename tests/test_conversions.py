@@ -47,3 +47,26 @@ def test_switchers_refuse_a_model_converted_after_them(rng):
         o.before_forward(ids)
     np.testing.assert_array_equal(u.to_numpy(), table)  # nothing changed
     assert u._steps.current is None
+
+
+def test_switchers_refuse_a_weight_replaced_after_them():
+    """load_state_dict(assign=True) gives the module a new weight; the switchers filled the old one."""
+    model = torch.nn.Embedding(8, DIM)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    holder = torch.nn.ModuleDict({"e": model})
+    u = ss.ModelFactory(model, ROWS, DIM, CPUPinn=True, backend="numpy")
+    o = ss.OptimizerFactory(opt, ROWS, DIM, holder, "e", CPUPinn=True, backend="numpy")
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    for switcher in (u, o):
+        with pytest.raises(ss.OptionError, match="weight was replaced"):
+            switcher.before_forward(torch.tensor([1, 2]))
+
+
+def test_switchers_refuse_a_working_set_with_a_padding_slot():
+    """Its slots hold other rows every step: the padding slot would freeze the batch's smallest id."""
+    model = torch.nn.Embedding(8, DIM, padding_idx=0)
+    with pytest.raises(ss.OptionError, match="padding_idx=0"):
+        ss.ModelFactory(model, ROWS, DIM, backend="numpy")
+    with pytest.raises(ss.OptionError, match="padding_idx=0"):
+        ss.OptimizerFactory(torch.optim.SGD(model.parameters(), lr=0.1), ROWS, DIM,
+                            torch.nn.ModuleDict({"e": model}), "e", backend="numpy")

@@ -107,7 +107,9 @@ class ModelFactory(Switcher):
                  CPUPinn=False, *, storage=None, backend="auto", path=None, overwrite=False,
                  cache_rows: int = 0):
         param = weight_of(model_variable)
-        super().__init__(param, total_classes, embed_dimension, datatype, cache_rows)
+        module = model_variable if isinstance(model_variable, torch.nn.Module) else None
+        super().__init__(param, total_classes, embed_dimension, datatype, cache_rows,
+                         find_param=None if module is None else lambda: weight_of(module))
         storage = storage or storage_of(CPUPinn)
         # An mmap table starts as a zero-filled sparse file; writing zeros would make it dense.
         make = HostTable.empty if storage == "mmap" else HostTable.zeros

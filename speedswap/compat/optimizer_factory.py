@@ -65,7 +65,8 @@ class OptimizerFactory(Switcher):
                  dtype="float32", CPUPinn=False, *, storage=None, backend="auto", path=None,
                  overwrite=False, cache_rows: int = 0):
         param = _parameter_named(model, variable_name)
-        super().__init__(param, total_classes, embed_dimension, dtype, cache_rows)
+        super().__init__(param, total_classes, embed_dimension, dtype, cache_rows,
+                         find_param=lambda: _parameter_named(model, variable_name))
         self.state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),
                               storage or storage_of(CPUPinn),
                               get_backend(backend, device_of(param)), path, overwrite=overwrite)

@@ -26,11 +26,21 @@ def device_of(param):
 
 
 def weight_of(variable):
-    """The 2-D parameter behind an ``nn.Embedding`` (or anything with ``.weight``) or a Parameter."""
+    """The 2-D parameter behind an ``nn.Embedding`` (or anything with ``.weight``) or a Parameter.
+
+    Raises:
+        OptionError: no 2-D weight, or an ``nn.Embedding`` with ``padding_idx``.
+    """
     weight = variable if isinstance(variable, torch.nn.Parameter) else getattr(variable, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
         raise OptionError(f"expected an nn.Embedding or its 2-D weight Parameter, got "
                           f"{type(variable).__name__}")
+    if getattr(variable, "padding_idx", None) is not None:
+        # Its rows are slots that hold other table rows every step: the frozen slot would
+        # freeze whichever row lands in it (the batch's smallest id), not the padding row.
+        raise OptionError(f"the working-set nn.Embedding has padding_idx={variable.padding_idx}, which "
+                          f"would freeze whichever table row lands in that slot; build it without "
+                          f"padding_idx (speedswap.OffloadedEmbedding(padding_idx=...) keeps a padding row)")
     return weight
 
 
@@ -50,7 +60,7 @@ class Switcher:
 
     _kind = None  # MODEL or OPTIMIZER: the switcher's part in the shared step
 
-    def __init__(self, param, total_classes, embed_dimension, dtype, cache_rows):
+    def __init__(self, param, total_classes, embed_dimension, dtype, cache_rows, find_param=None):
         _refuse_process_group(type(self).__name__)
         total_classes = int_option(total_classes, "total_classes", hint=" (rows of the full table)")
         embed_dimension = int_option(embed_dimension, "embed_dimension")
@@ -64,6 +74,7 @@ class Switcher:
             raise DTypeError(f"the model's embedding holds {param.dtype} but the table would "
                              f"hold {torch_dtype(dtype)}; pass the same dtype")
         self._param = param
+        self._find_param = find_param  # the parameter as the model holds it now, when known
         self._built_for = (param.dtype, param.device)
         self._steps = steps_for(param, total_classes)
         self._steps.check_join(self._kind, cache_rows, type(self).__name__)
@@ -105,8 +116,13 @@ class Switcher:
         table cannot fill: training would silently stop.
 
         Raises:
-            OptionError: the parameter was converted since.
+            OptionError: the parameter was converted or replaced since.
         """
+        if self._find_param is not None and self._find_param() is not self._param:
+            raise OptionError(f"the model's embedding weight was replaced after {type(self).__name__} "
+                              f"was built (load_state_dict(assign=True), or a conversion that makes new "
+                              f"parameters): the switcher would fill the old one and training would "
+                              f"stop; build the switchers after replacing it")
         data = self._param.data
         if (data.dtype, data.device) != self._built_for:
             dtype, device = self._built_for
