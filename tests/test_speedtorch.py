@@ -324,3 +324,23 @@ def test_a_from_numpy_view_of_the_placeholder_stays_current():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         _placeholder_run(lambda x: torch.from_numpy(x))
+
+
+def test_a_step_without_the_optimizer_factorys_before_forward_is_refused_before_it_runs(backend, table0):
+    model, opt, u, o = build(backend, table0)
+    pos, neg = torch.tensor([1, 2]), torch.tensor([[3], [4]])
+    context = torch.ones(2, DIM, device=model.u_embeddings.weight.device)
+    for step in range(3):
+        lp, ln = u.before_forward(pos, neg)
+        if step < 2:
+            o.before_forward(pos, neg)
+        skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), context).backward()
+        if step < 2:
+            opt.step()
+            opt.zero_grad()
+            u.after_step(pos, neg)
+            o.after_step(pos, neg)
+    snap = _snapshot(u, o)
+    with pytest.raises(ss.StateError, match="OptimizerFactory's did not"):
+        opt.step()
+    _assert_unchanged(u, o, snap)

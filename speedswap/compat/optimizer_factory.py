@@ -5,7 +5,7 @@ from ..convert import torch_dtype
 from ..errors import OptionError, StateError
 from ..train.row_state import NarrowedStep, RowState
 from ..train.step_hooks import StepHooks
-from .steps import OPTIMIZER
+from .steps import MODEL, OPTIMIZER
 from .switcher import Switcher, device_of, storage_of, weight_of
 
 __all__ = ["OptimizerFactory"]
@@ -80,6 +80,13 @@ class OptimizerFactory(Switcher):
 
     # The step protocol of StepHooks.
     def _begin_step(self):
+        step = self._steps.current
+        if (self._gathered is None and step is not None and self._is_member()
+                and MODEL in step.begun - step.ended and OPTIMIZER not in step.begun):
+            # Raised before the optimizer runs: it would step the rows with another step's state.
+            raise StateError("optimizer.step() in a step whose optimizer state rows were not gathered: "
+                             "the ModelFactory's before_forward ran but the OptimizerFactory's did not; "
+                             "call before_forward(ids) on both switchers before the step")
         if self._gathered is not None and self._narrowed is None:
             # SparseAdam gets the rows' gradient as a sparse one, even from an
             # nn.Embedding(sparse=False) as SpeedTorch's README builds it.
