@@ -344,3 +344,40 @@ def test_a_step_without_the_optimizer_factorys_before_forward_is_refused_before_
     with pytest.raises(ss.StateError, match="OptimizerFactory's did not"):
         opt.step()
     _assert_unchanged(u, o, snap)
+
+
+@pytest.mark.parametrize("between", ["no step", "a step"])
+def test_a_gradient_left_from_the_last_step_is_not_added_to_other_rows(backend, table0, between):
+    """Slots hold other rows every step: accumulation across steps, or a forgotten zero_grad(), raises."""
+    model, opt, u, o = build(backend, table0)
+    context = torch.ones(2, DIM, device=model.u_embeddings.weight.device)
+
+    def cycle(pos, neg, step=True):
+        lp, ln = u.before_forward(pos, neg)
+        o.before_forward(pos, neg)
+        skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), context).backward()
+        if step:
+            opt.step()
+        u.after_step(pos, neg)
+        o.after_step(pos, neg)
+
+    cycle(torch.tensor([1, 2]), torch.tensor([[3], [4]]), step=between == "a step")  # no zero_grad()
+    snap = _snapshot(u, o)
+    with pytest.raises(ss.StateError, match="left by the previous step"):
+        cycle(torch.tensor([5, 6]), torch.tensor([[7], [8]]))
+    _assert_unchanged(u, o, snap)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_after_before_forward_is_fine(backend, table0, set_to_none):
+    model, opt, u, o = build(backend, table0)
+    context = torch.ones(2, DIM, device=model.u_embeddings.weight.device)
+    for pos, neg in [(torch.tensor([1, 2]), torch.tensor([[3], [4]])),
+                     (torch.tensor([5, 6]), torch.tensor([[7], [8]]))]:
+        lp, ln = u.before_forward(pos, neg)
+        o.before_forward(pos, neg)
+        opt.zero_grad(set_to_none=set_to_none)
+        skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), context).backward()
+        opt.step()
+        u.after_step(pos, neg)
+        o.after_step(pos, neg)

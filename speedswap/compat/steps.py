@@ -26,6 +26,7 @@ so a switcher has one code path. Without a ModelFactory there is no table to
 cache: a lone OptimizerFactory moves its state rows itself.
 """
 
+import functools
 import weakref
 
 import torch
@@ -76,6 +77,26 @@ class _Member:
         self.cache_rows = cache_rows
 
 
+def _refuse_leftover_gradient(ref, incoming):
+    """A hook on the parameter: refuse adding a gradient to one left by the last step's rows.
+
+    The switchers reuse the parameter's slots for other rows every step, so
+    adding to a gradient left from the last step would add one step's
+    gradient to another's rows (a gradient accumulated across
+    ``before_forward``/``after_step`` cycles, or a forgotten ``zero_grad()``).
+    ``zero_grad()`` before the backward, either kind, clears it.
+    """
+    steps = ref()
+    if steps is None or steps._leftover is None:
+        return
+    (left, version), steps._leftover = steps._leftover, None
+    if steps.param.grad is left and left._version == version:
+        raise StateError("a backward adds to a gradient left by the previous step, which no "
+                         "zero_grad() cleared; its slots now hold other rows, so it would train "
+                         "them. Gradient accumulation across before_forward/after_step is not "
+                         "supported: call optimizer.zero_grad() before each step's backward")
+
+
 class SharedSteps:
     """The step in progress for one parameter and its device cache, shared by its switchers.
 
@@ -93,6 +114,8 @@ class SharedSteps:
         self._members = {}  # MODEL / OPTIMIZER -> _Member
         self._open = False  # the cache fetched the current step's rows and has not stored them
         self._states = _WAITING  # state rows handed over by OptimizerFactory.after_step
+        self._leftover = None  # the last step's gradient, untouched since (see _refuse_leftover_gradient)
+        param.register_hook(functools.partial(_refuse_leftover_gradient, weakref.ref(self)))
 
     # ------------------------------------------------------------ members
     def is_member(self, switcher, kind) -> bool:
@@ -213,6 +236,10 @@ class SharedSteps:
                              f"every switcher first")
         self._check_range(flats)
         ws = self.working_set
+        # The slots are about to hold other rows: a gradient still on them from the last
+        # step must not be added to (zero_grad() drops it, or zeroes it in place: a new version).
+        grad = self.param.grad
+        self._leftover = None if grad is None else (grad, grad._version)
         ws.clear()
         local, _ = ws.add(torch.cat(flats) if len(flats) > 1 else flats[0])
         pieces = torch.split(local, [len(f) for f in flats])
