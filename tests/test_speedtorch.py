@@ -381,3 +381,32 @@ def test_zero_grad_after_before_forward_is_fine(backend, table0, set_to_none):
         opt.step()
         u.after_step(pos, neg)
         o.after_step(pos, neg)
+
+
+def test_a_step_that_raised_leaves_the_next_steps_working(backend, table0):
+    """A check that raises inside optimizer.step(): the loop catches it, drops the batch, goes on."""
+    model, opt, u, o = build(backend, table0)
+    context = torch.ones(2, DIM, device=model.u_embeddings.weight.device)
+
+    def refuse_once(*_):
+        if refuse_once.armed:
+            refuse_once.armed = False
+            raise RuntimeError("not finite")
+    refuse_once.armed = False
+    opt.register_step_pre_hook(refuse_once)
+    capacity = model.u_embeddings.weight.shape
+    for step, (pos, neg) in enumerate([(torch.tensor([1, 2]), torch.tensor([[3], [4]])),
+                                       (torch.tensor([5, 6]), torch.tensor([[7], [8]])),
+                                       (torch.tensor([2, 9]), torch.tensor([[3], [1]]))]):
+        lp, ln = u.before_forward(pos, neg)
+        o.before_forward(pos, neg)
+        assert model.u_embeddings.weight.shape == capacity
+        skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), context).backward()
+        refuse_once.armed = step == 1
+        try:
+            opt.step()
+        except RuntimeError:
+            assert step == 1
+        opt.zero_grad()
+        u.after_step(pos, neg)
+        o.after_step(pos, neg)

@@ -198,6 +198,19 @@ class SharedSteps:
         self._open, self._states = False, _WAITING
         self.current.ended |= self.current.begun
 
+    def _undo_interrupted_step(self):
+        """Give the parameter its full shape back after an ``optimizer.step()`` that raised.
+
+        The OptimizerFactory narrows it for the step; a step that raised
+        (a check in another hook, say) left it narrowed until the next
+        ``optimizer.step()``, and the forward and backward before that
+        would see the narrowed parameter.
+        """
+        member = self._members.get(OPTIMIZER)
+        switcher = None if member is None else member.ref()
+        if switcher is not None:
+            switcher._abort_step()
+
     # ---------------------------------------------------------------- ids
     def _as_tensors(self, pos, neg):
         ids = (pos,) if neg is None else (pos, neg)
@@ -225,6 +238,7 @@ class SharedSteps:
             StateError: a step is in progress that ``kind`` cannot join (other
                 ids, or it ended its part already).
         """
+        self._undo_interrupted_step()
         flats, shapes = self._as_tensors(pos, neg)
         if self.busy():
             step = self.current
@@ -279,6 +293,7 @@ class SharedSteps:
         Raises:
             StateError: no step begun yet, or other ids (nothing is written back).
         """
+        self._undo_interrupted_step()
         flats, _ = self._as_tensors(pos, neg)
         if self.current is None:
             raise StateError(f"{who}.after_step before any before_forward: a step begins with "
