@@ -388,3 +388,32 @@ def test_load_state_dict_with_assign_is_refused_before_it_disconnects_the_workin
         emb.load_state_dict({k: v.clone() for k, v in emb.state_dict().items()}, assign=True)
     assert emb.weight is weight
     emb.load_state_dict({k: v.clone() for k, v in emb.state_dict().items()})
+
+
+@pytest.mark.parametrize("cache_rows", [0, 6])
+def test_sam_perturbs_the_rows_between_two_passes_and_trains_as_in_memory(cache_rows, rng):
+    """Sharpness-aware minimisation: backward, perturb weight in place, zero_grad, forward and
+    backward again, undo the perturbation, step. zero_grad() between the passes is not a skipped step."""
+    table0 = rng.standard_normal((20, 3)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(20, 3, max_rows=16, storage="pageable", backend="numpy",
+                                cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(6):
+        ids = torch.from_numpy(rng.integers(0, 20, 5))
+        for model, optimizer in ((emb, opt), (ref, ref_opt)):
+            (model(ids) ** 3).sum().backward()
+            with torch.no_grad():
+                e = 0.05 * model.weight.grad / model.weight.grad.norm()
+                model.weight.add_(e)
+            optimizer.zero_grad()
+            (model(ids) ** 3).sum().backward()
+            with torch.no_grad():
+                model.weight.sub_(e)
+            optimizer.step()
+            optimizer.zero_grad()
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)

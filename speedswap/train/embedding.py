@@ -124,7 +124,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._full = self.weight.data
         # Whether a backward reached `weight` since the step began: a forward that then
         # finds no gradient follows a zero_grad() that dropped the step (see discard_step).
-        self._backward_ran = False
+        self._backward_ran, self._version_at_backward = False, None
         self.weight.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
         self._working_set = WorkingSet(max_rows, self._table.device)
         self._reached, self._kept = ReachedRows(), None
@@ -312,9 +312,19 @@ class OffloadedEmbedding(torch.nn.Module):
         self._reached.clear()
 
     def _drop_zeroed_step(self):
-        """Discard the step in flight if ``zero_grad()`` dropped its gradients after a backward (it never ran)."""
+        """Discard the step in flight if ``zero_grad()`` dropped its gradients after a backward (it never ran).
+
+        Unless the rows were changed in place since that backward (SAM
+        perturbs them between two forward-backward passes): the step goes on
+        with them as they are, and rows only the earlier forwards looked up
+        are put back at the step, their gradient having been dropped.
+        """
         if self._backward_ran and self.weight.grad is None:
-            self.discard_step()
+            if self.weight._version != self._version_at_backward:
+                self._reached.forget_reached()
+                self._backward_ran = False
+            else:
+                self.discard_step()
 
     def _step_in_flight(self) -> bool:
         """Whether training forwards hold rows for a step still to come (a step zero_grad() dropped holds none)."""
@@ -598,4 +608,5 @@ def _note_backward(ref):
         embedding = ref()
         if embedding is not None:
             embedding._backward_ran = True
+            embedding._version_at_backward = embedding.weight._version
     return note

@@ -48,6 +48,13 @@ class ReachedRows:
         self._unreached[key] = slots
         output.register_hook(functools.partial(_reach, weakref.ref(self), key))
 
+    def forget_reached(self) -> None:
+        """Count every forward so far as unreached: the gradient their backward gave was dropped."""
+        for slots in self._reached:
+            self._unreached[self._count] = slots
+            self._count += 1
+        self._reached = []
+
     def reached(self, slots: torch.Tensor) -> None:
         """Record slots whose gradient the caller writes itself (no autograd to watch)."""
         self._reached.append(slots)
