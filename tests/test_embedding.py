@@ -417,3 +417,22 @@ def test_sam_perturbs_the_rows_between_two_passes_and_trains_as_in_memory(cache_
             optimizer.zero_grad()
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_rprop_rows_start_from_the_lr_of_the_first_step_as_torch_creates_them(rng):
+    """A scheduler built after attach changes lr before torch creates Rprop's step_size."""
+    table0 = rng.standard_normal((20, 3)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(20, 3, max_rows=4, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Rprop(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False)
+    ref_opt = torch.optim.Rprop(ref.parameters(), lr=0.1)
+    for optimizer in (opt, ref_opt):
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 0.1)  # lr 0.1 -> 0.01 now
+    for ids in ([1], [2], [3, 4]):  # rows touched once: lazy Rprop is dense Rprop on them
+        for model, optimizer in ((emb, opt), (ref, ref_opt)):
+            model(torch.tensor(ids)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-6, atol=1e-7)

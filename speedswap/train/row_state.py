@@ -231,7 +231,14 @@ class RowState:
         state = self.optimizer.state.get(self.param)
         if not state or any(name not in state for name in self.spec):
             if self._fresh:
-                return  # torch creates the initial state, equal to every table row, at the step
+                # torch creates the initial state at this step, from the group as it is now
+                # (Rprop's step_size is the lr now, which a scheduler may have changed since
+                # attach): every table row must hold what torch creates.
+                spec = row_state_spec(self.optimizer, self.param)
+                if spec != self.spec:
+                    self.spec = spec
+                    self.init_state()
+                return
             raise StateError(
                 f"{type(self.optimizer).__name__} holds no state for the offloaded parameter, but "
                 f"the host tables hold trained state; restore the optimizer with "
