@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: this checkout's speedswap first on the path, and where results go.
+"""What the benchmark scripts share: this checkout's speedswap first on the path, where results go,
+and the package's timing helpers (``machine``, ``summarize``, ``print_table``).
 
 The measurements themselves live in the package (``speedswap.apps.bench``),
 so an installed wheel can run them too (``python -m speedswap bench``).
@@ -13,7 +14,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from speedswap.apps.bench.timing import write_json  # noqa: E402
+from speedswap.apps.bench.timing import format_table, machine, summarize, write_json  # noqa: E402,F401
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -24,3 +25,8 @@ def write_results(name, payload):
     path = write_json(RESULTS / f"{name}-{kind}.json", name, payload)
     print(f"\nwrote {path}")
     return path
+
+
+def print_table(rows, columns):
+    """Print ``rows`` (dicts) as a text table of ``columns``."""
+    print(format_table(rows, columns))

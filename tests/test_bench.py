@@ -364,3 +364,15 @@ def test_gpu_word2vec_job_runs_every_contender_and_trains():
     # The demo's recipe learns the planted topics on the GPU as on the CPU (the demo's own check).
     assert all(c["topic_purity"] > 5 * chance for c in payload["contenders"] if c["name"] in ("cpu", "gpu"))
     assert all(r["over_cpu"] > 0 and r["over_gensim"] is None for r in payload["ratios"].values())
+
+
+def test_every_helper_the_benchmark_scripts_call_on_common_exists():
+    """benchmarks/*.py call helpers of benchmarks/common.py; one that moved away broke two scripts at run time."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "benchmarks" / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    used = {(script.name, name) for script in (ROOT / "benchmarks").glob("*.py")
+            for name in re.findall(r"\bcommon\.(\w+)", script.read_text())}
+    assert used and all(hasattr(common, name) for _, name in used), \
+        sorted(f"{s}: common.{n}" for s, n in used if not hasattr(common, n))
