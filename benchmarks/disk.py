@@ -118,6 +118,8 @@ def main(argv=None):
                         help="stop a random-order epoch after this long and extrapolate")
     args = parser.parse_args(argv)
     rows = int(args.disk_gb * 1e9) // (DIM * 4)
+    if not os.path.isdir(args.dir):
+        parser.error(f"--dir {args.dir!r} is not a directory")
     fd, path = tempfile.mkstemp(suffix=".npy", dir=args.dir)
     os.close(fd)
     table = []
