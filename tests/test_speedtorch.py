@@ -1,5 +1,6 @@
 """ModelFactory / OptimizerFactory: the step protocol, errors that change nothing, checkpoints."""
 
+import gc
 import io
 
 import numpy as np
@@ -410,3 +411,14 @@ def test_a_step_that_raised_leaves_the_next_steps_working(backend, table0):
         opt.zero_grad()
         u.after_step(pos, neg)
         o.after_step(pos, neg)
+
+
+def test_switchers_built_again_and_again_leave_no_hooks_behind():
+    model = torch.nn.Embedding(8, DIM)
+    for _ in range(4):
+        switcher = ss.ModelFactory(model, ROWS, DIM, backend="numpy")
+        del switcher
+        gc.collect()
+    assert not model.weight._backward_hooks
+    switcher = ss.ModelFactory(model, ROWS, DIM, backend="numpy")
+    assert len(model.weight._backward_hooks) == 1

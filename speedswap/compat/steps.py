@@ -115,7 +115,7 @@ class SharedSteps:
         self._open = False  # the cache fetched the current step's rows and has not stored them
         self._states = _WAITING  # state rows handed over by OptimizerFactory.after_step
         self._leftover = None  # the last step's gradient, untouched since (see _refuse_leftover_gradient)
-        param.register_hook(functools.partial(_refuse_leftover_gradient, weakref.ref(self)))
+        self._hook = None  # on the parameter, from the first join until this object is gone
 
     # ------------------------------------------------------------ members
     def is_member(self, switcher, kind) -> bool:
@@ -166,6 +166,10 @@ class SharedSteps:
             as :meth:`check_join`.
         """
         self.check_join(kind, cache_rows, type(switcher).__name__)
+        if self._hook is None:
+            self._hook = self.param.register_hook(
+                functools.partial(_refuse_leftover_gradient, weakref.ref(self)))
+            weakref.finalize(self, self._hook.remove).atexit = False
         member = self._members[kind] = _Member(switcher, tables, cache_rows)
         self._rebuild()
         _STEPS[self.param] = weakref.ref(self)
