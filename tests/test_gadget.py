@@ -151,7 +151,14 @@ def test_mmap_is_chosen_when_the_file_outgrows_ram(rng, tmp_path, monkeypatch):
     data = random_data(rng, (64, 16))  # 4 KiB
     np.save(path, data)
     monkeypatch.setattr(speedswap.data.gadget, "available_ram", lambda: 4096)
-    assert ss.DataGadget(path, backend="numpy").storage == "mmap"
+    large = ss.DataGadget(path, backend="numpy")
+    assert large.storage == "mmap"
+    np.testing.assert_array_equal(large.get([3]).numpy(), data[[3]])
+    # Mapped for its size, it is read-only: a put must not change the dataset on disk.
+    with pytest.raises(ss.StateError, match="read-only.*mmap=True"):
+        large.put(data[[3]] + 1, [3])
+    large.close()
+    np.testing.assert_array_equal(np.load(path), data)
     monkeypatch.setattr(speedswap.data.gadget, "available_ram", lambda: 1 << 30)
     assert ss.DataGadget(path, backend="numpy").storage == "device"  # CPUPinn=False
     assert ss.DataGadget(path, mmap=True, backend="numpy").storage == "mmap"

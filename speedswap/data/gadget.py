@@ -153,7 +153,10 @@ class DataGadget:
         header = files.read_npy_header(self._path)  # again: the file may have changed since then
         files.check_matches(header, self._header.shape, self._header.dtype, self._path)
         if self._wants_mmap(rows[0] * rows[1] * header.dtype.itemsize):
-            mode = "r+" if os.access(self._path, os.W_OK) else "r"
+            # Writes reach the file only when asked for (mmap=True): mapped because it is
+            # large (mmap=None), a smaller file's rows would be a copy, so puts must not
+            # write the dataset on disk depending on the RAM free today.
+            mode = "r+" if self._mmap is True and os.access(self._path, os.W_OK) else "r"
             return HostTable.adopt(self._map(header, rows, mode), backend=self._backend)
         # Copied chunk by chunk from a map, so there is no full-size temporary;
         # copy-on-write ("c") because torch warns about read-only arrays.
@@ -241,9 +244,14 @@ class DataGadget:
         Raises:
             IdError, DTypeError, DeviceError, ShapeError: bad ids or values.
             DuplicateIdError: ``idx`` repeats an id.
-            StateError: the data is read-only (a read-only file or array).
+            StateError: the data is read-only (a read-only file or array, or a
+                file mapped because it outgrew the RAM, without ``mmap=True``).
         """
         table = self._live_table()
+        if not table.writable and self._path is not None and self._mmap is None:
+            raise StateError(f"this DataGadget maps {self._path!r} read-only: it is larger than the "
+                             f"RAM free, and writing would change the dataset on disk. Pass mmap=True "
+                             f"to write through to the file, or mmap=False to copy it into memory")
         count = int(np.prod(np.shape(idx), dtype=np.int64))
         if tuple(np.shape(t)) != (*np.shape(idx), *self._row_shape):
             raise ShapeError(f"values have shape {tuple(np.shape(t))} but {count} ids of rows "
