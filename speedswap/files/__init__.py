@@ -21,7 +21,7 @@ from .base import (H5_SUFFIXES, NPY_SUFFIXES, TableHeader, check_matches, check_
 from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import check_size, create_npy_memmap, open_npy_memmap, read_npy_header, read_npy_into, write_npy
 from .tables import (StagedRows, check_table_matches, read_table, read_table_header, save_table,
-                     stage_rows, stage_table, stored_dtype)
+                     stage_table, stored_dtype)
 
 __all__ = [
     "NPY_SUFFIXES",
@@ -47,7 +47,6 @@ __all__ = [
     "save_table",
     "read_table",
     "stage_table",
-    "stage_rows",
     "StagedRows",
     "check_readable_file",
 ]

@@ -20,7 +20,7 @@ from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import read_npy_header, read_npy_into, write_npy
 
 __all__ = ["stored_dtype", "read_table_header", "check_table_matches", "save_table", "read_table",
-           "stage_table", "stage_rows", "StagedRows", "STAGE_RAM_SHARE"]
+           "stage_table", "StagedRows", "STAGE_RAM_SHARE"]
 
 
 def stored_dtype(table_dtype) -> np.dtype:
@@ -187,31 +187,9 @@ class StagedRows:
                 target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(chunk)))
 
 
-def stage_rows(path, header: TableHeader, dataset: str, table_dtype, rows: range,
-               ram_available: int) -> StagedRows:
-    """:func:`stage_table` for rows ``rows`` of the file only (a shard's share of a whole table).
-
-    Without a checksum, which covers the whole file. Commit with
-    ``commit(table, rows=rows, at=...)``.
-
-    Raises:
-        FileFormatError: a chunk cannot be read, or values a bfloat16 table would round.
-    """
-    shape = (len(rows), *header.shape[1:])
-    in_memory = int(np.prod(shape, dtype=np.int64)) * header.dtype.itemsize <= STAGE_RAM_SHARE * ram_available
-    held = np.empty(shape, dtype=header.dtype) if in_memory else None
-    ranges = [(rows.start + a, rows.start + b) for a, b in row_ranges(shape, header.dtype)]
-    for start, stop, chunk in _file_chunks(path, header, dataset, ranges):
-        if table_dtype is torch.bfloat16:
-            _check_bfloat16(path, start, stop, chunk)
-        if held is not None:
-            held[start - rows.start:stop - rows.start] = chunk
-    return StagedRows(path, header, dataset, held, first=rows.start)
-
-
 def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_available: int,
-                crc32: Optional[int] = None) -> StagedRows:
-    """Read and verify every row of a table file before any table changes.
+                crc32: Optional[int] = None, rows: Optional[range] = None) -> StagedRows:
+    """Read and verify every row of a table file (or of ``rows``) before any table changes.
 
     The first half of an all-or-nothing load: a corrupt chunk, a truncated
     file or a float32 file with values a bfloat16 table would round raises
@@ -226,7 +204,10 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
             (:func:`speedswap.backends.available_ram`): the rows are held in
             RAM when they take at most :data:`STAGE_RAM_SHARE` of it, else
             only verified (and read again by :meth:`StagedRows.commit`).
-        crc32: the CRC-32 of the stored bytes recorded when it was saved, checked when given.
+        crc32: the CRC-32 of the stored bytes recorded when it was saved,
+            checked when given (it covers the whole file: not with ``rows``).
+        rows: only these rows of the file (a shard's share of a whole table);
+            commit them with ``commit(table, rows=rows, at=...)``.
 
     Returns:
         StagedRows
@@ -235,20 +216,21 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
         FileFormatError: a chunk cannot be read, a CRC-32 mismatch, or values a
             bfloat16 table would round.
     """
-    nbytes = int(np.prod(header.shape, dtype=np.int64)) * header.dtype.itemsize
-    in_memory = nbytes <= STAGE_RAM_SHARE * ram_available
-    ranges = row_ranges(header.shape, header.dtype)
-    rows = np.empty(header.shape, dtype=header.dtype) if in_memory else None
+    rows = range(header.shape[0]) if rows is None else rows
+    shape = (len(rows), *header.shape[1:])
+    in_memory = int(np.prod(shape, dtype=np.int64)) * header.dtype.itemsize <= STAGE_RAM_SHARE * ram_available
+    held = np.empty(shape, dtype=header.dtype) if in_memory else None
+    ranges = [(rows.start + a, rows.start + b) for a, b in row_ranges(shape, header.dtype)]
     crc = 0
     for start, stop, chunk in _file_chunks(path, header, dataset, ranges):
         if table_dtype is torch.bfloat16:
             _check_bfloat16(path, start, stop, chunk)
         if crc32 is not None:
             crc = zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
-        if rows is not None:
-            rows[start:stop] = chunk
+        if held is not None:
+            held[start - rows.start:stop - rows.start] = chunk
     if crc32 is not None and crc != crc32:
         raise FileFormatError(f"{os.fspath(path)!r} does not hold the bytes that were saved "
                               f"(CRC-32 {crc:#010x}, saved {crc32:#010x}): the file is corrupt; "
                               f"nothing was loaded. Restore it from a backup")
-    return StagedRows(path, header, dataset, rows)
+    return StagedRows(path, header, dataset, held, first=rows.start)

@@ -318,7 +318,7 @@ def stage_table_rows(path, table, rows, num_embeddings) -> files.StagedRows:
     """
     header = files.read_npy_header(path)
     files.check_table_matches(header, (num_embeddings, table.dim), table.dtype, path)
-    return files.stage_rows(os.fspath(path), header, "table", table.dtype, rows, available_ram())
+    return files.stage_table(os.fspath(path), header, "table", table.dtype, available_ram(), rows=rows)
 
 
 def load_sharded(path, embedding) -> None:
