@@ -13,6 +13,12 @@ unchanged.
 
 Nothing is spent when every forward was reached, the usual case: the check
 is a Python counter, and the slots are computed only when some forward was not.
+
+The same hook refuses a backward through a forward whose step has already
+ended (a graph kept with ``retain_graph=True`` across ``optimizer.step()``):
+its slots hold other rows by then, so its gradient would train the wrong
+rows, or be dropped. In memory that gradient would count at the next step;
+offloaded, the forward must be run again.
 """
 
 import functools
@@ -21,6 +27,8 @@ from typing import Dict, Optional
 
 import torch
 
+from ..errors import StateError
+
 __all__ = ["ReachedRows", "KeptRows"]
 
 
@@ -28,10 +36,12 @@ class ReachedRows:
     """The slots each training forward of a step looked up, and whether a backward reached it."""
 
     def __init__(self):
+        self._step = 0
         self.clear()
 
     def clear(self) -> None:
-        """Forget the step: the next forward starts a new one."""
+        """Forget the step: the next forward starts a new one, and a backward through its forwards raises."""
+        self._step += 1       # hooks of earlier steps' forwards tell by it that their step is over
         self._reached = []    # slots of forwards a backward reached (or given a gradient by hand)
         self._unreached = {}  # forward number -> its slots, until a backward reaches its output
         self._count = 0
@@ -46,7 +56,7 @@ class ReachedRows:
             return
         key, self._count = self._count, self._count + 1
         self._unreached[key] = slots
-        output.register_hook(functools.partial(_reach, weakref.ref(self), key))
+        output.register_hook(functools.partial(_reach, weakref.ref(self), self._step, key))
 
     def forget_reached(self) -> None:
         """Count every forward so far as unreached: the gradient their backward gave was dropped."""
@@ -73,9 +83,14 @@ class ReachedRows:
         return found if len(found) else None
 
 
-def _reach(ref, key, grad):
+def _reach(ref, step, key, grad):
     tracker = ref()
     if tracker is not None:
+        if step != tracker._step:
+            raise StateError("backward through an embedding forward whose optimizer step has already "
+                             "run (or was discarded): its rows have left the working set, so this "
+                             "gradient has no rows to train. Run the forward again for the next step "
+                             "instead of keeping its graph (retain_graph=True) across optimizer.step()")
         slots = tracker._unreached.pop(key, None)
         if slots is not None:
             tracker._reached.append(slots)
