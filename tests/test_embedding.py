@@ -436,3 +436,84 @@ def test_rprop_rows_start_from_the_lr_of_the_first_step_as_torch_creates_them(rn
             optimizer.step()
             optimizer.zero_grad()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_rprop_rows_prefetched_before_the_first_step_start_from_its_lr_too(rng):
+    """Rows a prefetch cached before the first step hold Rprop's step_size from attach; the first
+    step re-reads it from the lr torch creates the state with, in the cache as in the tables."""
+    table0 = rng.standard_normal((20, 3)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(20, 3, max_rows=4, storage="pageable", backend="numpy", cache_rows=8)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Rprop(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False)
+    ref_opt = torch.optim.Rprop(ref.parameters(), lr=0.1)
+    assert emb.prefetch(torch.tensor([5, 6, 7])) == 3
+    for optimizer in (opt, ref_opt):
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 0.1)  # lr 0.1 -> 0.01 now
+    for ids in ([1], [5], [6, 7]):  # rows touched once: lazy Rprop is dense Rprop on them
+        for model, optimizer in ((emb, opt), (ref, ref_opt)):
+            model(torch.tensor(ids)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 6])
+def test_a_backward_after_the_step_of_its_forward_is_refused(cache_rows, rng):
+    """A graph kept across optimizer.step() (retain_graph=True): its gradient has no rows left to train.
+
+    In memory it would count at the next step; offloaded it would land on slots
+    that hold other rows. The backward raises before any gradient reaches them,
+    and the next step trains as if it had not been called.
+    """
+    table0 = rng.standard_normal((20, 3)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(20, 3, max_rows=8, storage="pageable", backend="numpy", cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1, eps=1e-30)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.1, eps=1e-30)
+    kept = None
+    for step, ids in enumerate([[1, 2, 3], [3, 4], [5, 6], [3, 6]]):
+        ids = torch.tensor(ids)
+        loss = (emb(ids) ** 3).sum()
+        loss.backward(retain_graph=True)
+        if step == 1:
+            with pytest.raises(ss.StateError, match="already run"):
+                kept.backward()
+            assert emb.weight.grad is not None and emb.weight.grad[len(emb.working_rows):].eq(0).all()
+        opt.step()
+        opt.zero_grad()
+        kept = loss
+        (torch.nn.functional.embedding(ids, ref, sparse=True) ** 3).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_attaching_the_same_optimizer_again_restarts_its_state_step_count_included(rng):
+    """attach() starts the offloaded state afresh: Adam's bias correction must restart with its moments."""
+    table0 = rng.standard_normal((20, 3)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(20, 3, max_rows=8, storage="pageable", backend="numpy")
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1, eps=1e-30)
+    emb.attach(opt)
+    for ids in ([1, 2], [2, 3]):
+        (emb(torch.tensor(ids)) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.1, eps=1e-30)
+    for ids in ([4, 5], [5, 1], [1, 2, 4]):
+        ids = torch.tensor(ids)
+        (emb(ids) ** 3).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        (torch.nn.functional.embedding(ids, ref, sparse=True) ** 3).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)

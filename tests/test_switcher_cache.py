@@ -357,3 +357,28 @@ def test_info_reports_the_switchers_cache(rng, backend):
     assert 0 < now["cache_hit_rate"] <= 1
     u.close()
     assert ss.info()["cache_bytes"] == before["cache_bytes"]
+
+
+def test_rprop_rows_prefetched_before_the_first_step_start_from_its_lr(rng, backend):
+    """A scheduler changes lr after the switchers were built; rows a prefetch cached before the
+    first step must start from the lr torch creates Rprop's step_size with, as the others do."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    model, opt, u, o = _pair(backend, 8, table0, opt=torch.optim.Rprop)
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 0.1)  # lr 0.05 -> 0.005 now
+    device = ss.get_backend(backend).device
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()).to(device), freeze=False)
+    ref_opt = torch.optim.Rprop(ref.parameters(), lr=0.005)
+    steps = [torch.tensor(ids, device=device) for ids in ([1], [5, 6], [7])]  # each row once
+    assert u.prefetchNextBatch(torch.cat(steps[1:])) == 3  # before the first step
+    for ids in steps:
+        local = u.before_forward(ids)
+        o.before_forward(ids)
+        model["u"](local).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        u.after_step(ids)
+        o.after_step(ids)
+        ref(ids).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().cpu().numpy(), rtol=1e-6, atol=1e-7)

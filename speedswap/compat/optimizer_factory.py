@@ -3,6 +3,7 @@
 from ..backends import get_backend
 from ..convert import torch_dtype
 from ..errors import OptionError, StateError
+from ..train.caching import resetting_state
 from ..train.row_state import NarrowedStep, RowState
 from ..train.step_hooks import StepHooks
 from .steps import MODEL, OPTIMIZER
@@ -140,7 +141,8 @@ class OptimizerFactory(Switcher):
         step = self._steps.prepare(pos, neg, OPTIMIZER)
         self._steps.begin(step, OPTIMIZER, rows)
         try:
-            self.state.gather(step.rows, read=self._steps.read_state())
+            self.state.gather(step.rows, read=self._steps.read_state(),
+                              resetting=lambda: resetting_state(self._steps.cache))
         except BaseException:
             self._steps.withdraw(step, OPTIMIZER)
             raise

@@ -160,7 +160,9 @@ class OffloadedEmbedding(torch.nn.Module):
         """Offload ``optimizer``'s per-row state for :attr:`weight` and hook its ``step()``.
 
         Attaching (again, or to another optimizer) starts the offloaded
-        optimizer state afresh. ``optimizer.step(closure)`` works: the rows are
+        optimizer state afresh; attaching the same optimizer again also drops
+        its scalar state for :attr:`weight` (Adam's ``step``), as a fresh
+        optimizer's. ``optimizer.step(closure)`` works: the rows are
         narrowed after the closure's forward and backward.
 
         Args:
@@ -182,6 +184,8 @@ class OffloadedEmbedding(torch.nn.Module):
                 self._writeback.detach()
             self._cache = None
         if self._state is not None:
+            if self._state.optimizer is optimizer:
+                self._state.restart()
             self._hooks.remove()
             self._state.close()  # its mmap files may be replaced below
             self._state = None
@@ -397,7 +401,8 @@ class OffloadedEmbedding(torch.nn.Module):
         rows = self._working_set.rows
         if not len(rows) or self._narrowed is not None:
             return
-        self._state.gather(rows, read=self._cache.read_state)  # raises before anything changes
+        self._state.gather(rows, read=self._cache.read_state,  # raises before anything changes
+                           resetting=lambda: resetting_state(self._cache))
         self._narrowed = NarrowedStep(self.weight, len(rows), self._state.needs_sparse_grad)
         # Rows that only forwards no backward reached (a skipped loss) go back unchanged.
         unreached = self._reached.unreached_slots(len(rows), self.weight.device)

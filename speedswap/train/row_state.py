@@ -10,6 +10,8 @@ State is found by identity, ``optimizer.state[param]``, never by position in
 ``state_dict()``.
 """
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -213,13 +215,16 @@ class RowState:
                                               device=self.param.device)
         return self._scratch[name]
 
-    def gather(self, rows, read=None):
+    def gather(self, rows, read=None, resetting=contextlib.nullcontext):
         """Put the state of ``rows`` (the step's working set, by slot) into the optimizer.
 
         Args:
             rows: the working set's rows: validated, unique int64 ids (not checked again).
             read: fills the state instead of the tables (a device cache):
                 called as ``read(rows, {name: (k, dim) view to fill})``.
+            resetting: brackets a reset of the tables to a new initial state
+                (Rprop's step_size follows the lr of the first step), so that a
+                device cache's copies of state rows are reset too.
 
         Raises:
             StateError: the optimizer has no state for the parameter although
@@ -237,7 +242,8 @@ class RowState:
                 spec = row_state_spec(self.optimizer, self.param)
                 if spec != self.spec:
                     self.spec = spec
-                    self.init_state()
+                    with resetting():
+                        self.init_state()
                 return
             raise StateError(
                 f"{type(self.optimizer).__name__} holds no state for the offloaded parameter, but "
@@ -271,6 +277,14 @@ class RowState:
         state = self.optimizer.state.get(self.param)
         if state and all(name in state for name in self.spec):
             state.update({name: self._buffer(name) for name in self.spec})
+
+    def restart(self):
+        """Drop the optimizer's state for the parameter (``step`` included), as a fresh optimizer's.
+
+        For attaching the same optimizer again, which starts its state afresh:
+        moments reset while the step count goes on would bias-correct them wrongly.
+        """
+        self.optimizer.state.pop(self.param, None)
 
     def close(self):
         """Release the state tables' memory."""

@@ -223,7 +223,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 parameters that include :attr:`weight`.
 
         Attaching again starts the offloaded optimizer state afresh (an
-        ``mmap`` embedding's state files included).
+        ``mmap`` embedding's state files included; the same optimizer's scalar
+        state for :attr:`weight`, Adam's ``step``, too).
 
         Raises:
             OptionError: the optimizer does not hold :attr:`weight`, or its
@@ -236,6 +237,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             handle.remove()
         self._hooks = ()
         if self._state is not None:
+            if self._state.optimizer is optimizer:
+                self._state.restart()
             self._state.close()  # its mmap files are replaced below
             self._state = None
         state = RowState(optimizer, self.weight, self.table.num_rows, self.weight.dtype,
