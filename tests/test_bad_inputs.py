@@ -375,3 +375,25 @@ def test_bad_input_raises_clearly_and_changes_nothing(case, rng, tmp_path):
         else:
             assert after[key] == before[key], key
     subject.valid()
+
+
+@pytest.mark.parametrize("make", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding],
+                         ids=lambda make: make.__name__)
+@pytest.mark.parametrize("path, named", [("e.npy", "e.npy"), ("e.H5", "e.H5"),
+                                         (os.path.join("new", "e.hdf5", "deeper"), "e.hdf5")])
+def test_an_mmap_path_named_like_a_file_is_refused_before_any_directory_is_made(make, path, named, tmp_path):
+    """``path`` is a directory: ``path="e.npy"`` used to create a directory named ``e.npy``."""
+    with pytest.raises(PathError) as info:
+        make(ROWS, DIM, max_rows=CAP, storage="mmap", path=tmp_path / path, backend="numpy")
+    message = str(info.value)
+    assert f"would create a directory named {named!r}" in message, message
+    assert "path is the directory" in message and f"{named.rsplit('.', 1)[0]!r} instead of {named!r}" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_directory_with_a_file_suffix_is_still_a_directory(tmp_path):
+    """Only directories speedswap would create are judged by their name: one the user made is used."""
+    (tmp_path / "tables.npy").mkdir()
+    with ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="mmap", path=tmp_path / "tables.npy",
+                               backend="numpy") as emb:
+        assert emb.table.path == os.fspath(tmp_path / "tables.npy" / "table.npy")

@@ -46,9 +46,18 @@ def file_in(directory, name, storage):
     An embedding and its optimizer state keep their ``mmap`` tables as
     ``<name>.npy`` files of one directory, which is created if needed.
 
+    Args:
+        directory: the directory for the files (an embedding's ``path``).
+        name: the table's name (``"table"``, ``"exp_avg"``, ...).
+        storage: the storage kind.
+
+    Returns:
+        ``directory/<name>.npy``, or None for any storage but ``mmap``.
+
     Raises:
         OptionError: ``mmap`` storage without a directory.
-        PathError: ``directory`` is a file, or cannot be created.
+        PathError: ``directory`` is a file, would create a directory named
+            like a file (``emb.npy``), or cannot be created.
     """
     if storage != "mmap":
         return None
@@ -58,6 +67,17 @@ def file_in(directory, name, storage):
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise PathError(f"path={os.fspath(directory)!r} is a file, but storage='mmap' keeps the table "
                         f"and optimizer state as .npy files in a directory; pass a directory")
+    made = os.path.abspath(os.fspath(directory))
+    while not os.path.exists(made):  # each directory os.makedirs will create, innermost first
+        # path='emb.npy' reads as the table's own file; a directory of that name would
+        # leave the user looking for a file that is not there.
+        if files.suffix_format(made) is not None:
+            named = os.path.basename(made)
+            raise PathError(f"path={os.fspath(directory)!r} would create a directory named {named!r}, "
+                            f"which is a file's name: path is the directory where storage='mmap' keeps "
+                            f"table.npy and the optimizer state files; pass a directory, such as "
+                            f"{os.path.splitext(named)[0]!r} instead of {named!r}")
+        made = os.path.dirname(made)
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as exc:
