@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from typing import Optional, Sequence
 
 from .apps.demo import BACKEND_OF_DEVICE
+from .atomic import atomic_output
 from .errors import SpeedswapError
 from .info import format_info, info
 from .version import __version__
 
-_FORMAT = argparse.ArgumentDefaultsHelpFormatter
+
+class _Format(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default, except None: such an option's help says what it means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 _REPEATS = 20  # the plain bench's timed rounds per contender
 
 
@@ -19,12 +29,45 @@ def _demo(args: argparse.Namespace) -> int:
     from .apps.demo import format_demo, run_demo
 
     size = "tiny" if args.tiny else "demo"
+    where = ("memory-mapped files" if args.storage == "mmap" else f"{args.storage} host memory")
     print(f"speedswap demo: word2vec (skip-gram, SGD with word2vec's linear decay) on a synthetic "
-          f"corpus with planted topics, both tables in {args.storage} host memory ({size} size)")
+          f"corpus with planted topics, both tables in {where} ({size} size, seed {args.seed})")
     summary = run_demo(tiny=args.tiny, backend=BACKEND_OF_DEVICE[args.device], storage=args.storage,
-                       progress=not args.no_progress, cache_rows=args.cache_rows)
+                       progress=not args.no_progress, seed=args.seed, cache_rows=args.cache_rows,
+                       path=args.path)
     print(format_demo(summary))
+    if args.json:
+        # Atomic: a run killed mid-write leaves any earlier summary whole, never half of one.
+        with atomic_output(args.json) as tmp, open(tmp, "w") as f:
+            json.dump(summary, f, indent=2)
+        print(f"wrote {args.json}")
     return 0
+
+
+def _json_file(text: str) -> str:
+    """``--json``'s type: a file in an existing directory, checked before the run, or argparse's error."""
+    directory = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name, such as "
+                                         f"{os.path.join(text, 'demo.json')!r}")
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"the directory {directory!r} does not exist; create it first "
+                                         f"(mkdir -p) or write the summary elsewhere")
+    if not os.access(directory, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in {directory!r}; write the summary somewhere writable")
+    return text
+
+
+def _table_dir(text: str) -> str:
+    """``--path``'s type: a new or empty directory for the table files, or argparse's error."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a directory for the table files")
+    if os.path.isdir(text) and os.listdir(text):
+        # The demo makes its tables afresh and never replaces files: a second run into the
+        # same directory would stop at the first table file, after building the corpus.
+        raise argparse.ArgumentTypeError(f"{text!r} is not empty; give a new or empty directory (the "
+                                         f"demo writes fresh table files), or remove what is in it")
+    return text
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -64,24 +107,32 @@ def build_parser() -> argparse.ArgumentParser:
     from .apps.bench.suite import STEPS
 
     parser = argparse.ArgumentParser(prog="python -m speedswap", description="speedswap command line",
-                                     formatter_class=_FORMAT)
+                                     formatter_class=_Format)
     parser.add_argument("--version", action="version", version=f"speedswap {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="version, backends, device, memory held by live tables",
-                        formatter_class=_FORMAT)
+                        formatter_class=_Format)
     demo = commands.add_parser("demo", help="train word2vec with offloaded tables (about a minute)",
-                               formatter_class=_FORMAT)
+                               formatter_class=_Format)
     demo.add_argument("--tiny", action="store_true", help="a few seconds, for smoke tests")
     demo.add_argument("--device", choices=sorted(BACKEND_OF_DEVICE), default="auto",
                       help="cuda needs CuPy and a GPU; auto uses one when present")
-    demo.add_argument("--storage", default="pinned", choices=("pinned", "mapped", "pageable", "device"),
-                      help="where the tables and optimizer state live")
+    demo.add_argument("--storage", default="pinned", choices=("pinned", "mapped", "pageable", "device", "mmap"),
+                      help="where the tables and optimizer state live (mmap: memory-mapped .npy files)")
+    demo.add_argument("--path", type=_table_dir, metavar="DIR",
+                      help="with --storage mmap: a new or empty directory for the table files, kept after the "
+                           "run (default: a temporary directory, removed at the end)")
+    demo.add_argument("--seed", type=int, default=0, metavar="N",
+                      help="seeds the corpus and the training (the same seed gives the same vectors, loss "
+                           "and purity)")
+    demo.add_argument("--json", type=_json_file, metavar="PATH",
+                      help="also write the summary to PATH as JSON (replaced atomically)")
     demo.add_argument("--cache-rows", type=int, default=0, metavar="N",
                       help="keep N hot rows of each table on the device between steps, prefetching the next "
                            "batch's (0: no cache)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench = commands.add_parser(
-        "bench", formatter_class=_FORMAT,
+        "bench", formatter_class=_Format,
         help="row transport benchmark (JSON, table, PNG chart); --all: the whole GPU suite",
         description="Without --all: the row transport benchmark at a size this machine holds. "
                     "With --all: every gpu-marked test of the checkout and every GPU benchmark "
@@ -112,6 +163,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--steps goes with --all (bench --all --steps transport,feeder)")
     if args.command == "bench" and args.dry_run and not args.all:
         parser.error("--dry-run goes with --all (bench --all --dry-run)")
+    if args.command == "demo" and args.path is not None and args.storage != "mmap":
+        parser.error(f"--path is the directory of --storage mmap's files, and --storage is {args.storage}; "
+                     f"add --storage mmap or drop --path")
     try:
         if args.command == "info":
             print(format_info(info()))

@@ -1,13 +1,20 @@
-"""``python -m speedswap``: every command's ``--help`` shows the defaults."""
+"""``python -m speedswap``: every command's ``--help`` shows the defaults; the demo's options."""
 
 import argparse
+import inspect
+import json
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
-from speedswap.__main__ import build_parser
+import speedswap as ss
+from speedswap.__main__ import build_parser, main
+from speedswap.apps import demo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,3 +59,89 @@ def test_demo_names_the_state_tables_that_exist(optimizer, tables, says):
                "topic purity": 0.9, "chance": 0.05, "storage": "pinned", "page-locked": True,
                "host_bytes": 1024, "file_bytes": 0, "device": "cpu", "device_bytes": 512}
     assert says in format_demo(summary)
+
+
+TINY_DEMO = ["demo", "--tiny", "--device", "cpu", "--no-progress"]
+
+
+@pytest.fixture
+def torch_threads():
+    """The demo sets torch's thread count for its run; the tests after it keep theirs."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_demo_seed_defaults_to_run_demos():
+    """Without --seed the demo runs as it always did: run_demo's own seed."""
+    assert build_parser().parse_args(["demo"]).seed == inspect.signature(demo.run_demo).parameters["seed"].default
+
+
+def test_demo_seed_json_and_mmap_tables(tmp_path, monkeypatch, capsys, torch_threads):
+    made = []  # the temporary directories the demo makes for mmap without --path
+
+    def temporary_directory(*args, **kwargs):
+        directory = make_temporary(*args, **kwargs)
+        made.append(directory.name)
+        return directory
+
+    make_temporary = tempfile.TemporaryDirectory
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", temporary_directory)
+    runs = {}
+    for name, options in [("pinned", ["--seed", "3"]),
+                          ("kept", ["--seed", "3", "--storage", "mmap", "--path", str(tmp_path / "tables")]),
+                          ("temporary", ["--seed", "4", "--storage", "mmap"])]:
+        assert main(TINY_DEMO + options + ["--json", str(tmp_path / f"{name}.json")]) == 0
+        out = capsys.readouterr().out
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        # The JSON is the summary the table shows.
+        purity = re.search(r"topic purity\s+([\d.]+)", out).group(1)
+        assert f"{runs[name]['topic purity']:.3f}" == purity, out
+        assert f"final loss per pair {runs[name]['final loss']:.3f}" in out, out
+    pinned, kept, temporary_run = runs["pinned"], runs["kept"], runs["temporary"]
+    # The same seed gives the same run, whatever holds the tables; another seed another one.
+    for key in ("steps", "final loss", "topic purity", "chance"):
+        assert kept[key] == pinned[key], key
+    assert temporary_run["final loss"] != pinned["final loss"]
+    assert (pinned["seed"], temporary_run["seed"]) == (3, 4)
+    assert (pinned["storage"], pinned["path"], pinned["file_bytes"]) == ("pinned", None, 0)
+    assert (kept["storage"], kept["path"]) == ("mmap", str(tmp_path / "tables"))
+    table_bytes = 2 * kept["vocab"] * kept["dim"] * 4
+    assert kept["file_bytes"] == temporary_run["file_bytes"] == table_bytes
+    for table in ("centre", "context"):
+        assert (tmp_path / "tables" / table / "table.npy").stat().st_size >= table_bytes // 2
+    [directory] = [d for d in made if Path(d).name.startswith("speedswap-demo-")]
+    assert not Path(directory).exists()  # removed at the end
+    assert temporary_run["path"] is None
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--path", "{tmp}/new"], "--path is the directory of --storage mmap's files, and --storage is pinned"),
+    (["--storage", "mmap", "--path", "{tmp}/full"], "is not empty; give a new or empty directory"),
+    (["--storage", "mmap", "--path", "{tmp}/full/file"], "is a file; give a directory"),
+    (["--json", "{tmp}/nope/summary.json"], "does not exist; create it first"),
+    (["--json", "{tmp}/full"], "is a directory; give a file name"),
+])
+def test_demo_refuses_bad_paths_before_it_runs(options, says, tmp_path, monkeypatch, capsys):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "file").write_text("someone's")
+    monkeypatch.setattr(demo, "run_demo", lambda **kwargs: pytest.fail("the demo ran"))
+    with pytest.raises(SystemExit) as info:
+        main(TINY_DEMO + [option.format(tmp=tmp_path) for option in options])
+    assert info.value.code == 2
+    assert says in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["file", "full"]
+
+
+def test_demo_mmap_path_named_like_a_file_is_a_one_line_error(tmp_path, capsys, torch_threads):
+    assert main(TINY_DEMO + ["--storage", "mmap", "--path", str(tmp_path / "tables.npy")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m speedswap demo: error: ") and err.count("\n") == 1, err
+    assert "would create a directory named 'tables.npy'" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_demo_refuses_a_path_without_mmap_storage(tmp_path):
+    with pytest.raises(ss.OptionError, match="drop path or use storage='mmap'"):
+        demo.run_demo(tiny=True, backend="numpy", storage="pinned", path=tmp_path / "tables")
+    assert list(tmp_path.iterdir()) == []

@@ -12,7 +12,10 @@ True
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+import contextlib
+import os
+import tempfile
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -122,7 +125,7 @@ def format_rows(rows: Sequence[tuple]) -> str:
 
 
 def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned", progress: bool = True,
-             seed: int = 0, cache_rows: int = 0) -> dict:
+             seed: int = 0, cache_rows: int = 0, path: Optional[os.PathLike] = None) -> dict:
     """Train word2vec on the synthetic topic corpus with the default recipe and summarise the run.
 
     Args:
@@ -130,34 +133,69 @@ def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned",
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
         storage: storage kind of the tables and optimizer state.
         progress: show the progress bar.
-        seed: seeds the corpus and the training.
+        seed: seeds the corpus and the training: the same seed gives the same
+            vectors, loss and purity.
         cache_rows: rows of each table kept on the device between steps, the
             next batch's prefetched while a step computes; 0: no cache.
+        path: for ``storage="mmap"``, the directory the table files are made
+            in (``centre/`` and ``context/``), kept afterwards; None: a
+            temporary directory, removed before this returns.
 
     Returns:
-        dict: ``words/s``, ``topic purity``, ``chance``, memory figures,
-        ``cache`` (:func:`cache_summary`, with a cache), ...
+        dict of plain Python values (JSON-serialisable): ``words/s``,
+        ``topic purity``, ``chance``, memory figures, ``path`` (the mmap
+        directory, None when temporary or not mmap), ``cache``
+        (:func:`cache_summary`, with a cache), ...
+
+    Raises:
+        OptionError: ``path`` without ``storage="mmap"``, or what
+            :func:`speedswap.apps.word2vec.train` raises.
+        PathError: ``path`` already holds table files, or cannot be made.
     """
     from . import word2vec
     from .corpus import synthetic_corpus
 
+    if path is not None and storage != "mmap":
+        raise ss.OptionError(f"path={os.fspath(path)!r} is where storage='mmap' keeps the table files, but "
+                             f"storage is {storage!r}; drop path or use storage='mmap'")
     size = TINY if tiny else DEMO
     if ss.get_backend(backend).device.type == "cpu":
         torch.set_num_threads(word2vec.cpu_threads())
     corpus = synthetic_corpus(size["vocab"], size["topics"], size["tokens"], seed=seed)
-    result = word2vec.train(corpus, dim=size["dim"], epochs=size["epochs"], batch_size=size["batch_size"],
-                            storage=storage, backend=backend, seed=seed, progress=progress,
-                            cache_rows=cache_rows, prefetch=cache_rows > 0)
-    purity, chance = word2vec.topic_purity(result.vectors, corpus)
-    memory = memory_summary(result.model, result.optimizer)
-    return {"vocab": corpus.vocab_size, "dim": size["dim"], "steps": result.steps, "epochs": size["epochs"],
-            "optimizer": type(result.optimizer).__name__, "threads": torch.get_num_threads(),
-            "words/s": result.words_per_second, "pairs/s": result.pairs / result.seconds,
-            "seconds": result.seconds, "final loss": result.losses[-1][1],
-            "topic purity": purity, "chance": chance, "storage": storage,
-            "page-locked": result.model.centre.table.pinned, **memory,
-            **({"cache": cache_summary({"centre": result.model.centre, "context": result.model.context})}
-               if cache_rows else {})}
+    with contextlib.ExitStack() as cleanup:
+        directory = path
+        if storage == "mmap" and path is None:
+            directory = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="speedswap-demo-"))
+        result = word2vec.train(corpus, dim=size["dim"], epochs=size["epochs"], batch_size=size["batch_size"],
+                                storage=storage, backend=backend, directory=directory, seed=seed,
+                                progress=progress, cache_rows=cache_rows, prefetch=cache_rows > 0)
+        tables = {"centre": result.model.centre, "context": result.model.context}
+        for table in tables.values():
+            # Closed as the block ends: after the figures below are read, and before the
+            # temporary directory (entered earlier, so left later) is removed.
+            cleanup.callback(table.close)
+        purity, chance = word2vec.topic_purity(result.vectors, corpus)
+        memory = memory_summary(result.model, result.optimizer)
+        return {"vocab": corpus.vocab_size, "dim": size["dim"], "steps": result.steps,
+                "epochs": size["epochs"], "optimizer": type(result.optimizer).__name__,
+                "threads": torch.get_num_threads(), "words/s": result.words_per_second,
+                "pairs/s": result.pairs / result.seconds, "seconds": result.seconds,
+                "final loss": float(result.losses[-1][1]), "topic purity": float(purity),
+                "chance": float(chance), "seed": seed, "storage": storage,
+                "path": None if path is None else os.fspath(path),
+                "page-locked": result.model.centre.table.pinned, **memory,
+                **({"cache": cache_summary(tables)} if cache_rows else {})}
+
+
+def _storage_line(summary: dict) -> str:
+    """Where the tables were: the storage kind, and what it meant on this run."""
+    storage = summary["storage"]
+    if storage == "mmap":
+        return (f"mmap (memory-mapped .npy files in {summary['path']}, kept)" if summary["path"]
+                else "mmap (memory-mapped .npy files in a temporary directory, now removed)")
+    if summary["page-locked"] or storage == "pageable":
+        return storage
+    return f"{storage} (plain host memory: the CPU backend has no GPU)"
 
 
 def format_demo(summary: dict) -> str:
@@ -172,8 +210,7 @@ def format_demo(summary: dict) -> str:
                      f"and planning pairs), final loss per pair {summary['final loss']:.3f}"),
         ("words/s", f"{summary['words/s']:,.0f}  ({summary['pairs/s']:,.0f} pairs/s)"),
         ("topic purity", f"{summary['topic purity']:.3f}  (chance {summary['chance']:.3f})"),
-        ("storage", summary["storage"] + ("" if summary["page-locked"] or summary["storage"] == "pageable"
-                                          else " (plain host memory: the CPU backend has no GPU)")),
+        ("storage", _storage_line(summary)),
         ("host tables", format_bytes(summary["host_bytes"] + summary["file_bytes"])),
         (f"on {summary['device']} for the step", format_bytes(summary["device_bytes"])),
     ]
