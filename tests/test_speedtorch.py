@@ -422,3 +422,53 @@ def test_switchers_built_again_and_again_leave_no_hooks_behind():
     assert not model.weight._backward_hooks
     switcher = ss.ModelFactory(model, ROWS, DIM, backend="numpy")
     assert len(model.weight._backward_hooks) == 1
+
+
+@pytest.mark.parametrize("make,refused", [
+    (lambda p: torch.optim.SGD(p, lr=0.1), False),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), True),
+    (lambda p: torch.optim.Adam(p, lr=0.1), True),
+    (lambda p: torch.optim.Adagrad(p, lr=0.1), True),
+])
+def test_a_model_factory_alone_with_per_row_optimizer_state_is_refused_at_the_step(make, refused, backend,
+                                                                                     table0, rng):
+    """Without an OptimizerFactory, state kept per slot would move with the slot to other rows."""
+    device = ss.get_backend(backend).device
+    model = SkipGram().to(device)
+    u = ss.ModelFactory(model.u_embeddings, ROWS, DIM, storage="pageable", backend=backend)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = make(model.parameters())
+    head = torch.nn.Linear(DIM, 1).to(device)  # other parameters are unaffected
+    head_opt = torch.optim.Adam(head.parameters(), lr=0.1)
+    for pos, neg, ctx in zipf_batches(rng, 3, device, num_rows=ROWS):
+        lp, ln = u.before_forward(pos, neg)
+        (skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), ctx) + head(ctx).sum()).backward()
+        head_opt.step()
+        if refused:
+            before = model.u_embeddings.weight.detach().clone()
+            with pytest.raises(ss.OptionError, match="OptimizerFactory"):
+                opt.step()
+            assert torch.equal(model.u_embeddings.weight, before)
+        else:
+            opt.step()
+        opt.zero_grad()
+        head_opt.zero_grad()
+        u.after_step(pos, neg)
+    if refused:
+        np.testing.assert_array_equal(u.getNumpyVersion(), table0)
+
+
+def test_a_frozen_embedding_of_a_model_factory_alone_may_sit_in_a_stateful_optimizer(backend, table0):
+    """Adam skips a parameter without a gradient, so there is no state to mix."""
+    device = ss.get_backend(backend).device
+    model = SkipGram().to(device)
+    u = ss.ModelFactory(model.u_embeddings, ROWS, DIM, storage="pageable", backend=backend)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    model.u_embeddings.weight.requires_grad_(False)
+    head = torch.nn.Linear(DIM, 1).to(device)
+    opt = torch.optim.Adam(list(model.parameters()) + list(head.parameters()), lr=0.1)
+    ids = torch.tensor([3, 9], device=device)
+    head(model.u_embeddings(u.before_forward(ids))).sum().backward()
+    opt.step()
+    u.after_step(ids)
+    np.testing.assert_array_equal(u.getNumpyVersion(), table0)

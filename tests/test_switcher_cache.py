@@ -318,6 +318,14 @@ def test_closing_one_switcher_leaves_the_other_working(rng, backend):
     buffer = o.state.tables["momentum_buffer"]
     o.close()  # its cached state rows are written back before its tables close
     assert buffer.closed
+    # The momentum optimizer alone would mix rows' momentum across slots: refused at its step.
+    lpos, lneg = u.before_forward(*batches[2][:2])
+    skipgram_loss(model["u"](lpos), model["u"](lneg), batches[2][2]).backward()
+    with pytest.raises(ss.OptionError, match="OptimizerFactory"):
+        opt.step()
+    opt.zero_grad()
+    u.after_step(*batches[2][:2])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)  # stateless: the ModelFactory alone is exact
     for pos, neg, ctx in batches[2:]:
         lpos, lneg = u.before_forward(pos, neg)
         skipgram_loss(model["u"](lpos), model["u"](lneg), ctx).backward()

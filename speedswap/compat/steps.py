@@ -30,11 +30,13 @@ import functools
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..convert import as_id_tensor, check_id_range
 from ..errors import OptionError, StateError
 from ..train.caching import idle_stats, new_cache, rewriting
+from ..train.row_state import row_state_spec
 from ..train.working_set import WorkingSet
 
 __all__ = ["SharedSteps", "steps_for", "MODEL", "OPTIMIZER"]
@@ -123,6 +125,12 @@ class SharedSteps:
         member = self._members.get(kind)
         return member is not None and member.ref() is switcher
 
+    def lone_model(self) -> bool:
+        """Whether the parameter has a live ModelFactory and no live OptimizerFactory."""
+        model, optimizer = self._members.get(MODEL), self._members.get(OPTIMIZER)
+        return (model is not None and model.ref() is not None
+                and (optimizer is None or optimizer.ref() is None))
+
     def busy(self) -> bool:
         """Whether a step is in progress: a switcher began it and has not ended it."""
         return self.current is not None and self.current.unfinished()
@@ -170,6 +178,7 @@ class SharedSteps:
             self._hook = self.param.register_hook(
                 functools.partial(_refuse_leftover_gradient, weakref.ref(self)))
             weakref.finalize(self, self._hook.remove).atexit = False
+        _watch_optimizer_steps()
         member = self._members[kind] = _Member(switcher, tables, cache_rows)
         self._rebuild()
         _STEPS[self.param] = weakref.ref(self)
@@ -406,6 +415,48 @@ class SharedSteps:
 #: param -> weak reference to its SharedSteps: an entry lives as long as a
 #: switcher of the parameter does, so dropping every switcher frees the size.
 _STEPS = WeakIdKeyDictionary()
+
+
+def _keeps_row_state(optimizer, param) -> bool:
+    """Whether ``optimizer`` keeps state per element of ``param`` (Adam's moments, SGD's momentum)."""
+    try:
+        return bool(row_state_spec(optimizer, param))
+    except OptionError:  # a class speedswap does not know: judge by the state it has made
+        state = optimizer.state.get(param, {})
+        return any(isinstance(v, torch.Tensor) and v.shape == param.shape for v in state.values())
+
+
+def _refuse_lone_model_with_state(optimizer, args, kwargs):
+    """A global optimizer step pre-hook: refuse stepping a lone ModelFactory's rows with per-row state.
+
+    The ModelFactory's slots hold other rows every step, so without an
+    OptimizerFactory swapping the state rows with them, Adam's moments (or
+    SGD's momentum) of one row would move another. Only parameters with a
+    switcher's step in progress are looked at, so other optimizers pay one
+    loop over a near-empty dictionary.
+    """
+    for param, ref in list(_STEPS.items()):
+        steps = ref()
+        if steps is None or param.grad is None or not steps.busy() or not steps.lone_model():
+            continue  # torch skips a parameter without a gradient
+        if not any(p is param for group in optimizer.param_groups for p in group["params"]):
+            continue
+        if _keeps_row_state(optimizer, param):
+            raise OptionError(
+                f"{type(optimizer).__name__} keeps state per row of the embedding, but only a "
+                f"ModelFactory switches its rows: each step's slots hold other rows, so one row's "
+                f"state would move another. Build an OptimizerFactory(optimizer, ...) for this "
+                f"embedding too (it switches the state rows with the embedding's), or use a "
+                f"stateless optimizer (SGD without momentum)")
+
+
+#: The handle of :func:`_refuse_lone_model_with_state`, registered when the first switcher joins.
+_LONE_MODEL_HOOK = []
+
+
+def _watch_optimizer_steps():
+    if not _LONE_MODEL_HOOK:
+        _LONE_MODEL_HOOK.append(register_optimizer_step_pre_hook(_refuse_lone_model_with_state))
 
 
 def steps_for(param: torch.nn.Parameter, num_rows: int) -> SharedSteps:
