@@ -175,6 +175,25 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"bad.rank{rank}.json"), "w") as f:
             json.dump(errors, f)
         name = "bad"
+    elif kind == "mode":     # at step 3 rank 1 calls the forward under no_grad, rank 0 training
+        emb, opt = make(name)
+        emb.load(table_file)
+        errors = {}
+        for step in range(STEPS):
+            ids, targets = global_batch(seed, step)
+            part = rank_slice(step, world, rank)
+            if step == 3:
+                try:
+                    with torch.set_grad_enabled(rank != 1):
+                        emb(ids[part])
+                except ss.SpeedswapError as exc:
+                    errors[type(exc).__name__] = str(exc)
+            rank_loss(emb, ids[part], targets[part], world).backward()
+            opt.step()
+            opt.zero_grad()
+        with open(os.path.join(out, f"mode.rank{rank}.json"), "w") as f:
+            json.dump(errors, f)
+        name = "mode"
     elif kind == "npyfail":  # rank 1 cannot read its rows of a .npy export: no rank changes
         emb, opt = make(name)
         before = emb.table.to_numpy(copy=True)

@@ -145,7 +145,8 @@ def two_ranks(three_ranks):
     and end with an error rank 1 does not catch."""
     out, seed = three_ranks
     started = time.monotonic()
-    results = launch(2, out, seed, "resume:ckpt-3", "bad:adam", "npyfail:sgd", "disagree:adam", "crash:sgd")
+    results = launch(2, out, seed, "resume:ckpt-3", "bad:adam", "mode:adam", "npyfail:sgd",
+                     "disagree:adam", "crash:sgd")
     return out, seed, results, time.monotonic() - started
 
 
@@ -161,6 +162,17 @@ def test_bad_input_on_one_rank_raises_everywhere_and_changes_nothing(two_ranks):
     assert list(errors[0]) == ["StateError"] and "rank(s) [1]" in errors[0]["StateError"]
     # After the failed forward both ranks trained on: the result is as if it never happened.
     assert_same(gathered(out, "bad", 2), reference("adam", seed))
+
+
+def test_a_forward_in_training_mode_on_one_rank_and_not_on_another_raises_everywhere(two_ranks):
+    """Without the check the training rank took the other's lookups for its own step's rows."""
+    out, seed, *_ = two_ranks
+    for rank in range(2):
+        error = json.loads((out / f"mode.rank{rank}.json").read_text())
+        assert list(error) == ["StateError"]
+        assert "training mode on rank(s) [0]" in error["StateError"]
+        assert "torch.no_grad() on rank(s) [1]" in error["StateError"]
+    assert_same(gathered(out, "mode", 2), reference("adam", seed))
 
 
 def test_a_npy_export_one_rank_cannot_read_changes_no_rank(two_ranks):

@@ -112,25 +112,29 @@ class Exchange:
         return recv
 
     def counts(self, send_counts: Optional[List[int]], error: Optional[BaseException],
-               what: str) -> List[int]:
-        """Swap message sizes, and whether every rank's input was good.
+               what: str, training: bool = False) -> List[int]:
+        """Swap message sizes, and whether every rank's input was good and its call in the same mode.
 
         Args:
             send_counts: rows this rank will send to each rank (ignored when ``error``).
             error: the exception this rank's checks raised, or None.
             what: the call, named in the error the other ranks raise.
+            training: this rank's call is a training one (an eval-mode or
+                ``no_grad`` one otherwise); every rank must agree.
 
         Returns:
             the rows this rank will receive from each rank.
 
         Raises:
             the ``error`` itself on the rank that met it; StateError naming
-            the failed ranks on the others.
+            the failed ranks on the others, or, on every rank, naming the
+            ranks of each mode when they disagree.
         """
         if error is not None:
             send_counts = [-1] * self.world_size
-        sent = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
-        recv = self._all_to_all(sent, [1] * self.world_size, [1] * self.world_size).tolist()
+        sent = torch.tensor([[count, int(training)] for count in send_counts], dtype=torch.int64,
+                            device=self.device)
+        recv, modes = self._all_to_all(sent, [1] * self.world_size, [1] * self.world_size).T.tolist()
         if error is not None:
             raise error
         failed = [rank for rank, count in enumerate(recv) if count < 0]
@@ -138,6 +142,12 @@ class Exchange:
             raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why); "
                              f"every rank stopped before changing a row, so the step can be "
                              f"retried with good input on all ranks")
+        if len(set(modes)) > 1:
+            trains = [rank for rank, mode in enumerate(modes) if mode]
+            evals = [rank for rank, mode in enumerate(modes) if not mode]
+            raise StateError(f"{what} ran in training mode on rank(s) {trains} but in eval mode or "
+                             f"under torch.no_grad() on rank(s) {evals}; every rank must make the "
+                             f"same call (the same model.train()/eval() and grad mode). No row changed")
         return recv
 
     def step_counts(self, send_counts: List[int], expected: List[int], flag: bool,

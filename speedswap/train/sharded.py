@@ -284,7 +284,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         except Exception as exc:  # noqa: BLE001 -- any failure must still reach the other ranks
             error = exc
         try:
-            recv_counts = self._exchange.counts(counts, error, "a forward")
+            recv_counts = self._exchange.counts(counts, error, "a forward", training=training)
         except BaseException:
             self._looked_up = before
             raise
