@@ -142,8 +142,8 @@ def test_whole_table_calls_see_the_cache(rng, backend, tmp_path):
     for pair in (plain, cached):
         _train(*pair, batches[:4])
     model, opt, u, o = cached
-    # Every touched row is in the cache only: the host table is stale until a flush.
-    assert not np.array_equal(u.table.to_numpy(copy=True), u.getNumpyVersion())
+    # Every touched row is in the cache only: the host table behind u.table is stale until a flush.
+    assert not np.array_equal(u._table.to_numpy(copy=True), u.getNumpyVersion())
     both(lambda k, m, opt, u, o: u.saveCupy(tmp_path / f"u{k}.npy"))
     both(lambda k, m, opt, u, o: o.saveCupy(tmp_path / f"o{k}"))
     np.testing.assert_array_equal(np.load(tmp_path / "u1.npy"), u.getNumpyVersion())
@@ -390,3 +390,26 @@ def test_rprop_rows_prefetched_before_the_first_step_start_from_its_lr(rng, back
         ref_opt.step()
         ref_opt.zero_grad()
     np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().cpu().numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_writes_through_table_and_state_between_steps_reach_training_with_a_cache(rng, backend):
+    """u.table and o.state hand out current tables whose writes the next steps see, as without a cache."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    batches = _batches(rng, backend, 30)
+    runs = []
+    for cache_rows in (0, 20):
+        pair = _pair(backend, cache_rows, table0, eps=1e-30)
+        model, opt, u, o = pair
+        for start in range(0, len(batches), 10):
+            _train(*pair, batches[start:start + 10])
+            hot = int(batches[start][0].reshape(-1)[0])  # a row the cache holds now
+            u.table.scatter([hot], torch.full((1, DIM), 0.5))
+            o.state.tables["exp_avg"].scatter([hot], torch.full((1, DIM), 0.25))
+        runs.append(_tables(u, o))
+    assert_same(runs[1], runs[0])
+    assert u.stats()["total"]["hits"] > 0
+    u.before_forward(*batches[0][:2])  # the step's rows are in the cache until after_step
+    with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+        u.table
+    with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+        o.state

@@ -74,8 +74,8 @@ class ModelFactory(Switcher):
             :class:`OptimizerFactory`, which must be built with the same
             ``cache_rows``. 0 (the default) turns it off. A cached row is
             current only in the cache until it is evicted or flushed: every
-            method here sees it, but read ``table`` directly only after
-            :meth:`flush`. :meth:`prefetch` brings the next step's rows in.
+            method here sees it, and :attr:`table` writes it back and
+            empties it first. :meth:`prefetch` brings the next step's rows in.
 
     The table starts at zero; call an initialiser (``uniformDistributionInit``,
     ``customInit``, ...) before training.
@@ -113,9 +113,9 @@ class ModelFactory(Switcher):
         storage = storage or storage_of(CPUPinn)
         # An mmap table starts as a zero-filled sparse file; writing zeros would make it dense.
         make = HostTable.empty if storage == "mmap" else HostTable.zeros
-        self.table = make(total_classes, embed_dimension, datatype, storage, backend, path,
+        self._table = make(total_classes, embed_dimension, datatype, storage, backend, path,
                           device=device_of(param), overwrite=overwrite)
-        self._check_device(self.table)
+        self._check_device(self._table)
         self._placeholders = None
         # The first forwards of the model's embedding are checked for stale placeholder copies.
         self._stale_checks, self._stale_hook = _STALE_CHECKS, None
@@ -123,7 +123,7 @@ class ModelFactory(Switcher):
             owner = weakref.ref(self)
             self._stale_hook = model_variable.register_forward_pre_hook(
                 lambda module, args: _check_stale(owner, args))
-        self._register(self.table)
+        self._register(self._table)
 
     # ------------------------------------------------------------------ steps
     def variableTransformer(self, batchSize, posPerBatch, negPerBatch=None):
@@ -277,22 +277,22 @@ class ModelFactory(Switcher):
     def zerosInit(self):
         """Set every row to zero."""
         with self._rewriting("zerosInit"):
-            self.table.zero_()
+            self._table.zero_()
 
     def uniformDistributionInit(self, low, high):
         """Fill the table from U(low, high) (torch's global generator)."""
         with self._rewriting("uniformDistributionInit"):
-            self.table.uniform_(low, high)
+            self._table.uniform_(low, high)
 
     def normalDistributionInit(self, mean, stdDev):
         """Fill the table from N(mean, stdDev²) (torch's global generator)."""
         with self._rewriting("normalDistributionInit"):
-            self.table.normal_(mean, stdDev)
+            self._table.normal_(mean, stdDev)
 
     def customInit(self, initFunction, *args):
         """Run an in-place initialiser such as ``torch.nn.init.xavier_uniform_`` on the whole table."""
         with self._rewriting("customInit"):
-            self.table.apply_(initFunction, *args)
+            self._table.apply_(initFunction, *args)
 
     def save(self, path):
         """Write the table (cached rows included) to ``path`` (``.npy`` or ``.h5``) atomically.
@@ -300,7 +300,7 @@ class ModelFactory(Switcher):
         Alias ``saveCupy``.
         """
         self.flush()
-        self.table.save(path)
+        self._table.save(path)
 
     def load(self, path):
         """Replace the table's rows with a file's of the same shape and dtype. Alias ``loadCupy``.
@@ -312,7 +312,7 @@ class ModelFactory(Switcher):
             StateError: called in the middle of a step.
         """
         with self._rewriting("load"):
-            self.table.load_from(path)
+            self._table.load_from(path)
 
     def close(self):
         """Release the table's memory (an ``mmap`` table gets the cached rows first). Idempotent.
@@ -325,7 +325,24 @@ class ModelFactory(Switcher):
             self._stale_hook.remove()
             self._stale_hook = None
         self._leave()
-        self.table.close()
+        self._table.close()
+
+    @property
+    def table(self) -> HostTable:
+        """The whole table: a :class:`~speedswap.HostTable` holding every row's current value.
+
+        With a device cache, the cache first writes its rows (and their
+        optimizer state) back and forgets them, so reads see every row as
+        trained and writes reach the next step, as without a cache. A
+        reference kept across steps misses the rows the cache took since:
+        ask for ``table`` again.
+
+        Raises:
+            StateError: with a device cache, between before_forward and after_step.
+        """
+        if self._is_member():
+            self._steps.hand_out("ModelFactory.table")
+        return self._table
 
     def to_numpy(self, copy: bool = False) -> np.ndarray:
         """The table as a numpy array (the table's own memory for host storage, unless ``copy``).
@@ -341,7 +358,7 @@ class ModelFactory(Switcher):
             self.flush()
         elif self._is_member():
             self._steps.hand_out("to_numpy(copy=False)")
-        return self.table.to_numpy(copy=copy)
+        return self._table.to_numpy(copy=copy)
 
     def getNumpyVersion(self) -> np.ndarray:
         """A copy of the table as a numpy array, as SpeedTorch returned (``to_numpy()`` shares memory)."""
@@ -358,7 +375,7 @@ class ModelFactory(Switcher):
         """
         if _is_torch_file(path):
             self.flush()
-            tensor = self.table.as_tensor().cpu().clone()
+            tensor = self._table.as_tensor().cpu().clone()
             # Written beside the target and renamed over it, as every save is: a failed write
             # (a full disk) leaves the previous file whole.
             with atomic_output(path) as temporary, open(temporary, "wb") as file:
@@ -387,14 +404,14 @@ class ModelFactory(Switcher):
             tensor = torch.load(path, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, ValueError) as exc:
             raise FileFormatError(f"{os.fspath(path)!r} is not a readable torch file ({exc})") from exc
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != self.table.shape \
-                or tensor.dtype != self.table.dtype:
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != self._table.shape \
+                or tensor.dtype != self._table.dtype:
             what = (f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor)
                     else type(tensor).__name__)
             raise FileFormatError(f"{os.fspath(path)!r} holds {what}, but this table is "
-                                  f"{self.table.shape} {self.table.dtype}")
+                                  f"{self._table.shape} {self._table.dtype}")
         with self._rewriting("loadTorch"):
-            self.table.as_tensor().copy_(tensor)
+            self._table.as_tensor().copy_(tensor)
 
     def getTorchVar(self) -> torch.Tensor:
         """SpeedTorch's ``getTorchVar``: the full table as a torch tensor sharing its memory.
@@ -407,7 +424,7 @@ class ModelFactory(Switcher):
         """
         if self._is_member():
             self._steps.hand_out("getTorchVar")
-        return self.table.as_tensor()
+        return self._table.as_tensor()
 
     def getCupyVar(self):
         """SpeedTorch returned the CuPy array behind the table; speedswap keeps CuPy out of its API.

@@ -68,16 +68,16 @@ class OptimizerFactory(Switcher):
         param = _parameter_named(model, variable_name)
         super().__init__(param, total_classes, embed_dimension, dtype, cache_rows,
                          find_param=lambda: _parameter_named(model, variable_name))
-        self.state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),
+        self._state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),
                               storage or storage_of(CPUPinn),
                               get_backend(backend, device_of(param)), path, overwrite=overwrite)
-        for table in self.state.tables.values():
+        for table in self._state.tables.values():
             self._check_device(table)
         self._narrowed = None
         # Weak hooks (see StepHooks): they act only inside a step, and
         # optimizer.step(closure) narrows after the closure's forward.
         self._hooks = StepHooks(self, given_optimizer)
-        self._register(self.state)
+        self._register(self._state)
 
     # The step protocol of StepHooks.
     def _begin_step(self):
@@ -92,7 +92,7 @@ class OptimizerFactory(Switcher):
             # SparseAdam gets the rows' gradient as a sparse one, even from an
             # nn.Embedding(sparse=False) as SpeedTorch's README builds it.
             self._narrowed = NarrowedStep(self._param, len(self._gathered.rows),
-                                          self.state.needs_sparse_grad)
+                                          self._state.needs_sparse_grad)
 
     def _end_step(self):
         if self._narrowed is not None:
@@ -102,7 +102,7 @@ class OptimizerFactory(Switcher):
     def _abort_step(self):
         if self._narrowed is not None:
             self._end_step()
-            self.state.release()
+            self._state.release()
 
     def close(self):
         """Release the state tables' memory and unhook the optimizer. Idempotent.
@@ -113,12 +113,28 @@ class OptimizerFactory(Switcher):
         """
         self._hooks.remove()
         self._leave()  # cached state rows are written back while the tables are open
-        self.state.close()
+        self._state.close()
+
+    @property
+    def state(self) -> RowState:
+        """The per-row optimizer state: ``state.tables`` holds every row's current state.
+
+        With a device cache, the cache first writes its rows and their state
+        back and forgets them, so reads see every row's state as trained and
+        writes reach the next step, as without a cache. Ask for ``state``
+        again after training steps.
+
+        Raises:
+            StateError: with a device cache, between before_forward and after_step.
+        """
+        if self._is_member():
+            self._steps.hand_out("OptimizerFactory.state")
+        return self._state
 
     def init_state(self):
         """Reset every row's state to torch's initial value (cached state rows too). Alias ``optInit``."""
         with self._rewriting("init_state"):
-            self.state.init_state()
+            self._state.init_state()
 
     def before_forward(self, pos, neg=None):
         """Put the optimizer state of the step's rows into the optimizer.
@@ -141,7 +157,7 @@ class OptimizerFactory(Switcher):
         step = self._steps.prepare(pos, neg, OPTIMIZER)
         self._steps.begin(step, OPTIMIZER, rows)
         try:
-            self.state.gather(step.rows, read=self._steps.read_state(),
+            self._state.gather(step.rows, read=self._steps.read_state(),
                               resetting=lambda: resetting_state(self._steps.cache))
         except BaseException:
             self._steps.withdraw(step, OPTIMIZER)
@@ -163,7 +179,7 @@ class OptimizerFactory(Switcher):
         directory), atomically."""
         from ..train.checkpoint import save_tables
         self.flush()
-        save_tables(path, self.state.tables, {"optimizer": type(self.state.optimizer).__name__})
+        save_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__})
 
     def load(self, path):
         """Read state tables written by :meth:`save`; restore the optimizer's state_dict too.
@@ -174,8 +190,8 @@ class OptimizerFactory(Switcher):
         """
         from ..train.checkpoint import load_tables
         with self._rewriting("load"):
-            load_tables(path, self.state.tables, {"optimizer": type(self.state.optimizer).__name__})
-            self.state.mark_loaded()
+            load_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__})
+            self._state.mark_loaded()
 
     optInit = init_state
     beforeForwardPass = before_forward

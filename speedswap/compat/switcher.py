@@ -151,9 +151,8 @@ class Switcher:
 
         Afterwards the tables hold every row's current value (the rows stay
         cached). The switchers' own methods (``save``, ``getNumpyVersion``,
-        ``load``, the initialisers, ...) do this themselves; call it before
-        reading ``table`` or ``state.tables`` directly. Without a cache
-        (``cache_rows=0``) the tables are always current.
+        ``load``, the initialisers, ``table`` and ``state``, ...) do this
+        themselves. Without a cache (``cache_rows=0``) the tables are always current.
         """
         if self._is_member():
             self._steps.flush()
