@@ -637,3 +637,12 @@ def test_zero_grad_keeping_tensors_after_a_backward_is_refused_at_the_step(rng):
     np.testing.assert_array_equal(emb.table.to_numpy(), before)
     with pytest.raises(ss.StateError, match="without a training forward"):
         emb.exchange_gradients()
+
+
+@pytest.mark.parametrize("cache_rows", [1, 100])
+def test_a_device_cache_is_refused_with_a_speedswap_error(cache_rows):
+    """Code moved over from OffloadedEmbedding(cache_rows=...) is told the sharded table has none."""
+    with pytest.raises(ss.OptionError, match="no device cache"):
+        ss.ShardedOffloadedEmbedding(50, 3, max_rows=8, backend="numpy", storage="pageable",
+                                     cache_rows=cache_rows)
+    ss.ShardedOffloadedEmbedding(50, 3, max_rows=8, backend="numpy", storage="pageable", cache_rows=0)

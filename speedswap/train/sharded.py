@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..backends import get_backend
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_row_ids, int_option, torch_dtype
-from ..errors import DTypeError, StateError
+from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 from .exchange import Exchange, owners, row_bounds
@@ -104,16 +104,24 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             the table's device.
         path: for ``storage="mmap"``, the directory for every rank's files.
         device: the CUDA device the rows move to.
+        cache_rows: must be 0: a sharded table has no device cache of hot
+            rows (and no ``prefetch``); the keyword exists so that code moved
+            over from :class:`~speedswap.OffloadedEmbedding` is told so.
 
     Raises:
-        OptionError: bad sizes or storage, fewer rows than ranks.
+        OptionError: bad sizes or storage, fewer rows than ranks, a ``cache_rows``.
         DTypeError: a dtype that is not floating point.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
                  process_group=None, storage: str = "pinned", dtype: torch.dtype = torch.float32,
-                 backend: BackendLike = "auto", path=None, device: DeviceLike = None):
+                 backend: BackendLike = "auto", path=None, device: DeviceLike = None,
+                 cache_rows: int = 0):
         super().__init__()
+        if int_option(cache_rows, "cache_rows", minimum=0):
+            raise OptionError(f"cache_rows={cache_rows}: ShardedOffloadedEmbedding has no device cache; "
+                              f"its rows reach their owners through the exchange every step. Pass "
+                              f"cache_rows=0, or train in one process with OffloadedEmbedding(cache_rows=...)")
         num_embeddings = int_option(num_embeddings, "num_embeddings")
         embedding_dim = int_option(embedding_dim, "embedding_dim")
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
