@@ -646,3 +646,26 @@ def test_a_device_cache_is_refused_with_a_speedswap_error(cache_rows):
         ss.ShardedOffloadedEmbedding(50, 3, max_rows=8, backend="numpy", storage="pageable",
                                      cache_rows=cache_rows)
     ss.ShardedOffloadedEmbedding(50, 3, max_rows=8, backend="numpy", storage="pageable", cache_rows=0)
+
+
+def test_close_releases_the_shard_keeps_mmap_files_and_refuses_later_calls(tmp_path, rng):
+    emb = ss.ShardedOffloadedEmbedding(40, 3, max_rows=8, backend="numpy", storage="mmap", path=tmp_path)
+    head = torch.nn.Linear(3, 1)
+    opt = torch.optim.Adam([emb.weight, *head.parameters()], lr=0.1)
+    emb.attach(opt)
+    ids = torch.from_numpy(rng.integers(0, 40, 6))
+    head(emb(ids)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    trained = emb.table.to_numpy(copy=True)
+    with emb:
+        pass  # the context manager closes it
+    emb.close()  # idempotent
+    assert emb.table.closed
+    np.testing.assert_array_equal(np.load(tmp_path / "rank0" / "table.npy"), trained)
+    for call in (lambda: emb(ids), lambda: emb.attach(opt), lambda: emb.save(tmp_path / "ckpt"),
+                 lambda: emb.load(tmp_path / "rank0" / "table.npy"), emb.exchange_gradients):
+        with pytest.raises(ss.StateError, match="closed"):
+            call()
+    head(torch.ones(2, 3)).sum().backward()
+    opt.step()  # the optimizer goes on with its other parameters

@@ -277,6 +277,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             self._drop_zeroed_step()
         before, error, send, counts = copy.copy(self._looked_up), None, None, None
         try:
+            self._check_open()
             flat, shape = as_row_ids(ids, self.num_embeddings, self.table.device)
             if training:
                 if self._state is None:
@@ -349,6 +350,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             StateError: no training forward since the last step, a second call
                 in one step, or ranks that disagree about the step (on every rank).
         """
+        self._check_open()
         self._drop_zeroed_step()
         if self._forwards == 0:
             raise StateError("exchange_gradients() without a training forward since the last step: "
@@ -437,6 +439,36 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self.weight.grad = None
         self._new_step()
 
+    def close(self) -> None:
+        """Release this rank's rows and optimizer state memory and unhook the optimizer. Idempotent.
+
+        Call it on every rank, between steps. An ``mmap`` table's files are
+        flushed and kept. Afterwards every call but ``close`` raises
+        :class:`~speedswap.StateError` (a forward on every rank, as for any
+        bad input, when every rank calls it); the optimizer's ``step()`` no
+        longer touches this embedding.
+        """
+        if self.table.closed:
+            return
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = ()
+        if self._state is not None:
+            self._state.close()
+            self._state = None
+        self._new_step()
+        self.table.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check_open(self):
+        if self.table.closed:
+            raise StateError("this ShardedOffloadedEmbedding is closed; its memory was released")
+
     # ---------------------------------------------------------- checkpoints
     def _tables(self):
         tables = {"table": self.table}
@@ -445,6 +477,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         return tables
 
     def _check_between_steps(self, what):
+        self._check_open()
         self._drop_zeroed_step()
         if self._looked_up.size or self._forwards:
             raise StateError(f"{what} between a training forward and optimizer.step() would be "
