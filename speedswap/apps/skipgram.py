@@ -89,6 +89,10 @@ def _scores(u: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.T
     a sum over ``(B, K, D)``.
     """
     pairs, columns = rows.shape
+    if columns > len(table) or u.dtype not in (torch.float32, torch.float64):
+        # The sparse pattern cannot hold more entries per row than the table has columns, and
+        # torch's sampled_addmm has no float16/bfloat16 kernel on every device: gather instead.
+        return (table[rows] * u.unsqueeze(1)).sum(-1)
     crow = torch.arange(0, pairs * columns + 1, columns, device=rows.device)
     with warnings.catch_warnings():
         # torch calls sparse CSR tensors beta; this one is built valid, so skip the checks.
@@ -154,14 +158,22 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
         batch's rows). The loss (summed over the pairs) is detached.
 
     Raises:
-        OptionError: a table with a padding row (skip-gram has none); (also
-            from a step) ``in_place=True`` where the step cannot train in place.
+        OptionError: a table with a padding row (skip-gram has none), or one
+            table as both ``centre`` and ``context``; (also from a step)
+            ``in_place=True`` where the step cannot train in place.
         ShapeError: (from a step) an empty batch.
         IdError: (from a step) a batch planned for larger tables.
         StateError: (from a step) a table already holds rows of an unfinished step.
+
+    A step that raises (bad ids, a full working set, the optimizer) leaves both
+    tables as they were and free for the next step.
     """
     if centre.padding_idx is not None or context.padding_idx is not None:
         raise ss.OptionError("skip-gram tables have no padding row; build them without padding_idx")
+    if centre is context:
+        # The step takes each table's slots from 0; one table would hand out both sets from one.
+        raise ss.OptionError("manual_step needs two tables (centre and context); for one shared "
+                             "table train SkipGram(emb, emb) with autograd")
     centre_grad, context_grad = torch.zeros_like(centre.weight), torch.zeros_like(context.weight)
 
     def copying_step(batch: PairBatch, between: Optional[Callable[[], None]]) -> torch.Tensor:
@@ -201,7 +213,14 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
                                  "cache, and plain SGD (no momentum, weight_decay, nesterov or maximize); "
                                  "pass in_place=None to copy rows when that does not hold")
         if rates is None:
-            return copying_step(batch, between)
+            try:
+                return copying_step(batch, between)
+            except BaseException:
+                # The rows taken in stay as they were (a step refused by its checks changes
+                # nothing), and the next step must not find them in flight.
+                centre.discard_step()
+                context.discard_step()
+                raise
         loss = _in_place_sgd(centre, context, rates, batch, between)
         centre.weight.grad = context.weight.grad = None  # nothing left for step() to apply
         optimizer.step()

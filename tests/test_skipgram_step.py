@@ -1,0 +1,91 @@
+"""The closed-form skip-gram step (manual_step) at its edges: tiny tables, half floats, failures, one table."""
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+from speedswap.apps.pairs import PairBatch
+from speedswap.apps.skipgram import SkipGram, manual_step
+
+
+def _tables(u0, v0, optimizer=torch.optim.SGD, dtype=torch.float32, **kwargs):
+    tables = []
+    for init in (u0, v0):
+        table = ss.OffloadedEmbedding(*init.shape, max_rows=len(init), storage="pageable", backend="numpy",
+                                      dtype=dtype)
+        table.table.apply_(lambda t, init=init: t.copy_(torch.from_numpy(init)))
+        tables.append(table)
+    opt = optimizer([t.weight for t in tables], lr=0.05, **kwargs)
+    for table in tables:
+        table.attach(opt)
+    return tables, opt
+
+
+def _reference(u0, v0, batches, optimizer=torch.optim.SGD, dtype=torch.float32, **kwargs):
+    """Dense nn.Embeddings trained by autograd on the same pairs: the independent reference."""
+    model = SkipGram(*(torch.nn.Embedding.from_pretrained(torch.from_numpy(t).to(dtype), freeze=False,
+                                                          sparse=optimizer is torch.optim.SparseAdam)
+                       for t in (u0, v0)))
+    opt = optimizer(model.parameters(), lr=0.05, **kwargs)
+    for batch in batches:
+        model(*batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return [m.weight.detach().float().numpy() for m in (model.centre, model.context)]
+
+
+@pytest.mark.parametrize("in_place", [None, False])
+def test_a_table_with_fewer_rows_than_a_pair_has_columns_trains_as_autograd(in_place, rng):
+    """1 + negatives columns per pair against a 4-row table: the sampled product cannot hold them."""
+    vocab, negatives = 4, 5
+    u0, v0 = (rng.standard_normal((vocab, 3)).astype(np.float32) for _ in range(2))
+    batches = [(torch.from_numpy(rng.integers(0, vocab, 6)), torch.from_numpy(rng.integers(0, vocab, 6)),
+                torch.from_numpy(rng.integers(0, vocab, (6, negatives)))) for _ in range(5)]
+    tables, opt = _tables(u0, v0)
+    step = manual_step(*tables, opt, in_place=in_place)
+    for batch in batches:
+        step(PairBatch.plan(*batch, centre_rows=vocab, context_rows=vocab))
+    for table, expected in zip(tables, _reference(u0, v0, batches)):
+        np.testing.assert_allclose(table.table.to_numpy(), expected, rtol=0, atol=1e-6)
+
+
+def test_float16_tables_train_as_autograd(rng):
+    vocab = 30
+    u0, v0 = (rng.standard_normal((vocab, 4)).astype(np.float16) for _ in range(2))
+    batches = [(torch.from_numpy(rng.integers(0, vocab, 8)), torch.from_numpy(rng.integers(0, vocab, 8)),
+                torch.from_numpy(rng.integers(0, vocab, (8, 2)))) for _ in range(4)]
+    tables, opt = _tables(u0, v0, dtype=torch.float16)
+    step = manual_step(*tables, opt)
+    for batch in batches:
+        step(PairBatch.plan(*batch, centre_rows=vocab, context_rows=vocab))
+    for table, expected in zip(tables, _reference(u0, v0, batches, dtype=torch.float16)):
+        np.testing.assert_allclose(table.table.to_numpy().astype(np.float32), expected, rtol=0, atol=2e-3)
+
+
+def test_a_step_that_raises_leaves_both_tables_free_and_unchanged(rng):
+    """A batch planned for a larger context table fails after the centre rows came in: the step
+    raises, changes nothing, and the next good step trains as if it had not been tried."""
+    vocab = 20
+    u0, v0 = (rng.standard_normal((vocab, 3)).astype(np.float32) for _ in range(2))
+    tables, opt = _tables(u0, v0, optimizer=torch.optim.Adam, eps=1e-30)  # Adam: the copying path
+    step = manual_step(*tables, opt)
+    wide = PairBatch.plan(torch.tensor([1, 2]), torch.tensor([3, 30]), torch.tensor([[4], [5]]),
+                          centre_rows=vocab, context_rows=40)
+    with pytest.raises(ss.IdError):
+        step(wide)
+    assert all(len(t.working_rows) == 0 for t in tables)
+    np.testing.assert_array_equal(tables[0].table.to_numpy(), u0)
+    good = (torch.tensor([1, 2, 1]), torch.tensor([3, 4, 5]), torch.tensor([[6, 7], [8, 1], [3, 9]]))
+    step(PairBatch.plan(*good, centre_rows=vocab, context_rows=vocab))
+    expected = _reference(u0, v0, [good], optimizer=torch.optim.SparseAdam, eps=1e-30)
+    for table, reference in zip(tables, expected):
+        np.testing.assert_allclose(table.table.to_numpy(), reference, rtol=0, atol=1e-6)
+
+
+def test_one_table_as_centre_and_context_is_refused():
+    emb = ss.OffloadedEmbedding(10, 3, max_rows=10, backend="numpy")
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    with pytest.raises(ss.OptionError, match="two tables"):
+        manual_step(emb, emb, opt)
