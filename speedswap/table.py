@@ -24,7 +24,7 @@ from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
 from .convert import (as_row_ids, as_row_values, float_option, int_option, numpy_dtype,
                       torch_dtype)
-from .errors import (DeviceError, DuplicateIdError, DTypeError, OptionError, OutOfMemoryError,
+from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      ShapeError, StateError)
 
 __all__ = ["HostTable", "live_tables", "check_storage"]
@@ -68,6 +68,15 @@ def _has_duplicates(flat):
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
+def _file_id(path) -> Optional[tuple]:
+    """``(device, inode)`` of the file at ``path``, or None when there is none."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 class HostTable:
     """A ``(num_rows, dim)`` table whose rows move to and from the device on demand.
 
@@ -87,6 +96,9 @@ class HostTable:
         self._buffer = buffer
         self._backend = backend
         self._path = None if path is None else os.fspath(path)
+        # The mapped file's identity: a save to it under any spelling (a symlink, a relative
+        # path after chdir) must flush it, not write a new file the map no longer reaches.
+        self._file_id = None if path is None else _file_id(path)
         self._shape = tuple(buffer.tensor.shape)
         self._dtype = buffer.tensor.dtype
         self._writable = buffer.host is None or bool(buffer.host.flags.writeable)
@@ -208,7 +220,7 @@ class HostTable:
 
     @classmethod
     def load(cls, path, storage: str = "pinned", backend: BackendLike = "auto", mmap: bool = False,
-             dataset: str = "table", *, device: DeviceLike = None) -> "HostTable":
+             dataset: str = "table", *, device: DeviceLike = None, dtype=None) -> "HostTable":
         """A table read from a ``.npy`` or HDF5 file.
 
         Args:
@@ -218,14 +230,22 @@ class HostTable:
             mmap: map the ``.npy`` file itself (storage ``mmap``): nothing is
                 read up front and writes go through to the file.
             dataset: the HDF5 dataset holding the table.
+            dtype: with ``mmap=True``, ``"bfloat16"`` maps a ``uint16`` ``.npy``
+                file as the bfloat16 bit patterns it holds: the file behind a
+                bfloat16 ``mmap`` table (numpy has no bfloat16). None: the
+                file's own dtype.
 
         Returns:
             HostTable
 
         Raises:
-            FileFormatError: a truncated, malformed or non-2-D file.
+            FileFormatError: a truncated, malformed or non-2-D file, or a
+                ``dtype`` the file does not hold.
+            OptionError: ``dtype`` without ``mmap=True``.
             FileNotFoundError: no such file.
         """
+        if dtype is not None:
+            return cls._load_bfloat16_bits(path, dtype, mmap, backend, device)
         header = files.read_table_header(path, dataset)
         if mmap:
             check_storage("mmap", path)
@@ -239,6 +259,24 @@ class HostTable:
                           device=device)
         files.read_table(table, path, header, dataset)
         return table
+
+    @classmethod
+    def _load_bfloat16_bits(cls, path, dtype, mmap, backend, device) -> "HostTable":
+        """:meth:`load` of the uint16 ``.npy`` file behind a bfloat16 ``mmap`` table, mapped."""
+        if not mmap:
+            raise OptionError("dtype= goes with mmap=True: it maps the file of a bfloat16 mmap table; "
+                              "to copy it elsewhere, map it and save() it (saved files hold float32)")
+        if torch_dtype(dtype) is not torch.bfloat16:
+            raise OptionError(f"dtype={dtype!r}: only 'bfloat16' is read from another stored dtype "
+                              f"(uint16 bit patterns); leave dtype=None to use the file's own")
+        check_storage("mmap", path)
+        header = files.read_npy_header(path)
+        if header.dtype != np.dtype(np.uint16) or len(header.shape) != 2:
+            raise FileFormatError(f"{os.fspath(path)!r} holds {header.shape} {header.dtype}, but the "
+                                  f"file of a bfloat16 mmap table is 2-D uint16 (its bit patterns); "
+                                  f"leave dtype=None to load it as what it holds")
+        backend = get_backend(backend, device)
+        return cls(backend.adopt(files.open_npy_memmap(path), "mmap", torch.bfloat16), backend, path)
 
     # ------------------------------------------------------------- properties
     @property
@@ -596,15 +634,17 @@ class HostTable:
         The file is written beside ``path`` under a temporary name, flushed,
         and renamed over ``path`` only when complete: a failure midway leaves
         any previous file intact. A device table is copied out chunk by chunk;
-        a bfloat16 table is written as float32 (see :func:`~speedswap.files.save_table`).
+        a bfloat16 table is written as float32 (see :func:`~speedswap.files.save_table`),
+        except to an ``mmap`` table's own file, which is flushed as it is: it
+        holds the bit patterns as uint16 (reopen it with
+        ``HostTable.load(path, mmap=True, dtype="bfloat16")``).
 
         Args:
             path: ``*.npy``, ``*.h5`` or ``*.hdf5``.
             dataset: the HDF5 dataset name.
         """
         files.file_format(path)
-        if (self.storage == "mmap" and self._path is not None
-                and os.path.abspath(path) == os.path.abspath(self._path)):
+        if self.storage == "mmap" and self._file_id is not None and _file_id(path) == self._file_id:
             self._live_buffer().host.flush()
             return
         files.save_table(self, path, dataset)

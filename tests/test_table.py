@@ -229,3 +229,48 @@ def test_from_numpy_copies_a_read_only_memmap_without_warnings(backend, storage,
     source = np.load(tmp_path / "src.npy", mmap_mode="r")
     table = make(source, storage, backend, tmp_path)
     np.testing.assert_array_equal(table.to_numpy(), ref)
+
+
+def test_a_bfloat16_mmap_tables_file_is_mapped_again_with_its_dtype(rng, tmp_path):
+    """The file behind a bfloat16 mmap table holds the bit patterns as uint16 (numpy has no bfloat16)."""
+    path = tmp_path / "t.npy"
+    values = torch.from_numpy(rng.standard_normal((5, 3)).astype(np.float32)).to(torch.bfloat16)
+    table = ss.HostTable.empty(5, 3, "bfloat16", storage="mmap", path=path, backend="numpy")
+    table.scatter(torch.arange(5), values)
+    table.close()
+    with pytest.raises(ss.FileFormatError, match="dtype='bfloat16'"):
+        ss.HostTable.load(path, mmap=True, backend="numpy")
+    again = ss.HostTable.load(path, mmap=True, dtype="bfloat16", backend="numpy")
+    assert again.dtype is torch.bfloat16 and again.storage == "mmap"
+    assert torch.equal(again.gather(torch.arange(5)), values)
+    again.scatter([2], torch.full((1, 3), 0.5, dtype=torch.bfloat16))  # writes reach the file
+    again.close()
+    assert torch.equal(ss.HostTable.load(path, mmap=True, dtype=torch.bfloat16, backend="numpy").gather([2]),
+                       torch.full((1, 3), 0.5, dtype=torch.bfloat16))
+    np.save(tmp_path / "f.npy", rng.standard_normal((5, 3)).astype(np.float32))
+    for kwargs, error in ((dict(mmap=False, dtype="bfloat16"), ss.OptionError),
+                          (dict(mmap=True, dtype="float16"), ss.OptionError)):
+        with pytest.raises(error, match="dtype"):
+            ss.HostTable.load(path, backend="numpy", **kwargs)
+    with pytest.raises(ss.FileFormatError, match="uint16"):
+        ss.HostTable.load(tmp_path / "f.npy", mmap=True, dtype="bfloat16", backend="numpy")
+
+
+@pytest.mark.parametrize("spelling", ["symlinked directory", "relative path after chdir"])
+def test_saving_an_mmap_table_to_its_own_file_under_another_name_flushes_it(spelling, rng, tmp_path,
+                                                                            monkeypatch):
+    """Writing a new file over the mapped one would leave the table writing to a deleted copy."""
+    (tmp_path / "real").mkdir()
+    monkeypatch.chdir(tmp_path / "real")
+    table = ss.HostTable.empty(4, 3, "float32", storage="mmap", path="t.npy", backend="numpy")
+    table.scatter(torch.arange(4), torch.from_numpy(rng.standard_normal((4, 3)).astype(np.float32)))
+    if spelling == "symlinked directory":
+        (tmp_path / "link").symlink_to(tmp_path / "real")
+        same = tmp_path / "link" / "t.npy"
+    else:
+        monkeypatch.chdir(tmp_path)
+        same = "real/t.npy"
+    table.save(same)
+    table.scatter([1], torch.full((1, 3), 5.0))  # after the save: must still reach the file
+    table.close()
+    np.testing.assert_array_equal(np.load(tmp_path / "real" / "t.npy")[1], np.full(3, 5.0, np.float32))

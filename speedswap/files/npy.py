@@ -106,7 +106,8 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
               "shape": tuple(shape)}
     if os.path.exists(path) and not overwrite:
         raise PathError(f"{path!r} already exists; speedswap does not replace a file it did not "
-                        f"create. Open it with HostTable.load(path, mmap=True), or pass "
+                        f"create. Open it with HostTable.load(path, mmap=True) (add "
+                        f"dtype='bfloat16' for a bfloat16 table's file), or pass "
                         f"overwrite=True to start it afresh")
     # Created under a temporary name and renamed: a replaced file keeps its inode for
     # whoever still maps it, and the name never holds a half-made header.

@@ -51,8 +51,10 @@ def read_table_header(path, dataset: str = "table") -> TableHeader:
         raise FileFormatError(f"{os.fspath(path)!r} holds an array of shape {header.shape}; "
                               f"a table needs 2-D (rows, dim)")
     if header.table_dtype is None:
+        bits = (" If it is the file of a bfloat16 mmap table (its bit patterns), map it with "
+                "HostTable.load(path, mmap=True, dtype='bfloat16')." if header.dtype == np.uint16 else "")
         raise FileFormatError(f"{os.fspath(path)!r} holds {header.dtype}, which no table holds; "
-                              f"convert it with numpy first (e.g. a.astype(np.float32))")
+                              f"convert it with numpy first (e.g. a.astype(np.float32)).{bits}")
     return header
 
 
