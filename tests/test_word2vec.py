@@ -1,8 +1,11 @@
 """The word2vec pieces the demo and examples/word2vec.py share: corpus, pairs, negatives, scoring."""
 
 import dataclasses
+import errno
 import functools
+import io
 import os
+import stat
 import threading
 
 import numpy as np
@@ -10,7 +13,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap.apps import evaluate, word2vec
+from speedswap.apps import evaluate, w2v_format, word2vec
 from speedswap.apps.demo import memory_summary
 from speedswap.apps.corpus import keep_probabilities, read_text_corpus, skipgram_pairs, synthetic_corpus
 from speedswap.apps.pairs import _ID_TENSORS, PairBatch, PairChunks, _groups
@@ -109,6 +112,33 @@ def test_training_refuses_an_unknown_optimizer_or_schedule():
         word2vec.train(corpus, dim=4, steps=3, batch_size=16, optimizer="lbfgs", backend="numpy", progress=False)
     with pytest.raises(ss.OptionError, match="'cosine'"):
         word2vec.train(corpus, dim=4, steps=3, batch_size=16, schedule="cosine", backend="numpy", progress=False)
+
+@pytest.mark.parametrize("option,error,match", [
+    (dict(batch_size=0), ss.OptionError, r"batch_size must be a positive int, got 0 \(pairs per step\)"),
+    (dict(batch_size=2.5), ss.OptionError, r"batch_size must be a positive int, got 2.5"),
+    (dict(window=0), ss.OptionError, r"window must be a positive int, got 0"),
+    (dict(chunk_tokens=0), ss.OptionError, r"chunk_tokens must be a positive int, got 0"),
+    (dict(dim=0), ss.OptionError, r"dim must be a positive int, got 0"),
+    (dict(negatives=-1), ss.OptionError, r"negatives must be an int >= 0, got -1"),
+    (dict(seed=-1), ss.OptionError, r"seed must be an int >= 0, got -1"),
+    (dict(seed=1 << 50), ss.OptionError, r"seed must be below 2\*\*32"),
+    (dict(steps=np.int64(0)), ss.OptionError, r"steps must be a positive int, got (np.int64\()?0"),
+    (dict(lr="x"), ss.DTypeError, r"lr must be a real number, got 'x'"),
+    (dict(lr=0.0), ss.OptionError, r"lr must be > 0, got 0.0; None gives sgd's default, 0.025"),
+    (dict(lr=float("nan")), ss.OptionError, r"lr must be finite"),
+    (dict(subsample=-1e-3), ss.OptionError, r"subsample must be >= 0 \(0: keep every word\), got -0.001"),
+    (dict(subsample=float("inf")), ss.OptionError, r"subsample must be finite"),
+])
+def test_training_checks_every_numeric_option_before_it_starts(option, error, match, monkeypatch):
+    corpus = synthetic_corpus(vocab=50, topics=2, tokens=2000, seed=0)
+
+    def started(*args, **kwargs):
+        raise AssertionError("the pair thread started before the options were checked")
+
+    monkeypatch.setattr(word2vec, "PairChunks", started)
+    options = dict(dim=4, steps=3, batch_size=16, backend="numpy", progress=False)
+    with pytest.raises(error, match=match):
+        word2vec.train(corpus, **{**options, **option})
 
 
 def test_an_epoch_reads_every_token_once_and_a_partial_batch_trains():
@@ -335,6 +365,26 @@ def test_analogies_are_solved_by_3cosadd_excluding_the_question_words():
     score = evaluate.analogy_accuracy(vectors, words, questions)
     assert (score.value, score.used, score.total) == (0.5, 2, 3)
 
+@pytest.mark.parametrize("rows", [3, 6])
+def test_evaluation_refuses_vectors_without_one_row_per_word(rows, rng):
+    words = ["man", "woman", "king", "queen", "prince"]
+    vectors = rng.standard_normal((rows, 3))
+    with pytest.raises(ss.ShapeError, match=rf"one row per word \(5 words\), got shape \({rows}, 3\)"):
+        evaluate.word_similarity(vectors, words, [("man", "woman", 1.0), ("king", "queen", 2.0)])
+    with pytest.raises(ss.ShapeError, match=rf"one row per word \(5 words\), got shape \({rows}, 3\)"):
+        evaluate.analogy_accuracy(vectors, words, [("man", "woman", "king", "queen")])
+    with pytest.raises(ss.ShapeError, match=r"got shape \(5,\)"):
+        evaluate.word_similarity(rng.standard_normal(5), words, [("man", "woman", 1.0)])
+
+
+def test_a_test_set_file_that_is_not_utf8_is_refused_naming_its_line(tmp_path):
+    (tmp_path / "ws.tsv").write_bytes(b"# Word 1\tWord 2\tHuman\ntiger\tcat\t7.35\ncaf\xe9\tcoffee\t8\n")
+    with pytest.raises(ss.FileFormatError, match=r"ws.tsv:3: not UTF-8 .*iconv"):
+        evaluate.read_word_pairs(tmp_path / "ws.tsv")
+    (tmp_path / "q.txt").write_bytes(b": s\nboy girl he she\n\xe9t\xe9 a b c\n")
+    with pytest.raises(ss.FileFormatError, match=r"q.txt:3: not UTF-8"):
+        evaluate.read_analogies(tmp_path / "q.txt")
+
 
 @pytest.mark.parametrize("binary", [False, True])
 def test_word2vec_format_round_trips_and_gensim_reads_it(tmp_path, rng, binary):
@@ -349,6 +399,78 @@ def test_word2vec_format_round_trips_and_gensim_reads_it(tmp_path, rng, binary):
     assert load_word2vec_format(path, binary=binary)[0] == words  # a failed save leaves the old file
     keyed = pytest.importorskip("gensim.models").KeyedVectors.load_word2vec_format(str(path), binary=binary)
     assert keyed.index_to_key == words and np.array_equal(keyed.vectors, vectors)
+
+@pytest.mark.parametrize("content,binary,match", [
+    (b"2 x\na 1\nb 2\n", False, r"line 1: expected word2vec's header '<vocab> <dim>'"),
+    (b"2 2 2\n", False, r"line 1: expected word2vec's header"),
+    (b"-1 2\n", False, r"line 1: the header says -1 vectors of 2 values; both must be >= 0"),
+    (b"99999999999 99999999\na 1\n", False, r"line 1: the header says 99,999,999,999 vectors .* file is truncated"),
+    (b"2 2\na 1 x\nb 3 4\n", False, r"line 2: expected 2 numbers after the word 'a' \(.*b'x'\)"),
+    (b"2 2\na 1 2\n\nb 3 4\n", False, r"line 3: expected a word and the 2 values the header says, got an empty line"),
+    (b"2 2\na 1 2\n\xff\xfe 3 4\n", False, r"line 3: the word b'\\xff\\xfe' is not UTF-8"),
+    (b"1 2\na 1 2\nb 3 4\n", False, r"more than the 1 vectors its header says \(another row starts at line 3\)"),
+    (b"1 2\na 1 2\n\n  \nb 3 4\n", False, r"another row starts at line 5\): the header and the body disagree"),
+    (b"1 1\na \0\0\x80\x3f\nb \0\0\0\x40\n", True, r"another row starts at byte 11\)"),
+    (b"1 1\n\xe9 \0\0\x80\x3f\n", True, r"vector 1 \(byte 4\): the word b'\\xe9' is not UTF-8"),
+])
+def test_a_malformed_word2vec_file_is_refused_naming_its_line(tmp_path, content, binary, match):
+    path = tmp_path / "vectors"
+    path.write_bytes(content)
+    with pytest.raises(ss.FileFormatError, match=match) as error:
+        load_word2vec_format(path, binary=binary)
+    assert str(path) in str(error.value)
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_trailing_blank_lines_after_the_last_word2vec_row_are_no_extra_rows(tmp_path, binary):
+    path = tmp_path / "vectors"
+    save_word2vec_format(path, ["a", "b"], np.eye(2), binary=binary)
+    with open(path, "ab") as f:
+        f.write(b"\n \r\n")
+    assert load_word2vec_format(path, binary=binary)[0] == ["a", "b"]
+
+
+@pytest.mark.parametrize("words,error,match", [
+    (["a", 2], ss.DTypeError, r"words must be str, got 2 of type int"),
+    (["a", "b\ud800"], ss.OptionError, r"cannot be written in UTF-8.*lone surrogate"),
+])
+def test_saving_word2vec_format_checks_every_word_before_writing(tmp_path, words, error, match):
+    path = tmp_path / "vectors.txt"
+    save_word2vec_format(path, ["old", "file"], np.eye(2))
+    before = path.read_bytes()
+    with pytest.raises(error, match=match):
+        save_word2vec_format(path, words, np.ones((2, 2)))
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["vectors.txt"]
+
+
+def test_a_full_disk_while_saving_word2vec_format_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "vectors.txt"
+    save_word2vec_format(path, ["old", "file"], np.eye(2))
+    before = path.read_bytes()
+
+    class FullDisk(io.BytesIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    # The module's own name `open`, so only the save's file fills up.
+    monkeypatch.setattr(w2v_format, "open", lambda *args: FullDisk(), raising=False)
+    with pytest.raises(ss.PathError, match="vectors.txt.*disk is full.*previous file at that path is intact"):
+        save_word2vec_format(path, ["new", "file"], np.ones((2, 2)))
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["vectors.txt"]
+
+
+def test_a_saved_word2vec_file_has_the_mode_a_plain_open_gives_it(tmp_path):
+    umask = os.umask(0o022)  # the usual umask, restored below
+    try:
+        path = tmp_path / "vectors.txt"
+        save_word2vec_format(path, ["a"], np.ones((1, 2)))
+        (tmp_path / "plain").write_bytes(b"")
+        assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(tmp_path / "plain").st_mode) == 0o644
+        os.chmod(path, 0o640)  # a replaced file keeps its mode, as with open(path, "w")
+        save_word2vec_format(path, ["b"], np.ones((1, 2)))
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
+    finally:
+        os.umask(umask)
 
 
 def test_sgd_without_autograd_trains_the_vectors_autograd_trains(backend, seed):

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 import speedswap as ss
+from speedswap.files.base import check_readable_file
 
 __all__ = ["Score", "read_word_pairs", "read_analogies", "word_similarity", "analogy_accuracy"]
 
@@ -60,9 +61,23 @@ class Score:
 
 
 def _lines(path: os.PathLike):
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
+    """``(number, text)`` of each line of the UTF-8 file ``path`` that is neither blank nor a ``#`` comment.
+
+    Raises:
+        FileFormatError: a line that is not UTF-8 (named by its number).
+        MissingFileError: nothing at ``path``.
+        PathError: ``path`` is a directory.
+    """
+    name = check_readable_file(path, "test-set file")
+    # Read as bytes and decoded line by line, so an error can name its line.
+    with open(name, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as exc:
+                raise ss.FileFormatError(f"{name}:{number}: not UTF-8 ({exc.reason} at byte {exc.start} of "
+                                         f"the line: {raw[:80]!r}); the test sets are UTF-8: convert the "
+                                         f"file (e.g. iconv -f latin1 -t utf-8)") from None
             if line and not line.startswith("#"):
                 yield number, line
 
@@ -71,7 +86,8 @@ def read_word_pairs(path: os.PathLike) -> list:
     """``[(word1, word2, score), ...]`` of a word-similarity file (tab- or space-separated).
 
     Raises:
-        FileFormatError: a line that is not two words and a number, or no pairs at all.
+        FileFormatError: a line that is not two words and a number or not UTF-8, or no pairs at all.
+        MissingFileError: nothing at ``path``.
     """
     pairs = []
     for number, line in _lines(path):
@@ -90,7 +106,9 @@ def read_analogies(path: os.PathLike) -> list:
     """``[(a, b, c, d), ...]`` of an analogy file (questions-words.txt's format), lower-cased.
 
     Raises:
-        FileFormatError: a question that is not four words, or no questions at all.
+        FileFormatError: a question that is not four words, a line that is not UTF-8, or no
+            questions at all.
+        MissingFileError: nothing at ``path``.
     """
     questions = []
     for number, line in _lines(path):
@@ -109,6 +127,15 @@ def read_analogies(path: os.PathLike) -> list:
 def _unit(vectors: np.ndarray) -> torch.Tensor:
     v = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
     return v / v.norm(dim=1, keepdim=True).clamp_min(1e-12)
+
+
+def _check_rows(vectors, words: Sequence[str]) -> None:
+    """Raise unless ``vectors`` is 2-D with one row per word, so row ``i`` is the vector of ``words[i]``."""
+    shape = tuple(np.shape(vectors))
+    if len(shape) != 2 or shape[0] != len(words):
+        raise ss.ShapeError(f"expected (vocab, dim) vectors with one row per word ({len(words):,} words), "
+                            f"got shape {shape}; pass the vectors and the words of the same vocabulary, "
+                            f"in the same order")
 
 
 def _index(words: Sequence[str], limit: int) -> dict:
@@ -139,7 +166,11 @@ def word_similarity(vectors: np.ndarray, words: Sequence[str], pairs: Sequence[t
 
     Returns:
         Score (``value`` is NaN when fewer than two pairs are in the vocabulary).
+
+    Raises:
+        ShapeError: ``vectors`` is not ``(len(words), dim)``.
     """
+    _check_rows(vectors, words)
     index = _index(words, RESTRICT_VOCAB)
     known = [(index[a], index[b], s) for a, b, s in pairs if a in index and b in index]
     if len(known) < 2:
@@ -163,7 +194,11 @@ def analogy_accuracy(vectors: np.ndarray, words: Sequence[str], questions: Seque
 
     Returns:
         Score (``value`` is NaN when no question is in the vocabulary).
+
+    Raises:
+        ShapeError: ``vectors`` is not ``(len(words), dim)``.
     """
+    _check_rows(vectors, words)
     index = _index(words, RESTRICT_VOCAB)
     known = np.array([[index[w] for w in q] for q in questions if all(w in index for w in q)],
                      dtype=np.int64).reshape(-1, 4)

@@ -36,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 import speedswap as ss
+from speedswap import convert
 
 from .corpus import Corpus
 from .pairs import NegativeSampler, PairBatch, PairChunks
@@ -49,6 +50,9 @@ DEFAULT_LR = {"sgd": 0.025, "adam": 0.01, "adamax": 0.01}
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamax": torch.optim.Adamax}
 #: word2vec's floor for the decayed rate, as a share of the starting rate.
 _LR_FLOOR = 1e-4
+#: Seeds are below this: the pair thread seeds each epoch's negatives with ``seed * 100_003 + epoch``,
+#: which overflows torch's 64-bit seed from about 2**46 on; 2**32 keeps well inside.
+_SEED_LIMIT = 1 << 32
 
 
 def cores_granted() -> int:
@@ -246,24 +250,36 @@ def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed
 
 
 def _check_run_length(epochs: Optional[int], steps: Optional[int]) -> tuple:
+    """``(epochs, steps)`` as ints (epochs 1 when neither is given), if at most one is given and it is positive."""
     if epochs is not None and steps is not None:
         raise ss.OptionError("give the run's length either as epochs (passes over the corpus) or as "
                              "steps, not both")
-    for name, value in (("epochs", epochs), ("steps", steps)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ss.OptionError(f"{name} must be a positive int, got {value!r}")
+    epochs, steps = (None if value is None else convert.int_option(value, name)
+                     for name, value in (("epochs", epochs), ("steps", steps)))
     return (1 if epochs is None and steps is None else epochs), steps
 
 
-def _check_offloading(speedtorch_api: bool, autograd: Optional[bool], cache_rows: int, prefetch: bool) -> None:
-    if isinstance(cache_rows, bool) or not isinstance(cache_rows, int) or cache_rows < 0:
-        raise ss.OptionError(f"cache_rows must be an int >= 0 (0: no cache), got {cache_rows!r}")
+def _check_offloading(speedtorch_api: bool, autograd: Optional[bool], cache_rows: int, prefetch: bool) -> int:
+    """``cache_rows`` as an int, if it and the other offloading options go together."""
+    cache_rows = convert.int_option(cache_rows, "cache_rows", minimum=0, hint=" (0: no cache)")
     if prefetch and not cache_rows:
         raise ss.OptionError("prefetch brings the next batch's rows into the device cache; give "
                              "cache_rows > 0 as well")
     if speedtorch_api and autograd is False:
         raise ss.OptionError("the SpeedTorch API (ModelFactory/OptimizerFactory) trains with autograd; "
                              "drop autograd=False, or use OffloadedEmbedding (speedtorch_api=False)")
+    return cache_rows
+
+
+def _check_rate(lr: Optional[float], optimizer: str) -> float:
+    """The learning rate: ``lr`` if it is a finite number > 0, the optimizer's default when None."""
+    if lr is None:
+        return DEFAULT_LR[optimizer]
+    lr = convert.float_option(lr, "lr")
+    if lr <= 0:
+        raise ss.OptionError(f"lr must be > 0, got {lr!r}; None gives {optimizer}'s default, "
+                             f"{DEFAULT_LR[optimizer]}")
+    return lr
 
 
 def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps: Optional[int] = None,
@@ -325,16 +341,33 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     Raises:
         OptionError: an unknown optimizer or schedule, both or neither-valid
             ``epochs``/``steps``, a bad ``cache_rows``, ``prefetch`` without a
-            cache, the SpeedTorch API with a cache or without autograd, or a
-            corpus that gives no pairs.
+            cache, the SpeedTorch API without autograd, or a corpus that gives
+            no pairs; a size that is not a positive int (``dim``,
+            ``batch_size``, ``window``, ``chunk_tokens``), ``negatives`` or
+            ``seed`` below 0, ``seed`` not below 2**32, ``lr`` not > 0, or
+            ``subsample`` below 0, infinite or NaN. All are checked before the
+            pair thread starts or a table is built.
+        DTypeError: ``lr`` or ``subsample`` is not a real number.
     """
     epochs, steps = _check_run_length(epochs, steps)
-    _check_offloading(speedtorch_api, autograd, cache_rows, prefetch)
+    cache_rows = _check_offloading(speedtorch_api, autograd, cache_rows, prefetch)
     if optimizer not in _OPTIMIZERS:
         raise ss.OptionError(f"unknown optimizer {optimizer!r}; choose one of {sorted(_OPTIMIZERS)}")
     if schedule not in ("linear", "constant"):
         raise ss.OptionError(f"unknown schedule {schedule!r}; choose 'linear' or 'constant'")
-    lr = DEFAULT_LR[optimizer] if lr is None else lr
+    # All checked here: once the pair thread starts, a bad size would fail there, or after the tables exist.
+    lr = _check_rate(lr, optimizer)
+    dim = convert.int_option(dim, "dim", hint=" (the vector length)")
+    batch_size = convert.int_option(batch_size, "batch_size", hint=" (pairs per step)")
+    negatives = convert.int_option(negatives, "negatives", minimum=0, hint=" (negative words per pair)")
+    window = convert.int_option(window, "window", hint=" (the largest context reach)")
+    chunk_tokens = convert.int_option(chunk_tokens, "chunk_tokens", hint=" (tokens made into pairs at a time)")
+    seed = convert.int_option(seed, "seed", minimum=0)
+    if seed >= _SEED_LIMIT:
+        raise ss.OptionError(f"seed must be below 2**32, got {seed}")
+    subsample = convert.float_option(subsample, "subsample")
+    if subsample < 0:
+        raise ss.OptionError(f"subsample must be >= 0 (0: keep every word), got {subsample!r}")
     args = (corpus.vocab_size, dim, batch_size, negatives, _OPTIMIZERS[optimizer], lr, seed, storage, backend,
             directory)
     device = ss.get_backend(backend).device
