@@ -151,9 +151,9 @@ def atomic_output(path):
     tmp = temp_path(path)
     try:
         try:
-            open(tmp, "xb").close()
-            # give the new file the mode the old one had
-            os.chmod(tmp, os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644)
+            open(tmp, "xb").close()  # a new file: the mode a plain open() gives, under the umask
+            if os.path.exists(path):  # a replaced one keeps the mode it had
+                os.chmod(tmp, os.stat(path).st_mode & 0o777)
         except OSError as exc:
             raise saving_error(path, exc) from exc
         yield tmp

@@ -176,3 +176,20 @@ def test_save_of_a_device_table_is_chunked(backend, values, tmp_path, monkeypatc
     ss.HostTable.from_numpy(values, storage="device", backend=backend).save(tmp_path / "c.npy")
     assert sizes == [64, 64, 64, 64, 44]
     np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), values)
+
+
+@pytest.mark.parametrize("umask", [0o077, 0o002])
+@pytest.mark.parametrize("name", ["t.npy", "t.h5"])
+def test_a_saved_file_gets_the_mode_of_a_plain_open_and_a_replaced_one_keeps_its_own(umask, name, backend,
+                                                                                      values, tmp_path):
+    table = ss.HostTable.from_numpy(values, backend=backend)
+    old = os.umask(umask)
+    try:
+        open(tmp_path / "plain", "wb").close()
+        table.save(tmp_path / name)
+        assert os.stat(tmp_path / name).st_mode & 0o777 == os.stat(tmp_path / "plain").st_mode & 0o777
+        os.chmod(tmp_path / name, 0o640)
+        table.save(tmp_path / name)
+        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o640
+    finally:
+        os.umask(old)
