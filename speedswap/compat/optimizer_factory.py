@@ -132,7 +132,12 @@ class OptimizerFactory(Switcher):
         return self._state
 
     def init_state(self):
-        """Reset every row's state to torch's initial value (cached state rows too). Alias ``optInit``."""
+        """Reset every row's state to torch's initial value (cached state rows too). Alias ``optInit``.
+
+        Only the per-row state: the optimizer's scalar state (Adam's ``step``)
+        goes on, as when an in-memory optimizer's moment tensors are zeroed.
+        For a full restart, build a fresh optimizer and switchers.
+        """
         with self._rewriting("init_state"):
             self._state.init_state()
 
@@ -182,7 +187,11 @@ class OptimizerFactory(Switcher):
         save_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__})
 
     def load(self, path):
-        """Read state tables written by :meth:`save`; restore the optimizer's state_dict too.
+        """Read state tables written by :meth:`save`.
+
+        The optimizer's scalar state (Adam's ``step``) is not in them: restore
+        it with ``optimizer.load_state_dict(...)`` from a state_dict saved
+        beside them, or the next step refuses (the tables hold trained state).
 
         Raises:
             FileFormatError: a checkpoint of another optimizer or shape (nothing changes).

@@ -204,7 +204,10 @@ class OffloadedEmbedding(torch.nn.Module):
         """Reset every row's optimizer state to the value torch creates it with.
 
         For restarting the optimizer (a fresh ``torch.optim`` optimizer after
-        :meth:`load`, when its ``state_dict`` was not saved).
+        :meth:`load`, when its ``state_dict`` was not saved). Only the per-row
+        state: the optimizer's scalar state (Adam's ``step``) goes on, as when
+        an in-memory optimizer's moment tensors are zeroed; :meth:`attach`
+        again for a full restart.
 
         It may run between a forward and the step: that is the advice of a
         step refused because the optimizer holds no state for trained rows.
