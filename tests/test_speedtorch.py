@@ -472,3 +472,22 @@ def test_a_frozen_embedding_of_a_model_factory_alone_may_sit_in_a_stateful_optim
     opt.step()
     u.after_step(ids)
     np.testing.assert_array_equal(u.getNumpyVersion(), table0)
+
+
+def test_an_optimizer_factory_alone_over_the_whole_table_is_refused(backend, table0):
+    """Its state rows go to slots 0..k-1, which in a whole table are other rows; with a working-set
+    embedding (smaller than the table) a lone OptimizerFactory is the user's own swapping and is allowed."""
+    device = ss.get_backend(backend).device
+    whole = SkipGram(capacity=ROWS).to(device)
+    opt = torch.optim.Adam(whole.parameters(), lr=0.1)
+    o = ss.OptimizerFactory(opt, ROWS, DIM, whole, "u_embeddings", storage="pageable", backend=backend)
+    with pytest.raises(ss.OptionError, match="whole table"):
+        o.before_forward(torch.tensor([1, 2], device=device))
+    assert not o.state.tables["exp_avg"].to_numpy().any()
+    u = ss.ModelFactory(whole.u_embeddings, ROWS, DIM, storage="pageable", backend=backend)
+    o.before_forward(torch.tensor([1, 2], device=device))  # with its ModelFactory it is fine
+    u.before_forward(torch.tensor([1, 2], device=device))
+    small = SkipGram().to(device)
+    alone = ss.OptimizerFactory(torch.optim.Adam(small.parameters(), lr=0.1), ROWS, DIM, small, "u_embeddings",
+                                storage="pageable", backend=backend)
+    assert alone.before_forward(torch.tensor([7, 3, 7], device=device)).tolist() == [1, 0, 1]

@@ -158,6 +158,14 @@ class OptimizerFactory(Switcher):
             raise StateError("before_forward called twice without after_step; finish the "
                              "step with after_step(ids) so its state rows are written back")
         self._check_member()
+        if self._steps.lone_optimizer() and self._param.shape[0] >= self._steps.num_rows:
+            # Its state rows go to slots 0..k-1, which in a whole table hold other rows.
+            raise OptionError(
+                f"an OptimizerFactory without a ModelFactory, over an embedding that holds the whole "
+                f"table ({self._param.shape[0]} rows for total_classes={self._steps.num_rows}): the "
+                f"step's state rows would land on other rows. Build a ModelFactory for the embedding "
+                f"too (its rows are then a batch-sized working set), or leave the optimizer's state "
+                f"in memory (no OptimizerFactory)")
         rows = self._param_rows()
         step = self._steps.prepare(pos, neg, OPTIMIZER)
         self._steps.begin(step, OPTIMIZER, rows)

@@ -131,6 +131,12 @@ class SharedSteps:
         return (model is not None and model.ref() is not None
                 and (optimizer is None or optimizer.ref() is None))
 
+    def lone_optimizer(self) -> bool:
+        """Whether the parameter has a live OptimizerFactory and no live ModelFactory."""
+        model, optimizer = self._members.get(MODEL), self._members.get(OPTIMIZER)
+        return (optimizer is not None and optimizer.ref() is not None
+                and (model is None or model.ref() is None))
+
     def busy(self) -> bool:
         """Whether a step is in progress: a switcher began it and has not ended it."""
         return self.current is not None and self.current.unfinished()
