@@ -119,6 +119,26 @@ def shard_arrays(emb):
     return arrays
 
 
+def train_past_a_failed_forward(emb, opt, seed, world, rank, failing, errors_file):
+    """Load table0, train every step, calling ``failing(ids)`` before step 3's forward; its errors to a file."""
+    import speedswap as ss
+    emb.load(os.path.join(os.path.dirname(errors_file), "table0.npy"))
+    errors = {}
+    for step in range(STEPS):
+        ids, targets = global_batch(seed, step)
+        part = rank_slice(step, world, rank)
+        if step == 3:
+            try:
+                failing(ids[part])
+            except ss.SpeedswapError as exc:
+                errors[type(exc).__name__] = str(exc)
+        rank_loss(emb, ids[part], targets[part], world).backward()
+        opt.step()
+        opt.zero_grad()
+    with open(errors_file, "w") as f:
+        json.dump(errors, f)
+
+
 def run_scenario(scenario, seed, world, rank, out):
     """Train (and checkpoint) one scenario; write this rank's shard or its errors."""
     import speedswap as ss
@@ -155,44 +175,22 @@ def run_scenario(scenario, seed, world, rank, out):
         train(emb, opt, seed, range(SAVE_AT, STEPS), world, rank)
         name = f"{name}-resumed"
     elif kind == "bad":      # rank 1 passes an id out of range at step 3, then good ids
+        def out_of_range(ids):
+            bad = ids.clone()
+            if rank == 1:
+                bad[0] = NUM_ROWS
+            emb(bad)
         emb, opt = make(name)
-        emb.load(table_file)
-        errors = {}
-        for step in range(STEPS):
-            ids, targets = global_batch(seed, step)
-            part = rank_slice(step, world, rank)
-            if step == 3:
-                bad = ids[part].clone()
-                if rank == 1:
-                    bad[0] = NUM_ROWS
-                try:
-                    emb(bad)
-                except ss.SpeedswapError as exc:
-                    errors[type(exc).__name__] = str(exc)
-            rank_loss(emb, ids[part], targets[part], world).backward()
-            opt.step()
-            opt.zero_grad()
-        with open(os.path.join(out, f"bad.rank{rank}.json"), "w") as f:
-            json.dump(errors, f)
+        train_past_a_failed_forward(emb, opt, seed, world, rank, out_of_range,
+                                    os.path.join(out, f"bad.rank{rank}.json"))
         name = "bad"
     elif kind == "mode":     # at step 3 rank 1 calls the forward under no_grad, rank 0 training
+        def mixed_modes(ids):
+            with torch.set_grad_enabled(rank != 1):
+                emb(ids)
         emb, opt = make(name)
-        emb.load(table_file)
-        errors = {}
-        for step in range(STEPS):
-            ids, targets = global_batch(seed, step)
-            part = rank_slice(step, world, rank)
-            if step == 3:
-                try:
-                    with torch.set_grad_enabled(rank != 1):
-                        emb(ids[part])
-                except ss.SpeedswapError as exc:
-                    errors[type(exc).__name__] = str(exc)
-            rank_loss(emb, ids[part], targets[part], world).backward()
-            opt.step()
-            opt.zero_grad()
-        with open(os.path.join(out, f"mode.rank{rank}.json"), "w") as f:
-            json.dump(errors, f)
+        train_past_a_failed_forward(emb, opt, seed, world, rank, mixed_modes,
+                                    os.path.join(out, f"mode.rank{rank}.json"))
         name = "mode"
     elif kind == "npyfail":  # rank 1 cannot read its rows of a .npy export: no rank changes
         emb, opt = make(name)

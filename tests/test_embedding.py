@@ -419,36 +419,20 @@ def test_sam_perturbs_the_rows_between_two_passes_and_trains_as_in_memory(cache_
     np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_rprop_rows_start_from_the_lr_of_the_first_step_as_torch_creates_them(rng):
-    """A scheduler built after attach changes lr before torch creates Rprop's step_size."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_rprop_rows_start_from_the_lr_of_the_first_step_as_torch_creates_them(prefetch, rng):
+    """A scheduler built after attach changes lr before torch creates Rprop's step_size; rows a
+    prefetch cached before the first step must get it too, in the cache as in the tables."""
     table0 = rng.standard_normal((20, 3)).astype(np.float32)
-    emb = ss.OffloadedEmbedding(20, 3, max_rows=4, storage="pageable", backend="numpy")
+    emb = ss.OffloadedEmbedding(20, 3, max_rows=4, storage="pageable", backend="numpy",
+                                cache_rows=8 if prefetch else 0)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     opt = torch.optim.Rprop(emb.parameters(), lr=0.1)
     emb.attach(opt)
     ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False)
     ref_opt = torch.optim.Rprop(ref.parameters(), lr=0.1)
-    for optimizer in (opt, ref_opt):
-        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 0.1)  # lr 0.1 -> 0.01 now
-    for ids in ([1], [2], [3, 4]):  # rows touched once: lazy Rprop is dense Rprop on them
-        for model, optimizer in ((emb, opt), (ref, ref_opt)):
-            model(torch.tensor(ids)).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-6, atol=1e-7)
-
-
-def test_rprop_rows_prefetched_before_the_first_step_start_from_its_lr_too(rng):
-    """Rows a prefetch cached before the first step hold Rprop's step_size from attach; the first
-    step re-reads it from the lr torch creates the state with, in the cache as in the tables."""
-    table0 = rng.standard_normal((20, 3)).astype(np.float32)
-    emb = ss.OffloadedEmbedding(20, 3, max_rows=4, storage="pageable", backend="numpy", cache_rows=8)
-    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt = torch.optim.Rprop(emb.parameters(), lr=0.1)
-    emb.attach(opt)
-    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False)
-    ref_opt = torch.optim.Rprop(ref.parameters(), lr=0.1)
-    assert emb.prefetch(torch.tensor([5, 6, 7])) == 3
+    if prefetch:
+        assert emb.prefetch(torch.tensor([5, 6, 7])) == 3
     for optimizer in (opt, ref_opt):
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 0.1)  # lr 0.1 -> 0.01 now
     for ids in ([1], [5], [6, 7]):  # rows touched once: lazy Rprop is dense Rprop on them
