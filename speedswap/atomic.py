@@ -1,4 +1,4 @@
-"""Atomic saves: a temporary beside the target, fsync, one rename; and the debris of killed saves.
+"""Atomic saves: a temporary beside the target, fsync, one rename; the debris of killed saves; path checks.
 
 Every file speedswap writes goes through :func:`atomic_output`, so a crash or
 a full disk mid-save leaves the previous file intact. Temporaries are named
@@ -15,10 +15,10 @@ import secrets
 import shutil
 import socket
 
-from .errors import PathError, SpeedswapError
+from .errors import MissingFileError, PathError, SpeedswapError
 
 __all__ = ["atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
-           "saving_error", "fsync_dir"]
+           "check_readable_file", "saving_error", "fsync_dir"]
 
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
 
@@ -170,3 +170,19 @@ def atomic_output(path):
             raise saving_error(path, exc) from exc
         raise
     fsync_dir(directory)
+
+
+def check_readable_file(path, what="file") -> str:
+    """``path`` as a string, if it names an existing regular file.
+
+    Raises:
+        MissingFileError: nothing at ``path``.
+        PathError: ``path`` is a directory.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise PathError(f"{path!r} is a directory, but a {what} was expected here; pass the "
+                        f"file's path")
+    if not os.path.exists(path):
+        raise MissingFileError(errno.ENOENT, f"no {what} at {path!r}; check the path", path)
+    return path

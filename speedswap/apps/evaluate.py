@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import speedswap as ss
-from speedswap.files.base import check_readable_file
+from speedswap.atomic import check_readable_file
 
 __all__ = ["Score", "read_word_pairs", "read_analogies", "word_similarity", "analogy_accuracy"]
 

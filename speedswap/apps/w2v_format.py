@@ -21,8 +21,7 @@ from typing import Sequence
 import numpy as np
 
 import speedswap as ss
-from speedswap.atomic import atomic_output
-from speedswap.files.base import check_readable_file
+from speedswap.atomic import atomic_output, check_readable_file
 
 __all__ = ["save_word2vec_format", "load_word2vec_format"]
 

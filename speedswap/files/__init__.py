@@ -16,7 +16,7 @@ formats; :mod:`~speedswap.files.tables` saves and loads whole tables in
 either, bfloat16 and all-or-nothing staging included.
 """
 
-from .base import (H5_SUFFIXES, NPY_SUFFIXES, TableHeader, check_matches, check_readable_file,
+from .base import (H5_SUFFIXES, NPY_SUFFIXES, TableHeader, check_matches,
                    file_format, row_ranges, suffix_format)
 from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import check_size, create_npy_memmap, open_npy_memmap, read_npy_header, read_npy_into, write_npy
@@ -48,5 +48,4 @@ __all__ = [
     "read_table",
     "stage_table",
     "StagedRows",
-    "check_readable_file",
 ]

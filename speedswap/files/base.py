@@ -6,7 +6,6 @@ passes before it is read, the row ranges reads and writes go by, and
 :func:`write_chunk`, the single place table bytes reach a file.
 """
 
-import errno
 import io
 import os
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 
 from ..convert import torch_dtype
-from ..errors import DTypeError, FileFormatError, MissingFileError, OptionError, PathError
+from ..errors import DTypeError, FileFormatError, OptionError
 
 __all__ = [
     "NPY_SUFFIXES",
@@ -26,7 +25,6 @@ __all__ = [
     "TableHeader",
     "check_dtype",
     "table_dtype_of",
-    "check_readable_file",
     "reading_error",
     "check_matches",
     "CHUNK_BYTES",
@@ -93,22 +91,6 @@ def table_dtype_of(dtype):
         return torch_dtype(dtype)
     except DTypeError:
         return None
-
-
-def check_readable_file(path, what="file") -> str:
-    """``path`` as a string, if it names an existing regular file.
-
-    Raises:
-        MissingFileError: nothing at ``path``.
-        PathError: ``path`` is a directory.
-    """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise PathError(f"{path!r} is a directory, but a {what} was expected here; pass the "
-                        f"file's path")
-    if not os.path.exists(path):
-        raise MissingFileError(errno.ENOENT, f"no {what} at {path!r}; check the path", path)
-    return path
 
 
 def reading_error(path, exc) -> FileFormatError:

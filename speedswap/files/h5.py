@@ -8,11 +8,11 @@ import os
 import numpy as np
 import torch
 
-from ..atomic import atomic_output
+from ..atomic import atomic_output, check_readable_file
 from ..convert import torch_dtype
 from ..errors import FileFormatError
 from . import base
-from .base import (TableHeader, check_dtype, check_matches, check_readable_file, reading_error, row_ranges,
+from .base import (TableHeader, check_dtype, check_matches, reading_error, row_ranges,
                    table_dtype_of)
 
 __all__ = ["read_h5_header", "open_h5", "read_h5_into", "write_h5"]

@@ -7,10 +7,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..atomic import atomic_output, check_writable_dir, saving_error, temp_path
+from ..atomic import atomic_output, check_readable_file, check_writable_dir, saving_error, temp_path
 from ..errors import FileFormatError, PathError, SpeedswapError
 from . import base
-from .base import TableHeader, check_dtype, check_matches, check_readable_file, reading_error, table_dtype_of
+from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
 
 __all__ = ["read_npy_header", "check_size", "open_npy_memmap", "create_npy_memmap", "read_npy_into",
            "write_npy"]
