@@ -31,6 +31,18 @@ def test_synthetic_corpus_plants_topics_with_zipf_frequencies(seed):
     assert corpus.counts[:20].mean() > 5 * corpus.counts[200:220].mean()
 
 
+def test_a_synthetic_corpus_whose_topics_outnumber_some_words_fills_every_document(seed):
+    """60 words over 50 topics leaves some topics without words: their documents went unfilled
+    (np.empty garbage as word ids); now documents go to topics that have words."""
+    corpus = synthetic_corpus(vocab=60, topics=50, tokens=20_000, background=0.0, seed=seed)
+    assert len(np.setdiff1d(np.arange(50), corpus.topics))  # the case: some topic has no word
+    assert corpus.tokens.min() >= 0 and corpus.tokens.max() < 60 and corpus.counts.sum() == 20_000
+    docs = corpus.tokens.reshape(-1, 50)
+    assert (corpus.topics[docs] == corpus.topics[docs[:, :1]]).all()
+    with pytest.raises(ss.OptionError, match="at most vocab topics"):
+        synthetic_corpus(vocab=10, topics=11, tokens=1000)
+
+
 def test_pairs_stay_inside_documents_and_windows(rng):
     doc_ids = np.repeat(np.arange(10), 100)
     positions = np.arange(1000)

@@ -85,19 +85,28 @@ def synthetic_corpus(vocab: int, topics: int, tokens: int, *, doc_len: int = 50,
         Corpus with ``topics`` set.
 
     Raises:
-        OptionError: a size that is not a positive int.
+        OptionError: a size that is not a positive int, or more topics than words.
     """
     _check_positive(vocab=vocab, topics=topics, tokens=tokens, doc_len=doc_len)
+    if topics > vocab:
+        raise ss.OptionError(f"{topics} topics over {vocab} words: every topic needs words of its own; "
+                             f"give at most vocab topics")
     rng = np.random.default_rng(seed)
     topic_of = rng.integers(0, topics, vocab)
     weight = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** zipf
     num_docs = max(1, tokens // doc_len)
     doc_topic = rng.integers(0, topics, num_docs)
+    # A topic the random assignment gave no word has no documents either: the others take them
+    # (each document is filled from its topic's words, so an empty topic would leave it unfilled).
+    empty = np.setdiff1d(np.arange(topics), topic_of)
+    if len(empty):
+        filled = np.setdiff1d(np.arange(topics), empty)
+        doc_topic = filled[rng.integers(0, len(filled), num_docs)]
     ids = np.empty((num_docs, doc_len), dtype=np.int32)
     for topic in range(topics):
         members = np.flatnonzero(topic_of == topic)
         docs = np.flatnonzero(doc_topic == topic)
-        if len(members) == 0 or len(docs) == 0:
+        if len(docs) == 0:
             continue
         cdf = np.cumsum(weight[members])
         ids[docs] = members[np.searchsorted(cdf, rng.random((len(docs), doc_len)) * cdf[-1])]
