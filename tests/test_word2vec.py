@@ -644,3 +644,23 @@ def test_context_ids_are_grouped_as_a_stable_sort_and_unique_group_them(bound, r
     assert torch.equal(order, torch.sort(ids, stable=True).indices)
     counts = torch.bincount(expected_inverse)
     assert torch.equal(starts, counts.cumsum(0) - counts)
+
+
+@pytest.mark.parametrize("speedtorch_api", [False, True])
+def test_an_mmap_run_refuses_existing_table_files_before_it_makes_any(speedtorch_api, tmp_path):
+    """Built table by table, a clash at the second table left the first's files behind."""
+    corpus = synthetic_corpus(vocab=50, topics=2, tokens=2000, seed=0)
+    taken = tmp_path / ("context.npy" if speedtorch_api else "context")
+    if speedtorch_api:
+        taken.write_bytes(b"someone's file")
+    else:
+        taken.mkdir()
+        (taken / "table.npy").write_bytes(b"someone's file")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(ss.PathError, match="already holds"):
+        word2vec.train(corpus, dim=8, steps=2, batch_size=64, storage="mmap", directory=str(tmp_path),
+              backend="numpy", speedtorch_api=speedtorch_api, progress=False)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    (tmp_path / "fresh" / "centre").mkdir(parents=True)  # an empty directory is fine
+    word2vec.train(corpus, dim=8, steps=2, batch_size=64, storage="mmap", directory=str(tmp_path / "fresh"),
+          backend="numpy", speedtorch_api=speedtorch_api, progress=False)

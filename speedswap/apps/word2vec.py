@@ -133,6 +133,21 @@ class TrainResult:
         return self.words / self.seconds if self.seconds else float("nan")
 
 
+def _check_fresh(directory: str, names: Sequence[str]) -> None:
+    """Refuse files the job would make in ``directory`` that exist already, before it makes any.
+
+    The tables are built one by one, and each refuses a file it did not make:
+    checked table by table, a clash at the second would leave the first's files
+    behind, and those would stop the next run.
+    """
+    taken = [name for name in names
+             if os.path.isfile(os.path.join(directory, name)) or
+             (os.path.isdir(os.path.join(directory, name)) and os.listdir(os.path.join(directory, name)))]
+    if taken:
+        raise ss.PathError(f"{directory!r} already holds {', '.join(taken)}: the job makes its table files "
+                           f"afresh and does not replace files; give a new or empty directory, or remove them")
+
+
 def _table_files(directory: Optional[str], name: str) -> Optional[str]:
     """Where an ``mmap`` table's files go: ``directory/name`` (None when not memory-mapped)."""
     return None if directory is None else os.path.join(directory, name)
@@ -309,7 +324,10 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
             run's words, or its steps) or ``"constant"``.
         storage: speedswap storage kind of the tables and optimizer state.
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
-        directory: for ``storage="mmap"``, where the table and state files go.
+        directory: for ``storage="mmap"``, where the table and state files go
+            (``centre/``, ``context/``; with the SpeedTorch API ``centre.npy``,
+            ``context.npy``, ``centre-state/``, ``context-state/``); none of them
+            may exist yet (empty directories may).
         speedtorch_api: train through ``ModelFactory``/``OptimizerFactory``
             instead of :class:`~speedswap.OffloadedEmbedding` (always with autograd).
         autograd: differentiate :class:`~speedswap.apps.skipgram.SkipGram`
@@ -348,6 +366,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
             ``subsample`` below 0, infinite or NaN. All are checked before the
             pair thread starts or a table is built.
         DTypeError: ``lr`` or ``subsample`` is not a real number.
+        PathError: with ``storage="mmap"``, table files of the job exist in ``directory``.
     """
     epochs, steps = _check_run_length(epochs, steps)
     cache_rows = _check_offloading(speedtorch_api, autograd, cache_rows, prefetch)
@@ -368,6 +387,9 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     subsample = convert.float_option(subsample, "subsample")
     if subsample < 0:
         raise ss.OptionError(f"subsample must be >= 0 (0: keep every word), got {subsample!r}")
+    if storage == "mmap" and directory is not None:
+        _check_fresh(directory, ("centre.npy", "context.npy", "centre-state", "context-state") if speedtorch_api
+                     else ("centre", "context"))
     args = (corpus.vocab_size, dim, batch_size, negatives, _OPTIMIZERS[optimizer], lr, seed, storage, backend,
             directory)
     device = ss.get_backend(backend).device
