@@ -7,6 +7,7 @@ different devices.
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -32,6 +33,77 @@ def existing_file(path):
     return path
 
 
+def writable_file(path):
+    """argparse ``type=`` for an output file: its directory exists and the path is not a directory.
+
+    Checked when the arguments are read, so a bad path fails before a run
+    that would only find out when it saves its results.
+    """
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is a directory: give a file path")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"no directory {directory!r} to write {path!r} in: create it first")
+    if not os.access(path if os.path.exists(path) else directory, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{path!r} cannot be written here (permission denied)")
+    return path
+
+
+def _number(text, kind, accept, expected):
+    """``kind(text)`` if ``accept`` takes it, else argparse's one-line error saying what was ``expected``."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}") from None
+    if not accept(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
+    return value
+
+
+def positive_int(text):
+    """argparse ``type=`` for a count or size: an integer >= 1."""
+    return _number(text, int, lambda n: n >= 1, "a positive integer")
+
+
+def nonnegative_int(text):
+    """argparse ``type=`` for an integer >= 0."""
+    return _number(text, int, lambda n: n >= 0, "an integer >= 0")
+
+
+def positive_float(text):
+    """argparse ``type=`` for a rate or a limit: a finite number > 0 (not NaN, not inf)."""
+    return _number(text, float, lambda x: 0 < x < math.inf, "a finite number > 0")
+
+
+def nonnegative_float(text):
+    """argparse ``type=`` for a penalty or a noise level: a finite number >= 0 (not NaN, not inf)."""
+    return _number(text, float, lambda x: 0 <= x < math.inf, "a finite number >= 0")
+
+
+def share(text):
+    """argparse ``type=`` for a share of the rows: a number strictly between 0 and 1."""
+    return _number(text, float, lambda x: 0 < x < 1, "a share strictly between 0 and 1")
+
+
+#: Seeds are below 2**32: numpy, torch and speedswap's word2vec all take them.
+SEED_LIMIT = 2 ** 32
+
+
+def seed(text):
+    """argparse ``type=`` for ``--seed``: an integer in [0, 2**32)."""
+    return _number(text, int, lambda n: 0 <= n < SEED_LIMIT, "a seed: an integer from 0 to 2**32 - 1")
+
+
+def check_torchrun(parser, args):
+    """``--distributed`` without torchrun's ``RANK``/``WORLD_SIZE`` is argparse's one-line error.
+
+    Without them the process group would wait for a master that nobody started.
+    """
+    if args.distributed and not {"RANK", "WORLD_SIZE"} <= set(os.environ):
+        parser.error(f"--distributed runs one process per rank: launch it with torchrun, e.g. "
+                     f"torchrun --nproc-per-node 2 {parser.prog} --distributed")
+
+
 def run(main):
     """Run an example's ``main()``: a speedswap error ends it with its message, not a traceback.
 
@@ -48,8 +120,9 @@ def add_common_arguments(parser):
     """Add ``--device``, ``--seed`` and ``--json`` to an argparse parser."""
     parser.add_argument("--device", choices=sorted(BACKEND_OF_DEVICE), default="auto",
                         help="where to train: cuda needs CuPy and a GPU; auto uses one if present")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the data and the training")
-    parser.add_argument("--json", metavar="PATH", help="also write the reported figures to PATH")
+    parser.add_argument("--seed", type=seed, default=0, help="seeds the data and the training (0 to 2**32 - 1)")
+    parser.add_argument("--json", metavar="PATH", type=writable_file,
+                        help="also write the reported figures to PATH")
 
 
 def backend_and_device(args):

@@ -85,7 +85,7 @@ def word2vec_sharded(args, corpus, backend):
     """Train skip-gram vectors with both tables sharded over the ranks; rank 0 reports.
 
     Returns:
-        the figures (on rank 0; None on the others).
+        ``(figures, centre vectors)`` on rank 0; ``(None, None)`` on the others.
     """
     device = ss.get_backend(backend).device
     rank, world = init(device)
@@ -133,7 +133,7 @@ def word2vec_sharded(args, corpus, backend):
     sent = torch.tensor([centre.bytes_sent + context.bytes_sent], dtype=torch.float64, device=device)  # NCCL: GPU only
     dist.all_reduce(sent)
     if rank != 0:
-        return None
+        return None, None
     figures = {"world_size": world, "seconds": seconds, "losses": losses,
                "pairs_per_second": steps * per_rank * world / seconds,
                "bytes_sent_per_step": float(sent) / steps,
@@ -145,9 +145,7 @@ def word2vec_sharded(args, corpus, backend):
         purity, chance = word2vec.topic_purity(vectors, corpus)
         figures.update(topic_purity=purity, chance=chance)
         print(f"topic purity {purity:.3f} (chance {chance:.3f})")
-    if args.save:
-        np.save(args.save, vectors)
-    return figures
+    return figures, vectors
 
 
 def recommender_sharded(args, initial, mean, data, train, test, backend, fit, model_class, eps):

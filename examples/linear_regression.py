@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,8 @@ import speedswap as ss
 from speedswap.data.filesource import drop_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import HelpFormatter, add_common_arguments, backend_and_device, run, write_json  # noqa: E402
+from _common import (HelpFormatter, add_common_arguments, backend_and_device, positive_float,  # noqa: E402
+                     positive_int, run, write_json)
 
 
 def generate_dataset(directory, rows, features, seed=0, chunk_bytes=64 << 20):
@@ -53,18 +55,36 @@ def generate_dataset(directory, rows, features, seed=0, chunk_bytes=64 << 20):
     ``b`` uniform on [0, 1), as in the FFCV tutorial. Rows are produced
     ``chunk_bytes`` at a time and written by ``ss.data.create_npy``, so a
     dataset larger than RAM can be made. An existing dataset of the same
-    shape and seed is reused.
+    shape and seed is reused; one this function made for another shape or
+    seed (``truth.npz`` says so) is replaced. ``truth.npz`` is written first,
+    so an interrupted run's files are known to be its own.
 
     Returns:
         (path of X.npy, path of Y.npy, W, b)
+
+    Raises:
+        OptionError: ``rows`` or ``features`` below 1.
+        PathError: ``directory`` is a file, or holds an ``X.npy`` or ``Y.npy``
+            this function did not make (no ``truth.npz`` of its own beside
+            them): they are not replaced. Raised before anything is written.
     """
+    if rows < 1 or features < 1:
+        raise ss.OptionError(f"a dataset of {rows} x {features}: rows and features must be at least 1")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    if directory.exists() and not directory.is_dir():
+        raise ss.PathError(f"{str(directory)!r} is a file, not a directory for X.npy and Y.npy")
     x_path, y_path, truth_path = directory / "X.npy", directory / "Y.npy", directory / "truth.npz"
-    if truth_path.exists():
-        truth = np.load(truth_path)
-        if tuple(truth["shape"]) == (rows, features) and int(truth["seed"]) == seed:
-            return x_path, y_path, truth["W"], float(truth["b"])
+    truth = _read_truth(truth_path)
+    if truth is None:
+        theirs = [path.name for path in (x_path, y_path) if path.exists()]
+        if theirs:
+            raise ss.PathError(f"{str(directory)!r} holds {' and '.join(theirs)} that this example did not make "
+                               f"(no truth.npz of its own beside them) and will not replace: give another "
+                               f"directory, or remove them")
+    elif (truth["shape"] == (rows, features) and truth["seed"] == seed and truth["complete"]
+          and _npy_shape(x_path) == (rows, features) and _npy_shape(y_path) == (rows,)):
+        return x_path, y_path, truth["W"], truth["b"]
+    directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     w, b = rng.random(features).astype(np.float32), float(rng.random())
     y = np.empty(rows, dtype=np.float32)  # 4 bytes a row: fits where X does not
@@ -74,10 +94,33 @@ def generate_dataset(directory, rows, features, seed=0, chunk_bytes=64 << 20):
         y[start:stop] = chunk @ w + b + rng.standard_normal(stop - start)
         return chunk
 
+    # Claimed before X.npy and Y.npy are written: a run stopped half-way leaves files marked as this
+    # example's (incomplete), which the next run replaces instead of refusing as someone else's.
+    np.savez(truth_path, W=w, b=b, shape=(rows, features), seed=seed, complete=False)
     ss.data.create_npy(x_path, (rows, features), np.float32, x_rows, chunk_bytes=chunk_bytes)
     np.save(y_path, y)
-    np.savez(truth_path, W=w, b=b, shape=(rows, features), seed=seed)
+    np.savez(truth_path, W=w, b=b, shape=(rows, features), seed=seed, complete=True)
     return x_path, y_path, w, b
+
+
+def _read_truth(path):
+    """``truth.npz`` as ``{W, b, shape, seed, complete}``, or None when there is none of this example's."""
+    try:
+        with np.load(path) as truth:
+            return {"W": truth["W"], "b": float(truth["b"]), "shape": tuple(truth["shape"].tolist()),
+                    "seed": int(truth["seed"]),
+                    # Files written before the flag existed wrote truth.npz last: complete.
+                    "complete": bool(truth["complete"]) if "complete" in truth.files else True}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # none, not an npz, or not this example's
+        return None
+
+
+def _npy_shape(path):
+    """The shape of the ``.npy`` at ``path`` (read from its header), or None when there is no readable one."""
+    try:
+        return np.load(path, mmap_mode="r").shape
+    except (OSError, ValueError):
+        return None
 
 
 def feature_stats(x, batch_size, device):
@@ -92,14 +135,15 @@ def feature_stats(x, batch_size, device):
 
 
 def fit(loader, mean, std, true_w, *, epochs, lr, device, label, progress=True, cold=(),
-        max_seconds=float("inf")):
+        max_seconds=None):
     """SGD on the squared loss over the normalised features; per-epoch figures.
 
     ``loader`` is any iterable of ``(x, y)`` batches, so the speedswap feeder
     and the DataLoader baseline run exactly the same arithmetic. The files in
     ``cold`` are dropped from the page cache before each epoch. An epoch
-    that passes ``max_seconds`` is stopped, and its time extrapolated from
-    the share of rows it saw (``complete`` says which).
+    that passes ``max_seconds`` (None: no limit) is stopped after the batch
+    in hand, and its time extrapolated from the share of rows it saw
+    (``complete`` says which).
 
     Returns:
         a list with each epoch's ``seconds``, mean ``loss``, ``w_distance``
@@ -109,6 +153,7 @@ def fit(loader, mean, std, true_w, *, epochs, lr, device, label, progress=True, 
     b = torch.zeros(1, device=device)
     true_w = torch.from_numpy(true_w).to(device)
     history = []
+    max_seconds = float("inf") if max_seconds is None else max_seconds
     rows = len(loader.dataset) if hasattr(loader, "dataset") else None
     for epoch in range(epochs):
         for path in cold:
@@ -118,8 +163,6 @@ def fit(loader, mean, std, true_w, *, epochs, lr, device, label, progress=True, 
         # disable=None: bars only on a terminal, so redirected logs are not flooded.
         for x, y in tqdm(loader, desc=f"{label} epoch {epoch + 1}", leave=False,
                          disable=None if progress else True):
-            if time.perf_counter() - start > max_seconds:
-                break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             x = (x - mean) / std
             residual = x @ w + b - y
@@ -127,6 +170,8 @@ def fit(loader, mean, std, true_w, *, epochs, lr, device, label, progress=True, 
             b -= lr * residual.mean()
             total_loss += float(residual.pow(2).sum())
             seen += len(x)
+            if time.perf_counter() - start > max_seconds:  # after a batch: an epoch sees at least one
+                break
         seconds = time.perf_counter() - start
         total = rows if rows is not None else loader.rows_per_rank
         complete = seen == total
@@ -166,14 +211,15 @@ def dd_seconds(path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
-    parser.add_argument("--rows", type=int, default=100_000, help="N, rows of X")
-    parser.add_argument("--features", type=int, default=100, help="D, columns of X")
-    parser.add_argument("--data-dir", help="where X.npy / Y.npy go (default: a folder in the temp dir)")
+    parser.add_argument("--rows", type=positive_int, default=100_000, help="N, rows of X (at least 2)")
+    parser.add_argument("--features", type=positive_int, default=100, help="D, columns of X")
+    parser.add_argument("--data-dir", help="where X.npy / Y.npy go; X.npy or Y.npy this example did not make "
+                        "are refused, not replaced (default: a folder in the temp dir)")
     parser.add_argument("--order", choices=("random", "block", "sequential"), default="random",
                         help="order rows are visited in each epoch (block: random blocks, read sequentially)")
-    parser.add_argument("--batch-size", type=int, default=2048, help="rows per step")
-    parser.add_argument("--epochs", type=int, default=5, help="passes over the data")
-    parser.add_argument("--lr", type=float, default=0.05, help="learning rate")
+    parser.add_argument("--batch-size", type=positive_int, default=2048, help="rows per step")
+    parser.add_argument("--epochs", type=positive_int, default=5, help="passes over the data")
+    parser.add_argument("--lr", type=positive_float, default=0.05, help="learning rate")
     parser.add_argument("--mmap", action="store_true",
                         help="memory-map X.npy even if it fits in RAM (default: only if it does not)")
     parser.add_argument("--compare", action="store_true",
@@ -182,11 +228,14 @@ def main(argv=None):
                         help="empty the page cache for the files before every epoch (read from disk)")
     parser.add_argument("--ceiling", action="store_true",
                         help="time dd reading X.npy once from disk, the sequential-read ceiling")
-    parser.add_argument("--max-seconds", type=float, default=float("inf"),
-                        help="stop a DataLoader epoch after this long and extrapolate its time")
+    parser.add_argument("--max-seconds", type=positive_float,
+                        help="stop a DataLoader epoch after this long and extrapolate its time "
+                        "(default: no limit)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_common_arguments(parser)
     args = parser.parse_args(argv)
+    if args.rows < 2:
+        parser.error("--rows must be at least 2: the features are normalised by their standard deviation")
     backend, device = backend_and_device(args)
     data_dir = args.data_dir or Path(tempfile.gettempdir()) / f"speedswap-linreg-{args.rows}x{args.features}"
 

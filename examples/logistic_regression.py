@@ -34,7 +34,7 @@ import speedswap as ss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (HelpFormatter, add_common_arguments, backend_and_device,  # noqa: E402
-                     existing_file, run, write_json)
+                     existing_file, nonnegative_float, positive_float, positive_int, run, share, write_json)
 
 
 def synthetic_classes(samples, features, classes, informative, separation, seed):
@@ -82,46 +82,85 @@ def accuracy(model, x, y, batch_size, device):
     return correct / len(y)
 
 
+def load_numbers(path, option, parser):
+    """A numeric array (integers or floats, at least one dimension) from the ``.npy`` at ``path``.
+
+    Raises:
+        SystemExit: (``parser.error``) not a ``.npy`` numpy reads without
+            pickles, or an array of objects, strings or booleans, or 0-d.
+    """
+    try:
+        array = np.load(path)
+    except (OSError, ValueError, EOFError) as exc:  # not a .npy, truncated, or objects (needs pickle)
+        reason = ("it is not a .npy file, or holds Python objects" if "pickle" in str(exc)
+                  else str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        parser.error(f"{option} {path!r} is not a .npy array of numbers: {reason}")
+    if not isinstance(array, np.ndarray) or array.dtype.kind not in "iuf":  # np.load may give an NpzFile
+        parser.error(f"{option} {path!r} holds {getattr(array, 'dtype', 'an .npz of')} values, not numbers: "
+                     f"give an array of integers or floats")
+    if array.ndim == 0:
+        parser.error(f"{option} {path!r} holds a single number (a 0-d array): give one row per sample")
+    return array
+
+
 def load_labelled(x_path, y_path, parser):
     """Features ``(n, d)`` float32 and class ids ``(n,)`` int64 from two ``.npy`` files.
 
+    A class id is below the number of rows, so the model's weights (features x
+    classes) are never larger than the features themselves.
+
     Raises:
-        SystemExit: (``parser.error``) different row counts, or labels that
-            are not class ids 0, 1, ... (casting 0.3 to 0 would train on
-            labels nobody gave).
+        SystemExit: (``parser.error``) a file that is not a numeric array,
+            features that are NaN or infinite (or none per row), different row
+            counts, or labels that are not class ids 0, 1, ... below the row
+            count (casting 0.3 to 0 would train on labels nobody gave).
     """
-    x, y = np.load(x_path), np.load(y_path)
+    x, y = load_numbers(x_path, "--x", parser), load_numbers(y_path, "--y", parser)
+    x = x.reshape(len(x), -1)
+    if x.shape[1] == 0:
+        parser.error(f"--x has shape {x.shape}: every row needs at least one feature")
+    if not np.isfinite(x).all():
+        row = int(np.flatnonzero(~np.isfinite(x).all(1))[0])
+        parser.error(f"--x row {row} holds NaN or infinite features: give finite numbers")
     if y.ndim != 1 or len(x) != len(y):
         parser.error(f"--x has {len(x):,} rows and --y has shape {y.shape}: give one label per row of --x")
-    if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.floating)) or not np.all(
-            np.isfinite(y) & (np.floor(y) == y) & (y >= 0)):
+    if not np.all(np.isfinite(y) & (np.floor(y) == y) & (y >= 0)):
         parser.error(f"--y must hold class ids 0, 1, 2, ... (integers >= 0), got {y.dtype} values "
                      f"such as {y[:3].tolist()}")
-    return x.reshape(len(x), -1).astype(np.float32), y.astype(np.int64)
+    if y.max() >= len(y):
+        parser.error(f"--y holds class id {y.max():.0f} for {len(y):,} rows: class ids are 0, 1, 2, ... below "
+                     f"the number of rows; renumber them densely")
+    return x.astype(np.float32), y.astype(np.int64)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--x", metavar="X.npy", type=existing_file,
                         help="features, (n, d) (default: synthetic)")
-    parser.add_argument("--y", metavar="y.npy", type=existing_file, help="integer labels, (n,)")
-    parser.add_argument("--samples", type=int, default=100_000, help="synthetic rows")
-    parser.add_argument("--features", type=int, default=100, help="synthetic features")
-    parser.add_argument("--classes", type=int, default=5, help="synthetic classes")
-    parser.add_argument("--informative", type=int, default=20, help="synthetic features with signal")
-    parser.add_argument("--separation", type=float, default=4.0, help="synthetic logit std")
-    parser.add_argument("--val-share", type=float, default=0.15, help="share of rows held out for validation")
-    parser.add_argument("--test-share", type=float, default=0.15, help="share of rows held out for the test")
-    parser.add_argument("--batch-size", type=int, default=256, help="rows per step")
-    parser.add_argument("--epochs", type=int, default=5, help="passes over the training rows")
-    parser.add_argument("--lr", type=float, default=0.01, help="learning rate")
-    parser.add_argument("--l1", type=float, default=0.0, help="L1 strength")
-    parser.add_argument("--l2", type=float, default=0.0, help="L2 strength")
+    parser.add_argument("--y", metavar="y.npy", type=existing_file,
+                        help="integer class ids 0, 1, 2, ... below the number of rows, (n,)")
+    parser.add_argument("--samples", type=positive_int, default=100_000, help="synthetic rows")
+    parser.add_argument("--features", type=positive_int, default=100, help="synthetic features")
+    parser.add_argument("--classes", type=positive_int, default=5, help="synthetic classes")
+    parser.add_argument("--informative", type=positive_int, default=20,
+                        help="synthetic features with signal (at most --features)")
+    parser.add_argument("--separation", type=positive_float, default=4.0, help="synthetic logit std")
+    parser.add_argument("--val-share", type=share, default=0.15, help="share of rows held out for validation")
+    parser.add_argument("--test-share", type=share, default=0.15, help="share of rows held out for the test")
+    parser.add_argument("--batch-size", type=positive_int, default=256, help="rows per step")
+    parser.add_argument("--epochs", type=positive_int, default=5, help="passes over the training rows")
+    parser.add_argument("--lr", type=positive_float, default=0.01, help="learning rate")
+    parser.add_argument("--l1", type=nonnegative_float, default=0.0, help="L1 strength")
+    parser.add_argument("--l2", type=nonnegative_float, default=0.0, help="L2 strength")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_common_arguments(parser)
     args = parser.parse_args(argv)
     if (args.x is None) != (args.y is None):
         parser.error("give both --x and --y, or neither for synthetic data")
+    if args.informative > args.features:
+        parser.error(f"--informative {args.informative} is more than --features {args.features}")
+    if args.val_share + args.test_share >= 1:
+        parser.error(f"--val-share {args.val_share} and --test-share {args.test_share} leave no rows to train on")
     backend, device = backend_and_device(args)
     torch.manual_seed(args.seed)
     bayes = None
@@ -131,6 +170,9 @@ def main(argv=None):
         x, y, best = synthetic_classes(args.samples, args.features, args.classes, args.informative,
                                        args.separation, args.seed)
     train, val, test = split(len(y), args.val_share, args.test_share, args.seed)
+    if not (len(train) and len(val) and len(test)):
+        parser.error(f"{len(y):,} rows split {len(train):,} train / {len(val):,} val / {len(test):,} test: "
+                     f"every part needs rows; give more rows or larger shares")
     if not args.x:
         bayes = float((best[test] == y[test]).mean())
     # Standardise with the training rows' statistics (a no-op for the synthetic data).

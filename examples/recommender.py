@@ -26,6 +26,7 @@ reachable test RMSE (the noise) and the predict-the-mean baseline are known.
 import argparse
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +37,8 @@ import speedswap as ss
 from speedswap.apps.demo import format_bytes, format_rows, memory_summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (HelpFormatter, add_common_arguments, backend_and_device,  # noqa: E402
-                     existing_file, run, write_json)
+from _common import (HelpFormatter, add_common_arguments, backend_and_device, check_torchrun,  # noqa: E402
+                     existing_file, nonnegative_float, positive_float, positive_int, run, share, write_json)
 
 
 def read_ratings(path):
@@ -46,11 +47,30 @@ def read_ratings(path):
     Reads ``u.data`` (ml-100k: tab-separated ``user item rating timestamp``,
     no header) and ``ratings.csv`` (ml-latest, ml-25m: ``userId,movieId,rating,timestamp``
     with a header). MovieLens ids have gaps, so they are renumbered.
+
+    Raises:
+        FileFormatError: the file is empty, not in that format (another
+            separator, fewer columns, text where numbers go), or holds ids
+            that are not integers or ratings that are NaN or infinite.
     """
     path = Path(path)
     csv = path.suffix == ".csv"
-    raw = np.loadtxt(path, delimiter="," if csv else "\t", skiprows=1 if csv else 0,
-                     usecols=(0, 1, 2), dtype=np.float64, ndmin=2)
+    expected = ("a MovieLens ratings.csv: a header line, then userId,movieId,rating,timestamp lines" if csv
+                else "a MovieLens u.data: tab-separated 'user item rating timestamp' lines, no header")
+    try:
+        with warnings.catch_warnings():  # an empty file: numpy warns, and the check below says so
+            warnings.simplefilter("ignore", UserWarning)
+            raw = np.loadtxt(path, delimiter="," if csv else "\t", skiprows=1 if csv else 0,
+                             usecols=(0, 1, 2), dtype=np.float64, ndmin=2)
+    except ValueError as exc:  # text where numbers go, another separator, a short line, not UTF-8
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ss.FileFormatError(f"{str(path)!r} is not {expected} ({first})") from exc
+    if not len(raw):
+        raise ss.FileFormatError(f"{str(path)!r} holds no ratings; expected {expected}")
+    if not np.isfinite(raw).all() or np.any(raw[:, :2] != np.floor(raw[:, :2])):
+        line = int(np.flatnonzero(~np.isfinite(raw).all(1) | (raw[:, :2] != np.floor(raw[:, :2])).any(1))[0])
+        raise ss.FileFormatError(f"{str(path)!r} line {line + 1 + csv} holds {raw[line].tolist()}: ids must be "
+                                 f"integers and ratings finite numbers; expected {expected}")
     _, users = np.unique(raw[:, 0].astype(np.int64), return_inverse=True)
     _, items = np.unique(raw[:, 1].astype(np.int64), return_inverse=True)
     return users.astype(np.int64), items.astype(np.int64), raw[:, 2].astype(np.float32)
@@ -132,6 +152,20 @@ def in_memory_model(initial, mean, args, device):
     return model, optimizer, lambda: [emb.weight.detach().cpu().numpy() for emb in tables]
 
 
+def largest_difference(ours, theirs):
+    """The largest absolute difference between two runs' tables; inf where either holds NaN or inf.
+
+    A float max() would drop a NaN after the first table (``max(1e-8, nan)``
+    is ``1e-8``), so a diverged run would pass as agreeing.
+    """
+    largest = 0.0
+    for a, b in zip(ours, theirs, strict=True):
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            return float("inf")
+        largest = max(largest, float(np.abs(a - b).max(initial=0.0)))
+    return largest
+
+
 def rmse(tables, mean, users, items, ratings):
     """RMSE of the full tables' predictions (numpy, so both runs are scored the same way)."""
     user_vec, item_vec, user_bias, item_bias = tables
@@ -177,17 +211,18 @@ def main(argv=None):
     parser.add_argument("--ratings", metavar="PATH", type=existing_file,
                         help="MovieLens u.data or ratings.csv "
                         "(default: synthetic low-rank ratings)")
-    parser.add_argument("--users", type=int, default=2000, help="synthetic users")
-    parser.add_argument("--items", type=int, default=1000, help="synthetic items")
-    parser.add_argument("--rank", type=int, default=8, help="synthetic planted rank")
-    parser.add_argument("--count", type=int, default=200_000, help="synthetic ratings")
-    parser.add_argument("--noise", type=float, default=0.5, help="synthetic rating noise (std)")
-    parser.add_argument("--dim", type=int, default=8, help="factor dimension")
-    parser.add_argument("--epochs", type=int, default=6, help="passes over the training ratings")
-    parser.add_argument("--batch-size", type=int, default=1024, help="ratings per step")
-    parser.add_argument("--lr", type=float, default=0.01, help="Adam's learning rate")
-    parser.add_argument("--l2", type=float, default=0.02, help="L2 penalty on the pair's vectors")
-    parser.add_argument("--test-share", type=float, default=0.1, help="share of ratings held out for the test")
+    parser.add_argument("--users", type=positive_int, default=2000, help="synthetic users")
+    parser.add_argument("--items", type=positive_int, default=1000, help="synthetic items")
+    parser.add_argument("--rank", type=positive_int, default=8, help="synthetic planted rank")
+    parser.add_argument("--count", type=positive_int, default=200_000, help="synthetic ratings")
+    parser.add_argument("--noise", type=nonnegative_float, default=0.5, help="synthetic rating noise (std)")
+    parser.add_argument("--dim", type=positive_int, default=8, help="factor dimension")
+    parser.add_argument("--epochs", type=positive_int, default=6, help="passes over the training ratings")
+    parser.add_argument("--batch-size", type=positive_int, default=1024, help="ratings per step")
+    parser.add_argument("--lr", type=positive_float, default=0.01, help="Adam's learning rate")
+    parser.add_argument("--l2", type=nonnegative_float, default=0.02, help="L2 penalty on the pair's vectors")
+    parser.add_argument("--test-share", type=share, default=0.1,
+                        help="share of ratings held out for the test (between 0 and 1)")
     parser.add_argument("--storage", default="pinned", choices=("pinned", "mapped", "pageable", "device"),
                         help="where the offloaded tables and their Adam state live")
     parser.add_argument("--no-reference", action="store_true", help="skip the in-memory run")
@@ -197,6 +232,7 @@ def main(argv=None):
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_common_arguments(parser)
     args = parser.parse_args(argv)
+    check_torchrun(parser, args)
     backend, device = backend_and_device(args)
 
     if args.ratings:
@@ -210,6 +246,9 @@ def main(argv=None):
     order = np.random.default_rng(args.seed).permutation(len(ratings))
     split = int(len(ratings) * (1 - args.test_share))
     train, test = np.sort(order[:split]), np.sort(order[split:])
+    if not len(train) or not len(test):
+        parser.error(f"--test-share {args.test_share} of {len(ratings):,} ratings leaves {len(train):,} to train "
+                     f"on and {len(test):,} to test: give more ratings or another share")
     mean = float(ratings[train].mean())
     baseline = float(np.sqrt(np.mean((ratings[test] - mean) ** 2)))
     print(f"{len(ratings):,} ratings of {num_users:,} users x {num_items:,} items; "
@@ -243,12 +282,12 @@ def main(argv=None):
         model, optimizer, tables = in_memory_model(initial, mean, args, device)
         reference, reference_s = fit(model, optimizer, tables, data, train, test, mean, args, device,
                                      "in memory")
-        difference = max(float(np.abs(ours - theirs).max())
-                         for ours, theirs in zip(offloaded_tables, tables()))
+        difference = largest_difference(offloaded_tables, tables())
         figures.update(in_memory=reference, in_memory_seconds=reference_s, max_table_difference=difference)
         rows += [("in-memory test RMSE", f"{reference[-1]['test_rmse']:.4f}  "
                                          f"(train {reference[-1]['train_rmse']:.4f}, {reference_s:.1f} s)"),
-                 ("largest table difference", f"{difference:.2e}")]
+                 ("largest table difference", f"{difference:.2e}" if np.isfinite(difference)
+                  else "inf: a table holds NaN or inf (a run diverged)")]
     if noise:
         rows.append(("noise (best reachable)", f"{noise:.4f}"))
     rows += [("host tables", f"{format_bytes(memory['host_bytes'] + memory['file_bytes'])} ({args.storage})"),

@@ -60,8 +60,10 @@ from speedswap.apps.demo import (DEMO, cache_summary, format_bytes, format_cache
 from speedswap.apps.w2v_format import save_word2vec_format  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (HelpFormatter, add_common_arguments, backend_and_device,  # noqa: E402
-                     existing_file, run, write_json)
+from _common import (HelpFormatter, add_common_arguments, backend_and_device, check_torchrun,  # noqa: E402
+                     existing_file, nonnegative_float, nonnegative_int, positive_float, positive_int, run,
+                     writable_file, write_json)
+from _distributed import STEPS, word2vec_sharded  # noqa: E402
 
 
 def show_neighbours(vectors, corpus, query_ids, k=8):
@@ -77,34 +79,38 @@ def add_corpus_arguments(parser):
     group.add_argument("--corpus", metavar="PATH", type=existing_file,
                        help="a text8-style file: whitespace-separated "
                        "words, one document per line (default: synthetic)")
-    group.add_argument("--min-count", type=int, default=5,
+    group.add_argument("--min-count", type=positive_int, default=5,
                        help="with --corpus: keep words seen at least this often, as word2vec does")
-    group.add_argument("--vocab", type=int, help="synthetic: the vocabulary size; with --corpus: keep at "
+    group.add_argument("--vocab", type=positive_int, help="synthetic: the vocabulary size; with --corpus: keep at "
                        f"most this many most frequent words (default: {DEMO['vocab']} synthetic, no cap "
                        "for a corpus)")
-    group.add_argument("--topics", type=int, default=DEMO["topics"], help="synthetic topics")
-    group.add_argument("--tokens", type=int, default=DEMO["tokens"], help="synthetic corpus length")
+    group.add_argument("--topics", type=positive_int, default=DEMO["topics"], help="synthetic topics")
+    group.add_argument("--tokens", type=positive_int, default=DEMO["tokens"], help="synthetic corpus length")
 
 
 def add_training_arguments(parser):
     """The model and the recipe; the defaults are the demo's size (about a minute on a 2-core CPU)."""
     group = parser.add_argument_group("training")
-    group.add_argument("--dim", type=int, default=DEMO["dim"], help="vector length")
-    group.add_argument("--epochs", type=int, default=DEMO["epochs"], help="passes over the corpus")
-    group.add_argument("--steps", type=int, help="optimizer steps instead of --epochs")
-    group.add_argument("--batch-size", type=int, default=DEMO["batch_size"],
+    group.add_argument("--dim", type=positive_int, default=DEMO["dim"], help="vector length")
+    group.add_argument("--epochs", type=positive_int,
+                       help=f"passes over the corpus (default: {DEMO['epochs']}; --distributed counts --steps)")
+    group.add_argument("--steps", type=positive_int,
+                       help=f"optimizer steps instead of --epochs (default with --distributed: {STEPS})")
+    group.add_argument("--batch-size", type=positive_int, default=DEMO["batch_size"],
                        help="(centre, context) pairs per step")
-    group.add_argument("--negatives", type=int, default=5, help="negative words per pair")
-    group.add_argument("--window", type=int, default=5, help="largest context reach")
-    group.add_argument("--subsample", type=float, default=1e-3, help="frequent-word subsampling threshold")
+    group.add_argument("--negatives", type=nonnegative_int, default=5, help="negative words per pair")
+    group.add_argument("--window", type=positive_int, default=5, help="largest context reach")
+    group.add_argument("--subsample", type=nonnegative_float, default=1e-3,
+                       help="frequent-word subsampling threshold (0: keep every word)")
     group.add_argument("--optimizer", choices=sorted(word2vec.DEFAULT_LR), default="sgd",
                        help="sgd: word2vec's recipe; adam/adamax: dense optimizers, state offloaded")
-    group.add_argument("--lr", type=float, help="learning rate; for sgd the step size per pair (the loss "
+    group.add_argument("--lr", type=positive_float, help="learning rate; for sgd the step size per pair (the loss "
                        "is summed over a batch, never averaged) (default: "
                        + ", ".join(f"{k} {v}" for k, v in word2vec.DEFAULT_LR.items()) + ")")
-    group.add_argument("--schedule", choices=("linear", "constant"), default="linear",
-                       help="linear: decay to lr*1e-4 over the run, as word2vec does")
-    group.add_argument("--threads", type=int, help="CPU threads, like gensim's workers: one makes pairs, "
+    group.add_argument("--schedule", choices=("linear", "constant"),
+                       help="linear: decay to lr*1e-4 over the run, as word2vec does (default: linear; "
+                       "--distributed: constant)")
+    group.add_argument("--threads", type=positive_int, help="CPU threads, like gensim's workers: one makes pairs, "
                        "torch gets the rest (default: OMP_NUM_THREADS, else every core this process may use)")
     group.add_argument("--storage", default="pinned", choices=ss.STORAGE_KINDS,
                        help="where tables and optimizer state live (mmap: files, for more than RAM)")
@@ -119,7 +125,7 @@ def add_training_arguments(parser):
     gradients.add_argument("--closed-form", action="store_true",
                            help="skip-gram's closed-form gradients where autograd is the default (on a GPU, "
                            "or with adam/adamax)")
-    group.add_argument("--cache-rows", type=int, default=0, metavar="N",
+    group.add_argument("--cache-rows", type=nonnegative_int, default=0, metavar="N",
                        help="keep N hot rows of each table (and their optimizer state) on the device "
                        "between steps (0: no cache)")
     group.add_argument("--prefetch", action="store_true",
@@ -132,10 +138,12 @@ def add_training_arguments(parser):
 def add_output_arguments(parser):
     """Evaluation and the saved vectors."""
     group = parser.add_argument_group("evaluation and output")
-    group.add_argument("--wordsim", metavar="PATH", help="score word similarity (WordSim353's format)")
-    group.add_argument("--analogies", metavar="PATH", help="score analogies (questions-words.txt's format)")
-    group.add_argument("--save", metavar="PATH", help="save the centre vectors: word2vec's text format, "
-                       "or a bare numpy array for a .npy path")
+    group.add_argument("--wordsim", metavar="PATH", type=existing_file,
+                       help="score word similarity (WordSim353's format)")
+    group.add_argument("--analogies", metavar="PATH", type=existing_file,
+                       help="score analogies (questions-words.txt's format)")
+    group.add_argument("--save", metavar="PATH", type=writable_file,
+                       help="save the centre vectors: word2vec's text format, or a bare numpy array for a .npy path")
     group.add_argument("--binary", action="store_true", help="--save in word2vec's binary format")
     group.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -157,6 +165,48 @@ def evaluate_vectors(args, vectors, corpus):
     return rows, figures
 
 
+def save_vectors(args, vectors, corpus):
+    """``--save``: word2vec's text (or ``--binary``) format, or the bare array for a ``.npy`` path."""
+    if args.save and args.save.endswith(".npy"):
+        np.save(args.save, vectors)
+    elif args.save:
+        save_word2vec_format(args.save, [corpus.name(i) for i in range(corpus.vocab_size)], vectors,
+                             binary=args.binary)
+
+
+#: What the sharded run of ``--distributed`` does not do, as (option given, why).
+NOT_DISTRIBUTED = (
+    ("--speedtorch-api", lambda args: args.speedtorch_api, "it trains ShardedOffloadedEmbedding tables"),
+    ("--epochs", lambda args: args.epochs is not None, f"it counts --steps (default {STEPS})"),
+    ("--schedule linear", lambda args: args.schedule == "linear", "it keeps the learning rate constant"),
+    ("--cache-rows", lambda args: args.cache_rows, "its sharded tables have no device cache"),
+    ("--closed-form", lambda args: args.closed_form, "it trains with autograd"),
+)
+
+
+def check_options(parser, args):
+    """Options that contradict each other, or that the chosen mode would ignore: argparse's one-line error."""
+    if args.storage == "mmap" and not args.table_dir:
+        parser.error("--storage mmap keeps the tables in files: give --table-dir DIR")
+    if args.table_dir and args.storage != "mmap":
+        parser.error(f"--table-dir is where --storage mmap puts its files; --storage {args.storage} makes none")
+    if args.prefetch and not args.cache_rows:
+        parser.error("--prefetch brings rows into the device cache: give --cache-rows N as well")
+    if args.closed_form and args.speedtorch_api:
+        parser.error("--speedtorch-api trains with autograd: drop --closed-form")
+    if args.epochs is not None and args.steps is not None:
+        parser.error("give the run's length as --epochs or as --steps, not both")
+    if args.binary and not args.save:
+        parser.error("--binary is the format of --save: give --save PATH")
+    if args.binary and args.save.endswith(".npy"):
+        parser.error("--binary is word2vec's format; a .npy --save path gets the bare array: drop one")
+    if args.distributed:
+        for option, given, why in NOT_DISTRIBUTED:
+            if given(args):
+                parser.error(f"--distributed does not take {option}: {why}")
+    check_torchrun(parser, args)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     add_corpus_arguments(parser)
@@ -164,38 +214,43 @@ def main(argv=None):
     add_output_arguments(parser)
     add_common_arguments(parser)
     args = parser.parse_args(argv)
-    if args.storage == "mmap" and not args.table_dir:
-        parser.error("--storage mmap keeps the tables in files: give --table-dir DIR")
-    if args.prefetch and not args.cache_rows:
-        parser.error("--prefetch brings rows into the device cache: give --cache-rows N as well")
-    if args.distributed and args.cache_rows:
-        parser.error("--cache-rows is for one process; the sharded tables of --distributed have no device cache")
-    if args.closed_form and (args.speedtorch_api or args.distributed):
-        parser.error("--speedtorch-api and --distributed train with autograd: drop --closed-form")
+    check_options(parser, args)
     backend, device = backend_and_device(args)
     if device.type == "cpu":
         torch.set_num_threads(word2vec.cpu_threads(args.threads))
 
     start = time.perf_counter()
     if args.corpus:
-        corpus = read_text_corpus(args.corpus, args.vocab, min_count=args.min_count)
+        try:
+            corpus = read_text_corpus(args.corpus, args.vocab, min_count=args.min_count)
+        except UnicodeDecodeError as exc:
+            parser.error(f"--corpus {args.corpus!r} is not UTF-8 text (byte {exc.start:,}: {exc.reason}): "
+                         f"give a text8-style file of whitespace-separated words")
     else:
-        corpus = synthetic_corpus(args.vocab or DEMO["vocab"], args.topics, args.tokens, seed=args.seed)
+        vocab = DEMO["vocab"] if args.vocab is None else args.vocab
+        corpus = synthetic_corpus(vocab, args.topics, args.tokens, seed=args.seed)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         print(f"corpus: {len(corpus.tokens):,} tokens, vocabulary {corpus.vocab_size:,} "
               f"({'synthetic, ' + str(args.topics) + ' topics' if corpus.topics is not None else args.corpus}), "
               f"ready in {time.perf_counter() - start:.1f} s")
     if args.distributed:
-        from _distributed import word2vec_sharded
-        figures = word2vec_sharded(args, corpus, backend)
-        if figures is not None:
-            write_json(args, figures)
+        figures, vectors = word2vec_sharded(args, corpus, backend)
+        if figures is None:  # not rank 0
+            return None
+        quality_rows, quality = evaluate_vectors(args, vectors, corpus)
+        figures.update(quality)
+        if quality_rows:
+            print(format_rows(quality_rows))
+        save_vectors(args, vectors, corpus)
+        write_json(args, figures)
         return figures
 
-    result = word2vec.train(corpus, dim=args.dim, epochs=None if args.steps else args.epochs,
+    result = word2vec.train(corpus, dim=args.dim,
+                            epochs=(args.epochs or DEMO["epochs"]) if args.steps is None else None,
                             steps=args.steps, batch_size=args.batch_size, negatives=args.negatives,
                             window=args.window, subsample=args.subsample, optimizer=args.optimizer,
-                            lr=args.lr, schedule=args.schedule, storage=args.storage, backend=backend,
+                            lr=args.lr, schedule=args.schedule or "linear", storage=args.storage,
+                            backend=backend,
                             directory=args.table_dir, speedtorch_api=args.speedtorch_api,
                             autograd=True if args.autograd else False if args.closed_form else None,
                             cache_rows=args.cache_rows,
@@ -228,11 +283,7 @@ def main(argv=None):
     print("nearest neighbours:")
     ranked = np.argsort(-corpus.counts, kind="stable")
     show_neighbours(result.vectors, corpus, ranked[[r for r in (0, 10, 100, 1000) if r < len(ranked)]])
-    if args.save and args.save.endswith(".npy"):
-        np.save(args.save, result.vectors)
-    elif args.save:
-        save_word2vec_format(args.save, [corpus.name(i) for i in range(corpus.vocab_size)], result.vectors,
-                             binary=args.binary)
+    save_vectors(args, result.vectors, corpus)
     write_json(args, figures)
     return figures
 

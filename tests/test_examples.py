@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import speedswap as ss
 from speedswap.apps import evaluate
@@ -251,9 +252,13 @@ def test_logistic_regression_refuses_files_that_would_train_on_wrong_labels(tmp_
 
 
 def test_examples_and_the_command_line_end_a_speedswap_error_with_its_message(tmp_path):
-    code, err = _fails([EXAMPLES / "linear_regression.py", "--device", "cpu", "--rows", "0",
+    np.save(tmp_path / "X.npy", np.arange(6.0))  # the user's own file, not the example's dataset
+    code, err = _fails([EXAMPLES / "linear_regression.py", "--device", "cpu", "--rows", "50", "--features", "3",
                         "--data-dir", tmp_path])
     assert code == 1 and "linear_regression.py: error:" in err and "Traceback" not in err, err
+    assert "did not make" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["X.npy"]  # refused before anything was written
+    np.testing.assert_array_equal(np.load(tmp_path / "X.npy"), np.arange(6.0))
     if "cuda" not in ss.available_backends():
         code, err = _fails(["-m", "speedswap", "demo", "--device", "cuda"])
         assert code == 2 and "demo: error: torch sees no CUDA device" in err and "Traceback" not in err, err
@@ -287,3 +292,164 @@ def test_example_help_shows_every_default(name, monkeypatch, capsys):
     for action in parser._actions:
         if action.option_strings and action.default not in (None, argparse.SUPPRESS):
             assert f"(default: {action.default})" in help_text, action.option_strings
+
+
+def _refused(name, args, capsys):
+    """Run example ``name``'s ``main`` in this process, expecting argparse's one-line error; returns it."""
+    with pytest.raises(SystemExit) as exit_info:
+        load_example(name).main(["--device", "cpu", *map(str, args)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    (line,) = [line for line in err.splitlines() if ": error: " in line]
+    return line
+
+
+ALL_EXAMPLES = ["word2vec", "recommender", "linear_regression", "logistic_regression"]
+BAD_ARGUMENTS = [
+    *[(name, ["--seed", "-1"], "--seed: '-1' is not a seed") for name in ALL_EXAMPLES],
+    *[(name, ["--json", "{tmp}/missing/figures.json"], "--json: no directory") for name in ALL_EXAMPLES],
+    ("recommender", ["--json", "{tmp}"], "--json: '.*' is a directory"),
+    ("recommender", ["--epochs", "0"], "--epochs: '0' is not a positive integer"),
+    ("recommender", ["--users", "0"], "--users: '0' is not a positive integer"),
+    ("recommender", ["--rank", "0"], "--rank: '0'"),
+    ("recommender", ["--dim", "-2"], "--dim: '-2'"),
+    ("recommender", ["--lr", "nan"], "--lr: 'nan' is not a finite number > 0"),
+    *[("recommender", ["--test-share", share], f"--test-share: '{share}' is not a share")
+      for share in ("nan", "0", "1.5")],
+    ("recommender", ["--l2", "nan"], "--l2: 'nan' is not a finite number >= 0"),
+    ("recommender", ["--noise", "nan"], "--noise: 'nan'"),
+    ("linear_regression", ["--rows", "0", "--data-dir", "{tmp}/data"], "--rows: '0' is not a positive integer"),
+    ("linear_regression", ["--rows", "1", "--data-dir", "{tmp}/data"], "--rows must be at least 2"),
+    ("linear_regression", ["--batch-size", "0", "--data-dir", "{tmp}/data"], "--batch-size: '0'"),
+    ("linear_regression", ["--epochs", "0"], "--epochs: '0'"),
+    ("linear_regression", ["--lr", "nan"], "--lr: 'nan'"),
+    ("linear_regression", ["--compare", "--max-seconds", "0"], "--max-seconds: '0' is not a finite number > 0"),
+    *[("logistic_regression", ["--test-share", share], f"--test-share: '{share}' is not a share")
+      for share in ("0", "1.5")],
+    ("logistic_regression", ["--val-share", "0.5", "--test-share", "0.5"], "leave no rows to train on"),
+    ("logistic_regression", ["--samples", "5"], "5 rows split 5 train / 0 val / 0 test"),
+    ("logistic_regression", ["--features", "0"], "--features: '0'"),
+    ("logistic_regression", ["--informative", "30", "--features", "20"], "--informative 30 is more than --features 20"),
+    ("logistic_regression", ["--l1", "-1"], "--l1: '-1' is not a finite number >= 0"),
+    ("logistic_regression", ["--separation", "nan"], "--separation: 'nan'"),
+    ("word2vec", ["--vocab", "0"], "--vocab: '0' is not a positive integer"),
+    ("word2vec", ["--steps", "0"], "--steps: '0' is not a positive integer"),
+    ("word2vec", ["--epochs", "2", "--steps", "3"], "as --epochs or as --steps, not both"),
+    ("word2vec", ["--wordsim", "{tmp}/missing.tsv"], "--wordsim: no file at"),
+    ("word2vec", ["--analogies", "{tmp}/missing.txt"], "--analogies: no file at"),
+    ("word2vec", ["--save", "{tmp}/missing/vectors.txt"], "--save: no directory"),
+    ("word2vec", ["--save", "{tmp}"], "--save: '.*' is a directory"),
+    ("word2vec", ["--binary"], "--binary is the format of --save"),
+    # What the sharded run would ignore is refused by name.
+    *[("word2vec", ["--distributed", *option], f"--distributed does not take {named}")
+      for option, named in ((["--speedtorch-api"], "--speedtorch-api"), (["--epochs", "2"], "--epochs"),
+                            (["--schedule", "linear"], "--schedule linear"), (["--cache-rows", "5"], "--cache-rows"))],
+    # Without torchrun's variables the process group would wait for ever.
+    *[(name, ["--distributed"], "launch it with torchrun") for name in ("word2vec", "recommender")],
+]
+
+
+@pytest.mark.parametrize("name, args, message", BAD_ARGUMENTS,
+                         ids=[" ".join([name, *args]) for name, args, _ in BAD_ARGUMENTS])
+def test_examples_refuse_bad_arguments_before_they_start(name, args, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    error = _refused(name, [arg.format(tmp=tmp_path) for arg in args], capsys)
+    assert re.search(message, error), error
+    assert sorted(tmp_path.iterdir()) == []  # no data directory, no figures
+
+
+def test_logistic_regression_refuses_arrays_it_cannot_train_on(tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((60, 3))
+    np.save(tmp_path / "y.npy", rng.integers(0, 3, 60))
+    np.save(tmp_path / "ybig.npy", np.r_[rng.integers(0, 3, 59), 2_000_000])  # 2,000,001 classes
+    for name, array in [("nan", np.where(x > 2, np.nan, x)), ("inf", np.where(x > 2, np.inf, x)),
+                        ("str", np.array(["a"] * 60)), ("0d", np.float32(1.0))]:
+        np.save(tmp_path / f"x{name}.npy", array)
+    np.save(tmp_path / "xobj.npy", np.array([{}] * 60, dtype=object), allow_pickle=True)
+    np.save(tmp_path / "x.npy", x)
+    for x_name, y_name, message in [("xnan", "y", "row \\d+ holds NaN or infinite features"),
+                                    ("xinf", "y", "NaN or infinite"), ("xstr", "y", "holds <U1 values, not numbers"),
+                                    ("xobj", "y", "not a .npy array of numbers"), ("x0d", "y", "0-d array"),
+                                    ("x", "ybig", "class id 2000000 for 60 rows")]:
+        error = _refused("logistic_regression", ["--x", tmp_path / f"{x_name}.npy", "--y", tmp_path / f"{y_name}.npy"],
+                         capsys)
+        assert re.search(message, error), error
+
+
+def test_recommender_refuses_malformed_ratings(tmp_path, capsys):
+    recommender = load_example("recommender")
+    files = {"empty.data": "", "junk.csv": "a,b,c\nx,y,z\n", "spaces.data": "1 1 5 0\n2 1 3 0\n",
+             "nan.csv": "userId,movieId,rating,timestamp\n1,1,5,0\n2,1,nan,0\n",
+             "binary.data": "\x00\udcff\x01"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, errors="surrogateescape")
+        with pytest.raises(ss.FileFormatError, match="MovieLens"):
+            recommender.read_ratings(tmp_path / name)
+    # One rating leaves nothing to test on: refused before any table is built.
+    (tmp_path / "one.data").write_text("1\t1\t5\t0\n")
+    assert "leaves 0 to train on and 1 to test" in _refused("recommender", ["--ratings", tmp_path / "one.data"],
+                                                             capsys)
+
+
+def test_recommender_table_difference_cannot_hide_a_nan():
+    recommender = load_example("recommender")
+    ours = [np.zeros((3, 2), np.float32), np.zeros((4, 2), np.float32)]
+    theirs = [table + 1e-7 for table in ours]
+    assert recommender.largest_difference(ours, theirs) == pytest.approx(1e-7)
+    theirs[1][0, 0] = np.nan                   # a divergence in the second table, which max() dropped
+    assert recommender.largest_difference(ours, theirs) == float("inf")
+    ours[0][2, 1] = np.inf
+    assert recommender.largest_difference(ours, [table.copy() for table in ours]) == float("inf")
+
+
+def test_linear_regression_data_files_are_its_own_or_refused(tmp_path):
+    lr = load_example("linear_regression")
+    data = tmp_path / "data"
+    x_path, y_path, w, b = lr.generate_dataset(data, rows=50, features=3, seed=1)
+    made = {p.name: p.stat().st_mtime_ns for p in data.iterdir()}
+    assert sorted(made) == ["X.npy", "Y.npy", "truth.npz"]
+    again = lr.generate_dataset(data, rows=50, features=3, seed=1)  # the same dataset: reused
+    assert {p.name: p.stat().st_mtime_ns for p in data.iterdir()} == made and again[3] == b
+    lr.generate_dataset(data, rows=60, features=3, seed=1)          # its own, another size: replaced
+    assert np.load(x_path).shape == (60, 3)
+    truth = dict(np.load(data / "truth.npz"))                      # a run stopped half-way: replaced
+    np.savez(data / "truth.npz", **{**truth, "complete": False})
+    lr.generate_dataset(data, rows=60, features=3, seed=1)
+    assert bool(np.load(data / "truth.npz")["complete"])
+    (data / "truth.npz").unlink()                                   # now they are nobody's: refused
+    with pytest.raises(ss.PathError, match="did not make"):
+        lr.generate_dataset(data, rows=60, features=3, seed=1)
+    assert sorted(p.name for p in data.iterdir()) == ["X.npy", "Y.npy"]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ss.PathError, match="is a file"):
+        lr.generate_dataset(tmp_path / "file", rows=50, features=3)
+    with pytest.raises(ss.OptionError):
+        lr.generate_dataset(tmp_path / "none", rows=0, features=3)
+    assert not (tmp_path / "none").exists()
+
+
+def test_linear_regression_time_limit_still_sees_a_batch():
+    lr = load_example("linear_regression")
+    rng = np.random.default_rng(5)
+    x, y = rng.random((200, 3), dtype=np.float32), rng.random(200, dtype=np.float32)
+    feeder = ss.BatchFeeder(x, y, batch_size=50, device="cpu")
+    mean, std = torch.from_numpy(x.mean(0)), torch.from_numpy(x.std(0))
+    (epoch,) = lr.fit(feeder, mean, std, np.ones(3, np.float32), epochs=1, lr=0.05, device="cpu",
+                      label="limited", progress=False, max_seconds=1e-9)  # was a ZeroDivisionError
+    assert not epoch["complete"] and np.isfinite(epoch["seconds"]) and np.isfinite(epoch["loss"])
+
+
+def test_word2vec_refuses_a_binary_corpus(tmp_path):
+    (tmp_path / "corpus.bin").write_bytes(bytes(range(256)) * 4)
+    code, err = _fails([EXAMPLES / "word2vec.py", "--device", "cpu", "--corpus", tmp_path / "corpus.bin"])
+    assert code == 2 and "--corpus" in err and "is not UTF-8 text" in err and "Traceback" not in err, err
+
+
+def test_notebooks_remove_their_temporary_folders():
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        code = "\n".join("".join(cell["source"]) for cell in json.loads(path.read_text())["cells"]
+                         if cell["cell_type"] == "code")
+        for folder in re.findall(r"(\w+) = tempfile\.mkdtemp\(", code):
+            assert f"shutil.rmtree({folder})" in code, f"{path.name} leaves its {folder} behind"
