@@ -25,7 +25,7 @@ from .backends.resolve import BackendLike, DeviceLike
 from .convert import (as_row_ids, as_row_values, float_option, int_option, numpy_dtype,
                       torch_dtype)
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
-                     ShapeError, StateError)
+                     PathError, ShapeError, StateError)
 
 __all__ = ["HostTable", "live_tables", "check_storage"]
 
@@ -75,6 +75,22 @@ def _file_id(path) -> Optional[tuple]:
     except OSError:
         return None
     return stat.st_dev, stat.st_ino
+
+
+def _maps_whole_file(array: np.ndarray, path) -> bool:
+    """Whether ``array`` is all of the ``.npy`` file at ``path``'s data, as stored (a view of the
+    whole map, not a slice or a reinterpretation of it)."""
+    mapping = getattr(array, "_mmap", None)
+    node = array
+    while node.base is not mapping:  # each view on the way must cover what its parent covers
+        parent = node.base
+        if (not isinstance(parent, np.ndarray) or parent.nbytes != node.nbytes or parent.dtype != array.dtype
+                or parent.__array_interface__["data"][0] != node.__array_interface__["data"][0]):
+            return False
+        node = parent
+    header = files.read_npy_header(path)
+    return (isinstance(node, np.memmap) and node.offset == header.offset and node.dtype == header.dtype
+            and node.nbytes == int(np.prod(header.shape)) * header.dtype.itemsize)
 
 
 class HostTable:
@@ -644,10 +660,33 @@ class HostTable:
             dataset: the HDF5 dataset name.
         """
         files.file_format(path)
-        if self.storage == "mmap" and self._file_id is not None and _file_id(path) == self._file_id:
-            self._live_buffer().host.flush()
+        if self.is_backing_file(path):
+            self.flush()
             return
         files.save_table(self, path, dataset)
+
+    def is_backing_file(self, path) -> bool:
+        """Whether ``path`` is the ``.npy`` file this ``mmap`` table maps, whole: a save there is a flush.
+
+        Args:
+            path: any path (the file's identity decides, not its spelling).
+
+        Returns:
+            bool
+
+        Raises:
+            PathError: ``path`` is the file this table maps, but the table
+                maps only part of it or reads it as another dtype: a save
+                there would replace the file under the map, and the file
+                would no longer hold the whole dataset.
+        """
+        if self.storage != "mmap" or self._file_id is None or _file_id(path) != self._file_id:
+            return False
+        if not _maps_whole_file(self._live_buffer().host, path):
+            raise PathError(f"{os.fspath(path)!r} is the file this table maps, but the table holds only "
+                            f"part of it (or reads it as another dtype); saving over it would replace "
+                            f"the file it maps: save to another path")
+        return True
 
     def load_from(self, path, dataset: str = "table") -> "HostTable":
         """Replace this table's rows with a file's, which must match shape and dtype.

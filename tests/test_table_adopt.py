@@ -83,3 +83,30 @@ def test_as_tensor_shares_memory(backend, rng):
 def test_adopt_refuses_bad_arrays(bad, error, match):
     with pytest.raises(error, match=match):
         ss.HostTable.adopt(bad, backend="numpy")
+
+
+@pytest.mark.parametrize("part", ["rows 2:5", "an int32 view"])
+def test_saving_part_of_a_mapped_file_over_that_file_is_refused_and_leaves_it_whole(part, tmp_path):
+    """A save to the mapped file is a flush; for a slice or a reinterpretation that would leave the
+    file holding something else than what was saved, silently (for a table and for a DataGadget)."""
+    path = tmp_path / "data.npy"
+    data = np.arange(20, dtype=np.float32).reshape(10, 2)
+    np.save(path, data)
+    whole = np.load(path, mmap_mode="r+")
+    array = whole[2:5] if part == "rows 2:5" else whole.view(np.int32)
+    for owner in (ss.HostTable.adopt(array, backend="numpy"), ss.DataGadget(array, backend="numpy")):
+        with pytest.raises(ss.PathError, match="only part of it"):
+            owner.save(path)
+        np.testing.assert_array_equal(np.load(path), data)
+    owner.save(tmp_path / "copy.npy")  # elsewhere it is a plain save
+    np.testing.assert_array_equal(np.load(tmp_path / "copy.npy"), array)
+
+
+def test_saving_a_whole_mapped_nd_file_over_itself_flushes_it(tmp_path):
+    path = tmp_path / "data.npy"
+    np.save(path, np.zeros((2, 3, 4), dtype=np.float32))
+    mapped = np.load(path, mmap_mode="r+")
+    gadget = ss.DataGadget(mapped, backend="numpy")
+    mapped[1, 2, 3] = 7.0  # a write through the map the save must reach the file with
+    gadget.save(path)
+    assert np.load(path)[1, 2, 3] == 7.0 and np.load(path).shape == (2, 3, 4)

@@ -283,11 +283,13 @@ class DataGadget:
 
         Raises:
             OptionError: ``path`` is not a ``.npy`` file.
+            PathError: ``path`` is the file the gadget maps, but the gadget
+                holds only part of it (a slice) or reads it as another dtype.
         """
         if files.file_format(path) != "npy":
             raise OptionError(f"DataGadget saves .npy files; name the target *.npy, got {os.fspath(path)!r}")
         table = self._live_table()
-        if table.path is not None and os.path.abspath(path) == os.path.abspath(table.path):
+        if table.is_backing_file(path):
             table.flush()
             return
         rows = table.as_tensor()
