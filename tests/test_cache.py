@@ -646,3 +646,59 @@ def test_close_releases_the_cache_and_keeps_its_counters(backend):
     assert ss.info()["cache_bytes"] == 0  # no live cache is left
     with pytest.raises(ss.StateError, match="closed"):
         emb.prefetch([1, 2])
+
+
+@pytest.mark.parametrize("where", ["store", "fetch"])
+def test_running_out_of_memory_inside_the_cache_loses_no_row(where, rng, monkeypatch):
+    """The cache's scratch grows lazily (device memory on a GPU). Out of memory there, in the
+    optimizer step's store or in a forward's fetch, the batch is skipped as usual; the rows must
+    be as if it had never been tried. (Slots were handed over before the failing allocation in
+    store; a failed fetch left unfilled rows in the step.)"""
+    from speedswap.train.cache import RowCache
+    grow, armed = RowCache._scratch, {"on": False}
+
+    def failing_scratch(cache, count):
+        if armed["on"]:  # as if this call had to grow the scratch, and could not
+            armed["on"] = False
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        return grow(cache, count)
+    monkeypatch.setattr(RowCache, "_scratch", failing_scratch)
+    table0 = rng.standard_normal((200, 4)).astype(np.float32)
+    context = torch.from_numpy(rng.standard_normal(4).astype(np.float32))
+    batches = [torch.from_numpy(rng.zipf(1.3, 8) % 200) for _ in range(20)]
+
+    def run(cache_rows, inject):
+        emb = ss.OffloadedEmbedding(200, 4, max_rows=80, storage="pageable", backend="numpy",
+                                    cache_rows=cache_rows)
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+        opt = (torch.optim.SGD(emb.parameters(), lr=0.1) if where == "store"
+               else torch.optim.Adam(emb.parameters(), lr=0.1, eps=1e-30))
+        emb.attach(opt)
+        for step, ids in enumerate(batches):
+            if step == 10:
+                if not inject:
+                    continue  # the reference never tries the batch
+                try:
+                    armed["on"] = where == "fetch"
+                    # Cold rows beside hot ones: more misses than any earlier step grew scratch for.
+                    loss = sum((emb(torch.cat([ids, torch.arange(a, a + 30)])) @ context).sum() for a in (100, 130))
+                    loss.backward()
+                    armed["on"] = True
+                    opt.step()
+                except torch.OutOfMemoryError:
+                    opt.zero_grad()
+                    if where == "store":
+                        emb.discard_step()  # after a backward; a step skipped before it needs nothing
+                    continue
+                raise AssertionError("the injected failure did not happen")
+            (emb(ids) @ context).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        emb.flush()
+        return emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
+
+    expected = run(0, inject=False)
+    got = run(8, inject=True)
+    np.testing.assert_array_equal(got[0], expected[0])
+    for name in expected[1]:
+        np.testing.assert_array_equal(got[1][name], expected[1][name], err_msg=name)

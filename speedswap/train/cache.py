@@ -299,9 +299,11 @@ class RowCache:
             return
         n_hit = 0
         if self.num_slots:
-            self._count_parts.append(self.sketch.add(rows))
             found, slot = self._lookup(rows)
             n_hit = int(found.sum())
+            if n_hit and n_hit < len(rows):
+                self._scratch(len(rows) - n_hit)  # an allocation that may fail: before the bookkeeping
+            self._count_parts.append(self.sketch.add(rows))
             self._slot_parts.append(torch.where(found, slot, -1))
         if n_hit == 0:
             self._gather_host(self.table, rows, out)
@@ -389,6 +391,10 @@ class RowCache:
             # many of their victims must be written back.
             cached, n_changed = torch.stack(
                 [admitted.sum(), (admitted & self.dirty[victims]).sum()]).tolist()
+        # The scratch the rows going back may need, allocated before any slot changes hands:
+        # a failure (out of memory) must leave the bookkeeping describing the slots' rows.
+        if cached or self._n_hits:
+            self._scratch(self._n_misses - cached)
         if cached:
             placed, victims = miss_pos[ranked[:cached]], victims[:cached]
             self._write_back(*self._take(victims, rows[placed], self.clock, miss_score[:cached],

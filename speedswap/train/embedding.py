@@ -389,7 +389,13 @@ class OffloadedEmbedding(torch.nn.Module):
             if start == 0:
                 ws.clear()  # the padding row too: a refused forward leaves no trace
             raise
-        self._gather_new(start, len(flat))
+        try:
+            self._gather_new(start, len(flat))
+        except BaseException:
+            # The rows joined the working set but their slots were never filled (out of memory,
+            # an interrupt): the step cannot go on with them, so it is dropped, as discard_step() does.
+            self.discard_step()
+            raise
         return local
 
     def _gather_new(self, first_new, lookups=0):
