@@ -156,11 +156,14 @@ def check_rows(shape, what="the data") -> tuple:
         the row shape (``()`` for 1-D data such as labels).
 
     Raises:
-        ShapeError: 0-d data, no rows, or rows of no elements.
+        ShapeError: 0-d data, a negative dimension, no rows, or rows of no elements.
     """
     shape = tuple(int(d) for d in shape)
     if not shape:
         raise ShapeError(f"{what} is 0-d; data needs at least one row along its first axis")
+    if any(d < 0 for d in shape):
+        raise ShapeError(f"{what} has shape {shape}: dimensions cannot be negative (numpy's -1 "
+                         f"for 'infer' has nothing to infer from here); give every size")
     if shape[0] == 0 or 0 in shape[1:]:
         raise ShapeError(f"{what} has shape {shape}: no rows, or empty rows; data needs at "
                          f"least one row of at least one element")

@@ -2,6 +2,7 @@
 
 import os
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -330,9 +331,13 @@ def test_a_reader_error_reaches_the_loop_and_never_hangs(tmp_path, monkeypatch, 
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, rank=4, world_size=4), ss.OptionError, "outside"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, rank=-1, world_size=2), ss.OptionError, "outside"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, world_size=0), ss.OptionError, "world_size"),
+    (lambda: ss.BatchFeeder(np.ones(8), batch_size=2, world_size=2), ss.OptionError,
+     "world_size=2 without rank"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, prefetch=-1), ss.OptionError, "prefetch"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, seed=-1), ss.OptionError, "seed"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, transform=3), ss.OptionError, "callable"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, drop_last="no"), ss.OptionError, "drop_last"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, drop_last=None), ss.OptionError, "drop_last"),
     (lambda: ss.BatchFeeder(batch_size=2), ss.OptionError, "at least one source"),
     (lambda: ss.BatchFeeder(np.ones(5), y=np.ones(5), batch_size=2), ss.OptionError, "not both"),
     (lambda: ss.BatchFeeder([1, 2, 3], batch_size=2), ss.DTypeError, "list"),
@@ -376,6 +381,12 @@ def test_foreign_or_malformed_state_is_refused():
         feeder.load_state_dict(other)
     with pytest.raises(ss.StateError, match="missing"):
         feeder.load_state_dict({"epoch": 1})
+    for malformed in (None, "epoch batch", [("epoch", 1)]):
+        with pytest.raises(ss.StateError, match="not a BatchFeeder state"):
+            feeder.load_state_dict(malformed)
+    for position in ({"epoch": True}, {"batch": True}, {"epoch": 1.0}):
+        with pytest.raises(ss.StateError, match="state position"):
+            feeder.load_state_dict(dict(feeder.state_dict(), **position))
     bad = dict(feeder.state_dict(), batch=10)
     with pytest.raises(ss.StateError, match="batch=10"):
         feeder.load_state_dict(bad)
@@ -435,6 +446,25 @@ def test_a_mapped_gadget_on_the_gpu_backend_is_read_by_the_file_reader(rng, tmp_
     for rows, ids in seen:
         np.testing.assert_array_equal(rows, data[ids])
     assert sorted(np.concatenate([ids for _, ids in seen]).tolist()) == list(range(3000))
+
+
+@pytest.mark.parametrize("make", [lambda d: d[:, :2], lambda d: torch.from_numpy(d)[:, 1:],
+                                  lambda d: torch.from_numpy(d.T.copy()).T, lambda d: d[::-1]],
+                         ids=["column slice", "tensor column slice", "transposed tensor", "reversed"])
+def test_a_source_not_contiguous_is_copied_with_a_warning_and_a_contiguous_one_read_in_place(rng, make):
+    data = random_data(rng, (8, 4))
+    source = make(data)
+    with pytest.warns(RuntimeWarning, match="not contiguous.*copies it once.*later changes"):
+        feeder = ss.BatchFeeder(source, batch_size=8, order="sequential", device="cpu")
+    (first,) = next(iter(feeder))
+    source[:] = 1  # the copy does not see it, as the warning said
+    (second,) = next(iter(feeder))
+    assert torch.equal(first, second) and not (second == 1).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        in_place = ss.BatchFeeder(data, batch_size=8, order="sequential", device="cpu")
+    data[:] = 2
+    assert (next(iter(in_place))[0] == 2).all()
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -185,6 +186,23 @@ def test_a_loop_waiting_for_read_ahead_wakes_up_when_another_thread_moves_the_fe
     assert feeder.epoch == 1 and len(list(feeder)) == 40
 
 
+def test_a_reader_closed_between_its_closed_check_and_a_submit_raises_state_error(tmp_path, monkeypatch):
+    import concurrent.futures
+    feeder = ss.BatchFeeder(write(tmp_path / "x.npy", np.arange(1000)), batch_size=64, order="random",
+                            device="cpu", prefetch=0)
+    real = concurrent.futures.ThreadPoolExecutor.submit
+
+    def closed_meanwhile(pool, *args):  # another thread's set_epoch, at the worst moment
+        monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit", real)
+        feeder.set_epoch(0)
+        return real(pool, *args)
+
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit", closed_meanwhile)
+    with pytest.raises(ss.StateError, match="closed by another thread"):
+        next(iter(feeder))
+    assert len(next(iter(feeder))[0]) == 64
+
+
 @pytest.mark.parametrize("source", ["memory", "file"])
 def test_a_batch_whose_transform_raised_comes_again_on_resume(tmp_path, source):
     data = np.arange(100) if source == "memory" else write(tmp_path / "x.npy", np.arange(100))
@@ -236,6 +254,25 @@ def test_create_npy_fills_chunk_by_chunk_and_leaves_nothing_on_failure(tmp_path,
     assert np.load(tmp_path / "e.npy").tolist() == [[1, 2], [3, 4], [5, 6]]
 
 
+@pytest.mark.parametrize("shape", [(-1, 3), (4, -3), (0, 3), (2.5, 3), "10", (True, 3)])
+@pytest.mark.parametrize("filled", [False, True])
+def test_create_npy_refuses_a_bad_shape_before_touching_the_existing_file(tmp_path, shape, filled):
+    path = tmp_path / "x.npy"
+    np.save(path, np.arange(12, dtype=np.float32).reshape(4, 3))
+    fill = (lambda lo, hi: np.ones((hi - lo, 3), np.float32)) if filled else None
+    with pytest.raises(ss.ShapeError, match="negative|no rows|int"):
+        ss.data.create_npy(path, shape, np.float32, fill, progress=False)
+    np.testing.assert_array_equal(np.load(path), np.arange(12, dtype=np.float32).reshape(4, 3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
+
+
+def test_create_npy_takes_an_int_shape_as_numpy_does(tmp_path):
+    x = ss.data.create_npy(tmp_path / "x.npy", 10, np.int64, lambda lo, hi: np.arange(lo, hi), progress=False)
+    assert x.shape == (10,)
+    assert np.load(tmp_path / "x.npy").tolist() == list(range(10))
+    assert ss.data.create_npy(tmp_path / "y.npy", np.int64(3), np.float32).shape == (3,)
+
+
 @pytest.mark.parametrize("dtype, values, became", [
     (np.int8, np.array([100, 200, 300]), "200.*became -56"),                      # would wrap
     (np.float16, np.array([0.5, 1e5, 2.0]), "100000.0.*became inf"),             # would overflow
@@ -269,6 +306,68 @@ def test_a_mapped_source_whose_file_is_replaced_or_removed_still_gives_its_own_r
     path.unlink()
     feeder.set_epoch(0)
     assert torch.equal(torch.cat([x for (x,) in feeder]), first)
+
+
+@pytest.mark.parametrize("change", ["replaced", "removed"])
+@pytest.mark.parametrize("kind", ["memmap", "gadget"])
+def test_a_source_whose_path_changed_before_the_feeder_was_built_gives_its_own_rows(tmp_path, rng, change,
+                                                                                   kind):
+    path = tmp_path / "x.npy"
+    data = rng.standard_normal((64, 3)).astype(np.float32)
+    np.save(path, data)
+    source = (np.load(path, mmap_mode="r") if kind == "memmap"
+              else ss.DataGadget(str(path), mmap=True, backend="numpy").read())
+    if change == "replaced":  # by rename, as saves do; another dtype, so pread would read garbage
+        np.save(tmp_path / "new.npy", np.arange(192, dtype=np.int32).reshape(64, 3))
+        os.replace(tmp_path / "new.npy", path)
+    else:
+        path.unlink()
+    feeder = ss.BatchFeeder(source, batch_size=16, order="sequential", device="cpu")
+    with pytest.warns(RuntimeWarning, match="replaced or removed"):
+        np.testing.assert_array_equal(torch.cat([x for (x,) in feeder]).numpy(), data)
+
+
+def test_a_file_whose_map_cannot_be_confirmed_is_read_through_the_map(tmp_path, rng, monkeypatch):
+    import speedswap.data.filesource as filesource
+    data = rng.standard_normal((64, 3)).astype(np.float32)
+    confirmed = ss.BatchFeeder(write(tmp_path / "x.npy", data), batch_size=16, order="sequential", device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(torch.cat([x for (x,) in confirmed]).numpy(), data)
+    assert confirmed._files  # its file is read with pread
+    monkeypatch.setattr(filesource, "_mapped_identity", lambda address: None)  # as off Linux
+    unknown = ss.BatchFeeder(np.load(tmp_path / "x.npy", mmap_mode="r"), batch_size=16, order="sequential",
+                             device="cpu")
+    with pytest.warns(RuntimeWarning, match="cannot show which file"):
+        np.testing.assert_array_equal(torch.cat([x for (x,) in unknown]).numpy(), data)
+    assert not unknown._files
+
+
+def fds_on(path):
+    return sum(os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(path)
+               for fd in os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_a_window_reader_whose_arena_cannot_be_allocated_closes_its_files(tmp_path, rng, monkeypatch):
+    import speedswap.data.filesource as filesource
+    path = tmp_path / "x.npy"
+    feeder = ss.BatchFeeder(write(path, rng.standard_normal((64, 3)).astype(np.float32)), batch_size=16,
+                            order="sequential", device="cpu", prefetch=0)
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    held = fds_on(path)  # Python's mmap keeps a descriptor of its own
+    monkeypatch.setattr(filesource.torch, "empty", no_memory)
+    closed = []
+    monkeypatch.setattr(filesource.concurrent.futures.ThreadPoolExecutor, "shutdown",
+                        lambda pool, **kwargs: closed.append(pool))
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="allocate"):
+            next(iter(feeder))
+    assert fds_on(path) == held
+    assert len(closed) == 3  # each failed reader's pool was shut down
 
 
 @pytest.mark.parametrize("change", ["load", "close"])

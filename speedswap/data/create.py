@@ -8,6 +8,7 @@
 [0.0, 0.0, 0.0, 0.0, 4.0, 4.0, 4.0, 4.0, 8.0, 8.0]
 """
 
+import operator
 import os
 import sys
 
@@ -38,7 +39,7 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
 
     Args:
         path: the ``.npy`` file to create (replaced if it exists).
-        shape: ``(num_rows, ...)``.
+        shape: ``(num_rows, ...)``; an int ``n`` means ``(n,)``, as in numpy.
         dtype: a numpy dtype speedswap supports.
         fill: optional ``fill(start, stop) -> array`` of shape ``(stop - start, *shape[1:])``.
         chunk_bytes: bytes per ``fill`` call.
@@ -48,7 +49,9 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
         numpy.memmap opened ``r+`` over the file.
 
     Raises:
-        ShapeError: a bad ``shape``, or ``fill`` returned rows of another shape.
+        ShapeError: a bad ``shape`` (not integers, a negative or zero
+            dimension), or ``fill`` returned rows of another shape. A bad
+            ``shape`` is refused before ``path`` is touched.
         DTypeError: an unsupported ``dtype``, ``fill`` returned another kind
             of dtype (floats for an integer file), or values the file's dtype
             cannot hold (integers that would wrap, floats that would overflow
@@ -59,8 +62,8 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
         >>> x = create_npy("X.npy", (10**8, 100), np.float32,                  # doctest: +SKIP
         ...                lambda lo, hi: rng.random((hi - lo, 100), dtype=np.float32))
     """
-    shape = tuple(int(d) for d in shape)
-    check_rows(shape, "the dataset")
+    shape = _shape_of(shape)
+    check_rows(shape, "the dataset")  # before anything is opened: a bad shape leaves the path as it was
     dtype = np.dtype(dtype)
     numpy_dtype(dtype)
     chunk_bytes = int_option(chunk_bytes, "chunk_bytes")
@@ -78,6 +81,23 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
         if os.path.exists(partial):
             os.unlink(partial)
     return np.lib.format.open_memmap(path, mode="r+")
+
+
+def _shape_of(shape):
+    """``shape`` as a tuple of ints: an int ``n`` is ``(n,)``, as numpy's ``shape`` arguments take it.
+
+    Raises:
+        ShapeError: ``shape`` or one of its dimensions is not an integer
+            (``int(2.5)`` would silently drop rows).
+    """
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
+    try:
+        if isinstance(dims, (str, bytes)) or any(isinstance(d, bool) for d in dims):
+            raise TypeError
+        return tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise ShapeError(f"the dataset's shape must be an int or a tuple of ints such as "
+                         f"(num_rows, row_size), got {shape!r}") from None
 
 
 def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress):

@@ -40,8 +40,25 @@ def _table_of(source):
     return source if isinstance(source, HostTable) else None
 
 
+def _warn_copied(what):
+    # Sources are promised to be read in place, so a copy must not go unnoticed: changes made
+    # to the source later (between loops) are not seen by the feeder.
+    warn(f"{what} is not contiguous in memory (a column slice, a transposed or reversed view), so "
+         f"the feeder copies it once, now, and reads the copy: later changes to the source are not "
+         f"seen, and a memory-mapped one is read into RAM whole; pass np.ascontiguousarray(x) or "
+         f"x.contiguous() to make the copy yourself and change that one")
+
+
 def _as_tensor(source, what):
-    """``(tensor, file)``: a source's rows as a tensor sharing its memory, and the file it maps (or None)."""
+    """``(tensor, file)``: a source's rows as a tensor, and the file it maps (or None).
+
+    The tensor shares the source's memory unless the source is not
+    contiguous; then it is a copy, made here with a warning.
+
+    Raises:
+        DTypeError: a source of an unsupported type or dtype, or a path.
+        ShapeError: a 0-d source, or one without rows.
+    """
     if isinstance(source, (DataGadget, HostTable)):
         table = _table_of(source)
         tensor = table.as_tensor().view(source.shape)
@@ -49,6 +66,8 @@ def _as_tensor(source, what):
         return tensor, FileRows.of(table.to_numpy(), tensor) if mapped else None
     if isinstance(source, torch.Tensor) and source.device.type != "cpu":
         check_rows(source.shape, what)
+        if not source.is_contiguous():  # rows are gathered with one index_select over contiguous rows
+            _warn_copied(what)
         return source.detach().contiguous(), None
     if isinstance(source, (str, os.PathLike)):
         raise DTypeError(f"{what} is a path ({os.fspath(source)!r}); sources are arrays: pass "
@@ -57,8 +76,9 @@ def _as_tensor(source, what):
         raise DTypeError(f"{what} is a {type(source).__name__}; sources must be numpy arrays, "
                          f"memmaps, torch tensors, DataGadgets or HostTables")
     array = as_host_array(source, what)
-    flat = array.reshape(len(array), -1)
-    if not flat.flags.c_contiguous:  # rows must be contiguous to be gathered: one copy
+    flat = array.reshape(len(array), -1)  # a view that stays a memmap when the source is one
+    if not array.flags.c_contiguous:  # rows must be contiguous to be gathered: one copy
+        _warn_copied(what)
         flat = np.ascontiguousarray(flat)
     # Shares the array's memory; a memmap stays on disk and is paged in as rows are read.
     table = HostTable.adopt(flat, backend="numpy")
@@ -67,13 +87,25 @@ def _as_tensor(source, what):
 
 
 def _resolve_ranks(rank, world_size):
+    """``(rank, world_size)``: as given, or from ``torch.distributed`` when it is initialised.
+
+    Raises:
+        OptionError: a bad rank or world size, a rank outside the world, or
+            ``world_size > 1`` without ``rank`` while ``torch.distributed`` is
+            not initialised (every process would take rank 0 and read the same rows).
+    """
     dist = torch.distributed
     initialised = dist.is_available() and dist.is_initialized()
     if world_size is None:
         world_size = dist.get_world_size() if initialised else 1
+    world_size = int_option(world_size, "world_size")
+    if rank is None and not initialised and world_size > 1:
+        raise OptionError(f"world_size={world_size} without rank: torch.distributed is not "
+                          f"initialised, so every process would be rank 0 and read the same rows; "
+                          f"pass rank (0 .. {world_size - 1}) with world_size, or initialise "
+                          f"torch.distributed")
     if rank is None:
         rank = dist.get_rank() if initialised else 0
-    world_size = int_option(world_size, "world_size")
     outside = f" (outside the world of {world_size} ranks: ranks are 0 .. {world_size - 1})"
     rank = int_option(rank, "rank", minimum=0, hint=outside)
     if rank >= world_size:
@@ -86,7 +118,11 @@ class BatchFeeder:
 
     Sources are numpy arrays, ``np.memmap`` files, torch tensors,
     :class:`~speedswap.DataGadget` or :class:`~speedswap.HostTable` objects with
-    the same number of rows; they are read in place, never copied. Each batch
+    the same number of rows; they are read in place. A source that is not
+    contiguous in memory (a column slice, a transposed tensor) is the
+    exception: it is copied once, when the feeder is built, with a warning,
+    and later changes to it are not seen (pass ``np.ascontiguousarray(x)`` or
+    ``x.contiguous()`` to own the copy instead). Each batch
     is a tuple with one tensor per source (a dict when the sources are given by
     name), each gathered with one indexing call.
 
@@ -120,7 +156,8 @@ class BatchFeeder:
     when a source is a memory-mapped file; in-RAM sources are gathered on the
     spot, which is faster than any hand-off. An exception met while reading
     ahead is raised in the training loop. Sources must not be changed while a
-    feeder iterates over them; between loops they may be (on a GPU, a loop's
+    feeder iterates over them; between loops they may be, except those copied
+    because they were not contiguous (on a GPU, a loop's
     copies wait for the work your stream had queued when the loop began).
     One thread at a time iterates a feeder: a loop superseded from another
     thread raises :class:`~speedswap.StateError`.
@@ -157,7 +194,8 @@ class BatchFeeder:
             ``world_size`` equal runs of it instead, so that each rank reads
             about ``1 / world_size`` of a file rather than all of it.
             Default: from ``torch.distributed`` when it is initialised, else
-            a single rank.
+            a single rank; ``world_size > 1`` without ``torch.distributed``
+            needs ``rank``.
         transform: ``transform(batch)`` applied to each batch before it is
             yielded, on the calling thread. A batch whose transform raises
             is not counted as delivered: resuming yields it again.
@@ -172,9 +210,10 @@ class BatchFeeder:
         OptionError: no sources, both positional and named ones, an unknown
             option (a keyword whose value is not a source), a bad backend, a bad
             ``batch_size``/``prefetch``/``seed``, an unknown ``order``, a rank
-            outside the world, a non-callable ``transform``, or
+            outside the world, ``world_size > 1`` without ``rank`` while
+            ``torch.distributed`` is not initialised, a non-callable ``transform``, or
             ``drop_last`` with fewer rows per rank than ``batch_size`` (every
-            epoch would be empty), or a ``lookahead`` that is not a bool.
+            epoch would be empty), or a ``drop_last`` or ``lookahead`` that is not a bool.
         ShapeError: sources with different numbers of rows, or none.
         DeviceError: a source on another device than ``device``, or no CUDA.
         DTypeError: a source of an unsupported type or dtype.
@@ -217,6 +256,9 @@ class BatchFeeder:
             raise OptionError(f"transform must be callable, got {type(transform).__name__}")
         if drop_behind not in (None, True, False):
             raise OptionError(f"drop_behind must be True, False or None (decide by size), got {drop_behind!r}")
+        if not isinstance(drop_last, bool):  # bool("no") is True: a string must not pass for one
+            raise OptionError(f"drop_last must be True (drop the last, incomplete batch) or False, "
+                              f"got {drop_last!r}")
         if not isinstance(lookahead, bool):
             raise OptionError(f"lookahead must be True (yield (batch, next_batch) pairs) or False, "
                               f"got {lookahead!r}")
@@ -246,7 +288,7 @@ class BatchFeeder:
         row_bytes = sum(t[0].numel() * t.element_size() for t in self._columns)
         self._order = make_order(order, row_bytes)
         self._batch_size = int(batch_size)
-        self._drop_last = bool(drop_last)
+        self._drop_last = drop_last
         self._seed = int(seed)
         self._prefetch = int(prefetch)
         self._rank, self._world_size = _resolve_ranks(rank, world_size)
@@ -345,12 +387,21 @@ class BatchFeeder:
     def load_state_dict(self, state):
         """Continue the stream from :meth:`state_dict`'s position.
 
+        Args:
+            state: a dict from :meth:`state_dict` (of this feeder or one built
+                with the same arguments).
+
         Raises:
             StateError: the state comes from a feeder with another seed, data
-                size, batch size, order, ``drop_last`` or rank; or is malformed.
+                size, batch size, order, ``drop_last`` or rank; or is malformed
+                (not a dict, keys missing, a position that is not an int in
+                range). Nothing changes then.
         """
+        if not isinstance(state, dict):
+            raise StateError(f"not a BatchFeeder state: expected the dict state_dict() returns, got "
+                             f"{type(state).__name__}")
         # States saved before the contiguous split had none: theirs was interleaved.
-        state = {"shard": "interleaved", **state} if isinstance(state, dict) else state
+        state = {"shard": "interleaved", **state}
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:
             raise StateError(f"not a BatchFeeder state: keys {missing} are missing")
@@ -361,7 +412,8 @@ class BatchFeeder:
             raise StateError("this state belongs to a different stream (" + "; ".join(differ) +
                              "); build the feeder with the same arguments to resume it")
         epoch, batch = state["epoch"], state["batch"]
-        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(batch, int) and 0 <= batch < max(1, len(self))):
+        # bool is an int to Python, but True is no epoch: a state holding one was not saved by a feeder.
+        if not (type(epoch) is int and epoch >= 0 and type(batch) is int and 0 <= batch < max(1, len(self))):
             raise StateError(f"state position epoch={epoch!r}, batch={batch!r} is not one of this "
                              f"feeder's ({len(self)} batches per epoch)")
         self._reposition(epoch, batch)
@@ -399,7 +451,7 @@ class BatchFeeder:
         return self._run(self._generation)
 
     def _check_sources(self):
-        """Refuse table sources closed or reloaded since; read replaced files through their maps.
+        """Refuse table sources closed or reloaded since; read files pread cannot confirm through their maps.
 
         Raises:
             StateError: a DataGadget or HostTable source was closed, or a
@@ -412,8 +464,9 @@ class BatchFeeder:
                                  f"the feeder would serve its old rows; build a new BatchFeeder over it")
         replaced = [k for k, file in self._files.items() if file.replaced()]
         for k in replaced:
-            warn(f"{self._files.pop(k).path!r} was replaced or removed after it was memory-mapped; "
-                 f"the feeder reads the mapped rows through the map (slower) from now on")
+            warn(f"{self._files.pop(k).path!r} was replaced or removed after it was memory-mapped "
+                 f"(or this system cannot show which file a map holds); the feeder reads the "
+                 f"mapped rows through the map (slower) from now on")
 
     def _run(self, generation):
         self._check_current(generation)

@@ -53,6 +53,33 @@ def _identity(stat):
     return stat.st_dev, stat.st_ino
 
 
+def _mapped_identity(address):
+    """``(st_dev, st_ino)`` of the file mapped at ``address`` in this process, or None if unknown.
+
+    The path a memmap was opened from may name another file by now (saves
+    replace by rename), so only the map itself says which file it holds:
+    Linux lists each mapping's device and inode in ``/proc/self/maps``.
+
+    Args:
+        address: an address inside the mapping.
+
+    Returns:
+        the identity as ``os.stat`` gives it, or None: no ``/proc`` (not
+        Linux), no mapping there, or an anonymous one.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, _, _, device, inode = line.split(maxsplit=5)[:5]
+                lo, hi = (int(end, 16) for end in span.split("-"))
+                if lo <= address < hi:
+                    major, minor = (int(part, 16) for part in device.split(":"))
+                    return (os.makedev(major, minor), int(inode)) if int(inode) else None
+    except (OSError, ValueError):  # no /proc, or a format this parser does not know
+        return None
+    return None
+
+
 class FileRows:
     """Where a source's rows lie in a file: ``num_rows`` rows of ``row_bytes`` from byte ``offset``.
 
@@ -62,30 +89,45 @@ class FileRows:
         num_rows: rows.
         row_shape: the torch shape of one row.
         dtype: the torch dtype of the rows.
+        identity: ``(st_dev, st_ino)`` of the file the rows are mapped from,
+            or None when it cannot be known: then pread, which could read
+            another file, is never used (:meth:`replaced` is True).
     """
 
-    def __init__(self, path, offset, num_rows, row_shape, dtype):
+    def __init__(self, path, offset, num_rows, row_shape, dtype, identity):
         self.path, self.offset, self.num_rows = path, int(offset), int(num_rows)
         self.row_shape, self.dtype = tuple(row_shape), dtype
         self.row_bytes = int(np.prod(row_shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        # The file the map was made from: a file saved over the path later
-        # (saves replace by rename) is another file, which pread must not read.
-        self.identity = _identity(os.stat(path))
+        self.identity = identity
 
     def replaced(self) -> bool:
-        """Whether the path now names another file than the mapped one, or none."""
+        """Whether pread of the path might not read the mapped file.
+
+        Returns:
+            True when the path now names another file, or none, or the mapped
+            file's identity is unknown.
+        """
+        if self.identity is None:
+            return True
         try:
             return _identity(os.stat(self.path)) != self.identity
-        except FileNotFoundError:
+        except OSError:  # removed, or no longer reachable: either way not provably the mapped file
             return True
 
     @classmethod
     def of(cls, array, tensor):
         """The file behind ``array``, or None when it is not a shared file map pread can read.
 
+        The file is the one ``array`` maps, not whatever its path names now;
+        where that cannot be confirmed, :meth:`replaced` is True and the
+        feeder reads through the map.
+
         Args:
             array: a host numpy array (the source's memory), C-contiguous.
             tensor: the source's tensor view of it (gives the row shape and dtype).
+
+        Returns:
+            FileRows or None.
         """
         handle = getattr(array, "_mmap", None)
         # A copy-on-write map ("c") may hold private changes pread would not see.
@@ -99,7 +141,13 @@ class FileRows:
         base = np.frombuffer(handle, dtype=np.uint8).ctypes.data
         start = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
         offset = start + array.ctypes.data - base
-        return cls(array.filename, offset, len(array), tensor.shape[1:], tensor.dtype)
+        return cls(array.filename, offset, len(array), tensor.shape[1:], tensor.dtype,
+                   _mapped_identity(array.ctypes.data))
+
+
+def _closed_by_another_thread() -> StateError:
+    return StateError("this feeder loop's file reader was closed by another thread (set_epoch, "
+                      "load_state_dict or a new loop); iterate the feeder anew, one thread at a time")
 
 
 class _PoolReader:
@@ -147,10 +195,23 @@ class _PoolReader:
                              os.POSIX_FADV_DONTNEED)
 
     def _submit(self, fn, *args):
+        """Run ``fn(*args)`` on the I/O pool.
+
+        Returns:
+            concurrent.futures.Future
+
+        Raises:
+            StateError: the reader was closed (by another thread).
+        """
         if self._closed:
-            raise StateError("this feeder loop's file reader was closed by another thread (set_epoch, "
-                             "load_state_dict or a new loop); iterate the feeder anew, one thread at a time")
-        return self._pool.submit(fn, *args)
+            raise _closed_by_another_thread()
+        try:
+            return self._pool.submit(fn, *args)
+        except RuntimeError as exc:
+            # close() on another thread may shut the pool between the check above and here.
+            if self._closed:
+                raise _closed_by_another_thread() from exc
+            raise
 
     @staticmethod
     def _wait(futures):
@@ -239,6 +300,14 @@ class WindowReader(_PoolReader):
         # pread, and read-ahead past its end would fetch the neighbouring block,
         # which this epoch reads at another time (or, with drop_behind, reads again).
         super().__init__(files, threads, drop_behind, os.POSIX_FADV_RANDOM)
+        try:
+            self._plan(files, ids, batch_size, block_rows, windows)
+        except BaseException:  # the arena may not fit: the caller never gets a reader to close
+            self.close()
+            raise
+
+    def _plan(self, files, ids, batch_size, block_rows, windows):
+        """Map blocks to windows and slots, and allocate the arena (``__init__``'s arguments)."""
         num_rows = files[0].num_rows
         self._ids, self._size, self._block_rows = ids, batch_size, block_rows
         self._windows = windows
