@@ -158,7 +158,7 @@ class OptimizerFactory(Switcher):
             raise StateError("before_forward called twice without after_step; finish the "
                              "step with after_step(ids) so its state rows are written back")
         self._check_member()
-        if self._steps.lone_optimizer() and self._param.shape[0] >= self._steps.num_rows:
+        if self._steps.alone(OPTIMIZER) and self._param.shape[0] >= self._steps.num_rows:
             # Its state rows go to slots 0..k-1, which in a whole table hold other rows.
             raise OptionError(
                 f"an OptimizerFactory without a ModelFactory, over an embedding that holds the whole "

@@ -125,17 +125,12 @@ class SharedSteps:
         member = self._members.get(kind)
         return member is not None and member.ref() is switcher
 
-    def lone_model(self) -> bool:
-        """Whether the parameter has a live ModelFactory and no live OptimizerFactory."""
-        model, optimizer = self._members.get(MODEL), self._members.get(OPTIMIZER)
-        return (model is not None and model.ref() is not None
-                and (optimizer is None or optimizer.ref() is None))
-
-    def lone_optimizer(self) -> bool:
-        """Whether the parameter has a live OptimizerFactory and no live ModelFactory."""
-        model, optimizer = self._members.get(MODEL), self._members.get(OPTIMIZER)
-        return (optimizer is not None and optimizer.ref() is not None
-                and (model is None or model.ref() is None))
+    def alone(self, kind) -> bool:
+        """Whether the parameter's live switchers are one of ``kind`` and none of the other kind."""
+        def live(k):
+            member = self._members.get(k)
+            return member is not None and member.ref() is not None
+        return live(kind) and not live(OPTIMIZER if kind == MODEL else MODEL)
 
     def busy(self) -> bool:
         """Whether a step is in progress: a switcher began it and has not ended it."""
@@ -443,7 +438,7 @@ def _refuse_lone_model_with_state(optimizer, args, kwargs):
     """
     for param, ref in list(_STEPS.items()):
         steps = ref()
-        if steps is None or param.grad is None or not steps.busy() or not steps.lone_model():
+        if steps is None or param.grad is None or not steps.busy() or not steps.alone(MODEL):
             continue  # torch skips a parameter without a gradient
         if not any(p is param for group in optimizer.param_groups for p in group["params"]):
             continue
