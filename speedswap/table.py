@@ -10,6 +10,7 @@
 [1.0, 1.0, 1.0]
 """
 
+import dataclasses
 import errno
 import os
 import warnings
@@ -69,12 +70,11 @@ def _has_duplicates(flat):
 
 
 def _file_id(path) -> Optional[tuple]:
-    """``(device, inode)`` of the file at ``path``, or None when there is none."""
+    """Which file is at ``path`` (:func:`~speedswap.files.identity`), or None when there is none."""
     try:
-        stat = os.stat(path)
+        return files.identity(os.stat(path))
     except OSError:
         return None
-    return stat.st_dev, stat.st_ino
 
 
 def _maps_whole_file(array: np.ndarray, path) -> bool:
@@ -91,6 +91,27 @@ def _maps_whole_file(array: np.ndarray, path) -> bool:
     header = files.read_npy_header(path)
     return (isinstance(node, np.memmap) and node.offset == header.offset and node.dtype == header.dtype
             and node.nbytes == int(np.prod(header.shape)) * header.dtype.itemsize)
+
+
+def _bfloat16_bits_header(path, dtype, mmap) -> files.TableHeader:
+    """The header of the uint16 ``.npy`` file behind a bfloat16 ``mmap`` table, read as bfloat16.
+
+    Raises:
+        OptionError: ``dtype`` other than bfloat16, or without ``mmap``.
+        FileFormatError: the file is not 2-D uint16.
+    """
+    if not mmap:
+        raise OptionError("dtype= goes with mmap=True: it maps the file of a bfloat16 mmap table; "
+                          "to copy it elsewhere, map it and save() it (saved files hold float32)")
+    if torch_dtype(dtype) is not torch.bfloat16:
+        raise OptionError(f"dtype={dtype!r}: only 'bfloat16' is read from another stored dtype "
+                          f"(uint16 bit patterns); leave dtype=None to use the file's own")
+    header = files.read_npy_header(path)
+    if header.dtype != np.dtype(np.uint16) or len(header.shape) != 2:
+        raise FileFormatError(f"{os.fspath(path)!r} holds {header.shape} {header.dtype}, but the "
+                              f"file of a bfloat16 mmap table is 2-D uint16 (its bit patterns); "
+                              f"leave dtype=None to load it as what it holds")
+    return dataclasses.replace(header, table_dtype=torch.bfloat16)
 
 
 class HostTable:
@@ -112,9 +133,11 @@ class HostTable:
         self._buffer = buffer
         self._backend = backend
         self._path = None if path is None else os.fspath(path)
-        # The mapped file's identity: a save to it under any spelling (a symlink, a relative
-        # path after chdir) must flush it, not write a new file the map no longer reaches.
-        self._file_id = None if path is None else _file_id(path)
+        # The mapped file's identity (from the map itself where the system shows it): a save to
+        # it under any spelling (a symlink, a relative path after chdir) must flush it, not write
+        # a new file the map no longer reaches.
+        self._file_id = None if path is None else (
+            files.mapped_identity(buffer.host.ctypes.data) or _file_id(path))
         self._shape = tuple(buffer.tensor.shape)
         self._dtype = buffer.tensor.dtype
         self._writable = buffer.host is None or bool(buffer.host.flags.writeable)
@@ -260,9 +283,8 @@ class HostTable:
             OptionError: ``dtype`` without ``mmap=True``.
             FileNotFoundError: no such file.
         """
-        if dtype is not None:
-            return cls._load_bfloat16_bits(path, dtype, mmap, backend, device)
-        header = files.read_table_header(path, dataset)
+        header = (files.read_table_header(path, dataset) if dtype is None
+                  else _bfloat16_bits_header(path, dtype, mmap))
         if mmap:
             check_storage("mmap", path)
             backend = get_backend(backend, device)
@@ -275,24 +297,6 @@ class HostTable:
                           device=device)
         files.read_table(table, path, header, dataset)
         return table
-
-    @classmethod
-    def _load_bfloat16_bits(cls, path, dtype, mmap, backend, device) -> "HostTable":
-        """:meth:`load` of the uint16 ``.npy`` file behind a bfloat16 ``mmap`` table, mapped."""
-        if not mmap:
-            raise OptionError("dtype= goes with mmap=True: it maps the file of a bfloat16 mmap table; "
-                              "to copy it elsewhere, map it and save() it (saved files hold float32)")
-        if torch_dtype(dtype) is not torch.bfloat16:
-            raise OptionError(f"dtype={dtype!r}: only 'bfloat16' is read from another stored dtype "
-                              f"(uint16 bit patterns); leave dtype=None to use the file's own")
-        check_storage("mmap", path)
-        header = files.read_npy_header(path)
-        if header.dtype != np.dtype(np.uint16) or len(header.shape) != 2:
-            raise FileFormatError(f"{os.fspath(path)!r} holds {header.shape} {header.dtype}, but the "
-                                  f"file of a bfloat16 mmap table is 2-D uint16 (its bit patterns); "
-                                  f"leave dtype=None to load it as what it holds")
-        backend = get_backend(backend, device)
-        return cls(backend.adopt(files.open_npy_memmap(path), "mmap", torch.bfloat16), backend, path)
 
     # ------------------------------------------------------------- properties
     @property

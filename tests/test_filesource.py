@@ -335,7 +335,7 @@ def test_a_file_whose_map_cannot_be_confirmed_is_read_through_the_map(tmp_path, 
         warnings.simplefilter("error")
         np.testing.assert_array_equal(torch.cat([x for (x,) in confirmed]).numpy(), data)
     assert confirmed._files  # its file is read with pread
-    monkeypatch.setattr(filesource, "_mapped_identity", lambda address: None)  # as off Linux
+    monkeypatch.setattr(filesource, "mapped_identity", lambda address: None)  # as off Linux
     unknown = ss.BatchFeeder(np.load(tmp_path / "x.npy", mmap_mode="r"), batch_size=16, order="sequential",
                              device="cpu")
     with pytest.warns(RuntimeWarning, match="cannot show which file"):

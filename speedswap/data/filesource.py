@@ -28,6 +28,7 @@ import os
 import numpy as np
 import torch
 
+from ..files import identity, mapped_identity
 from ..errors import FileFormatError, StateError
 
 __all__ = ["FileRows", "WindowReader", "RowReader", "drop_cache"]
@@ -47,37 +48,6 @@ def drop_cache(path):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def _identity(stat):
-    return stat.st_dev, stat.st_ino
-
-
-def _mapped_identity(address):
-    """``(st_dev, st_ino)`` of the file mapped at ``address`` in this process, or None if unknown.
-
-    The path a memmap was opened from may name another file by now (saves
-    replace by rename), so only the map itself says which file it holds:
-    Linux lists each mapping's device and inode in ``/proc/self/maps``.
-
-    Args:
-        address: an address inside the mapping.
-
-    Returns:
-        the identity as ``os.stat`` gives it, or None: no ``/proc`` (not
-        Linux), no mapping there, or an anonymous one.
-    """
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                span, _, _, device, inode = line.split(maxsplit=5)[:5]
-                lo, hi = (int(end, 16) for end in span.split("-"))
-                if lo <= address < hi:
-                    major, minor = (int(part, 16) for part in device.split(":"))
-                    return (os.makedev(major, minor), int(inode)) if int(inode) else None
-    except (OSError, ValueError):  # no /proc, or a format this parser does not know
-        return None
-    return None
 
 
 class FileRows:
@@ -110,7 +80,7 @@ class FileRows:
         if self.identity is None:
             return True
         try:
-            return _identity(os.stat(self.path)) != self.identity
+            return identity(os.stat(self.path)) != self.identity
         except OSError:  # removed, or no longer reachable: either way not provably the mapped file
             return True
 
@@ -142,7 +112,7 @@ class FileRows:
         start = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
         offset = start + array.ctypes.data - base
         return cls(array.filename, offset, len(array), tensor.shape[1:], tensor.dtype,
-                   _mapped_identity(array.ctypes.data))
+                   mapped_identity(array.ctypes.data))
 
 
 def _closed_by_another_thread() -> StateError:
@@ -159,7 +129,7 @@ class _PoolReader:
         try:
             for file in files:
                 self._fds.append(os.open(file.path, os.O_RDONLY))
-                if _identity(os.fstat(self._fds[-1])) != file.identity:  # replaced since checked
+                if identity(os.fstat(self._fds[-1])) != file.identity:  # replaced since checked
                     raise FileFormatError(f"{file.path!r} was replaced by another file while the "
                                           f"feeder opened it; iterate the feeder again")
                 os.posix_fadvise(self._fds[-1], 0, 0, advice)

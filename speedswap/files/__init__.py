@@ -16,14 +16,16 @@ formats; :mod:`~speedswap.files.tables` saves and loads whole tables in
 either, bfloat16 and all-or-nothing staging included.
 """
 
-from .base import (H5_SUFFIXES, NPY_SUFFIXES, TableHeader, check_matches,
-                   file_format, row_ranges, suffix_format)
+from .base import (H5_SUFFIXES, NPY_SUFFIXES, TableHeader, check_matches, file_format, identity,
+                   mapped_identity, row_ranges, suffix_format)
 from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import check_size, create_npy_memmap, open_npy_memmap, read_npy_header, read_npy_into, write_npy
 from .tables import (StagedRows, check_table_matches, read_table, read_table_header, save_table,
                      stage_table, stored_dtype)
 
 __all__ = [
+    "identity",
+    "mapped_identity",
     "NPY_SUFFIXES",
     "H5_SUFFIXES",
     "file_format",

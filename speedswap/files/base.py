@@ -27,6 +27,8 @@ __all__ = [
     "table_dtype_of",
     "reading_error",
     "check_matches",
+    "identity",
+    "mapped_identity",
     "CHUNK_BYTES",
     "write_chunk",
     "row_ranges",
@@ -91,6 +93,38 @@ def table_dtype_of(dtype):
         return torch_dtype(dtype)
     except DTypeError:
         return None
+
+
+def identity(stat) -> tuple:
+    """``(st_dev, st_ino)`` of an ``os.stat`` result: which file it is, whatever its path."""
+    return stat.st_dev, stat.st_ino
+
+
+def mapped_identity(address) -> Optional[tuple]:
+    """``(st_dev, st_ino)`` of the file mapped at ``address`` in this process, or None if unknown.
+
+    The path a memmap was opened from may name another file by now (saves
+    replace by rename), so only the map itself says which file it holds:
+    Linux lists each mapping's device and inode in ``/proc/self/maps``.
+
+    Args:
+        address: an address inside the mapping.
+
+    Returns:
+        the identity as ``os.stat`` gives it, or None: no ``/proc`` (not
+        Linux), no mapping there, or an anonymous one.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, _, _, device, inode = line.split(maxsplit=5)[:5]
+                lo, hi = (int(end, 16) for end in span.split("-"))
+                if lo <= address < hi:
+                    major, minor = (int(part, 16) for part in device.split(":"))
+                    return (os.makedev(major, minor), int(inode)) if int(inode) else None
+    except (OSError, ValueError):  # no /proc, or a format this parser does not know
+        return None
+    return None
 
 
 def reading_error(path, exc) -> FileFormatError:
