@@ -173,6 +173,57 @@ def test_stats_count_optimizer_state_and_no_cache_moves_every_row(backend):
     assert last["hits"] == 0 and emb.stats()["cache_bytes"] == 0
 
 
+def _counts(emb, *keys):
+    total = emb.stats()["total"]
+    return tuple(total[key] for key in keys)
+
+
+def test_a_step_that_raised_and_was_retried_counts_its_rows_once_and_its_copies_twice(backend):
+    emb, opt = _embedding(backend, cache_rows=10)
+    fail = []
+
+    def raise_once(*_):
+        if fail:
+            raise RuntimeError(fail.pop())
+    opt.register_step_pre_hook(raise_once)
+    for _ in range(3):
+        _step(emb, opt, [1, 2, 3, 4])
+    emb(torch.tensor([5, 6, 1], device=emb.weight.device)).pow(2).sum().backward()
+    fail.append("a hook that raised")
+    with pytest.raises(RuntimeError, match="a hook that raised"):
+        opt.step()
+    opt.step()  # the retry: rows 5 and 6 cross again, as they must
+    opt.zero_grad()
+    keys = ("steps", "lookups", "unique_rows", "hits", "misses", "rows_h2d")
+    assert _counts(emb, *keys) == (4, 15, 15, 9, 6, 4 + 2 + 2)
+    assert emb.stats()["last_step"]["unique_rows"] == 3
+
+
+def test_the_padding_row_is_not_counted_as_a_looked_up_row(backend):
+    emb = ss.OffloadedEmbedding(100, 4, max_rows=32, storage="pageable", backend=backend,
+                                cache_rows=8, padding_idx=0)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    for step in range(10):  # fresh rows every step, never the padding id: no hit
+        _step(emb, opt, [1 + 3 * step, 2 + 3 * step, 3 + 3 * step])
+    assert _counts(emb, "lookups", "unique_rows", "hits", "misses") == (30, 30, 0, 30)
+    # The padding row still crosses (once: it is cached after the first step).
+    assert _counts(emb, "rows_h2d") == (31,)
+    _step(emb, opt, [0, 0, 50])  # looked up or not, it is the row every step carries
+    assert emb.stats()["last_step"]["unique_rows"] == 1
+
+
+def test_the_totals_include_the_step_in_progress_and_survive_close(backend):
+    emb, opt = _embedding(backend, cache_rows=10)
+    _step(emb, opt, [1, 2])
+    assert emb.prefetch([7, 8, 9]) == 3
+    assert _counts(emb, "steps", "prefetched_rows", "rows_h2d") == (1, 3, 5)
+    emb(torch.tensor([7, 3], device=emb.weight.device))
+    assert _counts(emb, "lookups", "hits", "misses") == (4, 1, 3)
+    emb.close()
+    assert _counts(emb, "steps", "lookups", "prefetched_rows", "rows_h2d") == (1, 4, 3, 6)
+
+
 # ------------------------------------------------------------------ policy
 
 def _distinct_rows(emb, count):

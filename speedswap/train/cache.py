@@ -176,6 +176,15 @@ class RowCache:
 
     def _begin_step(self):
         self._step = dict.fromkeys(COUNTERS, 0)
+        self.restart_step()
+
+    def restart_step(self):
+        """Forget the step's fetches but not its counters, for a step that raised inside the optimizer.
+
+        Its rows are fetched again (``fetch(..., again=True)``) from where they
+        still are: the step stored nothing, so hits are still cached and misses
+        still on the host. The clock does not move: the step has not ended.
+        """
         self._slot_parts = []  # per fetch: each new row's slot, -1 for a miss
         self._count_parts = []  # per fetch: each new row's use count, from the sketch
         self._n_hits = self._n_misses = 0
@@ -283,7 +292,8 @@ class RowCache:
         return score[slots], slots
 
     # ---------------------------------------------------------------- the step
-    def fetch(self, rows: torch.Tensor, out: torch.Tensor, first: int, lookups: int):
+    def fetch(self, rows: torch.Tensor, out: torch.Tensor, first: int, lookups: int, *,
+              carried: int = 0, again: bool = False):
         """Fill ``out`` with the rows new to the working set: hits from the cache, misses from the host.
 
         Args:
@@ -292,19 +302,29 @@ class RowCache:
             out: ``(len(rows), dim)`` rows of the working-set parameter (contiguous).
             first: the working-set slot of ``rows[0]``.
             lookups: the ids the forward looked up (for the counters).
+            carried: how many of the first ``rows`` every step carries without
+                looking them up (the padding row): moved and cached like the
+                others, but not counted as unique rows, hits or misses.
+            again: the rows of a step that raised, fetched a second time after
+                :meth:`restart_step`: the copies count, the rows' use does not
+                (neither in the counters nor in the sketch).
         """
         self._wait_prefetch()
-        self._count(lookups=lookups, unique_rows=len(rows))
+        if not again:
+            self._count(lookups=lookups, unique_rows=len(rows) - carried)
         if not len(rows):
             return
-        n_hit = 0
+        n_hit = n_carried_hit = 0
         if self.num_slots:
             found, slot = self._lookup(rows)
-            n_hit = int(found.sum())
+            # One host synchronisation: the hits, and how many of them are carried rows.
+            n_hit, n_carried_hit = (torch.stack([found.sum(), found[:carried].sum()]).tolist()
+                                    if carried else (int(found.sum()), 0))
             if n_hit and n_hit < len(rows):
                 self._scratch(len(rows) - n_hit)  # an allocation that may fail: before the bookkeeping
-            self._count_parts.append(self.sketch.add(rows))
+            self._count_parts.append(self.sketch.estimate(rows) if again else self.sketch.add(rows))
             self._slot_parts.append(torch.where(found, slot, -1))
+        n_miss = len(rows) - n_hit
         if n_hit == 0:
             self._gather_host(self.table, rows, out)
         else:
@@ -314,16 +334,16 @@ class RowCache:
             missed = ~found
             # Misses go to scratch, in order: then one gather fills `out` from the cache.
             source = torch.where(found, slot, self.num_slots - 1 + torch.cumsum(missed, 0))
-            n_miss = len(rows) - n_hit
             if n_miss:
                 begin = self._scratch(n_miss)
                 self._gather_host(self.table, rows[positions(missed, n_miss)],
                                   self.weights[begin:begin + n_miss])
             _take_rows(self.weights, source, out)
         self._n_hits += n_hit
-        self._n_misses += len(rows) - n_hit
-        self._count(hits=n_hit, misses=len(rows) - n_hit, rows_h2d=len(rows) - n_hit,
-                    bytes_h2d=(len(rows) - n_hit) * self._row_bytes)
+        self._n_misses += n_miss
+        if not again:
+            self._count(hits=n_hit - n_carried_hit, misses=n_miss - (carried - n_carried_hit))
+        self._count(rows_h2d=n_miss, bytes_h2d=n_miss * self._row_bytes)
 
     def read_state(self, rows: torch.Tensor, views: dict):
         """Fill the optimizer's state ``views`` for the step's ``rows``: hits from the cache.
@@ -550,6 +570,8 @@ class RowCache:
         self._reindex()
 
     def stats(self) -> dict:
-        """Counters of the last step and since the cache was made (see :data:`COUNTERS`)."""
-        return {"last_step": dict(self.last_step), "total": dict(self.total),
+        """Counters of the last step and since the cache was made, the step in progress included
+        (see :data:`COUNTERS`)."""
+        return {"last_step": dict(self.last_step),
+                "total": {key: value + self._step[key] for key, value in self.total.items()},
                 "cache_rows": self.num_slots, "cache_bytes": self.nbytes}

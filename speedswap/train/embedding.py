@@ -390,7 +390,8 @@ class OffloadedEmbedding(torch.nn.Module):
                 ws.clear()  # the padding row too: a refused forward leaves no trace
             raise
         try:
-            self._gather_new(start, len(flat))
+            # The padding row is in every step without being looked up: not counted as one.
+            self._gather_new(start, len(flat), carried=int(start == 0 and self.padding_idx is not None))
         except BaseException:
             # The rows joined the working set but their slots were never filled (out of memory,
             # an interrupt): the step cannot go on with them, so it is dropped, as discard_step() does.
@@ -398,12 +399,12 @@ class OffloadedEmbedding(torch.nn.Module):
             raise
         return local
 
-    def _gather_new(self, first_new, lookups=0):
+    def _gather_new(self, first_new, lookups=0, **counting):
         # Rows new to the working set: hits from the device cache, misses from the host.
         rows = self._working_set.rows[first_new:]
         target = self._full[first_new:first_new + len(rows)]
         with torch.no_grad():
-            self._cache.fetch(rows, target, first_new, lookups)
+            self._cache.fetch(rows, target, first_new, lookups, **counting)
 
     # The step protocol of StepHooks.
     def _begin_step(self):
@@ -443,8 +444,9 @@ class OffloadedEmbedding(torch.nn.Module):
         self._narrowed = None
         self._kept = None  # the rows are read back below, as they were
         self._state.release()
-        self._cache.end_step()  # nothing was stored: the cache too holds the rows as before
-        self._gather_new(0)
+        # Nothing was stored: the cache too holds the rows as before, and the step goes on.
+        self._cache.restart_step()
+        self._gather_new(0, again=True)
 
     # ---------------------------------------------------------------- cache
     def prefetch(self, ids) -> int:
@@ -489,10 +491,14 @@ class OffloadedEmbedding(torch.nn.Module):
         """Transport counters: ``{"last_step": {...}, "total": {...}, "cache_rows", "cache_bytes"}``.
 
         Counters (see :data:`speedswap.train.cache.COUNTERS`): steps, lookups
-        (ids in training forwards), unique_rows, hits, misses, rows and bytes
-        host-to-device and device-to-host (rows with their state; flushes count
-        in ``total``), evictions and prefetched rows. They start at
-        :meth:`attach`; before it every counter is zero.
+        (ids in training forwards), unique_rows (the distinct rows they looked
+        up; the padding row, which every step carries, is not counted), hits,
+        misses, rows and bytes host-to-device and device-to-host (rows with
+        their state; flushes count in ``total``), evictions and prefetched rows.
+        ``total`` includes the step in progress (a prefetch counts at once),
+        ``last_step`` is the last step that ended. A step that raised inside
+        the optimizer and is retried counts its rows once and its copies twice.
+        They start at :meth:`attach`; before it every counter is zero.
         """
         if self._cache is None:
             return self._closed_stats or idle_stats(self.cache_rows)
