@@ -20,7 +20,8 @@ Usage:
     python benchmarks/cache.py [--steps 20] [--warmup 100] [--ids 1.1 uniform] [--caches 0.05]
         [--threads 1] [--prefetch]
 
-Writes benchmarks/results/cache-{cpu,gpu}.json and a PNG plot beside it.
+Writes benchmarks/results/cache[-prefetch][-subset]-{cpu,gpu}.json and a PNG plot beside
+it ("-subset" when ``--ids`` or ``--caches`` leave part of the sweep out).
 """
 
 import argparse
@@ -217,7 +218,10 @@ def main(argv=None):
                "threads": args.threads,
                "warmup": args.warmup, "loadavg_start": started, "loadavg_end": os.getloadavg(),
                "cpu_count": os.cpu_count(), "rows": rows}
-    path = common.write_results("cache-prefetch" if args.prefetch else "cache", payload)
+    # A subset of the sweep gets a name of its own: it must not replace the whole sweep's results.
+    whole = fractions == sorted({0.0, *CACHE_FRACTIONS}) and set(args.ids) == {str(d) for d in DISTRIBUTIONS}
+    name = "cache" + ("-prefetch" if args.prefetch else "") + ("" if whole else "-subset")
+    path = common.write_results(name, payload)
     plot(rows, path.with_suffix(".png"))
     print(f"wrote {path.with_suffix('.png')}")
     return payload

@@ -78,7 +78,8 @@ import contextlib
 
 import torch
 
-from ..backends.cpu import assign_rows
+from ..backends.cpu import assign_rows, huge_page_array
+from ..convert import host_tensor, numpy_dtype
 from ..errors import StateError
 from ..table import HostTable
 from .sketch import FrequencySketch
@@ -96,6 +97,18 @@ _SKETCH_COUNTERS_PER_SLOT = 4
 
 def _itemsize(dtype):
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _rows(count, dim, dtype, device):
+    """An uninitialised ``(count, dim)`` tensor for cached rows.
+
+    On the CPU in transparent huge pages, as the host tables are: a hit is a
+    random row read, and with 4 KiB pages nearly every one missed the TLB
+    (a cached step of ``benchmarks/cache.py``, 5% cache, took 2-6% longer).
+    """
+    if device.type != "cpu":
+        return torch.empty((count, dim), dtype=dtype, device=device)
+    return host_tensor(huge_page_array((count, dim), numpy_dtype(dtype)), dtype)
 
 
 def _take_rows(source, index, out):
@@ -144,9 +157,8 @@ class RowCache:
         # needs no hashing of every slot, and an unused row's count does not change.
         self.score = torch.full((n,), -torch.inf, dtype=torch.float32, device=device)
         # Slots first, then scratch rows (none until a call needs them).
-        self.weights = torch.empty((n, dim), dtype=table.dtype, device=device)
-        self.states = {name: torch.empty((n, dim), dtype=state_dtype, device=device)
-                       for name in state_tables}
+        self.weights = _rows(n, dim, table.dtype, device)
+        self.states = {name: _rows(n, dim, state_dtype, device) for name in state_tables}
         self._row_bytes = dim * _itemsize(table.dtype)
         self._state_row_bytes = dim * _itemsize(state_dtype)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and n else None
@@ -212,7 +224,7 @@ class RowCache:
             size = n + (1 << (count - 1).bit_length())  # powers of two: few regrowths
 
             def grown(old):
-                new = torch.empty((size, old.shape[1]), dtype=old.dtype, device=old.device)
+                new = _rows(size, old.shape[1], old.dtype, old.device)
                 new[:n] = old[:n]  # scratch holds nothing between calls
                 return new
 
