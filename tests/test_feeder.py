@@ -241,6 +241,33 @@ def test_sources_of_every_kind_and_names(backend, rng, tmp_path):
     assert total == n
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("order", ["random", "block"])
+def test_unsigned_token_ids_arrive_widened_with_their_values(order, device, rng, tmp_path):
+    """uint16 and uint32 data (token ids) are read at their width and delivered as int32/int64."""
+    n = 300
+    # Half the values have the top bit set: read as int16/int32 they would be negative.
+    short = rng.integers(0, 1 << 16, size=(n, 5)).astype(np.uint16)
+    wide = rng.integers(0, 1 << 32, size=n, dtype=np.uint64).astype(np.uint32)
+    assert (short >= 1 << 15).any() and (wide >= 1 << 31).any()
+    np.save(tmp_path / "tokens.npy", short)
+    seen = []
+    feeder = ss.BatchFeeder(np.arange(n), np.load(tmp_path / "tokens.npy", mmap_mode="r"),
+                            torch.from_numpy(wide.astype(np.int64)).to(torch.uint32),
+                            batch_size=64, order=order, device=device, lookahead=True,
+                            transform=lambda batch: seen.append(batch[1].dtype) or batch)
+    total = 0
+    for (ids, tokens, big), _ in feeder:
+        assert tokens.dtype == torch.int32 and big.dtype == torch.int64
+        assert tokens.device.type == big.device.type == device
+        ids = ids.cpu().numpy()
+        np.testing.assert_array_equal(tokens.cpu().numpy(), short[ids])
+        np.testing.assert_array_equal(big.cpu().numpy(), wide[ids])
+        total += len(ids)
+    assert total == n and set(seen) == {torch.int32}
+    assert feeder._files  # the file is still read with pread, at two bytes a value
+
+
 def test_transform_and_lifetime():
     data = np.arange(60, dtype=np.float32).reshape(30, 2)
     feeder = ss.BatchFeeder(data, batch_size=7, order="sequential", device="cpu",

@@ -49,11 +49,47 @@ def _warn_copied(what):
          f"x.contiguous() to make the copy yourself and change that one")
 
 
+#: Unsigned sources speedswap has no tables for, read as the signed type of their width
+#: (the same bits) and widened on the device: (numpy view, torch view, batch dtype, mask).
+_WIDENED = {
+    np.dtype(np.uint16): (np.int16, torch.int16, torch.int32, 0xFFFF),
+    np.dtype(np.uint32): (np.int32, torch.int32, torch.int64, 0xFFFFFFFF),
+}
+_TORCH_UNSIGNED = {torch.uint16: np.dtype(np.uint16), torch.uint32: np.dtype(np.uint32)}
+
+
+def _as_signed(source):
+    """``(source, widen)``: uint16/uint32 data viewed as int16/int32 (no copy), and how to widen batches.
+
+    Token ids are often stored as uint16; the rows cross (and are read from a
+    file) at that width, and each batch becomes int32 (int64 for uint32)
+    with its values unchanged. ``widen`` is ``(dtype, mask)``, or None for
+    data that needs none.
+    """
+    dtype = _TORCH_UNSIGNED.get(source.dtype) if isinstance(source, torch.Tensor) else (
+        source.dtype if isinstance(source, np.ndarray) else None)
+    if dtype not in _WIDENED:
+        return source, None
+    as_numpy, as_torch, wider, mask = _WIDENED[dtype]
+    view = source.view(as_torch) if isinstance(source, torch.Tensor) else source.view(as_numpy)
+    return view, (wider, mask)
+
+
+def _widened(tensor, widen):
+    """A batch of unsigned data read as signed (see :func:`_as_signed`), back to its values."""
+    if widen is None:
+        return tensor
+    wider, mask = widen
+    return tensor.to(wider).bitwise_and_(mask)
+
+
 def _as_tensor(source, what):
     """``(tensor, file)``: a source's rows as a tensor, and the file it maps (or None).
 
     The tensor shares the source's memory unless the source is not
-    contiguous; then it is a copy, made here with a warning.
+    contiguous; then it is a copy, made here with a warning. uint16 and
+    uint32 sources come as int16 and int32 tensors of the same bits (see
+    :func:`_as_signed`).
 
     Raises:
         DTypeError: a source of an unsupported type or dtype, or a path.
@@ -218,6 +254,9 @@ class BatchFeeder:
         DeviceError: a source on another device than ``device``, or no CUDA.
         DTypeError: a source of an unsupported type or dtype.
 
+    uint16 and uint32 sources (token ids, say) are read and moved at their
+    width and delivered as int32 and int64 batches with the same values.
+
     Example:
         >>> feeder = ss.BatchFeeder(ss.DataGadget("x.npy"), labels, batch_size=4096)  # doctest: +SKIP
         >>> for epoch in range(10):                                            # doctest: +SKIP
@@ -265,7 +304,9 @@ class BatchFeeder:
         self._names = tuple(named_sources) if named_sources else None
         items = named_sources.items() if named_sources else enumerate(sources)
         described = [(f"source {key!r}", source) for key, source in items]
-        columns = [_as_tensor(source, what) for what, source in described]
+        signed = [_as_signed(source) for _, source in described]
+        self._widen = tuple(widen for _, widen in signed)
+        columns = [_as_tensor(source, what) for (what, _), (source, _) in zip(described, signed)]
         self._columns = tuple(tensor for tensor, _ in columns)
         tables = [_table_of(source) for _, source in described]
         self._tables = [(what, source, table) for (what, source), table in zip(described, tables)
@@ -527,5 +568,7 @@ class BatchFeeder:
     def _finish(self, tensors, done):
         if done is not None:
             tensors = self._stager.deliver(tensors, done)
+        if any(self._widen):
+            tensors = tuple(_widened(t, widen) for t, widen in zip(tensors, self._widen))
         batch = dict(zip(self._names, tensors)) if self._names is not None else tensors
         return batch if self._transform is None else self._transform(batch)
