@@ -34,7 +34,7 @@ def _demo(args: argparse.Namespace) -> int:
           f"corpus with planted topics, both tables in {where} ({size} size, seed {args.seed})")
     summary = run_demo(tiny=args.tiny, backend=BACKEND_OF_DEVICE[args.device], storage=args.storage,
                        progress=not args.no_progress, seed=args.seed, cache_rows=args.cache_rows,
-                       path=args.path)
+                       path=args.table_dir)
     print(format_demo(summary))
     if args.json:
         # Atomic: a run killed mid-write leaves any earlier summary whole, never half of one.
@@ -59,7 +59,7 @@ def _json_file(text: str) -> str:
 
 
 def _table_dir(text: str) -> str:
-    """``--path``'s type: a new or empty directory for the table files, or argparse's error."""
+    """``--table-dir``'s type: a new or empty directory for the table files, or argparse's error."""
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is a file; give a directory for the table files")
     if os.path.isdir(text) and os.listdir(text):
@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cuda needs CuPy and a GPU; auto uses one when present")
     demo.add_argument("--storage", default="pinned", choices=("pinned", "mapped", "pageable", "device", "mmap"),
                       help="where the tables and optimizer state live (mmap: memory-mapped .npy files)")
-    demo.add_argument("--path", type=_table_dir, metavar="DIR",
+    # Named as in examples/word2vec.py, which takes the same directory.
+    demo.add_argument("--table-dir", type=_table_dir, metavar="DIR",
                       help="with --storage mmap: a new or empty directory for the table files, kept after the "
                            "run (default: a temporary directory, removed at the end)")
     demo.add_argument("--seed", type=int, default=0, metavar="N",
@@ -163,9 +164,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--steps goes with --all (bench --all --steps transport,feeder)")
     if args.command == "bench" and args.dry_run and not args.all:
         parser.error("--dry-run goes with --all (bench --all --dry-run)")
-    if args.command == "demo" and args.path is not None and args.storage != "mmap":
-        parser.error(f"--path is the directory of --storage mmap's files, and --storage is {args.storage}; "
-                     f"add --storage mmap or drop --path")
+    if args.command == "demo" and args.table_dir is not None and args.storage != "mmap":
+        parser.error(f"--table-dir is the directory of --storage mmap's files, and --storage is "
+                     f"{args.storage}; add --storage mmap or drop --table-dir")
     try:
         if args.command == "info":
             print(format_info(info()))

@@ -78,7 +78,7 @@ def test_demo_seed_defaults_to_run_demos():
 
 
 def test_demo_seed_json_and_mmap_tables(tmp_path, monkeypatch, capsys, torch_threads):
-    made = []  # the temporary directories the demo makes for mmap without --path
+    made = []  # the temporary directories the demo makes for mmap without --table-dir
 
     def temporary_directory(*args, **kwargs):
         directory = make_temporary(*args, **kwargs)
@@ -89,7 +89,7 @@ def test_demo_seed_json_and_mmap_tables(tmp_path, monkeypatch, capsys, torch_thr
     monkeypatch.setattr(tempfile, "TemporaryDirectory", temporary_directory)
     runs = {}
     for name, options in [("pinned", ["--seed", "3"]),
-                          ("kept", ["--seed", "3", "--storage", "mmap", "--path", str(tmp_path / "tables")]),
+                          ("kept", ["--seed", "3", "--storage", "mmap", "--table-dir", str(tmp_path / "tables")]),
                           ("temporary", ["--seed", "4", "--storage", "mmap"])]:
         assert main(TINY_DEMO + options + ["--json", str(tmp_path / f"{name}.json")]) == 0
         out = capsys.readouterr().out
@@ -116,9 +116,9 @@ def test_demo_seed_json_and_mmap_tables(tmp_path, monkeypatch, capsys, torch_thr
 
 
 @pytest.mark.parametrize("options, says", [
-    (["--path", "{tmp}/new"], "--path is the directory of --storage mmap's files, and --storage is pinned"),
-    (["--storage", "mmap", "--path", "{tmp}/full"], "is not empty; give a new or empty directory"),
-    (["--storage", "mmap", "--path", "{tmp}/full/file"], "is a file; give a directory"),
+    (["--table-dir", "{tmp}/new"], "--table-dir is the directory of --storage mmap's files, and --storage is pinned"),
+    (["--storage", "mmap", "--table-dir", "{tmp}/full"], "is not empty; give a new or empty directory"),
+    (["--storage", "mmap", "--table-dir", "{tmp}/full/file"], "is a file; give a directory"),
     (["--json", "{tmp}/nope/summary.json"], "does not exist; create it first"),
     (["--json", "{tmp}/full"], "is a directory; give a file name"),
 ])
@@ -134,7 +134,7 @@ def test_demo_refuses_bad_paths_before_it_runs(options, says, tmp_path, monkeypa
 
 
 def test_demo_mmap_path_named_like_a_file_is_a_one_line_error(tmp_path, capsys, torch_threads):
-    assert main(TINY_DEMO + ["--storage", "mmap", "--path", str(tmp_path / "tables.npy")]) == 2
+    assert main(TINY_DEMO + ["--storage", "mmap", "--table-dir", str(tmp_path / "tables.npy")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m speedswap demo: error: ") and err.count("\n") == 1, err
     assert "would create a directory named 'tables.npy'" in err
