@@ -470,8 +470,13 @@ class RowCache:
     def prefetch(self, ids: torch.Tensor, working_rows: torch.Tensor) -> int:
         """Bring the rows of ``ids`` that are neither cached nor in the working set into the cache.
 
-        Rows brought or already cached are pinned until the end of the next
-        step. As many rows are brought as there are evictable slots beyond the
+        Rows brought or already cached are pinned until the end of the step
+        after the current one (the current step being the one a training
+        forward would join now). Between steps that keeps them one step
+        longer than needed if the ids are for the coming step, but a loop may
+        prefetch the step after before the coming step's forward, and the
+        cache cannot tell the two apart: only speed is at stake, never the
+        arithmetic. As many rows are brought as there are evictable slots beyond the
         ones the current step's misses will need. On a GPU the copies run on a
         side stream and may still be running on return.
 
