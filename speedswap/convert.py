@@ -68,6 +68,8 @@ _NUMPY_TO_TORCH = {
     np.dtype(np.bool_): torch.bool,
 }
 _TORCH_TO_NUMPY = {t: n for n, t in _NUMPY_TO_TORCH.items()}
+#: torch's uint64 (new in torch 2.3), whose ids of 2**63 and more wrap around when cast to int64.
+_TORCH_UINT64 = getattr(torch, "uint64", None)
 #: numpy has no bfloat16: its rows are held as their 16-bit patterns and viewed by torch.
 _BF16_BITS = np.dtype(np.uint16)
 _SUPPORTED = sorted([str(n) for n in _NUMPY_TO_TORCH] + ["bfloat16"])
@@ -114,6 +116,11 @@ def torch_dtype(dtype) -> torch.dtype:
     except TypeError as exc:
         raise DTypeError(f"{dtype!r} is not a dtype; use e.g. 'float32'") from exc
     if npd not in _NUMPY_TO_TORCH:
+        if not npd.isnative and npd.newbyteorder("=") in _NUMPY_TO_TORCH:
+            # ">f4" is float32 stored byte-swapped: "not supported, use float32" would mislead.
+            raise DTypeError(f"dtype {npd.str!r} is {npd.newbyteorder('=')} in the other byte order "
+                             f"(e.g. read from a big-endian file), which torch cannot view; "
+                             f"convert it with a.astype(a.dtype.newbyteorder('='))")
         raise _unsupported(npd)
     return _NUMPY_TO_TORCH[npd]
 
@@ -255,7 +262,13 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
                          f"different lengths; pad them to one length or pass them separately") from None
     if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
         arr = arr.astype(np.int64)
-    if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype == object and arr.size and all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in arr.flat):
+        # numpy holds Python ints beyond int64 as objects: they are ids, out of any table's range.
+        raise IdError(f"{what} contain {max(arr.flat, key=abs)}, beyond the int64 range of any "
+                      f"table's ids; check the vocabulary size")
+    # kind, not np.issubdtype: numpy counts timedelta64 as an integer type.
+    if arr.dtype.kind not in "iu":
         raise DTypeError(f"{what} must be integers, got an array of {arr.dtype}; "
                          f"convert with .astype(np.int64) if they are whole numbers")
     flat = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1), dtype=np.int64))
@@ -276,7 +289,7 @@ def _moved(flat, target):
     return flat.to(target)
 
 
-def check_id_range(flat, num_rows, *, what="ids"):
+def check_id_range(flat, num_rows, *, what="ids", unsigned=False):
     """Raise :class:`IdError` unless every id of ``flat`` lies in ``[0, num_rows)``.
 
     On a GPU tensor this is one host synchronisation (both bounds in one
@@ -286,9 +299,14 @@ def check_id_range(flat, num_rows, *, what="ids"):
         flat: a 1-D integer tensor.
         num_rows: the table's row count.
         what: how the ids are named in error messages.
+        unsigned: ``flat`` holds uint64 ids cast to int64, so a negative one
+            stands for an id of ``2**63`` or more.
     """
     if flat.numel():
         lo, hi = torch.stack(torch.aminmax(flat)).tolist()
+        if unsigned and lo < 0:
+            raise IdError(f"{what} contain {lo + 2**64}, out of range for a table of {num_rows} "
+                          f"rows (ids must be in [0, {num_rows})); check the vocabulary size")
         _check_range(lo, hi, num_rows, what)
 
 
@@ -314,14 +332,18 @@ def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
     """
     device = torch.device(device)
     target = device if to is None else torch.device(to)
+    # uint64 ids of 2**63 and more become negative int64s: the range check names them as given.
+    dtype = getattr(ids, "dtype", None)
+    unsigned = (dtype is _TORCH_UINT64 if isinstance(ids, torch.Tensor)
+                else isinstance(dtype, np.dtype) and dtype == np.uint64)
     if not (isinstance(ids, torch.Tensor) and ids.device.type != "cpu") and target.type != "cpu":
         # Host ids are checked on the host, then cross without a wait (see
         # _moved): no device synchronisation at all.
         flat, shape = as_id_tensor(ids, device, to="cpu", what=what)
-        check_id_range(flat, num_rows, what=what)
+        check_id_range(flat, num_rows, what=what, unsigned=unsigned)
         return _moved(flat, target), shape
     flat, shape = as_id_tensor(ids, device, to=target, what=what)
-    check_id_range(flat, num_rows, what=what)
+    check_id_range(flat, num_rows, what=what, unsigned=unsigned)
     return flat, shape
 
 
@@ -360,8 +382,15 @@ def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=Non
         DeviceError: values live on a device the backend cannot read.
     """
     device = torch.device(device)
+    given = type(values)
     if not isinstance(values, torch.Tensor):
-        arr = np.asarray(values)
+        try:
+            arr = np.asarray(values)
+        except ValueError:  # nested lists of different lengths
+            raise ShapeError(f"values must be a rectangular array of shape ({num_ids}, {dim}), got "
+                             f"nested lists of different lengths; give every row {dim} values") from None
+        if not arr.dtype.isnative:  # byte-swapped (a big-endian file): the same numbers, exactly
+            arr = arr.astype(arr.dtype.newbyteorder("="))
         if arr.dtype == object or arr.dtype not in _NUMPY_TO_TORCH:
             raise DTypeError(f"values of dtype {arr.dtype} cannot be written; "
                              f"pass a float array of the table's dtype")
@@ -373,8 +402,12 @@ def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=Non
         raise DeviceError(f"values are on {values.device} but this table lives on "
                           f"{device}; move them with .to({str(device)!r})")
     if values.dtype != dtype:
+        # A numpy array or list has no .to(); numpy has no bfloat16 to cast to.
+        cast = (f".to({dtype})" if issubclass(given, torch.Tensor)
+                else f"torch.as_tensor(a).to({dtype})" if dtype is torch.bfloat16
+                else f".astype('{_TORCH_TO_NUMPY[dtype]}')")
         raise DTypeError(f"values have dtype {values.dtype} but the table holds {dtype}; "
-                         f"cast them with .to({dtype}) first")
+                         f"cast them with {cast} first")
     if tuple(values.shape) != (num_ids, dim):
         wanted = f"({num_ids}, {dim})"
         if ids_shape is not None and tuple(ids_shape) != (num_ids,):

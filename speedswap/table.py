@@ -69,6 +69,15 @@ def _has_duplicates(flat):
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the contiguous tensors ``a`` and ``b`` share any byte of memory."""
+    if a.device != b.device or not a.numel() or not b.numel():
+        return False
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return (a_start < b_start + b.numel() * b.element_size()
+            and b_start < a_start + a.numel() * a.element_size())
+
+
 def _file_id(path) -> Optional[tuple]:
     """Which file is at ``path`` (:func:`~speedswap.files.identity`), or None when there is none."""
     try:
@@ -114,6 +123,38 @@ def _bfloat16_bits_header(path, dtype, mmap) -> files.TableHeader:
     return dataclasses.replace(header, table_dtype=torch.bfloat16)
 
 
+def _host_rows(array) -> tuple:
+    """``from_numpy``'s input as a native-byte-order numpy array, and the table dtype it holds.
+
+    Returns:
+        (numpy.ndarray, dtype): a bfloat16 tensor gives its ``uint16`` bit patterns (as a
+        table's host memory holds them) and ``torch.bfloat16``.
+
+    Raises:
+        ShapeError: nested lists of different lengths.
+        DTypeError: a tensor of a dtype a table cannot hold.
+        DeviceError: a tensor on the meta device.
+    """
+    if isinstance(array, torch.Tensor):
+        if array.device.type == "meta":
+            raise DeviceError("the array is a tensor on the meta device, which holds no values; "
+                              "give a tensor with values (on the CPU or a GPU)")
+        tensor = array.detach().cpu()
+        if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16: copy the bit patterns
+            return tensor.view(torch.int16).numpy().view(numpy_dtype(torch.bfloat16)), torch.bfloat16
+        torch_dtype(tensor.dtype)  # a DTypeError naming the dtypes a table holds, not numpy's TypeError
+        array = tensor.numpy()
+    else:
+        try:
+            array = np.asarray(array)
+        except ValueError:
+            raise ShapeError("a table is 2-D (rows, dim), but the array is nested lists of "
+                             "different lengths; give every row the same length") from None
+    if not array.dtype.isnative:  # big-endian data: the same numbers, which torch can view
+        array = array.astype(array.dtype.newbyteorder("="))
+    return array, array.dtype
+
+
 class HostTable:
     """A ``(num_rows, dim)`` table whose rows move to and from the device on demand.
 
@@ -127,6 +168,13 @@ class HostTable:
 
     Pinned memory is returned to the driver when the table is closed (or used
     as a context manager) and no view from :meth:`to_numpy` is still alive.
+
+    Threads: like a numpy array or a tensor, a table takes no lock. Gathers
+    may run in several threads at once, and so may scatters to disjoint rows;
+    a gather that runs while another thread scatters the same rows can return
+    rows that are part old, part new, and two threads scattering one row
+    leave either thread's values. Serialise such calls (a ``threading.Lock``
+    around them), and do not :meth:`close` a table another thread is using.
     """
 
     def __init__(self, buffer, backend, path=None):
@@ -140,6 +188,7 @@ class HostTable:
             files.mapped_identity(buffer.host.ctypes.data) or _file_id(path))
         self._shape = tuple(buffer.tensor.shape)
         self._dtype = buffer.tensor.dtype
+        self._kind = buffer.kind  # still reported once the buffer is released
         self._writable = buffer.host is None or bool(buffer.host.flags.writeable)
         _LIVE.add(self)
 
@@ -201,14 +250,22 @@ class HostTable:
                    *, device: DeviceLike = None, overwrite: bool = False) -> "HostTable":
         """A table holding a copy of the 2-D ``array``; arguments as :meth:`empty`.
 
+        Args:
+            array: a numpy array, nested lists, or a torch tensor on any device
+                (a ``bfloat16`` tensor gives a bfloat16 table, exactly; one that
+                requires grad is read, detached). A byte-swapped (big-endian)
+                array is copied in the native byte order.
+
         Raises:
-            ShapeError: ``array`` is not 2-D.
+            ShapeError: ``array`` is not 2-D, or nested lists of different lengths.
+            DTypeError: a dtype a table cannot hold.
+            DeviceError: a tensor on the meta device (it has no values).
         """
-        array = np.asarray(array)
+        array, dtype = _host_rows(array)
         if array.ndim != 2:
             raise ShapeError(f"a table is 2-D (rows, dim); got an array of shape {array.shape}: "
                              f"reshape it with a.reshape(len(a), -1)")
-        table = cls.empty(array.shape[0], array.shape[1], array.dtype, storage, backend, path,
+        table = cls.empty(array.shape[0], array.shape[1], dtype, storage, backend, path,
                           device=device, overwrite=overwrite)
         table._fill_from(lambda start, stop: array[start:stop])
         return table
@@ -320,12 +377,12 @@ class HostTable:
     @property
     def storage(self):
         """The storage kind asked for."""
-        return self._buffer.kind
+        return self._kind
 
     @property
     def pinned(self):
-        """Whether the rows really are in page-locked host memory."""
-        return self._buffer.pinned
+        """Whether the rows really are in page-locked host memory (False once closed: none is held)."""
+        return self._buffer is not None and self._buffer.pinned
 
     @property
     def backend(self):
@@ -353,7 +410,7 @@ class HostTable:
     @property
     def nbytes(self):
         """Bytes the rows occupy."""
-        return self._shape[0] * self._shape[1] * self._buffer.tensor.element_size()
+        return self._shape[0] * self._shape[1] * self._dtype.itemsize
 
     @property
     def closed(self):
@@ -427,6 +484,7 @@ class HostTable:
         Raises:
             IdError, DTypeError, DeviceError: bad ids (see :func:`~speedswap.convert.as_row_ids`).
             ShapeError, DTypeError, DeviceError: a bad ``out``.
+            OptionError: ``out`` shares memory with the table or with ``rows``.
         """
         buffer = self._live_buffer()
         flat, shape = as_row_ids(rows, self.num_rows, self.device,
@@ -436,6 +494,11 @@ class HostTable:
             out = torch.empty(target_shape, dtype=self.dtype, device=self.device)
         else:
             self._check_out(out, target_shape)
+            # A kernel writing rows it is still reading would fail or read its own output.
+            for source, name in ((buffer.tensor, "the table's own rows"), (flat, "the ids")):
+                if _overlaps(out, source):
+                    raise OptionError(f"out shares memory with {name}, which gather reads while "
+                                      f"it writes out; pass a separate tensor (e.g. torch.empty_like(out))")
         self._backend.gather(buffer, flat, out.view(len(flat), self.dim))
         return out
 
@@ -503,6 +566,11 @@ class HostTable:
             raise DuplicateIdError("scatter rows repeat an id, so the value kept would depend on "
                                    "write order; de-duplicate them first (torch.unique, or "
                                    "sum the rows' values with index_add_ if that is the intent)")
+        if _overlaps(values, buffer.tensor):
+            # Values read from the table itself (table.as_tensor()[a:b]): index_copy_, which the
+            # cuda backend writes with, refuses a source it overwrites, and a kernel would read
+            # rows it has already written. A copy is the values as they were when called.
+            values = values.clone()
         self._backend.scatter(buffer, flat, values)
 
     def scatter_validated(self, rows: torch.Tensor, values: torch.Tensor) -> None:
@@ -556,13 +624,22 @@ class HostTable:
             self
 
         Raises:
-            DTypeError: a bound is not a real number.
-            OptionError: a bound is NaN or infinite, or ``low > high``.
+            DTypeError: a bound is not a real number, or ``generator`` is not
+                a ``torch.Generator``.
+            OptionError: a bound is NaN or infinite, ``low > high``, or the
+                bounds or their distance exceed the table dtype's largest value.
         """
         low, high = float_option(low, "low"), float_option(high, "high")
         if low > high:
             raise OptionError(f"uniform_ needs low <= high, got low={low!r} > high={high!r}; "
                               f"swap them")
+        if self.dtype.is_floating_point:  # an integer table is refused in _fill_random
+            largest = torch.finfo(self.dtype).max
+            # torch refuses these itself, with an error that names no argument
+            if max(-low, high, high - low) > largest:
+                raise OptionError(f"uniform_({low!r}, {high!r}) on a {self.dtype} table: the bounds "
+                                  f"and high - low must be at most {largest:g}, the largest "
+                                  f"{self.dtype} value; narrow them")
         return self._fill_random("uniform_", lambda tensor: tensor.uniform_(low, high, generator=generator),
                                  generator)
 
@@ -575,7 +652,8 @@ class HostTable:
                 device, as for :meth:`uniform_`.
 
         Raises:
-            DTypeError: ``mean`` or ``std`` is not a real number.
+            DTypeError: ``mean`` or ``std`` is not a real number, or
+                ``generator`` is not a ``torch.Generator``.
             OptionError: NaN or infinite, or ``std < 0``.
         """
         mean, std = float_option(mean, "mean"), float_option(std, "std")
@@ -593,12 +671,16 @@ class HostTable:
         storage kind with the same values.
 
         Raises:
-            DTypeError: an integer table (torch draws these only as floats).
+            DTypeError: an integer table (torch draws these only as floats), or
+                ``generator`` is not a ``torch.Generator``.
         """
         if not self.dtype.is_floating_point:
             raise DTypeError(f"{name} draws floating-point values and this table holds {self.dtype}; "
                              f"fill integer rows with apply_(torch.Tensor.random_, low, high) or "
                              f"from a numpy array")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise DTypeError(f"{name}'s generator must be a torch.Generator, got "
+                             f"{type(generator).__name__}; pass torch.Generator().manual_seed(seed)")
         for _, _, chunk in self._row_chunks():
             if generator is None or generator.device == chunk.device:
                 fill(chunk)
@@ -620,14 +702,17 @@ class HostTable:
             self
 
         Raises:
-            OptionError: ``fn`` returned another tensor than the one it was
-                given: it did not work in place, and its result would be lost.
+            OptionError: ``fn`` returned a tensor outside the table's memory:
+                it did not work in place, and its result would be lost.
         """
         tensor = self._writable_buffer().tensor
         self._backend.wait_host(self._buffer)
         with torch.no_grad():
             result = fn(tensor, *args, **kwargs)
-        if isinstance(result, torch.Tensor) and result.data_ptr() != tensor.data_ptr():
+        # A view of the table (fn filled a slice in place) returns its own, later, address.
+        if isinstance(result, torch.Tensor) and (
+                result.device != tensor.device
+                or result.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()):
             raise OptionError(f"apply_ needs fn to fill the tensor it is given in place, but "
                               f"{getattr(fn, '__name__', fn)!r} returned a new one, whose values are "
                               f"not in the table; use an in-place function (a name ending in '_', "
@@ -662,7 +747,11 @@ class HostTable:
         Args:
             path: ``*.npy``, ``*.h5`` or ``*.hdf5``.
             dataset: the HDF5 dataset name.
+
+        Raises:
+            StateError: a closed table (its rows are gone).
         """
+        self._live_buffer()
         files.file_format(path)
         if self.is_backing_file(path):
             self.flush()
@@ -683,10 +772,12 @@ class HostTable:
                 maps only part of it or reads it as another dtype: a save
                 there would replace the file under the map, and the file
                 would no longer hold the whole dataset.
+            StateError: a closed table.
         """
+        buffer = self._live_buffer()
         if self.storage != "mmap" or self._file_id is None or _file_id(path) != self._file_id:
             return False
-        if not _maps_whole_file(self._live_buffer().host, path):
+        if not _maps_whole_file(buffer.host, path):
             raise PathError(f"{os.fspath(path)!r} is the file this table maps, but the table holds only "
                             f"part of it (or reads it as another dtype); saving over it would replace "
                             f"the file it maps: save to another path")
