@@ -12,6 +12,8 @@ Writes need no ring: the rows to write arrive on the CPU (see
 :meth:`~speedswap.backends.base.Backend.ids_device`) and the CPU writes them.
 """
 
+import threading
+
 import torch
 
 __all__ = ["StagingRing"]
@@ -21,7 +23,12 @@ class StagingRing:
     """Page-locked staging slots for tables the GPU cannot address.
 
     A slot is reused only after the copy that last read it has finished,
-    which is waited for on that slot's event, never on the device.
+    which is waited for on that slot's event, never on the device. One ring
+    serves every table of a backend, so gathers from several threads take
+    turns: a slot is filled, copied from and its event recorded by one
+    thread at a time (otherwise two threads could fill one slot, or take a
+    slot whose event a filling thread has not recorded yet, and each copy
+    the other's rows).
 
     Args:
         device: the CUDA device.
@@ -35,6 +42,7 @@ class StagingRing:
         # a slot costs no allocation. Waiting on a never-recorded event returns at once.
         self._events = [torch.cuda.Event() for _ in range(slots)]
         self._next = 0
+        self._lock = threading.Lock()
 
     def _take(self, nbytes, dtype, shape):
         i = self._next
@@ -58,8 +66,9 @@ class StagingRing:
             ``out``, before the copy has finished; it is ordered on torch's
             current stream of the ring's device.
         """
-        staging, event = self._take(out.numel() * out.element_size(), out.dtype, out.shape)
-        torch.index_select(host, 0, rows, out=staging)
-        out.copy_(staging, non_blocking=True)
-        event.record(torch.cuda.current_stream(self._device))
+        with self._lock:
+            staging, event = self._take(out.numel() * out.element_size(), out.dtype, out.shape)
+            torch.index_select(host, 0, rows, out=staging)
+            out.copy_(staging, non_blocking=True)
+            event.record(torch.cuda.current_stream(self._device))
         return out
