@@ -285,7 +285,10 @@ def _moved(flat, target):
     and torch's pinned allocator keeps the block until the copy has run.
     """
     if flat.device.type == "cpu" and target.type == "cuda":
-        return flat.pin_memory().to(target, non_blocking=True)
+        # Always a copy: pin_memory() returns ids the caller already holds page-locked as they
+        # are, and the transfer would read the caller's buffer whenever the stream reached it.
+        staged = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        return staged.copy_(flat).to(target, non_blocking=True)
     return flat.to(target)
 
 

@@ -344,3 +344,30 @@ assert "cupy" not in sys.modules, "zero_copy=False imported CuPy"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.gpu
+def test_pinned_host_ids_are_copied_as_they_were_at_the_call(rng):
+    """Ids the caller holds in page-locked memory cross as they were when the call returned.
+
+    ``Tensor.pin_memory()`` returns an already pinned tensor itself, not a
+    copy, so an asynchronous copy straight from the caller's buffer reads it
+    only when the stream gets there: a caller refilling the buffer for the
+    next step (the usual reuse of a pinned ids buffer) would have the table
+    read, or written, at ids that were never range-checked.
+    """
+    from speedswap.convert import as_row_ids
+    n = 1000
+    values = rng.standard_normal((n, 8)).astype(np.float32)
+    table = ss.HostTable.from_numpy(values, storage="device", backend="cuda")
+    for gather in (False, True):
+        ids = torch.from_numpy(rng.integers(1, n, size=4096)).pin_memory()
+        assert ids.is_pinned()
+        expected = ids.clone()
+        torch.cuda._sleep(100_000_000)  # the stream is busy: the ids' copy waits behind it
+        got = table.gather(ids) if gather else as_row_ids(ids, n, torch.device("cuda"))[0]
+        ids.fill_(0)  # the caller reuses its buffer (still in range: a wrong row, not a fault)
+        if gather:
+            np.testing.assert_array_equal(got.cpu().numpy(), values[expected.numpy()])
+        else:
+            assert torch.equal(got.cpu(), expected)

@@ -165,12 +165,13 @@ def test_a_table_collected_during_a_gather_outlives_the_gather(rng):
     memory_alive = weakref.ref(buffer.host.base.mem)
     buffer_alive = weakref.ref(buffer)
     out = table.gather(torch.from_numpy(ids).cuda())
-    done = torch.cuda.Event()
-    done.record()
+    # The event recorded right after the gather's kernel: the one the release must wait for.
+    # (An event recorded after it could still be unreached for an instant after that wait.)
+    (gathered,) = buffer.pending.values()
     del table, buffer
     gc.collect()
     assert buffer_alive() is None and memory_alive() is None
-    assert done.query(), "the memory was released before the gather reading it finished"
+    assert gathered.query(), "the memory was released before the gather reading it finished"
     # New page-locked blocks may reuse the released pages: overwrite them.
     junk = [backend.allocate(values.shape, torch.float32, "pinned") for _ in range(2)]
     for j in junk:

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap.backends.kernels import (KERNEL_NAMES, KERNEL_SOURCE, check_launch_args,
-                                        plan_launch, vector_width)
+from speedswap.backends.kernels import (KERNEL_NAMES, KERNEL_SOURCE, LaunchPlan, RowKernels,
+                                        check_launch_args, plan_launch, vector_width)
 
 # The PTX type suffix each vector width must load and store with.
 PTX_SUFFIX = {16: "v4.u32", 8: "v2.u32", 4: "u32", 2: "u16", 1: "u8"}
@@ -205,3 +205,148 @@ def test_launch_refuses_a_bad_out_or_device():
     check_launch_args(table, rows, torch.empty(6, 4), CPU, "out")
     check_launch_args(_table(dtype=torch.bfloat16), rows, torch.empty(6, 4, dtype=torch.bfloat16),
                       CPU, "values")
+
+
+# ------------------------------------------------- the launch, through a fake CuPy
+class _FakeCupy:
+    """Just the CuPy surface RowKernels uses; each launch runs the kernel's loop on the raw addresses.
+
+    Nothing of CuPy is imported: the launch's arguments (pointers, sizes, grid,
+    block, stream) are read back exactly as CUDA would receive them, so a
+    swapped argument, a Python int where the kernel takes a 64-bit value, or
+    the wrong stream shows here without a GPU.
+    """
+
+    def __init__(self, current_device):
+        self.devices = []  # the Device contexts entered, innermost last
+        self.current_device = current_device
+        self.launches = []
+        self.compiled = []
+        fake = self
+
+        class Device:
+            def __init__(self, index):
+                self.index = index
+
+            def __enter__(self):
+                fake.devices.append(self.index)
+
+            def __exit__(self, *exc):
+                fake.devices.pop()
+
+        class Stream:
+            def __init__(self, ptr):
+                self.ptr = ptr
+
+            @classmethod
+            def from_external(cls, obj):
+                version, ptr = obj.__cuda_stream__()
+                assert version == 0 and isinstance(ptr, int)
+                return cls(ptr)
+
+        class Runtime:
+            @staticmethod
+            def getDevice():  # noqa: N802 -- CuPy's name
+                return fake.devices[-1] if fake.devices else fake.current_device
+
+        self.cuda = type("cuda", (), {"Device": Device, "Stream": Stream, "runtime": Runtime})
+
+    def RawModule(self, code, options):  # noqa: N802 -- CuPy's name
+        assert code == KERNEL_SOURCE and "--std=c++17" in options
+        fake = self
+
+        class Kernel:
+            def __init__(self, name):
+                self.name = name
+
+            @property
+            def kernel(self):
+                fake.compiled.append((self.name, fake.devices[-1] if fake.devices else None))
+                return fake._function(self.name)
+
+        return type("Module", (), {"get_function": lambda _, name: Kernel(name)})()
+
+    def _function(self, name):
+        fake = self
+
+        def launch(grid, block, args, shared_mem=0, stream=None):
+            fake.launches.append({"name": name, "grid": grid, "block": block, "args": args,
+                                  "stream": stream.ptr, "device": fake.cuda.runtime.getDevice()})
+            op, _, width = name.split("_")
+            table, rows, moved, n, vecs = (int(a) for a in args)
+            plan = LaunchPlan(int(width), vecs, grid[0], block[0])
+            ids = np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(rows))
+            table_bytes = (int(ids.max()) + 1) * vecs * plan.width
+            _emulate(op, _raw(table, table_bytes), ids, _raw(moved, n * vecs * plan.width), plan)
+
+        return launch
+
+
+def _raw(address, nbytes):
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+
+class _TorchStream:
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """RowKernels built on a fake CuPy whose device is the CPU (so that CPU tensors pass its checks)."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Properties", (), {"multi_processor_count": 2})())
+    fake = _FakeCupy(current_device=None)
+    return RowKernels(fake, torch.device("cpu")), fake
+
+
+@pytest.mark.parametrize("dtype, dim, offset", [(torch.float32, 128, 0), (torch.float32, 3, 1),
+                                                (torch.bfloat16, 32, 1), (torch.float16, 7, 0),
+                                                (torch.int8, 5, 3)])
+def test_the_launch_hands_the_kernel_its_arguments_in_order_and_width(fake_kernels, dtype, dim, offset, rng):
+    kernels, fake = fake_kernels
+    # Every entry point compiled and loaded inside the device's context.
+    assert {name for name, _ in fake.compiled} == set(KERNEL_NAMES.values())
+    table = torch.from_numpy(rng.integers(-100, 100, size=(97, dim))).to(dtype)
+    expected_table = table.clone()
+    ids = torch.from_numpy(rng.integers(0, 97, size=300))
+    # `offset` elements into a buffer: an output whose address is not 16-byte aligned.
+    out = torch.zeros(300 * dim + offset, dtype=dtype)[offset:].view(300, dim)
+    kernels.gather(table, table.data_ptr(), ids, out, _TorchStream(7))
+    assert torch.equal(out, table[ids])
+    unique = torch.from_numpy(rng.choice(97, size=40, replace=False))
+    values = torch.from_numpy(rng.integers(-100, 100, size=(40 * dim + offset,))).to(dtype)[offset:].view(40, dim)
+    kernels.scatter(table, table.data_ptr(), unique, values, _TorchStream(7))
+    expected_table[unique] = values
+    assert torch.equal(table, expected_table)
+
+    for launch, moved in zip(fake.launches, (out, values)):
+        args = launch["args"]
+        # CuPy passes a numpy scalar by its own size and a Python int as int64: every
+        # parameter of the kernels (three pointers, two long longs) takes 8 bytes.
+        assert all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in args)
+        assert [np.dtype(type(a)).itemsize if isinstance(a, np.generic) else 8 for a in args] == [8] * 5
+        assert int(args[1]) != int(args[2]) and int(args[2]) == moved.data_ptr()
+        assert isinstance(launch["grid"], tuple) and isinstance(launch["block"], tuple)
+        row_bytes = dim * table.element_size()
+        width = int(launch["name"].rsplit("_", 1)[1])
+        assert row_bytes % width == 0 and moved.data_ptr() % width == 0
+        assert launch["stream"] == 7  # torch's stream, not CuPy's current one
+    assert [launch["name"].split("_")[0] for launch in fake.launches] == ["gather", "scatter"]
+
+
+def test_a_launch_from_another_current_device_runs_in_the_kernels_device(fake_kernels, rng):
+    kernels, fake = fake_kernels
+    table = torch.from_numpy(rng.standard_normal((50, 16)).astype(np.float32))
+    ids = torch.arange(10)
+    fake.current_device = 3  # the caller's current device is another one
+    kernels.gather(table, table.data_ptr(), ids, torch.empty(10, 16), _TorchStream(11))
+    fake.current_device = None
+    kernels.gather(table, table.data_ptr(), ids, torch.empty(10, 16), _TorchStream(11))
+    assert [launch["device"] for launch in fake.launches] == [None, None]
+    # One CuPy wrapper per torch stream, made once.
+    assert kernels._stream(_TorchStream(11)) is kernels._stream(_TorchStream(11))
+    # No ids: nothing is launched (a zero-block grid is an error in CUDA).
+    kernels.gather(table, table.data_ptr(), torch.empty(0, dtype=torch.int64), torch.empty(0, 16),
+                   _TorchStream(11))
+    assert len(fake.launches) == 2
