@@ -5,6 +5,8 @@ first, so a bad input is rejected before any row is touched. CuPy never
 appears in this module: the cuda backend converts torch tensors itself.
 """
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -136,6 +138,18 @@ def numpy_dtype(dtype) -> np.dtype:
     """
     dtype = torch_dtype(dtype)
     return _BF16_BITS if dtype is torch.bfloat16 else _TORCH_TO_NUMPY[dtype]
+
+
+def _read_only(array: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy(array)`` for data speedswap only reads (ids, values to write).
+
+    torch warns that it cannot mark a tensor read-only when ``array`` is not
+    writable (a read-only memmap, ``flags.writeable = False``); nothing here
+    writes to it, so the warning would only alarm the caller.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
 
 
 def host_tensor(array, dtype) -> torch.Tensor:
@@ -271,7 +285,7 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
     if arr.dtype.kind not in "iu":
         raise DTypeError(f"{what} must be integers, got an array of {arr.dtype}; "
                          f"convert with .astype(np.int64) if they are whole numbers")
-    flat = torch.from_numpy(np.ascontiguousarray(arr.reshape(-1), dtype=np.int64))
+    flat = _read_only(np.ascontiguousarray(arr.reshape(-1), dtype=np.int64))
     return _moved(flat, target), arr.shape
 
 
@@ -397,7 +411,7 @@ def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=Non
         if arr.dtype == object or arr.dtype not in _NUMPY_TO_TORCH:
             raise DTypeError(f"values of dtype {arr.dtype} cannot be written; "
                              f"pass a float array of the table's dtype")
-        values = torch.from_numpy(np.ascontiguousarray(arr))
+        values = _read_only(np.ascontiguousarray(arr))
     values = values.detach()  # never let a table join an autograd graph
     if ids_shape is not None and tuple(values.shape) == (*ids_shape, dim):
         values = values.reshape(num_ids, dim)

@@ -1,5 +1,7 @@
 """Unusual inputs to HostTable's public calls: each works exactly, or raises a clear error, changing nothing."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -58,6 +60,16 @@ def test_ragged_values_raise_a_shape_error_and_change_nothing(table):
         table.scatter([1, 2], [[1.0] * 6, [2.0] * 5])
     assert isinstance(info.value, ValueError)
     np.testing.assert_array_equal(table.to_numpy(), before)
+
+
+def test_read_only_ids_and_values_are_written_without_a_warning(table, rng):
+    """Arrays marked read-only (a read-only memmap, say) are only read: torch's warning would mislead."""
+    ids, values = rng.permutation(40)[:5], rng.standard_normal((5, table.dim)).astype(np.float32)
+    ids.flags.writeable = values.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table.scatter(ids, values)
+        np.testing.assert_array_equal(table.gather(ids).cpu().numpy(), values)
 
 
 def test_byte_swapped_values_are_written_exactly(table, rng):
