@@ -99,14 +99,29 @@ def check_writable_dir(path) -> str:
     return directory
 
 
-def saving_error(path, exc) -> "PathError":
-    """A :class:`PathError` naming the user's ``path`` for an OSError raised while saving it."""
+def saving_error(path, exc, temporary=None) -> "PathError":
+    """A :class:`PathError` naming the user's ``path`` for an OSError raised while saving it.
+
+    Args:
+        path: the file or checkpoint the user asked to save.
+        exc: the OSError.
+        temporary: the temporary the save wrote to, if any: a reason that
+            names it (HDF5 puts the file name in its messages) names ``path``
+            instead, since the temporary is gone when the user reads it.
+
+    Returns:
+        PathError, with ``errno`` set as ``exc``'s.
+    """
     reason = exc.strerror or str(exc)
+    if temporary is not None:
+        reason = reason.replace(os.fspath(temporary), os.fspath(path))
     hint = {errno.EROFS: "the file system is read-only; save somewhere writable",
             errno.EACCES: "no permission to write there; save somewhere writable",
             errno.EPERM: "no permission to write there; save somewhere writable",
             errno.ENOSPC: "the disk is full; free space or save elsewhere",
-            errno.EDQUOT: "the disk quota is exceeded; free space or save elsewhere"}.get(
+            errno.EDQUOT: "the disk quota is exceeded; free space or save elsewhere",
+            errno.EFBIG: "the file is larger than this file system or the process's file-size "
+                         "limit (ulimit -f) allows; save elsewhere or raise the limit"}.get(
         exc.errno, "check the path")
     error = PathError(f"could not save {os.fspath(path)!r} ({reason}): {hint}. Any previous "
                       f"file at that path is intact")
@@ -155,19 +170,19 @@ def atomic_output(path):
             if os.path.exists(path):  # a replaced one keeps the mode it had
                 os.chmod(tmp, os.stat(path).st_mode & 0o777)
         except OSError as exc:
-            raise saving_error(path, exc) from exc
+            raise saving_error(path, exc, tmp) from exc
         yield tmp
         try:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as exc:
-            raise saving_error(path, exc) from exc
+            raise saving_error(path, exc, tmp) from exc
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(exc, OSError) and not isinstance(exc, SpeedswapError):
-            raise saving_error(path, exc) from exc
+            raise saving_error(path, exc, tmp) from exc
         raise
     fsync_dir(directory)
 

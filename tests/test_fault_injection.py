@@ -137,6 +137,12 @@ def _holds(saver, path, expected):
         np.array_equal(loaded[name], expected[name]) for name in expected)
 
 
+def _tree(root):
+    """Every path under ``root``, relative to it: what a failed save must leave as it was."""
+    return sorted(os.path.relpath(os.path.join(d, n), root)
+                  for d, dirs, names in os.walk(root) for n in dirs + names)
+
+
 def _failing_at(original, index, counter):
     def fail(*args, **kwargs):
         counter[0] += 1
@@ -164,7 +170,7 @@ def _prepared(kind, first, rng, tmp_path):
 def test_a_save_failing_at_any_call_leaves_the_old_or_the_new_checkpoint(
         kind, module, name, first, rng, tmp_path, monkeypatch):
     saver, path, old = _prepared(kind, first, rng, tmp_path)
-    listing = sorted(os.listdir(tmp_path))
+    listing = _tree(tmp_path)
     index = 0
     while True:
         _fill(saver.tables().values(), rng)
@@ -184,12 +190,65 @@ def test_a_save_failing_at_any_call_leaves_the_old_or_the_new_checkpoint(
             assert _holds(saver, path, new)
             break
         assert _holds(saver, path, old), f"a save failing at {name} call {index} lost the old checkpoint"
-        assert sorted(os.listdir(tmp_path)) == listing, "a failed save left files behind"
-        if os.path.isdir(path):
-            assert not [e for e in os.listdir(path) if e.endswith(".tmp")]
+        # Inside a directory checkpoint too: a version CURRENT never named is a whole copy.
+        assert _tree(tmp_path) == listing, f"a save failing at {name} call {index} left files behind"
         index += 1
     if name in ("replace", "fsync", "write_chunk") and name not in getattr(saver, "unused", ()):
         assert index > 0, f"{name} was never called by the {kind} save"
+
+
+class Interrupted(KeyboardInterrupt):
+    pass
+
+
+def _only_the_checkpoint(saver, root, path):
+    """Whether ``root`` holds ``path`` and nothing else; as a directory, one version of its tables."""
+    if os.listdir(root) != [path.name]:
+        return False
+    if not os.path.isdir(path):
+        return True
+    versions = [e for e in os.listdir(path) if e != "CURRENT"]
+    tables = sorted(f"{name}.npy" for name in saver.tables())
+    return (len(versions) == 1 and (path / "CURRENT").read_text().strip() == versions[0]
+            and sorted(os.listdir(path / versions[0])) == sorted(["checkpoint.json", *tables]))
+
+
+@pytest.mark.parametrize("module,name", POINTS, ids=[n for _, n in POINTS])
+@pytest.mark.parametrize("kind", ["npy", "h5", "embedding-dir", "embedding-h5"])
+def test_an_interrupt_at_any_call_of_a_save_leaves_one_whole_checkpoint_and_nothing_else(
+        kind, module, name, rng, tmp_path, monkeypatch):
+    """Ctrl-C at any point: the old checkpoint (or the new one, after the commit), no debris."""
+    saver, path, old = _prepared(kind, False, rng, tmp_path)
+    for index in range(64):
+        _fill(saver.tables().values(), rng)
+        new = _content(saver.tables())
+        counter = [0]
+        original = getattr(module, name)
+
+        def interrupt(*args, **kwargs):
+            counter[0] += 1
+            if counter[0] - 1 == index:
+                raise Interrupted()
+            return original(*args, **kwargs)
+        monkeypatch.setattr(module, name, interrupt)
+        try:
+            saver.save(path)
+            interrupted = False
+        except Interrupted:
+            interrupted = True
+        finally:
+            monkeypatch.undo()
+        if not interrupted:
+            assert _holds(saver, path, new)
+            break
+        committed = _holds(saver, path, new)
+        assert committed or _holds(saver, path, old), (
+            f"a save interrupted at {name} call {index} left no whole checkpoint")
+        assert _only_the_checkpoint(saver, tmp_path, path), (
+            f"a save interrupted at {name} call {index} left {_tree(tmp_path)}")
+        old = new if committed else old
+    else:
+        pytest.fail("the save never got through")
 
 
 @pytest.mark.parametrize("first", [False, True], ids=["replace", "first-save"])
@@ -267,6 +326,69 @@ def test_a_torch_file_save_that_fills_the_disk_keeps_the_previous_file(tmp_path)
     assert f"PathError: could not save {os.fspath(path)!r} (File too large)" in out.stdout
     assert "previous file whole: True" in out.stdout
     assert os.listdir(tmp_path) == ["u.pt"]
+
+
+_FILE_SIZE_LIMIT = textwrap.dedent("""
+    import resource, signal, sys, numpy as np, torch, speedswap as ss
+    path = sys.argv[1]
+    rng = np.random.default_rng(int(sys.argv[2]))
+    emb = ss.OffloadedEmbedding(20_000, 64, max_rows=8, storage="pageable", backend="numpy")
+    emb.attach(torch.optim.Adam(emb.parameters(), lr=0.1))
+    def fill():
+        for t in emb._tables().values():
+            t.apply_(lambda x: x.copy_(torch.from_numpy(
+                rng.standard_normal(tuple(x.shape), dtype=np.float32))))
+    fill()
+    emb.save(path)
+    saved = {k: t.to_numpy(copy=True) for k, t in emb._tables().items()}
+    fill()
+    # A file-size limit below the 15 MB file: HDF5 fails the write, then the close.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+    try:
+        emb.save(path)
+    except ss.PathError as exc:
+        print("PathError:", exc)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    emb.load(path)
+    print("previous file whole:", all(np.array_equal(t.to_numpy(), saved[name])
+                                      for name, t in emb._tables().items()))
+""")
+
+
+def test_an_hdf5_save_past_the_file_size_limit_is_a_path_error_and_keeps_the_previous_file(
+        rng, tmp_path):
+    path = tmp_path / "emb.h5"
+    out = subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMIT, os.fspath(path),
+                          str(rng.integers(1 << 30))], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"PathError: could not save {os.fspath(path)!r}" in out.stdout, out.stdout
+    assert "ulimit -f" in out.stdout and ".tmp" not in out.stdout
+    assert "previous file whole: True" in out.stdout
+    assert os.listdir(tmp_path) == ["emb.h5"]
+
+
+def test_an_hdf5_file_that_cannot_be_closed_is_a_path_error_and_keeps_the_previous_file(
+        rng, tmp_path, monkeypatch):
+    """The data fits but writing the metadata at close fails: HDF5 says so with a RuntimeError."""
+    import h5py
+    saver, path, old = _prepared("embedding-h5", False, rng, tmp_path)
+    _fill(saver.tables().values(), rng)
+    close = h5py.File.close
+
+    def full_at_close(self):
+        writing = self.id.valid and self.mode != "r"
+        close(self)
+        if writing:
+                raise RuntimeError("Can't decrement id ref count (unable to extend file properly, "
+                                   "errno = 28, error message = 'No space left on device')")
+    monkeypatch.setattr(h5py.File, "close", full_at_close)
+    with pytest.raises(ss.PathError, match="disk is full") as info:
+        saver.save(path)
+    monkeypatch.undo()
+    assert info.value.errno == errno.ENOSPC and os.fspath(path) in str(info.value)
+    assert _holds(saver, path, old)
+    assert os.listdir(tmp_path) == [path.name]
 
 
 _KILLED_SAVE = textwrap.dedent("""

@@ -445,3 +445,144 @@ def test_a_file_too_large_to_stage_in_ram_is_verified_first_then_read_again(rng,
     write_compressed(tmp_path / "good.h5", {"table": good})
     table.load_from(tmp_path / "good.h5")
     np.testing.assert_array_equal(table.to_numpy(), good)
+
+
+# Checkpoint saves and loads ---------------------------------------------------
+def adam_embedding(rng, **kwargs):
+    emb = make_embedding(rng, **kwargs)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    train_step(emb, opt, rng, 60)
+    return emb
+
+
+def contents(emb):
+    return {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
+
+
+def assert_unchanged(emb, before):
+    for name, table in emb._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), before[name], err_msg=name)
+
+
+def test_an_hdf5_checkpoint_never_replaces_a_file_that_is_not_one(rng, tmp_path):
+    data = rng.standard_normal((100, 3))
+    with h5py.File(tmp_path / "features.h5", "w") as f:
+        f["features"] = data
+    (tmp_path / "notes.h5").write_bytes(b"not HDF5 at all")
+    emb = adam_embedding(rng)
+    with pytest.raises(PathError, match="not a speedswap checkpoint.*'features'"):
+        emb.save(tmp_path / "features.h5")
+    with pytest.raises(PathError, match="not a readable HDF5 file"):
+        emb.save(tmp_path / "notes.h5")
+    with h5py.File(tmp_path / "features.h5") as f:
+        assert list(f) == ["features"]
+        np.testing.assert_array_equal(f["features"][()], data)
+    assert (tmp_path / "notes.h5").read_bytes() == b"not HDF5 at all"
+    emb.save(tmp_path / "emb.h5")
+    emb.save(tmp_path / "emb.h5")  # a checkpoint is replaced, as ever
+    assert sorted(os.listdir(tmp_path)) == ["emb.h5", "features.h5", "notes.h5"]
+
+
+@pytest.mark.parametrize("suffix", ["", ".h5"])
+def test_a_bfloat16_checkpoint_is_refused_by_a_float32_embedding_in_either_format(rng, suffix,
+                                                                                  tmp_path):
+    path = tmp_path / f"ckpt{suffix}"
+    source = adam_embedding(rng, dtype=torch.bfloat16)
+    source.save(path)
+    target = adam_embedding(rng)
+    before = contents(target)
+    with pytest.raises(ss.FileFormatError, match="bfloat16.*float32"):
+        target.load(path)
+    assert_unchanged(target, before)
+    same = adam_embedding(rng, dtype=torch.bfloat16)
+    same.load(path)  # into a bfloat16 embedding it loads
+    for name, table in same._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), contents(source)[name], err_msg=name)
+
+
+def _first_version(path):
+    return path / (path / "CURRENT").read_text().strip()
+
+
+MANIFEST_EDITS = {
+    "attrs a list": lambda m: {**m, "attrs": []},
+    "tables a string": lambda m: {**m, "tables": "table"},
+    "crc32 a list": lambda m: {**m, "crc32": []},
+    "crc32 of text": lambda m: {**m, "crc32": {name: "x" for name in m["crc32"]}},
+    "dtypes of another dtype": lambda m: {**m, "dtypes": {"table": "float16"}},
+    "not an object": lambda m: [m],
+}
+
+
+@pytest.mark.parametrize("edit", list(MANIFEST_EDITS))
+def test_a_hand_edited_manifest_is_a_file_format_error(rng, edit, tmp_path):
+    import json
+    emb = adam_embedding(rng)
+    emb.save(tmp_path / "ckpt")
+    manifest = _first_version(tmp_path / "ckpt") / "checkpoint.json"
+    manifest.write_text(json.dumps(MANIFEST_EDITS[edit](json.loads(manifest.read_text()))))
+    target = adam_embedding(rng)
+    before = contents(target)
+    with pytest.raises(ss.FileFormatError, match="not a valid checkpoint manifest"):
+        target.load(tmp_path / "ckpt")
+    assert_unchanged(target, before)
+
+
+def test_a_current_pointer_that_is_not_text_is_a_file_format_error(rng, tmp_path):
+    adam_embedding(rng).save(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "CURRENT").write_bytes(b"\xff\xfe\n")
+    target = adam_embedding(rng)
+    before = contents(target)
+    with pytest.raises(ss.FileFormatError, match="not text"):
+        target.load(tmp_path / "ckpt")
+    assert_unchanged(target, before)
+
+
+def test_an_hdf5_checkpoint_replaced_while_it_loads_loads_nothing(rng, tmp_path, monkeypatch):
+    """Another process saves over the file between the tables' reads: never a mix of two saves."""
+    from speedswap import files
+    path = tmp_path / "ckpt.h5"
+    writer = adam_embedding(rng)
+    writer.save(path)
+    train_step(writer, writer._state.optimizer, rng, 60)
+    stage, staged = files.stage_table, []
+
+    def stage_then_save(*args, **kwargs):
+        staged.append(stage(*args, **kwargs))
+        if len(staged) == 1:
+            writer.save(path)
+        return staged[-1]
+    monkeypatch.setattr(files, "stage_table", stage_then_save)
+    target = adam_embedding(rng)
+    before = contents(target)
+    with pytest.raises(ss.FileFormatError, match="replaced while it was being loaded"):
+        target.load(path)
+    assert_unchanged(target, before)
+    monkeypatch.undo()
+    target.load(path)  # loading again reads the new checkpoint whole
+    for name, table in target._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), contents(writer)[name], err_msg=name)
+
+
+@pytest.mark.parametrize("suffix", ["", ".h5"])
+def test_a_checkpoint_without_optimizer_state_says_to_load_it_before_attach(rng, suffix,
+                                                                           tmp_path):
+    path = tmp_path / f"ckpt{suffix}"
+    make_embedding(rng).save(path)
+    target = adam_embedding(rng)
+    with pytest.raises(ss.FileFormatError, match="before attach"):
+        target.load(path)
+    fresh = make_embedding(rng)
+    fresh.load(path)  # the advice works
+    fresh.attach(torch.optim.Adam(fresh.parameters(), lr=0.01))
+
+
+def test_a_table_file_loaded_as_a_checkpoint_names_load_from(rng, tmp_path):
+    table = make_table(rng, rows=60, dim=DIM)
+    table.save(tmp_path / "vectors.h5")
+    target = make_embedding(rng)
+    with pytest.raises(ss.FileFormatError, match="load_from"):
+        target.load(tmp_path / "vectors.h5")
+    target.table.load_from(tmp_path / "vectors.h5")  # the advice works
+    np.testing.assert_array_equal(target.table.to_numpy(), table.to_numpy())

@@ -3,7 +3,10 @@
 h5py is imported only when an HDF5 file is used.
 """
 
+import contextlib
+import errno
 import os
+import re
 
 import numpy as np
 import torch
@@ -92,16 +95,46 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None):
         attrs: optional ``{name: value}`` stored on the file's root.
         table_dtypes: optional ``{name: torch dtype}`` recorded on datasets
             whose table dtype is not the stored one (bfloat16).
+
+    Raises:
+        PathError: the directory does not exist, or the file system refused
+            the write or the close (full, read-only, over the file-size
+            limit); any previous file at ``path`` is intact.
     """
     h5py = _h5py()
-    with atomic_output(path) as tmp, h5py.File(tmp, "w") as f:
-        for name, (shape, dtype, chunks) in datasets.items():
-            data = f.create_dataset(name, shape=tuple(shape), dtype=np.dtype(dtype))
-            if (table_dtypes or {}).get(name) is torch.bfloat16:
-                data.attrs[_TABLE_DTYPE_ATTR] = "bfloat16"
-            start = 0
-            for chunk in chunks:
-                base.write_chunk(data, start, chunk)
-                start += len(chunk)
-        for key, value in (attrs or {}).items():
-            f.attrs[key] = value
+    with atomic_output(path) as tmp:
+        f = h5py.File(tmp, "w")
+        try:
+            for name, (shape, dtype, chunks) in datasets.items():
+                data = f.create_dataset(name, shape=tuple(shape), dtype=np.dtype(dtype))
+                if (table_dtypes or {}).get(name) is torch.bfloat16:
+                    data.attrs[_TABLE_DTYPE_ATTR] = "bfloat16"
+                start = 0
+                for chunk in chunks:
+                    base.write_chunk(data, start, chunk)
+                    start += len(chunk)
+            for key, value in (attrs or {}).items():
+                f.attrs[key] = value
+        except BaseException:
+            # After a failed write (a full disk, a file-size limit) closing fails too, with
+            # a RuntimeError that would hide the write's OSError: the file is discarded
+            # anyway, so the close's own error is dropped.
+            with contextlib.suppress(Exception):
+                f.close()
+            raise
+        try:
+            f.close()  # writes the metadata: the disk can fill up here as well
+        except RuntimeError as exc:
+            raise _file_system_error(exc) from exc
+
+
+def _file_system_error(exc: RuntimeError) -> OSError:
+    """The OSError an HDF5 ``RuntimeError`` stands for, with the errno HDF5 put in its message.
+
+    HDF5 reports a failed write at close ("unable to extend file properly,
+    errno = 28") as a RuntimeError; :func:`~speedswap.atomic.atomic_output`
+    turns OSErrors into a :class:`~speedswap.PathError` naming the user's path.
+    """
+    found = re.search(r"errno = (\d+)", str(exc))
+    code = int(found.group(1)) if found else errno.EIO
+    return OSError(code, os.strerror(code))

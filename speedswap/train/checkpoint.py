@@ -5,27 +5,31 @@ together: a checkpoint whose table is from step 1000 and whose Adam moments are
 from step 900 silently trains wrong. Both formats are therefore all-or-nothing:
 
 * ``*.h5`` / ``*.hdf5``: one file with a dataset per table, written through
-  :func:`speedswap.files.write_h5` (temporary file, fsync, rename).
+  :func:`speedswap.files.write_h5` (temporary file, fsync, rename). It
+  replaces only an earlier checkpoint, never another HDF5 file.
 * a path with no suffix: a directory. Each save writes a complete new version
   ``v000007/`` (``<name>.npy`` per table and a ``checkpoint.json`` manifest with
-  a CRC-32 per table) under a temporary name, renames it into place, and only
-  then replaces the one-line pointer file ``CURRENT`` atomically; older
-  versions are removed after that. Whenever the process dies, ``CURRENT``
-  names a whole version: the old one or the new one. The first save builds
-  the whole directory under a temporary name and renames it to ``path``.
+  a CRC-32 per table and which tables are bfloat16) under a temporary name,
+  renames it into place, and only then replaces the one-line pointer file
+  ``CURRENT`` atomically; older versions are removed after that. Whenever the
+  process dies, ``CURRENT`` names a whole version: the old one or the new one;
+  a save that fails or is interrupted removes the version it wrote. The first
+  save builds the whole directory under a temporary name and renames it to ``path``.
 
 Loading reads every header, checks names, shapes and dtypes, then reads and
 verifies every row of every table (CRC-32, readable chunks) before the first
-table changes.
+table changes; an HDF5 file replaced by a save in the meantime is refused.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import shutil
 
 import numpy as np
+import torch
 
 from .. import atomic, files
 from ..backends import available_ram
@@ -122,16 +126,26 @@ def current_version(path):
         raise MissingFileError(2, f"no checkpoint at {path!r}{hint}", path)
     pointer = os.path.join(path, _POINTER)
     if os.path.isfile(pointer):
-        with open(pointer) as f:
-            name = f.read().strip()
-        if not _VERSION.fullmatch(name) or not os.path.isdir(os.path.join(path, name)):
-            raise FileFormatError(f"{pointer!r} names {name!r}, which is not a version of this "
-                                  f"checkpoint; the directory was changed by hand")
+        name = _pointed_to(path)
+        if name is None or not _VERSION.fullmatch(name) or not os.path.isdir(os.path.join(path, name)):
+            named = "no version (it is not text)" if name is None else f"{name!r}"
+            raise FileFormatError(f"{pointer!r} names {named}, which is not a version of this "
+                                  f"checkpoint; the directory was changed by hand: write the name "
+                                  f"of one of its v###### directories into it, or restore it")
         return os.path.join(path, name)
     if os.path.isfile(os.path.join(path, _MANIFEST)):
         return path  # a checkpoint written before versions existed
     raise FileFormatError(f"{path!r} has no {_POINTER} or {_MANIFEST}: it is not a speedswap "
                           f"checkpoint directory")
+
+
+def _pointed_to(path):
+    """The version ``path/CURRENT`` names, or None when it is missing or unreadable text."""
+    try:
+        with open(os.path.join(path, _POINTER), encoding="ascii") as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):  # a binary CURRENT names no version either
+        return None
 
 
 def _ours(path):
@@ -149,7 +163,10 @@ def _write_version(directory, tables, attrs):
                                        files.stored_dtype(table.dtype), table.host_chunks(),
                                        checksum=True)
                  for name, table in tables.items()}
-    manifest = {"attrs": attrs, "tables": sorted(tables), "crc32": checksums}
+    # Stored as float32 (exact): only the manifest can say a table was bfloat16, and
+    # a load into a float32 table is then refused as it is from an HDF5 checkpoint.
+    dtypes = {name: "bfloat16" for name, table in tables.items() if table.dtype is torch.bfloat16}
+    manifest = {"attrs": attrs, "tables": sorted(tables), "crc32": checksums, "dtypes": dtypes}
     text = json.dumps(manifest).encode()
     with atomic.atomic_output(os.path.join(directory, _MANIFEST)) as tmp, open(tmp, "wb") as f:
         files.base.write_chunk(f, 0, np.frombuffer(text, dtype=np.uint8))
@@ -191,8 +208,18 @@ def _save_dir(path, tables, attrs):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    atomic.fsync_dir(path)
-    _write_pointer(path, name)  # the commit point
+    try:
+        atomic.fsync_dir(path)
+        _write_pointer(path, name)  # the commit point
+    except BaseException:
+        # CURRENT decides which version the failure left as the checkpoint: the other
+        # is a whole copy of the tables nothing will read, so it goes now, not at the
+        # next save (after a full disk the user would otherwise be short of that space).
+        if _pointed_to(path) == name:
+            _remove_old_versions(path, name, legacy=current == path)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+        raise
     _remove_old_versions(path, name, legacy=current == path)
 
 
@@ -215,6 +242,26 @@ def _remove_old_versions(path, keep, legacy):
                 os.unlink(os.path.join(path, f"{name}.npy"))
 
 
+def _check_replaceable_h5(path):
+    """Raise PathError when ``path`` is a file other than a speedswap HDF5 checkpoint.
+
+    A directory checkpoint refuses to replace a directory that is not one; an
+    HDF5 checkpoint must not replace someone's data file either.
+    """
+    if not os.path.isfile(path):
+        return  # nothing there (a directory is refused by the writer itself)
+    try:
+        with files.open_h5(path) as f:
+            if f.attrs.get("format") == _FORMAT:
+                return
+            what = f"an HDF5 file with datasets {sorted(f.keys())}"
+    except FileFormatError:
+        what = "not a readable HDF5 file"
+    raise PathError(f"{os.fspath(path)!r} exists and is not a speedswap checkpoint ({what}); "
+                    f"refusing to replace it: choose another path, or delete the file first "
+                    f"if it is yours to lose")
+
+
 def save_tables(path, tables, attrs):
     """Write ``tables`` to one checkpoint atomically.
 
@@ -233,6 +280,7 @@ def save_tables(path, tables, attrs):
     """
     attrs = {"format": _FORMAT, **attrs}
     if checkpoint_kind(path) == "h5":
+        _check_replaceable_h5(path)
         files.write_h5(path, {name: (t.shape, files.stored_dtype(t.dtype), t.host_chunks())
                               for name, t in tables.items()}, attrs,
                        table_dtypes={name: t.dtype for name, t in tables.items()})
@@ -248,22 +296,112 @@ def save_tables(path, tables, attrs):
         raise atomic.saving_error(path, cause) from exc
 
 
+def _check_manifest(content):
+    """Raise ValueError unless ``content`` has the structure :func:`_write_version` writes."""
+    if not isinstance(content, dict):
+        raise ValueError(f"a JSON object was expected, not {type(content).__name__}")
+    kinds = {"attrs": dict, "tables": list, "crc32": dict, "dtypes": dict}
+    for key, kind in kinds.items():
+        if key in content and not isinstance(content[key], kind):
+            raise ValueError(f"{key!r} is a {type(content[key]).__name__}, not a {kind.__name__}")
+    if not all(isinstance(name, str) for name in content["tables"]):
+        raise ValueError("'tables' holds something else than names")
+    if not all(isinstance(crc, int) for crc in content.get("crc32", {}).values()):
+        raise ValueError("'crc32' holds something else than integers")
+    if set(content.get("dtypes", {}).values()) - {"bfloat16"}:
+        raise ValueError(f"'dtypes' names {sorted(set(content['dtypes'].values()))}; only "
+                         f"'bfloat16' is recorded")
+
+
 def _read_manifest(path):
-    """``(attrs, {name: (source file, dataset, crc32 or None)})`` of a checkpoint."""
+    """``(attrs, {name: (source file, dataset, crc32 or None, bfloat16?)})`` of a checkpoint."""
     if checkpoint_kind(path) == "h5":
         with files.open_h5(path) as f:
             attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
-            return attrs, {name: (os.fspath(path), name, None) for name in f.keys()}
+            # read_h5_header reads a bfloat16 table's dtype from its dataset.
+            return attrs, {name: (os.fspath(path), name, None, False) for name in f.keys()}
     version = current_version(path)
     manifest = os.path.join(version, _MANIFEST)
     try:
         with open(manifest) as f:
             content = json.load(f)
-        attrs, names, crcs = content["attrs"], content["tables"], content.get("crc32", {})
+        attrs, names = content["attrs"], content["tables"]
+        _check_manifest(content)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FileFormatError(f"{manifest!r} is not a valid checkpoint manifest ({exc})") from exc
-    return attrs, {name: (os.path.join(version, f"{name}.npy"), "table", crcs.get(name))
+        raise FileFormatError(f"{manifest!r} is not a valid checkpoint manifest ({exc}); the "
+                              f"checkpoint was changed by hand: restore it from a backup") from exc
+    crcs, dtypes = content.get("crc32", {}), content.get("dtypes", {})
+    return attrs, {name: (os.path.join(version, f"{name}.npy"), "table", crcs.get(name),
+                          dtypes.get(name) == "bfloat16")
                    for name in names}
+
+
+def _check_same_file(path, held):
+    """Raise FileFormatError unless ``path`` still names the file open as ``held`` (a descriptor).
+
+    A save replaces an HDF5 checkpoint by renaming a new file over it. The file
+    is opened by name for every table read, so one replaced midway would give
+    a table from one save and optimizer state from the next. Holding the
+    original open keeps its inode from being reused, so the same identity at
+    the end proves every read saw that one file.
+    """
+    try:
+        same = files.identity(os.stat(path)) == files.identity(os.fstat(held))
+    except OSError:
+        same = False
+    if not same:
+        raise FileFormatError(f"{os.fspath(path)!r} was replaced while it was being loaded (a save "
+                              f"to it in another process?); nothing was loaded: load it again")
+
+
+def _check_attrs(path, stored, attrs):
+    """Raise FileFormatError unless the checkpoint's attributes ``stored`` equal ``attrs``."""
+    if stored.get("format") != _FORMAT:
+        raise FileFormatError(f"{os.fspath(path)!r} is not a speedswap checkpoint (no format "
+                              f"{_FORMAT!r}): a table file written by HostTable.save or a "
+                              f"ModelFactory's save holds one table; load it into a table with "
+                              f"table.load_from(path) (emb.table.load_from for an embedding)")
+    for key, value in attrs.items():
+        saved = stored.get(key)
+        if key == "optimizer" and saved != value:
+            if not saved:
+                raise FileFormatError(f"{os.fspath(path)!r} holds no optimizer state (it was saved "
+                                      f"before attach), but {value} is attached here; load it "
+                                      f"before attach(optimizer), which starts fresh state")
+            here = f"{value} is attached here" if value else "no optimizer is attached here"
+            raise FileFormatError(f"{os.fspath(path)!r} holds {saved} optimizer state, "
+                                  f"but {here}; load it where a torch.optim.{saved} is "
+                                  f"attached: a checkpoint restores rows and optimizer state together")
+        if saved != value:
+            raise FileFormatError(f"{os.fspath(path)!r} was saved with {key}={saved!r}, but this "
+                                  f"one has {key}={value!r}; a checkpoint restores only the setup "
+                                  f"that wrote it")
+
+
+def _stage_all(path, tables, attrs):
+    """Check a checkpoint against ``tables`` and ``attrs`` and read every row: ``{name: StagedRows}``."""
+    stored_attrs, sources = _read_manifest(path)
+    _check_attrs(path, stored_attrs, attrs)
+    if set(sources) != set(tables):
+        raise FileFormatError(f"{os.fspath(path)!r} holds tables {sorted(sources)}, expected "
+                              f"{sorted(tables)}; was it saved by another model or optimizer?")
+    headers = {}
+    for name, table in tables.items():
+        source, dataset, _, bfloat16 = sources[name]
+        if files.suffix_format(source) == "h5":
+            header = files.read_h5_header(source, dataset)
+        else:
+            header = files.read_npy_header(source)
+            if bfloat16 and header.dtype == np.float32:
+                header = dataclasses.replace(header, table_dtype=torch.bfloat16)
+        files.check_table_matches(header, table.shape, table.dtype, source)
+        headers[name] = header
+    staged = {}
+    for name, table in tables.items():  # RAM is asked again: earlier stagings took some
+        source, dataset, crc32, _ = sources[name]
+        staged[name] = files.stage_table(source, headers[name], dataset, table.dtype,
+                                         available_ram(), crc32=crc32)
+    return staged
 
 
 def load_tables(path, tables, attrs):
@@ -271,7 +409,9 @@ def load_tables(path, tables, attrs):
 
     Every header is checked, then every row of every table is read and
     verified into staging (:func:`~speedswap.files.stage_table`), and only then
-    are the tables written: on any error no table changes.
+    are the tables written: on any error no table changes. An HDF5 checkpoint
+    replaced by a save while it is read is refused (the tables would come
+    from two saves); a directory checkpoint reads one version throughout.
 
     Args:
         path: as given to :func:`save_tables`.
@@ -281,35 +421,20 @@ def load_tables(path, tables, attrs):
     Raises:
         MissingFileError: no such file or directory.
         FileFormatError: not a speedswap checkpoint, other tables, other
-            attributes, a table of another shape or dtype, or a corrupt file.
+            attributes, a table of another shape or dtype (a bfloat16 table's
+            checkpoint into a float32 table included), a corrupt file, or an
+            HDF5 file replaced during the load.
     """
-    stored_attrs, sources = _read_manifest(path)
-    if stored_attrs.get("format") != _FORMAT:
-        raise FileFormatError(f"{os.fspath(path)!r} is not a speedswap checkpoint "
-                              f"(format {stored_attrs.get('format')!r})")
-    for key, value in attrs.items():
-        if key == "optimizer" and stored_attrs.get(key) and stored_attrs.get(key) != value:
-            here = f"{value} is attached here" if value else "no optimizer is attached here"
-            raise FileFormatError(f"{os.fspath(path)!r} holds {stored_attrs[key]} optimizer state, "
-                                  f"but {here}; load it where a torch.optim.{stored_attrs[key]} is "
-                                  f"attached: a checkpoint restores rows and optimizer state together")
-        if stored_attrs.get(key) != value:
-            raise FileFormatError(f"{os.fspath(path)!r} was saved with {key}="
-                                  f"{stored_attrs.get(key)!r}, but this one has {key}={value!r}; "
-                                  f"a checkpoint restores only the setup that wrote it")
-    if set(sources) != set(tables):
-        raise FileFormatError(f"{os.fspath(path)!r} holds tables {sorted(sources)}, expected "
-                              f"{sorted(tables)}; was it saved by another model or optimizer?")
-    headers = {}
-    for name, table in tables.items():
-        source, dataset, _ = sources[name]
-        header = (files.read_h5_header(source, dataset) if files.suffix_format(source) == "h5"
-                  else files.read_npy_header(source))
-        files.check_table_matches(header, table.shape, table.dtype, source)
-        headers[name] = header
-    staged = {}
-    for name, table in tables.items():  # RAM is asked again: earlier stagings took some
-        staged[name] = files.stage_table(sources[name][0], headers[name], sources[name][1],
-                                         table.dtype, available_ram(), crc32=sources[name][2])
+    held = None
+    if checkpoint_kind(path) == "h5":
+        with contextlib.suppress(OSError):  # the reads below say what is wrong with the path
+            held = os.open(path, os.O_RDONLY)
+    try:
+        staged = _stage_all(path, tables, attrs)
+        if held is not None:
+            _check_same_file(path, held)
+    finally:
+        if held is not None:
+            os.close(held)
     for name, table in tables.items():  # the commit: nothing below reads a file that could fail
         staged[name].commit(table)
