@@ -148,6 +148,9 @@ def atomic_output(path):
     exception it is removed and the exception propagates; ``path`` is untouched.
     Temporaries of earlier saves to ``path`` that were killed are removed first.
 
+    A symbolic link at ``path`` is kept: the file it points to is replaced
+    (in that file's directory), as writing through the link would.
+
     Args:
         path: the file to create or replace.
 
@@ -159,6 +162,8 @@ def atomic_output(path):
             file system refused the write (read-only, full, no permission); the
             message names ``path``, not the temporary.
     """
+    if os.path.islink(path):
+        path = os.path.realpath(path)  # renaming over the link would turn it into a file
     directory = check_writable_dir(path)
     if os.path.isdir(path):
         raise PathError(f"cannot save {os.fspath(path)!r}: it is a directory; choose a file name")

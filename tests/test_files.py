@@ -193,3 +193,16 @@ def test_a_saved_file_gets_the_mode_of_a_plain_open_and_a_replaced_one_keeps_its
         assert os.stat(tmp_path / name).st_mode & 0o777 == 0o640
     finally:
         os.umask(old)
+
+
+@pytest.mark.parametrize("name", ["t.npy", "t.h5"])
+def test_a_save_through_a_symbolic_link_replaces_its_target_and_keeps_the_link(name, backend, values,
+                                                                                 tmp_path):
+    (tmp_path / "store").mkdir()
+    ss.HostTable.from_numpy(values[::-1].copy(), backend=backend).save(tmp_path / "store" / name)
+    os.symlink(tmp_path / "store" / name, tmp_path / name)
+    ss.HostTable.from_numpy(values, backend=backend).save(tmp_path / name)
+    assert os.path.islink(tmp_path / name)
+    loaded = ss.HostTable.load(tmp_path / "store" / name, backend=backend)
+    np.testing.assert_array_equal(loaded.to_numpy(), values)
+    assert sorted(os.listdir(tmp_path / "store")) == [name]  # no temporary left beside it
