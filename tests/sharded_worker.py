@@ -238,6 +238,85 @@ def run_scenario(scenario, seed, world, rank, out):
             json.dump({"errors": errors, "unchanged": unchanged,
                        "trained": not np.array_equal(emb.table.to_numpy(), before)}, f)
         name = "disagree"
+    elif kind == "calls":    # at step 3 rank 1 skips optimizer.step() (its own GradScaler saw an inf)
+        emb, opt = make(name)
+        emb.load(table_file)
+        errors = {}
+        for step in range(STEPS):
+            ids, targets = global_batch(seed, step)
+            part = rank_slice(step, world, rank)
+            rank_loss(emb, ids[part], targets[part], world).backward()
+            if step != 3:
+                opt.step()
+            else:  # rank 0 steps; rank 1 goes on to its next forward: the ranks pair different calls
+                try:
+                    if rank == 0:
+                        opt.step()
+                    else:
+                        emb(ids[part])
+                except ss.SpeedswapError as exc:
+                    errors[type(exc).__name__] = str(exc)
+                emb.discard_step()  # on every rank, as the error says: step 3 is dropped
+            opt.zero_grad()
+        with open(os.path.join(out, f"calls.rank{rank}.json"), "w") as f:
+            json.dump(errors, f)
+        name = "calls"
+    elif kind == "savecall":  # rank 0 saves while rank 1 trains, then both save
+        emb, opt = make(name)
+        emb.load(table_file)
+        ckpt = os.path.join(out, "savecall-ckpt")
+        errors = {}
+        try:
+            if rank == 0:
+                emb.save(ckpt)
+            else:
+                train(emb, opt, seed, range(1), world, rank)
+        except ss.SpeedswapError as exc:
+            errors[type(exc).__name__] = str(exc)
+        emb.discard_step()
+        opt.zero_grad()
+        half_saved = os.path.exists(ckpt) or os.path.exists(ckpt + ".partial")
+        emb.save(ckpt)  # made on every rank, it works
+        with open(os.path.join(out, f"savecall.rank{rank}.json"), "w") as f:
+            json.dump({"errors": errors, "half_saved": half_saved}, f)
+        name = "savecall"
+    elif kind == "paths":    # each rank passes its own path: the save must fail, not half-succeed
+        emb, opt = make(name)
+        emb.load(table_file)
+        ckpt = os.path.join(out, "paths-ckpt")
+        emb.save(ckpt)  # a good checkpoint, which the failed saves below must leave alone
+        saved = emb.table.to_numpy(copy=True)
+        train(emb, opt, seed, range(2), world, rank)
+        errors = []
+        for stale in (False, True):
+            # A rank of its own path, holding a .partial an earlier crash left (stale) or not.
+            mine = ckpt if rank == 0 else f"{ckpt}-rank{rank}-{stale}"
+            if stale:
+                os.makedirs(mine + ".partial")
+            try:
+                emb.save(mine)
+            except ss.SpeedswapError as exc:
+                errors.append({type(exc).__name__: str(exc)})
+        emb.load(ckpt)
+        with open(os.path.join(out, f"paths.rank{rank}.json"), "w") as f:
+            json.dump({"errors": errors, "kept": bool(np.array_equal(emb.table.to_numpy(), saved))}, f)
+        return
+    elif kind == "differ":   # rank 1 builds its embedding or optimizer unlike rank 0's
+        results = {}
+        for what, dim, lr in (("dim", DIM + rank, 0.05), ("lr", DIM, 0.05 * (1 + rank))):
+            emb = ss.ShardedOffloadedEmbedding(NUM_ROWS, dim, max_rows=GLOBAL_BATCH, backend="numpy",
+                                               storage="pageable")
+            opt = torch.optim.SGD(emb.parameters(), lr=lr)
+            emb.attach(opt)
+            before = emb.table.to_numpy(copy=True)
+            try:
+                train(emb, opt, seed, range(1), world, rank)
+            except ss.SpeedswapError as exc:
+                results[what] = {type(exc).__name__: str(exc)}
+            results[f"{what} unchanged"] = bool(np.array_equal(emb.table.to_numpy(), before))
+        with open(os.path.join(out, f"differ.rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        return
     elif kind == "crash":    # rank 1 does not catch its error: every rank must exit, not hang
         emb, opt = make(name)
         ids = torch.arange(4) + (NUM_ROWS if rank == 1 else 0)

@@ -200,6 +200,61 @@ def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):
     assert code0 != 0 and "StateError" in err0 and "rank(s) [1]" in err0
 
 
+@pytest.fixture(scope="module")
+def mismatched_calls(tmp_path_factory):
+    """Two ranks make different calls at once, or build their embeddings unlike each other."""
+    out = tmp_path_factory.mktemp("mismatched")
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print(f"mismatched_calls seed {seed}")
+    assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd"))
+    return out, seed
+
+
+def test_a_step_skipped_on_one_rank_only_raises_on_every_rank_instead_of_hanging(mismatched_calls):
+    """Rank 0's step met rank 1's next forward: gloo paired collectives of different kinds and hung."""
+    out, seed = mismatched_calls
+    for rank in range(2):
+        error = json.loads((out / f"calls.rank{rank}.json").read_text())["StateError"]
+        assert "the ranks made different calls" in error
+        assert "rank 0: optimizer.step()" in error and "rank 1: a training forward" in error
+    # Nothing of step 3 reached a row on either rank, and both trained on after discard_step().
+    assert_same(gathered(out, "calls", 2), sharded_worker.reference("adam", seed, skipped={3}))
+
+
+def test_a_save_on_one_rank_while_another_trains_raises_on_both_and_writes_nothing(mismatched_calls):
+    out, _ = mismatched_calls
+    for rank in range(2):
+        result = json.loads((out / f"savecall.rank{rank}.json").read_text())
+        assert "rank 0: save(); rank 1: a training forward" in result["errors"]["StateError"]
+        assert not result["half_saved"]
+    assert json.loads((out / "savecall-ckpt" / "manifest.json").read_text())["world_size"] == 2
+
+
+def test_a_save_to_another_path_on_each_rank_fails_and_keeps_the_earlier_checkpoint(mismatched_calls):
+    """With an old <path>.partial on rank 1's path every rank 'succeeded', and rank 0 replaced a
+    good checkpoint with one lacking rank 1's shards."""
+    out, _ = mismatched_calls
+    results = [json.loads((out / f"paths.rank{r}.json").read_text()) for r in range(2)]
+    (fresh, stale), (fresh1, stale1) = (r["errors"] for r in results)
+    assert "rank 1 cannot see" in fresh1["PathError"] and "same path on every rank" in fresh1["PathError"]
+    assert "rank(s) [1]" in fresh["StateError"]
+    assert "shards of rank(s) [1] are not in" in stale["PathError"]
+    assert "rank(s) [0]" in stale1["StateError"]
+    assert all(r["kept"] for r in results)  # the earlier checkpoint loads, unchanged
+
+
+def test_ranks_with_unlike_embeddings_or_optimizers_raise_before_any_row_moves(mismatched_calls):
+    """Another embedding_dim aborted gloo; another learning rate trained a shard unlike the others."""
+    out, _ = mismatched_calls
+    for rank in range(2):
+        result = json.loads((out / f"differ.rank{rank}.json").read_text())
+        assert f"rank 0: {NUM_ROWS} x {DIM} float32" in result["dim"]["StateError"]
+        assert f"rank 1: {NUM_ROWS} x {DIM + 1} float32" in result["dim"]["StateError"]
+        assert "the ranks' embeddings differ" in result["lr"]["StateError"]
+        assert "optimizer fingerprint" in result["lr"]["StateError"]
+        assert result["dim unchanged"] and result["lr unchanged"]
+
+
 @pytest.mark.slow
 def test_two_ranks_equal_one_process(tmp_path, seed):
     assert_ok(launch(2, tmp_path, seed, "train:sgd", "train:adam", "train:adagrad"))
@@ -376,6 +431,26 @@ def test_a_corrupt_shard_is_refused_before_any_row_changes(rng, tmp_path):
     emb.load(tmp_path / "ckpt")
     for name, table in emb._tables().items():
         np.testing.assert_array_equal(table.to_numpy(), saved[name], err_msg=name)
+
+
+@pytest.mark.parametrize("edit", ["bounds", "tables", "world_size"])
+def test_a_manifest_lacking_an_entry_is_refused_with_a_speedswap_error(rng, tmp_path, edit):
+    """A manifest of the right format missing a key raised a bare KeyError."""
+    emb, opt, saved = _adam_step_saved(rng, tmp_path / "ckpt")
+    manifest = tmp_path / "ckpt" / "manifest.json"
+    edited = json.loads(manifest.read_text())
+    if edit == "world_size":
+        edited[edit] = 0
+    else:
+        del edited[edit]
+    manifest.write_text(json.dumps(edited))
+    for table in emb._tables().values():
+        table.uniform_(-1, 1)
+    before = {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
+    with pytest.raises(ss.FileFormatError, match=f"lacks or mangles \\['{edit}'\\]"):
+        emb.load(tmp_path / "ckpt")
+    for name, table in emb._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), before[name], err_msg=name)
 
 
 def test_a_load_reads_no_file_once_every_shard_is_verified(rng, tmp_path, monkeypatch):

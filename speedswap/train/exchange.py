@@ -13,13 +13,17 @@ split sizes (NCCL and, since torch 2.x, gloo implement it with uneven
 splits), so a message is as long as the rows a step touches, never the
 table. A rank with nothing to send takes part with empty splits.
 
-**Failures.** A collective that one rank skips hangs the others. So every
-check that can fail runs *before* a step's first collective, and the result
-travels with it: a rank that met bad input sends ``-1`` as its counts
-(:meth:`Exchange.counts`), every rank sees it, the failing rank raises its
-own error and the others a :class:`~speedswap.StateError` naming it, all
-without changing a row. Work that can fail between collectives (file
-writes) ends with :meth:`Exchange.agree`.
+**Failures.** A collective that one rank skips hangs the others, and two
+ranks in collectives of different kinds or sizes hang or abort. So every
+call (a forward, a step, a save, a load) starts with the same message,
+:meth:`Exchange.begin`: what the rank is doing, whether its checks passed,
+the table's size and optimizer, and the counts of the rows to come. Every
+check that can fail runs *before* it; a rank that met bad input says so,
+every rank sees it, the failing rank raises its own error and the others a
+:class:`~speedswap.StateError` naming it, all without changing a row, and
+ranks that make different calls or hold different tables all raise
+``StateError``. Work that can fail between collectives (file writes) ends
+with :meth:`Exchange.agree`.
 
 >>> row_bounds(10, 3)
 [0, 4, 7, 10]
@@ -27,14 +31,20 @@ writes) ends with :meth:`Exchange.agree`.
 [0, 0, 1, 2]
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..errors import OptionError, StateError
 
-__all__ = ["row_bounds", "owners", "Exchange"]
+__all__ = ["row_bounds", "owners", "Exchange", "CALLS", "TRAIN_FORWARD", "EVAL_FORWARD", "STEP", "SAVE",
+           "LOAD"]
+
+#: The collective calls, as :meth:`Exchange.begin` names them when ranks make different ones.
+CALLS = ("a training forward", "an eval forward (eval mode or torch.no_grad())",
+         "optimizer.step() (or exchange_gradients())", "save()", "load()")
+TRAIN_FORWARD, EVAL_FORWARD, STEP, SAVE, LOAD = range(len(CALLS))
 
 
 def row_bounds(num_rows: int, world_size: int) -> List[int]:
@@ -111,90 +121,97 @@ class Exchange:
                                group=self.group)
         return recv
 
-    def counts(self, send_counts: Optional[List[int]], error: Optional[BaseException],
-               what: str, training: bool = False) -> List[int]:
-        """Swap message sizes, and whether every rank's input was good and its call in the same mode.
+    def begin(self, call: int, error: Optional[BaseException], config: Sequence[int],
+              describe: Callable[[Sequence[int]], str], what: str, *,
+              send_counts: Optional[Sequence[int]] = None, expected: Optional[Sequence[int]] = None,
+              flag: bool = False) -> Tuple[List[int], bool]:
+        """The first message of every collective call: the ranks check that they make the same call alike.
+
+        One all-gather of a vector whose length depends only on the world
+        size and on ``config``'s (fixed) length, whatever the call. Ranks
+        that make different calls (one saving while another steps, a step
+        skipped on some ranks only) therefore meet in this message and find
+        out, instead of pairing collectives of different kinds and sizes,
+        which hangs until the process group's timeout or aborts the process.
+        Every rank sees every rank's vector, so every rank reaches the same
+        verdict.
 
         Args:
-            send_counts: rows this rank will send to each rank (ignored when ``error``).
+            call: what this rank is doing, one of :data:`CALLS`' indices.
             error: the exception this rank's checks raised, or None.
+            config: integers that must be equal on every rank (the table's
+                size, dtype and ``max_rows``, the optimizer), the same number
+                of them on every rank.
+            describe: turns one rank's ``config`` into words for the error.
             what: the call, named in the error the other ranks raise.
-            training: this rank's call is a training one (an eval-mode or
-                ``no_grad`` one otherwise); every rank must agree.
-
-        Returns:
-            the rows this rank will receive from each rank.
-
-        Raises:
-            the ``error`` itself on the rank that met it; StateError naming
-            the failed ranks on the others, or, on every rank, naming the
-            ranks of each mode when they disagree.
-        """
-        if error is not None:
-            send_counts = [-1] * self.world_size
-        sent = torch.tensor([[count, int(training)] for count in send_counts], dtype=torch.int64,
-                            device=self.device)
-        recv, modes = self._all_to_all(sent, [1] * self.world_size, [1] * self.world_size).T.tolist()
-        if error is not None:
-            raise error
-        failed = [rank for rank, count in enumerate(recv) if count < 0]
-        if failed:
-            raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why); "
-                             f"every rank stopped before changing a row, so the step can be "
-                             f"retried with good input on all ranks")
-        if len(set(modes)) > 1:
-            trains = [rank for rank, mode in enumerate(modes) if mode]
-            evals = [rank for rank, mode in enumerate(modes) if not mode]
-            raise StateError(f"{what} ran in training mode on rank(s) {trains} but in eval mode or "
-                             f"under torch.no_grad() on rank(s) {evals}; every rank must make the "
-                             f"same call (the same model.train()/eval() and grad mode). No row changed")
-        return recv
-
-    def step_counts(self, send_counts: List[int], expected: List[int], flag: bool,
-                    error: Optional[BaseException], what: str) -> Tuple[List[int], bool]:
-        """Swap message sizes, every rank checking that every pair of ranks agrees on them.
-
-        One all-gather of each rank's send counts and expected receive counts,
-        so every rank reaches the same verdict: rows sent that the receiver
-        does not expect would be written into memory sized for others.
-
-        Args:
-            send_counts: rows this rank will send to each rank.
-            expected: rows this rank expects from each rank.
-            flag: a yes/no of this rank's, told to every rank with the counts.
-            error: the exception this rank's checks raised, or None.
-            what: the call, named in the error.
+            send_counts: rows this rank will send to each rank next, if any.
+            expected: rows this rank expects from each rank; when given, every
+                pair of ranks must agree (rows sent that the receiver does not
+                expect would be written into memory sized for others).
+            flag: a yes/no of this rank's, told to every rank.
 
         Returns:
             (the rows this rank will receive from each rank, whether any rank's ``flag`` was set).
 
         Raises:
-            the ``error`` itself on the rank that met it, StateError naming
-            the failed ranks on the others; StateError on every rank when
-            some rank would send another a number of rows it does not expect.
+            ``error`` itself on the rank that met it. On the others (on every
+            rank for the rest), StateError: ranks that make different calls,
+            ranks that failed, ranks whose ``config`` differs, or, with
+            ``expected``, a rank that would send another a number of rows it
+            does not expect.
         """
-        mine = [*send_counts, *expected, int(flag), int(error is not None)]
-        if self.world_size == 1:
+        world = self.world_size
+        sends = [0] * world if send_counts is None or error is not None else list(send_counts)
+        expects = [0] * world if expected is None else list(expected)
+        mine = [call, int(error is not None), int(flag), *config, *sends, *expects]
+        if world == 1:
             table = [mine]
         else:
             sent = torch.tensor(mine, dtype=torch.int64, device=self.device)
-            gathered = [torch.empty_like(sent) for _ in range(self.world_size)]
+            gathered = [torch.empty_like(sent) for _ in range(world)]
             dist.all_gather(gathered, sent, group=self.group)
             table = torch.stack(gathered).tolist()
         if error is not None:
             raise error
-        failed = [rank for rank, row in enumerate(table) if row[-1]]
+        calls = [row[0] for row in table]
+        if set(calls) == {TRAIN_FORWARD, EVAL_FORWARD}:
+            trains = [rank for rank, c in enumerate(calls) if c == TRAIN_FORWARD]
+            evals = [rank for rank, c in enumerate(calls) if c == EVAL_FORWARD]
+            raise StateError(f"{what} ran in training mode on rank(s) {trains} but in eval mode or "
+                             f"under torch.no_grad() on rank(s) {evals}; every rank must make the "
+                             f"same call (the same model.train()/eval() and grad mode). No row changed")
+        if len(set(calls)) > 1:
+            made = "; ".join(f"rank {rank}: {CALLS[c]}" for rank, c in enumerate(calls))
+            raise StateError(f"the ranks made different calls at once ({made}). Every rank must "
+                             f"make the same calls in the same order, as DDP needs: every forward, "
+                             f"every optimizer.step() (a step skipped on every rank or none), every "
+                             f"save() and load(). No row changed; call discard_step() on every rank "
+                             f"to drop the step under way, then train on")
+        failed = [rank for rank, row in enumerate(table) if row[1]]
         if failed:
-            raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why)")
-        world = self.world_size
-        wrong = [(s, r, table[s][r], table[r][world + s]) for s in range(world) for r in range(world)
-                 if table[s][r] != table[r][world + s]]
-        if wrong:
-            pairs = ", ".join(f"rank {s} sends rank {r} {n} rows, which expects {m}" for s, r, n, m in wrong)
-            raise StateError(f"{what}: the ranks disagree about this step ({pairs}). A step was "
-                             f"skipped, or a backward left out, on some ranks only; every rank "
-                             f"must do both alike. Call discard_step() on every rank, then train on")
-        return [table[s][self.rank] for s in range(world)], any(row[-2] for row in table)
+            raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why); "
+                             f"every rank stopped before changing a row, so it can be retried "
+                             f"with good input on all ranks")
+        configs = [row[3:3 + len(config)] for row in table]
+        if any(c != configs[0] for c in configs):
+            ranks = "; ".join(f"rank {rank}: {describe(c)}" for rank, c in enumerate(configs))
+            raise StateError(f"{what}: the ranks' embeddings differ ({ranks}). Build the "
+                             f"ShardedOffloadedEmbedding with the same num_embeddings, "
+                             f"embedding_dim, max_rows and dtype on every rank, and attach the same "
+                             f"optimizer class with the same hyperparameters. No row changed")
+        base = 3 + len(config)
+        if expected is not None:
+            wrong = [(s, r, table[s][base + r], table[r][base + world + s])
+                     for s in range(world) for r in range(world)
+                     if table[s][base + r] != table[r][base + world + s]]
+            if wrong:
+                pairs = ", ".join(f"rank {s} sends rank {r} {n} rows, which expects {m}"
+                                  for s, r, n, m in wrong)
+                raise StateError(f"{what}: the ranks disagree about this step ({pairs}). A step "
+                                 f"was skipped, or a backward left out, on some ranks only; every "
+                                 f"rank must do both alike. Call discard_step() on every rank, "
+                                 f"then train on")
+        return [table[s][base + self.rank] for s in range(world)], any(row[2] for row in table)
 
     def rows(self, send: torch.Tensor, send_counts: List[int],
              recv_counts: List[int]) -> torch.Tensor:
@@ -203,7 +220,7 @@ class Exchange:
         Args:
             send: ``(sum(send_counts), ...)`` rows, those for rank 0 first.
             send_counts: rows for each rank.
-            recv_counts: rows from each rank (what :meth:`counts` returned, or
+            recv_counts: rows from each rank (what :meth:`begin` returned, or
                 known from an earlier message).
 
         Returns:

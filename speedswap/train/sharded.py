@@ -27,6 +27,7 @@ import copy
 import itertools
 import os
 import weakref
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ from ..convert import as_row_ids, int_option, torch_dtype
 from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
-from .exchange import Exchange, owners, row_bounds
+from .exchange import EVAL_FORWARD, LOAD, SAVE, STEP, TRAIN_FORWARD, Exchange, owners, row_bounds
 from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, row_state_spec
 from .sharded_checkpoint import load_shards, run_everywhere, save_shards, stage_table_rows
@@ -57,8 +58,11 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     then drops its rows and gradients, as it drops a dense parameter's (or
     :meth:`discard_step` does, on every rank). Skipped before its backward,
     its forwards' rows wait for the next step, which puts back those that no
-    backward reached. The ranks check at every step that they agree on the
-    rows they exchange, and raise ``StateError`` together if not.
+    backward reached. Every call starts with one message in which the
+    ranks check that they make the same call (a forward, a step, a save, a
+    load) on embeddings built alike, with the same optimizer class and
+    hyperparameters, and, at a step, that they agree on the rows they
+    exchange; they raise ``StateError`` together if not, no row changed.
 
     **What is averaged.** A row's gradient is the sum over ranks of each
     rank's gradient for it, divided by the world size ``W``: the average DDP
@@ -269,8 +273,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         Raises:
             IdError, DTypeError, DeviceError: bad ids on this rank.
             CapacityError: this rank looks up more than ``max_rows`` distinct rows in a step.
-            StateError: training before :meth:`attach`, or bad input on
-                another rank. Whoever fails, every rank raises and no row changes.
+            StateError: training before :meth:`attach`, bad input on another
+                rank, another call (a step, a save) on another rank, or ranks
+                whose embeddings or optimizers differ. Whoever fails, every
+                rank raises and no row changes.
         """
         training = self.training and torch.is_grad_enabled()
         if training:
@@ -293,7 +299,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         except Exception as exc:  # noqa: BLE001 -- any failure must still reach the other ranks
             error = exc
         try:
-            recv_counts = self._exchange.counts(counts, error, "a forward", training=training)
+            recv_counts, _ = self._exchange.begin(TRAIN_FORWARD if training else EVAL_FORWARD, error,
+                                                  self._config(with_optimizer=training), _describe,
+                                                  "a forward", send_counts=counts)
         except BaseException:
             self._looked_up = before
             raise
@@ -376,9 +384,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         order = torch.argsort(dest, stable=True)
         counts = torch.bincount(dest, minlength=self.world_size).tolist()
         unreached = self._reached.unreached_slots(k_local, grad.device)
-        recv_counts, any_unreached = self._exchange.step_counts(
-            counts, [sum(len(part) for part in parts) for parts in self._sent_to_me], unreached is not None,
-            error, "optimizer.step()")
+        recv_counts, any_unreached = self._exchange.begin(
+            STEP, error, self._config(), _describe, "optimizer.step()", send_counts=counts,
+            expected=[sum(len(part) for part in parts) for parts in self._sent_to_me],
+            flag=unreached is not None)
         if any_unreached:
             # Rows of forwards no backward reached (a step skipped before its backward) are
             # flagged, so that owners put back those no reached forward looked up.
@@ -483,6 +492,29 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             raise StateError(f"{what} between a training forward and optimizer.step() would be "
                              f"undone by the step; call it between steps")
 
+    def _config(self, with_optimizer: bool = True) -> list:
+        """What must be equal on every rank: integers for :meth:`Exchange.begin` (see :func:`_describe`).
+
+        The table's size and dtype, ``max_rows`` (an owner's working set is
+        sized for ``W * max_rows`` rows from its peers) and, unless
+        ``with_optimizer`` is false (an eval forward), a fingerprint of the
+        attached optimizer: a shard stepped by another optimizer, or another
+        learning rate, would train unlike one process, silently.
+        """
+        dtype = self.table.dtype
+        dtype_code = _DTYPE_CODES.get(dtype, len(_DTYPES) + zlib.crc32(str(dtype).encode()))
+        return [self.num_embeddings, self.embedding_dim, self.max_rows, dtype_code,
+                _optimizer_fingerprint(self._state, self.weight) if with_optimizer else 0]
+
+    def _begin_between_steps(self, call: int, what: str) -> None:
+        """Start the collective ``call`` (save or load): this rank's check travels to every rank."""
+        error = None
+        try:
+            self._check_between_steps(what)
+        except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not hang
+            error = exc
+        self._exchange.begin(call, error, self._config(), _describe, f"{what}()")
+
     def save(self, path) -> None:
         """Write every rank's rows and optimizer state to the checkpoint directory ``path``.
 
@@ -493,10 +525,14 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         rank sees (see :mod:`speedswap.train.sharded_checkpoint`).
 
         Raises:
-            StateError: called between a forward and the step, or a rank failed to write.
+            StateError: called between a forward and the step, a rank failed
+                to write, another call on another rank, or ranks whose
+                embeddings or optimizers differ.
             FileFormatError: ``path`` exists and is not a sharded checkpoint.
+            PathError: the ranks do not write into one directory (another
+                ``path`` on some rank, or no file system every rank sees).
         """
-        self._check_between_steps("save")
+        self._begin_between_steps(SAVE, "save")
         save_shards(path, self._tables(), self._state, self.bounds, self._exchange)
 
     def load(self, path) -> None:
@@ -512,9 +548,11 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         Raises:
             FileFormatError: another table size, dtype or optimizer, or bad files
                 (checked on every rank before any row changes).
-            StateError: called between a forward and the step, or a rank failed.
+            StateError: called between a forward and the step, a rank failed,
+                another call on another rank, or ranks whose embeddings or
+                optimizers differ.
         """
-        self._check_between_steps("load")
+        self._begin_between_steps(LOAD, "load")
         if os.fspath(path).endswith(".npy"):
             # Every rank stages its rows before any rank commits: all ranks load, or none.
             staged = run_everywhere(self._exchange, f"checking {os.fspath(path)!r}", lambda: stage_table_rows(
@@ -524,6 +562,44 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             return
         load_shards(path, self._tables(), self._state, self.row_range, self.num_embeddings,
                     self._exchange)
+
+
+#: Floating dtypes as integers for the ranks' comparison, and back into words for its error.
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+def _plain(value):
+    """``value`` with tensors as Python numbers, so that its ``repr`` holds every digit."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _optimizer_fingerprint(row_state, weight) -> int:
+    """0 without an optimizer; else a number that differs for another class or hyperparameters.
+
+    Taken from the optimizer's class and the settings (``lr``, ``betas``,
+    ...) of the parameter group holding ``weight``; a learning-rate schedule
+    changes them alike on every rank.
+    """
+    if row_state is None:
+        return 0
+    optimizer = row_state.optimizer
+    group = next((g for g in optimizer.param_groups if any(p is weight for p in g["params"])), {})
+    settings = sorted((key, _plain(value)) for key, value in group.items() if key != "params")
+    text = repr((type(optimizer).__module__, type(optimizer).__qualname__, settings))
+    return zlib.crc32(text.encode()) + (1 << 32)  # never 0, which says "no optimizer"
+
+
+def _describe(config) -> str:
+    """One rank's :meth:`ShardedOffloadedEmbedding._config` in words."""
+    rows, dim, max_rows, dtype, optimizer = config
+    dtype = str(_DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(_DTYPES) else "another dtype"
+    optimizer = "no optimizer" if optimizer == 0 else f"optimizer fingerprint {optimizer:#x}"
+    return f"{rows} x {dim} {dtype}, max_rows={max_rows}, {optimizer}"
 
 
 def _note_backward(ref):

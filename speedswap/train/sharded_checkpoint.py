@@ -37,7 +37,7 @@ import torch
 
 from .. import atomic, files
 from ..backends import available_ram
-from ..errors import FileFormatError, StateError
+from ..errors import FileFormatError, PathError, StateError
 from .caching import rewriting
 from .exchange import Exchange, row_bounds
 
@@ -45,6 +45,9 @@ __all__ = ["save_shards", "load_shards", "stage_table_rows", "load_sharded", "ru
 
 MANIFEST = "manifest.json"
 _FORMAT = "speedswap-sharded-1"
+#: What a manifest must hold for a load to read it, and the JSON type of each.
+_MANIFEST_KEYS = {"num_embeddings": int, "embedding_dim": int, "dtype": str, "world_size": int,
+                  "bounds": list, "optimizer": str, "scalar_state": dict, "tables": list}
 
 
 def _shard_file(path, name, rank):
@@ -151,6 +154,8 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
 
     Raises:
         FileFormatError: ``path`` exists and is not a sharded checkpoint (on every rank).
+        PathError: the ranks do not write into one directory (another path on
+            some rank, or no file system shared by every rank).
         StateError: another rank failed; OSError: this rank failed to write.
     """
     path = os.path.abspath(os.fspath(path))
@@ -163,7 +168,13 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
         shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
         os.makedirs(partial)
 
+    unshared = (f"pass the same path on every rank, on a file system every rank sees (a shared "
+                f"one, NFS or Lustre, across machines)")
+
     def write_shard():
+        if not os.path.isdir(partial):
+            raise PathError(f"rank {exchange.rank} cannot see {partial!r}, which rank 0 has just "
+                            f"created for the checkpoint: {unshared}")
         checksums = {name: files.write_npy(_shard_file(partial, name, exchange.rank), table.shape,
                                            files.stored_dtype(table.dtype), table.host_chunks(),
                                            checksum=True)
@@ -172,6 +183,16 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
             json.dump(checksums, f)
 
     def finish():
+        # A rank that wrote elsewhere (another path, a disk of its own holding an old
+        # <path>.partial) succeeded without its files being here: without them the
+        # checkpoint would be complete-looking and unloadable, and replace a good one.
+        absent = sorted({rank for rank in range(len(bounds) - 1)
+                         for file in (_checksum_file(partial, rank),
+                                      *(_shard_file(partial, name, rank) for name in tables))
+                         if not os.path.isfile(file)})
+        if absent:
+            raise PathError(f"the shards of rank(s) {absent} are not in {partial!r} although every "
+                            f"rank wrote its own: {unshared}. Nothing was replaced")
         manifest = {"format": _FORMAT, "num_embeddings": bounds[-1],
                     "embedding_dim": tables["table"].dim,
                     "dtype": str(tables["table"].dtype).replace("torch.", ""),
@@ -211,7 +232,8 @@ def read_manifest(path) -> dict:
     """The validated manifest of the sharded checkpoint ``path``.
 
     Raises:
-        FileFormatError: no manifest, or not a sharded speedswap checkpoint.
+        FileFormatError: no manifest, not a sharded speedswap checkpoint, or
+            one that lacks an entry a load reads.
     """
     manifest_path = os.path.join(os.fspath(path), MANIFEST)
     try:
@@ -228,6 +250,11 @@ def read_manifest(path) -> dict:
         raise FileFormatError(f"{manifest_path!r} is not valid JSON ({exc})") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
         raise FileFormatError(f"{manifest_path!r} is not a sharded speedswap checkpoint manifest")
+    mangled = [key for key, kind in _MANIFEST_KEYS.items() if not isinstance(manifest.get(key), kind)]
+    if mangled or manifest["world_size"] < 1:
+        raise FileFormatError(f"{manifest_path!r} lacks or mangles {mangled or ['world_size']} (expected "
+                              f"{', '.join(f'{k}: {t.__name__}' for k, t in _MANIFEST_KEYS.items())}, "
+                              f"as save() writes them); was it edited? Restore it from a backup")
     bounds = manifest["bounds"]
     if bounds != row_bounds(manifest["num_embeddings"], manifest["world_size"]):
         raise FileFormatError(f"{manifest_path!r} has a row split {bounds} that is not the one "
