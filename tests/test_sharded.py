@@ -433,6 +433,26 @@ def test_a_corrupt_shard_is_refused_before_any_row_changes(rng, tmp_path):
         np.testing.assert_array_equal(table.to_numpy(), saved[name], err_msg=name)
 
 
+@pytest.mark.parametrize("beside", ["ckpt.old", "ckpt.partial"])
+def test_a_save_never_deletes_a_users_directory_beside_the_checkpoint(rng, tmp_path, beside):
+    """``<path>.old`` and ``<path>.partial`` are a save's own names; a user's files there stay."""
+    emb, opt, saved = _adam_step_saved(rng, tmp_path / "ckpt")
+    mine = tmp_path / beside
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my backup")
+    emb.table.uniform_(-1, 1)
+    with pytest.raises(ss.PathError, match="is in the way of this checkpoint's save"):
+        emb.save(tmp_path / "ckpt")
+    assert (mine / "notes.txt").read_text() == "my backup"
+    emb.load(tmp_path / "ckpt")  # the earlier checkpoint is whole
+    for name, table in emb._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), saved[name], err_msg=name)
+    (mine / "notes.txt").unlink()  # what a killed save leaves is cleared as before
+    (mine / "table.rank0.npy").write_bytes(b"half a shard")
+    emb.save(tmp_path / "ckpt")
+    assert not mine.exists()
+
+
 @pytest.mark.parametrize("edit", ["bounds", "tables", "world_size"])
 def test_a_manifest_lacking_an_entry_is_refused_with_a_speedswap_error(rng, tmp_path, edit):
     """A manifest of the right format missing a key raised a bare KeyError."""

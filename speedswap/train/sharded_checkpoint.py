@@ -31,6 +31,7 @@ large to hold is read again for the copy, as
 
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -57,6 +58,29 @@ def _shard_file(path, name, rank):
 def _checksum_file(path, rank):
     """Rank ``rank``'s CRC-32s of its shard files: ``{table name: crc}`` as JSON."""
     return os.path.join(path, f"crc32.rank{rank}.json")
+
+
+#: What a checkpoint directory, or a save's leftover of one, may hold: the manifest, the
+#: CRC files and shards, and the hidden temporaries of their atomic writes.
+_OWN_FILE = re.compile(r"manifest\.json|crc32\.rank\d+\.json|.+\.rank\d+\.npy|\..+\.tmp")
+
+
+def _remove_leftover(directory) -> None:
+    """Remove ``directory`` (``<path>.partial`` or ``<path>.old``) if a save left it; refuse anything else.
+
+    Raises:
+        PathError: something else is there (a user's own ``ckpt.old`` backup,
+            say), which a save must not delete.
+    """
+    if not os.path.lexists(directory):
+        return
+    if not os.path.isdir(directory) or os.path.islink(directory) or not all(
+            _OWN_FILE.fullmatch(name) and os.path.isfile(os.path.join(directory, name))
+            for name in os.listdir(directory)):
+        raise PathError(f"{directory!r} is in the way of this checkpoint's save (it puts its files "
+                        f"there while it writes) and is not what a save leaves; move it away, or "
+                        f"save to another path. Nothing was written")
+    shutil.rmtree(directory)
 
 
 def _shard_checksums(path, rank, manifest) -> dict:
@@ -165,7 +189,9 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
         if os.path.exists(path) and not os.path.isfile(os.path.join(path, MANIFEST)):
             raise FileFormatError(f"{path!r} exists and is not a sharded speedswap checkpoint; "
                                   f"refusing to replace it: choose another path")
-        shutil.rmtree(partial, ignore_errors=True)  # left by a save that crashed
+        _remove_leftover(partial)  # left by a save that crashed
+        if os.path.exists(path):
+            _remove_leftover(path + ".old")  # checked now: finish() moves the earlier one there
         os.makedirs(partial)
 
     unshared = (f"pass the same path on every rank, on a file system every rank sees (a shared "
@@ -207,7 +233,7 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
             json.dump(manifest, f, indent=1)
         if os.path.exists(path):
             old = path + ".old"
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_leftover(old)
             os.rename(path, old)
             try:
                 os.rename(partial, path)
