@@ -297,6 +297,19 @@ def test_a_process_dying_at_any_call_of_a_save_leaves_the_old_or_the_new_checkpo
     assert _holds(saver, path, new)
 
 
+def _saved_past_a_file_size_limit(save: str) -> str:
+    """Script lines running ``save`` under a 1 MiB file-size limit, which stands in for a full disk."""
+    return textwrap.dedent(f"""
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        try:
+            {save}
+        except ss.PathError as exc:
+            print("PathError:", exc)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    """)
+
+
 _FULL_DISK = textwrap.dedent("""
     import resource, signal, sys, numpy as np, torch, speedswap as ss
     path = sys.argv[1]
@@ -305,14 +318,7 @@ _FULL_DISK = textwrap.dedent("""
     switch.saveTorch(path)
     saved = switch.getNumpyVersion()
     switch.uniformDistributionInit(-1, 1)
-    # A file-size limit below the 5 MB file stands in for a full disk.
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
-    try:
-        switch.saveTorch(path)
-    except ss.PathError as exc:
-        print("PathError:", exc)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+""") + _saved_past_a_file_size_limit("switch.saveTorch(path)") + textwrap.dedent("""
     switch.loadTorch(path)
     print("previous file whole:", bool(np.array_equal(switch.getNumpyVersion(), saved)))
 """)
@@ -342,14 +348,8 @@ _FILE_SIZE_LIMIT = textwrap.dedent("""
     emb.save(path)
     saved = {k: t.to_numpy(copy=True) for k, t in emb._tables().items()}
     fill()
-    # A file-size limit below the 15 MB file: HDF5 fails the write, then the close.
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
-    try:
-        emb.save(path)
-    except ss.PathError as exc:
-        print("PathError:", exc)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+""") + _saved_past_a_file_size_limit("emb.save(path)") + textwrap.dedent("""
+    # (HDF5 fails the write, then the close.)
     emb.load(path)
     print("previous file whole:", all(np.array_equal(t.to_numpy(), saved[name])
                                       for name, t in emb._tables().items()))
