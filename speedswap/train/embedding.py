@@ -22,7 +22,7 @@ from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
 from .reached import KeptRows, ReachedRows
-from .row_state import NarrowedStep, RowState, row_state_spec
+from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
 
@@ -160,10 +160,12 @@ class OffloadedEmbedding(torch.nn.Module):
         """Offload ``optimizer``'s per-row state for :attr:`weight` and hook its ``step()``.
 
         Attaching (again, or to another optimizer) starts the offloaded
-        optimizer state afresh; attaching the same optimizer again also drops
-        its scalar state for :attr:`weight` (Adam's ``step``), as a fresh
-        optimizer's. ``optimizer.step(closure)`` works: the rows are
-        narrowed after the closure's forward and backward.
+        optimizer state afresh; an optimizer attached before (to this or
+        another speedswap parameter) also drops its scalar state for
+        :attr:`weight` (Adam's ``step``), as a fresh optimizer's. State put
+        there by ``optimizer.load_state_dict`` is kept, for a resume (then
+        :meth:`load` the checkpoint saved with it). ``optimizer.step(closure)``
+        works: the rows are narrowed after the closure's forward and backward.
 
         Args:
             optimizer: a ``torch.optim`` optimizer whose params include :attr:`weight`.
@@ -184,11 +186,10 @@ class OffloadedEmbedding(torch.nn.Module):
                 self._writeback.detach()
             self._cache = None
         if self._state is not None:
-            if self._state.optimizer is optimizer:
-                self._state.restart()
             self._hooks.remove()
             self._state.close()  # its mmap files may be replaced below
             self._state = None
+        drop_leftover_state(optimizer, self.weight)  # this one's or an earlier one's: a fresh start
         self._state = RowState(optimizer, self.weight, self.num_embeddings, self.weight.dtype,
                                self._storage, self._backend, self._path,
                                overwrite=self._overwrite or self._created)
@@ -381,6 +382,8 @@ class OffloadedEmbedding(torch.nn.Module):
         flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
         ws = self._working_set
         start = ws.size
+        if start == 0:
+            self._state.check_not_replaced()  # refused before a step begins, when emb.load still may run
         try:
             if start == 0 and self.padding_idx is not None:
                 ws.add(torch.tensor([self.padding_idx], device=self.weight.device))  # slot 0
@@ -411,13 +414,21 @@ class OffloadedEmbedding(torch.nn.Module):
         rows = self._working_set.rows
         if not len(rows) or self._narrowed is not None:
             return
+        self._state.check_not_replaced()  # optimizer.load_state_dict() between the forward and the step
         self._state.gather(rows, read=self._cache.read_state,  # raises before anything changes
                            resetting=lambda: resetting_state(self._cache))
         self._narrowed = NarrowedStep(self.weight, len(rows), self._state.needs_sparse_grad)
         # Rows that only forwards no backward reached (a skipped loss) go back unchanged.
         unreached = self._reached.unreached_slots(len(rows), self.weight.device)
-        self._kept = None if unreached is None else KeptRows(unreached, self._full, self._state.step_state(),
-                                                             self._state.spec)
+        state, spec = self._state.step_state(), self._state.spec
+        self._kept = [] if unreached is None else [KeptRows(unreached, self._full, state, spec)]
+        if self.padding_idx is not None:
+            # The padding row sits in slot 0 of every step, looked up or not. A step whose
+            # forwards did not look it up leaves it alone, as in-memory lazy training does:
+            # weight decay would otherwise shrink a pretrained (non-zero) padding row every step.
+            device = self.weight.device
+            self._kept.append(KeptRows(torch.zeros(1, dtype=torch.int64, device=device), self._full,
+                                       state, spec, unless=self._reached.looked_up(0, device)))
 
     def _end_step(self):
         if self._narrowed is None:
@@ -425,9 +436,9 @@ class OffloadedEmbedding(torch.nn.Module):
         rows = self._working_set.rows
         self._narrowed.restore()
         self._narrowed = None
-        if self._kept is not None:
-            self._kept.put_back(self._full, self._state.step_state())
-            self._kept = None
+        for kept in self._kept or ():
+            kept.put_back(self._full, self._state.step_state())
+        self._kept = None
         self._reached.clear()
         weights = self._full[:len(rows)]
         # Rows and state go to the cache, or back to the host: each row written once.

@@ -82,6 +82,14 @@ class ReachedRows:
         found = untouched.nonzero().squeeze(1)
         return found if len(found) else None
 
+    def looked_up(self, slot: int, device) -> torch.Tensor:
+        """Whether a forward a backward reached looked up ``slot``: a 0-dim bool tensor on ``device``.
+
+        Computed on the device, without synchronising a GPU's host.
+        """
+        found = [(slots == slot).any() for slots in self._reached]
+        return torch.stack(found).any() if found else torch.zeros((), dtype=torch.bool, device=device)
+
 
 def _reach(ref, step, key, grad):
     tracker = ref()
@@ -106,21 +114,30 @@ class KeptRows:
             or None when the optimizer creates it at the step (every row then
             starts from ``initial``).
         initial: ``{name: value}``, the value torch creates each row's state with.
+        unless: a 0-dim bool tensor: where it is True the rows keep what the
+            step made of them (decided on the device, so a GPU's host need not
+            wait); None puts them back regardless.
     """
 
     def __init__(self, slots: torch.Tensor, weight: torch.Tensor,
-                 state: Optional[Dict[str, torch.Tensor]], initial: Dict[str, float]):
-        self.slots, self.initial = slots, initial
+                 state: Optional[Dict[str, torch.Tensor]], initial: Dict[str, float],
+                 unless: Optional[torch.Tensor] = None):
+        self.slots, self.initial, self.unless = slots, initial, unless
         self.rows = weight[slots].clone()
         self.state = None if state is None else {name: state[name][slots].clone() for name in initial}
 
     def put_back(self, weight: torch.Tensor, state: Optional[Dict[str, torch.Tensor]]) -> None:
         """Write the kept rows into ``weight`` and their state into the step's ``state``, as before it."""
-        weight[self.slots] = self.rows
+        weight[self.slots] = self._after_step(weight, self.rows)
         if state is None:
             return  # torch skipped the parameter: its state did not change
         for name, value in self.initial.items():
-            if self.state is None:
-                state[name][self.slots] = value
-            else:
-                state[name][self.slots] = self.state[name]
+            before = value if self.state is None else self.state[name]
+            state[name][self.slots] = self._after_step(state[name], before)
+
+    def _after_step(self, now: torch.Tensor, before) -> torch.Tensor:
+        """What the slots hold after the step: ``before``, or what the step made of them if ``unless``."""
+        if self.unless is None:
+            return before
+        return torch.where(self.unless, now[self.slots], torch.as_tensor(before, dtype=now.dtype,
+                                                                         device=now.device))

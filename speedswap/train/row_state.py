@@ -11,6 +11,7 @@ State is found by identity, ``optimizer.state[param]``, never by position in
 """
 
 import contextlib
+import weakref
 
 import numpy as np
 import torch
@@ -19,7 +20,26 @@ from ..errors import OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 
-__all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep"]
+__all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep", "drop_leftover_state"]
+
+#: (id of a scratch tensor a RowState handed an optimizer, id of its parameter) -> the tensor,
+#: held weakly. By ids: a tensor's == is element-wise (no WeakSet), and an attribute on the
+#: tensor would go into torch.save(optimizer.state_dict()).
+_SCRATCH = weakref.WeakValueDictionary()
+
+
+def drop_leftover_state(optimizer, param) -> None:
+    """Drop the state an earlier attach of ``param`` left in ``optimizer`` (``step`` included).
+
+    Attaching starts the offloaded state afresh, so the optimizer must start
+    afresh too: fresh moments with the step count of an earlier run would be
+    bias-corrected wrongly. Such state holds this parameter's scratch
+    tensors. State the user put there (``load_state_dict`` before attaching,
+    for a resume) or that torch created with the optimizer is kept.
+    """
+    state = optimizer.state.get(param) or {}
+    if any(_SCRATCH.get((id(value), id(param))) is value for value in state.values()):
+        optimizer.state.pop(param, None)
 
 
 def _adam_like(group):
@@ -187,6 +207,16 @@ class RowState:
         self._scratch = {}
         self.needs_sparse_grad = isinstance(optimizer, _SPARSE_GRAD_ONLY)
         self.init_state()
+        # Whether the tables were restored (a checkpoint load, an explicit init_state)
+        # since the last step, so that state an optimizer.load_state_dict() put in place
+        # may be replaced by theirs; the initial state set here does not count.
+        self._restored = False
+        # The per-row state tensors known to be in the optimizer: the scratch it holds between
+        # steps, and before the first one what torch created with the optimizer (Adagrad's
+        # sum), if it is still the initial state the tables hold too.
+        state = optimizer.state.get(param) or {}
+        self._held = {name: state[name] for name, value in self.spec.items()
+                      if isinstance(state.get(name), torch.Tensor) and bool((state[name] == value).all())}
 
     def init_state(self):
         """Set every row's state to the value torch creates it with (a fresh optimizer)."""
@@ -198,6 +228,7 @@ class RowState:
         # Until a step has written rows back, every row holds torch's initial
         # state, so torch may create the state itself at the first step.
         self._fresh = True
+        self._restored = True
 
     def holds_initial_state(self) -> bool:
         """Whether every row's state is the value torch creates it with (read chunk by chunk)."""
@@ -207,12 +238,49 @@ class RowState:
     def mark_loaded(self):
         """Record that the tables now hold trained state (read from a checkpoint)."""
         self._fresh = False
+        self._restored = True
+
+    def check_not_replaced(self) -> None:
+        """Refuse per-row state that ``optimizer.load_state_dict()`` put in place of the tables'.
+
+        Between steps the optimizer holds this object's scratch buffers for the
+        parameter. ``load_state_dict`` replaces them with the saved scratch, which
+        holds the rows of whichever step ran last, not the table's rows: in memory
+        it would restore every row's state, offloaded it cannot, and training on
+        would silently use the tables' current state with the restored step count.
+        It is accepted when the tables were restored since the last step (the
+        matching :meth:`mark_loaded` checkpoint or :meth:`init_state`), or when it
+        put back what the optimizer already held (a round trip of its own state_dict).
+
+        Raises:
+            StateError: the state was replaced and the tables were not restored.
+                Nothing changes.
+        """
+        state = self.optimizer.state.get(self.param)
+        if self._restored or not state:
+            return
+        held = self._held
+        replaced = [name for name in self.spec if name in state and state[name] is not held.get(name)]
+        if all(name in held and state[name].shape == held[name].shape
+               and torch.allclose(state[name].to(held[name].device), held[name], rtol=0, atol=0,
+                                  equal_nan=True)
+               for name in replaced):
+            return
+        raise StateError(
+            f"{type(self.optimizer).__name__}'s per-row state for the offloaded parameter "
+            f"({', '.join(replaced)}) was replaced since the last step, by "
+            f"optimizer.load_state_dict(...) or a re-attach; speedswap keeps that state in host "
+            f"tables, which the optimizer's state_dict does not hold. Restore the tables from the "
+            f"checkpoint saved with it (emb.load(path), after emb.discard_step() if a forward "
+            f"already ran), or start the rows' state afresh with emb.init_state(); then train on")
 
     def _buffer(self, name):
         if name not in self._scratch:
-            # Sized from the declared shape: the parameter may be narrowed right now.
-            self._scratch[name] = torch.empty(self._shape, dtype=self.param.dtype,
+            # Sized from the declared shape: the parameter may be narrowed right now. Zeros,
+            # not whatever the memory held: the optimizer's state_dict holds this scratch.
+            self._scratch[name] = torch.zeros(self._shape, dtype=self.param.dtype,
                                               device=self.param.device)
+            _SCRATCH[id(self._scratch[name]), id(self.param)] = self._scratch[name]
         return self._scratch[name]
 
     def gather(self, rows, read=None, resetting=contextlib.nullcontext):
@@ -276,15 +344,8 @@ class RowState:
         """
         state = self.optimizer.state.get(self.param)
         if state and all(name in state for name in self.spec):
-            state.update({name: self._buffer(name) for name in self.spec})
-
-    def restart(self):
-        """Drop the optimizer's state for the parameter (``step`` included), as a fresh optimizer's.
-
-        For attaching the same optimizer again, which starts its state afresh:
-        moments reset while the step count goes on would bias-correct them wrongly.
-        """
-        self.optimizer.state.pop(self.param, None)
+            for name in self.spec:
+                state[name] = self._held[name] = self._buffer(name)
 
     def close(self):
         """Release the state tables' memory."""
@@ -326,5 +387,5 @@ class RowState:
                 table.scatter_validated(rows, state[name][:k])
             # Between steps the optimizer holds full-size scratch, so its
             # state_dict has the parameter's declared shape.
-            state[name] = self._buffer(name)
-        self._fresh = False
+            state[name] = self._held[name] = self._buffer(name)
+        self._fresh = self._restored = False

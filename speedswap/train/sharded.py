@@ -40,7 +40,7 @@ from ..table import HostTable
 from .checkpoint import file_in
 from .exchange import EVAL_FORWARD, LOAD, SAVE, STEP, TRAIN_FORWARD, Exchange, owners, row_bounds
 from .reached import KeptRows, ReachedRows
-from .row_state import NarrowedStep, RowState, row_state_spec
+from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
 from .sharded_checkpoint import load_shards, run_everywhere, save_shards, stage_table_rows
 from .working_set import WorkingSet
 
@@ -249,10 +249,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             handle.remove()
         self._hooks = ()
         if self._state is not None:
-            if self._state.optimizer is optimizer:
-                self._state.restart()
             self._state.close()  # its mmap files are replaced below
             self._state = None
+        drop_leftover_state(optimizer, self.weight)  # this one's or an earlier one's: a fresh start
         state = RowState(optimizer, self.weight, self.table.num_rows, self.weight.dtype,
                          self._storage, self.table.backend, self._path, overwrite=self._created)
         self._created |= {t.path for t in state.tables.values()}

@@ -1,0 +1,281 @@
+"""Unusual training flows: offloaded training equals an independent in-memory reference, or raises.
+
+Each test trains an :class:`~speedswap.OffloadedEmbedding` and an in-memory
+``nn.Parameter`` table from the same random initial rows on Zipf-distributed
+ids, and compares the two. The reference is lazy, like the existing
+equivalence tests (``training_helpers.run_in_memory``): after each step every
+row no training forward looked up gets its value and optimizer state back as
+they were before the step.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import speedswap as ss
+
+ROWS, DIM, BATCH, WIDTH, STEPS = 300, 6, 8, 5, 30
+PAD = 7
+
+
+def zipf_ids(rng, steps):
+    """``steps`` batches of ``(BATCH, WIDTH)`` ids, p(r) ~ 1/(r+1) over scattered rows, and targets."""
+    p = 1.0 / np.arange(1, ROWS + 1)
+    perm = rng.permutation(ROWS)
+    return [(torch.from_numpy(perm[rng.choice(ROWS, size=(BATCH, WIDTH), p=p / p.sum())]),
+             torch.from_numpy(rng.standard_normal((BATCH, 1)).astype(np.float32)))
+            for _ in range(steps)]
+
+
+class Model(torch.nn.Module):
+    """An embedding bag into a linear layer: the embedding and a dense layer in one optimizer."""
+
+    def __init__(self, embedding, linear):
+        super().__init__()
+        self.emb, self.lin = embedding, linear
+
+    def forward(self, ids):
+        return self.lin(torch.tanh(self.emb(ids)).sum(1))
+
+
+class LazyTable(torch.nn.Module):
+    """The in-memory reference table: records the ids training forwards look up."""
+
+    def __init__(self, table0, padding_idx=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+        self.padding_idx, self.looked_up = padding_idx, []
+
+    def forward(self, ids):
+        if self.training and torch.is_grad_enabled():
+            self.looked_up.append(ids.reshape(-1))
+        return F.embedding(ids, self.weight, padding_idx=self.padding_idx)
+
+
+def make_lazy(optimizer, table):
+    """Hook ``optimizer`` so that rows ``table`` did not look up keep their value and state at each step."""
+    weight, before = table.weight, {}
+
+    def pre(opt, args, kwargs):
+        before["weight"] = weight.detach().clone()
+        before["state"] = {k: v.clone() for k, v in opt.state.get(weight, {}).items()
+                           if torch.is_tensor(v) and v.shape == weight.shape}
+
+    def post(opt, args, kwargs):
+        untouched = torch.ones(len(weight), dtype=torch.bool)
+        untouched[torch.cat(table.looked_up)] = False
+        table.looked_up.clear()
+        with torch.no_grad():
+            weight[untouched] = before["weight"][untouched]
+            for name, value in opt.state[weight].items():
+                if torch.is_tensor(value) and value.shape == weight.shape:
+                    # Every optimizer used here creates its per-row state as zeros.
+                    value[untouched] = before["state"][name][untouched] if name in before["state"] else 0.0
+
+    optimizer.register_step_pre_hook(pre)
+    optimizer.register_step_post_hook(post)
+
+
+def pair(rng, padding_idx=None, pad_row=None):
+    """An offloaded model and its in-memory reference, from the same random rows and linear layer."""
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    if padding_idx is not None:
+        table0[padding_idx] = 0.0 if pad_row is None else pad_row
+    linear = torch.nn.Linear(DIM, 1)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=2 * BATCH * WIDTH + 1, storage="pageable",
+                                backend="numpy", padding_idx=padding_idx)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))  # pad_row too: pretrained rows
+    return Model(emb, copy.deepcopy(linear)), Model(LazyTable(table0, padding_idx), linear)
+
+
+def train_step(model, opt, ids, target):
+    F.mse_loss(model(ids), target).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def assert_equal_to_reference(offloaded, opt, reference, ref_opt):
+    np.testing.assert_allclose(offloaded.emb.table.to_numpy(), reference.emb.weight.detach().numpy(),
+                               rtol=1e-6, atol=1e-6)
+    ref_state = ref_opt.state[reference.emb.weight]
+    for name, table in offloaded.emb._state.tables.items():
+        np.testing.assert_allclose(table.to_numpy(), ref_state[name].numpy(), rtol=1e-6, atol=1e-6,
+                                   err_msg=name)
+    for mine, ref in zip(offloaded.lin.parameters(), reference.lin.parameters()):
+        np.testing.assert_allclose(mine.detach().numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1, amsgrad=True),
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=0.1),
+], ids=["adamw", "adam_amsgrad", "sgd_momentum"])
+def test_a_pretrained_padding_row_moves_only_at_steps_that_look_it_up(make_opt, rng):
+    # The padding row rides along in slot 0 of every step; with weight decay a step that
+    # did not look it up used to shrink it anyway (seen: 0.5 -> 0.22 in 30 Adam steps).
+    offloaded, reference = pair(rng, padding_idx=PAD, pad_row=0.5)
+    opt, ref_opt = make_opt(offloaded.parameters()), make_opt(reference.parameters())
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    batches = zipf_ids(rng, STEPS)
+    batches[3][0][0, 0] = PAD  # looked up at one step at least, so it must move then
+    for ids, target in batches:
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+    assert not np.allclose(offloaded.emb.table.to_numpy()[PAD], 0.5)
+
+
+def test_a_pretrained_padding_row_stays_when_only_an_unreached_forward_looked_it_up(rng):
+    offloaded, reference = pair(rng, padding_idx=PAD, pad_row=0.5)
+    make = lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)  # noqa: E731
+    opt, ref_opt = make(offloaded.parameters()), make(reference.parameters())
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    (ids, target), (skipped, _) = zipf_ids(rng, 2)
+    skipped[0, 0] = PAD
+    offloaded(skipped)  # a skipped loss: its graph is dropped before any backward
+    for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+        train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+    np.testing.assert_array_equal(offloaded.emb.table.to_numpy()[PAD], 0.5)
+
+
+def _run_until_older_state_is_loaded(rng, make_opt):
+    offloaded, _ = pair(rng)
+    opt = make_opt(offloaded.parameters())
+    offloaded.emb.attach(opt)
+    batches = zipf_ids(rng, 12)
+    for step, (ids, target) in enumerate(batches[:10]):
+        if step == 4:
+            older = copy.deepcopy(opt.state_dict())
+        train_step(offloaded, opt, ids, target)
+    return offloaded, opt, older, batches[10:]
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.Adam(p, lr=0.01),
+    lambda p: torch.optim.Rprop(p, lr=0.02),
+    lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.2),  # state made with it
+], ids=["adam", "rprop", "adagrad"])
+def test_an_older_optimizer_state_dict_alone_is_refused_before_the_next_step(make_opt, rng):
+    # The optimizer's state_dict holds the working set's scratch, not the rows' state: in
+    # memory loading it restores every row's moments, offloaded it used to train on silently
+    # with the current moments and the older step count (seen: 0.055 off the reference).
+    offloaded, opt, older, rest = _run_until_older_state_is_loaded(rng, make_opt)
+    opt.load_state_dict(older)
+    table = offloaded.emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.StateError, match=r"emb\.load\(path\)"):
+        offloaded(rest[0][0])
+    np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table)
+    assert offloaded.emb.working_rows.numel() == 0  # nothing began: emb.load may run now
+
+
+def test_an_older_optimizer_state_dict_loaded_after_the_forward_is_refused_at_the_step(rng):
+    offloaded, opt, older, rest = _run_until_older_state_is_loaded(
+        rng, lambda p: torch.optim.Adam(p, lr=0.01))
+    ids, target = rest[0]
+    F.mse_loss(offloaded(ids), target).backward()
+    opt.load_state_dict(older)
+    table = offloaded.emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.StateError, match="replaced since the last step"):
+        opt.step()
+    np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table)
+
+
+def test_a_resume_that_restores_only_the_optimizer_state_dict_is_refused(rng, tmp_path):
+    offloaded, opt, older, rest = _run_until_older_state_is_loaded(
+        rng, lambda p: torch.optim.Adam(p, lr=0.01))
+    offloaded.emb.save(tmp_path / "ckpt")
+    saved = copy.deepcopy(opt.state_dict())
+    resumed, _ = pair(rng)
+    resumed.load_state_dict(offloaded.state_dict())
+    new_opt = torch.optim.Adam(resumed.parameters(), lr=0.01)
+    new_opt.load_state_dict(saved)
+    resumed.emb.attach(new_opt)  # a first attach keeps the loaded step count
+    with pytest.raises(ss.StateError, match=r"emb\.load\(path\)"):
+        resumed(rest[0][0])
+    resumed.emb.load(tmp_path / "ckpt")  # the rows' state saved with it: now the resume is whole
+    for ids, target in rest:
+        train_step(resumed, new_opt, ids, target)
+        train_step(offloaded, opt, ids, target)
+    np.testing.assert_array_equal(resumed.emb.table.to_numpy(), offloaded.emb.table.to_numpy())
+
+
+def test_init_state_accepts_an_older_optimizer_state_dict(rng):
+    offloaded, opt, older, rest = _run_until_older_state_is_loaded(
+        rng, lambda p: torch.optim.Adam(p, lr=0.01))
+    opt.load_state_dict(older)
+    offloaded.emb.init_state()  # the user's explicit choice: fresh moments, the older step count
+    train_step(offloaded, opt, *rest[0])
+    train_step(offloaded, opt, *rest[1])
+
+
+@pytest.mark.parametrize("emb_first", [True, False], ids=["emb_then_opt", "opt_then_emb"])
+def test_a_checkpoint_replay_with_the_optimizer_state_dict_equals_the_reference(emb_first, rng, tmp_path):
+    offloaded, reference = pair(rng)
+    make = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
+    opt, ref_opt = make(offloaded.parameters()), make(reference.parameters())
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    batches = zipf_ids(rng, 20)
+    for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+        for step, (ids, target) in enumerate(batches):
+            if step == 5:
+                saved = copy.deepcopy(optimizer.state_dict()), copy.deepcopy(model.state_dict())
+                if model is offloaded:
+                    offloaded.emb.save(tmp_path / "ckpt")
+            if step == 15:
+                if model is offloaded and emb_first:
+                    offloaded.emb.load(tmp_path / "ckpt")
+                optimizer.load_state_dict(saved[0])
+                model.load_state_dict(saved[1])
+                if model is offloaded and not emb_first:
+                    offloaded.emb.load(tmp_path / "ckpt")
+            train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+def test_a_round_trip_of_the_optimizer_own_state_dict_trains_on(rng):
+    offloaded, reference = pair(rng)
+    make = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
+    opt, ref_opt = make(offloaded.parameters()), make(reference.parameters())
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            if step == 10:
+                optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+            train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+def test_re_attaching_an_earlier_optimizer_starts_it_afresh_as_a_new_one(rng):
+    """A, then B, then A again: A's third run equals a fresh Adam's (it kept A's step count)."""
+    offloaded, reference = pair(rng)
+    first = torch.optim.Adam(offloaded.parameters(), lr=0.01)
+    other = torch.optim.Adagrad(offloaded.parameters(), lr=0.01)
+    batches = zipf_ids(rng, 15)
+    for optimizer, part in ((first, batches[:5]), (other, batches[5:10])):
+        offloaded.emb.attach(optimizer)
+        for ids, target in part:
+            train_step(offloaded, optimizer, ids, target)
+    offloaded.emb.attach(first)
+    # The reference: the rows and linear layer as they are now, and a fresh Adam for both models
+    # (the linear layer's state is dropped in the offloaded one's too: attach concerns the table).
+    for param in offloaded.lin.parameters():
+        first.state.pop(param, None)
+    with torch.no_grad():
+        reference.emb.weight.copy_(torch.from_numpy(offloaded.emb.table.to_numpy()))
+        for mine, ref in zip(offloaded.lin.parameters(), reference.lin.parameters()):
+            ref.copy_(mine)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    make_lazy(ref_opt, reference.emb)
+    for ids, target in batches[10:]:
+        train_step(offloaded, first, ids, target)
+        train_step(reference, ref_opt, ids, target)
+    assert int(first.state[offloaded.emb.weight]["step"]) == 5
+    assert_equal_to_reference(offloaded, first, reference, ref_opt)
