@@ -1,5 +1,6 @@
 """ModelFactory / OptimizerFactory: the step protocol, errors that change nothing, checkpoints."""
 
+import copy
 import gc
 import io
 
@@ -216,6 +217,25 @@ def test_lost_optimizer_state_is_refused(backend, table0, rng):
     opt.state.clear()
     with pytest.raises(ss.StateError, match="load_state_dict"):
         o.before_forward(*batches[1][:2])
+
+
+def test_an_older_optimizer_state_dict_without_the_factorys_load_is_refused(backend, table0, rng,
+                                                                              tmp_path):
+    """The state dict holds the last step's scratch, not the rows' state: the tables must come too."""
+    model, opt, u, o = build(backend, table0)
+    batches = zipf_batches(rng, 8, ss.get_backend(backend).device, ROWS)
+    train(model, opt, u, o, batches[:2])
+    o.save(tmp_path / "opt")
+    older = copy.deepcopy(opt.state_dict())
+    train(model, opt, u, o, batches[2:5])
+    opt.load_state_dict(older)
+    before = {name: table.to_numpy(copy=True) for name, table in o.state.tables.items()}
+    with pytest.raises(ss.StateError, match="OptimizerFactory's load"):
+        o.before_forward(*batches[5][:2])
+    for name, table in o.state.tables.items():
+        np.testing.assert_array_equal(table.to_numpy(), before[name], err_msg=name)
+    o.load(tmp_path / "opt")  # the tables saved with that state dict: training goes on
+    train(model, opt, u, o, batches[5:])
 
 
 # ------------------------------------------------------------- checkpoints

@@ -272,7 +272,8 @@ class RowState:
             f"optimizer.load_state_dict(...) or a re-attach; speedswap keeps that state in host "
             f"tables, which the optimizer's state_dict does not hold. Restore the tables from the "
             f"checkpoint saved with it (emb.load(path), after emb.discard_step() if a forward "
-            f"already ran), or start the rows' state afresh with emb.init_state(); then train on")
+            f"already ran; an OptimizerFactory's load(path)), or start the rows' state afresh "
+            f"(emb.init_state(), OptimizerFactory.optInit()); then train on")
 
     def _buffer(self, name):
         if name not in self._scratch:
