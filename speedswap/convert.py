@@ -147,6 +147,8 @@ def _read_only(array: np.ndarray) -> torch.Tensor:
     writable (a read-only memmap, ``flags.writeable = False``); nothing here
     writes to it, so the warning would only alarm the caller.
     """
+    if array.flags.writeable:  # the usual case: no warning to silence, no filter to install
+        return torch.from_numpy(array)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return torch.from_numpy(array)
