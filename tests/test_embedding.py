@@ -1,5 +1,6 @@
 """OffloadedEmbedding: a two-tower model equals its in-memory twin; checkpoints; errors."""
 
+import functools
 import io
 
 import numpy as np
@@ -501,3 +502,44 @@ def test_attaching_the_same_optimizer_again_restarts_its_state_step_count_includ
         ref_opt.step()
         ref_opt.zero_grad()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 10])
+@pytest.mark.parametrize("option", ["scale_grad_by_freq", "sparse"])
+def test_nn_embedding_gradient_options_train_as_nn_embedding_does(backend, rng, cache_rows, option):
+    """``scale_grad_by_freq`` (Adagrad: lazy equals dense) and ``sparse`` (SparseAdam), Zipf ids with repeats.
+
+    torch refuses the two options together, so each has its own reference.
+    """
+    rows, dim = 60, 4
+    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
+    device = ss.get_backend(backend).device
+    emb = ss.OffloadedEmbedding(rows, dim, max_rows=40, storage="pageable", backend=backend,
+                                padding_idx=2, cache_rows=cache_rows, **{option: True})
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False,
+                                             padding_idx=2, **{option: True})
+    optimizer = (torch.optim.SparseAdam if option == "sparse"
+                 else functools.partial(torch.optim.Adagrad, initial_accumulator_value=0.1))
+    opt, ref_opt = optimizer(emb.parameters(), lr=0.05), optimizer(ref.parameters(), lr=0.05)
+    emb.attach(opt)
+    for step in range(60):
+        ids = torch.from_numpy(zipf(rng, rows, (5, 4)))
+        target = torch.from_numpy(rng.standard_normal((5, 4, dim)).astype(np.float32))
+        for model, optim, to in ((emb, opt, device), (ref, ref_opt, "cpu")):
+            # Two forwards a step: each counts its own ids, as nn.Embedding's do.
+            loss = ((model(ids.to(to)).cpu() - target) ** 2).sum() + model(ids[:2].to(to)).cpu().sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+        if step == 30:
+            emb.flush()
+            np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), **TOL)
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), **TOL)
+    assert not np.allclose(emb.table.to_numpy(), table0, atol=1e-3)
+
+@pytest.mark.parametrize("option", [dict(max_norm=1.0), dict(norm_type=1.0)])
+def test_max_norm_is_refused_with_the_reason(option):
+    with pytest.raises(ss.OptionError, match="max_norm"):
+        ss.OffloadedEmbedding(10, 3, max_rows=4, storage="pageable", backend="numpy", **option)

@@ -77,9 +77,19 @@ class OffloadedEmbedding(torch.nn.Module):
             between steps, a write-back cache of the rows used most often
             (see :mod:`speedswap.train.cache`); 0 turns it off. :attr:`table`
             sees it (it writes the cached rows back and forgets them first).
+        scale_grad_by_freq: as in ``nn.Embedding``: each forward scales a
+            row's gradient by the inverse of how often its ids name it.
+        sparse: accepted for ``nn.Embedding`` code; changes nothing.
+            :attr:`weight`'s gradient is dense over the step's rows only, and
+            ``torch.optim.SparseAdam`` trains it as it would a sparse one.
+        max_norm: not supported (only None): ``nn.Embedding`` renormalises
+            the rows it looks up in place, in eval forwards too, a write that
+            the offloaded table does not make.
+        norm_type: ``nn.Embedding``'s, for ``max_norm``; only the default.
 
     Raises:
-        OptionError: bad sizes, padding_idx or storage.
+        OptionError: bad sizes, padding_idx or storage; ``max_norm`` or
+            ``norm_type`` given.
         DTypeError: a dtype that is not floating point.
         PathError: ``mmap`` files exist in ``path`` (without ``overwrite``).
 
@@ -90,8 +100,16 @@ class OffloadedEmbedding(torch.nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
                  storage: str = "pinned", dtype: torch.dtype = torch.float32,
                  padding_idx: int = None, backend: BackendLike = "auto", path=None,
-                 device: DeviceLike = None, overwrite: bool = False, cache_rows: int = 0):
+                 device: DeviceLike = None, overwrite: bool = False, cache_rows: int = 0,
+                 scale_grad_by_freq: bool = False, sparse: bool = False, max_norm: float = None,
+                 norm_type: float = 2.0):
         super().__init__()
+        if max_norm is not None or norm_type != 2.0:
+            raise OptionError(
+                f"OffloadedEmbedding does not support max_norm (got max_norm={max_norm!r}, "
+                f"norm_type={norm_type!r}): nn.Embedding renormalises looked-up rows in place "
+                f"at every forward, eval included; clip the rows yourself between steps "
+                f"(emb.table.apply_) or leave max_norm out")
         num_embeddings = int_option(num_embeddings, "num_embeddings")
         embedding_dim = int_option(embedding_dim, "embedding_dim")
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
@@ -107,6 +125,7 @@ class OffloadedEmbedding(torch.nn.Module):
                 raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx!r}")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.max_rows, self.padding_idx = max_rows, padding_idx
+        self.scale_grad_by_freq, self.sparse = bool(scale_grad_by_freq), bool(sparse)
         self._storage, self._path, self._overwrite = storage, path, bool(overwrite)
         table_file = file_in(path, "table", storage)
         self._table = HostTable.empty(num_embeddings, embedding_dim, dtype, storage, backend,
@@ -153,7 +172,9 @@ class OffloadedEmbedding(torch.nn.Module):
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
                 f"storage={self._table.storage!r}"
-                + ("" if self.padding_idx is None else f", padding_idx={self.padding_idx}"))
+                + ("" if self.padding_idx is None else f", padding_idx={self.padding_idx}")
+                + (", scale_grad_by_freq=True" if self.scale_grad_by_freq else "")
+                + (", sparse=True" if self.sparse else ""))
 
     # ------------------------------------------------------------- training
     def attach(self, optimizer):
@@ -246,7 +267,9 @@ class OffloadedEmbedding(torch.nn.Module):
             flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
             return self._cache.read(flat).view(*shape, self.embedding_dim).to(self.weight.dtype)
         local = self._add_rows(ids)
-        out = F.embedding(local, self.weight, padding_idx=None if self.padding_idx is None else 0)
+        # Slots name rows one to one, so counting them counts the ids (scale_grad_by_freq).
+        out = F.embedding(local, self.weight, padding_idx=None if self.padding_idx is None else 0,
+                          scale_grad_by_freq=self.scale_grad_by_freq)
         self._reached.track(out, local)  # a forward no backward reaches trains nothing
         return out
 
