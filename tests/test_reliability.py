@@ -586,3 +586,106 @@ def test_a_table_file_loaded_as_a_checkpoint_names_load_from(rng, tmp_path):
         target.load(tmp_path / "vectors.h5")
     target.table.load_from(tmp_path / "vectors.h5")  # the advice works
     np.testing.assert_array_equal(target.table.to_numpy(), table.to_numpy())
+
+
+# A checkpoint too large to stage in RAM: verified, then read again into the tables ----------
+def _nothing_staged_in_ram(monkeypatch):
+    import speedswap.train.checkpoint as checkpoint_module
+    monkeypatch.setattr(checkpoint_module, "available_ram", lambda: 0)
+
+
+def _rewrite_in_place(path):
+    """Change the last bytes of ``path`` where they are: same file, same size (another writer)."""
+    with open(path, "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        tail = f.read()
+        f.seek(-8, os.SEEK_END)
+        f.write(bytes(b ^ 0x55 for b in tail))
+
+
+@pytest.mark.parametrize("changed", ["table", "optimizer.exp_avg_sq"])
+def test_a_checkpoint_too_large_to_stage_changed_after_it_was_verified_loads_nothing(
+        rng, tmp_path, monkeypatch, changed):
+    # The second read took whatever the file held by then: no CRC-32, the rows written in place.
+    from speedswap import files
+    _nothing_staged_in_ram(monkeypatch)
+    path = tmp_path / "ckpt"
+    source = adam_embedding(rng)
+    source.save(path)
+    version = _first_version(path)
+    stage, staged = files.stage_table, []
+
+    def stage_then_change(*args, **kwargs):
+        staged.append(stage(*args, **kwargs))
+        if len(staged) == len(source._tables()):  # every table verified, none written yet
+            _rewrite_in_place(version / f"{changed}.npy")
+        return staged[-1]
+    monkeypatch.setattr(files, "stage_table", stage_then_change)
+    target = adam_embedding(rng)
+    before = contents(target)
+    with pytest.raises(ss.FileFormatError, match="changed or replaced since it was verified.*nothing "
+                                                 "was loaded"):
+        target.load(path)
+    assert_unchanged(target, before)
+    monkeypatch.setattr(files, "stage_table", stage)
+    source.save(path)
+    target.load(path)  # an intact checkpoint still loads through the second read
+    for name, table in target._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), contents(source)[name], err_msg=name)
+
+
+def test_an_hdf5_checkpoint_too_large_to_stage_replaced_after_its_check_loads_nothing(
+        rng, tmp_path, monkeypatch):
+    # The identity check passed, then the second read opened the path again: the newer save.
+    import speedswap.train.checkpoint as checkpoint_module
+    _nothing_staged_in_ram(monkeypatch)
+    path = tmp_path / "ckpt.h5"
+    writer = adam_embedding(rng)
+    writer.save(path)
+    train_step(writer, writer._state.optimizer, rng, 60)
+    check = checkpoint_module._check_same_file
+
+    def check_then_save(*args):
+        check(*args)
+        writer.save(path)
+    monkeypatch.setattr(checkpoint_module, "_check_same_file", check_then_save)
+    target = adam_embedding(rng)
+    before = contents(target)
+    with pytest.raises(ss.FileFormatError, match="changed or replaced since it was verified"):
+        target.load(path)
+    assert_unchanged(target, before)
+
+
+def test_a_chunk_that_differs_when_read_again_is_never_written(rng, tmp_path, monkeypatch):
+    """A writer changing the file *during* the second read: found at the chunk, which is not written.
+
+    The chunks before it are (there is no second copy to write from): the
+    error says which rows were replaced.
+    """
+    from speedswap import files
+    from speedswap.files import tables as tables_module
+    _nothing_staged_in_ram(monkeypatch)
+    monkeypatch.setattr(files.base, "CHUNK_BYTES", 16 * DIM * 4)  # 16 rows a chunk: 4 chunks
+    path = tmp_path / "ckpt"
+    source = adam_embedding(rng)
+    source.save(path)
+    read, reads = tables_module._file_chunks, []
+
+    def altered_on_the_second_read(file, *args):
+        reads.append(os.fspath(file))
+        for n, (start, stop, chunk) in enumerate(read(file, *args)):
+            if reads.count(os.fspath(file)) == 2 and n == 1:
+                chunk = chunk + np.float32(1.0)
+            yield start, stop, chunk
+    monkeypatch.setattr(tables_module, "_file_chunks", altered_on_the_second_read)
+    target = adam_embedding(rng)
+    before = contents(target)
+    with pytest.raises(ss.FileFormatError, match=r"other bytes in rows 16\.\.31 .*rows for file rows "
+                                                 r"0\.\.15 were replaced, the rest were not"):
+        target.load(path)
+    first = next(iter(target._tables()))  # the table committed first
+    for name, table in target._tables().items():
+        expected = before[name].copy()
+        if name == first:
+            expected[:16] = contents(source)[name][:16]
+        np.testing.assert_array_equal(table.to_numpy(), expected, err_msg=name)

@@ -15,7 +15,7 @@ import torch
 
 from ..convert import torch_dtype
 from ..errors import FileFormatError, SpeedswapError
-from .base import TableHeader, file_format, reading_error, row_ranges
+from .base import TableHeader, file_format, identity, reading_error, row_ranges
 from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import read_npy_header, read_npy_into, write_npy
 
@@ -87,26 +87,51 @@ def save_table(table, path, dataset: str = "table") -> None:
                  table_dtypes={dataset: table.dtype})
 
 
-def _file_chunks(path, header, dataset, ranges):
+def _version(stat) -> tuple:
+    """Which file an ``os.stat`` result is, and its size and change times: any write changes one."""
+    return (*identity(stat), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+def _changed(path) -> FileFormatError:
+    return FileFormatError(f"{os.fspath(path)!r} was changed or replaced since it was verified (a "
+                           f"save to it, or another writer?); nothing was loaded: load it again")
+
+
+def _file_chunks(path, header, dataset, ranges, version=None):
     """Yield ``(start, stop, numpy rows)`` of a validated table file, chunk by chunk.
 
+    Args:
+        version: when given, the file opened must still be the one of this
+            :func:`_version`, or nothing is read (the reads all go through
+            that one open file, whatever its path names later).
+
     Raises:
-        FileFormatError: a chunk cannot be read (corrupt, or the file changed).
+        FileFormatError: a chunk cannot be read (corrupt, or the file
+            changed), or the file is not ``version``.
     """
     try:
         if file_format(path) == "npy":
-            source = np.memmap(path, dtype=header.dtype, mode="r", offset=header.offset,
-                               shape=header.shape, order="C")
+            with open(path, "rb") as f:
+                if version is not None and _version(os.fstat(f.fileno())) != version:
+                    raise _changed(path)
+                source = np.memmap(f, dtype=header.dtype, mode="r", offset=header.offset,
+                                   shape=header.shape, order="C")
             for start, stop in ranges:
                 yield start, stop, np.array(source[start:stop])
             return
         with open_h5(path) as f:
+            if version is not None and _version(os.fstat(f.id.get_vfd_handle())) != version:
+                raise _changed(path)
             for start, stop in ranges:
                 yield start, stop, f[dataset][start:stop]
     except OSError as exc:
         if isinstance(exc, SpeedswapError):
             raise
         raise reading_error(path, exc) from exc
+
+
+def _crc32(chunk, crc: int = 0) -> int:
+    return zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
 
 
 def _check_bfloat16(path, start, stop, rows):
@@ -150,43 +175,100 @@ class StagedRows:
     """A table file read and verified completely, ready to be copied into a table.
 
     Made by :func:`stage_table`. Either the rows themselves (``rows``, a host
-    array) or, for a file too large to hold twice in RAM, the proof that every
-    chunk was readable, in which case :meth:`commit` reads the file again.
+    array), or, for a file too large to hold twice in RAM, what verifying it
+    saw: the file's identity, size and change times, and the CRC-32 of every
+    chunk of rows. :meth:`commit` then reads the file again and writes only
+    what it verified: it refuses before the first row changes when the file
+    was changed or replaced since (:meth:`check_unchanged`), and compares
+    each chunk's CRC-32 before writing it.
+
+    Without a second copy of the rows nothing can make that re-read
+    all-or-nothing: a read error, or a writer changing the file in place
+    *while* :meth:`commit` runs, is found at the chunk it hits, after the
+    chunks before it were written. :meth:`commit` then raises a
+    FileFormatError naming the rows already replaced; no chunk the
+    verification did not see is ever written.
     """
 
-    def __init__(self, path, header, dataset, rows, first: int = 0):
+    def __init__(self, path, header, dataset, rows, first: int = 0, version: Optional[tuple] = None,
+                 chunks: Optional[list] = None):
         self.path, self.header, self.dataset, self.rows = path, header, dataset, rows
         self.first = first  # the file row that rows[0] holds
+        self._version = version  # the file as verified (_version), when rows is None
+        self._chunks = chunks  # [(start, stop, CRC-32 of the rows up to stop)] as verified
+
+    def check_unchanged(self) -> None:
+        """Raise unless :meth:`commit` would read the very file that was verified, unchanged.
+
+        Call it for every table of an all-or-nothing load before committing
+        the first. A no-op for rows held in RAM.
+
+        Raises:
+            FileFormatError: the file was changed, replaced or removed since
+                it was verified; nothing was loaded.
+        """
+        if self.rows is None and not _same_version(self.path, self._version):
+            raise _changed(self.path)
 
     def commit(self, table, *, rows: Optional[range] = None, at: int = 0) -> None:
         """Copy the staged rows into ``table`` (its dtype and width as checked when staging).
 
         Args:
             table: the table to fill.
-            rows: which of the file's rows (default: all, into a table of the file's shape).
+            rows: which of the file's rows (default: all, into a table of the
+                file's shape); they must be among the rows staged.
             at: the table row the first of them goes to.
 
         Raises:
-            FileFormatError: only for a file too large to stage in RAM that
-                changed since it was verified.
+            FileFormatError: only for a file too large to stage in RAM: it
+                changed since it was verified (nothing changes), or a chunk
+                could not be read again or differs from the one verified
+                (the message names the rows already replaced).
         """
         rows = range(self.header.shape[0]) if rows is None else rows
-        ranges = [(rows.start + a, rows.start + b)
-                  for a, b in row_ranges((len(rows), *self.header.shape[1:]), self.header.dtype)]
-        if self.rows is None:
-            chunks = _file_chunks(self.path, self.header, self.dataset, ranges)
-        else:
-            chunks = ((a, b, self.rows[a - self.first:b - self.first]) for a, b in ranges)
         target = table.as_tensor()[at:at + len(rows)]
         # The table's own memory, not to_numpy(): for a table on the GPU that is a copy,
         # and rows written into it would never reach the table.
         host = target.numpy() if target.device.type == "cpu" and table.dtype is not torch.bfloat16 else None
-        for start, stop, chunk in chunks:
+
+        def write(start, stop, chunk):  # file rows start..stop
             start, stop = start - rows.start, stop - rows.start
             if host is not None and host.dtype == chunk.dtype:
                 np.copyto(host[start:stop], chunk, casting="no")
             else:
                 target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(chunk)))
+
+        if self.rows is not None:
+            for a, b in row_ranges((len(rows), *self.header.shape[1:]), self.header.dtype):
+                start, stop = rows.start + a, rows.start + b
+                write(start, stop, self.rows[start - self.first:stop - self.first])
+            return
+        self._commit_again(rows, write)
+
+    def _commit_again(self, rows, write):
+        """Read the verified chunks that hold ``rows`` again and ``write`` each one that still matches."""
+        self.check_unchanged()
+        spans = [(i, a, b) for i, (a, b, _) in enumerate(self._chunks) if a < rows.stop and b > rows.start]
+        crc = self._chunks[spans[0][0] - 1][2] if spans and spans[0][0] else 0
+        written = rows.start
+        chunks = _file_chunks(self.path, self.header, self.dataset, [(a, b) for _, a, b in spans],
+                              self._version)
+        try:
+            for (i, _, _), (start, stop, chunk) in zip(spans, chunks):
+                crc = _crc32(chunk, crc)
+                if crc != self._chunks[i][2]:
+                    raise FileFormatError(f"{os.fspath(self.path)!r} holds other bytes in rows "
+                                          f"{start}..{stop - 1} than when it was verified")
+                lo, hi = max(start, rows.start), min(stop, rows.stop)
+                write(lo, hi, chunk[lo - start:hi - start])
+                written = hi
+        except FileFormatError as exc:
+            if written == rows.start:
+                raise FileFormatError(f"{exc}; nothing was loaded: load it again") from exc
+            raise FileFormatError(f"{exc}, while it was loaded: the table's rows for file rows "
+                                  f"{rows.start}..{written - 1} were replaced, the rest were not. "
+                                  f"The file changed (another writer?) or could not be read "
+                                  f"again; load an intact copy again") from exc
 
 
 def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_available: int,
@@ -205,7 +287,8 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
         ram_available: bytes of RAM available now
             (:func:`speedswap.backends.available_ram`): the rows are held in
             RAM when they take at most :data:`STAGE_RAM_SHARE` of it, else
-            only verified (and read again by :meth:`StagedRows.commit`).
+            only verified, recording the file's identity and change times and
+            each chunk's CRC-32, and read again by :meth:`StagedRows.commit`.
         crc32: the CRC-32 of the stored bytes recorded when it was saved,
             checked when given (it covers the whole file: not with ``rows``).
         rows: only these rows of the file (a shard's share of a whole table);
@@ -215,24 +298,44 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
         StagedRows
 
     Raises:
-        FileFormatError: a chunk cannot be read, a CRC-32 mismatch, or values a
-            bfloat16 table would round.
+        FileFormatError: a chunk cannot be read, a CRC-32 mismatch, values a
+            bfloat16 table would round, or a file not staged in RAM that
+            changed while it was verified.
     """
     rows = range(header.shape[0]) if rows is None else rows
     shape = (len(rows), *header.shape[1:])
     in_memory = int(np.prod(shape, dtype=np.int64)) * header.dtype.itemsize <= STAGE_RAM_SHARE * ram_available
     held = np.empty(shape, dtype=header.dtype) if in_memory else None
     ranges = [(rows.start + a, rows.start + b) for a, b in row_ranges(shape, header.dtype)]
+    version, chunks = None, []
+    if held is None:  # commit reads the file again: it must find what is verified here
+        try:
+            version = _version(os.stat(path))
+        except OSError as exc:
+            raise reading_error(path, exc) from exc
     crc = 0
-    for start, stop, chunk in _file_chunks(path, header, dataset, ranges):
+    for start, stop, chunk in _file_chunks(path, header, dataset, ranges, version):
         if table_dtype is torch.bfloat16:
             _check_bfloat16(path, start, stop, chunk)
-        if crc32 is not None:
-            crc = zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
+        if crc32 is not None or held is None:
+            crc = _crc32(chunk, crc)
         if held is not None:
             held[start - rows.start:stop - rows.start] = chunk
+        else:
+            chunks.append((start, stop, crc))
     if crc32 is not None and crc != crc32:
         raise FileFormatError(f"{os.fspath(path)!r} does not hold the bytes that were saved "
                               f"(CRC-32 {crc:#010x}, saved {crc32:#010x}): the file is corrupt; "
                               f"nothing was loaded. Restore it from a backup")
-    return StagedRows(path, header, dataset, held, first=rows.start)
+    if held is None and not _same_version(path, version):
+        raise _changed(path)  # written while it was read: the CRC-32s may describe no single file
+    return StagedRows(path, header, dataset, held, first=rows.start, version=version,
+                      chunks=chunks)
+
+
+def _same_version(path, version) -> bool:
+    """Whether ``path`` is still the file of :func:`_version` ``version``, unchanged."""
+    try:
+        return _version(os.stat(path)) == version
+    except OSError:
+        return False

@@ -19,6 +19,9 @@ from step 900 silently trains wrong. Both formats are therefore all-or-nothing:
 Loading reads every header, checks names, shapes and dtypes, then reads and
 verifies every row of every table (CRC-32, readable chunks) before the first
 table changes; an HDF5 file replaced by a save in the meantime is refused.
+A table too large to stage in RAM is read twice: verified first, then read
+again into the table, chunk by chunk, each chunk checked against the CRC-32
+the verification recorded (see :class:`~speedswap.files.StagedRows`).
 """
 
 import contextlib
@@ -413,6 +416,13 @@ def load_tables(path, tables, attrs):
     replaced by a save while it is read is refused (the tables would come
     from two saves); a directory checkpoint reads one version throughout.
 
+    A table too large to stage in RAM is read again when it is written. Before
+    the first table changes, every such file must still be the one verified,
+    unchanged (identity, size, change times), or nothing is loaded; each
+    chunk read again must match the CRC-32 verified before it is written.
+    Only a read error or a writer changing a file *during* the writes can
+    then stop the load midway: that error names the rows already replaced.
+
     Args:
         path: as given to :func:`save_tables`.
         tables: ``{name: HostTable}`` to fill; the checkpoint must hold exactly these names.
@@ -422,8 +432,9 @@ def load_tables(path, tables, attrs):
         MissingFileError: no such file or directory.
         FileFormatError: not a speedswap checkpoint, other tables, other
             attributes, a table of another shape or dtype (a bfloat16 table's
-            checkpoint into a float32 table included), a corrupt file, or an
-            HDF5 file replaced during the load.
+            checkpoint into a float32 table included), a corrupt file, an
+            HDF5 file replaced during the load, or a file too large to stage
+            in RAM changed since it was verified.
     """
     held = None
     if checkpoint_kind(path) == "h5":
@@ -433,8 +444,10 @@ def load_tables(path, tables, attrs):
         staged = _stage_all(path, tables, attrs)
         if held is not None:
             _check_same_file(path, held)
+        for rows in staged.values():  # every table's file as verified, before the first table changes
+            rows.check_unchanged()
     finally:
         if held is not None:
             os.close(held)
-    for name, table in tables.items():  # the commit: nothing below reads a file that could fail
+    for name, table in tables.items():  # the commit: rows staged in RAM cannot fail; see above
         staged[name].commit(table)
