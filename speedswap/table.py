@@ -12,6 +12,7 @@
 
 import dataclasses
 import errno
+import mmap
 import os
 import warnings
 import weakref
@@ -23,8 +24,8 @@ import torch
 from . import files
 from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
-from .convert import (as_row_ids, as_row_values, float_option, int_option, numpy_dtype,
-                      torch_dtype)
+from .convert import (as_row_ids, as_row_values, float_option, host_tensor, int_option,
+                      numpy_dtype, torch_dtype)
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      PathError, ShapeError, StateError)
 
@@ -100,6 +101,37 @@ def _maps_whole_file(array: np.ndarray, path) -> bool:
     header = files.read_npy_header(path)
     return (isinstance(node, np.memmap) and node.offset == header.offset and node.dtype == header.dtype
             and node.nbytes == int(np.prod(header.shape)) * header.dtype.itemsize)
+
+
+def _copy_on_write(array: np.memmap) -> Optional[np.ndarray]:
+    """A private copy-on-write map of the file bytes the read-only memmap ``array`` shows, or None.
+
+    Reading it reads the same page cache (no copy). A write copies the page it
+    touches into this process's private memory, so it reaches neither the file
+    nor ``array``, and cannot fault on a page the system mapped read-only.
+
+    Args:
+        array: an ``np.memmap`` (or a view of one) over a file mapped ``'r'``.
+
+    Returns:
+        numpy.ndarray of ``array``'s shape and dtype, or None when the file
+        cannot be mapped again: no file name (a memmap of a file object), or
+        the name now names another file (replaced since it was mapped).
+    """
+    if getattr(array, "filename", None) is None or getattr(array, "_mmap", None) is None:
+        return None
+    # np.memmap maps from the allocation boundary at or before its offset; the view's
+    # own bytes start wherever it lies inside that map.
+    mapped_from = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
+    offset = mapped_from + array.ctypes.data - np.frombuffer(array._mmap, np.uint8).ctypes.data
+    try:
+        with open(array.filename, "rb") as f:
+            mapped = files.mapped_identity(array.ctypes.data)
+            if mapped is not None and mapped != files.identity(os.fstat(f.fileno())):
+                return None
+            return np.memmap(f, dtype=array.dtype, mode="c", offset=offset, shape=array.shape)
+    except OSError:
+        return None
 
 
 def _bfloat16_bits_header(path, dtype, mmap) -> files.TableHeader:
@@ -453,20 +485,54 @@ class HostTable:
                              "or copy the rows with HostTable.from_numpy")
         return buffer
 
-    def as_tensor(self):
+    def as_tensor(self) -> torch.Tensor:
         """The rows as a torch tensor sharing the table's memory (no copy).
 
         For loops that move rows themselves (such as :class:`~speedswap.BatchFeeder`).
         The tensor is on the CPU for host storage kinds and on the GPU for
-        ``device``; pending device writes are waited for first. Do not write
-        through it when :attr:`writable` is False.
+        ``device``; pending device writes are waited for first.
+
+        A read-only table (:attr:`writable` is False) over a file mapped
+        ``'r'`` (``np.load(path, mmap_mode="r")``) gives a copy-on-write map of
+        the same file bytes instead, as numpy's ``mmap_mode="c"``: reading it
+        is zero-copy, and a write through it changes only that tensor's
+        private copy of the pages it touches, never the table or the file.
+        torch has no read-only tensors, so such a write is not refused; over
+        the read-only map itself it would kill the process with a
+        segmentation fault. Write rows with :meth:`scatter`, which refuses a
+        read-only table.
 
         Returns:
             torch.Tensor of shape :attr:`shape`.
+
+        Raises:
+            StateError: a closed table, or a read-only table over a file that
+                cannot be mapped again (a memmap made from a file object, or a
+                file replaced since it was mapped): copy its rows with
+                :meth:`from_numpy`.
+
+        Example:
+            >>> import os, tempfile, numpy as np, speedswap as ss
+            >>> path = os.path.join(tempfile.mkdtemp(), "vectors.npy")
+            >>> np.save(path, np.ones((4, 3), np.float32))
+            >>> rows = ss.HostTable.adopt(np.load(path, mmap_mode="r"), backend="numpy").as_tensor()
+            >>> rows[0] = 5.0  # a private copy of the page: the file still holds ones
+            >>> float(np.load(path)[0, 0]), float(rows[0, 0])
+            (1.0, 5.0)
         """
         buffer = self._live_buffer()
         self._backend.wait_host(buffer)
-        return buffer.tensor
+        if self._writable or not isinstance(buffer.host, np.memmap) or buffer.host.mode != "r":
+            # Memory the process may write (a read-only array over ordinary memory too).
+            return buffer.tensor
+        private = _copy_on_write(buffer.host)
+        if private is None:
+            raise StateError("this read-only HostTable maps a file that cannot be mapped again "
+                             "copy-on-write (a memmap made from a file object, or a file replaced "
+                             "since it was mapped), and a tensor over its read-only map would crash "
+                             "the process on a write; copy the rows with HostTable.from_numpy, or "
+                             "read them with gather")
+        return host_tensor(private, self.dtype)
 
     def gather(self, rows, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Copy rows to a tensor on :attr:`device`.

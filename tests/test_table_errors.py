@@ -1,5 +1,8 @@
 """Every bad input raises the right speedswap error and leaves the table bit-for-bit unchanged."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -120,3 +123,42 @@ def test_a_dtype_name_numpy_and_torch_read_differently_is_refused(backend, name,
 def test_from_numpy_needs_2d(backend):
     with pytest.raises(ss.ShapeError, match="reshape"):
         ss.HostTable.from_numpy(np.ones(5, np.float32), backend=backend)
+
+
+WRITE_THROUGH_READ_ONLY_MAP = """
+import sys
+import numpy as np
+import speedswap as ss
+
+path, backend, first = sys.argv[1], sys.argv[2], int(sys.argv[3])
+table = ss.HostTable.adopt(np.load(path, mmap_mode="r")[first:], backend=backend)
+assert not table.writable
+rows = table.as_tensor()
+np.testing.assert_array_equal(rows.numpy(), np.load(path)[first:])  # the same bytes, read in place
+rows[1] = 7.0
+rows[2:4].mul_(-1.0)
+rows.numpy()[4] = 9.0
+# A private copy of the pages: the table keeps the file's rows, and refuses writes itself.
+np.testing.assert_array_equal(table.gather([1, 2, 4]).cpu().numpy(), np.load(path)[first:][[1, 2, 4]])
+try:
+    table.scatter([1], np.ones((1, table.dim), np.float32))
+except ss.StateError as exc:
+    assert "read-only" in str(exc), exc
+else:
+    raise AssertionError("scatter into a read-only table was not refused")
+print("written", float(rows[1, 0]), flush=True)
+"""
+
+
+@pytest.mark.parametrize("first", [0, 1, 1100], ids=["whole", "past-one-row", "past-a-page"])
+def test_writing_through_the_tensor_of_a_read_only_map_never_crashes_nor_reaches_the_file(
+        backend, rng, tmp_path, first):
+    # Over the read-only map itself the write was a segmentation fault (the process died).
+    values = rng.standard_normal((1200, 6)).astype(np.float32) + 3.0
+    np.save(tmp_path / "t.npy", values)
+    done = subprocess.run([sys.executable, "-c", WRITE_THROUGH_READ_ONLY_MAP, str(tmp_path / "t.npy"),
+                           backend, str(first)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"rc={done.returncode}: {done.stderr[-2000:]}"
+    assert "written 7.0" in done.stdout
+    np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), values)
+
