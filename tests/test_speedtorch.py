@@ -382,7 +382,14 @@ def test_a_gradient_left_from_the_last_step_is_not_added_to_other_rows(backend, 
         u.after_step(pos, neg)
         o.after_step(pos, neg)
 
-    cycle(torch.tensor([1, 2]), torch.tensor([[3], [4]]), step=between == "a step")  # no zero_grad()
+    if between == "no step":
+        # Accumulating across steps begins with an after_step that no optimizer.step() preceded.
+        snap = _snapshot(u, o)
+        with pytest.raises(ss.StateError, match="after_step without"):
+            cycle(torch.tensor([1, 2]), torch.tensor([[3], [4]]), step=False)
+        _assert_unchanged(u, o, snap)
+        return
+    cycle(torch.tensor([1, 2]), torch.tensor([[3], [4]]))  # no zero_grad()
     snap = _snapshot(u, o)
     with pytest.raises(ss.StateError, match="left by the previous step"):
         cycle(torch.tensor([5, 6]), torch.tensor([[7], [8]]))

@@ -279,3 +279,96 @@ def test_re_attaching_an_earlier_optimizer_starts_it_afresh_as_a_new_one(rng):
         train_step(reference, ref_opt, ids, target)
     assert int(first.state[offloaded.emb.weight]["step"]) == 5
     assert_equal_to_reference(offloaded, first, reference, ref_opt)
+
+
+def switchers(rng, cache_rows=0):
+    """A ModelFactory + OptimizerFactory pair (Adam) over random rows, in a model with a linear layer."""
+    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(BATCH * WIDTH, DIM), "lin": torch.nn.Linear(DIM, 1)})
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    u = ss.ModelFactory(model["u"], ROWS, DIM, storage="pageable", backend="numpy", cache_rows=cache_rows)
+    table0 = torch.from_numpy(rng.standard_normal((ROWS, DIM)).astype(np.float32))
+    u.customInit(lambda t: t.copy_(table0))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", storage="pageable", backend="numpy",
+                            cache_rows=cache_rows)
+    return model, opt, u, o
+
+
+def backward(model, local, target):
+    F.mse_loss(model["lin"](torch.tanh(model["u"](local)).sum(1)), target).backward()
+
+
+def snapshot(u, o):
+    return u.getNumpyVersion().copy(), {k: t.to_numpy(copy=True) for k, t in o.state.tables.items()}
+
+
+def assert_same_snapshot(a, b):
+    np.testing.assert_array_equal(a[0], b[0])
+    for name in a[1]:
+        np.testing.assert_array_equal(a[1][name], b[1][name], err_msg=name)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("model_first", [True, False], ids=["model_after_step_first", "optimizer_first"])
+@pytest.mark.parametrize("late_step", [False, True], ids=["no_step", "step_after_after_step"])
+def test_switchers_refuse_after_step_when_the_optimizer_did_not_step(rng, cache_rows, model_first, late_step):
+    # The rows went back untrained and the next before_forward dropped the gradient, silently.
+    seed = int(rng.integers(2**31))
+    model, opt, u, o = switchers(np.random.default_rng(seed), cache_rows)
+    in_order, in_order_opt, in_order_u, in_order_o = switchers(np.random.default_rng(seed), cache_rows)
+    in_order.load_state_dict(model.state_dict())
+    batches = zipf_ids(rng, 3)
+    first, second = (u, o) if model_first else (o, u)
+    for step, (ids, target) in enumerate(batches):
+        in_order_u.before_forward(ids)
+        backward(in_order, in_order_o.before_forward(ids), target)
+        in_order_opt.step()
+        in_order_u.after_step(ids)
+        in_order_o.after_step(ids)
+        in_order_opt.zero_grad()
+        u.before_forward(ids)
+        backward(model, o.before_forward(ids), target)
+        if step == 1:
+            with pytest.raises(ss.StateError, match=r"after_step without Adam\.step\(\).*zero_grad"):
+                first.after_step(ids)
+            if late_step:  # a step placed after after_step: the first after_step was refused already
+                with pytest.raises(ss.StateError, match=r"after_step without Adam\.step\(\)"):
+                    second.after_step(ids)
+        # The advice works: the refused step is still open and nothing was written back.
+        opt.step()
+        first.after_step(ids)
+        second.after_step(ids)
+        opt.zero_grad()
+    assert_same_snapshot(snapshot(u, o), snapshot(in_order_u, in_order_o))
+    for mine, ref in zip(model["lin"].parameters(), in_order["lin"].parameters()):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+
+
+def test_a_step_without_update_is_accepted_when_the_gradient_is_dropped_or_not_finite(rng):
+    model, opt, u, o = switchers(rng)
+    (ids, target), (eval_ids, _), (amp_ids, amp_target) = zipf_ids(rng, 3)
+    before = snapshot(u, o)
+    # An evaluation forward: no backward, no step.
+    with torch.no_grad():
+        u.before_forward(eval_ids)
+        model["u"](o.before_forward(eval_ids))
+    u.after_step(eval_ids)
+    o.after_step(eval_ids)
+    # A skipped update: the gradient dropped with zero_grad before after_step (either kind).
+    for set_to_none in (False, True):
+        local = u.before_forward(ids)
+        o.before_forward(ids)
+        opt.zero_grad()  # a gradient zeroed in place before before_forward is refused as a leftover
+        backward(model, local, target)
+        opt.zero_grad(set_to_none=set_to_none)
+        o.after_step(ids)
+        u.after_step(ids)
+    # A step GradScaler skips: a non-finite gradient in another of the optimizer's parameters.
+    local = u.before_forward(amp_ids)
+    o.before_forward(amp_ids)
+    opt.zero_grad()
+    backward(model, local, amp_target)
+    model["lin"].weight.grad[0, 0] = float("inf")
+    u.after_step(amp_ids)
+    o.after_step(amp_ids)
+    opt.zero_grad()
+    assert_same_snapshot(snapshot(u, o), before)

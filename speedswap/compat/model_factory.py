@@ -240,7 +240,10 @@ class ModelFactory(Switcher):
 
         Raises:
             StateError: other ids than the last ``before_forward``'s, or no
-                ``before_forward`` on this switcher; nothing is written.
+                ``before_forward`` on this switcher; or, with an OptimizerFactory,
+                a backward since ``before_forward`` whose gradient no
+                ``optimizer.step()`` applied (call it first; or
+                ``optimizer.zero_grad()`` to skip the update). Nothing is written.
         """
         step = self._finish(pos, neg)
         self._steps.end(step, MODEL, self._param_rows())

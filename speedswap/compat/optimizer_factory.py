@@ -95,13 +95,19 @@ class OptimizerFactory(Switcher):
                                           self._state.needs_sparse_grad)
 
     def _end_step(self):
+        step = self._gathered
+        if step is not None:
+            step.stepped = True  # the rows after_step writes back were stepped (see SharedSteps.end)
+        self._restore()
+
+    def _restore(self):
         if self._narrowed is not None:
             self._narrowed.restore()
             self._narrowed = None
 
     def _abort_step(self):
         if self._narrowed is not None:
-            self._end_step()
+            self._restore()
             self._state.release()
 
     def close(self):
@@ -183,7 +189,10 @@ class OptimizerFactory(Switcher):
 
         Raises:
             StateError: other ids than the last ``before_forward``'s, or no
-                ``before_forward`` on this switcher; nothing is written.
+                ``before_forward`` on this switcher; or, with an OptimizerFactory,
+                a backward since ``before_forward`` whose gradient no
+                ``optimizer.step()`` applied (call it first; or
+                ``optimizer.zero_grad()`` to skip the update). Nothing is written.
         """
         step = self._finish(pos, neg)
         self._steps.end(step, OPTIMIZER, self._param_rows())

@@ -53,13 +53,15 @@ _WAITING = object()
 class _Step:
     """The ids one ``before_forward`` saw, the slots they were given, and who is in the step."""
 
-    def __init__(self, flats, shapes, locals_, rows):
+    def __init__(self, flats, shapes, locals_, rows, grad):
         self.flats = flats
         self.shapes = shapes
         self.locals = locals_
         self.rows = rows
         self.begun = set()  # kinds whose before_forward joined the step
         self.ended = set()  # kinds whose after_step ended their part
+        self.stepped = False  # the OptimizerFactory's optimizer.step() finished within the step
+        self.grad = grad  # (param.grad, its version) when the step began, or None
 
     def same_ids(self, flats):
         return len(flats) == len(self.flats) and all(
@@ -272,7 +274,7 @@ class SharedSteps:
         local, _ = ws.add(torch.cat(flats) if len(flats) > 1 else flats[0])
         pieces = torch.split(local, [len(f) for f in flats])
         locals_ = tuple(p.view(s) for p, s in zip(pieces, shapes))
-        return _Step(flats, shapes, locals_, ws.rows)
+        return _Step(flats, shapes, locals_, ws.rows, self._leftover)
 
     def begin(self, step, kind, rows):
         """Start ``kind``'s part of ``step`` (from :meth:`prepare`); the first part fetches its rows.
@@ -334,8 +336,11 @@ class SharedSteps:
 
         Raises:
             StateError: the optimizer's state does not have the names expected
-                (see :meth:`RowState.scatter`); nothing is written.
+                (see :meth:`RowState.scatter`), or the step's gradient was
+                never stepped (see :meth:`_check_stepped`); nothing is written.
         """
+        if not step.ended:  # the first after_step: the step's rows are still as the optimizer left them
+            self._check_stepped(step)
         if kind == OPTIMIZER:
             state = self._members[OPTIMIZER].tables
             if self.cache is None:
@@ -346,6 +351,43 @@ class SharedSteps:
             self.cache.store(step.rows, rows[:len(step.rows)], self._states_of(step))
             self._open, self._states = False, _WAITING
         step.ended.add(kind)
+
+    def _check_stepped(self, step):
+        """Raise when a backward of ``step`` left a gradient no optimizer.step() applied.
+
+        after_step would write the rows back untrained and the next
+        before_forward would drop the gradient with their slots: a forgotten
+        ``optimizer.step()`` (or one placed after after_step) trained nothing,
+        silently. Steps that rightly apply no gradient pass: a forward without
+        backward (evaluation), a gradient dropped with ``zero_grad()``, and a
+        step skipped for a non-finite gradient in any of the optimizer's
+        parameters (``torch.amp.GradScaler`` skips ``optimizer.step()`` then).
+        Without an OptimizerFactory the optimizer is unknown, and so is
+        whether a step was skipped for that reason: nothing is checked.
+
+        Raises:
+            StateError: such a gradient, before anything is written back.
+        """
+        member = self._members.get(OPTIMIZER)
+        grad = self.param.grad
+        if step.stepped or member is None or member.ref() is None or grad is None:
+            return
+        if step.grad is not None and step.grad[0] is grad and step.grad[1] == grad._version:
+            return  # no backward since before_forward
+        # Host synchronisations, but only in a step that no optimizer.step() finished.
+        if not bool(_values(grad).any()):
+            return  # zeroed in place: zero_grad(set_to_none=False)
+        optimizer = member.tables.optimizer
+        if any(p.grad is not None and not bool(torch.isfinite(_values(p.grad)).all())
+               for group in optimizer.param_groups for p in group["params"]):
+            return
+        raise StateError(
+            f"after_step without {type(optimizer).__name__}.step(): this step's backward left a "
+            f"gradient on the embedding's rows that no optimizer.step() applied, so after_step would "
+            f"write them back untrained and the next before_forward would drop the gradient. Call "
+            f"optimizer.step() between loss.backward() and after_step(ids) on the switchers; to skip "
+            f"this step's update on purpose, call optimizer.zero_grad() before after_step "
+            f"(nothing was written back)")
 
     def _hand_over(self, states):
         self._states = states
@@ -411,6 +453,11 @@ class SharedSteps:
     def stats(self, cache_rows: int) -> dict:
         """The cache's counters (see :meth:`RowCache.stats`), all zero without a cache."""
         return idle_stats(cache_rows) if self.cache is None else self.cache.stats()
+
+
+def _values(grad):
+    """The stored values of a gradient, dense or sparse (``nn.Embedding(sparse=True)``)."""
+    return grad.coalesce().values() if grad.is_sparse else grad
 
 
 #: param -> weak reference to its SharedSteps: an entry lives as long as a
