@@ -14,10 +14,12 @@ DDP average of the ranks' gradients is the gradient of ``sum(all squared errors)
 GLOBAL_BATCH``: one reference for every world size.
 """
 
+import copy
 import datetime
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -137,6 +139,16 @@ def train_past_a_failed_forward(emb, opt, seed, world, rank, failing, errors_fil
         opt.zero_grad()
     with open(errors_file, "w") as f:
         json.dump(errors, f)
+
+
+def caught(call):
+    """``{error class name: message}`` of the speedswap error ``call()`` raised, or ``{}``."""
+    import speedswap as ss
+    try:
+        call()
+    except ss.SpeedswapError as exc:
+        return {type(exc).__name__: str(exc)}
+    return {}
 
 
 def run_scenario(scenario, seed, world, rank, out):
@@ -317,6 +329,127 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"differ.rank{rank}.json"), "w") as f:
             json.dump(results, f)
         return
+    elif kind == "replaced":  # optimizer.load_state_dict() of an older state without emb.load()
+        emb, opt = make(name)
+        emb.load(table_file)
+        ckpt = os.path.join(out, "replaced-ckpt")
+        train(emb, opt, seed, range(3), world, rank)
+        emb.save(ckpt)
+        saved = copy.deepcopy(opt.state_dict())  # saved with the checkpoint, as a resume needs
+        train(emb, opt, seed, range(3, 5), world, rank)
+        before = emb.table.to_numpy(copy=True)
+        errors = []
+        if rank == 1:  # between steps, on rank 1 alone: its next forward is refused on every rank
+            opt.load_state_dict(saved)
+        errors.append(caught(lambda: train(emb, opt, seed, range(5, 6), world, rank)))
+        emb.discard_step()
+        opt.zero_grad()
+        unchanged = bool(np.array_equal(emb.table.to_numpy(), before))
+        emb.load(ckpt)  # on every rank: the tables now match rank 1's optimizer
+        train(emb, opt, seed, range(3, 4), world, rank)
+        ids, targets = global_batch(seed, 4)
+        part = rank_slice(4, world, rank)
+        rank_loss(emb, ids[part], targets[part], world).backward()
+        if rank == 0:  # between the backward and the step, on rank 0 alone: the step is refused
+            opt.load_state_dict(saved)
+        errors.append(caught(opt.step))
+        emb.discard_step()
+        opt.zero_grad()
+        opt.load_state_dict(saved)  # the resume done right, on every rank
+        emb.load(ckpt)
+        train(emb, opt, seed, range(3, STEPS), world, rank)
+        with open(os.path.join(out, f"replaced.rank{rank}.json"), "w") as f:
+            json.dump({"errors": errors, "unchanged": unchanged}, f)
+        name = "replaced"
+    elif kind == "exchange":  # exchange_gradients() refused on one rank: every rank hears it at once
+        emb, opt = make(name)
+        emb.load(table_file)
+        before = emb.table.to_numpy(copy=True)
+        done = os.path.join(out, "exchange.rank0.done")
+        result = {}
+        ids, targets = global_batch(seed, 0)
+        part = rank_slice(0, world, rank)
+        rank_loss(emb, ids[part], targets[part], world).backward()
+        if rank == 1:
+            opt.zero_grad()  # rank 1 alone drops the step: its exchange has no forward left
+        started = time.monotonic()
+        result["no forward"] = caught(emb.exchange_gradients)
+        result["seconds"] = time.monotonic() - started
+        if rank == 0:
+            open(done, "w").close()
+        else:  # handling its error, in no collective, until rank 0 has heard of it (at most 5 s)
+            while not os.path.exists(done) and time.monotonic() < started + 5:
+                time.sleep(0.01)
+        result["unchanged"] = bool(np.array_equal(emb.table.to_numpy(), before))
+        emb.discard_step()  # on every rank: step 0 is dropped
+        opt.zero_grad()
+        ids, targets = global_batch(seed, 1)
+        part = rank_slice(1, world, rank)
+        rank_loss(emb, ids[part], targets[part], world).backward()
+        emb.exchange_gradients()
+        # Rank 1 exchanges twice; rank 0 goes on to the step, which must not step without rank 1.
+        result["twice"] = caught(emb.exchange_gradients if rank == 1 else opt.step)
+        opt.step()  # on every rank now: step 1 is taken once
+        opt.zero_grad()
+        ids, targets = global_batch(seed, 2)
+        part = rank_slice(2, world, rank)
+        loss = rank_loss(emb, ids[part], targets[part], world)
+        loss.backward(retain_graph=True)
+        emb.exchange_gradients()
+        if rank == 0:
+            loss.backward()  # after the exchange: its gradient would be lost
+        result["late"] = caught(opt.step)
+        emb.discard_step()  # on every rank: step 2 is dropped
+        opt.zero_grad()
+        train(emb, opt, seed, range(3, STEPS), world, rank)
+        with open(os.path.join(out, f"exchange.rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        name = "exchange"
+    elif kind == "reattach":  # rank 1 alone attaches its optimizer again, mid-training
+        emb, opt = make(name)
+        emb.load(table_file)
+        ckpt = os.path.join(out, "reattach-ckpt")
+        train(emb, opt, seed, range(3), world, rank)
+        emb.save(ckpt)
+        train(emb, opt, seed, range(3, 5), world, rank)
+        before = emb.table.to_numpy(copy=True)
+        if rank == 1:
+            emb.attach(opt)  # its Adam moments and step count restart; its peer's go on
+        error = caught(lambda: train(emb, opt, seed, range(5, 6), world, rank))
+        emb.discard_step()
+        opt.zero_grad()
+        unchanged = bool(np.array_equal(emb.table.to_numpy(), before))
+        emb.load(ckpt)  # on every rank, as the error says: the optimizer states agree again
+        train(emb, opt, seed, range(3, STEPS), world, rank)
+        with open(os.path.join(out, f"reattach.rank{rank}.json"), "w") as f:
+            json.dump({"error": error, "unchanged": unchanged}, f)
+        name = "reattach"
+    elif kind == "infskip":  # a plain GradScaler finds infs in rank 1's owned rows only
+        emb, opt = make(name)
+        emb.load(table_file)
+        before = emb.table.to_numpy(copy=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        ids, targets = global_batch(seed, 0)
+        part = rank_slice(0, world, rank)
+        ids, targets = torch.cat([ids[part], torch.tensor([NUM_ROWS - 1])]), targets[part]
+        out_rows = emb(ids)
+        loss = ((out_rows[:-1] - targets) ** 2).sum() * (world / GLOBAL_BATCH)
+        if rank == 0:  # an overflow in the gradient of the last row, which rank 1 owns
+            loss = loss + out_rows[-1].sum() * float("inf")
+        scaler.scale(loss).backward()
+        emb.exchange_gradients()
+        error = caught(lambda: scaler.step(opt))  # rank 1's scaler skips; rank 0's steps
+        unchanged = bool(np.array_equal(emb.table.to_numpy(), before))
+        if rank == 1:  # its step skipped, it goes on to the next step, as a training loop does
+            scaler.update()
+            opt.zero_grad()
+            error = caught(lambda: train(emb, opt, seed, range(1, 2), world, rank))
+        emb.discard_step()  # on every rank, as the error says: step 0 is dropped
+        opt.zero_grad()
+        train(emb, opt, seed, range(1, STEPS), world, rank)
+        with open(os.path.join(out, f"infskip.rank{rank}.json"), "w") as f:
+            json.dump({"error": error, "unchanged": unchanged}, f)
+        name = "infskip"
     elif kind == "crash":    # rank 1 does not catch its error: every rank must exit, not hang
         emb, opt = make(name)
         ids = torch.arange(4) + (NUM_ROWS if rank == 1 else 0)

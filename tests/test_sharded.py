@@ -206,7 +206,8 @@ def mismatched_calls(tmp_path_factory):
     out = tmp_path_factory.mktemp("mismatched")
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print(f"mismatched_calls seed {seed}")
-    assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd"))
+    assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
+                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd"))
     return out, seed
 
 
@@ -253,6 +254,61 @@ def test_ranks_with_unlike_embeddings_or_optimizers_raise_before_any_row_moves(m
         assert "the ranks' embeddings differ" in result["lr"]["StateError"]
         assert "optimizer fingerprint" in result["lr"]["StateError"]
         assert result["dim unchanged"] and result["lr unchanged"]
+
+
+def test_an_older_optimizer_state_without_its_load_is_refused_on_every_rank(mismatched_calls):
+    """optimizer.load_state_dict() without emb.load(): the step trained on with mismatched state."""
+    out, seed = mismatched_calls
+    results = [json.loads((out / f"replaced.rank{r}.json").read_text()) for r in range(2)]
+    (between0, at_step0), (between1, at_step1) = (r["errors"] for r in results)
+    # Refused at rank 1's next forward, and at rank 0's step; by the one that failed in its own words.
+    assert "was replaced since the last step" in between1["StateError"]
+    assert "emb.load(path) on every rank" in between1["StateError"]
+    assert "a forward failed on rank(s) [1]" in between0["StateError"]
+    assert "was replaced since the last step" in at_step0["StateError"]
+    assert "optimizer.step() failed on rank(s) [0]" in at_step1["StateError"]
+    assert all(r["unchanged"] for r in results)
+    # Resumed from the checkpoint on every rank, it trains as if nothing had happened.
+    assert_same(gathered(out, "replaced", 2), reference("adam", seed))
+
+
+def test_exchange_gradients_refused_on_one_rank_raises_on_every_rank_at_once(mismatched_calls):
+    """A rank's own refusal left the others waiting in the exchange until the process group's timeout."""
+    out, seed = mismatched_calls
+    rank0, rank1 = (json.loads((out / f"exchange.rank{r}.json").read_text()) for r in range(2))
+    assert "without a training forward" in rank1["no forward"]["StateError"]
+    assert "exchange_gradients() failed on rank(s) [1]" in rank0["no forward"]["StateError"]
+    assert rank0["seconds"] < 2.5  # rank 1 waited 5 s in no collective before the fix
+    assert rank0["unchanged"] and rank1["unchanged"]
+    assert "twice in one step" in rank1["twice"]["StateError"]
+    assert "rank 0: optimizer.step(); rank 1: exchange_gradients()" in rank0["twice"]["StateError"]
+    assert "a backward ran after exchange_gradients()" in rank0["late"]["StateError"]
+    assert "optimizer.step() failed on rank(s) [0]" in rank1["late"]["StateError"]
+    # Steps 0 and 2 were dropped on every rank, step 1 was taken once: as one process.
+    assert_same(gathered(out, "exchange", 2), sharded_worker.reference("adam", seed, skipped={0, 2}))
+
+
+def test_attach_on_one_rank_only_is_refused_on_every_rank(mismatched_calls):
+    """Its optimizer state restarted (Adam's step count 0) while its peer's went on, silently."""
+    out, seed = mismatched_calls
+    for rank in range(2):
+        result = json.loads((out / f"reattach.rank{rank}.json").read_text())
+        error = result["error"]["StateError"]
+        assert "the ranks' embeddings differ" in error and "a rank that attached alone" in error
+        assert "5 step(s) since attach(); rank 1: " in error and "0 step(s) since attach())" in error
+        assert result["unchanged"]
+    assert_same(gathered(out, "reattach", 2), reference("adam", seed))
+
+
+def test_a_step_a_grad_scaler_skips_on_one_rank_only_is_refused_on_every_rank(mismatched_calls):
+    """A plain GradScaler checks this rank's owned gradients only: one rank stepped, the other not."""
+    out, seed = mismatched_calls
+    rank0, rank1 = (json.loads((out / f"infskip.rank{r}.json").read_text()) for r in range(2))
+    for result in (rank0, rank1):
+        assert "rank 0: optimizer.step(); rank 1: a training forward" in result["error"]["StateError"]
+        assert "ShardedGradScaler" in result["error"]["StateError"]
+        assert result["unchanged"]
+    assert_same(gathered(out, "infskip", 2), sharded_worker.reference("sgd", seed, skipped={0}))
 
 
 @pytest.mark.slow
@@ -709,6 +765,35 @@ def test_a_grad_scaler_after_exchange_gradients_unscales_the_tables_gradient(rng
     got = _clip_run(table0, batches, no_clip, exchange=True, sharded=True,
                     scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["scaler.step", "unscale_ then step", "unscale_ before exchange_gradients",
+                                 "fused scaler.step"])
+def test_a_grad_scaler_without_exchange_gradients_is_refused_before_any_row_changes(rng, how):
+    """Its in-place unscale did not bump the placeholder's version: the table stepped on the
+    still-scaled gradient (init_scale times too far), its infs unchecked."""
+    emb = ss.ShardedOffloadedEmbedding(40, 3, max_rows=16, backend="numpy", storage="pageable")
+    emb.table.scatter(torch.arange(40), torch.from_numpy(rng.standard_normal((40, 3), dtype=np.float32)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1, fused=how.startswith("fused"))
+    emb.attach(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ids = torch.from_numpy(rng.integers(0, 40, 12))
+    target = torch.from_numpy(rng.standard_normal((12, 3), dtype=np.float32))
+    before = emb.table.to_numpy(copy=True)
+    scaler.scale(((emb(ids) - target) ** 2).sum()).backward()
+    if how.startswith("unscale_"):
+        scaler.unscale_(opt)
+    advice = "exchange_gradients\\(\\) on every rank before clipping or unscaling"
+    with pytest.raises(ss.StateError, match=advice):
+        emb.exchange_gradients() if how.endswith("exchange_gradients") else scaler.step(opt)
+    np.testing.assert_array_equal(emb.table.to_numpy(), before)
+    emb.discard_step()  # as the error says; done right, the step trains
+    opt.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(((emb(ids) - target) ** 2).sum()).backward()
+    emb.exchange_gradients()
+    scaler.step(opt)
+    assert not np.array_equal(emb.table.to_numpy(), before)
 
 
 def test_zero_grad_keeping_tensors_after_a_backward_is_refused_at_the_step(rng):

@@ -15,7 +15,7 @@ table. A rank with nothing to send takes part with empty splits.
 
 **Failures.** A collective that one rank skips hangs the others, and two
 ranks in collectives of different kinds or sizes hang or abort. So every
-call (a forward, a step, a save, a load) starts with the same message,
+call (a forward, an exchange of gradients, a step, a save, a load) starts with the same message,
 :meth:`Exchange.begin`: what the rank is doing, whether its checks passed,
 the table's size and optimizer, and the counts of the rows to come. Every
 check that can fail runs *before* it; a rank that met bad input says so,
@@ -39,12 +39,14 @@ import torch.distributed as dist
 from ..errors import OptionError, StateError
 
 __all__ = ["row_bounds", "owners", "Exchange", "CALLS", "TRAIN_FORWARD", "EVAL_FORWARD", "STEP", "SAVE",
-           "LOAD"]
+           "LOAD", "EXCHANGE"]
 
 #: The collective calls, as :meth:`Exchange.begin` names them when ranks make different ones.
+#: An explicit exchange_gradients() is a call of its own: a rank exchanging there must not
+#: pair with a rank whose step exchanges (and steps) at once.
 CALLS = ("a training forward", "an eval forward (eval mode or torch.no_grad())",
-         "optimizer.step() (or exchange_gradients())", "save()", "load()")
-TRAIN_FORWARD, EVAL_FORWARD, STEP, SAVE, LOAD = range(len(CALLS))
+         "optimizer.step()", "save()", "load()", "exchange_gradients()")
+TRAIN_FORWARD, EVAL_FORWARD, STEP, SAVE, LOAD, EXCHANGE = range(len(CALLS))
 
 
 def row_bounds(num_rows: int, world_size: int) -> List[int]:
@@ -184,9 +186,11 @@ class Exchange:
             made = "; ".join(f"rank {rank}: {CALLS[c]}" for rank, c in enumerate(calls))
             raise StateError(f"the ranks made different calls at once ({made}). Every rank must "
                              f"make the same calls in the same order, as DDP needs: every forward, "
-                             f"every optimizer.step() (a step skipped on every rank or none), every "
-                             f"save() and load(). No row changed; call discard_step() on every rank "
-                             f"to drop the step under way, then train on")
+                             f"every exchange_gradients() and optimizer.step() (a step skipped on "
+                             f"every rank or none: a GradScaler must agree on infs across ranks, as "
+                             f"torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler does), "
+                             f"every save() and load(). No row changed; call discard_step() on every "
+                             f"rank to drop the step under way, then train on")
         failed = [rank for rank, row in enumerate(table) if row[1]]
         if failed:
             raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why); "
@@ -198,7 +202,10 @@ class Exchange:
             raise StateError(f"{what}: the ranks' embeddings differ ({ranks}). Build the "
                              f"ShardedOffloadedEmbedding with the same num_embeddings, "
                              f"embedding_dim, max_rows and dtype on every rank, and attach the same "
-                             f"optimizer class with the same hyperparameters. No row changed")
+                             f"optimizer class with the same hyperparameters on every rank at the same "
+                             f"point (a rank that attached alone restarted its optimizer state: "
+                             f"attach() on every rank to restart it everywhere, or load() a checkpoint "
+                             f"on every rank). No row changed")
         base = 3 + len(config)
         if expected is not None:
             wrong = [(s, r, table[s][base + r], table[r][base + world + s])

@@ -38,7 +38,8 @@ from ..convert import as_row_ids, int_option, torch_dtype
 from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
-from .exchange import EVAL_FORWARD, LOAD, SAVE, STEP, TRAIN_FORWARD, Exchange, owners, row_bounds
+from .exchange import (EVAL_FORWARD, EXCHANGE, LOAD, SAVE, STEP, TRAIN_FORWARD, Exchange, owners,
+                       row_bounds)
 from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
 from .sharded_checkpoint import load_shards, run_everywhere, save_shards, stage_table_rows
@@ -59,10 +60,13 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     :meth:`discard_step` does, on every rank). Skipped before its backward,
     its forwards' rows wait for the next step, which puts back those that no
     backward reached. Every call starts with one message in which the
-    ranks check that they make the same call (a forward, a step, a save, a
-    load) on embeddings built alike, with the same optimizer class and
-    hyperparameters, and, at a step, that they agree on the rows they
-    exchange; they raise ``StateError`` together if not, no row changed.
+    ranks check that they make the same call (a forward, an
+    :meth:`exchange_gradients`, a step, a save, a load) on embeddings built
+    alike, with the same optimizer class and hyperparameters attached (or
+    loaded) at the same step, and, at a step, that they agree on the rows
+    they exchange; they raise ``StateError`` together if not, no row changed.
+    A check one rank makes alone (bad ids, an optimizer state replaced by
+    ``optimizer.load_state_dict()``) travels in that message too.
 
     **What is averaged.** A row's gradient is the sum over ranks of each
     rank's gradient for it, divided by the world size ``W``: the average DDP
@@ -164,7 +168,14 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._rows = torch.zeros(max_rows, embedding_dim, dtype=compute, device=device,
                                  requires_grad=True)
         self._grad = torch.zeros_like(self._full)
+        # What the gradient placeholder holds in its last element until the exchange (see
+        # _note_backward): the smallest normal number, which a rescale changes and a norm hardly sees.
+        self._mark = torch.finfo(compute).tiny
         self._state = None
+        # Where the attached optimizer's state came from (_ATTACHED, _LOADED) and the steps taken
+        # since: equal on every rank that attaches, loads and steps alike, so that a rank that
+        # attached alone (its state restarted, its peers' not) is refused at the next call.
+        self._state_origin, self._steps_since = 0, 0
         self._hooks = ()
         self._created = set()  # mmap state files this embedding made and may replace
         # A backward reaching the looked-up rows gives `weight` a gradient for the optimizer's
@@ -236,7 +247,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
 
         Attaching again starts the offloaded optimizer state afresh (an
         ``mmap`` embedding's state files included; the same optimizer's scalar
-        state for :attr:`weight`, Adam's ``step``, too).
+        state for :attr:`weight`, Adam's ``step``, too). Attach on every rank
+        alike: the next collective call of a rank that attached alone raises
+        ``StateError`` on every rank, no row changed.
 
         Raises:
             OptionError: the optimizer does not hold :attr:`weight`, or its
@@ -256,6 +269,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                          self._storage, self.table.backend, self._path, overwrite=self._created)
         self._created |= {t.path for t in state.tables.values()}
         self._state = state
+        self._state_origin, self._steps_since = _ATTACHED, 0
         self._hooks = (optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(self._after_step))
 
@@ -272,10 +286,12 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         Raises:
             IdError, DTypeError, DeviceError: bad ids on this rank.
             CapacityError: this rank looks up more than ``max_rows`` distinct rows in a step.
-            StateError: training before :meth:`attach`, bad input on another
-                rank, another call (a step, a save) on another rank, or ranks
-                whose embeddings or optimizers differ. Whoever fails, every
-                rank raises and no row changes.
+            StateError: training before :meth:`attach`, an optimizer whose
+                state ``optimizer.load_state_dict()`` replaced without the
+                matching :meth:`load`, bad input on another rank, another call
+                (a step, a save) on another rank, or ranks whose embeddings or
+                optimizers differ. Whoever fails, every rank raises and no row
+                changes.
         """
         training = self.training and torch.is_grad_enabled()
         if training:
@@ -288,6 +304,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 if self._state is None:
                     raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                                      "step() is where gradients reach the rows' owners")
+                if self._forwards == 0:
+                    self._check_optimizer_state()  # before a step begins, when emb.load still may run
                 # WorkingSet.add replaces its tensors rather than writing into them,
                 # so the shallow copy above restores it should another rank fail.
                 local, first_new = self._looked_up.add(flat.view(shape))
@@ -348,31 +366,97 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
           it they would clip a gradient that has not arrived yet, and the step
           refuses (it sees ``weight.grad`` changed);
         * a ``GradScaler`` (``unscale_``, or ``scaler.step``, which unscales):
-          without it the table would step on the still-scaled gradient, and
-          that cannot be detected. The ranks must also agree on skipping a
-          step whose gradients hold infs: use a scaler that all-reduces its
-          check, such as ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``.
+          without it the scaler would unscale (and check for infs) a gradient
+          that has not arrived yet, and the step refuses. The ranks must also
+          agree on skipping a step whose gradients hold infs: use a scaler
+          that all-reduces its check, such as
+          ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``
+          (a step skipped on some ranks only is refused on every rank).
+
+        After it, ``optimizer.step()`` starts with one message of its own, in
+        which the ranks agree to step (a rank whose backward came late, or
+        whose scaler skipped the step, would otherwise leave its peers'
+        rows stepped and its own not).
 
         Raises:
             StateError: no training forward since the last step, a second call
-                in one step, or ranks that disagree about the step (on every rank).
+                in one step, ``weight.grad`` changed before it, the optimizer's
+                state replaced (see :meth:`forward`), or ranks that disagree
+                about the step. Whichever rank fails, every rank raises, before
+                any gradient moves.
         """
-        self._check_open()
-        self._drop_zeroed_step()
-        if self._forwards == 0:
-            raise StateError("exchange_gradients() without a training forward since the last step: "
-                             "there is no gradient to send")
-        if self._exchanged:
-            raise StateError("exchange_gradients() twice in one step; call it once, after the "
-                             "step's last backward")
-        self._exchange_gradients(None)
+        error = None
+        try:
+            self._check_open()
+            self._drop_zeroed_step()
+            if self._forwards == 0:
+                raise StateError("exchange_gradients() without a training forward since the last step: "
+                                 "there is no gradient to send; call it after the step's backward, on "
+                                 "every rank")
+            if self._exchanged:
+                raise StateError("exchange_gradients() twice in one step; call it once, after the "
+                                 "step's last backward, then optimizer.step()")
+            self._check_grad_untouched(None)
+            self._check_optimizer_state()
+        except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not wait in the exchange
+            error = exc
+        self._exchange_gradients(error, EXCHANGE)
 
-    def _exchange_gradients(self, error):
+    def _check_grad_untouched(self, optimizer) -> None:
+        """Refuse a ``weight.grad`` that something changed before the gradients arrived.
+
+        ``optimizer`` is the stepping optimizer (None from :meth:`exchange_gradients`).
+
+        Raises:
+            StateError: a clip, a ``GradScaler``'s ``unscale_`` (or its inf check, which a
+                fused optimizer's ``scaler.step`` makes), or ``zero_grad(set_to_none=False)``
+                acted on the placeholder.
+        """
+        placeholder = self.weight.grad is self._grad
+        # The GradScaler's in-place unscale does not bump the version counter (CPU, torch 2.x):
+        # the placeholder's marked element, which any rescaling changes, tells it too.
+        changed = placeholder and (self._grad._version != self._placeholder_version
+                                   or bool(self._grad[-1, -1] != self._mark))
+        # A fused optimizer's scaler.step() hands it the inf check it made (found_inf) instead.
+        checked = getattr(optimizer, "found_inf", None) is not None
+        if changed or checked:
+            raise StateError(
+                "weight.grad was changed or read between the backward and optimizer.step() (a gradient "
+                "clip, a GradScaler's unscale_ or inf check, or zero_grad(set_to_none=False)), but a "
+                "ShardedOffloadedEmbedding's gradient reaches its owners only at the step: call "
+                "emb.exchange_gradients() on every rank before clipping or unscaling, or "
+                "emb.discard_step() on every rank to skip the step")
+
+    def _check_optimizer_state(self) -> None:
+        """Refuse, before any collective, optimizer state that the step's gather would refuse.
+
+        Raises:
+            StateError: ``optimizer.load_state_dict()`` replaced the per-row
+                state without the matching :meth:`load`, or left none for
+                trained rows.
+        """
+        try:
+            self._state.check_not_replaced()
+        except StateError as exc:
+            raise StateError(f"{exc}. A ShardedOffloadedEmbedding: emb.discard_step(), then "
+                             f"emb.load(path) on every rank, or attach(optimizer) on every rank to "
+                             f"start afresh") from exc
+        if self._state.step_state() is None:
+            # No state for the parameter: gather() refuses it unless torch may create it now.
+            # Asked for no row, it refuses here what it would refuse after the exchange, on this
+            # rank alone (or prepares torch's initial state, as it would then).
+            self._state.gather(self._owned.rows[:0])
+
+    def _exchange_gradients(self, error, call):
         """The exchange itself: owners sum every rank's gradient for their rows into ``weight.grad``.
 
         ``error``, this rank's reason to stop, is raised on every rank (as
-        StateError on the others) before anything is sent.
+        StateError on the others) before anything is sent; ``call`` is
+        :data:`EXCHANGE` or :data:`STEP`.
         """
+        what = "exchange_gradients()" if call == EXCHANGE else "optimizer.step()"
+        if error is not None:
+            self._exchange.begin(call, error, self._config(), _describe, what)  # raises everywhere
         k_local = self._looked_up.size
         grad = self._rows.grad
         grad = (grad[:k_local] if grad is not None
@@ -384,7 +468,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         counts = torch.bincount(dest, minlength=self.world_size).tolist()
         unreached = self._reached.unreached_slots(k_local, grad.device)
         recv_counts, any_unreached = self._exchange.begin(
-            STEP, error, self._config(), _describe, "optimizer.step()", send_counts=counts,
+            call, None, self._config(), _describe, what, send_counts=counts,
             expected=[sum(len(part) for part in parts) for parts in self._sent_to_me],
             flag=unreached is not None)
         if any_unreached:
@@ -397,7 +481,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         received = self._exchange.rows(grad[order], counts, recv_counts)
         slots = torch.cat([part for parts in self._sent_to_me for part in parts])
         k = self._owned.size
-        owned_grad = self._grad[:k].zero_()
+        # All of it: the placeholder's mark, or an earlier step's rows, must not reach a clip's norm.
+        owned_grad = self._grad.zero_()[:k]
         # One add per source, in rank order: a source's rows are distinct, so no
         # add races another (on a GPU index_add_ sums duplicates atomically, in
         # no fixed order), and every run sums a row's gradients in the same order.
@@ -417,18 +502,25 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     def _before_step(self, optimizer, args, kwargs):
         if self._drop_zeroed_step() or self._forwards == 0:
             return  # no gradient (forwards and zero_grad are on every rank alike): no step
-        if not self._exchanged:
-            changed = self.weight.grad is self._grad and self._grad._version != self._placeholder_version
-            self._exchange_gradients(StateError(
-                "weight.grad was changed between the backward and optimizer.step() (a gradient clip, "
-                "or zero_grad(set_to_none=False)), but a ShardedOffloadedEmbedding's gradient reaches "
-                "its owners only at the step: call emb.exchange_gradients() on every rank before "
-                "clipping, or emb.discard_step() on every rank to skip the step") if changed else None)
-        elif self._late_backward:
-            raise StateError("a backward ran after exchange_gradients(), and its gradient would be "
-                             "lost: call exchange_gradients() after the step's last backward (or "
-                             "discard_step() on every rank to skip the step)")
-        self._state.gather(self._owned.rows)  # raises before the parameter is narrowed
+        error = None
+        try:
+            if self._exchanged and self._late_backward:
+                raise StateError("a backward ran after exchange_gradients(), and its gradient would be "
+                                 "lost: call exchange_gradients() after the step's last backward (or "
+                                 "discard_step() on every rank to skip the step)")
+            if not self._exchanged:
+                self._check_grad_untouched(optimizer)
+            self._check_optimizer_state()  # optimizer.load_state_dict() since the forward
+        except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not step without this one
+            error = exc
+        if self._exchanged:
+            # The step makes no other message after exchange_gradients(): without this one a rank
+            # refusing its step (or skipping it, its own GradScaler having found infs) would
+            # leave its peers' rows stepped and its own not.
+            self._exchange.begin(STEP, error, self._config(), _describe, "optimizer.step()")
+        else:
+            self._exchange_gradients(error, STEP)
+        self._state.gather(self._owned.rows)  # refused above if it would raise: nothing to undo
         self._narrowed = NarrowedStep(self.weight, self._owned.size, self._state.needs_sparse_grad)
         if self._put_back is not None:
             self._kept = KeptRows(self._put_back, self._full, self._state.step_state(), self._state.spec)
@@ -445,6 +537,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         # Owned rows are unique shard-local ids, validated when they were looked up.
         self.table.scatter_validated(rows, self._full[:k].to(self.table.dtype))
         self.weight.grad = None
+        self._steps_since += 1
         self._new_step()
 
     def close(self) -> None:
@@ -491,19 +584,25 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             raise StateError(f"{what} between a training forward and optimizer.step() would be "
                              f"undone by the step; call it between steps")
 
-    def _config(self, with_optimizer: bool = True) -> list:
+    def _config(self, with_optimizer: bool = True, with_history: bool = True) -> list:
         """What must be equal on every rank: integers for :meth:`Exchange.begin` (see :func:`_describe`).
 
         The table's size and dtype, ``max_rows`` (an owner's working set is
         sized for ``W * max_rows`` rows from its peers) and, unless
         ``with_optimizer`` is false (an eval forward), a fingerprint of the
         attached optimizer: a shard stepped by another optimizer, or another
-        learning rate, would train unlike one process, silently.
+        learning rate, would train unlike one process, silently; and where
+        its state came from (:meth:`attach` or :meth:`load`) with the steps
+        since, unless ``with_history`` is false (a load, which replaces that
+        state): a rank that attached alone restarted its state (Adam's
+        moments and step count) while its peers' went on.
         """
         dtype = self.table.dtype
         dtype_code = _DTYPE_CODES.get(dtype, len(_DTYPES) + zlib.crc32(str(dtype).encode()))
+        history = with_optimizer and with_history and self._state is not None
         return [self.num_embeddings, self.embedding_dim, self.max_rows, dtype_code,
-                _optimizer_fingerprint(self._state, self.weight) if with_optimizer else 0]
+                _optimizer_fingerprint(self._state, self.weight) if with_optimizer else 0,
+                self._state_origin if history else 0, self._steps_since if history else 0]
 
     def _begin_between_steps(self, call: int, what: str) -> None:
         """Start the collective ``call`` (save or load): this rank's check travels to every rank."""
@@ -512,7 +611,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             self._check_between_steps(what)
         except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not hang
             error = exc
-        self._exchange.begin(call, error, self._config(), _describe, f"{what}()")
+        # A load replaces the optimizer state: ranks whose states went apart may load to agree again.
+        self._exchange.begin(call, error, self._config(with_history=call != LOAD), _describe, f"{what}()")
 
     def save(self, path) -> None:
         """Write every rank's rows and optimizer state to the checkpoint directory ``path``.
@@ -561,11 +661,16 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             return
         load_shards(path, self._tables(), self._state, self.row_range, self.num_embeddings,
                     self._exchange)
+        if self._state is not None:  # every rank's optimizer state restored alike
+            self._state_origin, self._steps_since = _LOADED, 0
 
 
 #: Floating dtypes as integers for the ranks' comparison, and back into words for its error.
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+#: Where the attached optimizer's state came from, as integers for the ranks' comparison.
+_ORIGINS = ("", "attach()", "load()")
+_ATTACHED, _LOADED = 1, 2
 
 
 def _plain(value):
@@ -595,9 +700,11 @@ def _optimizer_fingerprint(row_state, weight) -> int:
 
 def _describe(config) -> str:
     """One rank's :meth:`ShardedOffloadedEmbedding._config` in words."""
-    rows, dim, max_rows, dtype, optimizer = config
+    rows, dim, max_rows, dtype, optimizer, origin, steps = config
     dtype = str(_DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(_DTYPES) else "another dtype"
     optimizer = "no optimizer" if optimizer == 0 else f"optimizer fingerprint {optimizer:#x}"
+    if origin:
+        optimizer += f", {steps} step(s) since {_ORIGINS[origin]}"
     return f"{rows} x {dim} {dtype}, max_rows={max_rows}, {optimizer}"
 
 
@@ -612,7 +719,10 @@ def _note_backward(ref):
         elif embedding.weight.grad is None:
             embedding._backward_ran = True
             # Zeros until the exchange fills it before the step; a change to them (a clip,
-            # zero_grad(set_to_none=False)) is refused at the step, by the version.
-            embedding.weight.grad = embedding._grad.zero_()
-            embedding._placeholder_version = embedding._grad._version
+            # zero_grad(set_to_none=False)) is refused at the step, by the version. A GradScaler
+            # unscales in place without bumping it: the last element, marked, shows a rescale.
+            placeholder = embedding._grad.zero_()
+            placeholder[-1, -1] = embedding._mark
+            embedding.weight.grad = placeholder
+            embedding._placeholder_version = placeholder._version
     return note
