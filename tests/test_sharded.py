@@ -849,3 +849,56 @@ def test_close_releases_the_shard_keeps_mmap_files_and_refuses_later_calls(tmp_p
             call()
     head(torch.ones(2, 3)).sum().backward()
     opt.step()  # the optimizer goes on with its other parameters
+
+
+def test_a_shard_too_large_to_stage_changed_after_it_was_verified_loads_nothing(rng, tmp_path, monkeypatch):
+    """Read again at commit, every shard is confirmed unchanged before the first table changes."""
+    emb, opt, saved = _adam_step_saved(rng, tmp_path / "ckpt")
+    monkeypatch.setattr(sharded_checkpoint, "available_ram", lambda: 0)  # nothing staged in RAM
+    for table in emb._tables().values():
+        table.uniform_(-1, 1)
+    before = {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
+    checked = sharded_checkpoint._plan
+    last = tmp_path / "ckpt" / "optimizer.exp_avg_sq.rank0.npy"  # the last table committed
+    good = last.read_bytes()
+
+    def checked_then_changed(path, *args):
+        plan = checked(path, *args)
+        last.write_bytes(good[:-4] + bytes(b ^ 0x55 for b in good[-4:]))  # another writer, in place
+        return plan
+
+    monkeypatch.setattr(sharded_checkpoint, "_plan", checked_then_changed)
+    with pytest.raises(ss.FileFormatError, match="changed or replaced since it was verified"):
+        emb.load(tmp_path / "ckpt")
+    for name, table in emb._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), before[name], err_msg=name)
+    last.write_bytes(good)
+    monkeypatch.setattr(sharded_checkpoint, "_plan", checked)
+    emb.load(tmp_path / "ckpt")  # read twice, the intact checkpoint loads
+    for name, table in emb._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), saved[name], err_msg=name)
+
+
+def test_a_whole_table_npy_too_large_to_stage_changed_after_it_was_verified_loads_nothing(
+        rng, tmp_path, monkeypatch):
+    import speedswap.train.sharded as sharded_module
+    emb, opt, saved = _adam_step_saved(rng, tmp_path / "ckpt")
+    path = tmp_path / "vectors.npy"
+    np.save(path, rng.standard_normal(emb.table.shape).astype(np.float32))
+    good = path.read_bytes()
+    monkeypatch.setattr(sharded_checkpoint, "available_ram", lambda: 0)
+    staged_by = sharded_module.stage_table_rows
+
+    def staged_then_changed(*args):
+        staged = staged_by(*args)
+        path.write_bytes(good[:-4] + bytes(b ^ 0x55 for b in good[-4:]))
+        return staged
+
+    monkeypatch.setattr(sharded_module, "stage_table_rows", staged_then_changed)
+    with pytest.raises(ss.FileFormatError, match="changed or replaced since it was verified"):
+        emb.load(path)
+    np.testing.assert_array_equal(emb.table.to_numpy(), saved["table"])
+    path.write_bytes(good)
+    monkeypatch.setattr(sharded_module, "stage_table_rows", staged_by)
+    emb.load(path)
+    np.testing.assert_array_equal(emb.table.to_numpy(), np.load(path))

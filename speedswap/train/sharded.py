@@ -42,7 +42,8 @@ from .exchange import (EVAL_FORWARD, EXCHANGE, LOAD, SAVE, STEP, TRAIN_FORWARD, 
                        row_bounds)
 from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
-from .sharded_checkpoint import load_shards, run_everywhere, save_shards, stage_table_rows
+from .sharded_checkpoint import (all_unchanged, load_shards, run_everywhere, save_shards,
+                                 stage_table_rows)
 from .working_set import WorkingSet
 
 __all__ = ["ShardedOffloadedEmbedding"]
@@ -656,6 +657,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             # Every rank stages its rows before any rank commits: all ranks load, or none.
             staged = run_everywhere(self._exchange, f"checking {os.fspath(path)!r}", lambda: stage_table_rows(
                 path, self.table, self.row_range, self.num_embeddings))
+            run_everywhere(self._exchange, f"checking {os.fspath(path)!r} again",
+                           lambda: all_unchanged([staged]))
             run_everywhere(self._exchange, f"loading {os.fspath(path)!r}",
                            lambda: staged.commit(self.table, rows=self.row_range, at=0))
             return

@@ -42,7 +42,8 @@ from ..errors import FileFormatError, PathError, StateError
 from .caching import rewriting
 from .exchange import Exchange, row_bounds
 
-__all__ = ["save_shards", "load_shards", "stage_table_rows", "load_sharded", "run_everywhere", "MANIFEST"]
+__all__ = ["save_shards", "load_shards", "all_unchanged", "stage_table_rows", "load_sharded", "run_everywhere",
+           "MANIFEST"]
 
 MANIFEST = "manifest.json"
 _FORMAT = "speedswap-sharded-1"
@@ -345,6 +346,12 @@ def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None
         return manifest, _plan(path, manifest, tables, row_state, rows, num_embeddings)
 
     manifest, plan = run_everywhere(exchange, f"checking checkpoint {os.fspath(path)!r}", check)
+    # A shard too large to stage in RAM is read again at commit: every rank confirms its files are
+    # still the ones verified before any rank writes a row, or a change seen by one rank would
+    # leave the ranks before it loaded and the rest not.
+    unchanged = [staged for staged, *_ in plan]
+    run_everywhere(exchange, f"checking checkpoint {os.fspath(path)!r} again",
+                   lambda: all_unchanged(unchanged))
 
     def read():
         for staged, table, file_rows, at in plan:
@@ -353,6 +360,16 @@ def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None
             _restore_scalar_state(row_state, manifest)
 
     run_everywhere(exchange, f"reading checkpoint {os.fspath(path)!r}", read)
+
+
+def all_unchanged(staged) -> None:
+    """Raise unless every one of the :class:`~speedswap.files.StagedRows` ``staged`` may still be committed.
+
+    Raises:
+        FileFormatError: a file too large to stage in RAM changed since it was verified.
+    """
+    for rows in staged:
+        rows.check_unchanged()
 
 
 def stage_table_rows(path, table, rows, num_embeddings) -> files.StagedRows:
