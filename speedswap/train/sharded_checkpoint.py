@@ -195,8 +195,8 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
             _remove_leftover(path + ".old")  # checked now: finish() moves the earlier one there
         os.makedirs(partial)
 
-    unshared = (f"pass the same path on every rank, on a file system every rank sees (a shared "
-                f"one, NFS or Lustre, across machines)")
+    unshared = ("pass the same path on every rank, on a file system every rank sees (a shared "
+                "one, NFS or Lustre, across machines)")
 
     def write_shard():
         if not os.path.isdir(partial):
