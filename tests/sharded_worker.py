@@ -12,6 +12,10 @@ cut into ``world`` contiguous slices, with the last rank's slice empty every fif
 step. Each rank's loss is ``world * sum(its squared errors) / GLOBAL_BATCH``, so the
 DDP average of the ranks' gradients is the gradient of ``sum(all squared errors) /
 GLOBAL_BATCH``: one reference for every world size.
+
+The ``padding`` scenario builds the table with ``nn.Embedding``'s ``padding_idx`` and
+``scale_grad_by_freq``; its reference is one :class:`~speedswap.OffloadedEmbedding` that
+makes every rank's forwards itself (see :func:`padding_reference`).
 """
 
 import copy
@@ -36,7 +40,15 @@ OPTIMIZERS = {
     "adam": (torch.optim.Adam, torch.optim.SparseAdam, dict(lr=0.01, eps=1e-30), True),
     "adagrad": (torch.optim.Adagrad, torch.optim.Adagrad,
                 dict(lr=0.1, initial_accumulator_value=0.1), True),
+    # No in-memory torch reference: its weight decay shrinks every row at every step, where
+    # lazy training decays only the rows a step looked up. See padding_reference.
+    "adamw": (torch.optim.AdamW, None, dict(lr=0.01, weight_decay=0.1), False),
 }
+#: The padding scenario's padding row: in the block only the last slice looks up, so the last
+#: rank owns it, and the other ranks look it up only where padded_batch puts it.
+PAD = NUM_ROWS - 3
+#: The padding scenario's nn.Embedding options, on every rank and in its reference.
+EMBEDDING_OPTIONS = dict(padding_idx=PAD, scale_grad_by_freq=True)
 
 
 def initial_table(seed):
@@ -52,6 +64,20 @@ def global_batch(seed, step):
     ids[-4:] = rng.integers(shared, NUM_ROWS, size=4)  # rows only the last slice touches
     targets = rng.standard_normal((GLOBAL_BATCH, DIM), dtype=np.float32)
     return torch.from_numpy(ids), torch.from_numpy(targets)
+
+
+def padded_batch(seed, step):
+    """:func:`global_batch` with the padding id at chosen places only.
+
+    None at steps ``3k`` (the padding row's owner must leave it alone); at steps
+    ``3k + 1`` the first id (rank 0's slice); at steps ``3k + 2`` the first two and the
+    last (twice in one slice, and in the last non-empty slice, mostly its owner's).
+    """
+    ids, targets = global_batch(seed, step)
+    ids = torch.where(ids == PAD, PAD + 1, ids)
+    places = ((), (0,), (0, 1, -1))[step % 3]
+    ids[list(places)] = PAD
+    return ids, targets
 
 
 def rank_slice(step, world, rank):
@@ -89,6 +115,31 @@ def reference(name, seed, steps=STEPS, skipped=()):
     return weight.detach().numpy(), state
 
 
+def padding_reference(name, seed, world):
+    """The padding scenario in one process: the table and per-row state after ``STEPS``.
+
+    One :class:`~speedswap.OffloadedEmbedding` with :data:`EMBEDDING_OPTIONS`, starting
+    from :func:`initial_table` (a non-zero padding row, as if pretrained), makes every
+    rank's forwards of each step itself, so that each forward counts its own ids for
+    ``scale_grad_by_freq`` as that rank's does; its loss is the ranks' losses averaged, as
+    the exchange averages their gradients.
+    """
+    import speedswap as ss
+    opt_cls, _, kwargs, _ = OPTIMIZERS[name]
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=GLOBAL_BATCH + 1, storage="pageable",
+                                backend="numpy", **EMBEDDING_OPTIONS)
+    emb.table.scatter(torch.arange(NUM_ROWS), initial_table(seed))
+    opt = opt_cls(emb.parameters(), **kwargs)
+    emb.attach(opt)
+    for step in range(STEPS):
+        ids, targets = padded_batch(seed, step)
+        parts = [rank_slice(step, world, rank) for rank in range(world)]
+        (sum(rank_loss(emb, ids[part], targets[part], world) for part in parts) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
+
+
 def make(name, **options):
     """A sharded embedding and its attached optimizer for scenario ``name``."""
     import speedswap as ss
@@ -100,9 +151,10 @@ def make(name, **options):
     return emb, opt
 
 
-def train(emb, opt, seed, steps, world, rank, skipped=(), before_backward=False):
+def train(emb, opt, seed, steps, world, rank, skipped=(), before_backward=False,
+          batch=global_batch):
     for step in steps:
-        ids, targets = global_batch(seed, step)
+        ids, targets = batch(seed, step)
         part = rank_slice(step, world, rank)
         loss = rank_loss(emb, ids[part], targets[part], world)
         if step in skipped and before_backward:
@@ -181,6 +233,11 @@ def run_scenario(scenario, seed, world, rank, out):
         emb.load(table_file)
         train(emb, opt, seed, range(STEPS), world, rank, skipped=SKIPPED, before_backward=True)
         name = f"{name}-skipfwd"
+    elif kind == "padding":  # padding_idx, scale_grad_by_freq; the last rank owns the padding row
+        emb, opt = make(name, **EMBEDDING_OPTIONS)
+        emb.load(table_file)  # the padding row too: pretrained, not zero
+        train(emb, opt, seed, range(STEPS), world, rank, batch=padded_batch)
+        name = f"{name}-padding"
     elif kind == "resume":   # load another world size's Adam checkpoint and go on
         emb, opt = make("adam")
         emb.load(os.path.join(out, name))
@@ -313,11 +370,13 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"paths.rank{rank}.json"), "w") as f:
             json.dump({"errors": errors, "kept": bool(np.array_equal(emb.table.to_numpy(), saved))}, f)
         return
-    elif kind == "differ":   # rank 1 builds its embedding or optimizer unlike rank 0's
+    elif kind == "differ":   # rank 1 builds its embedding (padding_idx too) or optimizer unlike rank 0's
         results = {}
-        for what, dim, lr in (("dim", DIM + rank, 0.05), ("lr", DIM, 0.05 * (1 + rank))):
+        for what, dim, lr, padding_idx in (("dim", DIM + rank, 0.05, None),
+                                           ("lr", DIM, 0.05 * (1 + rank), None),
+                                           ("padding", DIM, 0.05, PAD if rank else None)):
             emb = ss.ShardedOffloadedEmbedding(NUM_ROWS, dim, max_rows=GLOBAL_BATCH, backend="numpy",
-                                               storage="pageable")
+                                               storage="pageable", padding_idx=padding_idx)
             opt = torch.optim.SGD(emb.parameters(), lr=lr)
             emb.attach(opt)
             before = emb.table.to_numpy(copy=True)

@@ -24,7 +24,8 @@ import torch
 import speedswap as ss
 import sharded_worker
 from speedswap.train import sharded_checkpoint
-from sharded_worker import DIM, NUM_ROWS, SAVE_AT, STEPS, initial_table, make, shard_arrays, train
+from sharded_worker import (DIM, NUM_ROWS, PAD, SAVE_AT, STEPS, initial_table, make, shard_arrays,
+                            train)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "sharded_worker.py"
@@ -142,11 +143,11 @@ def test_three_ranks_of_a_bfloat16_table_equal_one_process(three_ranks):
 @pytest.fixture(scope="module")
 def two_ranks(three_ranks):
     """Two ranks resume the three ranks' checkpoint, train with a bad id on rank 1 at step 3,
-    and end with an error rank 1 does not catch."""
+    train a table with a padding row, and end with an error rank 1 does not catch."""
     out, seed = three_ranks
     started = time.monotonic()
     results = launch(2, out, seed, "resume:ckpt-3", "bad:adam", "mode:adam", "npyfail:sgd",
-                     "disagree:adam", "crash:sgd")
+                     "disagree:adam", "padding:adamw", "crash:sgd")
     return out, seed, results, time.monotonic() - started
 
 
@@ -190,6 +191,23 @@ def test_ranks_that_disagree_about_a_step_raise_instead_of_exchanging_wrong_rows
     for result in results:
         assert "the ranks disagree about this step" in result["errors"]["StateError"]
         assert result["unchanged"] and result["trained"]
+
+
+def test_two_ranks_with_a_padding_row_and_scale_grad_by_freq_equal_one_process(two_ranks):
+    """Rank 1 owns the pretrained padding row; rank 0 (and rank 1) look it up at two steps in three.
+
+    No rank's gradient may reach it, so AdamW's moments for it stay zero and each step that
+    looked it up only decays it; the steps that did not leave it alone.
+    """
+    out, seed, *_ = two_ranks
+    table, state = gathered(out, "adamw-padding", 2)
+    assert_same((table, state), sharded_worker.padding_reference("adamw", seed, world=2))
+    looked_up = sum(step % 3 != 0 for step in range(STEPS))
+    lr, decay = (sharded_worker.OPTIMIZERS["adamw"][2][k] for k in ("lr", "weight_decay"))
+    expected = initial_table(seed)[PAD].numpy() * np.float32(1 - lr * decay) ** looked_up
+    np.testing.assert_allclose(table[PAD], expected, rtol=1e-5)
+    for name, rows in state.items():
+        assert not rows[PAD].any(), name
 
 
 def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):
@@ -253,7 +271,11 @@ def test_ranks_with_unlike_embeddings_or_optimizers_raise_before_any_row_moves(m
         assert f"rank 1: {NUM_ROWS} x {DIM + 1} float32" in result["dim"]["StateError"]
         assert "the ranks' embeddings differ" in result["lr"]["StateError"]
         assert "optimizer fingerprint" in result["lr"]["StateError"]
-        assert result["dim unchanged"] and result["lr unchanged"]
+        assert "the ranks' embeddings differ" in result["padding"]["StateError"]
+        described = result["padding"]["StateError"].split("; rank 1: ")
+        assert f"max_rows={sharded_worker.GLOBAL_BATCH}, optimizer" in described[0]  # no padding_idx
+        assert f"max_rows={sharded_worker.GLOBAL_BATCH}, padding_idx={PAD}, optimizer" in described[1]
+        assert result["dim unchanged"] and result["lr unchanged"] and result["padding unchanged"]
 
 
 def test_an_older_optimizer_state_without_its_load_is_refused_on_every_rank(mismatched_calls):
@@ -427,6 +449,143 @@ def test_one_rank_bfloat16_equals_offloaded_embedding(rng):
     sharded, plain = (emb.table.as_tensor().float() for emb in embs)
     assert sharded.dtype == torch.float32 and not torch.equal(sharded, table0.float())  # it trained
     torch.testing.assert_close(sharded, plain, rtol=0, atol=0)
+
+
+def zipf_ids(rng, rows, shape, pad, with_pad):
+    """Ids with p(r) ~ 1/(r+1) over scattered rows, holding ``pad`` twice if ``with_pad``, else never."""
+    p = 1.0 / np.arange(1, rows + 1)
+    ids = torch.from_numpy(rng.permutation(rows)[rng.choice(rows, size=shape, p=p / p.sum())])
+    ids = torch.where(ids == pad, (pad + 1) % rows, ids)
+    if with_pad:
+        ids.view(-1)[[0, -1]] = pad
+    return ids
+
+
+@pytest.mark.parametrize("option", ["scale_grad_by_freq", "sparse"])
+def test_one_rank_nn_embedding_options_train_as_nn_embedding_does(rng, option):
+    """``padding_idx`` with ``scale_grad_by_freq`` (Adagrad: lazy equals dense) or ``sparse`` (SparseAdam).
+
+    The padding row is pretrained (not zero) and looked up at two steps in three: it gets
+    no gradient, and these optimizers leave a row without one as it is. torch refuses the
+    two options together, so each has its own reference.
+    """
+    rows, dim, pad = 60, 4, 2
+    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
+    emb = ss.ShardedOffloadedEmbedding(rows, dim, max_rows=40, storage="pageable", backend="numpy",
+                                       padding_idx=pad, **{option: True})
+    emb.table.scatter(torch.arange(rows), torch.from_numpy(table0))
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False,
+                                             padding_idx=pad, **{option: True})
+    optimizer = (torch.optim.SparseAdam if option == "sparse"
+                 else functools.partial(torch.optim.Adagrad, initial_accumulator_value=0.1))
+    opt, ref_opt = optimizer(emb.parameters(), lr=0.05), optimizer(ref.parameters(), lr=0.05)
+    emb.attach(opt)
+    for step in range(60):
+        ids = zipf_ids(rng, rows, (5, 4), pad, with_pad=step % 3 != 0)
+        target = torch.from_numpy(rng.standard_normal((5, 4, dim)).astype(np.float32))
+        for model, optim in ((emb, opt), (ref, ref_opt)):
+            # Two forwards a step: each counts its own ids, as nn.Embedding's do.
+            loss = ((model(ids) - target) ** 2).sum() + model(ids[:2]).sum()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), **TOL)
+    for name, table in emb._state.tables.items():
+        np.testing.assert_allclose(table.to_numpy(), ref_opt.state[ref.weight][name].numpy(), **TOL,
+                                   err_msg=name)
+    np.testing.assert_array_equal(emb.table.to_numpy()[pad], table0[pad])
+    assert not np.allclose(emb.table.to_numpy(), table0, atol=1e-3)  # it trained
+
+
+def test_one_rank_pretrained_padding_row_with_adamw_equals_offloaded_embedding(rng, tmp_path):
+    """AdamW decays the padding row at the steps that look it up, and only then, as OffloadedEmbedding does.
+
+    The sharded table reads its pretrained rows from a ``.npy`` export and, halfway, goes
+    on in a new embedding loaded from its checkpoint; the reference gets them through
+    ``emb.table``. One step's padding lookup is in a forward no backward reaches (a skipped
+    loss): that lookup does not count.
+    """
+    rows, dim, pad, lr, decay = 80, 5, 61, 0.01, 0.1
+    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
+    np.save(tmp_path / "pretrained.npy", table0)
+
+    def build(cls):
+        emb = cls(rows, dim, max_rows=48, storage="pageable", backend="numpy", padding_idx=pad)
+        opt = torch.optim.AdamW(emb.parameters(), lr=lr, weight_decay=decay)
+        emb.attach(opt)
+        return emb, opt
+
+    (emb, opt), (plain, plain_opt) = build(ss.ShardedOffloadedEmbedding), build(ss.OffloadedEmbedding)
+    assert not emb.table.to_numpy()[pad].any()  # zero until the pretrained rows arrive
+    emb.load(tmp_path / "pretrained.npy")
+    plain.table.scatter(torch.arange(rows), torch.from_numpy(table0))
+    decayed = 0
+    for step in range(60):
+        if step == 30:  # a new embedding and optimizer, from the checkpoint (Adam's step count too)
+            emb.save(tmp_path / "ckpt")
+            emb.close()
+            emb, opt = build(ss.ShardedOffloadedEmbedding)
+            emb.load(tmp_path / "ckpt")
+        with_pad = step % 3 == 1
+        ids = zipf_ids(rng, rows, (8, 5), pad, with_pad)
+        target = torch.from_numpy(rng.standard_normal((8, 5, dim)).astype(np.float32))
+        skipped = zipf_ids(rng, rows, (3,), pad, with_pad=step % 3 == 2)
+        before = emb.table.to_numpy()[pad].copy()
+        for model, optim in ((emb, opt), (plain, plain_opt)):
+            model(skipped)  # a loss that was skipped: its graph is dropped before any backward
+            ((model(ids) - target) ** 2).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        decayed += with_pad
+        if with_pad:
+            np.testing.assert_allclose(emb.table.to_numpy()[pad], before * np.float32(1 - lr * decay),
+                                       rtol=1e-6)
+        else:
+            np.testing.assert_array_equal(emb.table.to_numpy()[pad], before)
+    np.testing.assert_allclose(emb.table.to_numpy(), plain.table.to_numpy(), **TOL)
+    for name, table in emb._state.tables.items():
+        np.testing.assert_allclose(table.to_numpy(), plain._state.tables[name].to_numpy(), **TOL,
+                                   err_msg=name)
+        assert not table.to_numpy()[pad].any(), name  # no gradient ever reached it
+    assert decayed == 20 and not np.allclose(emb.table.to_numpy()[pad], table0[pad])
+
+
+def test_the_padding_row_gets_no_gradient_even_from_a_loss_that_is_not_finite(rng):
+    """As ``nn.Embedding(padding_idx=...)``: its gradient is zero whatever flows into its lookups."""
+    table0 = torch.from_numpy(rng.standard_normal((30, 3)).astype(np.float32))
+    emb = ss.ShardedOffloadedEmbedding(30, 3, max_rows=8, storage="pageable", backend="numpy",
+                                       padding_idx=4)
+    emb.table.scatter(torch.arange(30), table0)
+    ref = torch.nn.Embedding.from_pretrained(table0.clone(), freeze=False, padding_idx=4)
+    ids = torch.tensor([4, 9, 4, 17])
+    scale = torch.tensor([float("inf"), 2.0, float("nan"), -3.0]).unsqueeze(1)
+    for model in (emb, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        if model is emb:
+            emb.attach(opt)
+        (model(ids) * scale).sum().backward()
+        opt.step()
+    np.testing.assert_array_equal(emb.table.to_numpy(), ref.weight.detach().numpy())
+    assert torch.equal(emb.table.as_tensor()[4], table0[4])
+
+
+def test_nn_embedding_options_are_checked_and_shown(rng):
+    """Bad ``padding_idx`` and any ``max_norm`` are refused as OffloadedEmbedding refuses them."""
+    make_emb = functools.partial(ss.ShardedOffloadedEmbedding, 20, 3, max_rows=4, storage="pageable",
+                                 backend="numpy")
+    for bad in (-1, 20, 1.5, True, "3"):
+        with pytest.raises(ss.OptionError, match="padding_idx"):
+            make_emb(padding_idx=bad)
+    with pytest.raises(ss.OptionError, match=r"does not support max_norm .*clip the rows yourself"):
+        make_emb(max_norm=1.0)
+    with pytest.raises(ss.OptionError, match=r"norm_type=1\.0"):
+        make_emb(norm_type=1.0)
+    emb = make_emb(padding_idx=19, scale_grad_by_freq=True, sparse=True)
+    assert "padding_idx=19, scale_grad_by_freq=True, sparse=True" in repr(emb)
+    assert "padding_idx" not in repr(make_emb())
+    with torch.no_grad():
+        rows = emb(torch.tensor([19, 0]))
+    assert not rows[0].any() and rows[1].all()  # the padding row starts at zero, the others not
 
 
 def test_a_bfloat16_shard_refuses_float32_values_it_would_round_and_changes_nothing(rng, tmp_path):

@@ -201,11 +201,11 @@ class Exchange:
             ranks = "; ".join(f"rank {rank}: {describe(c)}" for rank, c in enumerate(configs))
             raise StateError(f"{what}: the ranks' embeddings differ ({ranks}). Build the "
                              f"ShardedOffloadedEmbedding with the same num_embeddings, "
-                             f"embedding_dim, max_rows and dtype on every rank, and attach the same "
-                             f"optimizer class with the same hyperparameters on every rank at the same "
-                             f"point (a rank that attached alone restarted its optimizer state: "
-                             f"attach() on every rank to restart it everywhere, or load() a checkpoint "
-                             f"on every rank). No row changed")
+                             f"embedding_dim, max_rows, dtype and padding_idx on every rank, and "
+                             f"attach the same optimizer class with the same hyperparameters on every "
+                             f"rank at the same point (a rank that attached alone restarted its "
+                             f"optimizer state: attach() on every rank to restart it everywhere, or "
+                             f"load() a checkpoint on every rank). No row changed")
         base = 3 + len(config)
         if expected is not None:
             wrong = [(s, r, table[s][base + r], table[r][base + world + s])

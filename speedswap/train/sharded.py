@@ -28,6 +28,7 @@ import itertools
 import os
 import weakref
 import zlib
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -116,22 +117,52 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         cache_rows: must be 0: a sharded table has no device cache of hot
             rows (and no ``prefetch``); the keyword exists so that code moved
             over from :class:`~speedswap.OffloadedEmbedding` is told so.
+        padding_idx: as in ``nn.Embedding``: this row starts at zero (on the
+            rank that owns it) and gets no gradient from any rank. As any
+            row, it is stepped only at steps where some rank looked it up (a
+            weight decay then shrinks a pretrained, non-zero padding row, as
+            in :class:`~speedswap.OffloadedEmbedding`), and left alone at the
+            others. Every rank must pass the same one.
+        scale_grad_by_freq: as in ``nn.Embedding``: each forward scales a
+            row's gradient by the inverse of how often its own ids name it,
+            so each rank scales by the counts of its own batch, as DDP over
+            ``nn.Embedding(scale_grad_by_freq=True)`` does.
+        sparse: accepted for ``nn.Embedding`` code; changes nothing. The
+            owned rows' gradient is dense over the step's rows only, and
+            ``torch.optim.SparseAdam`` trains it as it would a sparse one.
+        max_norm: not supported (only None): ``nn.Embedding`` renormalises
+            the rows it looks up in place, in eval forwards too, a write that
+            the offloaded table does not make.
+        norm_type: ``nn.Embedding``'s, for ``max_norm``; only the default.
 
     Raises:
-        OptionError: bad sizes or storage, fewer rows than ranks, a ``cache_rows``.
+        OptionError: bad sizes, storage or ``padding_idx``, fewer rows than
+            ranks, a ``cache_rows``; ``max_norm`` or ``norm_type`` given.
         DTypeError: a dtype that is not floating point.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
                  process_group=None, storage: str = "pinned", dtype: torch.dtype = torch.float32,
                  backend: BackendLike = "auto", path=None, device: DeviceLike = None,
-                 cache_rows: int = 0):
+                 cache_rows: int = 0, padding_idx: Optional[int] = None,
+                 scale_grad_by_freq: bool = False, sparse: bool = False,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0):
         super().__init__()
         if int_option(cache_rows, "cache_rows", minimum=0):
             raise OptionError(f"cache_rows={cache_rows}: ShardedOffloadedEmbedding has no device cache; "
                               f"its rows reach their owners through the exchange every step. Pass "
                               f"cache_rows=0, or train in one process with OffloadedEmbedding(cache_rows=...)")
+        if max_norm is not None or norm_type != 2.0:
+            raise OptionError(
+                f"ShardedOffloadedEmbedding does not support max_norm (got max_norm={max_norm!r}, "
+                f"norm_type={norm_type!r}): nn.Embedding renormalises looked-up rows in place "
+                f"at every forward, eval included; clip the rows yourself between steps "
+                f"(emb.table.apply_ on every rank) or leave max_norm out")
         num_embeddings = int_option(num_embeddings, "num_embeddings")
+        if padding_idx is not None:
+            padding_idx = int_option(padding_idx, "padding_idx", minimum=0)
+            if padding_idx >= num_embeddings:
+                raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx!r}")
         embedding_dim = int_option(embedding_dim, "embedding_dim")
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
                                   "rank looks up in one step)"), num_embeddings)
@@ -144,6 +175,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self.rank, self.world_size = self._exchange.rank, self._exchange.world_size
         self.bounds = row_bounds(num_embeddings, self.world_size)
         self.num_embeddings, self.embedding_dim, self.max_rows = num_embeddings, embedding_dim, max_rows
+        self.padding_idx = padding_idx
+        self.scale_grad_by_freq, self.sparse = bool(scale_grad_by_freq), bool(sparse)
         shard_rows = self.bounds[self.rank + 1] - self.bounds[self.rank]
         self._storage = storage
         self._path = None if path is None else os.path.join(os.fspath(path), f"rank{self.rank}")
@@ -154,6 +187,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         # one draw from it (the same on every rank) plus the rank seeds this rank's generator.
         seed = int(torch.randint(0, 2 ** 62, ()).item()) + self.rank
         self.table.normal_(generator=torch.Generator().manual_seed(seed))
+        if padding_idx is not None and padding_idx in self.row_range:
+            self.table.scatter([padding_idx - self.row_range.start],
+                               torch.zeros(1, embedding_dim, dtype=dtype))
         compute = torch.float32 if dtype is torch.bfloat16 else dtype
         device = self.table.device
         # Each rank looks up at most max_rows distinct rows per step, so an owner
@@ -229,7 +265,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
                 f"rank={self.rank}, world_size={self.world_size}, rows={self.row_range.start}.."
-                f"{self.row_range.stop - 1}, storage={self.table.storage!r}")
+                f"{self.row_range.stop - 1}, storage={self.table.storage!r}"
+                + ("" if self.padding_idx is None else f", padding_idx={self.padding_idx}")
+                + (", scale_grad_by_freq=True" if self.scale_grad_by_freq else "")
+                + (", sparse=True" if self.sparse else ""))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """Save nothing: :attr:`weight` is scratch; the rows are saved by :meth:`save`."""
@@ -342,7 +381,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._forwards += 1
         with torch.no_grad():
             self._rows[first_new:first_new + len(rows)] = rows
-        out = F.embedding(local, self._rows)
+        # Slots name rows one to one, so counting them counts this forward's ids (scale_grad_by_freq).
+        out = F.embedding(local, self._rows, scale_grad_by_freq=self.scale_grad_by_freq)
         self._reached.track(out, local)  # a forward no backward reaches trains nothing
         return out
 
@@ -463,6 +503,12 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         grad = (grad[:k_local] if grad is not None
                 else torch.zeros(k_local, self.embedding_dim, dtype=self.weight.dtype,
                                  device=self.weight.device))
+        if self.padding_idx is not None:
+            # The padding row's slot differs from rank to rank and step to step, so the forward
+            # cannot name it to F.embedding; zeroing its gradient here gives what
+            # nn.Embedding(padding_idx=...) gives (zero, even where the loss's gradient is not
+            # finite). Its owner still steps it when some rank looked it up, as any row.
+            grad = grad.masked_fill((self._looked_up.rows == self.padding_idx).unsqueeze(1), 0)
         # Stable: an owner gets each source's rows in the order it sent the ids.
         dest = owners(self._looked_up.rows, self.bounds)
         order = torch.argsort(dest, stable=True)
@@ -589,7 +635,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         """What must be equal on every rank: integers for :meth:`Exchange.begin` (see :func:`_describe`).
 
         The table's size and dtype, ``max_rows`` (an owner's working set is
-        sized for ``W * max_rows`` rows from its peers) and, unless
+        sized for ``W * max_rows`` rows from its peers), ``padding_idx`` (a
+        rank that took the row for an ordinary one would send its owner a
+        gradient for it) and, unless
         ``with_optimizer`` is false (an eval forward), a fingerprint of the
         attached optimizer: a shard stepped by another optimizer, or another
         learning rate, would train unlike one process, silently; and where
@@ -601,7 +649,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         dtype = self.table.dtype
         dtype_code = _DTYPE_CODES.get(dtype, len(_DTYPES) + zlib.crc32(str(dtype).encode()))
         history = with_optimizer and with_history and self._state is not None
-        return [self.num_embeddings, self.embedding_dim, self.max_rows, dtype_code,
+        padding = _NO_PADDING if self.padding_idx is None else self.padding_idx
+        return [self.num_embeddings, self.embedding_dim, self.max_rows, padding, dtype_code,
                 _optimizer_fingerprint(self._state, self.weight) if with_optimizer else 0,
                 self._state_origin if history else 0, self._steps_since if history else 0]
 
@@ -674,6 +723,8 @@ _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 #: Where the attached optimizer's state came from, as integers for the ranks' comparison.
 _ORIGINS = ("", "attach()", "load()")
 _ATTACHED, _LOADED = 1, 2
+#: ``padding_idx=None`` for the ranks' comparison: no row id.
+_NO_PADDING = -1
 
 
 def _plain(value):
@@ -703,12 +754,13 @@ def _optimizer_fingerprint(row_state, weight) -> int:
 
 def _describe(config) -> str:
     """One rank's :meth:`ShardedOffloadedEmbedding._config` in words."""
-    rows, dim, max_rows, dtype, optimizer, origin, steps = config
+    rows, dim, max_rows, padding, dtype, optimizer, origin, steps = config
     dtype = str(_DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(_DTYPES) else "another dtype"
     optimizer = "no optimizer" if optimizer == 0 else f"optimizer fingerprint {optimizer:#x}"
     if origin:
         optimizer += f", {steps} step(s) since {_ORIGINS[origin]}"
-    return f"{rows} x {dim} {dtype}, max_rows={max_rows}, {optimizer}"
+    padding = "" if padding == _NO_PADDING else f", padding_idx={padding}"
+    return f"{rows} x {dim} {dtype}, max_rows={max_rows}{padding}, {optimizer}"
 
 
 def _note_backward(ref):
