@@ -523,6 +523,53 @@ def test_init_state_mid_step_resets_cached_state_and_keeps_the_step(backend, rng
         np.testing.assert_array_equal(table.to_numpy(), reference._state.tables[name].to_numpy())
 
 
+@pytest.mark.parametrize("cache_rows", [0, 5])
+def test_a_checkpoint_saved_before_the_first_step_resumes_as_a_fresh_start(cache_rows, backend, rng,
+                                                                             tmp_path):
+    """Saved before any step, a checkpoint holds torch's initial state and the optimizer's
+    state_dict none for the table: a fresh embedding and optimizer resumed from the two train
+    as the run that was never interrupted. The first step was refused, saying the tables held
+    trained state."""
+    device = ss.get_backend(backend).device
+    rows = torch.from_numpy(rng.uniform(0.5, 2.0, (100, 4)).astype(np.float32)).to(torch.bfloat16)
+    batches = [torch.from_numpy(rng.zipf(1.3, 20) % 100).to(device) for _ in range(12)]
+
+    def build():
+        emb, opt = _embedding(backend, cache_rows, dtype=torch.bfloat16, opt=torch.optim.Adam)
+        emb.table.scatter(np.arange(100), rows.to(emb.table.device))
+        return emb, opt
+
+    emb, opt = build()
+    emb.save(tmp_path / "start")
+    saved = copy.deepcopy(opt.state_dict())
+    resumed, new_opt = build()
+    new_opt.load_state_dict(saved)
+    resumed.attach(new_opt)
+    resumed.load(tmp_path / "start")
+    for model, optimizer in ((emb, opt), (resumed, new_opt)):
+        for step, ids in enumerate(batches):
+            if step + 1 < len(batches):
+                model.prefetch(batches[step + 1])
+            _step(model, optimizer, ids)
+        model.flush()
+    np.testing.assert_array_equal(resumed.table.to_numpy(), emb.table.to_numpy())
+    for name, table in emb._state.tables.items():
+        np.testing.assert_array_equal(resumed._state.tables[name].to_numpy(), table.to_numpy())
+
+
+def test_trained_state_held_only_by_the_cache_is_not_taken_for_a_fresh_start(backend):
+    """The host's state tables hold the initial state while every trained state row is in the
+    cache: an optimizer that lost its state is still refused, not restarted over that state."""
+    emb, opt = _embedding(backend, cache_rows=100, opt=torch.optim.Adam)
+    for _ in range(3):
+        _step(emb, opt, [1, 2, 3])
+    assert emb._state.holds_initial_state()  # nothing was written back
+    opt.state.clear()
+    emb(torch.tensor([1, 2], device=emb.weight.device)).sum().backward()
+    with pytest.raises(ss.StateError, match="holds no state"):
+        opt.step()
+
+
 # ------------------------------------------------ a random mix of operations
 
 ROWS, DIM = 40, 4
@@ -548,9 +595,6 @@ class CachedAgainstInMemory(RuleBasedStateMachine):
         self.ctx = torch.from_numpy(gen.standard_normal(DIM, dtype=np.float32))
         self.saved = []
         self.tmp = tempfile.TemporaryDirectory()
-        # Optimizer state exists before any save: a checkpoint of never-stepped
-        # state cannot be restored into an optimizer (it holds no state to load).
-        self.step([0, 1])
 
     def teardown(self):
         if hasattr(self, "tmp"):
@@ -617,6 +661,219 @@ class CachedAgainstInMemory(RuleBasedStateMachine):
 CachedAgainstInMemory.TestCase.settings = settings(max_examples=20, stateful_step_count=15,
                                                    deadline=None)
 TestCachedAgainstInMemory = CachedAgainstInMemory.TestCase
+
+
+# ------------------------------------- every flow at once, bfloat16, against a reference
+
+MIXED_ROWS, MIXED_DIM, MIXED_STEPS, MIXED_PAD = 200, 5, 200, 11
+MIXED_EVERY = 13  # steps between eval-mode reads of the whole table
+
+MIXED_OPTIMIZERS = {
+    "adamw_amsgrad": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, amsgrad=True),
+    "sgd_nesterov_maximize": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True,
+                                                       weight_decay=0.01, maximize=True, foreach=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, weight_decay=0.01,
+                                             initial_accumulator_value=0.1),
+    "rmsprop_centered": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True,
+                                                      foreach=False),
+}
+
+
+def _mixed_plan(rng, device):
+    """Per step: a few forwards of Zipf ids (the padding id among them) with their contexts, and
+    what the step does besides (how it ends, prefetches, reads, a forward no backward reaches)."""
+    p = 1.0 / np.arange(1, MIXED_ROWS + 1) ** 1.1
+    perm = rng.permutation(MIXED_ROWS)
+
+    def ids(shape):
+        drawn = perm[rng.choice(MIXED_ROWS, size=shape, p=p / p.sum())]
+        if rng.random() < 0.3:
+            drawn.flat[0] = MIXED_PAD
+        return torch.from_numpy(drawn).to(device)
+
+    plan = []
+    for step in range(MIXED_STEPS):
+        forwards = [(ids((4, 6)), torch.from_numpy(rng.standard_normal(MIXED_DIM, dtype=np.float32))
+                     .to(device)) for _ in range(rng.integers(1, 4))]
+        end = rng.choice(["step", "closure", "discard"], p=[0.7, 0.2, 0.1])
+        plan.append(dict(forwards=forwards, end=end if step else "step", one_loss=rng.random() < 0.3,
+                         set_to_none=rng.random() < 0.5, unreached=ids(5) if rng.random() < 0.1 else None,
+                         overlap=rng.random() < 0.3, twice=rng.random() < 0.2, ahead=rng.random() < 0.3,
+                         read=ids(9) if rng.random() < 0.1 else None, between=ids(7)))
+    return plan
+
+
+def _mixed_loss(rows, ctx):
+    return F.logsigmoid((torch.tanh(rows) * ctx).sum(-1) + 0.3 * (rows * ctx).sum(-1)).sum()
+
+
+def _train_mixed(lookup, opt, plan, step, offloaded):
+    """Step ``step`` of ``plan`` on ``lookup`` (an embedding, or the reference's); with
+    ``offloaded``, the calls that only the embedding has: prefetches, a forward no backward
+    reaches, discard_step. Returns the rows a training-mode ``torch.no_grad()`` forward read
+    between the step's first forward and its optimizer step (None if none)."""
+    todo = plan[step]
+    following = plan[step + 1]["forwards"][0][0] if step + 1 < len(plan) else None
+    read = []
+    if offloaded and todo["ahead"]:
+        lookup.prefetch(todo["forwards"][0][0])  # between steps, for the coming one
+    if offloaded and todo["unreached"] is not None:
+        lookup(todo["unreached"])  # a skipped loss: its graph is dropped before any backward
+
+    def forwards():
+        losses = []
+        for k, (ids, ctx) in enumerate(todo["forwards"]):
+            loss = _mixed_loss(lookup(ids), ctx)
+            if k == 0 and todo["read"] is not None:
+                with torch.no_grad():
+                    read.append(lookup(todo["read"]).cpu().numpy())
+            if k == 0 and offloaded and following is not None:
+                lookup.prefetch(following)
+                if todo["overlap"]:
+                    lookup.prefetch(ids)  # rows of the step in flight
+                if todo["twice"]:
+                    lookup.prefetch(following)
+            if todo["one_loss"]:
+                losses.append(loss)
+            else:
+                loss.backward()  # gradients accumulate over the step's forwards
+        if losses:
+            sum(losses).backward()
+
+    if todo["end"] == "closure":
+        def closure():
+            opt.zero_grad(set_to_none=todo["set_to_none"])
+            forwards()
+            return torch.zeros(())
+        opt.step(closure)
+    else:
+        forwards()
+        if todo["end"] == "step":
+            opt.step()
+        elif offloaded:
+            lookup.prefetch(todo["between"])
+            lookup.discard_step()  # as zero_grad(set_to_none=False) does not
+        else:
+            lookup.looked_up.clear()
+    # In memory a skipped step's gradient is dropped, as discard_step() drops it.
+    opt.zero_grad(set_to_none=todo["set_to_none"] or (todo["end"] == "discard" and not offloaded))
+    return read[0] if read else None
+
+
+def _bfloat16_reference(table0, make_opt, plan, device):
+    """In-memory float32 training of the touched rows, those rounded to bfloat16 after each step.
+
+    Returns: the table, its per-row state, the rows each step's no_grad read saw (None where
+    none), and the table after the steps ``MIXED_EVERY`` picks.
+    """
+    table = LazyBfloat16Table(table0, device)
+    opt = make_opt([table.weight])
+    table.make_lazy(opt)
+    weight, reads, tables = table.weight, [], []
+    for step in range(len(plan)):
+        reads.append(_train_mixed(table, opt, plan, step, offloaded=False))
+        if step % MIXED_EVERY == 5:
+            tables.append(weight.detach().cpu().numpy().copy())
+    state = {name: value.detach().cpu().numpy() for name, value in opt.state[weight].items()
+             if torch.is_tensor(value) and value.shape == weight.shape}
+    return weight.detach().cpu().numpy(), state, reads, tables
+
+
+class LazyBfloat16Table(torch.nn.Module):
+    """The reference table: F.embedding with the padding row, recording the rows training forwards look up."""
+
+    def __init__(self, table0, device):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.from_numpy(table0.copy()).to(device))
+        self.looked_up = []
+
+    def forward(self, ids):
+        if self.training and torch.is_grad_enabled():
+            self.looked_up.append(ids.reshape(-1))
+        return F.embedding(ids, self.weight, padding_idx=MIXED_PAD)
+
+    def make_lazy(self, opt):
+        """At each step, rows not looked up keep their value and state; the others are rounded."""
+        weight, before = self.weight, {}
+
+        def pre(opt, args, kwargs):
+            before["weight"] = weight.detach().clone()
+            before["state"] = {k: v.clone() for k, v in opt.state.get(weight, {}).items()
+                               if torch.is_tensor(v) and v.shape == weight.shape}
+
+        def post(opt, args, kwargs):
+            untouched = torch.ones(len(weight), dtype=torch.bool, device=weight.device)
+            untouched[torch.cat(self.looked_up)] = False
+            self.looked_up.clear()
+            group = opt.param_groups[0]
+            with torch.no_grad():
+                weight[untouched] = before["weight"][untouched]
+                weight[~untouched] = weight[~untouched].to(torch.bfloat16).float()
+                for name, value in opt.state[weight].items():
+                    if torch.is_tensor(value) and value.shape == weight.shape:
+                        value[untouched] = (before["state"][name][untouched] if name in before["state"]
+                                            else torch_initial(name, group))
+
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+
+
+@pytest.mark.parametrize("name,cache_rows", [("adamw_amsgrad", 100), ("sgd_nesterov_maximize", 1),
+                                             ("adagrad", 10), ("rmsprop_centered", 100)])
+def test_bfloat16_cached_training_through_every_flow_equals_the_reference(name, cache_rows, backend,
+                                                                          rng, tmp_path):
+    """A bfloat16 table with a cache of 1, 5% or 50% of its rows (a step touches 20-60),
+    prefetches of the next step, of the step in flight and twice, gradient accumulation,
+    ``step(closure)``, ``discard_step()`` after a prefetch, ``zero_grad(set_to_none=False)``,
+    forwards no backward reaches, no_grad and eval reads, the padding row, and halfway a
+    checkpoint resumed by a fresh embedding and optimizer: equal to the float32 reference that
+    rounds the touched rows to bfloat16 at each step."""
+    device = ss.get_backend(backend).device
+    values = torch.from_numpy(rng.uniform(0.5, 2.0, (MIXED_ROWS, MIXED_DIM))
+                              * rng.choice([-1, 1], (MIXED_ROWS, MIXED_DIM)))
+    table0 = values.to(torch.bfloat16).float().numpy()
+    table0[MIXED_PAD] = 0.5  # a pretrained padding row: it moves only at steps that look it up
+    plan = _mixed_plan(rng, device)
+    make_opt = MIXED_OPTIMIZERS[name]
+
+    def build():
+        emb = ss.OffloadedEmbedding(MIXED_ROWS, MIXED_DIM, max_rows=MIXED_ROWS, storage="pageable",
+                                    backend=backend, dtype=torch.bfloat16, cache_rows=cache_rows,
+                                    padding_idx=MIXED_PAD)
+        return emb, make_opt(emb.parameters())
+
+    emb, opt = build()
+    emb.table.scatter(np.arange(MIXED_ROWS), torch.from_numpy(table0).to(torch.bfloat16).to(device))
+    emb.attach(opt)
+    reads, tables = [], []
+    for step in range(MIXED_STEPS):
+        if step == MIXED_STEPS // 2:
+            emb.save(tmp_path / "ckpt")
+            saved = copy.deepcopy(opt.state_dict())
+            emb.close()
+            emb, opt = build()
+            opt.load_state_dict(saved)
+            emb.attach(opt)
+            emb.load(tmp_path / "ckpt")
+        reads.append(_train_mixed(emb, opt, plan, step, offloaded=True))
+        if step % MIXED_EVERY == 5:
+            emb.eval()
+            with torch.no_grad():
+                tables.append(emb(torch.arange(MIXED_ROWS, device=device)).cpu().numpy())
+            emb.train()
+    emb.flush()
+    table, state = emb.table.gather(np.arange(MIXED_ROWS)).float().cpu().numpy(), {
+        name: t.to_numpy(copy=True) for name, t in emb._state.tables.items()}
+    ref_table, ref_state, ref_reads, ref_tables = _bfloat16_reference(table0, make_opt, plan, device)
+    assert_same((table, state), (ref_table, ref_state))
+    for step, (read, ref) in enumerate(zip(reads, ref_reads)):
+        if ref is not None:
+            np.testing.assert_allclose(read, ref, **TOL, err_msg=f"no_grad read at step {step}")
+    for k, (read, ref) in enumerate(zip(tables, ref_tables)):
+        np.testing.assert_allclose(read, ref, **TOL, err_msg=f"eval read {k}")
+    assert len(tables) == len(ref_tables)
+    # A one-row cache holds the padding row, which every step carries (not counted as a hit).
+    assert emb.stats()["total"]["hits"] > 0 or cache_rows == 1
 
 
 def test_the_table_through_the_embedding_sees_the_cache_and_writes_reach_the_next_step(backend, rng):

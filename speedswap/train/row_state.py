@@ -304,6 +304,13 @@ class RowState:
             return  # plain SGD keeps no per-row state (even after a checkpoint load)
         state = self.optimizer.state.get(self.param)
         if not state or any(name not in state for name in self.spec):
+            if not self._fresh:
+                # A checkpoint saved before the first step holds torch's initial state in
+                # every row: with no optimizer state beside it, that is a fresh start (as a
+                # sharded checkpoint's load finds too). The check reads the tables, so a
+                # device cache gives its state rows back first; it runs only on this path.
+                with resetting():
+                    self._fresh = self.holds_initial_state()
             if self._fresh:
                 # torch creates the initial state at this step, from the group as it is now
                 # (Rprop's step_size is the lr now, which a scheduler may have changed since
