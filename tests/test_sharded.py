@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import speedswap as ss
 import sharded_worker
@@ -1061,3 +1062,32 @@ def test_a_whole_table_npy_too_large_to_stage_changed_after_it_was_verified_load
     monkeypatch.setattr(sharded_module, "stage_table_rows", staged_by)
     emb.load(path)
     np.testing.assert_array_equal(emb.table.to_numpy(), np.load(path))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_step_skipped_after_its_backward_then_zero_grad_after_the_next_forward(rng, optimizer):
+    """forward, zero_grad(), backward, step, with steps skipped after their backward: the skipped
+    gradient is dropped (it was sent with the next step's), as in memory."""
+    rows, dim, steps = 50, 4, 40
+    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
+    emb = ss.ShardedOffloadedEmbedding(rows, dim, max_rows=40, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    if optimizer == "sgd":
+        opt, ref_opt = torch.optim.SGD(emb.parameters(), lr=0.1), torch.optim.SGD([ref], lr=0.1)
+    else:
+        opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
+        ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+    emb.attach(opt)
+    p = 1.0 / np.arange(1, rows + 1)
+    skipped = set(rng.choice(steps, size=steps // 3, replace=False).tolist())
+    for step in range(steps):
+        ids = torch.from_numpy(rng.choice(rows, size=12, p=p / p.sum()))
+        target = torch.from_numpy(rng.standard_normal((12, dim)).astype(np.float32))
+        for lookup, optim in ((emb, opt), (lambda i: F.embedding(i, ref, sparse=True), ref_opt)):
+            out = lookup(ids)
+            optim.zero_grad()
+            ((out - target) ** 2).sum().backward()
+            if step not in skipped:
+                optim.step()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

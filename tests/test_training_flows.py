@@ -372,3 +372,34 @@ def test_a_step_without_update_is_accepted_when_the_gradient_is_dropped_or_not_f
     o.after_step(amp_ids)
     opt.zero_grad()
     assert_same_snapshot(snapshot(u, o), before)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_step_skipped_after_its_backward_then_zero_grad_after_the_next_forward(backend, rng, cache_rows):
+    """The loop order forward, ``zero_grad()``, backward, step, with steps skipped after their backward.
+
+    The next forward joins the skipped step's working set (its gradient is
+    still there: accumulation), then ``zero_grad()`` drops that gradient. In
+    memory the skipped step's rows are then never trained; Adam moved them by
+    their momentum at a zero gradient.
+    """
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=3 * BATCH * WIDTH, storage="pageable",
+                                backend=backend, cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+    device = ss.get_backend(backend).device
+    skipped = set(rng.choice(STEPS * 2 - 1, size=STEPS // 2, replace=False).tolist())  # the last steps
+    for step, (ids, target) in enumerate(zipf_ids(rng, STEPS * 2)):
+        for lookup, optimizer, to in ((emb, opt, device),
+                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+            out = lookup(ids.to(to)).cpu()
+            optimizer.zero_grad()
+            ((out.sum(1) - target) ** 2).sum().backward()
+            if step not in skipped:  # a loss that was not finite, say: no step, no discard_step()
+                optimizer.step()
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

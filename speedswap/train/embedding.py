@@ -146,7 +146,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._backward_ran, self._version_at_backward = False, None
         self.weight.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
         self._working_set = WorkingSet(max_rows, self._table.device)
-        self._reached, self._kept = ReachedRows(), None
+        self._reached, self._kept = ReachedRows(dropped=_gradient_dropped(weakref.ref(self))), None
         self._state = None
         self._narrowed = None
         self._hooks = None
@@ -325,7 +325,9 @@ class OffloadedEmbedding(torch.nn.Module):
 
         ``optimizer.zero_grad()`` (whose default ``set_to_none=True`` drops the
         gradients) between a backward and the next training forward does this
-        by itself; after ``zero_grad(set_to_none=False)``, call it. A step
+        by itself; between the next forward and its backward, it leaves the
+        skipped forwards' rows unchanged at the next step, as rows no backward
+        reached; after ``zero_grad(set_to_none=False)``, call it. A step
         skipped before its backward needs nothing for exactness: rows that
         only forwards no backward reached are put back unchanged when the next
         step ends (:mod:`speedswap.train.reached`); this frees their slots now.
@@ -654,6 +656,17 @@ class OffloadedEmbedding(torch.nn.Module):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _gradient_dropped(ref):
+    """For :class:`ReachedRows`: whether ``zero_grad()`` dropped the gradient of the step's earlier backwards."""
+    def dropped():
+        embedding = ref()
+        if embedding is None or not embedding._backward_ran or embedding.weight.grad is not None:
+            return False
+        embedding._backward_ran = False  # asked once per backward: its end sets it again
+        return True
+    return dropped
 
 
 def _note_backward(ref):

@@ -23,7 +23,7 @@ offloaded, the forward must be run again.
 
 import functools
 import weakref
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -35,8 +35,20 @@ __all__ = ["ReachedRows", "KeptRows"]
 class ReachedRows:
     """The slots each training forward of a step looked up, and whether a backward reached it."""
 
-    def __init__(self):
+    def __init__(self, dropped: Optional[Callable[[], bool]] = None):
+        """
+        Args:
+            dropped: asked when a backward reaches a forward, before the
+                gradient accumulates: whether ``zero_grad()`` dropped the
+                gradient earlier backwards of the step gave (it then clears
+                what it must, once per backward). The forwards those
+                backwards reached then count as unreached: the loop order
+                forward, ``zero_grad()``, backward after a step skipped
+                after its backward trains only the new forwards' rows, as
+                in memory.
+        """
         self._step = 0
+        self._dropped = dropped
         self.clear()
 
     def clear(self) -> None:
@@ -99,6 +111,8 @@ def _reach(ref, step, key, grad):
                              "run (or was discarded): its rows have left the working set, so this "
                              "gradient has no rows to train. Run the forward again for the next step "
                              "instead of keeping its graph (retain_graph=True) across optimizer.step()")
+        if tracker._dropped is not None and tracker._dropped():
+            tracker.forget_reached()
         slots = tracker._unreached.pop(key, None)
         if slots is not None:
             tracker._reached.append(slots)

@@ -220,7 +220,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._backward_ran = False
         self._rows.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
         self._narrowed = None
-        self._reached = ReachedRows()
+        self._reached = ReachedRows(dropped=_gradient_dropped(weakref.ref(self)))
         self._new_step()
 
     def _new_step(self):
@@ -240,8 +240,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         """Drop the rows and gradients of the forwards since the last step, whose step will not run.
 
         Call it on every rank (the step is skipped everywhere, as DDP needs);
-        ``optimizer.zero_grad()`` after the backward does it by itself. The
-        rows and their optimizer state stay as they were.
+        ``optimizer.zero_grad()`` after the backward does it by itself (before
+        the next forward; after it, the skipped gradient is dropped and the
+        skipped forwards' rows wait unchanged, as rows no backward reached).
+        The rows and their optimizer state stay as they were.
         """
         self._new_step()
 
@@ -761,6 +763,24 @@ def _describe(config) -> str:
         optimizer += f", {steps} step(s) since {_ORIGINS[origin]}"
     padding = "" if padding == _NO_PADDING else f", padding_idx={padding}"
     return f"{rows} x {dim} {dtype}, max_rows={max_rows}{padding}, {optimizer}"
+
+
+def _gradient_dropped(ref):
+    """For :class:`ReachedRows`: whether ``zero_grad()`` dropped the gradient of the step's earlier backwards.
+
+    ``zero_grad()`` drops only ``weight``'s placeholder; the looked-up rows'
+    own gradient, which the exchange sends, is cleared here, before this
+    backward adds to it.
+    """
+    def dropped():
+        embedding = ref()
+        if (embedding is None or not embedding._backward_ran or embedding._exchanged
+                or embedding.weight.grad is not None):
+            return False
+        embedding._rows.grad = None
+        embedding._backward_ran = False  # asked once per backward: its end sets it again
+        return True
+    return dropped
 
 
 def _note_backward(ref):
