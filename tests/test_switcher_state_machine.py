@@ -244,8 +244,6 @@ class SwitchersAgainstInMemory(RuleBasedStateMachine):
             last = self.u.stats()["last_step"]
             assert last["hits"] == last["unique_rows"], (brought, last)
 
-    # A checkpoint of an Adam that never stepped holds no state to restore (see test_cache).
-    @precondition(lambda self: self.steps)
     @rule(slot=st.integers(0, 3), u_h5=st.booleans(), o_h5=st.booleans(), alias=st.booleans())
     def save(self, slot, u_h5, o_h5, alias):
         """Save both switchers to a slot's files, over an earlier save of the slot if any."""
