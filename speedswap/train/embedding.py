@@ -21,6 +21,7 @@ from ..errors import CapacityError, DTypeError, OptionError, StateError
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
+from .options import padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
 from .step_hooks import StepHooks
@@ -104,12 +105,7 @@ class OffloadedEmbedding(torch.nn.Module):
                  scale_grad_by_freq: bool = False, sparse: bool = False, max_norm: float = None,
                  norm_type: float = 2.0):
         super().__init__()
-        if max_norm is not None or norm_type != 2.0:
-            raise OptionError(
-                f"OffloadedEmbedding does not support max_norm (got max_norm={max_norm!r}, "
-                f"norm_type={norm_type!r}): nn.Embedding renormalises looked-up rows in place "
-                f"at every forward, eval included; clip the rows yourself between steps "
-                f"(emb.table.apply_) or leave max_norm out")
+        refuse_max_norm("OffloadedEmbedding", max_norm, norm_type, "emb.table.apply_")
         num_embeddings = int_option(num_embeddings, "num_embeddings")
         embedding_dim = int_option(embedding_dim, "embedding_dim")
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
@@ -119,10 +115,7 @@ class OffloadedEmbedding(torch.nn.Module):
         if not dtype.is_floating_point:
             raise DTypeError(f"an embedding trains floating-point rows, not {dtype}; use "
                              f"torch.float32, torch.bfloat16, torch.float16 or torch.float64")
-        if padding_idx is not None:
-            padding_idx = int_option(padding_idx, "padding_idx", minimum=0)
-            if padding_idx >= num_embeddings:
-                raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx!r}")
+        padding_idx = padding_option(padding_idx, num_embeddings)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.max_rows, self.padding_idx = max_rows, padding_idx
         self.scale_grad_by_freq, self.sparse = bool(scale_grad_by_freq), bool(sparse)

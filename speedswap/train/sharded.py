@@ -41,6 +41,7 @@ from ..table import HostTable
 from .checkpoint import file_in
 from .exchange import (EVAL_FORWARD, EXCHANGE, LOAD, SAVE, STEP, TRAIN_FORWARD, Exchange, owners,
                        row_bounds)
+from .options import padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
 from .sharded_checkpoint import (all_unchanged, load_shards, run_everywhere, save_shards,
@@ -152,17 +153,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             raise OptionError(f"cache_rows={cache_rows}: ShardedOffloadedEmbedding has no device cache; "
                               f"its rows reach their owners through the exchange every step. Pass "
                               f"cache_rows=0, or train in one process with OffloadedEmbedding(cache_rows=...)")
-        if max_norm is not None or norm_type != 2.0:
-            raise OptionError(
-                f"ShardedOffloadedEmbedding does not support max_norm (got max_norm={max_norm!r}, "
-                f"norm_type={norm_type!r}): nn.Embedding renormalises looked-up rows in place "
-                f"at every forward, eval included; clip the rows yourself between steps "
-                f"(emb.table.apply_ on every rank) or leave max_norm out")
+        refuse_max_norm("ShardedOffloadedEmbedding", max_norm, norm_type, "emb.table.apply_ on every rank")
         num_embeddings = int_option(num_embeddings, "num_embeddings")
-        if padding_idx is not None:
-            padding_idx = int_option(padding_idx, "padding_idx", minimum=0)
-            if padding_idx >= num_embeddings:
-                raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx!r}")
+        padding_idx = padding_option(padding_idx, num_embeddings)
         embedding_dim = int_option(embedding_dim, "embedding_dim")
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
                                   "rank looks up in one step)"), num_embeddings)

@@ -1,0 +1,41 @@
+"""``nn.Embedding``'s constructor options, checked alike by every offloaded embedding."""
+
+from typing import Optional
+
+from ..convert import int_option
+from ..errors import OptionError
+
+__all__ = ["padding_option", "refuse_max_norm"]
+
+
+def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:
+    """``padding_idx`` as an int row id, or None.
+
+    Raises:
+        OptionError: not an integer in ``[0, num_embeddings)`` (``nn.Embedding``'s
+            negative ids, counted from the end, are refused).
+    """
+    if padding_idx is None:
+        return None
+    padding_idx = int_option(padding_idx, "padding_idx", minimum=0)
+    if padding_idx >= num_embeddings:
+        raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx!r}")
+    return padding_idx
+
+
+def refuse_max_norm(cls: str, max_norm, norm_type, advice: str) -> None:
+    """Refuse ``max_norm``, which ``nn.Embedding`` applies by writing rows in place at every lookup.
+
+    Args:
+        cls: the embedding class, for the message.
+        max_norm, norm_type: as given to it.
+        advice: how to clip that class's rows instead.
+
+    Raises:
+        OptionError: ``max_norm`` given, or a ``norm_type`` other than the default.
+    """
+    if max_norm is not None or norm_type != 2.0:
+        raise OptionError(
+            f"{cls} does not support max_norm (got max_norm={max_norm!r}, norm_type={norm_type!r}): "
+            f"nn.Embedding renormalises looked-up rows in place at every forward, eval included; "
+            f"clip the rows yourself between steps ({advice}) or leave max_norm out")
