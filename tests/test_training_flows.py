@@ -9,6 +9,8 @@ they were before the step.
 """
 
 import copy
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -403,3 +405,59 @@ def test_a_step_skipped_after_its_backward_then_zero_grad_after_the_next_forward
                 optimizer.step()
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+_DDP_SCRIPT = r"""
+import socket, sys
+import numpy as np, torch, torch.distributed as dist
+import speedswap as ss
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+DDP = torch.nn.parallel.DistributedDataParallel
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = ss.OffloadedEmbedding(50, 4, max_rows=40, storage="pageable", backend="numpy")
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids).sum(1))
+
+
+ids = torch.from_numpy(np.random.default_rng(int(sys.argv[1])).integers(0, 50, (6, 3)))
+model = Model()
+wrapped = DDP(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model.emb.attach(opt)
+try:
+    wrapped(ids)
+except ss.OptionError as exc:
+    assert "ShardedOffloadedEmbedding" in str(exc) and "_set_params_and_buffers_to_ignore_for_model" in str(exc)
+    assert not len(model.emb.working_rows)  # refused before any row joined the step
+else:
+    raise SystemExit("DDP over an OffloadedEmbedding's weight was not refused")
+
+ignored = Model()  # the advice: a table per rank, outside DDP's average
+DDP._set_params_and_buffers_to_ignore_for_model(ignored, ["emb.weight"])
+wrapped = DDP(ignored)
+opt = torch.optim.SGD(ignored.parameters(), lr=0.1)
+ignored.emb.attach(opt)
+start = ignored.emb.table.to_numpy(copy=True)
+wrapped(ids).pow(2).sum().backward()
+opt.step()
+assert not np.array_equal(ignored.emb.table.to_numpy(), start)  # it trained
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_an_offloaded_embedding_averaged_by_ddp_is_refused(seed):
+    """Each rank's working set holds other rows: DDP's average would train rows on other rows' gradients."""
+    done = subprocess.run([sys.executable, "-c", _DDP_SCRIPT, str(seed)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr[-3000:]

@@ -251,6 +251,8 @@ class OffloadedEmbedding(torch.nn.Module):
             IdError, DTypeError, DeviceError: bad ids (nothing changes).
             CapacityError: the step touches more than ``max_rows`` distinct rows.
             StateError: training before :meth:`attach`.
+            OptionError: a training forward inside ``DistributedDataParallel``
+                that averages :attr:`weight`'s gradient (see :func:`_refuse_ddp`).
         """
         self._check_open()
         self._abort_step()
@@ -259,6 +261,7 @@ class OffloadedEmbedding(torch.nn.Module):
                 return self._table.gather(ids).to(self.weight.dtype)
             flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
             return self._cache.read(flat).view(*shape, self.embedding_dim).to(self.weight.dtype)
+        _refuse_ddp(self.weight)
         local = self._add_rows(ids)
         # Slots name rows one to one, so counting them counts the ids (scale_grad_by_freq).
         out = F.embedding(local, self.weight, padding_idx=None if self.padding_idx is None else 0,
@@ -649,6 +652,33 @@ class OffloadedEmbedding(torch.nn.Module):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _refuse_ddp(weight):
+    """Refuse a training forward run by a ``DistributedDataParallel`` that averages ``weight``'s gradient.
+
+    ``weight`` is a working set: its slots hold other rows on every rank, so
+    DDP's average would add each rank's gradient to other ranks' rows,
+    silently. The DDP running a forward is the one torch itself records for
+    ``torch.compile`` (``_get_active_ddp_module``).
+
+    Raises:
+        OptionError: ``weight`` is among that DDP's averaged parameters.
+    """
+    ddp = getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
+    if ddp is None:
+        return
+    averaged = getattr(ddp, "_module_parameters", None)
+    if averaged is None:  # another torch: every parameter but those DDP was told to ignore
+        averaged = list(ddp.module.parameters())
+    if any(p is weight for p in averaged):
+        raise OptionError(
+            "an OffloadedEmbedding inside DistributedDataParallel: DDP would average its weight's "
+            "gradient across ranks, but each rank's weight holds other rows (the step's working set), "
+            "so rows would train on other rows' gradients. To split one table over the ranks, use "
+            "ShardedOffloadedEmbedding; to train a table per rank on purpose, exclude it from DDP "
+            "before wrapping: torch.nn.parallel.DistributedDataParallel."
+            "_set_params_and_buffers_to_ignore_for_model(model, ['<its name>.weight'])")
 
 
 def _gradient_dropped(ref):
