@@ -485,7 +485,7 @@ class HostTable:
                              "or copy the rows with HostTable.from_numpy")
         return buffer
 
-    def as_tensor(self) -> torch.Tensor:
+    def as_tensor(self, *, for_reading: bool = False) -> torch.Tensor:
         """The rows as a torch tensor sharing the table's memory (no copy).
 
         For loops that move rows themselves (such as :class:`~speedswap.BatchFeeder`).
@@ -502,12 +502,17 @@ class HostTable:
         segmentation fault. Write rows with :meth:`scatter`, which refuses a
         read-only table.
 
+        Args:
+            for_reading: the caller only reads the tensor (a feeder): a
+                read-only table gives its own map, whatever became of its
+                file since (a write through it would crash the process).
+
         Returns:
             torch.Tensor of shape :attr:`shape`.
 
         Raises:
-            StateError: a closed table, or a read-only table over a file that
-                cannot be mapped again (a memmap made from a file object, or a
+            StateError: a closed table, or (unless ``for_reading``) a
+                read-only table over a file that cannot be mapped again (a memmap made from a file object, or a
                 file replaced since it was mapped): copy its rows with
                 :meth:`from_numpy`.
 
@@ -522,7 +527,8 @@ class HostTable:
         """
         buffer = self._live_buffer()
         self._backend.wait_host(buffer)
-        if self._writable or not isinstance(buffer.host, np.memmap) or buffer.host.mode != "r":
+        if (for_reading or self._writable or not isinstance(buffer.host, np.memmap)
+                or buffer.host.mode != "r"):
             # Memory the process may write (a read-only array over ordinary memory too).
             return buffer.tensor
         private = _copy_on_write(buffer.host)

@@ -97,7 +97,7 @@ def _as_tensor(source, what):
     """
     if isinstance(source, (DataGadget, HostTable)):
         table = _table_of(source)
-        tensor = table.as_tensor().view(source.shape)
+        tensor = table.as_tensor(for_reading=True).view(source.shape)
         mapped = table.storage == "mmap"  # on any backend its rows are the file's, in host memory
         return tensor, FileRows.of(table.to_numpy(), tensor) if mapped else None
     if isinstance(source, torch.Tensor) and source.device.type != "cpu":
@@ -118,7 +118,7 @@ def _as_tensor(source, what):
         flat = np.ascontiguousarray(flat)
     # Shares the array's memory; a memmap stays on disk and is paged in as rows are read.
     table = HostTable.adopt(flat, backend="numpy")
-    tensor = table.as_tensor().view(array.shape)
+    tensor = table.as_tensor(for_reading=True).view(array.shape)
     return tensor, FileRows.of(flat, tensor)
 
 

@@ -292,7 +292,7 @@ class DataGadget:
         if table.is_backing_file(path):
             table.flush()
             return
-        rows = table.as_tensor()
+        rows = table.as_tensor(for_reading=True)
         np_dtype = numpy_dtype(table.dtype)
         chunks = (rows[start:stop].cpu().numpy() for start, stop in files.row_ranges(table.shape, np_dtype))
         files.write_npy(path, self.shape, np_dtype, chunks)
