@@ -451,6 +451,13 @@ start = ignored.emb.table.to_numpy(copy=True)
 wrapped(ids).pow(2).sum().backward()
 opt.step()
 assert not np.array_equal(ignored.emb.table.to_numpy(), start)  # it trained
+frozen = Model()  # DDP averages no frozen parameter: a fixed table under a trained head
+frozen.emb.weight.requires_grad_(False)
+wrapped = DDP(frozen)
+opt = torch.optim.SGD(frozen.parameters(), lr=0.1)
+frozen.emb.attach(opt)
+wrapped(ids).pow(2).sum().backward()
+opt.step()
 dist.destroy_process_group()
 print("ok")
 """
@@ -461,3 +468,25 @@ def test_an_offloaded_embedding_averaged_by_ddp_is_refused(seed):
     done = subprocess.run([sys.executable, "-c", _DDP_SCRIPT, str(seed)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr[-3000:]
+
+
+def test_a_second_backward_through_a_kept_graph_after_zero_grad_trains_on_its_gradient(backend, rng):
+    """backward(retain_graph=True), zero_grad(), backward(), step: the rows train on the second
+    backward's gradient, as in memory (a probe of the gradient, then the real backward)."""
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH * WIDTH, storage="pageable", backend=backend)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+    device = ss.get_backend(backend).device
+    for ids, target in zipf_ids(rng, STEPS):
+        for lookup, optimizer, to in ((emb, opt, device),
+                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+            loss = ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum()
+            loss.backward(retain_graph=True)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

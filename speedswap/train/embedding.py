@@ -666,7 +666,7 @@ def _refuse_ddp(weight):
         OptionError: ``weight`` is among that DDP's averaged parameters.
     """
     ddp = getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)
-    if ddp is None:
+    if ddp is None or not weight.requires_grad:  # DDP averages no frozen parameter
         return
     averaged = getattr(ddp, "_module_parameters", None)
     if averaged is None:  # another torch: every parameter but those DDP was told to ignore

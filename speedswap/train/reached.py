@@ -54,7 +54,7 @@ class ReachedRows:
     def clear(self) -> None:
         """Forget the step: the next forward starts a new one, and a backward through its forwards raises."""
         self._step += 1       # hooks of earlier steps' forwards tell by it that their step is over
-        self._reached = []    # slots of forwards a backward reached (or given a gradient by hand)
+        self._reached = {}    # forward number -> its slots, once a backward reached it (or a gradient by hand)
         self._unreached = {}  # forward number -> its slots, until a backward reaches its output
         self._count = 0
 
@@ -71,15 +71,18 @@ class ReachedRows:
         output.register_hook(functools.partial(_reach, weakref.ref(self), self._step, key))
 
     def forget_reached(self) -> None:
-        """Count every forward so far as unreached: the gradient their backward gave was dropped."""
-        for slots in self._reached:
-            self._unreached[self._count] = slots
-            self._count += 1
-        self._reached = []
+        """Count every forward so far as unreached: the gradient their backward gave was dropped.
+
+        Each keeps its number, so a later backward through its graph (kept
+        with ``retain_graph=True``) finds it and counts it reached again.
+        """
+        self._unreached.update(self._reached)
+        self._reached = {}
 
     def reached(self, slots: torch.Tensor) -> None:
         """Record slots whose gradient the caller writes itself (no autograd to watch)."""
-        self._reached.append(slots)
+        key, self._count = self._count, self._count + 1
+        self._reached[key] = slots
 
     def unreached_slots(self, size: int, device) -> Optional[torch.Tensor]:
         """The slots in ``[0, size)`` that only forwards no backward reached looked up, or None if none.
@@ -89,7 +92,7 @@ class ReachedRows:
         if not self._unreached:
             return None
         untouched = torch.ones(size, dtype=torch.bool, device=device)
-        for slots in self._reached:
+        for slots in self._reached.values():
             untouched[slots.reshape(-1)] = False
         found = untouched.nonzero().squeeze(1)
         return found if len(found) else None
@@ -99,7 +102,7 @@ class ReachedRows:
 
         Computed on the device, without synchronising a GPU's host.
         """
-        found = [(slots == slot).any() for slots in self._reached]
+        found = [(slots == slot).any() for slots in self._reached.values()]
         return torch.stack(found).any() if found else torch.zeros((), dtype=torch.bool, device=device)
 
 
@@ -115,7 +118,7 @@ def _reach(ref, step, key, grad):
             tracker.forget_reached()
         slots = tracker._unreached.pop(key, None)
         if slots is not None:
-            tracker._reached.append(slots)
+            tracker._reached[key] = slots
 
 
 class KeptRows:

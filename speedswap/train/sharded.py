@@ -767,11 +767,15 @@ def _gradient_dropped(ref):
     """
     def dropped():
         embedding = ref()
-        if (embedding is None or not embedding._backward_ran or embedding._exchanged
-                or embedding.weight.grad is not None):
+        if embedding is None or not embedding._backward_ran or embedding.weight.grad is not None:
             return False
         embedding._rows.grad = None
         embedding._backward_ran = False  # asked once per backward: its end sets it again
+        # A step whose gradients were exchanged (for a GradScaler that then skipped it): its
+        # exchange is void too, and the next step's makes a fresh one, the dropped forwards
+        # flagged unreached so that their owners put their rows back.
+        embedding._exchanged = embedding._late_backward = False
+        embedding._put_back = None
         return True
     return dropped
 
