@@ -448,20 +448,12 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 fused optimizer's ``scaler.step`` makes), or ``zero_grad(set_to_none=False)``
                 acted on the placeholder.
         """
-        placeholder = self.weight.grad is self._grad
-        # The GradScaler's in-place unscale does not bump the version counter (CPU, torch 2.x):
-        # the placeholder's marked element, which any rescaling changes, tells it too.
-        changed = placeholder and (self._grad._version != self._placeholder_version
-                                   or bool(self._grad[-1, -1] != self._mark))
+        changed = self.weight.grad is self._grad and self._grad._version != self._placeholder_version
         # A fused optimizer's scaler.step() hands it the inf check it made (found_inf) instead.
+        # (A GradScaler's unscale_, which keeps the version, is seen by the exchange: the mark.)
         checked = getattr(optimizer, "found_inf", None) is not None
         if changed or checked:
-            raise StateError(
-                "weight.grad was changed or read between the backward and optimizer.step() (a gradient "
-                "clip, a GradScaler's unscale_ or inf check, or zero_grad(set_to_none=False)), but a "
-                "ShardedOffloadedEmbedding's gradient reaches its owners only at the step: call "
-                "emb.exchange_gradients() on every rank before clipping or unscaling, or "
-                "emb.discard_step() on every rank to skip the step")
+            raise StateError(_GRAD_CHANGED)
 
     def _check_optimizer_state(self) -> None:
         """Refuse, before any collective, optimizer state that the step's gather would refuse.
@@ -507,7 +499,16 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         # Stable: an owner gets each source's rows in the order it sent the ids.
         dest = owners(self._looked_up.rows, self.bounds)
         order = torch.argsort(dest, stable=True)
-        counts = torch.bincount(dest, minlength=self.world_size).tolist()
+        counts = torch.bincount(dest, minlength=self.world_size)
+        placeholder = self.weight.grad is self._grad
+        if placeholder:
+            # The GradScaler's in-place unscale does not bump the placeholder's version (torch
+            # 2.x): its marked element, which any rescaling changes, tells it. Read with the
+            # counts: on a GPU one wait for the host, not two.
+            counts = torch.cat([counts, (self._grad[-1:, -1] != self._mark).to(counts.dtype)])
+        counts = counts.tolist()
+        if placeholder and counts.pop():
+            self._exchange.begin(call, StateError(_GRAD_CHANGED), self._config(), _describe, what)
         unreached = self._reached.unreached_slots(k_local, grad.device)
         recv_counts, any_unreached = self._exchange.begin(
             call, None, self._config(), _describe, what, send_counts=counts,
@@ -715,6 +716,13 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
 #: Floating dtypes as integers for the ranks' comparison, and back into words for its error.
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+#: Why a step refuses a placeholder gradient that something changed before the exchange.
+_GRAD_CHANGED = (
+    "weight.grad was changed or read between the backward and optimizer.step() (a gradient clip, a "
+    "GradScaler's unscale_ or inf check, or zero_grad(set_to_none=False)), but a "
+    "ShardedOffloadedEmbedding's gradient reaches its owners only at the step: call "
+    "emb.exchange_gradients() on every rank before clipping or unscaling, or emb.discard_step() on "
+    "every rank to skip the step")
 #: Where the attached optimizer's state came from, as integers for the ranks' comparison.
 _ORIGINS = ("", "attach()", "load()")
 _ATTACHED, _LOADED = 1, 2
