@@ -1093,14 +1093,19 @@ def test_a_step_skipped_after_its_backward_then_zero_grad_after_the_next_forward
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_second_backward_through_a_kept_graph_after_zero_grad_trains_on_its_gradient(rng):
+def _sgd_against_in_memory(rng, max_rows):
+    """(emb, opt, ref, ref_opt): a one-process sharded SGD and an in-memory one on the same 30 rows."""
     table0 = rng.standard_normal((30, 3)).astype(np.float32)
-    emb = ss.ShardedOffloadedEmbedding(30, 3, max_rows=12, storage="pageable", backend="numpy")
+    emb = ss.ShardedOffloadedEmbedding(30, 3, max_rows=max_rows, storage="pageable", backend="numpy")
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)
     emb.attach(opt)
     ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
-    ref_opt = torch.optim.SGD([ref], lr=0.1)
+    return emb, opt, ref, torch.optim.SGD([ref], lr=0.1)
+
+
+def test_a_second_backward_through_a_kept_graph_after_zero_grad_trains_on_its_gradient(rng):
+    emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 12)
     for _ in range(10):
         ids = torch.from_numpy(rng.integers(0, 30, 8))
         for lookup, optim in ((emb, opt), (lambda i: F.embedding(i, ref), ref_opt)):
@@ -1116,13 +1121,7 @@ def test_a_second_backward_through_a_kept_graph_after_zero_grad_trains_on_its_gr
 def test_a_step_skipped_after_exchange_gradients_then_zero_grad_after_the_next_forward(rng, exchange_again):
     """The GradScaler pattern: exchange_gradients(), the scaler skips the step; the next step in the
     order forward, zero_grad(), backward trains on its own gradient alone."""
-    table0 = rng.standard_normal((30, 3)).astype(np.float32)
-    emb = ss.ShardedOffloadedEmbedding(30, 3, max_rows=16, storage="pageable", backend="numpy")
-    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
-    emb.attach(opt)
-    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
-    ref_opt = torch.optim.SGD([ref], lr=0.1)
+    emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 16)
     for step in range(12):
         ids = torch.from_numpy(rng.integers(0, 30, 8))
         skipped = step % 3 == 1

@@ -376,6 +376,18 @@ def test_a_step_without_update_is_accepted_when_the_gradient_is_dropped_or_not_f
     assert_same_snapshot(snapshot(u, o), before)
 
 
+def adam_against_sparse_adam(rng, backend, max_rows, cache_rows=0):
+    """(emb, opt, ref, ref_opt, device): an offloaded Adam and an in-memory SparseAdam on the same rows."""
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=max_rows, storage="pageable", backend=backend,
+                                cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    return emb, opt, ref, torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30), ss.get_backend(backend).device
+
+
 @pytest.mark.parametrize("cache_rows", [0, 40])
 def test_a_step_skipped_after_its_backward_then_zero_grad_after_the_next_forward(backend, rng, cache_rows):
     """The loop order forward, ``zero_grad()``, backward, step, with steps skipped after their backward.
@@ -385,15 +397,7 @@ def test_a_step_skipped_after_its_backward_then_zero_grad_after_the_next_forward
     memory the skipped step's rows are then never trained; Adam moved them by
     their momentum at a zero gradient.
     """
-    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
-    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=3 * BATCH * WIDTH, storage="pageable",
-                                backend=backend, cache_rows=cache_rows)
-    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
-    emb.attach(opt)
-    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
-    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
-    device = ss.get_backend(backend).device
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 3 * BATCH * WIDTH, cache_rows)
     skipped = set(rng.choice(STEPS * 2 - 1, size=STEPS // 2, replace=False).tolist())  # the last steps
     for step, (ids, target) in enumerate(zipf_ids(rng, STEPS * 2)):
         for lookup, optimizer, to in ((emb, opt, device),
@@ -473,14 +477,7 @@ def test_an_offloaded_embedding_averaged_by_ddp_is_refused(seed):
 def test_a_second_backward_through_a_kept_graph_after_zero_grad_trains_on_its_gradient(backend, rng):
     """backward(retain_graph=True), zero_grad(), backward(), step: the rows train on the second
     backward's gradient, as in memory (a probe of the gradient, then the real backward)."""
-    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
-    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH * WIDTH, storage="pageable", backend=backend)
-    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
-    emb.attach(opt)
-    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
-    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
-    device = ss.get_backend(backend).device
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH)
     for ids, target in zipf_ids(rng, STEPS):
         for lookup, optimizer, to in ((emb, opt, device),
                                       (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
