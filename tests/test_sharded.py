@@ -1134,3 +1134,28 @@ def test_a_step_skipped_after_exchange_gradients_then_zero_grad_after_the_next_f
             if not skipped:
                 optim.step()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_whose_optimizer_raised_is_retried_and_training_goes_on(rng):
+    """The optimizer raised after the rows were narrowed: the retry trained, but left weight
+    narrowed, and the next step failed on a gradient of the full size."""
+    emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 12)
+    armed = []
+
+    def raise_once(*_):
+        if armed:
+            armed.pop()
+            raise RuntimeError("not this time")
+    opt.register_step_pre_hook(raise_once)  # after the embedding's own hook, which narrowed the rows
+    for step in range(10):
+        ids = torch.from_numpy(rng.integers(0, 30, 8))
+        for lookup, optim in ((emb, opt), (lambda i: F.embedding(i, ref), ref_opt)):
+            (lookup(ids) ** 3).sum().backward()
+            if optim is opt and step % 3 == 0:
+                armed.append(True)
+                with pytest.raises(RuntimeError, match="not this time"):
+                    optim.step()
+            optim.step()
+            optim.zero_grad()
+    assert emb.weight.shape[0] == 12
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

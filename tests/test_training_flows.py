@@ -487,3 +487,49 @@ def test_a_second_backward_through_a_kept_graph_after_zero_grad_trains_on_its_gr
             loss.backward()
             optimizer.step()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("restore", ["sub_data", "assign_data"])
+def test_sam_perturbing_through_weight_data_equals_in_memory(backend, rng, restore):
+    """SAM: backward, perturb by rho * grad, zero_grad, forward and backward at the perturbed rows,
+    restore, step. Through ``p.data.add_`` (no version bump: the step was taken for skipped and
+    its rows read again, unperturbed) and ``p.data = old_p`` (davda54/sam: the optimizer then
+    trained a copy the table never saw)."""
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH * WIDTH, storage="pageable", backend=backend)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SGD([ref], lr=0.1)
+    device = ss.get_backend(backend).device
+    for ids, target in zipf_ids(rng, STEPS):
+        for lookup, optimizer, param, to in ((emb, opt, emb.weight, device),
+                                             (lambda i: F.embedding(i, ref), ref_opt, ref, "cpu")):
+            def loss():
+                return ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum()
+            loss().backward()
+            perturbation = 0.05 * param.grad
+            saved = param.data.clone()
+            param.data.add_(perturbation)
+            optimizer.zero_grad()
+            loss().backward()
+            if restore == "sub_data":
+                param.data.sub_(perturbation)
+            else:
+                param.data = saved
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_weight_data_replaced_by_an_unlike_tensor_is_refused(rng):
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=8, storage="pageable", backend="numpy")
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    before = emb.table.to_numpy(copy=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    emb.weight.data = torch.zeros(3, DIM)
+    with pytest.raises(ss.StateError, match="weight.data was replaced"):
+        opt.step()
+    np.testing.assert_array_equal(emb.table.to_numpy(), before)

@@ -282,6 +282,10 @@ class OffloadedEmbedding(torch.nn.Module):
         free slots in ascending id order, so a step's first call with sorted,
         distinct ids gives them slots ``0, 1, 2, ...``. With ``padding_idx``
         the padding row is slot 0 and must get no gradient. Works in any grad mode.
+        To skip a step whose gradient was written by hand, call
+        :meth:`discard_step`: ``zero_grad()`` alone drops the gradient but not
+        the rows, which the next step would then train at a zero gradient
+        (Adam moves them by their momentum).
 
         Args:
             ids: integer ids of any shape (as for :meth:`forward`), checked once, here.
@@ -349,11 +353,46 @@ class OffloadedEmbedding(torch.nn.Module):
         are put back at the step, their gradient having been dropped.
         """
         if self._backward_ran and self.weight.grad is None:
-            if self.weight._version != self._version_at_backward:
+            if self.weight._version != self._version_at_backward or self._rows_changed():
                 self._reached.forget_reached()
                 self._backward_ran = False
             else:
                 self.discard_step()
+
+    def _rows_changed(self) -> bool:
+        """Whether the working set's rows differ from the table's (and cache's) values of them.
+
+        A change through ``weight.data`` (``p.data.add_(e)``) keeps ``weight``'s
+        version, so the rows themselves are compared: one gather of the
+        step's rows, on the path where ``zero_grad()`` dropped a step only.
+        """
+        rows = self._working_set.rows
+        with torch.no_grad():
+            current = self._cache.read(rows).to(self._full.dtype)
+        return not torch.equal(current, self._full[:len(rows)])
+
+    def _adopt_replaced_data(self):
+        """Take the values of a ``weight.data = tensor`` assignment into the working set.
+
+        SAM (``p.data = old_p``) restores its saved rows that way; the step must
+        train them, and the working set's own storage is what the table and
+        the next forwards read.
+
+        Raises:
+            StateError: the new data is not shaped, typed and placed as
+                :attr:`weight` (nothing changes).
+        """
+        data = self.weight.data
+        if data.data_ptr() == self._full.data_ptr() and data.shape == self._full.shape:
+            return
+        if (data.shape, data.dtype, data.device) != (self._full.shape, self._full.dtype, self._full.device):
+            raise StateError(f"weight.data was replaced by a {tuple(data.shape)} {data.dtype} tensor on "
+                             f"{data.device}; an OffloadedEmbedding's weight is its working set, "
+                             f"{tuple(self._full.shape)} {self._full.dtype} on {self._full.device}: "
+                             f"assign a tensor like it, or write rows with emb.table")
+        with torch.no_grad():
+            self._full.copy_(data)
+        self.weight.data = self._full
 
     def _step_in_flight(self) -> bool:
         """Whether training forwards hold rows for a step still to come (a step zero_grad() dropped holds none)."""
@@ -399,6 +438,7 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._state is None:
             raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                              "step() is where the updated rows are written back")
+        self._adopt_replaced_data()
         self._drop_zeroed_step()
         flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
         ws = self._working_set
@@ -435,6 +475,7 @@ class OffloadedEmbedding(torch.nn.Module):
         rows = self._working_set.rows
         if not len(rows) or self._narrowed is not None:
             return
+        self._adopt_replaced_data()
         self._state.check_not_replaced()  # optimizer.load_state_dict() between the forward and the step
         self._state.gather(rows, read=self._cache.read_state,  # raises before anything changes
                            resetting=lambda: resetting_state(self._cache))

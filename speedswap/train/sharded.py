@@ -217,6 +217,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._new_step()
 
     def _new_step(self):
+        self._restore_narrowed()
         self._owned.clear()
         self._looked_up.clear()
         self._sent_to_me = [[] for _ in range(self.world_size)]  # owned slots, per source, per call
@@ -330,6 +331,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         """
         training = self.training and torch.is_grad_enabled()
         if training:
+            self._abort_step()
             self._drop_zeroed_step()
         before, error, send, counts = copy.copy(self._looked_up), None, None, None
         try:
@@ -542,7 +544,27 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             kept = (~got).nonzero().squeeze(1)
             self._put_back = kept if len(kept) else None
 
+    def _restore_narrowed(self) -> None:
+        """Give :attr:`weight` and the optimizer their full-size tensors back after a step that raised."""
+        if self._narrowed is not None:
+            self._narrowed.restore()
+            self._narrowed = None
+            self._kept = None  # made again by the retried step
+            self._state.release()
+
+    def _abort_step(self) -> None:
+        """Undo a step whose optimizer raised, for a retry (as :class:`~speedswap.OffloadedEmbedding` does).
+
+        Nothing was written back, so the table and state tables hold every
+        owned row as before it; the owned rows, which the optimizer may have
+        half updated, are read from the table again.
+        """
+        if self._narrowed is not None:
+            self._restore_narrowed()
+            self._gather_owned(0)
+
     def _before_step(self, optimizer, args, kwargs):
+        self._abort_step()  # a retry of a step whose optimizer raised
         if self._drop_zeroed_step() or self._forwards == 0:
             return  # no gradient (forwards and zero_grad are on every rank alike): no step
         error = None
