@@ -710,7 +710,7 @@ def _refuse_ddp(weight):
     if ddp is None or not weight.requires_grad:  # DDP averages no frozen parameter
         return
     averaged = getattr(ddp, "_module_parameters", None)
-    if averaged is None:  # another torch: every parameter but those DDP was told to ignore
+    if averaged is None:  # a torch without the list: every parameter of the module, to be safe
         averaged = list(ddp.module.parameters())
     if any(p is weight for p in averaged):
         raise OptionError(
