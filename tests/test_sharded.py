@@ -1159,24 +1159,3 @@ def test_a_step_whose_optimizer_raised_is_retried_and_training_goes_on(rng):
             optim.zero_grad()
     assert emb.weight.shape[0] == 12
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
-
-
-def test_autograd_grad_through_a_forward_trains_nothing(rng):
-    """It reaches the forward's output but accumulates nothing into the looked-up rows' gradient
-    (Adam moved them by their momentum)."""
-    table0 = rng.standard_normal((30, 3)).astype(np.float32)
-    emb = ss.ShardedOffloadedEmbedding(30, 3, max_rows=16, storage="pageable", backend="numpy")
-    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
-    emb.attach(opt)
-    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
-    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
-    for _ in range(10):
-        probe, ids = (torch.from_numpy(rng.integers(0, 30, 8)) for _ in range(2))
-        for lookup, optim in ((emb, opt), (lambda i: F.embedding(i, ref, sparse=True), ref_opt)):
-            out = lookup(probe)
-            torch.autograd.grad(out.pow(2).sum(), out)
-            (lookup(ids) ** 3).sum().backward()
-            optim.step()
-            optim.zero_grad()
-    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -534,19 +534,3 @@ def test_weight_data_replaced_by_an_unlike_tensor_is_refused(rng):
     with pytest.raises(ss.StateError, match="weight.data was replaced"):
         opt.step()
     np.testing.assert_array_equal(emb.table.to_numpy(), before)
-
-
-def test_autograd_grad_through_a_forward_trains_nothing(backend, rng):
-    """``torch.autograd.grad`` reaches the forward's output but gives ``weight`` no gradient: its
-    rows are not trained (Adam moved them by their momentum, the forward counted as reached)."""
-    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, 40)
-    for probe_ids, (ids, target) in zip(zipf_ids(rng, STEPS), zipf_ids(rng, STEPS)):
-        for lookup, optimizer, to in ((emb, opt, device),
-                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
-            out = lookup(probe_ids[0].to(to)).cpu()
-            torch.autograd.grad(out.pow(2).sum(), out)
-            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    emb.flush()
-    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -738,7 +738,6 @@ def _note_backward(ref):
     def note(_weight):
         embedding = ref()
         if embedding is not None:
-            embedding._reached.accumulated()
             embedding._backward_ran = True
             embedding._version_at_backward = embedding.weight._version
     return note

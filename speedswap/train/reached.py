@@ -14,12 +14,6 @@ unchanged.
 Nothing is spent when every forward was reached, the usual case: the check
 is a Python counter, and the slots are computed only when some forward was not.
 
-A backward that reaches a forward's output but accumulates nothing into the
-parameter's gradient (``torch.autograd.grad``, ``backward(inputs=...)``
-without it) trains nothing either: the forward waits as *pending* until the
-parameter's post-accumulate-grad hook calls :meth:`ReachedRows.accumulated`,
-and goes back to unreached if that backward ends first.
-
 The same hook refuses a backward through a forward whose step has already
 ended (a graph kept with ``retain_graph=True`` across ``optimizer.step()``):
 its slots hold other rows by then, so its gradient would train the wrong
@@ -62,8 +56,6 @@ class ReachedRows:
         self._step += 1       # hooks of earlier steps' forwards tell by it that their step is over
         self._reached = {}    # forward number -> its slots, once a backward reached it (or a gradient by hand)
         self._unreached = {}  # forward number -> its slots, until a backward reaches its output
-        self._pending = {}    # reached by the backward running now, its gradient not yet accumulated
-        self._settling = False  # an end-of-backward callback is queued
         self._count = 0
 
     def track(self, output: torch.Tensor, slots: torch.Tensor) -> None:
@@ -86,17 +78,6 @@ class ReachedRows:
         """
         self._unreached.update(self._reached)
         self._reached = {}
-
-    def accumulated(self) -> None:
-        """The running backward accumulated into the parameter's gradient: its forwards are reached."""
-        self._reached.update(self._pending)
-        self._pending = {}
-
-    def _settle(self) -> None:
-        """At the end of a backward: forwards it reached without accumulating anything stay unreached."""
-        self._unreached.update(self._pending)
-        self._pending = {}
-        self._settling = False
 
     def reached(self, slots: torch.Tensor) -> None:
         """Record slots whose gradient the caller writes itself (no autograd to watch)."""
@@ -137,11 +118,7 @@ def _reach(ref, step, key, grad):
             tracker.forget_reached()
         slots = tracker._unreached.pop(key, None)
         if slots is not None:
-            tracker._pending[key] = slots
-            if not tracker._settling:
-                # Private, as DDP and FSDP use it: runs once this backward has finished.
-                torch.autograd.Variable._execution_engine.queue_callback(tracker._settle)
-                tracker._settling = True
+            tracker._reached[key] = slots
 
 
 class KeptRows:

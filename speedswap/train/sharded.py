@@ -816,7 +816,6 @@ def _note_backward(ref):
         embedding = ref()
         if embedding is None:
             return
-        embedding._reached.accumulated()
         if embedding._exchanged:
             embedding._late_backward = True  # its gradient arrives after the exchange
         elif embedding.weight.grad is None:
