@@ -1159,3 +1159,25 @@ def test_a_step_whose_optimizer_raised_is_retried_and_training_goes_on(rng):
             optim.zero_grad()
     assert emb.weight.shape[0] == 12
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_after_a_step_whose_optimizer_raised_more_backwards_accumulate_and_close_works(rng):
+    """Gradient accumulation goes on after the failed step (the retry exchanges again), and a
+    close() right after a failed step releases the embedding."""
+    emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 16)
+    for lookup, optim in ((emb, opt), (lambda i: F.embedding(i, ref), ref_opt)):
+        failing = optim.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+        (lookup(torch.tensor([1, 2, 3])) ** 3).sum().backward()
+        with pytest.raises(RuntimeError, match="boom"):
+            optim.step()
+        failing.remove()
+        (lookup(torch.tensor([3, 4])) ** 3).sum().backward()
+        optim.step()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    failing = opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
+    opt.zero_grad()
+    (emb(torch.tensor([5, 6])) ** 3).sum().backward()
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    emb.close()
+    assert emb.table.closed

@@ -534,3 +534,16 @@ def test_weight_data_replaced_by_an_unlike_tensor_is_refused(rng):
     with pytest.raises(ss.StateError, match="weight.data was replaced"):
         opt.step()
     np.testing.assert_array_equal(emb.table.to_numpy(), before)
+
+
+def test_sam_assigning_weight_data_then_reading_the_table_mid_step_is_refused(rng):
+    """``emb.table`` with a cache between SAM's passes: the assigned, perturbed rows were compared
+    unadopted, found unchanged, and the step was dropped with its perturbation."""
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=16, storage="pageable", backend="numpy", cache_rows=6)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    (emb(torch.tensor([1, 2, 3])) ** 3).sum().backward()
+    emb.weight.data = emb.weight.data + 0.5 * emb.weight.grad
+    opt.zero_grad()
+    with pytest.raises(ss.StateError, match="rows are in flight"):
+        emb.table

@@ -134,6 +134,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self.weight = torch.nn.Parameter(
             torch.zeros(max_rows, embedding_dim, dtype=compute, device=self._table.device))
         self._full = self.weight.data
+        self._seen_rows = 0  # working-set rows when weight.data was last seen to be _full
         # Whether a backward reached `weight` since the step began: a forward that then
         # finds no gradient follows a zero_grad() that dropped the step (see discard_step).
         self._backward_ran, self._version_at_backward = False, None
@@ -352,6 +353,7 @@ class OffloadedEmbedding(torch.nn.Module):
         with them as they are, and rows only the earlier forwards looked up
         are put back at the step, their gradient having been dropped.
         """
+        self._adopt_replaced_data()  # the rows compared below are the user's
         if self._backward_ran and self.weight.grad is None:
             if self.weight._version != self._version_at_backward or self._rows_changed():
                 self._reached.forget_reached()
@@ -376,7 +378,9 @@ class OffloadedEmbedding(torch.nn.Module):
 
         SAM (``p.data = old_p``) restores its saved rows that way; the step must
         train them, and the working set's own storage is what the table and
-        the next forwards read.
+        the next forwards read. Only the slots the working set had when
+        ``weight.data`` was last seen to be its own are taken: rows that
+        joined later cannot be in the assigned copy.
 
         Raises:
             StateError: the new data is not shaped, typed and placed as
@@ -384,6 +388,7 @@ class OffloadedEmbedding(torch.nn.Module):
         """
         data = self.weight.data
         if data.data_ptr() == self._full.data_ptr() and data.shape == self._full.shape:
+            self._seen_rows = self._working_set.size
             return
         if (data.shape, data.dtype, data.device) != (self._full.shape, self._full.dtype, self._full.device):
             raise StateError(f"weight.data was replaced by a {tuple(data.shape)} {data.dtype} tensor on "
@@ -391,7 +396,7 @@ class OffloadedEmbedding(torch.nn.Module):
                              f"{tuple(self._full.shape)} {self._full.dtype} on {self._full.device}: "
                              f"assign a tensor like it, or write rows with emb.table")
         with torch.no_grad():
-            self._full.copy_(data)
+            self._full[:self._seen_rows].copy_(data[:self._seen_rows])
         self.weight.data = self._full
 
     def _step_in_flight(self) -> bool:
@@ -461,6 +466,7 @@ class OffloadedEmbedding(torch.nn.Module):
             # an interrupt): the step cannot go on with them, so it is dropped, as discard_step() does.
             self.discard_step()
             raise
+        self._seen_rows = ws.size  # weight.data is _full (adopted above) and holds them all
         return local
 
     def _gather_new(self, first_new, lookups=0, **counting):

@@ -550,7 +550,15 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             self._narrowed.restore()
             self._narrowed = None
             self._kept = None  # made again by the retried step
-            self._state.release()
+            if self._state is not None:  # close() releases the state first
+                self._state.release()
+
+    def _set_placeholder(self) -> None:
+        """Give :attr:`weight` its zero gradient until the exchange, marked (see ``_check_grad_untouched``)."""
+        placeholder = self._grad.zero_()
+        placeholder[-1, -1] = self._mark
+        self.weight.grad = placeholder
+        self._placeholder_version = placeholder._version
 
     def _abort_step(self) -> None:
         """Undo a step whose optimizer raised, for a retry (as :class:`~speedswap.OffloadedEmbedding` does).
@@ -562,6 +570,12 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         if self._narrowed is not None:
             self._restore_narrowed()
             self._gather_owned(0)
+            if self._exchanged:
+                # The retry exchanges again, backwards since the failure included, into a
+                # fresh placeholder (the exchanged gradient it replaces is made again).
+                self._exchanged = self._late_backward = False
+                self._put_back = None
+                self._set_placeholder()
 
     def _before_step(self, optimizer, args, kwargs):
         self._abort_step()  # a retry of a step whose optimizer raised
@@ -823,8 +837,5 @@ def _note_backward(ref):
             # Zeros until the exchange fills it before the step; a change to them (a clip,
             # zero_grad(set_to_none=False)) is refused at the step, by the version. A GradScaler
             # unscales in place without bumping it: the last element, marked, shows a rescale.
-            placeholder = embedding._grad.zero_()
-            placeholder[-1, -1] = embedding._mark
-            embedding.weight.grad = placeholder
-            embedding._placeholder_version = placeholder._version
+            embedding._set_placeholder()
     return note
