@@ -443,8 +443,7 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._state is None:
             raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                              "step() is where the updated rows are written back")
-        self._adopt_replaced_data()
-        self._drop_zeroed_step()
+        self._drop_zeroed_step()  # which takes over a replaced weight.data first
         flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
         ws = self._working_set
         start = ws.size
