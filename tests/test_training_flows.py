@@ -547,3 +547,33 @@ def test_sam_assigning_weight_data_then_reading_the_table_mid_step_is_refused(rn
     opt.zero_grad()
     with pytest.raises(ss.StateError, match="rows are in flight"):
         emb.table
+
+
+@pytest.mark.parametrize("probe", ["autograd_grad_of_the_output", "backward_into_another_input"])
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_forward_whose_table_gradient_no_backward_computed_leaves_its_rows_alone(backend, rng,
+                                                                                   probe, cache_rows):
+    """A probe forward per step whose backward stops short of the table (the gradient of its output,
+    for an input perturbation; a backward into another leaf only), then the real forward and backward.
+
+    In memory the probe's rows get no gradient, so SparseAdam leaves them alone; Adam must not move
+    them by their momentum either.
+    """
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows)
+    scale = torch.nn.Parameter(torch.tensor(1.5))
+    batches = zipf_ids(rng, 2 * STEPS)
+    for (probe_ids, probe_target), (ids, target) in zip(batches[::2], batches[1::2]):
+        for lookup, optimizer, to in ((emb, opt, device),
+                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+            out = lookup(probe_ids.to(to))
+            probe_loss = ((scale * out.cpu().sum(1) - probe_target) ** 2).sum()
+            if probe == "autograd_grad_of_the_output":
+                (grad_of_out,) = torch.autograd.grad(probe_loss, out)
+                assert grad_of_out.abs().sum() > 0
+            else:
+                probe_loss.backward(inputs=[scale])
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

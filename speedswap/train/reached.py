@@ -5,11 +5,12 @@ finite) drops that forward's graph, and in-memory lazy training
 (``SparseAdam``, sparse Adagrad) never sees its rows. Offloaded, those rows
 are already in the step's working set, and the next ``optimizer.step()``
 would move them at a zero gradient: Adam moves a row that has momentum even
-so. Each training forward's output therefore gets a hook that fires when a
-backward reaches it; at the step, the slots that only unreached forwards
-looked up are put back as they were before the optimizer ran
-(:class:`KeptRows`), so their rows and optimizer state are written back
-unchanged.
+so. Each training forward's lookup therefore gets a hook that fires when a
+backward computes the table's gradient through it (a backward that stops
+at the lookup's output, ``torch.autograd.grad(loss, output)``, does not);
+at the step, the slots that only unreached forwards looked up are put back
+as they were before the optimizer ran (:class:`KeptRows`), so their rows
+and optimizer state are written back unchanged.
 
 Nothing is spent when every forward was reached, the usual case: the check
 is a Python counter, and the slots are computed only when some forward was not.
@@ -55,11 +56,12 @@ class ReachedRows:
         """Forget the step: the next forward starts a new one, and a backward through its forwards raises."""
         self._step += 1       # hooks of earlier steps' forwards tell by it that their step is over
         self._reached = {}    # forward number -> its slots, once a backward reached it (or a gradient by hand)
-        self._unreached = {}  # forward number -> its slots, until a backward reaches its output
+        self._unreached = {}  # forward number -> its slots, until a backward reaches its lookup
         self._count = 0
 
     def track(self, output: torch.Tensor, slots: torch.Tensor) -> None:
-        """Watch a training forward's ``output``, which looked up ``slots``.
+        """Watch a training forward's ``output``, which looked up ``slots``: reached when a
+        backward computes the table's gradient from it.
 
         An output that needs no gradient (a frozen embedding) gets none and
         changes nothing at the step: there is nothing to watch.
@@ -68,7 +70,10 @@ class ReachedRows:
             return
         key, self._count = self._count, self._count + 1
         self._unreached[key] = slots
-        output.register_hook(functools.partial(_reach, weakref.ref(self), self._step, key))
+        # On the lookup's node, not on the output: a backward that computes the output's
+        # gradient but not the table's (torch.autograd.grad(loss, output), to perturb the
+        # rows) never runs the node, and in memory the rows would get no gradient.
+        output.grad_fn.register_prehook(functools.partial(_reach, weakref.ref(self), self._step, key))
 
     def forget_reached(self) -> None:
         """Count every forward so far as unreached: the gradient their backward gave was dropped.
@@ -106,7 +111,7 @@ class ReachedRows:
         return torch.stack(found).any() if found else torch.zeros((), dtype=torch.bool, device=device)
 
 
-def _reach(ref, step, key, grad):
+def _reach(ref, step, key, grad_outputs):
     tracker = ref()
     if tracker is not None:
         if step != tracker._step:
