@@ -577,3 +577,19 @@ def test_a_forward_whose_table_gradient_no_backward_computed_leaves_its_rows_alo
             optimizer.zero_grad()
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_gradient_taken_with_autograd_grad_and_assigned_by_hand_trains(backend, rng):
+    """Gradient surgery (PCGrad): ``g = torch.autograd.grad(loss, [weight])``, changed, then
+    ``weight.grad = g``: no gradient accumulates into the table, and its rows must train all the same."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH)
+    for ids, target in zipf_ids(rng, STEPS):
+        for lookup, weight, optimizer, to in (
+                (emb, emb.weight, opt, device),
+                (lambda i: F.embedding(i, ref, sparse=True), ref, ref_opt, "cpu")):
+            loss = ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum()
+            (grad,) = torch.autograd.grad(loss, [weight])
+            weight.grad = 0.5 * grad
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
