@@ -52,6 +52,16 @@ def test_cuda_without_device_names_the_fix():
     assert isinstance(info.value, RuntimeError)
 
 
+@pytest.mark.skipif("cuda" in ss.available_backends(), reason="tests the missing-GPU error")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", 0, torch.device("cuda")])
+def test_auto_with_a_cuda_device_named_is_refused_without_a_gpu(device):
+    """A CUDA device asked for by name is not silently replaced by the CPU (only ``auto`` alone falls back)."""
+    with pytest.raises(ss.BackendUnavailableError, match="no CUDA device.*backend='numpy'"):
+        ss.get_backend("auto", device=device)
+    with pytest.raises(ss.BackendUnavailableError, match="no CUDA device"):
+        ss.OffloadedEmbedding(10, 2, max_rows=4, device=device)
+
+
 def test_auto_on_cpu_device_is_numpy_without_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

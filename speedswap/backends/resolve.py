@@ -149,7 +149,8 @@ def get_backend(name: BackendLike = "auto", device: DeviceLike = None) -> Backen
     Raises:
         OptionError: an unknown name, a device that does not exist, or
             ``"numpy"`` with a device other than the CPU.
-        BackendUnavailableError: ``"cuda"`` was asked for and torch sees no CUDA device.
+        BackendUnavailableError: ``"cuda"``, or ``"auto"`` with a CUDA ``device``,
+            was asked for and torch sees no CUDA device.
     """
     if isinstance(name, Backend):
         return name
@@ -162,7 +163,7 @@ def get_backend(name: BackendLike = "auto", device: DeviceLike = None) -> Backen
         return _CPU
     if torch.cuda.is_available():
         return _cuda_backend(device)
-    if name == "cuda":
+    if name == "cuda" or device is not None:  # a CUDA device named explicitly, with "auto" too
         raise BackendUnavailableError("torch sees no CUDA device here, and the cuda backend needs "
                                       "one (and a CUDA build of torch). Use backend='numpy' or "
                                       "device='cpu' (--device cpu on the command line), or "
