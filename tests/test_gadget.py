@@ -230,6 +230,9 @@ def test_file_changed_before_it_is_read(tmp_path):
     (lambda: ss.DataGadget(np.ones((0, 2), np.float32)), ss.ShapeError, "at least one row"),
     (lambda: ss.DataGadget(np.float32(3.0)), ss.ShapeError, "at least one row"),
     (lambda: ss.DataGadget(np.array(["a", "b"])), ss.DTypeError, "not supported"),
+    (lambda: ss.DataGadget(np.arange(6, dtype=np.uint16).reshape(3, 2)), ss.DTypeError,
+     r"not uint16.*BatchFeeder\(np.load\(path, mmap_mode='r'\)\)"),
+    (lambda: ss.DataGadget(np.arange(6, dtype=np.uint32).reshape(3, 2)), ss.DTypeError, "BatchFeeder"),
 ])
 def test_bad_arguments(make, error, match):
     with pytest.raises(error, match=match):

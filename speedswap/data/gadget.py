@@ -22,7 +22,7 @@ from .. import files
 from ..backends import STORAGE_KINDS, available_ram, get_backend
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_host_array, check_rows, numpy_dtype
-from ..errors import OptionError, ShapeError, StateError
+from ..errors import DTypeError, OptionError, ShapeError, StateError
 from ..table import HostTable
 
 __all__ = ["DataGadget"]
@@ -96,7 +96,9 @@ class DataGadget:
             path, array = os.fspath(data), None
             header = self._read_header(path)
             shape, dtype = header.shape, header.dtype
+            _refuse_token_ids(dtype)
         else:
+            _refuse_token_ids(getattr(data, "dtype", None))
             path, array, header = None, as_host_array(data, "the dataset"), None
             shape, dtype = array.shape, array.dtype
             if self._mmap and not isinstance(array, np.memmap):
@@ -336,3 +338,12 @@ class DataGadget:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _refuse_token_ids(dtype):
+    """Refuse uint16/uint32 rows, the widths token ids come in, naming the reader that takes them."""
+    name = str(dtype).replace("torch.", "")
+    if name in ("uint16", "uint32"):
+        raise DTypeError(f"DataGadget holds table dtypes, not {name}; for token ids of that width "
+                         f"use BatchFeeder(np.load(path, mmap_mode='r')), which reads them as they "
+                         f"are and delivers int32/int64 batches")
