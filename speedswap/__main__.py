@@ -29,9 +29,9 @@ def _demo(args: argparse.Namespace) -> int:
     from .apps.demo import format_demo, run_demo
 
     size = "tiny" if args.tiny else "demo"
-    where = ("memory-mapped files" if args.storage == "mmap" else f"{args.storage} host memory")
+    # Where the tables are is said at the end ("storage"): on the CPU backend pinned means plain memory.
     print(f"speedswap demo: word2vec (skip-gram, SGD with word2vec's linear decay) on a synthetic "
-          f"corpus with planted topics, both tables in {where} ({size} size, seed {args.seed})")
+          f"corpus with planted topics, both tables offloaded ({size} size, seed {args.seed})")
     summary = run_demo(tiny=args.tiny, backend=BACKEND_OF_DEVICE[args.device], storage=args.storage,
                        progress=not args.no_progress, seed=args.seed, cache_rows=args.cache_rows,
                        path=args.table_dir)
@@ -78,6 +78,7 @@ def _bench(args: argparse.Namespace) -> int:
     if not args.all:
         _, written = run_transport_bench(out_dir=args.out, quick=args.quick, repeats=args.repeats)
         print("\n" + "\n".join(f"wrote {path}" for path in written))
+        _warn_if_loaded()
         return 0
     if not args.dry_run and not torch.cuda.is_available():
         print("bench --all measures the GPU suite and torch sees no CUDA device here; add --dry-run "
@@ -89,6 +90,17 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"\n{record['mode']} done in {record['seconds']:.0f} s; wrote {args.out}/SUMMARY.md"
           + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def _warn_if_loaded() -> None:
+    """Say so when other processes ran beside the benchmark: its figures are then noise."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > 0.5 * cores:
+        print(f"\nnote: the load average was {load:.1f} on {cores} cores: other processes shared the "
+              f"CPU, so these figures are noise. Run again on an idle machine"
+              + ("" if os.environ.get("OMP_WAIT_POLICY") else
+                 ", or with OMP_WAIT_POLICY=PASSIVE (torch's waiting threads otherwise spin against "
+                 "the other processes)"), file=sys.stderr)
 
 
 def _bench_steps(text: str) -> list:
@@ -116,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                                formatter_class=_Format)
     demo.add_argument("--tiny", action="store_true", help="a few seconds, for smoke tests")
     demo.add_argument("--device", choices=sorted(BACKEND_OF_DEVICE), default="auto",
-                      help="cuda needs CuPy and a GPU; auto uses one when present")
+                      help="cuda needs a GPU (CuPy adds the zero-copy kernels); auto uses one when present")
     demo.add_argument("--storage", default="pinned", choices=("pinned", "mapped", "pageable", "device", "mmap"),
                       help="where the tables and optimizer state live (mmap: memory-mapped .npy files)")
     # Named as in examples/word2vec.py, which takes the same directory.

@@ -145,3 +145,24 @@ def test_run_demo_refuses_a_path_without_mmap_storage(tmp_path):
     with pytest.raises(ss.OptionError, match="drop path or use storage='mmap'"):
         demo.run_demo(tiny=True, backend="numpy", storage="pinned", path=tmp_path / "tables")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("load, omp, says", [
+    (0.2, None, None),
+    (3.0, None, "load average was 3.0.*noise.*OMP_WAIT_POLICY=PASSIVE"),
+    (3.0, "PASSIVE", "load average was 3.0.*noise. Run again on an idle machine\n"),
+])
+def test_plain_bench_says_when_its_figures_were_taken_under_load(load, omp, says, monkeypatch, capsys):
+    from speedswap import __main__ as cli
+    monkeypatch.setattr(cli.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 2)
+    if omp is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", omp)
+    cli._warn_if_loaded()
+    err = capsys.readouterr().err
+    if says is None:
+        assert err == ""
+    else:
+        assert re.search(says, err, re.S), err

@@ -147,7 +147,10 @@ class SharedSteps:
         """
         if self.busy():
             raise StateError(f"{who} built between before_forward and after_step of this "
-                             f"parameter's switchers; build switchers between steps")
+                             f"parameter's switchers; build switchers between steps (before the "
+                             f"first forward works for every optimizer, Rprop included: "
+                             f"SpeedTorch's advice to build its OptimizerFactory after a first "
+                             f"backward does not apply)")
         for kind_, member in self._members.items():
             other = member.ref()
             if kind_ != kind and other is not None and member.cache_rows != cache_rows:
