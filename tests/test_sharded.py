@@ -731,7 +731,8 @@ def test_an_mmap_shard_attaches_again_over_its_own_state_files(rng, tmp_path):
     for table in tables.values():
         assert table.to_numpy().any()
         np.testing.assert_array_equal(np.load(table.path), table.to_numpy())
-    first.step()  # the first optimizer no longer reaches the embedding
+    with pytest.raises(ss.OptionError, match="attach this optimizer instead"):
+        first.step()  # the first optimizer no longer steps the weight: it is opt's now
     with pytest.raises(ss.OptionError):
         emb.attach(torch.optim.LBFGS(emb.parameters()))
     assert emb._state.tables is tables  # refused before anything changed

@@ -21,6 +21,7 @@ from ..errors import CapacityError, DTypeError, OptionError, StateError
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
+from .one_optimizer import claim
 from .options import padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
@@ -144,6 +145,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._state = None
         self._narrowed = None
         self._hooks = None
+        self._claim = None  # refuses other optimizers' steps over weight (see attach)
         self.cache_rows, self._cache = cache_rows, None
         self._writeback = None  # an mmap embedding's: writes the cache back should it be dropped unclosed
         self._closed_stats = None  # what stats() reports once close() has released the cache
@@ -182,6 +184,17 @@ class OffloadedEmbedding(torch.nn.Module):
         :meth:`load` the checkpoint saved with it). ``optimizer.step(closure)``
         works: the rows are narrowed after the closure's forward and backward.
 
+        Only this optimizer may step :attr:`weight` from now on (until
+        :meth:`close`, or another ``attach``): the ``step()`` of any other
+        optimizer whose param groups hold it (``torch.optim.Adam(model.parameters())``
+        for the dense layers beside an attached ``SparseAdam``) raises
+        ``OptionError`` before it changes anything, whether or not the weight
+        has a gradient then, so the mistake shows at the first step whatever
+        the order of the two steps. Build that optimizer from the other
+        parameters. A frozen weight (``requires_grad=False``, no gradient) may
+        stay in it: torch's optimizers skip it. Its ``zero_grad()`` is not
+        refused (after a backward it drops the step, as any ``zero_grad()`` does).
+
         Args:
             optimizer: a ``torch.optim`` optimizer whose params include :attr:`weight`.
 
@@ -215,6 +228,7 @@ class OffloadedEmbedding(torch.nn.Module):
         # tables die with the embedding: nothing to write to.)
         self._writeback = weakref.finalize(self, self._cache.flush) if self._storage == "mmap" else None
         self._hooks = StepHooks(self, optimizer)
+        self._claim = claim(self, self.weight, optimizer)
 
     def init_state(self):
         """Reset every row's optimizer state to the value torch creates it with.
@@ -688,6 +702,8 @@ class OffloadedEmbedding(torch.nn.Module):
         self._narrowed = None
         if self._hooks is not None:
             self._hooks.remove()
+        if self._claim is not None:
+            self._claim.remove()
         if self._state is not None:
             self._state.close()
         self._working_set.clear()

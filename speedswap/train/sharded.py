@@ -41,6 +41,7 @@ from ..table import HostTable
 from .checkpoint import file_in
 from .exchange import (EVAL_FORWARD, EXCHANGE, LOAD, SAVE, STEP, TRAIN_FORWARD, Exchange, owners,
                        row_bounds)
+from .one_optimizer import claim
 from .options import padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
@@ -207,6 +208,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         # attached alone (its state restarted, its peers' not) is refused at the next call.
         self._state_origin, self._steps_since = 0, 0
         self._hooks = ()
+        self._claim = None  # refuses other optimizers' steps over weight (see attach)
         self._created = set()  # mmap state files this embedding made and may replace
         # A backward reaching the looked-up rows gives `weight` a gradient for the optimizer's
         # zero_grad() to drop: a step whose gradient is gone is then discarded, not taken.
@@ -287,6 +289,16 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         alike: the next collective call of a rank that attached alone raises
         ``StateError`` on every rank, no row changed.
 
+        Only this optimizer may step :attr:`weight` from now on (until
+        :meth:`close`, or another ``attach``): the ``step()`` of any other
+        optimizer whose param groups hold it (``torch.optim.Adam(model.parameters())``
+        for the dense layers beside the attached one) raises ``OptionError``
+        on this rank before it changes anything or enters a collective: build
+        that optimizer from the other parameters. :attr:`weight` never
+        requires a gradient, so unlike :class:`~speedswap.OffloadedEmbedding`'s
+        it is refused whenever it is held: alike on every rank, whatever
+        gradient each one has.
+
         Raises:
             OptionError: the optimizer does not hold :attr:`weight`, or its
                 state is not element-wise. Nothing changes.
@@ -308,6 +320,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._state_origin, self._steps_since = _ATTACHED, 0
         self._hooks = (optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(self._after_step))
+        # Refused whatever the gradient, which differs from rank to rank: every rank alike.
+        self._claim = claim(self, self.weight, optimizer, frozen_may_stay=False)
 
     def forward(self, ids) -> torch.Tensor:
         """The rows of this rank's ``ids``: a tensor of shape ``(*ids.shape, embedding_dim)``.
@@ -633,6 +647,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         for handle in self._hooks:
             handle.remove()
         self._hooks = ()
+        if self._claim is not None:
+            self._claim.remove()
         if self._state is not None:
             self._state.close()
             self._state = None
