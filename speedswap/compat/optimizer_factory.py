@@ -96,9 +96,18 @@ class OptimizerFactory(Switcher):
 
     def _end_step(self):
         step = self._gathered
+        if self._narrowed is not None:
+            try:
+                # An optimizer may assign new tensors (p.data = p.data - lr * p.grad): their values
+                # are the step's, or the step is refused before after_step writes anything back.
+                self._state.check_step(len(step.rows))
+                self._narrowed.finish()
+            except StateError:
+                self._abort_step()
+                raise
+            self._narrowed = None
         if step is not None:
             step.stepped = True  # the rows after_step writes back were stepped (see SharedSteps.end)
-        self._restore()
 
     def _restore(self):
         if self._narrowed is not None:

@@ -24,7 +24,7 @@ from .checkpoint import file_in, load_tables, save_tables
 from .one_optimizer import claim
 from .options import padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
-from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
+from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec, take_assigned
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
 
@@ -400,18 +400,10 @@ class OffloadedEmbedding(torch.nn.Module):
             StateError: the new data is not shaped, typed and placed as
                 :attr:`weight` (nothing changes).
         """
-        data = self.weight.data
-        if data.data_ptr() == self._full.data_ptr() and data.shape == self._full.shape:
+        if take_assigned(self._full, self.weight.data, self._seen_rows, _refused_data):
+            self.weight.data = self._full
+        else:
             self._seen_rows = self._working_set.size
-            return
-        if (data.shape, data.dtype, data.device) != (self._full.shape, self._full.dtype, self._full.device):
-            raise StateError(f"weight.data was replaced by a {tuple(data.shape)} {data.dtype} tensor on "
-                             f"{data.device}; an OffloadedEmbedding's weight is its working set, "
-                             f"{tuple(self._full.shape)} {self._full.dtype} on {self._full.device}: "
-                             f"assign a tensor like it, or write rows with emb.table")
-        with torch.no_grad():
-            self._full[:self._seen_rows].copy_(data[:self._seen_rows])
-        self.weight.data = self._full
 
     def _step_in_flight(self) -> bool:
         """Whether training forwards hold rows for a step still to come (a step zero_grad() dropped holds none)."""
@@ -515,7 +507,14 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._narrowed is None:
             return
         rows = self._working_set.rows
-        self._narrowed.restore()
+        try:
+            # An optimizer may assign new tensors (p.data = p.data - lr * p.grad): their
+            # values are the step's, or the step is refused before anything is written back.
+            self._state.check_step(len(rows))
+            self._narrowed.finish()
+        except StateError:
+            self._abort_step()  # the rows and state are read back as they were: retry or discard
+            raise
         self._narrowed = None
         for kept in self._kept or ():
             kept.put_back(self._full, self._state.step_state())
@@ -741,6 +740,13 @@ def _refuse_ddp(weight):
             "ShardedOffloadedEmbedding; to train a table per rank on purpose, exclude it from DDP "
             "before wrapping: torch.nn.parallel.DistributedDataParallel."
             "_set_params_and_buffers_to_ignore_for_model(model, ['<its name>.weight'])")
+
+
+def _refused_data(data, full):
+    return (f"weight.data was replaced by a {tuple(data.shape)} {data.dtype} tensor on "
+            f"{data.device}; an OffloadedEmbedding's weight is its working set, "
+            f"{tuple(full.shape)} {full.dtype} on {full.device}: "
+            f"assign a tensor like it, or write rows with emb.table")
 
 
 def _gradient_dropped(ref):

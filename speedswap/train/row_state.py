@@ -20,7 +20,8 @@ from ..errors import OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 
-__all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep", "drop_leftover_state"]
+__all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep", "drop_leftover_state",
+           "take_assigned"]
 
 #: (id of a scratch tensor a RowState handed an optimizer, id of its parameter) -> the tensor,
 #: held weakly. By ids: a tensor's == is element-wise (no WeakSet), and an attribute on the
@@ -119,6 +120,53 @@ def row_state_spec(optimizer, param):
                       f"element-wise; supported: {', '.join(SUPPORTED_OPTIMIZERS)}")
 
 
+def _described(tensor) -> str:
+    return f"a {tuple(tensor.shape)} {tensor.dtype} tensor on {tensor.device}"
+
+
+def take_assigned(own, data, rows, refusal) -> bool:
+    """Copy the first ``rows`` rows of ``data``, assigned to a parameter's ``.data`` in place of ``own``, into ``own``.
+
+    An optimizer whose ``step()`` assigns ``p.data = p.data - lr * p.grad``,
+    or SAM restoring ``p.data = old_p``, leaves the parameter's values in a
+    new tensor, while the owner's storage ``own`` is what its rows are read
+    from and written back: the assigned values are taken into it.
+
+    Args:
+        own: the storage the parameter's ``.data`` should be.
+        data: the parameter's ``.data`` now.
+        rows: how many leading rows hold values to take.
+        refusal: called with ``data`` and ``own``, the message of the error
+            raised when ``data`` cannot be taken.
+
+    Returns:
+        whether ``data`` was another tensor (and was copied); False when it
+        is ``own`` itself (the same memory, shape and strides).
+
+    Raises:
+        StateError: ``data`` is not shaped, typed and placed as ``own``.
+            Nothing changes.
+    """
+    if (data.data_ptr(), data.shape, data.stride()) == (own.data_ptr(), own.shape, own.stride()):
+        return False
+    if (data.shape, data.dtype, data.device) != (own.shape, own.dtype, own.device):
+        raise StateError(refusal(data, own))
+    with torch.no_grad():
+        values = data[:rows]
+        if values.untyped_storage().data_ptr() == own.untyped_storage().data_ptr():
+            values = values.clone()  # another view of the same memory: copy_ may not overlap
+        own[:rows].copy_(values)
+    return True
+
+
+def _refused_in_step(data, own):
+    return (f"the optimizer's step() assigned the offloaded parameter's .data {_described(data)}; "
+            f"during the step the parameter holds the step's {own.shape[0]} rows, "
+            f"{_described(own)}, and the values it is assigned must be shaped, typed and placed "
+            f"like them (or updated in place). Nothing was written back: fix the optimizer and call "
+            f"step() again, or drop the step (discard_step(), or zero_grad() before the next forward)")
+
+
 class NarrowedStep:
     """Narrows ``param`` to the first ``k`` rows of its storage for one optimizer step.
 
@@ -127,7 +175,8 @@ class NarrowedStep:
     sees the ``k`` touched rows, so the optimizer's work scales with the batch
     and no slot outside the step is updated. The gradient is narrowed with it
     (a dense one to a view, a sparse one re-sized, or made sparse for an
-    optimizer that takes only sparse gradients); :meth:`restore` puts both back.
+    optimizer that takes only sparse gradients); :meth:`finish` (the step
+    done) or :meth:`restore` (the step dropped) puts both back.
 
     Args:
         param: the working-set parameter.
@@ -136,7 +185,7 @@ class NarrowedStep:
     """
 
     def __init__(self, param, k, sparse=False):
-        self._param, self._full, self._grad = param, param.data, param.grad
+        self._param, self._full, self._grad, self._k = param, param.data, param.grad, k
         param.data = self._full[:k]
         grad = self._grad
         if grad is None:
@@ -152,6 +201,21 @@ class NarrowedStep:
                 grad = torch.sparse_coo_tensor(slots, grad, grad.shape, is_coalesced=True,
                                                check_invariants=False)
         param.grad = grad
+
+    def finish(self):
+        """:meth:`restore` after the step, keeping its result even if the optimizer assigned ``param.data``.
+
+        An optimizer whose step assigns ``p.data = p.data - lr * p.grad``
+        leaves the step's rows in a new tensor: they are copied into the
+        narrowed storage first (see :func:`take_assigned`).
+
+        Raises:
+            StateError: the assigned tensor is not shaped, typed and placed as
+                the narrowed parameter; nothing changes (the parameter stays
+                narrowed: :meth:`restore` drops the step).
+        """
+        take_assigned(self._full[:self._k], self._param.data, self._k, _refused_in_step)
+        self.restore()
 
     def restore(self):
         """Give the parameter back its full storage and its full gradient.
@@ -360,6 +424,46 @@ class RowState:
         for table in self.tables.values():
             table.close()
 
+    def check_step(self, k):
+        """Refuse per-row state the step left in a form the tables cannot take, before any is written.
+
+        The optimizer's state for the step is normally the ``(k, dim)`` views
+        :meth:`gather` put in place, updated in place; an optimizer that
+        assigns new tensors (``state["exp_avg"] = beta * exp_avg + g``) is
+        followed, as long as they are shaped, typed and placed like them.
+
+        Args:
+            k: rows the step touched.
+
+        Raises:
+            StateError: a state tensor of another shape, dtype or device, or
+                state names this torch version was not expected to use.
+                Nothing changes.
+        """
+        state = self.optimizer.state.get(self.param)
+        if not state:
+            return
+        like = (torch.Size((k, self._shape[1])), self.param.dtype, self.param.device)
+        for name in self.spec:
+            value = state.get(name)
+            if value is self._scratch.get(name):
+                continue  # given back by release() after a step that raised: its rows are the gathered ones
+            if isinstance(value, torch.Tensor) and (value.shape, value.dtype, value.device) != like:
+                raise StateError(
+                    f"{type(self.optimizer).__name__}'s step() left its per-row state {name!r} for "
+                    f"the offloaded parameter as {_described(value)}; during the step the parameter "
+                    f"holds the step's {k} rows and each per-row state must be a {tuple(like[0])} {like[1]} "
+                    f"tensor on {like[2]} "
+                    f"(its rows go back to host tables of that shape). Nothing was written back: fix "
+                    f"the optimizer and call step() again, or drop the step (discard_step(), or "
+                    f"zero_grad() before the next forward)")
+        shaped = {name for name, value in state.items()
+                  if isinstance(value, torch.Tensor) and value.dim() == 2}
+        if shaped != set(self.spec):
+            raise StateError(
+                f"{type(self.optimizer).__name__} keeps per-row state {sorted(shaped)} but "
+                f"speedswap expected {sorted(self.spec)}; this torch version is not supported "
+                f"for offloading this optimizer")
 
     def scatter(self, rows, write=None):
         """Write the state of ``rows`` back to the tables after the step.
@@ -371,8 +475,8 @@ class RowState:
                 ``write(None)`` when torch skipped a parameter that has per-row state.
 
         Raises:
-            StateError: the optimizer's state does not have the names this
-                torch version was expected to use (nothing is written).
+            StateError: the step left state the tables cannot take (see
+                :meth:`check_step`); nothing is written.
         """
         state = self.optimizer.state.get(self.param)
         if not state:
@@ -381,13 +485,7 @@ class RowState:
                 write(None if self.spec else {})
             return  # the parameter had no gradient: torch skipped it, nothing changed
         k = len(rows)
-        shaped = {name for name, value in state.items()
-                  if isinstance(value, torch.Tensor) and value.dim() == 2}
-        if shaped != set(self.spec):
-            raise StateError(
-                f"{type(self.optimizer).__name__} keeps per-row state {sorted(shaped)} but "
-                f"speedswap expected {sorted(self.spec)}; this torch version is not supported "
-                f"for offloading this optimizer")
+        self.check_step(k)
         if write is not None:
             write({name: state[name][:k] for name in self.tables})
         for name, table in self.tables.items():

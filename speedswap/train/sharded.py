@@ -622,7 +622,15 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         if self._forwards == 0:
             return
         rows, k = self._owned.rows, self._owned.size
-        self._narrowed.restore()
+        try:
+            # An optimizer may assign new tensors (p.data = p.data - lr * p.grad): their values
+            # are the step's, or the step is refused before anything is written back (on every
+            # rank alike, the optimizer being the same; the retry exchanges again).
+            self._state.check_step(k)
+            self._narrowed.finish()
+        except StateError:
+            self._abort_step()
+            raise
         self._narrowed = None
         if self._kept is not None:
             self._kept.put_back(self._full, self._state.step_state())
