@@ -1,5 +1,6 @@
 """OffloadedEmbedding: a two-tower model equals its in-memory twin; checkpoints; errors."""
 
+import copy
 import functools
 import io
 
@@ -111,9 +112,11 @@ def test_two_tower_equals_in_memory_model(backend, init, rng):
     np.testing.assert_allclose(every_user.cpu(), ref.users.weight.detach().cpu(), **TOL)
 
 
-def test_state_dict_holds_the_working_set_not_the_table(backend):
+def test_state_dict_holds_the_working_set_and_the_table(backend):
     emb = ss.OffloadedEmbedding(100_000, DIM, max_rows=16, backend=backend)
-    assert {k: tuple(v.shape) for k, v in emb.state_dict().items()} == {"weight": (16, DIM)}
+    state = emb.state_dict()
+    assert list(state) == ["weight", "_extra_state"] and tuple(state["weight"].shape) == (16, DIM)
+    assert {k: tuple(v.shape) for k, v in state["_extra_state"]["tables"].items()} == {"table": (100_000, DIM)}
 
 
 @pytest.mark.parametrize("fmt", ["ckpt.h5", "ckpt"])
@@ -386,9 +389,9 @@ def test_load_state_dict_with_assign_is_refused_before_it_disconnects_the_workin
     emb = ss.OffloadedEmbedding(20, 3, max_rows=4, storage="pageable", backend="numpy")
     weight = emb.weight
     with pytest.raises(ss.OptionError, match="assign=True"):
-        emb.load_state_dict({k: v.clone() for k, v in emb.state_dict().items()}, assign=True)
+        emb.load_state_dict(copy.deepcopy(emb.state_dict()), assign=True)
     assert emb.weight is weight
-    emb.load_state_dict({k: v.clone() for k, v in emb.state_dict().items()})
+    emb.load_state_dict(copy.deepcopy(emb.state_dict()))
 
 
 @pytest.mark.parametrize("cache_rows", [0, 6])

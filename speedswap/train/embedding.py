@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from .. import files
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_row_ids, int_option, torch_dtype
-from ..errors import CapacityError, DTypeError, OptionError, StateError
+from ..errors import CapacityError, DTypeError, OptionError, StateError, warn
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
+from .module_state import check_tables_state, copy_tables, missing_hint, tables_state
 from .one_optimizer import claim
 from .options import padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
@@ -48,10 +49,16 @@ class OffloadedEmbedding(torch.nn.Module):
     In eval mode or under ``torch.no_grad()`` ``forward`` reads the table
     directly, with no capacity limit.
 
-    ``state_dict()`` holds only :attr:`weight`, the ``max_rows`` working-set
-    scratch (not the table): save the table and optimizer state with
-    :meth:`save`, and the optimizer's scalar state (``step``) with
-    ``optimizer.state_dict()``.
+    Checkpoints, two ways. ``torch.save(model.state_dict())`` and
+    ``model.load_state_dict(torch.load(...))`` work as for ``nn.Embedding``:
+    besides :attr:`weight` (the ``max_rows`` working-set scratch) the state
+    dict holds the table and the attached optimizer's per-row state under
+    ``<prefix>_extra_state`` (:meth:`get_extra_state`, zero-copy views of the
+    host tables); attach the optimizer before loading it, and restore
+    ``optimizer.state_dict()`` (Adam's ``step``) after. ``torch.load`` reads
+    the whole table into RAM unless given ``mmap=True``. :meth:`save` /
+    :meth:`load` write and read the tables as files, atomically and table by
+    table, without a copy in RAM: for tables larger than RAM (``storage="mmap"``).
 
     Args:
         num_embeddings: rows of the table.
@@ -645,11 +652,7 @@ class OffloadedEmbedding(torch.nn.Module):
             StateError: called between a training forward and the optimizer
                 step, or on a closed embedding.
         """
-        self._check_open()
-        self._abort_step()
-        if self._step_in_flight():
-            raise StateError("load between a training forward and optimizer.step() would be "
-                             "undone by the step; load between steps")
+        self._check_restorable("load")
         # A .npy load keeps the optimizer state, part of which may be cached: rewriting
         # flushes it first, and drops the cached rows after (they predate the file's).
         with rewriting(self._cache):
@@ -657,19 +660,37 @@ class OffloadedEmbedding(torch.nn.Module):
                 self._table.load_from(path)  # the table alone; optimizer state is left as it is
             else:
                 load_tables(path, self._tables(), self._attrs())
-                if self._state is not None:
-                    self._state.mark_loaded()
+                self._mark_state_loaded()
+
+    def _check_restorable(self, what):
+        """Refuse a restore of the tables that the step in flight would undo (one inside ``step()`` is dropped).
+
+        Raises:
+            StateError: a closed embedding, or between a training forward and the step.
+        """
+        self._check_open()
+        self._abort_step()
+        if self._step_in_flight():
+            raise StateError(f"{what} between a training forward and optimizer.step() would be "
+                             f"undone by the step; {what} between steps (or emb.discard_step() first)")
+
+    def _mark_state_loaded(self):
+        """The optimizer state tables were restored: a following ``optimizer.load_state_dict`` is accepted."""
+        if self._state is not None:
+            self._state.mark_loaded()
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``, refusing a ``state_dict`` that is not a mapping.
 
-        The state dict holds only the ``max_rows`` working-set scratch; the
-        table and optimizer state are restored with :meth:`load`.
+        The table and the attached optimizer's per-row state are restored from
+        the state dict's ``_extra_state`` (see :meth:`set_extra_state`).
 
         Raises:
-            DTypeError: ``state_dict`` is not a mapping (nothing changes).
+            DTypeError: ``state_dict`` is not a mapping, or holds rows of another
+                dtype (nothing changes).
             OptionError: ``assign=True``: it would replace :attr:`weight`, whose
                 storage the embedding gathers rows into (nothing changes).
+            ShapeError, FileFormatError, StateError: see :meth:`set_extra_state`.
         """
         if not isinstance(state_dict, Mapping):
             raise DTypeError(f"load_state_dict takes a mapping (what state_dict() returns), got "
@@ -678,8 +699,80 @@ class OffloadedEmbedding(torch.nn.Module):
         if assign:
             raise OptionError("load_state_dict(assign=True) would replace the embedding's weight, the "
                               "working set its rows are gathered into, and training would stop reaching "
-                              "it; load without assign (the state dict holds only that scratch)")
+                              "it; load without assign")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def get_extra_state(self) -> dict:
+        """The table and the attached optimizer's per-row state, for ``state_dict()``.
+
+        The device cache is written back first, so the values are current.
+        Between a training forward and ``optimizer.step()`` they are the
+        rows and state before the step, as an in-memory ``state_dict()``'s
+        parameters are then. The tensors share the host tables' memory (no
+        copy; a ``device`` table's are on its GPU), as ``state_dict()`` shares
+        a parameter's storage: ``torch.save`` them, or clone them, before
+        training on. A bfloat16 table is a bfloat16 tensor.
+
+        Returns:
+            ``{"format", "version", "kind", "num_embeddings", "embedding_dim",
+            "dtype", "optimizer", "tables": {"table": ..., "optimizer.<state>": ...}}``
+            (see :mod:`speedswap.train.module_state`).
+
+        Raises:
+            StateError: a closed embedding.
+        """
+        self._check_open()
+        self.flush()
+        return tables_state(type(self).__name__, self._tables(), self._attrs()["optimizer"],
+                            self.num_embeddings)
+
+    def set_extra_state(self, state) -> None:
+        """Restore what :meth:`get_extra_state` returned: the table and the optimizer's per-row state.
+
+        Everything is checked before any row changes. As after :meth:`load`,
+        the device cache is emptied and a following ``optimizer.load_state_dict``
+        (the optimizer's step count) is accepted. Attach the optimizer first:
+        :meth:`attach` starts its per-row state afresh.
+
+        Raises:
+            ShapeError, DTypeError: another table size or dtype: build the
+                embedding as the one that saved.
+            FileFormatError: not such a state, a newer format, or the
+                optimizer differs (state saved before attach, into an attached
+                embedding, or the reverse, as :meth:`load` refuses them; for the
+                rows alone see :func:`speedswap.train.module_state.rows_only`).
+            StateError: between a training forward and the step, or on a closed embedding.
+        """
+        self._restore_extra_state(state)
+
+    def _restore_extra_state(self, state):
+        self._check_restorable("load_state_dict")
+        tables = self._tables()
+        values = check_tables_state(state, type(self).__name__, tables, self._attrs()["optimizer"],
+                                    self.num_embeddings)
+        with rewriting(self._cache):  # cached rows predate the state's
+            copy_tables(values, tables)
+            self._mark_state_loaded()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """torch's, with the extra state checked before :attr:`weight` is copied, and a warning when it is missing.
+
+        Checked first, a refused state leaves the working set too as it was
+        (mid-step it holds the step's rows). A state dict with :attr:`weight`
+        but without it (saved by an older speedswap) is reported missing by a
+        strict load; either way a warning says how to restore the table (torch
+        gives this method no way to tell a strict load from another).
+        """
+        key = prefix + "_extra_state"
+        if key in state_dict:
+            self._check_restorable("load_state_dict")
+            check_tables_state(state_dict[key], type(self).__name__, self._tables(),
+                               self._attrs()["optimizer"], self.num_embeddings)
+        elif prefix + "weight" in state_dict:  # this module's state dict, from an older speedswap
+            warn(missing_hint(key, type(self).__name__))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     # ------------------------------------------------------------- lifecycle
     def close(self):

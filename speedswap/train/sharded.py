@@ -41,6 +41,7 @@ from ..table import HostTable
 from .checkpoint import file_in
 from .exchange import (EVAL_FORWARD, EXCHANGE, LOAD, SAVE, STEP, TRAIN_FORWARD, Exchange, owners,
                        row_bounds)
+from .module_state import check_tables_state, copy_tables, tables_state
 from .one_optimizer import claim
 from .options import padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
@@ -96,9 +97,12 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     starting table depends on the world size (load one to start from the
     same table at any size).
 
-    ``state_dict()`` holds nothing of this module (:attr:`weight` is
-    per-step scratch whose size depends on ``W``): :meth:`save` writes the
-    rows, their optimizer state and the optimizer's step count.
+    ``state_dict()`` holds this rank's shard of the rows and of their
+    optimizer state as ``<prefix>_extra_state`` (not :attr:`weight`, per-step
+    scratch whose size depends on ``W``), with the rank, the world size and
+    the rows: it loads only on the same rank of a group of the same size.
+    :meth:`save` / :meth:`load` write one checkpoint of every rank's rows
+    and the optimizer's step count, and reshard to any world size.
 
     Args:
         num_embeddings: rows of the whole table (at least the world size).
@@ -269,11 +273,62 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 + (", sparse=True" if self.sparse else ""))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        """Save nothing: :attr:`weight` is scratch; the rows are saved by :meth:`save`."""
+        """Save this rank's shard as ``<prefix>_extra_state`` alone: :attr:`weight` is scratch."""
+        destination[prefix + "_extra_state"] = self.get_extra_state()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        """Load nothing, and accept a ``weight`` key from any world size (see :meth:`load`)."""
+        """Restore this rank's shard; accept (and ignore) a ``weight`` key from any world size."""
+        key = prefix + "_extra_state"
+        if key in state_dict:
+            self.set_extra_state(state_dict[key])
+        else:  # saved by an older speedswap, whose state_dict() held nothing of this module
+            missing_keys.append(key)
+
+    def _layout(self) -> dict:
+        return {"rank": self.rank, "world_size": self.world_size,
+                "rows": [self.row_range.start, self.row_range.stop]}
+
+    def get_extra_state(self) -> dict:
+        """This rank's shard of the table and of the optimizer's per-row state, for ``state_dict()``.
+
+        Not a collective: each rank's ``state_dict()`` holds its own shard,
+        with its rank, the world size and its rows, and loads only on the
+        same rank of a group of that size (save one per rank). The tensors
+        share the host tables' memory, as :class:`~speedswap.OffloadedEmbedding`'s do.
+
+        Raises:
+            StateError: a closed embedding.
+        """
+        self._check_open()
+        optimizer = "" if self._state is None else type(self._state.optimizer).__name__
+        return tables_state(type(self).__name__, self._tables(), optimizer, self.num_embeddings,
+                            **self._layout())
+
+    def set_extra_state(self, state) -> None:
+        """Restore this rank's shard from :meth:`get_extra_state`'s state; everything is checked first.
+
+        Not a collective, but every rank must load its own shard (a rank that
+        did not, or failed, makes the next collective call raise ``StateError``
+        on every rank: its optimizer state's history differs). To change the
+        world size, :meth:`save` and :meth:`load` reshard.
+
+        Raises:
+            FileFormatError: another rank, world size or rows, another
+                optimizer (or optimizer state saved before attach, or the
+                reverse), a newer format.
+            ShapeError, DTypeError: another table size or dtype.
+            StateError: between a training forward and the step, or a closed embedding.
+        """
+        self._check_between_steps("load_state_dict")
+        tables = self._tables()
+        optimizer = "" if self._state is None else type(self._state.optimizer).__name__
+        values = check_tables_state(state, type(self).__name__, tables, optimizer,
+                                    self.num_embeddings, **self._layout())
+        copy_tables(values, tables)
+        if self._state is not None:  # as after load(): optimizer.load_state_dict() may follow
+            self._state.mark_loaded()
+            self._state_origin, self._steps_since = _LOADED, 0
 
     # ------------------------------------------------------------- training
     def attach(self, optimizer):

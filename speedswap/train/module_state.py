@@ -1,0 +1,182 @@
+"""An offloaded embedding's tables in ``nn.Module.state_dict()``: its ``_extra_state``.
+
+``torch.save(model.state_dict())`` and ``model.load_state_dict(...)`` are the
+checkpoint every training loop (Lightning, the Hugging Face Trainer) makes.
+An offloaded embedding's parameter :attr:`weight` is only the step's working
+set, so the table and the optimizer's per-row state travel in the module's
+extra state (``get_extra_state`` / ``set_extra_state``, which torch stores
+under ``<prefix>_extra_state``):
+
+* :func:`tables_state` gives the tables as tensors over the host tables'
+  own memory (no copy; the GPU tensor of a ``device`` table), as
+  ``state_dict()`` gives a parameter's own storage, plus what a load checks;
+* :func:`check_tables_state` validates a state against the tables it would
+  replace and raises before anything changes;
+* :func:`copy_tables` then writes the values in.
+
+The owner brackets the copy as for any load (cache written back, then
+invalidated; the optimizer's per-row state marked as restored).
+"""
+
+import copy
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import DTypeError, FileFormatError, ShapeError
+from ..table import HostTable
+
+__all__ = ["FORMAT", "VERSION", "tables_state", "check_tables_state", "copy_tables", "missing_hint",
+           "rows_only"]
+
+FORMAT = "speedswap-module-state"
+VERSION = 1
+
+
+def tables_state(kind: str, tables: dict, optimizer: str, num_embeddings: int, **layout) -> dict:
+    """The extra state of an embedding: its tables as zero-copy tensors and what a load checks.
+
+    Args:
+        kind: the module's class name; a state loads only into the same kind.
+        tables: ``{name: HostTable}``: ``"table"`` and ``"optimizer.<state>"``.
+        optimizer: the attached optimizer's class name, ``""`` when none is.
+        num_embeddings: rows of the whole table (a shard's tables hold fewer).
+        layout: integers (or tuples of them) a load must match exactly
+            (a shard's rank, world size and rows).
+
+    Returns:
+        a dict of strings, integers and tensors (``torch.load(weights_only=True)`` reads it).
+        The tensors share the tables' memory: serialise the state (or clone
+        it) before training on, as with any ``state_dict()``.
+    """
+    first = tables["table"]
+    return {"format": FORMAT, "version": VERSION, "kind": kind,
+            "num_embeddings": num_embeddings,
+            "embedding_dim": first.dim, "dtype": str(first.dtype).replace("torch.", ""),
+            "optimizer": optimizer, **layout,
+            "tables": {name: t.as_tensor().detach() for name, t in tables.items()}}
+
+
+def _describe(kind, state):
+    return (f"the state dict's {kind} ({state.get('num_embeddings')} x {state.get('embedding_dim')} "
+            f"{state.get('dtype')})")
+
+
+def check_tables_state(state, kind: str, tables: dict, optimizer: str, num_embeddings: int,
+                       **layout) -> dict:
+    """Check ``state`` (from :func:`tables_state`) against ``tables``; raise before anything changes.
+
+    Args:
+        state: what ``state_dict()`` held under ``<prefix>_extra_state``.
+        kind, optimizer, num_embeddings, layout: as given to :func:`tables_state` by the embedding loading it.
+        tables: ``{name: HostTable}`` it would replace.
+
+    Returns:
+        ``{name: tensor}`` to copy into ``tables``, one per table.
+
+    Raises:
+        FileFormatError: not such a state, a newer format, another kind,
+            layout or optimizer (optimizer state saved but none attached here,
+            or the reverse: refused as ``emb.load`` refuses them; see :func:`rows_only`).
+        ShapeError: another table size.
+        DTypeError: another dtype.
+    """
+    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+        raise FileFormatError(f"the state dict's {kind} entry is not a speedswap table state "
+                              f"(got {type(state).__name__}); load a state dict that "
+                              f"{kind}.state_dict() returned")
+    if not isinstance(state.get("version"), int) or state["version"] > VERSION:
+        raise FileFormatError(f"the state dict's {kind} table was written in format version "
+                              f"{state.get('version')!r}, newer than this speedswap's {VERSION}; "
+                              f"upgrade speedswap to load it")
+    if state.get("kind") != kind:
+        raise FileFormatError(f"the state dict holds a {state.get('kind')}'s table, not a {kind}'s; "
+                              f"load it into a {state.get('kind')} (or move it with its save and load)")
+    first = tables["table"]
+    if (state.get("num_embeddings"), state.get("embedding_dim")) != (num_embeddings, first.dim):
+        raise ShapeError(f"{_describe(kind, state)} does not fit this one, "
+                         f"{num_embeddings} x {first.dim}: build it with "
+                         f"num_embeddings={state.get('num_embeddings')}, "
+                         f"embedding_dim={state.get('embedding_dim')} to load it")
+    dtype = str(first.dtype).replace("torch.", "")
+    if state.get("dtype") != dtype:
+        raise DTypeError(f"{_describe(kind, state)} holds {state.get('dtype')} rows, this one "
+                         f"{dtype}; build it with dtype=torch.{state.get('dtype')} to load it")
+    for key, value in layout.items():
+        if _plain(state.get(key)) != _plain(value):
+            raise FileFormatError(f"{_describe(kind, state)} was saved with {key}={_plain(state.get(key))!r}, "
+                                  f"this one has {key}={_plain(value)!r}; a state dict restores only "
+                                  f"the layout that saved it: to load it at another world size, save "
+                                  f"with emb.save(dir) and restore with emb.load(dir), which reshards "
+                                  f"(and drop the '_extra_state' entries from the state dict)")
+    saved = state.get("optimizer")
+    values = state.get("tables")
+    if not isinstance(values, Mapping) or "table" not in values:
+        raise FileFormatError(f"{_describe(kind, state)} holds no 'table' tensor; it is damaged")
+    if saved != optimizer:
+        if not saved:
+            raise FileFormatError(
+                f"{_describe(kind, state)} holds no optimizer state (it was saved before attach), "
+                f"but {optimizer} is attached here: load it before attach(optimizer), which starts "
+                f"fresh state")
+        attached = f"{optimizer} is attached here" if optimizer else "no optimizer is attached here"
+        raise FileFormatError(
+            f"{_describe(kind, state)} holds {saved} optimizer state, but {attached}: attach a "
+            f"torch.optim.{saved} first to resume training (rows and optimizer state are restored "
+            f"together); to load the rows alone (evaluation), load "
+            f"speedswap.train.module_state.rows_only(state_dict) instead")
+    if set(values) != set(tables):
+        raise FileFormatError(f"{_describe(kind, state)} holds tables {sorted(values)}, expected "
+                              f"{sorted(tables)}: the {optimizer} attached here keeps other per-row "
+                              f"state (another amsgrad, momentum...); build it as the one that saved")
+    for name, value in values.items():
+        table = tables[name]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != table.shape \
+                or value.dtype != table.dtype:
+            got = (f"a {tuple(value.shape)} {value.dtype} tensor" if isinstance(value, torch.Tensor)
+                   else f"a {type(value).__name__}")
+            raise FileFormatError(f"{_describe(kind, state)}: {name!r} is {got}, expected "
+                                  f"{table.shape} {table.dtype}; the state dict is damaged")
+    return dict(values)
+
+
+def copy_tables(values: dict, tables: dict) -> None:
+    """Write checked values (from :func:`check_tables_state`) into their tables, chunk by chunk.
+
+    Args:
+        values: ``{name: tensor}`` shaped and typed as the tables (any device).
+        tables: ``{name: HostTable}``.
+    """
+    for name, value in values.items():
+        table: HostTable = tables[name]
+        table.apply_(lambda t, v=value: t.copy_(v))
+
+
+def missing_hint(key: str, kind: str) -> str:
+    """The warning of a ``load_state_dict`` whose state dict has no ``key`` (saved by an older speedswap)."""
+    return (f"the state dict holds no {key!r}, the table of the {kind} (it was saved before speedswap "
+            f"put tables in state_dict(), when only the working-set scratch 'weight' was saved), so "
+            f"the table is left as it is; restore it from the checkpoint written by emb.save(path): "
+            f"model.load_state_dict(state, strict=False), then emb.load(path)")
+
+
+def rows_only(state_dict):
+    """A copy of ``state_dict`` whose speedswap tables hold the rows alone, without optimizer state.
+
+    For loading a training checkpoint into a model without an attached
+    optimizer (evaluation, export). The tensors are shared, not copied.
+
+    >>> model.load_state_dict(rows_only(torch.load("ckpt.pt")["model"]))  # doctest: +SKIP
+    """
+    out = copy.copy(state_dict)  # an OrderedDict keeps its _metadata
+    for key, value in state_dict.items():
+        if key.endswith("_extra_state") and isinstance(value, Mapping) and value.get("format") == FORMAT:
+            tables = value.get("tables") or {}
+            out[key] = {**value, "optimizer": "", "tables": {k: v for k, v in tables.items() if k == "table"}}
+    return out
+
+
+def _plain(value):
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,346 @@
+"""The standard PyTorch checkpoint, ``torch.save(model.state_dict())``, keeps an offloaded table.
+
+An OffloadedEmbedding's table and its optimizer's per-row state travel in the
+module's ``_extra_state``. A run saved after N steps and resumed in a fresh
+model and optimizer must train the next M steps exactly as the run that went
+on, and both must equal an in-memory lazy reference over the whole run.
+"""
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import speedswap as ss
+from speedswap.train.module_state import rows_only
+from test_training_flows import DIM, ROWS, LazyTable, Model, make_lazy, zipf_ids
+
+CAPACITY = 81
+N_STEPS, M_STEPS = 8, 8
+
+
+def make_adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def offloaded(storage, dtype, cache_rows, path, table0=None, linear=None):
+    """A Model over a fresh OffloadedEmbedding (default init unless ``table0``) and a Linear."""
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAPACITY, storage=storage, dtype=dtype,
+                                backend="numpy", path=path if storage == "mmap" else None,
+                                cache_rows=cache_rows)
+    if table0 is not None:
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    return Model(emb, copy.deepcopy(linear) if linear is not None else torch.nn.Linear(DIM, 1))
+
+
+def step(model, opt, ids, target):
+    F.mse_loss(model(ids), target).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def snapshot(model):
+    """The table (as float32), every per-row state table and the linear layer, as numpy copies."""
+    emb = model.emb
+    out = {"table": emb.table.as_tensor().float().numpy().copy()}
+    if emb._state is not None:
+        out.update({name: t.to_numpy(copy=True) for name, t in emb._state.tables.items()})
+    out.update({f"lin.{n}": p.detach().numpy().copy() for n, p in model.lin.named_parameters()})
+    return out
+
+
+def assert_same(a, b, **tol):
+    assert a.keys() == b.keys()
+    for name in a:
+        if tol:
+            np.testing.assert_allclose(a[name], b[name], err_msg=name, **tol)
+        else:
+            np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def reference_run(table0, linear, batches, dtype):
+    """In-memory lazy Adam over the whole run; a bfloat16 table's touched rows rounded after each step."""
+    model = Model(LazyTable(table0), copy.deepcopy(linear))
+    opt = make_adam(model.parameters())
+    make_lazy(opt, model.emb)
+    if dtype is torch.bfloat16:
+        def round_rows(*_):
+            with torch.no_grad():  # untouched rows are bfloat16 values already: unchanged
+                model.emb.weight.copy_(model.emb.weight.to(torch.bfloat16).float())
+        opt.register_step_post_hook(round_rows)
+    for ids, target in batches:
+        step(model, opt, ids, target)
+    state = opt.state[model.emb.weight]
+    out = {"table": model.emb.weight.detach().numpy().copy(),
+           **{f"optimizer.{k}": v.numpy().copy() for k, v in state.items() if k != "step"}}
+    out.update({f"lin.{n}": p.detach().numpy().copy() for n, p in model.lin.named_parameters()})
+    return out
+
+
+def initial(rng, dtype):
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    return torch.from_numpy(table0).to(dtype).float().numpy() if dtype is torch.bfloat16 else table0
+
+
+def renamed(snap):
+    """``snapshot`` names state tables by torch's names; the reference by ``optimizer.<name>``."""
+    return {(k if k == "table" or k.startswith("lin.") else f"optimizer.{k}"): v for k, v in snap.items()}
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40], ids=["no_cache", "cache"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("storage", ["pageable", "mmap"])
+def test_a_run_resumed_from_the_model_state_dict_equals_the_run_that_went_on(storage, dtype, cache_rows,
+                                                                            rng, tmp_path):
+    table0, linear = initial(rng, dtype), torch.nn.Linear(DIM, 1)
+    batches = zipf_ids(rng, N_STEPS + M_STEPS)
+    model = offloaded(storage, dtype, cache_rows, tmp_path / "a", table0, linear)
+    opt = make_adam(model.parameters())
+    model.emb.attach(opt)
+    for ids, target in batches[:N_STEPS]:
+        step(model, opt, ids, target)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    for ids, target in batches[N_STEPS:]:
+        step(model, opt, ids, target)
+    went_on = snapshot(model)
+
+    # A fresh model (its own random table and linear layer) and optimizer, attached, then loaded.
+    resumed = offloaded(storage, dtype, cache_rows, tmp_path / "b")
+    opt2 = make_adam(resumed.parameters())
+    resumed.emb.attach(opt2)
+    saved = torch.load(tmp_path / "ckpt.pt")  # weights_only: the extra state is plain data
+    resumed.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    for ids, target in batches[N_STEPS:]:
+        step(resumed, opt2, ids, target)
+    assert_same(snapshot(resumed), went_on)
+    assert_same(renamed(went_on), reference_run(table0, linear, batches, dtype), rtol=1e-6, atol=1e-6)
+
+
+def test_a_state_dict_read_with_torch_load_mmap_resumes_too(rng, tmp_path):
+    table0, linear = initial(rng, torch.float32), torch.nn.Linear(DIM, 1)
+    batches = zipf_ids(rng, 6)
+    model = offloaded("pageable", torch.float32, 0, None, table0, linear)
+    opt = make_adam(model.parameters())
+    model.emb.attach(opt)
+    for ids, target in batches[:3]:
+        step(model, opt, ids, target)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    expected = snapshot(model)
+    resumed = offloaded("pageable", torch.float32, 0, None)
+    opt2 = make_adam(resumed.parameters())
+    resumed.emb.attach(opt2)
+    resumed.load_state_dict(torch.load(tmp_path / "model.pt", mmap=True))
+    opt2.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    assert_same(snapshot(resumed), expected)
+    for ids, target in batches[3:]:
+        step(model, opt, ids, target)
+        step(resumed, opt2, ids, target)
+    assert_same(snapshot(resumed), snapshot(model))
+
+
+def test_the_state_dict_shares_the_host_tables_memory(rng):
+    model = offloaded("pageable", torch.bfloat16, 0, None, initial(rng, torch.bfloat16))
+    opt = make_adam(model.parameters())
+    model.emb.attach(opt)
+    extra = model.state_dict()["emb._extra_state"]
+    assert extra["version"] == 1 and extra["dtype"] == "bfloat16" and extra["optimizer"] == "Adam"
+    assert sorted(extra["tables"]) == ["optimizer.exp_avg", "optimizer.exp_avg_sq", "table"]
+    table = extra["tables"]["table"]
+    assert table.dtype is torch.bfloat16
+    assert table.data_ptr() == model.emb.table.as_tensor().data_ptr()
+
+
+@pytest.mark.parametrize("change", ["rows", "dim", "dtype"])
+def test_a_state_dict_of_another_shape_or_dtype_is_refused_and_changes_nothing(change, rng):
+    source = offloaded("pageable", torch.float32, 0, None, initial(rng, torch.float32))
+    opt = make_adam(source.parameters())
+    source.emb.attach(opt)
+    step(source, opt, *zipf_ids(rng, 1)[0])
+    rows, dim, dtype = {"rows": (ROWS + 1, DIM, torch.float32), "dim": (ROWS, DIM + 1, torch.float32),
+                        "dtype": (ROWS, DIM, torch.bfloat16)}[change]
+    target = ss.OffloadedEmbedding(rows, dim, max_rows=CAPACITY, storage="pageable", dtype=dtype,
+                                   backend="numpy", cache_rows=10)
+    target_opt = make_adam(target.parameters())
+    target.attach(target_opt)
+    before = target.table.to_numpy(copy=True), {n: t.to_numpy(copy=True) for n, t in target._state.tables.items()}
+    weight = target.weight.detach().clone()
+    error = ss.DTypeError if change == "dtype" else ss.ShapeError
+    with pytest.raises(error, match="build it with"):
+        target.load_state_dict(source.emb.state_dict())
+    np.testing.assert_array_equal(target.table.to_numpy(), before[0])
+    for name, table in target._state.tables.items():
+        np.testing.assert_array_equal(table.to_numpy(), before[1][name])
+    assert torch.equal(target.weight, weight)
+
+
+def test_a_state_dict_saved_before_attach_loads_before_attach_only(rng):
+    table0 = initial(rng, torch.float32)
+    source = offloaded("pageable", torch.float32, 0, None, table0)
+    state = copy.deepcopy(source.state_dict())
+    assert state["emb._extra_state"]["optimizer"] == ""
+
+    attached = offloaded("pageable", torch.float32, 0, None)
+    opt = make_adam(attached.parameters())
+    attached.emb.attach(opt)
+    before = attached.emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match="load it before attach"):
+        attached.load_state_dict(state)
+    np.testing.assert_array_equal(attached.emb.table.to_numpy(), before)
+
+    # Loaded before attach, then attached: fresh optimizer state over the loaded rows.
+    model = offloaded("pageable", torch.float32, 0, None)
+    model.load_state_dict(state)
+    opt = make_adam(model.parameters())
+    model.emb.attach(opt)
+    reference = Model(LazyTable(table0), copy.deepcopy(source.lin))
+    ref_opt = make_adam(reference.parameters())
+    make_lazy(ref_opt, reference.emb)
+    for ids, target in zipf_ids(rng, 5):
+        step(model, opt, ids, target)
+        step(reference, ref_opt, ids, target)
+    np.testing.assert_allclose(model.emb.table.to_numpy(), reference.emb.weight.detach().numpy(),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_a_state_dict_with_optimizer_state_into_an_unattached_embedding_needs_rows_only(rng):
+    source = offloaded("pageable", torch.float32, 0, None, initial(rng, torch.float32))
+    opt = make_adam(source.parameters())
+    source.emb.attach(opt)
+    step(source, opt, *zipf_ids(rng, 1)[0])
+    state = source.state_dict()
+    model = offloaded("pageable", torch.float32, 0, None)
+    before = model.emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match="rows_only"):
+        model.load_state_dict(state)
+    np.testing.assert_array_equal(model.emb.table.to_numpy(), before)
+    model.load_state_dict(rows_only(state))  # evaluation: the rows alone
+    np.testing.assert_array_equal(model.emb.table.to_numpy(), source.emb.table.to_numpy())
+    assert state["emb._extra_state"]["optimizer"] == "Adam"  # rows_only copies, never edits
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40], ids=["no_cache", "cache"])
+def test_mid_step_the_state_dict_holds_the_rows_before_the_step_and_a_load_is_refused(cache_rows, rng):
+    table0, linear = initial(rng, torch.float32), torch.nn.Linear(DIM, 1)
+    batches = zipf_ids(rng, 6)
+    model = offloaded("pageable", torch.float32, cache_rows, None, table0, linear)
+    opt = make_adam(model.parameters())
+    model.emb.attach(opt)
+    reference = Model(LazyTable(table0), copy.deepcopy(linear))
+    ref_opt = make_adam(reference.parameters())
+    make_lazy(ref_opt, reference.emb)
+    for ids, target in batches[:3]:
+        step(model, opt, ids, target)
+        step(reference, ref_opt, ids, target)
+    between = copy.deepcopy(model.state_dict())  # between steps: a state to try loading mid-step
+    ids, target = batches[3]
+    for m in (model, reference):
+        F.mse_loss(m(ids), target).backward()
+    mid = copy.deepcopy(model.state_dict())
+    ref_mid = copy.deepcopy(reference.state_dict())  # in memory: the parameters before the step
+    np.testing.assert_allclose(mid["emb._extra_state"]["tables"]["table"].numpy(),
+                               ref_mid["emb.weight"].numpy(), rtol=1e-6, atol=1e-6)
+    working = model.emb.weight.detach().clone()
+    with pytest.raises(ss.StateError, match="between steps"):
+        model.load_state_dict(between)
+    assert torch.equal(model.emb.weight, working)  # the step's rows are as they were
+    for m, o in ((model, opt), (reference, ref_opt)):
+        o.step()
+        o.zero_grad()
+    for ids, target in batches[4:]:
+        step(model, opt, ids, target)
+        step(reference, ref_opt, ids, target)
+    np.testing.assert_allclose(model.emb.table.to_numpy(), reference.emb.weight.detach().numpy(),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_a_state_dict_without_the_table_is_reported_missing_with_a_hint(rng):
+    model = offloaded("pageable", torch.float32, 0, None)
+    old = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    before = model.emb.table.to_numpy(copy=True)
+    with pytest.warns(RuntimeWarning, match=r"emb.load\(path\)"), \
+            pytest.raises(RuntimeError, match="emb._extra_state"):
+        model.load_state_dict(old)
+    with pytest.warns(RuntimeWarning, match="left as it is"):
+        result = model.load_state_dict(old, strict=False)
+    assert result.missing_keys == ["emb._extra_state"]
+    np.testing.assert_array_equal(model.emb.table.to_numpy(), before)
+
+
+def test_a_state_dict_of_a_newer_format_or_another_optimizer_is_refused(rng):
+    model = offloaded("pageable", torch.float32, 0, None)
+    opt = make_adam(model.parameters())
+    model.emb.attach(opt)
+    state = model.state_dict()
+    newer = {**state, "emb._extra_state": {**state["emb._extra_state"], "version": 2}}
+    with pytest.raises(ss.FileFormatError, match="upgrade speedswap"):
+        model.load_state_dict(newer)
+    other = offloaded("pageable", torch.float32, 0, None)
+    sgd = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    other.emb.attach(sgd)
+    with pytest.raises(ss.FileFormatError, match="Adam optimizer state, but SGD"):
+        other.load_state_dict(state)
+
+
+# ------------------------------------------------------------------ sharded
+def sharded(table0=None):
+    emb = ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy")
+    if table0 is not None:
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0[emb.row_range.start:emb.row_range.stop])))
+    return emb
+
+
+def test_a_sharded_state_dict_holds_the_shard_and_resumes(rng, tmp_path):
+    table0, linear = initial(rng, torch.float32), torch.nn.Linear(DIM, 1)
+    batches = zipf_ids(rng, 8)
+    model = Model(sharded(table0), copy.deepcopy(linear))
+    opt = make_adam(model.parameters())
+    model.emb.attach(opt)
+    for ids, target in batches[:4]:
+        step(model, opt, ids, target)
+    state = model.state_dict()
+    assert "emb.weight" not in state
+    extra = state["emb._extra_state"]
+    assert (extra["rank"], extra["world_size"], extra["rows"]) == (0, 1, [0, ROWS])
+    torch.save({"model": state, "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    for ids, target in batches[4:]:
+        step(model, opt, ids, target)
+
+    resumed = Model(sharded(), torch.nn.Linear(DIM, 1))
+    opt2 = make_adam(resumed.parameters())
+    resumed.emb.attach(opt2)
+    saved = torch.load(tmp_path / "ckpt.pt")
+    resumed.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    for ids, target in batches[4:]:
+        step(resumed, opt2, ids, target)
+    np.testing.assert_array_equal(resumed.emb.table.to_numpy(), model.emb.table.to_numpy())
+    for name, table in resumed.emb._state.tables.items():
+        np.testing.assert_array_equal(table.to_numpy(), model.emb._state.tables[name].to_numpy())
+
+
+@pytest.mark.parametrize("layout", [{"world_size": 2, "rows": [0, ROWS // 2]}, {"rank": 1}])
+def test_a_sharded_state_dict_of_another_layout_is_refused_and_changes_nothing(layout, rng):
+    source = sharded(initial(rng, torch.float32))
+    state = source.state_dict()
+    tampered = {"_extra_state": {**state["_extra_state"], **layout}}
+    target = sharded()
+    before = target.table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match=r"emb.load\(dir\)"):
+        target.load_state_dict(tampered)
+    np.testing.assert_array_equal(target.table.to_numpy(), before)
+    target.load_state_dict(state)
+    np.testing.assert_array_equal(target.table.to_numpy(), source.table.to_numpy())
+
+
+def test_a_sharded_state_dict_without_the_shard_is_reported_missing():
+    emb = sharded()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(RuntimeError, match="_extra_state"):
+            emb.load_state_dict({})
+        assert emb.load_state_dict({"weight": torch.zeros(3, DIM)}, strict=False).missing_keys == ["_extra_state"]
