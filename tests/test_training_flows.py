@@ -594,3 +594,31 @@ def test_a_gradient_taken_with_autograd_grad_and_assigned_by_hand_trains(backend
             optimizer.step()
             optimizer.zero_grad()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_step_on_the_gradient_the_last_step_left_is_refused(backend, rng, cache_rows):
+    """No zero_grad() after optimizer.step(): the next backward adds the last step's gradient, whose
+    slots now hold other rows, to this step's. The step is refused before anything changes; after
+    discard_step() and zero_grad() (either kind) training goes on equal to SparseAdam."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows)
+    for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
+        for lookup, optimizer, to in ((emb, opt, device),
+                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+            def backward():
+                ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            backward()
+            if step and optimizer is opt:  # the reference zeroes after each step
+                table = None if cache_rows else emb.table.to_numpy(copy=True)  # (a cache: mid-step)
+                with pytest.raises(ss.StateError, match="no zero_grad"):
+                    optimizer.step()
+                if table is not None:
+                    np.testing.assert_array_equal(emb.table.to_numpy(), table)
+                emb.discard_step()
+                optimizer.zero_grad(set_to_none=bool(step % 2))
+                backward()
+            optimizer.step()
+            if optimizer is ref_opt:
+                optimizer.zero_grad()
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -147,6 +147,16 @@ class OffloadedEmbedding(torch.nn.Module):
         # finds no gradient follows a zero_grad() that dropped the step (see discard_step).
         self._backward_ran, self._version_at_backward = False, None
         self.weight.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
+        # The gradient a finished step left on weight, and its version then: a step must not
+        # train on it (see _note_leftover_gradient). The hook is on weight's gradient
+        # accumulator, which runs only where a gradient accumulates (not for
+        # torch.autograd.grad(loss, [weight])); held here, as DDP holds its parameters', so it
+        # and its hook live as long as weight.
+        self._leftover = None
+        self._stale = None  # the step's gradient, while it holds the one the last step left
+        with torch.enable_grad():  # the embedding may be built under no_grad()
+            self._accumulator = self.weight.view_as(self.weight).grad_fn.next_functions[0][0]
+        self._accumulator.register_prehook(_note_leftover_gradient(weakref.ref(self)))
         self._working_set = WorkingSet(max_rows, self._table.device)
         self._reached, self._kept = ReachedRows(dropped=_gradient_dropped(weakref.ref(self))), None
         self._state = None
@@ -364,6 +374,7 @@ class OffloadedEmbedding(torch.nn.Module):
             self._cache.end_step()  # nothing is stored: the cache holds the rows as before
         self.weight.grad = None  # its slots will hold other rows
         self._backward_ran = False
+        self._stale = None
         self._reached.clear()
 
     def _drop_zeroed_step(self):
@@ -493,6 +504,13 @@ class OffloadedEmbedding(torch.nn.Module):
         rows = self._working_set.rows
         if not len(rows) or self._narrowed is not None:
             return
+        stale = self._stale and self._stale()
+        if stale is not None and self.weight.grad is stale:
+            raise StateError("the gradient of an OffloadedEmbedding's weight still holds the one the "
+                             "previous optimizer.step() left (no zero_grad() after it); its slots now "
+                             "hold other rows, so the step would train them on it. Call "
+                             "emb.discard_step() and optimizer.zero_grad(), run the step's forwards "
+                             "and backwards again, and zero_grad() after each step")
         self._adopt_replaced_data()
         self._state.check_not_replaced()  # optimizer.load_state_dict() between the forward and the step
         self._state.gather(rows, read=self._cache.read_state,  # raises before anything changes
@@ -532,6 +550,8 @@ class OffloadedEmbedding(torch.nn.Module):
         self._state.scatter(rows, write=lambda states: self._cache.store(rows, weights, states))
         self._working_set.clear()
         self._backward_ran = False
+        grad = self.weight.grad
+        self._leftover = None if grad is None else (weakref.ref(grad), grad._version)
 
     def _abort_step(self):
         if self._narrowed is None:
@@ -851,6 +871,32 @@ def _gradient_dropped(ref):
         embedding._backward_ran = False  # asked once per backward: its end sets it again
         return True
     return dropped
+
+
+def _note_leftover_gradient(ref):
+    """A pre-hook on ``weight``'s gradient accumulator: note a backward that adds to the gradient the last step left.
+
+    The next step's rows take the same slots, so a gradient no ``zero_grad()``
+    cleared after ``optimizer.step()`` is added to other rows' gradients (in
+    memory it would count for the rows it was computed for). Adding to it is
+    noted, not refused: a ``zero_grad()`` before the step may still drop it
+    (a backward with ``retain_graph=True``, ``zero_grad()``, backward again);
+    the step is refused if it has not (:meth:`OffloadedEmbedding._begin_step`).
+    """
+    def note(_grad_outputs):
+        embedding = ref()
+        if embedding is None:
+            return None
+        grad = embedding.weight.grad
+        if embedding._leftover is not None:
+            (left, version), embedding._leftover = embedding._leftover, None
+            if grad is not None and grad is left() and grad._version == version:
+                embedding._stale = weakref.ref(grad)
+        elif embedding._stale is not None and (grad is None or grad is not embedding._stale()
+                                               or grad._version != embedding._version_at_backward):
+            embedding._stale = None  # zero_grad() since the last backward dropped it
+        return None
+    return note
 
 
 def _note_backward(ref):
