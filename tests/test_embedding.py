@@ -546,3 +546,74 @@ def test_nn_embedding_gradient_options_train_as_nn_embedding_does(backend, rng, 
 def test_max_norm_is_refused_with_the_reason(option):
     with pytest.raises(ss.OptionError, match="max_norm"):
         ss.OffloadedEmbedding(10, 3, max_rows=4, storage="pageable", backend="numpy", **option)
+
+
+@pytest.mark.parametrize("source", ["array", "tensor", "npy"])
+def test_from_pretrained_starts_from_the_rows_and_trains_like_nn_embedding(rng, tmp_path, source):
+    rows = rng.standard_normal((60, 5)).astype(np.float32)
+    np.save(tmp_path / "vectors.npy", rows)
+    given = {"array": rows, "tensor": torch.from_numpy(rows.copy()), "npy": tmp_path / "vectors.npy"}[source]
+    frozen = ss.OffloadedEmbedding.from_pretrained(given, max_rows=16, backend="numpy", padding_idx=3)
+    ids = torch.from_numpy(rng.integers(0, 60, (4, 6)))
+    out = frozen(ids)  # training mode, no attach: a frozen table is read directly
+    assert not out.requires_grad
+    np.testing.assert_array_equal(out.numpy(), rows[ids.numpy()])  # the padding row kept, as nn.Embedding
+    emb = ss.OffloadedEmbedding.from_pretrained(given, freeze=False, max_rows=16, backend="numpy")
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(rows.copy()), freeze=False, sparse=True)
+    opt, ref_opt = torch.optim.Adagrad(emb.parameters(), lr=0.1), torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    emb.attach(opt)
+    for _ in range(5):
+        ids = torch.from_numpy(rng.integers(0, 60, (4, 3)))
+        for module, optimizer in ((emb, opt), (ref, ref_opt)):
+            (module(ids) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_from_pretrained_refuses_rows_that_are_not_a_table(rng):
+    with pytest.raises(ss.ShapeError, match="num_embeddings, embedding_dim"):
+        ss.OffloadedEmbedding.from_pretrained(rng.standard_normal(10), max_rows=4, backend="numpy")
+    with pytest.raises(ss.DTypeError, match="floating-point"):
+        ss.OffloadedEmbedding.from_pretrained(np.ones((5, 2), np.int64), max_rows=4, backend="numpy")
+
+
+@pytest.mark.parametrize("write", [
+    lambda w: torch.nn.init.normal_(w, std=0.01),
+    lambda w: w.detach().copy_(torch.ones_like(w)),
+], ids=["initialiser", "copy_into_detached"])
+def test_a_write_into_weight_between_steps_is_refused_at_the_next_forward(rng, write):
+    """emb.weight is scratch between steps: writing it changes no row, so training would silently
+    ignore it (an init loop over model.parameters(), a copy of pretrained vectors)."""
+    emb = ss.OffloadedEmbedding(40, 3, max_rows=8, backend="numpy")
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    for _ in range(2):
+        table = emb.table.to_numpy(copy=True)
+        write(emb.weight)
+        with pytest.raises(ss.StateError, match=r"emb\.table\.apply_"):
+            emb(torch.tensor([1, 2]))
+        np.testing.assert_array_equal(emb.table.to_numpy(), table)  # nothing changed
+        emb(torch.tensor([1, 2])).sum().backward()  # said once: training goes on
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_state_dict_load_into_weight_is_not_taken_for_a_stray_write(rng):
+    emb = ss.OffloadedEmbedding(40, 3, max_rows=8, backend="numpy")
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    emb.load_state_dict(emb.state_dict())  # copies the scratch into weight
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+
+
+def test_data_parallel_replicas_and_pickling_are_refused_with_the_alternative(tmp_path):
+    import pickle
+    emb = ss.OffloadedEmbedding(10, 2, max_rows=4, backend="numpy")
+    with pytest.raises(ss.OptionError, match="ShardedOffloadedEmbedding"):
+        emb._replicate_for_data_parallel()  # what nn.DataParallel calls on each GPU
+    model = torch.nn.Sequential(emb, torch.nn.Linear(2, 1))
+    for copy_it in (pickle.dumps, copy.deepcopy, lambda m: torch.save(m, tmp_path / "m.pt")):
+        with pytest.raises(ss.StateError, match=r"torch\.save\(model\.state_dict\(\)\)"):
+            copy_it(model)

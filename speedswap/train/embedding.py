@@ -8,20 +8,22 @@
 >>> loss.backward(); opt.step(); opt.zero_grad()    # rows 3, 5, 999 written back once each
 """
 
+import os
 import weakref
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .. import files
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_row_ids, int_option, torch_dtype
-from ..errors import CapacityError, DTypeError, OptionError, StateError, warn
+from ..errors import CapacityError, DTypeError, OptionError, ShapeError, StateError, warn
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
-from .module_state import check_tables_state, copy_tables, missing_hint, tables_state
+from .module_state import check_tables_state, copy_tables, missing_hint, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
@@ -46,8 +48,9 @@ class OffloadedEmbedding(torch.nn.Module):
     optimizer would do to the touched rows of an in-memory ``nn.Embedding``,
     with every untouched row (and its state) left alone.
 
-    In eval mode or under ``torch.no_grad()`` ``forward`` reads the table
-    directly, with no capacity limit.
+    In eval mode, under ``torch.no_grad()``, or with :attr:`weight` frozen
+    (``requires_grad=False``, as :meth:`from_pretrained` leaves it by
+    default) ``forward`` reads the table directly, with no capacity limit.
 
     Checkpoints, two ways. ``torch.save(model.state_dict())`` and
     ``model.load_state_dict(torch.load(...))`` work as for ``nn.Embedding``:
@@ -166,6 +169,69 @@ class OffloadedEmbedding(torch.nn.Module):
         self.cache_rows, self._cache = cache_rows, None
         self._writeback = None  # an mmap embedding's: writes the cache back should it be dropped unclosed
         self._closed_stats = None  # what stats() reports once close() has released the cache
+        # weight's version between steps: a write into the scratch then (nn.init.normal_(emb.weight))
+        # reaches no row, and is refused at the next training forward (see _refuse_weight_writes).
+        self._version_between_steps = self.weight._version
+
+    @classmethod
+    def from_pretrained(cls, embeddings, freeze: bool = True, *, max_rows: int,
+                        **kwargs) -> "OffloadedEmbedding":
+        """An embedding whose table starts as ``embeddings``, like ``nn.Embedding.from_pretrained``.
+
+        Args:
+            embeddings: the ``(num_embeddings, embedding_dim)`` rows: a tensor
+                (on any device), a numpy array, or the path of a ``.npy`` file
+                (read chunk by chunk into the table, never whole into RAM).
+            freeze: as in ``nn.Embedding``: True leaves :attr:`weight` frozen,
+                so forwards read the table and nothing trains (no
+                :meth:`attach` needed); False trains it after :meth:`attach`.
+            max_rows: the working set's capacity (see the class).
+            **kwargs: the other arguments of the class (``storage``,
+                ``padding_idx``, ``backend``, ``cache_rows``, ...). ``dtype``
+                defaults to the rows' floating dtype. The padding row keeps its
+                pretrained value, as in ``nn.Embedding``.
+
+        Returns:
+            OffloadedEmbedding
+
+        Raises:
+            ShapeError: ``embeddings`` is not 2-D.
+            DTypeError: rows that are not floating point.
+            FileFormatError, MissingFileError: a bad or missing file.
+            OptionError, PathError: as the class's constructor.
+        """
+        if isinstance(embeddings, (str, os.PathLike)):
+            header = files.read_npy_header(embeddings)
+            shape, dtype, rows = header.shape, torch_dtype(header.dtype), None
+        else:
+            rows = (embeddings.detach() if isinstance(embeddings, torch.Tensor)
+                    else torch.from_numpy(np.ascontiguousarray(embeddings)))
+            shape, dtype = tuple(rows.shape), rows.dtype
+        if len(shape) != 2:
+            raise ShapeError(f"from_pretrained takes (num_embeddings, embedding_dim) rows, got shape "
+                             f"{tuple(shape)}")
+        kwargs.setdefault("dtype", dtype)
+        emb = cls(shape[0], shape[1], max_rows=max_rows, **kwargs)
+        try:
+            if rows is None:
+                emb.load(embeddings)
+            else:
+                emb.table.apply_(lambda t: t.copy_(rows))
+        except BaseException:
+            emb.close()
+            raise
+        emb.weight.requires_grad_(not freeze)
+        return emb
+
+    def _replicate_for_data_parallel(self):
+        raise OptionError(
+            "nn.DataParallel would copy an OffloadedEmbedding onto each GPU, every copy gathering "
+            "into and writing back the same working set: its rows would train wrongly. Train on one "
+            "GPU (the table is in host memory: a GPU's memory is not what limits it), or split the "
+            "table over processes with ShardedOffloadedEmbedding and DistributedDataParallel")
+
+    def __reduce_ex__(self, protocol):
+        raise unpicklable(type(self).__name__)
 
     def _apply(self, fn, recurse=True):
         # nn.Module's dtype and device conversions (model.double(), .half(),
@@ -288,7 +354,7 @@ class OffloadedEmbedding(torch.nn.Module):
         """
         self._check_open()
         self._abort_step()
-        if not (self.training and torch.is_grad_enabled()):
+        if not (self.training and torch.is_grad_enabled() and self.weight.requires_grad):
             if self._cache is None:
                 return self._table.gather(ids).to(self.weight.dtype)
             flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
@@ -375,6 +441,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self.weight.grad = None  # its slots will hold other rows
         self._backward_ran = False
         self._stale = None
+        self._version_between_steps = self.weight._version  # SAM may have perturbed the dropped step's
         self._reached.clear()
 
     def _drop_zeroed_step(self):
@@ -422,6 +489,26 @@ class OffloadedEmbedding(torch.nn.Module):
             self.weight.data = self._full
         else:
             self._seen_rows = self._working_set.size
+
+    def _refuse_weight_writes(self):
+        """Refuse a step after a write into :attr:`weight` between steps, which reached no row.
+
+        Between steps :attr:`weight` is scratch whose slots name no row, so
+        ``nn.init.normal_(emb.weight)`` or ``emb.weight.copy_(pretrained)``
+        changes nothing the model sees. (Writes through ``weight.data`` keep
+        the version and go unseen.)
+
+        Raises:
+            StateError: ``weight`` was written in place since the last step.
+        """
+        if self.weight._version != self._version_between_steps:
+            self._version_between_steps = self.weight._version  # said once
+            raise StateError(
+                "emb.weight was written between steps (an initialiser, a copy_ into it), but it is "
+                "only the working-set scratch of an OffloadedEmbedding: the table was not changed. "
+                "Write the table instead: emb.table.apply_(torch.nn.init.normal_, std=0.01), "
+                "emb.load('vectors.npy'), or OffloadedEmbedding.from_pretrained(...); skip "
+                "emb.weight in loops that initialise every parameter")
 
     def _step_in_flight(self) -> bool:
         """Whether training forwards hold rows for a step still to come (a step zero_grad() dropped holds none)."""
@@ -472,6 +559,7 @@ class OffloadedEmbedding(torch.nn.Module):
         ws = self._working_set
         start = ws.size
         if start == 0:
+            self._refuse_weight_writes()
             self._state.check_not_replaced()  # refused before a step begins, when emb.load still may run
         try:
             if start == 0 and self.padding_idx is not None:
@@ -550,6 +638,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._state.scatter(rows, write=lambda states: self._cache.store(rows, weights, states))
         self._working_set.clear()
         self._backward_ran = False
+        self._version_between_steps = self.weight._version  # the optimizer wrote it in place
         grad = self.weight.grad
         self._leftover = None if grad is None else (weakref.ref(grad), grad._version)
 
@@ -793,6 +882,7 @@ class OffloadedEmbedding(torch.nn.Module):
             warn(missing_hint(key, type(self).__name__))
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        self._version_between_steps = self.weight._version  # the scratch copied in reaches no row
 
     # ------------------------------------------------------------- lifecycle
     def close(self):

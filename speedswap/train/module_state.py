@@ -23,11 +23,11 @@ from collections.abc import Mapping
 
 import torch
 
-from ..errors import DTypeError, FileFormatError, ShapeError
+from ..errors import DTypeError, FileFormatError, ShapeError, StateError
 from ..table import HostTable
 
 __all__ = ["FORMAT", "VERSION", "tables_state", "check_tables_state", "copy_tables", "missing_hint",
-           "rows_only"]
+           "rows_only", "unpicklable"]
 
 FORMAT = "speedswap-module-state"
 VERSION = 1
@@ -158,6 +158,14 @@ def missing_hint(key: str, kind: str) -> str:
             f"put tables in state_dict(), when only the working-set scratch 'weight' was saved), so "
             f"the table is left as it is; restore it from the checkpoint written by emb.save(path): "
             f"model.load_state_dict(state, strict=False), then emb.load(path)")
+
+
+def unpicklable(kind: str) -> StateError:
+    """The error of pickling or deep-copying an embedding (``torch.save(model)``, ``copy.deepcopy``)."""
+    return StateError(f"a {kind} cannot be pickled or deep-copied: its table and optimizer state "
+                      f"live in host memory (or files) that the module only points to. Checkpoint "
+                      f"with torch.save(model.state_dict()), which holds them, or emb.save(path); "
+                      f"for a copy, build another model and load_state_dict() into it")
 
 
 def rows_only(state_dict):

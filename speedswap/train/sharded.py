@@ -41,7 +41,7 @@ from ..table import HostTable
 from .checkpoint import file_in
 from .exchange import (EVAL_FORWARD, EXCHANGE, LOAD, SAVE, STEP, TRAIN_FORWARD, Exchange, owners,
                        row_bounds)
-from .module_state import check_tables_state, copy_tables, tables_state
+from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
@@ -271,6 +271,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 + ("" if self.padding_idx is None else f", padding_idx={self.padding_idx}")
                 + (", scale_grad_by_freq=True" if self.scale_grad_by_freq else "")
                 + (", sparse=True" if self.sparse else ""))
+
+    def __reduce_ex__(self, protocol):
+        raise unpicklable(type(self).__name__)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """Save this rank's shard as ``<prefix>_extra_state`` alone: :attr:`weight` is scratch."""
