@@ -2,7 +2,7 @@
 
 Nothing in the package may load files from the source tree; this is where
 that would show (``bench`` once imported ``benchmarks/*.py`` by path). The
-venv borrows torch and numpy from this machine (``--system-site-packages``)
+venv borrows torch and numpy from the interpreter running the tests (by path)
 and nothing is downloaded.
 """
 
@@ -45,6 +45,14 @@ def venv_python(tmp_path_factory):
     (wheel,) = (tmp / "dist").glob("speedswap-*.whl")
     _run([sys.executable, "-m", "venv", "--system-site-packages", tmp / "venv"], cwd=tmp)
     python = tmp / "venv" / "bin" / "python"
+    # The system site-packages are those of the base interpreter, which has no torch when this
+    # suite runs in a virtual environment (./dev's .venv): borrow this interpreter's torch and
+    # numpy by path, after the venv's own site-packages (so the wheel installed there wins).
+    import numpy
+    import torch
+    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp).strip())
+    borrowed = dict.fromkeys(str(Path(m.__file__).resolve().parent.parent) for m in (torch, numpy))
+    (site / "borrowed-torch-numpy.pth").write_text("\n".join(borrowed) + "\n")
     # --force-reinstall: a speedswap installed in the system site-packages must not satisfy it.
     _run([python, "-m", "pip", "install", "--no-deps", "--force-reinstall", wheel], cwd=tmp)
     return python
