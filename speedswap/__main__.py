@@ -85,7 +85,8 @@ def _bench(args: argparse.Namespace) -> int:
               "to exercise it at tiny sizes on the CPU, or run plain bench for the CPU transport "
               "benchmark", file=sys.stderr)
         return 2
-    record = run_all(out_dir=args.out, dry_run=args.dry_run, steps=args.steps)
+    budget = {} if args.budget_s is None else {"budget_s": args.budget_s}
+    record = run_all(out_dir=args.out, dry_run=args.dry_run, steps=args.steps, **budget)
     failed = [name for name, outcome in record["steps"].items() if outcome["status"] == "failed"]
     print(f"\n{record['mode']} done in {record['seconds']:.0f} s; wrote {args.out}/SUMMARY.md"
           + (f"; failed: {', '.join(failed)}" if failed else ""))
@@ -113,10 +114,21 @@ def _bench_steps(text: str) -> list:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _seconds(text: str) -> float:
+    """``--budget-s``' type: a positive number of seconds, or argparse's own error message."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m speedswap`` argument parser (every ``--help`` shows the defaults)."""
     from .apps.bench import DEFAULT_OUT
-    from .apps.bench.suite import STEPS
+    from .apps.bench.suite import BUDGET_S, STEPS
 
     parser = argparse.ArgumentParser(prog="python -m speedswap", description="speedswap command line",
                                      formatter_class=_Format)
@@ -149,19 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="row transport benchmark (JSON, table, PNG chart); --all: the whole GPU suite",
         description="Without --all: the row transport benchmark at a size this machine holds. "
                     "With --all: every gpu-marked test of the checkout and every GPU benchmark "
-                    "(transport, training step, feeder, word2vec), JSON plus SUMMARY.md.")
+                    "(transport, training step, feeder, word2vec, a vocabulary beyond the GPU's "
+                    "memory) within a time budget, JSON plus SUMMARY.md.")
     bench.add_argument("--out", default=DEFAULT_OUT, help="directory for the results")
     bench.add_argument("--quick", action="store_true", help="16x smaller sizes (a smoke run; without --all)")
     bench.add_argument("--repeats", type=int, default=_REPEATS, help="timed repeats per method (without --all)")
     bench.add_argument("--all", action="store_true",
-                       help="the GPU suite: gpu tests and every GPU benchmark (about 12 minutes on an H100, "
-                            "estimated; see --steps)")
+                       help="the GPU suite: gpu tests and every GPU benchmark, in that order, within "
+                            "--budget-s")
     bench.add_argument("--dry-run", action="store_true",
                        help="with --all: every step at tiny sizes on the CPU, GPU parts reported as skipped")
     bench.add_argument("--steps", type=_bench_steps,
                        help="with --all: only these steps, comma-separated, of "
                             + ", ".join(name.replace(" ", "-") for name in STEPS)
                             + " (to split the suite over calls with a time limit; default: all)")
+    bench.add_argument("--budget-s", type=_seconds, metavar="SECONDS",
+                       help=f"with --all: the seconds the run may take (default {BUDGET_S}, which fits "
+                            f"one 10-minute command); a step starts only while its estimated time is "
+                            f"left, the others are reported as skipped")
     return parser
 
 
@@ -176,6 +193,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--steps goes with --all (bench --all --steps transport,feeder)")
     if args.command == "bench" and args.dry_run and not args.all:
         parser.error("--dry-run goes with --all (bench --all --dry-run)")
+    if args.command == "bench" and args.budget_s is not None and not args.all:
+        parser.error("--budget-s goes with --all (bench --all --budget-s 300)")
     if args.command == "demo" and args.table_dir is not None and args.storage != "mmap":
         parser.error(f"--table-dir is the directory of --storage mmap's files, and --storage is "
                      f"{args.storage}; add --storage mmap or drop --table-dir")

@@ -21,7 +21,8 @@ from speedswap.apps.bench.summary import render_summary, target_rows
 from conftest import gpu_only_first
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ["Machine", "Steps", "Targets", "GPU tests", "Transport", "Training step", "Feeder", "word2vec"]
+SECTIONS = ["Machine", "Steps", "Targets", "GPU tests", "Transport", "Training step", "Feeder", "word2vec",
+            "Beyond the GPU's memory"]
 
 
 def sections(markdown):
@@ -38,13 +39,16 @@ def test_dry_run_writes_every_result_and_a_summary_with_numbers(tmp_path):
     done = subprocess.run([sys.executable, "-m", "speedswap", "bench", "--all", "--dry-run", "--out", str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    # Every file, flat, and no more than 8 of them: all a lent GPU machine's output folder hands back.
     names = {p.name for p in out.iterdir()}
-    assert {"SUMMARY.md", "suite.json", "gpu_tests.json", "gpu-tests.log", "gpu-tests.xml", "transport-cpu.json",
-            "training_step-cpu.json", "feeder-cpu.json", "word2vec-cpu.json"} <= names, names
+    assert names == {"SUMMARY.md", "suite.json", "gpu-tests.log", "transport-cpu.json", "training_step-cpu.json",
+                     "feeder-cpu.json", "word2vec-cpu.json", "beyond_gpu-cpu.json"}, names
 
     summary = (out / "SUMMARY.md").read_text()
     found = sections(summary)
     assert list(found) == SECTIONS
+    # A vocabulary beyond the GPU's memory has nothing to exceed on the CPU: the one section without figures.
+    assert "skipped: no GPU memory to exceed on the CPU" in found.pop("Beyond the GPU's memory")
     for name, body in found.items():
         assert re.search(r"\d+\.\d+", body), f"section {name!r} has no figure:\n{body}"
     # Every GPU target is listed, each skipped with its reason.
@@ -61,10 +65,11 @@ def test_dry_run_writes_every_result_and_a_summary_with_numbers(tmp_path):
     training_json = json.loads((out / "training_step-cpu.json").read_text())
     assert f"{training_json['results'][0]['throughput_ratio']:.3g}" in found["Training step"]
 
-    tests = json.loads((out / "gpu_tests.json").read_text())["gpu_tests"]
+    record = json.loads((out / "suite.json").read_text())
+    tests = record["steps"]["gpu tests"]
     assert tests["status"] == "ran" and tests["cuda_hidden"]
     assert tests["tests"] > 0 and tests["skipped"] == tests["tests"]  # CUDA was hidden from every one
-    record = json.loads((out / "suite.json").read_text())
+    assert "slowest" in (out / "gpu-tests.log").read_text()  # pytest's --durations, to resize from
     assert record["mode"] == "dry run" and record["finished"] and set(record["steps"]) == set(suite.STEPS)
     assert all(step["status"] == "ran" for step in record["steps"].values())
 
@@ -118,12 +123,81 @@ def test_a_run_stopped_mid_step_leaves_the_steps_it_finished(tmp_path, monkeypat
     assert record["finished"] is False
     statuses = {name: step["status"] for name, step in record["steps"].items()}
     assert statuses == {"gpu tests": "skipped", "transport": "ran", "training step": "not reached",
-                        "feeder": "not reached", "word2vec": "skipped"}
+                        "feeder": "not reached", "word2vec": "skipped", "beyond gpu": "skipped"}
     found = sections((tmp_path / "SUMMARY.md").read_text())
     assert list(found) == SECTIONS
     assert "Not finished: so far" in found["Steps"] and "when this was written" in found["Machine"]
     assert re.search(r"\d+\.\d+", found["Transport"])  # the finished step's figures
     assert "not measured: the run had not reached this step" in found["Feeder"]
+
+
+def test_a_step_whose_estimate_exceeds_the_budget_left_is_skipped_and_the_rest_still_run(tmp_path, monkeypatch):
+    estimates = {**suite.DRY_RUN_SIZES.estimates_s, "transport": 1e-3, "training step": 1e6, "feeder": 1e-3}
+    monkeypatch.setattr(suite, "DRY_RUN_SIZES", dataclasses.replace(suite.DRY_RUN_SIZES, estimates_s=estimates))
+    lines = []
+    record = suite.run_all(tmp_path, dry_run=True, log=lines.append, budget_s=1e5,
+                           steps=["transport", "training step", "feeder"])
+    steps = record["steps"]
+    assert [steps[name]["status"] for name in ("transport", "training step", "feeder")] == ["ran", "skipped", "ran"]
+    reason = steps["training step"]["reason"]
+    assert reason.startswith("budget: ") and "about 1000000.0 s" in reason and "--steps training-step" in reason
+    assert not (tmp_path / "training_step-cpu.json").exists()
+    found = sections((tmp_path / "SUMMARY.md").read_text())
+    assert "--steps training-step" in found["Training step"]
+    assert any(line.startswith("training step skipped: budget") for line in lines)
+
+
+def test_the_gpu_tests_get_what_the_later_steps_estimates_leave_of_the_budget(tmp_path, monkeypatch):
+    given = []
+    monkeypatch.setitem(suite.STEPS, "gpu tests",
+                        lambda out, sizes, dry_run, log: given.append(sizes.tests_timeout) or {"status": "ran"})
+    estimates = {**suite.DRY_RUN_SIZES.estimates_s, "gpu tests": 20, "transport": 30, "feeder": 40}
+    monkeypatch.setattr(suite, "DRY_RUN_SIZES", dataclasses.replace(suite.DRY_RUN_SIZES, estimates_s=estimates))
+    suite.run_all(tmp_path, dry_run=True, log=lambda line: None, budget_s=200,
+                  steps=["gpu tests", "transport", "feeder"])
+    assert 125 < given[0] <= 130  # 200 s less the transport's 30 and the feeder's 40
+    given.clear()
+    suite.run_all(tmp_path, dry_run=True, log=lambda line: None, budget_s=50, steps=["gpu tests", "feeder"])
+    assert given == [20]  # 50 s less the feeder's 40 is below their own estimate, which they still get
+    given.clear()
+    suite.run_all(tmp_path, dry_run=True, log=lambda line: None, budget_s=1e4, steps=["gpu tests"])
+    assert given == [suite.DRY_RUN_SIZES.tests_timeout]  # nor above their cap
+
+
+def test_the_default_budget_fits_one_command_of_a_lent_gpu_machine():
+    """Its 10-minute limit must hold the budget plus one step overrunning by its own estimate."""
+    estimates = suite.GPU_SIZES.estimates_s
+    assert set(estimates) == set(suite.STEPS) == set(suite.DRY_RUN_SIZES.estimates_s)
+    assert sum(estimates.values()) <= suite.BUDGET_S
+    assert suite.BUDGET_S + max(estimates.values()) <= 600
+
+
+@pytest.mark.parametrize("budget", [0, -5, float("nan"), True, "60"])
+def test_run_all_refuses_a_budget_that_is_not_positive_seconds(tmp_path, budget):
+    with pytest.raises(suite.ss.OptionError, match="budget_s must be a positive number of seconds"):
+        suite.run_all(tmp_path / "never", dry_run=True, budget_s=budget)
+    assert not (tmp_path / "never").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--all", "--dry-run", "--budget-s", "0"], "positive number of seconds"),
+    (["bench", "--all", "--dry-run", "--budget-s", "soon"], "positive number of seconds"),
+    (["bench", "--budget-s", "60"], "--budget-s goes with --all")])
+def test_bench_refuses_a_bad_or_misplaced_budget(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_summary_says_why_a_gpu_run_skipped_the_vocabulary_beyond_the_gpu():
+    skipped = {"skipped": "the table and Adam state must exceed the GPU's 139 GiB, and 146 GiB of them do not "
+                          "fit in this host's 125 GiB of RAM"}
+    record = {"steps": {"beyond gpu": {"status": "ran", "reason": None, "seconds": 0.1,
+                                       "result": {"beyond_gpu": skipped}}}}
+    rows = {r[0]: r for r in target_rows(record)}
+    beyond = rows["a vocabulary whose table + Adam state exceed the GPU's memory trains"]
+    assert beyond[2:] == ["skipped: " + skipped["skipped"], "—"]
 
 
 def test_without_matplotlib_bench_writes_the_json_and_skips_the_chart(tmp_path, monkeypatch):
@@ -165,14 +239,14 @@ def test_gpu_tests_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkey
     monkeypatch.setattr(gpu_tests, "find_tests", lambda: tests)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "gpu-tests.xml").write_text("<testsuite tests='9' failures='0' errors='0' skipped='0'/>")
     began = time.perf_counter()
     outcome = gpu_tests.run_gpu_tests(out, hide_gpu=False, timeout=10)
     assert time.perf_counter() - began < 60  # interrupted, not left to sleep
     assert outcome["status"] == "failed" and "timed out after 10 s and interrupted" in outcome["reason"]
-    assert outcome["passed"] == 1 and outcome["failed"] == 0  # this run's report, not the stale one
+    assert outcome["passed"] == 1 and outcome["failed"] == 0 and outcome["timeout_s"] == 10
     log = (out / "gpu-tests.log").read_text()
     assert "KeyboardInterrupt" in log and "test_hangs" in log
+    assert [p.name for p in out.iterdir()] == ["gpu-tests.log"]  # the JUnit report was read, not kept
 
 
 def _gpu_case(row_bytes, dtype, gather, scatter, speedtorch, torch_pinned):
@@ -219,14 +293,14 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
                                                         "device": "cuda", "in_memory": "e", "offloaded": "o",
                                                         "cached": "c",
                                                         "device_memory": "m"},
-                                              "results": [entry],
-                                              "beyond_gpu": {"vocab": 52_000_000, "state_bytes": 84 * 2**30,
-                                                             "gpu_bytes": 80 * 2**30, "loss_before": 9.5,
-                                                             "loss_after": 7.25, "pairs_per_s": 150_000.0,
-                                                             "device_bytes": 64 * 2**20,
-                                                             "device_peak_bytes": 96 * 2**20}}),
+                                              "results": [entry]}),
                         "feeder": ran({"regression": regression}),
-                        "word2vec": ran(job)}}
+                        "word2vec": ran(job),
+                        "beyond gpu": ran({"beyond_gpu": {"vocab": 52_000_000, "state_bytes": 84 * 2**30,
+                                                          "gpu_bytes": 80 * 2**30, "loss_before": 9.5,
+                                                          "loss_after": 7.25, "pairs_per_s": 150_000.0,
+                                                          "device_bytes": 64 * 2**20,
+                                                          "device_peak_bytes": 96 * 2**20}})}}
     rows = {row[0]: row for row in target_rows(record)}
     case = "512 B float32 rows (SpeedTorch case)"
     assert rows[f"{case}: gather / pinned H2D copy bandwidth"][2:] == [0.8, "yes"]
@@ -261,7 +335,7 @@ def test_summary_of_failed_steps_still_lists_every_target_and_section():
     assert list(found) == SECTIONS
     targets = target_rows(record)
     assert len(targets) == 12 and all("step failed (RuntimeError: boom)" in row[2] for row in targets)
-    for name in ("Transport", "Training step", "Feeder", "word2vec"):
+    for name in ("Transport", "Training step", "Feeder", "word2vec", "Beyond the GPU's memory"):
         assert "not measured: RuntimeError: boom" in found[name]
     assert "over the 480 s budget" in found["Steps"]
 

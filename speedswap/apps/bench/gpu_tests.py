@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
@@ -23,8 +24,12 @@ __all__ = ["find_tests", "run_interruptibly", "run_gpu_tests", "read_junit"]
 
 #: Seconds an interrupted pytest gets to write its report before it is killed.
 GRACE_S = 15
-#: Seconds one gpu test may take where pytest-timeout is installed (the GPU machines have it).
-TEST_TIMEOUT_S = 120
+#: Seconds one gpu test may take where pytest-timeout is installed (the GPU machines have it):
+#: their numpy twins take under 10 s each on 2 CPU cores, so more is a hang, which must not eat
+#: the run's budget.
+TEST_TIMEOUT_S = 60
+#: The slowest tests the log lists (pytest's --durations): what to resize when the tests overrun.
+SLOWEST_LISTED = 25
 
 
 def find_tests() -> Optional[Path]:
@@ -87,20 +92,22 @@ def read_junit(path: os.PathLike) -> dict:
 
 
 def run_gpu_tests(out_dir: os.PathLike, *, hide_gpu: bool, timeout: float) -> dict:
-    """Run ``python -m pytest -m gpu tests/`` of the checkout; log and JUnit XML go to ``out_dir``.
+    """Run ``python -m pytest -m gpu tests/`` of the checkout; its log goes to ``out_dir``.
 
     The subprocess imports the checkout's own package (its root goes first on
     ``PYTHONPATH``), so the tests check the code that is being benchmarked.
+    pytest's JUnit report is read into the result and not kept: the log
+    (verbose, with the slowest tests listed) is the one file this writes.
 
     Args:
-        out_dir: where ``gpu-tests.log`` and ``gpu-tests.xml`` are written.
+        out_dir: where ``gpu-tests.log`` is written.
         hide_gpu: run with ``CUDA_VISIBLE_DEVICES=""``, so every gpu test
             reports skipped (the dry run exercises the plumbing on a CPU).
         timeout: seconds before the run is interrupted and reported as failed
             (timed out); the tests that ran until then are still counted.
 
     Returns:
-        ``{"status": "ran" | "skipped" | "failed", "reason", "command", ...}``
+        ``{"status": "ran" | "skipped" | "failed", "reason", "command", "timeout_s", ...}``
         plus :func:`read_junit`'s counts when pytest wrote its report.
     """
     tests = find_tests()
@@ -108,22 +115,26 @@ def run_gpu_tests(out_dir: os.PathLike, *, hide_gpu: bool, timeout: float) -> di
         return {"status": "skipped",
                 "reason": "no tests directory next to the package: this speedswap is an installed "
                           "wheel; run bench --all from a checkout (pip install -e .) to include the gpu tests"}
-    out_dir = Path(out_dir)
+    with tempfile.TemporaryDirectory() as scratch:
+        return _run(tests, Path(out_dir) / "gpu-tests.log", Path(scratch) / "gpu-tests.xml",
+                    hide_gpu=hide_gpu, timeout=timeout)
+
+
+def _run(tests: Path, log: Path, xml: Path, *, hide_gpu: bool, timeout: float) -> dict:
+    """:func:`run_gpu_tests` once the tests are found: the JUnit report goes to ``xml``."""
     root = tests.parent
-    xml, log = out_dir / "gpu-tests.xml", out_dir / "gpu-tests.log"
     command = [sys.executable, "-m", "pytest", "-m", "gpu", str(tests), "-v", "-rs",
-               "-p", "no:cacheprovider", f"--junitxml={xml}"]
+               "-p", "no:cacheprovider", f"--durations={SLOWEST_LISTED}", f"--junitxml={xml}"]
     if importlib.util.find_spec("pytest_timeout") is not None:
         # One hung test (a stream waiting forever) fails alone instead of eating the whole budget.
         command.append(f"--timeout={TEST_TIMEOUT_S}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     if hide_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    xml.unlink(missing_ok=True)  # a report left by an earlier run must not pass for this one's
     start = time.perf_counter()
     returncode, interrupted = run_interruptibly(command, cwd=root, env=env, log=log, timeout=timeout)
     result = {"command": "python " + " ".join(command[1:6]), "returncode": returncode,
-              "wall_seconds": time.perf_counter() - start, "cuda_hidden": hide_gpu,
+              "wall_seconds": time.perf_counter() - start, "timeout_s": timeout, "cuda_hidden": hide_gpu,
               "log": log.name}
     timed_out = f"timed out after {timeout:.0f} s"
     if not xml.exists():
@@ -140,4 +151,4 @@ def run_gpu_tests(out_dir: os.PathLike, *, hide_gpu: bool, timeout: float) -> di
         reason = f"{counts['failed']} failed, {counts['errors']} errors (see {log.name})"
     elif hide_gpu:
         reason = "dry run: CUDA hidden from the tests, so every gpu test reports skipped"
-    return {**result, **counts, "status": status, "reason": reason, "junit": xml.name}
+    return {**result, **counts, "status": status, "reason": reason}

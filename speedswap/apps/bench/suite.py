@@ -5,12 +5,23 @@
   JSON, a text table and, when matplotlib is installed, a PNG chart.
 * :func:`run_all` (``bench --all``): on a GPU, every ``gpu``-marked test of the
   checkout and every GPU benchmark (transport, training step, feeder, the
-  word2vec demo's job against the same job on the CPU and gensim), sized
-  to finish in about 12 minutes on an H100 (estimated, never timed; split a
-  run with ``steps``); JSON per benchmark plus
-  ``SUMMARY.md`` with the machine, each figure and each target ratio. With
-  ``dry_run`` every step runs at tiny sizes on the CPU and the GPU parts are
-  reported as skipped, so CI exercises the whole orchestration.
+  word2vec demo's job against the same job on the CPU and gensim, and a
+  vocabulary beyond the GPU's memory), in that order, within a time budget
+  (:data:`BUDGET_S`); JSON per benchmark plus ``SUMMARY.md`` with the
+  machine, each figure and each target ratio. With ``dry_run`` every step
+  runs at tiny sizes on the CPU and the GPU parts are reported as skipped,
+  so CI exercises the whole orchestration.
+
+**The budget.** A lent GPU machine runs one command for at most 10 minutes,
+and a session has 15 minutes of device time, the machine's start included:
+the suite must fit one call. So the steps run in the order of what the
+GPU-proof issue needs first, a step starts only while the budget has its
+estimated time left (:attr:`SuiteSizes.estimates_s`; otherwise it is
+reported as skipped, with the ``--steps`` that runs it alone), and the gpu
+tests get what the later steps' estimates leave. The estimates were never
+timed on a GPU: each step's real seconds are in ``suite.json``, to correct
+them from. What a run writes is at most 8 files, flat, what a lent
+machine's output folder hands back.
 """
 
 from __future__ import annotations
@@ -34,12 +45,13 @@ from .summary import render_summary
 from .timing import available_ram, load_average, machine, write_json
 
 __all__ = ["DEFAULT_OUT", "BUDGET_S", "SuiteSizes", "GPU_SIZES", "DRY_RUN_SIZES", "fitting_rows",
-           "run_transport_bench", "step_names", "run_all"]
+           "run_transport_bench", "step_names", "run_all", "STEPS"]
 
 #: Where results go unless ``--out`` says otherwise: beside the caller, not in the checkout.
 DEFAULT_OUT = "speedswap-bench"
-#: What ``bench --all`` should take on an H100, in seconds (an estimate: see GPU_SIZES).
-BUDGET_S = 720
+#: What ``bench --all`` may take by default, in seconds: a lent machine's 600 s command limit,
+#: less room for the one step that may overrun its estimate (steps start within the budget).
+BUDGET_S = 480
 #: The plain bench's CPU table height; smaller machines get a shorter table.
 CPU_ROWS, DIM, IDS = 2_000_000, 128, 131_072
 #: A chosen step's outcome until it has run: what a summary written mid-run, or cut off, shows.
@@ -61,7 +73,10 @@ class SuiteSizes:
         feeder_epochs, feeder_workers, feeder_dim, feeder_batch: the rest of the feeder case.
         word2vec_size, word2vec_rounds: the word2vec job (a key of
             :data:`~speedswap.apps.bench.word2vec.DEMO_SIZES`) and its runs per contender.
-        tests_timeout: seconds the gpu tests may take.
+        tests_timeout: seconds the gpu tests may take at most.
+        estimates_s: per step of :data:`STEPS` (the gpu tests: the least they
+            get), the seconds it is expected to take: a step starts only
+            while the run's budget has that much left.
     """
 
     transport_rows: int
@@ -78,35 +93,40 @@ class SuiteSizes:
     word2vec_size: str
     word2vec_rounds: int
     tests_timeout: float
+    estimates_s: dict
 
 
-# The H100 budget, from bytes moved: a transport case moves its 131,072 rows
-# about 10 times per round (23 rounds, the torch-pinned contender dominating at
-# ~0.1 s), and building its host copies (up to 1 GiB each, 4 of them) costs a
-# few seconds: ~10 s per case, 5 cases. Training: 15 GB of pinned table and
-# state at 10M rows take ~15 s to allocate and fill; steps are milliseconds;
-# then a vocabulary past the GPU's memory (84 GB of pinned table and state on an
-# H100; skipped where the host has less RAM than that, as an H200's 128 GiB host
-# against its 141 GB GPU): about a minute to allocate and fill.
-# Feeder: 4 GB of data generated once (~5 s), 6 epochs per contender, the
-# DataLoader's ~2 s each dominating. word2vec: the demo's 4M tokens, 3 runs of
-# each contender; the CPU's (~200k words/s on 2 cores) dominates, ~20 s each.
-# The gpu tests get up to 8 minutes (one test at most 2, where pytest-timeout is installed):
-# with the cuda case of every backend-parametrised test they are about 480 cases, never
-# timed on a GPU; their numpy twins take 80 s on 2 CPU cores (run them alone: --steps gpu-tests).
+# The H100 estimates, from bytes moved (never timed on a GPU): a transport case moves its
+# 131,072 rows about 10 times per round (23 rounds, the torch-pinned contender dominating
+# at ~0.1 s), and building its host copies (up to 1 GiB each, 4 of them) costs a few
+# seconds: ~10 s per case, 5 cases. Training: 15 GB of pinned table and state at 10M rows
+# take ~15 s to allocate and fill; steps are milliseconds. Feeder: 4 GB of data generated
+# once (~5 s), 6 epochs per contender, the DataLoader's ~2 s each dominating. word2vec:
+# the demo's 4M tokens, 2 runs of each contender; the CPU's (~200k words/s on 2 cores,
+# more on 16) dominates, ~20 s each. Beyond the GPU (84 GB of pinned table and state on
+# an H100; skipped where the host has less RAM than that, as an H200's 128 GiB host
+# against its 141 GB GPU): about a minute to allocate and fill, last because it is the
+# likeliest to overrun. The gpu tests, about 480 cases with the cuda case of every
+# backend-parametrised test, get what the benchmarks' estimates leave of the budget
+# (at least 120 s, at most 240 s; one test at most 60 s where pytest-timeout is
+# installed); their numpy twins take 80 s on 2 CPU cores.
 # The feeder's 1M rows are FFCV's shape, not scaled to MemAvailable: the GPU machines' RAM
 # starts small and grows with use (their notes), and 16 GB of the 128 GiB they have is enough.
 GPU_SIZES = SuiteSizes(transport_rows=1_000_000, transport_ids=131_072, transport_repeats=20,
                        training_vocabs=(1_000_000, 10_000_000), training_repeats=20,
                        training_shape=training_step.StepShape(),
                        feeder_rows=1_000_000, feeder_epochs=5, feeder_workers=min(8, os.cpu_count() or 1),
-                       feeder_dim=1000, feeder_batch=2048, word2vec_size="demo", word2vec_rounds=3,
-                       tests_timeout=480)
+                       feeder_dim=1000, feeder_batch=2048, word2vec_size="demo", word2vec_rounds=2,
+                       tests_timeout=240,
+                       estimates_s={"gpu tests": 120, "transport": 60, "training step": 60, "feeder": 45,
+                                    "word2vec": 90, "beyond gpu": 90})
 DRY_RUN_SIZES = SuiteSizes(transport_rows=32_768, transport_ids=4096, transport_repeats=3,
                            training_vocabs=(5_000,), training_repeats=3,
                            training_shape=training_step.StepShape(batch=256, dim=32),
                            feeder_rows=4096, feeder_epochs=2, feeder_workers=1, feeder_dim=1000,
-                           feeder_batch=512, word2vec_size="tiny", word2vec_rounds=1, tests_timeout=300)
+                           feeder_batch=512, word2vec_size="tiny", word2vec_rounds=1, tests_timeout=300,
+                           estimates_s={"gpu tests": 60, "transport": 5, "training step": 5, "feeder": 5,
+                                        "word2vec": 10, "beyond gpu": 1})
 
 
 def fitting_rows(available_bytes: int, share: int = 8) -> int:
@@ -159,12 +179,12 @@ def _kind(dry_run: bool) -> str:
 
 
 def _gpu_tests_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
+    # No JSON of its own: suite.json holds the outcome (counts, failed tests), the log the rest.
     outcome = run_gpu_tests(out_dir, hide_gpu=dry_run, timeout=sizes.tests_timeout)
-    write_json(out_dir / "gpu_tests.json", "gpu_tests", {"gpu_tests": outcome})
     counts = ", ".join(f"{outcome[k]} {k}" for k in ("passed", "failed", "errors", "skipped") if k in outcome)
     log(f"gpu tests: {outcome['status']}" + (f" ({counts})" if counts else "")
         + (f"; {outcome['reason']}" if outcome.get("reason") else ""))
-    return {**outcome, "json": "gpu_tests.json", "result": outcome}
+    return {**outcome, "result": outcome}
 
 
 def _transport_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
@@ -183,7 +203,9 @@ def _transport_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callab
 
 def _training_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
     device = torch.device("cpu" if dry_run else "cuda")
-    payload = training_step.run(sizes.training_vocabs, sizes.training_repeats, device, sizes.training_shape)
+    # The vocabulary beyond the GPU's memory is a step of its own, the last: the likeliest to overrun.
+    payload = training_step.run(sizes.training_vocabs, sizes.training_repeats, device, sizes.training_shape,
+                                beyond=False)
     log(training_step.format_results(payload))
     name = f"training_step-{_kind(dry_run)}.json"
     write_json(out_dir / name, "training_step", payload)
@@ -211,9 +233,19 @@ def _word2vec_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callabl
     return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
 
 
-#: The steps of ``bench --all``, in order.
+def _beyond_gpu_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
+    device = torch.device("cpu" if dry_run else "cuda")
+    payload = {"beyond_gpu": training_step.beyond_gpu(device, sizes.training_repeats, sizes.training_shape)}
+    log("beyond the GPU's memory: " + training_step.describe_beyond_gpu(payload["beyond_gpu"]))
+    name = f"beyond_gpu-{_kind(dry_run)}.json"
+    write_json(out_dir / name, "beyond_gpu", payload)
+    return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
+
+
+#: The steps of ``bench --all``, in the order they run: what the GPU-proof issue needs first
+#: (correctness, then the transport and training targets), the riskiest last.
 STEPS = {"gpu tests": _gpu_tests_step, "transport": _transport_step, "training step": _training_step,
-         "feeder": _feeder_step, "word2vec": _word2vec_step}
+         "feeder": _feeder_step, "word2vec": _word2vec_step, "beyond gpu": _beyond_gpu_step}
 
 
 def step_names(spec: str) -> list:
@@ -231,43 +263,71 @@ def step_names(spec: str) -> list:
 
 
 def run_all(out_dir: os.PathLike = DEFAULT_OUT, dry_run: bool = False,
-            log: Callable[[str], None] = print, steps: Optional[Sequence[str]] = None) -> dict:
-    """Every gpu test and GPU benchmark; JSON per step, ``suite.json`` and ``SUMMARY.md`` in ``out_dir``.
+            log: Callable[[str], None] = print, steps: Optional[Sequence[str]] = None,
+            budget_s: float = BUDGET_S) -> dict:
+    """Every gpu test and GPU benchmark within ``budget_s``; JSON per step, ``suite.json`` and
+    ``SUMMARY.md`` in ``out_dir``.
 
     A step that raises is recorded as failed with its traceback and the
-    others still run: minutes of measurements are not thrown away.
+    others still run: minutes of measurements are not thrown away. A step
+    whose estimate (:attr:`SuiteSizes.estimates_s`) exceeds what is left of
+    the budget is skipped, with the reason and the ``--steps`` that runs it
+    alone; the gpu tests are interrupted when their share is spent (see the
+    module docs).
 
     Args:
         out_dir: the results directory (created).
         dry_run: tiny sizes on the CPU, GPU parts reported as skipped.
         log: receives progress lines and each step's table of figures.
         steps: the steps to run (names of :data:`STEPS`; None: all). The
-            others are reported as skipped, so a run that must fit a time
-            limit can be split over several calls, each with its own ``out_dir``.
+            others are reported as skipped, so a run can be split over
+            several calls, each with its own ``out_dir``.
+        budget_s: seconds the run may take; a step starts only while its
+            estimate fits in what is left.
 
     ``suite.json`` and ``SUMMARY.md`` are rewritten after every step, so a
     run stopped from outside (a time limit) leaves the steps it finished.
 
     Returns:
-        The suite record: ``mode``, ``machine``, ``seconds``, ``finished``, and per step its
-        ``status``, ``reason``, ``seconds``, ``json`` file and ``result`` (the
+        The suite record: ``mode``, ``machine``, ``seconds``, ``budget_s``, ``finished``, and per
+        step its ``status``, ``reason``, ``seconds``, ``json`` file and ``result`` (the
         figures; ``suite.json`` holds the rest of the record).
+
+    Raises:
+        OptionError: a ``budget_s`` that is not a positive number of seconds.
     """
+    if not isinstance(budget_s, (int, float)) or isinstance(budget_s, bool) or not budget_s > 0:
+        raise ss.OptionError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sizes = DRY_RUN_SIZES if dry_run else GPU_SIZES
     record = {"mode": "dry run" if dry_run else "full", "machine": machine(),
-              "sizes": dataclasses.asdict(sizes), "budget_s": BUDGET_S, "finished": False, "steps": {}}
+              "sizes": dataclasses.asdict(sizes), "budget_s": budget_s, "finished": False, "steps": {}}
     start = time.perf_counter()
     chosen = list(STEPS) if steps is None else step_names(",".join(steps))
     for name in STEPS:
         record["steps"][name] = (dict(NOT_REACHED) if name in chosen else
                                  {"status": "skipped", "reason": "not among the steps asked for", "seconds": 0.0})
-    for name in chosen:
-        log(f"\n== {name} ({time.perf_counter() - start:.0f} s into the run)")
+    for position, name in enumerate(chosen):
+        left = budget_s - (time.perf_counter() - start)
+        need = sizes.estimates_s[name]
+        log(f"\n== {name} ({time.perf_counter() - start:.0f} s into the run, {left:.0f} s of the budget left)")
+        if left < need:
+            flag = name.replace(" ", "-")
+            outcome = {"status": "skipped", "seconds": 0.0,
+                       "reason": f"budget: {max(left, 0):.0f} s of the {budget_s:.0f} s left, and the step "
+                                 f"takes about {need} s (an estimate); run it alone with --steps {flag}"}
+            log(f"{name} skipped: {outcome['reason']}")
+            record["steps"][name] = outcome
+            continue
+        run_sizes = sizes
+        if name == "gpu tests":
+            # The tests get what the later steps' estimates leave, within their own floor and cap.
+            later = sum(sizes.estimates_s[other] for other in chosen[position + 1:])
+            run_sizes = dataclasses.replace(sizes, tests_timeout=min(sizes.tests_timeout, max(need, left - later)))
         began = time.perf_counter()
         try:
-            outcome = STEPS[name](out_dir, sizes, dry_run, log)
+            outcome = STEPS[name](out_dir, run_sizes, dry_run, log)
         except Exception as exc:  # noqa: BLE001 -- a broken step must not lose the others' results
             outcome = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}",
                        "traceback": traceback.format_exc()}

@@ -96,15 +96,21 @@ def target_rows(record: dict) -> list:
                          "offloaded flat in vocab",
                          f"{entry['in_memory']['device_bytes'] / 2**20:,.0f} / "
                          f"{entry['offloaded']['device_bytes'] / 2**20:,.0f}", "—"])
-        rows.append(_beyond_gpu_row(training["beyond_gpu"]))
     else:
         why = _why_not(record, "training step", "the GPU training step")
         rows += [["training throughput offloaded / all-GPU", _goal(training_step.TARGET), why, "—"],
                  ["training throughput with cache and prefetch / all-GPU",
                   _goal(training_step.CACHED_TARGET), why, "—"],
                  ["gap to all-GPU with the cache / without", _goal(training_step.GAP_TARGET), why, "—"],
-                 ["GPU memory at vocab 1M and 10M", "offloaded flat in vocab", why, "—"],
-                 [_BEYOND_GPU_LABEL, "trains", why, "—"]]
+                 ["GPU memory at vocab 1M and 10M", "offloaded flat in vocab", why, "—"]]
+    beyond = (_result(record, "beyond gpu") or {}).get("beyond_gpu")
+    if beyond and "skipped" not in beyond:
+        rows.append(_beyond_gpu_row(beyond))
+    elif beyond and not record["steps"]["beyond gpu"].get("reason"):  # a GPU run that could not hold it
+        rows.append([_BEYOND_GPU_LABEL, "trains", f"skipped: {beyond['skipped']}", "—"])
+    else:
+        rows.append([_BEYOND_GPU_LABEL, "trains",
+                     _why_not(record, "beyond gpu", "the vocabulary beyond the GPU's memory"), "—"])
     regression = (_result(record, "feeder") or {}).get("regression")
     label = "feeder epoch (FFCV regression shape) / pinned copy of the same bytes"
     if regression and regression["device"].startswith("cuda"):
@@ -119,8 +125,8 @@ _BEYOND_GPU_LABEL = "a vocabulary whose table + Adam state exceed the GPU's memo
 
 
 def _beyond_gpu_row(entry: dict) -> list:
-    """The target row of the training step's vocabulary beyond the GPU's memory."""
-    trained = "—" if "skipped" in entry else "yes" if entry["loss_after"] < entry["loss_before"] else "**no**"
+    """The target row of the vocabulary beyond the GPU's memory, which trained."""
+    trained = "yes" if entry["loss_after"] < entry["loss_before"] else "**no**"
     return [_BEYOND_GPU_LABEL, "trains", training_step.describe_beyond_gpu(entry), trained]
 
 
@@ -241,8 +247,12 @@ def _training_body(result: dict) -> str:
             + markdown_table(["vocab", "in-memory ms", "offloaded ms", "cached ms",
                               "throughput offloaded / in-memory", "throughput cached / in-memory",
                               "interleaved", "in-memory MiB", "in-memory peak MiB", "offloaded MiB",
-                              "offloaded peak MiB"], rows)
-            + "\n\nBeyond the GPU's memory: " + training_step.describe_beyond_gpu(result["beyond_gpu"]) + ".")
+                              "offloaded peak MiB"], rows))
+
+
+def _beyond_gpu_body(result: dict) -> str:
+    return ("The offloaded setup of the training step alone, at a vocabulary whose table and Adam "
+            "state exceed the GPU's memory: " + training_step.describe_beyond_gpu(result["beyond_gpu"]) + ".")
 
 
 def _feeder_body(result: dict) -> str:
@@ -280,7 +290,7 @@ def render_summary(record: dict) -> str:
 
     Returns:
         Markdown text with the sections Machine, Steps, Targets, GPU tests,
-        Transport, Training step, Feeder and word2vec.
+        Transport, Training step, Feeder, word2vec and Beyond the GPU's memory.
     """
     mode = ("dry run: tiny sizes on the CPU, GPU parts skipped" if record["mode"] == "dry run"
             else "full GPU suite")
@@ -293,4 +303,5 @@ def render_summary(record: dict) -> str:
         _gpu_tests_section(record), _step_section(record, "transport", "Transport", _transport_body),
         _step_section(record, "training step", "Training step", _training_body),
         _step_section(record, "feeder", "Feeder", _feeder_body),
-        _step_section(record, "word2vec", "word2vec", _word2vec_body)]) + "\n"
+        _step_section(record, "word2vec", "word2vec", _word2vec_body),
+        _step_section(record, "beyond gpu", "Beyond the GPU's memory", _beyond_gpu_body)]) + "\n"

@@ -280,7 +280,8 @@ def run(vocabs: Sequence[int], repeats: int, device: torch.device, shape: StepSh
             RAM than the GPU has memory: about a minute on an H100).
 
     Returns:
-        ``{"setup": description, "results": [entry per vocabulary], "beyond_gpu": its entry}``.
+        ``{"setup": description, "results": [entry per vocabulary]}``, and
+        ``"beyond_gpu"``: its entry, when ``beyond``.
     """
     results = []
     for vocab in vocabs:
@@ -288,21 +289,23 @@ def run(vocabs: Sequence[int], repeats: int, device: torch.device, shape: StepSh
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    beyond = beyond_gpu(device, repeats, shape) if beyond else {"skipped": "not asked for"}
-    return {"setup": {"batch": shape.batch, "negatives": shape.negatives, "dim": shape.dim,
-                      "optimizer": "Adam", "lr": shape.lr, "device": str(device),
-                      "ids": "Zipf p~1/rank", "tied_embeddings": True,
-                      "in_memory": "nn.Embedding(sparse=True) + SparseAdam",
-                      "offloaded": "OffloadedEmbedding + Adam (lazy; same function as SparseAdam "
-                                   "up to where eps is added)",
-                      "cached": f"offloaded, cache_rows = {CACHE_FRACTION:.0%} of the vocabulary, "
-                                f"next step's ids prefetched before backward",
-                      "device_memory": "torch allocator bytes added by building the setup and "
-                                       "running two steps (resident after; peak)",
-                      "target": ("GPU: offloaded throughput >= 0.9x all-GPU at a vocabulary that fits, "
-                                 ">= 0.95x with the cache, and the gap to all-GPU at least halved by "
-                                 "the cache; CPU: offloaded <= 1.2x in-memory time")},
-            "results": results, "beyond_gpu": beyond}
+    payload = {"setup": {"batch": shape.batch, "negatives": shape.negatives, "dim": shape.dim,
+                         "optimizer": "Adam", "lr": shape.lr, "device": str(device),
+                         "ids": "Zipf p~1/rank", "tied_embeddings": True,
+                         "in_memory": "nn.Embedding(sparse=True) + SparseAdam",
+                         "offloaded": "OffloadedEmbedding + Adam (lazy; same function as SparseAdam "
+                                      "up to where eps is added)",
+                         "cached": f"offloaded, cache_rows = {CACHE_FRACTION:.0%} of the vocabulary, "
+                                   f"next step's ids prefetched before backward",
+                         "device_memory": "torch allocator bytes added by building the setup and "
+                                          "running two steps (resident after; peak)",
+                         "target": ("GPU: offloaded throughput >= 0.9x all-GPU at a vocabulary that fits, "
+                                    ">= 0.95x with the cache, and the gap to all-GPU at least halved by "
+                                    "the cache; CPU: offloaded <= 1.2x in-memory time")},
+               "results": results}
+    if beyond:
+        payload["beyond_gpu"] = beyond_gpu(device, repeats, shape)
+    return payload
 
 
 def _mib(value: Optional[int]) -> Optional[float]:
@@ -323,7 +326,8 @@ def format_results(payload: dict) -> str:
     setup = payload["setup"]
     return (f"training step: skip-gram, Adam, {setup['batch']} pairs x {setup['negatives']} negatives, "
             f"dim {setup['dim']}, on {setup['device']}\n" + format_table(rows, list(rows[0]))
-            + "\nbeyond the GPU's memory: " + describe_beyond_gpu(payload["beyond_gpu"]))
+            + ("\nbeyond the GPU's memory: " + describe_beyond_gpu(payload["beyond_gpu"])
+               if "beyond_gpu" in payload else ""))
 
 
 def describe_beyond_gpu(entry: dict) -> str:
