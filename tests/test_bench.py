@@ -251,13 +251,14 @@ def test_gpu_tests_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkey
 
 def _gpu_case(row_bytes, dtype, gather, scatter, speedtorch, torch_pinned):
     """A transport case shaped as run_gpu_case returns it, with chosen ratios (to test the summary's logic)."""
-    rows = [{"method": m, "median_ms": 1.0, "min_ms": 0.9, "max_ms": 1.2, "GB/s": 10.0}
-            for m in ("speedswap", "(a) SpeedTorch cupy", "(b) torch pinned", "(d) pinned memcpy H2D",
-                      "(e) device-to-device copy")]
+    rows = [{"method": m, "median_ms": 1.0, "min_ms": 0.9, "max_ms": 1.2, "GB/s": speed}
+            for m, speed in (("speedswap", 10.0), ("(a) SpeedTorch cupy", 10.0), ("(b) torch pinned", 10.0),
+                             ("(d) pinned memcpy H2D", 10.0), ("(g) zero-copy kernel, consecutive rows", 12.5),
+                             ("(e) device-to-device copy", 10.0))]
     return {"config": {"num_rows": 1000, "dim": row_bytes // 4, "num_ids": 100, "dtype": dtype,
                        "row_bytes": row_bytes, "repeats": 3, "load_average_before": [0.0, 0.0, 0.0],
                        "skipped": {} if speedtorch else {"(a) SpeedTorch cupy": "CuPy is not installed"}},
-            "to_gpu": rows, "from_gpu": [dict(r, method=r["method"].replace("H2D", "D2H")) for r in rows[:4]],
+            "to_gpu": rows, "from_gpu": [dict(r, method=r["method"].replace("H2D", "D2H")) for r in rows[:5]],
             "targets": {"gather_fraction_of_h2d": gather, "scatter_fraction_of_d2h": scatter,
                         "round_trip_vs_speedtorch": speedtorch, "round_trip_vs_torch_pinned": torch_pinned}}
 
@@ -321,7 +322,8 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
     assert rows[fastest][2:] == [5.0, "**no**"]
     text = render_summary(record)
     assert list(sections(text)) == SECTIONS
-    assert "pinned H2D 10.0 GB/s, pinned D2H 10.0 GB/s, device-to-device 10.0 GB/s" in text
+    assert ("pinned H2D 10.0 GB/s, pinned D2H 10.0 GB/s, device-to-device 10.0 GB/s, the same bytes as "
+            "zero-copy kernel, consecutive rows 12.5 GB/s read, 12.5 GB/s written." in text)
 
 
 def test_summary_of_failed_steps_still_lists_every_target_and_section():
@@ -385,11 +387,13 @@ def test_gpu_transport_case_runs_every_contender(dtype):
     case = transport.run_gpu_case(num_rows=65_536, dim=64, num_ids=8192, dtype=dtype, repeats=2)
     methods = sorted(row["method"].split(" ")[0] for row in case["to_gpu"])
     if transport.cupy_missing():  # SpeedTorch's method needs CuPy; the run says why it is missing
-        assert methods == ["(b)", "(c)", "(d)", "(e)", "(f)", "speedswap"] and case["config"]["skipped"]
+        assert methods == ["(b)", "(c)", "(d)", "(e)", "(f)", "(g)", "speedswap"] and case["config"]["skipped"]
         assert case["targets"].pop("round_trip_vs_speedtorch") is None
     else:
-        assert methods == ["(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "speedswap"]
+        assert methods == ["(a)", "(b)", "(c)", "(d)", "(e)", "(f)", "(g)", "speedswap"]
     assert all(value > 0 for value in case["targets"].values())
+    back = sorted(row["method"].split(" ")[0] for row in case["from_gpu"])
+    assert "(g)" in back and "(e)" not in back  # the kernel's contiguous write; no device-to-device way back
 
 
 @pytest.mark.gpu

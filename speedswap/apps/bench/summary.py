@@ -217,10 +217,13 @@ def _transport_body(result: dict) -> str:
         config = case["config"]
         speeds = {row["method"].split(" ")[0]: row["GB/s"] for row in case["to_gpu"]}
         back = {row["method"].split(" ")[0]: row["GB/s"] for row in case["from_gpu"]}
+        contiguous = next((row["method"][4:] for row in case["to_gpu"] if row["method"].startswith("(g)")), None)
         parts.append(f"GPU, {_case_label(config)}: {config['num_ids']:,} ids of {config['num_rows']:,} rows "
                      f"(median of {config['repeats']}, interleaved, CUDA events). Ceilings in the same run: "
                      f"pinned H2D {speeds['(d)']:.1f} GB/s, pinned D2H {back['(d)']:.1f} GB/s, "
-                     f"device-to-device {speeds['(e)']:.1f} GB/s.")
+                     f"device-to-device {speeds['(e)']:.1f} GB/s"
+                     + (f", the same bytes as {contiguous} {speeds['(g)']:.1f} GB/s read, "
+                        f"{back['(g)']:.1f} GB/s written" if contiguous else "") + ".")
         from_rows = {row["method"].split(" ")[0]: row for row in case["from_gpu"]}
         rows = []
         for row in case["to_gpu"]:

@@ -14,7 +14,9 @@ pinned memory, (b) a pinned torch CPU tensor indexed on the CPU, then
 ``.cuda()`` / ``.cpu()`` + ``index_put_``, (c) an all-GPU table with
 ``index_select`` / ``index_copy_``, and the ceilings measured in the same
 run: (d) a pinned contiguous copy of the same bytes in each direction (the
-copy engine) and (e) a device-to-device copy; (f) is speedswap without its
+copy engine), (e) a device-to-device copy and (g) speedswap's zero-copy
+kernel moving the same bytes as consecutive rows (a contiguous read and
+write of mapped memory by a kernel: what random rows cost over it); (f) is speedswap without its
 public call's id range check (one host wait inside the timed span, which the
 targets' figures keep: they are what a user's call costs). Then rows of 64, 256 and 1024
 bytes and bfloat16. Scatters reuse the gather's ids in every contender (as
@@ -193,6 +195,10 @@ def run_gpu_case(num_rows: int, dim: int, num_ids: int, dtype: torch.dtype = tor
     values = torch.randn(num_rows, dim, generator=generator).to(dtype)
     ids_cpu = torch.randint(0, num_rows, (num_ids,), generator=generator)
     ids_gpu = ids_cpu.cuda()
+    consecutive = torch.arange(num_ids, device="cuda")  # the same bytes, contiguous in the table
+    skipped = cupy_missing()
+    # Without CuPy a pinned table's rows are staged, not moved by the kernel: named for what it is.
+    contiguous = "(g) " + ("zero-copy kernel" if skipped is None else "staged copy") + ", consecutive rows"
     param = torch.empty(num_ids, dim, dtype=dtype, device="cuda")
     nbytes = param.numel() * param.element_size()
 
@@ -216,13 +222,14 @@ def run_gpu_case(num_rows: int, dim: int, num_ids: int, dtype: torch.dtype = tor
               "(e) device-to-device copy": lambda: param.copy_(device_block),
               # The public call above checks the ids' range first, one host wait
               # inside the timed span; this is the transport alone.
-              "(f) speedswap, ids checked before": lambda: table.gather_validated(ids_gpu, param)}
+              "(f) speedswap, ids checked before": lambda: table.gather_validated(ids_gpu, param),
+              contiguous: lambda: table.gather_validated(consecutive, param)}
     from_gpu = {"speedswap": lambda: table.scatter(ids_gpu, param, check_unique=False),
                 "(b) torch pinned": torch_from,
                 "(c) all-GPU index_copy_": lambda: gpu_table.index_copy_(0, ids_gpu, param),
                 "(d) pinned memcpy D2H": lambda: host_block.copy_(param, non_blocking=True),
-                "(f) speedswap, ids checked before": lambda: table.scatter_validated(ids_gpu, param)}
-    skipped = cupy_missing()
+                "(f) speedswap, ids checked before": lambda: table.scatter_validated(ids_gpu, param),
+                contiguous: lambda: table.scatter_validated(consecutive, param)}
     if skipped is None:
         import cupy
         speedtorch, _keep = _speedtorch_table(cupy, values)
