@@ -249,6 +249,34 @@ def test_gpu_tests_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkey
     assert [p.name for p in out.iterdir()] == ["gpu-tests.log"]  # the JUnit report was read, not kept
 
 
+@pytest.mark.parametrize("cores, xdist, workers", [(16, True, 4), (64, True, 4), (8, True, 2), (2, True, 1),
+                                                   (16, False, 1)])
+def test_the_gpu_tests_run_in_workers_where_xdist_and_the_cores_allow(tmp_path, cores, xdist, workers):
+    command, got = gpu_tests.pytest_command(tmp_path, tmp_path / "r.xml", cores=cores, xdist=xdist, timeout=True)
+    assert got == workers
+    assert ("-n" in command) == (workers > 1) and (workers == 1 or command[command.index("-n") + 1] == str(workers))
+    assert "--timeout=60" in command and "--durations=25" in command and "-m" in command
+
+
+def test_gpu_tests_in_workers_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkeypatch):
+    pytest.importorskip("xdist")  # the GPU machines have it; CI does not
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "conftest.py").write_text(
+        "def pytest_configure(config):\n    config.addinivalue_line('markers', 'gpu: needs a GPU')\n")
+    (tests / "test_cut.py").write_text(
+        "import time, pytest\n\n"
+        "@pytest.mark.gpu\n@pytest.mark.parametrize('i', range(3))\ndef test_quick(i):\n    assert i < 3\n\n"
+        "@pytest.mark.gpu\ndef test_hangs():\n    time.sleep(120)\n")
+    monkeypatch.setattr(gpu_tests, "find_tests", lambda: tests)
+    monkeypatch.setattr(gpu_tests, "CORES_PER_WORKER", 1)  # two workers on this machine's cores
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two cores for two workers")
+    outcome = gpu_tests.run_gpu_tests(tmp_path, hide_gpu=False, timeout=15)
+    assert outcome["workers"] == 2 and outcome["status"] == "failed"
+    assert outcome["passed"] == 3 and "the log lists the tests 2 workers finished" in outcome["reason"]
+
+
 def _gpu_case(row_bytes, dtype, gather, scatter, speedtorch, torch_pinned):
     """A transport case shaped as run_gpu_case returns it, with chosen ratios (to test the summary's logic)."""
     rows = [{"method": m, "median_ms": 1.0, "min_ms": 0.9, "max_ms": 1.2, "GB/s": speed}

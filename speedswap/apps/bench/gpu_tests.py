@@ -20,7 +20,7 @@ from typing import Optional
 
 import speedswap as ss
 
-__all__ = ["find_tests", "run_interruptibly", "run_gpu_tests", "read_junit"]
+__all__ = ["find_tests", "pytest_command", "run_interruptibly", "run_gpu_tests", "read_junit"]
 
 #: Seconds an interrupted pytest gets to write its report before it is killed.
 GRACE_S = 15
@@ -30,6 +30,11 @@ GRACE_S = 15
 TEST_TIMEOUT_S = 60
 #: The slowest tests the log lists (pytest's --durations): what to resize when the tests overrun.
 SLOWEST_LISTED = 25
+#: CPU cores per pytest worker where pytest-xdist is installed (the GPU machines have it, and
+#: 16 cores): the tests spend much of their time on the CPU, and every worker shares one GPU.
+CORES_PER_WORKER = 4
+#: At most this many workers: each holds a CUDA context of its own on the one GPU.
+MAX_WORKERS = 4
 
 
 def find_tests() -> Optional[Path]:
@@ -120,21 +125,50 @@ def run_gpu_tests(out_dir: os.PathLike, *, hide_gpu: bool, timeout: float) -> di
                     hide_gpu=hide_gpu, timeout=timeout)
 
 
+def pytest_command(tests: os.PathLike, xml: os.PathLike, *, cores: int, xdist: bool, timeout: bool) -> tuple:
+    """The pytest command line of the gpu tests, and how many workers it runs them in.
+
+    Args:
+        tests: the tests directory.
+        xml: where pytest writes its JUnit report.
+        cores: this machine's CPU cores.
+        xdist: pytest-xdist is installed: the tests run in one worker per
+            :data:`CORES_PER_WORKER` cores (at most :data:`MAX_WORKERS`), so
+            more of them fit in the run's budget. An interrupted run still
+            writes its report (the controller writes it).
+        timeout: pytest-timeout is installed: one test may take at most
+            :data:`TEST_TIMEOUT_S`.
+
+    Returns:
+        (command, workers): the argument list, and 1 when the tests run in
+        pytest's own process.
+    """
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", str(tests), "-v", "-rs",
+               "-p", "no:cacheprovider", f"--durations={SLOWEST_LISTED}", f"--junitxml={xml}"]
+    workers = min(MAX_WORKERS, cores // CORES_PER_WORKER) if xdist else 1
+    if workers > 1:
+        # Workers take tests in collection order, so the gpu-only tests still go first.
+        command += ["-n", str(workers)]
+    if timeout:
+        # One hung test (a stream waiting forever) fails alone instead of eating the whole budget.
+        command.append(f"--timeout={TEST_TIMEOUT_S}")
+    return command, max(workers, 1)
+
+
 def _run(tests: Path, log: Path, xml: Path, *, hide_gpu: bool, timeout: float) -> dict:
     """:func:`run_gpu_tests` once the tests are found: the JUnit report goes to ``xml``."""
     root = tests.parent
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", str(tests), "-v", "-rs",
-               "-p", "no:cacheprovider", f"--durations={SLOWEST_LISTED}", f"--junitxml={xml}"]
-    if importlib.util.find_spec("pytest_timeout") is not None:
-        # One hung test (a stream waiting forever) fails alone instead of eating the whole budget.
-        command.append(f"--timeout={TEST_TIMEOUT_S}")
+    command, workers = pytest_command(tests, xml, cores=os.cpu_count() or 1,
+                                      xdist=importlib.util.find_spec("xdist") is not None,
+                                      timeout=importlib.util.find_spec("pytest_timeout") is not None)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     if hide_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     start = time.perf_counter()
     returncode, interrupted = run_interruptibly(command, cwd=root, env=env, log=log, timeout=timeout)
     result = {"command": "python " + " ".join(command[1:6]), "returncode": returncode,
-              "wall_seconds": time.perf_counter() - start, "timeout_s": timeout, "cuda_hidden": hide_gpu,
+              "wall_seconds": time.perf_counter() - start, "timeout_s": timeout, "workers": workers,
+              "cuda_hidden": hide_gpu,
               "log": log.name}
     timed_out = f"timed out after {timeout:.0f} s"
     if not xml.exists():
@@ -145,8 +179,10 @@ def _run(tests: Path, log: Path, xml: Path, *, hide_gpu: bool, timeout: float) -
     passed = returncode in (0, 5) and not counts["failed"] and not counts["errors"] and not interrupted
     status, reason = ("ran", None) if passed else ("failed", None)
     if interrupted:
-        reason = (f"{timed_out} and interrupted: the counts are of the tests that ran until then; the "
-                  f"log's last test line names the one that was running (see {log.name})")
+        running = ("the log's last test line names the one that was running" if workers == 1 else
+                   f"the log lists the tests {workers} workers finished")
+        reason = (f"{timed_out} and interrupted: the counts are of the tests that ran until then; "
+                  f"{running} (see {log.name})")
     elif not passed:
         reason = f"{counts['failed']} failed, {counts['errors']} errors (see {log.name})"
     elif hide_gpu:

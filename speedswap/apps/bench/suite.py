@@ -109,7 +109,8 @@ class SuiteSizes:
 # likeliest to overrun. The gpu tests, about 480 cases with the cuda case of every
 # backend-parametrised test, get what the benchmarks' estimates leave of the budget
 # (at least 120 s, at most 240 s; one test at most 60 s where pytest-timeout is
-# installed); their numpy twins take 80 s on 2 CPU cores.
+# installed, in 4 workers on 16 cores where pytest-xdist is, as on the lent machines);
+# their numpy twins take 80 s on 2 CPU cores.
 # The feeder's 1M rows are FFCV's shape, not scaled to MemAvailable: the GPU machines' RAM
 # starts small and grows with use (their notes), and 16 GB of the 128 GiB they have is enough.
 GPU_SIZES = SuiteSizes(transport_rows=1_000_000, transport_ids=131_072, transport_repeats=20,
