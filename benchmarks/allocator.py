@@ -14,6 +14,8 @@ falls on every setting alike:
 * ``glibc``: the default;
 * ``glibc-keep``: ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_`` set
   so freed blocks stay with the process;
+* ``keep_freed_memory()``: the same settings made from inside the process by
+  :func:`speedswap.keep_freed_memory`, before the step is built;
 * ``jemalloc`` / ``tcmalloc``: the library preloaded (``LD_PRELOAD``), where
   the machine has it (Debian: ``libjemalloc2``, ``libtcmalloc-minimal4``).
 
@@ -38,18 +40,21 @@ from pathlib import Path
 import common
 import torch
 
+import speedswap as ss
 from speedswap.apps.bench import training_step
 
 VOCAB = 1_000_000
 SETUPS = ("offloaded", "cached", "in_memory")
 KEEP = {"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
+#: The setting made by a call in the child, not by its environment.
+HELPER = "keep_freed_memory()"
 PRELOADS = {"jemalloc": "libjemalloc.so.2", "tcmalloc": "libtcmalloc_minimal.so.4"}
 LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
 
 
 def settings():
     """``{name: extra environment}`` for every allocator setting this machine can run."""
-    found = {"glibc": {}, "glibc-keep": dict(KEEP)}
+    found = {"glibc": {}, "glibc-keep": dict(KEEP), HELPER: {}}
     for name, library in PRELOADS.items():
         path = next((Path(d) / library for d in LIBRARY_DIRS if (Path(d) / library).exists()), None)
         if path is not None:
@@ -57,8 +62,10 @@ def settings():
     return found
 
 
-def child(setup, repeats, threads):
+def child(setup, repeats, threads, keep_freed):
     """Time ``repeats`` steps of ``setup`` in this process; print their seconds as JSON."""
+    if keep_freed and not ss.keep_freed_memory():
+        raise SystemExit("keep_freed_memory() found no glibc to set")
     torch.set_num_threads(threads)
     device, shape = torch.device("cpu"), training_step.StepShape()
     batches = training_step.zipf_batches(VOCAB, 64, device, shape)
@@ -73,9 +80,10 @@ def child(setup, repeats, threads):
     print(json.dumps(times))
 
 
-def run_child(setup, env, repeats, threads):
+def run_child(setup, name, env, repeats, threads):
+    helper = ["--keep-freed"] if name == HELPER else []
     out = subprocess.run([sys.executable, __file__, "--child", setup, "--repeats", str(repeats),
-                          "--threads", str(threads)], env={**os.environ, **env},
+                          "--threads", str(threads), *helper], env={**os.environ, **env},
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -87,9 +95,10 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=30, help="timed steps per child")
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     parser.add_argument("--child", choices=SETUPS, help=argparse.SUPPRESS)
+    parser.add_argument("--keep-freed", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        return child(args.child, args.repeats, args.threads)
+        return child(args.child, args.repeats, args.threads, args.keep_freed)
     variants = settings()
     samples = {(name, setup): [] for name in variants for setup in SETUPS}
     loads = []
@@ -99,7 +108,7 @@ def main(argv=None):
         for name in names:
             for setup in SETUPS:
                 loads.append(os.getloadavg()[0])
-                samples[name, setup] += run_child(setup, variants[name], args.repeats, args.threads)
+                samples[name, setup] += run_child(setup, name, variants[name], args.repeats, args.threads)
                 print(f"round {round_ + 1} {name:11} {setup:10} "
                       f"{1e3 * statistics.median(samples[name, setup]):7.2f} ms", flush=True)
     rows = []

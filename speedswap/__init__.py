@@ -11,6 +11,7 @@ from .errors import (BackendUnavailableError, CapacityError, DeviceError, DTypeE
                      DuplicateIdError, FileFormatError, IdError, MissingFileError, OptionError,
                      OutOfMemoryError, PathError, ShapeError, SpeedswapError, StateError)
 from .info import info
+from .malloc import keep_freed_memory
 from .version import __version__
 from .table import HostTable
 from .train import OffloadedEmbedding, ShardedOffloadedEmbedding, load_sharded
@@ -37,6 +38,7 @@ __all__ = [
     "available_backends",
     "get_backend",
     "info",
+    "keep_freed_memory",
     "SpeedswapError",
     "IdError",
     "DuplicateIdError",
