@@ -226,17 +226,22 @@ def test_an_installed_wheel_says_the_gpu_tests_are_not_there(tmp_path, monkeypat
     assert outcome["status"] == "skipped" and "installed wheel" in outcome["reason"]
 
 
-def test_gpu_tests_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkeypatch):
-    """Past the timeout pytest is interrupted, not killed: its report counts the tests that ran."""
+def _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick):
+    """A checkout's tests as run_gpu_tests finds them: ``quick`` gpu tests that pass, then one that hangs."""
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "conftest.py").write_text(
         "def pytest_configure(config):\n    config.addinivalue_line('markers', 'gpu: needs a GPU')\n")
     (tests / "test_cut.py").write_text(
         "import time, pytest\n\n"
-        "@pytest.mark.gpu\ndef test_quick():\n    assert 1 + 1 == 2\n\n"
+        f"@pytest.mark.gpu\n@pytest.mark.parametrize('i', range({quick}))\ndef test_quick(i):\n    assert i < {quick}\n\n"
         "@pytest.mark.gpu\ndef test_hangs():\n    time.sleep(120)\n")
     monkeypatch.setattr(gpu_tests, "find_tests", lambda: tests)
+
+
+def test_gpu_tests_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkeypatch):
+    """Past the timeout pytest is interrupted, not killed: its report counts the tests that ran."""
+    _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick=1)
     out = tmp_path / "out"
     out.mkdir()
     began = time.perf_counter()
@@ -260,15 +265,7 @@ def test_the_gpu_tests_run_in_workers_where_xdist_and_the_cores_allow(tmp_path, 
 
 def test_gpu_tests_in_workers_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkeypatch):
     pytest.importorskip("xdist")  # the GPU machines have it; CI does not
-    tests = tmp_path / "tests"
-    tests.mkdir()
-    (tests / "conftest.py").write_text(
-        "def pytest_configure(config):\n    config.addinivalue_line('markers', 'gpu: needs a GPU')\n")
-    (tests / "test_cut.py").write_text(
-        "import time, pytest\n\n"
-        "@pytest.mark.gpu\n@pytest.mark.parametrize('i', range(3))\ndef test_quick(i):\n    assert i < 3\n\n"
-        "@pytest.mark.gpu\ndef test_hangs():\n    time.sleep(120)\n")
-    monkeypatch.setattr(gpu_tests, "find_tests", lambda: tests)
+    _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick=3)
     monkeypatch.setattr(gpu_tests, "CORES_PER_WORKER", 1)  # two workers on this machine's cores
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs two cores for two workers")

@@ -21,6 +21,7 @@ RANKS = {
     "convert": 1,
     "atomic": 1,     # atomic saves: errors only
     "live": 1,       # the registry of device caches that train fills and info reads: no imports
+    "malloc": 1,     # the process's malloc settings, for training on a CPU: no imports
     "backends": 2,
     "files": 2,
     "table": 3,
