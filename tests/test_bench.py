@@ -263,6 +263,19 @@ def test_the_gpu_tests_run_in_workers_where_xdist_and_the_cores_allow(tmp_path, 
     assert "--timeout=60" in command and "--durations=25" in command and "-m" in command
 
 
+@pytest.mark.parametrize("value, xdist, workers", [("1", True, 1), ("3", True, 3), ("1", False, 1)])
+def test_the_environment_sets_the_gpu_test_workers_instead(tmp_path, value, xdist, workers):
+    command, got = gpu_tests.pytest_command(tmp_path, tmp_path / "r.xml", cores=16, xdist=xdist, timeout=False,
+                                            workers=value)
+    assert got == workers and ("-n" in command) == (workers > 1)
+
+
+@pytest.mark.parametrize("value, xdist", [("0", True), ("two", True), ("-2", True), ("2", False)])
+def test_a_bad_gpu_test_worker_count_is_refused_naming_the_variable(tmp_path, value, xdist):
+    with pytest.raises(suite.ss.OptionError, match="SPEEDSWAP_GPU_TEST_WORKERS must be a positive whole number"):
+        gpu_tests.pytest_command(tmp_path, tmp_path / "r.xml", cores=16, xdist=xdist, timeout=False, workers=value)
+
+
 def test_gpu_tests_in_workers_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkeypatch):
     pytest.importorskip("xdist")  # the GPU machines have it; CI does not
     _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick=3)

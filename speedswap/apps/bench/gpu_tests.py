@@ -35,6 +35,9 @@ SLOWEST_LISTED = 25
 CORES_PER_WORKER = 4
 #: At most this many workers: each holds a CUDA context of its own on the one GPU.
 MAX_WORKERS = 4
+#: The environment variable that sets the workers instead (1: in pytest's own process), for a
+#: run whose tests misbehave side by side.
+WORKERS_VARIABLE = "SPEEDSWAP_GPU_TEST_WORKERS"
 
 
 def find_tests() -> Optional[Path]:
@@ -125,7 +128,8 @@ def run_gpu_tests(out_dir: os.PathLike, *, hide_gpu: bool, timeout: float) -> di
                     hide_gpu=hide_gpu, timeout=timeout)
 
 
-def pytest_command(tests: os.PathLike, xml: os.PathLike, *, cores: int, xdist: bool, timeout: bool) -> tuple:
+def pytest_command(tests: os.PathLike, xml: os.PathLike, *, cores: int, xdist: bool, timeout: bool,
+                   workers: Optional[str] = None) -> tuple:
     """The pytest command line of the gpu tests, and how many workers it runs them in.
 
     Args:
@@ -138,14 +142,27 @@ def pytest_command(tests: os.PathLike, xml: os.PathLike, *, cores: int, xdist: b
             writes its report (the controller writes it).
         timeout: pytest-timeout is installed: one test may take at most
             :data:`TEST_TIMEOUT_S`.
+        workers: the :data:`WORKERS_VARIABLE` environment variable's value,
+            when set: that many workers instead (1: none).
 
     Returns:
         (command, workers): the argument list, and 1 when the tests run in
         pytest's own process.
+
+    Raises:
+        OptionError: ``workers`` is not a positive whole number, or asks for
+            more than one without pytest-xdist.
     """
     command = [sys.executable, "-m", "pytest", "-m", "gpu", str(tests), "-v", "-rs",
                "-p", "no:cacheprovider", f"--durations={SLOWEST_LISTED}", f"--junitxml={xml}"]
-    workers = min(MAX_WORKERS, cores // CORES_PER_WORKER) if xdist else 1
+    if workers is None:
+        workers = min(MAX_WORKERS, cores // CORES_PER_WORKER) if xdist else 1
+    elif not workers.strip().isdigit() or int(workers) < 1 or (int(workers) > 1 and not xdist):
+        raise ss.OptionError(f"{WORKERS_VARIABLE} must be a positive whole number of pytest workers (1: "
+                             f"none; more needs pytest-xdist{'' if xdist else ', which is not installed'}), "
+                             f"got {workers!r}")
+    else:
+        workers = int(workers)
     if workers > 1:
         # Workers take tests in collection order, so the gpu-only tests still go first.
         command += ["-n", str(workers)]
@@ -160,7 +177,8 @@ def _run(tests: Path, log: Path, xml: Path, *, hide_gpu: bool, timeout: float) -
     root = tests.parent
     command, workers = pytest_command(tests, xml, cores=os.cpu_count() or 1,
                                       xdist=importlib.util.find_spec("xdist") is not None,
-                                      timeout=importlib.util.find_spec("pytest_timeout") is not None)
+                                      timeout=importlib.util.find_spec("pytest_timeout") is not None,
+                                      workers=os.environ.get(WORKERS_VARIABLE))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     if hide_gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
