@@ -165,11 +165,13 @@ def test_the_gpu_tests_get_what_the_later_steps_estimates_leave_of_the_budget(tm
 
 
 def test_the_default_budget_fits_one_command_of_a_lent_gpu_machine():
-    """Its 10-minute limit must hold the budget plus one step overrunning by its own estimate."""
+    """Its 10-minute limit must hold the budget plus one benchmark overrunning by its own estimate
+    (the gpu tests are interrupted at their share, and get their grace to report)."""
     estimates = suite.GPU_SIZES.estimates_s
     assert set(estimates) == set(suite.STEPS) == set(suite.DRY_RUN_SIZES.estimates_s)
     assert sum(estimates.values()) <= suite.BUDGET_S
-    assert suite.BUDGET_S + max(estimates.values()) <= 600
+    benchmarks = [seconds for name, seconds in estimates.items() if name != "gpu tests"]
+    assert suite.BUDGET_S + max(max(benchmarks), gpu_tests.GRACE_S) <= 600
 
 
 @pytest.mark.parametrize("budget", [0, -5, float("nan"), True, "60"])
@@ -254,7 +256,7 @@ def test_gpu_tests_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkey
     assert [p.name for p in out.iterdir()] == ["gpu-tests.log"]  # the JUnit report was read, not kept
 
 
-@pytest.mark.parametrize("cores, xdist, workers", [(16, True, 4), (64, True, 4), (8, True, 2), (2, True, 1),
+@pytest.mark.parametrize("cores, xdist, workers", [(16, True, 6), (64, True, 6), (8, True, 4), (3, True, 1),
                                                    (16, False, 1)])
 def test_the_gpu_tests_run_in_workers_where_xdist_and_the_cores_allow(tmp_path, cores, xdist, workers):
     command, got = gpu_tests.pytest_command(tmp_path, tmp_path / "r.xml", cores=cores, xdist=xdist, timeout=True)

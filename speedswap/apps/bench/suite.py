@@ -18,9 +18,9 @@ the suite must fit one call. So the steps run in the order of what the
 GPU-proof issue needs first, a step starts only while the budget has its
 estimated time left (:attr:`SuiteSizes.estimates_s`; otherwise it is
 reported as skipped, with the ``--steps`` that runs it alone), and the gpu
-tests get what the later steps' estimates leave. The estimates were never
-timed on a GPU: each step's real seconds are in ``suite.json``, to correct
-them from. What a run writes is at most 8 files, flat, what a lent
+tests get what the later steps' estimates leave. The estimates come from
+the first GPU run (see the comment above :data:`GPU_SIZES`); each run's real
+seconds are in ``suite.json``, to correct them from. What a run writes is at most 8 files, flat, what a lent
 machine's output folder hands back.
 """
 
@@ -50,8 +50,9 @@ __all__ = ["DEFAULT_OUT", "BUDGET_S", "SuiteSizes", "GPU_SIZES", "DRY_RUN_SIZES"
 #: Where results go unless ``--out`` says otherwise: beside the caller, not in the checkout.
 DEFAULT_OUT = "speedswap-bench"
 #: What ``bench --all`` may take by default, in seconds: a lent machine's 600 s command limit,
-#: less room for the one step that may overrun its estimate (steps start within the budget).
-BUDGET_S = 480
+#: less room for the one benchmark step that may overrun its estimate (steps start within the
+#: budget; the gpu tests are interrupted at their share).
+BUDGET_S = 510
 #: The plain bench's CPU table height; smaller machines get a shorter table.
 CPU_ROWS, DIM, IDS = 2_000_000, 128, 131_072
 #: A chosen step's outcome until it has run: what a summary written mid-run, or cut off, shows.
@@ -96,30 +97,27 @@ class SuiteSizes:
     estimates_s: dict
 
 
-# The H100 estimates, from bytes moved (never timed on a GPU): a transport case moves its
-# 131,072 rows about 10 times per round (23 rounds, the torch-pinned contender dominating
-# at ~0.1 s), and building its host copies (up to 1 GiB each, 4 of them) costs a few
-# seconds: ~10 s per case, 5 cases. Training: 15 GB of pinned table and state at 10M rows
-# take ~15 s to allocate and fill; steps are milliseconds. Feeder: 4 GB of data generated
-# once (~5 s), 6 epochs per contender, the DataLoader's ~2 s each dominating. word2vec:
-# the demo's 4M tokens, 2 runs of each contender; the CPU's (~200k words/s on 2 cores,
-# more on 16) dominates, ~20 s each. Beyond the GPU (84 GB of pinned table and state on
-# an H100; skipped where the host has less RAM than that, as an H200's 128 GiB host
-# against its 141 GB GPU): about a minute to allocate and fill, last because it is the
-# likeliest to overrun. The gpu tests, about 480 cases with the cuda case of every
-# backend-parametrised test, get what the benchmarks' estimates leave of the budget
-# (at least 120 s, at most 240 s; one test at most 60 s where pytest-timeout is
-# installed, in 4 workers on 16 cores where pytest-xdist is, as on the lent machines);
-# their numpy twins take 80 s on 2 CPU cores.
+# The estimates, from the first run (an H200 with 16 cores, 2026-11-28, bench --all at
+# aaae4b3): transport 18 s (5 cases of 1M rows), training step 48 s (1M and 10M rows),
+# feeder 36 s (4 GB of data, 6 epochs per contender, the DataLoader's ~2.5 s each
+# dominating), word2vec 167 s for 2 rounds of 5 contenders (the cache + prefetch one the
+# slowest, ~30 s a run), so 1 round now. Beyond the GPU (84 GB of pinned table and state
+# on an H100; skipped where the host has less RAM than that, as the H200's 128 GiB host
+# against its 141 GB GPU): never run, estimated at a minute and a half to allocate and
+# fill, last because it is the likeliest to overrun. The gpu tests, about 650 cases with
+# the cuda case of every backend-parametrised test, took 168 s in 6 pytest-xdist workers
+# (the 49 s word2vec job test aside); they get what the benchmarks' estimates leave of the
+# budget (at least 120 s, at most 240 s; one test at most 60 s where pytest-timeout is
+# installed).
 # The feeder's 1M rows are FFCV's shape, not scaled to MemAvailable: the GPU machines' RAM
 # starts small and grows with use (their notes), and 16 GB of the 128 GiB they have is enough.
 GPU_SIZES = SuiteSizes(transport_rows=1_000_000, transport_ids=131_072, transport_repeats=20,
                        training_vocabs=(1_000_000, 10_000_000), training_repeats=20,
                        training_shape=training_step.StepShape(),
                        feeder_rows=1_000_000, feeder_epochs=5, feeder_workers=min(8, os.cpu_count() or 1),
-                       feeder_dim=1000, feeder_batch=2048, word2vec_size="demo", word2vec_rounds=2,
+                       feeder_dim=1000, feeder_batch=2048, word2vec_size="demo", word2vec_rounds=1,
                        tests_timeout=240,
-                       estimates_s={"gpu tests": 120, "transport": 60, "training step": 60, "feeder": 45,
+                       estimates_s={"gpu tests": 120, "transport": 25, "training step": 60, "feeder": 45,
                                     "word2vec": 90, "beyond gpu": 90})
 DRY_RUN_SIZES = SuiteSizes(transport_rows=32_768, transport_ids=4096, transport_repeats=3,
                            training_vocabs=(5_000,), training_repeats=3,
