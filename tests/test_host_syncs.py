@@ -13,7 +13,9 @@ synchronise on CUDA; on a GPU torch's sync debug mode counts the real ones,
 and the two must agree.
 """
 
+import collections
 import inspect
+import os
 import warnings
 
 import numpy as np
@@ -38,7 +40,7 @@ class _TorchSyncWarnings:
 
     def __init__(self):
         self.total = 0
-        self.where = "torch.cuda.set_sync_debug_mode warnings"
+        self.where = []  # "file:line" of the Python line each synchronising call came from
 
     def __enter__(self):
         self._caught = warnings.catch_warnings(record=True)
@@ -49,7 +51,9 @@ class _TorchSyncWarnings:
 
     def __exit__(self, *exc):
         torch.cuda.set_sync_debug_mode("default")
-        self.total += sum("synchroniz" in str(record.message) for record in self._records)
+        synced = [record for record in self._records if "synchroniz" in str(record.message)]
+        self.total += len(synced)
+        self.where += [f"{os.path.basename(record.filename)}:{record.lineno}" for record in synced]
         self._caught.__exit__(*exc)
 
 
@@ -136,8 +140,10 @@ def test_positions_are_the_true_entries_in_order(device, rng):
 def test_the_cuda_step_synchronises_as_the_model_says(cache_rows, seed):
     kernels_or_skip()  # staged transports read ids on the host: more synchronisations
     modelled, _, _ = _phase_counts("numpy", cache_rows, HostSyncs, seed)
-    on_gpu, _, _ = _phase_counts("cuda", cache_rows, _TorchSyncWarnings, seed)
-    assert on_gpu == modelled
+    on_gpu, where, _ = _phase_counts("cuda", cache_rows, _TorchSyncWarnings, seed)
+    # On a mismatch, say which lines synchronised on the GPU, and how often, by phase.
+    lines = collections.Counter(f"{phase}: {line}" for phase, found in where for line in found)
+    assert on_gpu == modelled, f"the GPU synchronised at {dict(lines)}"
 
 
 @pytest.mark.gpu
