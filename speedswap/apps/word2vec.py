@@ -338,7 +338,8 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
             for Adam and Adamax, whose per-coordinate normalisation turns the
             rounding of gradient entries near zero into visible differences
             (so their runs stay those of earlier versions), and on a GPU,
-            where the closed form has not been measured yet.
+            where the closed form gained little in its first run (310,651
+            against 290,417 words/s on an H200, ``benchmarks/README.md``).
         cache_rows: rows of each table (with their optimizer state) kept on
             the device between steps, a cache of the most used rows (see
             :class:`~speedswap.OffloadedEmbedding`, or the switchers' with
