@@ -1,0 +1,141 @@
+"""Where a training step's time goes, and where it makes the host wait: the profile behind NOTES 33.
+
+The skip-gram step of ``training_step.py`` (4096 pairs x 5 negatives, dim
+128, Adam, Zipf ids) in each setup, offloaded, cached (5% of the rows, next
+step prefetched) and in memory, after warm-up:
+
+* **host waits** (CUDA only): ``torch.cuda.set_sync_debug_mode("warn")`` over
+  a few steps; each warning is counted by the innermost line of speedswap's
+  own code on the stack when it was raised (or the benchmark's, for the
+  in-memory setup), per step;
+* **ops**: ``torch.profiler`` over the same number of steps, the ops with the
+  most self time (device time on a GPU, CPU time on a CPU), and on a GPU the
+  kernels' busy time against the step's wall time (a step that leaves the GPU
+  idle most of its time is bound by the host: launches and waits).
+
+Usage:
+    python benchmarks/profile_step.py [--vocab 1000000] [--steps 10] [--out DIR]
+
+Writes ``profile_step-{cpu,gpu}.json`` (into benchmarks/results/, or DIR) and
+prints the tables. On a lent GPU machine, after ``bench --all``:
+``python3 benchmarks/profile_step.py --out "$OUT"``.
+"""
+
+import argparse
+import collections
+import os
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import common
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from speedswap.apps.bench import training_step
+from speedswap.apps.bench.timing import write_json
+
+PACKAGE = os.path.dirname(training_step.ss.__file__) + os.sep
+HERE = os.path.abspath(__file__)
+TOP_OPS = 25
+
+
+def _where(stack):
+    """``file:line (function)`` of the innermost frame of speedswap's code (or this script's)."""
+    for frame in reversed(stack):
+        if frame.filename.startswith(PACKAGE) or frame.filename == HERE:
+            name = os.path.relpath(frame.filename, os.path.dirname(PACKAGE.rstrip(os.sep)))
+            return f"{name}:{frame.lineno} ({frame.name})"
+    return "outside speedswap"
+
+
+def host_waits(step, steps):
+    """``{line: waits per step}`` of the CUDA synchronisations ``steps`` calls of ``step`` make."""
+    found = collections.Counter()
+
+    def capture(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            found[_where(traceback.extract_stack()[:-1])] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = capture
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return {where: count / steps for where, count in found.most_common()}
+
+
+def op_profile(step, steps, cuda):
+    """The ops with the most self time over ``steps`` steps, and the step's wall and busy time (ms)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        began = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - began) / steps
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ops = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:TOP_OPS]
+    rows = [{"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": getattr(e, key) / 1e3 / steps,
+             "cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in ops]
+    result = {"wall_ms_per_step": 1e3 * wall, "top_ops_by": key, "ops": rows}
+    if cuda:
+        # Kernel time only (no memcpy/memset rows counted twice): what the GPU itself was busy with.
+        busy = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        result["device_busy_ms_per_step"] = busy / 1e3 / steps
+        result["device_busy_share"] = result["device_busy_ms_per_step"] / result["wall_ms_per_step"]
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=1_000_000, help="table rows")
+    parser.add_argument("--steps", type=int, default=10, help="steps profiled (and counted for waits)")
+    parser.add_argument("--batch", type=int, default=training_step.StepShape.batch, help="pairs per step")
+    parser.add_argument("--dim", type=int, default=training_step.StepShape.dim)
+    parser.add_argument("--out", type=Path, default=common.RESULTS, help="where the JSON goes")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = training_step.StepShape(batch=args.batch, dim=args.dim)
+    batches = training_step.zipf_batches(args.vocab, 16, device, shape)
+    setups = {}
+    for name, build in training_step._BUILDS.items():
+        step, _ = training_step._step_fn(build, args.vocab, batches, device, shape)
+        for _ in range(3):  # warm-up past the first steps' allocations
+            step()
+        waits = host_waits(step, args.steps) if cuda else "not counted: no CUDA device"
+        setups[name] = {"host_waits_per_step": waits, **op_profile(step, args.steps, cuda)}
+        del step
+        if cuda:
+            torch.cuda.empty_cache()
+    for name, result in setups.items():
+        busy = (f", device busy {result['device_busy_ms_per_step']:.2f} ms "
+                f"({result['device_busy_share']:.0%})" if cuda else "")
+        print(f"\n== {name}: {result['wall_ms_per_step']:.2f} ms a step{busy}")
+        waits = result["host_waits_per_step"]
+        if isinstance(waits, dict):
+            print("host waits per step: " + (", ".join(f"{w:g} at {where}" for where, w in waits.items()) or "none"))
+        print(common.format_table(result["ops"], ["op", "calls_per_step", "self_ms_per_step", "cpu_ms_per_step"]))
+    path = write_json(args.out / f"profile_step-{'gpu' if cuda else 'cpu'}.json", "profile_step", {
+        "setup": {"vocab": args.vocab, "steps": args.steps, "batch": shape.batch, "negatives": shape.negatives,
+                  "dim": shape.dim, "optimizer": "Adam", "device": str(device),
+                  "cached": f"cache_rows = {training_step.CACHE_FRACTION:.0%} of the vocabulary, prefetch"},
+        "setups": setups})
+    print(f"\nwrote {path}")
+    return setups
+
+
+if __name__ == "__main__":
+    main()
