@@ -20,8 +20,8 @@ estimated time left (:attr:`SuiteSizes.estimates_s`; otherwise it is
 reported as skipped, with the ``--steps`` that runs it alone), and the gpu
 tests get what the later steps' estimates leave. The estimates come from
 the first GPU run (see the comment above :data:`GPU_SIZES`); each run's real
-seconds are in ``suite.json``, to correct them from. What a run writes is at most 8 files, flat, what a lent
-machine's output folder hands back.
+seconds are in ``suite.json``, to correct them from. A run writes at most 8
+files, flat: what a lent machine's output folder hands back.
 """
 
 from __future__ import annotations
