@@ -68,6 +68,8 @@ training forward (how many rows hit), one per step (how many misses are
 admitted, and how many of their victims are dirty) and two per prefetch that
 brings rows (how many to bring; how many of their victims are dirty), beside
 the id check and ``torch.unique`` each of those calls makes without a cache.
+That is the CPU model's count; the first GPU run counted 2-4 a step
+(``benchmarks/NOTES.md``, 33).
 Every other size is known on the host and indexes with
 :func:`~speedswap.train.sync_free.positions` (``tests/test_host_syncs.py``
 counts them). On a GPU a prefetch's copies run on a side stream; every other
