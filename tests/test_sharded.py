@@ -820,14 +820,15 @@ def test_ranks_seeded_alike_draw_different_starting_rows(tmp_path):
     """DDP code calls torch.manual_seed(s) on every rank; the shards must not repeat each other."""
     script = tmp_path / "init.py"
     script.write_text(
-        "import sys, datetime, numpy as np, torch, torch.distributed as dist, speedswap as ss\n"
+        "import os, sys, datetime, numpy as np, torch, torch.distributed as dist, speedswap as ss\n"
         "rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
         "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=2,\n"
         "                        timeout=datetime.timedelta(seconds=60))\n"
         "torch.manual_seed(0)\n"
         "emb = ss.ShardedOffloadedEmbedding(10, 4, max_rows=4, backend='numpy', storage='pageable')\n"
         "np.save(f'{out}/rows{rank}.npy', emb.table.to_numpy())\n"
-        "dist.destroy_process_group()\n")
+        "dist.barrier()  # then no interpreter teardown, where gloo's threads can abort the process\n"
+        "os._exit(0)\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
