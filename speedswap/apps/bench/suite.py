@@ -308,9 +308,9 @@ def run_all(out_dir: os.PathLike = DEFAULT_OUT, dry_run: bool = False,
         record["steps"][name] = (dict(NOT_REACHED) if name in chosen else
                                  {"status": "skipped", "reason": "not among the steps asked for", "seconds": 0.0})
     for position, name in enumerate(chosen):
-        left = budget_s - (time.perf_counter() - start)
-        need = sizes.estimates_s[name]
-        log(f"\n== {name} ({time.perf_counter() - start:.0f} s into the run, {left:.0f} s of the budget left)")
+        elapsed = time.perf_counter() - start
+        left, need = budget_s - elapsed, sizes.estimates_s[name]
+        log(f"\n== {name} ({elapsed:.0f} s into the run, {left:.0f} s of the budget left)")
         if left < need:
             flag = name.replace(" ", "-")
             outcome = {"status": "skipped", "seconds": 0.0,
