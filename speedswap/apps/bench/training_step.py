@@ -105,9 +105,14 @@ def build_in_memory(vocab: int, device: torch.device, shape: StepShape):
     return emb, torch.optim.SparseAdam(list(emb.parameters()), lr=shape.lr)
 
 
-def build_offloaded(vocab: int, device: torch.device, shape: StepShape, cache_rows: int = 0):
-    """``OffloadedEmbedding`` (pinned on a GPU) with ``Adam`` attached; returns (module, optimizer)."""
-    where = (dict(storage="pinned", backend="cuda") if device.type == "cuda"
+def build_offloaded(vocab: int, device: torch.device, shape: StepShape, cache_rows: int = 0,
+                    gpu_storage: str = "pinned"):
+    """``OffloadedEmbedding`` with ``Adam`` attached; returns (module, optimizer).
+
+    On a GPU its table and state have ``gpu_storage`` (``"device"``: every bookkeeping step of
+    the offloaded path, no row crossing the bus); on the CPU they are pageable.
+    """
+    where = (dict(storage=gpu_storage, backend="cuda") if device.type == "cuda"
              else dict(storage="pageable", backend="numpy"))
     emb = ss.OffloadedEmbedding(vocab, shape.dim, max_rows=shape.rows_per_step, cache_rows=cache_rows,
                                 **where)
