@@ -628,3 +628,27 @@ def test_a_step_on_the_gradient_the_last_step_left_is_refused(backend, rng, cach
                 optimizer.zero_grad()
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_gradient_zeroed_without_a_version_bump_is_not_refused(backend, rng, cache_rows):
+    """``zero_grad(set_to_none=False)`` of an optimizer built with ``foreach=True`` zeroes the
+    gradients with ``torch._foreach_zero_``, whose CUDA kernel leaves their version counters as
+    they were: the gradient the last step left looks untouched, yet holds zeros. Zeroing through
+    ``.data`` (a tensor with a version counter of its own) does the same on any device. Such a
+    step is not refused, and training equals SparseAdam's."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows)
+    for ids, target in zipf_ids(rng, STEPS):
+        for lookup, weight, optimizer, to in (
+                (emb, emb.weight, opt, device),
+                (lambda i: F.embedding(i, ref, sparse=True), ref, ref_opt, "cpu")):
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            optimizer.step()
+            if weight is ref:
+                optimizer.zero_grad()
+            else:
+                version = weight.grad._version
+                weight.grad.data.zero_()
+                assert weight.grad._version == version  # as _foreach_zero_ leaves it on CUDA
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
