@@ -277,6 +277,16 @@ def test_the_environment_sets_the_gpu_test_workers_instead(tmp_path, value, xdis
     assert got == workers and ("-n" in command) == (workers > 1)
 
 
+@pytest.mark.parametrize("workers, given, threads", [(6, None, "2"), (8, None, "2"), (4, "3", "3"), (1, None, None)])
+def test_each_gpu_test_worker_gets_its_share_of_the_cores(tmp_path, workers, given, threads):
+    """Workers of one thread per core each oversubscribe the cores; OMP_NUM_THREADS set by hand is kept."""
+    environ = {"PATH": "/bin", "PYTHONPATH": "/elsewhere", **({"OMP_NUM_THREADS": given} if given else {})}
+    env = gpu_tests.gpu_test_environment(environ, tmp_path, cores=16, workers=workers, hide_gpu=True)
+    assert env.get("OMP_NUM_THREADS") == threads and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["PYTHONPATH"] == os.pathsep.join([str(tmp_path), "/elsewhere"]) and env["PATH"] == "/bin"
+    assert "OMP_NUM_THREADS" not in environ or environ["OMP_NUM_THREADS"] == given  # a copy, not changed
+
+
 @pytest.mark.parametrize("value, xdist", [("0", True), ("two", True), ("-2", True), ("2", False)])
 def test_a_bad_gpu_test_worker_count_is_refused_naming_the_variable(tmp_path, value, xdist):
     with pytest.raises(suite.ss.OptionError, match="SPEEDSWAP_GPU_TEST_WORKERS must be a positive whole number"):

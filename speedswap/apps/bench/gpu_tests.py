@@ -16,11 +16,11 @@ import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import speedswap as ss
 
-__all__ = ["find_tests", "pytest_command", "run_interruptibly", "run_gpu_tests", "read_junit"]
+__all__ = ["find_tests", "pytest_command", "gpu_test_environment", "run_interruptibly", "run_gpu_tests", "read_junit"]
 
 #: Seconds an interrupted pytest gets to write its report before it is killed.
 GRACE_S = 15
@@ -173,6 +173,32 @@ def pytest_command(tests: os.PathLike, xml: os.PathLike, *, cores: int, xdist: b
     return command, max(workers, 1)
 
 
+def gpu_test_environment(environ: Mapping[str, str], root: Path, *, cores: int, workers: int,
+                     hide_gpu: bool) -> dict:
+    """The environment the gpu tests run in.
+
+    Args:
+        environ: the environment to start from (``os.environ``).
+        root: the checkout, put first on ``PYTHONPATH`` so its speedswap is the one tested.
+        cores: this machine's CPU cores.
+        workers: the pytest workers sharing them.
+        hide_gpu: set ``CUDA_VISIBLE_DEVICES`` empty.
+
+    Returns:
+        A new dict. In several workers, ``OMP_NUM_THREADS`` (unless set) is each worker's
+        share of the cores: torch and the word2vec job start a thread per core otherwise, and
+        the workers' threads together oversubscribe the cores (the word2vec job's test, CPU
+        bound for part of its run, ran past its 60 s in 6 and in 8 workers on an H100's 16
+        cores; alone on 2 cores here its CPU half takes about 5 s).
+    """
+    env = {**environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), environ.get("PYTHONPATH")]))}
+    if hide_gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if workers > 1:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))
+    return env
+
+
 def _run(tests: Path, log: Path, xml: Path, *, hide_gpu: bool, timeout: float) -> dict:
     """:func:`run_gpu_tests` once the tests are found: the JUnit report goes to ``xml``."""
     root = tests.parent
@@ -180,9 +206,7 @@ def _run(tests: Path, log: Path, xml: Path, *, hide_gpu: bool, timeout: float) -
                                       xdist=importlib.util.find_spec("xdist") is not None,
                                       timeout=importlib.util.find_spec("pytest_timeout") is not None,
                                       workers=os.environ.get(WORKERS_VARIABLE))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    if hide_gpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = gpu_test_environment(os.environ, root, cores=os.cpu_count() or 1, workers=workers, hide_gpu=hide_gpu)
     start = time.perf_counter()
     returncode, interrupted = run_interruptibly(command, cwd=root, env=env, log=log, timeout=timeout)
     result = {"command": "python " + " ".join(command[1:6]), "returncode": returncode,
