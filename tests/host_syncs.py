@@ -3,7 +3,10 @@
 On CUDA a call whose result the host needs (a value, as ``.item()`` and
 ``.tolist()``; or a size, as ``nonzero``, ``unique`` and indexing with a
 boolean mask) waits for every kernel queued before it, and the work queued
-after it cannot overlap what came before. Those calls look the same on the
+after it cannot overlap what came before. So do ``isin`` (even told its
+inputs are unique) and assigning a Python number through a tensor index
+(``t[index] = 1.0``: torch copies the number to the GPU with a host wait;
+``t.index_fill_(0, index, 1.0)`` does not). Those calls look the same on the
 CPU, so counting them there shows where a GPU step would stall, in CI.
 
 It is a model: it knows the calls listed below. Copies between devices are
@@ -15,6 +18,7 @@ torch's own sync warnings (``torch.cuda.set_sync_debug_mode``) instead.
 """
 
 import collections
+import numbers
 import os
 import traceback
 
@@ -25,24 +29,28 @@ import speedswap
 
 #: Calls that always need a value or a size from the device.
 _SYNCING = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
-            "argwhere", "unique", "unique_consecutive", "masked_select", "bincount"}
+            "argwhere", "unique", "unique_consecutive", "masked_select", "bincount", "isin"}
 _PACKAGE = os.path.dirname(speedswap.__file__) + os.sep
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 
 
-def _bool_index(args):
-    """Whether a __getitem__/__setitem__ call indexes with a boolean tensor (sized by its True count)."""
+def _tensor_index(args):
+    """The tensors a __getitem__/__setitem__ call indexes with."""
     if len(args) < 2:
-        return False
+        return []
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
-    return any(isinstance(i, torch.Tensor) and i.dtype is torch.bool for i in index)
+    return [i for i in index if isinstance(i, torch.Tensor)]
 
 
 def _syncs(name, args, kwargs):
     if name in _SYNCING:
         return True
     if name in ("__getitem__", "__setitem__"):
-        return _bool_index(args)
+        index = _tensor_index(args)
+        if any(i.dtype is torch.bool for i in index):  # sized by the mask's True count
+            return True
+        # A number assigned through a tensor index reaches the GPU with a host wait.
+        return name == "__setitem__" and bool(index) and isinstance(args[2], numbers.Number)
     if name == "repeat_interleave":  # sized by its repeats' sum unless told
         return "output_size" not in kwargs
     return False

@@ -118,6 +118,28 @@ def test_the_model_counts_what_synchronises():
     with HostSyncs() as syncs:
         check_id_range(x, 10)  # one transfer of both bounds
     assert syncs.total == 1 and list(syncs.where) == [f"convert.py:{_line_of_tolist()}"]
+    # Calls that make a GPU's host wait without reading a value back, and their sync-free forms.
+    t, index = torch.zeros(10), torch.tensor([1, 3])
+    assert _counted(lambda: t.__setitem__(index, 1.0)) == 1  # t[index] = 1.0
+    assert _counted(lambda: t.__setitem__((index,), True)) == 1
+    assert _counted(lambda: torch.isin(index, x, assume_unique=True)) == 1
+    assert _counted(lambda: t.index_fill_(0, index, 1.0)) == 0
+    assert _counted(lambda: t.__setitem__(index, torch.ones(2))) == 0
+    assert _counted(lambda: t.__setitem__(0, 1.0)) == 0  # no tensor index: a fill
+
+
+class _EveryCaller(HostSyncs):
+    """HostSyncs counting every caller's calls, the test's own too."""
+
+    @staticmethod
+    def _caller():
+        return "any"
+
+
+def _counted(call):
+    with _EveryCaller() as syncs:
+        call()
+    return syncs.total
 
 
 def _line_of_tolist():

@@ -68,8 +68,9 @@ training forward (how many rows hit), one per step (how many misses are
 admitted, and how many of their victims are dirty) and two per prefetch that
 brings rows (how many to bring; how many of their victims are dirty), beside
 the id check and ``torch.unique`` each of those calls makes without a cache.
-That is the CPU model's count; the first GPU run counted 2-4 a step
-(``benchmarks/NOTES.md``, 33).
+That is the CPU model's count; the GPU runs counted 2-4 a step, from four
+calls the model did not know then (``torch.isin``, and Python scalars
+assigned through a tensor index: ``benchmarks/NOTES.md``, 35), since replaced.
 Every other size is known on the host and indexes with
 :func:`~speedswap.train.sync_free.positions` (``tests/test_host_syncs.py``
 counts them). On a GPU a prefetch's copies run on a side stream; every other
@@ -279,9 +280,11 @@ class RowCache:
         changed = slots[positions(self.dirty[slots], n_changed)]
         changed_rows = self.slot_row[changed]
         self.slot_row[slots] = rows
-        self.stamp[slots] = stamp
+        # index_fill_, not `[slots] =`: a Python scalar assigned through a tensor index
+        # is copied to the GPU with a host wait.
+        self.stamp.index_fill_(0, slots, stamp)
         self.score[slots] = score
-        self.dirty[slots] = dirty
+        self.dirty.index_fill_(0, slots, dirty)
         self._reindex()
         self._count(evictions=len(held))
         return changed, changed_rows
@@ -410,7 +413,7 @@ class RowCache:
             hit_pos = positions(hit, self._n_hits)
             hit_slot = target[hit_pos]
             self.score[hit_slot] = count[hit_pos]
-            self.dirty[hit_slot] = True
+            self.dirty.index_fill_(0, hit_slot, True)  # not `[hit_slot] = True`: see _take
         cached = 0
         if self._n_misses and states is not None:
             # Misses by use count, most used first, against slots by score, cheapest first:
@@ -496,9 +499,12 @@ class RowCache:
         unique = torch.unique(ids)
         found, slot = self._lookup(unique)
         self.stamp.scatter_reduce_(0, slot, torch.where(found, self.clock + 1, -1), "amax")
-        # Both are distinct rows; saying so keeps isin from running unique on
-        # them, which on a GPU makes the host wait twice.
-        new = ~found & ~torch.isin(unique, working_rows, assume_unique=True)
+        new = ~found
+        if len(working_rows):
+            # A binary search in the sorted working rows: torch.isin makes a GPU's host wait.
+            working = torch.sort(working_rows).values
+            pos = torch.searchsorted(working, unique).clamp_(max=len(working) - 1)
+            new &= working[pos] != unique
         n_new, evictable = torch.stack([new.sum(), (self.stamp < self.clock).sum()]).tolist()
         bring = min(n_new, evictable - self._n_misses)
         if bring <= 0:
