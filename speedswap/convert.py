@@ -5,6 +5,7 @@ first, so a bad input is rejected before any row is touched. CuPy never
 appears in this module: the cuda backend converts torch tensors itself.
 """
 
+import functools
 import warnings
 
 import numpy as np
@@ -12,8 +13,9 @@ import torch
 
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
-__all__ = ["int_option", "float_option", "check_rows", "as_host_array", "as_row_ids", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
-           "numpy_dtype", "host_tensor"]
+__all__ = ["int_option", "float_option", "check_rows", "as_host_array", "as_row_ids", "as_row_ids_deferred",
+           "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype", "numpy_dtype", "host_tensor"]
+
 
 def int_option(value, name, *, minimum=1, hint=""):
     """``value`` as an int, if it is a whole number (Python or numpy, not bool) ``>= minimum``.
@@ -312,7 +314,8 @@ def check_id_range(flat, num_rows, *, what="ids", unsigned=False):
     """Raise :class:`IdError` unless every id of ``flat`` lies in ``[0, num_rows)``.
 
     On a GPU tensor this is one host synchronisation (both bounds in one
-    transfer), which is why speedswap checks each user call's ids once, here.
+    transfer), which is why speedswap checks each user call's ids once, here
+    or, where a transfer is made anyway, in it (:func:`as_row_ids_deferred`).
 
     Args:
         flat: a 1-D integer tensor.
@@ -323,10 +326,7 @@ def check_id_range(flat, num_rows, *, what="ids", unsigned=False):
     """
     if flat.numel():
         lo, hi = torch.stack(torch.aminmax(flat)).tolist()
-        if unsigned and lo < 0:
-            raise IdError(f"{what} contain {lo + 2**64}, out of range for a table of {num_rows} "
-                          f"rows (ids must be in [0, {num_rows})); check the vocabulary size")
-        _check_range(lo, hi, num_rows, what)
+        _check_bounds(lo, hi, num_rows, what, unsigned)
 
 
 def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
@@ -349,6 +349,32 @@ def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
         DeviceError: ids live on a device the backend cannot read.
         IdError: an id is negative or ``>= num_rows``.
     """
+    flat, shape, check_bounds = as_row_ids_deferred(ids, num_rows, device, to=to, what=what)
+    if check_bounds is not None and flat.numel():
+        check_bounds(*torch.stack(torch.aminmax(flat)).tolist())
+    return flat, shape
+
+
+def as_row_ids_deferred(ids, num_rows, device, *, to=None, what="ids"):
+    """:func:`as_row_ids` for a caller that reads values of the ids back anyway: the range check goes with that read.
+
+    Ids already where they are used (a GPU tensor for a GPU) are not
+    range-checked here: on a GPU the check is a host wait of its own. The
+    caller reads their smallest and largest values in a transfer it makes
+    anyway and passes them to ``check_bounds`` before the ids reach a row.
+    Host ids bound for a GPU are checked here, on the host, without a wait.
+
+    Args:
+        ids, num_rows, device, to, what: as for :func:`as_row_ids`.
+
+    Returns:
+        (flat_ids, shape, check_bounds): ``check_bounds(lo, hi)`` raises
+        :class:`IdError` unless ``[lo, hi]`` lies in ``[0, num_rows)``; None
+        when the ids were checked here.
+
+    Raises:
+        DTypeError, DeviceError: as :func:`as_row_ids`; IdError for host ids.
+    """
     device = torch.device(device)
     target = device if to is None else torch.device(to)
     # uint64 ids of 2**63 and more become negative int64s: the range check names them as given.
@@ -360,10 +386,16 @@ def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
         # _moved): no device synchronisation at all.
         flat, shape = as_id_tensor(ids, device, to="cpu", what=what)
         check_id_range(flat, num_rows, what=what, unsigned=unsigned)
-        return _moved(flat, target), shape
+        return _moved(flat, target), shape, None
     flat, shape = as_id_tensor(ids, device, to=target, what=what)
-    check_id_range(flat, num_rows, what=what, unsigned=unsigned)
-    return flat, shape
+    return flat, shape, functools.partial(_check_bounds, num_rows=num_rows, what=what, unsigned=unsigned)
+
+
+def _check_bounds(lo, hi, num_rows, what, unsigned):
+    if unsigned and lo < 0:
+        raise IdError(f"{what} contain {lo + 2**64}, out of range for a table of {num_rows} "
+                      f"rows (ids must be in [0, {num_rows})); check the vocabulary size")
+    _check_range(lo, hi, num_rows, what)
 
 
 def _check_range(lo, hi, num_rows, what):

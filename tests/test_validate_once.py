@@ -83,6 +83,36 @@ def test_a_bad_id_is_still_caught(backend, count_checks):
     assert emb._working_set.size == 0  # nothing changed
 
 
+@pytest.mark.parametrize("bad", [-1, ROWS, 2**40])
+def test_a_bad_id_in_a_later_forward_changes_nothing_and_the_step_goes_on(backend, rng, bad):
+    """A forward after a step's first checks its ids in the working set's one read: refused before any
+    slot is given, and the step trains as if the bad call had not been made."""
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    first, second = (torch.from_numpy(rng.integers(0, ROWS, 30)).to(device) for _ in range(2))
+    trained = []
+    for call_bad in (True, False):
+        emb = ss.OffloadedEmbedding.from_pretrained(torch.from_numpy(table0), freeze=False, max_rows=CAPACITY,
+                                                    storage="pageable", backend=backend)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        emb.attach(opt)
+        out = emb(first)
+        if call_bad:
+            rows_before = emb.working_rows.clone()
+            ids = second.clone()
+            ids[7] = bad
+            with pytest.raises(ss.IdError, match=str(bad)):
+                emb(ids)
+            assert torch.equal(emb.working_rows, rows_before)
+        loss = (out.sum(1) ** 2).sum() + emb(second).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        trained.append(emb.table.to_numpy(copy=True))
+    np.testing.assert_array_equal(trained[0], trained[1])
+    assert not np.array_equal(trained[0], table0)
+
+
 VIEWS = {
     "strided": lambda t: t.view(-1, 2)[:, 0],
     "expanded": lambda t: t[:1].expand(9),

@@ -1,4 +1,4 @@
-"""The working set against a plain-Python reference: slots, local ids, new rows, capacity refusals."""
+"""The working set against a plain-Python reference: slots, local ids, new rows, capacity and range refusals."""
 
 import hypothesis.strategies as st
 import pytest
@@ -6,9 +6,11 @@ import torch
 from hypothesis import given, settings
 
 import speedswap as ss
+from speedswap.convert import as_row_ids_deferred
 from speedswap.train.working_set import WorkingSet
 
 CAPACITY = 12
+NUM_ROWS = 28  # the ids drawn below run from -2 to 30: some out of range
 
 
 class ReferenceSlots:
@@ -27,7 +29,7 @@ class ReferenceSlots:
 
 
 # Steps of adds: each add a batch of ids (duplicates and repeats of held rows likely) of up to 3 dims.
-batches = st.lists(st.integers(0, 30), min_size=0, max_size=14).flatmap(
+batches = st.lists(st.integers(-2, 30), min_size=0, max_size=14).flatmap(
     lambda ids: st.sampled_from([(len(ids),), (1, len(ids))] + ([(2, len(ids) // 2)] if len(ids) % 2 == 0 else []))
     .map(lambda shape: (ids, shape)))
 
@@ -35,18 +37,25 @@ batches = st.lists(st.integers(0, 30), min_size=0, max_size=14).flatmap(
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.lists(batches, min_size=1, max_size=5), min_size=1, max_size=3))
 def test_adds_give_the_reference_slots_and_a_refused_add_changes_nothing(steps):
+    """Ids range-checked by the working set itself (as a training forward's are), in its own read."""
     ws, ref = WorkingSet(CAPACITY, "cpu"), ReferenceSlots()
     for step in steps:
         for ids, shape in step:
-            expected = ref.add(ids)
             before = ws.rows.clone()
             tensor = torch.tensor(ids, dtype=torch.int64).view(shape)
-            if expected is None:
-                with pytest.raises(ss.CapacityError):
-                    ws.add(tensor)
+            flat, _, check_bounds = as_row_ids_deferred(tensor, NUM_ROWS, "cpu")
+            if any(not 0 <= i < NUM_ROWS for i in ids):
+                with pytest.raises(ss.IdError, match=str(NUM_ROWS)):
+                    ws.add(flat.view(shape), check_bounds)
                 assert torch.equal(ws.rows, before)  # nothing changed
                 continue
-            local, first_new = ws.add(tensor)
+            expected = ref.add(ids)
+            if expected is None:
+                with pytest.raises(ss.CapacityError):
+                    ws.add(flat.view(shape), check_bounds)
+                assert torch.equal(ws.rows, before)  # nothing changed
+                continue
+            local, first_new = ws.add(flat.view(shape), check_bounds)
             assert local.shape == tensor.shape and local.dtype == torch.int64
             assert local.reshape(-1).tolist() == expected[0] and first_new == expected[1]
             assert ws.rows.tolist() == ref.rows

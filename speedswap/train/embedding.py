@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from .. import files
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import as_row_ids, int_option, torch_dtype
-from ..errors import CapacityError, DTypeError, OptionError, ShapeError, StateError, warn
+from ..convert import as_row_ids, as_row_ids_deferred, int_option, torch_dtype
+from ..errors import CapacityError, DTypeError, IdError, OptionError, ShapeError, StateError, warn
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
@@ -555,7 +555,8 @@ class OffloadedEmbedding(torch.nn.Module):
             raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                              "step() is where the updated rows are written back")
         self._drop_zeroed_step()  # which takes over a replaced weight.data first
-        flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
+        # The ids' range is checked by the working set, in a read it makes anyway.
+        flat, shape, check_bounds = as_row_ids_deferred(ids, self.num_embeddings, self.weight.device)
         ws = self._working_set
         start = ws.size
         if start == 0:
@@ -564,8 +565,8 @@ class OffloadedEmbedding(torch.nn.Module):
         try:
             if start == 0 and self.padding_idx is not None:
                 ws.add(torch.tensor([self.padding_idx], device=self.weight.device))  # slot 0
-            local, _ = ws.add(flat.view(shape))
-        except CapacityError:
+            local, _ = ws.add(flat.view(shape), check_bounds)
+        except (CapacityError, IdError):
             if start == 0:
                 ws.clear()  # the padding row too: a refused forward leaves no trace
             raise

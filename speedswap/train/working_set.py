@@ -19,6 +19,8 @@ but the last update of a repeated row were lost).
 
 """
 
+from typing import Callable, Optional
+
 import torch
 
 from ..errors import CapacityError
@@ -57,15 +59,19 @@ class WorkingSet:
         """How many slots are in use."""
         return len(self._rows)
 
-    def add(self, ids: torch.Tensor):
+    def add(self, ids: torch.Tensor, check_bounds: Optional[Callable[[int, int], None]] = None):
         """Give every id a slot (reusing the slot of a row already held) and return local ids.
 
         Nothing changes when this raises.
 
         Args:
-            ids: validated table ids (see :func:`~speedswap.convert.as_row_ids`):
-                an int64 tensor of any shape on :attr:`device`; duplicates allowed.
-                They are not checked again here.
+            ids: table ids, an int64 tensor of any shape on :attr:`device`;
+                duplicates allowed. Validated (see
+                :func:`~speedswap.convert.as_row_ids`), or all but their range.
+            check_bounds: for ids not range-checked yet (see
+                :func:`~speedswap.convert.as_row_ids_deferred`): called with their
+                smallest and largest value, read with the count this call reads
+                anyway (on a GPU one host wait instead of two).
 
         Returns:
             (local, first_new): ``local`` is an int64 tensor shaped like ``ids``
@@ -75,11 +81,17 @@ class WorkingSet:
 
         Raises:
             CapacityError: the step would touch more distinct rows than :attr:`capacity`.
+            IdError: from ``check_bounds``.
         """
         shape, flat = ids.shape, ids.reshape(-1)
         unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        # Sorted: the ids' bounds are the ends of unique, read with the count below. Until
+        # they are checked the ids only meet other ids here, never a row.
+        bounds = [unique[0], unique[-1]] if check_bounds is not None and len(unique) else []
         held = self.size
         if held == 0:
+            if bounds:
+                check_bounds(*torch.stack(bounds).tolist())
             new_rows, slots = unique, torch.arange(len(unique), device=self.device)
         else:
             # Both lists are sorted, so one binary search per new id finds the held ones.
@@ -87,7 +99,10 @@ class WorkingSet:
             found = self._sorted[pos] == unique
             new = ~found
             # One host synchronisation sizes the new rows (the capacity check needs it too).
-            new_rows = unique[positions(new, int(new.sum()))]
+            n_new, *bounds = torch.stack([new.sum(), *bounds]).tolist()
+            if bounds:
+                check_bounds(*bounds)
+            new_rows = unique[positions(new, n_new)]
             # New rows take the next slots in order: the k-th new row slot held + k - 1.
             slots = torch.where(found, self._slot_of_sorted[pos], held - 1 + torch.cumsum(new, 0))
         if held + len(new_rows) > self.capacity:
