@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..backends import get_backend
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import as_row_ids, int_option, torch_dtype
+from ..convert import as_row_ids, as_row_ids_deferred, int_option, torch_dtype
 from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
@@ -408,8 +408,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         before, error, send, counts = copy.copy(self._looked_up), None, None, None
         try:
             self._check_open()
-            flat, shape = as_row_ids(ids, self.num_embeddings, self.table.device)
             if training:
+                # Range-checked in the working set's read: see as_row_ids_deferred.
+                flat, shape, check_bounds = as_row_ids_deferred(ids, self.num_embeddings, self.table.device)
                 if self._state is None:
                     raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                                      "step() is where gradients reach the rows' owners")
@@ -417,9 +418,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                     self._check_optimizer_state()  # before a step begins, when emb.load still may run
                 # WorkingSet.add replaces its tensors rather than writing into them,
                 # so the shallow copy above restores it should another rank fail.
-                local, first_new = self._looked_up.add(flat.view(shape))
+                local, first_new = self._looked_up.add(flat.view(shape), check_bounds)
                 send = self._looked_up.rows[first_new:]  # sorted, so grouped by owner
             else:
+                flat, shape = as_row_ids(ids, self.num_embeddings, self.table.device)
                 send, inverse = torch.unique(flat, return_inverse=True)
             counts = torch.bincount(owners(send, self.bounds), minlength=self.world_size).tolist()
         except Exception as exc:  # noqa: BLE001 -- any failure must still reach the other ranks
