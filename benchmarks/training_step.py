@@ -8,9 +8,11 @@ device memory of each setup is recorded. The measurement is
 speedswap.apps.bench.training_step.
 
 Usage:
-    python benchmarks/training_step.py [--vocab 1000000 10000000] [--repeats 20]
+    python benchmarks/training_step.py [--vocab 1000000 10000000] [--repeats 20] [--batch 4096] [--dim 128]
 
-Writes benchmarks/results/training_step-{cpu,gpu}.json.
+Writes benchmarks/results/training_step-{cpu,gpu}.json; another --batch or --dim
+writes training_step-batch<B>-dim<D>-{cpu,gpu}.json (a small step shows the host's
+work per step, which the default shape's arithmetic hides on a CPU: NOTES 37).
 """
 
 import argparse
@@ -27,11 +29,16 @@ def main(argv=None):
     parser.add_argument("--vocab", type=int, nargs="+", default=[1_000_000, 10_000_000],
                         help="table rows to measure at")
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per setup")
+    parser.add_argument("--batch", type=int, default=training_step.StepShape.batch, help="pairs per step")
+    parser.add_argument("--dim", type=int, default=training_step.StepShape.dim, help="embedding length")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    payload = training_step.run(args.vocab, args.repeats, device)
+    shape = training_step.StepShape(batch=args.batch, dim=args.dim)
+    payload = training_step.run(args.vocab, args.repeats, device, shape)
     print(training_step.format_results(payload))
-    common.write_results("training_step", payload)
+    name = ("training_step" if shape == training_step.StepShape()
+            else f"training_step-batch{shape.batch}-dim{shape.dim}")
+    common.write_results(name, payload)
     return payload
 
 

@@ -331,7 +331,9 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
                            "device_bytes": 64 * 2**20, "device_peak_bytes": 80 * 2**20},
              "cached": {"median_s": 0.0102, "min_s": 0.01, "max_s": 0.011, "repeats": 3, "interleaved": True,
                         "device_bytes": 300 * 2**20, "device_peak_bytes": 320 * 2**20},
-             "cached_throughput_ratio": 0.98, "cached_gap_ratio": 0.4}
+             "cached_throughput_ratio": 0.98, "cached_gap_ratio": 0.4, "one_lookup_throughput_ratio": 0.85,
+             "in_memory_one_lookup": {"median_s": 0.0085}, "offloaded_one_lookup": {"median_s": 0.01}}
+    old_entry = {key: value for key, value in entry.items() if "one_lookup" not in key}  # a run before them
     regression = {"shape": [1000, 1000], "batch": 2048, "device": "cuda", "feeder_over_limit": 1.5,
                   "limit": "pinned host-to-device copy",
                   "rows": [{"case": "BatchFeeder", "epoch_s": 1.5, "min_s": 1.4, "max_s": 1.6, "vs_limit": 1.5}]}
@@ -347,9 +349,9 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
                         "transport": ran({"gpu": [_gpu_case(512, "float32", 0.8, 0.7, None, 25.0)]}),
                         "training step": ran({"setup": {**dataclasses.asdict(training_step.StepShape()),
                                                         "device": "cuda", "in_memory": "e", "offloaded": "o",
-                                                        "cached": "c",
+                                                        "cached": "c", "one_lookup": "one call",
                                                         "device_memory": "m"},
-                                              "results": [entry]}),
+                                              "results": [entry, {**old_entry, "vocab": 10_000_000}]}),
                         "feeder": ran({"regression": regression}),
                         "word2vec": ran(job),
                         "beyond gpu": ran({"beyond_gpu": {"vocab": 52_000_000, "state_bytes": 84 * 2**30,
@@ -364,6 +366,10 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
     speedtorch = rows[f"{case}: gather+scatter speed-up over SpeedTorch (CuPy on pinned memory)"]
     assert speedtorch[2] == "skipped: CuPy is not installed" and speedtorch[3] == "—"
     assert rows["training throughput offloaded / all-GPU, vocab 1,000,000 (interleaved)"][2:] == [0.95, "yes"]
+    one_call = "the same, each step's ids looked up in one call (both sides), vocab"
+    assert rows[f"{one_call} 1,000,000"][2:] == [0.85, "**no**"]
+    assert f"{one_call} 10,000,000" not in rows  # a run that had no such contender
+    assert rows["training throughput offloaded / all-GPU, vocab 10,000,000 (interleaved)"][2:] == [0.95, "yes"]
     assert rows["training throughput with cache and prefetch / all-GPU, vocab 1,000,000"][2:] == [0.98, "yes"]
     assert rows["gap to all-GPU with the cache / without, vocab 1,000,000"][2:] == [0.4, "yes"]
     assert rows["GPU memory at vocab 1,000,000: all-GPU / offloaded (MiB, resident)"][2] == "1,536 / 64"
@@ -509,3 +515,30 @@ def test_every_helper_the_benchmark_scripts_call_on_common_exists():
             for name in re.findall(r"\bcommon\.(\w+)", script.read_text())}
     assert used and all(hasattr(common, name) for _, name in used), \
         sorted(f"{s}: common.{n}" for s, n in used if not hasattr(common, n))
+
+
+@pytest.mark.parametrize("build", ["in_memory", "offloaded"])
+def test_one_lookup_a_step_is_the_same_loss_and_training(build):
+    """The benchmark's one-lookup contenders train what the three-lookup ones do: the same loss
+    on every step, and tables equal up to the order gradients are summed in."""
+    shape = training_step.StepShape(batch=64, dim=8)
+    batches = training_step.zipf_batches(2000, 6, torch.device("cpu"), shape, seed=3)
+    tables, losses = [], []
+    for loss in (training_step.skipgram_loss, training_step.skipgram_loss_one_lookup):
+        torch.manual_seed(0)
+        emb, opt = training_step._BUILDS[build](2000, torch.device("cpu"), shape)
+        if build == "offloaded":
+            emb.table.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(1))
+        seen = []
+        for center, context, negatives in batches:
+            value = loss(emb, center, context, negatives)
+            seen.append(value.item())
+            value.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(seen)
+        tables.append(emb.table.to_numpy(copy=True) if build == "offloaded" else emb.weight.detach().numpy().copy())
+    assert losses[0][0] == losses[1][0]  # the same rows, the same arithmetic
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+    np.testing.assert_allclose(tables[0], tables[1], rtol=1e-5, atol=1e-6)
+    assert len(set(losses[0])) == len(losses[0])  # it trained: every step's loss differs

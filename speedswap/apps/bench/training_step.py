@@ -12,8 +12,13 @@ embeddings: the work per step is that of two tables, the memory half, so a
   host memory (pinned on a GPU), ``max_rows`` = batch * (2 + negatives).
 * cached: the same with a device cache of 5% of the rows, and the next
   step's ids prefetched between this step's forward and backward.
+* in memory and offloaded again, each step's three lookups (centers,
+  contexts, negatives) made in one call (:func:`skipgram_loss_one_lookup`):
+  the offloaded path's work per call (validation, de-duplication, a gather
+  of the new rows, and on a GPU two host waits) is paid once a step instead
+  of three times. The same loss, the same rows trained.
 
-The two setups are timed interleaved (one step of each per round, so a noisy
+The setups are timed interleaved (one step of each per round, so a noisy
 neighbour hits both alike) when both fit at once; otherwise one after the
 other, each alone. On a GPU each setup's device memory is measured when it is
 built (torch's allocator, resident and peak over its first steps): the
@@ -40,7 +45,7 @@ import speedswap as ss
 from .timing import available_ram, format_table, load_average, physical_ram, time_interleaved, time_one
 
 __all__ = ["StepShape", "TARGET", "CACHED_TARGET", "GAP_TARGET", "CACHE_FRACTION", "BEYOND_GPU",
-           "zipf_batches", "skipgram_loss", "build_in_memory", "build_offloaded", "build_cached", "measure",
+           "zipf_batches", "skipgram_loss", "skipgram_loss_one_lookup", "build_in_memory", "build_offloaded", "build_cached", "measure",
            "beyond_gpu", "run", "format_results", "describe_beyond_gpu"]
 
 #: Offloaded throughput over in-memory throughput at a vocabulary that fits both (GPU).
@@ -93,9 +98,20 @@ def zipf_batches(vocab: int, count: int, device: torch.device, shape: StepShape,
 def skipgram_loss(emb: torch.nn.Module, center: torch.Tensor, context: torch.Tensor,
                   negatives: torch.Tensor) -> torch.Tensor:
     """Mean negative-sampling loss with one (tied) table for centers and contexts."""
-    u = emb(center)
-    pos = F.logsigmoid((u * emb(context)).sum(-1))
-    neg = F.logsigmoid(-(emb(negatives) @ u.unsqueeze(-1)).squeeze(-1)).sum(-1)
+    return _loss_of_rows(emb(center), emb(context), emb(negatives))
+
+
+def skipgram_loss_one_lookup(emb: torch.nn.Module, center: torch.Tensor, context: torch.Tensor,
+                             negatives: torch.Tensor) -> torch.Tensor:
+    """:func:`skipgram_loss` with the step's ids looked up in one call, then split."""
+    batch, k = negatives.shape
+    rows = emb(torch.cat([center, context, negatives.reshape(-1)]))
+    return _loss_of_rows(rows[:batch], rows[batch:2 * batch], rows[2 * batch:].view(batch, k, -1))
+
+
+def _loss_of_rows(u: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    pos = F.logsigmoid((u * v).sum(-1))
+    neg = F.logsigmoid(-(n @ u.unsqueeze(-1)).squeeze(-1)).sum(-1)
     return -(pos + neg).mean()
 
 
@@ -127,10 +143,21 @@ def build_cached(vocab: int, device: torch.device, shape: StepShape):
 
 
 _BUILDS = {"in_memory": build_in_memory, "offloaded": build_offloaded, "cached": build_cached}
+#: The setups timed again with one lookup a step, as ``<name>_one_lookup``.
+_ONE_LOOKUP = ("in_memory", "offloaded")
 
 
-def _step_fn(build: Callable, vocab: int, batches: list, device: torch.device, shape: StepShape):
+def _setups() -> dict:
+    """``{name: (build, loss)}`` of every setup :func:`measure` times."""
+    return {**{name: (build, skipgram_loss) for name, build in _BUILDS.items()},
+            **{f"{name}_one_lookup": (_BUILDS[name], skipgram_loss_one_lookup) for name in _ONE_LOOKUP}}
+
+
+def _step_fn(build: Callable, vocab: int, batches: list, device: torch.device, shape: StepShape,
+             loss: Callable = skipgram_loss):
     """Build a setup and return (step function cycling through ``batches``, its device memory).
+
+    ``loss(module, center, context, negatives)`` is the step's loss.
 
     The memory figures (None off the GPU) are torch allocator bytes added by
     building the setup and running two steps: ``device_bytes`` still held
@@ -149,10 +176,10 @@ def _step_fn(build: Callable, vocab: int, batches: list, device: torch.device, s
     def step():
         center, context, negatives = batches[position[0] % len(batches)]
         position[0] += 1
-        loss = skipgram_loss(emb, center, context, negatives)
+        value = loss(emb, center, context, negatives)
         if prefetch:  # the next step's rows come in while this one's backward runs
             emb.prefetch(torch.cat([ids.reshape(-1) for ids in batches[position[0] % len(batches)]]))
-        loss.backward()
+        value.backward()
         opt.step()
         opt.zero_grad()
 
@@ -176,22 +203,27 @@ def _fit_together(vocab: int, device: torch.device, shape: StepShape) -> bool:
     """Whether all setups fit at once, with room to spare (table + Adam's two moments each)."""
     nbytes = vocab * shape.dim * 4 * 3
     ram = available_ram() or 0
+    names = list(_setups())
     if device.type == "cpu":
-        return len(_BUILDS) * nbytes < 0.7 * ram
+        return len(names) * nbytes < 0.7 * ram
     free, _ = torch.cuda.mem_get_info(device)
-    return (len(_BUILDS) - 1) * nbytes < 0.7 * ram and (1 + CACHE_FRACTION) * nbytes < 0.7 * free
+    in_memory = sum(name.startswith("in_memory") for name in names)
+    return ((len(names) - in_memory) * nbytes < 0.7 * ram
+            and (in_memory + CACHE_FRACTION) * nbytes < 0.7 * free)
 
 
 def measure(vocab: int, device: torch.device, repeats: int, shape: StepShape) -> dict:
-    """Time the three setups at ``vocab`` rows; one :func:`run` result entry.
+    """Time every setup at ``vocab`` rows; one :func:`run` result entry.
 
     Returns:
         dict with ``vocab``, ``distinct_rows_per_step``, ``ratio`` (offloaded time / in-memory time), ``throughput_ratio``
         (its inverse), ``cached_throughput_ratio`` (the same for the cached
         setup), ``cached_gap_ratio`` (the cached setup's throughput gap to in
         memory over the uncached one's; None when the uncached one has no
-        gap), ``load_average_before``, and per setup its timing summary,
-        device memory and whether it ran ``interleaved``.
+        gap), ``one_lookup_throughput_ratio`` (offloaded over in-memory
+        throughput, both with one lookup a step), ``load_average_before``,
+        and per setup its timing summary, device memory and whether it ran
+        ``interleaved``.
     """
     # Enough batches that the cache sees a stream, not the same few steps again and again.
     batches = zipf_batches(vocab, 8 if device.type == "cpu" else 64, device, shape)
@@ -202,14 +234,14 @@ def measure(vocab: int, device: torch.device, repeats: int, shape: StepShape) ->
     timings = {}
     if interleaved:
         steps, memory = {}, {}
-        for name, build in _BUILDS.items():
-            steps[name], memory[name] = _step_fn(build, vocab, batches, device, shape)
+        for name, (build, loss) in _setups().items():
+            steps[name], memory[name] = _step_fn(build, vocab, batches, device, shape, loss)
         for name, summary in time_interleaved(steps, repeats=repeats, cuda=cuda).items():
             timings[name] = {**summary, **memory[name], "interleaved": True}
         del steps
     else:
-        for name, build in _BUILDS.items():
-            step, memory = _step_fn(build, vocab, batches, device, shape)
+        for name, (build, loss) in _setups().items():
+            step, memory = _step_fn(build, vocab, batches, device, shape, loss)
             timings[name] = {**time_one(step, repeats=repeats, cuda=cuda), **memory, "interleaved": False}
             del step
             gc.collect()
@@ -218,8 +250,10 @@ def measure(vocab: int, device: torch.device, repeats: int, shape: StepShape) ->
     ratio = timings["offloaded"]["median_s"] / timings["in_memory"]["median_s"]
     cached = timings["in_memory"]["median_s"] / timings["cached"]["median_s"]
     gap = 1.0 - 1.0 / ratio
+    one_lookup = timings["in_memory_one_lookup"]["median_s"] / timings["offloaded_one_lookup"]["median_s"]
     return {"vocab": vocab, "distinct_rows_per_step": distinct, "ratio": ratio, "throughput_ratio": 1.0 / ratio,
             "cached_throughput_ratio": cached, "cached_gap_ratio": (1.0 - cached) / gap if gap > 0 else None,
+            "one_lookup_throughput_ratio": one_lookup,
             "pairs_per_s": {name: shape.batch / t["median_s"] for name, t in timings.items()},
             "load_average_before": load, **timings}
 
@@ -302,6 +336,8 @@ def run(vocabs: Sequence[int], repeats: int, device: torch.device, shape: StepSh
                                       "up to where eps is added)",
                          "cached": f"offloaded, cache_rows = {CACHE_FRACTION:.0%} of the vocabulary, "
                                    f"next step's ids prefetched before backward",
+                         "one_lookup": "in memory and offloaded again, the step's centers, contexts and "
+                                       "negatives looked up in one call",
                          "device_memory": "torch allocator bytes added by building the setup and "
                                           "running two steps (resident after; peak)",
                          "target": ("GPU: offloaded throughput >= 0.9x all-GPU at a vocabulary that fits, "
@@ -324,6 +360,9 @@ def format_results(payload: dict) -> str:
              "cached ms": 1e3 * e["cached"]["median_s"],
              "throughput offloaded/in-memory": e["throughput_ratio"],
              "throughput cached/in-memory": e["cached_throughput_ratio"],
+             "one lookup: in-memory ms": 1e3 * e["in_memory_one_lookup"]["median_s"],
+             "one lookup: offloaded ms": 1e3 * e["offloaded_one_lookup"]["median_s"],
+             "one lookup: throughput offloaded/in-memory": e["one_lookup_throughput_ratio"],
              "interleaved": e["in_memory"]["interleaved"],
              "device MiB in-memory": _mib(e["in_memory"]["device_bytes"]),
              "device MiB offloaded": _mib(e["offloaded"]["device_bytes"])}
