@@ -2,8 +2,9 @@
 
 The skip-gram step of ``training_step.py`` (4096 pairs x 5 negatives, dim
 128, Adam, Zipf ids) in each setup, offloaded, cached (5% of the rows, next
-step prefetched), in memory, and offloaded with its table in GPU memory (on
-the CPU: the offloaded setup again), after warm-up:
+step prefetched), in memory, in memory and offloaded with each step's ids
+looked up in one call, and offloaded with its table in GPU memory (on the
+CPU: the offloaded setup again), after warm-up:
 
 * **host waits** (CUDA only): ``torch.cuda.set_sync_debug_mode("warn")`` over
   a few steps; each warning is counted by the innermost line of speedswap's
@@ -101,8 +102,9 @@ def op_profile(step, steps, cuda):
 
 #: The benchmark's setups, and the offloaded one with its table in GPU memory: its time
 #: against ``offloaded``'s splits the gap to ``in_memory`` into transport and bookkeeping.
-SETUPS = {**training_step._BUILDS,
-          "offloaded_on_device": functools.partial(training_step.build_offloaded, gpu_storage="device")}
+SETUPS = {**training_step._setups(),
+          "offloaded_on_device": (functools.partial(training_step.build_offloaded, gpu_storage="device"),
+                                  training_step.skipgram_loss)}
 
 
 def main(argv=None):
@@ -119,8 +121,8 @@ def main(argv=None):
     shape = training_step.StepShape(batch=args.batch, dim=args.dim)
     batches = training_step.zipf_batches(args.vocab, 16, device, shape)
     setups = {}
-    for name, build in SETUPS.items():
-        step, _ = training_step._step_fn(build, args.vocab, batches, device, shape)
+    for name, (build, loss) in SETUPS.items():
+        step, _ = training_step._step_fn(build, args.vocab, batches, device, shape, loss)
         for _ in range(3):  # warm-up past the first steps' allocations
             step()
         waits = host_waits(step, args.steps) if cuda else "not counted: no CUDA device"
