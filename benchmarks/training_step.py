@@ -10,17 +10,19 @@ speedswap.apps.bench.training_step.
 Usage:
     python benchmarks/training_step.py [--vocab 1000000 10000000] [--repeats 20] [--batch 4096] [--dim 128]
 
-Writes benchmarks/results/training_step-{cpu,gpu}.json; another --batch or --dim
+Writes benchmarks/results/training_step-{cpu,gpu}.json (or into --out); another --batch or --dim
 writes training_step-batch<B>-dim<D>-{cpu,gpu}.json (a small step shows the host's
 work per step, which the default shape's arithmetic hides on a CPU: NOTES 37).
 """
 
 import argparse
+from pathlib import Path
 
 import common
 import torch
 
 from speedswap.apps.bench import training_step
+from speedswap.apps.bench.timing import write_json
 
 
 def main(argv=None):
@@ -31,6 +33,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per setup")
     parser.add_argument("--batch", type=int, default=training_step.StepShape.batch, help="pairs per step")
     parser.add_argument("--dim", type=int, default=training_step.StepShape.dim, help="embedding length")
+    parser.add_argument("--out", type=Path, default=common.RESULTS, help="where the JSON goes")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = training_step.StepShape(batch=args.batch, dim=args.dim)
@@ -38,7 +41,8 @@ def main(argv=None):
     print(training_step.format_results(payload))
     name = ("training_step" if shape == training_step.StepShape()
             else f"training_step-batch{shape.batch}-dim{shape.dim}")
-    common.write_results(name, payload)
+    path = write_json(args.out / f"{name}-{device.type.replace('cuda', 'gpu')}.json", name, payload)
+    print(f"\nwrote {path}")
     return payload
 
 

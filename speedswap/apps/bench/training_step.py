@@ -106,7 +106,9 @@ def skipgram_loss_one_lookup(emb: torch.nn.Module, center: torch.Tensor, context
     """:func:`skipgram_loss` with the step's ids looked up in one call, then split."""
     batch, k = negatives.shape
     rows = emb(torch.cat([center, context, negatives.reshape(-1)]))
-    return _loss_of_rows(rows[:batch], rows[batch:2 * batch], rows[2 * batch:].view(batch, k, -1))
+    # split, not slices: a slice's backward zero-fills a gradient the size of all the rows.
+    u, v, n = rows.split([batch, batch, batch * k])
+    return _loss_of_rows(u, v, n.view(batch, k, -1))
 
 
 def _loss_of_rows(u: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
