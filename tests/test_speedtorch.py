@@ -396,15 +396,24 @@ def test_a_gradient_left_from_the_last_step_is_not_added_to_other_rows(backend, 
     _assert_unchanged(u, o, snap)
 
 
-@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("set_to_none", [True, False, "through .data"])
 def test_zero_grad_after_before_forward_is_fine(backend, table0, set_to_none):
+    """Either kind of zero_grad(), and zeroing that keeps the gradient's version (as
+    _foreach_zero_ does on CUDA for an optimizer built with foreach=True; here through .data)."""
     model, opt, u, o = build(backend, table0)
     context = torch.ones(2, DIM, device=model.u_embeddings.weight.device)
     for pos, neg in [(torch.tensor([1, 2]), torch.tensor([[3], [4]])),
                      (torch.tensor([5, 6]), torch.tensor([[7], [8]]))]:
         lp, ln = u.before_forward(pos, neg)
         o.before_forward(pos, neg)
-        opt.zero_grad(set_to_none=set_to_none)
+        grad = model.u_embeddings.weight.grad
+        if set_to_none == "through .data":
+            if grad is not None:
+                version = grad._version
+                grad.data.zero_()
+                assert grad._version == version
+        else:
+            opt.zero_grad(set_to_none=set_to_none)
         skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), context).backward()
         opt.step()
         u.after_step(pos, neg)

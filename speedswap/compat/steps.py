@@ -36,6 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..convert import as_id_tensor, check_id_range
 from ..errors import OptionError, StateError
 from ..train.caching import idle_stats, new_cache, rewriting
+from ..train.leftover import untouched
 from ..train.row_state import row_state_spec
 from ..train.working_set import WorkingSet
 
@@ -88,13 +89,14 @@ def _refuse_leftover_gradient(ref, incoming):
     adding to a gradient left from the last step would add one step's
     gradient to another's rows (a gradient accumulated across
     ``before_forward``/``after_step`` cycles, or a forgotten ``zero_grad()``).
-    ``zero_grad()`` before the backward, either kind, clears it.
+    ``zero_grad()`` before the backward, either kind, clears it
+    (:func:`~speedswap.train.leftover.untouched`).
     """
     steps = ref()
     if steps is None or steps._leftover is None:
         return
     (left, version), steps._leftover = steps._leftover, None
-    if steps.param.grad is left and left._version == version:
+    if untouched(steps.param.grad, left, version):
         raise StateError("a backward adds to a gradient left by the previous step, which no "
                          "zero_grad() cleared; its slots now hold other rows, so it would train "
                          "them. Gradient accumulation across before_forward/after_step is not "

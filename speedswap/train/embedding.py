@@ -23,6 +23,7 @@ from ..errors import CapacityError, DTypeError, IdError, OptionError, ShapeError
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
+from .leftover import untouched
 from .module_state import check_tables_state, copy_tables, missing_hint, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import padding_option, refuse_max_norm
@@ -973,18 +974,8 @@ def _note_leftover_gradient(ref):
     noted, not refused: a ``zero_grad()`` before the step may still drop it
     (a backward with ``retain_graph=True``, ``zero_grad()``, backward again);
     the step is refused if it has not (:meth:`OffloadedEmbedding._begin_step`).
-
-    A gradient is unchanged when it is the same tensor at the same version and
-    still holds a non-zero value: ``zero_grad(set_to_none=False)`` of an
-    optimizer with ``foreach=True`` zeroes through ``torch._foreach_zero_``,
-    which on CUDA leaves the version as it was. Reading the values is a host
-    wait on a GPU, paid only when the version cannot tell; a leftover of zeros
-    adds nothing to any row, so it is no reason to refuse.
+    Whether it is still there: :func:`~speedswap.train.leftover.untouched`.
     """
-    def unchanged(grad, as_left, version):
-        return (grad is not None and grad is as_left and grad._version == version
-                and bool(grad.any()))
-
     def note(_grad_outputs):
         embedding = ref()
         if embedding is None:
@@ -992,10 +983,10 @@ def _note_leftover_gradient(ref):
         grad = embedding.weight.grad
         if embedding._leftover is not None:
             (left, version), embedding._leftover = embedding._leftover, None
-            if unchanged(grad, left(), version):
+            if untouched(grad, left(), version):
                 embedding._stale = weakref.ref(grad)
-        elif embedding._stale is not None and not unchanged(grad, embedding._stale(),
-                                                            embedding._version_at_backward):
+        elif embedding._stale is not None and not untouched(grad, embedding._stale(),
+                                                             embedding._version_at_backward):
             embedding._stale = None  # zero_grad() since the last backward dropped it
         return None
     return note
