@@ -325,8 +325,12 @@ def check_id_range(flat, num_rows, *, what="ids", unsigned=False):
             stands for an id of ``2**63`` or more.
     """
     if flat.numel():
-        lo, hi = torch.stack(torch.aminmax(flat)).tolist()
-        _check_bounds(lo, hi, num_rows, what, unsigned)
+        _check_bounds(*_read_bounds(flat), num_rows, what, unsigned)
+
+
+def _read_bounds(flat):
+    """The smallest and largest id of a non-empty ``flat``, both in one transfer."""
+    return torch.stack(torch.aminmax(flat)).tolist()
 
 
 def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
@@ -351,7 +355,7 @@ def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
     """
     flat, shape, check_bounds = as_row_ids_deferred(ids, num_rows, device, to=to, what=what)
     if check_bounds is not None and flat.numel():
-        check_bounds(*torch.stack(torch.aminmax(flat)).tolist())
+        check_bounds(*_read_bounds(flat))
     return flat, shape
 
 
