@@ -59,7 +59,9 @@ def test_adds_give_the_reference_slots_and_a_refused_add_changes_nothing(steps):
             assert local.shape == tensor.shape and local.dtype == torch.int64
             assert local.reshape(-1).tolist() == expected[0] and first_new == expected[1]
             assert ws.rows.tolist() == ref.rows
+            probe = torch.arange(-2, 31)
+            assert ws.holds(probe).tolist() == [i in ref.rows for i in probe.tolist()]
             assert torch.equal(ws.rows[local], tensor)
         ws.clear()
         ref.rows = []
-        assert ws.size == 0
+        assert ws.size == 0 and not ws.holds(torch.arange(-2, 31)).any()

@@ -424,9 +424,10 @@ class SharedSteps:
             return 0
         ids = torch.cat(flats) if len(flats) > 1 else flats[0]
         # Rows of a step in progress are skipped (see RowCache.prefetch).
-        working = self.current.rows if self._open else ids[:0]
+        in_step = (self.working_set.holds if self._open
+                   else lambda rows: torch.zeros_like(rows, dtype=torch.bool))
         with torch.no_grad():
-            return self.cache.prefetch(ids, working)
+            return self.cache.prefetch(ids, in_step)
 
     def flush(self) -> None:
         """Write cached rows and state back to the host tables (they stay cached)."""

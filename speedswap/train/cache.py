@@ -78,6 +78,7 @@ call makes the current stream wait for it.
 """
 
 import contextlib
+from typing import Callable
 
 import torch
 
@@ -472,7 +473,7 @@ class RowCache:
         self._begin_step()
 
     # ---------------------------------------------------------------- prefetch
-    def prefetch(self, ids: torch.Tensor, working_rows: torch.Tensor) -> int:
+    def prefetch(self, ids: torch.Tensor, in_step: Callable[[torch.Tensor], torch.Tensor]) -> int:
         """Bring the rows of ``ids`` that are neither cached nor in the working set into the cache.
 
         Rows brought or already cached are pinned until the end of the step
@@ -487,8 +488,9 @@ class RowCache:
 
         Args:
             ids: validated ids (any order, duplicates allowed).
-            working_rows: the current working set's rows, distinct (skipped:
-                see the module docs).
+            in_step: which of some distinct ids the current working set holds, as
+                a bool mask (:meth:`WorkingSet.holds`); those rows are skipped (see
+                the module docs).
 
         Returns:
             the number of rows brought from the host.
@@ -499,12 +501,7 @@ class RowCache:
         unique = torch.unique(ids)
         found, slot = self._lookup(unique)
         self.stamp.scatter_reduce_(0, slot, torch.where(found, self.clock + 1, -1), "amax")
-        new = ~found
-        if len(working_rows):
-            # A binary search in the sorted working rows: torch.isin makes a GPU's host wait.
-            working = torch.sort(working_rows).values
-            pos = torch.searchsorted(working, unique).clamp_(max=len(working) - 1)
-            new &= working[pos] != unique
+        new = ~found & ~in_step(unique)  # not torch.isin, which makes a GPU's host wait
         n_new, evictable = torch.stack([new.sum(), (self.stamp < self.clock).sum()]).tolist()
         bring = min(n_new, evictable - self._n_misses)
         if bring <= 0:

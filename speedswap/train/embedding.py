@@ -684,7 +684,7 @@ class OffloadedEmbedding(torch.nn.Module):
                              "optimizer state rows too")
         flat, _ = as_row_ids(ids, self.num_embeddings, self.weight.device)
         with torch.no_grad():
-            return self._cache.prefetch(flat, self._working_set.rows)
+            return self._cache.prefetch(flat, self._working_set.holds)
 
     def flush(self):
         """Write the cached rows and their optimizer state back to the host tables.

@@ -59,6 +59,18 @@ class WorkingSet:
         """How many slots are in use."""
         return len(self._rows)
 
+    def holds(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which of ``ids`` (a 1-D int64 tensor on :attr:`device`) have a slot: a bool mask, sync-free."""
+        if not self.size:
+            return torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+        return self._find(ids)[1]
+
+    def _find(self, ids):
+        """(position in the sorted rows, found) of each id; the position is meaningful where found."""
+        # The rows are kept sorted, so one binary search per id finds the held ones.
+        pos = torch.searchsorted(self._sorted, ids).clamp_(max=self.size - 1)
+        return pos, self._sorted[pos] == ids
+
     def add(self, ids: torch.Tensor, check_bounds: Optional[Callable[[int, int], None]] = None):
         """Give every id a slot (reusing the slot of a row already held) and return local ids.
 
@@ -94,9 +106,7 @@ class WorkingSet:
                 check_bounds(*torch.stack(bounds).tolist())
             new_rows, slots = unique, torch.arange(len(unique), device=self.device)
         else:
-            # Both lists are sorted, so one binary search per new id finds the held ones.
-            pos = torch.searchsorted(self._sorted, unique).clamp_(max=held - 1)
-            found = self._sorted[pos] == unique
+            pos, found = self._find(unique)
             new = ~found
             # One host synchronisation sizes the new rows (the capacity check needs it too).
             n_new, *bounds = torch.stack([new.sum(), *bounds]).tolist()
