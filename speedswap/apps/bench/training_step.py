@@ -45,8 +45,8 @@ import speedswap as ss
 from .timing import available_ram, format_table, load_average, physical_ram, time_interleaved, time_one
 
 __all__ = ["StepShape", "TARGET", "CACHED_TARGET", "GAP_TARGET", "CACHE_FRACTION", "BEYOND_GPU",
-           "zipf_batches", "skipgram_loss", "skipgram_loss_one_lookup", "build_in_memory", "build_offloaded", "build_cached", "measure",
-           "beyond_gpu", "run", "format_results", "describe_beyond_gpu"]
+           "zipf_batches", "skipgram_loss", "skipgram_loss_one_lookup", "build_in_memory", "build_offloaded",
+           "build_cached", "measure", "beyond_gpu", "run", "format_results", "describe_beyond_gpu"]
 
 #: Offloaded throughput over in-memory throughput at a vocabulary that fits both (GPU).
 TARGET = (">=", 0.9)
