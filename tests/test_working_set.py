@@ -1,12 +1,14 @@
 """The working set against a plain-Python reference: slots, local ids, new rows, capacity and range refusals."""
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 
 import speedswap as ss
 from speedswap.convert import as_row_ids_deferred
+from speedswap.train.sync_free import _TORCH_SORTS_FASTER_UP_TO, sort_marking_firsts, sort_with_order
 from speedswap.train.working_set import WorkingSet
 
 CAPACITY = 12
@@ -65,3 +67,47 @@ def test_adds_give_the_reference_slots_and_a_refused_add_changes_nothing(steps):
         ws.clear()
         ref.rows = []
         assert ws.size == 0 and not ws.holds(torch.arange(-2, 31)).any()
+
+
+def _devices():
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("length", [1, 2, 300, _TORCH_SORTS_FASTER_UP_TO, _TORCH_SORTS_FASTER_UP_TO + 1, 30_000])
+def test_sort_marking_firsts_gives_what_unique_gives(device, length, rng):
+    """Both sorts (torch's, and numpy's for a large CPU tensor) against torch.unique, on Zipf ids with repeats."""
+    ids = torch.from_numpy(rng.zipf(1.1, length).astype(np.int64) - rng.integers(0, 3)).to(device)
+    values, order, first = sort_marking_firsts(ids)
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    assert torch.equal(ids[order], values) and torch.equal(torch.sort(ids).values, values)
+    assert torch.equal(values[first], unique)
+    # Each id's run index among the distinct ids is unique's inverse.
+    run = torch.cumsum(first, 0) - 1
+    assert torch.equal(torch.empty_like(run).index_copy_(0, order, run), inverse)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("sizes", [(0, 5), (7, 0), (3000, 2000), (5000, 40)])
+def test_merging_two_sorted_runs_sorts_them(device, sizes, rng):
+    """The working set merges its sorted rows with its sorted new rows (distinct from them)."""
+    distinct = torch.from_numpy(rng.choice(10**12, sum(sizes), replace=False)).to(device)
+    runs = [torch.sort(part).values for part in torch.split(distinct, list(sizes))]
+    merged = torch.cat(runs)
+    values, order = sort_with_order(merged, merging=True)
+    assert torch.equal(values, torch.sort(distinct).values) and torch.equal(merged[order], values)
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_large_adds_keep_the_slot_rules(device, rng):
+    """Adds past the size where the CPU sorts with numpy: each id's slot holds it, new rows join sorted."""
+    ws = WorkingSet(60_000, device)
+    for length in (9000, 20_000, 300, 9000):
+        ids = torch.from_numpy(rng.zipf(1.1, length).astype(np.int64) % 500_000).to(device)
+        before = ws.rows.tolist()
+        local, first_new = ws.add(ids.view(-1, 3) if length % 3 == 0 else ids)
+        assert first_new == len(before) and ws.rows[:first_new].tolist() == before
+        new = sorted(set(ids.tolist()) - set(before))
+        assert ws.rows[first_new:].tolist() == new
+        assert torch.equal(ws.rows[local.reshape(-1)], ids)
+        assert ws.holds(ids).all() and not ws.holds(torch.tensor([500_001], device=device)).any()

@@ -67,8 +67,9 @@ sketch: it never grows with the vocabulary. Host synchronisations: one per
 training forward (how many rows hit), one per step (how many misses are
 admitted, and how many of their victims are dirty) and two per prefetch that
 brings rows (how many to bring; how many of their victims are dirty), beside
-the id check and ``torch.unique`` each of those calls makes without a cache.
-That is the CPU model's count; the GPU runs counted 2-4 a step, from four
+the one a training forward makes without a cache (the working set's count of
+new rows, read with the ids' bounds) and a prefetch's id check; no call sizes
+a ``torch.unique``. That is the CPU model's count; the GPU runs counted 2-4 a step, from four
 calls the model did not know then (``torch.isin``, and Python scalars
 assigned through a tensor index: ``benchmarks/NOTES.md``, 35), since replaced.
 Every other size is known on the host and indexes with
@@ -87,7 +88,7 @@ from ..convert import host_tensor, numpy_dtype
 from ..errors import StateError
 from ..table import HostTable
 from .sketch import FrequencySketch
-from .sync_free import positions
+from .sync_free import positions, sort_marking_firsts
 
 __all__ = ["RowCache", "COUNTERS"]
 
@@ -206,7 +207,7 @@ class RowCache:
         self._n_hits = self._n_misses = 0
 
     def _lookup(self, rows):
-        """(found, slot) for unique ``rows``: slot is meaningful where found."""
+        """(found, slot) for ``rows`` (duplicates allowed): slot is meaningful where found."""
         keys = rows.to(self._key_dtype)
         pos = torch.searchsorted(self._sorted_rows, keys).clamp_(max=self.num_slots - 1)
         return self._sorted_rows[pos] == keys, self._sorted_slots[pos]
@@ -488,7 +489,7 @@ class RowCache:
 
         Args:
             ids: validated ids (any order, duplicates allowed).
-            in_step: which of some distinct ids the current working set holds, as
+            in_step: which of some ids the current working set holds, as
                 a bool mask (:meth:`WorkingSet.holds`); those rows are skipped (see
                 the module docs).
 
@@ -498,16 +499,17 @@ class RowCache:
         if not self.num_slots or not len(ids):
             return 0
         self._wait_prefetch()
-        unique = torch.unique(ids)
-        found, slot = self._lookup(unique)
+        # Sorted with each distinct id marked, not torch.unique: no host wait for its count.
+        ids_sorted, _, first = sort_marking_firsts(ids)
+        found, slot = self._lookup(ids_sorted)
         self.stamp.scatter_reduce_(0, slot, torch.where(found, self.clock + 1, -1), "amax")
-        new = ~found & ~in_step(unique)  # not torch.isin, which makes a GPU's host wait
+        new = first & ~found & ~in_step(ids_sorted)  # not torch.isin, which makes a GPU's host wait
         n_new, evictable = torch.stack([new.sum(), (self.stamp < self.clock).sum()]).tolist()
         bring = min(n_new, evictable - self._n_misses)
         if bring <= 0:
             return 0
         # Every missing row a slot can be found for, however rarely used (see the module docs).
-        rows, (_, victims) = unique[positions(new, n_new)[:bring]], self._victims(bring)
+        rows, (_, victims) = ids_sorted[positions(new, n_new)[:bring]], self._victims(bring)
         # Brought from the host, the rows are clean: evicting them again writes nothing.
         changed, changed_rows = self._take(victims, rows, self.clock + 1,
                                            self.sketch.estimate(rows), False,

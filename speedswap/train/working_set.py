@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import CapacityError
-from .sync_free import positions
+from .sync_free import positions, sort_marking_firsts, sort_with_order
 
 __all__ = ["WorkingSet"]
 
@@ -82,8 +82,8 @@ class WorkingSet:
                 :func:`~speedswap.convert.as_row_ids`), or all but their range.
             check_bounds: for ids not range-checked yet (see
                 :func:`~speedswap.convert.as_row_ids_deferred`): called with their
-                smallest and largest value, read with the count this call reads
-                anyway (on a GPU one host wait instead of two).
+                smallest and largest value, read with the count of new rows this
+                call reads anyway: on a GPU the call's one host wait.
 
         Returns:
             (local, first_new): ``local`` is an int64 tensor shaped like ``ids``
@@ -96,34 +96,46 @@ class WorkingSet:
             IdError: from ``check_bounds``.
         """
         shape, flat = ids.shape, ids.reshape(-1)
-        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        # Sorted: the ids' bounds are the ends of unique, read with the count below. Until
-        # they are checked the ids only meet other ids here, never a row.
-        bounds = [unique[0], unique[-1]] if check_bounds is not None and len(unique) else []
         held = self.size
-        if held == 0:
-            if bounds:
-                check_bounds(*torch.stack(bounds).tolist())
-            new_rows, slots = unique, torch.arange(len(unique), device=self.device)
+        if not len(flat):
+            return torch.empty(shape, dtype=torch.int64, device=self.device), held
+        # Sorted, not torch.unique: its distinct count would be a host wait of its own (on a
+        # GPU), where the count of new rows is read below with the bounds anyway.
+        ids_sorted, order, first = sort_marking_firsts(flat)
+        if held:
+            pos, found = self._find(ids_sorted)
+            new = first & ~found
         else:
-            pos, found = self._find(unique)
-            new = ~found
-            # One host synchronisation sizes the new rows (the capacity check needs it too).
-            n_new, *bounds = torch.stack([new.sum(), *bounds]).tolist()
-            if bounds:
-                check_bounds(*bounds)
-            new_rows = unique[positions(new, n_new)]
-            # New rows take the next slots in order: the k-th new row slot held + k - 1.
-            slots = torch.where(found, self._slot_of_sorted[pos], held - 1 + torch.cumsum(new, 0))
-        if held + len(new_rows) > self.capacity:
+            new = first
+        # A new id's slot: held + (the new ids up to it) - 1, the same for each of its copies.
+        new_before = torch.cumsum(new, 0)
+        # Sorted: the ids' bounds are its ends. Until they are checked the ids only meet
+        # other ids here, never a row.
+        bounds = [ids_sorted[0], ids_sorted[-1]] if check_bounds is not None else []
+        # The call's one host synchronisation: how many rows are new (and the bounds).
+        n_new, *bounds = torch.stack([new_before[-1], *bounds]).tolist()
+        if bounds:
+            check_bounds(*bounds)
+        if held + n_new > self.capacity:
             raise CapacityError(
-                f"this step touches {held + len(new_rows)} distinct rows but the working set "
+                f"this step touches {held + n_new} distinct rows but the working set "
                 f"holds at most {self.capacity} (the capacity: rows of the device parameter); "
                 f"use smaller batches or a larger capacity (more rows in the model's "
                 f"nn.Embedding, or a larger max_rows). Training forwards accumulate into one "
                 f"step until optimizer.step(), so several forwards before a step add up, and so "
                 f"do those of a step skipped before its backward (discard_step() drops them)")
-        self._rows = torch.cat([self._rows, new_rows]) if held else new_rows
-        self._sorted, self._slot_of_sorted = (torch.sort(self._rows) if held
-                                              else (new_rows, slots))
-        return slots[inverse].view(shape), held
+        new_rows = ids_sorted[positions(new, n_new)]
+        slots = new_before.add_(held - 1)
+        if held:
+            slots = torch.where(found, self._slot_of_sorted[pos], slots)
+        local = torch.empty_like(slots).index_copy_(0, order, slots)
+        if held:
+            # The held rows and the new ones, each sorted, merged: the new rows' slots follow.
+            self._sorted, order = sort_with_order(torch.cat([self._sorted, new_rows]), merging=True)
+            self._slot_of_sorted = torch.cat([self._slot_of_sorted, torch.arange(
+                held, held + n_new, device=self.device)])[order]
+            self._rows = torch.cat([self._rows, new_rows])
+        else:
+            self._rows = self._sorted = new_rows
+            self._slot_of_sorted = torch.arange(n_new, device=self.device)
+        return local.view(shape), held
