@@ -9,6 +9,7 @@ speedswap.apps.bench.training_step.
 
 Usage:
     python benchmarks/training_step.py [--vocab 1000000 10000000] [--repeats 20] [--batch 4096] [--dim 128]
+        [--threads N] [--keep-freed-memory]
 
 Writes benchmarks/results/training_step-{cpu,gpu}.json (or into --out); another --batch or --dim
 writes training_step-batch<B>-dim<D>-{cpu,gpu}.json (a small step shows the host's
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import common
 import torch
+
+import speedswap as ss
 
 from speedswap.apps.bench import training_step
 from speedswap.apps.bench.timing import write_json
@@ -33,11 +36,20 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per setup")
     parser.add_argument("--batch", type=int, default=training_step.StepShape.batch, help="pairs per step")
     parser.add_argument("--dim", type=int, default=training_step.StepShape.dim, help="embedding length")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch's intra-op threads (1 on this 2-core machine keeps the load near 1)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="ss.keep_freed_memory() first: on a CPU glibc otherwise returns each step's "
+                             "freed memory to the kernel, and the page faults vary the step by tens of "
+                             "percent (NOTES 31)")
     parser.add_argument("--out", type=Path, default=common.RESULTS, help="where the JSON goes")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    kept = args.keep_freed_memory and ss.keep_freed_memory()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape = training_step.StepShape(batch=args.batch, dim=args.dim)
     payload = training_step.run(args.vocab, args.repeats, device, shape)
+    payload["setup"].update(threads=args.threads, keep_freed_memory=kept)
     print(training_step.format_results(payload))
     name = ("training_step" if shape == training_step.StepShape()
             else f"training_step-batch{shape.batch}-dim{shape.dim}")
