@@ -2,7 +2,7 @@
 
 The skip-gram step of ``training_step.py`` (4096 pairs x 5 negatives, dim
 128, Adam, Zipf ids) in each setup, offloaded, cached (5% of the rows, next
-step prefetched), in memory, in memory and offloaded with each step's ids
+step prefetched), in memory, each of those three with each step's ids
 looked up in one call, and offloaded with its table in GPU memory (on the
 CPU: the offloaded setup again), after warm-up:
 

@@ -332,7 +332,8 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
              "cached": {"median_s": 0.0102, "min_s": 0.01, "max_s": 0.011, "repeats": 3, "interleaved": True,
                         "device_bytes": 300 * 2**20, "device_peak_bytes": 320 * 2**20},
              "cached_throughput_ratio": 0.98, "cached_gap_ratio": 0.4, "one_lookup_throughput_ratio": 0.85,
-             "in_memory_one_lookup": {"median_s": 0.0085}, "offloaded_one_lookup": {"median_s": 0.01}}
+             "in_memory_one_lookup": {"median_s": 0.0085}, "offloaded_one_lookup": {"median_s": 0.01},
+             "cached_one_lookup_throughput_ratio": 0.96, "cached_one_lookup": {"median_s": 0.0089}}
     old_entry = {key: value for key, value in entry.items() if "one_lookup" not in key}  # a run before them
     regression = {"shape": [1000, 1000], "batch": 2048, "device": "cuda", "feeder_over_limit": 1.5,
                   "limit": "pinned host-to-device copy",
@@ -369,6 +370,9 @@ def test_summary_of_a_gpu_run_marks_each_target_met_or_not():
     one_call = "the same, each step's ids looked up in one call (both sides), vocab"
     assert rows[f"{one_call} 1,000,000"][2:] == [0.85, "**no**"]
     assert f"{one_call} 10,000,000" not in rows  # a run that had no such contender
+    cached_one_call = "the same with the cache, each step's ids looked up in one call (both sides), vocab"
+    assert rows[f"{cached_one_call} 1,000,000"][2:] == [0.96, "yes"]
+    assert f"{cached_one_call} 10,000,000" not in rows
     assert rows["training throughput offloaded / all-GPU, vocab 10,000,000 (interleaved)"][2:] == [0.95, "yes"]
     assert rows["training throughput with cache and prefetch / all-GPU, vocab 1,000,000"][2:] == [0.98, "yes"]
     assert rows["gap to all-GPU with the cache / without, vocab 1,000,000"][2:] == [0.4, "yes"]
@@ -517,7 +521,7 @@ def test_every_helper_the_benchmark_scripts_call_on_common_exists():
         sorted(f"{s}: common.{n}" for s, n in used if not hasattr(common, n))
 
 
-@pytest.mark.parametrize("build", ["in_memory", "offloaded"])
+@pytest.mark.parametrize("build", ["in_memory", "offloaded", "cached"])
 def test_one_lookup_a_step_is_the_same_loss_and_training(build):
     """The benchmark's one-lookup contenders train what the three-lookup ones do: the same loss
     on every step, and tables equal up to the order gradients are summed in."""
@@ -527,7 +531,8 @@ def test_one_lookup_a_step_is_the_same_loss_and_training(build):
     for loss in (training_step.skipgram_loss, training_step.skipgram_loss_one_lookup):
         torch.manual_seed(0)
         emb, opt = training_step._BUILDS[build](2000, torch.device("cpu"), shape)
-        if build == "offloaded":
+        offloaded = build != "in_memory"
+        if offloaded:
             emb.table.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(1))
         seen = []
         for center, context, negatives in batches:
@@ -537,7 +542,7 @@ def test_one_lookup_a_step_is_the_same_loss_and_training(build):
             opt.step()
             opt.zero_grad()
         losses.append(seen)
-        tables.append(emb.table.to_numpy(copy=True) if build == "offloaded" else emb.weight.detach().numpy().copy())
+        tables.append(emb.table.to_numpy(copy=True) if offloaded else emb.weight.detach().numpy().copy())
     assert losses[0][0] == losses[1][0]  # the same rows, the same arithmetic
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
     np.testing.assert_allclose(tables[0], tables[1], rtol=1e-5, atol=1e-6)

@@ -12,11 +12,12 @@ embeddings: the work per step is that of two tables, the memory half, so a
   host memory (pinned on a GPU), ``max_rows`` = batch * (2 + negatives).
 * cached: the same with a device cache of 5% of the rows, and the next
   step's ids prefetched between this step's forward and backward.
-* in memory and offloaded again, each step's three lookups (centers,
-  contexts, negatives) made in one call (:func:`skipgram_loss_one_lookup`):
-  the offloaded path's work per call (validation, de-duplication, a gather
-  of the new rows, and on a GPU two host waits) is paid once a step instead
-  of three times. The same loss, the same rows trained.
+* in memory, offloaded and cached again, each step's three lookups
+  (centers, contexts, negatives) made in one call
+  (:func:`skipgram_loss_one_lookup`): the offloaded path's work per call
+  (validation, de-duplication, a gather of the new rows, and on a GPU a host
+  wait, two with a cache) is paid once a step instead of three times. The
+  same loss, the same rows trained.
 
 The setups are timed interleaved (one step of each per round, so a noisy
 neighbour hits both alike) when both fit at once; otherwise one after the
@@ -146,7 +147,7 @@ def build_cached(vocab: int, device: torch.device, shape: StepShape):
 
 _BUILDS = {"in_memory": build_in_memory, "offloaded": build_offloaded, "cached": build_cached}
 #: The setups timed again with one lookup a step, as ``<name>_one_lookup``.
-_ONE_LOOKUP = ("in_memory", "offloaded")
+_ONE_LOOKUP = ("in_memory", "offloaded", "cached")
 
 
 def _setups() -> dict:
@@ -222,8 +223,9 @@ def measure(vocab: int, device: torch.device, repeats: int, shape: StepShape) ->
         (its inverse), ``cached_throughput_ratio`` (the same for the cached
         setup), ``cached_gap_ratio`` (the cached setup's throughput gap to in
         memory over the uncached one's; None when the uncached one has no
-        gap), ``one_lookup_throughput_ratio`` (offloaded over in-memory
-        throughput, both with one lookup a step), ``load_average_before``,
+        gap), ``one_lookup_throughput_ratio`` and
+        ``cached_one_lookup_throughput_ratio`` (offloaded, and cached, over
+        in-memory throughput, all with one lookup a step), ``load_average_before``,
         and per setup its timing summary, device memory and whether it ran
         ``interleaved``.
     """
@@ -252,10 +254,12 @@ def measure(vocab: int, device: torch.device, repeats: int, shape: StepShape) ->
     ratio = timings["offloaded"]["median_s"] / timings["in_memory"]["median_s"]
     cached = timings["in_memory"]["median_s"] / timings["cached"]["median_s"]
     gap = 1.0 - 1.0 / ratio
-    one_lookup = timings["in_memory_one_lookup"]["median_s"] / timings["offloaded_one_lookup"]["median_s"]
+    one_lookup = {name: timings["in_memory_one_lookup"]["median_s"] / timings[f"{name}_one_lookup"]["median_s"]
+                  for name in ("offloaded", "cached")}
     return {"vocab": vocab, "distinct_rows_per_step": distinct, "ratio": ratio, "throughput_ratio": 1.0 / ratio,
             "cached_throughput_ratio": cached, "cached_gap_ratio": (1.0 - cached) / gap if gap > 0 else None,
-            "one_lookup_throughput_ratio": one_lookup,
+            "one_lookup_throughput_ratio": one_lookup["offloaded"],
+            "cached_one_lookup_throughput_ratio": one_lookup["cached"],
             "pairs_per_s": {name: shape.batch / t["median_s"] for name, t in timings.items()},
             "load_average_before": load, **timings}
 
@@ -338,8 +342,8 @@ def run(vocabs: Sequence[int], repeats: int, device: torch.device, shape: StepSh
                                       "up to where eps is added)",
                          "cached": f"offloaded, cache_rows = {CACHE_FRACTION:.0%} of the vocabulary, "
                                    f"next step's ids prefetched before backward",
-                         "one_lookup": "in memory and offloaded again, the step's centers, contexts and "
-                                       "negatives looked up in one call",
+                         "one_lookup": "in memory, offloaded and cached again, the step's centers, "
+                                       "contexts and negatives looked up in one call",
                          "device_memory": "torch allocator bytes added by building the setup and "
                                           "running two steps (resident after; peak)",
                          "target": ("GPU: offloaded throughput >= 0.9x all-GPU at a vocabulary that fits, "
@@ -364,7 +368,9 @@ def format_results(payload: dict) -> str:
              "throughput cached/in-memory": e["cached_throughput_ratio"],
              "one lookup: in-memory ms": 1e3 * e["in_memory_one_lookup"]["median_s"],
              "one lookup: offloaded ms": 1e3 * e["offloaded_one_lookup"]["median_s"],
+             "one lookup: cached ms": 1e3 * e["cached_one_lookup"]["median_s"],
              "one lookup: throughput offloaded/in-memory": e["one_lookup_throughput_ratio"],
+             "one lookup: throughput cached/in-memory": e["cached_one_lookup_throughput_ratio"],
              "interleaved": e["in_memory"]["interleaved"],
              "device MiB in-memory": _mib(e["in_memory"]["device_bytes"]),
              "device MiB offloaded": _mib(e["offloaded"]["device_bytes"])}
