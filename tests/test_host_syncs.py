@@ -59,7 +59,7 @@ class _TorchSyncWarnings:
         self._caught.__exit__(*exc)
 
 
-def _phase_counts(backend, cache_rows, counter_type, seed):
+def _phase_counts(backend, cache_rows, counter_type, seed, padding_idx=None):
     """Train STEPS Zipf steps with prefetch, counting each call's host synchronisations.
 
     Returns:
@@ -68,7 +68,7 @@ def _phase_counts(backend, cache_rows, counter_type, seed):
     device = ss.get_backend(backend).device
     batches = zipf_batches(np.random.default_rng(seed), STEPS + 1, device)
     emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pinned",
-                                backend=backend, cache_rows=cache_rows)
+                                backend=backend, cache_rows=cache_rows, padding_idx=padding_idx)
     opt = torch.optim.Adam(emb.parameters(), lr=0.05)
     emb.attach(opt)
     counts, where = {phase: [] for phase in BUDGET}, []
@@ -94,9 +94,10 @@ def _phase_counts(backend, cache_rows, counter_type, seed):
     return counts, where, emb.stats()["total"]
 
 
+@pytest.mark.parametrize("padding_idx", [None, 0])  # the padding row joins every step without a read
 @pytest.mark.parametrize("cache_rows", [0, NUM_ROWS // 5])
-def test_a_step_synchronises_the_host_no_more_than_its_budget(cache_rows, seed):
-    counts, where, total = _phase_counts("numpy", cache_rows, HostSyncs, seed)
+def test_a_step_synchronises_the_host_no_more_than_its_budget(cache_rows, padding_idx, seed):
+    counts, where, total = _phase_counts("numpy", cache_rows, HostSyncs, seed, padding_idx)
     cached = bool(cache_rows)
     # The run went through every branch that could synchronise: hits and misses,
     # evictions of dirty rows, prefetched rows.

@@ -111,3 +111,14 @@ def test_large_adds_keep_the_slot_rules(device, rng):
         assert ws.rows[first_new:].tolist() == new
         assert torch.equal(ws.rows[local.reshape(-1)], ids)
         assert ws.holds(ids).all() and not ws.holds(torch.tensor([500_001], device=device)).any()
+
+
+def test_start_with_holds_the_rows_in_the_first_slots_and_refuses_a_started_step():
+    ws = WorkingSet(CAPACITY, "cpu")
+    ws.start_with(torch.tensor([5]))
+    local, first_new = ws.add(torch.tensor([9, 5, 2, 9]))
+    assert ws.rows.tolist() == [5, 2, 9] and local.tolist() == [2, 0, 1, 2] and first_new == 1
+    assert ws.holds(torch.tensor([2, 3, 5, 9])).tolist() == [True, False, True, True]
+    with pytest.raises(ss.StateError, match="clear"):
+        ws.start_with(torch.tensor([5]))
+    assert ws.rows.tolist() == [5, 2, 9]

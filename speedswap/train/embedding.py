@@ -162,6 +162,9 @@ class OffloadedEmbedding(torch.nn.Module):
             self._accumulator = self.weight.view_as(self.weight).grad_fn.next_functions[0][0]
         self._accumulator.register_prehook(_note_leftover_gradient(weakref.ref(self)))
         self._working_set = WorkingSet(max_rows, self._table.device)
+        # Made once: a tensor made each step would cross to a GPU with a host wait.
+        self._padding_row = (None if padding_idx is None else
+                             torch.tensor([padding_idx], dtype=torch.int64, device=self._table.device))
         self._reached, self._kept = ReachedRows(dropped=_gradient_dropped(weakref.ref(self))), None
         self._state = None
         self._narrowed = None
@@ -564,8 +567,8 @@ class OffloadedEmbedding(torch.nn.Module):
             self._refuse_weight_writes()
             self._state.check_not_replaced()  # refused before a step begins, when emb.load still may run
         try:
-            if start == 0 and self.padding_idx is not None:
-                ws.add(torch.tensor([self.padding_idx], device=self.weight.device))  # slot 0
+            if start == 0 and self._padding_row is not None:
+                ws.start_with(self._padding_row)  # slot 0
             local, _ = ws.add(flat.view(shape), check_bounds)
         except (CapacityError, IdError):
             if start == 0:

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import CapacityError
+from ..errors import CapacityError, StateError
 from .sync_free import positions, sort_marking_firsts, sort_with_order
 
 __all__ = ["WorkingSet"]
@@ -70,6 +70,21 @@ class WorkingSet:
         # The rows are kept sorted, so one binary search per id finds the held ones.
         pos = torch.searchsorted(self._sorted, ids).clamp_(max=self.size - 1)
         return pos, self._sorted[pos] == ids
+
+    def start_with(self, rows: torch.Tensor):
+        """Begin a step holding ``rows`` in slots ``0..len(rows)-1`` (the padding row), with no read.
+
+        Args:
+            rows: distinct, validated ids in ascending order, a 1-D int64 tensor
+                on :attr:`device`, at most :attr:`capacity` of them.
+
+        Raises:
+            StateError: the working set is not empty.
+        """
+        if self.size:
+            raise StateError("start_with() begins a step: clear() the working set first")
+        self._rows = self._sorted = rows
+        self._slot_of_sorted = torch.arange(len(rows), device=self.device)
 
     def add(self, ids: torch.Tensor, check_bounds: Optional[Callable[[int, int], None]] = None):
         """Give every id a slot (reusing the slot of a row already held) and return local ids.
