@@ -57,9 +57,12 @@ def test_adds_give_the_reference_slots_and_a_refused_add_changes_nothing(steps):
                     ws.add(flat.view(shape), check_bounds)
                 assert torch.equal(ws.rows, before)  # nothing changed
                 continue
-            local, first_new = ws.add(flat.view(shape), check_bounds)
+            # A count about the new rows, read with the call's own: how many of them are multiples of 3.
+            thirds = lambda ids_sorted, new: (new & (ids_sorted % 3 == 0)).sum().view(1)  # noqa: E731
+            local, first_new, counts = ws.add(flat.view(shape), check_bounds, thirds if ids else None)
             assert local.shape == tensor.shape and local.dtype == torch.int64
             assert local.reshape(-1).tolist() == expected[0] and first_new == expected[1]
+            assert counts == ([sum(row % 3 == 0 for row in ref.rows[first_new:])] if ids else None)
             assert ws.rows.tolist() == ref.rows
             probe = torch.arange(-2, 31)
             assert ws.holds(probe).tolist() == [i in ref.rows for i in probe.tolist()]
@@ -105,7 +108,7 @@ def test_large_adds_keep_the_slot_rules(device, rng):
     for length in (9000, 20_000, 300, 9000):
         ids = torch.from_numpy(rng.zipf(1.1, length).astype(np.int64) % 500_000).to(device)
         before = ws.rows.tolist()
-        local, first_new = ws.add(ids.view(-1, 3) if length % 3 == 0 else ids)
+        local, first_new, _ = ws.add(ids.view(-1, 3) if length % 3 == 0 else ids)
         assert first_new == len(before) and ws.rows[:first_new].tolist() == before
         new = sorted(set(ids.tolist()) - set(before))
         assert ws.rows[first_new:].tolist() == new
@@ -116,7 +119,7 @@ def test_large_adds_keep_the_slot_rules(device, rng):
 def test_start_with_holds_the_rows_in_the_first_slots_and_refuses_a_started_step():
     ws = WorkingSet(CAPACITY, "cpu")
     ws.start_with(torch.tensor([5]))
-    local, first_new = ws.add(torch.tensor([9, 5, 2, 9]))
+    local, first_new, _ = ws.add(torch.tensor([9, 5, 2, 9]))
     assert ws.rows.tolist() == [5, 2, 9] and local.tolist() == [2, 0, 1, 2] and first_new == 1
     assert ws.holds(torch.tensor([2, 3, 5, 9])).tolist() == [True, False, True, True]
     with pytest.raises(ss.StateError, match="clear"):

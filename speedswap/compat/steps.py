@@ -54,11 +54,12 @@ _WAITING = object()
 class _Step:
     """The ids one ``before_forward`` saw, the slots they were given, and who is in the step."""
 
-    def __init__(self, flats, shapes, locals_, rows, grad):
+    def __init__(self, flats, shapes, locals_, rows, grad, hits):
         self.flats = flats
         self.shapes = shapes
         self.locals = locals_
         self.rows = rows
+        self.hits = hits  # the cache's count of the rows it holds, read with the working set's
         self.begun = set()  # kinds whose before_forward joined the step
         self.ended = set()  # kinds whose after_step ended their part
         self.stepped = False  # the OptimizerFactory's optimizer.step() finished within the step
@@ -276,10 +277,12 @@ class SharedSteps:
         grad = self.param.grad
         self._leftover = None if grad is None else (grad, grad._version)
         ws.clear()
-        local, _ = ws.add(torch.cat(flats) if len(flats) > 1 else flats[0])
+        cached = self.cache is not None and self.cache.num_slots
+        local, _, hits = ws.add(torch.cat(flats) if len(flats) > 1 else flats[0],
+                                count_also=self.cache.count_hits if cached else None)
         pieces = torch.split(local, [len(f) for f in flats])
         locals_ = tuple(p.view(s) for p, s in zip(pieces, shapes))
-        return _Step(flats, shapes, locals_, ws.rows, self._leftover)
+        return _Step(flats, shapes, locals_, ws.rows, self._leftover, hits)
 
     def begin(self, step, kind, rows):
         """Start ``kind``'s part of ``step`` (from :meth:`prepare`); the first part fetches its rows.
@@ -294,7 +297,7 @@ class SharedSteps:
         if not self._open and self.cache is not None:
             k = len(step.rows)
             with torch.no_grad():
-                self.cache.fetch(step.rows, rows[:k], 0, sum(len(f) for f in step.flats))
+                self.cache.fetch(step.rows, rows[:k], 0, sum(len(f) for f in step.flats), hits=step.hits)
             self._open = True
         step.begun.add(kind)
 

@@ -63,13 +63,13 @@ nothing back (the host holds the same values).
 **Bookkeeping** is six ``(num_slots,)`` device tensors (row per slot, -1 when
 empty; the step each slot is pinned until; its row's count; its dirty flag;
 sorted rows and their slots for ``searchsorted``) and the ``(2, ~4 num_slots)``
-sketch: it never grows with the vocabulary. Host synchronisations: one per
-training forward (how many rows hit), one per step (how many misses are
+sketch: it never grows with the vocabulary. Host synchronisations: none in a
+training forward (how many of its rows hit, :meth:`RowCache.count_hits`, is
+read with the working set's count of new rows and the ids' bounds, the one
+wait a forward makes without a cache), one per step (how many misses are
 admitted, and how many of their victims are dirty) and two per prefetch that
 brings rows (how many to bring; how many of their victims are dirty), beside
-the one a training forward makes without a cache (the working set's count of
-new rows, read with the ids' bounds) and a prefetch's id check; no call sizes
-a ``torch.unique``. That is the CPU model's count; the GPU runs counted 2-4 a step, from four
+its id check; no call sizes a ``torch.unique``. That is the CPU model's count; the GPU runs counted 2-4 a step, from four
 calls the model did not know then (``torch.isin``, and Python scalars
 assigned through a tensor index: ``benchmarks/NOTES.md``, 35), since replaced.
 Every other size is known on the host and indexes with
@@ -79,7 +79,7 @@ call makes the current stream wait for it.
 """
 
 import contextlib
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -311,8 +311,31 @@ class RowCache:
         return score[slots], slots
 
     # ---------------------------------------------------------------- the step
+    def count_hits(self, ids_sorted: torch.Tensor, new: torch.Tensor,
+                   carried_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The counts :meth:`fetch` needs, before the rows it will fetch are known: ``[hits, carried hits]``.
+
+        For the working set to read with its own count (``WorkingSet.add``'s
+        ``count_also``), so that a training forward makes one host wait, not two.
+
+        Args:
+            ids_sorted: a forward's ids, sorted; ``new`` marks one entry per row
+                new to the working set: the rows :meth:`fetch` is then given.
+            new: bool mask over ``ids_sorted``.
+            carried_rows: the rows fetched with them without being looked up
+                (the padding row at a step's start), or None.
+
+        Returns:
+            a ``(2,)`` int64 device tensor: how many of the rows to fetch are
+            cached, and how many of the carried ones.
+        """
+        found, _ = self._lookup(ids_sorted)
+        hits = (found & new).sum()
+        carried = self._lookup(carried_rows)[0].sum() if carried_rows is not None else torch.zeros_like(hits)
+        return torch.stack([hits + carried, carried])
+
     def fetch(self, rows: torch.Tensor, out: torch.Tensor, first: int, lookups: int, *,
-              carried: int = 0, again: bool = False):
+              carried: int = 0, again: bool = False, hits: Optional[Sequence[int]] = None):
         """Fill ``out`` with the rows new to the working set: hits from the cache, misses from the host.
 
         Args:
@@ -327,6 +350,8 @@ class RowCache:
             again: the rows of a step that raised, fetched a second time after
                 :meth:`restart_step`: the copies count, the rows' use does not
                 (neither in the counters nor in the sketch).
+            hits: :meth:`count_hits`' values for these rows, read with the
+                working set's count; None to read them here (a host wait).
         """
         self._wait_prefetch()
         if not again:
@@ -336,9 +361,10 @@ class RowCache:
         n_hit = n_carried_hit = 0
         if self.num_slots:
             found, slot = self._lookup(rows)
-            # One host synchronisation: the hits, and how many of them are carried rows.
-            n_hit, n_carried_hit = (torch.stack([found.sum(), found[:carried].sum()]).tolist()
-                                    if carried else (int(found.sum()), 0))
+            if hits is None:
+                # One host synchronisation: the hits, and how many of them are carried rows.
+                hits = torch.stack([found.sum(), found[:carried].sum()]).tolist()
+            n_hit, n_carried_hit = hits
             if n_hit and n_hit < len(rows):
                 self._scratch(len(rows) - n_hit)  # an allocation that may fail: before the bookkeeping
             self._count_parts.append(self.sketch.estimate(rows) if again else self.sketch.add(rows))

@@ -569,14 +569,15 @@ class OffloadedEmbedding(torch.nn.Module):
         try:
             if start == 0 and self._padding_row is not None:
                 ws.start_with(self._padding_row)  # slot 0
-            local, _ = ws.add(flat.view(shape), check_bounds)
+            local, _, hits = ws.add(flat.view(shape), check_bounds, self._count_hits(start))
         except (CapacityError, IdError):
             if start == 0:
                 ws.clear()  # the padding row too: a refused forward leaves no trace
             raise
         try:
             # The padding row is in every step without being looked up: not counted as one.
-            self._gather_new(start, len(flat), carried=int(start == 0 and self.padding_idx is not None))
+            self._gather_new(start, len(flat), carried=int(start == 0 and self.padding_idx is not None),
+                             hits=hits)
         except BaseException:
             # The rows joined the working set but their slots were never filled (out of memory,
             # an interrupt): the step cannot go on with them, so it is dropped, as discard_step() does.
@@ -584,6 +585,13 @@ class OffloadedEmbedding(torch.nn.Module):
             raise
         self._seen_rows = ws.size  # weight.data is _full (adopted above) and holds them all
         return local
+
+    def _count_hits(self, start):
+        """The working set's ``count_also`` for a forward's rows: the cache's hits, in its one read."""
+        if not self._cache.num_slots:
+            return None
+        carried = self._padding_row if start == 0 else None  # the padding row joins the step's first fetch
+        return lambda ids_sorted, new: self._cache.count_hits(ids_sorted, new, carried)
 
     def _gather_new(self, first_new, lookups=0, **counting):
         # Rows new to the working set: hits from the device cache, misses from the host.

@@ -418,7 +418,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                     self._check_optimizer_state()  # before a step begins, when emb.load still may run
                 # WorkingSet.add replaces its tensors rather than writing into them,
                 # so the shallow copy above restores it should another rank fail.
-                local, first_new = self._looked_up.add(flat.view(shape), check_bounds)
+                local, first_new, _ = self._looked_up.add(flat.view(shape), check_bounds)
                 send = self._looked_up.rows[first_new:]  # sorted, so grouped by owner
             else:
                 flat, shape = as_row_ids(ids, self.num_embeddings, self.table.device)
@@ -435,7 +435,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             raise
         asked = self._exchange.rows(send, counts, recv_counts) - self.bounds[self.rank]
         if training:
-            slots, first_owned = self._owned.add(asked)
+            slots, first_owned, _ = self._owned.add(asked)
             self._gather_owned(first_owned)
             for source, part in enumerate(slots.split(recv_counts)):
                 self._sent_to_me[source].append(part)

@@ -10,23 +10,39 @@ but the last update of a repeated row were lost).
 
 >>> import torch
 >>> ws = WorkingSet(capacity=4, device="cpu")
->>> local, first_new = ws.add(torch.tensor([[42, 7], [42, 99]]))
+>>> local, first_new, _ = ws.add(torch.tensor([[42, 7], [42, 99]]))
 >>> local.tolist(), ws.rows.tolist(), first_new
 ([[1, 0], [1, 2]], [7, 42, 99], 0)
->>> local, first_new = ws.add(torch.tensor([99, 5]))
+>>> local, first_new, _ = ws.add(torch.tensor([99, 5]))
 >>> local.tolist(), ws.rows.tolist(), first_new
 ([2, 3], [7, 42, 99, 5], 3)
 
 """
 
-from typing import Callable, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
 from ..errors import CapacityError, StateError
 from .sync_free import positions, sort_marking_firsts, sort_with_order
 
-__all__ = ["WorkingSet"]
+__all__ = ["WorkingSet", "Added"]
+
+
+class Added(NamedTuple):
+    """What :meth:`WorkingSet.add` returns.
+
+    Attributes:
+        local: each id's slot, an int64 tensor shaped like the ids.
+        first_new: the slot of the first row the call added; the rows it
+            added occupy slots ``first_new..size-1``.
+        counts: the values of ``count_also``'s counts, read with the call's
+            own; None when the call read nothing (no ids) or had none.
+    """
+
+    local: torch.Tensor
+    first_new: int
+    counts: Optional[List[int]]
 
 
 class WorkingSet:
@@ -86,7 +102,8 @@ class WorkingSet:
         self._rows = self._sorted = rows
         self._slot_of_sorted = torch.arange(len(rows), device=self.device)
 
-    def add(self, ids: torch.Tensor, check_bounds: Optional[Callable[[int, int], None]] = None):
+    def add(self, ids: torch.Tensor, check_bounds: Optional[Callable[[int, int], None]] = None,
+            count_also: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> Added:
         """Give every id a slot (reusing the slot of a row already held) and return local ids.
 
         Nothing changes when this raises.
@@ -99,12 +116,17 @@ class WorkingSet:
                 :func:`~speedswap.convert.as_row_ids_deferred`): called with their
                 smallest and largest value, read with the count of new rows this
                 call reads anyway: on a GPU the call's one host wait.
+            count_also: for a caller that needs counts about the new rows
+                before it can use them (the device cache: how many it holds):
+                called with the ids sorted and a bool mask with one True per
+                new row, it returns a 1-D int64 tensor of counts, read in the
+                same transfer (:attr:`Added.counts`).
 
         Returns:
-            (local, first_new): ``local`` is an int64 tensor shaped like ``ids``
-            on :attr:`device` holding each id's slot; the rows that were not
-            held before occupy slots ``first_new..size-1`` (in :attr:`rows`),
-            and the caller must fill exactly those.
+            Added: ``local``, an int64 tensor shaped like ``ids`` on
+            :attr:`device` holding each id's slot; ``first_new``: the rows that
+            were not held before occupy slots ``first_new..size-1`` (in
+            :attr:`rows`), and the caller must fill exactly those; ``counts``.
 
         Raises:
             CapacityError: the step would touch more distinct rows than :attr:`capacity`.
@@ -113,7 +135,7 @@ class WorkingSet:
         shape, flat = ids.shape, ids.reshape(-1)
         held = self.size
         if not len(flat):
-            return torch.empty(shape, dtype=torch.int64, device=self.device), held
+            return Added(torch.empty(shape, dtype=torch.int64, device=self.device), held, None)
         # Sorted, not torch.unique: its distinct count would be a host wait of its own (on a
         # GPU), where the count of new rows is read below with the bounds anyway.
         ids_sorted, order, first = sort_marking_firsts(flat)
@@ -126,11 +148,16 @@ class WorkingSet:
         new_before = torch.cumsum(new, 0)
         # Sorted: the ids' bounds are its ends. Until they are checked the ids only meet
         # other ids here, never a row.
-        bounds = [ids_sorted[0], ids_sorted[-1]] if check_bounds is not None else []
-        # The call's one host synchronisation: how many rows are new (and the bounds).
-        n_new, *bounds = torch.stack([new_before[-1], *bounds]).tolist()
-        if bounds:
-            check_bounds(*bounds)
+        read = [new_before[-1:]]
+        if check_bounds is not None:
+            read += [ids_sorted[:1], ids_sorted[-1:]]
+        if count_also is not None:
+            read.append(count_also(ids_sorted, new))
+        # The call's one host synchronisation: how many rows are new, the bounds, the counts.
+        n_new, *values = torch.cat(read).tolist()
+        if check_bounds is not None:
+            check_bounds(*values[:2])
+            values = values[2:]
         if held + n_new > self.capacity:
             raise CapacityError(
                 f"this step touches {held + n_new} distinct rows but the working set "
@@ -153,4 +180,4 @@ class WorkingSet:
         else:
             self._rows = self._sorted = new_rows
             self._slot_of_sorted = torch.arange(n_new, device=self.device)
-        return local.view(shape), held
+        return Added(local.view(shape), held, values if count_also is not None else None)
