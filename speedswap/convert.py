@@ -7,6 +7,7 @@ appears in this module: the cuda backend converts torch tensors itself.
 
 import functools
 import warnings
+from typing import Callable
 
 import numpy as np
 import torch
@@ -14,7 +15,8 @@ import torch
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
 __all__ = ["int_option", "float_option", "check_rows", "as_host_array", "as_row_ids", "as_row_ids_deferred",
-           "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype", "numpy_dtype", "host_tensor"]
+           "bounds_check", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype", "numpy_dtype",
+           "host_tensor"]
 
 
 def int_option(value, name, *, minimum=1, hint=""):
@@ -392,7 +394,19 @@ def as_row_ids_deferred(ids, num_rows, device, *, to=None, what="ids"):
         check_id_range(flat, num_rows, what=what, unsigned=unsigned)
         return _moved(flat, target), shape, None
     flat, shape = as_id_tensor(ids, device, to=target, what=what)
-    return flat, shape, functools.partial(_check_bounds, num_rows=num_rows, what=what, unsigned=unsigned)
+    return flat, shape, bounds_check(num_rows, what=what, unsigned=unsigned)
+
+
+def bounds_check(num_rows: int, *, what: str = "ids", unsigned: bool = False) -> Callable[[int, int], None]:
+    """``check_bounds(lo, hi)`` for ids whose smallest and largest values a caller reads anyway.
+
+    Args:
+        num_rows, what, unsigned: as for :func:`check_id_range`.
+
+    Returns:
+        a function raising :class:`IdError` unless ``[lo, hi]`` lies in ``[0, num_rows)``.
+    """
+    return functools.partial(_check_bounds, num_rows=num_rows, what=what, unsigned=unsigned)
 
 
 def _check_bounds(lo, hi, num_rows, what, unsigned):

@@ -450,6 +450,24 @@ def test_prefetch_checks_ids_and_order(backend):
         ss.OffloadedEmbedding(10, 4, max_rows=8, backend=backend, cache_rows=-1)
 
 
+def test_a_prefetch_refused_for_its_ids_changes_nothing(backend, rng):
+    """The range of a prefetch's ids is checked in the read its counts need: no row is pinned before."""
+    emb, opt = _embedding(backend, cache_rows=10)
+    for _ in range(3):
+        _step(emb, opt, rng.integers(0, 30, 12))
+    cache = emb._cache
+    cached = cache.slot_row[cache.slot_row >= 0]
+    assert len(cached)
+    before = {name: getattr(cache, name).clone() for name in ("slot_row", "stamp", "dirty", "score")}
+    for bad in ([*cached.tolist(), 31, 100], [-1, *cached.tolist()]):
+        with pytest.raises(ss.IdError):
+            emb.prefetch(torch.tensor(bad, device=emb.weight.device))
+        for name, values in before.items():
+            assert torch.equal(getattr(cache, name), values), name
+    # The same ids in range: row 31 takes the slot of a cached row not among them.
+    assert emb.prefetch(torch.tensor([*cached[:5].tolist(), 31], device=emb.weight.device)) == 1
+
+
 # ------------------------------------------------------- whole-table access
 
 def test_eval_save_and_load_see_the_cache(backend, tmp_path, rng):

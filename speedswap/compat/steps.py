@@ -33,8 +33,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..convert import as_id_tensor, check_id_range
-from ..errors import OptionError, StateError
+from ..convert import as_id_tensor, bounds_check, check_id_range
+from ..errors import IdError, OptionError, StateError
 from ..train.caching import idle_stats, new_cache, rewriting
 from ..train.leftover import untouched
 from ..train.row_state import row_state_spec
@@ -239,13 +239,18 @@ class SharedSteps:
         converted = [as_id_tensor(i, self.param.device, what=n) for i, n in zip(ids, _NAMES)]
         return [flat for flat, _ in converted], [shape for _, shape in converted]
 
-    def _check_range(self, flats):
-        try:
-            check_id_range(torch.cat(flats) if len(flats) > 1 else flats[0], self.num_rows)
-        except IndexError:
-            for flat, name in zip(flats, _NAMES):  # only on failure: say which ids
-                check_id_range(flat, self.num_rows, what=name)
-            raise
+    def _bounds_check(self, flats):
+        """``check_bounds(lo, hi)`` of the concatenated ``flats``, for a read made anyway (one host wait, not two)."""
+        check = bounds_check(self.num_rows)
+
+        def named(lo, hi):
+            try:
+                check(lo, hi)
+            except IdError:
+                for flat, name in zip(flats, _NAMES):  # only on failure: say which ids
+                    check_id_range(flat, self.num_rows, what=name)
+                raise
+        return named
 
     # ---------------------------------------------------------------- steps
     def prepare(self, pos, neg, kind):
@@ -270,7 +275,6 @@ class SharedSteps:
             raise StateError(f"before_forward while the {missing} switcher of this embedding "
                              f"has not called after_step for the last step; finish the step on "
                              f"every switcher first")
-        self._check_range(flats)
         ws = self.working_set
         # The slots are about to hold other rows: a gradient still on them from the last
         # step must not be added to (zero_grad() drops it, or zeroes it in place: a new version).
@@ -278,8 +282,9 @@ class SharedSteps:
         self._leftover = None if grad is None else (grad, grad._version)
         ws.clear()
         cached = self.cache is not None and self.cache.num_slots
-        local, _, hits = ws.add(torch.cat(flats) if len(flats) > 1 else flats[0],
-                                count_also=self.cache.count_hits if cached else None)
+        # The ids' range is checked in the working set's read, before anything reaches a row.
+        local, _, hits = ws.add(torch.cat(flats) if len(flats) > 1 else flats[0], self._bounds_check(flats),
+                                self.cache.count_hits if cached else None)
         pieces = torch.split(local, [len(f) for f in flats])
         locals_ = tuple(p.view(s) for p, s in zip(pieces, shapes))
         return _Step(flats, shapes, locals_, ws.rows, self._leftover, hits)
@@ -422,15 +427,16 @@ class SharedSteps:
             IdError, DTypeError, DeviceError: bad ids (nothing changes).
         """
         flats, _ = self._as_tensors(pos, neg)
-        self._check_range(flats)
-        if self.cache is None:
-            return 0
         ids = torch.cat(flats) if len(flats) > 1 else flats[0]
+        if self.cache is None:
+            if len(ids):  # nothing to bring, but the caller still learns of bad ids
+                self._bounds_check(flats)(*torch.stack(torch.aminmax(ids)).tolist())
+            return 0
         # Rows of a step in progress are skipped (see RowCache.prefetch).
         in_step = (self.working_set.holds if self._open
                    else lambda rows: torch.zeros_like(rows, dtype=torch.bool))
         with torch.no_grad():
-            return self.cache.prefetch(ids, in_step)
+            return self.cache.prefetch(ids, in_step, self._bounds_check(flats))
 
     def flush(self) -> None:
         """Write cached rows and state back to the host tables (they stay cached)."""

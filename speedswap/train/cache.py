@@ -68,8 +68,9 @@ training forward (how many of its rows hit, :meth:`RowCache.count_hits`, is
 read with the working set's count of new rows and the ids' bounds, the one
 wait a forward makes without a cache), one per step (how many misses are
 admitted, and how many of their victims are dirty) and two per prefetch that
-brings rows (how many to bring; how many of their victims are dirty), beside
-its id check; no call sizes a ``torch.unique``. That is the CPU model's count; the GPU runs counted 2-4 a step, from four
+brings rows (how many to bring, read with the ids' bounds, their range check;
+how many of their victims are dirty); no call sizes a ``torch.unique``.
+That is the CPU model's count; the GPU runs counted 2-4 a step, from four
 calls the model did not know then (``torch.isin``, and Python scalars
 assigned through a tensor index: ``benchmarks/NOTES.md``, 35), since replaced.
 Every other size is known on the host and indexes with
@@ -500,7 +501,8 @@ class RowCache:
         self._begin_step()
 
     # ---------------------------------------------------------------- prefetch
-    def prefetch(self, ids: torch.Tensor, in_step: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    def prefetch(self, ids: torch.Tensor, in_step: Callable[[torch.Tensor], torch.Tensor],
+                 check_bounds: Optional[Callable[[int, int], None]] = None) -> int:
         """Bring the rows of ``ids`` that are neither cached nor in the working set into the cache.
 
         Rows brought or already cached are pinned until the end of the step
@@ -518,19 +520,35 @@ class RowCache:
             in_step: which of some ids the current working set holds, as
                 a bool mask (:meth:`WorkingSet.holds`); those rows are skipped (see
                 the module docs).
+            check_bounds: for ids not range-checked yet
+                (:func:`~speedswap.convert.as_row_ids_deferred`): called with
+                their smallest and largest value, read with this call's counts,
+                before anything changes.
 
         Returns:
             the number of rows brought from the host.
+
+        Raises:
+            IdError: from ``check_bounds``.
         """
         if not self.num_slots or not len(ids):
+            if check_bounds is not None and len(ids):
+                check_bounds(*torch.stack(torch.aminmax(ids)).tolist())
             return 0
         self._wait_prefetch()
         # Sorted with each distinct id marked, not torch.unique: no host wait for its count.
         ids_sorted, _, first = sort_marking_firsts(ids)
         found, slot = self._lookup(ids_sorted)
-        self.stamp.scatter_reduce_(0, slot, torch.where(found, self.clock + 1, -1), "amax")
+        # Out of place: until the ids' bounds are read and checked below, nothing changes.
+        stamp = self.stamp.scatter_reduce(0, slot, torch.where(found, self.clock + 1, -1), "amax")
         new = first & ~found & ~in_step(ids_sorted)  # not torch.isin, which makes a GPU's host wait
-        n_new, evictable = torch.stack([new.sum(), (self.stamp < self.clock).sum()]).tolist()
+        read = [new.sum(), (stamp < self.clock).sum()]
+        if check_bounds is not None:
+            read += [ids_sorted[0], ids_sorted[-1]]
+        n_new, evictable, *bounds = torch.stack(read).tolist()
+        if check_bounds is not None:
+            check_bounds(*bounds)
+        self.stamp = stamp
         bring = min(n_new, evictable - self._n_misses)
         if bring <= 0:
             return 0

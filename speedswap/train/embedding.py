@@ -693,9 +693,10 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._cache is None:
             raise StateError("call emb.attach(optimizer) before prefetch: the cache holds "
                              "optimizer state rows too")
-        flat, _ = as_row_ids(ids, self.num_embeddings, self.weight.device)
+        # The ids' range is checked by the cache, in a read it makes anyway.
+        flat, _, check_bounds = as_row_ids_deferred(ids, self.num_embeddings, self.weight.device)
         with torch.no_grad():
-            return self._cache.prefetch(flat, self._working_set.holds)
+            return self._cache.prefetch(flat, self._working_set.holds, check_bounds)
 
     def flush(self):
         """Write the cached rows and their optimizer state back to the host tables.
