@@ -162,11 +162,12 @@ def test_positions_are_the_true_entries_in_order(device, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("padding_idx", [None, 0])
 @pytest.mark.parametrize("cache_rows", [0, NUM_ROWS // 5])
-def test_the_cuda_step_synchronises_as_the_model_says(cache_rows, seed):
+def test_the_cuda_step_synchronises_as_the_model_says(cache_rows, padding_idx, seed):
     kernels_or_skip()  # staged transports read ids on the host: more synchronisations
-    modelled, _, _ = _phase_counts("numpy", cache_rows, HostSyncs, seed)
-    on_gpu, where, _ = _phase_counts("cuda", cache_rows, _TorchSyncWarnings, seed)
+    modelled, _, _ = _phase_counts("numpy", cache_rows, HostSyncs, seed, padding_idx)
+    on_gpu, where, _ = _phase_counts("cuda", cache_rows, _TorchSyncWarnings, seed, padding_idx)
     # On a mismatch, say which lines synchronised on the GPU, and how often, by phase.
     lines = collections.Counter(f"{phase}: {line}" for phase, found in where for line in found)
     assert on_gpu == modelled, f"the GPU synchronised at {dict(lines)}"
