@@ -211,7 +211,7 @@ class RowCache:
         """(found, slot) for ``rows`` (duplicates allowed): slot is meaningful where found."""
         keys = rows.to(self._key_dtype)
         pos = torch.searchsorted(self._sorted_rows, keys).clamp_(max=self.num_slots - 1)
-        return self._sorted_rows[pos] == keys, self._sorted_slots[pos]
+        return self._sorted_rows.index_select(0, pos) == keys, self._sorted_slots.index_select(0, pos)
 
     def _step_slots(self):
         """Each working-set row's slot (by working-set slot), -1 for the step's misses."""
@@ -280,13 +280,13 @@ class RowCache:
         free = min(len(slots), self._n_empty)
         self._n_empty -= free
         held = slots[free:]
-        changed = slots[positions(self.dirty[slots], n_changed)]
-        changed_rows = self.slot_row[changed]
-        self.slot_row[slots] = rows
+        changed = slots.index_select(0, positions(self.dirty.index_select(0, slots), n_changed))
+        changed_rows = self.slot_row.index_select(0, changed)
+        self.slot_row.scatter_(0, slots, rows)
         # index_fill_, not `[slots] =`: a Python scalar assigned through a tensor index
         # is copied to the GPU with a host wait.
         self.stamp.index_fill_(0, slots, stamp)
-        self.score[slots] = score
+        self.score.scatter_(0, slots, score)
         self.dirty.index_fill_(0, slots, dirty)
         self._reindex()
         self._count(evictions=len(held))
@@ -309,7 +309,7 @@ class RowCache:
         # Scores are >= +0.0 or +-inf, whose float32 bit patterns order as int32s do; on
         # the CPU topk over the integers takes about two thirds of the time.
         _, slots = torch.topk(score.view(torch.int32), count, largest=False, sorted=True)
-        return score[slots], slots
+        return score.index_select(0, slots), slots
 
     # ---------------------------------------------------------------- the step
     def count_hits(self, ids_sorted: torch.Tensor, new: torch.Tensor,
@@ -382,7 +382,7 @@ class RowCache:
             source = torch.where(found, slot, self.num_slots - 1 + torch.cumsum(missed, 0))
             if n_miss:
                 begin = self._scratch(n_miss)
-                self._gather_host(self.table, rows[positions(missed, n_miss)],
+                self._gather_host(self.table, rows.index_select(0, positions(missed, n_miss)),
                                   self.weights[begin:begin + n_miss])
             _take_rows(self.weights, source, out)
         self._n_hits += n_hit
@@ -404,7 +404,7 @@ class RowCache:
             missed = step_slot < 0
             source = torch.where(missed, self.num_slots - 1 + torch.cumsum(missed, 0), step_slot)
             n_miss = self._n_misses
-            missed_rows = rows[positions(missed, n_miss)]
+            missed_rows = rows.index_select(0, positions(missed, n_miss))
             begin = self._scratch(n_miss)
         for name, view in views.items():
             table = self.state_tables[name]
@@ -440,8 +440,8 @@ class RowCache:
         count = self._step_counts()
         if self._n_hits:
             hit_pos = positions(hit, self._n_hits)
-            hit_slot = target[hit_pos]
-            self.score[hit_slot] = count[hit_pos]
+            hit_slot = target.index_select(0, hit_pos)
+            self.score.scatter_(0, hit_slot, count.index_select(0, hit_pos))
             self.dirty.index_fill_(0, hit_slot, True)  # not `[hit_slot] = True`: see _take
         cached = 0
         if self._n_misses and states is not None:
@@ -451,28 +451,28 @@ class RowCache:
             candidates = min(self._n_misses, self.num_slots)
             victim_score, victims = self._victims(candidates)
             # Stable: tied misses go in working-set order on every device (CUDA's small sorts are not).
-            miss_score, ranked = torch.sort(count[miss_pos], descending=True, stable=True)
+            miss_score, ranked = torch.sort(count.index_select(0, miss_pos), descending=True, stable=True)
             admitted = miss_score[:candidates] > victim_score
             # The step's one host synchronisation: how many misses are admitted, and how
             # many of their victims must be written back.
             cached, n_changed = torch.stack(
-                [admitted.sum(), (admitted & self.dirty[victims]).sum()]).tolist()
+                [admitted.sum(), (admitted & self.dirty.index_select(0, victims)).sum()]).tolist()
         # The scratch the rows going back may need, allocated before any slot changes hands:
         # a failure (out of memory) must leave the bookkeeping describing the slots' rows.
         if cached or self._n_hits:
             self._scratch(self._n_misses - cached)
         if cached:
-            placed, victims = miss_pos[ranked[:cached]], victims[:cached]
-            self._write_back(*self._take(victims, rows[placed], self.clock, miss_score[:cached],
-                                         True, n_changed))
-            target[placed] = victims
+            placed, victims = miss_pos.index_select(0, ranked[:cached]), victims[:cached]
+            self._write_back(*self._take(victims, rows.index_select(0, placed), self.clock,
+                                         miss_score[:cached], True, n_changed))
+            target.scatter_(0, placed, victims)
         if cached + self._n_hits == 0:
             # Nothing cached this step: the rows go back as they are, without a copy.
             self._write_host(rows, weights, states)
         else:
             rest = positions(target < 0, self._n_misses - cached)
             begin = self._scratch(len(rest))
-            target[rest] = torch.arange(begin, begin + len(rest), device=self.device)
+            target.scatter_(0, rest, torch.arange(begin, begin + len(rest), device=self.device))
             # One assignment puts every row in its slot, and the rows going back in scratch
             # (contiguous, in slot order) for the host writes.
             _put_rows(self.weights, target, weights)
@@ -480,7 +480,7 @@ class RowCache:
                 _put_rows(self.states[name], target, values)
             if len(rest):
                 end = begin + len(rest)
-                self._write_host(rows[rest], self.weights[begin:end],
+                self._write_host(rows.index_select(0, rest), self.weights[begin:end],
                                  None if states is None else
                                  {name: self.states[name][begin:end] for name in states})
         self._finish_step()
@@ -553,11 +553,11 @@ class RowCache:
         if bring <= 0:
             return 0
         # Every missing row a slot can be found for, however rarely used (see the module docs).
-        rows, (_, victims) = ids_sorted[positions(new, n_new)[:bring]], self._victims(bring)
+        rows, (_, victims) = ids_sorted.index_select(0, positions(new, n_new)[:bring]), self._victims(bring)
         # Brought from the host, the rows are clean: evicting them again writes nothing.
         changed, changed_rows = self._take(victims, rows, self.clock + 1,
                                            self.sketch.estimate(rows), False,
-                                           int(self.dirty[victims].sum()))
+                                           int(self.dirty.index_select(0, victims).sum()))
         side = contextlib.nullcontext()
         if self._side is not None:
             # Copies wait for the current stream's earlier writes; the tensors

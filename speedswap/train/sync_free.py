@@ -30,6 +30,10 @@ def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     Returns:
         a ``(count,)`` int64 tensor on the mask's device.
     """
+    if mask.device.type == "cpu":
+        # Nothing waits on the CPU, and numpy is 4-12x faster than nonzero_static there
+        # (49,152 entries: 31 us against 387).
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
     if count == 0:  # and an empty mask, which crashes nonzero_static on CUDA before torch 2.9
         return torch.empty(0, dtype=torch.int64, device=mask.device)
     return torch.nonzero_static(mask, size=count).squeeze(1)
@@ -65,7 +69,7 @@ def sort_with_order(ids: torch.Tensor, *, merging: bool = False):
     """
     if ids.device.type == "cpu" and len(ids) > _TORCH_SORTS_FASTER_UP_TO:
         order = torch.from_numpy(np.argsort(ids.numpy(), kind="stable" if merging else None))
-        return ids[order], order
+        return ids.index_select(0, order), order
     return torch.sort(ids, stable=merging)
 
 

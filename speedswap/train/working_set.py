@@ -85,7 +85,7 @@ class WorkingSet:
         """(position in the sorted rows, found) of each id; the position is meaningful where found."""
         # The rows are kept sorted, so one binary search per id finds the held ones.
         pos = torch.searchsorted(self._sorted, ids).clamp_(max=self.size - 1)
-        return pos, self._sorted[pos] == ids
+        return pos, self._sorted.index_select(0, pos) == ids
 
     def start_with(self, rows: torch.Tensor):
         """Begin a step holding ``rows`` in slots ``0..len(rows)-1`` (the padding row), with no read.
@@ -166,16 +166,16 @@ class WorkingSet:
                 f"nn.Embedding, or a larger max_rows). Training forwards accumulate into one "
                 f"step until optimizer.step(), so several forwards before a step add up, and so "
                 f"do those of a step skipped before its backward (discard_step() drops them)")
-        new_rows = ids_sorted[positions(new, n_new)]
+        new_rows = ids_sorted.index_select(0, positions(new, n_new))
         slots = new_before.add_(held - 1)
         if held:
-            slots = torch.where(found, self._slot_of_sorted[pos], slots)
-        local = torch.empty_like(slots).index_copy_(0, order, slots)
+            slots = torch.where(found, self._slot_of_sorted.index_select(0, pos), slots)
+        local = torch.empty_like(slots).scatter_(0, order, slots)
         if held:
             # The held rows and the new ones, each sorted, merged: the new rows' slots follow.
             self._sorted, order = sort_with_order(torch.cat([self._sorted, new_rows]), merging=True)
             self._slot_of_sorted = torch.cat([self._slot_of_sorted, torch.arange(
-                held, held + n_new, device=self.device)])[order]
+                held, held + n_new, device=self.device)]).index_select(0, order)
             self._rows = torch.cat([self._rows, new_rows])
         else:
             self._rows = self._sorted = new_rows
