@@ -30,7 +30,7 @@ def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     Returns:
         a ``(count,)`` int64 tensor on the mask's device.
     """
-    if mask.device.type == "cpu":
+    if mask.is_cpu:
         # Nothing waits on the CPU, and numpy is 4-12x faster than nonzero_static there
         # (49,152 entries: 31 us against 387).
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
@@ -67,7 +67,7 @@ def sort_with_order(ids: torch.Tensor, *, merging: bool = False):
     to a slower algorithm, and torch is faster for a small one (4,096: 50 us
     against 94 with the indexing).
     """
-    if ids.device.type == "cpu" and len(ids) > _TORCH_SORTS_FASTER_UP_TO:
+    if ids.is_cpu and len(ids) > _TORCH_SORTS_FASTER_UP_TO:
         order = torch.from_numpy(np.argsort(ids.numpy(), kind="stable" if merging else None))
         return ids.index_select(0, order), order
     return torch.sort(ids, stable=merging)
