@@ -17,12 +17,13 @@ Cases (ids of a 1M-row table), each a step's adds into one working set per table
 * ``sorted distinct 49152``: one add of 49,152 sorted distinct ids.
 
 Usage:
-    python benchmarks/working_set.py [--repeats 200] [--threads 1]
+    python benchmarks/working_set.py [--repeats 200] [--threads 1] [--out DIR]
 
-Writes benchmarks/results/working_set-{cpu,gpu}.json.
+Writes working_set-{cpu,gpu}.json into benchmarks/results/ (or DIR).
 """
 
 import argparse
+from pathlib import Path
 
 import common
 import numpy as np
@@ -93,6 +94,7 @@ def main(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200, help="timed rounds per case")
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
+    parser.add_argument("--out", type=Path, default=common.RESULTS, help="where the JSON goes")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
@@ -123,10 +125,10 @@ def main(argv=None):
                          "now / before": timed["now"]["median_s"] / timed["before"]["median_s"],
                          "timings": timed})
     common.print_table(rows_out, ["case", "ids", "now ms", "before ms", "now / before"])
-    common.write_results("working_set", {"setup": {"repeats": args.repeats, "threads": args.threads,
-                                                   "device": str(device), "vocab": VOCAB},
-                                         "load_average_before": load, "load_average_after": load_average(),
-                                         "rows": rows_out})
+    path = common.write_json(args.out / f"working_set-{'gpu' if cuda else 'cpu'}.json", "working_set", {
+        "setup": {"repeats": args.repeats, "threads": args.threads, "device": str(device), "vocab": VOCAB},
+        "load_average_before": load, "load_average_after": load_average(), "rows": rows_out})
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":
