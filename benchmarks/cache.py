@@ -18,7 +18,7 @@ trades bytes for a step that finds every row it can in the cache.
 
 Usage:
     python benchmarks/cache.py [--steps 20] [--warmup 100] [--ids 1.1 uniform] [--caches 0.05]
-        [--threads 1] [--prefetch]
+        [--threads 1] [--prefetch] [--keep-freed-memory]
 
 Writes benchmarks/results/cache[-prefetch][-subset]-{cpu,gpu}.json and a PNG plot beside
 it ("-subset" when ``--ids`` or ``--caches`` leave part of the sweep out).
@@ -193,9 +193,13 @@ def main(argv=None):
                         help="torch's intra-op threads")
     parser.add_argument("--prefetch", action="store_true",
                         help="prefetch each next step's rows (results in cache-prefetch-*.json)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="ss.keep_freed_memory() first: otherwise glibc's page faults are part of "
+                             "every step's time (NOTES 31, 41)")
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
+    kept = args.keep_freed_memory and ss.keep_freed_memory()
     fractions = sorted({0.0, *args.caches})
     started = os.getloadavg()
     rows = []
@@ -215,7 +219,7 @@ def main(argv=None):
               f"{np.mean(r['loadavg_1min']):6.1f}")
     payload = {"policy": "frequency sketch with admission", "vocab": VOCAB, "dim": DIM, "pairs": PAIRS, "negatives": NEGS,
                "optimizer": "Adam", "backend": "numpy", "steps": args.steps, "prefetch": args.prefetch,
-               "threads": args.threads,
+               "threads": args.threads, "keep_freed_memory": kept,
                "warmup": args.warmup, "loadavg_start": started, "loadavg_end": os.getloadavg(),
                "cpu_count": os.cpu_count(), "rows": rows}
     # A subset of the sweep gets a name of its own: it must not replace the whole sweep's results.
