@@ -15,8 +15,8 @@ import torch
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
 __all__ = ["int_option", "float_option", "check_rows", "as_host_array", "as_row_ids", "as_row_ids_deferred",
-           "bounds_check", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype", "numpy_dtype",
-           "host_tensor"]
+           "bounds_check", "read_bounds", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
+           "numpy_dtype", "host_tensor"]
 
 
 def int_option(value, name, *, minimum=1, hint=""):
@@ -327,11 +327,14 @@ def check_id_range(flat, num_rows, *, what="ids", unsigned=False):
             stands for an id of ``2**63`` or more.
     """
     if flat.numel():
-        _check_bounds(*_read_bounds(flat), num_rows, what, unsigned)
+        _check_bounds(*read_bounds(flat), num_rows, what, unsigned)
 
 
-def _read_bounds(flat):
-    """The smallest and largest id of a non-empty ``flat``, both in one transfer."""
+def read_bounds(flat) -> list:
+    """The smallest and largest id of a non-empty ``flat``, both in one transfer (a host wait on a GPU).
+
+    For a ``check_bounds`` (:func:`bounds_check`) whose caller has no read to put them in.
+    """
     return torch.stack(torch.aminmax(flat)).tolist()
 
 
@@ -357,7 +360,7 @@ def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
     """
     flat, shape, check_bounds = as_row_ids_deferred(ids, num_rows, device, to=to, what=what)
     if check_bounds is not None and flat.numel():
-        check_bounds(*_read_bounds(flat))
+        check_bounds(*read_bounds(flat))
     return flat, shape
 
 

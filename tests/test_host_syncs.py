@@ -28,7 +28,7 @@ import torch
 import speedswap as ss
 from cuda_helpers import kernels_or_skip
 from host_syncs import HostSyncs
-from speedswap.convert import _read_bounds, check_id_range
+from speedswap.convert import read_bounds, check_id_range
 from speedswap.train.sync_free import positions
 from training_helpers import CAPACITY, DIM, NUM_ROWS, skipgram_loss, zipf_batches
 
@@ -147,7 +147,7 @@ def _counted(call):
 
 
 def _line_of_tolist():
-    source, first = inspect.getsourcelines(_read_bounds)
+    source, first = inspect.getsourcelines(read_bounds)
     return first + next(i for i, line in enumerate(source) if ".tolist()" in line)
 
 

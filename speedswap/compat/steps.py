@@ -33,7 +33,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..convert import as_id_tensor, bounds_check, check_id_range
+from ..convert import as_id_tensor, bounds_check, check_id_range, read_bounds
 from ..errors import IdError, OptionError, StateError
 from ..train.caching import idle_stats, new_cache, rewriting
 from ..train.leftover import untouched
@@ -430,7 +430,7 @@ class SharedSteps:
         ids = torch.cat(flats) if len(flats) > 1 else flats[0]
         if self.cache is None:
             if len(ids):  # nothing to bring, but the caller still learns of bad ids
-                self._bounds_check(flats)(*torch.stack(torch.aminmax(ids)).tolist())
+                self._bounds_check(flats)(*read_bounds(ids))
             return 0
         # Rows of a step in progress are skipped (see RowCache.prefetch).
         in_step = (self.working_set.holds if self._open

@@ -85,7 +85,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..backends.cpu import assign_rows, huge_page_array
-from ..convert import host_tensor, numpy_dtype
+from ..convert import host_tensor, numpy_dtype, read_bounds
 from ..errors import StateError
 from ..table import HostTable
 from .sketch import FrequencySketch
@@ -533,7 +533,7 @@ class RowCache:
         """
         if not self.num_slots or not len(ids):
             if check_bounds is not None and len(ids):
-                check_bounds(*torch.stack(torch.aminmax(ids)).tolist())
+                check_bounds(*read_bounds(ids))
             return 0
         self._wait_prefetch()
         # Sorted with each distinct id marked, not torch.unique: no host wait for its count.
