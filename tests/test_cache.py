@@ -365,6 +365,26 @@ def test_evicting_a_clean_row_writes_nothing(backend):
     np.testing.assert_array_equal(table[[hot1, hot2]], flushed[[hot1, hot2]])
 
 
+def test_a_prefetch_writes_back_the_clean_rows_it_evicts_unchanged(backend):
+    """A prefetch writes back every row it evicts without counting the dirty ones (a host wait):
+    after a flush that rewrites rows the host already holds, and the counters say so."""
+    emb, opt = _embedding(backend, cache_rows=2, opt=torch.optim.Adam)
+    hot1, hot2, new1, new2 = _distinct_rows(emb, 4)
+    for _ in range(4):
+        _step(emb, opt, [hot1, hot2])
+    emb.flush()
+    flushed = emb._table.to_numpy(copy=True)  # the host's copy; emb.table would empty the cache
+    state = {name: table.to_numpy(copy=True) for name, table in emb._state.tables.items()}
+    before = emb.stats()["total"]
+    assert emb.prefetch([new1, new2]) == 2  # both slots: the clean hot rows are evicted
+    after = emb.stats()["total"]
+    assert after["evictions"] - before["evictions"] == 2
+    assert after["rows_d2h"] - before["rows_d2h"] == 2
+    row_bytes = 4 * 4 * (1 + len(state))  # dim 4 float32: the row and Adam's two moments
+    assert after["bytes_d2h"] - before["bytes_d2h"] == 2 * row_bytes
+    np.testing.assert_array_equal(emb._table.to_numpy(), flushed)
+    for name, table in emb._state.tables.items():
+        np.testing.assert_array_equal(table.to_numpy(), state[name])
 def _many_flushes_and_prefetches(cache_rows, backend, seed):
     """Adam on Zipf ids with a prefetch every step, flushes, eval reads and a save/load."""
     gen = np.random.default_rng(seed)

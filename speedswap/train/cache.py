@@ -57,8 +57,14 @@ way and a miss at one more than without a cache (see ``benchmarks/README.md``).
 
 **Dirty rows.** A slot is *dirty* when its row or state may differ from the
 host's copy: after a step stored it there. Rows brought by a prefetch, and
-every row after :meth:`RowCache.flush`, are clean; evicting a clean row writes
-nothing back (the host holds the same values).
+every row after :meth:`RowCache.flush`, are clean; a step's misses evict a
+clean row without writing it back (the host holds the same values). A
+prefetch writes back every row it evicts, clean or not: counting the dirty
+ones would cost it a host wait, and between flushes nearly every evicted row
+is dirty (on the cache benchmark's Zipf-1.1 ids, prefetching every step, the
+bytes moved were the same to the byte: ``benchmarks/NOTES.md``, 42). The
+price is paid after a flush (a ``save``): each clean row a prefetch evicts is
+written back once more than needed.
 
 **Bookkeeping** is six ``(num_slots,)`` device tensors (row per slot, -1 when
 empty; the step each slot is pinned until; its row's count; its dirty flag;
@@ -67,9 +73,9 @@ sketch: it never grows with the vocabulary. Host synchronisations: none in a
 training forward (how many of its rows hit, :meth:`RowCache.count_hits`, is
 read with the working set's count of new rows and the ids' bounds, the one
 wait a forward makes without a cache), one per step (how many misses are
-admitted, and how many of their victims are dirty) and two per prefetch that
-brings rows (how many to bring, read with the ids' bounds, their range check;
-how many of their victims are dirty); no call sizes a ``torch.unique``.
+admitted, and how many of their victims are dirty) and one per prefetch (how
+many rows to bring, read with the ids' bounds, their range check); no call
+sizes a ``torch.unique``.
 That is the CPU model's count; the GPU runs counted 2-4 a step, from four
 calls the model did not know then (``torch.isin``, and Python scalars
 assigned through a tensor index: ``benchmarks/NOTES.md``, 35), since replaced.
@@ -270,17 +276,19 @@ class RowCache:
         """Give ``slots`` (cheapest first, free ones first) to ``rows``: the bookkeeping half.
 
         ``n_changed`` is how many of ``slots`` are dirty (free slots never
-        are), which the caller learnt in a host synchronisation it needed anyway.
+        are), which the caller learnt in a host synchronisation it needed
+        anyway; None to count every evicted row as changed.
 
         Returns:
-            (changed, changed_rows): the evicted slots that are dirty, and their
-            rows, which :meth:`_write_back` must write to the host before the
-            slots are refilled.
+            (changed, changed_rows): the evicted slots that are dirty (or all
+            of them), and their rows, which :meth:`_write_back` must write to
+            the host before the slots are refilled.
         """
         free = min(len(slots), self._n_empty)
         self._n_empty -= free
         held = slots[free:]
-        changed = slots.index_select(0, positions(self.dirty.index_select(0, slots), n_changed))
+        changed = held if n_changed is None else slots.index_select(
+            0, positions(self.dirty.index_select(0, slots), n_changed))
         changed_rows = self.slot_row.index_select(0, changed)
         self.slot_row.scatter_(0, slots, rows)
         # index_fill_, not `[slots] =`: a Python scalar assigned through a tensor index
@@ -554,10 +562,11 @@ class RowCache:
             return 0
         # Every missing row a slot can be found for, however rarely used (see the module docs).
         rows, (_, victims) = ids_sorted.index_select(0, positions(new, n_new)[:bring]), self._victims(bring)
-        # Brought from the host, the rows are clean: evicting them again writes nothing.
+        # Brought from the host, the rows are clean: evicting them again writes nothing. Every
+        # row they evict is written back, clean or not: counting the dirty ones would be a
+        # host wait, and between flushes nearly every cached row is dirty (a step stored it).
         changed, changed_rows = self._take(victims, rows, self.clock + 1,
-                                           self.sketch.estimate(rows), False,
-                                           int(self.dirty.index_select(0, victims).sum()))
+                                           self.sketch.estimate(rows), False, None)
         side = contextlib.nullcontext()
         if self._side is not None:
             # Copies wait for the current stream's earlier writes; the tensors
