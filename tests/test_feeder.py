@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap.data.orders import BlockOrder
+from speedswap.data.orders import BlockOrder, RandomOrder, make_order, shard
 
 ORDERS = ["random", "block", "sequential"]
 
@@ -528,3 +528,58 @@ def test_pinned_sources_go_through_the_zero_copy_kernel_not_staging(rng):
     for rows, ids in seen:
         np.testing.assert_array_equal(rows.cpu().numpy(), data[ids.cpu().numpy()])
     assert sorted(torch.cat([ids.cpu() for _, ids in seen]).tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_orders_drawn_ahead_are_each_epochs_own_order(order, world_size, rng):
+    """The next epoch's order is drawn on a thread while this one is read; whatever the loop does
+    meanwhile (leave early, jump with set_epoch, load a state), each epoch reads its own order."""
+    rows, batch, seed = 503, 40, int(rng.integers(1 << 30))
+
+    def make(rank=world_size - 1):
+        return ss.BatchFeeder(np.arange(rows), batch_size=batch, order=small_order(order), seed=seed,
+                              rank=rank, world_size=world_size, device="cpu")
+
+    feeder = make()
+    drawn = make_order(small_order(order), 8)
+
+    def expected(epoch, start=0, stop=None):
+        ids = shard(drawn.indices(rows, seed, epoch), world_size - 1, world_size, False,
+                    contiguous=hasattr(drawn, "windows") and world_size > 1)
+        return [ids[k * batch:(k + 1) * batch] for k in range(len(feeder))][start:stop]
+
+    def check(got, want):
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+
+    check(ids_of(feeder), expected(0))            # epoch 1 is drawn meanwhile
+    check(ids_of(feeder, batches=3), expected(1, 0, 3))
+    feeder.set_epoch(4)                           # not the epoch drawn ahead
+    check(ids_of(feeder), expected(4))
+    check(ids_of(feeder), expected(5))
+    state = make()
+    state.set_epoch(2)
+    ids_of(state, batches=2)
+    feeder.load_state_dict(state.state_dict())    # back to epoch 2, batch 2
+    check(ids_of(feeder), expected(2, 2))
+    check(ids_of(feeder, batches=1), expected(3, 0, 1))
+
+
+def test_an_order_that_raises_when_drawn_ahead_raises_in_the_loop_at_its_epoch():
+    class Failing(RandomOrder):
+        def indices(self, num_rows, seed, epoch):
+            if epoch == 1 and not getattr(self, "failed", False):
+                self.failed = True
+                raise RuntimeError("no order for epoch 1")
+            return super().indices(num_rows, seed, epoch)
+
+    feeder = ss.BatchFeeder(np.arange(100), batch_size=10, order=Failing(), seed=2, device="cpu")
+    reference = ss.BatchFeeder(np.arange(100), batch_size=10, seed=2, device="cpu")
+    first = ids_of(feeder)                        # epoch 0 reads; epoch 1's draw fails meanwhile
+    np.testing.assert_array_equal(np.concatenate(first), np.concatenate(ids_of(reference)))
+    with pytest.raises(RuntimeError, match="no order for epoch 1"):
+        ids_of(feeder)                            # raised here, on the loop's thread
+    assert feeder.state_dict()["epoch"] == 1      # nothing was read: the epoch starts again
+    np.testing.assert_array_equal(np.concatenate(ids_of(feeder)), np.concatenate(ids_of(reference)))

@@ -1,6 +1,9 @@
-"""Read-ahead for :class:`~speedswap.BatchFeeder`: a background reader thread and GPU staging.
+"""Read-ahead for :class:`~speedswap.BatchFeeder`: background threads and GPU staging.
 
-Two pieces, used together or alone:
+Three pieces, used together or alone:
+
+* :func:`in_background` computes one value on a thread of its own (the
+  next epoch's order, drawn while this epoch is read).
 
 * :class:`ReaderThread` runs the feeder's batch reads on a daemon thread,
   a fixed number of batches ahead, and hands them over through a bounded
@@ -17,6 +20,7 @@ Two pieces, used together or alone:
 """
 
 import atexit
+import concurrent.futures
 import queue
 import threading
 import weakref
@@ -25,7 +29,26 @@ import torch
 
 from ..errors import StateError
 
-__all__ = ["SyncReader", "ReaderThread", "CudaStager"]
+__all__ = ["in_background", "SyncReader", "ReaderThread", "CudaStager"]
+
+
+def in_background(fn, *args) -> concurrent.futures.Future:
+    """Start ``fn(*args)`` on a daemon thread of its own; its future holds the value or the exception.
+
+    ``future.result()`` waits for it and re-raises, on the caller's thread, what
+    ``fn`` raised. A daemon thread: an interpreter that exits meanwhile does not
+    wait for a value nobody will read.
+    """
+    future = concurrent.futures.Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by future.result() on the caller's thread
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="speedswap-in-background").start()
+    return future
 
 
 class SyncReader:
