@@ -199,6 +199,36 @@ def test_a_step_that_raised_and_was_retried_counts_its_rows_once_and_its_copies_
     assert emb.stats()["last_step"]["unique_rows"] == 3
 
 
+
+@pytest.mark.parametrize("call", ["table", "attach"])
+def test_after_a_step_that_raised_the_rows_in_flight_are_named_and_the_retry_trains_them(backend, call, rng):
+    """The optimizer raised inside the step: what is refused says the step's rows are in flight
+    (not that weight.data was replaced: the parameter was still narrowed to them), and the
+    retried step trains them as a step that never failed does."""
+    runs = []
+    for fail in (False, True):
+        emb, opt = _embedding(backend, cache_rows=8, opt=torch.optim.Adam)
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
+            np.random.default_rng(5).standard_normal((100, 4), dtype=np.float32))))
+        failing = []
+
+        def raise_once(*_):
+            if failing:
+                raise RuntimeError(failing.pop())
+        opt.register_step_pre_hook(raise_once)
+        for ids in ([1, 2, 3], [2, 3, 4], [5, 2, 9]):
+            emb(torch.tensor(ids, device=emb.weight.device)).pow(2).sum().backward()
+            if fail and ids[0] == 2:
+                failing.append("a hook that raised")
+                with pytest.raises(RuntimeError, match="a hook that raised"):
+                    opt.step()
+                with pytest.raises(ss.StateError, match="in flight|between a training forward"):
+                    emb.table if call == "table" else emb.attach(opt)
+            opt.step()
+            opt.zero_grad()
+        runs.append(emb.table.to_numpy(copy=True))
+    np.testing.assert_array_equal(runs[1], runs[0])
+
 def test_the_padding_row_is_not_counted_as_a_looked_up_row(backend):
     emb = ss.OffloadedEmbedding(100, 4, max_rows=32, storage="pageable", backend=backend,
                                 cache_rows=8, padding_idx=0)

@@ -515,7 +515,12 @@ class OffloadedEmbedding(torch.nn.Module):
                 "emb.weight in loops that initialise every parameter")
 
     def _step_in_flight(self) -> bool:
-        """Whether training forwards hold rows for a step still to come (a step zero_grad() dropped holds none)."""
+        """Whether training forwards hold rows for a step still to come (a step zero_grad() dropped holds none).
+
+        A step the optimizer raised inside is put back first: its rows are
+        still in flight, and the parameter is no longer narrowed to them.
+        """
+        self._abort_step()
         self._drop_zeroed_step()
         return bool(self._working_set.size)
 
@@ -792,7 +797,6 @@ class OffloadedEmbedding(torch.nn.Module):
             StateError: a closed embedding, or between a training forward and the step.
         """
         self._check_open()
-        self._abort_step()
         if self._step_in_flight():
             raise StateError(f"{what} between a training forward and optimizer.step() would be "
                              f"undone by the step; {what} between steps (or emb.discard_step() first)")
