@@ -122,7 +122,7 @@ def torch_dtype(dtype) -> torch.dtype:
     except TypeError as exc:
         raise DTypeError(f"{dtype!r} is not a dtype; use e.g. 'float32'") from exc
     if npd not in _NUMPY_TO_TORCH:
-        if not npd.isnative and npd.newbyteorder("=") in _NUMPY_TO_TORCH:
+        if not npd.isnative:
             # ">f4" is float32 stored byte-swapped: "not supported, use float32" would mislead.
             raise DTypeError(f"dtype {npd.str!r} is {npd.newbyteorder('=')} in the other byte order "
                              f"(e.g. read from a big-endian file), which torch cannot view; "
@@ -214,6 +214,7 @@ def as_host_array(data, what="the data") -> np.ndarray:
         ShapeError: see :func:`check_rows`.
     """
     if isinstance(data, torch.Tensor):
+        _check_strided(data, what)
         if data.device.type != "cpu":
             raise DeviceError(f"{what} is a tensor on {data.device}; host data is expected here. "
                               f"Pass data.cpu(), or give device tensors to BatchFeeder directly")
@@ -231,6 +232,17 @@ def as_host_array(data, what="the data") -> np.ndarray:
     check_rows(data.shape, what)
     torch_dtype(data.dtype)
     return data
+
+
+def _check_strided(tensor, what):
+    """Refuse a sparse (or other non-strided) tensor, whose values no row of memory holds.
+
+    Raises:
+        DTypeError: ``tensor`` is not an ordinary dense tensor.
+    """
+    if tensor.layout != torch.strided:
+        raise DTypeError(f"{what} must be a dense tensor, got a {str(tensor.layout).replace('torch.', '')} "
+                         f"one; convert it with .to_dense()")
 
 
 def _device_readable(tensor_device, backend_device):
@@ -267,6 +279,7 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
     device = torch.device(device)
     target = device if to is None else torch.device(to)
     if isinstance(ids, torch.Tensor):
+        _check_strided(ids, what)
         if not _device_readable(ids.device, device):
             raise DeviceError(f"{what} are on {ids.device} but this table lives on "
                               f"{device}; move them with .to({str(device)!r})")
