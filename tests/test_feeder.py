@@ -1,7 +1,9 @@
 """BatchFeeder: every row once per epoch, reproducible orders, exact resume, sharding."""
 
 import os
+import signal
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -542,7 +544,7 @@ def test_orders_drawn_ahead_are_each_epochs_own_order(order, world_size, rng):
                               rank=rank, world_size=world_size, device="cpu")
 
     feeder = make()
-    drawn = make_order(small_order(order), 8)
+    drawn = make_order(small_order(order), 8, rows)
 
     def expected(epoch, start=0, stop=None):
         ids = shard(drawn.indices(rows, seed, epoch), world_size - 1, world_size, False,
@@ -583,3 +585,52 @@ def test_an_order_that_raises_when_drawn_ahead_raises_in_the_loop_at_its_epoch()
         ids_of(feeder)                            # raised here, on the loop's thread
     assert feeder.state_dict()["epoch"] == 1      # nothing was read: the epoch starts again
     np.testing.assert_array_equal(np.concatenate(ids_of(feeder)), np.concatenate(ids_of(reference)))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_forked_while_the_next_order_is_drawn_draws_its_own():
+    """The thread drawing the next epoch's order does not exist in a forked child: waiting for it
+    would hang forever, so the child draws the order itself."""
+    drawing = threading.Event()
+
+    class Slow(RandomOrder):
+        def indices(self, num_rows, seed, epoch):
+            if epoch == 1 and threading.current_thread() is not threading.main_thread():
+                drawing.set()
+                time.sleep(2)  # the parent forks meanwhile
+            return super().indices(num_rows, seed, epoch)
+
+    feeder = ss.BatchFeeder(np.arange(50), batch_size=10, order=Slow(), seed=4, device="cpu")
+    expected = RandomOrder().indices(50, 4, 1)[:10]
+    loop = iter(feeder)
+    next(loop)  # epoch 0 begins: epoch 1 is drawn on a thread
+    assert drawing.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: rest of epoch 0, then epoch 1's first batch, within 5 s or killed
+        code = 1
+        try:
+            signal.alarm(5)
+            for _ in loop:
+                pass
+            code = 0 if np.array_equal(next(iter(feeder))[0].numpy(), expected) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    for _ in loop:
+        pass
+    np.testing.assert_array_equal(next(iter(feeder))[0].numpy(), expected)  # the parent's draw
+
+
+@pytest.mark.parametrize("order", ["block", BlockOrder(block_rows=2**62, window=4)])
+def test_a_block_is_never_larger_than_the_data(order):
+    """Ten one-byte rows once got blocks of 4 MiB of rows: 0.5 GiB and 2 s an epoch laid out."""
+    feeder = ss.BatchFeeder(np.arange(10, dtype=np.uint8), batch_size=5, order=order, seed=1, device="cpu")
+    assert feeder.order.block_rows == 10
+    epochs = [np.sort(np.concatenate(ids_of(feeder))) for _ in range(3)]
+    for rows in epochs:
+        np.testing.assert_array_equal(rows, np.arange(10))
+    small = ss.BatchFeeder(np.zeros((10_000, 9), dtype=np.uint8), batch_size=1000, order="block", device="cpu")
+    assert small.order.block_rows == 10_000  # 4 MiB of 9-byte rows is 466,033 rows
+    large = ss.BatchFeeder(np.zeros((5_000, 1024), dtype=np.uint8), batch_size=1000, order="block", device="cpu")
+    assert large.order.block_rows == 4096  # 4 MiB of 1 KiB rows: the data holds more

@@ -219,6 +219,9 @@ class BatchFeeder:
             ``"block"`` (quasi-random: shuffled contiguous blocks, rows
             shuffled within a window of blocks, for files larger than RAM),
             ``"sequential"``, or an order object from :mod:`speedswap.data.orders`.
+            A block is about 4 MiB of rows unless the order names its size,
+            and never more rows than the sources have (:attr:`order` is then
+            a copy with the block size used).
         drop_last: drop the last, incomplete batch (and, with several ranks,
             the rows that do not divide evenly between them).
         seed: seeds the order; the same seed gives the same stream.
@@ -330,7 +333,7 @@ class BatchFeeder:
                                   f"{self._device}; move it, or pass device={str(tensor.device)!r}")
         self._num_rows = len(self._columns[0])
         row_bytes = sum(t[0].numel() * t.element_size() for t in self._columns)
-        self._order = make_order(order, row_bytes)
+        self._order = make_order(order, row_bytes, self._num_rows)
         self._batch_size = int(batch_size)
         self._drop_last = drop_last
         self._seed = int(seed)
@@ -363,7 +366,8 @@ class BatchFeeder:
         self._lock = threading.Lock()  # the position and generation change together
         self._readers = ()  # the running loop's batch reader and file reader
         self._ids = (None, None, None)  # (epoch, CPU ids, device ids) of the epoch being read
-        self._next_ids = (None, None)  # (epoch, Future of its CPU ids): the next epoch's, drawn ahead
+        # (epoch, Future of its CPU ids, the drawing process): the next epoch's, drawn ahead.
+        self._next_ids = (None, None, None)
 
     # ------------------------------------------------------------ properties
     @property
@@ -471,9 +475,10 @@ class BatchFeeder:
 
     def _epoch_ids(self, epoch):
         if self._ids[0] != epoch:
-            drawn, future = self._next_ids
-            self._next_ids = (None, None)
-            ids = future.result() if drawn == epoch else self._host_ids(epoch)
+            drawn, future, pid = self._next_ids
+            self._next_ids = (None, None, None)
+            # A process forked during the draw has no thread to finish it: it draws its own.
+            ids = future.result() if drawn == epoch and pid == os.getpid() else self._host_ids(epoch)
             on_device = (ids.to(self._device)
                          if self._kernel_tables or any(t.device.type == "cuda" for t in self._columns)
                          else None)
@@ -525,13 +530,13 @@ class BatchFeeder:
         count = len(self)
         epoch, start = self._epoch, self._batch
         ids, device_ids = self._epoch_ids(epoch)
-        if self._next_ids[0] != epoch + 1:
-            # Drawn on a thread while this epoch is read: a permutation of a million rows takes
-            # 12 ms of the CPU (15% of a 1M x 64 float32 epoch), and numpy's shuffle releases the GIL.
-            self._next_ids = (epoch + 1, in_background(self._host_ids, epoch + 1))
         size = self._batch_size
 
         files = self._file_reader(ids, epoch) if self._files else None
+        if self._next_ids[0] != epoch + 1:
+            # Drawn on a thread while this epoch is read: a permutation of a million rows takes
+            # 12 ms of the CPU (15% of a 1M x 64 float32 epoch), and numpy's shuffle releases the GIL.
+            self._next_ids = (epoch + 1, in_background(self._host_ids, epoch + 1), os.getpid())
 
         def read(k):
             lo, hi = k * size, min((k + 1) * size, len(ids))

@@ -167,9 +167,10 @@ class BlockOrder(Order):
     def _layout(self, num_rows, seed, epoch):
         # The feeder asks for an epoch's indices and then its windows: compute them once.
         key = (num_rows, seed, epoch, self.block_rows, self.window)
-        if self._last[0] != key:
-            self._last = (key, self._compute_layout(num_rows, seed, epoch))
-        return self._last[1]
+        last = self._last  # read once: the feeder draws the next epoch's on another thread
+        if last[0] != key:
+            last = self._last = (key, self._compute_layout(num_rows, seed, epoch))
+        return last[1]
 
     def _compute_layout(self, num_rows, seed, epoch):
         size, window = _chosen(self), self.window
@@ -194,7 +195,7 @@ class BlockOrder(Order):
 ORDERS = {"random": RandomOrder, "block": BlockOrder, "sequential": SequentialOrder}
 
 
-def make_order(order, row_bytes):
+def make_order(order, row_bytes, num_rows):
     """The order object for a feeder's ``order`` argument.
 
     Args:
@@ -202,6 +203,9 @@ def make_order(order, row_bytes):
             (:class:`RandomOrder`, :class:`BlockOrder`, :class:`SequentialOrder`).
         row_bytes: bytes of one row across all sources; sets the block size
             of a :class:`BlockOrder` that has none (about 4 MiB per block).
+        num_rows: rows in the dataset: no block is larger (a block order
+            lays out and shuffles whole windows of blocks, so ten rows of one
+            byte in a block of 4 MiB of rows cost 0.5 GiB and 2 s an epoch).
 
     Returns:
         An order object with an ``indices(num_rows, seed, epoch)`` method.
@@ -217,8 +221,11 @@ def make_order(order, row_bytes):
     if not isinstance(order, tuple(ORDERS.values())):
         raise OptionError(f"order must be one of {sorted(ORDERS)} or an order object, "
                           f"got {type(order).__name__}")
-    if isinstance(order, (BlockOrder, SequentialOrder)) and order.block_rows is None:
-        order = type(order)(max(1, BLOCK_BYTES // max(1, int(row_bytes))), order.window)
+    if isinstance(order, (BlockOrder, SequentialOrder)):
+        chosen = order.block_rows or max(1, BLOCK_BYTES // max(1, int(row_bytes)))
+        capped = min(chosen, max(1, int(num_rows)))
+        if capped != order.block_rows:
+            order = type(order)(capped, order.window)
     return order
 
 
