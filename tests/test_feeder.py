@@ -383,6 +383,7 @@ def test_a_reader_error_reaches_the_loop_and_never_hangs(tmp_path, monkeypatch, 
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, backend="tpu"), ss.OptionError, "unknown backend"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, backend="numpy", device="cuda"), ss.OptionError,
      "backend='numpy' runs on the CPU"),
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, drop_behind=1), ss.OptionError, "drop_behind"),
 ])
 def test_bad_arguments_fail_at_construction(make, error, match):
     with pytest.raises(error, match=match):

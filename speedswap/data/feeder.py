@@ -299,7 +299,7 @@ class BatchFeeder:
         seed = int_option(seed, "seed", minimum=0)
         if transform is not None and not callable(transform):
             raise OptionError(f"transform must be callable, got {type(transform).__name__}")
-        if drop_behind not in (None, True, False):
+        if drop_behind is not None and not isinstance(drop_behind, bool):  # 1 == True, but no bool
             raise OptionError(f"drop_behind must be True, False or None (decide by size), got {drop_behind!r}")
         if not isinstance(drop_last, bool):  # bool("no") is True: a string must not pass for one
             raise OptionError(f"drop_last must be True (drop the last, incomplete batch) or False, "
@@ -311,7 +311,8 @@ class BatchFeeder:
         items = named_sources.items() if named_sources else enumerate(sources)
         described = [(f"source {key!r}", source) for key, source in items]
         signed = [_as_signed(source) for _, source in described]
-        self._widen = tuple(widen for _, widen in signed)
+        widen = tuple(widen for _, widen in signed)
+        self._widen = widen if any(widen) else None  # read per batch: None when nothing widens
         columns = [_as_tensor(source, what) for (what, _), (source, _) in zip(described, signed)]
         self._columns = tuple(tensor for tensor, _ in columns)
         tables = [_table_of(source) for _, source in described]
@@ -539,13 +540,16 @@ class BatchFeeder:
             self._next_ids = (epoch + 1, in_background(self._host_ids, epoch + 1), os.getpid())
 
         def read(k):
-            lo, hi = k * size, min((k + 1) * size, len(ids))
+            lo = k * size
+            rows = ids[lo:lo + size]  # the last batch's slice stops at the epoch's end
             # File sources come already gathered, in batch order.
-            parts = {} if files is None else dict(zip(self._files, files.read(lo, hi)))
+            parts = {} if files is None else dict(zip(self._files, files.read(lo, lo + len(rows))))
             if self._stager is not None:
-                return self._stager.launch(self._columns, ids[lo:hi],
-                                           None if device_ids is None else device_ids[lo:hi], parts)
-            return tuple(parts[j] if j in parts else torch.index_select(column, 0, ids[lo:hi])
+                return self._stager.launch(self._columns, rows,
+                                           None if device_ids is None else device_ids[lo:lo + size], parts)
+            if not parts:  # in-RAM sources: the common case, and a batch costs microseconds
+                return tuple(torch.index_select(column, 0, rows) for column in self._columns), None
+            return tuple(parts[j] if j in parts else torch.index_select(column, 0, rows)
                          for j, column in enumerate(self._columns)), None
 
         threaded = self._prefetch > 0 and (self._stager is not None or files is not None)
@@ -587,7 +591,7 @@ class BatchFeeder:
     def _finish(self, tensors, done):
         if done is not None:
             tensors = self._stager.deliver(tensors, done)
-        if any(self._widen):
+        if self._widen is not None:
             tensors = tuple(_widened(t, widen) for t, widen in zip(tensors, self._widen))
         batch = dict(zip(self._names, tensors)) if self._names is not None else tensors
         return batch if self._transform is None else self._transform(batch)
