@@ -533,6 +533,30 @@ def test_pinned_sources_go_through_the_zero_copy_kernel_not_staging(rng):
     assert sorted(torch.cat([ids.cpu() for _, ids in seen]).tolist()) == list(range(n))
 
 
+@pytest.mark.gpu
+def test_sources_the_gpu_gathers_itself_are_read_without_a_thread(rng):
+    """Pinned tables and device tensors cost a batch only kernel launches: no reader thread."""
+    n = 3000
+    data = random_data(rng, (n, 5))
+    gadgets = [ss.DataGadget(data, CPUPinn=True, backend="cuda"),
+               ss.DataGadget(np.arange(n), CPUPinn=True, backend="cuda")]
+    if not gadgets[0].table.moves_on_device:
+        pytest.skip("no zero-copy kernels here (CuPy missing): pinned rows are staged")
+    on_device = torch.from_numpy(-data).cuda()
+    feeder = ss.BatchFeeder(*gadgets, on_device, batch_size=256, seed=9, device="cuda", prefetch=2)
+    assert not feeder._stager.gathers_on_cpu
+    seen = []
+    for rows, ids, negated in feeder:
+        assert reader_threads() == []
+        seen.append((rows, ids, negated))
+    torch.cuda.synchronize()
+    for rows, ids, negated in seen:
+        expected = data[ids.cpu().numpy()]
+        np.testing.assert_array_equal(rows.cpu().numpy(), expected)
+        np.testing.assert_array_equal(negated.cpu().numpy(), -expected)
+    assert sorted(torch.cat([ids.cpu() for _, ids, _ in seen]).tolist()) == list(range(n))
+
+
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_orders_drawn_ahead_are_each_epochs_own_order(order, world_size, rng):

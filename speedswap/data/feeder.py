@@ -188,7 +188,10 @@ class BatchFeeder:
     **Read-ahead.** On a GPU, rows are gathered into a ring of ``prefetch + 2``
     page-locked staging slots per source by a background thread and copied on
     a side CUDA stream, so batch ``i + 1`` is read and copied while batch ``i``
-    trains. On the CPU a background thread reads ``prefetch`` batches ahead
+    trains. Sources the GPU gathers itself (pinned tables the zero-copy
+    kernel reads, device tensors) need no thread: when the loop asks for a
+    batch, its kernels are queued on the side stream, and your stream waits
+    for them on an event. On the CPU a background thread reads ``prefetch`` batches ahead
     when a source is a memory-mapped file; in-RAM sources are gathered on the
     spot, which is faster than any hand-off. On every device the next epoch's
     order is drawn on a thread while this epoch is read (it is a pure function
@@ -552,7 +555,11 @@ class BatchFeeder:
             return tuple(parts[j] if j in parts else torch.index_select(column, 0, rows)
                          for j, column in enumerate(self._columns)), None
 
-        threaded = self._prefetch > 0 and (self._stager is not None or files is not None)
+        # A thread only for work that leaves the GIL: file reads and CPU gathers into staging.
+        # Batches the GPU gathers itself cost their loop a few kernel launches, which a thread
+        # would run under the same GIL and hand over through a queue (NOTES 46: 35-45 us a batch).
+        threaded = self._prefetch > 0 and (files is not None or (self._stager is not None
+                                                                 and self._stager.gathers_on_cpu))
         if self._stager is not None:
             self._stager.follow()
         try:

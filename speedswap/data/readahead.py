@@ -177,6 +177,11 @@ class CudaStager:
         self._rings = [StagingRing(device, slots) for _ in range(host_columns)]
         self._kernel_tables = dict(kernel_tables or {})
 
+    @property
+    def gathers_on_cpu(self) -> bool:
+        """Whether some source's rows are gathered by the CPU into staging (work that leaves the GIL)."""
+        return bool(self._rings)
+
     def follow(self):
         """Order every later batch after the work queued so far on the caller's current stream.
 
