@@ -659,3 +659,25 @@ def test_a_block_is_never_larger_than_the_data(order):
     assert small.order.block_rows == 10_000  # 4 MiB of 9-byte rows is 466,033 rows
     large = ss.BatchFeeder(np.zeros((5_000, 1024), dtype=np.uint8), batch_size=1000, order="block", device="cpu")
     assert large.order.block_rows == 4096  # 4 MiB of 1 KiB rows: the data holds more
+
+
+def test_launch_ahead_reads_depth_batches_ahead_in_order_and_raises_at_the_failing_batch():
+    """The GPU's reader for batches it gathers itself, on the loop's thread (see NOTES 46)."""
+    from speedswap.data.readahead import LaunchAhead
+    calls = []
+
+    def read(k):
+        calls.append(k)
+        if k == 6:
+            raise RuntimeError("batch 6 failed")
+        return k * 10
+
+    reader = LaunchAhead(read, 2, 9, depth=3)
+    assert reader.next() == 20 and calls == [2, 3, 4, 5]  # batch 2 handed out, 3 read ahead
+    assert reader.next() == 30 and calls == [2, 3, 4, 5, 6]  # batch 6 failed: nothing after it
+    assert reader.next() == 40 and reader.next() == 50 and calls == [2, 3, 4, 5, 6]
+    with pytest.raises(RuntimeError, match="batch 6 failed"):
+        reader.next()
+    reader = LaunchAhead(read, 7, 9, depth=3)
+    assert [reader.next(), reader.next()] == [70, 80] and calls[-2:] == [7, 8]  # never past the stop
+    reader.close()

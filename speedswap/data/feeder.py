@@ -25,7 +25,7 @@ from ..table import HostTable
 from .filesource import FileRows, RowReader, WindowReader
 from .gadget import DataGadget
 from .orders import make_order, shard
-from .readahead import CudaStager, ReaderThread, SyncReader, in_background
+from .readahead import CudaStager, LaunchAhead, ReaderThread, SyncReader, in_background
 
 __all__ = ["BatchFeeder"]
 
@@ -189,9 +189,9 @@ class BatchFeeder:
     page-locked staging slots per source by a background thread and copied on
     a side CUDA stream, so batch ``i + 1`` is read and copied while batch ``i``
     trains. Sources the GPU gathers itself (pinned tables the zero-copy
-    kernel reads, device tensors) need no thread: when the loop asks for a
-    batch, its kernels are queued on the side stream, and your stream waits
-    for them on an event. On the CPU a background thread reads ``prefetch`` batches ahead
+    kernel reads, device tensors) need no thread: when the loop takes a
+    batch, the kernels of the next ``prefetch`` are queued on the side
+    stream first, and your stream waits for a batch's on an event. On the CPU a background thread reads ``prefetch`` batches ahead
     when a source is a memory-mapped file; in-RAM sources are gathered on the
     spot, which is faster than any hand-off. On every device the next epoch's
     order is drawn on a thread while this epoch is read (it is a pure function
@@ -557,13 +557,17 @@ class BatchFeeder:
 
         # A thread only for work that leaves the GIL: file reads and CPU gathers into staging.
         # Batches the GPU gathers itself cost their loop a few kernel launches, which a thread
-        # would run under the same GIL and hand over through a queue (NOTES 46: 35-45 us a batch).
+        # would run under the same GIL and hand over through a queue (NOTES 46: 35-45 us a
+        # batch): they are launched ahead on the loop's own thread instead.
         threaded = self._prefetch > 0 and (files is not None or (self._stager is not None
                                                                  and self._stager.gathers_on_cpu))
+        launched = self._prefetch > 0 and self._stager is not None and not threaded
         if self._stager is not None:
             self._stager.follow()
         try:
-            reader = ReaderThread(read, start, count, self._prefetch) if threaded else SyncReader(read, start)
+            reader = (ReaderThread(read, start, count, self._prefetch) if threaded
+                      else LaunchAhead(read, start, count, self._prefetch) if launched
+                      else SyncReader(read, start))
         except BaseException:
             if files is not None:  # no thread to read for it: close its files now
                 files.close()

@@ -1,9 +1,13 @@
 """Read-ahead for :class:`~speedswap.BatchFeeder`: background threads and GPU staging.
 
-Three pieces, used together or alone:
+Four pieces, used together or alone:
 
 * :func:`in_background` computes one value on a thread of its own (the
   next epoch's order, drawn while this epoch is read).
+* :class:`LaunchAhead` reads batches a fixed number ahead on the loop's own
+  thread, for reads that only queue work on a GPU (kernel launches): the
+  device starts their copies early, and no second thread contends for the
+  GIL or hands batches over through a queue.
 
 * :class:`ReaderThread` runs the feeder's batch reads on a daemon thread,
   a fixed number of batches ahead, and hands them over through a bounded
@@ -20,6 +24,7 @@ Three pieces, used together or alone:
 """
 
 import atexit
+import collections
 import concurrent.futures
 import queue
 import threading
@@ -29,7 +34,7 @@ import torch
 
 from ..errors import StateError
 
-__all__ = ["in_background", "SyncReader", "ReaderThread", "CudaStager"]
+__all__ = ["in_background", "SyncReader", "LaunchAhead", "ReaderThread", "CudaStager"]
 
 
 def in_background(fn, *args) -> concurrent.futures.Future:
@@ -71,6 +76,55 @@ class SyncReader:
 
     def close(self):
         """Nothing runs in the background; present so readers are interchangeable."""
+
+
+class LaunchAhead:
+    """Reads batches ``start .. stop - 1`` on the calling thread, ``depth`` ahead of the one handed out.
+
+    Each :meth:`next` reads the batches after the one it returns until
+    ``depth`` are read ahead, before returning it: for reads that queue
+    asynchronous work (a batch's kernels on a side stream), their copies are
+    queued before the loop's work on the batch it gets, whether or not the
+    loop then waits for the device. An exception raised reading a batch
+    ahead is raised when that batch is asked for; nothing after it is read.
+
+    Args:
+        read: ``read(k)`` returns batch ``k``.
+        start, stop: the batches to read, in order.
+        depth: how many batches to keep read ahead.
+    """
+
+    def __init__(self, read, start, stop, depth):
+        self._read, self._next, self._stop, self._depth = read, start, stop, depth
+        self._ahead = collections.deque()  # (ok, batch or exception), in order
+        self._failed = False
+
+    def _read_one(self):
+        try:
+            self._ahead.append((True, self._read(self._next)))
+        except Exception as exc:  # noqa: BLE001 - raised when its batch is asked for
+            self._ahead.append((False, exc))
+            self._failed = True
+        self._next += 1
+
+    def next(self):
+        """The next batch, after reading ahead; re-raises what reading it raised.
+
+        Raises:
+            Exception: whatever reading the batch raised.
+        """
+        if not self._ahead:
+            self._read_one()
+        ok, value = self._ahead.popleft()
+        while not self._failed and len(self._ahead) < self._depth and self._next < self._stop:
+            self._read_one()
+        if not ok:
+            raise value
+        return value
+
+    def close(self):
+        """Drop the batches read ahead (their copies finish on their own)."""
+        self._ahead.clear()
 
 
 _RUNNING = weakref.WeakSet()
