@@ -681,3 +681,39 @@ def test_launch_ahead_reads_depth_batches_ahead_in_order_and_raises_at_the_faili
     reader = LaunchAhead(read, 7, 9, depth=3)
     assert [reader.next(), reader.next()] == [70, 80] and calls[-2:] == [7, 8]  # never past the stop
     reader.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_loop_continued_in_a_forked_process_raises_and_a_new_loop_reads_on(tmp_path, rng):
+    """A memory-mapped source is read ahead on a thread, which a forked child does not have: its
+    loop says so instead of waiting forever, and a new loop in the child reads the stream on."""
+    np.save(tmp_path / "x.npy", np.arange(2000))
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    feeder = ss.BatchFeeder(mapped, batch_size=100, seed=3, device="cpu", prefetch=2)
+    expected = ids_of(ss.BatchFeeder(np.arange(2000), batch_size=100, seed=3, device="cpu"))
+    loop = iter(feeder)
+    first = next(loop)[0].numpy().copy()
+    pid = os.fork()
+    if pid == 0:  # the child: within 10 s or killed
+        code = 1
+        try:
+            signal.alarm(10)
+            try:
+                for _ in loop:
+                    pass
+                code = 2
+            except ss.StateError as exc:
+                code = 0 if "forked" in str(exc) else 3
+            if code == 0:
+                rest = [b[0].numpy() for b in feeder]  # a new loop: the batches not yet handed out
+                code = 0 if all(np.array_equal(a, b) for a, b in zip(rest, expected[1:])) \
+                    and len(rest) == len(expected) - 1 else 4
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    np.testing.assert_array_equal(first, expected[0])
+    rest = [b[0].numpy() for b in loop]
+    assert len(rest) == len(expected) - 1
+    for a, b in zip(rest, expected[1:]):
+        np.testing.assert_array_equal(a, b)

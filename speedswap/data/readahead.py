@@ -193,6 +193,10 @@ class ReaderThread:
                     raise StateError("this loop's read-ahead was stopped by another thread (set_epoch, "
                                      "load_state_dict or a new loop over the feeder); iterate the "
                                      "feeder anew, from one thread at a time") from None
+                # A process forked mid-loop has the queue but not the thread that fills it.
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise StateError("this loop's read-ahead thread is gone (the process was forked "
+                                     "during the loop?); iterate the feeder anew in this process") from None
         if ok:
             return value
         self.close()
