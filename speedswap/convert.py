@@ -399,10 +399,7 @@ def as_row_ids_deferred(ids, num_rows, device, *, to=None, what="ids"):
     """
     device = torch.device(device)
     target = device if to is None else torch.device(to)
-    # uint64 ids of 2**63 and more become negative int64s: the range check names them as given.
-    dtype = getattr(ids, "dtype", None)
-    unsigned = (dtype is _TORCH_UINT64 if isinstance(ids, torch.Tensor)
-                else isinstance(dtype, np.dtype) and dtype == np.uint64)
+    unsigned = is_uint64(ids)
     if not (isinstance(ids, torch.Tensor) and ids.device.type != "cpu") and target.type != "cpu":
         # Host ids are checked on the host, then cross without a wait (see
         # _moved): no device synchronisation at all.
@@ -411,6 +408,15 @@ def as_row_ids_deferred(ids, num_rows, device, *, to=None, what="ids"):
         return _moved(flat, target), shape, None
     flat, shape = as_id_tensor(ids, device, to=target, what=what)
     return flat, shape, bounds_check(num_rows, what=what, unsigned=unsigned)
+
+
+def is_uint64(ids) -> bool:
+    """Whether ``ids`` are uint64 (a numpy array or torch tensor), whose values of 2**63 and more
+    become negative int64s: a range check names them as given (``unsigned=``)."""
+    dtype = getattr(ids, "dtype", None)
+    if isinstance(ids, torch.Tensor):
+        return dtype is _TORCH_UINT64
+    return isinstance(dtype, np.dtype) and dtype == np.uint64
 
 
 def bounds_check(num_rows: int, *, what: str = "ids", unsigned: bool = False) -> Callable[[int, int], None]:

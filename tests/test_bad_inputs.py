@@ -304,6 +304,10 @@ CASES = [
     # ModelFactory / OptimizerFactory
     ("switchers", lambda o, d: o[0].before_forward(t([1, ROWS])), ss.IdError, "out of range"),
     ("switchers", lambda o, d: o[1].before_forward(t([-2])), ss.IdError, "negative"),
+    ("switchers", lambda o, d: o[0].before_forward(np.array([2**63 + 5], dtype=np.uint64)), ss.IdError,
+     "contain 9223372036854775813, out of range"),
+    ("switchers", lambda o, d: o[0].prefetch(np.array([1, 2**64 - 1], dtype=np.uint64)), ss.IdError,
+     "contain 18446744073709551615"),
     ("switchers", lambda o, d: o[0].after_step(t([1])), ss.StateError, "before_forward"),
     ("switchers", lambda o, d: o[0].uniformDistributionInit(1, 0), ss.OptionError, "low <= high"),
     ("switchers", lambda o, d: o[0].normalDistributionInit(0, float("nan")), ss.OptionError,

@@ -33,7 +33,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..convert import as_id_tensor, bounds_check, check_id_range, read_bounds
+from ..convert import as_id_tensor, bounds_check, check_id_range, is_uint64, read_bounds
 from ..errors import IdError, OptionError, StateError
 from ..train.caching import idle_stats, new_cache, rewriting
 from ..train.leftover import untouched
@@ -235,20 +235,22 @@ class SharedSteps:
 
     # ---------------------------------------------------------------- ids
     def _as_tensors(self, pos, neg):
+        """``(flats, shapes, unsigned)`` of the given ids: flat int64 tensors, shapes, and which were uint64."""
         ids = (pos,) if neg is None else (pos, neg)
         converted = [as_id_tensor(i, self.param.device, what=n) for i, n in zip(ids, _NAMES)]
-        return [flat for flat, _ in converted], [shape for _, shape in converted]
+        return ([flat for flat, _ in converted], [shape for _, shape in converted],
+                [is_uint64(i) for i in ids])
 
-    def _bounds_check(self, flats):
+    def _bounds_check(self, flats, unsigned):
         """``check_bounds(lo, hi)`` of the concatenated ``flats``, for a read made anyway (one host wait, not two)."""
-        check = bounds_check(self.num_rows)
+        check = bounds_check(self.num_rows, unsigned=all(unsigned))
 
         def named(lo, hi):
             try:
                 check(lo, hi)
             except IdError:
-                for flat, name in zip(flats, _NAMES):  # only on failure: say which ids
-                    check_id_range(flat, self.num_rows, what=name)
+                for flat, name, uint64 in zip(flats, _NAMES, unsigned):  # only on failure: say which ids
+                    check_id_range(flat, self.num_rows, what=name, unsigned=uint64)
                 raise
         return named
 
@@ -266,7 +268,7 @@ class SharedSteps:
                 ids, or it ended its part already).
         """
         self._undo_interrupted_step()
-        flats, shapes = self._as_tensors(pos, neg)
+        flats, shapes, unsigned = self._as_tensors(pos, neg)
         if self.busy():
             step = self.current
             if step.same_ids(flats) and kind not in step.ended:
@@ -283,8 +285,8 @@ class SharedSteps:
         ws.clear()
         cached = self.cache is not None and self.cache.num_slots
         # The ids' range is checked in the working set's read, before anything reaches a row.
-        local, _, hits = ws.add(torch.cat(flats) if len(flats) > 1 else flats[0], self._bounds_check(flats),
-                                self.cache.count_hits if cached else None)
+        local, _, hits = ws.add(torch.cat(flats) if len(flats) > 1 else flats[0],
+                                self._bounds_check(flats, unsigned), self.cache.count_hits if cached else None)
         pieces = torch.split(local, [len(f) for f in flats])
         locals_ = tuple(p.view(s) for p, s in zip(pieces, shapes))
         return _Step(flats, shapes, locals_, ws.rows, self._leftover, hits)
@@ -323,7 +325,7 @@ class SharedSteps:
             StateError: no step begun yet, or other ids (nothing is written back).
         """
         self._undo_interrupted_step()
-        flats, _ = self._as_tensors(pos, neg)
+        flats, _, _ = self._as_tensors(pos, neg)
         if self.current is None:
             raise StateError(f"{who}.after_step before any before_forward: a step begins with "
                              f"before_forward(ids), then the forward, backward and "
@@ -426,17 +428,17 @@ class SharedSteps:
         Raises:
             IdError, DTypeError, DeviceError: bad ids (nothing changes).
         """
-        flats, _ = self._as_tensors(pos, neg)
+        flats, _, unsigned = self._as_tensors(pos, neg)
         ids = torch.cat(flats) if len(flats) > 1 else flats[0]
         if self.cache is None:
             if len(ids):  # nothing to bring, but the caller still learns of bad ids
-                self._bounds_check(flats)(*read_bounds(ids))
+                self._bounds_check(flats, unsigned)(*read_bounds(ids))
             return 0
         # Rows of a step in progress are skipped (see RowCache.prefetch).
         in_step = (self.working_set.holds if self._open
                    else lambda rows: torch.zeros_like(rows, dtype=torch.bool))
         with torch.no_grad():
-            return self.cache.prefetch(ids, in_step, self._bounds_check(flats))
+            return self.cache.prefetch(ids, in_step, self._bounds_check(flats, unsigned))
 
     def flush(self) -> None:
         """Write cached rows and state back to the host tables (they stay cached)."""
