@@ -14,11 +14,17 @@ import re
 import secrets
 import shutil
 import socket
+import threading
+
+try:
+    import fcntl
+except ImportError:  # Windows: threads of one process still take turns (see locked)
+    fcntl = None
 
 from .errors import MissingFileError, PathError, SpeedswapError
 
 __all__ = ["atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
-           "check_readable_file", "saving_error", "fsync_dir"]
+           "check_readable_file", "saving_error", "fsync_dir", "locked"]
 
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
 
@@ -206,3 +212,41 @@ def check_readable_file(path, what="file") -> str:
     if not os.path.exists(path):
         raise MissingFileError(errno.ENOENT, f"no {what} at {path!r}; check the path", path)
     return path
+
+
+_LOCKS = {}  # real path -> threading.Lock, where flock is not to be had
+_LOCKS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def locked(directory, shared=False):
+    """Hold a lock on ``directory`` for the block: saves take turns, and loads wait for them.
+
+    A save that replaces a checkpoint's files must not interleave with
+    another save of it (each would remove the version the other is about to
+    point at), nor with a load (which would find its version removed).
+    ``flock`` on the directory itself, so no lock file is left behind:
+    exclusive for a save, ``shared`` for a load; it holds between threads
+    (each opens its own descriptor) and between processes of this host.
+    Where there is no ``flock`` (Windows) or the directory cannot be opened,
+    only threads of this process take turns, loads included.
+
+    Args:
+        directory: an existing directory (the checkpoint's parent).
+        shared: a load's lock, which other loads may hold at the same time.
+    """
+    fd = None
+    if fcntl is not None:
+        with contextlib.suppress(OSError):
+            fd = os.open(directory, os.O_RDONLY)
+    if fd is None:
+        with _LOCKS_LOCK:
+            lock = _LOCKS.setdefault(os.path.realpath(directory), threading.Lock())
+        with lock:
+            yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

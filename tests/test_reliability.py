@@ -4,6 +4,7 @@ Each test failed before its fix. The table-driven bad inputs are in
 test_bad_inputs.py, the crash points of every save in test_fault_injection.py.
 """
 
+import copy
 import errno
 import gc
 import os
@@ -689,3 +690,137 @@ def test_a_chunk_that_differs_when_read_again_is_never_written(rng, tmp_path, mo
         if name == first:
             expected[:16] = contents(source)[name][:16]
         np.testing.assert_array_equal(table.to_numpy(), expected, err_msg=name)
+
+
+def test_saves_and_loads_of_one_directory_checkpoint_from_two_threads_take_turns(tmp_path, rng):
+    """Two threads saving one directory checkpoint each removed the version the other was about to
+    point CURRENT at, and a load meanwhile found its version gone: they now take turns, and every
+    load reads one save's tables whole."""
+    import threading
+    values = [rng.standard_normal((300, DIM), dtype=np.float32) for _ in range(2)]
+    writers = []
+    for value in values:
+        emb = ss.OffloadedEmbedding(300, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy")
+        emb.table.apply_(lambda t, v=value: t.copy_(torch.from_numpy(v)))
+        writers.append(emb)
+    path = tmp_path / "ckpt"
+    writers[0].save(path)
+    failures, seen = [], set()
+
+    def work(emb):
+        reader = ss.OffloadedEmbedding(300, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy")
+        try:
+            for _ in range(40):
+                emb.save(path)
+                reader.load(path)
+                got = reader.table.to_numpy()
+                match = [k for k, value in enumerate(values) if np.array_equal(got, value)]
+                if len(match) != 1:
+                    failures.append("a load read neither save whole")
+                seen.update(match)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(repr(exc))
+        finally:
+            reader.close()
+
+    threads = [threading.Thread(target=work, args=(emb,)) for emb in writers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert seen  # the loads read whole saves (which ones depends on the interleaving)
+    entries = sorted(os.listdir(path))  # the pointer and the one version it names
+    assert len(entries) == 2 and entries[0] == "CURRENT" and entries[1].startswith("v")
+
+
+def test_a_state_dict_of_another_max_rows_loads_its_tables_and_trains_on(rng):
+    """The working set is scratch between steps: a state dict saved with another max_rows raised
+    torch's size mismatch after the tables had already been replaced."""
+    def make(max_rows):
+        emb = ss.OffloadedEmbedding(60, DIM, max_rows=max_rows, storage="pageable", backend="numpy")
+        opt = torch.optim.Adam(emb.parameters(), lr=0.05)
+        emb.attach(opt)
+        return emb, opt
+
+    source, source_opt = make(32)
+    source.table.apply_(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((60, DIM), dtype=np.float32))))
+    batches = [torch.from_numpy(rng.integers(0, 60, 12)) for _ in range(6)]  # <= 12 rows a step
+
+    def step(emb, opt, ids):
+        emb(ids).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for ids in batches[:3]:
+        step(source, source_opt, ids)
+    # Copies, as torch.save and torch.load make them: a loaded optimizer state shares its
+    # tensors (Adam's step) with the state dict it came from.
+    saved, saved_opt = copy.deepcopy(source.state_dict()), copy.deepcopy(source_opt.state_dict())
+    for strict in (True, False):
+        target, target_opt = make(16)
+        result = target.load_state_dict(copy.deepcopy(saved), strict=strict)
+        assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
+        target_opt.load_state_dict(copy.deepcopy(saved_opt))
+        np.testing.assert_array_equal(target.table.to_numpy(), source.table.to_numpy())
+        ahead, ahead_opt = make(32)  # the max_rows the state was saved with
+        ahead.load_state_dict(copy.deepcopy(saved))
+        ahead_opt.load_state_dict(copy.deepcopy(saved_opt))
+        for ids in batches[3:]:
+            step(target, target_opt, ids)
+            step(ahead, ahead_opt, ids)
+        np.testing.assert_array_equal(target.table.to_numpy(), ahead.table.to_numpy())
+
+
+def _saved_h5(tmp_path, rng, name="ckpt.h5"):
+    emb = make_embedding(rng)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    train_step(emb, opt, rng, 60)
+    path = tmp_path / name
+    emb.save(path)
+    return emb, path
+
+
+def test_a_bit_flipped_in_an_h5_checkpoints_rows_is_refused_everywhere_it_is_read(tmp_path, rng):
+    """HDF5 checkpoints record each table's CRC-32 (the directory format always did): a flipped bit
+    in the rows loaded silently before."""
+    emb, path = _saved_h5(tmp_path, rng)
+    rows = emb.table.to_numpy(copy=True)
+    data = bytearray(path.read_bytes())
+    at = bytes(data).find(rows.tobytes())
+    assert at > 0  # the rows are stored contiguously
+    data[at + len(rows.tobytes()) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    target = make_embedding(rng)
+    target.attach(torch.optim.Adam(target.parameters(), lr=0.1))
+    before = target.table.to_numpy(copy=True)
+    for load in (lambda: target.load(path), lambda: target.table.load_from(path, "table"),
+                 lambda: ss.HostTable.load(path, dataset="table", backend="numpy")):
+        with pytest.raises(ss.FileFormatError, match="CRC-32"):
+            load()
+        np.testing.assert_array_equal(target.table.to_numpy(), before)
+
+
+def test_a_damaged_h5_checkpoint_raises_file_format_errors_and_is_not_replaced(tmp_path, rng):
+    """h5py's own KeyError/OSError/RuntimeError escaped from a damaged file that still opened."""
+    emb, path = _saved_h5(tmp_path, rng)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:] = bytes(len(data) - len(data) // 2)
+    path.write_bytes(bytes(data))
+    before = emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError):
+        emb.load(path)
+    np.testing.assert_array_equal(emb.table.to_numpy(), before)
+    with pytest.raises(PathError, match="not a readable HDF5 file"):
+        emb.save(path)  # someone's damaged file is never replaced: delete it first
+
+
+@pytest.mark.parametrize("content", [b"", b"not a torch file at all" * 10])
+def test_model_factory_load_torch_of_a_file_torch_cannot_read_is_a_file_format_error(tmp_path, content):
+    path = tmp_path / "weights.pt"
+    path.write_bytes(content)
+    switcher = ss.ModelFactory(torch.nn.Embedding(10, 4, sparse=True), 50, 4, storage="pageable",
+                               backend="numpy")
+    with pytest.raises(ss.FileFormatError, match="not a readable torch file"):
+        switcher.loadTorch(path)

@@ -23,6 +23,7 @@ capacity, and no unused slot is updated.
 """
 
 import os
+import pickle
 import weakref
 
 import numpy as np
@@ -405,7 +406,7 @@ class ModelFactory(Switcher):
         self._check_idle("loadTorch")
         try:
             tensor = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, ValueError) as exc:
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
             raise FileFormatError(f"{os.fspath(path)!r} is not a readable torch file ({exc})") from exc
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != self._table.shape \
                 or tensor.dtype != self._table.dtype:

@@ -72,12 +72,15 @@ class TableHeader:
         table_dtype: the torch dtype of the table it holds. ``bfloat16`` tables
             are stored as float32 (exact, and readable by any tool) and say so
             in an HDF5 attribute or a checkpoint's manifest.
+        crc32: the CRC-32 of the stored bytes, where the file records one (the
+            datasets of a speedswap HDF5 checkpoint); a read verifies it.
     """
 
     shape: tuple
     dtype: np.dtype
     offset: int = 0
     table_dtype: Optional[torch.dtype] = None
+    crc32: Optional[int] = None
 
 
 def check_dtype(dtype, path):

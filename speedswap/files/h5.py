@@ -7,13 +7,14 @@ import contextlib
 import errno
 import os
 import re
+import zlib
 
 import numpy as np
 import torch
 
 from ..atomic import atomic_output, check_readable_file
 from ..convert import torch_dtype
-from ..errors import FileFormatError
+from ..errors import FileFormatError, SpeedswapError
 from . import base
 from .base import (TableHeader, check_dtype, check_matches, reading_error, row_ranges,
                    table_dtype_of)
@@ -22,6 +23,8 @@ __all__ = ["read_h5_header", "open_h5", "read_h5_into", "write_h5"]
 
 #: The dataset attribute that records a table dtype the stored one stands for (bfloat16).
 _TABLE_DTYPE_ATTR = "speedswap_dtype"
+#: The dataset attribute holding the CRC-32 of its bytes, where the writer recorded one.
+_CRC32_ATTR = "speedswap_crc32"
 
 
 def _h5py():
@@ -48,24 +51,38 @@ def read_h5_header(path, dataset):
                                   f"a dataset; pass dataset= naming the array itself")
         shape, dtype = data.shape, data.dtype
         table_dtype = data.attrs.get(_TABLE_DTYPE_ATTR)
+        crc32 = data.attrs.get(_CRC32_ATTR)
     check_dtype(np.dtype(dtype), path)
     table_dtype = table_dtype_of(np.dtype(dtype)) if table_dtype is None else torch_dtype(str(table_dtype))
-    return TableHeader(tuple(shape), np.dtype(dtype), table_dtype=table_dtype)
+    return TableHeader(tuple(shape), np.dtype(dtype), table_dtype=table_dtype,
+                       crc32=None if crc32 is None else int(crc32))
 
 
+@contextlib.contextmanager
 def open_h5(path):
-    """Open an HDF5 file for reading (h5py is imported only when HDF5 is used).
+    """Open an HDF5 file for reading, for a ``with`` block (h5py is imported only when HDF5 is used).
+
+    What h5py raises inside the block (a damaged file opens, then fails when
+    its attributes, names or rows are read: ``KeyError``, ``OSError``,
+    ``RuntimeError``, ``ValueError``) becomes a :class:`FileFormatError`.
 
     Raises:
         MissingFileError, PathError: no such file, or a directory.
-        FileFormatError: not a readable HDF5 file (truncated, another format).
+        FileFormatError: not a readable HDF5 file (truncated, damaged, another format).
     """
     path = check_readable_file(path, "HDF5 file")
     try:
-        return _h5py().File(path, "r")
+        f = _h5py().File(path, "r")
     except OSError as exc:
         raise FileFormatError(f"{path!r} is not a readable HDF5 file ({exc}); it is truncated "
                               f"or not HDF5: write it with h5py or HostTable.save") from exc
+    try:
+        with f:
+            yield f
+    except SpeedswapError:
+        raise
+    except (KeyError, OSError, RuntimeError, ValueError) as exc:
+        raise reading_error(path, exc) from exc
 
 
 def read_h5_into(path, out, dataset, header=None):
@@ -85,7 +102,7 @@ def read_h5_into(path, out, dataset, header=None):
                 raise reading_error(path, exc) from exc
 
 
-def write_h5(path, datasets, attrs=None, table_dtypes=None):
+def write_h5(path, datasets, attrs=None, table_dtypes=None, checksum=False):
     """Atomically write one HDF5 file holding several datasets.
 
     Args:
@@ -95,6 +112,8 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None):
         attrs: optional ``{name: value}`` stored on the file's root.
         table_dtypes: optional ``{name: torch dtype}`` recorded on datasets
             whose table dtype is not the stored one (bfloat16).
+        checksum: record each dataset's CRC-32 of its bytes on it, for a
+            read to verify (:attr:`TableHeader.crc32`).
 
     Raises:
         PathError: the directory does not exist, or the file system refused
@@ -109,10 +128,14 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None):
                 data = f.create_dataset(name, shape=tuple(shape), dtype=np.dtype(dtype))
                 if (table_dtypes or {}).get(name) is torch.bfloat16:
                     data.attrs[_TABLE_DTYPE_ATTR] = "bfloat16"
-                start = 0
+                start, crc = 0, 0
                 for chunk in chunks:
                     base.write_chunk(data, start, chunk)
                     start += len(chunk)
+                    if checksum:
+                        crc = zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
+                if checksum:
+                    data.attrs[_CRC32_ATTR] = np.uint32(crc)
             for key, value in (attrs or {}).items():
                 f.attrs[key] = value
         except BaseException:

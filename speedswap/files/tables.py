@@ -134,6 +134,12 @@ def _crc32(chunk, crc: int = 0) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
 
 
+def _corrupt(path, crc, saved) -> FileFormatError:
+    return FileFormatError(f"{os.fspath(path)!r} does not hold the bytes that were saved "
+                           f"(CRC-32 {crc:#010x}, saved {saved:#010x}): the file is corrupt; "
+                           f"nothing was loaded. Restore it from a backup")
+
+
 def _check_bfloat16(path, start, stop, rows):
     values = torch.from_numpy(np.ascontiguousarray(rows))
     if not torch.equal(values.to(torch.bfloat16).float(), values):
@@ -151,7 +157,8 @@ def read_table(table, path, header: TableHeader, dataset: str = "table") -> None
     :meth:`StagedRows.commit`, which is all-or-nothing.
 
     Raises:
-        FileFormatError: the file cannot be read, or holds values a bfloat16 table would round.
+        FileFormatError: the file cannot be read, holds values a bfloat16 table
+            would round, or not the bytes its recorded CRC-32 says (``header.crc32``).
     """
     target = table.as_tensor()
     if target.device.type == "cpu" and table.dtype is not torch.bfloat16:
@@ -160,11 +167,18 @@ def read_table(table, path, header: TableHeader, dataset: str = "table") -> None
             read_npy_into(path, host, header)
         else:
             read_h5_into(path, host, dataset, header)
+        if header.crc32 is not None and _crc32(host) != header.crc32:
+            raise _corrupt(path, _crc32(host), header.crc32)
         return
+    crc = 0
     for start, stop, rows in _file_chunks(path, header, dataset, row_ranges(header.shape, header.dtype)):
         if table.dtype is torch.bfloat16:
             _check_bfloat16(path, start, stop, rows)
+        if header.crc32 is not None:
+            crc = _crc32(rows, crc)
         target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(rows)))
+    if header.crc32 is not None and crc != header.crc32:
+        raise _corrupt(path, crc, header.crc32)
 
 
 #: Rows are staged in RAM when they need at most this share of the RAM available.
@@ -302,6 +316,8 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
             bfloat16 table would round, or a file not staged in RAM that
             changed while it was verified.
     """
+    if crc32 is None and rows is None:
+        crc32 = header.crc32  # the file's own record of its bytes (a whole table's)
     rows = range(header.shape[0]) if rows is None else rows
     shape = (len(rows), *header.shape[1:])
     in_memory = int(np.prod(shape, dtype=np.int64)) * header.dtype.itemsize <= STAGE_RAM_SHARE * ram_available
@@ -324,9 +340,7 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
         else:
             chunks.append((start, stop, crc))
     if crc32 is not None and crc != crc32:
-        raise FileFormatError(f"{os.fspath(path)!r} does not hold the bytes that were saved "
-                              f"(CRC-32 {crc:#010x}, saved {crc32:#010x}): the file is corrupt; "
-                              f"nothing was loaded. Restore it from a backup")
+        raise _corrupt(path, crc, crc32)
     if held is None and not _same_version(path, version):
         raise _changed(path)  # written while it was read: the CRC-32s may describe no single file
     return StagedRows(path, header, dataset, held, first=rows.start, version=version,

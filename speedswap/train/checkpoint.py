@@ -178,6 +178,13 @@ def _write_version(directory, tables, attrs):
 def _save_dir(path, tables, attrs):
     path = os.path.abspath(os.fspath(path))
     atomic.check_writable_dir(path)
+    # Two saves of one checkpoint at once would each remove the version the other is about
+    # to point CURRENT at: they take turns (the parent, since the first save creates `path`).
+    with atomic.locked(os.path.dirname(path)):
+        _save_dir_exclusively(path, tables, attrs)
+
+
+def _save_dir_exclusively(path, tables, attrs):
     atomic.remove_stale_temporaries(path)
     if not os.path.exists(path):
         # The first save builds the whole directory aside and renames it into place.
@@ -286,7 +293,7 @@ def save_tables(path, tables, attrs):
         _check_replaceable_h5(path)
         files.write_h5(path, {name: (t.shape, files.stored_dtype(t.dtype), t.host_chunks())
                               for name, t in tables.items()}, attrs,
-                       table_dtypes={name: t.dtype for name, t in tables.items()})
+                       table_dtypes={name: t.dtype for name, t in tables.items()}, checksum=True)
         return
     try:
         _save_dir(path, tables, attrs)
@@ -321,7 +328,7 @@ def _read_manifest(path):
     if checkpoint_kind(path) == "h5":
         with files.open_h5(path) as f:
             attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
-            # read_h5_header reads a bfloat16 table's dtype from its dataset.
+            # read_h5_header reads a bfloat16 table's dtype, and its CRC-32, from its dataset.
             return attrs, {name: (os.fspath(path), name, None, False) for name in f.keys()}
     version = current_version(path)
     manifest = os.path.join(version, _MANIFEST)
@@ -436,12 +443,26 @@ def load_tables(path, tables, attrs):
             HDF5 file replaced during the load, or a file too large to stage
             in RAM changed since it was verified.
     """
+    if checkpoint_kind(path) == "dir":
+        parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+        # A save meanwhile would remove the version read here: it waits (see atomic.locked).
+        with atomic.locked(parent, shared=True) if os.path.isdir(parent) else contextlib.nullcontext():
+            return _load_tables(path, tables, attrs)
+    return _load_tables(path, tables, attrs)
+
+
+def _load_tables(path, tables, attrs):
     held = None
     if checkpoint_kind(path) == "h5":
         with contextlib.suppress(OSError):  # the reads below say what is wrong with the path
             held = os.open(path, os.O_RDONLY)
     try:
-        staged = _stage_all(path, tables, attrs)
+        try:
+            staged = _stage_all(path, tables, attrs)
+        except FileFormatError:
+            if held is not None:  # a file saved over meanwhile explains what the reads found
+                _check_same_file(path, held)
+            raise
         if held is not None:
             _check_same_file(path, held)
         for rows in staged.values():  # every table's file as verified, before the first table changes

@@ -883,24 +883,30 @@ class OffloadedEmbedding(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        """torch's, with the extra state checked before :attr:`weight` is copied, and a warning when it is missing.
+        """torch's, with the extra state checked first, :attr:`weight` not loaded, and a warning when the state is missing.
 
         Checked first, a refused state leaves the working set too as it was
-        (mid-step it holds the step's rows). A state dict with :attr:`weight`
-        but without it (saved by an older speedswap) is reported missing by a
-        strict load; either way a warning says how to restore the table (torch
-        gives this method no way to tell a strict load from another).
+        (mid-step it holds the step's rows). The saved :attr:`weight` is the
+        working-set scratch of a module between steps, whose slots name no
+        row: it is not loaded, so a state saved with another ``max_rows``
+        loads too (torch would refuse its shape after the tables had been
+        replaced). A state dict with :attr:`weight` but without the extra
+        state (saved by an older speedswap) is reported missing by a strict
+        load; either way a warning says how to restore the table (torch gives
+        this method no way to tell a strict load from another).
         """
-        key = prefix + "_extra_state"
+        key, weight = prefix + "_extra_state", prefix + "weight"
         if key in state_dict:
             self._check_restorable("load_state_dict")
             check_tables_state(state_dict[key], type(self).__name__, self._tables(),
                                self._attrs()["optimizer"], self.num_embeddings)
-        elif prefix + "weight" in state_dict:  # this module's state dict, from an older speedswap
+        elif weight in state_dict:  # this module's state dict, from an older speedswap
             warn(missing_hint(key, type(self).__name__))
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+        without_weight = {name: value for name, value in state_dict.items() if name != weight}
+        super()._load_from_state_dict(without_weight, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        self._version_between_steps = self.weight._version  # the scratch copied in reaches no row
+        if weight in state_dict and weight in missing_keys:
+            missing_keys.remove(weight)  # given, and rightly not loaded
 
     # ------------------------------------------------------------- lifecycle
     def close(self):
