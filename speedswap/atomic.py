@@ -228,8 +228,9 @@ def locked(directory, shared=False):
     ``flock`` on the directory itself, so no lock file is left behind:
     exclusive for a save, ``shared`` for a load; it holds between threads
     (each opens its own descriptor) and between processes of this host.
-    Where there is no ``flock`` (Windows) or the directory cannot be opened,
-    only threads of this process take turns, loads included.
+    Where there is no ``flock`` (Windows, a file system that refuses it) or
+    the directory cannot be opened, only threads of this process take turns,
+    loads included.
 
     Args:
         directory: an existing directory (the checkpoint's parent).
@@ -239,6 +240,11 @@ def locked(directory, shared=False):
     if fcntl is not None:
         with contextlib.suppress(OSError):
             fd = os.open(directory, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+            except OSError:  # a file system without flock (ENOLCK): threads still take turns
+                os.close(fd)
+                fd = None
     if fd is None:
         with _LOCKS_LOCK:
             lock = _LOCKS.setdefault(os.path.realpath(directory), threading.Lock())
@@ -246,7 +252,6 @@ def locked(directory, shared=False):
             yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock

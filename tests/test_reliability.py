@@ -824,3 +824,17 @@ def test_model_factory_load_torch_of_a_file_torch_cannot_read_is_a_file_format_e
                                backend="numpy")
     with pytest.raises(ss.FileFormatError, match="not a readable torch file"):
         switcher.loadTorch(path)
+
+
+@pytest.mark.skipif(atomic.fcntl is None, reason="no flock here")
+def test_saves_still_take_turns_where_flock_is_refused(tmp_path, rng, monkeypatch):
+    """A file system without flock (ENOLCK) must not fail the save: threads of the process take turns."""
+    def refused(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(atomic.fcntl, "flock", refused)
+    emb = make_embedding(rng)
+    emb.save(tmp_path / "ckpt")
+    emb.save(tmp_path / "ckpt")
+    target = make_embedding(rng)
+    target.load(tmp_path / "ckpt")
+    np.testing.assert_array_equal(target.table.to_numpy(), emb.table.to_numpy())
