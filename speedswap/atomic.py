@@ -233,7 +233,7 @@ def locked(directory, shared=False):
     loads included.
 
     Args:
-        directory: an existing directory (the checkpoint's parent).
+        directory: an existing directory (a checkpoint, or the parent its first save creates it in).
         shared: a load's lock, which other loads may hold at the same time.
     """
     fd = None

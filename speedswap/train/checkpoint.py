@@ -179,27 +179,36 @@ def _save_dir(path, tables, attrs):
     path = os.path.abspath(os.fspath(path))
     atomic.check_writable_dir(path)
     # Two saves of one checkpoint at once would each remove the version the other is about
-    # to point CURRENT at: they take turns (the parent, since the first save creates `path`).
-    with atomic.locked(os.path.dirname(path)):
-        _save_dir_exclusively(path, tables, attrs)
+    # to point CURRENT at, and a load meanwhile would find its version gone: a save holds the
+    # checkpoint exclusively (its parent while the first save creates it), loads share it.
+    while True:
+        if os.path.exists(path):
+            with atomic.locked(path) if os.path.isdir(path) else contextlib.nullcontext():
+                return _save_version(path, tables, attrs)
+        with atomic.locked(os.path.dirname(path)):
+            if not os.path.exists(path):  # else another save created it meanwhile: a new version
+                return _save_first(path, tables, attrs)
 
 
-def _save_dir_exclusively(path, tables, attrs):
+def _save_first(path, tables, attrs):
+    """The first save builds the whole directory aside and renames it into place."""
     atomic.remove_stale_temporaries(path)
-    if not os.path.exists(path):
-        # The first save builds the whole directory aside and renames it into place.
-        staging = atomic.temp_path(path)
-        os.mkdir(staging)
-        try:
-            os.mkdir(os.path.join(staging, "v000001"))
-            _write_version(os.path.join(staging, "v000001"), tables, attrs)
-            _write_pointer(staging, "v000001")
-            os.rename(staging, path)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        atomic.fsync_dir(os.path.dirname(path))
-        return
+    staging = atomic.temp_path(path)
+    os.mkdir(staging)
+    try:
+        os.mkdir(os.path.join(staging, "v000001"))
+        _write_version(os.path.join(staging, "v000001"), tables, attrs)
+        _write_pointer(staging, "v000001")
+        os.rename(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    atomic.fsync_dir(os.path.dirname(path))
+
+
+def _save_version(path, tables, attrs):
+    """A new version of the existing checkpoint ``path``, then ``CURRENT`` pointed at it."""
+    atomic.remove_stale_temporaries(path)
     if not os.path.isdir(path) or not _ours(path):
         raise PathError(f"{path!r} exists and is not a speedswap checkpoint directory; "
                         f"refusing to replace it: choose another path")
@@ -443,10 +452,9 @@ def load_tables(path, tables, attrs):
             HDF5 file replaced during the load, or a file too large to stage
             in RAM changed since it was verified.
     """
-    if checkpoint_kind(path) == "dir":
-        parent = os.path.dirname(os.path.abspath(os.fspath(path)))
-        # A save meanwhile would remove the version read here: it waits (see atomic.locked).
-        with atomic.locked(parent, shared=True) if os.path.isdir(parent) else contextlib.nullcontext():
+    if checkpoint_kind(path) == "dir" and os.path.isdir(path):
+        # A save meanwhile would remove the version read here: it waits (see _save_dir).
+        with atomic.locked(path, shared=True):
             return _load_tables(path, tables, attrs)
     return _load_tables(path, tables, attrs)
 
