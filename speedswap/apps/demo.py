@@ -1,4 +1,4 @@
-"""``python -m speedswap demo``: word2vec with both tables offloaded, scored, in about a minute.
+"""``python -m speedswap demo``: word2vec with both tables offloaded, scored, in about half a minute on a 2-core CPU.
 
 The job itself lives in :mod:`speedswap.apps.word2vec` (``examples/word2vec.py``
 runs the same code with every knob exposed). This module sizes it, runs it on
@@ -27,7 +27,7 @@ __all__ = ["BACKEND_OF_DEVICE", "DEMO", "TINY", "run_demo", "format_demo", "memo
 #: ``--device`` choices of the demo and the examples, and the backend each means.
 BACKEND_OF_DEVICE = {"auto": "auto", "cpu": "numpy", "cuda": "cuda"}
 
-#: The demo's size: about a minute on a 2-core CPU, seconds on a GPU.
+#: The demo's size: about half a minute on a 2-core CPU (25 s in the README), seconds on a GPU.
 DEMO = dict(vocab=100_000, topics=50, tokens=4_000_000, dim=64, epochs=1, batch_size=8192)
 #: A smoke-test size for the test suite.
 TINY = dict(vocab=2_000, topics=20, tokens=200_000, dim=32, epochs=2, batch_size=1024)
