@@ -34,6 +34,12 @@ from .working_set import WorkingSet
 
 __all__ = ["OffloadedEmbedding"]
 
+#: The plain attributes a training step sets in every forward, backward and step. nn.Module's
+#: __setattr__ checks each name against the parameters, buffers and submodules (4 us a call;
+#: NOTES 47): these are never any of those, so they are set as on any object.
+_STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran", "_version_between_steps",
+                              "_version_at_backward", "_leftover", "_stale"})
+
 
 class OffloadedEmbedding(torch.nn.Module):
     """A drop-in ``nn.Embedding`` for tables larger than device memory.
@@ -109,6 +115,12 @@ class OffloadedEmbedding(torch.nn.Module):
     The embedding holds host (pinned) memory until :meth:`close` or until it
     is dropped; ``with OffloadedEmbedding(...) as emb:`` closes it on exit.
     """
+
+    def __setattr__(self, name, value):
+        if name in _STEP_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
                  storage: str = "pinned", dtype: torch.dtype = torch.float32,

@@ -73,7 +73,7 @@ class WorkingSet:
     @property
     def size(self):
         """How many slots are in use."""
-        return len(self._rows)
+        return self._rows.shape[0]  # not len(): torch's Tensor.__len__ is Python, 1.5 us a call
 
     def holds(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of ``ids`` (a 1-D int64 tensor on :attr:`device`) have a slot: a bool mask, sync-free."""
