@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from .apps.demo import BACKEND_OF_DEVICE
@@ -188,6 +189,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "demo" and args.table_dir is not None and args.storage != "mmap":
         parser.error(f"--table-dir is the directory of --storage mmap's files, and --storage is "
                      f"{args.storage}; add --storage mmap or drop --table-dir")
+    # A warning names the user's line that led to it; here there is none (runpy's frame would
+    # be shown), so the command line shows the category and the message alone.
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *_: f"{category.__name__}: {message}\n"
     try:
         if args.command == "info":
             print(format_info(info()))
@@ -199,6 +204,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # The message says what was expected and how to fix it; a traceback would bury it.
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        warnings.formatwarning = formatwarning  # main() called in a process that goes on
 
 
 if __name__ == "__main__":

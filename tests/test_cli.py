@@ -166,3 +166,12 @@ def test_plain_bench_says_when_its_figures_were_taken_under_load(load, omp, says
         assert err == ""
     else:
         assert re.search(says, err, re.S), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is the one a machine without CUDA gets")
+def test_the_command_line_shows_a_warning_without_a_source_line():
+    """`python -m speedswap` has no line of the user's to point at: '<frozen runpy>:88:' was shown."""
+    run = subprocess.run([sys.executable, "-m", "speedswap", "demo", "--tiny", "--no-progress"], check=True,
+                         cwd=ROOT, capture_output=True, text=True)
+    assert "RuntimeWarning: speedswap: no CUDA device here" in run.stderr, run.stderr
+    assert "runpy" not in run.stderr, run.stderr
