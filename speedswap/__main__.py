@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="version, backends, device, memory held by live tables",
                         formatter_class=_Format)
-    demo = commands.add_parser("demo", help="train word2vec with offloaded tables (about half a minute on a 2-core CPU)",
-                               formatter_class=_Format)
+    demo = commands.add_parser("demo", formatter_class=_Format,
+                               help="train word2vec with offloaded tables (about half a minute on a 2-core CPU)")
     demo.add_argument("--tiny", action="store_true", help="a few seconds, for smoke tests")
     demo.add_argument("--device", choices=sorted(BACKEND_OF_DEVICE), default="auto",
                       help="cuda needs a GPU (CuPy adds the zero-copy kernels); auto uses one when present")

@@ -191,8 +191,9 @@ class BatchFeeder:
     trains. Sources the GPU gathers itself (pinned tables the zero-copy
     kernel reads, device tensors) need no thread: when the loop takes a
     batch, the kernels of the next ``prefetch`` are queued on the side
-    stream first, and your stream waits for a batch's on an event. On the CPU a background thread reads ``prefetch`` batches ahead
-    when a source is a memory-mapped file; in-RAM sources are gathered on the
+    stream first, and your stream waits for a batch's on an event. On the
+    CPU a background thread reads ``prefetch`` batches ahead when a source
+    is a memory-mapped file; in-RAM sources are gathered on the
     spot, which is faster than any hand-off. On every device the next epoch's
     order is drawn on a thread while this epoch is read (it is a pure function
     of ``seed`` and the epoch, so a loop that jumps elsewhere draws its own;

@@ -8,6 +8,7 @@ passes before it is read, the row ranges reads and writes go by, and
 
 import io
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -146,6 +147,11 @@ def check_matches(header, shape, dtype, path):
 
 #: About how many bytes one chunk of rows holds, read or written.
 CHUNK_BYTES = 64 << 20
+
+
+def crc32_of(chunk, crc: int = 0) -> int:
+    """The CRC-32 of ``chunk``'s bytes, continued from ``crc``: what saves record and loads verify."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
 
 
 def write_chunk(sink, start, chunk):

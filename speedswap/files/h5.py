@@ -7,7 +7,6 @@ import contextlib
 import errno
 import os
 import re
-import zlib
 
 import numpy as np
 import torch
@@ -133,7 +132,7 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None, checksum=False):
                     base.write_chunk(data, start, chunk)
                     start += len(chunk)
                     if checksum:
-                        crc = zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
+                        crc = base.crc32_of(chunk, crc)
                 if checksum:
                     data.attrs[_CRC32_ATTR] = np.uint32(crc)
             for key, value in (attrs or {}).items():

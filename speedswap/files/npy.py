@@ -2,7 +2,6 @@
 
 import contextlib
 import os
-import zlib
 from typing import Optional
 
 import numpy as np
@@ -191,6 +190,6 @@ def write_npy(path, shape, dtype, chunks, *, checksum: bool = False) -> Optional
             base.write_chunk(f, start, chunk)
             start += len(chunk)
             if checksum:
-                crc = zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
+                crc = base.crc32_of(chunk, crc)
         f.flush()
     return crc

@@ -7,7 +7,6 @@ is read and verified before :meth:`StagedRows.commit` changes anything.
 """
 
 import os
-import zlib
 from typing import Optional
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 
 from ..convert import torch_dtype
 from ..errors import FileFormatError, SpeedswapError
-from .base import TableHeader, file_format, identity, reading_error, row_ranges
+from .base import TableHeader, crc32_of, file_format, identity, reading_error, row_ranges
 from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import read_npy_header, read_npy_into, write_npy
 
@@ -130,10 +129,6 @@ def _file_chunks(path, header, dataset, ranges, version=None):
         raise reading_error(path, exc) from exc
 
 
-def _crc32(chunk, crc: int = 0) -> int:
-    return zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
-
-
 def _corrupt(path, crc, saved) -> FileFormatError:
     return FileFormatError(f"{os.fspath(path)!r} does not hold the bytes that were saved "
                            f"(CRC-32 {crc:#010x}, saved {saved:#010x}): the file is corrupt; "
@@ -167,15 +162,16 @@ def read_table(table, path, header: TableHeader, dataset: str = "table") -> None
             read_npy_into(path, host, header)
         else:
             read_h5_into(path, host, dataset, header)
-        if header.crc32 is not None and _crc32(host) != header.crc32:
-            raise _corrupt(path, _crc32(host), header.crc32)
+        crc = None if header.crc32 is None else crc32_of(host)
+        if crc != header.crc32:
+            raise _corrupt(path, crc, header.crc32)
         return
     crc = 0
     for start, stop, rows in _file_chunks(path, header, dataset, row_ranges(header.shape, header.dtype)):
         if table.dtype is torch.bfloat16:
             _check_bfloat16(path, start, stop, rows)
         if header.crc32 is not None:
-            crc = _crc32(rows, crc)
+            crc = crc32_of(rows, crc)
         target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(rows)))
     if header.crc32 is not None and crc != header.crc32:
         raise _corrupt(path, crc, header.crc32)
@@ -269,7 +265,7 @@ class StagedRows:
                               self._version)
         try:
             for (i, _, _), (start, stop, chunk) in zip(spans, chunks):
-                crc = _crc32(chunk, crc)
+                crc = crc32_of(chunk, crc)
                 if crc != self._chunks[i][2]:
                     raise FileFormatError(f"{os.fspath(self.path)!r} holds other bytes in rows "
                                           f"{start}..{stop - 1} than when it was verified")
@@ -334,7 +330,7 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
         if table_dtype is torch.bfloat16:
             _check_bfloat16(path, start, stop, chunk)
         if crc32 is not None or held is None:
-            crc = _crc32(chunk, crc)
+            crc = crc32_of(chunk, crc)
         if held is not None:
             held[start - rows.start:stop - rows.start] = chunk
         else:
