@@ -1,0 +1,113 @@
+"""benchmarks/compare.py: a fresh result's ratios against a baseline's, paired by where they sit."""
+
+import importlib.util
+import json
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "compare.py"
+spec = importlib.util.spec_from_file_location("bench_compare", SCRIPT)
+compare = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare)
+
+
+def _training(ratios, load=0.3):
+    """A training_step-shaped result with one row per vocabulary."""
+    return {"benchmark": "training_step", "machine": {"cores": 2, "load_average": [load, 0.2, 0.1]},
+            "results": [{"vocab": vocab, "ratio": ratio, "throughput_ratio": 1 / ratio,
+                         "offloaded": {"median_s": random.uniform(0.01, 0.1)}}
+                        for vocab, ratio in ratios.items()]}
+
+
+def _write(path, result):
+    path.write_text(json.dumps(result))
+    return str(path)
+
+
+def test_a_ratio_that_got_worse_beyond_the_tolerance_fails_and_one_within_it_does_not(tmp_path, capsys):
+    rng = random.Random(7)
+    small, large = rng.uniform(0.4, 0.6), rng.uniform(0.6, 0.8)
+    base = _write(tmp_path / "a.json", _training({1_000_000: small, 10_000_000: large}))
+    new = _write(tmp_path / "b.json", _training({1_000_000: small * 1.05, 10_000_000: large * 1.5}))
+    assert compare.main([base, new, "--tolerance", "0.1"]) == 1
+    out = capsys.readouterr().out
+    verdicts = {line.split()[0]: line.split()[-1] for line in out.splitlines() if line.startswith("results/")}
+    assert verdicts == {"results/[vocab=1000000]/ratio": "same",
+                        "results/[vocab=1000000]/throughput_ratio": "same",
+                        "results/[vocab=10000000]/ratio": "worse",
+                        "results/[vocab=10000000]/throughput_ratio": "worse"}
+    # A wider tolerance takes the same change as noise.
+    assert compare.main([base, new, "--tolerance", "0.6"]) == 0
+
+
+def test_rows_are_paired_by_what_they_measure_not_by_their_position(tmp_path):
+    rng = random.Random(11)
+    figures = {vocab: rng.uniform(0.3, 0.9) for vocab in (10 ** 5, 10 ** 6, 10 ** 7)}
+    base = _training(figures)
+    new = _training(figures)
+    new["results"].reverse()
+    new["results"][0]["ratio"] *= 0.5  # vocabulary 10**7 got twice as fast
+    rows = {path: verdict for path, _, _, _, verdict in compare.compare(base, new, 0.1)}
+    assert rows["results/[vocab=10000000]/ratio"] == "better"
+    assert rows["results/[vocab=100000]/ratio"] == rows["results/[vocab=1000000]/ratio"] == "same"
+
+
+def test_the_good_direction_of_each_ratio_decides_better_or_worse():
+    base = {"benchmark": "feeder", "fast_loops": {"ratios": {
+        "speedup_vs_per_item": 36.5, "feeder_over_numpy": 0.71, "targets": {"feeder_over_numpy": "<= 1.25"}}}}
+    new = {"benchmark": "feeder", "fast_loops": {"ratios": {
+        "speedup_vs_per_item": 45.0, "feeder_over_numpy": 1.05, "targets": {"feeder_over_numpy": "<= 1.25"}}}}
+    rows = {path.rsplit("/", 1)[1]: verdict for path, _, _, _, verdict in compare.compare(base, new, 0.1)}
+    # Higher is better for a speed-up, lower for a time over a reference's; goals are not ratios.
+    assert rows == {"speedup_vs_per_item": "better", "feeder_over_numpy": "worse"}
+
+
+def test_results_of_different_benchmarks_or_without_shared_ratios_are_refused(tmp_path, capsys):
+    train = _write(tmp_path / "t.json", _training({1_000_000: 0.5}))
+    feeder = _write(tmp_path / "f.json", {"benchmark": "feeder", "fast_loops": {"ratios": {"feeder_over_numpy": 0.8}}})
+    other_vocab = _write(tmp_path / "v.json", _training({5: 0.5}))
+    not_json = tmp_path / "n.json"
+    not_json.write_text("{")
+    assert compare.main([train, feeder]) == 2
+    assert "'training_step' and 'feeder'" in capsys.readouterr().err
+    assert compare.main([train, other_vocab]) == 2
+    assert "share no ratio" in capsys.readouterr().err
+    assert compare.main([train, str(not_json)]) == 2
+    assert "is not JSON" in capsys.readouterr().err
+
+
+def test_a_run_under_load_is_flagged_as_noise(tmp_path, capsys):
+    base = _write(tmp_path / "a.json", _training({1_000_000: 0.5}, load=0.4))
+    new = _write(tmp_path / "b.json", _training({1_000_000: 0.5}, load=2.7))
+    assert compare.main([base, new]) == 0
+    out = capsys.readouterr().out
+    assert "the new run saw a load average of 2.70" in out and "the baseline run" not in out
+    unknown = _training({1_000_000: 0.5})
+    del unknown["machine"]["load_average"]
+    assert compare.main([base, _write(tmp_path / "c.json", unknown)]) == 0
+    assert "the new run recorded no load average" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_one_file_is_compared_with_what_git_holds_of_it(tmp_path, capsys):
+    repo = tmp_path / "repo"
+    (repo / "results").mkdir(parents=True)
+    result = repo / "results" / "training_step-cpu.json"
+    _write(result, _training({1_000_000: 0.52}))
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                       check=True, capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "baseline")
+    _write(result, _training({1_000_000: 0.91}))  # the fresh run wrote over the committed one
+    assert compare.main([str(result)]) == 1
+    assert "0.52 ->      0.91" in capsys.readouterr().out
+    assert compare.main([str(result), "--rev", "HEAD~5"]) == 2
+    assert "give the baseline file as well" in capsys.readouterr().err
