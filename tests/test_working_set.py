@@ -8,7 +8,7 @@ from hypothesis import given, settings
 
 import speedswap as ss
 from speedswap.convert import as_row_ids_deferred
-from speedswap.train.sync_free import _TORCH_SORTS_FASTER_UP_TO, sort_marking_firsts, sort_with_order
+from speedswap.train.sync_free import _TORCH_SORTS_FASTER_UP_TO, find_sorted, sort_marking_firsts, sort_with_order
 from speedswap.train.working_set import WorkingSet
 
 CAPACITY = 12
@@ -99,6 +99,25 @@ def test_merging_two_sorted_runs_sorts_them(device, sizes, rng):
     merged = torch.cat(runs)
     values, order = sort_with_order(merged, merging=True)
     assert torch.equal(values, torch.sort(distinct).values) and torch.equal(merged[order], values)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("sizes", [(1, 1), (1, 500), (50_000, 28_672), (3_000, 7)])
+def test_find_sorted_finds_what_a_reference_search_finds(device, dtype, sizes, rng):
+    """numpy's search on the CPU, torch's on a GPU, against a dictionary of the values' positions."""
+    n_values, n_keys = sizes
+    values = torch.from_numpy(np.sort(rng.choice(10**6, n_values, replace=False))).to(device, dtype)
+    # Zipf keys, some held and some not, unsorted, with repeats and keys past both ends.
+    keys = torch.from_numpy(rng.zipf(1.1, n_keys).astype(np.int64) - 2).clamp_(max=2 * 10**6)
+    keys[::3] = values[torch.from_numpy(rng.integers(0, n_values, len(keys[::3])))].cpu().to(torch.int64)
+    keys = keys.to(device, dtype)
+    position, found = find_sorted(values, keys)
+    at = {v: i for i, v in enumerate(values.tolist())}
+    assert found.tolist() == [k in at for k in keys.tolist()]
+    assert position[found].tolist() == [at[k] for k in keys.tolist() if k in at]
+    assert position.dtype == torch.int64 and position.device == keys.device
+    assert int(position.min()) >= 0 and int(position.max()) < n_values
 
 
 @pytest.mark.parametrize("device", _devices())

@@ -95,7 +95,7 @@ from ..convert import host_tensor, numpy_dtype, read_bounds
 from ..errors import StateError
 from ..table import HostTable
 from .sketch import FrequencySketch
-from .sync_free import positions, sort_marking_firsts
+from .sync_free import find_sorted, positions, sort_marking_firsts
 
 __all__ = ["RowCache", "COUNTERS"]
 
@@ -209,15 +209,15 @@ class RowCache:
         still are: the step stored nothing, so hits are still cached and misses
         still on the host. The clock does not move: the step has not ended.
         """
+        self._looked_up = None  # count_hits' lookup, for the fetch that follows it
         self._slot_parts = []  # per fetch: each new row's slot, -1 for a miss
         self._count_parts = []  # per fetch: each new row's use count, from the sketch
         self._n_hits = self._n_misses = 0
 
     def _lookup(self, rows):
         """(found, slot) for ``rows`` (duplicates allowed): slot is meaningful where found."""
-        keys = rows.to(self._key_dtype)
-        pos = torch.searchsorted(self._sorted_rows, keys).clamp_(max=self.num_slots - 1)
-        return self._sorted_rows.index_select(0, pos) == keys, self._sorted_slots.index_select(0, pos)
+        pos, found = find_sorted(self._sorted_rows, rows.to(self._key_dtype))
+        return found, self._sorted_slots.index_select(0, pos)
 
     def _step_slots(self):
         """Each working-set row's slot (by working-set slot), -1 for the step's misses."""
@@ -325,11 +325,14 @@ class RowCache:
         """The counts :meth:`fetch` needs, before the rows it will fetch are known: ``[hits, carried hits]``.
 
         For the working set to read with its own count (``WorkingSet.add``'s
-        ``count_also``), so that a training forward makes one host wait, not two.
+        ``count_also``), so that a training forward makes one host wait, not
+        two. The lookup is kept for the :meth:`fetch` given these counts, which
+        then takes its rows' slots from it instead of searching again.
 
         Args:
             ids_sorted: a forward's ids, sorted; ``new`` marks one entry per row
-                new to the working set: the rows :meth:`fetch` is then given.
+                new to the working set: the rows :meth:`fetch` is then given,
+                in this order, after the carried ones.
             new: bool mask over ``ids_sorted``.
             carried_rows: the rows fetched with them without being looked up
                 (the padding row at a step's start), or None.
@@ -338,10 +341,25 @@ class RowCache:
             a ``(2,)`` int64 device tensor: how many of the rows to fetch are
             cached, and how many of the carried ones.
         """
-        found, _ = self._lookup(ids_sorted)
+        found, slot = self._lookup(ids_sorted)
         hits = (found & new).sum()
-        carried = self._lookup(carried_rows)[0].sum() if carried_rows is not None else torch.zeros_like(hits)
+        if carried_rows is None:
+            carried, self._looked_up = torch.zeros_like(hits), (found, slot, new, None)
+        else:
+            carried_found, carried_slot = self._lookup(carried_rows)
+            carried = carried_found.sum()
+            self._looked_up = (found, slot, new, (carried_found, carried_slot))
         return torch.stack([hits + carried, carried])
+
+    def _looked_up_rows(self, n_new):
+        """(found, slot) of the rows :meth:`count_hits` looked up, carried first, then the ``n_new`` new ones."""
+        found, slot, new, carried = self._looked_up
+        self._looked_up = None
+        pick = positions(new, n_new)
+        found, slot = found.index_select(0, pick), slot.index_select(0, pick)
+        if carried is not None:
+            found, slot = torch.cat([carried[0], found]), torch.cat([carried[1], slot])
+        return found, slot
 
     def fetch(self, rows: torch.Tensor, out: torch.Tensor, first: int, lookups: int, *,
               carried: int = 0, again: bool = False, hits: Optional[Sequence[int]] = None):
@@ -360,7 +378,8 @@ class RowCache:
                 :meth:`restart_step`: the copies count, the rows' use does not
                 (neither in the counters nor in the sketch).
             hits: :meth:`count_hits`' values for these rows, read with the
-                working set's count; None to read them here (a host wait).
+                working set's count (its lookup then gives the rows' slots);
+                None to look the rows up and read the counts here (a host wait).
         """
         self._wait_prefetch()
         if not again:
@@ -369,10 +388,12 @@ class RowCache:
             return
         n_hit = n_carried_hit = 0
         if self.num_slots:
-            found, slot = self._lookup(rows)
             if hits is None:
+                found, slot = self._lookup(rows)
                 # One host synchronisation: the hits, and how many of them are carried rows.
                 hits = torch.stack([found.sum(), found[:carried].sum()]).tolist()
+            else:
+                found, slot = self._looked_up_rows(len(rows) - carried)
             n_hit, n_carried_hit = hits
             if n_hit and n_hit < len(rows):
                 self._scratch(len(rows) - n_hit)  # an allocation that may fail: before the bookkeeping

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["positions", "Sorted", "sort_with_order", "sort_marking_firsts"]
+__all__ = ["positions", "find_sorted", "Sorted", "sort_with_order", "sort_marking_firsts"]
 
 _TORCH_SORTS_FASTER_UP_TO = 4096  # ids; see sort_with_order
 
@@ -37,6 +37,32 @@ def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     if count == 0:  # and an empty mask, which crashes nonzero_static on CUDA before torch 2.9
         return torch.empty(0, dtype=torch.int64, device=mask.device)
     return torch.nonzero_static(mask, size=count).squeeze(1)
+
+
+def find_sorted(values: torch.Tensor, keys: torch.Tensor):
+    """Where each of ``keys`` is in the ascending, non-empty 1-D ``values``, and whether it is there.
+
+    A binary search per key, with no host wait: the working set's and the
+    device cache's lookup.
+
+    Args:
+        values: ascending 1-D integer tensor, not empty.
+        keys: 1-D tensor of the same dtype and device; any order, duplicates allowed.
+
+    Returns:
+        (position, found): int64 positions into ``values`` (clamped to its
+        last index; meaningful where found) and a bool mask, each shaped like
+        ``keys``.
+    """
+    if values.is_cpu:
+        # numpy's search is 1.3-1.5x torch's on the CPU (28,672 sorted Zipf ids into
+        # 50,000 rows: 389 us against 556 for the whole lookup, best of 200).
+        table, wanted = values.numpy(), keys.numpy()
+        position = np.searchsorted(table, wanted)
+        np.minimum(position, len(table) - 1, out=position)
+        return torch.from_numpy(position), torch.from_numpy(table[position] == wanted)
+    position = torch.searchsorted(values, keys).clamp_(max=values.shape[0] - 1)
+    return position, values.index_select(0, position) == keys
 
 
 class Sorted(NamedTuple):

@@ -24,7 +24,7 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 
 from ..errors import CapacityError, StateError
-from .sync_free import positions, sort_marking_firsts, sort_with_order
+from .sync_free import find_sorted, positions, sort_marking_firsts, sort_with_order
 
 __all__ = ["WorkingSet", "Added"]
 
@@ -84,8 +84,7 @@ class WorkingSet:
     def _find(self, ids):
         """(position in the sorted rows, found) of each id; the position is meaningful where found."""
         # The rows are kept sorted, so one binary search per id finds the held ones.
-        pos = torch.searchsorted(self._sorted, ids).clamp_(max=self.size - 1)
-        return pos, self._sorted.index_select(0, pos) == ids
+        return find_sorted(self._sorted, ids)
 
     def start_with(self, rows: torch.Tensor):
         """Begin a step holding ``rows`` in slots ``0..len(rows)-1`` (the padding row), with no read.
