@@ -30,6 +30,9 @@ from speedswap.apps.corpus import keep_probabilities, skipgram_pairs
 #: Optimizer steps when ``--steps`` is not given: the sharded run counts steps, not epochs.
 STEPS = 300
 
+#: Corpus tokens made into pairs at a time, so memory stays flat whatever the corpus's length.
+CHUNK_TOKENS = 1_000_000
+
 
 def init(device):
     """Join the process group torchrun describes: NCCL for a GPU, gloo for the CPU.
@@ -64,20 +67,36 @@ def _batches(corpus, args, per_rank, device):
     """Endless (centres, contexts) batches: this rank's share of every chunk of the corpus.
 
     Every rank draws the same pairs (the same seed) and the feeder hands each
-    its own share, the same number of batches on every rank (``drop_last``).
+    its own share, the same number of full batches on every rank
+    (``drop_last``). A chunk with fewer pairs than one batch per rank (the
+    corpus's short last chunk) is skipped, as every chunk's uneven tail is.
+
+    Raises:
+        OptionError: a whole pass over the corpus makes fewer pairs than
+            one batch per rank (``--batch-size`` larger than the corpus's pairs).
     """
     rng = np.random.default_rng(args.seed)
     keep = keep_probabilities(corpus.counts, args.subsample)
     doc_id = np.searchsorted(corpus.doc_starts, np.arange(len(corpus.tokens)), side="right")
-    chunk, epoch = 1_000_000, 0
+    chunk, epoch, world = CHUNK_TOKENS, 0, dist.get_world_size()
     while True:
+        most = 0  # the most pairs a chunk of this pass made
         for start in range(0, len(corpus.tokens), chunk):
             stop = min(start + chunk, len(corpus.tokens))
             centres, contexts = skipgram_pairs(corpus.tokens[start:stop], doc_id[start:stop],
                                                keep, args.window, rng)
+            most = max(most, len(centres))
+            # The feeder would refuse it (every rank's epoch empty); every rank skips it alike.
+            if len(centres) < per_rank * world:
+                continue
             feeder = ss.BatchFeeder(centres, contexts, batch_size=per_rank, order="random",
                                     drop_last=True, seed=args.seed + epoch, device=device)
             yield from feeder
+        if most < per_rank * world:  # no batch this pass: the next ones would loop for ever
+            raise ss.OptionError(f"--batch-size {args.batch_size} is {per_rank:,} pairs per rank on {world} "
+                                 f"ranks, but a pass over the corpus made at most {most:,} (centre, "
+                                 f"context) pairs per chunk of {chunk:,} tokens, fewer than "
+                                 f"{per_rank * world:,}; give a smaller --batch-size or a longer corpus")
         epoch += 1
 
 

@@ -1,0 +1,64 @@
+"""Scale-out: the examples' ``--distributed`` helpers and the feeder's ranks, at tiny sizes in one process.
+
+Ranks are simulated by patching ``torch.distributed``'s rank and world size,
+as ``tests/test_feeder.py`` does: what a rank reads depends on nothing else.
+"""
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+from speedswap.apps.corpus import synthetic_corpus
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name):
+    """Import ``examples/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def as_rank(monkeypatch, rank, world):
+    """Make ``torch.distributed`` report an initialised group in which this process is ``rank``."""
+    dist = torch.distributed
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: rank)
+    monkeypatch.setattr(dist, "get_world_size", lambda: world)
+
+
+W2V_ARGS = argparse.Namespace(seed=0, subsample=1e-3, window=5, batch_size=65_536)
+
+
+def test_sharded_word2vec_batches_survive_a_short_last_chunk(monkeypatch):
+    """A corpus whose last chunk makes fewer pairs than one global batch trains on; it used to raise."""
+    distributed = load_example("_distributed")
+    monkeypatch.setattr(distributed, "CHUNK_TOKENS", 1_000)
+    corpus = synthetic_corpus(200, 4, 2_050, seed=0)  # chunks of 1000, 1000 and 50 tokens
+    per_rank, world, steps = 256, 2, 40  # 40 steps: more than two passes over the corpus
+    shares = []
+    for rank in range(world):
+        as_rank(monkeypatch, rank, world)
+        batches = distributed._batches(corpus, W2V_ARGS, per_rank, torch.device("cpu"))
+        shares.append([next(batches) for _ in range(steps)])
+    for step in range(steps):
+        # Every rank trains a full batch at every step, and the ranks' pairs at a step differ.
+        assert [len(share[step][0]) for share in shares] == [per_rank] * world
+        assert not torch.equal(shares[0][step][0], shares[1][step][0])
+
+
+def test_sharded_word2vec_batch_larger_than_the_corpus_names_the_option(monkeypatch):
+    """Not the feeder's ``drop_last`` nor a per-rank batch the user never gave: ``--batch-size``."""
+    distributed = load_example("_distributed")
+    corpus = synthetic_corpus(200, 4, 3_000, seed=0)  # a few thousand pairs
+    as_rank(monkeypatch, 0, 2)
+    with pytest.raises(ss.OptionError, match=r"--batch-size 65536") as raised:
+        next(distributed._batches(corpus, W2V_ARGS, 32_768, torch.device("cpu")))
+    assert "drop_last" not in str(raised.value)
