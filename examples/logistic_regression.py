@@ -118,11 +118,13 @@ def load_labelled(x_path, y_path, parser):
 
     Raises:
         SystemExit: (``parser.error``) a file that is not a numeric array,
-            features that are NaN or infinite (or none per row), different row
+            features without rows, features that are NaN or infinite (or none per row), different row
             counts, or labels that are not class ids 0, 1, ... below the row
             count (casting 0.3 to 0 would train on labels nobody gave).
     """
     x, y = load_numbers(x_path, "--x", parser), load_numbers(y_path, "--y", parser)
+    if not len(x):  # reshape(0, -1) cannot infer the features and raises
+        parser.error(f"--x {x_path!r} holds no rows (shape {x.shape}): give one row per sample")
     x = x.reshape(len(x), -1)
     if x.shape[1] == 0:
         parser.error(f"--x has shape {x.shape}: every row needs at least one feature")

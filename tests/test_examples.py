@@ -378,6 +378,16 @@ def test_logistic_regression_refuses_arrays_it_cannot_train_on(tmp_path, capsys)
         assert re.search(message, error), error
 
 
+def test_logistic_regression_refuses_arrays_without_rows(tmp_path, capsys):
+    """An empty --x is argparse's one-line error, not numpy's reshape traceback."""
+    np.save(tmp_path / "y.npy", np.zeros(0, np.int64))
+    for name, array in [("x2d", np.zeros((0, 3), np.float32)), ("x1d", np.zeros(0, np.float32))]:
+        np.save(tmp_path / f"{name}.npy", array)
+        error = _refused("logistic_regression", ["--x", tmp_path / f"{name}.npy", "--y", tmp_path / "y.npy"],
+                         capsys)
+        assert re.search(r"--x .* holds no rows", error), error
+
+
 def test_recommender_refuses_malformed_ratings(tmp_path, capsys):
     recommender = load_example("recommender")
     files = {"empty.data": "", "junk.csv": "a,b,c\nx,y,z\n", "spaces.data": "1 1 5 0\n2 1 3 0\n",
