@@ -62,3 +62,15 @@ def test_sharded_word2vec_batch_larger_than_the_corpus_names_the_option(monkeypa
     with pytest.raises(ss.OptionError, match=r"--batch-size 65536") as raised:
         next(distributed._batches(corpus, W2V_ARGS, 32_768, torch.device("cpu")))
     assert "drop_last" not in str(raised.value)
+
+
+def test_a_world_size_smaller_than_the_group_says_the_rank_came_from_torch_distributed(monkeypatch):
+    """world_size=1 on rank 1 of a group (every process reads every row): the rank was never given."""
+    as_rank(monkeypatch, 1, 2)
+    with pytest.raises(ss.OptionError) as raised:
+        ss.BatchFeeder(np.arange(10), batch_size=2, device="cpu", world_size=1)
+    message = str(raised.value)
+    assert "torch.distributed" in message and "rank=0, world_size=1" in message, message
+    # Passing the rank too is what the message asks for, and it works.
+    feeder = ss.BatchFeeder(np.arange(10), batch_size=2, device="cpu", rank=0, world_size=1)
+    assert len(feeder) == 5

@@ -140,12 +140,18 @@ def _resolve_ranks(rank, world_size):
                           f"initialised, so every process would be rank 0 and read the same rows; "
                           f"pass rank (0 .. {world_size - 1}) with world_size, or initialise "
                           f"torch.distributed")
-    if rank is None:
-        rank = dist.get_rank() if initialised else 0
+    if rank is None and initialised:
+        # Out of range only when world_size was given smaller than the group's: the message
+        # must say where a rank the caller never passed came from.
+        rank, given = dist.get_rank(), (": it is this process's torch.distributed rank; with a "
+                                        "world_size other than the group's, pass rank too (rank=0, "
+                                        "world_size=1 reads every row in every process)")
+    else:
+        rank, given = 0 if rank is None else rank, ""
     outside = f" (outside the world of {world_size} ranks: ranks are 0 .. {world_size - 1})"
     rank = int_option(rank, "rank", minimum=0, hint=outside)
     if rank >= world_size:
-        raise OptionError(f"rank {rank!r} is{outside[:-1]})")
+        raise OptionError(f"rank {rank!r} is{outside[:-1]}){given}")
     return rank, world_size
 
 
