@@ -74,3 +74,13 @@ def test_a_world_size_smaller_than_the_group_says_the_rank_came_from_torch_distr
     # Passing the rank too is what the message asks for, and it works.
     feeder = ss.BatchFeeder(np.arange(10), batch_size=2, device="cpu", rank=0, world_size=1)
     assert len(feeder) == 5
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_rows_per_rank_is_the_rows_an_epoch_delivers(world_size, drop_last):
+    """As documented: the rows this rank reads per epoch, padding included, a dropped last batch not."""
+    for rank in range(world_size):
+        feeder = ss.BatchFeeder(np.arange(23), batch_size=3, drop_last=drop_last, device="cpu",
+                                rank=rank, world_size=world_size)
+        assert feeder.rows_per_rank == sum(len(ids) for ids, in feeder)

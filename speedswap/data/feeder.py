@@ -354,10 +354,10 @@ class BatchFeeder:
         # a stride, or every rank reads every block of a file (see `shard`). Memory sources
         # are split alike, so a file and the same data in memory give the same stream.
         self._contiguous = hasattr(self._order, "windows") and self._world_size > 1
-        if self._drop_last and self.rows_per_rank < self._batch_size:
+        if self._drop_last and self._share() < self._batch_size:
             raise OptionError(f"batch_size={self._batch_size} with drop_last=True leaves every epoch "
-                              f"empty: each of the {self._world_size} rank(s) gets {self.rows_per_rank} "
-                              f"rows; use a batch_size <= {self.rows_per_rank} or drop_last=False")
+                              f"empty: each of the {self._world_size} rank(s) gets {self._share()} "
+                              f"rows; use a batch_size <= {self._share()} or drop_last=False")
         self._transform = transform
         self._lookahead = lookahead
         file_bytes = sum(f.row_bytes * f.num_rows for f in self._files.values())
@@ -381,17 +381,21 @@ class BatchFeeder:
         self._next_ids = (None, None, None)
 
     # ------------------------------------------------------------ properties
-    @property
-    def rows_per_rank(self):
-        """Rows this rank reads per epoch (including padding rows)."""
+    def _share(self):
+        """This rank's rows of each epoch's order (padding included), before ``drop_last`` drops a short batch."""
         n, w = self._num_rows, self._world_size
         if w == 1:
             return n
         return n // w if self._drop_last else -(-n // w)
 
+    @property
+    def rows_per_rank(self):
+        """Rows this rank reads per epoch: padding rows included, a last batch ``drop_last`` drops not."""
+        return len(self) * self._batch_size if self._drop_last else self._share()
+
     def __len__(self):
         """Batches per epoch on this rank (the same on every rank)."""
-        rows = self.rows_per_rank
+        rows = self._share()
         return rows // self._batch_size if self._drop_last else -(-rows // self._batch_size)
 
     @property
