@@ -84,3 +84,12 @@ def test_rows_per_rank_is_the_rows_an_epoch_delivers(world_size, drop_last):
         feeder = ss.BatchFeeder(np.arange(23), batch_size=3, drop_last=drop_last, device="cpu",
                                 rank=rank, world_size=world_size)
         assert feeder.rows_per_rank == sum(len(ids) for ids, in feeder)
+
+
+@pytest.mark.parametrize("rank, world_size", [(3, 2), (2, 2), (-1, 2), (0, 0), (True, 2), (0.0, 2)])
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_shard_refuses_a_rank_outside_the_world(rank, world_size, contiguous):
+    """orders.shard is public: rank 3 of 2 used to get rows 3, 5, 7, 9 (another rank's), world 0 a ZeroDivisionError."""
+    from speedswap.data.orders import shard
+    with pytest.raises(ss.OptionError, match="rank|world_size"):
+        shard(np.arange(10), rank=rank, world_size=world_size, drop_last=False, contiguous=contiguous)

@@ -250,7 +250,16 @@ def shard(indices, rank, world_size, drop_last, contiguous=False):
 
     Returns:
         numpy.ndarray of int64.
+
+    Raises:
+        OptionError: a ``world_size`` that is not a positive int, or a
+            ``rank`` that is not an int in ``[0, world_size)`` (a stride
+            would hand it another rank's rows, a run none).
     """
+    world_size = int_option(world_size, "world_size")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
+        raise OptionError(f"rank must be an int from 0 to {world_size - 1} (the world has {world_size} "
+                          f"ranks), got {rank!r}")
     n = len(indices)
     if world_size == 1:
         return indices
