@@ -425,6 +425,31 @@ def test_foreign_or_malformed_state_is_refused():
     assert feeder.state_dict()["epoch"] == 0 and feeder.state_dict()["batch"] == 0
 
 
+@pytest.mark.parametrize("order", ["random", "block", "sequential"])
+def test_rank_zeros_state_resumes_every_rank_of_the_same_world(order, rng):
+    """The usual checkpoint: rank 0 saves, every rank loads; each rank then continues its own share."""
+    data, world, batch = rng.permutation(1_003), 3, 16
+
+    def feeder(rank, world_size=world):
+        return ss.BatchFeeder(data, batch_size=batch, order=order, seed=5, device="cpu",
+                              rank=rank, world_size=world_size, drop_last=True)
+
+    saver = feeder(0)
+    for _ in zip(range(7), saver):
+        pass
+    saved = saver.state_dict()
+    for rank in range(world):
+        resumed, straight = feeder(rank), feeder(rank)
+        resumed.load_state_dict(saved)
+        assert resumed.state_dict()["rank"] == rank
+        expected = [b[0] for b in straight][7:]  # the uninterrupted run of this rank, after 7 batches
+        got = [b[0] for b in resumed]
+        assert len(got) == len(expected) > 0
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    with pytest.raises(ss.StateError, match="world_size: saved 3, this feeder 2"):
+        feeder(1, world_size=2).load_state_dict(saved)
+
+
 def test_a_state_saved_before_ranks_took_runs_is_refused_where_the_split_changed():
     # States from before the contiguous split have no "shard" key: their ranks took strides.
     def old_state(feeder):

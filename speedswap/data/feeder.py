@@ -451,13 +451,18 @@ class BatchFeeder:
     def load_state_dict(self, state):
         """Continue the stream from :meth:`state_dict`'s position.
 
+        Every rank of a world reads the same number of batches per epoch, in
+        step, so a state saved by one rank resumes every rank of the same
+        world (each keeps its own ``rank``): rank 0's checkpoint serves all.
+
         Args:
-            state: a dict from :meth:`state_dict` (of this feeder or one built
-                with the same arguments).
+            state: a dict from :meth:`state_dict` (of this feeder, one built
+                with the same arguments, or another rank's of the same world).
 
         Raises:
             StateError: the state comes from a feeder with another seed, data
-                size, batch size, order, ``drop_last`` or rank; or is malformed
+                size, batch size, order, ``drop_last``, world size or split
+                between ranks (``shard``); or is malformed
                 (not a dict, keys missing, a position that is not an int in
                 range). Nothing changes then.
         """
@@ -470,8 +475,9 @@ class BatchFeeder:
         if missing:
             raise StateError(f"not a BatchFeeder state: keys {missing} are missing")
         mine = self.state_dict()
+        # The position is every rank's (see above): the saving rank's own number does not matter.
         differ = [f"{key}: saved {state[key]!r}, this feeder {mine[key]!r}"
-                  for key in _STATE_KEYS[2:] if state[key] != mine[key]]
+                  for key in _STATE_KEYS[2:] if key != "rank" and state[key] != mine[key]]
         if differ:
             raise StateError("this state belongs to a different stream (" + "; ".join(differ) +
                              "); build the feeder with the same arguments to resume it")
