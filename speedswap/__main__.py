@@ -59,6 +59,17 @@ def _json_file(text: str) -> str:
     return text
 
 
+def _positive_int(text: str) -> int:
+    """``--repeats``' type: a whole number of at least 1, or argparse's error (a median needs a sample)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def _table_dir(text: str) -> str:
     """``--table-dir``'s type: a new or empty directory for the table files, or argparse's error."""
     if os.path.exists(text) and not os.path.isdir(text):
@@ -155,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "memory) within a time budget, JSON plus SUMMARY.md.")
     bench.add_argument("--out", default=DEFAULT_OUT, help="directory for the results")
     bench.add_argument("--quick", action="store_true", help="16x smaller sizes (a smoke run; without --all)")
-    bench.add_argument("--repeats", type=int, default=_REPEATS, help="timed repeats per method (without --all)")
+    bench.add_argument("--repeats", type=_positive_int, default=_REPEATS,
+                       help="timed repeats per method (without --all)")
     bench.add_argument("--all", action="store_true",
                        help="the GPU suite: gpu tests and every GPU benchmark, in that order, within "
                             "--budget-s")

@@ -135,7 +135,14 @@ def time_interleaved(fns: Mapping[str, Callable[[], Any]], *, repeats: int, warm
 
     Returns:
         ``{name: summary}`` as :func:`summarize` returns.
+
+    Raises:
+        OptionError: ``repeats`` below 1 (no sample to take a median of) or a negative ``warmup``.
     """
+    # Checked before any call: a median of no samples fails only after the warm-up's work.
+    if repeats < 1 or warmup < 0:
+        raise ss.OptionError(f"repeats must be at least 1 and warmup at least 0 (rounds to time and to "
+                             f"discard first), got repeats={repeats!r}, warmup={warmup!r}")
     once = _cuda_once if cuda else _wall_once
     for _ in range(warmup):
         for fn in fns.values():
