@@ -21,3 +21,22 @@ def test_bench_refuses_repeats_that_time_nothing(repeats, capsys, tmp_path):
 def test_timing_refuses_repeats_that_time_nothing(repeats, warmup):
     with pytest.raises(ss.OptionError, match="repeats|warmup"):
         time_interleaved({"f": lambda: None}, repeats=repeats, warmup=warmup)
+
+
+@pytest.mark.parametrize("argv", [["bench", "--quick", "--repeats", "2"],
+                                  ["bench", "--all", "--dry-run", "--steps", "transport"]])
+def test_bench_out_that_is_a_file_is_a_one_line_error_before_measuring(argv, tmp_path, monkeypatch, capsys):
+    """--out naming a file raised a raw FileExistsError, for plain bench after the whole measurement."""
+    from speedswap.apps.bench import transport
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before the results directory was checked")
+
+    monkeypatch.setattr(transport, "run_cpu", measured)
+    taken = tmp_path / "taken"
+    taken.write_text("keep me")
+    assert main(argv + ["--out", str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m speedswap bench: error: ") and str(taken) in err
+    assert "Traceback" not in err and "not a directory" in err
+    assert taken.read_text() == "keep me"

@@ -141,6 +141,24 @@ def _regression_rows(dim: int, cap: int = 1_000_000) -> int:
     return int(max(16_384, min(cap, free // 16 // ((dim + 1) * 4))))
 
 
+def _results_dir(out_dir: os.PathLike) -> Path:
+    """``out_dir``, created (parents too) before any measurement, so a bad one costs no minutes.
+
+    Raises:
+        PathError: ``out_dir`` is a file, or cannot be created (read-only, no permission).
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ss.PathError(f"the results directory {str(out_dir)!r} is not a directory (a file is there); "
+                           f"give --out a new or existing directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ss.PathError(f"cannot create the results directory {str(out_dir)!r} ({exc.strerror or exc}); "
+                           f"give --out a directory that can be written") from exc
+    return out_dir
+
+
 def run_transport_bench(out_dir: os.PathLike = DEFAULT_OUT, quick: bool = False, repeats: int = 20,
                         log: Callable[[str], None] = print) -> tuple:
     """The transport benchmark at a size this machine holds: JSON, text table, PNG chart.
@@ -156,7 +174,11 @@ def run_transport_bench(out_dir: os.PathLike = DEFAULT_OUT, quick: bool = False,
 
     Returns:
         (payload dict, list of paths written)
+
+    Raises:
+        PathError: ``out_dir`` is a file or cannot be created (checked before measuring).
     """
+    out_dir = _results_dir(out_dir)
     no_chart = matplotlib_missing()
     if no_chart:
         log(f"note: {no_chart}; the JSON is written, the chart skipped")
@@ -167,7 +189,7 @@ def run_transport_bench(out_dir: os.PathLike = DEFAULT_OUT, quick: bool = False,
     if torch.cuda.is_available():
         payload["gpu"] = transport.run_gpu(1_000_000 // scale, IDS // scale, repeats)
         log(transport.format_gpu(payload["gpu"]))
-    stem = Path(out_dir) / f"transport-bench-{'gpu' if 'gpu' in payload else 'cpu'}"
+    stem = out_dir / f"transport-bench-{'gpu' if 'gpu' in payload else 'cpu'}"
     written = [write_json(stem.with_suffix(".json"), "transport", payload)]
     if not no_chart:
         written.append(plot(payload, stem.with_suffix(".png")))
@@ -296,11 +318,11 @@ def run_all(out_dir: os.PathLike = DEFAULT_OUT, dry_run: bool = False,
 
     Raises:
         OptionError: a ``budget_s`` that is not a positive number of seconds.
+        PathError: ``out_dir`` is a file or cannot be created.
     """
     if not isinstance(budget_s, (int, float)) or isinstance(budget_s, bool) or not budget_s > 0:
         raise ss.OptionError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _results_dir(out_dir)
     sizes = DRY_RUN_SIZES if dry_run else GPU_SIZES
     record = {"mode": "dry run" if dry_run else "full", "machine": machine(),
               "sizes": dataclasses.asdict(sizes), "budget_s": budget_s, "finished": False, "steps": {}}
