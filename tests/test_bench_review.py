@@ -40,3 +40,45 @@ def test_bench_out_that_is_a_file_is_a_one_line_error_before_measuring(argv, tmp
     assert err.startswith("python -m speedswap bench: error: ") and str(taken) in err
     assert "Traceback" not in err and "not a directory" in err
     assert taken.read_text() == "keep me"
+
+
+_INTERRUPTED_WRITE = r"""
+import json, resource, signal, sys
+from pathlib import Path
+from speedswap.apps.bench import suite
+from speedswap.apps.bench.timing import write_json
+import speedswap as ss
+
+path = Path(sys.argv[1])
+# A write the file system stops part way (as a full disk would): at most 1000 bytes per file.
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1000, resource.RLIM_INFINITY))
+try:
+    if path.name == "suite.json":
+        suite._write_record(path.parent, {"mode": "x", "steps": {}, "padding": list(range(2000))}, 0.0)
+    else:
+        write_json(path, "x", {"figures": list(range(2000))})
+except ss.PathError as exc:
+    print("PathError:", exc)
+"""
+
+
+@pytest.mark.parametrize("name", ["transport-cpu.json", "suite.json"])
+def test_a_results_file_whose_rewrite_fails_keeps_the_previous_one(name, tmp_path):
+    """write_json and suite.json were written in place: a write stopped part way left half a JSON file."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    path = tmp_path / name
+    path.write_text(json.dumps({"figures": [1.0, 2.0]}))
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _INTERRUPTED_WRITE, str(path)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("PathError:") and str(path) in done.stdout, done.stdout
+    assert json.loads(path.read_text()) == {"figures": [1.0, 2.0]}  # the previous results, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no temporary left behind

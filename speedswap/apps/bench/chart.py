@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from speedswap.atomic import atomic_output
+
 __all__ = ["matplotlib_missing", "chart", "plot"]
 
 
@@ -73,16 +75,21 @@ def chart(payload: dict):
 
 
 def plot(payload: dict, path: os.PathLike) -> Path:
-    """Save :func:`chart` of ``payload`` as a PNG at ``path`` (no display needed).
+    """Save :func:`chart` of ``payload`` as a PNG at ``path`` (no display needed), atomically.
 
     Raises:
         ImportError: matplotlib is not installed.
+        PathError: the file system refused the write (the previous chart is kept).
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig = chart(payload)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        # The temporary's name ends in .tmp: the format is given, not taken from it.
+        with atomic_output(path) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
+    finally:
+        plt.close(fig)
     return Path(path)

@@ -42,7 +42,7 @@ from . import feeder, training_step, transport, word2vec
 from .chart import matplotlib_missing, plot
 from .gpu_tests import run_gpu_tests
 from .summary import render_summary
-from .timing import available_ram, load_average, machine, write_json
+from .timing import available_ram, load_average, machine, write_json, write_text
 
 __all__ = ["DEFAULT_OUT", "BUDGET_S", "SuiteSizes", "GPU_SIZES", "DRY_RUN_SIZES", "fitting_rows",
            "run_transport_bench", "step_names", "run_all", "STEPS"]
@@ -369,5 +369,6 @@ def _write_record(out_dir: Path, record: dict, start: float):
     record["load_average_after"] = load_average()
     # The figures are in each step's own JSON file; suite.json says how the run went.
     steps = {name: {k: v for k, v in outcome.items() if k != "result"} for name, outcome in record["steps"].items()}
-    (out_dir / "suite.json").write_text(json.dumps({**record, "steps": steps}, indent=2, default=str))
-    (out_dir / "SUMMARY.md").write_text(render_summary(record))
+    # Each replaced whole: a run stopped mid-write keeps the previous step's record.
+    write_text(out_dir / "suite.json", json.dumps({**record, "steps": steps}, indent=2, default=str))
+    write_text(out_dir / "SUMMARY.md", render_summary(record))

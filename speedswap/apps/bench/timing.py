@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 import speedswap as ss
+from speedswap.atomic import atomic_output, saving_error
 
 __all__ = ["machine", "available_ram", "physical_ram", "load_average", "time_interleaved", "time_one", "summarize",
-           "format_table", "write_json"]
+           "format_table", "write_text", "write_json"]
 
 
 def _cpu_model() -> str:
@@ -202,8 +203,34 @@ def _fmt(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+def write_text(path: os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically, creating its directory.
+
+    A results file is replaced whole or not at all: a run stopped, or a disk
+    filled, mid-write leaves the previous file as it was, never half of one.
+
+    Args:
+        path: the file.
+        text: its new contents.
+
+    Returns:
+        The path written.
+
+    Raises:
+        PathError: the directory cannot be created or the file system refused the write.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise saving_error(path, exc) from exc
+    with atomic_output(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+    return path
+
+
 def write_json(path: os.PathLike, name: str, payload: Mapping[str, Any]) -> Path:
-    """Write ``{"benchmark": name, "machine": machine(), **payload}`` to ``path``.
+    """Write ``{"benchmark": name, "machine": machine(), **payload}`` to ``path``, atomically.
 
     Args:
         path: the ``.json`` file (its directory is created).
@@ -212,8 +239,8 @@ def write_json(path: os.PathLike, name: str, payload: Mapping[str, Any]) -> Path
 
     Returns:
         The path written.
+
+    Raises:
+        PathError: as :func:`write_text`.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"benchmark": name, "machine": machine(), **payload}, indent=2))
-    return path
+    return write_text(path, json.dumps({"benchmark": name, "machine": machine(), **payload}, indent=2))
