@@ -82,3 +82,24 @@ def test_a_results_file_whose_rewrite_fails_keeps_the_previous_one(name, tmp_pat
     assert done.stdout.startswith("PathError:") and str(path) in done.stdout, done.stdout
     assert json.loads(path.read_text()) == {"figures": [1.0, 2.0]}  # the previous results, whole
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no temporary left behind
+
+
+def test_a_failed_steps_multi_line_reason_stays_in_its_table_row():
+    """torch's CUDA errors span lines; the reason's newlines ended the Markdown row mid-cell."""
+    from speedswap.apps.bench import suite
+    from speedswap.apps.bench.summary import markdown_table, render_summary
+
+    reason = ("RuntimeError: CUDA error: an illegal memory access was encountered\nCUDA kernel errors might "
+              "be asynchronously reported at some other API call\nFor debugging consider passing "
+              "CUDA_LAUNCH_BLOCKING=1")
+    failed = {"status": "failed", "reason": reason, "seconds": 0.5}
+    machine = dict.fromkeys(["date", "host", "cpu", "cores", "torch", "numpy", "python", "speedswap", "gpu",
+                             "load_average"], "x")
+    record = {"mode": "full", "machine": {**machine, "ram_bytes": 2**30, "ram_available_bytes": 2**29},
+              "seconds": 5.0, "budget_s": 480, "finished": True, "steps": dict.fromkeys(suite.STEPS, failed)}
+    text = render_summary(record)
+    for section in ("## Steps", "## Targets"):
+        body = text.split(section)[1].split("\n\n")[1]  # the table: every line a row of it
+        assert all(line.startswith("|") and line.endswith("|") for line in body.splitlines()), body
+    assert "CUDA_LAUNCH_BLOCKING=1" in text  # nothing of the reason lost
+    assert markdown_table(["a"], [["x\ny"]]).splitlines()[-1] == "| x<br>y |"

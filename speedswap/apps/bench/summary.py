@@ -21,11 +21,16 @@ _TARGET_LABELS = {
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub Markdown table; floats to 3 significant digits, None as a dash."""
+    """A GitHub Markdown table; floats to 3 significant digits, None as a dash.
+
+    A cell's line breaks (a multi-line error message) become ``<br>``: a newline would end the row.
+    """
     def cell(value):
         if value is None:
             return "—"
-        return f"{value:.3g}" if isinstance(value, float) else str(value).replace("|", "\\|")
+        if isinstance(value, float):
+            return f"{value:.3g}"
+        return str(value).replace("|", "\\|").replace("\r\n", "\n").replace("\n", "<br>")
 
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
