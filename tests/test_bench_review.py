@@ -103,3 +103,15 @@ def test_a_failed_steps_multi_line_reason_stays_in_its_table_row():
         assert all(line.startswith("|") and line.endswith("|") for line in body.splitlines()), body
     assert "CUDA_LAUNCH_BLOCKING=1" in text  # nothing of the reason lost
     assert markdown_table(["a"], [["x\ny"]]).splitlines()[-1] == "| x<br>y |"
+
+
+def test_bench_refuses_an_infinite_budget_which_suite_json_cannot_hold(tmp_path, monkeypatch, capsys):
+    """--budget-s inf ran, and suite.json said "budget_s": Infinity, which is not JSON."""
+    from speedswap.apps.bench import suite
+
+    with pytest.raises(ss.OptionError, match="positive number of seconds.*finite"):
+        suite.run_all(tmp_path / "never", dry_run=True, budget_s=float("inf"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--all", "--dry-run", "--steps", "beyond-gpu", "--budget-s", "inf"]) == 2
+    assert "finite" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything was written

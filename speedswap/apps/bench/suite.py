@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 import traceback
@@ -317,11 +318,14 @@ def run_all(out_dir: os.PathLike = DEFAULT_OUT, dry_run: bool = False,
         figures; ``suite.json`` holds the rest of the record).
 
     Raises:
-        OptionError: a ``budget_s`` that is not a positive number of seconds.
+        OptionError: a ``budget_s`` that is not a positive, finite number of seconds.
         PathError: ``out_dir`` is a file or cannot be created.
     """
-    if not isinstance(budget_s, (int, float)) or isinstance(budget_s, bool) or not budget_s > 0:
-        raise ss.OptionError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
+    # Finite too: suite.json records the budget, and JSON has no Infinity.
+    if (not isinstance(budget_s, (int, float)) or isinstance(budget_s, bool) or not budget_s > 0
+            or not math.isfinite(budget_s)):
+        raise ss.OptionError(f"budget_s must be a positive number of seconds, and finite (the default is "
+                             f"{BUDGET_S}), got {budget_s!r}")
     out_dir = _results_dir(out_dir)
     sizes = DRY_RUN_SIZES if dry_run else GPU_SIZES
     record = {"mode": "dry run" if dry_run else "full", "machine": machine(),
