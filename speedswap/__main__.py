@@ -70,6 +70,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    """``--seed``'s type: a whole number in [0, 2**32), what the corpus and the training both take.
+
+    The corpus is built before the training checks its seed: numpy refused a negative one there
+    with a raw traceback, and a seed of 2**32 or more was refused only after the corpus was built.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 2**32 - 1, got {text!r}")
+    return value
+
+
 def _table_dir(text: str) -> str:
     """``--table-dir``'s type: a new or empty directory for the table files, or argparse's error."""
     if os.path.exists(text) and not os.path.isdir(text):
@@ -148,9 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--table-dir", type=_table_dir, metavar="DIR",
                       help="with --storage mmap: a new or empty directory for the table files, kept after the "
                            "run (default: a temporary directory, removed at the end)")
-    demo.add_argument("--seed", type=int, default=0, metavar="N",
-                      help="seeds the corpus and the training (the same seed gives the same vectors, loss "
-                           "and purity)")
+    demo.add_argument("--seed", type=_seed, default=0, metavar="N",
+                      help="seeds the corpus and the training, 0 to 2**32 - 1 (the same seed gives the same "
+                           "vectors, loss and purity)")
     demo.add_argument("--json", type=_json_file, metavar="PATH",
                       help="also write the summary to PATH as JSON (replaced atomically)")
     demo.add_argument("--cache-rows", type=int, default=0, metavar="N",

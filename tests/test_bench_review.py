@@ -115,3 +115,19 @@ def test_bench_refuses_an_infinite_budget_which_suite_json_cannot_hold(tmp_path,
     assert main(["bench", "--all", "--dry-run", "--steps", "beyond-gpu", "--budget-s", "inf"]) == 2
     assert "finite" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32), "x"])
+def test_demo_refuses_a_seed_out_of_range_before_it_runs(seed, capsys, monkeypatch):
+    """demo --seed -1 built the corpus with it and died in numpy with a raw ValueError traceback."""
+    from speedswap.apps import demo
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the demo ran with a seed it cannot take")
+
+    monkeypatch.setattr(demo, "run_demo", ran)
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--tiny", "--seed", seed])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--seed" in err and "2**32" in err
