@@ -131,3 +131,20 @@ def test_demo_refuses_a_seed_out_of_range_before_it_runs(seed, capsys, monkeypat
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--seed" in err and "2**32" in err
+
+
+def test_summary_says_the_gpu_word2vec_contenders_failed_not_that_they_did_not_run():
+    """Every GPU contender raising left the word2vec targets saying 'the GPU word2vec job did not run'."""
+    from speedswap.apps.bench import summary
+
+    names = ("gpu", "gpu closed form", "gpu cache + prefetch", "gpu batch 32768")
+    job = {"ratios": {}, "skipped": {**{name: "failed in round 1: RuntimeError: CUDA error: out of memory"
+                                        for name in names}, "gensim": "gensim is not installed"},
+           "failures": {name: "Traceback ..." for name in names}}
+    record = {"steps": {"word2vec": {"status": "ran", "reason": None, "result": job}}}
+    rows = summary._word2vec_targets(record)
+    assert len(rows) == 2
+    for row in rows:
+        assert "did not run" not in row[2]
+        assert row[2].startswith("skipped: every GPU contender failed") and "CUDA error: out of memory" in row[2]
+        assert row[3] == "—"

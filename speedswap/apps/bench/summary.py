@@ -150,7 +150,11 @@ def _word2vec_targets(record: dict) -> list:
     cpu_label = "word2vec demo words/s: GPU (demo recipe) / the same job on this machine's CPU"
     gensim_label = "word2vec words/s: fastest GPU contender / gensim on this machine's cores"
     if not job or not job["ratios"]:
-        why = _why_not(record, "word2vec", "the GPU word2vec job")
+        failed = [name for name in (job or {}).get("failures", {}) if name.startswith("gpu")]
+        # A GPU run whose every GPU contender raised: say so, not that the job did not run.
+        why = ("skipped: every GPU contender failed (" + "; ".join(f"{name} {job['skipped'][name]}"
+                                                                   for name in failed) + ")"
+               if failed else _why_not(record, "word2vec", "the GPU word2vec job"))
         return [[cpu_label, _goal(word2vec.CPU_TARGET), why, "—"],
                 [gensim_label, _goal(word2vec.GENSIM_TARGET), why, "—"]]
     if "gpu" in job["ratios"]:
