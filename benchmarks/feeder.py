@@ -31,7 +31,7 @@ def main(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--epochs", type=int, default=5, help="epochs per timed repeat (fast_loops)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats (GPU case: timed epochs)")
-    parser.add_argument("--disk-gb", type=float, default=2.0, help="size of the file for the disk case")
+    parser.add_argument("--disk-gb", type=float, default=2.0, help="size of the file for the disk case, GB (10**9 bytes)")
     parser.add_argument("--disk-dir", default=tempfile.gettempdir(), help="where the disk case's file goes")
     parser.add_argument("--disk-batch", type=int, default=2048, help="rows per batch in the disk case")
     parser.add_argument("--disk-max-seconds", type=float, default=120.0,

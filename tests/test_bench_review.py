@@ -148,3 +148,13 @@ def test_summary_says_the_gpu_word2vec_contenders_failed_not_that_they_did_not_r
         assert "did not run" not in row[2]
         assert row[2].startswith("skipped: every GPU contender failed") and "CUDA error: out of memory" in row[2]
         assert row[3] == "—"
+
+
+def test_the_feeder_disk_case_makes_a_file_of_the_gigabytes_asked_for(tmp_path):
+    """--disk-gb 2 made a 2 GiB file, printed as "2.15 GB" (benchmarks/disk.py's --disk-gb means 1e9 bytes)."""
+    from speedswap.apps.bench import feeder
+
+    result = feeder.disk(0.004, str(tmp_path), batch=256, max_seconds=30)
+    assert abs(result["file_bytes"] - 0.004e9) < 4096  # one 4 KiB row of rounding
+    assert feeder.format_disk(result).startswith("disk: 0.00 GB file")
+    assert not list(tmp_path.iterdir())  # the temporary file is removed

@@ -162,7 +162,8 @@ def disk(gigabytes: float, directory: Optional[str], batch: int, max_seconds: fl
     """Epoch time of a memory-mapped ``.npy`` file in block vs random order, cold page cache.
 
     Args:
-        gigabytes: file size (4 KiB rows: one page each, so random order costs a read per row).
+        gigabytes: file size in GB of 10**9 bytes, as printed and as ``benchmarks/disk.py``'s
+            ``--disk-gb`` (4 KiB rows: one page each, so random order costs a read per row).
         directory: where the temporary file goes (deleted at the end).
         batch: rows per batch.
         max_seconds: stop an epoch after this long and extrapolate.
@@ -171,7 +172,7 @@ def disk(gigabytes: float, directory: Optional[str], batch: int, max_seconds: fl
         ``{"file_bytes", "shape", "batch", "ram_bytes", "larger_than_ram", "rows": per order}``.
     """
     dim = 1024
-    rows = int(gigabytes * (1 << 30)) // (dim * 4)
+    rows = int(gigabytes * 1e9) // (dim * 4)
     nbytes = rows * dim * 4
     ram = machine().get("ram_bytes")
     fd, path = tempfile.mkstemp(suffix=".npy", dir=directory)
