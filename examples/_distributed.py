@@ -45,6 +45,21 @@ def init(device):
     return dist.get_rank(), dist.get_world_size()
 
 
+def batch_per_rank(batch_size, world):
+    """Each rank's share of ``--batch-size``, so that a step covers as many rows as one process's.
+
+    Raises:
+        OptionError: ``batch_size`` is not a multiple of ``world`` (rounding would
+            silently train fewer, or more, rows a step than the one-process run).
+    """
+    if batch_size % world or batch_size < world:
+        lower = max(world, batch_size - batch_size % world)
+        raise ss.OptionError(f"--batch-size {batch_size} does not split evenly over {world} ranks: "
+                             f"give a multiple of {world} (e.g. {lower} or {lower + world}), so that a "
+                             f"step trains as many rows as one process does")
+    return batch_size // world
+
+
 def finish():
     """End a successful run on every rank: wait for the others, then exit without interpreter teardown.
 
@@ -108,7 +123,7 @@ def word2vec_sharded(args, corpus, backend):
     """
     device = ss.get_backend(backend).device
     rank, world = init(device)
-    per_rank = max(1, args.batch_size // world)
+    per_rank = batch_per_rank(args.batch_size, world)
 
     def table(name, max_rows):
         path = None if args.table_dir is None else f"{args.table_dir}/{name}"
@@ -183,7 +198,7 @@ def recommender_sharded(args, initial, mean, data, train, test, backend, fit, mo
     """
     device = ss.get_backend(backend).device
     rank, world = init(device)
-    per_rank = max(1, args.batch_size // world)
+    per_rank = batch_per_rank(args.batch_size, world)
     tables = []
     for values in initial:
         emb = ss.ShardedOffloadedEmbedding(values.shape[0], values.shape[1], max_rows=per_rank,

@@ -93,3 +93,16 @@ def test_shard_refuses_a_rank_outside_the_world(rank, world_size, contiguous):
     from speedswap.data.orders import shard
     with pytest.raises(ss.OptionError, match="rank|world_size"):
         shard(np.arange(10), rank=rank, world_size=world_size, drop_last=False, contiguous=contiguous)
+
+
+@pytest.mark.parametrize("batch_size, world", [(1025, 2), (1, 2), (10, 4), (2, 3)])
+def test_a_batch_size_the_ranks_cannot_split_evenly_is_refused(batch_size, world):
+    """Rounding it down per rank trained fewer rows a step than the one-process run (1025 -> 1024, 1 -> 2)."""
+    distributed = load_example("_distributed")
+    with pytest.raises(ss.OptionError, match=rf"--batch-size {batch_size} does not split evenly over {world} ranks"):
+        distributed.batch_per_rank(batch_size, world)
+
+
+@pytest.mark.parametrize("batch_size, world", [(1024, 2), (3, 3), (4096, 8), (7, 1)])
+def test_a_batch_size_the_ranks_split_evenly_gives_each_its_share(batch_size, world):
+    assert load_example("_distributed").batch_per_rank(batch_size, world) * world == batch_size
