@@ -158,3 +158,18 @@ def test_the_feeder_disk_case_makes_a_file_of_the_gigabytes_asked_for(tmp_path):
     assert abs(result["file_bytes"] - 0.004e9) < 4096  # one 4 KiB row of rounding
     assert feeder.format_disk(result).startswith("disk: 0.00 GB file")
     assert not list(tmp_path.iterdir())  # the temporary file is removed
+
+
+@pytest.mark.parametrize("script, option", [("cache.py", "--steps"), ("training_step.py", "--threads"),
+                                            ("word2vec_quality.py", "--epochs"), ("soak.py", "--save-every")])
+def test_benchmark_scripts_refuse_a_count_of_zero_before_any_work(script, option):
+    """cache.py --steps 0 divided by zero, training_step.py --threads 0 got torch's raw error."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    done = subprocess.run([sys.executable, script, option, "0"], cwd=benchmarks, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"argument {option}: expected a whole number of at least 1, got '0'" in done.stderr
