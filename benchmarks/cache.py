@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import speedswap as ss
+from speedswap.atomic import atomic_output
 
 VOCAB, DIM, PAIRS, NEGS = 1_000_000, 128, 4096, 5
 CACHE_FRACTIONS = [0.0, 0.01, 0.05, 0.20]
@@ -174,7 +175,8 @@ def plot(rows, path):
     fig.suptitle(f"skip-gram + Adam, 1M x 128, CPU; load average {min(loads):.1f}-{max(loads):.1f}")
     hit_ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_output(path) as tmp:  # a stopped run keeps the previous plot whole
+        fig.savefig(tmp, dpi=100, format="png")
 
 
 def main(argv=None):
