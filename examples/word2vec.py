@@ -223,9 +223,8 @@ def main(argv=None):
     if args.corpus:
         try:
             corpus = read_text_corpus(args.corpus, args.vocab, min_count=args.min_count)
-        except UnicodeDecodeError as exc:
-            parser.error(f"--corpus {args.corpus!r} is not UTF-8 text (byte {exc.start:,}: {exc.reason}): "
-                         f"give a text8-style file of whitespace-separated words")
+        except ss.FileFormatError as exc:  # not UTF-8, no words, none min-count times: the file's fault
+            parser.error(f"--corpus: {exc}")
     else:
         vocab = DEMO["vocab"] if args.vocab is None else args.vocab
         corpus = synthetic_corpus(vocab, args.topics, args.tokens, seed=args.seed)

@@ -454,7 +454,8 @@ def test_linear_regression_time_limit_still_sees_a_batch():
 def test_word2vec_refuses_a_binary_corpus(tmp_path):
     (tmp_path / "corpus.bin").write_bytes(bytes(range(256)) * 4)
     code, err = _fails([EXAMPLES / "word2vec.py", "--device", "cpu", "--corpus", tmp_path / "corpus.bin"])
-    assert code == 2 and "--corpus" in err and "is not UTF-8 text" in err and "Traceback" not in err, err
+    # Line 2 starts at byte 11 (after the first newline); byte 128 is its first that is not ASCII.
+    assert code == 2 and "--corpus" in err and "line 2, byte 128: not UTF-8" in err and "Traceback" not in err, err
 
 
 def test_notebooks_remove_their_temporary_folders():

@@ -664,3 +664,14 @@ def test_an_mmap_run_refuses_existing_table_files_before_it_makes_any(speedtorch
     (tmp_path / "fresh" / "centre").mkdir(parents=True)  # an empty directory is fine
     word2vec.train(corpus, dim=8, steps=2, batch_size=64, storage="mmap", directory=str(tmp_path / "fresh"),
           backend="numpy", speedtorch_api=speedtorch_api, progress=False)
+
+
+def test_a_corpus_file_that_is_missing_a_directory_or_not_utf8_is_refused_naming_its_line(tmp_path):
+    with pytest.raises(ss.MissingFileError, match="no corpus file"):
+        read_text_corpus(tmp_path / "missing.txt")
+    with pytest.raises(ss.PathError, match="is a directory"):
+        read_text_corpus(tmp_path)
+    # Past the text decoder's first chunk, so a chunk-relative offset would name the wrong byte.
+    (tmp_path / "latin1.txt").write_bytes(b"word " * 20_000 + b"\nfine words\ncaf\xe9 au lait\n")
+    with pytest.raises(ss.FileFormatError, match=r"line 3, byte 100,015: not UTF-8"):
+        read_text_corpus(tmp_path / "latin1.txt")

@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 import speedswap as ss
+from speedswap.atomic import check_readable_file
 
 __all__ = ["Corpus", "synthetic_corpus", "read_text_corpus", "keep_probabilities", "skipgram_pairs"]
 
@@ -137,11 +138,18 @@ def read_text_corpus(path: os.PathLike, vocab: Optional[int] = None, *, min_coun
 
     Raises:
         OptionError: ``vocab`` or ``min_count`` is not a positive int.
-        FileFormatError: the file holds no words, or none occurs ``min_count`` times.
+        FileFormatError: the file is not UTF-8 (the message names the line and
+            byte), holds no words, or none occurs ``min_count`` times.
+        MissingFileError: nothing at ``path``.
+        PathError: ``path`` is a directory.
     """
     _check_positive(min_count=min_count, **({} if vocab is None else {"vocab": vocab}))
-    with open(path, encoding="utf-8") as f:
-        lines = [line.split() for line in f]
+    name = check_readable_file(path, "corpus file")
+    try:
+        with open(name, encoding="utf-8") as f:
+            lines = [line.split() for line in f]
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(name, exc) from None
     counter = collections.Counter(word for line in lines for word in line)
     if not counter:
         raise ss.FileFormatError(f"{os.fspath(path)!r} holds no words; a corpus is whitespace-separated "
@@ -163,6 +171,26 @@ def read_text_corpus(path: os.PathLike, vocab: Optional[int] = None, *, min_coun
     return Corpus(tokens=np.array(ids, dtype=np.int32), doc_starts=np.array(starts, dtype=np.int64),
                   counts=np.array([c for _, c in ranked], dtype=np.int64),
                   words=[w for w, _ in ranked])
+
+
+def _not_utf8(name: str, exc: UnicodeDecodeError) -> ss.FileFormatError:
+    """The error for a corpus file that is not UTF-8, naming the first bad line and its byte in the file.
+
+    The text decoder's ``exc.start`` counts from the chunk it was decoding, so the
+    file is read again, as bytes, to find where; only on this path.
+    """
+    with open(name, "rb") as f:
+        offset = 0
+        for number, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as bad:
+                return ss.FileFormatError(f"{name!r}, line {number:,}, byte {offset + bad.start:,}: not UTF-8 "
+                                          f"({bad.reason}); a corpus is UTF-8 text of whitespace-separated "
+                                          f"words: convert it (e.g. iconv -f latin1 -t utf-8)")
+            offset += len(raw)
+    return ss.FileFormatError(f"{name!r} is not UTF-8 ({exc.reason}); a corpus is UTF-8 text of "
+                              f"whitespace-separated words: convert it (e.g. iconv -f latin1 -t utf-8)")
 
 
 def keep_probabilities(counts: np.ndarray, threshold: float = 1e-3) -> np.ndarray:
