@@ -675,3 +675,20 @@ def test_a_corpus_file_that_is_missing_a_directory_or_not_utf8_is_refused_naming
     (tmp_path / "latin1.txt").write_bytes(b"word " * 20_000 + b"\nfine words\ncaf\xe9 au lait\n")
     with pytest.raises(ss.FileFormatError, match=r"line 3, byte 100,015: not UTF-8"):
         read_text_corpus(tmp_path / "latin1.txt")
+
+
+def test_a_corpus_without_pairs_is_refused_before_an_mmap_run_makes_its_table_files(tmp_path):
+    (tmp_path / "text").write_text("a\nb\na\n")  # one-word documents: no window holds two words
+    lonely = read_text_corpus(tmp_path / "text")
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    with pytest.raises(ss.OptionError, match="no skip-gram pairs.*two or more words"):
+        word2vec.train(lonely, dim=4, steps=3, batch_size=8, backend="numpy", storage="mmap",
+                       directory=str(tables), progress=False)
+    assert not list(tables.iterdir())  # else the next run in it is refused for the files this one left
+    # A document of two words, both subsampled away (a word that is the whole corpus keeps 3% of itself):
+    # the message blames subsampling, not the documents.
+    (tmp_path / "pair").write_text("a a\n")
+    with pytest.raises(ss.OptionError, match="no skip-gram pairs in a pass: subsampling"):
+        word2vec.train(read_text_corpus(tmp_path / "pair"), dim=4, steps=3, batch_size=8, backend="numpy",
+                       progress=False)

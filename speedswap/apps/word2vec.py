@@ -360,12 +360,13 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     Raises:
         OptionError: an unknown optimizer or schedule, both or neither-valid
             ``epochs``/``steps``, a bad ``cache_rows``, ``prefetch`` without a
-            cache, the SpeedTorch API without autograd, or a corpus that gives
-            no pairs; a size that is not a positive int (``dim``,
+            cache, the SpeedTorch API without autograd, or a corpus without a
+            document of two or more words; a size that is not a positive int (``dim``,
             ``batch_size``, ``window``, ``chunk_tokens``), ``negatives`` or
             ``seed`` below 0, ``seed`` not below 2**32, ``lr`` not > 0, or
             ``subsample`` below 0, infinite or NaN. All are checked before the
-            pair thread starts or a table is built.
+            pair thread starts or a table is built. Also raised, after the
+            tables are built, when subsampling left a whole pass without a pair.
         DTypeError: ``lr`` or ``subsample`` is not a real number.
         PathError: with ``storage="mmap"``, table files of the job exist in ``directory``.
     """
@@ -388,6 +389,10 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     subsample = convert.float_option(subsample, "subsample")
     if subsample < 0:
         raise ss.OptionError(f"subsample must be >= 0 (0: keep every word), got {subsample!r}")
+    if not (np.diff(corpus.doc_starts, append=len(corpus.tokens)) >= 2).any():
+        # Checked here, not only once a pass gave no pairs: by then the tables (an mmap run's files) exist.
+        raise ss.OptionError(f"the corpus ({len(corpus.tokens):,} tokens) gives no skip-gram pairs; "
+                             f"it needs documents of two or more words")
     if storage == "mmap" and directory is not None:
         _check_fresh(directory, ("centre.npy", "context.npy", "centre-state", "context-state") if speedtorch_api
                      else ("centre", "context"))
@@ -408,8 +413,9 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
         seconds = run.train(job, stream, device=device, linear=schedule == "linear", prefetch=prefetch,
                             progress=progress)
     if not run.steps:
-        raise ss.OptionError(f"the corpus ({len(corpus.tokens):,} tokens) gives no skip-gram pairs; "
-                             f"it needs documents of two or more words")
+        raise ss.OptionError(f"the corpus ({len(corpus.tokens):,} tokens) gave no skip-gram pairs in a pass: "
+                             f"subsampling (subsample={subsample}) kept no two words of a document; "
+                             f"lower subsample (0 keeps every word) or give a longer corpus")
     return TrainResult(vectors=job.vectors(), losses=run.losses, words=int(round(run.words)), pairs=run.pairs,
                        steps=run.steps, seconds=seconds, model=job.model, optimizer=job.optimizer,
                        storage=storage, autograd=autograd, switchers=job.switchers)
