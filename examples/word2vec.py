@@ -67,8 +67,9 @@ from _distributed import STEPS, word2vec_sharded  # noqa: E402
 
 
 def show_neighbours(vectors, corpus, query_ids, k=8):
-    """Print each query word's nearest neighbours among the 10,000 most frequent words."""
+    """Print each query word's nearest neighbours among the 10,000 most frequent words (the queries among them)."""
     candidates = np.argsort(-corpus.counts, kind="stable")[:10_000]
+    k = min(k, len(candidates) - 1)  # a vocabulary of k words or fewer has fewer neighbours to show
     for word, row in zip(query_ids, word2vec.nearest_neighbours(vectors, query_ids, candidates, k)):
         print(f"  {corpus.name(word):>14}: {', '.join(corpus.name(n) for n in row)}")
 

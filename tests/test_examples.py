@@ -464,3 +464,12 @@ def test_notebooks_remove_their_temporary_folders():
                          if cell["cell_type"] == "code")
         for folder in re.findall(r"(\w+) = tempfile\.mkdtemp\(", code):
             assert f"shutil.rmtree({folder})" in code, f"{path.name} leaves its {folder} behind"
+
+
+def test_word2vec_on_a_corpus_of_fewer_words_than_neighbours_lists_them_and_saves(tmp_path):
+    (tmp_path / "corpus.txt").write_text("a b c d e a b c\nb c d a\n")  # 5 words, 8 neighbours asked
+    out, _ = run_example("word2vec", ["--corpus", tmp_path / "corpus.txt", "--min-count", "1",
+                                      "--save", tmp_path / "vectors.txt"], tmp_path)  # was topk's RuntimeError
+    listed = [line.split(": ") for line in out.splitlines()[out.splitlines().index("nearest neighbours:") + 1:]]
+    assert listed and all(len(row.split(", ")) == 4 and word.strip() not in row.split(", ") for word, row in listed)
+    assert (tmp_path / "vectors.txt").read_text().startswith("5 64\n")

@@ -692,3 +692,16 @@ def test_a_corpus_without_pairs_is_refused_before_an_mmap_run_makes_its_table_fi
     with pytest.raises(ss.OptionError, match="no skip-gram pairs in a pass: subsampling"):
         word2vec.train(read_text_corpus(tmp_path / "pair"), dim=4, steps=3, batch_size=8, backend="numpy",
                        progress=False)
+
+
+def test_nearest_neighbours_never_list_the_query_and_refuse_more_than_there_are(rng):
+    vectors = rng.standard_normal((8, 4))
+    ids = np.arange(8)
+    assert (word2vec.nearest_neighbours(vectors, ids, ids, k=7) != ids[:, None]).all()
+    # Eight candidates, one the query itself: an eighth neighbour would be the query (it was listed last).
+    with pytest.raises(ss.OptionError, match="k=8 .* at most 7"):
+        word2vec.nearest_neighbours(vectors, ids, ids, k=8)
+    with pytest.raises(ss.OptionError, match="k=9 .* at most 7"):
+        word2vec.nearest_neighbours(vectors, ids, ids, k=9)  # was torch's RuntimeError
+    assert word2vec.nearest_neighbours(vectors, [0], ids[1:], k=7).shape == (1, 7)  # not a candidate: all 7
+

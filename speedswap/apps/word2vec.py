@@ -491,12 +491,22 @@ def nearest_neighbours(vectors: np.ndarray, query_ids: Sequence[int], candidate_
 
     Returns:
         ``(len(query_ids), k)`` numpy array of candidate word ids.
+
+    Raises:
+        OptionError: ``k`` is below 0, or more than the candidates a query can have
+            (one fewer than the candidates when a query is among them).
     """
     def unit(ids):
         v = torch.from_numpy(np.ascontiguousarray(vectors[ids], dtype=np.float32))
         return v / v.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
     candidate_ids = np.asarray(candidate_ids)
+    k = convert.int_option(k, "k", minimum=0, hint=" (neighbours per query)")
+    # A query is excluded from its own list by scoring it lowest: asked for every candidate, topk would list it.
+    available = len(candidate_ids) - bool(np.isin(query_ids, candidate_ids).any())
+    if k > available:
+        raise ss.OptionError(f"k={k} neighbours asked of {len(candidate_ids):,} candidates; a query has at most "
+                             f"{available:,} (a query is not its own neighbour): give k <= {available:,}")
     sim = unit(query_ids) @ unit(candidate_ids).T
     sim[torch.from_numpy(np.asarray(query_ids)[:, None] == candidate_ids[None, :])] = -2.0
     return candidate_ids[sim.topk(k, dim=1).indices.numpy()]
