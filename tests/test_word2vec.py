@@ -705,3 +705,13 @@ def test_nearest_neighbours_never_list_the_query_and_refuse_more_than_there_are(
         word2vec.nearest_neighbours(vectors, ids, ids, k=9)  # was torch's RuntimeError
     assert word2vec.nearest_neighbours(vectors, [0], ids[1:], k=7).shape == (1, 7)  # not a candidate: all 7
 
+
+
+@pytest.mark.parametrize("batch", [0, -1, 2.5])
+def test_analogy_accuracy_refuses_a_batch_that_is_not_a_positive_int(batch):
+    vectors = np.array([[1, 0], [0, 1], [1, 0.1], [0.1, 1]], dtype=np.float32)
+    questions = [("a", "b", "c", "d")]
+    assert evaluate.analogy_accuracy(vectors, list("abcd"), questions).value == 1.0
+    # -1 scored no question and reported 0% solved; 0 was range()'s ValueError.
+    with pytest.raises(ss.OptionError, match="batch must be a positive int"):
+        evaluate.analogy_accuracy(vectors, list("abcd"), questions, batch=batch)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 import speedswap as ss
+from speedswap import convert
 from speedswap.atomic import check_readable_file
 
 __all__ = ["Score", "read_word_pairs", "read_analogies", "word_similarity", "analogy_accuracy"]
@@ -197,8 +198,10 @@ def analogy_accuracy(vectors: np.ndarray, words: Sequence[str], questions: Seque
 
     Raises:
         ShapeError: ``vectors`` is not ``(len(words), dim)``.
+        OptionError: ``batch`` is not a positive int.
     """
     _check_rows(vectors, words)
+    batch = convert.int_option(batch, "batch", hint=" (questions per matrix product)")
     index = _index(words, RESTRICT_VOCAB)
     known = np.array([[index[w] for w in q] for q in questions if all(w in index for w in q)],
                      dtype=np.int64).reshape(-1, 4)
