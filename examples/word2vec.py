@@ -58,6 +58,7 @@ from speedswap.apps.corpus import read_text_corpus, synthetic_corpus  # noqa: E4
 from speedswap.apps.demo import (DEMO, cache_summary, format_bytes, format_cache, format_rows,  # noqa: E402
                                  memory_summary)
 from speedswap.apps.w2v_format import save_word2vec_format  # noqa: E402
+from speedswap.atomic import atomic_output  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (HelpFormatter, add_common_arguments, backend_and_device, check_torchrun,  # noqa: E402
@@ -169,7 +170,9 @@ def evaluate_vectors(args, vectors, corpus):
 def save_vectors(args, vectors, corpus):
     """``--save``: word2vec's text (or ``--binary``) format, or the bare array for a ``.npy`` path."""
     if args.save and args.save.endswith(".npy"):
-        np.save(args.save, vectors)
+        # Atomically, as the word2vec formats are: a failed write (a full disk) leaves any old file whole.
+        with atomic_output(args.save) as tmp, open(tmp, "wb") as f:
+            np.save(f, vectors)
     elif args.save:
         save_word2vec_format(args.save, [corpus.name(i) for i in range(corpus.vocab_size)], vectors,
                              binary=args.binary)

@@ -473,3 +473,18 @@ def test_word2vec_on_a_corpus_of_fewer_words_than_neighbours_lists_them_and_save
     listed = [line.split(": ") for line in out.splitlines()[out.splitlines().index("nearest neighbours:") + 1:]]
     assert listed and all(len(row.split(", ")) == 4 and word.strip() not in row.split(", ") for word, row in listed)
     assert (tmp_path / "vectors.txt").read_text().startswith("5 64\n")
+
+
+def test_word2vec_saving_a_npy_past_the_file_size_limit_leaves_the_old_file(tmp_path):
+    import resource
+    old = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.save(tmp_path / "vectors.npy", old)
+    args = [EXAMPLES / "word2vec.py", "--device", "cpu", "--quiet", "--vocab", "2000", "--topics", "20", "--tokens",
+            "20000", "--dim", "64", "--steps", "2", "--batch-size", "256", "--save", tmp_path / "vectors.npy"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    limit = 100 * 1024  # the 2000 x 64 float32 vectors take 512 KB; Python ignores SIGXFSZ, so a write fails
+    done = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=180, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert done.returncode == 1 and "could not save" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "vectors.npy"), old)  # was truncated to the limit
+    assert sorted(os.listdir(tmp_path)) == ["vectors.npy"]
