@@ -175,3 +175,10 @@ def test_the_command_line_shows_a_warning_without_a_source_line():
                          cwd=ROOT, capture_output=True, text=True)
     assert "RuntimeWarning: speedswap: no CUDA device here" in run.stderr, run.stderr
     assert "runpy" not in run.stderr, run.stderr
+
+
+def test_demo_with_a_negative_seed_is_a_one_line_error(capsys, torch_threads):
+    assert main(TINY_DEMO + ["--seed", "-1"]) == 2  # was numpy's ValueError from the corpus's generator
+    err = capsys.readouterr().err
+    assert err.startswith("python -m speedswap demo: error: seed must be an int >= 0, got -1") and \
+        err.count("\n") == 1, err

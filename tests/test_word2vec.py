@@ -715,3 +715,9 @@ def test_analogy_accuracy_refuses_a_batch_that_is_not_a_positive_int(batch):
     # -1 scored no question and reported 0% solved; 0 was range()'s ValueError.
     with pytest.raises(ss.OptionError, match="batch must be a positive int"):
         evaluate.analogy_accuracy(vectors, list("abcd"), questions, batch=batch)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True])
+def test_a_synthetic_corpus_refuses_a_seed_that_is_not_an_int_from_0(seed):
+    with pytest.raises(ss.OptionError, match="seed must be an int >= 0"):
+        synthetic_corpus(vocab=10, topics=2, tokens=100, seed=seed)

@@ -20,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 import speedswap as ss
+from speedswap import convert
 from speedswap.atomic import check_readable_file
 
 __all__ = ["Corpus", "synthetic_corpus", "read_text_corpus", "keep_probabilities", "skipgram_pairs"]
@@ -86,9 +87,11 @@ def synthetic_corpus(vocab: int, topics: int, tokens: int, *, doc_len: int = 50,
         Corpus with ``topics`` set.
 
     Raises:
-        OptionError: a size that is not a positive int, or more topics than words.
+        OptionError: a size that is not a positive int, more topics than words, or
+            a ``seed`` that is not an int >= 0.
     """
     _check_positive(vocab=vocab, topics=topics, tokens=tokens, doc_len=doc_len)
+    seed = convert.int_option(seed, "seed", minimum=0)  # numpy's generator raises its own errors for others
     if topics > vocab:
         raise ss.OptionError(f"{topics} topics over {vocab} words: every topic needs words of its own; "
                              f"give at most vocab topics")
