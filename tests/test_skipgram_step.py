@@ -89,3 +89,16 @@ def test_one_table_as_centre_and_context_is_refused():
     emb.attach(opt)
     with pytest.raises(ss.OptionError, match="two tables"):
         manual_step(emb, emb, opt)
+
+
+@pytest.mark.parametrize("which", ["centre", "context"])
+def test_a_table_that_scales_gradients_by_frequency_is_refused(which):
+    # Autograd divides each row's gradient by its count in the forward; the closed form sums them
+    # unscaled, so the two trained different vectors (0.17 apart after one step) until this was refused.
+    centre, context = (ss.OffloadedEmbedding(20, 4, max_rows=20, backend="numpy", scale_grad_by_freq=name == which)
+                       for name in ("centre", "context"))
+    opt = torch.optim.SGD([centre.weight, context.weight], lr=0.1)
+    centre.attach(opt)
+    context.attach(opt)
+    with pytest.raises(ss.OptionError, match="scale_grad_by_freq.*autograd"):
+        manual_step(centre, context, opt)

@@ -144,7 +144,7 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
 
     Args:
         centre, context: :class:`~speedswap.OffloadedEmbedding` tables
-            attached to ``optimizer``, without ``padding_idx``.
+            attached to ``optimizer``, without ``padding_idx`` or ``scale_grad_by_freq``.
         optimizer: the optimizer of both tables' ``weight``.
         in_place: None: in place whenever the conditions above hold; False:
             always through the working set; True: in place, raising when the
@@ -158,8 +158,8 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
         batch's rows). The loss (summed over the pairs) is detached.
 
     Raises:
-        OptionError: a table with a padding row (skip-gram has none), or one
-            table as both ``centre`` and ``context``; (also from a step)
+        OptionError: a table with a padding row (skip-gram has none) or with
+            ``scale_grad_by_freq``, or one table as both ``centre`` and ``context``; (also from a step)
             ``in_place=True`` where the step cannot train in place.
         ShapeError: (from a step) an empty batch.
         IdError: (from a step) a batch planned for larger tables.
@@ -170,6 +170,11 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
     """
     if centre.padding_idx is not None or context.padding_idx is not None:
         raise ss.OptionError("skip-gram tables have no padding row; build them without padding_idx")
+    if centre.scale_grad_by_freq or context.scale_grad_by_freq:
+        # The closed form sums each row's gradients as they are; autograd would divide them by the row's count.
+        raise ss.OptionError("manual_step computes unscaled gradients, and a table built with "
+                             "scale_grad_by_freq=True divides each row's by its count in the batch; build "
+                             "the tables without it, or train SkipGram with autograd")
     if centre is context:
         # The step takes each table's slots from 0; one table would hand out both sets from one.
         raise ss.OptionError("manual_step needs two tables (centre and context); for one shared "
