@@ -721,3 +721,10 @@ def test_analogy_accuracy_refuses_a_batch_that_is_not_a_positive_int(batch):
 def test_a_synthetic_corpus_refuses_a_seed_that_is_not_an_int_from_0(seed):
     with pytest.raises(ss.OptionError, match="seed must be an int >= 0"):
         synthetic_corpus(vocab=10, topics=2, tokens=100, seed=seed)
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_cpu_threads_names_omp_num_threads_when_it_is_not_positive(value, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", value)  # the message said "threads must be ...", an option not given
+    with pytest.raises(ss.OptionError, match=f"OMP_NUM_THREADS={value!r} is not a positive int"):
+        word2vec.cpu_threads()

@@ -88,8 +88,10 @@ def cpu_threads(requested: Optional[int] = None) -> int:
         try:
             requested = int(env) if env else available
         except ValueError:
-            raise ss.OptionError(f"OMP_NUM_THREADS={env!r} is not an int; unset it or give a "
-                                 f"thread count") from None
+            requested = 0
+        if requested < 1:  # named as the user gave it: no threads= was passed
+            raise ss.OptionError(f"OMP_NUM_THREADS={env!r} is not a positive int; unset it or give a "
+                                 f"thread count")
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise ss.OptionError(f"threads must be a positive int, got {requested!r}")
     return max(min(requested, available) - 1, 1)
