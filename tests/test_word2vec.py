@@ -728,3 +728,13 @@ def test_cpu_threads_names_omp_num_threads_when_it_is_not_positive(value, monkey
     monkeypatch.setenv("OMP_NUM_THREADS", value)  # the message said "threads must be ...", an option not given
     with pytest.raises(ss.OptionError, match=f"OMP_NUM_THREADS={value!r} is not a positive int"):
         word2vec.cpu_threads()
+
+
+@pytest.mark.parametrize("speedtorch_api", [False, True])
+def test_training_refuses_a_table_directory_without_mmap_storage(speedtorch_api, tmp_path, monkeypatch):
+    # It was ignored: the tables stayed in memory and nothing was written where the caller asked.
+    monkeypatch.setattr(word2vec, "PairChunks", lambda *a, **k: pytest.fail("the run started"))
+    corpus = synthetic_corpus(vocab=100, topics=4, tokens=2000, seed=0)
+    with pytest.raises(ss.OptionError, match="directory=.* storage='mmap'.*storage is 'pinned'"):
+        word2vec.train(corpus, dim=4, steps=2, batch_size=32, backend="numpy", storage="pinned",
+                       directory=str(tmp_path), speedtorch_api=speedtorch_api, progress=False)

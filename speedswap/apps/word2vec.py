@@ -329,7 +329,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
         directory: for ``storage="mmap"``, where the table and state files go
             (``centre/``, ``context/``; with the SpeedTorch API ``centre.npy``,
             ``context.npy``, ``centre-state/``, ``context-state/``); none of them
-            may exist yet (empty directories may).
+            may exist yet (empty directories may). Refused with other storage kinds.
         speedtorch_api: train through ``ModelFactory``/``OptimizerFactory``
             instead of :class:`~speedswap.OffloadedEmbedding` (always with autograd).
         autograd: differentiate :class:`~speedswap.apps.skipgram.SkipGram`
@@ -365,8 +365,9 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
             cache, the SpeedTorch API without autograd, or a corpus without a
             document of two or more words; a size that is not a positive int (``dim``,
             ``batch_size``, ``window``, ``chunk_tokens``), ``negatives`` or
-            ``seed`` below 0, ``seed`` not below 2**32, ``lr`` not > 0, or
-            ``subsample`` below 0, infinite or NaN. All are checked before the
+            ``seed`` below 0, ``seed`` not below 2**32, ``lr`` not > 0,
+            ``subsample`` below 0, infinite or NaN, or ``directory`` without
+            ``storage="mmap"``. All are checked before the
             pair thread starts or a table is built. Also raised, after the
             tables are built, when subsampling left a whole pass without a pair.
         DTypeError: ``lr`` or ``subsample`` is not a real number.
@@ -395,6 +396,9 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
         # Checked here, not only once a pass gave no pairs: by then the tables (an mmap run's files) exist.
         raise ss.OptionError(f"the corpus ({len(corpus.tokens):,} tokens) gives no skip-gram pairs; "
                              f"it needs documents of two or more words")
+    if directory is not None and storage != "mmap":
+        raise ss.OptionError(f"directory={os.fspath(directory)!r} is where storage='mmap' keeps the table "
+                             f"files, but storage is {storage!r}; drop directory or use storage='mmap'")
     if storage == "mmap" and directory is not None:
         _check_fresh(directory, ("centre.npy", "context.npy", "centre-state", "context-state") if speedtorch_api
                      else ("centre", "context"))
