@@ -738,3 +738,17 @@ def test_training_refuses_a_table_directory_without_mmap_storage(speedtorch_api,
     with pytest.raises(ss.OptionError, match="directory=.* storage='mmap'.*storage is 'pinned'"):
         word2vec.train(corpus, dim=4, steps=2, batch_size=32, backend="numpy", storage="pinned",
                        directory=str(tmp_path), speedtorch_api=speedtorch_api, progress=False)
+
+
+@pytest.mark.parametrize("speedtorch_api", [False, True])
+def test_an_mmap_run_makes_its_table_directory_with_either_api(speedtorch_api, tmp_path):
+    corpus = synthetic_corpus(vocab=100, topics=4, tokens=2000, seed=0)
+    options = dict(dim=4, steps=2, batch_size=32, backend="numpy", storage="mmap", speedtorch_api=speedtorch_api,
+                   progress=False)
+    # OffloadedEmbedding made the directory; the SpeedTorch API said it "does not exist; create it first".
+    word2vec.train(corpus, directory=str(tmp_path / "new" / "tables"), **options)
+    assert os.listdir(tmp_path / "new" / "tables")
+    (tmp_path / "file").write_text("someone's")
+    with pytest.raises(ss.PathError, match="'file'|file.*(Not a directory|File exists)") as error:
+        word2vec.train(corpus, directory=str(tmp_path / "file"), **options)
+    assert "does not exist" not in str(error.value)  # it does: it is a file

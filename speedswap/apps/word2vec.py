@@ -223,6 +223,14 @@ def _build_speedtorch(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed
     """The same job written the SpeedTorch way: batch-sized nn.Embeddings plus switchers."""
     device = ss.get_backend(backend).device
     rows = _capacities(vocab, batch_size, negatives)
+    if directory is not None:
+        # The switchers save their .npy files into an existing directory; OffloadedEmbedding
+        # makes its own, so the run makes this one, as the other API's run does.
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise ss.PathError(f"cannot make the directory {directory!r} for the table files "
+                               f"({exc.strerror}); pass a writable directory") from None
     model = SkipGram(torch.nn.Embedding(rows[0], dim), torch.nn.Embedding(rows[1], dim)).to(device)
     optimizer = optimizer_cls(model.parameters(), lr=lr)
     options = dict(storage=storage, backend=backend, cache_rows=cache_rows)
