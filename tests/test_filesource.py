@@ -414,3 +414,29 @@ def test_ranks_split_a_windowed_epoch_into_runs_and_each_reads_its_share_of_the_
         assert feeder.state_dict()["shard"] == "contiguous"
     everything = np.concatenate(seen)
     np.testing.assert_array_equal(np.sort(everything), np.arange(n))  # every row once: 4000 splits evenly
+
+
+@pytest.mark.parametrize("filled", [False, True])
+def test_create_npy_replaces_a_file_by_rename_so_whoever_maps_it_keeps_its_rows(tmp_path, filled):
+    path = tmp_path / "x.npy"
+    np.save(path, np.arange(12, dtype=np.float32).reshape(4, 3))
+    gadget = ss.DataGadget(path, mmap=True, backend="numpy").read()
+    fill = (lambda lo, hi: np.full((hi - lo, 3), -1, np.float32)) if filled else None
+    new = ss.data.create_npy(path, (4, 3), np.float32, fill, progress=False)
+    assert gadget.get([1]).tolist() == [[3.0, 4.0, 5.0]]  # the old file, intact, not zeroed in place
+    assert new[1].tolist() == ([-1.0] * 3 if filled else [0.0] * 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
+    gadget.close()
+
+
+@pytest.mark.parametrize("filled", [False, True])
+@pytest.mark.parametrize("where", ["missing directory", "a directory"])
+def test_create_npy_refuses_a_path_it_cannot_write_with_a_path_error(tmp_path, filled, where):
+    path = tmp_path / "nope" / "x.npy" if where == "missing directory" else tmp_path / "d.npy"
+    if where == "a directory":
+        path.mkdir()
+    fill = (lambda lo, hi: np.ones((hi - lo, 3), np.float32)) if filled else None
+    with pytest.raises(ss.PathError, match="directory") as info:
+        ss.data.create_npy(path, (4, 3), np.float32, fill, progress=False)
+    assert ".partial" not in str(info.value) and ".tmp" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if where == "missing directory" else ["d.npy"])

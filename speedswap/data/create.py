@@ -15,6 +15,8 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
+from .. import files
+from ..atomic import atomic_output
 from ..convert import check_rows, int_option, numpy_dtype
 from ..errors import DTypeError, ShapeError
 
@@ -36,6 +38,8 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
     map, so the process's resident memory stays at one chunk), synced and
     dropped from the page cache every GiB, into a temporary file renamed to
     ``path`` once complete: a failure leaves no half-written dataset behind.
+    Either way an existing file is replaced by a rename, never rewritten in
+    place, so a map of it made earlier keeps the rows it had.
 
     Args:
         path: the ``.npy`` file to create (replaced if it exists).
@@ -57,6 +61,9 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
             cannot hold (integers that would wrap, floats that would overflow
             to infinity; float rounding is accepted).
         OptionError: a non-positive ``chunk_bytes``.
+        PathError: ``path`` is a directory, its directory does not exist, or
+            the file system refused the write; a file already at ``path`` is
+            intact.
 
     Example:
         >>> x = create_npy("X.npy", (10**8, 100), np.float32,                  # doctest: +SKIP
@@ -69,17 +76,14 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
     chunk_bytes = int_option(chunk_bytes, "chunk_bytes")
     path = os.fspath(path)
     if fill is None:
-        return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
-    partial = f"{path}.partial-{os.getpid()}"
-    try:
+        # Made beside the file and renamed over it: truncating an existing file in
+        # place would zero the rows of whoever maps it (a DataGadget, a feeder).
+        return files.create_npy_memmap(path, shape, dtype, overwrite=True)
+    with atomic_output(path) as partial:  # OSErrors become PathErrors naming path
         header = np.lib.format.open_memmap(partial, mode="w+", dtype=dtype, shape=shape)
         offset = header.offset
         del header
-        _fill(partial, offset, shape, dtype, fill, chunk_bytes, progress)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        _fill(partial, offset, shape, dtype, fill, chunk_bytes, progress, os.path.basename(path))
     return np.lib.format.open_memmap(path, mode="r+")
 
 
@@ -100,14 +104,14 @@ def _shape_of(shape):
                          f"(num_rows, row_size), got {shape!r}") from None
 
 
-def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress):
+def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress, name):
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
     step = max(1, chunk_bytes // max(1, row_bytes))
     disable = not sys.stderr.isatty() if progress is None else not progress
     fd = os.open(path, os.O_WRONLY)
     try:
         unsynced = 0
-        with tqdm(total=shape[0] * row_bytes, unit="B", unit_scale=True, desc=os.path.basename(path),
+        with tqdm(total=shape[0] * row_bytes, unit="B", unit_scale=True, desc=name,
                   disable=disable) as bar:
             for start in range(0, shape[0], step):
                 stop = min(start + step, shape[0])
