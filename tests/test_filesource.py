@@ -440,3 +440,13 @@ def test_create_npy_refuses_a_path_it_cannot_write_with_a_path_error(tmp_path, f
         ss.data.create_npy(path, (4, 3), np.float32, fill, progress=False)
     assert ".partial" not in str(info.value) and ".tmp" not in str(info.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ([] if where == "missing directory" else ["d.npy"])
+
+
+@pytest.mark.parametrize("dtype, message", [("bfloat16", "bfloat16.*float32"), ("floaty", "not a dtype"),
+                                            ("uint16", "not supported")])
+@pytest.mark.parametrize("filled", [False, True])
+def test_create_npy_refuses_a_dtype_it_cannot_write_with_a_dtype_error(tmp_path, dtype, message, filled):
+    fill = (lambda lo, hi: np.ones((hi - lo, 3), np.float32)) if filled else None
+    with pytest.raises(ss.DTypeError, match=message):
+        ss.data.create_npy(tmp_path / "x.npy", (4, 3), dtype, fill, progress=False)
+    assert list(tmp_path.iterdir()) == []

@@ -13,11 +13,12 @@ import os
 import sys
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from .. import files
 from ..atomic import atomic_output
-from ..convert import check_rows, int_option, numpy_dtype
+from ..convert import check_rows, int_option, numpy_dtype, torch_dtype
 from ..errors import DTypeError, ShapeError
 
 __all__ = ["create_npy"]
@@ -44,7 +45,7 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
     Args:
         path: the ``.npy`` file to create (replaced if it exists).
         shape: ``(num_rows, ...)``; an int ``n`` means ``(n,)``, as in numpy.
-        dtype: a numpy dtype speedswap supports.
+        dtype: a dtype speedswap supports (numpy, torch or a name), not bfloat16.
         fill: optional ``fill(start, stop) -> array`` of shape ``(stop - start, *shape[1:])``.
         chunk_bytes: bytes per ``fill`` call.
         progress: show a tqdm bar while filling; None shows it only on a terminal.
@@ -56,10 +57,10 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
         ShapeError: a bad ``shape`` (not integers, a negative or zero
             dimension), or ``fill`` returned rows of another shape. A bad
             ``shape`` is refused before ``path`` is touched.
-        DTypeError: an unsupported ``dtype``, ``fill`` returned another kind
-            of dtype (floats for an integer file), or values the file's dtype
-            cannot hold (integers that would wrap, floats that would overflow
-            to infinity; float rounding is accepted).
+        DTypeError: an unsupported ``dtype`` (bfloat16 included), ``fill``
+            returned another kind of dtype (floats for an integer file), or
+            values the file's dtype cannot hold (integers that would wrap,
+            floats that would overflow to infinity; float rounding is accepted).
         OptionError: a non-positive ``chunk_bytes``.
         PathError: ``path`` is a directory, its directory does not exist, or
             the file system refused the write; a file already at ``path`` is
@@ -71,8 +72,10 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
     """
     shape = _shape_of(shape)
     check_rows(shape, "the dataset")  # before anything is opened: a bad shape leaves the path as it was
-    dtype = np.dtype(dtype)
-    numpy_dtype(dtype)
+    if torch_dtype(dtype) is torch.bfloat16:  # DTypeError first for a name that is no dtype
+        raise DTypeError("numpy has no bfloat16, so a .npy file cannot hold it; create the file as "
+                         "float32, which holds every bfloat16 value exactly")
+    dtype = numpy_dtype(dtype)
     chunk_bytes = int_option(chunk_bytes, "chunk_bytes")
     path = os.fspath(path)
     if fill is None:
