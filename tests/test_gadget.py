@@ -256,3 +256,18 @@ def test_a_mapped_file_truncated_after_opening_raises_not_sigbus(rng, tmp_path):
         f.truncate(os.path.getsize(path) // 2)
     with pytest.raises(ss.FileFormatError, match="truncated"):
         gadget.get([4095])
+
+
+@pytest.mark.parametrize("change", ["removed", "replaced by a shorter file"])
+def test_a_mapped_file_removed_or_replaced_by_rename_still_gives_its_rows(rng, tmp_path, change):
+    path = tmp_path / "data.npy"
+    data = random_data(rng, (64, 8))
+    np.save(path, data)
+    gadget = ss.DataGadget(path, mmap=True, backend="numpy").read()
+    if change == "removed":
+        os.unlink(path)
+    else:  # the map keeps the old file: a shorter new one at the path is no truncation of it
+        np.save(tmp_path / "new.npy", data[:3])
+        os.replace(tmp_path / "new.npy", path)
+    np.testing.assert_array_equal(gadget.get([63, 0]).numpy(), data[[63, 0]])
+    gadget.close()

@@ -88,6 +88,7 @@ class DataGadget:
         self._mmap = mmap
         self._backend = get_backend(backend, device)
         self._table = None
+        self._mapped = None  # the identity of the file a mapped table maps
         self._set_source(source)
 
     def _set_source(self, data):
@@ -159,7 +160,12 @@ class DataGadget:
             # large (mmap=None), a smaller file's rows would be a copy, so puts must not
             # write the dataset on disk depending on the RAM free today.
             mode = "r+" if self._mmap is True and os.access(self._path, os.W_OK) else "r"
-            return HostTable.adopt(self._map(header, rows, mode), backend=self._backend)
+            array = self._map(header, rows, mode)
+            # The file the map holds, which get() checks for truncation: the path may
+            # name another file later (removed, or replaced by a rename).
+            self._mapped = (files.mapped_identity(array.ctypes.data)
+                            or files.identity(os.stat(self._path)))
+            return HostTable.adopt(array, backend=self._backend)
         # Copied chunk by chunk from a map, so there is no full-size temporary;
         # copy-on-write ("c") because torch warns about read-only arrays.
         return HostTable.from_numpy(self._map(header, rows, "c"), storage=self._storage,
@@ -231,7 +237,7 @@ class DataGadget:
         """
         table = self._live_table()
         if self._path is not None and table.storage == "mmap":
-            files.check_size(self._path, self._header)  # not SIGBUS on a truncated file
+            files.check_size(self._path, self._header, self._mapped)  # not SIGBUS on a truncated file
         rows = table.gather(idx)
         return rows.view((*rows.shape[:-1], *self._row_shape))  # a tuple: () for one label
 

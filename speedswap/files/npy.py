@@ -55,15 +55,28 @@ def read_npy_header(path):
     return TableHeader(tuple(shape), dtype, offset, table_dtype_of(dtype))
 
 
-def check_size(path, header: "TableHeader") -> None:
-    """Raise FileFormatError when a ``.npy`` file is shorter than ``header`` says.
+def check_size(path, header: "TableHeader", mapped: tuple) -> None:
+    """Raise FileFormatError when the mapped ``.npy`` file is shorter than ``header`` says.
 
     Reading a memory-mapped page past the end of a truncated file kills the
     process with SIGBUS, so mapped readers check before they touch the pages
     (a truncation between this check and the read can still crash).
+
+    Args:
+        path: the path the file was mapped from.
+        header: its header when it was mapped.
+        mapped: the mapped file's :func:`~speedswap.files.identity`. When
+            ``path`` no longer names it (removed, or replaced by a rename),
+            the map alone holds that file, whole: there is nothing to check.
     """
     need = header.offset + int(np.prod(header.shape, dtype=np.int64)) * header.dtype.itemsize
-    size = os.path.getsize(path)
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return
+    if base.identity(stat) != mapped:
+        return
+    size = stat.st_size
     if size < need:
         raise FileFormatError(f"{os.fspath(path)!r} is {size:,} bytes but its header needs {need:,}: "
                               f"it was truncated after it was opened; restore it and rebuild the "
