@@ -190,7 +190,9 @@ def atomic_output(path):
         except OSError as exc:
             raise saving_error(path, exc, tmp) from exc
     except BaseException as exc:
-        with contextlib.suppress(FileNotFoundError):
+        # Not only FileNotFoundError: where the temporary could not be made (a read-only
+        # file system answers EROFS even for a missing file) this would hide the real error.
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(exc, OSError) and not isinstance(exc, SpeedswapError):
             raise saving_error(path, exc, tmp) from exc

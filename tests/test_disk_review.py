@@ -1,0 +1,52 @@
+"""Data from disk under conditions the other tests do not make: read-only file systems and mounts."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+import speedswap as ss
+from speedswap import atomic
+
+
+def read_only_file_system(monkeypatch, directory):
+    """Make creating or removing a file in ``directory`` fail as on a read-only mount.
+
+    Linux answers EROFS there even to unlinking a file that does not exist.
+    """
+    real_open, real_unlink = open, os.unlink
+
+    def refuse(name):
+        if os.path.dirname(os.path.abspath(name)) == os.fspath(directory):
+            raise OSError(errno.EROFS, "Read-only file system", os.fspath(name))
+
+    def fake_open(name, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wxa+"):
+            refuse(name)
+        return real_open(name, mode, *args, **kwargs)
+
+    def fake_unlink(name, *args, **kwargs):
+        refuse(name)
+        return real_unlink(name, *args, **kwargs)
+
+    monkeypatch.setattr(atomic, "open", fake_open, raising=False)
+    monkeypatch.setattr(os, "unlink", fake_unlink)
+
+
+@pytest.mark.parametrize("save", ["gadget", "create_npy"])
+def test_a_save_onto_a_read_only_file_system_raises_path_error_naming_the_users_path(tmp_path, monkeypatch,
+                                                                                       save):
+    path = tmp_path / "x.npy"
+    np.save(path, np.arange(12, dtype=np.float32).reshape(4, 3))
+    gadget = ss.DataGadget(np.ones((4, 3), np.float32), backend="numpy")
+    read_only_file_system(monkeypatch, tmp_path)
+    with pytest.raises(ss.PathError, match="read-only") as info:
+        if save == "gadget":
+            gadget.save(path)
+        else:
+            ss.data.create_npy(path, (4, 3), np.float32, lambda lo, hi: np.ones((hi - lo, 3), np.float32),
+                               progress=False)
+    assert info.value.errno == errno.EROFS and ".tmp" not in str(info.value)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(np.load(path), np.arange(12, dtype=np.float32).reshape(4, 3))
