@@ -371,6 +371,8 @@ class HostTable:
                 ``dtype`` the file does not hold.
             OptionError: ``dtype`` without ``mmap=True``.
             FileNotFoundError: no such file.
+            PathError: with ``mmap=True``, a file that cannot be mapped
+                read-write (read-only file or file system).
         """
         header = (files.read_table_header(path, dataset) if dtype is None
                   else _bfloat16_bits_header(path, dtype, mmap))

@@ -50,3 +50,19 @@ def test_a_save_onto_a_read_only_file_system_raises_path_error_naming_the_users_
     assert info.value.errno == errno.EROFS and ".tmp" not in str(info.value)
     monkeypatch.undo()
     np.testing.assert_array_equal(np.load(path), np.arange(12, dtype=np.float32).reshape(4, 3))
+
+
+def test_mapping_a_file_that_cannot_be_written_as_an_mmap_table_raises_path_error(tmp_path, monkeypatch):
+    path = tmp_path / "t.npy"
+    np.save(path, np.arange(12, dtype=np.float32).reshape(4, 3))
+    real_memmap = np.memmap
+
+    def read_only_mount(filename, *args, mode="r+", **kwargs):  # what a read-only mount answers "r+"
+        if mode == "r+":
+            raise OSError(errno.EROFS, "Read-only file system", os.fspath(filename))
+        return real_memmap(filename, *args, mode=mode, **kwargs)
+
+    monkeypatch.setattr(np, "memmap", read_only_mount)
+    with pytest.raises(ss.PathError, match=r"read-write.*mmap_mode='r'") as info:
+        ss.HostTable.load(path, mmap=True, backend="numpy")
+    assert info.value.errno == errno.EROFS

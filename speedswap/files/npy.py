@@ -92,10 +92,23 @@ def open_npy_memmap(path, writable=True):
 
     Returns:
         numpy.memmap
+
+    Raises:
+        PathError: the file cannot be opened as asked (read-write on a
+            read-only file or file system); ``errno`` says why.
     """
     header = read_npy_header(path)
-    return np.memmap(path, dtype=header.dtype, mode="r+" if writable else "r",
-                     offset=header.offset, shape=header.shape, order="C")
+    try:
+        return np.memmap(path, dtype=header.dtype, mode="r+" if writable else "r",
+                         offset=header.offset, shape=header.shape, order="C")
+    except OSError as exc:
+        hint = ("an mmap table writes through to its file. Make the file writable, or share it "
+                "read-only with HostTable.adopt(np.load(path, mmap_mode='r'))" if writable else
+                "check the path and its permissions")
+        error = PathError(f"cannot map {os.fspath(path)!r} {'read-write' if writable else 'read-only'} "
+                          f"({exc.strerror or exc}): {hint}")
+        error.errno = exc.errno
+        raise error from exc
 
 
 def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
