@@ -103,7 +103,8 @@ def feeder_epoch(path, order, batch, max_seconds):
             "epoch_s": seconds if complete else seconds * os.path.getsize(path) / read,
             "epoch_s_is": "measured" if complete else f"extrapolated from {read / 1e9:.1f} GB read",
             "rss_before_MB": sampler.start_bytes / 1e6, "rss_peak_MB": sampler.peak / 1e6,
-            "rss_10pct_MB": rss_at_tenth / 1e6,
+            # None when --max-seconds stopped the epoch before a tenth (or nine tenths) of it.
+            "rss_10pct_MB": None if rss_at_tenth is None else rss_at_tenth / 1e6,
             "rss_90pct_MB": None if rss_at_nine_tenths is None else rss_at_nine_tenths / 1e6,
             "load_1min": [load, os.getloadavg()[0]]}
 

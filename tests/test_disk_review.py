@@ -1,7 +1,8 @@
-"""Data from disk under conditions the other tests do not make: read-only file systems and mounts."""
+"""Data from disk under conditions the other tests do not make: read-only file systems, the disk benchmark."""
 
 import errno
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -66,3 +67,13 @@ def test_mapping_a_file_that_cannot_be_written_as_an_mmap_table_raises_path_erro
     with pytest.raises(ss.PathError, match=r"read-write.*mmap_mode='r'") as info:
         ss.HostTable.load(path, mmap=True, backend="numpy")
     assert info.value.errno == errno.EROFS
+
+
+def test_the_disk_benchmark_reports_a_random_epoch_stopped_before_a_tenth_of_it(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
+    import disk
+    path = tmp_path / "x.npy"
+    np.save(path, np.ones((400, 4), np.float32))
+    row = disk.feeder_epoch(path, "random", batch=8, max_seconds=0)  # stops after one batch of 50
+    assert row["rss_10pct_MB"] is None and row["rss_90pct_MB"] is None
+    assert row["epoch_s_is"].startswith("extrapolated")
