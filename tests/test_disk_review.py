@@ -77,3 +77,17 @@ def test_the_disk_benchmark_reports_a_random_epoch_stopped_before_a_tenth_of_it(
     row = disk.feeder_epoch(path, "random", batch=8, max_seconds=0)  # stops after one batch of 50
     assert row["rss_10pct_MB"] is None and row["rss_90pct_MB"] is None
     assert row["epoch_s_is"].startswith("extrapolated")
+
+
+@pytest.mark.parametrize("shape, match", [((-1, -3), "negative"),                # -1 * -3 rows of 3 floats
+                                          ((2**61, 8), "truncated"),             # 2**64 elements wrap to 0
+                                          ((2**62, 2**4), "truncated")])
+def test_a_header_whose_shape_does_not_describe_its_bytes_is_refused(tmp_path, shape, match):
+    path = tmp_path / "corrupt.npy"
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+        f.write(np.ones(3 if shape[0] < 0 else 0, np.float32).tobytes())
+    for make in (lambda: ss.DataGadget(path, backend="numpy"), lambda: ss.HostTable.load(path, backend="numpy"),
+                 lambda: ss.HostTable.load(path, mmap=True, backend="numpy")):
+        with pytest.raises(ss.FileFormatError, match=match):
+            make()

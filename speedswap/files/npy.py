@@ -1,6 +1,7 @@
 """The ``.npy`` format: validated headers, memory maps, chunked reads and atomic chunked writes."""
 
 import contextlib
+import math
 import os
 from typing import Optional
 
@@ -26,7 +27,8 @@ def read_npy_header(path):
 
     Raises:
         FileFormatError: not a ``.npy`` file, Fortran order, object or record
-            dtype, or a file shorter or longer than its header says.
+            dtype, a negative dimension, or a file shorter or longer than its
+            header says.
         MissingFileError: the file does not exist.
         PathError: ``path`` is a directory.
     """
@@ -46,7 +48,12 @@ def read_npy_header(path):
     if fortran and len(shape) > 1:
         raise FileFormatError(f"{path!r} is stored in Fortran order; speedswap needs rows "
                               f"contiguous: re-save it with np.save(path, np.ascontiguousarray(a))")
-    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if any(dim < 0 for dim in shape):
+        raise FileFormatError(f"{path!r} has a corrupt header: its shape {shape} has a negative "
+                              f"dimension; restore the file or write it again with numpy.save")
+    # Python ints: an int64 product of a corrupt shape such as (2**61, 8) wraps to 0
+    # and would match a file that holds only its header.
+    expected = offset + math.prod(shape) * dtype.itemsize
     actual = os.path.getsize(path)
     if actual != expected:
         kind = "truncated" if actual < expected else "longer than its header says"
