@@ -91,3 +91,14 @@ def test_a_header_whose_shape_does_not_describe_its_bytes_is_refused(tmp_path, s
                  lambda: ss.HostTable.load(path, mmap=True, backend="numpy")):
         with pytest.raises(ss.FileFormatError, match=match):
             make()
+
+
+def test_a_npy_format_version_numpy_does_not_know_is_refused(tmp_path):
+    path = tmp_path / "v9.npy"
+    with open(path, "wb") as f:
+        np.lib.format.write_array(f, np.ones((2, 2), np.float32), version=(3, 0))
+    raw = bytearray(path.read_bytes())
+    raw[6] = 9  # format version 9.0, with a header 3.0 would read: numpy.load refuses it
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ss.FileFormatError, match=r"version \(9, 0\)"):
+        ss.DataGadget(path, backend="numpy")

@@ -38,8 +38,10 @@ def read_npy_header(path):
             version = np.lib.format.read_magic(f)
             if version == (1, 0):
                 shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            else:
+            elif version in ((2, 0), (3, 0)):  # 3.0 differs only in a UTF-8 header (record field names)
                 shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:  # a layout numpy itself does not read
+                raise ValueError(f"format version {version}; numpy writes 1.0, 2.0 and 3.0")
         except ValueError as exc:
             raise FileFormatError(f"{path!r} is not a valid .npy file ({exc}); "
                                   f"write it with numpy.save") from exc
