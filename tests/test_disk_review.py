@@ -2,6 +2,9 @@
 
 import errno
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -102,3 +105,48 @@ def test_a_npy_format_version_numpy_does_not_know_is_refused(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(ss.FileFormatError, match=r"version \(9, 0\)"):
         ss.DataGadget(path, backend="numpy")
+
+
+TRUNCATE_WHILE_STAGING = textwrap.dedent("""
+    import os, sys, numpy as np, torch, speedswap as ss
+    from speedswap import files
+    from speedswap.files import base, tables
+    base.CHUNK_BYTES = 16 * 4 * 100  # 100 rows a chunk: the file is read in 40
+    real_crc = tables.crc32_of
+    for case in ("stage", "commit", "bfloat16 load"):
+        path = os.path.join(sys.argv[1], case + ".npy")
+        np.save(path, (np.arange(4000 * 16) % 256).astype(np.float32).reshape(4000, 16))  # bfloat16 values
+        header = files.read_table_header(path)
+        staged = None
+        if case == "commit":  # too large for the RAM given: verified, and read again by commit
+            staged = files.stage_table(path, header, "table", torch.float32, ram_available=0)
+        calls = []
+        def crc(chunk, value=0):  # another writer truncates the file after the first chunk
+            calls.append(1)
+            if len(calls) == 2:
+                os.truncate(path, 1000)
+            return real_crc(chunk, value)
+        tables.crc32_of = crc
+        try:
+            if case == "stage":
+                files.stage_table(path, header, "table", torch.float32, ram_available=0)
+            elif case == "commit":
+                staged.commit(ss.HostTable.zeros(4000, 16, storage="pageable", backend="numpy"))
+            else:  # a float32 file whose CRC-32 is recorded, into a bfloat16 table: read chunk by chunk
+                table = ss.HostTable.zeros(4000, 16, "bfloat16", storage="pageable", backend="numpy")
+                tables.read_table(table, path, tables.TableHeader(header.shape, header.dtype, header.offset,
+                                                                  header.table_dtype, crc32=0))
+        except ss.FileFormatError as exc:
+            print(case, "raised:", exc)
+            assert "ended early" in str(exc), exc
+        tables.crc32_of = real_crc
+""")
+
+
+def test_a_table_file_truncated_while_it_is_read_raises_instead_of_sigbus(tmp_path):
+    # In a subprocess: a SIGBUS would kill pytest itself.
+    done = subprocess.run([sys.executable, "-c", TRUNCATE_WHILE_STAGING, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, f"exit status {done.returncode} (-7 is SIGBUS): {done.stderr}"
+    for case in ("stage", "commit", "bfloat16 load"):
+        assert f"{case} raised:" in done.stdout, done.stdout + done.stderr

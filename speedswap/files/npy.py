@@ -13,7 +13,7 @@ from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
 
 __all__ = ["read_npy_header", "check_size", "open_npy_memmap", "create_npy_memmap", "read_npy_into",
-           "write_npy"]
+           "read_npy_rows", "write_npy"]
 
 
 def read_npy_header(path):
@@ -183,21 +183,50 @@ def read_npy_into(path, out, header=None):
     """
     header = header or read_npy_header(path)
     check_matches(header, out.shape, out.dtype, path)
-    view = memoryview(out.reshape(-1).view(np.uint8))
     try:
         with open(path, "rb") as f:
             f.seek(header.offset)
-            done = 0
-            while done < len(view):
-                n = f.readinto(view[done:done + base.CHUNK_BYTES])
-                if not n:
-                    raise FileFormatError(f"{os.fspath(path)!r} ended early while reading; "
-                                          f"was it changed during the load?")
-                done += n
+            _read_exactly(f, memoryview(out.reshape(-1).view(np.uint8)), path)
     except OSError as exc:
         if isinstance(exc, SpeedswapError):
             raise
         raise reading_error(path, exc) from exc
+
+
+def read_npy_rows(f, header: TableHeader, start: int, stop: int, path) -> np.ndarray:
+    """Rows ``start .. stop - 1`` of a validated ``.npy`` file open as ``f``, read into a new array.
+
+    Read, not memory-mapped: a page of a map past the end of a file truncated
+    meanwhile kills the process with SIGBUS, where a short read raises.
+
+    Args:
+        f: the file, open for binary reading.
+        header: its validated header.
+        start, stop: the rows.
+        path: its path, for messages.
+
+    Returns:
+        numpy.ndarray of shape ``(stop - start, *header.shape[1:])``.
+
+    Raises:
+        FileFormatError: the file ends before row ``stop``.
+        OSError: the read failed.
+    """
+    rows = np.empty((stop - start, *header.shape[1:]), dtype=header.dtype)
+    f.seek(header.offset + start * math.prod(header.shape[1:]) * header.dtype.itemsize)
+    _read_exactly(f, memoryview(rows.reshape(-1).view(np.uint8)), path)
+    return rows
+
+
+def _read_exactly(f, view, path) -> None:
+    """Fill the byte memoryview ``view`` from ``f``'s position, in chunks; FileFormatError at an early end."""
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:done + base.CHUNK_BYTES])
+        if not n:
+            raise FileFormatError(f"{os.fspath(path)!r} ended early while reading; "
+                                  f"was it changed during the load?")
+        done += n
 
 
 def write_npy(path, shape, dtype, chunks, *, checksum: bool = False) -> Optional[int]:

@@ -16,7 +16,7 @@ from ..convert import torch_dtype
 from ..errors import FileFormatError, SpeedswapError
 from .base import TableHeader, crc32_of, file_format, identity, reading_error, row_ranges
 from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
-from .npy import read_npy_header, read_npy_into, write_npy
+from .npy import read_npy_header, read_npy_into, read_npy_rows, write_npy
 
 __all__ = ["stored_dtype", "read_table_header", "check_table_matches", "save_table", "read_table",
            "stage_table", "StagedRows", "STAGE_RAM_SHARE"]
@@ -110,13 +110,12 @@ def _file_chunks(path, header, dataset, ranges, version=None):
     """
     try:
         if file_format(path) == "npy":
+            # Read, not mapped: a file truncated while it is read raises instead of SIGBUS.
             with open(path, "rb") as f:
                 if version is not None and _version(os.fstat(f.fileno())) != version:
                     raise _changed(path)
-                source = np.memmap(f, dtype=header.dtype, mode="r", offset=header.offset,
-                                   shape=header.shape, order="C")
-            for start, stop in ranges:
-                yield start, stop, np.array(source[start:stop])
+                for start, stop in ranges:
+                    yield start, stop, read_npy_rows(f, header, start, stop, path)
             return
         with open_h5(path) as f:
             if version is not None and _version(os.fstat(f.id.get_vfd_handle())) != version:
