@@ -150,3 +150,13 @@ def test_a_table_file_truncated_while_it_is_read_raises_instead_of_sigbus(tmp_pa
     assert done.returncode == 0, f"exit status {done.returncode} (-7 is SIGBUS): {done.stderr}"
     for case in ("stage", "commit", "bfloat16 load"):
         assert f"{case} raised:" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_float32_file_refused_for_a_bfloat16_table_names_rows_it_has(tmp_path):
+    path = tmp_path / "t.npy"
+    values = np.ones((4, 3), np.float32)
+    values[0, 0] = 1.001  # not a bfloat16 value
+    np.save(path, values)
+    table = ss.HostTable.zeros(4, 3, "bfloat16", storage="pageable", backend="numpy")
+    with pytest.raises(ss.FileFormatError, match=r"not bfloat16 values \(rows 0\.\.3\)"):
+        table.load_from(path)

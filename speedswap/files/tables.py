@@ -138,7 +138,7 @@ def _check_bfloat16(path, start, stop, rows):
     values = torch.from_numpy(np.ascontiguousarray(rows))
     if not torch.equal(values.to(torch.bfloat16).float(), values):
         raise FileFormatError(f"{os.fspath(path)!r} holds float32 values that are not "
-                              f"bfloat16 values (rows {start}..{stop}); a bfloat16 table "
+                              f"bfloat16 values (rows {start}..{stop - 1}); a bfloat16 table "
                               f"would round them: load it into a float32 table")
 
 
