@@ -160,3 +160,17 @@ def test_a_float32_file_refused_for_a_bfloat16_table_names_rows_it_has(tmp_path)
     table = ss.HostTable.zeros(4, 3, "bfloat16", storage="pageable", backend="numpy")
     with pytest.raises(ss.FileFormatError, match=r"not bfloat16 values \(rows 0\.\.3\)"):
         table.load_from(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_named_pipe_is_refused_instead_of_waiting_for_a_writer(tmp_path):
+    path = tmp_path / "pipe.npy"
+    os.mkfifo(path)
+    try:  # opening a pipe for reading waits for a writer: in a subprocess, killed if it hangs
+        done = subprocess.run([sys.executable, "-c", "import sys, speedswap as ss\n"
+                               "try:\n    ss.DataGadget(sys.argv[1], backend='numpy')\n"
+                               "except ss.PathError as exc:\n    print(exc)", str(path)],
+                              capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("DataGadget waited for a writer to the named pipe")
+    assert "not a regular file" in done.stdout, done.stdout + done.stderr

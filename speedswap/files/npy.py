@@ -30,9 +30,14 @@ def read_npy_header(path):
             dtype, a negative dimension, or a file shorter or longer than its
             header says.
         MissingFileError: the file does not exist.
-        PathError: ``path`` is a directory.
+        PathError: ``path`` is a directory or another file that is not a
+            regular one (a named pipe, whose open would wait for a writer).
     """
     path = check_readable_file(path, ".npy file")
+    if not os.path.isfile(path):  # a named pipe's open would wait for a writer; nothing else can be mapped
+        raise PathError(f"{path!r} is not a regular file (a named pipe, socket or device?); a .npy "
+                        f"file is read by offset and memory-mapped: save the data to a file and pass "
+                        f"its path")
     with open(path, "rb") as f:
         try:
             version = np.lib.format.read_magic(f)
