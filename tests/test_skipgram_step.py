@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+import torch.optim.optimizer as torch_optimizer
 
 import speedswap as ss
 from speedswap.apps.pairs import PairBatch
@@ -22,12 +23,12 @@ def _tables(u0, v0, optimizer=torch.optim.SGD, dtype=torch.float32, **kwargs):
     return tables, opt
 
 
-def _reference(u0, v0, batches, optimizer=torch.optim.SGD, dtype=torch.float32, **kwargs):
+def _reference(u0, v0, batches, optimizer=torch.optim.SGD, dtype=torch.float32, lr_scale=1.0, **kwargs):
     """Dense nn.Embeddings trained by autograd on the same pairs: the independent reference."""
     model = SkipGram(*(torch.nn.Embedding.from_pretrained(torch.from_numpy(t).to(dtype), freeze=False,
                                                           sparse=optimizer is torch.optim.SparseAdam)
                        for t in (u0, v0)))
-    opt = optimizer(model.parameters(), lr=0.05, **kwargs)
+    opt = optimizer(model.parameters(), lr=0.05 * lr_scale, **kwargs)
     for batch in batches:
         model(*batch).backward()
         opt.step()
@@ -102,3 +103,39 @@ def test_a_table_that_scales_gradients_by_frequency_is_refused(which):
     context.attach(opt)
     with pytest.raises(ss.OptionError, match="scale_grad_by_freq.*autograd"):
         manual_step(centre, context, opt)
+
+
+@pytest.mark.parametrize("where", ["optimizer", "global"])
+def test_a_step_pre_hook_of_the_users_sees_the_gradients_the_in_place_step_would_skip(where, rng):
+    """A pre-hook that scales the gradients (clipping, say) must shape the update, as with autograd.
+
+    The in-place step adds -lr times the gradients before optimizer.step(), which it calls
+    without gradients: a hook there saw none and the rows were trained unscaled.
+    """
+    vocab = 40
+    u0, v0 = (rng.standard_normal((vocab, 4)).astype(np.float32) for _ in range(2))
+    batches = [(torch.from_numpy(rng.zipf(1.3, 16) % vocab), torch.from_numpy(rng.integers(0, vocab, 16)),
+                torch.from_numpy(rng.integers(0, vocab, (16, 3)))) for _ in range(6)]
+
+    def halve_gradients(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+
+    tables, opt = _tables(u0, v0)
+    register = (opt.register_step_pre_hook if where == "optimizer"
+                else torch_optimizer.register_optimizer_step_pre_hook)
+    handle = register(halve_gradients)
+    try:
+        step = manual_step(*tables, opt)
+        for batch in batches:
+            step(PairBatch.plan(*batch, centre_rows=vocab, context_rows=vocab))
+        with pytest.raises(ss.OptionError, match="step pre-hook"):
+            manual_step(*tables, opt, in_place=True)(PairBatch.plan(*batches[0], centre_rows=vocab,
+                                                                     context_rows=vocab))
+    finally:
+        handle.remove()
+    # The reference: autograd with the gradients halved, which is SGD at half the rate.
+    for table, expected in zip(tables, _reference(u0, v0, batches, lr_scale=0.5)):
+        np.testing.assert_allclose(table.table.to_numpy(), expected, rtol=0, atol=1e-6)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 import speedswap as ss
 
+from ..train.step_hooks import has_foreign_pre_hooks
 from .pairs import PairBatch
 
 __all__ = ["SkipGram", "manual_step"]
@@ -132,7 +133,8 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
 
     **In place.** When the tables' memory is the device's (the CPU backend),
     without a device cache, and the optimizer is plain SGD (no momentum,
-    weight decay, Nesterov or ``maximize``) on float32 tables, the copies into
+    weight decay, Nesterov or ``maximize``, and no step pre-hook of the
+    user's, which could change the gradients first) on float32 tables, the copies into
     the working set and back buy nothing: the step then reads the rows where
     they are and adds ``-lr`` times the same gradients to them in place, the
     update SGD's ``step()`` makes (``lr`` read from the optimizer at every
@@ -215,7 +217,8 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
         rates = None if in_place is False else _in_place_rates(centre, context, optimizer)
         if rates is None and in_place:
             raise ss.OptionError("in_place=True needs float32 tables on the CPU backend without a device "
-                                 "cache, and plain SGD (no momentum, weight_decay, nesterov or maximize); "
+                                 "cache, and plain SGD (no momentum, weight_decay, nesterov or maximize, "
+                                 "no step pre-hook of yours, which would not see the gradients); "
                                  "pass in_place=None to copy rows when that does not hold")
         if rates is None:
             try:
@@ -236,7 +239,7 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
 
 def _in_place_rates(centre, context, optimizer) -> Optional[tuple]:
     """The SGD learning rates of ``centre`` and ``context`` when a step may update their tables in place, else None."""
-    if type(optimizer) is not torch.optim.SGD:
+    if type(optimizer) is not torch.optim.SGD or has_foreign_pre_hooks(optimizer):
         return None
     rates = []
     for table in (centre, context):
