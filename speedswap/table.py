@@ -40,9 +40,13 @@ def live_tables():
 
 
 def check_storage(storage, path=None):
-    """Raise :class:`OptionError` unless ``storage`` is a storage kind (``mmap`` with a .npy path)."""
+    """Raise :class:`OptionError` unless ``storage`` is a storage kind (``mmap`` with a .npy path, the others without)."""
     if storage not in STORAGE_KINDS:
         raise OptionError(f"unknown storage {storage!r}; choose one of {STORAGE_KINDS}")
+    if storage != "mmap" and path is not None:
+        raise OptionError(f"path={os.fspath(path)!r} is the file storage='mmap' keeps the table in; "
+                          f"storage={storage!r} keeps it in memory and writes no file: drop path, or "
+                          f"use storage='mmap'")
     if storage == "mmap" and path is None:
         raise OptionError("storage='mmap' keeps the table in a .npy file: pass path='table.npy'")
     if storage == "mmap" and files.file_format(path) != "npy":

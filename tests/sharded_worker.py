@@ -210,7 +210,8 @@ def run_scenario(scenario, seed, world, rank, out):
     table_file = os.path.join(out, "table0.npy")
     if kind == "train":      # train every step; the adam run also saves at SAVE_AT
         storage = "mmap" if name == "adagrad" else "pageable"
-        emb, opt = make(name, storage=storage, path=os.path.join(out, f"mmap-{name}-{world}"))
+        emb, opt = make(name, storage=storage,
+                        path=os.path.join(out, f"mmap-{name}-{world}") if storage == "mmap" else None)
         emb.load(table_file)
         train(emb, opt, seed, range(SAVE_AT), world, rank)
         if name == "adam":

@@ -165,3 +165,15 @@ def test_writing_through_the_tensor_of_a_read_only_map_never_crashes_nor_reaches
     assert "written 7.0" in done.stdout
     np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), values)
 
+
+
+@pytest.mark.parametrize("storage", ["pinned", "pageable"])
+def test_a_path_for_a_table_kept_in_memory_is_refused_not_ignored(storage, tmp_path):
+    """path= with storage other than mmap wrote no file and kept nothing there, silently."""
+    with pytest.raises(ss.OptionError, match=f"storage='{storage}' keeps it in memory"):
+        ss.HostTable.empty(10, 4, storage=storage, backend="numpy", path=tmp_path / "t.npy")
+    with pytest.raises(ss.OptionError, match=f"storage='{storage}' keeps the tables in memory"):
+        ss.OffloadedEmbedding(10, 4, max_rows=4, storage=storage, backend="numpy", path=tmp_path / "emb")
+    with pytest.raises(ss.OptionError, match=f"storage='{storage}' keeps the tables in memory"):
+        ss.ShardedOffloadedEmbedding(10, 4, max_rows=4, storage=storage, backend="numpy", path=tmp_path / "s")
+    assert not list(tmp_path.iterdir())

@@ -62,11 +62,16 @@ def file_in(directory, name, storage):
         ``directory/<name>.npy``, or None for any storage but ``mmap``.
 
     Raises:
-        OptionError: ``mmap`` storage without a directory.
+        OptionError: ``mmap`` storage without a directory, or a directory
+            for any other storage (which would be ignored).
         PathError: ``directory`` is a file, would create a directory named
             like a file (``emb.npy``), or cannot be created.
     """
     if storage != "mmap":
+        if directory is not None:
+            raise OptionError(f"path={os.fspath(directory)!r} is where storage='mmap' keeps its files; "
+                              f"storage={storage!r} keeps the tables in memory and writes none: drop "
+                              f"path, or use storage='mmap'")
         return None
     if directory is None:
         raise OptionError("storage='mmap' keeps the table and optimizer state in files: pass "
