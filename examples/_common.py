@@ -15,6 +15,7 @@ import torch
 
 import speedswap as ss
 from speedswap.apps.demo import BACKEND_OF_DEVICE
+from speedswap.atomic import atomic_output
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -144,7 +145,10 @@ def backend_and_device(args):
 
 
 def write_json(args, figures):
-    """Write ``figures`` to ``--json`` when given (the tests read it)."""
+    """Write ``figures`` to ``--json`` when given (the tests read it), atomically.
+
+    A run stopped mid-write (a full disk, a kill) leaves any previous file whole.
+    """
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_output(args.json) as tmp, open(tmp, "w") as f:
             json.dump(figures, f, indent=2)

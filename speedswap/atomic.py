@@ -99,6 +99,9 @@ def check_writable_dir(path) -> str:
         PathError: the directory does not exist or is not a directory.
     """
     directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise PathError(f"cannot save {os.fspath(path)!r}: {directory!r} is a file, not a "
+                        f"directory; save somewhere else")
     if not os.path.isdir(directory):
         raise PathError(f"cannot save {os.fspath(path)!r}: the directory {directory!r} does "
                         f"not exist; create it first (os.makedirs(..., exist_ok=True))")

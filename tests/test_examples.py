@@ -488,3 +488,14 @@ def test_word2vec_saving_a_npy_past_the_file_size_limit_leaves_the_old_file(tmp_
     assert done.returncode == 1 and "could not save" in done.stderr and "Traceback" not in done.stderr, done.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "vectors.npy"), old)  # was truncated to the limit
     assert sorted(os.listdir(tmp_path)) == ["vectors.npy"]
+
+
+def test_the_json_figures_are_replaced_whole_or_not_at_all(tmp_path):
+    """--json was written in place: a failure mid-write left half a file where the last run's figures were."""
+    common = load_example("_common")
+    path = tmp_path / "figures.json"
+    common.write_json(argparse.Namespace(json=str(path)), {"loss": 0.25})
+    with pytest.raises(TypeError):  # not JSON: the dump stops part way
+        common.write_json(argparse.Namespace(json=str(path)), {"loss": 0.5, "model": object()})
+    assert json.loads(path.read_text()) == {"loss": 0.25}
+    assert [p.name for p in tmp_path.iterdir()] == ["figures.json"]

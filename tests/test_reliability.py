@@ -378,6 +378,13 @@ def test_saving_into_a_missing_directory_names_the_users_path(rng, tmp_path):
     assert ".tmp" not in str(info.value)
 
 
+def test_saving_under_a_file_says_it_is_a_file_not_a_missing_directory(rng, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(PathError, match="afile' is a file, not a directory"):
+        make_table(rng).save(tmp_path / "afile" / "t.npy")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
 def test_an_unknown_checkpoint_suffix_is_refused(rng, tmp_path):
     with pytest.raises(ss.OptionError, match="no suffix"):
         make_embedding(rng).save(tmp_path / "emb.pt")
