@@ -443,10 +443,28 @@ def test_create_npy_refuses_a_path_it_cannot_write_with_a_path_error(tmp_path, f
 
 
 @pytest.mark.parametrize("dtype, message", [("bfloat16", "bfloat16.*float32"), ("floaty", "not a dtype"),
-                                            ("uint16", "not supported")])
+                                            ("uint64", "not supported")])
 @pytest.mark.parametrize("filled", [False, True])
 def test_create_npy_refuses_a_dtype_it_cannot_write_with_a_dtype_error(tmp_path, dtype, message, filled):
     fill = (lambda lo, hi: np.ones((hi - lo, 3), np.float32)) if filled else None
     with pytest.raises(ss.DTypeError, match=message):
         ss.data.create_npy(tmp_path / "x.npy", (4, 3), dtype, fill, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, "uint32", torch.uint16, torch.uint32])
+def test_create_npy_writes_token_ids_the_feeder_reads(tmp_path, rng, dtype):
+    """uint16/uint32 token ids: the README's feeder takes them, and create_npy refused to write them."""
+    name = str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else np.dtype(dtype).name
+    top = np.iinfo(name).max
+    ids = rng.integers(top - 1000, top, size=(5000, 2), endpoint=True).astype(name)  # the top of the range
+    ss.data.create_npy(tmp_path / "ids.npy", ids.shape, dtype, lambda lo, hi: ids[lo:hi], chunk_bytes=4096,
+                       progress=False)
+    assert np.load(tmp_path / "ids.npy").dtype == np.dtype(name)
+    feeder = ss.BatchFeeder(np.load(tmp_path / "ids.npy", mmap_mode="r"), batch_size=512, order="sequential",
+                            device="cpu")
+    got = torch.cat([batch for (batch,) in feeder]).numpy()
+    np.testing.assert_array_equal(got, ids.astype(np.int64))
+    with pytest.raises(ss.DTypeError, match="returned int64; the file holds uint"):  # ids that could wrap
+        ss.data.create_npy(tmp_path / "bad.npy", (3,), dtype, lambda lo, hi: np.array([1, -1, 2])[lo:hi],
+                           progress=False)

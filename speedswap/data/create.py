@@ -45,7 +45,8 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
     Args:
         path: the ``.npy`` file to create (replaced if it exists).
         shape: ``(num_rows, ...)``; an int ``n`` means ``(n,)``, as in numpy.
-        dtype: a dtype speedswap supports (numpy, torch or a name), not bfloat16.
+        dtype: a dtype speedswap's tables hold (numpy, torch or a name), not
+            bfloat16; or uint16/uint32, for token ids ``BatchFeeder`` reads.
         fill: optional ``fill(start, stop) -> array`` of shape ``(stop - start, *shape[1:])``.
         chunk_bytes: bytes per ``fill`` call.
         progress: show a tqdm bar while filling; None shows it only on a terminal.
@@ -72,10 +73,7 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
     """
     shape = _shape_of(shape)
     check_rows(shape, "the dataset")  # before anything is opened: a bad shape leaves the path as it was
-    if torch_dtype(dtype) is torch.bfloat16:  # DTypeError first for a name that is no dtype
-        raise DTypeError("numpy has no bfloat16, so a .npy file cannot hold it; create the file as "
-                         "float32, which holds every bfloat16 value exactly")
-    dtype = numpy_dtype(dtype)
+    dtype = _file_dtype(dtype)
     chunk_bytes = int_option(chunk_bytes, "chunk_bytes")
     path = os.fspath(path)
     if fill is None:
@@ -88,6 +86,30 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
         del header
         _fill(partial, offset, shape, dtype, fill, chunk_bytes, progress, os.path.basename(path))
     return np.lib.format.open_memmap(path, mode="r+")
+
+
+#: Token-id widths BatchFeeder reads (and widens on the device) though no table holds them.
+_TOKEN_DTYPES = {name: np.dtype(name) for name in ("uint16", "uint32")}
+
+
+def _file_dtype(dtype) -> np.dtype:
+    """The file's numpy dtype: one speedswap's tables hold, or uint16/uint32 token ids.
+
+    Raises:
+        DTypeError: any other dtype, bfloat16 included (no .npy holds it).
+    """
+    name = str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else None
+    if name is None:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass  # not a numpy dtype: torch_dtype below says what is supported
+    if name in _TOKEN_DTYPES:
+        return _TOKEN_DTYPES[name]
+    if torch_dtype(dtype) is torch.bfloat16:  # DTypeError first for a name that is no dtype
+        raise DTypeError("numpy has no bfloat16, so a .npy file cannot hold it; create the file as "
+                         "float32, which holds every bfloat16 value exactly")
+    return numpy_dtype(dtype)
 
 
 def _shape_of(shape):
