@@ -75,19 +75,25 @@ def show_neighbours(vectors, corpus, query_ids, k=8):
         print(f"  {corpus.name(word):>14}: {', '.join(corpus.name(n) for n in row)}")
 
 
+#: --min-count's default, as word2vec's and gensim's.
+MIN_COUNT = 5
+
+
 def add_corpus_arguments(parser):
     """The corpus and its vocabulary."""
     group = parser.add_argument_group("corpus")
     group.add_argument("--corpus", metavar="PATH", type=existing_file,
                        help="a text8-style file: whitespace-separated "
                        "words, one document per line (default: synthetic)")
-    group.add_argument("--min-count", type=positive_int, default=5,
-                       help="with --corpus: keep words seen at least this often, as word2vec does")
+    group.add_argument("--min-count", type=positive_int,
+                       help="with --corpus: keep words seen at least this often, as word2vec does (default: "
+                       f"{MIN_COUNT})")
     group.add_argument("--vocab", type=positive_int, help="synthetic: the vocabulary size; with --corpus: keep at "
                        f"most this many most frequent words (default: {DEMO['vocab']} synthetic, no cap "
                        "for a corpus)")
-    group.add_argument("--topics", type=positive_int, default=DEMO["topics"], help="synthetic topics")
-    group.add_argument("--tokens", type=positive_int, default=DEMO["tokens"], help="synthetic corpus length")
+    group.add_argument("--topics", type=positive_int, help=f"synthetic topics (default: {DEMO['topics']})")
+    group.add_argument("--tokens", type=positive_int,
+                       help=f"synthetic corpus length (default: {DEMO['tokens']:,})")
 
 
 def add_training_arguments(parser):
@@ -190,6 +196,15 @@ NOT_DISTRIBUTED = (
 
 def check_options(parser, args):
     """Options that contradict each other, or that the chosen mode would ignore: argparse's one-line error."""
+    synthetic_only = [name for name, value in (("--topics", args.topics), ("--tokens", args.tokens))
+                      if value is not None]
+    if args.corpus and synthetic_only:
+        verb = "shape" if len(synthetic_only) > 1 else "shapes"
+        parser.error(f"{' and '.join(synthetic_only)} {verb} the synthetic corpus, which --corpus replaces: "
+                     f"drop {' and '.join(synthetic_only)}")
+    if not args.corpus and args.min_count is not None:
+        parser.error("--min-count filters the words of a --corpus; the synthetic corpus keeps its whole "
+                     "--vocab: drop --min-count, or give --corpus")
     if args.storage == "mmap" and not args.table_dir:
         parser.error("--storage mmap keeps the tables in files: give --table-dir DIR")
     if args.table_dir and args.storage != "mmap":
@@ -226,12 +241,15 @@ def main(argv=None):
     start = time.perf_counter()
     if args.corpus:
         try:
-            corpus = read_text_corpus(args.corpus, args.vocab, min_count=args.min_count)
+            corpus = read_text_corpus(args.corpus, args.vocab,
+                                      min_count=MIN_COUNT if args.min_count is None else args.min_count)
         except ss.FileFormatError as exc:  # not UTF-8, no words, none min-count times: the file's fault
             parser.error(f"--corpus: {exc}")
     else:
         vocab = DEMO["vocab"] if args.vocab is None else args.vocab
-        corpus = synthetic_corpus(vocab, args.topics, args.tokens, seed=args.seed)
+        args.topics = DEMO["topics"] if args.topics is None else args.topics
+        corpus = synthetic_corpus(vocab, args.topics, DEMO["tokens"] if args.tokens is None else args.tokens,
+                                  seed=args.seed)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         print(f"corpus: {len(corpus.tokens):,} tokens, vocabulary {corpus.vocab_size:,} "
               f"({'synthetic, ' + str(args.topics) + ' topics' if corpus.topics is not None else args.corpus}), "

@@ -340,10 +340,17 @@ BAD_ARGUMENTS = [
     ("word2vec", ["--save", "{tmp}/missing/vectors.txt"], "--save: no directory"),
     ("word2vec", ["--save", "{tmp}"], "--save: '.*' is a directory"),
     ("word2vec", ["--binary"], "--binary is the format of --save"),
+    # Options of the other corpus were ignored without a word.
+    ("word2vec", ["--corpus", str(EXAMPLES / "word2vec.py"), "--topics", "3"], "--topics shapes the synthetic "
+     "corpus, which --corpus replaces"),
+    ("word2vec", ["--corpus", str(EXAMPLES / "word2vec.py"), "--tokens", "9", "--topics", "3"],
+     "--topics and --tokens shape"),
+    ("word2vec", ["--min-count", "2"], "--min-count filters the words of a --corpus"),
     # What the sharded run would ignore is refused by name.
     *[("word2vec", ["--distributed", *option], f"--distributed does not take {named}")
       for option, named in ((["--speedtorch-api"], "--speedtorch-api"), (["--epochs", "2"], "--epochs"),
-                            (["--schedule", "linear"], "--schedule linear"), (["--cache-rows", "5"], "--cache-rows"))],
+                            (["--schedule", "linear"], "--schedule linear"), (["--cache-rows", "5"], "--cache-rows"),
+                            (["--closed-form"], "--closed-form"))],
     # Without torchrun's variables the process group would wait for ever.
     *[(name, ["--distributed"], "launch it with torchrun") for name in ("word2vec", "recommender")],
 ]
