@@ -752,3 +752,14 @@ def test_an_mmap_run_makes_its_table_directory_with_either_api(speedtorch_api, t
     with pytest.raises(ss.PathError, match="'file'|file.*(Not a directory|File exists)") as error:
         word2vec.train(corpus, directory=str(tmp_path / "file"), **options)
     assert "does not exist" not in str(error.value)  # it does: it is a file
+
+
+def test_a_run_whose_loss_overflows_stops_and_says_what_to_lower():
+    """SGD at a rate that blows up: the run used to go on, report 'loss 4.2 -> inf' and vectors of noise."""
+    corpus = synthetic_corpus(vocab=300, topics=5, tokens=30_000, seed=3)
+    with pytest.raises(ss.OptionError, match=r"training diverged: the loss per pair was (nan|inf) at step 51 "
+                                             r"\(2,048 pairs a step, learning rate 1e\+03\)"):
+        word2vec.train(corpus, dim=8, steps=60, batch_size=2048, lr=1e3, backend="numpy", progress=False)
+    # The same run at word2vec's rate trains.
+    result = word2vec.train(corpus, dim=8, steps=60, batch_size=2048, backend="numpy", progress=False)
+    assert all(np.isfinite(loss) for _, loss in result.losses)

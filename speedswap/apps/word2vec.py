@@ -435,6 +435,21 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
                        storage=storage, autograd=autograd, switchers=job.switchers)
 
 
+def _check_finite(loss: tuple, pairs: int, lr: float) -> None:
+    """Stop a run whose loss overflowed: every step after it trains on infinities, and its vectors are noise.
+
+    Raises:
+        OptionError: the loss per pair is infinite or NaN.
+    """
+    step, value = loss
+    if not np.isfinite(value):
+        raise ss.OptionError(
+            f"training diverged: the loss per pair was {value} at step {step:,} ({pairs:,} pairs a step, "
+            f"learning rate {lr:.3g}). A step's loss sums its pairs', so a frequent word's row takes as many "
+            f"updates at once as it has pairs in the batch; lower the learning rate or the batch size "
+            f"(--lr, --batch-size)")
+
+
 class _Run:
     """The training loop's progress: words read, steps and pairs trained, losses; and the loop itself.
 
@@ -488,6 +503,7 @@ class _Run:
                 # Reading the loss synchronises a GPU; do it only as often as the bar redraws.
                 if self.steps % 50 == 1 or self.steps == self.total_steps:
                     self.losses.append((self.steps, float(loss) / len(batch)))
+                    _check_finite(self.losses[-1], len(batch), scheduler.base_lrs[0])
                     bar.set_postfix(loss=f"{self.losses[-1][1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
                                     refresh=False)
                 bar.update(1 if self.total_steps else batch.words)
