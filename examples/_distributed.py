@@ -158,6 +158,7 @@ def word2vec_sharded(args, corpus, backend):
             total = torch.stack([loss.detach(), torch.tensor(float(len(centres)), device=loss.device)])
             dist.all_reduce(total)
             losses.append((step, float(total[0] / total[1])))
+            word2vec.check_finite_loss(losses[-1], per_rank * world, lr)  # the same sum on every rank: all stop
     seconds = time.perf_counter() - start
 
     # An eval forward is a collective too: rank 0 asks for every row, the others for none.

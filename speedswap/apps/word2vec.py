@@ -42,7 +42,7 @@ from .corpus import Corpus
 from .pairs import NegativeSampler, PairBatch, PairChunks
 from .skipgram import SkipGram, manual_step
 
-__all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "cores_granted", "cpu_threads", "DEFAULT_LR",
+__all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "check_finite_loss", "cores_granted", "cpu_threads", "DEFAULT_LR",
            "topic_purity", "nearest_neighbours"]
 
 #: The default learning rate of each optimizer: word2vec's 0.025 per pair for SGD.
@@ -435,8 +435,13 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
                        storage=storage, autograd=autograd, switchers=job.switchers)
 
 
-def _check_finite(loss: tuple, pairs: int, lr: float) -> None:
+def check_finite_loss(loss: tuple, pairs: int, lr: float) -> None:
     """Stop a run whose loss overflowed: every step after it trains on infinities, and its vectors are noise.
+
+    Args:
+        loss: ``(step, loss per pair)`` as read.
+        pairs: the step's pairs (all ranks' in a sharded run).
+        lr: the run's learning rate, for the message.
 
     Raises:
         OptionError: the loss per pair is infinite or NaN.
@@ -503,7 +508,7 @@ class _Run:
                 # Reading the loss synchronises a GPU; do it only as often as the bar redraws.
                 if self.steps % 50 == 1 or self.steps == self.total_steps:
                     self.losses.append((self.steps, float(loss) / len(batch)))
-                    _check_finite(self.losses[-1], len(batch), scheduler.base_lrs[0])
+                    check_finite_loss(self.losses[-1], len(batch), scheduler.base_lrs[0])
                     bar.set_postfix(loss=f"{self.losses[-1][1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
                                     refresh=False)
                 bar.update(1 if self.total_steps else batch.words)
