@@ -242,6 +242,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.rows < 2:
         parser.error("--rows must be at least 2: the features are normalised by their standard deviation")
+    if args.max_seconds is not None and not args.compare:
+        parser.error("--max-seconds limits the DataLoader's epochs, which only --compare runs: give --compare")
     backend, device = backend_and_device(args)
     data_dir = args.data_dir or Path(tempfile.gettempdir()) / f"speedswap-linreg-{args.rows}x{args.features}"
 

@@ -332,6 +332,8 @@ BAD_ARGUMENTS = [
     ("logistic_regression", ["--informative", "30", "--features", "20"], "--informative 30 is more than --features 20"),
     ("logistic_regression", ["--l1", "-1"], "--l1: '-1' is not a finite number >= 0"),
     ("logistic_regression", ["--separation", "nan"], "--separation: 'nan'"),
+    ("linear_regression", ["--max-seconds", "5"], "--max-seconds limits the DataLoader's epochs, which only "
+     "--compare runs"),
     ("word2vec", ["--vocab", "0"], "--vocab: '0' is not a positive integer"),
     ("word2vec", ["--steps", "0"], "--steps: '0' is not a positive integer"),
     ("word2vec", ["--epochs", "2", "--steps", "3"], "as --epochs or as --steps, not both"),

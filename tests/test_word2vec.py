@@ -723,6 +723,16 @@ def test_a_synthetic_corpus_refuses_a_seed_that_is_not_an_int_from_0(seed):
         synthetic_corpus(vocab=10, topics=2, tokens=100, seed=seed)
 
 
+@pytest.mark.parametrize("option, value, error", [("background", 1.5, ss.OptionError), ("background", -0.1, ss.OptionError),
+                                                  ("background", float("nan"), ss.OptionError),
+                                                  ("zipf", -1.0, ss.OptionError), ("zipf", float("inf"), ss.OptionError),
+                                                  ("zipf", "1", ss.DTypeError)])
+def test_a_synthetic_corpus_refuses_a_share_or_exponent_it_would_not_honour(option, value, error):
+    """background 1.5 acted as 1 and NaN as 0: a corpus other than the one asked for, without a word."""
+    with pytest.raises(error, match=option):
+        synthetic_corpus(vocab=10, topics=2, tokens=100, **{option: value})
+
+
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_cpu_threads_names_omp_num_threads_when_it_is_not_positive(value, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", value)  # the message said "threads must be ...", an option not given

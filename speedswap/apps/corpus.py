@@ -87,11 +87,22 @@ def synthetic_corpus(vocab: int, topics: int, tokens: int, *, doc_len: int = 50,
         Corpus with ``topics`` set.
 
     Raises:
-        OptionError: a size that is not a positive int, more topics than words, or
-            a ``seed`` that is not an int >= 0.
+        OptionError: a size that is not a positive int, more topics than words,
+            a ``seed`` that is not an int >= 0, a ``background`` outside
+            [0, 1] or a ``zipf`` exponent that is negative or not finite.
+        DTypeError: ``background`` or ``zipf`` is not a real number.
     """
     _check_positive(vocab=vocab, topics=topics, tokens=tokens, doc_len=doc_len)
     seed = convert.int_option(seed, "seed", minimum=0)  # numpy's generator raises its own errors for others
+    # A share above 1 acted as 1, and NaN as 0: the corpus was not the one asked for.
+    background = convert.float_option(background, "background")
+    if not 0 <= background <= 1:
+        raise ss.OptionError(f"background is the share of tokens drawn regardless of the topic: a number "
+                             f"from 0 to 1, got {background!r}")
+    zipf = convert.float_option(zipf, "zipf")
+    if zipf < 0:
+        raise ss.OptionError(f"zipf is the frequency exponent (word i has weight 1/(i+1)**zipf): a number "
+                             f">= 0, got {zipf!r}")
     if topics > vocab:
         raise ss.OptionError(f"{topics} topics over {vocab} words: every topic needs words of its own; "
                              f"give at most vocab topics")
