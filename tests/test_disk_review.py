@@ -174,3 +174,21 @@ def test_a_named_pipe_is_refused_instead_of_waiting_for_a_writer(tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail("DataGadget waited for a writer to the named pipe")
     assert "not a regular file" in done.stdout, done.stdout + done.stderr
+
+
+def test_create_npy_replacing_a_file_keeps_a_link_at_the_path_and_the_files_mode(tmp_path, rng):
+    """Without fill, a replaced file went through its own rename: a link became a plain file, and 0o640 0o644."""
+    target = tmp_path / "data" / "x.npy"
+    target.parent.mkdir()
+    np.save(target, rng.standard_normal((3, 2)).astype(np.float32))
+    os.chmod(target, 0o640)
+    link = tmp_path / "x.npy"
+    link.symlink_to(target)
+    rows = rng.standard_normal((5, 4)).astype(np.float32)
+    x = ss.data.create_npy(link, (5, 4), np.float32)
+    x[:] = rows
+    x.flush()
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert os.stat(target).st_mode & 0o777 == 0o640
+    np.testing.assert_array_equal(np.load(target), rows)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["x.npy"]

@@ -150,23 +150,24 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
                         f"overwrite=True to start it afresh")
     # Created under a temporary name and renamed: a replaced file keeps its inode for
     # whoever still maps it, and the name never holds a half-made header.
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if overwrite:
+        # atomic_output also keeps a symbolic link at path (its target is replaced) and
+        # the replaced file's permission bits.
+        with atomic_output(path) as tmp:
+            offset = _write_sparse(tmp, header, size)
+        return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
     tmp = temp_path(path)
     try:
-        with open(tmp, "xb") as f:
-            np.lib.format.write_array_header_2_0(f, header)
-            offset = f.tell()
-            f.truncate(offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-        if overwrite:
-            os.replace(tmp, path)
+        offset = _write_sparse(tmp, header, size)
+        try:
+            os.link(tmp, path)  # fails if the file appeared meanwhile: never replaced
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links on this file system: rename, after the check above
+            os.rename(tmp, path)
         else:
-            try:
-                os.link(tmp, path)  # fails if the file appeared meanwhile: never replaced
-            except FileExistsError:
-                raise
-            except OSError:  # no hard links on this file system: rename, after the check above
-                os.rename(tmp, path)
-            else:
-                os.unlink(tmp)
+            os.unlink(tmp)
     except FileExistsError:
         os.unlink(tmp)
         raise PathError(f"{path!r} already exists; speedswap does not replace a file it did not "
@@ -176,6 +177,19 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
             os.unlink(tmp)
         raise saving_error(path, exc) from exc
     return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
+
+
+def _write_sparse(target, header, size) -> int:
+    """Write a .npy ``header`` at the start of ``target`` and size it for ``size`` bytes of data (sparse).
+
+    Returns:
+        The data's offset in the file.
+    """
+    with open(target, "r+b" if os.path.exists(target) else "xb") as f:
+        np.lib.format.write_array_header_2_0(f, header)
+        offset = f.tell()
+        f.truncate(offset + size)
+    return offset
 
 
 def read_npy_into(path, out, header=None):
