@@ -233,7 +233,10 @@ class DataGadget:
 
         Raises:
             IdError, DTypeError, DeviceError: bad ids.
-            FileFormatError: a memory-mapped file was truncated since the gadget was built.
+            FileFormatError: the file a gadget built from its path maps was
+                truncated since. A gadget built from a memory-mapped array you
+                made cannot see its file: truncating that file under it ends
+                the process with SIGBUS, as it would for numpy.
         """
         table = self._live_table()
         if self._path is not None and table.storage == "mmap":
