@@ -225,8 +225,10 @@ def _transport_body(result: dict) -> str:
         config = cpu["config"]
         parts.append(f"CPU, {config['num_ids']:,} of {config['num_rows']:,} x {config['dim']} float32 rows "
                      f"(median of {config['repeats']}, interleaved):")
-        for direction in ("gather", "scatter"):
-            parts.append(markdown_table(["method", "median ms", "GB/s", "speed-up over torch"],
+        # Each table's reference is torch's own call of the same operation.
+        for direction, reference in (("gather", "index_select"), ("scatter", "index_copy_")):
+            parts.append(f"{direction.capitalize()}:")
+            parts.append(markdown_table(["method", "median ms", "GB/s", f"speed-up over torch {reference}"],
                                         [[r["method"], r["median_ms"], r["GB/s"], r["vs_ref"]] for r in cpu[direction]]))
         parts.append(markdown_table(["CPU ratio", "value"], [[k, v] for k, v in cpu["targets"].items()]))
     if result.get("gpu_skipped"):
