@@ -91,9 +91,9 @@ def run_child(setup, name, env, repeats, threads):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--rounds", type=common.count, default=3, help="interleaved rounds per setting")
-    parser.add_argument("--repeats", type=common.count, default=30, help="timed steps per child")
-    parser.add_argument("--threads", type=common.count, default=1, help="torch's intra-op threads")
+    parser.add_argument("--rounds", type=common.positive_int, default=3, help="interleaved rounds per setting")
+    parser.add_argument("--repeats", type=common.positive_int, default=30, help="timed steps per child")
+    parser.add_argument("--threads", type=common.positive_int, default=1, help="torch's intra-op threads")
     parser.add_argument("--child", choices=SETUPS, help=argparse.SUPPRESS)
     parser.add_argument("--keep-freed", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

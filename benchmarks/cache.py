@@ -182,7 +182,7 @@ def plot(rows, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--steps", type=common.count, default=20, help="timed steps per configuration")
+    parser.add_argument("--steps", type=common.positive_int, default=20, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=100,
                         help="steps before timing (the cache fills and its counts settle)")
     parser.add_argument("--seed", type=int, default=0)
@@ -191,7 +191,7 @@ def main(argv=None):
     parser.add_argument("--caches", nargs="+", type=float, default=CACHE_FRACTIONS[1:],
                         help="cache sizes as fractions of the rows (no cache is always run too: "
                              "the ratios are against it)")
-    parser.add_argument("--threads", type=common.count, default=torch.get_num_threads(),
+    parser.add_argument("--threads", type=common.positive_int, default=torch.get_num_threads(),
                         help="torch's intra-op threads")
     parser.add_argument("--prefetch", action="store_true",
                         help="prefetch each next step's rows (results in cache-prefetch-*.json)")

@@ -5,7 +5,6 @@ The measurements themselves live in the package (``speedswap.apps.bench``),
 so an installed wheel can run them too (``python -m speedswap bench``).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -15,24 +14,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from speedswap.apps.arguments import positive_int  # noqa: E402,F401 (the scripts' count options)
 from speedswap.apps.bench.timing import format_table, machine, summarize, write_json  # noqa: E402,F401
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def count(text):
-    """argparse type of a count option (repeats, steps, rows, threads): a whole number of at least 1.
-
-    A 0 would end a script in a raw traceback after its set-up (a median of no
-    samples, a division by zero steps, torch refusing 0 threads).
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return value
 
 
 def write_results(name, payload):

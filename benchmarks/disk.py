@@ -113,8 +113,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--disk-gb", type=float, default=4.0, help="size of the file")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the file goes")
-    parser.add_argument("--batch", type=common.count, default=2048)
-    parser.add_argument("--epochs", type=common.count, default=2, help="block-order epochs")
+    parser.add_argument("--batch", type=common.positive_int, default=2048)
+    parser.add_argument("--epochs", type=common.positive_int, default=2, help="block-order epochs")
     parser.add_argument("--max-seconds", type=float, default=60.0,
                         help="stop a random-order epoch after this long and extrapolate")
     args = parser.parse_args(argv)

@@ -139,9 +139,9 @@ def volume(steps, vocab, world):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--vocab", type=common.count, default=1_000_000)
-    parser.add_argument("--pairs", type=common.count, default=4096, help="pairs per global step")
-    parser.add_argument("--repeats", type=common.count, default=20)
+    parser.add_argument("--vocab", type=common.positive_int, default=1_000_000)
+    parser.add_argument("--pairs", type=common.positive_int, default=4096, help="pairs per global step")
+    parser.add_argument("--repeats", type=common.positive_int, default=20)
     parser.add_argument("--link-gbit", type=float, default=10.0, help="link speed of the projection")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()

@@ -29,16 +29,16 @@ from speedswap.apps.bench import feeder
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--epochs", type=common.count, default=5, help="epochs per timed repeat (fast_loops)")
-    parser.add_argument("--repeats", type=common.count, default=5, help="timed repeats (GPU case: timed epochs)")
+    parser.add_argument("--epochs", type=common.positive_int, default=5, help="epochs per timed repeat (fast_loops)")
+    parser.add_argument("--repeats", type=common.positive_int, default=5, help="timed repeats (GPU case: timed epochs)")
     parser.add_argument("--disk-gb", type=float, default=2.0, help="size of the file for the disk case, GB (10**9 bytes)")
     parser.add_argument("--disk-dir", default=tempfile.gettempdir(), help="where the disk case's file goes")
-    parser.add_argument("--disk-batch", type=common.count, default=2048, help="rows per batch in the disk case")
+    parser.add_argument("--disk-batch", type=common.positive_int, default=2048, help="rows per batch in the disk case")
     parser.add_argument("--disk-max-seconds", type=float, default=120.0,
                         help="stop an epoch after this long and extrapolate")
     parser.add_argument("--skip-disk", action="store_true", help="leave out the disk case")
-    parser.add_argument("--gpu-rows", type=common.count, default=1_000_000, help="rows of the FFCV regression shape")
-    parser.add_argument("--gpu-workers", type=common.count, default=min(8, os.cpu_count() or 1),
+    parser.add_argument("--gpu-rows", type=common.positive_int, default=1_000_000, help="rows of the FFCV regression shape")
+    parser.add_argument("--gpu-workers", type=common.positive_int, default=min(8, os.cpu_count() or 1),
                         help="DataLoader workers in the GPU case")
     args = parser.parse_args(argv)
     payload = {"fast_loops": feeder.fast_loops(args.epochs, args.repeats)}

@@ -110,10 +110,10 @@ SETUPS = {**training_step._setups(),
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--vocab", type=common.count, default=1_000_000, help="table rows")
-    parser.add_argument("--steps", type=common.count, default=10, help="steps profiled (and counted for waits)")
-    parser.add_argument("--batch", type=common.count, default=training_step.StepShape.batch, help="pairs per step")
-    parser.add_argument("--dim", type=common.count, default=training_step.StepShape.dim)
+    parser.add_argument("--vocab", type=common.positive_int, default=1_000_000, help="table rows")
+    parser.add_argument("--steps", type=common.positive_int, default=10, help="steps profiled (and counted for waits)")
+    parser.add_argument("--batch", type=common.positive_int, default=training_step.StepShape.batch, help="pairs per step")
+    parser.add_argument("--dim", type=common.positive_int, default=training_step.StepShape.dim)
     parser.add_argument("--out", type=Path, default=common.RESULTS, help="where the JSON goes")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()

@@ -154,14 +154,14 @@ def rebuild(args, batches):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=common.count, default=10_000)
-    parser.add_argument("--rebuild-steps", type=common.count, default=1_000)
-    parser.add_argument("--vocab", type=common.count, default=1_000_000)
-    parser.add_argument("--dim", type=common.count, default=64)
-    parser.add_argument("--batch", type=common.count, default=512)
-    parser.add_argument("--negs", type=common.count, default=5)
-    parser.add_argument("--save-every", type=common.count, default=2_500)
-    parser.add_argument("--sample-every", type=common.count, default=100)
+    parser.add_argument("--steps", type=common.positive_int, default=10_000)
+    parser.add_argument("--rebuild-steps", type=common.positive_int, default=1_000)
+    parser.add_argument("--vocab", type=common.positive_int, default=1_000_000)
+    parser.add_argument("--dim", type=common.positive_int, default=64)
+    parser.add_argument("--batch", type=common.positive_int, default=512)
+    parser.add_argument("--negs", type=common.positive_int, default=5)
+    parser.add_argument("--save-every", type=common.positive_int, default=2_500)
+    parser.add_argument("--sample-every", type=common.positive_int, default=100)
     args = parser.parse_args()
     device = ss.get_backend().device
     batches = zipf_pool(args.vocab, args.batch, args.negs, 64, device)

@@ -31,12 +31,12 @@ from speedswap.apps.bench.timing import write_json
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--vocab", type=common.count, nargs="+", default=[1_000_000, 10_000_000],
+    parser.add_argument("--vocab", type=common.positive_int, nargs="+", default=[1_000_000, 10_000_000],
                         help="table rows to measure at")
-    parser.add_argument("--repeats", type=common.count, default=20, help="timed steps per setup")
-    parser.add_argument("--batch", type=common.count, default=training_step.StepShape.batch, help="pairs per step")
-    parser.add_argument("--dim", type=common.count, default=training_step.StepShape.dim, help="embedding length")
-    parser.add_argument("--threads", type=common.count, default=torch.get_num_threads(),
+    parser.add_argument("--repeats", type=common.positive_int, default=20, help="timed steps per setup")
+    parser.add_argument("--batch", type=common.positive_int, default=training_step.StepShape.batch, help="pairs per step")
+    parser.add_argument("--dim", type=common.positive_int, default=training_step.StepShape.dim, help="embedding length")
+    parser.add_argument("--threads", type=common.positive_int, default=torch.get_num_threads(),
                         help="torch's intra-op threads (1 on this 2-core machine keeps the load near 1)")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="ss.keep_freed_memory() first: on a CPU glibc otherwise returns each step's "

@@ -31,7 +31,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="16x smaller sizes (a smoke run)")
-    parser.add_argument("--repeats", type=common.count, default=20, help="timed rounds per contender")
+    parser.add_argument("--repeats", type=common.positive_int, default=20, help="timed rounds per contender")
     parser.add_argument("--no-write", action="store_true", help="do not write the JSON result")
     args = parser.parse_args(argv)
     scale = 16 if args.quick else 1

@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, count, write_results
+from common import ROOT, positive_int, write_results
 
 from speedswap.apps.demo import DEMO
 
@@ -152,11 +152,11 @@ def main():
     parser.add_argument("--corpus", help="a text file instead of the assembled Debian corpus")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "speedswap-w2v-corpus"),
                         help="where the packages and the assembled corpus are kept")
-    parser.add_argument("--epochs", type=count, default=5)
-    parser.add_argument("--threads", type=count, default=2)
-    parser.add_argument("--rounds", type=count, default=1, help="gensim + recipes, interleaved")
+    parser.add_argument("--epochs", type=positive_int, default=5)
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--rounds", type=positive_int, default=1, help="gensim + recipes, interleaved")
     parser.add_argument("--recipes", default="sgd,adam", help="speedswap optimizers to run")
-    parser.add_argument("--batch-size", type=count, default=DEMO["batch_size"], help="pairs per step (the example's default)")
+    parser.add_argument("--batch-size", type=positive_int, default=DEMO["batch_size"], help="pairs per step (the example's default)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--corpus-only", action="store_true",
                         help="assemble the corpus into --cache, print where it is, and stop")

@@ -92,8 +92,8 @@ def cases(rng, device):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--repeats", type=common.count, default=200, help="timed rounds per case")
-    parser.add_argument("--threads", type=common.count, default=1, help="torch's intra-op threads")
+    parser.add_argument("--repeats", type=common.positive_int, default=200, help="timed rounds per case")
+    parser.add_argument("--threads", type=common.positive_int, default=1, help="torch's intra-op threads")
     parser.add_argument("--out", type=Path, default=common.RESULTS, help="where the JSON goes")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

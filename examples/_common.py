@@ -7,13 +7,14 @@ different devices.
 
 import argparse
 import json
-import math
 import os
 import sys
 
 import torch
 
 import speedswap as ss
+from speedswap.apps.arguments import (SEED_LIMIT, nonnegative_float, nonnegative_int,  # noqa: F401 (the examples')
+                                       positive_float, positive_int, seed, share)
 from speedswap.apps.demo import BACKEND_OF_DEVICE
 from speedswap.atomic import atomic_output
 
@@ -48,51 +49,6 @@ def writable_file(path):
     if not os.access(path if os.path.exists(path) else directory, os.W_OK):
         raise argparse.ArgumentTypeError(f"{path!r} cannot be written here (permission denied)")
     return path
-
-
-def _number(text, kind, accept, expected):
-    """``kind(text)`` if ``accept`` takes it, else argparse's one-line error saying what was ``expected``."""
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}") from None
-    if not accept(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not {expected}")
-    return value
-
-
-def positive_int(text):
-    """argparse ``type=`` for a count or size: an integer >= 1."""
-    return _number(text, int, lambda n: n >= 1, "a positive integer")
-
-
-def nonnegative_int(text):
-    """argparse ``type=`` for an integer >= 0."""
-    return _number(text, int, lambda n: n >= 0, "an integer >= 0")
-
-
-def positive_float(text):
-    """argparse ``type=`` for a rate or a limit: a finite number > 0 (not NaN, not inf)."""
-    return _number(text, float, lambda x: 0 < x < math.inf, "a finite number > 0")
-
-
-def nonnegative_float(text):
-    """argparse ``type=`` for a penalty or a noise level: a finite number >= 0 (not NaN, not inf)."""
-    return _number(text, float, lambda x: 0 <= x < math.inf, "a finite number >= 0")
-
-
-def share(text):
-    """argparse ``type=`` for a share of the rows: a number strictly between 0 and 1."""
-    return _number(text, float, lambda x: 0 < x < 1, "a share strictly between 0 and 1")
-
-
-#: Seeds are below 2**32: numpy, torch and speedswap's word2vec all take them.
-SEED_LIMIT = 2 ** 32
-
-
-def seed(text):
-    """argparse ``type=`` for ``--seed``: an integer in [0, 2**32)."""
-    return _number(text, int, lambda n: 0 <= n < SEED_LIMIT, "a seed: an integer from 0 to 2**32 - 1")
 
 
 def check_torchrun(parser, args):

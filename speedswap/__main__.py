@@ -9,6 +9,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
+from .apps.arguments import positive_int, seed
 from .apps.demo import BACKEND_OF_DEVICE
 from .atomic import atomic_output
 from .errors import SpeedswapError
@@ -57,32 +58,6 @@ def _json_file(text: str) -> str:
     if not os.access(directory, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write in {directory!r}; write the summary somewhere writable")
     return text
-
-
-def _positive_int(text: str) -> int:
-    """``--repeats``' type: a whole number of at least 1, or argparse's error (a median needs a sample)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    """``--seed``'s type: a whole number in [0, 2**32), what the corpus and the training both take.
-
-    The corpus is built before the training checks its seed: numpy refused a negative one there
-    with a raw traceback, and a seed of 2**32 or more was refused only after the corpus was built.
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 2**32 - 1, got {text!r}")
-    return value
 
 
 def _table_dir(text: str) -> str:
@@ -163,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--table-dir", type=_table_dir, metavar="DIR",
                       help="with --storage mmap: a new or empty directory for the table files, kept after the "
                            "run (default: a temporary directory, removed at the end)")
-    demo.add_argument("--seed", type=_seed, default=0, metavar="N",
+    demo.add_argument("--seed", type=seed, default=0, metavar="N",
                       help="seeds the corpus and the training, 0 to 2**32 - 1 (the same seed gives the same "
                            "vectors, loss and purity)")
     demo.add_argument("--json", type=_json_file, metavar="PATH",
@@ -181,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "memory) within a time budget, JSON plus SUMMARY.md.")
     bench.add_argument("--out", default=DEFAULT_OUT, help="directory for the results")
     bench.add_argument("--quick", action="store_true", help="16x smaller sizes (a smoke run; without --all)")
-    bench.add_argument("--repeats", type=_positive_int, default=_REPEATS,
+    bench.add_argument("--repeats", type=positive_int, default=_REPEATS,
                        help="timed repeats per method (without --all)")
     bench.add_argument("--all", action="store_true",
                        help="the GPU suite: gpu tests and every GPU benchmark, in that order, within "

@@ -172,4 +172,4 @@ def test_benchmark_scripts_refuse_a_count_of_zero_before_any_work(script, option
     done = subprocess.run([sys.executable, script, option, "0"], cwd=benchmarks, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert f"argument {option}: expected a whole number of at least 1, got '0'" in done.stderr
+    assert f"argument {option}: '0' is not a positive integer" in done.stderr
