@@ -32,10 +32,10 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.optim.optimizer as torch_optimizer
 
 import speedswap as ss
 
-from ..train.step_hooks import has_foreign_pre_hooks
 from .pairs import PairBatch
 
 __all__ = ["SkipGram", "manual_step"]
@@ -237,9 +237,24 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
     return step
 
 
+def _has_foreign_pre_hooks(optimizer) -> bool:
+    """Whether a step pre-hook not of speedswap's runs before ``optimizer.step()`` (its own or global).
+
+    Such a hook may change the gradients (clip, scale, add noise) before the
+    update, so a step that updates rows without handing the optimizer
+    gradients must not be taken in its place. speedswap's own hooks narrow,
+    exchange or check, and leave the gradients of other parameters alone.
+    """
+    # The registries behind torch.optim.optimizer.register_optimizer_step_pre_hook and
+    # Optimizer.register_step_pre_hook (private names: absent, they count as empty).
+    hooks = [*getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values(),
+             *getattr(optimizer, "_optimizer_step_pre_hooks", {}).values()]
+    return any(not getattr(hook, "__module__", "").startswith("speedswap.") for hook in hooks)
+
+
 def _in_place_rates(centre, context, optimizer) -> Optional[tuple]:
     """The SGD learning rates of ``centre`` and ``context`` when a step may update their tables in place, else None."""
-    if type(optimizer) is not torch.optim.SGD or has_foreign_pre_hooks(optimizer):
+    if type(optimizer) is not torch.optim.SGD or _has_foreign_pre_hooks(optimizer):
         return None
     rates = []
     for table in (centre, context):

@@ -18,11 +18,7 @@ things make that subtle, and this module handles them once for every owner
 
 import weakref
 
-import torch.optim.optimizer as torch_optimizer
-
-__all__ = ["StepHooks", "has_foreign_pre_hooks"]
-
-_PACKAGE = __name__.split(".")[0] + "."
+__all__ = ["StepHooks"]
 
 
 def _closure_of(args, kwargs):
@@ -59,21 +55,6 @@ class StepHooks:
     def remove(self):
         """Unregister both hooks now (idempotent)."""
         self._finalizer()
-
-
-def has_foreign_pre_hooks(optimizer) -> bool:
-    """Whether a step pre-hook not of speedswap's runs before ``optimizer.step()`` (its own or global).
-
-    Such a hook may change the gradients (clip, scale, add noise) before the
-    update, so a step that updates rows without handing the optimizer
-    gradients must not be taken in its place. speedswap's own hooks narrow,
-    exchange or check, and leave the gradients of other parameters alone.
-    """
-    # The registries behind torch.optim.optimizer.register_optimizer_step_pre_hook and
-    # Optimizer.register_step_pre_hook (private names: absent, they count as empty).
-    hooks = [*getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values(),
-             *getattr(optimizer, "_optimizer_step_pre_hooks", {}).values()]
-    return any(not getattr(hook, "__module__", "").startswith(_PACKAGE) for hook in hooks)
 
 
 def _remove(handles):
