@@ -135,11 +135,26 @@ def _corrupt(path, crc, saved) -> FileFormatError:
 
 
 def _check_bfloat16(path, start, stop, rows):
-    values = torch.from_numpy(np.ascontiguousarray(rows))
-    if not torch.equal(values.to(torch.bfloat16).float(), values):
+    """Raise FileFormatError unless every float32 of ``rows`` is a bfloat16 value, bit for bit.
+
+    A float32 is one exactly when its low 16 bits are zero: a test of the bits,
+    not of the values, so that NaN (never equal to itself) passes when a
+    bfloat16 NaN was saved, with its sign and payload.
+    """
+    if np.any(np.ascontiguousarray(rows).view(np.uint32) & 0xFFFF):
         raise FileFormatError(f"{os.fspath(path)!r} holds float32 values that are not "
                               f"bfloat16 values (rows {start}..{stop - 1}); a bfloat16 table "
                               f"would round them: load it into a float32 table")
+
+
+def _as_bfloat16(rows) -> torch.Tensor:
+    """The float32 ``rows`` (checked by :func:`_check_bfloat16`) as bfloat16, bit for bit.
+
+    The high 16 bits of each float32: torch's cast would give the same values
+    except NaN, which it turns into 0xFFFF whatever its sign and payload.
+    """
+    high = (np.ascontiguousarray(rows).view(np.uint32) >> 16).astype(np.uint16)
+    return torch.from_numpy(high.view(np.int16)).view(torch.bfloat16)
 
 
 def read_table(table, path, header: TableHeader, dataset: str = "table") -> None:
@@ -171,7 +186,8 @@ def read_table(table, path, header: TableHeader, dataset: str = "table") -> None
             _check_bfloat16(path, start, stop, rows)
         if header.crc32 is not None:
             crc = crc32_of(rows, crc)
-        target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(rows)))
+        target[start:stop].copy_(_as_bfloat16(rows) if table.dtype is torch.bfloat16
+                                 else torch.from_numpy(np.ascontiguousarray(rows)))
     if header.crc32 is not None and crc != header.crc32:
         raise _corrupt(path, crc, header.crc32)
 
@@ -244,6 +260,8 @@ class StagedRows:
             start, stop = start - rows.start, stop - rows.start
             if host is not None and host.dtype == chunk.dtype:
                 np.copyto(host[start:stop], chunk, casting="no")
+            elif table.dtype is torch.bfloat16:  # float32 rows, checked when staged
+                target[start:stop].copy_(_as_bfloat16(chunk))
             else:
                 target[start:stop].copy_(torch.from_numpy(np.ascontiguousarray(chunk)))
 

@@ -1,0 +1,43 @@
+"""Defects found reviewing HostTable, its conversions and its files: each a reproducer that failed before its fix."""
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+
+
+def bf16_bits(values: torch.Tensor) -> np.ndarray:
+    return values.view(torch.int16).numpy().view(np.uint16)
+
+
+# ------------------------------------------------------- bfloat16 files with NaN
+@pytest.mark.parametrize("suffix", [".npy", ".h5"])
+def test_a_bfloat16_table_holding_nan_loads_back_bit_exact(rng, tmp_path, suffix):
+    """A diverged bfloat16 table (NaN rows) saved as float32 loaded back: the NaN failed the
+    "exact bfloat16 value" check (NaN != NaN), and torch's float32 -> bfloat16 cast turns
+    every NaN into 0xFFFF, so neither sign nor payload would have survived."""
+    values = torch.from_numpy(rng.uniform(0.5, 2.0, size=(30, 5)).astype(np.float32)).to(torch.bfloat16)
+    bits = bf16_bits(values).copy()
+    bits[3, 1], bits[17, 4], bits[29, 0] = 0x7FC0, 0xFFC1, 0x7F81  # +NaN, -NaN, a signalling payload
+    table = ss.HostTable.from_numpy(torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16),
+                                    storage="pageable", backend="numpy")
+    path = tmp_path / f"t{suffix}"
+    table.save(path)
+    other = ss.HostTable.zeros(30, 5, "bfloat16", "pageable", "numpy").load_from(path)
+    np.testing.assert_array_equal(other.to_numpy(), bits)
+    if suffix == ".h5":  # the file records bfloat16: load gives a bfloat16 table
+        np.testing.assert_array_equal(ss.HostTable.load(path, storage="pageable", backend="numpy").to_numpy(),
+                                      bits)
+
+
+def test_a_float32_nan_that_is_no_bfloat16_value_is_refused(rng, tmp_path):
+    exact = torch.from_numpy(rng.uniform(0.5, 2.0, size=(8, 4)).astype(np.float32)).to(torch.bfloat16).float()
+    values = exact.numpy().copy()
+    values.view(np.uint32)[2, 2] = 0x7FC00001  # a NaN whose low 16 bits a bfloat16 cannot hold
+    np.save(tmp_path / "f32.npy", values)
+    table = ss.HostTable.from_numpy(exact.to(torch.bfloat16), storage="pageable", backend="numpy")
+    before = table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match="would round"):
+        table.load_from(tmp_path / "f32.npy")
+    np.testing.assert_array_equal(table.to_numpy(), before)
