@@ -373,7 +373,8 @@ class HostTable:
         Raises:
             FileFormatError: a truncated, malformed or non-2-D file, or a
                 ``dtype`` the file does not hold.
-            OptionError: ``dtype`` without ``mmap=True``.
+            OptionError: ``dtype`` without ``mmap=True``, another suffix, or
+                (HDF5) a ``dataset`` that names no dataset.
             FileNotFoundError: no such file.
             PathError: with ``mmap=True``, a file that cannot be mapped
                 read-write (read-only file or file system).
@@ -827,6 +828,8 @@ class HostTable:
             dataset: the HDF5 dataset name.
 
         Raises:
+            OptionError: another suffix, or (HDF5) a ``dataset`` that names no
+                dataset; nothing is written.
             StateError: a closed table (its rows are gone).
         """
         self._live_buffer()
@@ -871,6 +874,8 @@ class HostTable:
             FileFormatError: the file is malformed, corrupt, or another
                 shape/dtype; the table is left unchanged (the file is read and
                 verified completely before any row changes).
+            OptionError: another suffix, or (HDF5) a ``dataset`` that names
+                no dataset.
             StateError: a closed or read-only table.
         """
         self._writable_buffer()

@@ -41,3 +41,33 @@ def test_a_float32_nan_that_is_no_bfloat16_value_is_refused(rng, tmp_path):
     with pytest.raises(ss.FileFormatError, match="would round"):
         table.load_from(tmp_path / "f32.npy")
     np.testing.assert_array_equal(table.to_numpy(), before)
+
+
+# ------------------------------------------------------------ HDF5 dataset names
+@pytest.mark.parametrize("dataset", [None, "", "/", ".", 5, b"table"])
+def test_a_bad_hdf5_dataset_name_is_refused_before_the_file_changes(rng, tmp_path, dataset):
+    """dataset=None made h5py write an unnamed dataset: save() replaced a good file with one
+    holding nothing. "" and 5 gave raw TypeErrors, "/" and "." raw ValueErrors."""
+    table = ss.HostTable.from_numpy(rng.standard_normal((12, 3)).astype(np.float32),
+                                    storage="pageable", backend="numpy")
+    path = tmp_path / "t.h5"
+    table.save(path)
+    before = path.read_bytes()
+    with pytest.raises(ss.OptionError, match="dataset"):
+        table.save(path, dataset=dataset)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.h5"]
+    with pytest.raises(ss.OptionError, match="dataset"):
+        ss.HostTable.load(path, dataset=dataset, backend="numpy")
+    rows = table.to_numpy(copy=True)
+    with pytest.raises(ss.OptionError, match="dataset"):
+        table.load_from(path, dataset=dataset)
+    np.testing.assert_array_equal(table.to_numpy(), rows)
+
+
+def test_a_dataset_inside_a_group_still_saves_and_loads(rng, tmp_path):
+    rows = rng.standard_normal((12, 3)).astype(np.float32)
+    table = ss.HostTable.from_numpy(rows, storage="pageable", backend="numpy")
+    table.save(tmp_path / "t.h5", dataset="/emb/weights")
+    loaded = ss.HostTable.load(tmp_path / "t.h5", dataset="emb/weights", storage="pageable", backend="numpy")
+    np.testing.assert_array_equal(loaded.to_numpy(), rows)

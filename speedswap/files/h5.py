@@ -13,12 +13,12 @@ import torch
 
 from ..atomic import atomic_output, check_readable_file
 from ..convert import torch_dtype
-from ..errors import FileFormatError, SpeedswapError
+from ..errors import FileFormatError, OptionError, SpeedswapError
 from . import base
 from .base import (TableHeader, check_dtype, check_matches, reading_error, row_ranges,
                    table_dtype_of)
 
-__all__ = ["read_h5_header", "open_h5", "read_h5_into", "write_h5"]
+__all__ = ["check_dataset_name", "read_h5_header", "open_h5", "read_h5_into", "write_h5"]
 
 #: The dataset attribute that records a table dtype the stored one stands for (bfloat16).
 _TABLE_DTYPE_ATTR = "speedswap_dtype"
@@ -31,13 +31,30 @@ def _h5py():
     return h5py
 
 
+def check_dataset_name(dataset) -> str:
+    """``dataset`` if it names an HDF5 dataset: a str with a name in it (``"table"``, ``"emb/weights"``).
+
+    h5py takes None as "an unnamed dataset", which a save writes and no read
+    can find, and raises raw TypeErrors and ValueErrors for other non-names.
+
+    Raises:
+        OptionError: not a str, or no name in it (``""``, ``"/"``, ``"."``).
+    """
+    if not isinstance(dataset, str) or not any(part not in ("", ".") for part in dataset.split("/")):
+        raise OptionError(f"dataset={dataset!r} names no HDF5 dataset; pass a name such as "
+                          f"dataset='table' (the default) or 'group/name'")
+    return dataset
+
+
 def read_h5_header(path, dataset):
     """Validate dataset ``dataset`` of an HDF5 file and describe it.
 
     Raises:
+        OptionError: ``dataset`` is no dataset name (:func:`check_dataset_name`).
         FileFormatError: not an HDF5 file, no such dataset (or a group), or a non-numeric dtype.
         MissingFileError, PathError: no such file, or a directory.
     """
+    check_dataset_name(dataset)
     h5py = _h5py()
     path = os.fspath(path)
     with open_h5(path) as f:
@@ -115,10 +132,14 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None, checksum=False):
             read to verify (:attr:`TableHeader.crc32`).
 
     Raises:
+        OptionError: a name that is no dataset name (:func:`check_dataset_name`);
+            nothing is written.
         PathError: the directory does not exist, or the file system refused
             the write or the close (full, read-only, over the file-size
             limit); any previous file at ``path`` is intact.
     """
+    for name in datasets:
+        check_dataset_name(name)
     h5py = _h5py()
     with atomic_output(path) as tmp:
         f = h5py.File(tmp, "w")
