@@ -71,3 +71,20 @@ def test_a_dataset_inside_a_group_still_saves_and_loads(rng, tmp_path):
     table.save(tmp_path / "t.h5", dataset="/emb/weights")
     loaded = ss.HostTable.load(tmp_path / "t.h5", dataset="emb/weights", storage="pageable", backend="numpy")
     np.testing.assert_array_equal(loaded.to_numpy(), rows)
+
+
+# ------------------------------------------------------------ foreign HDF5 files
+def test_an_hdf5_dataset_with_no_shape_is_a_file_format_error(rng, tmp_path):
+    """h5py gives shape None for a null dataspace (h5py.Empty): load raised a raw TypeError."""
+    import h5py
+    path = tmp_path / "e.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("table", data=h5py.Empty("f4"))
+    with pytest.raises(ss.FileFormatError, match="no shape, no values"):
+        ss.HostTable.load(path, backend="numpy")
+    table = ss.HostTable.from_numpy(rng.standard_normal((4, 3)).astype(np.float32), storage="pageable",
+                                    backend="numpy")
+    rows = table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match="no shape, no values"):
+        table.load_from(path)
+    np.testing.assert_array_equal(table.to_numpy(), rows)

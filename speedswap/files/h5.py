@@ -51,7 +51,8 @@ def read_h5_header(path, dataset):
 
     Raises:
         OptionError: ``dataset`` is no dataset name (:func:`check_dataset_name`).
-        FileFormatError: not an HDF5 file, no such dataset (or a group), or a non-numeric dtype.
+        FileFormatError: not an HDF5 file, no such dataset (or a group, or a
+            null dataset with no shape), or a non-numeric dtype.
         MissingFileError, PathError: no such file, or a directory.
     """
     check_dataset_name(dataset)
@@ -66,6 +67,9 @@ def read_h5_header(path, dataset):
             raise FileFormatError(f"{path!r}: {dataset!r} is an HDF5 {type(data).__name__}, not "
                                   f"a dataset; pass dataset= naming the array itself")
         shape, dtype = data.shape, data.dtype
+        if shape is None:  # a null dataspace (h5py.Empty): an attribute-like placeholder, no array
+            raise FileFormatError(f"{path!r}: {dataset!r} is an empty HDF5 dataset (no shape, no "
+                                  f"values); pass dataset= naming the array itself")
         table_dtype = data.attrs.get(_TABLE_DTYPE_ATTR)
         crc32 = data.attrs.get(_CRC32_ATTR)
     check_dtype(np.dtype(dtype), path)
