@@ -88,3 +88,39 @@ def test_an_hdf5_dataset_with_no_shape_is_a_file_format_error(rng, tmp_path):
     with pytest.raises(ss.FileFormatError, match="no shape, no values"):
         table.load_from(path)
     np.testing.assert_array_equal(table.to_numpy(), rows)
+
+
+@pytest.mark.parametrize("stored, attr", [
+    (np.int32, "bfloat16"),   # integers are no bfloat16 values, whatever their bits
+    (np.int16, "bfloat16"),
+    (np.float64, "bfloat16"),
+    (np.float32, "garbage"),  # was a DTypeError "'garbage' is not a dtype; use e.g. 'float32'"
+    (np.float32, "float16"),
+    (np.float32, 5),
+])
+def test_an_hdf5_table_dtype_attribute_other_than_bfloat16_over_float32_is_refused(rng, tmp_path, stored, attr):
+    """speedswap writes speedswap_dtype="bfloat16" on float32 data only; any other record was
+    believed (int32 rows with the attribute passed as bfloat16 bit patterns) or gave a DTypeError."""
+    import h5py
+    path = tmp_path / "t.h5"
+    with h5py.File(path, "w") as f:
+        f["table"] = (rng.integers(1, 100, size=(6, 4)) * 65536).astype(stored)
+        f["table"].attrs["speedswap_dtype"] = attr
+    with pytest.raises(ss.FileFormatError, match="speedswap_dtype"):
+        ss.HostTable.load(path, storage="pageable", backend="numpy")
+    table = ss.HostTable.from_numpy(torch.from_numpy(rng.uniform(0.5, 2.0, (6, 4)).astype(np.float32))
+                                    .to(torch.bfloat16), storage="pageable", backend="numpy")
+    rows = table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match="speedswap_dtype"):
+        table.load_from(path)
+    np.testing.assert_array_equal(table.to_numpy(), rows)
+
+
+def test_an_hdf5_crc32_attribute_that_is_no_number_is_a_file_format_error(rng, tmp_path):
+    import h5py
+    path = tmp_path / "t.h5"
+    with h5py.File(path, "w") as f:
+        f["table"] = rng.standard_normal((6, 4)).astype(np.float32)
+        f["table"].attrs["speedswap_crc32"] = "abc"  # was a raw ValueError from int()
+    with pytest.raises(ss.FileFormatError, match="speedswap_crc32"):
+        ss.HostTable.load(path, storage="pageable", backend="numpy")

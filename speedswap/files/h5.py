@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_output, check_readable_file
-from ..convert import torch_dtype
 from ..errors import FileFormatError, OptionError, SpeedswapError
 from . import base
 from .base import (TableHeader, check_dtype, check_matches, reading_error, row_ranges,
@@ -52,7 +51,9 @@ def read_h5_header(path, dataset):
     Raises:
         OptionError: ``dataset`` is no dataset name (:func:`check_dataset_name`).
         FileFormatError: not an HDF5 file, no such dataset (or a group, or a
-            null dataset with no shape), or a non-numeric dtype.
+            null dataset with no shape), a non-numeric dtype, or speedswap
+            attributes it never writes (a table dtype other than bfloat16
+            over float32, a CRC-32 that is no number).
         MissingFileError, PathError: no such file, or a directory.
     """
     check_dataset_name(dataset)
@@ -73,9 +74,30 @@ def read_h5_header(path, dataset):
         table_dtype = data.attrs.get(_TABLE_DTYPE_ATTR)
         crc32 = data.attrs.get(_CRC32_ATTR)
     check_dtype(np.dtype(dtype), path)
-    table_dtype = table_dtype_of(np.dtype(dtype)) if table_dtype is None else torch_dtype(str(table_dtype))
-    return TableHeader(tuple(shape), np.dtype(dtype), table_dtype=table_dtype,
-                       crc32=None if crc32 is None else int(crc32))
+    if table_dtype is None:
+        table_dtype = table_dtype_of(np.dtype(dtype))
+    elif _attr_text(table_dtype) == "bfloat16" and np.dtype(dtype) == np.float32:
+        table_dtype = torch.bfloat16
+    else:
+        # Only what write_h5 records: believed over other data, it would read integers'
+        # bits as bfloat16 values, or name no dtype at all.
+        raise FileFormatError(f"{path!r}: {dataset!r} holds {np.dtype(dtype)} with {_TABLE_DTYPE_ATTR}="
+                              f"{table_dtype!r}, which speedswap never writes (it records 'bfloat16' on "
+                              f"float32 data only); the file is damaged or not speedswap's: delete "
+                              f"the attribute to read the data as {np.dtype(dtype)}")
+    if crc32 is not None:
+        try:
+            crc32 = int(crc32)
+        except (TypeError, ValueError):
+            raise FileFormatError(f"{path!r}: {dataset!r} has {_CRC32_ATTR}={crc32!r}, not the CRC-32 "
+                                  f"speedswap records; the file is damaged or not speedswap's: delete "
+                                  f"the attribute to read it unverified") from None
+    return TableHeader(tuple(shape), np.dtype(dtype), table_dtype=table_dtype, crc32=crc32)
+
+
+def _attr_text(value):
+    """An HDF5 string attribute as a str (h5py gives fixed-length strings as bytes), else ``value``."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 @contextlib.contextmanager
