@@ -468,7 +468,7 @@ def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=Non
         A contiguous tensor of shape ``(num_ids, dim)`` on ``to``, not requiring grad.
 
     Raises:
-        DTypeError: values have another dtype.
+        DTypeError: values have another dtype, or are a sparse tensor.
         ShapeError: values have another shape.
         DeviceError: values live on a device the backend cannot read.
     """
@@ -486,6 +486,7 @@ def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=Non
             raise DTypeError(f"values of dtype {arr.dtype} cannot be written; "
                              f"pass a float array of the table's dtype")
         values = _read_only(np.ascontiguousarray(arr))
+    _check_strided(values, "values")  # a sparse tensor has no rows to copy (nor a reshape)
     values = values.detach()  # never let a table join an autograd graph
     if ids_shape is not None and tuple(values.shape) == (*ids_shape, dim):
         values = values.reshape(num_ids, dim)

@@ -602,6 +602,10 @@ class HostTable:
     def _check_out(self, out, shape):
         if not isinstance(out, torch.Tensor):
             raise DTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.layout != torch.strided:  # before is_contiguous, which a sparse CSR tensor raises on
+            raise DTypeError(f"out must be a dense tensor, got a {str(out.layout).replace('torch.', '')} "
+                             f"one, and gather writes rows into out in place: pass a dense tensor "
+                             f"such as torch.empty{tuple(shape)} of dtype {self.dtype}")
         if tuple(out.shape) != tuple(shape):
             raise ShapeError(f"out has shape {tuple(out.shape)}, expected {tuple(shape)}")
         if out.dtype != self.dtype:

@@ -124,3 +124,25 @@ def test_an_hdf5_crc32_attribute_that_is_no_number_is_a_file_format_error(rng, t
         f["table"].attrs["speedswap_crc32"] = "abc"  # was a raw ValueError from int()
     with pytest.raises(ss.FileFormatError, match="speedswap_crc32"):
         ss.HostTable.load(path, storage="pageable", backend="numpy")
+
+
+# ------------------------------------------------------------------ sparse tensors
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_scatter_values_are_a_dtype_error_and_change_nothing(rng, layout):
+    """Sparse values reached values.reshape: a raw 'reshape is not implemented for sparse tensors'."""
+    table = ss.HostTable.from_numpy(rng.standard_normal((20, 4)).astype(np.float32), storage="pageable",
+                                    backend="numpy")
+    before = table.to_numpy(copy=True)
+    dense = torch.from_numpy(rng.standard_normal((3, 4)).astype(np.float32))
+    values = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    with pytest.raises(ss.DTypeError, match="to_dense"):
+        table.scatter([1, 5, 7], values)
+    np.testing.assert_array_equal(table.to_numpy(), before)
+
+
+def test_a_sparse_gather_out_is_named_as_sparse(rng):
+    """A sparse out was refused as 'not contiguous', whose fix (out.contiguous()) does not apply."""
+    table = ss.HostTable.from_numpy(rng.standard_normal((20, 4)).astype(np.float32), storage="pageable",
+                                    backend="numpy")
+    with pytest.raises(ss.DTypeError, match="dense tensor"):
+        table.gather([1, 2], out=torch.zeros(2, 4).to_sparse())
