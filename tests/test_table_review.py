@@ -146,3 +146,16 @@ def test_a_sparse_gather_out_is_named_as_sparse(rng):
                                     backend="numpy")
     with pytest.raises(ss.DTypeError, match="dense tensor"):
         table.gather([1, 2], out=torch.zeros(2, 4).to_sparse())
+
+
+# -------------------------------------------------------------- impossible sizes
+@pytest.mark.parametrize("shape", [(2**31, 2**31), (2**40, 2**40), (3, 2**62)])
+@pytest.mark.parametrize("storage", ["pageable", "pinned", "mmap"])
+def test_a_table_larger_than_any_address_space_is_an_option_error_leaving_no_file(tmp_path, shape, storage):
+    """Sizes whose byte count passes 2**63: numpy's int64 np.prod wrapped, and empty raised a raw
+    OverflowError or ValueError; an mmap table left its temporary, or a file whose header
+    promised more bytes than it held, behind."""
+    path = tmp_path / "t.npy" if storage == "mmap" else None
+    with pytest.raises(ss.OptionError, match="bytes"):
+        ss.HostTable.empty(*shape, storage=storage, backend="numpy", path=path)
+    assert list(tmp_path.iterdir()) == []
