@@ -295,17 +295,30 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
                          f"different lengths; pad them to one length or pass them separately") from None
     if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
         arr = arr.astype(np.int64)
-    if arr.dtype == object and arr.size and all(
-            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in arr.flat):
-        # numpy holds Python ints beyond int64 as objects: they are ids, out of any table's range.
-        raise IdError(f"{what} contain {max(arr.flat, key=abs)}, beyond the int64 range of any "
-                      f"table's ids; check the vocabulary size")
+    if not isinstance(ids, np.ndarray) and arr.dtype.kind in "uf" and arr.size:
+        # numpy reads a list of ints past int64 as uint64 (which wraps negative in int64), and
+        # one mixing those with int64 ones as float64: read as Python objects, they are ints.
+        as_objects = np.asarray(ids, dtype=object)
+        if _all_ints(as_objects):
+            arr = as_objects
+    if arr.dtype == object and arr.size and _all_ints(arr):
+        # numpy holds Python ints beyond int64 as objects: those are out of any table's range.
+        beyond = [i for i in arr.flat if not -2**63 <= i < 2**63]
+        if beyond:
+            raise IdError(f"{what} contain {max(beyond, key=abs)}, out of range for any table: "
+                          f"beyond the int64 range of ids; check the vocabulary size")
+        arr = arr.astype(np.int64)  # np.array([3, 7], dtype=object): ids like any others
     # kind, not np.issubdtype: numpy counts timedelta64 as an integer type.
     if arr.dtype.kind not in "iu":
         raise DTypeError(f"{what} must be integers, got an array of {arr.dtype}; "
                          f"convert with .astype(np.int64) if they are whole numbers")
     flat = _read_only(np.ascontiguousarray(arr.reshape(-1), dtype=np.int64))
     return _moved(flat, target), arr.shape
+
+
+def _all_ints(arr: np.ndarray) -> bool:
+    """Whether every element of the object array ``arr`` is an int (Python or numpy), not a bool."""
+    return all(isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) for i in arr.flat)
 
 
 def _moved(flat, target):

@@ -159,3 +159,33 @@ def test_a_table_larger_than_any_address_space_is_an_option_error_leaving_no_fil
     with pytest.raises(ss.OptionError, match="bytes"):
         ss.HostTable.empty(*shape, storage=storage, backend="numpy", path=path)
     assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------- ids as given
+def test_an_object_array_of_ids_in_range_gathers_and_scatters(rng):
+    """np.array([...], dtype=object) of small ints was refused as 'beyond the int64 range'."""
+    rows = rng.standard_normal((20, 4)).astype(np.float32)
+    table = ss.HostTable.from_numpy(rows, storage="pageable", backend="numpy")
+    ids = rng.choice(20, size=6, replace=False)
+    got = table.gather(np.array(ids.tolist(), dtype=object))
+    np.testing.assert_array_equal(got.numpy(), rows[ids])
+    new = rng.standard_normal((6, 4)).astype(np.float32)
+    table.scatter(np.array(ids.tolist(), dtype=object), new)
+    np.testing.assert_array_equal(table.to_numpy()[ids], new)
+    with pytest.raises(ss.IdError, match="contain 20, out of range"):
+        table.gather(np.array([1, 20], dtype=object))
+
+
+@pytest.mark.parametrize("ids, shown", [([2**63], "9223372036854775808"),
+                                        ([1, 2**64 - 1], "18446744073709551615")])
+def test_a_list_of_ids_past_int64_is_named_as_given_not_as_negative(rng, ids, shown):
+    """numpy holds such a list as uint64; cast to int64 it wrapped, and the IdError said the
+    ids 'contain -9223372036854775808 ... negative ids are not wrapped around'."""
+    table = ss.HostTable.from_numpy(rng.standard_normal((20, 4)).astype(np.float32), storage="pageable",
+                                    backend="numpy")
+    before = table.to_numpy(copy=True)
+    with pytest.raises(ss.IdError, match=f"contain {shown}, out of range"):
+        table.gather(ids)
+    with pytest.raises(ss.IdError, match=f"contain {shown}, out of range"):
+        table.scatter(ids, rng.standard_normal((len(ids), 4)).astype(np.float32))
+    np.testing.assert_array_equal(table.to_numpy(), before)
