@@ -144,7 +144,7 @@ def _bfloat16_bits_header(path, dtype, mmap) -> files.TableHeader:
 
     Raises:
         OptionError: ``dtype`` other than bfloat16, or without ``mmap``.
-        FileFormatError: the file is not 2-D uint16.
+        FileFormatError: the file is not 2-D uint16, or has no rows or empty rows.
     """
     if not mmap:
         raise OptionError("dtype= goes with mmap=True: it maps the file of a bfloat16 mmap table; "
@@ -157,6 +157,7 @@ def _bfloat16_bits_header(path, dtype, mmap) -> files.TableHeader:
         raise FileFormatError(f"{os.fspath(path)!r} holds {header.shape} {header.dtype}, but the "
                               f"file of a bfloat16 mmap table is 2-D uint16 (its bit patterns); "
                               f"leave dtype=None to load it as what it holds")
+    files.check_table_shape(header.shape, path)
     return dataclasses.replace(header, table_dtype=torch.bfloat16)
 
 
@@ -380,8 +381,8 @@ class HostTable:
             HostTable
 
         Raises:
-            FileFormatError: a truncated, malformed or non-2-D file, or a
-                ``dtype`` the file does not hold.
+            FileFormatError: a truncated, malformed or non-2-D file, one of
+                no rows or empty rows, or a ``dtype`` the file does not hold.
             OptionError: ``dtype`` without ``mmap=True``, another suffix, or
                 (HDF5) a ``dataset`` that names no dataset.
             FileNotFoundError: no such file.

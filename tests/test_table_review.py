@@ -189,3 +189,26 @@ def test_a_list_of_ids_past_int64_is_named_as_given_not_as_negative(rng, ids, sh
     with pytest.raises(ss.IdError, match=f"contain {shown}, out of range"):
         table.scatter(ids, rng.standard_normal((len(ids), 4)).astype(np.float32))
     np.testing.assert_array_equal(table.to_numpy(), before)
+
+
+# ------------------------------------------------------------------- empty files
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0)])
+@pytest.mark.parametrize("suffix", [".npy", ".h5"])
+def test_a_file_of_no_rows_or_empty_rows_is_a_file_format_error_however_loaded(tmp_path, shape, suffix):
+    """load() said 'num_rows must be a positive int, got 0' (an option the caller never gave),
+    while load(mmap=True) made a 0-row table, which HostTable.empty refuses to make."""
+    import h5py
+    path = tmp_path / f"e{suffix}"
+    if suffix == ".npy":
+        np.save(path, np.zeros(shape, np.float32))
+    else:
+        with h5py.File(path, "w") as f:
+            f["table"] = np.zeros(shape, np.float32)
+    with pytest.raises(ss.FileFormatError, match="no rows"):
+        ss.HostTable.load(path, storage="pageable", backend="numpy")
+    if suffix == ".npy":
+        with pytest.raises(ss.FileFormatError, match="no rows"):
+            ss.HostTable.load(path, mmap=True, backend="numpy")
+        np.save(path, np.zeros(shape, np.uint16))
+        with pytest.raises(ss.FileFormatError, match="no rows"):
+            ss.HostTable.load(path, mmap=True, dtype="bfloat16", backend="numpy")

@@ -20,8 +20,8 @@ from .base import (H5_SUFFIXES, NPY_SUFFIXES, TableHeader, check_matches, file_f
                    mapped_identity, row_ranges, suffix_format)
 from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import check_size, create_npy_memmap, open_npy_memmap, read_npy_header, read_npy_into, write_npy
-from .tables import (StagedRows, check_table_matches, read_table, read_table_header, save_table,
-                     stage_table, stored_dtype)
+from .tables import (StagedRows, check_table_matches, check_table_shape, read_table, read_table_header,
+                     save_table, stage_table, stored_dtype)
 
 __all__ = [
     "identity",
@@ -45,6 +45,7 @@ __all__ = [
     "suffix_format",
     "stored_dtype",
     "read_table_header",
+    "check_table_shape",
     "check_table_matches",
     "save_table",
     "read_table",

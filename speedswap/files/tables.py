@@ -18,7 +18,7 @@ from .base import TableHeader, crc32_of, file_format, identity, reading_error, r
 from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import read_npy_header, read_npy_into, read_npy_rows, write_npy
 
-__all__ = ["stored_dtype", "read_table_header", "check_table_matches", "save_table", "read_table",
+__all__ = ["stored_dtype", "read_table_header", "check_table_shape", "check_table_matches", "save_table", "read_table",
            "stage_table", "StagedRows", "STAGE_RAM_SHARE"]
 
 
@@ -42,19 +42,33 @@ def read_table_header(path, dataset: str = "table") -> TableHeader:
 
     Raises:
         OptionError: another suffix.
-        FileFormatError: a malformed file, not 2-D, or a dtype no table holds.
+        FileFormatError: a malformed file, not 2-D, no rows or empty rows, or a
+            dtype no table holds.
         FileNotFoundError: no such file.
     """
     header = read_npy_header(path) if file_format(path) == "npy" else read_h5_header(path, dataset)
-    if len(header.shape) != 2:
-        raise FileFormatError(f"{os.fspath(path)!r} holds an array of shape {header.shape}; "
-                              f"a table needs 2-D (rows, dim)")
+    check_table_shape(header.shape, path)
     if header.table_dtype is None:
         bits = (" If it is the file of a bfloat16 mmap table (its bit patterns), map it with "
                 "HostTable.load(path, mmap=True, dtype='bfloat16')." if header.dtype == np.uint16 else "")
         raise FileFormatError(f"{os.fspath(path)!r} holds {header.dtype}, which no table holds; "
                               f"convert it with numpy first (e.g. a.astype(np.float32)).{bits}")
     return header
+
+
+def check_table_shape(shape, path) -> None:
+    """Raise FileFormatError unless a file's array of ``shape`` can be a table: 2-D, no side 0.
+
+    As :meth:`~speedswap.HostTable.empty` refuses to make a table of no rows,
+    a load refuses a file of none, mapped or copied alike.
+    """
+    if len(shape) != 2:
+        raise FileFormatError(f"{os.fspath(path)!r} holds an array of shape {tuple(shape)}; "
+                              f"a table needs 2-D (rows, dim)")
+    if 0 in shape:
+        raise FileFormatError(f"{os.fspath(path)!r} holds an array of shape {tuple(shape)}: no rows, "
+                              f"or rows of no values; a table needs at least one row of at least "
+                              f"one value")
 
 
 def check_table_matches(header: TableHeader, shape, dtype, path) -> None:
