@@ -496,8 +496,11 @@ def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=Non
         if not arr.dtype.isnative:  # byte-swapped (a big-endian file): the same numbers, exactly
             arr = arr.astype(arr.dtype.newbyteorder("="))
         if arr.dtype == object or arr.dtype not in _NUMPY_TO_TORCH:
-            raise DTypeError(f"values of dtype {arr.dtype} cannot be written; "
-                             f"pass a float array of the table's dtype")
+            # numpy has no bfloat16: a table of it takes a tensor, bit patterns (to_numpy's) viewed as one.
+            fix = ("pass a torch.bfloat16 tensor; uint16 bit patterns (as to_numpy() gives them) are "
+                   "one as torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)"
+                   if dtype is torch.bfloat16 else f"pass an array of the table's dtype, {dtype}")
+            raise DTypeError(f"values of dtype {arr.dtype} cannot be written; {fix}")
         values = _read_only(np.ascontiguousarray(arr))
     _check_strided(values, "values")  # a sparse tensor has no rows to copy (nor a reshape)
     values = values.detach()  # never let a table join an autograd graph

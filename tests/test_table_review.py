@@ -212,3 +212,19 @@ def test_a_file_of_no_rows_or_empty_rows_is_a_file_format_error_however_loaded(t
         np.save(path, np.zeros(shape, np.uint16))
         with pytest.raises(ss.FileFormatError, match="no rows"):
             ss.HostTable.load(path, mmap=True, dtype="bfloat16", backend="numpy")
+
+
+# ------------------------------------------------------------- bfloat16 bit patterns
+def test_writing_numpy_bit_patterns_to_a_bfloat16_table_says_how(rng):
+    """to_numpy() of a bfloat16 table gives uint16 bit patterns; scattering them back said
+    'pass a float array of the table's dtype', which numpy (no bfloat16) cannot make."""
+    values = torch.from_numpy(rng.uniform(0.5, 2.0, (10, 4)).astype(np.float32)).to(torch.bfloat16)
+    table = ss.HostTable.from_numpy(values, storage="pageable", backend="numpy")
+    bits = table.to_numpy(copy=True)[[3, 1]]
+    with pytest.raises(ss.DTypeError, match=r"view\(torch.bfloat16\)") as info:
+        table.scatter([0, 2], bits)
+    # the fix the message gives works, bit for bit
+    hint = str(info.value)
+    assert "torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)" in hint
+    table.scatter([0, 2], torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16))
+    np.testing.assert_array_equal(table.to_numpy()[[0, 2]], bits)
