@@ -14,7 +14,7 @@ import torch
 
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
-__all__ = ["int_option", "float_option", "check_rows", "as_host_array", "as_row_ids", "as_row_ids_deferred",
+__all__ = ["int_option", "float_option", "check_rows", "check_not_masked", "as_host_array", "as_row_ids", "as_row_ids_deferred",
            "bounds_check", "read_bounds", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
            "numpy_dtype", "host_tensor"]
 
@@ -197,6 +197,21 @@ def check_rows(shape, what="the data") -> tuple:
     return shape[1:]
 
 
+def check_not_masked(data, what="the data") -> None:
+    """Raise :class:`DTypeError` for a numpy masked array.
+
+    ``np.asarray`` (and a view as a plain array) drops the mask: the entries
+    it hides, whatever bytes lie under them, would be read as values or ids.
+
+    Raises:
+        DTypeError: ``data`` is a ``numpy.ma.MaskedArray``.
+    """
+    if isinstance(data, np.ma.MaskedArray):
+        raise DTypeError(f"{what} is a numpy masked array; its masked entries hold no values, and "
+                         f"speedswap would read whatever lies under the mask: fill them first "
+                         f"(a.filled(value)), or pass np.ma.getdata(a) if no entry is masked")
+
+
 def as_host_array(data, what="the data") -> np.ndarray:
     """Host data as a numpy array sharing its memory: the one normaliser of datasets.
 
@@ -210,7 +225,7 @@ def as_host_array(data, what="the data") -> np.ndarray:
 
     Raises:
         DeviceError: a tensor on a device (host data is expected).
-        DTypeError: a dtype speedswap does not hold.
+        DTypeError: a dtype speedswap does not hold, or a masked array.
         ShapeError: see :func:`check_rows`.
     """
     if isinstance(data, torch.Tensor):
@@ -229,6 +244,7 @@ def as_host_array(data, what="the data") -> np.ndarray:
             data = np.asarray(data)
         except ValueError as exc:
             raise ShapeError(f"{what} is not rectangular ({exc})") from None
+    check_not_masked(data, what)
     check_rows(data.shape, what)
     torch_dtype(data.dtype)
     return data
@@ -273,7 +289,8 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
         pointer) and the input's original shape.
 
     Raises:
-        DTypeError: ids are not integers (floats and bools are refused), or a ragged list.
+        DTypeError: ids are not integers (floats and bools are refused), a ragged list,
+            or a masked array.
         DeviceError: ids live on a device the backend cannot read.
     """
     device = torch.device(device)
@@ -288,6 +305,7 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
                              f"convert with .long() if they are whole numbers")
         flat = ids.detach().reshape(-1).to(dtype=torch.int64)
         return _moved(flat.contiguous(), target), tuple(ids.shape)
+    check_not_masked(ids, what)
     try:
         arr = np.asarray(ids)
     except ValueError:  # a ragged list
@@ -481,13 +499,14 @@ def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=Non
         A contiguous tensor of shape ``(num_ids, dim)`` on ``to``, not requiring grad.
 
     Raises:
-        DTypeError: values have another dtype, or are a sparse tensor.
+        DTypeError: values have another dtype, or are a sparse tensor or a masked array.
         ShapeError: values have another shape.
         DeviceError: values live on a device the backend cannot read.
     """
     device = torch.device(device)
     given = type(values)
     if not isinstance(values, torch.Tensor):
+        check_not_masked(values, "values")
         try:
             arr = np.asarray(values)
         except ValueError:  # nested lists of different lengths

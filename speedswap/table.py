@@ -25,8 +25,8 @@ import torch
 from . import files
 from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
-from .convert import (as_row_ids, as_row_values, float_option, host_tensor, int_option,
-                      numpy_dtype, torch_dtype)
+from .convert import (as_row_ids, as_row_values, check_not_masked, float_option, host_tensor,
+                      int_option, numpy_dtype, torch_dtype)
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      PathError, ShapeError, StateError)
 
@@ -170,7 +170,7 @@ def _host_rows(array) -> tuple:
 
     Raises:
         ShapeError: nested lists of different lengths.
-        DTypeError: a tensor of a dtype a table cannot hold.
+        DTypeError: a tensor of a dtype a table cannot hold, or a numpy masked array.
         DeviceError: a tensor on the meta device.
     """
     if isinstance(array, torch.Tensor):
@@ -183,6 +183,7 @@ def _host_rows(array) -> tuple:
         torch_dtype(tensor.dtype)  # a DTypeError naming the dtypes a table holds, not numpy's TypeError
         array = tensor.numpy()
     else:
+        check_not_masked(array, "the array")
         try:
             array = np.asarray(array)
         except ValueError:
@@ -304,7 +305,8 @@ class HostTable:
 
         Raises:
             ShapeError: ``array`` is not 2-D, or nested lists of different lengths.
-            DTypeError: a dtype a table cannot hold.
+            DTypeError: a dtype a table cannot hold, or a numpy masked array (its
+                masked entries hold no values).
             DeviceError: a tensor on the meta device (it has no values).
         """
         array, dtype = _host_rows(array)
@@ -336,11 +338,12 @@ class HostTable:
 
         Raises:
             ShapeError: ``array`` is not 2-D or not C-contiguous.
-            DTypeError: an unsupported dtype.
+            DTypeError: an unsupported dtype, or a numpy masked array.
         """
         if not isinstance(array, np.ndarray):
             raise DTypeError(f"adopt takes a numpy array, got {type(array).__name__}; "
                              f"use from_numpy to copy other array types")
+        check_not_masked(array, "the array")
         if array.ndim != 2:
             raise ShapeError(f"a table is 2-D (rows, dim); got an array of shape {array.shape}: "
                              f"reshape it with a.reshape(len(a), -1)")

@@ -228,3 +228,29 @@ def test_writing_numpy_bit_patterns_to_a_bfloat16_table_says_how(rng):
     assert "torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)" in hint
     table.scatter([0, 2], torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16))
     np.testing.assert_array_equal(table.to_numpy()[[0, 2]], bits)
+
+
+# ------------------------------------------------------------------ masked arrays
+def _masked(rng, data):
+    mask = np.zeros(data.shape, bool)
+    mask.flat[rng.integers(0, data.size)] = True
+    return np.ma.array(data, mask=mask)
+
+
+def test_masked_arrays_are_refused_not_read_through_their_mask(rng):
+    """np.asarray drops a masked array's mask: the entries it hides (arbitrary data) were
+    written as rows, or used as ids, without a word."""
+    rows = rng.standard_normal((20, 4)).astype(np.float32)
+    with pytest.raises(ss.DTypeError, match="masked"):
+        ss.HostTable.from_numpy(_masked(rng, rows), storage="pageable", backend="numpy")
+    with pytest.raises(ss.DTypeError, match="masked"):
+        ss.HostTable.adopt(_masked(rng, rows), backend="numpy")
+    table = ss.HostTable.from_numpy(rows, storage="pageable", backend="numpy")
+    with pytest.raises(ss.DTypeError, match="masked"):
+        table.scatter([1, 2], _masked(rng, rng.standard_normal((2, 4)).astype(np.float32)))
+    with pytest.raises(ss.DTypeError, match="masked"):
+        table.gather(_masked(rng, rng.integers(0, 20, size=5)))
+    np.testing.assert_array_equal(table.to_numpy(), rows)
+    # without masked entries it is data like any other (np.ma.getdata)
+    table.scatter([1, 2], np.ma.getdata(np.ma.array(rows[[5, 6]])))
+    np.testing.assert_array_equal(table.to_numpy()[[1, 2]], rows[[5, 6]])
