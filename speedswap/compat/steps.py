@@ -122,7 +122,7 @@ class SharedSteps:
         self._open = False  # the cache fetched the current step's rows and has not stored them
         self._states = _WAITING  # state rows handed over by OptimizerFactory.after_step
         self._leftover = None  # the last step's gradient, untouched since (see _refuse_leftover_gradient)
-        self._hook = None  # on the parameter, from the first join until this object is gone
+        self._hook = None  # on the parameter once it requires grad (see _watch_gradients)
 
     # ------------------------------------------------------------ members
     def is_member(self, switcher, kind) -> bool:
@@ -183,10 +183,7 @@ class SharedSteps:
             as :meth:`check_join`.
         """
         self.check_join(kind, cache_rows, type(switcher).__name__)
-        if self._hook is None:
-            self._hook = self.param.register_hook(
-                functools.partial(_refuse_leftover_gradient, weakref.ref(self)))
-            weakref.finalize(self, self._hook.remove).atexit = False
+        self._watch_gradients()
         _watch_optimizer_steps()
         member = self._members[kind] = _Member(switcher, tables, cache_rows)
         self._rebuild()
@@ -194,6 +191,18 @@ class SharedSteps:
         leave = weakref.finalize(switcher, self._leave, kind, member)
         leave.atexit = False  # at exit there is nothing to keep consistent
         return leave
+
+    def _watch_gradients(self):
+        """Hook :func:`_refuse_leftover_gradient` on the parameter, once, when it takes gradients.
+
+        torch hooks only a tensor that requires gradients, and a frozen working
+        set (``nn.Embedding.from_pretrained``) takes none: it is hooked when a
+        step begins after ``requires_grad_(True)``, before any backward of it.
+        """
+        if self._hook is None and self.param.requires_grad:
+            self._hook = self.param.register_hook(
+                functools.partial(_refuse_leftover_gradient, weakref.ref(self)))
+            weakref.finalize(self, self._hook.remove).atexit = False
 
     def _leave(self, kind, member):
         if self._members.get(kind) is not member:
@@ -269,6 +278,7 @@ class SharedSteps:
         """
         self._undo_interrupted_step()
         flats, shapes, unsigned = self._as_tensors(pos, neg)
+        self._watch_gradients()  # a parameter unfrozen since the switchers were built
         if self.busy():
             step = self.current
             if step.same_ids(flats) and kind not in step.ended:
