@@ -57,3 +57,42 @@ def test_a_frozen_working_set_builds_and_trains_once_unfrozen(backend, rng):
     local = u.before_forward(batches[1])
     with pytest.raises(ss.StateError, match="zero_grad"):
         emb(local).sum().backward()
+
+
+def test_adagrad_rows_start_from_the_constructors_initial_accumulator_value(backend, rng):
+    """torch's Adagrad fills ``sum`` with the constructor's ``initial_accumulator_value`` whatever the
+    parameter's group says; the switchers filled the group's, and the first step raised a StateError
+    blaming an ``optimizer.load_state_dict`` that never happened."""
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    head0 = rng.standard_normal((DIM, 1), dtype=np.float32)
+
+    def make_opt(head, weight):
+        return torch.optim.Adagrad([{"params": [head]},
+                                    {"params": [weight], "initial_accumulator_value": 0.7}],
+                                   lr=0.1, initial_accumulator_value=0.2)
+
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False,
+                                             sparse=True).to(device)
+    ref_head = torch.nn.Parameter(torch.from_numpy(head0.copy()).to(device))
+    ref_opt = make_opt(ref_head, ref.weight)
+
+    model = torch.nn.Module()
+    model.u_embeddings = torch.nn.Embedding(CAPACITY, DIM).to(device)
+    model.head = torch.nn.Parameter(torch.from_numpy(head0.copy()).to(device))
+    opt = make_opt(model.head, model.u_embeddings.weight)
+    u = ss.ModelFactory(model.u_embeddings, ROWS, DIM, backend=backend)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u_embeddings", backend=backend)
+    for ids in zipf_ids(rng, 40, device):
+        (ref(ids) @ ref_head).tanh().sum().backward(); ref_opt.step(); ref_opt.zero_grad()
+        local = u.before_forward(ids)
+        o.before_forward(ids)
+        (model.u_embeddings(local) @ model.head).tanh().sum().backward(); opt.step(); opt.zero_grad()
+        u.after_step(ids)
+        o.after_step(ids)
+    tol = dict(rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().cpu().numpy(), **tol)
+    np.testing.assert_allclose(o.state.tables["sum"].to_numpy(copy=True),
+                               ref_opt.state[ref.weight]["sum"].cpu().numpy(), **tol)
+    np.testing.assert_allclose(model.head.detach().cpu().numpy(), ref_head.detach().cpu().numpy(), **tol)

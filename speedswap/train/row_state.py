@@ -43,14 +43,14 @@ def drop_leftover_state(optimizer, param) -> None:
         optimizer.state.pop(param, None)
 
 
-def _adam_like(group):
+def _adam_like(group, defaults):
     names = {"exp_avg": 0.0, "exp_avg_sq": 0.0}
     if group.get("amsgrad"):
         names["max_exp_avg_sq"] = 0.0
     return names
 
 
-def _rmsprop(group):
+def _rmsprop(group, defaults):
     names = {"square_avg": 0.0}
     if group["momentum"] > 0:
         names["momentum_buffer"] = 0.0
@@ -59,27 +59,33 @@ def _rmsprop(group):
     return names
 
 
+def _adagrad(group, defaults):
+    # torch fills ``sum`` with the constructor's value (optimizer.defaults), whatever the
+    # parameter's group says: a group's own initial_accumulator_value is ignored.
+    return {"sum": float(defaults["initial_accumulator_value"])}
+
+
 def _lr(group):
     lr = group["lr"]
     return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
 
 
-#: optimizer class -> group -> {state name: the value torch fills it with}.
+#: optimizer class -> (group, optimizer.defaults) -> {state name: the value torch fills it with}.
 #: SGD's momentum buffer is created from the first gradient rather than
 #: filled; zero is what a row untouched by that first step holds.
 _ROW_STATE = {
-    torch.optim.SGD: lambda g: {"momentum_buffer": 0.0} if g["momentum"] != 0 else {},
+    torch.optim.SGD: lambda g, d: {"momentum_buffer": 0.0} if g["momentum"] != 0 else {},
     torch.optim.Adam: _adam_like,
     torch.optim.AdamW: _adam_like,  # not a subclass of Adam in every torch version
-    torch.optim.Adamax: lambda g: {"exp_avg": 0.0, "exp_inf": 0.0},
-    torch.optim.NAdam: lambda g: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
-    torch.optim.RAdam: lambda g: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
-    torch.optim.Adagrad: lambda g: {"sum": float(g["initial_accumulator_value"])},
-    torch.optim.Adadelta: lambda g: {"square_avg": 0.0, "acc_delta": 0.0},
+    torch.optim.Adamax: lambda g, d: {"exp_avg": 0.0, "exp_inf": 0.0},
+    torch.optim.NAdam: lambda g, d: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
+    torch.optim.RAdam: lambda g, d: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
+    torch.optim.Adagrad: _adagrad,
+    torch.optim.Adadelta: lambda g, d: {"square_avg": 0.0, "acc_delta": 0.0},
     torch.optim.RMSprop: _rmsprop,
-    torch.optim.Rprop: lambda g: {"prev": 0.0, "step_size": _lr(g)},
-    torch.optim.ASGD: lambda g: {"ax": 0.0},
-    torch.optim.SparseAdam: lambda g: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
+    torch.optim.Rprop: lambda g, d: {"prev": 0.0, "step_size": _lr(g)},
+    torch.optim.ASGD: lambda g, d: {"ax": 0.0},
+    torch.optim.SparseAdam: lambda g, d: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
 }
 
 SUPPORTED_OPTIMIZERS = tuple(sorted({cls.__name__ for cls in _ROW_STATE}))
@@ -114,7 +120,7 @@ def row_state_spec(optimizer, param):
     """
     for cls in type(optimizer).__mro__:
         if cls in _ROW_STATE:
-            return _ROW_STATE[cls](_group_of(optimizer, param))
+            return _ROW_STATE[cls](_group_of(optimizer, param), optimizer.defaults)
     raise OptionError(f"{type(optimizer).__name__} cannot be offloaded: speedswap moves optimizer "
                       f"state row by row, which is exact only for optimizers whose state is "
                       f"element-wise; supported: {', '.join(SUPPORTED_OPTIMIZERS)}")
