@@ -96,3 +96,52 @@ def test_adagrad_rows_start_from_the_constructors_initial_accumulator_value(back
     np.testing.assert_allclose(o.state.tables["sum"].to_numpy(copy=True),
                                ref_opt.state[ref.weight]["sum"].cpu().numpy(), **tol)
     np.testing.assert_allclose(model.head.detach().cpu().numpy(), ref_head.detach().cpu().numpy(), **tol)
+
+
+def test_another_optimizer_over_the_switched_embedding_is_refused(backend, rng):
+    """An optimizer built again over model.parameters() (the OptimizerFactory still switching the
+    first one's state) kept Adam moments on the working set's slots: a row stepped with another
+    row's moments, 0.07 off an in-memory run after two steps."""
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    model = torch.nn.Module()
+    model.u_embeddings = torch.nn.Embedding(CAPACITY, DIM).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    u = ss.ModelFactory(model.u_embeddings, ROWS, DIM, backend=backend)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u_embeddings", backend=backend)
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False).to(device)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+
+    first, second = zipf_ids(rng, 2, device)
+    ref(first).pow(2).sum().backward(); ref_opt.step(); ref_opt.zero_grad()
+    local = u.before_forward(first)
+    o.before_forward(first)
+    model.u_embeddings(local).pow(2).sum().backward(); opt.step(); opt.zero_grad()
+    u.after_step(first)
+    o.after_step(first)
+    # Adam on every row of a whole table moves only rows with a gradient at its first step.
+    np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
+
+    other = torch.optim.Adam(model.parameters(), lr=0.1)
+    local = u.before_forward(second)
+    o.before_forward(second)
+    model.u_embeddings(local).pow(2).sum().backward()
+    with pytest.raises(ss.OptionError, match="OptimizerFactory"):
+        other.step()
+    assert not other.state  # refused before it changed anything
+    opt.step()  # the switched optimizer still may
+    opt.zero_grad()
+    u.after_step(second)
+    o.after_step(second)
+    ref(second).pow(2).sum().backward(); ref_opt.step(); ref_opt.zero_grad()
+    # Rows of the second step hold the same moments in a dense Adam (zero gradient at step 1 or not).
+    touched = second.unique().cpu().numpy()
+    np.testing.assert_allclose(u.getNumpyVersion()[touched], ref.weight.detach().cpu().numpy()[touched],
+                               rtol=1e-5, atol=1e-6)
+
+    o.close()  # without an OptimizerFactory, a stateless optimizer may step the rows again
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    local = u.before_forward(first)
+    model.u_embeddings(local).pow(2).sum().backward(); sgd.step(); sgd.zero_grad()
+    u.after_step(first)

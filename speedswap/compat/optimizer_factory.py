@@ -4,6 +4,7 @@ from ..backends import get_backend
 from ..convert import torch_dtype
 from ..errors import OptionError, StateError
 from ..train.caching import resetting_state
+from ..train.one_optimizer import claim
 from ..train.row_state import NarrowedStep, RowState
 from ..train.step_hooks import StepHooks
 from .steps import MODEL, OPTIMIZER
@@ -58,6 +59,11 @@ class OptimizerFactory(Switcher):
             whose state is not element-wise (LBFGS), or a bad ``cache_rows``
             (another than the embedding's ModelFactory's).
         StateError: built in the middle of a step of the embedding's switchers.
+
+    From then on, until :meth:`close`, ``step()`` of any other optimizer
+    holding the embedding raises :class:`~speedswap.OptionError` before it
+    changes anything: it would keep state of its own on the working set's
+    slots, which hold other rows every step.
     """
 
     _kind = OPTIMIZER
@@ -78,6 +84,10 @@ class OptimizerFactory(Switcher):
         # optimizer.step(closure) narrows after the closure's forward.
         self._hooks = StepHooks(self, given_optimizer)
         self._register(self._state)
+        # Only this optimizer may step the working set: another one would keep per-row state
+        # on its slots, which hold other rows every step (see speedswap.train.one_optimizer).
+        self._claim = claim(self, param, given_optimizer,
+                            instead="build the OptimizerFactory over this optimizer instead")
 
     # The step protocol of StepHooks.
     def _begin_step(self):
@@ -120,13 +130,15 @@ class OptimizerFactory(Switcher):
             self._state.release()
 
     def close(self):
-        """Release the state tables' memory and unhook the optimizer. Idempotent.
+        """Release the state tables' memory and unhook the optimizer (other optimizers may step the
+        embedding again). Idempotent.
 
         The embedding's ModelFactory keeps working, its cache without state
         rows. Closing in the middle of a step abandons the step: its rows are
         not written back.
         """
         self._hooks.remove()
+        self._claim.remove()
         self._leave()  # cached state rows are written back while the tables are open
         self._state.close()
 

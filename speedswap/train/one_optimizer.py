@@ -27,10 +27,11 @@ __all__ = ["claim"]
 class _Claim:
     """``weight`` belongs to one optimizer (held weakly); the owner's finalizer withdraws it."""
 
-    def __init__(self, owner, weight, optimizer, frozen_may_stay):
+    def __init__(self, owner, weight, optimizer, frozen_may_stay, instead):
         self.optimizer = weakref.ref(optimizer)
         self.kind = type(owner).__name__
         self.frozen_may_stay = frozen_may_stay
+        self.instead = instead
         # The owner holds the weight, the weight is a key only: neither is kept alive here.
         self._finalizer = weakref.finalize(owner, _withdraw, weakref.ref(weight), self)
 
@@ -46,7 +47,8 @@ _CLAIMS = WeakIdKeyDictionary()
 _HOOK = []
 
 
-def claim(owner, weight, optimizer, *, frozen_may_stay: bool = True) -> _Claim:
+def claim(owner, weight, optimizer, *, frozen_may_stay: bool = True,
+          instead: str = "attach this optimizer instead (emb.attach(optimizer))") -> _Claim:
     """Refuse, from now on, a ``step()`` of any optimizer but ``optimizer`` that would step ``weight``.
 
     The claim lasts until its ``remove()``, a later claim of ``weight`` (a
@@ -61,6 +63,7 @@ def claim(owner, weight, optimizer, *, frozen_may_stay: bool = True) -> _Claim:
             optimizers skip it then. False refuses any other optimizer that
             holds it (a sharded embedding's ``weight`` never requires a
             gradient, yet gets one at each step).
+        instead: the refusal's other way out, for the owner's kind.
 
     Returns:
         the claim, whose ``remove()`` withdraws it.
@@ -70,7 +73,7 @@ def claim(owner, weight, optimizer, *, frozen_may_stay: bool = True) -> _Claim:
     previous = _CLAIMS.get(weight)
     if previous is not None:
         previous.remove()
-    new = _Claim(owner, weight, optimizer, frozen_may_stay)
+    new = _Claim(owner, weight, optimizer, frozen_may_stay, instead)
     _CLAIMS[weight] = new
     return new
 
@@ -102,9 +105,9 @@ def _refuse_other_optimizers(optimizer, args, kwargs):
             continue
         other = "" if attached is None else f" ({type(attached).__name__})"
         raise OptionError(
-            f"{type(optimizer).__name__}.step() would step the weight of a {claim_.kind} that is "
+            f"{type(optimizer).__name__}.step() would step the weight of the {claim_.kind} that is "
             f"attached to another optimizer{other}: that weight is a working set whose slots hold "
             f"other rows every step, so this optimizer would train them with state of its own. "
             f"Remove the embedding's weight from this optimizer's param groups (build it from the "
             f"other parameters, e.g. [p for p in model.parameters() if p is not emb.weight]), or "
-            f"attach this optimizer instead (emb.attach(optimizer)); nothing was changed")
+            f"{claim_.instead}; nothing was changed")
