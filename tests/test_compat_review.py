@@ -145,3 +145,17 @@ def test_another_optimizer_over_the_switched_embedding_is_refused(backend, rng):
     local = u.before_forward(first)
     model.u_embeddings(local).pow(2).sum().backward(); sgd.step(); sgd.zero_grad()
     u.after_step(first)
+
+
+def test_an_optimizer_factory_load_of_a_npy_file_names_a_load_not_a_write(tmp_path):
+    """loadCupy('opt.npy'), the suffix ModelFactory.saveCupy takes, said 'cannot tell what to write'."""
+    model = torch.nn.Module()
+    model.u_embeddings = torch.nn.Embedding(CAPACITY, DIM)
+    opt = torch.optim.Adam(model.parameters())
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u_embeddings", backend="numpy")
+    np.save(tmp_path / "opt.npy", np.ones((ROWS, DIM), np.float32))
+    with pytest.raises(ss.OptionError) as error:
+        o.loadCupy(tmp_path / "opt.npy")
+    assert "write" not in str(error.value) and "*.h5" in str(error.value)
+    with pytest.raises(ss.OptionError, match=r"\*\.h5"):
+        o.saveCupy(tmp_path / "opt.npy")

@@ -111,7 +111,7 @@ def checkpoint_kind(path) -> str:
     suffix = os.path.splitext(os.fspath(path))[1]
     if fmt is None and (not suffix or os.path.isdir(path)):
         return "dir"
-    raise OptionError(f"cannot tell what to write at {os.fspath(path)!r}: a checkpoint is "
+    raise OptionError(f"cannot tell the checkpoint format of {os.fspath(path)!r}: a checkpoint is "
                       f"*.h5 / *.hdf5 (one HDF5 file) or a path with no suffix (a directory "
                       f"of .npy files); *.npy is the table alone (an export)")
 
