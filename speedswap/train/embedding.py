@@ -620,7 +620,10 @@ class OffloadedEmbedding(torch.nn.Module):
     # The step protocol of StepHooks.
     def _begin_step(self):
         rows = self._working_set.rows
-        if not len(rows) or self._narrowed is not None:
+        if self._narrowed is not None:
+            return
+        if not len(rows):
+            self._refuse_gradient_without_rows()
             return
         stale = self._stale and self._stale()
         if stale is not None and self.weight.grad is stale:
@@ -645,6 +648,33 @@ class OffloadedEmbedding(torch.nn.Module):
             device = self.weight.device
             self._kept.append(KeptRows(torch.zeros(1, dtype=torch.int64, device=device), self._full,
                                        state, spec, unless=self._reached.looked_up(0, device)))
+
+    def _refuse_gradient_without_rows(self):
+        """Refuse a step that holds no rows of this embedding while :attr:`weight` has a non-zero gradient.
+
+        With no training forward since the last step (``optimizer.step()``
+        twice on one backward, or without ``zero_grad()`` between steps) the
+        gradient is the one the last step left, whose rows were written back:
+        in memory the step would apply it to them again, and offloaded its
+        slots name no row. A zero gradient (``zero_grad(set_to_none=False)``
+        before a step that trains other layers only) moves no row, lazily, and
+        is let through. Only steps without rows read the gradient here.
+
+        Raises:
+            StateError: the gradient holds a non-zero value; nothing changes.
+        """
+        grad = self.weight.grad
+        if grad is None:
+            return
+        values = grad.coalesce().values() if grad.is_sparse else grad
+        if bool(values.any()):
+            raise StateError(
+                "optimizer.step() found a non-zero gradient on an OffloadedEmbedding's weight but no "
+                "training forward since the last step (step() twice, or no zero_grad() after a step): "
+                "the rows that gradient was computed for were written back at the last step, and its "
+                "slots name none now, so the step cannot apply it to them. Nothing was changed: call "
+                "optimizer.zero_grad() after each step, and run a step's forwards and backward before "
+                "its optimizer.step()")
 
     def _end_step(self):
         if self._narrowed is None:
