@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import speedswap as ss
-from test_training_flows import pair, zipf_ids
+from test_training_flows import BATCH, DIM, STEPS, assert_equal_to_reference, make_lazy, pair, zipf_ids
 
 
 def test_a_second_step_without_a_forward_is_refused_before_anything_changes(rng):
@@ -40,3 +40,27 @@ def test_a_second_step_without_a_forward_is_refused_before_anything_changes(rng)
     F.mse_loss(model(ids2), target2).backward()  # training goes on
     opt.step()
 
+
+def test_steps_that_train_only_other_layers_after_zero_grad_set_to_none_false_train_on(rng):
+    """``zero_grad(set_to_none=False)`` leaves the embedding a zero gradient; a step whose forwards
+    do not look the embedding up (a batch for the other layers only) touches none of its rows, and
+    Adam counts the step, as it does in memory. Training goes on equal to the reference (it used to
+    be refused at the next forward as "a write into emb.weight between steps")."""
+    model, reference = pair(rng)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01, weight_decay=0.1)
+    model.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
+        hidden = torch.from_numpy(rng.standard_normal((BATCH, DIM)).astype(np.float32))
+        for m, o in ((model, opt), (reference, ref_opt)):
+            if step % 3 == 2:
+                F.mse_loss(m.lin(hidden), target).backward()
+                if m is reference:
+                    m.emb.looked_up.append(torch.zeros(0, dtype=torch.int64))  # no row
+            else:
+                F.mse_loss(m(ids), target).backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+    assert opt.state[model.emb.weight]["step"] == ref_opt.state[reference.emb.weight]["step"] == STEPS
+    assert_equal_to_reference(model, opt, reference, ref_opt)

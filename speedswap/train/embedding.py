@@ -38,7 +38,7 @@ __all__ = ["OffloadedEmbedding"]
 #: __setattr__ checks each name against the parameters, buffers and submodules (4 us a call;
 #: NOTES 47): these are never any of those, so they are set as on any object.
 _STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran", "_version_between_steps",
-                              "_version_at_backward", "_leftover", "_stale"})
+                              "_version_at_backward", "_leftover", "_stale", "_empty_step"})
 
 
 class OffloadedEmbedding(torch.nn.Module):
@@ -188,6 +188,9 @@ class OffloadedEmbedding(torch.nn.Module):
         # weight's version between steps: a write into the scratch then (nn.init.normal_(emb.weight))
         # reaches no row, and is refused at the next training forward (see _refuse_weight_writes).
         self._version_between_steps = self.weight._version
+        # Whether the step in progress holds no rows and began with no refused write pending:
+        # the optimizer's write into the scratch then is its own, not one to refuse (see _end_step).
+        self._empty_step = False
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze: bool = True, *, max_rows: int,
@@ -624,6 +627,7 @@ class OffloadedEmbedding(torch.nn.Module):
             return
         if not len(rows):
             self._refuse_gradient_without_rows()
+            self._empty_step = self.weight._version == self._version_between_steps
             return
         stale = self._stale and self._stale()
         if stale is not None and self.weight.grad is stale:
@@ -678,6 +682,12 @@ class OffloadedEmbedding(torch.nn.Module):
 
     def _end_step(self):
         if self._narrowed is None:
+            if self._empty_step:
+                # A step without rows whose zero gradient the optimizer applied to the scratch
+                # (Adam counts the step, as in memory): its in-place write reached no row and
+                # is no write into weight between steps to refuse at the next forward.
+                self._version_between_steps = self.weight._version
+                self._empty_step = False
             return
         rows = self._working_set.rows
         try:
