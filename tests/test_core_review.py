@@ -64,3 +64,40 @@ def test_steps_that_train_only_other_layers_after_zero_grad_set_to_none_false_tr
             o.zero_grad(set_to_none=False)
     assert opt.state[model.emb.weight]["step"] == ref_opt.state[reference.emb.weight]["step"] == STEPS
     assert_equal_to_reference(model, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("option", [
+    (lambda p: torch.optim.SGD(p, lr=0.05), {"momentum": 0.9}, "momentum_buffer"),
+    (lambda p: torch.optim.RMSprop(p, lr=0.01), {"centered": True}, "grad_avg"),
+    (lambda p: torch.optim.Adam(p, lr=0.01), {"amsgrad": True}, "max_exp_avg_sq"),
+], ids=["sgd_momentum", "rmsprop_centered", "adam_amsgrad"])
+def test_a_group_option_that_asks_for_per_row_state_the_tables_lack_is_refused(rng, option):
+    """A momentum warm-up from 0 (or amsgrad, centered turned on) after attach: torch would create
+    the new per-row state for every element, but the host tables were made for the state the group
+    asked for at attach. Refused before anything changes, the dense layer included (SGD used to step
+    it, then raise "this torch version is not supported"; Adam and RMSprop a raw KeyError)."""
+    make, change, name = option
+    model, _ = pair(rng)
+    # The dense layer in a group of its own: torch itself cannot turn amsgrad or centered on for
+    # a parameter that already has state.
+    opt = make([{"params": [model.emb.weight]}, {"params": list(model.lin.parameters())}])
+    model.emb.attach(opt)
+    batches = zipf_ids(rng, 3)
+    for ids, target in batches[:2]:
+        F.mse_loss(model(ids), target).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.param_groups[0].update(change)
+    table = model.emb.table.to_numpy(copy=True)
+    linear = [p.detach().clone() for p in model.lin.parameters()]
+    ids, target = batches[2]
+    with pytest.raises(ss.OptionError, match=name):
+        F.mse_loss(model(ids), target).backward()
+        opt.step()
+    np.testing.assert_array_equal(model.emb.table.to_numpy(), table)
+    for mine, before in zip(model.lin.parameters(), linear):
+        assert torch.equal(mine.detach(), before)
+    model.emb.attach(opt)  # the advice: attaching again makes the tables for the new state
+    opt.zero_grad()
+    F.mse_loss(model(ids), target).backward()
+    opt.step()

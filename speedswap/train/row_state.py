@@ -103,12 +103,13 @@ def _group_of(optimizer, param):
                       f"include the embedding")
 
 
-def row_state_spec(optimizer, param):
+def row_state_spec(optimizer, param, group=None):
     """The per-row state tensors ``optimizer`` keeps for ``param`` and their initial values.
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` holding ``param``.
         param: the parameter.
+        group: ``param``'s param group, when the caller knows it (found otherwise).
 
     Returns:
         dict ``{name: fill value}``, e.g. ``{"exp_avg": 0.0, "exp_avg_sq": 0.0}``
@@ -120,7 +121,7 @@ def row_state_spec(optimizer, param):
     """
     for cls in type(optimizer).__mro__:
         if cls in _ROW_STATE:
-            return _ROW_STATE[cls](_group_of(optimizer, param), optimizer.defaults)
+            return _ROW_STATE[cls](_group_of(optimizer, param) if group is None else group, optimizer.defaults)
     raise OptionError(f"{type(optimizer).__name__} cannot be offloaded: speedswap moves optimizer "
                       f"state row by row, which is exact only for optimizers whose state is "
                       f"element-wise; supported: {', '.join(SUPPORTED_OPTIMIZERS)}")
@@ -264,6 +265,7 @@ class RowState:
         self.param = param
         self.spec = row_state_spec(optimizer, param)
         self._shape = tuple(param.shape)
+        self._group = _group_of(optimizer, param)  # its options are read again at every step
         self.tables = {}
         try:
             for name in self.spec:
@@ -310,6 +312,34 @@ class RowState:
         self._fresh = False
         self._restored = True
 
+    def check_options(self) -> None:
+        """Refuse group options that now ask for per-row state the tables do not hold.
+
+        The tables are made at attach for the state the parameter's group asks
+        for then. Setting ``momentum`` on an SGD or RMSprop group that had none
+        (a momentum warm-up from 0), or turning ``amsgrad`` or ``centered`` on,
+        makes torch keep another per-row state, which it would create for
+        every element: offloaded there is no table to keep it in (SGD would
+        step, then be refused with its rows put back; Adam and RMSprop raise a
+        ``KeyError``). Options that drop state (momentum back to 0) keep the
+        tables, which torch then leaves alone.
+
+        Raises:
+            OptionError: the group asks for state the tables lack. Nothing changes.
+        """
+        group = self._group
+        if not any(g is group for g in self.optimizer.param_groups):  # load_state_dict() makes new groups
+            group = self._group = _group_of(self.optimizer, self.param)
+        missing = [name for name in row_state_spec(self.optimizer, self.param, group) if name not in self.spec]
+        if missing:
+            raise OptionError(
+                f"{type(self.optimizer).__name__}'s options for the offloaded parameter changed since it "
+                f"was attached: they now keep per-row state {missing}, which its host tables (made for "
+                f"{sorted(self.spec) or 'no per-row state'}) do not hold. Set the option before "
+                f"attaching, or attach again (emb.attach(optimizer); a new OptimizerFactory), which "
+                f"makes the tables anew and starts the per-row state and step count afresh; nothing "
+                f"was changed")
+
     def check_not_replaced(self) -> None:
         """Refuse per-row state that ``optimizer.load_state_dict()`` put in place of the tables'.
 
@@ -326,6 +356,7 @@ class RowState:
             StateError: the state was replaced and the tables were not restored.
                 Nothing changes.
         """
+        self.check_options()
         state = self.optimizer.state.get(self.param)
         if self._restored or not state:
             return
