@@ -101,3 +101,23 @@ def test_a_group_option_that_asks_for_per_row_state_the_tables_lack_is_refused(r
     opt.zero_grad()
     F.mse_loss(model(ids), target).backward()
     opt.step()
+
+
+def test_a_batch_without_ids_trains_no_row_and_training_goes_on(rng):
+    """A training forward of no ids (an empty last batch) gives ``weight`` a zero gradient and the
+    step no rows: Adam counts the step, as in memory, and moves no row, lazily. The next step
+    trains on, equal to the reference (it was refused as "a write into emb.weight between steps")."""
+    model, reference = pair(rng)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    model.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
+        if step % 4 == 3:
+            ids, target = ids[:0], target[:0]
+        for m, o in ((model, opt), (reference, ref_opt)):
+            F.mse_loss(m(ids), target, reduction="sum").backward()
+            o.step()
+            o.zero_grad()
+    assert opt.state[model.emb.weight]["step"] == STEPS
+    assert_equal_to_reference(model, opt, reference, ref_opt)
