@@ -393,3 +393,44 @@ def test_two_ranks_refuse_the_second_optimizer_alike_and_train_on(tmp_path):
                 p.wait()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-2000:] for e in errors)
     assert [int(np.load(tmp_path / f"refused{r}.npy")) for r in range(2)] == [4, 4]
+
+
+def test_a_claim_withdrawn_while_another_optimizer_checks_the_claims_does_not_break_its_step():
+    """Any optimizer's step() looked through every claim while a thread (or a finalizer run by a
+    garbage collection in the middle of the loop) withdrew one: 'dictionary changed size during
+    iteration', raised from inside an unrelated optimizer's step."""
+    import threading
+
+    from speedswap.train import one_optimizer
+
+    other = torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1)
+
+    class Owner:
+        pass
+
+    weights = [torch.nn.Parameter(torch.randn(1)) for _ in range(2000)]
+    owners = [Owner() for _ in weights]
+    claims = [one_optimizer.claim(o, w, other) for o, w in zip(owners, weights)]
+    stop = threading.Event()
+
+    def churn():
+        i = 0
+        while not stop.is_set():
+            k = i % len(claims)
+            claims[k].remove()
+            claims[k] = one_optimizer.claim(owners[k], weights[k], other)
+            i += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # hand the GIL over often, so the withdrawals land mid-loop
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(100):
+            other.step()  # the claims are this optimizer's own: nothing to refuse
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+        for claim_ in claims:
+            claim_.remove()

@@ -95,7 +95,13 @@ def _refuse_other_optimizers(optimizer, args, kwargs):
     Raises:
         OptionError: ``optimizer`` holds a claimed weight and is not its optimizer.
     """
-    for weight, claim_ in list(_CLAIMS.items()):
+    # A snapshot taken in one C call: iterating the claims themselves raised "dictionary changed
+    # size during iteration" when a claim was withdrawn meanwhile, by another thread or by an
+    # owner's finalizer that a garbage collection ran in the middle of the loop.
+    for key, claim_ in _CLAIMS.data.copy().items():
+        weight = key()
+        if weight is None:
+            continue
         attached = claim_.optimizer()
         if attached is optimizer:
             continue
