@@ -510,9 +510,12 @@ def _refuse_lone_model_with_state(optimizer, args, kwargs):
     switcher's step in progress are looked at, so other optimizers pay one
     loop over a near-empty dictionary.
     """
-    for param, ref in list(_STEPS.items()):
-        steps = ref()
-        if steps is None or param.grad is None or not steps.busy() or not steps.alone(MODEL):
+    # A snapshot in one C call, as one_optimizer's hook takes: a switcher built or collected
+    # meanwhile (another thread, a finalizer run by a collection inside the loop) would
+    # otherwise change the dictionary under the loop.
+    for key, ref in _STEPS.data.copy().items():
+        param, steps = key(), ref()
+        if param is None or steps is None or param.grad is None or not steps.busy() or not steps.alone(MODEL):
             continue  # torch skips a parameter without a gradient
         if not any(p is param for group in optimizer.param_groups for p in group["params"]):
             continue
