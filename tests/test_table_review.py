@@ -254,3 +254,19 @@ def test_masked_arrays_are_refused_not_read_through_their_mask(rng):
     # without masked entries it is data like any other (np.ma.getdata)
     table.scatter([1, 2], np.ma.getdata(np.ma.array(rows[[5, 6]])))
     np.testing.assert_array_equal(table.to_numpy()[[1, 2]], rows[[5, 6]])
+
+
+@pytest.mark.parametrize("call", ["save", "load", "load_from"])
+def test_a_dataset_name_for_a_npy_file_is_refused_not_ignored(call, tmp_path, rng):
+    """A .npy file holds one array: save(x.npy, dataset='emb') wrote it under no name, silently."""
+    values = rng.standard_normal((5, 3)).astype(np.float32)
+    table = ss.HostTable.from_numpy(values, storage="pageable", backend="numpy")
+    path = tmp_path / "t.npy"
+    if call != "save":
+        table.save(path)
+    with pytest.raises(ss.OptionError, match="dataset='emb' names an HDF5 dataset"):
+        {"save": lambda: table.save(path, dataset="emb"),
+         "load": lambda: ss.HostTable.load(path, dataset="emb", backend="numpy"),
+         "load_from": lambda: table.load_from(path, dataset="emb")}[call]()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([] if call == "save" else ["t.npy"])
+    np.testing.assert_array_equal(table.to_numpy(), values)

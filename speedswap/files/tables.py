@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..convert import torch_dtype
-from ..errors import FileFormatError, SpeedswapError
+from ..errors import FileFormatError, OptionError, SpeedswapError
 from .base import TableHeader, crc32_of, file_format, identity, reading_error, row_ranges
 from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import read_npy_header, read_npy_into, read_npy_rows, write_npy
@@ -33,6 +33,19 @@ def stored_dtype(table_dtype) -> np.dtype:
         str(table_dtype).replace("torch.", ""))
 
 
+def _format_of(path, dataset) -> str:
+    """``file_format(path)``, refusing a ``dataset`` other than the default for a ``.npy`` file.
+
+    A ``.npy`` file holds one array: a dataset name there would be ignored,
+    and the caller believes it saved or read the table under that name.
+    """
+    fmt = file_format(path)
+    if fmt == "npy" and dataset != "table":
+        raise OptionError(f"dataset={dataset!r} names an HDF5 dataset, but {os.fspath(path)!r} is a .npy "
+                          f"file, which holds one array: drop dataset, or use an .h5 path")
+    return fmt
+
+
 def read_table_header(path, dataset: str = "table") -> TableHeader:
     """The validated header of a file holding a 2-D table.
 
@@ -41,12 +54,12 @@ def read_table_header(path, dataset: str = "table") -> TableHeader:
         dataset: the HDF5 dataset.
 
     Raises:
-        OptionError: another suffix.
+        OptionError: another suffix, or a ``dataset`` other than ``"table"`` for a ``.npy`` file.
         FileFormatError: a malformed file, not 2-D, no rows or empty rows, or a
             dtype no table holds.
         FileNotFoundError: no such file.
     """
-    header = read_npy_header(path) if file_format(path) == "npy" else read_h5_header(path, dataset)
+    header = read_npy_header(path) if _format_of(path, dataset) == "npy" else read_h5_header(path, dataset)
     check_table_shape(header.shape, path)
     if header.table_dtype is None:
         bits = (" If it is the file of a bfloat16 mmap table (its bit patterns), map it with "
@@ -93,7 +106,7 @@ def save_table(table, path, dataset: str = "table") -> None:
     written as float32 (exact) and, in HDF5, records its dtype.
     """
     stored = stored_dtype(table.dtype)
-    if file_format(path) == "npy":
+    if _format_of(path, dataset) == "npy":
         write_npy(path, table.shape, stored, table.host_chunks())
     else:
         write_h5(path, {dataset: (table.shape, stored, table.host_chunks())},
