@@ -270,3 +270,10 @@ def test_a_dataset_name_for_a_npy_file_is_refused_not_ignored(call, tmp_path, rn
          "load_from": lambda: table.load_from(path, dataset="emb")}[call]()
     assert sorted(p.name for p in tmp_path.iterdir()) == ([] if call == "save" else ["t.npy"])
     np.testing.assert_array_equal(table.to_numpy(), values)
+
+
+def test_an_unknown_storage_is_refused_even_where_mmap_ignores_it(tmp_path, rng):
+    path = tmp_path / "t.npy"
+    np.save(path, rng.standard_normal((4, 3)).astype(np.float32))
+    with pytest.raises(ss.OptionError, match="unknown storage 'bogus'"):
+        ss.HostTable.load(path, storage="bogus", mmap=True, backend="numpy")
