@@ -159,3 +159,12 @@ def test_an_optimizer_factory_load_of_a_npy_file_names_a_load_not_a_write(tmp_pa
     assert "write" not in str(error.value) and "*.h5" in str(error.value)
     with pytest.raises(ss.OptionError, match=r"\*\.h5"):
         o.saveCupy(tmp_path / "opt.npy")
+
+
+@pytest.mark.parametrize("value", ["False", "True", None, 2, 0.0])
+def test_cpupinn_takes_a_bool_not_a_string_that_python_finds_true(value):
+    """CPUPinn="False" is true to Python: the table went to pinned memory against the caller's word."""
+    with pytest.raises(ss.OptionError, match="CPUPinn is True .* or False"):
+        ss.ModelFactory(torch.nn.Embedding(6, 4), 100, 4, CPUPinn=value, backend="numpy")
+    with pytest.raises(ss.OptionError, match="CPUPinn is True .* or False"):
+        ss.DataGadget(np.zeros((3, 2), np.float32), CPUPinn=value, backend="numpy")

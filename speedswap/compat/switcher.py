@@ -5,6 +5,7 @@ See :mod:`speedswap.compat.model_factory` and :mod:`speedswap.compat.optimizer_f
 
 import contextlib
 
+import numpy as np
 import torch
 
 from ..convert import int_option, torch_dtype
@@ -15,8 +16,15 @@ from .steps import steps_for
 __all__ = ["Switcher", "storage_of", "device_of", "weight_of"]
 
 
-def storage_of(CPUPinn):
-    """SpeedTorch's ``CPUPinn``, for every class that takes it: pinned host memory, or the device."""
+def storage_of(CPUPinn) -> str:
+    """SpeedTorch's ``CPUPinn``, for every class that takes it: pinned host memory, or the device.
+
+    Raises:
+        OptionError: ``CPUPinn`` is not a bool (or 0 or 1): the string ``"False"`` is true
+            to Python, and would have pinned the table.
+    """
+    if not (isinstance(CPUPinn, (bool, np.bool_)) or (isinstance(CPUPinn, (int, np.integer)) and CPUPinn in (0, 1))):
+        raise OptionError(f"CPUPinn is True (pinned host memory) or False (device memory), got {CPUPinn!r}")
     return "pinned" if CPUPinn else "device"
 
 
