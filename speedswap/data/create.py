@@ -62,7 +62,8 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
             returned another kind of dtype (floats for an integer file), or
             values the file's dtype cannot hold (integers that would wrap,
             floats that would overflow to infinity; float rounding is accepted).
-        OptionError: a non-positive ``chunk_bytes``.
+        OptionError: a non-positive ``chunk_bytes``, or a shape of more bytes
+            than any file can hold.
         PathError: ``path`` is a directory, its directory does not exist, or
             the file system refused the write; a file already at ``path`` is
             intact.
@@ -74,6 +75,7 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
     shape = _shape_of(shape)
     check_rows(shape, "the dataset")  # before anything is opened: a bad shape leaves the path as it was
     dtype = _file_dtype(dtype)
+    files.npy_data_bytes(shape, dtype)  # a shape past any file's size is refused before the path is touched
     chunk_bytes = int_option(chunk_bytes, "chunk_bytes")
     path = os.fspath(path)
     if fill is None:

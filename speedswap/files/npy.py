@@ -3,16 +3,17 @@
 import contextlib
 import math
 import os
+import sys
 from typing import Optional
 
 import numpy as np
 
 from ..atomic import atomic_output, check_readable_file, check_writable_dir, saving_error, temp_path
-from ..errors import FileFormatError, PathError, SpeedswapError
+from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
 
-__all__ = ["read_npy_header", "check_size", "open_npy_memmap", "create_npy_memmap", "read_npy_into",
+__all__ = ["read_npy_header", "check_size", "open_npy_memmap", "npy_data_bytes", "create_npy_memmap", "read_npy_into",
            "read_npy_rows", "write_npy"]
 
 
@@ -125,6 +126,19 @@ def open_npy_memmap(path, writable=True):
         raise error from exc
 
 
+def npy_data_bytes(shape, dtype) -> int:
+    """The bytes of an array of ``shape`` and ``dtype``, computed without numpy's int64 wrap.
+
+    Raises:
+        OptionError: more bytes than any file, map or numpy array can count (``sys.maxsize``).
+    """
+    size = math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
+    if size > sys.maxsize:
+        raise OptionError(f"a {tuple(shape)} {np.dtype(dtype)} array is {size} bytes, more than any file "
+                          f"can hold (at most {sys.maxsize}); check the shape")
+    return size
+
+
 def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
     """Create a ``.npy`` file of ``shape``/``dtype`` and memory-map it read-write.
 
@@ -133,10 +147,12 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
     never replaced unless ``overwrite``: it may be someone's trained table.
 
     Raises:
+        OptionError: more bytes than a file can hold (:func:`npy_data_bytes`).
         PathError: ``path`` exists (without ``overwrite``), is a directory, its
             directory does not exist, or the file system refused it.
     """
     path = os.fspath(path)
+    npy_data_bytes(shape, dtype)  # before anything is touched
     check_writable_dir(path)
     if os.path.isdir(path):
         raise PathError(f"cannot create {path!r}: it is a directory; choose a file name")
@@ -150,7 +166,7 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
                         f"overwrite=True to start it afresh")
     # Created under a temporary name and renamed: a replaced file keeps its inode for
     # whoever still maps it, and the name never holds a half-made header.
-    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    size = npy_data_bytes(shape, dtype)
     if overwrite:
         # atomic_output also keeps a symbolic link at path (its target is replaced) and
         # the replaced file's permission bits.
