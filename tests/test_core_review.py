@@ -121,3 +121,17 @@ def test_a_batch_without_ids_trains_no_row_and_training_goes_on(rng):
             o.zero_grad()
     assert opt.state[model.emb.weight]["step"] == STEPS
     assert_equal_to_reference(model, opt, reference, ref_opt)
+
+
+def test_checking_the_group_options_never_reads_a_tensor_lr():
+    """Rprop's fill value is its lr: read as a tensor at every check, on a GPU a host wait each step."""
+    emb = ss.OffloadedEmbedding(20, 3, max_rows=8, storage="pageable", backend="numpy")
+    opt = torch.optim.Rprop(emb.parameters(), lr=torch.tensor(0.01))
+    emb.attach(opt)
+
+    class Unreadable(torch.Tensor):
+        def item(self):
+            raise AssertionError("check_options read the lr's value")
+
+    opt.param_groups[0]["lr"] = torch.tensor(0.01).as_subclass(Unreadable)
+    emb._state.check_options()

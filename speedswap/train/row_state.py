@@ -330,7 +330,10 @@ class RowState:
         group = self._group
         if not any(g is group for g in self.optimizer.param_groups):  # load_state_dict() makes new groups
             group = self._group = _group_of(self.optimizer, self.param)
-        missing = [name for name in row_state_spec(self.optimizer, self.param, group) if name not in self.spec]
+        # Only the names matter here: a copy of the group whose lr is a float, so that Rprop's
+        # fill value never reads a tensor lr (on a GPU, .item() is a host wait at every step).
+        names = row_state_spec(self.optimizer, self.param, {**group, "lr": 0.0})
+        missing = [name for name in names if name not in self.spec]
         if missing:
             raise OptionError(
                 f"{type(self.optimizer).__name__}'s options for the offloaded parameter changed since it "
