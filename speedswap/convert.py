@@ -313,6 +313,11 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
                          f"different lengths; pad them to one length or pass them separately") from None
     if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
         arr = arr.astype(np.int64)
+    if (not isinstance(ids, np.ndarray) and arr.dtype.kind == "i" and arr.size
+            and any(isinstance(i, (bool, np.bool_)) for i in np.asarray(ids, dtype=object).flat)):
+        # numpy reads [True, 2] as the ints 1 and 2: a mask mixed into ids, or a flag, not an id.
+        raise DTypeError(f"{what} must be integers, got a list mixing bools with ints; a bool is no "
+                         f"row id: pass the rows' ints (np.flatnonzero(mask) for the rows a mask selects)")
     if not isinstance(ids, np.ndarray) and arr.dtype.kind in "uf" and arr.size:
         # numpy reads a list of ints past int64 as uint64 (which wraps negative in int64), and
         # one mixing those with int64 ones as float64: read as Python objects, they are ints.
