@@ -16,7 +16,6 @@ import mmap
 import os
 import sys
 import warnings
-import weakref
 from typing import Optional
 
 import numpy as np
@@ -29,15 +28,16 @@ from .convert import (as_row_ids, as_row_values, check_not_masked, float_option,
                       int_option, numpy_dtype, torch_dtype)
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      PathError, ShapeError, StateError)
+from .live import Registry
 
 __all__ = ["HostTable", "live_tables", "check_storage"]
 
-_LIVE = weakref.WeakSet()
+_LIVE = Registry()
 
 
 def live_tables():
     """The tables that are open now (not closed, not collected)."""
-    return list(_LIVE)
+    return _LIVE.snapshot()
 
 
 def check_storage(storage, path=None):
@@ -484,9 +484,10 @@ class HostTable:
             (an ``mmap`` table's file, paged in on demand) byte counts.
         """
         held = {"host": 0, "device": 0, "file": 0}
-        if self._buffer is not None:
+        buffer = self._buffer  # read once: another thread may close the table meanwhile
+        if buffer is not None:
             where = ("file" if self.storage == "mmap"
-                     else "device" if self._buffer.tensor.device.type != "cpu" else "host")
+                     else "device" if buffer.tensor.device.type != "cpu" else "host")
             held[where] = self.nbytes
         return held
 
