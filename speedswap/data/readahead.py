@@ -28,11 +28,11 @@ import collections
 import concurrent.futures
 import queue
 import threading
-import weakref
 
 import torch
 
 from ..errors import StateError
+from ..live import Registry
 
 __all__ = ["in_background", "SyncReader", "LaunchAhead", "ReaderThread", "CudaStager"]
 
@@ -127,14 +127,14 @@ class LaunchAhead:
         self._ahead.clear()
 
 
-_RUNNING = weakref.WeakSet()
+_RUNNING = Registry()
 
 
 @atexit.register
 def _stop_running_readers():
     # A loop abandoned without being closed leaves its reader blocked on a full
     # queue; stop it before the interpreter tears torch down under it.
-    for reader in list(_RUNNING):
+    for reader in _RUNNING.snapshot():
         reader.close()
 
 
