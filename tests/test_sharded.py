@@ -98,8 +98,8 @@ def assert_same(actual, expected):
 def three_ranks(tmp_path_factory):
     """Three ranks train with SGD, Adam (saving a checkpoint at SAVE_AT), Adagrad (mmap), and Adam skipping steps."""
     out = tmp_path_factory.mktemp("three")
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print(f"three_ranks seed {seed}")
+    seed = int(os.environ.get("SPEEDSWAP_SEED", np.random.SeedSequence().entropy % 2**31))
+    print(f"three_ranks seed {seed} (replay with SPEEDSWAP_SEED={seed})")
     assert_ok(launch(3, out, seed, "train:sgd", "train:adam", "train:adagrad", "bf16:adagrad",
                      "skip:adam", "skipfwd:adam"))
     return out, seed
@@ -138,7 +138,12 @@ def test_three_ranks_of_a_bfloat16_table_equal_one_process(three_ranks):
     # can round a bfloat16 row the other way (one bfloat16 step, 2**-8 relative), rarely.
     np.testing.assert_allclose(table, expected, rtol=2 ** -7, atol=1e-6)
     assert np.mean(table == expected) > 0.99
-    np.testing.assert_allclose(state["sum"], emb._state.tables["sum"].to_numpy(), rtol=1e-5, atol=1e-6)
+    # A row rounded the other way feeds the next steps' gradients, so Adagrad's sums of that
+    # row differ too, by less than the step that started it (seed 1632855288: one sum of 1,806,
+    # 1.8e-3 relative, failed the 1e-5 asked of all); every other sum stays within 1e-5.
+    sums, expected_sums = state["sum"], emb._state.tables["sum"].to_numpy()
+    np.testing.assert_allclose(sums, expected_sums, rtol=2 ** -7, atol=1e-6)
+    assert np.mean(np.isclose(sums, expected_sums, rtol=1e-5, atol=1e-6)) > 0.99
 
 
 @pytest.fixture(scope="module")
