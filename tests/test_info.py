@@ -7,6 +7,7 @@ import sys
 import torch
 
 import speedswap as ss
+from churn import churning
 
 
 def test_info_counts_bytes_of_live_tables(backend, tmp_path):
@@ -71,31 +72,16 @@ def test_info_while_another_thread_makes_and_closes_tables():
     """info() listed the live tables with list(WeakSet): 'Set changed size during iteration' when
     another thread made or closed one meanwhile, and a table closed after it was listed broke
     memory() (reproduced in 17 of 100 calls)."""
-    import sys
-    import threading
-
     tables = [ss.HostTable.empty(1, 2, storage="pageable", backend="numpy") for _ in range(1000)]
-    stop = threading.Event()
 
-    def churn():
-        i = 0
-        while not stop.is_set():
-            k = i % len(tables)
-            tables[k].close()
-            tables[k] = ss.HostTable.empty(1, 2, storage="pageable", backend="numpy")
-            i += 1
+    def remake(i):
+        k = i % len(tables)
+        tables[k].close()
+        tables[k] = ss.HostTable.empty(1, 2, storage="pageable", backend="numpy")
 
     before = ss.info()["tables"]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # hand the GIL over often, so the churn lands inside info()
-    thread = threading.Thread(target=churn)
-    thread.start()
-    try:
+    with churning(remake):
         counts = [ss.info()["tables"] for _ in range(60)]  # each call used to risk the error
-    finally:
-        stop.set()
-        thread.join()
-        sys.setswitchinterval(interval)
     # Tables replaced while a call ran may be missed by it (closed, or gone), never counted twice.
     assert all(0 <= n <= before + 1 for n in counts), counts
     assert ss.info()["tables"] == before

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import speedswap as ss
+from churn import churning
 from speedswap.errors import OptionError
 from test_training_flows import (BATCH, DIM, ROWS, WIDTH, LazyTable, Model, assert_equal_to_reference,
                                  make_lazy, pair, zipf_ids)
@@ -399,8 +400,6 @@ def test_a_claim_withdrawn_while_another_optimizer_checks_the_claims_does_not_br
     """Any optimizer's step() looked through every claim while a thread (or a finalizer run by a
     garbage collection in the middle of the loop) withdrew one: 'dictionary changed size during
     iteration', raised from inside an unrelated optimizer's step."""
-    import threading
-
     from speedswap.train import one_optimizer
 
     other = torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1)
@@ -411,26 +410,16 @@ def test_a_claim_withdrawn_while_another_optimizer_checks_the_claims_does_not_br
     weights = [torch.nn.Parameter(torch.randn(1)) for _ in range(2000)]
     owners = [Owner() for _ in weights]
     claims = [one_optimizer.claim(o, w, other) for o, w in zip(owners, weights)]
-    stop = threading.Event()
 
-    def churn():
-        i = 0
-        while not stop.is_set():
-            k = i % len(claims)
-            claims[k].remove()
-            claims[k] = one_optimizer.claim(owners[k], weights[k], other)
-            i += 1
+    def reclaim(i):
+        k = i % len(claims)
+        claims[k].remove()
+        claims[k] = one_optimizer.claim(owners[k], weights[k], other)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # hand the GIL over often, so the withdrawals land mid-loop
-    thread = threading.Thread(target=churn)
-    thread.start()
     try:
-        for _ in range(100):
-            other.step()  # the claims are this optimizer's own: nothing to refuse
+        with churning(reclaim):
+            for _ in range(100):
+                other.step()  # the claims are this optimizer's own: nothing to refuse
     finally:
-        stop.set()
-        thread.join()
-        sys.setswitchinterval(interval)
         for claim_ in claims:
             claim_.remove()
