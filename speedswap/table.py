@@ -14,7 +14,6 @@ import dataclasses
 import errno
 import mmap
 import os
-import sys
 import warnings
 from typing import Optional
 
@@ -264,13 +263,7 @@ class HostTable:
         shape = (int_option(num_rows, "num_rows"), int_option(dim, "dim"))
         check_storage(storage, path)
         dtype = torch_dtype(dtype)
-        nbytes = shape[0] * shape[1] * dtype.itemsize
-        if nbytes > sys.maxsize:
-            # Beyond what numpy, mmap and a file offset can count: its int64 size arithmetic
-            # wraps, and the failure would come from deep inside (an mmap table's temporary left).
-            raise OptionError(f"a {shape[0]} x {shape[1]} {dtype} table is {nbytes} bytes, more than "
-                              f"any memory or file can hold (at most {sys.maxsize}); check num_rows "
-                              f"and dim")
+        files.npy_data_bytes(shape, numpy_dtype(dtype))  # numpy_dtype: bfloat16 as its 16-bit patterns
         backend = get_backend(backend, device)
         if storage == "mmap":
             array = files.create_npy_memmap(path, shape, numpy_dtype(dtype), overwrite)

@@ -197,7 +197,7 @@ def test_create_npy_replacing_a_file_keeps_a_link_at_the_path_and_the_files_mode
 @pytest.mark.parametrize("fill", [False, True])
 def test_a_dataset_larger_than_any_file_is_refused_before_the_path_is_touched(tmp_path, fill):
     """(2**40, 2**40) float32: numpy's int64 size wrapped or overflowed into raw OverflowError/ValueError."""
-    with pytest.raises(ss.OptionError, match="more than any file can hold"):
+    with pytest.raises(ss.OptionError, match="more than any memory or file can hold"):
         ss.data.create_npy(tmp_path / "x.npy", (2**40, 2**40), np.float32,
                            (lambda lo, hi: np.ones((hi - lo, 2**40), np.float32)) if fill else None, progress=False)
     assert list(tmp_path.iterdir()) == []

@@ -134,8 +134,10 @@ def npy_data_bytes(shape, dtype) -> int:
     """
     size = math.prod(int(d) for d in shape) * np.dtype(dtype).itemsize
     if size > sys.maxsize:
-        raise OptionError(f"a {tuple(shape)} {np.dtype(dtype)} array is {size} bytes, more than any file "
-                          f"can hold (at most {sys.maxsize}); check the shape")
+        # Beyond what numpy, mmap and a file offset can count: their int64 arithmetic wraps,
+        # and the failure would come from deep inside (a temporary file left behind).
+        raise OptionError(f"a {tuple(shape)} {np.dtype(dtype)} array is {size} bytes, more than any "
+                          f"memory or file can hold (at most {sys.maxsize}); check the shape")
     return size
 
 
@@ -152,7 +154,7 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
             directory does not exist, or the file system refused it.
     """
     path = os.fspath(path)
-    npy_data_bytes(shape, dtype)  # before anything is touched
+    size = npy_data_bytes(shape, dtype)  # before anything is touched
     check_writable_dir(path)
     if os.path.isdir(path):
         raise PathError(f"cannot create {path!r}: it is a directory; choose a file name")
@@ -166,7 +168,6 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
                         f"overwrite=True to start it afresh")
     # Created under a temporary name and renamed: a replaced file keeps its inode for
     # whoever still maps it, and the name never holds a half-made header.
-    size = npy_data_bytes(shape, dtype)
     if overwrite:
         # atomic_output also keeps a symbolic link at path (its target is replaced) and
         # the replaced file's permission bits.
