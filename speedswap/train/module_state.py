@@ -162,7 +162,7 @@ def missing_hint(key: str, kind: str) -> str:
 
 def unpicklable(kind: str) -> StateError:
     """The error of pickling or deep-copying an embedding (``torch.save(model)``, ``copy.deepcopy``)."""
-    return StateError(f"a {kind} cannot be pickled or deep-copied: its table and optimizer state "
+    return StateError(f"{kind} cannot be pickled or deep-copied: its table and optimizer state "
                       f"live in host memory (or files) that the module only points to. Checkpoint "
                       f"with torch.save(model.state_dict()), which holds them, or emb.save(path); "
                       f"for a copy, build another model and load_state_dict() into it")
