@@ -132,6 +132,28 @@ def test_a_pretrained_padding_row_moves_only_at_steps_that_look_it_up(make_opt, 
     assert not np.allclose(offloaded.emb.table.to_numpy()[PAD], 0.5)
 
 
+def test_a_compiled_model_trains_as_the_in_memory_one(rng):
+    """``torch.compile(model)`` runs the embedding's forward eagerly and compiles the rest.
+
+    Traced, the forward's working-set bookkeeping raised a false "emb.weight was
+    written between steps" at the first step. ``aot_eager`` traces as inductor
+    does, without a C++ compiler.
+    """
+    offloaded, reference = pair(rng)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    compiled = torch.compile(offloaded, backend="aot_eager")
+    batches = zipf_ids(rng, STEPS)
+    for ids, target in batches:
+        train_step(compiled, opt, ids, target)
+        train_step(reference, ref_opt, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+    offloaded.eval()
+    ids = batches[0][0]
+    torch.testing.assert_close(compiled(ids), reference(ids), rtol=1e-6, atol=1e-6)
+
+
 def test_a_pretrained_padding_row_stays_when_only_an_unreached_forward_looked_it_up(rng):
     offloaded, reference = pair(rng, padding_idx=PAD, pad_row=0.5)
     make = lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)  # noqa: E731

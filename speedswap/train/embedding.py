@@ -357,6 +357,10 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._table.closed:
             raise StateError("this OffloadedEmbedding is closed; its memory was released")
 
+    # Run eagerly under torch.compile: the step's bookkeeping (rows joining the working set,
+    # host reads, the forward's one host wait) is Python state a traced graph would replay
+    # stale; the rest of a compiled model is still compiled around this call.
+    @torch.compiler.disable
     def forward(self, ids) -> torch.Tensor:
         """The rows of ``ids``: a tensor of shape ``(*ids.shape, embedding_dim)``.
 
