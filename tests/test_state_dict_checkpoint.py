@@ -178,6 +178,24 @@ def test_a_state_dict_of_another_shape_or_dtype_is_refused_and_changes_nothing(c
     assert torch.equal(target.weight, weight)
 
 
+@pytest.mark.parametrize("make", [lambda t: t.to("meta"), lambda t: t.to_sparse()], ids=["meta", "sparse"])
+def test_a_state_dict_whose_state_tensor_holds_no_dense_values_is_refused_and_changes_nothing(make, rng):
+    # A meta tensor (a state dict of a model built on the meta device) or a sparse one is shaped
+    # and typed like the table, but copy_ cannot take it: the tables before it would be replaced.
+    model = offloaded("pageable", torch.float32, 0, None, initial(rng, torch.float32))
+    opt = make_adam(model.parameters())
+    model.emb.attach(opt)
+    step(model, opt, *zipf_ids(rng, 1)[0])
+    state = copy.deepcopy(model.state_dict())
+    tables = state["emb._extra_state"]["tables"]
+    tables["table"] += 1
+    tables["optimizer.exp_avg_sq"] = make(tables["optimizer.exp_avg_sq"])
+    before = snapshot(model)
+    with pytest.raises(ss.FileFormatError, match="dense"):
+        model.load_state_dict(state)
+    assert_same(snapshot(model), before)
+
+
 def test_a_state_dict_saved_before_attach_loads_before_attach_only(rng):
     table0 = initial(rng, torch.float32)
     source = offloaded("pageable", torch.float32, 0, None, table0)

@@ -77,7 +77,8 @@ def check_tables_state(state, kind: str, tables: dict, optimizer: str, num_embed
     Raises:
         FileFormatError: not such a state, a newer format, another kind,
             layout or optimizer (optimizer state saved but none attached here,
-            or the reverse: refused as ``emb.load`` refuses them; see :func:`rows_only`).
+            or the reverse: refused as ``emb.load`` refuses them; see :func:`rows_only`),
+            or a table tensor without dense values (meta, sparse).
         ShapeError: another table size.
         DTypeError: another dtype.
     """
@@ -137,6 +138,12 @@ def check_tables_state(state, kind: str, tables: dict, optimizer: str, num_embed
                    else f"a {type(value).__name__}")
             raise FileFormatError(f"{_describe(kind, state)}: {name!r} is {got}, expected "
                                   f"{table.shape} {table.dtype}; the state dict is damaged")
+        # copy_ raises for these only when it reaches them, after the tables before them changed.
+        if value.layout != torch.strided or value.is_meta:
+            got = "a meta tensor" if value.is_meta else f"a {value.layout} tensor"
+            raise FileFormatError(f"{_describe(kind, state)}: {name!r} is {got}, which holds no "
+                                  f"dense values to load; load a state dict whose tensors hold "
+                                  f"the values (torch.load it without map_location='meta')")
     return dict(values)
 
 
