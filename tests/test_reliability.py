@@ -8,6 +8,7 @@ import copy
 import errno
 import gc
 import os
+import re
 import subprocess
 import sys
 import weakref
@@ -696,6 +697,48 @@ def test_a_chunk_that_differs_when_read_again_is_never_written(rng, tmp_path, mo
         expected = before[name].copy()
         if name == first:
             expected[:16] = contents(source)[name][:16]
+        np.testing.assert_array_equal(table.to_numpy(), expected, err_msg=name)
+
+
+@pytest.mark.parametrize("chunk", [0, 1], ids=["first-chunk", "second-chunk"])
+def test_a_read_again_failing_in_a_later_table_names_the_tables_already_loaded(rng, tmp_path, monkeypatch,
+                                                                               chunk):
+    """The tables committed before the failing one were replaced whole: the error must say so.
+
+    It said "nothing was loaded" (a failure at the table's first chunk), or
+    only which rows of the failing table were replaced, while the embedding
+    already held the checkpoint's rows beside its own optimizer state.
+    """
+    from speedswap import files
+    from speedswap.files import tables as tables_module
+    _nothing_staged_in_ram(monkeypatch)
+    monkeypatch.setattr(files.base, "CHUNK_BYTES", 16 * DIM * 4)  # 16 rows a chunk: 4 chunks
+    path = tmp_path / "ckpt"
+    source = adam_embedding(rng)
+    source.save(path)
+    saved = contents(source)
+    last = list(saved)[-1]  # the table committed last
+    read, reads = tables_module._file_chunks, []
+
+    def altered_on_the_second_read(file, *args):
+        reads.append(os.fspath(file))
+        for n, (start, stop, chunk_rows) in enumerate(read(file, *args)):
+            if os.fspath(file).endswith(f"{last}.npy") and reads.count(os.fspath(file)) == 2 and n == chunk:
+                chunk_rows = chunk_rows + np.float32(1.0)
+            yield start, stop, chunk_rows
+    monkeypatch.setattr(tables_module, "_file_chunks", altered_on_the_second_read)
+    target = adam_embedding(rng)
+    before = contents(target)
+    earlier = [name for name in saved if name != last]
+    with pytest.raises(ss.FileFormatError) as info:
+        target.load(path)
+    message = str(info.value)
+    assert re.search(r"nothing was loaded(?! from it)", message) is None, message
+    assert all(repr(name) in message for name in earlier), message
+    for name, table in target._tables().items():
+        expected = saved[name] if name in earlier else before[name].copy()
+        if name == last:
+            expected[:16 * chunk] = saved[name][:16 * chunk]
         np.testing.assert_array_equal(table.to_numpy(), expected, err_msg=name)
 
 

@@ -134,7 +134,7 @@ def mapped_identity(address) -> Optional[tuple]:
 def reading_error(path, exc) -> FileFormatError:
     """A :class:`FileFormatError` for an OSError raised while reading rows of ``path``."""
     return FileFormatError(f"{os.fspath(path)!r} could not be read ({exc}); the file is "
-                           f"corrupt or was changed during the load: nothing was loaded")
+                           f"corrupt or was changed during the load: nothing was loaded from it")
 
 
 def check_matches(header, shape, dtype, path):

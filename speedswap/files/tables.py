@@ -120,7 +120,7 @@ def _version(stat) -> tuple:
 
 def _changed(path) -> FileFormatError:
     return FileFormatError(f"{os.fspath(path)!r} was changed or replaced since it was verified (a "
-                           f"save to it, or another writer?); nothing was loaded: load it again")
+                           f"save to it, or another writer?); nothing was loaded from it: load it again")
 
 
 def _file_chunks(path, header, dataset, ranges, version=None):
@@ -318,7 +318,7 @@ class StagedRows:
                 written = hi
         except FileFormatError as exc:
             if written == rows.start:
-                raise FileFormatError(f"{exc}; nothing was loaded: load it again") from exc
+                raise FileFormatError(f"{exc}; nothing was loaded from it: load it again") from exc
             raise FileFormatError(f"{exc}, while it was loaded: the table's rows for file rows "
                                   f"{rows.start}..{written - 1} were replaced, the rest were not. "
                                   f"The file changed (another writer?) or could not be read "

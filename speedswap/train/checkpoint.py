@@ -442,7 +442,7 @@ def load_tables(path, tables, attrs):
     unchanged (identity, size, change times), or nothing is loaded; each
     chunk read again must match the CRC-32 verified before it is written.
     Only a read error or a writer changing a file *during* the writes can
-    then stop the load midway: that error names the rows already replaced.
+    then stop the load midway: that error names the tables and rows already replaced.
 
     Args:
         path: as given to :func:`save_tables`.
@@ -483,5 +483,16 @@ def _load_tables(path, tables, attrs):
     finally:
         if held is not None:
             os.close(held)
+    loaded = []
     for name, table in tables.items():  # the commit: rows staged in RAM cannot fail; see above
-        staged[name].commit(table)
+        try:
+            staged[name].commit(table)
+        except FileFormatError as exc:
+            if not loaded:
+                raise
+            # The error speaks of its own file; the tables before it already hold the checkpoint's
+            # rows, beside the others' own: training on would mix two states.
+            raise FileFormatError(f"{exc}. The tables {loaded} were loaded from {os.fspath(path)!r} "
+                                  f"before it, the others were not: load an intact checkpoint before "
+                                  f"training on") from exc
+        loaded.append(name)
