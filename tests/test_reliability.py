@@ -876,6 +876,18 @@ def test_model_factory_load_torch_of_a_file_torch_cannot_read_is_a_file_format_e
         switcher.loadTorch(path)
 
 
+def test_model_factory_load_torch_of_a_sparse_tensor_is_a_file_format_error(tmp_path, rng):
+    # Shaped and typed as the table, it passed the check, and copy_ raised a raw RuntimeError.
+    path = tmp_path / "weights.pt"
+    torch.save(torch.from_numpy(rng.standard_normal((50, 4), dtype=np.float32)).to_sparse(), path)
+    switcher = ss.ModelFactory(torch.nn.Embedding(10, 4), 50, 4, storage="pageable", backend="numpy")
+    switcher.uniformDistributionInit(-1, 1)
+    before = switcher.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match="sparse"):
+        switcher.loadTorch(path)
+    np.testing.assert_array_equal(switcher.to_numpy(), before)
+
+
 @pytest.mark.skipif(atomic.fcntl is None, reason="no flock here")
 def test_saves_still_take_turns_where_flock_is_refused(tmp_path, rng, monkeypatch):
     """A file system without flock (ENOLCK) must not fail the save: threads of the process take turns."""

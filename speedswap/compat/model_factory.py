@@ -398,7 +398,7 @@ class ModelFactory(Switcher):
         """SpeedTorch's ``loadTorch``: reads ``*.pt``/``*.pth`` with ``torch.load(weights_only=True)``.
 
         Raises:
-            FileFormatError: the file holds no tensor of the table's shape and dtype (nothing changes).
+            FileFormatError: the file holds no dense tensor of the table's shape and dtype (nothing changes).
         """
         if not _is_torch_file(path):
             self.load(path)
@@ -408,10 +408,13 @@ class ModelFactory(Switcher):
             tensor = torch.load(path, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
             raise FileFormatError(f"{os.fspath(path)!r} is not a readable torch file ({exc})") from exc
+        # A sparse tensor of the table's shape and dtype would pass, and copy_ refuse it raw.
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != self._table.shape \
-                or tensor.dtype != self._table.dtype:
+                or tensor.dtype != self._table.dtype or tensor.layout != torch.strided:
             what = (f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor)
                     else type(tensor).__name__)
+            if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
+                what += f" as a {tensor.layout} tensor (save its tensor.to_dense())"
             raise FileFormatError(f"{os.fspath(path)!r} holds {what}, but this table is "
                                   f"{self._table.shape} {self._table.dtype}")
         with self._rewriting("loadTorch"):
