@@ -587,6 +587,17 @@ def test_a_checkpoint_without_optimizer_state_says_to_load_it_before_attach(rng,
     fresh.attach(torch.optim.Adam(fresh.parameters(), lr=0.01))
 
 
+def test_a_sharded_checkpoint_loaded_into_a_plain_embedding_names_load_sharded(rng, tmp_path):
+    # It was called "not a speedswap checkpoint directory", and the way to read it went unsaid.
+    ss.ShardedOffloadedEmbedding(60, DIM, max_rows=CAPACITY, storage="pageable",
+                                 backend="numpy").save(tmp_path / "sharded")
+    emb = adam_embedding(rng)
+    before = contents(emb)
+    with pytest.raises(ss.FileFormatError, match=r"ShardedOffloadedEmbedding.*ss\.load_sharded"):
+        emb.load(tmp_path / "sharded")
+    assert_unchanged(emb, before)
+
+
 def test_a_table_file_loaded_as_a_checkpoint_names_load_from(rng, tmp_path):
     table = make_table(rng, rows=60, dim=DIM)
     table.save(tmp_path / "vectors.h5")

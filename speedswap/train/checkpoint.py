@@ -38,6 +38,7 @@ from .. import atomic, files
 from ..backends import available_ram
 from ..errors import (FileFormatError, MissingFileError, OptionError, PathError,
                       SpeedswapError)
+from .sharded_checkpoint import MANIFEST as SHARDED_MANIFEST
 
 __all__ = ["save_tables", "load_tables", "file_in", "checkpoint_kind", "current_version"]
 
@@ -121,7 +122,8 @@ def current_version(path):
 
     Raises:
         MissingFileError: no checkpoint at ``path``.
-        FileFormatError: ``path`` is not a speedswap checkpoint directory.
+        FileFormatError: ``path`` is not a speedswap checkpoint directory (or is
+            a sharded one, read by :func:`~speedswap.train.sharded_checkpoint.load_sharded`).
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -143,6 +145,10 @@ def current_version(path):
         return os.path.join(path, name)
     if os.path.isfile(os.path.join(path, _MANIFEST)):
         return path  # a checkpoint written before versions existed
+    if os.path.isfile(os.path.join(path, SHARDED_MANIFEST)):
+        raise FileFormatError(f"{path!r} is the checkpoint of a ShardedOffloadedEmbedding (it has "
+                              f"{SHARDED_MANIFEST}): load it with ShardedOffloadedEmbedding.load, or "
+                              f"into one OffloadedEmbedding with ss.load_sharded(path, emb)")
     raise FileFormatError(f"{path!r} has no {_POINTER} or {_MANIFEST}: it is not a speedswap "
                           f"checkpoint directory")
 
