@@ -1188,3 +1188,31 @@ def test_after_a_step_whose_optimizer_raised_more_backwards_accumulate_and_close
         opt.step()
     emb.close()
     assert emb.table.closed
+
+
+@pytest.mark.parametrize("how", ["step twice", "no zero_grad", "no zero_grad, no backward"])
+def test_a_step_on_the_gradient_the_last_step_left_is_refused_before_any_row_changes(rng, how):
+    """In memory step() twice on one backward applies the gradient again, and a step after
+    forgetting zero_grad() applies it along with the next one; the sharded step set it to None
+    and silently trained otherwise (0.74 apart). Refused, as OffloadedEmbedding refuses them;
+    zero_grad() after each step, keeping tensors or not, trains as in memory."""
+    emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 12)
+    zero_grad = dict(set_to_none=bool(rng.integers(2)))
+    for step in range(8):
+        ids = torch.from_numpy(rng.integers(0, 30, 8))
+        target = torch.from_numpy(rng.standard_normal((8, 3)).astype(np.float32))
+        for lookup, optim in ((emb, opt), (lambda i: F.embedding(i, ref), ref_opt)):
+            ((lookup(ids) - target) ** 2).sum().backward()
+            optim.step()
+            if optim is opt and step == 4:  # the mistake, refused; then the loop goes on right
+                after = emb.table.to_numpy(copy=True)
+                if how != "step twice":  # the next step's forward, the gradient not zeroed
+                    out = emb(ids)
+                    if how == "no zero_grad":
+                        out.sum().backward()
+                with pytest.raises(ss.StateError, match="zero_grad\\(\\) after each step"):
+                    opt.step()
+                np.testing.assert_array_equal(emb.table.to_numpy(), after)
+                emb.discard_step()
+            optim.zero_grad(**zero_grad)
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -71,7 +71,11 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     loaded) at the same step, and, at a step, that they agree on the rows
     they exchange; they raise ``StateError`` together if not, no row changed.
     A check one rank makes alone (bad ids, an optimizer state replaced by
-    ``optimizer.load_state_dict()``) travels in that message too.
+    ``optimizer.load_state_dict()``) travels in that message too. As on a
+    dense parameter, a step's gradient stays on :attr:`weight` until
+    ``optimizer.zero_grad()``; a step that would apply it again (``step()``
+    twice on one backward, no ``zero_grad()`` after a step) is refused with
+    ``StateError``, nothing changed: its rows were written back.
 
     **What is averaged.** A row's gradient is the sum over ranks of each
     rank's gradient for it, divided by the world size ``W``: the average DDP
@@ -235,6 +239,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._kept = self._put_back = None
         self._exchanged = self._late_backward = False
         self._placeholder_version = None
+        # The version of the gradient the last step left on `weight`, while weight.grad holds it
+        # (see _leftover_unchanged); and whether a backward of this step found it not zeroed.
+        self._leftover_version, self._stale = None, False
 
     def discard_step(self) -> None:
         """Drop the rows and gradients of the forwards since the last step, whose step will not run.
@@ -492,7 +499,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
 
         Raises:
             StateError: no training forward since the last step, a second call
-                in one step, ``weight.grad`` changed before it, the optimizer's
+                in one step, ``weight.grad`` changed before it (or still holding
+                the last step's gradient: no ``zero_grad()`` after it), the optimizer's
                 state replaced (see :meth:`forward`), or ranks that disagree
                 about the step. Whichever rank fails, every rank raises, before
                 any gradient moves.
@@ -522,8 +530,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         Raises:
             StateError: a clip, a ``GradScaler``'s ``unscale_`` (or its inf check, which a
                 fused optimizer's ``scaler.step`` makes), or ``zero_grad(set_to_none=False)``
-                acted on the placeholder.
+                acted on the placeholder; or the gradient the last step left is still there.
         """
+        if self._stale or self._leftover_unchanged():
+            raise StateError(_GRADIENT_LEFT)
         changed = self.weight.grad is self._grad and self._grad._version != self._placeholder_version
         # A fused optimizer's scaler.step() hands it the inf check it made (found_inf) instead.
         # (A GradScaler's unscale_, which keeps the version, is seen by the exchange: the mark.)
@@ -627,12 +637,30 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             if self._state is not None:  # close() releases the state first
                 self._state.release()
 
+    def _leftover_unchanged(self) -> bool:
+        """Whether ``weight.grad`` still holds the gradient the last step applied, no ``zero_grad()`` since.
+
+        In memory a step (or a backward adding to it) would apply that gradient
+        again, to rows written back since: the caller refuses it. One that
+        ``zero_grad(set_to_none=False)`` zeroed is dropped here, as
+        ``set_to_none=True`` drops it: a zero gradient steps no row lazily.
+        """
+        if self._leftover_version is None:
+            return False
+        if self.weight.grad is self._grad and self._grad._version == self._leftover_version:
+            return True
+        if self.weight.grad is self._grad:
+            self.weight.grad = None
+        self._leftover_version = None
+        return False
+
     def _set_placeholder(self) -> None:
         """Give :attr:`weight` its zero gradient until the exchange, marked (see ``_check_grad_untouched``)."""
         placeholder = self._grad.zero_()
         placeholder[-1, -1] = self._mark
         self.weight.grad = placeholder
         self._placeholder_version = placeholder._version
+        self._leftover_version = None  # the placeholder replaced it
 
     def _abort_step(self) -> None:
         """Undo a step whose optimizer raised, for a retry (as :class:`~speedswap.OffloadedEmbedding` does).
@@ -653,8 +681,14 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
 
     def _before_step(self, optimizer, args, kwargs):
         self._abort_step()  # a retry of a step whose optimizer raised
-        if self._drop_zeroed_step() or self._forwards == 0:
-            return  # no gradient (forwards and zero_grad are on every rank alike): no step
+        if self._drop_zeroed_step():
+            return
+        if self._forwards == 0:
+            # No gradient (forwards and zero_grad are on every rank alike): no step, no collective,
+            # unless the gradient is the last step's, which in memory would be applied again.
+            if self._leftover_unchanged():
+                raise StateError(_GRADIENT_LEFT)
+            return
         error = None
         try:
             if self._exchanged and self._late_backward:
@@ -697,9 +731,12 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._state.scatter(rows)
         # Owned rows are unique shard-local ids, validated when they were looked up.
         self.table.scatter_validated(rows, self._full[:k].to(self.table.dtype))
-        self.weight.grad = None
         self._steps_since += 1
         self._new_step()
+        # As on a dense parameter, the step's gradient stays until zero_grad(): another step on it
+        # is refused rather than let train what it would not in memory (see _leftover_unchanged).
+        self.weight.grad = self._grad
+        self._leftover_version = self._grad._version
 
     def close(self) -> None:
         """Release this rank's rows and optimizer state memory and unhook the optimizer. Idempotent.
@@ -843,6 +880,13 @@ _GRAD_CHANGED = (
     "ShardedOffloadedEmbedding's gradient reaches its owners only at the step: call "
     "emb.exchange_gradients() on every rank before clipping or unscaling, or emb.discard_step() on "
     "every rank to skip the step")
+#: Why a step (or exchange) refuses the gradient the last step applied.
+_GRADIENT_LEFT = (
+    "weight.grad of a ShardedOffloadedEmbedding still holds the gradient the last optimizer.step() "
+    "applied (step() twice on one backward, or no zero_grad() after a step): in memory the step would "
+    "apply it again, but its rows were written back then and its slots hold other rows now. Nothing "
+    "was changed: call optimizer.zero_grad() after each step on every rank, and emb.discard_step() on "
+    "every rank to drop the forwards since")
 #: Where the attached optimizer's state came from, as integers for the ranks' comparison.
 _ORIGINS = ("", "attach()", "load()")
 _ATTACHED, _LOADED = 1, 2
@@ -899,6 +943,7 @@ def _gradient_dropped(ref):
             return False
         embedding._rows.grad = None
         embedding._backward_ran = False  # asked once per backward: its end sets it again
+        embedding._stale = False  # the last step's gradient, if it was there, went with it
         # A step whose gradients were exchanged (for a GradScaler that then skipped it): its
         # exchange is void too, and the next step's makes a fresh one, the dropped forwards
         # flagged unreached so that their owners put their rows back.
@@ -916,8 +961,11 @@ def _note_backward(ref):
             return
         if embedding._exchanged:
             embedding._late_backward = True  # its gradient arrives after the exchange
-        elif embedding.weight.grad is None:
+        elif embedding.weight.grad is None or embedding._leftover_version is not None:
             embedding._backward_ran = True
+            # Not zeroed, the last step's gradient would be added to in memory: refused at the
+            # step, unless a zero_grad() drops the step (and it) first.
+            embedding._stale = embedding._leftover_unchanged()
             # Zeros until the exchange fills it before the step; a change to them (a clip,
             # zero_grad(set_to_none=False)) is refused at the step, by the version. A GradScaler
             # unscales in place without bumping it: the last element, marked, shows a rescale.
