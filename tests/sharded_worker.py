@@ -49,6 +49,8 @@ OPTIMIZERS = {
 PAD = NUM_ROWS - 3
 #: The padding scenario's nn.Embedding options, on every rank and in its reference.
 EMBEDDING_OPTIONS = dict(padding_idx=PAD, scale_grad_by_freq=True)
+#: The clip scenario's max_norm: below most steps' gradient norm, so that most steps clip.
+MAX_NORM = 0.1
 
 
 def initial_table(seed):
@@ -95,10 +97,10 @@ def rank_loss(emb, ids, targets, world):
     return loss * (world / GLOBAL_BATCH)
 
 
-def reference(name, seed, steps=STEPS, skipped=()):
+def reference(name, seed, steps=STEPS, skipped=(), clip=None):
     """One process, one dense parameter, the union batch: the table and per-row state after ``steps``.
 
-    The steps in ``skipped`` are left out.
+    The steps in ``skipped`` are left out; with ``clip``, every gradient is clipped to that norm.
     """
     _, ref_cls, kwargs, sparse = OPTIMIZERS[name]
     weight = torch.nn.Parameter(initial_table(seed))
@@ -109,6 +111,8 @@ def reference(name, seed, steps=STEPS, skipped=()):
         ids, targets = global_batch(seed, step)
         loss = ((F.embedding(ids, weight, sparse=sparse) - targets) ** 2).sum() / GLOBAL_BATCH
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([weight], clip)
         opt.step()
         opt.zero_grad()
     state = {k: v.numpy() for k, v in opt.state[weight].items() if getattr(v, "dim", int)() == 2}
@@ -239,6 +243,18 @@ def run_scenario(scenario, seed, world, rank, out):
         emb.load(table_file)  # the padding row too: pretrained, not zero
         train(emb, opt, seed, range(STEPS), world, rank, batch=padded_batch)
         name = f"{name}-padding"
+    elif kind == "clip":     # every step clipped by the whole table's gradient norm, as in memory
+        emb, opt = make(name)
+        emb.load(table_file)
+        for step in range(STEPS):
+            ids, targets = global_batch(seed, step)
+            part = rank_slice(step, world, rank)
+            rank_loss(emb, ids[part], targets[part], world).backward()
+            emb.exchange_gradients()
+            torch.nn.utils.clip_grads_with_norm_(emb.parameters(), MAX_NORM, emb.grad_norm())
+            opt.step()
+            opt.zero_grad()
+        name = f"{name}-clip"
     elif kind == "resume":   # load another world size's Adam checkpoint and go on
         emb, opt = make("adam")
         emb.load(os.path.join(out, name))

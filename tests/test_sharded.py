@@ -153,7 +153,7 @@ def two_ranks(three_ranks):
     out, seed = three_ranks
     started = time.monotonic()
     results = launch(2, out, seed, "resume:ckpt-3", "bad:adam", "mode:adam", "npyfail:sgd",
-                     "disagree:adam", "padding:adamw", "crash:sgd")
+                     "disagree:adam", "padding:adamw", "clip:sgd", "crash:sgd")
     return out, seed, results, time.monotonic() - started
 
 
@@ -214,6 +214,14 @@ def test_two_ranks_with_a_padding_row_and_scale_grad_by_freq_equal_one_process(t
     np.testing.assert_allclose(table[PAD], expected, rtol=1e-5)
     for name, rows in state.items():
         assert not rows[PAD].any(), name
+
+
+def test_two_ranks_clipping_by_grad_norm_equal_one_process_clipping(two_ranks):
+    """clip_grad_norm_ on each rank saw its own rows only and clipped by another factor (0.12 apart)."""
+    out, seed, *_ = two_ranks
+    expected = sharded_worker.reference("sgd", seed, clip=sharded_worker.MAX_NORM)
+    assert not np.allclose(expected[0], reference("sgd", seed)[0], **TOL)  # the clip mattered
+    assert_same(gathered(out, "sgd-clip", 2), expected)
 
 
 def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):
@@ -919,6 +927,19 @@ def test_gradients_clipped_after_exchange_gradients_equal_in_memory_clipping(cli
     # Without the exchange the clip would act on a gradient that has not arrived: refused.
     with pytest.raises(ss.StateError, match="exchange_gradients\\(\\) on every rank before clipping"):
         _clip_run(table0, batches, clip, exchange=False, sharded=True)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_grad_norm_is_the_tables_gradient_norm_and_needs_the_exchange(rng, norm_type):
+    emb, opt, ref, _ = _sgd_against_in_memory(rng, 12)
+    ids = torch.from_numpy(rng.integers(0, 30, 10))
+    emb(ids).pow(3).sum().backward()
+    with pytest.raises(ss.StateError, match="call emb.exchange_gradients\\(\\) on every rank"):
+        emb.grad_norm(norm_type)
+    emb.exchange_gradients()
+    F.embedding(ids, ref).pow(3).sum().backward()
+    expected = torch.linalg.vector_norm(ref.grad, norm_type)
+    torch.testing.assert_close(emb.grad_norm(norm_type), expected, rtol=1e-6, atol=0)
 
 
 def test_a_grad_scaler_after_exchange_gradients_unscales_the_tables_gradient(rng):

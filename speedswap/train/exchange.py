@@ -39,14 +39,14 @@ import torch.distributed as dist
 from ..errors import OptionError, StateError
 
 __all__ = ["row_bounds", "owners", "Exchange", "CALLS", "TRAIN_FORWARD", "EVAL_FORWARD", "STEP", "SAVE",
-           "LOAD", "EXCHANGE"]
+           "LOAD", "EXCHANGE", "GRAD_NORM"]
 
 #: The collective calls, as :meth:`Exchange.begin` names them when ranks make different ones.
 #: An explicit exchange_gradients() is a call of its own: a rank exchanging there must not
 #: pair with a rank whose step exchanges (and steps) at once.
 CALLS = ("a training forward", "an eval forward (eval mode or torch.no_grad())",
-         "optimizer.step()", "save()", "load()", "exchange_gradients()")
-TRAIN_FORWARD, EVAL_FORWARD, STEP, SAVE, LOAD, EXCHANGE = range(len(CALLS))
+         "optimizer.step()", "save()", "load()", "exchange_gradients()", "grad_norm()")
+TRAIN_FORWARD, EVAL_FORWARD, STEP, SAVE, LOAD, EXCHANGE, GRAD_NORM = range(len(CALLS))
 
 
 def row_bounds(num_rows: int, world_size: int) -> List[int]:
@@ -237,6 +237,25 @@ class Exchange:
             row_bytes = send[0].numel() * send.element_size()
             self.bytes_sent += row_bytes * (sum(send_counts) - send_counts[self.rank])
         return self._all_to_all(send, send_counts, recv_counts)
+
+    def norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """The ``norm_type``-norm of every rank's values, from each rank's norm ``local`` of its own.
+
+        Args:
+            local: a 0-dim float tensor, this rank's norm.
+            norm_type: the norm's order, as ``torch.linalg.vector_norm`` takes it.
+
+        Returns:
+            The same 0-dim tensor on every rank.
+        """
+        if self.world_size == 1:
+            return local
+        if norm_type == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            return local
+        powered = local.pow(norm_type)
+        dist.all_reduce(powered, group=self.group)
+        return powered.pow(1.0 / norm_type)
 
     def agree(self, error: Optional[BaseException], what: str) -> None:
         """Raise on every rank if ``what`` failed on any: the end of work that may fail.

@@ -39,8 +39,8 @@ from ..convert import as_row_ids, as_row_ids_deferred, int_option, torch_dtype
 from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
-from .exchange import (EVAL_FORWARD, EXCHANGE, LOAD, SAVE, STEP, TRAIN_FORWARD, Exchange, owners,
-                       row_bounds)
+from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, SAVE, STEP, TRAIN_FORWARD, Exchange,
+                       owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import padding_option, refuse_max_norm
@@ -483,7 +483,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
 
         * ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``: without
           it they would clip a gradient that has not arrived yet, and the step
-          refuses (it sees ``weight.grad`` changed);
+          refuses (it sees ``weight.grad`` changed). ``clip_grad_norm_`` sees
+          this rank's rows only: with several ranks clip by the whole
+          table's norm, :meth:`grad_norm`, as in memory;
         * a ``GradScaler`` (``unscale_``, or ``scaler.step``, which unscales):
           without it the scaler would unscale (and check for infs) a gradient
           that has not arrived yet, and the step refuses. The ranks must also
@@ -521,6 +523,45 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not wait in the exchange
             error = exc
         self._exchange_gradients(error, EXCHANGE)
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of the whole table's gradient, every rank's owned rows: the same on every rank.
+
+        A collective: call it on every rank, after :meth:`exchange_gradients`.
+        ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would count only
+        the rows this rank owns, so each rank would clip by another factor
+        (and DDP's replicas of the dense layers would drift apart); clip by
+        the norm in-memory training would see instead::
+
+            emb.exchange_gradients()
+            dense = [p.grad for p in model.parameters() if p is not emb.weight and p.grad is not None]
+            norm = torch.nn.utils.get_total_norm([emb.grad_norm(), *dense])
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
+
+        Args:
+            norm_type: the norm's order (``torch.linalg.vector_norm``'s ``ord``), the same on every rank.
+
+        Returns:
+            A 0-dim tensor on the table's device.
+
+        Raises:
+            StateError: no :meth:`exchange_gradients` since the step's last
+                backward, on any rank (every rank raises, before any message).
+        """
+        error = None
+        try:
+            self._check_open()
+            if not self._exchanged or self._late_backward:
+                raise StateError("grad_norm() before the gradients reached their owners: call "
+                                 "emb.exchange_gradients() on every rank after the step's last "
+                                 "backward, then grad_norm()")
+        except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not wait for this one
+            error = exc
+        self._exchange.begin(GRAD_NORM, error, self._config(), _describe, "grad_norm()")
+        grad = self.weight.grad  # this rank's owned rows; zero beyond them
+        local = (torch.zeros((), dtype=self.weight.dtype, device=self.weight.device) if grad is None
+                 else torch.linalg.vector_norm(grad, float(norm_type)))
+        return self._exchange.norm(local, float(norm_type))
 
     def _check_grad_untouched(self, optimizer) -> None:
         """Refuse a ``weight.grad`` that something changed before the gradients arrived.
