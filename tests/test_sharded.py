@@ -1237,3 +1237,22 @@ def test_a_step_on_the_gradient_the_last_step_left_is_refused_before_any_row_cha
                 emb.discard_step()
             optim.zero_grad(**zero_grad)
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_model_trains_as_the_in_memory_one(rng):
+    """``torch.compile`` runs the sharded forward (its exchange, its bookkeeping) eagerly, the rest compiled."""
+    emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 24)
+    lin = torch.nn.Linear(3, 1)
+    ref_lin = torch.nn.Linear(3, 1)
+    ref_lin.load_state_dict(lin.state_dict())
+    opt.add_param_group({"params": lin.parameters()})
+    ref_opt.add_param_group({"params": ref_lin.parameters()})
+    compiled = torch.compile(torch.nn.Sequential(emb, lin), backend="aot_eager")
+    for _ in range(20):
+        ids = torch.from_numpy(rng.integers(0, 30, (6, 2)))
+        for model, optim in ((compiled, opt), (lambda i: ref_lin(F.embedding(i, ref)), ref_opt)):
+            model(ids).tanh().sum().backward()
+            optim.step()
+            optim.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lin.weight.detach().numpy(), ref_lin.weight.detach().numpy(), rtol=1e-5, atol=1e-6)

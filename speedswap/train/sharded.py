@@ -388,6 +388,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         # Refused whatever the gradient, which differs from rank to rank: every rank alike.
         self._claim = claim(self, self.weight, optimizer, frozen_may_stay=False)
 
+    # Run eagerly under torch.compile, as OffloadedEmbedding.forward: the exchange and the step's
+    # bookkeeping are Python state and collectives, not graph material.
+    @torch.compiler.disable
     def forward(self, ids) -> torch.Tensor:
         """The rows of this rank's ``ids``: a tensor of shape ``(*ids.shape, embedding_dim)``.
 
