@@ -1078,3 +1078,63 @@ def test_running_out_of_memory_inside_the_cache_loses_no_row(where, rng, monkeyp
     np.testing.assert_array_equal(got[0], expected[0])
     for name in expected[1]:
         np.testing.assert_array_equal(got[1][name], expected[1][name], err_msg=name)
+
+
+@pytest.mark.parametrize("call,method", [("store", "_write_back"), ("prefetch", "_write_back"),
+                                         ("prefetch", "_gather_host")])
+def test_running_out_of_memory_while_slots_change_hands_loses_no_row(call, method, rng, monkeypatch):
+    """A step's store or a prefetch that evicts rows allocates for the evicted rows' write-back
+    and (a prefetch) for the rows it brings. Out of memory there, the rows must be as if the call
+    had never been tried: no evicted row lost, no slot naming a row whose values never arrived."""
+    from speedswap.train.cache import RowCache
+    original, armed = getattr(RowCache, method), {"on": False}
+
+    def failing(cache, *args):
+        rows = args[1] if method == "_gather_host" else args[0]  # (table, rows, out) or (slots, rows)
+        if armed["on"] and len(rows):  # as if its allocation had failed
+            armed["on"] = False
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        return original(cache, *args)
+    monkeypatch.setattr(RowCache, method, failing)
+    table0 = rng.standard_normal((200, 4)).astype(np.float32)
+    context = torch.from_numpy(rng.standard_normal(4).astype(np.float32))
+    batches = [torch.from_numpy(rng.zipf(1.3, 8) % 200) for _ in range(30)]
+    cold = torch.arange(120, 160)  # rows the Zipf batches hardly touch: misses that evict
+
+    def run(cache_rows, inject):
+        emb = ss.OffloadedEmbedding(200, 4, max_rows=60, storage="pageable", backend="numpy",
+                                    cache_rows=cache_rows)
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+        opt = (torch.optim.SGD(emb.parameters(), lr=0.1) if call == "store"
+               else torch.optim.Adam(emb.parameters(), lr=0.1, eps=1e-30))
+        emb.attach(opt)
+        for step, ids in enumerate(batches):
+            if step == 15:
+                ids = torch.cat([ids, cold])
+                if inject:
+                    armed["on"] = True
+                    try:
+                        if call == "prefetch":
+                            emb.prefetch(cold)  # then the step uses the rows it was bringing
+                        else:
+                            (emb(ids) @ context).sum().backward()
+                            opt.step()
+                    except torch.OutOfMemoryError:
+                        pass
+                    assert not armed["on"], "the injected failure did not happen"
+                    if call == "store":
+                        opt.zero_grad()
+                        emb.discard_step()
+                if call == "store":
+                    continue  # the reference never tries the step
+            (emb(ids) @ context).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        emb.flush()
+        return emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
+
+    expected = run(0, inject=False)
+    got = run(8, inject=True)
+    np.testing.assert_array_equal(got[0], expected[0])
+    for name in expected[1]:
+        np.testing.assert_array_equal(got[1][name], expected[1][name], err_msg=name)

@@ -244,6 +244,10 @@ class RowCache:
             self.states = {name: grown(rows) for name, rows in self.states.items()}
         return n
 
+    def _on_side(self):
+        """Where a prefetch's copies run: the side stream on a GPU, the current one elsewhere."""
+        return contextlib.nullcontext() if self._side is None else torch.cuda.stream(self._side)
+
     def _wait_prefetch(self):
         if self._side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
@@ -272,24 +276,37 @@ class RowCache:
         counters["rows_d2h"] += len(rows)
         counters["bytes_d2h"] += moved
 
-    def _take(self, slots, rows, stamp, score, dirty, n_changed):
-        """Give ``slots`` (cheapest first, free ones first) to ``rows``: the bookkeeping half.
+    def _evicted(self, slots, n_changed):
+        """The slots of ``slots`` (cheapest first, free ones first) whose rows must be written back
+        before they change hands, and those rows.
 
-        ``n_changed`` is how many of ``slots`` are dirty (free slots never
-        are), which the caller learnt in a host synchronisation it needed
-        anyway; None to count every evicted row as changed.
+        :meth:`_write_back` them before :meth:`_take`: the write-back allocates
+        (device memory on a GPU), and a failure there must find every slot
+        still describing its row.
+
+        Args:
+            slots: the slots about to change hands.
+            n_changed: how many of ``slots`` are dirty (free slots never are),
+                which the caller learnt in a host synchronisation it needed
+                anyway; None to count every evicted row as changed.
 
         Returns:
             (changed, changed_rows): the evicted slots that are dirty (or all
-            of them), and their rows, which :meth:`_write_back` must write to
-            the host before the slots are refilled.
+            of them), and their rows.
+        """
+        held = slots[min(len(slots), self._n_empty):]
+        changed = held if n_changed is None else slots.index_select(
+            0, positions(self.dirty.index_select(0, slots), n_changed))
+        return changed, self.slot_row.index_select(0, changed)
+
+    def _take(self, slots, rows, stamp, score, dirty):
+        """Give ``slots`` (cheapest first, free ones first) to ``rows``: the bookkeeping half.
+
+        Their rows must have been written back first (:meth:`_evicted`); the
+        caller fills the slots' values after it.
         """
         free = min(len(slots), self._n_empty)
         self._n_empty -= free
-        held = slots[free:]
-        changed = held if n_changed is None else slots.index_select(
-            0, positions(self.dirty.index_select(0, slots), n_changed))
-        changed_rows = self.slot_row.index_select(0, changed)
         self.slot_row.scatter_(0, slots, rows)
         # index_fill_, not `[slots] =`: a Python scalar assigned through a tensor index
         # is copied to the GPU with a host wait.
@@ -297,8 +314,7 @@ class RowCache:
         self.score.scatter_(0, slots, score)
         self.dirty.index_fill_(0, slots, dirty)
         self._reindex()
-        self._count(evictions=len(held))
-        return changed, changed_rows
+        self._count(evictions=len(slots) - free)
 
     def _write_back(self, slots, rows, counters=None):
         """Write the rows of ``slots`` and their state to the host (``rows``: their ids)."""
@@ -492,8 +508,8 @@ class RowCache:
             self._scratch(self._n_misses - cached)
         if cached:
             placed, victims = miss_pos.index_select(0, ranked[:cached]), victims[:cached]
-            self._write_back(*self._take(victims, rows.index_select(0, placed), self.clock,
-                                         miss_score[:cached], True, n_changed))
+            self._write_back(*self._evicted(victims, n_changed))
+            self._take(victims, rows.index_select(0, placed), self.clock, miss_score[:cached], True)
             target.scatter_(0, placed, victims)
         if cached + self._n_hits == 0:
             # Nothing cached this step: the rows go back as they are, without a copy.
@@ -583,26 +599,29 @@ class RowCache:
             return 0
         # Every missing row a slot can be found for, however rarely used (see the module docs).
         rows, (_, victims) = ids_sorted.index_select(0, positions(new, n_new)[:bring]), self._victims(bring)
-        # Brought from the host, the rows are clean: evicting them again writes nothing. Every
-        # row they evict is written back, clean or not: counting the dirty ones would be a
+        # Every row they evict is written back, clean or not: counting the dirty ones would be a
         # host wait, and between flushes nearly every cached row is dirty (a step stored it).
-        changed, changed_rows = self._take(victims, rows, self.clock + 1,
-                                           self.sketch.estimate(rows), False, None)
-        side = contextlib.nullcontext()
+        changed, changed_rows = self._evicted(victims, None)
+        score = self.sketch.estimate(rows)
         if self._side is not None:
             # Copies wait for the current stream's earlier writes; the tensors
             # they read must outlive them on the side stream.
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             for tensor in (rows, victims, changed, changed_rows):
                 tensor.record_stream(self._side)
-            side = torch.cuda.stream(self._side)
-        with side:
+        # What may fail (the write-back's and the copies' allocations) runs before the slots
+        # change hands: a failure leaves every slot describing its row.
+        with self._on_side():
             self._write_back(changed, changed_rows)
-            _put_rows(self.weights, victims, self._gather_host(
-                self.table, rows, torch.empty_like(self.weights[:bring])))
-            for name, table in self.state_tables.items():
-                _put_rows(self.states[name], victims, self._gather_host(
-                    table, rows, torch.empty_like(self.states[name][:bring])))
+            weights = self._gather_host(self.table, rows, torch.empty_like(self.weights[:bring]))
+            states = {name: self._gather_host(table, rows, torch.empty_like(self.states[name][:bring]))
+                      for name, table in self.state_tables.items()}
+        # Brought from the host, the rows are clean: evicting them again writes nothing.
+        self._take(victims, rows, self.clock + 1, score, False)
+        with self._on_side():
+            _put_rows(self.weights, victims, weights)
+            for name, values in states.items():
+                _put_rows(self.states[name], victims, values)
         moved = bring * (self._row_bytes + self._state_row_bytes * len(self.states))
         self._count(prefetched_rows=bring, rows_h2d=bring, bytes_h2d=moved)
         return bring
