@@ -1047,7 +1047,9 @@ def test_running_out_of_memory_inside_the_cache_loses_no_row(where, rng, monkeyp
         emb = ss.OffloadedEmbedding(200, 4, max_rows=80, storage="pageable", backend="numpy",
                                     cache_rows=cache_rows)
         emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-        opt = (torch.optim.SGD(emb.parameters(), lr=0.1) if where == "store"
+        # A store fails after the optimizer ran: momentum is per-row state, and SGD has no
+        # step count that the skipped batch's step would have advanced.
+        opt = (torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9) if where == "store"
                else torch.optim.Adam(emb.parameters(), lr=0.1, eps=1e-30))
         emb.attach(opt)
         for step, ids in enumerate(batches):
@@ -1105,7 +1107,9 @@ def test_running_out_of_memory_while_slots_change_hands_loses_no_row(call, metho
         emb = ss.OffloadedEmbedding(200, 4, max_rows=60, storage="pageable", backend="numpy",
                                     cache_rows=cache_rows)
         emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-        opt = (torch.optim.SGD(emb.parameters(), lr=0.1) if call == "store"
+        # A store fails after the optimizer ran: momentum is per-row state, and SGD has no
+        # step count that the skipped batch's step would have advanced.
+        opt = (torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9) if call == "store"
                else torch.optim.Adam(emb.parameters(), lr=0.1, eps=1e-30))
         emb.attach(opt)
         for step, ids in enumerate(batches):

@@ -517,6 +517,8 @@ class RowState:
         Raises:
             StateError: the step left state the tables cannot take (see
                 :meth:`check_step`); nothing is written.
+            Whatever ``write`` or a table raises (out of memory): the optimizer
+                holds its full-size scratch again all the same.
         """
         state = self.optimizer.state.get(self.param)
         if not state:
@@ -526,12 +528,16 @@ class RowState:
             return  # the parameter had no gradient: torch skipped it, nothing changed
         k = len(rows)
         self.check_step(k)
-        if write is not None:
-            write({name: state[name][:k] for name in self.tables})
-        for name, table in self.tables.items():
-            if write is None:
-                table.scatter_validated(rows, state[name][:k])
-            # Between steps the optimizer holds full-size scratch, so its
-            # state_dict has the parameter's declared shape.
-            state[name] = self._held[name] = self._buffer(name)
+        try:
+            if write is not None:
+                write({name: state[name][:k] for name in self.tables})
+            else:
+                for name, table in self.tables.items():
+                    table.scatter_validated(rows, state[name][:k])
+        finally:
+            # Between steps the optimizer holds full-size scratch, so its state_dict has the
+            # parameter's declared shape; after a write that raised (out of memory) too, so
+            # that the next step, once this one is discarded, takes the state as its own.
+            for name in self.tables:
+                state[name] = self._held[name] = self._buffer(name)
         self._fresh = self._restored = False
