@@ -12,6 +12,7 @@ import copy
 import gc
 import os
 import tempfile
+import threading
 
 import hypothesis.strategies as st
 import numpy as np
@@ -516,6 +517,47 @@ def test_a_prefetch_refused_for_its_ids_changes_nothing(backend, rng):
             assert torch.equal(getattr(cache, name), values), name
     # The same ids in range: row 31 takes the slot of a cached row not among them.
     assert emb.prefetch(torch.tensor([*cached[:5].tolist(), 31], device=emb.weight.device)) == 1
+
+
+def test_a_prefetch_on_another_thread_is_refused_before_anything_changes(backend, rng):
+    """Nothing locks the bookkeeping: a loader thread's prefetch that landed inside a forward (between
+    its lookup and its fetch) trained wrong rows (Adam, 20 slots: one run in five off by up to 1.4)."""
+    emb, opt = _embedding(backend, cache_rows=10, opt=torch.optim.Adam)
+    for _ in range(3):
+        _step(emb, opt, rng.integers(0, 100, 12))
+    cache = emb._cache
+    before = {name: getattr(cache, name).clone() for name in ("slot_row", "stamp", "dirty", "score")}
+    table = emb._table.to_numpy(copy=True)
+    next_ids = torch.from_numpy(rng.integers(0, 100, 12)).to(emb.weight.device)
+    outcome = []
+    loader = threading.Thread(target=lambda: outcome.append(_raised(emb.prefetch, next_ids)))
+    loader.start()
+    loader.join()
+    assert isinstance(outcome[0], ss.StateError) and "another thread" in str(outcome[0])
+    for name, values in before.items():
+        assert torch.equal(getattr(cache, name), values), name
+    np.testing.assert_array_equal(emb._table.to_numpy(copy=True), table)
+    assert emb.prefetch(next_ids) > 0  # on the training thread it brings rows
+
+    # A thread that takes the training over may prefetch once it has run a training forward.
+    def train_here():
+        emb(next_ids).sum().backward()
+        outcome.append(emb.prefetch(torch.from_numpy(rng.integers(0, 100, 12)).to(emb.weight.device)))
+        opt.step()
+        opt.zero_grad()
+
+    trainer = threading.Thread(target=train_here)
+    trainer.start()
+    trainer.join()
+    assert isinstance(outcome[1], int)
+
+
+def _raised(call, *args):
+    try:
+        call(*args)
+    except Exception as exc:  # noqa: BLE001 -- handed to the test's own thread
+        return exc
+    return None
 
 
 # ------------------------------------------------------- whole-table access

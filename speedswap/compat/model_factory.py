@@ -272,7 +272,8 @@ class ModelFactory(Switcher):
 
         Raises:
             IdError, DTypeError, DeviceError: bad ids (nothing changes).
-            StateError: a closed or replaced switcher.
+            StateError: a closed or replaced switcher, or a call on another
+                thread than the training one (nothing changes).
         """
         self._check_member()
         return self._steps.prefetch(pos, neg)

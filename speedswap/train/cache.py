@@ -83,9 +83,14 @@ Every other size is known on the host and indexes with
 :func:`~speedswap.train.sync_free.positions` (``tests/test_host_syncs.py``
 counts them). On a GPU a prefetch's copies run on a side stream; every other
 call makes the current stream wait for it.
+
+**One thread.** Nothing locks the bookkeeping, so a prefetch must come from
+the thread that trains (the last to fetch a step's rows, or the one that made
+the cache before any did): one from another thread is refused.
 """
 
 import contextlib
+import threading
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -175,6 +180,8 @@ class RowCache:
         self._state_row_bytes = dim * _itemsize(state_dtype)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and n else None
         self.clock = 0  # the current step; stamps below it are evictable
+        # The training thread: the one that made the cache, then the last to fetch a step's rows.
+        self._thread = threading.get_ident()
         self._n_empty = n
         # The sorted index holds rows as int32 where they fit: half the memory a binary
         # search misses the CPU's caches in, and a faster sort.
@@ -398,6 +405,7 @@ class RowCache:
                 None to look the rows up and read the counts here (a host wait).
         """
         self._wait_prefetch()
+        self._thread = threading.get_ident()
         if not again:
             self._count(lookups=lookups, unique_rows=len(rows) - carried)
         if not len(rows):
@@ -575,11 +583,21 @@ class RowCache:
 
         Raises:
             IdError: from ``check_bounds``.
+            StateError: called on another thread than the training one (see below).
         """
         if not self.num_slots or not len(ids):
             if check_bounds is not None and len(ids):
                 check_bounds(*read_bounds(ids))
             return 0
+        # Nothing locks the bookkeeping: a prefetch landing inside a forward (between its lookup
+        # and its fetch) or a step's store evicts rows they hold, and trains wrong values.
+        if threading.get_ident() != self._thread:
+            raise StateError(
+                "prefetch was called on another thread than the one training this table (the last to "
+                "run a training forward, or to attach the optimizer before any): a prefetch landing "
+                "inside a forward or a step would train wrong rows. Call it on the training thread, "
+                "after a training forward there, between the forward and optimizer.step() or between "
+                "steps: on a GPU its copies run on a side stream in the background already")
         self._wait_prefetch()
         # Sorted with each distinct id marked, not torch.unique: no host wait for its count.
         ids_sorted, _, first = sort_marking_firsts(ids)

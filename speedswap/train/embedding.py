@@ -748,7 +748,8 @@ class OffloadedEmbedding(torch.nn.Module):
 
         Raises:
             IdError, DTypeError, DeviceError: bad ids (nothing changes).
-            StateError: called before :meth:`attach`, or on a closed embedding.
+            StateError: called before :meth:`attach`, on a closed embedding, or
+                on another thread than the training one (nothing changes).
         """
         self._check_open()
         if self._cache is None:
