@@ -88,7 +88,7 @@ def sort_with_order(ids: torch.Tensor, *, merging: bool = False):
     stable sort (numpy's timsort) merges in one pass: 49 us for 27,000 ids
     where its sort takes 400.
 
-    On the CPU, numpy sorts a large array 2.3-2.6x faster than torch (8,192 Zipf
+    On the CPU, numpy sorts a large array 2.0-2.5x faster than torch (8,192 Zipf
     ids: 139 us against 278; 28,672: 477 against 1,184), where torch switches
     to a slower algorithm, and torch is faster for a small one (4,096: 50 us
     against 94 with the indexing).
