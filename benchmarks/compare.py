@@ -152,7 +152,9 @@ def compare(baseline: dict, new: dict, tolerance: float) -> list:
         if path not in before:
             continue
         old = before[path][1]
-        change = value / old - 1 if old else math.inf
+        # A ratio of 0 (the no-cache row's hit rate) has no relative change: 0 again is the same,
+        # anything else an unbounded change.
+        change = value / old - 1 if old else (0.0 if value == old else math.inf)
         gain = change if BETTER[name] == "higher" else -change
         verdict = "same" if abs(change) <= tolerance else ("better" if gain > 0 else "worse")
         rows.append((path, old, value, change, verdict))

@@ -66,6 +66,25 @@ def test_the_good_direction_of_each_ratio_decides_better_or_worse():
     assert rows == {"speedup_vs_per_item": "better", "feeder_over_numpy": "worse"}
 
 
+def test_a_ratio_of_zero_in_both_runs_is_the_same():
+    rng = random.Random(3)
+    hit = rng.uniform(0.3, 0.7)
+
+    def cache(hit_rate):
+        # The no-cache row of each distribution has a hit rate of 0 in every run.
+        return {"benchmark": "cache", "rows": [
+            {"distribution": "zipf 1.1", "cache_fraction": 0.0, "hit_rate": 0.0, "bytes_vs_no_cache": 1.0},
+            {"distribution": "zipf 1.1", "cache_fraction": 0.05, "hit_rate": hit_rate, "bytes_vs_no_cache": 1 - hit_rate}]}
+
+    verdicts = [verdict for _, _, _, _, verdict in compare.compare(cache(hit), cache(hit), 0.1)]
+    assert verdicts == ["same"] * 4
+    # From none to some is a change without a finite ratio, in the direction the ratio's name gives.
+    rows = {path: verdict for path, _, _, _, verdict in compare.compare(cache(0.0), cache(hit), 0.1)}
+    assert rows["rows/[distribution=zipf 1.1,cache_fraction=0.05]/hit_rate"] == "better"
+    rows = {path: verdict for path, _, _, _, verdict in compare.compare(cache(hit), cache(0.0), 0.1)}
+    assert rows["rows/[distribution=zipf 1.1,cache_fraction=0.05]/hit_rate"] == "worse"
+
+
 def test_results_of_different_benchmarks_or_without_shared_ratios_are_refused(tmp_path, capsys):
     train = _write(tmp_path / "t.json", _training({1_000_000: 0.5}))
     feeder = _write(tmp_path / "f.json", {"benchmark": "feeder", "fast_loops": {"ratios": {"feeder_over_numpy": 0.8}}})
