@@ -7,7 +7,10 @@ from. This script pairs the ratios of two result files of one benchmark by
 where they sit in the JSON (a row is known by its ``case``, ``method``,
 ``vocab``, ... fields, not by its position), and says for each whether it
 got better, worse or stayed within the tolerance. Only the ratios named in
-:data:`BETTER` are compared: each has a known good direction.
+:data:`BETTER` are compared: each has a known good direction. The results of
+``distributed.py``, ``soak.py``, ``word2vec_quality.py`` and the beyond-GPU
+step hold none (bytes, memory slopes, quality and absolute rates, which no
+run beside a reference makes a ratio of) and are refused.
 
 Usage:
     python benchmarks/compare.py NEW.json [--rev HEAD] [--tolerance 0.1]
@@ -57,6 +60,8 @@ BETTER = {
     "bytes_vs_no_cache": "lower", "step_vs_no_cache": "lower", "hit_rate": "higher",
     # bench word2vec: each GPU contender's words/s over the CPU's and gensim's
     "over_cpu": "higher", "over_gensim": "higher",
+    # allocator.py: a step's time under each allocator over glibc's; working_set.py: now over before
+    "vs_glibc": "lower", "now / before": "lower",
 }
 
 #: Fields that tell the rows of a list apart (the first scalar ones a row has, in this order).
@@ -109,9 +114,10 @@ def load_averages(result: dict) -> list:
                 walk(v, k)
         elif isinstance(node, list):
             if key and "load" in key and node and all(isinstance(x, (int, float)) for x in node):
-                # [1 min, 5 min, 15 min] triples, or a series of one-minute samples
-                found.extend(node[:1] if key in ("load_average", "loadavg_start", "loadavg_end",
-                                                  "load_average_before") else node)
+                # [1 min, 5 min, 15 min] triples (load_average, load_average_before/_after,
+                # loadavg_start/_end), or a series of one-minute samples (loadavg_1min)
+                triple = key.startswith("load_average") or key in ("loadavg_start", "loadavg_end")
+                found.extend(node[:1] if triple else node)
             else:
                 for item in node:
                     walk(item)

@@ -127,6 +127,29 @@ def test_a_run_under_load_is_flagged_as_noise(tmp_path, capsys):
     assert "the new run recorded no load average" in capsys.readouterr().out
 
 
+def test_a_load_average_triple_counts_its_one_minute_value_only():
+    """working_set.py records load_average_before and _after triples: their 15-minute value (1.31, on a
+    run at 0.42) flagged the run as noise."""
+    result = {"benchmark": "working_set", "machine": {"cores": 2},
+              "load_average_before": [0.42, 0.88, 1.31], "load_average_after": [0.47, 0.9, 1.3],
+              "rows": [{"case": "skip-gram 64", "now / before": 0.9}]}
+    assert compare.load_averages(result) == [0.42, 0.47]
+    assert compare._noise(result) is None
+
+
+@pytest.mark.parametrize("benchmark, row, name", [
+    ("allocator", {"setup": "offloaded", "allocator": "tcmalloc"}, "vs_glibc"),
+    ("working_set", {"case": "skip-gram 4096"}, "now / before"),
+])
+def test_the_allocator_and_working_set_ratios_are_compared(benchmark, row, name):
+    rng = random.Random(5)
+    value = rng.uniform(0.5, 0.9)
+    base = {"benchmark": benchmark, "rows": [{**row, name: value}]}
+    new = {"benchmark": benchmark, "rows": [{**row, name: value * 1.3}]}  # took 30% longer
+    [(path, _, _, _, verdict)] = compare.compare(base, new, 0.1)
+    assert name in path and verdict == "worse"
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_one_file_is_compared_with_what_git_holds_of_it(tmp_path, capsys):
     repo = tmp_path / "repo"
