@@ -271,3 +271,24 @@ def test_a_mapped_file_removed_or_replaced_by_rename_still_gives_its_rows(rng, t
         os.replace(tmp_path / "new.npy", path)
     np.testing.assert_array_equal(gadget.get([63, 0]).numpy(), data[[63, 0]])
     gadget.close()
+
+
+@pytest.mark.parametrize("held", ["array", "file"])
+def test_a_load_that_fails_reading_the_rows_keeps_the_old_data(rng, tmp_path, monkeypatch, held):
+    data = random_data(rng, (30, 3))
+    gadget = gadget_of(data.copy(), held, tmp_path, mmap=False, storage="pinned", backend="numpy")
+    gadget.put(np.full((1, 3), 5.0, np.float32), [7])  # rows only this gadget holds
+    data[7] = 5.0
+    np.save(tmp_path / "other.npy", random_data(rng, (11, 4)))
+
+    def no_room(*args, **kwargs):  # as pinning a file too large for the page-locked memory left
+        raise ss.OutOfMemoryError("no page-locked memory left for the rows")
+
+    monkeypatch.setattr(ss.HostTable, "from_numpy", no_room)
+    with pytest.raises(ss.OutOfMemoryError):
+        gadget.load(tmp_path / "other.npy")
+    monkeypatch.undo()
+    assert gadget.shape == (30, 3) and gadget.path == (str(tmp_path / "data.npy") if held == "file" else None)
+    np.testing.assert_array_equal(gadget.to_numpy(), data)
+    np.testing.assert_array_equal(gadget.get([7, 29]).numpy(), data[[7, 29]])
+    assert gadget.load(tmp_path / "other.npy").shape == (11, 4)  # and a load that can succeed does

@@ -311,6 +311,10 @@ class DataGadget:
     def load(self, path):
         """Replace the data with a ``.npy`` file's (any shape), held as this gadget was asked to.
 
+        All or nothing: the new rows are read before the old ones are
+        released (so both are held for a moment), and a load that fails
+        leaves the gadget with its old data.
+
         Args:
             path: the ``*.npy`` file.
 
@@ -319,11 +323,19 @@ class DataGadget:
 
         Raises:
             FileFormatError, FileNotFoundError, OptionError: as the constructor.
+            OutOfMemoryError: no room for the new rows.
         """
+        source = (self._path, self._array, self._header, self._row_shape, self._num_rows, self._mapped)
         self._set_source(path)
+        try:
+            table = self._build_table()
+        except BaseException:
+            (self._path, self._array, self._header, self._row_shape, self._num_rows,
+             self._mapped) = source
+            raise
         self.close()
-        self._table = None
-        return self.read()
+        self._table = table
+        return self
 
     def to_numpy(self, copy=False):
         """The data as a numpy array of :attr:`shape`.
