@@ -742,3 +742,17 @@ def test_a_loop_continued_in_a_forked_process_raises_and_a_new_loop_reads_on(tmp
     assert len(rest) == len(expected) - 1
     for a, b in zip(rest, expected[1:]):
         np.testing.assert_array_equal(a, b)
+
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+@pytest.mark.parametrize("cls, source, options", [
+    (ss.BatchFeeder, np.ones(5), {"batch_size": 2, "device": "cuda"}),
+    (ss.BatchFeeder, np.ones(5), {"batch_size": 2, "backend": "cuda"}),
+    (ss.data.DataGadget, np.ones((5, 2), np.float32), {"backend": "cuda"}),
+])
+def test_asking_for_cuda_without_it_raises_an_error_the_docstring_names(cls, source, options):
+    with pytest.raises(ss.SpeedswapError) as caught:
+        cls(source, **options)
+    raises = cls.__doc__.split("Raises:")[1]
+    assert f"{type(caught.value).__name__}:" in raises, f"{cls.__name__} raised {caught.value!r}"

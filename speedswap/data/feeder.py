@@ -267,7 +267,9 @@ class BatchFeeder:
             ``drop_last`` with fewer rows per rank than ``batch_size`` (every
             epoch would be empty), or a ``drop_last`` or ``lookahead`` that is not a bool.
         ShapeError: sources with different numbers of rows, or none.
-        DeviceError: a source on another device than ``device``, or no CUDA.
+        DeviceError: a source on another device than ``device``.
+        BackendUnavailableError: ``device`` or ``backend`` asks for CUDA where
+            there is none.
         DTypeError: a source of an unsupported type or dtype.
 
     uint16 and uint32 sources (token ids, say) are read and moved at their

@@ -71,6 +71,8 @@ class DataGadget:
             in-memory array or a strided view of a map, or a bad ``storage``.
         ShapeError: an array with no rows, or rows of no elements.
         DTypeError: an unsupported dtype.
+        BackendUnavailableError: ``backend`` or ``device`` asks for CUDA where
+            there is none.
 
     Example:
         >>> gadget = DataGadget("pairs.npy", storage="pinned")           # doctest: +SKIP
