@@ -292,3 +292,21 @@ def test_a_load_that_fails_reading_the_rows_keeps_the_old_data(rng, tmp_path, mo
     np.testing.assert_array_equal(gadget.to_numpy(), data)
     np.testing.assert_array_equal(gadget.get([7, 29]).numpy(), data[[7, 29]])
     assert gadget.load(tmp_path / "other.npy").shape == (11, 4)  # and a load that can succeed does
+
+
+def test_a_load_whose_old_rows_fail_to_flush_holds_the_new_file_consistently(rng, tmp_path, monkeypatch):
+    path = tmp_path / "data.npy"
+    np.save(path, random_data(rng, (30, 3)))
+    gadget = ss.DataGadget(path, mmap=True, backend="numpy")
+    old = gadget.table
+    other = random_data(rng, (11, 4))
+    np.save(tmp_path / "other.npy", other)
+
+    def disk_error():  # as msync failing on the old file's disk
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(old, "flush", disk_error)
+    with pytest.raises(OSError):
+        gadget.load(tmp_path / "other.npy")
+    assert gadget.table is not old and gadget.shape == (11, 4)
+    np.testing.assert_array_equal(gadget.get([10, 0]).numpy(), other[[10, 0]])

@@ -314,8 +314,10 @@ class DataGadget:
         """Replace the data with a ``.npy`` file's (any shape), held as this gadget was asked to.
 
         All or nothing: the new rows are read before the old ones are
-        released (so both are held for a moment), and a load that fails
-        leaves the gadget with its old data.
+        released (so both are held for a moment), and a load that fails to
+        read them leaves the gadget with its old data. Should only closing
+        the old rows fail (a mapped file's flush), the new ones are held and
+        that error is raised.
 
         Args:
             path: the ``*.npy`` file.
@@ -335,8 +337,11 @@ class DataGadget:
             (self._path, self._array, self._header, self._row_shape, self._num_rows,
              self._mapped) = source
             raise
-        self.close()
-        self._table = table
+        # Installed before the old rows are closed: a flush of those that fails leaves the
+        # gadget holding the file it was asked to load, not old rows under the new shape.
+        old, self._table = self._table, table
+        if old is not None:
+            old.close()
         return self
 
     def to_numpy(self, copy=False):
