@@ -150,6 +150,45 @@ def test_resume_matches_the_uninterrupted_stream(order, drop_last, id_source, rn
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_distributed_sampler_loop_resumed_mid_epoch_trains_each_batch_once(rng):
+    """The loop calls set_epoch at the top of every epoch, the resumed one too: starting that epoch
+    over replayed its first batches (a state at batch 3 of 10 trained 3 batches twice)."""
+    def make():
+        return ss.BatchFeeder(np.arange(97), batch_size=10, seed=5, device="cpu")
+
+    def train(feeder, first_epoch, stop_after=None):
+        seen = []
+        for epoch in range(first_epoch, 3):
+            feeder.set_epoch(epoch)
+            for batch in feeder:
+                seen.append(batch[0].numpy().copy())
+                if len(seen) == stop_after:
+                    return seen
+        return seen
+
+    expected = train(make(), 0)
+    cut = int(rng.integers(1, len(expected) - 1))
+    interrupted = make()
+    before = train(interrupted, 0, stop_after=cut)
+    state = interrupted.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    after = train(resumed, state["epoch"])
+    assert len(before) + len(after) == len(expected)
+    for got, want in zip(before + after, expected):
+        np.testing.assert_array_equal(got, want)
+    # Another epoch, or the restored one once a loop has started from it, starts from its first batch.
+    jumped = make()
+    jumped.load_state_dict(state)
+    jumped.set_epoch(state["epoch"] + 1)
+    assert len(ids_of(jumped)) == len(jumped)
+    again = make()
+    again.load_state_dict(state)
+    ids_of(again, batches=1)
+    again.set_epoch(state["epoch"])
+    assert len(ids_of(again)) == len(again)
+
+
 def test_state_at_an_epoch_boundary_points_at_the_next_epoch():
     feeder = ss.BatchFeeder(np.arange(100), batch_size=10, device="cpu")
     list(feeder)

@@ -376,6 +376,8 @@ class BatchFeeder:
         self._epoch = 0
         self._batch = 0
         self._generation = 0  # bumped whenever the position is set from outside an iteration
+        # Whether the position is one load_state_dict() restored and no loop has started from yet.
+        self._restored = False
         self._lock = threading.Lock()  # the position and generation change together
         self._readers = ()  # the running loop's batch reader and file reader
         self._ids = (None, None, None)  # (epoch, CPU ids, device ids) of the epoch being read
@@ -422,6 +424,7 @@ class BatchFeeder:
 
     # -------------------------------------------------------------- position
     def _reposition(self, epoch, batch):
+        self._restored = False
         with self._lock:
             self._generation += 1
             self._epoch, self._batch = epoch, batch
@@ -431,10 +434,19 @@ class BatchFeeder:
     def set_epoch(self, epoch):
         """Start epoch ``epoch`` from its first batch (its order depends on it).
 
+        After :meth:`load_state_dict`, and before a loop has started, the
+        restored epoch keeps its restored position: a ``DistributedSampler``
+        loop calls ``set_epoch`` at the top of every epoch, the resumed one
+        too, and starting it over would train its first batches twice.
+
         Raises:
             OptionError: a negative or non-int epoch.
         """
-        self._reposition(int_option(epoch, "epoch", minimum=0), 0)
+        epoch = int_option(epoch, "epoch", minimum=0)
+        if self._restored and epoch == self._epoch:
+            self._restored = False
+            return
+        self._reposition(epoch, 0)
 
     def state_dict(self):
         """Where the stream stands: the next batch to yield, and what defines the stream.
@@ -456,6 +468,8 @@ class BatchFeeder:
         Every rank of a world reads the same number of batches per epoch, in
         step, so a state saved by one rank resumes every rank of the same
         world (each keeps its own ``rank``): rank 0's checkpoint serves all.
+        A :meth:`set_epoch` of the restored epoch before the next loop keeps
+        the position (see there).
 
         Args:
             state: a dict from :meth:`state_dict` (of this feeder, one built
@@ -489,6 +503,7 @@ class BatchFeeder:
             raise StateError(f"state position epoch={epoch!r}, batch={batch!r} is not one of this "
                              f"feeder's ({len(self)} batches per epoch)")
         self._reposition(epoch, batch)
+        self._restored = True
 
     # ------------------------------------------------------------- iteration
     def _host_ids(self, epoch):
