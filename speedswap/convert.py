@@ -289,8 +289,8 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
         pointer) and the input's original shape.
 
     Raises:
-        DTypeError: ids are not integers (floats and bools are refused), a ragged list,
-            or a masked array.
+        DTypeError: ids are not integers (floats, bools and quantized tensors are
+            refused), a ragged list, or a masked array.
         DeviceError: ids live on a device the backend cannot read.
     """
     device = torch.device(device)
@@ -303,6 +303,10 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise DTypeError(f"{what} must be integers, got a tensor of {ids.dtype}; "
                              f"convert with .long() if they are whole numbers")
+        if ids.is_quantized:  # torch cannot convert one to int64: its integers are a scaled code
+            raise DTypeError(f"{what} must be integers, got a quantized tensor of {ids.dtype}; convert "
+                             f"it with .int_repr().long() for its stored integers, or "
+                             f".dequantize().round().long() for the values it stands for")
         flat = ids.detach().reshape(-1).to(dtype=torch.int64)
         return _moved(flat.contiguous(), target), tuple(ids.shape)
     check_not_masked(ids, what)

@@ -14,6 +14,7 @@ Other engineers add rows for their entry points (the feeder) to ``CASES``.
 import gc
 import hashlib
 import os
+import warnings
 
 import h5py
 import numpy as np
@@ -241,6 +242,13 @@ def t(x):
     return torch.tensor(x)
 
 
+def quantized(x):
+    """Ids as a quantized tensor: integers to look at, but torch cannot convert it to int64."""
+    with warnings.catch_warnings():  # torch 2.13 deprecates making quantized tensors; users still have them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_tensor(torch.tensor(x, dtype=torch.float32), 1.0, 0, torch.quint8)
+
+
 def nparams(emb):
     return emb.parameters()
 
@@ -253,6 +261,7 @@ CASES = [
     ("table", lambda o, d: o.gather([1.5]), ss.DTypeError, "integers"),
     ("table", lambda o, d: o.gather(t([1, 2]).to_sparse()), ss.DTypeError, "dense tensor, got a sparse_coo"),
     ("table", lambda o, d: o.gather([[1, 2], [3]]), ss.DTypeError, "different lengths"),
+    ("table", lambda o, d: o.gather(quantized([1, 2])), ss.DTypeError, "int_repr()"),
     ("table", lambda o, d: o.gather([1], out=torch.zeros(1, DIM, requires_grad=True)),
      ss.DTypeError, "requires grad"),
     ("table", lambda o, d: o.gather([1], out=torch.zeros(2, DIM)), ss.ShapeError, "out has shape"),
@@ -280,6 +289,7 @@ CASES = [
     ("embedding", lambda o, d: o(t([1.0])), ss.DTypeError, "integers"),
     ("embedding", lambda o, d: o(t([[1, 0], [0, 2]]).to_sparse()), ss.DTypeError, "to_dense"),
     ("embedding", lambda o, d: o([[1, 2], [3]]), ss.DTypeError, "different lengths"),
+    ("embedding", lambda o, d: o(quantized([1, 2])), ss.DTypeError, "quantized"),
     ("embedding", lambda o, d: o(t(list(range(CAP + 1)))), ss.CapacityError, "at most"),
     ("embedding", lambda o, d: o.load_state_dict(None), ss.DTypeError, "mapping"),
     ("embedding", lambda o, d: o.save(d / "emb.pt"), ss.OptionError, "no suffix"),
