@@ -527,3 +527,33 @@ def test_an_optimizer_factory_alone_over_the_whole_table_is_refused(backend, tab
     alone = ss.OptimizerFactory(torch.optim.Adam(small.parameters(), lr=0.1), ROWS, DIM, small, "u_embeddings",
                                 storage="pageable", backend=backend)
     assert alone.before_forward(torch.tensor([7, 3, 7], device=device)).tolist() == [1, 0, 1]
+
+
+@pytest.mark.parametrize("fed", ["table ids", "slots past the step's rows"])
+def test_a_forward_fed_other_ids_than_the_local_ones_is_refused_before_training(fed, rng):
+    """Ids that name no slot of the step: the table ids themselves, or past its distinct rows.
+
+    Table ids of the capacity or more raised torch's bare 'index out of range in self'; smaller
+    ones trained slots that hold other rows (or none), and the step wrote them back.
+    """
+    capacity = 16
+    model = torch.nn.Embedding(capacity, DIM)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    u = ss.ModelFactory(model, ROWS, DIM, backend="numpy")
+    u.customInit(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+    before = u.getNumpyVersion()
+    ids = torch.from_numpy(rng.choice(ROWS, size=6, replace=False))
+    ids[0] = capacity + int(rng.integers(ROWS - capacity))  # one id no slot has, as table ids have
+    local = u.beforeForwardPass(ids)
+    wrong = ids if fed == "table ids" else local.clone()
+    if fed != "table ids":
+        wrong[0] = len(ids)  # 6 distinct rows fill slots 0-5: slot 6 holds none of this step's
+    with pytest.raises(ss.StateError, match="before_forward returns"):
+        model(wrong)
+    model(local).sum().backward()  # the step goes on with the right ids
+    opt.step()
+    opt.zero_grad()
+    u.afterOptimizerStep(ids)
+    after = u.getNumpyVersion()
+    changed = np.flatnonzero((after != before).any(axis=1))
+    np.testing.assert_array_equal(np.sort(changed), np.sort(ids.numpy()))

@@ -38,14 +38,14 @@ from .switcher import Switcher, device_of, storage_of, weight_of
 __all__ = ["ModelFactory"]
 
 
-#: How many forwards of a switcher's embedding are checked for stale placeholder copies.
+#: How many forwards of a switcher's embedding are checked for ids other than the step's local ones.
 _STALE_CHECKS = 20
 
 
 def _check_stale(owner, args):
     switcher = owner()
     if switcher is not None and args:
-        switcher._refuse_stale(args[0])
+        switcher._refuse_wrong_ids(args[0])
 
 
 def _is_torch_file(path):
@@ -160,20 +160,32 @@ class ModelFactory(Switcher):
         self._stale = list(self._initial)
         return self._placeholders[0] if negPerBatch is None else self._placeholders
 
-    def _refuse_stale(self, ids):
-        """Refuse a forward fed an old copy of the placeholders instead of their ids now.
+    def _refuse_wrong_ids(self, ids):
+        """Refuse a forward fed other ids than the step's local ones: table ids, or an old placeholder copy.
 
         Raises:
-            StateError: the ids equal an earlier content of the placeholders
-                and not their content now (it would train the wrong rows).
+            StateError: an id names a slot past the step's distinct rows (the
+                table ids given to before_forward, fed as they are), or the ids
+                equal an earlier content of the placeholders and not their
+                content now (either would train the wrong rows).
         """
         self._stale_checks -= 1
         if self._stale_checks <= 0 and self._stale_hook is not None:
             self._stale_hook.remove()
             self._stale_hook = None
-        if self._placeholders is None or self._gathered is None or not isinstance(ids, torch.Tensor):
+        step = self._gathered
+        if step is None or not isinstance(ids, torch.Tensor) or not ids.numel():
             return
         fed = ids.detach().cpu().numpy()
+        if fed.max() >= len(step.rows):
+            # Slots past the step's rows hold none of them (or are past the capacity: torch's
+            # bare IndexError): the model was fed the table ids instead of the local ones.
+            raise StateError(f"the model's embedding was fed id {fed.max()}, but this step's "
+                             f"{len(step.rows)} distinct rows sit in slots 0 to {len(step.rows) - 1}: "
+                             f"feed the model the local ids before_forward returns (or the "
+                             f"variableTransformer placeholders it fills), not the table ids")
+        if self._placeholders is None:
+            return
         for old in self._stale:
             current = [p for p in self._placeholders if p.shape == old.shape]
             if fed.shape == old.shape and np.array_equal(fed, old) and not any(
