@@ -305,6 +305,10 @@ CASES = [
      "not a speedswap"),
     ("embedding", lambda o, d: o.attach(torch.optim.LBFGS(o.parameters())), ss.OptionError,
      "LBFGS"),
+    ("embedding", lambda o, d: o.attach(torch.optim.Adam), ss.DTypeError, "Adam(model.parameters()"),
+    ("embedding", lambda o, d: o.attach(o.parameters()), ss.DTypeError, "got a generator"),
+    ("nothing", lambda o, d: ss.OptimizerFactory(torch.optim.SGD, ROWS, DIM, torch.nn.ModuleDict(
+        {"u": torch.nn.Embedding(CAP, DIM)}), "u", backend="numpy"), ss.DTypeError, "the class SGD"),
     # OffloadedEmbedding after a forward, before the step
     ("mid_step", lambda o, d: o(t([ROWS + 3])), ss.IdError, "out of range"),
     ("mid_step", lambda o, d: o(t(list(range(CAP + 1)))), ss.CapacityError, "at most"),

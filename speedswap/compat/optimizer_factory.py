@@ -55,6 +55,7 @@ class OptimizerFactory(Switcher):
             the same ``cache_rows``. Without a ModelFactory there is no cache.
 
     Raises:
+        DTypeError: ``given_optimizer`` is not an optimizer (its class, or the parameters).
         OptionError: no such parameter, an optimizer not holding it, one
             whose state is not element-wise (LBFGS), or a bad ``cache_rows``
             (another than the embedding's ModelFactory's).

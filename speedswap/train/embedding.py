@@ -301,6 +301,7 @@ class OffloadedEmbedding(torch.nn.Module):
             optimizer: a ``torch.optim`` optimizer whose params include :attr:`weight`.
 
         Raises:
+            DTypeError: ``optimizer`` is not an optimizer (its class, or the parameters).
             OptionError: the optimizer does not hold :attr:`weight`, or its
                 state is not element-wise (LBFGS). Nothing changes.
             StateError: a closed embedding, or between a training forward and the step.

@@ -16,7 +16,7 @@ import weakref
 import numpy as np
 import torch
 
-from ..errors import OptionError, StateError
+from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 
@@ -116,9 +116,17 @@ def row_state_spec(optimizer, param, group=None):
         for Adam, ``{"prev": 0.0, "step_size": lr}`` for Rprop.
 
     Raises:
+        DTypeError: ``optimizer`` is not an optimizer (its class, or the parameters).
         OptionError: the optimizer does not hold ``param``, or its state is not
             element-wise (LBFGS keeps whole-parameter history) or unknown.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        # Checked first: the lookup below would call it "cannot be offloaded", even torch.optim.Adam.
+        got = (f"the class {optimizer.__name__}" if isinstance(optimizer, type)
+               else f"a {type(optimizer).__name__}")
+        name = optimizer.__name__ if isinstance(optimizer, type) else "torch.optim.Adam"
+        raise DTypeError(f"expected an optimizer, got {got}; build one over the model's parameters "
+                         f"and pass that: opt = {name}(model.parameters(), lr=...)")
     for cls in type(optimizer).__mro__:
         if cls in _ROW_STATE:
             return _ROW_STATE[cls](_group_of(optimizer, param) if group is None else group, optimizer.defaults)

@@ -365,6 +365,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         gradient each one has.
 
         Raises:
+            DTypeError: ``optimizer`` is not an optimizer (its class, or the parameters).
             OptionError: the optimizer does not hold :attr:`weight`, or its
                 state is not element-wise. Nothing changes.
             StateError: between a training forward and the step.
