@@ -290,7 +290,7 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
 
     Raises:
         DTypeError: ids are not integers (floats, bools and quantized tensors are
-            refused), a ragged list, or a masked array.
+            refused), a ragged list, a list or tuple of tensors, or a masked array.
         DeviceError: ids live on a device the backend cannot read.
     """
     device = torch.device(device)
@@ -309,6 +309,13 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
                              f".dequantize().round().long() for the values it stands for")
         flat = ids.detach().reshape(-1).to(dtype=torch.int64)
         return _moved(flat.contiguous(), target), tuple(ids.shape)
+    if isinstance(ids, (list, tuple)) and any(isinstance(i, torch.Tensor) and i.dim() for i in ids):
+        # numpy would stack them under a new leading axis: `for batch in feeder` would look up ids
+        # of shape (1, *batch), and emb(batch).mean(1) would average over examples, silently.
+        raise DTypeError(f"{what} must be one tensor, array or list of ints, got a {type(ids).__name__} "
+                         f"of {len(ids)} tensors (a BatchFeeder yields a tuple of batches, one per "
+                         f"source: unpack it, for (batch,) in feeder); join several with torch.cat "
+                         f"or torch.stack first")
     check_not_masked(ids, what)
     try:
         arr = np.asarray(ids)

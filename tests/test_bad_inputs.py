@@ -262,6 +262,7 @@ CASES = [
     ("table", lambda o, d: o.gather(t([1, 2]).to_sparse()), ss.DTypeError, "dense tensor, got a sparse_coo"),
     ("table", lambda o, d: o.gather([[1, 2], [3]]), ss.DTypeError, "different lengths"),
     ("table", lambda o, d: o.gather(quantized([1, 2])), ss.DTypeError, "int_repr()"),
+    ("table", lambda o, d: o.scatter([t([1, 2])], torch.ones(1, 2, DIM)), ss.DTypeError, "torch.cat"),
     ("table", lambda o, d: o.gather([1], out=torch.zeros(1, DIM, requires_grad=True)),
      ss.DTypeError, "requires grad"),
     ("table", lambda o, d: o.gather([1], out=torch.zeros(2, DIM)), ss.ShapeError, "out has shape"),
@@ -290,6 +291,12 @@ CASES = [
     ("embedding", lambda o, d: o(t([[1, 0], [0, 2]]).to_sparse()), ss.DTypeError, "to_dense"),
     ("embedding", lambda o, d: o([[1, 2], [3]]), ss.DTypeError, "different lengths"),
     ("embedding", lambda o, d: o(quantized([1, 2])), ss.DTypeError, "quantized"),
+    # What `for batch in feeder` hands over: a tuple of one batch per source. Read as one array
+    # it gained a leading axis of 1, so emb(batch).mean(1) averaged over the batch, silently.
+    ("embedding", lambda o, d: o(next(iter(ss.BatchFeeder(np.arange(8).reshape(4, 2), batch_size=2,
+                                                          device="cpu")))),
+     ss.DTypeError, "for (batch,) in feeder"),
+    ("mid_step", lambda o, d: o((t([1, 2]), t([3, 4]))), ss.DTypeError, "a tuple of 2 tensors"),
     ("embedding", lambda o, d: o(t(list(range(CAP + 1)))), ss.CapacityError, "at most"),
     ("embedding", lambda o, d: o.load_state_dict(None), ss.DTypeError, "mapping"),
     ("embedding", lambda o, d: o.save(d / "emb.pt"), ss.OptionError, "no suffix"),
