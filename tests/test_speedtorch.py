@@ -557,3 +557,30 @@ def test_a_forward_fed_other_ids_than_the_local_ones_is_refused_before_training(
     after = u.getNumpyVersion()
     changed = np.flatnonzero((after != before).any(axis=1))
     np.testing.assert_array_equal(np.sort(changed), np.sort(ids.numpy()))
+
+
+def test_a_training_forward_outside_a_step_is_refused(rng):
+    """A step that forgot beforeForwardPass trained the slots of the last step, and nothing wrote them back.
+
+    The next beforeForwardPass overwrote the slots: the step was lost without an error (with
+    an OptimizerFactory and Adam too).
+    """
+    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(16, DIM)})
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    u = ss.ModelFactory(model["u"], ROWS, DIM, backend="numpy")
+    u.customInit(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", backend="numpy")
+    ids = torch.from_numpy(rng.choice(ROWS, size=6))
+    local = u.beforeForwardPass(ids)
+    o.beforeForwardPass(ids)
+    model["u"](local).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    u.afterOptimizerStep(ids)
+    o.afterOptimizerStep(ids)
+    table = u.getNumpyVersion()
+    with pytest.raises(ss.StateError, match="beforeForwardPass"):
+        model["u"](local)  # the next step, its beforeForwardPass forgotten
+    with torch.no_grad():
+        model["u"](local)  # no gradient, nothing to lose: not refused
+    np.testing.assert_array_equal(u.getNumpyVersion(), table)

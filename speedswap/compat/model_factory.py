@@ -164,16 +164,27 @@ class ModelFactory(Switcher):
         """Refuse a forward fed other ids than the step's local ones: table ids, or an old placeholder copy.
 
         Raises:
-            StateError: an id names a slot past the step's distinct rows (the
-                table ids given to before_forward, fed as they are), or the ids
-                equal an earlier content of the placeholders and not their
-                content now (either would train the wrong rows).
+            StateError: a training forward after a step, without this step's
+                before_forward (it would train the last step's slots, and the
+                next before_forward would drop the update); an id names a slot
+                past the step's distinct rows (the table ids given to
+                before_forward, fed as they are); or the ids equal an earlier
+                content of the placeholders and not their content now (either
+                would train the wrong rows).
         """
         self._stale_checks -= 1
         if self._stale_checks <= 0 and self._stale_hook is not None:
             self._stale_hook.remove()
             self._stale_hook = None
         step = self._gathered
+        # Before the first step a forward is allowed: SpeedTorch's Rprop recipe ran a forward
+        # and backward before building the OptimizerFactory.
+        if (step is None and self._is_member() and self._steps.current is not None
+                and torch.is_grad_enabled() and self._param.requires_grad):
+            raise StateError("a training forward of the model's embedding outside a step: its "
+                             "slots hold the last step's rows, and the next beforeForwardPass "
+                             "would drop this update. Begin each step with beforeForwardPass(ids) "
+                             "(on every switcher) and feed the local ids it returns")
         if step is None or not isinstance(ids, torch.Tensor) or not ids.numel():
             return
         fed = ids.detach().cpu().numpy()
