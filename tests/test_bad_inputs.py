@@ -346,6 +346,8 @@ CASES = [
      ss.DTypeError, "floating-point"),
     ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, padding_idx=1.5),
      ss.OptionError, "padding_idx"),
+    ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, padding_idx=-1),
+     ss.OptionError, f"pass padding_idx={ROWS - 1}"),
     ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=0), ss.OptionError,
      "max_rows"),
     ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="mmap",

@@ -83,7 +83,8 @@ class OffloadedEmbedding(torch.nn.Module):
             the step's math is float32 and each touched row is rounded back to
             bfloat16 once per step.
         padding_idx: as in ``nn.Embedding``: this row starts at zero and gets
-            no gradient.
+            no gradient. A row id in ``[0, num_embeddings)``: negative ones,
+            which ``nn.Embedding`` counts from the end, are refused.
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``.
         path: for ``storage="mmap"``, the directory for ``table.npy`` and the
             optimizer state files.

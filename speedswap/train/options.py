@@ -2,6 +2,8 @@
 
 from typing import Optional
 
+import numpy as np
+
 from ..convert import int_option
 from ..errors import OptionError
 
@@ -17,6 +19,11 @@ def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:
     """
     if padding_idx is None:
         return None
+    if isinstance(padding_idx, (int, np.integer)) and not isinstance(padding_idx, bool) and padding_idx < 0:
+        hint = (f"pass padding_idx={num_embeddings + padding_idx} for the row nn.Embedding means"
+                if padding_idx >= -num_embeddings else "it is out of range even counted from the end")
+        raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx}: nn.Embedding's "
+                          f"negative ones, counted from the end, are not taken; {hint}")
     padding_idx = int_option(padding_idx, "padding_idx", minimum=0)
     if padding_idx >= num_embeddings:
         raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx!r}")
