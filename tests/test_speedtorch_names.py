@@ -115,3 +115,38 @@ def test_cpu_pytorch_factories_keep_pinned_tables():
                                       torch.nn.ModuleDict({"e": model}), "e", backend="numpy")
     assert u.table.storage == "pinned"
     assert all(t.storage == "pinned" for t in o.state.tables.values())
+
+
+def test_speedtorch_argument_names_work_as_keywords(rng, tmp_path):
+    """SpeedTorch's documented argument names, passed by keyword as old code may (they raised TypeError)."""
+    model, opt, u, o = switchers()
+    u.uniformDistributionInit(low=-1.0, high=1.0)
+    pos = torch.from_numpy(rng.integers(0, ROWS, 3))
+    neg = torch.from_numpy(rng.integers(0, ROWS, (3, 2)))
+    local_pos, local_neg = u.beforeForwardPass(retrievedPosIndexes=pos, retrievedNegIndexes=neg)
+    o.beforeForwardPass(retrievedPosIndexes=pos, retrievedNegIndexes=neg)
+    (model(local_pos).sum() + model(local_neg).square().sum()).backward()
+    opt.step()
+    opt.zero_grad()
+    u.afterOptimizerStep(retrievedPosIndexes=pos, retrievedNegIndexes=neg)
+    o.afterOptimizerStep(retrievedPosIndexes=pos, retrievedNegIndexes=neg)
+    table, state = u.getNumpyVersion(), o.state.tables["sum"].to_numpy(copy=True)
+    u.saveCupy(saveFileName=tmp_path / "u.npy")
+    u.saveTorch(saveFileName=tmp_path / "u.pt")
+    o.saveCupy(saveFileName=tmp_path / "opt")
+    u.zerosInit()
+    o.optInit()
+    u.loadCupy(loadFileName=tmp_path / "u.npy")
+    o.loadCupy(loadFileName=tmp_path / "opt")
+    np.testing.assert_array_equal(u.getNumpyVersion(), table)
+    np.testing.assert_array_equal(o.state.tables["sum"].to_numpy(), state)
+    u.zerosInit()
+    u.loadTorch(loadFileName=tmp_path / "u.pt")
+    np.testing.assert_array_equal(u.getNumpyVersion(), table)
+
+    data = rng.standard_normal((10, 3)).astype(np.float32)
+    gadget = ss.DataGadget(data, backend="numpy")
+    gadget.saveCupy(saveFileName=tmp_path / "data.npy")
+    gadget.insertData(dataObject=torch.zeros(2, 3), indexes=[1, 4])
+    gadget.loadCupy(loadFileName=tmp_path / "data.npy")
+    np.testing.assert_array_equal(gadget.getData(indexes=[1, 4]).numpy(), data[[1, 4]])

@@ -392,21 +392,21 @@ class ModelFactory(Switcher):
         """A copy of the table as a numpy array, as SpeedTorch returned (``to_numpy()`` shares memory)."""
         return self.to_numpy(copy=True)
 
-    def saveTorch(self, path) -> None:
+    def saveTorch(self, saveFileName) -> None:
         """SpeedTorch's ``saveTorch``: ``*.pt``/``*.pth`` through ``torch.save`` (the table as one
         CPU tensor, as SpeedTorch wrote it); other suffixes as :meth:`save`.
 
-        Atomic like every save: a failure leaves any previous file at ``path`` whole.
+        Atomic like every save: a failure leaves any previous file at ``saveFileName`` whole.
 
         Raises:
             PathError: the directory is missing or the write failed (full disk, read-only).
         """
-        if _is_torch_file(path):
+        if _is_torch_file(saveFileName):
             self.flush()
             tensor = self._table.as_tensor().cpu().clone()
             # Written beside the target and renamed over it, as every save is: a failed write
             # (a full disk) leaves the previous file whole.
-            with atomic_output(path) as temporary, open(temporary, "wb") as file:
+            with atomic_output(saveFileName) as temporary, open(temporary, "wb") as file:
                 try:
                     torch.save(tensor, file)
                 except RuntimeError as exc:
@@ -416,22 +416,22 @@ class ModelFactory(Switcher):
                         raise exc.__context__ from exc
                     raise
         else:
-            self.save(path)
+            self.save(saveFileName)
 
-    def loadTorch(self, path) -> None:
+    def loadTorch(self, loadFileName) -> None:
         """SpeedTorch's ``loadTorch``: reads ``*.pt``/``*.pth`` with ``torch.load(weights_only=True)``.
 
         Raises:
             FileFormatError: the file holds no dense tensor of the table's shape and dtype (nothing changes).
         """
-        if not _is_torch_file(path):
-            self.load(path)
+        if not _is_torch_file(loadFileName):
+            self.load(loadFileName)
             return
         self._check_idle("loadTorch")
         try:
-            tensor = torch.load(path, map_location="cpu", weights_only=True)
+            tensor = torch.load(loadFileName, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
-            raise FileFormatError(f"{os.fspath(path)!r} is not a readable torch file ({exc})") from exc
+            raise FileFormatError(f"{os.fspath(loadFileName)!r} is not a readable torch file ({exc})") from exc
         # A sparse tensor of the table's shape and dtype would pass, and copy_ refuse it raw.
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != self._table.shape \
                 or tensor.dtype != self._table.dtype or tensor.layout != torch.strided:
@@ -439,7 +439,7 @@ class ModelFactory(Switcher):
                     else type(tensor).__name__)
             if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
                 what += f" as a {tensor.layout} tensor (save its tensor.to_dense())"
-            raise FileFormatError(f"{os.fspath(path)!r} holds {what}, but this table is "
+            raise FileFormatError(f"{os.fspath(loadFileName)!r} holds {what}, but this table is "
                                   f"{self._table.shape} {self._table.dtype}")
         with self._rewriting("loadTorch"):
             self._table.as_tensor().copy_(tensor)
@@ -467,8 +467,4 @@ class ModelFactory(Switcher):
                           "of the table, to_numpy() for a numpy view (cupy.asarray(...) of the "
                           "torch view if you need CuPy)")
 
-    beforeForwardPass = before_forward
-    afterOptimizerStep = after_step
     prefetchNextBatch = prefetch
-    saveCupy = save
-    loadCupy = load

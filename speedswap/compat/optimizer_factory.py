@@ -243,7 +243,3 @@ class OptimizerFactory(Switcher):
             self._state.mark_loaded()
 
     optInit = init_state
-    beforeForwardPass = before_forward
-    afterOptimizerStep = after_step
-    saveCupy = save
-    loadCupy = load

@@ -14,7 +14,7 @@ from ..data.gadget import DataGadget as CoreDataGadget
 from ..errors import OptionError
 from .model_factory import ModelFactory
 from .optimizer_factory import OptimizerFactory
-from .switcher import storage_of
+from .switcher import SpeedTorchFiles, storage_of
 
 __all__ = ["GPUPytorchModelFactory", "GPUPytorchOptimizerFactory", "CPUPytorchModelFactory",
            "CPUPytorchOptimizerFactory", "DataGadget"]
@@ -43,7 +43,7 @@ GPUPytorchOptimizerFactory = _with_storage(OptimizerFactory, "device", "GPUPytor
                                            "state tables")
 
 
-class DataGadget(CoreDataGadget):
+class DataGadget(SpeedTorchFiles, CoreDataGadget):
     """SpeedTorch's ``DataGadget(fileName, CPUPinn=False)``: a dataset whose rows become device tensors.
 
     A thin layer over :class:`speedswap.data.gadget.DataGadget` with SpeedTorch's
@@ -117,5 +117,3 @@ class DataGadget(CoreDataGadget):
                           "tensor if you need CuPy)")
 
     gadgetInit = CoreDataGadget.read
-    saveCupy = CoreDataGadget.save
-    loadCupy = CoreDataGadget.load

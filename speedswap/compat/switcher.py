@@ -13,7 +13,7 @@ from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateErro
 from ..train.caching import idle_stats
 from .steps import steps_for
 
-__all__ = ["Switcher", "storage_of", "device_of", "weight_of"]
+__all__ = ["Switcher", "SpeedTorchFiles", "storage_of", "device_of", "weight_of"]
 
 
 def storage_of(CPUPinn) -> str:
@@ -63,7 +63,20 @@ def _refuse_process_group(name):
             f"over the ranks and trains like one process (README: 'Several processes and machines')")
 
 
-class Switcher:
+class SpeedTorchFiles:
+    """SpeedTorch's ``saveCupy(saveFileName)`` / ``loadCupy(loadFileName)``: ``save`` / ``load``
+    under its names, argument names included (old code may pass them by keyword)."""
+
+    def saveCupy(self, saveFileName):
+        """SpeedTorch's name for :meth:`save`."""
+        return self.save(saveFileName)
+
+    def loadCupy(self, loadFileName):
+        """SpeedTorch's name for :meth:`load` (what it returns: a DataGadget returns itself)."""
+        return self.load(loadFileName)
+
+
+class Switcher(SpeedTorchFiles):
     """What both switchers share: the parameter, the shared step and cache, the step protocol."""
 
     _kind = None  # MODEL or OPTIMIZER: the switcher's part in the shared step
@@ -187,3 +200,12 @@ class Switcher:
     @staticmethod
     def _result(step):
         return step.locals[0] if len(step.locals) == 1 else step.locals
+
+    # SpeedTorch's names, with its argument names: old code may pass them by keyword.
+    def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None):
+        """SpeedTorch's name for ``before_forward(pos, neg)``."""
+        return self.before_forward(retrievedPosIndexes, retrievedNegIndexes)
+
+    def afterOptimizerStep(self, retrievedPosIndexes, retrievedNegIndexes=None):
+        """SpeedTorch's name for ``after_step(pos, neg)``."""
+        return self.after_step(retrievedPosIndexes, retrievedNegIndexes)
