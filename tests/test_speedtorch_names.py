@@ -122,7 +122,7 @@ def test_speedtorch_argument_names_work_as_keywords(rng, tmp_path):
     model, opt, u, o = switchers()
     u.uniformDistributionInit(low=-1.0, high=1.0)
     pos = torch.from_numpy(rng.integers(0, ROWS, 3))
-    neg = torch.from_numpy(rng.integers(0, ROWS, (3, 2)))
+    neg = torch.from_numpy(rng.integers(0, ROWS, (3, 1)))  # at most 6 distinct rows: the working set holds 8
     local_pos, local_neg = u.beforeForwardPass(retrievedPosIndexes=pos, retrievedNegIndexes=neg)
     o.beforeForwardPass(retrievedPosIndexes=pos, retrievedNegIndexes=neg)
     (model(local_pos).sum() + model(local_neg).square().sum()).backward()
