@@ -154,6 +154,49 @@ def test_a_compiled_model_trains_as_the_in_memory_one(rng):
     torch.testing.assert_close(compiled(ids), reference(ids), rtol=1e-6, atol=1e-6)
 
 
+def test_a_step_after_eval_mode_forwards_only_is_refused_and_nothing_changes(rng):
+    """nn.Embedding trains in eval mode; an offloaded eval forward reads rows without a gradient, so
+    fine-tuning in eval() (to keep BatchNorm's statistics) silently left the table as it was."""
+    offloaded, reference = pair(rng)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    batches = zipf_ids(rng, STEPS)
+    for ids, target in batches[:3]:
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            train_step(model, optimizer, ids, target)
+    table, linear = offloaded.emb.table.to_numpy(copy=True), offloaded.lin.weight.detach().clone()
+    offloaded.eval()
+    ids, target = batches[3]
+    F.mse_loss(offloaded(ids), target).backward()
+    with pytest.raises(ss.StateError, match="eval mode and none in training mode"):
+        opt.step()
+    np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table)
+    assert torch.equal(offloaded.lin.weight, linear)  # the whole step was refused, not just the table
+    # As the error says: training mode, the step's forwards again (this model has no dropout or
+    # BatchNorm: in memory, eval mode would train it the same).
+    opt.zero_grad()
+    offloaded.train()
+    for ids, target in batches[3:]:
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+def test_an_eval_forward_between_training_forwards_of_a_step_trains_as_before(rng):
+    """Evaluating without torch.no_grad() beside a step's training forwards is let through."""
+    offloaded, reference = pair(rng)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    for ids, target in zipf_ids(rng, STEPS):
+        offloaded.eval()
+        torch.testing.assert_close(offloaded(ids), reference(ids), rtol=1e-6, atol=1e-6)
+        offloaded.train()
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
 def test_a_pretrained_padding_row_stays_when_only_an_unreached_forward_looked_it_up(rng):
     offloaded, reference = pair(rng, padding_idx=PAD, pad_row=0.5)
     make = lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)  # noqa: E731

@@ -38,7 +38,8 @@ __all__ = ["OffloadedEmbedding"]
 #: __setattr__ checks each name against the parameters, buffers and submodules (4 us a call;
 #: NOTES 47): these are never any of those, so they are set as on any object.
 _STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran", "_version_between_steps",
-                              "_version_at_backward", "_leftover", "_stale", "_empty_step"})
+                              "_version_at_backward", "_leftover", "_stale", "_empty_step",
+                              "_eval_with_grad"})
 
 
 class OffloadedEmbedding(torch.nn.Module):
@@ -192,6 +193,9 @@ class OffloadedEmbedding(torch.nn.Module):
         # Whether the step in progress holds no rows and began with no refused write pending:
         # the optimizer's write into the scratch then is its own, not one to refuse (see _end_step).
         self._empty_step = False
+        # Whether an eval-mode forward with gradients enabled ran since the last step: its rows
+        # carry no gradient, where nn.Embedding's would train (see _refuse_eval_only_step).
+        self._eval_with_grad = False
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze: bool = True, *, max_rows: int,
@@ -380,6 +384,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._check_open()
         self._abort_step()
         if not (self.training and torch.is_grad_enabled() and self.weight.requires_grad):
+            self._eval_with_grad |= torch.is_grad_enabled() and self.weight.requires_grad
             if self._cache is None:
                 return self._table.gather(ids).to(self.weight.dtype)
             flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
@@ -466,6 +471,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self.weight.grad = None  # its slots will hold other rows
         self._backward_ran = False
         self._stale = None
+        self._eval_with_grad = False
         self._version_between_steps = self.weight._version  # SAM may have perturbed the dropped step's
         self._reached.clear()
 
@@ -632,6 +638,7 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._narrowed is not None:
             return
         if not len(rows):
+            self._refuse_eval_only_step()
             self._refuse_gradient_without_rows()
             self._empty_step = self.weight._version == self._version_between_steps
             return
@@ -658,6 +665,28 @@ class OffloadedEmbedding(torch.nn.Module):
             device = self.weight.device
             self._kept.append(KeptRows(torch.zeros(1, dtype=torch.int64, device=device), self._full,
                                        state, spec, unless=self._reached.looked_up(0, device)))
+
+    def _refuse_eval_only_step(self):
+        """Refuse a step whose only forwards since the last one ran in eval mode with gradients on.
+
+        ``nn.Embedding`` trains in eval mode (a model fine-tuned in ``eval()``
+        to keep its BatchNorm statistics); an offloaded eval forward reads the
+        table without a gradient, so such a step would silently leave every
+        row as it was. An eval forward beside training ones (evaluating
+        between steps without ``torch.no_grad()``) is let through.
+
+        Raises:
+            StateError: nothing changes (no parameter of the optimizer is stepped).
+        """
+        if self._eval_with_grad:
+            self._eval_with_grad = False
+            raise StateError(
+                "optimizer.step() after forwards of an OffloadedEmbedding in eval mode and none in "
+                "training mode: in eval mode it reads rows without a gradient (nn.Embedding would "
+                "train them), so the step would leave the table as it was. Nothing was changed: "
+                "call emb.train() (model.train(); to keep BatchNorm's statistics, put those modules "
+                "alone in eval()) and run the step's forwards again, or freeze the table with "
+                "emb.requires_grad_(False)")
 
     def _refuse_gradient_without_rows(self):
         """Refuse a step that holds no rows of this embedding while :attr:`weight` has a non-zero gradient.
@@ -687,6 +716,7 @@ class OffloadedEmbedding(torch.nn.Module):
                 "its optimizer.step()")
 
     def _end_step(self):
+        self._eval_with_grad = False
         if self._narrowed is None:
             if self._empty_step:
                 # A step without rows whose zero gradient the optimizer applied to the scratch
