@@ -42,6 +42,25 @@ def int_option(value, name, *, minimum=1, hint=""):
     return int(value)
 
 
+def bool_option(value, name, *, hint=""):
+    """``value`` as a bool, if it is one (Python's, or numpy's ``np.True_``), not merely truthy.
+
+    Args:
+        value: the option's value.
+        name: the option's name, for the message.
+        hint: inserted after "True" in the message (what True means).
+
+    Returns:
+        bool
+
+    Raises:
+        OptionError: anything else: ``bool("no")`` is True, and 1 may mean a count.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise OptionError(f"{name} must be True{hint} or False, got {value!r}")
+    return bool(value)
+
+
 def float_option(value, name) -> float:
     """``value`` as a float, if it is a finite real number (Python, numpy, or a 0-d tensor; not bool).
 

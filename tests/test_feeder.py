@@ -429,6 +429,25 @@ def test_bad_arguments_fail_at_construction(make, error, match):
         make()
 
 
+def test_numpy_bools_and_ints_pass_where_python_ones_do(rng):
+    """np.True_ was refused as "must be True ... or False, got np.True_", and a state holding
+    np.int64 positions (kept in a numpy or Arrow log) as "not one of this feeder's"."""
+    x = np.arange(50)
+    made = ss.BatchFeeder(x, batch_size=7, seed=2, drop_last=np.True_, lookahead=np.False_,
+                          drop_behind=np.False_, device="cpu")
+    reference = ss.BatchFeeder(x, batch_size=7, seed=2, drop_last=True, device="cpu")
+    assert len(made) == len(reference) == 7
+    first = ids_of(reference, batches=int(rng.integers(1, 6)))
+    state = {key: np.int64(value) if key in ("epoch", "batch") else value
+             for key, value in reference.state_dict().items()}
+    made.load_state_dict(state)
+    assert made.state_dict()["batch"] == len(first) and type(made.state_dict()["batch"]) is int
+    for got, want in zip(ids_of(made), ids_of(reference)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ss.StateError, match="not one of this feeder's"):
+        made.load_state_dict({**state, "batch": np.bool_(True)})
+
+
 def test_backend_numpy_delivers_on_the_cpu(rng):
     x = rng.standard_normal((10, 3)).astype(np.float32)
     feeder = ss.BatchFeeder(x, batch_size=4, order="sequential", backend="numpy")

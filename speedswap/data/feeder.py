@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..backends import available_ram, get_backend, resolve_device
-from ..convert import as_host_array, check_rows, int_option
+from ..convert import as_host_array, bool_option, check_rows, int_option
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError, warn
 from ..table import HostTable
 from .filesource import FileRows, RowReader, WindowReader
@@ -311,14 +311,11 @@ class BatchFeeder:
         seed = int_option(seed, "seed", minimum=0)
         if transform is not None and not callable(transform):
             raise OptionError(f"transform must be callable, got {type(transform).__name__}")
-        if drop_behind is not None and not isinstance(drop_behind, bool):  # 1 == True, but no bool
+        if drop_behind is not None and not isinstance(drop_behind, (bool, np.bool_)):  # 1 == True, but no bool
             raise OptionError(f"drop_behind must be True, False or None (decide by size), got {drop_behind!r}")
-        if not isinstance(drop_last, bool):  # bool("no") is True: a string must not pass for one
-            raise OptionError(f"drop_last must be True (drop the last, incomplete batch) or False, "
-                              f"got {drop_last!r}")
-        if not isinstance(lookahead, bool):
-            raise OptionError(f"lookahead must be True (yield (batch, next_batch) pairs) or False, "
-                              f"got {lookahead!r}")
+        drop_behind = None if drop_behind is None else bool(drop_behind)
+        drop_last = bool_option(drop_last, "drop_last", hint=" (drop the last, incomplete batch)")
+        lookahead = bool_option(lookahead, "lookahead", hint=" (yield (batch, next_batch) pairs)")
         self._names = tuple(named_sources) if named_sources else None
         items = named_sources.items() if named_sources else enumerate(sources)
         described = [(f"source {key!r}", source) for key, source in items]
@@ -499,10 +496,12 @@ class BatchFeeder:
                              "); build the feeder with the same arguments to resume it")
         epoch, batch = state["epoch"], state["batch"]
         # bool is an int to Python, but True is no epoch: a state holding one was not saved by a feeder.
-        if not (type(epoch) is int and epoch >= 0 and type(batch) is int and 0 <= batch < max(1, len(self))):
+        # numpy's ints are (a state kept in a numpy or Arrow log).
+        whole = [isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in (epoch, batch)]
+        if not (all(whole) and epoch >= 0 and 0 <= batch < max(1, len(self))):
             raise StateError(f"state position epoch={epoch!r}, batch={batch!r} is not one of this "
                              f"feeder's ({len(self)} batches per epoch)")
-        self._reposition(epoch, batch)
+        self._reposition(int(epoch), int(batch))
         self._restored = True
 
     # ------------------------------------------------------------- iteration
