@@ -465,6 +465,11 @@ def test_create_npy_writes_token_ids_the_feeder_reads(tmp_path, rng, dtype):
                             device="cpu")
     got = torch.cat([batch for (batch,) in feeder]).numpy()
     np.testing.assert_array_equal(got, ids.astype(np.int64))
-    with pytest.raises(ss.DTypeError, match="returned int64; the file holds uint"):  # ids that could wrap
+    # int64 ids (what a tokenizer pipeline makes) in range are written exactly; one that would wrap is refused.
+    ss.data.create_npy(tmp_path / "wide.npy", ids.shape, dtype, lambda lo, hi: ids[lo:hi].astype(np.int64),
+                       progress=False)
+    np.testing.assert_array_equal(np.load(tmp_path / "wide.npy"), ids)
+    with pytest.raises(ss.DTypeError, match="-1 became"):
         ss.data.create_npy(tmp_path / "bad.npy", (3,), dtype, lambda lo, hi: np.array([1, -1, 2])[lo:hi],
                            progress=False)
+    assert not (tmp_path / "bad.npy").exists()

@@ -146,7 +146,10 @@ def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress, name):
                 if rows.shape != (stop - start, *shape[1:]):
                     raise ShapeError(f"fill({start}, {stop}) returned shape {rows.shape}; expected "
                                      f"{(stop - start, *shape[1:])} (rows start .. stop - 1)")
-                if rows.dtype != dtype and not np.can_cast(rows.dtype, dtype, "same_kind"):
+                # Integers of either sign go to integers (int64 token ids to uint16), their values
+                # checked below; numpy calls signed to unsigned another kind.
+                integers = np.issubdtype(rows.dtype, np.integer) and np.issubdtype(dtype, np.integer)
+                if rows.dtype != dtype and not (integers or np.can_cast(rows.dtype, dtype, "same_kind")):
                     raise DTypeError(f"fill({start}, {stop}) returned {rows.dtype}; the file holds "
                                      f"{dtype}: return {dtype} rows")
                 with np.errstate(over="ignore"):  # an overflow is refused just below
