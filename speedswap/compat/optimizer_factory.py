@@ -65,6 +65,10 @@ class OptimizerFactory(Switcher):
     holding the embedding raises :class:`~speedswap.OptionError` before it
     changes anything: it would keep state of its own on the working set's
     slots, which hold other rows every step.
+
+    An ``optimizer.step()`` that raises (a check in a hook, out of memory)
+    leaves the step's rows and their state as they were before it: call
+    ``step()`` again, or ``zero_grad()`` and ``after_step`` to skip the batch.
     """
 
     _kind = OPTIMIZER
@@ -126,9 +130,18 @@ class OptimizerFactory(Switcher):
             self._narrowed = None
 
     def _abort_step(self):
-        if self._narrowed is not None:
-            self._restore()
-            self._state.release()
+        if self._narrowed is None:
+            return
+        self._restore()
+        self._state.release()
+        step = self._gathered
+        if step is not None:
+            # The optimizer raised inside the step, which stored nothing: the rows and their
+            # state are read back from where they are authoritative (the failed step may have
+            # changed them in place), so that the step can be retried or ended unchanged.
+            self._steps.fetch_again(step, self._param.data)
+            self._state.gather(step.rows, read=self._steps.read_state(),
+                               resetting=lambda: resetting_state(self._steps.cache))
 
     def close(self):
         """Release the state tables' memory and unhook the optimizer (other optimizers may step the

@@ -235,7 +235,8 @@ class SharedSteps:
         The OptimizerFactory narrows it for the step; a step that raised
         (a check in another hook, say) left it narrowed until the next
         ``optimizer.step()``, and the forward and backward before that
-        would see the narrowed parameter.
+        would see the narrowed parameter. The step's rows and state are read
+        back as they were before it (see :meth:`fetch_again`).
         """
         member = self._members.get(OPTIMIZER)
         switcher = None if member is None else member.ref()
@@ -323,6 +324,26 @@ class SharedSteps:
         step.begun.discard(kind)
         if not step.begun:
             self._abandon()
+
+    def fetch_again(self, step, rows):
+        """Read ``step``'s rows into the parameter again after an ``optimizer.step()`` that raised.
+
+        The step stored nothing, so the cache and the host tables still hold
+        its rows as before it: what the failed step changed in place is read
+        back from them, and the retried step trains the rows once. Its state
+        rows are then read again through :meth:`read_state`, whose cache reads
+        follow this fetch. Without a ModelFactory (no cache) the parameter's
+        rows are the caller's: nothing is read.
+
+        Args:
+            step: the step in progress.
+            rows: the parameter's full storage (its first ``len(step.rows)`` rows receive them).
+        """
+        if not self._open:
+            return
+        self.cache.restart_step()
+        with torch.no_grad():
+            self.cache.fetch(step.rows, rows[:len(step.rows)], 0, 0, again=True)
 
     def read_state(self):
         """What fills the optimizer's state views for :meth:`RowState.gather`: the cache, or None (the tables)."""

@@ -1,0 +1,119 @@
+"""SpeedTorch-style switchers, from a second review: a step whose ``optimizer.step()`` raised.
+
+Each test trains on a fresh random table with Zipf-distributed ids and
+compares with the same switchers trained without the failure.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+
+ROWS, DIM, CAPACITY, BATCH, STEPS = 120, 5, 40, 20, 24
+
+
+class _RaisingSGD(torch.optim.SGD):
+    """SGD with momentum whose ``step`` raises once when armed, after updating the rows and momentum in place."""
+
+    armed = False
+
+    def _raise_if_armed(self):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("injected failure inside the optimizer")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self._raise_if_armed()
+        return loss
+
+
+def _scribble(opt):
+    """A step pre-hook registered after the switchers: changes the step's rows and state in place, then raises."""
+    def hook(optimizer, args, kwargs):
+        if not optimizer.armed:
+            return
+        optimizer.armed = False
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.add_(1.5)
+                    for value in optimizer.state.get(p, {}).values():
+                        if isinstance(value, torch.Tensor) and value.dim() == 2:
+                            value.add_(0.25)
+        raise RuntimeError("injected failure in a step pre-hook")
+    return opt.register_step_pre_hook(hook)
+
+
+def _refuse(opt):
+    """A step pre-hook registered after the switchers that raises and changes nothing."""
+    def hook(optimizer, args, kwargs):
+        if optimizer.armed:
+            optimizer.armed = False
+            raise RuntimeError("injected failure in a step pre-hook")
+    return opt.register_step_pre_hook(hook)
+
+
+_OPTIMIZERS = {
+    "sgd_momentum": lambda params: _RaisingSGD(params, lr=0.05, momentum=0.9),
+    "adam": lambda params: type("RaisingAdam", (torch.optim.Adam,), {"armed": False})(params, lr=0.02),
+}
+
+
+def _train(backend, rng_seed, make_opt, cache_rows, fail, table0):
+    """Train the switchers; ``fail`` ("none", "refuse", "scribble", "optimizer") makes some steps raise once."""
+    rng = np.random.default_rng(rng_seed)
+    device = ss.get_backend(backend).device
+    p = 1.0 / np.arange(1, ROWS + 1) ** 1.1
+    perm = rng.permutation(ROWS)
+    batches = [torch.from_numpy(perm[rng.choice(ROWS, BATCH, p=p / p.sum())]).to(device)
+               for _ in range(STEPS + 1)]
+    ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+    emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
+    model = torch.nn.ModuleDict({"u": emb})
+    opt = make_opt(model.parameters())
+    u = ss.ModelFactory(emb, ROWS, DIM, backend=backend, cache_rows=cache_rows)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", backend=backend, cache_rows=cache_rows)
+    if fail == "scribble":
+        _scribble(opt)
+    elif fail == "refuse":
+        _refuse(opt)
+    for step in range(STEPS):
+        ids = batches[step]
+        local = u.before_forward(ids)
+        o.before_forward(ids)
+        ((emb(local) * ctx).sum() + emb(local).pow(2).sum()).backward()
+        if fail != "none" and step % 3 == 1:
+            opt.armed = True
+            with pytest.raises(RuntimeError, match="injected failure"):
+                opt.step()
+            if cache_rows:
+                u.prefetch(batches[step + 1])  # between the failure and the retry
+        opt.step()
+        opt.zero_grad()
+        u.after_step(ids)
+        o.after_step(ids)
+    return u.getNumpyVersion(), {name: t.to_numpy(copy=True) for name, t in o.state.tables.items()}
+
+
+@pytest.mark.parametrize("cache_rows", [0, 15, ROWS])
+@pytest.mark.parametrize("opt_name,fail", [("sgd_momentum", "refuse"), ("adam", "refuse"),
+                                           ("sgd_momentum", "scribble"), ("adam", "scribble"),
+                                           ("sgd_momentum", "optimizer")])
+def test_a_step_retried_after_optimizer_step_raised_trains_as_one_that_never_failed(
+        backend, seed, opt_name, fail, cache_rows):
+    """The switchers' optimizer.step() retried after one that raised failed with torch's 'The size of
+    tensor a (40) must match the size of tensor b (k)': the step's state rows were never gathered
+    again, and rows or state the failed step had changed in place would have been trained twice."""
+    table0 = np.random.default_rng(seed).standard_normal((ROWS, DIM), dtype=np.float32)
+    make = _OPTIMIZERS[opt_name]
+    want_table, want_state = _train(backend, seed, make, cache_rows, "none", table0)
+    got_table, got_state = _train(backend, seed, make, cache_rows, fail, table0)
+    assert not np.array_equal(got_table, table0)
+    np.testing.assert_array_equal(got_table, want_table)
+    assert sorted(got_state) == sorted(want_state) and got_state
+    for name in want_state:
+        np.testing.assert_array_equal(got_state[name], want_state[name])
