@@ -1184,3 +1184,61 @@ def test_running_out_of_memory_while_slots_change_hands_loses_no_row(call, metho
     np.testing.assert_array_equal(got[0], expected[0])
     for name in expected[1]:
         np.testing.assert_array_equal(got[1][name], expected[1][name], err_msg=name)
+
+
+def test_running_out_of_memory_converting_a_bfloat16_tables_rows_in_store_loses_no_row(rng, monkeypatch):
+    """A bfloat16 table trains in float32: its cache holds bfloat16 rows, and a step's store converts
+    the updated rows. That conversion allocates; it ran after the admitted misses were given slots,
+    so out of memory there left slots naming rows whose values never arrived."""
+    from speedswap.train.cache import RowCache
+    store, to, armed = RowCache.store, torch.Tensor.to, {"on": False, "in_store": False}
+
+    def failing_to(tensor, *args, **kwargs):
+        if (armed["on"] and armed["in_store"] and tensor.dtype is torch.float32
+                and torch.bfloat16 in (*args, kwargs.get("dtype"))):
+            armed["on"] = False  # as if this conversion's allocation had failed
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        return to(tensor, *args, **kwargs)
+
+    def watched_store(cache, *args):
+        armed["in_store"] = True
+        try:
+            return store(cache, *args)
+        finally:
+            armed["in_store"] = False
+    monkeypatch.setattr(torch.Tensor, "to", failing_to)
+    monkeypatch.setattr(RowCache, "store", watched_store)
+    table0 = rng.standard_normal((200, 4)).astype(np.float32)
+    context = torch.from_numpy(rng.standard_normal(4).astype(np.float32))
+    batches = [torch.from_numpy(rng.zipf(1.3, 8) % 200) for _ in range(30)]
+    cold = torch.arange(120, 160)  # rows the Zipf batches hardly touch: misses that take slots
+
+    def run(cache_rows, inject):
+        emb = ss.OffloadedEmbedding(200, 4, max_rows=60, dtype=torch.bfloat16, storage="pageable",
+                                    backend="numpy", cache_rows=cache_rows)
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+        # SGD with momentum: per-row state, and no step count the skipped step would advance.
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)
+        emb.attach(opt)
+        for step, ids in enumerate(batches):
+            if step == 15:
+                if inject:
+                    armed["on"] = True
+                    (emb(torch.cat([ids, cold])) @ context).sum().backward()
+                    with pytest.raises(torch.OutOfMemoryError):
+                        opt.step()
+                    opt.zero_grad()
+                    emb.discard_step()
+                continue  # the reference never tries the step
+            (emb(ids) @ context).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        emb.flush()
+        return emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
+
+    expected = run(0, inject=False)
+    got = run(8, inject=True)
+    assert not armed["on"], "the injected failure did not happen"
+    np.testing.assert_array_equal(got[0], expected[0])
+    for name in expected[1]:
+        np.testing.assert_array_equal(got[1][name], expected[1][name], err_msg=name)

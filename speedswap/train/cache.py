@@ -514,6 +514,9 @@ class RowCache:
         # a failure (out of memory) must leave the bookkeeping describing the slots' rows.
         if cached or self._n_hits:
             self._scratch(self._n_misses - cached)
+            # Rows in the cache's dtype (a bfloat16 table's, from float32 math): the conversion
+            # allocates too. No copy when the dtypes match.
+            weights = weights.detach().to(self.weights.dtype)
         if cached:
             placed, victims = miss_pos.index_select(0, ranked[:cached]), victims[:cached]
             self._write_back(*self._evicted(victims, n_changed))
