@@ -1066,21 +1066,30 @@ def test_close_releases_the_cache_and_keeps_its_counters(backend):
         emb.prefetch([1, 2])
 
 
-@pytest.mark.parametrize("where", ["store", "fetch"])
+@pytest.mark.parametrize("where", ["store", "read_state", "fetch"])
 def test_running_out_of_memory_inside_the_cache_loses_no_row(where, rng, monkeypatch):
     """The cache's scratch grows lazily (device memory on a GPU). Out of memory there, in the
-    optimizer step's store or in a forward's fetch, the batch is skipped as usual; the rows must
-    be as if it had never been tried. (Slots were handed over before the failing allocation in
-    store; a failed fetch left unfilled rows in the step.)"""
+    optimizer step's store or its read of the state rows, or in a forward's fetch, the batch is
+    skipped as usual; the rows must be as if it had never been tried. (Slots were handed over
+    before the failing allocation in store; a failed fetch left unfilled rows in the step.) The
+    failure is injected inside the call named by ``where`` only."""
     from speedswap.train.cache import RowCache
-    grow, armed = RowCache._scratch, {"on": False}
+    grow, call, armed = RowCache._scratch, getattr(RowCache, where), {"on": False, "inside": False}
 
     def failing_scratch(cache, count):
-        if armed["on"]:  # as if this call had to grow the scratch, and could not
+        if armed["on"] and armed["inside"]:  # as if this call had to grow the scratch, and could not
             armed["on"] = False
             raise torch.OutOfMemoryError("out of memory (injected)")
         return grow(cache, count)
+
+    def watched(cache, *args, **kwargs):
+        armed["inside"] = True
+        try:
+            return call(cache, *args, **kwargs)
+        finally:
+            armed["inside"] = False
     monkeypatch.setattr(RowCache, "_scratch", failing_scratch)
+    monkeypatch.setattr(RowCache, where, watched)
     table0 = rng.standard_normal((200, 4)).astype(np.float32)
     context = torch.from_numpy(rng.standard_normal(4).astype(np.float32))
     batches = [torch.from_numpy(rng.zipf(1.3, 8) % 200) for _ in range(20)]
@@ -1099,15 +1108,14 @@ def test_running_out_of_memory_inside_the_cache_loses_no_row(where, rng, monkeyp
                 if not inject:
                     continue  # the reference never tries the batch
                 try:
-                    armed["on"] = where == "fetch"
+                    armed["on"] = True
                     # Cold rows beside hot ones: more misses than any earlier step grew scratch for.
                     loss = sum((emb(torch.cat([ids, torch.arange(a, a + 30)])) @ context).sum() for a in (100, 130))
                     loss.backward()
-                    armed["on"] = True
                     opt.step()
                 except torch.OutOfMemoryError:
                     opt.zero_grad()
-                    if where == "store":
+                    if where != "fetch":
                         emb.discard_step()  # after a backward; a step skipped before it needs nothing
                     continue
                 raise AssertionError("the injected failure did not happen")
