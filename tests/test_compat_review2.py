@@ -117,3 +117,48 @@ def test_a_step_retried_after_optimizer_step_raised_trains_as_one_that_never_fai
     assert sorted(got_state) == sorted(want_state) and got_state
     for name in want_state:
         np.testing.assert_array_equal(got_state[name], want_state[name])
+
+
+def test_closing_the_optimizer_factory_after_a_step_that_raised_gives_the_model_its_full_embedding(backend, seed):
+    """OptimizerFactory.close() after an optimizer.step() that raised left the model's embedding
+    narrowed to that step's rows: the ModelFactory's next before_forward resized the narrowed
+    storage and the forward raised torch's 'index out of range in self'."""
+    rng = np.random.default_rng(seed)
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    p = 1.0 / np.arange(1, ROWS + 1) ** 1.1
+    perm = rng.permutation(ROWS)
+    batches = [torch.from_numpy(perm[rng.choice(ROWS, BATCH, p=p / p.sum())]).to(device) for _ in range(STEPS)]
+    ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+    emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
+    model = torch.nn.ModuleDict({"u": emb})
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    u = ss.ModelFactory(emb, ROWS, DIM, backend=backend)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", backend=backend)
+    opt.armed = True
+    _refuse(opt)
+    ids = batches[0]
+    local = u.before_forward(ids)
+    o.before_forward(ids)
+    (emb(local) * ctx).sum().backward()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        opt.step()
+    o.close()  # abandons the step: its rows are not written back
+    assert emb.weight.shape == (CAPACITY, DIM)
+    assert all(v.shape == emb.weight.shape for v in opt.state[emb.weight].values() if v.dim() == 2)
+
+    # The ModelFactory trains on with a stateless optimizer, as an in-memory embedding does.
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False).to(device)
+    sgd, ref_sgd = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    sgd.zero_grad()
+    for ids in batches[1:]:
+        local = u.before_forward(ids)
+        (emb(local) * ctx).sum().backward()
+        sgd.step()
+        sgd.zero_grad()
+        u.after_step(ids)
+        (ref(ids) * ctx).sum().backward()
+        ref_sgd.step()
+        ref_sgd.zero_grad()
+    np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)

@@ -125,15 +125,16 @@ class OptimizerFactory(Switcher):
             step.stepped = True  # the rows after_step writes back were stepped (see SharedSteps.end)
 
     def _restore(self):
+        """Give the parameter its full shape, and the optimizer its full-size state scratch, back."""
         if self._narrowed is not None:
             self._narrowed.restore()
             self._narrowed = None
+            self._state.release()
 
     def _abort_step(self):
         if self._narrowed is None:
             return
         self._restore()
-        self._state.release()
         step = self._gathered
         if step is not None:
             # The optimizer raised inside the step, which stored nothing: the rows and their
@@ -153,6 +154,9 @@ class OptimizerFactory(Switcher):
         """
         self._hooks.remove()
         self._claim.remove()
+        # After an optimizer.step() that raised the parameter is still narrowed, and no hook
+        # of this switcher will put it back: the ModelFactory would train on the step's rows.
+        self._restore()
         self._leave()  # cached state rows are written back while the tables are open
         self._state.close()
 
