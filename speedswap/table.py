@@ -844,6 +844,8 @@ class HostTable:
         Raises:
             OptionError: another suffix, or (HDF5) a ``dataset`` that names no
                 dataset; nothing is written.
+            PathError: (HDF5) the file holds other datasets, which the save
+                (of the whole file) would delete; nothing is written.
             StateError: a closed table (its rows are gone).
         """
         self._live_buffer()

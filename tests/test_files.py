@@ -42,6 +42,19 @@ def test_float16_round_trip(backend, values, tmp_path):
     np.testing.assert_array_equal(loaded.to_numpy(), values.astype(np.float16))
 
 
+def test_a_save_into_an_hdf5_file_holding_other_datasets_is_refused(backend, values, tmp_path, rng):
+    """A save writes the whole file: saving table B as "v" beside table A's "u" deleted "u", silently."""
+    path = tmp_path / "tables.h5"
+    ss.HostTable.from_numpy(values, backend=backend).save(path, dataset="u")
+    other = rng.standard_normal((5, 3)).astype(np.float32)
+    with pytest.raises(ss.PathError, match=r"holds the datasets \['u'\] besides 'v'"):
+        ss.HostTable.from_numpy(other, backend=backend).save(path, dataset="v")
+    np.testing.assert_array_equal(ss.HostTable.load(path, backend=backend, dataset="u").to_numpy(), values)
+    # Saving "u" again replaces it, as before.
+    ss.HostTable.from_numpy(values + 1, backend=backend).save(path, dataset="u")
+    np.testing.assert_array_equal(ss.HostTable.load(path, backend=backend, dataset="u").to_numpy(), values + 1)
+
+
 def test_load_mmap_maps_the_file(backend, values, tmp_path):
     np.save(tmp_path / "m.npy", values)
     table = ss.HostTable.load(tmp_path / "m.npy", mmap=True, backend=backend)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..convert import torch_dtype
-from ..errors import FileFormatError, OptionError, SpeedswapError
+from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from .base import TableHeader, crc32_of, file_format, identity, reading_error, row_ranges
 from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import read_npy_header, read_npy_into, read_npy_rows, write_npy
@@ -109,8 +109,32 @@ def save_table(table, path, dataset: str = "table") -> None:
     if _format_of(path, dataset) == "npy":
         write_npy(path, table.shape, stored, table.host_chunks())
     else:
+        _check_no_other_datasets(path, dataset)
         write_h5(path, {dataset: (table.shape, stored, table.host_chunks())},
                  table_dtypes={dataset: table.dtype})
+
+
+def _check_no_other_datasets(path, dataset) -> None:
+    """Refuse to replace an HDF5 file that holds datasets besides ``dataset``.
+
+    A save writes the whole file (atomically, under a temporary name), so
+    saving table B as ``"v"`` into the file holding table A as ``"u"`` would
+    silently delete A.
+
+    Raises:
+        PathError: the file holds other datasets; nothing is written.
+    """
+    if not os.path.isfile(path):
+        return
+    try:
+        with open_h5(path) as f:
+            others = sorted(set(f.keys()) - {dataset})
+    except FileFormatError:
+        return  # not HDF5: nothing of it would be kept by any HDF5 write
+    if others:
+        raise PathError(f"{os.fspath(path)!r} holds the datasets {others} besides {dataset!r}, and a save "
+                        f"writes the whole file: it would delete them. Save to another file (one per "
+                        f"table), or delete the file first if they are yours to lose")
 
 
 def _version(stat) -> tuple:
