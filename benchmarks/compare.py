@@ -139,6 +139,12 @@ def _noise(result: dict) -> Optional[str]:
     return None
 
 
+def _benchmark(result: dict) -> Optional[str]:
+    """The result's benchmark, a part of a sweep (``cache.py --caches 0.05``: "cache-subset") as the whole's."""
+    name = result.get("benchmark")
+    return name[:-len("-subset")] if isinstance(name, str) and name.endswith("-subset") else name
+
+
 def compare(baseline: dict, new: dict, tolerance: float) -> list:
     """One row per ratio both results hold: ``(path, baseline, new, change, verdict)``.
 
@@ -148,7 +154,7 @@ def compare(baseline: dict, new: dict, tolerance: float) -> list:
     Raises:
         CompareError: the results are of different benchmarks, or share no ratio.
     """
-    names = baseline.get("benchmark"), new.get("benchmark")
+    names = _benchmark(baseline), _benchmark(new)
     if None in names or names[0] != names[1]:
         raise CompareError(f"these are results of {names[0]!r} and {names[1]!r}: compare two results "
                            f"of one benchmark (each file's 'benchmark' field)")

@@ -127,6 +127,18 @@ def test_a_run_under_load_is_flagged_as_noise(tmp_path, capsys):
     assert "the new run recorded no load average" in capsys.readouterr().out
 
 
+def test_a_part_of_a_sweep_is_compared_with_the_whole_sweep():
+    """cache.py --caches 0.05 writes a "cache-subset" result: it was refused beside the whole "cache" one."""
+    row = {"distribution": "zipf 1.1", "cache_fraction": 0.05}
+    whole = {"benchmark": "cache", "rows": [{**row, "bytes_vs_no_cache": 0.39},
+                                            {**row, "cache_fraction": 0.2, "bytes_vs_no_cache": 0.24}]}
+    part = {"benchmark": "cache-subset", "rows": [{**row, "bytes_vs_no_cache": 0.5}]}
+    [(path, _, _, _, verdict)] = compare.compare(whole, part, 0.1)
+    assert "cache_fraction=0.05" in path and verdict == "worse"
+    with pytest.raises(compare.CompareError, match="'cache' and 'cache-prefetch'"):
+        compare.compare(whole, {**part, "benchmark": "cache-prefetch"}, 0.1)
+
+
 def test_a_load_average_triple_counts_its_one_minute_value_only():
     """working_set.py records load_average_before and _after triples: their 15-minute value (1.31, on a
     run at 0.42) flagged the run as noise."""
