@@ -1256,3 +1256,29 @@ def test_a_compiled_model_trains_as_the_in_memory_one(rng):
             optim.zero_grad()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(lin.weight.detach().numpy(), ref_lin.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_read_again_failing_in_a_later_shard_names_the_tables_already_loaded(rng, tmp_path, monkeypatch):
+    """A shard too large to stage in RAM is read again at the commit; a failure there in a later
+    file said 'nothing was loaded from it' while the tables before it held the checkpoint's rows."""
+    import speedswap.train.sharded_checkpoint as sharded_checkpoint
+    from speedswap.files import tables as tables_module
+    emb, opt, saved = _adam_step_saved(rng, tmp_path / "ckpt")
+    last = list(saved)[-1]
+    monkeypatch.setattr(sharded_checkpoint, "available_ram", lambda: 0)  # nothing staged: read again
+    read, reads = tables_module._file_chunks, []
+
+    def altered_on_the_second_read(file, *args):
+        reads.append(os.fspath(file))
+        for start, stop, rows in read(file, *args):
+            if os.fspath(file).endswith(f"{last}.rank0.npy") and reads.count(os.fspath(file)) == 2:
+                rows = rows + np.float32(1.0)
+            yield start, stop, rows
+    monkeypatch.setattr(tables_module, "_file_chunks", altered_on_the_second_read)
+    emb.table.zero_()
+    with pytest.raises(ss.FileFormatError) as info:
+        emb.load(tmp_path / "ckpt")
+    earlier = [name for name in saved if name != last]
+    assert all(repr(name) in str(info.value) for name in earlier), str(info.value)
+    assert "load an intact checkpoint before training on" in str(info.value)
+    np.testing.assert_array_equal(emb.table.to_numpy(), saved["table"])  # as the message says

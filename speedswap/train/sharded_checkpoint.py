@@ -354,8 +354,20 @@ def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None
                    lambda: all_unchanged(unchanged))
 
     def read():
+        names = {id(table): name for name, table in tables.items()}
+        loaded = []
         for staged, table, file_rows, at in plan:
-            staged.commit(table, rows=file_rows, at=at)
+            try:
+                staged.commit(table, rows=file_rows, at=at)
+            except FileFormatError as exc:
+                if not loaded:
+                    raise
+                # The error speaks of its own file; the shards before it already hold the
+                # checkpoint's rows beside the others' own: training on would mix two states.
+                raise FileFormatError(f"{exc}. This rank had loaded rows of {sorted(set(loaded))} from "
+                                      f"{os.fspath(path)!r} before it: load an intact checkpoint before "
+                                      f"training on") from exc
+            loaded.append(names[id(table)])
         if row_state is not None:
             _restore_scalar_state(row_state, manifest)
 
