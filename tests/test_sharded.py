@@ -1121,6 +1121,33 @@ def test_a_step_skipped_after_its_backward_then_zero_grad_after_the_next_forward
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_step_whose_forwards_no_backward_reached_leaves_the_optimizer_alone(rng):
+    """In memory a table that no backward reached has no gradient and torch's step skips it: Adam's
+    step count stays. The sharded step gave it a zero gradient, counted the step, and every later
+    step's bias correction differed (0.02 on unit rows after four steps)."""
+    rows, dim, steps = 40, 3, 12
+    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
+    emb = ss.ShardedOffloadedEmbedding(rows, dim, max_rows=16, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+    unreached = {1, 2, 7}  # the first two before the optimizer made any state
+    for step in range(steps):
+        ids = torch.from_numpy(rng.integers(0, rows, 10))
+        target = torch.from_numpy(rng.standard_normal((10, dim)).astype(np.float32))
+        for lookup, optim in ((emb, opt), (lambda i: F.embedding(i, ref, sparse=True), ref_opt)):
+            out = lookup(ids)
+            if step not in unreached:  # else the output does not enter the loss: no backward reaches it
+                ((out - target) ** 2).sum().backward()
+            optim.step()
+            if step not in unreached:  # no gradient to drop: the next backward needs no zero_grad()
+                optim.zero_grad()
+    assert opt.state[emb.weight]["step"] == ref_opt.state[ref]["step"] == steps - len(unreached)
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def _sgd_against_in_memory(rng, max_rows):
     """(emb, opt, ref, ref_opt): a one-process sharded SGD and an in-memory one on the same 30 rows."""
     table0 = rng.standard_normal((30, 3)).astype(np.float32)

@@ -31,6 +31,8 @@ with :meth:`Exchange.agree`.
 [0, 0, 1, 2]
 """
 
+import functools
+import operator
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -126,7 +128,7 @@ class Exchange:
     def begin(self, call: int, error: Optional[BaseException], config: Sequence[int],
               describe: Callable[[Sequence[int]], str], what: str, *,
               send_counts: Optional[Sequence[int]] = None, expected: Optional[Sequence[int]] = None,
-              flag: bool = False) -> Tuple[List[int], bool]:
+              flags: int = 0) -> Tuple[List[int], int]:
         """The first message of every collective call: the ranks check that they make the same call alike.
 
         One all-gather of a vector whose length depends only on the world
@@ -150,10 +152,10 @@ class Exchange:
             expected: rows this rank expects from each rank; when given, every
                 pair of ranks must agree (rows sent that the receiver does not
                 expect would be written into memory sized for others).
-            flag: a yes/no of this rank's, told to every rank.
+            flags: bits of this rank's (yes/no answers), told to every rank.
 
         Returns:
-            (the rows this rank will receive from each rank, whether any rank's ``flag`` was set).
+            (the rows this rank will receive from each rank, the bitwise OR of every rank's ``flags``).
 
         Raises:
             ``error`` itself on the rank that met it. On the others (on every
@@ -165,7 +167,7 @@ class Exchange:
         world = self.world_size
         sends = [0] * world if send_counts is None or error is not None else list(send_counts)
         expects = [0] * world if expected is None else list(expected)
-        mine = [call, int(error is not None), int(flag), *config, *sends, *expects]
+        mine = [call, int(error is not None), int(flags), *config, *sends, *expects]
         if world == 1:
             table = [mine]
         else:
@@ -218,7 +220,8 @@ class Exchange:
                                  f"was skipped, or a backward left out, on some ranks only; every "
                                  f"rank must do both alike. Call discard_step() on every rank, "
                                  f"then train on")
-        return [table[s][base + self.rank] for s in range(world)], any(row[2] for row in table)
+        return ([table[s][base + self.rank] for s in range(world)],
+                functools.reduce(operator.or_, (row[2] for row in table)))
 
     def rows(self, send: torch.Tensor, send_counts: List[int],
              recv_counts: List[int]) -> torch.Tensor:

@@ -89,6 +89,10 @@ class ReachedRows:
         key, self._count = self._count, self._count + 1
         self._reached[key] = slots
 
+    def any_reached(self) -> bool:
+        """Whether a backward reached some forward of the step (else the table has no gradient)."""
+        return bool(self._reached)
+
     def unreached_slots(self, size: int, device) -> Optional[torch.Tensor]:
         """The slots in ``[0, size)`` that only forwards no backward reached looked up, or None if none.
 

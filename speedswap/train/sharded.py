@@ -641,10 +641,18 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         if placeholder and counts.pop():
             self._exchange.begin(call, StateError(_GRAD_CHANGED), self._config(), _describe, what)
         unreached = self._reached.unreached_slots(k_local, grad.device)
-        recv_counts, any_unreached = self._exchange.begin(
+        recv_counts, flags = self._exchange.begin(
             call, None, self._config(), _describe, what, send_counts=counts,
             expected=[sum(len(part) for part in parts) for parts in self._sent_to_me],
-            flag=unreached is not None)
+            flags=_UNREACHED * (unreached is not None) | _REACHED * self._reached.any_reached())
+        self._exchanged = True
+        self._put_back = None
+        if not flags & _REACHED:
+            # No backward reached a forward of this step on any rank: in memory the table would
+            # have no gradient, and torch's step would skip it (Adam's step count included).
+            self.weight.grad = None
+            return
+        any_unreached = flags & _UNREACHED
         if any_unreached:
             # Rows of forwards no backward reached (a step skipped before its backward) are
             # flagged, so that owners put back those no reached forward looked up.
@@ -665,8 +673,6 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 owned_grad.index_add_(0, slots[lo:hi], received[lo:hi, :self.embedding_dim])
         owned_grad.div_(self.world_size)
         self.weight.grad = self._grad
-        self._exchanged = True
-        self._put_back = None
         if any_unreached:
             got = torch.zeros(k, dtype=torch.bool, device=grad.device)
             got[slots[received[:, -1] > 0]] = True
@@ -777,11 +783,13 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         # Owned rows are unique shard-local ids, validated when they were looked up.
         self.table.scatter_validated(rows, self._full[:k].to(self.table.dtype))
         self._steps_since += 1
+        stepped = self.weight.grad is not None  # None where no backward reached the step on any rank
         self._new_step()
-        # As on a dense parameter, the step's gradient stays until zero_grad(): another step on it
-        # is refused rather than let train what it would not in memory (see _leftover_unchanged).
-        self.weight.grad = self._grad
-        self._leftover_version = self._grad._version
+        if stepped:
+            # As on a dense parameter, the step's gradient stays until zero_grad(): another step on
+            # it is refused rather than let train what it would not in memory (see _leftover_unchanged).
+            self.weight.grad = self._grad
+            self._leftover_version = self._grad._version
 
     def close(self) -> None:
         """Release this rank's rows and optimizer state memory and unhook the optimizer. Idempotent.
@@ -937,6 +945,9 @@ _ORIGINS = ("", "attach()", "load()")
 _ATTACHED, _LOADED = 1, 2
 #: ``padding_idx=None`` for the ranks' comparison: no row id.
 _NO_PADDING = -1
+#: The exchange's flags: some rank's step has rows only unreached forwards looked up; some
+#: rank's backward reached a forward of the step.
+_UNREACHED, _REACHED = 1, 2
 
 
 def _plain(value):
