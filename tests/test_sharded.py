@@ -1148,6 +1148,21 @@ def test_a_step_whose_forwards_no_backward_reached_leaves_the_optimizer_alone(rn
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_save_after_a_step_skipped_before_its_backward_says_to_discard_it(rng, tmp_path):
+    """The forward's rows wait for the next step, so a save is refused: the error named no way out
+    ("call it between steps", where the loop already was); OffloadedEmbedding's names discard_step()."""
+    emb, opt = make("adam")
+    before = emb.table.to_numpy(copy=True)
+    emb(torch.from_numpy(rng.integers(0, NUM_ROWS, 10))).pow(2).sum()
+    opt.zero_grad()  # the loss was not finite, say: no backward, no step
+    with pytest.raises(ss.StateError, match=r"emb\.discard_step\(\) first"):
+        emb.save(tmp_path / "ckpt")
+    emb.discard_step()
+    emb.save(tmp_path / "ckpt")
+    emb.load(tmp_path / "ckpt")
+    np.testing.assert_array_equal(emb.table.to_numpy(), before)
+
+
 def _sgd_against_in_memory(rng, max_rows):
     """(emb, opt, ref, ref_opt): a one-process sharded SGD and an in-memory one on the same 30 rows."""
     table0 = rng.standard_normal((30, 3)).astype(np.float32)

@@ -834,8 +834,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._check_open()
         self._drop_zeroed_step()
         if self._looked_up.size or self._forwards:
+            # A step skipped before its backward leaves its rows here, waiting for the next step.
             raise StateError(f"{what} between a training forward and optimizer.step() would be "
-                             f"undone by the step; call it between steps")
+                             f"undone by the step; call it between steps (after a step skipped "
+                             f"before its backward, call emb.discard_step() first, on every rank)")
 
     def _config(self, with_optimizer: bool = True, with_history: bool = True) -> list:
         """What must be equal on every rank: integers for :meth:`Exchange.begin` (see :func:`_describe`).
