@@ -197,6 +197,25 @@ def test_an_eval_forward_between_training_forwards_of_a_step_trains_as_before(rn
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
+def test_a_first_step_over_an_empty_batch_counts_and_training_goes_on(rng):
+    """torch created AdamW's state for the scratch at an empty first step; the next forward took it
+    for state a load_state_dict() had replaced, and refused to train (found by the sharded fuzzer)."""
+    offloaded, reference = pair(rng)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    empty = torch.zeros((0, WIDTH), dtype=torch.int64)
+    for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+        model(empty).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for ids, target in zipf_ids(rng, STEPS):
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+    assert opt.state[offloaded.emb.weight]["step"] == ref_opt.state[reference.emb.weight]["step"] == STEPS + 1
+
+
 def test_a_pretrained_padding_row_stays_when_only_an_unreached_forward_looked_it_up(rng):
     offloaded, reference = pair(rng, padding_idx=PAD, pad_row=0.5)
     make = lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)  # noqa: E731

@@ -724,6 +724,10 @@ class OffloadedEmbedding(torch.nn.Module):
                 # is no write into weight between steps to refuse at the next forward.
                 self._version_between_steps = self.weight._version
                 self._empty_step = False
+                # At the first step torch created the per-row state for the scratch: it becomes
+                # this state's scratch, as after any step (the next forward took it for a
+                # load_state_dict() that replaced the tables' state).
+                self._state.release()
             return
         rows = self._working_set.rows
         try:
