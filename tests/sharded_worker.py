@@ -254,6 +254,19 @@ def run_scenario(scenario, seed, world, rank, out):
             torch.nn.utils.clip_grads_with_norm_(emb.parameters(), MAX_NORM, emb.grad_norm())
             opt.step()
             opt.zero_grad()
+        # One more step, whose ranks ask for norms of different orders: refused on both, then dropped.
+        ids, targets = global_batch(seed, 0)
+        rank_loss(emb, ids[rank_slice(0, world, rank)], targets[rank_slice(0, world, rank)], world).backward()
+        emb.exchange_gradients()
+        errors = {}
+        try:
+            emb.grad_norm(1.0 if rank == 1 else 2.0)
+        except ss.SpeedswapError as exc:
+            errors[type(exc).__name__] = str(exc)
+        emb.discard_step()
+        opt.zero_grad()
+        with open(os.path.join(out, f"clipnorm.rank{rank}.json"), "w") as f:
+            json.dump({"errors": errors}, f)
         name = f"{name}-clip"
     elif kind == "resume":   # load another world size's Adam checkpoint and go on
         emb, opt = make("adam")

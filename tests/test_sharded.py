@@ -222,6 +222,10 @@ def test_two_ranks_clipping_by_grad_norm_equal_one_process_clipping(two_ranks):
     expected = sharded_worker.reference("sgd", seed, clip=sharded_worker.MAX_NORM)
     assert not np.allclose(expected[0], reference("sgd", seed)[0], **TOL)  # the clip mattered
     assert_same(gathered(out, "sgd-clip", 2), expected)
+    # Ranks that ask for norms of different orders would clip by different factors: refused on each.
+    for rank in range(2):
+        errors = json.loads((out / f"clipnorm.rank{rank}.json").read_text())["errors"]
+        assert "different orders [1.0, 2.0]" in errors["StateError"], errors
 
 
 def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):

@@ -244,21 +244,34 @@ class Exchange:
     def norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The ``norm_type``-norm of every rank's values, from each rank's norm ``local`` of its own.
 
+        One all-gather of each rank's part and ``norm_type``, so that ranks
+        asking for different norms (each would clip by another factor) find out.
+
         Args:
             local: a 0-dim float tensor, this rank's norm.
             norm_type: the norm's order, as ``torch.linalg.vector_norm`` takes it.
 
         Returns:
             The same 0-dim tensor on every rank.
+
+        Raises:
+            StateError: ranks passed different ``norm_type`` values (on every rank).
         """
         if self.world_size == 1:
             return local
-        if norm_type == float("inf"):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
-            return local
-        powered = local.pow(norm_type)
-        dist.all_reduce(powered, group=self.group)
-        return powered.pow(1.0 / norm_type)
+        inf = norm_type == float("inf")
+        part = local if inf else local.pow(norm_type)
+        mine = torch.stack([part.double(), torch.tensor(norm_type, dtype=torch.float64, device=local.device)])
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        asked = sorted({float(rank_part[1]) for rank_part in every})
+        if len(asked) > 1:
+            raise StateError(f"grad_norm() was asked for norms of different orders {asked} on the "
+                             f"ranks: each would clip by another factor; pass the same norm_type on "
+                             f"every rank")
+        parts = torch.stack([rank_part[0] for rank_part in every])
+        total = parts.max() if inf else parts.sum().pow(1.0 / norm_type)
+        return total.to(local.dtype)
 
     def agree(self, error: Optional[BaseException], what: str) -> None:
         """Raise on every rank if ``what`` failed on any: the end of work that may fail.
