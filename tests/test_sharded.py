@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import speedswap as ss
 import sharded_worker
 from speedswap.train import sharded_checkpoint
+from speedswap.train.exchange import Exchange
 from sharded_worker import (DIM, NUM_ROWS, PAD, SAVE_AT, STEPS, initial_table, make, shard_arrays,
                             train)
 
@@ -944,6 +945,26 @@ def test_grad_norm_is_the_tables_gradient_norm_and_needs_the_exchange(rng, norm_
     F.embedding(ids, ref).pow(3).sum().backward()
     expected = torch.linalg.vector_norm(ref.grad, norm_type)
     torch.testing.assert_close(emb.grad_norm(norm_type), expected, rtol=1e-6, atol=0)
+
+
+def _exchange_with_peers(monkeypatch, world):
+    """An Exchange of ``world`` ranks in this one process: every peer sends what this rank sends."""
+    monkeypatch.setattr(torch.distributed, "all_gather",
+                        lambda out, sent, group=None: [part.copy_(sent) for part in out])
+    exchange = Exchange()
+    exchange.world_size = world
+    return exchange
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 3.0])
+def test_a_float16_grad_norm_over_ranks_is_finite_where_the_tables_norm_is(monkeypatch, rng, norm_type):
+    """Each rank's norm was raised to norm_type in float16: one past 256 squared to inf, and clipping
+    by inf zeroes every gradient, where in memory (torch sums a float16 norm in float32) it is finite."""
+    grad = (torch.from_numpy(rng.standard_normal((500, 8))) * 30).half()  # a norm near 1,900
+    total = _exchange_with_peers(monkeypatch, 2).norm(torch.linalg.vector_norm(grad, norm_type), norm_type)
+    expected = torch.linalg.vector_norm(torch.cat([grad, grad]).double(), norm_type)
+    assert total.dtype == torch.float16
+    torch.testing.assert_close(total.double(), expected, rtol=2e-3, atol=0)
 
 
 def test_a_grad_scaler_after_exchange_gradients_unscales_the_tables_gradient(rng):

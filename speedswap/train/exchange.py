@@ -260,8 +260,10 @@ class Exchange:
         if self.world_size == 1:
             return local
         inf = norm_type == float("inf")
-        part = local if inf else local.pow(norm_type)
-        mine = torch.stack([part.double(), torch.tensor(norm_type, dtype=torch.float64, device=local.device)])
+        # In float64 before the power: a float16 norm past 256 squared to inf (torch sums a float16
+        # norm in float32, so the table's is finite), and a clip by inf zeroes every gradient.
+        part = local.double() if inf else local.double().pow(norm_type)
+        mine = torch.stack([part, torch.tensor(norm_type, dtype=torch.float64, device=local.device)])
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine, group=self.group)
         asked = sorted({float(rank_part[1]) for rank_part in every})
