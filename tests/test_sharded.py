@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import speedswap as ss
 import sharded_worker
+from host_syncs import HostSyncs
 from speedswap.train import sharded_checkpoint
 from speedswap.train.exchange import Exchange
 from sharded_worker import (DIM, NUM_ROWS, PAD, SAVE_AT, STEPS, initial_table, make, shard_arrays,
@@ -965,6 +966,18 @@ def test_a_float16_grad_norm_over_ranks_is_finite_where_the_tables_norm_is(monke
     expected = torch.linalg.vector_norm(torch.cat([grad, grad]).double(), norm_type)
     assert total.dtype == torch.float16
     torch.testing.assert_close(total.double(), expected, rtol=2e-3, atol=0)
+
+
+def test_grad_norm_over_ranks_makes_one_host_wait_however_many_ranks(monkeypatch, rng):
+    """Exchange.norm read each rank's norm_type with a float() of its own: on a GPU a host wait per
+    rank, every step that clips (tests/host_syncs.py counts them on the CPU)."""
+    local = torch.linalg.vector_norm(torch.from_numpy(rng.standard_normal(50)))
+    for world in (2, 8):
+        exchange = _exchange_with_peers(monkeypatch, world)
+        with HostSyncs() as syncs:
+            total = exchange.norm(local, 2.0)
+        assert syncs.total == 1, dict(syncs.where)
+        torch.testing.assert_close(total, local * math.sqrt(world))
 
 
 def test_a_grad_scaler_after_exchange_gradients_unscales_the_tables_gradient(rng):

@@ -263,15 +263,16 @@ class Exchange:
         # In float64 before the power: a float16 norm past 256 squared to inf (torch sums a float16
         # norm in float32, so the table's is finite), and a clip by inf zeroes every gradient.
         part = local.double() if inf else local.double().pow(norm_type)
-        mine = torch.stack([part, torch.tensor(norm_type, dtype=torch.float64, device=local.device)])
+        # full_like, not torch.tensor: on a GPU a fill is queued where a copy from the host waits.
+        mine = torch.stack([part, torch.full_like(part, norm_type)])
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine, group=self.group)
-        asked = sorted({float(rank_part[1]) for rank_part in every})
+        parts, orders = torch.stack(every).unbind(1)
+        asked = sorted(set(orders.tolist()))  # every rank's in one read: one host wait, not one per rank
         if len(asked) > 1:
             raise StateError(f"grad_norm() was asked for norms of different orders {asked} on the "
                              f"ranks: each would clip by another factor; pass the same norm_type on "
                              f"every rank")
-        parts = torch.stack([rank_part[0] for rank_part in every])
         total = parts.max() if inf else parts.sum().pow(1.0 / norm_type)
         return total.to(local.dtype)
 
