@@ -968,6 +968,15 @@ def test_a_float16_grad_norm_over_ranks_is_finite_where_the_tables_norm_is(monke
     torch.testing.assert_close(total.double(), expected, rtol=2e-3, atol=0)
 
 
+
+@pytest.mark.parametrize("norm_type", [0.0, -math.inf, -1.0, 0.5, 1.0, math.inf])
+def test_grad_norm_over_ranks_combines_the_parts_as_torch_norms_the_whole(monkeypatch, rng, norm_type):
+    """Every order torch.linalg.vector_norm takes: order 0 (a count of non-zero entries) raised
+    ZeroDivisionError after the collective, and -inf gave 1.0 where the smallest entry is 0."""
+    grad = torch.from_numpy(rng.standard_normal((100, 4)))
+    grad[rng.random(100) < 0.3] = 0  # rows no lookup reached
+    total = _exchange_with_peers(monkeypatch, 2).norm(torch.linalg.vector_norm(grad, norm_type), norm_type)
+    torch.testing.assert_close(total, torch.linalg.vector_norm(torch.cat([grad, grad]), norm_type))
 def test_grad_norm_over_ranks_makes_one_host_wait_however_many_ranks(monkeypatch, rng):
     """Exchange.norm read each rank's norm_type with a float() of its own: on a GPU a host wait per
     rank, every step that clips (tests/host_syncs.py counts them on the CPU)."""

@@ -259,10 +259,12 @@ class Exchange:
         """
         if self.world_size == 1:
             return local
-        inf = norm_type == float("inf")
+        # The table's norm from the ranks': the largest (smallest) entry of all, the count of
+        # non-zero ones, or the sum of every rank's sum of powers, whose root is taken once.
+        powers = norm_type not in (0.0, float("inf"), -float("inf"))
         # In float64 before the power: a float16 norm past 256 squared to inf (torch sums a float16
         # norm in float32, so the table's is finite), and a clip by inf zeroes every gradient.
-        part = local.double() if inf else local.double().pow(norm_type)
+        part = local.double().pow(norm_type) if powers else local.double()
         # full_like, not torch.tensor: on a GPU a fill is queued where a copy from the host waits.
         mine = torch.stack([part, torch.full_like(part, norm_type)])
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
@@ -273,7 +275,10 @@ class Exchange:
             raise StateError(f"grad_norm() was asked for norms of different orders {asked} on the "
                              f"ranks: each would clip by another factor; pass the same norm_type on "
                              f"every rank")
-        total = parts.max() if inf else parts.sum().pow(1.0 / norm_type)
+        if powers:
+            total = parts.sum().pow(1.0 / norm_type)
+        else:
+            total = {0.0: parts.sum, float("inf"): parts.max, -float("inf"): parts.min}[norm_type]()
         return total.to(local.dtype)
 
     def agree(self, error: Optional[BaseException], what: str) -> None:
