@@ -736,3 +736,38 @@ def test_a_gradient_zeroed_without_a_version_bump_is_not_refused(backend, rng, c
                 assert weight.grad._version == version  # as _foreach_zero_ leaves it on CUDA
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_step_skipped_by_zero_grad_is_dropped_when_a_row_of_it_is_nan(backend, rng, cache_rows, tmp_path):
+    """A row that diverged to NaN makes the loss NaN; the loop skips that step with ``zero_grad()``.
+
+    The skipped step's rows are compared with the table's to tell a dropped
+    step from rows perturbed in place (SAM); NaN never equals itself, so the
+    step was kept: ``emb.load`` was refused as "between a training forward
+    and optimizer.step()", and its rows held slots of the next step
+    (CapacityError with a working set sized for one batch).
+    """
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows)
+    bad = int(rng.integers(ROWS))
+    emb.table.scatter([bad], torch.full((1, DIM), float("nan")))
+    with torch.no_grad():
+        ref[bad] = float("nan")
+    emb.save(tmp_path / "ckpt")
+    skipped = torch.from_numpy(rng.choice(ROWS, size=(BATCH, WIDTH)))
+    skipped[rng.integers(BATCH), rng.integers(WIDTH)] = bad
+    loss = emb(skipped.to(device)).sum()
+    assert not torch.isfinite(loss)
+    loss.backward()
+    opt.zero_grad()  # the step is skipped
+    emb.load(tmp_path / "ckpt")  # what the table held before: the skipped step is gone
+    assert not len(emb.working_rows)
+    others = np.setdiff1d(np.arange(ROWS), [bad])
+    ids = torch.from_numpy(rng.permutation(others)[:BATCH * WIDTH].reshape(BATCH, WIDTH))
+    target = torch.from_numpy(rng.standard_normal((BATCH, 1)).astype(np.float32))
+    for lookup, optimizer, to in ((emb, opt, device), (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+        ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -497,11 +497,13 @@ class OffloadedEmbedding(torch.nn.Module):
         A change through ``weight.data`` (``p.data.add_(e)``) keeps ``weight``'s
         version, so the rows themselves are compared: one gather of the
         step's rows, on the path where ``zero_grad()`` dropped a step only.
+        NaN counts as equal to NaN: a row that diverged to NaN (the usual
+        reason to skip a step) is unchanged, not perturbed.
         """
         rows = self._working_set.rows
         with torch.no_grad():
             current = self._cache.read(rows).to(self._full.dtype)
-        return not torch.equal(current, self._full[:len(rows)])
+        return not torch.allclose(current, self._full[:len(rows)], rtol=0, atol=0, equal_nan=True)
 
     def _adopt_replaced_data(self):
         """Take the values of a ``weight.data = tensor`` assignment into the working set.
