@@ -771,3 +771,32 @@ def test_a_step_skipped_by_zero_grad_is_dropped_when_a_row_of_it_is_nan(backend,
         optimizer.zero_grad()
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("write", ["apply_", "scatter"])
+def test_a_table_write_after_a_step_skipped_with_zero_grad_is_kept(backend, rng, write):
+    """forward, backward, ``zero_grad()`` (the step is skipped), a write through ``emb.table``, next step.
+
+    The skipped step is dropped at the next forward, which compares its rows
+    with the table's to tell a dropped step from rows perturbed in place
+    (SAM): the write made them differ, so the step went on and wrote the
+    skipped step's old rows over the write (and ``emb.load`` was refused as
+    "between a training forward and optimizer.step()").
+    """
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH)
+    batches = zipf_ids(rng, 2)
+    ((emb(batches[0][0].to(device)).cpu().sum(1) - batches[0][1]) ** 2).sum().backward()
+    opt.zero_grad()  # the loss was not finite, say: the step is skipped
+    new_rows = torch.from_numpy(rng.standard_normal((ROWS, DIM)).astype(np.float32))
+    if write == "apply_":
+        emb.table.apply_(lambda t: t.copy_(new_rows))
+    else:
+        emb.table.scatter(torch.arange(ROWS), new_rows)
+    with torch.no_grad():
+        ref.copy_(new_rows)
+    ids, target = batches[1]
+    for lookup, optimizer, to in ((emb, opt, device), (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+        ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

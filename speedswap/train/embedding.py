@@ -569,6 +569,11 @@ class OffloadedEmbedding(torch.nn.Module):
             StateError: with a device cache, between a training forward and its
                 optimizer step (the step's rows are in flight).
         """
+        if self._backward_ran and self.weight.grad is None and not self._table.closed:
+            # A step zero_grad() dropped after its backward is discarded now: the next forward
+            # would take rows written through the table meanwhile for rows changed in place
+            # (SAM), go on with the step, and write its rows back over the writes.
+            self._drop_zeroed_step()
         cache = self._cache
         if cache is not None and cache.num_slots and not self._table.closed:
             if self._step_in_flight():
