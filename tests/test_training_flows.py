@@ -58,8 +58,13 @@ class LazyTable(torch.nn.Module):
         return F.embedding(ids, self.weight, padding_idx=self.padding_idx)
 
 
-def make_lazy(optimizer, table):
-    """Hook ``optimizer`` so that rows ``table`` did not look up keep their value and state at each step."""
+def make_lazy(optimizer, table, initial=None):
+    """Hook ``optimizer`` so that rows ``table`` did not look up keep their value and state at each step.
+
+    ``initial``: ``{state name: value}`` for state torch creates with another value than zero
+    (Rprop's ``step_size``, its lr), what an untouched row holds once torch creates it.
+    """
+    initial = initial or {}
     weight, before = table.weight, {}
 
     def pre(opt, args, kwargs):
@@ -75,8 +80,8 @@ def make_lazy(optimizer, table):
             weight[untouched] = before["weight"][untouched]
             for name, value in opt.state[weight].items():
                 if torch.is_tensor(value) and value.shape == weight.shape:
-                    # Every optimizer used here creates its per-row state as zeros.
-                    value[untouched] = before["state"][name][untouched] if name in before["state"] else 0.0
+                    value[untouched] = (before["state"][name][untouched] if name in before["state"]
+                                        else initial.get(name, 0.0))
 
     optimizer.register_step_pre_hook(pre)
     optimizer.register_step_post_hook(post)
@@ -800,3 +805,36 @@ def test_a_table_write_after_a_step_skipped_with_zero_grad_is_kept(backend, rng,
         optimizer.step()
         optimizer.zero_grad()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("lr_at_save, lr_after", [(0.01, 0.03), (0.02, 0.03), (0.02, 0.02)])
+def test_a_resume_from_before_the_first_step_after_steps_at_another_lr_trains_on(rng, tmp_path, lr_at_save,
+                                                                                 lr_after):
+    """Rprop fills ``step_size`` with the lr of its first step. A checkpoint saved before that step,
+    restored (with the optimizer's state_dict, and so its lr) after steps at another lr, was
+    refused at the next step ("the host tables hold trained state"): the tables were compared
+    with the initial state of the lr of the detour's first step, not the lr at attach (which
+    they hold) or now (which torch creates the state with)."""
+    offloaded, reference = pair(rng)
+    make = lambda p: torch.optim.Rprop(p, lr=0.01)  # noqa: E731
+    opt, ref_opt = make(offloaded.parameters()), make(reference.parameters())
+    offloaded.emb.attach(opt)
+    batches = zipf_ids(rng, 25)
+    for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+        optimizer.param_groups[0]["lr"] = lr_at_save
+        saved = copy.deepcopy(optimizer.state_dict()), copy.deepcopy(model.state_dict())
+        if model is offloaded:
+            offloaded.emb.save(tmp_path / "ckpt")
+        optimizer.param_groups[0]["lr"] = lr_after
+        for ids, target in batches[:5]:
+            train_step(model, optimizer, ids, target)
+        if model is offloaded:
+            offloaded.emb.load(tmp_path / "ckpt")
+        optimizer.load_state_dict(saved[0])
+        model.load_state_dict(saved[1])
+        if model is reference:  # lazy from the resume on: its step_size rows start at the lr then
+            reference.emb.looked_up.clear()
+            make_lazy(ref_opt, reference.emb, initial={"step_size": lr_at_save})
+        for ids, target in batches[5:]:
+            train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)

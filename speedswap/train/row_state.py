@@ -286,6 +286,7 @@ class RowState:
             raise
         self._scratch = {}
         self.needs_sparse_grad = isinstance(optimizer, _SPARSE_GRAD_ONLY)
+        self._initial_specs = []  # every initial state init_state filled the tables with
         self.init_state()
         # Whether the tables were restored (a checkpoint load, an explicit init_state)
         # since the last step, so that state an optimizer.load_state_dict() put in place
@@ -305,14 +306,24 @@ class RowState:
                 self.tables[name].zero_()
             else:
                 self.tables[name].apply_(torch.nn.init.constant_, value)
+        # Rprop's step_size follows the lr: a checkpoint saved before the first step holds
+        # one of these (see gather).
+        if self.spec not in self._initial_specs:
+            self._initial_specs.append(dict(self.spec))
         # Until a step has written rows back, every row holds torch's initial
         # state, so torch may create the state itself at the first step.
         self._fresh = True
         self._restored = True
 
-    def holds_initial_state(self) -> bool:
-        """Whether every row's state is the value torch creates it with (read chunk by chunk)."""
-        return all(bool(np.all(chunk == value)) for name, value in self.spec.items()
+    def holds_initial_state(self, spec=None) -> bool:
+        """Whether every row's state is the value torch creates it with (read chunk by chunk).
+
+        Args:
+            spec: ``{name: value}`` to compare with (a subset of the tables'
+                names); :attr:`spec`, the state made at attach or the first step, if None.
+        """
+        spec = self.spec if spec is None else spec
+        return all(bool(np.all(chunk == value)) for name, value in spec.items()
                    for chunk in self.tables[name].host_chunks())
 
     def mark_loaded(self):
@@ -421,8 +432,15 @@ class RowState:
                 # every row: with no optimizer state beside it, that is a fresh start (as a
                 # sharded checkpoint's load finds too). The check reads the tables, so a
                 # device cache gives its state rows back first; it runs only on this path.
+                # Any initial state counts: one the tables were filled with (at attach, at the
+                # first step), or the one torch would make now (Rprop's step_size is the lr, which
+                # the optimizer state_dict saved with such a checkpoint restores).
+                specs = self._initial_specs + [row_state_spec(self.optimizer, self.param)]
                 with resetting():
-                    self._fresh = self.holds_initial_state()
+                    held = next((spec for spec in specs if self.holds_initial_state(spec)), None)
+                self._fresh = held is not None
+                if held is not None:
+                    self.spec = held  # what the tables hold: moved to torch's below
             if self._fresh:
                 # torch creates the initial state at this step, from the group as it is now
                 # (Rprop's step_size is the lr now, which a scheduler may have changed since
