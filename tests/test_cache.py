@@ -1066,6 +1066,34 @@ def test_close_releases_the_cache_and_keeps_its_counters(backend):
         emb.prefetch([1, 2])
 
 
+def _oom_embedding(table0, cache_rows, max_rows, per_row_momentum, dtype=torch.float32):
+    """The out-of-memory tests' embedding over ``table0`` and its optimizer.
+
+    With ``per_row_momentum``, SGD with momentum, for a failure after the
+    optimizer ran (a store): its state is per row, and it has no step count
+    that the skipped batch's step would have advanced. Adam otherwise.
+    """
+    emb = ss.OffloadedEmbedding(len(table0), table0.shape[1], max_rows=max_rows, dtype=dtype,
+                                storage="pageable", backend="numpy", cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = (torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9) if per_row_momentum
+           else torch.optim.Adam(emb.parameters(), lr=0.1, eps=1e-30))
+    emb.attach(opt)
+    return emb, opt
+
+
+def _trained(emb):
+    """The table and its state tables after training, cached rows written back."""
+    emb.flush()
+    return emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
+
+
+def _assert_trained_alike(got, expected):
+    np.testing.assert_array_equal(got[0], expected[0])
+    for name in expected[1]:
+        np.testing.assert_array_equal(got[1][name], expected[1][name], err_msg=name)
+
+
 @pytest.mark.parametrize("where", ["store", "read_state", "fetch"])
 def test_running_out_of_memory_inside_the_cache_loses_no_row(where, rng, monkeypatch):
     """The cache's scratch grows lazily (device memory on a GPU). Out of memory there, in the
@@ -1095,14 +1123,7 @@ def test_running_out_of_memory_inside_the_cache_loses_no_row(where, rng, monkeyp
     batches = [torch.from_numpy(rng.zipf(1.3, 8) % 200) for _ in range(20)]
 
     def run(cache_rows, inject):
-        emb = ss.OffloadedEmbedding(200, 4, max_rows=80, storage="pageable", backend="numpy",
-                                    cache_rows=cache_rows)
-        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-        # A store fails after the optimizer ran: momentum is per-row state, and SGD has no
-        # step count that the skipped batch's step would have advanced.
-        opt = (torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9) if where == "store"
-               else torch.optim.Adam(emb.parameters(), lr=0.1, eps=1e-30))
-        emb.attach(opt)
+        emb, opt = _oom_embedding(table0, cache_rows, 80, per_row_momentum=where == "store")
         for step, ids in enumerate(batches):
             if step == 10:
                 if not inject:
@@ -1122,14 +1143,10 @@ def test_running_out_of_memory_inside_the_cache_loses_no_row(where, rng, monkeyp
             (emb(ids) @ context).sum().backward()
             opt.step()
             opt.zero_grad()
-        emb.flush()
-        return emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
+        return _trained(emb)
 
     expected = run(0, inject=False)
-    got = run(8, inject=True)
-    np.testing.assert_array_equal(got[0], expected[0])
-    for name in expected[1]:
-        np.testing.assert_array_equal(got[1][name], expected[1][name], err_msg=name)
+    _assert_trained_alike(run(8, inject=True), expected)
 
 
 @pytest.mark.parametrize("call,method", [("store", "_write_back"), ("prefetch", "_write_back"),
@@ -1154,14 +1171,7 @@ def test_running_out_of_memory_while_slots_change_hands_loses_no_row(call, metho
     cold = torch.arange(120, 160)  # rows the Zipf batches hardly touch: misses that evict
 
     def run(cache_rows, inject):
-        emb = ss.OffloadedEmbedding(200, 4, max_rows=60, storage="pageable", backend="numpy",
-                                    cache_rows=cache_rows)
-        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-        # A store fails after the optimizer ran: momentum is per-row state, and SGD has no
-        # step count that the skipped batch's step would have advanced.
-        opt = (torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9) if call == "store"
-               else torch.optim.Adam(emb.parameters(), lr=0.1, eps=1e-30))
-        emb.attach(opt)
+        emb, opt = _oom_embedding(table0, cache_rows, 60, per_row_momentum=call == "store")
         for step, ids in enumerate(batches):
             if step == 15:
                 ids = torch.cat([ids, cold])
@@ -1184,14 +1194,10 @@ def test_running_out_of_memory_while_slots_change_hands_loses_no_row(call, metho
             (emb(ids) @ context).sum().backward()
             opt.step()
             opt.zero_grad()
-        emb.flush()
-        return emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
+        return _trained(emb)
 
     expected = run(0, inject=False)
-    got = run(8, inject=True)
-    np.testing.assert_array_equal(got[0], expected[0])
-    for name in expected[1]:
-        np.testing.assert_array_equal(got[1][name], expected[1][name], err_msg=name)
+    _assert_trained_alike(run(8, inject=True), expected)
 
 
 def test_running_out_of_memory_converting_a_bfloat16_tables_rows_in_store_loses_no_row(rng, monkeypatch):
@@ -1222,12 +1228,7 @@ def test_running_out_of_memory_converting_a_bfloat16_tables_rows_in_store_loses_
     cold = torch.arange(120, 160)  # rows the Zipf batches hardly touch: misses that take slots
 
     def run(cache_rows, inject):
-        emb = ss.OffloadedEmbedding(200, 4, max_rows=60, dtype=torch.bfloat16, storage="pageable",
-                                    backend="numpy", cache_rows=cache_rows)
-        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-        # SGD with momentum: per-row state, and no step count the skipped step would advance.
-        opt = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)
-        emb.attach(opt)
+        emb, opt = _oom_embedding(table0, cache_rows, 60, per_row_momentum=True, dtype=torch.bfloat16)
         for step, ids in enumerate(batches):
             if step == 15:
                 if inject:
@@ -1241,12 +1242,9 @@ def test_running_out_of_memory_converting_a_bfloat16_tables_rows_in_store_loses_
             (emb(ids) @ context).sum().backward()
             opt.step()
             opt.zero_grad()
-        emb.flush()
-        return emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
+        return _trained(emb)
 
     expected = run(0, inject=False)
     got = run(8, inject=True)
     assert not armed["on"], "the injected failure did not happen"
-    np.testing.assert_array_equal(got[0], expected[0])
-    for name in expected[1]:
-        np.testing.assert_array_equal(got[1][name], expected[1][name], err_msg=name)
+    _assert_trained_alike(got, expected)
