@@ -53,6 +53,13 @@ def test_a_save_into_an_hdf5_file_holding_other_datasets_is_refused(backend, val
     # Saving "u" again replaces it, as before.
     ss.HostTable.from_numpy(values + 1, backend=backend).save(path, dataset="u")
     np.testing.assert_array_equal(ss.HostTable.load(path, backend=backend, dataset="u").to_numpy(), values + 1)
+    # Datasets inside groups count by their full names, however spelt.
+    grouped = tmp_path / "grouped.h5"
+    ss.HostTable.from_numpy(values, backend=backend).save(grouped, dataset="/emb/a")
+    ss.HostTable.from_numpy(values + 2, backend=backend).save(grouped, dataset="emb//a")
+    np.testing.assert_array_equal(ss.HostTable.load(grouped, backend=backend, dataset="emb/a").to_numpy(), values + 2)
+    with pytest.raises(ss.PathError, match=r"\['emb/a'\] besides 'emb/b'"):
+        ss.HostTable.from_numpy(other, backend=backend).save(grouped, dataset="emb/b")
 
 
 def test_load_mmap_maps_the_file(backend, values, tmp_path):

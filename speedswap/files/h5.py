@@ -45,6 +45,24 @@ def check_dataset_name(dataset) -> str:
     return dataset
 
 
+def normal_dataset_name(dataset: str) -> str:
+    """A checked dataset name as h5py lists it: ``"/emb//weights"`` is ``"emb/weights"``."""
+    return "/".join(part for part in check_dataset_name(dataset).split("/") if part not in ("", "."))
+
+
+def dataset_names(path) -> list:
+    """The full name of every dataset in the HDF5 file ``path``, groups' included (``"emb/weights"``).
+
+    Raises:
+        FileFormatError: ``path`` is not a readable HDF5 file.
+    """
+    h5py = _h5py()
+    names = []
+    with open_h5(path) as f:
+        f.visititems(lambda name, item: names.append(name) if isinstance(item, h5py.Dataset) else None)
+    return names
+
+
 def read_h5_header(path, dataset):
     """Validate dataset ``dataset`` of an HDF5 file and describe it.
 
