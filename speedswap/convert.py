@@ -14,7 +14,7 @@ import torch
 
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
-__all__ = ["int_option", "float_option", "check_rows", "check_not_masked", "as_host_array", "as_row_ids", "as_row_ids_deferred",
+__all__ = ["int_option", "bool_option", "float_option", "check_rows", "check_not_masked", "as_host_array", "as_row_ids", "as_row_ids_deferred",
            "bounds_check", "read_bounds", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
            "numpy_dtype", "host_tensor"]
 

@@ -15,8 +15,7 @@ import torch
 from ..convert import torch_dtype
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from .base import TableHeader, crc32_of, file_format, identity, reading_error, row_ranges
-from .h5 import (check_dataset_name, dataset_names, normal_dataset_name, open_h5, read_h5_header,
-                 read_h5_into, write_h5)
+from .h5 import dataset_names, normal_dataset_name, open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import read_npy_header, read_npy_into, read_npy_rows, write_npy
 
 __all__ = ["stored_dtype", "read_table_header", "check_table_shape", "check_table_matches", "save_table", "read_table",
@@ -125,11 +124,11 @@ def _check_no_other_datasets(path, dataset) -> None:
     Raises:
         PathError: the file holds other datasets; nothing is written.
     """
-    check_dataset_name(dataset)  # a non-name is refused as such, before the file is read
+    name = normal_dataset_name(dataset)  # a non-name is refused as such, before the file is read
     if not os.path.isfile(path):
         return
     try:
-        others = sorted(set(dataset_names(path)) - {normal_dataset_name(dataset)})
+        others = sorted(set(dataset_names(path)) - {name})
     except FileFormatError:
         return  # not HDF5: nothing of it would be kept by any HDF5 write
     if others:
