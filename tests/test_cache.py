@@ -1082,6 +1082,13 @@ def _oom_embedding(table0, cache_rows, max_rows, per_row_momentum, dtype=torch.f
     return emb, opt
 
 
+def _linear_step(emb, opt, ids, context):
+    """One ordinary step of the out-of-memory tests: the rows' sum against a fixed context."""
+    (emb(ids) @ context).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _trained(emb):
     """The table and its state tables after training, cached rows written back."""
     emb.flush()
@@ -1140,9 +1147,7 @@ def test_running_out_of_memory_inside_the_cache_loses_no_row(where, rng, monkeyp
                         emb.discard_step()  # after a backward; a step skipped before it needs nothing
                     continue
                 raise AssertionError("the injected failure did not happen")
-            (emb(ids) @ context).sum().backward()
-            opt.step()
-            opt.zero_grad()
+            _linear_step(emb, opt, ids, context)
         return _trained(emb)
 
     expected = run(0, inject=False)
@@ -1191,9 +1196,7 @@ def test_running_out_of_memory_while_slots_change_hands_loses_no_row(call, metho
                         emb.discard_step()
                 if call == "store":
                     continue  # the reference never tries the step
-            (emb(ids) @ context).sum().backward()
-            opt.step()
-            opt.zero_grad()
+            _linear_step(emb, opt, ids, context)
         return _trained(emb)
 
     expected = run(0, inject=False)
@@ -1239,9 +1242,7 @@ def test_running_out_of_memory_converting_a_bfloat16_tables_rows_in_store_loses_
                     opt.zero_grad()
                     emb.discard_step()
                 continue  # the reference never tries the step
-            (emb(ids) @ context).sum().backward()
-            opt.step()
-            opt.zero_grad()
+            _linear_step(emb, opt, ids, context)
         return _trained(emb)
 
     expected = run(0, inject=False)
