@@ -154,6 +154,42 @@ def test_a_file_truncated_under_a_running_feeder_raises_instead_of_sigbus(tmp_pa
     assert "truncated" in done.stdout
 
 
+def _rewrite_rows_in_place(path, rows):
+    """Write ``rows`` over the data of the ``.npy`` at ``path``: same file, same size (another writer)."""
+    offset = np.load(path, mmap_mode="r").offset
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(rows.tobytes())
+
+
+@pytest.mark.parametrize("order", ["random", BlockOrder(block_rows=64, window=2)])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_file_rewritten_in_place_under_a_running_loop_raises_instead_of_feeding_a_mix(tmp_path, rng, order,
+                                                                                      prefetch):
+    # Same inode, same size: the loop read old rows, then the new ones, and said nothing.
+    path = tmp_path / "x.npy"
+    n = 4096
+    data = rng.standard_normal((n, 4)).astype(np.float32)
+    source = write(path, data)
+    # A dataset written an hour ago: a rewrite within the file system's timestamp tick of the
+    # previous write would keep the modification time (see BatchFeeder's docstring).
+    os.utime(path, ns=(time.time_ns() - 3600 * 10**9,) * 2)
+    feeder = ss.BatchFeeder(np.arange(n), source, batch_size=32, order=order, device="cpu", prefetch=prefetch)
+    delivered = []
+    with pytest.raises(ss.FileFormatError, match="changed while the feeder read it"):
+        for ids, rows in feeder:
+            delivered.append((ids.numpy(), rows.numpy().copy()))
+            if len(delivered) == 3:
+                _rewrite_rows_in_place(path, -data)
+    assert len(delivered) < len(feeder)
+    for ids, rows in delivered:  # every batch handed over holds the file's rows from before the change
+        np.testing.assert_array_equal(rows, data[ids])
+    rest = [(ids.numpy(), rows.numpy()) for ids, rows in feeder]  # a new loop reads the file as it is now
+    assert sum(len(ids) for ids, _ in delivered + rest) == n
+    for ids, rows in rest:
+        np.testing.assert_array_equal(rows, -data[ids])
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_loop_waiting_for_read_ahead_wakes_up_when_another_thread_moves_the_feeder(tmp_path, monkeypatch,
                                                                                     prefetch):

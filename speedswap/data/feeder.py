@@ -220,7 +220,12 @@ class BatchFeeder:
     flight. Resident memory stays within ``max(2, windows one batch spans)``
     windows of ``window * block_rows`` rows plus ``prefetch + 1`` batches,
     whatever the file's size. A file truncated while it is read raises
-    :class:`~speedswap.FileFormatError`.
+    :class:`~speedswap.FileFormatError`, and so does one written in place
+    (its size or modification time changed since the loop opened it), at
+    the first batch read after the write, rather than go on with a mix of
+    old and new rows; a write within the file system's timestamp tick of
+    the file's previous one (a few ms where timestamps are coarse) can escape.
+    A file replaced by a rename is not mixed in: the map keeps the old one.
 
     Args:
         *sources: the data, each of shape ``(n, ...)``.

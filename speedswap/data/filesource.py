@@ -6,7 +6,9 @@ a window of blocks defeat the kernel's read-ahead; every page touched counts
 in the process's resident memory and stays in the page cache; and a file
 truncated under a map kills the process with SIGBUS. ``pread`` into RAM the
 feeder owns has none of these problems: a short read becomes a
-:class:`~speedswap.FileFormatError`.
+:class:`~speedswap.FileFormatError`, and so does a file whose size or
+modification time changed since it was opened (written in place: the rows
+read next would be new ones).
 
 * :class:`WindowReader` serves orders that visit a window of contiguous
   blocks at a time (``block``, ``sequential``). Each block is one large
@@ -115,6 +117,11 @@ class FileRows:
                    mapped_identity(array.ctypes.data))
 
 
+def _version(stat) -> tuple:
+    """``(size, mtime in ns)`` of an ``os.stat`` result: they change when the file is written."""
+    return stat.st_size, stat.st_mtime_ns
+
+
 def _closed_by_another_thread() -> StateError:
     return StateError("this feeder loop's file reader was closed by another thread (set_epoch, "
                       "load_state_dict or a new loop); iterate the feeder anew, one thread at a time")
@@ -126,12 +133,15 @@ class _PoolReader:
     def __init__(self, files, threads, drop_behind, advice):
         self._files = files
         self._fds = []
+        self._versions = []  # each file's (size, mtime) when opened: a rewrite in place changes them
         try:
             for file in files:
                 self._fds.append(os.open(file.path, os.O_RDONLY))
-                if identity(os.fstat(self._fds[-1])) != file.identity:  # replaced since checked
+                stat = os.fstat(self._fds[-1])
+                if identity(stat) != file.identity:  # replaced since checked
                     raise FileFormatError(f"{file.path!r} was replaced by another file while the "
                                           f"feeder opened it; iterate the feeder again")
+                self._versions.append(_version(stat))
                 os.posix_fadvise(self._fds[-1], 0, 0, advice)
         except OSError:
             self._close_fds()
@@ -163,6 +173,24 @@ class _PoolReader:
             first_page = position - position % _PAGE
             os.posix_fadvise(fd, first_page, end - first_page + _PAGE - 1 - (end - 1) % _PAGE,
                              os.POSIX_FADV_DONTNEED)
+
+    def _check_unchanged(self):
+        """Raise when a file was written since it was opened: rows read from then on may be new ones.
+
+        Called after a batch's reads: a write that reached a row read for it
+        stamped the file first, so the batch is not handed over.
+
+        Raises:
+            FileFormatError: a file's size or modification time changed.
+        """
+        for file, fd, version in zip(self._files, self._fds, self._versions):
+            if _version(os.fstat(fd)) != version:
+                raise FileFormatError(
+                    f"{file.path!r} changed while the feeder read it (its size or modification time "
+                    f"is not what it was when this loop opened it): this epoch's later batches would "
+                    f"mix old and new rows. The batches already yielded hold the old rows; iterate the "
+                    f"feeder again to go on with the file as it is now, or load_state_dict() a state "
+                    f"saved before the change (set_epoch() to start the epoch over)")
 
     def _submit(self, fn, *args):
         """Run ``fn(*args)`` on the I/O pool.
@@ -236,6 +264,7 @@ class RowReader(_PoolReader):
                    for column, out in enumerate(outs)
                    for part in np.array_split(order, min(self._threads, len(ids)))]
         self._wait(futures)
+        self._check_unchanged()
         return outs
 
     def _rows(self, column, ids, positions, out):
@@ -346,6 +375,7 @@ class WindowReader(_PoolReader):
                                     out[p].view(-1).view(torch.uint8).numpy())
                        for column, out in enumerate(outs) for p in stray]
             self._wait(futures)
+        self._check_unchanged()
         return outs
 
     def _load(self, index):
