@@ -429,6 +429,24 @@ def test_bad_arguments_fail_at_construction(make, error, match):
         make()
 
 
+def test_a_prefetch_whose_batches_would_not_fit_in_half_the_ram_is_refused_before_anything_starts(
+        monkeypatch, rng):
+    # Unbounded: prefetch=10**9 queued a whole epoch of a file larger than RAM, ahead of the loop.
+    import speedswap.data.feeder as feeder_module
+    x = rng.standard_normal((40, 16)).astype(np.float32)  # 64 bytes a row
+    with pytest.raises(ss.OptionError, match=r"prefetch=1000000000 .*half the RAM available.*prefetch <= "):
+        ss.BatchFeeder(x, batch_size=8, prefetch=10**9, device="cpu")
+    whole = ss.BatchFeeder(x, batch_size=10**12, device="cpu")  # one batch of every row: it fits
+    assert [len(b) for (b,) in whole] == [40]
+    batch_bytes = 8 * x[0].nbytes
+    monkeypatch.setattr(feeder_module, "available_ram", lambda: 2 * 12 * batch_bytes)
+    fits = ss.BatchFeeder(x, batch_size=8, prefetch=10, device="cpu")  # 10 + 2 staged batches: half the RAM
+    np.testing.assert_array_equal(np.sort(torch.cat([b for (b,) in fits]).numpy(), axis=0), np.sort(x, axis=0))
+    with pytest.raises(ss.OptionError, match=r"prefetch=11 .*prefetch <= 10\b"):
+        ss.BatchFeeder(x, batch_size=8, prefetch=11, device="cpu")
+    assert reader_threads() == []
+
+
 def test_numpy_bools_and_ints_pass_where_python_ones_do(rng):
     """np.True_ was refused as "must be True ... or False, got np.True_", and a state holding
     np.int64 positions (kept in a numpy or Arrow log) as "not one of this feeder's"."""

@@ -122,6 +122,34 @@ def _as_tensor(source, what):
     return tensor, FileRows.of(flat, tensor)
 
 
+def _check_prefetch(prefetch, batch_bytes, device):
+    """Refuse a read-ahead whose batches would take more than half the memory free now.
+
+    Up to ``prefetch + 2`` batches are held at once besides the one the loop
+    has: read ahead in a queue on the CPU, in page-locked staging slots and
+    in device memory on a GPU (see **Read-ahead** in :class:`BatchFeeder`).
+
+    Args:
+        prefetch: batches to read ahead (validated, >= 0).
+        batch_bytes: bytes of one batch over all sources.
+        device: where batches are delivered.
+
+    Raises:
+        OptionError: the batches would not fit in half the RAM available
+            (on a GPU, or in half its free memory).
+    """
+    room, where = available_ram() // 2, "half the RAM available now"
+    if device.type == "cuda":
+        free_on_device = torch.cuda.mem_get_info(device)[0] // 2
+        if free_on_device < room:
+            room, where = free_on_device, f"half the free memory of {device}"
+    if (prefetch + 2) * batch_bytes > room:
+        most = max(0, room // max(1, batch_bytes) - 2)
+        raise OptionError(f"prefetch={prefetch} would hold {prefetch + 2} batches of {batch_bytes:,} bytes "
+                          f"read ahead, more than {where} ({room:,} bytes); use prefetch <= {most} "
+                          f"(2 to 4 hide a batch's read time) or a smaller batch_size")
+
+
 def _resolve_ranks(rank, world_size):
     """``(rank, world_size)``: as given, or from ``torch.distributed`` when it is initialised.
 
@@ -243,7 +271,9 @@ class BatchFeeder:
         device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"`` (the CPU), as for every
             speedswap object; ``device`` picks the GPU of ``"cuda"``.
-        prefetch: batches read ahead (0: none, everything on the calling thread).
+        prefetch: batches read ahead (0: none, everything on the calling thread);
+            ``prefetch + 2`` batches must fit in half the RAM available (on a
+            GPU, also in half its free memory).
         rank, world_size: this process's share of every epoch, split as
             ``DistributedSampler`` does (padded by repeating rows unless
             ``drop_last``): every ``world_size``-th row of the epoch's order;
@@ -266,7 +296,8 @@ class BatchFeeder:
     Raises:
         OptionError: no sources, both positional and named ones, an unknown
             option (a keyword whose value is not a source), a bad backend, a bad
-            ``batch_size``/``prefetch``/``seed``, an unknown ``order``, a rank
+            ``batch_size``/``prefetch``/``seed`` (a ``prefetch`` whose batches
+            would not fit, see there), an unknown ``order``, a rank
             outside the world, ``world_size > 1`` without ``rank`` while
             ``torch.distributed`` is not initialised, a non-callable ``transform``, or
             ``drop_last`` with fewer rows per rank than ``batch_size`` (every
@@ -362,6 +393,8 @@ class BatchFeeder:
             raise OptionError(f"batch_size={self._batch_size} with drop_last=True leaves every epoch "
                               f"empty: each of the {self._world_size} rank(s) gets {self._share()} "
                               f"rows; use a batch_size <= {self._share()} or drop_last=False")
+        # A batch_size past the rows makes one batch of them all: that is what read-ahead holds.
+        _check_prefetch(self._prefetch, min(self._batch_size, self._share()) * row_bytes, self._device)
         self._transform = transform
         self._lookahead = lookahead
         file_bytes = sum(f.row_bytes * f.num_rows for f in self._files.values())
