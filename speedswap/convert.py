@@ -255,9 +255,10 @@ def as_host_array(data, what="the data") -> np.ndarray:
         try:
             data = data.detach().numpy()
         except TypeError:  # bfloat16 and the like: numpy has no such dtype
+            fed = (", or give the tensor to BatchFeeder directly, which feeds bfloat16 as it is"
+                   if data.dtype == torch.bfloat16 else "")
             raise DTypeError(f"{what} is a tensor of {data.dtype}, which host data cannot be (numpy "
-                             f"has no such dtype); convert it, e.g. data.float(), or give a device "
-                             f"tensor to BatchFeeder directly") from None
+                             f"has no such dtype); convert it, e.g. data.float(){fed}") from None
     elif not isinstance(data, np.ndarray):  # np.asarray would turn a memmap into a plain array
         try:
             data = np.asarray(data)

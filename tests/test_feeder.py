@@ -309,6 +309,28 @@ def test_unsigned_token_ids_arrive_widened_with_their_values(order, device, rng,
     assert feeder._files  # the file is still read with pread, at two bytes a value
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_cpu_bfloat16_tensors_are_fed_as_they_are(device, prefetch, rng):
+    # They were refused ("numpy has no such dtype"), though a device one was fed and a table holds them.
+    n = 200
+    values = torch.from_numpy(random_data(rng, (n, 2, 6))).to(torch.bfloat16)
+    columns = values[:, :, ::2]  # not contiguous: copied once, with a warning, as any such source
+    with pytest.warns(RuntimeWarning, match="not contiguous"):
+        feeder = ss.BatchFeeder(np.arange(n), values, columns, batch_size=32, order="random", seed=5,
+                                device=device, prefetch=prefetch)
+    total = 0
+    for ids, rows, picked in feeder:
+        assert rows.dtype == picked.dtype == torch.bfloat16 and rows.device.type == device
+        ids = torch.from_numpy(ids.cpu().numpy())
+        # The same bits, so NaN-free data compares exactly.
+        assert torch.equal(rows.cpu(), values[ids]) and torch.equal(picked.cpu(), columns[ids])
+        total += len(ids)
+    assert total == n
+    with pytest.raises(ss.DTypeError, match=r"float8_e4m3fn.*data.float\(\)$"):  # no promise to feed it
+        ss.BatchFeeder(values.float().to(torch.float8_e4m3fn), batch_size=32, device="cpu")
+
+
 def test_transform_and_lifetime():
     data = np.arange(60, dtype=np.float32).reshape(30, 2)
     feeder = ss.BatchFeeder(data, batch_size=7, order="sequential", device="cpu",

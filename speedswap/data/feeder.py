@@ -111,7 +111,9 @@ def _as_tensor(source, what):
     if not isinstance(source, (np.ndarray, torch.Tensor)):
         raise DTypeError(f"{what} is a {type(source).__name__}; sources must be numpy arrays, "
                          f"memmaps, torch tensors, DataGadgets or HostTables")
-    array = as_host_array(source, what)
+    # numpy has no bfloat16: its bits are held as int16 and the tensor views them back.
+    bfloat16 = isinstance(source, torch.Tensor) and source.dtype == torch.bfloat16
+    array = as_host_array(source.view(torch.int16) if bfloat16 else source, what)
     flat = array.reshape(len(array), -1)  # a view that stays a memmap when the source is one
     if not array.flags.c_contiguous:  # rows must be contiguous to be gathered: one copy
         _warn_copied(what)
@@ -119,7 +121,7 @@ def _as_tensor(source, what):
     # Shares the array's memory; a memmap stays on disk and is paged in as rows are read.
     table = HostTable.adopt(flat, backend="numpy")
     tensor = table.as_tensor(for_reading=True).view(array.shape)
-    return tensor, FileRows.of(flat, tensor)
+    return (tensor.view(torch.bfloat16) if bfloat16 else tensor), FileRows.of(flat, tensor)
 
 
 def _check_prefetch(prefetch, batch_bytes, device):
@@ -310,6 +312,7 @@ class BatchFeeder:
 
     uint16 and uint32 sources (token ids, say) are read and moved at their
     width and delivered as int32 and int64 batches with the same values.
+    bfloat16 tensors, which numpy cannot hold, are fed as they are.
 
     Example:
         >>> feeder = ss.BatchFeeder(ss.DataGadget("x.npy"), labels, batch_size=4096)  # doctest: +SKIP
