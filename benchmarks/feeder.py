@@ -29,8 +29,8 @@ from speedswap.apps.bench import feeder
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--epochs", type=common.positive_int, default=5, help="epochs per timed repeat (fast_loops)")
-    parser.add_argument("--repeats", type=common.positive_int, default=5, help="timed repeats (GPU case: timed epochs)")
+    parser.add_argument("--epochs", type=common.positive_int, default=5, help="epochs per timed repeat (fast_loops; the per-item DataLoader runs one)")
+    parser.add_argument("--repeats", type=common.positive_int, default=5, help="timed rounds, each timing every contender once (GPU case: one epoch each)")
     parser.add_argument("--disk-gb", type=float, default=2.0, help="size of the file for the disk case, GB (10**9 bytes)")
     parser.add_argument("--disk-dir", default=tempfile.gettempdir(), help="where the disk case's file goes")
     parser.add_argument("--disk-batch", type=common.positive_int, default=2048, help="rows per batch in the disk case")

@@ -173,3 +173,25 @@ def test_benchmark_scripts_refuse_a_count_of_zero_before_any_work(script, option
                           text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert f"argument {option}: '0' is not a positive integer" in done.stderr
+
+
+@pytest.mark.parametrize("case", ["fast_loops", "regression"])
+def test_the_feeder_benchmark_times_its_contenders_round_robin(case, monkeypatch):
+    """Each contender was timed all its repeats before the next began, so drift (turbo, a noisy
+    neighbour) landed on some contenders and not others, and skewed their ratios."""
+    import torch
+
+    from speedswap.apps.bench import feeder, timing
+
+    timed = []
+    wall_once = timing._wall_once
+    monkeypatch.setattr(timing, "_wall_once", lambda fn: timed.append(fn) or wall_once(fn))
+    if case == "fast_loops":
+        result = feeder.fast_loops(epochs=1, repeats=3, rows=600, dim=4, batch=30)
+    else:
+        result = feeder.regression(rows=600, epochs=3, workers=0, device=torch.device("cpu"), dim=4, batch=30)
+    contenders = len(result["rows"])
+    assert len(set(timed)) == contenders and len(timed) == 4 * contenders  # a warm-up round and 3 timed
+    for start in range(0, len(timed), contenders):  # every round times each contender once
+        assert len(set(timed[start:start + contenders])) == contenders, start
+    assert all(row["repeats"] == 3 for row in result["rows"])

@@ -1,6 +1,8 @@
 """BatchFeeder against DataLoader, a hand-written numpy loop and the copy limit.
 
-Cases (each side by side in one run, as ratios):
+Cases (each side by side in one run, as ratios; in :func:`fast_loops` and
+:func:`regression` the contenders take turns, one timed call each per round,
+so drift falls on all of them alike):
 
 * :func:`fast_loops` -- "The fast train loops": 300,000 rows x 64 float32
   features + int64 labels, batch 300, shuffled every epoch, time per epoch of
@@ -11,7 +13,8 @@ Cases (each side by side in one run, as ratios):
   (d) ``BatchFeeder(x, y, batch_size=300)`` on the CPU.
 * :func:`disk` -- a ``.npy`` file read through a memory map, ``order="random"``
   vs ``order="block"``: epoch time and bytes per second, with the file's pages
-  evicted from the page cache before each epoch.
+  evicted from the page cache before each epoch (one epoch of each, block
+  first; ``benchmarks/disk.py`` pairs repeated epochs with ``dd``).
 * :func:`regression` -- the FFCV linear-regression shape scaled to the machine
   (rows x 1,000 float32 + a target, batch 2048): an epoch of BatchFeeder
   (pinned DataGadgets on a GPU) vs ``DataLoader`` over whole batches vs a
@@ -37,7 +40,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
 import speedswap as ss
 
-from .timing import format_table, machine, time_one
+from .timing import format_table, machine, time_interleaved
 
 __all__ = ["TARGET", "PerItem", "WholeBatch", "fast_loops", "disk", "regression", "format_fast_loops",
            "format_disk", "format_regression"]
@@ -77,11 +80,11 @@ def _drain(iterable: Iterable) -> int:
 
 
 def fast_loops(epochs: int, repeats: int, rows: int = 300_000, dim: int = 64, batch: int = 300) -> dict:
-    """Epoch time of DataLoader (per item, whole batches), a numpy loop and BatchFeeder.
+    """Epoch time of DataLoader (per item, whole batches), a numpy loop and BatchFeeder, interleaved.
 
     Args:
-        epochs: epochs per timed repeat.
-        repeats: timed repeats (the per-item DataLoader, 30x slower, runs once).
+        epochs: epochs per timed repeat (the per-item DataLoader, 30x slower, runs one).
+        repeats: timed rounds, each timing every case once.
         rows, dim, batch: the data's size.
 
     Returns:
@@ -107,24 +110,27 @@ def fast_loops(epochs: int, repeats: int, rows: int = 300_000, dim: int = 64, ba
             x_np[ids]
         return count
 
-    def epochs_of(fn: Callable[[], int]) -> Callable[[], None]:
+    def epochs_of(count: int, fn: Callable[[], int]) -> Callable[[], None]:
         def run():
-            for _ in range(epochs):
+            for _ in range(count):
                 delivered = fn()
                 if delivered != rows:
                     raise ss.SpeedswapError(f"an epoch delivered {delivered} rows, not {rows}")
         return run
 
-    cases = [("DataLoader per item", epochs_of(lambda: _drain(per_item)), 1),
-             ("DataLoader BatchSampler", epochs_of(lambda: _drain(batched)), repeats),
-             ("numpy loop", epochs_of(numpy_loop), repeats),
-             ("BatchFeeder", epochs_of(lambda: _drain(feeder)), repeats)]
+    # name: (epochs per timed call, one loop); the per-item DataLoader is 30x slower: one epoch.
+    cases = {"DataLoader per item": (1, lambda: _drain(per_item)),
+             "DataLoader BatchSampler": (epochs, lambda: _drain(batched)),
+             "numpy loop": (epochs, numpy_loop),
+             "BatchFeeder": (epochs, lambda: _drain(feeder))}
+    timings = time_interleaved({name: epochs_of(count, fn) for name, (count, fn) in cases.items()},
+                               repeats=repeats, warmup=1)
     table = []
-    for name, fn, reps in cases:
-        timing = time_one(fn, repeats=reps, warmup=1)
-        table.append({"case": name, "epoch_s": timing["median_s"] / epochs,
-                      "min_s": timing["min_s"] / epochs, "max_s": timing["max_s"] / epochs,
-                      "repeats": reps, "epochs_per_repeat": epochs})
+    for name, (count, _) in cases.items():
+        timing = timings[name]
+        table.append({"case": name, "epoch_s": timing["median_s"] / count,
+                      "min_s": timing["min_s"] / count, "max_s": timing["max_s"] / count,
+                      "repeats": timing["repeats"], "epochs_per_repeat": count})
     feeder_s = table[-1]["epoch_s"]
     for row in table:
         row["vs_feeder"] = row["epoch_s"] / feeder_s
@@ -210,11 +216,11 @@ def disk(gigabytes: float, directory: Optional[str], batch: int, max_seconds: fl
 
 def regression(rows: int, epochs: int, workers: int, device: torch.device, dim: int = 1000,
                batch: int = 2048) -> dict:
-    """An epoch of the FFCV linear-regression shape: BatchFeeder vs DataLoader vs the copy limit.
+    """An epoch of the FFCV linear-regression shape: BatchFeeder vs DataLoader vs the copy limit, interleaved.
 
     Args:
         rows: dataset rows (scale to the machine: the data is held about four times over).
-        epochs: timed epochs per case (after one warm-up epoch).
+        epochs: timed rounds, each one epoch of every case (after one warm-up round).
         workers: the DataLoader's worker processes.
         device: where batches are delivered; on ``cuda`` the data is pinned
             and times are CUDA events.
@@ -244,14 +250,12 @@ def regression(rows: int, epochs: int, workers: int, device: torch.device, dim: 
             total += xb[:, 0].sum() + yb.sum()  # touch the batch where it was delivered
         return total
 
-    cases = [("BatchFeeder", lambda: consume(feeder, False)),
-             (f"DataLoader {workers} workers" + (" pin_memory" if cuda else ""), lambda: consume(loader, True)),
-             ("contiguous copy limit", lambda: target.copy_(source, non_blocking=True))]
-    table = []
-    for name, fn in cases:
-        timing = time_one(fn, repeats=epochs, warmup=1, cuda=cuda)
-        table.append({"case": name, "epoch_s": timing["median_s"], "min_s": timing["min_s"],
-                      "max_s": timing["max_s"], "repeats": timing["repeats"]})
+    cases = {"BatchFeeder": lambda: consume(feeder, False),
+             f"DataLoader {workers} workers" + (" pin_memory" if cuda else ""): lambda: consume(loader, True),
+             "contiguous copy limit": lambda: target.copy_(source, non_blocking=True)}
+    table = [{"case": name, "epoch_s": timing["median_s"], "min_s": timing["min_s"],
+              "max_s": timing["max_s"], "repeats": timing["repeats"]}
+             for name, timing in time_interleaved(cases, repeats=epochs, warmup=1, cuda=cuda).items()]
     limit = table[-1]["epoch_s"]
     for row in table:
         row["vs_limit"] = row["epoch_s"] / limit
@@ -269,8 +273,9 @@ def format_fast_loops(result: dict) -> str:
     (rows, dim), batch = result["shape"], result["batch"]
     return "\n".join([
         f"fast train loops: {rows} x {dim} float32 + labels, batch {batch}, "
-        f"{result['epochs_per_repeat']} epochs per repeat",
-        format_table(result["rows"], ["case", "epoch_s", "min_s", "max_s", "repeats", "vs_feeder"]),
+        f"{result['epochs_per_repeat']} epochs per repeat (per item: 1), contenders interleaved",
+        format_table(result["rows"], ["case", "epoch_s", "min_s", "max_s", "repeats", "epochs_per_repeat",
+                                      "vs_feeder"]),
         f"BatchFeeder: {ratios['speedup_vs_per_item']:.1f}x per-item DataLoader, "
         f"{ratios['speedup_vs_batch_sampler']:.1f}x BatchSampler DataLoader, "
         f"{ratios['feeder_over_numpy']:.2f}x the numpy loop's time"])
