@@ -509,3 +509,12 @@ def test_create_npy_writes_token_ids_the_feeder_reads(tmp_path, rng, dtype):
         ss.data.create_npy(tmp_path / "bad.npy", (3,), dtype, lambda lo, hi: np.array([1, -1, 2])[lo:hi],
                            progress=False)
     assert not (tmp_path / "bad.npy").exists()
+
+
+def test_create_npy_takes_torch_rows_of_a_dtype_numpy_lacks(tmp_path, rng):
+    """A fill returning bfloat16 tensors (a bfloat16 model's output) died in np.asarray with a raw
+    TypeError; float32 holds every bfloat16 value exactly, so the file gets the values themselves."""
+    rows = torch.from_numpy(rng.standard_normal((50, 3)).astype(np.float32)).to(torch.bfloat16)
+    made = ss.data.create_npy(tmp_path / "x.npy", rows.shape, np.float32, lambda lo, hi: rows[lo:hi],
+                              chunk_bytes=96, progress=False)
+    np.testing.assert_array_equal(made, rows.float().numpy())

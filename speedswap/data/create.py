@@ -47,7 +47,8 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
         shape: ``(num_rows, ...)``; an int ``n`` means ``(n,)``, as in numpy.
         dtype: a dtype speedswap's tables hold (numpy, torch or a name), not
             bfloat16; or uint16/uint32, for token ids ``BatchFeeder`` reads.
-        fill: optional ``fill(start, stop) -> array`` of shape ``(stop - start, *shape[1:])``.
+        fill: optional ``fill(start, stop) -> array`` of shape ``(stop - start, *shape[1:])``
+            (numpy, or a torch tensor on any device, bfloat16 included).
         chunk_bytes: bytes per ``fill`` call.
         progress: show a tqdm bar while filling; None shows it only on a terminal.
 
@@ -142,7 +143,7 @@ def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress, name):
                   disable=disable) as bar:
             for start in range(0, shape[0], step):
                 stop = min(start + step, shape[0])
-                rows = np.asarray(fill(start, stop))
+                rows = _as_numpy(fill(start, stop))
                 if rows.shape != (stop - start, *shape[1:]):
                     raise ShapeError(f"fill({start}, {stop}) returned shape {rows.shape}; expected "
                                      f"{(stop - start, *shape[1:])} (rows start .. stop - 1)")
@@ -167,6 +168,15 @@ def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress, name):
         _sync_and_drop(fd)
     finally:
         os.close(fd)
+
+
+def _as_numpy(rows) -> np.ndarray:
+    """``fill``'s rows as a numpy array; a torch tensor may be on any device, and bfloat16."""
+    if isinstance(rows, torch.Tensor):
+        rows = rows.detach().cpu()
+        # numpy has no bfloat16: float32 holds each of its values exactly.
+        return (rows.float() if rows.dtype == torch.bfloat16 else rows).numpy()
+    return np.asarray(rows)
 
 
 def _check_converted(rows, data, start, stop):
