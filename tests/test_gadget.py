@@ -239,12 +239,21 @@ def test_bad_arguments(make, error, match):
         make()
 
 
-def test_closed_gadget_says_so(rng):
-    gadget = ss.DataGadget(random_data(rng, (5, 2)), backend="numpy")
-    gadget.get([0])
-    gadget.close()
-    with pytest.raises(ss.StateError, match="closed"):
+@pytest.mark.parametrize("read_first", [True, False])
+def test_closed_gadget_says_so(rng, kind, tmp_path, read_first):
+    # Closed before its first read, it read the data again on the next get (and fed a BatchFeeder);
+    # its repr raised the StateError instead of saying it was closed.
+    data = random_data(rng, (5, 2))
+    gadget = gadget_of(data, kind, tmp_path, backend="numpy")
+    if read_first:
         gadget.get([0])
+    gadget.close()
+    assert gadget.closed and "closed" in repr(gadget)
+    np.save(tmp_path / "other.npy", random_data(rng, (3, 2)))
+    for use in (lambda: gadget.get([0]), lambda: ss.BatchFeeder(gadget, batch_size=2, device="cpu"),
+                lambda: gadget.load(tmp_path / "other.npy")):
+        with pytest.raises(ss.StateError, match="closed"):
+            use()
 
 
 def test_a_mapped_file_truncated_after_opening_raises_not_sigbus(rng, tmp_path):

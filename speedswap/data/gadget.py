@@ -90,6 +90,7 @@ class DataGadget:
         self._mmap = mmap
         self._backend = get_backend(backend, device)
         self._table = None
+        self._closed = False  # closed before its first read there is no table to say so
         self._mapped = None  # the identity of the file a mapped table maps
         self._set_source(source)
 
@@ -134,10 +135,10 @@ class DataGadget:
         return self
 
     def _live_table(self):
+        if self.closed:
+            raise StateError("this DataGadget is closed; build a new one to read the data again")
         if self._table is None:
             self._table = self._build_table()
-        elif self._table.closed:
-            raise StateError("this DataGadget is closed; build a new one to read the data again")
         return self._table
 
     def _wants_mmap(self, nbytes):
@@ -209,6 +210,11 @@ class DataGadget:
         return self._live_table().storage
 
     @property
+    def closed(self) -> bool:
+        """Whether the gadget was closed (or its table was): its rows are gone."""
+        return self._closed or (self._table is not None and self._table.closed)
+
+    @property
     def path(self):
         """The ``.npy`` file the data came from, or None for an in-memory array."""
         return self._path
@@ -218,7 +224,10 @@ class DataGadget:
 
     def __repr__(self):
         where = repr(self._path) if self._path is not None else "<array>"
-        state = "not read yet" if self._table is None else f"storage={self.storage!r}"
+        if self.closed:
+            state = "closed"
+        else:
+            state = "not read yet" if self._table is None else f"storage={self.storage!r}"
         return f"DataGadget({where}, shape={self.shape}, {state})"
 
     # ------------------------------------------------------------- transport
@@ -328,7 +337,10 @@ class DataGadget:
         Raises:
             FileFormatError, FileNotFoundError, OptionError: as the constructor.
             OutOfMemoryError: no room for the new rows.
+            StateError: the gadget is closed.
         """
+        if self.closed:  # as a closed HostTable's load_from: nothing is read
+            raise StateError("this DataGadget is closed; build a new one over the file to read it")
         source = (self._path, self._array, self._header, self._row_shape, self._num_rows, self._mapped)
         self._set_source(path)
         try:
@@ -357,7 +369,8 @@ class DataGadget:
         return self._live_table().to_numpy(copy=copy).reshape(self.shape)
 
     def close(self):
-        """Release the rows' memory (flushing a mapped file). Idempotent."""
+        """Release the rows' memory (flushing a mapped file); later use raises StateError. Idempotent."""
+        self._closed = True
         if self._table is not None:
             self._table.close()
 
