@@ -469,6 +469,21 @@ def test_a_prefetch_whose_batches_would_not_fit_in_half_the_ram_is_refused_befor
     assert reader_threads() == []
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_prefetch_fits_in_half_the_free_memory_counting_what_torch_caches(monkeypatch, rng):
+    # Memory torch's caching allocator holds unused is free to batches, though mem_get_info counts it used.
+    x = rng.standard_normal((4096, 256)).astype(np.float32)  # 1 KiB a row: a batch of 512 is 512 KiB
+    torch.cuda.empty_cache()
+    cached = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del cached  # 64 MiB stays reserved by the allocator, used by no tensor
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 1 << 40))  # the GPU full
+    fits = ss.BatchFeeder(x, batch_size=512, prefetch=2, seed=1, device="cuda")  # 4 batches: 2 MiB
+    fed = torch.cat([b for (b,) in fits]).cpu().numpy()
+    np.testing.assert_array_equal(np.sort(fed, axis=0), np.sort(x, axis=0))
+    with pytest.raises(ss.OptionError, match=r"half the free memory of cuda.*prefetch <= "):
+        ss.BatchFeeder(x, batch_size=512, prefetch=10**6, device="cuda")
+
+
 def test_numpy_bools_and_ints_pass_where_python_ones_do(rng):
     """np.True_ was refused as "must be True ... or False, got np.True_", and a state holding
     np.int64 positions (kept in a numpy or Arrow log) as "not one of this feeder's"."""

@@ -142,7 +142,9 @@ def _check_prefetch(prefetch, batch_bytes, device):
     """
     room, where = available_ram() // 2, "half the RAM available now"
     if device.type == "cuda":
-        free_on_device = torch.cuda.mem_get_info(device)[0] // 2
+        # What torch's caching allocator holds but no tensor uses is free to the batches too.
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free_on_device = (torch.cuda.mem_get_info(device)[0] + unused) // 2
         if free_on_device < room:
             room, where = free_on_device, f"half the free memory of {device}"
     if (prefetch + 2) * batch_bytes > room:
