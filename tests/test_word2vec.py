@@ -377,6 +377,49 @@ def test_analogies_are_solved_by_3cosadd_excluding_the_question_words():
     score = evaluate.analogy_accuracy(vectors, words, questions)
     assert (score.value, score.used, score.total) == (0.5, 2, 3)
 
+
+def _gensim_analogy_accuracy(vectors, words, questions):
+    """gensim's ``evaluate_word_analogies`` with its defaults, written out: words keyed upper-cased (the
+    most frequent spelling's row), ``most_similar(positive=[b, c], negative=[a], topn=5)``, and the first
+    of those five whose key is none of the question's three is the answer."""
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    keys = {word.upper(): i for i, word in reversed(list(enumerate(words)))}
+    solved = used = 0
+    for question in questions:
+        a, b, c, expected = (word.upper() for word in question)
+        if not all(word in keys for word in (a, b, c, expected)):
+            continue
+        used += 1
+        mean = unit[keys[b]] + unit[keys[c]] - unit[keys[a]]
+        ranked = [i for i in np.argsort(-(unit @ mean), kind="stable") if i not in (keys[a], keys[b], keys[c])]
+        predicted = None
+        for i in ranked[:5]:
+            predicted = words[i].upper()
+            if predicted not in (a, b, c):
+                break
+        solved += predicted == expected
+    return solved / used, used
+
+
+def test_analogies_count_a_words_other_spellings_as_gensim_does(rng):
+    words = ["man", "woman", "king", "queen", "france", "paris", "germany", "berlin"]
+    words += [f"w{i}" for i in range(40)] + ["Queen", "Paris", "KING", "Straße"]
+    vectors = rng.standard_normal((len(words), 8))
+    row = {word: i for i, word in enumerate(words)}
+    # "Queen" is the answer's other spelling, nearest b - a + c: gensim counts the question solved.
+    vectors[row["Queen"]] = vectors[row["king"]] - vectors[row["man"]] + vectors[row["woman"]]
+    vectors[row["queen"]] = vectors[row["Queen"]] + 0.3 * rng.standard_normal(8)
+    # "Paris" is a question word's other spelling, nearest b - a + c: gensim passes over it to "berlin".
+    vectors[row["Paris"]] = vectors[row["paris"]] - vectors[row["france"]] + vectors[row["germany"]]
+    vectors[row["berlin"]] = vectors[row["Paris"]] + 0.01 * rng.standard_normal(8)
+    vectors[row["KING"]] = vectors[row["king"]] + 0.01 * rng.standard_normal(8)
+    questions = [("man", "king", "woman", "queen"), ("france", "paris", "germany", "berlin")]
+    # gensim compares words upper-cased, so "strasse" is "Straße" (lower-cased, they differ).
+    questions += [tuple(rng.choice(words[:48], 4)) for _ in range(200)] + [("man", "woman", "strasse", "w1")]
+    score = evaluate.analogy_accuracy(vectors, words, questions, batch=7)
+    assert (score.value, score.used) == pytest.approx(_gensim_analogy_accuracy(vectors, words, questions))
+    assert evaluate.analogy_accuracy(vectors, words, questions[:2]).value == 1.0
+
 @pytest.mark.parametrize("rows", [3, 6])
 def test_evaluation_refuses_vectors_without_one_row_per_word(rows, rng):
     words = ["man", "woman", "king", "queen", "prince"]

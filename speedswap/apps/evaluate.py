@@ -13,7 +13,11 @@
 Both match gensim's ``KeyedVectors.evaluate_word_pairs`` and
 ``evaluate_word_analogies`` with their defaults (case-insensitive; only the
 300,000 most frequent words are candidates), so figures compare across the
-two libraries.
+two libraries. Case-insensitive means what it means there: words are
+compared upper-cased, a word's vector is its most frequent spelling's, and
+an analogy's answer is the first of the five words nearest ``b - a + c``
+(the question words' rows excluded) that is not another spelling of a
+question word; it is right when it is a spelling of ``d``.
 
 >>> import numpy as np
 >>> vectors = np.array([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
@@ -140,10 +144,13 @@ def _check_rows(vectors, words: Sequence[str]) -> None:
 
 
 def _index(words: Sequence[str], limit: int) -> dict:
-    # The first (most frequent) spelling wins when lower-casing merges two words, as in gensim.
+    """The row of each upper-cased word among the first ``limit``: gensim's case-insensitive vocabulary.
+
+    The first (most frequent) spelling wins when upper-casing merges two words, as in gensim.
+    """
     index = {}
     for i, word in enumerate(words[:limit]):
-        index.setdefault(word.lower(), i)
+        index.setdefault(word.upper(), i)
     return index
 
 
@@ -173,7 +180,8 @@ def word_similarity(vectors: np.ndarray, words: Sequence[str], pairs: Sequence[t
     """
     _check_rows(vectors, words)
     index = _index(words, RESTRICT_VOCAB)
-    known = [(index[a], index[b], s) for a, b, s in pairs if a in index and b in index]
+    known = [(index[a.upper()], index[b.upper()], s) for a, b, s in pairs
+             if a.upper() in index and b.upper() in index]
     if len(known) < 2:
         return Score(float("nan"), len(known), len(pairs))
     unit = _unit(vectors)
@@ -203,16 +211,23 @@ def analogy_accuracy(vectors: np.ndarray, words: Sequence[str], questions: Seque
     _check_rows(vectors, words)
     batch = convert.int_option(batch, "batch", hint=" (questions per matrix product)")
     index = _index(words, RESTRICT_VOCAB)
-    known = np.array([[index[w] for w in q] for q in questions if all(w in index for w in q)],
+    known = np.array([[index[w.upper()] for w in q] for q in questions if all(w.upper() in index for w in q)],
                      dtype=np.int64).reshape(-1, 4)
     if not len(known):
         return Score(float("nan"), 0, len(questions))
     unit = _unit(vectors[:RESTRICT_VOCAB])
+    # Each candidate row's word as the questions name it: the row of its most frequent spelling.
+    spelling_of = torch.tensor([index[word.upper()] for word in words[:RESTRICT_VOCAB]])
     correct = 0
     for start in range(0, len(known), batch):
         q = torch.from_numpy(known[start:start + batch])
         target = unit[q[:, 1]] - unit[q[:, 0]] + unit[q[:, 2]]
         sim = target @ unit.T
         sim.scatter_(1, q[:, :3], float("-inf"))  # the question's own words are never the answer
-        correct += int((sim.argmax(1) == q[:, 3]).sum())
+        # gensim's most_similar(topn=5), then its first word that is no spelling of a, b or c
+        # (its last one when all five are).
+        nearest = spelling_of[sim.topk(min(5, sim.shape[1]), dim=1).indices]
+        asked = (nearest.unsqueeze(2) == q[:, None, :3]).any(2)
+        first = torch.where(asked.all(1), nearest.shape[1] - 1, (~asked).to(torch.uint8).argmax(1))
+        correct += int((nearest.gather(1, first.unsqueeze(1)).squeeze(1) == q[:, 3]).sum())
     return Score(correct / len(known), len(known), len(questions))
