@@ -9,7 +9,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from .apps.arguments import positive_int, seed
+from .apps.arguments import nonnegative_int, positive_int, seed
 from .apps.demo import BACKEND_OF_DEVICE
 from .atomic import atomic_output
 from .errors import SpeedswapError
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "vectors, loss and purity)")
     demo.add_argument("--json", type=_json_file, metavar="PATH",
                       help="also write the summary to PATH as JSON (replaced atomically)")
-    demo.add_argument("--cache-rows", type=int, default=0, metavar="N",
+    demo.add_argument("--cache-rows", type=nonnegative_int, default=0, metavar="N",
                       help="keep N hot rows of each table on the device between steps, prefetching the next "
                            "batch's (0: no cache)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")

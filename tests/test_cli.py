@@ -121,8 +121,10 @@ def test_demo_seed_json_and_mmap_tables(tmp_path, monkeypatch, capsys, torch_thr
     (["--storage", "mmap", "--table-dir", "{tmp}/full/file"], "is a file; give a directory"),
     (["--json", "{tmp}/nope/summary.json"], "does not exist; create it first"),
     (["--json", "{tmp}/full"], "is a directory; give a file name"),
+    # Refused by the training run once the corpus was built, and named as the API's cache_rows.
+    (["--cache-rows", "-1"], "argument --cache-rows: '-1' is not an integer >= 0"),
 ])
-def test_demo_refuses_bad_paths_before_it_runs(options, says, tmp_path, monkeypatch, capsys):
+def test_demo_refuses_bad_paths_and_numbers_before_it_runs(options, says, tmp_path, monkeypatch, capsys):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "file").write_text("someone's")
     monkeypatch.setattr(demo, "run_demo", lambda **kwargs: pytest.fail("the demo ran"))
