@@ -162,6 +162,16 @@ def test_an_epoch_reads_every_token_once_and_a_partial_batch_trains():
     assert result.pairs > (result.steps - 10) * 4096 - 1 and result.pairs % 4096 != 0
 
 
+def test_the_losses_end_with_the_last_steps_whatever_sets_the_runs_length():
+    corpus = synthetic_corpus(vocab=300, topics=4, tokens=20_000, seed=0)
+    options = dict(dim=8, batch_size=256, schedule="constant", backend="numpy", progress=False)
+    one_pass = word2vec.train(corpus, epochs=1, **options)
+    assert one_pass.steps % 50 not in (0, 1)  # a step whose loss is not read for the progress bar
+    # The same batches and rates, counted in steps: the run records its last step's loss.
+    counted = word2vec.train(corpus, steps=one_pass.steps, **options)
+    assert one_pass.losses == counted.losses and one_pass.losses[-1][0] == one_pass.steps
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_linear_schedule_decays_to_word2vecs_floor_and_constant_stays(optimizer):
     corpus = synthetic_corpus(vocab=300, topics=4, tokens=20_000, seed=0)

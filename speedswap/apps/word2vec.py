@@ -103,7 +103,7 @@ class TrainResult:
 
     Attributes:
         vectors: the trained centre (input) vectors, ``(vocab, dim)`` numpy.
-        losses: ``(step, mean loss per pair)`` every few steps.
+        losses: ``(step, mean loss per pair)`` of step 1, every 50th step after it, and the last step.
         words: corpus tokens read (before subsampling), word2vec's unit of speed.
         pairs: (centre, context) pairs trained on.
         steps: optimizer steps taken.
@@ -505,19 +505,26 @@ class _Run:
                 self.steps += 1
                 self.pairs += len(batch)
                 scheduler.step()  # the next step's rate, from the share read so far
+                last = (loss, len(batch))
                 # Reading the loss synchronises a GPU; do it only as often as the bar redraws.
                 if self.steps % 50 == 1 or self.steps == self.total_steps:
-                    self.losses.append((self.steps, float(loss) / len(batch)))
-                    check_finite_loss(self.losses[-1], len(batch), scheduler.base_lrs[0])
+                    self._record(*last, scheduler)
                     bar.set_postfix(loss=f"{self.losses[-1][1]:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}",
                                     refresh=False)
                 bar.update(1 if self.total_steps else batch.words)
                 if self.steps == self.total_steps:
                     break
                 batch = upcoming
+        if self.steps and self.losses[-1][0] != self.steps:  # a run of epochs ends on any step
+            self._record(*last, scheduler)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - start
+
+    def _record(self, loss: torch.Tensor, pairs: int, scheduler) -> None:
+        """Append the step's loss per pair to :attr:`losses`, stopping a run whose loss overflowed."""
+        self.losses.append((self.steps, float(loss) / pairs))
+        check_finite_loss(self.losses[-1], pairs, scheduler.base_lrs[0])
 
 
 def nearest_neighbours(vectors: np.ndarray, query_ids: Sequence[int], candidate_ids: Sequence[int],
