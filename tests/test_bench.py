@@ -17,6 +17,7 @@ import torch
 from speedswap.__main__ import main
 from speedswap.apps.bench import feeder, gpu_tests, suite, summary, training_step, transport, word2vec
 from speedswap.apps.bench.summary import render_summary, target_rows
+from speedswap.apps.corpus import synthetic_corpus
 
 from conftest import gpu_only_first
 
@@ -468,6 +469,17 @@ def test_a_word2vec_contender_that_raises_is_dropped_and_the_others_still_run(mo
     assert len(calls) == 1  # not tried again in round 2
     assert payload["skipped"]["gensim"] == "failed in round 1: RuntimeError: cuSPARSE said no"
     assert "Traceback" in payload["failures"]["gensim"]
+
+
+def test_gensims_word2vec_contender_scores_a_corpus_that_leaves_words_unused():
+    pytest.importorskip("gensim")
+    size = dict(vocab=3000, topics=10, tokens=30_000, dim=16, epochs=1, batch_size=1024)
+    corpus = synthetic_corpus(size["vocab"], size["topics"], size["tokens"], seed=0)
+    # As in the demo's corpus (1,004 of its 100,000 words never occur): gensim's vocabulary lacks them.
+    assert (corpus.counts == 0).any()
+    sentences, words = word2vec._gensim_sentences(corpus)
+    figures = word2vec._gensim(corpus, size, sentences, words, seed=0)  # was KeyError: "Key '611' not present"
+    assert 0 <= figures["topic_purity"] <= 1 and figures["words_per_second"] > 0
 
 
 def test_summary_when_the_demo_recipes_gpu_contender_failed_and_others_ran():

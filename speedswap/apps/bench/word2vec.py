@@ -112,7 +112,11 @@ def _gensim(corpus: Corpus, size: dict, sentences: list, words: list, seed: int)
     start = time.perf_counter()
     model.train(sentences, total_examples=model.corpus_count, epochs=size["epochs"])
     seconds = time.perf_counter() - start
-    vectors = np.stack([model.wv[w] for w in words])
+    # A word the corpus never uses is not in gensim's vocabulary: its row stays zero, and topic
+    # purity, which scores frequent words only, never reads it.
+    vectors = np.zeros((corpus.vocab_size, size["dim"]), dtype=np.float32)
+    used = np.flatnonzero(corpus.counts)
+    vectors[used] = model.wv[[words[i] for i in used]]
     purity, _ = word2vec.topic_purity(vectors, corpus)
     return {"words_per_second": len(corpus.tokens) * size["epochs"] / seconds, "seconds": seconds,
             "topic_purity": purity, "workers": word2vec.cores_granted(), "gensim": gensim.__version__}
