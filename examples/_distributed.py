@@ -10,8 +10,12 @@ Each rank owns ``1/W`` of every table's rows and of their Adam state
 epoch (:class:`speedswap.BatchFeeder` takes rank and world size from
 ``torch.distributed``), and trains on ``--batch-size / W`` pairs per step, so
 one step covers the same number of pairs as one process does. The ranks'
-gradients are averaged, as DDP averages them; the loss is reported per pair,
-over every rank's pairs, as the one-process run reports it.
+gradients are averaged, as DDP averages them: the recommender's loss is a
+mean, so the average is one process's gradient; word2vec's is a sum over
+pairs (its ``--lr`` is per pair), so each rank's is multiplied by ``W``
+first, and a step moves the rows as one process's step on all the ranks'
+pairs would. The loss is reported per pair, over every rank's pairs, as the
+one-process run reports it.
 """
 
 import os
@@ -151,7 +155,9 @@ def word2vec_sharded(args, corpus, backend):
         centres, contexts = next(batches)
         loss = model(centres, contexts, sampler((len(centres), args.negatives)))
         optimizer.zero_grad()
-        loss.backward()
+        # The rows' gradients are averaged over the ranks, as DDP averages; word2vec's loss sums its
+        # pairs' (lr is per pair), so W times each rank's loss averages to the sum over all ranks' pairs.
+        (loss * world).backward()
         optimizer.step()  # gradients reach the rows' owners, which step them
         if step % 20 == 0 or step == steps - 1:
             # The loss is summed over a rank's pairs: the sum over every rank's, per pair.

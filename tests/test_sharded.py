@@ -449,6 +449,17 @@ def test_word2vec_example_under_torchrun(tmp_path):
     assert figures["bytes_sent_per_step"] > 0
 
 
+@pytest.mark.slow
+def test_word2vec_example_under_torchrun_steps_sgd_at_one_process_rate(tmp_path):
+    """--lr is per pair, as in one process: each rank's summed loss, averaged over the ranks, trained at lr / 2."""
+    figures = _example_under_torchrun(
+        "word2vec.py", ["--vocab", "2000", "--topics", "20", "--tokens", "200000", "--dim", "32",
+                        "--steps", "150", "--batch-size", "512", "--optimizer", "sgd"], tmp_path)
+    # One process (examples/word2vec.py --schedule constant --autograd, the same sizes) ends at 3.49 per pair,
+    # and at half the rate at 4.12, where the ranks' averaged gradients left this run.
+    assert figures["losses"][-1][1] < 3.8
+
+
 def test_one_rank_bfloat16_equals_offloaded_embedding(rng):
     """Without a process group the sharded class is one shard; bfloat16 rows train in float32."""
     table0 = torch.from_numpy(rng.standard_normal((40, 4), dtype=np.float32)).to(torch.bfloat16)
