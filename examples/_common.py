@@ -14,7 +14,7 @@ import torch
 
 import speedswap as ss
 from speedswap.apps.arguments import (SEED_LIMIT, nonnegative_float, nonnegative_int,  # noqa: F401 (the examples')
-                                       positive_float, positive_int, seed, share)
+                                       positive_float, positive_int, seed, share, table_directory)
 from speedswap.apps.demo import BACKEND_OF_DEVICE
 from speedswap.atomic import atomic_output
 

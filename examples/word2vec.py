@@ -63,7 +63,7 @@ from speedswap.atomic import atomic_output  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (HelpFormatter, add_common_arguments, backend_and_device, check_torchrun,  # noqa: E402
                      existing_file, nonnegative_float, nonnegative_int, positive_float, positive_int, run,
-                     writable_file, write_json)
+                     table_directory, writable_file, write_json)
 from _distributed import STEPS, word2vec_sharded  # noqa: E402
 
 
@@ -122,7 +122,8 @@ def add_training_arguments(parser):
                        "torch gets the rest (default: OMP_NUM_THREADS, else every core this process may use)")
     group.add_argument("--storage", default="pinned", choices=ss.STORAGE_KINDS,
                        help="where tables and optimizer state live (mmap: files, for more than RAM)")
-    group.add_argument("--table-dir", help="directory for --storage mmap's files")
+    group.add_argument("--table-dir", type=table_directory,
+                       help="a new or empty directory for --storage mmap's files")
     group.add_argument("--speedtorch-api", action="store_true",
                        help="train through ModelFactory/OptimizerFactory instead of OffloadedEmbedding")
     gradients = group.add_mutually_exclusive_group()

@@ -9,7 +9,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from .apps.arguments import nonnegative_int, positive_int, seed
+from .apps.arguments import nonnegative_int, positive_int, seed, table_directory
 from .apps.demo import BACKEND_OF_DEVICE
 from .atomic import atomic_output
 from .errors import SpeedswapError
@@ -57,18 +57,6 @@ def _json_file(text: str) -> str:
                                          f"(mkdir -p) or write the summary elsewhere")
     if not os.access(directory, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write in {directory!r}; write the summary somewhere writable")
-    return text
-
-
-def _table_dir(text: str) -> str:
-    """``--table-dir``'s type: a new or empty directory for the table files, or argparse's error."""
-    if os.path.exists(text) and not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a directory for the table files")
-    if os.path.isdir(text) and os.listdir(text):
-        # The demo makes its tables afresh and never replaces files: a second run into the
-        # same directory would stop at the first table file, after building the corpus.
-        raise argparse.ArgumentTypeError(f"{text!r} is not empty; give a new or empty directory (the "
-                                         f"demo writes fresh table files), or remove what is in it")
     return text
 
 
@@ -135,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--storage", default="pinned", choices=("pinned", "mapped", "pageable", "device", "mmap"),
                       help="where the tables and optimizer state live (mmap: memory-mapped .npy files)")
     # Named as in examples/word2vec.py, which takes the same directory.
-    demo.add_argument("--table-dir", type=_table_dir, metavar="DIR",
+    demo.add_argument("--table-dir", type=table_directory, metavar="DIR",
                       help="with --storage mmap: a new or empty directory for the table files, kept after the "
                            "run (default: a temporary directory, removed at the end)")
     demo.add_argument("--seed", type=seed, default=0, metavar="N",

@@ -368,6 +368,25 @@ def test_examples_refuse_bad_arguments_before_they_start(name, args, message, tm
     assert sorted(tmp_path.iterdir()) == []  # no data directory, no figures
 
 
+@pytest.mark.parametrize("occupant, message", [
+    ("a file", "--table-dir: '.*' is a file; give a directory for the table files"),
+    ("a directory holding files", "--table-dir: '.*' is not empty; give a new or empty directory"),
+])
+def test_word2vec_refuses_a_table_dir_it_cannot_fill_before_it_builds_the_corpus(occupant, message, tmp_path,
+                                                                                   capsys, monkeypatch):
+    import speedswap.apps.corpus as corpus
+    table_dir = tmp_path / "tables"
+    if occupant == "a file":
+        table_dir.write_text("someone's")
+    else:
+        (table_dir / "centre").mkdir(parents=True)
+        (table_dir / "centre" / "table.npy").write_text("a run's")
+    # A text8-sized corpus takes a minute to read: it was built, then train() refused the directory.
+    monkeypatch.setattr(corpus, "synthetic_corpus", lambda *a, **k: pytest.fail("the corpus was built"))
+    error = _refused("word2vec", ["--storage", "mmap", "--table-dir", table_dir], capsys)
+    assert re.search(message, error), error
+
+
 def test_logistic_regression_refuses_arrays_it_cannot_train_on(tmp_path, capsys):
     rng = np.random.default_rng(4)
     x = rng.standard_normal((60, 3))

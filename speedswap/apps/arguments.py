@@ -1,4 +1,4 @@
-"""argparse ``type=`` checks of numbers, shared by the command lines (``python -m speedswap``, the examples, the benchmarks).
+"""argparse ``type=`` checks of numbers and directories, shared by the command lines (``python -m speedswap``, the examples, the benchmarks).
 
 Each turns a bad value into argparse's own one-line error (exit status 2)
 before anything runs, saying what was expected: a 0 or a negative count
@@ -9,9 +9,10 @@ a corpus was built with it.
 
 import argparse
 import math
+import os
 
 __all__ = ["positive_int", "nonnegative_int", "positive_float", "nonnegative_float", "share", "seed",
-           "SEED_LIMIT"]
+           "SEED_LIMIT", "table_directory"]
 
 
 def _number(text: str, kind, accept, expected: str):
@@ -57,3 +58,15 @@ SEED_LIMIT = 2 ** 32
 def seed(text: str) -> int:
     """argparse ``type=`` for ``--seed``: an integer in [0, 2**32)."""
     return _number(text, int, lambda n: 0 <= n < SEED_LIMIT, "a seed: an integer from 0 to 2**32 - 1")
+
+
+def table_directory(text: str) -> str:
+    """argparse ``type=`` for ``--table-dir``: a new or empty directory for ``storage="mmap"``'s table files."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a directory for the table files")
+    if os.path.isdir(text) and os.listdir(text):
+        # The run makes its tables afresh and never replaces files: a second run into the
+        # same directory would stop at the first table file, after building the corpus.
+        raise argparse.ArgumentTypeError(f"{text!r} is not empty; give a new or empty directory (the "
+                                         f"run writes fresh table files), or remove what is in it")
+    return text
