@@ -804,6 +804,16 @@ def test_training_refuses_a_table_directory_without_mmap_storage(speedtorch_api,
 
 
 @pytest.mark.parametrize("speedtorch_api", [False, True])
+def test_training_refuses_mmap_storage_without_a_table_directory(speedtorch_api, monkeypatch):
+    # The first table refused it, after the pair thread started, asking for its own path=, which train() has not.
+    monkeypatch.setattr(word2vec, "PairChunks", lambda *a, **k: pytest.fail("the run started"))
+    corpus = synthetic_corpus(vocab=100, topics=4, tokens=2000, seed=0)
+    with pytest.raises(ss.OptionError, match="storage='mmap' keeps the tables in files: pass directory="):
+        word2vec.train(corpus, dim=4, steps=2, batch_size=32, backend="numpy", storage="mmap",
+                       speedtorch_api=speedtorch_api, progress=False)
+
+
+@pytest.mark.parametrize("speedtorch_api", [False, True])
 def test_an_mmap_run_makes_its_table_directory_with_either_api(speedtorch_api, tmp_path):
     corpus = synthetic_corpus(vocab=100, topics=4, tokens=2000, seed=0)
     options = dict(dim=4, steps=2, batch_size=32, backend="numpy", storage="mmap", speedtorch_api=speedtorch_api,

@@ -337,7 +337,8 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
         directory: for ``storage="mmap"``, where the table and state files go
             (``centre/``, ``context/``; with the SpeedTorch API ``centre.npy``,
             ``context.npy``, ``centre-state/``, ``context-state/``); none of them
-            may exist yet (empty directories may). Refused with other storage kinds.
+            may exist yet (empty directories may). Needed with ``storage="mmap"``, refused with
+            other storage kinds.
         speedtorch_api: train through ``ModelFactory``/``OptimizerFactory``
             instead of :class:`~speedswap.OffloadedEmbedding` (always with autograd).
         autograd: differentiate :class:`~speedswap.apps.skipgram.SkipGram`
@@ -375,7 +376,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
             ``batch_size``, ``window``, ``chunk_tokens``), ``negatives`` or
             ``seed`` below 0, ``seed`` not below 2**32, ``lr`` not > 0,
             ``subsample`` below 0, infinite or NaN, or ``directory`` without
-            ``storage="mmap"``. All are checked before the
+            ``storage="mmap"`` or ``storage="mmap"`` without it. All are checked before the
             pair thread starts or a table is built. Also raised, after the
             tables are built, when subsampling left a whole pass without a pair.
         DTypeError: ``lr`` or ``subsample`` is not a real number.
@@ -407,7 +408,10 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     if directory is not None and storage != "mmap":
         raise ss.OptionError(f"directory={os.fspath(directory)!r} is where storage='mmap' keeps the table "
                              f"files, but storage is {storage!r}; drop directory or use storage='mmap'")
-    if storage == "mmap" and directory is not None:
+    if storage == "mmap" and directory is None:
+        raise ss.OptionError("storage='mmap' keeps the tables in files: pass directory= a new or empty "
+                             "directory for them, or use another storage")
+    if storage == "mmap":
         _check_fresh(directory, ("centre.npy", "context.npy", "centre-state", "context-state") if speedtorch_api
                      else ("centre", "context"))
     args = (corpus.vocab_size, dim, batch_size, negatives, _OPTIMIZERS[optimizer], lr, seed, storage, backend,
