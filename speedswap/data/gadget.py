@@ -180,32 +180,32 @@ class DataGadget:
 
     # ------------------------------------------------------------ properties
     @property
-    def shape(self):
+    def shape(self) -> tuple:
         """``(n, *row_shape)``, the dataset's shape."""
         return (self._num_rows, *self._row_shape)
 
     @property
-    def row_shape(self):
+    def row_shape(self) -> tuple:
         """The shape of one row (``()`` for a 1-D dataset such as labels)."""
         return self._row_shape
 
     @property
-    def table(self):
+    def table(self) -> HostTable:
         """The :class:`~speedswap.HostTable` holding the rows (reads them if needed)."""
         return self._live_table()
 
     @property
-    def dtype(self):
+    def dtype(self) -> torch.dtype:
         """The torch dtype of the rows."""
         return self._live_table().dtype
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         """The device :meth:`get` returns tensors on."""
         return self._live_table().device
 
     @property
-    def storage(self):
+    def storage(self) -> str:
         """Where the rows live: a storage kind, ``mmap`` when mapped from the file."""
         return self._live_table().storage
 
@@ -215,7 +215,7 @@ class DataGadget:
         return self._closed or (self._table is not None and self._table.closed)
 
     @property
-    def path(self):
+    def path(self) -> Optional[str]:
         """The ``.npy`` file the data came from, or None for an in-memory array."""
         return self._path
 
@@ -231,7 +231,7 @@ class DataGadget:
         return f"DataGadget({where}, shape={self.shape}, {state})"
 
     # ------------------------------------------------------------- transport
-    def get(self, idx):
+    def get(self, idx) -> torch.Tensor:
         """Rows ``idx`` as a tensor on :attr:`device`.
 
         Args:
@@ -255,7 +255,7 @@ class DataGadget:
         rows = table.gather(idx)
         return rows.view((*rows.shape[:-1], *self._row_shape))  # a tuple: () for one label
 
-    def put(self, t, idx):
+    def put(self, t, idx) -> None:
         """Write ``t[i]`` into row ``idx[i]`` (through to the file when memory-mapped; see :meth:`flush`).
 
         Args:
@@ -283,7 +283,7 @@ class DataGadget:
             np.asarray(t).reshape(count, table.dim)
         table.scatter(idx, values)
 
-    def flush(self):
+    def flush(self) -> None:
         """Make rows written with :meth:`put` durable: a mapped file is synced to disk.
 
         ``put`` on a memory-mapped gadget writes through to the file at once
@@ -297,7 +297,7 @@ class DataGadget:
         self._live_table().flush()
 
     # ------------------------------------------------------------------ files
-    def save(self, path):
+    def save(self, path: "str | os.PathLike") -> None:
         """Write the dataset to a ``.npy`` file atomically (previous file intact on failure).
 
         Args:
@@ -307,6 +307,7 @@ class DataGadget:
             OptionError: ``path`` is not a ``.npy`` file.
             PathError: ``path`` is the file the gadget maps, but the gadget
                 holds only part of it (a slice) or reads it as another dtype.
+            StateError: the gadget is closed.
         """
         if files.file_format(path) != "npy":
             raise OptionError(f"DataGadget saves .npy files; name the target *.npy, got {os.fspath(path)!r}")
@@ -319,7 +320,7 @@ class DataGadget:
         chunks = (rows[start:stop].cpu().numpy() for start, stop in files.row_ranges(table.shape, np_dtype))
         files.write_npy(path, self.shape, np_dtype, chunks)
 
-    def load(self, path):
+    def load(self, path: "str | os.PathLike") -> "DataGadget":
         """Replace the data with a ``.npy`` file's (any shape), held as this gadget was asked to.
 
         All or nothing: the new rows are read before the old ones are
@@ -356,7 +357,7 @@ class DataGadget:
             old.close()
         return self
 
-    def to_numpy(self, copy=False):
+    def to_numpy(self, copy: bool = False) -> np.ndarray:
         """The data as a numpy array of :attr:`shape`.
 
         Args:
@@ -368,7 +369,7 @@ class DataGadget:
         """
         return self._live_table().to_numpy(copy=copy).reshape(self.shape)
 
-    def close(self):
+    def close(self) -> None:
         """Release the rows' memory (flushing a mapped file); later use raises StateError. Idempotent."""
         self._closed = True
         if self._table is not None:
