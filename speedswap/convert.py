@@ -68,17 +68,20 @@ def float_option(value, name) -> float:
 
     Raises:
         DTypeError: not a real number.
-        OptionError: NaN or infinite.
+        OptionError: NaN, infinite, or an int too large for a float.
     """
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise DTypeError(f"{name} must be a real number, got {value!r} of type "
                          f"{type(value).__name__}")
-    value = float(value)
-    if not np.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range (2**1024): as unusable as inf
+        number = float("inf")
+    if not np.isfinite(number):
         raise OptionError(f"{name} must be finite, got {value!r}")
-    return value
+    return number
 
 
 _NUMPY_TO_TORCH = {

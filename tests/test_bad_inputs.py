@@ -276,6 +276,8 @@ CASES = [
     ("table", lambda o, d: o.normal_(0, -1), ss.OptionError, "std >= 0"),
     ("table", lambda o, d: o.normal_(float("nan")), ss.OptionError, "finite"),
     ("table", lambda o, d: o.normal_(0, float("inf")), ss.OptionError, "finite"),
+    # An int past float's range is no more usable a bound than inf: float() raised OverflowError.
+    ("table", lambda o, d: o.uniform_(0, 2**1024), ss.OptionError, "finite"),
     ("table", lambda o, d: o.load_from(missing(d)), MissingFileError, "missing.npy"),
     ("table", lambda o, d: o.load_from(a_directory(d)), PathError, "is a directory"),
     ("table", lambda o, d: o.load_from(h5_group(d)), ss.FileFormatError, "not a dataset"),
