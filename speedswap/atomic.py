@@ -24,7 +24,7 @@ except ImportError:  # Windows: threads of one process still take turns (see loc
 from .errors import MissingFileError, PathError, SpeedswapError
 
 __all__ = ["atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
-           "check_readable_file", "saving_error", "fsync_dir", "locked"]
+           "check_readable_file", "opening_error", "saving_error", "fsync_dir", "locked"]
 
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
 
@@ -217,6 +217,27 @@ def check_readable_file(path, what="file") -> str:
     if not os.path.exists(path):
         raise MissingFileError(errno.ENOENT, f"no {what} at {path!r}; check the path", path)
     return path
+
+
+def opening_error(path, exc, what="file") -> "PathError":
+    """A :class:`PathError` for an OSError raised opening the existing file ``path`` to read it.
+
+    Args:
+        path: the file.
+        exc: the OSError (h5py's too: it sets ``errno``).
+        what: what the file is, for the message (``".npy file"``).
+
+    Returns:
+        PathError, with ``errno`` set as ``exc``'s.
+    """
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        message = (f"no permission to read the {what} {os.fspath(path)!r}; make it readable "
+                   f"(chmod u+r) or read it as a user who may")
+    else:
+        message = f"cannot open the {what} {os.fspath(path)!r} ({exc.strerror or exc}); check the path"
+    error = PathError(message)
+    error.errno = exc.errno
+    return error
 
 
 _LOCKS = {}  # real path -> threading.Lock, where flock is not to be had

@@ -72,6 +72,44 @@ def test_mapping_a_file_that_cannot_be_written_as_an_mmap_table_raises_path_erro
     assert info.value.errno == errno.EROFS
 
 
+def no_permission_to_read(monkeypatch, path):
+    """Make opening ``path`` fail as for a file its user may not read (root may read any, so it is simulated)."""
+    import h5py
+    real_open, real_h5_file = open, h5py.File
+
+    def denied(name):
+        return os.path.abspath(name) == os.fspath(path)
+
+    def fake_open(name, *args, **kwargs):
+        if denied(name):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(name))
+        return real_open(name, *args, **kwargs)
+
+    def fake_h5_file(name, *args, **kwargs):  # h5py's words, errno included
+        if denied(name):
+            raise OSError(errno.EACCES, f"Unable to synchronously open file (unable to open file: name = "
+                                        f"'{name}', errno = 13, error message = 'Permission denied')")
+        return real_h5_file(name, *args, **kwargs)
+
+    monkeypatch.setattr(ss.files.npy, "open", fake_open, raising=False)
+    monkeypatch.setattr(h5py, "File", fake_h5_file)
+
+
+@pytest.mark.parametrize("name", ["t.npy", "t.h5"])
+def test_a_file_without_read_permission_raises_path_error_saying_so(tmp_path, monkeypatch, rng, name):
+    """A .npy file raised a raw PermissionError, and an HDF5 one was called truncated or not HDF5."""
+    path = tmp_path / name
+    values = rng.standard_normal((4, 3)).astype(np.float32)
+    ss.HostTable.from_numpy(values, backend="numpy").save(path)
+    table = ss.HostTable.from_numpy(values + 1, backend="numpy")
+    no_permission_to_read(monkeypatch, path)
+    for load in (lambda: ss.HostTable.load(path, backend="numpy"), lambda: table.load_from(path)):
+        with pytest.raises(ss.PathError, match="no permission to read") as info:
+            load()
+        assert info.value.errno == errno.EACCES and name in str(info.value)
+    np.testing.assert_array_equal(table.to_numpy(), values + 1)
+
+
 def test_the_disk_benchmark_reports_a_random_epoch_stopped_before_a_tenth_of_it(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
     import disk

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import torch
 
-from ..atomic import atomic_output, check_readable_file
+from ..atomic import atomic_output, check_readable_file, opening_error
 from ..errors import FileFormatError, OptionError, SpeedswapError
 from . import base
 from .base import (TableHeader, check_dtype, check_matches, reading_error, row_ranges,
@@ -72,7 +72,7 @@ def read_h5_header(path, dataset):
             null dataset with no shape), a non-numeric dtype, or speedswap
             attributes it never writes (a table dtype other than bfloat16
             over float32, a CRC-32 that is no number).
-        MissingFileError, PathError: no such file, or a directory.
+        MissingFileError, PathError: no such file, a directory, or no permission to read it.
     """
     check_dataset_name(dataset)
     h5py = _h5py()
@@ -127,13 +127,15 @@ def open_h5(path):
     ``RuntimeError``, ``ValueError``) becomes a :class:`FileFormatError`.
 
     Raises:
-        MissingFileError, PathError: no such file, or a directory.
+        MissingFileError, PathError: no such file, a directory, or no permission to read it.
         FileFormatError: not a readable HDF5 file (truncated, damaged, another format).
     """
     path = check_readable_file(path, "HDF5 file")
     try:
         f = _h5py().File(path, "r")
     except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):  # the file may be fine: its reader is not allowed
+            raise opening_error(path, exc, "HDF5 file") from exc
         raise FileFormatError(f"{path!r} is not a readable HDF5 file ({exc}); it is truncated "
                               f"or not HDF5: write it with h5py or HostTable.save") from exc
     try:
