@@ -69,6 +69,19 @@ def test_auto_on_cpu_device_is_numpy_without_warning():
         assert ss.get_backend("numpy", device="cpu") is ss.get_backend("numpy")
 
 
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu", 0)])
+def test_the_cpu_named_with_an_index_is_the_cpu_everywhere(device):
+    """torch reads 'cpu:0' as the CPU, and so did resolve_device (a BatchFeeder), but get_backend did
+    not: with 'auto' it said no CUDA device was here (a GPU machine: 'not cpu:0'), and 'numpy'
+    refused it as another device, so no table or embedding could be built on it."""
+    from speedswap.backends import resolve_device
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ss.get_backend("auto", device=device) is ss.get_backend("numpy", device=device) is ss.get_backend("numpy")
+        assert ss.HostTable.zeros(4, 2, storage="pageable", device=device).backend.name == "numpy"
+    assert resolve_device(device) == ss.get_backend("numpy").device
+
+
 def test_resolve_device_agrees_with_get_backend():
     from speedswap.backends import resolve_device
     assert resolve_device("cpu") == torch.device("cpu")

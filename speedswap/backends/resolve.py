@@ -107,7 +107,13 @@ def _cuda_index(device):
 
 
 def _names_cpu(device):
-    return isinstance(device, (str, torch.device)) and str(device) == "cpu"
+    """Whether ``device`` names the CPU as torch reads it (``"cpu"``, ``"cpu:0"``, ``torch.device("cpu", 0)``)."""
+    if not isinstance(device, (str, torch.device)):
+        return False
+    try:
+        return torch.device(device).type == "cpu"
+    except (RuntimeError, TypeError):  # not a device at all: the cuda path says what is expected
+        return False
 
 
 def _cuda_backend(device):
