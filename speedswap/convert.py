@@ -348,7 +348,7 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
     if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
         arr = arr.astype(np.int64)
     if (not isinstance(ids, np.ndarray) and arr.dtype.kind == "i" and arr.size
-            and any(isinstance(i, (bool, np.bool_)) for i in np.asarray(ids, dtype=object).flat)):
+            and any(_is_bool(i) for i in np.asarray(ids, dtype=object).flat)):
         # numpy reads [True, 2] as the ints 1 and 2: a mask mixed into ids, or a flag, not an id.
         raise DTypeError(f"{what} must be integers, got a list mixing bools with ints; a bool is no "
                          f"row id: pass the rows' ints (np.flatnonzero(mask) for the rows a mask selects)")
@@ -371,6 +371,11 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
                          f"convert with .astype(np.int64) if they are whole numbers")
     flat = _read_only(np.ascontiguousarray(arr.reshape(-1), dtype=np.int64))
     return _moved(flat, target), arr.shape
+
+
+def _is_bool(item) -> bool:
+    """Whether a list's element is a bool: Python's, numpy's, or a 0-d bool tensor (numpy reads each as 0 or 1)."""
+    return isinstance(item, (bool, np.bool_)) or (isinstance(item, torch.Tensor) and item.dtype == torch.bool)
 
 
 def _all_ints(arr: np.ndarray) -> bool:

@@ -279,7 +279,8 @@ def test_an_unknown_storage_is_refused_even_where_mmap_ignores_it(tmp_path, rng)
         ss.HostTable.load(path, storage="bogus", mmap=True, backend="numpy")
 
 
-@pytest.mark.parametrize("ids", [[True, 2], [[1, False], [2, 3]], [np.bool_(True), 4]])
+@pytest.mark.parametrize("ids", [[True, 2], [[1, False], [2, 3]], [np.bool_(True), 4],
+                                 [torch.tensor(True), 4], [torch.tensor(3), torch.tensor(False)]])
 def test_a_list_mixing_bools_with_int_ids_is_refused(ids, rng):
     """numpy reads [True, 2] as the ints 1 and 2: row 1 was gathered for a bool."""
     table = ss.HostTable.from_numpy(rng.standard_normal((6, 3)).astype(np.float32), storage="pageable",
