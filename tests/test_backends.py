@@ -101,3 +101,25 @@ def test_numpy_backend_on_a_gpu_device_is_refused_not_moved_to_the_cpu():
         with pytest.raises(ss.OptionError, match="backend='numpy' runs on the CPU"):
             ss.HostTable.zeros(4, 2, backend="numpy", device=device)
     assert ss.get_backend("numpy", "cpu").device.type == "cpu"
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_available_ram_is_what_the_containers_memory_limit_still_grants(tmp_path, monkeypatch, version):
+    """In a container MemAvailable is the host's: a 4 GiB container on a 256 GiB host was told of
+    about 200 GiB, so a load staged a table in RAM that the limit kills the process for."""
+    from speedswap.backends import cpu
+    limit, usage, inactive = 3 << 30, 2 << 30, 256 << 20  # reclaimable page cache counts as available
+    stat_key = "inactive_file" if version == "v2" else "total_inactive_file"
+    (tmp_path / "limit").write_text(f"{limit}\n")
+    (tmp_path / "usage").write_text(f"{usage}\n")
+    (tmp_path / "stat").write_text(f"active_file 12345\n{stat_key} {inactive}\nunevictable 0\n")
+    files = (str(tmp_path / "limit"), str(tmp_path / "usage"), str(tmp_path / "stat"), stat_key)
+    missing = (str(tmp_path / "none"),) * 3 + ("inactive_file",)
+    monkeypatch.setattr(cpu, "_CGROUP_FILES", (files, missing) if version == "v2" else (missing, files))
+    host = 8 << 30
+    monkeypatch.setattr(cpu, "_meminfo_available", lambda: host)  # MemAvailable changes from call to call
+    assert cpu.available_ram() == min(host, limit - usage + inactive)
+    (tmp_path / "limit").write_text("max\n" if version == "v2" else f"{2**63 - 4096}\n")  # no limit
+    assert cpu.available_ram() == host
+    monkeypatch.setattr(cpu, "_CGROUP_FILES", (missing, missing))  # not in a cgroup with memory files
+    assert cpu.available_ram() == host

@@ -20,8 +20,28 @@ __all__ = ["NumpyBackend", "anonymous_array", "huge_page_array", "available_ram"
 _HUGE_PAGE_MIN_BYTES = 8 << 20
 
 
+#: A container's memory limit, usage, and the stat key of its reclaimable page cache, as its own
+#: cgroup namespace shows them at the root: cgroup v2, then v1.
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat",
+                  "inactive_file"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+                  "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"))
+
+
 def available_ram() -> int:
-    """Bytes of RAM available to new allocations now (``MemAvailable`` on Linux)."""
+    """Bytes of RAM available to new allocations now.
+
+    ``MemAvailable`` on Linux, or less where the process's memory cgroup (a
+    container's limit) grants less: ``MemAvailable`` is the host's, and a
+    process past its cgroup's limit is killed, not refused.
+    """
+    room = _cgroup_room()
+    host = _meminfo_available()
+    return host if room is None else min(host, room)
+
+
+def _meminfo_available() -> int:
+    """``MemAvailable`` of ``/proc/meminfo``, or the free pages where there is none."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -30,6 +50,24 @@ def available_ram() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _cgroup_room():
+    """Bytes the memory cgroup's limit still grants (its reclaimable page cache counted), or None without one."""
+    for limit_file, usage_file, stat_file, inactive_key in _CGROUP_FILES:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            if limit == "max":  # cgroup v2 without a limit (v1 says so with a huge number)
+                return None
+            with open(usage_file) as f:
+                usage = int(f.read())
+            with open(stat_file) as f:
+                inactive = next((int(line.split()[1]) for line in f if line.split()[:1] == [inactive_key]), 0)
+            return max(0, int(limit) - usage + inactive)
+        except (OSError, ValueError, IndexError):
+            continue  # not this cgroup version, or files this parser does not know
+    return None
 
 
 def anonymous_array(shape, dtype):
