@@ -122,7 +122,7 @@ def torch_dtype(dtype) -> torch.dtype:
 
     Raises:
         DTypeError: the dtype has no torch equivalent speedswap supports, or
-            a name numpy and torch read differently (``"float"``, ``"int"``).
+            one numpy and torch read differently (``"float"``, ``"int"``, None).
     """
     if isinstance(dtype, torch.dtype):
         if dtype is not torch.bfloat16 and dtype not in _TORCH_TO_NUMPY:
@@ -139,6 +139,9 @@ def torch_dtype(dtype) -> torch.dtype:
                              f"{_AMBIGUOUS[dtype][1]} in torch; name the one you mean")
         if dtype == "bfloat16":
             return torch.bfloat16
+    if dtype is None:  # numpy reads it as float64, torch (nn.Embedding(dtype=None)) as its default dtype
+        raise DTypeError(f"dtype None is float64 in numpy but torch's default dtype "
+                         f"({torch.get_default_dtype()}) in torch; name the one you mean")
     try:
         npd = np.dtype(dtype)
     except TypeError as exc:

@@ -123,6 +123,15 @@ def test_a_dtype_name_numpy_and_torch_read_differently_is_refused(backend, name,
         ss.HostTable.empty(3, 3, dtype="torch.floaty", backend=backend)
 
 
+def test_dtype_none_is_refused_as_numpy_and_torch_read_it_differently(backend):
+    """np.dtype(None) is float64, so dtype=None (a factory_kwargs default passed on, as nn.Embedding
+    takes it: torch's default dtype) made a float64 table or embedding, twice the memory, silently."""
+    for make in (lambda: ss.HostTable.empty(3, 3, dtype=None, backend=backend),
+                 lambda: ss.OffloadedEmbedding(3, 3, max_rows=2, dtype=None, backend=backend)):
+        with pytest.raises(ss.DTypeError, match=r"float64 in numpy but torch's default dtype \(torch.float32\)"):
+            make()
+
+
 def test_from_numpy_needs_2d(backend):
     with pytest.raises(ss.ShapeError, match="reshape"):
         ss.HostTable.from_numpy(np.ones(5, np.float32), backend=backend)
