@@ -37,15 +37,32 @@ def is_temporary(name) -> bool:
     return _TEMPORARY.fullmatch(name) is not None
 
 
+#: The longest file name (in bytes) of the usual file systems (NAME_MAX).
+_NAME_MAX = 255
+
+
+def _temp_prefix(name) -> str:
+    """``.<name>.<host>.``, the part of a temporary's name that says whose it is.
+
+    A target's own name may be as long as the file system takes: ``name`` is
+    cut short (at a byte) so that the whole temporary name, pid and random
+    part included, still fits in :data:`_NAME_MAX` bytes.
+    """
+    tail = len(os.fsencode(f".{_HOST}.{2**32}.{'0' * 8}.tmp")) + 1  # pids stay below 2**32 (Linux: 2**22)
+    short = os.fsdecode(os.fsencode(name)[:_NAME_MAX - tail])  # surrogateescape: any cut decodes
+    return f".{short}.{_HOST}."
+
+
 def temp_path(path) -> str:
     """A fresh hidden temporary name beside ``path`` that says who made it.
 
     ``.<name>.<host>.<pid>.<random>.tmp``: the host and process id let a later
     save prove a leftover temporary is a dead save's (see :func:`remove_stale_temporaries`).
+    A name too long to take all that is cut short (:func:`_temp_prefix`).
     """
     path = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    return os.path.join(directory, f"{_temp_prefix(name)}{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
 def _pid_alive(pid):
@@ -72,7 +89,7 @@ def remove_stale_temporaries(path) -> list:
     """
     path = os.path.abspath(os.fspath(path))
     directory, name = os.path.split(path)
-    pattern = re.compile(re.escape(f".{name}.{_HOST}.") + r"(\d+)\.[0-9a-f]{8}\.tmp")
+    pattern = re.compile(re.escape(_temp_prefix(name)) + r"(\d+)\.[0-9a-f]{8}\.tmp")
     removed = []
     try:
         entries = os.listdir(directory)

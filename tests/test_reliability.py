@@ -317,6 +317,24 @@ def test_later_saves_remove_only_the_temporaries_of_dead_saves(rng, tmp_path):
     assert live.exists() and all(p.exists() for p in foreign)
 
 
+@pytest.mark.parametrize("suffix", [".npy", ".h5"])
+def test_a_file_name_as_long_as_the_file_system_takes_is_saved_and_its_dead_temporaries_removed(
+        rng, tmp_path, suffix):
+    """The temporary added host, pid and a random part to the name: a valid name of 255 bytes (fewer
+    with a long host name) made one too long, and the save was refused with 'File name too long'."""
+    table = make_table(rng)
+    path = tmp_path / ("\u00e9" * 100 + "e" * (55 - len(suffix)) + suffix)  # 255 bytes in UTF-8
+    assert len(os.fsencode(path.name)) == 255
+    stale = atomic.temp_path(path).replace(f".{os.getpid()}.", f".{dead_pid()}.")
+    open(stale, "wb").close()
+    table.save(path)
+    assert os.listdir(tmp_path) == [path.name]  # the dead save's temporary is proved its and removed
+    np.testing.assert_array_equal(ss.HostTable.load(path, backend="numpy").to_numpy(), table.to_numpy())
+    if suffix == ".npy":
+        mapped = ss.HostTable.empty(3, 2, storage="mmap", path=path, overwrite=True, backend="numpy")
+        assert mapped.shape == (3, 2) and os.listdir(tmp_path) == [path.name]
+
+
 # 13 --------------------------------------------------------------------------
 def test_dropping_an_embedding_frees_its_tables_without_the_cycle_collector(rng):
     emb = make_embedding(rng)
