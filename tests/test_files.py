@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import speedswap as ss
+import speedswap.table as table_module
 from speedswap import files
+from speedswap.convert import torch_dtype
 
 
 @pytest.fixture
@@ -69,6 +71,32 @@ def test_load_mmap_maps_the_file(backend, values, tmp_path):
     table.scatter([2], np.full((1, 17), -3.0, np.float32))
     table.close()
     assert (np.load(tmp_path / "m.npy")[2] == -3.0).all()
+
+
+@pytest.mark.parametrize("name", ["t.npy", "t.h5"])
+@pytest.mark.parametrize("dtype", [">f4", ">f2", ">i8"])
+def test_a_big_endian_file_loads_as_the_numbers_it_holds(backend, values, tmp_path, name, dtype, monkeypatch):
+    """Tables take byte-swapped arrays (from_numpy, scatter), but a big-endian file (as Java and
+    NetCDF tools write) was refused as holding '>f4, which no table holds'."""
+    native = (values * 100).astype(np.dtype(dtype).newbyteorder("="))
+    path = tmp_path / name
+    if name.endswith(".npy"):
+        np.save(path, native.astype(dtype))
+    else:
+        with h5py.File(path, "w") as f:
+            f.create_dataset("table", data=native.astype(dtype))
+    for storage in ("pageable", "device"):  # read into the table's memory, or chunk by chunk
+        loaded = ss.HostTable.load(path, storage=storage, backend=backend)
+        assert loaded.dtype == torch_dtype(native.dtype)
+        np.testing.assert_array_equal(loaded.to_numpy(), native)
+    for ram in (1 << 40, 0):  # staged in RAM, or verified and read again
+        monkeypatch.setattr(table_module, "available_ram", lambda: ram)
+        table = ss.HostTable.from_numpy(native + 1, backend=backend)
+        table.load_from(path)
+        np.testing.assert_array_equal(table.to_numpy(), native)
+    if name.endswith(".npy"):  # a map is the file's bytes, which torch cannot view swapped
+        with pytest.raises(ss.FileFormatError, match="big-endian.*mmap=False"):
+            ss.HostTable.load(path, mmap=True, backend=backend)
 
 
 def test_truncated_npy_is_refused(backend, values, tmp_path):

@@ -25,6 +25,7 @@ __all__ = [
     "file_format",
     "TableHeader",
     "check_dtype",
+    "native_dtype",
     "table_dtype_of",
     "reading_error",
     "check_matches",
@@ -91,10 +92,18 @@ def check_dtype(dtype, path):
                               f"numeric arrays only (no objects or records)")
 
 
+def native_dtype(dtype) -> np.dtype:
+    """``dtype`` in this machine's byte order: what rows stored byte-swapped (a big-endian file) are read as."""
+    return np.dtype(dtype).newbyteorder("=")
+
+
 def table_dtype_of(dtype):
-    """The table dtype a stored numpy dtype stands for, or None when no table can hold it."""
+    """The table dtype a stored numpy dtype stands for, or None when no table can hold it.
+
+    Byte-swapped data stands for the same numbers: a copy of it is swapped as it is read.
+    """
     try:
-        return torch_dtype(dtype)
+        return torch_dtype(native_dtype(dtype))
     except DTypeError:
         return None
 
@@ -138,8 +147,8 @@ def reading_error(path, exc) -> FileFormatError:
 
 
 def check_matches(header, shape, dtype, path):
-    """Raise FileFormatError unless ``header`` describes ``shape``/``dtype``."""
-    if tuple(header.shape) != tuple(shape) or np.dtype(header.dtype) != np.dtype(dtype):
+    """Raise FileFormatError unless ``header`` describes ``shape``/``dtype`` (in either byte order)."""
+    if tuple(header.shape) != tuple(shape) or native_dtype(header.dtype) != native_dtype(dtype):
         raise FileFormatError(f"{os.fspath(path)!r} holds {tuple(header.shape)} {header.dtype}, "
                               f"but this table is {tuple(shape)} {np.dtype(dtype)}; load it into "
                               f"a table of the file's shape (HostTable.load) instead")

@@ -114,10 +114,17 @@ def open_npy_memmap(path, writable=True):
         numpy.memmap
 
     Raises:
+        FileFormatError: the file holds its numbers byte-swapped (big-endian),
+            which torch cannot view where they lie.
         PathError: the file cannot be opened as asked (read-write on a
             read-only file or file system); ``errno`` says why.
     """
     header = read_npy_header(path)
+    if not header.dtype.isnative:
+        raise FileFormatError(f"{os.fspath(path)!r} holds {header.dtype.str} numbers, stored in the other "
+                              f"byte order (a big-endian file), which torch cannot view where they lie: "
+                              f"load a copy with mmap=False, or save the file again in this machine's "
+                              f"byte order")
     try:
         return np.memmap(path, dtype=header.dtype, mode="r+" if writable else "r",
                          offset=header.offset, shape=header.shape, order="C")
@@ -217,7 +224,8 @@ def _write_sparse(target, header, size) -> int:
 def read_npy_into(path, out, header=None):
     """Read a validated ``.npy`` file into the C-contiguous array ``out``, in chunks.
 
-    Reads straight into ``out``'s memory (no temporary copy of the data).
+    Reads straight into ``out``'s memory (no temporary copy of the data), and
+    swaps the bytes there when the file holds them in the other order.
 
     Raises:
         FileFormatError: the file's shape or dtype differ from ``out``'s.
@@ -232,6 +240,8 @@ def read_npy_into(path, out, header=None):
         if isinstance(exc, SpeedswapError):
             raise
         raise reading_error(path, exc) from exc
+    if not header.dtype.isnative:
+        out.byteswap(inplace=True)
 
 
 def read_npy_rows(f, header: TableHeader, start: int, stop: int, path) -> np.ndarray:

@@ -14,7 +14,7 @@ import torch
 
 from ..convert import torch_dtype
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
-from .base import TableHeader, crc32_of, file_format, identity, reading_error, row_ranges
+from .base import TableHeader, crc32_of, file_format, identity, native_dtype, reading_error, row_ranges
 from .h5 import dataset_names, normal_dataset_name, open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import read_npy_header, read_npy_into, read_npy_rows, write_npy
 
@@ -148,7 +148,7 @@ def _changed(path) -> FileFormatError:
 
 
 def _file_chunks(path, header, dataset, ranges, version=None):
-    """Yield ``(start, stop, numpy rows)`` of a validated table file, chunk by chunk.
+    """Yield ``(start, stop, numpy rows)`` of a validated table file, chunk by chunk, in this machine's byte order.
 
     Args:
         version: when given, the file opened must still be the one of this
@@ -166,17 +166,22 @@ def _file_chunks(path, header, dataset, ranges, version=None):
                 if version is not None and _version(os.fstat(f.fileno())) != version:
                     raise _changed(path)
                 for start, stop in ranges:
-                    yield start, stop, read_npy_rows(f, header, start, stop, path)
+                    yield start, stop, _native(read_npy_rows(f, header, start, stop, path))
             return
         with open_h5(path) as f:
             if version is not None and _version(os.fstat(f.id.get_vfd_handle())) != version:
                 raise _changed(path)
             for start, stop in ranges:
-                yield start, stop, f[dataset][start:stop]
+                yield start, stop, _native(f[dataset][start:stop])
     except OSError as exc:
         if isinstance(exc, SpeedswapError):
             raise
         raise reading_error(path, exc) from exc
+
+
+def _native(rows: np.ndarray) -> np.ndarray:
+    """``rows`` in this machine's byte order (torch views no other): the same numbers."""
+    return rows if rows.dtype.isnative else rows.astype(native_dtype(rows.dtype))
 
 
 def _corrupt(path, crc, saved) -> FileFormatError:
@@ -385,7 +390,7 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
     rows = range(header.shape[0]) if rows is None else rows
     shape = (len(rows), *header.shape[1:])
     in_memory = int(np.prod(shape, dtype=np.int64)) * header.dtype.itemsize <= STAGE_RAM_SHARE * ram_available
-    held = np.empty(shape, dtype=header.dtype) if in_memory else None
+    held = np.empty(shape, dtype=native_dtype(header.dtype)) if in_memory else None
     ranges = [(rows.start + a, rows.start + b) for a, b in row_ranges(shape, header.dtype)]
     version, chunks = None, []
     if held is None:  # commit reads the file again: it must find what is verified here
