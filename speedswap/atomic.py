@@ -24,7 +24,7 @@ except ImportError:  # Windows: threads of one process still take turns (see loc
 from .errors import MissingFileError, PathError, SpeedswapError
 
 __all__ = ["atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
-           "check_readable_file", "opening_error", "saving_error", "fsync_dir", "locked"]
+           "check_readable_file", "check_regular_file", "opening_error", "saving_error", "fsync_dir", "locked"]
 
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
 
@@ -233,6 +233,23 @@ def check_readable_file(path, what="file") -> str:
                         f"file's path")
     if not os.path.exists(path):
         raise MissingFileError(errno.ENOENT, f"no {what} at {path!r}; check the path", path)
+    return path
+
+
+def check_regular_file(path, what="file") -> str:
+    """``path`` as a string, if it names an existing regular file: one a format read by offset can read.
+
+    A named pipe's open would wait for a writer, forever where none comes;
+    a socket or a device is no file of rows either.
+
+    Raises:
+        MissingFileError: nothing at ``path``.
+        PathError: ``path`` is a directory, or not a regular file.
+    """
+    path = check_readable_file(path, what)
+    if not os.path.isfile(path):
+        raise PathError(f"{path!r} is not a regular file (a named pipe, socket or device?); a {what} "
+                        f"is read by offset: save the data to a file and pass its path")
     return path
 
 

@@ -201,16 +201,22 @@ def test_a_float32_file_refused_for_a_bfloat16_table_names_rows_it_has(tmp_path)
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
-def test_a_named_pipe_is_refused_instead_of_waiting_for_a_writer(tmp_path):
-    path = tmp_path / "pipe.npy"
+@pytest.mark.parametrize("name, read", [
+    ("pipe.npy", "ss.DataGadget(sys.argv[1], backend='numpy')"),
+    # HDF5 opened the pipe and waited for a writer, forever.
+    ("pipe.h5", "ss.HostTable.load(sys.argv[1], backend='numpy')"),
+    ("pipe.h5", "ss.HostTable.zeros(2, 2, backend='numpy').load_from(sys.argv[1])"),
+])
+def test_a_named_pipe_is_refused_instead_of_waiting_for_a_writer(tmp_path, name, read):
+    path = tmp_path / name
     os.mkfifo(path)
     try:  # opening a pipe for reading waits for a writer: in a subprocess, killed if it hangs
         done = subprocess.run([sys.executable, "-c", "import sys, speedswap as ss\n"
-                               "try:\n    ss.DataGadget(sys.argv[1], backend='numpy')\n"
+                               f"try:\n    {read}\n"
                                "except ss.PathError as exc:\n    print(exc)", str(path)],
                               capture_output=True, text=True, timeout=30)
     except subprocess.TimeoutExpired:
-        pytest.fail("DataGadget waited for a writer to the named pipe")
+        pytest.fail(f"{read} waited for a writer to the named pipe")
     assert "not a regular file" in done.stdout, done.stdout + done.stderr
 
 

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import torch
 
-from ..atomic import atomic_output, check_readable_file, opening_error
+from ..atomic import atomic_output, check_regular_file, opening_error
 from ..errors import FileFormatError, OptionError, SpeedswapError
 from . import base
 from .base import (TableHeader, check_dtype, check_matches, reading_error, row_ranges,
@@ -72,7 +72,8 @@ def read_h5_header(path, dataset):
             null dataset with no shape), a non-numeric dtype, or speedswap
             attributes it never writes (a table dtype other than bfloat16
             over float32, a CRC-32 that is no number).
-        MissingFileError, PathError: no such file, a directory, or no permission to read it.
+        MissingFileError, PathError: no such file, a directory, not a regular file, or no
+            permission to read it.
     """
     check_dataset_name(dataset)
     h5py = _h5py()
@@ -127,10 +128,11 @@ def open_h5(path):
     ``RuntimeError``, ``ValueError``) becomes a :class:`FileFormatError`.
 
     Raises:
-        MissingFileError, PathError: no such file, a directory, or no permission to read it.
+        MissingFileError, PathError: no such file, a directory, not a regular file
+            (a named pipe), or no permission to read it.
         FileFormatError: not a readable HDF5 file (truncated, damaged, another format).
     """
-    path = check_readable_file(path, "HDF5 file")
+    path = check_regular_file(path, "HDF5 file")
     try:
         f = _h5py().File(path, "r")
     except OSError as exc:

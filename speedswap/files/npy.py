@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..atomic import atomic_output, check_readable_file, check_writable_dir, opening_error, saving_error, temp_path
+from ..atomic import atomic_output, check_regular_file, check_writable_dir, opening_error, saving_error, temp_path
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
@@ -35,11 +35,7 @@ def read_npy_header(path):
             regular one (a named pipe, whose open would wait for a writer),
             or it cannot be opened (no permission to read it).
     """
-    path = check_readable_file(path, ".npy file")
-    if not os.path.isfile(path):  # a named pipe's open would wait for a writer; nothing else can be mapped
-        raise PathError(f"{path!r} is not a regular file (a named pipe, socket or device?); a .npy "
-                        f"file is read by offset and memory-mapped: save the data to a file and pass "
-                        f"its path")
+    path = check_regular_file(path, ".npy file")
     try:
         f = open(path, "rb")
     except OSError as exc:
