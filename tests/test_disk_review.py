@@ -110,6 +110,29 @@ def test_a_file_without_read_permission_raises_path_error_saying_so(tmp_path, mo
     np.testing.assert_array_equal(table.to_numpy(), values + 1)
 
 
+def test_an_hdf5_file_another_process_writes_is_refused_as_locked_not_as_damaged(tmp_path, rng):
+    """HDF5 locks a file open for writing: a load called it 'truncated or not HDF5: write it with h5py
+    or HostTable.save', sending the user to replace a good file."""
+    path = tmp_path / "t.h5"
+    values = rng.standard_normal((4, 3)).astype(np.float32)
+    ss.HostTable.from_numpy(values, backend="numpy").save(path)
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, time, h5py\nf = h5py.File(sys.argv[1], 'a')\n"
+                               "print('open', flush=True)\ntime.sleep(60)", str(path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "open"
+        table = ss.HostTable.from_numpy(values + 1, backend="numpy")
+        for load in (lambda: ss.HostTable.load(path, backend="numpy"), lambda: table.load_from(path)):
+            with pytest.raises(ss.PathError, match="another process has it open for writing") as info:
+                load()
+            assert "truncated" not in str(info.value)
+        np.testing.assert_array_equal(table.to_numpy(), values + 1)
+    finally:
+        writer.kill()
+        writer.wait()
+    np.testing.assert_array_equal(ss.HostTable.load(path, backend="numpy").to_numpy(), values)
+
+
 def test_the_disk_benchmark_reports_a_random_epoch_stopped_before_a_tenth_of_it(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent.parent / "benchmarks"))
     import disk

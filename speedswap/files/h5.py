@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_output, check_regular_file, opening_error
-from ..errors import FileFormatError, OptionError, SpeedswapError
+from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import (TableHeader, check_dtype, check_matches, reading_error, row_ranges,
                    table_dtype_of)
@@ -129,7 +129,7 @@ def open_h5(path):
 
     Raises:
         MissingFileError, PathError: no such file, a directory, not a regular file
-            (a named pipe), or no permission to read it.
+            (a named pipe), no permission to read it, or locked by a writer.
         FileFormatError: not a readable HDF5 file (truncated, damaged, another format).
     """
     path = check_regular_file(path, "HDF5 file")
@@ -138,6 +138,12 @@ def open_h5(path):
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM):  # the file may be fine: its reader is not allowed
             raise opening_error(path, exc, "HDF5 file") from exc
+        if "unable to lock file" in str(exc):  # fine too: HDF5 locks a file while it is written
+            error = PathError(f"{path!r} could not be locked for reading ({exc.strerror or exc}): another "
+                              f"process has it open for writing (close it there first), or the file system "
+                              f"has no locks (set HDF5_USE_FILE_LOCKING=FALSE in the environment)")
+            error.errno = exc.errno
+            raise error from exc
         raise FileFormatError(f"{path!r} is not a readable HDF5 file ({exc}); it is truncated "
                               f"or not HDF5: write it with h5py or HostTable.save") from exc
     try:
