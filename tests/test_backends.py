@@ -103,23 +103,52 @@ def test_numpy_backend_on_a_gpu_device_is_refused_not_moved_to_the_cpu():
     assert ss.get_backend("numpy", "cpu").device.type == "cpu"
 
 
-@pytest.mark.parametrize("version", ["v2", "v1"])
-def test_available_ram_is_what_the_containers_memory_limit_still_grants(tmp_path, monkeypatch, version):
+def fake_cgroups(monkeypatch, root, version, line, limits):
+    """A cgroup tree under ``root`` for ``/proc/self/cgroup``'s ``line``: ``{path: (limit, usage, inactive)}``."""
+    from speedswap.backends import cpu
+    key = "inactive_file" if version == "v2" else "total_inactive_file"
+    names = ("memory.max", "memory.current") if version == "v2" else ("memory.limit_in_bytes",
+                                                                      "memory.usage_in_bytes")
+    for path, (limit, usage, inactive) in limits.items():
+        directory = root / path
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / names[0]).write_text(f"{limit}\n")
+        (directory / names[1]).write_text(f"{usage}\n")
+        (directory / "memory.stat").write_text(f"active_file 12345\n{key} {inactive}\nunevictable 0\n")
+    (root / "cgroup").write_text(line)
+    monkeypatch.setattr(cpu, "_PROC_CGROUP", str(root / "cgroup"))
+    monkeypatch.setattr(cpu, "_CGROUP_MOUNTS", {version: str(root), ("v1" if version == "v2" else "v2"): str(root / "no")})
+
+
+@pytest.mark.parametrize("version, line", [("v2", "0::/\n"), ("v1", "5:cpu,cpuacct:/\n4:memory:/\n0::/\n")])
+def test_available_ram_is_what_the_containers_memory_limit_still_grants(tmp_path, monkeypatch, version, line):
     """In a container MemAvailable is the host's: a 4 GiB container on a 256 GiB host was told of
     about 200 GiB, so a load staged a table in RAM that the limit kills the process for."""
     from speedswap.backends import cpu
-    limit, usage, inactive = 3 << 30, 2 << 30, 256 << 20  # reclaimable page cache counts as available
-    stat_key = "inactive_file" if version == "v2" else "total_inactive_file"
-    (tmp_path / "limit").write_text(f"{limit}\n")
-    (tmp_path / "usage").write_text(f"{usage}\n")
-    (tmp_path / "stat").write_text(f"active_file 12345\n{stat_key} {inactive}\nunevictable 0\n")
-    files = (str(tmp_path / "limit"), str(tmp_path / "usage"), str(tmp_path / "stat"), stat_key)
-    missing = (str(tmp_path / "none"),) * 3 + ("inactive_file",)
-    monkeypatch.setattr(cpu, "_CGROUP_FILES", (files, missing) if version == "v2" else (missing, files))
     host = 8 << 30
     monkeypatch.setattr(cpu, "_meminfo_available", lambda: host)  # MemAvailable changes from call to call
-    assert cpu.available_ram() == min(host, limit - usage + inactive)
-    (tmp_path / "limit").write_text("max\n" if version == "v2" else f"{2**63 - 4096}\n")  # no limit
+    limit, usage, inactive = 3 << 30, 2 << 30, 256 << 20  # reclaimable page cache counts as available
+    fake_cgroups(monkeypatch, tmp_path, version, line, {"": (limit, usage, inactive)})
+    assert cpu.available_ram() == limit - usage + inactive
+    fake_cgroups(monkeypatch, tmp_path, version, line, {"": ("max" if version == "v2" else 2**63 - 4096, 0, 0)})
+    assert cpu.available_ram() == host  # no limit
+    monkeypatch.setattr(cpu, "_PROC_CGROUP", str(tmp_path / "none"))  # no cgroups to read
     assert cpu.available_ram() == host
-    monkeypatch.setattr(cpu, "_CGROUP_FILES", (missing, missing))  # not in a cgroup with memory files
-    assert cpu.available_ram() == host
+
+
+@pytest.mark.parametrize("version, line", [("v2", "0::/job_7/step_0\n"), ("v1", "4:memory:/slurm/job_7/step_0\n")])
+@pytest.mark.parametrize("tighter", ["own", "ancestor"])
+def test_available_ram_counts_the_limits_of_every_cgroup_above_the_process(tmp_path, monkeypatch, version, line,
+                                                                           tighter):
+    """A Slurm job's limit lies on the job's cgroup, below the root: only the root was read, and a
+    job given 8 GiB on a large node was told of the whole node's memory."""
+    from speedswap.backends import cpu
+    monkeypatch.setattr(cpu, "_meminfo_available", lambda: 64 << 30)
+    step = line.strip().split(":")[-1].lstrip("/")
+    job = step.rsplit("/", 1)[0]
+    own, ancestor = (1 << 30, 0, 0), (8 << 30, 6 << 30, 1 << 29)  # 1 GiB left here, 2.5 GiB at the job
+    if tighter == "ancestor":
+        own, ancestor = (16 << 30, 2 << 30, 0), ancestor
+    root_limit = "max" if version == "v2" else 2**63 - 4096
+    fake_cgroups(monkeypatch, tmp_path, version, line, {"": (root_limit, 40 << 30, 0), job: ancestor, step: own})
+    assert cpu.available_ram() == (1 << 30 if tighter == "own" else (8 << 30) - (6 << 30) + (1 << 29))

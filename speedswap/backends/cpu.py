@@ -20,12 +20,13 @@ __all__ = ["NumpyBackend", "anonymous_array", "huge_page_array", "available_ram"
 _HUGE_PAGE_MIN_BYTES = 8 << 20
 
 
-#: A container's memory limit, usage, and the stat key of its reclaimable page cache, as its own
-#: cgroup namespace shows them at the root: cgroup v2, then v1.
-_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory.stat",
-                  "inactive_file"),
-                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-                  "/sys/fs/cgroup/memory/memory.stat", "total_inactive_file"))
+#: This process's cgroups, one line per hierarchy: ``0::/path`` (v2) or ``4:memory:/path`` (v1).
+_PROC_CGROUP = "/proc/self/cgroup"
+#: Where each version's memory hierarchy is mounted (a container sees its own cgroup there as ``/``).
+_CGROUP_MOUNTS = {"v2": "/sys/fs/cgroup", "v1": "/sys/fs/cgroup/memory"}
+#: Each version's limit, usage and stat files, and the stat key of reclaimable page cache.
+_MEMORY_FILES = {"v2": ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+                 "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat", "total_inactive_file")}
 
 
 def available_ram() -> int:
@@ -53,21 +54,50 @@ def _meminfo_available() -> int:
 
 
 def _cgroup_room():
-    """Bytes the memory cgroup's limit still grants (its reclaimable page cache counted), or None without one."""
-    for limit_file, usage_file, stat_file, inactive_key in _CGROUP_FILES:
-        try:
-            with open(limit_file) as f:
-                limit = f.read().strip()
-            if limit == "max":  # cgroup v2 without a limit (v1 says so with a huge number)
-                return None
-            with open(usage_file) as f:
-                usage = int(f.read())
-            with open(stat_file) as f:
-                inactive = next((int(line.split()[1]) for line in f if line.split()[:1] == [inactive_key]), 0)
-            return max(0, int(limit) - usage + inactive)
-        except (OSError, ValueError, IndexError):
-            continue  # not this cgroup version, or files this parser does not know
-    return None
+    """The least that the memory limits of this process's cgroup and its ancestors still grant, or None without one.
+
+    A limit may lie on any of them: a container's on its own cgroup, a Slurm
+    job's on the job's, above the process's step.
+    """
+    rooms = [room for directory, version in _memory_cgroups() if (room := _room_in(directory, version)) is not None]
+    return min(rooms, default=None)
+
+
+def _memory_cgroups() -> list:
+    """``(directory, version)`` of this process's memory cgroup and of each ancestor up to its mount point."""
+    try:
+        with open(_PROC_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        fields = line.split(":", 2)  # hierarchy id, controllers, path
+        version = (None if len(fields) != 3 else "v2" if fields[1] == "" else
+                   "v1" if "memory" in fields[1].split(",") else None)
+        if version is not None:
+            parts = [part for part in fields[2].split("/") if part]
+            found += [(os.path.join(_CGROUP_MOUNTS[version], *parts[:depth]), version)
+                      for depth in range(len(parts), -1, -1)]
+    return found
+
+
+def _room_in(directory, version):
+    """Bytes the memory limit of the cgroup at ``directory`` still grants (its reclaimable page cache
+    counted), or None: no limit there, or no cgroup of this version (a parser that does not know its files)."""
+    limit_name, usage_name, stat_name, inactive_key = _MEMORY_FILES[version]
+    try:
+        with open(os.path.join(directory, limit_name)) as f:
+            limit = f.read().strip()
+        if limit == "max":  # cgroup v2 without a limit (v1 says so with a huge number)
+            return None
+        with open(os.path.join(directory, usage_name)) as f:
+            usage = int(f.read())
+        with open(os.path.join(directory, stat_name)) as f:
+            inactive = next((int(line.split()[1]) for line in f if line.split()[:1] == [inactive_key]), 0)
+        return max(0, int(limit) - usage + inactive)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def anonymous_array(shape, dtype):
