@@ -175,7 +175,9 @@ def atomic_output(path):
     Temporaries of earlier saves to ``path`` that were killed are removed first.
 
     A symbolic link at ``path`` is kept: the file it points to is replaced
-    (in that file's directory), as writing through the link would.
+    (in that file's directory), as writing through the link would. A
+    replaced file keeps its mode, and its owner where the saving user may
+    give it one (root), as with a plain ``open()``.
 
     Args:
         path: the file to create or replace.
@@ -198,8 +200,11 @@ def atomic_output(path):
     try:
         try:
             open(tmp, "xb").close()  # a new file: the mode a plain open() gives, under the umask
-            if os.path.exists(path):  # a replaced one keeps the mode it had
-                os.chmod(tmp, os.stat(path).st_mode & 0o777)
+            if os.path.exists(path):  # a replaced one keeps the owner and the mode it had
+                replaced = os.stat(path)
+                with contextlib.suppress(OSError):  # only root gives a file away (a member, its group)
+                    os.chown(tmp, replaced.st_uid, replaced.st_gid)
+                os.chmod(tmp, replaced.st_mode & 0o777)
         except OSError as exc:
             raise saving_error(path, exc, tmp) from exc
         yield tmp

@@ -243,6 +243,20 @@ def test_a_saved_file_gets_the_mode_of_a_plain_open_and_a_replaced_one_keeps_its
         os.umask(old)
 
 
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="only root may give a file to another user")
+@pytest.mark.parametrize("name", ["t.npy", "t.h5"])
+def test_a_replaced_file_keeps_its_owner_as_with_a_plain_open(name, backend, values, tmp_path):
+    """The replacement was the saving user's: root in a container saving over a mounted directory's
+    file took it from its owner, who could no longer write it (a plain open keeps the owner)."""
+    path = tmp_path / name
+    ss.HostTable.from_numpy(values, backend=backend).save(path)
+    os.chown(path, 65534, 65534)
+    ss.HostTable.from_numpy(values + 1, backend=backend).save(path)
+    assert (os.stat(path).st_uid, os.stat(path).st_gid) == (65534, 65534)
+    np.testing.assert_array_equal(ss.HostTable.load(path, backend=backend).to_numpy(), values + 1)
+
+
 @pytest.mark.parametrize("name", ["t.npy", "t.h5"])
 def test_a_save_through_a_symbolic_link_replaces_its_target_and_keeps_the_link(name, backend, values,
                                                                                  tmp_path):
