@@ -243,6 +243,25 @@ def test_a_saved_file_gets_the_mode_of_a_plain_open_and_a_replaced_one_keeps_its
         os.umask(old)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_new_mmap_tables_file_is_on_disk_before_it_is_named_and_its_name_after(tmp_path, monkeypatch, overwrite):
+    """Without overwrite the file was linked to its name unsynced, and the directory never synced: a
+    crash could leave the name without its header, or lose the file whose rows flush() had synced."""
+    path = tmp_path / "m.npy"
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), path.exists()))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    ss.HostTable.empty(5, 3, storage="mmap", path=path, overwrite=overwrite, backend="numpy")
+    assert any(name.startswith(str(tmp_path / ".m.npy.")) and not named for name, named in synced), synced
+    assert (str(tmp_path), True) in synced, synced
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
                     reason="only root may give a file to another user")
 @pytest.mark.parametrize("name", ["t.npy", "t.h5"])

@@ -8,7 +8,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..atomic import atomic_output, check_regular_file, check_writable_dir, opening_error, saving_error, temp_path
+from ..atomic import (atomic_output, check_regular_file, check_writable_dir, fsync_dir, opening_error, saving_error,
+                      temp_path)
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
@@ -163,7 +164,7 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
     """
     path = os.fspath(path)
     size = npy_data_bytes(shape, dtype)  # before anything is touched
-    check_writable_dir(path)
+    directory = check_writable_dir(path)
     if os.path.isdir(path):
         raise PathError(f"cannot create {path!r}: it is a directory; choose a file name")
     dtype = np.dtype(dtype)
@@ -185,6 +186,8 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
     tmp = temp_path(path)
     try:
         offset = _write_sparse(tmp, header, size)
+        with open(tmp, "rb") as f:  # its header on disk before it has a name, as atomic_output's
+            os.fsync(f.fileno())
         try:
             os.link(tmp, path)  # fails if the file appeared meanwhile: never replaced
         except FileExistsError:
@@ -201,6 +204,7 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise saving_error(path, exc) from exc
+    fsync_dir(directory)  # the name on disk too: flush() syncs the rows, never the directory
     return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
 
 
