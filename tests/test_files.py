@@ -262,6 +262,19 @@ def test_a_new_mmap_tables_file_is_on_disk_before_it_is_named_and_its_name_after
     assert (str(tmp_path), True) in synced, synced
 
 
+@pytest.mark.parametrize("at", ["fsync", "link"])
+def test_an_interrupt_while_an_mmap_tables_file_is_made_leaves_nothing_behind(tmp_path, monkeypatch, at):
+    """Ctrl-C there left the temporary (of the table's whole size), which no later save removes while
+    the process lives: a notebook's kernel kept it."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, at, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ss.HostTable.empty(5, 3, storage="mmap", path=tmp_path / "m.npy", backend="numpy")
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
                     reason="only root may give a file to another user")
 @pytest.mark.parametrize("name", ["t.npy", "t.h5"])

@@ -196,14 +196,15 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
             os.rename(tmp, path)
         else:
             os.unlink(tmp)
-    except FileExistsError:
-        os.unlink(tmp)
-        raise PathError(f"{path!r} already exists; speedswap does not replace a file it did not "
-                        f"create; pass overwrite=True to start it afresh") from None
-    except OSError as exc:
+    except BaseException as exc:  # an interrupt too: a live process's temporary is never removed later
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise saving_error(path, exc) from exc
+        if isinstance(exc, FileExistsError):
+            raise PathError(f"{path!r} already exists; speedswap does not replace a file it did not "
+                            f"create; pass overwrite=True to start it afresh") from None
+        if isinstance(exc, OSError):
+            raise saving_error(path, exc) from exc
+        raise
     fsync_dir(directory)  # the name on disk too: flush() syncs the rows, never the directory
     return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
 
