@@ -141,6 +141,23 @@ def test_h5_without_the_dataset_is_refused(backend, values, tmp_path):
         ss.HostTable.load(path, backend=backend)
 
 
+def test_h5_compressed_with_a_filter_not_installed_here_is_refused_as_such(backend, values, tmp_path):
+    """A dataset compressed by a plugin filter (Blosc, Zstandard: PyTables' and others' defaults) that
+    HDF5 cannot load here was called corrupt, once its first chunk failed to read."""
+    path = tmp_path / "t.h5"
+    with h5py.File(path, "w") as f:
+        data = f.create_dataset("table", shape=values.shape, dtype=values.dtype, chunks=(100, 17),
+                                compression=511, allow_unknown_filter=True)  # 511: no plugin has it
+        for start in range(0, len(values), 100):
+            data.id.write_direct_chunk((start, 0), values[start:start + 100].tobytes())
+    table = ss.HostTable.from_numpy(values + 1, backend=backend)
+    for load in (lambda: ss.HostTable.load(path, backend=backend), lambda: table.load_from(path)):
+        with pytest.raises(ss.FileFormatError, match="filter 511, which HDF5 cannot load here.*hdf5plugin") as info:
+            load()
+        assert "corrupt" not in str(info.value)
+    np.testing.assert_array_equal(table.to_numpy(), values + 1)
+
+
 def test_corrupt_h5_is_refused(backend, tmp_path):
     path = tmp_path / "t.h5"
     path.write_bytes(b"\x89HDF garbage" * 10)

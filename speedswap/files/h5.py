@@ -69,7 +69,8 @@ def read_h5_header(path, dataset):
     Raises:
         OptionError: ``dataset`` is no dataset name (:func:`check_dataset_name`).
         FileFormatError: not an HDF5 file, no such dataset (or a group, or a
-            null dataset with no shape), a non-numeric dtype, or speedswap
+            null dataset with no shape), compressed by a filter HDF5 cannot
+            load here, a non-numeric dtype, or speedswap
             attributes it never writes (a table dtype other than bfloat16
             over float32, a CRC-32 that is no number).
         MissingFileError, PathError: no such file, a directory, not a regular file, or no
@@ -90,6 +91,7 @@ def read_h5_header(path, dataset):
         if shape is None:  # a null dataspace (h5py.Empty): an attribute-like placeholder, no array
             raise FileFormatError(f"{path!r}: {dataset!r} is an empty HDF5 dataset (no shape, no "
                                   f"values); pass dataset= naming the array itself")
+        _check_filters(data, path, dataset)
         table_dtype = data.attrs.get(_TABLE_DTYPE_ATTR)
         crc32 = data.attrs.get(_CRC32_ATTR)
     check_dtype(np.dtype(dtype), path)
@@ -112,6 +114,22 @@ def read_h5_header(path, dataset):
                                   f"speedswap records; the file is damaged or not speedswap's: delete "
                                   f"the attribute to read it unverified") from None
     return TableHeader(tuple(shape), np.dtype(dtype), table_dtype=table_dtype, crc32=crc32)
+
+
+def _check_filters(data, path, dataset) -> None:
+    """Raise FileFormatError when ``data`` was compressed by a filter HDF5 cannot load here.
+
+    Its chunks would fail to read one by one, which says "corrupt" of a sound file.
+    """
+    h5py = _h5py()
+    plist = data.id.get_create_plist()
+    for index in range(plist.get_nfilters()):
+        code, _, _, name = plist.get_filter(index)
+        if not h5py.h5z.filter_avail(code):
+            named = f" ({name.decode('utf-8', 'replace')})" if name else ""
+            raise FileFormatError(f"{path!r}: {dataset!r} is compressed with HDF5 filter {code}{named}, which "
+                                  f"HDF5 cannot load here; install its plugin (pip install hdf5plugin, then "
+                                  f"import hdf5plugin before loading) or save the data without it")
 
 
 def _attr_text(value):
