@@ -22,6 +22,7 @@ except ImportError:  # Windows: threads of one process still take turns (see loc
     fcntl = None
 
 from .errors import MissingFileError, PathError, SpeedswapError
+from .mappings import mapped_for_writing
 
 __all__ = ["atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
            "check_readable_file", "check_regular_file", "opening_error", "saving_error", "fsync_dir", "locked"]
@@ -166,7 +167,7 @@ def fsync_dir(directory) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(path):
+def atomic_output(path, replace_mapped: bool = False):
     """Yield a temporary path; on success move it over ``path`` atomically.
 
     The temporary file lives in the target's directory (a rename is atomic
@@ -181,20 +182,29 @@ def atomic_output(path):
 
     Args:
         path: the file to create or replace.
+        replace_mapped: replace it even where this process maps it for
+            writing (a table asked to start the file afresh: ``overwrite``);
+            otherwise that is refused, as the map's writes would be lost.
 
     Yields:
         str: where to write.
 
     Raises:
-        PathError: the directory does not exist, ``path`` is a directory, or the
-            file system refused the write (read-only, full, no permission); the
-            message names ``path``, not the temporary.
+        PathError: the directory does not exist, ``path`` is a directory, this
+            process maps the file for writing (the map's writes would be lost
+            with the replaced file), or the file system refused the write
+            (read-only, full, no permission); the message names ``path``, not
+            the temporary.
     """
     if os.path.islink(path):
         path = os.path.realpath(path)  # renaming over the link would turn it into a file
     directory = check_writable_dir(path)
     if os.path.isdir(path):
         raise PathError(f"cannot save {os.fspath(path)!r}: it is a directory; choose a file name")
+    if not replace_mapped and mapped_for_writing(path):
+        raise PathError(f"cannot save {os.fspath(path)!r}: this process maps that file for writing (a live "
+                        f"mmap table or DataGadget, or an np.memmap), and replacing it would lose the map's "
+                        f"writes; close that table (or drop the memmap) first, or save to another path")
     remove_stale_temporaries(path)
     tmp = temp_path(path)
     try:

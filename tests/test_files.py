@@ -317,3 +317,34 @@ def test_a_save_through_a_symbolic_link_replaces_its_target_and_keeps_the_link(n
     loaded = ss.HostTable.load(tmp_path / "store" / name, backend=backend)
     np.testing.assert_array_equal(loaded.to_numpy(), values)
     assert sorted(os.listdir(tmp_path / "store")) == [name]  # no temporary left beside it
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads this process's mappings from /proc (Linux)")
+@pytest.mark.parametrize("name", ["m.npy", "m.h5"])
+def test_a_save_over_a_file_a_live_table_writes_through_a_map_is_refused(name, values, tmp_path):
+    """The save replaced the file; the mmap table went on writing to the old one, nameless since,
+    so its writes and flushes were lost without a word, while its path named the new file."""
+    path = tmp_path / "m.npy"
+    mapped = ss.HostTable.empty(*values.shape, storage="mmap", path=path, backend="numpy")
+    mapped.scatter(np.arange(len(values)), values)
+    other = ss.HostTable.from_numpy(values[::-1].copy(), backend="numpy")
+    target = tmp_path / name
+    if name.endswith(".h5"):  # the same file, named by a link: its identity counts, not its name
+        os.link(path, target)
+    with pytest.raises(ss.PathError, match="maps that file for writing.*close"):
+        other.save(target)
+    assert sorted(os.listdir(tmp_path)) == sorted({"m.npy", name})  # no temporary left
+    mapped.flush()
+    np.testing.assert_array_equal(np.load(path), values)
+    reader = np.load(path, mmap_mode="r")  # a read-only map keeps the old file's rows: no loss
+    mapped.close()
+    other.save(path)
+    np.testing.assert_array_equal(np.load(path), values[::-1])
+    np.testing.assert_array_equal(reader, values)
+    kept = ss.HostTable.load(path, mmap=True, backend="numpy")  # writes through a map again
+    assert kept.writable
+    # Asked to start the file afresh, a new table replaces it all the same.
+    fresh = ss.HostTable.empty(*values.shape, storage="mmap", path=path, overwrite=True, backend="numpy")
+    fresh.scatter(np.arange(len(values)), values * 2)
+    fresh.flush()
+    np.testing.assert_array_equal(np.load(path), values * 2)

@@ -17,6 +17,7 @@ import torch
 
 from ..convert import torch_dtype
 from ..errors import DTypeError, FileFormatError, OptionError
+from ..mappings import mappings
 
 __all__ = [
     "NPY_SUFFIXES",
@@ -127,17 +128,8 @@ def mapped_identity(address) -> Optional[tuple]:
         the identity as ``os.stat`` gives it, or None: no ``/proc`` (not
         Linux), no mapping there, or an anonymous one.
     """
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                span, _, _, device, inode = line.split(maxsplit=5)[:5]
-                lo, hi = (int(end, 16) for end in span.split("-"))
-                if lo <= address < hi:
-                    major, minor = (int(part, 16) for part in device.split(":"))
-                    return (os.makedev(major, minor), int(inode)) if int(inode) else None
-    except (OSError, ValueError):  # no /proc, or a format this parser does not know
-        return None
-    return None
+    found = next((m for m in mappings() if m.start <= address < m.end), None)
+    return found.identity if found is not None and found.identity[1] else None
 
 
 def reading_error(path, exc) -> FileFormatError:

@@ -179,8 +179,9 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
     # whoever still maps it, and the name never holds a half-made header.
     if overwrite:
         # atomic_output also keeps a symbolic link at path (its target is replaced) and
-        # the replaced file's permission bits.
-        with atomic_output(path) as tmp:
+        # the replaced file's permission bits. A live table mapping the old file was asked
+        # to be replaced: it keeps the old inode.
+        with atomic_output(path, replace_mapped=True) as tmp:
             offset = _write_sparse(tmp, header, size)
         return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
     tmp = temp_path(path)
