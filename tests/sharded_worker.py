@@ -539,6 +539,12 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"infskip.rank{rank}.json"), "w") as f:
             json.dump({"error": error, "unchanged": unchanged}, f)
         name = "infskip"
+    elif kind == "outsider":  # every rank builds on a group of rank 0 alone, rank 1 too
+        group = torch.distributed.new_group([0])  # made by every rank, as torch requires
+        error = caught(lambda: make(name, process_group=group))
+        with open(os.path.join(out, f"outsider.rank{rank}.json"), "w") as f:
+            json.dump(error, f)
+        return
     elif kind == "crash":    # rank 1 does not catch its error: every rank must exit, not hang
         emb, opt = make(name)
         ids = torch.arange(4) + (NUM_ROWS if rank == 1 else 0)

@@ -245,7 +245,7 @@ def mismatched_calls(tmp_path_factory):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print(f"mismatched_calls seed {seed}")
     assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
-                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd"))
+                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "outsider:sgd"))
     return out, seed
 
 
@@ -351,6 +351,15 @@ def test_a_step_a_grad_scaler_skips_on_one_rank_only_is_refused_on_every_rank(mi
         assert "ShardedGradScaler" in result["error"]["StateError"]
         assert result["unchanged"]
     assert_same(gathered(out, "infskip", 2), sharded_worker.reference("sgd", seed, skipped={0}))
+
+
+def test_an_embedding_built_on_a_group_this_rank_is_not_in_is_refused_with_an_option_error(mismatched_calls):
+    """Its rank -1 in the group made a shard of no rows: 'num_rows must be a positive int, got 0'."""
+    out, _ = mismatched_calls
+    rank0, rank1 = (json.loads((out / f"outsider.rank{r}.json").read_text()) for r in range(2))
+    assert rank0 == {}  # the group's one rank builds its embedding
+    assert "not a member of process_group" in rank1["OptionError"]
+    assert "only on the group's ranks" in rank1["OptionError"]
 
 
 @pytest.mark.slow

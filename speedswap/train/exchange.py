@@ -102,7 +102,8 @@ class Exchange:
             (one process reading a whole sharded checkpoint).
 
     Raises:
-        OptionError: a ``process_group`` without ``torch.distributed`` initialised.
+        OptionError: a ``process_group`` without ``torch.distributed`` initialised,
+            or one this process is not a member of.
     """
 
     def __init__(self, process_group=None, device="cpu", *, local: bool = False):
@@ -112,6 +113,10 @@ class Exchange:
                               "initialised; call torch.distributed.init_process_group first")
         self.group = process_group
         self.rank = dist.get_rank(process_group) if self.distributed else 0
+        if self.rank < 0:  # torch's rank of a process outside the group
+            raise OptionError(f"this process (global rank {dist.get_rank()}) is not a member of "
+                              f"process_group, so it owns none of the table's rows; build the "
+                              f"ShardedOffloadedEmbedding only on the group's ranks")
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
         self.device = torch.device(device)
         self.bytes_sent = 0  # rows' bytes this rank sent to other ranks (the benchmark reads it)

@@ -147,7 +147,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
 
     Raises:
         OptionError: bad sizes, storage or ``padding_idx``, fewer rows than
-            ranks, a ``cache_rows``; ``max_norm`` or ``norm_type`` given.
+            ranks, a ``cache_rows``; ``max_norm`` or ``norm_type`` given; a
+            ``process_group`` this process is not a member of.
         DTypeError: a dtype that is not floating point.
     """
 
