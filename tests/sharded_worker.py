@@ -539,6 +539,22 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"infskip.rank{rank}.json"), "w") as f:
             json.dump({"error": error, "unchanged": unchanged}, f)
         name = "infskip"
+    elif kind == "twockpts":  # each rank loads another checkpoint of the same run (Adam: its step count)
+        emb, opt = make(name)
+        emb.load(table_file)
+        ckpts = [os.path.join(out, f"twockpts-{step}") for step in (2, 4)]
+        train(emb, opt, seed, range(2), world, rank)
+        emb.save(ckpts[0])
+        train(emb, opt, seed, range(2, 4), world, rank)
+        emb.save(ckpts[1])
+        before = emb.table.to_numpy(copy=True)
+        error = caught(lambda: emb.load(ckpts[rank % 2]))
+        unchanged = bool(np.array_equal(emb.table.to_numpy(), before))
+        emb.load(ckpts[0])  # the same one on every rank: the resume done right
+        train(emb, opt, seed, range(2, STEPS), world, rank)
+        with open(os.path.join(out, f"twockpts.rank{rank}.json"), "w") as f:
+            json.dump({"error": error, "unchanged": unchanged}, f)
+        name = "twockpts"
     elif kind == "outsider":  # every rank builds on a group of rank 0 alone, rank 1 too
         group = torch.distributed.new_group([0])  # made by every rank, as torch requires
         error = caught(lambda: make(name, process_group=group))

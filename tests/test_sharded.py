@@ -245,7 +245,7 @@ def mismatched_calls(tmp_path_factory):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print(f"mismatched_calls seed {seed}")
     assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
-                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "outsider:sgd"))
+                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "outsider:sgd", "twockpts:adam"))
     return out, seed
 
 
@@ -360,6 +360,17 @@ def test_an_embedding_built_on_a_group_this_rank_is_not_in_is_refused_with_an_op
     assert rank0 == {}  # the group's one rank builds its embedding
     assert "not a member of process_group" in rank1["OptionError"]
     assert "only on the group's ranks" in rank1["OptionError"]
+
+
+def test_ranks_loading_different_checkpoints_are_refused_before_any_row_changes(mismatched_calls):
+    """Each rank restored its own checkpoint's rows and Adam step count (2 here, 4 there), silently."""
+    out, seed = mismatched_calls
+    for rank in range(2):
+        result = json.loads((out / f"twockpts.rank{rank}.json").read_text())
+        assert "not the same checkpoint on every rank" in result["error"]["StateError"]
+        assert "ranks [0] read one, ranks [1] another" in result["error"]["StateError"]
+        assert result["unchanged"]
+    assert_same(gathered(out, "twockpts", 2), reference("adam", seed))
 
 
 @pytest.mark.slow

@@ -286,6 +286,25 @@ class Exchange:
             total = {0.0: parts.sum, float("inf"): parts.max, -float("inf"): parts.min}[norm_type]()
         return total.to(local.dtype)
 
+    def ranks_by_value(self, value: int) -> List[List[int]]:
+        """The ranks grouped by the ``value`` each passed, in order of each group's first rank (a collective).
+
+        Args:
+            value: this rank's integer (a fingerprint of what it is about to use).
+
+        Returns:
+            One list of ranks per distinct value: one list when every rank agrees.
+        """
+        if self.world_size == 1:
+            return [[0]]
+        mine = torch.tensor([value], dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        groups = {}
+        for rank, each in enumerate(torch.cat(every).tolist()):
+            groups.setdefault(each, []).append(rank)
+        return list(groups.values())
+
     def agree(self, error: Optional[BaseException], what: str) -> None:
         """Raise on every rank if ``what`` failed on any: the end of work that may fail.
 

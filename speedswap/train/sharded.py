@@ -907,8 +907,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             FileFormatError: another table size, dtype or optimizer, or bad files
                 (checked on every rank before any row changes).
             StateError: called between a forward and the step, a rank failed,
-                another call on another rank, or ranks whose embeddings or
-                optimizers differ.
+                another call on another rank, ranks whose embeddings or
+                optimizers differ, or ranks that read different checkpoints.
         """
         self._begin_between_steps(LOAD, "load")
         if os.fspath(path).endswith(".npy"):

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 
 import torch
 
@@ -325,6 +326,20 @@ def _plan(path, manifest, tables, row_state, rows, num_embeddings):
     return plan
 
 
+def _fingerprint(path, manifest) -> int:
+    """A number that tells checkpoints apart: the CRC-32 of the manifest and of every rank's CRC-32s.
+
+    The manifest alone is the same at every step of SGD without momentum (no
+    step count); the shards' CRC-32s differ (a checkpoint saved before they
+    were has none: its manifest tells it).
+
+    Raises:
+        FileFormatError: a rank's CRC-32s missing or unreadable.
+    """
+    checksums = [_shard_checksums(path, rank, manifest) for rank in range(manifest["world_size"])]
+    return zlib.crc32(json.dumps([manifest, checksums], sort_keys=True).encode())
+
+
 def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None:
     """Fill this rank's ``tables`` (rows ``rows``) from a checkpoint of any world size (a collective).
 
@@ -340,12 +355,24 @@ def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None
         FileFormatError: the checkpoint does not match (on the rank that saw
             it; StateError on the others). Every file is checked on every
             rank before any row changes.
+        StateError: the ranks read different checkpoints (another ``path``
+            on some rank), on every rank, before any row changes.
     """
     def check():
         manifest = read_manifest(path)
-        return manifest, _plan(path, manifest, tables, row_state, rows, num_embeddings)
+        fingerprint = _fingerprint(path, manifest)
+        return manifest, _plan(path, manifest, tables, row_state, rows, num_embeddings), fingerprint
 
-    manifest, plan = run_everywhere(exchange, f"checking checkpoint {os.fspath(path)!r}", check)
+    manifest, plan, fingerprint = run_everywhere(exchange, f"checking checkpoint {os.fspath(path)!r}",
+                                                 check)
+    # Ranks reading different checkpoints (another step of the run, each rank its own "latest")
+    # would each restore its own rows and step count: the shards would train unlike one table.
+    groups = exchange.ranks_by_value(fingerprint)
+    if len(groups) > 1:
+        raise StateError(f"load(): {os.fspath(path)!r} is not the same checkpoint on every rank "
+                         f"(ranks {groups[0]} read one, ranks {groups[1]} another"
+                         f"{', and more' if len(groups) > 2 else ''}); pass the path of one checkpoint "
+                         f"on every rank. No row changed")
     # A shard too large to stage in RAM is read again at commit: every rank confirms its files are
     # still the ones verified before any rank writes a row, or a change seen by one rank would
     # leave the ranks before it loaded and the rest not.
