@@ -555,6 +555,16 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"twockpts.rank{rank}.json"), "w") as f:
             json.dump({"error": error, "unchanged": unchanged}, f)
         name = "twockpts"
+    elif kind == "mixedload":  # rank 0 loads a whole-table .npy, rank 1 a sharded checkpoint
+        emb, opt = make(name)
+        ckpt = os.path.join(out, "mixedload-ckpt")
+        emb.save(ckpt)
+        train(emb, opt, seed, range(1), world, rank)
+        before = emb.table.to_numpy(copy=True)
+        error = caught(lambda: emb.load(table_file if rank == 0 else ckpt))
+        with open(os.path.join(out, f"mixedload.rank{rank}.json"), "w") as f:
+            json.dump({"error": error, "unchanged": bool(np.array_equal(emb.table.to_numpy(), before))}, f)
+        return
     elif kind == "outsider":  # every rank builds on a group of rank 0 alone, rank 1 too
         group = torch.distributed.new_group([0])  # made by every rank, as torch requires
         error = caught(lambda: make(name, process_group=group))

@@ -245,7 +245,7 @@ def mismatched_calls(tmp_path_factory):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print(f"mismatched_calls seed {seed}")
     assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
-                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "outsider:sgd", "twockpts:adam"))
+                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "outsider:sgd", "twockpts:adam", "mixedload:sgd"))
     return out, seed
 
 
@@ -371,6 +371,16 @@ def test_ranks_loading_different_checkpoints_are_refused_before_any_row_changes(
         assert "ranks [0] read one, ranks [1] another" in result["error"]["StateError"]
         assert result["unchanged"]
     assert_same(gathered(out, "twockpts", 2), reference("adam", seed))
+
+
+def test_a_npy_load_on_one_rank_and_a_checkpoint_load_on_another_is_refused_on_both(mismatched_calls):
+    """Their collectives paired: each rank loaded its own file, silently (or hung, comparing checkpoints)."""
+    out, _ = mismatched_calls
+    for rank in range(2):
+        result = json.loads((out / f"mixedload.rank{rank}.json").read_text())
+        error = result["error"]["StateError"]
+        assert "rank 0: load() of a whole-table .npy; rank 1: load() of a sharded checkpoint" in error
+        assert result["unchanged"]
 
 
 @pytest.mark.slow

@@ -41,14 +41,16 @@ import torch.distributed as dist
 from ..errors import OptionError, StateError
 
 __all__ = ["row_bounds", "owners", "Exchange", "CALLS", "TRAIN_FORWARD", "EVAL_FORWARD", "STEP", "SAVE",
-           "LOAD", "EXCHANGE", "GRAD_NORM"]
+           "LOAD", "EXCHANGE", "GRAD_NORM", "LOAD_TABLE"]
 
 #: The collective calls, as :meth:`Exchange.begin` names them when ranks make different ones.
 #: An explicit exchange_gradients() is a call of its own: a rank exchanging there must not
-#: pair with a rank whose step exchanges (and steps) at once.
+#: pair with a rank whose step exchanges (and steps) at once. So is a load of a whole-table
+#: .npy: its messages would pair with a sharded checkpoint's load, each rank loading its own file.
 CALLS = ("a training forward", "an eval forward (eval mode or torch.no_grad())",
-         "optimizer.step()", "save()", "load()", "exchange_gradients()", "grad_norm()")
-TRAIN_FORWARD, EVAL_FORWARD, STEP, SAVE, LOAD, EXCHANGE, GRAD_NORM = range(len(CALLS))
+         "optimizer.step()", "save()", "load() of a sharded checkpoint", "exchange_gradients()",
+         "grad_norm()", "load() of a whole-table .npy")
+TRAIN_FORWARD, EVAL_FORWARD, STEP, SAVE, LOAD, EXCHANGE, GRAD_NORM, LOAD_TABLE = range(len(CALLS))
 
 
 def row_bounds(num_rows: int, world_size: int) -> List[int]:

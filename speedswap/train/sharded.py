@@ -39,8 +39,8 @@ from ..convert import as_row_ids, as_row_ids_deferred, int_option, torch_dtype
 from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
-from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, SAVE, STEP, TRAIN_FORWARD, Exchange,
-                       owners, row_bounds)
+from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
+                       Exchange, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import padding_option, refuse_max_norm
@@ -871,7 +871,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not hang
             error = exc
         # A load replaces the optimizer state: ranks whose states went apart may load to agree again.
-        self._exchange.begin(call, error, self._config(with_history=call != LOAD), _describe, f"{what}()")
+        self._exchange.begin(call, error, self._config(with_history=call not in (LOAD, LOAD_TABLE)),
+                             _describe, f"{what}()")
 
     def save(self, path) -> None:
         """Write every rank's rows and optimizer state to the checkpoint directory ``path``.
@@ -910,8 +911,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 another call on another rank, ranks whose embeddings or
                 optimizers differ, or ranks that read different checkpoints.
         """
-        self._begin_between_steps(LOAD, "load")
-        if os.fspath(path).endswith(".npy"):
+        whole_table = os.fspath(path).endswith(".npy")
+        self._begin_between_steps(LOAD_TABLE if whole_table else LOAD, "load")
+        if whole_table:
             # Every rank stages its rows before any rank commits: all ranks load, or none.
             staged = run_everywhere(self._exchange, f"checking {os.fspath(path)!r}", lambda: stage_table_rows(
                 path, self.table, self.row_range, self.num_embeddings))
