@@ -897,8 +897,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     def load(self, path) -> None:
         """Restore a checkpoint written by :meth:`save` with any world size, or a ``.npy`` table.
 
-        A collective. Each rank reads the rows it now owns from the saved
-        shards (memory-mapped, so only those rows are read). With an
+        A collective. Each rank reads every saved shard that overlaps the
+        rows it now owns, whole (to verify its CRC-32 before any row changes,
+        held in RAM where it fits), and copies those rows from it. With an
         optimizer attached (the class that saved), its per-row state and step
         count are restored too; without one, the rows alone (for evaluation).
         A ``*.npy`` path holds a whole table (pretrained vectors): each rank
