@@ -565,6 +565,18 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"mixedload.rank{rank}.json"), "w") as f:
             json.dump({"error": error, "unchanged": bool(np.array_equal(emb.table.to_numpy(), before))}, f)
         return
+    elif kind == "order":    # two tables built alike; rank 1 calls them in the other order
+        first, opt = make(name)
+        second = ss.ShardedOffloadedEmbedding(NUM_ROWS, DIM, max_rows=GLOBAL_BATCH, backend="numpy",
+                                              storage="pageable")
+        second.attach(OPTIMIZERS[name][0](second.parameters(), **OPTIMIZERS[name][2]))
+        ids = torch.tensor([0, NUM_ROWS - 1])  # a row of each rank's shard
+        calls = (first, second) if rank == 0 else (second, first)
+        rows = {}
+        error = caught(lambda: rows.update((id(emb), emb(ids)) for emb in calls))
+        with open(os.path.join(out, f"order.rank{rank}.json"), "w") as f:
+            json.dump({"error": error, "looked_up": len(rows)}, f)
+        return
     elif kind == "outsider":  # every rank builds on a group of rank 0 alone, rank 1 too
         group = torch.distributed.new_group([0])  # made by every rank, as torch requires
         error = caught(lambda: make(name, process_group=group))

@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -245,7 +246,7 @@ def mismatched_calls(tmp_path_factory):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print(f"mismatched_calls seed {seed}")
     assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
-                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "outsider:sgd", "twockpts:adam", "mixedload:sgd"))
+                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "outsider:sgd", "twockpts:adam", "mixedload:sgd", "order:sgd"))
     return out, seed
 
 
@@ -287,8 +288,9 @@ def test_ranks_with_unlike_embeddings_or_optimizers_raise_before_any_row_moves(m
     out, _ = mismatched_calls
     for rank in range(2):
         result = json.loads((out / f"differ.rank{rank}.json").read_text())
-        assert f"rank 0: {NUM_ROWS} x {DIM} float32" in result["dim"]["StateError"]
-        assert f"rank 1: {NUM_ROWS} x {DIM + 1} float32" in result["dim"]["StateError"]
+        table = r"ShardedOffloadedEmbedding #\d+ built on its group"
+        assert re.search(rf"rank 0: {table}: {NUM_ROWS} x {DIM} float32", result["dim"]["StateError"])
+        assert re.search(rf"rank 1: {table}: {NUM_ROWS} x {DIM + 1} float32", result["dim"]["StateError"])
         assert "the ranks' embeddings differ" in result["lr"]["StateError"]
         assert "optimizer fingerprint" in result["lr"]["StateError"]
         assert "the ranks' embeddings differ" in result["padding"]["StateError"]
@@ -381,6 +383,18 @@ def test_a_npy_load_on_one_rank_and_a_checkpoint_load_on_another_is_refused_on_b
         error = result["error"]["StateError"]
         assert "rank 0: load() of a whole-table .npy; rank 1: load() of a sharded checkpoint" in error
         assert result["unchanged"]
+
+
+def test_tables_built_alike_but_called_in_another_order_on_each_rank_are_refused(mismatched_calls):
+    """Rank 0's lookup in its first table paired with rank 1's in its second: rows of the other table, silently."""
+    out, _ = mismatched_calls
+    for rank in range(2):
+        result = json.loads((out / f"order.rank{rank}.json").read_text())
+        error = result["error"]["StateError"]
+        assert "the ranks' embeddings differ" in error and "in the same order on every rank" in error
+        first, second = map(int, re.findall(r"rank \d: ShardedOffloadedEmbedding #(\d+) built on its group", error))
+        assert second == first + 1  # rank 0 called its first table, rank 1 its second
+        assert result["looked_up"] == 0
 
 
 @pytest.mark.slow

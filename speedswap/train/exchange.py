@@ -120,6 +120,9 @@ class Exchange:
                               f"process_group, so it owns none of the table's rows; build the "
                               f"ShardedOffloadedEmbedding only on the group's ranks")
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
+        #: The group's global ranks, which name it alike on every rank (None passed or the default group).
+        self.ranks = (tuple(dist.get_process_group_ranks(
+            dist.group.WORLD if process_group is None else process_group)) if self.distributed else (0,))
         self.device = torch.device(device)
         self.bytes_sent = 0  # rows' bytes this rank sent to other ranks (the benchmark reads it)
 
@@ -210,7 +213,8 @@ class Exchange:
             ranks = "; ".join(f"rank {rank}: {describe(c)}" for rank, c in enumerate(configs))
             raise StateError(f"{what}: the ranks' embeddings differ ({ranks}). Build the "
                              f"ShardedOffloadedEmbedding with the same num_embeddings, "
-                             f"embedding_dim, max_rows, dtype and padding_idx on every rank, and "
+                             f"embedding_dim, max_rows, dtype and padding_idx on every rank, build "
+                             f"and call the tables in the same order on every rank, and "
                              f"attach the same optimizer class with the same hyperparameters on every "
                              f"rank at the same point (a rank that attached alone restarted its "
                              f"optimizer state: attach() on every rank to restart it everywhere, or "

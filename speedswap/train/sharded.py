@@ -23,6 +23,7 @@ owning every row, which is how sharded checkpoints are read for evaluation:
 >>> emb(torch.tensor([[3, 99], [3, 5]])).pow(2).sum().backward(); opt.step()
 """
 
+import collections
 import copy
 import itertools
 import os
@@ -67,7 +68,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     backward reached. Every call starts with one message in which the
     ranks check that they make the same call (a forward, an
     :meth:`exchange_gradients`, a step, a save, a load) on embeddings built
-    alike, with the same optimizer class and hyperparameters attached (or
+    alike and in the same order (each rank's n-th table on the group meets
+    its peers' n-th), with the same optimizer class and hyperparameters attached (or
     loaded) at the same step, and, at a step, that they agree on the rows
     they exchange; they raise ``StateError`` together if not, no row changed.
     A check one rank makes alone (bad ids, an optimizer state replaced by
@@ -226,6 +228,11 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._narrowed = None
         self._reached = ReachedRows(dropped=_gradient_dropped(weakref.ref(self)))
         self._new_step()
+        # Which table of the group this is (counted once built, so that a failed build counts on no
+        # rank): ranks calling tables built alike in another order (a then b here, b then a
+        # there) would pair one table's messages with another's.
+        _BUILT[self._exchange.ranks] += 1
+        self._number = _BUILT[self._exchange.ranks]
 
     def _new_step(self):
         self._restore_narrowed()
@@ -843,7 +850,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     def _config(self, with_optimizer: bool = True, with_history: bool = True) -> list:
         """What must be equal on every rank: integers for :meth:`Exchange.begin` (see :func:`_describe`).
 
-        The table's size and dtype, ``max_rows`` (an owner's working set is
+        This embedding's number among those built on its group in this
+        process (ranks calling two tables in another order would exchange
+        one table's rows for the other's), the table's size and dtype,
+        ``max_rows`` (an owner's working set is
         sized for ``W * max_rows`` rows from its peers), ``padding_idx`` (a
         rank that took the row for an ordinary one would send its owner a
         gradient for it) and, unless
@@ -859,7 +869,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         dtype_code = _DTYPE_CODES.get(dtype, len(_DTYPES) + zlib.crc32(str(dtype).encode()))
         history = with_optimizer and with_history and self._state is not None
         padding = _NO_PADDING if self.padding_idx is None else self.padding_idx
-        return [self.num_embeddings, self.embedding_dim, self.max_rows, padding, dtype_code,
+        return [self._number, self.num_embeddings, self.embedding_dim, self.max_rows, padding, dtype_code,
                 _optimizer_fingerprint(self._state, self.weight) if with_optimizer else 0,
                 self._state_origin if history else 0, self._steps_since if history else 0]
 
@@ -929,6 +939,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             self._state_origin, self._steps_since = _LOADED, 0
 
 
+#: ShardedOffloadedEmbeddings built in this process, per group (its global ranks).
+_BUILT = collections.Counter()
 #: Floating dtypes as integers for the ranks' comparison, and back into words for its error.
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
@@ -983,13 +995,14 @@ def _optimizer_fingerprint(row_state, weight) -> int:
 
 def _describe(config) -> str:
     """One rank's :meth:`ShardedOffloadedEmbedding._config` in words."""
-    rows, dim, max_rows, padding, dtype, optimizer, origin, steps = config
+    number, rows, dim, max_rows, padding, dtype, optimizer, origin, steps = config
     dtype = str(_DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(_DTYPES) else "another dtype"
     optimizer = "no optimizer" if optimizer == 0 else f"optimizer fingerprint {optimizer:#x}"
     if origin:
         optimizer += f", {steps} step(s) since {_ORIGINS[origin]}"
     padding = "" if padding == _NO_PADDING else f", padding_idx={padding}"
-    return f"{rows} x {dim} {dtype}, max_rows={max_rows}{padding}, {optimizer}"
+    return (f"ShardedOffloadedEmbedding #{number} built on its group: {rows} x {dim} {dtype}, "
+            f"max_rows={max_rows}{padding}, {optimizer}")
 
 
 def _gradient_dropped(ref):
