@@ -1003,6 +1003,20 @@ def test_grad_norm_is_the_tables_gradient_norm_and_needs_the_exchange(rng, norm_
     torch.testing.assert_close(emb.grad_norm(norm_type), expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("norm_type", ["fro", None])
+def test_a_grad_norm_order_that_is_not_a_number_is_refused_before_any_message(rng, norm_type):
+    """float(norm_type) raised a bare ValueError (TypeError) after the ranks' first message, so a
+    rank passing it left its peers waiting in the norm's all-gather."""
+    emb, opt, ref, _ = _sgd_against_in_memory(rng, 12)
+    ids = torch.from_numpy(rng.integers(0, 30, 10))
+    emb(ids).pow(3).sum().backward()
+    emb.exchange_gradients()
+    with pytest.raises(ss.OptionError, match="norm_type=.*a number, as torch.linalg.vector_norm's ord"):
+        emb.grad_norm(norm_type)
+    F.embedding(ids, ref).pow(3).sum().backward()
+    torch.testing.assert_close(emb.grad_norm("inf"), ref.grad.abs().max(), rtol=1e-6, atol=0)  # as torch's clip takes it
+
+
 def _exchange_with_peers(monkeypatch, world):
     """An Exchange of ``world`` ranks in this one process: every peer sends what this rank sends."""
     monkeypatch.setattr(torch.distributed, "all_gather",

@@ -551,7 +551,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
 
         Args:
-            norm_type: the norm's order (``torch.linalg.vector_norm``'s ``ord``), the same on every rank.
+            norm_type: the norm's order (``torch.linalg.vector_norm``'s ``ord``, or
+                ``"inf"`` as ``clip_grad_norm_`` takes it), the same on every rank.
 
         Returns:
             A 0-dim tensor on the table's device.
@@ -559,6 +560,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         Raises:
             StateError: no :meth:`exchange_gradients` since the step's last
                 backward, on any rank (every rank raises, before any message).
+            OptionError: ``norm_type`` is not a number (on that rank; StateError on the others).
         """
         error = None
         try:
@@ -567,13 +569,18 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 raise StateError("grad_norm() before the gradients reached their owners: call "
                                  "emb.exchange_gradients() on every rank after the step's last "
                                  "backward, then grad_norm()")
+            try:
+                order = float(norm_type)
+            except (TypeError, ValueError):
+                raise OptionError(f"norm_type={norm_type!r}: the norm's order must be a number, as "
+                                  f"torch.linalg.vector_norm's ord (2.0, 1.0, float('inf'), ...)") from None
         except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not wait for this one
             error = exc
         self._exchange.begin(GRAD_NORM, error, self._config(), _describe, "grad_norm()")
         grad = self.weight.grad  # this rank's owned rows; zero beyond them
         local = (torch.zeros((), dtype=self.weight.dtype, device=self.weight.device) if grad is None
-                 else torch.linalg.vector_norm(grad, float(norm_type)))
-        return self._exchange.norm(local, float(norm_type))
+                 else torch.linalg.vector_norm(grad, order))
+        return self._exchange.norm(local, order)
 
     def _check_grad_untouched(self, optimizer) -> None:
         """Refuse a ``weight.grad`` that something changed before the gradients arrived.
