@@ -698,6 +698,18 @@ def _adam_step_saved(rng, path):
     return emb, opt, {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
 
 
+def test_a_checkpoint_saved_at_a_path_ending_in_npy_loads_back(rng, tmp_path):
+    """load() took any '*.npy' path for a whole-table file: the directory save() wrote there was refused."""
+    emb, opt, saved = _adam_step_saved(rng, tmp_path / "vectors.npy")
+    emb(torch.arange(12)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    emb.load(tmp_path / "vectors.npy")
+    assert opt.state[emb.weight]["step"] == 1
+    for name, table in emb._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), saved[name], err_msg=name)
+
+
 def test_a_corrupt_shard_is_refused_before_any_row_changes(rng, tmp_path):
     """Each rank records its shards' CRC-32s; a load reads every shard it needs before changing a row."""
     emb, opt, saved = _adam_step_saved(rng, tmp_path / "ckpt")

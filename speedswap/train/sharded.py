@@ -919,8 +919,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         held in RAM where it fits), and copies those rows from it. With an
         optimizer attached (the class that saved), its per-row state and step
         count are restored too; without one, the rows alone (for evaluation).
-        A ``*.npy`` path holds a whole table (pretrained vectors): each rank
-        reads its rows and the optimizer state is left as it is.
+        A ``*.npy`` file (not a directory) holds a whole table (pretrained
+        vectors): each rank reads its rows and the optimizer state is left as it is.
 
         Raises:
             FileFormatError: another table size, dtype or optimizer, or bad files
@@ -929,7 +929,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 another call on another rank, ranks whose embeddings or
                 optimizers differ, or ranks that read different checkpoints.
         """
-        whole_table = os.fspath(path).endswith(".npy")
+        # A directory is a checkpoint whatever its name: save() writes one at a path ending ".npy" too.
+        whole_table = os.fspath(path).endswith(".npy") and not os.path.isdir(path)
         self._begin_between_steps(LOAD_TABLE if whole_table else LOAD, "load")
         if whole_table:
             # Every rank stages its rows before any rank commits: all ranks load, or none.
