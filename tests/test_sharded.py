@@ -1302,6 +1302,22 @@ def _sgd_against_in_memory(rng, max_rows):
     return emb, opt, ref, torch.optim.SGD([ref], lr=0.1)
 
 
+def test_a_step_with_a_closure_trains_as_in_memory(rng):
+    """The closure's forward ran after the step's pre-hook had exchanged nothing: StateError 'Adam's step()
+    left its per-row state ... fix the optimizer', where OffloadedEmbedding and nn.Embedding train."""
+    emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 12)
+    for _ in range(5):
+        ids = torch.from_numpy(rng.integers(0, 30, 8))
+        for model, optimizer in ((emb, opt), (lambda i: F.embedding(i, ref), ref_opt)):
+            def closure(model=model, optimizer=optimizer):
+                optimizer.zero_grad()
+                loss = model(ids).pow(3).sum()
+                loss.backward()
+                return loss
+            optimizer.step(closure)
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
 def test_a_second_backward_through_a_kept_graph_after_zero_grad_trains_on_its_gradient(rng):
     emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 12)
     for _ in range(10):

@@ -47,6 +47,7 @@ from .one_optimizer import claim
 from .options import padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
+from .step_hooks import StepHooks
 from .sharded_checkpoint import (all_unchanged, load_shards, run_everywhere, save_shards,
                                  stage_table_rows)
 from .working_set import WorkingSet
@@ -218,7 +219,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         # since: equal on every rank that attaches, loads and steps alike, so that a rank that
         # attached alone (its state restarted, its peers' not) is refused at the next call.
         self._state_origin, self._steps_since = 0, 0
-        self._hooks = ()
+        self._hooks = None  # StepHooks on the attached optimizer
         self._claim = None  # refuses other optimizers' steps over weight (see attach)
         self._created = set()  # mmap state files this embedding made and may replace
         # A backward reaching the looked-up rows gives `weight` a gradient for the optimizer's
@@ -356,6 +357,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             optimizer: this rank's ``torch.optim`` optimizer, built over
                 parameters that include :attr:`weight`.
 
+        ``optimizer.step(closure)`` works: the closure's forwards and
+        backward run first (on every rank), then the exchange and the step.
+
         Attaching again starts the offloaded optimizer state afresh (an
         ``mmap`` embedding's state files included; the same optimizer's scalar
         state for :attr:`weight`, Adam's ``step``, too). Attach on every rank
@@ -380,9 +384,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         """
         self._check_between_steps("attach")
         row_state_spec(optimizer, self.weight)  # refuse an unsupported optimizer before any change
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = ()
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
         if self._state is not None:
             self._state.close()  # its mmap files are replaced below
             self._state = None
@@ -392,8 +396,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._created |= {t.path for t in state.tables.values()}
         self._state = state
         self._state_origin, self._steps_since = _ATTACHED, 0
-        self._hooks = (optimizer.register_step_pre_hook(self._before_step),
-                       optimizer.register_step_post_hook(self._after_step))
+        # Weak hooks that run a closure's forward and backward before the exchange (step(closure)).
+        self._hooks = StepHooks(self, optimizer)
         # Refused whatever the gradient, which differs from rank to rank: every rank alike.
         self._claim = claim(self, self.weight, optimizer, frozen_may_stay=False)
 
@@ -745,8 +749,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 self._put_back = None
                 self._set_placeholder()
 
-    def _before_step(self, optimizer, args, kwargs):
-        self._abort_step()  # a retry of a step whose optimizer raised
+    # The step protocol of StepHooks, which calls _abort_step() first (a retry of a step that raised).
+    def _begin_step(self):
         if self._drop_zeroed_step():
             return
         if self._forwards == 0:
@@ -762,7 +766,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                                  "lost: call exchange_gradients() after the step's last backward (or "
                                  "discard_step() on every rank to skip the step)")
             if not self._exchanged:
-                self._check_grad_untouched(optimizer)
+                self._check_grad_untouched(self._state.optimizer)
             self._check_optimizer_state()  # optimizer.load_state_dict() since the forward
         except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not step without this one
             error = exc
@@ -778,7 +782,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         if self._put_back is not None:
             self._kept = KeptRows(self._put_back, self._full, self._state.step_state(), self._state.spec)
 
-    def _after_step(self, optimizer, args, kwargs):
+    def _end_step(self):
         if self._forwards == 0:
             return
         rows, k = self._owned.rows, self._owned.size
@@ -817,9 +821,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         """
         if self.table.closed:
             return
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = ()
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
         if self._claim is not None:
             self._claim.remove()
         if self._state is not None:

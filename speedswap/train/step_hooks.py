@@ -3,7 +3,8 @@
 An offloaded parameter is narrowed to the rows a step touched for the
 optimizer's ``step()`` and restored (its rows written back) after it. Three
 things make that subtle, and this module handles them once for every owner
-(:class:`~speedswap.OffloadedEmbedding`, :class:`~speedswap.OptimizerFactory`):
+(:class:`~speedswap.OffloadedEmbedding`, :class:`~speedswap.ShardedOffloadedEmbedding`,
+:class:`~speedswap.OptimizerFactory`):
 
 * ``optimizer.step(closure)``: the forward runs *inside* the step, after the
   pre-step hook, so the rows are known only when the closure returns. The
