@@ -92,7 +92,7 @@ def run(emb, opt, steps, share):
 
 
 def build(cls, vocab, pairs, world=1):
-    max_rows = pairs * (2 + NEGS) // world
+    max_rows = -(-pairs // world) * (2 + NEGS)  # rank 0's share, the largest of tensor_split's
     emb = cls(vocab, DIM, max_rows=max_rows, storage="pageable", backend="numpy")
     opt = torch.optim.Adam(emb.parameters(), lr=LR)
     emb.attach(opt)
