@@ -15,7 +15,7 @@ import errno
 import mmap
 import os
 import warnings
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -228,6 +228,7 @@ class HostTable:
         self._dtype = buffer.tensor.dtype
         self._kind = buffer.kind  # still reported once the buffer is released
         self._writable = buffer.host is None or bool(buffer.host.flags.writeable)
+        self._before_write = None  # see watch_writes
         _LIVE.add(self)
 
     # ----------------------------------------------------------- constructors
@@ -502,6 +503,28 @@ class HostTable:
                              "or copy the rows with HostTable.from_numpy")
         return buffer
 
+    def watch_writes(self, before_write: Optional[Callable[[], None]]) -> None:
+        """Have ``before_write()`` run before each write of the rows through this table's methods.
+
+        For an owner that holds some of the rows elsewhere (an embedding's
+        step in flight, its device cache): whoever writes, through whichever
+        reference to the table, ``before_write`` puts those rows back first,
+        or raises to refuse the write, before any row changes. The writes are
+        :meth:`scatter`, :meth:`apply_`, the initialisers and :meth:`load_from`
+        (after the file is verified); not :meth:`scatter_validated` (the
+        owner's own path), nor writes into :meth:`to_numpy` or
+        :meth:`as_tensor` views, which no method sees.
+
+        Args:
+            before_write: a callable of no arguments, or None to stop watching.
+        """
+        self._before_write = before_write
+
+    def _announce_write(self):
+        """Run the :meth:`watch_writes` callback: a public method is about to write rows."""
+        if self._before_write is not None:
+            self._before_write()
+
     def as_tensor(self, *, for_reading: bool = False) -> torch.Tensor:
         """The rows as a torch tensor sharing the table's memory (no copy).
 
@@ -664,6 +687,7 @@ class HostTable:
             # cuda backend writes with, refuses a source it overwrites, and a kernel would read
             # rows it has already written. A copy is the values as they were when called.
             values = values.clone()
+        self._announce_write()
         self._backend.scatter(buffer, flat, values)
 
     def scatter_validated(self, rows: torch.Tensor, values: torch.Tensor) -> None:
@@ -682,6 +706,8 @@ class HostTable:
     def _row_chunks(self, writing=True):
         """Row-range views of the table, about 64 MiB each."""
         tensor = (self._writable_buffer() if writing else self._live_buffer()).tensor
+        if writing:
+            self._announce_write()
         self._backend.wait_host(self._buffer)
         for start, stop in files.row_ranges(self._shape, numpy_dtype(self.dtype)):
             yield start, stop, tensor[start:stop]
@@ -799,6 +825,7 @@ class HostTable:
                 it did not work in place, and its result would be lost.
         """
         tensor = self._writable_buffer().tensor
+        self._announce_write()
         self._backend.wait_host(self._buffer)
         with torch.no_grad():
             result = fn(tensor, *args, **kwargs)
@@ -898,7 +925,9 @@ class HostTable:
         header = files.read_table_header(path, dataset)
         files.check_table_matches(header, self._shape, self.dtype, path)
         # Every row is read and verified before the first one changes.
-        files.stage_table(path, header, dataset, self.dtype, available_ram()).commit(self)
+        staged = files.stage_table(path, header, dataset, self.dtype, available_ram())
+        self._announce_write()
+        staged.commit(self)
         return self
 
     def to_numpy(self, copy=False):

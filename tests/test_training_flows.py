@@ -838,3 +838,56 @@ def test_a_resume_from_before_the_first_step_after_steps_at_another_lr_trains_on
         for ids, target in batches[5:]:
             train_step(model, optimizer, ids, target)
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("write", ["apply_", "scatter"])
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_write_through_a_table_reference_kept_across_steps_is_kept(backend, rng, write, cache_rows):
+    """``table = emb.table`` kept from the start: steps, one skipped with ``zero_grad()``, a write
+    through ``table``, more steps.
+
+    Only ``emb.table`` itself dropped the skipped step and emptied the cache first: through the kept
+    reference, the next forward kept the skipped step and wrote its old rows back over the write,
+    and the cache wrote its rows back over it (3.3 from in-memory training).
+    """
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows)
+    table = emb.table
+    batches = zipf_ids(rng, STEPS)
+    skipped = len(batches) // 2
+    new_rows = torch.from_numpy(rng.standard_normal((ROWS, DIM)).astype(np.float32))
+    written = torch.unique(torch.cat([ids.reshape(-1) for ids, _ in batches[skipped - 3:skipped + 1]]))
+    for step, (ids, target) in enumerate(batches):
+        for lookup, optimizer, to in ((emb, opt, device),
+                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            if step != skipped:  # a loss that was not finite, say: the step is skipped
+                optimizer.step()
+            optimizer.zero_grad()
+        if step == skipped:
+            if write == "apply_":
+                table.apply_(torch.Tensor.mul_, 0.5)
+                with torch.no_grad():
+                    ref.mul_(0.5)
+            else:
+                table.scatter(written, new_rows[written])
+                with torch.no_grad():
+                    ref[written] = new_rows[written]
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_table_write_between_a_training_forward_and_its_step_is_refused(backend, rng, cache_rows):
+    """The step writes its rows back over whatever was written into the table meanwhile: refused,
+    nothing changes, and the step then trains as in memory."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows)
+    table = emb.table
+    (ids, target), = zipf_ids(rng, 1)
+    ((emb(ids.to(device)).cpu().sum(1) - target) ** 2).sum().backward()
+    before = table.to_numpy(copy=True)
+    with pytest.raises(ss.StateError, match="between a training forward and optimizer.step"):
+        table.scatter(torch.unique(ids), torch.zeros(len(torch.unique(ids)), DIM))
+    np.testing.assert_array_equal(table.to_numpy(), before)
+    opt.step()
+    ((F.embedding(ids, ref, sparse=True).sum(1) - target) ** 2).sum().backward()
+    ref_opt.step()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

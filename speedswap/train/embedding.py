@@ -196,6 +196,9 @@ class OffloadedEmbedding(torch.nn.Module):
         # Whether an eval-mode forward with gradients enabled ran since the last step: its rows
         # carry no gradient, where nn.Embedding's would train (see _refuse_eval_only_step).
         self._eval_with_grad = False
+        # Writes into the table through any reference to it (one kept from before a step, the
+        # HostTable's own methods) first take back the rows a skipped step or the cache hold.
+        self._table.watch_writes(_before_table_write(weakref.ref(self)))
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze: bool = True, *, max_rows: int,
@@ -559,11 +562,16 @@ class OffloadedEmbedding(torch.nn.Module):
 
         With a device cache, the cache first writes its rows (and their
         optimizer state) back and forgets them, so reads see every row as
-        trained and writes reach the next step; the cache fills again as
-        training goes on. So with a cache the table is current when it is
-        asked for: ask again after training steps (a reference kept across
-        steps misses the rows the cache took since, and writes to them are
-        overwritten when they are evicted). Without a cache it stays current.
+        trained; the cache fills again as training goes on. So with a cache
+        the table is current when it is asked for: ask again after training
+        steps (reads through a reference kept across steps miss the rows the
+        cache took since). Without a cache it stays current. Writes through
+        the table's methods (:meth:`~speedswap.HostTable.scatter`,
+        ``apply_``, the initialisers, ``load_from``), through any reference
+        to it, take effect as on an in-memory table: the cache and a step
+        ``zero_grad()`` skipped give their rows back first. A write between
+        a training forward and ``optimizer.step()``, which would write the
+        step's rows back over it, raises :class:`~speedswap.StateError`.
 
         Raises:
             StateError: with a device cache, between a training forward and its
@@ -583,6 +591,28 @@ class OffloadedEmbedding(torch.nn.Module):
             cache.flush()
             cache.invalidate()
         return self._table
+
+    def _prepare_table_write(self):
+        """Make a write into the table, through any reference to it, take effect as in memory.
+
+        A step ``zero_grad()`` skipped after its backward is dropped: the next
+        forward would take the written rows for rows perturbed in place (SAM),
+        go on with the step, and write its rows back over the write. The
+        device cache writes its rows back and forgets them: it would write
+        them back over the write at eviction.
+
+        Raises:
+            StateError: between a training forward and ``optimizer.step()``,
+                which would write the step's rows back over the write; nothing
+                changes.
+        """
+        if self._step_in_flight():
+            raise StateError("a write into an OffloadedEmbedding's table between a training forward and "
+                             "optimizer.step() would be undone by the step, which writes its rows back; "
+                             "write between steps (or call emb.discard_step() first)")
+        if self._cache is not None and self._cache.num_slots:
+            self._cache.flush()
+            self._cache.invalidate()
 
     @property
     def working_rows(self) -> torch.Tensor:
@@ -1112,6 +1142,15 @@ def _note_leftover_gradient(ref):
             embedding._stale = None  # zero_grad() since the last backward dropped it
         return None
     return note
+
+
+def _before_table_write(ref):
+    """A :meth:`HostTable.watch_writes` callback for an embedding's table that holds the embedding weakly."""
+    def before():
+        embedding = ref()
+        if embedding is not None:
+            embedding._prepare_table_write()
+    return before
 
 
 def _note_backward(ref):
