@@ -1,5 +1,7 @@
 """OptimizerFactory: SpeedTorch's switcher of an optimizer's per-row state for one embedding."""
 
+import weakref
+
 from ..backends import get_backend
 from ..convert import torch_dtype
 from ..errors import OptionError, StateError
@@ -25,6 +27,29 @@ def _parameter_named(model, variable_name):
         names = [n for n, _ in model.named_parameters()]
         raise OptionError(f"the model has no parameter or embedding {variable_name!r}; its "
                           f"parameters are {names}") from None
+
+
+class _Narrowing:
+    """The parameter's narrowing for the step in progress, held apart from the factory.
+
+    A factory dropped after an ``optimizer.step()`` that raised leaves the
+    parameter narrowed to that step's rows, and no hook of its puts it back:
+    its finalizer holds this (not the factory) and restores it.
+
+    Args:
+        state: the factory's per-row state, whose optimizer scratch goes back too.
+    """
+
+    def __init__(self, state: RowState):
+        self.state = state
+        self.step = None  # the NarrowedStep, from the step's begin to its end
+
+    def restore(self):
+        """Give the parameter its full shape, and the optimizer its full-size state scratch, back."""
+        if self.step is not None:
+            self.step.restore()
+            self.step = None
+            self.state.release()
 
 
 class OptimizerFactory(Switcher):
@@ -84,7 +109,8 @@ class OptimizerFactory(Switcher):
                               get_backend(backend, device_of(param)), path, overwrite=overwrite)
         for table in self._state.tables.values():
             self._check_device(table)
-        self._narrowed = None
+        self._narrowing = _Narrowing(self._state)
+        weakref.finalize(self, self._narrowing.restore).atexit = False
         # Weak hooks (see StepHooks): they act only inside a step, and
         # optimizer.step(closure) narrows after the closure's forward.
         self._hooks = StepHooks(self, given_optimizer)
@@ -103,38 +129,31 @@ class OptimizerFactory(Switcher):
             raise StateError("optimizer.step() in a step whose optimizer state rows were not gathered: "
                              "the ModelFactory's before_forward ran but the OptimizerFactory's did not; "
                              "call before_forward(ids) on both switchers before the step")
-        if self._gathered is not None and self._narrowed is None:
+        if self._gathered is not None and self._narrowing.step is None:
             # SparseAdam gets the rows' gradient as a sparse one, even from an
             # nn.Embedding(sparse=False) as SpeedTorch's README builds it.
-            self._narrowed = NarrowedStep(self._param, len(self._gathered.rows),
-                                          self._state.needs_sparse_grad)
+            self._narrowing.step = NarrowedStep(self._param, len(self._gathered.rows),
+                                                self._state.needs_sparse_grad)
 
     def _end_step(self):
         step = self._gathered
-        if self._narrowed is not None:
+        if self._narrowing.step is not None:
             try:
                 # An optimizer may assign new tensors (p.data = p.data - lr * p.grad): their values
                 # are the step's, or the step is refused before after_step writes anything back.
                 self._state.check_step(len(step.rows))
-                self._narrowed.finish()
+                self._narrowing.step.finish()
             except StateError:
                 self._abort_step()
                 raise
-            self._narrowed = None
+            self._narrowing.step = None
         if step is not None:
             step.stepped = True  # the rows after_step writes back were stepped (see SharedSteps.end)
 
-    def _restore(self):
-        """Give the parameter its full shape, and the optimizer its full-size state scratch, back."""
-        if self._narrowed is not None:
-            self._narrowed.restore()
-            self._narrowed = None
-            self._state.release()
-
     def _abort_step(self):
-        if self._narrowed is None:
+        if self._narrowing.step is None:
             return
-        self._restore()
+        self._narrowing.restore()
         step = self._gathered
         if step is not None:
             # The optimizer raised inside the step, which stored nothing: the rows and their
@@ -156,7 +175,7 @@ class OptimizerFactory(Switcher):
         self._claim.remove()
         # After an optimizer.step() that raised the parameter is still narrowed, and no hook
         # of this switcher will put it back: the ModelFactory would train on the step's rows.
-        self._restore()
+        self._narrowing.restore()
         self._leave()  # cached state rows are written back while the tables are open
         self._state.close()
 
