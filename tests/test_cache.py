@@ -865,8 +865,7 @@ def _train_mixed(lookup, opt, plan, step, offloaded):
             lookup.discard_step()  # as zero_grad(set_to_none=False) does not
         else:
             lookup.looked_up.clear()
-    # In memory a skipped step's gradient is dropped, as discard_step() drops it.
-    opt.zero_grad(set_to_none=todo["set_to_none"] or (todo["end"] == "discard" and not offloaded))
+    opt.zero_grad(set_to_none=todo["set_to_none"])
     return read[0] if read else None
 
 

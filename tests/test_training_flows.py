@@ -74,7 +74,8 @@ def make_lazy(optimizer, table, initial=None):
 
     def post(opt, args, kwargs):
         untouched = torch.ones(len(weight), dtype=torch.bool)
-        untouched[torch.cat(table.looked_up)] = False
+        for ids in table.looked_up:  # none in a step on zero gradients only
+            untouched[ids] = False
         table.looked_up.clear()
         with torch.no_grad():
             weight[untouched] = before["weight"][untouched]
@@ -891,3 +892,29 @@ def test_a_table_write_between_a_training_forward_and_its_step_is_refused(backen
     ((F.embedding(ids, ref, sparse=True).sum(1) - target) ** 2).sum().backward()
     ref_opt.step()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_on_zero_gradients_after_discard_step_counts_as_in_memory(rng):
+    """Backward, ``zero_grad(set_to_none=False)``, ``discard_step()``, then ``optimizer.step()`` on
+    the zero gradients. In memory the table's gradient is zeros, so Adam counts that step for it
+    (bias correction); discard_step() set it to None, torch skipped the table, and every later
+    step's update differed from in-memory training's."""
+    offloaded, reference = pair(rng)
+    make = lambda p: torch.optim.Adam(p, lr=0.1)  # noqa: E731
+    opt, ref_opt = make(offloaded.parameters()), make(reference.parameters())
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    batches = zipf_ids(rng, 8)
+    for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+        train_step(model, optimizer, *batches[0])
+        F.mse_loss(model(batches[1][0]), batches[1][1]).backward()
+        optimizer.zero_grad(set_to_none=False)  # the step is skipped
+        if model is offloaded:
+            offloaded.emb.discard_step()
+        else:
+            reference.emb.looked_up.clear()  # its rows are left alone, lazily
+        optimizer.step()  # on zero gradients: Adam counts it
+        optimizer.zero_grad()
+        for ids, target in batches[2:]:
+            train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)

@@ -463,6 +463,10 @@ class OffloadedEmbedding(torch.nn.Module):
         only forwards no backward reached are put back unchanged when the next
         step ends (:mod:`speedswap.train.reached`); this frees their slots now.
 
+        A gradient :attr:`weight` holds is zeroed in place, not dropped: after
+        ``zero_grad(set_to_none=False)`` an in-memory table's gradient is
+        zeros, and an ``optimizer.step()`` on it still counts (Adam's step).
+
         Raises:
             StateError: on a closed embedding.
         """
@@ -471,7 +475,10 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._working_set.size:
             self._working_set.clear()
             self._cache.end_step()  # nothing is stored: the cache holds the rows as before
-        self.weight.grad = None  # its slots will hold other rows
+        if self.weight.grad is not None:
+            # Its slots will hold other rows, so its values go; a zero gradient stays, as in
+            # memory after zero_grad(set_to_none=False), and a step on it counts (Adam's step).
+            self.weight.grad.zero_()
         self._backward_ran = False
         self._stale = None
         self._eval_with_grad = False
