@@ -618,3 +618,26 @@ def test_data_parallel_replicas_and_pickling_are_refused_with_the_alternative(tm
     for copy_it in (pickle.dumps, copy.deepcopy, lambda m: torch.save(m, tmp_path / "m.pt")):
         with pytest.raises(ss.StateError, match=r"^OffloadedEmbedding cannot be pickled or deep-copied.*torch\.save\(model\.state_dict\(\)\)"):
             copy_it(model)
+
+
+@pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
+def test_forward_takes_its_ids_by_nn_embedding_s_keyword_and_by_its_own(cls, rng):
+    """``nn.Embedding.forward(input)``: code that passes ``input=ids`` raised TypeError
+    (an unexpected keyword); ``ids=ids`` keeps working, and both train as nn.Embedding does."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM)).astype(np.float32)
+    emb = cls(NUM_ROWS, DIM, max_rows=2 * BATCH, storage="pageable", backend="numpy")
+    emb.table.scatter(torch.arange(NUM_ROWS), torch.from_numpy(table0))
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False)
+    opt, ref_opt = torch.optim.Adagrad(emb.parameters(), lr=0.1), torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    emb.attach(opt)
+    for step in range(6):
+        ids = torch.from_numpy(zipf(rng, NUM_ROWS, (BATCH, 2)))
+        target = torch.from_numpy(rng.standard_normal((BATCH, 2, DIM)).astype(np.float32))
+        for model, optimizer in ((emb, opt), (ref, ref_opt)):
+            out = model(input=ids) if step % 2 or model is ref else model(ids=ids)
+            ((out - target) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), **TOL)
+    with pytest.raises(ss.DTypeError, match="once"):
+        emb(input=ids, ids=ids)

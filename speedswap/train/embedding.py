@@ -26,7 +26,7 @@ from .checkpoint import file_in, load_tables, save_tables
 from .leftover import untouched
 from .module_state import check_tables_state, copy_tables, missing_hint, tables_state, unpicklable
 from .one_optimizer import claim
-from .options import padding_option, refuse_max_norm
+from .options import forward_ids, padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec, take_assigned
 from .step_hooks import StepHooks
@@ -370,20 +370,24 @@ class OffloadedEmbedding(torch.nn.Module):
     # host reads, the forward's one host wait) is Python state a traced graph would replay
     # stale; the rest of a compiled model is still compiled around this call.
     @torch.compiler.disable
-    def forward(self, ids) -> torch.Tensor:
-        """The rows of ``ids``: a tensor of shape ``(*ids.shape, embedding_dim)``.
+    def forward(self, input=None, *, ids=None) -> torch.Tensor:
+        """The rows of the ids: a tensor of shape ``(*ids.shape, embedding_dim)``.
 
         Args:
-            ids: integer ids of any shape (tensor on the CPU or the table's
-                device, numpy array, or list). They are checked once, here.
+            input: integer ids of any shape (tensor on the CPU or the table's
+                device, numpy array, or list), under ``nn.Embedding``'s name.
+                They are checked once, here.
+            ids: the same, under speedswap's name: give one of the two.
 
         Raises:
-            IdError, DTypeError, DeviceError: bad ids (nothing changes).
+            IdError, DTypeError, DeviceError: bad ids (nothing changes); both
+                ``input`` and ``ids``, or neither (DTypeError).
             CapacityError: the step touches more than ``max_rows`` distinct rows.
             StateError: training before :meth:`attach`.
             OptionError: a training forward inside ``DistributedDataParallel``
                 that averages :attr:`weight`'s gradient (see :func:`_refuse_ddp`).
         """
+        ids = forward_ids(input, ids)
         self._check_open()
         self._abort_step()
         if not (self.training and torch.is_grad_enabled() and self.weight.requires_grad):

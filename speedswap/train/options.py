@@ -1,13 +1,13 @@
-"""``nn.Embedding``'s constructor options, checked alike by every offloaded embedding."""
+"""``nn.Embedding``'s constructor options and forward argument, checked alike by every offloaded embedding."""
 
 from typing import Optional
 
 import numpy as np
 
 from ..convert import int_option
-from ..errors import OptionError
+from ..errors import DTypeError, OptionError
 
-__all__ = ["padding_option", "refuse_max_norm"]
+__all__ = ["padding_option", "refuse_max_norm", "forward_ids"]
 
 
 def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:
@@ -46,3 +46,22 @@ def refuse_max_norm(cls: str, max_norm, norm_type, advice: str) -> None:
             f"{cls} does not support max_norm (got max_norm={max_norm!r}, norm_type={norm_type!r}): "
             f"nn.Embedding renormalises looked-up rows in place at every forward, eval included; "
             f"clip the rows yourself between steps ({advice}) or leave max_norm out")
+
+
+def forward_ids(input, ids):
+    """The ids a forward was given: as ``input``, ``nn.Embedding.forward``'s name (or by position), or as ``ids``.
+
+    Args:
+        input, ids: the forward's two names for its ids; one is None.
+
+    Returns:
+        the ids given, unchecked.
+
+    Raises:
+        DTypeError: both given, or neither (a ``TypeError``, as Python's for a call's arguments).
+    """
+    if (input is None) == (ids is None):
+        given = "both input= and ids=" if ids is not None else "none"
+        raise DTypeError(f"forward takes the ids to look up once: emb(ids), emb(input=ids) as nn.Embedding "
+                         f"names them, or emb(ids=ids); got {given}")
+    return ids if input is None else input

@@ -44,7 +44,7 @@ from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE
                        Exchange, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
-from .options import padding_option, refuse_max_norm
+from .options import forward_ids, padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
 from .step_hooks import StepHooks
@@ -404,18 +404,21 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     # Run eagerly under torch.compile, as OffloadedEmbedding.forward: the exchange and the step's
     # bookkeeping are Python state and collectives, not graph material.
     @torch.compiler.disable
-    def forward(self, ids) -> torch.Tensor:
-        """The rows of this rank's ``ids``: a tensor of shape ``(*ids.shape, embedding_dim)``.
+    def forward(self, input=None, *, ids=None) -> torch.Tensor:
+        """The rows of this rank's ids: a tensor of shape ``(*ids.shape, embedding_dim)``.
 
         A collective: every rank of the group must call it (with empty ids
         if it has none). In eval mode or under ``torch.no_grad()`` it reads
         the owners' tables directly, with no capacity limit.
 
         Args:
-            ids: integer ids of any shape, in ``[0, num_embeddings)``.
+            input: integer ids of any shape, in ``[0, num_embeddings)``, under
+                ``nn.Embedding``'s name.
+            ids: the same, under speedswap's name: give one of the two.
 
         Raises:
-            IdError, DTypeError, DeviceError: bad ids on this rank.
+            IdError, DTypeError, DeviceError: bad ids on this rank (both
+                ``input`` and ``ids``, or neither: DTypeError).
             CapacityError: this rank looks up more than ``max_rows`` distinct rows in a step.
             StateError: training before :meth:`attach`, an optimizer whose
                 state ``optimizer.load_state_dict()`` replaced without the
@@ -431,6 +434,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         before, error, send, counts = copy.copy(self._looked_up), None, None, None
         try:
             self._check_open()
+            ids = forward_ids(input, ids)
             if training:
                 # Range-checked in the working set's read: see as_row_ids_deferred.
                 flat, shape, check_bounds = as_row_ids_deferred(ids, self.num_embeddings, self.table.device)
