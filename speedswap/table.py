@@ -15,6 +15,7 @@ import errno
 import mmap
 import os
 import warnings
+import weakref
 from typing import Callable, Optional
 
 import numpy as np
@@ -504,7 +505,7 @@ class HostTable:
         return buffer
 
     def watch_writes(self, before_write: Optional[Callable[[], None]]) -> None:
-        """Have ``before_write()`` run before each write of the rows through this table's methods.
+        """Have the owner's ``before_write()`` run before each write of the rows through this table's methods.
 
         For an owner that holds some of the rows elsewhere (an embedding's
         step in flight, its device cache): whoever writes, through whichever
@@ -516,14 +517,16 @@ class HostTable:
         :meth:`as_tensor` views, which no method sees.
 
         Args:
-            before_write: a callable of no arguments, or None to stop watching.
+            before_write: a method of the owner taking no arguments, held
+                weakly (the owner holds the table), or None to stop watching.
         """
-        self._before_write = before_write
+        self._before_write = None if before_write is None else weakref.WeakMethod(before_write)
 
     def _announce_write(self):
-        """Run the :meth:`watch_writes` callback: a public method is about to write rows."""
-        if self._before_write is not None:
-            self._before_write()
+        """Run the :meth:`watch_writes` method: a public method is about to write rows."""
+        before_write = None if self._before_write is None else self._before_write()
+        if before_write is not None:
+            before_write()
 
     def as_tensor(self, *, for_reading: bool = False) -> torch.Tensor:
         """The rows as a torch tensor sharing the table's memory (no copy).

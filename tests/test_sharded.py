@@ -1468,3 +1468,46 @@ def test_a_read_again_failing_in_a_later_shard_names_the_tables_already_loaded(r
     assert all(repr(name) in str(info.value) for name in earlier), str(info.value)
     assert "load an intact checkpoint before training on" in str(info.value)
     np.testing.assert_array_equal(emb.table.to_numpy(), saved["table"])  # as the message says
+
+
+@pytest.mark.parametrize("when", ["between_a_forward_and_its_step", "after_a_step_skipped_before_its_backward"])
+def test_a_table_write_the_step_would_undo_is_refused_and_nothing_changes(rng, when):
+    """A write into this rank's shard while its rows are in a step: the step wrote the rows it had
+    gathered back over the write (4.0 from in-memory SGD), as the next one did after a step
+    skipped before its backward. It is refused; after the step (or discard_step()) it is kept."""
+    table0 = rng.standard_normal((60, 4)).astype(np.float32)
+    emb = ss.ShardedOffloadedEmbedding(60, 4, max_rows=40, storage="pageable", backend="numpy")
+    emb.table.scatter(torch.arange(60), torch.from_numpy(table0))
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SGD([ref], lr=0.1)
+    ids = zipf_ids(rng, 60, (12,), pad=0, with_pad=False)
+    target = torch.from_numpy(rng.standard_normal((12, 4)).astype(np.float32))
+    rows = torch.unique(ids)
+    new_rows = torch.from_numpy(rng.standard_normal((len(rows), 4)).astype(np.float32))
+    if when == "between_a_forward_and_its_step":
+        ((emb(ids) - target) ** 2).sum().backward()
+    else:
+        emb(ids)
+        opt.zero_grad()  # the loss was not finite, say: no backward
+    before = emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.StateError, match="undone by the step"):
+        emb.table.scatter(rows, new_rows)
+    np.testing.assert_array_equal(emb.table.to_numpy(), before)
+    if when == "between_a_forward_and_its_step":
+        opt.step()
+        ((F.embedding(ids, ref) - target) ** 2).sum().backward()
+        ref_opt.step()
+    else:
+        emb.discard_step()
+    opt.zero_grad()
+    emb.table.scatter(rows, new_rows)
+    with torch.no_grad():
+        ref[rows] = new_rows
+    ((emb(ids) - target) ** 2).sum().backward()
+    opt.step()
+    ref_opt.zero_grad()
+    ((F.embedding(ids, ref) - target) ** 2).sum().backward()
+    ref_opt.step()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), **TOL)

@@ -198,7 +198,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._eval_with_grad = False
         # Writes into the table through any reference to it (one kept from before a step, the
         # HostTable's own methods) first take back the rows a skipped step or the cache hold.
-        self._table.watch_writes(_before_table_write(weakref.ref(self)))
+        self._table.watch_writes(self._prepare_table_write)
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze: bool = True, *, max_rows: int,
@@ -1153,15 +1153,6 @@ def _note_leftover_gradient(ref):
             embedding._stale = None  # zero_grad() since the last backward dropped it
         return None
     return note
-
-
-def _before_table_write(ref):
-    """A :meth:`HostTable.watch_writes` callback for an embedding's table that holds the embedding weakly."""
-    def before():
-        embedding = ref()
-        if embedding is not None:
-            embedding._prepare_table_write()
-    return before
 
 
 def _note_backward(ref):

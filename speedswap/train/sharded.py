@@ -229,6 +229,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._narrowed = None
         self._reached = ReachedRows(dropped=_gradient_dropped(weakref.ref(self)))
         self._new_step()
+        self.table.watch_writes(self._prepare_table_write)  # see _prepare_table_write
         # Which table of the group this is (counted once built, so that a failed build counts on no
         # rank): ranks calling tables built alike in another order (a then b here, b then a
         # there) would pair one table's messages with another's.
@@ -262,6 +263,25 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         The rows and their optimizer state stay as they were.
         """
         self._new_step()
+
+    def _prepare_table_write(self):
+        """Refuse a write into this rank's shard that the step in flight would undo (:meth:`HostTable.watch_writes`).
+
+        The rows of the shard that a step's forwards (on any rank) looked up
+        are gathered at the forward and written back at the step, over
+        whatever was written into them meanwhile; a step skipped before its
+        backward keeps them for the next step.
+
+        Raises:
+            StateError: rows of the shard are in a step; nothing changes.
+        """
+        self._abort_step()
+        self._drop_zeroed_step()
+        if self._owned.size:
+            raise StateError("a write into this rank's shard between a training forward and optimizer.step() "
+                             "would be undone by the step, which writes the rows it gathered back; write "
+                             "between steps (after a step skipped before its backward, call "
+                             "emb.discard_step() first, on every rank)")
 
     def _drop_zeroed_step(self) -> bool:
         """Discard the step if ``zero_grad()`` dropped its gradient after a backward; whether it did."""
