@@ -171,3 +171,45 @@ def test_ending_the_optimizer_factory_after_a_step_that_raised_gives_the_model_i
         ref_sgd.step()
         ref_sgd.zero_grad()
     np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 30])
+def test_a_write_through_a_kept_model_factory_table_is_kept_and_one_mid_step_is_refused(backend, seed, cache_rows):
+    """``table = u.table`` kept from the start. Between before_forward and after_step a write into
+    it was overwritten by the step's rows (4.1 from in-memory SGD): it is refused, nothing changes.
+    Between steps, with a cache, the cache wrote its rows back over it at eviction: it is kept."""
+    rng = np.random.default_rng(seed)
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    p = 1.0 / np.arange(1, ROWS + 1) ** 1.1
+    perm = rng.permutation(ROWS)
+    batches = [torch.from_numpy(perm[rng.choice(ROWS, BATCH, p=p / p.sum())]).to(device) for _ in range(STEPS)]
+    ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+    new_rows = torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))
+    emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    u = ss.ModelFactory(emb, ROWS, DIM, backend=backend, cache_rows=cache_rows)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    table = u.table
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False).to(device)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    written = STEPS // 2
+    for step, ids in enumerate(batches):
+        local = u.before_forward(ids)
+        (emb(local) * ctx).sum().backward()
+        if step == written:
+            before = table.to_numpy(copy=True)
+            with pytest.raises(ss.StateError, match="undone by after_step"):
+                table.scatter(torch.arange(ROWS), new_rows)
+            np.testing.assert_array_equal(table.to_numpy(), before)
+        opt.step()
+        opt.zero_grad()
+        u.after_step(ids)
+        (ref(ids) * ctx).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step == written:
+            table.scatter(torch.arange(ROWS), new_rows)
+            with torch.no_grad():
+                ref.weight.copy_(new_rows)
+    np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)

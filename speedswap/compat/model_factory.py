@@ -125,6 +125,7 @@ class ModelFactory(Switcher):
             self._stale_hook = model_variable.register_forward_pre_hook(
                 lambda module, args: _check_stale(owner, args))
         self._register(self._table)
+        self._table.watch_writes(self._prepare_table_write)  # writes through any reference to it
 
     # ------------------------------------------------------------------ steps
     def variableTransformer(self, batchSize, posPerBatch, negPerBatch=None):
@@ -361,9 +362,11 @@ class ModelFactory(Switcher):
 
         With a device cache, the cache first writes its rows (and their
         optimizer state) back and forgets them, so reads see every row as
-        trained and writes reach the next step, as without a cache. A
-        reference kept across steps misses the rows the cache took since:
-        ask for ``table`` again.
+        trained, as without a cache. Reads through a reference kept across
+        steps miss the rows the cache took since: ask for ``table`` again.
+        Writes through the table's methods (``scatter``, ``apply_``, the
+        initialisers, ``load_from``), through any reference to it, reach the
+        next step (see :meth:`_prepare_table_write`).
 
         Raises:
             StateError: with a device cache, between before_forward and after_step.
@@ -371,6 +374,22 @@ class ModelFactory(Switcher):
         if self._is_member():
             self._steps.hand_out("ModelFactory.table")
         return self._table
+
+    def _prepare_table_write(self):
+        """Make a write into the table, through any reference to it, take effect as in memory.
+
+        Called by the table before each write of its methods
+        (:meth:`HostTable.watch_writes`): the device cache writes its rows
+        back and forgets them, as it would otherwise write them back over
+        the write when they are evicted.
+
+        Raises:
+            StateError: between before_forward and after_step, which writes
+                the step's rows back over the write; nothing changes.
+        """
+        if self._is_member():
+            self._check_idle("a write into the table")
+            self._steps.hand_out("a write into the table")
 
     def to_numpy(self, copy: bool = False) -> np.ndarray:
         """The table as a numpy array (the table's own memory for host storage, unless ``copy``).
