@@ -213,3 +213,45 @@ def test_a_write_through_a_kept_model_factory_table_is_kept_and_one_mid_step_is_
             with torch.no_grad():
                 ref.weight.copy_(new_rows)
     np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_write_through_a_kept_optimizer_factory_state_table_between_steps_is_kept(backend, seed):
+    """``momentum = o.state.tables["momentum_buffer"]`` kept from the start, written between steps:
+    with a device cache, the cache wrote its state rows back over the write at eviction (3.0 from
+    in-memory SGD with momentum in the table's rows)."""
+    from test_training_flows import LazyTable, make_lazy
+    rng = np.random.default_rng(seed)
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    p = 1.0 / np.arange(1, ROWS + 1) ** 1.1
+    perm = rng.permutation(ROWS)
+    batches = [torch.from_numpy(perm[rng.choice(ROWS, BATCH, p=p / p.sum())]).to(device) for _ in range(STEPS)]
+    ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+    emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
+    model = torch.nn.ModuleDict({"u": emb})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    u = ss.ModelFactory(emb, ROWS, DIM, backend=backend, cache_rows=30)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", backend=backend, cache_rows=30)
+    momentum = o.state.tables["momentum_buffer"]
+    ref = LazyTable(table0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    make_lazy(ref_opt, ref)
+    for step, ids in enumerate(batches):
+        local = u.before_forward(ids)
+        o.before_forward(ids)
+        (emb(local) * ctx).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        u.after_step(ids)
+        o.after_step(ids)
+        (ref(ids.cpu()) * ctx.cpu()).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step == STEPS // 2:
+            momentum.apply_(torch.Tensor.mul_, -0.5)
+            with torch.no_grad():
+                ref_opt.state[ref.weight]["momentum_buffer"].mul_(-0.5)
+    np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(o.state.tables["momentum_buffer"].to_numpy(),
+                               ref_opt.state[ref.weight]["momentum_buffer"].numpy(), rtol=1e-5, atol=1e-6)

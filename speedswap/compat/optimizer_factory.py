@@ -115,6 +115,8 @@ class OptimizerFactory(Switcher):
         # optimizer.step(closure) narrows after the closure's forward.
         self._hooks = StepHooks(self, given_optimizer)
         self._register(self._state)
+        for table in self._state.tables.values():
+            table.watch_writes(self._prepare_state_write)  # writes through any reference to them
         # Only this optimizer may step the working set: another one would keep per-row state
         # on its slots, which hold other rows every step (see speedswap.train.one_optimizer).
         self._claim = claim(self, param, given_optimizer,
@@ -179,14 +181,29 @@ class OptimizerFactory(Switcher):
         self._leave()  # cached state rows are written back while the tables are open
         self._state.close()
 
+    def _prepare_state_write(self):
+        """Make a write into a state table between steps, through any reference to it, reach the next step.
+
+        Called by the tables before each write of their methods
+        (:meth:`HostTable.watch_writes`): the device cache writes its rows
+        and their state back and forgets them, as it would otherwise write
+        them back over the write when they are evicted. In the middle of a
+        step the tables are the step's (:meth:`RowState.gather` resets them
+        at a first step), and ``after_step`` writes its state rows back.
+        """
+        if self._is_member() and not self._steps.busy():
+            self._steps.hand_out("a write into the optimizer state")
+
     @property
     def state(self) -> RowState:
         """The per-row optimizer state: ``state.tables`` holds every row's current state.
 
         With a device cache, the cache first writes its rows and their state
-        back and forgets them, so reads see every row's state as trained and
-        writes reach the next step, as without a cache. Ask for ``state``
-        again after training steps.
+        back and forgets them, so reads see every row's state as trained, as
+        without a cache. Ask for ``state`` again after training steps to read
+        it; writes between steps through the tables' methods (``apply_``,
+        ``scatter``, ...) reach the next step through any reference to them
+        (see :meth:`_prepare_state_write`).
 
         Raises:
             StateError: with a device cache, between before_forward and after_step.
