@@ -194,6 +194,13 @@ def _host_rows(array) -> tuple:
     return array, array.dtype
 
 
+def _call_owner(method: Optional[weakref.WeakMethod]) -> None:
+    """Call a method :meth:`HostTable.watch_reads` or ``watch_writes`` holds, if its owner is alive."""
+    bound = None if method is None else method()
+    if bound is not None:
+        bound()
+
+
 class HostTable:
     """A ``(num_rows, dim)`` table whose rows move to and from the device on demand.
 
@@ -229,7 +236,7 @@ class HostTable:
         self._dtype = buffer.tensor.dtype
         self._kind = buffer.kind  # still reported once the buffer is released
         self._writable = buffer.host is None or bool(buffer.host.flags.writeable)
-        self._before_write = None  # see watch_writes
+        self._before_read = self._before_write = None  # see watch_reads, watch_writes
         _LIVE.add(self)
 
     # ----------------------------------------------------------- constructors
@@ -522,11 +529,30 @@ class HostTable:
         """
         self._before_write = None if before_write is None else weakref.WeakMethod(before_write)
 
+    def watch_reads(self, before_read: Optional[Callable[[], None]]) -> None:
+        """Have the owner's ``before_read()`` run before each read of the rows through this table's methods.
+
+        For an owner whose device cache holds newer values of some rows:
+        ``before_read`` writes them back first, so that whoever reads,
+        through whichever reference to the table, sees every row's current
+        value. The reads are :meth:`gather`, :meth:`to_numpy`,
+        :meth:`as_tensor`, :meth:`host_chunks` and :meth:`save`; not
+        :meth:`gather_validated` (the owner's own path), nor later reads
+        through a view :meth:`to_numpy` or :meth:`as_tensor` handed out.
+
+        Args:
+            before_read: a method of the owner taking no arguments, held
+                weakly (the owner holds the table), or None to stop watching.
+        """
+        self._before_read = None if before_read is None else weakref.WeakMethod(before_read)
+
     def _announce_write(self):
         """Run the :meth:`watch_writes` method: a public method is about to write rows."""
-        before_write = None if self._before_write is None else self._before_write()
-        if before_write is not None:
-            before_write()
+        _call_owner(self._before_write)
+
+    def _announce_read(self):
+        """Run the :meth:`watch_reads` method: a public method is about to read rows."""
+        _call_owner(self._before_read)
 
     def as_tensor(self, *, for_reading: bool = False) -> torch.Tensor:
         """The rows as a torch tensor sharing the table's memory (no copy).
@@ -569,6 +595,7 @@ class HostTable:
             (1.0, 5.0)
         """
         buffer = self._live_buffer()
+        self._announce_read()
         self._backend.wait_host(buffer)
         if (for_reading or self._writable or not isinstance(buffer.host, np.memmap)
                 or buffer.host.mode != "r"):
@@ -604,6 +631,7 @@ class HostTable:
         buffer = self._live_buffer()
         flat, shape = as_row_ids(rows, self.num_rows, self.device,
                                  to=self._backend.ids_device(buffer))
+        self._announce_read()
         target_shape = (*shape, self.dim)
         if out is None:
             out = torch.empty(target_shape, dtype=self.dtype, device=self.device)
@@ -711,6 +739,8 @@ class HostTable:
         tensor = (self._writable_buffer() if writing else self._live_buffer()).tensor
         if writing:
             self._announce_write()
+        else:
+            self._announce_read()
         self._backend.wait_host(self._buffer)
         for start, stop in files.row_ranges(self._shape, numpy_dtype(self.dtype)):
             yield start, stop, tensor[start:stop]
@@ -880,6 +910,7 @@ class HostTable:
         """
         self._live_buffer()
         files.file_format(path)
+        self._announce_read()
         if self.is_backing_file(path):
             self.flush()
             return
@@ -946,6 +977,7 @@ class HostTable:
             their ``uint16`` bit patterns (numpy has no bfloat16).
         """
         buffer = self._live_buffer()
+        self._announce_read()
         self._backend.wait_host(buffer)
         if buffer.host is not None:
             return np.array(buffer.host, copy=True) if copy else buffer.host

@@ -526,8 +526,8 @@ def test_a_prefetch_on_another_thread_is_refused_before_anything_changes(backend
     for _ in range(3):
         _step(emb, opt, rng.integers(0, 100, 12))
     cache = emb._cache
+    table = emb._table.to_numpy(copy=True)  # a read of the table writes the cached rows back first
     before = {name: getattr(cache, name).clone() for name in ("slot_row", "stamp", "dirty", "score")}
-    table = emb._table.to_numpy(copy=True)
     next_ids = torch.from_numpy(rng.integers(0, 100, 12)).to(emb.weight.device)
     outcome = []
     loader = threading.Thread(target=lambda: outcome.append(_raised(emb.prefetch, next_ids)))
@@ -567,8 +567,8 @@ def test_eval_save_and_load_see_the_cache(backend, tmp_path, rng):
     host_before = emb.table.to_numpy(copy=True)
     for _ in range(5):
         _step(emb, opt, rng.integers(0, 100, 20))
-    # Dirty rows live in the cache only: the host's copy is stale until a flush...
-    np.testing.assert_array_equal(emb._table.to_numpy(copy=True), host_before)
+    # Dirty rows live in the cache only: the host's memory is stale until a flush...
+    assert bool(emb._cache.dirty.any())
     emb.eval()
     with torch.no_grad():
         current = emb(torch.arange(100)).cpu().numpy()

@@ -215,10 +215,11 @@ def test_a_write_through_a_kept_model_factory_table_is_kept_and_one_mid_step_is_
     np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_write_through_a_kept_optimizer_factory_state_table_between_steps_is_kept(backend, seed):
-    """``momentum = o.state.tables["momentum_buffer"]`` kept from the start, written between steps:
-    with a device cache, the cache wrote its state rows back over the write at eviction (3.0 from
-    in-memory SGD with momentum in the table's rows)."""
+def test_kept_switcher_tables_are_written_and_read_as_in_memory(backend, seed):
+    """``u.table`` and ``o.state.tables["momentum_buffer"]`` kept from the start, the state written
+    between steps: with a device cache, the cache wrote its state rows back over the write at
+    eviction (3.2 from in-memory SGD with momentum), and reads through the kept references missed
+    the rows and state the cache held."""
     from test_training_flows import LazyTable, make_lazy
     rng = np.random.default_rng(seed)
     device = ss.get_backend(backend).device
@@ -233,7 +234,7 @@ def test_a_write_through_a_kept_optimizer_factory_state_table_between_steps_is_k
     u = ss.ModelFactory(emb, ROWS, DIM, backend=backend, cache_rows=30)
     u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
     o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", backend=backend, cache_rows=30)
-    momentum = o.state.tables["momentum_buffer"]
+    table, momentum = u.table, o.state.tables["momentum_buffer"]
     ref = LazyTable(table0)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     make_lazy(ref_opt, ref)
@@ -252,6 +253,7 @@ def test_a_write_through_a_kept_optimizer_factory_state_table_between_steps_is_k
             momentum.apply_(torch.Tensor.mul_, -0.5)
             with torch.no_grad():
                 ref_opt.state[ref.weight]["momentum_buffer"].mul_(-0.5)
-    np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(o.state.tables["momentum_buffer"].to_numpy(),
-                               ref_opt.state[ref.weight]["momentum_buffer"].numpy(), rtol=1e-5, atol=1e-6)
+    # Read through the kept references too: the cache gives its rows and state back first.
+    np.testing.assert_allclose(table.to_numpy(copy=True), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(momentum.to_numpy(copy=True), ref_opt.state[ref.weight]["momentum_buffer"].numpy(),
+                               rtol=1e-5, atol=1e-6)

@@ -918,3 +918,26 @@ def test_a_step_on_zero_gradients_after_discard_step_counts_as_in_memory(rng):
         for ids, target in batches[2:]:
             train_step(model, optimizer, ids, target)
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("read", ["gather", "to_numpy", "save"])
+def test_a_read_through_a_table_reference_kept_across_steps_is_current(backend, rng, read, tmp_path):
+    """``table = emb.table`` kept from the start, read after cached steps: only ``emb.table`` had the
+    cache write its rows back first, so the kept reference read the rows the cache held as they
+    were before (0.44 from in-memory training)."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows=40)
+    table = emb.table
+    for ids, target in zipf_ids(rng, 10):
+        for lookup, optimizer, to in ((emb, opt, device),
+                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    if read == "gather":
+        rows = table.gather(torch.arange(ROWS)).cpu().numpy()
+    elif read == "to_numpy":
+        rows = table.to_numpy(copy=True)
+    else:
+        table.save(tmp_path / "table.npy")
+        rows = np.load(tmp_path / "table.npy")
+    np.testing.assert_allclose(rows, ref.detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -125,7 +125,9 @@ class ModelFactory(Switcher):
             self._stale_hook = model_variable.register_forward_pre_hook(
                 lambda module, args: _check_stale(owner, args))
         self._register(self._table)
-        self._table.watch_writes(self._prepare_table_write)  # writes through any reference to it
+        # Reads and writes through any reference to the table see the cache's rows.
+        self._table.watch_reads(self._prepare_table_read)
+        self._table.watch_writes(self._prepare_table_write)
 
     # ------------------------------------------------------------------ steps
     def variableTransformer(self, batchSize, posPerBatch, negPerBatch=None):
@@ -362,11 +364,12 @@ class ModelFactory(Switcher):
 
         With a device cache, the cache first writes its rows (and their
         optimizer state) back and forgets them, so reads see every row as
-        trained, as without a cache. Reads through a reference kept across
-        steps miss the rows the cache took since: ask for ``table`` again.
-        Writes through the table's methods (``scatter``, ``apply_``, the
-        initialisers, ``load_from``), through any reference to it, reach the
-        next step (see :meth:`_prepare_table_write`).
+        trained, as without a cache. Reads and writes through the table's
+        methods (``gather``, ``to_numpy``, ``save``; ``scatter``, ``apply_``,
+        the initialisers, ``load_from``), through any reference to it, a
+        kept one too, see the cache's rows and reach the next step (see
+        :meth:`_prepare_table_write`); a view ``to_numpy()`` handed out is
+        current when it is handed out.
 
         Raises:
             StateError: with a device cache, between before_forward and after_step.

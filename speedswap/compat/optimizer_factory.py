@@ -115,8 +115,9 @@ class OptimizerFactory(Switcher):
         # optimizer.step(closure) narrows after the closure's forward.
         self._hooks = StepHooks(self, given_optimizer)
         self._register(self._state)
-        for table in self._state.tables.values():
-            table.watch_writes(self._prepare_state_write)  # writes through any reference to them
+        for table in self._state.tables.values():  # reads and writes through any reference to them
+            table.watch_reads(self._prepare_table_read)
+            table.watch_writes(self._prepare_state_write)
         # Only this optimizer may step the working set: another one would keep per-row state
         # on its slots, which hold other rows every step (see speedswap.train.one_optimizer).
         self._claim = claim(self, param, given_optimizer,
@@ -200,10 +201,10 @@ class OptimizerFactory(Switcher):
 
         With a device cache, the cache first writes its rows and their state
         back and forgets them, so reads see every row's state as trained, as
-        without a cache. Ask for ``state`` again after training steps to read
-        it; writes between steps through the tables' methods (``apply_``,
-        ``scatter``, ...) reach the next step through any reference to them
-        (see :meth:`_prepare_state_write`).
+        without a cache. Reads through the tables' methods (``to_numpy``,
+        ``gather``, ...) and writes between steps (``apply_``, ``scatter``,
+        ...), through any reference to them, see the cache's state rows and
+        reach the next step (see :meth:`_prepare_state_write`).
 
         Raises:
             StateError: with a device cache, between before_forward and after_step.

@@ -167,6 +167,16 @@ class Switcher(SpeedTorchFiles):
         self._check_idle(what)
         return self._steps.rewriting() if self._is_member() else contextlib.nullcontext()
 
+    def _prepare_table_read(self):
+        """Have the device cache write its rows and state back before a read of a table through any reference to it.
+
+        Called by the switcher's tables (:meth:`HostTable.watch_reads`); only
+        with a cache of rows: without one the tables are current.
+        """
+        cache = self._steps.cache
+        if self._is_member() and cache is not None and cache.num_slots:
+            cache.flush()
+
     def flush(self) -> None:
         """Write the device cache's rows and their optimizer state back to the host tables.
 

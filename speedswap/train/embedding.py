@@ -196,8 +196,9 @@ class OffloadedEmbedding(torch.nn.Module):
         # Whether an eval-mode forward with gradients enabled ran since the last step: its rows
         # carry no gradient, where nn.Embedding's would train (see _refuse_eval_only_step).
         self._eval_with_grad = False
-        # Writes into the table through any reference to it (one kept from before a step, the
-        # HostTable's own methods) first take back the rows a skipped step or the cache hold.
+        # Reads and writes of the table through any reference to it (one kept from before a
+        # step, the HostTable's own methods) first take back the rows the cache or a skipped step hold.
+        self._table.watch_reads(self._prepare_table_read)
         self._table.watch_writes(self._prepare_table_write)
 
     @classmethod
@@ -572,17 +573,17 @@ class OffloadedEmbedding(torch.nn.Module):
         """The whole table: a :class:`~speedswap.HostTable` holding every row's current value.
 
         With a device cache, the cache first writes its rows (and their
-        optimizer state) back and forgets them, so reads see every row as
-        trained; the cache fills again as training goes on. So with a cache
-        the table is current when it is asked for: ask again after training
-        steps (reads through a reference kept across steps miss the rows the
-        cache took since). Without a cache it stays current. Writes through
-        the table's methods (:meth:`~speedswap.HostTable.scatter`,
-        ``apply_``, the initialisers, ``load_from``), through any reference
-        to it, take effect as on an in-memory table: the cache and a step
-        ``zero_grad()`` skipped give their rows back first. A write between
-        a training forward and ``optimizer.step()``, which would write the
-        step's rows back over it, raises :class:`~speedswap.StateError`.
+        optimizer state) back and forgets them; the cache fills again as
+        training goes on. Reads and writes through the table's methods
+        (:meth:`~speedswap.HostTable.gather`, ``to_numpy``, ``save``;
+        :meth:`~speedswap.HostTable.scatter`, ``apply_``, the initialisers,
+        ``load_from``), through any reference to it, a kept one too, work as
+        on an in-memory table: the cache and a step ``zero_grad()`` skipped
+        give their rows back first. A view ``to_numpy()`` or ``as_tensor()``
+        handed out is current when it is handed out: ask again after training
+        steps. A write between a training forward and ``optimizer.step()``,
+        which would write the step's rows back over it, raises
+        :class:`~speedswap.StateError`.
 
         Raises:
             StateError: with a device cache, between a training forward and its
@@ -602,6 +603,15 @@ class OffloadedEmbedding(torch.nn.Module):
             cache.flush()
             cache.invalidate()
         return self._table
+
+    def _prepare_table_read(self):
+        """Have the device cache write its rows back before a read of the table through any reference to it.
+
+        Only with a cache of rows: without one the table is current, and an
+        eval forward's read (:meth:`HostTable.gather`) waits for nothing.
+        """
+        if self._cache is not None and self._cache.num_slots:
+            self._cache.flush()
 
     def _prepare_table_write(self):
         """Make a write into the table, through any reference to it, take effect as in memory.
