@@ -123,13 +123,22 @@ def test_a_dtype_name_numpy_and_torch_read_differently_is_refused(backend, name,
         ss.HostTable.empty(3, 3, dtype="torch.floaty", backend=backend)
 
 
-def test_dtype_none_is_refused_as_numpy_and_torch_read_it_differently(backend):
-    """np.dtype(None) is float64, so dtype=None (a factory_kwargs default passed on, as nn.Embedding
-    takes it: torch's default dtype) made a float64 table or embedding, twice the memory, silently."""
-    for make in (lambda: ss.HostTable.empty(3, 3, dtype=None, backend=backend),
-                 lambda: ss.OffloadedEmbedding(3, 3, max_rows=2, dtype=None, backend=backend)):
-        with pytest.raises(ss.DTypeError, match=r"float64 in numpy but torch's default dtype \(torch.float32\)"):
-            make()
+def test_dtype_none_is_refused_by_tables_and_torchs_default_for_embeddings(backend):
+    """np.dtype(None) is float64, so dtype=None (a factory_kwargs default passed on) made a float64
+    table or embedding, twice the memory, silently. An embedding reads it as nn.Embedding does."""
+    with pytest.raises(ss.DTypeError, match=r"float64 in numpy but torch's default dtype \(torch.float32\)"):
+        ss.HostTable.empty(3, 3, dtype=None, backend=backend)
+    default = torch.get_default_dtype()
+    try:
+        for dtype in (torch.float32, torch.float64):
+            torch.set_default_dtype(dtype)
+            for make in (ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding):  # one rank: no group
+                emb = make(3, 3, max_rows=2, dtype=None, storage="pageable", backend=backend)
+                assert emb.table.dtype == emb.weight.dtype == torch.nn.Embedding(3, 3, dtype=None).weight.dtype
+                assert emb.table.dtype == dtype
+                emb.close()
+    finally:
+        torch.set_default_dtype(default)
 
 
 def test_from_numpy_needs_2d(backend):

@@ -11,6 +11,7 @@
 import os
 import weakref
 from collections.abc import Mapping
+from typing import Optional
 
 import numpy as np
 import torch
@@ -82,7 +83,8 @@ class OffloadedEmbedding(torch.nn.Module):
         dtype: the rows' torch dtype. ``torch.bfloat16`` keeps the table in
             bfloat16 while :attr:`weight` and the optimizer state are float32:
             the step's math is float32 and each touched row is rounded back to
-            bfloat16 once per step.
+            bfloat16 once per step. None is torch's default dtype, as for
+            ``nn.Embedding``.
         padding_idx: as in ``nn.Embedding``: this row starts at zero and gets
             no gradient. A row id in ``[0, num_embeddings)``: negative ones,
             which ``nn.Embedding`` counts from the end, are refused.
@@ -125,7 +127,7 @@ class OffloadedEmbedding(torch.nn.Module):
             super().__setattr__(name, value)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
-                 storage: str = "pinned", dtype: torch.dtype = torch.float32,
+                 storage: str = "pinned", dtype: Optional[torch.dtype] = torch.float32,
                  padding_idx: int = None, backend: BackendLike = "auto", path=None,
                  device: DeviceLike = None, overwrite: bool = False, cache_rows: int = 0,
                  scale_grad_by_freq: bool = False, sparse: bool = False, max_norm: float = None,
@@ -137,7 +139,8 @@ class OffloadedEmbedding(torch.nn.Module):
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
                                   "step may touch)"), num_embeddings)
         cache_rows = min(int_option(cache_rows, "cache_rows", minimum=0), num_embeddings)
-        dtype = torch_dtype(dtype)
+        # None: torch's default, as nn.Embedding reads it (numpy would read float64).
+        dtype = torch.get_default_dtype() if dtype is None else torch_dtype(dtype)
         if not dtype.is_floating_point:
             raise DTypeError(f"an embedding trains floating-point rows, not {dtype}; use "
                              f"torch.float32, torch.bfloat16, torch.float16 or torch.float64")

@@ -121,7 +121,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             :class:`~speedswap.OffloadedEmbedding`; ``mmap`` files go in
             ``path/rank<r>``).
         dtype: the rows' dtype (bfloat16 tables train in float32, as in
-            :class:`~speedswap.OffloadedEmbedding`).
+            :class:`~speedswap.OffloadedEmbedding`); None is torch's default dtype.
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``. Use NCCL for tables
             on a GPU and gloo for tables on the CPU: messages are built on
             the table's device.
@@ -156,7 +156,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
-                 process_group=None, storage: str = "pinned", dtype: torch.dtype = torch.float32,
+                 process_group=None, storage: str = "pinned", dtype: Optional[torch.dtype] = torch.float32,
                  backend: BackendLike = "auto", path=None, device: DeviceLike = None,
                  cache_rows: int = 0, padding_idx: Optional[int] = None,
                  scale_grad_by_freq: bool = False, sparse: bool = False,
@@ -172,7 +172,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         embedding_dim = int_option(embedding_dim, "embedding_dim")
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
                                   "rank looks up in one step)"), num_embeddings)
-        dtype = torch_dtype(dtype)
+        # None: torch's default, as nn.Embedding reads it (numpy would read float64).
+        dtype = torch.get_default_dtype() if dtype is None else torch_dtype(dtype)
         if not dtype.is_floating_point:
             raise DTypeError(f"an embedding trains floating-point rows, not {dtype}; use "
                              f"torch.float32, torch.bfloat16, torch.float16 or torch.float64")
