@@ -83,7 +83,8 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
         # Made beside the file and renamed over it: truncating an existing file in
         # place would zero the rows of whoever maps it (a DataGadget, a feeder).
         return files.create_npy_memmap(path, shape, dtype, overwrite=True)
-    with atomic_output(path) as partial:  # OSErrors become PathErrors naming path
+    # Created afresh, as without fill: a map of the old file (a writable one too) keeps the old rows.
+    with atomic_output(path, replace_mapped=True) as partial:  # OSErrors become PathErrors naming path
         header = np.lib.format.open_memmap(partial, mode="w+", dtype=dtype, shape=shape)
         offset = header.offset
         del header
