@@ -41,27 +41,43 @@ def test_a_second_step_without_a_forward_is_refused_before_anything_changes(rng)
     opt.step()
 
 
-def test_steps_that_train_only_other_layers_after_zero_grad_set_to_none_false_train_on(rng):
+def _adam_for_all(model):
+    return [torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)]
+
+
+def _sparse_adam_beside_adam(model):
+    return [torch.optim.SparseAdam([model.emb.weight], lr=0.01),
+            torch.optim.Adam(model.lin.parameters(), lr=0.01)]
+
+
+@pytest.mark.parametrize("make_opts", [_adam_for_all, _sparse_adam_beside_adam])
+def test_steps_that_train_only_other_layers_after_zero_grad_set_to_none_false_train_on(rng, make_opts):
     """``zero_grad(set_to_none=False)`` leaves the embedding a zero gradient; a step whose forwards
     do not look the embedding up (a batch for the other layers only) touches none of its rows, and
     Adam counts the step, as it does in memory. Training goes on equal to the reference (it used to
-    be refused at the next forward as "a write into emb.weight between steps")."""
-    model, reference = pair(rng)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
-    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01, weight_decay=0.1)
-    model.emb.attach(opt)
-    make_lazy(ref_opt, reference.emb)
+    be refused at the next forward as "a write into emb.weight between steps").
+
+    SparseAdam, the embedding's optimizer beside Adam for the dense layers, counts the step too: in
+    memory a sparse embedding's zeroed gradient is an empty sparse one (it used to raise torch's
+    RuntimeError "SparseAdam does not support dense gradients" at the embedding's dense zeros)."""
+    sparse = make_opts is _sparse_adam_beside_adam
+    model, reference = pair(rng, sparse=sparse)
+    opts, ref_opts = make_opts(model), make_opts(reference)
+    model.emb.attach(opts[0])
+    make_lazy(ref_opts[0], reference.emb)
     for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
         hidden = torch.from_numpy(rng.standard_normal((BATCH, DIM)).astype(np.float32))
-        for m, o in ((model, opt), (reference, ref_opt)):
+        for m, os_ in ((model, opts), (reference, ref_opts)):
             if step % 3 == 2:
                 F.mse_loss(m.lin(hidden), target).backward()
                 if m is reference:
                     m.emb.looked_up.append(torch.zeros(0, dtype=torch.int64))  # no row
             else:
                 F.mse_loss(m(ids), target).backward()
-            o.step()
-            o.zero_grad(set_to_none=False)
+            for o in os_:
+                o.step()
+                o.zero_grad(set_to_none=False)
+    opt, ref_opt = opts[0], ref_opts[0]
     assert opt.state[model.emb.weight]["step"] == ref_opt.state[reference.emb.weight]["step"] == STEPS
     assert_equal_to_reference(model, opt, reference, ref_opt)
 

@@ -47,15 +47,15 @@ class Model(torch.nn.Module):
 class LazyTable(torch.nn.Module):
     """The in-memory reference table: records the ids training forwards look up."""
 
-    def __init__(self, table0, padding_idx=None):
+    def __init__(self, table0, padding_idx=None, sparse=False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.from_numpy(table0.copy()))
-        self.padding_idx, self.looked_up = padding_idx, []
+        self.padding_idx, self.sparse, self.looked_up = padding_idx, sparse, []
 
     def forward(self, ids):
         if self.training and torch.is_grad_enabled():
             self.looked_up.append(ids.reshape(-1))
-        return F.embedding(ids, self.weight, padding_idx=self.padding_idx)
+        return F.embedding(ids, self.weight, padding_idx=self.padding_idx, sparse=self.sparse)
 
 
 def make_lazy(optimizer, table, initial=None):
@@ -88,8 +88,11 @@ def make_lazy(optimizer, table, initial=None):
     optimizer.register_step_post_hook(post)
 
 
-def pair(rng, padding_idx=None, pad_row=None):
-    """An offloaded model and its in-memory reference, from the same random rows and linear layer."""
+def pair(rng, padding_idx=None, pad_row=None, sparse=False):
+    """An offloaded model and its in-memory reference, from the same random rows and linear layer.
+
+    ``sparse``: the reference table's gradient is sparse (for ``torch.optim.SparseAdam``).
+    """
     table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     if padding_idx is not None:
         table0[padding_idx] = 0.0 if pad_row is None else pad_row
@@ -97,7 +100,7 @@ def pair(rng, padding_idx=None, pad_row=None):
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=2 * BATCH * WIDTH + 1, storage="pageable",
                                 backend="numpy", padding_idx=padding_idx)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))  # pad_row too: pretrained rows
-    return Model(emb, copy.deepcopy(linear)), Model(LazyTable(table0, padding_idx), linear)
+    return Model(emb, copy.deepcopy(linear)), Model(LazyTable(table0, padding_idx, sparse), linear)
 
 
 def train_step(model, opt, ids, target):

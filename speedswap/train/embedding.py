@@ -40,7 +40,7 @@ __all__ = ["OffloadedEmbedding"]
 #: NOTES 47): these are never any of those, so they are set as on any object.
 _STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran", "_version_between_steps",
                               "_version_at_backward", "_leftover", "_stale", "_empty_step",
-                              "_eval_with_grad"})
+                              "_eval_with_grad", "_dense_zero_grad"})
 
 
 class OffloadedEmbedding(torch.nn.Module):
@@ -196,6 +196,9 @@ class OffloadedEmbedding(torch.nn.Module):
         # Whether the step in progress holds no rows and began with no refused write pending:
         # the optimizer's write into the scratch then is its own, not one to refuse (see _end_step).
         self._empty_step = False
+        # The dense zero gradient a step without rows hands SparseAdam as an empty sparse one,
+        # put back after the step (see _sparse_gradient_for_empty_step).
+        self._dense_zero_grad = None
         # Whether an eval-mode forward with gradients enabled ran since the last step: its rows
         # carry no gradient, where nn.Embedding's would train (see _refuse_eval_only_step).
         self._eval_with_grad = False
@@ -702,6 +705,7 @@ class OffloadedEmbedding(torch.nn.Module):
             self._refuse_eval_only_step()
             self._refuse_gradient_without_rows()
             self._empty_step = self.weight._version == self._version_between_steps
+            self._sparse_gradient_for_empty_step()
             return
         stale = self._stale and self._stale()
         if stale is not None and self.weight.grad is stale:
@@ -776,8 +780,32 @@ class OffloadedEmbedding(torch.nn.Module):
                 "optimizer.zero_grad() after each step, and run a step's forwards and backward before "
                 "its optimizer.step()")
 
+    def _sparse_gradient_for_empty_step(self):
+        """Hand an optimizer that takes only sparse gradients (SparseAdam) an empty one for a step without rows.
+
+        ``zero_grad(set_to_none=False)`` leaves :attr:`weight` a dense zero
+        gradient (:meth:`_refuse_gradient_without_rows` checked it is zero),
+        which SparseAdam refuses with a RuntimeError; in memory a sparse
+        ``nn.Embedding``'s zeroed gradient is an empty sparse one, whose step
+        it counts. The dense one is put back after the step (or its abort).
+        """
+        grad = self.weight.grad
+        if not self._state.needs_sparse_grad or grad is None or grad.is_sparse:
+            return
+        self._dense_zero_grad = grad
+        no_slots = torch.zeros(1, 0, dtype=torch.int64, device=grad.device)
+        self.weight.grad = torch.sparse_coo_tensor(no_slots, grad[:0], grad.shape, is_coalesced=True,
+                                                   check_invariants=False)
+
+    def _put_back_dense_zero_grad(self):
+        if self._dense_zero_grad is not None:
+            if self.weight.grad is not None:  # a zero_grad() after a step that raised keeps None
+                self.weight.grad = self._dense_zero_grad
+            self._dense_zero_grad = None
+
     def _end_step(self):
         self._eval_with_grad = False
+        self._put_back_dense_zero_grad()
         if self._narrowed is None:
             if self._empty_step:
                 # A step without rows whose zero gradient the optimizer applied to the scratch
@@ -814,6 +842,7 @@ class OffloadedEmbedding(torch.nn.Module):
         self._leftover = None if grad is None else (weakref.ref(grad), grad._version)
 
     def _abort_step(self):
+        self._put_back_dense_zero_grad()
         if self._narrowed is None:
             return
         # The optimizer raised inside a step: the table and state tables still
