@@ -944,3 +944,21 @@ def test_a_read_through_a_table_reference_kept_across_steps_is_current(backend, 
         table.save(tmp_path / "table.npy")
         rows = np.load(tmp_path / "table.npy")
     np.testing.assert_allclose(rows, ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_saved_before_the_first_step_resumes_in_a_run_at_another_lr(rng, tmp_path):
+    """Rprop's initial ``step_size`` is the lr. A checkpoint saved before the first step of a run at
+    lr 0.01, loaded into a run attached at lr 0.002, holds neither the lr at this attach nor the lr
+    now, and the first step was refused ("the host tables hold trained state"); in memory a fresh
+    Rprop starts every row at the lr of its first step, and so does the offloaded one now."""
+    offloaded, reference = pair(rng)
+    offloaded.emb.attach(torch.optim.Rprop(offloaded.parameters(), lr=0.01))
+    offloaded.emb.save(tmp_path / "ckpt")
+    opt, ref_opt = (torch.optim.Rprop(m.parameters(), lr=0.002) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    offloaded.emb.load(tmp_path / "ckpt")
+    make_lazy(ref_opt, reference.emb, initial={"step_size": 0.002})
+    for ids, target in zipf_ids(rng, STEPS):
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)

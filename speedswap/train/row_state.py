@@ -315,6 +315,24 @@ class RowState:
         self._fresh = True
         self._restored = True
 
+    def _initial_state_at_the_tables_lr(self):
+        """Torch's initial state at the lr the tables' first row was filled with, or None if it does not follow the lr.
+
+        Rprop's ``step_size`` starts at the lr: a checkpoint saved before the
+        first step of a run at another lr holds that run's. Whether every row
+        holds it is for :meth:`holds_initial_state` to tell.
+        """
+        group = _group_of(self.optimizer, self.param)
+        at_one = row_state_spec(self.optimizer, self.param, {**group, "lr": 1.0})
+        at_two = row_state_spec(self.optimizer, self.param, {**group, "lr": 2.0})
+        following = [name for name in at_one if at_one[name] != at_two[name]]
+        if not following:
+            return None
+        spec = row_state_spec(self.optimizer, self.param)
+        for name in following:
+            spec[name] = float(next(self.tables[name].host_chunks()).flat[0])
+        return spec
+
     def holds_initial_state(self, spec=None) -> bool:
         """Whether every row's state is the value torch creates it with (read chunk by chunk).
 
@@ -433,11 +451,13 @@ class RowState:
                 # sharded checkpoint's load finds too). The check reads the tables, so a
                 # device cache gives its state rows back first; it runs only on this path.
                 # Any initial state counts: one the tables were filled with (at attach, at the
-                # first step), or the one torch would make now (Rprop's step_size is the lr, which
-                # the optimizer state_dict saved with such a checkpoint restores).
+                # first step), the one torch would make now (Rprop's step_size is the lr, which
+                # the optimizer state_dict saved with such a checkpoint restores), or one made at
+                # another lr (a checkpoint of a run at another lr).
                 specs = self._initial_specs + [row_state_spec(self.optimizer, self.param)]
                 with resetting():
-                    held = next((spec for spec in specs if self.holds_initial_state(spec)), None)
+                    specs.append(self._initial_state_at_the_tables_lr())
+                    held = next((spec for spec in specs if spec and self.holds_initial_state(spec)), None)
                 self._fresh = held is not None
                 if held is not None:
                     self.spec = held  # what the tables hold: moved to torch's below
