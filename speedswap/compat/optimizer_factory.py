@@ -132,6 +132,14 @@ class OptimizerFactory(Switcher):
             raise StateError("optimizer.step() in a step whose optimizer state rows were not gathered: "
                              "the ModelFactory's before_forward ran but the OptimizerFactory's did not; "
                              "call before_forward(ids) on both switchers before the step")
+        if self._gathered is None and self._param.grad is not None and self._is_member():
+            # A step without this switcher's rows (a zero gradient after
+            # zero_grad(set_to_none=False)) steps the optimizer's full-size scratch state. State
+            # put in its place by a round trip of optimizer.load_state_dict() becomes the scratch
+            # again: stepped as it is, it would no longer equal the scratch, and the next
+            # before_forward would refuse it as another state_dict's. Any other state is refused now.
+            self._state.check_not_replaced()
+            self._state.release()
         if self._gathered is not None and self._narrowing.step is None:
             # SparseAdam gets the rows' gradient as a sparse one, even from an
             # nn.Embedding(sparse=False) as SpeedTorch's README builds it.
