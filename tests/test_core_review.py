@@ -5,13 +5,16 @@ whose rows no training forward looked up get their value and optimizer
 state back after each step.
 """
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import speedswap as ss
-from test_training_flows import BATCH, DIM, STEPS, assert_equal_to_reference, make_lazy, pair, zipf_ids
+from test_training_flows import (BATCH, DIM, STEPS, assert_equal_to_reference, make_lazy, pair, train_step,
+                                 zipf_ids)
 
 
 def test_a_second_step_without_a_forward_is_refused_before_anything_changes(rng):
@@ -39,6 +42,33 @@ def test_a_second_step_without_a_forward_is_refused_before_anything_changes(rng)
     opt.zero_grad()
     F.mse_loss(model(ids2), target2).backward()  # training goes on
     opt.step()
+
+
+def test_an_older_optimizer_state_without_the_tables_is_refused_at_a_step_without_rows_too(rng):
+    """``optimizer.load_state_dict()`` of an older state without ``emb.load`` of the tables saved
+    with it is refused at the next step. When that step looked up no row of the embedding (a batch
+    for the dense layer only), it was let through, and its end handed the optimizer its scratch
+    state again: training went on silently with the tables' moments and the older step count (2
+    where the rows had seen 3 steps). It is refused there too, before anything changes."""
+    model, _ = pair(rng)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model.emb.attach(opt)
+    batches = zipf_ids(rng, 3)
+    train_step(model, opt, *batches[0])
+    older = copy.deepcopy(opt.state_dict())
+    for ids, target in batches[1:]:
+        train_step(model, opt, ids, target)
+    opt.load_state_dict(older)
+    hidden = torch.from_numpy(rng.standard_normal((BATCH, DIM)).astype(np.float32))
+    F.mse_loss(model.lin(hidden), batches[0][1]).backward()
+    table, linear = model.emb.table.to_numpy(copy=True), model.lin.weight.detach().clone()
+    state = {name: t.to_numpy(copy=True) for name, t in model.emb._state.tables.items()}
+    with pytest.raises(ss.StateError, match="was replaced since the last step"):
+        opt.step()
+    np.testing.assert_array_equal(model.emb.table.to_numpy(), table)
+    for name, t in model.emb._state.tables.items():
+        np.testing.assert_array_equal(t.to_numpy(), state[name], err_msg=name)
+    assert torch.equal(model.lin.weight, linear)  # the whole step was refused
 
 
 def _adam_for_all(model):

@@ -704,6 +704,10 @@ class OffloadedEmbedding(torch.nn.Module):
         if not len(rows):
             self._refuse_eval_only_step()
             self._refuse_gradient_without_rows()
+            # The step's end hands the optimizer its scratch state again (_end_step): state that
+            # optimizer.load_state_dict() put there without the tables is refused first, as a
+            # step with rows refuses it.
+            self._state.check_not_replaced()
             self._empty_step = self.weight._version == self._version_between_steps
             self._sparse_gradient_for_empty_step()
             return
