@@ -278,6 +278,47 @@ def test_a_round_trip_of_the_optimizer_state_before_a_step_without_the_factorys_
         np.testing.assert_array_equal(state_rt[name], state[name], err_msg=name)
 
 
+def test_sparse_adam_steps_switched_tables_through_a_step_without_one_of_them(backend, rng):
+    """Two dense ``nn.Embedding``s switched for SparseAdam (SpeedTorch's README builds them with
+    ``sparse=False``), a step that uses only the first after ``zero_grad(set_to_none=False)``: the
+    second's zeroed gradient is dense, and torch raised "SparseAdam does not support dense
+    gradients"; in memory a sparse embedding's zeroed gradient is an empty sparse one, whose step
+    SparseAdam counts. Both tables train on as two in-memory sparse embeddings."""
+    device = ss.get_backend(backend).device
+    tables0 = rng.standard_normal((2, ROWS, DIM), dtype=np.float32)
+    model = torch.nn.ModuleDict({k: torch.nn.Embedding(CAPACITY, DIM) for k in "ab"}).to(device)
+    opt = torch.optim.SparseAdam(list(model.parameters()), lr=0.01)
+    reference = torch.nn.ModuleDict({k: torch.nn.Embedding.from_pretrained(torch.from_numpy(t.copy()), freeze=False,
+                                                                          sparse=True)
+                                     for k, t in zip("ab", tables0)}).to(device)
+    ref_opt = torch.optim.SparseAdam(list(reference.parameters()), lr=0.01)
+    switches = {}
+    for k, t in zip("ab", tables0):
+        switches[k] = (ss.ModelFactory(model[k], ROWS, DIM, backend=backend),
+                       ss.OptimizerFactory(opt, ROWS, DIM, model, k, backend=backend))
+        switches[k][0].customInit(lambda w, t=t: w.copy_(torch.from_numpy(t)))
+    for step, (pos, neg, ctx) in enumerate(zipf_batches(rng, 6, device, ROWS)):
+        used = "a" if step % 3 == 1 else "ab"
+        for m, o, local in ((model, opt, True), (reference, ref_opt, False)):
+            loss = 0
+            for k in used:
+                lp, ln = switches[k][0].before_forward(pos, neg) if local else (pos, neg)
+                if local:
+                    switches[k][1].before_forward(pos, neg)
+                loss = loss + skipgram_loss(m[k](lp), m[k](ln), ctx)
+            loss.backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+            for k in used if local else ():
+                switches[k][0].after_step(pos, neg)
+                switches[k][1].after_step(pos, neg)
+    for k in "ab":
+        np.testing.assert_allclose(switches[k][0].to_numpy(), reference[k].weight.detach().cpu().numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=k)
+    # The second table's steps count the steps without it, as in memory.
+    assert opt.state[model["b"].weight]["step"] == ref_opt.state[reference["b"].weight]["step"] == 6
+
+
 # ------------------------------------------------------------- checkpoints
 
 

@@ -7,7 +7,7 @@ from ..convert import torch_dtype
 from ..errors import OptionError, StateError
 from ..train.caching import resetting_state
 from ..train.one_optimizer import claim
-from ..train.row_state import NarrowedStep, RowState
+from ..train.row_state import EmptySparseGradient, NarrowedStep, RowState
 from ..train.step_hooks import StepHooks
 from .steps import MODEL, OPTIMIZER
 from .switcher import Switcher, device_of, storage_of, weight_of
@@ -111,6 +111,7 @@ class OptimizerFactory(Switcher):
             self._check_device(table)
         self._narrowing = _Narrowing(self._state)
         weakref.finalize(self, self._narrowing.restore).atexit = False
+        self._empty_sparse = None  # SparseAdam's gradient in a step without this switcher's rows
         # Weak hooks (see StepHooks): they act only inside a step, and
         # optimizer.step(closure) narrows after the closure's forward.
         self._hooks = StepHooks(self, given_optimizer)
@@ -140,13 +141,22 @@ class OptimizerFactory(Switcher):
             # before_forward would refuse it as another state_dict's. Any other state is refused now.
             self._state.check_not_replaced()
             self._state.release()
+            grad = self._param.grad
+            if self._state.needs_sparse_grad and not grad.is_sparse and not bool(grad.any()):
+                self._empty_sparse = EmptySparseGradient(self._param)
         if self._gathered is not None and self._narrowing.step is None:
             # SparseAdam gets the rows' gradient as a sparse one, even from an
             # nn.Embedding(sparse=False) as SpeedTorch's README builds it.
             self._narrowing.step = NarrowedStep(self._param, len(self._gathered.rows),
                                                 self._state.needs_sparse_grad)
 
+    def _put_back_dense_zero_grad(self):
+        if self._empty_sparse is not None:
+            self._empty_sparse.restore()
+            self._empty_sparse = None
+
     def _end_step(self):
+        self._put_back_dense_zero_grad()
         step = self._gathered
         if self._narrowing.step is not None:
             try:
@@ -162,6 +172,7 @@ class OptimizerFactory(Switcher):
             step.stepped = True  # the rows after_step writes back were stepped (see SharedSteps.end)
 
     def _abort_step(self):
+        self._put_back_dense_zero_grad()
         if self._narrowing.step is None:
             return
         self._narrowing.restore()

@@ -29,7 +29,8 @@ from .module_state import check_tables_state, copy_tables, missing_hint, tables_
 from .one_optimizer import claim
 from .options import forward_ids, padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
-from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec, take_assigned
+from .row_state import (EmptySparseGradient, NarrowedStep, RowState, drop_leftover_state, row_state_spec,
+                        take_assigned)
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
 
@@ -40,7 +41,7 @@ __all__ = ["OffloadedEmbedding"]
 #: NOTES 47): these are never any of those, so they are set as on any object.
 _STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran", "_version_between_steps",
                               "_version_at_backward", "_leftover", "_stale", "_empty_step",
-                              "_eval_with_grad", "_dense_zero_grad"})
+                              "_eval_with_grad", "_empty_sparse"})
 
 
 class OffloadedEmbedding(torch.nn.Module):
@@ -196,9 +197,8 @@ class OffloadedEmbedding(torch.nn.Module):
         # Whether the step in progress holds no rows and began with no refused write pending:
         # the optimizer's write into the scratch then is its own, not one to refuse (see _end_step).
         self._empty_step = False
-        # The dense zero gradient a step without rows hands SparseAdam as an empty sparse one,
-        # put back after the step (see _sparse_gradient_for_empty_step).
-        self._dense_zero_grad = None
+        # The empty sparse gradient a step without rows hands SparseAdam for its dense zero one.
+        self._empty_sparse = None
         # Whether an eval-mode forward with gradients enabled ran since the last step: its rows
         # carry no gradient, where nn.Embedding's would train (see _refuse_eval_only_step).
         self._eval_with_grad = False
@@ -785,27 +785,18 @@ class OffloadedEmbedding(torch.nn.Module):
                 "its optimizer.step()")
 
     def _sparse_gradient_for_empty_step(self):
-        """Hand an optimizer that takes only sparse gradients (SparseAdam) an empty one for a step without rows.
+        """SparseAdam takes a step without rows at an empty sparse gradient (see :class:`EmptySparseGradient`).
 
-        ``zero_grad(set_to_none=False)`` leaves :attr:`weight` a dense zero
-        gradient (:meth:`_refuse_gradient_without_rows` checked it is zero),
-        which SparseAdam refuses with a RuntimeError; in memory a sparse
-        ``nn.Embedding``'s zeroed gradient is an empty sparse one, whose step
-        it counts. The dense one is put back after the step (or its abort).
+        :meth:`_refuse_gradient_without_rows` checked that a dense gradient is zero.
         """
         grad = self.weight.grad
-        if not self._state.needs_sparse_grad or grad is None or grad.is_sparse:
-            return
-        self._dense_zero_grad = grad
-        no_slots = torch.zeros(1, 0, dtype=torch.int64, device=grad.device)
-        self.weight.grad = torch.sparse_coo_tensor(no_slots, grad[:0], grad.shape, is_coalesced=True,
-                                                   check_invariants=False)
+        if self._state.needs_sparse_grad and grad is not None and not grad.is_sparse:
+            self._empty_sparse = EmptySparseGradient(self.weight)
 
     def _put_back_dense_zero_grad(self):
-        if self._dense_zero_grad is not None:
-            if self.weight.grad is not None:  # a zero_grad() after a step that raised keeps None
-                self.weight.grad = self._dense_zero_grad
-            self._dense_zero_grad = None
+        if self._empty_sparse is not None:
+            self._empty_sparse.restore()
+            self._empty_sparse = None
 
     def _end_step(self):
         self._eval_with_grad = False

@@ -20,7 +20,8 @@ from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 
-__all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep", "drop_leftover_state",
+__all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep", "EmptySparseGradient",
+           "drop_leftover_state",
            "take_assigned"]
 
 #: (id of a scratch tensor a RowState handed an optimizer, id of its parameter) -> the tensor,
@@ -240,6 +241,29 @@ class NarrowedStep:
         """
         self._param.data = self._full
         self._param.grad = None if self._param.grad is None else self._grad
+
+
+class EmptySparseGradient:
+    """Hands an optimizer that takes only sparse gradients (SparseAdam) an empty one for a step without rows.
+
+    ``zero_grad(set_to_none=False)`` leaves the working set a dense zero
+    gradient, which SparseAdam refuses with a RuntimeError; in memory a sparse
+    embedding's zeroed gradient is an empty sparse one, whose step it counts.
+    :meth:`restore` puts the dense zeros back after the step (or its abort).
+
+    Args:
+        param: the working-set parameter; its gradient must be dense zeros.
+    """
+
+    def __init__(self, param):
+        self._param, self._dense = param, param.grad
+        no_slots = torch.zeros(1, 0, dtype=torch.int64, device=self._dense.device)
+        param.grad = torch.sparse_coo_tensor(no_slots, self._dense[:0], self._dense.shape, is_coalesced=True,
+                                             check_invariants=False)
+
+    def restore(self):
+        if self._param.grad is not None:  # a zero_grad() after a step that raised keeps None
+            self._param.grad = self._dense
 
 
 class RowState:
