@@ -26,7 +26,6 @@ import torch
 
 import speedswap as ss
 from speedswap.atomic import atomic_output, saving_error
-from speedswap.backends import available_ram  # a container's limit counted
 
 __all__ = ["machine", "available_ram", "physical_ram", "load_average", "time_interleaved", "time_one", "summarize",
            "format_table", "write_text", "write_json"]
@@ -56,6 +55,17 @@ def _sysconf_bytes(pages: str) -> Optional[int]:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages)
     except (ValueError, OSError):
         return None
+
+
+def available_ram() -> Optional[int]:
+    """Bytes of RAM free for new allocations now (None where the OS does not say)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return _sysconf_bytes("SC_AVPHYS_PAGES")
 
 
 def physical_ram() -> Optional[int]:
