@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "speedswap"
 RANKS = {
     "version": 0,
     "errors": 0,
+    "mappings": 0,   # this process's file mappings (/proc/self/maps): no imports
     "convert": 1,
     "atomic": 1,     # atomic saves: errors only
     "live": 1,       # the registry of device caches that train fills and info reads: no imports
