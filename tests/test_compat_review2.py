@@ -121,13 +121,8 @@ def test_a_step_retried_after_optimizer_step_raised_trains_as_one_that_never_fai
         np.testing.assert_array_equal(got_state[name], want_state[name])
 
 
-@pytest.mark.parametrize("end", ["close", "collect"])
-def test_ending_the_optimizer_factory_after_a_step_that_raised_gives_the_model_its_full_embedding(backend, seed,
-                                                                                                   end):
-    """OptimizerFactory.close() after an optimizer.step() that raised left the model's embedding
-    narrowed to that step's rows: the ModelFactory's next before_forward resized the narrowed
-    storage and the forward raised torch's 'index out of range in self'. A factory dropped and
-    collected instead of closed left it narrowed too."""
+def _zipf_problem(seed, backend):
+    """A fresh problem: ``(rng, device, table0, STEPS batches of Zipf ids, ctx)``."""
     rng = np.random.default_rng(seed)
     device = ss.get_backend(backend).device
     table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
@@ -135,6 +130,17 @@ def test_ending_the_optimizer_factory_after_a_step_that_raised_gives_the_model_i
     perm = rng.permutation(ROWS)
     batches = [torch.from_numpy(perm[rng.choice(ROWS, BATCH, p=p / p.sum())]).to(device) for _ in range(STEPS)]
     ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+    return rng, device, table0, batches, ctx
+
+
+@pytest.mark.parametrize("end", ["close", "collect"])
+def test_ending_the_optimizer_factory_after_a_step_that_raised_gives_the_model_its_full_embedding(backend, seed,
+                                                                                                   end):
+    """OptimizerFactory.close() after an optimizer.step() that raised left the model's embedding
+    narrowed to that step's rows: the ModelFactory's next before_forward resized the narrowed
+    storage and the forward raised torch's 'index out of range in self'. A factory dropped and
+    collected instead of closed left it narrowed too."""
+    rng, device, table0, batches, ctx = _zipf_problem(seed, backend)
     emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
     model = torch.nn.ModuleDict({"u": emb})
     opt = torch.optim.Adam(model.parameters(), lr=0.02)
@@ -178,13 +184,7 @@ def test_a_write_through_a_kept_model_factory_table_is_kept_and_one_mid_step_is_
     """``table = u.table`` kept from the start. Between before_forward and after_step a write into
     it was overwritten by the step's rows (4.1 from in-memory SGD): it is refused, nothing changes.
     Between steps, with a cache, the cache wrote its rows back over it at eviction: it is kept."""
-    rng = np.random.default_rng(seed)
-    device = ss.get_backend(backend).device
-    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
-    p = 1.0 / np.arange(1, ROWS + 1) ** 1.1
-    perm = rng.permutation(ROWS)
-    batches = [torch.from_numpy(perm[rng.choice(ROWS, BATCH, p=p / p.sum())]).to(device) for _ in range(STEPS)]
-    ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+    rng, device, table0, batches, ctx = _zipf_problem(seed, backend)
     new_rows = torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))
     emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)
@@ -221,13 +221,7 @@ def test_kept_switcher_tables_are_written_and_read_as_in_memory(backend, seed):
     eviction (3.2 from in-memory SGD with momentum), and reads through the kept references missed
     the rows and state the cache held."""
     from test_training_flows import LazyTable, make_lazy
-    rng = np.random.default_rng(seed)
-    device = ss.get_backend(backend).device
-    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
-    p = 1.0 / np.arange(1, ROWS + 1) ** 1.1
-    perm = rng.permutation(ROWS)
-    batches = [torch.from_numpy(perm[rng.choice(ROWS, BATCH, p=p / p.sum())]).to(device) for _ in range(STEPS)]
-    ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+    rng, device, table0, batches, ctx = _zipf_problem(seed, backend)
     emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
     model = torch.nn.ModuleDict({"u": emb})
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
