@@ -929,3 +929,19 @@ def test_saves_still_take_turns_where_flock_is_refused(tmp_path, rng, monkeypatc
     target = make_embedding(rng)
     target.load(tmp_path / "ckpt")
     np.testing.assert_array_equal(target.table.to_numpy(), emb.table.to_numpy())
+
+
+def test_npy_headers_are_parsed_one_thread_at_a_time(tmp_path, monkeypatch, rng):
+    """numpy parses a header with ast.literal_eval, which CPython 3.11 cannot run in two threads at
+    once: threaded saves and loads of one checkpoint failed, rarely, with "SystemError: AST
+    constructor recursion depth mismatch". speedswap's header reads now take turns."""
+    from speedswap.files import npy
+    path = tmp_path / "t.npy"
+    np.save(path, rng.standard_normal((5, 3)).astype(np.float32))
+    held = []
+    for name in ("read_array_header_1_0", "read_array_header_2_0"):
+        parse = getattr(np.lib.format, name)
+        monkeypatch.setattr(np.lib.format, name,
+                            lambda f, *a, parse=parse, **k: held.append(npy.HEADER_PARSE.locked()) or parse(f, *a, **k))
+    assert npy.read_npy_header(path).shape == (5, 3)
+    assert held == [True]

@@ -4,6 +4,7 @@ import contextlib
 import math
 import os
 import sys
+import threading
 from typing import Optional
 
 import numpy as np
@@ -16,6 +17,12 @@ from .base import TableHeader, check_dtype, check_matches, reading_error, table_
 
 __all__ = ["read_npy_header", "check_size", "open_npy_memmap", "npy_data_bytes", "create_npy_memmap", "read_npy_into",
            "read_npy_rows", "write_npy"]
+
+#: Held while numpy parses a header. It parses with ast.literal_eval, and CPython 3.11's AST
+#: constructor counts its recursion depth per interpreter, not per thread: two threads parsing
+#: at once (two checkpoint loads, a load beside a feeder opening its file) can fail with
+#: "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905).
+HEADER_PARSE = threading.Lock()
 
 
 def read_npy_header(path):
@@ -43,13 +50,14 @@ def read_npy_header(path):
         raise opening_error(path, exc, ".npy file") from exc
     with f:
         try:
-            version = np.lib.format.read_magic(f)
-            if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-            elif version in ((2, 0), (3, 0)):  # 3.0 differs only in a UTF-8 header (record field names)
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-            else:  # a layout numpy itself does not read
-                raise ValueError(f"format version {version}; numpy writes 1.0, 2.0 and 3.0")
+            with HEADER_PARSE:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                elif version in ((2, 0), (3, 0)):  # 3.0 differs only in a UTF-8 header (record field names)
+                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+                else:  # a layout numpy itself does not read
+                    raise ValueError(f"format version {version}; numpy writes 1.0, 2.0 and 3.0")
         except ValueError as exc:
             raise FileFormatError(f"{path!r} is not a valid .npy file ({exc}); "
                                   f"write it with numpy.save") from exc
