@@ -483,6 +483,19 @@ def adam_against_sparse_adam(rng, backend, max_rows, cache_rows=0):
     return emb, opt, ref, torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30), ss.get_backend(backend).device
 
 
+
+def both_sides(emb, opt, ref, ref_opt, device):
+    """The two sides of :func:`adam_against_sparse_adam` as ``(lookup, optimizer, device)`` triples."""
+    return (emb, opt, device), (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")
+
+
+def step_both(sides, ids, target):
+    """A plain step on each side: forward, squared-error backward, step, zero_grad."""
+    for lookup, optimizer, to in sides:
+        ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
 @pytest.mark.parametrize("cache_rows", [0, 40])
 def test_a_step_skipped_after_its_backward_then_zero_grad_after_the_next_forward(backend, rng, cache_rows):
     """The loop order forward, ``zero_grad()``, backward, step, with steps skipped after their backward.
@@ -495,8 +508,7 @@ def test_a_step_skipped_after_its_backward_then_zero_grad_after_the_next_forward
     emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 3 * BATCH * WIDTH, cache_rows)
     skipped = set(rng.choice(STEPS * 2 - 1, size=STEPS // 2, replace=False).tolist())  # the last steps
     for step, (ids, target) in enumerate(zipf_ids(rng, STEPS * 2)):
-        for lookup, optimizer, to in ((emb, opt, device),
-                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
             out = lookup(ids.to(to)).cpu()
             optimizer.zero_grad()
             ((out.sum(1) - target) ** 2).sum().backward()
@@ -578,8 +590,7 @@ def test_a_second_backward_through_a_kept_graph_after_zero_grad_trains_on_its_gr
     backward's gradient, as in memory (a probe of the gradient, then the real backward)."""
     emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH)
     for ids, target in zipf_ids(rng, STEPS):
-        for lookup, optimizer, to in ((emb, opt, device),
-                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
             loss = ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum()
             loss.backward(retain_graph=True)
             optimizer.zero_grad()
@@ -663,8 +674,7 @@ def test_a_forward_whose_table_gradient_no_backward_computed_leaves_its_rows_alo
     scale = torch.nn.Parameter(torch.tensor(1.5))
     batches = zipf_ids(rng, 2 * STEPS)
     for (probe_ids, probe_target), (ids, target) in zip(batches[::2], batches[1::2]):
-        for lookup, optimizer, to in ((emb, opt, device),
-                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
             out = lookup(probe_ids.to(to))
             probe_loss = ((scale * out.cpu().sum(1) - probe_target) ** 2).sum()
             if probe == "autograd_grad_of_the_output":
@@ -702,8 +712,7 @@ def test_a_step_on_the_gradient_the_last_step_left_is_refused(backend, rng, cach
     discard_step() and zero_grad() (either kind) training goes on equal to SparseAdam."""
     emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows)
     for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
-        for lookup, optimizer, to in ((emb, opt, device),
-                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
             def backward():
                 ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
             backward()
@@ -774,10 +783,7 @@ def test_a_step_skipped_by_zero_grad_is_dropped_when_a_row_of_it_is_nan(backend,
     others = np.setdiff1d(np.arange(ROWS), [bad])
     ids = torch.from_numpy(rng.permutation(others)[:BATCH * WIDTH].reshape(BATCH, WIDTH))
     target = torch.from_numpy(rng.standard_normal((BATCH, 1)).astype(np.float32))
-    for lookup, optimizer, to in ((emb, opt, device), (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
-        ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    step_both(both_sides(emb, opt, ref, ref_opt, device), ids, target)
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
@@ -804,10 +810,7 @@ def test_a_table_write_after_a_step_skipped_with_zero_grad_is_kept(backend, rng,
     with torch.no_grad():
         ref.copy_(new_rows)
     ids, target = batches[1]
-    for lookup, optimizer, to in ((emb, opt, device), (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
-        ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    step_both(both_sides(emb, opt, ref, ref_opt, device), ids, target)
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
@@ -861,8 +864,7 @@ def test_a_write_through_a_table_reference_kept_across_steps_is_kept(backend, rn
     new_rows = torch.from_numpy(rng.standard_normal((ROWS, DIM)).astype(np.float32))
     written = torch.unique(torch.cat([ids.reshape(-1) for ids, _ in batches[skipped - 3:skipped + 1]]))
     for step, (ids, target) in enumerate(batches):
-        for lookup, optimizer, to in ((emb, opt, device),
-                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
             ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
             if step != skipped:  # a loss that was not finite, say: the step is skipped
                 optimizer.step()
@@ -931,11 +933,7 @@ def test_a_read_through_a_table_reference_kept_across_steps_is_current(backend, 
     emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows=40)
     table = emb.table
     for ids, target in zipf_ids(rng, 10):
-        for lookup, optimizer, to in ((emb, opt, device),
-                                      (lambda i: F.embedding(i, ref, sparse=True), ref_opt, "cpu")):
-            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        step_both(both_sides(emb, opt, ref, ref_opt, device), ids, target)
     if read == "gather":
         rows = table.gather(torch.arange(ROWS)).cpu().numpy()
     elif read == "to_numpy":
