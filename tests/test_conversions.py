@@ -9,13 +9,20 @@ import speedswap as ss
 ROWS, DIM = 50, 4
 
 
-def test_embedding_refuses_a_dtype_conversion_and_keeps_training(rng):
-    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=8, storage="pageable", backend="numpy")
-    model = torch.nn.Sequential(emb)
+@pytest.mark.parametrize("kind", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
+def test_embedding_refuses_a_dtype_conversion_and_keeps_training(rng, kind):
+    """The sharded one's conversion went through, and its next step failed inside autograd."""
+    emb = kind(ROWS, DIM, max_rows=8, storage="pageable", backend="numpy")
+    dense = torch.nn.Linear(DIM, 1)
+    model = torch.nn.Sequential(dense, emb)
     for convert in (model.double, model.half, model.bfloat16):
-        with pytest.raises(ss.OptionError, match="cannot be converted"):
+        with pytest.raises(ss.OptionError, match="cannot be converted") as refused:
             convert()
         assert emb.weight.dtype is torch.float32
+        # torch converted the Linear before it reached the embedding; the message says how to undo it
+        assert dense.weight.dtype is not torch.float32 and "model.to(torch.float32)" in str(refused.value)
+        model.to(torch.float32)
+        assert dense.weight.dtype is torch.float32
     model.float()           # what it already is: fine
     model.to("cpu")
     opt = torch.optim.SGD(emb.parameters(), lr=0.5)

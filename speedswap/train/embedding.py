@@ -24,6 +24,7 @@ from ..errors import CapacityError, DTypeError, IdError, OptionError, ShapeError
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
+from .conversions import refuse_conversion
 from .leftover import untouched
 from .module_state import check_tables_state, copy_tables, missing_hint, tables_state, unpicklable
 from .one_optimizer import claim
@@ -268,18 +269,7 @@ class OffloadedEmbedding(torch.nn.Module):
         raise unpicklable(type(self).__name__)
 
     def _apply(self, fn, recurse=True):
-        # nn.Module's dtype and device conversions (model.double(), .half(),
-        # .to(device), .cuda()) would give `weight` new storage that the host
-        # table cannot fill: training would silently stop. Conversions to what
-        # the embedding already is (model.to(its device), .float() of a float32
-        # one) change nothing and go through.
-        probe = fn(torch.zeros(1, dtype=self.weight.dtype, device=self.weight.device))
-        if (probe.dtype, probe.device) != (self.weight.dtype, self.weight.device):
-            raise OptionError(
-                f"an OffloadedEmbedding cannot be converted to {probe.dtype} on {probe.device} "
-                f"after it is built (its table and optimizer state live on the host for "
-                f"{self._table.dtype} rows on {self.weight.device}); build it with "
-                f"dtype=..., device=... (backend='numpy' for the CPU) instead")
+        refuse_conversion(type(self).__name__, fn, self.weight, self._table.dtype)
         return super()._apply(fn, recurse)
 
     def extra_repr(self):

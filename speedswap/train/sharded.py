@@ -40,6 +40,7 @@ from ..convert import as_row_ids, as_row_ids_deferred, int_option, torch_dtype
 from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
+from .conversions import refuse_conversion
 from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
                        Exchange, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
@@ -311,6 +312,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
 
     def __reduce_ex__(self, protocol):
         raise unpicklable(type(self).__name__)
+
+    def _apply(self, fn, recurse=True):
+        refuse_conversion(type(self).__name__, fn, self.weight, self.table.dtype)
+        return super()._apply(fn, recurse)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """Save this rank's shard as ``<prefix>_extra_state`` alone: :attr:`weight` is scratch."""
