@@ -609,14 +609,17 @@ def test_a_state_dict_load_into_weight_is_not_taken_for_a_stray_write(rng):
     opt.step()
 
 
-def test_data_parallel_replicas_and_pickling_are_refused_with_the_alternative(tmp_path):
+@pytest.mark.parametrize("cls, alternative", [(ss.OffloadedEmbedding, "ShardedOffloadedEmbedding"),
+                                                (ss.ShardedOffloadedEmbedding, "DistributedDataParallel")])
+def test_data_parallel_replicas_and_pickling_are_refused_with_the_alternative(tmp_path, cls, alternative):
+    """A sharded embedding's replicas went through: each would write back the same shard."""
     import pickle
-    emb = ss.OffloadedEmbedding(10, 2, max_rows=4, backend="numpy")
-    with pytest.raises(ss.OptionError, match="ShardedOffloadedEmbedding"):
+    emb = cls(10, 2, max_rows=4, backend="numpy")
+    with pytest.raises(ss.OptionError, match=alternative):
         emb._replicate_for_data_parallel()  # what nn.DataParallel calls on each GPU
     model = torch.nn.Sequential(emb, torch.nn.Linear(2, 1))
     for copy_it in (pickle.dumps, copy.deepcopy, lambda m: torch.save(m, tmp_path / "m.pt")):
-        with pytest.raises(ss.StateError, match=r"^OffloadedEmbedding cannot be pickled or deep-copied.*torch\.save\(model\.state_dict\(\)\)"):
+        with pytest.raises(ss.StateError, match=rf"^{cls.__name__} cannot be pickled or deep-copied.*torch\.save\(model\.state_dict\(\)\)"):
             copy_it(model)
 
 

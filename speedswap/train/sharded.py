@@ -310,6 +310,13 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 + (", scale_grad_by_freq=True" if self.scale_grad_by_freq else "")
                 + (", sparse=True" if self.sparse else ""))
 
+    def _replicate_for_data_parallel(self):
+        raise OptionError(
+            "nn.DataParallel would copy a ShardedOffloadedEmbedding onto each GPU of this process, "
+            "every copy gathering into and writing back the same shard, and exchanging rows in "
+            "collectives the other ranks do not match: its rows would train wrongly or hang. Run "
+            "one process per GPU with DistributedDataParallel instead")
+
     def __reduce_ex__(self, protocol):
         raise unpicklable(type(self).__name__)
 
