@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.optim.optimizer as torch_optimizer
 
 import speedswap as ss
@@ -139,3 +140,46 @@ def test_a_step_pre_hook_of_the_users_sees_the_gradients_the_in_place_step_would
     # The reference: autograd with the gradients halved, which is SGD at half the rate.
     for table, expected in zip(tables, _reference(u0, v0, batches, lr_scale=0.5)):
         np.testing.assert_allclose(table.table.to_numpy(), expected, rtol=0, atol=1e-6)
+
+
+def _word2vec_loss(u_table, v_table, centres, contexts, negatives):
+    """word2vec.c's negative-sampling loss written out: a negative equal to its pair's context is skipped."""
+    u = u_table(centres)
+    positive = F.logsigmoid((u * v_table(contexts)).sum(-1)).sum()
+    drawn = negatives != contexts.unsqueeze(1)
+    negative = F.logsigmoid(-(u.unsqueeze(1) * v_table(negatives)).sum(-1))[drawn].sum()
+    return -(positive + negative)
+
+
+@pytest.mark.parametrize("in_place", [None, False])
+def test_a_negative_equal_to_its_context_is_skipped_as_word2vec_skips_it(in_place, rng):
+    """word2vec.c and gensim skip a drawn negative that is the pair's own context word
+    (``if (target == word) continue``); it was kept, pushing the context away as it pulled it in."""
+    vocab, negatives = 60, 4
+    u0, v0 = (rng.uniform(-0.5, 0.5, (vocab, 6)).astype(np.float32) for _ in range(2))
+    perm = rng.permutation(vocab)
+    batches = [tuple(torch.from_numpy(perm[(rng.zipf(1.3, size) - 1) % vocab]) for size in (32, 32, (32, negatives)))
+               for _ in range(40)]
+    assert sum(int((n == c.unsqueeze(1)).sum()) for _, c, n in batches) > 40  # Zipf heads collide often
+    tables, opt = _tables(u0, v0)
+    step = manual_step(*tables, opt, in_place=in_place)
+    model = SkipGram(*(torch.nn.Embedding.from_pretrained(torch.tensor(t), freeze=False) for t in (u0, v0)))
+    reference = [torch.nn.Embedding.from_pretrained(torch.tensor(t), freeze=False) for t in (u0, v0)]
+    reference_opt = torch.optim.SGD([e.weight for e in reference], lr=0.05)
+    for batch in batches:
+        expected = _word2vec_loss(*reference, *batch)
+        np.testing.assert_allclose(float(step(PairBatch.plan(*batch, centre_rows=vocab, context_rows=vocab))),
+                                   float(expected.detach()), rtol=1e-5)
+        np.testing.assert_allclose(float(model(*batch).detach()),
+                                   float(_word2vec_loss(model.centre, model.context, *batch).detach()),
+                                   rtol=1e-5)
+        reference_opt.zero_grad()
+        expected.backward()
+        reference_opt.step()
+        with torch.no_grad():  # the model follows the reference, so each step's losses are compared afresh
+            for mine, theirs in zip((model.centre, model.context), reference):
+                mine.weight.copy_(theirs.weight)
+    for table, expected, initial in zip(tables, reference, (u0, v0)):
+        expected = expected.weight.detach().numpy()
+        assert np.abs(expected - initial).max() > 0.1  # trained well away from the start
+        np.testing.assert_allclose(table.table.to_numpy(), expected, rtol=0, atol=1e-5)

@@ -48,6 +48,19 @@ def _signs(columns: int, like: torch.Tensor) -> torch.Tensor:
     return sign
 
 
+def _skipped(ids: torch.Tensor) -> torch.Tensor:
+    """``(B, 1 + K)``: True where a negative is its pair's own context word (column 0 never).
+
+    word2vec.c and gensim draw such a negative and skip it (``if (target ==
+    word) continue``): it would push the context word away from the centre in
+    the same step that pulls it closer. Skipped, it adds nothing to the loss or
+    the gradients, so those pairs train on fewer negatives, as there.
+    """
+    skip = ids == ids[:, :1]
+    skip[:, 0] = False
+    return skip
+
+
 class SkipGram(torch.nn.Module):
     """Skip-gram with negative sampling over two embedding modules.
 
@@ -66,6 +79,9 @@ class SkipGram(torch.nn.Module):
     def forward(self, centres: torch.Tensor, contexts: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
         """Negative-sampling loss of a batch, summed over its pairs (see :mod:`speedswap.apps.word2vec` on ``lr``).
 
+        A negative equal to its pair's context word is skipped, as word2vec.c
+        and gensim skip it: it adds nothing to the loss.
+
         Args:
             centres: ``(B,)`` ids.
             contexts: ``(B,)`` ids of words seen near the centres.
@@ -74,12 +90,13 @@ class SkipGram(torch.nn.Module):
         Returns:
             the scalar loss.
         """
+        ids = torch.cat([contexts.unsqueeze(1), negatives], dim=1)
         u = self.centre(centres)
-        v = self.context(torch.cat([contexts.unsqueeze(1), negatives], dim=1))
+        v = self.context(ids)
         # An element-wise product and sum, not bmm: on a CPU, B tiny (K+1)x1
         # matrix products cost several times more than one pass over (B, K+1, D).
         score = (v * u.unsqueeze(1)).sum(-1)
-        return -F.logsigmoid(score * _signs(score.shape[1], score)).sum()
+        return -F.logsigmoid(score * _signs(score.shape[1], score)).masked_fill(_skipped(ids), 0.0).sum()
 
 
 def _scores(u: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -103,15 +120,19 @@ def _scores(u: torch.Tensor, rows: torch.Tensor, table: torch.Tensor) -> torch.T
     return torch.sparse.sampled_addmm(pattern, u, table.t(), beta=0.0).values().view(pairs, columns)
 
 
-def _score_gradients(score: torch.Tensor) -> tuple:
+def _score_gradients(score: torch.Tensor, ids: torch.Tensor) -> tuple:
     """The loss's gradient with respect to each score, and the loss, of ``(B, 1 + K)`` scores.
 
-    Column 0 holds the true contexts' scores, the others the negatives'.
+    Column 0 holds the true contexts' scores, the others the negatives';
+    ``ids`` are the ``(B, 1 + K)`` ids scored, whose negatives equal to their
+    pair's context are skipped (:func:`_skipped`).
     """
     sign = _signs(score.shape[1], score)
     signed = score * sign
+    skip = _skipped(ids)
     # dL/d(signed) = -s(-signed), as autograd computes it (no 1 - s(x) cancellation).
-    return torch.sigmoid(signed.neg()).mul_(sign.neg()), -F.logsigmoid(signed).sum()
+    return (torch.sigmoid(signed.neg()).mul_(sign.neg()).masked_fill_(skip, 0.0),
+            -F.logsigmoid(signed).masked_fill_(skip, 0.0).sum())
 
 
 def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -119,7 +140,8 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
     """A training step of :class:`SkipGram` on two attached OffloadedEmbeddings, without autograd.
 
     With ``u`` the centre row of a pair and ``v_k`` its context (``k=0``)
-    and negative rows, the loss ``-log s(u.v_0) - sum log s(-u.v_k)`` has
+    and negative rows, the loss ``-log s(u.v_0) - sum log s(-u.v_k)`` (the
+    sum skips negatives equal to the context, as :class:`SkipGram` does) has
     ``dL/d(u.v_k) = g_k = s(u.v_k) - [k == 0]``, so the centre row's gradient
     is ``sum_k g_k v_k`` and row ``v_k``'s is ``g_k u``, summed over every
     occurrence of a row in the batch. The step brings the rows in with
@@ -193,7 +215,7 @@ def manual_step(centre: torch.nn.Module, context: torch.nn.Module, optimizer: to
             v_local = batch.context_slots()
             v_rows = context.weight.detach()[:len(batch.context_rows)]
             u = centre.weight.detach().index_select(0, u_slots)
-            g, loss = _score_gradients(_scores(u, v_local, v_rows))
+            g, loss = _score_gradients(_scores(u, v_local, v_rows), v_local)
             # Centre rows: sum_k g_k v_k over each row's pairs, one bag per centre (the pairs come
             # sorted by centre, whose slots are 0, 1, ... in the same order). Not a per-pair sum
             # then index_add_: on a GPU that adds with atomics, in an order that varies run to run.
@@ -278,7 +300,7 @@ def _in_place_sgd(centre, context, rates, batch: PairBatch, between) -> torch.Te
     with torch.no_grad():
         u_table, v_table = centre.table.as_tensor(), context.table.as_tensor()
         u = u_table.index_select(0, batch.centres)  # a copy: the context gradients need the rows before the update
-        g, loss = _score_gradients(_scores(u, batch.ids, v_table))
+        g, loss = _score_gradients(_scores(u, batch.ids, v_table), batch.ids)
         # The updates are -lr times the gradients, each summed over all of its row's occurrences
         # before it meets the row (as SGD adds one summed gradient; adding each pair's share to the
         # row would round at the row's magnitude, again and again for frequent words). The -lr goes
