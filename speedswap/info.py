@@ -2,7 +2,7 @@
 
 import torch
 
-from .backends import available_backends, get_backend
+from .backends import available_backends, available_ram, get_backend
 from .backends.resolve import cuda_status
 from .live import live_caches
 from .table import live_tables
@@ -17,8 +17,11 @@ def info() -> dict:
     Returns:
         dict with ``version``, ``torch``, ``backends`` (available names),
         ``cuda`` (whether the cuda backend runs here, and why not),
-        ``device`` (what ``backend="auto"`` would use), ``tables`` (the number
-        open) and ``host_bytes`` / ``device_bytes`` / ``file_bytes`` held by them;
+        ``device`` (what ``backend="auto"`` would use), ``ram_available_bytes``
+        (RAM free for new allocations now: ``MemAvailable``, or less where the
+        process's memory cgroup, a container's limit, grants less),
+        ``tables`` (the number open) and ``host_bytes`` / ``device_bytes`` /
+        ``file_bytes`` held by them;
         ``caches`` (device caches of hot rows in use: those of open embeddings
         and switchers built with ``cache_rows`` > 0), ``cache_bytes`` (device
         bytes they hold) and ``cache_hit_rate`` (their hits over the distinct
@@ -31,6 +34,7 @@ def info() -> dict:
         "backends": backends,
         "cuda": cuda_status(),
         "device": get_backend(backends[0]).describe(),
+        "ram_available_bytes": available_ram(),
         "tables": 0,
         "host_bytes": 0,
         "device_bytes": 0,

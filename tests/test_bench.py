@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from speedswap.__main__ import main
-from speedswap.apps.bench import feeder, gpu_tests, suite, summary, training_step, transport, word2vec
+from speedswap.apps.bench import feeder, gpu_tests, suite, summary, timing, training_step, transport, word2vec
 from speedswap.apps.bench.summary import render_summary, target_rows
 from speedswap.apps.corpus import synthetic_corpus
 
 from conftest import gpu_only_first
+from test_backends import fake_cgroups
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ["Machine", "Steps", "Targets", "GPU tests", "Transport", "Training step", "Feeder", "word2vec",
@@ -594,3 +595,16 @@ def test_one_lookup_a_step_is_the_same_loss_and_training(build):
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
     np.testing.assert_allclose(tables[0], tables[1], rtol=1e-5, atol=1e-6)
     assert len(set(losses[0])) == len(losses[0])  # it trained: every step's loss differs
+
+
+@pytest.mark.parametrize("version, line", [("v2", "0::/\n"), ("v1", "4:memory:/\n")])
+def test_the_benchmarks_size_their_data_by_the_ram_the_containers_limit_still_grants(tmp_path, monkeypatch,
+                                                                                     version, line):
+    """The benchmarks read MemAvailable, the host's: in a container of 3 GiB on an 8 GiB host they
+    were told of 8 GiB and sized tables the limit kills the process for."""
+    from speedswap.backends import cpu
+    monkeypatch.setattr(cpu, "_meminfo_available", lambda: 8 << 30)
+    fake_cgroups(monkeypatch, tmp_path, version, line, {"": (3 << 30, 2 << 30, 256 << 20)})
+    room = (1 << 30) + (256 << 20)
+    assert timing.available_ram() == room
+    assert timing.machine()["ram_available_bytes"] == room

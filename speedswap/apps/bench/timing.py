@@ -57,15 +57,14 @@ def _sysconf_bytes(pages: str) -> Optional[int]:
         return None
 
 
-def available_ram() -> Optional[int]:
-    """Bytes of RAM free for new allocations now (None where the OS does not say)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return _sysconf_bytes("SC_AVPHYS_PAGES")
+def available_ram() -> int:
+    """Bytes of RAM free for new allocations now, within the memory limit of the process's container.
+
+    speedswap's own reading (:func:`speedswap.info`): ``MemAvailable`` is the
+    host's, and a benchmark sized by it in a container runs past the limit,
+    which kills it rather than refuse.
+    """
+    return ss.info()["ram_available_bytes"]
 
 
 def physical_ram() -> Optional[int]:
