@@ -154,10 +154,36 @@ def test_the_feeder_disk_case_makes_a_file_of_the_gigabytes_asked_for(tmp_path):
     """--disk-gb 2 made a 2 GiB file, printed as "2.15 GB" (benchmarks/disk.py's --disk-gb means 1e9 bytes)."""
     from speedswap.apps.bench import feeder
 
-    result = feeder.disk(0.004, str(tmp_path), batch=256, max_seconds=30)
+    result = feeder.disk(0.004, str(tmp_path), batch=256, max_seconds=30, repeats=3)
     assert abs(result["file_bytes"] - 0.004e9) < 4096  # one 4 KiB row of rounding
     assert feeder.format_disk(result).startswith("disk: 0.00 GB file")
     assert not list(tmp_path.iterdir())  # the temporary file is removed
+
+
+def test_the_feeder_disk_case_takes_turns_over_repeated_rounds(tmp_path, monkeypatch):
+    """One epoch of each order, block always first: a disk whose speed drifts (shared, or warming up)
+    fell on one order only, and the ratio of two single epochs had no spread to judge it by."""
+    from speedswap.apps.bench import feeder
+
+    turns = []
+    real = feeder._disk_epoch
+    monkeypatch.setattr(feeder, "_disk_epoch", lambda path, order, *args, **kwargs:
+                        turns.append((order, kwargs.get("max_batches"))) or real(path, order, *args, **kwargs))
+    result = feeder.disk(0.002, str(tmp_path), batch=64, max_seconds=30, repeats=3, warmup_batches=2)
+    assert turns == [("block", 2), ("random", 2),  # the warm-up, then rounds that take turns at going first
+                     ("block", None), ("random", None), ("random", None), ("block", None), ("block", None),
+                     ("random", None)]
+    for row in result["rows"]:
+        assert row["repeats"] == 3 and row["min_s"] <= row["epoch_s"] <= row["max_s"]
+        assert row["epoch_s_is"] == "measured" and len(row["load_1min"]) == 6
+    assert result["ratios"]["block_speedup_over_random"] > 0
+    assert "faster than random order" in feeder.format_disk(result)
+    turns.clear()
+    feeder.disk(0.002, str(tmp_path), batch=64, max_seconds=30, repeats=1, warmup_batches=0)
+    assert turns == [("block", None), ("random", None)]  # no warm-up asked for: none read
+    with pytest.raises(ss.OptionError, match="repeats must be at least 1"):
+        feeder.disk(0.002, str(tmp_path), batch=64, max_seconds=30, repeats=0)
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("script, option", [("cache.py", "--steps"), ("training_step.py", "--threads"),

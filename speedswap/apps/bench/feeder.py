@@ -1,8 +1,7 @@
 """BatchFeeder against DataLoader, a hand-written numpy loop and the copy limit.
 
-Cases (each side by side in one run, as ratios; in :func:`fast_loops` and
-:func:`regression` the contenders take turns, one timed call each per round,
-so drift falls on all of them alike):
+Cases (each side by side in one run, as ratios; the contenders take turns,
+one timed call each per round, so drift falls on all of them alike):
 
 * :func:`fast_loops` -- "The fast train loops": 300,000 rows x 64 float32
   features + int64 labels, batch 300, shuffled every epoch, time per epoch of
@@ -13,8 +12,8 @@ so drift falls on all of them alike):
   (d) ``BatchFeeder(x, y, batch_size=300)`` on the CPU.
 * :func:`disk` -- a ``.npy`` file read through a memory map, ``order="random"``
   vs ``order="block"``: epoch time and bytes per second, with the file's pages
-  evicted from the page cache before each epoch (one epoch of each, block
-  first; ``benchmarks/disk.py`` pairs repeated epochs with ``dd``).
+  evicted from the page cache before each epoch; rounds of one epoch of each,
+  taking turns at going first (``benchmarks/disk.py`` pairs block epochs with ``dd``).
 * :func:`regression` -- the FFCV linear-regression shape scaled to the machine
   (rows x 1,000 float32 + a target, batch 2048): an epoch of BatchFeeder
   (pinned DataGadgets on a GPU) vs ``DataLoader`` over whole batches vs a
@@ -30,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import tempfile
 import time
 from typing import Callable, Iterable, Optional
@@ -164,8 +164,46 @@ def _write_big(path: str, rows: int, dim: int, seed: int) -> None:
     del out
 
 
-def disk(gigabytes: float, directory: Optional[str], batch: int, max_seconds: float) -> dict:
-    """Epoch time of a memory-mapped ``.npy`` file in block vs random order, cold page cache.
+def _disk_epoch(path: str, order: str, batch: int, max_seconds: float, max_batches: Optional[int] = None) -> dict:
+    """An epoch of the ``.npy`` at ``path`` in ``order``, from a cold page cache.
+
+    Stopped after ``max_seconds`` (its time then extrapolated from the bytes
+    read) or ``max_batches``.
+
+    Returns:
+        ``{"batches", "of", "complete", "seconds", "epoch_s", "load_1min"}``.
+    """
+    # Evicted while nothing maps the file: the kernel keeps mapped pages.
+    _evict(path)
+    gadget = ss.DataGadget(path, mmap=True, backend="numpy")
+    feeder = ss.BatchFeeder(gadget, batch_size=batch, order=order, device="cpu", prefetch=4)
+    load = os.getloadavg()[0]
+    read = batches = 0
+    start = time.perf_counter()
+    for (x,) in feeder:
+        read += x.numel() * 4
+        batches += 1
+        if time.perf_counter() - start > max_seconds or batches == max_batches:
+            break
+    seconds = time.perf_counter() - start
+    total, nbytes = len(feeder), gadget.shape[0] * gadget.shape[1] * 4
+    del feeder, x
+    gadget.close()
+    gc.collect()
+    return {"batches": batches, "of": total, "complete": batches == total, "seconds": seconds,
+            "epoch_s": seconds * nbytes / read, "load_1min": [load, os.getloadavg()[0]]}
+
+
+def disk(gigabytes: float, directory: Optional[str], batch: int, max_seconds: float, repeats: int,
+         warmup_batches: int = 10) -> dict:
+    """Epoch time of a memory-mapped ``.npy`` file in block vs random order, cold page cache, round robin.
+
+    After a warm-up (``warmup_batches`` batches of each order: the code
+    paths, the thread pools, the disk's first seek), ``repeats`` rounds each
+    time one epoch of either order, taking turns at going first (as
+    ``benchmarks/disk.py`` pairs each block epoch with a ``dd``), so the drift
+    of a shared disk falls on both alike. The ratio is the median over
+    rounds of random's epoch time over block's in the same round.
 
     Args:
         gigabytes: file size in GB of 10**9 bytes, as printed and as ``benchmarks/disk.py``'s
@@ -173,45 +211,48 @@ def disk(gigabytes: float, directory: Optional[str], batch: int, max_seconds: fl
         directory: where the temporary file goes (deleted at the end).
         batch: rows per batch.
         max_seconds: stop an epoch after this long and extrapolate.
+        repeats: timed rounds.
+        warmup_batches: batches of each order read first and discarded (0: none).
 
     Returns:
-        ``{"file_bytes", "shape", "batch", "ram_bytes", "larger_than_ram", "rows": per order}``.
+        ``{"file_bytes", "shape", "batch", "ram_bytes", "larger_than_ram", "page_cache", "repeats",
+        "rows": per order, "ratios"}``; a row gives the median epoch time and its spread.
+
+    Raises:
+        OptionError: ``repeats`` below 1.
     """
+    if repeats < 1:  # before the file is written: a median of no rounds fails only after them
+        raise ss.OptionError(f"repeats must be at least 1 (rounds to time), got {repeats!r}")
     dim = 1024
     rows = int(gigabytes * 1e9) // (dim * 4)
     nbytes = rows * dim * 4
     ram = machine().get("ram_bytes")
     fd, path = tempfile.mkstemp(suffix=".npy", dir=directory)
     os.close(fd)
-    results = []
+    orders = ("block", "random")
+    epochs = {order: [] for order in orders}
     try:
         _write_big(path, rows, dim, seed=0)
-        for order in ("block", "random"):
-            # Evicted while nothing maps the file: the kernel keeps mapped pages.
-            _evict(path)
-            gadget = ss.DataGadget(path, mmap=True, backend="numpy")
-            feeder = ss.BatchFeeder(gadget, batch_size=batch, order=order, device="cpu", prefetch=4)
-            read = batches = 0
-            start = time.perf_counter()
-            for (x,) in feeder:
-                read += x.numel() * 4
-                batches += 1
-                if time.perf_counter() - start > max_seconds:
-                    break
-            seconds = time.perf_counter() - start
-            complete = batches == len(feeder)
-            results.append({"order": order, "batches": batches, "of": len(feeder), "complete": complete,
-                            "seconds": seconds, "MB_per_s": read / seconds / 1e6,
-                            "epoch_s": seconds if complete else seconds * nbytes / read,
-                            "epoch_s_is": "measured" if complete else "extrapolated from the part read"})
-            del feeder, x
-            gadget.close()
-            gc.collect()
+        for order in orders if warmup_batches else ():
+            _disk_epoch(path, order, batch, max_seconds, max_batches=warmup_batches)
+        for round_ in range(repeats):
+            for order in orders[round_ % 2:] + orders[:round_ % 2]:
+                epochs[order].append(_disk_epoch(path, order, batch, max_seconds))
     finally:
         os.unlink(path)
+    table = []
+    for order, runs in epochs.items():
+        times = [run["epoch_s"] for run in runs]
+        complete = all(run["complete"] for run in runs)
+        table.append({"order": order, "batches": runs[0]["of"], "epoch_s": statistics.median(times),
+                      "min_s": min(times), "max_s": max(times), "MB_per_s": nbytes / statistics.median(times) / 1e6,
+                      "epoch_s_is": "measured" if complete else "extrapolated from the part read",
+                      "repeats": len(runs), "load_1min": [x for run in runs for x in run["load_1min"]]})
+    speedup = statistics.median(r["epoch_s"] / b["epoch_s"] for b, r in zip(epochs["block"], epochs["random"]))
     return {"file_bytes": nbytes, "shape": [rows, dim], "batch": batch, "ram_bytes": ram,
             "larger_than_ram": bool(ram and nbytes > ram), "page_cache": "evicted before each epoch",
-            "rows": results}
+            "repeats": repeats, "rows": table,
+            "ratios": {"block_speedup_over_random": speedup, "targets": {"block_speedup_over_random": ">= 2"}}}
 
 
 def regression(rows: int, epochs: int, workers: int, device: torch.device, dim: int = 1000,
@@ -285,8 +326,11 @@ def format_disk(result: dict) -> str:
     """:func:`disk`'s figures as text."""
     return "\n".join([
         f"disk: {result['file_bytes'] / 1e9:.2f} GB file via mmap, batch {result['batch']}, cold page "
-        f"cache each epoch ({'larger' if result['larger_than_ram'] else 'smaller'} than RAM)",
-        format_table(result["rows"], ["order", "batches", "of", "seconds", "MB_per_s", "epoch_s", "epoch_s_is"])])
+        f"cache each epoch ({'larger' if result['larger_than_ram'] else 'smaller'} than RAM), "
+        f"{result['repeats']} rounds of both orders",
+        format_table(result["rows"], ["order", "batches", "epoch_s", "min_s", "max_s", "MB_per_s", "epoch_s_is"]),
+        f"block order: {result['ratios']['block_speedup_over_random']:.2f}x faster than random order "
+        f"(median over rounds; target {result['ratios']['targets']['block_speedup_over_random']})"])
 
 
 def format_regression(result: dict) -> str:
