@@ -162,11 +162,14 @@ def _bfloat16_bits_header(path, dtype, mmap) -> files.TableHeader:
 
 
 def _host_rows(array) -> tuple:
-    """``from_numpy``'s input as a native-byte-order numpy array, and the table dtype it holds.
+    """``from_numpy``'s input as a numpy array, and the table dtype it holds.
 
     Returns:
         (numpy.ndarray, dtype): a bfloat16 tensor gives its ``uint16`` bit patterns (as a
-        table's host memory holds them) and ``torch.bfloat16``.
+        table's host memory holds them) and ``torch.bfloat16``; a byte-swapped
+        (big-endian) array is returned as it is, with its dtype in the native
+        byte order, which :meth:`HostTable._fill_from` swaps it to chunk by
+        chunk (a memmap of a big-endian file needs no full-size native copy).
 
     Raises:
         ShapeError: nested lists of different lengths.
@@ -189,9 +192,7 @@ def _host_rows(array) -> tuple:
         except ValueError:
             raise ShapeError("a table is 2-D (rows, dim), but the array is nested lists of "
                              "different lengths; give every row the same length") from None
-    if not array.dtype.isnative:  # big-endian data: the same numbers, which torch can view
-        array = array.astype(array.dtype.newbyteorder("="))
-    return array, array.dtype
+    return array, array.dtype.newbyteorder("=")  # big-endian data: the same numbers, which torch can view
 
 
 def _call_owner(method: Optional[weakref.WeakMethod]) -> None:
@@ -746,15 +747,18 @@ class HostTable:
             yield start, stop, tensor[start:stop]
 
     def _fill_from(self, source):
-        """Copy ``source(start, stop)`` (numpy rows) into the table, chunk by chunk."""
+        """Copy ``source(start, stop)`` (numpy rows of the table's dtype, in either byte order) into the
+        table, chunk by chunk."""
         host = self._buffer.host
         for start, stop, chunk in self._row_chunks():
             rows = source(start, stop)
             if host is not None:
-                # numpy reads read-only inputs (np.load(mmap_mode="r")) without torch's warning
-                np.copyto(host[start:stop], rows, casting="no")
+                # numpy reads read-only inputs (np.load(mmap_mode="r")) without torch's warning;
+                # "equiv" casts nothing but the byte order.
+                np.copyto(host[start:stop], rows, casting="equiv")
             else:
-                chunk.copy_(torch.from_numpy(np.array(rows)))  # one chunk-sized host copy
+                # One chunk-sized host copy, in the native byte order torch views.
+                chunk.copy_(torch.from_numpy(np.array(rows, dtype=rows.dtype.newbyteorder("="))))
 
     def zero_(self):
         """Set every row to zero, chunk by chunk. Returns self."""

@@ -232,6 +232,11 @@ def a_file(d):
     return d / "notes.txt"
 
 
+def big_endian_npy(d):
+    np.save(d / "big.npy", np.arange(10, dtype=">f4").reshape(5, 2))
+    return d / "big.npy"
+
+
 def existing_table_dir(d):
     (d / "tables").mkdir(exist_ok=True)
     np.save(d / "tables" / "table.npy", np.ones((ROWS, DIM), np.float32))
@@ -364,8 +369,8 @@ CASES = [
      ss.ShapeError, "empty rows"),
     ("nothing", lambda o, d: ss.DataGadget(a_directory(d), backend="numpy"), PathError,
      "is a directory"),
-    ("nothing", lambda o, d: ss.DataGadget(torch.ones(5, 2, dtype=torch.bfloat16), backend="numpy"),
-     ss.DTypeError, "data.float(), or give the tensor to BatchFeeder"),
+    ("nothing", lambda o, d: ss.DataGadget(big_endian_npy(d), mmap=True, backend="numpy"),
+     ss.DTypeError, "pass mmap=False to read it into memory"),
     ("nothing", lambda o, d: ss.BatchFeeder(torch.eye(4).to_sparse_csr(), batch_size=2, device="cpu"),
      ss.DTypeError, "source 0 must be a dense tensor, got a sparse_csr one"),
     ("nothing", lambda o, d: ss.BatchFeeder(np.arange(4, dtype=">u2"), batch_size=2, device="cpu"),

@@ -319,3 +319,48 @@ def test_a_load_whose_old_rows_fail_to_flush_holds_the_new_file_consistently(rng
         gadget.load(tmp_path / "other.npy")
     assert gadget.table is not old and gadget.shape == (11, 4)
     np.testing.assert_array_equal(gadget.get([10, 0]).numpy(), other[[10, 0]])
+
+
+@pytest.mark.parametrize("storage", ["pageable", "pinned", "device"])
+def test_a_cpu_bfloat16_tensor_is_held_and_delivered_as_bfloat16(backend, storage, rng, tmp_path):
+    """DataGadget refused CPU bfloat16 (numpy has no bfloat16), which HostTable and BatchFeeder take."""
+    values = torch.from_numpy(random_data(rng, (300, 3, 4))).to(torch.bfloat16)
+    gadget = ss.data.gadget.DataGadget(values, storage=storage, backend=backend)
+    ids = rng.integers(0, 300, size=(5, 40))  # duplicates
+    got = gadget.get(ids)
+    assert got.dtype == torch.bfloat16 and tuple(got.shape) == (5, 40, 3, 4)
+    assert torch.equal(got.cpu(), values[torch.from_numpy(ids)])
+    new = torch.from_numpy(random_data(rng, (2, 3, 4))).to(torch.bfloat16)
+    gadget.put(new.to(gadget.device), [7, 11])
+    values[[7, 11]] = new
+    gadget.save(tmp_path / "saved.npy")  # float32, which holds every bfloat16 value exactly
+    saved = np.load(tmp_path / "saved.npy")
+    assert saved.dtype == np.float32
+    np.testing.assert_array_equal(saved, values.float().numpy())
+
+
+@pytest.mark.parametrize("mmap", [None, False])
+def test_big_endian_rows_are_read_in_this_machines_byte_order(backend, kind, mmap, rng, tmp_path):
+    """A big-endian file or array was refused ('other byte order'): its values are read swapped."""
+    data = random_data(rng, (400, 6)).astype(">f4")
+    gadget = gadget_of(data, kind, tmp_path, mmap=mmap, backend=backend)
+    ids = rng.integers(0, 400, size=250)
+    got = gadget.get(ids)
+    assert got.dtype == torch.float32
+    np.testing.assert_array_equal(got.cpu().numpy(), data[ids])
+    np.testing.assert_array_equal(gadget.to_numpy(copy=True), data)
+
+
+def test_big_endian_rows_are_refused_where_they_would_be_mapped(rng, tmp_path, monkeypatch):
+    path = tmp_path / "big.npy"
+    data = random_data(rng, (64, 16)).astype(">f4")
+    np.save(path, data)
+    with pytest.raises(ss.DTypeError, match="big-endian.*mmap=True.*pass mmap=False"):
+        ss.DataGadget(path, mmap=True, backend="numpy")
+    with pytest.raises(ss.DTypeError, match="this memmap.*big-endian.*pass mmap=False"):
+        ss.DataGadget(np.load(path, mmap_mode="r"), mmap=True, backend="numpy")
+    monkeypatch.setattr(speedswap.data.gadget, "available_ram", lambda: 4096)  # too large to copy: mapped
+    gadget = ss.DataGadget(path, backend="numpy")
+    with pytest.raises(ss.DTypeError, match="3/4 of the RAM available.*pass mmap=False"):
+        gadget.get([1])
+    np.testing.assert_array_equal(ss.DataGadget(path, mmap=False, backend="numpy").get([1]).numpy(), data[[1]])

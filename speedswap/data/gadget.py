@@ -53,6 +53,12 @@ class DataGadget:
     (``DataGadget(fileName, CPUPinn)``, ``getData``, ``insertData``, ...) is
     :class:`speedswap.DataGadget`, a thin layer over this class.
 
+    Values of another byte order (a big-endian file or array) are read into
+    memory in this machine's (they cannot be mapped: torch reads only native
+    values in place). A CPU ``bfloat16`` tensor is held as a bfloat16 table
+    (a copy: numpy has no bfloat16); ``.npy`` files store bfloat16 data as
+    ``float32``, which holds each value exactly, and give float32 rows.
+
     Args:
         source: a ``.npy`` path, or a numpy array / CPU tensor of shape ``(n, ...)``.
             An ``np.memmap`` stays mapped.
@@ -70,7 +76,9 @@ class DataGadget:
         OptionError: a file that is not ``.npy``, ``mmap=True`` for an
             in-memory array or a strided view of a map, or a bad ``storage``.
         ShapeError: an array with no rows, or rows of no elements.
-        DTypeError: an unsupported dtype.
+        DTypeError: an unsupported dtype, or ``mmap=True`` for values of
+            another byte order (at the first read: ``mmap=None`` where they
+            outgrow the RAM).
         BackendUnavailableError: ``backend`` or ``device`` asks for CUDA where
             there is none.
 
@@ -103,8 +111,14 @@ class DataGadget:
             _refuse_token_ids(dtype)
         else:
             _refuse_token_ids(getattr(data, "dtype", None))
-            path, array, header = None, as_host_array(data, "the dataset"), None
-            shape, dtype = array.shape, array.dtype
+            # Checked as the table will hold them: bfloat16 (which numpy lacks) as its bit patterns,
+            # byte-swapped values in the native order; both are kept as they are, to be copied.
+            bfloat16 = isinstance(data, torch.Tensor) and data.dtype == torch.bfloat16
+            swapped = isinstance(data, np.ndarray) and not data.dtype.isnative
+            checked = as_host_array(data.view(torch.int16) if bfloat16 else
+                                    data.view(data.dtype.newbyteorder("=")) if swapped else data, "the dataset")
+            path, array, header = None, data if bfloat16 or swapped else checked, None
+            shape, dtype = checked.shape, array.dtype
             if self._mmap and not isinstance(array, np.memmap):
                 raise OptionError("mmap=True maps a .npy file; this array is already in memory. "
                                   "Pass the file's path, or np.load(path, mmap_mode='r+')")
@@ -112,8 +126,10 @@ class DataGadget:
                 raise OptionError("mmap=True reads rows in place, and this memmap is a strided view "
                                   "(such as m[::2]) whose rows are not contiguous in the file; pass "
                                   "the whole map, or mmap=None to copy the view into memory")
+        if self._mmap and isinstance(dtype, np.dtype) and not dtype.isnative:
+            raise _unmappable(path, dtype, "mmap=True")
         row_shape = check_rows(shape, "the dataset")
-        numpy_dtype(dtype)
+        numpy_dtype(dtype.newbyteorder("=") if isinstance(dtype, np.dtype) else dtype)
         self._path, self._array, self._header = path, array, header
         self._row_shape, self._num_rows = row_shape, int(shape[0])
 
@@ -150,15 +166,19 @@ class DataGadget:
         rows = (self._num_rows, _row_length(self._row_shape))
         if self._array is not None:
             flat = self._array.reshape(rows)
-            # A strided view of a map cannot be adopted; it is copied like any array.
-            mapped = isinstance(flat, np.memmap) and self._mmap is not False and flat.flags.c_contiguous
-            shared = self._storage == "pageable" and flat.flags.c_contiguous and self._mmap is not False
+            # A strided view of a map cannot be adopted, nor can bfloat16 (a tensor) or byte-swapped
+            # values (torch views neither): they are copied like any array.
+            adoptable = isinstance(flat, np.ndarray) and flat.flags.c_contiguous and flat.dtype.isnative
+            mapped = isinstance(flat, np.memmap) and self._mmap is not False and adoptable
+            shared = self._storage == "pageable" and self._mmap is not False and adoptable
             if mapped or shared:
                 return HostTable.adopt(flat, backend=self._backend)
             return HostTable.from_numpy(flat, storage=self._storage, backend=self._backend)
         header = files.read_npy_header(self._path)  # again: the file may have changed since then
         files.check_matches(header, self._header.shape, self._header.dtype, self._path)
         if self._wants_mmap(rows[0] * rows[1] * header.dtype.itemsize):
+            if not header.dtype.isnative:
+                raise _unmappable(self._path, header.dtype, "it needs more than 3/4 of the RAM available")
             # Writes reach the file only when asked for (mmap=True): mapped because it is
             # large (mmap=None), a smaller file's rows would be a copy, so puts must not
             # write the dataset on disk depending on the RAM free today.
@@ -298,7 +318,7 @@ class DataGadget:
 
     # ------------------------------------------------------------------ files
     def save(self, path: "str | os.PathLike") -> None:
-        """Write the dataset to a ``.npy`` file atomically (previous file intact on failure).
+        """Write the dataset to a ``.npy`` file atomically (previous file intact on failure); bfloat16 as float32.
 
         Args:
             path: the target ``*.npy``; the gadget's own mapped file is flushed in place.
@@ -316,8 +336,11 @@ class DataGadget:
             table.flush()
             return
         rows = table.as_tensor(for_reading=True)
-        np_dtype = numpy_dtype(table.dtype)
-        chunks = (rows[start:stop].cpu().numpy() for start, stop in files.row_ranges(table.shape, np_dtype))
+        # numpy has no bfloat16: saved as float32, which holds each of its values exactly (as tables save it).
+        wide = table.dtype is torch.bfloat16
+        np_dtype = np.dtype(np.float32) if wide else numpy_dtype(table.dtype)
+        chunks = ((rows[start:stop].float() if wide else rows[start:stop]).cpu().numpy()
+                  for start, stop in files.row_ranges(table.shape, np_dtype))
         files.write_npy(path, self.shape, np_dtype, chunks)
 
     def load(self, path: "str | os.PathLike") -> "DataGadget":
@@ -382,10 +405,21 @@ class DataGadget:
         self.close()
 
 
+def _unmappable(path, dtype, why) -> DTypeError:
+    """The error for byte-swapped (big-endian) rows a gadget would map: torch cannot view them in place."""
+    what = "this memmap" if path is None else repr(path)
+    return DTypeError(f"{what} holds {dtype.newbyteorder('=')} in the other byte order ({dtype.str!r}, "
+                      f"big-endian), which torch cannot read in place, and it would be mapped ({why}); "
+                      f"pass mmap=False to read it into memory in this machine's byte order, or write it "
+                      f"once in that order: np.save(new, np.load(path, mmap_mode='r').astype('={dtype.char}'))")
+
+
 def _refuse_token_ids(dtype):
     """Refuse uint16/uint32 rows, the widths token ids come in, naming the reader that takes them."""
     name = str(dtype).replace("torch.", "")
     if name in ("uint16", "uint32"):
         raise DTypeError(f"DataGadget holds table dtypes, not {name}; for token ids of that width "
                          f"use BatchFeeder(np.load(path, mmap_mode='r')), which reads them as they "
-                         f"are and delivers int32/int64 batches")
+                         f"are and delivers int32/int64 batches. For bfloat16 bit patterns (the file "
+                         f"behind a storage='mmap' bfloat16 table) pass the tensor they are: "
+                         f"DataGadget(torch.from_numpy(np.load(path).view(np.int16)).view(torch.bfloat16))")
