@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import speedswap as ss
+from speedswap.data import filesource
 from speedswap.data.filesource import drop_cache
 from speedswap.data.orders import BlockOrder, SequentialOrder
 
@@ -188,6 +189,31 @@ def test_a_file_rewritten_in_place_under_a_running_loop_raises_instead_of_feedin
     assert sum(len(ids) for ids, _ in delivered + rest) == n
     for ids, rows in rest:
         np.testing.assert_array_equal(rows, -data[ids])
+
+
+@pytest.mark.parametrize("order", ["random", BlockOrder(block_rows=64, window=2)])
+def test_a_rewrite_in_the_timestamp_tick_of_the_write_before_the_loop_is_caught(tmp_path, rng, monkeypatch, order):
+    """Kernels before 6.13 stamp a write with the coarse clock (a tick of 1 to 10 ms): a file written
+    just before a loop opened it and rewritten in place in that tick kept its size and modification
+    time, and the loop fed old and new rows together. (Newer kernels stamp the first write after a
+    stat finely.) Simulated here: modification times rounded down to ticks of 50 ms."""
+    tick = 50_000_000
+    monkeypatch.setattr(filesource, "_TICK_NS", tick)
+    monkeypatch.setattr(filesource, "_version", lambda stat: (stat.st_size, stat.st_mtime_ns - stat.st_mtime_ns % tick))
+    path = tmp_path / "x.npy"
+    n = 4096
+    data = rng.standard_normal((n, 4)).astype(np.float32)
+    time.sleep((tick - time.time_ns() % tick) / 1e9)  # the write starts a tick
+    source = write(path, data)
+    feeder = ss.BatchFeeder(np.arange(n), source, batch_size=32, order=order, device="cpu")
+    delivered = []
+    with pytest.raises(ss.FileFormatError, match="changed while the feeder read it"):
+        for ids, rows in feeder:
+            delivered.append((ids.numpy(), rows.numpy().copy()))
+            if len(delivered) == 1:
+                _rewrite_rows_in_place(path, -data)
+    for ids, rows in delivered:  # every batch handed over holds the rows from before the rewrite
+        np.testing.assert_array_equal(rows, data[ids])
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])

@@ -255,8 +255,9 @@ class BatchFeeder:
     :class:`~speedswap.FileFormatError`, and so does one written in place
     (its size or modification time changed since the loop opened it), at
     the first batch read after the write, rather than go on with a mix of
-    old and new rows; a write within the file system's timestamp tick of
-    the file's previous one (a few ms where timestamps are coarse) can escape.
+    old and new rows (a file written just before the loop opened it is read
+    once the file system's timestamp tick is over: at most 10 ms, or 2 s where
+    times are whole seconds; no later write then keeps the time).
     A file replaced by a rename is not mixed in: the map keeps the old one.
 
     Args:

@@ -8,7 +8,8 @@ truncated under a map kills the process with SIGBUS. ``pread`` into RAM the
 feeder owns has none of these problems: a short read becomes a
 :class:`~speedswap.FileFormatError`, and so does a file whose size or
 modification time changed since it was opened (written in place: the rows
-read next would be new ones).
+read next would be new ones); a file written in the timestamp tick before it
+was opened is read once the tick is over, so that no later write keeps them.
 
 * :class:`WindowReader` serves orders that visit a window of contiguous
   blocks at a time (``block``, ``sequential``). Each block is one large
@@ -26,6 +27,7 @@ descriptors) never races a read.
 import concurrent.futures
 import mmap
 import os
+import time
 
 import numpy as np
 import torch
@@ -122,6 +124,33 @@ def _version(stat) -> tuple:
     return stat.st_size, stat.st_mtime_ns
 
 
+#: The coarsest tick of the clock Linux stamps writes with (one jiffy at HZ=100). Kernels before
+#: 6.13 stamp every write with it, so a write in the tick of the one before keeps its mtime.
+_TICK_NS = 10_000_000
+#: The tick where modification times are whole seconds (FAT stamps every 2 s).
+_SECONDS_TICK_NS = 2_000_000_000
+
+
+def _settle(versions) -> None:
+    """Wait until a write from now on would stamp each file later than its modification time in ``versions``.
+
+    A file written in the timestamp tick before a reader opened it could be
+    written again in that tick with its size and modification time unchanged,
+    and the reader would feed old and new rows together. Once the tick is over,
+    every later write changes the time; a write before then lands before any
+    row is read, so the loop reads one version either way. Only a file
+    written in the last tick waits, at most one tick (10 ms, or 2 s where
+    times are whole seconds).
+    """
+    deadline = max((mtime + (_SECONDS_TICK_NS if mtime % 10**9 == 0 else _TICK_NS) for _, mtime in versions),
+                   default=0)
+    # Never longer than a tick: a time ahead of this clock (another machine's, on a network file system)
+    # is not waited out.
+    wait = min(deadline - time.time_ns(), _SECONDS_TICK_NS)
+    if wait > 0:
+        time.sleep(wait / 1e9)
+
+
 def _closed_by_another_thread() -> StateError:
     return StateError("this feeder loop's file reader was closed by another thread (set_epoch, "
                       "load_state_dict or a new loop); iterate the feeder anew, one thread at a time")
@@ -146,6 +175,7 @@ class _PoolReader:
         except OSError:
             self._close_fds()
             raise
+        _settle(self._versions)
         self._drop = drop_behind
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="speedswap-io")
         self._closed = False
