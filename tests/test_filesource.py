@@ -449,6 +449,26 @@ def test_a_feeder_over_a_data_gadget_reloaded_or_closed_refuses_to_serve_the_old
         next(iter(over_table))
 
 
+@pytest.mark.parametrize("change", ["load", "close"])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_running_loop_stops_when_its_data_gadget_is_reloaded_or_closed(tmp_path, rng, change, prefetch):
+    """Refused at the start of a loop, a reload or close in the middle of one went unseen: the loop
+    fed the rest of the epoch from the old rows (of a closed gadget too)."""
+    old, new = (rng.standard_normal((40, 2)).astype(np.float32) for _ in range(2))
+    np.save(tmp_path / "new.npy", new)
+    gadget = ss.DataGadget(old, backend="numpy")
+    feeder = ss.BatchFeeder(np.arange(40), gadget, batch_size=5, device="cpu", prefetch=prefetch)
+    delivered = []
+    with pytest.raises(ss.StateError, match="closed"):
+        for ids, rows in feeder:
+            delivered.append((ids.numpy(), rows.numpy().copy()))
+            if len(delivered) == 2:
+                gadget.load(str(tmp_path / "new.npy")) if change == "load" else gadget.close()
+    assert len(delivered) == 2
+    for ids, rows in delivered:
+        np.testing.assert_array_equal(rows, old[ids])
+
+
 @pytest.mark.parametrize("order", [BlockOrder(block_rows=40, window=2), SequentialOrder(block_rows=40, window=2)])
 def test_ranks_split_a_windowed_epoch_into_runs_and_each_reads_its_share_of_the_file(tmp_path, rng, order,
                                                                                      monkeypatch):

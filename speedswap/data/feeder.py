@@ -587,8 +587,8 @@ class BatchFeeder:
         self._reposition(self._epoch, self._batch)
         return self._run(self._generation)
 
-    def _check_sources(self):
-        """Refuse table sources closed or reloaded since; read files pread cannot confirm through their maps.
+    def _check_tables(self):
+        """Refuse table sources closed or reloaded since the feeder was built.
 
         Raises:
             StateError: a DataGadget or HostTable source was closed, or a
@@ -599,6 +599,14 @@ class BatchFeeder:
             if live is not table or live.closed:
                 raise StateError(f"{what} was closed or reloaded after this feeder was built, so "
                                  f"the feeder would serve its old rows; build a new BatchFeeder over it")
+
+    def _check_sources(self):
+        """Refuse table sources closed or reloaded since; read files pread cannot confirm through their maps.
+
+        Raises:
+            StateError: as :meth:`_check_tables`.
+        """
+        self._check_tables()
         replaced = [k for k, file in self._files.items() if file.replaced()]
         for k in replaced:
             warn(f"{self._files.pop(k).path!r} was replaced or removed after it was memory-mapped "
@@ -657,6 +665,9 @@ class BatchFeeder:
                 batch = self._finish(*reader.next()) if k == start or not self._lookahead else ahead
                 if self._lookahead:
                     ahead = self._finish(*reader.next()) if k + 1 < count else None
+                # Read ahead or not, no batch is handed over once a source's rows are not the
+                # feeder's any more (a gadget reloaded or closed during the loop).
+                self._check_tables()
                 # Counted only once transformed (a batch whose transform raised comes
                 # again on resume), and only if no other thread moved the feeder meanwhile.
                 with self._lock:
