@@ -30,7 +30,7 @@ from .module_state import check_tables_state, copy_tables, missing_hint, tables_
 from .one_optimizer import claim
 from .options import forward_ids, padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
-from .row_state import (EmptySparseGradient, NarrowedStep, RowState, drop_leftover_state, row_state_spec,
+from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
                         take_assigned)
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
@@ -309,13 +309,18 @@ class OffloadedEmbedding(torch.nn.Module):
             DTypeError: ``optimizer`` is not an optimizer (its class, or the parameters).
             OptionError: the optimizer does not hold :attr:`weight`, or its
                 state is not element-wise (LBFGS). Nothing changes.
+            PathError: with ``storage="mmap"``, a file the new state would
+                replace exists and this embedding did not create it (and no
+                ``overwrite``). Nothing changes: the optimizer attached before stays.
             StateError: a closed embedding, or between a training forward and the step.
         """
         self._check_open()
         if self._step_in_flight():
             raise StateError("attach between a training forward and optimizer.step() would drop "
                              "the step's rows; attach between steps")
-        row_state_spec(optimizer, self.weight)  # refuse an unsupported optimizer before any change
+        # An unsupported optimizer, or a file the new state may not replace, is refused before
+        # the old state is closed.
+        check_state_files(optimizer, self.weight, self._storage, self._path, self._overwrite or self._created)
         if self._cache is not None:
             self._cache.flush()  # cached rows are the current ones (their old state goes below)
             if self._writeback is not None:

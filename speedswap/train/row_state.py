@@ -11,17 +11,18 @@ State is found by identity, ``optimizer.state[param]``, never by position in
 """
 
 import contextlib
+import os
 import weakref
 
 import numpy as np
 import torch
 
-from ..errors import DTypeError, OptionError, StateError
+from ..errors import DTypeError, OptionError, PathError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 
 __all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep", "EmptySparseGradient",
-           "drop_leftover_state",
+           "drop_leftover_state", "check_state_files",
            "take_assigned"]
 
 #: (id of a scratch tensor a RowState handed an optimizer, id of its parameter) -> the tensor,
@@ -134,6 +135,37 @@ def row_state_spec(optimizer, param, group=None):
     raise OptionError(f"{type(optimizer).__name__} cannot be offloaded: speedswap moves optimizer "
                       f"state row by row, which is exact only for optimizers whose state is "
                       f"element-wise; supported: {', '.join(SUPPORTED_OPTIMIZERS)}")
+
+
+def _may_replace(overwrite, file) -> bool:
+    """Whether an ``mmap`` state table may replace ``file`` (``overwrite`` as :class:`RowState` takes it)."""
+    return overwrite if isinstance(overwrite, bool) else file in overwrite
+
+
+def check_state_files(optimizer, param, storage, path=None, overwrite=False) -> None:
+    """Refuse, before anything changes, an optimizer whose :class:`RowState` could not be made.
+
+    An owner that attaches again closes its old state before it makes the
+    new one (with ``mmap`` storage the new files take the old ones' names),
+    so whatever would refuse the new state is checked first: a refused
+    attach leaves the old optimizer attached.
+
+    Args:
+        optimizer, param, storage, path, overwrite: as :class:`RowState` takes them.
+
+    Raises:
+        DTypeError, OptionError: an optimizer that cannot be offloaded (see
+            :func:`row_state_spec`).
+        PathError: an ``mmap`` state file exists and may not be replaced.
+    """
+    for name in row_state_spec(optimizer, param):
+        file = file_in(path, name, storage)
+        if file is not None and os.path.exists(file) and not _may_replace(overwrite, file):
+            raise PathError(f"{file!r} already exists, and the state table {name!r} of "
+                            f"{type(optimizer).__name__} would replace it; speedswap does not replace "
+                            f"a file it did not create. Move it out of {os.fspath(path)!r}, or build the "
+                            f"owner with overwrite=True; nothing was changed (the optimizer attached "
+                            f"before stays attached)")
 
 
 def _described(tensor) -> str:
@@ -304,7 +336,7 @@ class RowState:
                 file = file_in(path, name, storage)
                 self.tables[name] = HostTable.empty(
                     num_rows, param.shape[1], dtype, storage, backend, file, device=param.device,
-                    overwrite=overwrite if isinstance(overwrite, bool) else file in overwrite)
+                    overwrite=_may_replace(overwrite, file))
         except BaseException:
             self.close()
             raise
