@@ -178,6 +178,33 @@ def test_a_state_dict_of_another_shape_or_dtype_is_refused_and_changes_nothing(c
     assert torch.equal(target.weight, weight)
 
 
+def test_a_refusal_in_a_model_of_several_embeddings_names_those_it_already_loaded(rng):
+    """torch loads module by module and no embedding sees another's entries, so a state dict that
+    fits the first embedding and not the second replaced the first's table before the second
+    refused; the refusal said nothing of it."""
+    def two(user_rows, item_rows):
+        model = torch.nn.ModuleDict({
+            name: ss.OffloadedEmbedding(rows, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy")
+            for name, rows in (("user", user_rows), ("item", item_rows))})
+        for emb in model.values():
+            emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
+                rng.standard_normal(tuple(t.shape)).astype(np.float32))))
+        return model
+
+    source, target = two(ROWS, ROWS), two(ROWS, ROWS + 1)
+    item = target["item"].table.to_numpy(copy=True)
+    with pytest.raises(ss.ShapeError, match="build it with") as info:
+        target.load_state_dict(source.state_dict())
+    assert "embedding(s) 'user'" in str(info.value) and "this one ('item')" in str(info.value)
+    # As it says: the first embedding holds the state dict's rows, the refused one its own.
+    np.testing.assert_array_equal(target["user"].table.to_numpy(), source["user"].table.to_numpy())
+    np.testing.assert_array_equal(target["item"].table.to_numpy(), item)
+    # Refused by the first embedding it reaches, another load names none (nor the last call's).
+    with pytest.raises(ss.ShapeError, match="build it with") as info:
+        two(ROWS + 1, ROWS).load_state_dict(source.state_dict())
+    assert "Beware" not in str(info.value)
+
+
 @pytest.mark.parametrize("make", [lambda t: t.to("meta"), lambda t: t.to_sparse()], ids=["meta", "sparse"])
 def test_a_state_dict_whose_state_tensor_holds_no_dense_values_is_refused_and_changes_nothing(make, rng):
     # A meta tensor (a state dict of a model built on the meta device) or a sparse one is shaped

@@ -20,13 +20,15 @@ import torch.nn.functional as F
 from .. import files
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_row_ids, as_row_ids_deferred, int_option, torch_dtype
-from ..errors import CapacityError, DTypeError, IdError, OptionError, ShapeError, StateError, warn
+from ..errors import (CapacityError, DTypeError, IdError, OptionError, ShapeError, SpeedswapError, StateError,
+                      warn)
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
 from .conversions import refuse_conversion
 from .leftover import untouched
-from .module_state import check_tables_state, copy_tables, missing_hint, tables_state, unpicklable
+from .module_state import (check_tables_state, copy_tables, missing_hint, note_loaded, refused_after,
+                           tables_state, unpicklable)
 from .one_optimizer import claim
 from .options import forward_ids, padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
@@ -1067,17 +1069,31 @@ class OffloadedEmbedding(torch.nn.Module):
         state (saved by an older speedswap) is reported missing by a strict
         load; either way a warning says how to restore the table (torch gives
         this method no way to tell a strict load from another).
+
+        Over a model with several embeddings the load is all or nothing for
+        each, not for all: torch loads module by module, and an embedding
+        sees only its own entries. A refusal says which embeddings the same
+        ``load_state_dict`` call already loaded (see :func:`refused_after`).
         """
         key, weight = prefix + "_extra_state", prefix + "weight"
         if key in state_dict:
-            self._check_restorable("load_state_dict")
-            check_tables_state(state_dict[key], type(self).__name__, self._tables(),
-                               self._attrs()["optimizer"], self.num_embeddings)
+            try:
+                self._check_restorable("load_state_dict")
+                check_tables_state(state_dict[key], type(self).__name__, self._tables(),
+                                   self._attrs()["optimizer"], self.num_embeddings)
+            except SpeedswapError as exc:
+                # Embeddings this load reached first are loaded already: the message says which.
+                named = refused_after(exc, error_msgs, prefix)
+                if named is None:
+                    raise
+                raise named from exc
         elif weight in state_dict:  # this module's state dict, from an older speedswap
             warn(missing_hint(key, type(self).__name__))
         without_weight = {name: value for name, value in state_dict.items() if name != weight}
         super()._load_from_state_dict(without_weight, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if key in state_dict:
+            note_loaded(error_msgs, prefix)
         if weight in state_dict and weight in missing_keys:
             missing_keys.remove(weight)  # given, and rightly not loaded
 

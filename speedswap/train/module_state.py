@@ -16,10 +16,17 @@ under ``<prefix>_extra_state``):
 
 The owner brackets the copy as for any load (cache written back, then
 invalidated; the optimizer's per-row state marked as restored).
+
+``model.load_state_dict`` over several embeddings is not all or nothing:
+torch loads module by module, and no module sees another's entries, so an
+embedding whose state is refused cannot undo those loaded before it.
+:func:`note_loaded` and :func:`refused_after` make its refusal name them.
 """
 
 import copy
+import threading
 from collections.abc import Mapping
+from typing import Optional
 
 import torch
 
@@ -27,7 +34,7 @@ from ..errors import DTypeError, FileFormatError, ShapeError, StateError
 from ..table import HostTable
 
 __all__ = ["FORMAT", "VERSION", "tables_state", "check_tables_state", "copy_tables", "missing_hint",
-           "rows_only", "unpicklable"]
+           "note_loaded", "refused_after", "rows_only", "unpicklable"]
 
 FORMAT = "speedswap-module-state"
 VERSION = 1
@@ -157,6 +164,46 @@ def copy_tables(values: dict, tables: dict) -> None:
     for name, value in values.items():
         table: HostTable = tables[name]
         table.apply_(lambda t, v=value: t.copy_(v))
+
+
+#: This thread's latest ``load_state_dict`` call (``load``: the ``error_msgs`` list torch hands every
+#: module of one call) and the prefixes of the embeddings whose tables it replaced.
+_LOADS = threading.local()
+
+
+def note_loaded(load: list, prefix: str) -> None:
+    """Record that the ``load_state_dict`` call ``load`` replaced the tables of the embedding at ``prefix``.
+
+    Args:
+        load: the ``error_msgs`` list torch passes to ``_load_from_state_dict``:
+            one list per ``load_state_dict`` call, shared by all its modules.
+        prefix: the embedding's prefix in the state dict (``"user."``).
+    """
+    if getattr(_LOADS, "load", None) is not load:
+        _LOADS.load, _LOADS.prefixes = load, []
+    _LOADS.prefixes.append(prefix)
+
+
+def refused_after(exc: Exception, load: list, prefix: str) -> Optional[Exception]:
+    """``exc``, a refusal in the ``load_state_dict`` call ``load``, naming the embeddings it already loaded.
+
+    Args:
+        exc: the refusal (a :class:`~speedswap.errors.SpeedswapError`).
+        load: as for :func:`note_loaded`.
+        prefix: the refusing embedding's prefix.
+
+    Returns:
+        None when the call loaded no embedding before, else an exception of
+        ``exc``'s type whose message adds which it loaded.
+    """
+    if getattr(_LOADS, "load", None) is not load or not _LOADS.prefixes:
+        return None
+    names = ", ".join(repr(loaded[:-1]) for loaded in _LOADS.prefixes)
+    return type(exc)(f"{exc}. Beware: this model.load_state_dict() had already replaced the tables (and "
+                     f"optimizer state) of the embedding(s) {names} with the state dict's (torch loads "
+                     f"module by module, and those came first), while this one ({prefix[:-1]!r}) and the "
+                     f"modules after it keep their own: load a state dict that fits the whole model, or "
+                     f"restore those embeddings too, before training on")
 
 
 def missing_hint(key: str, kind: str) -> str:
