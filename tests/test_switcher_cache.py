@@ -392,6 +392,32 @@ def test_rprop_rows_prefetched_before_the_first_step_start_from_its_lr(rng, back
     np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().cpu().numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("cache_rows", [0, 20])
+def test_a_write_into_the_optimizer_state_in_the_middle_of_a_step_is_refused(cache_rows, rng, backend):
+    """after_step wrote the step's state rows back over a write through the state tables between
+    before_forward and after_step (a reference kept from between steps): the write was lost."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    batches = _batches(rng, backend, 30)
+    pair = _pair(backend, cache_rows, table0, eps=1e-30)
+    model, opt, u, o = pair
+    _train(*pair, batches[:15])
+    kept = o.state.tables
+    pos, neg, ctx = batches[15]
+    lpos, lneg = u.before_forward(pos, neg)
+    o.before_forward(pos, neg)
+    with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+        kept["exp_avg"].scatter([int(pos[0])], torch.full((1, DIM), 0.25))
+    skipgram_loss(model["u"](lpos), model["u"](lneg), ctx).backward()
+    opt.step()
+    opt.zero_grad()
+    u.after_step(pos, neg)
+    o.after_step(pos, neg)
+    _train(*pair, batches[16:])
+    expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
+                             table0, batches, ss.get_backend(backend).device, sparse=True)
+    assert_same(_tables(u, o), expected)
+
+
 def test_writes_through_table_and_state_between_steps_reach_training_with_a_cache(rng, backend):
     """u.table and o.state hand out current tables whose writes the next steps see, as without a cache."""
     table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)

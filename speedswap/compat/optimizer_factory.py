@@ -1,5 +1,6 @@
 """OptimizerFactory: SpeedTorch's switcher of an optimizer's per-row state for one embedding."""
 
+import contextlib
 import weakref
 
 from ..backends import get_backend
@@ -112,6 +113,7 @@ class OptimizerFactory(Switcher):
         self._narrowing = _Narrowing(self._state)
         weakref.finalize(self, self._narrowing.restore).atexit = False
         self._empty_sparse = None  # SparseAdam's gradient in a step without this switcher's rows
+        self._resetting = False  # whether RowState.gather is resetting the tables (see _resetting_state)
         # Weak hooks (see StepHooks): they act only inside a step, and
         # optimizer.step(closure) narrows after the closure's forward.
         self._hooks = StepHooks(self, given_optimizer)
@@ -182,8 +184,7 @@ class OptimizerFactory(Switcher):
             # state are read back from where they are authoritative (the failed step may have
             # changed them in place), so that the step can be retried or ended unchanged.
             self._steps.fetch_again(step, self._param.data)
-            self._state.gather(step.rows, read=self._steps.read_state(),
-                               resetting=lambda: resetting_state(self._steps.cache))
+            self._state.gather(step.rows, read=self._steps.read_state(), resetting=self._resetting_state)
 
     def close(self):
         """Release the state tables' memory and unhook the optimizer (other optimizers may step the
@@ -201,18 +202,39 @@ class OptimizerFactory(Switcher):
         self._leave()  # cached state rows are written back while the tables are open
         self._state.close()
 
+    @contextlib.contextmanager
+    def _resetting_state(self):
+        """:meth:`RowState.gather`'s bracket of its own reset of the tables, which may come mid-step.
+
+        At a first step, or when Rprop's initial ``step_size`` follows a
+        changed lr, the gather resets every row's state before it reads the
+        step's rows: a write that :meth:`_prepare_state_write` lets through.
+        """
+        self._resetting = True
+        try:
+            with resetting_state(self._steps.cache):
+                yield
+        finally:
+            self._resetting = False
+
     def _prepare_state_write(self):
         """Make a write into a state table between steps, through any reference to it, reach the next step.
 
         Called by the tables before each write of their methods
         (:meth:`HostTable.watch_writes`): the device cache writes its rows
         and their state back and forgets them, as it would otherwise write
-        them back over the write when they are evicted. In the middle of a
-        step the tables are the step's (:meth:`RowState.gather` resets them
-        at a first step), and ``after_step`` writes its state rows back.
+        them back over the write when they are evicted. The tables' reset
+        by :meth:`RowState.gather` (see :meth:`_resetting_state`) is let
+        through in the middle of a step.
+
+        Raises:
+            StateError: between before_forward and after_step, which writes the
+                step's state rows back over the write; nothing changes.
         """
-        if self._is_member() and not self._steps.busy():
-            self._steps.hand_out("a write into the optimizer state")
+        if self._resetting or not self._is_member():
+            return
+        self._check_idle("a write into the optimizer state")
+        self._steps.hand_out("a write into the optimizer state")
 
     @property
     def state(self) -> RowState:
@@ -272,8 +294,7 @@ class OptimizerFactory(Switcher):
         step = self._steps.prepare(pos, neg, OPTIMIZER)
         self._steps.begin(step, OPTIMIZER, rows)
         try:
-            self._state.gather(step.rows, read=self._steps.read_state(),
-                              resetting=lambda: resetting_state(self._steps.cache))
+            self._state.gather(step.rows, read=self._steps.read_state(), resetting=self._resetting_state)
         except BaseException:
             self._steps.withdraw(step, OPTIMIZER)
             raise
