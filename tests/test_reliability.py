@@ -20,6 +20,7 @@ import torch
 
 import speedswap as ss
 from speedswap import atomic
+from speedswap.train import embedding as embedding_module
 from speedswap.errors import MissingFileError, OutOfMemoryError, PathError
 from training_helpers import BATCH, CAPACITY, DIM, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
 
@@ -299,6 +300,46 @@ def test_a_refused_mmap_reattach_leaves_the_old_optimizer_attached(rng, tmp_path
     np.testing.assert_allclose(emb.table.to_numpy(), expected, **TOL)
     np.testing.assert_allclose(emb._state.tables["momentum_buffer"].to_numpy(),
                                expected_state["momentum_buffer"], **TOL)
+
+
+def test_an_attach_out_of_memory_leaves_the_embedding_detached_and_a_retry_trains(rng, monkeypatch):
+    # The old state is released first, to make room; the new optimizer's device cache then did not
+    # fit: its state stayed behind unhooked, and the next training forward raised AttributeError.
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, 12, "cpu")
+    make_sgd = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    make_adam = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy",
+                                cache_rows=20)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+
+    def train(opt, steps):
+        for pos, neg, ctx in steps:
+            skipgram_loss(emb(pos), emb(neg), ctx).backward()
+            opt.step()
+            opt.zero_grad()
+
+    sgd = make_sgd(emb.parameters())
+    emb.attach(sgd)
+    train(sgd, batches[:6])
+    adam = make_adam(emb.parameters())
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("the device cache does not fit (injected)")
+    monkeypatch.setattr(embedding_module, "new_cache", out_of_memory)
+    with pytest.raises(MemoryError):
+        emb.attach(adam)
+    monkeypatch.undo()
+    with pytest.raises(ss.StateError, match=r"emb.attach\(optimizer\)"):
+        emb(batches[6][0])
+    emb.attach(adam)
+    train(adam, batches[6:])
+    fresh = lambda name, group: 0.0  # noqa: E731
+    middle, _ = run_in_memory(make_sgd, table0, batches[:6], "cpu", initial_state=fresh)
+    expected, expected_state = run_in_memory(make_adam, middle, batches[6:], "cpu", initial_state=fresh)
+    np.testing.assert_allclose(emb.table.to_numpy(), expected, **TOL)
+    for name, table in emb._state.tables.items():
+        np.testing.assert_allclose(table.to_numpy(), expected_state[name], err_msg=name, **TOL)
 
 
 # 9 ---------------------------------------------------------------------------

@@ -315,6 +315,10 @@ class OffloadedEmbedding(torch.nn.Module):
                 replace exists and this embedding did not create it (and no
                 ``overwrite``). Nothing changes: the optimizer attached before stays.
             StateError: a closed embedding, or between a training forward and the step.
+            OutOfMemoryError: the new state tables or the device cache do not
+                fit. The old state was released first, to make room: the
+                embedding is left detached (training refuses until an attach
+                succeeds; the table is intact).
         """
         self._check_open()
         if self._step_in_flight():
@@ -333,11 +337,15 @@ class OffloadedEmbedding(torch.nn.Module):
             self._state.close()  # its mmap files may be replaced below
             self._state = None
         drop_leftover_state(optimizer, self.weight)  # this one's or an earlier one's: a fresh start
-        self._state = RowState(optimizer, self.weight, self.num_embeddings, self.weight.dtype,
-                               self._storage, self._backend, self._path,
-                               overwrite=self._overwrite or self._created)
-        self._created |= {t.path for t in self._state.tables.values()}
-        self._cache = new_cache(self.cache_rows, self._table, self._state.tables, self.weight.dtype)
+        state = RowState(optimizer, self.weight, self.num_embeddings, self.weight.dtype,
+                         self._storage, self._backend, self._path, overwrite=self._overwrite or self._created)
+        self._created |= {t.path for t in state.tables.values()}
+        try:
+            cache = new_cache(self.cache_rows, self._table, state.tables, self.weight.dtype)
+        except BaseException:
+            state.close()  # unhooked, it would be saved and read as the attached optimizer's
+            raise
+        self._state, self._cache = state, cache
         # Dropped without close() (or at exit), an mmap embedding still writes its cached rows
         # back: its files must hold them, as they hold every row without a cache. (Other
         # tables die with the embedding: nothing to write to.)
