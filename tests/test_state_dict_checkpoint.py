@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import speedswap as ss
-from speedswap.train.module_state import rows_only
+from speedswap.train.module_state import check_state_dict, rows_only
 from test_training_flows import DIM, ROWS, LazyTable, Model, make_lazy, zipf_ids
 
 CAPACITY = 81
@@ -178,20 +178,22 @@ def test_a_state_dict_of_another_shape_or_dtype_is_refused_and_changes_nothing(c
     assert torch.equal(target.weight, weight)
 
 
+def two_embeddings(rng, user_rows, item_rows):
+    """A model of two offloaded embeddings, 'user' then 'item', with random rows."""
+    model = torch.nn.ModuleDict({
+        name: ss.OffloadedEmbedding(rows, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy")
+        for name, rows in (("user", user_rows), ("item", item_rows))})
+    for emb in model.values():
+        rows = rng.standard_normal((emb.num_embeddings, DIM)).astype(np.float32)
+        emb.table.apply_(lambda t, rows=rows: t.copy_(torch.from_numpy(rows)))
+    return model
+
+
 def test_a_refusal_in_a_model_of_several_embeddings_names_those_it_already_loaded(rng):
     """torch loads module by module and no embedding sees another's entries, so a state dict that
     fits the first embedding and not the second replaced the first's table before the second
     refused; the refusal said nothing of it."""
-    def two(user_rows, item_rows):
-        model = torch.nn.ModuleDict({
-            name: ss.OffloadedEmbedding(rows, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy")
-            for name, rows in (("user", user_rows), ("item", item_rows))})
-        for emb in model.values():
-            emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
-                rng.standard_normal(tuple(t.shape)).astype(np.float32))))
-        return model
-
-    source, target = two(ROWS, ROWS), two(ROWS, ROWS + 1)
+    source, target = two_embeddings(rng, ROWS, ROWS), two_embeddings(rng, ROWS, ROWS + 1)
     item = target["item"].table.to_numpy(copy=True)
     with pytest.raises(ss.ShapeError, match="build it with") as info:
         target.load_state_dict(source.state_dict())
@@ -201,8 +203,23 @@ def test_a_refusal_in_a_model_of_several_embeddings_names_those_it_already_loade
     np.testing.assert_array_equal(target["item"].table.to_numpy(), item)
     # Refused by the first embedding it reaches, another load names none (nor the last call's).
     with pytest.raises(ss.ShapeError, match="build it with") as info:
-        two(ROWS + 1, ROWS).load_state_dict(source.state_dict())
+        two_embeddings(rng, ROWS + 1, ROWS).load_state_dict(source.state_dict())
     assert "Beware" not in str(info.value)
+
+
+def test_check_state_dict_refuses_before_any_embedding_of_the_model_changes(rng):
+    """The way to an all-or-nothing load over several embeddings: every entry checked first."""
+    source, target = two_embeddings(rng, ROWS, ROWS), two_embeddings(rng, ROWS, ROWS + 1)
+    before = {name: emb.table.to_numpy(copy=True) for name, emb in target.items()}
+    with pytest.raises(ss.ShapeError, match="'item._extra_state'.*nothing was loaded"):
+        check_state_dict(target, source.state_dict())
+    for name, emb in target.items():
+        np.testing.assert_array_equal(emb.table.to_numpy(), before[name])
+    fitting = two_embeddings(rng, ROWS, ROWS)
+    check_state_dict(fitting, source.state_dict())
+    fitting.load_state_dict(source.state_dict())
+    for name, emb in fitting.items():
+        np.testing.assert_array_equal(emb.table.to_numpy(), source[name].table.to_numpy())
 
 
 @pytest.mark.parametrize("make", [lambda t: t.to("meta"), lambda t: t.to_sparse()], ids=["meta", "sparse"])

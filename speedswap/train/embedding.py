@@ -1056,13 +1056,23 @@ class OffloadedEmbedding(torch.nn.Module):
         self._restore_extra_state(state)
 
     def _restore_extra_state(self, state):
-        self._check_restorable("load_state_dict")
-        tables = self._tables()
-        values = check_tables_state(state, type(self).__name__, tables, self._attrs()["optimizer"],
-                                    self.num_embeddings)
+        values = self._check_extra_state(state)
         with rewriting(self._cache):  # cached rows predate the state's
-            copy_tables(values, tables)
+            copy_tables(values, self._tables())
             self._mark_state_loaded()
+
+    def _check_extra_state(self, state) -> dict:
+        """Check a state of :meth:`get_extra_state` against this embedding (also for :func:`check_state_dict`).
+
+        Returns:
+            ``{table name: tensor}`` to copy into the tables.
+
+        Raises:
+            as :meth:`set_extra_state`; nothing changes.
+        """
+        self._check_restorable("load_state_dict")
+        return check_tables_state(state, type(self).__name__, self._tables(), self._attrs()["optimizer"],
+                                  self.num_embeddings)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -1081,14 +1091,13 @@ class OffloadedEmbedding(torch.nn.Module):
         Over a model with several embeddings the load is all or nothing for
         each, not for all: torch loads module by module, and an embedding
         sees only its own entries. A refusal says which embeddings the same
-        ``load_state_dict`` call already loaded (see :func:`refused_after`).
+        ``load_state_dict`` call already loaded (see :func:`refused_after`);
+        :func:`~speedswap.train.module_state.check_state_dict` checks them all first.
         """
         key, weight = prefix + "_extra_state", prefix + "weight"
         if key in state_dict:
             try:
-                self._check_restorable("load_state_dict")
-                check_tables_state(state_dict[key], type(self).__name__, self._tables(),
-                                   self._attrs()["optimizer"], self.num_embeddings)
+                self._check_extra_state(state_dict[key])
             except SpeedswapError as exc:
                 # Embeddings this load reached first are loaded already: the message says which.
                 named = refused_after(exc, error_msgs, prefix)

@@ -20,7 +20,8 @@ invalidated; the optimizer's per-row state marked as restored).
 ``model.load_state_dict`` over several embeddings is not all or nothing:
 torch loads module by module, and no module sees another's entries, so an
 embedding whose state is refused cannot undo those loaded before it.
-:func:`note_loaded` and :func:`refused_after` make its refusal name them.
+:func:`note_loaded` and :func:`refused_after` make its refusal name them;
+:func:`check_state_dict`, called first, checks every embedding's entry.
 """
 
 import copy
@@ -30,11 +31,11 @@ from typing import Optional
 
 import torch
 
-from ..errors import DTypeError, FileFormatError, ShapeError, StateError
+from ..errors import DTypeError, FileFormatError, ShapeError, SpeedswapError, StateError
 from ..table import HostTable
 
-__all__ = ["FORMAT", "VERSION", "tables_state", "check_tables_state", "copy_tables", "missing_hint",
-           "note_loaded", "refused_after", "rows_only", "unpicklable"]
+__all__ = ["FORMAT", "VERSION", "tables_state", "check_tables_state", "check_state_dict", "copy_tables",
+           "missing_hint", "note_loaded", "refused_after", "rows_only", "unpicklable"]
 
 FORMAT = "speedswap-module-state"
 VERSION = 1
@@ -154,6 +155,38 @@ def check_tables_state(state, kind: str, tables: dict, optimizer: str, num_embed
     return dict(values)
 
 
+def check_state_dict(model: torch.nn.Module, state_dict: Mapping) -> None:
+    """Check every offloaded embedding's entry of ``state_dict`` against ``model``, changing nothing.
+
+    ``model.load_state_dict`` loads module by module: a state dict that fits
+    the first embedding and not the second replaces the first's table before
+    the second refuses. Checked first, a load over several embeddings is all
+    or nothing for their tables. It checks what each embedding's own load
+    checks (sizes, dtype, optimizer, format, and no step in flight), for
+    every submodule that can (:class:`~speedswap.OffloadedEmbedding`,
+    through its ``_check_extra_state``); entries it lacks are left to the load.
+
+    >>> check_state_dict(model, state); model.load_state_dict(state)  # doctest: +SKIP
+
+    Args:
+        model: the module ``state_dict`` is to be loaded into.
+        state_dict: what ``model.state_dict()`` returned (or ``torch.load`` read).
+
+    Raises:
+        ShapeError, DTypeError, FileFormatError, StateError: as the
+            embedding's ``load_state_dict``, the message naming its entry.
+    """
+    for name, module in model.named_modules():
+        check = getattr(module, "_check_extra_state", None)
+        key = f"{name}._extra_state" if name else "_extra_state"
+        if check is None or key not in state_dict:
+            continue
+        try:
+            check(state_dict[key])
+        except SpeedswapError as exc:
+            raise type(exc)(f"{key!r}: {exc}; nothing was loaded") from exc
+
+
 def copy_tables(values: dict, tables: dict) -> None:
     """Write checked values (from :func:`check_tables_state`) into their tables, chunk by chunk.
 
@@ -203,7 +236,8 @@ def refused_after(exc: Exception, load: list, prefix: str) -> Optional[Exception
                      f"optimizer state) of the embedding(s) {names} with the state dict's (torch loads "
                      f"module by module, and those came first), while this one ({prefix[:-1]!r}) and the "
                      f"modules after it keep their own: load a state dict that fits the whole model, or "
-                     f"restore those embeddings too, before training on")
+                     f"restore those embeddings too, before training on (speedswap.train.module_state."
+                     f"check_state_dict(model, state_dict) before a load checks them all first)")
 
 
 def missing_hint(key: str, kind: str) -> str:
