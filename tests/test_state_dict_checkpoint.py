@@ -333,6 +333,24 @@ def test_a_state_dict_without_the_table_is_reported_missing_with_a_hint(rng):
     np.testing.assert_array_equal(model.emb.table.to_numpy(), before)
 
 
+def test_an_nn_embedding_state_dict_is_reported_with_how_to_copy_its_table_in(rng):
+    """A model moving over from nn.Embedding: its whole-table 'weight' is not loaded, and the hint
+    said it came from an older speedswap and to emb.load(path) a file the user never had."""
+    model = offloaded("pageable", torch.float32, 0, None)
+    before = model.emb.table.to_numpy(copy=True)
+    dense = torch.nn.Embedding(ROWS, DIM)
+    torch.nn.init.normal_(dense.weight, generator=torch.Generator().manual_seed(int(rng.integers(2**31))))
+    with pytest.warns(RuntimeWarning, match=r"nn.Embedding saves.*emb\.table\.scatter\(torch\.arange") as hint:
+        result = model.load_state_dict({"emb." + k: v for k, v in dense.state_dict().items()}
+                                       | {"lin." + k: v for k, v in model.lin.state_dict().items()},
+                                       strict=False)
+    assert "emb.load(path)" not in str(hint[0].message)
+    assert result.missing_keys == ["emb._extra_state"]
+    np.testing.assert_array_equal(model.emb.table.to_numpy(), before)  # left as it is
+    model.emb.table.scatter(torch.arange(ROWS), dense.weight)  # what the hint says
+    np.testing.assert_array_equal(model.emb.table.to_numpy(), dense.weight.detach().numpy())
+
+
 def test_a_state_dict_of_a_newer_format_or_another_optimizer_is_refused(rng):
     model = offloaded("pageable", torch.float32, 0, None)
     opt = make_adam(model.parameters())

@@ -1105,7 +1105,8 @@ class OffloadedEmbedding(torch.nn.Module):
                     raise
                 raise named from exc
         elif weight in state_dict:  # this module's state dict, from an older speedswap
-            warn(missing_hint(key, type(self).__name__))
+            warn(missing_hint(key, type(self).__name__, state_dict[weight],
+                              (self.num_embeddings, self.embedding_dim)))
         without_weight = {name: value for name, value in state_dict.items() if name != weight}
         super()._load_from_state_dict(without_weight, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

@@ -240,8 +240,22 @@ def refused_after(exc: Exception, load: list, prefix: str) -> Optional[Exception
                      f"check_state_dict(model, state_dict) before a load checks them all first)")
 
 
-def missing_hint(key: str, kind: str) -> str:
-    """The warning of a ``load_state_dict`` whose state dict has no ``key`` (saved by an older speedswap)."""
+def missing_hint(key: str, kind: str, weight=None, table_shape=None) -> str:
+    """The warning of a ``load_state_dict`` whose state dict has no ``key``, the embedding's table.
+
+    Args:
+        key: the missing ``<prefix>_extra_state``.
+        kind: the embedding's class name.
+        weight: the state dict's ``<prefix>weight``, if it holds one.
+        table_shape: the embedding's ``(num_embeddings, embedding_dim)``.
+    """
+    if table_shape is not None and tuple(getattr(weight, "shape", ())) == tuple(table_shape):
+        # nn.Embedding's state dict (a model moving over): its weight is the whole table.
+        return (f"the state dict holds no {key!r}, the table of the {kind}, but a whole {tuple(table_shape)} "
+                f"'weight', as nn.Embedding saves, which the {kind} does not load (its weight is the "
+                f"step's working set), so the table is left as it is; copy those rows in with "
+                f"emb.table.scatter(torch.arange({table_shape[0]}), weight), or build the embedding "
+                f"with OffloadedEmbedding.from_pretrained(weight, freeze=False, max_rows=...)")
     return (f"the state dict holds no {key!r}, the table of the {kind} (it was saved before speedswap "
             f"put tables in state_dict(), when only the working-set scratch 'weight' was saved), so "
             f"the table is left as it is; restore it from the checkpoint written by emb.save(path): "
