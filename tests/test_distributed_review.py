@@ -71,6 +71,7 @@ def test_a_world_size_smaller_than_the_group_says_the_rank_came_from_torch_distr
         ss.BatchFeeder(np.arange(10), batch_size=2, device="cpu", world_size=1)
     message = str(raised.value)
     assert "torch.distributed" in message and "rank=0, world_size=1" in message, message
+    assert message.startswith("rank 1 is outside the world: ranks are 0 .. 0 in a world of 1: it is this"), message
     # Passing the rank too is what the message asks for, and it works.
     feeder = ss.BatchFeeder(np.arange(10), batch_size=2, device="cpu", rank=0, world_size=1)
     assert len(feeder) == 5

@@ -180,10 +180,10 @@ def _resolve_ranks(rank, world_size):
                                         "world_size=1 reads every row in every process)")
     else:
         rank, given = 0 if rank is None else rank, ""
-    outside = f" (outside the world of {world_size} ranks: ranks are 0 .. {world_size - 1})"
-    rank = int_option(rank, "rank", minimum=0, hint=outside)
+    ranks = f"ranks are 0 .. {world_size - 1} in a world of {world_size}"
+    rank = int_option(rank, "rank", minimum=0, hint=f" ({ranks})")
     if rank >= world_size:
-        raise OptionError(f"rank {rank!r} is{outside[:-1]}){given}")
+        raise OptionError(f"rank {rank!r} is outside the world: {ranks}{given}")
     return rank, world_size
 
 
