@@ -190,7 +190,8 @@ def atomic_output(path, replace_mapped: bool = False):
         str: where to write.
 
     Raises:
-        PathError: the directory does not exist, ``path`` is a directory, this
+        PathError: the directory does not exist, ``path`` is a directory or
+            another file that is not a regular one (a named pipe, a device), this
             process maps the file for writing (the map's writes would be lost
             with the replaced file), or the file system refused the write
             (read-only, full, no permission); the message names ``path``, not
@@ -201,6 +202,11 @@ def atomic_output(path, replace_mapped: bool = False):
     directory = check_writable_dir(path)
     if os.path.isdir(path):
         raise PathError(f"cannot save {os.fspath(path)!r}: it is a directory; choose a file name")
+    if os.path.exists(path) and not os.path.isfile(path):
+        # The rename would put a regular file in its place: as root, /dev/null would be gone.
+        raise PathError(f"cannot save {os.fspath(path)!r}: it is not a regular file (a named pipe, "
+                        f"socket or device), and a save replaces what is at the path with a new "
+                        f"file; choose a file name")
     if not replace_mapped and mapped_for_writing(path):
         raise PathError(f"cannot save {os.fspath(path)!r}: this process maps that file for writing (a live "
                         f"mmap table or DataGadget, or an np.memmap), and replacing it would lose the map's "

@@ -14,6 +14,7 @@ Other engineers add rows for their entry points (the feeder) to ``CASES``.
 import gc
 import hashlib
 import os
+import stat
 import warnings
 
 import h5py
@@ -435,3 +436,21 @@ def test_an_existing_directory_with_a_file_suffix_is_still_a_directory(tmp_path)
     with ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="mmap", path=tmp_path / "tables.npy",
                                backend="numpy") as emb:
         assert emb.table.path == os.fspath(tmp_path / "tables.npy" / "table.npy")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+@pytest.mark.parametrize("save", [
+    lambda p, rows: ss.HostTable.from_numpy(rows, storage="pageable", backend="numpy").save(p),
+    lambda p, rows: ss.DataGadget(rows, backend="numpy").save(p),
+    lambda p, rows: ss.data.create_npy(p, rows.shape, rows.dtype),
+    lambda p, rows: ss.data.create_npy(p, rows.shape, rows.dtype, lambda lo, hi: rows[lo:hi]),
+], ids=["HostTable.save", "DataGadget.save", "create_npy", "create_npy-fill"])
+def test_saving_over_a_named_pipe_is_refused_and_keeps_the_pipe(save, rng, tmp_path):
+    """A save renames a new file over the path: a pipe, socket or device there (as root, /dev/null) was replaced by a regular file."""
+    path = tmp_path / "out.npy"
+    os.mkfifo(path)
+    with pytest.raises(PathError, match="not a regular file") as info:
+        save(path, rng.standard_normal((ROWS, DIM), dtype=np.float32))
+    assert "out.npy" in str(info.value) and ".tmp" not in str(info.value)
+    assert stat.S_ISFIFO(os.lstat(path).st_mode)
+    assert os.listdir(tmp_path) == ["out.npy"]
