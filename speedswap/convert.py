@@ -14,7 +14,7 @@ import torch
 
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
-__all__ = ["int_option", "bool_option", "float_option", "check_rows", "check_not_masked", "as_host_array", "as_row_ids", "as_row_ids_deferred",
+__all__ = ["int_option", "bool_option", "float_option", "check_rows", "check_not_masked", "as_values_array", "as_host_array", "as_row_ids", "as_row_ids_deferred",
            "bounds_check", "read_bounds", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
            "numpy_dtype", "host_tensor"]
 
@@ -525,6 +525,28 @@ def _check_range(lo, hi, num_rows, what):
                       f"(ids must be in [0, {num_rows})); check the vocabulary size")
 
 
+def as_values_array(values, shape) -> np.ndarray:
+    """Values to write that are not a tensor (an array, nested lists) as a numpy array, mask and all refused.
+
+    Args:
+        values: anything ``np.asarray`` takes.
+        shape: the shape the values must have, for the message.
+
+    Returns:
+        numpy.ndarray (its shape and dtype are the caller's to check).
+
+    Raises:
+        DTypeError: a numpy masked array (``np.asarray`` would drop its mask).
+        ShapeError: nested lists of different lengths.
+    """
+    check_not_masked(values, "values")
+    try:
+        return np.asarray(values)
+    except ValueError:  # nested lists of different lengths
+        raise ShapeError(f"values must be a rectangular array of shape {tuple(shape)}, got nested "
+                         f"lists of different lengths; give every row {shape[-1]} values") from None
+
+
 def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=None):
     """Validate values for a scatter and return them as a tensor on ``device``.
 
@@ -553,12 +575,7 @@ def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=Non
     device = torch.device(device)
     given = type(values)
     if not isinstance(values, torch.Tensor):
-        check_not_masked(values, "values")
-        try:
-            arr = np.asarray(values)
-        except ValueError:  # nested lists of different lengths
-            raise ShapeError(f"values must be a rectangular array of shape ({num_ids}, {dim}), got "
-                             f"nested lists of different lengths; give every row {dim} values") from None
+        arr = as_values_array(values, (num_ids, dim))
         if not arr.dtype.isnative:  # byte-swapped (a big-endian file): the same numbers, exactly
             arr = arr.astype(arr.dtype.newbyteorder("="))
         if arr.dtype == object or arr.dtype not in _NUMPY_TO_TORCH:

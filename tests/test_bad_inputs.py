@@ -349,6 +349,11 @@ CASES = [
     ("gadget", lambda o, d: o.getData([ROWS]), ss.IdError, "out of range"),
     ("gadget", lambda o, d: o.insertData(torch.ones(1, 2, 3, dtype=torch.float64), [1]),
      ss.DTypeError, "float64"),
+    # put read values with np.asarray, which drops a mask: the masked entries' bytes were written.
+    ("gadget", lambda o, d: o.insertData(np.ma.array(np.ones((1, 2, 3), np.float32), mask=np.eye(2, 3)), [1]),
+     ss.DTypeError, "masked array"),
+    ("gadget", lambda o, d: o.insertData([[[1.0] * 3, [1.0] * 2]], [1]), ss.ShapeError, "different lengths"),
+    ("gadget", lambda o, d: o.insertData(torch.ones(3, 2, 3), [[1, 2], [3]]), ss.DTypeError, "different lengths"),
     # constructors
     ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, dtype=torch.int64),
      ss.DTypeError, "floating-point"),

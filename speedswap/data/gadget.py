@@ -21,7 +21,7 @@ from typing import Optional
 from .. import files
 from ..backends import STORAGE_KINDS, available_ram, get_backend
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import as_host_array, check_rows, numpy_dtype
+from ..convert import as_host_array, as_id_tensor, as_values_array, check_rows, numpy_dtype
 from ..errors import DTypeError, OptionError, ShapeError, StateError
 from ..table import HostTable
 
@@ -294,14 +294,14 @@ class DataGadget:
             raise StateError(f"this DataGadget maps {self._path!r} read-only: it is larger than the "
                              f"RAM free, and writing would change the dataset on disk. Pass mmap=True "
                              f"to write through to the file, or mmap=False to copy it into memory")
-        count = int(np.prod(np.shape(idx), dtype=np.int64))
-        if tuple(np.shape(t)) != (*np.shape(idx), *self._row_shape):
-            raise ShapeError(f"values have shape {tuple(np.shape(t))} but {count} ids of rows "
-                             f"shaped {self._row_shape} need shape "
-                             f"{(*np.shape(idx), *self._row_shape)}")
-        values = t.reshape(count, table.dim) if isinstance(t, torch.Tensor) else \
-            np.asarray(t).reshape(count, table.dim)
-        table.scatter(idx, values)
+        # Read as the table reads them (np.shape and np.asarray would take a ragged list, or drop a mask).
+        ids, ids_shape = as_id_tensor(idx, table.device)
+        wanted = (*ids_shape, *self._row_shape)
+        values = t if isinstance(t, torch.Tensor) else as_values_array(t, wanted)
+        if tuple(values.shape) != wanted:
+            raise ShapeError(f"values have shape {tuple(values.shape)} but {len(ids)} ids of rows "
+                             f"shaped {self._row_shape} need shape {wanted}")
+        table.scatter(ids, values.reshape(len(ids), table.dim))
 
     def flush(self) -> None:
         """Make rows written with :meth:`put` durable: a mapped file is synced to disk.
