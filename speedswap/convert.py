@@ -14,7 +14,7 @@ import torch
 
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
-__all__ = ["int_option", "bool_option", "float_option", "check_rows", "check_not_masked", "as_values_array", "as_host_array", "as_row_ids", "as_row_ids_deferred",
+__all__ = ["int_option", "bool_option", "float_option", "check_rows", "check_dense", "check_not_masked", "as_values_array", "as_host_array", "as_row_ids", "as_row_ids_deferred",
            "bounds_check", "read_bounds", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
            "numpy_dtype", "host_tensor"]
 
@@ -254,7 +254,7 @@ def as_host_array(data, what="the data") -> np.ndarray:
         ShapeError: see :func:`check_rows`.
     """
     if isinstance(data, torch.Tensor):
-        _check_strided(data, what)
+        check_dense(data, what)
         if data.device.type != "cpu":
             raise DeviceError(f"{what} is a tensor on {data.device}; host data is expected here. "
                               f"Pass data.cpu(), or give device tensors to BatchFeeder directly")
@@ -276,12 +276,20 @@ def as_host_array(data, what="the data") -> np.ndarray:
     return data
 
 
-def _check_strided(tensor, what):
-    """Refuse a sparse (or other non-strided) tensor, whose values no row of memory holds.
+def check_dense(tensor, what) -> None:
+    """Refuse a sparse, nested (or other non-strided) tensor, whose values no rows of memory hold.
+
+    Args:
+        tensor: a torch tensor handed in as ids, values or data.
+        what: how it is named in the message.
 
     Raises:
         DTypeError: ``tensor`` is not an ordinary dense tensor.
     """
+    if tensor.is_nested:  # a strided layout, but of parts of different shapes: torch raises on .shape
+        raise DTypeError(f"{what} must be a dense tensor, got a nested one; join its parts with "
+                         f"torch.cat(t.unbind()) or torch.stack(t.unbind()), or pad them with "
+                         f"torch.nested.to_padded_tensor(t, padding)")
     if tensor.layout != torch.strided:
         raise DTypeError(f"{what} must be a dense tensor, got a {str(tensor.layout).replace('torch.', '')} "
                          f"one; convert it with .to_dense()")
@@ -322,7 +330,7 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
     device = torch.device(device)
     target = device if to is None else torch.device(to)
     if isinstance(ids, torch.Tensor):
-        _check_strided(ids, what)
+        check_dense(ids, what)
         if not _device_readable(ids.device, device):
             raise DeviceError(f"{what} are on {ids.device} but this table lives on "
                               f"{device}; move them with .to({str(device)!r})")
@@ -585,7 +593,7 @@ def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=Non
                    if dtype is torch.bfloat16 else f"pass an array of the table's dtype, {dtype}")
             raise DTypeError(f"values of dtype {arr.dtype} cannot be written; {fix}")
         values = _read_only(np.ascontiguousarray(arr))
-    _check_strided(values, "values")  # a sparse tensor has no rows to copy (nor a reshape)
+    check_dense(values, "values")  # a sparse tensor has no rows to copy (nor a reshape)
     values = values.detach()  # never let a table join an autograd graph
     if ids_shape is not None and tuple(values.shape) == (*ids_shape, dim):
         values = values.reshape(num_ids, dim)

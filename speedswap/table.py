@@ -24,7 +24,7 @@ import torch
 from . import files
 from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
-from .convert import (as_row_ids, as_row_values, check_not_masked, float_option, host_tensor,
+from .convert import (as_row_ids, as_row_values, check_dense, check_not_masked, float_option, host_tensor,
                       int_option, numpy_dtype, torch_dtype)
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      PathError, ShapeError, StateError)
@@ -173,10 +173,12 @@ def _host_rows(array) -> tuple:
 
     Raises:
         ShapeError: nested lists of different lengths.
-        DTypeError: a tensor of a dtype a table cannot hold, or a numpy masked array.
+        DTypeError: a tensor of a dtype a table cannot hold or a sparse or nested one, or a
+            numpy masked array.
         DeviceError: a tensor on the meta device.
     """
     if isinstance(array, torch.Tensor):
+        check_dense(array, "the array")
         if array.device.type == "meta":
             raise DeviceError("the array is a tensor on the meta device, which holds no values; "
                               "give a tensor with values (on the CPU or a GPU)")
@@ -308,8 +310,8 @@ class HostTable:
 
         Raises:
             ShapeError: ``array`` is not 2-D, or nested lists of different lengths.
-            DTypeError: a dtype a table cannot hold, or a numpy masked array (its
-                masked entries hold no values).
+            DTypeError: a dtype a table cannot hold, a numpy masked array (its
+                masked entries hold no values), or a sparse or nested tensor.
             DeviceError: a tensor on the meta device (it has no values).
         """
         array, dtype = _host_rows(array)
@@ -667,8 +669,9 @@ class HostTable:
     def _check_out(self, out, shape):
         if not isinstance(out, torch.Tensor):
             raise DTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.layout != torch.strided:  # before is_contiguous, which a sparse CSR tensor raises on
-            raise DTypeError(f"out must be a dense tensor, got a {str(out.layout).replace('torch.', '')} "
+        if out.is_nested or out.layout != torch.strided:  # before .shape and is_contiguous, which raise on them
+            kind = "nested" if out.is_nested else str(out.layout).replace("torch.", "")
+            raise DTypeError(f"out must be a dense tensor, got a {kind} "
                              f"one, and gather writes rows into out in place: pass a dense tensor "
                              f"such as torch.empty{tuple(shape)} of dtype {self.dtype}")
         if tuple(out.shape) != tuple(shape):

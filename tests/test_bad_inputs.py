@@ -255,6 +255,13 @@ def quantized(x):
         return torch.quantize_per_tensor(torch.tensor(x, dtype=torch.float32), 1.0, 0, torch.quint8)
 
 
+def nested(*parts):
+    """A nested tensor of ``parts``: its layout is strided, but torch raises on its .shape and .reshape."""
+    with warnings.catch_warnings():  # torch calls the strided layout of nested tensors a prototype
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.as_tensor(p) for p in parts])
+
+
 def nparams(emb):
     return emb.parameters()
 
@@ -267,6 +274,25 @@ CASES = [
     ("table", lambda o, d: o.gather([1.5]), ss.DTypeError, "integers"),
     ("table", lambda o, d: o.gather(t([1, 2]).to_sparse()), ss.DTypeError, "dense tensor, got a sparse_coo"),
     ("table", lambda o, d: o.gather([[1, 2], [3]]), ss.DTypeError, "different lengths"),
+    # Nested tensors are strided to .layout, and met torch's RuntimeError deep inside (reshape, .shape).
+    ("table", lambda o, d: o.gather(nested([1, 2], [3])), ss.DTypeError, "got a nested one"),
+    ("table", lambda o, d: o.scatter([1, 2], nested(torch.ones(DIM), torch.ones(DIM))), ss.DTypeError,
+     "values must be a dense tensor, got a nested one"),
+    ("table", lambda o, d: o.gather([1, 2], out=nested(torch.ones(DIM), torch.ones(DIM))), ss.DTypeError,
+     "out must be a dense tensor, got a nested one"),
+    ("embedding", lambda o, d: o(nested([1, 2], [3])), ss.DTypeError, "torch.cat(t.unbind())"),
+    ("switchers", lambda o, d: o[0].before_forward(nested([1, 2], [3])), ss.DTypeError, "got a nested one"),
+    ("gadget", lambda o, d: o.getData(nested([1, 2], [3])), ss.DTypeError, "got a nested one"),
+    ("gadget", lambda o, d: o.insertData(nested(torch.ones(2, 3)), [1]), ss.DTypeError, "got a nested one"),
+    ("gadget", lambda o, d: o.insertData(torch.ones(1, 2, 3).to_sparse(), [1]), ss.DTypeError, "got a sparse_coo one"),
+    ("nothing", lambda o, d: ss.BatchFeeder(nested([1.0, 2.0], [3.0]), batch_size=2, device="cpu"),
+     ss.DTypeError, "source 0 must be a dense tensor, got a nested one"),
+    ("nothing", lambda o, d: ss.BatchFeeder(torch.ones(4, 2).to_sparse().to("meta"), batch_size=2, device="cpu"),
+     ss.DTypeError, "source 0 must be a dense tensor, got a sparse_coo one"),
+    ("nothing", lambda o, d: ss.HostTable.from_numpy(nested(torch.ones(DIM), torch.ones(DIM)), backend="numpy"),
+     ss.DTypeError, "the array must be a dense tensor, got a nested one"),
+    ("nothing", lambda o, d: ss.HostTable.from_numpy(torch.ones(ROWS, DIM).to_sparse(), backend="numpy"),
+     ss.DTypeError, "got a sparse_coo one"),
     ("table", lambda o, d: o.gather(quantized([1, 2])), ss.DTypeError, "int_repr()"),
     ("table", lambda o, d: o.scatter([t([1, 2])], torch.ones(1, 2, DIM)), ss.DTypeError, "torch.cat"),
     ("table", lambda o, d: o.gather([1], out=torch.zeros(1, DIM, requires_grad=True)),

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..backends import available_ram, get_backend, resolve_device
-from ..convert import as_host_array, bool_option, check_rows, int_option
+from ..convert import as_host_array, bool_option, check_dense, check_rows, int_option
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError, warn
 from ..table import HostTable
 from .filesource import FileRows, RowReader, WindowReader
@@ -101,6 +101,7 @@ def _as_tensor(source, what):
         mapped = table.storage == "mmap"  # on any backend its rows are the file's, in host memory
         return tensor, FileRows.of(table.to_numpy(), tensor) if mapped else None
     if isinstance(source, torch.Tensor) and source.device.type != "cpu":
+        check_dense(source, what)
         check_rows(source.shape, what)
         if not source.is_contiguous():  # rows are gathered with one index_select over contiguous rows
             _warn_copied(what)

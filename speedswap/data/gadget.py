@@ -21,7 +21,7 @@ from typing import Optional
 from .. import files
 from ..backends import STORAGE_KINDS, available_ram, get_backend
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import as_host_array, as_id_tensor, as_values_array, check_rows, numpy_dtype
+from ..convert import as_host_array, as_id_tensor, as_values_array, check_dense, check_rows, numpy_dtype
 from ..errors import DTypeError, OptionError, ShapeError, StateError
 from ..table import HostTable
 
@@ -297,7 +297,11 @@ class DataGadget:
         # Read as the table reads them (np.shape and np.asarray would take a ragged list, or drop a mask).
         ids, ids_shape = as_id_tensor(idx, table.device)
         wanted = (*ids_shape, *self._row_shape)
-        values = t if isinstance(t, torch.Tensor) else as_values_array(t, wanted)
+        if isinstance(t, torch.Tensor):
+            check_dense(t, "values")  # before .shape and .reshape, which raise on a nested or sparse one
+            values = t
+        else:
+            values = as_values_array(t, wanted)
         if tuple(values.shape) != wanted:
             raise ShapeError(f"values have shape {tuple(values.shape)} but {len(ids)} ids of rows "
                              f"shaped {self._row_shape} need shape {wanted}")
