@@ -14,7 +14,7 @@ import torch
 
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
-__all__ = ["int_option", "bool_option", "float_option", "check_rows", "check_dense", "check_not_masked", "as_values_array", "as_host_array", "as_row_ids", "as_row_ids_deferred",
+__all__ = ["int_option", "bool_option", "float_option", "check_rows", "check_dense", "check_has_values", "check_not_masked", "as_host_rows", "as_values_array", "as_host_array", "as_row_ids", "as_row_ids_deferred",
            "bounds_check", "read_bounds", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
            "numpy_dtype", "host_tensor"]
 
@@ -293,6 +293,63 @@ def check_dense(tensor, what) -> None:
     if tensor.layout != torch.strided:
         raise DTypeError(f"{what} must be a dense tensor, got a {str(tensor.layout).replace('torch.', '')} "
                          f"one; convert it with .to_dense()")
+
+
+def check_has_values(tensor, what) -> None:
+    """Refuse a tensor whose values cannot be read as rows: a sparse or nested one, or one on the meta device.
+
+    Raises:
+        DTypeError: see :func:`check_dense`.
+        DeviceError: a tensor on the meta device, which holds no values.
+    """
+    check_dense(tensor, what)
+    if tensor.device.type == "meta":
+        raise DeviceError(f"{what} is a tensor on the meta device, which holds no values; "
+                          f"give a tensor with values (on the CPU or a GPU)")
+
+
+def as_host_rows(array, what="the array") -> tuple:
+    """Rows to copy into a table as a native-byte-order numpy array, and the table dtype they make.
+
+    The one reading of rows a table is built from (``HostTable.from_numpy``,
+    ``OffloadedEmbedding.from_pretrained``): unlike :func:`as_host_array`,
+    a tensor may be on a GPU and byte-swapped data is converted, since the
+    rows are copied anyway.
+
+    Args:
+        array: a numpy array, nested lists, or a torch tensor on any device.
+        what: how the rows are named in messages.
+
+    Returns:
+        (numpy.ndarray, dtype): a bfloat16 tensor gives its ``uint16`` bit patterns (as a
+        table's host memory holds them) and ``torch.bfloat16``; a byte-swapped
+        (big-endian) array is returned as it is, with its dtype in the native
+        byte order, for the caller to swap as it copies (a memmap of a
+        big-endian file then needs no full-size native copy).
+
+    Raises:
+        ShapeError: nested lists of different lengths.
+        DTypeError: a dtype a table cannot hold, a sparse or nested tensor, or a
+            numpy masked array.
+        DeviceError: a tensor on the meta device.
+    """
+    if isinstance(array, torch.Tensor):
+        check_has_values(array, what)
+        tensor = array.detach().cpu()
+        if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16: copy the bit patterns
+            return tensor.view(torch.int16).numpy().view(numpy_dtype(torch.bfloat16)), torch.bfloat16
+        torch_dtype(tensor.dtype)  # a DTypeError naming the dtypes a table holds, not numpy's TypeError
+        array = tensor.numpy()
+    else:
+        check_not_masked(array, what)
+        try:
+            array = np.asarray(array)
+        except ValueError:
+            raise ShapeError(f"a table is 2-D (rows, dim), but {what} is nested lists of "
+                             f"different lengths; give every row the same length") from None
+    dtype = array.dtype.newbyteorder("=")  # big-endian data: the same numbers, which torch can view
+    torch_dtype(dtype)  # objects, strings: no table holds them
+    return array, dtype
 
 
 def _device_readable(tensor_device, backend_device):

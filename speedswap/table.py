@@ -24,7 +24,7 @@ import torch
 from . import files
 from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
-from .convert import (as_row_ids, as_row_values, check_dense, check_not_masked, float_option, host_tensor,
+from .convert import (as_host_rows, as_row_ids, as_row_values, check_not_masked, float_option, host_tensor,
                       int_option, numpy_dtype, torch_dtype)
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      PathError, ShapeError, StateError)
@@ -161,42 +161,6 @@ def _bfloat16_bits_header(path, dtype, mmap) -> files.TableHeader:
     return dataclasses.replace(header, table_dtype=torch.bfloat16)
 
 
-def _host_rows(array) -> tuple:
-    """``from_numpy``'s input as a numpy array, and the table dtype it holds.
-
-    Returns:
-        (numpy.ndarray, dtype): a bfloat16 tensor gives its ``uint16`` bit patterns (as a
-        table's host memory holds them) and ``torch.bfloat16``; a byte-swapped
-        (big-endian) array is returned as it is, with its dtype in the native
-        byte order, which :meth:`HostTable._fill_from` swaps it to chunk by
-        chunk (a memmap of a big-endian file needs no full-size native copy).
-
-    Raises:
-        ShapeError: nested lists of different lengths.
-        DTypeError: a tensor of a dtype a table cannot hold or a sparse or nested one, or a
-            numpy masked array.
-        DeviceError: a tensor on the meta device.
-    """
-    if isinstance(array, torch.Tensor):
-        check_dense(array, "the array")
-        if array.device.type == "meta":
-            raise DeviceError("the array is a tensor on the meta device, which holds no values; "
-                              "give a tensor with values (on the CPU or a GPU)")
-        tensor = array.detach().cpu()
-        if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16: copy the bit patterns
-            return tensor.view(torch.int16).numpy().view(numpy_dtype(torch.bfloat16)), torch.bfloat16
-        torch_dtype(tensor.dtype)  # a DTypeError naming the dtypes a table holds, not numpy's TypeError
-        array = tensor.numpy()
-    else:
-        check_not_masked(array, "the array")
-        try:
-            array = np.asarray(array)
-        except ValueError:
-            raise ShapeError("a table is 2-D (rows, dim), but the array is nested lists of "
-                             "different lengths; give every row the same length") from None
-    return array, array.dtype.newbyteorder("=")  # big-endian data: the same numbers, which torch can view
-
-
 def _call_owner(method: Optional[weakref.WeakMethod]) -> None:
     """Call a method :meth:`HostTable.watch_reads` or ``watch_writes`` holds, if its owner is alive."""
     bound = None if method is None else method()
@@ -314,7 +278,7 @@ class HostTable:
                 masked entries hold no values), or a sparse or nested tensor.
             DeviceError: a tensor on the meta device (it has no values).
         """
-        array, dtype = _host_rows(array)
+        array, dtype = as_host_rows(array)
         if array.ndim != 2:
             raise ShapeError(f"a table is 2-D (rows, dim); got an array of shape {array.shape}: "
                              f"reshape it with a.reshape(len(a), -1)")

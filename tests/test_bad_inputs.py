@@ -485,3 +485,26 @@ def test_saving_over_a_named_pipe_is_refused_and_keeps_the_pipe(save, rng, tmp_p
     assert "out.npy" in str(info.value) and ".tmp" not in str(info.value)
     assert stat.S_ISFIFO(os.lstat(path).st_mode)
     assert os.listdir(tmp_path) == ["out.npy"]
+
+
+@pytest.mark.parametrize("rows, family, fragment", [
+    # np.ascontiguousarray dropped the mask: the masked entries' bytes became trained rows.
+    (np.ma.array(np.ones((ROWS, DIM), np.float32), mask=np.eye(ROWS, DIM)), ss.DTypeError, "masked array"),
+    ([[1.0] * DIM, [1.0] * (DIM - 1)], ss.ShapeError, "embeddings is nested lists of different lengths"),
+    (np.array([[1.0, None]] * 3), ss.DTypeError, "object is not supported"),
+    (torch.ones(ROWS, DIM).to_sparse(), ss.DTypeError, "embeddings must be a dense tensor, got a sparse_coo"),
+    (torch.ones(ROWS, DIM, device="meta"), ss.DeviceError, "embeddings is a tensor on the meta device"),
+], ids=["masked", "ragged", "object", "sparse", "meta"])
+def test_from_pretrained_refuses_rows_from_numpy_refuses_before_making_its_files(rows, family, fragment, tmp_path):
+    with pytest.raises(family, match=fragment):
+        ss.OffloadedEmbedding.from_pretrained(rows, max_rows=CAP, storage="mmap", path=tmp_path / "emb",
+                                              backend="numpy")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_from_pretrained_reads_byte_swapped_rows_exactly(rng):
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    with ss.OffloadedEmbedding.from_pretrained(rows.astype(">f4"), max_rows=CAP, storage="pageable",
+                                               backend="numpy") as emb:
+        assert emb.table.dtype == torch.float32
+        np.testing.assert_array_equal(emb.table.to_numpy(), rows)

@@ -13,13 +13,13 @@ import weakref
 from collections.abc import Mapping
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .. import files
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import as_row_ids, as_row_ids_deferred, int_option, torch_dtype
+from ..convert import (as_host_rows, as_row_ids, as_row_ids_deferred, check_has_values, host_tensor, int_option,
+                       torch_dtype)
 from ..errors import (CapacityError, DTypeError, IdError, OptionError, ShapeError, SpeedswapError, StateError,
                       warn)
 from ..table import HostTable
@@ -232,17 +232,25 @@ class OffloadedEmbedding(torch.nn.Module):
             OffloadedEmbedding
 
         Raises:
-            ShapeError: ``embeddings`` is not 2-D.
-            DTypeError: rows that are not floating point.
+            ShapeError: ``embeddings`` is not 2-D, or nested lists of different lengths.
+            DTypeError: rows that are not floating point, a numpy masked array,
+                or a sparse or nested tensor.
+            DeviceError: a tensor on the meta device.
             FileFormatError, MissingFileError: a bad or missing file.
             OptionError, PathError: as the class's constructor.
         """
         if isinstance(embeddings, (str, os.PathLike)):
             header = files.read_npy_header(embeddings)
             shape, dtype, rows = header.shape, torch_dtype(header.dtype), None
+        elif isinstance(embeddings, torch.Tensor):  # copied from where it is: a GPU's rows need no host copy
+            check_has_values(embeddings, "embeddings")
+            rows = embeddings.detach()
+            shape, dtype = tuple(rows.shape), rows.dtype
         else:
-            rows = (embeddings.detach() if isinstance(embeddings, torch.Tensor)
-                    else torch.from_numpy(np.ascontiguousarray(embeddings)))
+            array, dtype = as_host_rows(embeddings, "embeddings")
+            if not isinstance(dtype, torch.dtype):  # big-endian rows: a native copy torch can view
+                array = array.astype(dtype, copy=False)
+            rows = host_tensor(array, dtype)
             shape, dtype = tuple(rows.shape), rows.dtype
         if len(shape) != 2:
             raise ShapeError(f"from_pretrained takes (num_embeddings, embedding_dim) rows, got shape "
