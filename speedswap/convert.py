@@ -250,7 +250,8 @@ def as_host_array(data, what="the data") -> np.ndarray:
 
     Raises:
         DeviceError: a tensor on a device (host data is expected).
-        DTypeError: a dtype speedswap does not hold, or a masked array.
+        DTypeError: a dtype speedswap does not hold, a masked array, or a
+            tensor with torch's lazy negation or conjugation bit (``z.conj().imag``).
         ShapeError: see :func:`check_rows`.
     """
     if isinstance(data, torch.Tensor):
@@ -258,6 +259,10 @@ def as_host_array(data, what="the data") -> np.ndarray:
         if data.device.type != "cpu":
             raise DeviceError(f"{what} is a tensor on {data.device}; host data is expected here. "
                               f"Pass data.cpu(), or give device tensors to BatchFeeder directly")
+        if data.is_neg() or data.is_conj():  # .numpy() raises a RuntimeError on them
+            raise DTypeError(f"{what} is a lazily negated or conjugated view (such as z.conj().imag), whose "
+                             f"memory holds other values than it shows, so it cannot be read in place; "
+                             f"pass data.resolve_neg() (data.resolve_conj() for a complex one), which copies it")
         try:
             data = data.detach().numpy()
         except TypeError:  # bfloat16 and the like: numpy has no such dtype
@@ -335,7 +340,7 @@ def as_host_rows(array, what="the array") -> tuple:
     """
     if isinstance(array, torch.Tensor):
         check_has_values(array, what)
-        tensor = array.detach().cpu()
+        tensor = array.detach().cpu().resolve_neg()  # a lazy negation (z.conj().imag): .numpy() refuses it
         if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16: copy the bit patterns
             return tensor.view(torch.int16).numpy().view(numpy_dtype(torch.bfloat16)), torch.bfloat16
         torch_dtype(tensor.dtype)  # a DTypeError naming the dtypes a table holds, not numpy's TypeError

@@ -262,6 +262,11 @@ def nested(*parts):
         return torch.nested.nested_tensor([torch.as_tensor(p) for p in parts])
 
 
+def imaginary_of_conjugate(rows=ROWS):
+    """Real float32 rows that torch holds negated, with its lazy negation bit: z.conj().imag."""
+    return torch.randn(rows, DIM, dtype=torch.complex64).conj().imag
+
+
 def nparams(emb):
     return emb.parameters()
 
@@ -293,6 +298,11 @@ CASES = [
      ss.DTypeError, "the array must be a dense tensor, got a nested one"),
     ("nothing", lambda o, d: ss.HostTable.from_numpy(torch.ones(ROWS, DIM).to_sparse(), backend="numpy"),
      ss.DTypeError, "got a sparse_coo one"),
+    # .numpy() raised torch's RuntimeError ("Can't call numpy() on Tensor that has negative bit set").
+    ("nothing", lambda o, d: ss.BatchFeeder(imaginary_of_conjugate(), batch_size=2, device="cpu"),
+     ss.DTypeError, "source 0 is a lazily negated or conjugated view"),
+    ("nothing", lambda o, d: ss.DataGadget(imaginary_of_conjugate(), storage="pageable", backend="numpy"),
+     ss.DTypeError, "resolve_neg()"),
     ("table", lambda o, d: o.gather(quantized([1, 2])), ss.DTypeError, "int_repr()"),
     ("table", lambda o, d: o.scatter([t([1, 2])], torch.ones(1, 2, DIM)), ss.DTypeError, "torch.cat"),
     ("table", lambda o, d: o.gather([1], out=torch.zeros(1, DIM, requires_grad=True)),
@@ -508,3 +518,11 @@ def test_from_pretrained_reads_byte_swapped_rows_exactly(rng):
                                                backend="numpy") as emb:
         assert emb.table.dtype == torch.float32
         np.testing.assert_array_equal(emb.table.to_numpy(), rows)
+
+
+def test_from_numpy_copies_a_lazily_negated_tensor_as_the_values_it_shows(seed):
+    """``z.conj().imag`` holds -imag in memory: from_numpy raised torch's RuntimeError from .numpy()."""
+    rows = imaginary_of_conjugate()
+    assert rows.is_neg()
+    table = ss.HostTable.from_numpy(rows, storage="pageable", backend="numpy")
+    assert torch.equal(table.as_tensor(), rows)
