@@ -595,12 +595,13 @@ def _check_range(lo, hi, num_rows, what):
                       f"(ids must be in [0, {num_rows})); check the vocabulary size")
 
 
-def as_values_array(values, shape) -> np.ndarray:
+def as_values_array(values, shape, what="values") -> np.ndarray:
     """Values to write that are not a tensor (an array, nested lists) as a numpy array, mask and all refused.
 
     Args:
         values: anything ``np.asarray`` takes.
         shape: the shape the values must have, for the message.
+        what: how the values are named in messages.
 
     Returns:
         numpy.ndarray (its shape and dtype are the caller's to check).
@@ -609,11 +610,11 @@ def as_values_array(values, shape) -> np.ndarray:
         DTypeError: a numpy masked array (``np.asarray`` would drop its mask).
         ShapeError: nested lists of different lengths.
     """
-    check_not_masked(values, "values")
+    check_not_masked(values, what)
     try:
         return np.asarray(values)
     except ValueError:  # nested lists of different lengths
-        raise ShapeError(f"values must be a rectangular array of shape {tuple(shape)}, got nested "
+        raise ShapeError(f"{what} must be a rectangular array of shape {tuple(shape)}, got nested "
                          f"lists of different lengths; give every row {shape[-1]} values") from None
 
 

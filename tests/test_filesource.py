@@ -564,3 +564,37 @@ def test_create_npy_takes_torch_rows_of_a_dtype_numpy_lacks(tmp_path, rng):
     made = ss.data.create_npy(tmp_path / "x.npy", rows.shape, np.float32, lambda lo, hi: rows[lo:hi],
                               chunk_bytes=96, progress=False)
     np.testing.assert_array_equal(made, rows.float().numpy())
+
+
+def _quantized(rows):
+    with warnings.catch_warnings():  # torch deprecates making quantized tensors; users still have them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_tensor(torch.from_numpy(rows), 1.0, 0, torch.quint8)
+
+
+@pytest.mark.parametrize("bad, family, fragment", [
+    # np.asarray dropped the mask: the bytes under it were written as the dataset's values.
+    (lambda rows: np.ma.array(rows, mask=np.eye(*rows.shape)), ss.DTypeError, "masked array"),
+    (lambda rows: rows.tolist()[:-1] + [rows.tolist()[-1][:-1]], ss.ShapeError, "different lengths"),
+    (lambda rows: torch.from_numpy(rows).to_sparse(), ss.DTypeError, "got a sparse_coo one"),
+    (lambda rows: torch.ones(rows.shape, device="meta"), ss.DeviceError, "meta device"),
+    (_quantized, ss.DTypeError, "t.dequantize()"),
+], ids=["masked", "ragged", "sparse", "meta", "quantized"])
+def test_create_npy_refuses_fill_rows_it_cannot_read_and_leaves_the_old_file(tmp_path, rng, bad, family, fragment):
+    path = tmp_path / "x.npy"
+    old = rng.uniform(1, 2, size=(6, 3)).astype(np.float32)
+    np.save(path, old)
+    rows = rng.uniform(1, 2, size=(6, 3)).astype(np.float32)
+    with pytest.raises(family, match=fragment) as info:
+        ss.data.create_npy(path, rows.shape, np.float32, lambda lo, hi: bad(rows[lo:hi]), progress=False)
+    assert r"fill(0, 6)'s rows" in str(info.value) or "fill(0, 6) returned" in str(info.value)
+    np.testing.assert_array_equal(np.load(path), old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
+
+
+def test_create_npy_writes_lazily_negated_rows_as_the_values_they_show(tmp_path, seed):
+    """``z.conj().imag`` holds -imag in memory: its .numpy() raised torch's RuntimeError."""
+    rows = torch.randn(6, 3, dtype=torch.complex64).conj().imag
+    made = ss.data.create_npy(tmp_path / "x.npy", rows.shape, np.float32, lambda lo, hi: rows[lo:hi],
+                              progress=False)
+    np.testing.assert_array_equal(made, rows.resolve_neg().numpy())

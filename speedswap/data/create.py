@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from .. import files
 from ..atomic import atomic_output
-from ..convert import check_rows, int_option, numpy_dtype, torch_dtype
+from ..convert import as_values_array, check_has_values, check_rows, int_option, numpy_dtype, torch_dtype
 from ..errors import DTypeError, ShapeError
 
 __all__ = ["create_npy"]
@@ -57,12 +57,14 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
 
     Raises:
         ShapeError: a bad ``shape`` (not integers, a negative or zero
-            dimension), or ``fill`` returned rows of another shape. A bad
+            dimension), or ``fill`` returned rows of another shape or ragged lists. A bad
             ``shape`` is refused before ``path`` is touched.
         DTypeError: an unsupported ``dtype`` (bfloat16 included), ``fill``
-            returned another kind of dtype (floats for an integer file), or
+            returned another kind of dtype (floats for an integer file),
             values the file's dtype cannot hold (integers that would wrap,
-            floats that would overflow to infinity; float rounding is accepted).
+            floats that would overflow to infinity; float rounding is accepted),
+            a masked array, or a sparse, nested or quantized tensor.
+        DeviceError: ``fill`` returned a tensor on the meta device.
         OptionError: a non-positive ``chunk_bytes``, or a shape of more bytes
             than any file can hold.
         PathError: ``path`` is a directory, its directory does not exist, or
@@ -144,7 +146,7 @@ def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress, name):
                   disable=disable) as bar:
             for start in range(0, shape[0], step):
                 stop = min(start + step, shape[0])
-                rows = _as_numpy(fill(start, stop))
+                rows = _as_numpy(fill(start, stop), f"fill({start}, {stop})", (stop - start, *shape[1:]))
                 if rows.shape != (stop - start, *shape[1:]):
                     raise ShapeError(f"fill({start}, {stop}) returned shape {rows.shape}; expected "
                                      f"{(stop - start, *shape[1:])} (rows start .. stop - 1)")
@@ -171,13 +173,32 @@ def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress, name):
         os.close(fd)
 
 
-def _as_numpy(rows) -> np.ndarray:
-    """``fill``'s rows as a numpy array; a torch tensor may be on any device, and bfloat16."""
-    if isinstance(rows, torch.Tensor):
-        rows = rows.detach().cpu()
-        # numpy has no bfloat16: float32 holds each of its values exactly.
-        return (rows.float() if rows.dtype == torch.bfloat16 else rows).numpy()
-    return np.asarray(rows)
+def _as_numpy(rows, what, shape) -> np.ndarray:
+    """``fill``'s rows as a numpy array; a torch tensor may be on any device, and bfloat16.
+
+    Args:
+        rows: what ``fill`` returned.
+        what: ``fill(start, stop)``, for messages.
+        shape: the shape the rows must have, for messages.
+
+    Raises:
+        DTypeError: a numpy masked array (``np.asarray`` would drop its mask), a
+            sparse or nested tensor, or one numpy has no dtype for (quantized).
+        DeviceError: a tensor on the meta device.
+        ShapeError: nested lists of different lengths.
+    """
+    if not isinstance(rows, torch.Tensor):
+        return as_values_array(rows, shape, f"{what}'s rows")
+    check_has_values(rows, f"{what}'s rows")
+    # A lazy conjugation or negation (z.conj().imag) is no memory of the values: .numpy() refuses it.
+    rows = rows.detach().cpu().resolve_conj().resolve_neg()
+    # numpy has no bfloat16: float32 holds each of its values exactly.
+    rows = rows.float() if rows.dtype == torch.bfloat16 else rows
+    try:
+        return rows.numpy()
+    except TypeError:  # quantized: integers that stand for other values
+        raise DTypeError(f"{what} returned a tensor of {rows.dtype}, which numpy cannot hold; return "
+                         f"its values (t.dequantize()) or plain numbers") from None
 
 
 def _check_converted(rows, data, start, stop):
