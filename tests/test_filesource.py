@@ -598,3 +598,14 @@ def test_create_npy_writes_lazily_negated_rows_as_the_values_they_show(tmp_path,
     made = ss.data.create_npy(tmp_path / "x.npy", rows.shape, np.float32, lambda lo, hi: rows[lo:hi],
                               progress=False)
     np.testing.assert_array_equal(made, rows.resolve_neg().numpy())
+
+
+@pytest.mark.parametrize("fill", [np.ones((4, 2), np.float32), 5], ids=["array", "int"])
+def test_create_npy_refuses_a_fill_that_is_not_a_function_before_touching_the_path(tmp_path, fill):
+    """fill(start, stop) raised Python's raw TypeError ("'numpy.ndarray' object is not callable")."""
+    path = tmp_path / "x.npy"
+    np.save(path, np.arange(6, dtype=np.float32))
+    with pytest.raises(ss.OptionError, match=r"fill must be a function fill\(start, stop\).*lambda lo, hi: x\[lo:hi\]"):
+        ss.data.create_npy(path, (4, 2), np.float32, fill, progress=False)
+    np.testing.assert_array_equal(np.load(path), np.arange(6, dtype=np.float32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]

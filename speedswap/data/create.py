@@ -19,7 +19,7 @@ from tqdm import tqdm
 from .. import files
 from ..atomic import atomic_output
 from ..convert import as_values_array, check_has_values, check_rows, int_option, numpy_dtype, torch_dtype
-from ..errors import DTypeError, ShapeError
+from ..errors import DTypeError, OptionError, ShapeError
 
 __all__ = ["create_npy"]
 
@@ -65,8 +65,8 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
             floats that would overflow to infinity; float rounding is accepted),
             a masked array, or a sparse, nested or quantized tensor.
         DeviceError: ``fill`` returned a tensor on the meta device.
-        OptionError: a non-positive ``chunk_bytes``, or a shape of more bytes
-            than any file can hold.
+        OptionError: a non-positive ``chunk_bytes``, a ``fill`` that is not
+            callable, or a shape of more bytes than any file can hold.
         PathError: ``path`` is a directory, its directory does not exist, or
             the file system refused the write; a file already at ``path`` is
             intact.
@@ -80,6 +80,10 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
     dtype = _file_dtype(dtype)
     files.npy_data_bytes(shape, dtype)  # a shape past any file's size is refused before the path is touched
     chunk_bytes = int_option(chunk_bytes, "chunk_bytes")
+    if fill is not None and not callable(fill):
+        # Called only once the temporary exists: refused here, the path is not touched.
+        raise OptionError(f"fill must be a function fill(start, stop) returning rows start .. stop - 1, "
+                          f"got a {type(fill).__name__}; for an array x pass lambda lo, hi: x[lo:hi]")
     path = os.fspath(path)
     if fill is None:
         # Made beside the file and renamed over it: truncating an existing file in
