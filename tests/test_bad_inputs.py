@@ -526,3 +526,21 @@ def test_from_numpy_copies_a_lazily_negated_tensor_as_the_values_it_shows(seed):
     assert rows.is_neg()
     table = ss.HostTable.from_numpy(rows, storage="pageable", backend="numpy")
     assert torch.equal(table.as_tensor(), rows)
+
+
+@pytest.mark.parametrize("sizes, named", [((2.5, 1), "batchSize"), ((True, 1), "batchSize"), (("4", 1), "batchSize"),
+                                          ((4, None), "posPerBatch"), ((-1, 1), "batchSize"),
+                                          ((4, 0), "posPerBatch"), ((4, 1, -1), "negPerBatch"),
+                                          ((4, 1, 1.5), "negPerBatch")])
+def test_variable_transformer_refuses_bad_sizes_and_keeps_its_placeholders(rng, sizes, named):
+    """Non-int sizes raised Python's TypeError from np.arange; a negative one made empty placeholders
+    silently, in place of the working ones."""
+    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(CAP, DIM)})
+    u = ss.ModelFactory(model["u"], ROWS, DIM, backend="numpy")
+    placeholder = u.variableTransformer(4, 1)
+    with pytest.raises(ss.OptionError, match=f"{named} must be a positive int"):
+        u.variableTransformer(*sizes)
+    ids = _ids(rng, 4).reshape(4, 1)
+    local = u.before_forward(ids)
+    np.testing.assert_array_equal(placeholder, local.numpy())
+    u.after_step(ids)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..atomic import atomic_output
+from ..convert import int_option
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
 from ..table import HostTable
 from .steps import MODEL
@@ -149,7 +150,16 @@ class ModelFactory(Switcher):
         Returns:
             an ``int64`` array ``(batchSize, posPerBatch)``, or a tuple with a
             second ``(batchSize, negPerBatch)`` one.
+
+        Raises:
+            OptionError: a size that is not a positive int; the placeholders
+                are kept as they were.
         """
+        batchSize = int_option(batchSize, "batchSize", hint=" (rows of the batch)")
+        posPerBatch = int_option(posPerBatch, "posPerBatch", hint=" (positive ids per row)")
+        if negPerBatch is not None:
+            negPerBatch = int_option(negPerBatch, "negPerBatch",
+                                     hint=" (negative ids per row; None for no second input)")
         n_pos = batchSize * posPerBatch
         pos = np.arange(n_pos, dtype=np.int64).reshape(batchSize, posPerBatch)
         if negPerBatch is None:
