@@ -24,7 +24,7 @@ import torch
 from . import files
 from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
-from .convert import (as_host_rows, as_row_ids, as_row_values, check_not_masked, float_option, host_tensor,
+from .convert import (as_host_rows, as_row_ids, as_row_values, bool_option, check_not_masked, float_option, host_tensor,
                       int_option, numpy_dtype, torch_dtype)
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      PathError, ShapeError, StateError)
@@ -230,13 +230,15 @@ class HostTable:
 
         Raises:
             OptionError: bad sizes (a byte count past ``sys.maxsize`` too) or
-                storage kind, or ``mmap`` without a path.
+                storage kind, ``mmap`` without a path, or an ``overwrite`` that is not a bool.
             DTypeError: an unsupported dtype.
             BackendUnavailableError: ``backend="cuda"`` cannot run here.
             PathError: ``path`` exists (and not ``overwrite``) or cannot be created.
             OutOfMemoryError: the rows do not fit in the memory available.
         """
         shape = (int_option(num_rows, "num_rows"), int_option(dim, "dim"))
+        # bool("False") is True: a truthy string would replace the file it was meant to keep.
+        overwrite = bool_option(overwrite, "overwrite", hint=" (replace an existing file at path)")
         check_storage(storage, path)
         dtype = torch_dtype(dtype)
         files.npy_data_bytes(shape, numpy_dtype(dtype))  # numpy_dtype: bfloat16 as its 16-bit patterns

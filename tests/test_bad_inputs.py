@@ -267,6 +267,13 @@ def imaginary_of_conjugate(rows=ROWS):
     return torch.randn(rows, DIM, dtype=torch.complex64).conj().imag
 
 
+def optimizer_factory(**kwargs):
+    """An OptimizerFactory of Adam over a fresh working-set embedding, with ``kwargs``."""
+    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(CAP, DIM)})
+    return ss.OptimizerFactory(torch.optim.Adam(model.parameters()), ROWS, DIM, model, "u", backend="numpy",
+                               **kwargs)
+
+
 def nparams(emb):
     return emb.parameters()
 
@@ -399,6 +406,19 @@ CASES = [
      ss.OptionError, f"pass padding_idx={ROWS - 1}"),
     ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=0), ss.OptionError,
      "max_rows"),
+    # bool("False") is True: scale_grad_by_freq="False" scaled every gradient, overwrite="False"
+    # replaced the file it named, and OptimizerFactory read overwrite=1 as a set of file names.
+    ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, scale_grad_by_freq="False",
+                                                   backend="numpy"), ss.OptionError, "scale_grad_by_freq must be True"),
+    ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, sparse="no", backend="numpy"),
+     ss.OptionError, "sparse must be True"),
+    ("nothing", lambda o, d: ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=CAP, scale_grad_by_freq=1,
+                                                          backend="numpy"), ss.OptionError, "scale_grad_by_freq"),
+    ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="mmap", path=existing_table_dir(d),
+                                                   overwrite="False", backend="numpy"), ss.OptionError, "overwrite must be True"),
+    ("nothing", lambda o, d: ss.HostTable.zeros(ROWS, DIM, storage="mmap", path=existing_table_dir(d) / "table.npy",
+                                                overwrite="False", backend="numpy"), ss.OptionError, "overwrite must be True"),
+    ("nothing", lambda o, d: optimizer_factory(overwrite=1), ss.OptionError, "overwrite must be True"),
     ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="mmap",
                                                    path=existing_table_dir(d), backend="numpy"),
      PathError, "overwrite=True"),
@@ -544,3 +564,12 @@ def test_variable_transformer_refuses_bad_sizes_and_keeps_its_placeholders(rng, 
     local = u.before_forward(ids)
     np.testing.assert_array_equal(placeholder, local.numpy())
     u.after_step(ids)
+
+
+def test_overwrite_given_as_a_string_keeps_the_file(rng, tmp_path):
+    """overwrite="False" is true to Python: the mmap table replaced the rows it was told to keep."""
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    np.save(tmp_path / "t.npy", rows)
+    with pytest.raises(ss.OptionError, match="overwrite must be True .* or False, got 'False'"):
+        ss.HostTable.empty(ROWS, DIM, storage="mmap", path=tmp_path / "t.npy", overwrite="False", backend="numpy")
+    np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), rows)

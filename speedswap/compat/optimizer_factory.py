@@ -4,7 +4,7 @@ import contextlib
 import weakref
 
 from ..backends import get_backend
-from ..convert import torch_dtype
+from ..convert import bool_option, torch_dtype
 from ..errors import OptionError, StateError
 from ..train.caching import resetting_state
 from ..train.one_optimizer import claim
@@ -102,6 +102,8 @@ class OptimizerFactory(Switcher):
     def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
                  dtype="float32", CPUPinn=False, *, storage=None, backend="auto", path=None,
                  overwrite=False, cache_rows: int = 0):
+        # bool("False") is True, and RowState reads a non-bool as a set of file names.
+        overwrite = bool_option(overwrite, "overwrite", hint=" (replace existing mmap state files in path)")
         param = _parameter_named(model, variable_name)
         super().__init__(param, total_classes, embed_dimension, dtype, cache_rows,
                          find_param=lambda: _parameter_named(model, variable_name))

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from .. import files
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import (as_host_rows, as_row_ids, as_row_ids_deferred, check_has_values, host_tensor, int_option,
-                       torch_dtype)
+from ..convert import (as_host_rows, as_row_ids, as_row_ids_deferred, bool_option, check_has_values, host_tensor,
+                       int_option, torch_dtype)
 from ..errors import (CapacityError, DTypeError, IdError, OptionError, ShapeError, SpeedswapError, StateError,
                       warn)
 from ..table import HostTable
@@ -30,7 +30,7 @@ from .leftover import untouched
 from .module_state import (check_tables_state, copy_tables, missing_hint, note_loaded, refused_after,
                            tables_state, unpicklable)
 from .one_optimizer import claim
-from .options import forward_ids, padding_option, refuse_max_norm
+from .options import embedding_flags, forward_ids, padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
                         take_assigned)
@@ -116,7 +116,8 @@ class OffloadedEmbedding(torch.nn.Module):
 
     Raises:
         OptionError: bad sizes, padding_idx or storage; ``max_norm`` or
-            ``norm_type`` given.
+            ``norm_type`` given; ``scale_grad_by_freq``, ``sparse`` or
+            ``overwrite`` that is not a bool.
         DTypeError: a dtype that is not floating point.
         PathError: ``mmap`` files exist in ``path`` (without ``overwrite``).
 
@@ -151,8 +152,9 @@ class OffloadedEmbedding(torch.nn.Module):
         padding_idx = padding_option(padding_idx, num_embeddings)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.max_rows, self.padding_idx = max_rows, padding_idx
-        self.scale_grad_by_freq, self.sparse = bool(scale_grad_by_freq), bool(sparse)
-        self._storage, self._path, self._overwrite = storage, path, bool(overwrite)
+        self.scale_grad_by_freq, self.sparse = embedding_flags(scale_grad_by_freq, sparse)
+        overwrite = bool_option(overwrite, "overwrite", hint=" (replace existing mmap files in path)")
+        self._storage, self._path, self._overwrite = storage, path, overwrite
         table_file = file_in(path, "table", storage)
         self._table = HostTable.empty(num_embeddings, embedding_dim, dtype, storage, backend,
                                      table_file, device=device, overwrite=overwrite)

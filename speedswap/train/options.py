@@ -4,10 +4,10 @@ from typing import Optional
 
 import numpy as np
 
-from ..convert import int_option
+from ..convert import bool_option, int_option
 from ..errors import DTypeError, OptionError
 
-__all__ = ["padding_option", "refuse_max_norm", "forward_ids"]
+__all__ = ["padding_option", "embedding_flags", "refuse_max_norm", "forward_ids"]
 
 
 def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:
@@ -28,6 +28,18 @@ def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:
     if padding_idx >= num_embeddings:
         raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx!r}")
     return padding_idx
+
+
+def embedding_flags(scale_grad_by_freq, sparse) -> tuple:
+    """``(scale_grad_by_freq, sparse)`` as bools, if they are (``bool("False")`` is True: a string would
+    turn the gradient scaling on).
+
+    Raises:
+        OptionError: either is not a bool.
+    """
+    return (bool_option(scale_grad_by_freq, "scale_grad_by_freq",
+                        hint=" (scale each row's gradient by its count in the batch)"),
+            bool_option(sparse, "sparse", hint=" (nn.Embedding's sparse gradients)"))
 
 
 def refuse_max_norm(cls: str, max_norm, norm_type, advice: str) -> None:

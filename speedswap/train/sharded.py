@@ -45,7 +45,7 @@ from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE
                        Exchange, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
-from .options import forward_ids, padding_option, refuse_max_norm
+from .options import embedding_flags, forward_ids, padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
 from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
 from .step_hooks import StepHooks
@@ -152,6 +152,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     Raises:
         OptionError: bad sizes, storage or ``padding_idx``, fewer rows than
             ranks, a ``cache_rows``; ``max_norm`` or ``norm_type`` given; a
+            ``scale_grad_by_freq`` or ``sparse`` that is not a bool; a
             ``process_group`` this process is not a member of.
         DTypeError: a dtype that is not floating point.
     """
@@ -170,6 +171,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         refuse_max_norm("ShardedOffloadedEmbedding", max_norm, norm_type, "emb.table.apply_ on every rank")
         num_embeddings = int_option(num_embeddings, "num_embeddings")
         padding_idx = padding_option(padding_idx, num_embeddings)
+        scale_grad_by_freq, sparse = embedding_flags(scale_grad_by_freq, sparse)
         embedding_dim = int_option(embedding_dim, "embedding_dim")
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
                                   "rank looks up in one step)"), num_embeddings)
@@ -184,7 +186,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self.bounds = row_bounds(num_embeddings, self.world_size)
         self.num_embeddings, self.embedding_dim, self.max_rows = num_embeddings, embedding_dim, max_rows
         self.padding_idx = padding_idx
-        self.scale_grad_by_freq, self.sparse = bool(scale_grad_by_freq), bool(sparse)
+        self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
         shard_rows = self.bounds[self.rank + 1] - self.bounds[self.rank]
         self._storage = storage
         self._path = None if path is None else os.path.join(os.fspath(path), f"rank{self.rank}")
