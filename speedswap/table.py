@@ -357,15 +357,17 @@ class HostTable:
         Raises:
             FileFormatError: a truncated, malformed or non-2-D file, one of
                 no rows or empty rows, or a ``dtype`` the file does not hold.
-            OptionError: an unknown ``storage`` (even with ``mmap``), ``dtype``
-                without ``mmap=True``, another suffix, or (HDF5) a ``dataset``
-                that names no dataset.
+            OptionError: an unknown ``storage`` (even with ``mmap``), an ``mmap``
+                that is not a bool, ``dtype`` without ``mmap=True``, another
+                suffix, or (HDF5) a ``dataset`` that names no dataset.
             FileNotFoundError: no such file.
             PathError: with ``mmap=True``, a file that cannot be mapped
                 read-write (read-only file or file system).
         """
         if storage not in STORAGE_KINDS:  # ignored with mmap, but a misspelt kind is still a mistake
             check_storage(storage)
+        # bool("False") is True: the file itself would be mapped, and training would write to it.
+        mmap = bool_option(mmap, "mmap", hint=" (the file itself is the table)")
         header = (files.read_table_header(path, dataset) if dtype is None
                   else _bfloat16_bits_header(path, dtype, mmap))
         if mmap:

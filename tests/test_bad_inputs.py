@@ -573,3 +573,14 @@ def test_overwrite_given_as_a_string_keeps_the_file(rng, tmp_path):
     with pytest.raises(ss.OptionError, match="overwrite must be True .* or False, got 'False'"):
         ss.HostTable.empty(ROWS, DIM, storage="mmap", path=tmp_path / "t.npy", overwrite="False", backend="numpy")
     np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), rows)
+
+
+def test_load_with_mmap_given_as_a_string_leaves_the_file_alone(rng, tmp_path):
+    """mmap="False" is true to Python: the file itself became the table, and its scatters reached the disk."""
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    np.save(tmp_path / "t.npy", rows)
+    with pytest.raises(ss.OptionError, match="mmap must be True .* or False, got 'False'"):
+        table = ss.HostTable.load(tmp_path / "t.npy", storage="pageable", mmap="False", backend="numpy")
+        table.scatter([0], np.zeros((1, DIM), np.float32))
+        table.close()
+    np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), rows)
