@@ -361,6 +361,11 @@ CASES = [
     ("embedding", lambda o, d: o.load(truncated_h5(d)), ss.FileFormatError, "truncated"),
     ("embedding", lambda o, d: o.load(a_foreign_directory(d)), ss.FileFormatError,
      "not a speedswap"),
+    # load_sharded read embedding._step_in_flight first: an AttributeError for anything else.
+    ("embedding", lambda o, d: ss.load_sharded(d, ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=CAP,
+                                                                                backend="numpy")),
+     ss.DTypeError, "emb.load(path)"),
+    ("embedding", lambda o, d: ss.load_sharded(d, o.table), ss.DTypeError, "into an OffloadedEmbedding, got a HostTable"),
     ("embedding", lambda o, d: o.attach(torch.optim.LBFGS(o.parameters())), ss.OptionError,
      "LBFGS"),
     ("embedding", lambda o, d: o.attach(torch.optim.Adam), ss.DTypeError, "Adam(model.parameters()"),

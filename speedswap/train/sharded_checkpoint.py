@@ -39,7 +39,7 @@ import torch
 
 from .. import atomic, files
 from ..backends import available_ram
-from ..errors import FileFormatError, PathError, StateError
+from ..errors import DTypeError, FileFormatError, PathError, StateError
 from .caching import rewriting
 from .exchange import Exchange, row_bounds
 
@@ -445,7 +445,17 @@ def load_sharded(path, embedding) -> None:
     Raises:
         FileFormatError: another size, dtype or optimizer, or bad files (nothing changes).
         StateError: called between a training forward and the optimizer step.
+        DTypeError: ``embedding`` is not an OffloadedEmbedding.
     """
+    # Imported here: both modules import this one.
+    from .embedding import OffloadedEmbedding
+    from .sharded import ShardedOffloadedEmbedding
+
+    if not isinstance(embedding, OffloadedEmbedding):
+        fix = (": a ShardedOffloadedEmbedding reads its own checkpoints (of any world size) with "
+               "emb.load(path)" if isinstance(embedding, ShardedOffloadedEmbedding) else "")
+        raise DTypeError(f"load_sharded reads a sharded checkpoint into an OffloadedEmbedding, got a "
+                         f"{type(embedding).__name__}{fix}")
     if embedding._step_in_flight():
         raise StateError("load between a training forward and optimizer.step() would be "
                          "undone by the step; load between steps")
