@@ -21,11 +21,33 @@ try:
 except ImportError:  # Windows: threads of one process still take turns (see locked)
     fcntl = None
 
-from .errors import MissingFileError, PathError, SpeedswapError
+from .errors import DTypeError, MissingFileError, PathError, SpeedswapError
 from .mappings import mapped_for_writing
 
-__all__ = ["atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
+__all__ = ["as_path", "atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
            "check_readable_file", "check_regular_file", "opening_error", "saving_error", "fsync_dir", "locked"]
+
+def as_path(path) -> str:
+    """``path`` as a str: the one check of the paths speedswap's calls take, before any is used.
+
+    Args:
+        path: a str, an ``os.PathLike`` (``pathlib.Path``), or bytes (decoded
+            as ``os.fsdecode`` does).
+
+    Raises:
+        DTypeError: anything else (None, a file descriptor, a list of paths).
+        PathError: a NUL byte, which no file name holds.
+    """
+    try:
+        path = os.fsdecode(path)
+    except TypeError:
+        raise DTypeError(f"path must be a str or an os.PathLike such as pathlib.Path, got "
+                         f"{type(path).__name__} {path!r}") from None
+    if "\0" in path:
+        raise PathError(f"the path {path!r} holds a NUL byte ('\\0'), which no file name can; check how "
+                        f"it was put together")
+    return path
+
 
 _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
 
@@ -197,6 +219,7 @@ def atomic_output(path, replace_mapped: bool = False):
             (read-only, full, no permission); the message names ``path``, not
             the temporary.
     """
+    path = as_path(path)
     if os.path.islink(path):
         path = os.path.realpath(path)  # renaming over the link would turn it into a file
     directory = check_writable_dir(path)
@@ -248,7 +271,7 @@ def check_readable_file(path, what="file") -> str:
         MissingFileError: nothing at ``path``.
         PathError: ``path`` is a directory.
     """
-    path = os.fspath(path)
+    path = as_path(path)
     if os.path.isdir(path):
         raise PathError(f"{path!r} is a directory, but a {what} was expected here; pass the "
                         f"file's path")

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import files
+from .atomic import as_path
 from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
 from .convert import (as_host_rows, as_row_ids, as_row_values, bool_option, check_not_masked, float_option, host_tensor,
@@ -193,7 +194,7 @@ class HostTable:
     def __init__(self, buffer, backend, path=None):
         self._buffer = buffer
         self._backend = backend
-        self._path = None if path is None else os.fspath(path)
+        self._path = None if path is None else as_path(path)
         # The mapped file's identity (from the map itself where the system shows it): a save to
         # it under any spelling (a symlink, a relative path after chdir) must flush it, not write
         # a new file the map no longer reaches.

@@ -393,6 +393,24 @@ CASES = [
     ("switchers", lambda o, d: o[0].save(d / "nope" / "t.npy"), PathError, "does not exist"),
     ("switchers", lambda o, d: o[1].load(d / "missing"), MissingFileError, "no checkpoint"),
     ("switchers", lambda o, d: o[1].save(d / "state.pt"), ss.OptionError, "no suffix"),
+    # Paths: None, a file descriptor or a list raised os.fspath's raw TypeError, a NUL byte its ValueError.
+    ("table", lambda o, d: o.save(None), ss.DTypeError, "path must be a str or an os.PathLike"),
+    ("table", lambda o, d: o.load_from(3), ss.DTypeError, "got int 3"),
+    ("table", lambda o, d: o.save(str(d / "t\0.npy")), PathError, "NUL byte"),
+    ("embedding", lambda o, d: o.save(None), ss.DTypeError, "path must be a str"),
+    ("embedding", lambda o, d: o.load([str(d / "ckpt")]), ss.DTypeError, "got list"),
+    ("embedding", lambda o, d: o.save(str(d / "ck\0pt")), PathError, "NUL byte"),
+    ("switchers", lambda o, d: o[0].saveTorch(None), ss.DTypeError, "path must be a str"),
+    ("switchers", lambda o, d: o[1].load(3), ss.DTypeError, "path must be a str"),
+    ("gadget", lambda o, d: o.save(None), ss.DTypeError, "path must be a str"),
+    ("nothing", lambda o, d: ss.HostTable.load(None), ss.DTypeError, "path must be a str"),
+    ("nothing", lambda o, d: ss.data.create_npy(str(d / "x\0.npy"), (2, 2), np.float32), PathError, "NUL byte"),
+    ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="mmap", path=3, backend="numpy"),
+     ss.DTypeError, "path must be a str"),
+    ("nothing", lambda o, d: ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="mmap", path=[str(d)],
+                                                          backend="numpy"), ss.DTypeError, "path must be a str"),
+    ("nothing", lambda o, d: ss.ModelFactory(torch.nn.Embedding(CAP, DIM), ROWS, DIM, storage="mmap",
+                                             path=str(d / "u\0.npy"), backend="numpy"), PathError, "NUL byte"),
     # DataGadget
     ("gadget", lambda o, d: o.getData([ROWS]), ss.IdError, "out of range"),
     ("gadget", lambda o, d: o.insertData(torch.ones(1, 2, 3, dtype=torch.float64), [1]),
@@ -589,3 +607,13 @@ def test_load_with_mmap_given_as_a_string_leaves_the_file_alone(rng, tmp_path):
         table.scatter([0], np.zeros((1, DIM), np.float32))
         table.close()
     np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), rows)
+
+
+def test_a_path_given_as_bytes_is_the_path_it_spells(rng, tmp_path):
+    """os.fsencode(path) is a path to os: create_npy's save died matching it against a str pattern."""
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    ss.data.create_npy(os.fsencode(tmp_path / "x.npy"), rows.shape, rows.dtype, lambda lo, hi: rows[lo:hi])
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), rows)
+    with ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="pageable", backend="numpy") as emb:
+        emb.save(os.fsencode(tmp_path / "ckpt"))
+        assert (tmp_path / "ckpt").is_dir()

@@ -29,7 +29,7 @@ import weakref
 import numpy as np
 import torch
 
-from ..atomic import atomic_output
+from ..atomic import as_path, atomic_output
 from ..convert import int_option
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
 from ..table import HostTable
@@ -50,7 +50,7 @@ def _check_stale(owner, args):
 
 
 def _is_torch_file(path):
-    return os.path.splitext(os.fspath(path))[1].lower() in (".pt", ".pth")
+    return os.path.splitext(as_path(path))[1].lower() in (".pt", ".pth")
 
 
 class ModelFactory(Switcher):

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from .. import files
-from ..atomic import atomic_output
+from ..atomic import as_path, atomic_output
 from ..convert import as_values_array, check_has_values, check_rows, int_option, numpy_dtype, torch_dtype
 from ..errors import DTypeError, OptionError, ShapeError
 
@@ -84,7 +84,7 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
         # Called only once the temporary exists: refused here, the path is not touched.
         raise OptionError(f"fill must be a function fill(start, stop) returning rows start .. stop - 1, "
                           f"got a {type(fill).__name__}; for an array x pass lambda lo, hi: x[lo:hi]")
-    path = os.fspath(path)
+    path = as_path(path)
     if fill is None:
         # Made beside the file and renamed over it: truncating an existing file in
         # place would zero the rows of whoever maps it (a DataGadget, a feeder).

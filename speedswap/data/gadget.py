@@ -19,6 +19,7 @@ import torch
 from typing import Optional
 
 from .. import files
+from ..atomic import as_path
 from ..backends import STORAGE_KINDS, available_ram, get_backend
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_host_array, as_id_tensor, as_values_array, check_dense, check_rows, numpy_dtype
@@ -105,7 +106,7 @@ class DataGadget:
     def _set_source(self, data):
         """Validate the file header or array and remember it; the rows are read later."""
         if isinstance(data, (str, os.PathLike)):
-            path, array = os.fspath(data), None
+            path, array = as_path(data), None
             header = self._read_header(path)
             shape, dtype = header.shape, header.dtype
             _refuse_token_ids(dtype)

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..atomic import as_path
 from ..convert import torch_dtype
 from ..errors import DTypeError, FileFormatError, OptionError
 from ..mappings import mappings
@@ -43,7 +44,7 @@ H5_SUFFIXES = (".h5", ".hdf5")
 
 def suffix_format(path) -> Optional[str]:
     """``"npy"``, ``"h5"``, or None (another suffix) from a path's suffix: the one place that sniffs it."""
-    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    suffix = os.path.splitext(as_path(path))[1].lower()
     if suffix in NPY_SUFFIXES:
         return "npy"
     if suffix in H5_SUFFIXES:

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import torch
 
-from ..atomic import atomic_output, check_regular_file, opening_error
+from ..atomic import as_path, atomic_output, check_regular_file, opening_error
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import (TableHeader, check_dtype, check_matches, reading_error, row_ranges,
@@ -78,7 +78,7 @@ def read_h5_header(path, dataset):
     """
     check_dataset_name(dataset)
     h5py = _h5py()
-    path = os.fspath(path)
+    path = as_path(path)
     with open_h5(path) as f:
         if dataset not in f:
             raise FileFormatError(f"{path!r} has no dataset {dataset!r} (it has "

@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..atomic import (atomic_output, check_regular_file, check_writable_dir, fsync_dir, opening_error, saving_error,
+from ..atomic import (as_path, atomic_output, check_regular_file, check_writable_dir, fsync_dir, opening_error, saving_error,
                       temp_path)
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
@@ -170,7 +170,7 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
         PathError: ``path`` exists (without ``overwrite``), is a directory, its
             directory does not exist, or the file system refused it.
     """
-    path = os.fspath(path)
+    path = as_path(path)
     size = npy_data_bytes(shape, dtype)  # before anything is touched
     directory = check_writable_dir(path)
     if os.path.isdir(path):

@@ -68,6 +68,7 @@ def file_in(directory, name, storage):
         PathError: ``directory`` is a file, would create a directory named
             like a file (``emb.npy``), or cannot be created.
     """
+    directory = None if directory is None else atomic.as_path(directory)
     if storage != "mmap":
         if directory is not None:
             raise OptionError(f"path={os.fspath(directory)!r} is where storage='mmap' keeps its files; "
@@ -125,7 +126,7 @@ def current_version(path):
         FileFormatError: ``path`` is not a speedswap checkpoint directory (or is
             a sharded one, read by :func:`~speedswap.train.sharded_checkpoint.load_sharded`).
     """
-    path = os.fspath(path)
+    path = atomic.as_path(path)
     if not os.path.isdir(path):
         if os.path.exists(path):
             raise PathError(f"{path!r} is a file; a directory checkpoint was expected")
@@ -187,7 +188,7 @@ def _write_version(directory, tables, attrs):
 
 
 def _save_dir(path, tables, attrs):
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(atomic.as_path(path))
     atomic.check_writable_dir(path)
     # Two saves of one checkpoint at once would each remove the version the other is about
     # to point CURRENT at, and a load meanwhile would find its version gone: a save holds the

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..atomic import as_path
 from ..backends import get_backend
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_row_ids, as_row_ids_deferred, int_option, torch_dtype
@@ -172,6 +173,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         num_embeddings = int_option(num_embeddings, "num_embeddings")
         padding_idx = padding_option(padding_idx, num_embeddings)
         scale_grad_by_freq, sparse = embedding_flags(scale_grad_by_freq, sparse)
+        path = None if path is None else as_path(path)
         embedding_dim = int_option(embedding_dim, "embedding_dim")
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
                                   "rank looks up in one step)"), num_embeddings)
@@ -189,7 +191,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
         shard_rows = self.bounds[self.rank + 1] - self.bounds[self.rank]
         self._storage = storage
-        self._path = None if path is None else os.path.join(os.fspath(path), f"rank{self.rank}")
+        self._path = None if path is None else os.path.join(path, f"rank{self.rank}")
         self.table = HostTable.empty(shard_rows, embedding_dim, dtype, storage, backend,
                                      file_in(self._path, "table", storage))
         # nn.Embedding's initialisation, each rank drawing its own rows. DDP code seeds every
@@ -973,7 +975,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 optimizers differ, or ranks that read different checkpoints.
         """
         # A directory is a checkpoint whatever its name: save() writes one at a path ending ".npy" too.
-        whole_table = os.fspath(path).endswith(".npy") and not os.path.isdir(path)
+        path = as_path(path)
+        whole_table = path.endswith(".npy") and not os.path.isdir(path)
         self._begin_between_steps(LOAD_TABLE if whole_table else LOAD, "load")
         if whole_table:
             # Every rank stages its rows before any rank commits: all ranks load, or none.

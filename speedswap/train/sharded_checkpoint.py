@@ -184,7 +184,7 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
             some rank, or no file system shared by every rank).
         StateError: another rank failed; OSError: this rank failed to write.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.abspath(atomic.as_path(path))
     partial = path + ".partial"
 
     def prepare():
