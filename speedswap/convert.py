@@ -14,7 +14,7 @@ import torch
 
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
-__all__ = ["int_option", "bool_option", "float_option", "check_rows", "check_dense", "check_has_values", "check_not_masked", "as_host_rows", "as_values_array", "as_host_array", "as_row_ids", "as_row_ids_deferred",
+__all__ = ["int_option", "bool_option", "initialiser_option", "float_option", "check_rows", "check_dense", "check_has_values", "check_not_masked", "as_host_rows", "as_values_array", "as_host_array", "as_row_ids", "as_row_ids_deferred",
            "bounds_check", "read_bounds", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
            "numpy_dtype", "host_tensor"]
 
@@ -59,6 +59,22 @@ def bool_option(value, name, *, hint=""):
     if not isinstance(value, (bool, np.bool_)):
         raise OptionError(f"{name} must be True{hint} or False, got {value!r}")
     return bool(value)
+
+
+def initialiser_option(fn, name) -> None:
+    """Refuse an ``fn`` that cannot be called as an in-place initialiser ``fn(tensor, ...)``.
+
+    Args:
+        fn: the initialiser given.
+        name: the argument's name, for the message.
+
+    Raises:
+        OptionError: ``fn`` is not callable (a value meant to fill the rows, say).
+    """
+    if not callable(fn):
+        raise OptionError(f"{name} must be an in-place initialiser fn(tensor, ...) such as "
+                          f"torch.nn.init.xavier_uniform_, got {type(fn).__name__} {fn!r}; to fill "
+                          f"every row with a value pass lambda t: t.fill_(value)")
 
 
 def float_option(value, name) -> float:

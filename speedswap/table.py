@@ -26,7 +26,7 @@ from .atomic import as_path
 from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
 from .convert import (as_host_rows, as_row_ids, as_row_values, bool_option, check_not_masked, float_option, host_tensor,
-                      int_option, numpy_dtype, torch_dtype)
+                      initialiser_option, int_option, numpy_dtype, torch_dtype)
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      PathError, ShapeError, StateError)
 from .live import Registry
@@ -830,9 +830,11 @@ class HostTable:
             self
 
         Raises:
-            OptionError: ``fn`` returned a tensor outside the table's memory:
-                it did not work in place, and its result would be lost.
+            OptionError: ``fn`` is not callable, or returned a tensor outside
+                the table's memory: it did not work in place, and its result
+                would be lost.
         """
+        initialiser_option(fn, "fn")
         tensor = self._writable_buffer().tensor
         self._announce_write()
         self._backend.wait_host(self._buffer)

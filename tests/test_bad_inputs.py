@@ -320,6 +320,9 @@ CASES = [
      ss.DTypeError, "float64"),
     ("table", lambda o, d: o.scatter([1, 2], torch.ones(3, DIM)), ss.ShapeError, "shape"),
     ("table", lambda o, d: o.scatter([1, ROWS], torch.ones(2, DIM)), ss.IdError, "out of range"),
+    # fn(tensor) raised Python's "'float' object is not callable"; customInit's after flushing the cache.
+    ("table", lambda o, d: o.apply_(0.5), ss.OptionError, "fn must be an in-place initialiser"),
+    ("switchers", lambda o, d: o[0].customInit(None), ss.OptionError, "initFunction must be an in-place"),
     ("table", lambda o, d: o.uniform_(1, 0), ss.OptionError, "low <= high"),
     ("table", lambda o, d: o.uniform_("a", 1), ss.DTypeError, "real number"),
     ("table", lambda o, d: o.normal_(0, -1), ss.OptionError, "std >= 0"),

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..atomic import as_path, atomic_output
-from ..convert import int_option
+from ..convert import initialiser_option, int_option
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
 from ..table import HostTable
 from .steps import MODEL
@@ -331,7 +331,13 @@ class ModelFactory(Switcher):
             self._table.normal_(mean, stdDev)
 
     def customInit(self, initFunction, *args):
-        """Run an in-place initialiser such as ``torch.nn.init.xavier_uniform_`` on the whole table."""
+        """Run an in-place initialiser such as ``torch.nn.init.xavier_uniform_`` on the whole table.
+
+        Raises:
+            OptionError: ``initFunction`` is not callable (before the cache is flushed).
+            StateError: called in the middle of a step.
+        """
+        initialiser_option(initFunction, "initFunction")
         with self._rewriting("customInit"):
             self._table.apply_(initFunction, *args)
 
