@@ -654,6 +654,10 @@ class HostTable:
         if out.requires_grad:
             raise DTypeError("out requires grad, and gather writes into it in place; pass "
                              "out.detach() or a tensor made under torch.no_grad()")
+        if out.is_inference() and not torch.is_inference_mode_enabled():
+            raise DTypeError("out was made under torch.inference_mode(), and torch lets such a tensor "
+                             "be written in place only there: gather under inference_mode too, or "
+                             "pass a tensor made outside it")
 
     def scatter(self, rows, values, *, check_unique: bool = True) -> None:
         """Write ``values[i]`` into row ``rows[i]``.

@@ -274,6 +274,12 @@ def optimizer_factory(**kwargs):
                                **kwargs)
 
 
+def inference_tensor(make, *args):
+    """``make(*args)`` under ``torch.inference_mode()``: torch refuses in-place writes to it outside that mode."""
+    with torch.inference_mode():
+        return make(*args)
+
+
 def nparams(emb):
     return emb.parameters()
 
@@ -315,6 +321,9 @@ CASES = [
     ("table", lambda o, d: o.gather([1], out=torch.zeros(1, DIM, requires_grad=True)),
      ss.DTypeError, "requires grad"),
     ("table", lambda o, d: o.gather([1], out=torch.zeros(2, DIM)), ss.ShapeError, "out has shape"),
+    # torch's "Inplace update to inference tensor outside InferenceMode is not allowed", raw.
+    ("table", lambda o, d: o.gather([1], out=inference_tensor(torch.zeros, 1, DIM)), ss.DTypeError,
+     "made under torch.inference_mode()"),
     ("table", lambda o, d: o.scatter([1, 1], torch.ones(2, DIM)), ss.DuplicateIdError, "repeat"),
     ("table", lambda o, d: o.scatter([1], torch.ones(1, DIM, dtype=torch.float64)),
      ss.DTypeError, "float64"),
