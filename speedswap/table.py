@@ -676,11 +676,14 @@ class HostTable:
         Raises:
             IdError, DTypeError, DeviceError, ShapeError: bad ids or values.
             DuplicateIdError: ``rows`` repeat an id.
+            OptionError: ``check_unique`` is not a bool.
             StateError: a read-only table.
 
         Every check runs before any row is written. On a GPU the write is
         ordered on torch's current stream and may still be running on return.
         """
+        # None or 0 would skip the check silently: only an explicit False does.
+        check_unique = bool_option(check_unique, "check_unique", hint=" (refuse repeated ids)")
         buffer = self._writable_buffer()
         where = self._backend.ids_device(buffer)
         flat, ids_shape = as_row_ids(rows, self.num_rows, self.device, to=where)

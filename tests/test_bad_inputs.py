@@ -325,6 +325,9 @@ CASES = [
     ("table", lambda o, d: o.gather([1], out=inference_tensor(torch.zeros, 1, DIM)), ss.DTypeError,
      "made under torch.inference_mode()"),
     ("table", lambda o, d: o.scatter([1, 1], torch.ones(2, DIM)), ss.DuplicateIdError, "repeat"),
+    # check_unique=None skipped the check: repeated ids were written in whatever order, silently.
+    ("table", lambda o, d: o.scatter([1, 1], torch.ones(2, DIM), check_unique=None), ss.OptionError,
+     "check_unique must be True"),
     ("table", lambda o, d: o.scatter([1], torch.ones(1, DIM, dtype=torch.float64)),
      ss.DTypeError, "float64"),
     ("table", lambda o, d: o.scatter([1, 2], torch.ones(3, DIM)), ss.ShapeError, "shape"),
