@@ -457,6 +457,10 @@ CASES = [
     ("nothing", lambda o, d: ss.HostTable.zeros(ROWS, DIM, storage="mmap", path=existing_table_dir(d) / "table.npy",
                                                 overwrite="False", backend="numpy"), ss.OptionError, "overwrite must be True"),
     ("nothing", lambda o, d: optimizer_factory(overwrite=1), ss.OptionError, "overwrite must be True"),
+    # model.get_parameter on None: a raw AttributeError.
+    ("nothing", lambda o, d: ss.OptimizerFactory(torch.optim.SGD(torch.nn.Embedding(CAP, DIM).parameters(), lr=1),
+                                                 ROWS, DIM, None, "u", backend="numpy"),
+     ss.DTypeError, "model must be the nn.Module holding the embedding"),
     ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="mmap",
                                                    path=existing_table_dir(d), backend="numpy"),
      PathError, "overwrite=True"),

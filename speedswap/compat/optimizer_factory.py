@@ -3,9 +3,11 @@
 import contextlib
 import weakref
 
+import torch
+
 from ..backends import get_backend
 from ..convert import bool_option, torch_dtype
-from ..errors import OptionError, StateError
+from ..errors import DTypeError, OptionError, StateError
 from ..train.caching import resetting_state
 from ..train.one_optimizer import claim
 from ..train.row_state import EmptySparseGradient, NarrowedStep, RowState
@@ -17,7 +19,16 @@ __all__ = ["OptimizerFactory"]
 
 
 def _parameter_named(model, variable_name):
-    """``model``'s parameter ``variable_name``, or the ``weight`` of its submodule of that name."""
+    """``model``'s parameter ``variable_name``, or the ``weight`` of its submodule of that name.
+
+    Raises:
+        DTypeError: ``model`` is not an ``nn.Module``.
+        OptionError: it has no such parameter or submodule.
+    """
+    if not isinstance(model, torch.nn.Module):  # get_parameter would raise a raw AttributeError
+        raise DTypeError(f"model must be the nn.Module holding the embedding (SpeedTorch's "
+                         f"OptimizerFactory(optimizer, total_classes, embed_dimension, model, "
+                         f"variable_name)), got {type(model).__name__}")
     try:
         return model.get_parameter(variable_name)
     except AttributeError:
