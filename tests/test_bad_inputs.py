@@ -636,3 +636,13 @@ def test_a_path_given_as_bytes_is_the_path_it_spells(rng, tmp_path):
     with ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="pageable", backend="numpy") as emb:
         emb.save(os.fsencode(tmp_path / "ckpt"))
         assert (tmp_path / "ckpt").is_dir()
+
+
+def test_from_pretrained_reads_a_byte_swapped_file_as_load_does(rng, tmp_path):
+    """A '>f4' .npy got "dtype '>f4' ... convert it with a.astype(...)", though emb.load reads the same file."""
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    np.save(tmp_path / "big.npy", rows.astype(">f4"))
+    with ss.OffloadedEmbedding.from_pretrained(tmp_path / "big.npy", max_rows=CAP, storage="pageable",
+                                               backend="numpy") as emb:
+        assert emb.table.dtype == torch.float32
+        np.testing.assert_array_equal(emb.table.to_numpy(), rows)

@@ -243,7 +243,9 @@ class OffloadedEmbedding(torch.nn.Module):
         """
         if isinstance(embeddings, (str, os.PathLike)):
             header = files.read_npy_header(embeddings)
-            shape, dtype, rows = header.shape, torch_dtype(header.dtype), None
+            # A big-endian file holds the same numbers, which load() swaps as it reads them.
+            dtype = header.table_dtype or torch_dtype(header.dtype)  # the latter raises, naming the dtypes
+            shape, rows = header.shape, None
         elif isinstance(embeddings, torch.Tensor):  # copied from where it is: a GPU's rows need no host copy
             check_has_values(embeddings, "embeddings")
             rows = embeddings.detach()
