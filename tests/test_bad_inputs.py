@@ -435,6 +435,8 @@ CASES = [
      ss.DTypeError, "masked array"),
     ("gadget", lambda o, d: o.insertData([[[1.0] * 3, [1.0] * 2]], [1]), ss.ShapeError, "different lengths"),
     ("gadget", lambda o, d: o.insertData(torch.ones(3, 2, 3), [[1, 2], [3]]), ss.DTypeError, "different lengths"),
+    ("gadget", lambda o, d: o.insertData(torch.ones(1, 2, 3), np.array([2**64 - 1], dtype=np.uint64)), ss.IdError,
+     "contain 18446744073709551615"),
     # constructors
     ("nothing", lambda o, d: ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, dtype=torch.int64),
      ss.DTypeError, "floating-point"),

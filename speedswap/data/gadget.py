@@ -295,8 +295,10 @@ class DataGadget:
             raise StateError(f"this DataGadget maps {self._path!r} read-only: it is larger than the "
                              f"RAM free, and writing would change the dataset on disk. Pass mmap=True "
                              f"to write through to the file, or mmap=False to copy it into memory")
-        # Read as the table reads them (np.shape and np.asarray would take a ragged list, or drop a mask).
-        ids, ids_shape = as_id_tensor(idx, table.device)
+        # The ids' shape as the table reads them (np.shape would take a ragged list); the table checks
+        # their values, where they are (uint64 ids named as given, host ids without a device wait).
+        where = idx.device if isinstance(idx, torch.Tensor) else "cpu"
+        flat, ids_shape = as_id_tensor(idx, table.device, to=where)
         wanted = (*ids_shape, *self._row_shape)
         if isinstance(t, torch.Tensor):
             check_dense(t, "values")  # before .shape and .reshape, which raise on a nested or sparse one
@@ -304,9 +306,9 @@ class DataGadget:
         else:
             values = as_values_array(t, wanted)
         if tuple(values.shape) != wanted:
-            raise ShapeError(f"values have shape {tuple(values.shape)} but {len(ids)} ids of rows "
+            raise ShapeError(f"values have shape {tuple(values.shape)} but {len(flat)} ids of rows "
                              f"shaped {self._row_shape} need shape {wanted}")
-        table.scatter(ids, values.reshape(len(ids), table.dim))
+        table.scatter(idx, values.reshape(len(flat), table.dim))
 
     def flush(self) -> None:
         """Make rows written with :meth:`put` durable: a mapped file is synced to disk.
