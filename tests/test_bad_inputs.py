@@ -428,6 +428,10 @@ CASES = [
                                              path=str(d / "u\0.npy"), backend="numpy"), PathError, "NUL byte"),
     # DataGadget
     ("gadget", lambda o, d: o.getData([ROWS]), ss.IdError, "out of range"),
+    # Made int64 before the range check: 'ids contain -1 ... negative ids are not wrapped around'.
+    ("gadget", lambda o, d: o.getData(np.array([2**64 - 1], dtype=np.uint64)), ss.IdError,
+     "indexes contain 18446744073709551615"),
+    ("gadget", lambda o, d: o.getData([1], [ROWS + 2]), ss.IdError, f"negIndexes contain {ROWS + 2}"),
     ("gadget", lambda o, d: o.insertData(torch.ones(1, 2, 3, dtype=torch.float64), [1]),
      ss.DTypeError, "float64"),
     # put read values with np.asarray, which drops a mask: the masked entries' bytes were written.

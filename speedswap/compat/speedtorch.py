@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..convert import as_id_tensor
+from ..convert import as_row_ids
 from ..data.gadget import DataGadget as CoreDataGadget
 from ..errors import OptionError
 from .model_factory import ModelFactory
@@ -102,7 +102,9 @@ class DataGadget(SpeedTorchFiles, CoreDataGadget):
             IdError, DTypeError, DeviceError: bad ids; nothing is read.
         """
         ids = [indexes] if negIndexes is None else [indexes, negIndexes]
-        flats = [as_id_tensor(i, self.device, what=name)[0]
+        # Each checked as given (a uint64 id past int64 named as it is, not as the negative int64
+        # it becomes), on the host: get() then checks the joined ids there too, without a device wait.
+        flats = [as_row_ids(i, len(self), self.device, to="cpu", what=name)[0]
                  for i, name in zip(ids, ("indexes", "negIndexes"))]
         return self.get(torch.cat(flats) if len(flats) > 1 else flats[0])
 
