@@ -518,6 +518,38 @@ def test_a_step_skipped_after_its_backward_then_zero_grad_after_the_next_forward
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("zero_first", [True, False], ids=["zero_grad_first", "zero_grad_last"])
+def test_a_step_a_grad_scaler_skipped_with_zero_grad_set_to_none_false_trains_nothing(
+        backend, rng, cache_rows, zero_first):
+    """A ``GradScaler`` loop with ``zero_grad(set_to_none=False)`` and no ``discard_step()``: a step
+    whose gradients are not finite is skipped, zeroed, and never trained, as in memory, where
+    SparseAdam's zeroed sparse gradient names no row. The next forward used to join the skipped
+    step's rows, and Adam moved them by their momentum at a zero gradient."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows)
+    sides = [(*side, torch.amp.GradScaler("cpu", init_scale=4.0))
+             for side in both_sides(emb, opt, ref, ref_opt, device)]
+    batches = zipf_ids(rng, STEPS)
+    skipped = rng.random(STEPS) < 0.3
+    # A step with momentum, then a skipped one at least; the last runs (a skipped one holds its rows
+    # until the next forward or zero_grad(), and emb.table refuses them with a cache).
+    skipped[:2], skipped[-1] = (False, True), False
+    for (ids, target), skip in zip(batches, skipped):
+        for lookup, optimizer, to, scaler in sides:
+            if zero_first:
+                optimizer.zero_grad(set_to_none=False)
+            loss = ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum()
+            scaler.scale(loss * (torch.inf if skip else 1.0)).backward()
+            scaler.step(optimizer)  # skipped where the gradients are not finite
+            scaler.update()
+            if not zero_first:
+                optimizer.zero_grad(set_to_none=False)
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(emb._state.tables["exp_avg"].to_numpy(), ref_opt.state[ref]["exp_avg"].numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
 _DDP_SCRIPT = r"""
 import os, socket, sys
 import numpy as np, torch, torch.distributed as dist

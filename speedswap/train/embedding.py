@@ -482,11 +482,13 @@ class OffloadedEmbedding(torch.nn.Module):
         gradient), where in-memory lazy training leaves them alone. The table,
         the optimizer state and the cache keep those rows as they were.
 
-        ``optimizer.zero_grad()`` (whose default ``set_to_none=True`` drops the
-        gradients) between a backward and the next training forward does this
-        by itself; between the next forward and its backward, it leaves the
-        skipped forwards' rows unchanged at the next step, as rows no backward
-        reached; after ``zero_grad(set_to_none=False)``, call it. A step
+        ``optimizer.zero_grad()`` (``set_to_none=False`` too: a gradient that is
+        zero after a backward with no step since counts as dropped) between a
+        backward and the next training forward does this by itself; between
+        the next forward and its backward, it leaves the skipped forwards' rows
+        unchanged at the next step, as rows no backward reached. Call it
+        before an ``optimizer.step()`` that follows the skipped step with no
+        forward of its own. A step
         skipped before its backward needs nothing for exactness: rows that
         only forwards no backward reached are put back unchanged when the next
         step ends (:mod:`speedswap.train.reached`); this frees their slots now.
@@ -513,6 +515,24 @@ class OffloadedEmbedding(torch.nn.Module):
         self._version_between_steps = self.weight._version  # SAM may have perturbed the dropped step's
         self._reached.clear()
 
+    def _gradient_zeroed(self) -> bool:
+        """Whether :attr:`weight` holds no gradient for the step's rows: None, or zeros.
+
+        Asked only after a backward with no step since, where a gradient is
+        zero because ``zero_grad()`` dropped it (``set_to_none=False``
+        zeroes it in place, as after a ``GradScaler`` skipped the step: in
+        memory SparseAdam's zeroed sparse gradient then names no row). Its
+        version cannot tell: ``torch._foreach_zero_`` leaves it as it was
+        on CUDA. So the values are read, a host wait on a GPU, in that case
+        alone (a forward of gradient accumulation); a backward that left an
+        exactly zero gradient on every row of the step counts as dropped too.
+        """
+        grad = self.weight.grad
+        if grad is None:
+            return True
+        values = grad.coalesce().values() if grad.is_sparse else grad[:self._working_set.size]
+        return not bool(values.any())
+
     def _drop_zeroed_step(self):
         """Discard the step in flight if ``zero_grad()`` dropped its gradients after a backward (it never ran).
 
@@ -522,7 +542,7 @@ class OffloadedEmbedding(torch.nn.Module):
         are put back at the step, their gradient having been dropped.
         """
         self._adopt_replaced_data()  # the rows compared below are the user's
-        if self._backward_ran and self.weight.grad is None:
+        if self._backward_ran and self._gradient_zeroed():
             if self.weight._version != self._version_at_backward or self._rows_changed():
                 self._reached.forget_reached()
                 self._backward_ran = False
@@ -612,7 +632,7 @@ class OffloadedEmbedding(torch.nn.Module):
             StateError: with a device cache, between a training forward and its
                 optimizer step (the step's rows are in flight).
         """
-        if self._backward_ran and self.weight.grad is None and not self._table.closed:
+        if self._backward_ran and not self._table.closed and self._gradient_zeroed():
             # A step zero_grad() dropped after its backward is discarded now: the next forward
             # would take rows written through the table meanwhile for rows changed in place
             # (SAM), go on with the step, and write its rows back over the writes.
@@ -1199,7 +1219,7 @@ def _gradient_dropped(ref):
     """For :class:`ReachedRows`: whether ``zero_grad()`` dropped the gradient of the step's earlier backwards."""
     def dropped():
         embedding = ref()
-        if embedding is None or not embedding._backward_ran or embedding.weight.grad is not None:
+        if embedding is None or not embedding._backward_ran or not embedding._gradient_zeroed():
             return False
         embedding._backward_ran = False  # asked once per backward: its end sets it again
         return True
