@@ -162,6 +162,20 @@ def _bfloat16_bits_header(path, dtype, mmap) -> files.TableHeader:
     return dataclasses.replace(header, table_dtype=torch.bfloat16)
 
 
+class _HandedOut:
+    """The memory behind a view :meth:`HostTable.to_numpy` or :meth:`HostTable.as_tensor` hands out.
+
+    The view is a numpy array over this object (``np.asarray``), so every
+    array and tensor made from it keeps it alive (numpy as their base, torch
+    as its array's owner): the table tells from a weak reference to it
+    whether any of them still is.
+    """
+
+    def __init__(self, array: np.ndarray):
+        self.__array_interface__ = array.__array_interface__
+        self._array = array  # the memory lives as long as any view of it
+
+
 def _call_owner(method: Optional[weakref.WeakMethod]) -> None:
     """Call a method :meth:`HostTable.watch_reads` or ``watch_writes`` holds, if its owner is alive."""
     bound = None if method is None else method()
@@ -205,6 +219,8 @@ class HostTable:
         self._kind = buffer.kind  # still reported once the buffer is released
         self._writable = buffer.host is None or bool(buffer.host.flags.writeable)
         self._before_read = self._before_write = None  # see watch_reads, watch_writes
+        self._views = weakref.WeakSet()  # what the views a watched table handed out are over
+        self._device_view = False  # whether a watched device table handed out its tensor (see viewed)
         _LIVE.add(self)
 
     # ----------------------------------------------------------- constructors
@@ -493,7 +509,8 @@ class HostTable:
         :meth:`scatter`, :meth:`apply_`, the initialisers and :meth:`load_from`
         (after the file is verified); not :meth:`scatter_validated` (the
         owner's own path), nor writes into :meth:`to_numpy` or
-        :meth:`as_tensor` views, which no method sees.
+        :meth:`as_tensor` views, which no method sees (the owner of a
+        watched table can tell whether one is alive: :attr:`viewed`).
 
         Args:
             before_write: a method of the owner taking no arguments, held
@@ -510,13 +527,36 @@ class HostTable:
         value. The reads are :meth:`gather`, :meth:`to_numpy`,
         :meth:`as_tensor`, :meth:`host_chunks` and :meth:`save`; not
         :meth:`gather_validated` (the owner's own path), nor later reads
-        through a view :meth:`to_numpy` or :meth:`as_tensor` handed out.
+        through a view :meth:`to_numpy` or :meth:`as_tensor` handed out:
+        a watched table tracks those instead (:attr:`viewed`), for the owner
+        to keep no newer rows elsewhere while one is alive.
 
         Args:
             before_read: a method of the owner taking no arguments, held
                 weakly (the owner holds the table), or None to stop watching.
         """
         self._before_read = None if before_read is None else weakref.WeakMethod(before_read)
+
+    @property
+    def viewed(self) -> bool:
+        """Whether a view a watched table (:meth:`watch_reads`) handed out may still be in use.
+
+        True while an array or tensor that :meth:`to_numpy` (without
+        ``copy``) or :meth:`as_tensor` returned, or anything made from it
+        (a slice, ``torch.from_numpy``), is alive: reads and writes through
+        it reach the host memory directly, so an owner must keep every row's
+        current value there. A device table's tensor cannot be followed: once
+        handed out it counts as alive for good.
+        """
+        return bool(self._views) or self._device_view
+
+    def _handed_out(self, host: np.ndarray) -> np.ndarray:
+        """``host``, as a view that :attr:`viewed` follows when an owner watches this table."""
+        if self._before_read is None:
+            return host
+        memory = _HandedOut(host)
+        self._views.add(memory)
+        return np.asarray(memory)
 
     def _announce_write(self):
         """Run the :meth:`watch_writes` method: a public method is about to write rows."""
@@ -572,7 +612,12 @@ class HostTable:
         if (for_reading or self._writable or not isinstance(buffer.host, np.memmap)
                 or buffer.host.mode != "r"):
             # Memory the process may write (a read-only array over ordinary memory too).
-            return buffer.tensor
+            if self._before_read is None:
+                return buffer.tensor
+            if buffer.host is None:
+                self._device_view = True  # see viewed
+                return buffer.tensor
+            return host_tensor(self._handed_out(buffer.host), self.dtype)
         private = _copy_on_write(buffer.host)
         if private is None:
             raise StateError("this read-only HostTable maps a file that cannot be mapped again "
@@ -956,6 +1001,9 @@ class HostTable:
             copy: return an independent copy. When False, a host table returns
                 its own memory (writes go through; the memory stays alive as
                 long as the array does), a device table returns a host copy.
+                The view of a table an embedding owns stays current while
+                it lives: :attr:`viewed` tells the owner, whose device cache
+                then keeps no rows.
 
         Returns:
             numpy.ndarray of shape :attr:`shape`; a bfloat16 table's rows as
@@ -965,7 +1013,7 @@ class HostTable:
         self._announce_read()
         self._backend.wait_host(buffer)
         if buffer.host is not None:
-            return np.array(buffer.host, copy=True) if copy else buffer.host
+            return np.array(buffer.host, copy=True) if copy else self._handed_out(buffer.host)
         # numpy has no bfloat16: the rows' bit patterns, as a host table's memory holds them.
         rows = buffer.tensor.view(torch.int16) if self.dtype is torch.bfloat16 else buffer.tensor
         return rows.cpu().numpy().view(numpy_dtype(self.dtype))

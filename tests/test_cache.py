@@ -667,13 +667,27 @@ def test_a_checkpoint_saved_before_the_first_step_resumes_as_a_fresh_start(cache
         np.testing.assert_array_equal(resumed._state.tables[name].to_numpy(), table.to_numpy())
 
 
+def test_the_cache_keeps_no_rows_while_a_view_of_the_tables_lives_and_works_again_after(backend):
+    """A kept view reads and writes the host memory, so the cache holds nothing while one lives
+    (the views' exactness: tests/test_training_flows.py); dropped, the cache caches again."""
+    emb, opt = _embedding(backend, cache_rows=50, opt=torch.optim.Adam)
+    view = emb.get_extra_state()["tables"]["optimizer.exp_avg"][3:5]  # a slice keeps it alive too
+    for _ in range(3):
+        _step(emb, opt, [1, 2, 3])
+    assert emb.stats()["total"]["hits"] == 0
+    del view
+    for _ in range(3):
+        _step(emb, opt, [1, 2, 3])
+    assert emb.stats()["last_step"]["hits"] == 3
+
+
 def test_trained_state_held_only_by_the_cache_is_not_taken_for_a_fresh_start(backend):
     """The host's state tables hold the initial state while every trained state row is in the
     cache: an optimizer that lost its state is still refused, not restarted over that state."""
     emb, opt = _embedding(backend, cache_rows=100, opt=torch.optim.Adam)
     for _ in range(3):
         _step(emb, opt, [1, 2, 3])
-    assert emb._state.holds_initial_state()  # nothing was written back
+    assert emb.stats()["total"]["rows_d2h"] == 0  # nothing was written back: the host holds the initial state
     opt.state.clear()
     emb(torch.tensor([1, 2], device=emb.weight.device)).sum().backward()
     with pytest.raises(ss.StateError, match="holds no state"):

@@ -384,8 +384,9 @@ class ModelFactory(Switcher):
         methods (``gather``, ``to_numpy``, ``save``; ``scatter``, ``apply_``,
         the initialisers, ``load_from``), through any reference to it, a
         kept one too, see the cache's rows and reach the next step (see
-        :meth:`_prepare_table_write`); a view ``to_numpy()`` handed out is
-        current when it is handed out.
+        :meth:`_prepare_table_write`); a view ``to_numpy()`` or ``as_tensor()``
+        hands out stays current while it lives, the cache keeping no rows
+        meanwhile (:meth:`RowCache.viewed <speedswap.train.cache.RowCache.viewed>`).
 
         Raises:
             StateError: with a device cache, between before_forward and after_step.

@@ -84,6 +84,13 @@ Every other size is known on the host and indexes with
 counts them). On a GPU a prefetch's copies run on a side stream; every other
 call makes the current stream wait for it.
 
+**Views.** A view of the host tables that ``to_numpy()`` or ``as_tensor()``
+handed out reads and writes the host memory directly, where no cached row
+shows. While one is alive (:meth:`RowCache.viewed`) the cache keeps nothing:
+a step writes its rows back, a prefetch brings none, and rows cached before
+are given up, clean (handing the view out flushed them), so every read
+through the view is current and every write through it trains on.
+
 **One thread.** Nothing locks the bookkeeping, so a prefetch must come from
 the thread that trains (the last to fetch a step's rows, or the one that made
 the cache before any did): one from another thread is refused.
@@ -364,6 +371,7 @@ class RowCache:
             a ``(2,)`` int64 device tensor: how many of the rows to fetch are
             cached, and how many of the carried ones.
         """
+        self._give_up_for_views()
         found, slot = self._lookup(ids_sorted)
         hits = (found & new).sum()
         if carried_rows is None:
@@ -413,6 +421,7 @@ class RowCache:
         n_hit = n_carried_hit = 0
         if self.num_slots:
             if hits is None:
+                self._give_up_for_views()
                 found, slot = self._lookup(rows)
                 # One host synchronisation: the hits, and how many of them are carried rows.
                 hits = torch.stack([found.sum(), found[:carried].sum()]).tolist()
@@ -484,8 +493,12 @@ class RowCache:
             states: ``{name: (len(rows), dim)}`` updated state, or None.
         """
         self._wait_prefetch()
-        if not self.num_slots:
+        if not self.num_slots or self.viewed():
+            if self.num_slots:
+                self.flush()  # the step's rows then go over their cached (older) values
             self._write_host(rows, weights, states)
+            if self.num_slots:
+                self._forget()  # all clean: the host holds every row's current value
             self._finish_step()
             return
         target = self._step_slots()  # each row's slot, -1 for rows going back to the host
@@ -588,7 +601,7 @@ class RowCache:
             IdError: from ``check_bounds``.
             StateError: called on another thread than the training one (see below).
         """
-        if not self.num_slots or not len(ids):
+        if not self.num_slots or not len(ids) or self.viewed():
             if check_bounds is not None and len(ids):
                 check_bounds(*read_bounds(ids))
             return 0
@@ -651,6 +664,7 @@ class RowCache:
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """The current value of rows ``ids`` (validated, duplicates allowed), in the table's dtype."""
         self._wait_prefetch()
+        self._give_up_for_views()
         out = torch.empty(len(ids), self.table.dim, dtype=self.table.dtype, device=self.device)
         self._gather_host(self.table, ids, out)
         if self.num_slots and len(ids):
@@ -700,12 +714,42 @@ class RowCache:
             raise StateError("the device cache cannot be invalidated while a step's rows are in flight; "
                              "replace the tables between steps")
         self._wait_prefetch()
-        self.slot_row.fill_(-1)
-        self.stamp.fill_(-1)
-        self.score.fill_(-torch.inf)
-        self.dirty.fill_(False)
-        self._n_empty = self.num_slots
+        self._forget()
+
+    def _forget(self, keep: Optional[torch.Tensor] = None):
+        """Free every slot but those ``keep`` marks (None: all), without writing a row back."""
+        drop = torch.ones_like(self.dirty) if keep is None else ~keep
+        self.slot_row.masked_fill_(drop, -1)
+        self.stamp.masked_fill_(drop, -1)
+        self.score.masked_fill_(drop, -torch.inf)
+        self.dirty.masked_fill_(drop, False)
+        self._n_empty = self.num_slots if keep is None else int((self.slot_row < 0).sum())
         self._reindex()
+
+    def viewed(self) -> bool:
+        """Whether a view of the tables handed out is alive (:attr:`HostTable.viewed`): then nothing is cached.
+
+        Reads and writes through such a view reach the host tables directly,
+        so while one lives the host holds every row's current value: a step
+        writes its rows back and the cache keeps none, a prefetch brings
+        none, and rows cached before are given up (:meth:`_give_up_for_views`).
+        """
+        return self.table.viewed or any(table.viewed for table in self.state_tables.values())
+
+    def _give_up_for_views(self):
+        """Forget the cached rows a step in flight does not hold while :meth:`viewed`: a write through
+        a view may have changed their host copy.
+
+        They are clean: handing a view out flushed the cache (``watch_reads``),
+        and while one lives no step caches a row. The step's own rows keep
+        their slots for its :meth:`store`, which frees them.
+        """
+        if self._n_empty == self.num_slots or not self.viewed():
+            return
+        keep = torch.zeros_like(self.dirty)
+        for slots in self._slot_parts:
+            keep[slots[slots >= 0]] = True
+        self._forget(keep)
 
     def stats(self) -> dict:
         """Counters of the last step and since the cache was made, the step in progress included

@@ -352,6 +352,8 @@ class OffloadedEmbedding(torch.nn.Module):
         state = RowState(optimizer, self.weight, self.num_embeddings, self.weight.dtype,
                          self._storage, self._backend, self._path, overwrite=self._overwrite or self._created)
         self._created |= {t.path for t in state.tables.values()}
+        for table in state.tables.values():  # reads of the state, a view kept too, as of the table
+            table.watch_reads(self._prepare_table_read)
         try:
             cache = new_cache(self.cache_rows, self._table, state.tables, self.weight.dtype)
         except BaseException:
@@ -623,10 +625,15 @@ class OffloadedEmbedding(torch.nn.Module):
         ``load_from``), through any reference to it, a kept one too, work as
         on an in-memory table: the cache and a step ``zero_grad()`` skipped
         give their rows back first. A view ``to_numpy()`` or ``as_tensor()``
-        handed out is current when it is handed out: ask again after training
-        steps. A write between a training forward and ``optimizer.step()``,
-        which would write the step's rows back over it, raises
-        :class:`~speedswap.StateError`.
+        hands out (of the optimizer state's tables too, as in
+        :meth:`get_extra_state`) stays current while it, or anything made from
+        it, is alive, as a view of an in-memory parameter does: the cache
+        keeps no rows meanwhile (each step writes its rows back), so keep
+        ``to_numpy(copy=True)`` snapshots instead of views to let it work. A
+        write through a view between steps trains on; one between a training
+        forward and ``optimizer.step()`` is undone by the step, which writes
+        its rows back (through the table's methods such a write raises
+        :class:`~speedswap.StateError`).
 
         Raises:
             StateError: with a device cache, between a training forward and its
@@ -1052,8 +1059,10 @@ class OffloadedEmbedding(torch.nn.Module):
         rows and state before the step, as an in-memory ``state_dict()``'s
         parameters are then. The tensors share the host tables' memory (no
         copy; a ``device`` table's are on its GPU), as ``state_dict()`` shares
-        a parameter's storage: ``torch.save`` them, or clone them, before
-        training on. A bfloat16 table is a bfloat16 tensor.
+        a parameter's storage: kept, they follow training, and the device
+        cache keeps no rows while they live (see :attr:`table`); ``torch.save``
+        them, or clone them, to keep the values of now. A bfloat16 table is a
+        bfloat16 tensor.
 
         Returns:
             ``{"format", "version", "kind", "num_embeddings", "embedding_dim",
