@@ -128,7 +128,8 @@ def run_offloaded(make_opt, table0, batches, backend, cache_rows=0, prefetch=Fal
             those steps again: the result must not change.
     """
     emb = ss.OffloadedEmbedding(len(table0), DIM, max_rows=CAPACITY, storage="pinned",
-                                backend=backend, cache_rows=cache_rows)
+                                backend=backend, cache_rows=cache_rows,
+                                dtype=torch.from_numpy(table0).dtype)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     opt = make_opt(emb.parameters())
     emb.attach(opt)
