@@ -987,6 +987,7 @@ def _views(emb, how):
     return table.as_tensor().numpy(), state.as_tensor().numpy()
 
 
+@pytest.mark.filterwarnings("ignore:a view of the table:RuntimeWarning")  # said once: test_cache
 @pytest.mark.parametrize("how", ["to_numpy", "as_tensor", "extra_state"])
 def test_views_kept_across_cached_steps_read_and_write_as_in_memory(backend, rng, how):
     """Views of the tables kept across steps of an embedding with a device cache, as a view of an

@@ -104,7 +104,7 @@ import torch
 
 from ..backends.cpu import assign_rows, huge_page_array
 from ..convert import host_tensor, numpy_dtype, read_bounds
-from ..errors import StateError
+from ..errors import StateError, warn
 from ..table import HostTable
 from .sketch import FrequencySketch
 from .sync_free import find_sorted, positions, sort_marking_firsts
@@ -190,6 +190,7 @@ class RowCache:
         # The training thread: the one that made the cache, then the last to fetch a step's rows.
         self._thread = threading.get_ident()
         self._n_empty = n
+        self._warned_views = False  # see _warn_views
         # The sorted index holds rows as int32 where they fit: half the memory a binary
         # search misses the CPU's caches in, and a faster sort.
         self._key_dtype = torch.int32 if table.num_rows < 2**31 else torch.int64
@@ -495,6 +496,7 @@ class RowCache:
         self._wait_prefetch()
         if not self.num_slots or self.viewed():
             if self.num_slots:
+                self._warn_views()
                 self.flush()  # the step's rows then go over their cached (older) values
             self._write_host(rows, weights, states)
             if self.num_slots:
@@ -735,6 +737,15 @@ class RowCache:
         none, and rows cached before are given up (:meth:`_give_up_for_views`).
         """
         return self.table.viewed or any(table.viewed for table in self.state_tables.values())
+
+    def _warn_views(self):
+        """Say, once, that a view kept alive keeps the cache from caching: it costs speed, unseen."""
+        if not self._warned_views:
+            self._warned_views = True
+            warn("a view of the table or its optimizer state that to_numpy() or as_tensor() handed out "
+                 "(or a kept state_dict(), whose tensors are such views) is still alive, so the device "
+                 "cache keeps no rows until it is dropped: reads and writes through it must see every "
+                 "row. Keep to_numpy(copy=True) (or a cloned state_dict) instead to let the cache work")
 
     def _give_up_for_views(self):
         """Forget the cached rows a step in flight does not hold while :meth:`viewed`: a write through
