@@ -667,6 +667,34 @@ def test_sam_perturbing_through_weight_data_equals_in_memory(backend, rng, resto
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_write_through_a_kept_view_after_a_dropped_step_is_refused_then_kept(backend, rng):
+    """A step skipped by zero_grad() after its backward, then a write through a kept
+    ``to_numpy()`` view: the next forward found the step's rows unlike the table's, took them
+    for rows SAM changed in place, and the step wrote them back over the write (row 3 ended at
+    its old trained value, not 7). Both cannot be told apart: it is refused, and after
+    ``discard_step()`` the write stays and training goes on as in memory."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH)
+    batches = zipf_ids(rng, STEPS)
+    view = emb.table.to_numpy()
+    for step, (ids, target) in enumerate(batches):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            loss = ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum()
+            loss.backward()
+            if step != STEPS // 2:
+                optimizer.step()
+            optimizer.zero_grad()  # the middle step is skipped: its gradient dropped
+        if step == STEPS // 2:
+            row = int(ids.flatten()[0])  # one of the dropped step's rows
+            with torch.no_grad():
+                ref[row] = 7.0
+            view[row] = 7.0
+            with pytest.raises(ss.StateError, match="discard_step"):
+                emb(ids.to(device))
+            np.testing.assert_array_equal(view[row], 7.0)
+            emb.discard_step()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_weight_data_replaced_by_an_unlike_tensor_is_refused(rng):
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=8, storage="pageable", backend="numpy")
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)

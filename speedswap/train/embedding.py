@@ -542,14 +542,33 @@ class OffloadedEmbedding(torch.nn.Module):
         perturbs them between two forward-backward passes): the step goes on
         with them as they are, and rows only the earlier forwards looked up
         are put back at the step, their gradient having been dropped.
+
+        Raises:
+            StateError: the rows differ from the table's and a view of the
+                table is alive: a write through it cannot be told from rows
+                changed in place, and taking it for one would undo it.
         """
         self._adopt_replaced_data()  # the rows compared below are the user's
         if self._backward_ran and self._gradient_zeroed():
-            if self.weight._version != self._version_at_backward or self._rows_changed():
-                self._reached.forget_reached()
-                self._backward_ran = False
+            if self.weight._version != self._version_at_backward:
+                self._keep_perturbed_step()
+            elif self._rows_changed():
+                if self._table.viewed:
+                    raise StateError(
+                        "the rows of the step zero_grad() dropped differ from the table's, and a view "
+                        "the table handed out (to_numpy(), as_tensor()) is alive: a write through it "
+                        "cannot be told from rows changed in place between two backwards (SAM), whose "
+                        "step goes on and would write its rows back over the write. Call "
+                        "emb.discard_step() after zero_grad() of a skipped step, before writing "
+                        "through a view (or write with emb.table.scatter), then go on")
+                self._keep_perturbed_step()
             else:
                 self.discard_step()
+
+    def _keep_perturbed_step(self):
+        """Go on with a step whose rows were changed in place after its gradient was dropped (SAM)."""
+        self._reached.forget_reached()
+        self._backward_ran = False
 
     def _rows_changed(self) -> bool:
         """Whether the working set's rows differ from the table's (and cache's) values of them.
