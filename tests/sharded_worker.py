@@ -33,6 +33,8 @@ NUM_ROWS, DIM, GLOBAL_BATCH = 301, 6, 60
 STEPS, SAVE_AT = 120, 50
 #: Steps the ``skip`` scenario computes but does not take, on every rank (as after a GradScaler's inf).
 SKIPPED = frozenset(range(2, STEPS, 5))
+#: Steps the ``zerokept`` scenario takes on a zero gradient (zero_grad(set_to_none=False)): they count.
+ZEROED = frozenset(range(3, STEPS, 7))
 #: scenario -> (optimizer class, its reference in one process, kwargs, sparse reference gradient)
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, torch.optim.SGD, dict(lr=0.05), False),
@@ -97,10 +99,11 @@ def rank_loss(emb, ids, targets, world):
     return loss * (world / GLOBAL_BATCH)
 
 
-def reference(name, seed, steps=STEPS, skipped=(), clip=None):
+def reference(name, seed, steps=STEPS, skipped=(), clip=None, zeroed=()):
     """One process, one dense parameter, the union batch: the table and per-row state after ``steps``.
 
-    The steps in ``skipped`` are left out; with ``clip``, every gradient is clipped to that norm.
+    The steps in ``skipped`` are left out; those in ``zeroed`` are taken on a zero gradient (Adam
+    counts them); with ``clip``, every gradient is clipped to that norm.
     """
     _, ref_cls, kwargs, sparse = OPTIMIZERS[name]
     weight = torch.nn.Parameter(initial_table(seed))
@@ -113,6 +116,8 @@ def reference(name, seed, steps=STEPS, skipped=(), clip=None):
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_([weight], clip)
+        if step in zeroed:
+            opt.zero_grad(set_to_none=False)
         opt.step()
         opt.zero_grad()
     state = {k: v.numpy() for k, v in opt.state[weight].items() if getattr(v, "dim", int)() == 2}
@@ -238,6 +243,23 @@ def run_scenario(scenario, seed, world, rank, out):
         emb.load(table_file)
         train(emb, opt, seed, range(STEPS), world, rank, skipped=SKIPPED, before_backward=True)
         name = f"{name}-skipfwd"
+    elif kind == "zerokept":  # zero_grad(set_to_none=False) throughout; ZEROED steps on zero gradients
+        emb, opt = make(name)
+        emb.load(table_file)
+        for step in range(STEPS):
+            ids, targets = global_batch(seed, step)
+            part = rank_slice(step, world, rank)
+            how = step % 3 if step in ZEROED else None
+            if how != 2:  # 2: no forward at all (a step of the other layers only)
+                loss = rank_loss(emb, ids[part], targets[part], world)
+            if how is None or how == 0:
+                loss.backward()
+            if how == 0:  # the step is skipped after its backward, on every rank
+                opt.zero_grad(set_to_none=False)
+                emb.discard_step()
+            opt.step()  # 1: on forwards no backward reached
+            opt.zero_grad(set_to_none=False)
+        name = f"{name}-zerokept"
     elif kind == "padding":  # padding_idx, scale_grad_by_freq; the last rank owns the padding row
         emb, opt = make(name, **EMBEDDING_OPTIONS)
         emb.load(table_file)  # the padding row too: pretrained, not zero

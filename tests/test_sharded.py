@@ -156,7 +156,7 @@ def two_ranks(three_ranks):
     out, seed = three_ranks
     started = time.monotonic()
     results = launch(2, out, seed, "resume:ckpt-3", "bad:adam", "mode:adam", "npyfail:sgd",
-                     "disagree:adam", "padding:adamw", "clip:sgd", "crash:sgd")
+                     "disagree:adam", "padding:adamw", "clip:sgd", "zerokept:adam", "crash:sgd")
     return out, seed, results, time.monotonic() - started
 
 
@@ -229,6 +229,17 @@ def test_two_ranks_clipping_by_grad_norm_equal_one_process_clipping(two_ranks):
     for rank in range(2):
         errors = json.loads((out / f"clipnorm.rank{rank}.json").read_text())["errors"]
         assert "different orders [1.0, 2.0]" in errors["StateError"], errors
+
+
+def test_two_ranks_stepping_on_zero_gradients_count_those_steps_as_one_process(two_ranks):
+    """zero_grad(set_to_none=False) leaves a zero gradient, and a step on it counts (Adam's step) in
+    memory, whether the step's gradient was discarded, no backward reached its forwards, or it had
+    no forward: the ranks dropped it, skipped the step, and every later bias correction differed."""
+    out, seed, *_ = two_ranks
+    expected = sharded_worker.reference("adam", seed, zeroed=sharded_worker.ZEROED)
+    skipped = sharded_worker.reference("adam", seed, skipped=sharded_worker.ZEROED)
+    assert not np.allclose(expected[0], skipped[0], **TOL)  # counting those steps mattered
+    assert_same(gathered(out, "adam-zerokept", 2), expected)
 
 
 def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):
@@ -1273,6 +1284,44 @@ def test_a_step_whose_forwards_no_backward_reached_leaves_the_optimizer_alone(rn
             if step not in unreached:  # no gradient to drop: the next backward needs no zero_grad()
                 optim.zero_grad()
     assert opt.state[emb.weight]["step"] == ref_opt.state[ref]["step"] == steps - len(unreached)
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sparse_adam"])
+@pytest.mark.parametrize("flow", ["discard_step", "step without a forward", "forward without a backward"])
+def test_a_step_on_a_zero_gradient_counts_as_in_memory(rng, flow, optimizer):
+    """With zero_grad(set_to_none=False) an in-memory table's gradient is zeros, never None, so a
+    step on it counts (Adam's step) though no row moves. The sharded table dropped the zeroed
+    gradient (and discard_step() set it to None): torch skipped it, and every later step's bias
+    correction differed (0.0078 on unit rows after eight steps, step 7 against 8)."""
+    rows, dim, steps = 40, 3, 8
+    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
+    emb = ss.ShardedOffloadedEmbedding(rows, dim, max_rows=16, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    kwargs = dict(lr=0.05, eps=1e-30)
+    opt = (torch.optim.Adam if optimizer == "adam" else torch.optim.SparseAdam)(emb.parameters(), **kwargs)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SparseAdam([ref], **kwargs)
+    batches = [(torch.from_numpy(rng.integers(0, rows, 10)),
+                torch.from_numpy(rng.standard_normal((10, dim)).astype(np.float32))) for _ in range(steps)]
+    for lookup, optim in ((emb, opt), (lambda i: F.embedding(i, ref, sparse=True), ref_opt)):
+        for step, (ids, target) in enumerate(batches):
+            out = lookup(ids)
+            if step == 2 and flow == "forward without a backward":
+                optim.step()  # the loss was not used, say: on a zero gradient
+                continue
+            ((out - target) ** 2).sum().backward()
+            if step == 2 and flow == "discard_step":
+                optim.zero_grad(set_to_none=False)  # the step is skipped
+                if lookup is emb:
+                    emb.discard_step()
+            optim.step()
+            optim.zero_grad(set_to_none=False)
+            if step == 2 and flow == "step without a forward":
+                optim.step()  # a step of the other layers only, say
+    assert int(opt.state[emb.weight]["step"]) == int(ref_opt.state[ref]["step"]) == steps + 1 - (
+        flow != "step without a forward")
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 

@@ -48,7 +48,7 @@ from .module_state import check_tables_state, copy_tables, tables_state, unpickl
 from .one_optimizer import claim
 from .options import embedding_flags, forward_ids, padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
-from .row_state import NarrowedStep, RowState, drop_leftover_state, row_state_spec
+from .row_state import EmptySparseGradient, NarrowedStep, RowState, drop_leftover_state, row_state_spec
 from .step_hooks import StepHooks
 from .sharded_checkpoint import (all_unchanged, load_shards, run_everywhere, save_shards,
                                  stage_table_rows)
@@ -233,6 +233,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._backward_ran = False
         self._rows.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
         self._narrowed = None
+        self._empty_sparse = None  # an EmptySparseGradient while a step without rows is under way
         self._reached = ReachedRows(dropped=_gradient_dropped(weakref.ref(self)))
         self._new_step()
         self.table.watch_writes(self._prepare_table_write)  # see _prepare_table_write
@@ -258,6 +259,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         # The version of the gradient the last step left on `weight`, while weight.grad holds it
         # (see _leftover_unchanged); and whether a backward of this step found it not zeroed.
         self._leftover_version, self._stale = None, False
+        self._zero_kept = False  # see _keep_zero_grad
 
     def discard_step(self) -> None:
         """Drop the rows and gradients of the forwards since the last step, whose step will not run.
@@ -267,8 +269,29 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         the next forward; after it, the skipped gradient is dropped and the
         skipped forwards' rows wait unchanged, as rows no backward reached).
         The rows and their optimizer state stay as they were.
+
+        A gradient :attr:`weight` holds is zeroed, not dropped: after
+        ``zero_grad(set_to_none=False)`` an in-memory table's gradient is
+        zeros, and an ``optimizer.step()`` on it still counts (Adam's step).
         """
+        had_grad = self.weight.grad is not None
         self._new_step()
+        if had_grad:
+            self._keep_zero_grad()
+
+    def _keep_zero_grad(self) -> None:
+        """Give :attr:`weight` a zero gradient between steps, as ``zero_grad(set_to_none=False)`` leaves in memory.
+
+        Not None: torch steps a parameter with a zero gradient (Adam counts the
+        step) where it skips one with None. A step without a backward then
+        moves no row, lazily (see :meth:`_begin_step` and :meth:`_exchange_gradients`).
+        """
+        self.weight.grad = self._grad.zero_()
+        self._zero_kept = True
+
+    def _holds_kept_zero(self) -> bool:
+        """Whether :attr:`weight`'s gradient is the zeros :meth:`_keep_zero_grad` left (no backward since)."""
+        return self._zero_kept and self.weight.grad is self._grad
 
     def _prepare_table_write(self):
         """Refuse a write into this rank's shard that the step in flight would undo (:meth:`HostTable.watch_writes`).
@@ -639,7 +662,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         """
         if self._stale or self._leftover_unchanged():
             raise StateError(_GRADIENT_LEFT)
-        changed = self.weight.grad is self._grad and self._grad._version != self._placeholder_version
+        changed = (self.weight.grad is self._grad and not self._holds_kept_zero()
+                   and self._grad._version != self._placeholder_version)
         # A fused optimizer's scaler.step() hands it the inf check it made (found_inf) instead.
         # (A GradScaler's unscale_, which keeps the version, is seen by the exchange: the mark.)
         checked = getattr(optimizer, "found_inf", None) is not None
@@ -691,7 +715,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         dest = owners(self._looked_up.rows, self.bounds)
         order = torch.argsort(dest, stable=True)
         counts = torch.bincount(dest, minlength=self.world_size)
-        placeholder = self.weight.grad is self._grad
+        placeholder = self.weight.grad is self._grad and not self._holds_kept_zero()
         if placeholder:
             # The GradScaler's in-place unscale does not bump the placeholder's version (torch
             # 2.x): its marked element, which any rescaling changes, tells it. Read with the
@@ -704,10 +728,18 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         recv_counts, flags = self._exchange.begin(
             call, None, self._config(), _describe, what, send_counts=counts,
             expected=[sum(len(part) for part in parts) for parts in self._sent_to_me],
-            flags=_UNREACHED * (unreached is not None) | _REACHED * self._reached.any_reached())
+            flags=(_UNREACHED * (unreached is not None) | _REACHED * self._reached.any_reached()
+                   | _ZERO_KEPT * self._holds_kept_zero()))
         self._exchanged = True
         self._put_back = None
         if not flags & _REACHED:
+            if flags & _ZERO_KEPT:
+                # No backward reached the step, but the table's gradient is zeros
+                # (zero_grad(set_to_none=False)): torch steps it, counting the step as in
+                # memory, and every row goes back unchanged, as lazily in memory. On every rank.
+                self._keep_zero_grad()
+                self._put_back = torch.arange(self._owned.size, device=self.weight.device)
+                return
             # No backward reached a forward of this step on any rank: in memory the table would
             # have no gradient, and torch's step would skip it (Adam's step count included).
             self.weight.grad = None
@@ -733,6 +765,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 owned_grad.index_add_(0, slots[lo:hi], received[lo:hi, :self.embedding_dim])
         owned_grad.div_(self.world_size)
         self.weight.grad = self._grad
+        self._zero_kept = False
         if any_unreached:
             got = torch.zeros(k, dtype=torch.bool, device=grad.device)
             got[slots[received[:, -1] > 0]] = True
@@ -753,15 +786,15 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
 
         In memory a step (or a backward adding to it) would apply that gradient
         again, to rows written back since: the caller refuses it. One that
-        ``zero_grad(set_to_none=False)`` zeroed is dropped here, as
-        ``set_to_none=True`` drops it: a zero gradient steps no row lazily.
+        ``zero_grad(set_to_none=False)`` zeroed is kept as zeros (see
+        :meth:`_keep_zero_grad`): a step on it moves no row, lazily, but counts.
         """
         if self._leftover_version is None:
             return False
         if self.weight.grad is self._grad and self._grad._version == self._leftover_version:
             return True
         if self.weight.grad is self._grad:
-            self.weight.grad = None
+            self._keep_zero_grad()
         self._leftover_version = None
         return False
 
@@ -771,7 +804,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         placeholder[-1, -1] = self._mark
         self.weight.grad = placeholder
         self._placeholder_version = placeholder._version
-        self._leftover_version = None  # the placeholder replaced it
+        self._leftover_version, self._zero_kept = None, False  # the placeholder replaced them
 
     def _abort_step(self) -> None:
         """Undo a step whose optimizer raised, for a retry (as :class:`~speedswap.OffloadedEmbedding` does).
@@ -780,6 +813,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         owned row as before it; the owned rows, which the optimizer may have
         half updated, are read from the table again.
         """
+        self._put_back_dense_zero_grad()
         if self._narrowed is not None:
             self._restore_narrowed()
             self._gather_owned(0)
@@ -790,15 +824,25 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 self._put_back = None
                 self._set_placeholder()
 
+    def _put_back_dense_zero_grad(self):
+        if self._empty_sparse is not None:
+            self._empty_sparse.restore()
+            self._empty_sparse = None
+
     # The step protocol of StepHooks, which calls _abort_step() first (a retry of a step that raised).
     def _begin_step(self):
         if self._drop_zeroed_step():
             return
         if self._forwards == 0:
             # No gradient (forwards and zero_grad are on every rank alike): no step, no collective,
-            # unless the gradient is the last step's, which in memory would be applied again.
+            # unless the gradient is the last step's, which in memory would be applied again. A
+            # zero one torch steps on the scratch (Adam counts the step, as in memory).
             if self._leftover_unchanged():
                 raise StateError(_GRADIENT_LEFT)
+            if self._holds_kept_zero():
+                self._state.check_not_replaced()  # the scratch must be this state's, as at any step
+                if self._state.needs_sparse_grad:
+                    self._empty_sparse = EmptySparseGradient(self.weight)
             return
         error = None
         try:
@@ -825,6 +869,12 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
 
     def _end_step(self):
         if self._forwards == 0:
+            if self._empty_sparse is not None or self._holds_kept_zero():
+                # A step on the zero gradient alone (Adam counted it, as in memory) stepped the
+                # scratch only; torch's state for it becomes this state's scratch, as after any step.
+                self._put_back_dense_zero_grad()
+                self._state.release()
+                self._steps_since += 1  # a rank that took it alone is refused at its next call
             return
         rows, k = self._owned.rows, self._owned.size
         try:
@@ -844,8 +894,11 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self.table.scatter_validated(rows, self._full[:k].to(self.table.dtype))
         self._steps_since += 1
         stepped = self.weight.grad is not None  # None where no backward reached the step on any rank
+        zero = self._holds_kept_zero()  # a step on the kept zero gradient alone: it stays zeros, as in memory
         self._new_step()
-        if stepped:
+        if zero:
+            self._keep_zero_grad()
+        elif stepped:
             # As on a dense parameter, the step's gradient stays until zero_grad(): another step on
             # it is refused rather than let train what it would not in memory (see _leftover_unchanged).
             self.weight.grad = self._grad
@@ -1018,8 +1071,9 @@ _ATTACHED, _LOADED = 1, 2
 #: ``padding_idx=None`` for the ranks' comparison: no row id.
 _NO_PADDING = -1
 #: The exchange's flags: some rank's step has rows only unreached forwards looked up; some
-#: rank's backward reached a forward of the step.
-_UNREACHED, _REACHED = 1, 2
+#: rank's backward reached a forward of the step; some rank's gradient is the zeros
+#: zero_grad(set_to_none=False) left (torch steps the table then, counting the step).
+_UNREACHED, _REACHED, _ZERO_KEPT = 1, 2, 4
 
 
 def _plain(value):
@@ -1090,7 +1144,8 @@ def _note_backward(ref):
             return
         if embedding._exchanged:
             embedding._late_backward = True  # its gradient arrives after the exchange
-        elif embedding.weight.grad is None or embedding._leftover_version is not None:
+        elif (embedding.weight.grad is None or embedding._leftover_version is not None
+              or embedding._zero_kept):
             embedding._backward_ran = True
             # Not zeroed, the last step's gradient would be added to in memory: refused at the
             # step, unless a zero_grad() drops the step (and it) first.
