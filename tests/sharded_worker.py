@@ -22,8 +22,10 @@ import copy
 import datetime
 import json
 import os
+import shutil
 import sys
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -401,6 +403,38 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"savecall.rank{rank}.json"), "w") as f:
             json.dump({"errors": errors, "half_saved": half_saved}, f)
         name = "savecall"
+    elif kind == "oldleft":  # rank 0 cannot remove the earlier checkpoint once the new one is in place
+        emb, opt = make(name)
+        emb.load(table_file)
+        ckpt = os.path.join(out, "oldleft-ckpt")
+        emb.save(ckpt)
+        train(emb, opt, seed, range(2), world, rank)
+        saved = emb.table.to_numpy(copy=True)
+        rmtree = shutil.rmtree
+
+        def failing(path, *args, **kwargs):
+            if os.fspath(path).endswith(".old"):
+                raise PermissionError(13, "Permission denied (injected)", os.fspath(path))
+            return rmtree(path, *args, **kwargs)
+
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            if rank == 0:
+                shutil.rmtree = failing
+            try:
+                error = caught(lambda: emb.save(ckpt))
+            except OSError as exc:  # rank 0's own failure, not a SpeedswapError
+                error = {type(exc).__name__: str(exc)}
+            finally:
+                shutil.rmtree = rmtree
+        train(emb, opt, seed, range(2, 4), world, rank)
+        emb.load(ckpt)
+        loaded = bool(np.array_equal(emb.table.to_numpy(), saved))
+        emb.save(ckpt)  # the next save removes the leftover
+        with open(os.path.join(out, f"oldleft.rank{rank}.json"), "w") as f:
+            json.dump({"error": error, "warnings": [str(w.message) for w in warned], "loaded": loaded,
+                       "left": sorted(os.listdir(out)) if rank == 0 else []}, f)
+        return
     elif kind == "paths":    # each rank passes its own path: the save must fail, not half-succeed
         emb, opt = make(name)
         emb.load(table_file)

@@ -257,7 +257,8 @@ def mismatched_calls(tmp_path_factory):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     print(f"mismatched_calls seed {seed}")
     assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
-                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "outsider:sgd", "twockpts:adam", "mixedload:sgd", "order:sgd"))
+                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "outsider:sgd", "twockpts:adam", "mixedload:sgd", "order:sgd",
+                     "oldleft:sgd"))
     return out, seed
 
 
@@ -292,6 +293,19 @@ def test_a_save_to_another_path_on_each_rank_fails_and_keeps_the_earlier_checkpo
     assert "shards of rank(s) [1] are not in" in stale["PathError"]
     assert "rank(s) [0]" in stale1["StateError"]
     assert all(r["kept"] for r in results)  # the earlier checkpoint loads, unchanged
+
+
+def test_a_save_whose_earlier_checkpoint_cannot_be_removed_succeeds_on_every_rank(mismatched_calls):
+    """The new checkpoint was in place when rank 0 failed to remove the earlier one (moved aside to
+    <path>.old): every rank reported the save as failed (rank 0 the OSError, rank 1 a StateError),
+    though it loads. It succeeds, rank 0 warning of the leftover, which the next save removes."""
+    out, _ = mismatched_calls
+    results = [json.loads((out / f"oldleft.rank{r}.json").read_text()) for r in range(2)]
+    assert [r["error"] for r in results] == [{}, {}]
+    assert [r["loaded"] for r in results] == [True, True]
+    assert len(results[0]["warnings"]) == 1 and "oldleft-ckpt.old" in results[0]["warnings"][0]
+    assert "injected" in results[0]["warnings"][0] and not results[1]["warnings"]
+    assert [name for name in results[0]["left"] if name.startswith("oldleft-ckpt")] == ["oldleft-ckpt"]
 
 
 def test_ranks_with_unlike_embeddings_or_optimizers_raise_before_any_row_moves(mismatched_calls):

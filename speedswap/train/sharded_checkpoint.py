@@ -39,7 +39,7 @@ import torch
 
 from .. import atomic, files
 from ..backends import available_ram
-from ..errors import DTypeError, FileFormatError, PathError, StateError
+from ..errors import DTypeError, FileFormatError, PathError, StateError, warn
 from .caching import rewriting
 from .exchange import Exchange, row_bounds
 
@@ -242,7 +242,14 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
             except BaseException:
                 os.rename(old, path)  # the earlier checkpoint back where it was
                 raise
-            shutil.rmtree(old)
+            try:
+                shutil.rmtree(old)
+            except OSError as exc:
+                # The new checkpoint is in place: the save succeeded on every rank, and only the
+                # earlier one's space is still taken (the next save to path removes it first).
+                warn(f"checkpoint {path!r} is saved, but the earlier one, moved aside to {old!r}, "
+                     f"could not be removed ({exc}); delete it to free its space (the next save to "
+                     f"{path!r} removes it too)")
         else:
             os.rename(partial, path)
 
