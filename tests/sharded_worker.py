@@ -297,6 +297,27 @@ def run_scenario(scenario, seed, world, rank, out):
         emb.load(os.path.join(out, name))
         train(emb, opt, seed, range(SAVE_AT, STEPS), world, rank)
         name = f"{name}-resumed"
+    elif kind == "staged":   # load another world size's checkpoint (and a .npy), recording what is staged
+        from speedswap import files
+        from speedswap.train import sharded_checkpoint
+        emb, opt = make("adam")
+        stage, ram = files.stage_table, sharded_checkpoint.available_ram
+        staged = []
+
+        def recording(path, header, dataset, table_dtype, ram_available, **kwargs):
+            rows = stage(path, header, dataset, table_dtype, ram_available, **kwargs)
+            staged.append([os.path.basename(path), ram_available, None if rows.rows is None else len(rows.rows)])
+            return rows
+
+        files.stage_table, sharded_checkpoint.available_ram = recording, lambda: 1 << 40
+        try:
+            emb.load(os.path.join(out, name))
+            emb.load(table_file)
+        finally:
+            files.stage_table, sharded_checkpoint.available_ram = stage, ram
+        with open(os.path.join(out, f"staged.rank{rank}.json"), "w") as f:
+            json.dump({"staged": staged, "owned": len(emb.row_range)}, f)
+        return
     elif kind == "bad":      # rank 1 passes an id out of range at step 3, then good ids
         def out_of_range(ids):
             bad = ids.clone()

@@ -155,7 +155,7 @@ def two_ranks(three_ranks):
     train a table with a padding row, and end with an error rank 1 does not catch."""
     out, seed = three_ranks
     started = time.monotonic()
-    results = launch(2, out, seed, "resume:ckpt-3", "bad:adam", "mode:adam", "npyfail:sgd",
+    results = launch(2, out, seed, "resume:ckpt-3", "staged:ckpt-3", "bad:adam", "mode:adam", "npyfail:sgd",
                      "disagree:adam", "padding:adamw", "clip:sgd", "zerokept:adam", "crash:sgd")
     return out, seed, results, time.monotonic() - started
 
@@ -163,6 +163,21 @@ def two_ranks(three_ranks):
 def test_resume_three_rank_checkpoint_on_two_ranks(two_ranks):
     out, seed, *_ = two_ranks
     assert_same(gathered(out, "ckpt-3-resumed", 2), reference("adam", seed))
+
+
+def test_a_resharding_load_holds_only_the_rows_each_rank_owns_in_its_part_of_the_ram(two_ranks):
+    """Each of two ranks staged every three-rank shard it overlaps whole (rank 0: 201 rows of each
+    table for its 151), each deciding against half of the free RAM as if alone on the machine."""
+    out, *_ = two_ranks
+    for rank in range(2):
+        result = json.loads((out / f"staged.rank{rank}.json").read_text())
+        held = {}
+        for file, ram, rows in result["staged"]:
+            assert ram == (1 << 40) // 2, file  # both ranks run on this machine
+            held[file.split(".rank")[0]] = held.get(file.split(".rank")[0], 0) + rows
+        owned = result["owned"]
+        assert held == {"table": owned, "optimizer.exp_avg": owned, "optimizer.exp_avg_sq": owned,
+                        "table0.npy": owned}
 
 
 def test_bad_input_on_one_rank_raises_everywhere_and_changes_nothing(two_ranks):

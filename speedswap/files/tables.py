@@ -373,9 +373,12 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
             only verified, recording the file's identity and change times and
             each chunk's CRC-32, and read again by :meth:`StagedRows.commit`.
         crc32: the CRC-32 of the stored bytes recorded when it was saved,
-            checked when given (it covers the whole file: not with ``rows``).
-        rows: only these rows of the file (a shard's share of a whole table);
-            commit them with ``commit(table, rows=rows, at=...)``.
+            checked when given. It covers the whole file: with ``rows`` too,
+            every row is read to check it, and only ``rows`` are held.
+        rows: only these rows of the file (a shard's share of a whole table),
+            the only ones read unless ``crc32`` is given; commit them with
+            ``commit(table, rows=rows, at=...)``. The RAM they need decides
+            whether they are held.
 
     Returns:
         StagedRows
@@ -391,7 +394,9 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
     shape = (len(rows), *header.shape[1:])
     in_memory = int(np.prod(shape, dtype=np.int64)) * header.dtype.itemsize <= STAGE_RAM_SHARE * ram_available
     held = np.empty(shape, dtype=native_dtype(header.dtype)) if in_memory else None
-    ranges = [(rows.start + a, rows.start + b) for a, b in row_ranges(shape, header.dtype)]
+    read = range(header.shape[0]) if crc32 is not None else rows  # a CRC-32 covers every row
+    ranges = [(read.start + a, read.start + b)
+              for a, b in row_ranges((len(read), *header.shape[1:]), header.dtype)]
     version, chunks = None, []
     if held is None:  # commit reads the file again: it must find what is verified here
         try:
@@ -405,7 +410,9 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
         if crc32 is not None or held is None:
             crc = crc32_of(chunk, crc)
         if held is not None:
-            held[start - rows.start:stop - rows.start] = chunk
+            lo, hi = max(start, rows.start), min(stop, rows.stop)
+            if lo < hi:
+                held[lo - rows.start:hi - rows.start] = chunk[lo - start:hi - start]
         else:
             chunks.append((start, stop, crc))
     if crc32 is not None and crc != crc32:

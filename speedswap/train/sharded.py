@@ -50,8 +50,8 @@ from .options import embedding_flags, forward_ids, padding_option, refuse_max_no
 from .reached import KeptRows, ReachedRows
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, drop_leftover_state, row_state_spec
 from .step_hooks import StepHooks
-from .sharded_checkpoint import (all_unchanged, load_shards, run_everywhere, save_shards,
-                                 stage_table_rows)
+from .sharded_checkpoint import (all_unchanged, load_shards, ranks_on_this_machine, run_everywhere,
+                                 save_shards, stage_table_rows)
 from .working_set import WorkingSet
 
 __all__ = ["ShardedOffloadedEmbedding"]
@@ -1013,8 +1013,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         """Restore a checkpoint written by :meth:`save` with any world size, or a ``.npy`` table.
 
         A collective. Each rank reads every saved shard that overlaps the
-        rows it now owns, whole (to verify its CRC-32 before any row changes,
-        held in RAM where it fits), and copies those rows from it. With an
+        rows it now owns, whole (to verify its CRC-32 before any row changes),
+        holding only those rows (in RAM where they fit in this rank's part of
+        it), and copies them. With an
         optimizer attached (the class that saved), its per-row state and step
         count are restored too; without one, the rows alone (for evaluation).
         A ``*.npy`` file (not a directory) holds a whole table (pretrained
@@ -1032,9 +1033,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         whole_table = path.endswith(".npy") and not os.path.isdir(path)
         self._begin_between_steps(LOAD_TABLE if whole_table else LOAD, "load")
         if whole_table:
+            sharing = ranks_on_this_machine(self._exchange)
             # Every rank stages its rows before any rank commits: all ranks load, or none.
             staged = run_everywhere(self._exchange, f"checking {os.fspath(path)!r}", lambda: stage_table_rows(
-                path, self.table, self.row_range, self.num_embeddings))
+                path, self.table, self.row_range, self.num_embeddings, sharing))
             run_everywhere(self._exchange, f"checking {os.fspath(path)!r} again",
                            lambda: all_unchanged([staged]))
             run_everywhere(self._exchange, f"loading {os.fspath(path)!r}",

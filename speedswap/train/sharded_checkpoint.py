@@ -20,11 +20,12 @@ disk for one machine; NFS, Lustre or similar across machines).
 **Resharding.** Loading does not require the saving world size: each rank
 works out which saved shards overlap the rows it owns now, checks every
 header, reads each of those shards once to verify its CRC-32 (and, into a
-bfloat16 table, that its values are bfloat16 values), holding it in RAM
-where it fits, and only then, all ranks having succeeded, copies the
-overlaps (with the manifest read in the same check): a corrupt byte changes
-no row, and a file lost after the check changes none either. A shard too
-large to hold is read again for the copy, as
+bfloat16 table, that its values are bfloat16 values), holding only the rows
+it owns, in RAM where they fit in its part of the free RAM (the ranks on one
+machine share it), and only then, all ranks having succeeded, copies them
+(with the manifest read in the same check): a corrupt byte changes no row,
+and a file lost after the check changes none either. Rows too large to hold
+are read again for the copy, as
 :mod:`speedswap.train.checkpoint` does. One process can read the whole checkpoint into a plain
 :class:`~speedswap.OffloadedEmbedding` (:func:`load_sharded`).
 """
@@ -33,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import zlib
 
 import torch
@@ -44,7 +46,7 @@ from .caching import rewriting
 from .exchange import Exchange, row_bounds
 
 __all__ = ["save_shards", "load_shards", "all_unchanged", "stage_table_rows", "load_sharded", "run_everywhere",
-           "MANIFEST"]
+           "ranks_on_this_machine", "MANIFEST"]
 
 MANIFEST = "manifest.json"
 _FORMAT = "speedswap-sharded-1"
@@ -105,14 +107,23 @@ def _shard_checksums(path, rank, manifest) -> dict:
                               f"checkpoint is corrupt; restore it from a backup") from exc
 
 
-def _stage(source, header, table, crc32) -> files.StagedRows:
-    """Read and verify a ``.npy`` table file before a load changes any row.
+def _stage(source, header, table, crc32, rows, sharing) -> files.StagedRows:
+    """Read and verify a ``.npy`` shard file before a load changes any row; hold its ``rows``.
 
-    Checks its CRC-32 when given and, for a bfloat16 table, that its values
-    are bfloat16 values. The rows are held in RAM where they fit, so the
-    copy that follows reads no file and cannot fail midway.
+    Checks its CRC-32 when given (reading every row) and, for a bfloat16
+    table, that its values are bfloat16 values. The rows this rank loads
+    from it are held in RAM where they fit in this rank's part of it (the
+    ``sharing`` ranks on this machine stage at once), so the copy that
+    follows reads no file and cannot fail midway.
     """
-    return files.stage_table(source, header, "table", table.dtype, available_ram(), crc32=crc32)
+    return files.stage_table(source, header, "table", table.dtype, available_ram() // sharing,
+                             crc32=crc32, rows=rows)
+
+
+def ranks_on_this_machine(exchange) -> int:
+    """How many ranks of the group run on this machine (by host name; a collective)."""
+    host = zlib.crc32(socket.gethostname().encode())
+    return len(next(group for group in exchange.ranks_by_value(host) if exchange.rank in group))
 
 
 def _scalar_state(row_state):
@@ -297,8 +308,8 @@ def read_manifest(path) -> dict:
     return manifest
 
 
-def _plan(path, manifest, tables, row_state, rows, num_embeddings):
-    """``[(table, file, header, file_start, table_start, count)]``: what to copy, all checked."""
+def _plan(path, manifest, tables, row_state, rows, num_embeddings, sharing):
+    """``[(staged, table, file rows, table start)]``: what to copy, all checked (see :func:`_stage`)."""
     dim = tables["table"].dim
     dtype = str(tables["table"].dtype).replace("torch.", "")
     stored = (manifest["num_embeddings"], manifest["embedding_dim"], manifest["dtype"])
@@ -328,8 +339,9 @@ def _plan(path, manifest, tables, row_state, rows, num_embeddings):
             header = files.read_npy_header(source)
             files.check_table_matches(header, (bounds[rank + 1] - bounds[rank], dim), table.dtype,
                                       source)
-            plan.append((_stage(source, header, table, checksums.get(name)), table,
-                         range(lo - bounds[rank], hi - bounds[rank]), lo - rows.start))
+            file_rows = range(lo - bounds[rank], hi - bounds[rank])
+            plan.append((_stage(source, header, table, checksums.get(name), file_rows, sharing), table,
+                         file_rows, lo - rows.start))
     return plan
 
 
@@ -365,10 +377,13 @@ def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None
         StateError: the ranks read different checkpoints (another ``path``
             on some rank), on every rank, before any row changes.
     """
+    # Ranks on one machine stage their rows at once, each seeing the same free RAM.
+    sharing = ranks_on_this_machine(exchange)
+
     def check():
         manifest = read_manifest(path)
         fingerprint = _fingerprint(path, manifest)
-        return manifest, _plan(path, manifest, tables, row_state, rows, num_embeddings), fingerprint
+        return manifest, _plan(path, manifest, tables, row_state, rows, num_embeddings, sharing), fingerprint
 
     manifest, plan, fingerprint = run_everywhere(exchange, f"checking checkpoint {os.fspath(path)!r}",
                                                  check)
@@ -418,12 +433,14 @@ def all_unchanged(staged) -> None:
         rows.check_unchanged()
 
 
-def stage_table_rows(path, table, rows, num_embeddings) -> files.StagedRows:
+def stage_table_rows(path, table, rows, num_embeddings, sharing) -> files.StagedRows:
     """Read and check rows ``rows`` of the whole-table ``.npy`` file ``path``, for ``table``.
 
     Only this rank's rows are read: an export holds every rank's rows, and
     each rank reading all of them would multiply the I/O by the world size.
-    Nothing changes until the result is committed
+    They are held in RAM where they fit in this rank's part of it (the
+    ``sharing`` ranks on this machine, :func:`ranks_on_this_machine`, stage
+    at once). Nothing changes until the result is committed
     (``commit(table, rows=rows, at=0)``), which every rank does only once
     every rank has staged its rows.
 
@@ -434,7 +451,8 @@ def stage_table_rows(path, table, rows, num_embeddings) -> files.StagedRows:
     """
     header = files.read_npy_header(path)
     files.check_table_matches(header, (num_embeddings, table.dim), table.dtype, path)
-    return files.stage_table(os.fspath(path), header, "table", table.dtype, available_ram(), rows=rows)
+    return files.stage_table(os.fspath(path), header, "table", table.dtype, available_ram() // sharing,
+                             rows=rows)
 
 
 def load_sharded(path, embedding) -> None:
