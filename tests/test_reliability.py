@@ -274,27 +274,29 @@ def test_mmap_embedding_reattaches_over_its_own_state_files(rng, tmp_path):
         np.testing.assert_array_equal(np.load(table.path), table.to_numpy())
 
 
-def test_a_refused_mmap_reattach_leaves_the_old_optimizer_attached(rng, tmp_path):
+@pytest.mark.parametrize("kind, folder", [(ss.OffloadedEmbedding, ""), (ss.ShardedOffloadedEmbedding, "rank0")])
+def test_a_refused_mmap_reattach_leaves_the_old_optimizer_attached(rng, tmp_path, kind, folder):
     # A file the new optimizer's state would replace is refused before the old state is closed:
-    # the old optimizer trains on as if the attach had never been tried.
+    # the old optimizer trains on as if the attach had never been tried. (The sharded one's
+    # refusal came after, and the next forward said to attach.)
     table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
     batches = zipf_batches(rng, 12, "cpu")
     make = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
-    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="mmap", path=tmp_path,
-                                backend="numpy")
+    emb = kind(NUM_ROWS, DIM, max_rows=CAPACITY, storage="mmap", path=tmp_path, backend="numpy")
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     opt = make(emb.parameters())
     emb.attach(opt)
     stranger = rng.standard_normal((3, 2))
+    stray = tmp_path / folder / "exp_avg.npy"
     for step, (pos, neg, ctx) in enumerate(batches):
         if step == 6:
-            np.save(tmp_path / "exp_avg.npy", stranger)
+            np.save(stray, stranger)
             with pytest.raises(PathError, match="exp_avg.npy"):
                 emb.attach(torch.optim.Adam(emb.parameters(), lr=0.01))
         skipgram_loss(emb(pos), emb(neg), ctx).backward()
         opt.step()
         opt.zero_grad()
-    np.testing.assert_array_equal(np.load(tmp_path / "exp_avg.npy"), stranger)
+    np.testing.assert_array_equal(np.load(stray), stranger)
     expected, expected_state = run_in_memory(make, table0, batches, "cpu",
                                              initial_state=lambda name, group: 0.0)
     np.testing.assert_allclose(emb.table.to_numpy(), expected, **TOL)

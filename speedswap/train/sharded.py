@@ -48,7 +48,7 @@ from .module_state import check_tables_state, copy_tables, tables_state, unpickl
 from .one_optimizer import claim
 from .options import embedding_flags, forward_ids, padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows
-from .row_state import EmptySparseGradient, NarrowedStep, RowState, drop_leftover_state, row_state_spec
+from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
 from .step_hooks import StepHooks
 from .sharded_checkpoint import (all_unchanged, load_shards, ranks_on_this_machine, run_everywhere,
                                  save_shards, stage_table_rows)
@@ -440,10 +440,15 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             DTypeError: ``optimizer`` is not an optimizer (its class, or the parameters).
             OptionError: the optimizer does not hold :attr:`weight`, or its
                 state is not element-wise. Nothing changes.
+            PathError: with ``storage="mmap"``, a file the new state would
+                replace exists and this embedding did not create it. Nothing
+                changes: the optimizer attached before stays.
             StateError: between a training forward and the step.
         """
         self._check_between_steps("attach")
-        row_state_spec(optimizer, self.weight)  # refuse an unsupported optimizer before any change
+        # An unsupported optimizer, or a file the new state may not replace, is refused before
+        # the old state is closed.
+        check_state_files(optimizer, self.weight, self._storage, self._path, self._created)
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
