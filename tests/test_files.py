@@ -133,6 +133,30 @@ def test_malformed_npy_is_refused(backend, values, tmp_path, make, message):
         ss.HostTable.load(path, backend=backend)
 
 
+def _damage_header(path, values, at, new):
+    ss.HostTable.from_numpy(values, backend="numpy").save(path)  # header format 2.0, as checkpoints'
+    raw = bytearray(path.read_bytes())
+    raw[at:at + len(new)] = new
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("at, new", [
+    (8, b"\x20"),  # the header's length cut to 32 bytes, mid-dict: tokenize's TokenError
+    (23, b","),  # descr ',f4', which numpy's dtype parser answers with a SyntaxError
+], ids=["header-cut-short", "descr-damaged"])
+def test_a_damaged_npy_header_is_a_file_format_error_and_the_table_keeps_its_rows(
+        backend, values, tmp_path, at, new):
+    """numpy reads a header through tokenize and its dtype parser, which raise TokenError and
+    SyntaxError (no ValueError) for some damage; both reached the caller raw."""
+    path = tmp_path / "bad.npy"
+    _damage_header(path, values, at, new)
+    table = ss.HostTable.from_numpy(values[::-1].copy(), backend=backend)
+    with pytest.raises(ss.FileFormatError, match="not a valid .npy") as info:
+        table.load_from(path)
+    assert isinstance(info.value, OSError)
+    np.testing.assert_array_equal(table.to_numpy(), values[::-1])
+
+
 def test_h5_without_the_dataset_is_refused(backend, values, tmp_path):
     path = tmp_path / "t.h5"
     with h5py.File(path, "w") as f:

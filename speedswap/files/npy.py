@@ -5,6 +5,7 @@ import math
 import os
 import sys
 import threading
+import tokenize
 from typing import Optional
 
 import numpy as np
@@ -58,7 +59,9 @@ def read_npy_header(path):
                     shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
                 else:  # a layout numpy itself does not read
                     raise ValueError(f"format version {version}; numpy writes 1.0, 2.0 and 3.0")
-        except ValueError as exc:
+        # numpy answers some damaged headers from tokenize (a header cut mid-dict) or its dtype
+        # parser (descr ',f4') with their own errors, not a ValueError.
+        except (ValueError, SyntaxError, tokenize.TokenError) as exc:
             raise FileFormatError(f"{path!r} is not a valid .npy file ({exc}); "
                                   f"write it with numpy.save") from exc
         offset = f.tell()
