@@ -437,3 +437,35 @@ def test_sigkill_during_saves_of_a_large_table_leaves_a_whole_file(suffix, tmp_p
     with ss.HostTable.load(path, backend="numpy") as loaded:
         loaded.save(path)  # a later save removes the killed saves' temporaries
     assert not [e for e in os.listdir(tmp_path) if e.endswith(".tmp")]
+
+
+def test_a_save_whose_old_version_cannot_be_removed_after_the_commit_succeeds(rng, tmp_path, monkeypatch):
+    """Once CURRENT names the new version the save has happened, whatever befalls the old one.
+
+    ``shutil.rmtree(ignore_errors=True)`` still raises where its first ``os.fstat``
+    fails (CPython 3.11 calls it outside its error handler): the save raised
+    PathError "Any previous file at that path is intact" over the new checkpoint.
+    """
+    import shutil
+    saver, path, old = _prepared("embedding-dir", False, rng, tmp_path)
+    _fill(saver.tables().values(), rng)
+    new = _content(saver.tables())
+    removing = [False]
+    rmtree, fstat = shutil.rmtree, os.fstat
+
+    def flagged_rmtree(*args, **kwargs):
+        removing[0] = True
+        try:
+            return rmtree(*args, **kwargs)
+        finally:
+            removing[0] = False
+
+    def fstat_failing_in_rmtree(fd):
+        if removing[0]:
+            raise Injected(errno.EIO, "injected failure")
+        return fstat(fd)
+    monkeypatch.setattr(shutil, "rmtree", flagged_rmtree)
+    monkeypatch.setattr(os, "fstat", fstat_failing_in_rmtree)
+    saver.save(path)
+    monkeypatch.undo()
+    assert _holds(saver, path, new)

@@ -260,11 +260,18 @@ def _write_pointer(directory, name):
 
 
 def _remove_old_versions(path, keep, legacy):
-    """Remove versions other than ``keep`` (and the files of a pre-version checkpoint)."""
-    for entry in os.listdir(path):
-        if _VERSION.fullmatch(entry) and entry != keep:
-            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
-    if legacy:  # after the commit a failure here only leaves files behind: never raise
+    """Remove versions other than ``keep`` (and the files of a pre-version checkpoint).
+
+    After the commit a failure here only leaves files behind (the next save
+    removes them): it never raises. ``ignore_errors`` is not enough for that:
+    CPython 3.11's ``rmtree`` calls its first ``os.fstat`` outside its error handler.
+    """
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(path):
+            if _VERSION.fullmatch(entry) and entry != keep:
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+    if legacy:
         with contextlib.suppress(OSError, ValueError):
             with open(os.path.join(path, _MANIFEST)) as f:
                 names = json.load(f).get("tables", [])
