@@ -165,6 +165,19 @@ def test_h5_without_the_dataset_is_refused(backend, values, tmp_path):
         ss.HostTable.load(path, backend=backend)
 
 
+def test_h5_dataset_of_a_type_numpy_cannot_hold_is_a_file_format_error(backend, values, tmp_path):
+    """h5py answers a datatype without a numpy equivalent (HDF5's time type; a damaged datatype or
+    attribute encoding alike) with a TypeError, which escaped the loads raw."""
+    path = tmp_path / "t.h5"
+    with h5py.File(path, "w") as f:
+        h5py.h5d.create(f.id, b"table", h5py.h5t.UNIX_D32LE, h5py.h5s.create_simple(values.shape))
+    table = ss.HostTable.from_numpy(values, backend=backend)
+    for load in (lambda: ss.HostTable.load(path, backend=backend), lambda: table.load_from(path)):
+        with pytest.raises(ss.FileFormatError, match="TypeTimeID"):
+            load()
+    np.testing.assert_array_equal(table.to_numpy(), values)
+
+
 def test_h5_compressed_with_a_filter_not_installed_here_is_refused_as_such(backend, values, tmp_path):
     """A dataset compressed by a plugin filter (Blosc, Zstandard: PyTables' and others' defaults) that
     HDF5 cannot load here was called corrupt, once its first chunk failed to read."""

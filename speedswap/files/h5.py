@@ -142,8 +142,8 @@ def open_h5(path):
     """Open an HDF5 file for reading, for a ``with`` block (h5py is imported only when HDF5 is used).
 
     What h5py raises inside the block (a damaged file opens, then fails when
-    its attributes, names or rows are read: ``KeyError``, ``OSError``,
-    ``RuntimeError``, ``ValueError``) becomes a :class:`FileFormatError`.
+    its attributes, names, types or rows are read: ``KeyError``, ``OSError``,
+    ``RuntimeError``, ``TypeError``, ``ValueError``) becomes a :class:`FileFormatError`.
 
     Raises:
         MissingFileError, PathError: no such file, a directory, not a regular file
@@ -169,7 +169,8 @@ def open_h5(path):
             yield f
     except SpeedswapError:
         raise
-    except (KeyError, OSError, RuntimeError, ValueError) as exc:
+    except (KeyError, OSError, RuntimeError, TypeError, ValueError) as exc:
+        # TypeError: a datatype numpy has no equivalent for (HDF5's time type, a damaged one).
         raise reading_error(path, exc) from exc
 
 
