@@ -966,6 +966,19 @@ def test_a_damaged_h5_checkpoint_raises_file_format_errors_and_is_not_replaced(t
         emb.save(path)  # someone's damaged file is never replaced: delete it first
 
 
+def test_an_h5_checkpoint_with_a_table_name_that_is_not_text_is_a_file_format_error(tmp_path, rng):
+    """h5py lists a name that is not UTF-8 (one flipped bit in it) as bytes, beside the others' str:
+    sorting the names for the message raised a raw TypeError."""
+    emb, path = _saved_h5(tmp_path, rng)
+    with h5py.File(path, "r+") as f:
+        f.move("optimizer.exp_avg", b"optimizer.exp_av\xe7")
+    before = {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
+    with pytest.raises(ss.FileFormatError, match="holds tables"):
+        emb.load(path)
+    for name, t in emb._tables().items():
+        np.testing.assert_array_equal(t.to_numpy(), before[name])
+
+
 @pytest.mark.parametrize("content", [b"", b"not a torch file at all" * 10])
 def test_model_factory_load_torch_of_a_file_torch_cannot_read_is_a_file_format_error(tmp_path, content):
     path = tmp_path / "weights.pt"

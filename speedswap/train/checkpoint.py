@@ -421,7 +421,8 @@ def _stage_all(path, tables, attrs):
     stored_attrs, sources = _read_manifest(path)
     _check_attrs(path, stored_attrs, attrs)
     if set(sources) != set(tables):
-        raise FileFormatError(f"{os.fspath(path)!r} holds tables {sorted(sources)}, expected "
+        # key=str: h5py lists a name that is not UTF-8 (a damaged one) as bytes, beside str names.
+        raise FileFormatError(f"{os.fspath(path)!r} holds tables {sorted(sources, key=str)}, expected "
                               f"{sorted(tables)}; was it saved by another model or optimizer?")
     headers = {}
     for name, table in tables.items():
