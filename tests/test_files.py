@@ -157,6 +157,26 @@ def test_a_damaged_npy_header_is_a_file_format_error_and_the_table_keeps_its_row
     np.testing.assert_array_equal(table.to_numpy(), values[::-1])
 
 
+def test_a_read_error_in_an_npy_header_is_a_file_format_error_and_the_table_keeps_its_rows(
+        backend, values, tmp_path, monkeypatch):
+    """A failing disk (EIO) under the header's read escaped as the raw OSError, where the same
+    error under the rows' read is a FileFormatError."""
+    import errno
+    import io
+    from speedswap.files import npy
+    path = tmp_path / "t.npy"
+    np.save(path, values)
+
+    class FailingReads(io.FileIO):
+        def read(self, *args):
+            raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(npy, "open", lambda name, mode: FailingReads(name, mode), raising=False)
+    table = ss.HostTable.from_numpy(values[::-1].copy(), backend=backend)
+    with pytest.raises(ss.FileFormatError, match="could not be read.*Input/output error"):
+        table.load_from(path)
+    np.testing.assert_array_equal(table.to_numpy(), values[::-1])
+
+
 def test_h5_without_the_dataset_is_refused(backend, values, tmp_path):
     path = tmp_path / "t.h5"
     with h5py.File(path, "w") as f:

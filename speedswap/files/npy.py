@@ -37,8 +37,8 @@ def read_npy_header(path):
 
     Raises:
         FileFormatError: not a ``.npy`` file, Fortran order, object or record
-            dtype, a negative dimension, or a file shorter or longer than its
-            header says.
+            dtype, a negative dimension, a file shorter or longer than its
+            header says, or the header could not be read (a failing disk).
         MissingFileError: the file does not exist.
         PathError: ``path`` is a directory or another file that is not a
             regular one (a named pipe, whose open would wait for a writer),
@@ -64,6 +64,8 @@ def read_npy_header(path):
         except (ValueError, SyntaxError, tokenize.TokenError) as exc:
             raise FileFormatError(f"{path!r} is not a valid .npy file ({exc}); "
                                   f"write it with numpy.save") from exc
+        except OSError as exc:  # a failing disk: as for a read of the rows
+            raise reading_error(path, exc) from exc
         offset = f.tell()
     check_dtype(dtype, path)
     if fortran and len(shape) > 1:
