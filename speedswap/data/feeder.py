@@ -182,7 +182,7 @@ def _resolve_ranks(rank, world_size):
     else:
         rank, given = 0 if rank is None else rank, ""
     ranks = f"ranks are 0 .. {world_size - 1} in a world of {world_size}"
-    rank = int_option(rank, "rank", minimum=0, hint=f" ({ranks})")
+    rank = int_option(rank, "rank", minimum=0, hint=f" (outside the world: {ranks})")
     if rank >= world_size:
         raise OptionError(f"rank {rank!r} is outside the world: {ranks}{given}")
     return rank, world_size
