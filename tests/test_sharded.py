@@ -528,8 +528,10 @@ def test_word2vec_example_under_torchrun(tmp_path):
     assert figures["topic_purity"] > 0.6 and figures["topic_purity"] > 8 * figures["chance"]
     assert figures["losses"][-1][1] < 0.7 * figures["losses"][0][1]
     # Per pair, as one process reports it: zero context vectors make the first
-    # loss log 2 for the positive and for each of the 5 negatives.
-    assert figures["losses"][0][1] == pytest.approx(6 * math.log(2), rel=1e-5)
+    # loss log 2 for the positive and for each of the 5 negatives, less the few
+    # negatives that drew the pair's own context word, which are skipped as in
+    # word2vec.c (here about 0.2% of them).
+    assert 5.9 * math.log(2) < figures["losses"][0][1] <= 6 * math.log(2) * (1 + 1e-6)
     assert figures["bytes_sent_per_step"] > 0
 
 
