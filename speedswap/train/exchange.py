@@ -218,7 +218,10 @@ class Exchange:
                              f"attach the same optimizer class with the same hyperparameters on every "
                              f"rank at the same point (a rank that attached alone restarted its "
                              f"optimizer state: attach() on every rank to restart it everywhere, or "
-                             f"load() a checkpoint on every rank). No row changed")
+                             f"load() a checkpoint on every rank; step counts that differ come from a "
+                             f"step one rank took and another skipped, such as a step with no forward "
+                             f"after zero_grad(set_to_none=False) on one rank and zero_grad() on "
+                             f"another: zero gradients alike on every rank). No row changed")
         base = 3 + len(config)
         if expected is not None:
             wrong = [(s, r, table[s][base + r], table[r][base + world + s])
