@@ -333,6 +333,19 @@ def test_a_state_dict_without_the_table_is_reported_missing_with_a_hint(rng):
     np.testing.assert_array_equal(model.emb.table.to_numpy(), before)
 
 
+@pytest.mark.parametrize("key", ["format", "version", "kind", "num_embeddings", "embedding_dim", "dtype",
+                                 "optimizer"])
+def test_an_array_in_a_field_of_the_table_state_is_a_file_format_error(key, rng):
+    """A state dict whose fields were changed into arrays raised numpy's 'truth value of an array
+    is ambiguous' ValueError from the comparisons."""
+    for emb in (offloaded("pageable", torch.float32, 0, None).emb, sharded()):
+        before = emb.table.to_numpy(copy=True)
+        state = {**emb.get_extra_state(), key: np.zeros((2, 2))}
+        with pytest.raises(ss.FileFormatError):
+            emb.set_extra_state(state)
+        np.testing.assert_array_equal(emb.table.to_numpy(), before)
+
+
 def test_an_nn_embedding_state_dict_is_reported_with_how_to_copy_its_table_in(rng):
     """A model moving over from nn.Embedding: its whole-table 'weight' is not loaded, and the hint
     said it came from an older speedswap and to emb.load(path) a file the user never had."""

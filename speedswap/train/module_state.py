@@ -25,6 +25,7 @@ embedding whose state is refused cannot undo those loaded before it.
 """
 
 import copy
+import numbers
 import threading
 from collections.abc import Mapping
 from typing import Optional
@@ -90,10 +91,15 @@ def check_tables_state(state, kind: str, tables: dict, optimizer: str, num_embed
         ShapeError: another table size.
         DTypeError: another dtype.
     """
-    if not isinstance(state, Mapping) or state.get("format") != FORMAT:
+    if not isinstance(state, Mapping) or not _is_plain(state.get("format")) or state.get("format") != FORMAT:
         raise FileFormatError(f"the state dict's {kind} entry is not a speedswap table state "
                               f"(got {type(state).__name__}); load a state dict that "
                               f"{kind}.state_dict() returned")
+    odd = sorted(str(key) for key, value in state.items() if key != "tables" and not _is_plain(value))
+    if odd:  # an array there would compare element-wise below, and raise numpy's ValueError
+        raise FileFormatError(f"the state dict's {kind} entry holds {', '.join(odd)} that are not plain "
+                              f"numbers or names (an array or tensor, say): it was changed after "
+                              f"{kind}.state_dict() made it; load a state dict as state_dict() returned it")
     if not isinstance(state.get("version"), int) or state["version"] > VERSION:
         raise FileFormatError(f"the state dict's {kind} table was written in format version "
                               f"{state.get('version')!r}, newer than this speedswap's {VERSION}; "
@@ -284,6 +290,13 @@ def rows_only(state_dict):
             tables = value.get("tables") or {}
             out[key] = {**value, "optimizer": "", "tables": {k: v for k, v in tables.items() if k == "table"}}
     return out
+
+
+def _is_plain(value) -> bool:
+    """Whether ``value`` is what :func:`tables_state` writes beside the tables: a number, a name, None, a list of them."""
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    return value is None or isinstance(value, (str, numbers.Number))
 
 
 def _plain(value):
