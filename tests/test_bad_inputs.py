@@ -642,6 +642,12 @@ def test_a_path_given_as_bytes_is_the_path_it_spells(rng, tmp_path):
     with ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="pageable", backend="numpy") as emb:
         emb.save(os.fsencode(tmp_path / "ckpt"))
         assert (tmp_path / "ckpt").is_dir()
+    # DataGadget and from_pretrained took bytes for the data itself ("the dataset is 0-d", "dtype |S..").
+    gadget = ss.DataGadget(os.fsencode(tmp_path / "x.npy"), backend="numpy")
+    np.testing.assert_array_equal(gadget.getNumpyVersion(), rows)
+    with ss.OffloadedEmbedding.from_pretrained(os.fsencode(tmp_path / "x.npy"), max_rows=CAP, storage="pageable",
+                                               backend="numpy") as emb:
+        np.testing.assert_array_equal(emb.table.to_numpy(), rows)
 
 
 def test_from_pretrained_reads_a_byte_swapped_file_as_load_does(rng, tmp_path):

@@ -105,7 +105,7 @@ class DataGadget:
 
     def _set_source(self, data):
         """Validate the file header or array and remember it; the rows are read later."""
-        if isinstance(data, (str, os.PathLike)):
+        if isinstance(data, (str, bytes, os.PathLike)):
             path, array = as_path(data), None
             header = self._read_header(path)
             shape, dtype = header.shape, header.dtype

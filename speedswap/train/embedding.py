@@ -241,7 +241,7 @@ class OffloadedEmbedding(torch.nn.Module):
             FileFormatError, MissingFileError: a bad or missing file.
             OptionError, PathError: as the class's constructor.
         """
-        if isinstance(embeddings, (str, os.PathLike)):
+        if isinstance(embeddings, (str, bytes, os.PathLike)):
             header = files.read_npy_header(embeddings)
             # A big-endian file holds the same numbers, which load() swaps as it reads them.
             dtype = header.table_dtype or torch_dtype(header.dtype)  # the latter raises, naming the dtypes
