@@ -198,7 +198,9 @@ def test_a_rewrite_in_the_timestamp_tick_of_the_write_before_the_loop_is_caught(
     time, and the loop fed old and new rows together. (Newer kernels stamp the first write after a
     stat finely.) Simulated here: modification times rounded down to ticks of 50 ms."""
     tick = 50_000_000
-    monkeypatch.setattr(filesource, "_TICK_NS", tick)
+    # The simulated ticks round the kernel's own stamps, which come from its coarse clock (up to a
+    # jiffy, the _TICK_NS the reader allows for, behind the time): the wait must cover both.
+    monkeypatch.setattr(filesource, "_TICK_NS", tick + filesource._TICK_NS)
     monkeypatch.setattr(filesource, "_version", lambda stat: (stat.st_size, stat.st_mtime_ns - stat.st_mtime_ns % tick))
     path = tmp_path / "x.npy"
     n = 4096
