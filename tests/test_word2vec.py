@@ -147,7 +147,7 @@ def test_read_text_corpus_holds_a_piece_of_the_text_as_strings_not_all_of_it(rng
     words, some 100 bytes a word; read a piece at a time, what stays is the int32 ids."""
     monkeypatch.setattr(corpus_module, "_READ_CHARS", 1 << 16)
     ids = (rng.zipf(1.2, 300_000) - 1) % 5_000
-    ids[rng.integers(0, len(ids), 300)] = -1  # line breaks
+    ids[rng.choice(len(ids), 300, replace=False)] = -1  # 300 line breaks (drawn with replacement, fewer)
     with open(tmp_path / "text", "w") as f:
         f.write(" ".join(f"w{i}" if i >= 0 else "\n" for i in ids.tolist()))
     tracemalloc.start()
