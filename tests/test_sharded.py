@@ -944,19 +944,19 @@ def test_a_step_refused_for_missing_optimizer_state_leaves_the_embedding_usable(
     assert not np.array_equal(emb.table.to_numpy(), before)
 
 
-def test_ranks_seeded_alike_draw_different_starting_rows(tmp_path):
-    """DDP code calls torch.manual_seed(s) on every rank; the shards must not repeat each other."""
-    script = tmp_path / "init.py"
+def run_two_ranks(tmp_path, body):
+    """Run ``body`` (Python lines) on 2 gloo ranks that know ``rank`` and ``out`` (``tmp_path``); both must exit 0.
+
+    The script ends with ``os._exit(0)``: no interpreter teardown, where gloo's threads can abort the
+    process. ``body`` writes what the test reads under ``out``.
+    """
+    script = tmp_path / "ranks.py"
     script.write_text(
         "import os, sys, datetime, numpy as np, torch, torch.distributed as dist, speedswap as ss\n"
         "rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
         "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=2,\n"
         "                        timeout=datetime.timedelta(seconds=60))\n"
-        "torch.manual_seed(0)\n"
-        "emb = ss.ShardedOffloadedEmbedding(10, 4, max_rows=4, backend='numpy', storage='pageable')\n"
-        "np.save(f'{out}/rows{rank}.npy', emb.table.to_numpy())\n"
-        "dist.barrier()  # then no interpreter teardown, where gloo's threads can abort the process\n"
-        "os._exit(0)\n")
+        + body + "os._exit(0)\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -964,6 +964,15 @@ def test_ranks_seeded_alike_draw_different_starting_rows(tmp_path):
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path)], env=env)
              for r in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
+
+
+def test_ranks_seeded_alike_draw_different_starting_rows(tmp_path):
+    """DDP code calls torch.manual_seed(s) on every rank; the shards must not repeat each other."""
+    run_two_ranks(tmp_path,
+                  "torch.manual_seed(0)\n"
+                  "emb = ss.ShardedOffloadedEmbedding(10, 4, max_rows=4, backend='numpy', storage='pageable')\n"
+                  "np.save(f'{out}/rows{rank}.npy', emb.table.to_numpy())\n"
+                  "dist.barrier()\n")
     rows = np.concatenate([np.load(tmp_path / f"rows{r}.npy") for r in range(2)])
     assert len(np.unique(rows, axis=0)) == 10
     assert abs(rows.mean()) < 1 and 0.5 < rows.std() < 1.5  # N(0, 1), as nn.Embedding
@@ -973,34 +982,21 @@ def test_ranks_whose_zero_grad_differs_are_told_to_zero_gradients_alike(tmp_path
     """A step with no forward after zero_grad(set_to_none=False) on rank 0 and zero_grad() on rank 1
     counts on rank 0 only (a zero gradient against None): the next forward refused on both ranks,
     with advice about attach and load alone."""
-    script = tmp_path / "apart.py"
-    script.write_text(
-        "import os, sys, datetime, torch, torch.distributed as dist, speedswap as ss\n"
-        "rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
-        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=2,\n"
-        "                        timeout=datetime.timedelta(seconds=60))\n"
-        "emb = ss.ShardedOffloadedEmbedding(20, 3, max_rows=8, storage='pageable', backend='numpy')\n"
-        "opt = torch.optim.Adam(emb.parameters(), lr=0.1)\n"
-        "emb.attach(opt)\n"
-        "ids = torch.tensor([1, 15])\n"
-        "emb(ids).pow(2).sum().backward()\n"
-        "opt.step()\n"
-        "opt.zero_grad(set_to_none=rank == 1)\n"
-        "opt.step()  # the other layers' step: counts on rank 0 (a zero gradient), not on rank 1\n"
-        "try:\n"
-        "    emb(ids)\n"
-        "    message = 'no error'\n"
-        "except ss.StateError as exc:\n"
-        "    message = str(exc)\n"
-        "open(f'{out}/rank{rank}.txt', 'w').write(message)\n"
-        "os._exit(0)  # no interpreter teardown, where gloo's threads can abort the process\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path)], env=env)
-             for r in range(2)]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    run_two_ranks(tmp_path,
+                  "emb = ss.ShardedOffloadedEmbedding(20, 3, max_rows=8, storage='pageable', backend='numpy')\n"
+                  "opt = torch.optim.Adam(emb.parameters(), lr=0.1)\n"
+                  "emb.attach(opt)\n"
+                  "ids = torch.tensor([1, 15])\n"
+                  "emb(ids).pow(2).sum().backward()\n"
+                  "opt.step()\n"
+                  "opt.zero_grad(set_to_none=rank == 1)\n"
+                  "opt.step()  # the other layers' step: counts on rank 0 (a zero gradient), not on rank 1\n"
+                  "try:\n"
+                  "    emb(ids)\n"
+                  "    message = 'no error'\n"
+                  "except ss.StateError as exc:\n"
+                  "    message = str(exc)\n"
+                  "open(f'{out}/rank{rank}.txt', 'w').write(message)\n")
     for rank in range(2):
         message = (tmp_path / f"rank{rank}.txt").read_text()
         assert "differ" in message and "zero gradients alike on every rank" in message, message
