@@ -1030,7 +1030,10 @@ def test_views_kept_across_cached_steps_read_and_write_as_in_memory(backend, rng
         if step + 1 < len(batches):
             emb.prefetch(batches[step + 1][0])  # brings nothing while a view lives
         np.testing.assert_allclose(rows, ref.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
-        np.testing.assert_allclose(moments, ref_opt.state[ref]["exp_avg"].numpy(), rtol=1e-5, atol=1e-6)
+        # A row's gradient sums its lookups in another order than SparseAdam's coalesce, and terms of a
+        # few units can cancel to a moment near zero: seed 1018821822 left 1.9e-6 on -0.0073, the same
+        # without a cache. What this test catches is 0.05 and more.
+        np.testing.assert_allclose(moments, ref_opt.state[ref]["exp_avg"].numpy(), rtol=1e-5, atol=1e-5)
         if step % 7 == 3:  # a hot row, cached by now
             hot = int(ids[0, 0])
             new = rng.standard_normal(DIM).astype(np.float32)
