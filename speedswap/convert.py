@@ -14,9 +14,10 @@ import torch
 
 from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 
-__all__ = ["int_option", "bool_option", "initialiser_option", "float_option", "check_rows", "check_dense", "check_has_values", "check_not_masked", "as_host_rows", "as_values_array", "as_host_array", "as_row_ids", "as_row_ids_deferred",
-           "bounds_check", "read_bounds", "as_id_tensor", "check_id_range", "as_row_values", "torch_dtype",
-           "numpy_dtype", "host_tensor"]
+__all__ = ["int_option", "bool_option", "initialiser_option", "float_option", "check_rows", "check_dense",
+           "check_has_values", "check_not_masked", "as_host_rows", "as_values_array", "as_host_array",
+           "as_row_ids", "as_row_ids_deferred", "bounds_check", "read_bounds", "as_id_tensor", "check_id_range",
+           "as_row_values", "torch_dtype", "numpy_dtype", "host_tensor"]
 
 
 def int_option(value, name, *, minimum=1, hint=""):
@@ -330,12 +331,12 @@ def check_has_values(tensor, what) -> None:
 
 
 def as_host_rows(array, what="the array") -> tuple:
-    """Rows to copy into a table as a native-byte-order numpy array, and the table dtype they make.
+    """Rows to copy into a table as a numpy array, and the (native byte order) dtype the table takes.
 
     The one reading of rows a table is built from (``HostTable.from_numpy``,
     ``OffloadedEmbedding.from_pretrained``): unlike :func:`as_host_array`,
-    a tensor may be on a GPU and byte-swapped data is converted, since the
-    rows are copied anyway.
+    a tensor may be on a GPU and byte-swapped data is taken, since the rows
+    are copied anyway (swapped as they are copied).
 
     Args:
         array: a numpy array, nested lists, or a torch tensor on any device.
