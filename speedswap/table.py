@@ -781,8 +781,10 @@ class HostTable:
                 # "equiv" casts nothing but the byte order.
                 np.copyto(host[start:stop], rows, casting="equiv")
             else:
-                # One chunk-sized host copy, in the native byte order torch views.
-                chunk.copy_(torch.from_numpy(np.array(rows, dtype=rows.dtype.newbyteorder("="))))
+                # One chunk-sized host copy, in the native byte order torch views; bfloat16's
+                # 16-bit patterns are viewed as bfloat16, not converted by value.
+                native = torch.from_numpy(np.array(rows, dtype=rows.dtype.newbyteorder("=")))
+                chunk.copy_(native.view(chunk.dtype))
 
     def zero_(self):
         """Set every row to zero, chunk by chunk. Returns self."""
