@@ -165,5 +165,6 @@ class KeptRows:
         """What the slots hold after the step: ``before``, or what the step made of them if ``unless``."""
         if self.unless is None:
             return before
-        return torch.where(self.unless, now[self.slots], torch.as_tensor(before, dtype=now.dtype,
-                                                                         device=now.device))
+        # A float ``before`` stays a Python scalar: a tensor made of it on a GPU would be a
+        # host-to-device copy the host waits for, at every first step of a state.
+        return torch.where(self.unless, now[self.slots], before)
