@@ -68,7 +68,7 @@ def test_the_good_direction_of_each_ratio_decides_better_or_worse():
 
 def test_the_gpu_word2vec_jobs_ratios_are_compared():
     rng = random.Random(5)
-    over_cpu = {name: rng.uniform(0.4, 1.8) for name in ("gpu", "gpu closed form", "gpu batch 32768")}
+    over_cpu = {name: rng.uniform(0.4, 1.8) for name in ("gpu", "gpu closed form", "gpu batch x4")}
 
     def word2vec(scale):
         # As speedswap.apps.bench.word2vec.run writes it: one entry per GPU contender, goals in targets.
@@ -77,9 +77,9 @@ def test_the_gpu_word2vec_jobs_ratios_are_compared():
                 "targets": {"gpu_over_cpu": [">=", 1.0], "gpu_over_gensim": [">=", 10.0]}}
 
     rows = {path: verdict for path, _, _, _, verdict in
-            compare.compare(word2vec({}), word2vec({"gpu batch 32768": 0.5}), 0.1)}
+            compare.compare(word2vec({}), word2vec({"gpu batch x4": 0.5}), 0.1)}
     assert rows == {"ratios/gpu/over_cpu": "same", "ratios/gpu closed form/over_cpu": "same",
-                    "ratios/gpu batch 32768/over_cpu": "worse"}
+                    "ratios/gpu batch x4/over_cpu": "worse"}
 
 
 def test_a_ratio_of_zero_in_both_runs_is_the_same():

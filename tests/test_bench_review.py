@@ -137,7 +137,7 @@ def test_summary_says_the_gpu_word2vec_contenders_failed_not_that_they_did_not_r
     """Every GPU contender raising left the word2vec targets saying 'the GPU word2vec job did not run'."""
     from speedswap.apps.bench import summary
 
-    names = ("gpu", "gpu closed form", "gpu cache + prefetch", "gpu batch 32768")
+    names = ("gpu", "gpu closed form", "gpu cache + prefetch", "gpu batch x4")
     job = {"ratios": {}, "skipped": {**{name: "failed in round 1: RuntimeError: CUDA error: out of memory"
                                         for name in names}, "gensim": "gensim is not installed"},
            "failures": {name: "Traceback ..." for name in names}}
