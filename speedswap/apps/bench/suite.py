@@ -107,11 +107,11 @@ class SuiteSizes:
 # against its 141 GB GPU): 100 s on the H100 (2026-11-28, at 3d2b8ac, where transport took
 # 17 s, training 46 s and the feeder 40 s), last because it is the likeliest to overrun. The
 # training step has timed three setups more since (one lookup a step, in memory, offloaded
-# and cached): 80 s estimated, unmeasured on a GPU. The gpu tests, about 650 cases with
-# the cuda case of every backend-parametrised test, took 168 s in 6 pytest-xdist workers
-# (the 49 s word2vec job test aside); they get what the benchmarks' estimates leave of the
-# budget (at least 120 s, at most 240 s; one test at most 60 s where pytest-timeout is
-# installed).
+# and cached): 85 s on the H200 (2026-11-28 evening, at 1b425ee, where transport took 20 s,
+# the feeder 32 s, and at 1ff8f53 word2vec's one round 86 s). The gpu tests, about 760
+# cases with the cuda case of every backend-parametrised test, took 162-183 s in 6
+# pytest-xdist workers; they get what the benchmarks' estimates leave of the budget (at
+# least 120 s, at most 240 s; one test at most 60 s where pytest-timeout is installed).
 # The feeder's 1M rows are FFCV's shape, not scaled to MemAvailable: the GPU machines' RAM
 # starts small and grows with use (their notes), and 16 GB of the 128 GiB they have is enough.
 GPU_SIZES = SuiteSizes(transport_rows=1_000_000, transport_ids=131_072, transport_repeats=20,
@@ -120,7 +120,7 @@ GPU_SIZES = SuiteSizes(transport_rows=1_000_000, transport_ids=131_072, transpor
                        feeder_rows=1_000_000, feeder_epochs=5, feeder_workers=min(8, os.cpu_count() or 1),
                        feeder_dim=1000, feeder_batch=2048, word2vec_size="demo", word2vec_rounds=1,
                        tests_timeout=240,
-                       estimates_s={"gpu tests": 120, "transport": 25, "training step": 80, "feeder": 45,
+                       estimates_s={"gpu tests": 120, "transport": 25, "training step": 90, "feeder": 45,
                                     "word2vec": 90, "beyond gpu": 100})
 DRY_RUN_SIZES = SuiteSizes(transport_rows=32_768, transport_ids=4096, transport_repeats=3,
                            training_vocabs=(5_000,), training_repeats=3,
