@@ -210,6 +210,33 @@ def test_construction_errors(backend):
         ss.OptimizerFactory(other, ROWS, DIM, model, "u_embeddings", backend=backend)
 
 
+def test_switchers_take_embeddings_only(table0, rng):
+    """An nn.Linear has a 2-D weight too, but its forward multiplies by the rows the ids should pick."""
+    linear = torch.nn.Linear(DIM, DIM)
+    with pytest.raises(ss.OptionError, match="got a Linear, which is not an embedding"):
+        ss.ModelFactory(linear, ROWS, DIM, backend="numpy")
+    with pytest.raises(ss.OptionError, match="got a Linear, which is not an embedding"):
+        ss.OptimizerFactory(torch.optim.Adam(linear.parameters()), ROWS, DIM,
+                            torch.nn.ModuleDict({"l": linear}), "l", backend="numpy")
+    # An nn.EmbeddingBag looks its rows up by id: it trains as in memory.
+    bag = torch.nn.EmbeddingBag(CAPACITY, DIM, mode="sum")
+    opt = torch.optim.SGD(bag.parameters(), lr=0.05)
+    u = ss.ModelFactory(bag, ROWS, DIM, backend="numpy")
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    ref = torch.nn.EmbeddingBag(ROWS, DIM, mode="sum")
+    ref.weight.data.copy_(torch.from_numpy(table0))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for pos, neg, ctx in zipf_batches(rng, 30, "cpu", ROWS):
+        ids = torch.cat([pos[:, None], neg], dim=1)
+        local = u.before_forward(ids)
+        torch.nn.functional.logsigmoid(bag(local) * ctx).sum().backward()
+        opt.step(); opt.zero_grad()
+        u.after_step(ids)
+        torch.nn.functional.logsigmoid(ref(ids) * ctx).sum().backward()
+        ref_opt.step(); ref_opt.zero_grad()
+    np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_lost_optimizer_state_is_refused(backend, table0, rng):
     model, opt, u, o = build(backend, table0)
     batches = zipf_batches(rng, 2, ss.get_backend(backend).device, ROWS)

@@ -57,7 +57,8 @@ class ModelFactory(Switcher):
     """Keeps a full embedding table on the host and swaps a step's rows into the model.
 
     Args:
-        model_variable: the model's ``nn.Embedding`` (or its weight). Its rows
+        model_variable: the model's ``nn.Embedding`` or ``nn.EmbeddingBag`` (or
+            its weight); another module is refused. Its rows
             are the working set: their number is the capacity, the most
             distinct rows one step may touch.
         total_classes: rows of the full table.
@@ -83,7 +84,7 @@ class ModelFactory(Switcher):
     ``customInit``, ...) before training.
 
     Raises:
-        OptionError, ShapeError, DTypeError: a bad embedding, size, dtype or
+        OptionError, ShapeError, DTypeError: not an embedding, a bad size, dtype or
             ``cache_rows`` (another than the embedding's OptimizerFactory's).
         DeviceError: the model is not on the backend's device.
         StateError: built in the middle of a step of the embedding's switchers.

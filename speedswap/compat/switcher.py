@@ -34,11 +34,20 @@ def device_of(param):
 
 
 def weight_of(variable):
-    """The 2-D parameter behind an ``nn.Embedding`` (or anything with ``.weight``) or a Parameter.
+    """The 2-D weight of an ``nn.Embedding`` or ``nn.EmbeddingBag``, or a 2-D Parameter itself.
 
     Raises:
-        OptionError: no 2-D weight, or an ``nn.Embedding`` with ``padding_idx``.
+        OptionError: another module (an ``nn.Linear`` has a 2-D weight too, but its
+            rows are not looked up by id), no 2-D weight, or ``padding_idx``.
     """
+    if isinstance(variable, torch.nn.Module) and not isinstance(
+            variable, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+        # Its weight's rows would be swapped for table rows each step, and its forward
+        # would multiply by them instead of looking them up: training something else, silently.
+        raise OptionError(f"expected the model's nn.Embedding (or nn.EmbeddingBag), whose rows the "
+                          f"step's ids look up, or its 2-D weight Parameter; got a "
+                          f"{type(variable).__name__}, which is not an embedding. Pass the "
+                          f"embedding submodule itself (SpeedTorch: model.u_embeddings)")
     weight = variable if isinstance(variable, torch.nn.Parameter) else getattr(variable, "weight", None)
     if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2:
         raise OptionError(f"expected an nn.Embedding or its 2-D weight Parameter, got "
