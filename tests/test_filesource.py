@@ -611,3 +611,52 @@ def test_create_npy_refuses_a_fill_that_is_not_a_function_before_touching_the_pa
         ss.data.create_npy(path, (4, 2), np.float32, fill, progress=False)
     np.testing.assert_array_equal(np.load(path), np.arange(6, dtype=np.float32))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
+
+
+@pytest.mark.parametrize("order", ["random", BlockOrder(block_rows=64, window=2)])
+@pytest.mark.parametrize("failing", ["preadv", "fstat"])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_disk_error_names_the_file_and_rows_and_the_loop_retries_it(tmp_path, rng, monkeypatch, order,
+                                                                       failing, prefetch):
+    """EIO from pread (or from the fstat of the change check) came out as a bare OSError: no file, no rows."""
+    n = 1024
+    data = rng.standard_normal((n, 4)).astype(np.float32)
+    path = tmp_path / "x.npy"
+    feeder = ss.BatchFeeder(np.arange(n), write(path, data), batch_size=32, order=order, device="cpu",
+                            prefetch=prefetch)
+    delivered = []
+    real = getattr(os, failing)
+
+    def eio(*args):
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(ss.FileFormatError, match="Input/output error while") as raised:
+        for ids, rows in feeder:
+            delivered.append((ids.numpy(), rows.numpy().copy()))
+            if len(delivered) == 3:
+                monkeypatch.setattr(os, failing, eio)
+    monkeypatch.setattr(os, failing, real)
+    assert str(path) in str(raised.value) and raised.value.errno == 5
+    assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == 5
+    if failing == "preadv":
+        assert "reading rows " in str(raised.value)
+    rest = [(ids.numpy(), rows.numpy()) for ids, rows in feeder]  # the disk is back: the loop goes on
+    assert sorted(np.concatenate([ids for ids, _ in delivered + rest]).tolist()) == list(range(n))
+    for ids, rows in delivered + rest:
+        np.testing.assert_array_equal(rows, data[ids])
+
+
+def test_a_file_that_cannot_be_opened_for_pread_raises_a_path_error_naming_it(tmp_path, rng, monkeypatch):
+    path = tmp_path / "x.npy"
+    feeder = ss.BatchFeeder(write(path, rng.standard_normal((100, 2))), batch_size=10, device="cpu")
+    real = os.open
+
+    def failing(name, *args, **kwargs):
+        if os.fspath(name) == str(path):
+            raise OSError(5, "Input/output error")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", failing)
+    with pytest.raises(ss.PathError, match="cannot open the .npy file .*x.npy.*Input/output error") as raised:
+        next(iter(feeder))
+    assert raised.value.errno == 5 and raised.value.__cause__.errno == 5

@@ -32,6 +32,7 @@ import time
 import numpy as np
 import torch
 
+from ..atomic import opening_error
 from ..files import identity, mapped_identity
 from ..errors import FileFormatError, StateError
 
@@ -151,6 +152,24 @@ def _settle(versions) -> None:
         time.sleep(wait / 1e9)
 
 
+def _disk_error(file, exc, doing) -> FileFormatError:
+    """A :class:`FileFormatError` naming the file for an OSError of the disk or file system (EIO).
+
+    Args:
+        file: the :class:`FileRows` whose file failed.
+        exc: the OSError; its ``errno`` is kept.
+        doing: what failed, for the message (``"reading rows 0..99 (bytes 128 to 1,328)"``).
+
+    Returns:
+        FileFormatError, with ``errno`` set as ``exc``'s (raise it ``from exc``).
+    """
+    error = FileFormatError(f"{file.path!r}: {exc.strerror or exc} while {doing}, a disk or file "
+                            f"system error. Check the device (dmesg) and restore the file if it is "
+                            f"damaged; iterating the feeder again retries from this batch")
+    error.errno = exc.errno
+    return error
+
+
 def _closed_by_another_thread() -> StateError:
     return StateError("this feeder loop's file reader was closed by another thread (set_epoch, "
                       "load_state_dict or a new loop); iterate the feeder anew, one thread at a time")
@@ -172,24 +191,34 @@ class _PoolReader:
                                           f"feeder opened it; iterate the feeder again")
                 self._versions.append(_version(stat))
                 os.posix_fadvise(self._fds[-1], 0, 0, advice)
-        except OSError:
+        except OSError as exc:
             self._close_fds()
-            raise
+            if isinstance(exc, FileFormatError):
+                raise
+            raise opening_error(file.path, exc, ".npy file") from exc
         _settle(self._versions)
         self._drop = drop_behind
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="speedswap-io")
         self._closed = False
 
     def _read(self, column, first, count, out):
-        """``pread`` rows ``[first, first + count)`` of file ``column`` into the uint8 array ``out``."""
+        """``pread`` rows ``[first, first + count)`` of file ``column`` into the uint8 array ``out``.
+
+        Raises:
+            FileFormatError: the file ends before the rows, or the disk failed (EIO) reading them.
+        """
         file, fd = self._files[column], self._fds[column]
         view = memoryview(out).cast("B")
         position, end = file.offset + first * file.row_bytes, file.offset + (first + count) * file.row_bytes
         done = 0
         while done < len(view):  # a regular file returns less only at its end, but loop to be sure
-            got = os.preadv(fd, [view[done:]], position + done)
+            try:
+                got = os.preadv(fd, [view[done:]], position + done)
+                size = os.fstat(fd).st_size if got == 0 else None
+            except OSError as exc:
+                raise _disk_error(file, exc, f"reading rows {first}..{first + count - 1} (bytes "
+                                             f"{position:,} to {end:,})") from exc
             if got == 0:
-                size = os.fstat(fd).st_size
                 raise FileFormatError(
                     f"{file.path!r} ends at byte {size:,} but rows {first}..{first + count - 1} need "
                     f"bytes up to {end:,}: the file was truncated or rewritten while the feeder read "
@@ -211,10 +240,15 @@ class _PoolReader:
         stamped the file first, so the batch is not handed over.
 
         Raises:
-            FileFormatError: a file's size or modification time changed.
+            FileFormatError: a file's size or modification time changed, or it could not be
+                checked (a disk error).
         """
         for file, fd, version in zip(self._files, self._fds, self._versions):
-            if _version(os.fstat(fd)) != version:
+            try:
+                now = _version(os.fstat(fd))
+            except OSError as exc:
+                raise _disk_error(file, exc, "checking it for changes (fstat)") from exc
+            if now != version:
                 raise FileFormatError(
                     f"{file.path!r} changed while the feeder read it (its size or modification time "
                     f"is not what it was when this loop opened it): this epoch's later batches would "
@@ -282,7 +316,7 @@ class RowReader(_PoolReader):
         """Positions ``[lo, hi)`` of the epoch, one fresh CPU tensor per file.
 
         Raises:
-            FileFormatError: a file is shorter than its rows.
+            FileFormatError: a file is shorter than its rows, or a disk error (EIO) reading it.
             StateError: the reader was closed by another thread.
         """
         ids = self._ids[lo:hi]
@@ -371,7 +405,7 @@ class WindowReader(_PoolReader):
         """Positions ``[lo, hi)`` of the epoch (batches come in order), one fresh CPU tensor per file.
 
         Raises:
-            FileFormatError: a file is shorter than its rows.
+            FileFormatError: a file is shorter than its rows, or a disk error (EIO) reading it.
             StateError: the reader was closed by another thread.
         """
         first, last = int(self._frontier[lo]), int(self._frontier[hi - 1])
