@@ -876,6 +876,9 @@ class HostTable:
         ``fn`` receives one tensor viewing the whole table (no copy), so
         initialisers that read the shape (fan-in/fan-out) see the true one.
         ``fn`` must work in place, as every ``torch.nn.init`` function does.
+        It writes the table directly: keeping a full-size copy to undo it
+        would double the table's memory, so whatever ``fn`` wrote before it
+        raised (or before it returned a new tensor) stays in the table.
 
         Args:
             fn: ``fn(tensor, *args, **kwargs)``.
@@ -884,9 +887,12 @@ class HostTable:
             self
 
         Raises:
-            OptionError: ``fn`` is not callable, or returned a tensor outside
-                the table's memory: it did not work in place, and its result
-                would be lost.
+            OptionError: ``fn`` is not callable (nothing changes), or returned
+                a tensor outside the table's memory: it did not work in place,
+                and its result would be lost (the table holds what ``fn``
+                wrote into it in place, if anything).
+            Exception: whatever ``fn`` raised, as it raised it; the rows it
+                wrote before raising stay written.
         """
         initialiser_option(fn, "fn")
         tensor = self._writable_buffer().tensor
@@ -900,7 +906,8 @@ class HostTable:
                 or result.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()):
             raise OptionError(f"apply_ needs fn to fill the tensor it is given in place, but "
                               f"{getattr(fn, '__name__', fn)!r} returned a new one, whose values are "
-                              f"not in the table; use an in-place function (a name ending in '_', "
+                              f"not in the table (what it wrote into the given tensor in place, if "
+                              f"anything, is); use an in-place function (a name ending in '_', "
                               f"as torch.nn.init's), or lambda t: t.copy_(...)")
         return self
 

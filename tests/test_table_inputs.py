@@ -190,6 +190,24 @@ def test_apply_returning_a_new_tensor_is_still_refused(table):
     np.testing.assert_array_equal(table.to_numpy(), before)
 
 
+def test_apply_says_what_fn_left_in_the_table_when_it_fails(table):
+    """apply_ keeps no full-size copy to undo fn: its error must not claim the table is untouched."""
+    before = table.to_numpy(copy=True)
+    with pytest.raises(ss.OptionError, match="what it wrote into the given tensor in place, if anything, is"):
+        table.apply_(lambda t: t.mul_(2).clone())
+    np.testing.assert_array_equal(table.to_numpy(), 2 * before)
+
+    def half_then_fail(t):
+        t[: len(t) // 2].zero_()
+        raise RuntimeError("fn failed")
+
+    with pytest.raises(RuntimeError, match="fn failed"):  # fn's own error, as it raised it
+        table.apply_(half_then_fail)
+    expected = 2 * before
+    expected[: len(expected) // 2] = 0
+    np.testing.assert_array_equal(table.to_numpy(), expected)
+
+
 @pytest.mark.parametrize("generator", [np.random.default_rng(0), 0])
 @pytest.mark.parametrize("fill", ["uniform_", "normal_"])
 def test_generator_must_be_a_torch_generator(table, generator, fill):
