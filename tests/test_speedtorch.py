@@ -425,7 +425,7 @@ def test_switchers_refuse_several_ranks_and_name_the_sharded_embedding(monkeypat
     ss.ModelFactory(model, 100, 4, backend="numpy")  # one rank: fine
 
 
-def _placeholder_run(convert_once, steps=4):
+def _placeholder_run(convert_once, steps=4, by_keyword=False):
     """SpeedTorch-style steps feeding placeholders; ``convert_once`` copies them before the loop."""
     model = torch.nn.Embedding(16, DIM)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -437,15 +437,17 @@ def _placeholder_run(convert_once, steps=4):
     for _ in range(steps):
         ids = torch.from_numpy(rng.choice(ROWS, size=4, replace=False))
         u.beforeForwardPass(ids)
-        model(fed).sum().backward()
+        (model(input=fed) if by_keyword else model(fed)).sum().backward()
         opt.step()
         opt.zero_grad()
         u.afterOptimizerStep(ids)
 
 
-def test_a_placeholder_copied_once_before_the_loop_raises_before_training_the_wrong_rows():
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "keyword"])
+def test_a_placeholder_copied_once_before_the_loop_raises_before_training_the_wrong_rows(by_keyword):
+    """Ids passed as ``model(input=ids)`` went unchecked (the hook read only positional ones)."""
     with pytest.raises(ss.StateError, match="earlier content of the variableTransformer"):
-        _placeholder_run(lambda x: torch.tensor(x))
+        _placeholder_run(lambda x: torch.tensor(x), by_keyword=by_keyword)
 
 
 def test_a_from_numpy_view_of_the_placeholder_stays_current():

@@ -43,10 +43,12 @@ __all__ = ["ModelFactory"]
 _STALE_CHECKS = 20
 
 
-def _check_stale(owner, args):
+def _check_stale(owner, args, kwargs):
     switcher = owner()
-    if switcher is not None and args:
-        switcher._refuse_wrong_ids(args[0])
+    # nn.Embedding and nn.EmbeddingBag name their ids ``input``: emb(input=ids) is checked too.
+    ids = args[0] if args else kwargs.get("input")
+    if switcher is not None and ids is not None:
+        switcher._refuse_wrong_ids(ids)
 
 
 def _is_torch_file(path):
@@ -125,7 +127,7 @@ class ModelFactory(Switcher):
         if isinstance(model_variable, torch.nn.Module):
             owner = weakref.ref(self)
             self._stale_hook = model_variable.register_forward_pre_hook(
-                lambda module, args: _check_stale(owner, args))
+                lambda module, args, kwargs: _check_stale(owner, args, kwargs), with_kwargs=True)
         self._register(self._table)
         # Reads and writes through any reference to the table see the cache's rows.
         self._table.watch_reads(self._prepare_table_read)
