@@ -402,7 +402,8 @@ def test_a_reader_error_reaches_the_loop_and_never_hangs(tmp_path, monkeypatch, 
     monkeypatch.setattr(os, "preadv", failing)
     seen = []
     outcome = run_with_deadline(lambda: [seen.append(b[0].numpy().copy()) for b in feeder])
-    assert isinstance(outcome.get("error"), DiskGone)
+    error = outcome.get("error")  # named by file and rows, the disk's own error its cause
+    assert isinstance(error, ss.errors.FileFormatError) and isinstance(error.__cause__, DiskGone)
     assert calls[fail_at - 1].startswith("speedswap-io")  # it really was raised on an I/O thread
     assert 0 < len(seen) < len(feeder) and feeder.state_dict()["batch"] == len(seen)
     assert reader_threads() == [] and io_threads() == []
