@@ -432,7 +432,8 @@ class RowCache:
             if n_hit and n_hit < len(rows):
                 self._scratch(len(rows) - n_hit)  # an allocation that may fail: before the bookkeeping
             self._count_parts.append(self.sketch.estimate(rows) if again else self.sketch.add(rows))
-            self._slot_parts.append(torch.where(found, slot, -1))
+            # All hits (every row prefetched, the steady state): the slots need no masking.
+            self._slot_parts.append(slot if n_hit == len(rows) else torch.where(found, slot, -1))
         n_miss = len(rows) - n_hit
         if n_hit == 0:
             self._gather_host(self.table, rows, out)
@@ -440,10 +441,11 @@ class RowCache:
             # A row this step uses must outlive the step: eviction takes stamps below the clock.
             # (A miss's `slot` is some other row's; its -1 leaves that stamp as it is.)
             self.stamp.scatter_reduce_(0, slot, torch.where(found, self.clock, -1), "amax")
-            missed = ~found
-            # Misses go to scratch, in order: then one gather fills `out` from the cache.
-            source = torch.where(found, slot, self.num_slots - 1 + torch.cumsum(missed, 0))
+            source = slot
             if n_miss:
+                # Misses go to scratch, in order: then one gather fills `out` from the cache.
+                missed = ~found
+                source = torch.where(found, slot, self.num_slots - 1 + torch.cumsum(missed, 0))
                 begin = self._scratch(n_miss)
                 self._gather_host(self.table, rows.index_select(0, positions(missed, n_miss)),
                                   self.weights[begin:begin + n_miss])
@@ -463,12 +465,13 @@ class RowCache:
         """
         self._wait_prefetch()
         if self._n_hits:
-            step_slot = self._step_slots()
-            missed = step_slot < 0
-            source = torch.where(missed, self.num_slots - 1 + torch.cumsum(missed, 0), step_slot)
+            source = step_slot = self._step_slots()
             n_miss = self._n_misses
-            missed_rows = rows.index_select(0, positions(missed, n_miss))
-            begin = self._scratch(n_miss)
+            if n_miss:
+                missed = step_slot < 0
+                source = torch.where(missed, self.num_slots - 1 + torch.cumsum(missed, 0), step_slot)
+                missed_rows = rows.index_select(0, positions(missed, n_miss))
+                begin = self._scratch(n_miss)
         for name, view in views.items():
             table = self.state_tables[name]
             if not self._n_hits:
@@ -504,18 +507,19 @@ class RowCache:
             self._finish_step()
             return
         target = self._step_slots()  # each row's slot, -1 for rows going back to the host
-        hit = target >= 0
         count = self._step_counts()
         if self._n_hits:
-            hit_pos = positions(hit, self._n_hits)
-            hit_slot = target.index_select(0, hit_pos)
-            self.score.scatter_(0, hit_slot, count.index_select(0, hit_pos))
+            hit_slot, hit_count = target, count  # all hits: no misses to leave out
+            if self._n_misses:
+                hit_pos = positions(target >= 0, self._n_hits)
+                hit_slot, hit_count = target.index_select(0, hit_pos), count.index_select(0, hit_pos)
+            self.score.scatter_(0, hit_slot, hit_count)
             self.dirty.index_fill_(0, hit_slot, True)  # not `[hit_slot] = True`: see _take
         cached = 0
         if self._n_misses and states is not None:
             # Misses by use count, most used first, against slots by score, cheapest first:
             # "miss i beats victim i" holds for a prefix, the misses admitted.
-            miss_pos = positions(~hit, self._n_misses)
+            miss_pos = positions(target < 0, self._n_misses)
             candidates = min(self._n_misses, self.num_slots)
             victim_score, victims = self._victims(candidates)
             # Stable: tied misses go in working-set order on every device (CUDA's small sorts are not).
@@ -541,16 +545,18 @@ class RowCache:
             # Nothing cached this step: the rows go back as they are, without a copy.
             self._write_host(rows, weights, states)
         else:
-            rest = positions(target < 0, self._n_misses - cached)
-            begin = self._scratch(len(rest))
-            target.scatter_(0, rest, torch.arange(begin, begin + len(rest), device=self.device))
+            n_rest = self._n_misses - cached
+            if n_rest:
+                rest = positions(target < 0, n_rest)
+                begin = self._scratch(n_rest)
+                target.scatter_(0, rest, torch.arange(begin, begin + n_rest, device=self.device))
             # One assignment puts every row in its slot, and the rows going back in scratch
             # (contiguous, in slot order) for the host writes.
             _put_rows(self.weights, target, weights)
             for name, values in (states or {}).items():
                 _put_rows(self.states[name], target, values)
-            if len(rest):
-                end = begin + len(rest)
+            if n_rest:
+                end = begin + n_rest
                 self._write_host(rows.index_select(0, rest), self.weights[begin:end],
                                  None if states is None else
                                  {name: self.states[name][begin:end] for name in states})
