@@ -226,7 +226,6 @@ class RowCache:
         """
         self._looked_up = None  # count_hits' lookup, for the fetch that follows it
         self._slot_parts = []  # per fetch: each new row's slot, -1 for a miss
-        self._count_parts = []  # per fetch: each new row's use count, from the sketch
         self._n_hits = self._n_misses = 0
 
     def _lookup(self, rows):
@@ -237,11 +236,6 @@ class RowCache:
     def _step_slots(self):
         """Each working-set row's slot (by working-set slot), -1 for the step's misses."""
         parts = self._slot_parts
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _step_counts(self):
-        """Each working-set row's use count (by working-set slot) when it was added."""
-        parts = self._count_parts
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _scratch(self, count):
@@ -407,8 +401,7 @@ class RowCache:
                 looking them up (the padding row): moved and cached like the
                 others, but not counted as unique rows, hits or misses.
             again: the rows of a step that raised, fetched a second time after
-                :meth:`restart_step`: the copies count, the rows' use does not
-                (neither in the counters nor in the sketch).
+                :meth:`restart_step`: the copies count, the rows' use does not.
             hits: :meth:`count_hits`' values for these rows, read with the
                 working set's count (its lookup then gives the rows' slots);
                 None to look the rows up and read the counts here (a host wait).
@@ -431,7 +424,6 @@ class RowCache:
             n_hit, n_carried_hit = hits
             if n_hit and n_hit < len(rows):
                 self._scratch(len(rows) - n_hit)  # an allocation that may fail: before the bookkeeping
-            self._count_parts.append(self.sketch.estimate(rows) if again else self.sketch.add(rows))
             # All hits (every row prefetched, the steady state): the slots need no masking.
             self._slot_parts.append(slot if n_hit == len(rows) else torch.where(found, slot, -1))
         n_miss = len(rows) - n_hit
@@ -507,7 +499,8 @@ class RowCache:
             self._finish_step()
             return
         target = self._step_slots()  # each row's slot, -1 for rows going back to the host
-        count = self._step_counts()
+        # The step's use of its rows, counted once for all its fetches: one hashing, not one per lookup.
+        count = self.sketch.add(rows)
         if self._n_hits:
             hit_slot, hit_count = target, count  # all hits: no misses to leave out
             if self._n_misses:
