@@ -288,6 +288,12 @@ def test_a_one_off_row_never_evicts_a_hot_one_and_a_row_used_more_often_gets_in(
     assert emb.stats()["last_step"]["hits"] == 1
 
 
+def test_a_sketch_of_rows_below_2_to_the_32_hashes_them_to_the_cells_a_wide_one_does(rng):
+    rows = torch.from_numpy(np.concatenate([rng.integers(0, 2**32, 1000), [0, 2**31 - 1, 2**31, 2**32 - 1]]))
+    wide, narrow = FrequencySketch(4096, "cpu"), FrequencySketch(4096, "cpu", wide_rows=False)
+    assert torch.equal(narrow._cells(rows), wide._cells(rows))
+
+
 def test_the_sketch_never_counts_less_than_the_decayed_truth(rng):
     sketch = FrequencySketch(width=4096, device="cpu", decay=0.9)
     truth = np.zeros(5000)

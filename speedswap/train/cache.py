@@ -176,7 +176,8 @@ class RowCache:
         self.slot_row = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.stamp = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.dirty = torch.zeros(n, dtype=torch.bool, device=device)
-        self.sketch = FrequencySketch(_SKETCH_COUNTERS_PER_SLOT * max(n, 1), device)
+        self.sketch = FrequencySketch(_SKETCH_COUNTERS_PER_SLOT * max(n, 1), device,
+                                      wide_rows=table.num_rows > 2**32)
         # Each slot's row count as of its last use (-inf when free): ranking the slots
         # needs no hashing of every slot, and an unused row's count does not change.
         self.score = torch.full((n,), -torch.inf, dtype=torch.float32, device=device)
@@ -190,6 +191,7 @@ class RowCache:
         # The training thread: the one that made the cache, then the last to fetch a step's rows.
         self._thread = threading.get_ident()
         self._n_empty = n
+        self._none_carried = torch.zeros((), dtype=torch.int64, device=device)  # see count_hits
         self._warned_views = False  # see _warn_views
         # The sorted index holds rows as int32 where they fit: half the memory a binary
         # search misses the CPU's caches in, and a faster sort.
@@ -369,12 +371,12 @@ class RowCache:
         self._give_up_for_views()
         found, slot = self._lookup(ids_sorted)
         hits = (found & new).sum()
-        if carried_rows is None:
-            carried, self._looked_up = torch.zeros_like(hits), (found, slot, new, None)
-        else:
-            carried_found, carried_slot = self._lookup(carried_rows)
-            carried = carried_found.sum()
-            self._looked_up = (found, slot, new, (carried_found, carried_slot))
+        if carried_rows is None:  # every lookup but a padded step's first: no zeros to make and add
+            self._looked_up = (found, slot, new, None)
+            return torch.stack([hits, self._none_carried])
+        carried_found, carried_slot = self._lookup(carried_rows)
+        carried = carried_found.sum()
+        self._looked_up = (found, slot, new, (carried_found, carried_slot))
         return torch.stack([hits + carried, carried])
 
     def _looked_up_rows(self, n_new):
@@ -621,7 +623,7 @@ class RowCache:
         found, slot = self._lookup(ids_sorted)
         # Out of place: until the ids' bounds are read and checked below, nothing changes.
         stamp = self.stamp.scatter_reduce(0, slot, torch.where(found, self.clock + 1, -1), "amax")
-        new = first & ~found & ~in_step(ids_sorted)  # not torch.isin, which makes a GPU's host wait
+        new = first & ~(found | in_step(ids_sorted))  # not torch.isin, which makes a GPU's host wait
         read = [new.sum(), (stamp < self.clock).sum()]
         if check_bounds is not None:
             read += [ids_sorted[0], ids_sorted[-1]]

@@ -39,14 +39,17 @@ class FrequencySketch:
         width: counters per sketch row, rounded up to a power of two.
         device: where the counters live (the cache's device).
         decay: the weight of the previous step's use relative to this one's, in (0, 1].
+        wide_rows: whether row ids may reach ``2**32``: their high half is then
+            folded into the low one before hashing (three more kernels a call).
     """
 
-    def __init__(self, width: int, device, decay: float = 0.99):
+    def __init__(self, width: int, device, decay: float = 0.99, *, wide_rows: bool = True):
         self.bits = max(1, (int(width) - 1).bit_length())
         self.counts = torch.zeros(len(_MULTIPLIERS), 1 << self.bits, dtype=torch.float32,
                                   device=device)
         self.decay = float(decay)
         self.weight = 1.0  # what one use counts in the current step
+        self._wide_rows = bool(wide_rows)
         self._one = torch.ones((), dtype=torch.float32, device=device)
         self._multipliers = torch.tensor(_MULTIPLIERS, device=device).unsqueeze(1)
         # Each sketch row's first counter in the flattened counts (bits below are the column's).
@@ -60,7 +63,7 @@ class FrequencySketch:
     def _cells(self, rows: torch.Tensor) -> torch.Tensor:
         """``(depth, len(rows))`` indices of each row's counters in the flattened counts."""
         # Multiplicative hashing of the row's 32-bit fold: the top `bits` of the low 32 bits.
-        key = (rows ^ (rows >> 32)) & 0xFFFFFFFF
+        key = (rows ^ (rows >> 32)) & 0xFFFFFFFF if self._wide_rows else rows  # narrow rows are their fold
         return ((key * self._multipliers) & 0xFFFFFFFF) >> (32 - self.bits) | self._row_offsets
 
     def add(self, rows: torch.Tensor) -> torch.Tensor:
