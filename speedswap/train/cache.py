@@ -342,9 +342,10 @@ class RowCache:
         """
         score = torch.where(self.stamp < self.clock, self.score, torch.inf)
         # Scores are >= +0.0 or +-inf, whose float32 bit patterns order as int32s do; on
-        # the CPU topk over the integers takes about two thirds of the time.
-        _, slots = torch.topk(score.view(torch.int32), count, largest=False, sorted=True)
-        return score.index_select(0, slots), slots
+        # the CPU topk over the integers takes about two thirds of the time. The values it
+        # returns are the victims' scores' bit patterns: viewed back, they need no gather.
+        bits, slots = torch.topk(score.view(torch.int32), count, largest=False, sorted=True)
+        return bits.view(torch.float32), slots
 
     # ---------------------------------------------------------------- the step
     def count_hits(self, ids_sorted: torch.Tensor, new: torch.Tensor,
