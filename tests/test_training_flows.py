@@ -1058,3 +1058,37 @@ def test_a_checkpoint_saved_before_the_first_step_resumes_in_a_run_at_another_lr
         for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
             train_step(model, optimizer, ids, target)
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("order", ["forward_backward_twice", "both_forwards_first", "zero_grad_between"])
+def test_an_accumulated_backward_whose_table_gradient_is_exactly_zero_trains_as_in_memory(
+        backend, rng, cache_rows, order):
+    """Gradient accumulation in which one backward gives the table an exactly zero gradient (a loss
+    weighted by 0). In memory its rows are in the sparse gradient at zero values, and SparseAdam
+    moves them by their momentum; the zero gradient was taken for one ``zero_grad()`` dropped, and
+    those rows were left alone. A ``zero_grad(set_to_none=False)`` after that backward does drop
+    them (in memory the zeroed sparse gradient names no row)."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows)
+    batches = zipf_ids(rng, 2 * STEPS)
+    zero_weighted = rng.random(STEPS) < 0.4
+    for ((ids, target), (more_ids, more_target)), weight in zip(zip(batches[::2], batches[1::2]),
+                                                                np.where(zero_weighted, 0.0, 1.0)):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            losses = [lambda out, t=t: ((out.cpu().sum(1) - t) ** 2).sum() for t in (target, more_target)]
+            if order == "both_forwards_first":
+                outs = [lookup(ids.to(to)), lookup(more_ids.to(to))]
+                (weight * losses[0](outs[0])).backward()
+                losses[1](outs[1]).backward()
+            else:
+                (weight * losses[0](lookup(ids.to(to)))).backward()
+                if order == "zero_grad_between":
+                    optimizer.zero_grad(set_to_none=False)
+                losses[1](lookup(more_ids.to(to))).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert zero_weighted.any()
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(emb._state.tables["exp_avg"].to_numpy(), ref_opt.state[ref]["exp_avg"].numpy(),
+                               rtol=1e-5, atol=1e-6)

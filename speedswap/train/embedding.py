@@ -43,7 +43,8 @@ __all__ = ["OffloadedEmbedding"]
 #: __setattr__ checks each name against the parameters, buffers and submodules (4 us a call;
 #: NOTES 47): these are never any of those, so they are set as on any object.
 _STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran", "_version_between_steps",
-                              "_version_at_backward", "_leftover", "_stale", "_empty_step",
+                              "_version_at_backward", "_grad_at_backward", "_leftover", "_stale",
+                              "_empty_step",
                               "_eval_with_grad", "_empty_sparse"})
 
 
@@ -173,6 +174,11 @@ class OffloadedEmbedding(torch.nn.Module):
         # Whether a backward reached `weight` since the step began: a forward that then
         # finds no gradient follows a zero_grad() that dropped the step (see discard_step).
         self._backward_ran, self._version_at_backward = False, None
+        # Whether the gradient held a non-zero value when the last backward ended (a 0-dim bool
+        # tensor, computed on the device), the gradient and its version then: a gradient zero now
+        # was dropped by zero_grad() if that backward left it non-zero or it was zeroed or
+        # replaced since; one a backward left at zero (loss * 0), untouched since, still trains.
+        self._grad_at_backward = None
         self.weight.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
         # The gradient a finished step left on weight, and its version then: a step must not
         # train on it (see _note_leftover_gradient). The hook is on weight's gradient
@@ -526,14 +532,27 @@ class OffloadedEmbedding(torch.nn.Module):
         memory SparseAdam's zeroed sparse gradient then names no row). Its
         version cannot tell: ``torch._foreach_zero_`` leaves it as it was
         on CUDA. So the values are read, a host wait on a GPU, in that case
-        alone (a forward of gradient accumulation); a backward that left an
-        exactly zero gradient on every row of the step counts as dropped too.
+        alone (a forward of gradient accumulation). A gradient the last
+        backward itself left at zero on every row of the step (a loss
+        weighted by 0) is not dropped: in memory its rows are in the sparse
+        gradient, at zero values, and the step trains them.
         """
         grad = self.weight.grad
         if grad is None:
             return True
-        values = grad.coalesce().values() if grad.is_sparse else grad[:self._working_set.size]
-        return not bool(values.any())
+        if bool(self._step_gradient(grad).any()):
+            return False
+        # Zero now: dropped if the last backward left it non-zero, or zeroed it in place since.
+        # One a backward left at zero (a loss weighted by 0) is accumulation, as in memory, where
+        # the looked-up rows are in the sparse gradient at zero values and SparseAdam steps them.
+        if self._grad_at_backward is None:
+            return True
+        left, nonzero, version = self._grad_at_backward
+        return left() is not grad or grad._version != version or bool(nonzero)
+
+    def _step_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """The values of ``grad`` for the step's rows (a sparse gradient's values)."""
+        return grad.coalesce().values() if grad.is_sparse else grad[:self._working_set.size]
 
     def _drop_zeroed_step(self):
         """Discard the step in flight if ``zero_grad()`` dropped its gradients after a backward (it never ran).
@@ -1288,4 +1307,7 @@ def _note_backward(ref):
         if embedding is not None:
             embedding._backward_ran = True
             embedding._version_at_backward = embedding.weight._version
+            # On the device: a GPU's host does not wait here, only where a zero gradient is asked about.
+            grad = embedding.weight.grad
+            embedding._grad_at_backward = (weakref.ref(grad), embedding._step_gradient(grad).any(), grad._version)
     return note
