@@ -490,8 +490,9 @@ class OffloadedEmbedding(torch.nn.Module):
         gradient), where in-memory lazy training leaves them alone. The table,
         the optimizer state and the cache keep those rows as they were.
 
-        ``optimizer.zero_grad()`` (``set_to_none=False`` too: a gradient that is
-        zero after a backward with no step since counts as dropped) between a
+        ``optimizer.zero_grad()`` (``set_to_none=False`` too: a gradient zeroed
+        after a backward with no step since counts as dropped, one the
+        backward itself left at zero does not) between a
         backward and the next training forward does this by itself; between
         the next forward and its backward, it leaves the skipped forwards' rows
         unchanged at the next step, as rows no backward reached. Call it
