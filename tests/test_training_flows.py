@@ -471,13 +471,14 @@ def test_a_step_without_update_is_accepted_when_the_gradient_is_dropped_or_not_f
     assert_same_snapshot(snapshot(u, o), before)
 
 
-def adam_against_sparse_adam(rng, backend, max_rows, cache_rows=0):
-    """(emb, opt, ref, ref_opt, device): an offloaded Adam and an in-memory SparseAdam on the same rows."""
+def adam_against_sparse_adam(rng, backend, max_rows, cache_rows=0, sparse=False):
+    """(emb, opt, ref, ref_opt, device): an offloaded Adam (SparseAdam on a sparse gradient when
+    ``sparse``) and an in-memory SparseAdam on the same rows."""
     table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=max_rows, storage="pageable", backend=backend,
-                                cache_rows=cache_rows)
+                                cache_rows=cache_rows, sparse=sparse)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
+    opt = (torch.optim.SparseAdam if sparse else torch.optim.Adam)(emb.parameters(), lr=0.05, eps=1e-30)
     emb.attach(opt)
     ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
     return emb, opt, ref, torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30), ss.get_backend(backend).device
@@ -1060,16 +1061,18 @@ def test_a_checkpoint_saved_before_the_first_step_resumes_in_a_run_at_another_lr
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense_grad", "sparse_grad"])
 @pytest.mark.parametrize("cache_rows", [0, 40])
 @pytest.mark.parametrize("order", ["forward_backward_twice", "both_forwards_first", "zero_grad_between"])
 def test_an_accumulated_backward_whose_table_gradient_is_exactly_zero_trains_as_in_memory(
-        backend, rng, cache_rows, order):
+        backend, rng, cache_rows, order, sparse):
     """Gradient accumulation in which one backward gives the table an exactly zero gradient (a loss
     weighted by 0). In memory its rows are in the sparse gradient at zero values, and SparseAdam
     moves them by their momentum; the zero gradient was taken for one ``zero_grad()`` dropped, and
     those rows were left alone. A ``zero_grad(set_to_none=False)`` after that backward does drop
     them (in memory the zeroed sparse gradient names no row)."""
-    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows)
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows,
+                                                              sparse)
     batches = zipf_ids(rng, 2 * STEPS)
     zero_weighted = rng.random(STEPS) < 0.4
     for ((ids, target), (more_ids, more_target)), weight in zip(zip(batches[::2], batches[1::2]),

@@ -175,7 +175,8 @@ class OffloadedEmbedding(torch.nn.Module):
         # finds no gradient follows a zero_grad() that dropped the step (see discard_step).
         self._backward_ran, self._version_at_backward = False, None
         # Whether the gradient held a non-zero value when the last backward ended (a 0-dim bool
-        # tensor, computed on the device), the gradient and its version then: a gradient zero now
+        # tensor, computed on the device; None for a sparse gradient, which its version tells
+        # about), the gradient and its version then: a gradient zero now
         # was dropped by zero_grad() if that backward left it non-zero or it was zeroed or
         # replaced since; one a backward left at zero (loss * 0), untouched since, still trains.
         self._grad_at_backward = None
@@ -549,7 +550,8 @@ class OffloadedEmbedding(torch.nn.Module):
         if self._grad_at_backward is None:
             return True
         left, nonzero, version = self._grad_at_backward
-        return left() is not grad or grad._version != version or bool(nonzero)
+        # As the backward left it (a sparse one unwritten since is the zero it is now), or not.
+        return left() is not grad or grad._version != version or (nonzero is not None and bool(nonzero))
 
     def _step_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The values of ``grad`` for the step's rows (a sparse gradient's values)."""
@@ -1308,7 +1310,10 @@ def _note_backward(ref):
         if embedding is not None:
             embedding._backward_ran = True
             embedding._version_at_backward = embedding.weight._version
-            # On the device: a GPU's host does not wait here, only where a zero gradient is asked about.
+            # A dense gradient's values are noted, on the device (a GPU's host does not wait here):
+            # torch._foreach_zero_ zeroes it on CUDA without a version bump. A sparse one is zeroed
+            # by zero_(), which bumps it, so its version tells, without a coalesce per backward.
             grad = embedding.weight.grad
-            embedding._grad_at_backward = (weakref.ref(grad), embedding._step_gradient(grad).any(), grad._version)
+            nonzero = None if grad.is_sparse else grad[:embedding._working_set.size].any()
+            embedding._grad_at_backward = (weakref.ref(grad), nonzero, grad._version)
     return note
