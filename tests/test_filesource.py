@@ -267,6 +267,32 @@ def test_a_reader_closed_between_its_closed_check_and_a_submit_raises_state_erro
     assert len(next(iter(feeder))[0]) == 64
 
 
+@pytest.mark.parametrize("order", ["random", BlockOrder(block_rows=64, window=2)])
+@pytest.mark.parametrize("reuse_fd", [False, True])
+def test_a_reader_closed_while_it_checks_the_files_for_changes_raises_state_error(tmp_path, monkeypatch,
+                                                                                   order, reuse_fd):
+    path = write(tmp_path / "x.npy", np.arange(1000))
+    feeder = ss.BatchFeeder(path, batch_size=64, order=order, device="cpu", prefetch=0)
+    real = filesource._version
+    other = []
+
+    def closed_meanwhile(stat):  # another thread's set_epoch, after the batch's reads, before the check
+        monkeypatch.setattr(filesource, "_version", real)
+        feeder.set_epoch(0)
+        if reuse_fd:  # the closed descriptor's number now names another file, with another version
+            other.append(open(tmp_path / "other", "wb"))
+        return real(os.fstat(-1) if not reuse_fd else os.fstat(other[-1].fileno()))
+
+    loop = iter(feeder)
+    next(loop)
+    monkeypatch.setattr(filesource, "_version", closed_meanwhile)
+    with pytest.raises(ss.StateError, match="closed by another thread"):
+        next(loop)
+    for f in other:
+        f.close()
+    assert len(next(iter(feeder))[0]) == 64
+
+
 @pytest.mark.parametrize("source", ["memory", "file"])
 def test_a_batch_whose_transform_raised_comes_again_on_resume(tmp_path, source):
     data = np.arange(100) if source == "memory" else write(tmp_path / "x.npy", np.arange(100))

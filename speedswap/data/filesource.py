@@ -242,12 +242,17 @@ class _PoolReader:
         Raises:
             FileFormatError: a file's size or modification time changed, or it could not be
                 checked (a disk error).
+            StateError: the reader was closed by another thread meanwhile.
         """
         for file, fd, version in zip(self._files, self._fds, self._versions):
             try:
                 now = _version(os.fstat(fd))
             except OSError as exc:
+                if self._closed:  # set_epoch on another thread closed the descriptor (EBADF)
+                    raise _closed_by_another_thread() from exc
                 raise _disk_error(file, exc, "checking it for changes (fstat)") from exc
+            if self._closed:  # closed before the fstat: the number may name another file by now
+                raise _closed_by_another_thread()
             if now != version:
                 raise FileFormatError(
                     f"{file.path!r} changed while the feeder read it (its size or modification time "
