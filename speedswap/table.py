@@ -10,13 +10,14 @@
 [1.0, 1.0, 1.0]
 """
 
+import contextlib
 import dataclasses
 import errno
 import mmap
 import os
 import warnings
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError,
                      PathError, ShapeError, StateError)
 from .live import Registry
 
-__all__ = ["HostTable", "live_tables", "check_storage"]
+__all__ = ["HostTable", "live_tables", "check_storage", "loading_into"]
 
 _LIVE = Registry()
 
@@ -221,6 +222,7 @@ class HostTable:
         self._before_read = self._before_write = None  # see watch_reads, watch_writes
         self._views = weakref.WeakSet()  # what the views a watched table handed out are over
         self._device_view = False  # whether a watched device table handed out its tensor (see viewed)
+        self._torn = None  # why its rows may be part one state, part another (see loading_into)
         _LIVE.add(self)
 
     # ----------------------------------------------------------- constructors
@@ -486,13 +488,19 @@ class HostTable:
         return f"HostTable({self.num_rows}, {self.dim}, dtype={self.dtype}, {state})"
 
     # -------------------------------------------------------------- transport
-    def _live_buffer(self):
+    def _open_buffer(self):
         if self._buffer is None:
             raise StateError("this HostTable is closed; its memory was released")
         return self._buffer
 
-    def _writable_buffer(self):
-        buffer = self._live_buffer()
+    def _live_buffer(self):
+        if self._torn is not None:
+            raise StateError(self._torn)
+        return self._open_buffer()
+
+    def _writable_buffer(self, *, loading=False):
+        """The buffer, to write; ``loading``: for a load, which a stopped one's refusal lets through."""
+        buffer = self._open_buffer() if loading else self._live_buffer()
         if not self._writable:
             raise StateError("this HostTable shares a read-only array (e.g. a file mapped with "
                              "mmap_mode='r'), so its rows cannot be written; map the file 'r+' "
@@ -994,13 +1002,14 @@ class HostTable:
                 no dataset.
             StateError: a closed or read-only table.
         """
-        self._writable_buffer()
+        self._writable_buffer(loading=True)
         header = files.read_table_header(path, dataset)
         files.check_table_matches(header, self._shape, self.dtype, path)
         # Every row is read and verified before the first one changes.
         staged = files.stage_table(path, header, dataset, self.dtype, available_ram())
         self._announce_write()
-        staged.commit(self)
+        with loading_into([self], path):
+            staged.commit(self)
         return self
 
     def to_numpy(self, copy=False):
@@ -1039,6 +1048,7 @@ class HostTable:
         """Release the table's memory (flushing an ``mmap`` file first). Idempotent."""
         if self._buffer is None:
             return
+        self._torn = None  # its rows go, whatever they hold
         self.flush()
         self._buffer = None
         _LIVE.discard(self)
@@ -1049,3 +1059,35 @@ class HostTable:
     def __exit__(self, *exc):
         self.close()
 
+
+@contextlib.contextmanager
+def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
+    """Bracket the writes of a verified load into ``tables``, which must hold its rows all or none.
+
+    A load that stops once its writes have begun (Ctrl-C, out of memory, a
+    chunk read again that differs from the one verified) leaves some rows
+    loaded and others not. Every one of ``tables`` then refuses use, reads
+    included, with a :class:`~speedswap.StateError` that says so, until a
+    load into it completes (or it is closed): training on would mix two
+    states. The exception goes on, with a note saying the same.
+
+    Args:
+        tables: every table the load writes; a refusal left by an earlier
+            stopped load is lifted for the writes.
+        path: the file or checkpoint read, for the messages.
+    """
+    tables = list(tables)
+    for table in tables:
+        table._torn = None
+    try:
+        yield
+    except BaseException as exc:
+        which = f"this table and {len(tables) - 1} more" if len(tables) > 1 else "this table"
+        why = (f"a load from {os.fspath(path)!r} stopped ({type(exc).__name__}) while it wrote "
+               f"{which}: the rows may be part the file's, part what was there before; load a "
+               f"checkpoint again (all of it) before using them, or close them")
+        for table in tables:
+            table._torn = why
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(f"speedswap: {why}.")
+        raise

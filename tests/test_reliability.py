@@ -712,6 +712,13 @@ def _rewrite_in_place(path):
         f.write(bytes(b ^ 0x55 for b in tail))
 
 
+def _rows_behind_the_refusal(table):
+    """The rows of a table a stopped load left refusing use (which is checked), as they are."""
+    with pytest.raises(ss.StateError, match=r"stopped \(FileFormatError\).*load a checkpoint again"):
+        table.to_numpy()
+    return table._open_buffer().host
+
+
 @pytest.mark.parametrize("changed", ["table", "optimizer.exp_avg_sq"])
 def test_a_checkpoint_too_large_to_stage_changed_after_it_was_verified_loads_nothing(
         rng, tmp_path, monkeypatch, changed):
@@ -741,6 +748,79 @@ def test_a_checkpoint_too_large_to_stage_changed_after_it_was_verified_loads_not
     target.load(path)  # an intact checkpoint still loads through the second read
     for name, table in target._tables().items():
         np.testing.assert_array_equal(table.to_numpy(), contents(source)[name], err_msg=name)
+
+
+@pytest.mark.parametrize("staged_in_ram, cache_rows", [(True, 0), (False, 0), (True, 20)],
+                         ids=["staged", "read-again", "cached"])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, MemoryError])
+def test_a_load_stopped_while_it_writes_the_tables_leaves_them_refusing_use_until_a_load(
+        rng, tmp_path, monkeypatch, staged_in_ram, cache_rows, stop):
+    """Ctrl-C in the middle of a load's writes left the tables before it loaded and the rest not,
+    without a word: training on mixed two states. Every table of the load now refuses use (the
+    training forward included) until a load completes."""
+    from speedswap.files import tables as tables_module
+    if not staged_in_ram:
+        _nothing_staged_in_ram(monkeypatch)
+    path = tmp_path / "ckpt"
+    source = adam_embedding(rng)
+    source.save(path)
+    saved = contents(source)
+    target = adam_embedding(rng, cache_rows=cache_rows)
+    commit, commits = tables_module.StagedRows.commit, []
+
+    def stopped_at_the_second(staged, table, **kwargs):
+        commits.append(table)
+        if len(commits) == 2:  # the first table holds the checkpoint's rows, the others their own
+            raise stop()
+        return commit(staged, table, **kwargs)
+    monkeypatch.setattr(tables_module.StagedRows, "commit", stopped_at_the_second)
+    with pytest.raises(stop) as info:
+        target.load(path)
+    if sys.version_info >= (3, 11):
+        assert "load a checkpoint again" in " ".join(info.value.__notes__)
+    monkeypatch.setattr(tables_module.StagedRows, "commit", commit)
+    ids = torch.from_numpy(rng.integers(0, 60, size=(BATCH,)))
+    for use in (lambda: target(ids), lambda: target.save(tmp_path / "other"),
+                lambda: target.table.to_numpy(), lambda: target._state.tables["exp_avg"].gather([0])):
+        with pytest.raises(ss.StateError, match=f"stopped.*{stop.__name__}.*load a checkpoint again"):
+            use()
+    assert not (tmp_path / "other").exists()
+    target.load(path)
+    for name, table in target._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), saved[name], err_msg=name)
+    train_step(target, target._state.optimizer, rng, 60)  # and it trains again
+
+
+def test_a_table_load_from_stopped_while_it_writes_refuses_use_until_a_load(rng, tmp_path, monkeypatch):
+    from speedswap.files import base as files_base, tables as tables_module
+    import speedswap.table as table_module
+    monkeypatch.setattr(table_module, "available_ram", lambda: 0)
+    monkeypatch.setattr(files_base, "CHUNK_BYTES", 64 << 10)  # the 320 kB file in 5 chunks
+    table = make_table(rng, rows=20_000)
+    good = rng.standard_normal((20_000, 4), dtype=np.float32)
+    write_compressed(tmp_path / "t.h5", {"table": good})
+    read, reads = tables_module._file_chunks, []
+
+    def interrupted_after_a_chunk(*args):
+        reads.append(1)
+        chunks = read(*args)
+        if len(reads) == 2:  # read again to be written: some rows written, the rest not
+            yield next(chunks)
+            raise KeyboardInterrupt
+        yield from chunks
+    monkeypatch.setattr(tables_module, "_file_chunks", interrupted_after_a_chunk)
+    with pytest.raises(KeyboardInterrupt):
+        table.load_from(tmp_path / "t.h5")
+    with pytest.raises(ss.StateError, match="stopped.*KeyboardInterrupt"):
+        table.gather([0, 19_999])
+    monkeypatch.setattr(tables_module, "_file_chunks", read)
+    with pytest.raises(MissingFileError):  # a refused load leaves it refusing
+        table.load_from(tmp_path / "missing.h5")
+    with pytest.raises(ss.StateError, match="stopped.*KeyboardInterrupt"):
+        table.to_numpy()
+    table.load_from(tmp_path / "t.h5")
+    np.testing.assert_array_equal(table.to_numpy(), good)
+    table.close()
 
 
 def test_an_hdf5_checkpoint_too_large_to_stage_replaced_after_its_check_loads_nothing(
@@ -797,7 +877,7 @@ def test_a_chunk_that_differs_when_read_again_is_never_written(rng, tmp_path, mo
         expected = before[name].copy()
         if name == first:
             expected[:16] = contents(source)[name][:16]
-        np.testing.assert_array_equal(table.to_numpy(), expected, err_msg=name)
+        np.testing.assert_array_equal(_rows_behind_the_refusal(table), expected, err_msg=name)
 
 
 @pytest.mark.parametrize("chunk", [0, 1], ids=["first-chunk", "second-chunk"])
@@ -839,7 +919,7 @@ def test_a_read_again_failing_in_a_later_table_names_the_tables_already_loaded(r
         expected = saved[name] if name in earlier else before[name].copy()
         if name == last:
             expected[:16 * chunk] = saved[name][:16 * chunk]
-        np.testing.assert_array_equal(table.to_numpy(), expected, err_msg=name)
+        np.testing.assert_array_equal(_rows_behind_the_refusal(table), expected, err_msg=name)
 
 
 def test_saves_and_loads_of_one_directory_checkpoint_from_two_threads_take_turns(tmp_path, rng):

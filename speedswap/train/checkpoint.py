@@ -38,6 +38,7 @@ from .. import atomic, files
 from ..backends import available_ram
 from ..errors import (FileFormatError, MissingFileError, OptionError, PathError,
                       SpeedswapError)
+from ..table import loading_into
 from .sharded_checkpoint import MANIFEST as SHARDED_MANIFEST
 
 __all__ = ["save_tables", "load_tables", "file_in", "checkpoint_kind", "current_version"]
@@ -457,7 +458,9 @@ def load_tables(path, tables, attrs):
     unchanged (identity, size, change times), or nothing is loaded; each
     chunk read again must match the CRC-32 verified before it is written.
     Only a read error or a writer changing a file *during* the writes can
-    then stop the load midway: that error names the tables and rows already replaced.
+    then stop the load midway: that error names the tables and rows already
+    replaced. After any stop midway (that, Ctrl-C, out of memory) every table
+    refuses use until a load completes (:func:`~speedswap.table.loading_into`).
 
     Args:
         path: as given to :func:`save_tables`.
@@ -499,15 +502,16 @@ def _load_tables(path, tables, attrs):
         if held is not None:
             os.close(held)
     loaded = []
-    for name, table in tables.items():  # the commit: rows staged in RAM cannot fail; see above
-        try:
-            staged[name].commit(table)
-        except FileFormatError as exc:
-            if not loaded:
-                raise
-            # The error speaks of its own file; the tables before it already hold the checkpoint's
-            # rows, beside the others' own: training on would mix two states.
-            raise FileFormatError(f"{exc}. The tables {loaded} were loaded from {os.fspath(path)!r} "
-                                  f"before it, the others were not: load an intact checkpoint before "
-                                  f"training on") from exc
-        loaded.append(name)
+    with loading_into(tables.values(), path):
+        for name, table in tables.items():  # the commit: rows staged in RAM cannot fail; see above
+            try:
+                staged[name].commit(table)
+            except FileFormatError as exc:
+                if not loaded:
+                    raise
+                # The error speaks of its own file; the tables before it already hold the checkpoint's
+                # rows, beside the others' own: training on would mix two states.
+                raise FileFormatError(f"{exc}. The tables {loaded} were loaded from {os.fspath(path)!r} "
+                                      f"before it, the others were not: load an intact checkpoint before "
+                                      f"training on") from exc
+            loaded.append(name)

@@ -42,6 +42,7 @@ import torch
 from .. import atomic, files
 from ..backends import available_ram
 from ..errors import DTypeError, FileFormatError, PathError, StateError, warn
+from ..table import loading_into
 from .caching import rewriting
 from .exchange import Exchange, row_bounds
 
@@ -420,7 +421,9 @@ def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None
         if row_state is not None:
             _restore_scalar_state(row_state, manifest)
 
-    run_everywhere(exchange, f"reading checkpoint {os.fspath(path)!r}", read)
+    # A rank that stopped midway leaves the table part loaded on every rank: each refuses use.
+    with loading_into(tables.values(), path):
+        run_everywhere(exchange, f"reading checkpoint {os.fspath(path)!r}", read)
 
 
 def all_unchanged(staged) -> None:
