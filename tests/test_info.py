@@ -11,6 +11,7 @@ from churn import churning
 
 
 def test_info_counts_bytes_of_live_tables(backend, tmp_path):
+    gc.collect()  # tables of earlier tests go now, not in the middle of this one
     before = ss.info()
     host = ss.HostTable.zeros(1000, 8, storage="pageable", backend=backend)
     mapped = ss.HostTable.zeros(500, 4, storage="mmap", backend=backend, path=tmp_path / "m.npy")
@@ -79,6 +80,7 @@ def test_info_while_another_thread_makes_and_closes_tables():
         tables[k].close()
         tables[k] = ss.HostTable.empty(1, 2, storage="pageable", backend="numpy")
 
+    gc.collect()  # tables of earlier tests go now, not in the middle of this one
     before = ss.info()["tables"]
     with churning(remake):
         counts = [ss.info()["tables"] for _ in range(60)]  # each call used to risk the error
