@@ -271,28 +271,53 @@ def test_an_installed_wheel_says_the_gpu_tests_are_not_there(tmp_path, monkeypat
 
 
 def _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick):
-    """A checkout's tests as run_gpu_tests finds them: ``quick`` gpu tests that pass, then one that hangs."""
-    tests = tmp_path / "tests"
+    """A checkout's tests as run_gpu_tests finds them: ``quick`` gpu tests that pass, then one that hangs.
+
+    The hanging test begins once every quick one has passed (in workers they run beside it), and
+    the run's timeout counts from then: counted from the start, it was used up on a loaded machine
+    by pytest's start-up before the quick tests had run (passed 0 of 3 in two workers).
+
+    Returns:
+        A dict that holds, once the run is under way, ``"hung_at"``: ``time.perf_counter()`` when
+        the hanging test began.
+    """
+    tests, marks = tmp_path / "tests", tmp_path / "marks"
     tests.mkdir()
+    marks.mkdir()
     (tests / "conftest.py").write_text(
         "def pytest_configure(config):\n    config.addinivalue_line('markers', 'gpu: needs a GPU')\n")
     (tests / "test_cut.py").write_text(
-        "import time, pytest\n\n"
-        f"@pytest.mark.gpu\n@pytest.mark.parametrize('i', range({quick}))\ndef test_quick(i):\n    assert i < {quick}\n\n"
-        "@pytest.mark.gpu\ndef test_hangs():\n    time.sleep(120)\n")
+        f"import pathlib, time, pytest\n\nMARKS = pathlib.Path({str(marks)!r})\n\n"
+        f"@pytest.mark.gpu\n@pytest.mark.parametrize('i', range({quick}))\ndef test_quick(i):\n"
+        f"    (MARKS / f'quick{{i}}').touch()\n\n"
+        f"@pytest.mark.gpu\ndef test_hangs():\n"
+        f"    while len(list(MARKS.glob('quick*'))) < {quick}:\n        time.sleep(0.05)\n"
+        f"    (MARKS / 'hanging').touch()\n    time.sleep(120)\n")
     monkeypatch.setattr(gpu_tests, "find_tests", lambda: tests)
+    seen = {}
+
+    class TimedFromTheHang(subprocess.Popen):
+        def wait(self, timeout=None):
+            if timeout is not None and not seen:  # the wait for the timeout: it starts with the hang
+                deadline = time.perf_counter() + 120  # a suite that never gets there fails the test
+                while not (marks / "hanging").exists() and self.poll() is None and time.perf_counter() < deadline:
+                    time.sleep(0.05)
+                seen["hung_at"] = time.perf_counter()
+            return super().wait(timeout)
+
+    monkeypatch.setattr(gpu_tests.subprocess, "Popen", TimedFromTheHang)
+    return seen
 
 
 def test_gpu_tests_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkeypatch):
     """Past the timeout pytest is interrupted, not killed: its report counts the tests that ran."""
-    _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick=1)
+    seen = _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick=1)
     out = tmp_path / "out"
     out.mkdir()
-    began = time.perf_counter()
-    outcome = gpu_tests.run_gpu_tests(out, hide_gpu=False, timeout=10)
-    assert time.perf_counter() - began < 60  # interrupted, not left to sleep
-    assert outcome["status"] == "failed" and "timed out after 10 s and interrupted" in outcome["reason"]
-    assert outcome["passed"] == 1 and outcome["failed"] == 0 and outcome["timeout_s"] == 10
+    outcome = gpu_tests.run_gpu_tests(out, hide_gpu=False, timeout=5)
+    assert time.perf_counter() - seen["hung_at"] < 60  # interrupted, not left to sleep
+    assert outcome["status"] == "failed" and "timed out after 5 s and interrupted" in outcome["reason"]
+    assert outcome["passed"] == 1 and outcome["failed"] == 0 and outcome["timeout_s"] == 5
     log = (out / "gpu-tests.log").read_text()
     assert "KeyboardInterrupt" in log and "test_hangs" in log
     assert [p.name for p in out.iterdir()] == ["gpu-tests.log"]  # the JUnit report was read, not kept
@@ -336,7 +361,7 @@ def test_gpu_tests_in_workers_cut_off_by_the_timeout_still_report_what_ran(tmp_p
     monkeypatch.setattr(gpu_tests, "CORES_PER_WORKER", 1)  # two workers on this machine's cores
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs two cores for two workers")
-    outcome = gpu_tests.run_gpu_tests(tmp_path, hide_gpu=False, timeout=15)
+    outcome = gpu_tests.run_gpu_tests(tmp_path, hide_gpu=False, timeout=5)
     assert outcome["workers"] == 2 and outcome["status"] == "failed"
     assert outcome["passed"] == 3 and "the log lists the tests 2 workers finished" in outcome["reason"]
 
