@@ -664,6 +664,8 @@ def run_scenario(scenario, seed, world, rank, out):
     elif kind == "crash":    # rank 1 does not catch its error: every rank must exit, not hang
         emb, opt = make(name)
         ids = torch.arange(4) + (NUM_ROWS if rank == 1 else 0)
+        with open(os.path.join(out, f"crash.rank{rank}.started"), "w") as f:
+            f.write(repr(time.time()))  # the test times the end of every rank from here
         emb(ids)
         raise AssertionError("unreachable: the forward above raises on every rank")
     np.savez(os.path.join(out, f"{name}.rank{rank}.npz"), **shard_arrays(emb))
