@@ -304,11 +304,14 @@ def test_a_refused_mmap_reattach_leaves_the_old_optimizer_attached(rng, tmp_path
                                expected_state["momentum_buffer"], **TOL)
 
 
-def test_an_attach_out_of_memory_leaves_the_embedding_detached_and_a_retry_trains(rng, monkeypatch):
-    # The old state is released first, to make room; the new optimizer's device cache then did not
-    # fit: its state stayed behind unhooked, and the next training forward raised AttributeError.
+@pytest.mark.parametrize("where", ["state", "cache"])
+@pytest.mark.parametrize("again", [False, True], ids=["another_optimizer", "same_optimizer"])
+def test_an_attach_out_of_memory_leaves_the_old_optimizer_attached_and_unchanged(rng, monkeypatch, where, again):
+    # The old state used to be released first, to make room: a new state (or device cache) that
+    # did not fit left the embedding detached, the old optimizer's per-row state gone and, attached
+    # again, its step count dropped. The new state is now made before the old one goes.
     table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
-    batches = zipf_batches(rng, 12, "cpu")
+    batches = zipf_batches(rng, 18, "cpu")
     make_sgd = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
     make_adam = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
     emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy",
@@ -321,24 +324,30 @@ def test_an_attach_out_of_memory_leaves_the_embedding_detached_and_a_retry_train
             opt.step()
             opt.zero_grad()
 
-    sgd = make_sgd(emb.parameters())
-    emb.attach(sgd)
-    train(sgd, batches[:6])
     adam = make_adam(emb.parameters())
+    emb.attach(adam)
+    train(adam, batches[:6])
+    make_new = make_adam if again else make_sgd
+    new = adam if again else make_new(emb.parameters())
 
     def out_of_memory(*args, **kwargs):
-        raise MemoryError("the device cache does not fit (injected)")
-    monkeypatch.setattr(embedding_module, "new_cache", out_of_memory)
+        raise MemoryError(f"the new {where} does not fit (injected)")
+    if where == "state":
+        monkeypatch.setattr(type(emb.table.backend), "allocate", out_of_memory)
+    else:
+        monkeypatch.setattr(embedding_module, "new_cache", out_of_memory)
     with pytest.raises(MemoryError):
-        emb.attach(adam)
+        emb.attach(new)
     monkeypatch.undo()
-    with pytest.raises(ss.StateError, match=r"emb.attach\(optimizer\)"):
-        emb(batches[6][0])
-    emb.attach(adam)
-    train(adam, batches[6:])
+    train(adam, batches[6:12])  # as if the attach had never been tried
     fresh = lambda name, group: 0.0  # noqa: E731
-    middle, _ = run_in_memory(make_sgd, table0, batches[:6], "cpu", initial_state=fresh)
-    expected, expected_state = run_in_memory(make_adam, middle, batches[6:], "cpu", initial_state=fresh)
+    middle, middle_state = run_in_memory(make_adam, table0, batches[:12], "cpu", initial_state=fresh)
+    np.testing.assert_allclose(emb.table.to_numpy(), middle, **TOL)
+    for name, table in emb._state.tables.items():
+        np.testing.assert_allclose(table.to_numpy(), middle_state[name], err_msg=name, **TOL)
+    emb.attach(new)  # a retry that fits starts afresh
+    train(new, batches[12:])
+    expected, expected_state = run_in_memory(make_new, middle, batches[12:], "cpu", initial_state=fresh)
     np.testing.assert_allclose(emb.table.to_numpy(), expected, **TOL)
     for name, table in emb._state.tables.items():
         np.testing.assert_allclose(table.to_numpy(), expected_state[name], err_msg=name, **TOL)

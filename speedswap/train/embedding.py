@@ -335,8 +335,12 @@ class OffloadedEmbedding(torch.nn.Module):
                 ``overwrite``). Nothing changes: the optimizer attached before stays.
             StateError: a closed embedding, or between a training forward and the step.
             OutOfMemoryError: the new state tables or the device cache do not
-                fit. The old state was released first, to make room: the
-                embedding is left detached (training refuses until an attach
+                fit. Nothing changes: the new state is made before the old one
+                is released (attaching again needs room for both for a moment),
+                so the optimizer attached before stays, with its state. With
+                ``storage="mmap"`` the new files take the old ones' names, so
+                the old state is closed first, and a failure leaves the
+                embedding detached (training refuses until an attach
                 succeeds; the table is intact).
         """
         self._check_open()
@@ -346,26 +350,26 @@ class OffloadedEmbedding(torch.nn.Module):
         # An unsupported optimizer, or a file the new state may not replace, is refused before
         # the old state is closed.
         check_state_files(optimizer, self.weight, self._storage, self._path, self._overwrite or self._created)
-        if self._cache is not None:
-            self._cache.flush()  # cached rows are the current ones (their old state goes below)
-            if self._writeback is not None:
-                self._writeback.detach()
-            self._cache = None
-        if self._state is not None:
-            self._hooks.remove()
-            self._state.close()  # its mmap files may be replaced below
-            self._state = None
+        if self._storage == "mmap":
+            self._release_state()  # its files take the new state's names
+        held = optimizer.state.get(self.weight)
         drop_leftover_state(optimizer, self.weight)  # this one's or an earlier one's: a fresh start
-        state = RowState(optimizer, self.weight, self.num_embeddings, self.weight.dtype,
-                         self._storage, self._backend, self._path, overwrite=self._overwrite or self._created)
-        self._created |= {t.path for t in state.tables.values()}
+        try:
+            state = RowState(optimizer, self.weight, self.num_embeddings, self.weight.dtype, self._storage,
+                             self._backend, self._path, overwrite=self._overwrite or self._created)
+            self._created |= {t.path for t in state.tables.values()}  # a retry may replace its files
+            try:
+                cache = new_cache(self.cache_rows, self._table, state.tables, self.weight.dtype)
+            except BaseException:
+                state.close()  # unhooked, it would be saved and read as the attached optimizer's
+                raise
+        except BaseException:
+            if held is not None:  # the state an earlier attach left it (Adam's step) stays, as the old tables do
+                optimizer.state[self.weight] = held
+            raise
+        self._release_state()
         for table in state.tables.values():  # reads of the state, a view kept too, as of the table
             table.watch_reads(self._prepare_table_read)
-        try:
-            cache = new_cache(self.cache_rows, self._table, state.tables, self.weight.dtype)
-        except BaseException:
-            state.close()  # unhooked, it would be saved and read as the attached optimizer's
-            raise
         self._state, self._cache = state, cache
         # Dropped without close() (or at exit), an mmap embedding still writes its cached rows
         # back: its files must hold them, as they hold every row without a cache. (Other
@@ -373,6 +377,18 @@ class OffloadedEmbedding(torch.nn.Module):
         self._writeback = weakref.finalize(self, self._cache.flush) if self._storage == "mmap" else None
         self._hooks = StepHooks(self, optimizer)
         self._claim = claim(self, self.weight, optimizer)
+
+    def _release_state(self):
+        """Unhook the attached optimizer and release its state and the device cache (rows written back first)."""
+        if self._cache is not None:
+            self._cache.flush()  # cached rows are the current ones
+            if self._writeback is not None:
+                self._writeback.detach()
+            self._cache = None
+        if self._state is not None:
+            self._hooks.remove()
+            self._state.close()
+            self._state = None
 
     def init_state(self):
         """Reset every row's optimizer state to the value torch creates it with.
