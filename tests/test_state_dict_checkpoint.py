@@ -222,6 +222,32 @@ def test_check_state_dict_refuses_before_any_embedding_of_the_model_changes(rng)
         np.testing.assert_array_equal(emb.table.to_numpy(), source[name].table.to_numpy())
 
 
+def test_check_state_dict_refuses_what_torch_refuses_of_the_other_entries_before_the_table_changes(rng):
+    """A state dict whose Linear torch refuses (another shape) passed check_state_dict, and the load
+    then replaced the table before torch raised: the check-first load was not all or nothing."""
+    source = offloaded("pageable", torch.float32, 0, None, initial(rng, torch.float32))
+    target = offloaded("pageable", torch.float32, 0, None, initial(rng, torch.float32), torch.nn.Linear(DIM, 2))
+    before = snapshot(target)
+    with pytest.raises(ss.ShapeError, match=rf"'lin.weight' is \(1, {DIM}\), the model's \(2, {DIM}\).*"
+                                            "Nothing was loaded"):
+        check_state_dict(target, source.state_dict())
+    assert_same(snapshot(target), before)
+    # Why it is checked first: torch refuses the Linear after it has replaced the table.
+    with pytest.raises(RuntimeError, match="size mismatch for lin.weight"):
+        target.load_state_dict(source.state_dict())
+    assert not np.array_equal(snapshot(target)["table"], before["table"])
+    # Missing and unexpected keys are refused as strict loads refuse them, and only then.
+    state = source.state_dict()
+    state["lin.scale"] = torch.ones(1)
+    del state["lin.bias"]
+    with pytest.raises(ss.FileFormatError, match="missing 'lin.bias'; unexpected 'lin.scale'.*strict=False"):
+        check_state_dict(source, state)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        source.load_state_dict(state)
+    check_state_dict(source, state, strict=False)
+    source.load_state_dict(state, strict=False)
+
+
 @pytest.mark.parametrize("make", [lambda t: t.to("meta"), lambda t: t.to_sparse()], ids=["meta", "sparse"])
 def test_a_state_dict_whose_state_tensor_holds_no_dense_values_is_refused_and_changes_nothing(make, rng):
     # A meta tensor (a state dict of a model built on the meta device) or a sparse one is shaped

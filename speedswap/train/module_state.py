@@ -21,7 +21,8 @@ invalidated; the optimizer's per-row state marked as restored).
 torch loads module by module, and no module sees another's entries, so an
 embedding whose state is refused cannot undo those loaded before it.
 :func:`note_loaded` and :func:`refused_after` make its refusal name them;
-:func:`check_state_dict`, called first, checks every embedding's entry.
+:func:`check_state_dict`, called first, checks every entry (the embeddings'
+and those torch loads itself), so that nothing loads unless all will.
 """
 
 import copy
@@ -161,36 +162,81 @@ def check_tables_state(state, kind: str, tables: dict, optimizer: str, num_embed
     return dict(values)
 
 
-def check_state_dict(model: torch.nn.Module, state_dict: Mapping) -> None:
-    """Check every offloaded embedding's entry of ``state_dict`` against ``model``, changing nothing.
+def check_state_dict(model: torch.nn.Module, state_dict: Mapping, strict: bool = True) -> None:
+    """Check ``state_dict`` against ``model`` as ``model.load_state_dict`` would, changing nothing.
 
     ``model.load_state_dict`` loads module by module: a state dict that fits
     the first embedding and not the second replaces the first's table before
-    the second refuses. Checked first, a load over several embeddings is all
-    or nothing for their tables. It checks what each embedding's own load
-    checks (sizes, dtype, optimizer, format, and no step in flight), for
-    every submodule that can (:class:`~speedswap.OffloadedEmbedding`,
-    through its ``_check_extra_state``); entries it lacks are left to the load.
+    the second refuses, and one whose entry of a later module (a ``Linear``'s
+    weight of another shape) torch refuses has replaced every table before
+    it. Checked first, a load is all or nothing for the tables. It checks
+    what each embedding's own load checks (sizes, dtype, optimizer, format,
+    and no step in flight), for every submodule that can
+    (:class:`~speedswap.OffloadedEmbedding`, through its ``_check_extra_state``),
+    and what torch refuses of the other entries: a parameter or buffer
+    entry of another shape, or not a tensor, and under ``strict`` missing
+    or unexpected keys.
 
     >>> check_state_dict(model, state); model.load_state_dict(state)  # doctest: +SKIP
 
     Args:
         model: the module ``state_dict`` is to be loaded into.
         state_dict: what ``model.state_dict()`` returned (or ``torch.load`` read).
+        strict: as ``model.load_state_dict`` will be called.
 
     Raises:
         ShapeError, DTypeError, FileFormatError, StateError: as the
             embedding's ``load_state_dict``, the message naming its entry.
+        ShapeError: a parameter or buffer entry torch would refuse for its shape.
+        FileFormatError: an entry that is not a tensor, or under ``strict``
+            missing or unexpected keys (each named).
     """
+    scratch = set()  # the embeddings' working-set weights, which their load skips
     for name, module in model.named_modules():
         check = getattr(module, "_check_extra_state", None)
-        key = f"{name}._extra_state" if name else "_extra_state"
-        if check is None or key not in state_dict:
+        prefix = f"{name}." if name else ""
+        if check is None:
+            continue
+        scratch.add(prefix + "weight")
+        if prefix + "_extra_state" not in state_dict:
             continue
         try:
-            check(state_dict[key])
+            check(state_dict[prefix + "_extra_state"])
         except SpeedswapError as exc:
-            raise type(exc)(f"{key!r}: {exc}; nothing was loaded") from exc
+            raise type(exc)(f"{prefix + '_extra_state'!r}: {exc}; nothing was loaded") from exc
+    _check_torch_entries(model, state_dict, strict, scratch)
+
+
+def _check_torch_entries(model, state_dict, strict, scratch):
+    """Raise what ``model.load_state_dict`` would refuse of the entries torch loads itself.
+
+    As :func:`check_state_dict` says; ``scratch`` are the keys whose shapes no load checks.
+    The version upgrades torch makes to old modules' entries (BatchNorm's
+    ``num_batches_tracked``, added when missing) are not replayed.
+    """
+    own = model.state_dict(keep_vars=True)
+    refused, odd, missing = [], [], []
+    for key, value in own.items():
+        if key not in state_dict:
+            missing.append(key)
+            continue
+        if key in scratch or key == "_extra_state" or key.endswith("._extra_state"):
+            continue  # extra state is checked by its module (or handed to it unchecked, as torch does)
+        given = state_dict[key]
+        if not torch.overrides.is_tensor_like(given):
+            odd.append(f"{key!r} is a {type(given).__name__}, not a tensor")
+        elif not torch.nn.parameter.is_lazy(value) and tuple(given.shape) != tuple(value.shape) \
+                and not (value.dim() == 0 and tuple(given.shape) == (1,)):  # torch takes a 1-element one
+            refused.append(f"{key!r} is {tuple(given.shape)}, the model's {tuple(value.shape)}")
+    unexpected = [key for key in state_dict if key not in own]
+    problems = refused + odd + ([f"missing {', '.join(map(repr, missing))}"] if strict and missing else []) \
+        + ([f"unexpected {', '.join(map(repr, unexpected))}"] if strict and unexpected else [])
+    if problems:
+        error = ShapeError if refused else FileFormatError
+        raise error(f"model.load_state_dict would raise for this state dict after loading every entry it "
+                    f"takes (offloaded tables too): {'; '.join(problems)}. Nothing was loaded: "
+                    f"load a state dict saved from a model built as this one"
+                    + ("" if refused or odd else ", or load with strict=False"))
 
 
 def copy_tables(values: dict, tables: dict) -> None:
