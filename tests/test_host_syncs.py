@@ -60,8 +60,10 @@ class _TorchSyncWarnings:
         self._caught.__exit__(*exc)
 
 
-def _phase_counts(backend, cache_rows, counter_type, seed, padding_idx=None):
+def _phase_counts(backend, cache_rows, counter_type, seed, padding_idx=None, clipped=False):
     """Train STEPS Zipf steps with prefetch, counting each call's host synchronisations.
+
+    ``clipped``: the gradient is clipped (written in place) between the backward and the step.
 
     Returns:
         ({phase: [count per call]}, [(phase, where) per call], the cache's total stats).
@@ -89,16 +91,19 @@ def _phase_counts(backend, cache_rows, counter_type, seed, padding_idx=None):
         following = torch.cat([batches[step + 1][0], batches[step + 1][1].reshape(-1)])
         counted("prefetch", lambda: emb.prefetch(following))
         loss.backward()
+        if clipped:
+            torch.nn.utils.clip_grad_norm_(emb.parameters(), 1.0)
         counted("step", opt.step)
         opt.zero_grad()
     emb.close()
     return counts, where, emb.stats()["total"]
 
 
+@pytest.mark.parametrize("clipped", [False, True], ids=["plain", "clipped"])  # a step that asks if zero_grad() ran
 @pytest.mark.parametrize("padding_idx", [None, 0])  # the padding row joins every step without a read
 @pytest.mark.parametrize("cache_rows", [0, NUM_ROWS // 5])
-def test_a_step_synchronises_the_host_no_more_than_its_budget(cache_rows, padding_idx, seed):
-    counts, where, total = _phase_counts("numpy", cache_rows, HostSyncs, seed, padding_idx)
+def test_a_step_synchronises_the_host_no_more_than_its_budget(cache_rows, padding_idx, seed, clipped):
+    counts, where, total = _phase_counts("numpy", cache_rows, HostSyncs, seed, padding_idx, clipped)
     cached = bool(cache_rows)
     # The run went through every branch that could synchronise: hits and misses,
     # evictions of dirty rows, prefetched rows.

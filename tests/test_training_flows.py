@@ -551,6 +551,35 @@ def test_a_step_a_grad_scaler_skipped_with_zero_grad_set_to_none_false_trains_no
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("written", [False, True], ids=["as_left", "written_in_place"])
+def test_zero_grad_after_a_backward_then_a_step_with_no_forward_moves_no_row_as_in_memory(
+        backend, rng, cache_rows, written):
+    """Backward, ``zero_grad(set_to_none=False)``, ``optimizer.step()`` with no forward between (a loop
+    that skips a step by zeroing its gradients and steps anyway). In memory SparseAdam's zeroed sparse
+    gradient names no row: the step moves none (and counts). The step's rows were still in flight, and
+    Adam moved them by their momentum at the zero gradient. A gradient written in place but not zeroed
+    (``unscale_``, clipping: ``mul_`` here) trains as it is."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows)
+    skipped = rng.random(STEPS) < 0.3
+    skipped[:2] = False  # momentum first
+    for (ids, target), skip in zip(zipf_ids(rng, STEPS), skipped):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            if skip:
+                optimizer.zero_grad(set_to_none=False)
+            elif written and optimizer is opt:
+                emb.weight.grad.mul_(1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    assert skipped.any()
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for name in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_allclose(emb._state.tables[name].to_numpy(), ref_opt.state[ref][name].numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 _DDP_SCRIPT = r"""
 import os, socket, sys
 import numpy as np, torch, torch.distributed as dist

@@ -512,9 +512,11 @@ class OffloadedEmbedding(torch.nn.Module):
         backward itself left at zero does not) between a
         backward and the next training forward does this by itself; between
         the next forward and its backward, it leaves the skipped forwards' rows
-        unchanged at the next step, as rows no backward reached. Call it
-        before an ``optimizer.step()`` that follows the skipped step with no
-        forward of its own. A step
+        unchanged at the next step, as rows no backward reached. An
+        ``optimizer.step()`` that follows the skipped step with no forward of
+        its own moves none of its rows either (see :meth:`_zeroed_since_backward`),
+        unless its backward left the gradient exactly zero (a loss weighted
+        by 0): call it before such a step. A step
         skipped before its backward needs nothing for exactness: rows that
         only forwards no backward reached are put back unchanged when the next
         step ends (:mod:`speedswap.train.reached`); this frees their slots now.
@@ -568,6 +570,32 @@ class OffloadedEmbedding(torch.nn.Module):
         left, nonzero, version = self._grad_at_backward
         # As the backward left it (a sparse one unwritten since is the zero it is now), or not.
         return left() is not grad or grad._version != version or (nonzero is not None and bool(nonzero))
+
+    def _zeroed_since_backward(self) -> Optional[torch.Tensor]:
+        """Whether ``zero_grad()`` zeroed the non-zero gradient the last backward left (a step with no forward since).
+
+        ``backward()``, ``zero_grad(set_to_none=False)``, ``optimizer.step()``:
+        in memory SparseAdam's zeroed sparse gradient names no row, and the
+        step moves none; the step's rows are still in flight here, and Adam
+        would move them by their momentum at the zero gradient. Asked only
+        where the gradient was written in place since that backward (its
+        version tells, with no host wait): ``unscale_`` and clipping write it
+        too, so the answer is a 0-dim bool tensor, computed on the device.
+        A gradient that backward left at zero (a loss weighted by 0) cannot
+        be told zeroed from clipped, and trains as it is (see :meth:`discard_step`).
+
+        Returns:
+            None when the gradient is as the backward left it (or no dense
+            backward gradient was noted), else True where it held a non-zero
+            value then and holds none now.
+        """
+        grad = self.weight.grad
+        if not self._backward_ran or grad is None or grad.is_sparse or self._grad_at_backward is None:
+            return None
+        left, nonzero, version = self._grad_at_backward
+        if nonzero is None or (left() is grad and grad._version == version):
+            return None
+        return nonzero & ~self._step_gradient(grad).any()
 
     def _step_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The values of ``grad`` for the step's rows (a sparse gradient's values)."""
@@ -823,11 +851,15 @@ class OffloadedEmbedding(torch.nn.Module):
         self._state.check_not_replaced()  # optimizer.load_state_dict() between the forward and the step
         self._state.gather(rows, read=self._cache.read_state,  # raises before anything changes
                            resetting=lambda: resetting_state(self._cache))
+        zeroed = self._zeroed_since_backward()  # of the gradient as the backward left it, not narrowed
         self._narrowed = NarrowedStep(self.weight, len(rows), self._state.needs_sparse_grad)
         # Rows that only forwards no backward reached (a skipped loss) go back unchanged.
         unreached = self._reached.unreached_slots(len(rows), self.weight.device)
         state, spec = self._state.step_state(), self._state.spec
         self._kept = [] if unreached is None else [KeptRows(unreached, self._full, state, spec)]
+        if zeroed is not None:
+            # Decided on the device: every row goes back unless the gradient holds a value.
+            self._kept.append(KeptRows(slice(0, len(rows)), self._full, state, spec, unless=~zeroed))
         if self.padding_idx is not None:
             # The padding row sits in slot 0 of every step, looked up or not. A step whose
             # forwards did not look it up leaves it alone, as in-memory lazy training does:

@@ -24,7 +24,7 @@ offloaded, the forward must be run again.
 
 import functools
 import weakref
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Union
 
 import torch
 
@@ -134,7 +134,7 @@ class KeptRows:
     """Rows of a working set and their optimizer state, copied before a step to be put back after it.
 
     Args:
-        slots: the slots to keep.
+        slots: the slots to keep: an int64 tensor of them, or a slice (no gather to copy them).
         weight: the working set's full storage (rows by slot).
         state: the optimizer's per-row state for the step, ``{name: (k, dim)}``,
             or None when the optimizer creates it at the step (every row then
@@ -145,7 +145,7 @@ class KeptRows:
             wait); None puts them back regardless.
     """
 
-    def __init__(self, slots: torch.Tensor, weight: torch.Tensor,
+    def __init__(self, slots: Union[torch.Tensor, slice], weight: torch.Tensor,
                  state: Optional[Dict[str, torch.Tensor]], initial: Dict[str, float],
                  unless: Optional[torch.Tensor] = None):
         self.slots, self.initial, self.unless = slots, initial, unless
