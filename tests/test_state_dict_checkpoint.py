@@ -442,6 +442,30 @@ def test_a_sharded_state_dict_holds_the_shard_and_resumes(rng, tmp_path):
         np.testing.assert_array_equal(table.to_numpy(), model.emb._state.tables[name].to_numpy())
 
 
+def test_check_state_dict_checks_a_sharded_embeddings_entry_before_anything_changes(rng):
+    """check_state_dict checked OffloadedEmbedding entries only: a sharded one saved at another world
+    size passed it, and model.load_state_dict() replaced the Linear before the shard refused. Its
+    weight key, which the shard's load ignores, is no unexpected key."""
+    source = Model(sharded(initial(rng, torch.float32)), torch.nn.Linear(DIM, 1))
+    target = Model(sharded(initial(rng, torch.float32)), torch.nn.Linear(DIM, 1))
+    state = source.state_dict()
+    state["emb._extra_state"] = {**state["emb._extra_state"], "world_size": 2, "rows": [0, ROWS // 2]}
+    before = {**snapshot(target), "emb": target.emb.table.to_numpy(copy=True)}
+    with pytest.raises(ss.FileFormatError, match="'emb._extra_state'.*world_size=2.*nothing was loaded"):
+        check_state_dict(target, state)
+    # Why it is checked first: the load refuses it only after the Linear before it was replaced.
+    with pytest.raises(ss.FileFormatError, match="world_size=2"):
+        torch.nn.ModuleDict({"lin": target.lin, "emb": target.emb}).load_state_dict(
+            {"lin.weight": state["lin.weight"], "lin.bias": state["lin.bias"],
+             "emb._extra_state": state["emb._extra_state"]})
+    assert not np.array_equal(target.lin.weight.detach().numpy(), before["lin.weight"])
+    np.testing.assert_array_equal(target.emb.table.to_numpy(), before["emb"])
+    fitting = {**source.state_dict(), "emb.weight": torch.zeros(CAPACITY, DIM)}
+    check_state_dict(target, fitting)
+    target.load_state_dict(fitting)
+    np.testing.assert_array_equal(target.emb.table.to_numpy(), source.emb.table.to_numpy())
+
+
 @pytest.mark.parametrize("layout", [{"world_size": 2, "rows": [0, ROWS // 2]}, {"rank": 1}])
 def test_a_sharded_state_dict_of_another_layout_is_refused_and_changes_nothing(layout, rng):
     source = sharded(initial(rng, torch.float32))

@@ -171,8 +171,9 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping, strict: bool =
     weight of another shape) torch refuses has replaced every table before
     it. Checked first, a load is all or nothing for the tables. It checks
     what each embedding's own load checks (sizes, dtype, optimizer, format,
-    and no step in flight), for every submodule that can
-    (:class:`~speedswap.OffloadedEmbedding`, through its ``_check_extra_state``),
+    and no step in flight; a shard's rank and world size), for every submodule
+    that can (:class:`~speedswap.OffloadedEmbedding`, :class:`~speedswap.ShardedOffloadedEmbedding`:
+    through their ``_check_extra_state``),
     and what torch refuses of the other entries: a parameter or buffer
     entry of another shape, or not a tensor, and under ``strict`` missing
     or unexpected keys.
@@ -191,7 +192,7 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping, strict: bool =
         FileFormatError: an entry that is not a tensor, or under ``strict``
             missing or unexpected keys (each named).
     """
-    scratch = set()  # the embeddings' working-set weights, which their load skips
+    scratch = set()  # the embeddings' working-set weights, which their load skips (given or not)
     for name, module in model.named_modules():
         check = getattr(module, "_check_extra_state", None)
         prefix = f"{name}." if name else ""
@@ -228,7 +229,7 @@ def _check_torch_entries(model, state_dict, strict, scratch):
         elif not torch.nn.parameter.is_lazy(value) and tuple(given.shape) != tuple(value.shape) \
                 and not (value.dim() == 0 and tuple(given.shape) == (1,)):  # torch takes a 1-element one
             refused.append(f"{key!r} is {tuple(given.shape)}, the model's {tuple(value.shape)}")
-    unexpected = [key for key in state_dict if key not in own]
+    unexpected = [key for key in state_dict if key not in own and key not in scratch]
     problems = refused + odd + ([f"missing {', '.join(map(repr, missing))}"] if strict and missing else []) \
         + ([f"unexpected {', '.join(map(repr, unexpected))}"] if strict and unexpected else [])
     if problems:

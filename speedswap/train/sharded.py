@@ -399,15 +399,24 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             ShapeError, DTypeError: another table size or dtype.
             StateError: between a training forward and the step, or a closed embedding.
         """
-        self._check_between_steps("load_state_dict")
-        tables = self._tables()
-        optimizer = "" if self._state is None else type(self._state.optimizer).__name__
-        values = check_tables_state(state, type(self).__name__, tables, optimizer,
-                                    self.num_embeddings, **self._layout())
-        copy_tables(values, tables)
+        copy_tables(self._check_extra_state(state), self._tables())
         if self._state is not None:  # as after load(): optimizer.load_state_dict() may follow
             self._state.mark_loaded()
             self._state_origin, self._steps_since = _LOADED, 0
+
+    def _check_extra_state(self, state) -> dict:
+        """Check a state of :meth:`get_extra_state` against this shard (also for module_state.check_state_dict).
+
+        Returns:
+            ``{table name: tensor}`` to copy into the tables.
+
+        Raises:
+            as :meth:`set_extra_state`; nothing changes.
+        """
+        self._check_between_steps("load_state_dict")
+        optimizer = "" if self._state is None else type(self._state.optimizer).__name__
+        return check_tables_state(state, type(self).__name__, self._tables(), optimizer,
+                                  self.num_embeddings, **self._layout())
 
     # ------------------------------------------------------------- training
     def attach(self, optimizer):
