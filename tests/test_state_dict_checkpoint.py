@@ -248,6 +248,22 @@ def test_check_state_dict_refuses_what_torch_refuses_of_the_other_entries_before
     source.load_state_dict(state, strict=False)
 
 
+def test_check_state_dict_leaves_the_entries_of_a_module_with_a_load_of_its_own_to_it(rng):
+    """BatchNorm's load adds the num_batches_tracked a checkpoint of an old torch lacks: the check,
+    which replays no module's own load, refused as missing what the load accepts."""
+    def model():
+        emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy")
+        return torch.nn.ModuleDict({"emb": emb, "norm": torch.nn.BatchNorm1d(DIM)})
+    source, target = model(), model()
+    source["emb"].table.apply_(lambda t: t.copy_(torch.from_numpy(initial(rng, torch.float32))))
+    state = source.state_dict()
+    del state["norm.num_batches_tracked"]
+    state._metadata["norm"]["version"] = 1
+    check_state_dict(target, state)
+    target.load_state_dict(state)
+    np.testing.assert_array_equal(target["emb"].table.to_numpy(), source["emb"].table.to_numpy())
+
+
 @pytest.mark.parametrize("make", [lambda t: t.to("meta"), lambda t: t.to_sparse()], ids=["meta", "sparse"])
 def test_a_state_dict_whose_state_tensor_holds_no_dense_values_is_refused_and_changes_nothing(make, rng):
     # A meta tensor (a state dict of a model built on the meta device) or a sparse one is shaped

@@ -176,7 +176,8 @@ def check_state_dict(model: torch.nn.Module, state_dict: Mapping, strict: bool =
     through their ``_check_extra_state``),
     and what torch refuses of the other entries: a parameter or buffer
     entry of another shape, or not a tensor, and under ``strict`` missing
-    or unexpected keys.
+    or unexpected keys (those of a module with a load of its own, as
+    BatchNorm's, which adds entries old checkpoints lack, are left to it).
 
     >>> check_state_dict(model, state); model.load_state_dict(state)  # doctest: +SKIP
 
@@ -212,12 +213,16 @@ def _check_torch_entries(model, state_dict, strict, scratch):
     """Raise what ``model.load_state_dict`` would refuse of the entries torch loads itself.
 
     As :func:`check_state_dict` says; ``scratch`` are the keys whose shapes no load checks.
-    The version upgrades torch makes to old modules' entries (BatchNorm's
-    ``num_batches_tracked``, added when missing) are not replayed.
+    The entries of a module with a load of its own are left to the load: a
+    ``_load_from_state_dict`` override or a load pre-hook may add, rename or
+    reshape them (BatchNorm adds the ``num_batches_tracked`` old checkpoints lack).
     """
+    owners = {f"{name}." if name else "": module for name, module in model.named_modules()}
     own = model.state_dict(keep_vars=True)
     refused, odd, missing = [], [], []
     for key, value in own.items():
+        if not _loads_by_torch_rules(_owner(key, owners)):
+            continue
         if key not in state_dict:
             missing.append(key)
             continue
@@ -229,7 +234,8 @@ def _check_torch_entries(model, state_dict, strict, scratch):
         elif not torch.nn.parameter.is_lazy(value) and tuple(given.shape) != tuple(value.shape) \
                 and not (value.dim() == 0 and tuple(given.shape) == (1,)):  # torch takes a 1-element one
             refused.append(f"{key!r} is {tuple(given.shape)}, the model's {tuple(value.shape)}")
-    unexpected = [key for key in state_dict if key not in own and key not in scratch]
+    unexpected = [key for key in state_dict if key not in own and key not in scratch
+                  and _loads_by_torch_rules(_owner(key, owners))]
     problems = refused + odd + ([f"missing {', '.join(map(repr, missing))}"] if strict and missing else []) \
         + ([f"unexpected {', '.join(map(repr, unexpected))}"] if strict and unexpected else [])
     if problems:
@@ -238,6 +244,21 @@ def _check_torch_entries(model, state_dict, strict, scratch):
                     f"takes (offloaded tables too): {'; '.join(problems)}. Nothing was loaded: "
                     f"load a state dict saved from a model built as this one"
                     + ("" if refused or odd else ", or load with strict=False"))
+
+
+def _owner(key: str, owners: dict) -> torch.nn.Module:
+    """The innermost module of ``owners`` (``{prefix: module}``) whose prefix ``key`` starts with."""
+    parts = key.split(".")[:-1]
+    while parts and ".".join(parts) + "." not in owners:
+        parts.pop()
+    return owners[".".join(parts) + "." if parts else ""]
+
+
+def _loads_by_torch_rules(module: torch.nn.Module) -> bool:
+    """Whether torch's own rules decide which of ``module``'s entries load (speedswap's embeddings' too)."""
+    return not module._load_state_dict_pre_hooks and (
+        type(module)._load_from_state_dict is torch.nn.Module._load_from_state_dict
+        or hasattr(module, "_check_extra_state"))
 
 
 def copy_tables(values: dict, tables: dict) -> None:
