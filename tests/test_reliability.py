@@ -304,9 +304,11 @@ def test_a_refused_mmap_reattach_leaves_the_old_optimizer_attached(rng, tmp_path
                                expected_state["momentum_buffer"], **TOL)
 
 
-@pytest.mark.parametrize("where", ["state", "cache"])
+@pytest.mark.parametrize("kind, where", [(ss.OffloadedEmbedding, "state"), (ss.OffloadedEmbedding, "cache"),
+                                         (ss.ShardedOffloadedEmbedding, "state")])
 @pytest.mark.parametrize("again", [False, True], ids=["another_optimizer", "same_optimizer"])
-def test_an_attach_out_of_memory_leaves_the_old_optimizer_attached_and_unchanged(rng, monkeypatch, where, again):
+def test_an_attach_out_of_memory_leaves_the_old_optimizer_attached_and_unchanged(rng, monkeypatch, kind, where,
+                                                                                  again):
     # The old state used to be released first, to make room: a new state (or device cache) that
     # did not fit left the embedding detached, the old optimizer's per-row state gone and, attached
     # again, its step count dropped. The new state is now made before the old one goes.
@@ -314,8 +316,8 @@ def test_an_attach_out_of_memory_leaves_the_old_optimizer_attached_and_unchanged
     batches = zipf_batches(rng, 18, "cpu")
     make_sgd = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
     make_adam = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
-    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy",
-                                cache_rows=20)
+    cache = {"cache_rows": 20} if kind is ss.OffloadedEmbedding else {}  # a shard has no device cache
+    emb = kind(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy", **cache)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
 
     def train(opt, steps):

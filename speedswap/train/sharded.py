@@ -453,20 +453,28 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                 replace exists and this embedding did not create it. Nothing
                 changes: the optimizer attached before stays.
             StateError: between a training forward and the step.
+            OutOfMemoryError: the new state tables do not fit. Nothing changes:
+                the new state is made before the old one is released, so the
+                optimizer attached before stays, with its state (with
+                ``storage="mmap"`` the new files take the old ones' names: the
+                old state is closed first, and a failure leaves it detached).
         """
         self._check_between_steps("attach")
         # An unsupported optimizer, or a file the new state may not replace, is refused before
         # the old state is closed.
         check_state_files(optimizer, self.weight, self._storage, self._path, self._created)
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
-        if self._state is not None:
-            self._state.close()  # its mmap files are replaced below
-            self._state = None
+        if self._storage == "mmap":
+            self._release_state()  # its files take the new state's names
+        held = optimizer.state.get(self.weight)
         drop_leftover_state(optimizer, self.weight)  # this one's or an earlier one's: a fresh start
-        state = RowState(optimizer, self.weight, self.table.num_rows, self.weight.dtype,
-                         self._storage, self.table.backend, self._path, overwrite=self._created)
+        try:
+            state = RowState(optimizer, self.weight, self.table.num_rows, self.weight.dtype,
+                             self._storage, self.table.backend, self._path, overwrite=self._created)
+        except BaseException:
+            if held is not None:  # the state an earlier attach left it (Adam's step) stays, as the old tables do
+                optimizer.state[self.weight] = held
+            raise
+        self._release_state()
         self._created |= {t.path for t in state.tables.values()}
         self._state = state
         self._state_origin, self._steps_since = _ATTACHED, 0
@@ -474,6 +482,15 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._hooks = StepHooks(self, optimizer)
         # Refused whatever the gradient, which differs from rank to rank: every rank alike.
         self._claim = claim(self, self.weight, optimizer, frozen_may_stay=False)
+
+    def _release_state(self):
+        """Unhook the attached optimizer and release its state."""
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+        if self._state is not None:
+            self._state.close()
+            self._state = None
 
     # Run eagerly under torch.compile, as OffloadedEmbedding.forward: the exchange and the step's
     # bookkeeping are Python state and collectives, not graph material.
