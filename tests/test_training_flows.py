@@ -141,6 +141,30 @@ def test_a_pretrained_padding_row_moves_only_at_steps_that_look_it_up(make_opt, 
     assert not np.allclose(offloaded.emb.table.to_numpy()[PAD], 0.5)
 
 
+def test_a_pretrained_padding_row_moves_only_at_steps_one_of_several_forwards_looks_it_up(rng):
+    # Whether a step's forwards looked the padding row up is one compare over all of their
+    # slots together: here three forwards a step, the row in the middle one's ids at one step.
+    offloaded, reference = pair(rng, padding_idx=PAD, pad_row=0.5)
+    make = lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)  # noqa: E731
+    opt, ref_opt = make(offloaded.parameters()), make(reference.parameters())
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    batches = zipf_ids(rng, STEPS)
+    for ids, _ in batches:
+        ids[ids == PAD] = PAD + 1
+    batches[3][0][3, 0] = PAD  # chunk(3) of 8 rows: rows 3-5 are the second forward's
+    for ids, target in batches:
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            sum(F.mse_loss(model(part), goal)
+                for part, goal in zip(ids.chunk(3), target.chunk(3))).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if ids is batches[2][0]:  # no step so far looked it up
+            np.testing.assert_array_equal(offloaded.emb.table.to_numpy()[PAD], 0.5)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+    assert not np.allclose(offloaded.emb.table.to_numpy()[PAD], 0.5)
+
+
 def test_a_compiled_model_trains_as_the_in_memory_one(rng):
     """``torch.compile(model)`` runs the embedding's forward eagerly and compiles the rest.
 

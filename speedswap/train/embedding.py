@@ -864,9 +864,9 @@ class OffloadedEmbedding(torch.nn.Module):
             # The padding row sits in slot 0 of every step, looked up or not. A step whose
             # forwards did not look it up leaves it alone, as in-memory lazy training does:
             # weight decay would otherwise shrink a pretrained (non-zero) padding row every step.
-            device = self.weight.device
-            self._kept.append(KeptRows(torch.zeros(1, dtype=torch.int64, device=device), self._full,
-                                       state, spec, unless=self._reached.looked_up(0, device)))
+            # Slot 0 as a slice: its copy and put-back are views, with no index tensor made each step.
+            self._kept.append(KeptRows(slice(0, 1), self._full, state, spec,
+                                       unless=self._reached.looked_up(0, self.weight.device)))
 
     def _refuse_eval_only_step(self):
         """Refuse a step whose only forwards since the last one ran in eval mode with gradients on.

@@ -109,10 +109,15 @@ class ReachedRows:
     def looked_up(self, slot: int, device) -> torch.Tensor:
         """Whether a forward a backward reached looked up ``slot``: a 0-dim bool tensor on ``device``.
 
-        Computed on the device, without synchronising a GPU's host.
+        Computed on the device, without synchronising a GPU's host: one compare
+        and one reduction over every reached forward's slots together (a
+        compare and a reduction per forward would be two kernels a lookup).
         """
-        found = [(slots == slot).any() for slots in self._reached.values()]
-        return torch.stack(found).any() if found else torch.zeros((), dtype=torch.bool, device=device)
+        reached = [slots.reshape(-1) for slots in self._reached.values()]
+        if not reached:
+            return torch.zeros((), dtype=torch.bool, device=device)
+        looked = reached[0] if len(reached) == 1 else torch.cat(reached)
+        return (looked == slot).any()
 
 
 def _reach(ref, step, key, grad_outputs):
@@ -134,7 +139,9 @@ class KeptRows:
     """Rows of a working set and their optimizer state, copied before a step to be put back after it.
 
     Args:
-        slots: the slots to keep: an int64 tensor of them, or a slice (no gather to copy them).
+        slots: the slots to keep: a 1-D int64 tensor, or a ``slice`` of
+            consecutive slots (the padding row's slot 0), which the copy and
+            the put-back read and write as a view, without an index kernel.
         weight: the working set's full storage (rows by slot).
         state: the optimizer's per-row state for the step, ``{name: (k, dim)}``,
             or None when the optimizer creates it at the step (every row then
