@@ -420,7 +420,11 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
             raise DTypeError(f"{what} must be integers, got a quantized tensor of {ids.dtype}; convert "
                              f"it with .int_repr().long() for its stored integers, or "
                              f".dequantize().round().long() for the values it stands for")
-        flat = ids.detach().reshape(-1).to(dtype=torch.int64)
+        # Integer tensors never require grad, so there is nothing to detach; ids already
+        # int64 on ``target`` (a training loop's every lookup) make no conversion op.
+        flat = ids.reshape(-1)
+        if flat.dtype != torch.int64:
+            flat = flat.to(dtype=torch.int64)
         return _moved(flat.contiguous(), target), tuple(ids.shape)
     if isinstance(ids, (list, tuple)) and any(isinstance(i, torch.Tensor) and i.dim() for i in ids):
         # numpy would stack them under a new leading axis: `for batch in feeder` would look up ids
@@ -487,7 +491,7 @@ def _moved(flat, target):
         # are, and the transfer would read the caller's buffer whenever the stream reached it.
         staged = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         return staged.copy_(flat).to(target, non_blocking=True)
-    return flat.to(target)
+    return flat if flat.device == target else flat.to(target)
 
 
 def check_id_range(flat, num_rows, *, what="ids", unsigned=False):

@@ -439,16 +439,17 @@ class OffloadedEmbedding(torch.nn.Module):
         ids = forward_ids(input, ids)
         self._check_open()
         self._abort_step()
-        if not (self.training and torch.is_grad_enabled() and self.weight.requires_grad):
-            self._eval_with_grad |= torch.is_grad_enabled() and self.weight.requires_grad
+        weight = self.weight  # read once: each read of a parameter goes through Module.__getattr__
+        if not (self.training and torch.is_grad_enabled() and weight.requires_grad):
+            self._eval_with_grad |= torch.is_grad_enabled() and weight.requires_grad
             if self._cache is None:
-                return self._table.gather(ids).to(self.weight.dtype)
-            flat, shape = as_row_ids(ids, self.num_embeddings, self.weight.device)
-            return self._cache.read(flat).view(*shape, self.embedding_dim).to(self.weight.dtype)
-        _refuse_ddp(self.weight)
+                return self._table.gather(ids).to(weight.dtype)
+            flat, shape = as_row_ids(ids, self.num_embeddings, weight.device)
+            return self._cache.read(flat).view(*shape, self.embedding_dim).to(weight.dtype)
+        _refuse_ddp(weight)
         local = self._add_rows(ids)
         # Slots name rows one to one, so counting them counts the ids (scale_grad_by_freq).
-        out = F.embedding(local, self.weight, padding_idx=None if self.padding_idx is None else 0,
+        out = F.embedding(local, weight, padding_idx=None if self.padding_idx is None else 0,
                           scale_grad_by_freq=self.scale_grad_by_freq)
         self._reached.track(out, local)  # a forward no backward reaches trains nothing
         return out
@@ -820,17 +821,17 @@ class OffloadedEmbedding(torch.nn.Module):
 
     def _gather_new(self, first_new, lookups=0, **counting):
         # Rows new to the working set: hits from the device cache, misses from the host.
+        # No torch.no_grad() needed: _full is weight.data, which autograd never sees.
         rows = self._working_set.rows[first_new:]
-        target = self._full[first_new:first_new + len(rows)]
-        with torch.no_grad():
-            self._cache.fetch(rows, target, first_new, lookups, **counting)
+        self._cache.fetch(rows, self._full[first_new:first_new + rows.shape[0]], first_new, lookups, **counting)
 
     # The step protocol of StepHooks.
     def _begin_step(self):
         rows = self._working_set.rows
         if self._narrowed is not None:
             return
-        if not len(rows):
+        k = rows.shape[0]  # not len(): torch's Tensor.__len__ is Python (NOTES 47)
+        if not k:
             self._refuse_eval_only_step()
             self._refuse_gradient_without_rows()
             # The step's end hands the optimizer its scratch state again (_end_step): state that
@@ -852,14 +853,14 @@ class OffloadedEmbedding(torch.nn.Module):
         self._state.gather(rows, read=self._cache.read_state,  # raises before anything changes
                            resetting=lambda: resetting_state(self._cache))
         zeroed = self._zeroed_since_backward()  # of the gradient as the backward left it, not narrowed
-        self._narrowed = NarrowedStep(self.weight, len(rows), self._state.needs_sparse_grad)
+        self._narrowed = NarrowedStep(self.weight, k, self._state.needs_sparse_grad)
         # Rows that only forwards no backward reached (a skipped loss) go back unchanged.
-        unreached = self._reached.unreached_slots(len(rows), self.weight.device)
+        unreached = self._reached.unreached_slots(k, self.weight.device)
         state, spec = self._state.step_state(), self._state.spec
         self._kept = [] if unreached is None else [KeptRows(unreached, self._full, state, spec)]
         if zeroed is not None:
             # Decided on the device: every row goes back unless the gradient holds a value.
-            self._kept.append(KeptRows(slice(0, len(rows)), self._full, state, spec, unless=~zeroed))
+            self._kept.append(KeptRows(slice(0, k), self._full, state, spec, unless=~zeroed))
         if self.padding_idx is not None:
             # The padding row sits in slot 0 of every step, looked up or not. A step whose
             # forwards did not look it up leaves it alone, as in-memory lazy training does:
@@ -947,10 +948,11 @@ class OffloadedEmbedding(torch.nn.Module):
                 self._state.release()
             return
         rows = self._working_set.rows
+        k = rows.shape[0]
         try:
             # An optimizer may assign new tensors (p.data = p.data - lr * p.grad): their
             # values are the step's, or the step is refused before anything is written back.
-            self._state.check_step(len(rows))
+            self._state.check_step(k)
             self._narrowed.finish()
         except StateError:
             self._abort_step()  # the rows and state are read back as they were: retry or discard
@@ -960,7 +962,7 @@ class OffloadedEmbedding(torch.nn.Module):
             kept.put_back(self._full, self._state.step_state())
         self._kept = None
         self._reached.clear()
-        weights = self._full[:len(rows)]
+        weights = self._full[:k]
         # Rows and state go to the cache, or back to the host: each row written once.
         self._state.scatter(rows, write=lambda states: self._cache.store(rows, weights, states))
         self._working_set.clear()

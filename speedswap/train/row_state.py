@@ -534,7 +534,8 @@ class RowState:
                 f"optimizer state from scratch with init_state() (OffloadedEmbedding.init_state, "
                 f"OptimizerFactory.optInit; a ShardedOffloadedEmbedding: discard_step() and "
                 f"attach(optimizer) on every rank); then call step() again")
-        views = {name: self._buffer(name)[:len(rows)] for name in self.tables}
+        k = rows.shape[0]
+        views = {name: self._buffer(name)[:k] for name in self.tables}
         if read is not None:
             read(rows, views)
         else:
@@ -628,7 +629,7 @@ class RowState:
                 # Without per-row state (plain SGD) there is none to lose.
                 write(None if self.spec else {})
             return  # the parameter had no gradient: torch skipped it, nothing changed
-        k = len(rows)
+        k = rows.shape[0]
         self.check_step(k)
         try:
             if write is not None:
