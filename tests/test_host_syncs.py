@@ -197,3 +197,24 @@ def test_host_ids_reach_the_gpu_checked_on_the_host_and_without_a_wait(rng):
         np.testing.assert_array_equal(flat.cpu().numpy(), expected)
     with pytest.raises(ss.IdError):
         as_row_ids(np.array([0, 1000]), 1000, device)
+
+
+def test_a_step_after_an_unreached_forward_waits_once(seed):
+    """A forward no backward reaches (its output left out of the loss) has its rows put back at the
+    step, which finds them in one read of the slots left untouched; marking the reached forwards'
+    slots (``untouched[slots] = False``: a number through a tensor index) waited once per forward,
+    and the first step's put-back of Adam's created state (``state[slots] = 0.0``) once per state."""
+    batches = zipf_batches(np.random.default_rng(seed), 6, torch.device("cpu"))
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY + 3, storage="pinned", backend="numpy")
+    opt = torch.optim.Adam(emb.parameters(), lr=0.05)
+    emb.attach(opt)
+    waits = []
+    for pos, neg, ctx in batches:
+        spare = sorted(set(range(NUM_ROWS)) - set(pos.tolist()) - set(neg.reshape(-1).tolist()))
+        emb(torch.tensor(spare[:3]))  # rows only this forward looks up, left out of the loss
+        skipgram_loss(emb(pos), emb(neg), ctx).backward()
+        with HostSyncs() as syncs:
+            opt.step()
+        opt.zero_grad()
+        waits.append(dict(syncs.where))
+    assert all(sum(w.values()) == 1 for w in waits), waits

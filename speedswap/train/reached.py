@@ -96,13 +96,15 @@ class ReachedRows:
     def unreached_slots(self, size: int, device) -> Optional[torch.Tensor]:
         """The slots in ``[0, size)`` that only forwards no backward reached looked up, or None if none.
 
-        Synchronises a GPU's host, only when some forward was not reached.
+        Synchronises a GPU's host once, only when some forward was not reached.
         """
         if not self._unreached:
             return None
         untouched = torch.ones(size, dtype=torch.bool, device=device)
         for slots in self._reached.values():
-            untouched[slots.reshape(-1)] = False
+            # index_fill_, not untouched[slots] = False: a number through a tensor index is a
+            # host-to-device copy the host waits for on a GPU, one per forward.
+            untouched.index_fill_(0, slots.reshape(-1), False)
         found = untouched.nonzero().squeeze(1)
         return found if len(found) else None
 
@@ -161,12 +163,20 @@ class KeptRows:
 
     def put_back(self, weight: torch.Tensor, state: Optional[Dict[str, torch.Tensor]]) -> None:
         """Write the kept rows into ``weight`` and their state into the step's ``state``, as before it."""
-        weight[self.slots] = self._after_step(weight, self.rows)
+        self._write(weight, self._after_step(weight, self.rows))
         if state is None:
             return  # torch skipped the parameter: its state did not change
         for name, value in self.initial.items():
             before = value if self.state is None else self.state[name]
-            state[name][self.slots] = self._after_step(state[name], before)
+            self._write(state[name], self._after_step(state[name], before))
+
+    def _write(self, tensor: torch.Tensor, values) -> None:
+        """``tensor[slots] = values``; a number through a tensor index is filled in, with no host wait."""
+        if isinstance(values, torch.Tensor) or isinstance(self.slots, slice):
+            tensor[self.slots] = values
+        else:
+            # tensor[slots] = 0.0 copies the number to a GPU, which the host waits for.
+            tensor.index_fill_(0, self.slots, values)
 
     def _after_step(self, now: torch.Tensor, before) -> torch.Tensor:
         """What the slots hold after the step: ``before``, or what the step made of them if ``unless``."""
