@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
 import speedswap as ss  # noqa: E402
-from speedswap.train.exchange import owners, row_bounds  # noqa: E402
+from speedswap.train.exchange import owner_starts, owners, row_bounds  # noqa: E402
 
 NEGS, DIM, LR, WARMUP = 5, 128, 1e-3, 3
 
@@ -127,12 +127,12 @@ def volume(steps, vocab, world):
     and summed over ranks, sum_r U_r * f_r * (8 + 8*dim) bytes cross the
     network per step.
     """
-    bounds = row_bounds(vocab, world)
+    starts = owner_starts(row_bounds(vocab, world), "cpu")
     total = 0
     for step in steps:
         for rank in range(world):
             ids = torch.unique(torch.cat([p.reshape(-1) for p in rank_share(step, rank, world)]))
-            remote = int((owners(ids, bounds) != rank).sum())
+            remote = int((owners(ids, starts) != rank).sum())
             total += remote * (8 + 8 * DIM)
     return total / len(steps) / world
 

@@ -1629,3 +1629,23 @@ def test_a_table_write_the_step_would_undo_is_refused_and_nothing_changes(rng, w
     ((F.embedding(ids, ref) - target) ** 2).sum().backward()
     ref_opt.step()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), **TOL)
+
+
+def test_a_sharded_step_counts_the_rows_for_each_owner_without_a_host_wait_of_its_own(rng):
+    """A training forward counted the new rows each rank owns with torch.bincount (on a GPU a host
+    wait for its size) over owners() (a copy of the ranks' bounds to the GPU, another), then read
+    the counts (a third): they now ride in the working set's one read, and the step's counts
+    with its read of them."""
+    emb = ss.ShardedOffloadedEmbedding(60, 3, max_rows=24, backend="numpy", storage="pageable")
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    for _ in range(3):
+        with HostSyncs() as forward:
+            rows = emb(torch.from_numpy(rng.integers(0, 60, (4, 5))))
+        rows.pow(2).sum().backward()
+        with HostSyncs() as step:
+            opt.step()
+        opt.zero_grad()
+        # The looked-up ids' one read, and the owned rows' (this rank serves itself).
+        assert forward.total == 2, dict(forward.where)
+        assert step.total == 1, dict(step.where)

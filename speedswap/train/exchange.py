@@ -27,8 +27,11 @@ with :meth:`Exchange.agree`.
 
 >>> row_bounds(10, 3)
 [0, 4, 7, 10]
->>> owners(torch.tensor([0, 3, 4, 9]), row_bounds(10, 3)).tolist()
+>>> starts = owner_starts(row_bounds(10, 3), "cpu")
+>>> owners(torch.tensor([0, 3, 4, 9]), starts).tolist()
 [0, 0, 1, 2]
+>>> count_by_owner(owners(torch.tensor([0, 3, 4, 9]), starts), 3).tolist()
+[2, 1, 1]
 """
 
 import functools
@@ -40,7 +43,7 @@ import torch.distributed as dist
 
 from ..errors import OptionError, StateError
 
-__all__ = ["row_bounds", "owners", "Exchange", "CALLS", "TRAIN_FORWARD", "EVAL_FORWARD", "STEP", "SAVE",
+__all__ = ["row_bounds", "owner_starts", "owners", "count_by_owner", "Exchange", "CALLS", "TRAIN_FORWARD", "EVAL_FORWARD", "STEP", "SAVE",
            "LOAD", "EXCHANGE", "GRAD_NORM", "LOAD_TABLE"]
 
 #: The collective calls, as :meth:`Exchange.begin` names them when ranks make different ones.
@@ -77,15 +80,42 @@ def row_bounds(num_rows: int, world_size: int) -> List[int]:
     return bounds
 
 
-def owners(ids: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
+def owner_starts(bounds: Sequence[int], device) -> torch.Tensor:
+    """The first row of every rank but the first, on ``device``: :func:`owners`' search table.
+
+    Made once per table: made at each call, it would cross to a GPU with a host wait.
+
+    Args:
+        bounds: from :func:`row_bounds`.
+        device: where the ids to look up live.
+    """
+    return torch.tensor(bounds[1:-1], dtype=torch.int64, device=device)
+
+
+def owners(ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
     """The rank owning each id (int64, same shape and device as ``ids``).
 
     Args:
-        ids: validated ids in ``[0, bounds[-1])``.
-        bounds: from :func:`row_bounds`.
+        ids: validated int64 ids in ``[0, num_rows)``.
+        starts: from :func:`owner_starts`, on the ids' device.
     """
-    starts = torch.tensor(bounds[1:-1], dtype=ids.dtype, device=ids.device)
     return torch.bucketize(ids, starts, right=True)
+
+
+def count_by_owner(dest: torch.Tensor, world_size: int, where: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """How many entries of ``dest`` each rank is: an int64 ``(world_size,)`` tensor, with no host wait.
+
+    ``torch.bincount`` sizes its result by the largest entry, which a GPU's
+    host waits for; here the size is known, and the counts stay on the
+    device until the caller reads them with what else it reads.
+
+    Args:
+        dest: 1-D ranks, from :func:`owners`.
+        world_size: ranks in the group.
+        where: a bool mask shaped like ``dest``: count only the entries where it is True.
+    """
+    ones = torch.ones_like(dest) if where is None else where.to(dest.dtype)
+    return torch.zeros(world_size, dtype=dest.dtype, device=dest.device).index_add_(0, dest, ones)
 
 
 class Exchange:

@@ -43,7 +43,7 @@ from ..table import HostTable
 from .checkpoint import file_in
 from .conversions import refuse_conversion
 from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
-                       Exchange, owners, row_bounds)
+                       Exchange, count_by_owner, owner_starts, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import embedding_flags, forward_ids, padding_option, refuse_max_norm
@@ -186,6 +186,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self._exchange = Exchange(process_group, backend.device)
         self.rank, self.world_size = self._exchange.rank, self._exchange.world_size
         self.bounds = row_bounds(num_embeddings, self.world_size)
+        self._starts = owner_starts(self.bounds, backend.device)
         self.num_embeddings, self.embedding_dim, self.max_rows = num_embeddings, embedding_dim, max_rows
         self.padding_idx = padding_idx
         self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
@@ -536,12 +537,14 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
                     self._check_optimizer_state()  # before a step begins, when emb.load still may run
                 # WorkingSet.add replaces its tensors rather than writing into them,
                 # so the shallow copy above restores it should another rank fail.
-                local, first_new, _ = self._looked_up.add(flat.view(shape), check_bounds)
+                # Each rank's count of the new rows rides in the working set's one read.
+                local, first_new, counts = self._looked_up.add(flat.view(shape), check_bounds, self._count_new)
                 send = self._looked_up.rows[first_new:]  # sorted, so grouped by owner
+                counts = [0] * self.world_size if counts is None else counts  # no ids: nothing read
             else:
                 flat, shape = as_row_ids(ids, self.num_embeddings, self.table.device)
                 send, inverse = torch.unique(flat, return_inverse=True)
-            counts = torch.bincount(owners(send, self.bounds), minlength=self.world_size).tolist()
+                counts = count_by_owner(owners(send, self._starts), self.world_size).tolist()
         except Exception as exc:  # noqa: BLE001 -- any failure must still reach the other ranks
             error = exc
         try:
@@ -574,6 +577,10 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         out = F.embedding(local, self._rows, scale_grad_by_freq=self.scale_grad_by_freq)
         self._reached.track(out, local)  # a forward no backward reaches trains nothing
         return out
+
+    def _count_new(self, ids_sorted, new):
+        """The working set's ``count_also``: how many of a forward's new rows each rank owns."""
+        return count_by_owner(owners(ids_sorted, self._starts), self.world_size, where=new)
 
     def _gather_owned(self, first):
         rows = self._owned.rows[first:]
@@ -743,9 +750,9 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             # finite). Its owner still steps it when some rank looked it up, as any row.
             grad = grad.masked_fill((self._looked_up.rows == self.padding_idx).unsqueeze(1), 0)
         # Stable: an owner gets each source's rows in the order it sent the ids.
-        dest = owners(self._looked_up.rows, self.bounds)
+        dest = owners(self._looked_up.rows, self._starts)
         order = torch.argsort(dest, stable=True)
-        counts = torch.bincount(dest, minlength=self.world_size)
+        counts = count_by_owner(dest, self.world_size)
         placeholder = self.weight.grad is self._grad and not self._holds_kept_zero()
         if placeholder:
             # The GradScaler's in-place unscale does not bump the placeholder's version (torch
