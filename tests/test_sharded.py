@@ -1649,3 +1649,22 @@ def test_a_sharded_step_counts_the_rows_for_each_owner_without_a_host_wait_of_it
         # The looked-up ids' one read, and the owned rows' (this rank serves itself).
         assert forward.total == 2, dict(forward.where)
         assert step.total == 1, dict(step.where)
+
+
+def test_a_sharded_step_after_an_unreached_forward_reads_its_slots_once_per_side(rng):
+    """Rows only a forward no backward reached looked up are put back at the step: the sender finds
+    its unreached slots, the owner the slots no reached row asked for, one read each. Flagging and
+    marking them through tensor indices (reached[unreached] = 0, got[slots[mask]] = True: a number
+    copied to the GPU, a mask's count) waited three times more."""
+    emb = ss.ShardedOffloadedEmbedding(60, 3, max_rows=24, backend="numpy", storage="pageable")
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    table = emb.table.to_numpy(copy=True)
+    for _ in range(3):
+        emb(torch.tensor([57, 58, 59]))  # not in the loss
+        emb(torch.from_numpy(rng.integers(0, 50, (4, 5)))).pow(2).sum().backward()
+        with HostSyncs() as step:
+            opt.step()
+        opt.zero_grad()
+        assert step.total == 3, dict(step.where)  # the counts' read and the two slot reads
+    np.testing.assert_array_equal(emb.table.to_numpy()[57:], table[57:])  # put back each time

@@ -788,7 +788,7 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
             # flagged, so that owners put back those no reached forward looked up.
             reached = torch.ones(k_local, 1, dtype=grad.dtype, device=grad.device)
             if unreached is not None:
-                reached[unreached] = 0
+                reached.index_fill_(0, unreached, 0)  # not reached[unreached] = 0: a host wait on a GPU
             grad = torch.cat([grad, reached], 1)
         received = self._exchange.rows(grad[order], counts, recv_counts)
         slots = torch.cat([part for parts in self._sent_to_me for part in parts])
@@ -805,9 +805,12 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
         self.weight.grad = self._grad
         self._zero_kept = False
         if any_unreached:
-            got = torch.zeros(k, dtype=torch.bool, device=grad.device)
-            got[slots[received[:, -1] > 0]] = True
-            kept = (~got).nonzero().squeeze(1)
+            # The slots some reached row asked for, marked with no host wait (a bool mask's
+            # indexing reads its count, a number through a tensor index is copied to a GPU):
+            # the others point at a spare last entry.
+            asked_by_reached = torch.where(received[:, -1] > 0, slots, k)
+            got = torch.zeros(k + 1, dtype=torch.bool, device=grad.device).index_fill_(0, asked_by_reached, True)
+            kept = (~got[:k]).nonzero().squeeze(1)
             self._put_back = kept if len(kept) else None
 
     def _restore_narrowed(self) -> None:
