@@ -170,13 +170,12 @@ class WorkingSet:
         if held:
             slots = torch.where(found, self._slot_of_sorted.index_select(0, pos), slots)
         local = torch.empty_like(slots).scatter_(0, order, slots)
-        if held:
-            # The held rows and the new ones, each sorted, merged: the new rows' slots follow.
-            self._sorted, order = sort_with_order(torch.cat([self._sorted, new_rows]), merging=True)
-            self._slot_of_sorted = torch.cat([self._slot_of_sorted, torch.arange(
-                held, held + n_new, device=self.device)]).index_select(0, order)
-            self._rows = torch.cat([self._rows, new_rows])
-        else:
+        if not held:
             self._rows = self._sorted = new_rows
             self._slot_of_sorted = torch.arange(n_new, device=self.device)
+        elif n_new:
+            # The rows by slot are sorted runs, one per add, which a merging sort merges; where
+            # each sorted row came from is its slot (no slots to sort along: four kernels fewer).
+            self._rows = torch.cat([self._rows, new_rows])
+            self._sorted, self._slot_of_sorted = sort_with_order(self._rows, merging=True)
         return Added(local.view(shape), held, values if count_also is not None else None)
