@@ -54,12 +54,13 @@ _WAITING = object()
 class _Step:
     """The ids one ``before_forward`` saw, the slots they were given, and who is in the step."""
 
-    def __init__(self, flats, shapes, locals_, rows, grad, hits):
+    def __init__(self, flats, shapes, locals_, rows, grad, hits, picked):
         self.flats = flats
         self.shapes = shapes
         self.locals = locals_
         self.rows = rows
         self.hits = hits  # the cache's count of the rows it holds, read with the working set's
+        self.picked = picked  # where the rows were among the ids the cache looked up, for its fetch
         self.begun = set()  # kinds whose before_forward joined the step
         self.ended = set()  # kinds whose after_step ended their part
         self.stepped = False  # the OptimizerFactory's optimizer.step() finished within the step
@@ -300,7 +301,7 @@ class SharedSteps:
                                 self._bounds_check(flats, unsigned), self.cache.count_hits if cached else None)
         pieces = torch.split(local, [len(f) for f in flats])
         locals_ = tuple(p.view(s) for p, s in zip(pieces, shapes))
-        return _Step(flats, shapes, locals_, ws.rows, self._leftover, hits)
+        return _Step(flats, shapes, locals_, ws.rows, self._leftover, hits, ws.added_at)
 
     def begin(self, step, kind, rows):
         """Start ``kind``'s part of ``step`` (from :meth:`prepare`); the first part fetches its rows.
@@ -315,7 +316,8 @@ class SharedSteps:
         if not self._open and self.cache is not None:
             k = len(step.rows)
             with torch.no_grad():
-                self.cache.fetch(step.rows, rows[:k], 0, sum(len(f) for f in step.flats), hits=step.hits)
+                self.cache.fetch(step.rows, rows[:k], 0, sum(len(f) for f in step.flats),
+                                 hits=step.hits, picked=step.picked)
             self._open = True
         step.begun.add(kind)
 

@@ -373,25 +373,25 @@ class RowCache:
         found, slot = self._lookup(ids_sorted)
         hits = (found & new).sum()
         if carried_rows is None:  # every lookup but a padded step's first: no zeros to make and add
-            self._looked_up = (found, slot, new, None)
+            self._looked_up = (found, slot, None)
             return torch.stack([hits, self._none_carried])
         carried_found, carried_slot = self._lookup(carried_rows)
         carried = carried_found.sum()
-        self._looked_up = (found, slot, new, (carried_found, carried_slot))
+        self._looked_up = (found, slot, (carried_found, carried_slot))
         return torch.stack([hits + carried, carried])
 
-    def _looked_up_rows(self, n_new):
-        """(found, slot) of the rows :meth:`count_hits` looked up, carried first, then the ``n_new`` new ones."""
-        found, slot, new, carried = self._looked_up
+    def _looked_up_rows(self, picked):
+        """(found, slot) of the rows :meth:`count_hits` looked up, carried first, then the new ones at ``picked``."""
+        found, slot, carried = self._looked_up
         self._looked_up = None
-        pick = positions(new, n_new)
-        found, slot = found.index_select(0, pick), slot.index_select(0, pick)
+        found, slot = found.index_select(0, picked), slot.index_select(0, picked)
         if carried is not None:
             found, slot = torch.cat([carried[0], found]), torch.cat([carried[1], slot])
         return found, slot
 
     def fetch(self, rows: torch.Tensor, out: torch.Tensor, first: int, lookups: int, *,
-              carried: int = 0, again: bool = False, hits: Optional[Sequence[int]] = None):
+              carried: int = 0, again: bool = False, hits: Optional[Sequence[int]] = None,
+              picked: Optional[torch.Tensor] = None):
         """Fill ``out`` with the rows new to the working set: hits from the cache, misses from the host.
 
         Args:
@@ -408,6 +408,9 @@ class RowCache:
             hits: :meth:`count_hits`' values for these rows, read with the
                 working set's count (its lookup then gives the rows' slots);
                 None to look the rows up and read the counts here (a host wait).
+            picked: with ``hits``: where the new rows were among the ids
+                :meth:`count_hits` looked up (``WorkingSet.added_at``, found
+                once for the working set and the cache).
         """
         self._wait_prefetch()
         self._thread = threading.get_ident()
@@ -423,7 +426,7 @@ class RowCache:
                 # One host synchronisation: the hits, and how many of them are carried rows.
                 hits = torch.stack([found.sum(), found[:carried].sum()]).tolist()
             else:
-                found, slot = self._looked_up_rows(len(rows) - carried)
+                found, slot = self._looked_up_rows(picked)
             n_hit, n_carried_hit = hits
             if n_hit and n_hit < len(rows):
                 self._scratch(len(rows) - n_hit)  # an allocation that may fail: before the bookkeeping

@@ -803,7 +803,7 @@ class OffloadedEmbedding(torch.nn.Module):
         try:
             # The padding row is in every step without being looked up: not counted as one.
             self._gather_new(start, len(flat), carried=int(start == 0 and self.padding_idx is not None),
-                             hits=hits)
+                             hits=hits, picked=ws.added_at)
         except BaseException:
             # The rows joined the working set but their slots were never filled (out of memory,
             # an interrupt): the step cannot go on with them, so it is dropped, as discard_step() does.

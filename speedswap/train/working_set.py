@@ -64,11 +64,22 @@ class WorkingSet:
         self._rows = torch.empty(0, dtype=torch.int64, device=self.device)
         self._sorted = self._rows
         self._slot_of_sorted = self._rows
+        self._added_at = self._rows
 
     @property
     def rows(self):
         """The table ids held, by slot: a 1-D int64 tensor of length :attr:`size`."""
         return self._rows
+
+    @property
+    def added_at(self) -> torch.Tensor:
+        """Where the rows the last :meth:`add` added were in its ids, sorted (``count_also``'s ``ids_sorted``).
+
+        For a ``count_also`` that computed something for every sorted id and
+        needs it for the new rows alone (the device cache's lookup): these are
+        the positions :meth:`add` took them from, found once for both.
+        """
+        return self._added_at
 
     @property
     def size(self):
@@ -100,6 +111,7 @@ class WorkingSet:
             raise StateError("start_with() begins a step: clear() the working set first")
         self._rows = self._sorted = rows
         self._slot_of_sorted = torch.arange(len(rows), device=self.device)
+        self._added_at = torch.empty(0, dtype=torch.int64, device=self.device)  # no add has run
 
     def add(self, ids: torch.Tensor, check_bounds: Optional[Callable[[int, int], None]] = None,
             count_also: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> Added:
@@ -134,6 +146,7 @@ class WorkingSet:
         shape, flat = ids.shape, ids.reshape(-1)
         held = self.size
         if not len(flat):
+            self._added_at = torch.empty(0, dtype=torch.int64, device=self.device)
             return Added(torch.empty(shape, dtype=torch.int64, device=self.device), held, None)
         # Sorted, not torch.unique: its distinct count would be a host wait of its own (on a
         # GPU), where the count of new rows is read below with the bounds anyway.
@@ -165,7 +178,8 @@ class WorkingSet:
                 f"nn.Embedding, or a larger max_rows). Training forwards accumulate into one "
                 f"step until optimizer.step(), so several forwards before a step add up, and so "
                 f"do those of a step skipped before its backward (discard_step() drops them)")
-        new_rows = ids_sorted.index_select(0, positions(new, n_new))
+        self._added_at = positions(new, n_new)
+        new_rows = ids_sorted.index_select(0, self._added_at)
         slots = new_before.add_(held - 1)
         if held:
             slots = torch.where(found, self._slot_of_sorted.index_select(0, pos), slots)
