@@ -191,7 +191,6 @@ class RowCache:
         # The training thread: the one that made the cache, then the last to fetch a step's rows.
         self._thread = threading.get_ident()
         self._n_empty = n
-        self._none_carried = torch.zeros((), dtype=torch.int64, device=device)  # see count_hits
         self._warned_views = False  # see _warn_views
         # The sorted index holds rows as int32 where they fit: half the memory a binary
         # search misses the CPU's caches in, and a faster sort.
@@ -350,7 +349,7 @@ class RowCache:
     # ---------------------------------------------------------------- the step
     def count_hits(self, ids_sorted: torch.Tensor, new: torch.Tensor,
                    carried_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The counts :meth:`fetch` needs, before the rows it will fetch are known: ``[hits, carried hits]``.
+        """The counts :meth:`fetch` needs, before the rows it will fetch are known: ``[hits(, carried hits)]``.
 
         For the working set to read with its own count (``WorkingSet.add``'s
         ``count_also``), so that a training forward makes one host wait, not
@@ -366,27 +365,30 @@ class RowCache:
                 (the padding row at a step's start), or None.
 
         Returns:
-            a ``(2,)`` int64 device tensor: how many of the rows to fetch are
-            cached, and how many of the carried ones.
+            an int64 device tensor: how many of the rows to fetch are cached,
+            and with ``carried_rows`` how many of those (``(2,)``; else ``(1,)``).
         """
         self._give_up_for_views()
         found, slot = self._lookup(ids_sorted)
-        hits = (found & new).sum()
-        if carried_rows is None:  # every lookup but a padded step's first: no zeros to make and add
+        hits = (found & new).sum(0, keepdim=True)
+        if carried_rows is None:  # every lookup but a padded step's first: no count to stack with it
             self._looked_up = (found, slot, None)
-            return torch.stack([hits, self._none_carried])
+            return hits
         carried_found, carried_slot = self._lookup(carried_rows)
         carried = carried_found.sum()
         self._looked_up = (found, slot, (carried_found, carried_slot))
-        return torch.stack([hits + carried, carried])
+        return torch.cat([hits + carried, carried.view(1)])
 
-    def _looked_up_rows(self, picked):
-        """(found, slot) of the rows :meth:`count_hits` looked up, carried first, then the new ones at ``picked``."""
+    def _looked_up_rows(self, picked, found_too):
+        """(found, slot) of the rows :meth:`count_hits` looked up, carried first, then the new ones at
+        ``picked``; found is None unless ``found_too``."""
         found, slot, carried = self._looked_up
         self._looked_up = None
-        found, slot = found.index_select(0, picked), slot.index_select(0, picked)
+        slot = slot.index_select(0, picked)
+        found = found.index_select(0, picked) if found_too else None
         if carried is not None:
-            found, slot = torch.cat([carried[0], found]), torch.cat([carried[1], slot])
+            slot = torch.cat([carried[1], slot])
+            found = None if found is None else torch.cat([carried[0], found])
         return found, slot
 
     def fetch(self, rows: torch.Tensor, out: torch.Tensor, first: int, lookups: int, *,
@@ -406,8 +408,9 @@ class RowCache:
             again: the rows of a step that raised, fetched a second time after
                 :meth:`restart_step`: the copies count, the rows' use does not.
             hits: :meth:`count_hits`' values for these rows, read with the
-                working set's count (its lookup then gives the rows' slots);
-                None to look the rows up and read the counts here (a host wait).
+                working set's count (its lookup then gives the rows' slots):
+                ``[hits]``, or ``[hits, carried hits]`` with ``carried``; None
+                to look the rows up and read the counts here (a host wait).
             picked: with ``hits``: where the new rows were among the ids
                 :meth:`count_hits` looked up (``WorkingSet.added_at``, found
                 once for the working set and the cache).
@@ -426,8 +429,9 @@ class RowCache:
                 # One host synchronisation: the hits, and how many of them are carried rows.
                 hits = torch.stack([found.sum(), found[:carried].sum()]).tolist()
             else:
-                found, slot = self._looked_up_rows(picked)
-            n_hit, n_carried_hit = hits
+                # All hits (every row prefetched, the steady state): which were found goes unused.
+                found, slot = self._looked_up_rows(picked, found_too=hits[0] < len(rows))
+            n_hit, n_carried_hit = hits[0], hits[1] if carried else 0
             if n_hit and n_hit < len(rows):
                 self._scratch(len(rows) - n_hit)  # an allocation that may fail: before the bookkeeping
             # All hits (every row prefetched, the steady state): the slots need no masking.
@@ -438,7 +442,8 @@ class RowCache:
         else:
             # A row this step uses must outlive the step: eviction takes stamps below the clock.
             # (A miss's `slot` is some other row's; its -1 leaves that stamp as it is.)
-            self.stamp.scatter_reduce_(0, slot, torch.where(found, self.clock, -1), "amax")
+            used = torch.full_like(slot, self.clock) if n_miss == 0 else torch.where(found, self.clock, -1)
+            self.stamp.scatter_reduce_(0, slot, used, "amax")
             source = slot
             if n_miss:
                 # Misses go to scratch, in order: then one gather fills `out` from the cache.
