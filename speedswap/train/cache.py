@@ -237,7 +237,9 @@ class RowCache:
     def _step_slots(self):
         """Each working-set row's slot (by working-set slot), -1 for the step's misses."""
         parts = self._slot_parts
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(parts) > 1:
+            parts[:] = [torch.cat(parts)]  # read_state and store both need them: one cat a step
+        return parts[0]
 
     def _scratch(self, count):
         """The scratch rows' first index, after making sure there are ``count`` of them."""
