@@ -8,6 +8,7 @@ it and train them again, so ``save`` (flush) and ``load`` (invalidate) sit in th
 middle of every run.
 """
 
+import contextlib
 import copy
 import gc
 import os
@@ -492,6 +493,54 @@ def test_prefetched_rows_are_hits_and_are_not_evicted_early(backend):
         cached = emb(torch.tensor([3, 4]))
     emb.flush()
     np.testing.assert_array_equal(cached.cpu().numpy(), emb.table.to_numpy()[[3, 4]])
+
+
+class _FakeStream:
+    """Stands in for a CUDA stream on the CPU: logs which streams waited for which."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append((self.name, other.name))
+
+
+def test_after_a_prefetch_each_stream_waits_for_its_copies_once(monkeypatch):
+    """On a GPU a prefetch copies on a side stream; every stream the cache is then used on waits
+    for those copies before its first call into the cache, and never twice for the same ones
+    (a wait is an event created, recorded and waited on: a step used to make six)."""
+    emb, opt = _embedding("numpy", cache_rows=8)
+    cache, log = emb._cache, []
+    main, other = _FakeStream("main", log), _FakeStream("other", log)
+    current = [main]
+    cache._side = _FakeStream("side", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: None, raising=False)
+
+    def waits():
+        found = [waiter for waiter, waited in log if waited == "side"]
+        log.clear()
+        return found
+
+    emb(torch.tensor([1, 2])).pow(2).sum().backward()
+    emb(torch.tensor([2, 3])).pow(2).sum().backward()
+    assert waits() == ["main"]  # nothing was prefetched yet: the first call waits, harmlessly
+    assert emb.prefetch([5, 6]) == 2
+    assert waits() == []  # the prefetch queues its copies after its own stream's work
+    opt.step()  # read_state and store: one wait for the copies, by the stream that runs them
+    opt.zero_grad()
+    assert waits() == ["main"]
+    _step(emb, opt, [5, 6, 7])  # the rows the copies brought
+    assert waits() == []
+    assert emb.prefetch([8, 9]) == 2
+    current[0] = other  # a forward on another stream waits for the copies too, and once
+    emb(torch.tensor([8, 9, 1])).pow(2).sum().backward()
+    emb(torch.tensor([9, 4])).pow(2).sum().backward()
+    assert waits() == ["other"]
+    current[0] = main
+    opt.step()
+    assert waits() == ["main"]
 
 
 def test_prefetch_checks_ids_and_order(backend):

@@ -81,8 +81,8 @@ calls the model did not know then (``torch.isin``, and Python scalars
 assigned through a tensor index: ``benchmarks/NOTES.md``, 35), since replaced.
 Every other size is known on the host and indexes with
 :func:`~speedswap.train.sync_free.positions` (``tests/test_host_syncs.py``
-counts them). On a GPU a prefetch's copies run on a side stream; every other
-call makes the current stream wait for it.
+counts them). On a GPU a prefetch's copies run on a side stream; the first
+call into the cache after it on each stream makes that stream wait for them.
 
 **Views.** A view of the host tables that ``to_numpy()`` or ``as_tensor()``
 handed out reads and writes the host memory directly, where no cached row
@@ -187,6 +187,7 @@ class RowCache:
         self._row_bytes = dim * _itemsize(table.dtype)
         self._state_row_bytes = dim * _itemsize(state_dtype)
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and n else None
+        self._waited = set()  # streams that waited for the side stream since it was last given work
         self.clock = 0  # the current step; stamps below it are evictable
         # The training thread: the one that made the cache, then the last to fetch a step's rows.
         self._thread = threading.get_ident()
@@ -261,8 +262,19 @@ class RowCache:
         return contextlib.nullcontext() if self._side is None else torch.cuda.stream(self._side)
 
     def _wait_prefetch(self):
-        if self._side is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+        """Make the current stream wait for the copies a prefetch queued on the side stream.
+
+        Once per stream and prefetch: a stream that waited runs its later work
+        after every copy queued before, and only a prefetch queues more (a
+        GPU step made the wait, an event created, recorded and waited on,
+        at each of its six calls into the cache).
+        """
+        if self._side is None:
+            return
+        current = torch.cuda.current_stream(self.device)
+        if current not in self._waited:
+            current.wait_stream(self._side)
+            self._waited.add(current)
 
     def _count(self, **amounts):
         for key, value in amounts.items():
@@ -657,6 +669,7 @@ class RowCache:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
             for tensor in (rows, victims, changed, changed_rows):
                 tensor.record_stream(self._side)
+        self._waited.clear()  # every stream waits for the copies queued below
         # What may fail (the write-back's and the copies' allocations) runs before the slots
         # change hands: a failure leaves every slot describing its row.
         with self._on_side():
