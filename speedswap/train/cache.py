@@ -228,6 +228,7 @@ class RowCache:
         """
         self._looked_up = None  # count_hits' lookup, for the fetch that follows it
         self._slot_parts = []  # per fetch: each new row's slot, -1 for a miss
+        self._pinned = True  # whether the step's hits are pinned (see _pin)
         self._n_hits = self._n_misses = 0
 
     def _lookup(self, rows):
@@ -241,6 +242,22 @@ class RowCache:
         if len(parts) > 1:
             parts[:] = [torch.cat(parts)]  # read_state and store both need them: one cat a step
         return parts[0]
+
+    def _pin(self, stamp):
+        """Pin the step's hits in ``stamp`` (the cache's stamps or a copy, changed in place; returned).
+
+        A row this step uses must outlive the step, and eviction takes stamps
+        below the clock: pinned once a step, before its first call that evicts
+        (a prefetch, the step's store), not at each fetch.
+        """
+        slots = self._step_slots()
+        if self._n_misses:
+            # A miss's -1 becomes slot 0 with stamp -1, which leaves that stamp as it is.
+            used, slots = torch.where(slots >= 0, self.clock, -1), slots.clamp(min=0)
+        else:
+            used = torch.full_like(slots, self.clock)
+        # amax: a row a prefetch pinned for the next step (clock + 1) stays pinned longer.
+        return stamp.scatter_reduce_(0, slots, used, "amax")
 
     def _scratch(self, count):
         """The scratch rows' first index, after making sure there are ``count`` of them."""
@@ -450,15 +467,12 @@ class RowCache:
                 self._scratch(len(rows) - n_hit)  # an allocation that may fail: before the bookkeeping
             # All hits (every row prefetched, the steady state): the slots need no masking.
             self._slot_parts.append(slot if n_hit == len(rows) else torch.where(found, slot, -1))
+            self._pinned = self._pinned and not n_hit
         n_miss = len(rows) - n_hit
         if n_hit == 0:
             self._gather_host(self.table, rows, out)
         else:
-            # A row this step uses must outlive the step: eviction takes stamps below the clock.
-            # (A miss's `slot` is some other row's; its -1 leaves that stamp as it is.)
-            used = torch.full_like(slot, self.clock) if n_miss == 0 else torch.where(found, self.clock, -1)
-            self.stamp.scatter_reduce_(0, slot, used, "amax")
-            source = slot
+            source = slot  # pinned for the step before anything evicts (_pin)
             if n_miss:
                 # Misses go to scratch, in order: then one gather fills `out` from the cache.
                 missed = ~found
@@ -524,6 +538,9 @@ class RowCache:
             self._finish_step()
             return
         target = self._step_slots()  # each row's slot, -1 for rows going back to the host
+        if not self._pinned:  # before the victims are chosen
+            self._pin(self.stamp)
+            self._pinned = True
         # The step's use of its rows, counted once for all its fetches: one hashing, not one per lookup.
         count = self.sketch.add(rows)
         if self._n_hits:
@@ -645,7 +662,9 @@ class RowCache:
         ids_sorted, _, first = sort_marking_firsts(ids)
         found, slot = self._lookup(ids_sorted)
         # Out of place: until the ids' bounds are read and checked below, nothing changes.
-        stamp = self.stamp.scatter_reduce(0, slot, torch.where(found, self.clock + 1, -1), "amax")
+        # The step's own hits are pinned first, or the count of evictable slots would include them.
+        stamp = self.stamp.clone() if self._pinned else self._pin(self.stamp.clone())
+        stamp.scatter_reduce_(0, slot, torch.where(found, self.clock + 1, -1), "amax")
         new = first & ~(found | in_step(ids_sorted))  # not torch.isin, which makes a GPU's host wait
         read = [new.sum(), (stamp < self.clock).sum()]
         if check_bounds is not None:
@@ -653,7 +672,7 @@ class RowCache:
         n_new, evictable, *bounds = torch.stack(read).tolist()
         if check_bounds is not None:
             check_bounds(*bounds)
-        self.stamp = stamp
+        self.stamp, self._pinned = stamp, True
         bring = min(n_new, evictable - self._n_misses)
         if bring <= 0:
             return 0
