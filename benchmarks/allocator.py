@@ -96,6 +96,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=common.positive_int, default=1, help="torch's intra-op threads")
     parser.add_argument("--child", choices=SETUPS, help=argparse.SUPPRESS)
     parser.add_argument("--keep-freed", action="store_true", help=argparse.SUPPRESS)
+    common.add_out_option(parser)
     args = parser.parse_args(argv)
     if args.child:
         return child(args.child, args.repeats, args.threads, args.keep_freed)
@@ -121,7 +122,7 @@ def main(argv=None):
                          "steps": len(samples[name, setup])})
     common.print_table(rows, ["setup", "allocator", "median_ms", "vs_glibc", "steps"])
     print(f"load average (1 min) during the run: {min(loads):.2f}-{max(loads):.2f}")
-    common.write_results("allocator", {
+    common.write_results("allocator", out=args.out, payload={
         "setup": {"vocab": VOCAB, "step": "skip-gram, 4096 pairs x 5 negatives, dim 128, Adam, Zipf ids",
                   "threads": args.threads, "rounds": args.rounds, "repeats": args.repeats},
         "results": rows, "loadavg_1min": [round(x, 2) for x in loads]})

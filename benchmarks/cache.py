@@ -198,6 +198,7 @@ def main(argv=None):
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="ss.keep_freed_memory() first: otherwise glibc's page faults are part of "
                              "every step's time (NOTES 31, 41)")
+    common.add_out_option(parser)
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -227,7 +228,7 @@ def main(argv=None):
     # A subset of the sweep gets a name of its own: it must not replace the whole sweep's results.
     whole = fractions == sorted({0.0, *CACHE_FRACTIONS}) and set(args.ids) == {str(d) for d in DISTRIBUTIONS}
     name = "cache" + ("-prefetch" if args.prefetch else "") + ("" if whole else "-subset")
-    path = common.write_results(name, payload)
+    path = common.write_results(name, payload, args.out)
     plot(rows, path.with_suffix(".png"))
     print(f"wrote {path.with_suffix('.png')}")
     return payload

@@ -20,10 +20,20 @@ from speedswap.apps.bench.timing import format_table, machine, summarize, write_
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def write_results(name, payload):
-    """Write ``payload`` plus the machine's description to ``results/<name>-<cpu|gpu>.json``; returns the path."""
+def add_out_option(parser):
+    """Give a script's ``parser`` the ``--out DIR`` option: where its results go.
+
+    The default is the tracked ``benchmarks/results``; an A/B run from a
+    second worktree passes a folder of its own, so it leaves no tree dirty.
+    """
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="the folder the results go to (default: benchmarks/results)")
+
+
+def write_results(name, payload, out=RESULTS):
+    """Write ``payload`` plus the machine's description to ``<out>/<name>-<cpu|gpu>.json``; returns the path."""
     kind = "gpu" if torch.cuda.is_available() else "cpu"
-    path = write_json(RESULTS / f"{name}-{kind}.json", name, payload)
+    path = write_json(Path(out) / f"{name}-{kind}.json", name, payload)
     print(f"\nwrote {path}")
     return path
 

@@ -117,6 +117,7 @@ def main(argv=None):
     parser.add_argument("--epochs", type=common.positive_int, default=2, help="block-order epochs")
     parser.add_argument("--max-seconds", type=float, default=60.0,
                         help="stop a random-order epoch after this long and extrapolate")
+    common.add_out_option(parser)
     args = parser.parse_args(argv)
     rows = int(args.disk_gb * 1e9) // (DIM * 4)
     if not os.path.isdir(args.dir):
@@ -158,7 +159,7 @@ def main(argv=None):
                                "rss_10pct_MB", "rss_90pct_MB", "rss_peak_MB", "load_1min"])
     print(f"block order: {ratios['block_over_sequential_bandwidth']:.2f}x the sequential bandwidth, "
           f"{ratios['block_speedup_over_random']:.1f}x faster than random order")
-    common.write_results("disk", {
+    common.write_results("disk", out=args.out, payload={
         "file_bytes": size, "shape": [rows, DIM], "batch": args.batch, "ram_bytes": ram,
         "larger_than_ram": bool(ram and size > ram), "page_cache": "emptied before each row",
         "rows": table, "ratios": ratios,

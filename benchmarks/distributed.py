@@ -143,6 +143,7 @@ def main(argv=None):
     parser.add_argument("--pairs", type=common.positive_int, default=4096, help="pairs per global step")
     parser.add_argument("--repeats", type=common.positive_int, default=20)
     parser.add_argument("--link-gbit", type=float, default=10.0, help="link speed of the projection")
+    common.add_out_option(parser)
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     steps = zipf_steps(args.vocab, args.pairs, args.repeats + WARMUP)
@@ -197,7 +198,7 @@ def main(argv=None):
           f"-> {projection['projected_exchange_ms_W8']:.2f} ms on {args.link_gbit:g} Gb/s links "
           f"(bandwidth only; add ~3 collective latencies per step)")
     print(f"load average before {load_before}, after {load_after}")
-    common.write_results("distributed", {
+    common.write_results("distributed", out=args.out, payload={
         "vocab": args.vocab, "pairs_per_global_step": args.pairs, "dim": DIM, "negatives": NEGS,
         "repeats": args.repeats, "loadavg_before": load_before, "loadavg_after": load_after,
         "results": results, "projection": projection})

@@ -44,6 +44,7 @@ def main(argv=None):
     parser.add_argument("--gpu-rows", type=common.positive_int, default=1_000_000, help="rows of the FFCV regression shape")
     parser.add_argument("--gpu-workers", type=common.positive_int, default=min(8, os.cpu_count() or 1),
                         help="DataLoader workers in the GPU case")
+    common.add_out_option(parser)
     args = parser.parse_args(argv)
     payload = {"fast_loops": feeder.fast_loops(args.epochs, args.repeats)}
     print(feeder.format_fast_loops(payload["fast_loops"]))
@@ -55,7 +56,7 @@ def main(argv=None):
         payload["gpu"] = feeder.regression(args.gpu_rows, args.repeats, args.gpu_workers, torch.device("cuda"))
         print(feeder.format_regression(payload["gpu"]))
     payload["command"] = "python benchmarks/feeder.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    common.write_results("feeder", payload)
+    common.write_results("feeder", payload, args.out)
     return payload
 
 

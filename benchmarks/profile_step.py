@@ -30,7 +30,6 @@ import os
 import time
 import traceback
 import warnings
-from pathlib import Path
 
 import common
 import torch
@@ -114,7 +113,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=common.positive_int, default=10, help="steps profiled (and counted for waits)")
     parser.add_argument("--batch", type=common.positive_int, default=training_step.StepShape.batch, help="pairs per step")
     parser.add_argument("--dim", type=common.positive_int, default=training_step.StepShape.dim)
-    parser.add_argument("--out", type=Path, default=common.RESULTS, help="where the JSON goes")
+    common.add_out_option(parser)
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -162,6 +162,7 @@ def main():
     parser.add_argument("--negs", type=common.positive_int, default=5)
     parser.add_argument("--save-every", type=common.positive_int, default=2_500)
     parser.add_argument("--sample-every", type=common.positive_int, default=100)
+    common.add_out_option(parser)
     args = parser.parse_args()
     device = ss.get_backend().device
     batches = zipf_pool(args.vocab, args.batch, args.negs, 64, device)
@@ -176,7 +177,7 @@ def main():
     results["rebuild"] = rebuild(args, batches)
     flat = all(r["flat"] for r in results.values())
     print(f"RSS flat within {FLAT_TOLERANCE:.0%} after warm-up in every scenario: {flat}")
-    common.write_results("soak", {"config": vars(args), "flat": flat,
+    common.write_results("soak", out=args.out, payload={"config": {**vars(args), "out": str(args.out)}, "flat": flat,
                                   "tolerance": FLAT_TOLERANCE, "warmup_share": WARMUP_SHARE,
                                   "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                                   "scenarios": results})

@@ -17,7 +17,6 @@ work per step, which the default shape's arithmetic hides on a CPU: NOTES 37).
 """
 
 import argparse
-from pathlib import Path
 
 import common
 import torch
@@ -42,7 +41,7 @@ def main(argv=None):
                         help="ss.keep_freed_memory() first: on a CPU glibc otherwise returns each step's "
                              "freed memory to the kernel, and the page faults vary the step by tens of "
                              "percent (NOTES 31)")
-    parser.add_argument("--out", type=Path, default=common.RESULTS, help="where the JSON goes")
+    common.add_out_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     kept = args.keep_freed_memory and ss.keep_freed_memory()

@@ -33,6 +33,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="16x smaller sizes (a smoke run)")
     parser.add_argument("--repeats", type=common.positive_int, default=20, help="timed rounds per contender")
     parser.add_argument("--no-write", action="store_true", help="do not write the JSON result")
+    common.add_out_option(parser)
     args = parser.parse_args(argv)
     scale = 16 if args.quick else 1
     payload = {"cpu": transport.run_cpu(2_000_000 // scale, 128, 131_072 // scale, repeats=args.repeats)}
@@ -41,7 +42,7 @@ def main(argv=None):
         payload["gpu"] = transport.run_gpu(1_000_000 // scale, 131_072 // scale, args.repeats)
         print(transport.format_gpu(payload["gpu"]))
     if not args.no_write:
-        common.write_results("transport" + ("-quick" if args.quick else ""), payload)
+        common.write_results("transport" + ("-quick" if args.quick else ""), payload, args.out)
     return payload
 
 

@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, positive_int, write_results
+from common import ROOT, add_out_option, positive_int, write_results
 
 from speedswap.apps.demo import DEMO
 
@@ -162,6 +162,7 @@ def main():
                         help="assemble the corpus into --cache, print where it is, and stop")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where speedswap trains (gensim always runs on the CPU, with --threads workers)")
+    add_out_option(parser)
     args = parser.parse_args()
     if args.corpus_only:
         print(assemble_corpus(Path(args.cache))["path"])
@@ -185,7 +186,7 @@ def main():
                   f"  analogy {100 * figures['analogy']:.1f}% ({100 * figures['gensim_analogy']:.1f}%)"
                   f"  {figures['words_per_second']:,.0f} words/s  {figures['seconds']:.0f} s"
                   f"  load {figures['load_before']:.1f}->{figures['load_after']:.1f}", flush=True)
-    write_results("word2vec_quality", {"corpus": corpus, "gensim": gensim.__version__, "epochs": args.epochs,
+    write_results("word2vec_quality", out=args.out, payload={"corpus": corpus, "gensim": gensim.__version__, "epochs": args.epochs,
                                        "threads": args.threads, "batch_size": args.batch_size, "seed": args.seed,
                                        "device": args.device,
                                        "runs": runs})

@@ -23,7 +23,6 @@ Writes working_set-{cpu,gpu}.json into benchmarks/results/ (or DIR).
 """
 
 import argparse
-from pathlib import Path
 
 import common
 import numpy as np
@@ -94,7 +93,7 @@ def main(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--repeats", type=common.positive_int, default=200, help="timed rounds per case")
     parser.add_argument("--threads", type=common.positive_int, default=1, help="torch's intra-op threads")
-    parser.add_argument("--out", type=Path, default=common.RESULTS, help="where the JSON goes")
+    common.add_out_option(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available()
