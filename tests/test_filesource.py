@@ -225,23 +225,19 @@ def test_a_loop_waiting_for_read_ahead_wakes_up_when_another_thread_moves_the_fe
     feeder = ss.BatchFeeder(mapped, batch_size=100, order=BlockOrder(block_rows=100, window=2),
                             device="cpu", prefetch=prefetch)
     real = os.preadv
+    reading = threading.Event()
 
     def slow(*args):  # a slow disk: the loop is waiting for reads when set_epoch comes
+        reading.set()
         time.sleep(0.2)
         return real(*args)
 
     monkeypatch.setattr(os, "preadv", slow)
-    started = threading.Event()
-
-    def loop():
-        started.set()
-        return [b for b in feeder]
-
     outcome = {}
-    waiter = threading.Thread(target=lambda: outcome.update(run_with_deadline(loop, seconds=60)))
+    waiter = threading.Thread(target=lambda: outcome.update(run_with_deadline(lambda: list(feeder), seconds=60)))
     waiter.start()
-    started.wait()
-    time.sleep(0.3)
+    # Not a sleep: on a loaded machine the loop may not have begun by then, and it reads epoch 1 whole.
+    assert reading.wait(60)
     feeder.set_epoch(1)  # from this thread, while the loop waits on the other
     waiter.join()
     assert isinstance(outcome.get("error"), ss.StateError), outcome
