@@ -822,6 +822,24 @@ def test_launch_ahead_reads_depth_batches_ahead_in_order_and_raises_at_the_faili
     reader.close()
 
 
+def test_launch_ahead_closed_by_another_thread_right_after_a_read_raises_state_error():
+    """set_epoch on another thread closes the loop's LaunchAhead (a GPU feeder's): landing between
+    the read of the batch asked for and its hand-over, the loop popped an emptied queue (IndexError)."""
+    import collections
+    from speedswap.data.readahead import LaunchAhead
+
+    reader = LaunchAhead(lambda k: k * 10, 0, 9, depth=3)
+
+    class ClosedAfterAppend(collections.deque):
+        def append(self, item):
+            super().append(item)
+            reader.close()  # the GIL may pass to the closing thread right after the append
+
+    reader._ahead = ClosedAfterAppend()
+    with pytest.raises(ss.StateError, match="another thread"):
+        reader.next()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_loop_continued_in_a_forked_process_raises_and_a_new_loop_reads_on(tmp_path, rng):
     """A memory-mapped source is read ahead on a thread, which a forked child does not have: its

@@ -56,6 +56,11 @@ def in_background(fn, *args) -> concurrent.futures.Future:
     return future
 
 
+def _stopped_by_another_thread() -> StateError:
+    return StateError("this loop's read-ahead was stopped by another thread (set_epoch, load_state_dict "
+                      "or a new loop over the feeder); iterate the feeder anew, from one thread at a time")
+
+
 class SyncReader:
     """Reads batch ``k`` when asked for it, on the calling thread.
 
@@ -112,10 +117,15 @@ class LaunchAhead:
 
         Raises:
             Exception: whatever reading the batch raised.
+            StateError: another thread closed this reader (it moved the feeder)
+                meanwhile.
         """
         if not self._ahead:
             self._read_one()
-        ok, value = self._ahead.popleft()
+        try:
+            ok, value = self._ahead.popleft()
+        except IndexError:  # close() on another thread dropped the batch read for this call
+            raise _stopped_by_another_thread() from None
         while not self._failed and len(self._ahead) < self._depth and self._next < self._stop:
             self._read_one()
         if not ok:
@@ -190,9 +200,7 @@ class ReaderThread:
                 # The reader posts nothing more once closed: without this check
                 # a loop on another thread than the closing one would wait forever.
                 if self._closing.is_set():
-                    raise StateError("this loop's read-ahead was stopped by another thread (set_epoch, "
-                                     "load_state_dict or a new loop over the feeder); iterate the "
-                                     "feeder anew, from one thread at a time") from None
+                    raise _stopped_by_another_thread() from None
                 # A process forked mid-loop has the queue but not the thread that fills it.
                 if not self._thread.is_alive() and self._queue.empty():
                     raise StateError("this loop's read-ahead thread is gone (the process was forked "
