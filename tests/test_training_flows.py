@@ -120,6 +120,19 @@ def assert_equal_to_reference(offloaded, opt, reference, ref_opt):
         np.testing.assert_allclose(mine.detach().numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
 
 
+def padded_pair(rng, make_opt=lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)):
+    """:func:`pair` with a pretrained padding row (0.5), each side's optimizer attached, the reference lazy.
+
+    Returns:
+        (offloaded, reference, opt, ref_opt)
+    """
+    offloaded, reference = pair(rng, padding_idx=PAD, pad_row=0.5)
+    opt, ref_opt = make_opt(offloaded.parameters()), make_opt(reference.parameters())
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    return offloaded, reference, opt, ref_opt
+
+
 @pytest.mark.parametrize("make_opt", [
     lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
     lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1, amsgrad=True),
@@ -128,10 +141,7 @@ def assert_equal_to_reference(offloaded, opt, reference, ref_opt):
 def test_a_pretrained_padding_row_moves_only_at_steps_that_look_it_up(make_opt, rng):
     # The padding row rides along in slot 0 of every step; with weight decay a step that
     # did not look it up used to shrink it anyway (seen: 0.5 -> 0.22 in 30 Adam steps).
-    offloaded, reference = pair(rng, padding_idx=PAD, pad_row=0.5)
-    opt, ref_opt = make_opt(offloaded.parameters()), make_opt(reference.parameters())
-    offloaded.emb.attach(opt)
-    make_lazy(ref_opt, reference.emb)
+    offloaded, reference, opt, ref_opt = padded_pair(rng, make_opt)
     batches = zipf_ids(rng, STEPS)
     batches[3][0][0, 0] = PAD  # looked up at one step at least, so it must move then
     for ids, target in batches:
@@ -144,11 +154,7 @@ def test_a_pretrained_padding_row_moves_only_at_steps_that_look_it_up(make_opt, 
 def test_a_pretrained_padding_row_moves_only_at_steps_one_of_several_forwards_looks_it_up(rng):
     # Whether a step's forwards looked the padding row up is one compare over all of their
     # slots together: here three forwards a step, the row in the middle one's ids at one step.
-    offloaded, reference = pair(rng, padding_idx=PAD, pad_row=0.5)
-    make = lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)  # noqa: E731
-    opt, ref_opt = make(offloaded.parameters()), make(reference.parameters())
-    offloaded.emb.attach(opt)
-    make_lazy(ref_opt, reference.emb)
+    offloaded, reference, opt, ref_opt = padded_pair(rng)
     batches = zipf_ids(rng, STEPS)
     for ids, _ in batches:
         ids[ids == PAD] = PAD + 1
@@ -250,11 +256,7 @@ def test_a_first_step_over_an_empty_batch_counts_and_training_goes_on(rng):
 
 
 def test_a_pretrained_padding_row_stays_when_only_an_unreached_forward_looked_it_up(rng):
-    offloaded, reference = pair(rng, padding_idx=PAD, pad_row=0.5)
-    make = lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1)  # noqa: E731
-    opt, ref_opt = make(offloaded.parameters()), make(reference.parameters())
-    offloaded.emb.attach(opt)
-    make_lazy(ref_opt, reference.emb)
+    offloaded, reference, opt, ref_opt = padded_pair(rng)
     (ids, target), (skipped, _) = zipf_ids(rng, 2)
     ids[ids == PAD] = PAD + 1  # only the skipped forward looks the padding row up
     skipped[0, 0] = PAD
