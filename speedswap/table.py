@@ -198,6 +198,11 @@ class HostTable:
     Pinned memory is returned to the driver when the table is closed (or used
     as a context manager) and no view from :meth:`to_numpy` is still alive.
 
+    A load that stops while it writes the rows (:func:`loading_into`: Ctrl-C
+    in :meth:`load_from`, or in a checkpoint's load) leaves the table
+    refusing every read and write with a :class:`~speedswap.StateError`,
+    as a closed one does, until a load into it completes or it is closed.
+
     Threads: like a numpy array or a tensor, a table takes no lock. Gathers
     may run in several threads at once, and so may scatters to disjoint rows;
     a gather that runs while another thread scatters the same rows can return
