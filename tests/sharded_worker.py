@@ -1,7 +1,8 @@
 """One rank of the sharded-training tests, and the data every rank and the reference share.
 
-Run by ``tests/test_sharded.py`` as ``python tests/sharded_worker.py RANK WORLD PORT OUT
-SCENARIO...``, one process per rank, over gloo on 127.0.0.1. Each scenario trains a
+Run by ``tests/test_sharded.py`` as ``python tests/sharded_worker.py RANK WORLD RENDEZVOUS
+SEED OUT SCENARIO...``, one process per rank, over gloo on this machine, meeting at the
+``file://`` URL RENDEZVOUS (see ``tests/rendezvous.py``). Each scenario trains a
 :class:`~speedswap.ShardedOffloadedEmbedding` on this rank's share of every step's global
 batch and writes the rank's rows and optimizer state (``OUT/<scenario>.rank<r>.npz``),
 or the errors it met (``OUT/<scenario>.rank<r>.json``).
@@ -672,10 +673,10 @@ def run_scenario(scenario, seed, world, rank, out):
 
 
 def main(argv):
-    rank, world, port, seed = map(int, argv[:4])
+    rank, world, rendezvous, seed = int(argv[0]), int(argv[1]), argv[2], int(argv[3])
     out, scenarios = argv[4], argv[5:]
     torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo", init_method=rendezvous, rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=60))
     try:
         for scenario in scenarios:

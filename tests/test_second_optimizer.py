@@ -13,7 +13,6 @@ The models, Zipf batches and lazy in-memory reference are those of
 import copy
 import gc
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 import speedswap as ss
 from churn import churning
+from rendezvous import rendezvous_url
 from speedswap.errors import OptionError
 from test_training_flows import (BATCH, DIM, ROWS, WIDTH, LazyTable, Model, assert_equal_to_reference,
                                  make_lazy, pair, zipf_ids)
@@ -340,8 +340,8 @@ def test_one_rank_sharded_embedding_refuses_a_second_optimizer_holding_its_weigh
 
 _TWO_RANKS = """
 import datetime, os, sys, numpy as np, torch, torch.distributed as dist, speedswap as ss
-rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=2,
+rank, rendezvous, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group('gloo', init_method=rendezvous, rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=30))
 torch.manual_seed(0)
 emb = ss.ShardedOffloadedEmbedding(50, 4, max_rows=8, backend='numpy', storage='pageable')
@@ -379,11 +379,9 @@ def test_two_ranks_refuse_the_second_optimizer_alike_and_train_on(tmp_path):
     """Refused on each rank before any collective, whatever each rank's gradient: no rank hangs."""
     script = tmp_path / "two_ranks.py"
     script.write_text(_TWO_RANKS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path)], env=env,
+    rendezvous = rendezvous_url(tmp_path)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), rendezvous, str(tmp_path)], env=env,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
         errors = [p.communicate(timeout=120)[1] for p in procs]

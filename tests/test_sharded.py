@@ -12,7 +12,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 import speedswap as ss
 import sharded_worker
 from host_syncs import HostSyncs
+from rendezvous import rendezvous_url
 from speedswap.train import sharded_checkpoint
 from speedswap.train.exchange import Exchange
 from sharded_worker import (DIM, NUM_ROWS, PAD, SAVE_AT, STEPS, initial_table, make, shard_arrays,
@@ -43,18 +43,12 @@ def reference(name, seed):
     return sharded_worker.reference(name, seed)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world, out, seed, *scenarios):
     """Run ``scenarios`` on ``world`` ranks; return [(returncode, stderr)] per rank, killing hangs."""
     np.save(out / "table0.npy", initial_table(seed).numpy())
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), str(port),
+    rendezvous = rendezvous_url(out)
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), str(world), rendezvous,
                                str(seed), str(out), *scenarios],
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True) for rank in range(world)]
@@ -954,15 +948,13 @@ def run_two_ranks(tmp_path, body):
     script = tmp_path / "ranks.py"
     script.write_text(
         "import os, sys, datetime, numpy as np, torch, torch.distributed as dist, speedswap as ss\n"
-        "rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
-        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=2,\n"
+        "rank, rendezvous, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
+        "dist.init_process_group('gloo', init_method=rendezvous, rank=rank, world_size=2,\n"
         "                        timeout=datetime.timedelta(seconds=60))\n"
         + body + "os._exit(0)\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port), str(tmp_path)], env=env)
+    rendezvous = rendezvous_url(tmp_path)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), rendezvous, str(tmp_path)], env=env)
              for r in range(2)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import speedswap as ss
+from rendezvous import rendezvous_url
 from speedswap.train.module_state import rows_only
 
 ROWS, DIM, BATCH, WIDTH, STEPS = 300, 6, 8, 5, 30
@@ -607,14 +608,11 @@ def test_zero_grad_after_a_backward_then_a_step_with_no_forward_moves_no_row_as_
 
 
 _DDP_SCRIPT = r"""
-import os, socket, sys
+import os, sys
 import numpy as np, torch, torch.distributed as dist
 import speedswap as ss
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+dist.init_process_group("gloo", init_method=sys.argv[2], rank=0, world_size=1)
 DDP = torch.nn.parallel.DistributedDataParallel
 
 
@@ -666,9 +664,10 @@ os._exit(0)
 """
 
 
-def test_an_offloaded_embedding_averaged_by_ddp_is_refused(seed):
+def test_an_offloaded_embedding_averaged_by_ddp_is_refused(seed, tmp_path):
     """Each rank's working set holds other rows: DDP's average would train rows on other rows' gradients."""
-    done = subprocess.run([sys.executable, "-c", _DDP_SCRIPT, str(seed)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _DDP_SCRIPT, str(seed), rendezvous_url(tmp_path)],
+                          capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr[-3000:]
 
