@@ -568,9 +568,14 @@ class OffloadedEmbedding(torch.nn.Module):
         # the looked-up rows are in the sparse gradient at zero values and SparseAdam steps them.
         if self._grad_at_backward is None:
             return True
-        left, nonzero, version = self._grad_at_backward
         # As the backward left it (a sparse one unwritten since is the zero it is now), or not.
-        return left() is not grad or grad._version != version or (nonzero is not None and bool(nonzero))
+        nonzero = self._grad_at_backward[1]
+        return self._written_since_backward(grad) or (nonzero is not None and bool(nonzero))
+
+    def _written_since_backward(self, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` was replaced, or written in place (its version), since the last backward noted it."""
+        left, _, version = self._grad_at_backward
+        return left() is not grad or grad._version != version
 
     def _zeroed_since_backward(self) -> Optional[torch.Tensor]:
         """Whether ``zero_grad()`` zeroed the non-zero gradient the last backward left (a step with no forward since).
@@ -593,8 +598,8 @@ class OffloadedEmbedding(torch.nn.Module):
         grad = self.weight.grad
         if not self._backward_ran or grad is None or grad.is_sparse or self._grad_at_backward is None:
             return None
-        left, nonzero, version = self._grad_at_backward
-        if nonzero is None or (left() is grad and grad._version == version):
+        nonzero = self._grad_at_backward[1]
+        if nonzero is None or not self._written_since_backward(grad):
             return None
         return nonzero & ~self._step_gradient(grad).any()
 
