@@ -108,11 +108,15 @@ def torch_index(tmp_path):
 
 @pytest.fixture
 def closed_port_url():
-    """A URL nothing answers on: the index is unreachable."""
+    """A URL nothing answers on: the index is unreachable.
+
+    The port stays bound, never listening, for the whole test: a connection is
+    refused, and no other process (a test running beside) can take the port
+    and answer, as it could once a port found free was closed again.
+    """
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 @pytest.fixture
