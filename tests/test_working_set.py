@@ -8,6 +8,7 @@ from hypothesis import given, settings
 
 import speedswap as ss
 from speedswap.convert import as_row_ids_deferred
+from speedswap.train import sync_free
 from speedswap.train.sync_free import _TORCH_SORTS_FASTER_UP_TO, find_sorted, sort_marking_firsts, sort_with_order
 from speedswap.train.working_set import WorkingSet
 
@@ -72,11 +73,16 @@ def test_adds_give_the_reference_slots_and_a_refused_add_changes_nothing(steps):
         assert ws.size == 0 and not ws.holds(torch.arange(-2, 31)).any()
 
 
-def _devices():
-    return ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+@pytest.fixture(params=["cpu", "cpu, device branches", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request, monkeypatch):
+    """Where the tensors live; "cpu, device branches": on the CPU with sync_free's numpy shortcuts
+    off, so that CI runs the branches a GPU runs."""
+    if request.param == "cpu, device branches":
+        monkeypatch.setattr(sync_free, "_numpy_shortcut", lambda tensor: False)
+        return "cpu"
+    return request.param
 
 
-@pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("length", [1, 2, 300, _TORCH_SORTS_FASTER_UP_TO, _TORCH_SORTS_FASTER_UP_TO + 1, 30_000])
 def test_sort_marking_firsts_gives_what_unique_gives(device, length, rng):
     """Both sorts (torch's, and numpy's for a large CPU tensor) against torch.unique, on Zipf ids with repeats."""
@@ -90,7 +96,6 @@ def test_sort_marking_firsts_gives_what_unique_gives(device, length, rng):
     assert torch.equal(torch.empty_like(run).index_copy_(0, order, run), inverse)
 
 
-@pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("sizes", [(0, 5), (7, 0), (3000, 2000), (5000, 40)])
 def test_merging_two_sorted_runs_sorts_them(device, sizes, rng):
     """The working set merges its sorted rows with its sorted new rows (distinct from them)."""
@@ -101,7 +106,6 @@ def test_merging_two_sorted_runs_sorts_them(device, sizes, rng):
     assert torch.equal(values, torch.sort(distinct).values) and torch.equal(merged[order], values)
 
 
-@pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("sizes", [(1, 1), (1, 500), (50_000, 28_672), (3_000, 7)])
 def test_find_sorted_finds_what_a_reference_search_finds(device, dtype, sizes, rng):
@@ -120,7 +124,6 @@ def test_find_sorted_finds_what_a_reference_search_finds(device, dtype, sizes, r
     assert int(position.min()) >= 0 and int(position.max()) < n_values
 
 
-@pytest.mark.parametrize("device", _devices())
 def test_large_adds_keep_the_slot_rules(device, rng):
     """Adds past the size where the CPU sorts with numpy: each id's slot holds it, new rows join sorted."""
     ws = WorkingSet(60_000, device)

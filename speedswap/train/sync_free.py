@@ -19,6 +19,15 @@ __all__ = ["positions", "find_sorted", "Sorted", "sort_with_order", "sort_markin
 _TORCH_SORTS_FASTER_UP_TO = 4096  # ids; see sort_with_order
 
 
+def _numpy_shortcut(tensor: torch.Tensor) -> bool:
+    """Whether to take the CPU's numpy shortcut for ``tensor`` (on the CPU, where nothing waits).
+
+    The one switch of every shortcut here: the tests (and op counts) replace
+    it with one that says no, to run on the CPU the branches a GPU runs.
+    """
+    return tensor.is_cpu
+
+
 def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     """The positions of the True entries of a 1-D ``mask``, in order, given that there are ``count``.
 
@@ -30,7 +39,7 @@ def positions(mask: torch.Tensor, count: int) -> torch.Tensor:
     Returns:
         a ``(count,)`` int64 tensor on the mask's device.
     """
-    if mask.is_cpu:
+    if _numpy_shortcut(mask):
         # Nothing waits on the CPU, and numpy is 4-12x faster than nonzero_static there
         # (49,152 entries: 31 us against 387).
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
@@ -54,7 +63,7 @@ def find_sorted(values: torch.Tensor, keys: torch.Tensor):
         last index; meaningful where found) and a bool mask, each shaped like
         ``keys``.
     """
-    if values.is_cpu:
+    if _numpy_shortcut(values):
         # numpy's search is 1.3-1.5x torch's on the CPU (28,672 sorted Zipf ids into
         # 50,000 rows: 389 us against 556 for the whole lookup, best of 200).
         table, wanted = values.numpy(), keys.numpy()
@@ -93,7 +102,7 @@ def sort_with_order(ids: torch.Tensor, *, merging: bool = False):
     to a slower algorithm, and torch is faster for a small one (4,096: 50 us
     against 94 with the indexing).
     """
-    if ids.is_cpu and len(ids) > _TORCH_SORTS_FASTER_UP_TO:
+    if _numpy_shortcut(ids) and len(ids) > _TORCH_SORTS_FASTER_UP_TO:
         order = torch.from_numpy(np.argsort(ids.numpy(), kind="stable" if merging else None))
         return ids.index_select(0, order), order
     return torch.sort(ids, stable=merging)
