@@ -147,3 +147,28 @@ def test_start_with_holds_the_rows_in_the_first_slots_and_refuses_a_started_step
     with pytest.raises(ss.StateError, match="clear"):
         ws.start_with(torch.tensor([5]))
     assert ws.rows.tolist() == [5, 2, 9]
+
+
+def test_steps_of_several_zipf_lookups_give_the_reference_slots(device, rng):
+    """Steps of three lookups of Zipf ids (repeats within a lookup and of rows held from earlier ones), some
+    begun with a padding row, against :class:`ReferenceSlots`: on a GPU's branches too (``device``)."""
+    ws = WorkingSet(3000, device)
+    for step in range(4):
+        ref = ReferenceSlots()
+        if step % 2:
+            padding = int(rng.integers(0, 50))
+            ws.start_with(torch.tensor([padding], device=device))
+            ref.rows = [padding]
+        for length in rng.integers(1, 600, 3):
+            ids = rng.zipf(1.2, length) % 100_000
+            # How many new rows are odd, read with the add's own count.
+            odd = lambda ids_sorted, new: (new & (ids_sorted % 2 == 1)).sum().view(1)  # noqa: E731
+            local, first_new, counts = ws.add(torch.from_numpy(ids).to(device), count_also=odd)
+            expected_first = len(ref.rows)
+            ref.rows += sorted(set(ids.tolist()) - set(ref.rows))
+            assert first_new == expected_first and ws.rows.tolist() == ref.rows
+            assert local.tolist() == [ref.rows.index(i) for i in ids.tolist()]
+            assert counts == [sum(row % 2 for row in ref.rows[first_new:])]
+            probe = torch.from_numpy(rng.integers(0, 100_000, 200)).to(device)
+            assert ws.holds(probe).tolist() == [i in ref.rows for i in probe.tolist()]
+        ws.clear()

@@ -665,7 +665,9 @@ class RowCache:
         # The step's own hits are pinned first, or the count of evictable slots would include them.
         stamp = self.stamp.clone() if self._pinned else self._pin(self.stamp.clone())
         stamp.scatter_reduce_(0, slot, torch.where(found, self.clock + 1, -1), "amax")
-        new = first & ~(found | in_step(ids_sorted))  # not torch.isin, which makes a GPU's host wait
+        # first and neither found nor in the step, as bools (one kernel, where & ~ is two); not
+        # torch.isin, which makes a GPU's host wait.
+        new = first > (found | in_step(ids_sorted))
         read = [new.sum(), (stamp < self.clock).sum()]
         if check_bounds is not None:
             read += [ids_sorted[0], ids_sorted[-1]]

@@ -153,7 +153,7 @@ class WorkingSet:
         ids_sorted, order, first = sort_marking_firsts(flat)
         if held:
             pos, found = self._find(ids_sorted)
-            new = first & ~found
+            new = first > found  # first and not found, as bools: one kernel, where & ~ is two
         else:
             new = first
         # A new id's slot: held + (the new ids up to it) - 1, the same for each of its copies.
