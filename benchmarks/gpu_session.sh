@@ -3,7 +3,8 @@
 #
 # 1. the training step's profile (where time and host waits go; about 30 s on an H100),
 # 2. the working-set micro-benchmark (a few seconds),
-# 3. `python -m speedswap bench --all` (gpu tests, transport, training step, feeder,
+# 3. the step's kernel-launching ops, by line (op_count.py, a few seconds),
+# 4. `python -m speedswap bench --all` (gpu tests, transport, training step, feeder,
 #    word2vec, beyond-GPU vocabulary) within a budget of 440 s.
 # Each part runs under its own `timeout`, so the results are packed before the call's
 # 600 s limit: $OUT/results.tgz (every JSON and log) and $OUT/SUMMARY.md, then the
@@ -23,9 +24,10 @@ if [ -d .carry/wheels ]; then
         && export PYTHONPATH=$PYTHONPATH:/tmp/speedswap-site
 fi
 if [ "${SPEEDSWAP_SESSION_DRY:-0}" = 1 ]; then
-    profile=(--vocab 2000 --steps 2 --batch 64 --dim 8) working=(--repeats 2) bench=(--dry-run)
+    profile=(--vocab 2000 --steps 2 --batch 64 --dim 8) working=(--repeats 2) count=(--vocab 2000 --steps 2)
+    bench=(--dry-run)
 else
-    profile=() working=(--repeats 50) bench=(--budget-s 440)
+    profile=() working=(--repeats 50) count=() bench=(--budget-s 440)
 fi
 results=$(mktemp -d)
 mkdir -p "$results/bench"
@@ -35,12 +37,14 @@ mkdir -p "$results/bench"
     echo "profile_step.py exit $?" >> "$results/profile_step.log"
     timeout 25 "$PYTHON" working_set.py "${working[@]}" --out "$results" > "$results/working_set.log" 2>&1
     echo "working_set.py exit $?" >> "$results/working_set.log"
+    timeout 30 "$PYTHON" op_count.py "${count[@]}" --by-line 40 --out "$results" > "$results/op_count.log" 2>&1
+    echo "op_count.py exit $?" >> "$results/op_count.log"
 )
 timeout 480 "$PYTHON" -m speedswap bench --all "${bench[@]}" --out "$results/bench" > "$results/bench.log" 2>&1
 status=$?
 tar czf "$OUT/results.tgz" -C "$results" .
 cp "$results/bench/SUMMARY.md" "$OUT/" 2>/dev/null
-tail -n 2 "$results/profile_step.log" "$results/working_set.log"
+tail -n 2 "$results/profile_step.log" "$results/working_set.log" "$results/op_count.log"
 tail -c 4000 "$results/bench.log"
 rm -rf "$results"
 exit $status

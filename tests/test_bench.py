@@ -93,12 +93,14 @@ def test_the_gpu_session_script_packs_the_profile_the_working_set_and_the_suite(
     done = subprocess.run(["bash", "benchmarks/gpu_session.sh"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "profile_step.py exit 0" in done.stdout and "working_set.py exit 0" in done.stdout, done.stdout
+    assert all(f"{script} exit 0" in done.stdout for script in ("profile_step.py", "working_set.py", "op_count.py")), \
+        done.stdout
     assert {p.name for p in out.iterdir()} == {"results.tgz", "SUMMARY.md"}
     with tarfile.open(out / "results.tgz") as archive:
         names = {name.lstrip("./") for name in archive.getnames()}
         suite_record = json.load(archive.extractfile("./bench/suite.json"))
-    assert {"profile_step-cpu.json", "working_set-cpu.json", "bench/suite.json", "bench.log"} <= names, names
+    assert {"profile_step-cpu.json", "working_set-cpu.json", "op_count-cpu.json", "bench/suite.json",
+            "bench.log"} <= names, names
     assert suite_record["finished"] and all(step["status"] == "ran" for step in suite_record["steps"].values())
     # Written into $OUT, never into the checkout's committed results.
     assert {p.name: p.stat().st_mtime_ns for p in (ROOT / "benchmarks" / "results").rglob("*")} == committed
