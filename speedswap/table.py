@@ -380,7 +380,8 @@ class HostTable:
 
         Raises:
             FileFormatError: a truncated, malformed or non-2-D file, one of
-                no rows or empty rows, or a ``dtype`` the file does not hold.
+                no rows or empty rows, a ``dtype`` the file does not hold, or
+                rows that differ from the CRC-32 an HDF5 file records.
             OptionError: an unknown ``storage`` (even with ``mmap``), an ``mmap``
                 that is not a bool, ``dtype`` without ``mmap=True``, another
                 suffix, or (HDF5) a ``dataset`` that names no dataset.
@@ -947,7 +948,8 @@ class HostTable:
         a bfloat16 table is written as float32 (see :func:`~speedswap.files.save_table`),
         except to an ``mmap`` table's own file, which is flushed as it is: it
         holds the bit patterns as uint16 (reopen it with
-        ``HostTable.load(path, mmap=True, dtype="bfloat16")``).
+        ``HostTable.load(path, mmap=True, dtype="bfloat16")``). An HDF5 file
+        also records the CRC-32 of the rows, which every load verifies.
 
         Args:
             path: ``*.npy``, ``*.h5`` or ``*.hdf5``.

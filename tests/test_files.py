@@ -222,6 +222,24 @@ def test_corrupt_h5_is_refused(backend, tmp_path):
         ss.HostTable.load(path, backend=backend)
 
 
+@pytest.mark.parametrize("storage", ["pageable", "device"])
+def test_a_bit_flipped_in_the_rows_of_an_h5_table_file_is_refused(backend, values, tmp_path, rng, storage):
+    """HostTable.save wrote HDF5 without the CRC-32 checkpoints record: a flipped bit in the rows
+    loaded as a wrong value, silently."""
+    path = tmp_path / "t.h5"
+    ss.HostTable.from_numpy(values, backend=backend).save(path)
+    with h5py.File(path, "r") as f:
+        at = f["table"].id.get_offset() + int(rng.integers(values.nbytes))
+    damaged = bytearray(path.read_bytes())
+    damaged[at] ^= 1 << int(rng.integers(8))
+    path.write_bytes(bytes(damaged))
+    table = ss.HostTable.from_numpy(values + 1, storage=storage, backend=backend)
+    for load in (lambda: ss.HostTable.load(path, storage=storage, backend=backend), lambda: table.load_from(path)):
+        with pytest.raises(ss.FileFormatError, match="CRC-32"):
+            load()
+    np.testing.assert_array_equal(table.to_numpy(), values + 1)
+
+
 def test_missing_file_is_file_not_found(backend, tmp_path):
     with pytest.raises(FileNotFoundError):
         ss.HostTable.load(tmp_path / "nope.npy", backend=backend)

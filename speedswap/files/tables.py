@@ -103,7 +103,8 @@ def save_table(table, path, dataset: str = "table") -> None:
 
     Rows are copied out in chunks (:meth:`~speedswap.HostTable.host_chunks`),
     so a device table never needs a full host copy; a bfloat16 table is
-    written as float32 (exact) and, in HDF5, records its dtype.
+    written as float32 (exact) and, in HDF5, records its dtype. An HDF5 file
+    records the CRC-32 of the rows too, which every load verifies.
     """
     stored = stored_dtype(table.dtype)
     if _format_of(path, dataset) == "npy":
@@ -111,7 +112,7 @@ def save_table(table, path, dataset: str = "table") -> None:
     else:
         _check_no_other_datasets(path, dataset)
         write_h5(path, {dataset: (table.shape, stored, table.host_chunks())},
-                 table_dtypes={dataset: table.dtype})
+                 table_dtypes={dataset: table.dtype}, checksum=True)
 
 
 def _check_no_other_datasets(path, dataset) -> None:
