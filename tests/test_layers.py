@@ -106,8 +106,9 @@ def test_no_module_loads_files_from_the_checkout(module_path):
     assert "spec_from_file_location" not in source and '"benchmarks"' not in source
 
 
-#: layer of each module of speedswap/files/: the two formats share ``base``, whole tables use both.
-FILES_RANKS = {"base": 0, "npy": 1, "h5": 1, "tables": 2, "__init__": 3}
+#: layer of each module of speedswap/files/: the two formats share ``base``, HDF5 seals its files with
+#: ``h5seal``, whole tables use both formats.
+FILES_RANKS = {"base": 0, "h5seal": 0, "npy": 1, "h5": 1, "tables": 2, "__init__": 3}
 
 
 @pytest.mark.parametrize("module_path", sorted((PACKAGE / "files").glob("*.py")), ids=lambda p: p.name)

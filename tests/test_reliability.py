@@ -4,6 +4,7 @@ Each test failed before its fix. The table-driven bad inputs are in
 test_bad_inputs.py, the crash points of every save in test_fault_injection.py.
 """
 
+import collections
 import copy
 import errno
 import gc
@@ -12,6 +13,7 @@ import re
 import subprocess
 import sys
 import weakref
+import zlib
 
 import h5py
 import numpy as np
@@ -22,6 +24,7 @@ import speedswap as ss
 from speedswap import atomic
 from speedswap.train import embedding as embedding_module
 from speedswap.errors import MissingFileError, OutOfMemoryError, PathError
+from isolated import outcomes_in_children
 from training_helpers import BATCH, CAPACITY, DIM, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -1057,15 +1060,31 @@ def test_a_damaged_h5_checkpoint_raises_file_format_errors_and_is_not_replaced(t
         emb.save(path)  # someone's damaged file is never replaced: delete it first
 
 
+def _as_an_older_speedswap_wrote_it(path):
+    """Rewrite the HDF5 file ``path`` as speedswap wrote it before it sealed its files: no user block."""
+    sealed = path.with_name("sealed-" + path.name)
+    os.replace(path, sealed)
+    with h5py.File(sealed, "r") as source, h5py.File(path, "w") as copy_:
+        for name in source:
+            source.copy(source[name], copy_, name=name)
+        copy_.attrs.update(source.attrs)
+    sealed.unlink()
+
+
 def test_an_h5_checkpoint_with_a_table_name_that_is_not_text_is_a_file_format_error(tmp_path, rng):
     """h5py lists a name that is not UTF-8 (one flipped bit in it) as bytes, beside the others' str:
-    sorting the names for the message raised a raw TypeError."""
+    sorting the names for the message raised a raw TypeError. (A file speedswap sealed is refused before
+    h5py reads a name: the edit changed its metadata.)"""
     emb, path = _saved_h5(tmp_path, rng)
-    with h5py.File(path, "r+") as f:
-        f.move("optimizer.exp_avg", b"optimizer.exp_av\xe7")
+    older = tmp_path / "older.h5"
+    older.write_bytes(path.read_bytes())
+    _as_an_older_speedswap_wrote_it(older)
     before = {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
-    with pytest.raises(ss.FileFormatError, match="holds tables"):
-        emb.load(path)
+    for edited, message in ((older, "holds tables"), (path, "is damaged")):
+        with h5py.File(edited, "r+") as f:
+            f.move("optimizer.exp_avg", b"optimizer.exp_av\xe7")
+        with pytest.raises(ss.FileFormatError, match=message):
+            emb.load(edited)
     for name, t in emb._tables().items():
         np.testing.assert_array_equal(t.to_numpy(), before[name])
 
@@ -1120,3 +1139,127 @@ def test_npy_headers_are_parsed_one_thread_at_a_time(tmp_path, monkeypatch, rng)
                             lambda f, *a, parse=parse, **k: held.append(npy.HEADER_PARSE.locked()) or parse(f, *a, **k))
     assert npy.read_npy_header(path).shape == (5, 3)
     assert held == [True]
+
+
+def _bit_flips(path, rng):
+    """``(byte, bit, raw)`` flips of the HDF5 file ``path``: a bit of every byte outside its datasets' raw
+    data (the HDF5 metadata and speedswap's seal), every bit of its first 64 bytes (the seal's header),
+    and a bit of 8 bytes of each dataset's raw data (``raw`` True)."""
+    with h5py.File(path, "r") as f:
+        spans = []
+        f.visititems(lambda name, item: spans.append((item.id.get_offset(), item.id.get_storage_size()))
+                     if isinstance(item, h5py.Dataset) else None)
+    in_raw = np.zeros(os.path.getsize(path), dtype=bool)
+    for offset, size in spans:
+        in_raw[offset:offset + size] = True
+    metadata = np.flatnonzero(~in_raw[64:]) + 64
+    flips = [(int(byte), int(bit), False) for byte, bit in zip(metadata, rng.integers(0, 8, len(metadata)))]
+    flips += [(byte, bit, False) for byte in range(64) for bit in range(8) if not in_raw[byte]]
+    for offset, size in spans:
+        flips += [(int(byte), int(rng.integers(0, 8)), True) for byte in rng.integers(offset, offset + size, 8)]
+    return flips
+
+
+def _flipped_load(path, intact, load, expected, flip):
+    """What ``load()`` makes of ``intact`` with ``flip`` applied, as written at ``path``: ``"damaged"``
+    (the seal refused it), ``"crc"`` (a dataset's CRC-32 did), ``"refused"`` (another FileFormatError),
+    ``"read"`` (exactly ``expected``), or what went wrong."""
+    byte, bit, _ = flip
+    damaged = bytearray(intact)
+    damaged[byte] ^= 1 << bit
+    path.write_bytes(bytes(damaged))
+    try:
+        got = load()
+    except ss.FileFormatError as exc:
+        return "damaged" if "is damaged" in str(exc) else "crc" if "CRC-32" in str(exc) else "refused"
+    except Exception as exc:  # noqa: BLE001 -- the outcome the test reports
+        return f"raw {type(exc).__name__}: {exc}".replace("\n", " ")
+    same = got.keys() == expected.keys() and all(got[k].tobytes() == expected[k].tobytes() for k in got)
+    return "read" if same else "wrong data"
+
+
+def _check_bit_flips(saved, path, rng, load, expected):
+    """Flip the bits :func:`_bit_flips` picks in the file ``saved`` one at a time, each load in a forked
+    child: every flip in the rows must be refused by their CRC-32, every other one by the seal, which
+    covers every byte but the rows and the superblock's consistency flags (HDF5's free space too). HDF5
+    itself checks those flags, which a writer sets in place: a flip there is refused or reads the rows."""
+    intact = saved.read_bytes()
+    flags = intact.find(b"\x89HDF\r\n\x1a\n") + 20
+    flips = _bit_flips(saved, rng)
+    outcomes = outcomes_in_children(flips, lambda flip: _flipped_load(path, intact, load, expected, flip))
+    bad = [(flip, outcome) for flip, outcome in zip(flips, outcomes)
+           if outcome not in (("refused", "read") if flags <= flip[0] < flags + 4
+                              else ("crc",) if flip[2] else ("damaged",))]
+    counts = collections.Counter(outcome.split(":")[0] for _, outcome in bad)
+    assert not bad, (f"{len(bad)} of {len(flips)} single-bit flips were not refused as they should be "
+                     f"({dict(counts)}); (byte, bit, in the rows): {bad[:20]}")
+
+
+def test_no_bit_flipped_in_an_h5_table_file_hangs_crashes_or_loads_wrong_rows(tmp_path, rng):
+    """A flipped bit in the HDF5 metadata reached the HDF5 C library unchecked, where it could spin
+    forever (deaf to Ctrl-C) or crash the process, or load wrong rows. Each flip is read in a forked
+    child: every one must be refused with a FileFormatError."""
+    table = make_table(rng, rows=50, dim=8)
+    expected = {"table": table.to_numpy(copy=True)}
+    table.save(tmp_path / "saved.h5")
+    path = tmp_path / "damaged.h5"
+    _check_bit_flips(tmp_path / "saved.h5", path, rng,
+                     lambda: {"table": ss.HostTable.load(path, backend="numpy").to_numpy()}, expected)
+
+
+def test_no_bit_flipped_in_an_h5_checkpoint_hangs_crashes_or_loads_wrong_state(tmp_path, rng):
+    """As for a table file, for a checkpoint of a table and its Adam state; a refused load changes nothing."""
+    emb, saved = _saved_h5(tmp_path, rng, name="saved.h5")
+    target = adam_embedding(rng)
+    path = tmp_path / "damaged.h5"
+
+    def load():
+        before = contents(target)
+        try:
+            target.load(path)
+        except ss.FileFormatError:
+            assert_unchanged(target, before)
+            raise
+        return contents(target)
+    _check_bit_flips(saved, path, rng, load, contents(emb))
+
+
+def test_h5_files_an_older_speedswap_wrote_without_a_seal_still_load(tmp_path, rng):
+    emb, path = _saved_h5(tmp_path, rng)
+    table = make_table(rng, rows=40, dim=8)
+    table.save(tmp_path / "table.h5")
+    for older in (path, tmp_path / "table.h5"):
+        _as_an_older_speedswap_wrote_it(older)
+        with h5py.File(older, "r") as f:
+            assert f.userblock_size == 0
+    target = adam_embedding(rng)
+    target.load(path)
+    for name, rows in contents(emb).items():
+        np.testing.assert_array_equal(target._tables()[name].to_numpy(), rows, err_msg=name)
+    np.testing.assert_array_equal(ss.HostTable.load(tmp_path / "table.h5", backend="numpy").to_numpy(),
+                                  table.to_numpy())
+
+
+def test_h5py_reads_a_sealed_file_as_speedswap_saved_it(tmp_path, rng):
+    """The seal lives in an HDF5 user block, which every HDF5 tool skips."""
+    emb, path = _saved_h5(tmp_path, rng)
+    with h5py.File(path, "r") as f:
+        assert f.userblock_size >= 512
+        assert f.attrs["format"] == "speedswap-checkpoint-1"
+        assert sorted(f) == sorted(emb._tables())
+        for name, rows in contents(emb).items():
+            np.testing.assert_array_equal(f[name][()], rows, err_msg=name)
+            assert int(f[name].attrs["speedswap_crc32"]) == zlib.crc32(rows.tobytes())
+
+
+@pytest.mark.parametrize("bits", [2, 5, 8])
+def test_a_seal_whose_magic_lost_a_few_bits_is_refused_never_read_unchecked(tmp_path, rng, bits):
+    """HDF5 finds the superblock after a user block whatever it holds: a seal whose magic string was
+    damaged would have let the file through unchecked."""
+    emb, path = _saved_h5(tmp_path, rng)
+    damaged = bytearray(path.read_bytes())
+    for at in rng.choice(16 * 8, size=bits, replace=False):
+        damaged[at // 8] ^= 1 << (at % 8)
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(ss.FileFormatError, match="is damaged: its seal's magic string"):
+        emb.load(path)

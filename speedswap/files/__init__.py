@@ -12,7 +12,8 @@ One module per concept, each importing only those above it in this list:
 :mod:`~speedswap.files.base` is what every array file shares (the format from
 a suffix, :class:`TableHeader`, row chunks and the single write point);
 :mod:`~speedswap.files.npy` and :mod:`~speedswap.files.h5` are the two
-formats; :mod:`~speedswap.files.tables` saves and loads whole tables in
+formats (:mod:`~speedswap.files.h5seal` checks the HDF5 metadata of the files
+speedswap wrote before HDF5 parses it); :mod:`~speedswap.files.tables` saves and loads whole tables in
 either, bfloat16 and all-or-nothing staging included.
 """
 

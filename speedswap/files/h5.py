@@ -16,6 +16,7 @@ from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import (TableHeader, check_dtype, check_matches, reading_error, row_ranges,
                    table_dtype_of)
+from .h5seal import check_seal, seal, userblock_size
 
 __all__ = ["check_dataset_name", "read_h5_header", "open_h5", "read_h5_into", "write_h5"]
 
@@ -23,6 +24,10 @@ __all__ = ["check_dataset_name", "read_h5_header", "open_h5", "read_h5_into", "w
 _TABLE_DTYPE_ATTR = "speedswap_dtype"
 #: The dataset attribute holding the CRC-32 of its bytes, where the writer recorded one.
 _CRC32_ATTR = "speedswap_crc32"
+#: The HDF5 superblock's signature, and where a superblock of version 0 or 1 keeps its 4 bytes of
+#: file consistency flags.
+_SUPERBLOCK = b"\x89HDF\r\n\x1a\n"
+_FLAGS_AT = 20
 
 
 def _h5py():
@@ -144,6 +149,8 @@ def open_h5(path):
     What h5py raises inside the block (a damaged file opens, then fails when
     its attributes, names, types or rows are read: ``KeyError``, ``OSError``,
     ``RuntimeError``, ``TypeError``, ``ValueError``) becomes a :class:`FileFormatError`.
+    A file speedswap sealed (:mod:`~speedswap.files.h5seal`) has its HDF5
+    metadata verified first: HDF5 could hang or crash on a damaged one.
 
     Raises:
         MissingFileError, PathError: no such file, a directory, not a regular file
@@ -152,8 +159,11 @@ def open_h5(path):
     """
     path = check_regular_file(path, "HDF5 file")
     try:
+        check_seal(path)
         f = _h5py().File(path, "r")
     except OSError as exc:
+        if isinstance(exc, SpeedswapError):
+            raise
         if exc.errno in (errno.EACCES, errno.EPERM):  # the file may be fine: its reader is not allowed
             raise opening_error(path, exc, "HDF5 file") from exc
         if "unable to lock file" in str(exc):  # fine too: HDF5 locks a file while it is written
@@ -192,7 +202,7 @@ def read_h5_into(path, out, dataset, header=None):
 
 
 def write_h5(path, datasets, attrs=None, table_dtypes=None, checksum=False):
-    """Atomically write one HDF5 file holding several datasets.
+    """Atomically write one HDF5 file holding several datasets, sealed (:mod:`~speedswap.files.h5seal`).
 
     Args:
         path: the target file.
@@ -214,8 +224,10 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None, checksum=False):
     for name in datasets:
         check_dataset_name(name)
     h5py = _h5py()
+    userblock = userblock_size(len(datasets) + 1)  # each dataset's rows, and the consistency flags
     with atomic_output(path) as tmp:
-        f = h5py.File(tmp, "w")
+        f = h5py.File(tmp, "w", userblock_size=userblock)
+        spans = []
         try:
             for name, (shape, dtype, chunks) in datasets.items():
                 data = f.create_dataset(name, shape=tuple(shape), dtype=np.dtype(dtype))
@@ -229,6 +241,8 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None, checksum=False):
                         crc = base.crc32_of(chunk, crc)
                 if checksum:
                     data.attrs[_CRC32_ATTR] = np.uint32(crc)
+                if data.id.get_offset() is not None:  # contiguous, allocated: its rows lie there
+                    spans.append((data.id.get_offset(), data.id.get_storage_size()))
             for key, value in (attrs or {}).items():
                 f.attrs[key] = value
         except BaseException:
@@ -242,6 +256,24 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None, checksum=False):
             f.close()  # writes the metadata: the disk can fill up here as well
         except RuntimeError as exc:
             raise _file_system_error(exc) from exc
+        seal(tmp, spans + _consistency_flags(tmp, userblock))
+
+
+def _consistency_flags(path, userblock) -> list:
+    """``[(offset, size)]`` of the consistency flags of the superblock at ``userblock`` in ``path``, if any.
+
+    HDF5 sets them in place when a writer opens the file (and clears them when
+    it closes it): a file merely opened for writing elsewhere, or left so by a
+    writer that was killed, still holds what was saved, so the seal leaves
+    them out. Superblocks of version 0 and 1 (h5py's default) have them; for
+    another one, none are left out, and such an open reads as damage.
+    """
+    with open(path, "rb") as f:
+        f.seek(userblock)
+        head = f.read(len(_SUPERBLOCK) + 1)
+    if head[:len(_SUPERBLOCK)] == _SUPERBLOCK and head[len(_SUPERBLOCK):] in (b"\0", b"\1"):
+        return [(userblock + _FLAGS_AT, 4)]
+    return []
 
 
 def _file_system_error(exc: RuntimeError) -> OSError:
