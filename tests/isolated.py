@@ -4,7 +4,9 @@ A fault-injection test reads thousands of damaged files; the HDF5 C library
 can spin forever (ignoring SIGINT) or die by a signal on one of them. Forking
 per case is slow, so a child runs the cases in turn and reports each outcome
 as one line; when it hangs or dies, that case is recorded as such and a new
-child goes on with the next case.
+child goes on with the next case. A child also ends itself (SIGALRM, whose
+default action no C loop can ignore) when a case runs past twice the
+timeout, so none outlives a parent that was killed while it hung.
 """
 
 import os
@@ -36,7 +38,9 @@ def outcomes_in_children(cases, check, timeout: float = 5.0) -> list:
             code = 1
             try:
                 os.close(read_fd)
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)
                 for case in cases[len(outcomes):]:
+                    signal.alarm(int(2 * timeout) + 1)
                     os.write(write_fd, (check(case) + "\n").encode())
                 code = 0
             finally:
