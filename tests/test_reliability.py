@@ -1141,6 +1141,21 @@ def test_npy_headers_are_parsed_one_thread_at_a_time(tmp_path, monkeypatch, rng)
     assert held == [True]
 
 
+@pytest.mark.parametrize("key", ["format", "optimizer"])
+def test_an_unsealed_h5_checkpoint_whose_attribute_became_an_array_is_a_file_format_error(tmp_path, rng, key):
+    """A flipped bit in an attribute's dataspace (found by the bit-flip test on a file without a seal)
+    turns the value into an array, and comparing it with the expected one raised numpy's raw
+    "ValueError: The truth value of an array ... is ambiguous"."""
+    emb, path = _saved_h5(tmp_path, rng)
+    _as_an_older_speedswap_wrote_it(path)
+    with h5py.File(path, "r+") as f:
+        f.attrs[key] = np.array([f.attrs[key]] * 2, dtype=h5py.string_dtype())
+    before = contents(emb)
+    with pytest.raises(ss.FileFormatError, match=f"attributes \\['{key}'\\] hold arrays"):
+        emb.load(path)
+    assert_unchanged(emb, before)
+
+
 def _bit_flips(path, rng):
     """``(byte, bit, raw)`` flips of the HDF5 file ``path``: a bit of every byte outside its datasets' raw
     data (the HDF5 metadata and speedswap's seal), every bit of its first 64 bytes (the seal's header),

@@ -395,6 +395,11 @@ def _check_same_file(path, held):
 
 def _check_attrs(path, stored, attrs):
     """Raise FileFormatError unless the checkpoint's attributes ``stored`` equal ``attrs``."""
+    # An HDF5 attribute whose dataspace was damaged reads as an array, which == compares element-wise.
+    arrays = sorted(key for key in ("format", *attrs) if isinstance(stored.get(key), np.ndarray))
+    if arrays:
+        raise FileFormatError(f"{os.fspath(path)!r}: the attributes {arrays} hold arrays, where speedswap "
+                              f"stores one value each: the checkpoint is damaged; restore it from a backup")
     if stored.get("format") != _FORMAT:
         raise FileFormatError(f"{os.fspath(path)!r} is not a speedswap checkpoint (no format "
                               f"{_FORMAT!r}): a table file written by HostTable.save or a "
