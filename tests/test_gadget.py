@@ -293,7 +293,7 @@ def test_a_load_that_fails_reading_the_rows_keeps_the_old_data(rng, tmp_path, mo
     def no_room(*args, **kwargs):  # as pinning a file too large for the page-locked memory left
         raise ss.OutOfMemoryError("no page-locked memory left for the rows")
 
-    monkeypatch.setattr(ss.HostTable, "from_numpy", no_room)
+    monkeypatch.setattr(ss.HostTable, "empty", no_room)
     with pytest.raises(ss.OutOfMemoryError):
         gadget.load(tmp_path / "other.npy")
     monkeypatch.undo()
@@ -364,3 +364,18 @@ def test_big_endian_rows_are_refused_where_they_would_be_mapped(rng, tmp_path, m
     with pytest.raises(ss.DTypeError, match="3/4 of the RAM available.*pass mmap=False"):
         gadget.get([1])
     np.testing.assert_array_equal(ss.DataGadget(path, mmap=False, backend="numpy").get([1]).numpy(), data[[1]])
+
+
+def test_a_file_truncated_while_its_rows_are_copied_raises_a_file_format_error(rng, tmp_path, monkeypatch):
+    path = tmp_path / "data.npy"
+    np.save(path, random_data(rng, (4096, 64)))
+    gadget = ss.DataGadget(path, mmap=False, backend="numpy")
+    checked = speedswap.files.check_matches
+
+    def truncated_after_the_check(*args):  # as another process truncating the file just then
+        checked(*args)
+        os.truncate(path, os.path.getsize(path) // 2)
+
+    monkeypatch.setattr(speedswap.files, "check_matches", truncated_after_the_check)
+    with pytest.raises(ss.FileFormatError, match="ended early"):
+        gadget.read()

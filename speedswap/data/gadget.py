@@ -11,6 +11,7 @@ transport, validation and saving are the table's.
 torch.Size([2, 2, 3])
 """
 
+import dataclasses
 import os
 
 import numpy as np
@@ -146,7 +147,8 @@ class DataGadget:
         """Read the rows now (otherwise the first :meth:`get` does). Returns self.
 
         Raises:
-            FileFormatError: the file changed since the gadget was built.
+            FileFormatError: the file changed since the gadget was built, or
+                was truncated while its rows were read.
         """
         self._live_table()
         return self
@@ -190,10 +192,15 @@ class DataGadget:
             self._mapped = (files.mapped_identity(array.ctypes.data)
                             or files.identity(os.stat(self._path)))
             return HostTable.adopt(array, backend=self._backend)
-        # Copied chunk by chunk from a map, so there is no full-size temporary;
-        # copy-on-write ("c") because torch warns about read-only arrays.
-        return HostTable.from_numpy(self._map(header, rows, "c"), storage=self._storage,
-                                    backend=self._backend)
+        # Read into the table, not copied from a map: a file truncated meanwhile ends a read
+        # early (FileFormatError), where a map's missing page is a SIGBUS.
+        table = HostTable.empty(*rows, header.table_dtype, self._storage, self._backend)
+        try:
+            files.read_table(table, self._path, dataclasses.replace(header, shape=rows))
+        except BaseException:
+            table.close()  # half-filled, and perhaps page-locked memory: not left to the collector
+            raise
+        return table
 
     def _map(self, header, rows, mode):
         return np.memmap(self._path, dtype=header.dtype, mode=mode, offset=header.offset,
