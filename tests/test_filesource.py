@@ -456,6 +456,25 @@ def test_a_window_reader_whose_arena_cannot_be_allocated_closes_its_files(tmp_pa
     assert len(closed) == 3  # each failed reader's pool was shut down
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+@pytest.mark.parametrize("order", ["random", "block"])
+def test_a_loop_whose_next_order_cannot_be_drawn_on_a_thread_closes_its_files(tmp_path, rng, monkeypatch, order):
+    import speedswap.data.feeder as feeder_module
+    path = tmp_path / "x.npy"
+    feeder = ss.BatchFeeder(write(path, rng.standard_normal((64, 3)).astype(np.float32)), batch_size=16,
+                            order=order, device="cpu", prefetch=0)
+    held = fds_on(path)  # Python's mmap keeps a descriptor of its own
+
+    def no_thread(*args):  # as threading.Thread.start where the process may start no more threads
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(feeder_module, "in_background", no_thread)
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match="new thread"):
+            next(iter(feeder))
+    assert fds_on(path) == held
+
+
 @pytest.mark.parametrize("change", ["load", "close"])
 def test_a_feeder_over_a_data_gadget_reloaded_or_closed_refuses_to_serve_the_old_rows(tmp_path, rng, change):
     np.save(tmp_path / "a.npy", rng.standard_normal((20, 2)).astype(np.float32))

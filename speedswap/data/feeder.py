@@ -623,10 +623,6 @@ class BatchFeeder:
         size = self._batch_size
 
         files = self._file_reader(ids, epoch) if self._files else None
-        if self._next_ids[0] != epoch + 1:
-            # Drawn on a thread while this epoch is read: a permutation of a million rows takes
-            # 12 ms of the CPU (15% of a 1M x 64 float32 epoch), and numpy's shuffle releases the GIL.
-            self._next_ids = (epoch + 1, in_background(self._host_ids, epoch + 1), os.getpid())
 
         def read(k):
             lo = k * size
@@ -648,14 +644,20 @@ class BatchFeeder:
         threaded = self._prefetch > 0 and (files is not None or (self._stager is not None
                                                                  and self._stager.gathers_on_cpu))
         launched = self._prefetch > 0 and self._stager is not None and not threaded
-        if self._stager is not None:
-            self._stager.follow()
         try:
+            if self._next_ids[0] != epoch + 1:
+                # Drawn on a thread while this epoch is read: a permutation of a million rows takes
+                # 12 ms of the CPU (15% of a 1M x 64 float32 epoch), and numpy's shuffle releases
+                # the GIL. Drawn once the file reader has this epoch's windows (a block order keeps
+                # the last layout it computed).
+                self._next_ids = (epoch + 1, in_background(self._host_ids, epoch + 1), os.getpid())
+            if self._stager is not None:
+                self._stager.follow()
             reader = (ReaderThread(read, start, count, self._prefetch) if threaded
                       else LaunchAhead(read, start, count, self._prefetch) if launched
                       else SyncReader(read, start))
         except BaseException:
-            if files is not None:  # no thread to read for it: close its files now
+            if files is not None:  # no loop will close its files (a thread that did not start)
                 files.close()
             raise
         readers = self._readers = (reader,) if files is None else (reader, files)
