@@ -475,6 +475,22 @@ def test_a_loop_whose_next_order_cannot_be_drawn_on_a_thread_closes_its_files(tm
     assert fds_on(path) == held
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_a_loop_interrupted_while_its_files_settle_closes_them(tmp_path, rng, monkeypatch):
+    path = tmp_path / "x.npy"
+    feeder = ss.BatchFeeder(write(path, rng.standard_normal((64, 3)).astype(np.float32)), batch_size=16,
+                            device="cpu", prefetch=0)
+    held = fds_on(path)
+
+    def interrupted(versions):  # Ctrl-C in the wait for a file written in the last timestamp tick
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(filesource, "_settle", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(iter(feeder))
+    assert fds_on(path) == held
+
+
 @pytest.mark.parametrize("change", ["load", "close"])
 def test_a_feeder_over_a_data_gadget_reloaded_or_closed_refuses_to_serve_the_old_rows(tmp_path, rng, change):
     np.save(tmp_path / "a.npy", rng.standard_normal((20, 2)).astype(np.float32))

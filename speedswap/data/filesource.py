@@ -191,12 +191,12 @@ class _PoolReader:
                                           f"feeder opened it; iterate the feeder again")
                 self._versions.append(_version(stat))
                 os.posix_fadvise(self._fds[-1], 0, 0, advice)
-        except OSError as exc:
+            _settle(self._versions)
+        except BaseException as exc:  # an interrupt in the settling wait too: nobody else closes them
             self._close_fds()
-            if isinstance(exc, FileFormatError):
-                raise
-            raise opening_error(file.path, exc, ".npy file") from exc
-        _settle(self._versions)
+            if isinstance(exc, OSError) and not isinstance(exc, FileFormatError):
+                raise opening_error(file.path, exc, ".npy file") from exc
+            raise
         self._drop = drop_behind
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="speedswap-io")
         self._closed = False
