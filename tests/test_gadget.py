@@ -282,6 +282,18 @@ def test_a_mapped_file_removed_or_replaced_by_rename_still_gives_its_rows(rng, t
     gadget.close()
 
 
+def test_a_mapped_file_whose_directory_was_moved_and_replaced_by_a_file_still_gives_its_rows(rng, tmp_path):
+    (tmp_path / "data").mkdir()
+    path = tmp_path / "data" / "x.npy"
+    data = random_data(rng, (64, 8))
+    np.save(path, data)
+    gadget = ss.DataGadget(path, mmap=True, backend="numpy").read()
+    os.rename(tmp_path / "data", tmp_path / "moved")
+    (tmp_path / "data").write_bytes(b"")  # the path now fails with ENOTDIR, not ENOENT
+    np.testing.assert_array_equal(gadget.get([63, 0]).numpy(), data[[63, 0]])
+    gadget.close()
+
+
 @pytest.mark.parametrize("held", ["array", "file"])
 def test_a_load_that_fails_reading_the_rows_keeps_the_old_data(rng, tmp_path, monkeypatch, held):
     data = random_data(rng, (30, 3))

@@ -96,13 +96,14 @@ def check_size(path, header: "TableHeader", mapped: tuple) -> None:
         path: the path the file was mapped from.
         header: its header when it was mapped.
         mapped: the mapped file's :func:`~speedswap.files.identity`. When
-            ``path`` no longer names it (removed, or replaced by a rename),
-            the map alone holds that file, whole: there is nothing to check.
+            ``path`` no longer names it (removed, replaced by a rename, or a
+            directory on the way moved), the map alone holds that file, whole:
+            there is nothing to check.
     """
     need = header.offset + int(np.prod(header.shape, dtype=np.int64)) * header.dtype.itemsize
     try:
         stat = os.stat(path)
-    except FileNotFoundError:
+    except OSError:  # ENOENT, but also ENOTDIR where a directory on the way became a file
         return
     if base.identity(stat) != mapped:
         return
