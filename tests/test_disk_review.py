@@ -62,8 +62,8 @@ def test_mapping_a_file_that_cannot_be_written_as_an_mmap_table_raises_path_erro
     real_memmap = np.memmap
 
     def read_only_mount(filename, *args, mode="r+", **kwargs):  # what a read-only mount answers "r+"
-        if mode == "r+":
-            raise OSError(errno.EROFS, "Read-only file system", os.fspath(filename))
+        if mode == "r+":  # given the path, or the file opened for the map
+            raise OSError(errno.EROFS, "Read-only file system", os.fspath(getattr(filename, "name", filename)))
         return real_memmap(filename, *args, mode=mode, **kwargs)
 
     monkeypatch.setattr(np, "memmap", read_only_mount)

@@ -111,6 +111,23 @@ def test_truncated_npy_is_refused(backend, values, tmp_path):
         ss.HostTable.load(path, mmap=True, backend=backend)
 
 
+def test_an_npy_file_truncated_as_it_is_mapped_is_refused_not_grown_with_zeros(values, tmp_path, monkeypatch):
+    path = tmp_path / "t.npy"
+    np.save(path, values)
+    size = os.path.getsize(path)
+    checked = files.npy.read_npy_header
+
+    def truncated_after_the_check(*args):  # as another process truncating the file just then
+        header = checked(*args)
+        os.truncate(path, size // 2)
+        return header
+
+    monkeypatch.setattr(files.npy, "read_npy_header", truncated_after_the_check)
+    with pytest.raises(ss.FileFormatError, match="truncated"):
+        ss.HostTable.load(path, mmap=True, backend="numpy")
+    assert os.path.getsize(path) == size // 2  # the file as it was left, not grown back with zeros
+
+
 def test_npy_longer_than_its_header_is_refused(backend, values, tmp_path):
     path = tmp_path / "t.npy"
     np.save(path, values)

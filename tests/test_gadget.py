@@ -378,10 +378,12 @@ def test_big_endian_rows_are_refused_where_they_would_be_mapped(rng, tmp_path, m
     np.testing.assert_array_equal(ss.DataGadget(path, mmap=False, backend="numpy").get([1]).numpy(), data[[1]])
 
 
-def test_a_file_truncated_while_its_rows_are_copied_raises_a_file_format_error(rng, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mmap, match", [(False, "ended early"), (True, "truncated")])
+def test_a_file_truncated_while_it_is_read_or_mapped_raises_a_file_format_error(rng, tmp_path, monkeypatch,
+                                                                                 mmap, match):
     path = tmp_path / "data.npy"
     np.save(path, random_data(rng, (4096, 64)))
-    gadget = ss.DataGadget(path, mmap=False, backend="numpy")
+    gadget = ss.DataGadget(path, mmap=mmap, backend="numpy")
     checked = speedswap.files.check_matches
 
     def truncated_after_the_check(*args):  # as another process truncating the file just then
@@ -389,5 +391,5 @@ def test_a_file_truncated_while_its_rows_are_copied_raises_a_file_format_error(r
         os.truncate(path, os.path.getsize(path) // 2)
 
     monkeypatch.setattr(speedswap.files, "check_matches", truncated_after_the_check)
-    with pytest.raises(ss.FileFormatError, match="ended early"):
+    with pytest.raises(ss.FileFormatError, match=match):
         gadget.read()

@@ -186,7 +186,7 @@ class DataGadget:
             # large (mmap=None), a smaller file's rows would be a copy, so puts must not
             # write the dataset on disk depending on the RAM free today.
             mode = "r+" if self._mmap is True and os.access(self._path, os.W_OK) else "r"
-            array = self._map(header, rows, mode)
+            array = files.map_npy(self._path, header, mode, rows)
             # The file the map holds, which get() checks for truncation: the path may
             # name another file later (removed, or replaced by a rename).
             self._mapped = (files.mapped_identity(array.ctypes.data)
@@ -201,10 +201,6 @@ class DataGadget:
             table.close()  # half-filled, and perhaps page-locked memory: not left to the collector
             raise
         return table
-
-    def _map(self, header, rows, mode):
-        return np.memmap(self._path, dtype=header.dtype, mode=mode, offset=header.offset,
-                         shape=rows, order="C")
 
     # ------------------------------------------------------------ properties
     @property

@@ -16,8 +16,8 @@ from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
 
-__all__ = ["read_npy_header", "check_size", "open_npy_memmap", "npy_data_bytes", "create_npy_memmap", "read_npy_into",
-           "read_npy_rows", "write_npy"]
+__all__ = ["read_npy_header", "check_size", "map_npy", "open_npy_memmap", "npy_data_bytes", "create_npy_memmap",
+           "read_npy_into", "read_npy_rows", "write_npy"]
 
 #: Held while numpy parses a header. It parses with ast.literal_eval, and CPython 3.11's AST
 #: constructor counts its recursion depth per interpreter, not per thread: two threads parsing
@@ -114,6 +114,40 @@ def check_size(path, header: "TableHeader", mapped: tuple) -> None:
                               f"DataGadget")
 
 
+def map_npy(path, header: "TableHeader", mode: str, shape=None) -> np.memmap:
+    """Memory-map the rows of a ``.npy`` file whose validated ``header`` was read from it.
+
+    numpy grows a file shorter than a ``r+`` map with zeros (and a ``r`` map
+    of it fails with a bare ValueError), so the size is checked on the file
+    opened for the map: a file truncated since its header was read raises,
+    rather than its lost rows coming back as zeros and the file being
+    extended on disk.
+
+    Args:
+        path: the file.
+        header: its header.
+        mode: ``"r"`` or ``"r+"``.
+        shape: the map's shape, of as many elements as ``header.shape``
+            (default: ``header.shape``).
+
+    Returns:
+        numpy.memmap
+
+    Raises:
+        FileFormatError: the file is shorter than its header says.
+        OSError: the file cannot be opened or mapped as asked.
+    """
+    path = os.fspath(path)  # as a str the map's filename is the path's, which readers open again
+    need = header.offset + math.prod(header.shape) * header.dtype.itemsize
+    with open(path, "r+b" if mode == "r+" else "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < need:
+            raise FileFormatError(f"{path!r} is {size:,} bytes but its header needs {need:,}: it was "
+                                  f"truncated after its header was read; restore it and open it again")
+        return np.memmap(f, dtype=header.dtype, mode=mode, offset=header.offset,
+                         shape=header.shape if shape is None else shape, order="C")
+
+
 def open_npy_memmap(path, writable=True):
     """Memory-map a validated ``.npy`` file.
 
@@ -126,7 +160,7 @@ def open_npy_memmap(path, writable=True):
 
     Raises:
         FileFormatError: the file holds its numbers byte-swapped (big-endian),
-            which torch cannot view where they lie.
+            which torch cannot view where they lie, or it was truncated as it was mapped.
         PathError: the file cannot be opened as asked (read-write on a
             read-only file or file system); ``errno`` says why.
     """
@@ -137,8 +171,9 @@ def open_npy_memmap(path, writable=True):
                               f"load a copy with mmap=False, or save the file again in this machine's "
                               f"byte order")
     try:
-        return np.memmap(path, dtype=header.dtype, mode="r+" if writable else "r",
-                         offset=header.offset, shape=header.shape, order="C")
+        return map_npy(path, header, "r+" if writable else "r")
+    except FileFormatError:
+        raise
     except OSError as exc:
         hint = ("an mmap table writes through to its file. Make the file writable, or share it "
                 "read-only with HostTable.adopt(np.load(path, mmap_mode='r'))" if writable else
