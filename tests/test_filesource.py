@@ -491,6 +491,38 @@ def test_a_loop_interrupted_while_its_files_settle_closes_them(tmp_path, rng, mo
     assert fds_on(path) == held
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+def test_a_file_reader_closed_by_two_threads_returns_to_each_once_its_files_are_closed(tmp_path, rng):
+    """set_epoch on one thread and the loop's own cleanup on another both close the reader: the
+    second close must wait for the first, not return with the files open (nor close them twice,
+    where a descriptor number may already name a file opened since)."""
+    path = tmp_path / "x.npy"
+    write(path, rng.standard_normal((64, 3)).astype(np.float32))
+    rows = filesource.FileRows(str(path), ss.files.read_npy_header(path).offset, 64, (3,), torch.float32,
+                               ss.files.identity(os.stat(path)))
+    held = fds_on(path)
+    reader = filesource.RowReader([rows], rng.permutation(64))
+    shutdown, entered, release = reader._pool.shutdown, threading.Event(), threading.Event()
+
+    def slow_shutdown(**kwargs):  # as a pool waiting for a read in flight
+        entered.set()
+        release.wait(10)
+        shutdown(**kwargs)
+
+    reader._pool.shutdown = slow_shutdown
+    first = threading.Thread(target=reader.close)
+    first.start()
+    assert entered.wait(10)
+    open_after_close = []
+    second = threading.Thread(target=lambda: (reader.close(), open_after_close.append(fds_on(path) - held)))
+    second.start()
+    second.join(0.5)  # without waiting for the first close, the second returns at once
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert open_after_close == [0]
+
+
 @pytest.mark.parametrize("change", ["load", "close"])
 def test_a_feeder_over_a_data_gadget_reloaded_or_closed_refuses_to_serve_the_old_rows(tmp_path, rng, change):
     np.save(tmp_path / "a.npy", rng.standard_normal((20, 2)).astype(np.float32))

@@ -27,6 +27,7 @@ descriptors) never races a read.
 import concurrent.futures
 import mmap
 import os
+import threading
 import time
 
 import numpy as np
@@ -200,6 +201,9 @@ class _PoolReader:
         self._drop = drop_behind
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="speedswap-io")
         self._closed = False
+        # set_epoch on one thread and the loop's cleanup on another may close at once: the second
+        # waits for the first, so neither returns with the files open nor closes a number twice.
+        self._close_lock = threading.Lock()
 
     def _read(self, column, first, count, out):
         """``pread`` rows ``[first, first + count)`` of file ``column`` into the uint8 array ``out``.
@@ -295,12 +299,16 @@ class _PoolReader:
         self._fds = []
 
     def close(self):
-        """Cancel reads not started, wait for running ones, close the files. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._close_fds()
+        """Cancel reads not started, wait for running ones, close the files.
+
+        Idempotent, and from any thread: every call returns once the files are closed.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True  # first: reads submitted from now on raise StateError
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._close_fds()
 
 
 class RowReader(_PoolReader):
