@@ -523,6 +523,14 @@ def test_a_file_reader_closed_by_two_threads_returns_to_each_once_its_files_are_
     assert open_after_close == [0]
 
 
+def test_a_feeder_refused_for_sources_of_different_lengths_has_not_read_its_data_gadgets(tmp_path, rng):
+    np.save(tmp_path / "x.npy", rng.standard_normal((20, 2)).astype(np.float32))
+    gadget = ss.DataGadget(str(tmp_path / "x.npy"), storage="pinned", backend="numpy")
+    with pytest.raises(ss.ShapeError, match="same number of rows"):
+        ss.BatchFeeder(gadget, rng.standard_normal(21), batch_size=4, device="cpu")
+    assert "not read yet" in repr(gadget)  # a file larger than RAM is not read into it for nothing
+
+
 @pytest.mark.parametrize("change", ["load", "close"])
 def test_a_feeder_over_a_data_gadget_reloaded_or_closed_refuses_to_serve_the_old_rows(tmp_path, rng, change):
     np.save(tmp_path / "a.npy", rng.standard_normal((20, 2)).astype(np.float32))

@@ -83,6 +83,19 @@ def _widened(tensor, widen):
     return tensor.to(wider).bitwise_and_(mask)
 
 
+def _rows_of(source):
+    """A source's number of rows from its shape, nothing read; None where the conversion must judge it.
+
+    None for a 0-d source, a nested tensor (which has no sizes) or a type
+    that is no source: :func:`_as_tensor` refuses them with their own error.
+    """
+    if isinstance(source, torch.Tensor) and source.is_nested:
+        return None
+    if isinstance(source, (np.ndarray, torch.Tensor, DataGadget, HostTable)) and len(source.shape):
+        return source.shape[0]
+    return None
+
+
 def _as_tensor(source, what):
     """``(tensor, file)``: a source's rows as a tensor, and the file it maps (or None).
 
@@ -362,6 +375,13 @@ class BatchFeeder:
         self._names = tuple(named_sources) if named_sources else None
         items = named_sources.items() if named_sources else enumerate(sources)
         described = [(f"source {key!r}", source) for key, source in items]
+        # Compared before any source is converted: a DataGadget's rows are read (into RAM, or
+        # pinned) when the feeder first takes them, which a refused feeder must not have done.
+        lengths = {what: rows for what, rows in ((what, _rows_of(source)) for what, source in described)
+                   if rows is not None}
+        if len(set(lengths.values())) > 1:
+            raise ShapeError(f"sources must have the same number of rows, got "
+                             f"{', '.join(f'{w}: {n}' for w, n in lengths.items())}")
         signed = [_as_signed(source) for _, source in described]
         widen = tuple(widen for _, widen in signed)
         self._widen = widen if any(widen) else None  # read per batch: None when nothing widens
@@ -371,10 +391,6 @@ class BatchFeeder:
         self._tables = [(what, source, table) for (what, source), table in zip(described, tables)
                         if table is not None]
         self._files = {k: file for k, (_, file) in enumerate(columns) if file is not None}
-        lengths = {what: len(tensor) for (what, _), tensor in zip(described, self._columns)}
-        if len(set(lengths.values())) != 1:
-            raise ShapeError(f"sources must have the same number of rows, got "
-                             f"{', '.join(f'{w}: {n}' for w, n in lengths.items())}")
         if not self._columns[0].numel():
             raise ShapeError("the sources have no rows (or empty rows); give at least one row")
         # A backend named explicitly decides the device as it does for tables and gadgets.
