@@ -294,6 +294,22 @@ def test_a_mapped_file_whose_directory_was_moved_and_replaced_by_a_file_still_gi
     gadget.close()
 
 
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_relative_path_names_the_file_of_the_directory_the_gadget_was_built_in(rng, tmp_path, monkeypatch,
+                                                                                 mmap):
+    data = {}
+    for name in ("train", "test"):  # the same file name and shape in two directories
+        (tmp_path / name).mkdir()
+        data[name] = random_data(rng, (40, 3))
+        np.save(tmp_path / name / "x.npy", data[name])
+    monkeypatch.chdir(tmp_path / "train")
+    gadget = ss.DataGadget("x.npy", mmap=mmap, backend="numpy")  # rows read on first use
+    monkeypatch.chdir(tmp_path / "test")
+    np.testing.assert_array_equal(gadget.get([0, 39]).numpy(), data["train"][[0, 39]])
+    assert gadget.path == str(tmp_path / "train" / "x.npy")
+    gadget.close()
+
+
 @pytest.mark.parametrize("held", ["array", "file"])
 def test_a_load_that_fails_reading_the_rows_keeps_the_old_data(rng, tmp_path, monkeypatch, held):
     data = random_data(rng, (30, 3))

@@ -107,7 +107,9 @@ class DataGadget:
     def _set_source(self, data):
         """Validate the file header or array and remember it; the rows are read later."""
         if isinstance(data, (str, bytes, os.PathLike)):
-            path, array = as_path(data), None
+            # Absolute: the rows are read on first use, and a relative path would then name the
+            # file of whatever directory is current by that time.
+            path, array = os.path.abspath(as_path(data)), None
             header = self._read_header(path)
             shape, dtype = header.shape, header.dtype
             _refuse_token_ids(dtype)
@@ -240,7 +242,7 @@ class DataGadget:
 
     @property
     def path(self) -> Optional[str]:
-        """The ``.npy`` file the data came from, or None for an in-memory array."""
+        """The ``.npy`` file the data came from, as an absolute path, or None for an in-memory array."""
         return self._path
 
     def __len__(self):
