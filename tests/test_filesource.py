@@ -1,6 +1,7 @@
 """BatchFeeder over files read with pread: same stream as from memory, bounded memory, errors not signals."""
 
 import ctypes
+import gc
 import mmap
 import os
 import subprocess
@@ -529,6 +530,46 @@ def test_a_feeder_refused_for_sources_of_different_lengths_has_not_read_its_data
     with pytest.raises(ss.ShapeError, match="same number of rows"):
         ss.BatchFeeder(gadget, rng.standard_normal(21), batch_size=4, device="cpu")
     assert "not read yet" in repr(gadget)  # a file larger than RAM is not read into it for nothing
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+@pytest.mark.parametrize("on", ["read-ahead thread", "I/O thread"])
+def test_a_loop_collected_on_a_thread_of_its_own_readers_closes_its_files(tmp_path, rng, monkeypatch, on):
+    """A loop left in a reference cycle is finalised on whichever thread the collector runs, its
+    readers' threads too (they allocate for every batch). Closing the readers there waited for
+    that thread itself: the read-ahead thread joined itself (RuntimeError, the files left open),
+    an I/O thread joined the read-ahead thread waiting for its read (a deadlock)."""
+    path = tmp_path / "x.npy"
+    feeder = ss.BatchFeeder(write(path, rng.standard_normal((64, 3)).astype(np.float32)), batch_size=8,
+                            device="cpu", prefetch=4)
+    held = fds_on(path)
+    name, nth = ("read", 3) if on == "read-ahead thread" else ("_read", 20)  # batch 2, read ahead
+    method, go, collected, calls = getattr(filesource.RowReader, name), threading.Event(), threading.Event(), []
+
+    def read_then_collect(self, *args):
+        calls.append(args)
+        if len(calls) == nth:
+            go.wait(10)
+            gc.collect()  # the collector runs on this thread
+            collected.set()
+        return method(self, *args)
+
+    monkeypatch.setattr(filesource.RowReader, name, read_then_collect)
+    gc.disable()  # only the collection above finalises the loop
+    try:
+        loop = iter(feeder)
+        next(loop)
+        cycle = [loop]
+        cycle.append(cycle)
+        del loop, cycle
+        go.set()
+        assert collected.wait(10)
+    finally:
+        gc.enable()
+    for thread in threading.enumerate():  # the closing was handed to a thread of its own
+        if thread.name == "speedswap-feeder-close":
+            thread.join(10)
+    assert fds_on(path) == held
 
 
 @pytest.mark.parametrize("change", ["load", "close"])

@@ -138,6 +138,12 @@ def _as_tensor(source, what):
     return (tensor.view(torch.bfloat16) if bfloat16 else tensor), FileRows.of(flat, tensor)
 
 
+def _close_readers(readers):
+    """Close a loop's readers and wait for their threads; the batch reader first (it may wait on the file reader)."""
+    for reader in readers:
+        reader.close()
+
+
 def _check_prefetch(prefetch, batch_bytes, device):
     """Refuse a read-ahead whose batches would take more than half the memory free now.
 
@@ -588,8 +594,7 @@ class BatchFeeder:
 
     def _stop_reader(self):
         readers, self._readers = self._readers, ()
-        for reader in readers:  # the batch reader first: it may be waiting on the file reader
-            reader.close()
+        _close_readers(readers)
 
     def _file_reader(self, ids, epoch):
         """The reader of this epoch's file sources: whole blocks if the order has windows, else rows."""
@@ -677,6 +682,7 @@ class BatchFeeder:
                 files.close()
             raise
         readers = self._readers = (reader,) if files is None else (reader, files)
+        advanced_by = threading.get_ident()  # the thread that last ran the loop
         try:
             ahead = None  # with lookahead: the batch read for the previous pair, yielded now
             for k in range(start, count):
@@ -695,9 +701,16 @@ class BatchFeeder:
                     if self._batch == count:
                         self._epoch, self._batch = self._epoch + 1, 0
                 yield (batch, ahead) if self._lookahead else batch
+                advanced_by = threading.get_ident()
         finally:
-            for each in readers:
-                each.close()
+            if threading.get_ident() == advanced_by:
+                _close_readers(readers)
+            else:
+                # An abandoned loop finalised by the garbage collector on another thread, which may
+                # be one of its readers' own: closing them there would wait for that thread itself
+                # (a reader thread joining itself, or waiting for a read on this I/O thread).
+                threading.Thread(target=_close_readers, args=(readers,), daemon=True,
+                                 name="speedswap-feeder-close").start()
             if self._readers is readers:
                 self._readers = ()
 
