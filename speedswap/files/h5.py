@@ -201,8 +201,11 @@ def read_h5_into(path, out, dataset, header=None):
                 raise reading_error(path, exc) from exc
 
 
-def write_h5(path, datasets, attrs=None, table_dtypes=None, checksum=False):
+def write_h5(path, datasets, attrs=None, table_dtypes=None):
     """Atomically write one HDF5 file holding several datasets, sealed (:mod:`~speedswap.files.h5seal`).
+
+    Each dataset records the CRC-32 of its bytes, for a read to verify
+    (:attr:`TableHeader.crc32`): the seal leaves the rows to it.
 
     Args:
         path: the target file.
@@ -211,8 +214,6 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None, checksum=False):
         attrs: optional ``{name: value}`` stored on the file's root.
         table_dtypes: optional ``{name: torch dtype}`` recorded on datasets
             whose table dtype is not the stored one (bfloat16).
-        checksum: record each dataset's CRC-32 of its bytes on it, for a
-            read to verify (:attr:`TableHeader.crc32`).
 
     Raises:
         OptionError: a name that is no dataset name (:func:`check_dataset_name`);
@@ -237,10 +238,8 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None, checksum=False):
                 for chunk in chunks:
                     base.write_chunk(data, start, chunk)
                     start += len(chunk)
-                    if checksum:
-                        crc = base.crc32_of(chunk, crc)
-                if checksum:
-                    data.attrs[_CRC32_ATTR] = np.uint32(crc)
+                    crc = base.crc32_of(chunk, crc)
+                data.attrs[_CRC32_ATTR] = np.uint32(crc)
                 if data.id.get_offset() is not None:  # contiguous, allocated: its rows lie there
                     spans.append((data.id.get_offset(), data.id.get_storage_size()))
             for key, value in (attrs or {}).items():

@@ -112,7 +112,7 @@ def save_table(table, path, dataset: str = "table") -> None:
     else:
         _check_no_other_datasets(path, dataset)
         write_h5(path, {dataset: (table.shape, stored, table.host_chunks())},
-                 table_dtypes={dataset: table.dtype}, checksum=True)
+                 table_dtypes={dataset: table.dtype})
 
 
 def _check_no_other_datasets(path, dataset) -> None:

@@ -322,7 +322,7 @@ def save_tables(path, tables, attrs):
         _check_replaceable_h5(path)
         files.write_h5(path, {name: (t.shape, files.stored_dtype(t.dtype), t.host_chunks())
                               for name, t in tables.items()}, attrs,
-                       table_dtypes={name: t.dtype for name, t in tables.items()}, checksum=True)
+                       table_dtypes={name: t.dtype for name, t in tables.items()})
         return
     try:
         _save_dir(path, tables, attrs)
