@@ -4,6 +4,7 @@ import ctypes
 import gc
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -798,3 +799,32 @@ def test_a_file_that_cannot_be_opened_for_pread_raises_a_path_error_naming_it(tm
     with pytest.raises(ss.PathError, match="cannot open the .npy file .*x.npy.*Input/output error") as raised:
         next(iter(feeder))
     assert raised.value.errno == 5 and raised.value.__cause__.errno == 5
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_file_reader_closed_in_a_forked_child_does_not_wait_for_its_parents_pool(tmp_path, rng):
+    """A process forked while the read-ahead thread was handing the I/O pool a read inherits the
+    pool's lock held, by a thread the child does not have: closing the reader there (the child's
+    loop raising "forked", or collected) waited on that lock forever (seen: the forked-loop test of
+    test_feeder.py killed by its alarm in a full run). The child closes its copies of the files only."""
+    path = tmp_path / "x.npy"
+    write(path, rng.standard_normal((64, 3)).astype(np.float32))
+    rows = filesource.FileRows(str(path), ss.files.read_npy_header(path).offset, 64, (3,), torch.float32,
+                               ss.files.identity(os.stat(path)))
+    reader = filesource.RowReader([rows], rng.permutation(64))
+    try:
+        with reader._pool._shutdown_lock:  # as the parent's read-ahead thread inside pool.submit at the fork
+            pid = os.fork()
+            if pid == 0:  # the child: within 5 s or killed by its alarm
+                code = 1
+                try:
+                    signal.alarm(5)
+                    held = fds_on(path)
+                    reader.close()
+                    code = 0 if held - fds_on(path) == 1 else 3  # its copy of the descriptor is closed
+                finally:
+                    os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    finally:
+        reader.close()

@@ -204,6 +204,7 @@ class _PoolReader:
         # set_epoch on one thread and the loop's cleanup on another may close at once: the second
         # waits for the first, so neither returns with the files open nor closes a number twice.
         self._close_lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child has the pool's state but none of its threads
 
     def _read(self, column, first, count, out):
         """``pread`` rows ``[first, first + count)`` of file ``column`` into the uint8 array ``out``.
@@ -303,6 +304,14 @@ class _PoolReader:
 
         Idempotent, and from any thread: every call returns once the files are closed.
         """
+        if os.getpid() != self._pid:
+            # A forked child: the pool's threads stayed in the parent, and a lock one held at
+            # the fork (handing the pool a read) stays held here for good. The child closes
+            # its copies of the files only; the parent's reader is the parent's to close.
+            if not self._closed:
+                self._closed = True
+                self._close_fds()
+            return
         with self._close_lock:
             if self._closed:
                 return
