@@ -895,3 +895,36 @@ def test_asking_for_cuda_without_it_raises_an_error_the_docstring_names(cls, sou
         cls(source, **options)
     raises = cls.__doc__.split("Raises:")[1]
     assert f"{type(caught.value).__name__}:" in raises, f"{cls.__name__} raised {caught.value!r}"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_read_ahead_forked_while_its_thread_queued_a_batch_hands_out_the_queue_then_says_so():
+    """A process forked while the read-ahead thread was putting a batch in the queue inherits the
+    queue's lock held, by a thread the child does not have: the child's next() waited on it forever.
+    The child hands out the batches queued before the fork, then raises StateError."""
+    from speedswap.data.readahead import ReaderThread
+
+    reader = ReaderThread(lambda k: k * 10, 0, 5, depth=2)
+    try:
+        deadline = time.monotonic() + 10
+        while reader._queue.qsize() < 2 and time.monotonic() < deadline:  # batches 0 and 1 queued
+            time.sleep(0.01)
+        with reader._queue.mutex:  # as the thread inside put() at the fork
+            pid = os.fork()
+            if pid == 0:  # the child: within 5 s or killed by its alarm
+                code = 1
+                try:
+                    signal.alarm(5)
+                    handed = [reader.next(), reader.next()]
+                    try:
+                        reader.next()
+                        code = 2
+                    except ss.StateError as exc:
+                        code = 0 if handed == [0, 10] and "forked" in str(exc) else 3
+                    reader.close()
+                finally:
+                    os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    finally:
+        reader.close()

@@ -26,6 +26,7 @@ Four pieces, used together or alone:
 import atexit
 import collections
 import concurrent.futures
+import os
 import queue
 import threading
 
@@ -165,6 +166,7 @@ class ReaderThread:
         self._thread = threading.Thread(target=self._work, args=(read, start, stop), daemon=True,
                                         name="speedswap-feeder-reader")
         self._thread.start()
+        self._pid = os.getpid()  # a forked child has the queue but not the thread that fills it
         _RUNNING.add(self)
 
     def _work(self, read, start, stop):
@@ -192,23 +194,34 @@ class ReaderThread:
             StateError: another thread closed this reader (it moved the feeder)
                 while this one waited.
         """
-        while True:
-            try:
-                ok, value = self._queue.get(timeout=self._POLL_S)
-                break
-            except queue.Empty:
-                # The reader posts nothing more once closed: without this check
-                # a loop on another thread than the closing one would wait forever.
-                if self._closing.is_set():
-                    raise _stopped_by_another_thread() from None
-                # A process forked mid-loop has the queue but not the thread that fills it.
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise StateError("this loop's read-ahead thread is gone (the process was forked "
-                                     "during the loop?); iterate the feeder anew in this process") from None
+        if os.getpid() != self._pid:
+            ok, value = self._left_from_before_the_fork()
+        else:
+            while True:
+                try:
+                    ok, value = self._queue.get(timeout=self._POLL_S)
+                    break
+                except queue.Empty:
+                    # The reader posts nothing more once closed: without this check
+                    # a loop on another thread than the closing one would wait forever.
+                    if self._closing.is_set():
+                        raise _stopped_by_another_thread() from None
         if ok:
             return value
         self.close()
         raise value
+
+    def _left_from_before_the_fork(self):
+        """In a process forked mid-loop: the next batch queued before the fork, else StateError.
+
+        The child has the queue but not the thread that fills it, and that thread may have
+        held the queue's lock at the fork (inside ``put``), for good in the child: the
+        queue's items are taken without it (no other thread runs here).
+        """
+        if not self._queue.queue:
+            raise StateError("this loop's read-ahead thread is gone (the process was forked "
+                             "during the loop); iterate the feeder anew in this process")
+        return self._queue.queue.popleft()
 
     def close(self):
         """Stop reading ahead and wait for the thread (at most the batch it is reading). Idempotent."""
