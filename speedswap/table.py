@@ -226,6 +226,7 @@ class HostTable:
         self._writable = buffer.host is None or bool(buffer.host.flags.writeable)
         self._before_read = self._before_write = None  # see watch_reads, watch_writes
         self._views = weakref.WeakSet()  # what the views a watched table handed out are over
+        self._views_handed_out = 0  # how many it handed out (see views_handed_out)
         self._device_view = False  # whether a watched device table handed out its tensor (see viewed)
         self._torn = None  # why its rows may be part one state, part another (see loading_into)
         _LIVE.add(self)
@@ -564,12 +565,23 @@ class HostTable:
         """
         return bool(self._views) or self._device_view
 
+    @property
+    def views_handed_out(self) -> int:
+        """How many views a watched table (:meth:`watch_reads`) has handed out so far (see :attr:`viewed`).
+
+        For an owner that keeps copies of rows elsewhere: a view handed out
+        since it last looked may have written rows and be gone already, which
+        :attr:`viewed` no longer tells.
+        """
+        return self._views_handed_out
+
     def _handed_out(self, host: np.ndarray) -> np.ndarray:
         """``host``, as a view that :attr:`viewed` follows when an owner watches this table."""
         if self._before_read is None:
             return host
         memory = _HandedOut(host)
         self._views.add(memory)
+        self._views_handed_out += 1
         return np.asarray(memory)
 
     def _announce_write(self):

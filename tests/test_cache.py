@@ -738,6 +738,48 @@ def test_the_cache_keeps_no_rows_while_a_view_of_the_tables_lives_and_works_agai
     assert emb.stats()["last_step"]["hits"] == 3
 
 
+@pytest.mark.filterwarnings("ignore:a view of the table")
+@pytest.mark.parametrize("then", ["read", "step", "prefetch", "mid_step"])
+@pytest.mark.parametrize("name", ["table", "optimizer.exp_avg"])
+def test_a_write_through_a_view_dropped_before_the_next_call_is_kept(name, then, backend, rng):
+    """get_extra_state() hands its views out after a flush that leaves the rows cached, clean; the
+    cache gave them up at its next lookup, but only if a view was still alive then. A row written
+    through a view dropped before that kept its older cached copy, which won: an eval read
+    returned it, a step trained it, and a prefetch that evicted it wrote it back over the write.
+    Handed out between a forward and its step (``mid_step``), the step's rows, stored after the
+    view was dropped, are the current ones and must stay."""
+    device = ss.get_backend(backend).device
+    table0 = torch.from_numpy(rng.standard_normal((100, 4), dtype=np.float32)).to(device)
+    written = torch.from_numpy(rng.standard_normal(4, dtype=np.float32))
+    ids = torch.tensor([1, 2, 3], device=device)
+    runs = []
+    for cache_rows in (3, 0):  # every row of the steps cached, or none
+        emb, opt = _embedding(backend, cache_rows, opt=torch.optim.Adam)
+        emb.table.scatter(np.arange(100), table0)
+        for _ in range(2):
+            _step(emb, opt, ids)
+        if then == "mid_step":
+            emb(ids[:2]).pow(2).sum().backward()
+        view = emb.get_extra_state()["tables"][name]
+        view[3] = written.to(view)
+        del view
+        if then == "mid_step":
+            opt.step()
+            opt.zero_grad()
+        if then in ("step", "mid_step"):
+            _step(emb, opt, ids)
+        elif then == "prefetch":
+            emb.prefetch(torch.tensor([10, 11, 12], device=device))  # evicts rows 1, 2 and 3
+        emb.eval()
+        with torch.no_grad():
+            rows = emb(torch.arange(100, device=device))
+        runs.append((rows.cpu().numpy(), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}))
+    (rows, state), (rows0, state0) = runs
+    np.testing.assert_array_equal(rows, rows0)
+    for key in state0:
+        np.testing.assert_array_equal(state[key], state0[key], err_msg=key)
+
+
 def test_trained_state_held_only_by_the_cache_is_not_taken_for_a_fresh_start(backend):
     """The host's state tables hold the initial state while every trained state row is in the
     cache: an optimizer that lost its state is still refused, not restarted over that state."""

@@ -89,7 +89,10 @@ handed out reads and writes the host memory directly, where no cached row
 shows. While one is alive (:meth:`RowCache.viewed`) the cache keeps nothing:
 a step writes its rows back, a prefetch brings none, and rows cached before
 are given up, clean (handing the view out flushed them), so every read
-through the view is current and every write through it trains on.
+through the view is current and every write through it trains on. They are
+given up at the cache's first lookup, read or prefetch after a view was
+handed out, alive or not by then: one dropped already may have written rows
+(their cached copies won over the writes, and a prefetch wrote them back).
 
 **One thread.** Nothing locks the bookkeeping, so a prefetch must come from
 the thread that trains (the last to fetch a step's rows, or the one that made
@@ -193,6 +196,7 @@ class RowCache:
         self._thread = threading.get_ident()
         self._n_empty = n
         self._warned_views = False  # see _warn_views
+        self._views_seen = self._views_handed_out()  # see _give_up_for_views
         # The sorted index holds rows as int32 where they fit: half the memory a binary
         # search misses the CPU's caches in, and a faster sort.
         self._key_dtype = torch.int32 if table.num_rows < 2**31 else torch.int64
@@ -658,6 +662,7 @@ class RowCache:
                 "after a training forward there, between the forward and optimizer.step() or between "
                 "steps: on a GPU its copies run on a side stream in the background already")
         self._wait_prefetch()
+        self._give_up_for_views()  # an evicted row is written back, clean or not
         # Sorted with each distinct id marked, not torch.unique: no host wait for its count.
         ids_sorted, _, first = sort_marking_firsts(ids)
         found, slot = self._lookup(ids_sorted)
@@ -793,17 +798,26 @@ class RowCache:
                  "cache keeps no rows until it is dropped: reads and writes through it must see every "
                  "row. Keep to_numpy(copy=True) (or a cloned state_dict) instead to let the cache work")
 
-    def _give_up_for_views(self):
-        """Forget the cached rows a step in flight does not hold while :meth:`viewed`: a write through
-        a view may have changed their host copy.
+    def _views_handed_out(self) -> int:
+        return self.table.views_handed_out + sum(t.views_handed_out for t in self.state_tables.values())
 
-        They are clean: handing a view out flushed the cache (``watch_reads``),
-        and while one lives no step caches a row. The step's own rows keep
-        their slots for its :meth:`store`, which frees them.
+    def _give_up_for_views(self):
+        """Forget the clean cached rows a step in flight does not hold while :meth:`viewed`, or after a
+        view was handed out since the last call: a write through it may have changed their host copy.
+
+        Handing a view out flushed the cache (``watch_reads``), and while one
+        lives no step caches a row. A dirty row was stored since by a step
+        whose forward came before the view was handed out, and which ended
+        after it was dropped: its value wins, as a step's over any write through
+        a view between its forward and its optimizer step; forgotten, the step
+        would be lost. The step's own rows keep their slots for its :meth:`store`,
+        which frees them.
         """
-        if self._n_empty == self.num_slots or not self.viewed():
+        handed_out = self._views_handed_out()
+        new_views, self._views_seen = handed_out != self._views_seen, handed_out
+        if self._n_empty == self.num_slots or not (new_views or self.viewed()):
             return
-        keep = torch.zeros_like(self.dirty)
+        keep = self.dirty.clone()
         for slots in self._slot_parts:
             keep[slots[slots >= 0]] = True
         self._forget(keep)
