@@ -16,7 +16,10 @@ offloaded training must equal (SGD: dense SGD; Adam: SparseAdam; Adagrad:
 sparse Adagrad; the other element-wise optimizers: the same optimizer with
 the untouched rows and their state put back after each step). Each step's
 ``stats()`` must also agree with what moved: every row crosses with its
-state rows, both counted in ``bytes_h2d`` / ``bytes_d2h``.
+state rows, both counted in ``bytes_h2d`` / ``bytes_d2h``. The same through
+a ModelFactory and OptimizerFactory sharing one cache. Ids are drawn
+Zipf-like, so that rows recur and hit the cache, and a view kept is
+dropped after a few steps, so that the cache caches again.
 """
 
 import copy
@@ -44,6 +47,33 @@ KINDS = {
                 lambda p: torch.optim.Adagrad(p, lr=0.1, initial_accumulator_value=0.1), True, False),
 }
 ELEMENT_WISE = sorted(name for name in OPTIMIZERS if name != "sparse_adam")
+
+
+def draw_ids(gen, rows, count, pool, device):
+    """``count`` ids drawn with repeats from ``pool`` distinct rows, which are picked Zipf-like
+    (row r about 1/(r+1) of the time): low rows recur from step to step, and hit the cache."""
+    weights = 1.0 / np.arange(1, rows + 1)
+    chosen = gen.choice(rows, size=min(pool, rows), replace=False, p=weights / weights.sum())
+    return torch.from_numpy(gen.choice(chosen, size=count)).to(device)
+
+
+def step_reference(ref, ref_opt, lazy_rows=None):
+    """Step the reference; with ``lazy_rows`` (the ids the step trained), put every other row and its
+    state back as they were, or at torch's initial state where the step created it."""
+    before = ref.detach().clone()
+    state_before = {name: value.clone() for name, value in ref_opt.state.get(ref, {}).items()
+                    if torch.is_tensor(value) and value.shape == ref.shape}
+    ref_opt.step()
+    if lazy_rows is None:
+        return
+    untouched = torch.ones(len(ref), dtype=torch.bool, device=ref.device)
+    untouched[lazy_rows] = False
+    with torch.no_grad():
+        ref[untouched] = before[untouched]
+        for name, value in ref_opt.state[ref].items():
+            if torch.is_tensor(value) and value.shape == ref.shape:
+                value[untouched] = (state_before[name][untouched] if name in state_before
+                                    else torch_initial(name, ref_opt.param_groups[0]))
 
 
 class Pair:
@@ -97,9 +127,7 @@ class Pair:
 
     # ------------------------------------------------------------ checks
     def ids(self, count, pool):
-        """``count`` ids drawn with repeats from ``pool`` distinct rows."""
-        chosen = self.gen.choice(self.rows, size=min(pool, self.rows), replace=False)
-        return torch.from_numpy(self.gen.choice(chosen, size=count)).to(self.device)
+        return draw_ids(self.gen, self.rows, count, pool, self.device)
 
     def expect_rows(self, got, ids, what):
         np.testing.assert_allclose(got.float().cpu().numpy(), self.ref.detach()[ids].cpu().numpy(),
@@ -118,10 +146,12 @@ class Pair:
         return torch_initial(name, self.ref_opt.param_groups[0])
 
     def check_tables(self, what):
-        """The flushed table and state tables against the reference's rows and state."""
-        self.emb.flush()
+        """Every row (read through the cache) and the state tables (flushed: they keep their rows
+        cached) against the reference's rows and state."""
         everything = torch.arange(self.rows, device=self.device)
-        self.expect_rows(self.emb.table.gather(everything), everything, what)
+        self.read(everything, True, what)
+        if self.gen.random() < 0.5:  # the host's rows, the cache given up first
+            self.expect_rows(self.emb.table.gather(everything), everything, f"{what}: the host table")
         state = self.ref_opt.state.get(self.ref, {})
         for name, table in self.emb._state.tables.items():
             got = table.to_numpy(copy=True)
@@ -287,21 +317,10 @@ class Pair:
         self.check_counters(step, state_read, state_written=state_read or end != "no_backward")
 
     def _reference_step(self, touched_ids):
-        before = self.ref.detach().clone()
-        state_before = {name: value.clone() for name, value in self.ref_opt.state.get(self.ref, {}).items()
-                        if torch.is_tensor(value) and value.shape == self.ref.shape}
-        self.ref_opt.step()
+        step_reference(self.ref, self.ref_opt, touched_ids if self.lazy else None)
         self.ref_opt.zero_grad()
-        with torch.no_grad():
-            if self.lazy and touched_ids is not None:
-                untouched = torch.ones(self.rows, dtype=torch.bool, device=self.device)
-                untouched[touched_ids] = False
-                self.ref[untouched] = before[untouched]
-                for name, value in self.ref_opt.state[self.ref].items():
-                    if torch.is_tensor(value) and value.shape == self.ref.shape:
-                        value[untouched] = (state_before[name][untouched] if name in state_before
-                                            else self.initial(name))
-            if self.bf16:  # every row is in bfloat16; a stepped one is rounded back to it
+        if self.bf16:  # every row is in bfloat16; a stepped one is rounded back to it
+            with torch.no_grad():
                 self.ref.copy_(self.ref.bfloat16().float())
 
     def check_counters(self, step, state_read, state_written):
@@ -321,29 +340,207 @@ class Pair:
             assert last["bytes_h2d"] == last["rows_h2d"] * with_state, (step, last)
 
 
-def run_sequence(seed, kind, backend):
-    """One seeded sequence of :data:`STEPS` steps with calls around them; checks all along."""
-    gen = np.random.default_rng(seed)
-    pair = Pair(gen, kind, ss.get_backend(backend).device, backend)
-    try:
-        for step in range(STEPS):
-            for _ in range(int(gen.integers(0, 3))):
-                pair.between_steps(step)
-            pair.step(step)
-            if gen.random() < 0.1:
-                pair.check_tables(f"after step {step}")
-        pair.check_view("a view kept to the end")
-        pair.check_tables("at the end")
-    finally:
-        pair.close()
+def run_sequences(make_pair, rng, kind, backend):
+    """:data:`SEQUENCES` seeded sequences of :data:`STEPS` steps with calls around them, checked all along.
+
+    Args:
+        make_pair: :class:`Pair` or :class:`SwitcherPair`.
+        rng: the test's generator, which draws each sequence's seed (named on failure).
+        kind: the pair's optimizer kind.
+        backend: the backend's name.
+    """
+    for seed in rng.integers(0, 2**31, SEQUENCES):
+        gen = np.random.default_rng(seed)
+        pair = make_pair(gen, kind, ss.get_backend(backend).device, backend)
+        try:
+            for step in range(STEPS):
+                if pair.view is not None and gen.random() < 0.3:  # while one lives the cache keeps no row
+                    pair.check_view(f"a view kept until step {step}")
+                    pair.view = None
+                for _ in range(int(gen.integers(0, 3))):
+                    pair.between_steps(step)
+                pair.step(step)
+                if gen.random() < 0.1:
+                    pair.check_tables(f"after step {step}")
+            pair.check_view("a view kept to the end")
+            pair.check_tables("at the end")
+        except AssertionError as exc:
+            raise AssertionError(f"sequence seed {seed}") from exc
+        finally:
+            pair.close()
 
 
 # A kept view keeps the cache from caching, which it says once per embedding: meant here.
 @pytest.mark.filterwarnings("ignore:a view of the table")
 @pytest.mark.parametrize("kind", sorted(KINDS) + ["element_wise"])
 def test_random_sequences_of_calls_around_the_cache_train_as_in_memory(kind, rng, backend):
-    for seed in rng.integers(0, 2**31, SEQUENCES):
-        try:
-            run_sequence(int(seed), kind, backend)
-        except AssertionError as exc:
-            raise AssertionError(f"sequence seed {seed}") from exc
+    run_sequences(Pair, rng, kind, backend)
+
+
+# ------------------------------------------------------------------ through the switchers
+
+#: name: (optimizer, reference optimizer, reference gradient sparse, reference lazy); plain SGD
+#: may train with a ModelFactory alone (a cache without state).
+SWITCHER_KINDS = {**KINDS, "sgd_momentum": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                                            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), False, True)}
+
+
+class SwitcherPair:
+    """A ModelFactory (and OptimizerFactory) sharing a cache, and the in-memory reference.
+
+    Args:
+        gen: the sequence's numpy generator.
+        kind: a key of :data:`SWITCHER_KINDS`.
+        device: the backend's device.
+        backend: the backend's name.
+    """
+
+    def __init__(self, gen, kind, device, backend):
+        self.gen, self.device, self.backend = gen, device, backend
+        self.rows, self.capacity = int(gen.choice([12, 30])), int(gen.choice([4, 6, 10]))
+        self.cache_rows = int(gen.choice([1, 2, 3, 8, self.rows]))
+        self.make, self.make_ref, self.sparse, self.lazy = SWITCHER_KINDS[kind]
+        table0 = torch.from_numpy(gen.standard_normal((self.rows, DIM)).astype(np.float32))
+        self.model = torch.nn.ModuleDict({"u": torch.nn.Embedding(self.capacity, DIM)}).to(device)
+        self.opt = self.make(self.model.parameters())
+        self.u = ss.ModelFactory(self.model["u"], total_classes=self.rows, embed_dimension=DIM,
+                                 backend=backend, cache_rows=self.cache_rows)
+        self.u.customInit(lambda t: t.copy_(table0.to(t.device)))
+        self.o = None
+        if kind != "sgd" or gen.random() < 0.5:
+            self._new_optimizer_switch()
+        self.ref = torch.nn.Parameter(table0.to(device))
+        self.ref_opt = self.make_ref([self.ref])
+        self.ctx = torch.from_numpy(gen.standard_normal(DIM).astype(np.float32)).to(device)
+        self.tmp = tempfile.TemporaryDirectory()
+        self.saved, self.view = [], None
+
+    def _new_optimizer_switch(self):
+        self.o = ss.OptimizerFactory(self.opt, self.rows, DIM, self.model, "u", backend=self.backend,
+                                     cache_rows=self.cache_rows)
+        self.o.optInit()
+
+    def close(self):
+        self.view = None
+        self.u.close()
+        if self.o is not None:
+            self.o.close()
+        self.tmp.cleanup()
+
+    def ids(self, count, pool):
+        return draw_ids(self.gen, self.rows, count, pool, self.device)
+
+    def initial(self, name):
+        return torch_initial(name, self.ref_opt.param_groups[0])
+
+    def check_tables(self, what):
+        """The table and state tables (both flushed: they keep their rows cached) against the reference's."""
+        np.testing.assert_allclose(self.u.to_numpy(copy=True), self.ref.detach().cpu().numpy(), **SEQ_TOL,
+                                   err_msg=what)
+        if self.o is None:
+            return
+        state = self.ref_opt.state.get(self.ref, {})
+        for name, table in self.o.state.tables.items():
+            got = table.to_numpy(copy=True)
+            expected = state[name].cpu().numpy() if name in state else np.full_like(got, self.initial(name))
+            np.testing.assert_allclose(got, expected, **SEQ_TOL, err_msg=f"{what}: {name}")
+
+    def check_view(self, what):
+        if self.view is not None:
+            np.testing.assert_allclose(self.view, self.ref.detach().cpu().numpy(), **SEQ_TOL, err_msg=what)
+
+    def between_steps(self, step):
+        op = str(self.gen.choice(["prefetch", "save", "load", "read", "view", "drop_view", "init_state",
+                                  "flush", "new_optimizer_switch"]))
+        if op == "prefetch":
+            self.u.prefetch(self.ids(int(self.gen.integers(1, 8)), self.rows))
+        elif op == "save":
+            k = len(self.saved)
+            self.u.save(f"{self.tmp.name}/table{k}.npy")
+            if self.o is not None:
+                self.o.save(f"{self.tmp.name}/state{k}")
+            self.saved.append((k, copy.deepcopy(self.opt.state_dict()), self.ref.detach().clone(),
+                               copy.deepcopy(self.ref_opt.state_dict())))
+        elif op == "load" and self.saved:
+            k, opt_state, ref, ref_opt_state = self.saved[int(self.gen.integers(len(self.saved)))]
+            self.u.load(f"{self.tmp.name}/table{k}.npy")
+            if self.o is not None:
+                self.o.load(f"{self.tmp.name}/state{k}")
+            self.opt.load_state_dict(copy.deepcopy(opt_state))
+            with torch.no_grad():
+                self.ref.copy_(ref)
+            self.ref_opt.load_state_dict(copy.deepcopy(ref_opt_state))
+        elif op == "read":
+            self.check_tables(f"tables before step {step}")
+        elif op == "view":
+            self.view = self.u.to_numpy()
+            self.check_view(f"a new view before step {step}")
+            if self.gen.random() < 0.7:  # a write through it trains on
+                row = int(self.gen.integers(self.rows))
+                value = self.gen.standard_normal(DIM).astype(np.float32)
+                self.view[row] = value
+                with torch.no_grad():
+                    self.ref[row] = torch.from_numpy(value).to(self.device)
+        elif op == "drop_view":
+            self.check_view(f"a view kept until step {step}")
+            self.view = None
+        elif op == "init_state" and self.o is not None:
+            self.o.init_state()
+            for name, value in self.ref_opt.state.get(self.ref, {}).items():
+                if torch.is_tensor(value) and value.shape == self.ref.shape:
+                    value.fill_(self.initial(name))
+        elif op == "flush":
+            self.u.flush()
+        elif op == "new_optimizer_switch" and self.o is not None:  # over the cached dirty rows
+            self.opt = self.make(self.model.parameters())
+            self._new_optimizer_switch()
+            self.ref_opt = self.make_ref([self.ref])
+            self.saved.clear()
+
+    def _loss(self, rows):
+        return (torch.tanh(rows) @ self.ctx).sum()
+
+    def step(self, step):
+        """before_forward on each switcher (random order), forward, backward, step, after_step on each."""
+        count = int(self.gen.integers(1, self.capacity // 2 + 1))
+        pos = self.ids(count, self.capacity)
+        neg = self.ids(count, self.capacity) if self.gen.random() < 0.5 else None
+        touched = pos if neg is None else torch.cat([pos, neg])
+        if len(set(touched.tolist())) > self.capacity:
+            return
+        switches = [self.u] + ([] if self.o is None else [self.o])
+        following = self.ids(int(self.gen.integers(1, 8)), self.rows)
+        for k in self.gen.permutation(len(switches)):
+            local = switches[k].before_forward(pos, neg)
+            if switches[k] is self.u:
+                local_pos, local_neg = (local, None) if neg is None else local
+            if self.gen.random() < 0.3:  # between the switchers' before_forward: the step's own rows too
+                self.u.prefetch(torch.cat([pos, following]) if self.gen.random() < 0.5 else following)
+        emb = self.model["u"]
+        if self.gen.random() < 0.8:
+            loss, ref_loss = self._loss(emb(local_pos)), self._loss(F.embedding(pos, self.ref, sparse=self.sparse))
+            if neg is not None:
+                loss = loss - 0.3 * self._loss(emb(local_neg))
+                ref_loss = ref_loss - 0.3 * self._loss(F.embedding(neg, self.ref, sparse=self.sparse))
+            loss.backward()
+            ref_loss.backward()
+            if self.gen.random() < 0.3:
+                self.u.prefetch(following)
+            self.opt.step()
+            step_reference(self.ref, self.ref_opt, touched if self.lazy else None)
+        self.opt.zero_grad()
+        self.ref_opt.zero_grad()
+        for k in self.gen.permutation(len(switches)):
+            switches[k].after_step(pos, neg)
+            if self.gen.random() < 0.3:  # between the switchers' after_step
+                self.u.prefetch(following)
+
+
+
+@pytest.mark.filterwarnings("ignore:a view of the table")
+@pytest.mark.parametrize("kind", sorted(SWITCHER_KINDS))
+def test_random_sequences_of_calls_around_the_switchers_cache_train_as_in_memory(kind, rng, backend):
+    """As above, through a ModelFactory and OptimizerFactory sharing one cache: prefetches between
+    their before_forward calls and between their after_step calls, in either order, saves and
+    loads of both, views kept and written through, optInit, and a new OptimizerFactory."""
+    run_sequences(SwitcherPair, rng, kind, backend)
