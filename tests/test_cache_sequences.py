@@ -335,7 +335,12 @@ class Pair:
         row_bytes = DIM * (2 if self.bf16 else 4)
         with_state = row_bytes + DIM * 4 * len(self.emb._state.tables)
         assert last["hits"] + last["misses"] == last["unique_rows"], (step, last)
-        assert last["bytes_d2h"] == last["rows_d2h"] * (with_state if state_written else row_bytes), (step, last)
+        if state_written:
+            assert last["bytes_d2h"] == last["rows_d2h"] * with_state, (step, last)
+        else:  # the step's rows go back without state, rows a prefetch evicted with theirs
+            state_bytes = last["bytes_d2h"] - last["rows_d2h"] * row_bytes
+            assert 0 <= state_bytes <= last["rows_d2h"] * (with_state - row_bytes), (step, last)
+            assert state_bytes % (with_state - row_bytes or 1) == 0, (step, last)
         if state_read:
             assert last["bytes_h2d"] == last["rows_h2d"] * with_state, (step, last)
 
