@@ -92,7 +92,8 @@ are given up, clean (handing the view out flushed them), so every read
 through the view is current and every write through it trains on. They are
 given up at the cache's first lookup, read or prefetch after a view was
 handed out, alive or not by then: one dropped already may have written rows
-(their cached copies won over the writes, and a prefetch wrote them back).
+(kept, their cached copies would win over those writes, and a prefetch
+evicting them would write them back over the writes).
 
 **One thread.** Nothing locks the bookkeeping, so a prefetch must come from
 the thread that trains (the last to fetch a step's rows, or the one that made
