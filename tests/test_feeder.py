@@ -897,6 +897,22 @@ def test_asking_for_cuda_without_it_raises_an_error_the_docstring_names(cls, sou
     assert f"{type(caught.value).__name__}:" in raises, f"{cls.__name__} raised {caught.value!r}"
 
 
+def assert_child_forked_holding_succeeds(lock, child, alarm_s=5):
+    """Fork while ``lock`` is held, as by a thread caught holding it at the fork (a thread the child
+    does not have), run ``child()`` in the child under an alarm, and assert it returned 0."""
+    with lock:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.alarm(alarm_s)  # a child waiting on the lock for good is killed: status 14
+                code = child()
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_read_ahead_forked_while_its_thread_queued_a_batch_hands_out_the_queue_then_says_so():
     """A process forked while the read-ahead thread was putting a batch in the queue inherits the
@@ -905,26 +921,21 @@ def test_a_read_ahead_forked_while_its_thread_queued_a_batch_hands_out_the_queue
     from speedswap.data.readahead import ReaderThread
 
     reader = ReaderThread(lambda k: k * 10, 0, 5, depth=2)
+
+    def child():
+        handed = [reader.next(), reader.next()]
+        try:
+            reader.next()
+            return 2
+        except ss.StateError as exc:
+            return 0 if handed == [0, 10] and "forked" in str(exc) else 3
+        finally:
+            reader.close()
+
     try:
         deadline = time.monotonic() + 10
         while reader._queue.qsize() < 2 and time.monotonic() < deadline:  # batches 0 and 1 queued
             time.sleep(0.01)
-        with reader._queue.mutex:  # as the thread inside put() at the fork
-            pid = os.fork()
-            if pid == 0:  # the child: within 5 s or killed by its alarm
-                code = 1
-                try:
-                    signal.alarm(5)
-                    handed = [reader.next(), reader.next()]
-                    try:
-                        reader.next()
-                        code = 2
-                    except ss.StateError as exc:
-                        code = 0 if handed == [0, 10] and "forked" in str(exc) else 3
-                    reader.close()
-                finally:
-                    os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+        assert_child_forked_holding_succeeds(reader._queue.mutex, child)  # as the thread inside put()
     finally:
         reader.close()

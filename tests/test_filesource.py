@@ -4,7 +4,6 @@ import ctypes
 import gc
 import mmap
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,7 @@ from speedswap.data import filesource
 from speedswap.data.filesource import drop_cache
 from speedswap.data.orders import BlockOrder, SequentialOrder
 
-from test_feeder import io_threads, reader_threads, run_with_deadline
+from test_feeder import assert_child_forked_holding_succeeds, io_threads, reader_threads, run_with_deadline
 
 
 def write(path, array):
@@ -812,19 +811,13 @@ def test_a_file_reader_closed_in_a_forked_child_does_not_wait_for_its_parents_po
     rows = filesource.FileRows(str(path), ss.files.read_npy_header(path).offset, 64, (3,), torch.float32,
                                ss.files.identity(os.stat(path)))
     reader = filesource.RowReader([rows], rng.permutation(64))
-    try:
-        with reader._pool._shutdown_lock:  # as the parent's read-ahead thread inside pool.submit at the fork
-            pid = os.fork()
-            if pid == 0:  # the child: within 5 s or killed by its alarm
-                code = 1
-                try:
-                    signal.alarm(5)
-                    held = fds_on(path)
-                    reader.close()
-                    code = 0 if held - fds_on(path) == 1 else 3  # its copy of the descriptor is closed
-                finally:
-                    os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+
+    def child():
+        held = fds_on(path)
+        reader.close()
+        return 0 if held - fds_on(path) == 1 else 3  # its copy of the descriptor is closed
+
+    try:  # as the parent's read-ahead thread inside pool.submit at the fork
+        assert_child_forked_holding_succeeds(reader._pool._shutdown_lock, child)
     finally:
         reader.close()
