@@ -19,7 +19,8 @@ the most, by the innermost line of speedswap's code on the stack.
 Usage:
     python benchmarks/op_count.py [--device-paths] [--batch 64] [--by-line 20] [--out DIR]
 
-Writes ``op_count-{cpu,gpu}.json`` (into benchmarks/results/, or DIR).
+Writes ``op_count-{cpu,gpu}.json`` (``op_count-device-paths-cpu.json`` with
+``--device-paths``) into benchmarks/results/, or DIR.
 """
 
 import argparse
@@ -122,7 +123,8 @@ def main():
         for line in rows[-1]["top_lines"]:
             print(f"    {line['per_step']:6.2f}  {line['line']}  {line['op']}")
     paths = "device" if args.device_paths or device.type == "cuda" else "cpu"
-    common.write_results("op_count", {"paths": paths, "device": device.type, "vocab": args.vocab,
+    name = "op_count-device-paths" if args.device_paths else "op_count"
+    common.write_results(name, {"paths": paths, "device": device.type, "vocab": args.vocab,
                                       "batch": args.batch, "dim": args.dim, "steps": args.steps, "rows": rows},
                          args.out)
 
