@@ -74,15 +74,20 @@ def read_npy_header(path):
     if any(dim < 0 for dim in shape):
         raise FileFormatError(f"{path!r} has a corrupt header: its shape {shape} has a negative "
                               f"dimension; restore the file or write it again with numpy.save")
-    # Python ints: an int64 product of a corrupt shape such as (2**61, 8) wraps to 0
-    # and would match a file that holds only its header.
-    expected = offset + math.prod(shape) * dtype.itemsize
-    actual = os.path.getsize(path)
+    header = TableHeader(tuple(shape), dtype, offset, table_dtype_of(dtype))
+    expected, actual = _file_bytes(header), os.path.getsize(path)
     if actual != expected:
         kind = "truncated" if actual < expected else "longer than its header says"
         raise FileFormatError(f"{path!r} is {kind}: its header describes {shape} {dtype} "
                               f"({expected} bytes) but the file has {actual} bytes")
-    return TableHeader(tuple(shape), dtype, offset, table_dtype_of(dtype))
+    return header
+
+
+def _file_bytes(header: "TableHeader") -> int:
+    """The size of the ``.npy`` file ``header`` describes: the header, then every row."""
+    # Python ints: an int64 product of a corrupt shape such as (2**61, 8) wraps to 0
+    # and would match a file that holds only its header.
+    return header.offset + math.prod(header.shape) * header.dtype.itemsize
 
 
 def check_size(path, header: "TableHeader", mapped: tuple) -> None:
@@ -100,7 +105,7 @@ def check_size(path, header: "TableHeader", mapped: tuple) -> None:
             directory on the way moved), the map alone holds that file, whole:
             there is nothing to check.
     """
-    need = header.offset + int(np.prod(header.shape, dtype=np.int64)) * header.dtype.itemsize
+    need = _file_bytes(header)
     try:
         stat = os.stat(path)
     except OSError:  # ENOENT, but also ENOTDIR where a directory on the way became a file
@@ -138,7 +143,7 @@ def map_npy(path, header: "TableHeader", mode: str, shape=None) -> np.memmap:
         OSError: the file cannot be opened or mapped as asked.
     """
     path = os.fspath(path)  # as a str the map's filename is the path's, which readers open again
-    need = header.offset + math.prod(header.shape) * header.dtype.itemsize
+    need = _file_bytes(header)
     with open(path, "r+b" if mode == "r+" else "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < need:
