@@ -245,6 +245,27 @@ def test_the_padding_row_is_not_counted_as_a_looked_up_row(backend):
     assert emb.stats()["last_step"]["unique_rows"] == 1
 
 
+def test_init_state_counts_the_state_it_reloads_in_bytes_not_in_rows(backend, rng):
+    """``init_state`` reads the cached rows' state again: state bytes cross, no table row does.
+
+    As everywhere in stats(), ``rows_*`` count table rows and ``bytes_*`` add the
+    state that travels with them; state moving alone counts in bytes only.
+    """
+    emb, opt = _embedding(backend, cache_rows=50, opt=torch.optim.Adam)
+    for _ in range(4):
+        _step(emb, opt, rng.integers(0, 100, 20))
+    emb.flush()  # no dirty row left: init_state's own flush writes nothing back
+    before = emb.stats()["total"]
+    cached = int((emb._cache.slot_row >= 0).sum())
+    assert cached > 0
+    emb.init_state()
+    after = emb.stats()["total"]
+    state_bytes = cached * 4 * 4 * 2  # dim 4, float32, Adam's exp_avg and exp_avg_sq
+    assert after["bytes_h2d"] - before["bytes_h2d"] == state_bytes
+    moved = {key: after[key] - before[key] for key in COUNTERS if key != "bytes_h2d"}
+    assert moved == dict.fromkeys(moved, 0)  # rows_h2d included: no table row moved
+
+
 def test_the_totals_include_the_step_in_progress_and_survive_close(backend):
     emb, opt = _embedding(backend, cache_rows=10)
     _step(emb, opt, [1, 2])

@@ -115,7 +115,8 @@ from .sync_free import find_sorted, positions, sort_marking_firsts
 
 __all__ = ["RowCache", "COUNTERS"]
 
-#: The names of :meth:`RowCache.stats`' counters.
+#: The names of :meth:`RowCache.stats`' counters. ``rows_*`` count table rows; ``bytes_*`` count
+#: their bytes and those of the optimizer state that crosses with them (or alone: ``reload_state``).
 COUNTERS = ("steps", "lookups", "unique_rows", "hits", "misses", "rows_h2d", "bytes_h2d",
             "rows_d2h", "bytes_d2h", "evictions", "prefetched_rows")
 
@@ -754,7 +755,7 @@ class RowCache:
         for name, table in self.state_tables.items():
             _put_rows(self.states[name], held, self._gather_host(
                 table, rows, torch.empty_like(self.states[name][:len(held)])))
-        self.total["rows_h2d"] += len(held)
+        # State alone crosses: bytes, but no table row (rows_h2d counts table rows, as everywhere).
         self.total["bytes_h2d"] += len(held) * self._state_row_bytes * len(self.states)
 
     def invalidate(self):

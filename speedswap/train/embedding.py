@@ -1037,8 +1037,10 @@ class OffloadedEmbedding(torch.nn.Module):
         Counters (see :data:`speedswap.train.cache.COUNTERS`): steps, lookups
         (ids in training forwards), unique_rows (the distinct rows they looked
         up; the padding row, which every step carries, is not counted), hits,
-        misses, rows and bytes host-to-device and device-to-host (rows with
-        their state; flushes count in ``total``), evictions and prefetched rows.
+        misses, rows and bytes host-to-device and device-to-host (rows count
+        table rows, bytes add their optimizer state's, and state that crosses
+        alone, as :meth:`init_state` reads the cached rows' again, counts in
+        bytes only; flushes count in ``total``), evictions and prefetched rows.
         ``total`` includes the step in progress (a prefetch counts at once),
         ``last_step`` is the last step that ended. A step that raised inside
         the optimizer and is retried counts its rows once and its copies twice.
