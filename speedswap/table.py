@@ -1093,7 +1093,7 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
     Args:
         tables: every table the load writes; a refusal left by an earlier
             stopped load is lifted for the writes.
-        path: the file or checkpoint read, for the messages.
+        path: the file or checkpoint read (``"state_dict"`` for a state dict's tensors), for the messages.
     """
     tables = list(tables)
     for table in tables:
@@ -1103,7 +1103,7 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
     except BaseException as exc:
         which = f"this table and {len(tables) - 1} more" if len(tables) > 1 else "this table"
         why = (f"a load from {os.fspath(path)!r} stopped ({type(exc).__name__}) while it wrote "
-               f"{which}: the rows may be part the file's, part what was there before; load a "
+               f"{which}: the rows may be part the load's, part what was there before; load a "
                f"checkpoint again (all of it) before using them, or close them")
         for table in tables:
             table._torn = why

@@ -248,6 +248,45 @@ def test_check_state_dict_refuses_what_torch_refuses_of_the_other_entries_before
     source.load_state_dict(state, strict=False)
 
 
+@pytest.mark.parametrize("cache_rows", [0, 40], ids=["no_cache", "cache"])
+def test_a_state_dict_load_stopped_while_it_writes_the_tables_leaves_them_refusing_use_until_a_load(
+        cache_rows, rng, monkeypatch):
+    """Ctrl-C (or out of memory) while model.load_state_dict() copied the tables in left the table
+    loaded and the optimizer state not, without a word: training went on with two states mixed. As
+    after an emb.load stopped midway, every table now refuses use until a load completes."""
+    batches = zipf_ids(rng, 6)
+    source = offloaded("pageable", torch.float32, 0, None, initial(rng, torch.float32))
+    opt = make_adam(source.parameters())
+    source.emb.attach(opt)
+    for ids, target in batches[:3]:
+        step(source, opt, ids, target)
+    state, saved = source.state_dict(), snapshot(source)
+    model = offloaded("pageable", torch.float32, cache_rows, None, initial(rng, torch.float32))
+    opt2 = make_adam(model.parameters())
+    model.emb.attach(opt2)
+    for ids, target in batches[3:]:
+        step(model, opt2, ids, target)
+    apply_, writes = ss.HostTable.apply_, []
+
+    def stopped_at_the_second(table, fn, *args, **kwargs):
+        writes.append(table)
+        if len(writes) == 2:  # the table holds the state dict's rows, the optimizer state its own
+            raise KeyboardInterrupt
+        return apply_(table, fn, *args, **kwargs)
+    monkeypatch.setattr(ss.HostTable, "apply_", stopped_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        model.load_state_dict(state)
+    monkeypatch.setattr(ss.HostTable, "apply_", apply_)
+    ids, target = batches[0]
+    for use in (lambda: step(model, opt2, ids, target), lambda: model.state_dict(),
+                lambda: model.emb.table.to_numpy(), lambda: model.emb._state.tables["exp_avg"].gather([0])):
+        with pytest.raises(ss.StateError, match="stopped.*KeyboardInterrupt.*load a checkpoint again"):
+            use()
+    model.load_state_dict(state)  # a load that completes lifts the refusal
+    assert_same(snapshot(model), saved)
+    step(model, opt2, ids, target)  # and it trains again
+
+
 def test_check_state_dict_leaves_the_entries_of_a_module_with_a_load_of_its_own_to_it(rng):
     """BatchNorm's load adds the num_batches_tracked a checkpoint of an old torch lacks: the check,
     which replays no module's own load, refused as missing what the load accepts."""

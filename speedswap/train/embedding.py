@@ -1178,7 +1178,9 @@ class OffloadedEmbedding(torch.nn.Module):
     def set_extra_state(self, state) -> None:
         """Restore what :meth:`get_extra_state` returned: the table and the optimizer's per-row state.
 
-        Everything is checked before any row changes. As after :meth:`load`,
+        Everything is checked before any row changes; a copy stopped midway
+        (Ctrl-C) leaves the tables refusing use until a load completes, as a
+        stopped :meth:`load` does. As after :meth:`load`,
         the device cache is emptied and a following ``optimizer.load_state_dict``
         (the optimizer's step count) is accepted. Attach the optimizer first:
         :meth:`attach` starts its per-row state afresh.

@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from ..errors import DTypeError, FileFormatError, ShapeError, SpeedswapError, StateError
-from ..table import HostTable
+from ..table import HostTable, loading_into
 
 __all__ = ["FORMAT", "VERSION", "tables_state", "check_tables_state", "check_state_dict", "copy_tables",
            "missing_hint", "note_loaded", "refused_after", "rows_only", "unpicklable"]
@@ -264,13 +264,18 @@ def _loads_by_torch_rules(module: torch.nn.Module) -> bool:
 def copy_tables(values: dict, tables: dict) -> None:
     """Write checked values (from :func:`check_tables_state`) into their tables, chunk by chunk.
 
+    A copy stopped midway (Ctrl-C, out of memory) leaves some tables loaded
+    and others not: every table then refuses use until a load completes, as
+    after a stopped :meth:`~speedswap.HostTable.load_from` (:func:`~speedswap.table.loading_into`).
+
     Args:
         values: ``{name: tensor}`` shaped and typed as the tables (any device).
         tables: ``{name: HostTable}``.
     """
-    for name, value in values.items():
-        table: HostTable = tables[name]
-        table.apply_(lambda t, v=value: t.copy_(v))
+    with loading_into(tables.values(), "state_dict"):
+        for name, value in values.items():
+            table: HostTable = tables[name]
+            table.apply_(lambda t, v=value: t.copy_(v))
 
 
 #: This thread's latest ``load_state_dict`` call (``load``: the ``error_msgs`` list torch hands every
