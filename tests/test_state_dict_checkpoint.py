@@ -287,6 +287,60 @@ def test_a_state_dict_load_stopped_while_it_writes_the_tables_leaves_them_refusi
     step(model, opt2, ids, target)  # and it trains again
 
 
+@pytest.mark.parametrize("fault", ["earlier_shape", "later_shape", "missing", "unexpected"])
+def test_a_load_torch_refuses_for_another_entry_replaces_the_table_as_in_memory(fault, rng):
+    """Torch raises only after it has loaded every module, whatever entry it refuses (a Linear before
+    or after the embedding of another shape, under strict a missing or an unexpected key). In memory
+    the nn.Embedding's weight is loaded by then; the offloaded table is too, as the README says."""
+    def model(embedding):
+        return torch.nn.ModuleDict({"pre": torch.nn.Linear(DIM, DIM), "emb": embedding,
+                                    "lin": torch.nn.Linear(DIM, 1)})
+    saved, own = (rng.standard_normal((ROWS, DIM)).astype(np.float32) for _ in range(2))
+    source = model(ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy"))
+    source["emb"].table.apply_(lambda t: t.copy_(torch.from_numpy(saved)))
+    offloaded = model(ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy"))
+    offloaded["emb"].table.apply_(lambda t: t.copy_(torch.from_numpy(own)))
+    in_memory = model(torch.nn.Embedding.from_pretrained(torch.from_numpy(own.copy()), freeze=False))
+    in_memory.load_state_dict({k: v for k, v in offloaded.state_dict().items() if not k.startswith("emb.")},
+                              strict=False)  # the same Linears
+    state = source.state_dict()
+    if fault in ("earlier_shape", "later_shape"):
+        name = "pre" if fault == "earlier_shape" else "lin"
+        state[f"{name}.weight"] = torch.from_numpy(rng.standard_normal((3, DIM)).astype(np.float32))
+    elif fault == "missing":
+        del state["lin.bias"]
+    else:
+        state["lin.scale"] = torch.ones(1)
+    torch_state = {k: v for k, v in state.items() if not k.startswith("emb.")}
+    torch_state["emb.weight"] = torch.from_numpy(saved)
+    for target, given in ((offloaded, state), (in_memory, torch_state)):
+        with pytest.raises(RuntimeError, match="size mismatch|Missing key|Unexpected key"):
+            target.load_state_dict(given)
+    np.testing.assert_array_equal(in_memory["emb"].weight.detach().numpy(), saved)
+    np.testing.assert_array_equal(offloaded["emb"].table.to_numpy(), saved)
+    for name in ("pre", "lin"):
+        for key, value in offloaded[name].state_dict().items():
+            torch.testing.assert_close(value, in_memory[name].state_dict()[key], rtol=0, atol=0)
+
+
+def test_a_state_dict_the_embedding_refuses_was_loaded_into_the_modules_before_it_only(rng):
+    """As the README says: the embedding's refusal raises at once, after torch loaded the modules
+    registered before it; the embedding and the modules after it keep their own values."""
+    def model(rows):
+        emb = ss.OffloadedEmbedding(rows, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy")
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((rows, DIM)).astype(np.float32))))
+        return torch.nn.ModuleDict({"pre": torch.nn.Linear(DIM, DIM), "emb": emb, "lin": torch.nn.Linear(DIM, 1)})
+    source, target = model(ROWS), model(ROWS + 1)
+    table, lin = target["emb"].table.to_numpy(copy=True), copy.deepcopy(target["lin"].state_dict())
+    with pytest.raises(ss.ShapeError, match="build it with"):
+        target.load_state_dict(source.state_dict())
+    for key, value in target["pre"].state_dict().items():
+        torch.testing.assert_close(value, source["pre"].state_dict()[key], rtol=0, atol=0)
+    np.testing.assert_array_equal(target["emb"].table.to_numpy(), table)
+    for key, value in target["lin"].state_dict().items():
+        torch.testing.assert_close(value, lin[key], rtol=0, atol=0)
+
+
 def test_check_state_dict_leaves_the_entries_of_a_module_with_a_load_of_its_own_to_it(rng):
     """BatchNorm's load adds the num_batches_tracked a checkpoint of an old torch lacks: the check,
     which replays no module's own load, refused as missing what the load accepts."""

@@ -22,7 +22,12 @@ torch loads module by module, and no module sees another's entries, so an
 embedding whose state is refused cannot undo those loaded before it.
 :func:`note_loaded` and :func:`refused_after` make its refusal name them;
 :func:`check_state_dict`, called first, checks every entry (the embeddings'
-and those torch loads itself), so that nothing loads unless all will.
+and those torch loads itself), so that nothing loads unless all will. An
+embedding cannot wait for the whole load to succeed before it writes its
+tables: torch raises for another module's entry (or, under ``strict``, a
+missing or unexpected key) only after every module loaded, runs no hook
+after that (a module's load post-hooks run once its own part is loaded), and
+passes each ``_load_from_state_dict`` ``strict=True`` whatever the call's.
 """
 
 import copy
