@@ -245,6 +245,35 @@ def test_the_padding_row_is_not_counted_as_a_looked_up_row(backend):
     assert emb.stats()["last_step"]["unique_rows"] == 1
 
 
+@pytest.mark.parametrize("call", ["prefetch", "slots"])
+def test_a_prefetch_or_slots_under_inference_mode_trains_on_as_without_a_cache(call, backend, rng):
+    """Under torch.inference_mode() (an evaluation loop) a prefetch kept its new stamps, and emb.slots
+    grew the cache's scratch, as inference tensors: the next optimizer.step() raised torch's "Inplace
+    update to inference tensor outside InferenceMode" halfway through its write-back."""
+    table0 = torch.from_numpy(rng.standard_normal((100, 4), dtype=np.float32))
+    steps = [rng.integers(0, 100, 20) for _ in range(8)]
+    runs = []
+    for cache_rows in (30, 0):
+        emb, opt = _embedding(backend, cache_rows=cache_rows, opt=torch.optim.Adam)
+        emb.table.apply_(lambda t: t.copy_(table0))
+        device = emb.weight.device
+        for i, ids in enumerate(steps):
+            if i == 3 and call == "prefetch":
+                with torch.inference_mode():
+                    emb.prefetch(torch.as_tensor(steps[i + 1], device=device))
+            if i == 3 and call == "slots":  # a hand-written gradient, its rows taken under inference mode
+                with torch.inference_mode():
+                    slots = emb.slots(torch.as_tensor(ids, device=device))
+                grad = torch.zeros_like(emb.weight)
+                emb.weight.grad = grad.index_add_(0, slots, torch.ones(len(ids), 4, device=device))
+                opt.step()
+                opt.zero_grad()
+                continue
+            _step(emb, opt, ids)
+        runs.append(emb.table.to_numpy(copy=True))
+    np.testing.assert_array_equal(runs[0], runs[1])
+
+
 def test_init_state_counts_the_state_it_reloads_in_bytes_not_in_rows(backend, rng):
     """``init_state`` reads the cached rows' state again: state bytes cross, no table row does.
 

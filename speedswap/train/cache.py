@@ -101,6 +101,7 @@ the cache before any did): one from another thread is refused.
 """
 
 import contextlib
+import functools
 import threading
 from typing import Callable, Optional, Sequence
 
@@ -126,6 +127,24 @@ _SKETCH_COUNTERS_PER_SLOT = 4
 
 def _itemsize(dtype):
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _outside_inference_mode(method):
+    """Run the cache's ``method`` with inference mode off, whatever the caller's mode.
+
+    The tensors a call keeps (a prefetch's stamps, the scratch a fetch grows)
+    take in-place writes at later steps: made under ``torch.inference_mode()``
+    (a prefetch, or ``emb.slots``, in an evaluation loop) they would be
+    inference tensors, and the next ``optimizer.step()`` would raise torch's
+    "Inplace update to inference tensor" halfway through its write-back.
+    """
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False):
+            return method(*args, **kwargs)
+    return run
 
 
 def _rows(count, dim, dtype, device):
@@ -428,6 +447,7 @@ class RowCache:
             found = None if found is None else torch.cat([carried[0], found])
         return found, slot
 
+    @_outside_inference_mode
     def fetch(self, rows: torch.Tensor, out: torch.Tensor, first: int, lookups: int, *,
               carried: int = 0, again: bool = False, hits: Optional[Sequence[int]] = None,
               picked: Optional[torch.Tensor] = None):
@@ -619,6 +639,7 @@ class RowCache:
         self._begin_step()
 
     # ---------------------------------------------------------------- prefetch
+    @_outside_inference_mode
     def prefetch(self, ids: torch.Tensor, in_step: Callable[[torch.Tensor], torch.Tensor],
                  check_bounds: Optional[Callable[[int, int], None]] = None) -> int:
         """Bring the rows of ``ids`` that are neither cached nor in the working set into the cache.
