@@ -623,6 +623,19 @@ def test_data_parallel_replicas_and_pickling_are_refused_with_the_alternative(tm
             copy_it(model)
 
 
+def test_a_refused_torch_save_of_the_model_says_that_torch_truncated_the_file(tmp_path, rng):
+    """torch.save(model, path) opens and truncates path before it pickles the model, so the refusal
+    comes after a checkpoint kept at that path was lost; the message did not say so."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), ss.OffloadedEmbedding(10, 2, max_rows=4, backend="numpy"))
+    model[1].table.scatter(torch.arange(10), torch.from_numpy(rng.standard_normal((10, 2)).astype(np.float32)))
+    path = tmp_path / "ckpt.pt"
+    torch.save(model.state_dict(), path)
+    with pytest.raises(ss.StateError, match=r"torch\.save\(model, path\).*truncated"):
+        torch.save(model, path)
+    with pytest.raises(RuntimeError):  # as the message says: the checkpoint is gone
+        torch.load(path)
+
+
 @pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
 def test_forward_takes_its_ids_by_nn_embedding_s_keyword_and_by_its_own(cls, rng):
     """``nn.Embedding.forward(input)``: code that passes ``input=ids`` raised TypeError
