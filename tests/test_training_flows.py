@@ -89,17 +89,18 @@ def make_lazy(optimizer, table, initial=None):
     optimizer.register_step_post_hook(post)
 
 
-def pair(rng, padding_idx=None, pad_row=None, sparse=False):
+def pair(rng, padding_idx=None, pad_row=None, sparse=False, cache_rows=0):
     """An offloaded model and its in-memory reference, from the same random rows and linear layer.
 
     ``sparse``: the reference table's gradient is sparse (for ``torch.optim.SparseAdam``).
+    ``cache_rows``: the offloaded embedding's device cache.
     """
     table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     if padding_idx is not None:
         table0[padding_idx] = 0.0 if pad_row is None else pad_row
     linear = torch.nn.Linear(DIM, 1)
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=2 * BATCH * WIDTH + 1, storage="pageable",
-                                backend="numpy", padding_idx=padding_idx)
+                                backend="numpy", padding_idx=padding_idx, cache_rows=cache_rows)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))  # pad_row too: pretrained rows
     return Model(emb, copy.deepcopy(linear)), Model(LazyTable(table0, padding_idx, sparse), linear)
 
@@ -1149,3 +1150,58 @@ def test_an_accumulated_backward_whose_table_gradient_is_exactly_zero_trains_as_
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(emb._state.tables["exp_avg"].to_numpy(), ref_opt.state[ref]["exp_avg"].numpy(),
                                rtol=1e-5, atol=1e-6)
+
+
+def _flow_optimizers(flow, offloaded, reference):
+    """Each side's optimizer for a flow of :func:`test_everyday_training_flows_train_as_in_memory`."""
+    def make(model):
+        if flow == "two_param_groups":  # the table's group second, with its own lr and weight decay
+            return torch.optim.AdamW([{"params": model.lin.parameters(), "lr": 0.001, "weight_decay": 0.0},
+                                      {"params": [model.emb.weight], "lr": 0.02, "weight_decay": 0.1}])
+        if flow == "step_lr_rprop":
+            return torch.optim.Rprop(model.parameters(), lr=0.01)
+        if flow == "one_cycle_sgd":
+            return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return make(offloaded), make(reference)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40], ids=["no_cache", "cache"])
+@pytest.mark.parametrize("flow", ["inference_mode_reads", "step_lr_rprop", "one_cycle_sgd", "two_param_groups",
+                                  "add_param_group", "freeze_then_unfreeze"])
+def test_everyday_training_flows_train_as_in_memory(flow, cache_rows, rng):
+    """Flows of ordinary training loops, each against the in-memory lazy reference: reads under
+    torch.inference_mode() between steps (a prefetch there too), an lr scheduler (Rprop's step_size
+    starts at the lr of the first step; OneCycleLR cycles SGD's momentum too), param groups with
+    their own lr and weight decay, a param group added after training began, and the table frozen
+    for a while with requires_grad_(False) while the other layers train."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    opt, ref_opt = _flow_optimizers(flow, offloaded, reference)
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb, initial={"step_size": 0.01} if flow == "step_lr_rprop" else None)
+    schedulers = []
+    if flow == "step_lr_rprop":
+        schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5) for o in (opt, ref_opt)]
+    elif flow == "one_cycle_sgd":
+        schedulers = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS) for o in (opt, ref_opt)]
+    batches = zipf_ids(rng, STEPS)
+    for step, (ids, target) in enumerate(batches):
+        if flow == "add_param_group" and step == STEPS // 3:
+            extra = torch.nn.Linear(DIM, 1)
+            for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+                model.lin = torch.nn.Sequential(copy.deepcopy(extra), torch.nn.Identity())
+                optimizer.add_param_group({"params": model.lin.parameters(), "lr": 0.003})
+        if flow == "freeze_then_unfreeze" and step in (STEPS // 3, 2 * STEPS // 3):
+            for model in (offloaded, reference):
+                model.emb.requires_grad_(step != STEPS // 3)
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            train_step(model, optimizer, ids, target)
+        for scheduler in schedulers:
+            scheduler.step()
+        if flow == "inference_mode_reads":
+            probe = torch.from_numpy(rng.integers(0, ROWS, (BATCH, WIDTH)))
+            with torch.inference_mode():
+                torch.testing.assert_close(offloaded(probe), reference(probe), rtol=1e-6, atol=1e-6)
+                if step + 1 < STEPS:
+                    offloaded.emb.prefetch(batches[step + 1][0])
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
