@@ -1148,8 +1148,12 @@ def test_an_accumulated_backward_whose_table_gradient_is_exactly_zero_trains_as_
     assert zero_weighted.any()
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    # A dense gradient sums a row's lookups in another order than SparseAdam's coalesce, and can
+    # cancel to a moment near zero: seed 940842015 left 1.6e-6 on -0.036 (dense gradients only; as
+    # in the views test above). A row a zero-weighted backward wrongly left alone keeps its whole moment
+    # where SparseAdam keeps 0.9 of it: off by a tenth of it.
     np.testing.assert_allclose(emb._state.tables["exp_avg"].to_numpy(), ref_opt.state[ref]["exp_avg"].numpy(),
-                               rtol=1e-5, atol=1e-6)
+                               rtol=1e-5, atol=1e-5)
 
 
 def _flow_optimizers(flow, offloaded, reference):
