@@ -533,12 +533,16 @@ def test_a_feeder_refused_for_sources_of_different_lengths_has_not_read_its_data
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+@pytest.mark.parametrize("closer", ["starts", "cannot start"])
 @pytest.mark.parametrize("on", ["read-ahead thread", "I/O thread"])
-def test_a_loop_collected_on_a_thread_of_its_own_readers_closes_its_files(tmp_path, rng, monkeypatch, on):
+def test_a_loop_collected_on_a_thread_of_its_own_readers_closes_its_files(tmp_path, rng, monkeypatch, on,
+                                                                          closer):
     """A loop left in a reference cycle is finalised on whichever thread the collector runs, its
     readers' threads too (they allocate for every batch). Closing the readers there waited for
     that thread itself: the read-ahead thread joined itself (RuntimeError, the files left open),
-    an I/O thread joined the read-ahead thread waiting for its read (a deadlock)."""
+    an I/O thread joined the read-ahead thread waiting for its read (a deadlock). The closing goes
+    to a thread of its own; where none can start (the thread limit, interpreter shutdown), the
+    files were left open."""
     path = tmp_path / "x.npy"
     feeder = ss.BatchFeeder(write(path, rng.standard_normal((64, 3)).astype(np.float32)), batch_size=8,
                             device="cpu", prefetch=4)
@@ -555,6 +559,15 @@ def test_a_loop_collected_on_a_thread_of_its_own_readers_closes_its_files(tmp_pa
         return method(self, *args)
 
     monkeypatch.setattr(filesource.RowReader, name, read_then_collect)
+    if closer == "cannot start":
+        start = threading.Thread.start
+
+        def refuse_the_closer(thread):
+            if thread.name == "speedswap-feeder-close":
+                raise RuntimeError("can't start new thread")
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", refuse_the_closer)
     gc.disable()  # only the collection above finalises the loop
     try:
         loop = iter(feeder)
@@ -566,10 +579,11 @@ def test_a_loop_collected_on_a_thread_of_its_own_readers_closes_its_files(tmp_pa
         assert collected.wait(10)
     finally:
         gc.enable()
-    for thread in threading.enumerate():  # the closing was handed to a thread of its own
-        if thread.name == "speedswap-feeder-close":
+    for thread in threading.enumerate():  # the closing was handed to a thread of its own, or ends them
+        if thread.name in ("speedswap-feeder-close", "speedswap-feeder-reader"):
             thread.join(10)
     assert fds_on(path) == held
+    assert reader_threads() == []
 
 
 @pytest.mark.parametrize("change", ["load", "close"])

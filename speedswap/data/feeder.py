@@ -138,10 +138,15 @@ def _as_tensor(source, what):
     return (tensor.view(torch.bfloat16) if bfloat16 else tensor), FileRows.of(flat, tensor)
 
 
-def _close_readers(readers):
-    """Close a loop's readers and wait for their threads; the batch reader first (it may wait on the file reader)."""
+def _close_readers(readers, wait: bool = True) -> None:
+    """Close a loop's readers, the batch reader first (it may wait on the file reader).
+
+    Args:
+        readers: the loop's readers.
+        wait: wait for their threads (see each reader's ``close``).
+    """
     for reader in readers:
-        reader.close()
+        reader.close(wait=wait)
 
 
 def _check_prefetch(prefetch, batch_bytes, device):
@@ -709,8 +714,14 @@ class BatchFeeder:
                 # An abandoned loop finalised by the garbage collector on another thread, which may
                 # be one of its readers' own: closing them there would wait for that thread itself
                 # (a reader thread joining itself, or waiting for a read on this I/O thread).
-                threading.Thread(target=_close_readers, args=(readers,), daemon=True,
-                                 name="speedswap-feeder-close").start()
+                closer = threading.Thread(target=_close_readers, args=(readers,), daemon=True,
+                                          name="speedswap-feeder-close")
+                try:
+                    closer.start()
+                except RuntimeError:
+                    # No thread can start (the thread limit, the interpreter shutting down): close
+                    # them here, waiting for no thread (this one may be theirs), or their files stay open.
+                    _close_readers(readers, wait=False)
             if self._readers is readers:
                 self._readers = ()
 

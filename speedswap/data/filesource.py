@@ -21,7 +21,8 @@ was opened is read once the tick is over, so that no later write keeps them.
 
 Both take validated input from the feeder; their I/O runs on a small thread
 pool and only there, so closing a reader (shut the pool, then close the file
-descriptors) never races a read.
+descriptors) never races a read, unless it is closed without waiting (a loop
+nobody iterates, closed where no thread can wait): only reads then fail.
 """
 
 import concurrent.futures
@@ -299,10 +300,17 @@ class _PoolReader:
             os.close(fd)
         self._fds = []
 
-    def close(self):
+    def close(self, wait: bool = True) -> None:
         """Cancel reads not started, wait for running ones, close the files.
 
         Idempotent, and from any thread: every call returns once the files are closed.
+
+        Args:
+            wait: False closes the files without waiting for the reads running on
+                the I/O threads (they fail, and nobody sees them), and returns at
+                once if another thread is closing the reader: for a loop nobody
+                iterates any more, closed on one of its own threads, which
+                waiting could wait for.
         """
         if os.getpid() != self._pid:
             # A forked child: the pool's threads stayed in the parent, and a lock one held at
@@ -312,12 +320,16 @@ class _PoolReader:
                 self._closed = True
                 self._close_fds()
             return
-        with self._close_lock:
+        if not self._close_lock.acquire(blocking=wait):
+            return  # the closing thread may be waiting for this one's read: it closes the files
+        try:
             if self._closed:
                 return
             self._closed = True  # first: reads submitted from now on raise StateError
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown(wait=wait, cancel_futures=True)
             self._close_fds()
+        finally:
+            self._close_lock.release()
 
 
 class RowReader(_PoolReader):

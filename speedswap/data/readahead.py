@@ -80,8 +80,8 @@ class SyncReader:
         self._next += 1
         return batch
 
-    def close(self):
-        """Nothing runs in the background; present so readers are interchangeable."""
+    def close(self, wait: bool = True) -> None:
+        """Nothing runs in the background; present so readers are interchangeable (``wait`` too)."""
 
 
 class LaunchAhead:
@@ -133,8 +133,8 @@ class LaunchAhead:
             raise value
         return value
 
-    def close(self):
-        """Drop the batches read ahead (their copies finish on their own)."""
+    def close(self, wait: bool = True) -> None:
+        """Drop the batches read ahead (their copies finish on their own; nothing to ``wait`` for)."""
         self._ahead.clear()
 
 
@@ -223,10 +223,18 @@ class ReaderThread:
                              "during the loop); iterate the feeder anew in this process")
         return self._queue.queue.popleft()
 
-    def close(self):
-        """Stop reading ahead and wait for the thread (at most the batch it is reading). Idempotent."""
+    def close(self, wait: bool = True) -> None:
+        """Stop reading ahead and wait for the thread (at most the batch it is reading). Idempotent.
+
+        Args:
+            wait: False returns without waiting: the thread ends by itself after
+                the batch it is reading. For a loop closed on its own reader
+                thread (or an I/O thread that thread waits for), where waiting
+                would wait for itself.
+        """
         self._closing.set()
-        self._thread.join()
+        if wait:
+            self._thread.join()
         _RUNNING.discard(self)
 
 
