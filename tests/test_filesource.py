@@ -1,6 +1,7 @@
 """BatchFeeder over files read with pread: same stream as from memory, bounded memory, errors not signals."""
 
 import ctypes
+import errno
 import gc
 import mmap
 import os
@@ -123,6 +124,26 @@ def test_drop_behind_keeps_an_epoch_out_of_the_page_cache(tmp_path, order):
         assert sum(len(x) for (x,) in feeder) == 8192
         fraction = cached_fraction(tmp_path / "x.npy")
         assert fraction < 0.05 if drop_behind else fraction > 0.9, (drop_behind, fraction)
+
+
+def test_drop_cache_refuses_a_path_that_is_no_file_and_only_warns_when_the_advice_is_not_taken(
+        tmp_path, rng, monkeypatch):
+    """drop_cache (the examples' and benchmarks' --cold) raised the raw OSError of a missing file or of
+    a file system that cannot drop pages, and returned quietly for a directory, which has none."""
+    with pytest.raises(ss.MissingFileError, match="check the path"):
+        drop_cache(tmp_path / "missing.npy")
+    with pytest.raises(ss.PathError, match="is a directory"):
+        drop_cache(tmp_path)
+    path = tmp_path / "x.npy"
+    np.save(path, rng.standard_normal((64, 4)).astype(np.float32))
+
+    def unsupported(fd, offset, length, advice):
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    monkeypatch.setattr(os, "posix_fadvise", unsupported)
+    with pytest.warns(RuntimeWarning, match="could not be dropped from the page cache.*Invalid argument"):
+        drop_cache(path)  # only advice: the file reads the same, perhaps from memory
+    assert fds_on(path) == 0
 
 
 TRUNCATE = textwrap.dedent("""
