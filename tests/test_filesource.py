@@ -545,12 +545,49 @@ def test_a_file_reader_closed_by_two_threads_returns_to_each_once_its_files_are_
     assert open_after_close == [0]
 
 
-def test_a_feeder_refused_for_sources_of_different_lengths_has_not_read_its_data_gadgets(tmp_path, rng):
-    np.save(tmp_path / "x.npy", rng.standard_normal((20, 2)).astype(np.float32))
-    gadget = ss.DataGadget(str(tmp_path / "x.npy"), storage="pinned", backend="numpy")
-    with pytest.raises(ss.ShapeError, match="same number of rows"):
-        ss.BatchFeeder(gadget, rng.standard_normal(21), batch_size=4, device="cpu")
-    assert "not read yet" in repr(gadget)  # a file larger than RAM is not read into it for nothing
+@pytest.mark.parametrize("second, options, error, match", [  # second: None for 20 labels
+    ("21 labels", {}, ss.ShapeError, "same number of rows"),
+    ("a list", {}, ss.DTypeError, "is a list"),
+    ("a path", {}, ss.DTypeError, "is a path"),
+    ("a closed gadget", {}, ss.StateError, "closed"),
+    (None, dict(order="shuffle"), ss.OptionError, "unknown order"),
+    (None, dict(rank=2, world_size=2), ss.OptionError, "outside the world"),
+    (None, dict(world_size=0), ss.OptionError, "world_size"),
+    (None, dict(world_size=2), ss.OptionError, "without rank"),
+    (None, dict(drop_last="no"), ss.OptionError, "drop_last"),
+    (None, dict(drop_last=True, batch_size=21), ss.OptionError, "leaves every epoch empty"),
+    (None, dict(device="tpu"), ss.OptionError, "device"),
+    (None, dict(backend="tpu"), ss.OptionError, "unknown backend"),
+    (None, dict(backend="numpy", device="cuda"), ss.OptionError, "runs on the CPU"),
+    (None, dict(prefetch=-1), ss.OptionError, "prefetch"),
+    (None, dict(prefetch=10**15), ss.OptionError, "half the RAM"),
+    (None, dict(batch_size=0), ss.OptionError, "batch_size"),
+    (None, dict(seed=-1), ss.OptionError, "seed"),
+    (None, dict(transform=3), ss.OptionError, "callable"),
+    (None, dict(drop_behind=1), ss.OptionError, "drop_behind"),
+    (None, dict(lookahead="yes"), ss.OptionError, "lookahead"),
+    (None, dict(shuffle=True), ss.OptionError, "no option 'shuffle'"),
+])
+def test_a_feeder_refused_for_a_bad_argument_has_not_read_its_data_gadgets(tmp_path, rng, second, options,
+                                                                            error, match):
+    """A DataGadget built from a path reads its rows when the feeder takes them: into RAM, or pinned,
+    a file larger than RAM included. Only the row counts were compared before; every other argument
+    was refused after the read (DataGadget.dtype, which the feeder needs, read the table)."""
+    path = tmp_path / "x.npy"
+    np.save(path, rng.standard_normal((20, 2)).astype(np.float32))
+    gadget = ss.DataGadget(str(path), storage="pinned", backend="numpy")
+    other = {"21 labels": rng.standard_normal(21), "a list": rng.standard_normal(20).tolist(), "a path": str(path),
+             "a closed gadget": ss.DataGadget(str(path), backend="numpy"), None: rng.standard_normal(20)}[second]
+    if second == "a closed gadget":
+        other.close()
+    with open(path, "r+b") as f:  # from now on a read raises FileFormatError, not the argument's error
+        f.truncate(os.path.getsize(path) - 8)
+    with pytest.raises(error, match=match):
+        ss.BatchFeeder(gadget, other, **{"batch_size": 4, "device": "cpu", **options})
+    assert "not read yet" in repr(gadget)
+    np.save(path, rng.standard_normal((20, 2)).astype(np.float32))
+    ss.BatchFeeder(gadget, rng.standard_normal(20), batch_size=4, device="cpu")  # good arguments read it
+    assert "storage='pinned'" in repr(gadget)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")

@@ -409,3 +409,22 @@ def test_a_file_truncated_while_it_is_read_or_mapped_raises_a_file_format_error(
     monkeypatch.setattr(speedswap.files, "check_matches", truncated_after_the_check)
     with pytest.raises(ss.FileFormatError, match=match):
         gadget.read()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int64", "int32", ">f4", "bfloat16"])
+def test_dtype_is_known_before_the_rows_are_read(kind, dtype, rng, tmp_path):
+    """dtype read the whole table (into RAM, or pinned) to answer, so a BatchFeeder that needs a row's
+    bytes to check its arguments read its gadgets before it could refuse them."""
+    if dtype == "bfloat16" and kind == "file":
+        pytest.skip(".npy files have no bfloat16")
+    data = random_data(rng, (50, 3), np.float32 if dtype == "bfloat16" else dtype)
+    expected = data[[4, 0, 4]].astype(np.float32)
+    if dtype == "bfloat16":  # a CPU tensor, held as it is
+        data = torch.from_numpy(data).to(torch.bfloat16)
+        expected = data[[4, 0, 4]].float().numpy()
+    gadget = gadget_of(data, kind, tmp_path, backend="numpy")
+    known = gadget.dtype
+    assert "not read yet" in repr(gadget)
+    got = gadget.get([4, 0, 4])
+    assert known == gadget.table.dtype == got.dtype
+    np.testing.assert_array_equal(got.float().numpy(), expected)

@@ -12,6 +12,7 @@ source per batch: no per-row ``__getitem__``, no collate step.
 """
 
 import inspect
+import math
 import os
 import threading
 
@@ -96,29 +97,28 @@ def _rows_of(source):
     return None
 
 
-def _as_tensor(source, what):
-    """``(tensor, file)``: a source's rows as a tensor, and the file it maps (or None).
+def _checked(source, what):
+    """``(source, row_bytes)``: a source accepted, and its bytes per row; nothing read, copied or opened.
 
-    The tensor shares the source's memory unless the source is not
-    contiguous; then it is a copy, made here with a warning. uint16 and
-    uint32 sources come as int16 and int32 tensors of the same bits (see
-    :func:`_as_signed`).
+    Arrays and CPU tensors come back as a numpy array sharing their memory
+    (a CPU bfloat16 tensor's as its int16 bits); DataGadgets, HostTables and
+    device tensors as they are. A DataGadget's rows are read only when the
+    feeder takes them (:func:`_as_tensor`), after every argument was checked.
 
     Raises:
         DTypeError: a source of an unsupported type or dtype, or a path.
         ShapeError: a 0-d source, or one without rows.
+        StateError: a closed DataGadget or HostTable.
     """
     if isinstance(source, (DataGadget, HostTable)):
-        table = _table_of(source)
-        tensor = table.as_tensor(for_reading=True).view(source.shape)
-        mapped = table.storage == "mmap"  # on any backend its rows are the file's, in host memory
-        return tensor, FileRows.of(table.to_numpy(), tensor) if mapped else None
+        if source.closed:
+            raise StateError(f"{what} is closed, its rows are gone; build a new "
+                             f"{type(source).__name__} over the data and a feeder over that")
+        return source, _row_bytes(source.shape, source.dtype.itemsize)
     if isinstance(source, torch.Tensor) and source.device.type != "cpu":
         check_dense(source, what)
         check_rows(source.shape, what)
-        if not source.is_contiguous():  # rows are gathered with one index_select over contiguous rows
-            _warn_copied(what)
-        return source.detach().contiguous(), None
+        return source, _row_bytes(source.shape, source.dtype.itemsize)
     if isinstance(source, (str, os.PathLike)):
         raise DTypeError(f"{what} is a path ({os.fspath(source)!r}); sources are arrays: pass "
                          f"ss.DataGadget(path) or np.load(path, mmap_mode='r')")
@@ -128,6 +128,37 @@ def _as_tensor(source, what):
     # numpy has no bfloat16: its bits are held as int16 and the tensor views them back.
     bfloat16 = isinstance(source, torch.Tensor) and source.dtype == torch.bfloat16
     array = as_host_array(source.view(torch.int16) if bfloat16 else source, what)
+    return array, _row_bytes(array.shape, array.itemsize)
+
+
+def _row_bytes(shape, itemsize):
+    """Bytes in a row of data shaped ``shape`` of ``itemsize``-byte values (Python ints: no int64 wrap)."""
+    return math.prod(int(d) for d in shape[1:]) * itemsize
+
+
+def _as_tensor(source, checked, what):
+    """``(tensor, file)``: a source's rows as a tensor, and the file it maps (or None).
+
+    The tensor shares the source's memory unless the source is not
+    contiguous; then it is a copy, made here with a warning. uint16 and
+    uint32 sources come as int16 and int32 tensors of the same bits (see
+    :func:`_as_signed`).
+
+    Args:
+        source: the source, after :func:`_as_signed`.
+        checked: what :func:`_checked` made of it.
+        what: how the source is named in messages.
+    """
+    if isinstance(checked, (DataGadget, HostTable)):
+        table = _table_of(checked)
+        tensor = table.as_tensor(for_reading=True).view(checked.shape)
+        mapped = table.storage == "mmap"  # on any backend its rows are the file's, in host memory
+        return tensor, FileRows.of(table.to_numpy(), tensor) if mapped else None
+    if isinstance(checked, torch.Tensor):  # on a device
+        if not checked.is_contiguous():  # rows are gathered with one index_select over contiguous rows
+            _warn_copied(what)
+        return checked.detach().contiguous(), None
+    array = checked
     flat = array.reshape(len(array), -1)  # a view that stays a memmap when the source is one
     if not array.flags.c_contiguous:  # rows must be contiguous to be gathered: one copy
         _warn_copied(what)
@@ -135,6 +166,7 @@ def _as_tensor(source, what):
     # Shares the array's memory; a memmap stays on disk and is paged in as rows are read.
     table = HostTable.adopt(flat, backend="numpy")
     tensor = table.as_tensor(for_reading=True).view(array.shape)
+    bfloat16 = isinstance(source, torch.Tensor) and source.dtype == torch.bfloat16
     return (tensor.view(torch.bfloat16) if bfloat16 else tensor), FileRows.of(flat, tensor)
 
 
@@ -337,6 +369,12 @@ class BatchFeeder:
         BackendUnavailableError: ``device`` or ``backend`` asks for CUDA where
             there is none.
         DTypeError: a source of an unsupported type or dtype.
+        StateError: a DataGadget or HostTable source that is closed.
+
+    Every argument is checked before a DataGadget source's rows are read
+    (a gadget built from a path reads them when the feeder takes it) or a
+    source that is not contiguous is copied; only a source on a device
+    other than ``device`` is found once its rows are where they will stay.
 
     uint16 and uint32 sources (token ids, say) are read and moved at their
     width and delivered as int32 and int64 batches with the same values.
@@ -395,24 +433,16 @@ class BatchFeeder:
                              f"{', '.join(f'{w}: {n}' for w, n in lengths.items())}")
         signed = [_as_signed(source) for _, source in described]
         widen = tuple(widen for _, widen in signed)
-        self._widen = widen if any(widen) else None  # read per batch: None when nothing widens
-        columns = [_as_tensor(source, what) for (what, _), (source, _) in zip(described, signed)]
-        self._columns = tuple(tensor for tensor, _ in columns)
-        tables = [_table_of(source) for _, source in described]
-        self._tables = [(what, source, table) for (what, source), table in zip(described, tables)
-                        if table is not None]
-        self._files = {k: file for k, (_, file) in enumerate(columns) if file is not None}
-        if not self._columns[0].numel():
+        # Every argument is checked before any source is taken: a DataGadget's rows are read then,
+        # and a source that is not contiguous is copied.
+        checked = [_checked(source, what) for (what, _), (source, _) in zip(described, signed)]
+        self._num_rows = int(checked[0][0].shape[0])
+        row_bytes = sum(bytes_ for _, bytes_ in checked)
+        if not self._num_rows or not all(bytes_ for _, bytes_ in checked):
             raise ShapeError("the sources have no rows (or empty rows); give at least one row")
         # A backend named explicitly decides the device as it does for tables and gadgets.
         self._device = (resolve_device(device) if isinstance(backend, str) and backend == "auto"
                         else get_backend(backend, None if device == "auto" else device).device)
-        for (what, _), tensor in zip(described, self._columns):
-            if tensor.device.type != "cpu" and tensor.device != self._device:
-                raise DeviceError(f"{what} lives on {tensor.device} but this feeder delivers to "
-                                  f"{self._device}; move it, or pass device={str(tensor.device)!r}")
-        self._num_rows = len(self._columns[0])
-        row_bytes = sum(t[0].numel() * t.element_size() for t in self._columns)
         self._order = make_order(order, row_bytes, self._num_rows)
         self._batch_size = int(batch_size)
         self._drop_last = drop_last
@@ -429,6 +459,20 @@ class BatchFeeder:
                               f"rows; use a batch_size <= {self._share()} or drop_last=False")
         # A batch_size past the rows makes one batch of them all: that is what read-ahead holds.
         _check_prefetch(self._prefetch, min(self._batch_size, self._share()) * row_bytes, self._device)
+        self._widen = widen if any(widen) else None  # read per batch: None when nothing widens
+        columns = [_as_tensor(source, data, what)
+                   for (what, _), (source, _), (data, _) in zip(described, signed, checked)]
+        self._columns = tuple(tensor for tensor, _ in columns)
+        tables = [_table_of(source) for _, source in described]
+        self._tables = [(what, source, table) for (what, source), table in zip(described, tables)
+                        if table is not None]
+        self._files = {k: file for k, (_, file) in enumerate(columns) if file is not None}
+        # Where a table's rows live is known once it is read (a DataGadget asked for device
+        # memory maps a file larger than the RAM instead).
+        for (what, _), tensor in zip(described, self._columns):
+            if tensor.device.type != "cpu" and tensor.device != self._device:
+                raise DeviceError(f"{what} lives on {tensor.device} but this feeder delivers to "
+                                  f"{self._device}; move it, or pass device={str(tensor.device)!r}")
         self._transform = transform
         self._lookahead = lookahead
         file_bytes = sum(f.row_bytes * f.num_rows for f in self._files.values())

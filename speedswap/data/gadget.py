@@ -23,7 +23,8 @@ from .. import files
 from ..atomic import as_path
 from ..backends import STORAGE_KINDS, available_ram, get_backend
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import as_host_array, as_id_tensor, as_values_array, check_dense, check_rows, numpy_dtype
+from ..convert import (as_host_array, as_id_tensor, as_values_array, check_dense, check_rows, numpy_dtype,
+                       torch_dtype)
 from ..errors import DTypeError, OptionError, ShapeError, StateError
 from ..table import HostTable
 
@@ -133,9 +134,10 @@ class DataGadget:
         if self._mmap and isinstance(dtype, np.dtype) and not dtype.isnative:
             raise _unmappable(path, dtype, "mmap=True")
         row_shape = check_rows(shape, "the dataset")
-        numpy_dtype(dtype.newbyteorder("=") if isinstance(dtype, np.dtype) else dtype)
+        # The table's dtype, known before its rows are read (a feeder checks its arguments with it).
+        table_dtype = torch_dtype(dtype.newbyteorder("=") if isinstance(dtype, np.dtype) else dtype)
         self._path, self._array, self._header = path, array, header
-        self._row_shape, self._num_rows = row_shape, int(shape[0])
+        self._row_shape, self._num_rows, self._dtype = row_shape, int(shape[0]), table_dtype
 
     @staticmethod
     def _read_header(path):
@@ -222,8 +224,8 @@ class DataGadget:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The torch dtype of the rows."""
-        return self._live_table().dtype
+        """The torch dtype of the rows, from the file's header or the array: nothing is read."""
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
@@ -377,12 +379,13 @@ class DataGadget:
         """
         if self.closed:  # as a closed HostTable's load_from: nothing is read
             raise StateError("this DataGadget is closed; build a new one over the file to read it")
-        source = (self._path, self._array, self._header, self._row_shape, self._num_rows, self._mapped)
+        source = (self._path, self._array, self._header, self._row_shape, self._num_rows, self._dtype,
+                  self._mapped)
         self._set_source(path)
         try:
             table = self._build_table()
         except BaseException:
-            (self._path, self._array, self._header, self._row_shape, self._num_rows,
+            (self._path, self._array, self._header, self._row_shape, self._num_rows, self._dtype,
              self._mapped) = source
             raise
         # Installed before the old rows are closed: a flush of those that fails leaves the
