@@ -428,3 +428,21 @@ def test_dtype_is_known_before_the_rows_are_read(kind, dtype, rng, tmp_path):
     got = gadget.get([4, 0, 4])
     assert known == gadget.table.dtype == got.dtype
     np.testing.assert_array_equal(got.float().numpy(), expected)
+
+
+def test_mmap_takes_numpys_bools_and_refuses_other_truthy_values(rng, tmp_path):
+    """mmap=np.True_ (a flag read from a numpy config) passed the check but not `mmap is True`: the
+    file was mapped read-only and put raised StateError, where mmap=True writes through; mmap=1 too."""
+    path = tmp_path / "data.npy"
+    data = random_data(rng, (30, 4))
+    np.save(path, data)
+    gadget = ss.data.gadget.DataGadget(path, mmap=np.True_, backend="numpy")
+    values = random_data(rng, (2, 4))
+    gadget.put(values, [3, 17])
+    gadget.flush()
+    data[[3, 17]] = values
+    np.testing.assert_array_equal(np.load(path), data)
+    assert ss.data.gadget.DataGadget(path, mmap=np.False_, backend="numpy").storage == "pageable"
+    for bad in (1, 0, "yes"):
+        with pytest.raises(ss.OptionError, match="mmap must be True, False or None"):
+            ss.data.gadget.DataGadget(path, mmap=bad, backend="numpy")

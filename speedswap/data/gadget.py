@@ -77,7 +77,8 @@ class DataGadget:
         FileFormatError: a malformed ``.npy`` file.
         FileNotFoundError: no such file.
         OptionError: a file that is not ``.npy``, ``mmap=True`` for an
-            in-memory array or a strided view of a map, or a bad ``storage``.
+            in-memory array or a strided view of a map, a bad ``storage``, or an
+            ``mmap`` other than True, False (numpy's too) or None.
         ShapeError: an array with no rows, or rows of no elements.
         DTypeError: an unsupported dtype, or ``mmap=True`` for values of
             another byte order (at the first read: ``mmap=None`` where they
@@ -95,10 +96,11 @@ class DataGadget:
         if storage not in STORAGE_KINDS or storage == "mmap":
             raise OptionError(f"storage must be one of {[k for k in STORAGE_KINDS if k != 'mmap']}, "
                               f"got {storage!r}; memory-map a file with mmap=True instead")
-        if mmap not in (None, True, False):
+        # numpy's bools too, made Python's: the table is built on `mmap is True` / `is not False`.
+        if mmap is not None and not isinstance(mmap, (bool, np.bool_)):  # 1 == True, but no bool
             raise OptionError(f"mmap must be True, False or None (decide by size), got {mmap!r}")
         self._storage = storage
-        self._mmap = mmap
+        self._mmap = None if mmap is None else bool(mmap)
         self._backend = get_backend(backend, device)
         self._table = None
         self._closed = False  # closed before its first read there is no table to say so
