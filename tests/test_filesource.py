@@ -114,6 +114,22 @@ def cached_fraction(path):
         return sum(v & 1 for v in vec) / pages
 
 
+@pytest.mark.parametrize("order", ["block", "sequential"])
+@pytest.mark.parametrize("batch_size", [2**63, 2**70])
+def test_a_batch_size_past_int64_over_a_file_gives_the_whole_epoch_as_from_memory(tmp_path, rng, order,
+                                                                                   batch_size):
+    """A batch_size larger than the epoch makes one batch of it; over a file read in windows of
+    blocks one of 2**63 or more raised numpy's IndexError (its arange cannot step past int64)."""
+    data = rng.standard_normal((100, 3)).astype(np.float32)
+    mapped = write(tmp_path / "x.npy", data)
+    from_file = stream(ss.BatchFeeder(mapped, batch_size=batch_size, order=order, seed=3, device="cpu"), 2)
+    in_memory = stream(ss.BatchFeeder(data, batch_size=batch_size, order=order, seed=3, device="cpu"), 2)
+    assert len(from_file) == 2
+    for (got,), (expected,) in zip(from_file, in_memory):
+        np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(np.sort(from_file[0][0], axis=0), np.sort(data, axis=0))
+
+
 @pytest.mark.parametrize("order", ["block", "random"])
 def test_drop_behind_keeps_an_epoch_out_of_the_page_cache(tmp_path, order):
     mapped = write(tmp_path / "x.npy", np.random.default_rng(0).random((8192, 512), dtype=np.float32))

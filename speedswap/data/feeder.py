@@ -651,7 +651,8 @@ class BatchFeeder:
         windows = getattr(self._order, "windows", None)
         if windows is None:
             return RowReader(files, ids.numpy(), drop_behind=self._drop_behind)
-        return WindowReader(files, ids.numpy(), self._batch_size, self._order.block_rows,
+        # A batch past the epoch is the epoch: numpy's int64 arange cannot step 2**63 or more.
+        return WindowReader(files, ids.numpy(), min(self._batch_size, len(ids)), self._order.block_rows,
                             windows(self._num_rows, self._seed, epoch), drop_behind=self._drop_behind)
 
     def __iter__(self):
