@@ -267,8 +267,9 @@ def as_host_array(data, what="the data") -> np.ndarray:
 
     Raises:
         DeviceError: a tensor on a device (host data is expected).
-        DTypeError: a dtype speedswap does not hold, a masked array, or a
-            tensor with torch's lazy negation or conjugation bit (``z.conj().imag``).
+        DTypeError: a dtype speedswap does not hold, a masked array, an
+            object that holds no numbers (None, a dict), or a tensor with
+            torch's lazy negation or conjugation bit (``z.conj().imag``).
         ShapeError: see :func:`check_rows`.
     """
     if isinstance(data, torch.Tensor):
@@ -288,10 +289,14 @@ def as_host_array(data, what="the data") -> np.ndarray:
             raise DTypeError(f"{what} is a tensor of {data.dtype}, which host data cannot be (numpy "
                              f"has no such dtype); convert it, e.g. data.float(){fed}") from None
     elif not isinstance(data, np.ndarray):  # np.asarray would turn a memmap into a plain array
+        given = type(data).__name__
         try:
             data = np.asarray(data)
         except ValueError as exc:
             raise ShapeError(f"{what} is not rectangular ({exc})") from None
+        if data.dtype == object:  # None, a dict, a DataGadget: held as Python objects, no numbers
+            raise DTypeError(f"{what} is a {given}, not numbers; pass a numpy array, a CPU tensor or "
+                             f"nested lists of numbers")
     check_not_masked(data, what)
     check_rows(data.shape, what)
     torch_dtype(data.dtype)

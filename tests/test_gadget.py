@@ -233,6 +233,12 @@ def test_file_changed_before_it_is_read(tmp_path):
     (lambda: ss.DataGadget(np.arange(6, dtype=np.uint16).reshape(3, 2)), ss.DTypeError,
      r"not uint16.*BatchFeeder\(np.load\(path, mmap_mode='r'\)\)"),
     (lambda: ss.DataGadget(np.arange(6, dtype=np.uint32).reshape(3, 2)), ss.DTypeError, "BatchFeeder"),
+    # Objects that hold no numbers were called "0-d" data (np.asarray makes a 0-d object array of them).
+    (lambda: ss.DataGadget(None), ss.DTypeError, "the dataset is a NoneType, not numbers"),
+    (lambda: ss.DataGadget({"x": [1.0, 2.0]}), ss.DTypeError, "is a dict, not numbers"),
+    (lambda: ss.DataGadget(ss.DataGadget(np.ones((3, 2), np.float32))), ss.DTypeError,
+     "is a DataGadget, not numbers"),
+    (lambda: ss.DataGadget([[1.0, None]]), ss.DTypeError, "is a list, not numbers"),
 ])
 def test_bad_arguments(make, error, match):
     with pytest.raises(error, match=match):
