@@ -1,6 +1,8 @@
 """DataGadget: rows of .npy files and in-memory arrays to the device and back."""
 
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -452,3 +454,42 @@ def test_mmap_takes_numpys_bools_and_refuses_other_truthy_values(rng, tmp_path):
     for bad in (1, 0, "yes"):
         with pytest.raises(ss.OptionError, match="mmap must be True, False or None"):
             ss.data.gadget.DataGadget(path, mmap=bad, backend="numpy")
+
+
+def test_two_threads_first_use_keeps_the_rows_one_of_them_wrote(rng, tmp_path, monkeypatch):
+    """A gadget reads its rows on first use. Two threads using it first at once each read the file
+    into a table of their own, and the one installed last replaced the other: rows a thread had
+    put into the replaced table were lost, without an error."""
+    path = tmp_path / "data.npy"
+    data = random_data(rng, (40, 3))
+    np.save(path, data)
+    gadget = ss.data.gadget.DataGadget(path, backend="numpy")
+    build, calls, put_done = speedswap.data.gadget.DataGadget._build_table, [], threading.Event()
+
+    def slow_first_build(self):
+        calls.append(threading.current_thread().name)
+        table = build(self)
+        if len(calls) == 1:  # the first reader is still reading while the other reads, installs, puts
+            put_done.wait(10)
+        return table
+
+    monkeypatch.setattr(speedswap.data.gadget.DataGadget, "_build_table", slow_first_build)
+    values = random_data(rng, (2, 3))
+
+    def reader():
+        gadget.get([0])
+
+    def writer():
+        while not calls:  # the reader thread is reading
+            time.sleep(0.001)
+        gadget.put(values, [5, 9])
+        put_done.set()
+
+    threads = [threading.Thread(target=reader), threading.Thread(target=writer)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert len(calls) == 2  # both read the file: the case this test is about
+    data[[5, 9]] = values
+    np.testing.assert_array_equal(gadget.to_numpy(), data)

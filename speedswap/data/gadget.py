@@ -13,6 +13,7 @@ torch.Size([2, 2, 3])
 
 import dataclasses
 import os
+import threading
 
 import numpy as np
 import torch
@@ -52,7 +53,9 @@ class DataGadget:
 
     The file is validated when the gadget is built (truncated files, Fortran
     order, object or record dtypes raise :class:`~speedswap.FileFormatError`);
-    its rows are read on first use or by :meth:`read`. SpeedTorch's spelling
+    its rows are read on first use or by :meth:`read` (threads that use it
+    first at once may each read them; the first copy read is kept, the
+    others are released). SpeedTorch's spelling
     (``DataGadget(fileName, CPUPinn)``, ``getData``, ``insertData``, ...) is
     :class:`speedswap.DataGadget`, a thin layer over this class.
 
@@ -103,6 +106,7 @@ class DataGadget:
         self._mmap = None if mmap is None else bool(mmap)
         self._backend = get_backend(backend, device)
         self._table = None
+        self._installing = threading.Lock()  # two threads' first use install one table
         self._closed = False  # closed before its first read there is no table to say so
         self._mapped = None  # the identity of the file a mapped table maps
         self._set_source(source)
@@ -163,7 +167,14 @@ class DataGadget:
         if self.closed:
             raise StateError("this DataGadget is closed; build a new one to read the data again")
         if self._table is None:
-            self._table = self._build_table()
+            # Read outside the lock (a process forked mid-read must not inherit it held); the
+            # first table installed is the gadget's, since another thread may write into it at once.
+            table = self._build_table()
+            with self._installing:
+                if self._table is None:
+                    self._table, table = table, None
+            if table is not None:  # another thread's first use read the rows too, and first
+                table.close()
         return self._table
 
     def _wants_mmap(self, nbytes):
