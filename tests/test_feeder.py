@@ -243,6 +243,39 @@ def test_sharding_splits_each_epoch_between_ranks(world_size, drop_last, rng):
                 assert len(np.unique(everything)) == len(everything)
 
 
+def distributed_sampler_share(indices, rank, world_size, drop_last, contiguous):
+    """torch's DistributedSampler split, written out: pad by repeating from the start (or cut), then split."""
+    n = len(indices)
+    total = n // world_size * world_size if drop_last else -(-n // world_size) * world_size
+    padded = np.array([indices[i % n] for i in range(total)], dtype=np.int64)
+    per_rank = total // world_size
+    return padded[rank * per_rank:(rank + 1) * per_rank] if contiguous else padded[rank:total:world_size]
+
+
+@pytest.mark.parametrize("contiguous", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shard_takes_only_this_ranks_rows_whatever_the_world_size(rng, drop_last, contiguous):
+    """shard padded the whole epoch to world_size * rows-per-rank before taking one rank's share: a
+    world larger than the data (accepted: DistributedSampler pads it) raised MemoryError from 2**40
+    ranks, and OverflowError past int64, at the loop's first batch."""
+    for _ in range(200):
+        n = int(rng.integers(1, 60))
+        world_size = int(rng.integers(1, 2 * n + 3))
+        rank = int(rng.integers(0, world_size))
+        order = rng.permutation(n)
+        np.testing.assert_array_equal(shard(order, rank, world_size, drop_last, contiguous),
+                                      distributed_sampler_share(order, rank, world_size, drop_last, contiguous))
+    order = rng.permutation(50)
+    for world_size in (2**40, 2**70):
+        rank = world_size - 3
+        got = shard(order, rank, world_size, drop_last, contiguous)
+        np.testing.assert_array_equal(got, [] if drop_last else [order[rank % 50]])
+    if not drop_last:
+        feeder = ss.BatchFeeder(np.arange(50), batch_size=4, rank=2**70 - 3, world_size=2**70,
+                                order="sequential", device="cpu")
+        assert ids_of(feeder) == [[(2**70 - 3) % 50]]
+
+
 def test_rank_defaults_to_torch_distributed(monkeypatch):
     dist = torch.distributed
     monkeypatch.setattr(dist, "is_available", lambda: True)

@@ -263,14 +263,13 @@ def shard(indices, rank, world_size, drop_last, contiguous=False):
     n = len(indices)
     if world_size == 1:
         return indices
-    if drop_last:
-        per_rank = n // world_size
-        indices = indices[:per_rank * world_size]
-    else:
-        per_rank = -(-n // world_size)
-        padding = per_rank * world_size - n
-        if padding:
-            indices = np.concatenate([indices, np.resize(indices, padding)])
+    per_rank = n // world_size if drop_last else -(-n // world_size)
+    # Position p of the padded order is indices[p % n] (the padding repeats it from the start).
+    # Only this rank's positions are made, reduced mod n first: a world larger than the data
+    # would otherwise pad it to world_size rows, past any memory (or int64) for a huge one.
+    steps = np.arange(per_rank, dtype=np.int64)
     if contiguous:
-        return indices[rank * per_rank:(rank + 1) * per_rank]
-    return indices[rank::world_size]
+        positions = (rank * per_rank) % n + steps
+    else:
+        positions = rank % n + (world_size % n) * steps  # < 2n: a step of w <= n, or one step
+    return indices[positions % n]
