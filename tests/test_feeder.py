@@ -479,6 +479,9 @@ def test_a_reader_error_reaches_the_loop_and_never_hangs(tmp_path, monkeypatch, 
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, backend="numpy", device="cuda"), ss.OptionError,
      "backend='numpy' runs on the CPU"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, drop_behind=1), ss.OptionError, "drop_behind"),
+    # Not "lives on meta ... pass device='meta'", which is refused in turn: a meta tensor has no rows.
+    (lambda: ss.BatchFeeder(torch.empty(5, 2, device="meta"), batch_size=2, device="cpu"), ss.DeviceError,
+     "meta device, which holds no values"),
 ])
 def test_bad_arguments_fail_at_construction(make, error, match):
     with pytest.raises(error, match=match):

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..backends import available_ram, get_backend, resolve_device
-from ..convert import as_host_array, bool_option, check_dense, check_rows, int_option
+from ..convert import as_host_array, bool_option, check_has_values, check_rows, int_option
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError, warn
 from ..table import HostTable
 from .filesource import FileRows, RowReader, WindowReader
@@ -107,6 +107,7 @@ def _checked(source, what):
 
     Raises:
         DTypeError: a source of an unsupported type or dtype, or a path.
+        DeviceError: a tensor on the meta device (no values).
         ShapeError: a 0-d source, or one without rows.
         StateError: a closed DataGadget or HostTable.
     """
@@ -116,7 +117,7 @@ def _checked(source, what):
                              f"{type(source).__name__} over the data and a feeder over that")
         return source, _row_bytes(source.shape, source.dtype.itemsize)
     if isinstance(source, torch.Tensor) and source.device.type != "cpu":
-        check_dense(source, what)
+        check_has_values(source, what)  # a meta tensor too: it has a device but no rows
         check_rows(source.shape, what)
         return source, _row_bytes(source.shape, source.dtype.itemsize)
     if isinstance(source, (str, os.PathLike)):
@@ -365,7 +366,8 @@ class BatchFeeder:
             ``drop_last`` with fewer rows per rank than ``batch_size`` (every
             epoch would be empty), or a ``drop_last`` or ``lookahead`` that is not a bool.
         ShapeError: sources with different numbers of rows, or none.
-        DeviceError: a source on another device than ``device``.
+        DeviceError: a source on another device than ``device``, or on the meta
+            device (which holds no values).
         BackendUnavailableError: ``device`` or ``backend`` asks for CUDA where
             there is none.
         DTypeError: a source of an unsupported type or dtype.
