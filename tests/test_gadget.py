@@ -493,3 +493,25 @@ def test_two_threads_first_use_keeps_the_rows_one_of_them_wrote(rng, tmp_path, m
     assert len(calls) == 2  # both read the file: the case this test is about
     data[[5, 9]] = values
     np.testing.assert_array_equal(gadget.to_numpy(), data)
+
+
+def test_a_gadget_closed_while_its_first_use_reads_releases_the_rows_read(rng, tmp_path, monkeypatch):
+    """close() on one thread while another thread's first use was reading the rows: the read table
+    was installed in the closed gadget afterwards, held (page-locked memory, for a pinned gadget)
+    for the gadget's life, and that first use returned rows of a closed gadget."""
+    path = tmp_path / "data.npy"
+    np.save(path, random_data(rng, (40, 3)))
+    gadget = ss.data.gadget.DataGadget(path, storage="pinned", backend="numpy")
+    build, built = speedswap.data.gadget.DataGadget._build_table, []
+
+    def closed_while_reading(self):
+        built.append(build(self))
+        closer = threading.Thread(target=self.close)
+        closer.start()
+        closer.join(10)
+        return built[-1]
+
+    monkeypatch.setattr(speedswap.data.gadget.DataGadget, "_build_table", closed_while_reading)
+    with pytest.raises(ss.StateError, match="closed"):
+        gadget.get([0])
+    assert gadget.closed and built[0].closed  # the rows read are released, not held by the gadget

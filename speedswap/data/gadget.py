@@ -106,7 +106,7 @@ class DataGadget:
         self._mmap = None if mmap is None else bool(mmap)
         self._backend = get_backend(backend, device)
         self._table = None
-        self._installing = threading.Lock()  # two threads' first use install one table
+        self._installing = threading.Lock()  # first uses install one table, none once closed
         self._closed = False  # closed before its first read there is no table to say so
         self._mapped = None  # the identity of the file a mapped table maps
         self._set_source(source)
@@ -171,10 +171,13 @@ class DataGadget:
             # first table installed is the gadget's, since another thread may write into it at once.
             table = self._build_table()
             with self._installing:
-                if self._table is None:
+                if self._table is None and not self._closed:
                     self._table, table = table, None
-            if table is not None:  # another thread's first use read the rows too, and first
+            if table is not None:  # another thread's first use read the rows first, or close() came
                 table.close()
+            if self._closed:
+                raise StateError("this DataGadget was closed while its rows were read; build a new "
+                                 "one to read the data again")
         return self._table
 
     def _wants_mmap(self, nbytes):
@@ -422,7 +425,8 @@ class DataGadget:
 
     def close(self) -> None:
         """Release the rows' memory (flushing a mapped file); later use raises StateError. Idempotent."""
-        self._closed = True
+        with self._installing:  # a first use reading meanwhile then releases what it read
+            self._closed = True
         if self._table is not None:
             self._table.close()
 
