@@ -215,6 +215,12 @@ def other_shape(d):
     return d / "other.npy"
 
 
+def other_dtype(d):
+    """A file of the table's shape in numpy's default float64: pretrained vectors saved as they came."""
+    np.save(d / "float64.npy", np.random.default_rng(7).standard_normal((ROWS, DIM)))
+    return d / "float64.npy"
+
+
 def other_embedding_checkpoint(d, suffix=""):
     emb = ss.OffloadedEmbedding(ROWS + 1, DIM, max_rows=CAP, backend="numpy")
     emb.attach(torch.optim.Adam(emb.parameters()))
@@ -348,6 +354,8 @@ CASES = [
     ("table", lambda o, d: o.load_from(truncated_h5(d)), ss.FileFormatError, "truncated"),
     ("table", lambda o, d: o.load_from(truncated_npy(d)), ss.FileFormatError, "truncated"),
     ("table", lambda o, d: o.load_from(other_shape(d)), ss.FileFormatError, "of the file's shape"),
+    # The hint was "load it into a table of the file's shape" for a file of the table's own shape.
+    ("table", lambda o, d: o.load_from(other_dtype(d)), ss.FileFormatError, "astype(np.float32)"),
     ("table", lambda o, d: o.save(d / "nope" / "t.npy"), PathError, "does not exist"),
     ("table", lambda o, d: o.save(d / "t.pt"), ss.OptionError, "*.npy"),
     ("table", lambda o, d: o.save(a_directory(d)), PathError, "is a directory"),
@@ -373,6 +381,7 @@ CASES = [
      "of the file's shape"),
     ("embedding", lambda o, d: o.load(other_embedding_checkpoint(d, ".h5")), ss.FileFormatError,
      "of the file's shape"),
+    ("embedding", lambda o, d: o.load(other_dtype(d)), ss.FileFormatError, "astype(np.float32)"),
     ("embedding", lambda o, d: o.load(truncated_h5(d)), ss.FileFormatError, "truncated"),
     ("embedding", lambda o, d: o.load(a_foreign_directory(d)), ss.FileFormatError,
      "not a speedswap"),

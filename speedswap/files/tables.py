@@ -92,10 +92,15 @@ def check_table_matches(header: TableHeader, shape, dtype, path) -> None:
     """
     same_dtype = header.table_dtype == dtype or (
         dtype is torch.bfloat16 and header.dtype == np.float32)
-    if tuple(header.shape) != tuple(shape) or not same_dtype:
-        raise FileFormatError(f"{os.fspath(path)!r} holds {tuple(header.shape)} "
-                              f"{header.table_dtype}, but this table is {tuple(shape)} {dtype}; "
-                              f"load it into a table of the file's shape (HostTable.load) instead")
+    mismatch = (f"{os.fspath(path)!r} holds {tuple(header.shape)} {header.table_dtype}, but this "
+                f"table is {tuple(shape)} {dtype}")
+    if tuple(header.shape) != tuple(shape):
+        raise FileFormatError(f"{mismatch}; load it into a table of the file's shape (HostTable.load) instead")
+    if not same_dtype:
+        # Commonly vectors numpy made in its default float64: converting the file is the fix.
+        raise FileFormatError(f"{mismatch}; convert the file with numpy first (np.save(path, np.load(path)"
+                              f".astype(np.{stored_dtype(dtype)}))), or load it into a table of "
+                              f"{header.table_dtype} (HostTable.load)")
 
 
 def save_table(table, path, dataset: str = "table") -> None:
