@@ -102,13 +102,18 @@ _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def warn(message: str, category: type = RuntimeWarning) -> None:
-    """Warn at the first caller outside speedswap, so the warning shows the user's line.
+    """Warn at the first caller outside speedswap and torch, so the warning shows the user's line.
 
     Args:
         message: what happened and what to do about it.
         category: the warning class.
     """
+    # speedswap's hooks run inside torch (optimizer.step(), a module's call, load_state_dict):
+    # the line to show is the user's call of torch, not torch's call of the hook.
+    torch = sys.modules.get("torch")
+    skipped = (_PACKAGE,) if torch is None else (
+        _PACKAGE, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
     frame, level = sys._getframe(1), 2  # stacklevel 2 is warn's caller
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and frame.f_code.co_filename.startswith(skipped):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

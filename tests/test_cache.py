@@ -778,9 +778,11 @@ def test_the_cache_keeps_no_rows_while_a_view_of_the_tables_lives_and_works_agai
     caches again."""
     emb, opt = _embedding(backend, cache_rows=50, opt=torch.optim.Adam)
     view = emb.get_extra_state()["tables"]["optimizer.exp_avg"][3:5]  # a slice keeps it alive too
-    with pytest.warns(RuntimeWarning, match="cache keeps no rows until it is dropped"):
+    with pytest.warns(RuntimeWarning, match="cache keeps no rows until it is dropped") as caught:
         for _ in range(3):
             _step(emb, opt, [1, 2, 3])
+    # The user's opt.step() line, not the line of torch's optimizer that runs speedswap's step hook.
+    assert [w.filename for w in caught] == [__file__]
     assert emb.stats()["total"]["hits"] == 0
     del view
     for _ in range(3):
