@@ -309,6 +309,11 @@ CASES = [
     ("gadget", lambda o, d: o.getData(nested([1, 2], [3])), ss.DTypeError, "got a nested one"),
     ("gadget", lambda o, d: o.insertData(nested(torch.ones(2, 3)), [1]), ss.DTypeError, "got a nested one"),
     ("gadget", lambda o, d: o.insertData(torch.ones(1, 2, 3).to_sparse(), [1]), ss.DTypeError, "got a sparse_coo one"),
+    # The ids first, as HostTable.scatter takes them: the message only said to convert the ids
+    # with .long(), which done to these values would write truncated ids as data, silently.
+    ("gadget", lambda o, d: o.insertData([1, 2], torch.rand(2, 2, 3)), ss.DTypeError, "after the values"),
+    ("gadget", lambda o, d: o.put(np.array([1, 2]), np.random.default_rng(3).random((2, 2, 3))),
+     ss.DTypeError, "after the values"),
     ("nothing", lambda o, d: ss.BatchFeeder(nested([1.0, 2.0], [3.0]), batch_size=2, device="cpu"),
      ss.DTypeError, "source 0 must be a dense tensor, got a nested one"),
     ("nothing", lambda o, d: ss.BatchFeeder(torch.ones(4, 2).to_sparse().to("meta"), batch_size=2, device="cpu"),

@@ -321,7 +321,10 @@ class DataGadget:
         # The ids' shape as the table reads them (np.shape would take a ragged list); the table checks
         # their values, where they are (uint64 ids named as given, host ids without a device wait).
         where = idx.device if isinstance(idx, torch.Tensor) else "cpu"
-        flat, ids_shape = as_id_tensor(idx, table.device, to=where)
+        # Named by position: HostTable.scatter takes the ids first, so swapped arguments are a likely
+        # cause of float ids, and "convert them with .long()" alone would write the truncated values.
+        flat, ids_shape = as_id_tensor(idx, table.device, to=where,
+                                       what="ids (the second argument of put / insertData, after the values)")
         wanted = (*ids_shape, *self._row_shape)
         if isinstance(t, torch.Tensor):
             check_dense(t, "values")  # before .shape and .reshape, which raise on a nested or sparse one
