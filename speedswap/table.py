@@ -65,7 +65,9 @@ def _out_of_memory(shape, dtype, storage):
                                 f"to the GPU), or use fewer rows")
     return OutOfMemoryError(
         f"{needs} RAM, which could not be allocated ({available_ram() / 2**30:.2f} GiB of RAM is "
-        f"available now); use storage='mmap' with path='table.npy' to keep it in a file, or fewer rows")
+        f"available now); use storage='mmap' to keep it in a file, with path= a .npy file for a HostTable "
+        f"or ModelFactory, a directory for an OffloadedEmbedding or OptimizerFactory (which keep their "
+        f"optimizer state there too); or use fewer rows")
 
 
 def _has_duplicates(flat):

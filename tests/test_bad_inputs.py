@@ -506,6 +506,10 @@ CASES = [
      "is a directory"),
     ("nothing", lambda o, d: ss.HostTable.empty(2**40, 1024, storage="pageable", backend="numpy"),
      OutOfMemoryError, "storage='mmap'"),
+    # The hint said path='table.npy', which an embedding refuses: its path is a directory.
+    ("nothing", lambda o, d: ss.OffloadedEmbedding(2**40, 1024, max_rows=CAP, storage="pageable",
+                                                   backend="numpy"),
+     OutOfMemoryError, "a directory for an OffloadedEmbedding"),
 ]
 
 
