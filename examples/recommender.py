@@ -258,8 +258,9 @@ def main(argv=None):
                      f"on and {len(test):,} to test: give more ratings or another share")
     mean = float(ratings[train].mean())
     baseline = float(np.sqrt(np.mean((ratings[test] - mean) ** 2)))
-    print(f"{len(ratings):,} ratings of {num_users:,} users x {num_items:,} items; "
-          f"predict-the-mean test RMSE {baseline:.4f}" + (f", noise {noise}" if noise else ""))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+        print(f"{len(ratings):,} ratings of {num_users:,} users x {num_items:,} items; "
+              f"predict-the-mean test RMSE {baseline:.4f}" + (f", noise {noise}" if noise else ""))
 
     initial = initial_tables(num_users, num_items, args.dim, args.seed)
     if args.distributed:

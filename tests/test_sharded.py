@@ -508,6 +508,9 @@ def _example_under_torchrun(example, args, tmp_path):
          "--quiet", "--json", tmp_path / "figures.json", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE)
     assert done.returncode == 0, done.stderr[-3000:]
+    # Rank 0 speaks for the run: a line that every rank prints shows up once per rank.
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert len(lines) == len(set(lines)), done.stdout
     figures = json.loads((tmp_path / "figures.json").read_text())
     assert figures["world_size"] == 2
     return figures
