@@ -261,6 +261,22 @@ def quantized(x):
         return torch.quantize_per_tensor(torch.tensor(x, dtype=torch.float32), 1.0, 0, torch.quint8)
 
 
+class SignMomentum(torch.optim.Optimizer):
+    """An optimizer of the user's own whose state is element-wise (Lion-like), unknown to speedswap."""
+
+    def __init__(self, params, lr=1e-3):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    avg = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                    avg.mul_(0.9).add_(p.grad, alpha=0.1)
+                    p.add_(avg.sign(), alpha=-group["lr"])
+
+
 def nested(*parts):
     """A nested tensor of ``parts``: its layout is strided, but torch raises on its .shape and .reshape."""
     with warnings.catch_warnings():  # torch calls the strided layout of nested tensors a prototype
@@ -397,6 +413,9 @@ CASES = [
     ("embedding", lambda o, d: ss.load_sharded(d, o.table), ss.DTypeError, "into an OffloadedEmbedding, got a HostTable"),
     ("embedding", lambda o, d: o.attach(torch.optim.LBFGS(o.parameters())), ss.OptionError,
      "LBFGS"),
+    # Its state is element-wise: the message said only state that is not was refused.
+    ("embedding", lambda o, d: o.attach(SignMomentum(o.parameters())), ss.OptionError,
+     "knows the state of these torch.optim optimizers"),
     ("embedding", lambda o, d: o.attach(torch.optim.Adam), ss.DTypeError, "Adam(model.parameters()"),
     ("embedding", lambda o, d: o.attach(o.parameters()), ss.DTypeError, "got a generator"),
     ("nothing", lambda o, d: ss.OptimizerFactory(torch.optim.SGD, ROWS, DIM, torch.nn.ModuleDict(

@@ -132,9 +132,14 @@ def row_state_spec(optimizer, param, group=None):
     for cls in type(optimizer).__mro__:
         if cls in _ROW_STATE:
             return _ROW_STATE[cls](_group_of(optimizer, param) if group is None else group, optimizer.defaults)
+    # An allow-list: an optimizer of the user's own may well be element-wise, but the names and
+    # starting values of its state, which rows never touched must hold, are unknown.
     raise OptionError(f"{type(optimizer).__name__} cannot be offloaded: speedswap moves optimizer "
                       f"state row by row, which is exact only for optimizers whose state is "
-                      f"element-wise; supported: {', '.join(SUPPORTED_OPTIMIZERS)}")
+                      f"element-wise, and it knows the state of these torch.optim optimizers (their "
+                      f"names and starting values) and their subclasses only: "
+                      f"{', '.join(SUPPORTED_OPTIMIZERS)}. Train the embedding with one of them (another "
+                      f"optimizer may step the model's other parameters)")
 
 
 def _may_replace(overwrite, file) -> bool:
