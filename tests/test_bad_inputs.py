@@ -215,6 +215,12 @@ def other_shape(d):
     return d / "other.npy"
 
 
+def one_value_per_row(d):
+    """A 1-D file: one value per row, as np.save writes a bias vector."""
+    np.save(d / "biases.npy", np.random.default_rng(5).standard_normal(ROWS).astype(np.float32))
+    return d / "biases.npy"
+
+
 def other_dtype(d):
     """A file of the table's shape in numpy's default float64: pretrained vectors saved as they came."""
     np.save(d / "float64.npy", np.random.default_rng(7).standard_normal((ROWS, DIM)))
@@ -403,6 +409,8 @@ CASES = [
     ("embedding", lambda o, d: o.load(other_embedding_checkpoint(d, ".h5")), ss.FileFormatError,
      "of the file's shape"),
     ("embedding", lambda o, d: o.load(other_dtype(d)), ss.FileFormatError, "astype(np.float32)"),
+    # Said only "a table needs 2-D (rows, dim)", not how a vector becomes one.
+    ("embedding", lambda o, d: o.load(one_value_per_row(d)), ss.FileFormatError, "reshape(-1, 1)"),
     ("embedding", lambda o, d: o.load(truncated_h5(d)), ss.FileFormatError, "truncated"),
     ("embedding", lambda o, d: o.load(a_foreign_directory(d)), ss.FileFormatError,
      "not a speedswap"),

@@ -76,8 +76,11 @@ def check_table_shape(shape, path) -> None:
     a load refuses a file of none, mapped or copied alike.
     """
     if len(shape) != 2:
+        # A vector (biases, one value per row) is the usual case, and one reshape away from a table.
+        vector = (" For one value per row, save the vector as a column: np.save(path, "
+                  "np.load(path).reshape(-1, 1))" if len(shape) == 1 else "")
         raise FileFormatError(f"{os.fspath(path)!r} holds an array of shape {tuple(shape)}; "
-                              f"a table needs 2-D (rows, dim)")
+                              f"a table needs 2-D (rows, dim).{vector}")
     if 0 in shape:
         raise FileFormatError(f"{os.fspath(path)!r} holds an array of shape {tuple(shape)}: no rows, "
                               f"or rows of no values; a table needs at least one row of at least "
