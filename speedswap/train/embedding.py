@@ -81,7 +81,7 @@ class OffloadedEmbedding(torch.nn.Module):
         num_embeddings: rows of the table.
         embedding_dim: row length.
         max_rows: the working set's capacity: the most distinct rows one step
-            may touch.
+            may touch. More than ``num_embeddings`` is taken as ``num_embeddings``.
         storage: where the table (and optimizer state) lives: ``pinned``,
             ``mapped``, ``pageable``, ``mmap`` (files in the directory ``path``)
             or ``device``.
@@ -105,6 +105,8 @@ class OffloadedEmbedding(torch.nn.Module):
             between steps, a write-back cache of the rows used most often
             (see :mod:`speedswap.train.cache`); 0 turns it off. :attr:`table`
             sees it (it writes the cached rows back and forgets them first).
+            More than ``num_embeddings`` is taken as ``num_embeddings`` (the
+            whole table cached); :attr:`cache_rows` says what was kept.
         scale_grad_by_freq: as in ``nn.Embedding``: each forward scales a
             row's gradient by the inverse of how often its ids name it.
         sparse: accepted for ``nn.Embedding`` code; changes nothing.
