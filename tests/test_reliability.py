@@ -1278,3 +1278,29 @@ def test_a_seal_whose_magic_lost_a_few_bits_is_refused_never_read_unchecked(tmp_
     path.write_bytes(bytes(damaged))
     with pytest.raises(ss.FileFormatError, match="is damaged: its seal's magic string"):
         emb.load(path)
+
+
+def test_an_h5_file_replaced_between_its_seal_check_and_hdf5s_open_is_refused(tmp_path, rng, monkeypatch):
+    """open_h5 checked the seal of the file the path named, then h5py opened the path again: a file
+    renamed over it in between reached HDF5 unchecked (here a sound one, whose rows then loaded)."""
+    from speedswap.files import h5
+    path, other = tmp_path / "t.h5", tmp_path / "other.h5"
+    make_table(rng).save(path)
+    make_table(rng).save(other)
+    check_seal = h5.check_seal
+    replaced = []
+
+    def check_then_replace(*args):
+        check_seal(*args)
+        if not replaced:
+            os.replace(other, path)
+            replaced.append(path)
+    monkeypatch.setattr(h5, "check_seal", check_then_replace)
+    table = make_table(rng)
+    before = table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match="was changed or replaced since it was verified"):
+        table.load_from(path)
+    assert replaced
+    np.testing.assert_array_equal(table.to_numpy(), before)
+    table.load_from(path)  # the writer is done: a load again reads the file now there
+    np.testing.assert_array_equal(table.to_numpy(), ss.HostTable.load(path, backend="numpy").to_numpy())

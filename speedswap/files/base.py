@@ -32,6 +32,8 @@ __all__ = [
     "reading_error",
     "check_matches",
     "identity",
+    "file_version",
+    "changed_error",
     "mapped_identity",
     "CHUNK_BYTES",
     "write_chunk",
@@ -113,6 +115,22 @@ def table_dtype_of(dtype):
 def identity(stat) -> tuple:
     """``(st_dev, st_ino)`` of an ``os.stat`` result: which file it is, whatever its path."""
     return stat.st_dev, stat.st_ino
+
+
+def file_version(stat) -> tuple:
+    """Which file an ``os.stat`` result is, and its size and change times: any write changes one.
+
+    The times are as fine as the file system keeps them: a write within the
+    same clock tick as an earlier ``stat`` may leave them equal.
+    """
+    return (*identity(stat), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+def changed_error(path) -> FileFormatError:
+    """The :class:`FileFormatError` for a file changed or replaced between its verification and a read of it."""
+    return FileFormatError(f"{os.fspath(path)!r} was changed or replaced since it was verified (a "
+                           f"save to it, or another writer?); nothing was loaded from it: load it again "
+                           f"once the writer is done (do not save to a file while it is loaded)")
 
 
 def mapped_identity(address) -> Optional[tuple]:

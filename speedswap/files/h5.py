@@ -14,8 +14,8 @@ import torch
 from ..atomic import as_path, atomic_output, check_regular_file, opening_error
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
-from .base import (TableHeader, check_dtype, check_matches, reading_error, row_ranges,
-                   table_dtype_of)
+from .base import (TableHeader, changed_error, check_dtype, check_matches, file_version, reading_error,
+                   row_ranges, table_dtype_of)
 from .h5seal import check_seal, seal, userblock_size
 
 __all__ = ["check_dataset_name", "read_h5_header", "open_h5", "read_h5_into", "write_h5"]
@@ -150,17 +150,26 @@ def open_h5(path):
     its attributes, names, types or rows are read: ``KeyError``, ``OSError``,
     ``RuntimeError``, ``TypeError``, ``ValueError``) becomes a :class:`FileFormatError`.
     A file speedswap sealed (:mod:`~speedswap.files.h5seal`) has its HDF5
-    metadata verified first: HDF5 could hang or crash on a damaged one.
+    metadata verified first: HDF5 could hang or crash on a damaged one. HDF5
+    opens the file by its path again, so the file it opened must be the one
+    verified, unchanged since (:func:`~speedswap.files.base.file_version`).
 
     Raises:
         MissingFileError, PathError: no such file, a directory, not a regular file
             (a named pipe), no permission to read it, or locked by a writer.
-        FileFormatError: not a readable HDF5 file (truncated, damaged, another format).
+        FileFormatError: not a readable HDF5 file (truncated, damaged, another format),
+            or replaced or changed between the check of its seal and HDF5's open.
     """
     path = check_regular_file(path, "HDF5 file")
     try:
-        check_seal(path)
-        f = _h5py().File(path, "r")
+        # Held open until HDF5 has opened the path: the verified file's inode cannot be reused meanwhile.
+        with open(path, "rb") as checked:
+            verified = file_version(os.fstat(checked.fileno()))  # before the check reads: a write after it shows
+            check_seal(checked, path)
+            f = _h5py().File(path, "r")
+            if file_version(os.fstat(f.id.get_vfd_handle())) != verified:  # the default (sec2) driver's descriptor
+                f.close()
+                raise changed_error(path)
     except OSError as exc:
         if isinstance(exc, SpeedswapError):
             raise

@@ -78,38 +78,42 @@ def seal(path, spans) -> None:
         f.write(struct.pack("<II", metadata_crc, zlib.crc32(MAGIC + body)))
 
 
-def check_seal(path) -> None:
-    """Verify the seal of the HDF5 file ``path``, if it has one; read only its header and metadata.
+def check_seal(f, path) -> None:
+    """Verify the seal of an HDF5 file open for reading, if it has one; read only its header and metadata.
+
+    Args:
+        f: the file, open in binary mode (its position is left anywhere).
+        path: its path, for the messages.
 
     Raises:
         FileFormatError: the file starts with MAGIC, or within a few bits of it, and
             its seal or its metadata does not match: it is damaged.
         OSError: the file could not be read.
     """
-    with open(path, "rb") as f:
-        start = f.read(_FIXED.size)
-        if len(start) < _FIXED.size or start[:len(MAGIC)] != MAGIC:
-            if _bits_off(start[:len(MAGIC)]) <= _NEAR_BITS:
-                raise _damaged(path, "its seal's magic string is damaged")
-            return  # no seal: a file from an older speedswap or another tool
-        _, metadata_crc, header_crc, version, count, size = _FIXED.unpack(start)
-        if _FIXED.size + count * _SPAN.size > min(size, os.fstat(f.fileno()).st_size):
-            raise _damaged(path, "its seal's header is damaged")
-        body = start[24:] + f.read(count * _SPAN.size)
-        if zlib.crc32(MAGIC + body) != header_crc:
-            raise _damaged(path, "its seal's header is damaged")
-        if version != VERSION:
-            raise FileFormatError(f"{os.fspath(path)!r} is sealed in format {version}, which this speedswap "
-                                  f"does not know (it knows {VERSION}); read it with a newer speedswap")
-        actual = os.fstat(f.fileno()).st_size
-        if actual != size:
-            raise _damaged(path, f"it is truncated ({actual} bytes of the {size} written)" if actual < size
-                           else f"it is {actual - size} bytes longer than written")
-        spans = [_SPAN.unpack_from(body, 16 + i * _SPAN.size) for i in range(count)]
-        if not _in_order(spans, size):
-            raise _damaged(path, "its seal's list of spans is damaged")
-        if _metadata_crc(f, spans, size) != metadata_crc:
-            raise _damaged(path, "its metadata checksum does not match")
+    f.seek(0)
+    start = f.read(_FIXED.size)
+    if len(start) < _FIXED.size or start[:len(MAGIC)] != MAGIC:
+        if _bits_off(start[:len(MAGIC)]) <= _NEAR_BITS:
+            raise _damaged(path, "its seal's magic string is damaged")
+        return  # no seal: a file from an older speedswap or another tool
+    _, metadata_crc, header_crc, version, count, size = _FIXED.unpack(start)
+    if _FIXED.size + count * _SPAN.size > min(size, os.fstat(f.fileno()).st_size):
+        raise _damaged(path, "its seal's header is damaged")
+    body = start[24:] + f.read(count * _SPAN.size)
+    if zlib.crc32(MAGIC + body) != header_crc:
+        raise _damaged(path, "its seal's header is damaged")
+    if version != VERSION:
+        raise FileFormatError(f"{os.fspath(path)!r} is sealed in format {version}, which this speedswap "
+                              f"does not know (it knows {VERSION}); read it with a newer speedswap")
+    actual = os.fstat(f.fileno()).st_size
+    if actual != size:
+        raise _damaged(path, f"it is truncated ({actual} bytes of the {size} written)" if actual < size
+                       else f"it is {actual - size} bytes longer than written")
+    spans = [_SPAN.unpack_from(body, 16 + i * _SPAN.size) for i in range(count)]
+    if not _in_order(spans, size):
+        raise _damaged(path, "its seal's list of spans is damaged")
+    if _metadata_crc(f, spans, size) != metadata_crc:
+        raise _damaged(path, "its metadata checksum does not match")
 
 
 def _bits_off(start: bytes) -> int:

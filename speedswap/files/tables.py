@@ -14,7 +14,8 @@ import torch
 
 from ..convert import torch_dtype
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
-from .base import TableHeader, crc32_of, file_format, identity, native_dtype, reading_error, row_ranges
+from .base import (TableHeader, changed_error, crc32_of, file_format, file_version, native_dtype, reading_error,
+                   row_ranges)
 from .h5 import dataset_names, normal_dataset_name, open_h5, read_h5_header, read_h5_into, write_h5
 from .npy import read_npy_header, read_npy_into, read_npy_rows, write_npy
 
@@ -146,23 +147,13 @@ def _check_no_other_datasets(path, dataset) -> None:
                         f"table), or delete the file first if they are yours to lose")
 
 
-def _version(stat) -> tuple:
-    """Which file an ``os.stat`` result is, and its size and change times: any write changes one."""
-    return (*identity(stat), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
-
-
-def _changed(path) -> FileFormatError:
-    return FileFormatError(f"{os.fspath(path)!r} was changed or replaced since it was verified (a "
-                           f"save to it, or another writer?); nothing was loaded from it: load it again")
-
-
 def _file_chunks(path, header, dataset, ranges, version=None):
     """Yield ``(start, stop, numpy rows)`` of a validated table file, chunk by chunk, in this machine's byte order.
 
     Args:
         version: when given, the file opened must still be the one of this
-            :func:`_version`, or nothing is read (the reads all go through
-            that one open file, whatever its path names later).
+            :func:`~speedswap.files.base.file_version`, or nothing is read (the
+            reads all go through that one open file, whatever its path names later).
 
     Raises:
         FileFormatError: a chunk cannot be read (corrupt, or the file
@@ -172,14 +163,14 @@ def _file_chunks(path, header, dataset, ranges, version=None):
         if file_format(path) == "npy":
             # Read, not mapped: a file truncated while it is read raises instead of SIGBUS.
             with open(path, "rb") as f:
-                if version is not None and _version(os.fstat(f.fileno())) != version:
-                    raise _changed(path)
+                if version is not None and file_version(os.fstat(f.fileno())) != version:
+                    raise changed_error(path)
                 for start, stop in ranges:
                     yield start, stop, _native(read_npy_rows(f, header, start, stop, path))
             return
         with open_h5(path) as f:
-            if version is not None and _version(os.fstat(f.id.get_vfd_handle())) != version:
-                raise _changed(path)
+            if version is not None and file_version(os.fstat(f.id.get_vfd_handle())) != version:
+                raise changed_error(path)
             for start, stop in ranges:
                 yield start, stop, _native(f[dataset][start:stop])
     except OSError as exc:
@@ -284,7 +275,7 @@ class StagedRows:
                  chunks: Optional[list] = None):
         self.path, self.header, self.dataset, self.rows = path, header, dataset, rows
         self.first = first  # the file row that rows[0] holds
-        self._version = version  # the file as verified (_version), when rows is None
+        self._version = version  # the file as verified (file_version), when rows is None
         self._chunks = chunks  # [(start, stop, CRC-32 of the rows up to stop)] as verified
 
     def check_unchanged(self) -> None:
@@ -298,7 +289,7 @@ class StagedRows:
                 it was verified; nothing was loaded.
         """
         if self.rows is None and not _same_version(self.path, self._version):
-            raise _changed(self.path)
+            raise changed_error(self.path)
 
     def commit(self, table, *, rows: Optional[range] = None, at: int = 0) -> None:
         """Copy the staged rows into ``table`` (its dtype and width as checked when staging).
@@ -409,7 +400,7 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
     version, chunks = None, []
     if held is None:  # commit reads the file again: it must find what is verified here
         try:
-            version = _version(os.stat(path))
+            version = file_version(os.stat(path))
         except OSError as exc:
             raise reading_error(path, exc) from exc
     crc = 0
@@ -427,14 +418,14 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
     if crc32 is not None and crc != crc32:
         raise _corrupt(path, crc, crc32)
     if held is None and not _same_version(path, version):
-        raise _changed(path)  # written while it was read: the CRC-32s may describe no single file
+        raise changed_error(path)  # written while it was read: the CRC-32s may describe no single file
     return StagedRows(path, header, dataset, held, first=rows.start, version=version,
                       chunks=chunks)
 
 
 def _same_version(path, version) -> bool:
-    """Whether ``path`` is still the file of :func:`_version` ``version``, unchanged."""
+    """Whether ``path`` is still the file of :func:`~speedswap.files.base.file_version` ``version``, unchanged."""
     try:
-        return _version(os.stat(path)) == version
+        return file_version(os.stat(path)) == version
     except OSError:
         return False
