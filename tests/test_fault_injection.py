@@ -469,3 +469,36 @@ def test_a_save_whose_old_version_cannot_be_removed_after_the_commit_succeeds(rn
     saver.save(path)
     monkeypatch.undo()
     assert _holds(saver, path, new)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+@pytest.mark.parametrize("at", ["removal", "sync"])
+def test_an_interrupt_after_a_directory_save_committed_says_the_save_happened(at, rng, tmp_path, monkeypatch):
+    """Ctrl-C while the old version was removed (or CURRENT's directory synced), after CURRENT named the
+    new version, came out as a bare KeyboardInterrupt of the save: the caller could only believe the save
+    failed. It still goes on (an interrupt is never swallowed), with a note that the save happened; the
+    next save removes what the interrupt left, and loads read the new version meanwhile."""
+    import shutil
+    from speedswap import atomic
+    saver, path, old = _prepared("embedding-dir", False, rng, tmp_path)
+    _fill(saver.tables().values(), rng)
+    new = _content(saver.tables())
+    module, name = (shutil, "rmtree") if at == "removal" else (atomic, "fsync_dir")
+    original, calls = getattr(module, name), [0]
+
+    def interrupted_after_the_commit(*args, **kwargs):
+        calls[0] += 1
+        if os.path.exists(path / "CURRENT") and (path / "CURRENT").read_text().strip() != "v000001":
+            raise Interrupted()
+        return original(*args, **kwargs)
+    monkeypatch.setattr(module, name, interrupted_after_the_commit)
+    with pytest.raises(Interrupted) as info:
+        saver.save(path)
+    monkeypatch.undo()
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert f"the save of {os.fspath(path)!r} had completed" in notes and "v000002" in notes, notes
+    assert _holds(saver, path, new)
+    _fill(saver.tables().values(), rng)
+    newer = _content(saver.tables())
+    saver.save(path)
+    assert _holds(saver, path, newer) and _only_the_checkpoint(saver, tmp_path, path), _tree(tmp_path)

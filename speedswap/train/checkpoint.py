@@ -11,7 +11,8 @@ from step 900 silently trains wrong. Both formats are therefore all-or-nothing:
   ``v000007/`` (``<name>.npy`` per table and a ``checkpoint.json`` manifest with
   a CRC-32 per table and which tables are bfloat16) under a temporary name,
   renames it into place, and only then replaces the one-line pointer file
-  ``CURRENT`` atomically; older versions are removed after that. Whenever the
+  ``CURRENT`` atomically; older versions are removed after that (an interrupt
+  during that cleanup goes on with a note that the save completed). Whenever the
   process dies, ``CURRENT`` names a whole version: the old one or the new one;
   a save that fails or is interrupted removes the version it wrote. The first
   save builds the whole directory under a temporary name and renames it to ``path``.
@@ -240,19 +241,41 @@ def _save_version(path, tables, attrs):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    with _noting_a_commit(path, name):
+        try:
+            atomic.fsync_dir(path)
+            _write_pointer(path, name)  # the commit point
+        except BaseException:
+            # CURRENT decides which version the failure left as the checkpoint: the other
+            # is a whole copy of the tables nothing will read, so it goes now, not at the
+            # next save (after a full disk the user would otherwise be short of that space).
+            if _pointed_to(path) == name:
+                _remove_old_versions(path, name, legacy=current == path)
+            else:
+                shutil.rmtree(final, ignore_errors=True)
+            raise
+        _remove_old_versions(path, name, legacy=current == path)
+
+
+@contextlib.contextmanager
+def _noting_a_commit(path, name):
+    """Let what stops a save after its commit go on, with a note that the save happened.
+
+    Once ``CURRENT`` names the new version ``name``, only cleanup is left
+    (syncing the directory, removing the older versions), which raises
+    nothing but an interrupt (Ctrl-C) or the like. That must not be
+    swallowed, but bare it reads as a save that failed, and the caller may
+    retry or give up on a checkpoint that is in place: the note (Python 3.11+)
+    says so. Whatever the cleanup left, loads do not read and the next save removes.
+    """
     try:
-        atomic.fsync_dir(path)
-        _write_pointer(path, name)  # the commit point
-    except BaseException:
-        # CURRENT decides which version the failure left as the checkpoint: the other
-        # is a whole copy of the tables nothing will read, so it goes now, not at the
-        # next save (after a full disk the user would otherwise be short of that space).
-        if _pointed_to(path) == name:
-            _remove_old_versions(path, name, legacy=current == path)
-        else:
-            shutil.rmtree(final, ignore_errors=True)
+        yield
+    except BaseException as exc:
+        if hasattr(exc, "add_note") and _pointed_to(path) == name:
+            exc.add_note(f"speedswap: the save of {path!r} had completed when this {type(exc).__name__} "
+                         f"came: CURRENT names the new version {name}, which loads read; only the cleanup "
+                         f"after it was cut short, and the next save removes the older versions it left")
         raise
-    _remove_old_versions(path, name, legacy=current == path)
 
 
 def _write_pointer(directory, name):
