@@ -1304,3 +1304,56 @@ def test_an_h5_file_replaced_between_its_seal_check_and_hdf5s_open_is_refused(tm
     np.testing.assert_array_equal(table.to_numpy(), before)
     table.load_from(path)  # the writer is done: a load again reads the file now there
     np.testing.assert_array_equal(table.to_numpy(), ss.HostTable.load(path, backend="numpy").to_numpy())
+
+
+def _superblock_version(path):
+    data = path.read_bytes()
+    return data[data.find(b"\x89HDF\r\n\x1a\n") + 8]
+
+
+def _h5py_writing_with(monkeypatch, libver, override):
+    """h5py.File writing with ``libver``: as h5py's default (``override`` False) or whatever the caller asks."""
+    file = h5py.File
+
+    def writing(name, mode="r", *args, **kwargs):
+        if mode == "w":
+            kwargs.update(libver=libver) if override else kwargs.setdefault("libver", libver)
+        return file(name, mode, *args, **kwargs)
+    monkeypatch.setattr(h5py, "File", writing)
+
+
+def test_a_sealed_file_has_a_superblock_of_version_0_whatever_h5py_defaults_to(tmp_path, rng, monkeypatch):
+    """The seal leaves out the consistency flags of superblocks 0 and 1 only: write_h5 took h5py's default
+    file format (today's: superblock 0), so a newer default (1.8's, superblock 2) would have been sealed
+    with its flags byte and checksum inside the CRC-32, which any HDF5 writer's open rewrites."""
+    _h5py_writing_with(monkeypatch, "v108", override=False)
+    table = make_table(rng)
+    table.save(tmp_path / "t.h5")
+    assert _superblock_version(tmp_path / "t.h5") == 0
+    np.testing.assert_array_equal(ss.HostTable.load(tmp_path / "t.h5", backend="numpy").to_numpy(),
+                                  table.to_numpy())
+
+
+@pytest.mark.parametrize("libver,version", [("v108", 2), ("v110", 3)])
+def test_a_sealed_file_with_a_superblock_of_version_2_or_3_reads_as_damaged_after_a_killed_writer(
+        tmp_path, rng, monkeypatch, libver, version):
+    """What speedswap never writes (see above), as its docs say: the seal covers such a superblock whole.
+    An HDF5 writer's open sets its flags byte and rewrites its checksum, and its close restores both:
+    the file loads; a writer killed holding it open leaves them set, and the file reads as damaged."""
+    _h5py_writing_with(monkeypatch, libver, override=True)
+    table = make_table(rng)
+    path = tmp_path / "t.h5"
+    table.save(path)
+    monkeypatch.undo()
+    assert _superblock_version(path) == version
+    with h5py.File(path, "r+"):
+        pass
+    np.testing.assert_array_equal(ss.HostTable.load(path, backend="numpy").to_numpy(), table.to_numpy())
+    pid = os.fork()
+    if pid == 0:  # a writer killed while it holds the file open, once it flushed
+        writer = h5py.File(path, "r+")
+        writer.flush()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    with pytest.raises(ss.FileFormatError, match="is damaged: its metadata checksum does not match"):
+        ss.HostTable.load(path, backend="numpy")

@@ -236,7 +236,9 @@ def write_h5(path, datasets, attrs=None, table_dtypes=None):
     h5py = _h5py()
     userblock = userblock_size(len(datasets) + 1)  # each dataset's rows, and the consistency flags
     with atomic_output(path) as tmp:
-        f = h5py.File(tmp, "w", userblock_size=userblock)
+        # The earliest file format, h5py's default today, pinned: its superblock (version 0)
+        # is one whose consistency flags the seal knows to leave out (_consistency_flags).
+        f = h5py.File(tmp, "w", userblock_size=userblock, libver="earliest")
         spans = []
         try:
             for name, (shape, dtype, chunks) in datasets.items():
@@ -273,8 +275,13 @@ def _consistency_flags(path, userblock) -> list:
     HDF5 sets them in place when a writer opens the file (and clears them when
     it closes it): a file merely opened for writing elsewhere, or left so by a
     writer that was killed, still holds what was saved, so the seal leaves
-    them out. Superblocks of version 0 and 1 (h5py's default) have them; for
-    another one, none are left out, and such an open reads as damage.
+    them out. Superblocks of version 0 and 1 keep them in 4 bytes of their own;
+    :func:`write_h5` writes version 0 (``libver="earliest"``). Versions 2
+    and 3 (``libver="v108"`` and later, SWMR) keep them in one byte under the
+    superblock's own checksum, which that open rewrites too: were one sealed,
+    nothing would be left out, and a file a writer was killed holding (where
+    HDF5 itself refuses a version 3 one, "file is already open for write")
+    would read as damaged.
     """
     with open(path, "rb") as f:
         f.seek(userblock)
