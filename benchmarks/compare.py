@@ -62,11 +62,13 @@ BETTER = {
     "over_cpu": "higher", "over_gensim": "higher",
     # allocator.py: a step's time under each allocator over glibc's; working_set.py: now over before
     "vs_glibc": "lower", "now / before": "lower",
+    # h5_load.py: each way of loading an .h5 table over reading its rows, then checksumming them
+    "vs_read_then_crc": "lower",
 }
 
 #: Fields that tell the rows of a list apart (the first scalar ones a row has, in this order).
 ROW_KEYS = ("case", "method", "setup", "allocator", "order", "name", "distribution", "vocab",
-            "cache_fraction")
+            "cache_fraction", "variant")
 
 
 class CompareError(Exception):

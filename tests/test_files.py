@@ -440,3 +440,20 @@ def test_a_save_over_a_file_a_live_table_writes_through_a_map_is_refused(name, v
     fresh.scatter(np.arange(len(values)), values * 2)
     fresh.flush()
     np.testing.assert_array_equal(np.load(path), values * 2)
+
+
+def test_crc32_behind_the_reads_is_the_crc32_of_all_the_chunks_in_order(rng, tmp_path, monkeypatch):
+    """HostTable.load computes the rows' CRC-32 on a second thread, chunk by chunk behind the reads: it must
+    be zlib's CRC-32 of every byte in order, the one saves record (files saved before still verify)."""
+    import zlib
+    chunks = [rng.standard_normal((int(rng.integers(1, 5000)), 7)).astype(np.float32) for _ in range(6)]
+    whole = np.concatenate(chunks)
+    assert files.base.crc32_behind(iter(chunks)) == zlib.crc32(whole.tobytes())
+    assert files.base.crc32_behind(iter([])) == 0
+    path = tmp_path / "t.h5"
+    ss.HostTable.from_numpy(whole, backend="numpy").save(path)
+    out = np.empty_like(whole)
+    header = files.read_h5_header(path, "table")
+    monkeypatch.setattr(files.base, "CHUNK_BYTES", 64 << 10)  # several chunks of rows
+    assert files.read_h5_into(path, out, "table", header, crc32=True) == zlib.crc32(whole.tobytes()) == header.crc32
+    np.testing.assert_array_equal(out, whole)

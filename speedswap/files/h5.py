@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import re
+from typing import Optional
 
 import numpy as np
 import torch
@@ -14,8 +15,8 @@ import torch
 from ..atomic import as_path, atomic_output, check_regular_file, opening_error
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
-from .base import (TableHeader, changed_error, check_dtype, check_matches, file_version, reading_error,
-                   row_ranges, table_dtype_of)
+from .base import (TableHeader, changed_error, check_dtype, check_matches, crc32_behind, file_version,
+                   reading_error, row_ranges, table_dtype_of)
 from .h5seal import check_seal, seal, userblock_size
 
 __all__ = ["check_dataset_name", "read_h5_header", "open_h5", "read_h5_into", "write_h5"]
@@ -193,21 +194,40 @@ def open_h5(path):
         raise reading_error(path, exc) from exc
 
 
-def read_h5_into(path, out, dataset, header=None):
+def read_h5_into(path, out, dataset, header=None, crc32: bool = False) -> Optional[int]:
     """Read dataset ``dataset`` into the C-contiguous array ``out``, in row chunks.
 
+    Args:
+        path: the HDF5 file.
+        out: the array to fill.
+        dataset: the dataset's name.
+        header: its :func:`read_h5_header`, if read already.
+        crc32: also compute the CRC-32 of ``out``'s bytes, each chunk's
+            while the next one is read (:func:`~speedswap.files.base.crc32_behind`).
+
+    Returns:
+        that CRC-32, or None without ``crc32``.
+
     Raises:
-        FileFormatError: the dataset's shape or dtype differ from ``out``'s.
+        FileFormatError: the dataset's shape or dtype differ from ``out``'s, or a chunk cannot be read.
     """
     header = header or read_h5_header(path, dataset)
     check_matches(header, out.shape, out.dtype, path)
     with open_h5(path) as f:
         data = f[dataset]
-        for start, stop in row_ranges(out.shape, out.dtype):
-            try:
-                data.read_direct(out, np.s_[start:stop], np.s_[start:stop])
-            except OSError as exc:  # a corrupt (compressed) chunk
-                raise reading_error(path, exc) from exc
+
+        def chunks():
+            for start, stop in row_ranges(out.shape, out.dtype):
+                try:
+                    data.read_direct(out, np.s_[start:stop], np.s_[start:stop])
+                except OSError as exc:  # a corrupt (compressed) chunk
+                    raise reading_error(path, exc) from exc
+                yield out[start:stop]
+        if crc32:
+            return crc32_behind(chunks())
+        for _ in chunks():
+            pass
+        return None
 
 
 def write_h5(path, datasets, attrs=None, table_dtypes=None):

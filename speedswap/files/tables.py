@@ -230,9 +230,9 @@ def read_table(table, path, header: TableHeader, dataset: str = "table") -> None
         host = table.to_numpy()
         if file_format(path) == "npy":
             read_npy_into(path, host, header)
+            crc = None if header.crc32 is None else crc32_of(host)
         else:
-            read_h5_into(path, host, dataset, header)
-        crc = None if header.crc32 is None else crc32_of(host)
+            crc = read_h5_into(path, host, dataset, header, crc32=header.crc32 is not None)
         if crc != header.crc32:
             raise _corrupt(path, crc, header.crc32)
         return
