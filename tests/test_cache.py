@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from torch.overrides import TorchFunctionMode
 
 import speedswap as ss
+from speedswap.train import sync_free
 from speedswap.train.cache import COUNTERS
 from speedswap.train.sketch import FrequencySketch
 from test_optimizer_equivalence import OPTIMIZERS, TOL, assert_same, torch_initial
@@ -591,6 +593,79 @@ def test_after_a_prefetch_each_stream_waits_for_its_copies_once(monkeypatch):
     current[0] = main
     opt.step()
     assert waits() == ["main"]
+
+
+class _SideStreamUses(TorchFunctionMode):
+    """Collects, while ``on_side[0]``, the tensors the side stream's work uses that the caching allocator
+    could hand out again under that work: made before on another stream and not recorded for the side one.
+
+    On a GPU a freed block goes back to the stream it was made on, and a later allocation there
+    takes it at once, whatever other streams still have queued on it, unless the tensor was
+    recorded for them (``record_stream``). Reads of a tensor's metadata touch no memory; the
+    host tables' memory is kept by their own events (``Buffer.pending``), not by the allocator.
+    """
+
+    _METADATA = {"__get__", "__len__", "dim", "size", "numel", "is_contiguous", "element_size",
+                 "stride", "storage_offset"}
+
+    def __init__(self, on_side, recorded, host):
+        super().__init__()
+        self.on_side, self.recorded, self.host = on_side, recorded, host
+        self.made = []  # kept alive: a freed tensor's address could pass for a later one's
+        self.unkept = []
+
+    def _known(self, tensor):
+        return any(tensor.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                   for t in (*self.made, *self.recorded, *self.host))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.on_side[0]:
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
+        if name not in self._METADATA:
+            for tensor in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(tensor, torch.Tensor) and not self._known(tensor):
+                    self.unkept.append((name, tuple(tensor.shape)))
+        result = func(*args, **kwargs)
+        self.made += [t for t in torch.utils._pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        return result
+
+
+def test_every_tensor_a_prefetch_copies_with_outlives_its_copies_on_the_side_stream(monkeypatch, rng):
+    """A prefetch's copies on the side stream read and write the cache's rows and state rows, made on
+    the training stream. Unrecorded for the side stream, they were freed under those copies when the
+    cache went without a wait for them (an embedding dropped right after a prefetch): the allocator
+    could give their memory to the next tensor made while the side stream still wrote rows into it."""
+    monkeypatch.setattr(sync_free, "_numpy_shortcut", lambda tensor: False)  # the GPU's branches
+    emb, opt = _embedding("numpy", cache_rows=8, opt=torch.optim.Adam)
+    for _ in range(4):
+        _step(emb, opt, rng.integers(0, 40, 12))
+    cache, on_side, recorded = emb._cache, [False], []
+    assert (cache.slot_row >= 0).all(), "the prefetch below must evict, and write back, cached rows"
+    main, cache._side = _FakeStream("main", []), _FakeStream("side", [])
+
+    @contextlib.contextmanager
+    def stream(s):
+        on_side[0] = s is cache._side
+        try:
+            yield
+        finally:
+            on_side[0] = False
+
+    def record_stream(tensor, s):
+        if s is cache._side:
+            recorded.append(tensor)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream, raising=False)
+    host = [table._buffer.tensor for table in (cache.table, *cache.state_tables.values())]
+    uses = _SideStreamUses(on_side, recorded, host)
+    with uses:
+        brought = emb.prefetch(torch.from_numpy(rng.permutation(np.arange(60, 100))[:6]))
+    assert brought == 6 and uses.made, "the side stream's copies must have run"
+    assert not uses.unkept, f"used on the side stream, neither made there nor recorded for it: {uses.unkept}"
 
 
 def test_prefetch_checks_ids_and_order(backend):

@@ -714,9 +714,12 @@ class RowCache:
         score = self.sketch.estimate(rows)
         if self._side is not None:
             # Copies wait for the current stream's earlier writes; the tensors
-            # they read must outlive them on the side stream.
+            # they read or write must outlive them on the side stream: the cache's
+            # rows too, which a cache dropped before any stream waited for the
+            # copies (an embedding collected right after a prefetch) would free
+            # under them, for the allocator to hand out while they still write.
             self._side.wait_stream(torch.cuda.current_stream(self.device))
-            for tensor in (rows, victims, changed, changed_rows):
+            for tensor in (rows, victims, changed, changed_rows, self.weights, *self.states.values()):
                 tensor.record_stream(self._side)
         self._waited.clear()  # every stream waits for the copies queued below
         # What may fail (the write-back's and the copies' allocations) runs before the slots
