@@ -1,6 +1,7 @@
 """BatchFeeder: every row once per epoch, reproducible orders, exact resume, sharding."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap.data.orders import BlockOrder, RandomOrder, make_order, shard
+from speedswap.data.orders import BlockOrder, RandomOrder, SequentialOrder, make_order, shard
 
 ORDERS = ["random", "block", "sequential"]
 
@@ -975,3 +976,27 @@ def test_a_read_ahead_forked_while_its_thread_queued_a_batch_hands_out_the_queue
         assert_child_forked_holding_succeeds(reader._queue.mutex, child)  # as the thread inside put()
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("kind", [BlockOrder, SequentialOrder])
+@pytest.mark.parametrize("window", [2**40, 2**70])
+def test_a_window_whose_layout_cannot_fit_in_ram_is_refused_with_the_largest_that_fits(kind, window, rng):
+    """window=2**40 raised a raw MemoryError (8 TiB of padding) and 2**70 numpy's ValueError, mid-loop."""
+    x = rng.standard_normal((50, 2)).astype(np.float32)
+    with pytest.raises(ss.OptionError, match=rf"window={window}\) .*RAM available.*use a window of at most "):
+        ss.BatchFeeder(x, batch_size=10, order=kind(window=window), device="cpu")
+    with pytest.raises(ss.OptionError, match=rf"window={window}\) .*RAM available"):
+        kind(block_rows=5, window=window).windows(50, seed=0, epoch=0)
+
+
+def test_the_largest_window_named_is_accepted_and_one_more_is_refused(monkeypatch, rng):
+    import speedswap.data.orders as orders_module
+    monkeypatch.setattr(orders_module, "available_ram", lambda: 1 << 20)
+    block_rows = int(rng.integers(3, 9))
+    with pytest.raises(ss.OptionError, match=r"use a window of at most [\d,]+ blocks") as refused:
+        BlockOrder(block_rows=block_rows, window=1 << 20).indices(50, seed=0, epoch=0)
+    most = int(re.search(r"at most ([\d,]+) ", str(refused.value)).group(1).replace(",", ""))
+    rows = BlockOrder(block_rows=block_rows, window=most).indices(50, seed=0, epoch=0)
+    np.testing.assert_array_equal(np.sort(rows), np.arange(50))
+    with pytest.raises(ss.OptionError):
+        BlockOrder(block_rows=block_rows, window=most + 1).indices(50, seed=0, epoch=0)

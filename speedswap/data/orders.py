@@ -18,6 +18,7 @@ resumable: the rest of an epoch is recomputed, never stored.
 
 import numpy as np
 
+from ..backends import available_ram
 from ..convert import int_option
 from ..errors import OptionError
 
@@ -35,6 +36,31 @@ def _chosen(order):
         raise OptionError(f"{type(order).__name__}(block_rows=None) needs a block size; build it with "
                           f"make_order(order, row_bytes) or pass block_rows")
     return order.block_rows
+
+
+def _check_window(order, num_rows):
+    """Refuse a window whose layout could not fit in the RAM available now.
+
+    A window larger than the data's blocks is allowed, not capped: the layout
+    pads it with empty slots, which changes a block order's shuffle, so
+    capping would change the stream of a saved feeder. But the padding is
+    laid out whole, so an absurd window (``2**40``) fails there.
+
+    Args:
+        order: a windowed order whose ``block_rows`` is chosen.
+        num_rows: rows in the dataset.
+
+    Raises:
+        OptionError: one window's layout needs more than the RAM available.
+    """
+    per_block, room = order._layout_bytes_per_block, available_ram()
+    if order.window * per_block > room:
+        num_blocks = -(-num_rows // order.block_rows)
+        raise OptionError(f"{type(order).__name__}(window={order.window}) would lay out "
+                          f"{order.window * per_block:,} bytes per window ({per_block} per block), more than "
+                          f"the RAM available ({room:,} bytes); use a window of at most {room // per_block:,} "
+                          f"blocks (the data has {num_blocks:,} block(s) of {order.block_rows} rows: a window "
+                          f"of {num_blocks:,} already holds them all)")
 
 
 def _generator(seed, epoch):
@@ -93,9 +119,20 @@ class SequentialOrder(Order):
         """``arange(num_rows)``; ``seed`` and ``epoch`` are ignored."""
         return np.arange(num_rows, dtype=np.int64)
 
+    @property
+    def _layout_bytes_per_block(self):
+        """Bytes :meth:`windows` lays out per block of a window: its int64 block id."""
+        return 8
+
     def windows(self, num_rows, seed, epoch):
-        """The blocks in file order, ``window`` at a time (see :meth:`BlockOrder.windows`)."""
+        """The blocks in file order, ``window`` at a time (see :meth:`BlockOrder.windows`).
+
+        Raises:
+            OptionError: ``block_rows`` was never chosen, or the window's layout
+                would not fit in the RAM available.
+        """
         num_blocks = -(-num_rows // _chosen(self))
+        _check_window(self, num_rows)
         grid = np.full(-(-num_blocks // self.window) * self.window, -1, dtype=np.int64)
         grid[:num_blocks] = np.arange(num_blocks)
         return grid.reshape(-1, self.window)
@@ -132,7 +169,9 @@ class BlockOrder(Order):
         window: blocks shuffled together.
 
     Raises:
-        OptionError: a non-positive ``block_rows`` or ``window``.
+        OptionError: a non-positive ``block_rows`` or ``window``; when the
+            epoch is laid out (or a feeder takes the order), a window whose
+            ``window * block_rows`` row ids would not fit in the RAM available.
     """
 
     name = "block"
@@ -146,7 +185,8 @@ class BlockOrder(Order):
         """Blocks shuffled, then rows shuffled within each window of blocks (see :meth:`Order.indices`).
 
         Raises:
-            OptionError: ``block_rows`` was never chosen (use :func:`make_order`).
+            OptionError: ``block_rows`` was never chosen (use :func:`make_order`),
+                or the window's layout would not fit in the RAM available.
         """
         return self._layout(num_rows, seed, epoch)[1]
 
@@ -164,6 +204,11 @@ class BlockOrder(Order):
         """
         return self._layout(num_rows, seed, epoch)[0]
 
+    @property
+    def _layout_bytes_per_block(self):
+        """Bytes the layout takes per block of a window: ``block_rows`` int64 row ids, and their shuffled copy."""
+        return 16 * _chosen(self)
+
     def _layout(self, num_rows, seed, epoch):
         # The feeder asks for an epoch's indices and then its windows: compute them once.
         key = (num_rows, seed, epoch, self.block_rows, self.window)
@@ -174,6 +219,7 @@ class BlockOrder(Order):
 
     def _compute_layout(self, num_rows, seed, epoch):
         size, window = _chosen(self), self.window
+        _check_window(self, num_rows)
         rng = _generator(seed, epoch)
         num_blocks = -(-num_rows // size)
         num_windows = -(-num_blocks // window)
@@ -211,7 +257,8 @@ def make_order(order, row_bytes, num_rows):
         An order object with an ``indices(num_rows, seed, epoch)`` method.
 
     Raises:
-        OptionError: an unknown order.
+        OptionError: an unknown order, or a window whose layout would not fit
+            in the RAM available.
     """
     if isinstance(order, str):
         if order not in ORDERS:
@@ -226,6 +273,7 @@ def make_order(order, row_bytes, num_rows):
         capped = min(chosen, max(1, int(num_rows)))
         if capped != order.block_rows:
             order = type(order)(capped, order.window)
+        _check_window(order, num_rows)
     return order
 
 
