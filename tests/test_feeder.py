@@ -1,5 +1,6 @@
 """BatchFeeder: every row once per epoch, reproducible orders, exact resume, sharding."""
 
+import inspect
 import os
 import re
 import signal
@@ -1000,3 +1001,19 @@ def test_the_largest_window_named_is_accepted_and_one_more_is_refused(monkeypatc
     np.testing.assert_array_equal(np.sort(rows), np.arange(50))
     with pytest.raises(ss.OptionError):
         BlockOrder(block_rows=block_rows, window=most + 1).indices(50, seed=0, epoch=0)
+
+
+@pytest.mark.filterwarnings("ignore:speedswap. no CUDA device here")
+def test_device_none_is_documented_and_delivers_where_auto_and_a_tables_none_do(rng):
+    """device=None was accepted as "auto" though the docstring listed only the strings."""
+    device_doc = re.search(r"^    device: (.*?)^    \w", inspect.getdoc(ss.BatchFeeder), re.S | re.M).group(1)
+    assert "None" in device_doc and "torch.device" in device_doc
+    x = rng.standard_normal((30, 3)).astype(np.float32)
+    none = ss.BatchFeeder(x, batch_size=7, device=None, seed=5)
+    auto = ss.BatchFeeder(x, batch_size=7, device="auto", seed=5)
+    table = ss.HostTable.zeros(4, 3, device=None)
+    assert none.device == auto.device == table.device
+    for (a,), (b,) in zip(none, auto):
+        assert a.device == none.device
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    table.close()

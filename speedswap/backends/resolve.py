@@ -184,7 +184,7 @@ def resolve_device(device: DeviceLike = "auto") -> torch.device:
     """The torch device that ``device`` means, decided as :func:`get_backend` decides.
 
     Args:
-        device: ``"auto"`` (the device of ``get_backend("auto")``), ``"cpu"``,
+        device: ``"auto"`` or None (the device of ``get_backend("auto")``), ``"cpu"``,
             ``"cuda"``, ``"cuda:N"``, an int or a ``torch.device``.
 
     Returns:

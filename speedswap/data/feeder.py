@@ -331,7 +331,9 @@ class BatchFeeder:
         drop_last: drop the last, incomplete batch (and, with several ranks,
             the rows that do not divide evenly between them).
         seed: seeds the order; the same seed gives the same stream.
-        device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``,
+            a CUDA index or a ``torch.device``; None is ``"auto"`` (torch's current
+            CUDA device, else the CPU), as for tables and gadgets.
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"`` (the CPU), as for every
             speedswap object; ``device`` picks the GPU of ``"cuda"``.
         prefetch: batches read ahead (0: none, everything on the calling thread);
