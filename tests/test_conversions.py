@@ -77,3 +77,19 @@ def test_switchers_refuse_a_working_set_with_a_padding_slot():
     with pytest.raises(ss.OptionError, match="padding_idx=0"):
         ss.OptimizerFactory(torch.optim.SGD(model.parameters(), lr=0.1), ROWS, DIM,
                             torch.nn.ModuleDict({"e": model}), "e", backend="numpy")
+
+
+@pytest.mark.parametrize("kind", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
+def test_a_bfloat16_embedding_refuses_bfloat16_saying_it_is_bfloat16_already(kind):
+    """It said "build it with dtype=...", but it was built with dtype=torch.bfloat16: its weight is float32 by design."""
+    emb = kind(ROWS, DIM, max_rows=8, storage="pageable", backend="numpy", dtype=torch.bfloat16)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, 1), emb)
+    with pytest.raises(ss.OptionError, match="cannot be converted") as refused:
+        model.bfloat16()
+    message = str(refused.value)
+    assert "table is torch.bfloat16 already" in message and "float32 by design" in message
+    assert "build it with dtype" not in message
+    assert emb.weight.dtype is torch.float32
+    with pytest.raises(ss.OptionError, match="build it with dtype=") as other:
+        model.double()  # to another dtype than the table's, building it so is the way
+    assert "bfloat16 already" not in str(other.value)
