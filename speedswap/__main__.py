@@ -29,12 +29,15 @@ _REPEATS = 20  # the plain bench's timed rounds per contender
 
 def _demo(args: argparse.Namespace) -> int:
     from .apps.demo import format_demo, run_demo
+    from .backends import get_backend
 
+    backend = BACKEND_OF_DEVICE[args.device]
+    get_backend(backend)  # --device cuda on a machine without one: refused before the header, not under it
     size = "tiny" if args.tiny else "demo"
     # Where the tables are is said at the end ("storage"): on the CPU backend pinned means plain memory.
     print(f"speedswap demo: word2vec (skip-gram, SGD with word2vec's linear decay) on a synthetic "
           f"corpus with planted topics, both tables offloaded ({size} size, seed {args.seed})")
-    summary = run_demo(tiny=args.tiny, backend=BACKEND_OF_DEVICE[args.device], storage=args.storage,
+    summary = run_demo(tiny=args.tiny, backend=backend, storage=args.storage,
                        progress=not args.no_progress, seed=args.seed, cache_rows=args.cache_rows,
                        path=args.table_dir)
     print(format_demo(summary))

@@ -186,3 +186,13 @@ def test_demo_with_a_negative_seed_is_a_one_line_error(capsys, torch_threads):
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == ("python -m speedswap demo: error: argument --seed: '-1' is not a seed: an "
                                     "integer from 0 to 2**32 - 1"), err
+
+
+def test_demo_on_cuda_without_a_gpu_is_refused_before_its_header(monkeypatch, capsys):
+    """The header ("speedswap demo: word2vec ...") was printed, then the error under it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine, GPU or not, has none
+    monkeypatch.setattr(demo, "run_demo", lambda **kwargs: pytest.fail("the demo ran"))
+    assert main(["demo", "--tiny", "--device", "cuda", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith("python -m speedswap demo: error: torch sees no CUDA device") and err.count("\n") == 1, err
