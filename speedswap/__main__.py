@@ -49,6 +49,17 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _info() -> int:
+    from .apps.demo import format_bytes
+
+    # For people: a count of bytes is also given in binary units, after the exact number, which
+    # stays the first word of its value (scripts should read speedswap.info(), the dict, anyway).
+    summary = {key: f"{value} ({format_bytes(value)})" if key.endswith("_bytes") and value >= 1024 else value
+               for key, value in info().items()}
+    print(format_info(summary))
+    return 0
+
+
 def _json_file(text: str) -> str:
     """``--json``'s type: a file in an existing directory, checked before the run, or argparse's error."""
     directory = os.path.dirname(os.path.abspath(text))
@@ -188,8 +199,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warnings.formatwarning = lambda message, category, *_: f"{category.__name__}: {message}\n"
     try:
         if args.command == "info":
-            print(format_info(info()))
-            return 0
+            return _info()
         if args.command == "demo":
             return _demo(args)
         return _bench(args)

@@ -59,7 +59,7 @@ def test_info_command_prints_the_summary():
     lines = dict(line.split(None, 1) for line in out.strip().splitlines())
     assert lines["version"] == ss.__version__
     assert "numpy" in lines["backends"]
-    assert int(lines["host_bytes"]) == 256 * 16 * 4
+    assert int(lines["host_bytes"].split()[0]) == 256 * 16 * 4
     assert lines["tables"] == "1"
 
 def test_info_command_runs_as_a_module():
@@ -90,3 +90,16 @@ def test_info_while_another_thread_makes_and_closes_tables():
     for table in tables:
         table.close()
     assert ss.info()["tables"] == before - len(tables)
+
+
+def test_info_command_shows_byte_counts_in_binary_units_after_the_exact_number(monkeypatch, capsys, rng):
+    """It printed `ram_available_bytes  23620329472`: a count to read digit by digit."""
+    from speedswap.__main__ import main
+    info_module = sys.modules["speedswap.info"]  # `speedswap.info` is the function
+    ram = int(rng.integers(2**31, 2**36))
+    monkeypatch.setattr(info_module, "available_ram", lambda: ram)
+    assert main(["info"]) == 0
+    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.strip().splitlines())
+    assert lines["ram_available_bytes"] == f"{ram} ({ram / 2**30:.1f} GiB)"
+    for key in ("host_bytes", "device_bytes", "file_bytes", "cache_bytes"):
+        assert int(lines[key].split()[0]) == ss.info()[key]  # the exact count stays first
