@@ -909,3 +909,23 @@ def test_a_file_reader_closed_in_a_forked_child_does_not_wait_for_its_parents_po
         assert_child_forked_holding_succeeds(reader._pool._shutdown_lock, child)
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("name", ["c.txt", "c", "c.npz", "c.h5"])
+@pytest.mark.parametrize("filled", [False, True])
+def test_create_npy_refuses_a_name_that_is_not_npy_before_touching_it(tmp_path, rng, name, filled):
+    """create_npy("c.txt", ...) wrote a .npy file that DataGadget then refused to open by its suffix."""
+    path = tmp_path / name
+    kept = rng.bytes(64)
+    path.write_bytes(kept)
+    rows = rng.standard_normal((6, 3)).astype(np.float32)
+    fill = (lambda lo, hi: rows[lo:hi]) if filled else None
+    with pytest.raises(ss.OptionError, match=r"name it \*\.npy"):
+        ss.data.create_npy(path, rows.shape, np.float32, fill, progress=False)
+    assert path.read_bytes() == kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    made = ss.data.create_npy(tmp_path / "c.npy", rows.shape, np.float32, fill, progress=False)
+    if not filled:
+        made[:] = rows
+        made.flush()
+    np.testing.assert_array_equal(ss.DataGadget(tmp_path / "c.npy", backend="numpy").to_numpy(), rows)

@@ -43,7 +43,7 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
     place, so a map of it made earlier keeps the rows it had.
 
     Args:
-        path: the ``.npy`` file to create (replaced if it exists).
+        path: the ``*.npy`` file to create (replaced if it exists).
         shape: ``(num_rows, ...)``; an int ``n`` means ``(n,)``, as in numpy.
         dtype: a dtype speedswap's tables hold (numpy, torch or a name), not
             bfloat16; or uint16/uint32, for token ids ``BatchFeeder`` reads.
@@ -66,7 +66,8 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
             a masked array, or a sparse, nested or quantized tensor.
         DeviceError: ``fill`` returned a tensor on the meta device.
         OptionError: a non-positive ``chunk_bytes``, a ``fill`` that is not
-            callable, or a shape of more bytes than any file can hold.
+            callable, a shape of more bytes than any file can hold, or a
+            ``path`` not named ``*.npy``; each refused before ``path`` is touched.
         PathError: ``path`` is a directory, its directory does not exist, or
             the file system refused the write; a file already at ``path`` is
             intact.
@@ -85,6 +86,11 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
         raise OptionError(f"fill must be a function fill(start, stop) returning rows start .. stop - 1, "
                           f"got a {type(fill).__name__}; for an array x pass lambda lo, hi: x[lo:hi]")
     path = as_path(path)
+    if files.suffix_format(path) != "npy":
+        # The suffix is how speedswap (DataGadget, HostTable.load) tells a file's format: under
+        # another name the dataset written here could not be opened again.
+        raise OptionError(f"create_npy writes a .npy file, which DataGadget and HostTable.load know by "
+                          f"its suffix; name it *.npy, got {os.fspath(path)!r}")
     if fill is None:
         # Made beside the file and renamed over it: truncating an existing file in
         # place would zero the rows of whoever maps it (a DataGadget, a feeder).
