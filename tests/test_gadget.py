@@ -515,3 +515,28 @@ def test_a_gadget_closed_while_its_first_use_reads_releases_the_rows_read(rng, t
     with pytest.raises(ss.StateError, match="closed"):
         gadget.get([0])
     assert gadget.closed and built[0].closed  # the rows read are released, not held by the gadget
+
+
+def test_a_gadget_closed_while_a_load_reads_the_new_rows_holds_none_of_them(rng, tmp_path, monkeypatch):
+    """close() on one thread while load() on another read the new file: load installed the rows it
+    read into the closed gadget afterwards (page-locked memory, for a pinned gadget, held for the
+    gadget's life) and returned as if it had loaded them."""
+    path, other = tmp_path / "data.npy", tmp_path / "other.npy"
+    np.save(path, random_data(rng, (40, 3)))
+    np.save(other, random_data(rng, (17, 5)))
+    gadget = ss.data.gadget.DataGadget(path, storage="pinned", backend="numpy").read()
+    old = gadget.table
+    build, built = speedswap.data.gadget.DataGadget._build_table, []
+
+    def closed_while_reading(self):
+        built.append(build(self))
+        closer = threading.Thread(target=self.close)
+        closer.start()
+        closer.join(10)
+        return built[-1]
+
+    monkeypatch.setattr(speedswap.data.gadget.DataGadget, "_build_table", closed_while_reading)
+    with pytest.raises(ss.StateError, match="closed"):
+        gadget.load(other)
+    assert gadget.closed and old.closed and built[0].closed  # neither the old rows nor the new are held
+    assert gadget.shape == (40, 3) and gadget.path == str(path)  # the data it held when closed

@@ -394,22 +394,32 @@ class DataGadget:
         Raises:
             FileFormatError, FileNotFoundError, OptionError: as the constructor.
             OutOfMemoryError: no room for the new rows.
-            StateError: the gadget is closed.
+            StateError: the gadget is closed, or was closed by another thread while
+                the new rows were read (they are released, not kept).
         """
         if self.closed:  # as a closed HostTable's load_from: nothing is read
             raise StateError("this DataGadget is closed; build a new one over the file to read it")
         source = (self._path, self._array, self._header, self._row_shape, self._num_rows, self._dtype,
                   self._mapped)
         self._set_source(path)
+        table = None
         try:
             table = self._build_table()
+            # Installed under close()'s lock: a gadget closed while the new rows were read must not
+            # hold them (close() released the old ones and will not look again).
+            with self._installing:
+                if self._closed:
+                    raise StateError("this DataGadget was closed while load() read the new rows, which "
+                                     "are released; build a new DataGadget over the file to read it")
+                # Installed before the old rows are closed: a flush of those that fails leaves the
+                # gadget holding the file it was asked to load, not old rows under the new shape.
+                old, self._table = self._table, table
         except BaseException:
             (self._path, self._array, self._header, self._row_shape, self._num_rows, self._dtype,
              self._mapped) = source
+            if table is not None:
+                table.close()
             raise
-        # Installed before the old rows are closed: a flush of those that fails leaves the
-        # gadget holding the file it was asked to load, not old rows under the new shape.
-        old, self._table = self._table, table
         if old is not None:
             old.close()
         return self
