@@ -9,7 +9,8 @@ is first used.
 from .backends import STORAGE_KINDS, available_backends, get_backend
 from .errors import (BackendUnavailableError, CapacityError, DeviceError, DTypeError,
                      DuplicateIdError, FileFormatError, IdError, MissingFileError, OptionError,
-                     OutOfMemoryError, PathError, ShapeError, SpeedswapError, StateError)
+                     OutOfMemoryError, PathError, ShapeError, SpeedswapError, StateError,
+                     ThreadStartError)
 from .info import info
 from .malloc import keep_freed_memory
 from .version import __version__
@@ -49,6 +50,7 @@ __all__ = [
     "BackendUnavailableError",
     "CapacityError",
     "StateError",
+    "ThreadStartError",
     "OptionError",
     "PathError",
     "OutOfMemoryError",

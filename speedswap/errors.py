@@ -25,6 +25,7 @@ __all__ = [
     "BackendUnavailableError",
     "CapacityError",
     "StateError",
+    "ThreadStartError",
     "OptionError",
     "PathError",
     "OutOfMemoryError",
@@ -70,6 +71,10 @@ class CapacityError(SpeedswapError, ValueError):
 
 class StateError(SpeedswapError, RuntimeError):
     """A call came in the wrong order (closed table, mismatched step)."""
+
+
+class ThreadStartError(SpeedswapError, RuntimeError):
+    """A thread speedswap needs could not start (the process's thread limit, the interpreter shutting down)."""
 
 
 class OptionError(SpeedswapError, ValueError):

@@ -496,19 +496,19 @@ def test_a_window_reader_whose_arena_cannot_be_allocated_closes_its_files(tmp_pa
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
 @pytest.mark.parametrize("order", ["random", "block"])
-def test_a_loop_whose_next_order_cannot_be_drawn_on_a_thread_closes_its_files(tmp_path, rng, monkeypatch, order):
+def test_a_loop_interrupted_while_its_next_order_draw_starts_closes_its_files(tmp_path, rng, monkeypatch, order):
     import speedswap.data.feeder as feeder_module
     path = tmp_path / "x.npy"
     feeder = ss.BatchFeeder(write(path, rng.standard_normal((64, 3)).astype(np.float32)), batch_size=16,
                             order=order, device="cpu", prefetch=0)
     held = fds_on(path)  # Python's mmap keeps a descriptor of its own
 
-    def no_thread(*args):  # as threading.Thread.start where the process may start no more threads
-        raise RuntimeError("can't start new thread")
+    def interrupted(*args):  # Ctrl-C while the draw's thread starts (a thread that cannot start draws here)
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(feeder_module, "in_background", no_thread)
+    monkeypatch.setattr(feeder_module, "in_background", interrupted)
     for _ in range(3):
-        with pytest.raises(RuntimeError, match="new thread"):
+        with pytest.raises(KeyboardInterrupt):
             next(iter(feeder))
     assert fds_on(path) == held
 
@@ -658,6 +658,49 @@ def test_a_loop_collected_on_a_thread_of_its_own_readers_closes_its_files(tmp_pa
             thread.join(10)
     assert fds_on(path) == held
     assert reader_threads() == []
+
+
+def refuse_threads(monkeypatch, prefix):
+    """Make ``threading.Thread.start`` fail, as at the thread limit, for threads named ``prefix...`` only."""
+    start = threading.Thread.start
+
+    def refused(thread):
+        if thread.name.startswith(prefix):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+@pytest.mark.parametrize("refused", ["speedswap-in-background", "speedswap-feeder-reader"])
+@pytest.mark.parametrize("order", ["random", "block"])
+def test_a_loop_whose_order_draw_or_read_ahead_thread_cannot_start_reads_on_its_own_thread(
+        tmp_path, rng, monkeypatch, refused, order):
+    """Where no thread can start (the thread limit, interpreter shutdown), drawing the next epoch's
+    order on a thread and reading ahead on one raised a raw RuntimeError("can't start new thread")
+    before the first batch. Both are done on the loop's thread instead: the same stream."""
+    n = int(rng.integers(100, 300))
+    data = rng.uniform(1, 2, size=(n, 3)).astype(np.float32)
+    path = tmp_path / "x.npy"
+    mapped = write(path, data)
+    held = fds_on(path)
+
+    def make(*sources):
+        return ss.BatchFeeder(*sources, batch_size=16, order=order, seed=5, device="cpu", prefetch=2)
+
+    expected = stream(make(np.arange(n), data), epochs=2)
+    refuse_threads(monkeypatch, refused)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = stream(make(np.arange(n), mapped), epochs=2)
+    assert len(got) == len(expected) > 0
+    for (ids, rows), (ids0, rows0) in zip(got, expected):
+        np.testing.assert_array_equal(ids, ids0)
+        np.testing.assert_array_equal(rows, rows0)
+    said = [str(w.message) for w in caught if "read-ahead" in str(w.message)]
+    assert len(said) == (2 if refused == "speedswap-feeder-reader" else 0)  # once per loop, for a slower loop
+    assert fds_on(path) == held and reader_threads() == []
 
 
 @pytest.mark.parametrize("change", ["load", "close"])

@@ -21,7 +21,8 @@ import torch
 
 from ..backends import available_ram, get_backend, resolve_device
 from ..convert import as_host_array, bool_option, check_has_values, check_rows, int_option
-from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError, warn
+from ..errors import (DeviceError, DTypeError, OptionError, ShapeError, StateError, ThreadStartError,
+                      warn)
 from ..table import HostTable
 from .filesource import FileRows, RowReader, WindowReader
 from .gadget import DataGadget
@@ -293,7 +294,10 @@ class BatchFeeder:
     spot, which is faster than any hand-off. On every device the next epoch's
     order is drawn on a thread while this epoch is read (it is a pure function
     of ``seed`` and the epoch, so a loop that jumps elsewhere draws its own;
-    memory: one more epoch of row ids). An exception met while reading
+    memory: one more epoch of row ids). Where no thread can start (the
+    process's thread limit, the interpreter shutting down), both are done on
+    the loop's thread: the same batches, later (a warning says so for the
+    read-ahead). An exception met while reading
     ahead is raised in the training loop. Sources must not be changed while a
     feeder iterates over them; between loops they may be, except those copied
     because they were not contiguous (on a GPU, a loop's
@@ -728,11 +732,12 @@ class BatchFeeder:
                 self._next_ids = (epoch + 1, in_background(self._host_ids, epoch + 1), os.getpid())
             if self._stager is not None:
                 self._stager.follow()
-            reader = (ReaderThread(read, start, count, self._prefetch) if threaded
+            reader = (self._reader_thread(read, start, count) if threaded
                       else LaunchAhead(read, start, count, self._prefetch) if launched
                       else SyncReader(read, start))
         except BaseException:
-            if files is not None:  # no loop will close its files (a thread that did not start)
+            # No loop will close its files (an interrupt, a CUDA error, the read-ahead warning made an error).
+            if files is not None:
                 files.close()
             raise
         readers = self._readers = (reader,) if files is None else (reader, files)
@@ -773,6 +778,14 @@ class BatchFeeder:
                     _close_readers(readers, wait=False)
             if self._readers is readers:
                 self._readers = ()
+
+    def _reader_thread(self, read, start, count):
+        """A :class:`ReaderThread`, or where none can start a :class:`SyncReader`: the same batches, later."""
+        try:
+            return ReaderThread(read, start, count, self._prefetch)
+        except ThreadStartError as exc:
+            warn(f"{exc}; this loop reads each batch when it is asked for, without read-ahead")
+            return SyncReader(read, start)
 
     def _check_current(self, generation):
         if self._generation != generation:

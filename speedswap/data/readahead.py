@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-from ..errors import StateError
+from ..errors import StateError, ThreadStartError
 from ..live import Registry
 
 __all__ = ["in_background", "SyncReader", "LaunchAhead", "ReaderThread", "CudaStager"]
@@ -43,7 +43,16 @@ def in_background(fn, *args) -> concurrent.futures.Future:
 
     ``future.result()`` waits for it and re-raises, on the caller's thread, what
     ``fn`` raised. A daemon thread: an interpreter that exits meanwhile does not
-    wait for a value nobody will read.
+    wait for a value nobody will read. Where no thread can start (the
+    process's thread limit, the interpreter shutting down), ``fn`` runs on the
+    caller's thread before this returns: the same value, computed sooner.
+
+    Args:
+        fn: the function; it must give the same value on any thread.
+        *args: its arguments.
+
+    Returns:
+        concurrent.futures.Future
     """
     future = concurrent.futures.Future()
 
@@ -53,7 +62,10 @@ def in_background(fn, *args) -> concurrent.futures.Future:
         except BaseException as exc:  # noqa: BLE001 - re-raised by future.result() on the caller's thread
             future.set_exception(exc)
 
-    threading.Thread(target=run, daemon=True, name="speedswap-in-background").start()
+    try:
+        threading.Thread(target=run, daemon=True, name="speedswap-in-background").start()
+    except RuntimeError:  # "can't start new thread": the value does not depend on the thread
+        run()
     return future
 
 
@@ -156,6 +168,10 @@ class ReaderThread:
         read: ``read(k)`` returns batch ``k``; runs on the reader thread.
         start, stop: the batches to read, in order.
         depth: how many finished batches may wait in the queue.
+
+    Raises:
+        ThreadStartError: the thread could not start (the process's thread
+            limit, the interpreter shutting down); nothing was read.
     """
 
     _POLL_S = 0.05  # how often a thread blocked on the queue checks for close()
@@ -165,7 +181,13 @@ class ReaderThread:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._work, args=(read, start, stop), daemon=True,
                                         name="speedswap-feeder-reader")
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:
+            raise ThreadStartError(f"the feeder's read-ahead thread could not start ({exc}): the "
+                                   f"process is at its thread limit or the interpreter is shutting "
+                                   f"down; read on the loop's thread instead (prefetch=0) or run "
+                                   f"fewer threads") from exc
         self._pid = os.getpid()  # a forked child has the queue but not the thread that fills it
         _RUNNING.add(self)
 
