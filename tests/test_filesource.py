@@ -703,6 +703,33 @@ def test_a_loop_whose_order_draw_or_read_ahead_thread_cannot_start_reads_on_its_
     assert fds_on(path) == held and reader_threads() == []
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
+@pytest.mark.parametrize("order", ["random", "block"])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_loop_whose_io_threads_cannot_start_raises_thread_start_error_and_resumes_later(
+        tmp_path, rng, monkeypatch, order, prefetch):
+    """File sources are read on an I/O thread pool; where none of its threads could start, the loop
+    raised a raw RuntimeError("can't start new thread"). It raises ThreadStartError saying what to
+    do, with the feeder where it was and the files closed, and iterating again once threads can
+    start gives the whole stream."""
+    n = int(rng.integers(100, 300))
+    data = rng.uniform(1, 2, size=(n, 3)).astype(np.float32)
+    path = tmp_path / "x.npy"
+    feeder = ss.BatchFeeder(np.arange(n), write(path, data), batch_size=16, order=order, seed=5,
+                            device="cpu", prefetch=prefetch)
+    held, before = fds_on(path), feeder.state_dict()
+    with monkeypatch.context() as patch:
+        refuse_threads(patch, "speedswap-io")
+        with pytest.raises(ss.ThreadStartError, match="thread limit") as raised:
+            next(iter(feeder))
+    assert isinstance(raised.value, RuntimeError)  # what code catching the raw error caught
+    assert feeder.state_dict() == before
+    assert fds_on(path) == held and reader_threads() == [] and io_threads() == []
+    for ids, rows in stream(feeder):
+        np.testing.assert_array_equal(rows, data[ids])
+    assert feeder.state_dict()["epoch"] == 1
+
+
 @pytest.mark.parametrize("change", ["load", "close"])
 def test_a_feeder_over_a_data_gadget_reloaded_or_closed_refuses_to_serve_the_old_rows(tmp_path, rng, change):
     np.save(tmp_path / "a.npy", rng.standard_normal((20, 2)).astype(np.float32))

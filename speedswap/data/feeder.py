@@ -321,6 +321,10 @@ class BatchFeeder:
     once the file system's timestamp tick is over: at most 10 ms, or 2 s where
     times are whole seconds; no later write then keeps the time).
     A file replaced by a rename is not mixed in: the map keeps the old one.
+    The reads run on I/O threads: where none can start (the thread limit, the
+    interpreter shutting down), the loop raises
+    :class:`~speedswap.ThreadStartError`, the feeder at the batch it was
+    reading and the files closed.
 
     Args:
         *sources: the data, each of shape ``(n, ...)``.

@@ -36,7 +36,7 @@ import torch
 
 from ..atomic import check_regular_file, opening_error
 from ..files import identity, mapped_identity
-from ..errors import FileFormatError, StateError, warn
+from ..errors import FileFormatError, StateError, ThreadStartError, warn
 
 __all__ = ["FileRows", "WindowReader", "RowReader", "drop_cache"]
 
@@ -290,6 +290,7 @@ class _PoolReader:
 
         Raises:
             StateError: the reader was closed (by another thread).
+            ThreadStartError: the pool needed a thread and none could start.
         """
         if self._closed:
             raise _closed_by_another_thread()
@@ -299,7 +300,16 @@ class _PoolReader:
             # close() on another thread may shut the pool between the check above and here.
             if self._closed:
                 raise _closed_by_another_thread() from exc
-            raise
+            # Else a thread could not start ("can't start new thread", or after the interpreter's
+            # shutdown). A read the pool queued without its thread is cancelled by close().
+            paths = ", ".join(repr(file.path) for file in self._files)
+            raise ThreadStartError(
+                f"no I/O thread could start to read {paths} ({exc}): a memory-mapped source is "
+                f"read with pread on I/O threads, and the process is at its thread limit (ulimit "
+                f"-u, a container's pids.max) or the interpreter is shutting down. Run fewer "
+                f"threads (DataLoader workers, torch.set_num_threads), or hold the rows in memory "
+                f"(np.load(path) without mmap_mode, DataGadget(path, mmap=False)); iterating the "
+                f"feeder again resumes from this batch") from exc
 
     @staticmethod
     def _wait(futures):
@@ -367,6 +377,7 @@ class RowReader(_PoolReader):
         Raises:
             FileFormatError: a file is shorter than its rows, or a disk error (EIO) reading it.
             StateError: the reader was closed by another thread.
+            ThreadStartError: no I/O thread could start.
         """
         ids = self._ids[lo:hi]
         outs = [torch.empty((len(ids), *f.row_shape), dtype=f.dtype) for f in self._files]
@@ -456,6 +467,7 @@ class WindowReader(_PoolReader):
         Raises:
             FileFormatError: a file is shorter than its rows, or a disk error (EIO) reading it.
             StateError: the reader was closed by another thread.
+            ThreadStartError: no I/O thread could start.
         """
         first, last = int(self._frontier[lo]), int(self._frontier[hi - 1])
         for index in [i for i in self._resident if i < first]:
