@@ -466,9 +466,9 @@ def test_two_threads_first_use_keeps_the_rows_one_of_them_wrote(rng, tmp_path, m
     gadget = ss.data.gadget.DataGadget(path, backend="numpy")
     build, calls, put_done = speedswap.data.gadget.DataGadget._build_table, [], threading.Event()
 
-    def slow_first_build(self):
+    def slow_first_build(self, held):
         calls.append(threading.current_thread().name)
-        table = build(self)
+        table = build(self, held)
         if len(calls) == 1:  # the first reader is still reading while the other reads, installs, puts
             put_done.wait(10)
         return table
@@ -504,8 +504,8 @@ def test_a_gadget_closed_while_its_first_use_reads_releases_the_rows_read(rng, t
     gadget = ss.data.gadget.DataGadget(path, storage="pinned", backend="numpy")
     build, built = speedswap.data.gadget.DataGadget._build_table, []
 
-    def closed_while_reading(self):
-        built.append(build(self))
+    def closed_while_reading(self, held):
+        built.append(build(self, held))
         closer = threading.Thread(target=self.close)
         closer.start()
         closer.join(10)
@@ -514,7 +514,7 @@ def test_a_gadget_closed_while_its_first_use_reads_releases_the_rows_read(rng, t
     monkeypatch.setattr(speedswap.data.gadget.DataGadget, "_build_table", closed_while_reading)
     with pytest.raises(ss.StateError, match="closed"):
         gadget.get([0])
-    assert gadget.closed and built[0].closed  # the rows read are released, not held by the gadget
+    assert gadget.closed and built[0][0].closed  # the rows read are released, not held by the gadget
 
 
 def test_a_gadget_closed_while_a_load_reads_the_new_rows_holds_none_of_them(rng, tmp_path, monkeypatch):
@@ -528,8 +528,8 @@ def test_a_gadget_closed_while_a_load_reads_the_new_rows_holds_none_of_them(rng,
     old = gadget.table
     build, built = speedswap.data.gadget.DataGadget._build_table, []
 
-    def closed_while_reading(self):
-        built.append(build(self))
+    def closed_while_reading(self, held):
+        built.append(build(self, held))
         closer = threading.Thread(target=self.close)
         closer.start()
         closer.join(10)
@@ -538,5 +538,62 @@ def test_a_gadget_closed_while_a_load_reads_the_new_rows_holds_none_of_them(rng,
     monkeypatch.setattr(speedswap.data.gadget.DataGadget, "_build_table", closed_while_reading)
     with pytest.raises(ss.StateError, match="closed"):
         gadget.load(other)
-    assert gadget.closed and old.closed and built[0].closed  # neither the old rows nor the new are held
+    assert gadget.closed and old.closed and built[0][0].closed  # neither the old rows nor the new are held
     assert gadget.shape == (40, 3) and gadget.path == str(path)  # the data it held when closed
+
+
+def test_a_load_failing_while_another_thread_reads_the_gadget_first_keeps_the_old_data(rng, tmp_path,
+                                                                                      monkeypatch):
+    """load() described the gadget as the new file while it read it, and put the old description back
+    if the read failed: a first use on another thread meanwhile read and kept the new file's rows,
+    so after the failed load the gadget served them under the old file's name and shape."""
+    old, new = random_data(rng, (30, 6)), random_data(rng, (20, 6))
+    path, other = tmp_path / "data.npy", tmp_path / "other.npy"
+    np.save(path, old)
+    np.save(other, new)
+    gadget = ss.data.gadget.DataGadget(path, backend="numpy")  # rows not read yet
+    build, loads = speedswap.data.gadget.DataGadget._build_table, []
+
+    def first_use_meanwhile_then_no_room(self, *args):
+        if loads:  # the other thread's first use
+            return build(self, *args)
+        loads.append(args)
+        reader = threading.Thread(target=self.read)
+        reader.start()
+        reader.join(10)
+        raise ss.OutOfMemoryError("no page-locked memory left for the rows")
+
+    monkeypatch.setattr(speedswap.data.gadget.DataGadget, "_build_table", first_use_meanwhile_then_no_room)
+    with pytest.raises(ss.OutOfMemoryError):
+        gadget.load(other)
+    monkeypatch.undo()
+    assert gadget.shape == (30, 6) and gadget.path == str(path)
+    np.testing.assert_array_equal(gadget.get([0, 29]).numpy(), old[[0, 29]])
+    np.testing.assert_array_equal(gadget.to_numpy(), old)
+
+
+def test_a_gadget_read_while_a_load_reads_the_new_file_gives_the_old_data_in_its_shape(rng, tmp_path,
+                                                                                      monkeypatch):
+    """load() described the gadget as the new file while it read it, its table still the old one's:
+    a get() on another thread meanwhile gave the old rows in the new file's row shape (or a raw
+    RuntimeError from the view where the sizes differ), and len() the new file's."""
+    old, new = random_data(rng, (30, 6)), random_data(rng, (20, 2, 3))
+    path, other = tmp_path / "data.npy", tmp_path / "other.npy"
+    np.save(path, old)
+    np.save(other, new)
+    gadget = ss.data.gadget.DataGadget(path, backend="numpy").read()
+    build, seen = speedswap.data.gadget.DataGadget._build_table, []
+
+    def read_meanwhile(self, *args):
+        reader = threading.Thread(target=lambda: seen.append((len(self), self.get([0, 29]).numpy())))
+        reader.start()
+        reader.join(10)
+        return build(self, *args)
+
+    monkeypatch.setattr(speedswap.data.gadget.DataGadget, "_build_table", read_meanwhile)
+    gadget.load(other)
+    monkeypatch.undo()
+    assert len(seen) == 1 and seen[0][0] == 30
+    np.testing.assert_array_equal(seen[0][1], old[[0, 29]])
+    assert gadget.shape == (20, 2, 3)
+    np.testing.assert_array_equal(gadget.get([19, 0]).numpy(), new[[19, 0]])

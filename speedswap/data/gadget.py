@@ -40,6 +40,30 @@ def _row_length(row_shape):
     return int(np.prod(row_shape, dtype=np.int64))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """What a gadget holds, replaced whole: no reader sees the new file's shape with the old rows.
+
+    Attributes:
+        path: the absolute ``.npy`` path, or None for an in-memory array.
+        array: the array (as the table copies or adopts it), None for a file.
+        header: the file's header when it was opened, None for an array.
+        row_shape, num_rows, dtype: the shape of a row, the rows, the table's torch dtype.
+        table: the :class:`~speedswap.HostTable` once the rows are read, else None.
+        mapped: the identity of the file a mapped table maps (``get`` checks it for
+            truncation: the path may name another file later), else None.
+    """
+
+    path: Optional[str]
+    array: object
+    header: object
+    row_shape: tuple
+    num_rows: int
+    dtype: torch.dtype
+    table: Optional[HostTable] = None
+    mapped: object = None
+
+
 class DataGadget:
     """A dataset whose rows are gathered into device tensors.
 
@@ -105,14 +129,13 @@ class DataGadget:
         self._storage = storage
         self._mmap = None if mmap is None else bool(mmap)
         self._backend = get_backend(backend, device)
-        self._table = None
-        self._installing = threading.Lock()  # first uses install one table, none once closed
+        # Replaced under the lock: first uses and loads install one table, none once closed.
+        self._installing = threading.Lock()
         self._closed = False  # closed before its first read there is no table to say so
-        self._mapped = None  # the identity of the file a mapped table maps
-        self._set_source(source)
+        self._held = self._describe(source)
 
-    def _set_source(self, data):
-        """Validate the file header or array and remember it; the rows are read later."""
+    def _describe(self, data) -> _Held:
+        """Validate the file header or array and describe it; the rows are read later (no table)."""
         if isinstance(data, (str, bytes, os.PathLike)):
             # Absolute: the rows are read on first use, and a relative path would then name the
             # file of whatever directory is current by that time.
@@ -142,8 +165,7 @@ class DataGadget:
         row_shape = check_rows(shape, "the dataset")
         # The table's dtype, known before its rows are read (a feeder checks its arguments with it).
         table_dtype = torch_dtype(dtype.newbyteorder("=") if isinstance(dtype, np.dtype) else dtype)
-        self._path, self._array, self._header = path, array, header
-        self._row_shape, self._num_rows, self._dtype = row_shape, int(shape[0]), table_dtype
+        return _Held(path, array, header, row_shape, int(shape[0]), table_dtype)
 
     @staticmethod
     def _read_header(path):
@@ -160,78 +182,96 @@ class DataGadget:
             FileFormatError: the file changed since the gadget was built, or
                 was truncated while its rows were read.
         """
-        self._live_table()
+        self._live()
         return self
 
-    def _live_table(self):
+    def _live(self) -> _Held:
+        """What the gadget holds, its rows read (on first use: now). One snapshot: a load may replace it.
+
+        Raises:
+            StateError: the gadget is closed, or was closed while its rows were read.
+        """
         if self.closed:
             raise StateError("this DataGadget is closed; build a new one to read the data again")
-        if self._table is None:
+        held = self._held
+        if held.table is None:
             # Read outside the lock (a process forked mid-read must not inherit it held); the
             # first table installed is the gadget's, since another thread may write into it at once.
-            table = self._build_table()
+            table, mapped = self._build_table(held)
             with self._installing:
-                if self._table is None and not self._closed:
-                    self._table, table = table, None
-            if table is not None:  # another thread's first use read the rows first, or close() came
+                # Not over a load's data (read meanwhile from another file), nor once closed.
+                installed = self._held is held and not self._closed
+                if installed:
+                    self._held = dataclasses.replace(held, table=table, mapped=mapped)
+            if not installed:  # another thread's first use or load read the rows first, or close() came
                 table.close()
             if self._closed:
                 raise StateError("this DataGadget was closed while its rows were read; build a new "
                                  "one to read the data again")
-        return self._table
+            held = self._held
+        return held
+
+    def _live_table(self) -> HostTable:
+        """The table holding the rows, read on first use (see :meth:`_live`)."""
+        return self._live().table
 
     def _wants_mmap(self, nbytes):
         if self._mmap is None:
             return nbytes > RAM_SHARE * available_ram()
         return self._mmap
 
-    def _build_table(self):
-        rows = (self._num_rows, _row_length(self._row_shape))
-        if self._array is not None:
-            flat = self._array.reshape(rows)
+    def _build_table(self, held):
+        """``(table, mapped)``: ``held``'s rows read into a new table, and the identity of the file it maps.
+
+        Args:
+            held: a description without a table (:meth:`_describe`).
+        """
+        rows = (held.num_rows, _row_length(held.row_shape))
+        if held.array is not None:
+            flat = held.array.reshape(rows)
             # A strided view of a map cannot be adopted, nor can bfloat16 (a tensor) or byte-swapped
             # values (torch views neither): they are copied like any array.
             adoptable = isinstance(flat, np.ndarray) and flat.flags.c_contiguous and flat.dtype.isnative
             mapped = isinstance(flat, np.memmap) and self._mmap is not False and adoptable
             shared = self._storage == "pageable" and self._mmap is not False and adoptable
             if mapped or shared:
-                return HostTable.adopt(flat, backend=self._backend)
-            return HostTable.from_numpy(flat, storage=self._storage, backend=self._backend)
-        header = files.read_npy_header(self._path)  # again: the file may have changed since then
-        files.check_matches(header, self._header.shape, self._header.dtype, self._path)
+                return HostTable.adopt(flat, backend=self._backend), None
+            return HostTable.from_numpy(flat, storage=self._storage, backend=self._backend), None
+        header = files.read_npy_header(held.path)  # again: the file may have changed since then
+        files.check_matches(header, held.header.shape, held.header.dtype, held.path)
         if self._wants_mmap(rows[0] * rows[1] * header.dtype.itemsize):
             if not header.dtype.isnative:
-                raise _unmappable(self._path, header.dtype, "it needs more than 3/4 of the RAM available")
+                raise _unmappable(held.path, header.dtype, "it needs more than 3/4 of the RAM available")
             # Writes reach the file only when asked for (mmap=True): mapped because it is
             # large (mmap=None), a smaller file's rows would be a copy, so puts must not
             # write the dataset on disk depending on the RAM free today.
-            mode = "r+" if self._mmap is True and os.access(self._path, os.W_OK) else "r"
-            array = files.map_npy(self._path, header, mode, rows)
+            mode = "r+" if self._mmap is True and os.access(held.path, os.W_OK) else "r"
+            array = files.map_npy(held.path, header, mode, rows)
             # The file the map holds, which get() checks for truncation: the path may
             # name another file later (removed, or replaced by a rename).
-            self._mapped = (files.mapped_identity(array.ctypes.data)
-                            or files.identity(os.stat(self._path)))
-            return HostTable.adopt(array, backend=self._backend)
+            mapped = files.mapped_identity(array.ctypes.data) or files.identity(os.stat(held.path))
+            return HostTable.adopt(array, backend=self._backend), mapped
         # Read into the table, not copied from a map: a file truncated meanwhile ends a read
         # early (FileFormatError), where a map's missing page is a SIGBUS.
         table = HostTable.empty(*rows, header.table_dtype, self._storage, self._backend)
         try:
-            files.read_table(table, self._path, dataclasses.replace(header, shape=rows))
+            files.read_table(table, held.path, dataclasses.replace(header, shape=rows))
         except BaseException:
             table.close()  # half-filled, and perhaps page-locked memory: not left to the collector
             raise
-        return table
+        return table, None
 
     # ------------------------------------------------------------ properties
     @property
     def shape(self) -> tuple:
         """``(n, *row_shape)``, the dataset's shape."""
-        return (self._num_rows, *self._row_shape)
+        held = self._held
+        return (held.num_rows, *held.row_shape)
 
     @property
     def row_shape(self) -> tuple:
         """The shape of one row (``()`` for a 1-D dataset such as labels)."""
-        return self._row_shape
+        return self._held.row_shape
 
     @property
     def table(self) -> HostTable:
@@ -241,7 +281,7 @@ class DataGadget:
     @property
     def dtype(self) -> torch.dtype:
         """The torch dtype of the rows, from the file's header or the array: nothing is read."""
-        return self._dtype
+        return self._held.dtype
 
     @property
     def device(self) -> torch.device:
@@ -256,22 +296,24 @@ class DataGadget:
     @property
     def closed(self) -> bool:
         """Whether the gadget was closed (or its table was): its rows are gone."""
-        return self._closed or (self._table is not None and self._table.closed)
+        table = self._held.table
+        return self._closed or (table is not None and table.closed)
 
     @property
     def path(self) -> Optional[str]:
         """The ``.npy`` file the data came from, as an absolute path, or None for an in-memory array."""
-        return self._path
+        return self._held.path
 
     def __len__(self):
-        return self._num_rows
+        return self._held.num_rows
 
     def __repr__(self):
-        where = repr(self._path) if self._path is not None else "<array>"
+        held = self._held
+        where = repr(held.path) if held.path is not None else "<array>"
         if self.closed:
             state = "closed"
         else:
-            state = "not read yet" if self._table is None else f"storage={self.storage!r}"
+            state = "not read yet" if held.table is None else f"storage={held.table.storage!r}"
         return f"DataGadget({where}, shape={self.shape}, {state})"
 
     # ------------------------------------------------------------- transport
@@ -293,11 +335,11 @@ class DataGadget:
                 made cannot see its file: truncating that file under it ends
                 the process with SIGBUS, as it would for numpy.
         """
-        table = self._live_table()
-        if self._path is not None and table.storage == "mmap":
-            files.check_size(self._path, self._header, self._mapped)  # not SIGBUS on a truncated file
-        rows = table.gather(idx)
-        return rows.view((*rows.shape[:-1], *self._row_shape))  # a tuple: () for one label
+        held = self._live()
+        if held.path is not None and held.table.storage == "mmap":
+            files.check_size(held.path, held.header, held.mapped)  # not SIGBUS on a truncated file
+        rows = held.table.gather(idx)
+        return rows.view((*rows.shape[:-1], *held.row_shape))  # a tuple: () for one label
 
     def put(self, t, idx) -> None:
         """Write ``t[i]`` into row ``idx[i]`` (through to the file when memory-mapped; see :meth:`flush`).
@@ -313,9 +355,10 @@ class DataGadget:
             StateError: the data is read-only (a read-only file or array, or a
                 file mapped because it outgrew the RAM, without ``mmap=True``).
         """
-        table = self._live_table()
-        if not table.writable and self._path is not None and self._mmap is None:
-            raise StateError(f"this DataGadget maps {self._path!r} read-only: it is larger than the "
+        held = self._live()
+        table = held.table
+        if not table.writable and held.path is not None and self._mmap is None:
+            raise StateError(f"this DataGadget maps {held.path!r} read-only: it is larger than the "
                              f"RAM free, and writing would change the dataset on disk. Pass mmap=True "
                              f"to write through to the file, or mmap=False to copy it into memory")
         # The ids' shape as the table reads them (np.shape would take a ragged list); the table checks
@@ -325,7 +368,7 @@ class DataGadget:
         # cause of float ids, and "convert them with .long()" alone would write the truncated values.
         flat, ids_shape = as_id_tensor(idx, table.device, to=where,
                                        what="ids (the second argument of put / insertData, after the values)")
-        wanted = (*ids_shape, *self._row_shape)
+        wanted = (*ids_shape, *held.row_shape)
         if isinstance(t, torch.Tensor):
             check_dense(t, "values")  # before .shape and .reshape, which raise on a nested or sparse one
             values = t
@@ -333,7 +376,7 @@ class DataGadget:
             values = as_values_array(t, wanted)
         if tuple(values.shape) != wanted:
             raise ShapeError(f"values have shape {tuple(values.shape)} but {len(flat)} ids of rows "
-                             f"shaped {self._row_shape} need shape {wanted}")
+                             f"shaped {held.row_shape} need shape {wanted}")
         table.scatter(idx, values.reshape(len(flat), table.dim))
 
     def flush(self) -> None:
@@ -364,7 +407,8 @@ class DataGadget:
         """
         if files.file_format(path) != "npy":
             raise OptionError(f"DataGadget saves .npy files; name the target *.npy, got {os.fspath(path)!r}")
-        table = self._live_table()
+        held = self._live()
+        table = held.table
         if table.is_backing_file(path):
             table.flush()
             return
@@ -374,14 +418,15 @@ class DataGadget:
         np_dtype = np.dtype(np.float32) if wide else numpy_dtype(table.dtype)
         chunks = ((rows[start:stop].float() if wide else rows[start:stop]).cpu().numpy()
                   for start, stop in files.row_ranges(table.shape, np_dtype))
-        files.write_npy(path, self.shape, np_dtype, chunks)
+        files.write_npy(path, (held.num_rows, *held.row_shape), np_dtype, chunks)
 
     def load(self, path: "str | os.PathLike") -> "DataGadget":
         """Replace the data with a ``.npy`` file's (any shape), held as this gadget was asked to.
 
         All or nothing: the new rows are read before the old ones are
-        released (so both are held for a moment), and a load that fails to
-        read them leaves the gadget with its old data. Should only closing
+        released (so both are held for a moment); until then the gadget
+        serves its old data, shape and path included, to every thread, and a
+        load that fails to read them leaves the gadget with its old data. Should only closing
         the old rows fail (a mapped file's flush), the new ones are held and
         that error is raised.
 
@@ -399,12 +444,12 @@ class DataGadget:
         """
         if self.closed:  # as a closed HostTable's load_from: nothing is read
             raise StateError("this DataGadget is closed; build a new one over the file to read it")
-        source = (self._path, self._array, self._header, self._row_shape, self._num_rows, self._dtype,
-                  self._mapped)
-        self._set_source(path)
+        # The gadget keeps describing its old data until the new rows are read and installed with
+        # their description at once: a get meanwhile, or a load that fails, sees no mix of the two.
+        held = self._describe(path)
         table = None
         try:
-            table = self._build_table()
+            table, mapped = self._build_table(held)
             # Installed under close()'s lock: a gadget closed while the new rows were read must not
             # hold them (close() released the old ones and will not look again).
             with self._installing:
@@ -413,15 +458,13 @@ class DataGadget:
                                      "are released; build a new DataGadget over the file to read it")
                 # Installed before the old rows are closed: a flush of those that fails leaves the
                 # gadget holding the file it was asked to load, not old rows under the new shape.
-                old, self._table = self._table, table
+                old, self._held = self._held, dataclasses.replace(held, table=table, mapped=mapped)
         except BaseException:
-            (self._path, self._array, self._header, self._row_shape, self._num_rows, self._dtype,
-             self._mapped) = source
             if table is not None:
                 table.close()
             raise
-        if old is not None:
-            old.close()
+        if old.table is not None:
+            old.table.close()
         return self
 
     def to_numpy(self, copy: bool = False) -> np.ndarray:
@@ -434,14 +477,16 @@ class DataGadget:
         Returns:
             numpy.ndarray
         """
-        return self._live_table().to_numpy(copy=copy).reshape(self.shape)
+        held = self._live()
+        return held.table.to_numpy(copy=copy).reshape(held.num_rows, *held.row_shape)
 
     def close(self) -> None:
         """Release the rows' memory (flushing a mapped file); later use raises StateError. Idempotent."""
-        with self._installing:  # a first use reading meanwhile then releases what it read
+        with self._installing:  # a first use or load reading meanwhile then releases what it read
             self._closed = True
-        if self._table is not None:
-            self._table.close()
+        table = self._held.table
+        if table is not None:
+            table.close()
 
     def __enter__(self):
         return self
