@@ -398,6 +398,24 @@ def test_a_run_cut_short_by_its_steps_stops_both_background_threads():
     assert not any(t.name.startswith("speedswap-w2v") for t in threading.enumerate())
 
 
+@pytest.mark.parametrize("refused", ["speedswap-w2v-pairs", "speedswap-w2v-plans"])
+def test_a_pair_stream_whose_thread_cannot_start_says_so_and_leaves_no_thread(monkeypatch, refused):
+    """A thread that cannot start (the process's thread limit) is a ThreadStartError, and the
+    stream's other thread, already running, is stopped: none is left reading the corpus."""
+    corpus = synthetic_corpus(vocab=200, topics=4, tokens=20_000, seed=0)
+    chunks = PairChunks(corpus, window=3, negatives=2, subsample=1e-3, chunk_tokens=2_000, seed=5)
+    start = threading.Thread.start
+
+    def start_unless_refused(thread):
+        if thread.name == refused:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+    monkeypatch.setattr(threading.Thread, "start", start_unless_refused)
+    with pytest.raises(ss.ThreadStartError, match=f"{refused}.*thread limit"):
+        chunks.batches(1, batch_size=300)
+    assert not any(t.name.startswith("speedswap-w2v") for t in threading.enumerate())
+
+
 def test_topic_purity_needs_planted_topics_and_enough_frequent_words(tmp_path, rng):
     (tmp_path / "text").write_text("a b c a b\n")
     text = read_text_corpus(tmp_path / "text", vocab=3)

@@ -398,6 +398,9 @@ class Background:
         ahead: items made ahead of the one being consumed.
         name: the thread's name.
         upstream: a :class:`Background` that ``produce`` reads, closed with this one.
+
+    Raises:
+        ThreadStartError: the thread could not start (``upstream`` is closed first).
     """
 
     def __init__(self, produce: Callable[[], Iterable], *, ahead: int, name: str,
@@ -407,7 +410,15 @@ class Background:
         self._finished = object()
         self._upstream = upstream
         self._thread = threading.Thread(target=self._produce, args=(produce,), name=name, daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:
+            if upstream is not None:  # running already, and nobody would read or stop it
+                upstream.close()
+            raise ss.ThreadStartError(
+                f"the {name!r} thread could not start ({exc}): the process is at its thread limit "
+                f"or the interpreter is shutting down; end other threads (or raise the limit, "
+                f"ulimit -u) and start the run again") from exc
 
     def _put(self, item) -> bool:
         # A timed put, so a stream closed early (stop set, nobody reading) never strands the thread.
