@@ -502,3 +502,44 @@ def test_an_interrupt_after_a_directory_save_committed_says_the_save_happened(at
     newer = _content(saver.tables())
     saver.save(path)
     assert _holds(saver, path, newer) and _only_the_checkpoint(saver, tmp_path, path), _tree(tmp_path)
+
+
+def _pre_version_checkpoint(path):
+    """Turn the directory checkpoint ``path`` into the layout before versions: its tables and manifest at the top."""
+    version = path / (path / "CURRENT").read_text().strip()
+    for entry in os.listdir(version):
+        os.rename(version / entry, path / entry)
+    os.rmdir(version)
+    os.unlink(path / "CURRENT")
+
+
+def test_an_interrupted_removal_of_a_pre_version_checkpoint_is_finished_by_the_next_save(rng, tmp_path,
+                                                                                         monkeypatch):
+    """The first save over a checkpoint written before versions removes its files after the commit. A
+    Ctrl-C after the first of them (its manifest) left the tables' .npy files, which no later save
+    removed (saves removed only v###### directories): a whole copy of the tables, on disk for good.
+    The next save now finishes that removal, of the files the old manifest names only."""
+    saver, path, _ = _prepared("embedding-dir", False, rng, tmp_path)
+    _pre_version_checkpoint(path)
+    (path / "notes.txt").write_text("mine")  # the user's, beside the checkpoint: never removed
+    (path / "export.npy").write_bytes(b"mine too")
+    _fill(saver.tables().values(), rng)
+    new = _content(saver.tables())
+    unlink, calls = os.unlink, [0]
+
+    def interrupted_after_the_first_file(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 1:
+            raise Interrupted()
+        return unlink(*args, **kwargs)
+    monkeypatch.setattr(os, "unlink", interrupted_after_the_first_file)
+    with pytest.raises(Interrupted):
+        saver.save(path)
+    monkeypatch.undo()
+    assert calls[0] == 2 and _holds(saver, path, new)
+    _fill(saver.tables().values(), rng)
+    newer = _content(saver.tables())
+    saver.save(path)
+    assert _holds(saver, path, newer)
+    assert sorted(os.listdir(path)) == ["CURRENT", "export.npy", "notes.txt", "v000002"], _tree(tmp_path)
+    assert (path / "notes.txt").read_text() == "mine" and (path / "export.npy").read_bytes() == b"mine too"

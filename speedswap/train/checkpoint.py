@@ -226,8 +226,8 @@ def _save_version(path, tables, attrs):
     if not os.path.isdir(path) or not _ours(path):
         raise PathError(f"{path!r} exists and is not a speedswap checkpoint directory; "
                         f"refusing to replace it: choose another path")
-    has_checkpoint = any(os.path.isfile(os.path.join(path, f)) for f in (_POINTER, _MANIFEST))
-    current = current_version(path) if has_checkpoint else None
+    if any(os.path.isfile(os.path.join(path, f)) for f in (_POINTER, _MANIFEST)):
+        current_version(path)  # a CURRENT changed by hand is refused, not saved over
     # Above every version present, so a version a killed save left unpointed is never reused.
     numbers = [int(m.group(1)) for m in map(_VERSION.fullmatch, os.listdir(path)) if m]
     name = f"v{max(numbers, default=0) + 1:06d}"
@@ -250,11 +250,11 @@ def _save_version(path, tables, attrs):
             # is a whole copy of the tables nothing will read, so it goes now, not at the
             # next save (after a full disk the user would otherwise be short of that space).
             if _pointed_to(path) == name:
-                _remove_old_versions(path, name, legacy=current == path)
+                _remove_old_versions(path, name)
             else:
                 shutil.rmtree(final, ignore_errors=True)
             raise
-        _remove_old_versions(path, name, legacy=current == path)
+        _remove_old_versions(path, name)
 
 
 @contextlib.contextmanager
@@ -283,7 +283,7 @@ def _write_pointer(directory, name):
         files.base.write_chunk(f, 0, np.frombuffer(f"{name}\n".encode(), dtype=np.uint8))
 
 
-def _remove_old_versions(path, keep, legacy):
+def _remove_old_versions(path, keep):
     """Remove versions other than ``keep`` (and the files of a pre-version checkpoint).
 
     After the commit a failure here only leaves files behind (the next save
@@ -295,13 +295,32 @@ def _remove_old_versions(path, keep, legacy):
             if _VERSION.fullmatch(entry) and entry != keep:
                 with contextlib.suppress(OSError):
                     shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
-    if legacy:
-        with contextlib.suppress(OSError, ValueError):
-            with open(os.path.join(path, _MANIFEST)) as f:
-                names = json.load(f).get("tables", [])
-            os.unlink(os.path.join(path, _MANIFEST))
-            for name in names:
-                os.unlink(os.path.join(path, f"{name}.npy"))
+    _remove_pre_version_files(path)
+
+
+def _remove_pre_version_files(path):
+    """Remove the files of a checkpoint written before versions, once ``CURRENT`` names a version.
+
+    Such a checkpoint kept ``checkpoint.json`` and one ``<name>.npy`` per table
+    at the top of ``path``. Only the files its manifest names are removed (the
+    user's own files beside them stay), and the manifest goes last: a removal
+    cut short (Ctrl-C) leaves it naming what is left, which the next save removes.
+    """
+    manifest = os.path.join(path, _MANIFEST)
+    try:
+        with open(manifest) as f:
+            content = json.load(f)
+        _check_manifest(content)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # none, or one that names nothing for sure: nothing is removed
+    # A name with a separator would reach outside the checkpoint: no save wrote one.
+    tables = [os.path.join(path, f"{name}.npy") for name in content["tables"] if os.path.basename(name) == name]
+    for table in tables:
+        with contextlib.suppress(OSError, ValueError):  # ValueError: a NUL in a hand-edited name
+            os.unlink(table)
+    if not any(os.path.lexists(table) for table in tables):
+        with contextlib.suppress(OSError):
+            os.unlink(manifest)
 
 
 def _check_replaceable_h5(path):
