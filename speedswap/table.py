@@ -973,7 +973,8 @@ class HostTable:
             OptionError: another suffix, or (HDF5) a ``dataset`` that names no
                 dataset; nothing is written.
             PathError: (HDF5) the file holds other datasets, which the save
-                (of the whole file) would delete; nothing is written.
+                (of the whole file) would delete, or it changed while the save
+                checked it (another save to it at the same time); nothing is written.
             StateError: a closed table (its rows are gone).
         """
         self._live_buffer()

@@ -1306,6 +1306,45 @@ def test_an_h5_file_replaced_between_its_seal_check_and_hdf5s_open_is_refused(tm
     np.testing.assert_array_equal(table.to_numpy(), ss.HostTable.load(path, backend="numpy").to_numpy())
 
 
+
+@pytest.mark.parametrize("saved", ["table", "checkpoint"])
+def test_a_save_whose_h5_file_is_replaced_while_it_checks_it_is_refused(tmp_path, rng, monkeypatch, saved):
+    """A save to an existing .h5 file first reads what it would replace (a table's other datasets, a file
+    that is no checkpoint). A file replaced between open_h5's seal check and HDF5's open (another save to
+    the same path, racing this one) raised open_h5's "changed" FileFormatError, which these checks took
+    for "not HDF5": a table save then went on and deleted the other save's dataset 'w'; a checkpoint save
+    refused the file as "not a readable HDF5 file". Both now refuse, saying the file changed under them."""
+    from speedswap.files import h5
+    path, other = tmp_path / "t.h5", tmp_path / "other.h5"
+
+    def save(to=path, dataset="u"):
+        if saved == "table":
+            make_table(rng).save(to, dataset=dataset)
+        else:
+            adam_embedding(rng).save(to)
+    save()
+    save(other, dataset="w")
+    replacement = other.read_bytes()
+    check_seal, replaced = h5.check_seal, []
+
+    def check_then_replace(*args):
+        check_seal(*args)
+        if not replaced:
+            os.replace(other, path)
+            replaced.append(path)
+    monkeypatch.setattr(h5, "check_seal", check_then_replace)
+    with pytest.raises(PathError, match="changed or was replaced while this save checked it.*nothing was "
+                                        "written"):
+        save()
+    assert replaced and path.read_bytes() == replacement
+    monkeypatch.undo()
+    if saved == "table":  # the other writer is done: a save again sees its dataset
+        with pytest.raises(PathError, match=r"holds the datasets \['w'\] besides 'u'"):
+            save()
+    else:
+        save()
+
+
 def _superblock_version(path):
     data = path.read_bytes()
     return data[data.find(b"\x89HDF\r\n\x1a\n") + 8]

@@ -19,7 +19,7 @@ either, bfloat16 and all-or-nothing staging included.
 
 from .base import (H5_SUFFIXES, NPY_SUFFIXES, TableHeader, check_matches, file_format, identity,
                    mapped_identity, row_ranges, suffix_format)
-from .h5 import open_h5, read_h5_header, read_h5_into, write_h5
+from .h5 import open_h5, read_before_replacing, read_h5_header, read_h5_into, write_h5
 from .npy import (check_size, create_npy_memmap, map_npy, npy_data_bytes, open_npy_memmap, read_npy_header,
                   read_npy_into, write_npy)
 from .tables import (StagedRows, check_table_matches, check_table_shape, read_table, read_table_header,
@@ -42,6 +42,7 @@ __all__ = [
     "read_h5_header",
     "read_h5_into",
     "open_h5",
+    "read_before_replacing",
     "check_matches",
     "write_h5",
     "row_ranges",

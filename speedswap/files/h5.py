@@ -19,7 +19,7 @@ from .base import (TableHeader, changed_error, check_dtype, check_matches, crc32
                    reading_error, row_ranges, table_dtype_of)
 from .h5seal import check_seal, seal, userblock_size
 
-__all__ = ["check_dataset_name", "read_h5_header", "open_h5", "read_h5_into", "write_h5"]
+__all__ = ["check_dataset_name", "read_h5_header", "open_h5", "read_before_replacing", "read_h5_into", "write_h5"]
 
 #: The dataset attribute that records a table dtype the stored one stands for (bfloat16).
 _TABLE_DTYPE_ATTR = "speedswap_dtype"
@@ -56,16 +56,11 @@ def normal_dataset_name(dataset: str) -> str:
     return "/".join(part for part in check_dataset_name(dataset).split("/") if part not in ("", "."))
 
 
-def dataset_names(path) -> list:
-    """The full name of every dataset in the HDF5 file ``path``, groups' included (``"emb/weights"``).
-
-    Raises:
-        FileFormatError: ``path`` is not a readable HDF5 file.
-    """
+def dataset_names(f) -> list:
+    """The full name of every dataset in the open HDF5 file ``f``, groups' included (``"emb/weights"``)."""
     h5py = _h5py()
     names = []
-    with open_h5(path) as f:
-        f.visititems(lambda name, item: names.append(name) if isinstance(item, h5py.Dataset) else None)
+    f.visititems(lambda name, item: names.append(name) if isinstance(item, h5py.Dataset) else None)
     return names
 
 
@@ -192,6 +187,49 @@ def open_h5(path):
     except (KeyError, OSError, RuntimeError, TypeError, ValueError) as exc:
         # TypeError: a datatype numpy has no equivalent for (HDF5's time type, a damaged one).
         raise reading_error(path, exc) from exc
+
+
+def read_before_replacing(path, read):
+    """``read(f)`` of the HDF5 file ``path`` a save is about to replace, or None when it is not a readable one.
+
+    A save first looks at what it would replace (another table's dataset, a
+    file that is no checkpoint). A file that changes under that look (another
+    save to the same path, at the same time) gives no answer: which file was
+    read is unknown, and open_h5's refusal of it is no sign that it is not
+    HDF5. Two writers to one path are a mistake, and saying so is better than
+    either of them silently replacing what the other wrote.
+
+    Args:
+        path: the existing file.
+        read: what to learn from the open ``h5py.File``; what it raises from
+            h5py reads as "not a readable HDF5 file", as in :func:`open_h5`.
+
+    Returns:
+        what ``read`` returned, or None: ``path`` is not a readable HDF5 file.
+
+    Raises:
+        PathError: ``path`` changed or was replaced while it was read; nothing was written.
+        MissingFileError: ``path`` is gone, as :func:`open_h5` raises it.
+    """
+    before = _version_of(path)
+    try:
+        with open_h5(path) as f:
+            found = read(f)
+    except FileFormatError:
+        found = None
+    if _version_of(path) != before:
+        raise PathError(f"{os.fspath(path)!r} changed or was replaced while this save checked it (another "
+                        f"save to it at the same time?); nothing was written: save to one path from one "
+                        f"writer at a time, then save again")
+    return found
+
+
+def _version_of(path) -> Optional[tuple]:
+    """The :func:`~speedswap.files.base.file_version` of what ``path`` names now, or None for nothing there."""
+    try:
+        return file_version(os.stat(path))
+    except OSError:
+        return None
 
 
 def read_h5_into(path, out, dataset, header=None, crc32: bool = False) -> Optional[int]:

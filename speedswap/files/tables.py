@@ -16,7 +16,8 @@ from ..convert import torch_dtype
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from .base import (TableHeader, changed_error, crc32_of, file_format, file_version, native_dtype, reading_error,
                    row_ranges)
-from .h5 import dataset_names, normal_dataset_name, open_h5, read_h5_header, read_h5_into, write_h5
+from .h5 import (dataset_names, normal_dataset_name, open_h5, read_before_replacing, read_h5_header, read_h5_into,
+                 write_h5)
 from .npy import read_npy_header, read_npy_into, read_npy_rows, write_npy
 
 __all__ = ["stored_dtype", "read_table_header", "check_table_shape", "check_table_matches", "save_table", "read_table",
@@ -132,15 +133,16 @@ def _check_no_other_datasets(path, dataset) -> None:
     silently delete A.
 
     Raises:
-        PathError: the file holds other datasets; nothing is written.
+        PathError: the file holds other datasets, or changed while it was
+            checked (:func:`~speedswap.files.h5.read_before_replacing`); nothing is written.
     """
     name = normal_dataset_name(dataset)  # a non-name is refused as such, before the file is read
     if not os.path.isfile(path):
         return
-    try:
-        others = sorted(set(dataset_names(path)) - {name})
-    except FileFormatError:
+    names = read_before_replacing(path, dataset_names)
+    if names is None:
         return  # not HDF5: nothing of it would be kept by any HDF5 write
+    others = sorted(set(names) - {name})
     if others:
         raise PathError(f"{os.fspath(path)!r} holds the datasets {others} besides {dataset!r}, and a save "
                         f"writes the whole file: it would delete them. Save to another file (one per "

@@ -331,13 +331,11 @@ def _check_replaceable_h5(path):
     """
     if not os.path.isfile(path):
         return  # nothing there (a directory is refused by the writer itself)
-    try:
-        with files.open_h5(path) as f:
-            if f.attrs.get("format") == _FORMAT:
-                return
-            what = f"an HDF5 file with datasets {sorted(f.keys())}"
-    except FileFormatError:
-        what = "not a readable HDF5 file"
+    # bool(): an attribute damaged into an array reads as "not a readable HDF5 file".
+    found = files.read_before_replacing(path, lambda f: (bool(f.attrs.get("format") == _FORMAT), sorted(f.keys())))
+    if found is not None and found[0]:
+        return
+    what = "not a readable HDF5 file" if found is None else f"an HDF5 file with datasets {found[1]}"
     raise PathError(f"{os.fspath(path)!r} exists and is not a speedswap checkpoint ({what}); "
                     f"refusing to replace it: choose another path, or delete the file first "
                     f"if it is yours to lose")
@@ -355,9 +353,10 @@ def save_tables(path, tables, attrs):
     Raises:
         OptionError: a path with another suffix.
         PathError: ``path`` is an existing file or directory that is not a
-            speedswap checkpoint (it is never replaced), its parent directory
-            does not exist, or the file system refused the write (whatever
-            ``path`` held before is intact).
+            speedswap checkpoint (it is never replaced), an HDF5 file that
+            changed while the save checked it (another save to it at the same
+            time), its parent directory does not exist, or the file system
+            refused the write (whatever ``path`` held before is intact).
     """
     attrs = {"format": _FORMAT, **attrs}
     if checkpoint_kind(path) == "h5":
