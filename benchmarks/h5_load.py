@@ -10,11 +10,16 @@ page cache, and read into one array, in interleaved rounds, by:
 * ``read``: the rows alone, no CRC-32 (the floor);
 * ``read, then CRC-32``: the rows, then ``crc32_of`` over all of them (before);
 * ``CRC-32 behind the reads``: ``read_h5_into(..., crc32=True)`` (after);
-* ``HostTable.load``: the whole load, a new table included.
+* ``HostTable.load``: the whole load, a new table included;
+* ``stage_table, held``: the first half of ``load_from`` and of a checkpoint's
+  load, every chunk read, held in RAM and its CRC-32 verified;
+* ``stage_table, verified only``: the same for a table too large to stage in
+  RAM (``ram_available=0``), each chunk's running CRC-32 recorded.
 
 Each round times every variant once (:func:`time_interleaved`); the load
 average is recorded before and after, since the machine may be shared and the
 overlap needs a free core. Both CRC-32 variants must give the one recorded.
+To compare two checkouts, run each one's copy of this script in turn (it measures its own checkout).
 
 Run: ``python benchmarks/h5_load.py [--mib 256] [--repeats 9] [--warmup 2] [--chunk-mib 64]``.
 Writes ``benchmarks/results/h5_load-cpu.json``.
@@ -26,10 +31,11 @@ import tempfile
 
 import common
 import numpy as np
+import torch
 
 import speedswap as ss
 from speedswap.apps.bench.timing import load_average, time_interleaved
-from speedswap.files import base, read_h5_header, read_h5_into
+from speedswap.files import base, read_h5_header, read_h5_into, stage_table
 
 
 def main(argv=None):
@@ -65,9 +71,14 @@ def main(argv=None):
 
         def load():
             ss.HostTable.load(path, backend="numpy").close()
+
+        def staged(ram_available):  # a wrong CRC-32 raises
+            return lambda: stage_table(path, header, "table", torch.float32, ram_available)
         load_before = load_average()
         timings = time_interleaved({"read": read, "read, then CRC-32": read_then_crc,
-                                    "CRC-32 behind the reads": crc_behind, "HostTable.load": load},
+                                    "CRC-32 behind the reads": crc_behind, "HostTable.load": load,
+                                    "stage_table, held": staged(4 * values.nbytes),
+                                    "stage_table, verified only": staged(0)},
                                    repeats=args.repeats, warmup=args.warmup)
         load_after = load_average()
     if set(crcs) != {header.crc32}:
