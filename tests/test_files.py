@@ -457,3 +457,30 @@ def test_crc32_behind_the_reads_is_the_crc32_of_all_the_chunks_in_order(rng, tmp
     monkeypatch.setattr(files.base, "CHUNK_BYTES", 64 << 10)  # several chunks of rows
     assert files.read_h5_into(path, out, "table", header, crc32=True) == zlib.crc32(whole.tobytes()) == header.crc32
     np.testing.assert_array_equal(out, whole)
+
+
+def test_crc32_behind_asks_for_a_chunk_only_two_ahead_and_gives_the_running_crc32s(rng, monkeypatch):
+    """Staged loads read each chunk into a new array and checksum it behind the reads: were the reads
+    faster than the CRC-32, every chunk of a file too large for RAM would wait in memory for its turn.
+    A chunk is asked for only once all but the last two have their CRC-32; the CRC-32 up to each chunk
+    is what a staged load records to check the file when it reads it again."""
+    import time
+    import zlib
+    chunks = [rng.standard_normal((int(rng.integers(1, 5000)), 7)).astype(np.float32) for _ in range(6)]
+    done, waiting = [0], []
+    crc32_of = files.base.crc32_of
+
+    def slow_crc32_of(chunk, crc=0):
+        time.sleep(0.02)
+        done[0] += 1
+        return crc32_of(chunk, crc)
+    monkeypatch.setattr(files.base, "crc32_of", slow_crc32_of)
+
+    def reads():
+        for i, chunk in enumerate(chunks):
+            waiting.append(i - done[0])  # chunks asked for whose CRC-32 is not done
+            yield chunk
+    running = []
+    assert files.base.crc32_behind(reads(), running=running) == zlib.crc32(np.concatenate(chunks).tobytes())
+    assert max(waiting) <= 2 and done[0] == len(chunks), waiting
+    assert running == [zlib.crc32(np.concatenate(chunks[:i + 1]).tobytes()) for i in range(len(chunks))]

@@ -177,25 +177,31 @@ def crc32_of(chunk, crc: int = 0) -> int:
     return zlib.crc32(memoryview(np.ascontiguousarray(chunk)).cast("B"), crc)
 
 
-def crc32_behind(chunks: Iterable[np.ndarray]) -> int:
+def crc32_behind(chunks: Iterable[np.ndarray], running: Optional[list] = None) -> int:
     """The :func:`crc32_of` all that ``chunks`` yields, each chunk's on a second thread while the next is made.
 
     ``zlib.crc32`` releases the GIL over more than 5 KiB, so reading chunk
     ``i + 1`` (the iteration) and checksumming chunk ``i`` overlap, where a
     second core is free. One worker runs the CRC-32s in order, each
-    continuing the one before.
+    continuing the one before. The next chunk is asked for only once the
+    CRC-32 before the last one is done: at most two chunks wait for theirs,
+    however much faster the reads are (a read may make new arrays).
 
     Args:
         chunks: arrays none of which changes once yielded (the rows just read).
+        running: a list to extend by the CRC-32 of the chunks up to each one, in order.
 
     Returns:
         the CRC-32 of their bytes, in order.
     """
     with ThreadPoolExecutor(1, thread_name_prefix="speedswap-crc32") as worker:
-        crc = worker.submit(int)  # 0, the CRC-32 of nothing
+        crcs = [worker.submit(int)]  # 0, the CRC-32 of nothing
         for chunk in chunks:
-            crc = worker.submit(lambda chunk=chunk, before=crc: crc32_of(chunk, before.result()))
-        return crc.result()
+            crcs.append(worker.submit(lambda chunk=chunk, before=crcs[-1]: crc32_of(chunk, before.result())))
+            crcs[-2].result()
+        if running is not None:
+            running.extend(crc.result() for crc in crcs[1:])
+        return crcs[-1].result()
 
 
 def write_chunk(sink, start, chunk):

@@ -14,8 +14,8 @@ import torch
 
 from ..convert import torch_dtype
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
-from .base import (TableHeader, changed_error, crc32_of, file_format, file_version, native_dtype, reading_error,
-                   row_ranges)
+from .base import (TableHeader, changed_error, crc32_behind, crc32_of, file_format, file_version, native_dtype,
+                   reading_error, row_ranges)
 from .h5 import (dataset_names, normal_dataset_name, open_h5, read_before_replacing, read_h5_header, read_h5_into,
                  write_h5)
 from .npy import read_npy_header, read_npy_into, read_npy_rows, write_npy
@@ -376,7 +376,9 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
             each chunk's CRC-32, and read again by :meth:`StagedRows.commit`.
         crc32: the CRC-32 of the stored bytes recorded when it was saved,
             checked when given. It covers the whole file: with ``rows`` too,
-            every row is read to check it, and only ``rows`` are held.
+            every row is read to check it, and only ``rows`` are held. Each
+            chunk's CRC-32 is computed on a second thread while the next
+            chunk is read (:func:`~speedswap.files.base.crc32_behind`).
         rows: only these rows of the file (a shard's share of a whole table),
             the only ones read unless ``crc32`` is given; commit them with
             ``commit(table, rows=rows, at=...)``. The RAM they need decides
@@ -399,26 +401,31 @@ def stage_table(path, header: TableHeader, dataset: str, table_dtype, ram_availa
     read = range(header.shape[0]) if crc32 is not None else rows  # a CRC-32 covers every row
     ranges = [(read.start + a, read.start + b)
               for a, b in row_ranges((len(read), *header.shape[1:]), header.dtype)]
-    version, chunks = None, []
+    version = None
     if held is None:  # commit reads the file again: it must find what is verified here
         try:
             version = file_version(os.stat(path))
         except OSError as exc:
             raise reading_error(path, exc) from exc
-    crc = 0
-    for start, stop, chunk in _file_chunks(path, header, dataset, ranges, version):
-        if table_dtype is torch.bfloat16:
-            _check_bfloat16(path, start, stop, chunk)
-        if crc32 is not None or held is None:
-            crc = crc32_of(chunk, crc)
-        if held is not None:
-            lo, hi = max(start, rows.start), min(stop, rows.stop)
-            if lo < hi:
-                held[lo - rows.start:hi - rows.start] = chunk[lo - start:hi - start]
-        else:
-            chunks.append((start, stop, crc))
+
+    def verified():  # each chunk read, checked and held
+        for start, stop, chunk in _file_chunks(path, header, dataset, ranges, version):
+            if table_dtype is torch.bfloat16:
+                _check_bfloat16(path, start, stop, chunk)
+            if held is not None:
+                lo, hi = max(start, rows.start), min(stop, rows.stop)
+                if lo < hi:
+                    held[lo - rows.start:hi - rows.start] = chunk[lo - start:hi - start]
+            yield chunk
+    crcs = []  # the CRC-32 of the rows up to the end of each chunk
+    if crc32 is not None or held is None:
+        crc = crc32_behind(verified(), running=crcs)
+    else:
+        for _ in verified():
+            pass
     if crc32 is not None and crc != crc32:
         raise _corrupt(path, crc, crc32)
+    chunks = [] if held is not None else [(start, stop, upto) for (start, stop), upto in zip(ranges, crcs)]
     if held is None and not _same_version(path, version):
         raise changed_error(path)  # written while it was read: the CRC-32s may describe no single file
     return StagedRows(path, header, dataset, held, first=rows.start, version=version,
