@@ -484,3 +484,24 @@ def test_crc32_behind_asks_for_a_chunk_only_two_ahead_and_gives_the_running_crc3
     assert files.base.crc32_behind(reads(), running=running) == zlib.crc32(np.concatenate(chunks).tobytes())
     assert max(waiting) <= 2 and done[0] == len(chunks), waiting
     assert running == [zlib.crc32(np.concatenate(chunks[:i + 1]).tobytes()) for i in range(len(chunks))]
+
+
+def test_crc32_behind_checksums_on_the_callers_thread_where_no_thread_can_start(rng, tmp_path, monkeypatch):
+    """At the process's thread limit (or while the interpreter shuts down) the CRC-32's thread cannot
+    start: a load then checksums on its own thread, with the same CRC-32s, rather than fail."""
+    import threading
+    import zlib
+    start = threading.Thread.start
+
+    def start_unless_crc32(thread):
+        if thread.name.startswith("speedswap-crc32"):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+    monkeypatch.setattr(threading.Thread, "start", start_unless_crc32)
+    chunks = [rng.standard_normal((int(rng.integers(1, 5000)), 7)).astype(np.float32) for _ in range(4)]
+    running = []
+    assert files.base.crc32_behind(iter(chunks), running=running) == zlib.crc32(np.concatenate(chunks).tobytes())
+    assert running == [zlib.crc32(np.concatenate(chunks[:i + 1]).tobytes()) for i in range(len(chunks))]
+    path = tmp_path / "t.h5"
+    ss.HostTable.from_numpy(np.concatenate(chunks), backend="numpy").save(path)
+    np.testing.assert_array_equal(ss.HostTable.load(path, backend="numpy").to_numpy(), np.concatenate(chunks))

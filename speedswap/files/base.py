@@ -185,7 +185,8 @@ def crc32_behind(chunks: Iterable[np.ndarray], running: Optional[list] = None) -
     second core is free. One worker runs the CRC-32s in order, each
     continuing the one before. The next chunk is asked for only once the
     CRC-32 before the last one is done: at most two chunks wait for theirs,
-    however much faster the reads are (a read may make new arrays).
+    however much faster the reads are (a read may make new arrays). Where no
+    thread can start, they run on the caller's thread, one after each read.
 
     Args:
         chunks: arrays none of which changes once yielded (the rows just read).
@@ -194,8 +195,18 @@ def crc32_behind(chunks: Iterable[np.ndarray], running: Optional[list] = None) -
     Returns:
         the CRC-32 of their bytes, in order.
     """
-    with ThreadPoolExecutor(1, thread_name_prefix="speedswap-crc32") as worker:
-        crcs = [worker.submit(int)]  # 0, the CRC-32 of nothing
+    worker = ThreadPoolExecutor(1, thread_name_prefix="speedswap-crc32")
+    try:
+        crcs = [worker.submit(int)]  # 0, the CRC-32 of nothing; starts the thread
+    except RuntimeError:  # no thread can start (the thread limit, interpreter shutdown): on this one
+        worker.shutdown()
+        crc = 0
+        for chunk in chunks:
+            crc = crc32_of(chunk, crc)
+            if running is not None:
+                running.append(crc)
+        return crc
+    with worker:
         for chunk in chunks:
             crcs.append(worker.submit(lambda chunk=chunk, before=crcs[-1]: crc32_of(chunk, before.result())))
             crcs[-2].result()
