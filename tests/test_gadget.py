@@ -495,13 +495,12 @@ def test_two_threads_first_use_keeps_the_rows_one_of_them_wrote(rng, tmp_path, m
     np.testing.assert_array_equal(gadget.to_numpy(), data)
 
 
-def test_a_gadget_closed_while_its_first_use_reads_releases_the_rows_read(rng, tmp_path, monkeypatch):
-    """close() on one thread while another thread's first use was reading the rows: the read table
-    was installed in the closed gadget afterwards, held (page-locked memory, for a pinned gadget)
-    for the gadget's life, and that first use returned rows of a closed gadget."""
-    path = tmp_path / "data.npy"
-    np.save(path, random_data(rng, (40, 3)))
-    gadget = ss.data.gadget.DataGadget(path, storage="pinned", backend="numpy")
+def close_once_the_rows_are_read(monkeypatch):
+    """Make every gadget's reads of rows close it from another thread once they are read.
+
+    Returns:
+        the list that each read's ``(table, mapped)`` is appended to.
+    """
     build, built = speedswap.data.gadget.DataGadget._build_table, []
 
     def closed_while_reading(self, held):
@@ -512,6 +511,17 @@ def test_a_gadget_closed_while_its_first_use_reads_releases_the_rows_read(rng, t
         return built[-1]
 
     monkeypatch.setattr(speedswap.data.gadget.DataGadget, "_build_table", closed_while_reading)
+    return built
+
+
+def test_a_gadget_closed_while_its_first_use_reads_releases_the_rows_read(rng, tmp_path, monkeypatch):
+    """close() on one thread while another thread's first use was reading the rows: the read table
+    was installed in the closed gadget afterwards, held (page-locked memory, for a pinned gadget)
+    for the gadget's life, and that first use returned rows of a closed gadget."""
+    path = tmp_path / "data.npy"
+    np.save(path, random_data(rng, (40, 3)))
+    gadget = ss.data.gadget.DataGadget(path, storage="pinned", backend="numpy")
+    built = close_once_the_rows_are_read(monkeypatch)
     with pytest.raises(ss.StateError, match="closed"):
         gadget.get([0])
     assert gadget.closed and built[0][0].closed  # the rows read are released, not held by the gadget
@@ -526,16 +536,7 @@ def test_a_gadget_closed_while_a_load_reads_the_new_rows_holds_none_of_them(rng,
     np.save(other, random_data(rng, (17, 5)))
     gadget = ss.data.gadget.DataGadget(path, storage="pinned", backend="numpy").read()
     old = gadget.table
-    build, built = speedswap.data.gadget.DataGadget._build_table, []
-
-    def closed_while_reading(self, held):
-        built.append(build(self, held))
-        closer = threading.Thread(target=self.close)
-        closer.start()
-        closer.join(10)
-        return built[-1]
-
-    monkeypatch.setattr(speedswap.data.gadget.DataGadget, "_build_table", closed_while_reading)
+    built = close_once_the_rows_are_read(monkeypatch)
     with pytest.raises(ss.StateError, match="closed"):
         gadget.load(other)
     assert gadget.closed and old.closed and built[0][0].closed  # neither the old rows nor the new are held

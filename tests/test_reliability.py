@@ -1280,15 +1280,14 @@ def test_a_seal_whose_magic_lost_a_few_bits_is_refused_never_read_unchecked(tmp_
         emb.load(path)
 
 
-def test_an_h5_file_replaced_between_its_seal_check_and_hdf5s_open_is_refused(tmp_path, rng, monkeypatch):
-    """open_h5 checked the seal of the file the path named, then h5py opened the path again: a file
-    renamed over it in between reached HDF5 unchecked (here a sound one, whose rows then loaded)."""
+def replace_once_its_seal_is_checked(monkeypatch, path, other):
+    """Rename ``other`` over ``path`` right after the first check of a seal (a writer racing a read).
+
+    Returns:
+        a list that holds ``path`` once it was replaced.
+    """
     from speedswap.files import h5
-    path, other = tmp_path / "t.h5", tmp_path / "other.h5"
-    make_table(rng).save(path)
-    make_table(rng).save(other)
-    check_seal = h5.check_seal
-    replaced = []
+    check_seal, replaced = h5.check_seal, []
 
     def check_then_replace(*args):
         check_seal(*args)
@@ -1296,6 +1295,16 @@ def test_an_h5_file_replaced_between_its_seal_check_and_hdf5s_open_is_refused(tm
             os.replace(other, path)
             replaced.append(path)
     monkeypatch.setattr(h5, "check_seal", check_then_replace)
+    return replaced
+
+
+def test_an_h5_file_replaced_between_its_seal_check_and_hdf5s_open_is_refused(tmp_path, rng, monkeypatch):
+    """open_h5 checked the seal of the file the path named, then h5py opened the path again: a file
+    renamed over it in between reached HDF5 unchecked (here a sound one, whose rows then loaded)."""
+    path, other = tmp_path / "t.h5", tmp_path / "other.h5"
+    make_table(rng).save(path)
+    make_table(rng).save(other)
+    replaced = replace_once_its_seal_is_checked(monkeypatch, path, other)
     table = make_table(rng)
     before = table.to_numpy(copy=True)
     with pytest.raises(ss.FileFormatError, match="was changed or replaced since it was verified"):
@@ -1306,7 +1315,6 @@ def test_an_h5_file_replaced_between_its_seal_check_and_hdf5s_open_is_refused(tm
     np.testing.assert_array_equal(table.to_numpy(), ss.HostTable.load(path, backend="numpy").to_numpy())
 
 
-
 @pytest.mark.parametrize("saved", ["table", "checkpoint"])
 def test_a_save_whose_h5_file_is_replaced_while_it_checks_it_is_refused(tmp_path, rng, monkeypatch, saved):
     """A save to an existing .h5 file first reads what it would replace (a table's other datasets, a file
@@ -1314,7 +1322,6 @@ def test_a_save_whose_h5_file_is_replaced_while_it_checks_it_is_refused(tmp_path
     the same path, racing this one) raised open_h5's "changed" FileFormatError, which these checks took
     for "not HDF5": a table save then went on and deleted the other save's dataset 'w'; a checkpoint save
     refused the file as "not a readable HDF5 file". Both now refuse, saying the file changed under them."""
-    from speedswap.files import h5
     path, other = tmp_path / "t.h5", tmp_path / "other.h5"
 
     def save(to=path, dataset="u"):
@@ -1325,14 +1332,7 @@ def test_a_save_whose_h5_file_is_replaced_while_it_checks_it_is_refused(tmp_path
     save()
     save(other, dataset="w")
     replacement = other.read_bytes()
-    check_seal, replaced = h5.check_seal, []
-
-    def check_then_replace(*args):
-        check_seal(*args)
-        if not replaced:
-            os.replace(other, path)
-            replaced.append(path)
-    monkeypatch.setattr(h5, "check_seal", check_then_replace)
+    replaced = replace_once_its_seal_is_checked(monkeypatch, path, other)
     with pytest.raises(PathError, match="changed or was replaced while this save checked it.*nothing was "
                                         "written"):
         save()
