@@ -14,6 +14,7 @@ import gc
 import os
 import tempfile
 import threading
+import weakref
 
 import hypothesis.strategies as st
 import numpy as np
@@ -666,6 +667,43 @@ def test_every_tensor_a_prefetch_copies_with_outlives_its_copies_on_the_side_str
         brought = emb.prefetch(torch.from_numpy(rng.permutation(np.arange(60, 100))[:6]))
     assert brought == 6 and uses.made, "the side stream's copies must have run"
     assert not uses.unkept, f"used on the side stream, neither made there nor recorded for it: {uses.unkept}"
+
+
+@pytest.mark.gpu
+def test_a_device_table_dropped_right_after_a_prefetch_keeps_its_write_back_off_other_tensors(rng):
+    """A prefetch's write-back into a ``device`` table, queued on the cache's side stream,
+    outlives an embedding dropped right after it without ``close()``.
+
+    UNVERIFIED on a GPU when written (issue 11). The side stream is held back by a
+    long sleep, so the write-back lands after the embedding is collected and a tensor of
+    the table's size was made and filled on the default stream: with the table's tensor
+    not recorded for the side stream, the caching allocator gave that tensor the table's
+    block, and the evicted rows landed in it.
+    """
+    num_rows, dim = 1 << 16, 64
+    emb = ss.OffloadedEmbedding(num_rows, dim, max_rows=4096, storage="device", backend="cuda",
+                                cache_rows=2048)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    _step(emb, opt, rng.choice(num_rows // 2, size=2048, replace=False))  # the cache full of dirty rows
+    cache, table_alive = emb._cache, weakref.ref(emb._table)
+    assert (cache.slot_row >= 0).all(), "the prefetch below must evict, and write back, cached rows"
+    # Or the prefetch would make the default stream wait for the sleep below, and its host
+    # read of the counts would wait with it: the write-back would land before the release.
+    assert torch.cuda.current_stream() in cache._waited
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no other free block of the table's size for the tensor below to take
+    with torch.cuda.stream(cache._side):
+        torch.cuda._sleep(2_000_000_000)  # about a second: everything below is queued before it ends
+    ahead = rng.choice(np.arange(num_rows // 2, num_rows), size=1024, replace=False)
+    assert emb.prefetch(torch.from_numpy(ahead).cuda()) == 1024
+    del emb, opt, cache
+    gc.collect()
+    assert table_alive() is None, "the table must be released for the test to mean anything"
+    fill = float(rng.uniform(1.0, 2.0))
+    other = torch.empty(num_rows, dim, device="cuda").fill_(fill)
+    torch.cuda.synchronize()
+    assert bool((other == fill).all()), "the prefetch's write-back landed in a tensor made after the table's release"
 
 
 def test_prefetch_checks_ids_and_order(backend):

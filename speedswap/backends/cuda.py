@@ -23,7 +23,10 @@ storage kind:
 Everything is ordered on torch's current stream of the backend's device.
 Nothing calls a device-wide synchronize: host code that touches a table after
 kernels used it waits on that table's own events, one per stream
-(:meth:`CudaBackend.wait_host`), and so does the release of its memory.
+(:meth:`CudaBackend.wait_host`), and so does the release of its memory. A
+``device`` table's memory is torch's: its tensor is recorded for each stream
+that moves its rows (``record_stream``), so the caching allocator hands the
+memory out again only after the work those streams queued before its release.
 """
 
 import ctypes
@@ -281,8 +284,16 @@ class CudaBackend(Backend):
         """Block until every kernel queued on ``buffer``, on any stream, has finished."""
         _wait_all(buffer.pending)
 
+    def _record_device(self, buffer):
+        # Freed, a device table's block goes back to the stream that made it, which takes it
+        # again at once unless the streams that used it were recorded: a prefetch's write-back
+        # on the cache's side stream would then write rows into an unrelated tensor. Cheap
+        # on the stream that made it: the allocator returns at once.
+        buffer.tensor.record_stream(torch.cuda.current_stream(self.device))
+
     def gather(self, buffer, rows, out):
         if buffer.kind == "device":
+            self._record_device(buffer)
             return torch.index_select(buffer.tensor, 0, rows, out=out)
         if buffer.device_ptr is None:
             return self._staging.gather(buffer.tensor, rows, out)
@@ -296,6 +307,8 @@ class CudaBackend(Backend):
         if buffer.device_ptr is None:
             # A device table gets ids and values on the GPU, a staged one on
             # the CPU (ids_device): either way one write where the rows live.
+            if buffer.kind == "device":
+                self._record_device(buffer)
             buffer.tensor.index_copy_(0, rows, values)
             return
         stream = torch.cuda.current_stream(self.device)
