@@ -669,6 +669,66 @@ def test_every_tensor_a_prefetch_copies_with_outlives_its_copies_on_the_side_str
     assert not uses.unkept, f"used on the side stream, neither made there nor recorded for it: {uses.unkept}"
 
 
+def test_every_tensor_the_cache_replaces_is_recorded_for_the_stream_that_drops_it(monkeypatch, rng):
+    """The cache's tensors are made on the stream it was made on; training may run on another. A
+    tensor the cache replaces there (scratch regrowth, the prefetch's stamps, the sorted index) goes
+    back to the pool of the stream that made it, which hands it out again at once, under the training
+    stream's queued copies from it, unless it was recorded for the training stream first."""
+    emb, opt = _embedding("numpy", cache_rows=8, opt=torch.optim.Adam)
+    for _ in range(3):
+        _step(emb, opt, rng.integers(0, 40, 12))
+    cache, recorded = emb._cache, []
+    main, cache._side = _FakeStream("main", []), _FakeStream("side", [])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda tensor, stream: recorded.append((tensor, stream)), raising=False)
+    dropped = {"weights": cache.weights, "stamp": cache.stamp, "sorted rows": cache._sorted_rows,
+               "sorted slots": cache._sorted_slots, **cache.states}
+    _step(emb, opt, rng.permutation(np.arange(40, 100))[:len(cache.weights)])  # more misses than scratch rows
+    emb.prefetch(torch.from_numpy(rng.permutation(np.arange(0, 40))[:6]))
+    for name, tensor in dropped.items():
+        assert not any(tensor is now for now in (cache.weights, cache.stamp, cache._sorted_rows,
+                                                 cache._sorted_slots, *cache.states.values())), name
+    unrecorded = [name for name, tensor in dropped.items()
+                  if not any(t is tensor and s is main for t, s in recorded)]
+    assert not unrecorded, f"replaced without being recorded for the stream that dropped them: {unrecorded}"
+
+
+@pytest.mark.gpu
+def test_scratch_regrown_on_another_stream_than_the_caches_keeps_its_rows(rng):
+    """Rows copied into regrown scratch on the training stream come from the old rows, not from a
+    tensor made meanwhile on the stream the cache was made on.
+
+    UNVERIFIED on a GPU when written (issue 11). The cache is made and filled on the default
+    stream; the regrowth runs on another, held back by a long sleep, so its copy of the old slots
+    is still queued when the default stream makes and fills a tensor of the old rows' size:
+    without the old rows recorded for the training stream, that tensor takes their block and the
+    copy reads the fill.
+    """
+    emb = ss.OffloadedEmbedding(1 << 14, 256, max_rows=4096, storage="pinned", backend="cuda",
+                                cache_rows=2048)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    _step(emb, opt, rng.choice(1 << 13, size=2048, replace=False))  # slots full, scratch of 2048
+    cache = emb._cache
+    slots = cache.weights[:cache.num_slots].clone()
+    old_size = cache.weights.shape
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no other free block of the old rows' size for the tensor below to take
+    training = torch.cuda.Stream()
+    training.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(training):
+        torch.cuda._sleep(2_000_000_000)  # about a second: everything below is queued before it ends
+        cache._scratch(len(cache.weights))  # more than the scratch holds: regrown, slots copied
+    assert cache.weights.shape[0] > old_size[0]
+    fill = float(rng.uniform(1.0, 2.0))
+    other = torch.empty(old_size, device="cuda").fill_(fill)
+    torch.cuda.synchronize()
+    assert bool((other == fill).all()), "the regrowth's copy wrote into a tensor made after it"
+    assert torch.equal(cache.weights[:cache.num_slots], slots), "the regrowth copied another tensor's values"
+
+
 @pytest.mark.gpu
 def test_a_device_table_dropped_right_after_a_prefetch_keeps_its_write_back_off_other_tensors(rng):
     """A prefetch's write-back into a ``device`` table, queued on the cache's side stream,

@@ -238,7 +238,23 @@ class RowCache:
         return len(self.weights) * row + bookkeeping + self.sketch.nbytes
 
     def _reindex(self):
+        if hasattr(self, "_sorted_rows"):  # none yet when __init__ builds the first index
+            self._retire(self._sorted_rows, self._sorted_slots)
         self._sorted_rows, self._sorted_slots = torch.sort(self.slot_row.to(self._key_dtype))
+
+    def _retire(self, *tensors):
+        """Record ``tensors``, about to be dropped, for the current stream (on a GPU).
+
+        The cache's tensors are made on the stream it was made on, and training
+        may run on another: freed, a tensor goes back to the pool of the stream
+        that made it, which hands it out again at once, while the current
+        stream's queued work may still read or write it. Recorded, it waits for
+        that work (on the stream that made it, the allocator returns at once).
+        """
+        if self._side is not None:
+            stream = torch.cuda.current_stream(self.device)
+            for tensor in tensors:
+                tensor.record_stream(stream)
 
     def _begin_step(self):
         self._step = dict.fromkeys(COUNTERS, 0)
@@ -295,6 +311,7 @@ class RowCache:
                 new[:n] = old[:n]  # scratch holds nothing between calls
                 return new
 
+            self._retire(self.weights, *self.states.values())
             self.weights = grown(self.weights)
             self.states = {name: grown(rows) for name, rows in self.states.items()}
         return n
@@ -702,6 +719,7 @@ class RowCache:
         n_new, evictable, *bounds = torch.stack(read).tolist()
         if check_bounds is not None:
             check_bounds(*bounds)
+        self._retire(self.stamp)
         self.stamp, self._pinned = stamp, True
         bring = min(n_new, evictable - self._n_misses)
         if bring <= 0:
