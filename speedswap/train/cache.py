@@ -773,7 +773,9 @@ class RowCache:
         """Write every dirty cached row and its state back to the host; they stay cached (clean).
 
         Afterwards the host tables hold every row's current value, and on a GPU
-        the writes have finished.
+        the writes have finished. Work queued on streams other than the current
+        one (and the side stream) is not waited for: the caller orders it first
+        (``wait_stream``), as torch asks for any tensor used across streams.
         """
         self._wait_prefetch()
         changed = torch.nonzero(self.dirty).squeeze(1)

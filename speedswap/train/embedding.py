@@ -1028,7 +1028,9 @@ class OffloadedEmbedding(torch.nn.Module):
 
         After it the host's table and state tables hold every row's current
         value, and the rows stay cached (unlike :attr:`table`, which also
-        empties the cache so that writes through it are seen).
+        empties the cache so that writes through it are seen). On a GPU it
+        follows the current stream: after training on another, make this one
+        wait for it first (``torch.cuda.current_stream().wait_stream(s)``).
         """
         if self._cache is not None:
             self._cache.flush()
