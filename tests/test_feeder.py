@@ -278,6 +278,20 @@ def test_shard_takes_only_this_ranks_rows_whatever_the_world_size(rng, drop_last
         assert ids_of(feeder) == [[(2**70 - 3) % 50]]
 
 
+@pytest.mark.parametrize("contiguous", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shard_of_an_empty_order_is_empty_for_every_rank(rng, drop_last, contiguous):
+    """shard reduced each position mod the order's length: an empty order (which DistributedSampler
+    splits into empty shares, and shard did too before) raised ZeroDivisionError."""
+    world_size = int(rng.integers(2, 9))
+    for rank in range(world_size):
+        sampler = torch.utils.data.DistributedSampler(range(0), num_replicas=world_size, rank=rank,
+                                                      shuffle=False, drop_last=drop_last)
+        got = shard(np.array([], dtype=np.int64), rank, world_size, drop_last, contiguous)
+        assert got.dtype == np.int64
+        np.testing.assert_array_equal(got, np.array(list(sampler), dtype=np.int64))
+
+
 def test_rank_defaults_to_torch_distributed(monkeypatch):
     dist = torch.distributed
     monkeypatch.setattr(dist, "is_available", lambda: True)

@@ -309,7 +309,7 @@ def shard(indices, rank, world_size, drop_last, contiguous=False):
         raise OptionError(f"rank must be an int from 0 to {world_size - 1} (the world has {world_size} "
                           f"ranks), got {rank!r}")
     n = len(indices)
-    if world_size == 1:
+    if world_size == 1 or not n:  # no rows: every share is empty (and nothing to reduce mod n)
         return indices
     per_rank = n // world_size if drop_last else -(-n // world_size)
     # Position p of the padded order is indices[p % n] (the padding repeats it from the start).
