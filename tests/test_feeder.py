@@ -292,6 +292,22 @@ def test_shard_of_an_empty_order_is_empty_for_every_rank(rng, drop_last, contigu
         np.testing.assert_array_equal(got, np.array(list(sampler), dtype=np.int64))
 
 
+@pytest.mark.parametrize("contiguous", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("rank_type", [np.uint64, np.int64, np.uint32, np.int8])
+def test_shard_takes_a_numpy_integer_rank_as_its_value(rng, rank_type, drop_last, contiguous):
+    """shard accepts any numpy integer as the rank, but computed positions with it: a np.uint64
+    rank made numpy promote them to float64 (uint64 with int64), and indexing raised IndexError
+    "arrays used as indices must be of integer (or boolean) type"."""
+    for _ in range(20):
+        n = int(rng.integers(1, 40))
+        world_size = int(rng.integers(2, 2 * n + 3))
+        rank = int(rng.integers(0, min(world_size, 127)))
+        order = rng.permutation(n)
+        np.testing.assert_array_equal(shard(order, rank_type(rank), world_size, drop_last, contiguous),
+                                      distributed_sampler_share(order, rank, world_size, drop_last, contiguous))
+
+
 def test_rank_defaults_to_torch_distributed(monkeypatch):
     dist = torch.distributed
     monkeypatch.setattr(dist, "is_available", lambda: True)

@@ -308,6 +308,7 @@ def shard(indices, rank, world_size, drop_last, contiguous=False):
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
         raise OptionError(f"rank must be an int from 0 to {world_size - 1} (the world has {world_size} "
                           f"ranks), got {rank!r}")
+    rank = int(rank)  # a numpy uint64 would promote the int64 positions below to float64
     n = len(indices)
     if world_size == 1 or not n:  # no rows: every share is empty (and nothing to reduce mod n)
         return indices
