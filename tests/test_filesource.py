@@ -672,6 +672,28 @@ def refuse_threads(monkeypatch, prefix):
     monkeypatch.setattr(threading.Thread, "start", refused)
 
 
+@pytest.mark.parametrize("order", ["random", "block"])
+def test_a_ctrl_c_during_the_next_order_draw_on_the_loops_own_thread_is_raised_at_once(rng, monkeypatch, order):
+    """Where the draw's thread cannot start, the next epoch's order is drawn on the loop's thread, and
+    a Ctrl-C there is aimed at the loop. in_background kept it in the future instead, like the
+    thread's own errors: the last epoch's loop ran to its end and the Ctrl-C was lost."""
+    n = int(rng.integers(50, 200))
+    feeder = ss.BatchFeeder(rng.standard_normal((n, 3)).astype(np.float32), batch_size=16, order=order,
+                            seed=int(rng.integers(1 << 30)), device="cpu", prefetch=0)
+    host_ids = feeder._host_ids
+
+    def interrupted_next_draw(epoch):  # Ctrl-C arriving while the next epoch's order is drawn
+        if epoch == 1:
+            raise KeyboardInterrupt
+        return host_ids(epoch)
+
+    monkeypatch.setattr(feeder, "_host_ids", interrupted_next_draw)
+    refuse_threads(monkeypatch, "speedswap-in-background")
+    with pytest.raises(KeyboardInterrupt):
+        list(feeder)
+    assert feeder.state_dict()["epoch"] == 0  # no batch was handed over: the epoch resumes whole
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files in /proc")
 @pytest.mark.parametrize("refused", ["speedswap-in-background", "speedswap-feeder-reader"])
 @pytest.mark.parametrize("order", ["random", "block"])

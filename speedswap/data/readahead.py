@@ -45,7 +45,8 @@ def in_background(fn, *args) -> concurrent.futures.Future:
     ``fn`` raised. A daemon thread: an interpreter that exits meanwhile does not
     wait for a value nobody will read. Where no thread can start (the
     process's thread limit, the interpreter shutting down), ``fn`` runs on the
-    caller's thread before this returns: the same value, computed sooner.
+    caller's thread before this returns: the same value, computed sooner; an
+    interrupt (Ctrl-C) meanwhile is the caller's, and is raised at once.
 
     Args:
         fn: the function; it must give the same value on any thread.
@@ -56,16 +57,18 @@ def in_background(fn, *args) -> concurrent.futures.Future:
     """
     future = concurrent.futures.Future()
 
-    def run():
+    def run(kept=BaseException):
         try:
             future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by future.result() on the caller's thread
+        except kept as exc:  # noqa: BLE001 - re-raised by future.result() on the caller's thread
             future.set_exception(exc)
 
     try:
         threading.Thread(target=run, daemon=True, name="speedswap-in-background").start()
     except RuntimeError:  # "can't start new thread": the value does not depend on the thread
-        run()
+        # Errors wait in the future as the thread's would; an interrupt is not kept for a
+        # result() that a loop ending first never asks for.
+        run(kept=Exception)
     return future
 
 
