@@ -162,10 +162,14 @@ def open_h5(path):
         with open(path, "rb") as checked:
             verified = file_version(os.fstat(checked.fileno()))  # before the check reads: a write after it shows
             check_seal(checked, path)
-            f = _h5py().File(path, "r")
-            if file_version(os.fstat(f.id.get_vfd_handle())) != verified:  # the default (sec2) driver's descriptor
+            # sec2 whatever HDF5_DRIVER makes the default: its handle is the descriptor compared.
+            f = _h5py().File(path, "r", driver="sec2")
+            try:
+                if file_version(os.fstat(f.id.get_vfd_handle())) != verified:
+                    raise changed_error(path)
+            except BaseException:
                 f.close()
-                raise changed_error(path)
+                raise
     except OSError as exc:
         if isinstance(exc, SpeedswapError):
             raise
