@@ -685,7 +685,8 @@ def test_every_tensor_the_cache_replaces_is_recorded_for_the_stream_that_drops_i
                         lambda tensor, stream: recorded.append((tensor, stream)), raising=False)
     dropped = {"weights": cache.weights, "stamp": cache.stamp, "sorted rows": cache._sorted_rows,
                "sorted slots": cache._sorted_slots, **cache.states}
-    _step(emb, opt, rng.permutation(np.arange(40, 100))[:len(cache.weights)])  # more misses than scratch rows
+    # More misses than scratch rows even if every slot admits one: the scratch must regrow.
+    _step(emb, opt, rng.permutation(np.arange(40, 100))[:len(cache.weights) + cache.num_slots])
     emb.prefetch(torch.from_numpy(rng.permutation(np.arange(0, 40))[:6]))
     for name, tensor in dropped.items():
         assert not any(tensor is now for now in (cache.weights, cache.stamp, cache._sorted_rows,
