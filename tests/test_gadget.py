@@ -1,6 +1,7 @@
 """DataGadget: rows of .npy files and in-memory arrays to the device and back."""
 
 import os
+import sys
 import threading
 import time
 
@@ -598,3 +599,62 @@ def test_a_gadget_read_while_a_load_reads_the_new_file_gives_the_old_data_in_its
     np.testing.assert_array_equal(seen[0][1], old[[0, 29]])
     assert gadget.shape == (20, 2, 3)
     np.testing.assert_array_equal(gadget.get([19, 0]).numpy(), new[[19, 0]])
+
+
+def waits_in_threading(thread) -> bool:
+    """Whether ``thread`` is blocked in the wait of a :mod:`threading` Condition or Event."""
+    frame = sys._current_frames().get(thread.ident)
+    return frame is not None and (frame.f_code.co_filename, frame.f_code.co_name) == (threading.__file__, "wait")
+
+
+@pytest.mark.parametrize("ending", ["load", "close"])
+@pytest.mark.parametrize("call", ["get", "put", "to_numpy"])
+def test_a_call_under_way_when_another_thread_replaces_the_rows_completes_on_the_old_ones(
+        rng, tmp_path, monkeypatch, call, ending):
+    """load() (or close()) on one thread closed the old table while a get, put or to_numpy on another
+    had already taken it: the call then failed half-way with "this HostTable is closed; its memory was
+    released", about a gadget that was open (for a load) and that it had begun to read."""
+    old, ids = random_data(rng, (30, 6)), rng.choice(30, size=5, replace=False)
+    path, other = tmp_path / "data.npy", tmp_path / "other.npy"
+    np.save(path, old)
+    np.save(other, random_data(rng, (20, 4)))
+    values = random_data(rng, (5, 6))
+    gadget = ss.data.gadget.DataGadget(path, mmap=True, backend="numpy").read()
+    table, ender = gadget.table, threading.Thread(target=getattr(gadget, ending), args=(other,)[:ending == "load"])
+    method = {"get": "gather", "put": "scatter", "to_numpy": "to_numpy"}[call]
+    taken, original, seen = threading.Event(), getattr(table, method), []
+
+    def once_the_ender_closed_or_waits(*args, **kwargs):
+        taken.set()
+        # The ender closes the table at once, waits for this call, or ends without closing it.
+        while not (table.closed or waits_in_threading(ender) or ender.ident and not ender.is_alive()):
+            time.sleep(0.001)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(table, method, once_the_ender_closed_or_waits)
+    args = {"get": (ids,), "put": (values, ids), "to_numpy": ()}[call]
+
+    def make_the_call():
+        try:
+            seen.append(getattr(gadget, call)(*args))
+        except Exception as exc:  # raised by the test below, not lost in the thread
+            seen.append(exc)
+
+    caller = threading.Thread(target=make_the_call)
+    caller.start()
+    assert taken.wait(10)
+    ender.start()
+    caller.join(10)
+    ender.join(10)
+    assert not caller.is_alive() and not ender.is_alive() and table.closed
+    (result,) = seen
+    if isinstance(result, Exception):
+        raise result
+    if call == "get":
+        np.testing.assert_array_equal(result.numpy(), old[ids])
+    elif call == "to_numpy":
+        np.testing.assert_array_equal(result, old)
+    else:  # the write reached the old file, flushed when its table closed after it
+        expected = old.copy()
+        expected[ids] = values
+        np.testing.assert_array_equal(np.load(path), expected)

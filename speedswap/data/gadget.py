@@ -35,6 +35,8 @@ __all__ = ["DataGadget"]
 #: share of the RAM available now: the rest is left for the model and the OS.
 RAM_SHARE = 0.75
 
+_CLOSED = "this DataGadget is closed; build a new one to read the data again"
+
 
 def _row_length(row_shape):
     return int(np.prod(row_shape, dtype=np.int64))
@@ -131,6 +133,10 @@ class DataGadget:
         self._backend = get_backend(backend, device)
         # Replaced under the lock: first uses and loads install one table, none once closed.
         self._installing = threading.Lock()
+        # How many calls (get, put, ...) are under way on each table: a load or close waits for them
+        # before it closes the table they took, so they complete on its rows instead of failing half-way.
+        self._users = {}
+        self._unused = threading.Condition(self._installing)
         self._closed = False  # closed before its first read there is no table to say so
         self._held = self._describe(source)
 
@@ -192,7 +198,7 @@ class DataGadget:
             StateError: the gadget is closed, or was closed while its rows were read.
         """
         if self.closed:
-            raise StateError("this DataGadget is closed; build a new one to read the data again")
+            raise StateError(_CLOSED)
         held = self._held
         if held.table is None:
             # Read outside the lock (a process forked mid-read must not inherit it held); the
@@ -214,6 +220,35 @@ class DataGadget:
     def _live_table(self) -> HostTable:
         """The table holding the rows, read on first use (see :meth:`_live`)."""
         return self._live().table
+
+    def _take(self) -> _Held:
+        """What the gadget holds (see :meth:`_live`), its table counted as in use until :meth:`_give_back`.
+
+        Raises:
+            StateError: the gadget is closed.
+        """
+        self._live()  # the rows are read outside the lock
+        with self._installing:
+            if self._closed:  # since _live looked
+                raise StateError(_CLOSED)
+            held = self._held
+            self._users[held.table] = self._users.get(held.table, 0) + 1
+        return held
+
+    def _give_back(self, held: _Held) -> None:
+        """End a use of ``held``'s table that :meth:`_take` counted."""
+        with self._installing:
+            left = self._users.pop(held.table) - 1
+            if left:
+                self._users[held.table] = left
+            else:
+                self._unused.notify_all()
+
+    def _close_unused(self, table: HostTable) -> None:
+        """Close ``table`` once no call under way uses it (see :meth:`_take`)."""
+        with self._installing:
+            self._unused.wait_for(lambda: table not in self._users)
+        table.close()
 
     def _wants_mmap(self, nbytes):
         if self._mmap is None:
@@ -335,10 +370,10 @@ class DataGadget:
                 made cannot see its file: truncating that file under it ends
                 the process with SIGBUS, as it would for numpy.
         """
-        held = self._live()
-        if held.path is not None and held.table.storage == "mmap":
-            files.check_size(held.path, held.header, held.mapped)  # not SIGBUS on a truncated file
-        rows = held.table.gather(idx)
+        with _InUse(self) as held:
+            if held.path is not None and held.table.storage == "mmap":
+                files.check_size(held.path, held.header, held.mapped)  # not SIGBUS on a truncated file
+            rows = held.table.gather(idx)
         return rows.view((*rows.shape[:-1], *held.row_shape))  # a tuple: () for one label
 
     def put(self, t, idx) -> None:
@@ -355,7 +390,11 @@ class DataGadget:
             StateError: the data is read-only (a read-only file or array, or a
                 file mapped because it outgrew the RAM, without ``mmap=True``).
         """
-        held = self._live()
+        with _InUse(self) as held:
+            self._put(held, t, idx)
+
+    def _put(self, held: _Held, t, idx) -> None:
+        """:meth:`put` into ``held``'s table, which the caller keeps in use."""
         table = held.table
         if not table.writable and held.path is not None and self._mmap is None:
             raise StateError(f"this DataGadget maps {held.path!r} read-only: it is larger than the "
@@ -390,7 +429,8 @@ class DataGadget:
         Raises:
             StateError: the gadget is closed.
         """
-        self._live_table().flush()
+        with _InUse(self) as held:
+            held.table.flush()
 
     # ------------------------------------------------------------------ files
     def save(self, path: "str | os.PathLike") -> None:
@@ -407,7 +447,12 @@ class DataGadget:
         """
         if files.file_format(path) != "npy":
             raise OptionError(f"DataGadget saves .npy files; name the target *.npy, got {os.fspath(path)!r}")
-        held = self._live()
+        with _InUse(self) as held:
+            self._save(held, path)
+
+    @staticmethod
+    def _save(held: _Held, path) -> None:
+        """:meth:`save` of ``held``'s table, which the caller keeps in use."""
         table = held.table
         if table.is_backing_file(path):
             table.flush()
@@ -428,7 +473,9 @@ class DataGadget:
         serves its old data, shape and path included, to every thread, and a
         load that fails to read them leaves the gadget with its old data. Should only closing
         the old rows fail (a mapped file's flush), the new ones are held and
-        that error is raised.
+        that error is raised. Calls that other threads began on the old rows
+        (:meth:`get`, :meth:`put`, ...) complete on them: the load waits for
+        them before it releases the old rows.
 
         Args:
             path: the ``*.npy`` file.
@@ -464,7 +511,7 @@ class DataGadget:
                 table.close()
             raise
         if old.table is not None:
-            old.table.close()
+            self._close_unused(old.table)
         return self
 
     def to_numpy(self, copy: bool = False) -> np.ndarray:
@@ -477,22 +524,45 @@ class DataGadget:
         Returns:
             numpy.ndarray
         """
-        held = self._live()
-        return held.table.to_numpy(copy=copy).reshape(held.num_rows, *held.row_shape)
+        with _InUse(self) as held:
+            return held.table.to_numpy(copy=copy).reshape(held.num_rows, *held.row_shape)
 
     def close(self) -> None:
-        """Release the rows' memory (flushing a mapped file); later use raises StateError. Idempotent."""
+        """Release the rows' memory (flushing a mapped file); later use raises StateError. Idempotent.
+
+        Calls that other threads began before (:meth:`get`, :meth:`put`, ...)
+        complete first: close waits for them.
+        """
         with self._installing:  # a first use or load reading meanwhile then releases what it read
             self._closed = True
         table = self._held.table
         if table is not None:
-            table.close()
+            self._close_unused(table)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _InUse:
+    """``with _InUse(gadget) as held``: what ``gadget`` holds, its table counted as in use in the block.
+
+    A class, not a generator function: it runs in every get, and contextlib's would add 2-3 us to it.
+    """
+
+    __slots__ = ("_gadget", "_held")
+
+    def __init__(self, gadget: DataGadget):
+        self._gadget = gadget
+
+    def __enter__(self) -> _Held:
+        self._held = self._gadget._take()
+        return self._held
+
+    def __exit__(self, *exc) -> None:
+        self._gadget._give_back(self._held)
 
 
 def _unmappable(path, dtype, why) -> DTypeError:
