@@ -332,10 +332,10 @@ class _PoolReader:
 
         Args:
             wait: False closes the files without waiting for the reads running on
-                the I/O threads (they fail, and nobody sees them), and returns at
-                once if another thread is closing the reader: for a loop nobody
-                iterates any more, closed on one of its own threads, which
-                waiting could wait for.
+                the I/O threads (nobody sees what they read: see the comment
+                in the code), and returns at once if another thread is closing
+                the reader: for a loop nobody iterates any more, closed on one
+                of its own threads, which waiting could wait for.
         """
         if os.getpid() != self._pid:
             # A forked child: the pool's threads stayed in the parent, and a lock one held at
@@ -352,6 +352,14 @@ class _PoolReader:
                 return
             self._closed = True  # first: reads submitted from now on raise StateError
             self._pool.shutdown(wait=wait, cancel_futures=True)
+            # With wait=False a read still running may use a descriptor number closed here, which
+            # any open() in the process may take at once. That harms no file: the read only
+            # preads (read-only, no file offset moved; a pipe, socket or eventfd refuses it with
+            # ESPIPE, a write-only file with EBADF) into this reader's buffers, and its DONTNEED
+            # drops only clean, unmapped page-cache pages (dirty ones are written back, never
+            # dropped): the other file costs a disk read later, its data stays. Nor does anyone
+            # see those buffers: wait=False comes only from a feeder loop nobody iterates, whose
+            # read-ahead thread was told to stop first and drops the batches it reads from then on.
             self._close_fds()
         finally:
             self._close_lock.release()
