@@ -1047,3 +1047,30 @@ def test_device_none_is_documented_and_delivers_where_auto_and_a_tables_none_do(
         assert a.device == none.device
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     table.close()
+
+
+@pytest.mark.parametrize("kind", [BlockOrder, SequentialOrder])
+def test_a_window_accepted_when_the_feeder_was_built_is_not_refused_when_ram_dips_later(kind, monkeypatch,
+                                                                                        rng, tmp_path):
+    """The window was checked against the RAM available when the feeder took the order and again
+    at every epoch's layout: RAM free dipping for a moment mid-training (another process's peak)
+    stopped the run with OptionError at the next epoch, for a window accepted at build time."""
+    import speedswap.data.orders as orders_module
+    path = tmp_path / "x.npy"
+    np.save(path, rng.standard_normal((int(rng.integers(40, 80)), 3)).astype(np.float32))
+    x, seed = np.load(path, mmap_mode="r"), int(rng.integers(1 << 30))
+
+    def feeder():  # a memory-mapped file: read a window of blocks at a time (windows() per epoch)
+        return ss.BatchFeeder(x, batch_size=7, order=kind(block_rows=4, window=3), device="cpu", seed=seed)
+
+    accepted = feeder()
+    expected = [[batch.clone() for (batch,) in accepted] for _ in range(2)]
+    dipped = feeder()
+    monkeypatch.setattr(orders_module, "available_ram", lambda: 1)  # less than any window's layout
+    for epoch in expected:
+        got = [batch for (batch,) in dipped]
+        assert len(got) == len(epoch)
+        for batch, want in zip(got, epoch):
+            torch.testing.assert_close(batch, want, rtol=0, atol=0)
+        rows = torch.cat(got).numpy()
+        np.testing.assert_array_equal(rows[np.lexsort(rows.T)], np.asarray(x)[np.lexsort(np.asarray(x).T)])

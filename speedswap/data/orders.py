@@ -39,12 +39,16 @@ def _chosen(order):
 
 
 def _check_window(order, num_rows):
-    """Refuse a window whose layout could not fit in the RAM available now.
+    """Refuse a window whose layout could not fit in the RAM available now; once per window size.
 
     A window larger than the data's blocks is allowed, not capped: the layout
     pads it with empty slots, which changes a block order's shuffle, so
     capping would change the stream of a saved feeder. But the padding is
     laid out whole, so an absurd window (``2**40``) fails there.
+
+    A window accepted once (when a feeder took the order, or at its first
+    layout) is not checked again at each epoch: the RAM available dipping for
+    a moment mid-training must not stop a run the order was accepted for.
 
     Args:
         order: a windowed order whose ``block_rows`` is chosen.
@@ -53,6 +57,9 @@ def _check_window(order, num_rows):
     Raises:
         OptionError: one window's layout needs more than the RAM available.
     """
+    size = (order.block_rows, order.window)  # public attributes: a window changed since is checked
+    if order._fits == size:
+        return
     per_block, room = order._layout_bytes_per_block, available_ram()
     if order.window * per_block > room:
         num_blocks = -(-num_rows // order.block_rows)
@@ -61,6 +68,7 @@ def _check_window(order, num_rows):
                           f"the RAM available ({room:,} bytes); use a window of at most {room // per_block:,} "
                           f"blocks (the data has {num_blocks:,} block(s) of {order.block_rows} rows: a window "
                           f"of {num_blocks:,} already holds them all)")
+    order._fits = size
 
 
 def _generator(seed, epoch):
@@ -114,6 +122,7 @@ class SequentialOrder(Order):
     def __init__(self, block_rows=None, window=8):
         self.block_rows = None if block_rows is None else int_option(block_rows, "SequentialOrder block_rows")
         self.window = int_option(window, "SequentialOrder window")
+        self._fits = None  # the (block_rows, window) found to fit in RAM (see _check_window)
 
     def indices(self, num_rows, seed, epoch):
         """``arange(num_rows)``; ``seed`` and ``epoch`` are ignored."""
@@ -169,9 +178,10 @@ class BlockOrder(Order):
         window: blocks shuffled together.
 
     Raises:
-        OptionError: a non-positive ``block_rows`` or ``window``; when the
-            epoch is laid out (or a feeder takes the order), a window whose
-            ``window * block_rows`` row ids would not fit in the RAM available.
+        OptionError: a non-positive ``block_rows`` or ``window``; when a feeder
+            takes the order (or an epoch is first laid out), a window whose
+            ``window * block_rows`` row ids would not fit in the RAM available
+            (not checked again each epoch).
     """
 
     name = "block"
@@ -179,6 +189,7 @@ class BlockOrder(Order):
     def __init__(self, block_rows=None, window=8):
         self.block_rows = None if block_rows is None else int_option(block_rows, "BlockOrder block_rows")
         self.window = int_option(window, "BlockOrder window")
+        self._fits = None  # the (block_rows, window) found to fit in RAM (see _check_window)
         self._last = (None, None)
 
     def indices(self, num_rows, seed, epoch):
