@@ -1,6 +1,8 @@
 """DataGadget: rows of .npy files and in-memory arrays to the device and back."""
 
+import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -658,3 +660,53 @@ def test_a_call_under_way_when_another_thread_replaces_the_rows_completes_on_the
         expected = old.copy()
         expected[ids] = values
         np.testing.assert_array_equal(np.load(path), expected)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("at_the_fork", ["a thread holds the lock", "a thread is inside get"])
+def test_a_process_forked_while_a_thread_uses_the_gadget_can_read_load_and_close_it(rng, tmp_path, monkeypatch,
+                                                                                  at_the_fork):
+    """Every get counts itself under the gadget's lock, and load/close wait for the count. A process
+    forked (a DataLoader worker) while another thread held that lock, or was inside a get, inherited
+    the lock held or the count up, for a thread the child does not have: the child's next get waited
+    on the lock for good, or its load/close waited for that get for good."""
+    old, new, ids = random_data(rng, (30, 4)), random_data(rng, (12, 3)), rng.choice(12, size=5)
+    other = tmp_path / "other.npy"
+    np.save(other, new)
+    gadget = ss.data.gadget.DataGadget(old, backend="numpy").read()
+    table, entered, release = gadget.table, threading.Event(), threading.Event()
+    gather = table.gather
+
+    def held_up(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return gather(*args, **kwargs)
+
+    def child():
+        signal.alarm(5)  # a child waiting for good is killed: status 14
+        release.set()  # the child's own gets are not held up
+        same = np.array_equal(gadget.get(ids).numpy(), old[ids])
+        same &= np.array_equal(gadget.load(other).get(ids).numpy(), new[ids])
+        gadget.close()
+        return 0 if same else 3
+
+    monkeypatch.setattr(table, "gather", held_up)
+    inside = threading.Thread(target=gadget.get, args=(ids,))
+    try:
+        if at_the_fork == "a thread is inside get":
+            inside.start()
+            assert entered.wait(10)
+        with gadget._installing if at_the_fork == "a thread holds the lock" else contextlib.nullcontext():
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = child()
+                finally:
+                    os._exit(code)
+    finally:
+        release.set()
+        if inside.ident:
+            inside.join(10)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"

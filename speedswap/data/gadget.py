@@ -14,6 +14,7 @@ torch.Size([2, 2, 3])
 import dataclasses
 import os
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -36,6 +37,25 @@ __all__ = ["DataGadget"]
 RAM_SHARE = 0.75
 
 _CLOSED = "this DataGadget is closed; build a new one to read the data again"
+
+#: The gadgets alive, whose locks and use counts a forked child starts afresh (see _after_fork_in_child).
+_GADGETS = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """Give every gadget of a forked child a free lock and no calls under way.
+
+    A thread of the parent may have held a gadget's lock at the fork, or been
+    inside a get: the child does not have that thread, so its lock would stay
+    held and its count up for good (every get, or any load or close, would
+    wait forever). As :mod:`logging` does for its handlers' locks.
+    """
+    for gadget in list(_GADGETS):
+        gadget._no_calls_under_way()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _row_length(row_shape):
@@ -131,12 +151,8 @@ class DataGadget:
         self._storage = storage
         self._mmap = None if mmap is None else bool(mmap)
         self._backend = get_backend(backend, device)
-        # Replaced under the lock: first uses and loads install one table, none once closed.
-        self._installing = threading.Lock()
-        # How many calls (get, put, ...) are under way on each table: a load or close waits for them
-        # before it closes the table they took, so they complete on its rows instead of failing half-way.
-        self._users = {}
-        self._unused = threading.Condition(self._installing)
+        self._no_calls_under_way()
+        _GADGETS.add(self)
         self._closed = False  # closed before its first read there is no table to say so
         self._held = self._describe(source)
 
@@ -220,6 +236,15 @@ class DataGadget:
     def _live_table(self) -> HostTable:
         """The table holding the rows, read on first use (see :meth:`_live`)."""
         return self._live().table
+
+    def _no_calls_under_way(self) -> None:
+        """A free lock and no calls counted: when built, and in a forked child (see :data:`_GADGETS`)."""
+        # Replaced under the lock: first uses and loads install one table, none once closed.
+        self._installing = threading.Lock()
+        # How many calls (get, put, ...) are under way on each table: a load or close waits for them
+        # before it closes the table they took, so they complete on its rows instead of failing half-way.
+        self._users = {}
+        self._unused = threading.Condition(self._installing)
 
     def _take(self) -> _Held:
         """What the gadget holds (see :meth:`_live`), its table counted as in use until :meth:`_give_back`.
