@@ -591,6 +591,7 @@ def test_zero_grad_after_a_backward_then_a_step_with_no_forward_moves_no_row_as_
     emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows)
     skipped = rng.random(STEPS) < 0.3
     skipped[:2] = False  # momentum first
+    skipped[rng.integers(2, STEPS)] = True  # then at least one skipped step, the case under test
     for (ids, target), skip in zip(zipf_ids(rng, STEPS), skipped):
         for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
             ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
