@@ -1131,6 +1131,7 @@ def test_an_accumulated_backward_whose_table_gradient_is_exactly_zero_trains_as_
                                                               sparse)
     batches = zipf_ids(rng, 2 * STEPS)
     zero_weighted = rng.random(STEPS) < 0.4
+    zero_weighted[rng.integers(STEPS)] = True  # at least one zero-weighted backward, the case under test
     for ((ids, target), (more_ids, more_target)), weight in zip(zip(batches[::2], batches[1::2]),
                                                                 np.where(zero_weighted, 0.0, 1.0)):
         for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
