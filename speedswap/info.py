@@ -25,7 +25,8 @@ def info() -> dict:
         ``caches`` (device caches of hot rows in use: those of open embeddings
         and switchers built with ``cache_rows`` > 0), ``cache_bytes`` (device
         bytes they hold) and ``cache_hit_rate`` (their hits over the distinct
-        rows their steps looked up, since they were made; 0.0 before any step).
+        rows their training steps looked up, since they were made, eval
+        forwards left out as in ``stats()["total"]``; 0.0 before any step).
     """
     backends = available_backends()
     summary = {

@@ -201,10 +201,12 @@ class Switcher(SpeedTorchFiles):
         """The device cache's transport counters, shared by both switchers of the embedding.
 
         Returns:
-            ``{"last_step": {...}, "total": {...}, "cache_rows", "cache_bytes"}``
+            ``{"last_step": {...}, "total": {...}, "eval": {...}, "cache_rows", "cache_bytes"}``
             as :meth:`speedswap.OffloadedEmbedding.stats`: lookups, hits,
             misses, rows and bytes each way, evictions and prefetched rows.
-            All zero for a lone OptimizerFactory (no table, no cache).
+            ``eval`` stays zero: the model's own forwards read the device
+            parameter, not the cache. All zero for a lone OptimizerFactory
+            (no table, no cache).
         """
         return self._steps.stats(self.cache_rows) if self._is_member() else idle_stats(self.cache_rows)
 

@@ -114,12 +114,18 @@ from ..table import HostTable
 from .sketch import FrequencySketch
 from .sync_free import find_sorted, positions, sort_marking_firsts
 
-__all__ = ["RowCache", "COUNTERS"]
+__all__ = ["RowCache", "COUNTERS", "EVAL_COUNTERS"]
 
 #: The names of :meth:`RowCache.stats`' counters. ``rows_*`` count table rows; ``bytes_*`` count
 #: their bytes and those of the optimizer state that crosses with them (or alone: ``reload_state``).
 COUNTERS = ("steps", "lookups", "unique_rows", "hits", "misses", "rows_h2d", "bytes_h2d",
             "rows_d2h", "bytes_d2h", "evictions", "prefetched_rows")
+
+#: The names of the counters of reads outside training (:meth:`RowCache.read` of an eval forward),
+#: kept apart from :data:`COUNTERS` so that a training step's hit rate stays its own. Such a read
+#: gathers every id's row from the host, hit or not, and takes the cached copy where there is
+#: one: ``rows_h2d`` is one row per id, and ``hits`` (ids whose row was cached) saves no bytes.
+EVAL_COUNTERS = ("forwards", "lookups", "hits", "rows_h2d", "bytes_h2d")
 
 #: Sketch counters per cache slot: enough that collisions rarely lift a cold row's count.
 _SKETCH_COUNTERS_PER_SLOT = 4
@@ -224,6 +230,9 @@ class RowCache:
         self._reindex()
         self.total = dict.fromkeys(COUNTERS, 0)
         self.last_step = dict.fromkeys(COUNTERS, 0)
+        # Eval hits are summed on the device (a tensor from the first read with a cache until
+        # stats() reads it): reading each read's count would make a GPU's host wait at every one.
+        self.eval_total = dict.fromkeys(EVAL_COUNTERS, 0)
         self._begin_step()
 
     # ------------------------------------------------------------ bookkeeping
@@ -758,8 +767,17 @@ class RowCache:
         return bring
 
     # ------------------------------------------------------- whole-table access
-    def read(self, ids: torch.Tensor) -> torch.Tensor:
-        """The current value of rows ``ids`` (validated, duplicates allowed), in the table's dtype."""
+    def read(self, ids: torch.Tensor, *, counted: bool = False) -> torch.Tensor:
+        """The current value of rows ``ids`` (validated, duplicates allowed), in the table's dtype.
+
+        Args:
+            ids: validated ids.
+            counted: an eval forward's read, counted in :data:`EVAL_COUNTERS`
+                (the embedding's own reads are not).
+
+        Returns:
+            ``(len(ids), dim)`` rows on the device.
+        """
         self._wait_prefetch()
         self._give_up_for_views()
         out = torch.empty(len(ids), self.table.dim, dtype=self.table.dtype, device=self.device)
@@ -767,6 +785,12 @@ class RowCache:
         if self.num_slots and len(ids):
             found, slot = self._lookup(ids)
             out = torch.where(found.unsqueeze(1), self.weights[slot], out)
+            if counted:
+                self.eval_total["hits"] = found.sum() + self.eval_total["hits"]
+        if counted:
+            for key, value in (("forwards", 1), ("lookups", len(ids)), ("rows_h2d", len(ids)),
+                               ("bytes_h2d", len(ids) * self._row_bytes)):
+                self.eval_total[key] += value
         return out
 
     def flush(self):
@@ -870,7 +894,12 @@ class RowCache:
 
     def stats(self) -> dict:
         """Counters of the last step and since the cache was made, the step in progress included
-        (see :data:`COUNTERS`)."""
+        (see :data:`COUNTERS`), and of eval reads since it was made (:data:`EVAL_COUNTERS`).
+
+        On a GPU, the first call after eval reads with a cache waits for them (their hits).
+        """
+        self.eval_total["hits"] = int(self.eval_total["hits"])
         return {"last_step": dict(self.last_step),
                 "total": {key: value + self._step[key] for key, value in self.total.items()},
+                "eval": dict(self.eval_total),
                 "cache_rows": self.num_slots, "cache_bytes": self.nbytes}

@@ -22,7 +22,7 @@ import torch
 
 from ..live import track_cache
 from ..table import HostTable
-from .cache import COUNTERS, RowCache
+from .cache import COUNTERS, EVAL_COUNTERS, RowCache
 
 __all__ = ["new_cache", "rewriting", "resetting_state", "idle_stats"]
 
@@ -80,4 +80,5 @@ def resetting_state(cache):
 def idle_stats(cache_rows: int) -> dict:
     """What ``stats()`` reports before a cache exists: every counter zero."""
     zeros = dict.fromkeys(COUNTERS, 0)
-    return {"last_step": zeros, "total": dict(zeros), "cache_rows": cache_rows, "cache_bytes": 0}
+    return {"last_step": zeros, "total": dict(zeros), "eval": dict.fromkeys(EVAL_COUNTERS, 0),
+            "cache_rows": cache_rows, "cache_bytes": 0}

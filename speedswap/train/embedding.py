@@ -447,7 +447,7 @@ class OffloadedEmbedding(torch.nn.Module):
             if self._cache is None:
                 return self._table.gather(ids).to(weight.dtype)
             flat, shape = as_row_ids(ids, self.num_embeddings, weight.device)
-            return self._cache.read(flat).view(*shape, self.embedding_dim).to(weight.dtype)
+            return self._cache.read(flat, counted=True).view(*shape, self.embedding_dim).to(weight.dtype)
         _refuse_ddp(weight)
         local = self._add_rows(ids)
         # Slots name rows one to one, so counting them counts the ids (scale_grad_by_freq).
@@ -1036,9 +1036,9 @@ class OffloadedEmbedding(torch.nn.Module):
             self._cache.flush()
 
     def stats(self) -> dict:
-        """Transport counters: ``{"last_step": {...}, "total": {...}, "cache_rows", "cache_bytes"}``.
+        """Transport counters: ``{"last_step": {...}, "total": {...}, "eval": {...}, "cache_rows", "cache_bytes"}``.
 
-        Counters (see :data:`speedswap.train.cache.COUNTERS`): steps, lookups
+        Training counters (see :data:`speedswap.train.cache.COUNTERS`): steps, lookups
         (ids in training forwards), unique_rows (the distinct rows they looked
         up; the padding row, which every step carries, is not counted), hits,
         misses, rows and bytes host-to-device and device-to-host (rows count
@@ -1048,7 +1048,19 @@ class OffloadedEmbedding(torch.nn.Module):
         ``total`` includes the step in progress (a prefetch counts at once),
         ``last_step`` is the last step that ended. A step that raised inside
         the optimizer and is retried counts its rows once and its copies twice.
-        They start at :meth:`attach`; before it every counter is zero.
+
+        ``eval`` counts the forwards outside training (eval mode, ``no_grad``,
+        ``inference_mode``, a frozen :attr:`weight`) since :meth:`attach`, apart
+        from the steps so that ``total``'s hit rate stays a training step's
+        (see :data:`speedswap.train.cache.EVAL_COUNTERS`): forwards, lookups
+        (their ids), hits (ids whose row was cached), rows_h2d and bytes_h2d.
+        Such a forward reads every id's row from the host, one row per id,
+        and takes the cached copy over it where there is one: the cache makes
+        it current, not cheaper. On a GPU, the first ``stats()`` after eval
+        forwards waits for them (their hits are counted on the device).
+
+        Every counter starts at :meth:`attach`; before it they are all zero,
+        and eval forwards then read the table without being counted.
         """
         if self._cache is None:
             return self._closed_stats or idle_stats(self.cache_rows)
