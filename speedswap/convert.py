@@ -388,7 +388,7 @@ def _device_readable(tensor_device, backend_device):
     return (tensor_device.index or 0) == (backend_device.index or 0)
 
 
-def as_id_tensor(ids, device, *, to=None, what="ids"):
+def as_id_tensor(ids, device, *, to=None, what="ids", num_rows=None):
     """Convert ids to a flat, contiguous int64 tensor on ``device``, without the range check.
 
     For comparing ids with ids that were already validated (no host
@@ -400,6 +400,8 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
         to: where the result goes (default ``device``): the CPU for a table
             whose rows the CPU moves.
         what: how the ids are named in error messages.
+        num_rows: the rows the ids index, named by the error of an id
+            beyond int64; None when unknown.
 
     Returns:
         (flat_ids, shape): a contiguous 1-D ``torch.int64`` tensor on ``to``
@@ -409,6 +411,7 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
     Raises:
         DTypeError: ids are not integers (floats, bools and quantized tensors are
             refused), a ragged list, a list or tuple of tensors, or a masked array.
+        IdError: Python ints below -2**63 or from 2**63 on, which int64 cannot hold.
         DeviceError: ids live on a device the backend cannot read.
     """
     device = torch.device(device)
@@ -461,8 +464,7 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
         # numpy holds Python ints beyond int64 as objects: those are out of any table's range.
         beyond = [i for i in arr.flat if not -2**63 <= i < 2**63]
         if beyond:
-            raise IdError(f"{what} contain {max(beyond, key=abs)}, out of range for any table: "
-                          f"beyond the int64 range of ids; check the vocabulary size")
+            raise _beyond_int64(what, max(beyond, key=abs), num_rows)
         arr = arr.astype(np.int64)  # np.array([3, 7], dtype=object): ids like any others
     # kind, not np.issubdtype: numpy counts timedelta64 as an integer type.
     if arr.dtype.kind not in "iu":
@@ -470,6 +472,15 @@ def as_id_tensor(ids, device, *, to=None, what="ids"):
                          f"convert with .astype(np.int64) if they are whole numbers")
     flat = _read_only(np.ascontiguousarray(arr.reshape(-1), dtype=np.int64))
     return _moved(flat, target), arr.shape
+
+
+def _beyond_int64(what, value, num_rows):
+    """The :class:`IdError` for an id int64 cannot hold: no vocabulary size makes it a row."""
+    rows, bound = ("any table", "the number of rows") if num_rows is None else (f"a table of {num_rows} rows",
+                                                                                 num_rows)
+    return IdError(f"{what} contain {value}, out of range for {rows}: beyond the int64 range of ids "
+                   f"(ids must fit in int64 and lie in [0, {bound})); no row number is that far out: "
+                   f"map keys or hashes to row numbers first")
 
 
 def _is_bool(item) -> bool:
@@ -577,10 +588,10 @@ def as_row_ids_deferred(ids, num_rows, device, *, to=None, what="ids"):
     if not (isinstance(ids, torch.Tensor) and ids.device.type != "cpu") and target.type != "cpu":
         # Host ids are checked on the host, then cross without a wait (see
         # _moved): no device synchronisation at all.
-        flat, shape = as_id_tensor(ids, device, to="cpu", what=what)
+        flat, shape = as_id_tensor(ids, device, to="cpu", what=what, num_rows=num_rows)
         check_id_range(flat, num_rows, what=what, unsigned=unsigned)
         return _moved(flat, target), shape, None
-    flat, shape = as_id_tensor(ids, device, to=target, what=what)
+    flat, shape = as_id_tensor(ids, device, to=target, what=what, num_rows=num_rows)
     return flat, shape, bounds_check(num_rows, what=what, unsigned=unsigned)
 
 
@@ -607,8 +618,7 @@ def bounds_check(num_rows: int, *, what: str = "ids", unsigned: bool = False) ->
 
 def _check_bounds(lo, hi, num_rows, what, unsigned):
     if unsigned and lo < 0:
-        raise IdError(f"{what} contain {lo + 2**64}, out of range for a table of {num_rows} "
-                      f"rows (ids must be in [0, {num_rows})); check the vocabulary size")
+        raise _beyond_int64(what, lo + 2**64, num_rows)
     _check_range(lo, hi, num_rows, what)
 
 

@@ -109,6 +109,31 @@ def test_bad_puts_change_nothing(rng):
     np.testing.assert_array_equal(gadget.to_numpy(), data)
 
 
+@pytest.mark.parametrize("ids, shown", [
+    (np.array([3, 2**63 + 5], dtype=np.uint64), "9223372036854775813"),
+    (np.array([2**64 - 1], dtype=np.uint64), "18446744073709551615"),
+    ([1, 2**63], "9223372036854775808"),
+    ([2**70, 2], str(2**70)),
+])
+@pytest.mark.parametrize("call", ["get", "getData", "put", "insertData"])
+def test_ids_beyond_int64_say_they_must_fit_int64_and_the_rows_and_change_nothing(call, ids, shown, rng):
+    """Such ids said "check the vocabulary size": no vocabulary size makes an id of 2**63 or more
+    a row of this data. The message names the id as given, int64, and the rows ids must lie in."""
+    data = random_data(rng, (int(rng.integers(10, 50)), 3))
+    gadget = ss.DataGadget(data.copy(), backend="numpy")
+    n = len(ids)
+    with pytest.raises(ss.IdError) as info:
+        if call in ("get", "getData"):
+            getattr(gadget, call)(ids)
+        else:
+            getattr(gadget, call)(random_data(rng, (n, 3)), ids)
+    message = str(info.value)
+    assert isinstance(info.value, IndexError)
+    assert f"contain {shown}," in message and "int64" in message, message
+    assert f"[0, {len(data)})" in message and "vocabulary" not in message, message
+    np.testing.assert_array_equal(gadget.to_numpy(), data)
+
+
 def test_read_only_sources_refuse_puts(rng, tmp_path):
     data = random_data(rng, (30, 2))
     frozen = data.copy()

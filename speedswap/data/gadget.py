@@ -430,7 +430,7 @@ class DataGadget:
         where = idx.device if isinstance(idx, torch.Tensor) else "cpu"
         # Named by position: HostTable.scatter takes the ids first, so swapped arguments are a likely
         # cause of float ids, and "convert them with .long()" alone would write the truncated values.
-        flat, ids_shape = as_id_tensor(idx, table.device, to=where,
+        flat, ids_shape = as_id_tensor(idx, table.device, to=where, num_rows=table.num_rows,
                                        what="ids (the second argument of put / insertData, after the values)")
         wanted = (*ids_shape, *held.row_shape)
         if isinstance(t, torch.Tensor):
