@@ -735,3 +735,40 @@ def test_a_process_forked_while_a_thread_uses_the_gadget_can_read_load_and_close
             inside.join(10)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+
+
+@pytest.mark.parametrize("ending", ["load", "close"])
+def test_a_load_or_close_inside_a_get_on_the_same_thread_does_not_wait_for_itself(rng, tmp_path, monkeypatch,
+                                                                                   ending):
+    """load/close wait for the calls under way on the old table, but not for their own thread's: a
+    signal handler (or a count an interrupt left behind) closing the gadget inside a get would wait
+    for a call that can only go on once it returns. The get then fails clearly instead."""
+    old, ids = random_data(rng, (30, 6)), rng.choice(30, size=5, replace=False)
+    path, other = tmp_path / "data.npy", tmp_path / "other.npy"
+    np.save(path, old)
+    np.save(other, random_data(rng, (20, 4)))
+    gadget = ss.data.gadget.DataGadget(path, backend="numpy").read()
+    table, seen = gadget.table, []
+    original = table.gather
+
+    def ended_inside(*args, **kwargs):
+        getattr(gadget, ending)(*(other,)[:ending == "load"])
+        seen.append("ended")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(table, "gather", ended_inside)
+
+    def get():
+        try:
+            seen.append(gadget.get(ids))
+        except ss.StateError as exc:
+            seen.append(exc)
+
+    caller = threading.Thread(target=get, daemon=True)  # blocked for good before the fix
+    caller.start()
+    caller.join(10)
+    assert not caller.is_alive(), f"{ending}() inside a get waited for its own thread"
+    assert seen[0] == "ended" and table.closed
+    assert isinstance(seen[1], ss.StateError) and "closed" in str(seen[1])
+    if ending == "load":
+        assert gadget.shape == (20, 4)

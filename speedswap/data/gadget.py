@@ -241,8 +241,10 @@ class DataGadget:
         """A free lock and no calls counted: when built, and in a forked child (see :data:`_GADGETS`)."""
         # Replaced under the lock: first uses and loads install one table, none once closed.
         self._installing = threading.Lock()
-        # How many calls (get, put, ...) are under way on each table: a load or close waits for them
-        # before it closes the table they took, so they complete on its rows instead of failing half-way.
+        # How many calls (get, put, ...) are under way on each table, by thread: a load or close waits
+        # for those of other threads before it closes the table they took, so they complete on its rows
+        # instead of failing half-way. Never for its own thread's: a signal handler closing the gadget
+        # inside a get, or a count an interrupt left between counting and the call, would wait forever.
         self._users = {}
         self._unused = threading.Condition(self._installing)
 
@@ -257,22 +259,25 @@ class DataGadget:
             if self._closed:  # since _live looked
                 raise StateError(_CLOSED)
             held = self._held
-            self._users[held.table] = self._users.get(held.table, 0) + 1
+            use = (held.table, threading.get_ident())
+            self._users[use] = self._users.get(use, 0) + 1
         return held
 
     def _give_back(self, held: _Held) -> None:
         """End a use of ``held``'s table that :meth:`_take` counted."""
         with self._installing:
-            left = self._users.pop(held.table) - 1
+            use = (held.table, threading.get_ident())
+            left = self._users.pop(use) - 1
             if left:
-                self._users[held.table] = left
+                self._users[use] = left
             else:
                 self._unused.notify_all()
 
     def _close_unused(self, table: HostTable) -> None:
-        """Close ``table`` once no call under way uses it (see :meth:`_take`)."""
+        """Close ``table`` once no call under way on another thread uses it (see :meth:`_take`)."""
+        me = threading.get_ident()
         with self._installing:
-            self._unused.wait_for(lambda: table not in self._users)
+            self._unused.wait_for(lambda: not any(used is table and thread != me for used, thread in self._users))
         table.close()
 
     def _wants_mmap(self, nbytes):
