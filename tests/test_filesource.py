@@ -1021,3 +1021,23 @@ def test_create_npy_refuses_a_name_that_is_not_npy_before_touching_it(tmp_path, 
         made[:] = rows
         made.flush()
     np.testing.assert_array_equal(ss.DataGadget(tmp_path / "c.npy", backend="numpy").to_numpy(), rows)
+
+
+def test_a_batch_read_while_another_thread_closes_the_reader_is_refused(tmp_path, rng):
+    """A close between a batch's reads and its check for changes emptied the descriptors the check
+    loops over: the batch came back as if nothing had happened, instead of the documented
+    StateError saying the reader was closed by another thread."""
+    path = tmp_path / "x.npy"
+    write(path, rng.standard_normal((64, 3)).astype(np.float32))
+    rows = filesource.FileRows(str(path), ss.files.read_npy_header(path).offset, 64, (3,), torch.float32,
+                               ss.files.identity(os.stat(path)))
+    reader = filesource.RowReader([rows], rng.permutation(64))
+    wait = reader._wait
+
+    def closed_once_read(futures):  # as set_epoch closing the reader on another thread just then
+        wait(futures)
+        reader.close()
+
+    reader._wait = closed_once_read
+    with pytest.raises(ss.StateError, match="closed by another thread"):
+        reader.read(0, 16)

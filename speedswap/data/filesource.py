@@ -281,6 +281,8 @@ class _PoolReader:
                     f"mix old and new rows. The batches already yielded hold the old rows; iterate the "
                     f"feeder again to go on with the file as it is now, or load_state_dict() a state "
                     f"saved before the change (set_epoch() to start the epoch over)")
+        if self._closed:  # closed before the loop began: close() left no descriptor to check
+            raise _closed_by_another_thread()
 
     def _submit(self, fn, *args):
         """Run ``fn(*args)`` on the I/O pool.
