@@ -3,8 +3,10 @@
 Every file speedswap writes goes through :func:`atomic_output`, so a crash or
 a full disk mid-save leaves the previous file intact. Temporaries are named
 ``.<name>.<host>.<pid>.<random>.tmp`` so a later save can prove which ones a
-dead process left behind and remove exactly those. OSErrors become
-:class:`~speedswap.errors.PathError` naming the user's path, never the temporary.
+dead process left behind and remove exactly those. Saves to one file take
+turns (:func:`one_save_at_a_time`, an ``flock`` on ``.<name>.speedswap.lock``
+beside it). OSErrors become :class:`~speedswap.errors.PathError` naming the
+user's path, never the temporary.
 """
 
 import contextlib
@@ -25,7 +27,8 @@ from .errors import DTypeError, MissingFileError, PathError, SpeedswapError
 from .mappings import mapped_for_writing
 
 __all__ = ["as_path", "atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
-           "check_readable_file", "check_regular_file", "opening_error", "saving_error", "fsync_dir", "locked"]
+           "check_readable_file", "check_regular_file", "opening_error", "saving_error", "fsync_dir", "locked",
+           "one_save_at_a_time"]
 
 def as_path(path) -> str:
     """``path`` as a str: the one check of the paths speedswap's calls take, before any is used.
@@ -56,24 +59,34 @@ _TEMPORARY = re.compile(r"\..+\.[A-Za-z0-9-]+\.\d+\.[0-9a-f]{8}\.tmp")
 
 
 def is_temporary(name) -> bool:
-    """Whether the file name ``name`` is one :func:`temp_path` makes (of any target, host, process)."""
-    return _TEMPORARY.fullmatch(name) is not None
+    """Whether the file name ``name`` is one a save makes beside its target, of any target, host, process.
+
+    A temporary (:func:`temp_path`), or a lock (:func:`one_save_at_a_time`),
+    which a killed save may leave too.
+    """
+    return _TEMPORARY.fullmatch(name) is not None or (name.startswith(".") and name.endswith(_LOCK_SUFFIX))
 
 
 #: The longest file name (in bytes) of the usual file systems (NAME_MAX).
 _NAME_MAX = 255
 
 
+def _cut(name, tail) -> str:
+    """``name`` cut short (at a byte) where ``.<name><tail>`` would not fit in :data:`_NAME_MAX` bytes.
+
+    A target's own name may be as long as the file system takes; the names
+    speedswap makes beside it must still fit.
+    """
+    return os.fsdecode(os.fsencode(name)[:_NAME_MAX - 1 - len(os.fsencode(tail))])  # surrogateescape: any cut decodes
+
+
 def _temp_prefix(name) -> str:
     """``.<name>.<host>.``, the part of a temporary's name that says whose it is.
 
-    A target's own name may be as long as the file system takes: ``name`` is
-    cut short (at a byte) so that the whole temporary name, pid and random
+    ``name`` is cut short so that the whole temporary name, pid and random
     part included, still fits in :data:`_NAME_MAX` bytes.
     """
-    tail = len(os.fsencode(f".{_HOST}.{2**32}.{'0' * 8}.tmp")) + 1  # pids stay below 2**32 (Linux: 2**22)
-    short = os.fsdecode(os.fsencode(name)[:_NAME_MAX - tail])  # surrogateescape: any cut decodes
-    return f".{short}.{_HOST}."
+    return f".{_cut(name, f'.{_HOST}.{2**32}.{0:08}.tmp')}.{_HOST}."  # pids stay below 2**32 (Linux: 2**22)
 
 
 def temp_path(path) -> str:
@@ -196,6 +209,8 @@ def atomic_output(path, replace_mapped: bool = False):
     only within one file system) and is fsynced before the rename. On any
     exception it is removed and the exception propagates; ``path`` is untouched.
     Temporaries of earlier saves to ``path`` that were killed are removed first.
+    Saves to one path take turns (:func:`one_save_at_a_time`): this one
+    waits while another is under way, in any thread or process of this host.
 
     A symbolic link at ``path`` is kept: the file it points to is replaced
     (in that file's directory), as writing through the link would. A
@@ -234,34 +249,35 @@ def atomic_output(path, replace_mapped: bool = False):
         raise PathError(f"cannot save {os.fspath(path)!r}: this process maps that file for writing (a live "
                         f"mmap table or DataGadget, or an np.memmap), and replacing it would lose the map's "
                         f"writes; close that table (or drop the memmap) first, or save to another path")
-    remove_stale_temporaries(path)
-    tmp = temp_path(path)
-    try:
+    with one_save_at_a_time(path):
+        remove_stale_temporaries(path)
+        tmp = temp_path(path)
         try:
-            open(tmp, "xb").close()  # a new file: the mode a plain open() gives, under the umask
-            if os.path.exists(path):  # a replaced one keeps the owner and the mode it had
-                replaced = os.stat(path)
-                with contextlib.suppress(OSError):  # only root gives a file away (a member, its group)
-                    os.chown(tmp, replaced.st_uid, replaced.st_gid)
-                os.chmod(tmp, replaced.st_mode & 0o777)
-        except OSError as exc:
-            raise saving_error(path, exc, tmp) from exc
-        yield tmp
-        try:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError as exc:
-            raise saving_error(path, exc, tmp) from exc
-    except BaseException as exc:
-        # Not only FileNotFoundError: where the temporary could not be made (a read-only
-        # file system answers EROFS even for a missing file) this would hide the real error.
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError) and not isinstance(exc, SpeedswapError):
-            raise saving_error(path, exc, tmp) from exc
-        raise
-    fsync_dir(directory)
+            try:
+                open(tmp, "xb").close()  # a new file: the mode a plain open() gives, under the umask
+                if os.path.exists(path):  # a replaced one keeps the owner and the mode it had
+                    replaced = os.stat(path)
+                    with contextlib.suppress(OSError):  # only root gives a file away (a member, its group)
+                        os.chown(tmp, replaced.st_uid, replaced.st_gid)
+                    os.chmod(tmp, replaced.st_mode & 0o777)
+            except OSError as exc:
+                raise saving_error(path, exc, tmp) from exc
+            yield tmp
+            try:
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise saving_error(path, exc, tmp) from exc
+        except BaseException as exc:
+            # Not only FileNotFoundError: where the temporary could not be made (a read-only
+            # file system answers EROFS even for a missing file) this would hide the real error.
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(exc, OSError) and not isinstance(exc, SpeedswapError):
+                raise saving_error(path, exc, tmp) from exc
+            raise
+        fsync_dir(directory)
 
 
 def check_readable_file(path, what="file") -> str:
@@ -318,7 +334,7 @@ def opening_error(path, exc, what="file") -> "PathError":
     return error
 
 
-_LOCKS = {}  # real path -> threading.Lock, where flock is not to be had
+_LOCKS = {}  # a directory's real path, or a save's lock file -> threading.Lock, where flock is not to be had
 _LOCKS_LOCK = threading.Lock()
 
 
@@ -359,3 +375,97 @@ def locked(directory, shared=False):
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+#: The suffix of the lock file beside a file being saved (:func:`one_save_at_a_time`).
+_LOCK_SUFFIX = ".speedswap.lock"
+#: The lock files of the saves this thread holds: a save inside another (a check, then the write)
+#: takes no second turn.
+_HELD = threading.local()
+
+
+def _lock_path(path) -> str:
+    """``.<name>.speedswap.lock`` beside the file ``path`` (beside its target, where ``path`` is a symbolic link)."""
+    directory, name = os.path.split(os.path.realpath(os.fspath(path)))
+    return os.path.join(directory, f".{_cut(name, _LOCK_SUFFIX)}{_LOCK_SUFFIX}")
+
+
+def _flocked(lock):
+    """A descriptor holding the exclusive ``flock`` of the file ``lock`` (made if need be), or None.
+
+    None where no lock is to be had: the file cannot be made, or its file
+    system has no ``flock``. Its holder removes the file as it lets go: a
+    lock won on a file that has no name any more (another one may have it
+    by now) is nobody's turn, so it is taken again on the file at the name.
+    """
+    if fcntl is None:
+        return None
+    while True:
+        try:
+            # Read-only: one left by another user is taken all the same.
+            fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)
+        except OSError:  # a read-only or full directory: the save's own temporary fails the same way
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            won, named = os.fstat(fd), os.stat(lock)
+        except FileNotFoundError:  # removed by the holder this one waited for
+            won = named = None
+        except OSError:  # a file system without flock (ENOLCK)
+            os.close(fd)
+            return None
+        except BaseException:  # Ctrl-C while it waits
+            os.close(fd)
+            raise
+        if won is not None and (won.st_dev, won.st_ino) == (named.st_dev, named.st_ino):
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def one_save_at_a_time(path):
+    """Hold the lock of saves to the file ``path`` for the block: they take turns, waiting for each other.
+
+    A save that checks what it would replace (another table's dataset in an
+    HDF5 file, a file that is no checkpoint) and then renames its file over
+    it must not interleave with another save to the same path: both would
+    pass the check, and the last rename would silently replace what the
+    other wrote. :func:`atomic_output` holds the lock over each write; a
+    save that checks first holds it over its check too (a thread that holds
+    it takes it again at no cost).
+
+    ``flock`` on the file :func:`_lock_path` names, which holds between
+    threads (each opens its own descriptor) and between processes of this
+    host. The holder removes that file as it lets go, so none is left
+    behind; one a killed save left is taken and removed by the next save
+    to ``path``. Where the file cannot be made (a read-only directory, where
+    the save then fails as it would without it) or ``flock`` is not to be
+    had (Windows, ENOLCK), only threads of this process take turns.
+
+    Args:
+        path: the file to be saved.
+    """
+    lock = _lock_path(as_path(path))
+    held = _HELD.__dict__.setdefault("locks", set())
+    if lock in held:
+        yield
+        return
+    fd = _flocked(lock)
+    held.add(lock)
+    try:
+        if fd is None:
+            with _LOCKS_LOCK:
+                turns = _LOCKS.setdefault(lock, threading.Lock())
+            with turns:
+                yield
+            return
+        try:
+            yield
+        finally:
+            try:
+                with contextlib.suppress(OSError):  # left behind, it is taken by the next save (see _flocked)
+                    os.unlink(lock)
+            finally:
+                os.close(fd)  # lets go after the unlink: a save that wins the file now sees it has no name
+    finally:
+        held.discard(lock)

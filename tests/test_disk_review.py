@@ -17,9 +17,10 @@ from speedswap import atomic
 def read_only_file_system(monkeypatch, directory):
     """Make creating or removing a file in ``directory`` fail as on a read-only mount.
 
-    Linux answers EROFS there even to unlinking a file that does not exist.
+    Linux answers EROFS there even to unlinking a file that does not exist,
+    and to creating a save's lock file with ``os.open``.
     """
-    real_open, real_unlink = open, os.unlink
+    real_open, real_os_open, real_unlink = open, os.open, os.unlink
 
     def refuse(name):
         if os.path.dirname(os.path.abspath(name)) == os.fspath(directory):
@@ -30,11 +31,17 @@ def read_only_file_system(monkeypatch, directory):
             refuse(name)
         return real_open(name, mode, *args, **kwargs)
 
+    def fake_os_open(name, flags, *args, **kwargs):
+        if flags & (os.O_CREAT | os.O_WRONLY | os.O_RDWR):
+            refuse(name)
+        return real_os_open(name, flags, *args, **kwargs)
+
     def fake_unlink(name, *args, **kwargs):
         refuse(name)
         return real_unlink(name, *args, **kwargs)
 
     monkeypatch.setattr(atomic, "open", fake_open, raising=False)
+    monkeypatch.setattr(os, "open", fake_os_open)
     monkeypatch.setattr(os, "unlink", fake_unlink)
 
 

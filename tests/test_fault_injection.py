@@ -528,6 +528,8 @@ def test_an_interrupted_removal_of_a_pre_version_checkpoint_is_finished_by_the_n
     unlink, calls = os.unlink, [0]
 
     def interrupted_after_the_first_file(*args, **kwargs):
+        if os.fspath(args[0]).endswith(".speedswap.lock"):  # a save's lock, let go of: not a file of the tables
+            return unlink(*args, **kwargs)
         calls[0] += 1
         if calls[0] > 1:
             raise Interrupted()

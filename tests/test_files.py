@@ -1,10 +1,16 @@
 """Saving and loading: round trips, validation of bad files, atomic saves."""
 
 import os
+import re
+import subprocess
+import sys
+import threading
+import time
 
 import h5py
 import numpy as np
 import pytest
+import torch
 
 import speedswap as ss
 import speedswap.table as table_module
@@ -505,3 +511,98 @@ def test_crc32_behind_checksums_on_the_callers_thread_where_no_thread_can_start(
     path = tmp_path / "t.h5"
     ss.HostTable.from_numpy(np.concatenate(chunks), backend="numpy").save(path)
     np.testing.assert_array_equal(ss.HostTable.load(path, backend="numpy").to_numpy(), np.concatenate(chunks))
+
+
+def _other_save(path, kind, seed) -> str:
+    """Save to the HDF5 file ``path`` a table as dataset 'v' (``kind`` "table") or a checkpoint: what happened."""
+    rows = np.random.default_rng(seed).standard_normal((6, 3)).astype(np.float32)
+    try:
+        if kind == "table":
+            ss.HostTable.from_numpy(rows, backend="numpy").save(path, dataset="v")
+        else:
+            emb = ss.OffloadedEmbedding(6, 3, max_rows=6, storage="pageable", backend="numpy")
+            emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rows)))
+            emb.save(path)
+    except ss.PathError as exc:
+        return f"refused: {exc}"
+    return "saved"
+
+
+class _OtherWriter:
+    """:func:`_other_save` run on a thread of this process, or in a process of its own."""
+
+    def __init__(self, where, path, kind, seed):
+        args = (os.fspath(path), kind, seed)
+        if where == "thread":
+            self._outcome = []
+            self._thread = threading.Thread(target=lambda: self._outcome.append(_other_save(*args)))
+            self._thread.start()
+        else:  # this very speedswap, and this module for _other_save
+            here = os.path.dirname(os.path.abspath(__file__))
+            root = os.path.dirname(os.path.dirname(os.path.abspath(ss.__file__)))
+            code = ("import sys; from test_files import _other_save; "
+                    "print(_other_save(sys.argv[1], sys.argv[2], int(sys.argv[3])))")
+            self._process = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE,
+                                             text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join([root, here])))
+        self.where = where
+
+    def done(self) -> bool:
+        return not self._thread.is_alive() if self.where == "thread" else self._process.poll() is not None
+
+    def outcome(self) -> str:
+        if self.where == "thread":
+            self._thread.join(120)
+            return self._outcome[0]
+        try:
+            return self._process.communicate(timeout=120)[0].strip().splitlines()[-1]
+        finally:
+            self._process.kill()  # none left running, whatever happened
+
+
+def _waiting_for_a_lock_in(directory) -> bool:
+    """Whether some thread or process waits for an ``flock`` on a file in ``directory`` (Linux's /proc/locks)."""
+    inodes = {entry.inode() for entry in os.scandir(directory)}
+    with open("/proc/locks") as f:  # a waiter's line: "1: -> FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> ..."
+        waiting = [field for line in f if "->" in line for field in line.split() if field.count(":") == 2]
+    return any(int(field.rsplit(":", 1)[1]) in inodes for field in waiting)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="sees a save wait for its turn in /proc/locks (Linux)")
+@pytest.mark.parametrize("kind", ["table", "checkpoint"])
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_save_to_an_hdf5_file_another_save_is_writing_waits_its_turn_then_checks(tmp_path, rng, monkeypatch,
+                                                                                    where, kind):
+    """A save to an HDF5 file checks what it would replace (another table's dataset, a file that is no
+    checkpoint), then writes and renames. Two saves at once both passed the check before either renamed,
+    and the last rename silently deleted what the other wrote. A save now waits while another one to the
+    same path is under way (thread or process), then checks the file that one left, and refuses it."""
+    path = tmp_path / "t.h5"
+    values = rng.standard_normal((4, 3)).astype(np.float32)
+    writing, release = threading.Event(), threading.Event()
+    write_chunk = files.base.write_chunk
+
+    def held_at_its_first_write(sink, start, chunk):
+        if not writing.is_set():
+            writing.set()
+            assert release.wait(120)
+        write_chunk(sink, start, chunk)
+    monkeypatch.setattr(files.base, "write_chunk", held_at_its_first_write)
+    first = threading.Thread(target=ss.HostTable.from_numpy(values, backend="numpy").save, args=(path,),
+                             kwargs={"dataset": "u"})
+    first.start()
+    try:
+        assert writing.wait(120)
+        other = _OtherWriter(where, path, kind, int(rng.integers(2**31)))
+        deadline = time.monotonic() + 120
+        while not (other.done() or _waiting_for_a_lock_in(tmp_path)):  # until it is done, or waits its turn
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        release.set()
+        first.join(120)
+    refusal = (r"holds the datasets \['u'\] besides 'v'" if kind == "table" else
+               r"is not a speedswap checkpoint \(an HDF5 file with datasets \['u'\]\)")
+    outcome = other.outcome()
+    assert re.search("^refused: .*" + refusal, outcome), outcome
+    np.testing.assert_array_equal(ss.HostTable.load(path, backend="numpy", dataset="u").to_numpy(), values)
+    assert os.listdir(tmp_path) == ["t.h5"]  # the lock file goes with the last save that held it

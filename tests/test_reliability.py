@@ -531,6 +531,7 @@ def test_saving_onto_a_read_only_file_system_names_the_users_path(rng, tmp_path,
 def test_a_directory_checkpoint_may_go_into_an_empty_directory_or_over_debris(rng, tmp_path):
     emb = make_embedding(rng)
     (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".CURRENT.speedswap.lock").touch()  # the lock of a first save killed as it wrote CURRENT
     emb.save(tmp_path / "ckpt")  # made with os.makedirs beforehand: nothing to lose
     (tmp_path / "ckpt" / "v000009").mkdir()  # a version a killed save never pointed to
     (tmp_path / "ckpt" / f".v000010.{atomic._HOST}.{dead_pid()}.0123abcd.tmp").mkdir()

@@ -197,11 +197,13 @@ def read_before_replacing(path, read):
     """``read(f)`` of the HDF5 file ``path`` a save is about to replace, or None when it is not a readable one.
 
     A save first looks at what it would replace (another table's dataset, a
-    file that is no checkpoint). A file that changes under that look (another
-    save to the same path, at the same time) gives no answer: which file was
-    read is unknown, and open_h5's refusal of it is no sign that it is not
-    HDF5. Two writers to one path are a mistake, and saying so is better than
-    either of them silently replacing what the other wrote.
+    file that is no checkpoint), holding :func:`~speedswap.atomic.one_save_at_a_time`
+    over the look and its write, so that another speedswap save to the path
+    on this host waits and looks at the file this one leaves. A file that
+    changes under that look all the same (a writer without that lock: another
+    machine, another tool) gives no answer: which file was read is unknown,
+    and open_h5's refusal of it is no sign that it is not HDF5. Saying so is
+    better than silently replacing what that writer wrote.
 
     Args:
         path: the existing file.

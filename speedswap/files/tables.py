@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..atomic import one_save_at_a_time
 from ..convert import torch_dtype
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from .base import (TableHeader, changed_error, crc32_behind, crc32_of, file_format, file_version, native_dtype,
@@ -114,15 +115,17 @@ def save_table(table, path, dataset: str = "table") -> None:
     Rows are copied out in chunks (:meth:`~speedswap.HostTable.host_chunks`),
     so a device table never needs a full host copy; a bfloat16 table is
     written as float32 (exact) and, in HDF5, records its dtype. An HDF5 file
-    records the CRC-32 of the rows too, which every load verifies.
+    records the CRC-32 of the rows too, which every load verifies. Saves to
+    one path take turns (:func:`~speedswap.atomic.one_save_at_a_time`).
     """
     stored = stored_dtype(table.dtype)
     if _format_of(path, dataset) == "npy":
         write_npy(path, table.shape, stored, table.host_chunks())
     else:
-        _check_no_other_datasets(path, dataset)
-        write_h5(path, {dataset: (table.shape, stored, table.host_chunks())},
-                 table_dtypes={dataset: table.dtype})
+        with one_save_at_a_time(path):  # the check and the write: another save to path waits for both
+            _check_no_other_datasets(path, dataset)
+            write_h5(path, {dataset: (table.shape, stored, table.host_chunks())},
+                     table_dtypes={dataset: table.dtype})
 
 
 def _check_no_other_datasets(path, dataset) -> None:

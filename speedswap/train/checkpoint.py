@@ -167,7 +167,7 @@ def _pointed_to(path):
 
 def _ours(path):
     """Whether the existing directory ``path`` is a checkpoint, or holds nothing but the
-    debris of one (empty, versions never pointed to, temporaries of killed saves)."""
+    debris of one (empty, versions never pointed to, temporaries and locks of killed saves)."""
     entries = os.listdir(path)
     if _POINTER in entries or _MANIFEST in entries:
         return True
@@ -354,16 +354,18 @@ def save_tables(path, tables, attrs):
         OptionError: a path with another suffix.
         PathError: ``path`` is an existing file or directory that is not a
             speedswap checkpoint (it is never replaced), an HDF5 file that
-            changed while the save checked it (another save to it at the same
-            time), its parent directory does not exist, or the file system
+            changed while the save checked it (by a writer other than a
+            speedswap save of this host, which waits its turn), its parent
+            directory does not exist, or the file system
             refused the write (whatever ``path`` held before is intact).
     """
     attrs = {"format": _FORMAT, **attrs}
     if checkpoint_kind(path) == "h5":
-        _check_replaceable_h5(path)
-        files.write_h5(path, {name: (t.shape, files.stored_dtype(t.dtype), t.host_chunks())
-                              for name, t in tables.items()}, attrs,
-                       table_dtypes={name: t.dtype for name, t in tables.items()})
+        with atomic.one_save_at_a_time(path):  # the check and the write: another save to path waits for both
+            _check_replaceable_h5(path)
+            files.write_h5(path, {name: (t.shape, files.stored_dtype(t.dtype), t.host_chunks())
+                                  for name, t in tables.items()}, attrs,
+                           table_dtypes={name: t.dtype for name, t in tables.items()})
         return
     try:
         _save_dir(path, tables, attrs)
