@@ -202,7 +202,7 @@ def fsync_dir(directory) -> None:
 
 
 @contextlib.contextmanager
-def atomic_output(path, replace_mapped: bool = False):
+def atomic_output(path, replace_mapped: bool = False, note_interrupt: bool = True):
     """Yield a temporary path; on success move it over ``path`` atomically.
 
     The temporary file lives in the target's directory (a rename is atomic
@@ -222,6 +222,11 @@ def atomic_output(path, replace_mapped: bool = False):
         replace_mapped: replace it even where this process maps it for
             writing (a table asked to start the file afresh: ``overwrite``);
             otherwise that is refused, as the map's writes would be lost.
+        note_interrupt: an interrupt (Ctrl-C) that comes after the rename,
+            while the directory is synced, gets a note that ``path`` is the
+            new file and a save again makes its name durable. False for a
+            file of a larger save written aside (a directory checkpoint's
+            new version), which an interrupt undoes: the file is not saved.
 
     Yields:
         str: where to write.
@@ -277,7 +282,14 @@ def atomic_output(path, replace_mapped: bool = False):
             if isinstance(exc, OSError) and not isinstance(exc, SpeedswapError):
                 raise saving_error(path, exc, tmp) from exc
             raise
-        fsync_dir(directory)
+        try:
+            fsync_dir(directory)
+        except BaseException as exc:  # an interrupt: fsync_dir lets no OSError out
+            if note_interrupt and hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"speedswap: {path!r} is the new file: this {type(exc).__name__} came after it was "
+                             f"renamed into place, while its directory was synced, so its directory entry may "
+                             f"not survive a power loss yet; saving again makes sure")
+            raise
 
 
 def check_readable_file(path, what="file") -> str:

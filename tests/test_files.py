@@ -2,6 +2,7 @@
 
 import os
 import re
+import stat
 import subprocess
 import sys
 import threading
@@ -606,3 +607,54 @@ def test_a_save_to_an_hdf5_file_another_save_is_writing_waits_its_turn_then_chec
     assert re.search("^refused: .*" + refusal, outcome), outcome
     np.testing.assert_array_equal(ss.HostTable.load(path, backend="numpy", dataset="u").to_numpy(), values)
     assert os.listdir(tmp_path) == ["t.h5"]  # the lock file goes with the last save that held it
+
+
+def _interrupting_directory_syncs(monkeypatch):
+    """Make ``os.fsync`` of a directory raise KeyboardInterrupt (Ctrl-C while a rename is made durable)."""
+    fsync = os.fsync
+
+    def interrupted_on_a_directory(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise KeyboardInterrupt
+        return fsync(fd)
+    monkeypatch.setattr(os, "fsync", interrupted_on_a_directory)
+
+
+@pytest.mark.parametrize("name", ["t.npy", "t.h5", "ck.h5"])
+def test_an_interrupt_while_a_saved_files_directory_is_synced_says_the_file_is_the_new_one(tmp_path, rng,
+                                                                                          monkeypatch, name):
+    """After the rename only the directory's fsync is left: Ctrl-C there came out bare, reading as a save
+    that failed, where the file at the path is the new one (only its directory entry may not survive a
+    power loss yet). The interrupt now says so, as a directory checkpoint's does after its commit."""
+    path = tmp_path / name
+    old, new = (rng.standard_normal((6, 3)).astype(np.float32) for _ in range(2))
+
+    def save(rows):
+        if name == "ck.h5":
+            emb = ss.OffloadedEmbedding(6, 3, max_rows=6, storage="pageable", backend="numpy")
+            emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rows)))
+            emb.save(path)
+        else:
+            ss.HostTable.from_numpy(rows, backend="numpy").save(path)
+    save(old)
+    _interrupting_directory_syncs(monkeypatch)
+    with pytest.raises(KeyboardInterrupt) as info:
+        save(new)
+    monkeypatch.undo()
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert f"{str(path)!r} is the new file" in notes and "saving again makes sure" in notes, notes
+    np.testing.assert_array_equal(ss.HostTable.load(path, backend="numpy").to_numpy(), new)
+
+
+def test_an_interrupt_while_a_directory_checkpoints_file_is_synced_before_its_commit_has_no_such_note(
+        tmp_path, rng, monkeypatch):
+    """A directory checkpoint's files are written into a version aside, which an interrupt removes: one
+    that comes while such a file's directory is synced must not say the file was saved."""
+    path = tmp_path / "ck"
+    emb = ss.OffloadedEmbedding(6, 3, max_rows=6, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((6, 3)).astype(np.float32))))
+    _interrupting_directory_syncs(monkeypatch)
+    with pytest.raises(KeyboardInterrupt) as info:
+        emb.save(path)
+    monkeypatch.undo()
+    assert not getattr(info.value, "__notes__", []) and os.listdir(tmp_path) == []

@@ -336,7 +336,7 @@ def _read_exactly(f, view, path) -> None:
         done += n
 
 
-def write_npy(path, shape, dtype, chunks, *, checksum: bool = False) -> Optional[int]:
+def write_npy(path, shape, dtype, chunks, *, checksum: bool = False, note_interrupt: bool = True) -> Optional[int]:
     """Atomically write a ``.npy`` file from row chunks.
 
     Args:
@@ -346,6 +346,7 @@ def write_npy(path, shape, dtype, chunks, *, checksum: bool = False) -> Optional
         chunks: an iterable of C-contiguous numpy arrays whose rows, in order,
             make up the array (so device tables never need one full host copy).
         checksum: also compute the CRC-32 of the rows' bytes, for a load to verify.
+        note_interrupt: as :func:`~speedswap.atomic.atomic_output` takes it.
 
     Returns:
         the CRC-32 with ``checksum``, else None.
@@ -354,7 +355,7 @@ def write_npy(path, shape, dtype, chunks, *, checksum: bool = False) -> Optional
     header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
               "shape": tuple(shape)}
     crc = 0 if checksum else None
-    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+    with atomic_output(path, note_interrupt=note_interrupt) as tmp, open(tmp, "wb") as f:
         np.lib.format.write_array_header_2_0(f, header)
         start = 0
         for chunk in chunks:

@@ -175,17 +175,21 @@ def _ours(path):
 
 
 def _write_version(directory, tables, attrs):
-    """Write every table and the manifest (with CRC-32s) into the new directory ``directory``."""
+    """Write every table and the manifest (with CRC-32s) into the new directory ``directory``.
+
+    The directory is a version written aside, which an interrupt removes: its
+    files' interrupts get no note that they were saved (``note_interrupt``).
+    """
     checksums = {name: files.write_npy(os.path.join(directory, f"{name}.npy"), table.shape,
                                        files.stored_dtype(table.dtype), table.host_chunks(),
-                                       checksum=True)
+                                       checksum=True, note_interrupt=False)
                  for name, table in tables.items()}
     # Stored as float32 (exact): only the manifest can say a table was bfloat16, and
     # a load into a float32 table is then refused as it is from an HDF5 checkpoint.
     dtypes = {name: "bfloat16" for name, table in tables.items() if table.dtype is torch.bfloat16}
     manifest = {"attrs": attrs, "tables": sorted(tables), "crc32": checksums, "dtypes": dtypes}
     text = json.dumps(manifest).encode()
-    with atomic.atomic_output(os.path.join(directory, _MANIFEST)) as tmp, open(tmp, "wb") as f:
+    with atomic.atomic_output(os.path.join(directory, _MANIFEST), note_interrupt=False) as tmp, open(tmp, "wb") as f:
         files.base.write_chunk(f, 0, np.frombuffer(text, dtype=np.uint8))
 
 
@@ -279,7 +283,9 @@ def _noting_a_commit(path, name):
 
 
 def _write_pointer(directory, name):
-    with atomic.atomic_output(os.path.join(directory, _POINTER)) as tmp, open(tmp, "wb") as f:
+    # No note of atomic_output's: in a first save's directory written aside, an interrupt removes
+    # it; over a checkpoint, _noting_a_commit says what the interrupt left.
+    with atomic.atomic_output(os.path.join(directory, _POINTER), note_interrupt=False) as tmp, open(tmp, "wb") as f:
         files.base.write_chunk(f, 0, np.frombuffer(f"{name}\n".encode(), dtype=np.uint8))
 
 

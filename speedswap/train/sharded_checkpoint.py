@@ -215,11 +215,13 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
         if not os.path.isdir(partial):
             raise PathError(f"rank {exchange.rank} cannot see {partial!r}, which rank 0 has just "
                             f"created for the checkpoint: {unshared}")
+        # Files of the checkpoint written aside: an interrupt leaves none saved (no note_interrupt).
         checksums = {name: files.write_npy(_shard_file(partial, name, exchange.rank), table.shape,
                                            files.stored_dtype(table.dtype), table.host_chunks(),
-                                           checksum=True)
+                                           checksum=True, note_interrupt=False)
                      for name, table in tables.items()}
-        with atomic.atomic_output(_checksum_file(partial, exchange.rank)) as tmp, open(tmp, "w") as f:
+        with atomic.atomic_output(_checksum_file(partial, exchange.rank), note_interrupt=False) as tmp, \
+                open(tmp, "w") as f:
             json.dump(checksums, f)
 
     def finish():
@@ -243,7 +245,7 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
                     "stepped": row_state is not None
                     and bool(row_state.optimizer.state.get(row_state.param)),
                     "checksums": True}  # every rank's crc32.rank<r>.json: a lost one is refused
-        with atomic.atomic_output(os.path.join(partial, MANIFEST)) as tmp, open(tmp, "w") as f:
+        with atomic.atomic_output(os.path.join(partial, MANIFEST), note_interrupt=False) as tmp, open(tmp, "w") as f:
             json.dump(manifest, f, indent=1)
         if os.path.exists(path):
             old = path + ".old"
