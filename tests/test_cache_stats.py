@@ -77,11 +77,29 @@ class Expected:
         self.add(evictions=len(evicted), rows_d2h=back, bytes_d2h=back * WITH_STATE)
 
     def read(self, ids, cached):
-        hits = sum(i in cached for i in ids.reshape(-1).tolist())
-        # Every id's row is read from the host, the cached copy taking its place where there is one.
-        for key, value in dict(forwards=1, lookups=ids.size, hits=hits, rows_h2d=ids.size,
-                               bytes_h2d=ids.size * ROW_BYTES).items():
+        """Count an eval forward of ``ids``; returns the rows it must read from the host."""
+        flat = ids.reshape(-1).tolist()
+        hits = sum(i in cached for i in flat)
+        # Hits come from the cache; each uncached row crosses once, however often it repeats. With
+        # nothing cached there is nothing to look up: every id's row crosses, as without a cache.
+        missing = sorted(set(flat) - cached) if cached else sorted(flat)
+        for key, value in dict(forwards=1, lookups=ids.size, hits=hits, rows_h2d=len(missing),
+                               bytes_h2d=len(missing) * ROW_BYTES).items():
             self.eval[key] += value
+        return missing
+
+
+def _recording_host_reads(emb, monkeypatch):
+    """Record the rows every read of the embedding's host table asks for, in a list returned."""
+    table, reads = emb._cache.table, []
+    gather = table.gather_validated
+
+    def recording(rows, out):
+        reads.extend(rows.tolist())
+        return gather(rows, out)
+
+    monkeypatch.setattr(table, "gather_validated", recording)
+    return reads
 
 
 def _outside_training(emb, kind, ids):
@@ -102,11 +120,12 @@ def _outside_training(emb, kind, ids):
 @pytest.mark.parametrize("cache_rows", [0, 10, ROWS])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_every_counter_matches_a_count_from_the_ids_with_eval_forwards_apart(cache_rows, prefetch, backend,
-                                                                              rng):
+                                                                              rng, monkeypatch):
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=ROWS, storage="pageable", backend=backend,
                                 cache_rows=cache_rows)
     opt = torch.optim.Adam(emb.parameters(), lr=0.01)
     emb.attach(opt)
+    host_reads = _recording_host_reads(emb, monkeypatch)
     device = emb.weight.device
     batches = [_zipf_ids(rng, BATCH) for _ in range(STEPS + 1)]
     expected, seen = Expected(), set()  # seen: the rows a whole-table cache must hold
@@ -116,9 +135,11 @@ def test_every_counter_matches_a_count_from_the_ids_with_eval_forwards_apart(cac
             ids = _zipf_ids(rng, (int(rng.integers(1, 4)), int(rng.integers(1, 20))))
             cached, dirty = _cached(emb)
             training_before = emb.stats()["total"]
+            host_reads.clear()
             out = _outside_training(emb, kind, torch.from_numpy(ids).to(device))
             assert out.shape == (*ids.shape, DIM)
-            expected.read(ids, cached)
+            # What the counters say crossed is what was read from the host: the uncached rows, once.
+            assert sorted(host_reads) == expected.read(ids, cached), (step, kind)
             assert _cached(emb) == (cached, dirty)  # a read neither brings nor evicts a row
             assert emb.stats()["total"] == training_before, kind
             assert emb.stats()["eval"] == expected.eval, (step, kind)

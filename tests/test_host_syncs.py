@@ -9,7 +9,8 @@ none to a forward (how many of its rows are cached is read in that same
 transfer), one per ``optimizer.step()`` (how many misses are admitted, and
 how many of their victims are dirty) and one in a prefetch (how many rows to
 bring, with the ids' bounds), where a prefetch without a cache checks the
-ids' range alone.
+ids' range alone. A forward outside training adds one to its ids' range
+check while some rows are cached: how many rows the host sends.
 
 On the CPU :class:`host_syncs.HostSyncs` counts the calls that would
 synchronise on CUDA; on a GPU torch's sync debug mode counts the real ones,
@@ -115,6 +116,38 @@ def test_a_step_synchronises_the_host_no_more_than_its_budget(cache_rows, paddin
         # Reached, not only respected: the budget is what the call costs, not a loose bound.
         assert counts[phase][worst] == budget, (phase, [w for w in where if w[0] == phase][worst])
     assert min(counts["forward"]) == BUDGET["forward"][cached]  # every forward pays it
+
+
+@pytest.mark.parametrize("cache_rows", [0, NUM_ROWS // 5, NUM_ROWS])
+def test_an_eval_forward_waits_for_its_misses_only_while_some_rows_are_cached(cache_rows, rng):
+    """An eval forward reads how many rows the host sends (with its hits): one wait beyond the
+    ids' range check. None without a cache (every id's row crosses) or once the cache holds every
+    row of the table (none does), where that count is known without asking."""
+    from speedswap.convert import as_row_ids
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=NUM_ROWS, storage="pinned", backend="numpy",
+                                cache_rows=cache_rows)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.05)
+    emb.attach(opt)
+    extra = []
+    for _ in range(30):  # 9,000 uniform ids: every row is used, and a whole-table cache fills
+        emb(torch.from_numpy(rng.integers(0, NUM_ROWS, 300))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ids = torch.from_numpy(rng.integers(0, NUM_ROWS, 50))
+        with HostSyncs() as checking:
+            as_row_ids(ids, NUM_ROWS, ids.device)
+        hits = emb.stats()["eval"]["hits"]
+        with torch.no_grad(), HostSyncs() as forward:
+            emb(ids)
+        extra.append((forward.total - checking.total, emb.stats()["eval"]["hits"] - hits))
+    waits, hits = zip(*extra)
+    if cache_rows == NUM_ROWS:
+        assert extra[-1] == (0, 50)  # full by the end: every id hits, no count is read
+        assert 1 in waits  # while it filled, it read the count
+    else:
+        assert set(waits) == {1 if cache_rows else 0}
+        assert 0 < sum(hits) < 50 * len(hits) if cache_rows else sum(hits) == 0
+    emb.close()
 
 
 def test_the_model_counts_what_synchronises():

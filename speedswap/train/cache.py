@@ -75,7 +75,8 @@ read with the working set's count of new rows and the ids' bounds, the one
 wait a forward makes without a cache), one per step (how many misses are
 admitted, and how many of their victims are dirty) and one per prefetch (how
 many rows to bring, read with the ids' bounds, their range check); no call
-sizes a ``torch.unique``.
+sizes a ``torch.unique``. A forward outside training makes one while some
+rows are cached (how many rows to read from the host, :meth:`RowCache.read`).
 That is the CPU model's count; the GPU runs counted 2-4 a step, from four
 calls the model did not know then (``torch.isin``, and Python scalars
 assigned through a tensor index: ``benchmarks/NOTES.md``, 35), since replaced.
@@ -122,9 +123,9 @@ COUNTERS = ("steps", "lookups", "unique_rows", "hits", "misses", "rows_h2d", "by
             "rows_d2h", "bytes_d2h", "evictions", "prefetched_rows")
 
 #: The names of the counters of reads outside training (:meth:`RowCache.read` of an eval forward),
-#: kept apart from :data:`COUNTERS` so that a training step's hit rate stays its own. Such a read
-#: gathers every id's row from the host, hit or not, and takes the cached copy where there is
-#: one: ``rows_h2d`` is one row per id, and ``hits`` (ids whose row was cached) saves no bytes.
+#: kept apart from :data:`COUNTERS` so that a training step's hit rate stays its own. ``hits``
+#: counts ids whose row was cached, served from the cache; ``rows_h2d`` the rows read from the
+#: host: each uncached row once, or one per id while nothing is cached.
 EVAL_COUNTERS = ("forwards", "lookups", "hits", "rows_h2d", "bytes_h2d")
 
 #: Sketch counters per cache slot: enough that collisions rarely lift a cold row's count.
@@ -230,8 +231,6 @@ class RowCache:
         self._reindex()
         self.total = dict.fromkeys(COUNTERS, 0)
         self.last_step = dict.fromkeys(COUNTERS, 0)
-        # Eval hits are summed on the device (a tensor from the first read with a cache until
-        # stats() reads it): reading each read's count would make a GPU's host wait at every one.
         self.eval_total = dict.fromkeys(EVAL_COUNTERS, 0)
         self._begin_step()
 
@@ -415,6 +414,29 @@ class RowCache:
                              {name: s.index_select(0, slots) for name, s in self.states.items()},
                              counters)
 
+    def _sources(self, rows, found, slot, n_miss, missed=None):
+        """Where one gather over the cache's rows finds each of ``rows``: its slot, or the scratch row
+        its host copy is first gathered into (misses go to scratch in order).
+
+        Args:
+            rows: validated rows; a row that repeats has its entries next to each other.
+            found, slot: the rows' :meth:`_lookup` (``found`` is not read when ``n_miss`` is 0).
+            n_miss: how many rows to gather from the host.
+            missed: marks those rows, each uncached row once, at its first entry; None for
+                ``~found``, when ``rows`` are unique.
+
+        Returns:
+            an int64 ``(len(rows),)`` tensor of indices into :attr:`weights`.
+        """
+        if not n_miss:
+            return slot
+        missed = ~found if missed is None else missed
+        begin = self._scratch(n_miss)
+        self._gather_host(self.table, rows.index_select(0, positions(missed, n_miss)),
+                          self.weights[begin:begin + n_miss])
+        # A repeat of a missed row is not marked: the sum leaves it at its first entry's scratch row.
+        return torch.where(found, slot, begin - 1 + torch.cumsum(missed, 0))
+
     def _victims(self, count):
         """The ``count`` slots cheapest to give up, and their scores, cheapest first.
 
@@ -523,16 +545,8 @@ class RowCache:
         n_miss = len(rows) - n_hit
         if n_hit == 0:
             self._gather_host(self.table, rows, out)
-        else:
-            source = slot  # pinned for the step before anything evicts (_pin)
-            if n_miss:
-                # Misses go to scratch, in order: then one gather fills `out` from the cache.
-                missed = ~found
-                source = torch.where(found, slot, self.num_slots - 1 + torch.cumsum(missed, 0))
-                begin = self._scratch(n_miss)
-                self._gather_host(self.table, rows.index_select(0, positions(missed, n_miss)),
-                                  self.weights[begin:begin + n_miss])
-            _take_rows(self.weights, source, out)
+        else:  # the hits' slots are pinned for the step before anything evicts (_pin)
+            _take_rows(self.weights, self._sources(rows, found, slot, n_miss), out)
         self._n_hits += n_hit
         self._n_misses += n_miss
         if not again:
@@ -767,8 +781,20 @@ class RowCache:
         return bring
 
     # ------------------------------------------------------- whole-table access
+    @_outside_inference_mode  # the scratch rows it may grow take a step's in-place writes later
     def read(self, ids: torch.Tensor, *, counted: bool = False) -> torch.Tensor:
         """The current value of rows ``ids`` (validated, duplicates allowed), in the table's dtype.
+
+        Cached rows come from the cache, the others from the host, each once
+        however often it repeats: the ids are sorted, which finds the repeats
+        and speeds up the lookup, the uncached rows are gathered into scratch,
+        and one gather over the cache's rows fills the result in id order.
+        How many rows to gather is one host synchronisation, as in a training
+        step; there is none when nothing is cached (then every id's row is read
+        from the host, one per id, as without a cache) or when every row of the
+        table is. Nothing the cache holds changes: its rows, stamps, counts
+        and training counters stay as they are; only the scratch rows may grow
+        (to the most rows a call has gathered), as a step's misses grow them.
 
         Args:
             ids: validated ids.
@@ -781,15 +807,25 @@ class RowCache:
         self._wait_prefetch()
         self._give_up_for_views()
         out = torch.empty(len(ids), self.table.dim, dtype=self.table.dtype, device=self.device)
-        self._gather_host(self.table, ids, out)
-        if self.num_slots and len(ids):
-            found, slot = self._lookup(ids)
-            out = torch.where(found.unsqueeze(1), self.weights[slot], out)
-            if counted:
-                self.eval_total["hits"] = found.sum() + self.eval_total["hits"]
+        held = self.num_slots - self._n_empty
+        if not held or not len(ids):
+            hits, n_miss = 0, len(ids)
+            self._gather_host(self.table, ids, out)
+        else:
+            rows, order, first = sort_marking_firsts(ids)
+            found, slot = self._lookup(rows)
+            if held == self.table.num_rows:  # each row has one slot at most: every row is cached
+                hits, n_miss, missed = len(ids), 0, None
+            else:
+                missed = first > found  # each uncached row once; as bools, one kernel where & ~ is two
+                # The read's one host synchronisation: its hits, and how many rows the host sends.
+                hits, n_miss = torch.stack([found.sum(), missed.sum()]).tolist()
+            source = self._sources(rows, found, slot, n_miss, missed)
+            # Back in id order: the indices move, not the rows.
+            _take_rows(self.weights, torch.empty_like(source).index_copy_(0, order, source), out)
         if counted:
-            for key, value in (("forwards", 1), ("lookups", len(ids)), ("rows_h2d", len(ids)),
-                               ("bytes_h2d", len(ids) * self._row_bytes)):
+            for key, value in (("forwards", 1), ("lookups", len(ids)), ("hits", hits), ("rows_h2d", n_miss),
+                               ("bytes_h2d", n_miss * self._row_bytes)):
                 self.eval_total[key] += value
         return out
 
@@ -894,11 +930,7 @@ class RowCache:
 
     def stats(self) -> dict:
         """Counters of the last step and since the cache was made, the step in progress included
-        (see :data:`COUNTERS`), and of eval reads since it was made (:data:`EVAL_COUNTERS`).
-
-        On a GPU, the first call after eval reads with a cache waits for them (their hits).
-        """
-        self.eval_total["hits"] = int(self.eval_total["hits"])
+        (see :data:`COUNTERS`), and of eval reads since it was made (:data:`EVAL_COUNTERS`)."""
         return {"last_step": dict(self.last_step),
                 "total": {key: value + self._step[key] for key, value in self.total.items()},
                 "eval": dict(self.eval_total),

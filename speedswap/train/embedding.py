@@ -1053,11 +1053,11 @@ class OffloadedEmbedding(torch.nn.Module):
         ``inference_mode``, a frozen :attr:`weight`) since :meth:`attach`, apart
         from the steps so that ``total``'s hit rate stays a training step's
         (see :data:`speedswap.train.cache.EVAL_COUNTERS`): forwards, lookups
-        (their ids), hits (ids whose row was cached), rows_h2d and bytes_h2d.
-        Such a forward reads every id's row from the host, one row per id,
-        and takes the cached copy over it where there is one: the cache makes
-        it current, not cheaper. On a GPU, the first ``stats()`` after eval
-        forwards waits for them (their hits are counted on the device).
+        (their ids), hits (ids whose row was cached, served from the cache),
+        rows_h2d and bytes_h2d (what the host sent: each uncached row once,
+        however often its id repeats; one row per id while nothing is cached).
+        Learning how many rows to read is one host synchronisation in such a
+        forward, none while nothing or every row of the table is cached.
 
         Every counter starts at :meth:`attach`; before it they are all zero,
         and eval forwards then read the table without being counted.

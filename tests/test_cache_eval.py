@@ -1,0 +1,147 @@
+"""Forwards outside training read through the device cache: bit for bit what an in-memory table holds.
+
+An eval forward (eval mode, ``no_grad``, ``inference_mode``) takes its
+cached rows from the cache and only the others from the host. Whatever the
+cache holds (nothing, one row, some, the whole table), with or without
+prefetched rows, between steps or inside one, it must return each id's
+current value (a cached row is newer than its host copy) in the ids' shape,
+and leave the cache as it found it: which rows it holds, their values,
+stamps, scores and dirty flags, the frequency sketch and the training
+counters. The reference is an ``nn.Embedding`` over the whole table trained
+with Adam on the rows each step touches (what offloaded training does).
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import speedswap as ss
+
+ROWS, DIM, BATCH, STEPS = 200, 8, 40, 15
+KINDS = ("eval", "eval_no_grad", "no_grad", "inference_mode")
+
+
+def _zipf_ids(rng, shape):
+    return rng.zipf(1.2, size=shape) % ROWS
+
+
+def _loss(rows, ctx):
+    return -F.logsigmoid((rows * ctx).sum(-1)).sum()
+
+
+class InMemory:
+    """The whole table as one ``nn.Embedding``; a step leaves the rows it did not touch, and their
+    Adam state, as they were (torch's Adam would decay their moments)."""
+
+    def __init__(self, table0):
+        self.emb = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False)
+        self.opt = torch.optim.Adam(self.emb.parameters(), lr=0.01)
+
+    def step(self, ids, ctx):
+        weight = self.emb.weight
+        before = weight.detach().clone()
+        state_before = {name: value.clone() for name, value in self.opt.state.get(weight, {}).items()
+                        if name != "step"}
+        _loss(self.emb(ids), ctx).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        untouched = torch.ones(ROWS, dtype=torch.bool)
+        untouched[ids.reshape(-1)] = False
+        with torch.no_grad():
+            weight[untouched] = before[untouched]
+            for name, value in self.opt.state[weight].items():
+                if name != "step":
+                    value[untouched] = state_before[name][untouched] if name in state_before else 0.0
+
+    def rows(self, ids):
+        with torch.no_grad():
+            return self.emb(ids).numpy()
+
+
+def _forward_outside_training(emb, kind, ids):
+    if kind.startswith("eval"):
+        emb.eval()
+    try:
+        if kind == "eval":  # eval mode with autograd on: a loop that forgot no_grad
+            return emb(ids)
+        with torch.inference_mode() if kind == "inference_mode" else torch.no_grad():
+            return emb(ids)
+    finally:
+        emb.train()
+
+
+def _cache_state(emb):
+    """Everything about the cache an eval forward must leave alone, copied."""
+    cache = emb._cache
+    held = cache.slot_row >= 0  # a free slot's values are whatever its memory held
+    tensors = [cache.slot_row, cache.stamp, cache.score, cache.dirty, cache.sketch.counts,
+               *(rows[:cache.num_slots][held] for rows in (cache.weights, *cache.states.values()))]
+    numbers = (cache.clock, cache._n_empty, cache.sketch.weight, cache.total, cache.last_step, cache._step)
+    return [t.clone() for t in tensors], repr(numbers)
+
+
+def _eval_ids(rng, case):
+    if case == "empty":
+        return np.zeros(0, dtype=np.int64)
+    if case == "duplicates":
+        ids = _zipf_ids(rng, int(rng.integers(1, 30)))
+        return rng.permutation(np.concatenate([ids, ids[:int(rng.integers(1, len(ids) + 1))]]))
+    if case == "2d":
+        return _zipf_ids(rng, (int(rng.integers(1, 5)), int(rng.integers(1, 12))))
+    return rng.integers(0, ROWS, int(rng.integers(1, 3 * ROWS)))  # "wide": many rows, most of them cold
+
+
+def _check_eval_forward(emb, ref, rng, where):
+    kind, case = KINDS[int(rng.integers(len(KINDS)))], ["empty", "duplicates", "2d", "wide"][int(rng.integers(4))]
+    ids = _eval_ids(rng, case)
+    tensors, numbers = _cache_state(emb)
+    out = _forward_outside_training(emb, kind, torch.from_numpy(ids).to(emb.weight.device))
+    context = f"{where}, {kind}, {case} ids {ids.shape}"
+    assert out.shape == (*ids.shape, DIM) and out.dtype == torch.float32, context
+    np.testing.assert_array_equal(out.detach().cpu().numpy(), ref.rows(torch.from_numpy(ids)), err_msg=context)
+    after, after_numbers = _cache_state(emb)
+    assert after_numbers == numbers, context
+    for before, now in zip(tensors, after):
+        assert torch.equal(before, now), context
+
+
+@pytest.mark.parametrize("cache_rows", [0, 1, 10, ROWS])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_eval_forwards_equal_an_in_memory_embedding_and_change_nothing(cache_rows, prefetch, backend, rng):
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=ROWS, storage="pageable", backend=backend,
+                                cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    ref = InMemory(table0)
+    device = emb.weight.device
+    batches = [_zipf_ids(rng, BATCH) for _ in range(STEPS + 1)]
+    batches[STEPS // 2] = rng.permutation(ROWS)  # every row: from then on a whole-table cache holds them all
+    for step in range(STEPS):
+        for _ in range(int(rng.integers(1, 4))):
+            _check_eval_forward(emb, ref, rng, f"before step {step}")
+        ids = torch.from_numpy(batches[step])
+        ctx = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        rows = emb(ids.to(device))
+        if prefetch:
+            emb.prefetch(torch.from_numpy(batches[step + 1]).to(device))
+        # Inside the step the rows are still the values before it, wherever they are.
+        _check_eval_forward(emb, ref, rng, f"inside step {step}")
+        _loss(rows, ctx.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step(ids, ctx)
+        if step == STEPS // 2:
+            missed = emb.stats()["eval"]["lookups"] - emb.stats()["eval"]["hits"]
+    if cache_rows:
+        assert emb.stats()["eval"]["hits"] > 0  # the cache served some of them
+    if cache_rows == ROWS:  # and after the step of every row, all of them
+        assert emb.stats()["eval"]["lookups"] - emb.stats()["eval"]["hits"] == missed
+    emb.flush()
+    np.testing.assert_array_equal(emb.table.to_numpy(copy=True), ref.emb.weight.detach().numpy())
+    for name, table in emb._state.tables.items():
+        np.testing.assert_array_equal(table.to_numpy(copy=True), ref.opt.state[ref.emb.weight][name].numpy(),
+                                      err_msg=name)
+    emb.close()
