@@ -510,7 +510,13 @@ def _moved(flat, target):
     return flat if flat.device == target else flat.to(target)
 
 
-def check_id_range(flat, num_rows, *, what="ids", unsigned=False):
+#: What the message of an id past the last row advises: an embedding's rows are its vocabulary.
+VOCABULARY_ADVICE = "check the vocabulary size"
+#: The same for a table or a dataset, whose rows are no vocabulary (:class:`~speedswap.HostTable`).
+ROWS_ADVICE = "check the ids against the number of rows"
+
+
+def check_id_range(flat, num_rows, *, what="ids", unsigned=False, advice=VOCABULARY_ADVICE):
     """Raise :class:`IdError` unless every id of ``flat`` lies in ``[0, num_rows)``.
 
     On a GPU tensor this is one host synchronisation (both bounds in one
@@ -523,9 +529,11 @@ def check_id_range(flat, num_rows, *, what="ids", unsigned=False):
         what: how the ids are named in error messages.
         unsigned: ``flat`` holds uint64 ids cast to int64, so a negative one
             stands for an id of ``2**63`` or more.
+        advice: what the message of an id past the last row says to do
+            (:data:`VOCABULARY_ADVICE` or :data:`ROWS_ADVICE`).
     """
     if flat.numel():
-        _check_bounds(*read_bounds(flat), num_rows, what, unsigned)
+        _check_bounds(*read_bounds(flat), num_rows, what, unsigned, advice)
 
 
 def read_bounds(flat) -> list:
@@ -536,7 +544,7 @@ def read_bounds(flat) -> list:
     return torch.stack(torch.aminmax(flat)).tolist()
 
 
-def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
+def as_row_ids(ids, num_rows, device, *, to=None, what="ids", advice=VOCABULARY_ADVICE):
     """Validate row ids and return them as a flat, contiguous int64 tensor on ``device``.
 
     The one check of a public call's ids (see :func:`check_id_range`); inner
@@ -547,6 +555,7 @@ def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
         num_rows: ids must lie in ``[0, num_rows)``.
         device, to: as in :func:`as_id_tensor`.
         what: how the ids are named in error messages.
+        advice: as in :func:`check_id_range`.
 
     Returns:
         (flat_ids, shape), as :func:`as_id_tensor`.
@@ -556,13 +565,13 @@ def as_row_ids(ids, num_rows, device, *, to=None, what="ids"):
         DeviceError: ids live on a device the backend cannot read.
         IdError: an id is negative or ``>= num_rows``.
     """
-    flat, shape, check_bounds = as_row_ids_deferred(ids, num_rows, device, to=to, what=what)
+    flat, shape, check_bounds = as_row_ids_deferred(ids, num_rows, device, to=to, what=what, advice=advice)
     if check_bounds is not None and flat.numel():
         check_bounds(*read_bounds(flat))
     return flat, shape
 
 
-def as_row_ids_deferred(ids, num_rows, device, *, to=None, what="ids"):
+def as_row_ids_deferred(ids, num_rows, device, *, to=None, what="ids", advice=VOCABULARY_ADVICE):
     """:func:`as_row_ids` for a caller that reads values of the ids back anyway: the range check goes with that read.
 
     Ids already where they are used (a GPU tensor for a GPU) are not
@@ -572,7 +581,7 @@ def as_row_ids_deferred(ids, num_rows, device, *, to=None, what="ids"):
     Host ids bound for a GPU are checked here, on the host, without a wait.
 
     Args:
-        ids, num_rows, device, to, what: as for :func:`as_row_ids`.
+        ids, num_rows, device, to, what, advice: as for :func:`as_row_ids`.
 
     Returns:
         (flat_ids, shape, check_bounds): ``check_bounds(lo, hi)`` raises
@@ -589,10 +598,10 @@ def as_row_ids_deferred(ids, num_rows, device, *, to=None, what="ids"):
         # Host ids are checked on the host, then cross without a wait (see
         # _moved): no device synchronisation at all.
         flat, shape = as_id_tensor(ids, device, to="cpu", what=what, num_rows=num_rows)
-        check_id_range(flat, num_rows, what=what, unsigned=unsigned)
+        check_id_range(flat, num_rows, what=what, unsigned=unsigned, advice=advice)
         return _moved(flat, target), shape, None
     flat, shape = as_id_tensor(ids, device, to=target, what=what, num_rows=num_rows)
-    return flat, shape, bounds_check(num_rows, what=what, unsigned=unsigned)
+    return flat, shape, bounds_check(num_rows, what=what, unsigned=unsigned, advice=advice)
 
 
 def is_uint64(ids) -> bool:
@@ -604,31 +613,32 @@ def is_uint64(ids) -> bool:
     return isinstance(dtype, np.dtype) and dtype == np.uint64
 
 
-def bounds_check(num_rows: int, *, what: str = "ids", unsigned: bool = False) -> Callable[[int, int], None]:
+def bounds_check(num_rows: int, *, what: str = "ids", unsigned: bool = False,
+                 advice: str = VOCABULARY_ADVICE) -> Callable[[int, int], None]:
     """``check_bounds(lo, hi)`` for ids whose smallest and largest values a caller reads anyway.
 
     Args:
-        num_rows, what, unsigned: as for :func:`check_id_range`.
+        num_rows, what, unsigned, advice: as for :func:`check_id_range`.
 
     Returns:
         a function raising :class:`IdError` unless ``[lo, hi]`` lies in ``[0, num_rows)``.
     """
-    return functools.partial(_check_bounds, num_rows=num_rows, what=what, unsigned=unsigned)
+    return functools.partial(_check_bounds, num_rows=num_rows, what=what, unsigned=unsigned, advice=advice)
 
 
-def _check_bounds(lo, hi, num_rows, what, unsigned):
+def _check_bounds(lo, hi, num_rows, what, unsigned, advice):
     if unsigned and lo < 0:
         raise _beyond_int64(what, lo + 2**64, num_rows)
-    _check_range(lo, hi, num_rows, what)
+    _check_range(lo, hi, num_rows, what, advice)
 
 
-def _check_range(lo, hi, num_rows, what):
+def _check_range(lo, hi, num_rows, what, advice):
     if lo < 0:
         raise IdError(f"{what} contain {lo}, but ids must be in [0, {num_rows}); "
                       f"negative ids are not wrapped around")
     if hi >= num_rows:
         raise IdError(f"{what} contain {hi}, out of range for a table of {num_rows} rows "
-                      f"(ids must be in [0, {num_rows})); check the vocabulary size")
+                      f"(ids must be in [0, {num_rows})); {advice}")
 
 
 def as_values_array(values, shape, what="values") -> np.ndarray:

@@ -26,8 +26,8 @@ from . import files
 from .atomic import as_path
 from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
-from .convert import (as_host_rows, as_row_ids, as_row_values, bool_option, check_not_masked, float_option, host_tensor,
-                      initialiser_option, int_option, numpy_dtype, torch_dtype)
+from .convert import (ROWS_ADVICE, as_host_rows, as_row_ids, as_row_values, bool_option, check_not_masked,
+                      float_option, host_tensor, initialiser_option, int_option, numpy_dtype, torch_dtype)
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      PathError, ShapeError, StateError)
 from .live import Registry
@@ -675,7 +675,7 @@ class HostTable:
         """
         buffer = self._live_buffer()
         flat, shape = as_row_ids(rows, self.num_rows, self.device,
-                                 to=self._backend.ids_device(buffer))
+                                 to=self._backend.ids_device(buffer), advice=ROWS_ADVICE)
         self._announce_read()
         target_shape = (*shape, self.dim)
         if out is None:
@@ -759,7 +759,7 @@ class HostTable:
         check_unique = bool_option(check_unique, "check_unique", hint=" (refuse repeated ids)")
         buffer = self._writable_buffer()
         where = self._backend.ids_device(buffer)
-        flat, ids_shape = as_row_ids(rows, self.num_rows, self.device, to=where)
+        flat, ids_shape = as_row_ids(rows, self.num_rows, self.device, to=where, advice=ROWS_ADVICE)
         values = as_row_values(values, len(flat), self.dim, self.dtype, self.device, ids_shape,
                                to=where)
         if check_unique and _has_duplicates(flat):

@@ -134,6 +134,27 @@ def test_ids_beyond_int64_say_they_must_fit_int64_and_the_rows_and_change_nothin
     np.testing.assert_array_equal(gadget.to_numpy(), data)
 
 
+@pytest.mark.parametrize("as_type", [np.asarray, list, torch.tensor])
+@pytest.mark.parametrize("call", ["get", "getData", "put", "insertData"])
+def test_ids_past_the_last_row_say_to_check_them_against_the_rows_and_change_nothing(call, as_type, rng):
+    """Ids in int64 but past the data's rows said "check the vocabulary size": a dataset has rows,
+    not a vocabulary. The message names the id, the rows, and what to check."""
+    data = random_data(rng, (int(rng.integers(10, 50)), 3))
+    gadget = ss.DataGadget(data.copy(), backend="numpy")
+    past = len(data) + int(rng.integers(0, 5))
+    ids = rng.permutation(np.append(rng.choice(len(data), 3, replace=False), past))
+    with pytest.raises(ss.IdError) as info:
+        if call in ("get", "getData"):
+            getattr(gadget, call)(as_type(ids.tolist()))
+        else:
+            getattr(gadget, call)(random_data(rng, (len(ids), 3)), as_type(ids.tolist()))
+    message = str(info.value)
+    assert isinstance(info.value, IndexError)
+    assert f"contain {past}," in message and f"[0, {len(data)})" in message, message
+    assert "vocabulary" not in message and "check the ids against the number of rows" in message, message
+    np.testing.assert_array_equal(gadget.to_numpy(), data)
+
+
 def test_read_only_sources_refuse_puts(rng, tmp_path):
     data = random_data(rng, (30, 2))
     frozen = data.copy()

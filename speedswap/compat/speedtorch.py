@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..convert import as_row_ids
+from ..convert import ROWS_ADVICE, as_row_ids
 from ..data.gadget import DataGadget as CoreDataGadget
 from ..errors import OptionError
 from .model_factory import ModelFactory
@@ -104,7 +104,7 @@ class DataGadget(SpeedTorchFiles, CoreDataGadget):
         ids = [indexes] if negIndexes is None else [indexes, negIndexes]
         # Each checked as given (a uint64 id past int64 named as it is, not as the negative int64
         # it becomes), on the host: get() then checks the joined ids there too, without a device wait.
-        flats = [as_row_ids(i, len(self), self.device, to="cpu", what=name)[0]
+        flats = [as_row_ids(i, len(self), self.device, to="cpu", what=name, advice=ROWS_ADVICE)[0]
                  for i, name in zip(ids, ("indexes", "negIndexes"))]
         return self.get(torch.cat(flats) if len(flats) > 1 else flats[0])
 
