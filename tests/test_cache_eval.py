@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import speedswap as ss
+from speedswap.train import sync_free
 
 ROWS, DIM, BATCH, STEPS = 200, 8, 40, 15
 KINDS = ("eval", "eval_no_grad", "no_grad", "inference_mode")
@@ -106,16 +107,30 @@ def _check_eval_forward(emb, ref, rng, where):
         assert torch.equal(before, now), context
 
 
-@pytest.mark.parametrize("cache_rows", [0, 1, 10, ROWS])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_eval_forwards_equal_an_in_memory_embedding_and_change_nothing(cache_rows, prefetch, backend, rng):
+def _embedding_and_reference(cache_rows, backend, rng):
+    """An attached offloaded embedding (Adam) and its in-memory reference, from one random table."""
     table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=ROWS, storage="pageable", backend=backend,
                                 cache_rows=cache_rows)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     opt = torch.optim.Adam(emb.parameters(), lr=0.01)
     emb.attach(opt)
-    ref = InMemory(table0)
+    return emb, opt, InMemory(table0)
+
+
+def _check_tables(emb, ref):
+    """Every row and its Adam state, once flushed, equal the reference's bit for bit."""
+    emb.flush()
+    np.testing.assert_array_equal(emb.table.to_numpy(copy=True), ref.emb.weight.detach().numpy())
+    for name, table in emb._state.tables.items():
+        np.testing.assert_array_equal(table.to_numpy(copy=True), ref.opt.state[ref.emb.weight][name].numpy(),
+                                      err_msg=name)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 1, 10, ROWS])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_eval_forwards_equal_an_in_memory_embedding_and_change_nothing(cache_rows, prefetch, backend, rng):
+    emb, opt, ref = _embedding_and_reference(cache_rows, backend, rng)
     device = emb.weight.device
     batches = [_zipf_ids(rng, BATCH) for _ in range(STEPS + 1)]
     batches[STEPS // 2] = rng.permutation(ROWS)  # every row: from then on a whole-table cache holds them all
@@ -139,9 +154,65 @@ def test_eval_forwards_equal_an_in_memory_embedding_and_change_nothing(cache_row
         assert emb.stats()["eval"]["hits"] > 0  # the cache served some of them
     if cache_rows == ROWS:  # and after the step of every row, all of them
         assert emb.stats()["eval"]["lookups"] - emb.stats()["eval"]["hits"] == missed
-    emb.flush()
-    np.testing.assert_array_equal(emb.table.to_numpy(copy=True), ref.emb.weight.detach().numpy())
-    for name, table in emb._state.tables.items():
-        np.testing.assert_array_equal(table.to_numpy(copy=True), ref.opt.state[ref.emb.weight][name].numpy(),
-                                      err_msg=name)
+    _check_tables(emb, ref)
+    emb.close()
+
+
+def _wide_eval_ids(rng, spread, cached):
+    """30 training batches of ids: of any row, Zipf's, or nine in ten of rows in ``cached``."""
+    if spread == "uniform":
+        return rng.integers(0, ROWS, 30 * BATCH)
+    if spread == "zipf" or not cached:
+        return _zipf_ids(rng, 30 * BATCH)
+    return rng.permutation(np.concatenate([rng.choice(sorted(cached), 27 * BATCH), rng.integers(0, ROWS, 3 * BATCH)]))
+
+
+@pytest.mark.parametrize("cache_rows", [0, 1, 10, ROWS // 2, ROWS])
+@pytest.mark.parametrize("spread", ["uniform", "zipf", "cached"])
+@pytest.mark.parametrize("device_branches", [False, True])
+def test_an_eval_forward_far_larger_than_a_batch_leaves_the_cache_bytes_as_they_were(cache_rows, spread,
+                                                                                     device_branches, backend,
+                                                                                     rng, monkeypatch):
+    """Eval batches are often many training batches: their uncached rows grew the cache's scratch
+    rows, and those of each optimizer state, to their number for good, device memory later training
+    could not use. Those beyond the scratch rows there are pass through a temporary the call frees.
+    ``device_branches``: with sync_free's numpy shortcuts off, the branches a GPU runs."""
+    if device_branches:
+        monkeypatch.setattr(sync_free, "_numpy_shortcut", lambda tensor: False)
+    emb, opt, ref = _embedding_and_reference(cache_rows, backend, rng)
+    device = emb.weight.device
+
+    def step(ids):
+        ctx = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        _loss(emb(torch.from_numpy(ids).to(device)), ctx.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step(torch.from_numpy(ids), ctx)
+
+    for _ in range(4):
+        step(_zipf_ids(rng, BATCH))
+    cache_bytes = emb.stats()["cache_bytes"]
+    for kind in KINDS:
+        cached = set(emb._cache.slot_row.tolist()) - {-1}
+        ids = _wide_eval_ids(rng, spread, cached)
+        if cache_rows:  # more rows to read than there are scratch rows: the case in question
+            uncached = set(ids.tolist()) - cached
+            assert len(uncached) > len(emb._cache.weights) - emb._cache.num_slots, kind
+        tensors, numbers = _cache_state(emb)
+        hits = emb.stats()["eval"]["hits"]
+        out = _forward_outside_training(emb, kind, torch.from_numpy(ids).to(device))
+        if spread == "cached" and cache_rows:  # most rows from the slots, the rest put over them
+            assert emb.stats()["eval"]["hits"] - hits > len(ids) // 2, kind
+        np.testing.assert_array_equal(out.detach().cpu().numpy(), ref.rows(torch.from_numpy(ids)), err_msg=kind)
+        assert emb.stats()["cache_bytes"] == cache_bytes, kind
+        after, after_numbers = _cache_state(emb)
+        assert after_numbers == numbers, kind
+        for before, now in zip(tensors, after):
+            assert torch.equal(before, now), kind
+    if cache_rows:
+        assert emb.stats()["eval"]["hits"] > 0
+    for _ in range(2):  # training goes on as it would have
+        step(_zipf_ids(rng, BATCH))
+    _check_eval_forward(emb, ref, rng, "after the wide eval forwards")
+    _check_tables(emb, ref)
     emb.close()

@@ -30,6 +30,7 @@ import speedswap as ss
 from cuda_helpers import kernels_or_skip
 from host_syncs import HostSyncs
 from speedswap.convert import read_bounds, check_id_range
+from speedswap.train import sync_free
 from speedswap.train.sync_free import positions
 from training_helpers import CAPACITY, DIM, NUM_ROWS, skipgram_loss, zipf_batches
 
@@ -119,34 +120,46 @@ def test_a_step_synchronises_the_host_no_more_than_its_budget(cache_rows, paddin
 
 
 @pytest.mark.parametrize("cache_rows", [0, NUM_ROWS // 5, NUM_ROWS])
-def test_an_eval_forward_waits_for_its_misses_only_while_some_rows_are_cached(cache_rows, rng):
+@pytest.mark.parametrize("device_branches", [False, True])
+def test_an_eval_forward_waits_for_its_misses_only_while_some_rows_are_cached(cache_rows, device_branches, rng,
+                                                                              monkeypatch):
     """An eval forward reads how many rows the host sends (with its hits): one wait beyond the
     ids' range check. None without a cache (every id's row crosses) or once the cache holds every
-    row of the table (none does), where that count is known without asking."""
+    row of the table (none does), where that count is known without asking. The same for one far
+    larger than a training batch, whose misses beyond the scratch rows go to a temporary.
+    ``device_branches``: with sync_free's numpy shortcuts off, the branches a GPU runs."""
     from speedswap.convert import as_row_ids
+    if device_branches:
+        monkeypatch.setattr(sync_free, "_numpy_shortcut", lambda tensor: False)
     emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=NUM_ROWS, storage="pinned", backend="numpy",
                                 cache_rows=cache_rows)
     opt = torch.optim.SGD(emb.parameters(), lr=0.05)
     emb.attach(opt)
-    extra = []
+    extra, spilled = [], []
     for _ in range(30):  # 9,000 uniform ids: every row is used, and a whole-table cache fills
         emb(torch.from_numpy(rng.integers(0, NUM_ROWS, 300))).sum().backward()
         opt.step()
         opt.zero_grad()
-        ids = torch.from_numpy(rng.integers(0, NUM_ROWS, 50))
-        with HostSyncs() as checking:
-            as_row_ids(ids, NUM_ROWS, ids.device)
-        hits = emb.stats()["eval"]["hits"]
-        with torch.no_grad(), HostSyncs() as forward:
-            emb(ids)
-        extra.append((forward.total - checking.total, emb.stats()["eval"]["hits"] - hits))
-    waits, hits = zip(*extra)
+        for size in (50, 20 * 300):
+            ids = torch.from_numpy(rng.integers(0, NUM_ROWS, size))
+            cache = emb._cache
+            uncached = set(ids.tolist()) - set(cache.slot_row.tolist())
+            spilled.append(len(uncached) > len(cache.weights) - cache.num_slots)
+            with HostSyncs() as checking:
+                as_row_ids(ids, NUM_ROWS, ids.device)
+            hits = emb.stats()["eval"]["hits"]
+            with torch.no_grad(), HostSyncs() as forward:
+                emb(ids)
+            extra.append((forward.total - checking.total, emb.stats()["eval"]["hits"] - hits, size))
+    waits, hits, sizes = zip(*extra)
+    if cache_rows:
+        assert any(spilled)  # the temporary was used
     if cache_rows == NUM_ROWS:
-        assert extra[-1] == (0, 50)  # full by the end: every id hits, no count is read
+        assert [wait_and_hits[:2] for wait_and_hits in extra[-2:]] == [(0, 50), (0, 6000)]  # full by the end
         assert 1 in waits  # while it filled, it read the count
     else:
         assert set(waits) == {1 if cache_rows else 0}
-        assert 0 < sum(hits) < 50 * len(hits) if cache_rows else sum(hits) == 0
+        assert 0 < sum(hits) < sum(sizes) if cache_rows else sum(hits) == 0
     emb.close()
 
 

@@ -46,9 +46,10 @@ it began (``benchmarks/NOTES.md``, 27).
 
 **Copies.** The slots are the first ``num_slots`` rows of the cache's
 tensors; the rows after them are scratch, for one call's misses (grown to the
-most misses a call has had). A step's new rows arrive in one gather into the
-working set: the misses are first gathered from the host into scratch, so one
-``index_select`` over slots and scratch fills the working set in slot order,
+most misses a step's call has had; an eval read with more gathers them into a
+temporary, :meth:`RowCache.read`). A step's new rows arrive in one gather into
+the working set: the misses are first gathered from the host into scratch, so
+one ``index_select`` over slots and scratch fills the working set in slot order,
 hits and misses alike. The step's end is one row assignment from the working
 set into the rows' slots, the misses that stay uncached into scratch, whose
 contiguous rows then go to the host. On a CPU, where a hit costs the copy
@@ -414,9 +415,9 @@ class RowCache:
                              {name: s.index_select(0, slots) for name, s in self.states.items()},
                              counters)
 
-    def _sources(self, rows, found, slot, n_miss, missed=None):
-        """Where one gather over the cache's rows finds each of ``rows``: its slot, or the scratch row
-        its host copy is first gathered into (misses go to scratch in order).
+    def _sources(self, rows, found, slot, n_miss, missed=None, into=None):
+        """Where each of ``rows`` is once its uncached rows are gathered from the host: its slot, or
+        ``num_slots`` plus the row of ``into`` its host copy is gathered into (misses in order).
 
         Args:
             rows: validated rows; a row that repeats has its entries next to each other.
@@ -424,18 +425,22 @@ class RowCache:
             n_miss: how many rows to gather from the host.
             missed: marks those rows, each uncached row once, at its first entry; None for
                 ``~found``, when ``rows`` are unique.
+            into: ``(n_miss, dim)`` rows in the table's dtype to gather them into; None for the
+                scratch rows (grown to fit), which follow the slots in :attr:`weights`.
 
         Returns:
-            an int64 ``(len(rows),)`` tensor of indices into :attr:`weights`.
+            an int64 ``(len(rows),)`` tensor of indices: into :attr:`weights` when ``into`` is
+            None, else into the slots followed by ``into``.
         """
         if not n_miss:
             return slot
         missed = ~found if missed is None else missed
-        begin = self._scratch(n_miss)
-        self._gather_host(self.table, rows.index_select(0, positions(missed, n_miss)),
-                          self.weights[begin:begin + n_miss])
-        # A repeat of a missed row is not marked: the sum leaves it at its first entry's scratch row.
-        return torch.where(found, slot, begin - 1 + torch.cumsum(missed, 0))
+        if into is None:
+            begin = self._scratch(n_miss)
+            into = self.weights[begin:begin + n_miss]
+        self._gather_host(self.table, rows.index_select(0, positions(missed, n_miss)), into)
+        # A repeat of a missed row is not marked: the sum leaves it at its first entry's row.
+        return torch.where(found, slot, self.num_slots - 1 + torch.cumsum(missed, 0))
 
     def _victims(self, count):
         """The ``count`` slots cheapest to give up, and their scores, cheapest first.
@@ -792,9 +797,12 @@ class RowCache:
         How many rows to gather is one host synchronisation, as in a training
         step; there is none when nothing is cached (then every id's row is read
         from the host, one per id, as without a cache) or when every row of the
-        table is. Nothing the cache holds changes: its rows, stamps, counts
-        and training counters stay as they are; only the scratch rows may grow
-        (to the most rows a call has gathered), as a step's misses grow them.
+        table is. Nothing the cache holds changes, its scratch rows included:
+        its rows, stamps, counts, training counters and size stay as they are.
+        Uncached rows beyond the scratch rows there are go into a temporary,
+        freed on return (:meth:`_take_slots_and_spill` fills the result from
+        it and the slots): grown scratch would keep their room, and that of
+        every optimizer state, on the device for good.
 
         Args:
             ids: validated ids.
@@ -820,14 +828,48 @@ class RowCache:
                 missed = first > found  # each uncached row once; as bools, one kernel where & ~ is two
                 # The read's one host synchronisation: its hits, and how many rows the host sends.
                 hits, n_miss = torch.stack([found.sum(), missed.sum()]).tolist()
-            source = self._sources(rows, found, slot, n_miss, missed)
+            # Misses beyond the scratch rows there are go to a temporary (see above).
+            spill = None if n_miss <= len(self.weights) - self.num_slots else torch.empty(
+                n_miss, self.table.dim, dtype=self.table.dtype, device=self.device)
+            source = self._sources(rows, found, slot, n_miss, missed, into=spill)
             # Back in id order: the indices move, not the rows.
-            _take_rows(self.weights, torch.empty_like(source).index_copy_(0, order, source), out)
+            source = torch.empty_like(source).index_copy_(0, order, source)
+            if spill is None:
+                _take_rows(self.weights, source, out)
+            else:
+                self._take_slots_and_spill(source, spill, len(ids) - hits, out)
         if counted:
             for key, value in (("forwards", 1), ("lookups", len(ids)), ("hits", hits), ("rows_h2d", n_miss),
                                ("bytes_h2d", n_miss * self._row_bytes)):
                 self.eval_total[key] += value
         return out
+
+    def _take_slots_and_spill(self, source, spill, n_spilled, out):
+        """``out[i] =`` slot ``source[i]``, or ``spill[source[i] - num_slots]`` from ``num_slots`` on.
+
+        Two sources, where :func:`_take_rows` gathers from one: every row is
+        gathered from the one that holds most of them (the other's rows get
+        its row 0 for now), then the other's rows, gathered apart, are put
+        over them. That copies ``len(out)`` rows plus twice the fewer, where
+        a gather from each and a ``torch.where`` copy three times ``len(out)``
+        and hold two more results of its size.
+
+        Args:
+            source: int64 indices (:meth:`_sources` with ``into=spill``), one per row of ``out``.
+            spill: the uncached rows, numbered from ``num_slots`` in ``source``.
+            n_spilled: how many of ``source`` are ``>= num_slots``.
+            out: the ``(len(source), dim)`` result, in :attr:`weights`' dtype.
+        """
+        spilled = source >= self.num_slots
+        in_spill = source - self.num_slots
+        if 2 * n_spilled <= len(source):  # most rows are cached
+            _take_rows(self.weights, torch.where(spilled, 0, source), out)
+            few, index, put, count = spill, in_spill, spilled, n_spilled
+        else:
+            _take_rows(spill, torch.where(spilled, in_spill, 0), out)
+            few, index, put, count = self.weights, source, ~spilled, len(source) - n_spilled
+        at = positions(put, count)
+        _put_rows(out, at, few.index_select(0, index.index_select(0, at)))
 
     def flush(self):
         """Write every dirty cached row and its state back to the host; they stay cached (clean).
