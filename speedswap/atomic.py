@@ -350,6 +350,23 @@ _LOCKS = {}  # a directory's real path, or a save's lock file -> threading.Lock,
 _LOCKS_LOCK = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """Free every turn of :data:`_LOCKS` in a forked child.
+
+    A thread of the parent may have held one at the fork (or :data:`_LOCKS_LOCK`):
+    the child does not have that thread, so the lock would stay held and the
+    child's saves to that path, or of that checkpoint, would wait forever.
+    (A held ``flock`` needs nothing: the child's own save opens its own descriptor.)
+    """
+    global _LOCKS_LOCK
+    _LOCKS_LOCK = threading.Lock()
+    _LOCKS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @contextlib.contextmanager
 def locked(directory, shared=False):
     """Hold a lock on ``directory`` for the block: saves take turns, and loads wait for them.

@@ -1126,6 +1126,52 @@ def test_saves_still_take_turns_where_flock_is_refused(tmp_path, rng, monkeypatc
     np.testing.assert_array_equal(target.table.to_numpy(), emb.table.to_numpy())
 
 
+@pytest.mark.skipif(not hasattr(os, "fork") or atomic.fcntl is None, reason="no fork or no flock here")
+def test_a_forked_child_saves_where_a_thread_of_its_parent_held_the_turn(tmp_path, rng, monkeypatch):
+    """Where flock is refused (ENOLCK), saves take turns on a threading.Lock. A child forked while
+    another thread of the parent held one has no such thread: its lock stayed held, and the child's
+    save to that path (or of that checkpoint) waited forever. A child starts with every turn free."""
+    import threading
+    import warnings
+
+    def refused(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(atomic.fcntl, "flock", refused)
+    path, checkpoint = tmp_path / "t.npy", tmp_path / "ckpt"
+    checkpoint.mkdir()
+    rows = rng.standard_normal((7, 3)).astype(np.float32)
+    holding, done = threading.Event(), threading.Event()
+
+    def hold():
+        with atomic.one_save_at_a_time(path), atomic.locked(checkpoint):
+            holding.set()
+            done.wait(60)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(60)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a multi-threaded process
+            pid = os.fork()
+        if pid == 0:  # the child: killed by SIGALRM should it wait for the parent's thread
+            try:
+                import signal
+                signal.alarm(10)
+                with atomic.atomic_output(path) as tmp, open(tmp, "wb") as f:
+                    np.save(f, rows)
+                with atomic.locked(checkpoint):
+                    pass
+                os._exit(0)
+            except BaseException:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+        holder.join()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status:#x}"
+    np.testing.assert_array_equal(np.load(path), rows)
+
+
 def test_npy_headers_are_parsed_one_thread_at_a_time(tmp_path, monkeypatch, rng):
     """numpy parses a header with ast.literal_eval, which CPython 3.11 cannot run in two threads at
     once: threaded saves and loads of one checkpoint failed, rarely, with "SystemError: AST
