@@ -348,19 +348,42 @@ def opening_error(path, exc, what="file") -> "PathError":
 
 _LOCKS = {}  # a directory's real path, or a save's lock file -> threading.Lock, where flock is not to be had
 _LOCKS_LOCK = threading.Lock()
+#: The descriptors whose ``flock`` this process holds -> the thread holding it (see _after_fork_in_child).
+_FLOCKED = {}
+
+
+def _flock(fd, operation) -> None:
+    """``flock(fd, operation)``, the descriptor then counted as held by this thread in :data:`_FLOCKED`."""
+    fcntl.flock(fd, operation)
+    _FLOCKED[fd] = threading.get_ident()
+
+
+def _let_go(fd) -> None:
+    """Close ``fd``, which releases its ``flock``."""
+    _FLOCKED.pop(fd, None)
+    os.close(fd)
 
 
 def _after_fork_in_child() -> None:
-    """Free every turn of :data:`_LOCKS` in a forked child.
+    """Free every turn that another thread of the parent held, in a forked child.
 
-    A thread of the parent may have held one at the fork (or :data:`_LOCKS_LOCK`):
-    the child does not have that thread, so the lock would stay held and the
-    child's saves to that path, or of that checkpoint, would wait forever.
-    (A held ``flock`` needs nothing: the child's own save opens its own descriptor.)
+    The child does not have that thread. A threading lock of :data:`_LOCKS`
+    (or :data:`_LOCKS_LOCK`) it held would stay held. A ``flock`` belongs to
+    the open file, which the child shares through the copy of the descriptor
+    it inherits: the lock would outlive the parent's release for as long as
+    the child lives, and the child's own save (or the parent's next one of a
+    checkpoint) would wait for it forever. Closing the copy leaves the
+    parent's lock as it is. The forking thread's own turns stay its own.
     """
     global _LOCKS_LOCK
     _LOCKS_LOCK = threading.Lock()
     _LOCKS.clear()
+    me = threading.get_ident()
+    for fd, thread in list(_FLOCKED.items()):
+        if thread != me:
+            del _FLOCKED[fd]
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 if hasattr(os, "register_at_fork"):
@@ -390,7 +413,7 @@ def locked(directory, shared=False):
         with contextlib.suppress(OSError):
             fd = os.open(directory, os.O_RDONLY)
             try:
-                fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                _flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             except OSError:  # a file system without flock (ENOLCK): threads still take turns
                 os.close(fd)
                 fd = None
@@ -403,7 +426,7 @@ def locked(directory, shared=False):
     try:
         yield
     finally:
-        os.close(fd)  # releases the lock
+        _let_go(fd)
 
 
 #: The suffix of the lock file beside a file being saved (:func:`one_save_at_a_time`).
@@ -436,19 +459,19 @@ def _flocked(lock):
         except OSError:  # a read-only or full directory: the save's own temporary fails the same way
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _flock(fd, fcntl.LOCK_EX)
             won, named = os.fstat(fd), os.stat(lock)
         except FileNotFoundError:  # removed by the holder this one waited for
             won = named = None
         except OSError:  # a file system without flock (ENOLCK)
-            os.close(fd)
+            _let_go(fd)
             return None
         except BaseException:  # Ctrl-C while it waits
-            os.close(fd)
+            _let_go(fd)
             raise
         if won is not None and (won.st_dev, won.st_ino) == (named.st_dev, named.st_ino):
             return fd
-        os.close(fd)
+        _let_go(fd)
 
 
 @contextlib.contextmanager
@@ -495,6 +518,6 @@ def one_save_at_a_time(path):
                 with contextlib.suppress(OSError):  # left behind, it is taken by the next save (see _flocked)
                     os.unlink(lock)
             finally:
-                os.close(fd)  # lets go after the unlink: a save that wins the file now sees it has no name
+                _let_go(fd)  # after the unlink: a save that wins the file now sees it has no name
     finally:
         held.discard(lock)

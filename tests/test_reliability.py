@@ -1172,6 +1172,74 @@ def test_a_forked_child_saves_where_a_thread_of_its_parent_held_the_turn(tmp_pat
     np.testing.assert_array_equal(np.load(path), rows)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork") or atomic.fcntl is None, reason="no fork or no flock here")
+def test_a_forked_child_does_not_keep_the_flocks_of_its_parents_threads(tmp_path, rng):
+    """A flock belongs to the open file, which a forked child shares through the descriptors it
+    inherits. A child forked while another thread of the parent held a save's or a checkpoint's
+    flock kept it after that thread let go: the child's own save of the path waited forever (on a
+    lock its own copy held), and so did every later save of the checkpoint by the parent while the
+    child lived (a DataLoader worker lives for an epoch). A child closes those copies."""
+    import select
+    import signal
+    import threading
+    import warnings
+
+    path, checkpoint = tmp_path / "t.npy", tmp_path / "ckpt"
+    checkpoint.mkdir()
+    rows = rng.standard_normal((7, 3)).astype(np.float32)
+    holding, done = threading.Event(), threading.Event()
+
+    def hold():
+        with atomic.one_save_at_a_time(path), atomic.locked(checkpoint):
+            holding.set()
+            done.wait(60)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    saved_r, saved_w = os.pipe()
+    leave_r, leave_w = os.pipe()
+    assert holding.wait(60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a multi-threaded process
+        pid = os.fork()
+    if pid == 0:  # the child: killed by SIGALRM should it wait for good
+        try:
+            signal.alarm(15)
+            with atomic.atomic_output(path) as tmp, open(tmp, "wb") as f:  # waits for the parent's turn
+                np.save(f, rows)
+            with atomic.locked(checkpoint):
+                pass
+            os.write(saved_w, b"s")
+            os.read(leave_r, 1)  # lives on, as a worker would, while the parent saves again
+            os._exit(0)
+        except BaseException:
+            os._exit(3)
+    try:
+        done.set()  # the parent's thread lets go: the child's save may go on
+        holder.join()
+        again = threading.Thread(target=_save_turns, args=(path, checkpoint), daemon=True)
+        again.start()
+        again.join(10)
+        parent_saved = not again.is_alive()
+        child_saved = bool(select.select([saved_r], [], [], 10)[0])
+    finally:
+        os.write(leave_w, b"x")
+        _, status = os.waitpid(pid, 0)
+        for fd in (saved_r, saved_w, leave_r, leave_w):
+            os.close(fd)
+    assert parent_saved, "the parent's next save of the checkpoint waited for the child"
+    assert child_saved and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"
+    np.testing.assert_array_equal(np.load(path), rows)
+    again.join()
+
+
+def _save_turns(path, checkpoint):
+    """Take a save's turn at ``path`` and the checkpoint ``checkpoint``'s, one after the other."""
+    with atomic.one_save_at_a_time(path):
+        pass
+    with atomic.locked(checkpoint):
+        pass
+
+
 def test_npy_headers_are_parsed_one_thread_at_a_time(tmp_path, monkeypatch, rng):
     """numpy parses a header with ast.literal_eval, which CPython 3.11 cannot run in two threads at
     once: threaded saves and loads of one checkpoint failed, rarely, with "SystemError: AST
