@@ -786,7 +786,7 @@ class RowCache:
         return bring
 
     # ------------------------------------------------------- whole-table access
-    @_outside_inference_mode  # the scratch rows it may grow take a step's in-place writes later
+    @_outside_inference_mode  # as fetch: what it keeps (a re-sorted index) is never an inference tensor
     def read(self, ids: torch.Tensor, *, counted: bool = False) -> torch.Tensor:
         """The current value of rows ``ids`` (validated, duplicates allowed), in the table's dtype.
 
