@@ -41,17 +41,17 @@ CACHE_FRACTIONS = [0.0, 0.01, 0.05, 0.20]
 DISTRIBUTIONS = [1.05, 1.1, 1.2, "uniform"]
 
 
-def id_sampler(exponent, rng):
-    """(draw, rank): ``draw(n)`` gives n ids, Zipf over ranks 0..VOCAB-1 scattered over rows
+def id_sampler(exponent, rng, vocab=VOCAB):
+    """(draw, rank): ``draw(n)`` gives n ids, Zipf over ranks 0..vocab-1 scattered over rows
     (or uniform); ``rank[row]`` is the row's popularity rank (None when uniform)."""
     if exponent == "uniform":
-        return (lambda n: rng.integers(0, VOCAB, n)), None
-    cdf = np.cumsum(np.arange(1, VOCAB + 1, dtype=np.float64) ** -exponent)
+        return (lambda n: rng.integers(0, vocab, n)), None
+    cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -exponent)
     cdf /= cdf[-1]
-    row_of_rank = rng.permutation(VOCAB)
-    rank = np.empty(VOCAB, dtype=np.int64)
-    rank[row_of_rank] = np.arange(VOCAB)
-    return (lambda n: row_of_rank[np.minimum(np.searchsorted(cdf, rng.random(n)), VOCAB - 1)]), rank
+    row_of_rank = rng.permutation(vocab)
+    rank = np.empty(vocab, dtype=np.int64)
+    rank[row_of_rank] = np.arange(vocab)
+    return (lambda n: row_of_rank[np.minimum(np.searchsorted(cdf, rng.random(n)), vocab - 1)]), rank
 
 
 def static_misses(rank, batches, cache_rows):

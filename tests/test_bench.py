@@ -646,3 +646,41 @@ def test_the_benchmarks_size_their_data_by_the_ram_the_containers_limit_still_gr
     room = (1 << 30) + (256 << 20)
     assert timing.available_ram() == room
     assert timing.machine()["ram_available_bytes"] == room
+
+
+def test_the_eval_read_benchmark_reads_fewer_rows_through_a_cache_and_keeps_its_bytes(tmp_path):
+    """``benchmarks/eval_read.py --quick``: every field of its JSON, and the properties its figures rest on.
+
+    On Zipf ids an eval forward through a cache reads fewer rows from the host
+    than one without (each uncached row once, where no cache reads one per id);
+    a forward ten training steps wide leaves ``cache_bytes`` as it was.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "benchmarks/eval_read.py", "--quick", "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "eval_read-quick-cpu.json").read_text())
+    assert result["benchmark"] == "eval_read-quick" and result["quick"]
+    assert {"cpu", "cores", "load_average", "torch"} <= set(result["machine"])
+    rows = {(r["distribution"], r["cache_fraction"]): r for r in result["rows"]}
+    assert set(rows) == {(d, f) for d in ("zipf 1.1", "uniform") for f in (0.0, 0.01, 0.05, 0.2)}
+    row_bytes = result["dim"] * 4
+    for (distribution, fraction), row in rows.items():
+        assert row["forwards"] == result["repeats"] and row["ids_per_forward"] == result["ids"]
+        assert row["forward_s_p25"] <= row["forward_s_median"] <= row["forward_s_p75"]
+        assert len(row["loadavg_1min"]) == result["repeats"]
+        assert row["bytes_h2d_per_forward"] == row["rows_h2d_per_forward"] * row_bytes
+        assert row["cache_bytes_after_wide_forward"] == row["cache_bytes_before_wide_forward"]
+        assert row["wide_forward_ids"] == 10 * result["train_ids_per_step"]
+        if fraction:
+            assert row["cache_bytes_before_wide_forward"] > 0
+            # Each uncached row once: no more rows than the ids the cache missed.
+            assert row["rows_h2d_per_forward"] <= row["ids_per_forward"] * (1 - row["hit_rate"])
+        else:
+            assert row["hit_rate"] == 0 and row["rows_h2d_per_forward"] == row["ids_per_forward"]
+            assert row["time_vs_no_cache"] == row["rows_h2d_vs_no_cache"] == 1
+        assert (row["ideal_hit_rate"] is None) == (distribution == "uniform")
+    for fraction in (0.01, 0.05, 0.2):
+        cached = rows["zipf 1.1", fraction]
+        assert 0 < cached["hit_rate"] and cached["rows_h2d_vs_no_cache"] < 1
+        assert cached["rows_h2d_per_forward"] < rows["zipf 1.1", 0.0]["rows_h2d_per_forward"]

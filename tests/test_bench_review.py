@@ -187,7 +187,8 @@ def test_the_feeder_disk_case_takes_turns_over_repeated_rounds(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("script, option", [("cache.py", "--steps"), ("training_step.py", "--threads"),
-                                            ("word2vec_quality.py", "--epochs"), ("soak.py", "--save-every")])
+                                            ("word2vec_quality.py", "--epochs"), ("soak.py", "--save-every"),
+                                            ("eval_read.py", "--repeats")])
 def test_benchmark_scripts_refuse_a_count_of_zero_before_any_work(script, option):
     """cache.py --steps 0 divided by zero, training_step.py --threads 0 got torch's raw error."""
     import subprocess
