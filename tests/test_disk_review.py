@@ -242,14 +242,23 @@ def test_a_float32_file_refused_for_a_bfloat16_table_names_rows_it_has(tmp_path)
 def test_a_named_pipe_is_refused_instead_of_waiting_for_a_writer(tmp_path, name, read):
     path = tmp_path / name
     os.mkfifo(path)
-    try:  # opening a pipe for reading waits for a writer: in a subprocess, killed if it hangs
-        done = subprocess.run([sys.executable, "-c", "import sys, speedswap as ss\n"
-                               f"try:\n    {read}\n"
-                               "except ss.PathError as exc:\n    print(exc)", str(path)],
-                              capture_output=True, text=True, timeout=30)
+    # Opening a pipe for reading waits for a writer: in a subprocess, killed if it hangs. The time
+    # allowed starts once the child has imported what the read needs ("ready"): on a loaded machine
+    # the imports alone took 14 s of the 30.
+    child = subprocess.Popen([sys.executable, "-c", "import sys, h5py, speedswap as ss\n"
+                              "print('ready', flush=True)\n"
+                              f"try:\n    {read}\n"
+                              "except ss.PathError as exc:\n    print(exc)", str(path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0)
+    try:
+        ready = child.stdout.readline()  # unbuffered: reads no further than the line, which communicate reads
+        out, err = (b.decode() for b in child.communicate(timeout=30))
     except subprocess.TimeoutExpired:
         pytest.fail(f"{read} waited for a writer to the named pipe")
-    assert "not a regular file" in done.stdout, done.stdout + done.stderr
+    finally:
+        child.kill()
+        child.wait()
+    assert ready == b"ready\n" and "not a regular file" in out, (ready, out, err)
 
 
 def test_create_npy_replacing_a_file_keeps_a_link_at_the_path_and_the_files_mode(tmp_path, rng):
