@@ -342,7 +342,7 @@ _TWO_RANKS = """
 import datetime, os, sys, numpy as np, torch, torch.distributed as dist, speedswap as ss
 rank, rendezvous, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group('gloo', init_method=rendezvous, rank=rank, world_size=2,
-                        timeout=datetime.timedelta(seconds=30))
+                        timeout=datetime.timedelta(seconds=60))
 torch.manual_seed(0)
 emb = ss.ShardedOffloadedEmbedding(50, 4, max_rows=8, backend='numpy', storage='pageable')
 lin = torch.nn.Linear(4, 1)
