@@ -1126,12 +1126,30 @@ def test_saves_still_take_turns_where_flock_is_refused(tmp_path, rng, monkeypatc
     np.testing.assert_array_equal(target.table.to_numpy(), emb.table.to_numpy())
 
 
+def _a_thread_holding_both_turns(path, checkpoint):
+    """Start a thread holding a save's turn at ``path`` and the lock of ``checkpoint``, and wait until it does.
+
+    Returns:
+        (thread, let_go): set ``let_go`` for the thread to let both go, then join it.
+    """
+    import threading
+    holding, let_go = threading.Event(), threading.Event()
+
+    def hold():
+        with atomic.one_save_at_a_time(path), atomic.locked(checkpoint):
+            holding.set()
+            let_go.wait(60)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(60)
+    return holder, let_go
+
+
 @pytest.mark.skipif(not hasattr(os, "fork") or atomic.fcntl is None, reason="no fork or no flock here")
 def test_a_forked_child_saves_where_a_thread_of_its_parent_held_the_turn(tmp_path, rng, monkeypatch):
     """Where flock is refused (ENOLCK), saves take turns on a threading.Lock. A child forked while
     another thread of the parent held one has no such thread: its lock stayed held, and the child's
     save to that path (or of that checkpoint) waited forever. A child starts with every turn free."""
-    import threading
     import warnings
 
     def refused(fd, operation):
@@ -1140,16 +1158,8 @@ def test_a_forked_child_saves_where_a_thread_of_its_parent_held_the_turn(tmp_pat
     path, checkpoint = tmp_path / "t.npy", tmp_path / "ckpt"
     checkpoint.mkdir()
     rows = rng.standard_normal((7, 3)).astype(np.float32)
-    holding, done = threading.Event(), threading.Event()
-
-    def hold():
-        with atomic.one_save_at_a_time(path), atomic.locked(checkpoint):
-            holding.set()
-            done.wait(60)
-    holder = threading.Thread(target=hold)
-    holder.start()
+    holder, done = _a_thread_holding_both_turns(path, checkpoint)
     try:
-        assert holding.wait(60)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a multi-threaded process
             pid = os.fork()
@@ -1187,17 +1197,9 @@ def test_a_forked_child_does_not_keep_the_flocks_of_its_parents_threads(tmp_path
     path, checkpoint = tmp_path / "t.npy", tmp_path / "ckpt"
     checkpoint.mkdir()
     rows = rng.standard_normal((7, 3)).astype(np.float32)
-    holding, done = threading.Event(), threading.Event()
-
-    def hold():
-        with atomic.one_save_at_a_time(path), atomic.locked(checkpoint):
-            holding.set()
-            done.wait(60)
-    holder = threading.Thread(target=hold)
-    holder.start()
+    holder, done = _a_thread_holding_both_turns(path, checkpoint)
     saved_r, saved_w = os.pipe()
     leave_r, leave_w = os.pipe()
-    assert holding.wait(60)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a multi-threaded process
         pid = os.fork()
