@@ -9,33 +9,57 @@ import speedswap as ss
 ROWS, DIM = 50, 4
 
 
+def snapshot(model):
+    """Every parameter's and buffer's tensor (and gradient), copied, by name."""
+    tensors = {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    tensors.update({name + ".grad": p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    return tensors
+
+
+def assert_unchanged(model, before):
+    after = snapshot(model)
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        assert (after[name].dtype, after[name].device) == (tensor.dtype, tensor.device), name
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("kind", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
-def test_embedding_refuses_a_dtype_conversion_and_keeps_training(rng, kind):
-    """The sharded one's conversion went through, and its next step failed inside autograd."""
+def test_embedding_refuses_a_conversion_before_anything_converts_and_keeps_training(rng, kind):
+    """torch converts a model's submodules in turn: the Linear (and the BatchNorm's buffers) before
+    the embedding were converted, then the embedding refused, leaving a half-converted model."""
     emb = kind(ROWS, DIM, max_rows=8, storage="pageable", backend="numpy")
-    dense = torch.nn.Linear(DIM, 1)
-    model = torch.nn.Sequential(dense, emb)
-    for convert in (model.double, model.half, model.bfloat16):
+    dense = torch.nn.Linear(DIM, DIM)
+    norm = torch.nn.BatchNorm1d(DIM)
+    model = torch.nn.Sequential(torch.nn.Sequential(dense, norm), emb, torch.nn.Linear(DIM, 1))
+    with torch.no_grad():
+        for p in [*model[0].parameters(), *model[2].parameters()]:  # emb.weight is scratch
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape), dtype=np.float32)))
+    norm(torch.from_numpy(rng.standard_normal((5, DIM), dtype=np.float32)))  # non-trivial running stats
+    dense(torch.from_numpy(rng.standard_normal((3, DIM), dtype=np.float32))).sum().backward()
+    before = snapshot(model)
+    conversions = [model.double, model.half, model.bfloat16, lambda: model.to(torch.float64),
+                   lambda: model.to(dtype=torch.float16), lambda: model.type(torch.float64),
+                   lambda: model.to("meta"), lambda: model.to_empty(device="meta")]
+    for convert in conversions:
         with pytest.raises(ss.OptionError, match="cannot be converted") as refused:
             convert()
-        assert emb.weight.dtype is torch.float32
-        # torch converted the Linear before it reached the embedding; the message says how to undo it
-        assert dense.weight.dtype is not torch.float32 and "model.to(torch.float32)" in str(refused.value)
-        model.to(torch.float32)
-        assert dense.weight.dtype is torch.float32
+        assert_unchanged(model, before)
+        assert "converted already" not in str(refused.value)
     model.float()           # what it already is: fine
     model.to("cpu")
+    assert_unchanged(model, before)
     opt = torch.optim.SGD(emb.parameters(), lr=0.5)
     emb.attach(opt)
-    before = emb.table.to_numpy(copy=True)
+    table = emb.table.to_numpy(copy=True)
     ids = torch.from_numpy(rng.choice(ROWS, size=6, replace=False))
     emb(ids).sum().backward()
     opt.step()
     opt.zero_grad()
     after = emb.table.to_numpy()
-    np.testing.assert_allclose(after[ids.numpy()], before[ids.numpy()] - 0.5)
+    np.testing.assert_allclose(after[ids.numpy()], table[ids.numpy()] - 0.5)
     untouched = np.setdiff1d(np.arange(ROWS), ids.numpy())
-    np.testing.assert_array_equal(after[untouched], before[untouched])
+    np.testing.assert_array_equal(after[untouched], table[untouched])
 
 
 def test_switchers_refuse_a_model_converted_after_them(rng):

@@ -1,4 +1,4 @@
-"""``nn.Module``'s dtype and device conversions, which an offloaded embedding refuses.
+"""``nn.Module``'s dtype and device conversions, which an offloaded embedding refuses before any converts.
 
 ``model.double()``, ``.half()``, ``.to(device)``, ``.cuda()`` give each
 parameter new storage. An offloaded embedding's :attr:`weight` is only the
@@ -8,13 +8,68 @@ sees, or fail deep in autograd. Conversions to what the embedding already is
 (``model.to(its device)``, ``.float()`` of a float32 one) change nothing and
 go through. A bfloat16 table's weight is float32, so ``.bfloat16()`` is
 refused too, saying that the table is bfloat16 already.
+
+Every conversion goes through ``nn.Module._apply``, which converts a model's
+submodules in turn, children first: an override on the embedding runs after
+the modules registered before it were converted, and no hook of torch's runs
+before them. So the first embedding built wraps ``nn.Module._apply`` once
+(:func:`guard_conversions`) to check the whole tree it is called on before
+it delegates to torch's own: a refused conversion leaves every module as it
+was. For a tree with no offloaded embedding the wrapper only walks it.
 """
+
+import functools
 
 import torch
 
 from ..errors import OptionError
 
-__all__ = ["refuse_conversion"]
+__all__ = ["RefusesConversion", "guard_conversions", "refuse_conversion"]
+
+
+class RefusesConversion(torch.nn.Module):
+    """An ``nn.Module`` whose dtype and device are fixed when it is built.
+
+    Its :meth:`check_conversion` runs for every ``model.double()``,
+    ``.to(...)`` and the like on a model holding it, before anything converts.
+    """
+
+    def __init__(self):
+        super().__init__()
+        guard_conversions()
+
+    def check_conversion(self, fn) -> None:
+        """Refuse ``fn`` if it would convert this module.
+
+        Args:
+            fn: the conversion ``nn.Module._apply`` applies to each tensor.
+
+        Raises:
+            OptionError: ``fn`` changes this module's dtype or device.
+        """
+        raise NotImplementedError
+
+
+def guard_conversions() -> None:
+    """Make ``nn.Module._apply`` check every :class:`RefusesConversion` in its tree first; once per process.
+
+    The wrapper keeps torch's ``_apply`` (or whatever it was) as it is and
+    calls it unchanged once every check passed. Nested calls (torch's own
+    recursion into children) check their subtree again, which changes nothing.
+    """
+    apply = torch.nn.Module._apply
+    if getattr(apply, "_speedswap_checks_first", False):
+        return
+
+    @functools.wraps(apply)
+    def checked_apply(module, fn, recurse=True):
+        for sub in module.modules() if recurse else (module,):
+            if isinstance(sub, RefusesConversion):
+                sub.check_conversion(fn)
+        return apply(module, fn, recurse)
+
+    checked_apply._speedswap_checks_first = True
+    torch.nn.Module._apply = checked_apply
 
 
 def refuse_conversion(kind: str, fn, weight: torch.Tensor, table_dtype: torch.dtype) -> None:
@@ -27,17 +82,14 @@ def refuse_conversion(kind: str, fn, weight: torch.Tensor, table_dtype: torch.dt
         table_dtype: the host table's dtype, for the message.
 
     Raises:
-        OptionError: ``fn`` would convert ``weight``. torch converts a model's
-            submodules in turn, so those registered before this embedding
-            are converted already; the message says how to undo that.
+        OptionError: ``fn`` would convert ``weight``. Called before anything
+            converts (:func:`guard_conversions`), so the model is as it was.
     """
     probe = fn(torch.zeros(1, dtype=weight.dtype, device=weight.device))
     if (probe.dtype, probe.device) == (weight.dtype, weight.device):
         return
-    undo = (f"torch converts a model's submodules in turn, so those registered before this embedding "
-            f"were converted already: convert them back (e.g. model.to({weight.dtype}), "
-            f"model.to({str(weight.device)!r})), which leaves the embedding as it is, or convert the "
-            f"other submodules one by one")
+    unchanged = ("Nothing was converted: convert the other submodules one by one "
+                 "(e.g. model.head.double()), leaving the embedding as it is")
     if probe.device == weight.device and probe.dtype == table_dtype:
         # A bfloat16 table trains through a float32 weight: "build it with dtype=" would send
         # the user to what they did already.
@@ -46,9 +98,9 @@ def refuse_conversion(kind: str, fn, weight: torch.Tensor, table_dtype: torch.dt
             f"table is {table_dtype} already, and its weight (the step's working set) and optimizer "
             f"state are {weight.dtype} by design, each touched row rounded back to {table_dtype} once "
             f"per step; leave the embedding as it is (its output is {weight.dtype}: cast it where the "
-            f"next layer needs {probe.dtype}). {undo}")
+            f"next layer needs {probe.dtype}). {unchanged}")
     raise OptionError(
         f"this {kind} cannot be converted to {probe.dtype} on {probe.device} after it is built "
         f"(its table and optimizer state live on the host for {table_dtype} rows on "
         f"{weight.device}); build it with dtype=..., device=... (backend='numpy' for the CPU) "
-        f"instead. {undo}")
+        f"instead. {unchanged}")

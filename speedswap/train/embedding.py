@@ -25,7 +25,7 @@ from ..errors import (CapacityError, DTypeError, IdError, OptionError, ShapeErro
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import file_in, load_tables, save_tables
-from .conversions import refuse_conversion
+from .conversions import RefusesConversion, refuse_conversion
 from .leftover import untouched
 from .module_state import (check_tables_state, copy_tables, missing_hint, note_loaded, refused_after,
                            tables_state, unpicklable)
@@ -48,7 +48,7 @@ _STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran
                               "_eval_with_grad", "_empty_sparse"})
 
 
-class OffloadedEmbedding(torch.nn.Module):
+class OffloadedEmbedding(RefusesConversion):
     """A drop-in ``nn.Embedding`` for tables larger than device memory.
 
     The full ``(num_embeddings, embedding_dim)`` table is a
@@ -291,9 +291,8 @@ class OffloadedEmbedding(torch.nn.Module):
     def __reduce_ex__(self, protocol):
         raise unpicklable(type(self).__name__)
 
-    def _apply(self, fn, recurse=True):
+    def check_conversion(self, fn) -> None:
         refuse_conversion(type(self).__name__, fn, self.weight, self._table.dtype)
-        return super()._apply(fn, recurse)
 
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "

@@ -41,7 +41,7 @@ from ..convert import as_row_ids, as_row_ids_deferred, int_option, torch_dtype
 from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
-from .conversions import refuse_conversion
+from .conversions import RefusesConversion, refuse_conversion
 from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
                        Exchange, count_by_owner, owner_starts, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
@@ -57,7 +57,7 @@ from .working_set import WorkingSet
 __all__ = ["ShardedOffloadedEmbedding"]
 
 
-class ShardedOffloadedEmbedding(torch.nn.Module):
+class ShardedOffloadedEmbedding(RefusesConversion):
     """An ``nn.Embedding`` whose rows and optimizer state are split over the ranks of a process group.
 
     **Contract.** Like DDP, every rank of the group calls :meth:`forward` the
@@ -348,9 +348,8 @@ class ShardedOffloadedEmbedding(torch.nn.Module):
     def __reduce_ex__(self, protocol):
         raise unpicklable(type(self).__name__)
 
-    def _apply(self, fn, recurse=True):
+    def check_conversion(self, fn) -> None:
         refuse_conversion(type(self).__name__, fn, self.weight, self.table.dtype)
-        return super()._apply(fn, recurse)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """Save this rank's shard as ``<prefix>_extra_state`` alone: :attr:`weight` is scratch."""
