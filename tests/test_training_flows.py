@@ -609,6 +609,45 @@ def test_zero_grad_after_a_backward_then_a_step_with_no_forward_moves_no_row_as_
                                    rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("flow", ["zero_grad", "grad_scaler", "as_left"])
+def test_a_loss_weighted_by_zero_then_a_step_with_no_forward_trains_as_in_memory(backend, rng, cache_rows, flow):
+    """A loss weighted by 0 leaves its rows a gradient of exact zeros; then the step, with no forward between.
+
+    In memory the sparse gradient names those rows at zero values: SparseAdam
+    moves them by their momentum, as it is (``as_left``) or unscaled by a
+    ``GradScaler`` (written in place). After ``zero_grad(set_to_none=False)``
+    it names none, and the step moves none. Offloaded, a gradient zeroed in
+    place could not be told from one unscaled when the backward left it zero:
+    the zeroed step trained its rows as the unscaled one does.
+    """
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows)
+    sides = [(*side, torch.amp.GradScaler("cpu", init_scale=4.0))
+             for side in both_sides(emb, opt, ref, ref_opt, device)]
+    weighted = rng.random(STEPS) < 0.3
+    weighted[:2] = False  # momentum first
+    weighted[rng.integers(2, STEPS)] = True  # then at least one step on a loss weighted by 0
+    for (ids, target), zero in zip(zipf_ids(rng, STEPS), weighted):
+        for lookup, optimizer, to, scaler in sides:
+            loss = ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum() * (0.0 if zero else 1.0)
+            if flow == "grad_scaler":
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)  # unscale_ writes the gradient in place: a zero stays a zero
+                scaler.update()
+            else:
+                loss.backward()
+                if zero and flow == "zero_grad":
+                    optimizer.zero_grad(set_to_none=False)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for name in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_allclose(emb._state.tables[name].to_numpy(), ref_opt.state[ref][name].numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+    assert int(opt.state[emb.weight]["step"]) == int(ref_opt.state[ref]["step"])
+
+
 _DDP_SCRIPT = r"""
 import os, sys
 import numpy as np, torch, torch.distributed as dist

@@ -179,8 +179,9 @@ class OffloadedEmbedding(RefusesConversion):
         # Whether the gradient held a non-zero value when the last backward ended (a 0-dim bool
         # tensor, computed on the device; None for a sparse gradient, which its version tells
         # about), the gradient and its version then: a gradient zero now
-        # was dropped by zero_grad() if that backward left it non-zero or it was zeroed or
-        # replaced since; one a backward left at zero (loss * 0), untouched since, still trains.
+        # was dropped by zero_grad() if that backward left it non-zero, or if it left it at zero
+        # (loss * 0) and zero_grad() cleared the mark the backward left on it (see _note_backward);
+        # one a backward left at zero, untouched or unscaled since, still trains.
         self._grad_at_backward = None
         self.weight.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
         # The gradient a finished step left on weight, and its version then: a step must not
@@ -517,8 +518,8 @@ class OffloadedEmbedding(RefusesConversion):
         unchanged at the next step, as rows no backward reached. An
         ``optimizer.step()`` that follows the skipped step with no forward of
         its own moves none of its rows either (see :meth:`_zeroed_since_backward`),
-        unless its backward left the gradient exactly zero (a loss weighted
-        by 0): call it before such a step. A step
+        a backward that left the gradient exactly zero (a loss weighted by 0)
+        included. A step
         skipped before its backward needs nothing for exactness: rows that
         only forwards no backward reached are put back unchanged when the next
         step ends (:mod:`speedswap.train.reached`); this frees their slots now.
@@ -556,8 +557,9 @@ class OffloadedEmbedding(RefusesConversion):
         on CUDA. So the values are read, a host wait on a GPU, in that case
         alone (a forward of gradient accumulation). A gradient the last
         backward itself left at zero on every row of the step (a loss
-        weighted by 0) is not dropped: in memory its rows are in the sparse
-        gradient, at zero values, and the step trains them.
+        weighted by 0) is not dropped unless ``zero_()`` cleared its mark
+        (:meth:`_cleared`): in memory its rows are in the sparse gradient, at
+        zero values, and the step trains them, until ``zero_grad()`` empties it.
         """
         grad = self.weight.grad
         if grad is None:
@@ -569,9 +571,10 @@ class OffloadedEmbedding(RefusesConversion):
         # the looked-up rows are in the sparse gradient at zero values and SparseAdam steps them.
         if self._grad_at_backward is None:
             return True
-        # As the backward left it (a sparse one unwritten since is the zero it is now), or not.
         nonzero = self._grad_at_backward[1]
-        return self._written_since_backward(grad) or (nonzero is not None and bool(nonzero))
+        if nonzero is None:  # sparse: unwritten since the backward, it is the zero that backward left
+            return self._written_since_backward(grad)
+        return bool(self._cleared(grad, nonzero))
 
     def _written_since_backward(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` was replaced, or written in place (its version), since the last backward noted it."""
@@ -588,8 +591,9 @@ class OffloadedEmbedding(RefusesConversion):
         where the gradient was written in place since that backward (its
         version tells, with no host wait): ``unscale_`` and clipping write it
         too, so the answer is a 0-dim bool tensor, computed on the device.
-        A gradient that backward left at zero (a loss weighted by 0) cannot
-        be told zeroed from clipped, and trains as it is (see :meth:`discard_step`).
+        A gradient that backward left at zero (a loss weighted by 0) counts
+        as zeroed where ``zero_()`` cleared its mark (:meth:`_cleared`); one
+        unscaled or clipped keeps it, and trains as it is, as in memory.
 
         Returns:
             None when the gradient is as the backward left it (or no dense
@@ -602,7 +606,21 @@ class OffloadedEmbedding(RefusesConversion):
         nonzero = self._grad_at_backward[1]
         if nonzero is None or not self._written_since_backward(grad):
             return None
-        return nonzero & ~self._step_gradient(grad).any()
+        return self._cleared(grad, nonzero) & ~self._step_gradient(grad).any()
+
+    @staticmethod
+    def _cleared(grad: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
+        """Whether the dense ``grad`` lost what its last backward left: a non-zero value, or the zero mark.
+
+        A backward that leaves the step's gradient at zero marks it with
+        ``-0.0`` in its first element (:func:`_note_backward`): ``zero_()``
+        (``zero_grad(set_to_none=False)``) writes ``+0.0`` over it, while
+        ``unscale_`` and clipping multiply it by a positive factor, which
+        keeps the sign. In memory the first empties the sparse gradient and
+        the second keeps its rows, at zero values. A 0-dim bool tensor, on
+        the device; true too where the backward left a non-zero value.
+        """
+        return nonzero | ~torch.signbit(grad[0, 0])
 
     def _step_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The values of ``grad`` for the step's rows (a sparse gradient's values)."""
@@ -1388,6 +1406,10 @@ def _note_backward(ref):
             # torch._foreach_zero_ zeroes it on CUDA without a version bump. A sparse one is zeroed
             # by zero_(), which bumps it, so its version tells, without a coalesce per backward.
             grad = embedding.weight.grad
-            nonzero = None if grad.is_sparse else grad[:embedding._working_set.size].any()
+            size = embedding._working_set.size
+            nonzero = None if grad.is_sparse else grad[:size].any()
+            if nonzero is not None and size:
+                # A gradient left at zero is marked (-0.0, the same value) for _cleared, on the device.
+                grad[0, 0] = torch.where(nonzero, grad[0, 0], -0.0)
             embedding._grad_at_backward = (weakref.ref(grad), nonzero, grad._version)
     return note
