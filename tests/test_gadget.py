@@ -793,3 +793,47 @@ def test_a_load_or_close_inside_a_get_on_the_same_thread_does_not_wait_for_itsel
     assert isinstance(seen[1], ss.StateError) and "closed" in str(seen[1])
     if ending == "load":
         assert gadget.shape == (20, 4)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_forked_inside_a_get_ends_that_get_and_closes_the_gadget_in_both(rng, tmp_path, monkeypatch):
+    """A forked child starts with no calls of the parent's other threads under way (they are not in
+    the child), but the thread that forked inside a get goes on with it in the child too: the child
+    had dropped that get's count as well, so its end of the get raised KeyError."""
+    data, ids = random_data(rng, (30, 4)), rng.choice(30, size=5)
+    gadget = ss.data.gadget.DataGadget(data, backend="numpy").read()
+    table, parent, pids = gadget.table, os.getpid(), []
+    gather = table.gather
+
+    def forking(*args, **kwargs):
+        pids.append(os.fork())
+        return gather(*args, **kwargs)
+
+    def closes_from_another_thread() -> bool:
+        closer = threading.Thread(target=gadget.close, daemon=True)  # waits for good on a count left up
+        closer.start()
+        closer.join(10)
+        return not closer.is_alive() and gadget.closed
+
+    monkeypatch.setattr(table, "gather", forking)
+    try:
+        got = gadget.get(ids)
+    except BaseException as exc:
+        if os.getpid() == parent:
+            raise
+        (tmp_path / "child.txt").write_text(repr(exc))
+        os._exit(4)
+    if os.getpid() != parent:  # the child, killed by SIGALRM should it wait for good
+        code = 1
+        try:
+            signal.alarm(15)
+            monkeypatch.undo()  # the child's own gets do not fork
+            same = np.array_equal(got.numpy(), data[ids]) and np.array_equal(gadget.get(ids).numpy(), data[ids])
+            code = 0 if same and closes_from_another_thread() else 3
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pids[0], 0)
+    said = (tmp_path / "child.txt").read_text() if (tmp_path / "child.txt").exists() else ""
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x} {said}"
+    np.testing.assert_array_equal(got.numpy(), data[ids])
+    assert closes_from_another_thread(), "the parent's close waited for the get that forked"

@@ -43,15 +43,16 @@ _GADGETS = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    """Give every gadget of a forked child a free lock and no calls under way.
+    """Give every gadget of a forked child a free lock and no calls under way but the forking thread's.
 
     A thread of the parent may have held a gadget's lock at the fork, or been
     inside a get: the child does not have that thread, so its lock would stay
     held and its count up for good (every get, or any load or close, would
-    wait forever). As :mod:`logging` does for its handlers' locks.
+    wait forever). As :mod:`logging` does for its handlers' locks. The thread
+    that forked is the child's: a get it forked inside goes on, and ends, there.
     """
     for gadget in list(_GADGETS):
-        gadget._no_calls_under_way()
+        gadget._forked()
 
 
 if hasattr(os, "register_at_fork"):
@@ -238,7 +239,7 @@ class DataGadget:
         return self._live().table
 
     def _no_calls_under_way(self) -> None:
-        """A free lock and no calls counted: when built, and in a forked child (see :data:`_GADGETS`)."""
+        """A free lock and no calls counted: when built, and in a forked child (see :meth:`_forked`)."""
         # Replaced under the lock: first uses and loads install one table, none once closed.
         self._installing = threading.Lock()
         # How many calls (get, put, ...) are under way on each table, by thread: a load or close waits
@@ -247,6 +248,13 @@ class DataGadget:
         # inside a get, or a count an interrupt left between counting and the call, would wait forever.
         self._users = {}
         self._unused = threading.Condition(self._installing)
+
+    def _forked(self) -> None:
+        """In a forked child: a free lock, and no calls under way but those of the thread that forked."""
+        me = threading.get_ident()  # the forking thread's, in the child too
+        mine = {use: count for use, count in self._users.items() if use[1] == me}
+        self._no_calls_under_way()
+        self._users.update(mine)
 
     def _take(self) -> _Held:
         """What the gadget holds (see :meth:`_live`), its table counted as in use until :meth:`_give_back`.
