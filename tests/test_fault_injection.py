@@ -404,14 +404,15 @@ _KILLED_SAVE = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.parametrize("suffix", [".npy", ".h5"])
-def test_sigkill_during_saves_of_a_large_table_leaves_a_whole_file(suffix, tmp_path):
+def test_sigkill_during_saves_of_a_large_table_leaves_a_whole_file(suffix, rng, tmp_path):
     """A 256 MB table saved in a loop, SIGKILLed at moments spread over a save: the file is always whole.
 
     Each new saving process removes the debris of the one killed before it, so the
     temporaries are counted right after each kill. The delays are drawn from the
     measured time of one save, and the test goes on until a kill has landed inside a
     save (a temporary left behind) a few times, so it proves something on a slow disk
-    and on a fast one alike.
+    and on a fast one alike. They come from the suite's seed, printed, so that a failing
+    run's kill delays can be replayed (SPEEDSWAP_SEED).
     """
     path = tmp_path / f"big{suffix}"
     table = ss.HostTable.from_numpy(np.full((1_000_000, 64), 1.0, np.float32),
@@ -419,13 +420,12 @@ def test_sigkill_during_saves_of_a_large_table_leaves_a_whole_file(suffix, tmp_p
     started = time.perf_counter()
     table.save(path)
     one_save = time.perf_counter() - started
-    draw = np.random.default_rng()
     landed = kills = 0
     while landed < 3 and kills < 20:
         proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, os.fspath(path), "2.0"],
                                 stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(draw.uniform(0.0, 1.5 * one_save))
+        time.sleep(rng.uniform(0.0, 1.5 * one_save))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
