@@ -216,3 +216,43 @@ def test_an_eval_forward_far_larger_than_a_batch_leaves_the_cache_bytes_as_they_
     _check_eval_forward(emb, ref, rng, "after the wide eval forwards")
     _check_tables(emb, ref)
     emb.close()
+
+
+@pytest.mark.parametrize("cache_rows", [0, 10, ROWS])
+@pytest.mark.parametrize("device_branches", [False, True])
+def test_an_eval_forward_of_ids_out_of_range_raises_before_anything_changes(cache_rows, device_branches, backend,
+                                                                            rng, monkeypatch):
+    """Ids already on the device are range-checked in the read the cache makes anyway (its count of
+    rows to read), after sorting and looking them up: that must still raise IdError, saying which id
+    and why, before a row is read or a counter moves. ``2**32 + row``, an int32 key of the cached
+    ``row`` (the cache's index holds int32 rows), must not pass for that row."""
+    if device_branches:
+        monkeypatch.setattr(sync_free, "_numpy_shortcut", lambda tensor: False)
+    emb, opt, ref = _embedding_and_reference(cache_rows, backend, rng)
+    device = emb.weight.device
+    for ids in [_zipf_ids(rng, BATCH) for _ in range(3)] + [rng.permutation(ROWS)]:  # then a whole-table cache is full
+        ids = torch.from_numpy(ids)
+        ctx = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        _loss(emb(ids.to(device)), ctx.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step(ids, ctx)
+        cached = sorted(set(emb._cache.slot_row.tolist()) - {-1})
+        good = rng.choice(cached, 5) if cached else rng.integers(0, ROWS, 5)
+        for bad, message in ((ROWS + int(rng.integers(0, 5)), "out of range"), (-int(rng.integers(1, 5)), "negative"),
+                             (2**32 + int(good[0]), "out of range")):
+            for kind in KINDS:
+                ids = torch.from_numpy(rng.permutation(np.append(good, bad))).to(device)
+                tensors, numbers = _cache_state(emb)
+                stats = emb.stats()
+                with pytest.raises(ss.IdError, match=message) as raised:
+                    _forward_outside_training(emb, kind, ids)
+                assert str(bad) in str(raised.value), kind
+                assert emb.stats() == stats, kind
+                after, after_numbers = _cache_state(emb)
+                assert after_numbers == numbers, kind
+                for before, now in zip(tensors, after):
+                    assert torch.equal(before, now), kind
+    _check_eval_forward(emb, ref, rng, "after the refused forwards")
+    _check_tables(emb, ref)
+    emb.close()

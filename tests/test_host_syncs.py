@@ -9,8 +9,9 @@ none to a forward (how many of its rows are cached is read in that same
 transfer), one per ``optimizer.step()`` (how many misses are admitted, and
 how many of their victims are dirty) and one in a prefetch (how many rows to
 bring, with the ids' bounds), where a prefetch without a cache checks the
-ids' range alone. A forward outside training adds one to its ids' range
-check while some rows are cached: how many rows the host sends.
+ids' range alone. A forward outside training makes one too: its ids' range
+check, which reads with it how many rows the host sends while some rows are
+cached.
 
 On the CPU :class:`host_syncs.HostSyncs` counts the calls that would
 synchronise on CUDA; on a GPU torch's sync debug mode counts the real ones,
@@ -121,14 +122,15 @@ def test_a_step_synchronises_the_host_no_more_than_its_budget(cache_rows, paddin
 
 @pytest.mark.parametrize("cache_rows", [0, NUM_ROWS // 5, NUM_ROWS])
 @pytest.mark.parametrize("device_branches", [False, True])
-def test_an_eval_forward_waits_for_its_misses_only_while_some_rows_are_cached(cache_rows, device_branches, rng,
-                                                                              monkeypatch):
-    """An eval forward reads how many rows the host sends (with its hits): one wait beyond the
-    ids' range check. None without a cache (every id's row crosses) or once the cache holds every
-    row of the table (none does), where that count is known without asking. The same for one far
-    larger than a training batch, whose misses beyond the scratch rows go to a temporary.
-    ``device_branches``: with sync_free's numpy shortcuts off, the branches a GPU runs."""
-    from speedswap.convert import as_row_ids
+def test_an_eval_forward_of_device_ids_waits_on_the_host_once(cache_rows, device_branches, rng, monkeypatch):
+    """An eval forward of ids already on the device waits once: their range check, which reads with
+    it how many rows the host sends (and the hits) while some rows are cached, as a prefetch reads its
+    counts with its ids' bounds. With some rows cached it waited twice (the ids' bounds alone, then the
+    count). No count is read without a cache (every id's row crosses) or once the cache holds every row
+    of the table (none does), where it is known without asking. The same for a forward far larger than
+    a training batch, whose misses beyond the scratch rows go to a temporary. On the numpy backend the
+    device is the CPU, so CPU ids are the device's; ``device_branches``: with sync_free's numpy
+    shortcuts off, the branches a GPU runs."""
     if device_branches:
         monkeypatch.setattr(sync_free, "_numpy_shortcut", lambda tensor: False)
     emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=NUM_ROWS, storage="pinned", backend="numpy",
@@ -143,22 +145,22 @@ def test_an_eval_forward_waits_for_its_misses_only_while_some_rows_are_cached(ca
         for size in (50, 20 * 300):
             ids = torch.from_numpy(rng.integers(0, NUM_ROWS, size))
             cache = emb._cache
-            uncached = set(ids.tolist()) - set(cache.slot_row.tolist())
+            held = set(cache.slot_row.tolist()) - {-1}
+            uncached = set(ids.tolist()) - held
             spilled.append(len(uncached) > len(cache.weights) - cache.num_slots)
-            with HostSyncs() as checking:
-                as_row_ids(ids, NUM_ROWS, ids.device)
             hits = emb.stats()["eval"]["hits"]
             with torch.no_grad(), HostSyncs() as forward:
                 emb(ids)
-            extra.append((forward.total - checking.total, emb.stats()["eval"]["hits"] - hits, size))
-    waits, hits, sizes = zip(*extra)
+            extra.append((forward.total, emb.stats()["eval"]["hits"] - hits, size, 0 < len(held) < NUM_ROWS,
+                          dict(forward.where)))
+    waits, hits, sizes, partly, where = zip(*extra)
+    assert set(waits) == {1}, [w for w in where if sum(w.values()) != 1][:3]
     if cache_rows:
         assert any(spilled)  # the temporary was used
+        assert any(partly)  # the count was read, with the bounds
     if cache_rows == NUM_ROWS:
-        assert [wait_and_hits[:2] for wait_and_hits in extra[-2:]] == [(0, 50), (0, 6000)]  # full by the end
-        assert 1 in waits  # while it filled, it read the count
+        assert [wait_and_hits[1] for wait_and_hits in extra[-2:]] == [50, 6000]  # full by the end
     else:
-        assert set(waits) == {1 if cache_rows else 0}
         assert 0 < sum(hits) < sum(sizes) if cache_rows else sum(hits) == 0
     emb.close()
 

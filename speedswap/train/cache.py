@@ -76,8 +76,9 @@ read with the working set's count of new rows and the ids' bounds, the one
 wait a forward makes without a cache), one per step (how many misses are
 admitted, and how many of their victims are dirty) and one per prefetch (how
 many rows to bring, read with the ids' bounds, their range check); no call
-sizes a ``torch.unique``. A forward outside training makes one while some
-rows are cached (how many rows to read from the host, :meth:`RowCache.read`).
+sizes a ``torch.unique``. A forward outside training makes one, its ids'
+range check, which reads with it how many rows to read from the host while
+some rows are cached (:meth:`RowCache.read`).
 That is the CPU model's count; the GPU runs counted 2-4 a step, from four
 calls the model did not know then (``torch.isin``, and Python scalars
 assigned through a tensor index: ``benchmarks/NOTES.md``, 35), since replaced.
@@ -165,6 +166,34 @@ def _rows(count, dim, dtype, device):
     if device.type != "cpu":
         return torch.empty((count, dim), dtype=dtype, device=device)
     return host_tensor(huge_page_array((count, dim), numpy_dtype(dtype)), dtype)
+
+
+def _read_checked(counts, ids_sorted, check_bounds):
+    """Device counts as Python ints, in one transfer (a GPU's host wait) with the ids' range check.
+
+    Args:
+        counts: 0-d int64 device tensors.
+        ids_sorted: the call's ids, ascending, not empty.
+        check_bounds: for ids not range-checked yet
+            (:func:`~speedswap.convert.as_row_ids_deferred`), called with their
+            smallest and largest value before this returns; None when checked.
+
+    Returns:
+        the counts' values, in order; no transfer is made when there are none
+        and no bounds to check.
+
+    Raises:
+        IdError: from ``check_bounds``.
+    """
+    if check_bounds is not None:
+        counts = [*counts, ids_sorted[0], ids_sorted[-1]]
+    if not counts:
+        return []
+    values = torch.stack(counts).tolist()
+    if check_bounds is not None:
+        check_bounds(*values[-2:])
+        del values[-2:]
+    return values
 
 
 def _take_rows(source, index, out):
@@ -741,12 +770,7 @@ class RowCache:
         # first and neither found nor in the step, as bools (one kernel, where & ~ is two); not
         # torch.isin, which makes a GPU's host wait.
         new = first > (found | in_step(ids_sorted))
-        read = [new.sum(), (stamp < self.clock).sum()]
-        if check_bounds is not None:
-            read += [ids_sorted[0], ids_sorted[-1]]
-        n_new, evictable, *bounds = torch.stack(read).tolist()
-        if check_bounds is not None:
-            check_bounds(*bounds)
+        n_new, evictable = _read_checked([new.sum(), (stamp < self.clock).sum()], ids_sorted, check_bounds)
         self._retire(self.stamp)
         self.stamp, self._pinned = stamp, True
         bring = min(n_new, evictable - self._n_misses)
@@ -787,7 +811,8 @@ class RowCache:
 
     # ------------------------------------------------------- whole-table access
     @_outside_inference_mode  # as fetch: what it keeps (a re-sorted index) is never an inference tensor
-    def read(self, ids: torch.Tensor, *, counted: bool = False) -> torch.Tensor:
+    def read(self, ids: torch.Tensor, *, counted: bool = False,
+             check_bounds: Optional[Callable[[int, int], None]] = None) -> torch.Tensor:
         """The current value of rows ``ids`` (validated, duplicates allowed), in the table's dtype.
 
         Cached rows come from the cache, the others from the host, each once
@@ -795,39 +820,52 @@ class RowCache:
         and speeds up the lookup, the uncached rows are gathered into scratch,
         and one gather over the cache's rows fills the result in id order.
         How many rows to gather is one host synchronisation, as in a training
-        step; there is none when nothing is cached (then every id's row is read
-        from the host, one per id, as without a cache) or when every row of the
-        table is. Nothing the cache holds changes, its scratch rows included:
-        its rows, stamps, counts, training counters and size stay as they are.
+        step, and it reads the ids' bounds for ``check_bounds`` too. There is
+        none when nothing is cached (then every id's row is read from the host,
+        one per id, as without a cache) or when every row of the table is, but
+        the bounds' own read when ``check_bounds`` is given. Nothing the cache
+        holds changes, its scratch rows included: its rows, stamps, counts,
+        training counters and size stay as they are.
         Uncached rows beyond the scratch rows there are go into a temporary,
         freed on return (:meth:`_take_slots_and_spill` fills the result from
         it and the slots): grown scratch would keep their room, and that of
         every optimizer state, on the device for good.
 
         Args:
-            ids: validated ids.
+            ids: validated ids, but for their range when ``check_bounds`` is given.
             counted: an eval forward's read, counted in :data:`EVAL_COUNTERS`
                 (the embedding's own reads are not).
+            check_bounds: for ids not range-checked yet
+                (:func:`~speedswap.convert.as_row_ids_deferred`): called with
+                their smallest and largest value, read with this call's counts,
+                before any row is read.
 
         Returns:
             ``(len(ids), dim)`` rows on the device.
+
+        Raises:
+            IdError: from ``check_bounds``.
         """
         self._wait_prefetch()
         self._give_up_for_views()
         out = torch.empty(len(ids), self.table.dim, dtype=self.table.dtype, device=self.device)
         held = self.num_slots - self._n_empty
         if not held or not len(ids):
+            if check_bounds is not None and len(ids):
+                check_bounds(*read_bounds(ids))
             hits, n_miss = 0, len(ids)
             self._gather_host(self.table, ids, out)
         else:
+            # Sorting and the lookup are safe on ids out of range: no row is read before the check.
             rows, order, first = sort_marking_firsts(ids)
             found, slot = self._lookup(rows)
             if held == self.table.num_rows:  # each row has one slot at most: every row is cached
                 hits, n_miss, missed = len(ids), 0, None
+                _read_checked([], rows, check_bounds)
             else:
                 missed = first > found  # each uncached row once; as bools, one kernel where & ~ is two
-                # The read's one host synchronisation: its hits, and how many rows the host sends.
-                hits, n_miss = torch.stack([found.sum(), missed.sum()]).tolist()
+                # The read's one host synchronisation: its hits, how many rows the host sends, the bounds.
+                hits, n_miss = _read_checked([found.sum(), missed.sum()], rows, check_bounds)
             # Misses beyond the scratch rows there are go to a temporary (see above).
             spill = None if n_miss <= len(self.weights) - self.num_slots else torch.empty(
                 n_miss, self.table.dim, dtype=self.table.dtype, device=self.device)

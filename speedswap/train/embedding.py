@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import files
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import (as_host_rows, as_row_ids, as_row_ids_deferred, bool_option, check_has_values, host_tensor,
+from ..convert import (as_host_rows, as_row_ids_deferred, bool_option, check_has_values, host_tensor,
                        int_option, torch_dtype)
 from ..errors import (CapacityError, DTypeError, IdError, OptionError, ShapeError, SpeedswapError, StateError,
                       warn)
@@ -446,8 +446,10 @@ class OffloadedEmbedding(RefusesConversion):
             self._eval_with_grad |= torch.is_grad_enabled() and weight.requires_grad
             if self._cache is None:
                 return self._table.gather(ids).to(weight.dtype)
-            flat, shape = as_row_ids(ids, self.num_embeddings, weight.device)
-            return self._cache.read(flat, counted=True).view(*shape, self.embedding_dim).to(weight.dtype)
+            # The ids' range is checked by the cache, in a read it makes anyway (with some rows cached).
+            flat, shape, check_bounds = as_row_ids_deferred(ids, self.num_embeddings, weight.device)
+            rows = self._cache.read(flat, counted=True, check_bounds=check_bounds)
+            return rows.view(*shape, self.embedding_dim).to(weight.dtype)
         _refuse_ddp(weight)
         local = self._add_rows(ids)
         # Slots name rows one to one, so counting them counts the ids (scale_grad_by_freq).
@@ -1073,8 +1075,11 @@ class OffloadedEmbedding(RefusesConversion):
         (their ids), hits (ids whose row was cached, served from the cache),
         rows_h2d and bytes_h2d (what the host sent: each uncached row once,
         however often its id repeats; one row per id while nothing is cached).
-        Learning how many rows to read is one host synchronisation in such a
-        forward, none while nothing or every row of the table is cached.
+        Such a forward of ids already on the device waits on the host once:
+        their range check, which reads with it how many rows to read while
+        some rows are cached (ids from the host are checked there, without a
+        wait, and the count is then its only one; none while nothing or every
+        row of the table is cached).
 
         Every counter starts at :meth:`attach`; before it they are all zero,
         and eval forwards then read the table without being counted.
