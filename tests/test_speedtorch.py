@@ -697,3 +697,43 @@ def test_a_training_forward_outside_a_step_is_refused(rng):
     with torch.no_grad():
         model["u"](local)  # no gradient, nothing to lose: not refused
     np.testing.assert_array_equal(u.getNumpyVersion(), table)
+
+
+@pytest.mark.parametrize("ids_past_capacity", [False, True], ids=["ids within the capacity", "table ids"])
+def test_a_first_step_without_before_forward_is_refused(ids_past_capacity, backend, table0, rng):
+    """A loop that forgot beforeForwardPass from its first step trained the model's own embedding.
+
+    Before the first step the forward was let through (for SpeedTorch's Rprop recipe, which ran
+    one before building the OptimizerFactory): ids past the capacity raised torch's bare 'index
+    out of range in self', and smaller ones trained the embedding's own initial rows, step after
+    step, with the table never written (afterOptimizerStep, forgotten too, would have said so).
+    """
+    model, opt, u, o = build(backend, table0)
+    high = ROWS if ids_past_capacity else CAPACITY
+    ids = torch.from_numpy(rng.integers(0, high, size=8)).to(model.u_embeddings.weight.device)
+    if ids_past_capacity:
+        ids[0] = int(rng.integers(CAPACITY, ROWS))
+    with pytest.raises(ss.StateError, match="beforeForwardPass"):
+        model.u_embeddings(ids)
+    with torch.no_grad():
+        # Reading the working set with table ids is wrong in eval too: the table has the rows.
+        if ids_past_capacity:
+            with pytest.raises(ss.StateError, match="table.gather"):
+                model.u_embeddings(ids)
+        else:
+            model.u_embeddings(ids)
+    np.testing.assert_array_equal(u.getNumpyVersion(), table0)
+    train(model, opt, u, o, [(ids, ids[:4], torch.randn(8, DIM, device=ids.device))])  # begun right, it trains
+    changed = np.flatnonzero((u.getNumpyVersion() != table0).any(axis=1))
+    np.testing.assert_array_equal(changed, np.unique(ids.cpu().numpy()))
+
+
+def test_the_rprop_recipe_forward_before_the_optimizer_factory_is_still_allowed(table0, rng):
+    """SpeedTorch's Rprop recipe: one forward and backward of the model's embedding, then the OptimizerFactory."""
+    model = SkipGram()
+    u = ss.ModelFactory(model.u_embeddings, ROWS, DIM, backend="numpy")
+    model.u_embeddings(torch.from_numpy(rng.integers(0, CAPACITY, size=8))).sum().backward()
+    opt = torch.optim.Rprop(model.parameters(), lr=0.01)
+    opt.zero_grad()
+    ss.OptimizerFactory(opt, ROWS, DIM, model, "u_embeddings", backend="numpy").optInit()
+    assert u.getNumpyVersion().shape == (ROWS, DIM)

@@ -180,9 +180,11 @@ class ModelFactory(Switcher):
         """Refuse a forward fed other ids than the step's local ones: table ids, or an old placeholder copy.
 
         Raises:
-            StateError: a training forward after a step, without this step's
-                before_forward (it would train the last step's slots, and the
-                next before_forward would drop the update); an id names a slot
+            StateError: a training forward outside a step, once a step ran or
+                the OptimizerFactory was built (it would train slots that hold
+                the last step's rows, or none, and nothing would write the
+                update to the table); a forward outside a step fed ids past
+                the capacity (table ids); an id names a slot
                 past the step's distinct rows (the table ids given to
                 before_forward, fed as they are); or the ids equal an earlier
                 content of the placeholders and not their content now (either
@@ -193,14 +195,8 @@ class ModelFactory(Switcher):
             self._stale_hook.remove()
             self._stale_hook = None
         step = self._gathered
-        # Before the first step a forward is allowed: SpeedTorch's Rprop recipe ran a forward
-        # and backward before building the OptimizerFactory.
-        if (step is None and self._is_member() and self._steps.current is not None
-                and torch.is_grad_enabled() and self._param.requires_grad):
-            raise StateError("a training forward of the model's embedding outside a step: its "
-                             "slots hold the last step's rows, and the next beforeForwardPass "
-                             "would drop this update. Begin each step with beforeForwardPass(ids) "
-                             "(on every switcher) and feed the local ids it returns")
+        if step is None and self._is_member():
+            self._refuse_forward_outside_step(ids)
         if step is None or not isinstance(ids, torch.Tensor) or not ids.numel():
             return
         fed = ids.detach().cpu().numpy()
@@ -223,6 +219,26 @@ class ModelFactory(Switcher):
                                  "made once (torch.tensor(x)) would train the wrong rows. Convert "
                                  "the placeholders every step (torch.from_numpy(x) shares their "
                                  "memory), or feed the ids before_forward returns")
+
+    def _refuse_forward_outside_step(self, ids):
+        """Refuse a forward of the model's embedding that no before_forward began (see :meth:`_refuse_wrong_ids`)."""
+        # A training forward before the first step is allowed while no OptimizerFactory exists:
+        # SpeedTorch's Rprop recipe ran one, and its backward, before building it.
+        begun = self._steps.current is not None or not self._steps.alone(MODEL)
+        if begun and torch.is_grad_enabled() and self._param.requires_grad:
+            held = "the last step's rows" if self._steps.current is not None else "no rows of the table yet"
+            raise StateError(f"a training forward of the model's embedding outside a step: its "
+                             f"slots hold {held}, and nothing would write this update to the "
+                             f"table (the next beforeForwardPass would drop it). Begin each step "
+                             f"with beforeForwardPass(ids) (on every switcher) and feed the local "
+                             f"ids it returns")
+        capacity = self._param.shape[0]
+        if isinstance(ids, torch.Tensor) and ids.numel() and int(ids.max()) >= capacity:
+            # torch would raise its bare 'index out of range in self': these are table ids.
+            raise StateError(f"the model's embedding was fed id {int(ids.max())} outside a step, but "
+                             f"it holds only the {capacity} slots of a step's rows: begin each step "
+                             f"with beforeForwardPass(ids) and feed the local ids it returns; to read "
+                             f"rows of the table outside training, use switcher.table.gather(ids)")
 
     def _check_placeholders(self, step):
         if self._placeholders is None:
