@@ -1415,6 +1415,7 @@ def _note_backward(ref):
             nonzero = None if grad.is_sparse else grad[:size].any()
             if nonzero is not None and size:
                 # A gradient left at zero is marked (-0.0, the same value) for _cleared, on the device.
-                grad[0, 0] = torch.where(nonzero, grad[0, 0], -0.0)
+                # masked_fill_: two launches, where torch.where with a Python scalar makes three.
+                grad[0, :1].masked_fill_(~nonzero, -0.0)
             embedding._grad_at_backward = (weakref.ref(grad), nonzero, grad._version)
     return note
