@@ -499,14 +499,14 @@ def test_a_step_without_update_is_accepted_when_the_gradient_is_dropped_or_not_f
     assert_same_snapshot(snapshot(u, o), before)
 
 
-def adam_against_sparse_adam(rng, backend, max_rows, cache_rows=0, sparse=False):
+def adam_against_sparse_adam(rng, backend, max_rows, cache_rows=0, sparse=False, **options):
     """(emb, opt, ref, ref_opt, device): an offloaded Adam (SparseAdam on a sparse gradient when
-    ``sparse``) and an in-memory SparseAdam on the same rows."""
+    ``sparse``; built with ``options`` too) and an in-memory SparseAdam on the same rows."""
     table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=max_rows, storage="pageable", backend=backend,
                                 cache_rows=cache_rows, sparse=sparse)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt = (torch.optim.SparseAdam if sparse else torch.optim.Adam)(emb.parameters(), lr=0.05, eps=1e-30)
+    opt = (torch.optim.SparseAdam if sparse else torch.optim.Adam)(emb.parameters(), lr=0.05, eps=1e-30, **options)
     emb.attach(opt)
     ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
     return emb, opt, ref, torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30), ss.get_backend(backend).device
@@ -886,6 +886,40 @@ def test_a_step_on_the_gradient_the_last_step_left_is_refused(backend, rng, cach
                 optimizer.zero_grad()
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("option", ["foreach", "fused"])
+def test_a_gradient_zeroed_without_a_version_bump_then_a_step_with_no_forward_moves_no_row(
+        backend, rng, cache_rows, option, monkeypatch):
+    """Backward, ``zero_grad(set_to_none=False)``, ``optimizer.step()`` with no forward between, for an
+    optimizer built with ``foreach=True`` or ``fused=True``: its ``zero_grad`` zeroes through
+    ``torch._foreach_zero_``, whose CUDA kernel leaves the version counters as they were (imitated
+    here on any device). In memory the zeroed sparse gradient names no row, and the step moves none;
+    offloaded, the gradient looked untouched since the backward, and Adam moved the rows by their
+    momentum at the zero gradient."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows,
+                                                              **{option: True})
+    zero = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda grads: [grad.data.zero_() for grad in grads])
+    skipped = rng.random(STEPS) < 0.3
+    skipped[:2] = False  # momentum first
+    skipped[rng.integers(2, STEPS)] = True  # then at least one skipped step, the case under test
+    for (ids, target), skip in zip(zipf_ids(rng, STEPS), skipped):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            if skip:
+                version = emb.weight.grad._version
+                optimizer.zero_grad(set_to_none=False)
+                assert optimizer is ref_opt or emb.weight.grad._version == version  # as on CUDA
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    monkeypatch.setattr(torch, "_foreach_zero_", zero)
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for name in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_allclose(emb._state.tables[name].to_numpy(), ref_opt.state[ref][name].numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])

@@ -591,8 +591,10 @@ class OffloadedEmbedding(RefusesConversion):
         step moves none; the step's rows are still in flight here, and Adam
         would move them by their momentum at the zero gradient. Asked only
         where the gradient was written in place since that backward (its
-        version tells, with no host wait): ``unscale_`` and clipping write it
-        too, so the answer is a 0-dim bool tensor, computed on the device.
+        version tells, with no host wait), or may have been without its
+        version telling (:meth:`_zeroes_unversioned`): ``unscale_`` and
+        clipping write it too, so the answer is a 0-dim bool tensor, computed
+        on the device.
         A gradient that backward left at zero (a loss weighted by 0) counts
         as zeroed where ``zero_()`` cleared its mark (:meth:`_cleared`); one
         unscaled or clipped keeps it, and trains as it is, as in memory.
@@ -606,9 +608,21 @@ class OffloadedEmbedding(RefusesConversion):
         if not self._backward_ran or grad is None or grad.is_sparse or self._grad_at_backward is None:
             return None
         nonzero = self._grad_at_backward[1]
-        if nonzero is None or not self._written_since_backward(grad):
+        if nonzero is None or not (self._written_since_backward(grad) or self._zeroes_unversioned()):
             return None
         return self._cleared(grad, nonzero) & ~self._step_gradient(grad).any()
+
+    def _zeroes_unversioned(self) -> bool:
+        """Whether the attached optimizer's ``zero_grad()`` may zero the gradient without a version bump.
+
+        Built with ``foreach=True`` or ``fused=True``, it zeroes through
+        ``torch._foreach_zero_``, whose CUDA kernel leaves the version as it
+        was. Its steps then always ask the values (on the device, and at the
+        cost of a copy of the step's rows and state); the others' only when
+        the version tells of a write.
+        """
+        defaults = self._state.optimizer.defaults
+        return bool(defaults.get("foreach") or defaults.get("fused"))
 
     @staticmethod
     def _cleared(grad: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
