@@ -264,6 +264,60 @@ def test_a_bit_flipped_in_the_rows_of_an_h5_table_file_is_refused(backend, value
     np.testing.assert_array_equal(table.to_numpy(), values + 1)
 
 
+def unsealed_save(save, monkeypatch):
+    """Run ``save()`` with the seal, a save's last write into the file, left out: the file a save that
+    stopped just before it leaves (here renamed into place, as a copy of its temporary would be)."""
+    with monkeypatch.context() as patched:
+        patched.setattr(files.h5, "seal", lambda path, spans: None)
+        save()
+
+
+def test_an_h5_file_a_save_never_sealed_is_refused_as_incomplete(backend, values, tmp_path, monkeypatch, rng):
+    """Its user block, reserved for the seal, is empty: the file was read unchecked, as if another
+    tool had written it, though nothing can verify its HDF5 metadata."""
+    path = tmp_path / "t.h5"
+    unsealed_save(lambda: ss.HostTable.from_numpy(values, backend=backend).save(path), monkeypatch)
+    with h5py.File(path, "r") as f:  # a whole HDF5 file all the same: only the seal is missing
+        np.testing.assert_array_equal(f["table"][...], values)
+    other = rng.standard_normal(values.shape).astype(np.float32)
+    table = ss.HostTable.from_numpy(other, backend=backend)
+    for load in (lambda: ss.HostTable.load(path, backend=backend), lambda: table.load_from(path)):
+        with pytest.raises(ss.FileFormatError, match="incomplete.*seal.*nothing was read") as refused:
+            load()
+        assert "save it again" in str(refused.value)
+    np.testing.assert_array_equal(table.to_numpy(), other)
+    ss.HostTable.from_numpy(values, backend=backend).save(path)  # a save replaces it, sealed
+    np.testing.assert_array_equal(ss.HostTable.load(path, backend=backend).to_numpy(), values)
+
+
+def test_an_h5_checkpoint_a_save_never_sealed_is_refused_and_changes_nothing(rng, tmp_path, monkeypatch):
+    path = tmp_path / "emb.h5"
+    rows = rng.standard_normal((40, 3)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(40, 3, max_rows=8, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rows)))
+    emb.attach(torch.optim.Adam(emb.parameters(), lr=0.1))
+    unsealed_save(lambda: emb.save(path), monkeypatch)
+    other = ss.OffloadedEmbedding(40, 3, max_rows=8, storage="pageable", backend="numpy")
+    other.attach(torch.optim.Adam(other.parameters(), lr=0.1))
+    before = other.table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match="incomplete"):
+        other.load(path)
+    np.testing.assert_array_equal(other.table.to_numpy(), before)
+
+
+def test_h5_files_of_other_writers_load_with_or_without_a_user_block(backend, values, tmp_path):
+    """Unsealed, and read as before: no user block (h5py's default, an older speedswap's), or one
+    holding another tool's bytes."""
+    for name, userblock in (("plain.h5", None), ("text.h5", b"written by another tool\n")):
+        path = tmp_path / name
+        with h5py.File(path, "w", **({} if userblock is None else {"userblock_size": 512})) as f:
+            f["table"] = values
+        if userblock is not None:
+            with open(path, "r+b") as f:
+                f.write(userblock)
+        np.testing.assert_array_equal(ss.HostTable.load(path, backend=backend).to_numpy(), values)
+
+
 def test_missing_file_is_file_not_found(backend, tmp_path):
     with pytest.raises(FileNotFoundError):
         ss.HostTable.load(tmp_path / "nope.npy", backend=backend)

@@ -17,7 +17,7 @@ from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import (TableHeader, changed_error, check_dtype, check_matches, crc32_behind, file_version,
                    reading_error, row_ranges, table_dtype_of)
-from .h5seal import check_seal, seal, userblock_size
+from .h5seal import SUPERBLOCK, check_seal, seal, userblock_size
 
 __all__ = ["check_dataset_name", "read_h5_header", "open_h5", "read_before_replacing", "read_h5_into", "write_h5"]
 
@@ -25,9 +25,7 @@ __all__ = ["check_dataset_name", "read_h5_header", "open_h5", "read_before_repla
 _TABLE_DTYPE_ATTR = "speedswap_dtype"
 #: The dataset attribute holding the CRC-32 of its bytes, where the writer recorded one.
 _CRC32_ATTR = "speedswap_crc32"
-#: The HDF5 superblock's signature, and where a superblock of version 0 or 1 keeps its 4 bytes of
-#: file consistency flags.
-_SUPERBLOCK = b"\x89HDF\r\n\x1a\n"
+#: Where a superblock of version 0 or 1 keeps its 4 bytes of file consistency flags.
 _FLAGS_AT = 20
 
 
@@ -146,15 +144,17 @@ def open_h5(path):
     its attributes, names, types or rows are read: ``KeyError``, ``OSError``,
     ``RuntimeError``, ``TypeError``, ``ValueError``) becomes a :class:`FileFormatError`.
     A file speedswap sealed (:mod:`~speedswap.files.h5seal`) has its HDF5
-    metadata verified first: HDF5 could hang or crash on a damaged one. HDF5
+    metadata verified first: HDF5 could hang or crash on a damaged one (and
+    one it began to write but never sealed is refused). HDF5
     opens the file by its path again, so the file it opened must be the one
     verified, unchanged since (:func:`~speedswap.files.base.file_version`).
 
     Raises:
         MissingFileError, PathError: no such file, a directory, not a regular file
             (a named pipe), no permission to read it, or locked by a writer.
-        FileFormatError: not a readable HDF5 file (truncated, damaged, another format),
-            or replaced or changed between the check of its seal and HDF5's open.
+        FileFormatError: not a readable HDF5 file (truncated, damaged, another format,
+            a speedswap save that never sealed it), or replaced or changed between the
+            check of its seal and HDF5's open.
     """
     path = check_regular_file(path, "HDF5 file")
     try:
@@ -349,8 +349,8 @@ def _consistency_flags(path, userblock) -> list:
     """
     with open(path, "rb") as f:
         f.seek(userblock)
-        head = f.read(len(_SUPERBLOCK) + 1)
-    if head[:len(_SUPERBLOCK)] == _SUPERBLOCK and head[len(_SUPERBLOCK):] in (b"\0", b"\1"):
+        head = f.read(len(SUPERBLOCK) + 1)
+    if head[:len(SUPERBLOCK)] == SUPERBLOCK and head[len(SUPERBLOCK):] in (b"\0", b"\1"):
         return [(userblock + _FLAGS_AT, 4)]
     return []
 

@@ -23,8 +23,11 @@ CRC-32 covers its rows), and the few bytes an HDF5 writer changes in place
 merely by opening the file (the superblock's consistency flags). :func:`check_seal`
 verifies a file that starts with MAGIC, and refuses one that starts with a
 few bits off it (a seal damaged in its first bytes must not pass for a file
-without one); files without a seal (an older speedswap's, another tool's) are
-not checked.
+without one). The seal is a save's last write into the file: one whose user
+block is there but empty where MAGIC goes is a save that stopped before it
+(or a copy of its temporary file), whose HDF5 metadata nothing can verify,
+and is refused as incomplete. Files without a user block (an older
+speedswap's, h5py's default) or with another tool's bytes in it are not checked.
 """
 
 import os
@@ -33,9 +36,11 @@ import zlib
 
 from ..errors import FileFormatError
 
-__all__ = ["MAGIC", "VERSION", "userblock_size", "seal", "check_seal"]
+__all__ = ["MAGIC", "VERSION", "SUPERBLOCK", "userblock_size", "seal", "check_seal"]
 
 MAGIC = b"speedswap-hdf5\r\n"
+#: The HDF5 superblock's signature, at the file's start or after a user block.
+SUPERBLOCK = b"\x89HDF\r\n\x1a\n"
 VERSION = 1
 _FIXED = struct.Struct("<16sIIIIQ")  # MAGIC, metadata CRC, header CRC, VERSION, n, file size
 _SPAN = struct.Struct("<QQ")
@@ -87,7 +92,9 @@ def check_seal(f, path) -> None:
 
     Raises:
         FileFormatError: the file starts with MAGIC, or within a few bits of it, and
-            its seal or its metadata does not match: it is damaged.
+            its seal or its metadata does not match: it is damaged. Or its HDF5
+            user block is empty where MAGIC goes: the save that wrote it stopped
+            before sealing it.
         OSError: the file could not be read.
     """
     f.seek(0)
@@ -95,6 +102,14 @@ def check_seal(f, path) -> None:
     if len(start) < _FIXED.size or start[:len(MAGIC)] != MAGIC:
         if _bits_off(start[:len(MAGIC)]) <= _NEAR_BITS:
             raise _damaged(path, "its seal's magic string is damaged")
+        if not any(start[:len(MAGIC)]) and _has_user_block(f):
+            raise FileFormatError(
+                f"{os.fspath(path)!r} is an incomplete speedswap save: the seal a save writes into its "
+                f"first bytes last, once the rest is on disk, is missing (they are empty), so the save "
+                f"stopped before it finished, or the file is a copy of its temporary file. Nothing "
+                f"can verify its HDF5 metadata, so nothing was read from it: restore it from another "
+                f"copy, or save it again (if another HDF5 writer made it, with an empty user block, "
+                f"and you trust it, copy its datasets into a new file with h5py and load that)")
         return  # no seal: a file from an older speedswap or another tool
     _, metadata_crc, header_crc, version, count, size = _FIXED.unpack(start)
     if _FIXED.size + count * _SPAN.size > min(size, os.fstat(f.fileno()).st_size):
@@ -114,6 +129,18 @@ def check_seal(f, path) -> None:
         raise _damaged(path, "its seal's list of spans is damaged")
     if _metadata_crc(f, spans, size) != metadata_crc:
         raise _damaged(path, "its metadata checksum does not match")
+
+
+def _has_user_block(f) -> bool:
+    """Whether the HDF5 superblock of the open file ``f`` follows a user block (where HDF5 looks: 512, 1024, ...)."""
+    size = os.fstat(f.fileno()).st_size
+    at = 512
+    while at + len(SUPERBLOCK) <= size:
+        f.seek(at)
+        if f.read(len(SUPERBLOCK)) == SUPERBLOCK:
+            return True
+        at *= 2
+    return False
 
 
 def _bits_off(start: bytes) -> int:
