@@ -58,6 +58,8 @@ BETTER = {
     "round_trip_vs_torch_pinned": "higher",
     # cache.py: against the same run without a cache, and the hit rate
     "bytes_vs_no_cache": "lower", "step_vs_no_cache": "lower", "hit_rate": "higher",
+    # eval_read.py: an eval forward's time and rows and bytes from the host against no cache (and its hit rate)
+    "time_vs_no_cache": "lower", "rows_h2d_vs_no_cache": "lower", "bytes_h2d_vs_no_cache": "lower",
     # bench word2vec: each GPU contender's words/s over the CPU's and gensim's
     "over_cpu": "higher", "over_gensim": "higher",
     # allocator.py: a step's time under each allocator over glibc's; working_set.py: now over before

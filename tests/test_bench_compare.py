@@ -1,5 +1,6 @@
 """benchmarks/compare.py: a fresh result's ratios against a baseline's, paired by where they sit."""
 
+import collections
 import importlib.util
 import json
 import random
@@ -181,3 +182,39 @@ def test_one_file_is_compared_with_what_git_holds_of_it(tmp_path, capsys):
     assert "0.52 ->      0.91" in capsys.readouterr().out
     assert compare.main([str(result), "--rev", "HEAD~5"]) == 2
     assert "give the baseline file as well" in capsys.readouterr().err
+
+
+def _eval_read(figures):
+    """An eval_read-shaped result: per (distribution, cache share), the hit rate and the ratios to no cache."""
+    return {"benchmark": "eval_read", "machine": {"cores": 2}, "loadavg_start": [0.3, 0.2, 0.1],
+            "loadavg_end": [0.4, 0.2, 0.1],
+            "rows": [{"distribution": distribution, "cache_fraction": fraction, "cache_rows": int(fraction * 1000),
+                      "hit_rate": hit, "time_vs_no_cache": time, "rows_h2d_vs_no_cache": rows,
+                      "bytes_h2d_vs_no_cache": rows, "time_difference_is_noise": False}
+                     for (distribution, fraction), (hit, time, rows) in figures.items()]}
+
+
+def test_the_eval_read_benchmarks_ratios_are_paired_by_distribution_and_cache_size():
+    """eval_read.py's time, rows and bytes against no cache were left out: only its hit rates were compared."""
+    rng = random.Random(13)
+    figures = {(distribution, fraction): (rng.uniform(0.5, 0.9), rng.uniform(1.5, 4.0), rng.uniform(0.1, 0.3))
+               if fraction else (0.0, 1.0, 1.0)
+               for distribution in ("zipf 1.1", "uniform") for fraction in (0.0, 0.05, 0.2)}
+    changed = dict(figures)
+    hit, time, rows = figures["zipf 1.1", 0.05]
+    changed["zipf 1.1", 0.05] = (hit, time * 1.5, rows)  # a cached forward got slower
+    hit, time, rows = figures["uniform", 0.2]
+    changed["uniform", 0.2] = (hit, time, rows * 0.5)  # and one read half the rows from the host
+    new = _eval_read(changed)
+    new["rows"].reverse()
+    verdicts = {path: verdict for path, _, _, _, verdict in compare.compare(_eval_read(figures), new, 0.1)}
+    assert len(verdicts) == 6 * 4, sorted(verdicts)
+    assert verdicts.pop("rows/[distribution=zipf 1.1,cache_fraction=0.05]/time_vs_no_cache") == "worse"
+    assert verdicts.pop("rows/[distribution=uniform,cache_fraction=0.2]/rows_h2d_vs_no_cache") == "better"
+    assert verdicts.pop("rows/[distribution=uniform,cache_fraction=0.2]/bytes_h2d_vs_no_cache") == "better"
+    assert set(verdicts.values()) == {"same"}
+    # The committed result holds them all, for every row.
+    committed = json.loads((SCRIPT.parent / "results" / "eval_read-cpu.json").read_text())
+    names = collections.Counter(name for _, name, _ in compare.ratios(committed))
+    assert names == dict.fromkeys(["hit_rate", "time_vs_no_cache", "rows_h2d_vs_no_cache", "bytes_h2d_vs_no_cache"],
+                                  len(committed["rows"]))
