@@ -62,6 +62,23 @@ def test_embedding_refuses_a_conversion_before_anything_converts_and_keeps_train
     np.testing.assert_array_equal(after[untouched], table[untouched])
 
 
+def test_models_without_an_offloaded_embedding_convert_as_torch_converts_them(rng):
+    """Once an embedding was built, nn.Module._apply checks each tree first: others convert as before."""
+    ss.OffloadedEmbedding(ROWS, DIM, max_rows=8, storage="pageable", backend="numpy")
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.BatchNorm1d(DIM)),
+                                torch.nn.Linear(DIM, 1))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape), dtype=np.float32)))
+    before = snapshot(model)
+    model.double()
+    after = snapshot(model)
+    for name, tensor in before.items():
+        expected = tensor.double() if tensor.is_floating_point() else tensor
+        assert after[name].dtype == expected.dtype, name
+        torch.testing.assert_close(after[name], expected, rtol=0, atol=0, msg=name)
+
+
 def test_switchers_refuse_a_model_converted_after_them(rng):
     model = torch.nn.Embedding(8, DIM)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)

@@ -19,12 +19,17 @@ was. For a tree with no offloaded embedding the wrapper only walks it.
 """
 
 import functools
+import threading
 
 import torch
 
 from ..errors import OptionError
 
 __all__ = ["RefusesConversion", "guard_conversions", "refuse_conversion"]
+
+#: ``checked``: ``(fn, ids of the modules checked for it)`` on a thread while a checked
+#: ``nn.Module._apply`` runs: torch's recursion into the children need not walk their subtrees again.
+_state = threading.local()
 
 
 class RefusesConversion(torch.nn.Module):
@@ -54,8 +59,8 @@ def guard_conversions() -> None:
     """Make ``nn.Module._apply`` check every :class:`RefusesConversion` in its tree first; once per process.
 
     The wrapper keeps torch's ``_apply`` (or whatever it was) as it is and
-    calls it unchanged once every check passed. Nested calls (torch's own
-    recursion into children) check their subtree again, which changes nothing.
+    calls it unchanged once every check passed. Calls nested in a checked one
+    (torch's own recursion into children) are not checked again.
     """
     apply = torch.nn.Module._apply
     if getattr(apply, "_speedswap_checks_first", False):
@@ -63,10 +68,18 @@ def guard_conversions() -> None:
 
     @functools.wraps(apply)
     def checked_apply(module, fn, recurse=True):
-        for sub in module.modules() if recurse else (module,):
+        outer = getattr(_state, "checked", None)
+        if outer is not None and outer[0] is fn and id(module) in outer[1]:
+            return apply(module, fn, recurse)
+        tree = list(module.modules()) if recurse else [module]
+        for sub in tree:
             if isinstance(sub, RefusesConversion):
                 sub.check_conversion(fn)
-        return apply(module, fn, recurse)
+        _state.checked = (fn, {id(sub) for sub in tree})
+        try:
+            return apply(module, fn, recurse)
+        finally:
+            _state.checked = outer
 
     checked_apply._speedswap_checks_first = True
     torch.nn.Module._apply = checked_apply
