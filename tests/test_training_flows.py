@@ -648,6 +648,32 @@ def test_a_loss_weighted_by_zero_then_a_step_with_no_forward_trains_as_in_memory
     assert int(opt.state[emb.weight]["step"]) == int(ref_opt.state[ref]["step"])
 
 
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("zeroed", [False, True], ids=["scaled", "zeroed"])
+def test_a_zero_gradient_written_in_place_then_accumulated_into_trains_as_in_memory(backend, rng, cache_rows, zeroed):
+    """A loss weighted by 0, its gradient written in place (scaled by 2, or zeroed), then another
+    forward and backward of the same step. In memory the scaled sparse gradient keeps the first
+    forward's rows, at zero values, and SparseAdam steps them with the second's; zero_() drops them.
+    Offloaded, any in-place write counted as zero_grad(): the first forward's rows were dropped."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows)
+    batches = zipf_ids(rng, 2 * STEPS)
+    for step in range(STEPS):
+        (first, target), (second, target2) = batches[2 * step], batches[2 * step + 1]
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            weight = emb.weight if optimizer is opt else ref
+            ((lookup(first.to(to)).cpu().sum(1) - target) ** 2).sum().mul(0.0 if step % 3 == 2 else 1.0).backward()
+            if step % 3 == 2:
+                weight.grad.zero_() if zeroed else weight.grad.mul_(2.0)
+            ((lookup(second.to(to)).cpu().sum(1) - target2) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for name in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_allclose(emb._state.tables[name].to_numpy(), ref_opt.state[ref][name].numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 _DDP_SCRIPT = r"""
 import os, sys
 import numpy as np, torch, torch.distributed as dist
