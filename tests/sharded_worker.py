@@ -152,6 +152,37 @@ def padding_reference(name, seed, world):
     return emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
 
 
+def bf16_reference(name, seed, world):
+    """The ``bf16`` scenario in one process: the table (as float32) and per-row state after ``STEPS``.
+
+    Plain torch, with the arithmetic the ranks do: each rank's gradient of its slice's
+    :func:`rank_loss` by itself, those summed in rank order and divided by ``world`` (as the
+    owner of each row sums and averages them), a float32 step, and every row rounded to
+    bfloat16 after it. A reference that sums the gradients in another order (one process's
+    loss over the union batch) differs from the ranks in the gradients' last float32 bits,
+    which round a bfloat16 row the other way about once in 2**16 updates; this one is the
+    ranks' result exactly.
+    """
+    _, ref_cls, kwargs, _ = OPTIMIZERS[name]
+    weight = torch.nn.Parameter(initial_table(seed).to(torch.bfloat16).float())
+    opt = ref_cls([weight], **kwargs)
+    for step in range(STEPS):
+        ids, targets = global_batch(seed, step)
+        grad = torch.zeros_like(weight)
+        for rank in range(world):
+            rows = weight.detach().clone().requires_grad_()
+            part = rank_slice(step, world, rank)
+            rank_loss(lambda i: F.embedding(i, rows), ids[part], targets[part], world).backward()
+            grad += rows.grad
+        weight.grad = grad / world
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            weight.copy_(weight.to(torch.bfloat16))
+    state = {k: v.numpy() for k, v in opt.state[weight].items() if getattr(v, "dim", int)() == 2}
+    return weight.detach().numpy(), state
+
+
 def make(name, **options):
     """A sharded embedding and its attached optimizer for scenario ``name``."""
     import speedswap as ss
