@@ -1,6 +1,7 @@
 """DataGadget: rows of .npy files and in-memory arrays to the device and back."""
 
 import contextlib
+import inspect
 import os
 import signal
 import sys
@@ -837,3 +838,55 @@ def test_a_process_forked_inside_a_get_ends_that_get_and_closes_the_gadget_in_bo
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x} {said}"
     np.testing.assert_array_equal(got.numpy(), data[ids])
     assert closes_from_another_thread(), "the parent's close waited for the get that forked"
+
+
+def test_a_ctrl_c_anywhere_before_a_get_begins_its_work_leaves_no_call_under_way(rng):
+    """A get counts itself under the gadget's lock, then enters the block that gives the count back.
+    An interrupt (Ctrl-C) that landed after the count and before that block (as the lock was let go)
+    left the count up for good: a later close, or load, from another thread waited forever for a get
+    that had ended. Python runs a signal handler on entering a function or after a call into C
+    returns; here KeyboardInterrupt is raised at each such point on the get's way to its work, one
+    per get, and after each a close from another thread must not wait."""
+    gadget_class, in_use = ss.data.gadget.DataGadget, ss.data.gadget._InUse
+    codes = {f.__code__ for f in (gadget_class.get, gadget_class._take, gadget_class._live, in_use.__init__,
+                                  in_use.__enter__)}
+    data, ids = random_data(rng, (40, 3)), rng.choice(40, size=6)
+
+    def get_interrupted_at(point):
+        """A get with KeyboardInterrupt raised at its ``point``-th such point: where, or None past the last."""
+        seen, where, working = [0], [], [False]
+
+        def profile(frame, event, arg):
+            if working[0] or frame.f_code not in codes:
+                return
+            if event == "return" and frame.f_code is in_use.__enter__.__code__:
+                working[0] = True  # the with block's work begins: __exit__ gives the count back
+            elif event in ("call", "c_return"):
+                if seen[0] == point:
+                    where.append(f"{frame.f_code.co_name}:{frame.f_lineno} ({event} {getattr(arg, '__name__', '')})")
+                    raise KeyboardInterrupt
+                seen[0] += 1
+
+        sys.setprofile(profile)
+        try:
+            np.testing.assert_array_equal(gadget.get(ids).numpy(), data[ids])
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        return where[0] if where else None
+
+    hung, points = [], []
+    while True:
+        gadget = gadget_class(data, backend="numpy").read()
+        where = get_interrupted_at(len(points))
+        closer = threading.Thread(target=gadget.close, daemon=True)  # waits for good on a count left up
+        closer.start()
+        closer.join(10)
+        if closer.is_alive():
+            hung.append(where)
+        if where is None:
+            break
+        points.append(where)
+    assert any(point.startswith("_take") for point in points) and not hung, \
+        f"close() waited for a get interrupted at {hung} (of {points})"

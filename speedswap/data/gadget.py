@@ -242,22 +242,22 @@ class DataGadget:
         """A free lock and no calls counted: when built, and in a forked child (see :meth:`_forked`)."""
         # Replaced under the lock: first uses and loads install one table, none once closed.
         self._installing = threading.Lock()
-        # How many calls (get, put, ...) are under way on each table, by thread: a load or close waits
+        # The calls (get, put, ...) under way -> the table each took and its thread: a load or close waits
         # for those of other threads before it closes the table they took, so they complete on its rows
         # instead of failing half-way. Never for its own thread's: a signal handler closing the gadget
-        # inside a get, or a count an interrupt left between counting and the call, would wait forever.
+        # inside a get would wait for a call that can only go on once it returns.
         self._users = {}
         self._unused = threading.Condition(self._installing)
 
     def _forked(self) -> None:
         """In a forked child: a free lock, and no calls under way but those of the thread that forked."""
         me = threading.get_ident()  # the forking thread's, in the child too
-        mine = {use: count for use, count in self._users.items() if use[1] == me}
+        mine = {use: taken for use, taken in self._users.items() if taken[1] == me}
         self._no_calls_under_way()
         self._users.update(mine)
 
-    def _take(self) -> _Held:
-        """What the gadget holds (see :meth:`_live`), its table counted as in use until :meth:`_give_back`.
+    def _take(self, use: "_InUse") -> _Held:
+        """What the gadget holds (see :meth:`_live`), its table counted as in use by ``use`` (see :class:`_InUse`).
 
         Raises:
             StateError: the gadget is closed.
@@ -267,25 +267,21 @@ class DataGadget:
             if self._closed:  # since _live looked
                 raise StateError(_CLOSED)
             held = self._held
-            use = (held.table, threading.get_ident())
-            self._users[use] = self._users.get(use, 0) + 1
+            self._users[use] = (held.table, threading.get_ident())
         return held
 
-    def _give_back(self, held: _Held) -> None:
-        """End a use of ``held``'s table that :meth:`_take` counted."""
+    def _give_back(self, use: "_InUse") -> None:
+        """End the use of a table that :meth:`_take` counted for ``use``, if it did (nothing otherwise)."""
         with self._installing:
-            use = (held.table, threading.get_ident())
-            left = self._users.pop(use) - 1
-            if left:
-                self._users[use] = left
-            else:
+            if self._users.pop(use, None) is not None:
                 self._unused.notify_all()
 
     def _close_unused(self, table: HostTable) -> None:
         """Close ``table`` once no call under way on another thread uses it (see :meth:`_take`)."""
         me = threading.get_ident()
         with self._installing:
-            self._unused.wait_for(lambda: not any(used is table and thread != me for used, thread in self._users))
+            self._unused.wait_for(lambda: not any(used is table and thread != me
+                                                  for used, thread in self._users.values()))
         table.close()
 
     def _wants_mmap(self, nbytes):
@@ -588,19 +584,28 @@ class _InUse:
     """``with _InUse(gadget) as held``: what ``gadget`` holds, its table counted as in use in the block.
 
     A class, not a generator function: it runs in every get, and contextlib's would add 2-3 us to it.
+    Each use is counted as itself, so a give-back never ends another call's use, and one that finds
+    nothing counted does nothing. An interrupt that lands as ``__exit__`` is entered, before it runs,
+    still leaves the use counted (no Python function can act before its own entry).
     """
 
-    __slots__ = ("_gadget", "_held")
+    __slots__ = ("_gadget",)
 
     def __init__(self, gadget: DataGadget):
         self._gadget = gadget
 
     def __enter__(self) -> _Held:
-        self._held = self._gadget._take()
-        return self._held
+        # Counted inside the try: an interrupt (Ctrl-C) that lands after the count and before the with
+        # block begins, where __exit__ would not run, gives it back here; one before the count gives
+        # back nothing. Otherwise a close or load on another thread would wait for this call forever.
+        try:
+            return self._gadget._take(self)
+        except BaseException:
+            self._gadget._give_back(self)
+            raise
 
     def __exit__(self, *exc) -> None:
-        self._gadget._give_back(self._held)
+        self._gadget._give_back(self)
 
 
 def _unmappable(path, dtype, why) -> DTypeError:
