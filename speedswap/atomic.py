@@ -348,20 +348,33 @@ def opening_error(path, exc, what="file") -> "PathError":
 
 _LOCKS = {}  # a directory's real path, or a save's lock file -> threading.Lock, where flock is not to be had
 _LOCKS_LOCK = threading.Lock()
-#: The descriptors whose ``flock`` this process holds -> the thread holding it (see _after_fork_in_child).
+#: The descriptors opened for an ``flock`` (held, or waited for) -> the thread that opened them
+#: (see _after_fork_in_child).
 _FLOCKED = {}
+#: Held while such a descriptor is opened and recorded, or closed and forgotten, and by a fork
+#: (see _before_fork): a child never copies one that :data:`_FLOCKED` does not name.
+_RECORDING = threading.RLock()
 
 
-def _flock(fd, operation) -> None:
-    """``flock(fd, operation)``, the descriptor then counted as held by this thread in :data:`_FLOCKED`."""
-    fcntl.flock(fd, operation)
-    _FLOCKED[fd] = threading.get_ident()
+def _open_recorded(path, flags, mode=0o777) -> int:
+    """``os.open``, the descriptor recorded in :data:`_FLOCKED` as this thread's before any fork can copy it.
+
+    Recorded from its opening, not once locked: a copy a child took before the ``flock`` shares the
+    open file the lock then belongs to, and would keep it locked as well.
+    """
+    with _RECORDING:
+        fd = os.open(path, flags, mode)
+        _FLOCKED[fd] = threading.get_ident()
+    return fd
 
 
 def _let_go(fd) -> None:
-    """Close ``fd``, which releases its ``flock``."""
-    _FLOCKED.pop(fd, None)
-    os.close(fd)
+    """Close ``fd``, which releases its ``flock``, and forget it (no fork in between copies it unrecorded)."""
+    with _RECORDING:
+        try:
+            _FLOCKED.pop(fd, None)
+        finally:  # closed even where an interrupt lands after the pop: left open, it would keep its lock
+            os.close(fd)
 
 
 def _after_fork_in_child() -> None:
@@ -374,20 +387,31 @@ def _after_fork_in_child() -> None:
     the child lives, and the child's own save (or the parent's next one of a
     checkpoint) would wait for it forever. Closing the copy leaves the
     parent's lock as it is. The forking thread's own turns stay its own.
+    A descriptor is recorded from its opening, and no fork comes between
+    the two (:func:`_before_fork`): a copy taken before or while another
+    thread waited for the lock is closed too.
     """
     global _LOCKS_LOCK
     _LOCKS_LOCK = threading.Lock()
     _LOCKS.clear()
     me = threading.get_ident()
-    for fd, thread in list(_FLOCKED.items()):
-        if thread != me:
-            del _FLOCKED[fd]
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    try:
+        for fd, thread in list(_FLOCKED.items()):
+            if thread != me:
+                del _FLOCKED[fd]
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+    finally:
+        _RECORDING.release()  # taken by _before_fork, in the forking thread: the child's
+
+
+def _before_fork() -> None:
+    """Wait until no thread is between opening a lock's descriptor and recording it, or closing and forgetting it."""
+    _RECORDING.acquire()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_RECORDING.release, after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
@@ -411,11 +435,11 @@ def locked(directory, shared=False):
     fd = None
     if fcntl is not None:
         with contextlib.suppress(OSError):
-            fd = os.open(directory, os.O_RDONLY)
+            fd = _open_recorded(directory, os.O_RDONLY)
             try:
-                _flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             except OSError:  # a file system without flock (ENOLCK): threads still take turns
-                os.close(fd)
+                _let_go(fd)
                 fd = None
     if fd is None:
         with _LOCKS_LOCK:
@@ -455,11 +479,11 @@ def _flocked(lock):
     while True:
         try:
             # Read-only: one left by another user is taken all the same.
-            fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)
+            fd = _open_recorded(lock, os.O_RDONLY | os.O_CREAT, 0o666)
         except OSError:  # a read-only or full directory: the save's own temporary fails the same way
             return None
         try:
-            _flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX)
             won, named = os.fstat(fd), os.stat(lock)
         except FileNotFoundError:  # removed by the holder this one waited for
             won = named = None

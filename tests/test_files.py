@@ -15,7 +15,7 @@ import torch
 
 import speedswap as ss
 import speedswap.table as table_module
-from speedswap import files
+from speedswap import atomic, files
 from speedswap.convert import torch_dtype
 
 
@@ -661,6 +661,85 @@ def test_a_save_to_an_hdf5_file_another_save_is_writing_waits_its_turn_then_chec
     assert re.search("^refused: .*" + refusal, outcome), outcome
     np.testing.assert_array_equal(ss.HostTable.load(path, backend="numpy", dataset="u").to_numpy(), values)
     assert os.listdir(tmp_path) == ["t.h5"]  # the lock file goes with the last save that held it
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or atomic.fcntl is None or not os.path.exists("/proc/locks"),
+                    reason="forks, and sees a save wait for its turn in /proc/locks (Linux)")
+@pytest.mark.parametrize("turn", ["a save's", "a checkpoint's"])
+@pytest.mark.parametrize("fork_at", ["before its flock", "after its flock"])
+def test_a_child_forked_as_another_thread_takes_a_turn_does_not_keep_that_turn(tmp_path, monkeypatch, turn,
+                                                                               fork_at):
+    """A forked child closes its copies of the descriptors whose flock another thread of the parent holds:
+    the flock belongs to the open file, which a copy keeps alive. The descriptor was recorded only once
+    flock had returned, so a child forked as a thread opened a lock file or a checkpoint and took its
+    flock kept its copy: the lock outlived the thread's turn for as long as the child lived, and the
+    parent's save waiting for that turn waited as long."""
+    import select
+    import warnings
+
+    path, checkpoint = tmp_path / "t.npy", tmp_path / "ckpt"
+    checkpoint.mkdir()
+
+    def take_the_turn():
+        return atomic.one_save_at_a_time(path) if turn == "a save's" else atomic.locked(checkpoint)
+
+    holding, let_go, fork_now, forked, taken = (threading.Event() for _ in range(5))
+    leave_r, leave_w = os.pipe()
+    pids = []
+
+    def fork():  # another thread of the parent forks (a DataLoader starting its workers)
+        assert fork_now.wait(60)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a multi-threaded process
+            pid = os.fork()
+        if pid == 0:  # the child lives on, as a worker would, until the parent is done
+            select.select([leave_r], [], [], 60)
+            os._exit(0)
+        pids.append(pid)
+        forked.set()
+
+    flock = atomic.fcntl.flock
+
+    def with_a_fork(fd, operation):
+        if fork_at == "after its flock":
+            flock(fd, operation)
+        if not fork_now.is_set():  # the holder's flock only
+            fork_now.set()
+            assert forked.wait(60)
+        if fork_at == "before its flock":
+            flock(fd, operation)
+    monkeypatch.setattr(atomic.fcntl, "flock", with_a_fork)
+
+    def hold():
+        with take_the_turn():
+            holding.set()
+            let_go.wait(60)
+
+    def wait_for_the_turn():
+        with take_the_turn():
+            taken.set()
+    forker, holder = threading.Thread(target=fork), threading.Thread(target=hold)
+    waiter = threading.Thread(target=wait_for_the_turn, daemon=True)  # waits for good on a turn kept
+    forker.start()
+    holder.start()
+    try:
+        assert holding.wait(60) and forked.wait(60)
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while not _waiting_for_a_lock_in(tmp_path):  # the next turn waits for the holder's
+            assert time.monotonic() < deadline, "the next turn never waited for the holder's"
+            time.sleep(0.01)
+        let_go.set()
+        holder.join(60)
+        assert taken.wait(10), f"the parent's next turn waited for the child forked {fork_at}"
+    finally:
+        let_go.set()
+        os.write(leave_w, b"x")
+        forker.join(60)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        os.close(leave_r)
+        os.close(leave_w)
 
 
 def _interrupting_directory_syncs(monkeypatch):
