@@ -27,8 +27,8 @@ from .errors import DTypeError, MissingFileError, PathError, SpeedswapError
 from .mappings import mapped_for_writing
 
 __all__ = ["as_path", "atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
-           "check_readable_file", "check_regular_file", "opening_error", "saving_error", "fsync_dir", "locked",
-           "one_save_at_a_time"]
+           "check_readable_file", "check_regular_file", "opening_error", "saving_error", "fsync_dir", "sync_new_name",
+           "locked", "one_save_at_a_time"]
 
 def as_path(path) -> str:
     """``path`` as a str: the one check of the paths speedswap's calls take, before any is used.
@@ -201,6 +201,31 @@ def fsync_dir(directory) -> None:
             os.close(dir_fd)
 
 
+def sync_new_name(directory, path, then: str) -> None:
+    """:func:`fsync_dir` once the new file ``path`` has its name in ``directory``; an interrupt meanwhile says so.
+
+    The file at ``path`` already is the new one: a Ctrl-C while its directory
+    is synced would otherwise read as an operation that failed.
+
+    Args:
+        directory: the directory ``path`` is in.
+        path: the file just named (renamed or linked into place).
+        then: what to do next, for the note (e.g. that saving again makes sure).
+
+    Raises:
+        KeyboardInterrupt (or any BaseException of the sync): with a note
+            (Python 3.11+) that ``path`` is the new file and ``then``.
+    """
+    try:
+        fsync_dir(directory)
+    except BaseException as exc:  # an interrupt: fsync_dir lets no OSError out
+        if hasattr(exc, "add_note"):  # Python 3.11+
+            exc.add_note(f"speedswap: {path!r} is the new file: this {type(exc).__name__} came after it was "
+                         f"given its name, while its directory was synced, so its directory entry may not "
+                         f"survive a power loss yet; {then}")
+        raise
+
+
 @contextlib.contextmanager
 def atomic_output(path, replace_mapped: bool = False, note_interrupt: bool = True):
     """Yield a temporary path; on success move it over ``path`` atomically.
@@ -282,14 +307,10 @@ def atomic_output(path, replace_mapped: bool = False, note_interrupt: bool = Tru
             if isinstance(exc, OSError) and not isinstance(exc, SpeedswapError):
                 raise saving_error(path, exc, tmp) from exc
             raise
-        try:
+        if note_interrupt:
+            sync_new_name(directory, path, "saving again makes sure")
+        else:
             fsync_dir(directory)
-        except BaseException as exc:  # an interrupt: fsync_dir lets no OSError out
-            if note_interrupt and hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(f"speedswap: {path!r} is the new file: this {type(exc).__name__} came after it was "
-                             f"renamed into place, while its directory was synced, so its directory entry may "
-                             f"not survive a power loss yet; saving again makes sure")
-            raise
 
 
 def check_readable_file(path, what="file") -> str:

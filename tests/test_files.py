@@ -445,6 +445,29 @@ def test_an_interrupt_while_an_mmap_tables_file_is_made_leaves_nothing_behind(tm
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_interrupt_while_a_new_mmap_tables_directory_is_synced_says_the_file_is_there(tmp_path, rng, monkeypatch,
+                                                                                        overwrite):
+    """Once a new mmap table's file has its name only the directory's fsync is left. Without overwrite
+    Ctrl-C there came out bare, reading as a table that was not made, though the file is at the path
+    (so making it again is refused: the path exists). The interrupt says the file is there, and what
+    to do, as a save's does (with overwrite the file is made by atomic_output, which said so already)."""
+    path = tmp_path / "m.npy"
+    _interrupting_directory_syncs(monkeypatch)
+    with pytest.raises(KeyboardInterrupt) as info:
+        ss.HostTable.empty(5, 3, storage="mmap", path=path, overwrite=overwrite, backend="numpy")
+    monkeypatch.undo()
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert f"{str(path)!r} is the new file" in notes, notes
+    assert "overwrite=True" in notes if not overwrite else "saving again makes sure" in notes, notes
+    table = ss.HostTable.load(path, mmap=True, backend="numpy")
+    assert table.shape == (5, 3) and os.listdir(tmp_path) == ["m.npy"]
+    values = rng.standard_normal((5, 3)).astype(np.float32)
+    table.scatter(torch.arange(5), torch.from_numpy(values))
+    table.close()
+    np.testing.assert_array_equal(np.load(path), values)
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
                     reason="only root may give a file to another user")
 @pytest.mark.parametrize("name", ["t.npy", "t.h5"])

@@ -10,8 +10,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..atomic import (as_path, atomic_output, check_regular_file, check_writable_dir, fsync_dir, opening_error, saving_error,
-                      temp_path)
+from ..atomic import (as_path, atomic_output, check_regular_file, check_writable_dir, opening_error, saving_error,
+                      sync_new_name, temp_path)
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
@@ -210,6 +210,8 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
     The file is created sparse where the file system allows, so a table larger
     than RAM costs disk only as its rows are written. An existing file is
     never replaced unless ``overwrite``: it may be someone's trained table.
+    A Ctrl-C once the file has its name (while its directory is synced)
+    carries a note that the file is there and how to open it or make it again.
 
     Raises:
         OptionError: more bytes than a file can hold (:func:`npy_data_bytes`).
@@ -260,7 +262,11 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
         if isinstance(exc, OSError):
             raise saving_error(path, exc) from exc
         raise
-    fsync_dir(directory)  # the name on disk too: flush() syncs the rows, never the directory
+    # The name on disk too (flush() syncs the rows, never the directory); a Ctrl-C meanwhile comes
+    # after the file exists, and making it again would be refused.
+    sync_new_name(directory, path, "open it as it is (its rows are zeros) with HostTable.load(path, mmap=True) "
+                                   "(add dtype='bfloat16' for a bfloat16 table's file), or make it again with "
+                                   "overwrite=True, which also makes its name durable")
     return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
 
 
