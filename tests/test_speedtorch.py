@@ -737,3 +737,30 @@ def test_the_rprop_recipe_forward_before_the_optimizer_factory_is_still_allowed(
     opt.zero_grad()
     ss.OptimizerFactory(opt, ROWS, DIM, model, "u_embeddings", backend="numpy").optInit()
     assert u.getNumpyVersion().shape == (ROWS, DIM)
+
+
+@pytest.mark.parametrize("save", ["ModelFactory.saveCupy", "ModelFactory.saveTorch", "OptimizerFactory.save"])
+def test_a_save_before_after_optimizer_step_is_refused(save, backend, table0, rng, tmp_path):
+    """A checkpoint taken after optimizer.step() but before afterOptimizerStep missed the step.
+
+    The step's rows reach the table at afterOptimizerStep: the file held them as they were before
+    the step (and the optimizer's state_dict already counted it), without an error.
+    """
+    model, opt, u, o = build(backend, table0)
+    batches = zipf_batches(rng, 2, model.u_embeddings.weight.device, ROWS)
+    train(model, opt, u, o, batches[:1])
+    pos, neg, ctx = batches[1]
+    lp, ln = u.before_forward(pos, neg)
+    o.before_forward(pos, neg)
+    skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), ctx).backward()
+    opt.step()
+    opt.zero_grad()
+    target = tmp_path / ("opt.h5" if save.startswith("Optimizer") else "u.pt" if "Torch" in save else "u.npy")
+    with pytest.raises(ss.StateError, match="afterOptimizerStep"):
+        {"ModelFactory.saveCupy": u.saveCupy, "ModelFactory.saveTorch": u.saveTorch,
+         "OptimizerFactory.save": o.save}[save](target)
+    assert not target.exists()
+    u.after_step(pos, neg)
+    o.after_step(pos, neg)
+    u.saveCupy(tmp_path / "after.npy")  # between steps: the step's rows are in the file
+    np.testing.assert_array_equal(np.load(tmp_path / "after.npy"), u.getNumpyVersion())

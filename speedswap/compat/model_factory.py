@@ -364,7 +364,11 @@ class ModelFactory(Switcher):
         """Write the table (cached rows included) to ``path`` (``.npy`` or ``.h5``) atomically.
 
         Alias ``saveCupy``.
+
+        Raises:
+            StateError: called in the middle of a step (nothing is written).
         """
+        self._check_saving()
         self.flush()
         self._table.save(path)
 
@@ -458,8 +462,10 @@ class ModelFactory(Switcher):
 
         Raises:
             PathError: the directory is missing or the write failed (full disk, read-only).
+            StateError: called in the middle of a step (nothing is written).
         """
         if _is_torch_file(saveFileName):
+            self._check_saving()
             self.flush()
             tensor = self._table.as_tensor().cpu().clone()
             # Written beside the target and renamed over it, as every save is: a failed write

@@ -328,8 +328,13 @@ class OptimizerFactory(Switcher):
 
     def save(self, path):
         """Write every state table (cached state rows included) to one checkpoint (``.h5`` file or
-        directory), atomically."""
+        directory), atomically.
+
+        Raises:
+            StateError: called in the middle of a step (nothing is written).
+        """
         from ..train.checkpoint import save_tables
+        self._check_saving()
         self.flush()
         save_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__})
 

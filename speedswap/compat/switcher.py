@@ -167,6 +167,18 @@ class Switcher(SpeedTorchFiles):
             raise StateError(f"{what} between before_forward and after_step would be undone by "
                              f"after_step; call it between steps")
 
+    def _check_saving(self):
+        """Raise before a save in the middle of a step, whose rows only after_step writes back.
+
+        Raises:
+            StateError: between before_forward and after_step; nothing is written.
+        """
+        if self._is_member() and self._steps.busy():
+            raise StateError("a save between beforeForwardPass and afterOptimizerStep would write "
+                             "the step's rows as they were before it (afterOptimizerStep writes "
+                             "them back, while optimizer.state_dict() counts the step already); "
+                             "save after afterOptimizerStep on every switcher")
+
     def _rewriting(self, what):
         """A context for ``what``, which replaces host rows or state: flush before, invalidate after.
 
