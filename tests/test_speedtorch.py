@@ -764,3 +764,34 @@ def test_a_save_before_after_optimizer_step_is_refused(save, backend, table0, rn
     o.after_step(pos, neg)
     u.saveCupy(tmp_path / "after.npy")  # between steps: the step's rows are in the file
     np.testing.assert_array_equal(np.load(tmp_path / "after.npy"), u.getNumpyVersion())
+
+
+@pytest.mark.parametrize("optimizer", ["Adam", "SGD"])
+def test_a_second_optimizer_step_after_after_optimizer_step_is_refused(optimizer, backend, table0, rng):
+    """optimizer.step() twice, the second after afterOptimizerStep: the update was lost.
+
+    The step's rows were written back already, so the second step moved only the slots, which
+    the next beforeForwardPass overwrote, and Adam's step count went up by one for every row
+    after it (its bias correction off from then on), without an error. In memory the gradient
+    would be applied twice; neither is what the user meant.
+    """
+    model, opt, u, o = build(backend, table0)
+    if optimizer == "SGD":
+        o.close()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pos, neg, ctx = zipf_batches(rng, 1, model.u_embeddings.weight.device, ROWS)[0]
+    lp, ln = u.before_forward(pos, neg)
+    if optimizer == "Adam":
+        o.before_forward(pos, neg)
+    skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), ctx).backward()
+    opt.step()
+    u.after_step(pos, neg)
+    if optimizer == "Adam":
+        o.after_step(pos, neg)
+    table, state = u.getNumpyVersion(), copy.deepcopy(opt.state_dict())
+    with pytest.raises(ss.StateError, match="zero_grad"):
+        opt.step()
+    np.testing.assert_array_equal(u.getNumpyVersion(), table)
+    assert str(opt.state_dict()) == str(state)
+    opt.zero_grad()
+    opt.step()  # the gradient dropped: a step with nothing to apply is fine

@@ -123,6 +123,7 @@ class SharedSteps:
         self._open = False  # the cache fetched the current step's rows and has not stored them
         self._states = _WAITING  # state rows handed over by OptimizerFactory.after_step
         self._leftover = None  # the last step's gradient, untouched since (see _refuse_leftover_gradient)
+        self._finished = None  # (param.grad, its version) when the last step ended (see refuse_stepping_again)
         self._hook = None  # on the parameter once it requires grad (see _watch_gradients)
 
     # ------------------------------------------------------------ members
@@ -294,6 +295,7 @@ class SharedSteps:
         # step must not be added to (zero_grad() drops it, or zeroes it in place: a new version).
         grad = self.param.grad
         self._leftover = None if grad is None else (grad, grad._version)
+        self._finished = None
         ws.clear()
         cached = self.cache is not None and self.cache.num_slots
         # The ids' range is checked in the working set's read, before anything reaches a row.
@@ -399,6 +401,30 @@ class SharedSteps:
             self.cache.store(step.rows, rows[:len(step.rows)], self._states_of(step))
             self._open, self._states = False, _WAITING
         step.ended.add(kind)
+        if not step.unfinished():
+            grad = self.param.grad
+            self._finished = None if grad is None else (grad, grad._version)
+
+    def refuse_stepping_again(self, optimizer) -> None:
+        """Raise before an ``optimizer.step()`` between steps that would apply the last step's gradient again.
+
+        after_step wrote the step's rows back: a second ``optimizer.step()``
+        with the gradient still untouched would move only the slots (which
+        the next before_forward overwrites) and count a step in the
+        optimizer's scalar state (Adam's ``step``) for every row.
+
+        Raises:
+            StateError: the parameter's gradient is the one the last step
+                left, non-zero and untouched; nothing has changed.
+        """
+        if self.busy() or self._finished is None or not untouched(self.param.grad, *self._finished):
+            return
+        raise StateError(f"{type(optimizer).__name__}.step() after after_step with the step's gradient "
+                         f"still on the embedding (step() twice, or no zero_grad() after a step): "
+                         f"after_step wrote the step's rows back, so this step would move only the "
+                         f"slots, which hold no row now, and count one more step in the optimizer's "
+                         f"state. Nothing was changed: call optimizer.zero_grad() after each step, "
+                         f"and optimizer.step() once, between loss.backward() and afterOptimizerStep")
 
     def _check_stepped(self, step):
         """Raise when a backward of ``step`` left a gradient no optimizer.step() applied.
@@ -525,12 +551,14 @@ def _keeps_row_state(optimizer, param) -> bool:
 
 
 def _refuse_lone_model_with_state(optimizer, args, kwargs):
-    """A global optimizer step pre-hook: refuse stepping a lone ModelFactory's rows with per-row state.
+    """A global optimizer step pre-hook: refuse stepping a switched embedding's slots wrongly.
 
     The ModelFactory's slots hold other rows every step, so without an
     OptimizerFactory swapping the state rows with them, Adam's moments (or
-    SGD's momentum) of one row would move another. Only parameters with a
-    switcher's step in progress are looked at, so other optimizers pay one
+    SGD's momentum) of one row would move another; and between steps they
+    hold no row, so a step there with the last step's gradient is refused
+    (:meth:`SharedSteps.refuse_stepping_again`). Only parameters with a
+    switcher and a gradient are looked at, so other optimizers pay one
     loop over a near-empty dictionary.
     """
     # A snapshot in one C call, as one_optimizer's hook takes: a switcher built or collected
@@ -538,9 +566,14 @@ def _refuse_lone_model_with_state(optimizer, args, kwargs):
     # otherwise change the dictionary under the loop.
     for key, ref in _STEPS.data.copy().items():
         param, steps = key(), ref()
-        if param is None or steps is None or param.grad is None or not steps.busy() or not steps.alone(MODEL):
+        if param is None or steps is None or param.grad is None:
             continue  # torch skips a parameter without a gradient
         if not any(p is param for group in optimizer.param_groups for p in group["params"]):
+            continue
+        if not steps.busy():
+            steps.refuse_stepping_again(optimizer)
+            continue
+        if not steps.alone(MODEL):
             continue
         if _keeps_row_state(optimizer, param):
             raise OptionError(
