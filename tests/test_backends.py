@@ -94,6 +94,30 @@ def test_resolve_device_agrees_with_get_backend():
         resolve_device("gpu0")
 
 
+_BUILDERS = {
+    "HostTable": lambda device: ss.HostTable.zeros(4, 2, device=device).device,
+    "OffloadedEmbedding": lambda device: ss.OffloadedEmbedding(10, 2, max_rows=4, device=device).weight.device,
+    "DataGadget": lambda device: ss.DataGadget(np.ones((4, 2), np.float32), device=device).device,
+    "BatchFeeder": lambda device: ss.BatchFeeder(np.ones((4, 2), np.float32), batch_size=2, device=device).device,
+}
+
+
+@pytest.mark.parametrize("build", _BUILDERS.values(), ids=_BUILDERS.keys())
+def test_every_object_reads_device_the_same_way(build):
+    """device='auto' and devices speedswap does not deliver to, as BatchFeeder has always read them.
+
+    A table, an embedding or a gadget built with device='auto' (as the README's feeder is) raised
+    "torch sees no CUDA device here" on a CPU machine, and so did device='mps', 'meta' or a typo
+    ('gpu'): BackendUnavailableError there, OptionError on a GPU machine, another message each.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU fallback's warning
+        assert build("auto") == ss.get_backend("auto").device
+    for device, message in [("mps", "not 'mps'"), ("meta", "not 'meta'"), ("gpu", "got 'gpu'")]:
+        with pytest.raises(ss.OptionError, match=message):
+            build(device)
+
+
 def test_numpy_backend_on_a_gpu_device_is_refused_not_moved_to_the_cpu():
     for device in ("cuda", "cuda:1", 0):
         with pytest.raises(ss.OptionError, match="backend='numpy' runs on the CPU"):

@@ -106,14 +106,25 @@ def _cuda_index(device):
     return index
 
 
-def _names_cpu(device):
-    """Whether ``device`` names the CPU as torch reads it (``"cpu"``, ``"cpu:0"``, ``torch.device("cpu", 0)``)."""
-    if not isinstance(device, (str, torch.device)):
-        return False
+def _device_kind(device) -> str:
+    """``"cpu"`` or ``"cuda"``: the kind of device ``device`` names as torch reads it (an int is a CUDA index).
+
+    Checked the same way on every machine, before asking whether a GPU is there.
+
+    Raises:
+        OptionError: not a device, or one speedswap does not deliver to (``"mps"``, ``"meta"``).
+    """
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "cuda"
     try:
-        return torch.device(device).type == "cpu"
-    except (RuntimeError, TypeError):  # not a device at all: the cuda path says what is expected
-        return False
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise OptionError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
+                          f"got {device!r}") from exc
+    if kind not in ("cpu", "cuda"):
+        raise OptionError(f"speedswap delivers to the CPU or a CUDA device, not {kind!r}; "
+                          f"pass device='cpu' (or 'auto', 'cuda', 'cuda:N')")
+    return kind
 
 
 def _cuda_backend(device):
@@ -146,15 +157,16 @@ def get_backend(name: BackendLike = "auto", device: DeviceLike = None) -> Backen
         name: ``"auto"`` (cuda when torch sees a GPU, else numpy with one
             warning), ``"cuda"``, ``"numpy"``, or a :class:`Backend` (returned as is).
         device: for the cuda backend, ``"cuda:N"``, ``N`` or a ``torch.device``;
-            None is torch's current device. ``"cpu"`` with ``name="auto"``
-            picks the numpy backend.
+            None (or ``"auto"``) is torch's current device. ``"cpu"`` with
+            ``name="auto"`` picks the numpy backend.
 
     Returns:
         Backend
 
     Raises:
-        OptionError: an unknown name, a device that does not exist, or
-            ``"numpy"`` with a device other than the CPU.
+        OptionError: an unknown name, a device that is neither the CPU nor a
+            CUDA device, one that does not exist, or ``"numpy"`` with a
+            device other than the CPU.
         BackendUnavailableError: ``"cuda"``, or ``"auto"`` with a CUDA ``device``,
             was asked for and torch sees no CUDA device.
     """
@@ -162,10 +174,13 @@ def get_backend(name: BackendLike = "auto", device: DeviceLike = None) -> Backen
         return name
     if name not in _NAMES:
         raise OptionError(f"unknown backend {name!r}; choose one of {_NAMES}")
-    if name == "numpy" and device is not None and not _names_cpu(device):
+    if isinstance(device, str) and device == "auto":
+        device = None  # what every object's default means, as a BatchFeeder's device="auto" does
+    kind = None if device is None else _device_kind(device)
+    if name == "numpy" and kind not in (None, "cpu"):
         raise OptionError(f"backend='numpy' runs on the CPU, but device={device!r} asks for "
                           f"another; pass device='cpu' (or none), or backend='cuda'")
-    if name == "numpy" or (name == "auto" and _names_cpu(device)):
+    if name == "numpy" or (name == "auto" and kind == "cpu"):
         return _CPU
     if torch.cuda.is_available():
         return _cuda_backend(device)
@@ -196,14 +211,6 @@ def resolve_device(device: DeviceLike = "auto") -> torch.device:
     """
     if device is None or (isinstance(device, str) and device == "auto"):
         return get_backend("auto").device
-    if isinstance(device, (str, torch.device)):
-        try:
-            kind = torch.device(device).type
-        except (RuntimeError, TypeError) as exc:
-            raise OptionError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
-                              f"got {device!r}") from exc
-        if kind == "cpu":
-            return _CPU.device
-        if kind != "cuda":
-            raise OptionError(f"speedswap delivers to the CPU or a CUDA device, not {kind!r}")
+    if _device_kind(device) == "cpu":
+        return _CPU.device
     return get_backend("cuda", device).device
