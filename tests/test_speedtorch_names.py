@@ -54,6 +54,23 @@ def test_save_and_load_torch_files_as_speedtorch_wrote_them(rng, tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / "u.npy"), table)
 
 
+def test_load_torch_of_a_missing_file_says_it_is_missing(rng, tmp_path):
+    """loadTorch of a path with no file raised FileFormatError "not a readable torch file ([Errno 2]
+    ...)", which ``except FileNotFoundError`` misses and which reads as a damaged file; a named
+    pipe would have made torch.load wait for a writer."""
+    import os
+    _, _, u, _ = switchers()
+    u.customInit(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+    table = u.getNumpyVersion()
+    with pytest.raises(ss.MissingFileError, match="no torch file at .*check the path") as info:
+        u.loadTorch(tmp_path / "nothere.pt")
+    assert isinstance(info.value, FileNotFoundError)
+    os.mkfifo(tmp_path / "pipe.pt")
+    with pytest.raises(ss.PathError, match="not a regular file"):
+        u.loadTorch(tmp_path / "pipe.pt")
+    np.testing.assert_array_equal(u.getNumpyVersion(), table)
+
+
 def test_get_numpy_version_is_a_copy_and_get_torch_var_a_view():
     _, _, u, _ = switchers()
     u.uniformDistributionInit(-1.0, 1.0)

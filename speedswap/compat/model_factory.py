@@ -29,7 +29,7 @@ import weakref
 import numpy as np
 import torch
 
-from ..atomic import as_path, atomic_output
+from ..atomic import as_path, atomic_output, check_regular_file
 from ..convert import initialiser_option, int_option
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
 from ..table import HostTable
@@ -487,11 +487,15 @@ class ModelFactory(Switcher):
 
         Raises:
             FileFormatError: the file holds no dense tensor of the table's shape and dtype (nothing changes).
+            MissingFileError: no file at ``loadFileName``.
+            PathError: a directory, or not a regular file (a named pipe, which
+                torch.load would wait on for a writer).
         """
         if not _is_torch_file(loadFileName):
             self.load(loadFileName)
             return
         self._check_idle("loadTorch")
+        check_regular_file(loadFileName, "torch file")
         try:
             tensor = torch.load(loadFileName, map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
