@@ -71,6 +71,20 @@ def test_load_torch_of_a_missing_file_says_it_is_missing(rng, tmp_path):
     np.testing.assert_array_equal(u.getNumpyVersion(), table)
 
 
+def test_load_torch_of_another_table_says_how_to_load_it(rng, tmp_path):
+    """A .pt of another shape or dtype, or of no tensor, said only what it held, not what to do."""
+    _, _, u, _ = switchers()
+    table = u.getNumpyVersion()
+    torch.save(torch.from_numpy(rng.standard_normal((ROWS + 1, DIM))), tmp_path / "other.pt")
+    torch.save({"weight": torch.ones(ROWS, DIM)}, tmp_path / "dict.pt")
+    with pytest.raises(ss.FileFormatError, match=rf"total_classes={ROWS + 1}, embed_dimension={DIM}, "
+                                                 r"datatype='float64'"):
+        u.loadTorch(tmp_path / "other.pt")
+    with pytest.raises(ss.FileFormatError, match=r"holds dict.*torch.save\(tensor\)"):
+        u.loadTorch(tmp_path / "dict.pt")
+    np.testing.assert_array_equal(u.getNumpyVersion(), table)
+
+
 def test_get_numpy_version_is_a_copy_and_get_torch_var_a_view():
     _, _, u, _ = switchers()
     u.uniformDistributionInit(-1.0, 1.0)

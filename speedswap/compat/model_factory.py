@@ -503,12 +503,19 @@ class ModelFactory(Switcher):
         # A sparse tensor of the table's shape and dtype would pass, and copy_ refuse it raw.
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != self._table.shape \
                 or tensor.dtype != self._table.dtype or tensor.layout != torch.strided:
-            what = (f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor)
-                    else type(tensor).__name__)
-            if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
-                what += f" as a {tensor.layout} tensor (save its tensor.to_dense())"
+            if not isinstance(tensor, torch.Tensor):
+                what = type(tensor).__name__
+                fix = "give a file of torch.save(tensor) of the whole table (saveTorch writes one)"
+            elif tensor.layout != torch.strided:
+                what = f"{tuple(tensor.shape)} {tensor.dtype} as a {tensor.layout} tensor"
+                fix = "save its tensor.to_dense()"
+            else:
+                what = f"{tuple(tensor.shape)} {tensor.dtype}"
+                fix = "a switcher of its size loads it" + (
+                    f" (total_classes={tensor.shape[0]}, embed_dimension={tensor.shape[1]}, "
+                    f"datatype={str(tensor.dtype).removeprefix('torch.')!r})" if tensor.dim() == 2 else "")
             raise FileFormatError(f"{os.fspath(loadFileName)!r} holds {what}, but this table is "
-                                  f"{self._table.shape} {self._table.dtype}")
+                                  f"{self._table.shape} {self._table.dtype}; {fix}")
         with self._rewriting("loadTorch"):
             self._table.as_tensor().copy_(tensor)
 
