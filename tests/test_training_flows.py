@@ -581,14 +581,21 @@ def test_a_step_a_grad_scaler_skipped_with_zero_grad_set_to_none_false_trains_no
 
 @pytest.mark.parametrize("cache_rows", [0, 40])
 @pytest.mark.parametrize("written", [False, True], ids=["as_left", "written_in_place"])
+@pytest.mark.parametrize("option", [None, "foreach", "fused"])
 def test_zero_grad_after_a_backward_then_a_step_with_no_forward_moves_no_row_as_in_memory(
-        backend, rng, cache_rows, written):
+        backend, rng, cache_rows, written, option, monkeypatch):
     """Backward, ``zero_grad(set_to_none=False)``, ``optimizer.step()`` with no forward between (a loop
     that skips a step by zeroing its gradients and steps anyway). In memory SparseAdam's zeroed sparse
     gradient names no row: the step moves none (and counts). The step's rows were still in flight, and
     Adam moved them by their momentum at the zero gradient. A gradient written in place but not zeroed
-    (``unscale_``, clipping: ``mul_`` here) trains as it is."""
-    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows)
+    (``unscale_``, clipping: ``mul_`` here) trains as it is. An optimizer built with ``foreach=True`` or
+    ``fused=True`` zeroes through ``torch._foreach_zero_``, whose CUDA kernel leaves the version
+    counters as they were (imitated here on any device): the gradient looked untouched since the
+    backward, and its rows were moved too."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows,
+                                                              **({option: True} if option else {}))
+    if option:
+        monkeypatch.setattr(torch, "_foreach_zero_", lambda grads: [grad.data.zero_() for grad in grads])
     skipped = rng.random(STEPS) < 0.3
     skipped[:2] = False  # momentum first
     skipped[rng.integers(2, STEPS)] = True  # then at least one skipped step, the case under test
@@ -596,11 +603,14 @@ def test_zero_grad_after_a_backward_then_a_step_with_no_forward_moves_no_row_as_
         for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
             ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
             if skip:
+                version = emb.weight.grad._version
                 optimizer.zero_grad(set_to_none=False)
+                assert not option or optimizer is ref_opt or emb.weight.grad._version == version  # as on CUDA
             elif written and optimizer is opt:
                 emb.weight.grad.mul_(1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
+    monkeypatch.undo()
     assert skipped.any()
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
@@ -912,40 +922,6 @@ def test_a_step_on_the_gradient_the_last_step_left_is_refused(backend, rng, cach
                 optimizer.zero_grad()
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("cache_rows", [0, 40])
-@pytest.mark.parametrize("option", ["foreach", "fused"])
-def test_a_gradient_zeroed_without_a_version_bump_then_a_step_with_no_forward_moves_no_row(
-        backend, rng, cache_rows, option, monkeypatch):
-    """Backward, ``zero_grad(set_to_none=False)``, ``optimizer.step()`` with no forward between, for an
-    optimizer built with ``foreach=True`` or ``fused=True``: its ``zero_grad`` zeroes through
-    ``torch._foreach_zero_``, whose CUDA kernel leaves the version counters as they were (imitated
-    here on any device). In memory the zeroed sparse gradient names no row, and the step moves none;
-    offloaded, the gradient looked untouched since the backward, and Adam moved the rows by their
-    momentum at the zero gradient."""
-    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows,
-                                                              **{option: True})
-    zero = torch._foreach_zero_
-    monkeypatch.setattr(torch, "_foreach_zero_", lambda grads: [grad.data.zero_() for grad in grads])
-    skipped = rng.random(STEPS) < 0.3
-    skipped[:2] = False  # momentum first
-    skipped[rng.integers(2, STEPS)] = True  # then at least one skipped step, the case under test
-    for (ids, target), skip in zip(zipf_ids(rng, STEPS), skipped):
-        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
-            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
-            if skip:
-                version = emb.weight.grad._version
-                optimizer.zero_grad(set_to_none=False)
-                assert optimizer is ref_opt or emb.weight.grad._version == version  # as on CUDA
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-    monkeypatch.setattr(torch, "_foreach_zero_", zero)
-    emb.flush()
-    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
-    for name in ("exp_avg", "exp_avg_sq"):
-        np.testing.assert_allclose(emb._state.tables[name].to_numpy(), ref_opt.state[ref][name].numpy(),
-                                   rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])
