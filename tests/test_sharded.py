@@ -809,6 +809,23 @@ def test_a_manifest_lacking_an_entry_is_refused_with_a_speedswap_error(rng, tmp_
         np.testing.assert_array_equal(table.to_numpy(), before[name], err_msg=name)
 
 
+def test_a_sharded_checkpoint_that_is_not_there_is_a_missing_file(rng, tmp_path):
+    """A typo in the path read as a damaged checkpoint: FileFormatError "'ckpt2' has no
+    manifest.json: it is not a (complete) sharded speedswap checkpoint", which
+    ``except FileNotFoundError`` misses, where every other load says MissingFileError."""
+    emb, opt, saved = _adam_step_saved(rng, tmp_path / "ckpt")
+    plain = ss.OffloadedEmbedding(40, 4, max_rows=12, backend="numpy")
+    for load in (emb.load, lambda path: ss.load_sharded(path, plain)):
+        with pytest.raises(ss.MissingFileError, match="no sharded checkpoint at .*ckpt2.*check the path") as info:
+            load(tmp_path / "ckpt2")
+        assert isinstance(info.value, FileNotFoundError)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ss.FileFormatError, match="has no manifest.json"):  # there, but not a checkpoint
+        emb.load(tmp_path / "empty")
+    for name, table in emb._tables().items():
+        np.testing.assert_array_equal(table.to_numpy(), saved[name], err_msg=name)
+
+
 def test_a_load_reads_no_file_once_every_shard_is_verified(rng, tmp_path, monkeypatch):
     """All or nothing: shards are staged in RAM while checked, so losing the files then changes nothing."""
     emb, opt, saved = _adam_step_saved(rng, tmp_path / "ckpt")

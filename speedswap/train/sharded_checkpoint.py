@@ -30,6 +30,7 @@ are read again for the copy, as
 :class:`~speedswap.OffloadedEmbedding` (:func:`load_sharded`).
 """
 
+import errno
 import json
 import os
 import re
@@ -41,7 +42,7 @@ import torch
 
 from .. import atomic, files
 from ..backends import available_ram
-from ..errors import DTypeError, FileFormatError, PathError, StateError, warn
+from ..errors import DTypeError, FileFormatError, MissingFileError, PathError, StateError, warn
 from ..table import loading_into
 from .caching import rewriting
 from .exchange import Exchange, row_bounds
@@ -281,6 +282,7 @@ def read_manifest(path) -> dict:
     """The validated manifest of the sharded checkpoint ``path``.
 
     Raises:
+        MissingFileError: nothing at ``path``, and no earlier checkpoint beside it.
         FileFormatError: no manifest, not a sharded speedswap checkpoint, or
             one that lacks an entry a load reads.
     """
@@ -293,6 +295,9 @@ def read_manifest(path) -> dict:
         hint = (f"; a save killed between its two renames left the previous checkpoint at "
                 f"{old!r}: rename it to {os.fspath(path)!r}"
                 if os.path.isfile(os.path.join(old, MANIFEST)) else "")
+        if not hint and not os.path.exists(path):  # a typo in the path, not a damaged checkpoint
+            raise MissingFileError(errno.ENOENT, f"no sharded checkpoint at {os.fspath(path)!r}; "
+                                                 f"check the path", os.fspath(path)) from None
         raise FileFormatError(f"{os.fspath(path)!r} has no {MANIFEST}: it is not a (complete) "
                               f"sharded speedswap checkpoint{hint}") from None
     except ValueError as exc:
