@@ -550,7 +550,7 @@ def _keeps_row_state(optimizer, param) -> bool:
         return any(isinstance(v, torch.Tensor) and v.shape == param.shape for v in state.values())
 
 
-def _refuse_lone_model_with_state(optimizer, args, kwargs):
+def _check_switched_steps(optimizer, args, kwargs):
     """A global optimizer step pre-hook: refuse stepping a switched embedding's slots wrongly.
 
     The ModelFactory's slots hold other rows every step, so without an
@@ -584,13 +584,13 @@ def _refuse_lone_model_with_state(optimizer, args, kwargs):
                 f"stateless optimizer (SGD without momentum)")
 
 
-#: The handle of :func:`_refuse_lone_model_with_state`, registered when the first switcher joins.
-_LONE_MODEL_HOOK = []
+#: The handle of :func:`_check_switched_steps`, registered when the first switcher joins.
+_SWITCHED_STEPS_HOOK = []
 
 
 def _watch_optimizer_steps():
-    if not _LONE_MODEL_HOOK:
-        _LONE_MODEL_HOOK.append(register_optimizer_step_pre_hook(_refuse_lone_model_with_state))
+    if not _SWITCHED_STEPS_HOOK:
+        _SWITCHED_STEPS_HOOK.append(register_optimizer_step_pre_hook(_check_switched_steps))
 
 
 def steps_for(param: torch.nn.Parameter, num_rows: int) -> SharedSteps:
