@@ -685,6 +685,33 @@ def test_a_zero_gradient_written_in_place_then_accumulated_into_trains_as_in_mem
                                    rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_second_order_backward_through_a_zero_gradient_trains_as_in_memory(backend, rng, cache_rows):
+    """``backward(create_graph=True)`` of a loss at its minimum (the gradient is zero, its derivative
+    is not), then a backward through ``weight.grad`` (a gradient penalty), then an SGD step. The
+    zero-gradient mark must stay out of the graph: recorded, it made the penalty's derivative for
+    the gradient's first element zero, and the row in slot 0 missed its update."""
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH * WIDTH, storage="pageable", backend=backend,
+                                cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt, device = torch.optim.SGD([ref], lr=0.1), ss.get_backend(backend).device
+    for ids, _ in zipf_ids(rng, 6):
+        curvature = torch.from_numpy(rng.uniform(0.5, 2.0, (BATCH, WIDTH, DIM)).astype(np.float32))
+        for lookup, optimizer, weight, to in ((emb, opt, emb.weight, device),
+                                              (lambda i: F.embedding(i, ref), ref_opt, ref, "cpu")):
+            rows = lookup(ids.to(to)).cpu()
+            (curvature * (rows - rows.detach()) ** 2).sum().backward(create_graph=True)
+            weight.grad.sum().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)  # create_graph's gradient holds its graph
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
 _DDP_SCRIPT = r"""
 import os, sys
 import numpy as np, torch, torch.distributed as dist

@@ -1430,6 +1430,8 @@ def _note_backward(ref):
             if nonzero is not None and size:
                 # A gradient left at zero is marked (-0.0, the same value) for _cleared, on the device.
                 # masked_fill_: two launches, where torch.where with a Python scalar makes three.
-                grad[0, :1].masked_fill_(~nonzero, -0.0)
+                # Through detach(): a backward with create_graph=True leaves a gradient with a graph,
+                # and a recorded fill would zero that element's derivative for the next backward.
+                grad.detach()[0, :1].masked_fill_(~nonzero, -0.0)
             embedding._grad_at_backward = (weakref.ref(grad), nonzero, grad._version)
     return note
