@@ -16,6 +16,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import threading
 
 try:
@@ -375,6 +376,9 @@ _FLOCKED = {}
 #: Held while such a descriptor is opened and recorded, or closed and forgotten, and by a fork
 #: (see _before_fork): a child never copies one that :data:`_FLOCKED` does not name.
 _RECORDING = threading.RLock()
+#: Opens under :data:`_RECORDING` never wait: a named pipe's open for reading would wait for a writer,
+#: and every fork of the process with it. It changes nothing for a file's or a directory's ``flock``.
+_NEVER_WAIT = getattr(os, "O_NONBLOCK", 0)
 
 
 def _open_recorded(path, flags, mode=0o777) -> int:
@@ -384,7 +388,7 @@ def _open_recorded(path, flags, mode=0o777) -> int:
     open file the lock then belongs to, and would keep it locked as well.
     """
     with _RECORDING:
-        fd = os.open(path, flags, mode)
+        fd = os.open(path, flags | _NEVER_WAIT, mode)
         _FLOCKED[fd] = threading.get_ident()
     return fd
 
@@ -494,6 +498,9 @@ def _flocked(lock):
     system has no ``flock``. Its holder removes the file as it lets go: a
     lock won on a file that has no name any more (another one may have it
     by now) is nobody's turn, so it is taken again on the file at the name.
+
+    Raises:
+        PathError: something that is not a regular file is at ``lock`` (nothing waits on it, and it stays).
     """
     if fcntl is None:
         return None
@@ -503,6 +510,10 @@ def _flocked(lock):
             fd = _open_recorded(lock, os.O_RDONLY | os.O_CREAT, 0o666)
         except OSError:  # a read-only or full directory: the save's own temporary fails the same way
             return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # its holder would remove it as it lets go
+            _let_go(fd)
+            raise PathError(f"{lock!r}, the lock file saves to the file beside it take turns on, is not a "
+                            f"regular file (a named pipe, socket or device?); move it away and save again")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             won, named = os.fstat(fd), os.stat(lock)
@@ -541,6 +552,9 @@ def one_save_at_a_time(path):
 
     Args:
         path: the file to be saved.
+
+    Raises:
+        PathError: something that is not a regular file (a named pipe) is where the lock file goes.
     """
     lock = _lock_path(as_path(path))
     held = _HELD.__dict__.setdefault("locks", set())

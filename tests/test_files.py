@@ -765,6 +765,54 @@ def test_a_child_forked_as_another_thread_takes_a_turn_does_not_keep_that_turn(t
         os.close(leave_w)
 
 
+_FORK_AS_A_SAVE_OPENS_A_PIPE = r"""
+import os, sys, threading, warnings
+import numpy as np
+import speedswap as ss
+path, seed = sys.argv[1], int(sys.argv[2])
+table = ss.HostTable.from_numpy(np.random.default_rng(seed).standard_normal((8, 3), dtype=np.float32),
+                                storage="pageable", backend="numpy")
+outcome = []
+def save():
+    try:
+        table.save(path)
+        outcome.append("saved")
+    except ss.SpeedswapError as exc:
+        outcome.append(f"{type(exc).__name__}: {exc}")
+saver = threading.Thread(target=save, daemon=True)  # blocked for good where the pipe's open waits
+saver.start()
+saver.join(2)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a multi-threaded process
+    pid = os.fork()  # a DataLoader starting its workers
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+saver.join(30)
+print("forked;", *outcome)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not hasattr(os, "fork") or atomic.fcntl is None,
+                    reason="named pipes, fork and flock")
+def test_a_named_pipe_at_a_save_lock_path_is_refused_and_holds_up_no_fork(tmp_path, seed):
+    """A lock file is opened while the fork hook's lock is held (no fork copies it unrecorded): an
+    open that blocks there holds up every fork of the process. A named pipe at the lock's path
+    (``.t.npy.speedswap.lock``) blocked the save in os.open, waiting for a writer, and a fork by
+    another thread then waited as long. The pipe is now refused, at once, and kept."""
+    path, lock = tmp_path / "t.npy", tmp_path / ".t.npy.speedswap.lock"
+    os.mkfifo(lock)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ss.__file__)))
+    try:
+        done = subprocess.run([sys.executable, "-c", _FORK_AS_A_SAVE_OPENS_A_PIPE, str(path), str(seed)],
+                              capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=root))
+    except subprocess.TimeoutExpired:
+        pytest.fail("a fork waited for a save blocked opening the named pipe at its lock's path")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("forked; PathError") and "not a regular file" in done.stdout, done.stdout
+    assert sorted(os.listdir(tmp_path)) == [lock.name] and stat.S_ISFIFO(os.lstat(lock).st_mode)
+
+
 def _interrupting_directory_syncs(monkeypatch):
     """Make ``os.fsync`` of a directory raise KeyboardInterrupt (Ctrl-C while a rename is made durable)."""
     fsync = os.fsync
