@@ -890,3 +890,55 @@ def test_a_ctrl_c_anywhere_before_a_get_begins_its_work_leaves_no_call_under_way
         points.append(where)
     assert any(point.startswith("_take") for point in points) and not hung, \
         f"close() waited for a get interrupted at {hung} (of {points})"
+
+
+def test_a_close_from_a_signal_handler_anywhere_in_a_get_ends_the_get_and_closes_the_gadget(rng):
+    """A signal handler closing the gadget (a SIGTERM handler's cleanup) runs between two steps of the
+    interrupted get, on its thread. Where the get held the gadget's lock (counting itself, giving its
+    count back), close() waited for that lock, which only the interrupted get could let go: the
+    process hung. Python runs a handler on entering a function or after a call into C returns; here
+    close() runs at each such point of a get, one per get, which must end with its rows or a
+    StateError, the gadget closed."""
+    gadget_class, in_use = ss.data.gadget.DataGadget, ss.data.gadget._InUse
+    codes = {f.__code__ for f in (gadget_class.get, gadget_class._take, gadget_class._give_back,
+                                  gadget_class._live, in_use.__enter__, in_use.__exit__)}
+    data, ids = random_data(rng, (40, 3)), rng.choice(40, size=6)
+
+    def get_closed_at(gadget, point, outcome):
+        """A get with close() run at its ``point``-th such point; appends where, then its rows or error."""
+        seen = [0]
+
+        def profile(frame, event, arg):
+            if frame.f_code in codes and event in ("call", "c_return"):
+                if seen[0] == point:
+                    outcome.append(f"{frame.f_code.co_name}:{frame.f_lineno} ({event} {getattr(arg, '__name__', '')})")
+                    gadget.close()  # what the handler does
+                seen[0] += 1
+
+        sys.setprofile(profile)
+        try:
+            outcome.append(gadget.get(ids).numpy())
+        except ss.StateError as exc:
+            outcome.append(exc)
+        finally:
+            sys.setprofile(None)
+
+    hung, points = [], 0
+    while True:
+        gadget, outcome = gadget_class(data, backend="numpy").read(), []
+        getter = threading.Thread(target=get_closed_at, args=(gadget, points, outcome), daemon=True)
+        getter.start()  # on a thread of its own: blocked for good before the fix
+        getter.join(10)
+        if getter.is_alive():
+            hung.append(outcome[0])
+            points += 1
+            continue
+        if len(outcome) == 1:  # past the last point: the get ended without a close
+            np.testing.assert_array_equal(outcome[0], data[ids])
+            break
+        where, got = outcome
+        assert gadget.closed, where
+        assert isinstance(got, ss.StateError) and "closed" in str(got) or np.array_equal(got, data[ids]), \
+            f"{where}: {got!r}"
+        points += 1
+    assert points > 5 and not hung, f"a close from a signal handler at {hung} waited for the get it interrupted"

@@ -240,8 +240,9 @@ class DataGadget:
 
     def _no_calls_under_way(self) -> None:
         """A free lock and no calls counted: when built, and in a forked child (see :meth:`_forked`)."""
-        # Replaced under the lock: first uses and loads install one table, none once closed.
-        self._installing = threading.Lock()
+        # Replaced under the lock: first uses and loads install one table, none once closed. Re-entrant:
+        # a signal handler's close() may interrupt its own thread's get while the get holds it.
+        self._installing = threading.RLock()
         # The calls (get, put, ...) under way -> the table each took and its thread: a load or close waits
         # for those of other threads before it closes the table they took, so they complete on its rows
         # instead of failing half-way. Never for its own thread's: a signal handler closing the gadget
