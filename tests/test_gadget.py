@@ -1,7 +1,6 @@
 """DataGadget: rows of .npy files and in-memory arrays to the device and back."""
 
 import contextlib
-import inspect
 import os
 import signal
 import sys
@@ -650,10 +649,12 @@ def test_a_gadget_read_while_a_load_reads_the_new_file_gives_the_old_data_in_its
     np.testing.assert_array_equal(gadget.get([19, 0]).numpy(), new[[19, 0]])
 
 
-def waits_in_threading(thread) -> bool:
-    """Whether ``thread`` is blocked in the wait of a :mod:`threading` Condition or Event."""
+def waits(thread) -> bool:
+    """Whether ``thread`` is blocked in the wait of a :mod:`threading` Condition or Event, or in a DataGadget's
+    wait for the calls under way (on the lock of each: C, so it shows as the waiting function's frame)."""
     frame = sys._current_frames().get(thread.ident)
-    return frame is not None and (frame.f_code.co_filename, frame.f_code.co_name) == (threading.__file__, "wait")
+    return frame is not None and (frame.f_code.co_filename, frame.f_code.co_name) in {
+        (threading.__file__, "wait"), (ss.data.gadget.__file__, "_close_unused")}
 
 
 @pytest.mark.parametrize("ending", ["load", "close"])
@@ -676,7 +677,7 @@ def test_a_call_under_way_when_another_thread_replaces_the_rows_completes_on_the
     def once_the_ender_closed_or_waits(*args, **kwargs):
         taken.set()
         # The ender closes the table at once, waits for this call, or ends without closing it.
-        while not (table.closed or waits_in_threading(ender) or ender.ident and not ender.is_alive()):
+        while not (table.closed or waits(ender) or ender.ident and not ender.is_alive()):
             time.sleep(0.001)
         return original(*args, **kwargs)
 
@@ -840,32 +841,28 @@ def test_a_process_forked_inside_a_get_ends_that_get_and_closes_the_gadget_in_bo
     assert closes_from_another_thread(), "the parent's close waited for the get that forked"
 
 
-def test_a_ctrl_c_anywhere_before_a_get_begins_its_work_leaves_no_call_under_way(rng):
-    """A get counts itself under the gadget's lock, then enters the block that gives the count back.
-    An interrupt (Ctrl-C) that landed after the count and before that block (as the lock was let go)
-    left the count up for good: a later close, or load, from another thread waited forever for a get
-    that had ended. Python runs a signal handler on entering a function or after a call into C
-    returns; here KeyboardInterrupt is raised at each such point on the get's way to its work, one
-    per get, and after each a close from another thread must not wait."""
-    gadget_class, in_use = ss.data.gadget.DataGadget, ss.data.gadget._InUse
-    codes = {f.__code__ for f in (gadget_class.get, gadget_class._take, gadget_class._live, in_use.__init__,
-                                  in_use.__enter__)}
+def test_a_ctrl_c_anywhere_in_a_get_leaves_no_call_under_way(rng):
+    """A get counts itself as under way while it uses the gadget's table; a close or load on another
+    thread waits for it. An interrupt (Ctrl-C) that landed after the count and before the with block
+    that ends it (as the lock was let go), or as that block ended (on entering its __exit__) left the
+    count up for good: the close, or load, waited forever for a get that had ended. Python runs a
+    signal handler on entering a function or after a call into C returns; here KeyboardInterrupt is
+    raised at each such point of the gadget's code in a get, one per get, and after each a close from
+    another thread must not wait."""
+    gadget_class, module = ss.data.gadget.DataGadget, ss.data.gadget.__file__
     data, ids = random_data(rng, (40, 3)), rng.choice(40, size=6)
 
     def get_interrupted_at(point):
         """A get with KeyboardInterrupt raised at its ``point``-th such point: where, or None past the last."""
-        seen, where, working = [0], [], [False]
+        seen, where = [0], []
 
         def profile(frame, event, arg):
-            if working[0] or frame.f_code not in codes:
+            if where or frame.f_code.co_filename != module or event not in ("call", "c_return"):
                 return
-            if event == "return" and frame.f_code is in_use.__enter__.__code__:
-                working[0] = True  # the with block's work begins: __exit__ gives the count back
-            elif event in ("call", "c_return"):
-                if seen[0] == point:
-                    where.append(f"{frame.f_code.co_name}:{frame.f_lineno} ({event} {getattr(arg, '__name__', '')})")
-                    raise KeyboardInterrupt
-                seen[0] += 1
+            if seen[0] == point:
+                where.append(f"{frame.f_code.co_name}:{frame.f_lineno} ({event} {getattr(arg, '__name__', '')})")
+                raise KeyboardInterrupt
+            seen[0] += 1
 
         sys.setprofile(profile)
         try:
@@ -900,8 +897,8 @@ def test_a_close_from_a_signal_handler_anywhere_in_a_get_ends_the_get_and_closes
     close() runs at each such point of a get, one per get, which must end with its rows or a
     StateError, the gadget closed."""
     gadget_class, in_use = ss.data.gadget.DataGadget, ss.data.gadget._InUse
-    codes = {f.__code__ for f in (gadget_class.get, gadget_class._take, gadget_class._give_back,
-                                  gadget_class._live, in_use.__enter__, in_use.__exit__)}
+    codes = {f.__code__ for f in (gadget_class.get, gadget_class._take, gadget_class._live,
+                                  in_use.__enter__, in_use.__exit__.fget)}
     data, ids = random_data(rng, (40, 3)), rng.choice(40, size=6)
 
     def get_closed_at(gadget, point, outcome):

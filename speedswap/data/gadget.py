@@ -243,12 +243,12 @@ class DataGadget:
         # Replaced under the lock: first uses and loads install one table, none once closed. Re-entrant:
         # a signal handler's close() may interrupt its own thread's get while the get holds it.
         self._installing = threading.RLock()
-        # The calls (get, put, ...) under way -> the table each took and its thread: a load or close waits
-        # for those of other threads before it closes the table they took, so they complete on its rows
-        # instead of failing half-way. Never for its own thread's: a signal handler closing the gadget
-        # inside a get would wait for a call that can only go on once it returns.
+        # The uses of the calls (get, put, ...) under way -> the table each took and its thread. A use is a
+        # lock its call holds until it ends (see _InUse): a load or close waits for those of other threads
+        # before it closes the table they took, so they complete on its rows instead of failing half-way.
+        # Never for its own thread's: a signal handler closing the gadget inside a get would wait for a
+        # call that can only go on once it returns.
         self._users = {}
-        self._unused = threading.Condition(self._installing)
 
     def _forked(self) -> None:
         """In a forked child: a free lock, and no calls under way but those of the thread that forked."""
@@ -257,8 +257,11 @@ class DataGadget:
         self._no_calls_under_way()
         self._users.update(mine)
 
-    def _take(self, use: "_InUse") -> _Held:
-        """What the gadget holds (see :meth:`_live`), its table counted as in use by ``use`` (see :class:`_InUse`).
+    def _take(self, use) -> _Held:
+        """What the gadget holds (see :meth:`_live`), its table in use until the lock ``use`` is released.
+
+        Args:
+            use: a new lock of the call's, acquired here (see :class:`_InUse`).
 
         Raises:
             StateError: the gadget is closed.
@@ -268,21 +271,20 @@ class DataGadget:
             if self._closed:  # since _live looked
                 raise StateError(_CLOSED)
             held = self._held
+            for ended in [used for used in self._users if not used.locked()]:  # so only calls under way stay
+                del self._users[ended]
+            use.acquire()
             self._users[use] = (held.table, threading.get_ident())
         return held
-
-    def _give_back(self, use: "_InUse") -> None:
-        """End the use of a table that :meth:`_take` counted for ``use``, if it did (nothing otherwise)."""
-        with self._installing:
-            if self._users.pop(use, None) is not None:
-                self._unused.notify_all()
 
     def _close_unused(self, table: HostTable) -> None:
         """Close ``table`` once no call under way on another thread uses it (see :meth:`_take`)."""
         me = threading.get_ident()
         with self._installing:
-            self._unused.wait_for(lambda: not any(used is table and thread != me
-                                                  for used, thread in self._users.values()))
+            under_way = [use for use, (used, thread) in self._users.items() if used is table and thread != me]
+        for use in under_way:
+            with use:  # taken once that call has released it
+                pass
         table.close()
 
     def _wants_mmap(self, nbytes):
@@ -582,31 +584,38 @@ class DataGadget:
 
 
 class _InUse:
-    """``with _InUse(gadget) as held``: what ``gadget`` holds, its table counted as in use in the block.
+    """``with _InUse(gadget) as held``: what ``gadget`` holds, its table in use by this call in the block.
 
-    A class, not a generator function: it runs in every get, and contextlib's would add 2-3 us to it.
-    Each use is counted as itself, so a give-back never ends another call's use, and one that finds
-    nothing counted does nothing. An interrupt that lands as ``__exit__`` is entered, before it runs,
-    still leaves the use counted (no Python function can act before its own entry).
+    The use is a lock of the call's own, held from when it takes the table to the block's end; a load
+    or close waits for it by taking it (:meth:`DataGadget._close_unused`). A class, not a generator
+    function: it runs in every get, and contextlib's would add 2-3 us to it.
     """
 
-    __slots__ = ("_gadget",)
+    __slots__ = ("_gadget", "_use")
 
     def __init__(self, gadget: DataGadget):
         self._gadget = gadget
+        self._use = threading.Lock()
 
     def __enter__(self) -> _Held:
-        # Counted inside the try: an interrupt (Ctrl-C) that lands after the count and before the with
-        # block begins, where __exit__ would not run, gives it back here; one before the count gives
-        # back nothing. Otherwise a close or load on another thread would wait for this call forever.
+        # Taken inside the try: an interrupt (Ctrl-C) that lands after the use is taken and before the
+        # with block begins, where __exit__ would not run, releases it here; one before, nothing.
+        # Otherwise a close or load on another thread would wait for this call forever.
         try:
-            return self._gadget._take(self)
+            return self._gadget._take(self._use)
         except BaseException:
-            self._gadget._give_back(self)
+            if self._use.locked():  # by this call: no other takes it before it is released
+                self._use.release()
             raise
 
-    def __exit__(self, *exc) -> None:
-        self._gadget._give_back(self)
+    @property
+    def __exit__(self):
+        """The use's own ``__exit__``, which releases it: C, so no interrupt lands before it does.
+
+        Python runs a signal handler on entering a function: one that landed as a Python ``__exit__``
+        was entered would leave the use held, and a close or load on another thread waiting for good.
+        """
+        return self._use.__exit__
 
 
 def _unmappable(path, dtype, why) -> DTypeError:
