@@ -621,16 +621,17 @@ def test_zero_grad_after_a_backward_then_a_step_with_no_forward_moves_no_row_as_
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])
-@pytest.mark.parametrize("flow", ["zero_grad", "grad_scaler", "as_left"])
+@pytest.mark.parametrize("flow", ["zero_grad", "grad_scaler", "as_left", "negated"])
 def test_a_loss_weighted_by_zero_then_a_step_with_no_forward_trains_as_in_memory(backend, rng, cache_rows, flow):
     """A loss weighted by 0 leaves its rows a gradient of exact zeros; then the step, with no forward between.
 
     In memory the sparse gradient names those rows at zero values: SparseAdam
-    moves them by their momentum, as it is (``as_left``) or unscaled by a
-    ``GradScaler`` (written in place). After ``zero_grad(set_to_none=False)``
-    it names none, and the step moves none. Offloaded, a gradient zeroed in
-    place could not be told from one unscaled when the backward left it zero:
-    the zeroed step trained its rows as the unscaled one does.
+    moves them by their momentum, as it is (``as_left``), unscaled by a
+    ``GradScaler`` or negated for gradient ascent (written in place). After
+    ``zero_grad(set_to_none=False)`` it names none, and the step moves none.
+    Offloaded, a gradient zeroed in place could not be told from one unscaled
+    when the backward left it zero: the zeroed step trained its rows as the
+    unscaled one does. Then a negated one was taken for a zeroed one.
     """
     emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, BATCH * WIDTH, cache_rows)
     sides = [(*side, torch.amp.GradScaler("cpu", init_scale=4.0))
@@ -649,6 +650,8 @@ def test_a_loss_weighted_by_zero_then_a_step_with_no_forward_trains_as_in_memory
                 loss.backward()
                 if zero and flow == "zero_grad":
                     optimizer.zero_grad(set_to_none=False)
+                if flow == "negated":  # gradient ascent: -0.0 becomes +0.0, as zero_() writes
+                    optimizer.param_groups[0]["params"][0].grad.neg_()
                 optimizer.step()
             optimizer.zero_grad(set_to_none=False)
     emb.flush()

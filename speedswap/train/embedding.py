@@ -198,6 +198,7 @@ class OffloadedEmbedding(RefusesConversion):
         # Made once: a tensor made each step would cross to a GPU with a host wait.
         self._padding_row = (None if padding_idx is None else
                              torch.tensor([padding_idx], dtype=torch.int64, device=self._table.device))
+        self._zero_marks = torch.tensor([-0.0, 0.0], dtype=compute, device=self._table.device)  # see _note_backward
         self._reached, self._kept = ReachedRows(dropped=_gradient_dropped(weakref.ref(self))), None
         self._state = None
         self._narrowed = None
@@ -624,19 +625,20 @@ class OffloadedEmbedding(RefusesConversion):
         defaults = self._state.optimizer.defaults
         return bool(defaults.get("foreach") or defaults.get("fused"))
 
-    @staticmethod
-    def _cleared(grad: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
+    def _cleared(self, grad: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
         """Whether the dense ``grad`` lost what its last backward left: a non-zero value, or the zero mark.
 
-        A backward that leaves the step's gradient at zero marks it with
-        ``-0.0`` in its first element (:func:`_note_backward`): ``zero_()``
-        (``zero_grad(set_to_none=False)``) writes ``+0.0`` over it, while
-        ``unscale_`` and clipping multiply it by a positive factor, which
-        keeps the sign. In memory the first empties the sparse gradient and
-        the second keeps its rows, at zero values. A 0-dim bool tensor, on
-        the device; true too where the backward left a non-zero value.
+        A backward that leaves the step's gradient at zero marks two of its
+        elements ``-0.0`` and ``+0.0`` (:func:`_note_backward`): ``zero_()``
+        (``zero_grad(set_to_none=False)``) writes ``+0.0`` over both, while
+        ``unscale_`` and clipping multiply them by a positive factor, which
+        keeps their signs, and a negation (gradient ascent) swaps them. In
+        memory the first empties the sparse gradient and the others keep its
+        rows, at zero values. A step of one value has one mark: its negation
+        reads as ``zero_()``. A 0-dim bool tensor, on the device; true too
+        where the backward left a non-zero value.
         """
-        return nonzero | ~torch.signbit(grad[0, 0])
+        return nonzero | ~torch.signbit(_marks(grad, self._working_set.size)).any()
 
     def _step_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The values of ``grad`` for the step's rows (a sparse gradient's values)."""
@@ -1414,6 +1416,15 @@ def _note_leftover_gradient(ref):
     return note
 
 
+def _marks(grad: torch.Tensor, size: int) -> torch.Tensor:
+    """The elements of the dense ``grad`` that mark a zero gradient (see :func:`_note_backward`), as a view.
+
+    The first two of the step's first row; of its first column for rows of one
+    value (one element where the step has one row).
+    """
+    return grad[0, :2] if grad.shape[1] > 1 else grad[:min(size, 2), 0]
+
+
 def _note_backward(ref):
     """A post-accumulate-grad hook for an embedding's ``weight`` that holds the embedding weakly."""
     def note(_weight):
@@ -1428,10 +1439,11 @@ def _note_backward(ref):
             size = embedding._working_set.size
             nonzero = None if grad.is_sparse else grad[:size].any()
             if nonzero is not None and size:
-                # A gradient left at zero is marked (-0.0, the same value) for _cleared, on the device.
-                # masked_fill_: two launches, where torch.where with a Python scalar makes three.
-                # Through detach(): a backward with create_graph=True leaves a gradient with a graph,
-                # and a recorded fill would zero that element's derivative for the next backward.
-                grad.detach()[0, :1].masked_fill_(~nonzero, -0.0)
+                # A gradient left at zero is marked (-0.0, +0.0: the same values) for _cleared, on the
+                # device, in one launch: +0.0 too, so that a negation, which turns -0.0 into +0.0 as
+                # zero_() does, leaves a -0.0. Through detach(): a backward with create_graph=True leaves
+                # a gradient with a graph, and a recorded write would zero those elements' derivatives.
+                marks = _marks(grad.detach(), size)
+                torch.where(nonzero, marks, embedding._zero_marks[:len(marks)], out=marks)
             embedding._grad_at_backward = (weakref.ref(grad), nonzero, grad._version)
     return note
