@@ -160,8 +160,9 @@ def bf16_reference(name, seed, world):
     owner of each row sums and averages them), a float32 step, and every row rounded to
     bfloat16 after it. A reference that sums the gradients in another order (one process's
     loss over the union batch) differs from the ranks in the gradients' last float32 bits,
-    which round a bfloat16 row the other way about once in 2**16 updates; this one is the
-    ranks' result exactly.
+    which round an entry to the other bfloat16 neighbour where its new value lies within
+    them of a midpoint (those are 2**16 float32 steps apart): rarely, but not never (seed
+    1632855288). This one is the ranks' result exactly.
     """
     _, ref_cls, kwargs, _ = OPTIMIZERS[name]
     weight = torch.nn.Parameter(initial_table(seed).to(torch.bfloat16).float())
