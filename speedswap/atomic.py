@@ -394,7 +394,12 @@ def _open_recorded(path, flags, mode=0o777) -> int:
 
 
 def _let_go(fd) -> None:
-    """Close ``fd``, which releases its ``flock``, and forget it (no fork in between copies it unrecorded)."""
+    """Close ``fd``, which releases its ``flock``, and forget it (no fork in between copies it unrecorded).
+
+    Not at the end of a turn, which lets go in place (:func:`locked`, :func:`one_save_at_a_time`): an
+    interrupt (Ctrl-C) lands on entering a function, and one on entering this one would leave ``fd`` open,
+    its ``flock`` held for as long as the process lives.
+    """
     with _RECORDING:
         try:
             _FLOCKED.pop(fd, None)
@@ -474,8 +479,12 @@ def locked(directory, shared=False):
         return
     try:
         yield
-    finally:
-        _let_go(fd)
+    finally:  # _let_go in place: no interrupt lands before the close (see _let_go)
+        with _RECORDING:
+            try:
+                del _FLOCKED[fd]
+            finally:
+                os.close(fd)
 
 
 #: The suffix of the lock file beside a file being saved (:func:`one_save_at_a_time`).
@@ -576,7 +585,11 @@ def one_save_at_a_time(path):
             try:
                 with contextlib.suppress(OSError):  # left behind, it is taken by the next save (see _flocked)
                     os.unlink(lock)
-            finally:
-                _let_go(fd)  # after the unlink: a save that wins the file now sees it has no name
+            finally:  # after the unlink: a save that wins the file now sees it has no name
+                with _RECORDING:  # _let_go in place: no interrupt lands before the close (see _let_go)
+                    try:
+                        del _FLOCKED[fd]
+                    finally:
+                        os.close(fd)
     finally:
         held.discard(lock)

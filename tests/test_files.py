@@ -1,5 +1,6 @@
 """Saving and loading: round trips, validation of bad files, atomic saves."""
 
+import contextlib
 import os
 import re
 import stat
@@ -862,3 +863,97 @@ def test_an_interrupt_while_a_directory_checkpoints_file_is_synced_before_its_co
         emb.save(path)
     monkeypatch.undo()
     assert not getattr(info.value, "__notes__", []) and os.listdir(tmp_path) == []
+
+
+def _opened_in(directory) -> list:
+    """The descriptors of this process open on ``directory`` or a file in it (its lock files, removed ones too)."""
+    opened = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(str(directory)):
+                opened.append(int(fd))
+    return opened
+
+
+def _taken_elsewhere(target) -> bool:
+    """Whether an ``flock`` on the file or directory ``target`` is held: a descriptor of its own cannot take it."""
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        atomic.fcntl.flock(fd, atomic.fcntl.LOCK_EX | atomic.fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _a_turn_interrupted_at(take_the_turn, phase, point):
+    """Take and leave a turn with KeyboardInterrupt raised at the ``point``-th place it can land in atomic.py.
+
+    Python runs a signal handler (Ctrl-C's) on entering a function or once a call into C has returned, the
+    "call" and "c_return" events of a profile function, which sys.setprofile gives on 3.11 and later alike.
+    Only the places while the turn is taken (``phase`` "taking") or left ("leaving") count.
+
+    Returns:
+        where it was raised, or None past the last such place (the turn was taken and left).
+    """
+    seen, where = [0], []
+
+    def profile(frame, event, arg):
+        if where or event not in ("call", "c_return") or frame.f_code.co_filename != atomic.__file__:
+            return
+        if seen[0] == point:
+            where.append(f"{frame.f_code.co_name}:{frame.f_lineno} ({event} {getattr(arg, '__name__', '')})")
+            raise KeyboardInterrupt
+        seen[0] += 1
+
+    try:
+        if phase == "taking":
+            sys.setprofile(profile)
+        with take_the_turn():
+            sys.setprofile(None if phase == "taking" else profile)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.setprofile(None)
+    return where[0] if where else None
+
+
+@pytest.mark.skipif(atomic.fcntl is None or not os.path.isdir("/proc/self/fd"),
+                    reason="flock, and names open files through /proc (Linux)")
+@pytest.mark.parametrize("phase", ["leaving"])
+@pytest.mark.parametrize("turn", ["a save's", "a checkpoint save's", "a checkpoint load's"])
+def test_an_interrupt_anywhere_as_a_turn_is_taken_or_left_keeps_neither_the_turn_nor_a_descriptor(tmp_path, turn,
+                                                                                                  phase):
+    """A turn is an flock on a descriptor that atomic.py opens, records for the fork hook, and closes as
+    the turn ends. Ctrl-C on entering _let_go, as a checkpoint's turn ended, left its descriptor open and
+    the directory locked for good: every later save or load of it, in this process or another, waited
+    forever (a save's turn kept a descriptor of its removed lock file). KeyboardInterrupt is raised at
+    each place an interrupt can land as the turn is taken or left, one per turn; after each, no
+    descriptor of the turn is open, no record or turn of this thread is left, and the lock is free."""
+    path, checkpoint = tmp_path / "t.npy", tmp_path / "ckpt"
+    checkpoint.mkdir()
+    take_the_turn = {"a save's": lambda: atomic.one_save_at_a_time(path),
+                     "a checkpoint save's": lambda: atomic.locked(checkpoint),
+                     "a checkpoint load's": lambda: atomic.locked(checkpoint, shared=True)}[turn]
+    lock = atomic._lock_path(path) if turn == "a save's" else checkpoint
+    records = dict(atomic._FLOCKED)
+    kept, points = [], []
+    while True:
+        where = _a_turn_interrupted_at(take_the_turn, phase, len(points))
+        left = {"descriptors": _opened_in(tmp_path), "records": dict(atomic._FLOCKED.items() - records.items()),
+                "turn held by this thread": lock in getattr(atomic._HELD, "locks", ()),
+                "flock held": os.path.exists(lock) and _taken_elsewhere(lock)}
+        if any(left.values()):
+            kept.append((where, {what: it for what, it in left.items() if it}))
+            for fd in left["descriptors"]:  # so that the next turn is not held up by this one
+                os.close(fd)
+            atomic._FLOCKED.clear()
+            atomic._FLOCKED.update(records)
+            getattr(atomic._HELD, "locks", set()).discard(lock)
+        if where is None:
+            break
+        points.append(where)
+    assert any("close" in point or "_let_go" in point for point in points) if phase == "leaving" else \
+        any("flock" in point for point in points), points
+    assert not kept, f"a turn interrupted at {kept} (of {points})"
