@@ -381,29 +381,41 @@ _RECORDING = threading.RLock()
 _NEVER_WAIT = getattr(os, "O_NONBLOCK", 0)
 
 
-def _open_recorded(path, flags, mode=0o777) -> int:
-    """``os.open``, the descriptor recorded in :data:`_FLOCKED` as this thread's before any fork can copy it.
+def _open_recorded(path, flags, opened, mode=0o777) -> int:
+    """``os.open``, the descriptor appended to the list ``opened`` and recorded in :data:`_FLOCKED` as this thread's.
 
-    Recorded from its opening, not once locked: a copy a child took before the ``flock`` shares the
-    open file the lock then belongs to, and would keep it locked as well.
+    Recorded from its opening, not once locked, and before any fork can copy it: a copy a child took
+    before the ``flock`` shares the open file the lock then belongs to, and would keep it locked as well.
+    Appended by C as ``os.open`` returns it: an interrupt (Ctrl-C) lands once a call into C has returned
+    to Python code, and there it would lose a descriptor held nowhere yet. The caller lets go of what
+    ``opened`` holds at the end of its turn, whatever comes.
+
+    Returns:
+        the descriptor.
+
+    Raises:
+        OSError: ``os.open``'s.
     """
+    me = threading.get_ident()
     with _RECORDING:
-        fd = os.open(path, flags | _NEVER_WAIT, mode)
-        _FLOCKED[fd] = threading.get_ident()
-    return fd
+        opened.extend(map(os.open, [path], [flags | _NEVER_WAIT], [mode]))
+        _FLOCKED[opened[-1]] = me
+    return opened[-1]
 
 
-def _let_go(fd) -> None:
-    """Close ``fd``, which releases its ``flock``, and forget it (no fork in between copies it unrecorded).
+def _let_go(opened) -> None:
+    """Close the descriptor last in ``opened``, releasing its ``flock``, and forget it (no fork copies it unrecorded).
 
-    Not at the end of a turn, which lets go in place (:func:`locked`, :func:`one_save_at_a_time`): an
-    interrupt (Ctrl-C) lands on entering a function, and one on entering this one would leave ``fd`` open,
-    its ``flock`` held for as long as the process lives.
+    In the middle of a turn only: its end lets go in place (:func:`locked`, :func:`one_save_at_a_time`).
+    An interrupt (Ctrl-C) lands on entering a function, and one on entering this one leaves the
+    descriptor in ``opened`` for that end; it is taken out only as it is closed.
     """
+    fd = opened[-1]
     with _RECORDING:
         try:
-            _FLOCKED.pop(fd, None)
-        finally:  # closed even where an interrupt lands after the pop: left open, it would keep its lock
+            del opened[-1]
+            del _FLOCKED[fd]
+        finally:
             os.close(fd)
 
 
@@ -462,29 +474,26 @@ def locked(directory, shared=False):
         directory: an existing directory (a checkpoint, or the parent its first save creates it in).
         shared: a load's lock, which other loads may hold at the same time.
     """
-    fd = None
-    if fcntl is not None:
-        with contextlib.suppress(OSError):
-            fd = _open_recorded(directory, os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-            except OSError:  # a file system without flock (ENOLCK): threads still take turns
-                _let_go(fd)
-                fd = None
-    if fd is None:
-        with _LOCKS_LOCK:
-            lock = _LOCKS.setdefault(os.path.realpath(directory), threading.Lock())
-        with lock:
-            yield
-        return
+    opened, flocked = [], False  # the directory's descriptor, from its opening: let go of at the end, whatever comes
     try:
-        yield
-    finally:  # _let_go in place: no interrupt lands before the close (see _let_go)
-        with _RECORDING:
-            try:
-                del _FLOCKED[fd]
-            finally:
-                os.close(fd)
+        if fcntl is not None:
+            with contextlib.suppress(OSError):  # not to be opened, or no flock (ENOLCK): threads still take turns
+                fcntl.flock(_open_recorded(directory, os.O_RDONLY, opened), fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                flocked = True
+        if flocked:
+            yield
+        else:
+            with _LOCKS_LOCK:
+                lock = _LOCKS.setdefault(os.path.realpath(directory), threading.Lock())
+            with lock:
+                yield
+    finally:
+        if opened:  # _let_go in place: no interrupt lands before the close (see _let_go)
+            with _RECORDING:
+                try:
+                    _FLOCKED.pop(opened[0], None)  # not yet recorded where an interrupt came as it was opened
+                finally:
+                    os.close(opened[0])
 
 
 #: The suffix of the lock file beside a file being saved (:func:`one_save_at_a_time`).
@@ -500,27 +509,34 @@ def _lock_path(path) -> str:
     return os.path.join(directory, f".{_cut(name, _LOCK_SUFFIX)}{_LOCK_SUFFIX}")
 
 
-def _flocked(lock):
-    """A descriptor holding the exclusive ``flock`` of the file ``lock`` (made if need be), or None.
+def _flocked(lock, opened) -> bool:
+    """Take the exclusive ``flock`` of the file ``lock`` (made if need be) on a descriptor appended to ``opened``.
 
-    None where no lock is to be had: the file cannot be made, or its file
-    system has no ``flock``. Its holder removes the file as it lets go: a
-    lock won on a file that has no name any more (another one may have it
-    by now) is nobody's turn, so it is taken again on the file at the name.
+    Its holder removes the file as it lets go: a lock won on a file that has
+    no name any more (another one may have it by now) is nobody's turn, so
+    it is let go of, and taken again on the file at the name.
+
+    Args:
+        lock: the lock file.
+        opened: where the descriptor goes as it is opened (see :func:`_open_recorded`); the caller lets go
+            of it, whatever comes. At most one: each lost one is let go of before the next is opened.
+
+    Returns:
+        whether the ``flock`` is held; False where no lock is to be had (the file cannot be made, or its
+        file system has no ``flock``).
 
     Raises:
         PathError: something that is not a regular file is at ``lock`` (nothing waits on it, and it stays).
     """
     if fcntl is None:
-        return None
+        return False
     while True:
         try:
             # Read-only: one left by another user is taken all the same.
-            fd = _open_recorded(lock, os.O_RDONLY | os.O_CREAT, 0o666)
+            fd = _open_recorded(lock, os.O_RDONLY | os.O_CREAT, opened, 0o666)
         except OSError:  # a read-only or full directory: the save's own temporary fails the same way
-            return None
+            return False
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # its holder would remove it as it lets go
-            _let_go(fd)
             raise PathError(f"{lock!r}, the lock file saves to the file beside it take turns on, is not a "
                             f"regular file (a named pipe, socket or device?); move it away and save again")
         try:
@@ -529,14 +545,10 @@ def _flocked(lock):
         except FileNotFoundError:  # removed by the holder this one waited for
             won = named = None
         except OSError:  # a file system without flock (ENOLCK)
-            _let_go(fd)
-            return None
-        except BaseException:  # Ctrl-C while it waits
-            _let_go(fd)
-            raise
+            return False
         if won is not None and (won.st_dev, won.st_ino) == (named.st_dev, named.st_ino):
-            return fd
-        _let_go(fd)
+            return True
+        _let_go(opened)
 
 
 @contextlib.contextmanager
@@ -570,26 +582,28 @@ def one_save_at_a_time(path):
     if lock in held:
         yield
         return
-    fd = _flocked(lock)
-    held.add(lock)
+    opened = []  # the lock file's descriptor, from its opening: let go of at the end, whatever comes
     try:
-        if fd is None:
+        flocked = _flocked(lock, opened)
+        held.add(lock)
+        if flocked:
+            try:
+                yield
+            finally:  # before the close: a save that wins the file then sees it has no name
+                with contextlib.suppress(OSError):  # left behind, it is taken by the next save (see _flocked)
+                    os.unlink(lock)
+        else:
             with _LOCKS_LOCK:
                 turns = _LOCKS.setdefault(lock, threading.Lock())
             with turns:
                 yield
-            return
-        try:
-            yield
-        finally:
-            try:
-                with contextlib.suppress(OSError):  # left behind, it is taken by the next save (see _flocked)
-                    os.unlink(lock)
-            finally:  # after the unlink: a save that wins the file now sees it has no name
-                with _RECORDING:  # _let_go in place: no interrupt lands before the close (see _let_go)
-                    try:
-                        del _FLOCKED[fd]
-                    finally:
-                        os.close(fd)
     finally:
-        held.discard(lock)
+        try:
+            held.discard(lock)
+        finally:
+            if opened:  # _let_go in place: no interrupt lands before the close (see _let_go)
+                with _RECORDING:
+                    try:
+                        _FLOCKED.pop(opened[0], None)  # not yet recorded where an interrupt came as it was opened
+                    finally:
+                        os.close(opened[0])

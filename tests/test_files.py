@@ -921,16 +921,18 @@ def _a_turn_interrupted_at(take_the_turn, phase, point):
 
 @pytest.mark.skipif(atomic.fcntl is None or not os.path.isdir("/proc/self/fd"),
                     reason="flock, and names open files through /proc (Linux)")
-@pytest.mark.parametrize("phase", ["leaving"])
+@pytest.mark.parametrize("phase", ["taking", "leaving"])
 @pytest.mark.parametrize("turn", ["a save's", "a checkpoint save's", "a checkpoint load's"])
 def test_an_interrupt_anywhere_as_a_turn_is_taken_or_left_keeps_neither_the_turn_nor_a_descriptor(tmp_path, turn,
                                                                                                   phase):
     """A turn is an flock on a descriptor that atomic.py opens, records for the fork hook, and closes as
     the turn ends. Ctrl-C on entering _let_go, as a checkpoint's turn ended, left its descriptor open and
     the directory locked for good: every later save or load of it, in this process or another, waited
-    forever (a save's turn kept a descriptor of its removed lock file). KeyboardInterrupt is raised at
-    each place an interrupt can land as the turn is taken or left, one per turn; after each, no
-    descriptor of the turn is open, no record or turn of this thread is left, and the lock is free."""
+    forever (a save's turn kept a descriptor of its removed lock file). As a turn was taken, Ctrl-C once
+    os.open had returned lost the descriptor (one per interrupted save, open for good), and one once flock had
+    returned, before the turn's try, kept the turn as well. KeyboardInterrupt is raised at each place
+    an interrupt can land as the turn is taken or left, one per turn; after each, no descriptor of the
+    turn is open, no record or turn of this thread is left, and the lock is free."""
     path, checkpoint = tmp_path / "t.npy", tmp_path / "ckpt"
     checkpoint.mkdir()
     take_the_turn = {"a save's": lambda: atomic.one_save_at_a_time(path),
