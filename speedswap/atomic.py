@@ -192,14 +192,32 @@ def saving_error(path, exc, temporary=None) -> "PathError":
     return error
 
 
+def _open_into(opened, path, flags, mode=0o777) -> int:
+    """``os.open``, the descriptor appended to the list ``opened`` by C as ``os.open`` returns it.
+
+    An interrupt (Ctrl-C) lands once a call into C has returned to Python code: one after ``os.open``
+    returned would lose a descriptor held nowhere yet, open for good. The caller closes what ``opened``
+    holds, whatever comes.
+
+    Returns:
+        the descriptor.
+
+    Raises:
+        OSError: ``os.open``'s.
+    """
+    opened.extend(map(os.open, [path], [flags], [mode]))
+    return opened[-1]
+
+
 def fsync_dir(directory) -> None:
     """Make a rename in ``directory`` durable (not every file system can fsync a directory)."""
+    opened = []
     with contextlib.suppress(OSError):
-        dir_fd = os.open(directory, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
+            os.fsync(_open_into(opened, directory, os.O_RDONLY))
         finally:
-            os.close(dir_fd)
+            if opened:
+                os.close(opened[0])
 
 
 def sync_new_name(directory, path, then: str) -> None:
@@ -386,9 +404,8 @@ def _open_recorded(path, flags, opened, mode=0o777) -> int:
 
     Recorded from its opening, not once locked, and before any fork can copy it: a copy a child took
     before the ``flock`` shares the open file the lock then belongs to, and would keep it locked as well.
-    Appended by C as ``os.open`` returns it: an interrupt (Ctrl-C) lands once a call into C has returned
-    to Python code, and there it would lose a descriptor held nowhere yet. The caller lets go of what
-    ``opened`` holds at the end of its turn, whatever comes.
+    Appended as it is opened (:func:`_open_into`): the caller lets go of what ``opened`` holds at the end
+    of its turn, whatever comes.
 
     Returns:
         the descriptor.
@@ -398,8 +415,7 @@ def _open_recorded(path, flags, opened, mode=0o777) -> int:
     """
     me = threading.get_ident()
     with _RECORDING:
-        opened.extend(map(os.open, [path], [flags | _NEVER_WAIT], [mode]))
-        _FLOCKED[opened[-1]] = me
+        _FLOCKED[_open_into(opened, path, flags | _NEVER_WAIT, mode)] = me
     return opened[-1]
 
 

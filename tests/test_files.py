@@ -887,15 +887,15 @@ def _taken_elsewhere(target) -> bool:
         os.close(fd)
 
 
-def _a_turn_interrupted_at(take_the_turn, phase, point):
-    """Take and leave a turn with KeyboardInterrupt raised at the ``point``-th place it can land in atomic.py.
+def _interrupted_at(run, point):
+    """``run(counting)`` with KeyboardInterrupt raised at the ``point``-th place it can land in atomic.py.
 
     Python runs a signal handler (Ctrl-C's) on entering a function or once a call into C has returned, the
     "call" and "c_return" events of a profile function, which sys.setprofile gives on 3.11 and later alike.
-    Only the places while the turn is taken (``phase`` "taking") or left ("leaving") count.
+    Only the places between ``counting(True)`` and ``counting(False)`` count.
 
     Returns:
-        where it was raised, or None past the last such place (the turn was taken and left).
+        where it was raised, or None past the last such place (``run`` ran through).
     """
     seen, where = [0], []
 
@@ -908,10 +908,7 @@ def _a_turn_interrupted_at(take_the_turn, phase, point):
         seen[0] += 1
 
     try:
-        if phase == "taking":
-            sys.setprofile(profile)
-        with take_the_turn():
-            sys.setprofile(None if phase == "taking" else profile)
+        run(lambda on: sys.setprofile(profile if on else None))
     except KeyboardInterrupt:
         pass
     finally:
@@ -938,11 +935,16 @@ def test_an_interrupt_anywhere_as_a_turn_is_taken_or_left_keeps_neither_the_turn
     take_the_turn = {"a save's": lambda: atomic.one_save_at_a_time(path),
                      "a checkpoint save's": lambda: atomic.locked(checkpoint),
                      "a checkpoint load's": lambda: atomic.locked(checkpoint, shared=True)}[turn]
+
+    def take_and_leave(counting):
+        counting(phase == "taking")
+        with take_the_turn():
+            counting(phase == "leaving")
     lock = atomic._lock_path(path) if turn == "a save's" else checkpoint
     records = dict(atomic._FLOCKED)
     kept, points = [], []
     while True:
-        where = _a_turn_interrupted_at(take_the_turn, phase, len(points))
+        where = _interrupted_at(take_and_leave, len(points))
         left = {"descriptors": _opened_in(tmp_path), "records": dict(atomic._FLOCKED.items() - records.items()),
                 "turn held by this thread": lock in getattr(atomic._HELD, "locks", ()),
                 "flock held": os.path.exists(lock) and _taken_elsewhere(lock)}
@@ -959,3 +961,39 @@ def test_an_interrupt_anywhere_as_a_turn_is_taken_or_left_keeps_neither_the_turn
     assert any("close" in point or "_let_go" in point for point in points) if phase == "leaving" else \
         any("flock" in point for point in points), points
     assert not kept, f"a turn interrupted at {kept} (of {points})"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+def test_an_interrupt_anywhere_in_a_save_leaves_the_old_file_or_the_new_one_and_no_descriptor(tmp_path, rng):
+    """fsync_dir opened the directory, then entered the try that closes it: Ctrl-C once os.open had
+    returned (after a save's rename, as its directory was synced) left the directory's descriptor open
+    for as long as the process lived, one per interrupted save. KeyboardInterrupt is raised at each place
+    an interrupt can land in atomic.py during a save (atomic_output), one per save; after each the path
+    holds the old bytes or the new ones, and nothing else is left: no descriptor, temporary or record."""
+    path = tmp_path / "t.bin"
+    path.write_bytes(old := rng.bytes(64))
+    records = dict(atomic._FLOCKED)
+    left, points = [], []
+    while True:
+        new = rng.bytes(64)
+
+        def save(counting):
+            counting(True)
+            with atomic.atomic_output(path) as tmp, open(tmp, "wb") as f:
+                f.write(new)
+
+        where = _interrupted_at(save, len(points))
+        now = path.read_bytes()
+        assert now in (old, new), f"a save interrupted at {where} left neither the old file nor the new one"
+        old = now
+        debris = {"descriptors": _opened_in(tmp_path), "records": dict(atomic._FLOCKED.items() - records.items()),
+                  "files": sorted(set(os.listdir(tmp_path)) - {path.name, os.path.basename(atomic._lock_path(path))})}
+        if any(debris.values()):
+            left.append((where, {what: it for what, it in debris.items() if it}))
+            for fd in debris["descriptors"]:
+                os.close(fd)
+        if where is None:
+            break
+        points.append(where)
+    assert now == new and any("fsync_dir" in point for point in points), points
+    assert not left, f"a save interrupted at {left} (of {points})"
