@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..atomic import as_path, atomic_output, check_regular_file
-from ..convert import initialiser_option, int_option
+from ..convert import host_tensor, initialiser_option, int_option
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
 from ..table import HostTable
 from .steps import MODEL
@@ -440,15 +440,25 @@ class ModelFactory(Switcher):
         Cached rows are written back first. Handing out the table's memory
         (``copy=False``) also drops them from the cache, so writes to it before
         the next step are seen by that step (with a cache, call it between steps).
+        A copy made in the middle of a step holds the step's rows as they are
+        in the model's embedding: after ``optimizer.step()``, the stepped rows,
+        as an in-memory table holds them; the table's memory (``copy=False``)
+        holds them once ``after_step`` wrote them back.
 
         Raises:
             StateError: ``copy=False`` in the middle of a step, with a cache.
         """
-        if copy:
-            self.flush()
-        elif self._is_member():
-            self._steps.hand_out("to_numpy(copy=False)")
-        return self._table.to_numpy(copy=copy)
+        if not copy:
+            if self._is_member():
+                self._steps.hand_out("to_numpy(copy=False)")
+            return self._table.to_numpy()
+        self.flush()
+        array = self._table.to_numpy(copy=True)
+        in_step = self._steps.rows_in_step() if self._is_member() else None
+        if in_step is not None:
+            rows, values = in_step
+            host_tensor(array, self._table.dtype)[rows.cpu()] = values.cpu()
+        return array
 
     def getNumpyVersion(self) -> np.ndarray:
         """A copy of the table as a numpy array, as SpeedTorch returned (``to_numpy()`` shares memory)."""

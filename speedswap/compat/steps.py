@@ -405,6 +405,25 @@ class SharedSteps:
             grad = self.param.grad
             self._finished = None if grad is None else (grad, grad._version)
 
+    def rows_in_step(self):
+        """``(rows, values)`` of the step in progress, or None between steps.
+
+        Between ``before_forward`` and the last ``after_step`` the step's rows
+        are current in the parameter's first ``len(rows)`` slots, not in the
+        host table or the cache: ``optimizer.step()`` updated them there, and
+        ``after_step`` writes them back. A read of the whole table in that
+        window puts these over the stored rows, as an in-memory table holds
+        the stepped rows once ``optimizer.step()`` returned.
+
+        Returns:
+            None, or the step's table ids (1-D int64) and a detached view of
+            their slots (``(len(rows), dim)``, on the parameter's device).
+        """
+        if not self.busy():
+            return None
+        rows = self.current.rows
+        return rows, self.param.detach()[:len(rows)]
+
     def refuse_stepping_again(self, optimizer) -> None:
         """Raise before an ``optimizer.step()`` between steps that would apply the last step's gradient again.
 
