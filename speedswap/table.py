@@ -676,7 +676,6 @@ class HostTable:
         buffer = self._live_buffer()
         flat, shape = as_row_ids(rows, self.num_rows, self.device,
                                  to=self._backend.ids_device(buffer), advice=ROWS_ADVICE)
-        self._announce_read()
         target_shape = (*shape, self.dim)
         if out is None:
             out = torch.empty(target_shape, dtype=self.dtype, device=self.device)
@@ -687,6 +686,8 @@ class HostTable:
                 if _overlaps(out, source):
                     raise OptionError(f"out shares memory with {name}, which gather reads while "
                                       f"it writes out; pass a separate tensor (e.g. torch.empty_like(out))")
+        # After every check: the owner's cache writes its rows back only for a read that happens.
+        self._announce_read()
         self._backend.gather(buffer, flat, out.view(len(flat), self.dim))
         return out
 

@@ -256,3 +256,37 @@ def test_an_eval_forward_of_ids_out_of_range_raises_before_anything_changes(cach
     _check_eval_forward(emb, ref, rng, "after the refused forwards")
     _check_tables(emb, ref)
     emb.close()
+
+
+@pytest.mark.parametrize("cache_rows", [10, ROWS])
+def test_a_table_read_refused_for_its_out_changes_nothing(cache_rows, backend, rng):
+    """``table.gather(ids, out=...)`` through a kept table had the cache write its rows back before
+    it looked at ``out``: a refused read (``out`` a non-contiguous view, of another shape or dtype)
+    left the cache's rows clean and its counters moved (rows_d2h, bytes_d2h)."""
+    emb, opt, ref = _embedding_and_reference(cache_rows, backend, rng)
+    device = emb.weight.device
+    table = emb.table  # kept: reads through it have the cache write its rows back first
+    for _ in range(STEPS):
+        ids = torch.from_numpy(_zipf_ids(rng, BATCH))
+        ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32))
+        _loss(emb(ids.to(device)), ctx.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step(ids, ctx)
+    assert bool(emb._cache.dirty.any())  # what a read through the table would write back
+    ids = torch.from_numpy(_zipf_ids(rng, 6)).to(device)
+    wide = torch.empty(6, 2 * DIM, device=device)
+    for out, error in ((wide[:, :DIM], ss.ShapeError), (torch.empty(5, DIM, device=device), ss.ShapeError),
+                       (torch.empty(6, DIM, dtype=torch.float64, device=device), ss.DTypeError)):
+        tensors, numbers = _cache_state(emb)
+        stats = emb.stats()
+        with pytest.raises(error):
+            table.gather(ids, out=out)
+        assert emb.stats() == stats
+        after, after_numbers = _cache_state(emb)
+        assert after_numbers == numbers
+        for before, now in zip(tensors, after):
+            assert torch.equal(before, now)
+    np.testing.assert_array_equal(table.gather(ids).cpu().numpy(), ref.rows(ids.cpu()))
+    _check_tables(emb, ref)
+    emb.close()
