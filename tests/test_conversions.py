@@ -79,15 +79,69 @@ def test_models_without_an_offloaded_embedding_convert_as_torch_converts_them(rn
         torch.testing.assert_close(after[name], expected, rtol=0, atol=0, msg=name)
 
 
-def test_switchers_refuse_a_model_converted_after_them(rng):
-    model = torch.nn.Embedding(8, DIM)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    u = ss.ModelFactory(model, ROWS, DIM, CPUPinn=True, backend="numpy")
-    u.uniformDistributionInit(-0.1, 0.1)
-    o = ss.OptimizerFactory(opt, ROWS, DIM, torch.nn.ModuleDict({"e": model}), "e",
-                            CPUPinn=True, backend="numpy")
+def _switched_model(rng, optimizer=torch.optim.Adam):
+    """A Linear, then a 16-slot working-set embedding with both switchers over a random table."""
+    emb = torch.nn.Embedding(16, DIM)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), torch.nn.ModuleDict({"e": emb}))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(tuple(p.shape), dtype=np.float32)))
+    opt = optimizer(emb.parameters(), lr=0.1)
+    u = ss.ModelFactory(emb, ROWS, DIM, CPUPinn=True, backend="numpy")
+    u.customInit(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model[1], "e", CPUPinn=True, backend="numpy")
+    return model, emb, opt, u, o
+
+
+CONVERSIONS = {"double": lambda m: m.double(), "half": lambda m: m.half(), "bfloat16": lambda m: m.bfloat16(),
+               "to(float64)": lambda m: m.to(torch.float64), "type(float64)": lambda m: m.type(torch.float64),
+               "to(meta)": lambda m: m.to("meta"), "to_empty(meta)": lambda m: m.to_empty(device="meta")}
+
+
+@pytest.mark.parametrize("mid_step", [False, True])
+def test_switchers_refuse_a_conversion_before_anything_converts_and_keep_training(rng, mid_step):
+    """model.double() after the switchers were built converted the whole model (the embedding's slots
+    too) and only the next before_forward raised; converted between before_forward and after_step,
+    the step could not end (after_step raised, then before_forward 'called twice')."""
+    model, emb, opt, u, o = _switched_model(rng, torch.optim.SGD)
+    ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
+    if mid_step:
+        local = u.before_forward(ids)
+        o.before_forward(ids)
+    table = u.getNumpyVersion()
+    before = snapshot(model)
+    for name, convert in CONVERSIONS.items():
+        with pytest.raises(ss.OptionError, match="cannot be converted") as refused:
+            convert(model)
+        assert "build the switchers after it" in str(refused.value), name
+        assert_unchanged(model, before)
+    model.float()  # what it already is: fine
+    model.to("cpu")
+    assert_unchanged(model, before)
+    if not mid_step:
+        local = u.before_forward(ids)
+        o.before_forward(ids)
+    weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+    (emb(local) * weights).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    u.after_step(ids)
+    o.after_step(ids)
+    expected = torch.from_numpy(table).requires_grad_()  # the whole table in memory, plain SGD
+    (expected[ids] * weights).sum().backward()
+    np.testing.assert_allclose(u.getNumpyVersion(), (expected - 0.1 * expected.grad).detach().numpy(),
+                               rtol=1e-6, atol=1e-6)
+    u.close()
+    o.close()
+    model.double()  # no switcher serves it any more
+    assert emb.weight.dtype == torch.float64
+
+
+def test_switchers_refuse_a_weight_converted_around_the_module_walk(rng):
+    """A conversion no nn.Module._apply made (weight.data assigned) is still refused at before_forward."""
+    model, emb, opt, u, o = _switched_model(rng)
     table = u.to_numpy(copy=True)
-    model.double()
+    emb.weight.data = emb.weight.data.double()
     ids = torch.tensor([3, 7, 3])
     with pytest.raises(ss.OptionError, match="converted to torch.float64"):
         u.before_forward(ids)

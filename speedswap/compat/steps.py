@@ -36,6 +36,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..convert import as_id_tensor, bounds_check, check_id_range, is_uint64, read_bounds
 from ..errors import IdError, OptionError, StateError
 from ..train.caching import idle_stats, new_cache, rewriting
+from ..train.conversions import guard_parameter, refuse_conversion
 from ..train.leftover import untouched
 from ..train.row_state import row_state_spec
 from ..train.working_set import WorkingSet
@@ -186,6 +187,7 @@ class SharedSteps:
         """
         self.check_join(kind, cache_rows, type(switcher).__name__)
         self._watch_gradients()
+        guard_parameter(self.param, self.check_conversion)
         _watch_optimizer_steps()
         member = self._members[kind] = _Member(switcher, tables, cache_rows)
         self._rebuild()
@@ -193,6 +195,24 @@ class SharedSteps:
         leave = weakref.finalize(switcher, self._leave, kind, member)
         leave.atexit = False  # at exit there is nothing to keep consistent
         return leave
+
+    def check_conversion(self, fn) -> None:
+        """Refuse ``model.double()``, ``.half()``, ``.to(...)`` of the parameter while a switcher serves it.
+
+        The switchers' host tables hold rows of the parameter's dtype for its
+        device: converted, it would take rows it cannot hold. Checked before
+        any module of the model converts (:func:`guard_parameter`); once every
+        switcher is closed, the parameter converts as any other.
+
+        Raises:
+            OptionError: ``fn`` changes the parameter's dtype or device; nothing was converted.
+        """
+        live = [member.ref() for member in self._members.values() if member.ref() is not None]
+        if live:
+            refuse_conversion(
+                f"embedding switched by a {type(live[0]).__name__}", fn, self.param, self.param.dtype,
+                instead="convert the model first and build the switchers after it, with the "
+                        "matching datatype (or close() them before converting)")
 
     def _watch_gradients(self):
         """Hook :func:`_refuse_leftover_gradient` on the parameter, once, when it takes gradients.

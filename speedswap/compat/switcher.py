@@ -142,8 +142,11 @@ class Switcher(SpeedTorchFiles):
         """The parameter's storage now; it must still be the dtype and device it was built with.
 
         ``model.double()``, ``.half()``, ``.to(device)`` after the switcher was
-        built give the parameter new storage of another kind, which the host
-        table cannot fill: training would silently stop.
+        built are refused before anything converts
+        (:meth:`SharedSteps.check_conversion`); this catches what no
+        ``nn.Module._apply`` did (``weight.data = weight.data.double()``),
+        new storage of another kind, which the host table cannot fill:
+        training would silently stop.
 
         Raises:
             OptionError: the parameter was converted or replaced since.

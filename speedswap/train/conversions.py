@@ -16,20 +16,30 @@ before them. So the first embedding built wraps ``nn.Module._apply`` once
 (:func:`guard_conversions`) to check the whole tree it is called on before
 it delegates to torch's own: a refused conversion leaves every module as it
 was. For a tree with no offloaded embedding the wrapper only walks it.
+
+A SpeedTorch-style switcher trains a plain ``nn.Embedding`` of the model
+whose rows it fills from its host tables: no module of the tree stands for
+it, so it guards the parameter instead (:func:`guard_parameter`), checked
+in the same walk.
 """
 
 import functools
 import threading
+import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import OptionError
 
-__all__ = ["RefusesConversion", "guard_conversions", "refuse_conversion"]
+__all__ = ["RefusesConversion", "guard_conversions", "guard_parameter", "refuse_conversion"]
 
 #: ``checked``: ``(fn, ids of the modules checked for it)`` on a thread while a checked
 #: ``nn.Module._apply`` runs: torch's recursion into the children need not walk their subtrees again.
 _state = threading.local()
+
+#: parameter -> weak method ``check(fn)`` (see :func:`guard_parameter`).
+_GUARDED_PARAMETERS = WeakIdKeyDictionary()
 
 
 class RefusesConversion(torch.nn.Module):
@@ -75,6 +85,8 @@ def guard_conversions() -> None:
         for sub in tree:
             if isinstance(sub, RefusesConversion):
                 sub.check_conversion(fn)
+            if _GUARDED_PARAMETERS:
+                _check_parameters(sub, fn)
         _state.checked = (fn, {id(sub) for sub in tree})
         try:
             return apply(module, fn, recurse)
@@ -85,7 +97,35 @@ def guard_conversions() -> None:
     torch.nn.Module._apply = checked_apply
 
 
-def refuse_conversion(kind: str, fn, weight: torch.Tensor, table_dtype: torch.dtype) -> None:
+def _check_parameters(module, fn):
+    """Run the checks :func:`guard_parameter` registered for ``module``'s own parameters."""
+    for param in module._parameters.values():
+        check = None if param is None else _GUARDED_PARAMETERS.get(param)
+        check = None if check is None else check()
+        if check is not None:
+            check(fn)
+
+
+def guard_parameter(param: torch.nn.Parameter, check) -> None:
+    """Have every conversion of a module holding ``param`` call ``check(fn)`` before anything converts.
+
+    For a parameter whose dtype and device something outside the model
+    depends on (a switcher's host tables), where no :class:`RefusesConversion`
+    module of the tree stands for it. A later call for ``param`` replaces the check.
+
+    Args:
+        param: the parameter.
+        check: a bound method taking the conversion ``fn`` (as
+            ``nn.Module._apply`` calls it) and raising :class:`OptionError`
+            to refuse it; held weakly.
+    """
+    guard_conversions()
+    _GUARDED_PARAMETERS[param] = weakref.WeakMethod(check)
+
+
+def refuse_conversion(kind: str, fn, weight: torch.Tensor, table_dtype: torch.dtype, *,
+                      instead: str = "build it with dtype=..., device=... (backend='numpy' for the CPU) "
+                                     "instead") -> None:
     """Raise unless ``fn`` (as ``nn.Module._apply`` calls it) leaves ``weight``'s dtype and device.
 
     Args:
@@ -93,6 +133,7 @@ def refuse_conversion(kind: str, fn, weight: torch.Tensor, table_dtype: torch.dt
         fn: the conversion ``nn.Module._apply`` applies to each tensor.
         weight: the embedding's working-set parameter.
         table_dtype: the host table's dtype, for the message.
+        instead: what the message says to do instead.
 
     Raises:
         OptionError: ``fn`` would convert ``weight``. Called before anything
@@ -115,5 +156,4 @@ def refuse_conversion(kind: str, fn, weight: torch.Tensor, table_dtype: torch.dt
     raise OptionError(
         f"this {kind} cannot be converted to {probe.dtype} on {probe.device} after it is built "
         f"(its table and optimizer state live on the host for {table_dtype} rows on "
-        f"{weight.device}); build it with dtype=..., device=... (backend='numpy' for the CPU) "
-        f"instead. {unchanged}")
+        f"{weight.device}); {instead}. {unchanged}")
