@@ -188,3 +188,47 @@ def test_a_bfloat16_embedding_refuses_bfloat16_saying_it_is_bfloat16_already(kin
     with pytest.raises(ss.OptionError, match="build it with dtype=") as other:
         model.double()  # to another dtype than the table's, building it so is the way
     assert "bfloat16 already" not in str(other.value)
+
+
+@pytest.mark.parametrize("kind", ["offloaded", "switchers"])
+def test_to_empty_on_its_own_device_mid_step_is_refused_and_between_steps_trains_on(rng, kind):
+    """to_empty(device="cpu") changes no dtype or device, so it went through, between a training
+    forward and the step too: the working set, which held the step's rows, became uninitialised
+    memory, and the step wrote it back to the table as trained rows (values like 1e37)."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    expected = torch.from_numpy(table0.copy())  # the whole table in memory, plain SGD
+    if kind == "offloaded":
+        emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=16, storage="pageable", backend="numpy")
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+        model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), emb)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        emb.attach(opt)
+        begin, end, read = emb, lambda ids: None, lambda: emb.table.to_numpy(copy=True)
+    else:
+        model, emb, opt, u, o = _switched_model(rng, torch.optim.SGD)
+        u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+
+        def begin(ids):
+            o.before_forward(ids)
+            return emb(u.before_forward(ids))
+
+        def end(ids):
+            u.after_step(ids)
+            o.after_step(ids)
+        read = u.getNumpyVersion
+    for _ in range(4):
+        ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
+        weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        rows = begin(ids)
+        before = snapshot(model)
+        with pytest.raises(ss.StateError, match="convert between steps"):
+            model.to_empty(device="cpu")
+        assert_unchanged(model, before)
+        (rows * weights).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        end(ids)
+        grad = torch.zeros_like(expected).index_add_(0, ids, weights)
+        expected -= 0.1 * grad
+        np.testing.assert_allclose(read(), expected.numpy(), rtol=1e-6, atol=1e-6)
+        model.to_empty(device="cpu")  # between steps the working set is scratch

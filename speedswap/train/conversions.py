@@ -30,9 +30,10 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import OptionError
+from ..errors import OptionError, StateError
 
-__all__ = ["RefusesConversion", "guard_conversions", "guard_parameter", "refuse_conversion"]
+__all__ = ["RefusesConversion", "guard_conversions", "guard_parameter", "refuse_conversion",
+           "refuse_new_storage"]
 
 #: ``checked``: ``(fn, ids of the modules checked for it)`` on a thread while a checked
 #: ``nn.Module._apply`` runs: torch's recursion into the children need not walk their subtrees again.
@@ -157,3 +158,31 @@ def refuse_conversion(kind: str, fn, weight: torch.Tensor, table_dtype: torch.dt
         f"this {kind} cannot be converted to {probe.dtype} on {probe.device} after it is built "
         f"(its table and optimizer state live on the host for {table_dtype} rows on "
         f"{weight.device}); {instead}. {unchanged}")
+
+
+def refuse_new_storage(kind: str, fn, weight: torch.Tensor, until: str) -> None:
+    """Raise if ``fn`` gives ``weight`` new storage; for a weight that holds a step's rows now.
+
+    ``to_empty()`` onto the device a module is on changes no dtype or device,
+    so :func:`refuse_conversion` lets it through, but it replaces every
+    parameter's storage with uninitialised memory: the step's rows in the
+    working set would be lost, and the step would write that memory back to
+    the table as trained rows. A conversion that keeps each tensor as it is
+    (``.float()`` of a float32 model, ``.to(its device)``) goes through.
+
+    Args:
+        kind: the embedding's name, for the message.
+        fn: the conversion ``nn.Module._apply`` applies to each tensor.
+        weight: the working-set parameter.
+        until: the call that writes the step's rows back, for the message.
+
+    Raises:
+        StateError: ``fn`` returns another tensor than the one it is given;
+            called before anything converts, so the model is as it was.
+    """
+    probe = torch.zeros(1, dtype=weight.dtype, device=weight.device)
+    if fn(probe) is not probe:
+        raise StateError(f"this {kind} holds the rows of a step in progress, and this conversion gives "
+                         f"its weight new storage (to_empty() leaves it uninitialised): {until} would "
+                         f"write that memory back to the table as the step's rows. Nothing was "
+                         f"converted: convert between steps")
