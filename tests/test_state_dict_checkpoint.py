@@ -596,3 +596,26 @@ def test_a_sharded_state_dict_without_the_shard_is_reported_missing():
         with pytest.raises(RuntimeError, match="_extra_state"):
             emb.load_state_dict({})
         assert emb.load_state_dict({"weight": torch.zeros(3, DIM)}, strict=False).missing_keys == ["_extra_state"]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".pth"])
+def test_a_torch_file_given_to_save_or_load_says_how_torch_files_are_read(suffix, rng, tmp_path):
+    """emb.load("ckpt.pt") said only that it "cannot tell the checkpoint format", not that a torch
+    checkpoint is read with load_state_dict(torch.load(...)); so did OptimizerFactory.load/save."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    model = offloaded("pageable", torch.float32, 0, None, table0)
+    opt = make_adam(model.parameters())
+    model.emb.attach(opt)
+    path = tmp_path / f"ckpt{suffix}"
+    torch.save(model.state_dict(), path)
+    working = torch.nn.Embedding(8, DIM)
+    switched_opt = torch.optim.Adam(working.parameters(), lr=0.01)
+    switcher = ss.OptimizerFactory(switched_opt, ROWS, DIM, torch.nn.ModuleDict({"e": working}), "e",
+                                   backend="numpy")
+    for call in (model.emb.load, model.emb.save, switcher.load, switcher.save):
+        with pytest.raises(ss.OptionError, match=r"load_state_dict\(torch\.load") as refused:
+            call(path)
+        assert "torch.save(" in str(refused.value)
+    np.testing.assert_array_equal(model.emb.table.to_numpy(copy=True), table0)  # nothing loaded
+    model.load_state_dict(torch.load(path))  # what the message says works
+    np.testing.assert_array_equal(model.emb.table.to_numpy(copy=True), table0)

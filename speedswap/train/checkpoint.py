@@ -107,7 +107,8 @@ def checkpoint_kind(path) -> str:
 
     Raises:
         OptionError: any other suffix (``emb.pt`` is not a directory name
-            anyone expects): say which format is meant.
+            anyone expects): say which format is meant; for a torch file
+            (``*.pt`` / ``*.pth``), how torch checkpoints are written and read.
     """
     fmt = files.suffix_format(path)
     if fmt == "h5":
@@ -115,9 +116,17 @@ def checkpoint_kind(path) -> str:
     suffix = os.path.splitext(os.fspath(path))[1]
     if fmt is None and (not suffix or os.path.isdir(path)):
         return "dir"
-    raise OptionError(f"cannot tell the checkpoint format of {os.fspath(path)!r}: a checkpoint is "
-                      f"*.h5 / *.hdf5 (one HDF5 file) or a path with no suffix (a directory "
-                      f"of .npy files); *.npy is the table alone (an export)")
+    formats = ("a checkpoint is *.h5 / *.hdf5 (one HDF5 file) or a path with no suffix (a directory "
+               "of .npy files); *.npy is the table alone (an export)")
+    if suffix.lower() in (".pt", ".pth"):
+        raise OptionError(f"{os.fspath(path)!r} is a torch file, which this save/load does not write or "
+                          f"read ({formats}). A torch checkpoint is written with "
+                          f"torch.save(model.state_dict(), path) and read with "
+                          f"model.load_state_dict(torch.load(path)) (an optimizer's with "
+                          f"optimizer.load_state_dict(torch.load(path))): an OffloadedEmbedding's "
+                          f"state dict holds its table and optimizer state rows, while an "
+                          f"OptimizerFactory's state tables are kept only by its save()")
+    raise OptionError(f"cannot tell the checkpoint format of {os.fspath(path)!r}: {formats}")
 
 
 def current_version(path):
