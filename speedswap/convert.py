@@ -121,7 +121,12 @@ _SUPPORTED = sorted([str(n) for n in _NUMPY_TO_TORCH] + ["bfloat16"])
 
 
 def _unsupported(dtype):
-    return DTypeError(f"dtype {dtype} is not supported; use one of {_SUPPORTED}")
+    advice = ""
+    if dtype in (np.dtype(np.uint64), _TORCH_UINT64):
+        # Ids from hashes or a tokenizer often come as uint64: say how to keep them.
+        advice = ("; uint64 ids convert with ids.astype(np.int64) (a tensor: ids.to(torch.int64)), "
+                  "which keeps every id below 2**63, the largest an int64 row id holds")
+    return DTypeError(f"dtype {dtype} is not supported; use one of {_SUPPORTED}{advice}")
 
 
 #: Names numpy and torch read differently (torch.float is float32, np.dtype("float") float64).

@@ -1074,3 +1074,19 @@ def test_a_window_accepted_when_the_feeder_was_built_is_not_refused_when_ram_dip
             torch.testing.assert_close(batch, want, rtol=0, atol=0)
         rows = torch.cat(got).numpy()
         np.testing.assert_array_equal(rows[np.lexsort(rows.T)], np.asarray(x)[np.lexsort(np.asarray(x).T)])
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_uint64_ids_are_refused_saying_how_to_convert_them(rng, kind):
+    """A feeder or gadget over uint64 ids (hashes, a tokenizer's output) said only "dtype uint64 is
+    not supported; use one of [...]", not that ids.astype(np.int64) keeps them."""
+    ids = rng.integers(0, 2**40, size=(64, 3), dtype=np.uint64)
+    source = ids if kind == "numpy" else torch.from_numpy(ids.astype(np.int64)).to(torch.uint64)
+    for build in (lambda: ss.BatchFeeder(source, batch_size=16, order="sequential", device="cpu"),
+                  lambda: ss.DataGadget(source, backend="numpy")):
+        with pytest.raises(ss.DTypeError, match=r"uint64") as refused:
+            build()
+        assert "ids.astype(np.int64)" in str(refused.value) and "ids.to(torch.int64)" in str(refused.value)
+    # What the message advises keeps every id.
+    feeder = ss.BatchFeeder(ids.astype(np.int64), batch_size=16, order="sequential", device="cpu")
+    np.testing.assert_array_equal(torch.cat([batch for (batch,) in feeder]).numpy().astype(np.uint64), ids)
