@@ -290,3 +290,47 @@ def test_a_table_read_refused_for_its_out_changes_nothing(cache_rows, backend, r
     np.testing.assert_array_equal(table.gather(ids).cpu().numpy(), ref.rows(ids.cpu()))
     _check_tables(emb, ref)
     emb.close()
+
+
+def _refused_loads(tmp_path, rng):
+    """Files a load refuses: missing, another shape (.npy and .h5), and a torch file."""
+    other = ss.OffloadedEmbedding(ROWS + 1, DIM, max_rows=8, storage="pageable", backend="numpy")
+    other.table.apply_(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS + 1, DIM), dtype=np.float32))))
+    other.save(tmp_path / "other.npy")
+    other.save(tmp_path / "other.h5")
+    other.close()
+    return [(tmp_path / "missing.h5", ss.MissingFileError), (tmp_path / "other.npy", ss.FileFormatError),
+            (tmp_path / "other.h5", ss.FileFormatError), (tmp_path / "x.pt", ss.OptionError)]
+
+
+@pytest.mark.parametrize("cache_rows", [10, ROWS])
+def test_a_refused_load_leaves_the_cache_as_it_was(cache_rows, backend, rng, tmp_path):
+    """emb.load of a file it refuses flushed the cache before the file was read, and dropped every
+    cached row after the refusal: the next steps missed rows the cache had held (hits lost, the rows
+    read from the host again), and stats() had counted the flush's writes."""
+    emb, opt, ref = _embedding_and_reference(cache_rows, backend, rng)
+    device = emb.weight.device
+
+    def train(steps):
+        for _ in range(steps):
+            ids = torch.from_numpy(_zipf_ids(rng, BATCH))
+            ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32))
+            _loss(emb(ids.to(device)), ctx.to(device)).backward()
+            opt.step()
+            opt.zero_grad()
+            ref.step(ids, ctx)
+    train(STEPS)
+    assert bool((emb._cache.slot_row >= 0).any()) and bool(emb._cache.dirty.any())
+    for path, error in _refused_loads(tmp_path, rng):
+        tensors, numbers = _cache_state(emb)
+        stats = emb.stats()
+        with pytest.raises(error):
+            emb.load(path)
+        assert emb.stats() == stats, path.name
+        after, after_numbers = _cache_state(emb)
+        assert after_numbers == numbers, path.name
+        for before, now in zip(tensors, after):
+            assert torch.equal(before, now), path.name
+    train(3)
+    _check_tables(emb, ref)
+    emb.close()

@@ -462,3 +462,33 @@ def test_views_of_table_and_state_kept_across_cached_steps_stay_current(rng, bac
     assert_same((view.cpu().numpy(), {"exp_avg": moments}),
                 (expected[0], {"exp_avg": expected[1]["exp_avg"]}))
     assert_same(_tables(*pair[2:]), expected)
+
+
+def test_a_refused_load_leaves_the_shared_cache_as_it_was(rng, backend, tmp_path):
+    """A switcher's load of a file it refuses flushed the shared cache before reading the file and
+    dropped every cached row after the refusal: hits lost, and stats() counted the flush's writes."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    batches = _batches(rng, backend, 30)
+    pair = _pair(backend, 20, table0, eps=1e-30)
+    model, opt, u, o = pair
+    _train(*pair, batches[:20])
+    other = torch.nn.Embedding(CAPACITY, DIM)
+    other_u = ss.ModelFactory(other, ROWS + 1, DIM, backend="numpy")
+    other_u.save(tmp_path / "other.npy")
+    other_o = ss.OptimizerFactory(torch.optim.Adam(other.parameters(), lr=0.05), ROWS + 1, DIM,
+                                  torch.nn.ModuleDict({"u": other}), "u", backend="numpy")
+    other_o.save(tmp_path / "other_state.h5")
+    cache = u._steps.cache
+    assert bool((cache.slot_row >= 0).any()) and bool(cache.dirty.any())
+    for load, path, error in ((u.load, "missing.npy", ss.MissingFileError), (u.load, "other.npy", ss.FileFormatError),
+                              (o.load, "missing.h5", ss.MissingFileError),
+                              (o.load, "other_state.h5", ss.FileFormatError)):
+        held, dirty, stats = cache.slot_row.clone(), cache.dirty.clone(), u.stats()
+        with pytest.raises(error):
+            load(tmp_path / path)
+        assert u.stats() == stats, path
+        assert torch.equal(cache.slot_row, held) and torch.equal(cache.dirty, dirty), path
+    _train(*pair, batches[20:])
+    expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
+                             table0, batches, ss.get_backend(backend).device, sparse=True)
+    assert_same(_tables(u, o), expected)

@@ -375,14 +375,17 @@ class ModelFactory(Switcher):
     def load(self, path):
         """Replace the table's rows with a file's of the same shape and dtype. Alias ``loadCupy``.
 
-        Cached rows are dropped (their optimizer state is written back first).
+        Cached rows are dropped (their optimizer state is written back first)
+        once the file is verified; a refused load leaves them cached.
 
         Raises:
-            FileFormatError: another shape or dtype, or a bad file (nothing changes).
+            FileFormatError: another shape or dtype, or a bad file (nothing changes, the cache included).
             StateError: called in the middle of a step.
         """
-        with self._rewriting("load"):
-            self._table.load_from(path)
+        self._check_idle("load")
+        # The table's watch_writes hook (_prepare_table_write) has the cache write its rows back
+        # and drop them once the file is verified: a refused load leaves the cache as it was.
+        self._table.load_from(path)
 
     def close(self):
         """Release the table's memory (an ``mmap`` table gets the cached rows first). Idempotent.

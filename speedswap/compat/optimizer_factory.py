@@ -346,12 +346,16 @@ class OptimizerFactory(Switcher):
         beside them, or the next step refuses (the tables hold trained state).
 
         Raises:
-            FileFormatError: a checkpoint of another optimizer or shape (nothing changes).
+            FileFormatError: a checkpoint of another optimizer or shape (nothing changes,
+                the device cache included).
             StateError: called in the middle of a step.
         """
         from ..train.checkpoint import load_tables
-        with self._rewriting("load"):
-            load_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__})
-            self._state.mark_loaded()
+        self._check_idle("load")
+        # The shared cache writes its rows back and drops them once the checkpoint is verified:
+        # a refused load leaves it as it was.
+        load_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__},
+                    before_writes=self._prepare_state_write)
+        self._state.mark_loaded()
 
     optInit = init_state

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -507,7 +508,7 @@ def _stage_all(path, tables, attrs):
     return staged
 
 
-def load_tables(path, tables, attrs):
+def load_tables(path, tables, attrs, before_writes: Optional[Callable[[], None]] = None):
     """Read a checkpoint written by :func:`save_tables` into ``tables``, all or nothing.
 
     Every header is checked, then every row of every table is read and
@@ -529,6 +530,9 @@ def load_tables(path, tables, attrs):
         path: as given to :func:`save_tables`.
         tables: ``{name: HostTable}`` to fill; the checkpoint must hold exactly these names.
         attrs: ``{key: value}`` the checkpoint's attributes must equal.
+        before_writes: called once every table was read and verified, just
+            before the first one changes (a device cache writes its rows back
+            and drops them there): a refused load never reaches it.
 
     Raises:
         MissingFileError: no such file or directory.
@@ -541,11 +545,11 @@ def load_tables(path, tables, attrs):
     if checkpoint_kind(path) == "dir" and os.path.isdir(path):
         # A save meanwhile would remove the version read here: it waits (see _save_dir).
         with atomic.locked(path, shared=True):
-            return _load_tables(path, tables, attrs)
-    return _load_tables(path, tables, attrs)
+            return _load_tables(path, tables, attrs, before_writes)
+    return _load_tables(path, tables, attrs, before_writes)
 
 
-def _load_tables(path, tables, attrs):
+def _load_tables(path, tables, attrs, before_writes):
     held = None
     if checkpoint_kind(path) == "h5":
         with contextlib.suppress(OSError):  # the reads below say what is wrong with the path
@@ -564,6 +568,8 @@ def _load_tables(path, tables, attrs):
     finally:
         if held is not None:
             os.close(held)
+    if before_writes is not None:
+        before_writes()
     loaded = []
     with loading_into(tables.values(), path):
         for name, table in tables.items():  # the commit: rows staged in RAM cannot fail; see above

@@ -1157,14 +1157,14 @@ class OffloadedEmbedding(RefusesConversion):
                 step, or on a closed embedding.
         """
         self._check_restorable("load")
-        # A .npy load keeps the optimizer state, part of which may be cached: rewriting
-        # flushes it first, and drops the cached rows after (they predate the file's).
-        with rewriting(self._cache):
-            if files.suffix_format(path) == "npy":
-                self._table.load_from(path)  # the table alone; optimizer state is left as it is
-            else:
-                load_tables(path, self._tables(), self._attrs())
-                self._mark_state_loaded()
+        # The cache writes its rows and their state back and drops them (they predate the
+        # file's) once the file is verified, before any row changes: a refused load leaves it
+        # as it was. For a .npy file the table's own watch_writes hook does it.
+        if files.suffix_format(path) == "npy":
+            self._table.load_from(path)  # the table alone; optimizer state is left as it is
+        else:
+            load_tables(path, self._tables(), self._attrs(), before_writes=self._prepare_table_write)
+            self._mark_state_loaded()
 
     def _check_restorable(self, what):
         """Refuse a restore of the tables that the step in flight would undo (one inside ``step()`` is dropped).
