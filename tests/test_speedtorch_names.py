@@ -181,3 +181,21 @@ def test_speedtorch_argument_names_work_as_keywords(rng, tmp_path):
     gadget.insertData(dataObject=torch.zeros(2, 3), indexes=[1, 4])
     gadget.loadCupy(loadFileName=tmp_path / "data.npy")
     np.testing.assert_array_equal(gadget.getData(indexes=[1, 4]).numpy(), data[[1, 4]])
+
+
+def test_save_and_load_of_a_torch_file_name_save_torch_and_load_torch(rng, tmp_path):
+    """saveCupy("u.pt") / loadCupy("u.pt") said "name it *.npy (numpy) or *.h5 / *.hdf5 (HDF5)", not
+    that the switcher's saveTorch / loadTorch write and read torch files."""
+    _, _, u, _ = switchers()
+    u.customInit(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+    table = u.getNumpyVersion()
+    u.saveTorch(tmp_path / "u.pt")
+    u.zerosInit()
+    for call, name in ((u.saveCupy, "saveTorch"), (u.save, "saveTorch"), (u.loadCupy, "loadTorch"),
+                       (u.load, "loadTorch")):
+        with pytest.raises(ss.OptionError, match=name):
+            call(tmp_path / "u.pt")
+    assert not np.any(u.getNumpyVersion())  # nothing loaded
+    np.testing.assert_array_equal(torch.load(tmp_path / "u.pt", weights_only=True).numpy(), table)  # nor written
+    u.loadTorch(tmp_path / "u.pt")  # what the message says
+    np.testing.assert_array_equal(u.getNumpyVersion(), table)

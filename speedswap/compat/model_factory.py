@@ -55,6 +55,18 @@ def _is_torch_file(path):
     return os.path.splitext(as_path(path))[1].lower() in (".pt", ".pth")
 
 
+def _refuse_torch_file(path, instead):
+    """Raise before ``save``/``load`` of a ``.pt``/``.pth`` path: saveTorch/loadTorch take those.
+
+    Raises:
+        OptionError: ``path`` names a torch file; nothing is read or written.
+    """
+    if _is_torch_file(path):
+        raise OptionError(f"{os.fspath(path)!r} is a torch file: {instead} writes and reads *.pt / *.pth "
+                          f"(torch.save of the whole table, as SpeedTorch's saveTorch/loadTorch did); "
+                          f"save/load (saveCupy/loadCupy) take *.npy or *.h5 / *.hdf5")
+
+
 class ModelFactory(Switcher):
     """Keeps a full embedding table on the host and swaps a step's rows into the model.
 
@@ -366,8 +378,10 @@ class ModelFactory(Switcher):
         Alias ``saveCupy``.
 
         Raises:
+            OptionError: a ``.pt``/``.pth`` path (:meth:`saveTorch` writes those; nothing is written).
             StateError: called in the middle of a step (nothing is written).
         """
+        _refuse_torch_file(path, "saveTorch")
         self._check_saving()
         self.flush()
         self._table.save(path)
@@ -380,8 +394,10 @@ class ModelFactory(Switcher):
 
         Raises:
             FileFormatError: another shape or dtype, or a bad file (nothing changes, the cache included).
+            OptionError: a ``.pt``/``.pth`` path (:meth:`loadTorch` reads those; nothing changes).
             StateError: called in the middle of a step.
         """
+        _refuse_torch_file(path, "loadTorch")
         self._check_idle("load")
         # The table's watch_writes hook (_prepare_table_write) has the cache write its rows back
         # and drop them once the file is verified: a refused load leaves the cache as it was.
