@@ -43,3 +43,41 @@ def test_get_numpy_version_between_step_and_after_step_holds_the_stepped_rows(ba
         np.testing.assert_allclose(u.to_numpy(copy=True), expected, rtol=1e-6, atol=1e-6)
         u.after_step(ids)
         np.testing.assert_allclose(u.getNumpyVersion(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 10])
+def test_tables_handed_out_mid_step_are_refused_without_a_cache_too(backend, rng, cache_rows):
+    """Without a cache, u.table, getTorchVar(), to_numpy() and o.state handed out the host tables
+    between optimizer.step() and after_step, which hold the step's rows and state as before the
+    step: reads showed them stale. With a cache they were refused; now both are."""
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
+    model = torch.nn.ModuleDict({"u": emb})
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.3)
+    u = ss.ModelFactory(emb, ROWS, DIM, backend=backend, cache_rows=cache_rows)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", backend=backend, cache_rows=cache_rows)
+    # Offloaded Adagrad equals in-memory Adagrad with sparse gradients.
+    reference = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0).to(device), freeze=False,
+                                                   sparse=True)
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.3)
+    for _ in range(STEPS):
+        ids = _zipf_ids(rng, device)
+        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+        (emb(u.before_forward(ids)) * weights).sum().backward()
+        o.before_forward(ids)
+        opt.step()
+        opt.zero_grad()
+        (reference(ids) * weights).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for name, call in (("table", lambda: u.table), ("getTorchVar", u.getTorchVar),
+                           ("to_numpy", u.to_numpy), ("state", lambda: o.state)):
+            with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+                call()
+        u.after_step(ids)
+        o.after_step(ids)
+        np.testing.assert_allclose(u.getNumpyVersion(), reference.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(o.state.tables["sum"].to_numpy(copy=True),
+                                   ref_opt.state[reference.weight]["sum"].cpu().numpy(), rtol=1e-5, atol=1e-6)

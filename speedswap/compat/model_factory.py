@@ -431,7 +431,7 @@ class ModelFactory(Switcher):
         meanwhile (:meth:`RowCache.viewed <speedswap.train.cache.RowCache.viewed>`).
 
         Raises:
-            StateError: with a device cache, between before_forward and after_step.
+            StateError: between before_forward and after_step (see :meth:`SharedSteps.hand_out`).
         """
         if self._is_member():
             self._steps.hand_out("ModelFactory.table")
@@ -458,14 +458,14 @@ class ModelFactory(Switcher):
 
         Cached rows are written back first. Handing out the table's memory
         (``copy=False``) also drops them from the cache, so writes to it before
-        the next step are seen by that step (with a cache, call it between steps).
+        the next step are seen by that step (call it between steps).
         A copy made in the middle of a step holds the step's rows as they are
         in the model's embedding: after ``optimizer.step()``, the stepped rows,
         as an in-memory table holds them; the table's memory (``copy=False``)
         holds them once ``after_step`` wrote them back.
 
         Raises:
-            StateError: ``copy=False`` in the middle of a step, with a cache.
+            StateError: ``copy=False`` in the middle of a step.
         """
         if not copy:
             if self._is_member():
@@ -555,7 +555,7 @@ class ModelFactory(Switcher):
         and dropped from the cache first.
 
         Raises:
-            StateError: in the middle of a step, with a cache.
+            StateError: in the middle of a step.
         """
         if self._is_member():
             self._steps.hand_out("getTorchVar")

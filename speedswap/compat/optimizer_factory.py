@@ -261,7 +261,7 @@ class OptimizerFactory(Switcher):
         reach the next step (see :meth:`_prepare_state_write`).
 
         Raises:
-            StateError: with a device cache, between before_forward and after_step.
+            StateError: between before_forward and after_step (see :meth:`SharedSteps.hand_out`).
         """
         if self._is_member():
             self._steps.hand_out("OptimizerFactory.state")

@@ -558,14 +558,19 @@ class SharedSteps:
         memory handed out are seen by the next step.
 
         Raises:
-            StateError: a cache of rows and a step in progress (its rows are
-                cached until the step ends).
+            StateError: a step in progress: its rows and their state are
+                current only in the model's embedding and the optimizer (and
+                cached, with a cache) until after_step writes them back, so the
+                memory handed out would hold them as they were before the step.
         """
+        if self.busy():
+            raise StateError(f"{what} between before_forward and after_step: this step's rows and "
+                             f"their optimizer state are current only in the model's embedding and the "
+                             f"optimizer until after_step writes them back, so the tables would show them "
+                             f"as before the step; call it between steps (getNumpyVersion() copies the "
+                             f"table with the step's rows as they are now)")
         if self.cache is None:
             return
-        if self.cache.num_slots and self.busy():
-            raise StateError(f"{what} between before_forward and after_step: this step's rows "
-                             f"are in the device cache until it ends; call it between steps")
         self.cache.flush()
         self.cache.invalidate()
 
