@@ -828,7 +828,13 @@ class OffloadedEmbedding(RefusesConversion):
         if self._state is None:
             raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                              "step() is where the updated rows are written back")
-        self._drop_zeroed_step()  # which takes over a replaced weight.data first
+        if _in_backward():
+            # Activation checkpointing runs the forward again inside the backward, after any
+            # zero_grad() since its first run, whose rows are in the step: dropping the step here
+            # would drop them too. The backward decides when it reaches the lookup (_gradient_dropped).
+            self._adopt_replaced_data()
+        else:
+            self._drop_zeroed_step()  # which takes over a replaced weight.data first
         # The ids' range is checked by the working set, in a read it makes anyway.
         flat, shape, check_bounds = as_row_ids_deferred(ids, self.num_embeddings, self.weight.device)
         ws = self._working_set
@@ -1378,6 +1384,11 @@ def _refused_data(data, full):
             f"{data.device}; an OffloadedEmbedding's weight is its working set, "
             f"{tuple(full.shape)} {full.dtype} on {full.device}: "
             f"assign a tensor like it, or write rows with emb.table")
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine runs a backward on this thread (a forward then is a checkpoint's recompute)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _gradient_dropped(ref):
