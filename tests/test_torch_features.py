@@ -11,10 +11,11 @@ references of ``test_training_flows``: a lazy ``nn.Parameter`` table, or
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint as activation
 
-from test_training_flows import (BATCH, STEPS, WIDTH, adam_against_sparse_adam, assert_trained_as_sparse_adam,
-                                 both_sides, zipf_ids)
+from test_training_flows import (STEPS, adam_against_sparse_adam, assert_equal_to_reference,
+                                 assert_trained_as_sparse_adam, both_sides, make_lazy, pair, zipf_ids)
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])
@@ -56,3 +57,36 @@ def test_activation_checkpointing_trains_as_in_memory(backend, rng, cache_rows, 
                     optimizer.zero_grad()
     assert_trained_as_sparse_adam(emb, ref, ref_opt)
     assert not torch.equal(ref, table0)  # the rows trained through the recomputed forward
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_autocast_and_a_grad_scaler_that_skips_steps_train_as_in_memory(rng, cache_rows, set_to_none):
+    """``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward (the linear layer runs in
+    bfloat16; the lookup stays float32, as ``nn.Embedding``'s) and a ``GradScaler`` whose scale
+    grows every 3 steps, with inf injected into the loss at some steps: the scaler skips those
+    steps and halves its scale; no row they looked up trains (in memory the reference forgets
+    them), and the next steps train as in memory."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3) for _ in range(2)]
+    infinite = rng.random(STEPS) < 0.2
+    infinite[rng.integers(1, STEPS - 1)], infinite[-1] = True, False  # one skipped step at least; the last runs
+    for (ids, target), inf in zip(zipf_ids(rng, STEPS), infinite):
+        for model, optimizer, scaler in ((offloaded, opt, scalers[0]), (reference, ref_opt, scalers[1])):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(ids)
+            assert out.dtype == torch.bfloat16
+            loss = F.mse_loss(out.float(), target) * (torch.inf if inf else 1.0)
+            scale = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=set_to_none)
+            assert (scaler.get_scale() < scale) == inf  # skipped exactly where inf was injected
+        if inf:
+            reference.emb.looked_up.clear()  # in memory the skipped step's rows left with its gradient
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+    assert scalers[0].get_scale() == scalers[1].get_scale()
