@@ -90,3 +90,43 @@ def test_autocast_and_a_grad_scaler_that_skips_steps_train_as_in_memory(rng, cac
             reference.emb.looked_up.clear()  # in memory the skipped step's rows left with its gradient
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
     assert scalers[0].get_scale() == scalers[1].get_scale()
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_user_code_sees_a_zero_gradient_as_in_memory_but_for_the_signs_of_two_zeros(rng, cache_rows):
+    """A backward that leaves the table's gradient at zero (a loss weighted by 0) marks it: two
+    elements hold ``-0.0`` and ``+0.0`` (README, "What exact means"). What user code reads of the
+    gradient of the step's rows is what it reads in memory: the values (``torch.equal``, ``abs().sum()``,
+    ``count_nonzero``, ``sign()``), ``clip_grad_norm_``'s total norm, and the gradient a hook
+    registered on the weight is handed (the mark is written after it runs); only code that tells
+    ``-0.0`` from ``+0.0`` (``torch.signbit``, ``copysign``, ``1 / x``) sees the two marked elements.
+    Training goes on as in memory."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (offloaded, reference))
+    emb = offloaded.emb
+    emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    handed = {}
+    for model in (offloaded, reference):
+        model.emb.weight.register_hook(lambda grad, model=model: handed.__setitem__(model, grad.clone()))
+    weights = np.where(rng.random(STEPS) < 0.5, 0.0, 1.0)
+    weights[rng.integers(STEPS)] = 0.0  # one zero-weighted loss at least, the case under test
+    for (ids, target), weight in zip(zipf_ids(rng, STEPS), weights):
+        for model in (offloaded, reference):
+            (weight * F.mse_loss(model(ids), target)).backward()
+        rows = emb.working_rows
+        grad, ref_grad = emb.weight.grad[:len(rows)], reference.emb.weight.grad[rows]
+        mine, theirs = handed[offloaded][:len(rows)], handed[reference][rows]
+        norms = [torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) for model in (offloaded, reference)]
+        if weight == 0.0:  # exact zeros on both sides (a row's lookups are summed in another order otherwise)
+            assert torch.equal(grad, ref_grad) and torch.equal(grad.sign(), ref_grad.sign())
+            assert grad.abs().sum() == 0 and torch.count_nonzero(grad) == 0
+            assert norms[0] == norms[1] == 0 and torch.equal(grad, torch.zeros_like(grad))
+            assert int((torch.signbit(grad) != torch.signbit(ref_grad)).sum()) <= 2
+            assert torch.equal(torch.signbit(mine), torch.signbit(theirs)) and torch.equal(mine, theirs)
+        else:
+            torch.testing.assert_close(norms[0], norms[1], rtol=1e-5, atol=0)
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
