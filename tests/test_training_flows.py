@@ -708,6 +708,31 @@ def test_a_zero_gradient_written_in_place_then_accumulated_into_trains_as_in_mem
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("then", ["step", "another_backward"])
+def test_a_gradient_multiplied_by_zero_in_place_trains_as_in_memory(backend, rng, cache_rows, then):
+    """A non-zero gradient multiplied by 0 in place (``grad.mul_(0.0)``: a gradient mask, a warm-up
+    factor of 0), then the step, or another forward and backward first. In memory SparseAdam's
+    sparse gradient still names the rows, at zero values, and moves them by their momentum; only
+    ``zero_()`` empties it. Offloaded, any gradient zeroed since a backward that left it non-zero
+    counted as ``zero_grad()``: those rows were left alone."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows)
+    batches = zipf_ids(rng, 2 * STEPS)
+    masked = rng.random(STEPS) < 0.3
+    masked[:2], masked[rng.integers(2, STEPS)] = False, True  # momentum first, then one masked step at least
+    for step, mask in enumerate(masked):
+        (ids, target), (more_ids, more_target) = batches[2 * step], batches[2 * step + 1]
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            if mask:
+                (emb.weight if optimizer is opt else ref).grad.mul_(0.0)
+            if then == "another_backward":
+                ((lookup(more_ids.to(to)).cpu().sum(1) - more_target) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_trained_as_sparse_adam(emb, ref, ref_opt)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
 def test_a_second_order_backward_through_a_zero_gradient_trains_as_in_memory(backend, rng, cache_rows):
     """``backward(create_graph=True)`` of a loss at its minimum (the gradient is zero, its derivative
     is not), then a backward through ``weight.grad`` (a gradient penalty), then an SGD step. The

@@ -515,9 +515,9 @@ class OffloadedEmbedding(RefusesConversion):
         gradient), where in-memory lazy training leaves them alone. The table,
         the optimizer state and the cache keep those rows as they were.
 
-        ``optimizer.zero_grad()`` (``set_to_none=False`` too: a gradient zeroed
-        after a backward with no step since counts as dropped, one the
-        backward itself left at zero does not) between a
+        ``optimizer.zero_grad()`` (``set_to_none=False`` too: a gradient ``zero_()``
+        zeroed after a backward with no step since counts as dropped, one the
+        backward itself left at zero, or one multiplied by 0, does not) between a
         backward and the next training forward does this by itself; between
         the next forward and its backward, it leaves the skipped forwards' rows
         unchanged at the next step, as rows no backward reached. An
@@ -571,15 +571,15 @@ class OffloadedEmbedding(RefusesConversion):
             return True
         if bool(self._step_gradient(grad).any()):
             return False
-        # Zero now: dropped if the last backward left it non-zero, or zeroed it in place since.
-        # One a backward left at zero (a loss weighted by 0) is accumulation, as in memory, where
-        # the looked-up rows are in the sparse gradient at zero values and SparseAdam steps them.
+        # Zero now: dropped if zero_() zeroed it since the last backward. One that backward left at
+        # zero (a loss weighted by 0), or that was multiplied by 0 since, is accumulation, as in memory,
+        # where the looked-up rows are in the sparse gradient at zero values and SparseAdam steps them.
         if self._grad_at_backward is None:
             return True
         nonzero = self._grad_at_backward[1]
         if nonzero is None:  # sparse: unwritten since the backward, it is the zero that backward left
             return self._written_since_backward(grad)
-        return bool(self._cleared(grad, nonzero))
+        return bool(self._cleared(grad))
 
     def _written_since_backward(self, grad: torch.Tensor) -> bool:
         """Whether ``grad`` was replaced, or written in place (its version), since the last backward noted it."""
@@ -599,13 +599,14 @@ class OffloadedEmbedding(RefusesConversion):
         clipping write it too, so the answer is a 0-dim bool tensor, computed
         on the device.
         A gradient that backward left at zero (a loss weighted by 0) counts
-        as zeroed where ``zero_()`` cleared its mark (:meth:`_cleared`); one
-        unscaled or clipped keeps it, and trains as it is, as in memory.
+        as zeroed where ``zero_()`` cleared its mark; one unscaled or clipped
+        keeps it, and one multiplied by 0 keeps the signs of its negative
+        values (:meth:`_cleared`): those train as they are, as in memory.
 
         Returns:
             None when the gradient is as the backward left it (or no dense
-            backward gradient was noted), else True where it held a non-zero
-            value then and holds none now.
+            backward gradient was noted), else True where ``zero_()`` zeroed
+            it since (zero on the step's rows, no ``-0.0`` among them).
         """
         grad = self.weight.grad
         if not self._backward_ran or grad is None or grad.is_sparse or self._grad_at_backward is None:
@@ -613,7 +614,7 @@ class OffloadedEmbedding(RefusesConversion):
         nonzero = self._grad_at_backward[1]
         if nonzero is None or not (self._written_since_backward(grad) or self._zeroes_unversioned()):
             return None
-        return self._cleared(grad, nonzero) & ~self._step_gradient(grad).any()
+        return self._cleared(grad) & ~self._step_gradient(grad).any()
 
     def _zeroes_unversioned(self) -> bool:
         """Whether the attached optimizer's ``zero_grad()`` may zero the gradient without a version bump.
@@ -627,20 +628,22 @@ class OffloadedEmbedding(RefusesConversion):
         defaults = self._state.optimizer.defaults
         return bool(defaults.get("foreach") or defaults.get("fused"))
 
-    def _cleared(self, grad: torch.Tensor, nonzero: torch.Tensor) -> torch.Tensor:
-        """Whether the dense ``grad`` lost what its last backward left: a non-zero value, or the zero mark.
+    def _cleared(self, grad: torch.Tensor) -> torch.Tensor:
+        """Whether the dense ``grad``, zero on the step's rows, was zeroed by ``zero_()``: it holds no ``-0.0`` there.
 
-        A backward that leaves the step's gradient at zero marks two of its
-        elements ``-0.0`` and ``+0.0`` (:func:`_note_backward`): ``zero_()``
-        (``zero_grad(set_to_none=False)``) writes ``+0.0`` over both, while
+        ``zero_()`` (``zero_grad(set_to_none=False)``) writes ``+0.0`` over
+        every element. A backward that leaves the step's gradient at zero
+        marks two of its elements ``-0.0`` and ``+0.0`` (:func:`_note_backward`):
         ``unscale_`` and clipping multiply them by a positive factor, which
-        keeps their signs, and a negation (gradient ascent) swaps them. In
-        memory the first empties the sparse gradient and the others keep its
-        rows, at zero values. A step of one value has one mark: its negation
-        reads as ``zero_()``. A 0-dim bool tensor, on the device; true too
-        where the backward left a non-zero value.
+        keeps their signs, and a negation (gradient ascent) swaps them. A
+        non-zero gradient multiplied by 0 in place (a mask) keeps a ``-0.0``
+        wherever it was negative. In memory the first empties the sparse
+        gradient and the others keep its rows, at zero values. Two read as
+        ``zero_()``: the negation of a step of one value (one mark), and a
+        gradient with no negative element multiplied by 0. A 0-dim bool
+        tensor, on the device.
         """
-        return nonzero | ~torch.signbit(_marks(grad, self._working_set.size)).any()
+        return ~torch.signbit(grad[:self._working_set.size]).any()
 
     def _step_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The values of ``grad`` for the step's rows (a sparse gradient's values)."""
