@@ -8,12 +8,18 @@ references of ``test_training_flows``: a lazy ``nn.Parameter`` table, or
 ``SparseAdam`` on a sparse gradient) and compares the two to float32 rounding.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as activation
 
+from rendezvous import rendezvous_url
 from test_training_flows import (STEPS, adam_against_sparse_adam, assert_equal_to_reference,
                                  assert_trained_as_sparse_adam, both_sides, make_lazy, pair, zipf_ids)
 
@@ -130,3 +136,85 @@ def test_user_code_sees_a_zero_gradient_as_in_memory_but_for_the_signs_of_two_ze
             optimizer.step()
             optimizer.zero_grad()
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+_DDP_RANK = r"""
+import os, sys, datetime
+import numpy as np, torch, torch.distributed as dist
+import speedswap as ss
+from test_training_flows import STEPS, assert_equal_to_reference, make_lazy, pair, train_step, zipf_ids
+
+rank, rendezvous, seed = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+DDP = torch.nn.parallel.DistributedDataParallel
+for cache_rows in (0, 40):
+    rng = np.random.default_rng([seed, rank, cache_rows])  # each rank its own rows and batches
+    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    opt = torch.optim.Adam(offloaded.parameters(), lr=0.01)
+    offloaded.emb.attach(opt)
+    batches = zipf_ids(rng, STEPS)
+    table0 = offloaded.emb.table.to_numpy(copy=True)
+    try:
+        DDP(offloaded)(batches[0][0])
+    except ss.OptionError as exc:  # on every rank, before any row joined the step
+        assert "ShardedOffloadedEmbedding" in str(exc), exc
+        assert not len(offloaded.emb.working_rows)
+        np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table0)
+    else:
+        raise SystemExit("DDP averaging an OffloadedEmbedding's weight was not refused")
+    # The advice: a table per rank, left out of DDP's average, on a model built anew (the refused
+    # DDP copied rank 0's weight into this one); the linear layer is averaged. The reference leaves
+    # its in-memory table out alike.
+    offloaded.emb.close()
+    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    opt = torch.optim.Adam(offloaded.parameters(), lr=0.01)
+    offloaded.emb.attach(opt)
+    table0 = offloaded.emb.table.to_numpy(copy=True)
+    for model in (offloaded, reference):
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["emb.weight"])
+    wrapped, ref_wrapped = DDP(offloaded), DDP(reference)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    make_lazy(ref_opt, reference.emb)
+    for ids, target in batches:
+        train_step(wrapped, opt, ids, target)
+        train_step(ref_wrapped, ref_opt, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+    lin = [torch.zeros_like(offloaded.lin.weight) for _ in range(2)]
+    dist.all_gather(lin, offloaded.lin.weight.detach())  # averaged: alike on the ranks
+    torch.testing.assert_close(lin[0], lin[1], rtol=0, atol=0)
+    assert not np.allclose(offloaded.emb.table.to_numpy(), table0)
+    offloaded.emb.close()
+open(os.path.join(os.path.dirname(rendezvous[len("file://"):]), f"ok{rank}"), "w").close()
+sys.stdout.flush()
+os._exit(0)  # without the interpreter's teardown, where gloo's threads can abort the process
+"""
+
+
+def test_ddp_over_an_offloaded_embedding_is_refused_and_a_table_per_rank_trains_as_in_memory(seed, tmp_path):
+    """``DistributedDataParallel`` on 2 gloo ranks around a model holding an ``OffloadedEmbedding``.
+
+    DDP would average the weight's gradient, but each rank's weight holds other rows (its step's
+    working set): the training forward raises ``OptionError`` on every rank before any row joins
+    the step, the table as it was. Leaving the weight out of DDP, as the error advises, each rank
+    trains its own table while DDP averages the linear layer: equal, rank by rank, to the same
+    loop over an in-memory table left out alike (cache or not). The model is built anew for that:
+    the refused DDP's construction copied rank 0's weight into the working set, a write that its
+    next training forward refuses (README).
+    """
+    script = tmp_path / "rank.py"
+    script.write_text(_DDP_RANK)
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]), "OMP_NUM_THREADS": "1"}
+    rendezvous = rendezvous_url(tmp_path)
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), rendezvous, str(seed)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0 and (tmp_path / f"ok{rank}").exists(), f"rank {rank}:\n{output[-3000:]}"

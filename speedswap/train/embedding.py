@@ -1379,7 +1379,9 @@ def _refuse_ddp(weight):
             "so rows would train on other rows' gradients. To split one table over the ranks, use "
             "ShardedOffloadedEmbedding; to train a table per rank on purpose, exclude it from DDP "
             "before wrapping: torch.nn.parallel.DistributedDataParallel."
-            "_set_params_and_buffers_to_ignore_for_model(model, ['<its name>.weight'])")
+            "_set_params_and_buffers_to_ignore_for_model(model, ['<its name>.weight']), on a model "
+            "built anew (this DDP's construction copied rank 0's weight into this one, a write into "
+            "the working set that this embedding's next training forward refuses)")
 
 
 def _refused_data(data, full):
