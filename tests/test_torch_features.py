@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as activation
 
+import speedswap as ss
 from rendezvous import rendezvous_url
 from test_training_flows import (STEPS, adam_against_sparse_adam, assert_equal_to_reference,
                                  assert_trained_as_sparse_adam, both_sides, make_lazy, pair, zipf_ids)
+from training_helpers import CAPACITY, DIM, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])
@@ -218,3 +220,52 @@ def test_ddp_over_an_offloaded_embedding_is_refused_and_a_table_per_rank_trains_
                 proc.wait()
     for rank, (proc, output) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0 and (tmp_path / f"ok{rank}").exists(), f"rank {rank}:\n{output[-3000:]}"
+
+
+class _SkipGram(torch.nn.Module):
+    """The skip-gram loss over an ``nn.Embedding`` that switchers fill: what ``torch.compile`` compiles."""
+
+    def __init__(self, embedding):
+        super().__init__()
+        self.emb = embedding
+
+    def forward(self, pos, neg, ctx):
+        return skipgram_loss(self.emb(pos), self.emb(neg), ctx)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_a_compiled_model_trained_by_switchers_trains_as_in_memory_without_recompiling(rng, compiler):
+    """``torch.compile`` of a model whose ``nn.Embedding`` a ``ModelFactory`` and an ``OptimizerFactory``
+    switch, against in-memory lazy Adam. The switcher's check of its first forwards' ids (stale
+    placeholder copies, table ids) is a forward pre-hook; traced, it recompiled at every checked
+    forward until dynamo's recompile limit (8) stopped compiling it, with a warning, or, with
+    ``torch._dynamo.config.fail_on_recompile_limit_hit``, raised ``FailOnRecompileLimitHit``. It runs
+    eagerly now, and still refuses a stale placeholder copy fed to the compiled model."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM)).astype(np.float32)
+    batches = zipf_batches(rng, STEPS, "cpu")
+    make_opt = lambda params: torch.optim.Adam(params, lr=0.01)  # noqa: E731
+    model = _SkipGram(torch.nn.Embedding(CAPACITY, DIM))
+    opt = make_opt(model.parameters())
+    u_switch = ss.ModelFactory(model.emb, total_classes=NUM_ROWS, embed_dimension=DIM, backend="numpy")
+    u_switch.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt_switch = ss.OptimizerFactory(opt, NUM_ROWS, DIM, model, "emb", backend="numpy")
+    opt_switch.optInit()
+    pos_in, neg_in = u_switch.variableTransformer(len(batches[0][0]), 1, batches[0][1].shape[1])
+    stale = torch.tensor(pos_in)  # a copy made once, before the loop: stale from the first step on
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=compiler)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for step, (pos, neg, ctx) in enumerate(batches):
+            for switch in (u_switch, opt_switch):
+                switch.beforeForwardPass(pos, neg)
+            if step == 8:  # of the 20 forwards checked, after those that recompiled
+                with pytest.raises(ss.StateError, match="earlier content of the variableTransformer"):
+                    compiled(stale, torch.from_numpy(neg_in), ctx)
+            compiled(torch.from_numpy(pos_in).squeeze(1), torch.from_numpy(neg_in), ctx).backward()
+            opt.step()
+            opt.zero_grad()
+            for switch in (u_switch, opt_switch):
+                switch.afterOptimizerStep(pos, neg)
+    torch._dynamo.reset()
+    table, _ = run_in_memory(make_opt, table0, batches, "cpu", initial_state=lambda name, group: 0.0)
+    np.testing.assert_allclose(u_switch.getNumpyVersion(), table, rtol=1e-5, atol=1e-6)

@@ -43,6 +43,9 @@ __all__ = ["ModelFactory"]
 _STALE_CHECKS = 20
 
 
+# Run eagerly under torch.compile: the check reads the ids on the host and counts itself down,
+# which dynamo would trace again at each of the checked forwards (recompiling each time).
+@torch.compiler.disable
 def _check_stale(owner, args, kwargs):
     switcher = owner()
     # nn.Embedding and nn.EmbeddingBag name their ids ``input``: emb(input=ids) is checked too.
