@@ -204,8 +204,14 @@ def test_ddp_over_an_offloaded_embedding_is_refused_and_a_table_per_rank_trains_
     the refused DDP's construction copied rank 0's weight into the working set, a write that its
     next training forward refuses (README).
     """
+    run_two_ranks(_DDP_RANK, seed, tmp_path)
+
+
+def run_two_ranks(body, seed, tmp_path):
+    """Run the script ``body`` as 2 processes (``rank rendezvous seed`` as arguments); each must write ``ok<rank>``
+    beside the rendezvous file and exit 0, within 120 s (a hung collective is killed)."""
     script = tmp_path / "rank.py"
-    script.write_text(_DDP_RANK)
+    script.write_text(body)
     tests = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)]), "OMP_NUM_THREADS": "1"}
     rendezvous = rendezvous_url(tmp_path)
@@ -220,6 +226,48 @@ def test_ddp_over_an_offloaded_embedding_is_refused_and_a_table_per_rank_trains_
                 proc.wait()
     for rank, (proc, output) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0 and (tmp_path / f"ok{rank}").exists(), f"rank {rank}:\n{output[-3000:]}"
+
+
+_SWITCHERS_RANK = r"""
+import os, sys, datetime
+import numpy as np, torch, torch.distributed as dist
+import speedswap as ss
+
+rank, rendezvous, seed = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+rng = np.random.default_rng([seed, rank])
+model = torch.nn.Sequential(torch.nn.Embedding(16, 4))
+opt = torch.optim.Adam(model.parameters(), lr=0.1)
+u_switch = ss.ModelFactory(model[0], 100, 4, backend="numpy")
+u_switch.customInit(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((100, 4)).astype(np.float32))))
+opt_switch = ss.OptimizerFactory(opt, 100, 4, model, "0", backend="numpy")
+opt_switch.optInit()
+dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+wrapped = torch.nn.parallel.DistributedDataParallel(model)
+ids = torch.from_numpy(rng.integers(0, 100, 6))  # each rank its own rows
+table0, slots0 = u_switch.getNumpyVersion(), model[0].weight.detach().clone()
+for switch in (u_switch, opt_switch):
+    try:
+        switch.beforeForwardPass(ids)
+    except ss.OptionError as exc:
+        assert "2 ranks" in str(exc) and "ShardedOffloadedEmbedding" in str(exc), exc
+    else:
+        raise SystemExit(f"{type(switch).__name__}.beforeForwardPass under 2 ranks was not refused")
+np.testing.assert_array_equal(u_switch.getNumpyVersion(), table0)
+assert torch.equal(model[0].weight, slots0)
+open(os.path.join(os.path.dirname(rendezvous[len("file://"):]), f"ok{rank}"), "w").close()
+sys.stdout.flush()
+os._exit(0)  # without the interpreter's teardown, where gloo's threads can abort the process
+"""
+
+
+def test_switchers_built_before_the_process_group_refuse_to_step_under_several_ranks(seed, tmp_path):
+    """Switchers built before ``init_process_group`` (which refuses to build them under several
+    ranks: each rank would train its own copy of the table), then ``DistributedDataParallel`` over
+    the model: each rank's working set holds other rows in the same slots, and DDP averaged their
+    gradients, silently (seen: both ranks trained without an error). Each ``beforeForwardPass``
+    now refuses, on every rank, before any row moves."""
+    run_two_ranks(_SWITCHERS_RANK, seed, tmp_path)
 
 
 class _SkipGram(torch.nn.Module):

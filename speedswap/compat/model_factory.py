@@ -285,13 +285,15 @@ class ModelFactory(Switcher):
             ShapeError: ids that do not fit the placeholders.
             StateError: the previous step was not finished with :meth:`after_step`
                 (on this switcher, or on the embedding's OptimizerFactory).
+            OptionError: ``torch.distributed`` runs several ranks (the
+                switcher was built before ``init_process_group``).
 
         Nothing changes when this raises.
         """
         if self._gathered is not None:
             raise StateError("before_forward called twice without after_step; finish the "
                              "step with after_step(ids) so its rows are written back")
-        self._check_member()
+        self._check_step_start()
         rows = self._param_rows()
         step = self._steps.prepare(pos, neg, MODEL)
         self._check_placeholders(step)

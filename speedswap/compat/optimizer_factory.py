@@ -293,7 +293,7 @@ class OptimizerFactory(Switcher):
         if self._gathered is not None:
             raise StateError("before_forward called twice without after_step; finish the "
                              "step with after_step(ids) so its state rows are written back")
-        self._check_member()
+        self._check_step_start()
         self._state.check_not_replaced()  # an optimizer.load_state_dict() without self.load()
         if self._steps.alone(OPTIMIZER) and self._param.shape[0] >= self._steps.num_rows:
             # Its state rows go to slots 0..k-1, which in a whole table hold other rows.

@@ -132,6 +132,21 @@ class Switcher(SpeedTorchFiles):
             raise StateError(f"this {name} was closed, or replaced by a newer {name} of the same "
                              f"embedding; use the newer one")
 
+    def _check_step_start(self):
+        """Refuse to begin a step: a closed or replaced switcher, or several ranks.
+
+        The ranks are checked at every step, not only when the switcher is
+        built: one built before ``init_process_group`` would train a table per
+        rank, and under ``DistributedDataParallel`` each rank's slots hold other
+        rows, whose gradients DDP would average.
+
+        Raises:
+            StateError: closed, or replaced by a newer switcher of the embedding.
+            OptionError: ``torch.distributed`` runs several ranks.
+        """
+        self._check_member()
+        _refuse_process_group(type(self).__name__)
+
     def _check_device(self, table):
         if table.device != self._param.device:
             raise DeviceError(f"the table's rows move to {table.device} but the model's "
