@@ -21,7 +21,7 @@ import torch.utils.checkpoint as activation
 
 import speedswap as ss
 from rendezvous import rendezvous_url
-from test_training_flows import (STEPS, adam_against_sparse_adam, assert_equal_to_reference,
+from test_training_flows import (ROWS, STEPS, adam_against_sparse_adam, assert_equal_to_reference,
                                  assert_trained_as_sparse_adam, both_sides, make_lazy, pair, train_step, zipf_ids)
 from training_helpers import CAPACITY, DIM, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
 
@@ -41,7 +41,7 @@ def test_activation_checkpointing_trains_as_in_memory(backend, rng, cache_rows, 
     rows with it: the backward raised ``StateError`` ("backward through an embedding forward whose
     optimizer step has already run") where in memory the step trains the new forward's rows.
     """
-    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 300, cache_rows)
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, ROWS, cache_rows)
     table0 = ref.detach().clone()
     batches = zipf_ids(rng, 2 * STEPS)
     skipped = np.zeros(STEPS, dtype=bool)
