@@ -141,6 +141,22 @@ def test_dtype_none_is_refused_by_tables_and_torchs_default_for_embeddings(backe
         torch.set_default_dtype(default)
 
 
+def test_an_embedding_without_dtype_takes_torchs_default_as_nn_embedding_does(backend):
+    """The default was float32 whatever torch's default dtype: under torch.set_default_dtype(float64)
+    nn.Embedding(n, d) is float64 but OffloadedEmbedding(n, d) was float32, so a drop-in
+    replacement fed float32 rows to a float64 model."""
+    default = torch.get_default_dtype()
+    try:
+        for dtype in (torch.float64, torch.float32):
+            torch.set_default_dtype(dtype)
+            for make in (ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding):  # one rank: no group
+                emb = make(3, 3, max_rows=2, storage="pageable", backend=backend)
+                assert emb.table.dtype == emb.weight.dtype == torch.nn.Embedding(3, 3).weight.dtype == dtype
+                emb.close()
+    finally:
+        torch.set_default_dtype(default)
+
+
 def test_from_numpy_needs_2d(backend):
     with pytest.raises(ss.ShapeError, match="reshape"):
         ss.HostTable.from_numpy(np.ones(5, np.float32), backend=backend)

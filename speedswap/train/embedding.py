@@ -88,8 +88,9 @@ class OffloadedEmbedding(RefusesConversion):
         dtype: the rows' torch dtype. ``torch.bfloat16`` keeps the table in
             bfloat16 while :attr:`weight` and the optimizer state are float32:
             the step's math is float32 and each touched row is rounded back to
-            bfloat16 once per step. None is torch's default dtype, as for
-            ``nn.Embedding``.
+            bfloat16 once per step. None (the default) is torch's default
+            dtype, as for ``nn.Embedding``: float32 unless
+            ``torch.set_default_dtype`` changed it.
         padding_idx: as in ``nn.Embedding``: this row starts at zero and gets
             no gradient. A row id in ``[0, num_embeddings)``: negative ones,
             which ``nn.Embedding`` counts from the end, are refused.
@@ -135,7 +136,7 @@ class OffloadedEmbedding(RefusesConversion):
             super().__setattr__(name, value)
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
-                 storage: str = "pinned", dtype: Optional[torch.dtype] = torch.float32,
+                 storage: str = "pinned", dtype: Optional[torch.dtype] = None,
                  padding_idx: int = None, backend: BackendLike = "auto", path=None,
                  device: DeviceLike = None, overwrite: bool = False, cache_rows: int = 0,
                  scale_grad_by_freq: bool = False, sparse: bool = False, max_norm: float = None,

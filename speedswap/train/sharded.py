@@ -123,7 +123,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             :class:`~speedswap.OffloadedEmbedding`; ``mmap`` files go in
             ``path/rank<r>``).
         dtype: the rows' dtype (bfloat16 tables train in float32, as in
-            :class:`~speedswap.OffloadedEmbedding`); None is torch's default dtype.
+            :class:`~speedswap.OffloadedEmbedding`); None (the default) is
+            torch's default dtype, as for ``nn.Embedding``.
         backend: ``"auto"``, ``"cuda"`` or ``"numpy"``. Use NCCL for tables
             on a GPU and gloo for tables on the CPU: messages are built on
             the table's device.
@@ -159,7 +160,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
-                 process_group=None, storage: str = "pinned", dtype: Optional[torch.dtype] = torch.float32,
+                 process_group=None, storage: str = "pinned", dtype: Optional[torch.dtype] = None,
                  backend: BackendLike = "auto", path=None, device: DeviceLike = None,
                  cache_rows: int = 0, padding_idx: Optional[int] = None,
                  scale_grad_by_freq: bool = False, sparse: bool = False,
