@@ -215,6 +215,21 @@ def test_construction_errors(backend):
         ss.OptimizerFactory(other, ROWS, DIM, model, "u_embeddings", backend=backend)
 
 
+def test_a_dtype_mismatch_names_the_argument_that_fixes_it(backend):
+    """The switchers' dtype arguments have two names (ModelFactory's ``datatype``, SpeedTorch's, and
+    OptimizerFactory's ``dtype``); the refusal said only "pass the same dtype", naming neither."""
+    device = ss.get_backend(backend).device
+    model = SkipGram().to(device=device, dtype=torch.float64)
+    with pytest.raises(ss.DTypeError, match="holds torch.float64.*pass datatype='float64'"):
+        ss.ModelFactory(model.u_embeddings, ROWS, DIM, backend=backend)
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(ss.DTypeError, match="holds torch.float64.*pass dtype='float64'"):
+        ss.OptimizerFactory(opt, ROWS, DIM, model, "u_embeddings", backend=backend)
+    # Passed as the message says, both build.
+    ss.ModelFactory(model.u_embeddings, ROWS, DIM, datatype="float64", backend=backend)
+    ss.OptimizerFactory(opt, ROWS, DIM, model, "u_embeddings", dtype="float64", backend=backend)
+
+
 def test_switchers_take_embeddings_only(table0, rng):
     """An nn.Linear has a 2-D weight too, but its forward multiplies by the rows the ids should pick."""
     linear = torch.nn.Linear(DIM, DIM)

@@ -122,6 +122,7 @@ class ModelFactory(Switcher):
     """
 
     _kind = MODEL
+    _dtype_argument = "datatype"
 
     def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32",
                  CPUPinn=False, *, storage=None, backend="auto", path=None, overwrite=False,

@@ -109,6 +109,7 @@ class OptimizerFactory(Switcher):
     """
 
     _kind = OPTIMIZER
+    _dtype_argument = "dtype"
 
     def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
                  dtype="float32", CPUPinn=False, *, storage=None, backend="auto", path=None,

@@ -89,6 +89,7 @@ class Switcher(SpeedTorchFiles):
     """What both switchers share: the parameter, the shared step and cache, the step protocol."""
 
     _kind = None  # MODEL or OPTIMIZER: the switcher's part in the shared step
+    _dtype_argument = None  # the constructor's name for the dtype, for the refusal to name it
 
     def __init__(self, param, total_classes, embed_dimension, dtype, cache_rows, find_param=None):
         _refuse_process_group(type(self).__name__)
@@ -102,7 +103,9 @@ class Switcher(SpeedTorchFiles):
                              f"embed_dimension={embed_dimension}; they must match")
         if param.dtype != torch_dtype(dtype):
             raise DTypeError(f"the model's embedding holds {param.dtype} but the table would "
-                             f"hold {torch_dtype(dtype)}; pass the same dtype")
+                             f"hold {torch_dtype(dtype)}; pass {self._dtype_argument}="
+                             f"{str(param.dtype).removeprefix('torch.')!r}, or build the "
+                             f"embedding with dtype={torch_dtype(dtype)}")
         self._param = param
         self._find_param = find_param  # the parameter as the model holds it now, when known
         self._built_for = (param.dtype, param.device)
