@@ -572,6 +572,27 @@ def test_from_pretrained_starts_from_the_rows_and_trains_like_nn_embedding(rng, 
     np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("source", ["array", "tensor", "npy"])
+@pytest.mark.parametrize("storage", ["pageable", "mmap"])
+def test_from_pretrained_draws_no_random_numbers_as_nn_embedding_draws_none(rng, tmp_path, source, storage):
+    """from_pretrained drew nn.Embedding's N(0, 1) for the whole table before copying the rows over
+    it: torch's generator moved on, so a model built as in memory (pretrained tables, then Linear
+    layers under one seed) started its other layers from other values, and the table was written
+    twice (a file of an mmap table too)."""
+    rows = rng.standard_normal((60, 5)).astype(np.float32)
+    np.save(tmp_path / "vectors.npy", rows)
+    given = {"array": rows, "tensor": torch.from_numpy(rows.copy()), "npy": tmp_path / "vectors.npy"}[source]
+    before = torch.get_rng_state()
+    emb = ss.OffloadedEmbedding.from_pretrained(given, max_rows=16, backend="numpy", padding_idx=3,
+                                                storage=storage,
+                                                path=tmp_path / "table" if storage == "mmap" else None)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.nn.Embedding.from_pretrained(torch.from_numpy(rows), padding_idx=3)
+    assert torch.equal(torch.get_rng_state(), before)  # the reference's behaviour
+    np.testing.assert_array_equal(emb.table.to_numpy(), rows)  # every row, the padding row's too
+    emb.close()
+
+
 def test_from_pretrained_refuses_rows_that_are_not_a_table(rng):
     with pytest.raises(ss.ShapeError, match="num_embeddings, embedding_dim"):
         ss.OffloadedEmbedding.from_pretrained(rng.standard_normal(10), max_rows=4, backend="numpy")

@@ -140,7 +140,7 @@ class OffloadedEmbedding(RefusesConversion):
                  padding_idx: int = None, backend: BackendLike = "auto", path=None,
                  device: DeviceLike = None, overwrite: bool = False, cache_rows: int = 0,
                  scale_grad_by_freq: bool = False, sparse: bool = False, max_norm: float = None,
-                 norm_type: float = 2.0):
+                 norm_type: float = 2.0, _initialise: bool = True):
         super().__init__()
         refuse_max_norm("OffloadedEmbedding", max_norm, norm_type, "emb.table.apply_")
         num_embeddings = int_option(num_embeddings, "num_embeddings")
@@ -164,9 +164,13 @@ class OffloadedEmbedding(RefusesConversion):
                                      table_file, device=device, overwrite=overwrite)
         self._created = {table_file}  # mmap files this embedding made and may replace
         self._backend = self._table.backend
-        self._table.normal_()  # nn.Embedding's initialisation
-        if padding_idx is not None:
-            self._table.scatter([padding_idx], torch.zeros(1, embedding_dim, dtype=dtype))
+        # from_pretrained writes every row itself and, as nn.Embedding(_weight=...) does, draws
+        # no random numbers: the layers built after the table start from the values they would
+        # in memory, and a table (an mmap file) is written once.
+        if _initialise:
+            self._table.normal_()  # nn.Embedding's initialisation
+            if padding_idx is not None:
+                self._table.scatter([padding_idx], torch.zeros(1, embedding_dim, dtype=dtype))
         # bfloat16 rows train in float32: the step's math and the optimizer
         # state are float32, and each row is rounded back once per step.
         compute = torch.float32 if dtype is torch.bfloat16 else dtype
@@ -240,7 +244,9 @@ class OffloadedEmbedding(RefusesConversion):
             **kwargs: the other arguments of the class (``storage``,
                 ``padding_idx``, ``backend``, ``cache_rows``, ...). ``dtype``
                 defaults to the rows' floating dtype. The padding row keeps its
-                pretrained value, as in ``nn.Embedding``.
+                pretrained value, as in ``nn.Embedding``. Like
+                ``nn.Embedding.from_pretrained`` it draws no random numbers, so
+                layers built after it start as they would beside an in-memory table.
 
         Returns:
             OffloadedEmbedding
@@ -272,7 +278,7 @@ class OffloadedEmbedding(RefusesConversion):
             raise ShapeError(f"from_pretrained takes (num_embeddings, embedding_dim) rows, got shape "
                              f"{tuple(shape)}")
         kwargs.setdefault("dtype", dtype)
-        emb = cls(shape[0], shape[1], max_rows=max_rows, **kwargs)
+        emb = cls(shape[0], shape[1], max_rows=max_rows, _initialise=False, **kwargs)
         try:
             if rows is None:
                 emb.load(embeddings)
