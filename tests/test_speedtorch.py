@@ -257,6 +257,37 @@ def test_switchers_take_embeddings_only(table0, rng):
     np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_switchers_over_a_mean_embedding_bag_with_offsets_train_as_sparse_adagrad_in_memory(rng):
+    """The README's click-model section: a SpeedTorch model pooling bags of ids with offsets keeps
+    its nn.EmbeddingBag(mode="mean") as the working set and trains as the whole table would."""
+    rows = rng.standard_normal((ROWS, DIM))  # float64: a reordered sum stays far below the tolerance
+    bag = torch.nn.EmbeddingBag(CAPACITY, DIM, mode="mean", dtype=torch.float64)
+    opt = torch.optim.Adagrad(bag.parameters(), lr=0.05)
+    u = ss.ModelFactory(bag, ROWS, DIM, "float64", backend="numpy")
+    u.customInit(lambda t: t.copy_(torch.from_numpy(rows)))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, torch.nn.ModuleDict({"bag": bag}), "bag", dtype="float64",
+                            backend="numpy")
+    ref = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(rows.copy()), freeze=False, mode="mean",
+                                                sparse=True)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.05)
+    for pos, neg, _ in zipf_batches(rng, 30, "cpu", ROWS):
+        ids = torch.cat([pos, neg.flatten()])
+        lengths = torch.from_numpy(rng.integers(1, 6, len(pos)))
+        lengths[-1] += len(ids) - lengths.sum()  # every id in some bag; a bag's length stays >= 1
+        offsets = torch.cumsum(lengths, 0) - lengths
+        target = torch.from_numpy(rng.standard_normal((len(pos), DIM)))
+        local = u.before_forward(ids)
+        o.before_forward(ids)
+        (bag(local, offsets) - target).pow(2).sum().backward()
+        opt.step(); opt.zero_grad()
+        u.after_step(ids)
+        o.after_step(ids)
+        (ref(ids, offsets) - target).pow(2).sum().backward()
+        ref_opt.step(); ref_opt.zero_grad()
+    np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().numpy(), rtol=0, atol=1e-12)
+    assert not np.allclose(u.getNumpyVersion(), rows, atol=1e-3)  # it trained
+
+
 def test_lost_optimizer_state_is_refused(backend, table0, rng):
     model, opt, u, o = build(backend, table0)
     batches = zipf_batches(rng, 2, ss.get_backend(backend).device, ROWS)
