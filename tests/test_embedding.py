@@ -165,6 +165,23 @@ def test_mmap_storage_trains_in_files(backend, init, rng, tmp_path):
     assert (tmp_path / "users" / "exp_avg_sq.npy").exists()
 
 
+def test_a_capacity_overflow_names_the_table_and_its_max_rows(backend):
+    """A click model has one embedding per feature; the overflow said "the working set holds at
+    most 4" and offered "more rows in the model's nn.Embedding", naming neither the table nor
+    max_rows, so a user with several tables could not tell which one to enlarge."""
+    small = ss.OffloadedEmbedding(50, DIM, max_rows=4, backend=backend)
+    large = ss.OffloadedEmbedding(70, DIM, max_rows=40, backend=backend)
+    opt = torch.optim.Adagrad([small.weight, large.weight])
+    small.attach(opt)
+    large.attach(opt)
+    large(torch.arange(30))
+    with pytest.raises(ss.CapacityError, match=r"5 distinct rows of the OffloadedEmbedding\(50, "
+                       rf"{DIM}\)'s table.* at most 4.*max_rows=4"):
+        small(torch.arange(5))
+    with pytest.raises(ss.CapacityError, match=r"OffloadedEmbedding\(70, .* at most 40.*max_rows=40"):
+        large(torch.arange(30, 70))
+
+
 def test_errors_change_nothing(backend, init, tmp_path):
     device = ss.get_backend(backend).device
     emb = ss.OffloadedEmbedding(50, DIM, max_rows=4, backend=backend)

@@ -148,7 +148,8 @@ def test_bad_ids_change_nothing(bad, error, backend, table0, rng):
 def test_capacity_overflow_names_the_capacity(backend, table0):
     model, opt, u, o = build(backend, table0, capacity=8)
     snap = _snapshot(u, o)
-    with pytest.raises(ss.CapacityError, match="at most 8"):
+    with pytest.raises(ss.CapacityError, match=f"of the {ROWS} x {DIM} table.* at most 8.*more rows "
+                       r"in the model's embedding \(8 now\)"):
         u.before_forward(torch.arange(9))
     with pytest.raises(ss.CapacityError):
         u.before_forward(torch.arange(5), torch.arange(5, 10))

@@ -117,7 +117,10 @@ class SharedSteps:
     def __init__(self, param: torch.nn.Parameter, num_rows: int):
         self.param = param
         self.num_rows = num_rows
-        self.working_set = WorkingSet(param.shape[0], param.device)
+        self.working_set = WorkingSet(
+            param.shape[0], param.device, table=f"the {num_rows} x {param.shape[1]} table",
+            larger=f"more rows in the model's embedding ({param.shape[0]} now), "
+                   f"whose rows are the working set")
         self.current = None
         self.cache = None
         self._members = {}  # MODEL / OPTIMIZER -> _Member

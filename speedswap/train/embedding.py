@@ -199,7 +199,10 @@ class OffloadedEmbedding(RefusesConversion):
         with torch.enable_grad():  # the embedding may be built under no_grad()
             self._accumulator = self.weight.view_as(self.weight).grad_fn.next_functions[0][0]
         self._accumulator.register_prehook(_note_leftover_gradient(weakref.ref(self)))
-        self._working_set = WorkingSet(max_rows, self._table.device)
+        self._working_set = WorkingSet(
+            max_rows, self._table.device,
+            table=f"the OffloadedEmbedding({num_embeddings}, {embedding_dim})'s table",
+            larger=f"a larger max_rows (max_rows={max_rows} now)")
         # Made once: a tensor made each step would cross to a GPU with a host wait.
         self._padding_row = (None if padding_idx is None else
                              torch.tensor([padding_idx], dtype=torch.int64, device=self._table.device))

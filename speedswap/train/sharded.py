@@ -214,7 +214,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             torch.zeros(capacity, embedding_dim, dtype=compute, device=device), requires_grad=False)
         self._full = self.weight.data
         self._owned = WorkingSet(capacity, device)          # shard-local ids of owned rows
-        self._looked_up = WorkingSet(max_rows, device)      # global ids this rank asked for
+        self._looked_up = WorkingSet(                       # global ids this rank asked for
+            max_rows, device,
+            table=f"the ShardedOffloadedEmbedding({num_embeddings}, {embedding_dim})'s table",
+            larger=f"a larger max_rows (max_rows={max_rows} now, on every rank)")
         # The rows this rank looked up, as the leaf autograd sums their gradients into.
         self._rows = torch.zeros(max_rows, embedding_dim, dtype=compute, device=device,
                                  requires_grad=True)

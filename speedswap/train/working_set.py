@@ -52,11 +52,16 @@ class WorkingSet:
         capacity: the number of slots (rows of the device parameter): the
             most distinct rows one step may touch.
         device: the device of the parameter (local ids are returned there).
+        table: the table's name in a :class:`~speedswap.CapacityError`, so
+            that a model of several tables says which one overflowed.
+        larger: how to make the capacity larger, for the same error.
     """
 
-    def __init__(self, capacity: int, device):
+    def __init__(self, capacity: int, device, table: str = "the table",
+                 larger: str = "a larger capacity"):
         self.capacity = int(capacity)
         self.device = torch.device(device)
+        self.table, self.larger = table, larger
         self.clear()
 
     def clear(self):
@@ -172,10 +177,9 @@ class WorkingSet:
             values = values[2:]
         if held + n_new > self.capacity:
             raise CapacityError(
-                f"this step touches {held + n_new} distinct rows but the working set "
-                f"holds at most {self.capacity} (the capacity: rows of the device parameter); "
-                f"use smaller batches or a larger capacity (more rows in the model's "
-                f"nn.Embedding, or a larger max_rows). Training forwards accumulate into one "
+                f"this step touches {held + n_new} distinct rows of {self.table} but its "
+                f"working set holds at most {self.capacity}; use smaller batches or "
+                f"{self.larger}. Training forwards accumulate into one "
                 f"step until optimizer.step(), so several forwards before a step add up, and so "
                 f"do those of a step skipped before its backward (discard_step() drops them)")
         self._added_at = positions(new, n_new)
