@@ -73,9 +73,13 @@ def initialiser_option(fn, name) -> None:
         OptionError: ``fn`` is not callable (a value meant to fill the rows, say).
     """
     if not callable(fn):
+        # Rows (a tensor, an array) are named by shape: their repr would fill the screen.
+        got = (f"a {type(fn).__name__} of shape {tuple(fn.shape)}" if hasattr(fn, "shape")
+               else f"{type(fn).__name__} {fn!r}")
         raise OptionError(f"{name} must be an in-place initialiser fn(tensor, ...) such as "
-                          f"torch.nn.init.xavier_uniform_, got {type(fn).__name__} {fn!r}; to fill "
-                          f"every row with a value pass lambda t: t.fill_(value)")
+                          f"torch.nn.init.xavier_uniform_, got {got}; to fill every row with a "
+                          f"value pass lambda t: t.fill_(value), to copy rows of the table's "
+                          f"shape lambda t: t.copy_(torch.as_tensor(rows))")
 
 
 def float_option(value, name) -> float:

@@ -368,6 +368,11 @@ CASES = [
     # fn(tensor) raised Python's "'float' object is not callable"; customInit's after flushing the cache.
     ("table", lambda o, d: o.apply_(0.5), ss.OptionError, "fn must be an in-place initialiser"),
     ("switchers", lambda o, d: o[0].customInit(None), ss.OptionError, "initFunction must be an in-place"),
+    # Rows to start from, given where the initialiser goes: the message printed the whole tensor
+    # and offered fill_(value) only.
+    ("switchers", lambda o, d: o[0].customInit(torch.ones(ROWS, DIM)), ss.OptionError,
+     f"got a Tensor of shape ({ROWS}, {DIM}); to fill every row with a value pass lambda t: "
+     f"t.fill_(value), to copy rows of the table's shape lambda t: t.copy_(torch.as_tensor(rows))"),
     ("table", lambda o, d: o.uniform_(1, 0), ss.OptionError, "low <= high"),
     ("table", lambda o, d: o.uniform_("a", 1), ss.DTypeError, "real number"),
     ("table", lambda o, d: o.normal_(0, -1), ss.OptionError, "std >= 0"),
