@@ -142,6 +142,28 @@ def test_adam_of_all_model_parameters_beside_an_attached_sparse_adam_is_refused_
     assert not adam.state  # the linear layer did not move either
 
 
+def test_a_dense_optimizer_over_several_tables_is_refused_naming_all_of_them(rng):
+    """A click model has a table per feature. The refusal named "the weight of the
+    OffloadedEmbedding" and suggested excluding emb.weight: following it for one table led to the
+    same refusal for the next. It now counts them and shows how to leave every table out."""
+    tables = [ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH, backend="numpy") for _ in range(3)]
+    model = torch.nn.ModuleDict({f"t{i}": t for i, t in enumerate(tables)} | {"mlp": torch.nn.Linear(DIM, 1)})
+    adagrad = torch.optim.Adagrad([t.weight for t in tables])
+    for t in tables:
+        t.attach(adagrad)
+    adam = torch.optim.Adam(model.parameters())
+    with pytest.raises(OptionError, match=r"the weights of 3 embeddings \(OffloadedEmbedding, \.\.\.\) "
+                       r"attached to other optimizers \(Adagrad\).*if all\(p is not emb.weight for emb in "
+                       r"tables\)"):
+        adam.step()
+    # The suggestion, followed, trains.
+    adam = torch.optim.Adam([p for p in model.parameters() if all(p is not emb.weight for emb in tables)])
+    for t in tables:
+        t(torch.from_numpy(rng.integers(0, ROWS, 7))).sum().backward()
+    adagrad.step()
+    adam.step()
+
+
 @pytest.mark.parametrize("how", ["no_backward_yet", "after_zero_grad", "closure"])
 def test_a_trainable_weight_is_refused_without_a_gradient_too(rng, how):
     """Documented: refused whatever its gradient now, so the step order cannot hide the mistake."""

@@ -98,6 +98,7 @@ def _refuse_other_optimizers(optimizer, args, kwargs):
     # A snapshot taken in one C call: iterating the claims themselves raised "dictionary changed
     # size during iteration" when a claim was withdrawn meanwhile, by another thread or by an
     # owner's finalizer that a garbage collection ran in the middle of the loop.
+    refused = []  # (claim, the optimizer it names) for each claimed weight this optimizer holds
     for key, claim_ in _CLAIMS.data.copy().items():
         weight = key()
         if weight is None:
@@ -107,13 +108,23 @@ def _refuse_other_optimizers(optimizer, args, kwargs):
             continue
         if claim_.frozen_may_stay and not weight.requires_grad and weight.grad is None:
             continue  # torch skips a parameter without a gradient, and a frozen one gets none
-        if not any(p is weight for group in optimizer.param_groups for p in group["params"]):
-            continue
-        other = "" if attached is None else f" ({type(attached).__name__})"
-        raise OptionError(
-            f"{type(optimizer).__name__}.step() would step the weight of the {claim_.kind} that is "
-            f"attached to another optimizer{other}: that weight is a working set whose slots hold "
-            f"other rows every step, so this optimizer would train them with state of its own. "
-            f"Remove the embedding's weight from this optimizer's param groups (build it from the "
-            f"other parameters, e.g. [p for p in model.parameters() if p is not emb.weight]), or "
-            f"{claim_.instead}; nothing was changed")
+        if any(p is weight for group in optimizer.param_groups for p in group["params"]):
+            refused.append((claim_, attached))
+    if not refused:
+        return
+    # A model of several tables: name them all, so that one fix removes every one of them.
+    claim_, attached = refused[0]
+    other = "" if attached is None else f" ({type(attached).__name__})"
+    if len(refused) == 1:
+        what, fix = (f"the weight of the {claim_.kind} that is attached to another optimizer{other}",
+                     "[p for p in model.parameters() if p is not emb.weight]")
+    else:
+        what, fix = (f"the weights of {len(refused)} embeddings ({claim_.kind}, ...) attached to "
+                     f"other optimizers{other}",
+                     "[p for p in model.parameters() if all(p is not emb.weight for emb in tables)], "
+                     "tables being those embeddings")
+    raise OptionError(
+        f"{type(optimizer).__name__}.step() would step {what}: such a weight is a working set "
+        f"whose slots hold other rows every step, so this optimizer would train them with state "
+        f"of its own. Remove the embeddings' weights from this optimizer's param groups (build it "
+        f"from the other parameters, e.g. {fix}), or {claim_.instead}; nothing was changed")
