@@ -66,6 +66,11 @@ class OffloadedEmbedding(RefusesConversion):
     (``requires_grad=False``, as :meth:`from_pretrained` leaves it by
     default) ``forward`` reads the table directly, with no capacity limit.
 
+    There is no ``nn.EmbeddingBag`` counterpart (``offsets``,
+    ``per_sample_weights``, ``mode``): look up a step's ids in one call and
+    pool the rows (``index_add_`` per bag, or ``emb(padded_ids).sum(1)`` with
+    ``padding_idx``), as the README's section on pooled lookups shows.
+
     Checkpoints, two ways. ``torch.save(model.state_dict())`` and
     ``model.load_state_dict(torch.load(...))`` work as for ``nn.Embedding``:
     besides :attr:`weight` (the ``max_rows`` working-set scratch) the state
