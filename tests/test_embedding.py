@@ -610,6 +610,34 @@ def test_from_pretrained_draws_no_random_numbers_as_nn_embedding_draws_none(rng,
     emb.close()
 
 
+@pytest.mark.parametrize("make_opt", [
+    lambda ps, offloaded: torch.optim.Adagrad(ps, lr=0.05),
+    lambda ps, offloaded: (torch.optim.Adam if offloaded else torch.optim.SparseAdam)(ps, lr=0.01, eps=1e-30),
+], ids=["adagrad", "adam"])
+def test_padded_bags_summed_with_padding_idx_train_as_an_embedding_bag(rng, make_opt):
+    """The README's pooled lookups: bags padded with padding_idx, looked up and summed, train as
+    nn.EmbeddingBag(mode="sum", padding_idx=...) with sparse gradients (empty bags included)."""
+    rows, pad, length = rng.standard_normal((300, DIM)), 0, 6
+    rows[pad] = 0
+    emb = ss.OffloadedEmbedding.from_pretrained(rows, freeze=False, max_rows=256, padding_idx=pad,
+                                                backend="numpy")
+    ref = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(rows.copy()), freeze=False, mode="sum",
+                                                padding_idx=pad, sparse=True)
+    opt, ref_opt = make_opt([emb.weight], True), make_opt([ref.weight], False)
+    emb.attach(opt)
+    for _ in range(20):
+        ids = (rng.zipf(1.2, (32, length)) % 299) + 1
+        ids[np.arange(length) >= rng.integers(0, length + 1, (32, 1))] = pad  # bags of 0 to 6 ids
+        ids, target = torch.from_numpy(ids), torch.from_numpy(rng.standard_normal((32, DIM)))
+        for pooled, optimizer in ((lambda: emb(ids).sum(1), opt), (lambda: ref(ids), ref_opt)):
+            (pooled() - target).pow(2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=0, atol=1e-12)
+    assert not emb.table.to_numpy()[pad].any()
+    assert not np.allclose(emb.table.to_numpy(), rows, atol=1e-3)  # it trained
+
+
 def test_from_pretrained_refuses_rows_that_are_not_a_table(rng):
     with pytest.raises(ss.ShapeError, match="num_embeddings, embedding_dim"):
         ss.OffloadedEmbedding.from_pretrained(rng.standard_normal(10), max_rows=4, backend="numpy")
