@@ -638,6 +638,33 @@ def test_padded_bags_summed_with_padding_idx_train_as_an_embedding_bag(rng, make
     assert not np.allclose(emb.table.to_numpy(), rows, atol=1e-3)  # it trained
 
 
+def test_adagrad_with_weight_decay_decays_the_touched_rows_only(rng):
+    """torch refuses weight_decay with sparse gradients, so "sparse-gradient Adagrad" is no
+    reference for it; the README says offloaded Adagrad then applies it lazily. The reference is
+    Adagrad's update written out for the rows each step touches."""
+    lr, wd, eps = 0.05, 0.1, 1e-10
+    rows = rng.standard_normal((200, DIM))
+    emb = ss.OffloadedEmbedding.from_pretrained(rows, freeze=False, max_rows=64, backend="numpy")
+    opt = torch.optim.Adagrad([emb.weight], lr=lr, weight_decay=wd, eps=eps)
+    emb.attach(opt)
+    w, total = rows.copy(), np.zeros_like(rows)
+    for _ in range(30):
+        ids, target = rng.zipf(1.3, 40) % 200, rng.standard_normal((40, DIM))
+        (emb(torch.from_numpy(ids)) - torch.from_numpy(target)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        grad = np.zeros_like(w)
+        np.add.at(grad, ids, 2 * (w[ids] - target))
+        touched = np.unique(ids)
+        g = grad[touched] + wd * w[touched]
+        total[touched] += g ** 2
+        w[touched] -= lr * g / (np.sqrt(total[touched]) + eps)
+    np.testing.assert_allclose(emb.table.to_numpy(), w, rtol=0, atol=1e-12)
+    untouched = np.all(total == 0, axis=1)
+    assert untouched.any()
+    np.testing.assert_array_equal(emb.table.to_numpy()[untouched], rows[untouched])
+
+
 def test_from_pretrained_refuses_rows_that_are_not_a_table(rng):
     with pytest.raises(ss.ShapeError, match="num_embeddings, embedding_dim"):
         ss.OffloadedEmbedding.from_pretrained(rng.standard_normal(10), max_rows=4, backend="numpy")
