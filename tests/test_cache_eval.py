@@ -334,3 +334,31 @@ def test_a_refused_load_leaves_the_cache_as_it_was(cache_rows, backend, rng, tmp
     train(3)
     _check_tables(emb, ref)
     emb.close()
+
+
+@pytest.mark.parametrize("name", ["x.txt", "x.pt", "x.npz"])
+def test_a_save_refused_for_its_suffix_leaves_the_cache_as_it_was(name, backend, rng, tmp_path):
+    """emb.save flushed the cache before it looked at the suffix: a refused save had written every
+    dirty row back (stats' rows_d2h moved, dirty flags cleared)."""
+    emb, opt, ref = _embedding_and_reference(10, backend, rng)
+    device = emb.weight.device
+    for _ in range(STEPS):
+        ids = torch.from_numpy(_zipf_ids(rng, BATCH))
+        ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32))
+        _loss(emb(ids.to(device)), ctx.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step(ids, ctx)
+    assert bool(emb._cache.dirty.any())
+    tensors, numbers = _cache_state(emb)
+    stats = emb.stats()
+    with pytest.raises(ss.OptionError):
+        emb.save(tmp_path / name)
+    assert emb.stats() == stats
+    after, after_numbers = _cache_state(emb)
+    assert after_numbers == numbers
+    for before, now in zip(tensors, after):
+        assert torch.equal(before, now)
+    assert list(tmp_path.iterdir()) == []
+    _check_tables(emb, ref)
+    emb.close()

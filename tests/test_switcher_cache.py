@@ -492,3 +492,24 @@ def test_a_refused_load_leaves_the_shared_cache_as_it_was(rng, backend, tmp_path
     expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
                              table0, batches, ss.get_backend(backend).device, sparse=True)
     assert_same(_tables(u, o), expected)
+
+
+@pytest.mark.parametrize("name", ["x.txt", "x.npz"])
+def test_a_switcher_save_refused_for_its_suffix_leaves_the_shared_cache_as_it_was(name, rng, backend, tmp_path):
+    """saveCupy / OptimizerFactory.save flushed the shared cache before the suffix was looked at."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    batches = _batches(rng, backend, 20)
+    pair = _pair(backend, 20, table0, eps=1e-30)
+    _train(*pair, batches)
+    u, o = pair[2:]
+    cache = u._steps.cache
+    for save in (u.saveCupy, o.save):
+        assert bool(cache.dirty.any())
+        dirty, stats = cache.dirty.clone(), u.stats()
+        with pytest.raises(ss.OptionError):
+            save(tmp_path / name)
+        assert u.stats() == stats and torch.equal(cache.dirty, dirty)
+    assert list(tmp_path.iterdir()) == []
+    expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
+                             table0, batches, ss.get_backend(backend).device, sparse=True)
+    assert_same(_tables(u, o), expected)

@@ -389,7 +389,8 @@ class ModelFactory(Switcher):
         """
         _refuse_torch_file(path, "saveTorch")
         self._check_saving()
-        self.flush()
+        # The table's save checks the path, then has the cache write its rows back
+        # (watch_reads): a refused save leaves the cache as it was.
         self._table.save(path)
 
     def load(self, path):

@@ -334,7 +334,8 @@ class OptimizerFactory(Switcher):
         Raises:
             StateError: called in the middle of a step (nothing is written).
         """
-        from ..train.checkpoint import save_tables
+        from ..train.checkpoint import checkpoint_kind, save_tables
+        checkpoint_kind(path)  # a refused suffix before the flush: a refusal leaves the cache as it was
         self._check_saving()
         self.flush()
         save_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__})

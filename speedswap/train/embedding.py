@@ -24,7 +24,7 @@ from ..errors import (CapacityError, DTypeError, IdError, OptionError, ShapeErro
                       warn)
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
-from .checkpoint import file_in, load_tables, save_tables
+from .checkpoint import checkpoint_kind, file_in, load_tables, save_tables
 from .conversions import RefusesConversion, refuse_conversion, refuse_new_storage
 from .leftover import untouched
 from .module_state import (check_tables_state, copy_tables, missing_hint, note_loaded, refused_after,
@@ -1158,9 +1158,12 @@ class OffloadedEmbedding(RefusesConversion):
             StateError: a closed embedding.
         """
         self._check_open()
+        table_alone = files.suffix_format(path) == "npy"
+        if not table_alone:
+            checkpoint_kind(path)  # a refused suffix before the flush: a refusal leaves the cache as it was
         self._abort_step()
         self.flush()
-        if files.suffix_format(path) == "npy":
+        if table_alone:
             self._table.save(path)
             return
         save_tables(path, self._tables(), self._attrs())
