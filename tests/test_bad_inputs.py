@@ -409,10 +409,14 @@ CASES = [
     ("embedding", lambda o, d: o.save(d / "nope" / "ckpt"), PathError, "does not exist"),
     ("embedding", lambda o, d: o.save(a_foreign_directory(d)), PathError, "not a speedswap"),
     ("embedding", lambda o, d: o.load(d / "missing"), MissingFileError, "no checkpoint"),
+    # Named the checkpoint's inner file (other/v000001/table.npy) and advised HostTable.load, which
+    # loads no checkpoint: an embedding of the saved shape is what loads it.
     ("embedding", lambda o, d: o.load(other_embedding_checkpoint(d)), ss.FileFormatError,
-     "of the file's shape"),
+     f"other' holds a {ROWS + 1} x {DIM} table, but this one is {ROWS} x {DIM}; build the embedding "
+     f"(or switchers) with {ROWS + 1} rows of {DIM}"),
     ("embedding", lambda o, d: o.load(other_embedding_checkpoint(d, ".h5")), ss.FileFormatError,
-     "of the file's shape"),
+     f"other.h5' holds a {ROWS + 1} x {DIM} table, but this one is {ROWS} x {DIM}; build the embedding "
+     f"(or switchers) with {ROWS + 1} rows of {DIM}"),
     ("embedding", lambda o, d: o.load(other_dtype(d)), ss.FileFormatError, "astype(np.float32)"),
     # Said only "a table needs 2-D (rows, dim)", not how a vector becomes one.
     ("embedding", lambda o, d: o.load(one_value_per_row(d)), ss.FileFormatError, "reshape(-1, 1)"),

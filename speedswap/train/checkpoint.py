@@ -498,6 +498,14 @@ def _stage_all(path, tables, attrs):
             header = files.read_npy_header(source)
             if bfloat16 and header.dtype == np.float32:
                 header = dataclasses.replace(header, table_dtype=torch.bfloat16)
+        if tuple(header.shape) != tuple(table.shape):
+            # Named by the user's path, not a version's inner file, and fixed by the object that
+            # saved it: the files layer's own advice (HostTable.load) loads no checkpoint.
+            saved, own = (" x ".join(map(str, shape)) for shape in (header.shape, table.shape))
+            rows = " rows of ".join(map(str, header.shape))
+            raise FileFormatError(f"{os.fspath(path)!r} holds a {saved} table, but this one is "
+                                  f"{own}; build the embedding (or switchers) with {rows}, as the "
+                                  f"one that saved it")
         files.check_table_matches(header, table.shape, table.dtype, source)
         headers[name] = header
     staged = {}
