@@ -520,6 +520,26 @@ def test_bad_arguments_fail_at_construction(make, error, match):
         make()
 
 
+@pytest.mark.parametrize("keyword, value, instead", [
+    ("shuffle", True, 'order="random"'),
+    ("num_workers", 4, "prefetch=N"),
+    ("prefetch_factor", 2, "prefetch=N"),
+    ("pin_memory", True, "nothing: on a GPU batches are staged in pinned memory"),
+    ("persistent_workers", True, "nothing: there are no worker processes"),
+    ("collate_fn", None, "transform=fn"),
+    ("generator", None, "seed=N"),
+    ("collate_fn", lambda batch: batch, "transform=fn"),
+    ("sampler", torch.utils.data.RandomSampler(range(10)), 'order= ("random"'),
+    ("batch_sampler", torch.utils.data.BatchSampler(range(10), 2, False), "batch_size= with order="),
+])
+def test_a_dataloader_keyword_is_refused_with_what_the_feeder_does_instead(rng, keyword, value, instead):
+    # A DataLoader user's first call (shuffle=True, num_workers=4) got only the list of options,
+    # none of which has that name: the message now says which option does the job.
+    x = rng.standard_normal((10, 3)).astype(np.float32)
+    with pytest.raises(ss.OptionError, match=f"no option '{keyword}'.*DataLoader's {keyword} is {re.escape(instead)}"):
+        ss.BatchFeeder(x, batch_size=2, device="cpu", **{keyword: value})
+
+
 def test_a_prefetch_whose_batches_would_not_fit_in_half_the_ram_is_refused_before_anything_starts(
         monkeypatch, rng):
     # Unbounded: prefetch=10**9 queued a whole epoch of a file larger than RAM, ahead of the loop.

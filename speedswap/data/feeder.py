@@ -172,6 +172,21 @@ def _as_tensor(source, checked, what):
     return (tensor.view(torch.bfloat16) if bfloat16 else tensor), FileRows.of(flat, tensor)
 
 
+#: DataLoader keywords people bring along, and what BatchFeeder does instead: the error for one
+#: says so, rather than only list options whose names do not match.
+_DATALOADER_KEYWORDS = {
+    "shuffle": 'order="random" (a new permutation each epoch, from seed) or order="sequential"',
+    "num_workers": "prefetch=N (batches read ahead on a thread; a batch is one gather, no workers needed)",
+    "prefetch_factor": "prefetch=N (batches read ahead)",
+    "persistent_workers": "nothing: there are no worker processes to keep between loops",
+    "pin_memory": "nothing: on a GPU batches are staged in pinned memory already",
+    "collate_fn": "transform=fn (called with each whole batch)",
+    "sampler": 'order= ("random", "block", "sequential" or an order object) and rank=, world_size=',
+    "batch_sampler": 'batch_size= with order= ("random", "block", "sequential" or an order object)',
+    "generator": "seed=N (the same seed gives the same stream)",
+}
+
+
 def _close_readers(readers, wait: bool = True) -> None:
     """Close a loop's readers, the batch reader first (it may wait on the file reader).
 
@@ -368,7 +383,9 @@ class BatchFeeder:
 
     Raises:
         OptionError: no sources, both positional and named ones, an unknown
-            option (a keyword whose value is not a source), a bad backend, a bad
+            option (a keyword whose value is not a source; for DataLoader's
+            ``shuffle``, ``num_workers``, ``sampler``, ``collate_fn`` and the like
+            the message names the option that does the job), a bad backend, a bad
             ``batch_size``/``prefetch``/``seed`` (a ``prefetch`` whose batches
             would not fit, see there), an unknown ``order``, a rank
             outside the world, ``world_size > 1`` without ``rank`` while
@@ -412,11 +429,17 @@ class BatchFeeder:
                  prefetch=2, rank=None, world_size=None, transform=None, drop_behind=None,
                  lookahead: bool = False, backend="auto", **named_sources):
         for name, value in named_sources.items():
-            if value is None or isinstance(value, (bool, int, float, str)):
+            # A DataLoader keyword is refused whatever its value (a sampler, a function) unless
+            # it is data: a source may be named "sampler", but a RandomSampler is no source.
+            data = isinstance(value, (np.ndarray, torch.Tensor, DataGadget, HostTable))
+            if value is None or isinstance(value, (bool, int, float, str)) or (
+                    name in _DATALOADER_KEYWORDS and not data):
                 options = [p.name for p in inspect.signature(BatchFeeder).parameters.values()
                            if p.kind is p.KEYWORD_ONLY]
-                raise OptionError(f"BatchFeeder has no option {name!r} (got {name}={value!r}); a "
-                                  f"keyword that is not an option names a data source (an array, "
+                instead = (f"; DataLoader's {name} is {_DATALOADER_KEYWORDS[name]} here"
+                           if name in _DATALOADER_KEYWORDS else "")
+                raise OptionError(f"BatchFeeder has no option {name!r} (got {name}={value!r}){instead}; "
+                                  f"a keyword that is not an option names a data source (an array, "
                                   f"tensor, DataGadget or HostTable). Options: {', '.join(options)}")
         if sources and named_sources:
             raise OptionError("give the sources either all by position (batches are tuples) or "
