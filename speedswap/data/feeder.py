@@ -353,7 +353,10 @@ class BatchFeeder:
             a copy with the block size used).
         drop_last: drop the last, incomplete batch (and, with several ranks,
             the rows that do not divide evenly between them).
-        seed: seeds the order; the same seed gives the same stream.
+        seed: seeds the order; the same seed gives the same stream. A
+            ``"block"`` order's block size depends on the bytes of a row over
+            all sources too (name it with ``BlockOrder(block_rows=...)`` to
+            give feeders over different sources the same stream).
         device: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``,
             a CUDA index or a ``torch.device``; None is ``"auto"`` (torch's current
             CUDA device, else the CPU), as for tables and gadgets.
