@@ -540,6 +540,23 @@ def test_a_dataloader_keyword_is_refused_with_what_the_feeder_does_instead(rng, 
         ss.BatchFeeder(x, batch_size=2, device="cpu", **{keyword: value})
 
 
+def test_a_source_not_contiguous_whose_copy_would_not_fit_in_ram_is_refused_before_it_is_copied(
+        monkeypatch, rng):
+    # A column slice or a Fortran-order .npy of a file larger than RAM was copied into RAM
+    # whole, with a warning: the process ran out of memory instead of being told what to do.
+    import speedswap.data.feeder as feeder_module
+    x = np.asfortranarray(rng.standard_normal((64, 8)).astype(np.float32))  # 2,048 bytes
+    monkeypatch.setattr(feeder_module, "available_ram", lambda: 4 * x.nbytes // 3 - 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the copy's warning would mean the copy was begun
+        with pytest.raises(ss.OutOfMemoryError, match=r"source 0 is not contiguous.*2,048 bytes.*create_npy"):
+            ss.BatchFeeder(x, batch_size=8, device="cpu")
+    monkeypatch.setattr(feeder_module, "available_ram", lambda: 4 * x.nbytes // 3 + 4 + (1 << 20))
+    with pytest.warns(RuntimeWarning, match="not contiguous"):
+        fits = ss.BatchFeeder(x, batch_size=8, order="sequential", device="cpu")
+    np.testing.assert_array_equal(torch.cat([b for (b,) in fits]).numpy(), np.ascontiguousarray(x))
+
+
 def test_a_prefetch_whose_batches_would_not_fit_in_half_the_ram_is_refused_before_anything_starts(
         monkeypatch, rng):
     # Unbounded: prefetch=10**9 queued a whole epoch of a file larger than RAM, ahead of the loop.

@@ -21,8 +21,8 @@ import torch
 
 from ..backends import available_ram, get_backend, resolve_device
 from ..convert import as_host_array, bool_option, check_has_values, check_rows, int_option
-from ..errors import (DeviceError, DTypeError, OptionError, ShapeError, StateError, ThreadStartError,
-                      warn)
+from ..errors import (DeviceError, DTypeError, OptionError, OutOfMemoryError, ShapeError, StateError,
+                      ThreadStartError, warn)
 from ..table import HostTable
 from .filesource import FileRows, RowReader, WindowReader
 from .gadget import DataGadget
@@ -111,6 +111,8 @@ def _checked(source, what):
         DeviceError: a tensor on the meta device (no values).
         ShapeError: a 0-d source, or one without rows.
         StateError: a closed DataGadget or HostTable.
+        OutOfMemoryError: a host source that is not contiguous, whose copy
+            would not fit in RAM (see :func:`_check_copy_fits`).
     """
     if isinstance(source, (DataGadget, HostTable)):
         if source.closed:
@@ -130,7 +132,30 @@ def _checked(source, what):
     # numpy has no bfloat16: its bits are held as int16 and the tensor views them back.
     bfloat16 = isinstance(source, torch.Tensor) and source.dtype == torch.bfloat16
     array = as_host_array(source.view(torch.int16) if bfloat16 else source, what)
+    if not array.flags.c_contiguous:
+        _check_copy_fits(array, what)
     return array, _row_bytes(array.shape, array.itemsize)
+
+
+def _check_copy_fits(array, what):
+    """Refuse to copy a source that is not contiguous when the copy would not fit in RAM.
+
+    Such a source is copied into RAM whole (see :func:`_as_tensor`); a column
+    slice of a file larger than RAM would run the process out of memory. The
+    bound is DataGadget's: a file is mapped rather than read past 3/4 of the
+    RAM available.
+
+    Raises:
+        OutOfMemoryError: the copy would take more than 3/4 of the RAM available.
+    """
+    room = available_ram() * 3 // 4
+    if array.nbytes > room:
+        raise OutOfMemoryError(
+            f"{what} is not contiguous in memory (a column slice, a transposed or Fortran-order "
+            f"array), so the feeder would copy it into RAM: {array.nbytes:,} bytes, more than 3/4 of "
+            f"the RAM available ({room:,} bytes); write a contiguous copy to disk and feed that: "
+            f"ss.data.create_npy(path, x.shape, x.dtype, lambda lo, hi: x[lo:hi]), then "
+            f"np.load(path, mmap_mode='r')")
 
 
 def _row_bytes(shape, itemsize):
@@ -270,7 +295,8 @@ class BatchFeeder:
     contiguous in memory (a column slice, a transposed tensor) is the
     exception: it is copied once, when the feeder is built, with a warning,
     and later changes to it are not seen (pass ``np.ascontiguousarray(x)`` or
-    ``x.contiguous()`` to own the copy instead). Each batch
+    ``x.contiguous()`` to own the copy instead); a copy that would take more
+    than 3/4 of the RAM available is refused. Each batch
     is a tuple with one tensor per source (a dict when the sources are given by
     name), each gathered with one indexing call.
 
@@ -402,6 +428,9 @@ class BatchFeeder:
             there is none.
         DTypeError: a source of an unsupported type or dtype.
         StateError: a DataGadget or HostTable source that is closed.
+        OutOfMemoryError: a source that is not contiguous whose copy would
+            take more than 3/4 of the RAM available (a column slice of a
+            file larger than RAM): write a contiguous copy to disk instead.
 
     Every argument is checked before a DataGadget source's rows are read
     (a gadget built from a path reads them when the feeder takes it) or a
