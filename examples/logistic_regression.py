@@ -4,7 +4,9 @@ Logistic regression is a one-layer network followed by a softmax; written in
 PyTorch it trains on any device and scales with the data. The arrays
 ``(X, y)`` are split into train/validation/test sets, the training rows are
 fed in shuffled batches by :class:`speedswap.BatchFeeder` (one gather per
-batch, straight into device tensors), and the loss is the mean cross-entropy
+batch, straight into device tensors; the arrays are read into RAM and
+standardised and split as copies, so a file larger than RAM wants the
+streaming of ``linear_regression.py``), and the loss is the mean cross-entropy
 plus ``l1 * |W|_1 + l2 * |W|_2^2``. Bolts' ``LogisticRegression`` divides its
 penalties by the batch size as well (summed cross-entropy plus penalties, over
 the batch), so its ``l1_strength=s`` is ``--l1 s/batch_size`` here. Each epoch
