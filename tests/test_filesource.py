@@ -229,6 +229,31 @@ def test_a_file_rewritten_in_place_under_a_running_loop_raises_instead_of_feedin
         np.testing.assert_array_equal(rows, -data[ids])
 
 
+def test_rows_appended_under_a_running_loop_raise_saying_the_feeder_keeps_the_rows_it_was_built_with(
+        tmp_path, rng):
+    # The error said "iterate the feeder again to go on with the file as it is now", and a user who
+    # appended rows (a dataset growing over time) expected them in the next loop: they never come.
+    path = tmp_path / "x.npy"
+    n = 4096
+    data = rng.standard_normal((n, 4)).astype(np.float32)
+    source = write(path, data)
+    os.utime(path, ns=(time.time_ns() - 3600 * 10**9,) * 2)  # written long ago (see the test above)
+    feeder = ss.BatchFeeder(np.arange(n), source, batch_size=32, order="random", device="cpu")
+    delivered = 0
+    with pytest.raises(ss.FileFormatError, match=r"reads the 4,096 rows it was built with: rows appended "
+                                                 r"to the file since are seen only by a new feeder"):
+        for ids, rows in feeder:
+            np.testing.assert_array_equal(rows.numpy(), data[ids.numpy()])
+            delivered += len(ids)
+            if delivered == 96:
+                with open(path, "ab") as f:
+                    f.write(rng.standard_normal((100, 4)).astype(np.float32).tobytes())
+    rest = [(ids.numpy(), rows.numpy()) for ids, rows in feeder]  # what the message says: the old rows
+    assert delivered + sum(len(ids) for ids, _ in rest) == n
+    for ids, rows in rest:
+        np.testing.assert_array_equal(rows, data[ids])
+
+
 @pytest.mark.parametrize("order", ["random", BlockOrder(block_rows=64, window=2)])
 def test_a_rewrite_in_the_timestamp_tick_of_the_write_before_the_loop_is_caught(tmp_path, rng, monkeypatch, order):
     """Kernels before 6.13 stamp a write with the coarse clock (a tick of 1 to 10 ms): a file written

@@ -280,7 +280,9 @@ class _PoolReader:
                     f"is not what it was when this loop opened it): this epoch's later batches would "
                     f"mix old and new rows. The batches already yielded hold the old rows; iterate the "
                     f"feeder again to go on with the file as it is now, or load_state_dict() a state "
-                    f"saved before the change (set_epoch() to start the epoch over)")
+                    f"saved before the change (set_epoch() to start the epoch over). Either way the "
+                    f"feeder reads the {file.num_rows:,} rows it was built with: rows appended to the "
+                    f"file since are seen only by a new feeder over a new np.load(path, mmap_mode='r')")
         if self._closed:  # closed before the loop began: close() left no descriptor to check
             raise _closed_by_another_thread()
 
