@@ -557,6 +557,16 @@ def test_a_source_not_contiguous_whose_copy_would_not_fit_in_ram_is_refused_befo
     np.testing.assert_array_equal(torch.cat([b for (b,) in fits]).numpy(), np.ascontiguousarray(x))
 
 
+@pytest.mark.parametrize("bad_seed", [None, -1])
+def test_a_seed_that_is_no_seed_is_refused_saying_how_to_get_a_fresh_order_each_run(rng, bad_seed):
+    # seed=None (DataLoader's way to a fresh shuffle each run) got "seed must be an int >= 0, got
+    # None": not that the default seed gives one order every run, nor how to draw another.
+    x = rng.standard_normal((10, 3)).astype(np.float32)
+    with pytest.raises(ss.OptionError, match=r"seed must be an int >= 0, got .*different order each "
+                                             r"run.*secrets\.randbits"):
+        ss.BatchFeeder(x, batch_size=2, seed=bad_seed, device="cpu")
+
+
 def test_a_prefetch_whose_batches_would_not_fit_in_half_the_ram_is_refused_before_anything_starts(
         monkeypatch, rng):
     # Unbounded: prefetch=10**9 queued a whole epoch of a file larger than RAM, ahead of the loop.

@@ -382,7 +382,9 @@ class BatchFeeder:
             a copy with the block size used).
         drop_last: drop the last, incomplete batch (and, with several ranks,
             the rows that do not divide evenly between them).
-        seed: seeds the order; the same seed gives the same stream. A
+        seed: seeds the order; the same seed gives the same stream (the
+            default, 0, gives every run the same orders, where DataLoader's
+            shuffle differs from run to run). A
             ``"block"`` order's block size depends on the bytes of a row over
             all sources too (name it with ``BlockOrder(block_rows=...)`` to
             give feeders over different sources the same stream).
@@ -483,7 +485,12 @@ class BatchFeeder:
             raise OptionError("BatchFeeder needs at least one source: BatchFeeder(x, y, batch_size=...)")
         batch_size = int_option(batch_size, "batch_size")
         prefetch = int_option(prefetch, "prefetch", minimum=0, hint=" (batches read ahead)")
-        seed = int_option(seed, "seed", minimum=0)
+        # DataLoader shuffles differently each run by default; here the default is one order
+        # (seed 0), and None, a DataLoader user's way of asking for a fresh one, must say how.
+        seed = int_option(seed, "seed", minimum=0,
+                          hint="; the same seed gives the same stream (resumable). For a different order "
+                               "each run, draw one (seed=secrets.randbits(63)) and keep it with the "
+                               "checkpoint")
         if transform is not None and not callable(transform):
             raise OptionError(f"transform must be callable, got {type(transform).__name__}")
         if drop_behind is not None and not isinstance(drop_behind, (bool, np.bool_)):  # 1 == True, but no bool
