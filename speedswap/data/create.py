@@ -33,7 +33,12 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
 
     Without ``fill`` the file is created sparse (disk is used as rows are
     written) and you write rows into the returned map; ``map.flush()`` makes
-    them durable. With ``fill``, ``fill(start, stop)`` is called for
+    them durable. That file has its full shape from the start, so rows never
+    written read as zeros: a writer stopped midway leaves a dataset that
+    opens (with ``np.load``, ``DataGadget``) with zero rows at its end. Use
+    ``fill`` where the file must be complete or absent.
+
+    With ``fill``, ``fill(start, stop)`` is called for
     consecutive chunks of about ``chunk_bytes`` and must return rows
     ``start .. stop - 1``; they are written with ``pwrite`` (not through a
     map, so the process's resident memory stays at one chunk), synced and
