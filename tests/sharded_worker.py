@@ -31,6 +31,7 @@ import warnings
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint as activation
 
 NUM_ROWS, DIM, GLOBAL_BATCH = 301, 6, 60
 STEPS, SAVE_AT = 120, 50
@@ -56,6 +57,8 @@ PAD = NUM_ROWS - 3
 EMBEDDING_OPTIONS = dict(padding_idx=PAD, scale_grad_by_freq=True)
 #: The clip scenario's max_norm: below most steps' gradient norm, so that most steps clip.
 MAX_NORM = 0.1
+#: The checkpointed scenarios' steps: several of SKIPPED among them, and steps after the last.
+CHECKPOINTED_STEPS = 30
 
 
 def initial_table(seed):
@@ -188,8 +191,8 @@ def make(name, **options):
     """A sharded embedding and its attached optimizer for scenario ``name``."""
     import speedswap as ss
     opt_cls, _, kwargs, _ = OPTIMIZERS[name]
-    emb = ss.ShardedOffloadedEmbedding(NUM_ROWS, DIM, max_rows=GLOBAL_BATCH, backend="numpy",
-                                       storage=options.pop("storage", "pageable"), **options)
+    emb = ss.ShardedOffloadedEmbedding(NUM_ROWS, DIM, max_rows=options.pop("max_rows", GLOBAL_BATCH),
+                                       backend="numpy", storage=options.pop("storage", "pageable"), **options)
     opt = opt_cls(emb.parameters(), **kwargs)
     emb.attach(opt)
     return emb, opt
@@ -208,6 +211,49 @@ def train(emb, opt, seed, steps, world, rank, skipped=(), before_backward=False,
         if step not in skipped:
             opt.step()
         opt.zero_grad()
+
+
+def checkpointed_losses(emb, ids, targets, world, reentrant):
+    """:func:`rank_loss`'s two terms, each lookup in a ``torch.utils.checkpoint`` block, one at a time (a generator).
+
+    The backward runs each lookup again: with ``use_reentrant=False`` inside
+    the backward; with ``True`` first under ``no_grad()`` (an eval forward),
+    then with gradients inside the backward. The block gets a scale that
+    requires a gradient, without which ``use_reentrant=True`` computes none
+    through it.
+    """
+    half = len(ids) // 2
+    scale = torch.ones((), requires_grad=True)
+    for part in (slice(0, half), slice(half, None)):
+        out = activation.checkpoint(lambda i, s: emb(i) * s, ids[part], scale, use_reentrant=reentrant)
+        yield ((out - targets[part]) ** 2).sum() * (world / GLOBAL_BATCH)
+
+
+def train_checkpointed(emb, opt, seed, world, rank, flow, reentrant):
+    """Train :data:`CHECKPOINTED_STEPS` steps on :func:`checkpointed_losses` in the loop ``flow``.
+
+    ``plain``: one backward a step; ``accumulated``: one backward a forward;
+    ``skipped``: the order forward, ``zero_grad()``, backward, the steps in
+    :data:`SKIPPED` skipped after their backward (a loss that was not
+    finite, say) on every rank.
+    """
+    for step in range(CHECKPOINTED_STEPS):
+        ids, targets = global_batch(seed, step)
+        part = rank_slice(step, world, rank)
+        losses = checkpointed_losses(emb, ids[part], targets[part], world, reentrant)
+        if flow == "accumulated":
+            for loss in losses:
+                loss.backward()
+        else:
+            loss = sum(losses)
+            if flow == "skipped":
+                opt.zero_grad()
+            loss.backward()
+        if flow == "skipped" and step in SKIPPED:
+            continue
+        opt.step()
+        if flow != "skipped":
+            opt.zero_grad()
 
 
 def shard_arrays(emb):
@@ -295,6 +341,15 @@ def run_scenario(scenario, seed, world, rank, out):
             opt.step()  # 1: on forwards no backward reached
             opt.zero_grad(set_to_none=False)
         name = f"{name}-zerokept"
+    elif kind == "checkpointed":  # lookups run again inside the backward; name: <flow>-<reentrant or not>
+        flow, _, mode = name.partition("-")
+        # Rows of a step skipped after its backward wait in the next step's working set: room for two steps.
+        emb, opt = make("adam", max_rows=2 * GLOBAL_BATCH)
+        emb.load(table_file)
+        errors = caught(lambda: train_checkpointed(emb, opt, seed, world, rank, flow, mode == "reentrant"))
+        with open(os.path.join(out, f"checkpointed-{name}.rank{rank}.json"), "w") as f:
+            json.dump(errors, f)
+        name = f"checkpointed-{name}"
     elif kind == "padding":  # padding_idx, scale_grad_by_freq; the last rank owns the padding row
         emb, opt = make(name, **EMBEDDING_OPTIONS)
         emb.load(table_file)  # the padding row too: pretrained, not zero

@@ -28,8 +28,8 @@ from host_syncs import HostSyncs
 from rendezvous import rendezvous_url
 from speedswap.train import sharded_checkpoint
 from speedswap.train.exchange import Exchange
-from sharded_worker import (DIM, NUM_ROWS, PAD, SAVE_AT, STEPS, initial_table, make, shard_arrays,
-                            train)
+from sharded_worker import (CHECKPOINTED_STEPS, DIM, NUM_ROWS, PAD, SAVE_AT, SKIPPED, STEPS, initial_table,
+                            make, shard_arrays, train)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "sharded_worker.py"
@@ -252,6 +252,45 @@ def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):
     (code0, err0), (code1, err1) = results
     assert code1 != 0 and "IdError" in err1
     assert code0 != 0 and "StateError" in err0 and "rank(s) [1]" in err0
+
+
+#: The checkpointed scenarios: <loop>-<use_reentrant> (see sharded_worker.train_checkpointed).
+CHECKPOINTED = [f"{flow}-{mode}" for flow in ("plain", "accumulated", "skipped")
+                for mode in ("non_reentrant", "reentrant")]
+
+
+@pytest.fixture(scope="module")
+def checkpointed_runs(tmp_path_factory):
+    """1 and 2 ranks train Adam with every lookup in a checkpointed block, in each loop of CHECKPOINTED."""
+    seed = int(os.environ.get("SPEEDSWAP_SEED", np.random.SeedSequence().entropy % 2**31))
+    print(f"checkpointed_runs seed {seed} (replay with SPEEDSWAP_SEED={seed})")
+    runs = {}
+    for world in (1, 2):
+        runs[world] = tmp_path_factory.mktemp(f"checkpointed{world}")
+        assert_ok(launch(world, runs[world], seed, *(f"checkpointed:{name}" for name in CHECKPOINTED)))
+    return runs, seed
+
+
+@pytest.mark.parametrize("name", CHECKPOINTED)
+@pytest.mark.parametrize("world", [1, 2])
+def test_activation_checkpointing_trains_as_one_process_in_memory(checkpointed_runs, world, name):
+    """``torch.utils.checkpoint`` around each lookup (both ``use_reentrant``), against ``SparseAdam``
+    on ``F.embedding(sparse=True)`` over the whole table and the union batch. (No ``cache_rows``
+    case: a sharded table refuses a device cache.)
+
+    In the loop order forward, ``zero_grad()``, backward, with steps skipped after their backward,
+    the forward that ``use_reentrant=False`` runs again inside the backward found the skipped
+    step's gradient zeroed and dropped the step, with the rows its own first run had brought in:
+    the backward raised ``StateError`` ("backward through an embedding forward whose optimizer
+    step has already run") where in memory the step trains the new forward's rows.
+    """
+    runs, seed = checkpointed_runs
+    for rank in range(world):
+        assert json.loads((runs[world] / f"checkpointed-{name}.rank{rank}.json").read_text()) == {}
+    skipped = SKIPPED if name.startswith("skipped") else ()
+    expected = sharded_worker.reference("adam", seed, steps=CHECKPOINTED_STEPS, skipped=skipped)
+    assert not np.allclose(expected[0], initial_table(seed).numpy())  # the reference trained
+    assert_same(gathered(runs[world], f"checkpointed-{name}", world), expected)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from .module_state import (check_tables_state, copy_tables, missing_hint, note_l
                            tables_state, unpicklable)
 from .one_optimizer import claim
 from .options import embedding_flags, forward_ids, padding_option, refuse_max_norm
-from .reached import KeptRows, ReachedRows
+from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
                         take_assigned)
 from .step_hooks import StepHooks
@@ -846,7 +846,7 @@ class OffloadedEmbedding(RefusesConversion):
         if self._state is None:
             raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                              "step() is where the updated rows are written back")
-        if _in_backward():
+        if in_backward():
             # Activation checkpointing runs the forward again inside the backward, after any
             # zero_grad() since its first run, whose rows are in the step: dropping the step here
             # would drop them too. The backward decides when it reaches the lookup (_gradient_dropped).
@@ -1407,11 +1407,6 @@ def _refused_data(data, full):
             f"{data.device}; an OffloadedEmbedding's weight is its working set, "
             f"{tuple(full.shape)} {full.dtype} on {full.device}: "
             f"assign a tensor like it, or write rows with emb.table")
-
-
-def _in_backward() -> bool:
-    """Whether the autograd engine runs a backward on this thread (a forward then is a checkpoint's recompute)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 def _gradient_dropped(ref):

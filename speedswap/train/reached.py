@@ -30,7 +30,7 @@ import torch
 
 from ..errors import StateError
 
-__all__ = ["ReachedRows", "KeptRows"]
+__all__ = ["ReachedRows", "KeptRows", "in_backward"]
 
 
 class ReachedRows:
@@ -135,6 +135,21 @@ def _reach(ref, step, key, grad_outputs):
         slots = tracker._unreached.pop(key, None)
         if slots is not None:
             tracker._reached[key] = slots
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine runs a backward on this thread.
+
+    A training forward then is activation checkpointing's recompute, whose
+    first run's rows are in the step already: it leaves to the backward
+    (``ReachedRows``' ``dropped``, asked when the backward reaches a lookup)
+    whether ``zero_grad()`` dropped the step, rather than drop the step, and
+    those rows with it, itself.
+
+    Returns:
+        True inside a backward (``torch.autograd`` or a checkpoint's), else False.
+    """
+    return torch._C._current_graph_task_id() != -1
 
 
 class KeptRows:

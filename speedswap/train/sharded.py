@@ -47,7 +47,7 @@ from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import embedding_flags, forward_ids, padding_option, refuse_max_norm
-from .reached import KeptRows, ReachedRows
+from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
 from .step_hooks import StepHooks
 from .sharded_checkpoint import (all_unchanged, load_shards, ranks_on_this_machine, run_everywhere,
@@ -525,7 +525,12 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         training = self.training and torch.is_grad_enabled()
         if training:
             self._abort_step()
-            self._drop_zeroed_step()
+            # Activation checkpointing runs the forward again inside the backward, on every rank
+            # alike, after any zero_grad() since its first run, whose rows are in the step: dropping
+            # the step here would drop them too. The backward decides when it reaches the lookup
+            # (_gradient_dropped), and the step's exchange flags the rows it left unreached.
+            if not in_backward():
+                self._drop_zeroed_step()
         before, error, send, counts = copy.copy(self._looked_up), None, None, None
         try:
             self._check_open()
