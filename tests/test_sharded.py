@@ -1509,6 +1509,46 @@ def test_a_step_skipped_after_exchange_gradients_then_zero_grad_after_the_next_f
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("exchanged", [True, False], ids=["after_exchange_gradients", "before"])
+def test_a_gradient_multiplied_by_zero_in_place_trains_as_in_memory(rng, exchanged):
+    """A non-zero gradient multiplied by 0 in place (``grad.mul_(0.0)``: a mask, a warm-up factor of
+    0), then the step. In memory SparseAdam's sparse gradient still names the rows, at zero values,
+    and moves them by their momentum. After ``exchange_gradients()`` the sharded step does the same;
+    before it the placeholder changed, and the step is refused on every rank, no row changed."""
+    rows, dim, steps = 60, 4, 20
+    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
+    emb = ss.ShardedOffloadedEmbedding(rows, dim, max_rows=24, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+    p = 1.0 / np.arange(1, rows + 1)
+    masked = rng.random(steps) < 0.3
+    masked[:2], masked[rng.integers(2, steps)] = False, True  # momentum first, then one masked step at least
+    for mask in masked:
+        ids = torch.from_numpy(rng.choice(rows, size=12, p=p / p.sum()))
+        target = torch.from_numpy(rng.standard_normal((12, dim)).astype(np.float32))
+        for lookup, optimizer, weight in ((emb, opt, emb.weight),
+                                          (lambda i: F.embedding(i, ref, sparse=True), ref_opt, ref)):
+            ((lookup(ids) - target) ** 2).sum().backward()
+            if optimizer is opt and exchanged:
+                emb.exchange_gradients()
+            if mask:
+                if not exchanged and optimizer is opt:
+                    before = emb.table.to_numpy(copy=True)
+                    weight.grad.mul_(0.0)
+                    with pytest.raises(ss.StateError, match=r"emb\.exchange_gradients\(\) on every rank"):
+                        optimizer.step()
+                    np.testing.assert_array_equal(emb.table.to_numpy(), before)
+                    return
+                weight.grad.mul_(0.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(ref.detach().numpy(), table0)  # it trained
+
+
 def test_a_step_whose_optimizer_raised_is_retried_and_training_goes_on(rng):
     """The optimizer raised after the rows were narrowed: the retry trained, but left weight
     narrowed, and the next step failed on a gradient of the full size."""
