@@ -673,7 +673,9 @@ def test_every_tensor_the_cache_replaces_is_recorded_for_the_stream_that_drops_i
     """The cache's tensors are made on the stream it was made on; training may run on another. A
     tensor the cache replaces there (scratch regrowth, the prefetch's stamps, the sorted index) goes
     back to the pool of the stream that made it, which hands it out again at once, under the training
-    stream's queued copies from it, unless it was recorded for the training stream first."""
+    stream's queued copies from it, unless it was recorded for the training stream first. The
+    branches a GPU runs (sync_free's CPU shortcuts off): on the CPU a prefetch pins in place."""
+    monkeypatch.setattr(sync_free, "_numpy_shortcut", lambda tensor: False)
     emb, opt = _embedding("numpy", cache_rows=8, opt=torch.optim.Adam)
     for _ in range(3):
         _step(emb, opt, rng.integers(0, 40, 12))
@@ -823,8 +825,13 @@ def test_prefetch_checks_ids_and_order(backend):
         ss.OffloadedEmbedding(10, 4, max_rows=8, backend=backend, cache_rows=-1)
 
 
-def test_a_prefetch_refused_for_its_ids_changes_nothing(backend, rng):
-    """The range of a prefetch's ids is checked in the read its counts need: no row is pinned before."""
+@pytest.mark.parametrize("device_branches", [False, True])
+def test_a_prefetch_refused_for_its_ids_changes_nothing(backend, rng, device_branches, monkeypatch):
+    """The range of a prefetch's ids is checked in the read its counts need: no row is pinned before.
+    ``device_branches``: sync_free's CPU shortcuts off, the GPU's order (the CPU checks first, then
+    pins in place; a GPU pins a copy of the stamps until its one read has checked the ids)."""
+    if device_branches:
+        monkeypatch.setattr(sync_free, "_numpy_shortcut", lambda tensor: False)
     emb, opt = _embedding(backend, cache_rows=10)
     for _ in range(3):
         _step(emb, opt, rng.integers(0, 30, 12))

@@ -115,7 +115,7 @@ from ..convert import host_tensor, numpy_dtype, read_bounds
 from ..errors import StateError, warn
 from ..table import HostTable
 from .sketch import FrequencySketch
-from .sync_free import find_sorted, positions, sort_again, sort_marking_firsts
+from .sync_free import find_sorted, positions, reads_are_free, sort_again, sort_marking_firsts
 
 __all__ = ["RowCache", "COUNTERS", "EVAL_COUNTERS"]
 
@@ -768,17 +768,26 @@ class RowCache:
         self._give_up_for_views()  # an evicted row is written back, clean or not
         # Sorted with each distinct id marked, not torch.unique: no host wait for its count.
         ids_sorted, _, first = sort_marking_firsts(ids)
+        if check_bounds is not None and reads_are_free(ids_sorted):
+            # On the CPU the bounds cost no wait: checked now, the stamps change in place (a copy of
+            # 400 kB spared at a 50,000-row cache, whatever the prefetch brings).
+            check_bounds(*ids_sorted.numpy()[[0, -1]].tolist())
+            check_bounds = None
         found, slot = self._lookup(ids_sorted)
-        # Out of place: until the ids' bounds are read and checked below, nothing changes.
+        # Out of place while the ids' bounds are not checked: until they are read below, nothing changes.
         # The step's own hits are pinned first, or the count of evictable slots would include them.
-        stamp = self.stamp.clone() if self._pinned else self._pin(self.stamp.clone())
+        stamp = self.stamp if check_bounds is None else self.stamp.clone()
+        if not self._pinned:
+            self._pin(stamp)
         stamp.scatter_reduce_(0, slot, torch.where(found, self.clock + 1, -1), "amax")
         # first and neither found nor in the step, as bools (one kernel, where & ~ is two); not
         # torch.isin, which makes a GPU's host wait.
         new = first > (found | in_step(ids_sorted))
         n_new, evictable = _read_checked([new.sum(), (stamp < self.clock).sum()], ids_sorted, check_bounds)
-        self._retire(self.stamp)
-        self.stamp, self._pinned = stamp, True
+        if stamp is not self.stamp:
+            self._retire(self.stamp)
+            self.stamp = stamp
+        self._pinned = True
         bring = min(n_new, evictable - self._n_misses)
         if bring <= 0:
             return 0
