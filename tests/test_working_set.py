@@ -9,8 +9,7 @@ from hypothesis import given, settings
 import speedswap as ss
 from speedswap.convert import as_row_ids_deferred
 from speedswap.train import sync_free
-from speedswap.train.sync_free import (_TORCH_SORTS_FASTER_UP_TO, find_sorted, sort_again, sort_marking_firsts,
-                                      sort_with_order)
+from speedswap.train.sync_free import _TORCH_SORTS_FASTER_UP_TO, find_sorted, sort_marking_firsts, sort_with_order
 from speedswap.train.working_set import WorkingSet
 
 CAPACITY = 12
@@ -173,22 +172,3 @@ def test_steps_of_several_zipf_lookups_give_the_reference_slots(device, rng):
             probe = torch.from_numpy(rng.integers(0, 100_000, 200)).to(device)
             assert ws.holds(probe).tolist() == [i in ref.rows for i in probe.tolist()]
         ws.clear()
-
-
-@pytest.mark.parametrize("sizes", [(50_000, 900), (1, 1), (300, 0), (300, 300), (2_000, 40)])
-def test_sorting_again_after_a_few_changes_gives_what_a_sort_gives(device, sizes, rng):
-    """The device cache's index after slots change hands: merged on the CPU, sorted on a GPU; rows
-    of free slots (-1) repeat, and a changed entry may take a value it had or another entry has."""
-    n, n_changed = sizes
-    values = torch.from_numpy(rng.choice(10**6, n, replace=False)).to(device)
-    values[torch.from_numpy(rng.choice(n, n // 10, replace=False)).to(device)] = -1
-    keys, order = torch.sort(values.to(torch.int32))
-    changed = torch.from_numpy(rng.choice(n, n_changed, replace=False)).to(device)
-    now = values.clone()
-    now[changed] = torch.from_numpy(rng.choice(2 * 10**6, n_changed) - 10**6).clamp_(min=-1).to(device)
-    now[changed[: n_changed // 3]] = values[torch.from_numpy(rng.integers(0, n, n_changed // 3)).to(device)]
-    new_keys, new_order = sort_again(keys, order, now, changed)
-    assert new_keys.dtype == torch.int32 and new_order.dtype == torch.int64
-    assert torch.equal(new_keys, torch.sort(now).values.to(torch.int32))
-    assert torch.equal(now[new_order].to(torch.int32), new_keys)
-    assert torch.equal(torch.sort(new_order).values, torch.arange(n, device=device))  # a permutation

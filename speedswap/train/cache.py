@@ -115,7 +115,7 @@ from ..convert import host_tensor, numpy_dtype, read_bounds
 from ..errors import StateError, warn
 from ..table import HostTable
 from .sketch import FrequencySketch
-from .sync_free import find_sorted, positions, reads_are_free, sort_again, sort_marking_firsts
+from .sync_free import find_sorted, positions, reads_are_free, sort_marking_firsts
 
 __all__ = ["RowCache", "COUNTERS", "EVAL_COUNTERS"]
 
@@ -275,16 +275,10 @@ class RowCache:
             self.slot_row, self.stamp, self.dirty, self.score, self._sorted_rows, self._sorted_slots))
         return len(self.weights) * row + bookkeeping + self.sketch.nbytes
 
-    def _reindex(self, changed: Optional[torch.Tensor] = None):
-        """Sort the slots' rows again for :meth:`_lookup`; ``changed``: the only slots whose rows
-        changed since the last sort (unique), None when any may have."""
+    def _reindex(self):
         if hasattr(self, "_sorted_rows"):  # none yet when __init__ builds the first index
             self._retire(self._sorted_rows, self._sorted_slots)
-        if changed is None:
-            self._sorted_rows, self._sorted_slots = torch.sort(self.slot_row.to(self._key_dtype))
-        else:  # on the CPU the changed slots are merged in: a few hundred of 50,000 in a third of the time
-            self._sorted_rows, self._sorted_slots = sort_again(self._sorted_rows, self._sorted_slots,
-                                                               self.slot_row, changed)
+        self._sorted_rows, self._sorted_slots = torch.sort(self.slot_row.to(self._key_dtype))
 
     def _retire(self, *tensors):
         """Record ``tensors``, about to be dropped, for the current stream (on a GPU).
@@ -440,7 +434,7 @@ class RowCache:
         self.stamp.index_fill_(0, slots, stamp)
         self.score.scatter_(0, slots, score)
         self.dirty.index_fill_(0, slots, dirty)
-        self._reindex(slots)
+        self._reindex()
         self._count(evictions=len(slots) - free)
 
     def _write_back(self, slots, rows, counters=None):

@@ -14,8 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["positions", "find_sorted", "Sorted", "sort_with_order", "sort_marking_firsts", "sort_again",
-           "reads_are_free"]
+__all__ = ["positions", "find_sorted", "Sorted", "sort_with_order", "sort_marking_firsts", "reads_are_free"]
 
 _TORCH_SORTS_FASTER_UP_TO = 4096  # ids; see sort_with_order
 
@@ -135,46 +134,3 @@ def sort_marking_firsts(ids: torch.Tensor) -> Sorted:
     first = torch.ones(len(values), dtype=torch.bool, device=values.device)
     torch.ne(values[1:], values[:-1], out=first[1:])
     return Sorted(values, order, first)
-
-
-def sort_again(keys: torch.Tensor, order: torch.Tensor, values: torch.Tensor, changed: torch.Tensor):
-    """``torch.sort(values.to(keys.dtype))`` for 1-D int64 ``values`` of which few changed since
-    ``(keys, order)`` was their sort: the entries at ``changed`` alone.
-
-    The device cache's index after slots change hands. On the CPU the
-    unchanged entries keep their order and the changed ones are merged in,
-    with numpy: 270 us for 900 changed of 50,000 int32 keys, where the sort
-    takes 610 (one thread). On a GPU one sort, a few kernels where the merge
-    would launch a dozen.
-
-    Args:
-        keys: the previous sort's values, ascending, any integer dtype wide
-            enough for ``values``.
-        order: the previous sort's int64 positions (``keys == values[order]``
-            before the change).
-        values: the values now, on the keys' device.
-        changed: unique int64 positions of the values that may have changed;
-            every other value is as it was.
-
-    Returns:
-        (keys, order) of ``values`` now, as ``torch.sort`` gives them but for
-        the order among equal keys.
-    """
-    if not _numpy_shortcut(values):
-        return torch.sort(values.to(keys.dtype))
-    old_keys, old_order, at = keys.numpy(), order.numpy(), changed.numpy()
-    kept = np.ones(len(old_order), dtype=bool)
-    kept[at] = False
-    kept = kept[old_order]  # by sorted position: whether that entry's value is unchanged
-    new_keys = values.numpy()[at].astype(old_keys.dtype)
-    by_key = new_keys.argsort()
-    new_keys, new_order = new_keys[by_key], at[by_key]
-    kept_keys, kept_order = old_keys[kept], old_order[kept]
-    # Each new key goes before the kept keys not below it, after the new keys before it.
-    place = kept_keys.searchsorted(new_keys) + np.arange(len(new_keys))
-    old_place = np.ones(len(old_keys), dtype=bool)
-    old_place[place] = False
-    keys, order = np.empty_like(old_keys), np.empty_like(old_order)
-    keys[place], order[place] = new_keys, new_order
-    keys[old_place], order[old_place] = kept_keys, kept_order
-    return torch.from_numpy(keys), torch.from_numpy(order)
