@@ -735,8 +735,9 @@ class RowCache:
                 the module docs).
             check_bounds: for ids not range-checked yet
                 (:func:`~speedswap.convert.as_row_ids_deferred`): called with
-                their smallest and largest value, read with this call's counts,
-                before anything changes.
+                their smallest and largest value, read with this call's counts
+                (on the CPU, where a read makes no wait, as soon as the ids
+                are sorted), before anything changes.
 
         Returns:
             the number of rows brought from the host.
