@@ -74,8 +74,11 @@ def test_tables_handed_out_mid_step_are_refused_without_a_cache_too(backend, rng
         ref_opt.zero_grad()
         for name, call in (("table", lambda: u.table), ("getTorchVar", u.getTorchVar),
                            ("to_numpy", u.to_numpy), ("state", lambda: o.state)):
-            with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+            with pytest.raises(ss.StateError, match="between before_forward and after_step") as refused:
                 call()
+            # The way to the rows now is a copy of the table; the state has none (no such advice for it).
+            assert "getNumpyVersion() copies the table" in str(refused.value)
+            assert "optimizer's state has no such copy" in str(refused.value)
         u.after_step(ids)
         o.after_step(ids)
         np.testing.assert_allclose(u.getNumpyVersion(), reference.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)

@@ -214,7 +214,7 @@ class SharedSteps:
         """
         live = [member.ref() for member in self._members.values() if member.ref() is not None]
         if live:
-            kind = f"embedding switched by a {type(live[0]).__name__}"
+            kind = f"embedding switched by {type(live[0]).__name__}"
             refuse_conversion(kind, fn, self.param, self.param.dtype,
                               instead="convert the model first and build the switchers after it, with "
                                       "the matching datatype (or close() them before converting)")
@@ -570,8 +570,9 @@ class SharedSteps:
             raise StateError(f"{what} between before_forward and after_step: this step's rows and "
                              f"their optimizer state are current only in the model's embedding and the "
                              f"optimizer until after_step writes them back, so the tables would show them "
-                             f"as before the step; call it between steps (getNumpyVersion() copies the "
-                             f"table with the step's rows as they are now)")
+                             f"as before the step; call it between steps (for the rows now, "
+                             f"ModelFactory.getNumpyVersion() copies the table with the step's rows as "
+                             f"they are; the optimizer's state has no such copy)")
         if self.cache is None:
             return
         self.cache.flush()
