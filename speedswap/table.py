@@ -542,7 +542,9 @@ class HostTable:
         ``before_read`` writes them back first, so that whoever reads,
         through whichever reference to the table, sees every row's current
         value. The reads are :meth:`gather`, :meth:`to_numpy`,
-        :meth:`as_tensor`, :meth:`host_chunks` and :meth:`save`; not
+        :meth:`as_tensor`, :meth:`host_chunks` (as the first chunk is read)
+        and :meth:`save` (once the path passed its checks: a refused save,
+        or checkpoint, does not call it); not
         :meth:`gather_validated` (the owner's own path), nor later reads
         through a view :meth:`to_numpy` or :meth:`as_tensor` handed out:
         a watched table tracks those instead (:attr:`viewed`), for the owner
@@ -947,6 +949,9 @@ class HostTable:
         Host tables yield views of their own memory; a device table yields one
         chunk-sized host copy at a time, so no full-size copy is ever made. A
         bfloat16 table yields float32 chunks (exact; numpy has no bfloat16).
+        The :meth:`watch_reads` method runs as the first chunk is taken, not
+        at the call: a writer checks its path first, and a refused write
+        leaves an owner's cache as it was.
 
         Yields:
             numpy.ndarray chunks of consecutive rows.
@@ -973,15 +978,19 @@ class HostTable:
         Raises:
             OptionError: another suffix, or (HDF5) a ``dataset`` that names no
                 dataset; nothing is written.
-            PathError: (HDF5) the file holds other datasets, which the save
-                (of the whole file) would delete, or it changed while the save
-                checked it (another save to it at the same time); nothing is written.
+            PathError: the directory does not exist, (HDF5) the file holds
+                other datasets, which the save (of the whole file) would
+                delete, or it changed while the save checked it (another save
+                to it at the same time); nothing is written, and the
+                :meth:`watch_reads` method was not called.
             StateError: a closed table (its rows are gone).
         """
         self._live_buffer()
         files.file_format(path)
-        self._announce_read()
+        # The watch_reads method runs once the path passed every check: here, or when the writer
+        # first reads the rows (host_chunks). A refused save leaves an owner's cache as it was.
         if self.is_backing_file(path):
+            self._announce_read()
             self.flush()
             return
         files.save_table(self, path, dataset)

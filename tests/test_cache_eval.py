@@ -11,6 +11,7 @@ counters. The reference is an ``nn.Embedding`` over the whole table trained
 with Adam on the rows each step touches (what offloaded training does).
 """
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 
 import speedswap as ss
 from speedswap.train import sync_free
+from training_helpers import refused_save_paths
 
 ROWS, DIM, BATCH, STEPS = 200, 8, 40, 15
 KINDS = ("eval", "eval_no_grad", "no_grad", "inference_mode")
@@ -360,5 +362,48 @@ def test_a_save_refused_for_its_suffix_leaves_the_cache_as_it_was(name, backend,
     for before, now in zip(tensors, after):
         assert torch.equal(before, now)
     assert list(tmp_path.iterdir()) == []
+    _check_tables(emb, ref)
+    emb.close()
+
+
+def _train(emb, opt, ref, rng, steps):
+    """``steps`` Adam steps on Zipf ids, offloaded and in the reference."""
+    device = emb.weight.device
+    for _ in range(steps):
+        ids = torch.from_numpy(_zipf_ids(rng, BATCH))
+        ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32))
+        _loss(emb(ids.to(device)), ctx.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step(ids, ctx)
+
+
+def test_a_save_refused_inside_the_save_leaves_the_cache_as_it_was(backend, rng, tmp_path):
+    """emb.save flushed the cache before save_tables / HostTable.save looked at the path: a save
+    refused there (PathError, FileFormatError) had written every dirty row back (rows_d2h moved,
+    dirty flags cleared). The saves that succeed after them still write the cached, trained rows."""
+    emb, opt, ref = _embedding_and_reference(10, backend, rng)
+    _train(emb, opt, ref, rng, STEPS)
+    assert bool(emb._cache.dirty.any())
+    for path, error in refused_save_paths(tmp_path):
+        tensors, numbers = _cache_state(emb)
+        stats = emb.stats()
+        with pytest.raises(error):
+            emb.save(path)
+        assert emb.stats() == stats, path.name
+        after, after_numbers = _cache_state(emb)
+        assert after_numbers == numbers, path.name
+        for before, now in zip(tensors, after):
+            assert torch.equal(before, now), path.name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.h5", "edited", "photos"]
+    emb.save(tmp_path / "emb.npy")
+    emb.save(tmp_path / "emb.h5")
+    weight, state = ref.emb.weight.detach().numpy(), ref.opt.state[ref.emb.weight]
+    np.testing.assert_array_equal(np.load(tmp_path / "emb.npy"), weight)
+    with h5py.File(tmp_path / "emb.h5") as f:
+        np.testing.assert_array_equal(f["table"][:], weight)
+        for name in emb._state.tables:
+            np.testing.assert_array_equal(f[f"optimizer.{name}"][:], state[name].numpy(), err_msg=name)
+    _train(emb, opt, ref, rng, 3)
     _check_tables(emb, ref)
     emb.close()

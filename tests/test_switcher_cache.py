@@ -10,6 +10,7 @@ again. Plain SGD trains with a ModelFactory alone (a cache without state).
 import gc
 import weakref
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -18,7 +19,7 @@ import speedswap as ss
 from test_cache import (EQUALITIES, SIZES, assert_cached_run_equals_in_memory,
                         assert_touched_rows_equal_reference)
 from test_optimizer_equivalence import OPTIMIZERS, TOL, assert_same
-from training_helpers import (CAPACITY, DIM, NUM_ROWS, run_in_memory, run_switchers,
+from training_helpers import (CAPACITY, DIM, NUM_ROWS, refused_save_paths, run_in_memory, run_switchers,
                               skipgram_loss, zipf_batches)
 
 #: Every size and both prefetch settings, in a few runs each (the full product is `slow`).
@@ -512,4 +513,36 @@ def test_a_switcher_save_refused_for_its_suffix_leaves_the_shared_cache_as_it_wa
     assert list(tmp_path.iterdir()) == []
     expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
                              table0, batches, ss.get_backend(backend).device, sparse=True)
+    assert_same(_tables(u, o), expected)
+
+
+def test_a_switcher_save_refused_inside_the_save_leaves_the_shared_cache_as_it_was(rng, backend, tmp_path):
+    """saveCupy and OptimizerFactory.save had the shared cache write its rows back before
+    HostTable.save / save_tables looked at the path: a save refused there (a missing directory, an
+    HDF5 file of other datasets, a directory that is no checkpoint, an edited CURRENT) had cleared
+    the dirty flags and counted the writes. The saves that succeed after them hold the trained rows."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    batches = _batches(rng, backend, 20)
+    pair = _pair(backend, 20, table0, eps=1e-30)
+    _train(*pair, batches)
+    u, o = pair[2:]
+    cache = u._steps.cache
+    refused = refused_save_paths(tmp_path)
+    # A ModelFactory saves its one table (.npy, .h5), an OptimizerFactory a checkpoint (.h5, a directory).
+    for save, (path, error) in [*((u.saveCupy, r) for r in refused if r[0].suffix),
+                                *((o.save, r) for r in refused if r[0].suffix != ".npy")]:
+        assert bool(cache.dirty.any())
+        held, dirty, stats = cache.slot_row.clone(), cache.dirty.clone(), u.stats()
+        with pytest.raises(error):
+            save(path)
+        assert u.stats() == stats, path.name
+        assert torch.equal(cache.slot_row, held) and torch.equal(cache.dirty, dirty), path.name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.h5", "edited", "photos"]
+    u.saveCupy(tmp_path / "u.npy")
+    o.save(tmp_path / "o.h5")
+    with h5py.File(tmp_path / "o.h5") as f:
+        saved = np.load(tmp_path / "u.npy"), {name: f[name][:] for name in o.state.tables}
+    expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
+                             table0, batches, ss.get_backend(backend).device, sparse=True)
+    assert_same(saved, expected)
     assert_same(_tables(u, o), expected)

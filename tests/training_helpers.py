@@ -190,3 +190,19 @@ def run_in_memory(make_opt, table0, batches, device, sparse=False, initial_state
                     value[untouched] = (state_before[name][untouched] if name in state_before
                                         else initial_state(name, group))
     return weight.detach().cpu().numpy(), row_state(opt, weight)
+
+
+def refused_save_paths(tmp_path):
+    """``[(path, error)]`` a save refuses only once it is under way: a missing directory (each
+    format), an HDF5 file of someone else's datasets, a directory that is no checkpoint, and a
+    checkpoint directory whose ``CURRENT`` was changed by hand."""
+    theirs = ss.HostTable.from_numpy(np.ones((3, 2), dtype=np.float32), storage="pageable", backend="numpy")
+    theirs.save(tmp_path / "data.h5", dataset="theirs")
+    theirs.close()
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "cat.jpg").write_bytes(b"\xff\xd8")
+    (tmp_path / "edited").mkdir()
+    (tmp_path / "edited" / "CURRENT").write_text("v000009\n")
+    return [*((tmp_path / "missing" / name, ss.PathError) for name in ("emb.h5", "emb", "emb.npy")),
+            (tmp_path / "data.h5", ss.PathError), (tmp_path / "photos", ss.PathError),
+            (tmp_path / "edited", ss.FileFormatError)]

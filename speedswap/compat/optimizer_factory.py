@@ -332,12 +332,16 @@ class OptimizerFactory(Switcher):
         directory), atomically.
 
         Raises:
+            OptionError, PathError, FileFormatError: as
+                :func:`~speedswap.train.checkpoint.save_tables` raises them;
+                nothing is written and the device cache is as it was.
             StateError: called in the middle of a step (nothing is written).
         """
-        from ..train.checkpoint import checkpoint_kind, save_tables
-        checkpoint_kind(path)  # a refused suffix before the flush: a refusal leaves the cache as it was
+        from ..train.checkpoint import save_tables
         self._check_saving()
-        self.flush()
+        # The state tables' watch_reads hook (_prepare_table_read) has the shared cache write its
+        # rows back as save_tables first reads them, after every check: a refused save leaves it
+        # as it was.
         save_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__})
 
     def load(self, path):

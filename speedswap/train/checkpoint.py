@@ -360,6 +360,11 @@ def _check_replaceable_h5(path):
 def save_tables(path, tables, attrs):
     """Write ``tables`` to one checkpoint atomically.
 
+    Each table is read (:meth:`~speedswap.HostTable.host_chunks`, whose
+    ``watch_reads`` method has an owner's device cache write its rows back)
+    only once the path passed every check below: a refused save leaves the
+    owners' caches as they were.
+
     Args:
         path: ``*.h5`` / ``*.hdf5`` for one HDF5 file; a path with no suffix is a directory.
         tables: ``{name: HostTable}``.
@@ -374,6 +379,7 @@ def save_tables(path, tables, attrs):
             speedswap save of this host, which waits its turn), its parent
             directory does not exist, or the file system
             refused the write (whatever ``path`` held before is intact).
+        FileFormatError: a checkpoint directory whose ``CURRENT`` was changed by hand.
     """
     attrs = {"format": _FORMAT, **attrs}
     if checkpoint_kind(path) == "h5":

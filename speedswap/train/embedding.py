@@ -1144,6 +1144,9 @@ class OffloadedEmbedding(RefusesConversion):
     def save(self, path):
         """Write the table and all offloaded optimizer state to one checkpoint, atomically.
 
+        The device cache writes its rows back only as the save reads them,
+        once the path passed every check: a refused save leaves it as it was.
+
         Args:
             path: ``*.h5`` / ``*.hdf5`` for one HDF5 file; a path with no suffix
                 for a directory of ``.npy`` files (see
@@ -1155,14 +1158,18 @@ class OffloadedEmbedding(RefusesConversion):
             PathError: the directory does not exist, ``path`` is something else
                 than a speedswap checkpoint, or the file system refused the
                 write; whatever was at ``path`` is intact.
+            FileFormatError: a checkpoint directory whose ``CURRENT`` was
+                changed by hand (it is not saved over).
             StateError: a closed embedding.
         """
         self._check_open()
         table_alone = files.suffix_format(path) == "npy"
         if not table_alone:
-            checkpoint_kind(path)  # a refused suffix before the flush: a refusal leaves the cache as it was
+            checkpoint_kind(path)  # a refused suffix before the step is put back
         self._abort_step()
-        self.flush()
+        # The tables' watch_reads hook (_prepare_table_read) has the cache write its rows and
+        # their state back as the save first reads them, after every check of the path: a
+        # refused save leaves the cache as it was.
         if table_alone:
             self._table.save(path)
             return
