@@ -232,3 +232,33 @@ def test_to_empty_on_its_own_device_mid_step_is_refused_and_between_steps_trains
         expected -= 0.1 * grad
         np.testing.assert_allclose(read(), expected.numpy(), rtol=1e-6, atol=1e-6)
         model.to_empty(device="cpu")  # between steps the working set is scratch
+
+
+def test_sharded_to_empty_on_its_own_device_mid_step_is_refused(rng):
+    """A ShardedOffloadedEmbedding (one rank) took to_empty(device="cpu") between a training forward
+    and the step: the step then trained the new, uninitialised weight and wrote back the rows it had
+    gathered, unstepped: the step's update was lost, silently (its rows off by up to 0.34)."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    expected = torch.from_numpy(table0.copy())  # the whole table in memory, plain SGD
+    emb = ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=16, storage="pageable", backend="numpy")
+    emb.table.scatter(torch.arange(ROWS), torch.from_numpy(table0))
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), emb)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    for _ in range(4):
+        ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
+        weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        rows = emb(ids)
+        before = snapshot(model)
+        with pytest.raises(ss.StateError, match="convert between steps"):
+            model.to_empty(device="cpu")
+        assert_unchanged(model, before)
+        (rows * weights).sum().backward()
+        before = snapshot(model)
+        with pytest.raises(ss.StateError, match="convert between steps"):
+            model.to_empty(device="cpu")
+        assert_unchanged(model, before)
+        opt.step()
+        opt.zero_grad()
+        expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
+        np.testing.assert_allclose(emb.table.to_numpy(copy=True), expected.numpy(), rtol=1e-6, atol=1e-6)

@@ -41,7 +41,7 @@ from ..convert import as_row_ids, as_row_ids_deferred, int_option, torch_dtype
 from ..errors import DTypeError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
-from .conversions import RefusesConversion, refuse_conversion
+from .conversions import RefusesConversion, refuse_conversion, refuse_new_storage
 from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
                        Exchange, count_by_owner, owner_starts, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
@@ -354,6 +354,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
     def check_conversion(self, fn) -> None:
         refuse_conversion(type(self).__name__, fn, self.weight, self.table.dtype)
+        if not self.table.closed and self._step_in_flight():
+            refuse_new_storage(type(self).__name__, fn, self.weight, "optimizer.step()")
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """Save this rank's shard as ``<prefix>_extra_state`` alone: :attr:`weight` is scratch."""
@@ -992,11 +994,18 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             tables.update({f"optimizer.{name}": t for name, t in self._state.tables.items()})
         return tables
 
+    def _step_in_flight(self) -> bool:
+        """Whether training forwards since the last step hold rows for a step still to come.
+
+        A step ``zero_grad()`` dropped after its backward is discarded first;
+        one skipped before its backward leaves its rows here, waiting for the next step.
+        """
+        self._drop_zeroed_step()
+        return bool(self._looked_up.size or self._forwards)
+
     def _check_between_steps(self, what):
         self._check_open()
-        self._drop_zeroed_step()
-        if self._looked_up.size or self._forwards:
-            # A step skipped before its backward leaves its rows here, waiting for the next step.
+        if self._step_in_flight():
             raise StateError(f"{what} between a training forward and optimizer.step() would be "
                              f"undone by the step; call it between steps (after a step skipped "
                              f"before its backward, call emb.discard_step() first, on every rank)")
