@@ -533,6 +533,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             # (_gradient_dropped), and the step's exchange flags the rows it left unreached.
             if not in_backward():
                 self._drop_zeroed_step()
+            if self._forwards == 0:
+                # weight is scratch between steps, and to_empty() (or weight.data = ...) may have
+                # given it other storage since: the step trains weight.data, and the rows are
+                # gathered into, and written back from, _full.
+                self.weight.data = self._full
         before, error, send, counts = copy.copy(self._looked_up), None, None, None
         try:
             self._check_open()
