@@ -285,3 +285,30 @@ def test_sharded_to_empty_on_its_own_device_between_steps_trains_on(rng, set_to_
         opt.zero_grad(set_to_none=set_to_none)
         expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
         np.testing.assert_allclose(emb.table.to_numpy(copy=True), expected.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_to_empty_between_steps_over_a_zeroed_gradient_is_refused_and_after_zero_grad_trains_on(rng):
+    """After zero_grad(set_to_none=False) an OffloadedEmbedding's weight holds zeros between steps;
+    to_empty(device="cpu") made them uninitialised memory, the next backward added its gradient to it,
+    and the step trained that memory into the table, silently (Adam, 15 steps: 51% of the table off)."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    expected = torch.from_numpy(table0.copy())  # the whole table in memory, plain SGD
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=16, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), emb)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    for _ in range(4):
+        ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
+        weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        (emb(ids) * weights).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        before = snapshot(model)
+        with pytest.raises(ss.StateError, match="call optimizer.zero_grad"):
+            model.to_empty(device="cpu")
+        assert_unchanged(model, before)
+        opt.zero_grad()
+        model.to_empty(device="cpu")  # no gradient left: the working set is scratch
+        expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
+        np.testing.assert_allclose(emb.table.to_numpy(copy=True), expected.numpy(), rtol=1e-6, atol=1e-6)

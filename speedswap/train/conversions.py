@@ -33,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..errors import OptionError, StateError
 
 __all__ = ["RefusesConversion", "guard_conversions", "guard_parameter", "refuse_conversion",
-           "refuse_new_storage"]
+           "refuse_new_gradient_storage", "refuse_new_storage"]
 
 #: ``checked``: ``(fn, ids of the modules checked for it)`` on a thread while a checked
 #: ``nn.Module._apply`` runs: torch's recursion into the children need not walk their subtrees again.
@@ -180,9 +180,40 @@ def refuse_new_storage(kind: str, fn, weight: torch.Tensor, until: str) -> None:
         StateError: ``fn`` returns another tensor than the one it is given;
             called before anything converts, so the model is as it was.
     """
-    probe = torch.zeros(1, dtype=weight.dtype, device=weight.device)
-    if fn(probe) is not probe:
+    if _gives_new_storage(fn, weight):
         raise StateError(f"this {kind} holds the rows of a step in progress, and this conversion gives "
                          f"its weight new storage (to_empty() leaves it uninitialised): {until} would "
                          f"write that memory back to the table as the step's rows. Nothing was "
                          f"converted: convert between steps")
+
+
+def refuse_new_gradient_storage(kind: str, fn, weight: torch.Tensor) -> None:
+    """Raise if ``fn`` gives the gradient ``weight`` holds between steps new storage.
+
+    ``zero_grad(set_to_none=False)`` leaves zeros on the working set's
+    weight; ``to_empty()`` replaces them with uninitialised memory, to which
+    the next backward adds its gradient: the step would train that memory
+    into the table's rows. (In memory ``to_empty()`` leaves the whole table
+    uninitialised as well; here the table is kept, so its training must be too.)
+
+    Args:
+        kind: the embedding's name, for the message.
+        fn: the conversion ``nn.Module._apply`` applies to each tensor.
+        weight: the working-set parameter.
+
+    Raises:
+        StateError: ``weight`` holds a gradient and ``fn`` returns another
+            tensor than the one it is given; called before anything converts.
+    """
+    if weight.grad is not None and _gives_new_storage(fn, weight):
+        raise StateError(f"this {kind}'s weight holds a gradient (the zeros zero_grad(set_to_none=False) "
+                         f"leaves), and this conversion gives it new storage (to_empty() leaves it "
+                         f"uninitialised), to which the next backward would add: the step would train "
+                         f"that memory into the table. Nothing was converted: call optimizer.zero_grad() "
+                         f"(set_to_none=True, the default) first")
+
+
+def _gives_new_storage(fn, weight: torch.Tensor) -> bool:
+    """Whether the conversion ``fn`` returns another tensor than a tensor like ``weight`` it is given."""
+    probe = torch.zeros(1, dtype=weight.dtype, device=weight.device)
+    return fn(probe) is not probe

@@ -25,7 +25,8 @@ from ..errors import (CapacityError, DTypeError, IdError, OptionError, ShapeErro
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import checkpoint_kind, file_in, load_tables, save_tables
-from .conversions import RefusesConversion, refuse_conversion, refuse_new_storage
+from .conversions import (RefusesConversion, refuse_conversion, refuse_new_gradient_storage,
+                          refuse_new_storage)
 from .leftover import untouched
 from .module_state import (check_tables_state, copy_tables, missing_hint, note_loaded, refused_after,
                            tables_state, unpicklable)
@@ -310,8 +311,11 @@ class OffloadedEmbedding(RefusesConversion):
 
     def check_conversion(self, fn) -> None:
         refuse_conversion(type(self).__name__, fn, self.weight, self._table.dtype)
-        if not self._table.closed and self._step_in_flight():
+        if self._table.closed:
+            return
+        if self._step_in_flight():
             refuse_new_storage(type(self).__name__, fn, self.weight, "optimizer.step()")
+        refuse_new_gradient_storage(type(self).__name__, fn, self.weight)
 
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
