@@ -312,3 +312,28 @@ def test_to_empty_between_steps_over_a_zeroed_gradient_is_refused_and_after_zero
         model.to_empty(device="cpu")  # no gradient left: the working set is scratch
         expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
         np.testing.assert_allclose(emb.table.to_numpy(copy=True), expected.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_switchers_refuse_to_empty_over_a_zeroed_gradient_and_after_zero_grad_train_on(rng):
+    """After zero_grad(set_to_none=False) the switched nn.Embedding holds a zero gradient between steps;
+    to_empty(device="cpu") made it uninitialised memory, and only the next backward was refused,
+    telling to call the zero_grad() that had been called."""
+    model, emb, opt, u, o = _switched_model(rng, torch.optim.SGD)
+    expected = torch.from_numpy(u.getNumpyVersion().copy())  # the whole table in memory, plain SGD
+    for _ in range(4):
+        ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
+        weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        o.before_forward(ids)
+        (emb(u.before_forward(ids)) * weights).sum().backward()
+        opt.step()
+        u.after_step(ids)
+        o.after_step(ids)
+        opt.zero_grad(set_to_none=False)
+        before = snapshot(model)
+        with pytest.raises(ss.StateError, match="call optimizer.zero_grad"):
+            model.to_empty(device="cpu")
+        assert_unchanged(model, before)
+        opt.zero_grad()
+        model.to_empty(device="cpu")  # no gradient left: the switched embedding is scratch
+        expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
+        np.testing.assert_allclose(u.getNumpyVersion(), expected.numpy(), rtol=1e-6, atol=1e-6)

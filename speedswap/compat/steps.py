@@ -36,7 +36,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..convert import as_id_tensor, bounds_check, check_id_range, is_uint64, read_bounds
 from ..errors import IdError, OptionError, StateError
 from ..train.caching import idle_stats, new_cache, rewriting
-from ..train.conversions import guard_parameter, refuse_conversion, refuse_new_storage
+from ..train.conversions import (guard_parameter, refuse_conversion, refuse_new_gradient_storage,
+                                 refuse_new_storage)
 from ..train.leftover import untouched
 from ..train.row_state import row_state_spec
 from ..train.working_set import WorkingSet
@@ -210,7 +211,8 @@ class SharedSteps:
         Raises:
             OptionError: ``fn`` changes the parameter's dtype or device; nothing was converted.
             StateError: between before_forward and after_step, ``fn`` gives the
-                parameter new storage (``to_empty()``; see :func:`refuse_new_storage`).
+                parameter new storage (``to_empty()``; see :func:`refuse_new_storage`),
+                or between steps its gradient (:func:`refuse_new_gradient_storage`).
         """
         live = [member.ref() for member in self._members.values() if member.ref() is not None]
         if live:
@@ -220,6 +222,7 @@ class SharedSteps:
                                       "the matching datatype (or close() them before converting)")
             if self.busy():
                 refuse_new_storage(kind, fn, self.param, "after_step")
+            refuse_new_gradient_storage(kind, fn, self.param)
 
     def _watch_gradients(self):
         """Hook :func:`_refuse_leftover_gradient` on the parameter, once, when it takes gradients.
