@@ -21,7 +21,8 @@ def assert_unchanged(model, before):
     assert after.keys() == before.keys()
     for name, tensor in before.items():
         assert (after[name].dtype, after[name].device) == (tensor.dtype, tensor.device), name
-        torch.testing.assert_close(after[name], tensor, rtol=0, atol=0, msg=name)
+        # equal_nan: after a to_empty() between steps the dense layers hold uninitialised memory, NaN included.
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=0, equal_nan=True, msg=name)
 
 
 @pytest.mark.parametrize("kind", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
