@@ -256,6 +256,23 @@ def train_checkpointed(emb, opt, seed, world, rank, flow, reentrant):
             opt.zero_grad()
 
 
+def train_exchanged_then_zeroed(emb, opt, seed, world, rank, flow):
+    """Train :data:`STEPS` steps with ``exchange_gradients()`` after every backward and ``zero_grad(set_to_none=False)``.
+
+    ``zeroed``: at the steps in :data:`ZEROED` the exchanged gradient is zeroed
+    before the step (it counts, as Adam's step on a zero gradient in memory).
+    """
+    for step in range(STEPS):
+        ids, targets = global_batch(seed, step)
+        part = rank_slice(step, world, rank)
+        rank_loss(emb, ids[part], targets[part], world).backward()
+        emb.exchange_gradients()
+        if flow == "zeroed" and step in ZEROED:
+            opt.zero_grad(set_to_none=False)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+
 def shard_arrays(emb):
     table = emb.table.as_tensor().float().numpy().copy()  # bfloat16 tables as float32
     arrays = {"table": table, "start": np.array(emb.row_range.start)}
@@ -350,6 +367,13 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"checkpointed-{name}.rank{rank}.json"), "w") as f:
             json.dump(errors, f)
         name = f"checkpointed-{name}"
+    elif kind == "exchzero":  # zero_grad(set_to_none=False) after exchange_gradients(); name: the flow
+        emb, opt = make("adam")
+        emb.load(table_file)
+        errors = caught(lambda: train_exchanged_then_zeroed(emb, opt, seed, world, rank, name))
+        with open(os.path.join(out, f"exchzero-{name}.rank{rank}.json"), "w") as f:
+            json.dump(errors, f)
+        name = f"exchzero-{name}"
     elif kind == "padding":  # padding_idx, scale_grad_by_freq; the last rank owns the padding row
         emb, opt = make(name, **EMBEDDING_OPTIONS)
         emb.load(table_file)  # the padding row too: pretrained, not zero

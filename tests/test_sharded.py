@@ -293,6 +293,40 @@ def test_activation_checkpointing_trains_as_one_process_in_memory(checkpointed_r
     assert_same(gathered(runs[world], f"checkpointed-{name}", world), expected)
 
 
+#: The exchzero scenarios' loops (see sharded_worker.train_exchanged_then_zeroed).
+EXCHANGED_THEN_ZEROED = ["zeroed"]
+
+
+@pytest.fixture(scope="module")
+def exchanged_then_zeroed_runs(tmp_path_factory):
+    """1 and 2 ranks train Adam, zeroing the gradient after exchange_gradients(), in each loop of EXCHANGED_THEN_ZEROED."""
+    seed = int(os.environ.get("SPEEDSWAP_SEED", np.random.SeedSequence().entropy % 2**31))
+    print(f"exchanged_then_zeroed_runs seed {seed} (replay with SPEEDSWAP_SEED={seed})")
+    runs = {}
+    for world in (1, 2):
+        runs[world] = tmp_path_factory.mktemp(f"exchzero{world}")
+        assert_ok(launch(world, runs[world], seed, *(f"exchzero:{flow}" for flow in EXCHANGED_THEN_ZEROED)))
+    return runs, seed
+
+
+@pytest.mark.parametrize("flow", EXCHANGED_THEN_ZEROED)
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero_grad_keeping_tensors_after_exchange_gradients_trains_as_one_process_in_memory(
+        exchanged_then_zeroed_runs, world, flow):
+    """``exchange_gradients()``, then ``zero_grad(set_to_none=False)`` on every rank, against
+    ``SparseAdam`` on ``F.embedding(sparse=True)`` over the whole table and the union batch, whose
+    zeroed sparse gradient names no row: a step on it moves none (and counts).
+
+    ``zeroed``: the sharded step moved the step's rows by Adam's momentum on the zeroed gradient.
+    """
+    runs, seed = exchanged_then_zeroed_runs
+    for rank in range(world):
+        assert json.loads((runs[world] / f"exchzero-{flow}.rank{rank}.json").read_text()) == {}
+    expected = sharded_worker.reference("adam", seed, zeroed=sharded_worker.ZEROED)
+    assert not np.allclose(expected[0], reference("adam", seed)[0], **TOL)  # the zeroing mattered
+    assert_same(gathered(runs[world], f"exchzero-{flow}", world), expected)
+
+
 @pytest.fixture(scope="module")
 def mismatched_calls(tmp_path_factory):
     """Two ranks make different calls at once, or build their embeddings unlike each other."""
@@ -1547,6 +1581,34 @@ def test_a_gradient_multiplied_by_zero_in_place_trains_as_in_memory(rng, exchang
             optimizer.zero_grad()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
     assert not np.allclose(ref.detach().numpy(), table0)  # it trained
+
+
+def test_a_loss_weighted_by_zero_trains_as_in_memory_after_exchange_gradients(rng):
+    """A loss weighted by 0 leaves the exchanged gradient at zero, as ``zero_grad(set_to_none=False)``
+    would; in memory SparseAdam's sparse gradient still names the rows, at zero values, and moves
+    them by their momentum. The sharded step must not take it for a ``zero_grad()``: a mark tells."""
+    rows, dim, steps = 60, 4, 20
+    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
+    emb = ss.ShardedOffloadedEmbedding(rows, dim, max_rows=24, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+    p = 1.0 / np.arange(1, rows + 1)
+    weights = np.where(rng.random(steps) < 0.3, 0.0, 1.0)
+    weights[:2], weights[rng.integers(2, steps)] = 1.0, 0.0  # momentum first, then one zero weight at least
+    for weight in weights:
+        ids = torch.from_numpy(rng.choice(rows, size=12, p=p / p.sum()))
+        target = torch.from_numpy(rng.standard_normal((12, dim)).astype(np.float32))
+        for lookup, optimizer in ((emb, opt), (lambda i: F.embedding(i, ref, sparse=True), ref_opt)):
+            (((lookup(ids) - target) ** 2).sum() * weight).backward()
+            if optimizer is opt:
+                emb.exchange_gradients()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert int(opt.state[emb.weight]["step"]) == int(ref_opt.state[ref]["step"]) == steps
 
 
 def test_a_step_whose_optimizer_raised_is_retried_and_training_goes_on(rng):

@@ -225,6 +225,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # What the gradient placeholder holds in its last element until the exchange (see
         # _note_backward): the smallest normal number, which a rescale changes and a norm hardly sees.
         self._mark = torch.finfo(compute).tiny
+        # What the exchange writes into an exchanged gradient left at zero (see _mark_zero_gradient).
+        self._zero_marks = torch.tensor([-0.0, 0.0], dtype=compute, device=device)
         self._state = None
         # Where the attached optimizer's state came from (_ATTACHED, _LOADED) and the steps taken
         # since: equal on every rank that attaches, loads and steps alike, so that a rank that
@@ -630,7 +632,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         After it, ``optimizer.step()`` starts with one message of its own, in
         which the ranks agree to step (a rank whose backward came late, or
         whose scaler skipped the step, would otherwise leave its peers'
-        rows stepped and its own not).
+        rows stepped and its own not), and whether ``zero_grad(set_to_none=False)``
+        zeroed the exchanged gradient: as in memory, where the zeroed sparse
+        gradient names no row, the step then moves none, and counts (Adam's step).
 
         Raises:
             StateError: no training forward since the last step, a second call
@@ -817,6 +821,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             if hi > lo:
                 owned_grad.index_add_(0, slots[lo:hi], received[lo:hi, :self.embedding_dim])
         owned_grad.div_(self.world_size)
+        self._mark_zero_gradient()
         self.weight.grad = self._grad
         self._zero_kept = False
         if any_unreached:
@@ -827,6 +832,35 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             got = torch.zeros(k + 1, dtype=torch.bool, device=grad.device).index_fill_(0, asked_by_reached, True)
             kept = (~got[:k]).nonzero().squeeze(1)
             self._put_back = kept if len(kept) else None
+
+    def _mark_zero_gradient(self) -> None:
+        """Mark the exchanged gradient, where it is zero, so that :meth:`_zeroed_since_exchange` tells ``zero_()`` apart.
+
+        A gradient the exchange left at zero (a loss weighted by 0, or a rank
+        owning none of the step's rows) gets ``-0.0`` and ``+0.0`` in two
+        elements of its first row, the same values, on the device in one
+        launch: ``zero_()`` writes ``+0.0`` over them, a clip or ``unscale_``
+        multiplies them by a positive factor and ``mul_(0.0)`` by zero, which
+        keep the ``-0.0``, and a negation turns the ``+0.0`` into one.
+        """
+        grad = self._grad
+        marks = grad[0, :2] if self.embedding_dim > 1 else grad[:2, 0]
+        torch.where(grad.any(), marks, self._zero_marks[:len(marks)], out=marks)
+
+    def _zeroed_since_exchange(self) -> bool:
+        """Whether ``zero_grad(set_to_none=False)`` zeroed this rank's gradient since the exchange filled it.
+
+        In memory ``zero_()`` empties the sparse gradient, which then names no
+        row, where a clip, ``unscale_`` or ``mul_(0.0)`` keeps its rows. It
+        writes ``+0.0`` over every element, where the others leave some other
+        value: the gradient's own, a ``-0.0`` where one was negative, or the
+        marks of :meth:`_mark_zero_gradient`. A gradient with no negative value
+        multiplied by 0 reads as zeroed on this rank (the step asks every
+        rank). A host read, made only after an exchange, before its step.
+        """
+        grad = self._grad
+        return (self._exchanged and self.weight.grad is grad and not self._zero_kept
+                and not bool(torch.signbit(grad).logical_or_(grad != 0).any()))
 
     def _restore_narrowed(self) -> None:
         """Give :attr:`weight` and the optimizer their full-size tensors back after a step that raised."""
@@ -900,7 +934,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 if self._state.needs_sparse_grad:
                     self._empty_sparse = EmptySparseGradient(self.weight)
             return
-        error = None
+        error, holds = None, 0
         try:
             if self._exchanged and self._late_backward:
                 raise StateError("a backward ran after exchange_gradients(), and its gradient would be "
@@ -908,6 +942,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                                  "discard_step() on every rank to skip the step)")
             if not self._exchanged:
                 self._check_grad_untouched(self._state.optimizer)
+            else:
+                holds = _HOLDS_GRADIENT * (not self._zeroed_since_exchange())
             self._check_optimizer_state()  # optimizer.load_state_dict() since the forward
         except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not step without this one
             error = exc
@@ -915,7 +951,14 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             # The step makes no other message after exchange_gradients(): without this one a rank
             # refusing its step (or skipping it, its own GradScaler having found infs) would
             # leave its peers' rows stepped and its own not.
-            self._exchange.begin(STEP, error, self._config(), _describe, "optimizer.step()")
+            _, flags = self._exchange.begin(STEP, error, self._config(), _describe, "optimizer.step()",
+                                            flags=holds)
+            if not flags & _HOLDS_GRADIENT:
+                # zero_grad(set_to_none=False) zeroed the exchanged gradient on every rank: in memory
+                # the zeroed sparse gradient names no row, so the step moves none but counts (Adam's
+                # step). Decided by every rank's gradient, so alike on every rank.
+                self._keep_zero_grad()
+                self._put_back = torch.arange(self._owned.size, device=self.weight.device)
         else:
             self._exchange_gradients(error, STEP)
         self._state.gather(self._owned.rows)  # refused above if it would raise: nothing to undo
@@ -1139,6 +1182,9 @@ _NO_PADDING = -1
 #: rank's backward reached a forward of the step; some rank's gradient is the zeros
 #: zero_grad(set_to_none=False) left (torch steps the table then, counting the step).
 _UNREACHED, _REACHED, _ZERO_KEPT = 1, 2, 4
+#: The step's flag after exchange_gradients(): some rank's gradient is not zero_grad(set_to_none=False)'s
+#: zeros (see _zeroed_since_exchange); without it on any rank, the step moves no row.
+_HOLDS_GRADIENT = 8
 
 
 def _plain(value):
