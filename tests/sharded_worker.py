@@ -260,17 +260,28 @@ def train_exchanged_then_zeroed(emb, opt, seed, world, rank, flow):
     """Train :data:`STEPS` steps with ``exchange_gradients()`` after every backward and ``zero_grad(set_to_none=False)``.
 
     ``zeroed``: at the steps in :data:`ZEROED` the exchanged gradient is zeroed
-    before the step (it counts, as Adam's step on a zero gradient in memory).
+    before the step (it counts, as Adam's step on a zero gradient in memory);
+    ``skipped``: the steps in :data:`SKIPPED` are not taken after their exchange
+    (a GradScaler found infs), their gradient zeroed before the next forward,
+    and only they call ``exchange_gradients()`` (the other steps exchange by
+    themselves); ``skipped_late``: every step calls it, in the loop order
+    forward, ``zero_grad()``, backward.
     """
     for step in range(STEPS):
         ids, targets = global_batch(seed, step)
         part = rank_slice(step, world, rank)
-        rank_loss(emb, ids[part], targets[part], world).backward()
-        emb.exchange_gradients()
+        loss = rank_loss(emb, ids[part], targets[part], world)
+        if flow == "skipped_late":
+            opt.zero_grad(set_to_none=False)
+        loss.backward()
+        if flow != "skipped" or step in SKIPPED:
+            emb.exchange_gradients()
         if flow == "zeroed" and step in ZEROED:
             opt.zero_grad(set_to_none=False)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
+        if flow == "zeroed" or step not in SKIPPED:
+            opt.step()
+        if flow != "skipped_late":
+            opt.zero_grad(set_to_none=False)
 
 
 def shard_arrays(emb):
@@ -368,7 +379,9 @@ def run_scenario(scenario, seed, world, rank, out):
             json.dump(errors, f)
         name = f"checkpointed-{name}"
     elif kind == "exchzero":  # zero_grad(set_to_none=False) after exchange_gradients(); name: the flow
-        emb, opt = make("adam")
+        # skipped_late: the rows of a step skipped after its exchange wait in the next step's working
+        # set until its backward drops them: room for two steps.
+        emb, opt = make("adam", max_rows=2 * GLOBAL_BATCH)
         emb.load(table_file)
         errors = caught(lambda: train_exchanged_then_zeroed(emb, opt, seed, world, rank, name))
         with open(os.path.join(out, f"exchzero-{name}.rank{rank}.json"), "w") as f:

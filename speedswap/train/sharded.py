@@ -66,7 +66,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     is skipped (a loss that was not finite, a ``GradScaler`` that found infs)
     is skipped on every rank: ``optimizer.zero_grad()`` after its backward
     then drops its rows and gradients, as it drops a dense parameter's (or
-    :meth:`discard_step` does, on every rank). Skipped before its backward,
+    :meth:`discard_step` does, on every rank; after :meth:`exchange_gradients`,
+    ``zero_grad(set_to_none=False)`` does too). Skipped before its backward,
     its forwards' rows wait for the next step, which puts back those that no
     backward reached. Every call starts with one message in which the
     ranks check that they make the same call (a forward, an
@@ -272,7 +273,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """Drop the rows and gradients of the forwards since the last step, whose step will not run.
 
         Call it on every rank (the step is skipped everywhere, as DDP needs);
-        ``optimizer.zero_grad()`` after the backward does it by itself (before
+        ``optimizer.zero_grad()`` after the backward does it by itself
+        (``set_to_none=False`` too once :meth:`exchange_gradients` ran; before
         the next forward; after it, the skipped gradient is dropped and the
         skipped forwards' rows wait unchanged, as rows no backward reached).
         The rows and their optimizer state stay as they were.
@@ -319,10 +321,20 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                              "between steps (after a step skipped before its backward, call "
                              "emb.discard_step() first, on every rank)")
 
-    def _drop_zeroed_step(self) -> bool:
-        """Discard the step if ``zero_grad()`` dropped its gradient after a backward; whether it did."""
+    def _drop_zeroed_step(self, *, exchanged: bool = True) -> bool:
+        """Discard the step if ``zero_grad()`` dropped its gradient after a backward; whether it did.
+
+        Args:
+            exchanged: also discard a step whose gradient ``zero_grad(set_to_none=False)``
+                zeroed after :meth:`exchange_gradients` (a step a ``GradScaler`` skipped),
+                keeping the zero gradient, as in memory. The step passes False: it takes
+                such a step, moving no row, on every rank alike (see :meth:`_begin_step`).
+        """
         if self._backward_ran and self.weight.grad is None:
             self._new_step()
+            return True
+        if exchanged and self._zeroed_since_exchange():
+            self.discard_step()
             return True
         return False
 
@@ -921,7 +933,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
     # The step protocol of StepHooks, which calls _abort_step() first (a retry of a step that raised).
     def _begin_step(self):
-        if self._drop_zeroed_step():
+        if self._drop_zeroed_step(exchanged=False):
             return
         if self._forwards == 0:
             # No gradient (forwards and zero_grad are on every rank alike): no step, no collective,
@@ -1233,8 +1245,14 @@ def _gradient_dropped(ref):
     """
     def dropped():
         embedding = ref()
-        if embedding is None or not embedding._backward_ran or embedding.weight.grad is not None:
+        if embedding is None:
             return False
+        # After exchange_gradients(), zero_grad(set_to_none=False) zeroes the exchanged gradient.
+        zeroed = embedding._zeroed_since_exchange()
+        if not zeroed and (not embedding._backward_ran or embedding.weight.grad is not None):
+            return False
+        if zeroed:
+            embedding._keep_zero_grad()  # the gradient this backward adds to, as in memory
         embedding._rows.grad = None
         embedding._backward_ran = False  # asked once per backward: its end sets it again
         embedding._stale = False  # the last step's gradient, if it was there, went with it
