@@ -744,6 +744,27 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"infskip.rank{rank}.json"), "w") as f:
             json.dump({"error": error, "unchanged": unchanged}, f)
         name = "infskip"
+    elif kind == "zerodiffer":  # after exchange_gradients() rank 0 zero_()s its gradient, rank 1 masks it by 0
+        emb, opt = make(name, max_rows=2 * GLOBAL_BATCH)
+        emb.load(table_file)
+        ids, targets = global_batch(seed, 0)
+        part = rank_slice(0, world, rank)
+        rank_loss(emb, ids[part], targets[part], world).backward()
+        emb.exchange_gradients()
+        if rank == 0:  # step 0 is skipped (a GradScaler's inf), and each rank zeroes its own way
+            opt.zero_grad(set_to_none=False)
+        else:
+            emb.weight.grad.mul_(0.0)
+        before = emb.table.to_numpy(copy=True)
+        # Rank 0 read its gradient as zero_grad()'s and dropped step 0 at this forward, rank 1 not.
+        error = caught(lambda: train(emb, opt, seed, range(1, 2), world, rank))
+        unchanged = bool(np.array_equal(emb.table.to_numpy(), before))
+        emb.discard_step()  # on every rank, as the error says: steps 0 and 1 are dropped
+        opt.zero_grad()
+        train(emb, opt, seed, range(1, STEPS), world, rank)
+        with open(os.path.join(out, f"zerodiffer.rank{rank}.json"), "w") as f:
+            json.dump({"error": error, "unchanged": unchanged}, f)
+        name = "zerodiffer"
     elif kind == "twockpts":  # each rank loads another checkpoint of the same run (Adam: its step count)
         emb, opt = make(name)
         emb.load(table_file)

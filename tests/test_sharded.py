@@ -340,7 +340,7 @@ def mismatched_calls(tmp_path_factory):
     seed = int(os.environ.get("SPEEDSWAP_SEED", np.random.SeedSequence().entropy % 2**31))
     print(f"mismatched_calls seed {seed} (replay with SPEEDSWAP_SEED={seed})")
     assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
-                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "outsider:sgd", "twockpts:adam", "mixedload:sgd", "order:sgd",
+                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "zerodiffer:adam", "outsider:sgd", "twockpts:adam", "mixedload:sgd", "order:sgd",
                      "oldleft:sgd"))
     return out, seed
 
@@ -461,6 +461,18 @@ def test_a_step_a_grad_scaler_skips_on_one_rank_only_is_refused_on_every_rank(mi
         assert "ShardedGradScaler" in result["error"]["StateError"]
         assert result["unchanged"]
     assert_same(gathered(out, "infskip", 2), sharded_worker.reference("sgd", seed, skipped={0}))
+
+
+def test_ranks_that_read_a_zeroed_exchanged_gradient_differently_are_refused_on_every_rank(mismatched_calls):
+    """After exchange_gradients() and a skipped step, rank 0 zeroed its gradient (zero_grad(set_to_none=False))
+    and rank 1 multiplied its by 0: rank 0 dropped the step at the next forward, rank 1 kept it. The
+    next step is refused on both ranks, no row changed, instead of hanging one of them."""
+    out, seed = mismatched_calls
+    rank0, rank1 = (json.loads((out / f"zerodiffer.rank{r}.json").read_text()) for r in range(2))
+    assert "a backward ran after exchange_gradients()" in rank1["error"]["StateError"]
+    assert "failed on rank(s) [1]" in rank0["error"]["StateError"]
+    assert rank0["unchanged"] and rank1["unchanged"]
+    assert_same(gathered(out, "zerodiffer", 2), sharded_worker.reference("adam", seed, skipped={0}))
 
 
 def test_an_embedding_built_on_a_group_this_rank_is_not_in_is_refused_with_an_option_error(mismatched_calls):
