@@ -84,6 +84,32 @@ def _cache_state(emb):
     return [t.clone() for t in tensors], repr(numbers)
 
 
+def _train(emb, opt, ref, rng, steps):
+    """``steps`` Adam steps on Zipf ids, offloaded and in the reference."""
+    device = emb.weight.device
+    for _ in range(steps):
+        ids = torch.from_numpy(_zipf_ids(rng, BATCH))
+        ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32))
+        _loss(emb(ids.to(device)), ctx.to(device)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step(ids, ctx)
+
+
+def _assert_refused_changing_nothing(emb, call, error, label, match=None):
+    """``call()`` raises ``error`` and leaves the cache's rows, flags and ``stats()`` as they were; the error."""
+    tensors, numbers = _cache_state(emb)
+    stats = emb.stats()
+    with pytest.raises(error, match=match) as raised:
+        call()
+    assert emb.stats() == stats, label
+    after, after_numbers = _cache_state(emb)
+    assert after_numbers == numbers, label
+    for before, now in zip(tensors, after):
+        assert torch.equal(before, now), label
+    return raised.value
+
+
 def _eval_ids(rng, case):
     if case == "empty":
         return np.zeros(0, dtype=np.int64)
@@ -245,16 +271,9 @@ def test_an_eval_forward_of_ids_out_of_range_raises_before_anything_changes(cach
                              (2**32 + int(good[0]), "out of range")):
             for kind in KINDS:
                 ids = torch.from_numpy(rng.permutation(np.append(good, bad))).to(device)
-                tensors, numbers = _cache_state(emb)
-                stats = emb.stats()
-                with pytest.raises(ss.IdError, match=message) as raised:
-                    _forward_outside_training(emb, kind, ids)
-                assert str(bad) in str(raised.value), kind
-                assert emb.stats() == stats, kind
-                after, after_numbers = _cache_state(emb)
-                assert after_numbers == numbers, kind
-                for before, now in zip(tensors, after):
-                    assert torch.equal(before, now), kind
+                raised = _assert_refused_changing_nothing(
+                    emb, lambda: _forward_outside_training(emb, kind, ids), ss.IdError, kind, match=message)
+                assert str(bad) in str(raised), kind
     _check_eval_forward(emb, ref, rng, "after the refused forwards")
     _check_tables(emb, ref)
     emb.close()
@@ -268,27 +287,13 @@ def test_a_table_read_refused_for_its_out_changes_nothing(cache_rows, backend, r
     emb, opt, ref = _embedding_and_reference(cache_rows, backend, rng)
     device = emb.weight.device
     table = emb.table  # kept: reads through it have the cache write its rows back first
-    for _ in range(STEPS):
-        ids = torch.from_numpy(_zipf_ids(rng, BATCH))
-        ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32))
-        _loss(emb(ids.to(device)), ctx.to(device)).backward()
-        opt.step()
-        opt.zero_grad()
-        ref.step(ids, ctx)
+    _train(emb, opt, ref, rng, STEPS)
     assert bool(emb._cache.dirty.any())  # what a read through the table would write back
     ids = torch.from_numpy(_zipf_ids(rng, 6)).to(device)
     wide = torch.empty(6, 2 * DIM, device=device)
     for out, error in ((wide[:, :DIM], ss.ShapeError), (torch.empty(5, DIM, device=device), ss.ShapeError),
                        (torch.empty(6, DIM, dtype=torch.float64, device=device), ss.DTypeError)):
-        tensors, numbers = _cache_state(emb)
-        stats = emb.stats()
-        with pytest.raises(error):
-            table.gather(ids, out=out)
-        assert emb.stats() == stats
-        after, after_numbers = _cache_state(emb)
-        assert after_numbers == numbers
-        for before, now in zip(tensors, after):
-            assert torch.equal(before, now)
+        _assert_refused_changing_nothing(emb, lambda: table.gather(ids, out=out), error, str(error))
     np.testing.assert_array_equal(table.gather(ids).cpu().numpy(), ref.rows(ids.cpu()))
     _check_tables(emb, ref)
     emb.close()
@@ -311,29 +316,11 @@ def test_a_refused_load_leaves_the_cache_as_it_was(cache_rows, backend, rng, tmp
     cached row after the refusal: the next steps missed rows the cache had held (hits lost, the rows
     read from the host again), and stats() had counted the flush's writes."""
     emb, opt, ref = _embedding_and_reference(cache_rows, backend, rng)
-    device = emb.weight.device
-
-    def train(steps):
-        for _ in range(steps):
-            ids = torch.from_numpy(_zipf_ids(rng, BATCH))
-            ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32))
-            _loss(emb(ids.to(device)), ctx.to(device)).backward()
-            opt.step()
-            opt.zero_grad()
-            ref.step(ids, ctx)
-    train(STEPS)
+    _train(emb, opt, ref, rng, STEPS)
     assert bool((emb._cache.slot_row >= 0).any()) and bool(emb._cache.dirty.any())
     for path, error in _refused_loads(tmp_path, rng):
-        tensors, numbers = _cache_state(emb)
-        stats = emb.stats()
-        with pytest.raises(error):
-            emb.load(path)
-        assert emb.stats() == stats, path.name
-        after, after_numbers = _cache_state(emb)
-        assert after_numbers == numbers, path.name
-        for before, now in zip(tensors, after):
-            assert torch.equal(before, now), path.name
-    train(3)
+        _assert_refused_changing_nothing(emb, lambda: emb.load(path), error, path.name)
+    _train(emb, opt, ref, rng, 3)
     _check_tables(emb, ref)
     emb.close()
 
@@ -343,39 +330,12 @@ def test_a_save_refused_for_its_suffix_leaves_the_cache_as_it_was(name, backend,
     """emb.save flushed the cache before it looked at the suffix: a refused save had written every
     dirty row back (stats' rows_d2h moved, dirty flags cleared)."""
     emb, opt, ref = _embedding_and_reference(10, backend, rng)
-    device = emb.weight.device
-    for _ in range(STEPS):
-        ids = torch.from_numpy(_zipf_ids(rng, BATCH))
-        ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32))
-        _loss(emb(ids.to(device)), ctx.to(device)).backward()
-        opt.step()
-        opt.zero_grad()
-        ref.step(ids, ctx)
+    _train(emb, opt, ref, rng, STEPS)
     assert bool(emb._cache.dirty.any())
-    tensors, numbers = _cache_state(emb)
-    stats = emb.stats()
-    with pytest.raises(ss.OptionError):
-        emb.save(tmp_path / name)
-    assert emb.stats() == stats
-    after, after_numbers = _cache_state(emb)
-    assert after_numbers == numbers
-    for before, now in zip(tensors, after):
-        assert torch.equal(before, now)
+    _assert_refused_changing_nothing(emb, lambda: emb.save(tmp_path / name), ss.OptionError, name)
     assert list(tmp_path.iterdir()) == []
     _check_tables(emb, ref)
     emb.close()
-
-
-def _train(emb, opt, ref, rng, steps):
-    """``steps`` Adam steps on Zipf ids, offloaded and in the reference."""
-    device = emb.weight.device
-    for _ in range(steps):
-        ids = torch.from_numpy(_zipf_ids(rng, BATCH))
-        ctx = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32))
-        _loss(emb(ids.to(device)), ctx.to(device)).backward()
-        opt.step()
-        opt.zero_grad()
-        ref.step(ids, ctx)
 
 
 def test_a_save_refused_inside_the_save_leaves_the_cache_as_it_was(backend, rng, tmp_path):
@@ -386,15 +346,7 @@ def test_a_save_refused_inside_the_save_leaves_the_cache_as_it_was(backend, rng,
     _train(emb, opt, ref, rng, STEPS)
     assert bool(emb._cache.dirty.any())
     for path, error in refused_save_paths(tmp_path):
-        tensors, numbers = _cache_state(emb)
-        stats = emb.stats()
-        with pytest.raises(error):
-            emb.save(path)
-        assert emb.stats() == stats, path.name
-        after, after_numbers = _cache_state(emb)
-        assert after_numbers == numbers, path.name
-        for before, now in zip(tensors, after):
-            assert torch.equal(before, now), path.name
+        _assert_refused_changing_nothing(emb, lambda: emb.save(path), error, path.name)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.h5", "edited", "photos"]
     emb.save(tmp_path / "emb.npy")
     emb.save(tmp_path / "emb.h5")
