@@ -25,6 +25,14 @@ def assert_unchanged(model, before):
         torch.testing.assert_close(after[name], tensor, rtol=0, atol=0, equal_nan=True, msg=name)
 
 
+def assert_to_empty_refused(model, match):
+    """``model.to_empty(device="cpu")`` raises a StateError matching ``match`` and changes nothing."""
+    before = snapshot(model)
+    with pytest.raises(ss.StateError, match=match):
+        model.to_empty(device="cpu")
+    assert_unchanged(model, before)
+
+
 @pytest.mark.parametrize("kind", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
 def test_embedding_refuses_a_conversion_before_anything_converts_and_keeps_training(rng, kind):
     """torch converts a model's submodules in turn: the Linear (and the BatchNorm's buffers) before
@@ -221,10 +229,7 @@ def test_to_empty_on_its_own_device_mid_step_is_refused_and_between_steps_trains
         ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
         weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
         rows = begin(ids)
-        before = snapshot(model)
-        with pytest.raises(ss.StateError, match="convert between steps"):
-            model.to_empty(device="cpu")
-        assert_unchanged(model, before)
+        assert_to_empty_refused(model, "convert between steps")
         (rows * weights).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -250,15 +255,9 @@ def test_sharded_to_empty_on_its_own_device_mid_step_is_refused(rng):
         ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
         weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
         rows = emb(ids)
-        before = snapshot(model)
-        with pytest.raises(ss.StateError, match="convert between steps"):
-            model.to_empty(device="cpu")
-        assert_unchanged(model, before)
+        assert_to_empty_refused(model, "convert between steps")
         (rows * weights).sum().backward()
-        before = snapshot(model)
-        with pytest.raises(ss.StateError, match="convert between steps"):
-            model.to_empty(device="cpu")
-        assert_unchanged(model, before)
+        assert_to_empty_refused(model, "convert between steps")
         opt.step()
         opt.zero_grad()
         expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
@@ -305,10 +304,7 @@ def test_to_empty_between_steps_over_a_zeroed_gradient_is_refused_and_after_zero
         (emb(ids) * weights).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        before = snapshot(model)
-        with pytest.raises(ss.StateError, match="call optimizer.zero_grad"):
-            model.to_empty(device="cpu")
-        assert_unchanged(model, before)
+        assert_to_empty_refused(model, "call optimizer.zero_grad")
         opt.zero_grad()
         model.to_empty(device="cpu")  # no gradient left: the working set is scratch
         expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
@@ -330,10 +326,7 @@ def test_switchers_refuse_to_empty_over_a_zeroed_gradient_and_after_zero_grad_tr
         u.after_step(ids)
         o.after_step(ids)
         opt.zero_grad(set_to_none=False)
-        before = snapshot(model)
-        with pytest.raises(ss.StateError, match="call optimizer.zero_grad"):
-            model.to_empty(device="cpu")
-        assert_unchanged(model, before)
+        assert_to_empty_refused(model, "call optimizer.zero_grad")
         opt.zero_grad()
         model.to_empty(device="cpu")  # no gradient left: the switched embedding is scratch
         expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
