@@ -91,12 +91,28 @@ def assert_same(actual, expected):
         np.testing.assert_allclose(state[name], ref_state[name], **TOL, err_msg=name)
 
 
+def fixture_seed(fixture):
+    """A fresh seed for a module fixture's runs (or SPEEDSWAP_SEED's), printed so a failure can be replayed."""
+    seed = int(os.environ.get("SPEEDSWAP_SEED", np.random.SeedSequence().entropy % 2**31))
+    print(f"{fixture} seed {seed} (replay with SPEEDSWAP_SEED={seed})")
+    return seed
+
+
+def on_one_and_two_ranks(tmp_path_factory, scenario, flows):
+    """Run ``scenario:<flow>`` for each of ``flows`` on 1 and on 2 ranks: ``({world: out}, seed)``."""
+    seed = fixture_seed(f"{scenario} runs")
+    runs = {}
+    for world in (1, 2):
+        runs[world] = tmp_path_factory.mktemp(f"{scenario}{world}")
+        assert_ok(launch(world, runs[world], seed, *(f"{scenario}:{flow}" for flow in flows)))
+    return runs, seed
+
+
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
     """Three ranks train with SGD, Adam (saving a checkpoint at SAVE_AT), Adagrad (mmap), and Adam skipping steps."""
     out = tmp_path_factory.mktemp("three")
-    seed = int(os.environ.get("SPEEDSWAP_SEED", np.random.SeedSequence().entropy % 2**31))
-    print(f"three_ranks seed {seed} (replay with SPEEDSWAP_SEED={seed})")
+    seed = fixture_seed("three_ranks")
     assert_ok(launch(3, out, seed, "train:sgd", "train:adam", "train:adagrad", "bf16:adagrad",
                      "skip:adam", "skipfwd:adam"))
     return out, seed
@@ -262,13 +278,7 @@ CHECKPOINTED = [f"{flow}-{mode}" for flow in ("plain", "accumulated", "skipped")
 @pytest.fixture(scope="module")
 def checkpointed_runs(tmp_path_factory):
     """1 and 2 ranks train Adam with every lookup in a checkpointed block, in each loop of CHECKPOINTED."""
-    seed = int(os.environ.get("SPEEDSWAP_SEED", np.random.SeedSequence().entropy % 2**31))
-    print(f"checkpointed_runs seed {seed} (replay with SPEEDSWAP_SEED={seed})")
-    runs = {}
-    for world in (1, 2):
-        runs[world] = tmp_path_factory.mktemp(f"checkpointed{world}")
-        assert_ok(launch(world, runs[world], seed, *(f"checkpointed:{name}" for name in CHECKPOINTED)))
-    return runs, seed
+    return on_one_and_two_ranks(tmp_path_factory, "checkpointed", CHECKPOINTED)
 
 
 @pytest.mark.parametrize("name", CHECKPOINTED)
@@ -300,13 +310,7 @@ EXCHANGED_THEN_ZEROED = ["zeroed", "skipped", "skipped_late"]
 @pytest.fixture(scope="module")
 def exchanged_then_zeroed_runs(tmp_path_factory):
     """1 and 2 ranks train Adam, zeroing the gradient after exchange_gradients(), in each loop of EXCHANGED_THEN_ZEROED."""
-    seed = int(os.environ.get("SPEEDSWAP_SEED", np.random.SeedSequence().entropy % 2**31))
-    print(f"exchanged_then_zeroed_runs seed {seed} (replay with SPEEDSWAP_SEED={seed})")
-    runs = {}
-    for world in (1, 2):
-        runs[world] = tmp_path_factory.mktemp(f"exchzero{world}")
-        assert_ok(launch(world, runs[world], seed, *(f"exchzero:{flow}" for flow in EXCHANGED_THEN_ZEROED)))
-    return runs, seed
+    return on_one_and_two_ranks(tmp_path_factory, "exchzero", EXCHANGED_THEN_ZEROED)
 
 
 @pytest.mark.parametrize("flow", EXCHANGED_THEN_ZEROED)
@@ -337,8 +341,7 @@ def test_zero_grad_keeping_tensors_after_exchange_gradients_trains_as_one_proces
 def mismatched_calls(tmp_path_factory):
     """Two ranks make different calls at once, or build their embeddings unlike each other."""
     out = tmp_path_factory.mktemp("mismatched")
-    seed = int(os.environ.get("SPEEDSWAP_SEED", np.random.SeedSequence().entropy % 2**31))
-    print(f"mismatched_calls seed {seed} (replay with SPEEDSWAP_SEED={seed})")
+    seed = fixture_seed("mismatched_calls")
     assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
                      "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "zerodiffer:adam", "outsider:sgd", "twockpts:adam", "mixedload:sgd", "order:sgd",
                      "oldleft:sgd"))
