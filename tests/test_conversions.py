@@ -240,17 +240,22 @@ def test_to_empty_on_its_own_device_mid_step_is_refused_and_between_steps_trains
         model.to_empty(device="cpu")  # between steps the working set is scratch
 
 
-def test_sharded_to_empty_on_its_own_device_mid_step_is_refused(rng):
-    """A ShardedOffloadedEmbedding (one rank) took to_empty(device="cpu") between a training forward
-    and the step: the step then trained the new, uninitialised weight and wrote back the rows it had
-    gathered, unstepped: the step's update was lost, silently (its rows off by up to 0.34)."""
+def _sharded_model(rng):
+    """A one-rank ShardedOffloadedEmbedding of a random table after a Linear, with SGD, and its table in memory."""
     table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
-    expected = torch.from_numpy(table0.copy())  # the whole table in memory, plain SGD
     emb = ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=16, storage="pageable", backend="numpy")
     emb.table.scatter(torch.arange(ROWS), torch.from_numpy(table0))
     model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), emb)
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)
     emb.attach(opt)
+    return emb, model, opt, torch.from_numpy(table0.copy())  # the whole table in memory, for plain SGD
+
+
+def test_sharded_to_empty_on_its_own_device_mid_step_is_refused(rng):
+    """A ShardedOffloadedEmbedding (one rank) took to_empty(device="cpu") between a training forward
+    and the step: the step then trained the new, uninitialised weight and wrote back the rows it had
+    gathered, unstepped: the step's update was lost, silently (its rows off by up to 0.34)."""
+    emb, model, opt, expected = _sharded_model(rng)
     for _ in range(4):
         ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
         weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
@@ -269,13 +274,7 @@ def test_sharded_to_empty_on_its_own_device_between_steps_trains_on(rng, set_to_
     """A ShardedOffloadedEmbedding (one rank) took to_empty(device="cpu") between steps, and from then
     on every step trained the new storage of weight while writing back the rows its forwards had
     gathered into the old one, unstepped: training stopped, silently (rows off by 0.31 after 2 steps)."""
-    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
-    expected = torch.from_numpy(table0.copy())  # the whole table in memory, plain SGD
-    emb = ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=16, storage="pageable", backend="numpy")
-    emb.table.scatter(torch.arange(ROWS), torch.from_numpy(table0))
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), emb)
-    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
-    emb.attach(opt)
+    emb, model, opt, expected = _sharded_model(rng)
     for _ in range(4):
         model.to_empty(device="cpu")  # between steps weight is scratch: the table is not touched
         ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
