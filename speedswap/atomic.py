@@ -28,8 +28,8 @@ from .errors import DTypeError, MissingFileError, PathError, SpeedswapError
 from .mappings import mapped_for_writing
 
 __all__ = ["as_path", "atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
-           "check_readable_file", "check_regular_file", "opening_error", "saving_error", "fsync_dir", "sync_new_name",
-           "locked", "one_save_at_a_time"]
+           "check_readable_file", "check_regular_file", "opening_error", "saving_error", "open_into", "fsync_dir",
+           "sync_new_name", "locked", "one_save_at_a_time"]
 
 def as_path(path) -> str:
     """``path`` as a str: the one check of the paths speedswap's calls take, before any is used.
@@ -192,12 +192,16 @@ def saving_error(path, exc, temporary=None) -> "PathError":
     return error
 
 
-def _open_into(opened, path, flags, mode=0o777) -> int:
+def open_into(opened, path, flags, mode=0o777) -> int:
     """``os.open``, the descriptor appended to the list ``opened`` by C as ``os.open`` returns it.
 
     An interrupt (Ctrl-C) lands once a call into C has returned to Python code: one after ``os.open``
     returned would lose a descriptor held nowhere yet, open for good. The caller closes what ``opened``
     holds, whatever comes.
+
+    Args:
+        opened: the caller's list; it closes the descriptors in it in a ``finally``.
+        path, flags, mode: ``os.open``'s.
 
     Returns:
         the descriptor.
@@ -214,7 +218,7 @@ def fsync_dir(directory) -> None:
     opened = []
     with contextlib.suppress(OSError):
         try:
-            os.fsync(_open_into(opened, directory, os.O_RDONLY))
+            os.fsync(open_into(opened, directory, os.O_RDONLY))
         finally:
             if opened:
                 os.close(opened[0])
@@ -404,7 +408,7 @@ def _open_recorded(path, flags, opened, mode=0o777) -> int:
 
     Recorded from its opening, not once locked, and before any fork can copy it: a copy a child took
     before the ``flock`` shares the open file the lock then belongs to, and would keep it locked as well.
-    Appended as it is opened (:func:`_open_into`): the caller lets go of what ``opened`` holds at the end
+    Appended as it is opened (:func:`open_into`): the caller lets go of what ``opened`` holds at the end
     of its turn, whatever comes.
 
     Returns:
@@ -415,7 +419,7 @@ def _open_recorded(path, flags, opened, mode=0o777) -> int:
     """
     me = threading.get_ident()
     with _RECORDING:
-        _FLOCKED[_open_into(opened, path, flags | _NEVER_WAIT, mode)] = me
+        _FLOCKED[open_into(opened, path, flags | _NEVER_WAIT, mode)] = me
     return opened[-1]
 
 

@@ -894,8 +894,8 @@ _SWEEPS_MODEL_CTRL_C = pytest.mark.skipif(sys.version_info < (3, 11), reason="pr
                                           "where a Ctrl-C lands from Python 3.11 on")
 
 
-def _interrupted_at(run, point):
-    """``run(counting)`` with KeyboardInterrupt raised at the ``point``-th place it can land in atomic.py.
+def _interrupted_at(run, point, modules=(atomic,)):
+    """``run(counting)`` with KeyboardInterrupt raised at the ``point``-th place it can land in ``modules``' code.
 
     From Python 3.11 on, Python runs a signal handler (Ctrl-C's) on entering a function (or resuming a
     generator) or once a call into C has returned: the "call" and "c_return" events of a profile function.
@@ -904,10 +904,10 @@ def _interrupted_at(run, point):
     Returns:
         where it was raised, or None past the last such place (``run`` ran through).
     """
-    seen, where = [0], []
+    seen, where, code = [0], [], {module.__file__ for module in modules}
 
     def profile(frame, event, arg):
-        if where or event not in ("call", "c_return") or frame.f_code.co_filename != atomic.__file__:
+        if where or event not in ("call", "c_return") or frame.f_code.co_filename not in code:
             return
         if seen[0] == point:
             where.append(f"{frame.f_code.co_name}:{frame.f_lineno} ({event} {getattr(arg, '__name__', '')})")
@@ -1006,3 +1006,43 @@ def test_an_interrupt_anywhere_in_a_save_leaves_the_old_file_or_the_new_one_and_
         points.append(where)
     assert now == new and any("fsync_dir" in point for point in points), points
     assert not left, f"a save interrupted at {left} (of {points})"
+
+
+def _descriptors_left_by_interrupts(run, modules, directory):
+    """Run ``run(counting)`` once per place an interrupt can land in ``modules``, KeyboardInterrupt raised there.
+
+    Returns:
+        the places (in order), and ``(place, descriptors)`` for each run that left a descriptor of
+        ``directory`` open (closed here, so that the next run starts clean).
+    """
+    points, left = [], []
+    while True:
+        where = _interrupted_at(run, len(points), modules)
+        opened = _opened_in(directory)
+        if opened:
+            left.append((where, opened))
+            for fd in opened:
+                os.close(fd)
+        if where is None:
+            return points, left
+        points.append(where)
+
+
+@_SWEEPS_MODEL_CTRL_C
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+def test_an_interrupt_anywhere_in_an_h5_checkpoints_load_leaves_no_descriptor(tmp_path, rng):
+    """_load_tables held an HDF5 checkpoint's file open (held = os.open(...)) before the try that closes
+    it: a Ctrl-C once os.open had returned left it open for good, one per interrupted load."""
+    from speedswap.train import checkpoint
+    path = tmp_path / "ckpt.h5"
+    checkpoint.save_tables(path, {"t": ss.HostTable.from_numpy(rng.standard_normal((8, 4)).astype(np.float32), backend="numpy")}, {})
+    target = ss.HostTable.from_numpy(rng.standard_normal((8, 4)).astype(np.float32), backend="numpy")
+
+    def load(counting):
+        counting(True)
+        checkpoint.load_tables(path, {"t": target}, {})
+        counting(False)
+
+    points, left = _descriptors_left_by_interrupts(load, (checkpoint, atomic), tmp_path)
+    assert any("open" in point for point in points), points
+    assert not left, f"a load interrupted at {left} (of {points})"

@@ -564,11 +564,12 @@ def load_tables(path, tables, attrs, before_writes: Optional[Callable[[], None]]
 
 
 def _load_tables(path, tables, attrs, before_writes):
-    held = None
-    if checkpoint_kind(path) == "h5":
-        with contextlib.suppress(OSError):  # the reads below say what is wrong with the path
-            held = os.open(path, os.O_RDONLY)
+    opened = []  # an HDF5 file's descriptor, from its opening (atomic.open_into): closed whatever comes
     try:
+        if checkpoint_kind(path) == "h5":
+            with contextlib.suppress(OSError):  # the reads below say what is wrong with the path
+                atomic.open_into(opened, path, os.O_RDONLY)
+        held = opened[0] if opened else None
         try:
             staged = _stage_all(path, tables, attrs)
         except FileFormatError:
@@ -580,8 +581,8 @@ def _load_tables(path, tables, attrs, before_writes):
         for rows in staged.values():  # every table's file as verified, before the first table changes
             rows.check_unchanged()
     finally:
-        if held is not None:
-            os.close(held)
+        if opened:
+            os.close(opened[0])
     if before_writes is not None:
         before_writes()
     loaded = []
