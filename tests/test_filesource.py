@@ -17,11 +17,13 @@ import pytest
 import torch
 
 import speedswap as ss
+from speedswap import atomic
 from speedswap.data import filesource
 from speedswap.data.filesource import drop_cache
 from speedswap.data.orders import BlockOrder, SequentialOrder
 
 from test_feeder import assert_child_forked_holding_succeeds, io_threads, reader_threads, run_with_deadline
+from test_files import _SWEEPS_MODEL_CTRL_C, _descriptors_left_by_interrupts
 
 
 def write(path, array):
@@ -1066,3 +1068,21 @@ def test_a_batch_read_while_another_thread_closes_the_reader_is_refused(tmp_path
     reader._wait = closed_once_read
     with pytest.raises(ss.StateError, match="closed by another thread"):
         reader.read(0, 16)
+
+
+@_SWEEPS_MODEL_CTRL_C
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+def test_an_interrupt_anywhere_in_drop_cache_leaves_no_descriptor(tmp_path, rng):
+    """drop_cache opened the file (fd = os.open(...)) before the try that closes it: a Ctrl-C once
+    os.open had returned left it open for good, one per interrupted drop."""
+    path = tmp_path / "x.npy"
+    write(path, rng.standard_normal((64, 3)).astype(np.float32))
+
+    def drop(counting):
+        counting(True)
+        drop_cache(path)
+        counting(False)
+
+    points, left = _descriptors_left_by_interrupts(drop, (filesource, atomic), tmp_path)
+    assert any("open" in point for point in points), points
+    assert not left, f"a drop interrupted at {left} (of {points})"
