@@ -1086,3 +1086,25 @@ def test_an_interrupt_anywhere_in_drop_cache_leaves_no_descriptor(tmp_path, rng)
     points, left = _descriptors_left_by_interrupts(drop, (filesource, atomic), tmp_path)
     assert any("open" in point for point in points), points
     assert not left, f"a drop interrupted at {left} (of {points})"
+
+
+@_SWEEPS_MODEL_CTRL_C
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+def test_an_interrupt_anywhere_as_a_file_reader_is_made_leaves_no_descriptor(tmp_path, rng):
+    """A reader's constructor keeps its files open for the reader: one it raised from (a Ctrl-C)
+    returned no reader to close them, so none of them may stay open."""
+    paths = [tmp_path / "x.npy", tmp_path / "y.npy"]
+    for path in paths:
+        write(path, rng.standard_normal((64, 3)).astype(np.float32))
+    files = [filesource.FileRows(str(path), ss.files.read_npy_header(path).offset, 64, (3,), torch.float32,
+                                 ss.files.identity(os.stat(path))) for path in paths]
+
+    def make_and_close(counting):
+        counting(True)
+        reader = filesource.RowReader(files, rng.permutation(64))
+        counting(False)
+        reader.close()
+
+    points, left = _descriptors_left_by_interrupts(make_and_close, (filesource, atomic), tmp_path)
+    assert any("open" in point for point in points), points
+    assert not left, f"a reader interrupted at {left} (of {points})"

@@ -200,12 +200,20 @@ class _PoolReader:
 
     def __init__(self, files, threads, drop_behind, advice):
         self._files = files
-        self._fds = []
+        self._drop = drop_behind
+        # Before the files are opened: an interrupt (Ctrl-C) once they are would leave them open
+        # with no reader returned to close them. The pool starts its threads on its first read.
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="speedswap-io")
+        self._closed = False
+        # set_epoch on one thread and the loop's cleanup on another may close at once: the second
+        # waits for the first, so neither returns with the files open nor closes a number twice.
+        self._close_lock = threading.Lock()
+        self._pid = os.getpid()  # a forked child has the pool's state but none of its threads
+        self._fds = []  # each file's descriptor, from its opening (open_into)
         self._versions = []  # each file's (size, mtime) when opened: a rewrite in place changes them
         try:
             for file in files:
-                self._fds.append(os.open(file.path, os.O_RDONLY))
-                stat = os.fstat(self._fds[-1])
+                stat = os.fstat(open_into(self._fds, file.path, os.O_RDONLY))
                 if identity(stat) != file.identity:  # replaced since checked
                     raise FileFormatError(f"{file.path!r} was replaced by another file while the "
                                           f"feeder opened it; iterate the feeder again")
@@ -217,13 +225,6 @@ class _PoolReader:
             if isinstance(exc, OSError) and not isinstance(exc, FileFormatError):
                 raise opening_error(file.path, exc, ".npy file") from exc
             raise
-        self._drop = drop_behind
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="speedswap-io")
-        self._closed = False
-        # set_epoch on one thread and the loop's cleanup on another may close at once: the second
-        # waits for the first, so neither returns with the files open nor closes a number twice.
-        self._close_lock = threading.Lock()
-        self._pid = os.getpid()  # a forked child has the pool's state but none of its threads
 
     def _read(self, column, first, count, out):
         """``pread`` rows ``[first, first + count)`` of file ``column`` into the uint8 array ``out``.
