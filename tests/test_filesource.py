@@ -1108,3 +1108,22 @@ def test_an_interrupt_anywhere_as_a_file_reader_is_made_leaves_no_descriptor(tmp
     points, left = _descriptors_left_by_interrupts(make_and_close, (filesource, atomic), tmp_path)
     assert any("open" in point for point in points), points
     assert not left, f"a reader interrupted at {left} (of {points})"
+
+
+@_SWEEPS_MODEL_CTRL_C
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+def test_an_interrupt_anywhere_as_create_npy_fills_leaves_no_descriptor(tmp_path, rng):
+    """create_npy's fill wrote through a descriptor opened (fd = os.open(...)) before the try that
+    closes it: a Ctrl-C once os.open had returned left the removed temporary open for good."""
+    from speedswap.data import create
+    data = rng.standard_normal((20, 5)).astype(np.float32)
+
+    def make(counting):
+        counting(True)
+        ss.data.create_npy(tmp_path / "x.npy", data.shape, np.float32, lambda lo, hi: data[lo:hi], progress=False)
+        counting(False)
+
+    points, left = _descriptors_left_by_interrupts(make, (create, atomic), tmp_path)
+    assert any("open" in point for point in points), points
+    assert not left, f"a create_npy interrupted at {left} (of {points})"
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), data)

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from .. import files
-from ..atomic import as_path, atomic_output
+from ..atomic import as_path, atomic_output, open_into
 from ..convert import as_values_array, check_has_values, check_rows, int_option, numpy_dtype, torch_dtype
 from ..errors import DTypeError, OptionError, ShapeError
 
@@ -154,8 +154,9 @@ def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress, name):
     row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
     step = max(1, chunk_bytes // max(1, row_bytes))
     disable = not sys.stderr.isatty() if progress is None else not progress
-    fd = os.open(path, os.O_WRONLY)
+    opened = []  # the file's descriptor, from its opening (open_into): closed whatever comes
     try:
+        fd = open_into(opened, path, os.O_WRONLY)
         unsynced = 0
         with tqdm(total=shape[0] * row_bytes, unit="B", unit_scale=True, desc=name,
                   disable=disable) as bar:
@@ -185,7 +186,8 @@ def _fill(path, offset, shape, dtype, fill, chunk_bytes, progress, name):
                 bar.update(len(view))
         _sync_and_drop(fd)
     finally:
-        os.close(fd)
+        if opened:
+            os.close(opened[0])
 
 
 def _as_numpy(rows, what, shape) -> np.ndarray:
