@@ -242,11 +242,15 @@ def sync_new_name(directory, path, then: str) -> None:
     try:
         fsync_dir(directory)
     except BaseException as exc:  # an interrupt: fsync_dir lets no OSError out
-        if hasattr(exc, "add_note"):  # Python 3.11+
-            exc.add_note(f"speedswap: {path!r} is the new file: this {type(exc).__name__} came after it was "
-                         f"given its name, while its directory was synced, so its directory entry may not "
-                         f"survive a power loss yet; {then}")
+        _note_new_name(exc, path, "while its directory was synced", then)
         raise
+
+
+def _note_new_name(exc, path, when, then: str) -> None:
+    """Note on ``exc`` (Python 3.11+) that ``path`` is the new file, ``exc`` having come ``when``; then ``then``."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"speedswap: {path!r} is the new file: this {type(exc).__name__} came after it was given "
+                     f"its name, {when}, so its directory entry may not survive a power loss yet; {then}")
 
 
 @contextlib.contextmanager
@@ -270,9 +274,10 @@ def atomic_output(path, replace_mapped: bool = False, note_interrupt: bool = Tru
         replace_mapped: replace it even where this process maps it for
             writing (a table asked to start the file afresh: ``overwrite``);
             otherwise that is refused, as the map's writes would be lost.
-        note_interrupt: an interrupt (Ctrl-C) that comes after the rename,
-            while the directory is synced, gets a note that ``path`` is the
-            new file and a save again makes its name durable. False for a
+        note_interrupt: an interrupt (Ctrl-C) that comes after the rename
+            (as it returns, while the directory is synced, as the save's
+            turn ends) gets a note that ``path`` is the new file and a save
+            again makes its name durable. False for a
             file of a larger save written aside (a directory checkpoint's
             new version), which an interrupt undoes: the file is not saved.
 
@@ -302,38 +307,43 @@ def atomic_output(path, replace_mapped: bool = False, note_interrupt: bool = Tru
         raise PathError(f"cannot save {os.fspath(path)!r}: this process maps that file for writing (a live "
                         f"mmap table or DataGadget, or an np.memmap), and replacing it would lose the map's "
                         f"writes; close that table (or drop the memmap) first, or save to another path")
-    with one_save_at_a_time(path):
-        remove_stale_temporaries(path)
-        tmp = temp_path(path)
-        try:
+    renamed = []  # not empty once the new file has its name: an interrupt from then on says so
+    try:
+        with one_save_at_a_time(path):
+            remove_stale_temporaries(path)
+            tmp = temp_path(path)
             try:
-                open(tmp, "xb").close()  # a new file: the mode a plain open() gives, under the umask
-                if os.path.exists(path):  # a replaced one keeps the owner and the mode it had
-                    replaced = os.stat(path)
-                    with contextlib.suppress(OSError):  # only root gives a file away (a member, its group)
-                        os.chown(tmp, replaced.st_uid, replaced.st_gid)
-                    os.chmod(tmp, replaced.st_mode & 0o777)
-            except OSError as exc:
-                raise saving_error(path, exc, tmp) from exc
-            yield tmp
-            try:
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except OSError as exc:
-                raise saving_error(path, exc, tmp) from exc
-        except BaseException as exc:
-            # Not only FileNotFoundError: where the temporary could not be made (a read-only
-            # file system answers EROFS even for a missing file) this would hide the real error.
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            if isinstance(exc, OSError) and not isinstance(exc, SpeedswapError):
-                raise saving_error(path, exc, tmp) from exc
-            raise
-        if note_interrupt:
-            sync_new_name(directory, path, "saving again makes sure")
-        else:
+                try:
+                    open(tmp, "xb").close()  # a new file: the mode a plain open() gives, under the umask
+                    if os.path.exists(path):  # a replaced one keeps the owner and the mode it had
+                        replaced = os.stat(path)
+                        with contextlib.suppress(OSError):  # only root gives a file away (a member, its group)
+                            os.chown(tmp, replaced.st_uid, replaced.st_gid)
+                        os.chmod(tmp, replaced.st_mode & 0o777)
+                except OSError as exc:
+                    raise saving_error(path, exc, tmp) from exc
+                yield tmp
+                try:
+                    with open(tmp, "rb+") as f:
+                        os.fsync(f.fileno())
+                    # os.replace returns None: appended by C as it returns, for an interrupt after it to see.
+                    renamed.extend(map(os.replace, [tmp], [path]))
+                except OSError as exc:
+                    raise saving_error(path, exc, tmp) from exc
+            except BaseException as exc:
+                # Not only FileNotFoundError: where the temporary could not be made (a read-only
+                # file system answers EROFS even for a missing file) this would hide the real error.
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                if isinstance(exc, OSError) and not isinstance(exc, SpeedswapError):
+                    raise saving_error(path, exc, tmp) from exc
+                raise
             fsync_dir(directory)
+    except BaseException as exc:
+        if renamed and note_interrupt:  # came once the new file had its name (an interrupt): the save is done
+            _note_new_name(exc, path, "as the save finished (its directory synced, its turn let go of)",
+                           "saving again makes sure")
+        raise
 
 
 def check_readable_file(path, what="file") -> str:

@@ -1046,3 +1046,39 @@ def test_an_interrupt_anywhere_in_an_h5_checkpoints_load_leaves_no_descriptor(tm
     points, left = _descriptors_left_by_interrupts(load, (checkpoint, atomic), tmp_path)
     assert any("open" in point for point in points), points
     assert not left, f"a load interrupted at {left} (of {points})"
+
+
+@_SWEEPS_MODEL_CTRL_C
+def test_an_interrupt_anywhere_in_a_save_once_the_new_file_has_its_name_says_so(tmp_path, rng):
+    """A Ctrl-C right after atomic_output's rename (or as the save's turn ended) came out bare, though
+    the path already held the new bytes. KeyboardInterrupt is raised at each place an interrupt can land
+    in atomic.py during a save, one per save: each that leaves the new bytes at the path says so, and
+    none that leaves the old ones does."""
+    path = tmp_path / "t.bin"
+    path.write_bytes(rng.bytes(64))
+    bare, noted, points = [], [], []
+    while True:
+        new, caught = rng.bytes(64), []
+
+        def save(counting):
+            counting(True)
+            try:
+                with atomic.atomic_output(path) as tmp, open(tmp, "wb") as f:
+                    f.write(new)
+            except KeyboardInterrupt as exc:
+                caught.append(" ".join(getattr(exc, "__notes__", [])))
+                raise
+
+        where = _interrupted_at(save, len(points))
+        if where is None:
+            break
+        says_new = f"{str(path)!r} is the new file" in caught[0] and "saving again makes sure" in caught[0]
+        if path.read_bytes() == new:
+            noted.append(where)
+            if not says_new:
+                bare.append(where)
+        elif says_new:
+            bare.append((where, "a note, though the old file is there"))
+        points.append(where)
+    assert any(point.startswith("atomic_output") for point in noted), (noted, points)
+    assert not bare, f"a save interrupted at {bare} (of {points})"
