@@ -545,10 +545,13 @@ class HostTable:
         :meth:`as_tensor`, :meth:`host_chunks` (as the first chunk is read)
         and :meth:`save` (once the path passed its checks: a refused save,
         or checkpoint, does not call it); not
-        :meth:`gather_validated` (the owner's own path), nor later reads
-        through a view :meth:`to_numpy` or :meth:`as_tensor` handed out:
-        a watched table tracks those instead (:attr:`viewed`), for the owner
-        to keep no newer rows elsewhere while one is alive.
+        :meth:`gather_validated` and :meth:`owner_copy` (the owner's own
+        paths), nor later reads through a view :meth:`to_numpy` or
+        :meth:`as_tensor` handed out: a watched table tracks those instead
+        (:attr:`viewed`), for the owner to keep no newer rows elsewhere
+        while one is alive. ``before_read`` may refuse the read by raising
+        (a switcher in the middle of a step, whose rows are current only in
+        the model): nothing has been read yet.
 
         Args:
             before_read: a method of the owner taking no arguments, held
@@ -1061,9 +1064,28 @@ class HostTable:
         """
         buffer = self._live_buffer()
         self._announce_read()
+        if copy or buffer.host is None:
+            return self.owner_copy()
+        self._backend.wait_host(buffer)
+        return self._handed_out(buffer.host)
+
+    def owner_copy(self) -> np.ndarray:
+        """:meth:`to_numpy` with ``copy=True`` for the owner's own read: the :meth:`watch_reads` method is not called.
+
+        For an owner that reads the table where its own method would refuse
+        (a switcher's copy in the middle of a step, which it completes with
+        the step's rows itself).
+
+        Returns:
+            numpy.ndarray of shape :attr:`shape`, as :meth:`to_numpy`.
+
+        Raises:
+            StateError: a closed table.
+        """
+        buffer = self._live_buffer()
         self._backend.wait_host(buffer)
         if buffer.host is not None:
-            return np.array(buffer.host, copy=True) if copy else self._handed_out(buffer.host)
+            return np.array(buffer.host, copy=True)
         # numpy has no bfloat16: the rows' bit patterns, as a host table's memory holds them.
         rows = buffer.tensor.view(torch.int16) if self.dtype is torch.bfloat16 else buffer.tensor
         return rows.cpu().numpy().view(numpy_dtype(self.dtype))

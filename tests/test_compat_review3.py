@@ -84,3 +84,47 @@ def test_tables_handed_out_mid_step_are_refused_without_a_cache_too(backend, rng
         np.testing.assert_allclose(u.getNumpyVersion(), reference.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(o.state.tables["sum"].to_numpy(copy=True),
                                    ref_opt.state[reference.weight]["sum"].cpu().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 10])
+def test_reads_through_tables_kept_from_between_steps_are_refused_mid_step(backend, rng, tmp_path, cache_rows):
+    """A table kept from between steps (u.table, o.state.tables) bypassed the mid-step refusal:
+    gather, to_numpy(copy=True) and save between optimizer.step() and after_step read the step's
+    rows and state as before the step, silently. They are refused, nothing written, as u.table is."""
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
+    model = torch.nn.ModuleDict({"u": emb})
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.3)
+    u = ss.ModelFactory(emb, ROWS, DIM, backend=backend, cache_rows=cache_rows)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", backend=backend, cache_rows=cache_rows)
+    reference = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0).to(device), freeze=False,
+                                                   sparse=True)  # offloaded Adagrad is sparse Adagrad
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.3)
+    kept = {"table": u.table, **o.state.tables}  # kept between steps, read mid-step
+    for step in range(STEPS):
+        ids = _zipf_ids(rng, device)
+        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+        (emb(u.before_forward(ids)) * weights).sum().backward()
+        o.before_forward(ids)
+        opt.step()
+        opt.zero_grad()
+        (reference(ids) * weights).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for name, table in kept.items():
+            path = tmp_path / f"{name}-{step}.npy"
+            for read in (lambda: table.gather(ids), lambda: table.to_numpy(copy=True),
+                         lambda: table.save(path)):
+                with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+                    read()
+            assert not path.exists()
+        u.after_step(ids)
+        o.after_step(ids)
+        expected = {"table": reference.weight.detach(), "sum": ref_opt.state[reference.weight]["sum"]}
+        for name, table in kept.items():  # between steps the kept tables read every row as trained
+            np.testing.assert_allclose(table.to_numpy(copy=True), expected[name].cpu().numpy(),
+                                       rtol=1e-5, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(table.gather(ids).cpu().numpy(), expected[name][ids].cpu().numpy(),
+                                       rtol=1e-5, atol=1e-6, err_msg=name)

@@ -116,18 +116,19 @@ def test_gpu_aliases_keep_the_table_in_device_storage(backend, table0):
 
 
 def _host_tables(u, o):
-    """The switchers' host tables themselves: mid-step the switchers refuse to hand them out."""
+    """The switchers' host tables themselves: mid-step the switchers refuse to hand them out, and
+    the tables' own reads are refused (owner_copy reads their memory)."""
     return {"table": u._table, **o._state.tables}
 
 
 def _snapshot(u, o):
     """The host tables' memory, copied (mid-step, getNumpyVersion() holds the stepped rows instead)."""
-    return {k: t.to_numpy(copy=True) for k, t in _host_tables(u, o).items()}
+    return {k: t.owner_copy() for k, t in _host_tables(u, o).items()}
 
 
 def _assert_unchanged(u, o, snap):
     for k, t in _host_tables(u, o).items():
-        np.testing.assert_array_equal(t.to_numpy(copy=True), snap[k], err_msg=k)
+        np.testing.assert_array_equal(t.owner_copy(), snap[k], err_msg=k)
 
 
 @pytest.mark.parametrize("bad, error", [

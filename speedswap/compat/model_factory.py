@@ -433,7 +433,8 @@ class ModelFactory(Switcher):
         methods (``gather``, ``to_numpy``, ``save``; ``scatter``, ``apply_``,
         the initialisers, ``load_from``), through any reference to it, a
         kept one too, see the cache's rows and reach the next step (see
-        :meth:`_prepare_table_write`); a view ``to_numpy()`` or ``as_tensor()``
+        :meth:`_prepare_table_write`), and are refused between before_forward
+        and after_step (:meth:`_prepare_table_read`); a view ``to_numpy()`` or ``as_tensor()``
         hands out stays current while it lives, the cache keeping no rows
         meanwhile (:meth:`RowCache.viewed <speedswap.train.cache.RowCache.viewed>`).
 
@@ -479,7 +480,7 @@ class ModelFactory(Switcher):
                 self._steps.hand_out("to_numpy(copy=False)")
             return self._table.to_numpy()
         self.flush()
-        array = self._table.to_numpy(copy=True)
+        array = self._table.owner_copy()  # mid-step the table's to_numpy refuses (_prepare_table_read)
         in_step = self._steps.rows_in_step() if self._is_member() else None
         if in_step is not None:
             rows, values = in_step

@@ -231,6 +231,16 @@ class OptimizerFactory(Switcher):
         finally:
             self._resetting = False
 
+    def _prepare_table_read(self):
+        """As :meth:`Switcher._prepare_table_read`, but letting through :meth:`RowState.gather`'s reset.
+
+        The reset reads the tables (whether they hold an initial state) in
+        the middle of a step, before the step's state rows are taken: there
+        they are current, and :meth:`_resetting_state` flushed the cache.
+        """
+        if not self._resetting:
+            super()._prepare_table_read()
+
     def _prepare_state_write(self):
         """Make a write into a state table between steps, through any reference to it, reach the next step.
 
@@ -259,7 +269,9 @@ class OptimizerFactory(Switcher):
         without a cache. Reads through the tables' methods (``to_numpy``,
         ``gather``, ...) and writes between steps (``apply_``, ``scatter``,
         ...), through any reference to them, see the cache's state rows and
-        reach the next step (see :meth:`_prepare_state_write`).
+        reach the next step (see :meth:`_prepare_state_write`); reads are
+        refused between before_forward and after_step, a kept table's too
+        (:meth:`_prepare_table_read`).
 
         Raises:
             StateError: between before_forward and after_step (see :meth:`SharedSteps.hand_out`).

@@ -564,10 +564,22 @@ class SharedSteps:
         memory handed out are seen by the next step.
 
         Raises:
+            StateError: a step in progress (see :meth:`refuse_mid_step`).
+        """
+        self.refuse_mid_step(what)
+        if self.cache is None:
+            return
+        self.cache.flush()
+        self.cache.invalidate()
+
+    def refuse_mid_step(self, what: str) -> None:
+        """Raise before ``what`` hands out or reads the host tables in the middle of a step.
+
+        Raises:
             StateError: a step in progress: its rows and their state are
                 current only in the model's embedding and the optimizer (and
                 cached, with a cache) until after_step writes them back, so the
-                memory handed out would hold them as they were before the step.
+                tables would hold them as they were before the step.
         """
         if self.busy():
             raise StateError(f"{what} between before_forward and after_step: this step's rows and "
@@ -576,10 +588,6 @@ class SharedSteps:
                              f"as before the step; call it between steps (for the rows now, "
                              f"ModelFactory.getNumpyVersion() copies the table with the step's rows as "
                              f"they are; the optimizer's state has no such copy)")
-        if self.cache is None:
-            return
-        self.cache.flush()
-        self.cache.invalidate()
 
     def stats(self, cache_rows: int) -> dict:
         """The cache's counters (see :meth:`RowCache.stats`), all zero without a cache."""

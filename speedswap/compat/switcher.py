@@ -210,13 +210,24 @@ class Switcher(SpeedTorchFiles):
         return self._steps.rewriting() if self._is_member() else contextlib.nullcontext()
 
     def _prepare_table_read(self):
-        """Have the device cache write its rows and state back before a read of a table through any reference to it.
+        """Make a read of a table through any reference to it see every row as trained, or refuse it.
 
-        Called by the switcher's tables (:meth:`HostTable.watch_reads`); only
-        with a cache of rows: without one the tables are current.
+        Called by the switcher's tables (:meth:`HostTable.watch_reads`): a
+        device cache writes its rows and state back first (without one the
+        tables are current between steps). In the middle of a step the read
+        is refused, as :attr:`ModelFactory.table` is: a table kept from
+        between steps would show the step's rows and state as before it. The
+        switchers' own reads in that window do not come here
+        (:meth:`HostTable.owner_copy`, :meth:`HostTable.gather_validated`).
+
+        Raises:
+            StateError: between before_forward and after_step; nothing is read.
         """
+        if not self._is_member():
+            return
+        self._steps.refuse_mid_step("a read of the table")
         cache = self._steps.cache
-        if self._is_member() and cache is not None and cache.num_slots:
+        if cache is not None and cache.num_slots:
             cache.flush()
 
     def flush(self) -> None:
