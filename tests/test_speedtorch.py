@@ -619,7 +619,7 @@ def test_switchers_built_again_and_again_leave_no_hooks_behind():
         del switcher
         gc.collect()
     assert not model.weight._backward_hooks
-    switcher = ss.ModelFactory(model, ROWS, DIM, backend="numpy")
+    switcher = ss.ModelFactory(model, ROWS, DIM, backend="numpy")  # named: collected, it would take its hook
     assert len(model.weight._backward_hooks) == 1
 
 
