@@ -45,11 +45,9 @@ def test_get_numpy_version_between_step_and_after_step_holds_the_stepped_rows(ba
         np.testing.assert_allclose(u.getNumpyVersion(), expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("cache_rows", [0, 10])
-def test_tables_handed_out_mid_step_are_refused_without_a_cache_too(backend, rng, cache_rows):
-    """Without a cache, u.table, getTorchVar(), to_numpy() and o.state handed out the host tables
-    between optimizer.step() and after_step, which hold the step's rows and state as before the
-    step: reads showed them stale. With a cache they were refused; now both are."""
+def _adagrad_switched(backend, rng, cache_rows):
+    """A switched embedding of a random table with Adagrad, and the same table in memory with
+    sparse Adagrad (which offloaded Adagrad equals): ``device, emb, opt, u, o, reference, ref_opt``."""
     device = ss.get_backend(backend).device
     table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
     emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
@@ -58,10 +56,18 @@ def test_tables_handed_out_mid_step_are_refused_without_a_cache_too(backend, rng
     u = ss.ModelFactory(emb, ROWS, DIM, backend=backend, cache_rows=cache_rows)
     u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
     o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", backend=backend, cache_rows=cache_rows)
-    # Offloaded Adagrad equals in-memory Adagrad with sparse gradients.
     reference = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0).to(device), freeze=False,
                                                    sparse=True)
     ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.3)
+    return device, emb, opt, u, o, reference, ref_opt
+
+
+@pytest.mark.parametrize("cache_rows", [0, 10])
+def test_tables_handed_out_mid_step_are_refused_without_a_cache_too(backend, rng, cache_rows):
+    """Without a cache, u.table, getTorchVar(), to_numpy() and o.state handed out the host tables
+    between optimizer.step() and after_step, which hold the step's rows and state as before the
+    step: reads showed them stale. With a cache they were refused; now both are."""
+    device, emb, opt, u, o, reference, ref_opt = _adagrad_switched(backend, rng, cache_rows)
     for _ in range(STEPS):
         ids = _zipf_ids(rng, device)
         weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
@@ -91,17 +97,7 @@ def test_reads_through_tables_kept_from_between_steps_are_refused_mid_step(backe
     """A table kept from between steps (u.table, o.state.tables) bypassed the mid-step refusal:
     gather, to_numpy(copy=True) and save between optimizer.step() and after_step read the step's
     rows and state as before the step, silently. They are refused, nothing written, as u.table is."""
-    device = ss.get_backend(backend).device
-    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
-    emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
-    model = torch.nn.ModuleDict({"u": emb})
-    opt = torch.optim.Adagrad(model.parameters(), lr=0.3)
-    u = ss.ModelFactory(emb, ROWS, DIM, backend=backend, cache_rows=cache_rows)
-    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
-    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", backend=backend, cache_rows=cache_rows)
-    reference = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0).to(device), freeze=False,
-                                                   sparse=True)  # offloaded Adagrad is sparse Adagrad
-    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.3)
+    device, emb, opt, u, o, reference, ref_opt = _adagrad_switched(backend, rng, cache_rows)
     kept = {"table": u.table, **o.state.tables}  # kept between steps, read mid-step
     for step in range(STEPS):
         ids = _zipf_ids(rng, device)
