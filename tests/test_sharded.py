@@ -1564,6 +1564,21 @@ def test_a_step_skipped_after_exchange_gradients_then_zero_grad_after_the_next_f
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def _one_rank_adam(rng, rows, dim):
+    """A one-rank sharded table of random rows with Adam, and the same rows as one parameter with SparseAdam.
+
+    Returns:
+        ``table0, emb, opt, ref, ref_opt``.
+    """
+    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
+    emb = ss.ShardedOffloadedEmbedding(rows, dim, max_rows=24, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    return table0, emb, opt, ref, torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+
+
 @pytest.mark.parametrize("exchanged", [True, False], ids=["after_exchange_gradients", "before"])
 def test_a_gradient_multiplied_by_zero_in_place_trains_as_in_memory(rng, exchanged):
     """A non-zero gradient multiplied by 0 in place (``grad.mul_(0.0)``: a mask, a warm-up factor of
@@ -1571,13 +1586,7 @@ def test_a_gradient_multiplied_by_zero_in_place_trains_as_in_memory(rng, exchang
     and moves them by their momentum. After ``exchange_gradients()`` the sharded step does the same;
     before it the placeholder changed, and the step is refused on every rank, no row changed."""
     rows, dim, steps = 60, 4, 20
-    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
-    emb = ss.ShardedOffloadedEmbedding(rows, dim, max_rows=24, storage="pageable", backend="numpy")
-    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
-    emb.attach(opt)
-    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
-    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+    table0, emb, opt, ref, ref_opt = _one_rank_adam(rng, rows, dim)
     p = 1.0 / np.arange(1, rows + 1)
     masked = rng.random(steps) < 0.3
     masked[:2], masked[rng.integers(2, steps)] = False, True  # momentum first, then one masked step at least
@@ -1609,13 +1618,7 @@ def test_a_loss_weighted_by_zero_trains_as_in_memory_after_exchange_gradients(rn
     would; in memory SparseAdam's sparse gradient still names the rows, at zero values, and moves
     them by their momentum. The sharded step must not take it for a ``zero_grad()``: a mark tells."""
     rows, dim, steps = 60, 4, 20
-    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
-    emb = ss.ShardedOffloadedEmbedding(rows, dim, max_rows=24, storage="pageable", backend="numpy")
-    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
-    emb.attach(opt)
-    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
-    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+    table0, emb, opt, ref, ref_opt = _one_rank_adam(rng, rows, dim)
     p = 1.0 / np.arange(1, rows + 1)
     weights = np.where(rng.random(steps) < 0.3, 0.0, 1.0)
     weights[:2], weights[rng.integers(2, steps)] = 1.0, 0.0  # momentum first, then one zero weight at least
