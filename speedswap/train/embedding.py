@@ -31,7 +31,7 @@ from .leftover import untouched
 from .module_state import (check_tables_state, copy_tables, missing_hint, note_loaded, refused_after,
                            tables_state, unpicklable)
 from .one_optimizer import claim
-from .options import embedding_flags, forward_ids, padding_option, refuse_max_norm
+from .options import embedding_dtype, embedding_flags, forward_ids, padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
                         take_assigned)
@@ -154,11 +154,7 @@ class OffloadedEmbedding(RefusesConversion):
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
                                   "step may touch)"), num_embeddings)
         cache_rows = min(int_option(cache_rows, "cache_rows", minimum=0), num_embeddings)
-        # None: torch's default, as nn.Embedding reads it (numpy would read float64).
-        dtype = torch.get_default_dtype() if dtype is None else torch_dtype(dtype)
-        if not dtype.is_floating_point:
-            raise DTypeError(f"an embedding trains floating-point rows, not {dtype}; use "
-                             f"torch.float32, torch.bfloat16, torch.float16 or torch.float64")
+        dtype = embedding_dtype(dtype)
         padding_idx = padding_option(padding_idx, num_embeddings)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.max_rows, self.padding_idx = max_rows, padding_idx

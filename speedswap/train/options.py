@@ -3,11 +3,12 @@
 from typing import Optional
 
 import numpy as np
+import torch
 
-from ..convert import bool_option, int_option
+from ..convert import bool_option, int_option, torch_dtype
 from ..errors import DTypeError, OptionError
 
-__all__ = ["padding_option", "embedding_flags", "refuse_max_norm", "forward_ids"]
+__all__ = ["padding_option", "embedding_dtype", "embedding_flags", "refuse_max_norm", "forward_ids"]
 
 
 def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:
@@ -28,6 +29,26 @@ def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:
     if padding_idx >= num_embeddings:
         raise OptionError(f"padding_idx must be in [0, {num_embeddings}), got {padding_idx!r}")
     return padding_idx
+
+
+def embedding_dtype(dtype) -> torch.dtype:
+    """The torch dtype an embedding's rows are trained in: ``dtype``, or torch's default for None.
+
+    Args:
+        dtype: as given to the embedding (a torch or numpy dtype, a name, or None).
+
+    Returns:
+        a floating-point ``torch.dtype``.
+
+    Raises:
+        DTypeError: a dtype torch does not have, or one that is not floating point.
+    """
+    # None: torch's default, as nn.Embedding reads it (numpy would read float64).
+    dtype = torch.get_default_dtype() if dtype is None else torch_dtype(dtype)
+    if not dtype.is_floating_point:
+        raise DTypeError(f"an embedding trains floating-point rows, not {dtype}; use "
+                         f"torch.float32, torch.bfloat16, torch.float16 or torch.float64")
+    return dtype
 
 
 def embedding_flags(scale_grad_by_freq, sparse) -> tuple:

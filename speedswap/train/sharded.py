@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from ..atomic import as_path
 from ..backends import get_backend
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import as_row_ids, as_row_ids_deferred, int_option, torch_dtype
-from ..errors import DTypeError, OptionError, StateError
+from ..convert import as_row_ids, as_row_ids_deferred, int_option
+from ..errors import OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 from .conversions import RefusesConversion, refuse_conversion, refuse_new_storage
@@ -46,7 +46,7 @@ from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE
                        Exchange, count_by_owner, owner_starts, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
-from .options import embedding_flags, forward_ids, padding_option, refuse_max_norm
+from .options import embedding_dtype, embedding_flags, forward_ids, padding_option, refuse_max_norm
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
 from .step_hooks import StepHooks
@@ -179,11 +179,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         embedding_dim = int_option(embedding_dim, "embedding_dim")
         max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
                                   "rank looks up in one step)"), num_embeddings)
-        # None: torch's default, as nn.Embedding reads it (numpy would read float64).
-        dtype = torch.get_default_dtype() if dtype is None else torch_dtype(dtype)
-        if not dtype.is_floating_point:
-            raise DTypeError(f"an embedding trains floating-point rows, not {dtype}; use "
-                             f"torch.float32, torch.bfloat16, torch.float16 or torch.float64")
+        dtype = embedding_dtype(dtype)
         backend = get_backend(backend, device)
         self._exchange = Exchange(process_group, backend.device)
         self.rank, self.world_size = self._exchange.rank, self._exchange.world_size
