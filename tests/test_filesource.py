@@ -1,5 +1,6 @@
 """BatchFeeder over files read with pread: same stream as from memory, bounded memory, errors not signals."""
 
+import contextlib
 import ctypes
 import errno
 import gc
@@ -1127,3 +1128,53 @@ def test_an_interrupt_anywhere_as_create_npy_fills_leaves_no_descriptor(tmp_path
     assert any("open" in point for point in points), points
     assert not left, f"a create_npy interrupted at {left} (of {points})"
     np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), data)
+
+
+@_SWEEPS_MODEL_CTRL_C
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+def test_an_interrupt_anywhere_as_a_file_reader_is_closed_leaves_no_descriptor_to_a_second_close(tmp_path, rng):
+    """close() set _closed, then waited for the pool's thread, then closed the files one by one: a Ctrl-C
+    in the wait or between two closes returned with files open, and every later close returned at once
+    (the reader was closed), so they stayed open for good. KeyboardInterrupt is raised at each place an
+    interrupt can land as a reader that has read is closed (in filesource.py, atomic.py and the pool's
+    and threads' code the wait runs), one per reader; then the reader is closed again, as the feeder's
+    next loop, set_epoch or load_state_dict does. After each, no descriptor of tmp_path is open, the
+    close's turn was free for the second close, and a file opened between the two closes (which may take
+    a number the first one freed) is still open: none was closed twice."""
+    import concurrent.futures.thread
+    paths = [tmp_path / "x.npy", tmp_path / "y.npy"]
+    data = [rng.standard_normal((64, 3)).astype(np.float32) for _ in paths]
+    for path, array in zip(paths, data):
+        write(path, array)
+    files = [filesource.FileRows(str(path), ss.files.read_npy_header(path).offset, 64, (3,), torch.float32,
+                                 ss.files.identity(os.stat(path))) for path in paths]
+    wrong = []
+
+    def read_and_close_twice(counting):
+        ids = rng.permutation(64)
+        reader = filesource.RowReader(files, ids, threads=1)
+        for got, array in zip(reader.read(0, 32), data):  # the pool has a thread to wait for
+            np.testing.assert_array_equal(got.numpy(), array[ids[:32]])
+        counting(True)
+        try:
+            reader.close()
+        finally:
+            counting(False)
+            if reader._close_lock.locked():  # a second close would wait for it forever
+                wrong.append("the close's turn kept")
+            else:
+                bystander = os.open(tmp_path / "bystander", os.O_RDONLY | os.O_CREAT)
+                try:
+                    reader.close()
+                    if os.readlink(f"/proc/self/fd/{bystander}") != str(tmp_path / "bystander"):
+                        wrong.append("a descriptor closed twice")
+                except OSError as exc:  # EBADF: closed by the reader
+                    wrong.append(f"a descriptor closed twice ({exc})")
+                finally:
+                    with contextlib.suppress(OSError):
+                        os.close(bystander)
+
+    points, left = _descriptors_left_by_interrupts(
+        read_and_close_twice, (filesource, atomic, concurrent.futures.thread, threading), tmp_path)
+    assert any("_close_fds" in point for point in points) and any("join" in point for point in points), points
+    assert not left and not wrong, f"a close interrupted at {left}, {wrong} (of {points})"

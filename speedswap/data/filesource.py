@@ -329,14 +329,25 @@ class _PoolReader:
                              "load_state_dict or a new loop); iterate the feeder anew") from None
 
     def _close_fds(self):
-        for fd in self._fds:
+        """Close the files, each taken out of ``self._fds`` before its close: none is closed twice.
+
+        An interrupt (Ctrl-C) lands on entering a function or once a call into C has returned: one
+        between two closes leaves the rest in ``self._fds`` for the next :meth:`close`, and one never
+        closes a number again that another file may have by then. Taken from the end: a read on an I/O
+        thread that :meth:`close` did not wait for finds its file's number, or none (IndexError).
+        """
+        while self._fds:
+            fd = self._fds[-1]
+            del self._fds[-1]  # no call: nothing lands between this and the close
             os.close(fd)
-        self._fds = []
 
     def close(self, wait: bool = True) -> None:
         """Cancel reads not started, wait for running ones, close the files.
 
-        Idempotent, and from any thread: every call returns once the files are closed.
+        Idempotent, and from any thread: every call returns once the files are closed. An
+        interrupt (Ctrl-C) in the wait for the I/O threads still closes them; one as the call
+        begins or between two closes leaves the rest to the next call (the feeder's next loop,
+        ``set_epoch`` or ``load_state_dict``), which finishes the job.
 
         Args:
             wait: False closes the files without waiting for the reads running on
@@ -353,24 +364,33 @@ class _PoolReader:
                 self._closed = True
                 self._close_fds()
             return
-        if not self._close_lock.acquire(blocking=wait):
-            return  # the closing thread may be waiting for this one's read: it closes the files
+        # [True] once the turn is taken: appended by C as acquire returns (see atomic.open_into), so an
+        # interrupt then is inside the try that lets go of it, and no later close waits for it forever.
+        taken = []
         try:
-            if self._closed:
-                return
+            taken.extend(map(self._close_lock.acquire, [wait]))
+            if not taken[0]:
+                return  # the closing thread may be waiting for this one's read: it closes the files
+            # Not `if self._closed: return`: a close interrupted before it closed every file left the rest
+            # to this one. Shutting a shut pool down again only waits for threads that have ended.
             self._closed = True  # first: reads submitted from now on raise StateError
-            self._pool.shutdown(wait=wait, cancel_futures=True)
-            # With wait=False a read still running may use a descriptor number closed here, which
-            # any open() in the process may take at once. That harms no file: the read only
-            # preads (read-only, no file offset moved; a pipe, socket or eventfd refuses it with
-            # ESPIPE, a write-only file with EBADF) into this reader's buffers, and its DONTNEED
-            # drops only clean, unmapped page-cache pages (dirty ones are written back, never
-            # dropped): the other file costs a disk read later, its data stays. Nor does anyone
-            # see those buffers: wait=False comes only from a feeder loop nobody iterates, whose
-            # read-ahead thread was told to stop first and drops the batches it reads from then on.
-            self._close_fds()
+            try:
+                self._pool.shutdown(wait=wait, cancel_futures=True)
+            finally:  # an interrupt in the wait too: the files are closed as with wait=False (below)
+                # With wait=False a read still running may use a descriptor number closed here, which
+                # any open() in the process may take at once. That harms no file: the read only
+                # preads (read-only, no file offset moved; a pipe, socket or eventfd refuses it with
+                # ESPIPE, a write-only file with EBADF) into this reader's buffers, and its DONTNEED
+                # drops only clean, unmapped page-cache pages (dirty ones are written back, never
+                # dropped): the other file costs a disk read later, its data stays. Nor does anyone
+                # see those buffers: wait=False comes only from a feeder loop nobody iterates, whose
+                # read-ahead thread was told to stop first and drops the batches it reads from then on;
+                # an interrupted wait only from a loop torn down or superseded, whose reads, done once
+                # _closed is set, raise StateError (_check_unchanged) instead of handing their rows over.
+                self._close_fds()
         finally:
-            self._close_lock.release()
+            if True in taken:
+                self._close_lock.release()
 
 
 class RowReader(_PoolReader):
