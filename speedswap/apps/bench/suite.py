@@ -202,6 +202,23 @@ def _kind(dry_run: bool) -> str:
     return "cpu" if dry_run else "gpu"
 
 
+def _written(out_dir: Path, benchmark: str, payload: dict, dry_run: bool) -> dict:
+    """Write a step's results to ``<benchmark>-<cpu|gpu>.json`` in ``out_dir``.
+
+    Args:
+        out_dir: the suite's results folder.
+        benchmark: the benchmark's name, in the file's name and its JSON.
+        payload: the step's results.
+        dry_run: a run without a GPU (the file is ``-cpu``, and the step says why the GPU parts did not run).
+
+    Returns:
+        the step's outcome for suite.json: ran, the file's name, and the results.
+    """
+    name = f"{benchmark}-{_kind(dry_run)}.json"
+    write_json(out_dir / name, benchmark, payload)
+    return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
+
+
 def _gpu_tests_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
     # No JSON of its own: suite.json holds the outcome (counts, failed tests), the log the rest.
     outcome = run_gpu_tests(out_dir, hide_gpu=dry_run, timeout=sizes.tests_timeout)
@@ -220,9 +237,7 @@ def _transport_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callab
     else:
         payload = {"gpu": transport.run_gpu(sizes.transport_rows, sizes.transport_ids, sizes.transport_repeats)}
         log(transport.format_gpu(payload["gpu"]))
-    name = f"transport-{_kind(dry_run)}.json"
-    write_json(out_dir / name, "transport", payload)
-    return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
+    return _written(out_dir, "transport", payload, dry_run)
 
 
 def _training_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
@@ -231,9 +246,7 @@ def _training_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callabl
     payload = training_step.run(sizes.training_vocabs, sizes.training_repeats, device, sizes.training_shape,
                                 beyond=False)
     log(training_step.format_results(payload))
-    name = f"training_step-{_kind(dry_run)}.json"
-    write_json(out_dir / name, "training_step", payload)
-    return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
+    return _written(out_dir, "training_step", payload, dry_run)
 
 
 def _feeder_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
@@ -242,9 +255,7 @@ def _feeder_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable)
     payload = {"regression": feeder.regression(rows, sizes.feeder_epochs, sizes.feeder_workers, device,
                                                dim=sizes.feeder_dim, batch=sizes.feeder_batch)}
     log(feeder.format_regression(payload["regression"]))
-    name = f"feeder-{_kind(dry_run)}.json"
-    write_json(out_dir / name, "feeder", payload)
-    return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
+    return _written(out_dir, "feeder", payload, dry_run)
 
 
 def _word2vec_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
@@ -252,18 +263,14 @@ def _word2vec_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callabl
     if dry_run:
         payload["skipped"]["gpu"] = DRY_RUN_SKIP
     log(word2vec.format_results(payload))
-    name = f"word2vec-{_kind(dry_run)}.json"
-    write_json(out_dir / name, "word2vec", payload)
-    return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
+    return _written(out_dir, "word2vec", payload, dry_run)
 
 
 def _beyond_gpu_step(out_dir: Path, sizes: SuiteSizes, dry_run: bool, log: Callable) -> dict:
     device = torch.device("cpu" if dry_run else "cuda")
     payload = {"beyond_gpu": training_step.beyond_gpu(device, sizes.training_repeats, sizes.training_shape)}
     log("beyond the GPU's memory: " + training_step.describe_beyond_gpu(payload["beyond_gpu"]))
-    name = f"beyond_gpu-{_kind(dry_run)}.json"
-    write_json(out_dir / name, "beyond_gpu", payload)
-    return {"status": "ran", "reason": DRY_RUN_SKIP if dry_run else None, "json": name, "result": payload}
+    return _written(out_dir, "beyond_gpu", payload, dry_run)
 
 
 #: The steps of ``bench --all``, in the order they run: what the GPU-proof issue needs first
