@@ -3,6 +3,7 @@
 import copy
 import gc
 import io
+import weakref
 
 import numpy as np
 import pytest
@@ -621,6 +622,45 @@ def test_switchers_built_again_and_again_leave_no_hooks_behind():
     assert not model.weight._backward_hooks
     switcher = ss.ModelFactory(model, ROWS, DIM, backend="numpy")  # named: collected, it would take its hook
     assert len(model.weight._backward_hooks) == 1
+
+
+@pytest.mark.parametrize("then", ["backward", "step"])
+def test_closed_switchers_leave_the_embedding_to_train_as_in_memory(then, backend, table0, rng):
+    """Closed, the switchers kept their gradient hook and step check on the parameter while the
+    objects lived: a backward onto the gradient an evaluation step found, or a step() with the
+    gradient still on, raised StateError, and zero_grad() left the last gradient in memory."""
+    model, opt, u, o = build(backend, table0)
+    emb = model.u_embeddings
+    (pos, neg, ctx), (pos2, neg2, ctx2) = zipf_batches(rng, 2, emb.weight.device, ROWS)
+    lp, ln = u.before_forward(pos, neg)
+    o.before_forward(pos, neg)
+    skipgram_loss(emb(lp), emb(ln), ctx).backward()
+    opt.step()  # zero_grad() at the loop's start: the gradient stays on
+    u.after_step(pos, neg)
+    o.after_step(pos, neg)
+    if then == "backward":  # an evaluation step: a forward without backward
+        lp, ln = u.before_forward(pos2, neg2)
+        o.before_forward(pos2, neg2)
+        with torch.no_grad():
+            skipgram_loss(emb(lp), emb(ln), ctx2)
+        u.after_step(pos2, neg2)
+        o.after_step(pos2, neg2)
+    u.close()
+    o.close()
+    reference = copy.deepcopy(model)
+    reference.u_embeddings.weight.grad = emb.weight.grad.clone()  # a Parameter's deepcopy drops it
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # else both step the same moments
+    for trained, optimizer in ((model, opt), (reference, ref_opt)):
+        if then == "backward":  # adds to the gradient on, as an nn.Embedding's does
+            skipgram_loss(trained.u_embeddings(lp), trained.u_embeddings(ln), ctx2).backward()
+        optimizer.step()
+    torch.testing.assert_close(emb.weight.grad, reference.u_embeddings.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(emb.weight, reference.u_embeddings.weight, rtol=0, atol=0)
+    left = weakref.ref(emb.weight.grad)
+    opt.zero_grad()
+    gc.collect()
+    assert left() is None, "the closed switchers still hold the embedding's last gradient"
 
 
 @pytest.mark.parametrize("make,refused", [

@@ -415,7 +415,8 @@ class ModelFactory(Switcher):
 
         The embedding's OptimizerFactory keeps working, without a cache.
         Closing in the middle of a step abandons the step: its rows are not
-        written back.
+        written back. Once the embedding's last switcher is closed, no hook of
+        theirs stays on its parameter, which trains as any other.
         """
         if self._stale_hook is not None:
             self._stale_hook.remove()

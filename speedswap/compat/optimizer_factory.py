@@ -206,7 +206,8 @@ class OptimizerFactory(Switcher):
 
         The embedding's ModelFactory keeps working, its cache without state
         rows. Closing in the middle of a step abandons the step: its rows are
-        not written back.
+        not written back. Once the embedding's last switcher is closed, no
+        hook of theirs stays on its parameter, which trains as any other.
         """
         self._hooks.remove()
         self._claim.remove()

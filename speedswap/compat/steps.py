@@ -243,6 +243,24 @@ class SharedSteps:
             self._abandon()
         del self._members[kind]
         self._rebuild()
+        if not self._members:
+            self._release()
+
+    def _release(self):
+        """Let go of the parameter once its last switcher left: it trains as any parameter again.
+
+        A closed switcher kept alive would keep this object alive too, and with it the
+        gradient hook, the step check of :func:`_check_switched_steps` (both of which
+        refused in-memory training: a backward adding to the gradient an evaluation
+        step found, a second ``step()``) and the last step's gradient. A switcher built
+        later for the parameter starts a new one (:func:`steps_for`).
+        """
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._leftover = self._finished = self.current = None
+        if _STEPS.get(self.param) is not None and _STEPS[self.param]() is self:
+            del _STEPS[self.param]
 
     def _rebuild(self):
         # The old cache is flushed while the tables it serves are still open.
