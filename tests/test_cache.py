@@ -205,7 +205,7 @@ def test_a_step_that_raised_and_was_retried_counts_its_rows_once_and_its_copies_
 
 
 
-@pytest.mark.parametrize("call", ["table", "attach"])
+@pytest.mark.parametrize("call", ["table_write", "attach"])
 def test_after_a_step_that_raised_the_rows_in_flight_are_named_and_the_retry_trains_them(backend, call, rng):
     """The optimizer raised inside the step: what is refused says the step's rows are in flight
     (not that weight.data was replaced: the parameter was still narrowed to them), and the
@@ -228,7 +228,7 @@ def test_after_a_step_that_raised_the_rows_in_flight_are_named_and_the_retry_tra
                 with pytest.raises(RuntimeError, match="a hook that raised"):
                     opt.step()
                 with pytest.raises(ss.StateError, match="in flight|between a training forward"):
-                    emb.table if call == "table" else emb.attach(opt)
+                    emb.table.apply_(torch.nn.init.normal_) if call == "table_write" else emb.attach(opt)
             opt.step()
             opt.zero_grad()
         runs.append(emb.table.to_numpy(copy=True))
@@ -1403,16 +1403,27 @@ def test_the_table_through_the_embedding_sees_the_cache_and_writes_reach_the_nex
         np.testing.assert_array_equal(state[name], state0[name])
 
 
-def test_the_table_through_a_cached_embedding_is_refused_mid_step(backend):
-    emb, opt = _embedding(backend, cache_rows=10)
-    _step(emb, opt, [1, 2, 3])
-    emb(torch.tensor([1, 4]))  # a step under way: its rows are in flight
-    cached = emb.stats()["cache_bytes"]
-    with pytest.raises(ss.StateError, match="between steps"):
-        emb.table
-    opt.step()
-    assert emb.stats()["last_step"]["hits"] == 1 and emb.stats()["cache_bytes"] == cached
-    assert emb.table.num_rows == 100  # between steps it is handed out
+def test_the_table_through_a_cached_embedding_mid_step_holds_the_rows_before_the_step(backend, rng):
+    """``emb.table`` between a training forward and its step hands the table out, holding the rows
+    before the step as without a cache (it was refused); the cache keeps its rows for the step,
+    and a write through the table is refused there, as without a cache."""
+    table0, reads = rng.standard_normal((100, 4)).astype(np.float32), []
+    for cache_rows in (0, 10):
+        emb, opt = _embedding(backend, cache_rows=cache_rows)
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+        _step(emb, opt, [1, 2, 3])
+        emb(torch.tensor([1, 4], device=emb.weight.device)).pow(2).sum().backward()  # a step under way
+        cached = emb.stats()["cache_bytes"]
+        table = emb.table
+        reads.append((table.to_numpy(copy=True), table.gather(torch.arange(5)).cpu().numpy()))
+        with pytest.raises(ss.StateError, match="between a training forward"):
+            table.scatter(torch.tensor([4]), torch.ones(1, 4))
+        opt.step()
+        if cache_rows:
+            assert emb.stats()["last_step"]["hits"] == 1 and emb.stats()["cache_bytes"] == cached
+    for uncached, cached in zip(*reads):
+        np.testing.assert_array_equal(cached, uncached)
+    assert not np.array_equal(reads[0][0], table0)  # the first step moved rows 1, 2, 3
 
 
 def test_an_mmap_embedding_dropped_without_close_keeps_its_cached_rows_in_its_files(tmp_path):

@@ -914,17 +914,30 @@ def test_weight_data_replaced_by_an_unlike_tensor_is_refused(rng):
     np.testing.assert_array_equal(emb.table.to_numpy(), before)
 
 
-def test_sam_assigning_weight_data_then_reading_the_table_mid_step_is_refused(rng):
-    """``emb.table`` with a cache between SAM's passes: the assigned, perturbed rows were compared
-    unadopted, found unchanged, and the step was dropped with its perturbation."""
+def test_sam_assigning_weight_data_then_reading_the_table_mid_step_keeps_the_perturbation(rng):
+    """``emb.table`` with a cache between SAM's passes (``p.data = perturbed``, ``zero_grad()``): the
+    assigned, perturbed rows were once compared unadopted, found unchanged, and the step was dropped
+    with its perturbation. The read sees the rows before the step, and SAM trains as in memory."""
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=16, storage="pageable", backend="numpy", cache_rows=6)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)
     emb.attach(opt)
-    (emb(torch.tensor([1, 2, 3])) ** 3).sum().backward()
-    emb.weight.data = emb.weight.data + 0.5 * emb.weight.grad
-    opt.zero_grad()
-    with pytest.raises(ss.StateError, match="rows are in flight"):
-        emb.table
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SGD([ref], lr=0.1)
+    ids = torch.from_numpy(rng.choice(ROWS, size=3, replace=False))
+    for lookup, optimizer, param in ((emb, opt, emb.weight), (lambda i: F.embedding(i, ref), ref_opt, ref)):
+        (lookup(ids) ** 3).sum().backward()
+        saved = param.data.clone()
+        param.data = param.data + 0.5 * param.grad
+        optimizer.zero_grad()
+        if optimizer is opt:
+            np.testing.assert_array_equal(emb.table.to_numpy(copy=True), table0)
+        (lookup(ids) ** 3).sum().backward()
+        param.data = saved
+        optimizer.step()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
+    assert not np.allclose(table0[ids.numpy()], ref.detach().numpy()[ids.numpy()])
 
 
 @pytest.mark.parametrize("probe", ["autograd_grad_of_the_output", "backward_into_another_input"])
@@ -1190,6 +1203,28 @@ def test_a_step_on_zero_gradients_after_discard_step_counts_as_in_memory(rng):
         for ids, target in batches[2:]:
             train_step(model, optimizer, ids, target)
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_reading_the_table_between_a_backward_and_its_step_sees_the_rows_before_it(backend, rng, cache_rows):
+    """Logging the table between a backward and ``optimizer.step()`` (every row, and the batch's rows),
+    as a loop logs an in-memory table's norm before it steps: the rows are those before the step.
+    Without a device cache ``emb.table`` read them, as ``state_dict()`` does with one; with one it was
+    refused ("this step's rows are in flight"). The cache goes on caching (it gives no rows up for a
+    read), and training goes on as in memory."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows)
+    sides = both_sides(emb, opt, ref, ref_opt, device)
+    for ids, target in zipf_ids(rng, STEPS):
+        for lookup, optimizer, to in sides:
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+        np.testing.assert_allclose(emb.table.to_numpy(copy=True), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(emb.table.gather(ids.to(device)).cpu().numpy(), ref.detach()[ids].numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        for lookup, optimizer, to in sides:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_trained_as_sparse_adam(emb, ref, ref_opt)
+    assert (emb.stats()["total"]["hits"] > 0) == bool(cache_rows)
 
 
 @pytest.mark.parametrize("read", ["gather", "to_numpy", "save"])

@@ -765,10 +765,13 @@ class OffloadedEmbedding(RefusesConversion):
     def table(self) -> HostTable:
         """The whole table: a :class:`~speedswap.HostTable` holding every row's current value.
 
-        With a device cache, the cache first writes its rows (and their
-        optimizer state) back and forgets them; the cache fills again as
-        training goes on. Reads and writes through the table's methods
-        (:meth:`~speedswap.HostTable.gather`, ``to_numpy``, ``save``;
+        With a device cache, between steps the cache first writes its rows
+        (and their optimizer state) back and forgets them; the cache fills
+        again as training goes on. Between a training forward and
+        ``optimizer.step()`` it keeps them (the step stores its rows in its
+        slots), and the table, read through its methods, holds the rows
+        before the step, as an in-memory table does. Reads and writes
+        through the table's methods (:meth:`~speedswap.HostTable.gather`, ``to_numpy``, ``save``;
         :meth:`~speedswap.HostTable.scatter`, ``apply_``, the initialisers,
         ``load_from``), through any reference to it, a kept one too, work as
         on an in-memory table: the cache and a step ``zero_grad()`` skipped
@@ -782,10 +785,6 @@ class OffloadedEmbedding(RefusesConversion):
         forward and ``optimizer.step()`` is undone by the step, which writes
         its rows back (through the table's methods such a write raises
         :class:`~speedswap.StateError`).
-
-        Raises:
-            StateError: with a device cache, between a training forward and its
-                optimizer step (the step's rows are in flight).
         """
         if self._backward_ran and not self._table.closed and self._gradient_zeroed():
             # A step zero_grad() dropped after its backward is discarded now: the next forward
@@ -793,11 +792,9 @@ class OffloadedEmbedding(RefusesConversion):
             # (SAM), go on with the step, and write its rows back over the writes.
             self._drop_zeroed_step()
         cache = self._cache
-        if cache is not None and cache.num_slots and not self._table.closed:
-            if self._step_in_flight():
-                raise StateError("emb.table with a device cache is read between steps: the cache gives "
-                                 "its rows up first, and this step's rows are in flight; call "
-                                 "optimizer.step() first (or read rows with an eval-mode forward)")
+        # Mid-step the cache must keep the slots the step stores its rows in: the table's reads
+        # have it write its rows back first (_prepare_table_read), and its writes are refused.
+        if cache is not None and cache.num_slots and not self._table.closed and not self._step_in_flight():
             cache.flush()
             cache.invalidate()
         return self._table
