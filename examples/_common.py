@@ -66,11 +66,16 @@ def run(main):
 
     The message says what was expected and how to fix it; a traceback into
     the library would only hide it. Other exceptions keep their traceback.
+    A run that succeeded under torchrun (``--distributed``) ends every rank
+    through :func:`_distributed.finish`.
     """
     try:
         main()
     except ss.SpeedswapError as exc:
         sys.exit(f"{os.path.basename(sys.argv[0])}: error: {exc}")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from _distributed import finish  # only under torchrun: a one-process run needs none of its imports
+        finish()  # every rank, past a barrier; skips a teardown that gloo can abort
 
 
 def add_common_arguments(parser):

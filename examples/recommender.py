@@ -307,6 +307,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     run(main)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from _distributed import finish
-        finish()  # every rank, past a barrier; skips a teardown that gloo can abort
