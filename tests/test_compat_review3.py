@@ -62,6 +62,25 @@ def _adagrad_switched(backend, rng, cache_rows):
     return device, emb, opt, u, o, reference, ref_opt
 
 
+def _step_before_after_step(rng, device, emb, opt, u, o, reference, ref_opt):
+    """One step on fresh Zipf ids and random loss weights, of the switched embedding (``u``, ``o``)
+    and of its in-memory ``reference``, stopped between ``optimizer.step()`` and ``after_step``.
+
+    Returns:
+        the step's ids, for the ``after_step`` calls.
+    """
+    ids = _zipf_ids(rng, device)
+    weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+    (emb(u.before_forward(ids)) * weights).sum().backward()
+    o.before_forward(ids)
+    opt.step()
+    opt.zero_grad()
+    (reference(ids) * weights).sum().backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return ids
+
+
 @pytest.mark.parametrize("cache_rows", [0, 10])
 def test_tables_handed_out_mid_step_are_refused_without_a_cache_too(backend, rng, cache_rows):
     """Without a cache, u.table, getTorchVar(), to_numpy() and o.state handed out the host tables
@@ -69,15 +88,7 @@ def test_tables_handed_out_mid_step_are_refused_without_a_cache_too(backend, rng
     step: reads showed them stale. With a cache they were refused; now both are."""
     device, emb, opt, u, o, reference, ref_opt = _adagrad_switched(backend, rng, cache_rows)
     for _ in range(STEPS):
-        ids = _zipf_ids(rng, device)
-        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
-        (emb(u.before_forward(ids)) * weights).sum().backward()
-        o.before_forward(ids)
-        opt.step()
-        opt.zero_grad()
-        (reference(ids) * weights).sum().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ids = _step_before_after_step(rng, device, emb, opt, u, o, reference, ref_opt)
         for name, call in (("table", lambda: u.table), ("getTorchVar", u.getTorchVar),
                            ("to_numpy", u.to_numpy), ("state", lambda: o.state)):
             with pytest.raises(ss.StateError, match="between before_forward and after_step") as refused:
@@ -100,15 +111,7 @@ def test_reads_through_tables_kept_from_between_steps_are_refused_mid_step(backe
     device, emb, opt, u, o, reference, ref_opt = _adagrad_switched(backend, rng, cache_rows)
     kept = {"table": u.table, **o.state.tables}  # kept between steps, read mid-step
     for step in range(STEPS):
-        ids = _zipf_ids(rng, device)
-        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
-        (emb(u.before_forward(ids)) * weights).sum().backward()
-        o.before_forward(ids)
-        opt.step()
-        opt.zero_grad()
-        (reference(ids) * weights).sum().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        ids = _step_before_after_step(rng, device, emb, opt, u, o, reference, ref_opt)
         for name, table in kept.items():
             path = tmp_path / f"{name}-{step}.npy"
             for read in (lambda: table.gather(ids), lambda: table.to_numpy(copy=True),
