@@ -112,6 +112,13 @@ def _batches(rng, backend, steps):
     return zipf_batches(rng, steps, ss.get_backend(backend).device, num_rows=ROWS)
 
 
+def _sparse_adam_in_memory(table0, batches, backend):
+    """``table0`` trained on ``batches`` in memory with SparseAdam, which the switchers' Adam of
+    :func:`_pair` (``eps=1e-30``) equals: ``(table, {state name: table})``, as :func:`_tables` reads them."""
+    return run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
+                         table0, batches, ss.get_backend(backend).device, sparse=True)
+
+
 @pytest.mark.parametrize("optimizer_first", [False, True])
 def test_either_switcher_may_be_built_and_called_first(optimizer_first, rng, backend):
     """The state rows wait for the model's after_step, or are taken from the optimizer by it."""
@@ -120,8 +127,7 @@ def test_either_switcher_may_be_built_and_called_first(optimizer_first, rng, bac
     pair = _pair(backend, 6, table0, eps=1e-30, optimizer_first=optimizer_first)
     _train(*pair, batches, optimizer_first=optimizer_first)
     assert pair[2].stats()["total"]["hits"] > 0
-    expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
-                             table0, batches, ss.get_backend(backend).device, sparse=True)
+    expected = _sparse_adam_in_memory(table0, batches, backend)
     assert_same(_tables(*pair[2:]), expected)
 
 
@@ -414,8 +420,7 @@ def test_a_write_into_the_optimizer_state_in_the_middle_of_a_step_is_refused(cac
     u.after_step(pos, neg)
     o.after_step(pos, neg)
     _train(*pair, batches[16:])
-    expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
-                             table0, batches, ss.get_backend(backend).device, sparse=True)
+    expected = _sparse_adam_in_memory(table0, batches, backend)
     assert_same(_tables(u, o), expected)
 
 
@@ -458,8 +463,7 @@ def test_views_of_table_and_state_kept_across_cached_steps_stay_current(rng, bac
     view, moments = pair[2].getTorchVar(), pair[3].state.tables["exp_avg"].to_numpy()
     with pytest.warns(RuntimeWarning, match="cache keeps no rows until it is dropped"):
         _train(*pair, batches)
-    expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
-                             table0, batches, ss.get_backend(backend).device, sparse=True)
+    expected = _sparse_adam_in_memory(table0, batches, backend)
     assert_same((view.cpu().numpy(), {"exp_avg": moments}),
                 (expected[0], {"exp_avg": expected[1]["exp_avg"]}))
     assert_same(_tables(*pair[2:]), expected)
@@ -490,8 +494,7 @@ def test_a_refused_load_leaves_the_shared_cache_as_it_was(rng, backend, tmp_path
         assert u.stats() == stats, path
         assert torch.equal(cache.slot_row, held) and torch.equal(cache.dirty, dirty), path
     _train(*pair, batches[20:])
-    expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
-                             table0, batches, ss.get_backend(backend).device, sparse=True)
+    expected = _sparse_adam_in_memory(table0, batches, backend)
     assert_same(_tables(u, o), expected)
 
 
@@ -511,8 +514,7 @@ def test_a_switcher_save_refused_for_its_suffix_leaves_the_shared_cache_as_it_wa
             save(tmp_path / name)
         assert u.stats() == stats and torch.equal(cache.dirty, dirty)
     assert list(tmp_path.iterdir()) == []
-    expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
-                             table0, batches, ss.get_backend(backend).device, sparse=True)
+    expected = _sparse_adam_in_memory(table0, batches, backend)
     assert_same(_tables(u, o), expected)
 
 
@@ -542,7 +544,6 @@ def test_a_switcher_save_refused_inside_the_save_leaves_the_shared_cache_as_it_w
     o.save(tmp_path / "o.h5")
     with h5py.File(tmp_path / "o.h5") as f:
         saved = np.load(tmp_path / "u.npy"), {name: f[name][:] for name in o.state.tables}
-    expected = run_in_memory(lambda p: torch.optim.SparseAdam(list(p), lr=0.05, eps=1e-30),
-                             table0, batches, ss.get_backend(backend).device, sparse=True)
+    expected = _sparse_adam_in_memory(table0, batches, backend)
     assert_same(saved, expected)
     assert_same(_tables(u, o), expected)
