@@ -498,14 +498,24 @@ def test_a_refused_load_leaves_the_shared_cache_as_it_was(rng, backend, tmp_path
     assert_same(_tables(u, o), expected)
 
 
-@pytest.mark.parametrize("name", ["x.txt", "x.npz"])
-def test_a_switcher_save_refused_for_its_suffix_leaves_the_shared_cache_as_it_was(name, rng, backend, tmp_path):
-    """saveCupy / OptimizerFactory.save flushed the shared cache before the suffix was looked at."""
+def _trained_with_a_dirty_cache(rng, backend):
+    """Both switchers of a random table, with Adam and a 20-row cache, after 20 steps (the cache
+    holds rows not yet written back), and the same training in memory.
+
+    Returns:
+        ``(u, o, expected)``, ``expected`` as :func:`_sparse_adam_in_memory` returns it.
+    """
     table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
     batches = _batches(rng, backend, 20)
     pair = _pair(backend, 20, table0, eps=1e-30)
     _train(*pair, batches)
-    u, o = pair[2:]
+    return pair[2], pair[3], _sparse_adam_in_memory(table0, batches, backend)
+
+
+@pytest.mark.parametrize("name", ["x.txt", "x.npz"])
+def test_a_switcher_save_refused_for_its_suffix_leaves_the_shared_cache_as_it_was(name, rng, backend, tmp_path):
+    """saveCupy / OptimizerFactory.save flushed the shared cache before the suffix was looked at."""
+    u, o, expected = _trained_with_a_dirty_cache(rng, backend)
     cache = u._steps.cache
     for save in (u.saveCupy, o.save):
         assert bool(cache.dirty.any())
@@ -514,7 +524,6 @@ def test_a_switcher_save_refused_for_its_suffix_leaves_the_shared_cache_as_it_wa
             save(tmp_path / name)
         assert u.stats() == stats and torch.equal(cache.dirty, dirty)
     assert list(tmp_path.iterdir()) == []
-    expected = _sparse_adam_in_memory(table0, batches, backend)
     assert_same(_tables(u, o), expected)
 
 
@@ -523,11 +532,7 @@ def test_a_switcher_save_refused_inside_the_save_leaves_the_shared_cache_as_it_w
     HostTable.save / save_tables looked at the path: a save refused there (a missing directory, an
     HDF5 file of other datasets, a directory that is no checkpoint, an edited CURRENT) had cleared
     the dirty flags and counted the writes. The saves that succeed after them hold the trained rows."""
-    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
-    batches = _batches(rng, backend, 20)
-    pair = _pair(backend, 20, table0, eps=1e-30)
-    _train(*pair, batches)
-    u, o = pair[2:]
+    u, o, expected = _trained_with_a_dirty_cache(rng, backend)
     cache = u._steps.cache
     refused = refused_save_paths(tmp_path)
     # A ModelFactory saves its one table (.npy, .h5), an OptimizerFactory a checkpoint (.h5, a directory).
@@ -544,6 +549,5 @@ def test_a_switcher_save_refused_inside_the_save_leaves_the_shared_cache_as_it_w
     o.save(tmp_path / "o.h5")
     with h5py.File(tmp_path / "o.h5") as f:
         saved = np.load(tmp_path / "u.npy"), {name: f[name][:] for name in o.state.tables}
-    expected = _sparse_adam_in_memory(table0, batches, backend)
     assert_same(saved, expected)
     assert_same(_tables(u, o), expected)
