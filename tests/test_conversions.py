@@ -199,6 +199,17 @@ def test_a_bfloat16_embedding_refuses_bfloat16_saying_it_is_bfloat16_already(kin
     assert "bfloat16 already" not in str(other.value)
 
 
+def _zipf_batch(rng):
+    """Fresh Zipf-distributed ids (repeats likely) and a random loss weight row for each: ``(ids, weights)``."""
+    ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
+    return ids, torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+
+
+def _sgd_in_memory(expected, ids, weights):
+    """Step ``expected``, the whole table in memory, in place as plain SGD (lr 0.1) on ``(table[ids] * weights).sum()``."""
+    expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
+
+
 @pytest.mark.parametrize("kind", ["offloaded", "switchers"])
 def test_to_empty_on_its_own_device_mid_step_is_refused_and_between_steps_trains_on(rng, kind):
     """to_empty(device="cpu") changes no dtype or device, so it went through, between a training
@@ -226,16 +237,14 @@ def test_to_empty_on_its_own_device_mid_step_is_refused_and_between_steps_trains
             o.after_step(ids)
         read = u.getNumpyVersion
     for _ in range(4):
-        ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
-        weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        ids, weights = _zipf_batch(rng)
         rows = begin(ids)
         assert_to_empty_refused(model, "convert between steps")
         (rows * weights).sum().backward()
         opt.step()
         opt.zero_grad()
         end(ids)
-        grad = torch.zeros_like(expected).index_add_(0, ids, weights)
-        expected -= 0.1 * grad
+        _sgd_in_memory(expected, ids, weights)
         np.testing.assert_allclose(read(), expected.numpy(), rtol=1e-6, atol=1e-6)
         model.to_empty(device="cpu")  # between steps the working set is scratch
 
@@ -257,15 +266,14 @@ def test_sharded_to_empty_on_its_own_device_mid_step_is_refused(rng):
     gathered, unstepped: the step's update was lost, silently (its rows off by up to 0.34)."""
     emb, model, opt, expected = _sharded_model(rng)
     for _ in range(4):
-        ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
-        weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        ids, weights = _zipf_batch(rng)
         rows = emb(ids)
         assert_to_empty_refused(model, "convert between steps")
         (rows * weights).sum().backward()
         assert_to_empty_refused(model, "convert between steps")
         opt.step()
         opt.zero_grad()
-        expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
+        _sgd_in_memory(expected, ids, weights)
         np.testing.assert_allclose(emb.table.to_numpy(copy=True), expected.numpy(), rtol=1e-6, atol=1e-6)
 
 
@@ -277,12 +285,11 @@ def test_sharded_to_empty_on_its_own_device_between_steps_trains_on(rng, set_to_
     emb, model, opt, expected = _sharded_model(rng)
     for _ in range(4):
         model.to_empty(device="cpu")  # between steps weight is scratch: the table is not touched
-        ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
-        weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        ids, weights = _zipf_batch(rng)
         (emb(ids) * weights).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
-        expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
+        _sgd_in_memory(expected, ids, weights)
         np.testing.assert_allclose(emb.table.to_numpy(copy=True), expected.numpy(), rtol=1e-6, atol=1e-6)
 
 
@@ -298,15 +305,14 @@ def test_to_empty_between_steps_over_a_zeroed_gradient_is_refused_and_after_zero
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)
     emb.attach(opt)
     for _ in range(4):
-        ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
-        weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        ids, weights = _zipf_batch(rng)
         (emb(ids) * weights).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
         assert_to_empty_refused(model, "call optimizer.zero_grad")
         opt.zero_grad()
         model.to_empty(device="cpu")  # no gradient left: the working set is scratch
-        expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
+        _sgd_in_memory(expected, ids, weights)
         np.testing.assert_allclose(emb.table.to_numpy(copy=True), expected.numpy(), rtol=1e-6, atol=1e-6)
 
 
@@ -317,8 +323,7 @@ def test_switchers_refuse_to_empty_over_a_zeroed_gradient_and_after_zero_grad_tr
     model, emb, opt, u, o = _switched_model(rng, torch.optim.SGD)
     expected = torch.from_numpy(u.getNumpyVersion().copy())  # the whole table in memory, plain SGD
     for _ in range(4):
-        ids = torch.from_numpy(rng.zipf(1.3, 12) % ROWS)
-        weights = torch.from_numpy(rng.standard_normal((len(ids), DIM), dtype=np.float32))
+        ids, weights = _zipf_batch(rng)
         o.before_forward(ids)
         (emb(u.before_forward(ids)) * weights).sum().backward()
         opt.step()
@@ -328,5 +333,5 @@ def test_switchers_refuse_to_empty_over_a_zeroed_gradient_and_after_zero_grad_tr
         assert_to_empty_refused(model, "call optimizer.zero_grad")
         opt.zero_grad()
         model.to_empty(device="cpu")  # no gradient left: the switched embedding is scratch
-        expected -= 0.1 * torch.zeros_like(expected).index_add_(0, ids, weights)
+        _sgd_in_memory(expected, ids, weights)
         np.testing.assert_allclose(u.getNumpyVersion(), expected.numpy(), rtol=1e-6, atol=1e-6)
