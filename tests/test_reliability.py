@@ -50,6 +50,15 @@ def train_step(emb, opt, rng, rows):
     opt.zero_grad()
 
 
+def adam_embedding(rng, **kwargs):
+    """A :func:`make_embedding` with Adam attached, after one :func:`train_step` (its optimizer: ``emb._state.optimizer``)."""
+    emb = make_embedding(rng, **kwargs)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    train_step(emb, opt, rng, 60)
+    return emb
+
+
 # 1 ---------------------------------------------------------------------------
 @pytest.mark.parametrize("make_values", [
     lambda v: torch.nn.Parameter(v),
@@ -121,10 +130,7 @@ def test_switchers_step_with_a_closure_equals_in_memory(rng):
 
 # 3 ---------------------------------------------------------------------------
 def test_a_refused_step_leaves_the_embedding_as_it_was_and_the_advice_works(rng, tmp_path):
-    emb = make_embedding(rng)
-    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
-    emb.attach(opt)
-    train_step(emb, opt, rng, 60)
+    emb = adam_embedding(rng)
     emb.save(tmp_path / "ckpt")
     fresh = torch.optim.Adam(emb.parameters(), lr=0.01)  # its state_dict is not restored
     emb.attach(fresh)
@@ -197,10 +203,8 @@ def test_a_corrupt_hdf5_chunk_loads_nothing(rng, tmp_path):
 
 
 def test_a_checkpoint_with_a_corrupt_table_loads_neither_table_nor_state(rng, tmp_path):
-    emb = make_embedding(rng)
-    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
-    emb.attach(opt)
-    train_step(emb, opt, rng, 60)
+    emb = adam_embedding(rng)
+    opt = emb._state.optimizer
     emb.save(tmp_path / "good.h5")
     with h5py.File(tmp_path / "good.h5") as f:
         content = {name: f[name][()] for name in f}
@@ -422,10 +426,8 @@ def test_a_file_name_as_long_as_the_file_system_takes_is_saved_and_its_dead_temp
 
 # 13 --------------------------------------------------------------------------
 def test_dropping_an_embedding_frees_its_tables_without_the_cycle_collector(rng):
-    emb = make_embedding(rng)
-    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
-    emb.attach(opt)
-    train_step(emb, opt, rng, 60)
+    emb = adam_embedding(rng)
+    opt = emb._state.optimizer
     table, state = weakref.ref(emb.table), weakref.ref(emb._state.tables["exp_avg"])
     gc.collect()
     gc.disable()
@@ -561,14 +563,6 @@ def test_a_file_too_large_to_stage_in_ram_is_verified_first_then_read_again(rng,
 
 
 # Checkpoint saves and loads ---------------------------------------------------
-def adam_embedding(rng, **kwargs):
-    emb = make_embedding(rng, **kwargs)
-    opt = torch.optim.Adam(emb.parameters(), lr=0.01)
-    emb.attach(opt)
-    train_step(emb, opt, rng, 60)
-    return emb
-
-
 def contents(emb):
     return {name: t.to_numpy(copy=True) for name, t in emb._tables().items()}
 
