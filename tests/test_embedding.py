@@ -750,3 +750,32 @@ def test_forward_takes_its_ids_by_nn_embedding_s_keyword_and_by_its_own(cls, rng
     np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), **TOL)
     with pytest.raises(ss.DTypeError, match="once"):
         emb(input=ids, ids=ids)
+
+
+@pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
+@pytest.mark.parametrize("bag", ["offsets", "offsets and weights", "offsets=", "per_sample_weights="])
+def test_embedding_bag_arguments_are_refused_naming_the_pooling_recipe(cls, bag, rng):
+    """``emb(ids, offsets)``, as nn.EmbeddingBag code calls it, raised Python's bare TypeError
+    (forward() takes 1 to 2 positional arguments); it names what to do now, and changes nothing."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM)).astype(np.float32)
+    emb = cls(NUM_ROWS, DIM, max_rows=2 * BATCH, storage="pageable", backend="numpy")
+    emb.table.scatter(torch.arange(NUM_ROWS), torch.from_numpy(table0))
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False)
+    opt, ref_opt = torch.optim.Adagrad(emb.parameters(), lr=0.1), torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    emb.attach(opt)
+    ids = torch.from_numpy(zipf(rng, NUM_ROWS, BATCH))
+    offsets = torch.arange(0, BATCH, 4)
+    weights = torch.from_numpy(rng.random(BATCH).astype(np.float32))
+    call = {"offsets": lambda: emb(ids, offsets),
+            "offsets and weights": lambda: emb(ids, offsets, weights),
+            "offsets=": lambda: emb(ids, offsets=offsets),
+            "per_sample_weights=": lambda: emb(ids, per_sample_weights=weights)}[bag]
+    with pytest.raises(ss.DTypeError, match="not an nn.EmbeddingBag") as info:
+        call()
+    assert isinstance(info.value, TypeError) and "Pooled lookups" in str(info.value)
+    target = torch.from_numpy(rng.standard_normal((BATCH, DIM)).astype(np.float32))
+    for model, optimizer in ((emb, opt), (ref, ref_opt)):  # the refused call left no row in the step
+        ((model(ids) - target) ** 2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), **TOL)

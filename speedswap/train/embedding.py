@@ -31,7 +31,8 @@ from .leftover import untouched
 from .module_state import (check_tables_state, copy_tables, missing_hint, note_loaded, refused_after,
                            tables_state, unpicklable)
 from .one_optimizer import claim
-from .options import embedding_dtype, embedding_flags, forward_ids, padding_option, refuse_max_norm
+from .options import (embedding_dtype, embedding_flags, forward_ids, padding_option, refuse_bag_arguments,
+                      refuse_max_norm)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
                         take_assigned)
@@ -439,7 +440,7 @@ class OffloadedEmbedding(RefusesConversion):
     # host reads, the forward's one host wait) is Python state a traced graph would replay
     # stale; the rest of a compiled model is still compiled around this call.
     @torch.compiler.disable
-    def forward(self, input=None, *, ids=None) -> torch.Tensor:
+    def forward(self, input=None, *extra, ids=None, offsets=None, per_sample_weights=None) -> torch.Tensor:
         """The rows of the ids: a tensor of shape ``(*ids.shape, embedding_dim)``.
 
         Args:
@@ -447,15 +448,20 @@ class OffloadedEmbedding(RefusesConversion):
                 device, numpy array, or list), under ``nn.Embedding``'s name.
                 They are checked once, here.
             ids: the same, under speedswap's name: give one of the two.
+            extra, offsets, per_sample_weights: ``nn.EmbeddingBag``'s
+                arguments, refused: this is no bag (see the class docstring).
 
         Raises:
             IdError, DTypeError, DeviceError: bad ids (nothing changes); both
-                ``input`` and ``ids``, or neither (DTypeError).
+                ``input`` and ``ids``, or neither (DTypeError); ``offsets`` or
+                ``per_sample_weights``, by position or keyword (DTypeError).
             CapacityError: the step touches more than ``max_rows`` distinct rows.
             StateError: training before :meth:`attach`.
             OptionError: a training forward inside ``DistributedDataParallel``
                 that averages :attr:`weight`'s gradient (see :func:`_refuse_ddp`).
         """
+        if extra or offsets is not None or per_sample_weights is not None:
+            refuse_bag_arguments(type(self).__name__, extra, offsets, per_sample_weights)
         ids = forward_ids(input, ids)
         self._check_open()
         self._abort_step()

@@ -8,7 +8,8 @@ import torch
 from ..convert import bool_option, int_option, torch_dtype
 from ..errors import DTypeError, OptionError
 
-__all__ = ["padding_option", "embedding_dtype", "embedding_flags", "refuse_max_norm", "forward_ids"]
+__all__ = ["padding_option", "embedding_dtype", "embedding_flags", "refuse_max_norm", "forward_ids",
+           "refuse_bag_arguments"]
 
 
 def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:
@@ -98,3 +99,28 @@ def forward_ids(input, ids):
         raise DTypeError(f"forward takes the ids to look up once: emb(ids), emb(input=ids) as nn.Embedding "
                          f"names them, or emb(ids=ids); got {given}")
     return ids if input is None else input
+
+
+def refuse_bag_arguments(cls: str, extra: tuple, offsets, per_sample_weights) -> None:
+    """Refuse ``nn.EmbeddingBag``'s forward arguments: an offloaded embedding looks rows up, it pools none.
+
+    The forwards call it only when one was given, so the usual call pays nothing.
+
+    Args:
+        cls: the embedding class, for the message.
+        extra: the positional arguments after the ids (``emb(ids, offsets)``).
+        offsets, per_sample_weights: as given by keyword.
+
+    Raises:
+        DTypeError: always (a ``TypeError``, as Python's for a call's arguments).
+    """
+    given = [name for name, value in (("offsets", offsets), ("per_sample_weights", per_sample_weights))
+             if value is not None]
+    if extra:
+        given.insert(0, f"{len(extra)} positional argument{'s' if len(extra) > 1 else ''} after the ids")
+    raise DTypeError(f"{cls} is an nn.Embedding, not an nn.EmbeddingBag: its forward takes the ids alone, "
+                     f"got {' and '.join(given)} too. Look up a step's flat ids in one call and pool "
+                     f"the rows per bag yourself: README, 'Pooled lookups, several tables and "
+                     f"optimizers: a click model', gives bag_sum(emb, ids, offsets, per_sample_weights), "
+                     f"nn.EmbeddingBag(mode='sum')'s result; bags padded to one length pool as "
+                     f"emb(ids).sum(1) with padding_idx")

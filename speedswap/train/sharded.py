@@ -46,7 +46,8 @@ from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE
                        Exchange, count_by_owner, owner_starts, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
-from .options import embedding_dtype, embedding_flags, forward_ids, padding_option, refuse_max_norm
+from .options import (embedding_dtype, embedding_flags, forward_ids, padding_option, refuse_bag_arguments,
+                      refuse_max_norm)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
 from .step_hooks import StepHooks
@@ -511,7 +512,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     # Run eagerly under torch.compile, as OffloadedEmbedding.forward: the exchange and the step's
     # bookkeeping are Python state and collectives, not graph material.
     @torch.compiler.disable
-    def forward(self, input=None, *, ids=None) -> torch.Tensor:
+    def forward(self, input=None, *extra, ids=None, offsets=None, per_sample_weights=None) -> torch.Tensor:
         """The rows of this rank's ids: a tensor of shape ``(*ids.shape, embedding_dim)``.
 
         A collective: every rank of the group must call it (with empty ids
@@ -522,10 +523,14 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             input: integer ids of any shape, in ``[0, num_embeddings)``, under
                 ``nn.Embedding``'s name.
             ids: the same, under speedswap's name: give one of the two.
+            extra, offsets, per_sample_weights: ``nn.EmbeddingBag``'s
+                arguments, refused: this is no bag (pool the rows yourself, as
+                README's "Pooled lookups" section shows).
 
         Raises:
             IdError, DTypeError, DeviceError: bad ids on this rank (both
-                ``input`` and ``ids``, or neither: DTypeError).
+                ``input`` and ``ids``, or neither: DTypeError; ``offsets`` or
+                ``per_sample_weights``, by position or keyword: DTypeError).
             CapacityError: this rank looks up more than ``max_rows`` distinct rows in a step.
             StateError: training before :meth:`attach`, an optimizer whose
                 state ``optimizer.load_state_dict()`` replaced without the
@@ -551,6 +556,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         before, error, send, counts = copy.copy(self._looked_up), None, None, None
         try:
             self._check_open()
+            if extra or offsets is not None or per_sample_weights is not None:
+                refuse_bag_arguments(type(self).__name__, extra, offsets, per_sample_weights)
             ids = forward_ids(input, ids)
             if training:
                 # Range-checked in the working set's read: see as_row_ids_deferred.
