@@ -1056,7 +1056,10 @@ class HostTable:
                 long as the array does), a device table returns a host copy.
                 The view of a table an embedding owns stays current while
                 it lives: :attr:`viewed` tells the owner, whose device cache
-                then keeps no rows.
+                then keeps no rows. It shows a step's rows once the owner
+                writes them back: an OffloadedEmbedding inside
+                ``optimizer.step()``, the switchers at the ModelFactory's
+                ``after_step`` (as before the step until then).
 
         Returns:
             numpy.ndarray of shape :attr:`shape`; a bfloat16 table's rows as

@@ -127,3 +127,55 @@ def test_reads_through_tables_kept_from_between_steps_are_refused_mid_step(backe
                                        rtol=1e-5, atol=1e-6, err_msg=name)
             np.testing.assert_allclose(table.gather(ids).cpu().numpy(), expected[name][ids].cpu().numpy(),
                                        rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("model_first", [True, False], ids=["model first", "optimizer first"])
+@pytest.mark.parametrize("cache_rows", [0, 10])
+def test_views_kept_from_between_steps_show_the_step_once_the_model_factorys_after_step_wrote_it(
+        backend, rng, cache_rows, model_first):
+    """What README and the docstrings say of a kept view, which no read through it can be refused:
+    from optimizer.step() until ModelFactory.after_step it shows the step's rows and state as before
+    the step, as in memory before and after that window."""
+    device = ss.get_backend(backend).device
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    emb = torch.nn.Embedding(CAPACITY, DIM).to(device)
+    model = torch.nn.ModuleDict({"u": emb})
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.3)
+    u = ss.ModelFactory(emb, ROWS, DIM, CPUPinn=True, backend=backend, cache_rows=cache_rows)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u", CPUPinn=True, backend=backend, cache_rows=cache_rows)
+    reference = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0).to(device), freeze=False,
+                                                   sparse=True)
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.3)
+    rows = {"to_numpy()": u.to_numpy(), "getTorchVar()": u.getTorchVar(),
+            "table.to_numpy()": u.table.to_numpy(), "table.as_tensor()": u.table.as_tensor()}
+    state = o.state.tables["sum"].to_numpy()
+
+    def assert_views(weight, sums, when):
+        for name, view in rows.items():
+            np.testing.assert_allclose(np.asarray(view), weight, rtol=1e-5, atol=1e-6, err_msg=f"{name} {when}")
+        np.testing.assert_allclose(state, sums, rtol=1e-5, atol=1e-6, err_msg=f"state {when}")
+
+    def in_memory():
+        sums = ref_opt.state[reference.weight]["sum"] if ref_opt.state else torch.zeros(ROWS, DIM)
+        return reference.weight.detach().cpu().numpy().copy(), sums.cpu().numpy().copy()
+
+    for _ in range(4):
+        ids = _zipf_ids(rng, device)
+        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+        local = u.before_forward(ids)
+        o.before_forward(ids)
+        (emb(local) * weights).sum().backward()
+        (reference(ids) * weights).sum().backward()
+        before = in_memory()
+        assert_views(*before, "before optimizer.step()")
+        opt.step()
+        ref_opt.step()
+        assert_views(*before, "after optimizer.step()")
+        first, second = (u, o) if model_first else (o, u)
+        first.after_step(ids)
+        assert_views(*(in_memory() if model_first else before), f"after {type(first).__name__}.after_step")
+        second.after_step(ids)
+        assert_views(*in_memory(), f"after {type(second).__name__}.after_step")
+        opt.zero_grad()
+        ref_opt.zero_grad()

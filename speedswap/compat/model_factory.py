@@ -437,7 +437,10 @@ class ModelFactory(Switcher):
         :meth:`_prepare_table_write`), and are refused between before_forward
         and after_step (:meth:`_prepare_table_read`); a view ``to_numpy()`` or ``as_tensor()``
         hands out stays current while it lives, the cache keeping no rows
-        meanwhile (:meth:`RowCache.viewed <speedswap.train.cache.RowCache.viewed>`).
+        meanwhile (:meth:`RowCache.viewed <speedswap.train.cache.RowCache.viewed>`),
+        except from ``optimizer.step()`` until :meth:`after_step`, which makes
+        it current again: it shows the step's rows as before the step (read
+        :meth:`getNumpyVersion` there).
 
         Raises:
             StateError: between before_forward and after_step (see :meth:`SharedSteps.hand_out`).
@@ -471,7 +474,11 @@ class ModelFactory(Switcher):
         A copy made in the middle of a step holds the step's rows as they are
         in the model's embedding: after ``optimizer.step()``, the stepped rows,
         as an in-memory table holds them; the table's memory (``copy=False``)
-        holds them once ``after_step`` wrote them back.
+        holds them once ``after_step`` wrote them back. So a view kept from
+        between steps shows the step's rows as before the step from
+        ``optimizer.step()`` until :meth:`after_step`, which makes it current
+        again (a view of an in-memory weight shows them stepped); reads
+        through a numpy view cannot be refused.
 
         Raises:
             StateError: ``copy=False`` in the middle of a step.
@@ -561,7 +568,9 @@ class ModelFactory(Switcher):
         """SpeedTorch's ``getTorchVar``: the full table as a torch tensor sharing its memory.
 
         As :meth:`to_numpy` with ``copy=False``: cached rows are written back
-        and dropped from the cache first.
+        and dropped from the cache first. The view shows a step's rows as
+        before the step from ``optimizer.step()`` until :meth:`after_step`,
+        which makes it current again.
 
         Raises:
             StateError: in the middle of a step.

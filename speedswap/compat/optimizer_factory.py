@@ -272,7 +272,11 @@ class OptimizerFactory(Switcher):
         ...), through any reference to them, see the cache's state rows and
         reach the next step (see :meth:`_prepare_state_write`); reads are
         refused between before_forward and after_step, a kept table's too
-        (:meth:`_prepare_table_read`).
+        (:meth:`_prepare_table_read`). A view of a table (``to_numpy()``)
+        kept from between steps cannot be refused: from ``optimizer.step()``
+        it shows the step's rows' state as before the step, until the
+        ModelFactory's ``after_step`` (this switcher's own, without one)
+        makes it current again.
 
         Raises:
             StateError: between before_forward and after_step (see :meth:`SharedSteps.hand_out`).

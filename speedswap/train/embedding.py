@@ -784,7 +784,10 @@ class OffloadedEmbedding(RefusesConversion):
         give their rows back first. A view ``to_numpy()`` or ``as_tensor()``
         hands out (of the optimizer state's tables too, as in
         :meth:`get_extra_state`) stays current while it, or anything made from
-        it, is alive, as a view of an in-memory parameter does: the cache
+        it, is alive, as a view of an in-memory parameter does (the step
+        writes its rows back inside ``optimizer.step()``, in a post-hook: only
+        step post-hooks that run before it, global ones or ones registered
+        before :meth:`attach`, see them as before the step): the cache
         keeps no rows meanwhile (each step writes its rows back), so keep
         ``to_numpy(copy=True)`` snapshots instead of views to let it work. A
         write through a view between steps trains on; one between a training
