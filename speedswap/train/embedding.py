@@ -287,7 +287,11 @@ class OffloadedEmbedding(RefusesConversion):
         emb = cls(shape[0], shape[1], max_rows=max_rows, _initialise=False, **kwargs)
         try:
             if rows is None:
-                emb.load(embeddings)
+                # Straight into the new table's memory: load() would first stage the whole
+                # file in RAM, which keeps a table in use intact on a bad file; this one has no
+                # rows to keep (it is closed on any error).
+                files.check_table_matches(header, shape, emb._table.dtype, embeddings)
+                files.read_table(emb._table, embeddings, header)
             else:
                 emb.table.apply_(lambda t: t.copy_(rows))
         except BaseException:
