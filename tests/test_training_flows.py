@@ -9,6 +9,7 @@ they were before the step.
 """
 
 import copy
+import functools
 import subprocess
 import sys
 
@@ -730,6 +731,75 @@ def test_a_gradient_multiplied_by_zero_in_place_trains_as_in_memory(backend, rng
             optimizer.step()
             optimizer.zero_grad()
     assert_trained_as_sparse_adam(emb, ref, ref_opt)
+
+
+#: (offloaded optimizer, its in-memory reference, whether the reference's gradient is sparse).
+#: Adam adds eps to the bias-corrected root of exp_avg_sq, SparseAdam to the root itself: with
+#: eps 1e-30, as in adam_against_sparse_adam, the two agree where exp_avg_sq is near zero too.
+_LAZY_PAIRS = {"adam": (functools.partial(torch.optim.Adam, eps=1e-30),
+                        functools.partial(torch.optim.SparseAdam, eps=1e-30), True),
+               "sgd": (torch.optim.SGD, torch.optim.SGD, False),
+               "adagrad": (torch.optim.Adagrad, torch.optim.Adagrad, True)}
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("flow", ["plain", "accumulated", "negated", "skipped_by_a_grad_scaler"])
+@pytest.mark.parametrize("kind", list(_LAZY_PAIRS))
+def test_a_loss_with_negative_zero_gradients_trains_as_in_memory(backend, rng, kind, flow, cache_rows):
+    """A loss whose gradient holds ``-0.0`` elements of its own: a ReLU of negated rows gives
+    ``-0.0`` wherever it is off, and at some steps it is off everywhere (SparseAdam still steps
+    those rows by momentum). The step's zero-gradient check reads a ``-0.0`` in the table's
+    gradient as one ``zero_()`` did not write. The lookup's backward sums them into ``+0.0``
+    (as ``nn.Embedding``'s does); gradient ascent (``grad.neg_()`` after the backward) puts
+    ``-0.0`` into the table's gradient itself. Plain steps, two forwards and backwards per step,
+    gradient ascent, and a ``GradScaler`` skipping steps with ``zero_grad(set_to_none=False)``;
+    Adam against SparseAdam, SGD against dense SGD, Adagrad against sparse Adagrad. Passed when
+    written: no case is taken for ``zero_()``, nor the reverse."""
+    make, make_ref, sparse = _LAZY_PAIRS[kind]
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=ROWS, storage="pageable", backend=backend,
+                                cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = make(emb.parameters(), lr=0.05)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt, device = make_ref([ref], lr=0.05), ss.get_backend(backend).device
+    sides = [(emb, opt, emb.weight, device, torch.amp.GradScaler("cpu", init_scale=4.0)),
+             (lambda i: F.embedding(i, ref, sparse=sparse), ref_opt, ref, "cpu",
+              torch.amp.GradScaler("cpu", init_scale=4.0))]
+    batches = zipf_ids(rng, 2 * STEPS)
+    dead = rng.random(STEPS) < 0.3  # the ReLU off on every row of the step's first forward
+    dead[:2], dead[rng.integers(2, STEPS)] = False, True  # momentum first, then one such step at least
+    skipped = (rng.random(STEPS) < 0.3) & (flow == "skipped_by_a_grad_scaler")
+    skipped[-1] = False  # the last step runs: a skipped one holds its rows until the next forward
+    negative_zeros = {"lookup": 0, "table": 0}
+
+    def count(where, grad):
+        negative_zeros[where] += int((torch.signbit(grad) & (grad == 0)).sum())
+    for step in range(STEPS):
+        parts = batches[2 * step:2 * step + (2 if flow == "accumulated" else 1)]
+        for lookup, optimizer, weight, to, scaler in sides:
+            for part, (ids, target) in enumerate(parts):
+                rows = lookup(ids.to(to))
+                if optimizer is opt:
+                    rows.register_hook(functools.partial(count, "lookup"))
+                act = F.relu(-rows.cpu() - (1e3 if dead[step] and part == 0 else 0.0))
+                loss = ((act.sum(1) - target) ** 2).sum() * (torch.inf if skipped[step] else 1.0)
+                scaler.scale(loss).backward()
+            if flow == "negated":
+                weight.grad.neg_()
+                if optimizer is opt and not dead[step]:  # _note_backward marks none of these
+                    count("table", weight.grad[:len(emb.working_rows)])
+            scaler.step(optimizer)  # skipped where the gradient is not finite
+            scaler.update()
+            optimizer.zero_grad(set_to_none=flow != "skipped_by_a_grad_scaler")
+    assert negative_zeros["lookup"] > 0 and (negative_zeros["table"] > 0) == (flow == "negated")
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for name, table in emb._state.tables.items():
+        state = ref_opt.state[ref][name].numpy()
+        np.testing.assert_allclose(table.to_numpy(), state, rtol=1e-5, atol=1e-5 * np.abs(state).max(), err_msg=name)
+    assert not np.allclose(ref.detach().numpy(), table0)
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])
