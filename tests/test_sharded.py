@@ -73,6 +73,11 @@ def assert_ok(results):
         assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
 
 
+def reported(out, name, world=2):
+    """Each rank's JSON report of scenario ``name`` (``<name>.rank<r>.json`` in ``out``), in rank order."""
+    return [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in range(world)]
+
+
 def gathered(out, name, world):
     """The whole table and per-row state, concatenated from the ranks' shards in row order."""
     shards = [dict(np.load(out / f"{name}.rank{r}.npz")) for r in range(world)]
@@ -172,8 +177,7 @@ def test_a_resharding_load_holds_only_the_rows_each_rank_owns_in_its_part_of_the
     """Each of two ranks staged every three-rank shard it overlaps whole (rank 0: 201 rows of each
     table for its 151), each deciding against half of the free RAM as if alone on the machine."""
     out, *_ = two_ranks
-    for rank in range(2):
-        result = json.loads((out / f"staged.rank{rank}.json").read_text())
+    for result in reported(out, "staged"):
         held = {}
         for file, ram, rows in result["staged"]:
             assert ram == (1 << 40) // 2, file  # both ranks run on this machine
@@ -185,7 +189,7 @@ def test_a_resharding_load_holds_only_the_rows_each_rank_owns_in_its_part_of_the
 
 def test_bad_input_on_one_rank_raises_everywhere_and_changes_nothing(two_ranks):
     out, seed, *_ = two_ranks
-    errors = [json.loads((out / f"bad.rank{r}.json").read_text()) for r in range(2)]
+    errors = reported(out, "bad")
     assert list(errors[1]) == ["IdError"] and str(NUM_ROWS) in errors[1]["IdError"]
     assert list(errors[0]) == ["StateError"] and "rank(s) [1]" in errors[0]["StateError"]
     # After the failed forward both ranks trained on: the result is as if it never happened.
@@ -195,8 +199,7 @@ def test_bad_input_on_one_rank_raises_everywhere_and_changes_nothing(two_ranks):
 def test_a_forward_in_training_mode_on_one_rank_and_not_on_another_raises_everywhere(two_ranks):
     """Without the check the training rank took the other's lookups for its own step's rows."""
     out, seed, *_ = two_ranks
-    for rank in range(2):
-        error = json.loads((out / f"mode.rank{rank}.json").read_text())
+    for error in reported(out, "mode"):
         assert list(error) == ["StateError"]
         assert "training mode on rank(s) [0]" in error["StateError"]
         assert "torch.no_grad() on rank(s) [1]" in error["StateError"]
@@ -205,7 +208,7 @@ def test_a_forward_in_training_mode_on_one_rank_and_not_on_another_raises_everyw
 
 def test_a_npy_export_one_rank_cannot_read_changes_no_rank(two_ranks):
     out, *_ = two_ranks
-    results = [json.loads((out / f"npyfail.rank{r}.json").read_text()) for r in range(2)]
+    results = reported(out, "npyfail")
     assert [r["changed_rows"] for r in results] == [0, 0]
     assert "injected read error" in results[1]["errors"]["FileFormatError"]
     assert "rank(s) [1]" in results[0]["errors"]["StateError"]
@@ -214,7 +217,7 @@ def test_a_npy_export_one_rank_cannot_read_changes_no_rank(two_ranks):
 def test_ranks_that_disagree_about_a_step_raise_instead_of_exchanging_wrong_rows(two_ranks):
     """A step skipped everywhere, but one rank ran no backward for it, so only the other dropped it."""
     out, *_ = two_ranks
-    results = [json.loads((out / f"disagree.rank{r}.json").read_text()) for r in range(2)]
+    results = reported(out, "disagree")
     for result in results:
         assert "the ranks disagree about this step" in result["errors"]["StateError"]
         assert result["unchanged"] and result["trained"]
@@ -244,8 +247,8 @@ def test_two_ranks_clipping_by_grad_norm_equal_one_process_clipping(two_ranks):
     assert not np.allclose(expected[0], reference("sgd", seed)[0], **TOL)  # the clip mattered
     assert_same(gathered(out, "sgd-clip", 2), expected)
     # Ranks that ask for norms of different orders would clip by different factors: refused on each.
-    for rank in range(2):
-        errors = json.loads((out / f"clipnorm.rank{rank}.json").read_text())["errors"]
+    for report in reported(out, "clipnorm"):
+        errors = report["errors"]
         assert "different orders [1.0, 2.0]" in errors["StateError"], errors
 
 
@@ -295,8 +298,7 @@ def test_activation_checkpointing_trains_as_one_process_in_memory(checkpointed_r
     step has already run") where in memory the step trains the new forward's rows.
     """
     runs, seed = checkpointed_runs
-    for rank in range(world):
-        assert json.loads((runs[world] / f"checkpointed-{name}.rank{rank}.json").read_text()) == {}
+    assert reported(runs[world], f"checkpointed-{name}", world) == [{}] * world
     skipped = SKIPPED if name.startswith("skipped") else ()
     expected = sharded_worker.reference("adam", seed, steps=CHECKPOINTED_STEPS, skipped=skipped)
     assert not np.allclose(expected[0], initial_table(seed).numpy())  # the reference trained
@@ -327,8 +329,7 @@ def test_zero_grad_keeping_tensors_after_exchange_gradients_trains_as_one_proces
     and its exchange_gradients() raised StateError ("exchange_gradients() twice in one step").
     """
     runs, seed = exchanged_then_zeroed_runs
-    for rank in range(world):
-        assert json.loads((runs[world] / f"exchzero-{flow}.rank{rank}.json").read_text()) == {}
+    assert reported(runs[world], f"exchzero-{flow}", world) == [{}] * world
     if flow == "zeroed":
         expected = sharded_worker.reference("adam", seed, zeroed=sharded_worker.ZEROED)
     else:
@@ -351,8 +352,8 @@ def mismatched_calls(tmp_path_factory):
 def test_a_step_skipped_on_one_rank_only_raises_on_every_rank_instead_of_hanging(mismatched_calls):
     """Rank 0's step met rank 1's next forward: gloo paired collectives of different kinds and hung."""
     out, seed = mismatched_calls
-    for rank in range(2):
-        error = json.loads((out / f"calls.rank{rank}.json").read_text())["StateError"]
+    for report in reported(out, "calls"):
+        error = report["StateError"]
         assert "the ranks made different calls" in error
         assert "rank 0: optimizer.step()" in error and "rank 1: a training forward" in error
     # Nothing of step 3 reached a row on either rank, and both trained on after discard_step().
@@ -361,8 +362,7 @@ def test_a_step_skipped_on_one_rank_only_raises_on_every_rank_instead_of_hanging
 
 def test_a_save_on_one_rank_while_another_trains_raises_on_both_and_writes_nothing(mismatched_calls):
     out, _ = mismatched_calls
-    for rank in range(2):
-        result = json.loads((out / f"savecall.rank{rank}.json").read_text())
+    for result in reported(out, "savecall"):
         assert "rank 0: save(); rank 1: a training forward" in result["errors"]["StateError"]
         assert not result["half_saved"]
     assert json.loads((out / "savecall-ckpt" / "manifest.json").read_text())["world_size"] == 2
@@ -372,7 +372,7 @@ def test_a_save_to_another_path_on_each_rank_fails_and_keeps_the_earlier_checkpo
     """With an old <path>.partial on rank 1's path every rank 'succeeded', and rank 0 replaced a
     good checkpoint with one lacking rank 1's shards."""
     out, _ = mismatched_calls
-    results = [json.loads((out / f"paths.rank{r}.json").read_text()) for r in range(2)]
+    results = reported(out, "paths")
     (fresh, stale), (fresh1, stale1) = (r["errors"] for r in results)
     assert "rank 1 cannot see" in fresh1["PathError"] and "same path on every rank" in fresh1["PathError"]
     assert "rank(s) [1]" in fresh["StateError"]
@@ -386,7 +386,7 @@ def test_a_save_whose_earlier_checkpoint_cannot_be_removed_succeeds_on_every_ran
     <path>.old): every rank reported the save as failed (rank 0 the OSError, rank 1 a StateError),
     though it loads. It succeeds, rank 0 warning of the leftover, which the next save removes."""
     out, _ = mismatched_calls
-    results = [json.loads((out / f"oldleft.rank{r}.json").read_text()) for r in range(2)]
+    results = reported(out, "oldleft")
     assert [r["error"] for r in results] == [{}, {}]
     assert [r["loaded"] for r in results] == [True, True]
     assert len(results[0]["warnings"]) == 1 and "oldleft-ckpt.old" in results[0]["warnings"][0]
@@ -397,8 +397,7 @@ def test_a_save_whose_earlier_checkpoint_cannot_be_removed_succeeds_on_every_ran
 def test_ranks_with_unlike_embeddings_or_optimizers_raise_before_any_row_moves(mismatched_calls):
     """Another embedding_dim aborted gloo; another learning rate trained a shard unlike the others."""
     out, _ = mismatched_calls
-    for rank in range(2):
-        result = json.loads((out / f"differ.rank{rank}.json").read_text())
+    for result in reported(out, "differ"):
         table = r"ShardedOffloadedEmbedding #\d+ built on its group"
         assert re.search(rf"rank 0: {table}: {NUM_ROWS} x {DIM} float32", result["dim"]["StateError"])
         assert re.search(rf"rank 1: {table}: {NUM_ROWS} x {DIM + 1} float32", result["dim"]["StateError"])
@@ -414,7 +413,7 @@ def test_ranks_with_unlike_embeddings_or_optimizers_raise_before_any_row_moves(m
 def test_an_older_optimizer_state_without_its_load_is_refused_on_every_rank(mismatched_calls):
     """optimizer.load_state_dict() without emb.load(): the step trained on with mismatched state."""
     out, seed = mismatched_calls
-    results = [json.loads((out / f"replaced.rank{r}.json").read_text()) for r in range(2)]
+    results = reported(out, "replaced")
     (between0, at_step0), (between1, at_step1) = (r["errors"] for r in results)
     # Refused at rank 1's next forward, and at rank 0's step; by the one that failed in its own words.
     assert "was replaced since the last step" in between1["StateError"]
@@ -430,7 +429,7 @@ def test_an_older_optimizer_state_without_its_load_is_refused_on_every_rank(mism
 def test_exchange_gradients_refused_on_one_rank_raises_on_every_rank_at_once(mismatched_calls):
     """A rank's own refusal left the others waiting in the exchange until the process group's timeout."""
     out, seed = mismatched_calls
-    rank0, rank1 = (json.loads((out / f"exchange.rank{r}.json").read_text()) for r in range(2))
+    rank0, rank1 = reported(out, "exchange")
     assert "without a training forward" in rank1["no forward"]["StateError"]
     assert "exchange_gradients() failed on rank(s) [1]" in rank0["no forward"]["StateError"]
     assert rank1["heard while waiting"]  # before the fix rank 0 heard only at rank 1's next collective
@@ -446,8 +445,7 @@ def test_exchange_gradients_refused_on_one_rank_raises_on_every_rank_at_once(mis
 def test_attach_on_one_rank_only_is_refused_on_every_rank(mismatched_calls):
     """Its optimizer state restarted (Adam's step count 0) while its peer's went on, silently."""
     out, seed = mismatched_calls
-    for rank in range(2):
-        result = json.loads((out / f"reattach.rank{rank}.json").read_text())
+    for result in reported(out, "reattach"):
         error = result["error"]["StateError"]
         assert "the ranks' embeddings differ" in error and "a rank that attached alone" in error
         assert "5 step(s) since attach(); rank 1: " in error and "0 step(s) since attach())" in error
@@ -458,7 +456,7 @@ def test_attach_on_one_rank_only_is_refused_on_every_rank(mismatched_calls):
 def test_a_step_a_grad_scaler_skips_on_one_rank_only_is_refused_on_every_rank(mismatched_calls):
     """A plain GradScaler checks this rank's owned gradients only: one rank stepped, the other not."""
     out, seed = mismatched_calls
-    rank0, rank1 = (json.loads((out / f"infskip.rank{r}.json").read_text()) for r in range(2))
+    rank0, rank1 = reported(out, "infskip")
     for result in (rank0, rank1):
         assert "rank 0: optimizer.step(); rank 1: a training forward" in result["error"]["StateError"]
         assert "ShardedGradScaler" in result["error"]["StateError"]
@@ -471,7 +469,7 @@ def test_ranks_that_read_a_zeroed_exchanged_gradient_differently_are_refused_on_
     and rank 1 multiplied its by 0: rank 0 dropped the step at the next forward, rank 1 kept it. The
     next step is refused on both ranks, no row changed, instead of hanging one of them."""
     out, seed = mismatched_calls
-    rank0, rank1 = (json.loads((out / f"zerodiffer.rank{r}.json").read_text()) for r in range(2))
+    rank0, rank1 = reported(out, "zerodiffer")
     assert "a backward ran after exchange_gradients()" in rank1["error"]["StateError"]
     assert "failed on rank(s) [1]" in rank0["error"]["StateError"]
     assert rank0["unchanged"] and rank1["unchanged"]
@@ -481,7 +479,7 @@ def test_ranks_that_read_a_zeroed_exchanged_gradient_differently_are_refused_on_
 def test_an_embedding_built_on_a_group_this_rank_is_not_in_is_refused_with_an_option_error(mismatched_calls):
     """Its rank -1 in the group made a shard of no rows: 'num_rows must be a positive int, got 0'."""
     out, _ = mismatched_calls
-    rank0, rank1 = (json.loads((out / f"outsider.rank{r}.json").read_text()) for r in range(2))
+    rank0, rank1 = reported(out, "outsider")
     assert rank0 == {}  # the group's one rank builds its embedding
     assert "not a member of process_group" in rank1["OptionError"]
     assert "only on the group's ranks" in rank1["OptionError"]
@@ -490,8 +488,7 @@ def test_an_embedding_built_on_a_group_this_rank_is_not_in_is_refused_with_an_op
 def test_ranks_loading_different_checkpoints_are_refused_before_any_row_changes(mismatched_calls):
     """Each rank restored its own checkpoint's rows and Adam step count (2 here, 4 there), silently."""
     out, _ = mismatched_calls
-    for rank in range(2):
-        result = json.loads((out / f"twockpts.rank{rank}.json").read_text())
+    for result in reported(out, "twockpts"):
         assert "not the same checkpoint on every rank" in result["error"]["StateError"]
         assert "ranks [0] read one, ranks [1] another" in result["error"]["StateError"]
         assert result["unchanged"]
@@ -501,8 +498,7 @@ def test_ranks_loading_different_checkpoints_are_refused_before_any_row_changes(
 def test_a_npy_load_on_one_rank_and_a_checkpoint_load_on_another_is_refused_on_both(mismatched_calls):
     """Their collectives paired: each rank loaded its own file, silently (or hung, comparing checkpoints)."""
     out, _ = mismatched_calls
-    for rank in range(2):
-        result = json.loads((out / f"mixedload.rank{rank}.json").read_text())
+    for result in reported(out, "mixedload"):
         error = result["error"]["StateError"]
         assert "rank 0: load() of a whole-table .npy; rank 1: load() of a sharded checkpoint" in error
         assert result["unchanged"]
@@ -511,8 +507,7 @@ def test_a_npy_load_on_one_rank_and_a_checkpoint_load_on_another_is_refused_on_b
 def test_tables_built_alike_but_called_in_another_order_on_each_rank_are_refused(mismatched_calls):
     """Rank 0's lookup in its first table paired with rank 1's in its second: rows of the other table, silently."""
     out, _ = mismatched_calls
-    for rank in range(2):
-        result = json.loads((out / f"order.rank{rank}.json").read_text())
+    for result in reported(out, "order"):
         error = result["error"]["StateError"]
         assert "the ranks' embeddings differ" in error and "in the same order on every rank" in error
         first, second = map(int, re.findall(r"rank \d: ShardedOffloadedEmbedding #(\d+) built on its group", error))
