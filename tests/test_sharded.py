@@ -1425,13 +1425,7 @@ def test_a_step_whose_forwards_no_backward_reached_leaves_the_optimizer_alone(rn
     step count stays. The sharded step gave it a zero gradient, counted the step, and every later
     step's bias correction differed (0.02 on unit rows after four steps)."""
     rows, dim, steps = 40, 3, 12
-    table0 = rng.standard_normal((rows, dim)).astype(np.float32)
-    emb = ss.ShardedOffloadedEmbedding(rows, dim, max_rows=16, storage="pageable", backend="numpy")
-    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
-    emb.attach(opt)
-    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
-    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+    _, emb, opt, ref, ref_opt = _one_rank_adam(rng, rows, dim)
     unreached = {1, 2, 7}  # the first two before the optimizer made any state
     for step in range(steps):
         ids = torch.from_numpy(rng.integers(0, rows, 10))
