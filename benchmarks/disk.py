@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
 import speedswap as ss  # noqa: E402
-from speedswap.data.filesource import drop_cache  # noqa: E402
+from speedswap.atomic import drop_cache  # noqa: E402
 
 DIM = 1024  # 4 KiB rows: random order costs one disk read per row
 

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import speedswap as ss  # noqa: E402
-from speedswap.data.filesource import drop_cache  # noqa: E402
+from speedswap.atomic import drop_cache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (HelpFormatter, add_common_arguments, backend_and_device, positive_float,  # noqa: E402

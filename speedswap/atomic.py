@@ -6,7 +6,10 @@ a full disk mid-save leaves the previous file intact. Temporaries are named
 dead process left behind and remove exactly those. Saves to one file take
 turns (:func:`one_save_at_a_time`, an ``flock`` on ``.<name>.speedswap.lock``
 beside it). OSErrors become :class:`~speedswap.errors.PathError` naming the
-user's path, never the temporary.
+user's path, never the temporary. Beside them, :func:`open_into`, an open whose
+descriptor no interrupt can lose, and the file-level calls built on it:
+:func:`fsync_dir`, and :func:`drop_cache` (a file's pages out of the page
+cache, for the cold reads that benchmarks and examples time).
 """
 
 import contextlib
@@ -24,12 +27,12 @@ try:
 except ImportError:  # Windows: threads of one process still take turns (see locked)
     fcntl = None
 
-from .errors import DTypeError, MissingFileError, PathError, SpeedswapError
+from .errors import DTypeError, MissingFileError, PathError, SpeedswapError, warn
 from .mappings import mapped_for_writing
 
 __all__ = ["as_path", "atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
            "check_readable_file", "check_regular_file", "opening_error", "saving_error", "open_into", "fsync_dir",
-           "sync_new_name", "locked", "one_save_at_a_time"]
+           "sync_new_name", "drop_cache", "locked", "one_save_at_a_time"]
 
 def as_path(path) -> str:
     """``path`` as a str: the one check of the paths speedswap's calls take, before any is used.
@@ -398,6 +401,38 @@ def opening_error(path, exc, what="file") -> "PathError":
     error = PathError(message)
     error.errno = exc.errno
     return error
+
+
+def drop_cache(path: "str | os.PathLike") -> None:
+    """Drop a file's pages from the page cache, so its next read comes from disk (a cold start).
+
+    Dropping is advice: where the file cannot be synced or its pages dropped
+    (a ``/proc`` file answers EINVAL), it reads the same, perhaps from
+    memory, so that only warns.
+
+    Args:
+        path: an existing regular file.
+
+    Raises:
+        MissingFileError: nothing at ``path``.
+        PathError: ``path`` is a directory or not a regular file, or cannot be opened.
+    """
+    path = check_regular_file(path, "file to drop from the page cache")
+    opened = []  # the file's descriptor, from its opening (open_into): closed whatever comes
+    try:
+        try:
+            fd = open_into(opened, path, os.O_RDONLY)
+        except OSError as exc:
+            raise opening_error(path, exc) from exc
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped until they are written
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as exc:
+            warn(f"{path!r} could not be dropped from the page cache ({exc.strerror or exc}); its next "
+                 f"read may come from memory, not the disk, so a timing of it is not a cold one")
+    finally:
+        if opened:
+            os.close(opened[0])
 
 
 _LOCKS = {}  # a directory's real path, or a save's lock file -> threading.Lock, where flock is not to be had

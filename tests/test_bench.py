@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from speedswap import atomic
 from speedswap.__main__ import main
 from speedswap.apps.bench import feeder, gpu_tests, suite, summary, timing, training_step, transport, word2vec
 from speedswap.apps.bench.summary import render_summary, target_rows
@@ -21,6 +23,7 @@ from speedswap.apps.corpus import synthetic_corpus
 
 from conftest import gpu_only_first
 from test_backends import fake_cgroups
+from test_files import _SWEEPS_MODEL_CTRL_C, _descriptors_left_by_interrupts, _opened_in
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ["Machine", "Steps", "Targets", "GPU tests", "Transport", "Training step", "Feeder", "word2vec",
@@ -684,3 +687,25 @@ def test_the_eval_read_benchmark_reads_fewer_rows_through_a_cache_and_keeps_its_
         cached = rows["zipf 1.1", fraction]
         assert 0 < cached["hit_rate"] and cached["rows_h2d_vs_no_cache"] < 1
         assert cached["rows_h2d_per_forward"] < rows["zipf 1.1", 0.0]["rows_h2d_per_forward"]
+
+
+
+@_SWEEPS_MODEL_CTRL_C
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+def test_an_interrupt_anywhere_as_a_disk_epoch_drops_its_file_from_the_cache_leaves_no_descriptor(tmp_path, rng):
+    """The disk benchmark dropped its file from the page cache through a descriptor opened before the
+    try that closes it: a Ctrl-C once os.open had returned left the file open (its gigabytes of disk
+    space too, once the benchmark removed it) for as long as the process lived. KeyboardInterrupt is
+    raised at each place an interrupt can land in feeder.py and atomic.py during a disk epoch of one
+    batch, one per epoch; after each, no descriptor of tmp_path is open."""
+    path = str(tmp_path / "x.npy")
+    np.save(path, rng.standard_normal((64, 4)).astype(np.float32))
+
+    def epoch(counting):
+        counting(True)
+        feeder._disk_epoch(path, "block", batch=16, max_seconds=60, max_batches=1)
+        counting(False)
+
+    points, left = _descriptors_left_by_interrupts(epoch, (feeder, atomic), tmp_path)
+    assert any("open" in point for point in points), points
+    assert not left, f"a disk epoch interrupted at {left} (of {points})"

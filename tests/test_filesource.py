@@ -20,7 +20,7 @@ import torch
 import speedswap as ss
 from speedswap import atomic
 from speedswap.data import filesource
-from speedswap.data.filesource import drop_cache
+from speedswap.atomic import drop_cache
 from speedswap.data.orders import BlockOrder, SequentialOrder
 
 from test_feeder import assert_child_forked_holding_succeeds, io_threads, reader_threads, run_with_deadline

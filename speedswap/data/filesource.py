@@ -34,45 +34,13 @@ import time
 import numpy as np
 import torch
 
-from ..atomic import check_regular_file, open_into, opening_error
+from ..atomic import open_into, opening_error
 from ..files import identity, mapped_identity
 from ..errors import FileFormatError, StateError, ThreadStartError, warn
 
-__all__ = ["FileRows", "WindowReader", "RowReader", "drop_cache"]
+__all__ = ["FileRows", "WindowReader", "RowReader"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def drop_cache(path: "str | os.PathLike") -> None:
-    """Drop a file's pages from the page cache, so its next read comes from disk (a cold start).
-
-    Dropping is advice: where the file cannot be synced or its pages dropped
-    (a ``/proc`` file answers EINVAL), it reads the same, perhaps from
-    memory, so that only warns.
-
-    Args:
-        path: an existing regular file.
-
-    Raises:
-        MissingFileError: nothing at ``path``.
-        PathError: ``path`` is a directory or not a regular file, or cannot be opened.
-    """
-    path = check_regular_file(path, "file to drop from the page cache")
-    opened = []  # the file's descriptor, from its opening (open_into): closed whatever comes
-    try:
-        try:
-            fd = open_into(opened, path, os.O_RDONLY)
-        except OSError as exc:
-            raise opening_error(path, exc) from exc
-        try:
-            os.fsync(fd)  # dirty pages cannot be dropped until they are written
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError as exc:
-            warn(f"{path!r} could not be dropped from the page cache ({exc.strerror or exc}); its next "
-                 f"read may come from memory, not the disk, so a timing of it is not a cold one")
-    finally:
-        if opened:
-            os.close(opened[0])
 
 
 class FileRows:

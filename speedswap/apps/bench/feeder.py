@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
 import speedswap as ss
+from speedswap.atomic import drop_cache
 
 from .timing import format_table, machine, time_interleaved
 
@@ -143,16 +144,6 @@ def fast_loops(epochs: int, repeats: int, rows: int = 300_000, dim: int = 64, ba
             "ratios": ratios}
 
 
-def _evict(path: str) -> None:
-    """Drop the file's pages from the page cache, so the next read comes from disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _write_big(path: str, rows: int, dim: int, seed: int) -> None:
     out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(rows, dim))
     rng = np.random.default_rng(seed)
@@ -173,8 +164,8 @@ def _disk_epoch(path: str, order: str, batch: int, max_seconds: float, max_batch
     Returns:
         ``{"batches", "of", "complete", "seconds", "epoch_s", "load_1min"}``.
     """
-    # Evicted while nothing maps the file: the kernel keeps mapped pages.
-    _evict(path)
+    # Dropped while nothing maps the file: the kernel keeps mapped pages.
+    drop_cache(path)
     gadget = ss.DataGadget(path, mmap=True, backend="numpy")
     feeder = ss.BatchFeeder(gadget, batch_size=batch, order=order, device="cpu", prefetch=4)
     load = os.getloadavg()[0]
