@@ -709,3 +709,45 @@ def test_an_interrupt_anywhere_as_a_disk_epoch_drops_its_file_from_the_cache_lea
     points, left = _descriptors_left_by_interrupts(epoch, (feeder, atomic), tmp_path)
     assert any("open" in point for point in points), points
     assert not left, f"a disk epoch interrupted at {left} (of {points})"
+
+
+@_SWEEPS_MODEL_CTRL_C
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+def test_an_interrupt_anywhere_as_the_disk_case_makes_its_file_leaves_neither_a_descriptor_nor_the_file(
+        tmp_path, monkeypatch):
+    """disk() made its file with tempfile.mkstemp, closed the descriptor mkstemp returns, and only then
+    entered the try that removes the file: a Ctrl-C once mkstemp's open had returned left that
+    descriptor open for good, and one once the close had returned left the file. KeyboardInterrupt is
+    raised at each place an interrupt can land in feeder.py, atomic.py and tempfile as the file is made
+    (until it is written), one per disk case; after each, no descriptor of the directory is open and
+    nothing is left in it."""
+    directory = tmp_path / "bench"
+    directory.mkdir()
+    # tempfile's first name is drawn under a lock of its own, which an interrupt there would keep (every
+    # later tempfile name in this process would wait for it): drawn once before the sweep.
+    with tempfile.TemporaryDirectory(dir=tmp_path):
+        pass
+    counting_of_this_case, debris = [], []
+    write_big = feeder._write_big
+
+    def written(*args, **kwargs):  # the sweep stops here: the file is made (its epochs are swept above)
+        counting_of_this_case[-1](False)
+        write_big(*args, **kwargs)
+
+    monkeypatch.setattr(feeder, "_write_big", written)
+
+    def make_the_file(counting):
+        counting_of_this_case.append(counting)
+        counting(True)
+        try:
+            feeder.disk(0.0001, str(directory), batch=8, max_seconds=60, repeats=1, warmup_batches=0)
+        finally:
+            counting(False)
+            if os.listdir(directory):
+                debris.append(sorted(os.listdir(directory)))
+                for name in os.listdir(directory):
+                    os.unlink(directory / name)
+
+    points, left = _descriptors_left_by_interrupts(make_the_file, (feeder, atomic, tempfile), directory)
+    assert any("open" in point for point in points), points
+    assert not left and not debris, f"a disk case interrupted at {left}, leaving {debris} (of {points})"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import os
+import secrets
 import statistics
 import tempfile
 import time
@@ -39,7 +40,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler
 
 import speedswap as ss
-from speedswap.atomic import drop_cache
+from speedswap.atomic import drop_cache, open_into
 
 from .timing import format_table, machine, time_interleaved
 
@@ -218,11 +219,19 @@ def disk(gigabytes: float, directory: Optional[str], batch: int, max_seconds: fl
     rows = int(gigabytes * 1e9) // (dim * 4)
     nbytes = rows * dim * 4
     ram = machine().get("ram_bytes")
-    fd, path = tempfile.mkstemp(suffix=".npy", dir=directory)
-    os.close(fd)
     orders = ("block", "random")
     epochs = {order: [] for order in orders}
+    path = os.path.join(tempfile.gettempdir() if directory is None else directory,
+                        f"speedswap-disk-{secrets.token_hex(8)}.npy")
+    # The new file's descriptor, from its opening (not tempfile.mkstemp's, which an interrupt as it
+    # returns would lose): once it is here, the file is this case's to remove, whatever comes.
+    made = []
     try:
+        try:
+            open_into(made, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # O_EXCL: never another's file
+        finally:
+            if made:
+                os.close(made[0])
         _write_big(path, rows, dim, seed=0)
         for order in orders if warmup_batches else ():
             _disk_epoch(path, order, batch, max_seconds, max_batches=warmup_batches)
@@ -230,7 +239,8 @@ def disk(gigabytes: float, directory: Optional[str], batch: int, max_seconds: fl
             for order in orders[round_ % 2:] + orders[:round_ % 2]:
                 epochs[order].append(_disk_epoch(path, order, batch, max_seconds))
     finally:
-        os.unlink(path)
+        if made:
+            os.unlink(path)
     table = []
     for order, runs in epochs.items():
         times = [run["epoch_s"] for run in runs]
