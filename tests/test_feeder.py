@@ -197,6 +197,33 @@ def test_state_at_an_epoch_boundary_points_at_the_next_epoch():
     assert feeder.state_dict()["epoch"] == 1 and feeder.state_dict()["batch"] == 0
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_len_is_the_whole_epochs_batch_count_wherever_the_feeder_stands(rng, drop_last):
+    """After a mid-epoch load_state_dict, len(feeder) is the whole epoch's batch count, as a DataLoader's
+    len is whatever its sampler skips, while a loop from there yields only the rest of the epoch:
+    len(feeder) - state_dict()["batch"] batches, the count README tells a resumed progress bar to start
+    from. The next epoch's loop yields len(feeder) again."""
+    rows, size, seed = int(rng.integers(200, 400)), int(rng.integers(7, 30)), int(rng.integers(2**31))
+    x = random_data(rng, (rows, 3))
+
+    def make():
+        return ss.BatchFeeder(np.arange(rows), x, batch_size=size, drop_last=drop_last, seed=seed, device="cpu")
+
+    epoch_batches = len(torch.utils.data.DataLoader(range(rows), batch_size=size, drop_last=drop_last))
+    whole = ids_of(make())
+    cut = int(rng.integers(1, epoch_batches))
+    interrupted = make()
+    ids_of(interrupted, batches=cut)
+    state = interrupted.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert len(interrupted) == len(resumed) == len(whole) == epoch_batches
+    rest = ids_of(resumed)
+    assert len(rest) == len(resumed) - state["batch"] == epoch_batches - cut
+    np.testing.assert_array_equal(np.concatenate(rest), np.concatenate(whole[cut:]))
+    assert len(ids_of(resumed)) == len(resumed) == epoch_batches
+
+
 def test_a_loop_left_early_is_continued_by_the_next():
     feeder = ss.BatchFeeder(np.arange(100), batch_size=10, seed=3, device="cpu")
     reference = ss.BatchFeeder(np.arange(100), batch_size=10, seed=3, device="cpu")

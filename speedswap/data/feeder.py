@@ -588,7 +588,12 @@ class BatchFeeder:
         return len(self) * self._batch_size if self._drop_last else self._share()
 
     def __len__(self):
-        """Batches per epoch on this rank (the same on every rank)."""
+        """Batches per epoch on this rank (the same on every rank), wherever the feeder stands.
+
+        As a ``DataLoader``'s: a loop begun mid-epoch (after :meth:`load_state_dict`
+        or a ``break``) yields only the rest of the epoch,
+        ``len(feeder) - feeder.state_dict()["batch"]`` batches.
+        """
         rows = self._share()
         return rows // self._batch_size if self._drop_last else -(-rows // self._batch_size)
 
