@@ -19,7 +19,7 @@ import speedswap as ss
 from test_cache import (EQUALITIES, SIZES, assert_cached_run_equals_in_memory,
                         assert_touched_rows_equal_reference)
 from test_optimizer_equivalence import OPTIMIZERS, TOL, assert_same
-from training_helpers import (CAPACITY, DIM, NUM_ROWS, refused_save_paths, run_in_memory, run_switchers,
+from training_helpers import (CAPACITY, DIM, NEGS, NUM_ROWS, refused_save_paths, run_in_memory, run_switchers,
                               skipgram_loss, zipf_batches)
 
 #: Every size and both prefetch settings, in a few runs each (the full product is `slow`).
@@ -128,6 +128,23 @@ def test_either_switcher_may_be_built_and_called_first(optimizer_first, rng, bac
     _train(*pair, batches, optimizer_first=optimizer_first)
     assert pair[2].stats()["total"]["hits"] > 0
     expected = _sparse_adam_in_memory(table0, batches, backend)
+    assert_same(_tables(*pair[2:]), expected)
+
+
+@pytest.mark.parametrize("optimizer_first", [False, True])
+def test_a_step_without_ids_trains_nothing_with_a_cache(optimizer_first, rng, backend):
+    """A batch with no ids (an empty shard of the data): with a cache, after_step raised a bare
+    IndexError from the cache's store, which found no fetch of the step, and left the step open."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    batches = _batches(rng, backend, 6)
+    device = ss.get_backend(backend).device
+    empty = (torch.zeros(0, dtype=torch.int64, device=device),
+             torch.zeros(0, NEGS, dtype=torch.int64, device=device), torch.zeros(0, DIM, device=device))
+    pair = _pair(backend, 6, table0, opt=torch.optim.Adagrad, optimizer_first=optimizer_first)
+    _train(*pair, batches[:3] + [empty] + batches[3:] + [empty], optimizer_first=optimizer_first)
+    # Adagrad without lr_decay: in memory a step without ids moves no row and no state.
+    expected = run_in_memory(lambda p: torch.optim.Adagrad(list(p), lr=0.05), table0, batches,
+                             device, sparse=True)
     assert_same(_tables(*pair[2:]), expected)
 
 

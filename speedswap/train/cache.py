@@ -318,6 +318,8 @@ class RowCache:
     def _step_slots(self):
         """Each working-set row's slot (by working-set slot), -1 for the step's misses."""
         parts = self._slot_parts
+        if not parts:  # a step without rows (no ids): fetch returned before recording any
+            return torch.empty(0, dtype=torch.int64, device=self.device)
         if len(parts) > 1:
             parts[:] = [torch.cat(parts)]  # read_state and store both need them: one cat a step
         return parts[0]
