@@ -30,6 +30,7 @@ from speedswap.train import sharded_checkpoint
 from speedswap.train.exchange import Exchange
 from sharded_worker import (CHECKPOINTED_STEPS, DIM, NUM_ROWS, PAD, SAVE_AT, SKIPPED, STEPS, initial_table,
                             make, shard_arrays, train)
+from test_torch_features import TORCH_FUNC_CALLS
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "sharded_worker.py"
@@ -1828,3 +1829,24 @@ def test_a_sharded_step_after_an_unreached_forward_reads_its_slots_once_per_side
         opt.zero_grad()
         assert step.total == 3, dict(step.where)  # the counts' read and the two slot reads
     np.testing.assert_array_equal(emb.table.to_numpy()[57:], table[57:])  # put back each time
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap", "vmap_without_grad", "per_sample_grads"])
+def test_one_rank_torch_func_transform_of_the_forward_is_refused_and_changes_nothing(rng, transform):
+    """As test_torch_features' test for OffloadedEmbedding: a ``torch.func`` transform of the
+    forward failed deep inside with a ``RuntimeError``; it is refused with ``OptionError``, mid-step,
+    and the rows looked up outside it train as in memory (SparseAdam)."""
+    rows, dim, steps = 60, 4, 12
+    _, emb, opt, ref, ref_opt = _one_rank_adam(rng, rows, dim)
+    for step in range(steps):
+        ids = torch.from_numpy(rng.integers(0, rows, size=(3, 4)))
+        target = torch.from_numpy(rng.standard_normal((3, 4, dim)).astype(np.float32))
+        for lookup, optimizer in ((emb, opt), (lambda i: F.embedding(i, ref, sparse=True), ref_opt)):
+            looked_up = lookup(ids)  # a step in flight
+            if step == steps // 2 and optimizer is opt:
+                with pytest.raises(ss.OptionError, match="rows.backward"):
+                    TORCH_FUNC_CALLS[transform](emb, ids)
+            ((looked_up - target) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -342,3 +342,41 @@ def test_compiling_a_model_whole_with_fullgraph_is_refused_by_torch_before_any_r
             train_step(model, optimizer, ids, target)
     torch._dynamo.reset()
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+#: torch.func calls of an embedding's forward, as they are written for an nn.Embedding.
+TORCH_FUNC_CALLS = {
+    "grad": lambda emb, ids: torch.func.grad(
+        lambda params: torch.func.functional_call(emb, params, (ids,)).sum())(dict(emb.named_parameters())),
+    "vjp": lambda emb, ids: torch.func.vjp(
+        lambda weight: torch.func.functional_call(emb, {"weight": weight}, (ids,)), emb.weight),
+    "vmap": lambda emb, ids: torch.func.vmap(emb)(ids),
+    "vmap_without_grad": lambda emb, ids: torch.no_grad()(torch.func.vmap(emb))(ids),
+    "per_sample_grads": lambda emb, ids: torch.func.vmap(
+        torch.func.grad(lambda params, i: torch.func.functional_call(emb, params, (i,)).sum()),
+        in_dims=(None, 0))(dict(emb.named_parameters()), ids),
+}
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("transform", list(TORCH_FUNC_CALLS))
+def test_a_torch_func_transform_of_the_forward_is_refused_and_rows_looked_up_outside_one_train(
+        backend, rng, cache_rows, transform):
+    """``torch.func`` transforms of the embedding's forward (``grad``/``vjp`` of a
+    ``functional_call``, ``vmap``, per-sample gradients) hand it a wrapped ``weight`` without
+    storage, or batched ids: it failed deep inside with a ``RuntimeError`` ("Cannot access data
+    pointer of Tensor that doesn't have storage", "Batching rule not implemented for
+    aten::ne.Tensor_out"). It is refused with ``OptionError``, mid-step with nothing changed, and
+    what the refusal advises (look the rows up outside the transform, pass them in, and hand their
+    gradient back with ``rows.backward``) trains as in memory."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, ROWS, cache_rows)
+    for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            rows = lookup(ids.to(to))  # a step in flight
+            if step == STEPS // 2 and optimizer is opt:
+                with pytest.raises(ss.OptionError, match="rows.backward"):
+                    TORCH_FUNC_CALLS[transform](emb, ids.to(to))
+            rows.backward(torch.func.grad(lambda r: ((r.cpu().sum(1) - target) ** 2).sum())(rows.detach()))
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_trained_as_sparse_adam(emb, ref, ref_opt)

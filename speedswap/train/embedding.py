@@ -32,7 +32,7 @@ from .module_state import (check_tables_state, copy_tables, missing_hint, note_l
                            tables_state, unpicklable)
 from .one_optimizer import claim
 from .options import (embedding_dtype, embedding_flags, forward_ids, padding_option, refuse_bag_arguments,
-                      refuse_max_norm)
+                      refuse_function_transforms, refuse_max_norm)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
                         take_assigned)
@@ -462,10 +462,12 @@ class OffloadedEmbedding(RefusesConversion):
             CapacityError: the step touches more than ``max_rows`` distinct rows.
             StateError: training before :meth:`attach`.
             OptionError: a training forward inside ``DistributedDataParallel``
-                that averages :attr:`weight`'s gradient (see :func:`_refuse_ddp`).
+                that averages :attr:`weight`'s gradient (see :func:`_refuse_ddp`);
+                a forward under a ``torch.func`` transform (nothing changes).
         """
         if extra or offsets is not None or per_sample_weights is not None:
             refuse_bag_arguments(type(self).__name__, extra, offsets, per_sample_weights)
+        refuse_function_transforms(type(self).__name__)
         ids = forward_ids(input, ids)
         self._check_open()
         self._abort_step()

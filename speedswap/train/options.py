@@ -1,4 +1,4 @@
-"""``nn.Embedding``'s constructor options and forward argument, checked alike by every offloaded embedding."""
+"""``nn.Embedding``'s constructor options and forward call, checked alike by every offloaded embedding."""
 
 from typing import Optional
 
@@ -9,7 +9,7 @@ from ..convert import bool_option, int_option, torch_dtype
 from ..errors import DTypeError, OptionError
 
 __all__ = ["padding_option", "embedding_dtype", "embedding_flags", "refuse_max_norm", "forward_ids",
-           "refuse_bag_arguments"]
+           "refuse_bag_arguments", "refuse_function_transforms"]
 
 
 def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:
@@ -124,3 +124,27 @@ def refuse_bag_arguments(cls: str, extra: tuple, offsets, per_sample_weights) ->
                      f"optimizers: a click model', gives bag_sum(emb, ids, offsets, per_sample_weights), "
                      f"nn.EmbeddingBag(mode='sum')'s result; bags padded to one length pool as "
                      f"emb(ids).sum(1) with padding_idx")
+
+
+def refuse_function_transforms(cls: str) -> None:
+    """Refuse a forward that a ``torch.func`` transform calls (``grad``, ``vjp``, ``vmap``, ...).
+
+    The forward gathers the ids' rows into the working set, :attr:`weight`,
+    and the optimizer's step writes them back from it: a transform hands the
+    forward a wrapped ``weight`` without storage (``functional_call``) or
+    batched ids (``vmap``), which failed deep inside with a ``RuntimeError``.
+    Called first, so nothing has changed.
+
+    Args:
+        cls: the embedding class, for the message.
+
+    Raises:
+        OptionError: a ``torch.func`` transform is running.
+    """
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise OptionError(
+            f"{cls} under a torch.func transform (grad, vjp, vmap, a functional_call inside one): its "
+            f"weight is the step's working set, which the forward fills from the host table and "
+            f"optimizer.step() writes back, so the transform cannot call it. Look the rows up outside "
+            f"the transform (rows = emb(ids)) and pass them in; hand their gradient back with "
+            f"rows.backward(grad_of_rows) before optimizer.step()")

@@ -47,7 +47,7 @@ from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import (embedding_dtype, embedding_flags, forward_ids, padding_option, refuse_bag_arguments,
-                      refuse_max_norm)
+                      refuse_function_transforms, refuse_max_norm)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
 from .step_hooks import StepHooks
@@ -538,7 +538,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 (a step, a save) on another rank, or ranks whose embeddings or
                 optimizers differ. Whoever fails, every rank raises and no row
                 changes.
+            OptionError: a forward under a ``torch.func`` transform, raised on
+                each rank that runs one, before any message (nothing changes).
         """
+        refuse_function_transforms(type(self).__name__)
         training = self.training and torch.is_grad_enabled()
         if training:
             self._abort_step()
