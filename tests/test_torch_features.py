@@ -140,6 +140,38 @@ def test_user_code_sees_a_zero_gradient_as_in_memory_but_for_the_signs_of_two_ze
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("inside", ["read", "auxiliary_loss"])
+def test_a_forward_inside_a_custom_backward_trains_as_in_memory(backend, rng, cache_rows, inside):
+    """A custom ``autograd.Function`` whose backward runs the embedding's forward, which is no
+    activation checkpointing: it reads other rows to gate the gradient (no gradient mode there:
+    an eval read), or computes an auxiliary loss on other rows with gradients on and backwards it
+    (a training forward inside the backward, which leaves ``zero_grad()``'s verdict to the
+    backward: ``reached.in_backward``). Both train as in memory (SparseAdam). Passed when written."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, ROWS, cache_rows)
+    batches = zipf_ids(rng, 2 * STEPS)
+    for step in range(STEPS):
+        (ids, target), (other, _) = batches[2 * step], batches[2 * step + 1]
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            class Gate(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, rows):
+                    return rows.clone()
+
+                @staticmethod
+                def backward(ctx, grad):
+                    if inside == "read":
+                        return grad * (1 + torch.tanh(lookup(other[:, 0].to(to)).cpu().sum(1))).view(-1, 1, 1)
+                    with torch.enable_grad():
+                        (lookup(other.to(to)).cpu() ** 2).sum().mul(0.1).backward()
+                    return grad
+            rows = Gate.apply(lookup(ids.to(to)).cpu())
+            ((rows.sum((1, 2)) - target.view(-1)) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_trained_as_sparse_adam(emb, ref, ref_opt)
+
+
 _DDP_RANK = r"""
 import os, sys, datetime
 import numpy as np, torch, torch.distributed as dist
