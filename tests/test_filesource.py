@@ -649,7 +649,7 @@ def test_a_loop_collected_on_a_thread_of_its_own_readers_closes_its_files(tmp_pa
     feeder = ss.BatchFeeder(write(path, rng.standard_normal((64, 3)).astype(np.float32)), batch_size=8,
                             device="cpu", prefetch=4)
     held = fds_on(path)
-    name, nth = ("read", 3) if on == "read-ahead thread" else ("_read", 20)  # batch 2, read ahead
+    name, nth = ("read", 3) if on == "read-ahead thread" else ("_rows", 20)  # batch 2, read ahead
     method, go, collected, calls = getattr(filesource.RowReader, name), threading.Event(), threading.Event(), []
 
     def read_then_collect(self, *args):
@@ -1178,3 +1178,83 @@ def test_an_interrupt_anywhere_as_a_file_reader_is_closed_leaves_no_descriptor_t
         read_and_close_twice, (filesource, atomic, concurrent.futures.thread, threading), tmp_path)
     assert any("_close_fds" in point for point in points) and any("join" in point for point in points), points
     assert not left and not wrong, f"a close interrupted at {left}, {wrong} (of {points})"
+
+
+def row_reader(path, data, ids, threads=16, drop_behind=False):
+    """A RowReader of ``ids`` over a fresh ``.npy`` at ``path`` holding ``data``."""
+    write(path, data)
+    rows = filesource.FileRows(str(path), ss.files.read_npy_header(path).offset, len(data), data.shape[1:],
+                               torch.from_numpy(data[:0]).dtype, ss.files.identity(os.stat(path)))
+    return filesource.RowReader([rows], ids, threads=threads, drop_behind=drop_behind)
+
+
+@pytest.mark.parametrize("row_floats", [3, 1025])  # 12-byte rows, and rows that straddle pages
+@pytest.mark.parametrize("threads", [1, 16])
+@pytest.mark.parametrize("drop_behind", [False, True])
+def test_a_short_read_mid_part_still_gives_every_row_exactly_and_drops_each_rows_pages(
+        tmp_path, rng, monkeypatch, row_floats, threads, drop_behind):
+    """Random order preads each row straight into the batch with offsets worked out for the whole part;
+    a read that returns fewer bytes (a signal, a network file system) goes to _read, which reads the
+    row again whole. The rows after it still land in their places, and drop-behind drops exactly the
+    pages of each row read, as _read does, never more (the pages of rows not read yet stay cached)."""
+    n = 300
+    data = rng.standard_normal((n, row_floats)).astype(np.float32)
+    ids = np.concatenate([rng.permutation(n), rng.integers(0, n, 100)])  # repeats too, as padding makes
+    reader = row_reader(tmp_path / "x.npy", data, ids, threads, drop_behind)
+    offset, size = reader._files[0].offset, reader._files[0].row_bytes
+    preadv, fadvise, calls, short, dropped = os.preadv, os.posix_fadvise, [], [], []
+
+    def sometimes_short(fd, buffers, position, *flags):
+        calls.append(position)
+        if len(calls) % 7 == 3:  # a few bytes of the row only
+            short.append(position)
+            return preadv(fd, [buffers[0][:5]], position, *flags)
+        return preadv(fd, buffers, position, *flags)
+
+    def recording(fd, start, length, advice):
+        dropped.append((start, length))
+        return fadvise(fd, start, length, advice)
+
+    monkeypatch.setattr(os, "preadv", sometimes_short)
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    try:
+        for lo in range(0, len(ids), 64):
+            (got,) = reader.read(lo, min(lo + 64, len(ids)))
+            np.testing.assert_array_equal(got.numpy(), data[ids[lo:lo + 64]])
+    finally:
+        reader.close()
+    assert short and len(calls) == len(ids) + len(short)  # one more pread for each short one
+    page = mmap.PAGESIZE
+    starts = offset + ids * size
+    expected = [(s - s % page, -(-(s + size) // page) * page - (s - s % page)) for s in starts.tolist()]
+    assert sorted(dropped) == (sorted(expected) if drop_behind else [])
+
+
+@pytest.mark.parametrize("threads", [1, 16])
+def test_a_disk_error_mid_part_is_raised_naming_its_row_and_never_read_again(tmp_path, rng, monkeypatch,
+                                                                              threads):
+    """The tight loop raises a row's OSError as _read does (the file, the row, errno kept): it is not
+    handed to _read to try again, which would hide a disk that fails now and then."""
+    data = rng.standard_normal((200, 4)).astype(np.float32)
+    ids = rng.permutation(200)
+    reader = row_reader(tmp_path / "x.npy", data, ids, threads)
+    offset, size = reader._files[0].offset, reader._files[0].row_bytes
+    bad = int(ids[int(rng.integers(0, 100))])
+    preadv, calls = os.preadv, []
+
+    def failing_once(fd, buffers, position, *flags):
+        calls.append(position)
+        if position == offset + bad * size and calls.count(position) == 1:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return preadv(fd, buffers, position, *flags)
+
+    monkeypatch.setattr(os, "preadv", failing_once)
+    try:
+        with pytest.raises(ss.FileFormatError, match=rf"x\.npy.*Input/output error while reading rows "
+                                                     rf"{bad}\.\.{bad} \(bytes") as raised:
+            reader.read(0, 100)
+        assert raised.value.errno == errno.EIO and calls.count(offset + bad * size) == 1
+        (got,) = reader.read(100, 200)  # the next batch reads on
+        np.testing.assert_array_equal(got.numpy(), data[ids[100:]])
+    finally:
+        reader.close()

@@ -30,6 +30,7 @@ import mmap
 import os
 import threading
 import time
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -158,6 +159,19 @@ def _disk_error(file, exc, doing) -> FileFormatError:
     return error
 
 
+def _pages(position, end):
+    """``(start, length)`` of the whole pages holding bytes ``[position, end)``: what drop-behind drops.
+
+    Rows are read once per epoch, so a reader that drops behind keeps them out
+    of the page cache. The kernel drops only whole pages inside a range, so it
+    is rounded out: a page shared with a row not read yet is read again then,
+    and the page cache stays bounded whatever the row size. Works on ints and
+    on int64 numpy arrays alike.
+    """
+    start = position - position % _PAGE
+    return start, end - start + _PAGE - 1 - (end - 1) % _PAGE
+
+
 def _closed_by_another_thread() -> StateError:
     return StateError("this feeder loop's file reader was closed by another thread (set_epoch, "
                       "load_state_dict or a new loop); iterate the feeder anew, one thread at a time")
@@ -209,8 +223,7 @@ class _PoolReader:
                 got = os.preadv(fd, [view[done:]], position + done)
                 size = os.fstat(fd).st_size if got == 0 else None
             except OSError as exc:
-                raise _disk_error(file, exc, f"reading rows {first}..{first + count - 1} (bytes "
-                                             f"{position:,} to {end:,})") from exc
+                raise self._reading_error(column, first, count, exc) from exc
             if got == 0:
                 raise FileFormatError(
                     f"{file.path!r} ends at byte {size:,} but rows {first}..{first + count - 1} need "
@@ -218,13 +231,13 @@ class _PoolReader:
                     f"it; restore it (or rebuild the DataGadget/memmap) and resume from a state_dict")
             done += got
         if self._drop:
-            # Read once per epoch: keep it out of the page cache (drop behind). The
-            # kernel drops only whole pages inside the range, so round it out: a
-            # page shared with a row not read yet is read again then, and the
-            # page cache stays bounded whatever the row size.
-            first_page = position - position % _PAGE
-            os.posix_fadvise(fd, first_page, end - first_page + _PAGE - 1 - (end - 1) % _PAGE,
-                             os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, *_pages(position, end), os.POSIX_FADV_DONTNEED)
+
+    def _reading_error(self, column, first, count, exc):
+        """The :func:`_disk_error` of ``exc``, an OSError reading rows ``[first, first + count)`` of file ``column``."""
+        file = self._files[column]
+        position, end = file.offset + first * file.row_bytes, file.offset + (first + count) * file.row_bytes
+        return _disk_error(file, exc, f"reading rows {first}..{first + count - 1} (bytes {position:,} to {end:,})")
 
     def _check_unchanged(self):
         """Raise when a file was written since it was opened: rows read from then on may be new ones.
@@ -396,9 +409,31 @@ class RowReader(_PoolReader):
         return outs
 
     def _rows(self, column, ids, positions, out):
-        size = self._files[column].row_bytes
-        for position in positions.tolist():
-            self._read(column, int(ids[position]), 1, out[position * size:(position + 1) * size])
+        """Read rows ``ids[positions]`` of file ``column`` into their places in ``out`` (uint8, the batch's bytes).
+
+        A row is one ``pread`` straight into its place: the offsets are worked
+        out for the whole part at once, since Python per row cost more than the
+        call itself (benchmarks/NOTES.md, entries 68 and 69). A short read (the
+        file's end, a signal) goes to :meth:`_read`, which reads on or explains;
+        an OSError is raised as :meth:`_read` raises it, never retried.
+        """
+        file, fd = self._files[column], self._fds[column]
+        size, rows = file.row_bytes, ids[positions]
+        position = file.offset + rows * size
+        reads = zip(rows.tolist(), position.tolist(), (positions * size).tolist())
+        # Each row's own pages, as _read drops them. One drop over the part's whole span would also
+        # drop the cached pages of rows not read yet (later batches', other readers'): each a disk read.
+        drops = zip(*(a.tolist() for a in _pages(position, position + size))) if self._drop else repeat(None)
+        view, preadv, fadvise, dontneed = memoryview(out), os.preadv, os.posix_fadvise, os.POSIX_FADV_DONTNEED
+        for (row, offset, at), drop in zip(reads, drops):
+            try:
+                got = preadv(fd, [view[at:at + size]], offset)
+            except OSError as exc:
+                raise self._reading_error(column, row, 1, exc) from exc
+            if got != size:
+                self._read(column, row, 1, out[at:at + size])
+            elif drop is not None:
+                fadvise(fd, *drop, dontneed)
 
 
 class WindowReader(_PoolReader):
