@@ -15,7 +15,7 @@ import torch
 import speedswap as ss
 from speedswap.apps.arguments import (SEED_LIMIT, nonnegative_float, nonnegative_int,  # noqa: F401 (the examples')
                                        positive_float, positive_int, seed, share, table_directory)
-from speedswap.apps.demo import BACKEND_OF_DEVICE
+from speedswap.apps.demo import BACKEND_OF_DEVICE, format_bytes
 from speedswap.atomic import atomic_output
 
 
@@ -103,6 +103,20 @@ def backend_and_device(args):
                              f"node (torchrun --nproc-per-node), or train with --device cpu")
         torch.cuda.set_device(int(local_rank))
     return backend, ss.get_backend(backend).device
+
+
+def memory_rows(memory, storage):
+    """The report's memory rows: the host tables (in ``--storage``) and what the step keeps on its device.
+
+    Args:
+        memory: what :func:`speedswap.apps.demo.memory_summary` returned.
+        storage: the ``--storage`` the tables were built with.
+
+    Returns:
+        ``[(label, value), ...]`` rows for ``format_rows``.
+    """
+    return [("host tables", f"{format_bytes(memory['host_bytes'] + memory['file_bytes'])} ({storage})"),
+            (f"on {memory['device']} for the step", format_bytes(memory["device_bytes"]))]
 
 
 def write_json(args, figures):

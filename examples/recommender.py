@@ -41,11 +41,12 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import speedswap as ss  # noqa: E402
-from speedswap.apps.demo import format_bytes, format_rows, memory_summary  # noqa: E402
+from speedswap.apps.demo import format_rows, memory_summary  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (HelpFormatter, add_common_arguments, backend_and_device, check_torchrun,  # noqa: E402
-                     existing_file, nonnegative_float, positive_float, positive_int, run, share, write_json)
+                     existing_file, memory_rows, nonnegative_float, positive_float, positive_int, run, share,
+                     write_json)
 
 
 def read_ratings(path):
@@ -298,8 +299,7 @@ def main(argv=None):
                   else "inf: a table holds NaN or inf (a run diverged)")]
     if noise:
         rows.append(("noise (best reachable)", f"{noise:.4f}"))
-    rows += [("host tables", f"{format_bytes(memory['host_bytes'] + memory['file_bytes'])} ({args.storage})"),
-             (f"on {memory['device']} for the step", format_bytes(memory["device_bytes"]))]
+    rows += memory_rows(memory, args.storage)
     print(format_rows(rows))
     write_json(args, figures)
     return figures

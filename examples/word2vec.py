@@ -55,15 +55,15 @@ import torch  # noqa: E402
 import speedswap as ss  # noqa: E402
 from speedswap.apps import evaluate, word2vec  # noqa: E402
 from speedswap.apps.corpus import read_text_corpus, synthetic_corpus  # noqa: E402
-from speedswap.apps.demo import (DEMO, cache_summary, format_bytes, format_cache, format_rows,  # noqa: E402
+from speedswap.apps.demo import (DEMO, cache_summary, format_cache, format_rows,  # noqa: E402
                                  memory_summary)
 from speedswap.apps.w2v_format import save_word2vec_format  # noqa: E402
 from speedswap.atomic import atomic_output  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (HelpFormatter, add_common_arguments, backend_and_device, check_torchrun,  # noqa: E402
-                     existing_file, nonnegative_float, nonnegative_int, positive_float, positive_int, run,
-                     table_directory, writable_file, write_json)
+                     existing_file, memory_rows, nonnegative_float, nonnegative_int, positive_float, positive_int,
+                     run, table_directory, writable_file, write_json)
 from _distributed import STEPS, word2vec_sharded  # noqa: E402
 
 
@@ -296,8 +296,7 @@ def main(argv=None):
     quality_rows, quality = evaluate_vectors(args, result.vectors, corpus)
     figures.update(quality)
     rows += quality_rows
-    rows += [("host tables", f"{format_bytes(memory['host_bytes'] + memory['file_bytes'])} ({args.storage})"),
-             (f"on {memory['device']} for the step", format_bytes(memory["device_bytes"]))]
+    rows += memory_rows(memory, args.storage)
     if args.cache_rows and not args.speedtorch_api:  # the switchers are gone with the run
         figures["cache"] = cache_summary({"centre": result.model.centre, "context": result.model.context})
         rows += format_cache(figures["cache"])
