@@ -634,6 +634,17 @@ def test_from_pretrained_refuses_rows_from_numpy_refuses_before_making_its_files
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("freeze", ["False", "no", 0])
+def test_from_pretrained_refuses_a_freeze_that_is_not_a_bool_before_making_its_files(freeze, rng, tmp_path):
+    """freeze="False" (read from a config file) is true to Python: the table was built and frozen,
+    and training then read it without ever changing a row, silently."""
+    rows = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    with pytest.raises(ss.OptionError, match=f"freeze must be True .* or False, got {freeze!r}"):
+        ss.OffloadedEmbedding.from_pretrained(rows, freeze, max_rows=CAP, storage="mmap", path=tmp_path / "emb",
+                                              backend="numpy")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_from_pretrained_reads_byte_swapped_rows_exactly(rng):
     rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
     with ss.OffloadedEmbedding.from_pretrained(rows.astype(">f4"), max_rows=CAP, storage="pageable",

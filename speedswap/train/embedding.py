@@ -263,8 +263,10 @@ class OffloadedEmbedding(RefusesConversion):
                 or a sparse or nested tensor.
             DeviceError: a tensor on the meta device.
             FileFormatError, MissingFileError: a bad or missing file.
-            OptionError, PathError: as the class's constructor.
+            OptionError, PathError: as the class's constructor; ``freeze`` that
+                is not a bool (``bool("False")`` is True: it would freeze the table).
         """
+        freeze = bool_option(freeze, "freeze", hint=" (forwards read the table, nothing trains)")
         if isinstance(embeddings, (str, bytes, os.PathLike)):
             header = files.read_npy_header(embeddings)
             # A big-endian file holds the same numbers, which load() swaps as it reads them.
