@@ -663,6 +663,19 @@ def test_closed_switchers_leave_the_embedding_to_train_as_in_memory(then, backen
     assert left() is None, "the closed switchers still hold the embedding's last gradient"
 
 
+@pytest.mark.parametrize("copy_", ["False", "no", 0])
+def test_to_numpy_refuses_a_copy_that_is_not_a_bool(copy_, backend, table0, rng):
+    """to_numpy(copy="False") is true to Python: it returned a copy, and what was written into it,
+    meant for the table, was lost without an error."""
+    model, opt, u, o = build(backend, table0)
+    with pytest.raises(ss.OptionError, match=f"copy must be True .* or False, got {copy_!r}"):
+        u.to_numpy(copy=copy_)
+    view = u.to_numpy(copy=False)
+    rows = rng.standard_normal((2, DIM), dtype=np.float32)
+    view[[3, 7]] = rows  # the way that works: written into the table's own memory
+    np.testing.assert_array_equal(u.getNumpyVersion()[[3, 7]], rows)
+
+
 @pytest.mark.parametrize("make,refused", [
     (lambda p: torch.optim.SGD(p, lr=0.1), False),
     (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), True),

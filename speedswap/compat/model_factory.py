@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..atomic import as_path, atomic_output, check_regular_file
-from ..convert import host_tensor, initialiser_option, int_option
+from ..convert import bool_option, host_tensor, initialiser_option, int_option
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
 from ..table import HostTable
 from .steps import MODEL
@@ -482,7 +482,10 @@ class ModelFactory(Switcher):
 
         Raises:
             StateError: ``copy=False`` in the middle of a step.
+            OptionError: ``copy`` is not a bool (``bool("False")`` is True: writes
+                meant for the table would go to a copy).
         """
+        copy = bool_option(copy, "copy", hint=" (an independent copy; False: the table's own memory)")
         if not copy:
             if self._is_member():
                 self._steps.hand_out("to_numpy(copy=False)")
