@@ -1064,7 +1064,12 @@ class HostTable:
         Returns:
             numpy.ndarray of shape :attr:`shape`; a bfloat16 table's rows as
             their ``uint16`` bit patterns (numpy has no bfloat16).
+
+        Raises:
+            OptionError: ``copy`` is not a bool (``bool("False")`` is True: writes
+                meant for the table would go to a copy).
         """
+        copy = bool_option(copy, "copy", hint=" (an independent copy; False: the table's own memory)")
         buffer = self._live_buffer()
         self._announce_read()
         if copy or buffer.host is None:

@@ -211,3 +211,17 @@ def test_a_path_for_a_table_kept_in_memory_is_refused_not_ignored(storage, tmp_p
     with pytest.raises(ss.OptionError, match=f"storage='{storage}' keeps the tables in memory"):
         ss.ShardedOffloadedEmbedding(10, 4, max_rows=4, storage=storage, backend="numpy", path=tmp_path / "s")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("copy", ["False", "no", 0])
+def test_to_numpy_refuses_a_copy_that_is_not_a_bool(table, copy):
+    """to_numpy branched on `copy`'s truth: copy="False" (or "no") handed out an independent copy, so
+    rows written into it, meant for the table, were lost without an error; 0 and 1 may be counts."""
+    before = table.to_numpy(copy=True)
+    with pytest.raises(ss.OptionError, match=f"copy must be True .* or False, got {copy!r}"):
+        table.to_numpy(copy=copy)
+    unchanged(table, before)
+    view = table.to_numpy(copy=False)
+    if view is not None and np.shares_memory(view, table.to_numpy(copy=False)):  # a host table: writes go through
+        view[3] = before[3] + 1.0
+        np.testing.assert_array_equal(table.gather([3]).cpu().numpy()[0], before[3] + 1.0)

@@ -560,6 +560,9 @@ class DataGadget:
 
         Returns:
             numpy.ndarray
+
+        Raises:
+            OptionError: ``copy`` is not a bool (as :meth:`HostTable.to_numpy`).
         """
         with _InUse(self) as held:
             return held.table.to_numpy(copy=copy).reshape(held.num_rows, *held.row_shape)
