@@ -2,9 +2,10 @@
 
 apps -> compat -> train | data -> table -> files | backends -> convert -> errors.
 ``train`` and ``data`` sit side by side and do not import each other; ``info``
-reports on tables, backends and the device caches ``train`` registers in ``live``. ``apps`` builds on the public API only (the
-root package; and ``atomic``, the one way to write a file), nothing but the command line imports ``apps``, and no module
-loads code from the source checkout.
+reports on tables, backends and the device caches ``train`` registers in ``live``.
+``apps`` builds on the public API only (the root package; ``atomic``, the one way
+to write a file; and ``convert``'s option checks), nothing but the command line
+imports ``apps``, and no module loads code from the source checkout.
 """
 
 import ast
@@ -41,6 +42,21 @@ def _unit(module_path):
     return module_path.relative_to(PACKAGE).parts[0].removesuffix(".py")
 
 
+def _public_names():
+    """``speedswap.__all__``, read from the source as the walk below reads imports (nothing imported)."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    return next(set(ast.literal_eval(node.value)) for node in tree.body
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets))
+
+
+PUBLIC_NAMES = _public_names()
+
+
+def _package_name(name):
+    """The unit ``from speedswap import name`` reaches: a module of the package, or the public API."""
+    return name if name in RANKS and name not in PUBLIC_NAMES else "__init__"
+
+
 def _imported_units(module_path):
     """Top-level speedswap names a module imports (relative or absolute)."""
     tree = ast.parse(module_path.read_text(), filename=str(module_path))
@@ -56,7 +72,8 @@ def _imported_units(module_path):
                 names = [parts[0]] if parts and parts[0] else [alias.name for alias in node.names]
             elif node.module and node.module.split(".")[0] == "speedswap":
                 parts = node.module.split(".")
-                names = [parts[1]] if len(parts) > 1 else ["__init__"]
+                # `from speedswap import convert` imports a module, `from speedswap import HostTable` the API.
+                names = [parts[1]] if len(parts) > 1 else [_package_name(alias.name) for alias in node.names]
             else:
                 continue
             found.update(names)
@@ -68,8 +85,9 @@ def _imported_units(module_path):
     return found
 
 
-#: What ``apps`` may import: the public API, and the atomic saves every file speedswap writes goes through.
-APPS_MAY_IMPORT = {"__init__", "atomic"}
+#: What ``apps`` may import: the public API, the atomic saves every file speedswap writes goes through,
+#: and the checks of options and values (``convert``) that give its commands the library's errors.
+APPS_MAY_IMPORT = {"__init__", "atomic", "convert"}
 
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 
@@ -97,6 +115,8 @@ def test_the_walk_finds_relative_and_absolute_imports():
     assert "backends" not in _imported_units(PACKAGE / "backends" / "resolve.py")  # its own folder
     assert {"table", "convert", "files"} <= _imported_units(PACKAGE / "train" / "embedding.py")
     assert "data" in _imported_units(PACKAGE / "compat" / "speedtorch.py")
+    assert "convert" in _imported_units(PACKAGE / "apps" / "corpus.py")  # from speedswap import convert
+    assert "__init__" in _imported_units(PACKAGE / "apps" / "demo.py")  # import speedswap as ss
 
 
 @pytest.mark.parametrize("module_path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
