@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import speedswap as ss
 from rendezvous import rendezvous_url
@@ -629,6 +630,7 @@ def test_zero_grad_after_a_backward_then_a_step_with_no_forward_moves_no_row_as_
     imitated = option is not None and device.type == "cpu"
     if imitated:
         monkeypatch.setattr(torch, "_foreach_zero_", lambda grads: [grad.data.zero_() for grad in grads])
+        monkeypatch.setattr(ss.train.embedding, "_foreach_zero_keeps_version", lambda device: True)
     skipped = rng.random(STEPS) < 0.3
     skipped[:2] = False  # momentum first
     skipped[rng.integers(2, STEPS)] = True  # then at least one skipped step, the case under test
@@ -1104,6 +1106,46 @@ def test_a_gradient_zeroed_without_a_version_bump_is_not_refused(backend, rng, c
                 assert weight.grad._version == version  # as _foreach_zero_ leaves it on CUDA
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+class _Signbits(TorchDispatchMode):
+    """Counts the ``signbit`` ops dispatched inside it (the zero-gradient check's read of the values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket is torch.ops.aten.signbit
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("option", ["foreach", "fused"])
+def test_a_foreach_or_fused_step_on_the_cpu_reads_no_values_of_a_gradient_its_version_vouches_for(rng, option):
+    """On the CPU ``zero_grad()`` of an optimizer built with ``foreach=True`` or ``fused=True``
+    bumps the gradient's version (``torch._foreach_zero_`` runs ``zero_()`` on each tensor), so the
+    version tells whether the gradient was zeroed since the backward, as for any optimizer. Its
+    steps read the values anyway, as on CUDA, whose kernel leaves the version: a ``signbit`` over
+    the step's gradient and a copy of the step's rows and state, put back through ``torch.where``,
+    every step. Only a step whose gradient was written since reads them now; training is as before."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, "numpy", BATCH * WIDTH, **{option: True})
+    written = rng.random(STEPS) < 0.3
+    written[0], written[rng.integers(1, STEPS)] = False, True  # one written gradient at least
+    read = []
+    for (ids, target), write in zip(zipf_ids(rng, STEPS), written):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            if optimizer is opt:
+                if write:
+                    emb.weight.grad.mul_(1.0)  # unscale_ or a clip writes it so
+                with _Signbits() as signbits:
+                    optimizer.step()
+                read.append(signbits.count > 0)
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    assert read == written.tolist()
+    assert_trained_as_sparse_adam(emb, ref, ref_opt)
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])

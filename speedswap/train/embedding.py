@@ -652,8 +652,12 @@ class OffloadedEmbedding(RefusesConversion):
         ``torch._foreach_zero_``, whose CUDA kernel leaves the version as it
         was. Its steps then always ask the values (on the device, and at the
         cost of a copy of the step's rows and state); the others' only when
-        the version tells of a write.
+        the version tells of a write. On the CPU ``_foreach_zero_`` zeroes
+        tensor by tensor with ``zero_()``, which bumps each version: there the
+        version tells for every optimizer (:func:`_foreach_zero_keeps_version`).
         """
+        if not _foreach_zero_keeps_version(self.weight.device):
+            return False
         defaults = self._state.optimizer.defaults
         return bool(defaults.get("foreach") or defaults.get("fused"))
 
@@ -1466,6 +1470,14 @@ def _note_leftover_gradient(ref):
             embedding._stale = None  # zero_grad() since the last backward dropped it
         return None
     return note
+
+
+def _foreach_zero_keeps_version(device: torch.device) -> bool:
+    """Whether ``torch._foreach_zero_`` may leave a tensor's version as it was on ``device``.
+
+    CUDA's fused kernel does; on the CPU it runs ``zero_()`` on each tensor, which bumps it.
+    """
+    return device.type != "cpu"
 
 
 def _marks(grad: torch.Tensor, size: int) -> torch.Tensor:
