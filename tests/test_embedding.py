@@ -778,16 +778,22 @@ def test_a_refused_torch_save_of_the_model_says_that_torch_truncated_the_file(tm
         torch.load(path)
 
 
-@pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
-def test_forward_takes_its_ids_by_nn_embedding_s_keyword_and_by_its_own(cls, rng):
-    """``nn.Embedding.forward(input)``: code that passes ``input=ids`` raised TypeError
-    (an unexpected keyword); ``ids=ids`` keeps working, and both train as nn.Embedding does."""
+def _adagrad_pair(cls, rng):
+    """``cls`` (an offloaded embedding) and an nn.Embedding from the same fresh random rows, each with Adagrad."""
     table0 = rng.standard_normal((NUM_ROWS, DIM)).astype(np.float32)
     emb = cls(NUM_ROWS, DIM, max_rows=2 * BATCH, storage="pageable", backend="numpy")
     emb.table.scatter(torch.arange(NUM_ROWS), torch.from_numpy(table0))
     ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False)
     opt, ref_opt = torch.optim.Adagrad(emb.parameters(), lr=0.1), torch.optim.Adagrad(ref.parameters(), lr=0.1)
     emb.attach(opt)
+    return emb, opt, ref, ref_opt
+
+
+@pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
+def test_forward_takes_its_ids_by_nn_embedding_s_keyword_and_by_its_own(cls, rng):
+    """``nn.Embedding.forward(input)``: code that passes ``input=ids`` raised TypeError
+    (an unexpected keyword); ``ids=ids`` keeps working, and both train as nn.Embedding does."""
+    emb, opt, ref, ref_opt = _adagrad_pair(cls, rng)
     for step in range(6):
         ids = torch.from_numpy(zipf(rng, NUM_ROWS, (BATCH, 2)))
         target = torch.from_numpy(rng.standard_normal((BATCH, 2, DIM)).astype(np.float32))
@@ -806,12 +812,7 @@ def test_forward_takes_its_ids_by_nn_embedding_s_keyword_and_by_its_own(cls, rng
 def test_embedding_bag_arguments_are_refused_naming_the_pooling_recipe(cls, bag, rng):
     """``emb(ids, offsets)``, as nn.EmbeddingBag code calls it, raised Python's bare TypeError
     (forward() takes 1 to 2 positional arguments); it names what to do now, and changes nothing."""
-    table0 = rng.standard_normal((NUM_ROWS, DIM)).astype(np.float32)
-    emb = cls(NUM_ROWS, DIM, max_rows=2 * BATCH, storage="pageable", backend="numpy")
-    emb.table.scatter(torch.arange(NUM_ROWS), torch.from_numpy(table0))
-    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False)
-    opt, ref_opt = torch.optim.Adagrad(emb.parameters(), lr=0.1), torch.optim.Adagrad(ref.parameters(), lr=0.1)
-    emb.attach(opt)
+    emb, opt, ref, ref_opt = _adagrad_pair(cls, rng)
     ids = torch.from_numpy(zipf(rng, NUM_ROWS, BATCH))
     offsets = torch.arange(0, BATCH, 4)
     weights = torch.from_numpy(rng.random(BATCH).astype(np.float32))
