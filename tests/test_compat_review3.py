@@ -67,35 +67,41 @@ def _step_before_after_step(rng, device, emb, opt, u, o, reference, ref_opt):
     and of its in-memory ``reference``, stopped between ``optimizer.step()`` and ``after_step``.
 
     Returns:
-        the step's ids, for the ``after_step`` calls.
+        the step's ids, for the ``after_step`` calls, and their local ids in the working set.
     """
     ids = _zipf_ids(rng, device)
     weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
-    (emb(u.before_forward(ids)) * weights).sum().backward()
+    local = u.before_forward(ids)
+    (emb(local) * weights).sum().backward()
     o.before_forward(ids)
     opt.step()
     opt.zero_grad()
     (reference(ids) * weights).sum().backward()
     ref_opt.step()
     ref_opt.zero_grad()
-    return ids
+    return ids, local
 
 
 @pytest.mark.parametrize("cache_rows", [0, 10])
 def test_tables_handed_out_mid_step_are_refused_without_a_cache_too(backend, rng, cache_rows):
     """Without a cache, u.table, getTorchVar(), to_numpy() and o.state handed out the host tables
     between optimizer.step() and after_step, which hold the step's rows and state as before the
-    step: reads showed them stale. With a cache they were refused; now both are."""
+    step: reads showed them stale. With a cache they were refused; now both are. The refusal says
+    where the rows and their state are read instead, and that is what memory holds."""
     device, emb, opt, u, o, reference, ref_opt = _adagrad_switched(backend, rng, cache_rows)
     for _ in range(STEPS):
-        ids = _step_before_after_step(rng, device, emb, opt, u, o, reference, ref_opt)
+        ids, local = _step_before_after_step(rng, device, emb, opt, u, o, reference, ref_opt)
         for name, call in (("table", lambda: u.table), ("getTorchVar", u.getTorchVar),
                            ("to_numpy", u.to_numpy), ("state", lambda: o.state)):
             with pytest.raises(ss.StateError, match="between before_forward and after_step") as refused:
                 call()
-            # The way to the rows now is a copy of the table; the state has none (no such advice for it).
+            # The ways to the rows and their state now: a copy of the table, and the optimizer's
+            # state at the local ids. Each holds what the in-memory reference does.
             assert "getNumpyVersion() copies the table" in str(refused.value)
-            assert "optimizer's state has no such copy" in str(refused.value)
+            assert "optimizer.state[weight][name] at the local ids" in str(refused.value)
+        np.testing.assert_allclose(u.getNumpyVersion(), reference.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(opt.state[emb.weight]["sum"][local].cpu().numpy(),
+                                   ref_opt.state[reference.weight]["sum"][ids].cpu().numpy(), rtol=1e-5, atol=1e-6)
         u.after_step(ids)
         o.after_step(ids)
         np.testing.assert_allclose(u.getNumpyVersion(), reference.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
@@ -111,7 +117,7 @@ def test_reads_through_tables_kept_from_between_steps_are_refused_mid_step(backe
     device, emb, opt, u, o, reference, ref_opt = _adagrad_switched(backend, rng, cache_rows)
     kept = {"table": u.table, **o.state.tables}  # kept between steps, read mid-step
     for step in range(STEPS):
-        ids = _step_before_after_step(rng, device, emb, opt, u, o, reference, ref_opt)
+        ids, _ = _step_before_after_step(rng, device, emb, opt, u, o, reference, ref_opt)
         for name, table in kept.items():
             path = tmp_path / f"{name}-{step}.npy"
             for read in (lambda: table.gather(ids), lambda: table.to_numpy(copy=True),

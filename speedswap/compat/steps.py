@@ -605,7 +605,10 @@ class SharedSteps:
                              f"optimizer until after_step writes them back, so the tables would show them "
                              f"as before the step; call it between steps (for the rows now, "
                              f"ModelFactory.getNumpyVersion() copies the table with the step's rows as "
-                             f"they are; the optimizer's state has no such copy)")
+                             f"they are; their optimizer state, once OptimizerFactory.before_forward "
+                             f"ran, is optimizer.state[weight][name] at the local ids "
+                             f"ModelFactory.before_forward returned, weight being the model's "
+                             f"embedding weight)")
 
     def stats(self, cache_rows: int) -> dict:
         """The cache's counters (see :meth:`RowCache.stats`), all zero without a cache."""
