@@ -115,8 +115,10 @@ def test_user_code_sees_a_zero_gradient_as_in_memory_but_for_the_signs_of_two_ze
     emb.attach(opt)
     make_lazy(ref_opt, reference.emb)
     handed = {}
-    for model in (offloaded, reference):
-        model.emb.weight.register_hook(lambda grad, model=model: handed.__setitem__(model, grad.clone()))
+    for side, model in (("offloaded", offloaded), ("reference", reference)):
+        # Keyed by name: a hook holding its model keeps it, and the embedding's device cache, alive
+        # past the test (torch's garbage collector does not see through a tensor's hooks).
+        model.emb.weight.register_hook(lambda grad, side=side: handed.__setitem__(side, grad.clone()))
     weights = np.where(rng.random(STEPS) < 0.5, 0.0, 1.0)
     weights[rng.integers(STEPS)] = 0.0  # one zero-weighted loss at least, the case under test
     for (ids, target), weight in zip(zipf_ids(rng, STEPS), weights):
@@ -124,7 +126,7 @@ def test_user_code_sees_a_zero_gradient_as_in_memory_but_for_the_signs_of_two_ze
             (weight * F.mse_loss(model(ids), target)).backward()
         rows = emb.working_rows
         grad, ref_grad = emb.weight.grad[:len(rows)], reference.emb.weight.grad[rows]
-        mine, theirs = handed[offloaded][:len(rows)], handed[reference][rows]
+        mine, theirs = handed["offloaded"][:len(rows)], handed["reference"][rows]
         norms = [torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) for model in (offloaded, reference)]
         if weight == 0.0:  # exact zeros on both sides (a row's lookups are summed in another order otherwise)
             assert torch.equal(grad, ref_grad) and torch.equal(grad.sign(), ref_grad.sign())
