@@ -5,6 +5,7 @@ import ctypes
 import errno
 import gc
 import mmap
+import operator
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from speedswap.atomic import drop_cache
 from speedswap.data.orders import BlockOrder, SequentialOrder
 
 from test_feeder import assert_child_forked_holding_succeeds, io_threads, reader_threads, run_with_deadline
-from test_files import _SWEEPS_MODEL_CTRL_C, _descriptors_left_by_interrupts
+from test_files import _SWEEPS_MODEL_CTRL_C, _descriptors_left_by_interrupts, _interrupted_at
 
 
 def write(path, array):
@@ -1258,3 +1259,36 @@ def test_a_disk_error_mid_part_is_raised_naming_its_row_and_never_read_again(tmp
         np.testing.assert_array_equal(got.numpy(), data[ids[100:]])
     finally:
         reader.close()
+
+
+@_SWEEPS_MODEL_CTRL_C
+def test_an_interrupt_anywhere_as_a_read_ahead_thread_starts_leaves_no_thread_running(rng):
+    """ReaderThread started its thread, then recorded its process id and registered itself: a Ctrl-C
+    once the thread ran returned no reader to close, and the thread, blocked on its full queue, read on
+    for good (keeping the feeder and its sources alive). KeyboardInterrupt is raised at each place an
+    interrupt can land in readahead.py as a reader is made, one per reader; the reader made is closed.
+    After each, no read-ahead thread is left, and a reader made reads every batch in order."""
+    from speedswap.data import readahead
+    batches = [torch.from_numpy(rng.standard_normal((4, 3)).astype(np.float32)) for _ in range(8)]
+    left, points, got, stuck = [], [], [], set()
+
+    def make_and_close(counting):
+        counting(True)
+        reader = readahead.ReaderThread(batches.__getitem__, 0, len(batches), 2)  # 8 batches, 2 ahead: it blocks
+        counting(False)
+        got.append([reader.next() for _ in batches])
+        reader.close()
+
+    while True:
+        where = _interrupted_at(make_and_close, len(points), (readahead,))
+        for thread in set(reader_threads()) - stuck:
+            thread.join(5)  # told to stop, a thread ends after the batch it reads
+        if set(reader_threads()) - stuck:
+            left.append(where)
+            stuck.update(reader_threads())
+        if where is None:
+            break
+        points.append(where)
+    assert any("getpid" in point for point in points), points
+    assert not left, f"a reader interrupted at {left} left its thread running (of {points})"
+    assert got and all(len(read) == len(batches) and all(map(operator.is_, read, batches)) for read in got)

@@ -182,17 +182,23 @@ class ReaderThread:
     def __init__(self, read, start, stop, depth):
         self._queue = queue.Queue(maxsize=depth)
         self._closing = threading.Event()
+        self._pid = os.getpid()  # a forked child has the queue but not the thread that fills it
         self._thread = threading.Thread(target=self._work, args=(read, start, stop), daemon=True,
                                         name="speedswap-feeder-reader")
         try:
             self._thread.start()
+            _RUNNING.add(self)
         except RuntimeError as exc:
             raise ThreadStartError(f"the feeder's read-ahead thread could not start ({exc}): the "
                                    f"process is at its thread limit or the interpreter is shutting "
                                    f"down; read on the loop's thread instead (prefetch=0) or run "
                                    f"fewer threads") from exc
-        self._pid = os.getpid()  # a forked child has the queue but not the thread that fills it
-        _RUNNING.add(self)
+        except BaseException:
+            # An interrupt (Ctrl-C) once the thread runs: no reader is returned to stop it, and it
+            # would read on for good. One inside start() may come before the thread counts as started,
+            # when it cannot be waited for: it is only told to stop then.
+            self.close(wait=self._thread.is_alive())
+            raise
 
     def _work(self, read, start, stop):
         try:
