@@ -1292,3 +1292,60 @@ def test_an_interrupt_anywhere_as_a_read_ahead_thread_starts_leaves_no_thread_ru
     assert any("getpid" in point for point in points), points
     assert not left, f"a reader interrupted at {left} left its thread running (of {points})"
     assert got and all(len(read) == len(batches) and all(map(operator.is_, read, batches)) for read in got)
+
+
+def _settled_threads(stuck) -> list:
+    """The read-ahead and I/O threads left, not in the set ``stuck``, once speedswap's threads had time to end.
+
+    A thread told to stop ends after the batch it reads, and the next epoch's order draw on its own;
+    cycles are collected too. Only a thread that runs on for good, and descriptors (of the sources'
+    maps too) held by something alive for good, are left after this. Those returned join ``stuck``
+    (not waited for again).
+    """
+    for thread in set(threading.enumerate()) - stuck:
+        if thread.name.startswith("speedswap-"):
+            thread.join(5)
+    gc.collect()
+    left = [thread for thread in reader_threads() + io_threads() if thread not in stuck]
+    stuck.update(left)
+    return [thread.name for thread in left]
+
+
+@_SWEEPS_MODEL_CTRL_C
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+@pytest.mark.parametrize("order", ["random", "block"])
+def test_an_interrupt_anywhere_as_a_loop_reads_its_first_batch_leaves_no_reader_open(tmp_path, rng, order):
+    """_run made its file reader and read-ahead thread in a try whose except closed the file reader
+    only, then recorded both (readers = self._readers = ...) and took the thread's id before the try
+    whose finally closes them: a Ctrl-C once threading.get_ident had returned left the read-ahead
+    thread reading on its full queue and the files open, for good. KeyboardInterrupt is raised at
+    each place an interrupt can land in feeder.py and readahead.py as a loop over a memory-mapped
+    source starts and reads its first batch, one per loop; the loop is then closed. After each, no
+    descriptor of tmp_path is open and no read-ahead or I/O thread runs."""
+    from speedswap.data import feeder, readahead
+    n = 64
+    data = rng.standard_normal((n, 4)).astype(np.float32)
+    write(tmp_path / "x.npy", data)
+    left, got, stuck = [], [], set()
+
+    def first_batch(counting):
+        mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+        loop = iter(ss.BatchFeeder(np.arange(n), mapped, batch_size=8, order=order, seed=5, device="cpu",
+                                   prefetch=2))  # 8 batches, 2 ahead: a thread left running blocks
+        counting(True)
+        ids, rows = next(loop)
+        counting(False)
+        got.append((ids.numpy().copy(), rows.numpy().copy()))
+        loop.close()
+
+    def run(counting):
+        with contextlib.suppress(KeyboardInterrupt):  # dropped here: its traceback holds the loop's frames
+            first_batch(counting)
+        threads = _settled_threads(stuck)
+        if threads:
+            left.append(threads)
+
+    points, opened = _descriptors_left_by_interrupts(run, (feeder, readahead), tmp_path)
+    assert any("get_ident" in point for point in points), points
+    assert not opened and not left, f"a loop interrupted at {opened} left threads {left} (of {points})"
+    assert got and all(np.array_equal(rows, data[ids]) for ids, rows in got)

@@ -774,6 +774,7 @@ class BatchFeeder:
         epoch, start = self._epoch, self._batch
         ids, device_ids = self._epoch_ids(epoch)
         size = self._batch_size
+        advanced_by = threading.get_ident()  # the thread that last ran the loop
 
         files = self._file_reader(ids, epoch) if self._files else None
 
@@ -809,13 +810,14 @@ class BatchFeeder:
             reader = (self._reader_thread(read, start, count) if threaded
                       else LaunchAhead(read, start, count, self._prefetch) if launched
                       else SyncReader(read, start))
+            # Recorded by no call, as this try ends: no interrupt (Ctrl-C) lands between it and the try
+            # below, whose finally closes the readers.
+            readers = self._readers = (reader,) if files is None else (reader, files)
         except BaseException:
             # No loop will close its files (an interrupt, a CUDA error, the read-ahead warning made an error).
             if files is not None:
                 files.close()
             raise
-        readers = self._readers = (reader,) if files is None else (reader, files)
-        advanced_by = threading.get_ident()  # the thread that last ran the loop
         try:
             ahead = None  # with lookahead: the batch read for the previous pair, yielded now
             for k in range(start, count):
