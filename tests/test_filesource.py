@@ -1349,3 +1349,47 @@ def test_an_interrupt_anywhere_as_a_loop_reads_its_first_batch_leaves_no_reader_
     assert any("get_ident" in point for point in points), points
     assert not opened and not left, f"a loop interrupted at {opened} left threads {left} (of {points})"
     assert got and all(np.array_equal(rows, data[ids]) for ids, rows in got)
+
+
+@_SWEEPS_MODEL_CTRL_C
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+def test_an_interrupt_anywhere_in_set_epoch_after_an_interrupted_loop_leaves_its_readers_to_the_next_one(
+        tmp_path, rng, monkeypatch):
+    """A Ctrl-C as a loop closed its readers (on entering _close_readers) leaves them in the feeder for its
+    next set_epoch, load_state_dict or loop to close. _stop_reader forgot them before closing them: a
+    second Ctrl-C on entering that close lost them for good, the read-ahead thread waiting on its full
+    queue and the files open. KeyboardInterrupt is raised at each place an interrupt can land in
+    feeder.py and readahead.py during such a set_epoch, one per feeder; a second set_epoch follows.
+    After each, no descriptor of tmp_path is open and no read-ahead or I/O thread runs."""
+    from speedswap.data import feeder, readahead
+    n = 64
+    write(tmp_path / "x.npy", rng.standard_normal((n, 4)).astype(np.float32))
+    close_readers, left, stuck = feeder._close_readers, [], set()
+
+    def interrupted_once(readers, wait=True):  # Ctrl-C on entering the loop's close
+        monkeypatch.setattr(feeder, "_close_readers", close_readers)
+        raise KeyboardInterrupt
+
+    def set_epoch_twice(counting):
+        source = ss.BatchFeeder(np.load(tmp_path / "x.npy", mmap_mode="r"), batch_size=8, order="random",
+                                seed=5, device="cpu", prefetch=2)  # 8 batches, 2 ahead: a thread left running blocks
+        loop = iter(source)
+        next(loop)
+        monkeypatch.setattr(feeder, "_close_readers", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            loop.close()
+        counting(True)
+        with contextlib.suppress(KeyboardInterrupt):
+            source.set_epoch(1)
+        counting(False)
+        source.set_epoch(1)
+
+    def run(counting):
+        set_epoch_twice(counting)
+        threads = _settled_threads(stuck)
+        if threads:
+            left.append(threads)
+
+    points, opened = _descriptors_left_by_interrupts(run, (feeder, readahead), tmp_path)
+    assert any("_close_readers" in point for point in points), points
+    assert not opened and not left, f"a set_epoch interrupted at {opened} left threads {left} (of {points})"

@@ -724,8 +724,11 @@ class BatchFeeder:
         return self._ids[1], self._ids[2]
 
     def _stop_reader(self):
-        readers, self._readers = self._readers, ()
+        readers = self._readers
         _close_readers(readers)
+        # Forgotten only once closed: an interrupt (Ctrl-C) in the close leaves them to the next one.
+        if self._readers is readers:
+            self._readers = ()
 
     def _file_reader(self, ids, epoch):
         """The reader of this epoch's file sources: whole blocks if the order has windows, else rows."""
