@@ -1294,21 +1294,45 @@ def test_an_interrupt_anywhere_as_a_read_ahead_thread_starts_leaves_no_thread_ru
     assert got and all(len(read) == len(batches) and all(map(operator.is_, read, batches)) for read in got)
 
 
-def _settled_threads(stuck) -> list:
-    """The read-ahead and I/O threads left, not in the set ``stuck``, once speedswap's threads had time to end.
+def _join_once_started(thread, timeout):
+    """``thread.join(timeout)``, also for a thread ``threading.enumerate()`` lists while another thread
+    is still starting it (join raises RuntimeError until then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return thread.join(max(0.0, deadline - time.monotonic()))
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
 
-    A thread told to stop ends after the batch it reads, and the next epoch's order draw on its own;
-    cycles are collected too. Only a thread that runs on for good, and descriptors (of the sources'
-    maps too) held by something alive for good, are left after this. Those returned join ``stuck``
-    (not waited for again).
+
+def _sweep_for_readers_left(body, modules, tmp_path):
+    """``_descriptors_left_by_interrupts`` of ``body``, noting the read-ahead and I/O threads each run leaves.
+
+    After each run speedswap's threads have time to end (a thread told to stop ends after the batch it
+    reads, and the next epoch's order draw on its own), and cycles are collected: only a thread that runs
+    on for good, and descriptors (of the sources' maps too) held by something alive for good, are left.
+    A thread left is named once, in the run that left it (not waited for again).
+
+    Returns:
+        ``(points, descriptors left, threads left)``: the last a list of thread names per run that left any.
     """
-    for thread in set(threading.enumerate()) - stuck:
-        if thread.name.startswith("speedswap-"):
-            thread.join(5)
-    gc.collect()
-    left = [thread for thread in reader_threads() + io_threads() if thread not in stuck]
-    stuck.update(left)
-    return [thread.name for thread in left]
+    left, stuck = [], set()
+
+    def run(counting):
+        body(counting)
+        for thread in set(threading.enumerate()) - stuck:
+            if thread.name.startswith("speedswap-"):
+                _join_once_started(thread, 5)
+        gc.collect()
+        threads = [thread for thread in reader_threads() + io_threads() if thread not in stuck]
+        stuck.update(threads)
+        if threads:
+            left.append([thread.name for thread in threads])
+
+    points, opened = _descriptors_left_by_interrupts(run, modules, tmp_path)
+    return points, opened, left
 
 
 @_SWEEPS_MODEL_CTRL_C
@@ -1326,7 +1350,7 @@ def test_an_interrupt_anywhere_as_a_loop_reads_its_first_batch_leaves_no_reader_
     n = 64
     data = rng.standard_normal((n, 4)).astype(np.float32)
     write(tmp_path / "x.npy", data)
-    left, got, stuck = [], [], set()
+    got = []
 
     def first_batch(counting):
         mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
@@ -1341,11 +1365,8 @@ def test_an_interrupt_anywhere_as_a_loop_reads_its_first_batch_leaves_no_reader_
     def run(counting):
         with contextlib.suppress(KeyboardInterrupt):  # dropped here: its traceback holds the loop's frames
             first_batch(counting)
-        threads = _settled_threads(stuck)
-        if threads:
-            left.append(threads)
 
-    points, opened = _descriptors_left_by_interrupts(run, (feeder, readahead), tmp_path)
+    points, opened, left = _sweep_for_readers_left(run, (feeder, readahead), tmp_path)
     assert any("get_ident" in point for point in points), points
     assert not opened and not left, f"a loop interrupted at {opened} left threads {left} (of {points})"
     assert got and all(np.array_equal(rows, data[ids]) for ids, rows in got)
@@ -1364,7 +1385,7 @@ def test_an_interrupt_anywhere_in_set_epoch_after_an_interrupted_loop_leaves_its
     from speedswap.data import feeder, readahead
     n = 64
     write(tmp_path / "x.npy", rng.standard_normal((n, 4)).astype(np.float32))
-    close_readers, left, stuck = feeder._close_readers, [], set()
+    close_readers = feeder._close_readers
 
     def interrupted_once(readers, wait=True):  # Ctrl-C on entering the loop's close
         monkeypatch.setattr(feeder, "_close_readers", close_readers)
@@ -1384,12 +1405,6 @@ def test_an_interrupt_anywhere_in_set_epoch_after_an_interrupted_loop_leaves_its
         counting(False)
         source.set_epoch(1)
 
-    def run(counting):
-        set_epoch_twice(counting)
-        threads = _settled_threads(stuck)
-        if threads:
-            left.append(threads)
-
-    points, opened = _descriptors_left_by_interrupts(run, (feeder, readahead), tmp_path)
+    points, opened, left = _sweep_for_readers_left(set_epoch_twice, (feeder, readahead), tmp_path)
     assert any("_close_readers" in point for point in points), points
     assert not opened and not left, f"a set_epoch interrupted at {opened} left threads {left} (of {points})"
