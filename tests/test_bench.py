@@ -23,7 +23,8 @@ from speedswap.apps.corpus import synthetic_corpus
 
 from conftest import gpu_only_first
 from test_backends import fake_cgroups
-from test_files import _SWEEPS_MODEL_CTRL_C, _descriptors_left_by_interrupts, _opened_in
+from test_files import (_SWEEPS_MODEL_CTRL_C, _assert_no_descriptor_left_by_interrupts, _descriptors_left_by_interrupts,
+                        _opened_in)
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ["Machine", "Steps", "Targets", "GPU tests", "Transport", "Training step", "Feeder", "word2vec",
@@ -706,9 +707,7 @@ def test_an_interrupt_anywhere_as_a_disk_epoch_drops_its_file_from_the_cache_lea
         feeder._disk_epoch(path, "block", batch=16, max_seconds=60, max_batches=1)
         counting(False)
 
-    points, left = _descriptors_left_by_interrupts(epoch, (feeder, atomic), tmp_path)
-    assert any("open" in point for point in points), points
-    assert not left, f"a disk epoch interrupted at {left} (of {points})"
+    _assert_no_descriptor_left_by_interrupts(epoch, (feeder, atomic), tmp_path, "a disk epoch")
 
 
 @_SWEEPS_MODEL_CTRL_C

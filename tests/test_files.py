@@ -1028,6 +1028,18 @@ def _descriptors_left_by_interrupts(run, modules, directory):
         points.append(where)
 
 
+def _assert_no_descriptor_left_by_interrupts(run, modules, directory, what):
+    """:func:`_descriptors_left_by_interrupts` of ``run``: the sweep reached a place right after an open,
+    and no interrupted run left a descriptor of ``directory`` open.
+
+    Args:
+        what: the call swept, for the message ("a drop", "a load", ...).
+    """
+    points, left = _descriptors_left_by_interrupts(run, modules, directory)
+    assert any("open" in point for point in points), points
+    assert not left, f"{what} interrupted at {left} (of {points})"
+
+
 @_SWEEPS_MODEL_CTRL_C
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
 def test_an_interrupt_anywhere_in_an_h5_checkpoints_load_leaves_no_descriptor(tmp_path, rng):
@@ -1043,9 +1055,7 @@ def test_an_interrupt_anywhere_in_an_h5_checkpoints_load_leaves_no_descriptor(tm
         checkpoint.load_tables(path, {"t": target}, {})
         counting(False)
 
-    points, left = _descriptors_left_by_interrupts(load, (checkpoint, atomic), tmp_path)
-    assert any("open" in point for point in points), points
-    assert not left, f"a load interrupted at {left} (of {points})"
+    _assert_no_descriptor_left_by_interrupts(load, (checkpoint, atomic), tmp_path, "a load")
 
 
 @_SWEEPS_MODEL_CTRL_C

@@ -25,7 +25,8 @@ from speedswap.atomic import drop_cache
 from speedswap.data.orders import BlockOrder, SequentialOrder
 
 from test_feeder import assert_child_forked_holding_succeeds, io_threads, reader_threads, run_with_deadline
-from test_files import _SWEEPS_MODEL_CTRL_C, _descriptors_left_by_interrupts, _interrupted_at
+from test_files import (_SWEEPS_MODEL_CTRL_C, _assert_no_descriptor_left_by_interrupts, _descriptors_left_by_interrupts,
+                        _interrupted_at)
 
 
 def write(path, array):
@@ -1085,9 +1086,7 @@ def test_an_interrupt_anywhere_in_drop_cache_leaves_no_descriptor(tmp_path, rng)
         drop_cache(path)
         counting(False)
 
-    points, left = _descriptors_left_by_interrupts(drop, (filesource, atomic), tmp_path)
-    assert any("open" in point for point in points), points
-    assert not left, f"a drop interrupted at {left} (of {points})"
+    _assert_no_descriptor_left_by_interrupts(drop, (filesource, atomic), tmp_path, "a drop")
 
 
 @_SWEEPS_MODEL_CTRL_C
@@ -1107,9 +1106,7 @@ def test_an_interrupt_anywhere_as_a_file_reader_is_made_leaves_no_descriptor(tmp
         counting(False)
         reader.close()
 
-    points, left = _descriptors_left_by_interrupts(make_and_close, (filesource, atomic), tmp_path)
-    assert any("open" in point for point in points), points
-    assert not left, f"a reader interrupted at {left} (of {points})"
+    _assert_no_descriptor_left_by_interrupts(make_and_close, (filesource, atomic), tmp_path, "a reader")
 
 
 @_SWEEPS_MODEL_CTRL_C
@@ -1125,9 +1122,7 @@ def test_an_interrupt_anywhere_as_create_npy_fills_leaves_no_descriptor(tmp_path
         ss.data.create_npy(tmp_path / "x.npy", data.shape, np.float32, lambda lo, hi: data[lo:hi], progress=False)
         counting(False)
 
-    points, left = _descriptors_left_by_interrupts(make, (create, atomic), tmp_path)
-    assert any("open" in point for point in points), points
-    assert not left, f"a create_npy interrupted at {left} (of {points})"
+    _assert_no_descriptor_left_by_interrupts(make, (create, atomic), tmp_path, "a create_npy")
     np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), data)
 
 
