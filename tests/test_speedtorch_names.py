@@ -199,3 +199,23 @@ def test_save_and_load_of_a_torch_file_name_save_torch_and_load_torch(rng, tmp_p
     np.testing.assert_array_equal(torch.load(tmp_path / "u.pt", weights_only=True).numpy(), table)  # nor written
     u.loadTorch(tmp_path / "u.pt")  # what the message says
     np.testing.assert_array_equal(u.getNumpyVersion(), table)
+
+
+@pytest.mark.parametrize("name, first", [("GPUPytorchModelFactory", "model_variable"),
+                                         ("CPUPytorchModelFactory", "model_variable"),
+                                         ("GPUPytorchOptimizerFactory", "given_optimizer"),
+                                         ("CPUPytorchOptimizerFactory", "given_optimizer")])
+def test_per_storage_classes_show_speedtorch_arguments_in_help(name, first):
+    """help(ss.GPUPytorchModelFactory) showed ``(*args, backend='auto', **kwargs)`` and a one-line doc
+    with no Args or Raises: nothing told a SpeedTorch user what to pass, or in what order."""
+    import inspect
+    import pydoc
+    cls = getattr(ss, name)
+    base = cls.__mro__[1]
+    expected = [p for p in inspect.signature(base).parameters if p != "storage"]
+    assert list(inspect.signature(cls).parameters) == expected
+    assert expected[0] == first
+    text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    assert f"{name}({first}, total_classes, embed_dimension" in text
+    doc = inspect.getdoc(cls)
+    assert "Args:" in doc and "Raises:" in doc and "storage" in doc

@@ -4,6 +4,7 @@
 :class:`~speedswap.compat.optimizer_factory.OptimizerFactory` are the switchers themselves.
 """
 
+import inspect
 from typing import Optional
 
 import numpy as np
@@ -29,7 +30,15 @@ def _with_storage(base, storage, name, where):
                               f"{base.__name__}(..., storage=...) for another kind")
         base.__init__(self, *args, storage=storage, backend=backend, **kwargs)
 
-    doc = f":class:`{base.__name__}` with the {where} in {storage!r} storage (SpeedTorch's name)."
+    # help() and inspect show the base's arguments, in SpeedTorch's order, not (*args, **kwargs).
+    signature = inspect.signature(base.__init__)
+    __init__.__signature__ = signature.replace(
+        parameters=[p for p in signature.parameters.values() if p.name != "storage"])
+    arguments = ", ".join(p for p in signature.parameters if p not in ("self", "storage"))
+    doc = (f"SpeedTorch's ``{name}``: a :class:`{base.__name__}` with the {where} in {storage!r} storage.\n\n"
+           f"Args:\n    {arguments}: as in :class:`{base.__name__}`.\n\n"
+           f"Raises:\n    OptionError: ``storage`` is given (this class fixes it); otherwise as\n"
+           f"        :class:`{base.__name__}`.\n")
     return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__,
                                 "__qualname__": name})
 
