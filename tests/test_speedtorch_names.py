@@ -212,10 +212,42 @@ def test_per_storage_classes_show_speedtorch_arguments_in_help(name, first):
     import pydoc
     cls = getattr(ss, name)
     base = cls.__mro__[1]
-    expected = [p for p in inspect.signature(base).parameters if p != "storage"]
+    expected = [p for p in inspect.signature(base).parameters if p not in ("storage", "CPUPinn")]
     assert list(inspect.signature(cls).parameters) == expected
     assert expected[0] == first
     text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
     assert f"{name}({first}, total_classes, embed_dimension" in text
     doc = inspect.getdoc(cls)
     assert "Args:" in doc and "Raises:" in doc and "storage" in doc
+
+
+def test_per_storage_classes_refuse_cpupinn(rng):
+    """GPUPytorchModelFactory(..., CPUPinn=True) silently kept its table in device memory, and
+    CPUPytorch*(..., CPUPinn=False) in pinned memory: the argument was ignored. SpeedTorch's
+    per-storage classes took no CPUPinn; now it is refused, positional or keyword, before anything is built."""
+    model = torch.nn.Embedding(8, DIM)
+    holder = torch.nn.ModuleDict({"e": model})
+    opt = torch.optim.Adam(model.parameters())
+    for make in (lambda: ss.GPUPytorchModelFactory(model, ROWS, DIM, "float32", True, backend="numpy"),
+                 lambda: ss.GPUPytorchModelFactory(model, ROWS, DIM, CPUPinn=True, backend="numpy"),
+                 lambda: ss.CPUPytorchModelFactory(model, ROWS, DIM, CPUPinn=False, backend="numpy"),
+                 lambda: ss.CPUPytorchOptimizerFactory(opt, ROWS, DIM, holder, "e", "float32", False,
+                                                       backend="numpy"),
+                 lambda: ss.GPUPytorchOptimizerFactory(opt, ROWS, DIM, holder, "e", CPUPinn=True,
+                                                       backend="numpy")):
+        with pytest.raises(ss.OptionError, match="CPUPinn does not apply.*CPUPinn=") as info:
+            make()
+        assert isinstance(info.value, ValueError)
+    # Nothing was built: the embedding trains with the classes as SpeedTorch called them.
+    u = ss.GPUPytorchModelFactory(model, ROWS, DIM, torch.float, backend="numpy")
+    o = ss.GPUPytorchOptimizerFactory(opt, ROWS, DIM, holder, "e", torch.float, backend="numpy")
+    u.normalDistributionInit(0.0, 1.0)
+    ids = torch.from_numpy(rng.integers(0, ROWS, 6))
+    local = u.beforeForwardPass(ids)
+    o.beforeForwardPass(ids)
+    model(local).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    u.afterOptimizerStep(ids)
+    o.afterOptimizerStep(ids)
+    assert u.table.storage == "device"

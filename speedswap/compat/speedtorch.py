@@ -23,22 +23,30 @@ __all__ = ["GPUPytorchModelFactory", "GPUPytorchOptimizerFactory", "CPUPytorchMo
 
 def _with_storage(base, storage, name, where):
     """SpeedTorch's per-storage class names: ``base`` with every table in ``storage``."""
+    signature = inspect.signature(base.__init__)
+    # CPUPinn's position among the arguments after self: SpeedTorch's callers may pass it positionally.
+    cpupinn_at = list(signature.parameters).index("CPUPinn") - 1
 
     def __init__(self, *args, backend="auto", **kwargs):
         if "storage" in kwargs:
             raise OptionError(f"{name} keeps its tables in {storage!r} storage; use "
                               f"{base.__name__}(..., storage=...) for another kind")
+        # SpeedTorch's per-storage classes took no CPUPinn; ignoring one would put the tables
+        # elsewhere than the caller asked for.
+        if "CPUPinn" in kwargs or len(args) > cpupinn_at:
+            raise OptionError(f"{name} keeps its tables in {storage!r} storage, so CPUPinn does not "
+                              f"apply (SpeedTorch's {name} took none); use "
+                              f"{base.__name__}(..., CPUPinn=...) to choose pinned or device memory")
         base.__init__(self, *args, storage=storage, backend=backend, **kwargs)
 
     # help() and inspect show the base's arguments, in SpeedTorch's order, not (*args, **kwargs).
-    signature = inspect.signature(base.__init__)
     __init__.__signature__ = signature.replace(
-        parameters=[p for p in signature.parameters.values() if p.name != "storage"])
-    arguments = ", ".join(p for p in signature.parameters if p not in ("self", "storage"))
+        parameters=[p for p in signature.parameters.values() if p.name not in ("storage", "CPUPinn")])
+    arguments = ", ".join(list(__init__.__signature__.parameters)[1:])
     doc = (f"SpeedTorch's ``{name}``: a :class:`{base.__name__}` with the {where} in {storage!r} storage.\n\n"
            f"Args:\n    {arguments}: as in :class:`{base.__name__}`.\n\n"
-           f"Raises:\n    OptionError: ``storage`` is given (this class fixes it); otherwise as\n"
-           f"        :class:`{base.__name__}`.\n")
+           f"Raises:\n    OptionError: ``storage`` or ``CPUPinn`` is given (this class fixes where the\n"
+           f"        {where} live); otherwise as :class:`{base.__name__}`.\n")
     return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__,
                                 "__qualname__": name})
 
