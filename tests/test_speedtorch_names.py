@@ -251,3 +251,21 @@ def test_per_storage_classes_refuse_cpupinn(rng):
     u.afterOptimizerStep(ids)
     o.afterOptimizerStep(ids)
     assert u.table.storage == "device"
+
+
+def test_speedtorch_names_document_args_and_raises():
+    """help() of SpeedTorch's own names (zerosInit, uniformDistributionInit, beforeForwardPass,
+    saveCupy, ...) gave a single line: no arguments, no errors, though they are what a SpeedTorch
+    user calls and they raise (low > high, a step in progress, a bad path)."""
+    import inspect
+    _, _, u, o = switchers()
+    gadget = ss.DataGadget(np.ones((3, 2), np.float32), backend="numpy")
+    missing = []
+    for obj, names in ((u, MODEL_FACTORY), (o, OPTIMIZER_FACTORY), (gadget, DATA_GADGET)):
+        for name in names:
+            method = getattr(obj, name)
+            doc = inspect.getdoc(method) or ""
+            takes_args = any(p.kind is not p.VAR_KEYWORD for p in inspect.signature(method).parameters.values())
+            wanted = (["Args:"] if takes_args else []) + ["Raises:"]
+            missing += [f"{type(obj).__name__}.{name}: {w}" for w in wanted if w not in doc]
+    assert not missing, missing

@@ -353,26 +353,57 @@ class ModelFactory(Switcher):
 
     # ------------------------------------------------------------ whole table
     def zerosInit(self):
-        """Set every row to zero."""
+        """Set every row to zero.
+
+        Raises:
+            StateError: called in the middle of a step (nothing changes).
+        """
         with self._rewriting("zerosInit"):
             self._table.zero_()
 
     def uniformDistributionInit(self, low, high):
-        """Fill the table from U(low, high) (torch's global generator)."""
+        """Fill the table from U(low, high) (torch's global generator).
+
+        Args:
+            low, high: the bounds, finite real numbers with ``low <= high``.
+
+        Raises:
+            DTypeError: a bound is not a real number (nothing changes).
+            OptionError: a bound is NaN or infinite, or ``low > high`` (nothing changes).
+            StateError: called in the middle of a step (nothing changes).
+        """
         with self._rewriting("uniformDistributionInit"):
             self._table.uniform_(low, high)
 
     def normalDistributionInit(self, mean, stdDev):
-        """Fill the table from N(mean, stdDev²) (torch's global generator)."""
+        """Fill the table from N(mean, stdDev²) (torch's global generator).
+
+        Args:
+            mean: the mean, a finite real number.
+            stdDev: the standard deviation, a finite real number ``>= 0``.
+
+        Raises:
+            DTypeError: ``mean`` or ``stdDev`` is not a real number (nothing changes).
+            OptionError: NaN or infinite, or ``stdDev < 0`` (nothing changes).
+            StateError: called in the middle of a step (nothing changes).
+        """
         with self._rewriting("normalDistributionInit"):
             self._table.normal_(mean, stdDev)
 
     def customInit(self, initFunction, *args):
         """Run an in-place initialiser such as ``torch.nn.init.xavier_uniform_`` on the whole table.
 
+        Args:
+            initFunction: ``fn(tensor, *args)`` that fills the table's tensor in place.
+            *args: passed to ``initFunction`` after the tensor (``normal_``'s mean and std).
+
         Raises:
-            OptionError: ``initFunction`` is not callable (before the cache is flushed).
+            OptionError: ``initFunction`` is not callable (before the cache is flushed),
+                or returned a new tensor instead of filling the given one.
             StateError: called in the middle of a step.
+            Exception: whatever ``initFunction`` raised; it writes the table in
+                place (a copy to undo it would double the memory), so the rows
+                it wrote before raising stay written, as :meth:`HostTable.apply_` says.
         """
         initialiser_option(initFunction, "initFunction")
         with self._rewriting("customInit"):
@@ -499,7 +530,11 @@ class ModelFactory(Switcher):
         return array
 
     def getNumpyVersion(self) -> np.ndarray:
-        """A copy of the table as a numpy array, as SpeedTorch returned (``to_numpy()`` shares memory)."""
+        """A copy of the table as a numpy array, as SpeedTorch returned (``to_numpy()`` shares memory).
+
+        Raises:
+            StateError: the switcher is closed.
+        """
         return self.to_numpy(copy=True)
 
     def saveTorch(self, saveFileName) -> None:
@@ -507,6 +542,9 @@ class ModelFactory(Switcher):
         CPU tensor, as SpeedTorch wrote it); other suffixes as :meth:`save`.
 
         Atomic like every save: a failure leaves any previous file at ``saveFileName`` whole.
+
+        Args:
+            saveFileName: the target path.
 
         Raises:
             PathError: the directory is missing or the write failed (full disk, read-only).
@@ -532,6 +570,11 @@ class ModelFactory(Switcher):
 
     def loadTorch(self, loadFileName) -> None:
         """SpeedTorch's ``loadTorch``: reads ``*.pt``/``*.pth`` with ``torch.load(weights_only=True)``.
+
+        Other suffixes load as :meth:`load`.
+
+        Args:
+            loadFileName: the file to read.
 
         Raises:
             FileFormatError: the file holds no dense tensor of the table's shape and dtype (nothing changes).

@@ -291,6 +291,9 @@ class OptimizerFactory(Switcher):
         Only the per-row state: the optimizer's scalar state (Adam's ``step``)
         goes on, as when an in-memory optimizer's moment tensors are zeroed.
         For a full restart, build a fresh optimizer and switchers.
+
+        Raises:
+            StateError: called in the middle of a step (nothing changes).
         """
         with self._rewriting("init_state"):
             self._state.init_state()

@@ -94,11 +94,22 @@ class DataGadget(SpeedTorchFiles, CoreDataGadget):
         """A copy of the data as a numpy array (SpeedTorch returned a copy).
 
         ``to_numpy(copy=False)`` gives the zero-copy view instead.
+
+        Raises:
+            StateError: the gadget is closed.
         """
         return self.to_numpy(copy=True)
 
     def insertData(self, dataObject, indexes) -> None:
-        """SpeedTorch's name for :meth:`put` (same argument order: data, then indexes)."""
+        """SpeedTorch's name for :meth:`put` (same argument order: data, then indexes).
+
+        Args:
+            dataObject: the rows to write, shaped ``(*indexes.shape, *row_shape)``.
+            indexes: distinct integer ids of the rows to write.
+
+        Raises:
+            as :meth:`put`.
+        """
         self.put(dataObject, indexes)
 
     def getData(self, indexes, negIndexes=None) -> torch.Tensor:

@@ -77,11 +77,28 @@ class SpeedTorchFiles:
     under its names, argument names included (old code may pass them by keyword)."""
 
     def saveCupy(self, saveFileName):
-        """SpeedTorch's name for :meth:`save`."""
+        """SpeedTorch's name for :meth:`save`.
+
+        Args:
+            saveFileName: the target path, as :meth:`save` takes it.
+
+        Raises:
+            as :meth:`save`.
+        """
         return self.save(saveFileName)
 
     def loadCupy(self, loadFileName):
-        """SpeedTorch's name for :meth:`load` (what it returns: a DataGadget returns itself)."""
+        """SpeedTorch's name for :meth:`load`.
+
+        Args:
+            loadFileName: the file to read, as :meth:`load` takes it.
+
+        Returns:
+            what :meth:`load` returns (a DataGadget returns itself).
+
+        Raises:
+            as :meth:`load`.
+        """
         return self.load(loadFileName)
 
 
@@ -268,9 +285,27 @@ class Switcher(SpeedTorchFiles):
 
     # SpeedTorch's names, with its argument names: old code may pass them by keyword.
     def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None):
-        """SpeedTorch's name for ``before_forward(pos, neg)``."""
+        """SpeedTorch's name for ``before_forward(pos, neg)``.
+
+        Args:
+            retrievedPosIndexes: the step's table ids (``pos``).
+            retrievedNegIndexes: optional second ids, such as negative samples (``neg``).
+
+        Returns:
+            the local ids to feed the model, as :meth:`before_forward` returns them.
+
+        Raises:
+            as :meth:`before_forward`; nothing changes.
+        """
         return self.before_forward(retrievedPosIndexes, retrievedNegIndexes)
 
     def afterOptimizerStep(self, retrievedPosIndexes, retrievedNegIndexes=None):
-        """SpeedTorch's name for ``after_step(pos, neg)``."""
+        """SpeedTorch's name for ``after_step(pos, neg)``.
+
+        Args:
+            retrievedPosIndexes, retrievedNegIndexes: the ids given to :meth:`beforeForwardPass`.
+
+        Raises:
+            as :meth:`after_step`; nothing is written.
+        """
         return self.after_step(retrievedPosIndexes, retrievedNegIndexes)
