@@ -269,3 +269,18 @@ def test_speedtorch_names_document_args_and_raises():
             wanted = (["Args:"] if takes_args else []) + ["Raises:"]
             missing += [f"{type(obj).__name__}.{name}: {w}" for w in wanted if w not in doc]
     assert not missing, missing
+
+
+def test_data_gadget_names_only_npy_for_a_path_without_suffix(rng, tmp_path):
+    """DataGadget.saveCupy("data") (cupy.save added ".npy" in SpeedTorch) said "name it *.npy (numpy) or
+    *.h5 / *.hdf5 (HDF5)"; following that with "data.h5" was then refused, since a DataGadget saves
+    and reads .npy only. Opening or loadCupy of "data" said the same."""
+    data = rng.standard_normal((6, 3)).astype(np.float32)
+    gadget = ss.DataGadget(data, backend="numpy")
+    bare = tmp_path / "data"
+    for call in (gadget.saveCupy, gadget.loadCupy, lambda path: ss.DataGadget(path, backend="numpy")):
+        with pytest.raises(ss.OptionError) as info:
+            call(bare)
+        assert ".npy files" in str(info.value) and "*.h5" not in str(info.value)
+    assert not any(tmp_path.iterdir())                        # nothing written
+    np.testing.assert_array_equal(gadget.getNumpyVersion(), data)

@@ -192,7 +192,8 @@ class DataGadget:
 
     @staticmethod
     def _read_header(path):
-        if files.file_format(path) != "npy":
+        # suffix_format, not file_format: a path without a suffix must not be told that HDF5 would do.
+        if files.suffix_format(path) != "npy":
             raise OptionError(f"DataGadget reads .npy files; {path!r} is not one. Convert it "
                               f"with np.save, or load HDF5 tables with HostTable.load")
         return files.read_npy_header(path)
@@ -482,7 +483,7 @@ class DataGadget:
                 holds only part of it (a slice) or reads it as another dtype.
             StateError: the gadget is closed.
         """
-        if files.file_format(path) != "npy":
+        if files.suffix_format(path) != "npy":
             raise OptionError(f"DataGadget saves .npy files; name the target *.npy, got {os.fspath(path)!r}")
         with _InUse(self) as held:
             self._save(held, path)
