@@ -284,3 +284,17 @@ def test_data_gadget_names_only_npy_for_a_path_without_suffix(rng, tmp_path):
         assert ".npy files" in str(info.value) and "*.h5" not in str(info.value)
     assert not any(tmp_path.iterdir())                        # nothing written
     np.testing.assert_array_equal(gadget.getNumpyVersion(), data)
+
+
+def test_save_cupy_without_a_suffix_says_which_to_use(rng, tmp_path):
+    """README's migration notes: SpeedTorch's saveCupy("u") wrote u.npy (cupy.save adds it); here the
+    suffix is needed, and the error names it, with nothing written. An OptimizerFactory writes a directory."""
+    model, opt, u, o = switchers()
+    u.customInit(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+    gadget = ss.DataGadget(rng.standard_normal((5, 3)).astype(np.float32), backend="numpy")
+    for obj in (u, gadget):
+        with pytest.raises(ss.OptionError, match=r"\*\.npy"):
+            obj.saveCupy(tmp_path / "u")
+    assert not any(tmp_path.iterdir())
+    o.saveCupy(tmp_path / "u_opt")
+    assert (tmp_path / "u_opt").is_dir()
