@@ -550,8 +550,8 @@ class HostTable:
         :meth:`as_tensor` handed out: a watched table tracks those instead
         (:attr:`viewed`), for the owner to keep no newer rows elsewhere
         while one is alive. ``before_read`` may refuse the read by raising
-        (a switcher in the middle of a step, whose rows are current only in
-        the model): nothing has been read yet.
+        (a switcher from ``optimizer.step()`` until its after_step, whose rows
+        are current only in the model): nothing has been read yet.
 
         Args:
             before_read: a method of the owner taking no arguments, held
@@ -1081,8 +1081,8 @@ class HostTable:
         """:meth:`to_numpy` with ``copy=True`` for the owner's own read: the :meth:`watch_reads` method is not called.
 
         For an owner that reads the table where its own method would refuse
-        (a switcher's copy in the middle of a step, which it completes with
-        the step's rows itself).
+        (a switcher's copy from ``optimizer.step()`` until its after_step,
+        which it completes with the step's rows itself).
 
         Returns:
             numpy.ndarray of shape :attr:`shape`, as :meth:`to_numpy`.

@@ -93,7 +93,7 @@ def test_tables_handed_out_mid_step_are_refused_without_a_cache_too(backend, rng
         ids, local = _step_before_after_step(rng, device, emb, opt, u, o, reference, ref_opt)
         for name, call in (("table", lambda: u.table), ("getTorchVar", u.getTorchVar),
                            ("to_numpy", u.to_numpy), ("state", lambda: o.state)):
-            with pytest.raises(ss.StateError, match="between before_forward and after_step") as refused:
+            with pytest.raises(ss.StateError, match="before afterOptimizerStep") as refused:
                 call()
             # The ways to the rows and their state now: a copy of the table, and the optimizer's
             # state at the local ids. Each holds what the in-memory reference does.
@@ -122,7 +122,7 @@ def test_reads_through_tables_kept_from_between_steps_are_refused_mid_step(backe
             path = tmp_path / f"{name}-{step}.npy"
             for read in (lambda: table.gather(ids), lambda: table.to_numpy(copy=True),
                          lambda: table.save(path)):
-                with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+                with pytest.raises(ss.StateError, match="before afterOptimizerStep"):
                     read()
             assert not path.exists()
         u.after_step(ids)

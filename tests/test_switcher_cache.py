@@ -282,11 +282,13 @@ def test_calls_in_the_middle_of_a_step_are_refused(rng, backend, tmp_path):
     o.before_forward(pos, neg)  # the optimizer's switcher began the step, the model's has not
     with pytest.raises(ss.StateError, match="optimizer switcher"):
         u.before_forward(pos[:3])
-    for call in (lambda: u.getTorchVar(), lambda: u.to_numpy(), lambda: u.zerosInit(),
-                 lambda: u.load(tmp_path / "missing.npy"), lambda: o.optInit(),
+    for call in (lambda: u.zerosInit(), lambda: u.load(tmp_path / "missing.npy"), lambda: o.optInit(),
                  lambda: ss.ModelFactory(model["u"], ROWS, DIM, backend=backend, cache_rows=10)):
         with pytest.raises(ss.StateError, match="between"):
             call()
+    # Reads are not refused before optimizer.step(): the tables hold what memory does.
+    np.testing.assert_array_equal(u.getTorchVar().numpy(), table0)
+    np.testing.assert_array_equal(u.to_numpy(), table0)
     u.before_forward(pos, neg)  # the same ids join the step
     u.getNumpyVersion()  # a copy is fine: cached rows are clean after the flush
 
@@ -463,10 +465,18 @@ def test_writes_through_table_and_state_between_steps_reach_training_with_a_cach
         runs.append(_tables(u, o))
     assert_same(runs[1], runs[0])
     assert u.stats()["total"]["hits"] > 0
-    u.before_forward(*batches[0][:2])  # the step's rows are in the cache until after_step
-    with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+    pos, neg, ctx = batches[0]
+    lpos, lneg = u.before_forward(pos, neg)  # the step's rows are in the cache until after_step
+    o.before_forward(pos, neg)
+    # Before optimizer.step() the cache writes its rows back for u.table and o.state, which read
+    # what memory holds; from optimizer.step() until after_step they are refused.
+    assert_same((u.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in o.state.tables.items()}),
+                runs[1])
+    skipgram_loss(model["u"](lpos), model["u"](lneg), ctx).backward()
+    opt.step()
+    with pytest.raises(ss.StateError, match="before afterOptimizerStep"):
         u.table
-    with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+    with pytest.raises(ss.StateError, match="before afterOptimizerStep"):
         o.state
 
 

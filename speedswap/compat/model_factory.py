@@ -416,7 +416,9 @@ class ModelFactory(Switcher):
 
         Raises:
             OptionError: a ``.pt``/``.pth`` path (:meth:`saveTorch` writes those; nothing is written).
-            StateError: called in the middle of a step (nothing is written).
+            StateError: called from ``optimizer.step()`` until :meth:`after_step`, where the table
+                holds the step's rows as before the step (nothing is written); before
+                ``optimizer.step()`` it holds what memory does.
         """
         _refuse_torch_file(path, "saveTorch")
         self._check_saving()
@@ -460,21 +462,28 @@ class ModelFactory(Switcher):
         """The whole table: a :class:`~speedswap.HostTable` holding every row's current value.
 
         With a device cache, the cache first writes its rows (and their
-        optimizer state) back and forgets them, so reads see every row as
-        trained, as without a cache. Reads and writes through the table's
-        methods (``gather``, ``to_numpy``, ``save``; ``scatter``, ``apply_``,
-        the initialisers, ``load_from``), through any reference to it, a
-        kept one too, see the cache's rows and reach the next step (see
-        :meth:`_prepare_table_write`), and are refused between before_forward
-        and after_step (:meth:`_prepare_table_read`); a view ``to_numpy()`` or ``as_tensor()``
-        hands out stays current while it lives, the cache keeping no rows
-        meanwhile (:meth:`RowCache.viewed <speedswap.train.cache.RowCache.viewed>`),
+        optimizer state) back and forgets them (in a step, all but the
+        step's), so reads see every row as trained, as without a cache.
+        Reads and writes through the table's methods (``gather``,
+        ``to_numpy``, ``save``; ``scatter``, ``apply_``, the initialisers,
+        ``load_from``), through any reference to it, a kept one too, see the
+        cache's rows and reach the next step (see :meth:`_prepare_table_write`).
+        Writes are refused between before_forward and after_step, which
+        would write the step's rows back over them; reads from
+        ``optimizer.step()`` until after_step (:meth:`_prepare_table_read`),
+        where the table holds the step's rows as before the step; before
+        ``optimizer.step()`` they read what memory holds. A view
+        ``to_numpy()`` or ``as_tensor()`` hands out stays current while it
+        lives, the cache keeping no rows meanwhile
+        (:meth:`RowCache.viewed <speedswap.train.cache.RowCache.viewed>`),
         except from ``optimizer.step()`` until :meth:`after_step`, which makes
         it current again: it shows the step's rows as before the step (read
         :meth:`getNumpyVersion` there).
 
         Raises:
-            StateError: between before_forward and after_step (see :meth:`SharedSteps.hand_out`).
+            StateError: from ``optimizer.step()`` (or a forward that renormalised
+                the step's rows in place: ``max_norm``) until after_step (see
+                :meth:`SharedSteps.tables_behind`).
         """
         if self._is_member():
             self._steps.hand_out("ModelFactory.table")
@@ -501,7 +510,8 @@ class ModelFactory(Switcher):
 
         Cached rows are written back first. Handing out the table's memory
         (``copy=False``) also drops them from the cache, so writes to it before
-        the next step are seen by that step (call it between steps).
+        the next step are seen by that step (write between steps: after_step
+        writes a step's rows back over a write made since its before_forward).
         A copy made in the middle of a step holds the step's rows as they are
         in the model's embedding: after ``optimizer.step()``, the stepped rows,
         as an in-memory table holds them; the table's memory (``copy=False``)
@@ -512,7 +522,8 @@ class ModelFactory(Switcher):
         through a numpy view cannot be refused.
 
         Raises:
-            StateError: ``copy=False`` in the middle of a step.
+            StateError: ``copy=False`` from ``optimizer.step()`` until :meth:`after_step`
+                (as :attr:`table`); before ``optimizer.step()`` the view shows what memory does.
             OptionError: ``copy`` is not a bool (``bool("False")`` is True: writes
                 meant for the table would go to a copy).
         """
@@ -522,7 +533,7 @@ class ModelFactory(Switcher):
                 self._steps.hand_out("to_numpy(copy=False)")
             return self._table.to_numpy()
         self.flush()
-        array = self._table.owner_copy()  # mid-step the table's to_numpy refuses (_prepare_table_read)
+        array = self._table.owner_copy()  # after optimizer.step() the table's to_numpy refuses
         in_step = self._steps.rows_in_step() if self._is_member() else None
         if in_step is not None:
             rows, values = in_step
@@ -548,7 +559,8 @@ class ModelFactory(Switcher):
 
         Raises:
             PathError: the directory is missing or the write failed (full disk, read-only).
-            StateError: called in the middle of a step (nothing is written).
+            StateError: called from ``optimizer.step()`` until :meth:`after_step` (nothing is
+                written; see :meth:`save`).
         """
         if _is_torch_file(saveFileName):
             self._check_saving()
@@ -619,7 +631,7 @@ class ModelFactory(Switcher):
         which makes it current again.
 
         Raises:
-            StateError: in the middle of a step.
+            StateError: from ``optimizer.step()`` until :meth:`after_step` (as :attr:`table`).
         """
         if self._is_member():
             self._steps.hand_out("getTorchVar")

@@ -271,15 +271,17 @@ class OptimizerFactory(Switcher):
         ``gather``, ...) and writes between steps (``apply_``, ``scatter``,
         ...), through any reference to them, see the cache's state rows and
         reach the next step (see :meth:`_prepare_state_write`); reads are
-        refused between before_forward and after_step, a kept table's too
-        (:meth:`_prepare_table_read`). A view of a table (``to_numpy()``)
-        kept from between steps cannot be refused: from ``optimizer.step()``
-        it shows the step's rows' state as before the step, until the
-        ModelFactory's ``after_step`` (this switcher's own, without one)
-        makes it current again.
+        refused from ``optimizer.step()`` until the ModelFactory's
+        ``after_step`` (this switcher's own, without one), a kept table's too
+        (:meth:`_prepare_table_read`): the tables hold the step's state rows
+        as before the step there. Before ``optimizer.step()`` they read what
+        memory holds. A view of a table (``to_numpy()``) cannot be refused:
+        from ``optimizer.step()`` it shows the step's rows' state as before
+        the step, until that ``after_step`` makes it current again.
 
         Raises:
-            StateError: between before_forward and after_step (see :meth:`SharedSteps.hand_out`).
+            StateError: from ``optimizer.step()`` until that after_step (see
+                :meth:`SharedSteps.tables_behind`).
         """
         if self._is_member():
             self._steps.hand_out("OptimizerFactory.state")
@@ -355,7 +357,9 @@ class OptimizerFactory(Switcher):
             OptionError, PathError, FileFormatError: as
                 :func:`~speedswap.train.checkpoint.save_tables` raises them;
                 nothing is written and the device cache is as it was.
-            StateError: called in the middle of a step (nothing is written).
+            StateError: called from ``optimizer.step()`` until after_step, where the tables
+                hold the step's state rows as before the step (nothing is written); before
+                ``optimizer.step()`` they hold what memory does.
         """
         from ..train.checkpoint import save_tables
         self._check_saving()

@@ -56,7 +56,7 @@ _WAITING = object()
 class _Step:
     """The ids one ``before_forward`` saw, the slots they were given, and who is in the step."""
 
-    def __init__(self, flats, shapes, locals_, rows, grad, hits, picked):
+    def __init__(self, flats, shapes, locals_, rows, grad, hits, picked, version):
         self.flats = flats
         self.shapes = shapes
         self.locals = locals_
@@ -66,6 +66,8 @@ class _Step:
         self.begun = set()  # kinds whose before_forward joined the step
         self.ended = set()  # kinds whose after_step ended their part
         self.stepped = False  # the OptimizerFactory's optimizer.step() finished within the step
+        self.stepping = False  # an optimizer.step() over the parameter began (see _check_switched_steps)
+        self.version = version  # the parameter's version when the step began (see tables_behind)
         self.grad = grad  # (param.grad, its version) when the step began, or None
 
     def same_ids(self, flats):
@@ -351,7 +353,8 @@ class SharedSteps:
                                 self._bounds_check(flats, unsigned), self.cache.count_hits if cached else None)
         pieces = torch.split(local, [len(f) for f in flats])
         locals_ = tuple(p.view(s) for p, s in zip(pieces, shapes))
-        return _Step(flats, shapes, locals_, ws.rows, self._leftover, hits, ws.added_at)
+        # The fetch writes the rows through param.data, which leaves this version as it is.
+        return _Step(flats, shapes, locals_, ws.rows, self._leftover, hits, ws.added_at, self.param._version)
 
     def begin(self, step, kind, rows):
         """Start ``kind``'s part of ``step`` (from :meth:`prepare`); the first part fetches its rows.
@@ -576,39 +579,69 @@ class SharedSteps:
         return rewriting(self.cache)
 
     def hand_out(self, what: str) -> None:
-        """Make the host table current and uncached before ``what`` hands out its memory.
+        """Make the host table current before ``what`` hands out its memory; uncached between steps.
 
-        Afterwards every row is read from the host again, so writes through the
-        memory handed out are seen by the next step.
+        Between steps every row is afterwards read from the host again, so
+        writes through the memory handed out are seen by the next step. In a
+        step, before its rows changed (see :meth:`tables_behind`), the cache
+        keeps its rows, the step's in flight until after_step stores them:
+        writes through the tables' methods are refused until then, and a view
+        handed out makes the cache give up its other rows at its next lookup.
 
         Raises:
-            StateError: a step in progress (see :meth:`refuse_mid_step`).
+            StateError: the tables are behind the step (see :meth:`refuse_stale`).
         """
-        self.refuse_mid_step(what)
+        self.refuse_stale(what)
         if self.cache is None:
             return
         self.cache.flush()
-        self.cache.invalidate()
+        if not self._open:
+            self.cache.invalidate()
 
-    def refuse_mid_step(self, what: str) -> None:
-        """Raise before ``what`` hands out or reads the host tables in the middle of a step.
+    def tables_behind(self) -> bool:
+        """Whether the tables hold the step's rows or their state as before changes made since it began.
+
+        From an ``optimizer.step()`` over the parameter (marked before it runs,
+        by :func:`_check_switched_steps`), or with a ModelFactory an in-place
+        write into the parameter (``nn.Embedding(max_norm=...)`` renormalises
+        the rows its forward looks up), until the step's rows are stored (the
+        ModelFactory's after_step; a lone OptimizerFactory's). Before that the
+        step's rows in the parameter and the optimizer are those read from the
+        tables, which (once a cache wrote its rows back) hold what memory holds.
+        A write through ``param.data`` changes no version and goes unseen.
+        """
+        step = self.current
+        if step is None or not step.unfinished():
+            return False
+        if self.cache is None:  # no ModelFactory: only the state tables, which only the step changes
+            return step.stepping
+        return self._open and (step.stepping or self.param._version != step.version)
+
+    def refuse_stale(self, what: str) -> None:
+        """Raise before ``what`` hands out or reads the host tables while they are behind the step.
 
         Raises:
-            StateError: a step in progress: its rows and their state are
-                current only in the model's embedding and the optimizer (and
-                cached, with a cache) until after_step writes them back, so the
-                tables would hold them as they were before the step.
+            StateError: :meth:`tables_behind`: the step's rows and their state
+                are current only in the model's embedding and the optimizer
+                (and cached, with a cache) until after_step writes them back.
         """
-        if self.busy():
-            raise StateError(f"{what} between before_forward and after_step: this step's rows and "
-                             f"their optimizer state are current only in the model's embedding and the "
-                             f"optimizer until after_step writes them back, so the tables would show them "
-                             f"as before the step; call it between steps (for the rows now, "
-                             f"ModelFactory.getNumpyVersion() copies the table with the step's rows as "
-                             f"they are; their optimizer state, once OptimizerFactory.before_forward "
-                             f"ran, is optimizer.state[weight][name] at the local ids "
-                             f"ModelFactory.before_forward returned, weight being the model's "
-                             f"embedding weight)")
+        if not self.tables_behind():
+            return
+        if self.current.stepping:
+            since = "optimizer.step()"
+            changed = ("this step's rows and their optimizer state changed in the model's embedding "
+                       "and the optimizer")
+        else:
+            since = ("an in-place write into the model's embedding since beforeForwardPass, such as the "
+                     "renormalisation of nn.Embedding(max_norm=...)'s forward")
+            changed = "this step's rows changed in the model's embedding"
+        raise StateError(f"{what} after {since} and before afterOptimizerStep: {changed}, "
+                         f"and the tables show them as before until the ModelFactory's "
+                         f"afterOptimizerStep writes them back; call afterOptimizerStep first, or read "
+                         f"before optimizer.step() (for the rows now, ModelFactory.getNumpyVersion() "
+                         f"copies the table with the step's rows as they are; their optimizer state, "
+                         f"with an OptimizerFactory, is optimizer.state[weight][name] at the local ids "
+                         f"ModelFactory.before_forward returned, weight being the model's embedding weight)")
 
     def stats(self, cache_rows: int) -> dict:
         """The cache's counters (see :meth:`RowCache.stats`), all zero without a cache."""
@@ -641,9 +674,11 @@ def _check_switched_steps(optimizer, args, kwargs):
     OptimizerFactory swapping the state rows with them, Adam's moments (or
     SGD's momentum) of one row would move another; and between steps they
     hold no row, so a step there with the last step's gradient is refused
-    (:meth:`SharedSteps.refuse_stepping_again`). Only parameters with a
-    switcher and a gradient are looked at, so other optimizers pay one
-    loop over a near-empty dictionary.
+    (:meth:`SharedSteps.refuse_stepping_again`). A step let through marks the
+    switchers' step as stepping: from here the tables are behind its rows
+    (:meth:`SharedSteps.tables_behind`). Only parameters with a switcher and
+    a gradient are looked at, so other optimizers pay one loop over a
+    near-empty dictionary.
     """
     # A snapshot in one C call, as one_optimizer's hook takes: a switcher built or collected
     # meanwhile (another thread, a finalizer run by a collection inside the loop) would
@@ -657,15 +692,14 @@ def _check_switched_steps(optimizer, args, kwargs):
         if not steps.busy():
             steps.refuse_stepping_again(optimizer)
             continue
-        if not steps.alone(MODEL):
-            continue
-        if _keeps_row_state(optimizer, param):
+        if steps.alone(MODEL) and _keeps_row_state(optimizer, param):
             raise OptionError(
                 f"{type(optimizer).__name__} keeps state per row of the embedding, but only a "
                 f"ModelFactory switches its rows: each step's slots hold other rows, so one row's "
                 f"state would move another. Build an OptimizerFactory(optimizer, ...) for this "
                 f"embedding too (it switches the state rows with the embedding's), or use a "
                 f"stateless optimizer (SGD without momentum)")
+        steps.current.stepping = True  # the tables fall behind the step's rows (tables_behind)
 
 
 #: The handle of :func:`_check_switched_steps`, registered when the first switcher joins.

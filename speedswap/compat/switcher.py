@@ -206,16 +206,17 @@ class Switcher(SpeedTorchFiles):
                              f"after_step; call it between steps")
 
     def _check_saving(self):
-        """Raise before a save in the middle of a step, whose rows only after_step writes back.
+        """Raise before a save from ``optimizer.step()`` until after_step, which writes the step's rows back.
+
+        Before ``optimizer.step()`` a save writes what memory holds: the
+        step's rows as before it, as ``optimizer.state_dict()`` counts them.
 
         Raises:
-            StateError: between before_forward and after_step; nothing is written.
+            StateError: the tables are behind the step (:meth:`SharedSteps.refuse_stale`);
+                nothing is written.
         """
-        if self._is_member() and self._steps.busy():
-            raise StateError("a save between beforeForwardPass and afterOptimizerStep would write "
-                             "the step's rows as they were before it (afterOptimizerStep writes "
-                             "them back, while optimizer.state_dict() counts the step already); "
-                             "save after afterOptimizerStep on every switcher")
+        if self._is_member():
+            self._steps.refuse_stale("a save")
 
     def _rewriting(self, what):
         """A context for ``what``, which replaces host rows or state: flush before, invalidate after.
@@ -231,18 +232,19 @@ class Switcher(SpeedTorchFiles):
 
         Called by the switcher's tables (:meth:`HostTable.watch_reads`): a
         device cache writes its rows and state back first (without one the
-        tables are current between steps). In the middle of a step the read
-        is refused, as :attr:`ModelFactory.table` is: a table kept from
-        between steps would show the step's rows and state as before it. The
-        switchers' own reads in that window do not come here
+        tables are current, but from ``optimizer.step()`` until after_step).
+        In that window the read is refused, as :attr:`ModelFactory.table` is:
+        a table kept from between steps would show the step's rows and state
+        as before the step. The switchers' own reads there do not come here
         (:meth:`HostTable.owner_copy`, :meth:`HostTable.gather_validated`).
 
         Raises:
-            StateError: between before_forward and after_step; nothing is read.
+            StateError: the tables are behind the step (:meth:`SharedSteps.refuse_stale`);
+                nothing is read.
         """
         if not self._is_member():
             return
-        self._steps.refuse_mid_step("a read of the table")
+        self._steps.refuse_stale("a read of the table")
         cache = self._steps.cache
         if cache is not None and cache.num_slots:
             cache.flush()
