@@ -214,3 +214,65 @@ def test_reads_after_a_forward_that_renormalised_the_rows_are_refused(backend, r
         _check(_row_reads(u, kept, path), reference.weight.detach().cpu().numpy(), True,
                f"after afterOptimizerStep, step {step}", list)
 
+
+@pytest.mark.parametrize("cache_rows", [0, 10])
+def test_writes_stay_refused_in_every_window_of_a_step(backend, rng, tmp_path, cache_rows):
+    """A write into the tables between beforeForwardPass and afterOptimizerStep would be lost (the
+    step's rows are written back over it) or train from rows the step did not gather: every write
+    of the switchers and of tables kept from between steps is refused in each window, reads being
+    let through before optimizer.step(), and nothing changes: training equals memory throughout."""
+    device, emb, opt, u, o, reference, ref_opt = _switched(backend, rng, cache_rows, True)
+    kept, kept_state = u.table, o.state.tables["sum"]
+    u.saveCupy(tmp_path / "rows.npy")
+    u.saveTorch(tmp_path / "rows.pt")
+    o.save(tmp_path / "state.h5")
+    kept_state.save(tmp_path / "sum.npy")
+    one = torch.full((1, DIM), 0.25)
+    writes = {
+        "kept.scatter": lambda: kept.scatter([3], one),
+        "kept.apply_": lambda: kept.apply_(torch.nn.init.zeros_),
+        "kept.uniform_": lambda: kept.uniform_(-1, 1),
+        "kept.load_from": lambda: kept.load_from(tmp_path / "rows.npy"),
+        "u.zerosInit": u.zerosInit,
+        "u.uniformDistributionInit": lambda: u.uniformDistributionInit(-1, 1),
+        "u.normalDistributionInit": lambda: u.normalDistributionInit(0, 1),
+        "u.customInit": lambda: u.customInit(torch.nn.init.zeros_),
+        "u.loadCupy": lambda: u.loadCupy(tmp_path / "rows.npy"),
+        "u.loadTorch": lambda: u.loadTorch(tmp_path / "rows.pt"),
+        "kept state.scatter": lambda: kept_state.scatter([3], one),
+        "kept state.load_from": lambda: kept_state.load_from(tmp_path / "sum.npy"),
+        "o.optInit": o.optInit,
+        "o.load": lambda: o.load(tmp_path / "state.h5"),
+    }
+
+    def check(when):
+        for name, write in writes.items():
+            with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+                write()
+        np.testing.assert_allclose(u.getNumpyVersion(), reference.weight.detach().cpu().numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=when)
+
+    for step in range(STEPS):
+        ids = _zipf_ids(rng, device)
+        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+        u.beforeForwardPass(ids)
+        local = o.beforeForwardPass(ids)
+        check(f"after beforeForwardPass, step {step}")
+        out, ref_out = emb(local), reference(ids)
+        check(f"after the forward, step {step}")
+        (out * weights).sum().backward()
+        (ref_out * weights).sum().backward()
+        check(f"after the backward, step {step}")
+        opt.step()
+        ref_opt.step()
+        check(f"after optimizer.step(), step {step}")
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        first, second = (u, o) if step % 2 else (o, u)
+        first.afterOptimizerStep(ids)
+        check(f"after {type(first).__name__}.afterOptimizerStep, step {step}")
+        second.afterOptimizerStep(ids)
+    np.testing.assert_allclose(kept.to_numpy(copy=True), reference.weight.detach().cpu().numpy(),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kept_state.to_numpy(copy=True),
+                               ref_opt.state[reference.weight]["sum"].cpu().numpy(), rtol=1e-5, atol=1e-6)
