@@ -22,7 +22,8 @@ import torch.utils.checkpoint as activation
 import speedswap as ss
 from rendezvous import rendezvous_url
 from test_training_flows import (ROWS, STEPS, adam_against_sparse_adam, assert_equal_to_reference,
-                                 assert_trained_as_sparse_adam, both_sides, make_lazy, pair, train_step, zipf_ids)
+                                 assert_trained_as_sparse_adam, both_sides, make_lazy, pair, step_both, train_step,
+                                 zipf_ids)
 from training_helpers import CAPACITY, DIM, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
 
 
@@ -413,4 +414,47 @@ def test_a_torch_func_transform_of_the_forward_is_refused_and_rows_looked_up_out
             rows.backward(torch.func.grad(lambda r: ((r.cpu().sum(1) - target) ** 2).sum())(rows.detach()))
             optimizer.step()
             optimizer.zero_grad()
+    assert_trained_as_sparse_adam(emb, ref, ref_opt)
+
+
+#: Lookups that read the table inside a ``torch.func`` transform, of ids and a weight it does not
+#: track: (how the lookup reads, the transform), each with its in-memory counterpart's result.
+READS_UNDER_TRANSFORMS = [("eval", "grad"), ("eval", "vmap"), ("frozen", "grad"), ("frozen", "vmap"),
+                          ("no_grad", "vmap")]
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("reads, transform", READS_UNDER_TRANSFORMS)
+def test_a_lookup_reading_the_table_runs_under_a_torch_func_transform_as_in_memory(
+        backend, rng, cache_rows, reads, transform):
+    """A forward that reads the table (eval mode, ``torch.no_grad()``, a frozen ``weight``) of
+    plain ids is a constant to a ``torch.func`` transform of something else: gradients of a head
+    over pretrained rows (``grad`` of a function of ``x``), a ``vmap`` over other inputs. Such
+    calls ran as in memory until every forward under a transform was refused with ``OptionError``
+    (refused for nothing); they give nn.Embedding's results, and change nothing: training on
+    afterwards matches SparseAdam."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, ROWS, cache_rows)
+    batches = zipf_ids(rng, 6)
+    for ids, target in batches[:4]:
+        step_both(both_sides(emb, opt, ref, ref_opt, device), ids, target)
+    ids = batches[4][0]
+    xs = torch.from_numpy(rng.standard_normal((3, emb.embedding_dim)).astype(np.float32))
+    if reads == "eval":
+        emb.eval()
+    elif reads == "frozen":
+        emb.weight.requires_grad_(False)
+
+    def under_transform(lookup):
+        if transform == "grad":
+            return torch.func.grad_and_value(lambda x: (lookup(ids) @ x).sin().sum())(xs[0])
+        with torch.no_grad() if reads == "no_grad" else torch.enable_grad():
+            return (torch.func.vmap(lambda x: lookup(ids) @ x)(xs),)
+
+    got = under_transform(lambda i: emb(i.to(device)).cpu())
+    want = under_transform(lambda i: F.embedding(i, ref.detach()))
+    for got_part, want_part in zip(got, want, strict=True):
+        np.testing.assert_allclose(got_part.numpy(), want_part.numpy(), rtol=1e-5, atol=1e-5)
+    emb.train()
+    emb.weight.requires_grad_(True)
+    step_both(both_sides(emb, opt, ref, ref_opt, device), *batches[5])
     assert_trained_as_sparse_adam(emb, ref, ref_opt)

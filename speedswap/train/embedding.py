@@ -31,8 +31,8 @@ from .leftover import untouched
 from .module_state import (check_tables_state, copy_tables, missing_hint, note_loaded, refused_after,
                            tables_state, unpicklable)
 from .one_optimizer import claim
-from .options import (embedding_dtype, embedding_flags, forward_ids, padding_option, refuse_bag_arguments,
-                      refuse_function_transforms, refuse_max_norm)
+from .options import (embedding_dtype, embedding_flags, forward_ids, outside_function_transforms, padding_option,
+                      refuse_bag_arguments, refuse_max_norm)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
                         take_assigned)
@@ -465,23 +465,27 @@ class OffloadedEmbedding(RefusesConversion):
             StateError: training before :meth:`attach`.
             OptionError: a training forward inside ``DistributedDataParallel``
                 that averages :attr:`weight`'s gradient (see :func:`_refuse_ddp`);
-                a forward under a ``torch.func`` transform (nothing changes).
+                under a ``torch.func`` transform, a training forward, or one of
+                ids or a weight the transform tracks (nothing changes). A forward
+                reading the table of other ids runs as a constant to it.
         """
         if extra or offsets is not None or per_sample_weights is not None:
             refuse_bag_arguments(type(self).__name__, extra, offsets, per_sample_weights)
-        refuse_function_transforms(type(self).__name__)
         ids = forward_ids(input, ids)
+        weight = self.weight  # read once: each read of a parameter goes through Module.__getattr__
+        reads = not (self.training and torch.is_grad_enabled() and weight.requires_grad)
+        outside, ids = outside_function_transforms(type(self).__name__, reads, ids, weight)
         self._check_open()
         self._abort_step()
-        weight = self.weight  # read once: each read of a parameter goes through Module.__getattr__
-        if not (self.training and torch.is_grad_enabled() and weight.requires_grad):
+        if reads:
             self._eval_with_grad |= torch.is_grad_enabled() and weight.requires_grad
-            if self._cache is None:
-                return self._table.gather(ids).to(weight.dtype)
-            # The ids' range is checked by the cache, in a read it makes anyway (with some rows cached).
-            flat, shape, check_bounds = as_row_ids_deferred(ids, self.num_embeddings, weight.device)
-            rows = self._cache.read(flat, counted=True, check_bounds=check_bounds)
-            return rows.view(*shape, self.embedding_dim).to(weight.dtype)
+            with outside:
+                if self._cache is None:
+                    return self._table.gather(ids).to(weight.dtype)
+                # The ids' range is checked by the cache, in a read it makes anyway (with some rows cached).
+                flat, shape, check_bounds = as_row_ids_deferred(ids, self.num_embeddings, weight.device)
+                rows = self._cache.read(flat, counted=True, check_bounds=check_bounds)
+                return rows.view(*shape, self.embedding_dim).to(weight.dtype)
         _refuse_ddp(weight)
         local = self._add_rows(ids)
         # Slots name rows one to one, so counting them counts the ids (scale_grad_by_freq).

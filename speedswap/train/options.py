@@ -1,5 +1,6 @@
 """``nn.Embedding``'s constructor options and forward call, checked alike by every offloaded embedding."""
 
+import contextlib
 from typing import Optional
 
 import numpy as np
@@ -9,7 +10,7 @@ from ..convert import bool_option, int_option, torch_dtype
 from ..errors import DTypeError, OptionError
 
 __all__ = ["padding_option", "embedding_dtype", "embedding_flags", "refuse_max_norm", "forward_ids",
-           "refuse_bag_arguments", "refuse_function_transforms"]
+           "refuse_bag_arguments", "outside_function_transforms"]
 
 
 def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:
@@ -126,25 +127,51 @@ def refuse_bag_arguments(cls: str, extra: tuple, offsets, per_sample_weights) ->
                      f"emb(ids).sum(1) with padding_idx")
 
 
-def refuse_function_transforms(cls: str) -> None:
-    """Refuse a forward that a ``torch.func`` transform calls (``grad``, ``vjp``, ``vmap``, ...).
+# torch has no public way to ask whether a torch.func transform is running, or to step out of one:
+# these are the private calls torch's own code uses for it.
+_FUNCTORCH = torch._C._functorch
 
-    The forward gathers the ids' rows into the working set, :attr:`weight`,
-    and the optimizer's step writes them back from it: a transform hands the
-    forward a wrapped ``weight`` without storage (``functional_call``) or
-    batched ids (``vmap``), which failed deep inside with a ``RuntimeError``.
-    Called first, so nothing has changed.
+
+def outside_function_transforms(cls: str, reads: bool, ids, weight: torch.Tensor) -> tuple:
+    """Where a forward that a ``torch.func`` transform calls (``grad``, ``vjp``, ``vmap``, ...) runs, if it can.
+
+    A training forward gathers the ids' rows into the working set,
+    :attr:`weight`, and the optimizer's step writes them back from it: a
+    transform hands it a wrapped ``weight`` without storage
+    (``functional_call``) or batched ids (``vmap``), which failed deep inside
+    with a ``RuntimeError``. A forward that reads the table (eval mode,
+    ``torch.no_grad()``, a frozen weight) of ids no transform batches, with a
+    weight none wraps, is a constant to it, as ``nn.Embedding``'s rows of an
+    untracked weight are: it runs outside the transform, whose wrapped
+    tensors the host reads cannot take. Called before anything changes.
 
     Args:
         cls: the embedding class, for the message.
+        reads: the forward reads the table, training nothing.
+        ids: the ids as given (a tensor an op inside ``grad`` made is wrapped
+            by it, and carries no gradient: its values are taken).
+        weight: the forward's :attr:`weight`.
+
+    Returns:
+        ``(context, ids)``: a context manager to run the forward in (a null
+        one without a transform) and the ids to look up in it.
 
     Raises:
-        OptionError: a ``torch.func`` transform is running.
+        OptionError: under a transform, a training forward, or one of ids it
+            batches or a weight it wraps.
     """
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        raise OptionError(
-            f"{cls} under a torch.func transform (grad, vjp, vmap, a functional_call inside one): its "
-            f"weight is the step's working set, which the forward fills from the host table and "
-            f"optimizer.step() writes back, so the transform cannot call it. Look the rows up outside "
-            f"the transform (rows = emb(ids)) and pass them in; hand their gradient back with "
-            f"rows.backward(grad_of_rows) before optimizer.step()")
+    if _FUNCTORCH.peek_interpreter_stack() is None:
+        return contextlib.nullcontext(), ids
+    if reads:
+        while isinstance(ids, torch.Tensor) and _FUNCTORCH.is_gradtrackingtensor(ids):
+            ids = _FUNCTORCH.get_unwrapped(ids)
+        wrapped = _FUNCTORCH.is_functorch_wrapped_tensor
+        if not (isinstance(ids, torch.Tensor) and wrapped(ids)) and not wrapped(weight):
+            return torch._C._DisableFuncTorch(), ids
+    raise OptionError(
+        f"{cls} under a torch.func transform (grad, vjp, vmap, a functional_call inside one), training, of "
+        f"ids it batches or of a weight it wraps: its weight is the step's working set, which the forward "
+        f"fills from the host table and optimizer.step() writes back, so the transform cannot call it. "
+        f"Look the rows up outside the transform (rows = emb(ids)) and pass them in; hand their gradient "
+        f"back with rows.backward(grad_of_rows) before optimizer.step() (a lookup that reads the table, "
+        f"in eval mode, under torch.no_grad() or of a frozen weight, runs inside one)")

@@ -46,8 +46,8 @@ from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE
                        Exchange, count_by_owner, owner_starts, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
-from .options import (embedding_dtype, embedding_flags, forward_ids, padding_option, refuse_bag_arguments,
-                      refuse_function_transforms, refuse_max_norm)
+from .options import (embedding_dtype, embedding_flags, forward_ids, outside_function_transforms, padding_option,
+                      refuse_bag_arguments, refuse_max_norm)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
 from .step_hooks import StepHooks
@@ -541,7 +541,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             OptionError: a forward under a ``torch.func`` transform, raised on
                 each rank that runs one, before any message (nothing changes).
         """
-        refuse_function_transforms(type(self).__name__)
+        # Refused whatever it reads: its lookup, a collective, is not made to run outside a transform.
+        outside_function_transforms(type(self).__name__, False, input, self.weight)
         training = self.training and torch.is_grad_enabled()
         if training:
             self._abort_step()
