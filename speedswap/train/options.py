@@ -128,8 +128,11 @@ def refuse_bag_arguments(cls: str, extra: tuple, offsets, per_sample_weights) ->
 
 
 # torch has no public way to ask whether a torch.func transform is running, or to step out of one:
-# these are the private calls torch's own code uses for it.
-_FUNCTORCH = torch._C._functorch
+# these are the private calls torch's own code uses for it. A torch without the first cannot be
+# asked, so forwards run unchecked there (a transform's call may fail inside); one without the
+# second refuses reads under a transform as it refuses training.
+_TRANSFORM_RUNNING = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+_STEP_OUT = getattr(torch._C, "_DisableFuncTorch", None)
 
 
 def outside_function_transforms(cls: str, reads: bool, ids, weight: torch.Tensor) -> tuple:
@@ -158,16 +161,19 @@ def outside_function_transforms(cls: str, reads: bool, ids, weight: torch.Tensor
 
     Raises:
         OptionError: under a transform, a training forward, or one of ids it
-            batches or a weight it wraps.
+            batches or a weight it wraps (a read too, on a torch that cannot
+            step out of it). A torch that cannot tell whether a transform runs
+            raises nothing.
     """
-    if _FUNCTORCH.peek_interpreter_stack() is None:
+    if _TRANSFORM_RUNNING is None or _TRANSFORM_RUNNING() is None:
         return contextlib.nullcontext(), ids
-    if reads:
-        while isinstance(ids, torch.Tensor) and _FUNCTORCH.is_gradtrackingtensor(ids):
-            ids = _FUNCTORCH.get_unwrapped(ids)
-        wrapped = _FUNCTORCH.is_functorch_wrapped_tensor
+    if reads and _STEP_OUT is not None:
+        functorch = torch._C._functorch  # torch's own torch.func needs these: there whenever it is
+        while isinstance(ids, torch.Tensor) and functorch.is_gradtrackingtensor(ids):
+            ids = functorch.get_unwrapped(ids)
+        wrapped = functorch.is_functorch_wrapped_tensor
         if not (isinstance(ids, torch.Tensor) and wrapped(ids)) and not wrapped(weight):
-            return torch._C._DisableFuncTorch(), ids
+            return _STEP_OUT(), ids
     raise OptionError(
         f"{cls} under a torch.func transform (grad, vjp, vmap, a functional_call inside one), training, of "
         f"ids it batches or of a weight it wraps: its weight is the step's working set, which the forward "
