@@ -629,6 +629,8 @@ class HostTable:
                 read-only table over a file that cannot be mapped again (a memmap made from a file object, or a
                 file replaced since it was mapped): copy its rows with
                 :meth:`from_numpy`.
+            OptionError: ``for_reading`` is not a bool (``bool("False")`` is True:
+                a read-only table would hand out its read-only map).
 
         Example:
             >>> import os, tempfile, numpy as np, speedswap as ss
@@ -639,6 +641,7 @@ class HostTable:
             >>> float(np.load(path)[0, 0]), float(rows[0, 0])
             (1.0, 5.0)
         """
+        for_reading = bool_option(for_reading, "for_reading", hint=" (the caller only reads the tensor)")
         buffer = self._live_buffer()
         self._announce_read()
         self._backend.wait_host(buffer)

@@ -213,6 +213,22 @@ def test_a_path_for_a_table_kept_in_memory_is_refused_not_ignored(storage, tmp_p
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("for_reading", ["False", "no", 0])
+def test_as_tensor_refuses_a_for_reading_that_is_not_a_bool(rng, tmp_path, for_reading):
+    """as_tensor branched on `for_reading`'s truth: over a file mapped read-only,
+    for_reading="False" handed out a tensor over the read-only map itself, whose first write kills
+    the process (a segmentation fault), instead of the copy-on-write map for_reading=False gives."""
+    values = rng.standard_normal((6, 3)).astype(np.float32)
+    np.save(tmp_path / "t.npy", values)
+    table = ss.HostTable.adopt(np.load(tmp_path / "t.npy", mmap_mode="r"), backend="numpy")
+    with pytest.raises(ss.OptionError, match=f"for_reading must be True .* or False, got {for_reading!r}"):
+        table.as_tensor(for_reading=for_reading)
+    rows = table.as_tensor(for_reading=False)
+    rows[2] = float(values[2, 0]) + 1.0  # a private copy of the page
+    np.testing.assert_array_equal(np.load(tmp_path / "t.npy"), values)
+    np.testing.assert_array_equal(table.to_numpy(copy=True), values)
+
+
 @pytest.mark.parametrize("copy", ["False", "no", 0])
 def test_to_numpy_refuses_a_copy_that_is_not_a_bool(table, copy):
     """to_numpy branched on `copy`'s truth: copy="False" (or "no") handed out an independent copy, so
