@@ -645,6 +645,28 @@ def test_from_pretrained_refuses_a_freeze_that_is_not_a_bool_before_making_its_f
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("file_dtype, dtype, fragment", [
+    (np.float64, torch.float32, "holds .* torch.float64, but this table is .* torch.float32"),
+    (np.float32, torch.float16, "holds .* torch.float32, but this table is .* torch.float16"),
+    (np.float32, torch.bfloat16, "not bfloat16 values"),  # found as the rows are read
+])
+def test_from_pretrained_of_a_mismatched_file_leaves_no_half_made_mmap_file(rng, tmp_path, file_dtype, dtype,
+                                                                         fragment):
+    """from_pretrained(path, dtype=...) of a file it refuses made the mmap table first: its
+    table.npy stayed behind half made (rows never read), and the retry with the right file raised
+    PathError ("already exists; speedswap does not replace a file it did not create")."""
+    rows = rng.standard_normal((ROWS, DIM)).astype(file_dtype)
+    np.save(tmp_path / "rows.npy", rows)
+    with pytest.raises(ss.FileFormatError, match=fragment):
+        ss.OffloadedEmbedding.from_pretrained(tmp_path / "rows.npy", max_rows=CAP, storage="mmap",
+                                              path=tmp_path / "emb", backend="numpy", dtype=dtype)
+    assert not (tmp_path / "emb" / "table.npy").exists()
+    np.save(tmp_path / "rows.npy", rows.astype(np.float32))
+    with ss.OffloadedEmbedding.from_pretrained(tmp_path / "rows.npy", max_rows=CAP, storage="mmap",
+                                               path=tmp_path / "emb", backend="numpy") as emb:
+        np.testing.assert_array_equal(emb.table.to_numpy(), rows.astype(np.float32))
+
+
 def test_from_pretrained_reads_byte_swapped_rows_exactly(rng):
     rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
     with ss.OffloadedEmbedding.from_pretrained(rows.astype(">f4"), max_rows=CAP, storage="pageable",

@@ -8,6 +8,7 @@
 >>> loss.backward(); opt.step(); opt.zero_grad()    # rows 3, 5, 999 written back once each
 """
 
+import contextlib
 import os
 import weakref
 from collections.abc import Mapping
@@ -262,7 +263,10 @@ class OffloadedEmbedding(RefusesConversion):
             DTypeError: rows that are not floating point, a numpy masked array,
                 or a sparse or nested tensor.
             DeviceError: a tensor on the meta device.
-            FileFormatError, MissingFileError: a bad or missing file.
+            FileFormatError, MissingFileError: a bad or missing file, or one
+                of another dtype than ``dtype``; an ``mmap`` table's file is
+                removed again (with ``overwrite=True``, the one it replaced
+                is gone too).
             OptionError, PathError: as the class's constructor; ``freeze`` that
                 is not a bool (``bool("False")`` is True: it would freeze the table).
         """
@@ -286,18 +290,23 @@ class OffloadedEmbedding(RefusesConversion):
             raise ShapeError(f"from_pretrained takes (num_embeddings, embedding_dim) rows, got shape "
                              f"{tuple(shape)}")
         kwargs.setdefault("dtype", dtype)
+        if rows is None:  # before the table is made: a refused file leaves no mmap file behind
+            files.check_table_matches(header, shape, embedding_dtype(kwargs["dtype"]), embeddings)
         emb = cls(shape[0], shape[1], max_rows=max_rows, _initialise=False, **kwargs)
         try:
             if rows is None:
                 # Straight into the new table's memory: load() would first stage the whole
                 # file in RAM, which keeps a table in use intact on a bad file; this one has no
-                # rows to keep (it is closed on any error).
-                files.check_table_matches(header, shape, emb._table.dtype, embeddings)
+                # rows to keep (it is closed, its mmap file removed, on any error).
                 files.read_table(emb._table, embeddings, header)
             else:
                 emb.table.apply_(lambda t: t.copy_(rows))
         except BaseException:
             emb.close()
+            # Half made, it is no table, and it would make a retry raise ("already exists").
+            for made in emb._created - {None}:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(made)
             raise
         emb.weight.requires_grad_(not freeze)
         return emb
