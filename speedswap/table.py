@@ -231,6 +231,9 @@ class HostTable:
         self._views_handed_out = 0  # how many it handed out (see views_handed_out)
         self._device_view = False  # whether a watched device table handed out its tensor (see viewed)
         self._torn = None  # why its rows may be part one state, part another (see loading_into)
+        # Whether this is a new mmap file that nothing has written into (or handed out a view of):
+        # it reads as zeros from its holes, which zero_ leaves (see there).
+        self._unwritten_file = False
         _LIVE.add(self)
 
     # ----------------------------------------------------------- constructors
@@ -272,7 +275,9 @@ class HostTable:
         backend = get_backend(backend, device)
         if storage == "mmap":
             array = files.create_npy_memmap(path, shape, numpy_dtype(dtype), overwrite)
-            return cls(backend.adopt(array, "mmap", dtype), backend, path)
+            table = cls(backend.adopt(array, "mmap", dtype), backend, path)
+            table._unwritten_file = True
+            return table
         try:
             return cls(backend.allocate(shape, dtype, storage), backend)
         except (MemoryError, OSError, torch.OutOfMemoryError) as exc:  # the last: GPU memory
@@ -514,6 +519,7 @@ class HostTable:
             raise StateError("this HostTable shares a read-only array (e.g. a file mapped with "
                              "mmap_mode='r'), so its rows cannot be written; map the file 'r+' "
                              "or copy the rows with HostTable.from_numpy")
+        self._unwritten_file = False
         return buffer
 
     def watch_writes(self, before_write: Optional[Callable[[], None]]) -> None:
@@ -645,6 +651,7 @@ class HostTable:
         buffer = self._live_buffer()
         self._announce_read()
         self._backend.wait_host(buffer)
+        self._unwritten_file = False  # whoever holds the tensor may write through it
         if (for_reading or self._writable or not isinstance(buffer.host, np.memmap)
                 or buffer.host.mode != "r"):
             # Memory the process may write (a read-only array over ordinary memory too).
@@ -824,9 +831,19 @@ class HostTable:
                 chunk.copy_(native.view(chunk.dtype))
 
     def zero_(self):
-        """Set every row to zero, chunk by chunk. Returns self."""
+        """Set every row to zero, chunk by chunk. Returns self.
+
+        A new ``mmap`` table (:meth:`empty`) that nothing has written into yet
+        reads as zeros from its file's holes: it is left as it is, so that the
+        file stays sparse on disk (writing the zeros would make it dense and
+        dirty every page, whose write-back the first training steps would
+        wait for). Its checks and the :meth:`watch_writes` method run all the same.
+        """
+        unwritten = self._unwritten_file
         for _, _, chunk in self._row_chunks():
-            chunk.zero_()
+            if not unwritten:
+                chunk.zero_()
+        self._unwritten_file = unwritten  # _row_chunks took the buffer to write, and wrote nothing
         return self
 
     def uniform_(self, low=0.0, high=1.0, *, generator=None):
@@ -1078,6 +1095,7 @@ class HostTable:
         if copy or buffer.host is None:
             return self.owner_copy()
         self._backend.wait_host(buffer)
+        self._unwritten_file = False  # whoever holds the view may write through it
         return self._handed_out(buffer.host)
 
     def owner_copy(self) -> np.ndarray:

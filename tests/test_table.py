@@ -223,6 +223,30 @@ def test_mmap_table_larger_than_touched_pages_writes_through(backend, rng, tmp_p
     np.testing.assert_array_equal(reopened.gather(ids[:5]).cpu().numpy(), new[:5])
 
 
+@pytest.mark.parametrize("write", ["scatter", "to_numpy", "as_tensor"])
+def test_zero_leaves_a_new_mmap_file_sparse_and_zeroes_one_written_into(write, rng, tmp_path):
+    """zero_ skips the writes only while the new file still reads as zeros from its holes."""
+    path = tmp_path / "t.npy"
+    table = ss.HostTable.empty(20_000, 16, storage="mmap", path=path, backend="numpy")
+    if path.stat().st_blocks * 512 >= table.nbytes:
+        pytest.skip("this file system stores no sparse files")
+    table.zero_()
+    table.flush()
+    assert path.stat().st_blocks * 512 < table.nbytes / 4, "zero_ wrote the new file's zeros"
+    ids = np.unique(rng.integers(0, 20_000, size=50))
+    rows = random_rows(rng, (len(ids), 16), np.float32)
+    if write == "scatter":
+        table.scatter(ids, rows)
+    else:
+        view = table.to_numpy() if write == "to_numpy" else table.as_tensor().numpy()
+        view[ids] = rows
+        del view
+    assert table.to_numpy().any()
+    table.zero_()
+    assert not table.to_numpy().any()
+    table.close()
+
+
 @pytest.mark.filterwarnings("error")
 def test_from_numpy_copies_a_read_only_memmap_without_warnings(backend, storage, rng, tmp_path):
     ref = random_rows(rng, (500, 12), np.float32)

@@ -132,10 +132,9 @@ class ModelFactory(Switcher):
         super().__init__(param, total_classes, embed_dimension, datatype, cache_rows,
                          find_param=None if module is None else lambda: weight_of(module))
         storage = storage or storage_of(CPUPinn)
-        # An mmap table starts as a zero-filled sparse file; writing zeros would make it dense.
-        make = HostTable.empty if storage == "mmap" else HostTable.zeros
-        self._table = make(total_classes, embed_dimension, datatype, storage, backend, path,
-                          device=device_of(param), overwrite=overwrite)
+        # zero_ leaves a new mmap table's sparse file of zeros as it is (see HostTable.zero_).
+        self._table = HostTable.zeros(total_classes, embed_dimension, datatype, storage, backend, path,
+                                      device=device_of(param), overwrite=overwrite)
         self._check_device(self._table)
         self._placeholders = None
         # The first forwards of the model's embedding are checked for stale placeholder copies.

@@ -348,9 +348,7 @@ class RowState:
         self._scratch = {}
         self.needs_sparse_grad = isinstance(optimizer, _SPARSE_GRAD_ONLY)
         self._initial_specs = []  # every initial state init_state filled the tables with
-        # A new mmap file is a sparse file of zeros already: writing them would make it dense on
-        # disk and dirty every page, whose write-back the first training steps would wait for.
-        self.init_state(zeros_written=storage == "mmap")
+        self.init_state()  # HostTable.zero_ leaves the new sparse files of mmap tables as they are
         # Whether the tables were restored (a checkpoint load, an explicit init_state)
         # since the last step, so that state an optimizer.load_state_dict() put in place
         # may be replaced by theirs; the initial state set here does not count.
@@ -362,17 +360,15 @@ class RowState:
         self._held = {name: state[name] for name, value in self.spec.items()
                       if isinstance(state.get(name), torch.Tensor) and bool((state[name] == value).all())}
 
-    def init_state(self, zeros_written: bool = False):
+    def init_state(self):
         """Set every row's state to the value torch creates it with (a fresh optimizer).
 
-        Args:
-            zeros_written: the tables hold zeros already (new ``mmap`` files):
-                states that start at zero are left as they are.
+        A state that starts at zero leaves a new ``mmap`` file nothing has
+        written into sparse (see :meth:`HostTable.zero_`).
         """
         for name, value in self.spec.items():
             if value == 0:
-                if not zeros_written:
-                    self.tables[name].zero_()
+                self.tables[name].zero_()
             else:
                 self.tables[name].apply_(torch.nn.init.constant_, value)
         # Rprop's step_size follows the lr: a checkpoint saved before the first step holds
