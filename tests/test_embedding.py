@@ -568,6 +568,28 @@ def test_max_norm_is_refused_with_the_reason(option):
         ss.OffloadedEmbedding(10, 3, max_rows=4, storage="pageable", backend="numpy", **option)
 
 
+@pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
+@pytest.mark.parametrize("given, instead", [
+    (lambda rows: dict(_weight=rows), r"_weight=: .*(from_pretrained|emb\.table\.apply_)"),
+    (lambda rows: dict(_weight=rows, _freeze=True), r"_freeze=: .*(freeze=True|torch\.no_grad)"),
+    (lambda rows: dict(mode="sum", include_last_offset=True), r"mode= and include_last_offset=: .*bag_sum"),
+    (lambda rows: dict(per_sample_weights=rows[:, 0]), r"per_sample_weights=: .*forward argument.*bag_sum"),
+    (lambda rows: dict(max_row=4), r"max_row=: no such argument"),
+])
+def test_other_nn_embedding_and_bag_arguments_are_refused_saying_what_to_do_instead(cls, given, instead, rng,
+                                                                                      tmp_path):
+    """nn.Embedding's _weight/_freeze and nn.EmbeddingBag's arguments raised Python's bare TypeError
+    (an unexpected keyword), naming one of them and nothing to do instead."""
+    rows = torch.from_numpy(rng.standard_normal((10, 3)).astype(np.float32))
+    generator = torch.get_rng_state()
+    with pytest.raises(ss.DTypeError, match=instead) as refused:
+        cls(10, 3, max_rows=4, storage="mmap", path=tmp_path / "emb", backend="numpy", **given(rows))
+    assert isinstance(refused.value, TypeError)  # as Python's, for code that catches that
+    assert "It takes num_embeddings, embedding_dim, max_rows" in str(refused.value)
+    assert not (tmp_path / "emb").exists()  # nothing was built: no table file, no random rows drawn
+    assert torch.equal(torch.get_rng_state(), generator)
+
+
 @pytest.mark.parametrize("source", ["array", "tensor", "npy"])
 def test_from_pretrained_starts_from_the_rows_and_trains_like_nn_embedding(rng, tmp_path, source):
     rows = rng.standard_normal((60, 5)).astype(np.float32)

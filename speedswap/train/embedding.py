@@ -33,7 +33,7 @@ from .module_state import (check_tables_state, copy_tables, missing_hint, note_l
                            tables_state, unpicklable)
 from .one_optimizer import claim
 from .options import (embedding_dtype, embedding_flags, forward_ids, outside_function_transforms, padding_option,
-                      refuse_bag_arguments, refuse_max_norm)
+                      refuse_bag_arguments, refuse_max_norm, refuse_other_keywords)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
                         take_assigned)
@@ -125,12 +125,17 @@ class OffloadedEmbedding(RefusesConversion):
             the rows it looks up in place, in eval forwards too, a write that
             the offloaded table does not make.
         norm_type: ``nn.Embedding``'s, for ``max_norm``; only the default.
+        **others: refused, saying what to do instead: ``nn.Embedding``'s
+            ``_weight`` and ``_freeze`` (:meth:`from_pretrained`),
+            ``nn.EmbeddingBag``'s ``mode``, ``include_last_offset`` and
+            ``per_sample_weights`` (README's pooled-lookup recipe).
 
     Raises:
         OptionError: bad sizes, padding_idx or storage; ``max_norm`` or
             ``norm_type`` given; ``scale_grad_by_freq``, ``sparse`` or
             ``overwrite`` that is not a bool.
-        DTypeError: a dtype that is not floating point.
+        DTypeError: a dtype that is not floating point; a keyword argument
+            it does not take (a ``TypeError``, as Python's). Nothing is built.
         PathError: ``mmap`` files exist in ``path`` (without ``overwrite``).
 
     The embedding holds host (pinned) memory until :meth:`close` or until it
@@ -148,8 +153,14 @@ class OffloadedEmbedding(RefusesConversion):
                  padding_idx: int = None, backend: BackendLike = "auto", path=None,
                  device: DeviceLike = None, overwrite: bool = False, cache_rows: int = 0,
                  scale_grad_by_freq: bool = False, sparse: bool = False, max_norm: float = None,
-                 norm_type: float = 2.0, _initialise: bool = True):
+                 norm_type: float = 2.0, _initialise: bool = True, **others):
         super().__init__()
+        refuse_other_keywords(type(self).__name__, OffloadedEmbedding.__init__, others, {
+            "_weight": "start the table from those rows with OffloadedEmbedding.from_pretrained(weight, "
+                       "freeze=False, max_rows=...)",
+            "_freeze": "OffloadedEmbedding.from_pretrained(weight, freeze=True, max_rows=...) builds a "
+                       "frozen one (forwards read the table, nothing trains), as does "
+                       "emb.weight.requires_grad_(False)"})
         refuse_max_norm("OffloadedEmbedding", max_norm, norm_type, "emb.table.apply_")
         num_embeddings = int_option(num_embeddings, "num_embeddings")
         embedding_dim = int_option(embedding_dim, "embedding_dim")

@@ -1,7 +1,8 @@
 """``nn.Embedding``'s constructor options and forward call, checked alike by every offloaded embedding."""
 
 import contextlib
-from typing import Optional
+import inspect
+from typing import Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -9,8 +10,20 @@ import torch
 from ..convert import bool_option, int_option, torch_dtype
 from ..errors import DTypeError, OptionError
 
-__all__ = ["padding_option", "embedding_dtype", "embedding_flags", "refuse_max_norm", "forward_ids",
-           "refuse_bag_arguments", "outside_function_transforms"]
+__all__ = ["padding_option", "embedding_dtype", "embedding_flags", "refuse_max_norm", "refuse_other_keywords",
+           "forward_ids", "refuse_bag_arguments", "outside_function_transforms"]
+
+_POOLING = ("it looks rows up and pools none: look a step's flat ids up in one call and pool the rows per "
+            "bag yourself (README, 'Pooled lookups, several tables and optimizers: a click model', gives "
+            "bag_sum(emb, ids, offsets, per_sample_weights), nn.EmbeddingBag(mode='sum')'s result)")
+
+#: What to do instead of nn.EmbeddingBag's arguments, which no offloaded embedding takes; what
+#: replaces nn.Embedding's ``_weight`` and ``_freeze`` depends on the class (its ``instead``).
+_BAG_INSTEAD = {
+    "mode": _POOLING,
+    "include_last_offset": _POOLING,
+    "per_sample_weights": "it is nn.EmbeddingBag's forward argument, and " + _POOLING,
+}
 
 
 def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:
@@ -81,6 +94,34 @@ def refuse_max_norm(cls: str, max_norm, norm_type, advice: str) -> None:
             f"{cls} does not support max_norm (got max_norm={max_norm!r}, norm_type={norm_type!r}): "
             f"nn.Embedding renormalises looked-up rows in place at every forward, eval included; "
             f"clip the rows yourself between steps ({advice}) or leave max_norm out")
+
+
+def refuse_other_keywords(cls: str, init: Callable, others: Mapping, instead: Mapping[str, str]) -> None:
+    """Refuse the keyword arguments an embedding's constructor collected and does not take.
+
+    Code moved over from ``nn.Embedding`` or ``nn.EmbeddingBag`` passes
+    theirs (``_weight``, ``_freeze``, ``mode``, ...), for which Python's
+    ``TypeError`` names one and says nothing of what to do instead.
+
+    Args:
+        cls: the embedding class, for the message.
+        init: its ``__init__``, whose keyword arguments the message lists as the ones it takes.
+        others: the keyword arguments it collected (``**others``); none: nothing is refused.
+        instead: what to do instead of ``_weight`` and ``_freeze`` for that class.
+
+    Raises:
+        DTypeError: any given (a ``TypeError``, as Python's for an unexpected keyword).
+    """
+    if not others:
+        return
+    advice, told = {**_BAG_INSTEAD, **instead}, {}
+    for name in others:  # one piece of advice for the arguments it answers
+        told.setdefault(advice.get(name, "no such argument (check its spelling)"), []).append(f"{name}=")
+    told = "; ".join(f"{' and '.join(names)}: {why}" for why, names in told.items())
+    taken = [name for name, p in inspect.signature(init).parameters.items()
+             if name != "self" and not name.startswith("_") and p.kind is not p.VAR_KEYWORD]
+    raise DTypeError(f"{cls} does not take {', '.join(f'{name}=' for name in others)}. {told}. It takes "
+                     f"{', '.join(taken)}; nothing was built")
 
 
 def forward_ids(input, ids):

@@ -47,7 +47,7 @@ from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import (embedding_dtype, embedding_flags, forward_ids, outside_function_transforms, padding_option,
-                      refuse_bag_arguments, refuse_max_norm)
+                      refuse_bag_arguments, refuse_max_norm, refuse_other_keywords)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
 from .step_hooks import StepHooks
@@ -152,13 +152,17 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             the rows it looks up in place, in eval forwards too, a write that
             the offloaded table does not make.
         norm_type: ``nn.Embedding``'s, for ``max_norm``; only the default.
+        **others: refused, saying what to do instead: ``nn.Embedding``'s
+            ``_weight`` and ``_freeze``, ``nn.EmbeddingBag``'s ``mode``,
+            ``include_last_offset`` and ``per_sample_weights``.
 
     Raises:
         OptionError: bad sizes, storage or ``padding_idx``, fewer rows than
             ranks, a ``cache_rows``; ``max_norm`` or ``norm_type`` given; a
             ``scale_grad_by_freq`` or ``sparse`` that is not a bool; a
             ``process_group`` this process is not a member of.
-        DTypeError: a dtype that is not floating point.
+        DTypeError: a dtype that is not floating point; a keyword argument
+            it does not take (a ``TypeError``, as Python's). Nothing is built.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
@@ -166,8 +170,13 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                  backend: BackendLike = "auto", path=None, device: DeviceLike = None,
                  cache_rows: int = 0, padding_idx: Optional[int] = None,
                  scale_grad_by_freq: bool = False, sparse: bool = False,
-                 max_norm: Optional[float] = None, norm_type: float = 2.0):
+                 max_norm: Optional[float] = None, norm_type: float = 2.0, **others):
         super().__init__()
+        refuse_other_keywords(type(self).__name__, ShardedOffloadedEmbedding.__init__, others, {
+            "_weight": "write this rank's rows into the table on every rank (emb.table.apply_(lambda t: "
+                       "t.copy_(weight[emb.row_range.start:emb.row_range.stop]))), or emb.load(checkpoint)",
+            "_freeze": "look rows up in eval mode or under torch.no_grad(): forwards then read the table "
+                       "and nothing trains"})
         if int_option(cache_rows, "cache_rows", minimum=0):
             raise OptionError(f"cache_rows={cache_rows}: ShardedOffloadedEmbedding has no device cache; "
                               f"its rows reach their owners through the exchange every step. Pass "
