@@ -1603,6 +1603,33 @@ def test_a_gradient_multiplied_by_zero_in_place_trains_as_in_memory(rng, exchang
     assert not np.allclose(ref.detach().numpy(), table0)  # it trained
 
 
+def test_zero_grad_then_a_negation_after_exchange_gradients_drops_the_step_as_in_memory(rng):
+    """``exchange_gradients()``, ``zero_grad(set_to_none=False)``, then ``grad.neg_()`` (gradient ascent
+    applied to every step, a skipped one too) and the step. In memory the zeroed sparse gradient names
+    no row, negated or not, and SparseAdam moves none. The sharded step took the negation's ``-0.0``
+    for a gradient the exchange had left at zero: Adam moved the skipped rows by their momentum."""
+    rows, dim, steps = 60, 4, 20
+    table0, emb, opt, ref, ref_opt = _one_rank_adam(rng, rows, dim)
+    p = 1.0 / np.arange(1, rows + 1)
+    skipped = rng.random(steps) < 0.3
+    skipped[:2], skipped[rng.integers(2, steps)] = False, True  # momentum first, then one skipped step at least
+    for skip in skipped:
+        ids = torch.from_numpy(rng.choice(rows, size=12, p=p / p.sum()))
+        target = torch.from_numpy(rng.standard_normal((12, dim)).astype(np.float32))
+        for lookup, optimizer, weight in ((emb, opt, emb.weight),
+                                          (lambda i: F.embedding(i, ref, sparse=True), ref_opt, ref)):
+            ((lookup(ids) - target) ** 2).sum().backward()
+            if optimizer is opt:
+                emb.exchange_gradients()
+            if skip:
+                optimizer.zero_grad(set_to_none=False)
+            weight.grad.neg_()
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(ref.detach().numpy(), table0)  # it trained
+
+
 def test_a_loss_weighted_by_zero_trains_as_in_memory_after_exchange_gradients(rng):
     """A loss weighted by 0 leaves the exchanged gradient at zero, as ``zero_grad(set_to_none=False)``
     would; in memory SparseAdam's sparse gradient still names the rows, at zero values, and moves

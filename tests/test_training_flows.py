@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import speedswap as ss
 from rendezvous import rendezvous_url
+import speedswap.train.embedding as embedding_module
 from speedswap.train.module_state import rows_only
+from speedswap.train.zero_marks import reads_as_zeroed
 
 ROWS, DIM, BATCH, WIDTH, STEPS = 300, 6, 8, 5, 30
 PAD = 7
@@ -689,6 +690,33 @@ def test_a_loss_weighted_by_zero_then_a_step_with_no_forward_trains_as_in_memory
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("then", ["step", "another_backward"])
+def test_zero_grad_then_a_negation_drops_the_step_as_in_memory(backend, rng, cache_rows, then):
+    """``zero_grad(set_to_none=False)`` after a backward, then ``grad.neg_()`` (gradient ascent applied
+    to every step, a skipped one too), then the step, or another forward and backward first. In
+    memory the zeroed sparse gradient names no row, negated or not, and SparseAdam moves none of the
+    skipped forward's rows. Offloaded, the negation turned zero_()'s ``+0.0`` into ``-0.0``, which read
+    as a gradient the backward had left at zero: Adam moved the skipped rows by their momentum."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows)
+    batches = zipf_ids(rng, 2 * STEPS)
+    skipped = rng.random(STEPS) < 0.3
+    skipped[:2], skipped[rng.integers(2, STEPS)] = False, True  # momentum first, then one skipped step at least
+    for step, skip in enumerate(skipped):
+        (ids, target), (more_ids, more_target) = batches[2 * step], batches[2 * step + 1]
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            weight = emb.weight if optimizer is opt else ref
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            if skip:
+                optimizer.zero_grad(set_to_none=False)
+            weight.grad.neg_()
+            if then == "another_backward":
+                ((lookup(more_ids.to(to)).cpu().sum(1) - more_target) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_trained_as_sparse_adam(emb, ref, ref_opt)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
 @pytest.mark.parametrize("zeroed", [False, True], ids=["scaled", "zeroed"])
 def test_a_zero_gradient_written_in_place_then_accumulated_into_trains_as_in_memory(backend, rng, cache_rows, zeroed):
     """A loss weighted by 0, its gradient written in place (scaled by 2, or zeroed), then another
@@ -1108,39 +1136,30 @@ def test_a_gradient_zeroed_without_a_version_bump_is_not_refused(backend, rng, c
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
-class _Signbits(TorchDispatchMode):
-    """Counts the ``signbit`` ops dispatched inside it (the zero-gradient check's read of the values)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket is torch.ops.aten.signbit
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("option", ["foreach", "fused"])
-def test_a_foreach_or_fused_step_on_the_cpu_reads_no_values_of_a_gradient_its_version_vouches_for(rng, option):
+def test_a_foreach_or_fused_step_on_the_cpu_reads_no_values_of_a_gradient_its_version_vouches_for(rng, option,
+                                                                                                  monkeypatch):
     """On the CPU ``zero_grad()`` of an optimizer built with ``foreach=True`` or ``fused=True``
     bumps the gradient's version (``torch._foreach_zero_`` runs ``zero_()`` on each tensor), so the
     version tells whether the gradient was zeroed since the backward, as for any optimizer. Its
-    steps read the values anyway, as on CUDA, whose kernel leaves the version: a ``signbit`` over
-    the step's gradient and a copy of the step's rows and state, put back through ``torch.where``,
+    steps read the values anyway, as on CUDA, whose kernel leaves the version: the zero-gradient
+    check (``reads_as_zeroed``, counted here) over the step's gradient and a copy of the step's rows and state, put back through ``torch.where``,
     every step. Only a step whose gradient was written since reads them now; training is as before."""
     emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, "numpy", BATCH * WIDTH, **{option: True})
     written = rng.random(STEPS) < 0.3
     written[0], written[rng.integers(1, STEPS)] = False, True  # one written gradient at least
-    read = []
+    read, checks = [], []
+    monkeypatch.setattr(embedding_module, "reads_as_zeroed",
+                        lambda zeros: checks.append(zeros) or reads_as_zeroed(zeros))
     for (ids, target), write in zip(zipf_ids(rng, STEPS), written):
         for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
             ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
             if optimizer is opt:
                 if write:
                     emb.weight.grad.mul_(1.0)  # unscale_ or a clip writes it so
-                with _Signbits() as signbits:
-                    optimizer.step()
-                read.append(signbits.count > 0)
+                before = len(checks)
+                optimizer.step()
+                read.append(len(checks) > before)
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=False)

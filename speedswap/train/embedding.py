@@ -39,6 +39,7 @@ from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state
                         take_assigned)
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
+from .zero_marks import reads_as_zeroed
 
 __all__ = ["OffloadedEmbedding"]
 
@@ -659,7 +660,7 @@ class OffloadedEmbedding(RefusesConversion):
         Returns:
             None when the gradient is as the backward left it (or no dense
             backward gradient was noted), else True where ``zero_()`` zeroed
-            it since (zero on the step's rows, no ``-0.0`` among them).
+            it since (zero on the step's rows, its zeros all of one sign: see :meth:`_cleared`).
         """
         grad = self.weight.grad
         if not self._backward_ran or grad is None or grad.is_sparse or self._grad_at_backward is None:
@@ -686,21 +687,13 @@ class OffloadedEmbedding(RefusesConversion):
         return bool(defaults.get("foreach") or defaults.get("fused"))
 
     def _cleared(self, grad: torch.Tensor) -> torch.Tensor:
-        """Whether the dense ``grad``, zero on the step's rows, was zeroed by ``zero_()``: it holds no ``-0.0`` there.
+        """Whether the dense ``grad``, zero on the step's rows, was zeroed by ``zero_()`` (negated since or not).
 
-        ``zero_()`` (``zero_grad(set_to_none=False)``) writes ``+0.0`` over
-        every element. A backward that leaves the step's gradient at zero
-        marks two of its elements ``-0.0`` and ``+0.0`` (:func:`_note_backward`):
-        ``unscale_`` and clipping multiply them by a positive factor, which
-        keeps their signs, and a negation (gradient ascent) swaps them. A
-        non-zero gradient multiplied by 0 in place (a mask) keeps a ``-0.0``
-        wherever it was negative. In memory the first empties the sparse
-        gradient and the others keep its rows, at zero values. Two read as
-        ``zero_()``: the negation of a step of one value (one mark), and a
-        gradient with no negative element multiplied by 0. A 0-dim bool
-        tensor, on the device.
+        Told by the signs of its zeros (:func:`~speedswap.train.zero_marks.reads_as_zeroed`;
+        a backward that leaves the step's gradient at zero marks two of them,
+        :func:`_note_backward`). A 0-dim bool tensor, on the device.
         """
-        return ~torch.signbit(grad[:self._working_set.size]).any()
+        return reads_as_zeroed(grad[:self._working_set.size])
 
     def _step_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """The values of ``grad`` for the step's rows (a sparse gradient's values)."""

@@ -54,6 +54,7 @@ from .step_hooks import StepHooks
 from .sharded_checkpoint import (all_unchanged, load_shards, ranks_on_this_machine, run_everywhere,
                                  save_shards, stage_table_rows)
 from .working_set import WorkingSet
+from .zero_marks import reads_as_zeroed
 
 __all__ = ["ShardedOffloadedEmbedding"]
 
@@ -879,16 +880,16 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """Whether ``zero_grad(set_to_none=False)`` zeroed this rank's gradient since the exchange filled it.
 
         In memory ``zero_()`` empties the sparse gradient, which then names no
-        row, where a clip, ``unscale_`` or ``mul_(0.0)`` keeps its rows. It
-        writes ``+0.0`` over every element, where the others leave some other
-        value: the gradient's own, a ``-0.0`` where one was negative, or the
-        marks of :meth:`_mark_zero_gradient`. A gradient with no negative value
-        multiplied by 0 reads as zeroed on this rank (the step asks every
-        rank). A host read, made only after an exchange, before its step.
+        row, negated since or not, where a clip, ``unscale_`` or ``mul_(0.0)``
+        keeps its rows. Told by the signs of its zeros
+        (:func:`~speedswap.train.zero_marks.reads_as_zeroed`, the marks of
+        :meth:`_mark_zero_gradient` among them): a gradient whose values were
+        all of one sign multiplied by 0 reads as zeroed on this rank (the
+        step asks every rank). A host read, made only after an exchange, before its step.
         """
         grad = self._grad
         return (self._exchanged and self.weight.grad is grad and not self._zero_kept
-                and not bool(torch.signbit(grad).logical_or_(grad != 0).any()))
+                and bool(~grad.any() & reads_as_zeroed(grad)))
 
     def _restore_narrowed(self) -> None:
         """Give :attr:`weight` and the optimizer their full-size tensors back after a step that raised."""
