@@ -26,7 +26,7 @@ from speedswap.data.orders import BlockOrder, SequentialOrder
 
 from test_feeder import assert_child_forked_holding_succeeds, io_threads, reader_threads, run_with_deadline
 from test_files import (_SWEEPS_MODEL_CTRL_C, _assert_no_descriptor_left_by_interrupts, _descriptors_left_by_interrupts,
-                        _interrupted_at)
+                        _interrupted_at, _opened_in)
 
 
 def write(path, array):
@@ -1403,3 +1403,83 @@ def test_an_interrupt_anywhere_in_set_epoch_after_an_interrupted_loop_leaves_its
     points, opened, left = _sweep_for_readers_left(set_epoch_twice, (feeder, readahead), tmp_path)
     assert any("_close_readers" in point for point in points), points
     assert not opened and not left, f"a set_epoch interrupted at {opened} left threads {left} (of {points})"
+
+
+@_SWEEPS_MODEL_CTRL_C
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+@pytest.mark.parametrize("then", ["loops on", "is dropped"])
+@pytest.mark.parametrize("prefetch", [0])
+@pytest.mark.parametrize("order", ["random", "block"])
+def test_an_interrupt_anywhere_as_a_loop_closes_leaves_a_feeder_that_loops_on_or_is_dropped_clean(
+        tmp_path, rng, order, prefetch, then):
+    """A Ctrl-C as a loop closes its readers (in _run's finally) leaves them in the feeder for its next
+    loop, set_epoch or load_state_dict to close. The next loop did (and read the rest of the stream
+    right), but a feeder dropped instead, as a notebook drops one, closed nothing: the file reader was
+    collected with its files open. KeyboardInterrupt is raised at each place an interrupt can land in
+    feeder.py, readahead.py and filesource.py as a loop over a memory-mapped source is closed after its
+    first batch, one per feeder; the feeder then loops on over two epochs (the stream of the same data in
+    memory, batch by batch) or is dropped. After each, no descriptor of tmp_path is open and no read-ahead
+    or I/O thread runs."""
+    from speedswap.data import feeder, readahead
+    n = 64
+    data = rng.standard_normal((n, 4)).astype(np.float32)
+    write(tmp_path / "x.npy", data)
+
+    def make(rows):
+        return ss.BatchFeeder(np.arange(n), rows, batch_size=8, order=order, seed=5, device="cpu", prefetch=prefetch)
+
+    expected = stream(make(data), epochs=2)[1:]  # in memory: no reader to close
+    went_on = []
+
+    def close_a_loop(counting):
+        source = make(np.load(tmp_path / "x.npy", mmap_mode="r"))
+        loop = iter(source)
+        next(loop)
+        counting(True)
+        with contextlib.suppress(KeyboardInterrupt):  # dropped here: its traceback holds the loop's frames
+            loop.close()
+        counting(False)
+        if then == "loops on":
+            went_on.append(stream(source, epochs=2))
+
+    points, opened, left = _sweep_for_readers_left(close_a_loop, (feeder, readahead, filesource), tmp_path)
+    assert any("_close_readers" in point for point in points), points
+    assert not opened and not left, f"a loop's close interrupted at {opened} left threads {left} (of {points})"
+    for batches in went_on:
+        assert len(batches) == len(expected)
+        for (ids, rows), (ids0, rows0) in zip(batches, expected):
+            np.testing.assert_array_equal(ids, ids0)
+            np.testing.assert_array_equal(rows, rows0)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+@pytest.mark.parametrize("order, made", [("random", "RowReader"), ("block", "WindowReader")])
+def test_an_interrupt_as_a_file_reader_is_handed_to_its_loop_leaves_no_descriptor(tmp_path, rng, monkeypatch,
+                                                                                  order, made):
+    """A Ctrl-C lands once a class call has returned (Python checks for signals after every call into C,
+    the class's too), where the sweeps' profile function sees none: _file_reader made the loop's file
+    reader and returned it, and one landing in between dropped the reader with its files open, before
+    _run's try could close it. KeyboardInterrupt is raised there (a reader class that raises once it has
+    made its reader); then no descriptor of tmp_path is open, nor once the feeder is dropped."""
+    from speedswap.data import feeder
+    n = 64
+    write(tmp_path / "x.npy", rng.standard_normal((n, 4)).astype(np.float32))
+    source = ss.BatchFeeder(np.load(tmp_path / "x.npy", mmap_mode="r"), batch_size=8, order=order, seed=5,
+                            device="cpu", prefetch=0)
+    mapped = _opened_in(tmp_path)  # the source's map
+    real = getattr(feeder, made)
+
+    def made_then_interrupted(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(feeder, made, made_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(iter(source))
+    opened = sorted(set(_opened_in(tmp_path)) - set(mapped))
+    del source
+    gc.collect()
+    left = _opened_in(tmp_path)
+    for fd in left:
+        os.close(fd)
+    assert not opened and not left, f"a file reader dropped as it was handed over left {opened}, then {left}"

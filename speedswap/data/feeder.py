@@ -779,20 +779,23 @@ class BatchFeeder:
         size = self._batch_size
         advanced_by = threading.get_ident()  # the thread that last ran the loop
 
+        # `read` holds what it reads, not the feeder: the loop's readers hold `read`, and the feeder
+        # its readers, so a feeder dropped still holding them (a Ctrl-C cut their close short) would
+        # wait for the garbage collector to close its files.
+        columns, stager, file_columns = self._columns, self._stager, tuple(self._files)
         files = self._file_reader(ids, epoch) if self._files else None
 
         def read(k):
             lo = k * size
             rows = ids[lo:lo + size]  # the last batch's slice stops at the epoch's end
             # File sources come already gathered, in batch order.
-            parts = {} if files is None else dict(zip(self._files, files.read(lo, lo + len(rows))))
-            if self._stager is not None:
-                return self._stager.launch(self._columns, rows,
-                                           None if device_ids is None else device_ids[lo:lo + size], parts)
+            parts = {} if files is None else dict(zip(file_columns, files.read(lo, lo + len(rows))))
+            if stager is not None:
+                return stager.launch(columns, rows, None if device_ids is None else device_ids[lo:lo + size], parts)
             if not parts:  # in-RAM sources: the common case, and a batch costs microseconds
-                return tuple(torch.index_select(column, 0, rows) for column in self._columns), None
+                return tuple(torch.index_select(column, 0, rows) for column in columns), None
             return tuple(parts[j] if j in parts else torch.index_select(column, 0, rows)
-                         for j, column in enumerate(self._columns)), None
+                         for j, column in enumerate(columns)), None
 
         # A thread only for work that leaves the GIL: file reads and CPU gathers into staging.
         # Batches the GPU gathers itself cost their loop a few kernel launches, which a thread

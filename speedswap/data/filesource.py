@@ -30,6 +30,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from itertools import repeat
 
 import numpy as np
@@ -177,8 +178,33 @@ def _closed_by_another_thread() -> StateError:
                       "load_state_dict or a new loop); iterate the feeder anew, one thread at a time")
 
 
+def _close_fds(fds) -> None:
+    """Close a file reader's descriptors, each taken out of the list ``fds`` before its close: none twice.
+
+    The one way a reader's files are closed: by :meth:`_PoolReader.close`, and by the reader's
+    finalizer when it is collected unclosed. An interrupt (Ctrl-C) lands on entering a function or
+    once a call into C has returned: one between two closes leaves the rest in ``fds`` for the next
+    close, and one never closes a number again that another file may have by then. Taken from the
+    end: a read on an I/O thread that :meth:`_PoolReader.close` did not wait for finds its file's
+    number, or none (IndexError).
+
+    Args:
+        fds: the reader's list of descriptors (``_PoolReader._fds``), emptied.
+    """
+    while fds:
+        fd = fds[-1]
+        del fds[-1]  # no call: nothing lands between this and the close
+        os.close(fd)
+
+
 class _PoolReader:
-    """Open file descriptors and the I/O thread pool shared by both readers."""
+    """Open file descriptors and the I/O thread pool shared by both readers.
+
+    A reader collected without :meth:`close` closes its files then (the pool's
+    threads end once the pool is collected): a loop whose close a Ctrl-C cut
+    short, or one interrupted as it was handed its reader, leaves nothing open
+    once dropped.
+    """
 
     def __init__(self, files, threads, drop_behind, advice):
         self._files = files
@@ -192,6 +218,10 @@ class _PoolReader:
         self._close_lock = threading.Lock()
         self._pid = os.getpid()  # a forked child has the pool's state but none of its threads
         self._fds = []  # each file's descriptor, from its opening (open_into)
+        # Holds the list, not the reader. Not at the interpreter's exit: the process's end closes the
+        # files, and a daemon read-ahead thread may still read them then.
+        self._release = weakref.finalize(self, _close_fds, self._fds)
+        self._release.atexit = False
         self._versions = []  # each file's (size, mtime) when opened: a rewrite in place changes them
         try:
             for file in files:
@@ -203,7 +233,7 @@ class _PoolReader:
                 os.posix_fadvise(self._fds[-1], 0, 0, advice)
             _settle(self._versions)
         except BaseException as exc:  # an interrupt in the settling wait too: nobody else closes them
-            self._close_fds()
+            _close_fds(self._fds)
             if isinstance(exc, OSError) and not isinstance(exc, FileFormatError):
                 raise opening_error(file.path, exc, ".npy file") from exc
             raise
@@ -309,26 +339,14 @@ class _PoolReader:
             raise StateError("this feeder loop's file reader was closed by another thread (set_epoch, "
                              "load_state_dict or a new loop); iterate the feeder anew") from None
 
-    def _close_fds(self):
-        """Close the files, each taken out of ``self._fds`` before its close: none is closed twice.
-
-        An interrupt (Ctrl-C) lands on entering a function or once a call into C has returned: one
-        between two closes leaves the rest in ``self._fds`` for the next :meth:`close`, and one never
-        closes a number again that another file may have by then. Taken from the end: a read on an I/O
-        thread that :meth:`close` did not wait for finds its file's number, or none (IndexError).
-        """
-        while self._fds:
-            fd = self._fds[-1]
-            del self._fds[-1]  # no call: nothing lands between this and the close
-            os.close(fd)
-
     def close(self, wait: bool = True) -> None:
         """Cancel reads not started, wait for running ones, close the files.
 
         Idempotent, and from any thread: every call returns once the files are closed. An
         interrupt (Ctrl-C) in the wait for the I/O threads still closes them; one as the call
         begins or between two closes leaves the rest to the next call (the feeder's next loop,
-        ``set_epoch`` or ``load_state_dict``), which finishes the job.
+        ``set_epoch`` or ``load_state_dict``), which finishes the job, or, where none comes, to
+        the reader's collection.
 
         Args:
             wait: False closes the files without waiting for the reads running on
@@ -343,7 +361,7 @@ class _PoolReader:
             # its copies of the files only; the parent's reader is the parent's to close.
             if not self._closed:
                 self._closed = True
-                self._close_fds()
+                _close_fds(self._fds)
             return
         # [True] once the turn is taken: appended by C as acquire returns (see atomic.open_into), so an
         # interrupt then is inside the try that lets go of it, and no later close waits for it forever.
@@ -368,7 +386,10 @@ class _PoolReader:
                 # read-ahead thread was told to stop first and drops the batches it reads from then on;
                 # an interrupted wait only from a loop torn down or superseded, whose reads, done once
                 # _closed is set, raise StateError (_check_unchanged) instead of handing their rows over.
-                self._close_fds()
+                _close_fds(self._fds)
+                # Nothing is left for the collection to close: it then calls no Python code, where a
+                # Ctrl-C would be swallowed ("Exception ignored in <finalize object>").
+                self._release.detach()
         finally:
             if True in taken:
                 self._close_lock.release()
