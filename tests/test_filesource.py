@@ -1408,18 +1408,19 @@ def test_an_interrupt_anywhere_in_set_epoch_after_an_interrupted_loop_leaves_its
 @_SWEEPS_MODEL_CTRL_C
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
 @pytest.mark.parametrize("then", ["loops on", "is dropped"])
-@pytest.mark.parametrize("prefetch", [0])
+@pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("order", ["random", "block"])
 def test_an_interrupt_anywhere_as_a_loop_closes_leaves_a_feeder_that_loops_on_or_is_dropped_clean(
         tmp_path, rng, order, prefetch, then):
     """A Ctrl-C as a loop closes its readers (in _run's finally) leaves them in the feeder for its next
     loop, set_epoch or load_state_dict to close. The next loop did (and read the rest of the stream
     right), but a feeder dropped instead, as a notebook drops one, closed nothing: the file reader was
-    collected with its files open. KeyboardInterrupt is raised at each place an interrupt can land in
-    feeder.py, readahead.py and filesource.py as a loop over a memory-mapped source is closed after its
-    first batch, one per feeder; the feeder then loops on over two epochs (the stream of the same data in
-    memory, batch by batch) or is dropped. After each, no descriptor of tmp_path is open and no read-ahead
-    or I/O thread runs."""
+    collected with its files open, and a read-ahead thread (prefetch=2) ran on for good, waiting on its
+    full queue and holding the feeder and its files. KeyboardInterrupt is raised at each place an
+    interrupt can land in feeder.py, readahead.py and filesource.py as a loop over a memory-mapped source
+    is closed after its first batch, one per feeder; the feeder then loops on over two epochs (the stream
+    of the same data in memory, batch by batch) or is dropped. After each, no descriptor of tmp_path is
+    open and no read-ahead or I/O thread runs."""
     from speedswap.data import feeder, readahead
     n = 64
     data = rng.standard_normal((n, 4)).astype(np.float32)
@@ -1483,3 +1484,39 @@ def test_an_interrupt_as_a_file_reader_is_handed_to_its_loop_leaves_no_descripto
     for fd in left:
         os.close(fd)
     assert not opened and not left, f"a file reader dropped as it was handed over left {opened}, then {left}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names open files through /proc (Linux)")
+def test_an_interrupt_as_a_read_ahead_thread_is_handed_to_its_loop_leaves_no_thread_running(tmp_path, rng,
+                                                                                            monkeypatch):
+    """As for a file reader above: a Ctrl-C once ReaderThread(...) had returned, before _reader_thread
+    returned it, dropped the reader with its thread running; _run's except closed the file reader, but
+    the thread, its queue full, waited on it for good, holding the feeder. KeyboardInterrupt is raised
+    there once the thread has filled its queue; then, the feeder dropped, no read-ahead or I/O thread
+    runs and no descriptor of tmp_path is open."""
+    from speedswap.data import feeder
+    n = 64
+    write(tmp_path / "x.npy", rng.standard_normal((n, 4)).astype(np.float32))
+    source = ss.BatchFeeder(np.load(tmp_path / "x.npy", mmap_mode="r"), batch_size=8, order="random", seed=5,
+                            device="cpu", prefetch=2)  # 8 batches, 2 ahead: a thread left running blocks
+    real, before = feeder.ReaderThread, set(threading.enumerate())
+
+    def made_then_interrupted(*args, **kwargs):
+        reader, deadline = real(*args, **kwargs), time.monotonic() + 10
+        while not reader._queue.full() and time.monotonic() < deadline:  # read ahead as far as it may
+            time.sleep(0.01)
+        del reader
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(feeder, "ReaderThread", made_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        next(iter(source))
+    del source
+    for thread in set(threading.enumerate()) - before:
+        _join_once_started(thread, 5)
+    gc.collect()
+    left, opened = [t.name for t in reader_threads() + io_threads() if t not in before], _opened_in(tmp_path)
+    for fd in opened:
+        os.close(fd)
+    assert not left and not opened, (f"a read-ahead thread dropped as it was handed over left {left} running, "
+                                     f"{opened} open")

@@ -781,7 +781,8 @@ class BatchFeeder:
 
         # `read` holds what it reads, not the feeder: the loop's readers hold `read`, and the feeder
         # its readers, so a feeder dropped still holding them (a Ctrl-C cut their close short) would
-        # wait for the garbage collector to close its files.
+        # wait for the garbage collector to close its files, or for good while a read-ahead thread
+        # runs `read`.
         columns, stager, file_columns = self._columns, self._stager, tuple(self._files)
         files = self._file_reader(ids, epoch) if self._files else None
 

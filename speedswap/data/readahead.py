@@ -29,6 +29,7 @@ import concurrent.futures
 import os
 import queue
 import threading
+import weakref
 
 import torch
 
@@ -164,8 +165,40 @@ def _stop_running_readers():
         reader.close()
 
 
+#: How often a reader thread blocked on its full queue checks whether it was told to stop.
+_POLL_S = 0.05
+
+
+def _work(batches, closing, read, start, stop):
+    """A :class:`ReaderThread`'s thread: ``read(k)`` for ``k`` in ``[start, stop)`` into the queue ``batches``.
+
+    Each batch goes in as ``(True, batch)``; an exception as ``(False, exc)``, after which
+    nothing more is read. Returns once ``closing`` is set.
+    """
+    try:
+        for k in range(start, stop):
+            if not _offer(batches, closing, (True, read(k))):
+                return
+    except BaseException as exc:  # noqa: BLE001 - handed to the training loop, re-raised there
+        _offer(batches, closing, (False, exc))
+
+
+def _offer(batches, closing, item) -> bool:
+    """Put ``item`` into the queue ``batches`` as soon as it has room; False if ``closing`` was set first."""
+    while not closing.is_set():
+        try:
+            batches.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 class ReaderThread:
     """Reads batches ``start .. stop - 1`` on a daemon thread, up to ``depth`` ahead.
+
+    A reader collected without :meth:`close` tells its thread to stop: the
+    thread holds ``read`` (and what it reads) until it ends, never the reader.
 
     Args:
         read: ``read(k)`` returns batch ``k``; runs on the reader thread.
@@ -177,14 +210,16 @@ class ReaderThread:
             limit, the interpreter shutting down); nothing was read.
     """
 
-    _POLL_S = 0.05  # how often a thread blocked on the queue checks for close()
-
     def __init__(self, read, start, stop, depth):
         self._queue = queue.Queue(maxsize=depth)
         self._closing = threading.Event()
+        # Tells the thread to stop once this reader is collected unclosed: a loop whose close a Ctrl-C
+        # cut short, dropped with its feeder, or one interrupted as it was handed this reader. Holds the
+        # event, not the reader; the thread holds the queue, the event and `read`, never the reader.
+        self._stop = weakref.finalize(self, self._closing.set)
         self._pid = os.getpid()  # a forked child has the queue but not the thread that fills it
-        self._thread = threading.Thread(target=self._work, args=(read, start, stop), daemon=True,
-                                        name="speedswap-feeder-reader")
+        self._thread = threading.Thread(target=_work, args=(self._queue, self._closing, read, start, stop),
+                                        daemon=True, name="speedswap-feeder-reader")
         try:
             self._thread.start()
             _RUNNING.add(self)
@@ -200,23 +235,6 @@ class ReaderThread:
             self.close(wait=self._thread.is_alive())
             raise
 
-    def _work(self, read, start, stop):
-        try:
-            for k in range(start, stop):
-                if not self._offer((True, read(k))):
-                    return
-        except BaseException as exc:  # noqa: BLE001 - handed to the training loop, re-raised there
-            self._offer((False, exc))
-
-    def _offer(self, item):
-        while not self._closing.is_set():
-            try:
-                self._queue.put(item, timeout=self._POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
     def next(self):
         """The next batch; re-raises here an exception the reader thread met.
 
@@ -230,7 +248,7 @@ class ReaderThread:
         else:
             while True:
                 try:
-                    ok, value = self._queue.get(timeout=self._POLL_S)
+                    ok, value = self._queue.get(timeout=_POLL_S)
                     break
                 except queue.Empty:
                     # The reader posts nothing more once closed: without this check
@@ -263,7 +281,10 @@ class ReaderThread:
                 thread (or an I/O thread that thread waits for), where waiting
                 would wait for itself.
         """
-        self._closing.set()
+        self._closing.set()  # the finalizer's call, here again at every close: an interrupted one is redone
+        # Nothing is left for the collection to do: it then calls no Python code, where a Ctrl-C
+        # would be swallowed ("Exception ignored in <finalize object>").
+        self._stop.detach()
         if wait:
             self._thread.join()
         _RUNNING.discard(self)
