@@ -1305,10 +1305,12 @@ def _join_once_started(thread, timeout):
 def _sweep_for_readers_left(body, modules, tmp_path):
     """``_descriptors_left_by_interrupts`` of ``body``, noting the read-ahead and I/O threads each run leaves.
 
-    After each run speedswap's threads have time to end (a thread told to stop ends after the batch it
-    reads, and the next epoch's order draw on its own), and cycles are collected: only a thread that runs
-    on for good, and descriptors (of the sources' maps too) held by something alive for good, are left.
-    A thread left is named once, in the run that left it (not waited for again).
+    After each run cycles are collected and speedswap's threads have time to end (a thread told to stop
+    ends after the batch it reads, and the next epoch's order draw on its own), again until no new one
+    is left to wait for: an I/O pool that a collection frees (this run's, or an earlier test's garbage)
+    lets its threads end only then. Only a thread that runs on for good, and descriptors (of the
+    sources' maps too) held by something alive for good, are left. A thread left is named once, in the
+    run that left it (not waited for again).
 
     Returns:
         ``(points, descriptors left, threads left)``: the last a list of thread names per run that left any.
@@ -1317,10 +1319,15 @@ def _sweep_for_readers_left(body, modules, tmp_path):
 
     def run(counting):
         body(counting)
-        for thread in set(threading.enumerate()) - stuck:
-            if thread.name.startswith("speedswap-"):
+        waited = set(stuck)
+        while True:
+            gc.collect()
+            ending = {thread for thread in threading.enumerate() if thread.name.startswith("speedswap-")} - waited
+            if not ending:
+                break
+            for thread in ending:
                 _join_once_started(thread, 5)
-        gc.collect()
+            waited |= ending
         threads = [thread for thread in reader_threads() + io_threads() if thread not in stuck]
         stuck.update(threads)
         if threads:
