@@ -123,6 +123,8 @@ class ModelFactory(Switcher):
 
     _kind = MODEL
     _dtype_argument = "datatype"
+    _after_close = ("table", "for the embedding, and load the table saved before close() into it "
+                             "(loadCupy / loadTorch) to go on from there")
 
     def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32",
                  CPUPinn=False, *, storage=None, backend="auto", path=None, overwrite=False,
@@ -448,8 +450,10 @@ class ModelFactory(Switcher):
         The embedding's OptimizerFactory keeps working, without a cache.
         Closing in the middle of a step abandons the step: its rows are not
         written back. Once the embedding's last switcher is closed, no hook of
-        theirs stays on its parameter, which trains as any other.
+        theirs stays on its parameter, which trains as any other. Every other
+        method then raises :class:`~speedswap.StateError`, saying so.
         """
+        self._closed = True
         if self._stale_hook is not None:
             self._stale_hook.remove()
             self._stale_hook = None

@@ -110,6 +110,8 @@ class OptimizerFactory(Switcher):
 
     _kind = OPTIMIZER
     _dtype_argument = "dtype"
+    _after_close = ("optimizer state tables", "over the optimizer, and load the state saved before "
+                                              "close() into it (load) to go on from there")
 
     def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
                  dtype="float32", CPUPinn=False, *, storage=None, backend="auto", path=None,
@@ -208,7 +210,9 @@ class OptimizerFactory(Switcher):
         rows. Closing in the middle of a step abandons the step: its rows are
         not written back. Once the embedding's last switcher is closed, no
         hook of theirs stays on its parameter, which trains as any other.
+        Every other method then raises :class:`~speedswap.StateError`, saying so.
         """
+        self._closed = True
         self._hooks.remove()
         self._claim.remove()
         # After an optimizer.step() that raised the parameter is still narrowed, and no hook

@@ -4,6 +4,8 @@ See :mod:`speedswap.compat.model_factory` and :mod:`speedswap.compat.optimizer_f
 """
 
 import contextlib
+import functools
+import inspect
 
 import numpy as np
 import torch
@@ -102,11 +104,62 @@ class SpeedTorchFiles:
         return self.load(loadFileName)
 
 
+def _refused_once_closed(name, member):
+    """``member``, a public method or property of a switcher, raising before it runs once the switcher is closed."""
+    if isinstance(member, property):
+        return property(_refused_once_closed(name, member.fget), doc=member.__doc__)
+
+    @functools.wraps(member)
+    def checked(self, *args, **kwargs):
+        if self._closed:
+            self._refuse_closed(name)
+        return member(self, *args, **kwargs)
+
+    checked.refused_once_closed = True
+    return checked
+
+
 class Switcher(SpeedTorchFiles):
-    """What both switchers share: the parameter, the shared step and cache, the step protocol."""
+    """What both switchers share: the parameter, the shared step and cache, the step protocol.
+
+    Once :meth:`close` ran, every public method and property of a switcher
+    class raises :class:`~speedswap.StateError` before it runs, naming the
+    call and how to go on (see :meth:`__init_subclass__`).
+    """
 
     _kind = None  # MODEL or OPTIMIZER: the switcher's part in the shared step
     _dtype_argument = None  # the constructor's name for the dtype, for the refusal to name it
+    _after_close = None  # how to go on once closed: what to build, what to load into it
+    _closed = False  # set by close()
+
+    def __init_subclass__(cls, **kwargs):
+        """Make every public method and property of ``cls`` (``close`` aside) refuse a closed switcher.
+
+        One check for them all, the inherited ones (``saveCupy``,
+        ``beforeForwardPass``, ...) included, so that the refusal names the
+        call the user made, not the table's "HostTable is closed" from
+        whichever call reached it first, or nothing from calls that read no table.
+        """
+        super().__init_subclass__(**kwargs)
+        for name in dir(cls):
+            member = inspect.getattr_static(cls, name)
+            if name.startswith("_") or name == "close" or getattr(
+                    getattr(member, "fget", member), "refused_once_closed", False):
+                continue
+            if inspect.isfunction(member) or isinstance(member, property):
+                setattr(cls, name, _refused_once_closed(name, member))
+
+    def _refuse_closed(self, name):
+        """Raise the refusal of ``name``, a method or property, on a closed switcher.
+
+        Raises:
+            StateError: always.
+        """
+        cls = type(self).__name__
+        call = name + ("" if isinstance(inspect.getattr_static(type(self), name), property) else "()")
+        raise StateError(f"{cls}.{call}: this {cls} was closed (close() released its "
+                         f"{self._after_close[0]}) and serves the embedding no more; build a new "
+                         f"{cls} {self._after_close[1]}")
 
     def __init__(self, param, total_classes, embed_dimension, dtype, cache_rows, find_param=None):
         _refuse_process_group(type(self).__name__)
@@ -149,11 +202,11 @@ class Switcher(SpeedTorchFiles):
     def _check_member(self):
         if not self._is_member():
             name = type(self).__name__
-            raise StateError(f"this {name} was closed, or replaced by a newer {name} of the same "
+            raise StateError(f"this {name} was replaced by a newer {name} of the same "
                              f"embedding; use the newer one")
 
     def _check_step_start(self):
-        """Refuse to begin a step: a closed or replaced switcher, or several ranks.
+        """Refuse to begin a step: a replaced switcher, or several ranks.
 
         The ranks are checked at every step, not only when the switcher is
         built: one built before ``init_process_group`` would train a table per
@@ -161,7 +214,7 @@ class Switcher(SpeedTorchFiles):
         rows, whose gradients DDP would average.
 
         Raises:
-            StateError: closed, or replaced by a newer switcher of the embedding.
+            StateError: replaced by a newer switcher of the embedding.
             OptionError: ``torch.distributed`` runs several ranks.
         """
         self._check_member()

@@ -1,0 +1,126 @@
+"""A closed switcher: every public method and property refuses, naming the switcher, the call and what to do."""
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+
+ROWS, DIM, CAPACITY, BATCH = 50, 4, 16, 10
+
+#: Names that refuse on an open switcher too (SpeedTorch's CuPy array): OptionError, saying what replaces them.
+REFUSED_WHEN_OPEN = {"getCupyVar"}
+
+
+def _public_names(obj):
+    """Every public method and property of a switcher's class, but ``close`` (idempotent)."""
+    names = set()
+    for name in dir(type(obj)):
+        member = inspect.getattr_static(type(obj), name)
+        if not name.startswith("_") and name != "close" and (
+                inspect.isfunction(member) or isinstance(member, property)):
+            names.add(name)
+    return names
+
+
+def _session(u, o, model, opt, ids, next_ids, tmp_path, call):
+    """Call every public method and property of both switchers, in an order that works on open ones.
+
+    ``call(obj, name, *args)`` makes each call and returns its result; the model's own training
+    between a step's before_forward and after_step runs only while ``model`` is given.
+    """
+    for switcher in (u, o):
+        call(switcher, "flush")
+        call(switcher, "stats")
+    call(u, "zerosInit")
+    call(u, "uniformDistributionInit", -0.1, 0.1)
+    call(u, "normalDistributionInit", 0.0, 0.1)
+    call(o, "optInit")
+    call(o, "init_state")
+    for before, after in (("before_forward", "after_step"), ("beforeForwardPass", "afterOptimizerStep")):
+        local = call(u, before, ids)
+        call(o, before, ids)
+        call(u, "prefetch", next_ids)
+        call(u, "prefetchNextBatch", next_ids)
+        if model is not None:
+            model(local).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        call(u, after, ids)
+        call(o, after, ids)
+    for name, path in (("save", "u.npy"), ("saveCupy", "u2.npy"), ("saveTorch", "u.pt")):
+        call(u, name, tmp_path / path)
+    for name, path in (("load", "u.npy"), ("loadCupy", "u2.npy"), ("loadTorch", "u.pt")):
+        call(u, name, tmp_path / path)
+    call(o, "save", tmp_path / "o.h5")
+    call(o, "saveCupy", tmp_path / "o2.h5")
+    call(o, "load", tmp_path / "o.h5")
+    call(o, "loadCupy", tmp_path / "o2.h5")
+    for name in ("to_numpy", "getNumpyVersion", "getTorchVar", "getCupyVar", "table"):
+        call(u, name)
+    call(u, "customInit", torch.nn.init.uniform_, -0.2, 0.2)
+    call(u, "variableTransformer", BATCH, 1)
+    call(o, "state")
+
+
+def _switchers(rng, backend):
+    device = ss.get_backend(backend).device
+    model = torch.nn.Embedding(CAPACITY, DIM).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    u = ss.ModelFactory(model, ROWS, DIM, backend=backend)
+    o = ss.OptimizerFactory(opt, ROWS, DIM, torch.nn.ModuleDict({"e": model}), "e", backend=backend)
+    ids = torch.from_numpy(rng.integers(0, ROWS, BATCH)).to(device)
+    next_ids = torch.from_numpy(rng.integers(0, ROWS, BATCH)).to(device)
+    return model, opt, u, o, ids, next_ids
+
+
+def test_every_public_call_of_a_closed_switcher_says_it_was_closed_and_what_to_do(backend, rng, tmp_path):
+    """They said "this HostTable is closed; its memory was released" (an internal class, no remedy), or
+    nothing at all: flush(), stats(), variableTransformer() and ``table`` answered as if open."""
+    model, opt, u, o, ids, next_ids = _switchers(rng, backend)
+    called = {u: set(), o: set()}
+
+    def works(obj, name, *args):
+        called[obj].add(name)
+        if name in REFUSED_WHEN_OPEN:
+            with pytest.raises(ss.OptionError):
+                getattr(obj, name)(*args)
+            return None
+        member = getattr(obj, name)
+        return member(*args) if callable(member) else member
+
+    _session(u, o, model, opt, ids, next_ids, tmp_path, works)
+    for switcher in (u, o):
+        assert called[switcher] == _public_names(switcher), "the session must call every public name"
+    table = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table)))
+    np.testing.assert_array_equal(u.getNumpyVersion(), table)   # open: the calls still work
+
+    u.close()
+    o.close()
+
+    def refused(obj, name, *args):
+        cls = type(obj).__name__
+        with pytest.raises(ss.StateError, match=rf"^{cls}\.{name}\b.* was closed .* build a new {cls}") as info:
+            member = getattr(obj, name)
+            member(*args)
+        assert isinstance(info.value, RuntimeError)
+
+    _session(u, o, None, None, ids, next_ids, tmp_path, refused)
+    u.close()  # still idempotent
+    o.close()
+
+
+def test_a_closed_switcher_refuses_before_anything_changes(backend, rng, tmp_path):
+    """loadTorch of a missing file said the file was missing, and OptimizerFactory.load a checkpoint's
+    problem: the closed switcher was found out only after the file was looked at."""
+    _, _, u, o, _, _ = _switchers(rng, backend)
+    u.close()
+    o.close()
+    with pytest.raises(ss.StateError, match=r"ModelFactory\.loadTorch\(\)"):
+        u.loadTorch(tmp_path / "missing.pt")
+    with pytest.raises(ss.StateError, match=r"OptimizerFactory\.load\(\)"):
+        o.load(tmp_path / "missing.h5")
+    assert not list(tmp_path.iterdir())
