@@ -11,7 +11,9 @@ ROWS, DIM = 60, 4
 MODEL_FACTORY = ["zerosInit", "uniformDistributionInit", "normalDistributionInit", "customInit",
                  "variableTransformer", "beforeForwardPass", "afterOptimizerStep", "saveCupy",
                  "loadCupy", "saveTorch", "loadTorch", "getNumpyVersion", "getTorchVar", "getCupyVar"]
-OPTIMIZER_FACTORY = ["optInit", "beforeForwardPass", "afterOptimizerStep", "saveCupy", "loadCupy"]
+# SpeedTorch's optimizer factories inherited getNumpyVersion, getCupyVar, getTorchVar, saveTorch and loadTorch.
+OPTIMIZER_FACTORY = ["optInit", "beforeForwardPass", "afterOptimizerStep", "saveCupy", "loadCupy",
+                     "getNumpyVersion", "getCupyVar", "getTorchVar", "saveTorch", "loadTorch"]
 DATA_GADGET = ["gadgetInit", "getData", "insertData", "saveCupy", "loadCupy", "getNumpyVersion", "getCupyVar"]
 CLASSES = ["ModelFactory", "OptimizerFactory", "DataGadget", "GPUPytorchModelFactory",
            "GPUPytorchOptimizerFactory", "CPUPytorchModelFactory", "CPUPytorchOptimizerFactory"]
@@ -298,3 +300,67 @@ def test_save_cupy_without_a_suffix_says_which_to_use(rng, tmp_path):
     assert not any(tmp_path.iterdir())
     o.saveCupy(tmp_path / "u_opt")
     assert (tmp_path / "u_opt").is_dir()
+
+
+@pytest.mark.parametrize("cache_rows", [0, 5])
+def test_optimizer_factory_get_numpy_version_copies_every_state_table(rng, cache_rows):
+    """OptimizerFactory.getNumpyVersion() raised a bare AttributeError (SpeedTorch's inherited it, its
+    CuPy variant over a table it never set). Compared with Adagrad over sparse gradients in memory."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    model = torch.nn.Embedding(8, DIM)
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.25)
+    u = ss.ModelFactory(model, ROWS, DIM, backend="numpy", cache_rows=cache_rows)
+    o = ss.OptimizerFactory(opt, ROWS, DIM, torch.nn.ModuleDict({"e": model}), "e", backend="numpy",
+                            cache_rows=cache_rows)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    reference = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0), freeze=False, sparse=True)
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.1, initial_accumulator_value=0.25)
+    for _ in range(6):
+        ids = torch.from_numpy(rng.integers(0, ROWS, 6))
+        weights = torch.from_numpy(rng.standard_normal((6, DIM), dtype=np.float32))
+        local = u.beforeForwardPass(ids)
+        o.beforeForwardPass(ids)
+        (model(local) * weights).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        u.afterOptimizerStep(ids)
+        o.afterOptimizerStep(ids)
+        (reference(ids) * weights).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    state = o.getNumpyVersion()
+    assert list(state) == ["sum"]
+    np.testing.assert_allclose(state["sum"], ref_opt.state[reference.weight]["sum"].numpy(), rtol=1e-6)
+    state["sum"][:] = -1.0                                        # a copy: the table is untouched
+    np.testing.assert_allclose(o.getNumpyVersion()["sum"], ref_opt.state[reference.weight]["sum"].numpy(),
+                               rtol=1e-6)
+    ids = torch.from_numpy(rng.integers(0, ROWS, 3))
+    u.beforeForwardPass(ids)
+    o.beforeForwardPass(ids)
+    with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+        o.getNumpyVersion()                                       # the step's state is in the optimizer
+
+
+def test_optimizer_factory_save_torch_and_load_torch_are_save_and_load(rng, tmp_path):
+    """saveTorch / loadTorch, which SpeedTorch's GPU and CPU optimizer factories inherited, raised a
+    bare AttributeError. They write and read the state tables' checkpoint, as save and load do."""
+    _, _, _, o = switchers()
+    sums = rng.uniform(0.5, 2.0, (ROWS, DIM)).astype(np.float32)
+    o.state.tables["sum"].apply_(lambda t: t.copy_(torch.from_numpy(sums)))
+    o.saveTorch(saveFileName=tmp_path / "opt.h5")
+    o.optInit()
+    o.loadTorch(loadFileName=tmp_path / "opt.h5")
+    np.testing.assert_array_equal(o.getNumpyVersion()["sum"], sums)
+    for call in (o.saveTorch, o.loadTorch):                       # no torch file: the checkpoint's formats
+        with pytest.raises(ss.OptionError, match=r"\*\.h5"):
+            call(tmp_path / "opt.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["opt.h5"]
+
+
+def test_optimizer_factory_get_cupy_var_and_get_torch_var_name_the_replacement():
+    """SpeedTorch's optimizer factories inherited getCupyVar / getTorchVar over a table they never set
+    (AttributeError there and here); they now say where the state tables are."""
+    _, _, _, o = switchers()
+    for name in ("getCupyVar", "getTorchVar"):
+        with pytest.raises(ss.OptionError, match=r"\['sum'\]\. Use state\.tables\[name\]\.as_tensor\(\).*getNumpyVersion"):
+            getattr(o, name)()

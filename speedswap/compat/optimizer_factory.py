@@ -392,4 +392,76 @@ class OptimizerFactory(Switcher):
                     before_writes=self._prepare_state_write)
         self._state.mark_loaded()
 
+    # SpeedTorch's optimizer factories inherited its model factories' names, over a table they never
+    # set: getNumpyVersion, getCupyVar and getTorchVar raised AttributeError, saveTorch / loadTorch
+    # (GPUPytorch*) pickled the list of state tensors. Each here either does what its name says for
+    # the state tables, or says what does.
+    def getNumpyVersion(self) -> dict:
+        """A copy of every state table as a numpy array (cached state rows included), by state name.
+
+        Returns:
+            ``{name: numpy.ndarray (total_classes, embed_dimension)}``, independent
+            copies (Adam: ``exp_avg``, ``exp_avg_sq``); a bfloat16 table's rows as
+            their ``uint16`` bit patterns, as :meth:`HostTable.to_numpy` gives them.
+
+        Raises:
+            StateError: between before_forward and after_step: the step's state rows are
+                current only in the optimizer then (nothing is read).
+        """
+        return {name: table.to_numpy(copy=True) for name, table in self._state.tables.items()}
+
+    def _refuse_single_table(self, what):
+        """Raise: SpeedTorch's one-table ``what`` has several tables behind it here.
+
+        Raises:
+            OptionError: always.
+        """
+        raise OptionError(f"an OptimizerFactory has no single table for {what}: it keeps one per "
+                          f"state tensor, named {sorted(self._state.tables)}. Use "
+                          f"state.tables[name].as_tensor() for a torch view of one, "
+                          f"getNumpyVersion() for numpy copies of all (cupy.asarray(...) of the torch "
+                          f"view if you need CuPy)")
+
+    def getCupyVar(self):
+        """SpeedTorch's ``getCupyVar``: speedswap hands out no CuPy arrays, and the state is several tables.
+
+        Raises:
+            OptionError: always; says what to call instead.
+        """
+        self._refuse_single_table("getCupyVar()")
+
+    def getTorchVar(self):
+        """SpeedTorch's ``getTorchVar``: the state is several tables, not one tensor.
+
+        Raises:
+            OptionError: always; says what to call instead.
+        """
+        self._refuse_single_table("getTorchVar()")
+
+    def saveTorch(self, saveFileName) -> None:
+        """SpeedTorch's ``saveTorch`` of an optimizer factory: :meth:`save`.
+
+        The state tables are written as :meth:`save` writes them (one ``*.h5`` file
+        or a directory), with the optimizer's name that :meth:`load` checks; a
+        ``*.pt`` path is refused, as by :meth:`save`.
+
+        Args:
+            saveFileName: the checkpoint's path.
+
+        Raises:
+            as :meth:`save`; nothing is written.
+        """
+        self.save(saveFileName)
+
+    def loadTorch(self, loadFileName) -> None:
+        """SpeedTorch's ``loadTorch`` of an optimizer factory: :meth:`load`.
+
+        Args:
+            loadFileName: a checkpoint :meth:`save` (or :meth:`saveTorch`) wrote.
+
+        Raises:
+            as :meth:`load`; nothing changes.
+        """
+        self.load(loadFileName)
+
     optInit = init_state
