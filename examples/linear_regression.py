@@ -47,6 +47,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import speedswap as ss  # noqa: E402
+from speedswap.apps.demo import storage_words  # noqa: E402
 from speedswap.atomic import drop_cache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -257,7 +258,8 @@ def main(argv=None):
     mean, std = feature_stats(x, args.batch_size, device)
     feeder = ss.BatchFeeder(x, y, batch_size=args.batch_size, order=args.order, seed=args.seed,
                             device=device)
-    print(f"speedswap: {x.storage} X, order {args.order!r}, {len(feeder)} batches of {args.batch_size}")
+    print(f"speedswap: X in storage {storage_words(x.storage, x.table.pinned, device)}, order {args.order!r}, "
+          f"{len(feeder)} batches of {args.batch_size}")
     cold = (x_path, y_path) if args.cold else ()
     options = dict(epochs=args.epochs, lr=args.lr, device=device, progress=not args.quiet, cold=cold)
     size = os.path.getsize(x_path)

@@ -61,6 +61,22 @@ def test_demo_names_the_state_tables_that_exist(optimizer, tables, says):
     assert says in format_demo(summary)
 
 
+@pytest.mark.parametrize("storage, pinned, device, says", [
+    ("device", False, "cpu", "device (plain host memory: the CPU backend has no GPU)"),
+    ("pinned", False, "cpu", "pinned (plain host memory: the CPU backend has no GPU)"),
+    ("device", False, "cuda:0", "device"),     # GPU memory, which is not page-locked host memory
+    ("pinned", True, "cuda:0", "pinned"),
+    ("pageable", False, "cpu", "pageable")])
+def test_demo_says_plain_host_memory_only_where_the_storage_was(storage, pinned, device, says):
+    """--storage device on a GPU was reported as "plain host memory: the CPU backend has no GPU"."""
+    from speedswap.apps.demo import format_demo
+    summary = {"vocab": 2000, "dim": 32, "optimizer": "SGD", "tables": 2, "epochs": 1, "steps": 10,
+               "seconds": 1.0, "threads": 1, "final loss": 1.5, "words/s": 10.0, "pairs/s": 20.0,
+               "topic purity": 0.9, "chance": 0.05, "storage": storage, "page-locked": pinned,
+               "host_bytes": 1024, "file_bytes": 0, "device": device, "device_bytes": 512}
+    assert re.search(r"storage\s+(.+)", format_demo(summary)).group(1).strip() == says
+
+
 TINY_DEMO = ["demo", "--tiny", "--device", "cpu", "--no-progress"]
 
 

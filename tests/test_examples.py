@@ -203,7 +203,24 @@ def test_linear_regression_recovers_the_weights(tmp_path):
         assert distances[0] < 0.3 * start, out
         assert distances[-1] < 0.15 * start, out
         assert min(distances[1:]) < distances[0], out
-    assert "mmap X" in out
+    assert "X in storage mmap" in out
+
+
+def test_linear_regression_says_where_x_is_as_the_demo_does(tmp_path, capsys):
+    """On a CPU it printed "speedswap: device X": the DataGadget's storage kind (CPUPinn=False), which
+    on the CPU backend is plain host memory, as the demo's closing table says in its words."""
+    from speedswap.apps.demo import format_demo
+    summary = {"vocab": 2000, "dim": 32, "optimizer": "SGD", "tables": 2, "epochs": 1, "steps": 10,
+               "seconds": 1.0, "threads": 1, "final loss": 1.5, "words/s": 10.0, "pairs/s": 20.0,
+               "topic purity": 0.9, "chance": 0.05, "storage": "device", "page-locked": False,
+               "host_bytes": 1024, "file_bytes": 0, "device": "cpu", "device_bytes": 512}
+    demo_says = re.search(r"storage\s+(.+)", format_demo(summary)).group(1).strip()
+    assert "plain host memory" in demo_says
+    load_example("linear_regression").main(["--device", "cpu", "--quiet", "--rows", "200", "--features", "3",
+                                             "--epochs", "1", "--batch-size", "50", "--data-dir",
+                                             str(tmp_path / "data")])
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("speedswap:")]
+    assert line.startswith(f"speedswap: X in storage {demo_says}, "), line
 
 
 @pytest.mark.slow

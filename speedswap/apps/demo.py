@@ -22,7 +22,7 @@ import torch
 import speedswap as ss
 
 __all__ = ["BACKEND_OF_DEVICE", "DEMO", "TINY", "run_demo", "format_demo", "memory_summary", "cache_summary",
-           "format_cache", "format_bytes", "format_rows"]
+           "format_cache", "format_bytes", "format_rows", "storage_words"]
 
 #: ``--device`` choices of the demo and the examples, and the backend each means.
 BACKEND_OF_DEVICE = {"auto": "auto", "cpu": "numpy", "cuda": "cuda"}
@@ -193,7 +193,24 @@ def _storage_line(summary: dict) -> str:
     if storage == "mmap":
         return (f"mmap (memory-mapped .npy files in {summary['path']}, kept)" if summary["path"]
                 else "mmap (memory-mapped .npy files in a temporary directory, now removed)")
-    if summary["page-locked"] or storage == "pageable":
+    return storage_words(storage, summary["page-locked"], summary["device"])
+
+
+def storage_words(storage: str, pinned: bool, device: str | torch.device) -> str:
+    """A storage kind, with what it meant on this run where that is not what its name says.
+
+    On the CPU backend there is no GPU to pin for or to hold rows: ``pinned``,
+    ``mapped`` and ``device`` storage are plain host memory there.
+
+    Args:
+        storage: the storage kind the rows were held in (``HostTable.storage``).
+        pinned: whether they really were page-locked (``HostTable.pinned``).
+        device: where the step ran.
+
+    Returns:
+        ``storage``, or ``"<storage> (plain host memory: the CPU backend has no GPU)"``.
+    """
+    if pinned or storage in ("pageable", "mmap") or (storage == "device" and torch.device(device).type != "cpu"):
         return storage
     return f"{storage} (plain host memory: the CPU backend has no GPU)"
 
