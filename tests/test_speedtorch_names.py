@@ -335,9 +335,13 @@ def test_optimizer_factory_get_numpy_version_copies_every_state_table(rng, cache
     np.testing.assert_allclose(o.getNumpyVersion()["sum"], ref_opt.state[reference.weight]["sum"].numpy(),
                                rtol=1e-6)
     ids = torch.from_numpy(rng.integers(0, ROWS, 3))
-    u.beforeForwardPass(ids)
+    local = u.beforeForwardPass(ids)
     o.beforeForwardPass(ids)
-    with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+    model(local).sum().backward()
+    np.testing.assert_allclose(o.getNumpyVersion()["sum"], ref_opt.state[reference.weight]["sum"].numpy(),
+                               rtol=1e-6)                         # before optimizer.step(): as in memory
+    opt.step()
+    with pytest.raises(ss.StateError, match="before afterOptimizerStep"):
         o.getNumpyVersion()                                       # the step's state is in the optimizer
 
 

@@ -405,8 +405,8 @@ class OptimizerFactory(Switcher):
             their ``uint16`` bit patterns, as :meth:`HostTable.to_numpy` gives them.
 
         Raises:
-            StateError: between before_forward and after_step: the step's state rows are
-                current only in the optimizer then (nothing is read).
+            StateError: from ``optimizer.step()`` until after_step: the step's state rows
+                are current only in the optimizer then (nothing is read).
         """
         return {name: table.to_numpy(copy=True) for name, table in self._state.tables.items()}
 
