@@ -516,15 +516,20 @@ def test_switchers_refuse_several_ranks_and_name_the_sharded_embedding(monkeypat
     ss.ModelFactory(model, 100, 4, backend="numpy")  # one rank: fine
 
 
-def _placeholder_run(convert_once, steps=4, by_keyword=False):
-    """SpeedTorch-style steps feeding placeholders; ``convert_once`` copies them before the loop."""
+def _placeholder_run(convert_once, rng, steps=4, by_keyword=False):
+    """SpeedTorch-style steps feeding placeholders; ``convert_once`` copies them before the loop.
+
+    Returns:
+        The table after the steps, and what in-memory SGD makes of the initial table: each step
+        takes 0.1 from its four distinct rows (the gradient of a sum is one).
+    """
     model = torch.nn.Embedding(16, DIM)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     u = ss.ModelFactory(model, ROWS, DIM, CPUPinn=True, backend="numpy")
     u.uniformDistributionInit(-0.1, 0.1)
+    expected = u.getNumpyVersion().copy()
     pos_in = u.variableTransformer(4, 1)
     fed = convert_once(pos_in)
-    rng = np.random.default_rng(0)
     for _ in range(steps):
         ids = torch.from_numpy(rng.choice(ROWS, size=4, replace=False))
         u.beforeForwardPass(ids)
@@ -532,20 +537,24 @@ def _placeholder_run(convert_once, steps=4, by_keyword=False):
         opt.step()
         opt.zero_grad()
         u.afterOptimizerStep(ids)
+        expected[ids.numpy()] -= np.float32(0.1)
+    return u.getNumpyVersion(), expected
 
 
 @pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "keyword"])
-def test_a_placeholder_copied_once_before_the_loop_raises_before_training_the_wrong_rows(by_keyword):
+def test_a_placeholder_copied_once_before_the_loop_raises_before_training_the_wrong_rows(by_keyword, rng):
     """Ids passed as ``model(input=ids)`` went unchecked (the hook read only positional ones)."""
     with pytest.raises(ss.StateError, match="earlier content of the variableTransformer"):
-        _placeholder_run(lambda x: torch.tensor(x), by_keyword=by_keyword)
+        _placeholder_run(lambda x: torch.tensor(x), rng, by_keyword=by_keyword)
 
 
-def test_a_from_numpy_view_of_the_placeholder_stays_current():
+def test_a_from_numpy_view_of_the_placeholder_stays_current(rng):
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        _placeholder_run(lambda x: torch.from_numpy(x))
+        table, expected = _placeholder_run(lambda x: torch.from_numpy(x), rng)
+    # The same float32 subtractions on both sides, at most four per element.
+    np.testing.assert_allclose(table, expected, rtol=1e-6, atol=1e-7)
 
 
 def test_a_step_without_the_optimizer_factorys_before_forward_is_refused_before_it_runs(backend, table0):
