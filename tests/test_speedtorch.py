@@ -647,7 +647,8 @@ def assert_trained_as_lazy_adam(u, table0, batches):
 def test_a_step_that_raised_leaves_the_next_steps_working(backend, table0):
     """A check that raises inside optimizer.step(): the loop catches it, drops the batch, goes on."""
     model, opt, u, o = build(backend, table0)
-    context = torch.ones(2, DIM, device=model.u_embeddings.weight.device)
+    device = model.u_embeddings.weight.device
+    context = torch.ones(2, DIM, device=device)
 
     def refuse_once(*_):
         if refuse_once.armed:
@@ -656,9 +657,9 @@ def test_a_step_that_raised_leaves_the_next_steps_working(backend, table0):
     refuse_once.armed = False
     opt.register_step_pre_hook(refuse_once)
     capacity = model.u_embeddings.weight.shape
-    for step, (pos, neg) in enumerate([(torch.tensor([1, 2]), torch.tensor([[3], [4]])),
-                                       (torch.tensor([5, 6]), torch.tensor([[7], [8]])),
-                                       (torch.tensor([2, 9]), torch.tensor([[3], [1]]))]):
+    batches = [(torch.tensor([1, 2]), torch.tensor([[3], [4]])), (torch.tensor([5, 6]), torch.tensor([[7], [8]])),
+               (torch.tensor([2, 9]), torch.tensor([[3], [1]]))]
+    for step, (pos, neg) in enumerate(batches):
         lp, ln = u.before_forward(pos, neg)
         o.before_forward(pos, neg)
         assert model.u_embeddings.weight.shape == capacity
@@ -671,6 +672,9 @@ def test_a_step_that_raised_leaves_the_next_steps_working(backend, table0):
         opt.zero_grad()
         u.after_step(pos, neg)
         o.after_step(pos, neg)
+    # The batch whose step raised is dropped: its rows keep their values, the others train on.
+    assert_trained_as_lazy_adam(u, table0, [(pos.to(device), neg.to(device), context)
+                                            for step, (pos, neg) in enumerate(batches) if step != 1])
 
 
 def test_switchers_built_again_and_again_leave_no_hooks_behind():
