@@ -446,7 +446,7 @@ def test_a_save_whose_old_version_cannot_be_removed_after_the_commit_succeeds(rn
     saver, path, old = _prepared("embedding-dir", False, rng, tmp_path)
     _fill(saver.tables().values(), rng)
     new = _content(saver.tables())
-    removing = [False]
+    removing, failed = [False], [0]
     rmtree, fstat = shutil.rmtree, os.fstat
 
     def flagged_rmtree(*args, **kwargs):
@@ -458,12 +458,14 @@ def test_a_save_whose_old_version_cannot_be_removed_after_the_commit_succeeds(rn
 
     def fstat_failing_in_rmtree(fd):
         if removing[0]:
+            failed[0] += 1
             raise Injected(errno.EIO, "injected failure")
         return fstat(fd)
     monkeypatch.setattr(shutil, "rmtree", flagged_rmtree)
     monkeypatch.setattr(os, "fstat", fstat_failing_in_rmtree)
     saver.save(path)
     monkeypatch.undo()
+    assert failed[0], "the save removed the old version without shutil.rmtree's os.fstat: nothing was injected"
     assert _holds(saver, path, new)
 
 
