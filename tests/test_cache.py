@@ -1381,12 +1381,11 @@ def test_the_table_through_the_embedding_sees_the_cache_and_writes_reach_the_nex
 
     The same steps and writes on an embedding without a cache are the reference.
     """
-    runs = []
+    start = torch.from_numpy(rng.standard_normal((100, 4), dtype=np.float32))
+    steps, runs = rng.integers(0, 100, (12, 20)), []  # the same table and steps for both runs
     for cache_rows in (100, 0):  # every row fits in the cache
         emb, opt = _embedding(backend, cache_rows, opt=torch.optim.Adam)
-        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
-            np.random.default_rng(3).standard_normal((100, 4), dtype=np.float32))))
-        steps = np.random.default_rng(4).integers(0, 100, (12, 20))
+        emb.table.apply_(lambda t: t.copy_(start))
         reads = []
         for i, ids in enumerate(steps):
             _step(emb, opt, ids)
