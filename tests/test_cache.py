@@ -212,11 +212,10 @@ def test_after_a_step_that_raised_the_rows_in_flight_are_named_and_the_retry_tra
     """The optimizer raised inside the step: what is refused says the step's rows are in flight
     (not that weight.data was replaced: the parameter was still narrowed to them), and the
     retried step trains them as a step that never failed does."""
-    runs = []
+    start, runs = torch.from_numpy(rng.standard_normal((100, 4), dtype=np.float32)), []
     for fail in (False, True):
         emb, opt = _embedding(backend, cache_rows=8, opt=torch.optim.Adam)
-        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
-            np.random.default_rng(5).standard_normal((100, 4), dtype=np.float32))))
+        emb.table.apply_(lambda t: t.copy_(start))
         failing = []
 
         def raise_once(*_):
