@@ -917,11 +917,10 @@ def test_eval_save_and_load_see_the_cache(backend, tmp_path, rng):
 def test_init_state_resets_cached_state_rows_too(backend, rng):
     """The steps after a reset use the reset state of cached rows too, as without a cache."""
     steps = rng.integers(0, 100, (8, 20))
-    runs = []
+    start, runs = torch.from_numpy(rng.standard_normal((100, 4), dtype=np.float32)), []
     for cache_rows in (100, 0):  # every row fits
         emb, opt = _embedding(backend, cache_rows=cache_rows, opt=torch.optim.Adam)
-        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
-            np.random.default_rng(8).standard_normal((100, 4), dtype=np.float32))))
+        emb.table.apply_(lambda t: t.copy_(start))
         for ids in steps[:5]:
             _step(emb, opt, ids)
         emb.init_state()
