@@ -1078,6 +1078,8 @@ def test_a_read_ahead_forked_while_its_thread_queued_a_batch_hands_out_the_queue
         deadline = time.monotonic() + 10
         while reader._queue.qsize() < 2 and time.monotonic() < deadline:  # batches 0 and 1 queued
             time.sleep(0.01)
+        # Said here, or a slow thread would fail the fork check below for another reason.
+        assert reader._queue.qsize() == 2, "the read-ahead thread queued less than two batches in 10 s"
         assert_child_forked_holding_succeeds(reader._queue.mutex, child)  # as the thread inside put()
     finally:
         reader.close()
