@@ -28,6 +28,18 @@ def switchers():
     return model, opt, u, o
 
 
+def speedtorch_step(model, opt, u, o, ids, weights=1.0):
+    """One step in SpeedTorch's order: both switchers' beforeForwardPass, a loss of the rows times
+    ``weights``, the optimizer's step and zero_grad, both switchers' afterOptimizerStep."""
+    local = u.beforeForwardPass(ids)
+    o.beforeForwardPass(ids)
+    (model(local) * weights).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    u.afterOptimizerStep(ids)
+    o.afterOptimizerStep(ids)
+
+
 def test_every_documented_name_exists():
     for name in CLASSES:
         assert hasattr(ss, name), name
@@ -107,13 +119,7 @@ def test_optimizer_factory_save_cupy_round_trip(tmp_path):
     model, opt, u, o = switchers()
     u.uniformDistributionInit(-1.0, 1.0)
     ids = torch.tensor([1, 5, 1])
-    local = u.beforeForwardPass(ids)
-    o.beforeForwardPass(ids)
-    model(local).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    u.afterOptimizerStep(ids)
-    o.afterOptimizerStep(ids)
+    speedtorch_step(model, opt, u, o, ids)
     state = o.state.tables["sum"].to_numpy(copy=True)
     o.saveCupy(tmp_path / "opt")
     o.optInit()
@@ -245,13 +251,7 @@ def test_per_storage_classes_refuse_cpupinn(rng):
     o = ss.GPUPytorchOptimizerFactory(opt, ROWS, DIM, holder, "e", torch.float, backend="numpy")
     u.normalDistributionInit(0.0, 1.0)
     ids = torch.from_numpy(rng.integers(0, ROWS, 6))
-    local = u.beforeForwardPass(ids)
-    o.beforeForwardPass(ids)
-    model(local).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    u.afterOptimizerStep(ids)
-    o.afterOptimizerStep(ids)
+    speedtorch_step(model, opt, u, o, ids)
     assert u.table.storage == "device"
 
 
@@ -318,13 +318,7 @@ def test_optimizer_factory_get_numpy_version_copies_every_state_table(rng, cache
     for _ in range(6):
         ids = torch.from_numpy(rng.integers(0, ROWS, 6))
         weights = torch.from_numpy(rng.standard_normal((6, DIM), dtype=np.float32))
-        local = u.beforeForwardPass(ids)
-        o.beforeForwardPass(ids)
-        (model(local) * weights).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        u.afterOptimizerStep(ids)
-        o.afterOptimizerStep(ids)
+        speedtorch_step(model, opt, u, o, ids, weights)
         (reference(ids) * weights).sum().backward()
         ref_opt.step()
         ref_opt.zero_grad()
