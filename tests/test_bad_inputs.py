@@ -667,6 +667,23 @@ def test_from_pretrained_of_a_mismatched_file_leaves_no_half_made_mmap_file(rng,
         np.testing.assert_array_equal(emb.table.to_numpy(), rows.astype(np.float32))
 
 
+@pytest.mark.parametrize("name", ["rows.h5", "rows.hdf5"])
+def test_from_pretrained_of_an_hdf5_file_says_it_reads_npy_and_what_reads_hdf5(rng, tmp_path, name):
+    """from_pretrained(path) reads .npy files; an HDF5 file was refused as "not a valid .npy file
+    (the magic string is not correct ...); write it with numpy.save", saying nothing of emb.load,
+    which reads speedswap's HDF5 checkpoints. Nothing is made; emb.load of a saved one gives its rows."""
+    rows = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    with ss.OffloadedEmbedding.from_pretrained(rows, max_rows=CAP, storage="pageable", backend="numpy") as saved:
+        saved.save(tmp_path / name)
+    with pytest.raises(ss.OptionError, match=r"reads a \.npy file.*emb\.load\(path\).*numpy\.save"):
+        ss.OffloadedEmbedding.from_pretrained(tmp_path / name, max_rows=CAP, storage="mmap",
+                                              path=tmp_path / "emb", backend="numpy")
+    assert not (tmp_path / "emb").exists()
+    with ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, storage="pageable", backend="numpy") as emb:
+        emb.load(tmp_path / name)
+        np.testing.assert_array_equal(emb.table.to_numpy(), rows)
+
+
 def test_from_pretrained_reads_byte_swapped_rows_exactly(rng):
     rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
     with ss.OffloadedEmbedding.from_pretrained(rows.astype(">f4"), max_rows=CAP, storage="pageable",

@@ -280,10 +280,15 @@ class OffloadedEmbedding(RefusesConversion):
                 removed again (with ``overwrite=True``, the one it replaced
                 is gone too).
             OptionError, PathError: as the class's constructor; ``freeze`` that
-                is not a bool (``bool("False")`` is True: it would freeze the table).
+                is not a bool (``bool("False")`` is True: it would freeze the table);
+                an HDF5 path (``.h5``/``.hdf5``), which :meth:`load` reads.
         """
         freeze = bool_option(freeze, "freeze", hint=" (forwards read the table, nothing trains)")
         if isinstance(embeddings, (str, bytes, os.PathLike)):
+            if files.suffix_format(embeddings) == "h5":  # read_npy_header would say "not a valid .npy file"
+                raise OptionError(f"from_pretrained reads a .npy file, not {os.fspath(embeddings)!r}: build the "
+                                  f"embedding and load a speedswap checkpoint with emb.load(path), or write "
+                                  f"the rows with numpy.save and pass that file")
             header = files.read_npy_header(embeddings)
             # A big-endian file holds the same numbers, which load() swaps as it reads them.
             dtype = header.table_dtype or torch_dtype(header.dtype)  # the latter raises, naming the dtypes
