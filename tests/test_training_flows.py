@@ -689,26 +689,41 @@ def test_a_loss_weighted_by_zero_then_a_step_with_no_forward_trains_as_in_memory
     assert int(opt.state[emb.weight]["step"]) == int(ref_opt.state[ref]["step"])
 
 
+def _multiply_by_zero(optimizer, weight, edited):
+    """A non-zero gradient multiplied by 0 in place (``grad.mul_(0.0)``: a gradient mask, a warm-up
+    factor of 0). In memory SparseAdam's sparse gradient still names the rows, at zero values, and
+    moves them by their momentum; only ``zero_()`` empties it. Offloaded, any gradient zeroed since a
+    backward that left it non-zero counted as ``zero_grad()``: those rows were left alone."""
+    if edited:
+        weight.grad.mul_(0.0)
+
+
+def _zero_grad_then_negate(optimizer, weight, edited):
+    """``zero_grad(set_to_none=False)`` after a backward, then ``grad.neg_()`` (gradient ascent applied
+    to every step, a skipped one too). In memory the zeroed sparse gradient names no row, negated or
+    not, and SparseAdam moves none of the skipped forward's rows. Offloaded, the negation turned
+    zero_()'s ``+0.0`` into ``-0.0``, which read as a gradient the backward had left at zero: Adam
+    moved the skipped rows by their momentum."""
+    if edited:
+        optimizer.zero_grad(set_to_none=False)
+    weight.grad.neg_()
+
+
 @pytest.mark.parametrize("cache_rows", [0, 40])
 @pytest.mark.parametrize("then", ["step", "another_backward"])
-def test_zero_grad_then_a_negation_drops_the_step_as_in_memory(backend, rng, cache_rows, then):
-    """``zero_grad(set_to_none=False)`` after a backward, then ``grad.neg_()`` (gradient ascent applied
-    to every step, a skipped one too), then the step, or another forward and backward first. In
-    memory the zeroed sparse gradient names no row, negated or not, and SparseAdam moves none of the
-    skipped forward's rows. Offloaded, the negation turned zero_()'s ``+0.0`` into ``-0.0``, which read
-    as a gradient the backward had left at zero: Adam moved the skipped rows by their momentum."""
+@pytest.mark.parametrize("edit", [_multiply_by_zero, _zero_grad_then_negate], ids=["mul_0", "zero_grad_neg"])
+def test_a_gradient_edited_in_place_after_a_backward_trains_as_in_memory(backend, rng, cache_rows, then, edit):
+    """A backward, the gradient edited in place at some steps (``edit``'s docstring says how, what memory
+    does, and what offloaded training did wrong), then the step, or another forward and backward first."""
     emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows)
     batches = zipf_ids(rng, 2 * STEPS)
-    skipped = rng.random(STEPS) < 0.3
-    skipped[:2], skipped[rng.integers(2, STEPS)] = False, True  # momentum first, then one skipped step at least
-    for step, skip in enumerate(skipped):
+    edited = rng.random(STEPS) < 0.3
+    edited[:2], edited[rng.integers(2, STEPS)] = False, True  # momentum first, then one edited step at least
+    for step, edit_now in enumerate(edited):
         (ids, target), (more_ids, more_target) = batches[2 * step], batches[2 * step + 1]
         for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
-            weight = emb.weight if optimizer is opt else ref
             ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
-            if skip:
-                optimizer.zero_grad(set_to_none=False)
-            weight.grad.neg_()
+            edit(optimizer, emb.weight if optimizer is opt else ref, edit_now)
             if then == "another_backward":
                 ((lookup(more_ids.to(to)).cpu().sum(1) - more_target) ** 2).sum().backward()
             optimizer.step()
@@ -733,31 +748,6 @@ def test_a_zero_gradient_written_in_place_then_accumulated_into_trains_as_in_mem
             if step % 3 == 2:
                 weight.grad.zero_() if zeroed else weight.grad.mul_(2.0)
             ((lookup(second.to(to)).cpu().sum(1) - target2) ** 2).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    assert_trained_as_sparse_adam(emb, ref, ref_opt)
-
-
-@pytest.mark.parametrize("cache_rows", [0, 40])
-@pytest.mark.parametrize("then", ["step", "another_backward"])
-def test_a_gradient_multiplied_by_zero_in_place_trains_as_in_memory(backend, rng, cache_rows, then):
-    """A non-zero gradient multiplied by 0 in place (``grad.mul_(0.0)``: a gradient mask, a warm-up
-    factor of 0), then the step, or another forward and backward first. In memory SparseAdam's
-    sparse gradient still names the rows, at zero values, and moves them by their momentum; only
-    ``zero_()`` empties it. Offloaded, any gradient zeroed since a backward that left it non-zero
-    counted as ``zero_grad()``: those rows were left alone."""
-    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, 2 * BATCH * WIDTH, cache_rows)
-    batches = zipf_ids(rng, 2 * STEPS)
-    masked = rng.random(STEPS) < 0.3
-    masked[:2], masked[rng.integers(2, STEPS)] = False, True  # momentum first, then one masked step at least
-    for step, mask in enumerate(masked):
-        (ids, target), (more_ids, more_target) = batches[2 * step], batches[2 * step + 1]
-        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
-            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
-            if mask:
-                (emb.weight if optimizer is opt else ref).grad.mul_(0.0)
-            if then == "another_backward":
-                ((lookup(more_ids.to(to)).cpu().sum(1) - more_target) ** 2).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
     assert_trained_as_sparse_adam(emb, ref, ref_opt)
