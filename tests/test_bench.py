@@ -105,7 +105,10 @@ def test_the_gpu_session_script_packs_the_profile_the_working_set_and_the_suite(
         suite_record = json.load(archive.extractfile("./bench/suite.json"))
     assert {"profile_step-cpu.json", "working_set-cpu.json", "op_count-cpu.json", "bench/suite.json",
             "bench.log"} <= names, names
-    assert suite_record["finished"] and all(step["status"] == "ran" for step in suite_record["steps"].values())
+    assert suite_record["finished"]
+    # Every step but the beyond-GPU vocabulary, which does not fit beside the gpu tests in one call.
+    assert {name: step["status"] for name, step in suite_record["steps"].items()} == {
+        **{name: "ran" for name in suite_record["steps"]}, "beyond gpu": "skipped"}
     # Written into $OUT, never into the checkout's committed results.
     assert {p.name: p.stat().st_mtime_ns for p in (ROOT / "benchmarks" / "results").rglob("*")} == committed
 
@@ -209,10 +212,14 @@ def test_the_gpu_tests_get_what_the_later_steps_estimates_leave_of_the_budget(tm
 
 def test_the_default_budget_fits_one_command_of_a_lent_gpu_machine():
     """Its 10-minute limit must hold the budget plus one benchmark overrunning by its own estimate
-    (the gpu tests are interrupted at their share, and get their grace to report)."""
+    (the gpu tests are interrupted at their share, and get their grace to report). The budget holds
+    every step but the last, the beyond-GPU vocabulary: since the gpu tests grew past 200 s
+    (2026-11-29) it runs in a call of its own (``--steps beyond-gpu``)."""
     estimates = suite.GPU_SIZES.estimates_s
     assert set(estimates) == set(suite.STEPS) == set(suite.DRY_RUN_SIZES.estimates_s)
-    assert sum(estimates.values()) <= suite.BUDGET_S
+    assert list(suite.STEPS)[-1] == "beyond gpu"
+    assert sum(estimates.values()) - estimates["beyond gpu"] <= suite.BUDGET_S
+    assert estimates["beyond gpu"] <= suite.BUDGET_S
     benchmarks = [seconds for name, seconds in estimates.items() if name != "gpu tests"]
     assert suite.BUDGET_S + max(max(benchmarks), gpu_tests.GRACE_S) <= 600
 
@@ -329,7 +336,7 @@ def test_gpu_tests_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkey
     assert [p.name for p in out.iterdir()] == ["gpu-tests.log"]  # the JUnit report was read, not kept
 
 
-@pytest.mark.parametrize("cores, xdist, workers", [(16, True, 6), (64, True, 6), (8, True, 4), (3, True, 1),
+@pytest.mark.parametrize("cores, xdist, workers", [(16, True, 8), (64, True, 8), (8, True, 4), (3, True, 1),
                                                    (16, False, 1)])
 def test_the_gpu_tests_run_in_workers_where_xdist_and_the_cores_allow(tmp_path, cores, xdist, workers):
     command, got = gpu_tests.pytest_command(tmp_path, tmp_path / "r.xml", cores=cores, xdist=xdist, timeout=True)

@@ -32,10 +32,12 @@ TEST_TIMEOUT_S = 60
 SLOWEST_LISTED = 25
 #: CPU cores per pytest worker where pytest-xdist is installed (the GPU machines have it, and
 #: 16 cores): the tests spend much of their time on the CPU, and every worker shares one GPU.
-#: On an H200 with 16 cores the ~650 gpu tests took 168 s in 6 workers; 4 had done 59% in 135 s.
+#: On an H200 with 16 cores the ~650 gpu tests took 168 s in 6 workers; 4 had done 59% in 135 s;
+#: at 0b7eb58 948 of the ~1010 took 196 s in 7.
 CORES_PER_WORKER = 2
-#: At most this many workers: each holds a CUDA context of its own on the one GPU.
-MAX_WORKERS = 6
+#: At most this many workers: each holds a CUDA context of its own on the one GPU (7 ran side
+#: by side on an H200, 2026-11-29).
+MAX_WORKERS = 8
 #: The environment variable that sets the workers instead (1: in pytest's own process), for a
 #: run whose tests misbehave side by side.
 WORKERS_VARIABLE = "SPEEDSWAP_GPU_TEST_WORKERS"
