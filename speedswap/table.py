@@ -1073,7 +1073,10 @@ class HostTable:
         Args:
             copy: return an independent copy. When False, a host table returns
                 its own memory (writes go through; the memory stays alive as
-                long as the array does), a device table returns a host copy.
+                long as the array does), a device table a read-only host copy
+                (a write into it, which could not reach the table, raises
+                numpy's ValueError; write with :meth:`scatter` or through
+                :meth:`as_tensor`, the GPU's memory itself).
                 The view of a table an embedding owns stays current while
                 it lives: :attr:`viewed` tells the owner, whose device cache
                 then keeps no rows. It shows a step's rows once the owner
@@ -1092,8 +1095,14 @@ class HostTable:
         copy = bool_option(copy, "copy", hint=" (an independent copy; False: the table's own memory)")
         buffer = self._live_buffer()
         self._announce_read()
-        if copy or buffer.host is None:
+        if copy:
             return self.owner_copy()
+        if buffer.host is None:
+            # No host memory to hand out. A writable copy would take writes meant for the table and
+            # drop them unseen (a host table's to_numpy() takes them: code moves between the two).
+            array = self.owner_copy()
+            array.flags.writeable = False
+            return array
         self._backend.wait_host(buffer)
         self._unwritten_file = False  # whoever holds the view may write through it
         return self._handed_out(buffer.host)

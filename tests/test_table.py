@@ -167,6 +167,28 @@ def test_zeros_constructor(backend, storage, tmp_path):
     assert table.shape == (33, 3) and table.nbytes == 33 * 3 * 2
 
 
+def test_to_numpy_of_a_device_table_takes_writes_or_refuses_them(backend, rng):
+    """``storage="device"``: host memory on the CPU backend, whose view takes writes; GPU memory on a
+    GPU, which numpy cannot view: the copy handed out was writable, and writes into it (meant for the
+    table, as on the CPU) were dropped unseen (the H200 run of test_cache_sequences' switchers at
+    0b7eb58). It is read-only now."""
+    ref = random_rows(rng, (10, 4), np.float32)
+    table = ss.HostTable.from_numpy(ref, storage="device", backend=backend)
+    array = table.to_numpy()
+    np.testing.assert_array_equal(array, ref)
+    if table.as_tensor().is_cuda:
+        with pytest.raises(ValueError, match="read-only"):
+            array[3] = 42.0
+        np.testing.assert_array_equal(table.to_numpy(copy=True), ref)
+        array = table.to_numpy(copy=True)  # a copy asked for is the caller's to write
+        array[3] = 42.0
+        np.testing.assert_array_equal(table.to_numpy(copy=True), ref)
+    else:
+        array[3] = 42.0
+        np.testing.assert_array_equal(table.gather([3]).cpu().numpy(), np.full((1, 4), 42.0))
+    table.close()
+
+
 def test_to_numpy_shares_host_memory(backend, rng):
     ref = random_rows(rng, (10, 4), np.float32)
     table = ss.HostTable.from_numpy(ref, storage="pageable", backend=backend)

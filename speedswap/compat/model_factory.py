@@ -509,7 +509,8 @@ class ModelFactory(Switcher):
             self._steps.hand_out("a write into the table")
 
     def to_numpy(self, copy: bool = False) -> np.ndarray:
-        """The table as a numpy array (the table's own memory for host storage, unless ``copy``).
+        """The table as a numpy array (the table's own memory for host storage, unless ``copy``; for
+        device storage on a GPU, ``CPUPinn=False``, a read-only copy: see :meth:`HostTable.to_numpy`).
 
         Cached rows are written back first. Handing out the table's memory
         (``copy=False``) also drops them from the cache, so writes to it before

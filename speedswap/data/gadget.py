@@ -557,7 +557,8 @@ class DataGadget:
 
         Args:
             copy: an independent copy; otherwise host data is returned without
-                a copy (writes go through), device data as a host copy.
+                a copy (writes go through), device data as a read-only host
+                copy (a write into it, which could not reach the data, raises).
 
         Returns:
             numpy.ndarray
