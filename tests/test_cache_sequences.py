@@ -408,7 +408,9 @@ class SwitcherPair:
         table0 = torch.from_numpy(gen.standard_normal((self.rows, DIM)).astype(np.float32))
         self.model = torch.nn.ModuleDict({"u": torch.nn.Embedding(self.capacity, DIM)}).to(device)
         self.opt = self.make(self.model.parameters())
-        self.u = ss.ModelFactory(self.model["u"], total_classes=self.rows, embed_dimension=DIM,
+        # Pinned host memory: a view to write through, on a GPU too (CPUPinn=False keeps the table
+        # in GPU memory there, whose to_numpy() is a read-only copy).
+        self.u = ss.ModelFactory(self.model["u"], total_classes=self.rows, embed_dimension=DIM, CPUPinn=True,
                                  backend=backend, cache_rows=self.cache_rows)
         self.u.customInit(lambda t: t.copy_(table0.to(t.device)))
         self.o = None
