@@ -573,7 +573,9 @@ class HostTable:
         ``copy``) or :meth:`as_tensor` returned, or anything made from it
         (a slice, ``torch.from_numpy``), is alive: reads and writes through
         it reach the host memory directly, so an owner must keep every row's
-        current value there. A device table's tensor cannot be followed: once
+        current value there, and the table's writes (:meth:`scatter`,
+        :meth:`scatter_validated`) have landed when they return, a GPU's
+        kernels included. A device table's tensor cannot be followed: once
         handed out it counts as alive for good.
         """
         return bool(self._views) or self._device_view
@@ -769,7 +771,9 @@ class HostTable:
             StateError: a read-only table.
 
         Every check runs before any row is written. On a GPU the write is
-        ordered on torch's current stream and may still be running on return.
+        ordered on torch's current stream and may still be running on return,
+        unless a view of the table is alive (:attr:`viewed`): then it has
+        landed, so that the view shows it.
         """
         # None or 0 would skip the check silently: only an explicit False does.
         check_unique = bool_option(check_unique, "check_unique", hint=" (refuse repeated ids)")
@@ -788,10 +792,14 @@ class HostTable:
             # rows it has already written. A copy is the values as they were when called.
             values = values.clone()
         self._announce_write()
-        self._backend.scatter(buffer, flat, values)
+        self._write(buffer, flat, values)
 
     def scatter_validated(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """:meth:`scatter` for ids and values already validated: no checks at all.
+
+        On a GPU the write may still be running on return, as :meth:`scatter`'s,
+        unless a view this table handed out is alive (:attr:`viewed`): then it
+        has landed, so that the view shows it.
 
         Args:
             rows: a contiguous 1-D int64 tensor of **unique** ids in ``[0, num_rows)``.
@@ -800,7 +808,16 @@ class HostTable:
         """
         buffer = self._writable_buffer()
         where = self._backend.ids_device(buffer)
-        self._backend.scatter(buffer, rows.to(where), values.to(where))
+        self._write(buffer, rows.to(where), values.to(where))
+
+    def _write(self, buffer, rows, values):
+        """Have the backend write the rows; landed on return while a view is alive (:attr:`viewed`)."""
+        self._backend.scatter(buffer, rows, values)
+        if self.viewed:
+            # Reads and writes through a view wait for no kernel: a read right after a write (an
+            # owner's write-back of a step) would show the rows as before, and the kernel would land
+            # over a write made through the view meanwhile. Only while a view lives: steps pay no wait.
+            self._backend.wait_host(buffer)
 
     # ------------------------------------------------------------ initialisers
     def _row_chunks(self, writing=True):

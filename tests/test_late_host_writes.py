@@ -1,0 +1,109 @@
+"""Views of a table stay current when host writes land late, as a GPU's writes into pinned memory do.
+
+On the cuda backend a step's write-back into a zero-copy table is a kernel
+that may still run when the step returns, and reads and writes through a
+numpy view of the table wait for no kernel. The numpy backend here lands
+every host write as late as a GPU may (:func:`late_writes.land_host_writes_late`),
+so a view read right after a step, or a write through it that the step's
+write-back would land over, shows on the CPU what a GPU would do. The tables
+are compared with a plain ``nn.Embedding`` trained by the same SGD in memory.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import speedswap as ss
+from late_writes import land_host_writes_late
+
+ROWS, DIM, CAPACITY, STEPS = 30, 4, 8, 6
+
+
+class _Embedding:
+    """An OffloadedEmbedding trained by SGD; ``view()`` hands out its table's memory."""
+
+    def __init__(self, table0, cache_rows):
+        self.emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAPACITY, storage="pinned", backend="numpy",
+                                         cache_rows=cache_rows)
+        self.emb.table.scatter(np.arange(ROWS), table0)
+        self.opt = torch.optim.SGD(self.emb.parameters(), lr=0.1)
+        self.emb.attach(self.opt)
+
+    def view(self):
+        return self.emb.table.to_numpy()
+
+    def step(self, ids, loss):
+        loss(self.emb(ids)).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def table(self):
+        return self.emb.table
+
+
+class _Switchers:
+    """A ModelFactory over an ``nn.Embedding`` of ``CAPACITY`` slots, trained by SGD."""
+
+    def __init__(self, table0, cache_rows):
+        self.model = torch.nn.Embedding(CAPACITY, DIM)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.u = ss.ModelFactory(self.model, ROWS, DIM, CPUPinn=True, backend="numpy", cache_rows=cache_rows)
+        self.u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+
+    def view(self):
+        return self.u.to_numpy()
+
+    def step(self, ids, loss):
+        local = self.u.before_forward(ids)
+        loss(self.model(local)).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.u.after_step(ids)
+
+    def table(self):
+        return self.u.table
+
+
+@pytest.mark.filterwarnings("ignore:a view of the table")
+@pytest.mark.parametrize("cache_rows", [0, 10])
+@pytest.mark.parametrize("flow", [_Embedding, _Switchers], ids=["embedding", "switchers"])
+def test_a_kept_view_shows_each_step_and_keeps_each_write_when_host_writes_land_late(
+        flow, cache_rows, rng, monkeypatch):
+    """Once a step returns, a view kept since before it shows its rows; a row written through the view
+    then (one the step wrote back) trains on, and so does one written with ``table.scatter``."""
+    land_host_writes_late(monkeypatch)
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    trained = flow(table0, cache_rows)
+    reference = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SGD([reference], lr=0.1)
+    context = torch.from_numpy(rng.standard_normal(DIM, dtype=np.float32))
+
+    def loss(rows):
+        return (torch.tanh(rows) @ context).sum()
+
+    trained.step(torch.arange(3), loss)  # the cache holds rows when the view is handed out
+    loss(F.embedding(torch.arange(3), reference)).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    view = trained.view()
+    for step in range(STEPS):
+        ids = torch.from_numpy(rng.choice(ROWS, size=5))
+        trained.step(ids, loss)
+        loss(F.embedding(ids, reference)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        np.testing.assert_allclose(view, reference.detach().numpy(), rtol=1e-6, atol=1e-6,
+                                   err_msg=f"the view right after step {step}")
+        row, value = int(ids[0]), rng.standard_normal(DIM, dtype=np.float32)
+        view[row] = value
+        other, scattered = int(rng.integers(ROWS)), rng.standard_normal(DIM, dtype=np.float32)
+        trained.table().scatter([other], scattered.reshape(1, DIM))
+        with torch.no_grad():
+            reference[row] = torch.from_numpy(value)
+            reference[other] = torch.from_numpy(scattered)
+        np.testing.assert_allclose(view, reference.detach().numpy(), rtol=1e-6, atol=1e-6,
+                                   err_msg=f"the view after writes following step {step}")
+    del view
+    np.testing.assert_allclose(trained.table().to_numpy(copy=True), reference.detach().numpy(),
+                               rtol=1e-6, atol=1e-6, err_msg="the table at the end")
