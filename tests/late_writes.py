@@ -10,6 +10,12 @@ and land the queue, in order, at the table's next ``gather`` or ``scatter``
 (a later kernel on the stream runs after the queued ones) or ``wait_host``
 (the host waited for them): never sooner, the latest a GPU may be. A read
 or a write through a view in between sees the table as a GPU's host may.
+
+It differs from the cuda backend in two ways. Every storage kind's writes
+land late, a stricter test (there only the zero-copy kinds' do: ``pageable``
+and ``mmap`` rows are written by the CPU at once). A table collected
+without ``close()`` drops the writes still queued (there its memory is
+released only after them): close the tables of a test that uses it.
 """
 
 from speedswap.backends.cpu import NumpyBackend
