@@ -573,10 +573,11 @@ class HostTable:
         ``copy``) or :meth:`as_tensor` returned, or anything made from it
         (a slice, ``torch.from_numpy``), is alive: reads and writes through
         it reach the host memory directly, so an owner must keep every row's
-        current value there, and the table's writes (:meth:`scatter`,
-        :meth:`scatter_validated`) have landed when they return, a GPU's
-        kernels included. A device table's tensor cannot be followed: once
-        handed out it counts as alive for good.
+        current value there, and, for a view of host memory, the table's
+        writes (:meth:`scatter`, :meth:`scatter_validated`) have landed when
+        they return, a GPU's kernels included. A device table's tensor cannot
+        be followed: once handed out it counts as alive for good (its reads
+        run on a stream, after the writes, which need no wait for it).
         """
         return bool(self._views) or self._device_view
 
@@ -772,7 +773,7 @@ class HostTable:
 
         Every check runs before any row is written. On a GPU the write is
         ordered on torch's current stream and may still be running on return,
-        unless a view of the table is alive (:attr:`viewed`): then it has
+        unless a host view of the table is alive (:attr:`viewed`): then it has
         landed, so that the view shows it.
         """
         # None or 0 would skip the check silently: only an explicit False does.
@@ -798,7 +799,7 @@ class HostTable:
         """:meth:`scatter` for ids and values already validated: no checks at all.
 
         On a GPU the write may still be running on return, as :meth:`scatter`'s,
-        unless a view this table handed out is alive (:attr:`viewed`): then it
+        unless a host view this table handed out is alive (:attr:`viewed`): then it
         has landed, so that the view shows it.
 
         Args:
@@ -811,12 +812,13 @@ class HostTable:
         self._write(buffer, rows.to(where), values.to(where))
 
     def _write(self, buffer, rows, values):
-        """Have the backend write the rows; landed on return while a view is alive (:attr:`viewed`)."""
+        """Have the backend write the rows; landed on return while a host view is alive (:attr:`viewed`)."""
         self._backend.scatter(buffer, rows, values)
-        if self.viewed:
-            # Reads and writes through a view wait for no kernel: a read right after a write (an
+        if self._views:
+            # Reads and writes through a numpy view wait for no kernel: a read right after a write (an
             # owner's write-back of a step) would show the rows as before, and the kernel would land
-            # over a write made through the view meanwhile. Only while a view lives: steps pay no wait.
+            # over a write made through the view meanwhile. Only while one lives: steps pay no wait.
+            # A device table's tensor (as_tensor) is read on a stream, after the write: no wait.
             self._backend.wait_host(buffer)
 
     # ------------------------------------------------------------ initialisers
