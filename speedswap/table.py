@@ -684,7 +684,9 @@ class HostTable:
 
         Returns:
             torch.Tensor of shape ``(*rows.shape, dim)``. On a GPU the copy is
-            ordered on torch's current stream and may still be running.
+            ordered on torch's current stream and may still be running, unless
+            a host view of the table is alive (:attr:`viewed`): then it has
+            read the rows, so that a write through the view comes after it.
 
         Raises:
             IdError, DTypeError, DeviceError: bad ids (see :func:`~speedswap.convert.as_row_ids`).
@@ -706,7 +708,7 @@ class HostTable:
                                       f"it writes out; pass a separate tensor (e.g. torch.empty_like(out))")
         # After every check: the owner's cache writes its rows back only for a read that happens.
         self._announce_read()
-        self._backend.gather(buffer, flat, out.view(len(flat), self.dim))
+        self._read(buffer, flat, out.view(len(flat), self.dim))
         return out
 
     def gather_validated(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -724,8 +726,17 @@ class HostTable:
             ``out``, as :meth:`gather`.
         """
         buffer = self._live_buffer()
-        self._backend.gather(buffer, rows.to(self._backend.ids_device(buffer)), out)
+        self._read(buffer, rows.to(self._backend.ids_device(buffer)), out)
         return out
+
+    def _read(self, buffer, rows, out):
+        """Have the backend gather the rows; read on return while a host view is alive (:attr:`viewed`)."""
+        self._backend.gather(buffer, rows, out)
+        if self._views:
+            # A GPU's kernel reads host memory when it runs, which may be after the call returns: a
+            # write through the view meanwhile (between a forward and its step, say) would reach a
+            # read the call made before it. Only while one lives, as for writes (_write).
+            self._backend.wait_host(buffer)
 
     def _check_out(self, out, shape):
         if not isinstance(out, torch.Tensor):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import speedswap as ss
+from cuda_helpers import kernels_or_skip
 from late_writes import land_host_writes_late
 
 ROWS, DIM, CAPACITY, STEPS = 30, 4, 8, 6
@@ -107,3 +108,48 @@ def test_a_kept_view_shows_each_step_and_keeps_each_write_when_host_writes_land_
     del view
     np.testing.assert_allclose(trained.table().to_numpy(copy=True), reference.detach().numpy(),
                                rtol=1e-6, atol=1e-6, err_msg="the table at the end")
+
+
+# ------------------------------------------------------------------ on a GPU
+
+def _busy_stream_and_view(rng):
+    """A pinned OffloadedEmbedding's table on cuda, a view of it, its rows, and the current stream kept
+    busy: kernels queued now run only after a large matmul, long after the host has gone on."""
+    kernels_or_skip()  # the zero-copy kernels read and write host memory when they run
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAPACITY, storage="pinned", backend="cuda")
+    emb.table.scatter(np.arange(ROWS), table0)
+    view = emb.table.to_numpy()
+    busy = torch.randn(8192, 8192, device="cuda")
+    for _ in range(4):
+        busy = busy @ busy / 8192
+    return emb, view, table0
+
+
+@pytest.mark.gpu
+def test_a_read_of_a_viewed_table_on_a_gpu_is_done_when_it_returns(rng):
+    """A gather queued behind other work read the host rows when its kernel ran: a write through the
+    view right after the call (between a forward and its step, say) reached the rows it returned."""
+    emb, view, table0 = _busy_stream_and_view(rng)
+    ids = torch.arange(5, device="cuda")
+    out = torch.empty(5, DIM, device="cuda")
+    emb.table.gather_validated(ids, out)
+    view[:5] = rng.standard_normal((5, DIM), dtype=np.float32)  # after the read, in the caller's order
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(out.cpu().numpy(), table0[:5])
+    emb.close()
+
+
+@pytest.mark.gpu
+def test_a_write_into_a_viewed_table_on_a_gpu_has_landed_when_it_returns(rng):
+    """A scatter queued behind other work wrote the host rows when its kernel ran: the view read right
+    after the call showed the rows as before, and a write through it then was overwritten."""
+    emb, view, table0 = _busy_stream_and_view(rng)
+    new = rng.standard_normal((5, DIM), dtype=np.float32)
+    emb.table.scatter_validated(torch.arange(5, device="cuda"), torch.from_numpy(new).cuda())
+    np.testing.assert_array_equal(view[:5], new)  # read at once, without a wait of the caller's
+    later = rng.standard_normal(DIM, dtype=np.float32)
+    view[2] = later
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(emb.table.to_numpy(copy=True)[2], later)
+    emb.close()
