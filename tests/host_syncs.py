@@ -8,6 +8,9 @@ inputs are unique) and assigning a Python number through a tensor index
 (``t[index] = 1.0``: torch copies the number to the GPU with a host wait;
 ``t.index_fill_(0, index, 1.0)`` does not). Those calls look the same on the
 CPU, so counting them there shows where a GPU step would stall, in CI.
+So does ``Backend.wait_host``, a table's wait for its kernels (an event's
+synchronize on a GPU, which torch's sync debug mode does not report): the
+model counts the numpy backend's calls of it, as ``file:line wait_host``.
 
 It is a model: it knows the calls listed below. Copies between devices are
 left out, because on the numpy backend every tensor is on the CPU and a
@@ -26,6 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import speedswap
+from speedswap.backends.base import Backend
 
 #: Calls that always need a value or a size from the device.
 _SYNCING = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
@@ -74,6 +78,23 @@ class HostSyncs(TorchFunctionMode):
     @property
     def total(self) -> int:
         return sum(self.where.values())
+
+    def __enter__(self):
+        # A table's wait for its kernels is no torch call this mode sees: count it where it is made.
+        self._wait_host = Backend.wait_host
+
+        def wait_host(backend, buffer):
+            caller = self._caller()
+            if caller is not None:
+                self.where[f"{caller} wait_host"] += 1
+            return self._wait_host(backend, buffer)
+
+        Backend.wait_host = wait_host
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        Backend.wait_host = self._wait_host
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -273,3 +273,35 @@ def test_a_step_after_an_unreached_forward_waits_once(seed):
         opt.zero_grad()
         waits.append(dict(syncs.where))
     assert all(sum(w.values()) == 1 for w in waits), waits
+
+
+@pytest.mark.filterwarnings("ignore:a view of the table")  # a kept view turns the cache off: meant here
+@pytest.mark.parametrize("cache_rows", [0, NUM_ROWS // 5])
+def test_a_step_waits_for_the_tables_kernels_only_while_a_view_of_them_is_alive(cache_rows, seed):
+    """A table waits for its kernels (``Backend.wait_host``: an event's synchronize on a GPU, which
+    torch's sync debug mode does not report) after each gather and write-back while a view it handed
+    out is alive, so that reads and writes through the view are ordered after them; with none, a
+    step waits for nothing. The model counted no wait_host at all, so a wait added to a step without
+    a view would have passed here unseen."""
+    batches = zipf_batches(np.random.default_rng(seed), 4, torch.device("cpu"))
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pinned", backend="numpy",
+                                cache_rows=cache_rows)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.05)
+    emb.attach(opt)
+    counts = []
+    for step, (pos, neg, ctx) in enumerate(batches):
+        view = emb.table.to_numpy() if step % 2 else None  # every other step keeps a view
+        with HostSyncs() as forwards:
+            loss = skipgram_loss(emb(pos), emb(neg), ctx)
+        loss.backward()
+        with HostSyncs() as steps:
+            opt.step()
+        opt.zero_grad()
+        waits = [sum(n for line, n in counter.where.items() if "wait_host" in line)
+                 for counter in (forwards, steps)]
+        counts.append((view is not None, waits, dict(forwards.where), dict(steps.where)))
+        del view
+    emb.close()
+    for viewed, (forward_waits, step_waits), *where in counts:
+        # Each forward's gather, and the step's write-back of the table the view shows (not of the state).
+        assert (forward_waits, step_waits) == ((2, 1) if viewed else (0, 0)), (viewed, where)
