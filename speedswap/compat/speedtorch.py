@@ -93,7 +93,8 @@ class DataGadget(SpeedTorchFiles, CoreDataGadget):
     def getNumpyVersion(self) -> np.ndarray:
         """A copy of the data as a numpy array (SpeedTorch returned a copy).
 
-        ``to_numpy(copy=False)`` gives the zero-copy view instead.
+        ``to_numpy(copy=False)`` gives the zero-copy view of host data instead
+        (``CPUPinn=True``; device data, ``CPUPinn=False`` on a GPU, as a read-only copy).
 
         Raises:
             StateError: the gadget is closed.
