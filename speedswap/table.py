@@ -567,23 +567,27 @@ class HostTable:
 
     @property
     def viewed(self) -> bool:
-        """Whether a view a watched table (:meth:`watch_reads`) handed out may still be in use.
+        """Whether a view this table handed out may still be in use.
 
         True while an array or tensor that :meth:`to_numpy` (without
         ``copy``) or :meth:`as_tensor` returned, or anything made from it
         (a slice, ``torch.from_numpy``), is alive: reads and writes through
-        it reach the host memory directly, so an owner must keep every row's
-        current value there, and, for a view of host memory, the table's
-        writes (:meth:`scatter`, :meth:`scatter_validated`) have landed when
-        they return, a GPU's kernels included. A device table's tensor cannot
-        be followed: once handed out it counts as alive for good (its reads
-        run on a stream, after the writes, which need no wait for it).
+        it reach the host memory directly, so an owner (:meth:`watch_reads`)
+        must keep every row's current value there, and, for a view of host
+        memory, the table's writes (:meth:`scatter`, :meth:`scatter_validated`)
+        have landed when they return, a GPU's kernels included. A table no
+        owner watches follows its views too, except those of a file map
+        (the CPU writes those rows, at once) and ``as_tensor(for_reading=True)``
+        (a reader such as a feeder, whose gathers must not wait for it). A
+        watched device table's tensor cannot be followed: once handed out it
+        counts as alive for good (its reads run on a stream, after the
+        writes, which need no wait for it).
         """
         return bool(self._views) or self._device_view
 
     @property
     def views_handed_out(self) -> int:
-        """How many views a watched table (:meth:`watch_reads`) has handed out so far (see :attr:`viewed`).
+        """How many views this table has handed out so far that :attr:`viewed` follows.
 
         For an owner that keeps copies of rows elsewhere: a view handed out
         since it last looked may have written rows and be gone already, which
@@ -591,10 +595,14 @@ class HostTable:
         """
         return self._views_handed_out
 
+    def _follows(self, host: np.ndarray, for_reading: bool = False) -> bool:
+        """Whether a view of ``host`` handed out is one :attr:`viewed` follows (see there)."""
+        return self._before_read is not None or not (for_reading or isinstance(host, np.memmap))
+
     def _handed_out(self, host: np.ndarray) -> np.ndarray:
-        """``host``, as a view that :attr:`viewed` follows when an owner watches this table."""
-        if self._before_read is None:
-            return host
+        """``host``, as a view that :attr:`viewed` follows when :meth:`_follows` says so."""
+        if not self._follows(host):
+            return host  # a file map stays an np.memmap (a feeder reads its file by name)
         memory = _HandedOut(host)
         self._views.add(memory)
         self._views_handed_out += 1
@@ -658,10 +666,11 @@ class HostTable:
         if (for_reading or self._writable or not isinstance(buffer.host, np.memmap)
                 or buffer.host.mode != "r"):
             # Memory the process may write (a read-only array over ordinary memory too).
-            if self._before_read is None:
-                return buffer.tensor
             if buffer.host is None:
-                self._device_view = True  # see viewed
+                if self._before_read is not None:
+                    self._device_view = True  # see viewed
+                return buffer.tensor
+            if not self._follows(buffer.host, for_reading):
                 return buffer.tensor
             return host_tensor(self._handed_out(buffer.host), self.dtype)
         private = _copy_on_write(buffer.host)

@@ -110,6 +110,39 @@ def test_a_kept_view_shows_each_step_and_keeps_each_write_when_host_writes_land_
                                rtol=1e-6, atol=1e-6, err_msg="the table at the end")
 
 
+
+def _plain_table(rows):
+    table = ss.HostTable.from_numpy(rows, storage="pinned", backend="numpy")
+    return table, table.to_numpy, table.scatter, table.close
+
+
+def _gadget(rows):
+    gadget = ss.DataGadget(rows, storage="pinned", backend="numpy")
+    return gadget, gadget.to_numpy, lambda ids, values: gadget.put(values, ids), gadget.close
+
+
+@pytest.mark.parametrize("make", [_plain_table, _gadget], ids=["table", "gadget"])
+def test_a_view_of_a_table_no_owner_watches_shows_each_write_and_keeps_its_own(make, rng, monkeypatch):
+    """A table no embedding owns (a HostTable of one's own, a DataGadget's) followed no view: on a GPU
+    a write (scatter, put) into its pinned memory was still queued when it returned, so the view read
+    right after showed the rows as before, and a write through the view then was overwritten when
+    the kernel ran. Now its writes land before they return while a view is alive, as an owned one's."""
+    land_host_writes_late(monkeypatch)
+    expected = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    _, view_of, write, close = make(expected.copy())
+    view = view_of()
+    for _ in range(3):
+        ids = rng.choice(ROWS, size=4, replace=False)
+        expected[ids] = rng.standard_normal((4, DIM), dtype=np.float32)
+        write(ids, expected[ids])
+        np.testing.assert_array_equal(view, expected, err_msg="the view right after the write")
+        row = int(ids[0])
+        expected[row] = view[row] = rng.standard_normal(DIM, dtype=np.float32)  # over the row just written
+    del view
+    np.testing.assert_array_equal(view_of(), expected, err_msg="the rows at the end")
+    close()
+
+
 # ------------------------------------------------------------------ on a GPU
 
 def _busy_stream_and_view(rng):
@@ -153,3 +186,24 @@ def test_a_write_into_a_viewed_table_on_a_gpu_has_landed_when_it_returns(rng):
     torch.cuda.synchronize()
     np.testing.assert_array_equal(emb.table.to_numpy(copy=True)[2], later)
     emb.close()
+
+
+@pytest.mark.gpu
+def test_a_write_into_a_viewed_table_no_owner_watches_has_landed_on_a_gpu_when_it_returns(rng):
+    """As above, for a pinned HostTable of one's own: its scatter's kernel, queued behind other work,
+    left the view showing the rows as before, and overwrote a write made through the view meanwhile."""
+    kernels_or_skip()
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    table = ss.HostTable.from_numpy(table0, storage="pinned", backend="cuda")
+    view = table.to_numpy()
+    busy = torch.randn(8192, 8192, device="cuda")
+    for _ in range(4):
+        busy = busy @ busy / 8192
+    new = rng.standard_normal((5, DIM), dtype=np.float32)
+    table.scatter(torch.arange(5, device="cuda"), torch.from_numpy(new).cuda(), check_unique=False)
+    np.testing.assert_array_equal(view[:5], new)  # read at once, without a wait of the caller's
+    later = rng.standard_normal(DIM, dtype=np.float32)
+    view[2] = later
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(table.to_numpy(copy=True)[2], later)
+    table.close()
