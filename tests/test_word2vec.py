@@ -9,6 +9,7 @@ import os
 import stat
 import threading
 import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
@@ -513,6 +514,20 @@ def test_analogies_count_a_words_other_spellings_as_gensim_does(rng):
     score = evaluate.analogy_accuracy(vectors, words, questions, batch=7)
     assert (score.value, score.used) == pytest.approx(_gensim_analogy_accuracy(vectors, words, questions))
     assert evaluate.analogy_accuracy(vectors, words, questions[:2]).value == 1.0
+
+
+def test_read_only_vectors_are_scored_as_writable_ones_without_a_warning(rng):
+    """A GPU table's to_numpy() and a file opened read-only give read-only float32 arrays, which
+    torch.from_numpy warned of (it cannot refuse writes) though the scoring writes none."""
+    words = [f"w{i}" for i in range(60)]
+    vectors = rng.standard_normal((60, 8)).astype(np.float32)
+    questions = [tuple(rng.choice(words, 4)) for _ in range(100)]
+    frozen = vectors.copy()
+    frozen.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        score = evaluate.analogy_accuracy(frozen, words, questions)
+    assert (score.value, score.used) == pytest.approx(_gensim_analogy_accuracy(vectors, words, questions))
 
 @pytest.mark.parametrize("rows", [3, 6])
 def test_evaluation_refuses_vectors_without_one_row_per_word(rows, rng):

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -130,7 +131,11 @@ def read_analogies(path: os.PathLike) -> list:
 
 
 def _unit(vectors: np.ndarray) -> torch.Tensor:
-    v = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
+    with warnings.catch_warnings():
+        # Read-only vectors (a GPU table's to_numpy(), a file opened read-only) are only read
+        # here: torch's warning that it cannot refuse writes to them does not apply.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        v = torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32))
     return v / v.norm(dim=1, keepdim=True).clamp_min(1e-12)
 
 
