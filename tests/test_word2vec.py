@@ -935,3 +935,35 @@ def test_a_run_whose_loss_overflows_stops_and_says_what_to_lower():
     # The same run at word2vec's rate trains.
     result = word2vec.train(corpus, dim=8, steps=60, batch_size=2048, backend="numpy", progress=False)
     assert all(np.isfinite(loss) for _, loss in result.losses)
+
+
+@pytest.mark.parametrize("speedtorch_api", [False, True])
+def test_the_vectors_are_a_snapshot_that_leaves_the_tables_to_train_on(speedtorch_api, backend, seed, rng):
+    """The result's vectors were a live view of the centre table with OffloadedEmbedding (a copy with
+    the switchers): a view kept alive holds the device cache empty for any further training, and on a
+    GPU a device table's view is a read-only copy. Both APIs now hand out the same independent copy."""
+    corpus = synthetic_corpus(vocab=500, topics=5, tokens=10_000, seed=seed % 1000)
+    result = word2vec.train(corpus, dim=8, steps=20, batch_size=128, backend=backend, storage="pageable",
+                            seed=seed, progress=False, cache_rows=100, prefetch=True,
+                            speedtorch_api=speedtorch_api)
+    table = result.switchers[0] if speedtorch_api else result.model.centre.table
+    rows = table.to_numpy(copy=True)
+    np.testing.assert_array_equal(result.vectors, rows)
+    assert result.vectors.flags.writeable and not np.shares_memory(result.vectors, table.to_numpy())
+    if speedtorch_api:
+        return  # its model is batch-sized: training on goes through the switchers' calls
+    del table, rows
+    assert not result.model.centre.table.viewed
+    kept = result.vectors.copy()
+    centre = result.model.centre
+    hits = centre.stats()["total"]["hits"]
+    for _ in range(3):  # train on: Zipf ids, so the cache hits
+        ids = [torch.from_numpy(np.minimum(rng.zipf(1.3, shape), corpus.vocab_size) - 1)
+               for shape in ((64,), (64,), (64, 3))]
+        loss = result.model(*ids)
+        result.optimizer.zero_grad()
+        loss.backward()
+        result.optimizer.step()
+    assert centre.stats()["total"]["hits"] > hits  # the cache was not held off
+    np.testing.assert_array_equal(result.vectors, kept)
+    assert not np.array_equal(centre.table.to_numpy(copy=True), kept)

@@ -102,7 +102,9 @@ class TrainResult:
     """What :func:`train` returns.
 
     Attributes:
-        vectors: the trained centre (input) vectors, ``(vocab, dim)`` numpy.
+        vectors: the trained centre (input) vectors, ``(vocab, dim)`` numpy: a copy
+            taken when training ended (further training of ``model`` leaves it as it
+            is), in RAM beside the tables.
         losses: ``(step, mean loss per pair)`` of step 1, every 50th step after it, and the last step.
         words: corpus tokens read (before subsampling), word2vec's unit of speed.
         pairs: (centre, context) pairs trained on.
@@ -199,7 +201,9 @@ def _build_offloaded(vocab, dim, batch_size, negatives, optimizer_cls, lr, seed,
     def vectors():
         centre.flush()  # cached rows are newer than the host table's
         context.flush()
-        return centre.table.to_numpy()
+        # A copy, as the switchers' getNumpyVersion: a view kept by the result would hold the
+        # device cache empty for any further training, and a GPU table's view is a copy anyway.
+        return centre.table.to_numpy(copy=True)
 
     def prefetch(batch):
         centre.prefetch(batch.centres)
