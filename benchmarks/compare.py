@@ -49,6 +49,7 @@ BETTER = {
     "block_over_sequential_bandwidth": "higher", "block_speedup_over_random": "higher",
     # training_step.py: offloaded time / in-memory time, and throughputs over in-memory's
     "ratio": "lower", "throughput_ratio": "higher", "cached_throughput_ratio": "higher",
+    "cached_no_prefetch_throughput_ratio": "higher",
     "one_lookup_throughput_ratio": "higher", "cached_one_lookup_throughput_ratio": "higher",
     # transport.py: reference time / speedswap's, and bandwidth over the copy's
     "gather_vs_index_select": "higher", "scatter_vs_index_copy": "higher",

@@ -77,10 +77,10 @@ def _speedswap_line() -> str:
 
 def count(setup: str, args, device: torch.device) -> dict:
     """The per-step counts of one setup, over ``args.steps`` steps after ``args.warmup``."""
-    build, loss = training_step._setups()[setup]
+    build, loss, prefetch = training_step._setups()[setup]
     shape = training_step.StepShape(batch=args.batch, dim=args.dim)
     batches = training_step.zipf_batches(args.vocab, 16, device, shape)
-    step, _ = training_step._step_fn(build, args.vocab, batches, device, shape, loss)
+    step, _ = training_step._step_fn(build, args.vocab, batches, device, shape, loss, prefetch)
     for _ in range(args.warmup):
         step()
     with OpCount(by_line=args.by_line > 0) as counted:

@@ -105,7 +105,7 @@ def op_profile(step, steps, cuda):
 #: against ``offloaded``'s splits the gap to ``in_memory`` into transport and bookkeeping.
 SETUPS = {**training_step._setups(),
           "offloaded_on_device": (functools.partial(training_step.build_offloaded, gpu_storage="device"),
-                                  training_step.skipgram_loss)}
+                                  training_step.skipgram_loss, False)}
 
 
 def main(argv=None):
@@ -122,8 +122,8 @@ def main(argv=None):
     shape = training_step.StepShape(batch=args.batch, dim=args.dim)
     batches = training_step.zipf_batches(args.vocab, 16, device, shape)
     setups = {}
-    for name, (build, loss) in SETUPS.items():
-        step, _ = training_step._step_fn(build, args.vocab, batches, device, shape, loss)
+    for name, (build, loss, prefetch) in SETUPS.items():
+        step, _ = training_step._step_fn(build, args.vocab, batches, device, shape, loss, prefetch)
         for _ in range(3):  # warm-up past the first steps' allocations
             step()
         waits = host_waits(step, args.steps) if cuda else "not counted: no CUDA device"

@@ -96,6 +96,9 @@ def target_rows(record: dict) -> list:
             rows.append([f"training throughput with cache and prefetch / all-GPU, vocab {entry['vocab']:,}",
                          _goal(training_step.CACHED_TARGET), entry["cached_throughput_ratio"],
                          _met(entry["cached_throughput_ratio"], training_step.CACHED_TARGET)])
+            if "cached_no_prefetch_throughput_ratio" in entry:  # runs before 2026-11-30 had none
+                rows.append([f"the same with the cache alone, no prefetch (what prefetch costs or gains), "
+                             f"vocab {entry['vocab']:,}", "—", entry["cached_no_prefetch_throughput_ratio"], "—"])
             if "cached_one_lookup_throughput_ratio" in entry:  # runs before 2026-11-28's fourth had none
                 rows.append([f"the same with the cache, each step's ids looked up in one call (both sides), "
                              f"vocab {entry['vocab']:,}", _goal(training_step.CACHED_TARGET),
@@ -259,13 +262,15 @@ def _training_body(result: dict) -> str:
     mib = lambda n: None if n is None else n / 2**20  # noqa: E731
     rows = [[f"{e['vocab']:,}", e["in_memory"]["median_s"] * 1e3, e["offloaded"]["median_s"] * 1e3,
              e["cached"]["median_s"] * 1e3, e["throughput_ratio"], e["cached_throughput_ratio"],
+             e["cached_no_prefetch"]["median_s"] * 1e3 if "cached_no_prefetch" in e else "—",
+             e.get("cached_no_prefetch_throughput_ratio", "—"),
              "yes" if e["in_memory"]["interleaved"] else "no",
              mib(e["in_memory"]["device_bytes"]), mib(e["in_memory"]["device_peak_bytes"]),
              mib(e["offloaded"]["device_bytes"]), mib(e["offloaded"]["device_peak_bytes"])]
             for e in result["results"]]
     table = markdown_table(["vocab", "in-memory ms", "offloaded ms", "cached ms",
                             "throughput offloaded / in-memory", "throughput cached / in-memory",
-                            "interleaved", "in-memory MiB", "in-memory peak MiB", "offloaded MiB",
+                            "cached, no prefetch ms", "throughput cached, no prefetch / in-memory", "interleaved", "in-memory MiB", "in-memory peak MiB", "offloaded MiB",
                             "offloaded peak MiB"], rows)
     one_lookup = [[f"{e['vocab']:,}", e["in_memory_one_lookup"]["median_s"] * 1e3,
                    e["offloaded_one_lookup"]["median_s"] * 1e3, e["one_lookup_throughput_ratio"]]

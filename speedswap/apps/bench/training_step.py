@@ -12,6 +12,8 @@ embeddings: the work per step is that of two tables, the memory half, so a
   host memory (pinned on a GPU), ``max_rows`` = batch * (2 + negatives).
 * cached: the same with a device cache of 5% of the rows, and the next
   step's ids prefetched between this step's forward and backward.
+* cached without prefetch: the cache alone, so the two can be told apart
+  (a prefetch is a host wait of its own on a GPU).
 * in memory, offloaded and cached again, each step's three lookups
   (centers, contexts, negatives) made in one call
   (:func:`skipgram_loss_one_lookup`): the offloaded path's work per call
@@ -151,16 +153,18 @@ _ONE_LOOKUP = ("in_memory", "offloaded", "cached")
 
 
 def _setups() -> dict:
-    """``{name: (build, loss)}`` of every setup :func:`measure` times."""
-    return {**{name: (build, skipgram_loss) for name, build in _BUILDS.items()},
-            **{f"{name}_one_lookup": (_BUILDS[name], skipgram_loss_one_lookup) for name in _ONE_LOOKUP}}
+    """``{name: (build, loss, prefetch)}`` of every setup :func:`measure` times."""
+    return {**{name: (build, skipgram_loss, True) for name, build in _BUILDS.items()},
+            "cached_no_prefetch": (build_cached, skipgram_loss, False),
+            **{f"{name}_one_lookup": (_BUILDS[name], skipgram_loss_one_lookup, True) for name in _ONE_LOOKUP}}
 
 
 def _step_fn(build: Callable, vocab: int, batches: list, device: torch.device, shape: StepShape,
-             loss: Callable = skipgram_loss):
+             loss: Callable = skipgram_loss, prefetch: bool = True):
     """Build a setup and return (step function cycling through ``batches``, its device memory).
 
-    ``loss(module, center, context, negatives)`` is the step's loss.
+    ``loss(module, center, context, negatives)`` is the step's loss; with
+    ``prefetch``, a setup with a cache prefetches the next step's ids.
 
     The memory figures (None off the GPU) are torch allocator bytes added by
     building the setup and running two steps: ``device_bytes`` still held
@@ -173,7 +177,8 @@ def _step_fn(build: Callable, vocab: int, batches: list, device: torch.device, s
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
     emb, opt = build(vocab, device, shape)
-    prefetch = getattr(emb, "cache_rows", 0) > 0
+    cached = getattr(emb, "cache_rows", 0) > 0
+    prefetch = prefetch and cached
     position = [0]
 
     def step():
@@ -194,7 +199,7 @@ def _step_fn(build: Callable, vocab: int, batches: list, device: torch.device, s
         torch.cuda.synchronize(device)
         memory = {"device_bytes": torch.cuda.memory_allocated(device) - before,
                   "device_peak_bytes": torch.cuda.max_memory_allocated(device) - before}
-    if prefetch:
+    if cached:
         # A cache fills and learns which rows are hot over its first steps, each admitting
         # thousands of rows: one pass over the batches first, so the timed steps are its steady state.
         for _ in batches:
@@ -224,7 +229,8 @@ def measure(vocab: int, device: torch.device, repeats: int, shape: StepShape) ->
         (its inverse), ``cached_throughput_ratio`` (the same for the cached
         setup), ``cached_gap_ratio`` (the cached setup's throughput gap to in
         memory over the uncached one's; None when the uncached one has no
-        gap), ``one_lookup_throughput_ratio`` and
+        gap), ``cached_no_prefetch_throughput_ratio`` (the cached setup's
+        without its prefetch), ``one_lookup_throughput_ratio`` and
         ``cached_one_lookup_throughput_ratio`` (offloaded, and cached, over
         in-memory throughput, all with one lookup a step), ``load_average_before``,
         and per setup its timing summary, device memory and whether it ran
@@ -239,14 +245,14 @@ def measure(vocab: int, device: torch.device, repeats: int, shape: StepShape) ->
     timings = {}
     if interleaved:
         steps, memory = {}, {}
-        for name, (build, loss) in _setups().items():
-            steps[name], memory[name] = _step_fn(build, vocab, batches, device, shape, loss)
+        for name, (build, loss, prefetch) in _setups().items():
+            steps[name], memory[name] = _step_fn(build, vocab, batches, device, shape, loss, prefetch)
         for name, summary in time_interleaved(steps, repeats=repeats, cuda=cuda).items():
             timings[name] = {**summary, **memory[name], "interleaved": True}
         del steps
     else:
-        for name, (build, loss) in _setups().items():
-            step, memory = _step_fn(build, vocab, batches, device, shape, loss)
+        for name, (build, loss, prefetch) in _setups().items():
+            step, memory = _step_fn(build, vocab, batches, device, shape, loss, prefetch)
             timings[name] = {**time_one(step, repeats=repeats, cuda=cuda), **memory, "interleaved": False}
             del step
             gc.collect()
@@ -254,11 +260,13 @@ def measure(vocab: int, device: torch.device, repeats: int, shape: StepShape) ->
                 torch.cuda.empty_cache()
     ratio = timings["offloaded"]["median_s"] / timings["in_memory"]["median_s"]
     cached = timings["in_memory"]["median_s"] / timings["cached"]["median_s"]
+    cached_alone = timings["in_memory"]["median_s"] / timings["cached_no_prefetch"]["median_s"]
     gap = 1.0 - 1.0 / ratio
     one_lookup = {name: timings["in_memory_one_lookup"]["median_s"] / timings[f"{name}_one_lookup"]["median_s"]
                   for name in ("offloaded", "cached")}
     return {"vocab": vocab, "distinct_rows_per_step": distinct, "ratio": ratio, "throughput_ratio": 1.0 / ratio,
             "cached_throughput_ratio": cached, "cached_gap_ratio": (1.0 - cached) / gap if gap > 0 else None,
+            "cached_no_prefetch_throughput_ratio": cached_alone,
             "one_lookup_throughput_ratio": one_lookup["offloaded"],
             "cached_one_lookup_throughput_ratio": one_lookup["cached"],
             "pairs_per_s": {name: shape.batch / t["median_s"] for name, t in timings.items()},
@@ -343,6 +351,7 @@ def run(vocabs: Sequence[int], repeats: int, device: torch.device, shape: StepSh
                                       "up to where eps is added)",
                          "cached": f"offloaded, cache_rows = {CACHE_FRACTION:.0%} of the vocabulary, "
                                    f"next step's ids prefetched before backward",
+                         "cached_no_prefetch": "cached, without the prefetch",
                          "one_lookup": "in memory, offloaded and cached again, the step's centers, "
                                        "contexts and negatives looked up in one call",
                          "device_memory": "torch allocator bytes added by building the setup and "
@@ -367,6 +376,8 @@ def format_results(payload: dict) -> str:
              "cached ms": 1e3 * e["cached"]["median_s"],
              "throughput offloaded/in-memory": e["throughput_ratio"],
              "throughput cached/in-memory": e["cached_throughput_ratio"],
+             "cached, no prefetch ms": 1e3 * e["cached_no_prefetch"]["median_s"],
+             "throughput cached, no prefetch/in-memory": e["cached_no_prefetch_throughput_ratio"],
              "one lookup: in-memory ms": 1e3 * e["in_memory_one_lookup"]["median_s"],
              "one lookup: offloaded ms": 1e3 * e["offloaded_one_lookup"]["median_s"],
              "one lookup: cached ms": 1e3 * e["cached_one_lookup"]["median_s"],
