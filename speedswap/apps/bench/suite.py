@@ -109,7 +109,8 @@ class SuiteSizes:
 # 17 s, training 46 s and the feeder 40 s), last because it is the likeliest to overrun. The
 # training step has timed three setups more since (one lookup a step, in memory, offloaded
 # and cached): 85 s on the H200 (2026-11-28 evening, at 1b425ee, where transport took 20 s,
-# the feeder 32 s, and at 1ff8f53 word2vec's one round 86 s). The gpu tests, about 760
+# the feeder 32 s, and at 1ff8f53 word2vec's one round 86 s); a seventh setup since (the cache
+# without prefetch), so 100 s estimated (the most one step may take). The gpu tests, about 760
 # cases with the cuda case of every backend-parametrised test, took 162-183 s in 6
 # pytest-xdist workers; at 0b7eb58 (H200, 2026-11-29) about 1010 cases took 214 s in 7
 # (two runs: 196 s for 948, 18 s for 62), and 120 s in 6 finished half of them. They get
@@ -123,7 +124,7 @@ GPU_SIZES = SuiteSizes(transport_rows=1_000_000, transport_ids=131_072, transpor
                        feeder_rows=1_000_000, feeder_epochs=5, feeder_workers=min(8, os.cpu_count() or 1),
                        feeder_dim=1000, feeder_batch=2048, word2vec_size="demo", word2vec_rounds=1,
                        tests_timeout=240,
-                       estimates_s={"gpu tests": 200, "transport": 25, "training step": 90, "feeder": 45,
+                       estimates_s={"gpu tests": 200, "transport": 25, "training step": 100, "feeder": 45,
                                     "word2vec": 90, "beyond gpu": 100})
 DRY_RUN_SIZES = SuiteSizes(transport_rows=32_768, transport_ids=4096, transport_repeats=3,
                            training_vocabs=(5_000,), training_repeats=3,
