@@ -283,8 +283,10 @@ def test_an_installed_wheel_says_the_gpu_tests_are_not_there(tmp_path, monkeypat
     assert outcome["status"] == "skipped" and "installed wheel" in outcome["reason"]
 
 
-def _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick):
+def _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick, failing=False):
     """A checkout's tests as run_gpu_tests finds them: ``quick`` gpu tests that pass, then one that hangs.
+
+    With ``failing``, a test that fails comes before the hanging one (which waits for it too).
 
     The hanging test begins once every quick one has passed (in workers they run beside it), and
     the run's timeout counts from then: counted from the start, it was used up on a loaded machine
@@ -303,8 +305,10 @@ def _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick):
         f"import pathlib, time, pytest\n\nMARKS = pathlib.Path({str(marks)!r})\n\n"
         f"@pytest.mark.gpu\n@pytest.mark.parametrize('i', range({quick}))\ndef test_quick(i):\n"
         f"    (MARKS / f'quick{{i}}').touch()\n\n"
-        f"@pytest.mark.gpu\ndef test_hangs():\n"
-        f"    while len(list(MARKS.glob('quick*'))) < {quick}:\n        time.sleep(0.05)\n"
+        + (f"@pytest.mark.gpu\ndef test_fails():\n    (MARKS / 'quick-failed').touch()\n"
+           f"    assert sum(range(4)) == 7, 'a distinctive failure'\n\n" if failing else "")
+        + f"@pytest.mark.gpu\ndef test_hangs():\n"
+        f"    while len(list(MARKS.glob('quick*'))) < {quick + failing}:\n        time.sleep(0.05)\n"
         f"    (MARKS / 'hanging').touch()\n    time.sleep(120)\n")
     monkeypatch.setattr(gpu_tests, "find_tests", lambda: tests)
     seen = {}
@@ -334,6 +338,20 @@ def test_gpu_tests_cut_off_by_the_timeout_still_report_what_ran(tmp_path, monkey
     log = (out / "gpu-tests.log").read_text()
     assert "KeyboardInterrupt" in log and "test_hangs" in log
     assert [p.name for p in out.iterdir()] == ["gpu-tests.log"]  # the JUnit report was read, not kept
+
+
+def test_gpu_tests_cut_off_by_the_timeout_keep_the_failed_tests_tracebacks(tmp_path, monkeypatch):
+    """An interrupted pytest's log lists a failed test without its traceback: the report has it."""
+    _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick=1, failing=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    outcome = gpu_tests.run_gpu_tests(out, hide_gpu=False, timeout=5)
+    assert outcome["status"] == "failed" and (outcome["passed"], outcome["failed"]) == (1, 1)
+    assert outcome["failed_tests"] == ["tests.test_cut::test_fails"] and "failure_reports" not in outcome
+    assert outcome["failures_log"] == gpu_tests.FAILURES_LOG and gpu_tests.FAILURES_LOG in outcome["reason"]
+    report = (out / gpu_tests.FAILURES_LOG).read_text()
+    assert report.startswith("tests.test_cut::test_fails\n")
+    assert "a distinctive failure" in report and "assert sum(range(4)) == 7" in report
 
 
 @pytest.mark.parametrize("cores, xdist, workers", [(16, True, 8), (64, True, 8), (8, True, 4), (3, True, 1),

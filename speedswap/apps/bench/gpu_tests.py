@@ -28,6 +28,9 @@ GRACE_S = 15
 #: their numpy twins take under 10 s each on 2 CPU cores, so more is a hang, which must not eat
 #: the run's budget.
 TEST_TIMEOUT_S = 60
+#: Where each failed test's traceback goes, beside the log: an interrupted pytest prints none
+#: (stop 46's 54 failures on an H200 needed a second call to see why), but its report has them.
+FAILURES_LOG = "gpu-tests-failures.log"
 #: The slowest tests the log lists (pytest's --durations): what to resize when the tests overrun.
 SLOWEST_LISTED = 25
 #: CPU cores per pytest worker where pytest-xdist is installed (the GPU machines have it, and
@@ -78,20 +81,23 @@ def run_interruptibly(command: list, *, cwd: os.PathLike, env: dict, log: os.Pat
 
 
 def read_junit(path: os.PathLike) -> dict:
-    """Counts and the failed tests' names from a pytest ``--junitxml`` report.
+    """Counts, and the failed tests' names and tracebacks, from a pytest ``--junitxml`` report.
 
     Returns:
         ``{"tests", "passed", "failed", "errors", "skipped", "seconds", "failed_tests",
-        "skip_reasons"}``.
+        "failure_reports", "skip_reasons"}``; a failure report is the test's name, its
+        failure's message and its traceback, one per line block.
     """
     root = ElementTree.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
-    failed, reasons = [], set()
+    failed, reports, reasons = [], [], set()
     for case in root.iter("testcase"):
         name = f"{case.get('classname')}::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
-            failed.append(name)
+        for failure in (*case.iter("failure"), *case.iter("error")):
+            if name not in failed:
+                failed.append(name)
+            reports.append(f"{name}\n{failure.get('message', '')}\n{(failure.text or '').strip()}")
         skipped = case.find("skipped")
         if skipped is not None:
             reasons.add(skipped.get("message", ""))
@@ -99,7 +105,7 @@ def read_junit(path: os.PathLike) -> dict:
             "skipped": counts["skipped"],
             "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
             "seconds": sum(float(s.get("time", 0)) for s in suites),
-            "failed_tests": failed, "skip_reasons": sorted(reasons)}
+            "failed_tests": failed, "failure_reports": reports, "skip_reasons": sorted(reasons)}
 
 
 def run_gpu_tests(out_dir: os.PathLike, *, hide_gpu: bool, timeout: float) -> dict:
@@ -108,7 +114,9 @@ def run_gpu_tests(out_dir: os.PathLike, *, hide_gpu: bool, timeout: float) -> di
     The subprocess imports the checkout's own package (its root goes first on
     ``PYTHONPATH``), so the tests check the code that is being benchmarked.
     pytest's JUnit report is read into the result and not kept: the log
-    (verbose, with the slowest tests listed) is the one file this writes.
+    (verbose, with the slowest tests listed) is the file this writes, and
+    :data:`FAILURES_LOG` beside it when tests failed (each one's traceback,
+    from the report: an interrupted run's log has none).
 
     Args:
         out_dir: where ``gpu-tests.log`` is written.
@@ -156,7 +164,7 @@ def pytest_command(tests: os.PathLike, xml: os.PathLike, *, cores: int, xdist: b
         OptionError: ``workers`` is not a positive whole number, or asks for
             more than one without pytest-xdist.
     """
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", str(tests), "-v", "-rs",
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", str(tests), "-v", "-rs", "--tb=short",
                "-p", "no:cacheprovider", f"--durations={SLOWEST_LISTED}", f"--junitxml={xml}"]
     if workers is None:
         workers = min(MAX_WORKERS, cores // CORES_PER_WORKER) if xdist else 1
@@ -220,6 +228,11 @@ def _run(tests: Path, log: Path, xml: Path, *, hide_gpu: bool, timeout: float) -
         why = timed_out if interrupted else f"pytest exited {returncode} without a report"
         return {**result, "status": "failed", "reason": f"{why} (see {log.name})"}
     counts = read_junit(xml)
+    reports = counts.pop("failure_reports")
+    failures = f"; tracebacks in {FAILURES_LOG}" if reports else ""
+    if reports:
+        (log.parent / FAILURES_LOG).write_text("\n\n".join(reports) + "\n")
+        result["failures_log"] = FAILURES_LOG
     # pytest exits 0 (all passed or skipped), 1 (failures) or 5 (no gpu tests collected).
     passed = returncode in (0, 5) and not counts["failed"] and not counts["errors"] and not interrupted
     status, reason = ("ran", None) if passed else ("failed", None)
@@ -227,9 +240,9 @@ def _run(tests: Path, log: Path, xml: Path, *, hide_gpu: bool, timeout: float) -
         running = ("the log's last test line names the one that was running" if workers == 1 else
                    f"the log lists the tests {workers} workers finished")
         reason = (f"{timed_out} and interrupted: the counts are of the tests that ran until then; "
-                  f"{running} (see {log.name})")
+                  f"{running} (see {log.name}{failures})")
     elif not passed:
-        reason = f"{counts['failed']} failed, {counts['errors']} errors (see {log.name})"
+        reason = f"{counts['failed']} failed, {counts['errors']} errors (see {log.name}{failures})"
     elif hide_gpu:
         reason = "dry run: CUDA hidden from the tests, so every gpu test reports skipped"
     return {**result, **counts, "status": status, "reason": reason}
