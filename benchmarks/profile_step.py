@@ -13,7 +13,12 @@ CPU: the offloaded setup again), after warm-up:
 * **ops**: ``torch.profiler`` over the same number of steps, the ops with the
   most self time (device time on a GPU, CPU time on a CPU), and on a GPU the
   kernels' busy time against the step's wall time (a step that leaves the GPU
-  idle most of its time is bound by the host: launches and waits).
+  idle most of its time is bound by the host: launches and waits);
+* **host time** by speedswap function: ``cProfile`` over the same number of
+  steps, the functions of speedswap with the most cumulative time a step
+  (the torch ops they call and the host waits inside those count in them),
+  and the Python calls a step: where a host-bound step's time goes, which
+  the op table (time inside ops only) does not say.
 
 Usage:
     python benchmarks/profile_step.py [--vocab 1000000] [--steps 10] [--out DIR]
@@ -25,8 +30,10 @@ prints the tables. On a lent GPU machine, after ``bench --all``:
 
 import argparse
 import collections
+import cProfile
 import functools
 import os
+import pstats
 import time
 import traceback
 import warnings
@@ -41,14 +48,19 @@ from speedswap.apps.bench.timing import write_json
 PACKAGE = os.path.dirname(training_step.ss.__file__) + os.sep
 HERE = os.path.abspath(__file__)
 TOP_OPS = 25
+TOP_FUNCTIONS = 20
+
+
+def _line(filename, lineno, function):
+    """``speedswap/file.py:line (function)``."""
+    return f"{os.path.relpath(filename, os.path.dirname(PACKAGE.rstrip(os.sep)))}:{lineno} ({function})"
 
 
 def _where(stack):
     """``file:line (function)`` of the innermost frame of speedswap's code (or this script's)."""
     for frame in reversed(stack):
         if frame.filename.startswith(PACKAGE) or frame.filename == HERE:
-            name = os.path.relpath(frame.filename, os.path.dirname(PACKAGE.rstrip(os.sep)))
-            return f"{name}:{frame.lineno} ({frame.name})"
+            return _line(frame.filename, frame.lineno, frame.name)
     return "outside speedswap"
 
 
@@ -73,6 +85,30 @@ def host_waits(step, steps):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return {where: count / steps for where, count in found.most_common()}
+
+
+def host_time(step, steps, cuda):
+    """speedswap's functions with the most cumulative host time over ``steps`` steps (cProfile), per step.
+
+    cProfile slows every Python call a little, so the times are larger than
+    unprofiled ones; their shares say where a host-bound step spends itself.
+    """
+    profiler = cProfile.Profile()
+    if cuda:
+        torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, function): (primitive calls, calls, self s, cum s, callers)}
+    rows = [{"function": _line(*where), "calls_per_step": calls / steps, "cum_ms_per_step": 1e3 * cum / steps,
+             "self_ms_per_step": 1e3 * own / steps}
+            for where, (_, calls, own, cum, _) in stats.items() if where[0].startswith(PACKAGE)]
+    rows.sort(key=lambda row: row["cum_ms_per_step"], reverse=True)
+    return {"python_calls_per_step": sum(entry[1] for entry in stats.values()) / steps,
+            "functions": rows[:TOP_FUNCTIONS]}
 
 
 def op_profile(step, steps, cuda):
@@ -127,7 +163,8 @@ def main(argv=None):
         for _ in range(3):  # warm-up past the first steps' allocations
             step()
         waits = host_waits(step, args.steps) if cuda else "not counted: no CUDA device"
-        setups[name] = {"host_waits_per_step": waits, **op_profile(step, args.steps, cuda)}
+        setups[name] = {"host_waits_per_step": waits, **op_profile(step, args.steps, cuda),
+                        "host_time": host_time(step, args.steps, cuda)}
         del step
         if cuda:
             torch.cuda.empty_cache()
@@ -139,6 +176,10 @@ def main(argv=None):
         if isinstance(waits, dict):
             print("host waits per step: " + (", ".join(f"{w:g} at {where}" for where, w in waits.items()) or "none"))
         print(common.format_table(result["ops"], ["op", "calls_per_step", "self_ms_per_step", "cpu_ms_per_step"]))
+        host = result["host_time"]
+        print(f"host time by speedswap function (cProfile; {host['python_calls_per_step']:.0f} Python calls a step):")
+        print(common.format_table(host["functions"], ["function", "calls_per_step", "cum_ms_per_step",
+                                                      "self_ms_per_step"]))
     path = write_json(args.out / f"profile_step-{'gpu' if cuda else 'cpu'}.json", "profile_step", {
         "setup": {"vocab": args.vocab, "steps": args.steps, "batch": shape.batch, "negatives": shape.negatives,
                   "dim": shape.dim, "optimizer": "Adam", "device": str(device),
