@@ -127,3 +127,40 @@ def test_a_closed_switcher_refuses_before_anything_changes(backend, rng, tmp_pat
     with pytest.raises(ss.StateError, match=r"OptimizerFactory\.load\(\)"):
         o.load(tmp_path / "missing.h5")
     assert not list(tmp_path.iterdir())
+
+
+def test_every_public_call_of_a_replaced_switcher_says_it_was_replaced(backend, rng, tmp_path):
+    """Only the steps of a switcher replaced by a newer one of the embedding refused: its initialisers,
+    saves, loads, copies, ``table``, ``stats`` and ``flush`` went on over its own table, which no
+    longer trains, so an initialisation or a save through it missed the table training."""
+    model, opt, old_u, old_o, ids, next_ids = _switchers(rng, backend)
+    u = ss.ModelFactory(model, ROWS, DIM, backend=backend)
+    o = ss.OptimizerFactory(opt, ROWS, DIM, torch.nn.ModuleDict({"e": model}), "e", backend=backend)
+    table = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table)))
+
+    def refused(obj, name, *args):
+        cls = type(obj).__name__
+        with pytest.raises(ss.StateError, match=rf"^{cls}\.{name}\b.* was replaced by a newer {cls} "
+                                                rf"of the same embedding; use the newer one") as info:
+            member = getattr(obj, name)
+            member(*args)
+        assert isinstance(info.value, RuntimeError)
+
+    _session(old_u, old_o, None, None, ids, next_ids, tmp_path, refused)
+    assert not list(tmp_path.iterdir())  # no save went through
+    np.testing.assert_array_equal(u.getNumpyVersion(), table)  # no initialiser or load reached it
+    old_u.close()  # releasing what a replaced switcher holds still works
+    old_o.close()
+    local = u.before_forward(ids)  # the newer ones train on
+    o.before_forward(ids)
+    model(local).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    u.after_step(ids)
+    o.after_step(ids)
+    trained = u.getNumpyVersion()
+    touched = np.unique(ids.cpu().numpy())
+    untouched = np.setdiff1d(np.arange(ROWS), touched)
+    np.testing.assert_array_equal(trained[untouched], table[untouched])
+    assert (trained[touched] != table[touched]).all(axis=1).all()

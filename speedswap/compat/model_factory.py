@@ -349,7 +349,6 @@ class ModelFactory(Switcher):
             StateError: a closed or replaced switcher, or a call on another
                 thread than the training one (nothing changes).
         """
-        self._check_member()
         return self._steps.prefetch(pos, neg)
 
     # ------------------------------------------------------------ whole table
@@ -488,8 +487,7 @@ class ModelFactory(Switcher):
                 the step's rows in place: ``max_norm``) until after_step (see
                 :meth:`SharedSteps.tables_behind`).
         """
-        if self._is_member():
-            self._steps.hand_out("ModelFactory.table")
+        self._steps.hand_out("ModelFactory.table")
         return self._table
 
     def _prepare_table_write(self):
@@ -533,12 +531,11 @@ class ModelFactory(Switcher):
         """
         copy = bool_option(copy, "copy", hint=" (an independent copy; False: the table's own memory)")
         if not copy:
-            if self._is_member():
-                self._steps.hand_out("to_numpy(copy=False)")
+            self._steps.hand_out("to_numpy(copy=False)")
             return self._table.to_numpy()
         self.flush()
         array = self._table.owner_copy()  # after optimizer.step() the table's to_numpy refuses
-        in_step = self._steps.rows_in_step() if self._is_member() else None
+        in_step = self._steps.rows_in_step()
         if in_step is not None:
             rows, values = in_step
             host_tensor(array, self._table.dtype)[rows.cpu()] = values.cpu()
@@ -637,8 +634,7 @@ class ModelFactory(Switcher):
         Raises:
             StateError: from ``optimizer.step()`` until :meth:`after_step` (as :attr:`table`).
         """
-        if self._is_member():
-            self._steps.hand_out("getTorchVar")
+        self._steps.hand_out("getTorchVar")
         return self._table.as_tensor()
 
     def getCupyVar(self):

@@ -287,8 +287,7 @@ class OptimizerFactory(Switcher):
             StateError: from ``optimizer.step()`` until that after_step (see
                 :meth:`SharedSteps.tables_behind`).
         """
-        if self._is_member():
-            self._steps.hand_out("OptimizerFactory.state")
+        self._steps.hand_out("OptimizerFactory.state")
         return self._state
 
     def init_state(self):

@@ -175,8 +175,10 @@ class SharedSteps:
     def join(self, switcher, kind: str, cache_rows: int, tables) -> weakref.finalize:
         """Make ``switcher`` the parameter's switcher of ``kind``: the last act of its constructor.
 
-        A switcher of the same kind built earlier is replaced (its steps raise
-        from now on). The cache is rebuilt over the members' tables.
+        A switcher of the same kind built earlier is replaced: every call of
+        it but ``close()`` raises from now on (see
+        :class:`~speedswap.compat.switcher.Switcher`). The cache is rebuilt
+        over the members' tables.
 
         Args:
             switcher: the ModelFactory or OptimizerFactory.

@@ -3,7 +3,6 @@
 See :mod:`speedswap.compat.model_factory` and :mod:`speedswap.compat.optimizer_factory`.
 """
 
-import contextlib
 import functools
 import inspect
 
@@ -12,7 +11,6 @@ import torch
 
 from ..convert import int_option, torch_dtype
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
-from ..train.caching import idle_stats
 from .steps import steps_for
 
 __all__ = ["Switcher", "SpeedTorchFiles", "storage_of", "device_of", "weight_of"]
@@ -104,27 +102,34 @@ class SpeedTorchFiles:
         return self.load(loadFileName)
 
 
-def _refused_once_closed(name, member):
-    """``member``, a public method or property of a switcher, raising before it runs once the switcher is closed."""
+def _refused_unless_serving(name, member):
+    """``member``, a public method or property of a switcher, raising before it runs once the switcher
+    is closed or replaced by a newer one of the embedding."""
     if isinstance(member, property):
-        return property(_refused_once_closed(name, member.fget), doc=member.__doc__)
+        return property(_refused_unless_serving(name, member.fget), doc=member.__doc__)
 
     @functools.wraps(member)
     def checked(self, *args, **kwargs):
         if self._closed:
             self._refuse_closed(name)
+        if not self._is_member():
+            self._refuse_replaced(name)
         return member(self, *args, **kwargs)
 
-    checked.refused_once_closed = True
+    checked.refused_unless_serving = True
     return checked
 
 
 class Switcher(SpeedTorchFiles):
     """What both switchers share: the parameter, the shared step and cache, the step protocol.
 
-    Once :meth:`close` ran, every public method and property of a switcher
+    Once :meth:`close` ran, or a newer switcher of the same kind was built
+    for the embedding (which replaces this one: it serves the embedding's
+    table from then on), every public method and property of a switcher
     class raises :class:`~speedswap.StateError` before it runs, naming the
-    call and how to go on (see :meth:`__init_subclass__`).
+    call and how to go on (see :meth:`__init_subclass__`). ``close()``
+    itself always works, a replaced switcher's too: it releases what the
+    switcher holds.
     """
 
     _kind = None  # MODEL or OPTIMIZER: the switcher's part in the shared step
@@ -133,21 +138,29 @@ class Switcher(SpeedTorchFiles):
     _closed = False  # set by close()
 
     def __init_subclass__(cls, **kwargs):
-        """Make every public method and property of ``cls`` (``close`` aside) refuse a closed switcher.
+        """Make every public method and property of ``cls`` (``close`` aside) refuse a closed or replaced switcher.
 
         One check for them all, the inherited ones (``saveCupy``,
         ``beforeForwardPass``, ...) included, so that the refusal names the
         call the user made, not the table's "HostTable is closed" from
-        whichever call reached it first, or nothing from calls that read no table.
+        whichever call reached it first, or nothing from calls that read no
+        table. A replaced switcher's own table no longer trains: an
+        initialiser, a load or a save through it would miss the table that
+        does, silently.
         """
         super().__init_subclass__(**kwargs)
         for name in dir(cls):
             member = inspect.getattr_static(cls, name)
             if name.startswith("_") or name == "close" or getattr(
-                    getattr(member, "fget", member), "refused_once_closed", False):
+                    getattr(member, "fget", member), "refused_unless_serving", False):
                 continue
             if inspect.isfunction(member) or isinstance(member, property):
-                setattr(cls, name, _refused_once_closed(name, member))
+                setattr(cls, name, _refused_unless_serving(name, member))
+
+    def _call_name(self, name):
+        """``name`` as the refusals name the call: ``ModelFactory.save()``, ``ModelFactory.table``."""
+        call = name + ("" if isinstance(inspect.getattr_static(type(self), name), property) else "()")
+        return f"{type(self).__name__}.{call}"
 
     def _refuse_closed(self, name):
         """Raise the refusal of ``name``, a method or property, on a closed switcher.
@@ -156,10 +169,20 @@ class Switcher(SpeedTorchFiles):
             StateError: always.
         """
         cls = type(self).__name__
-        call = name + ("" if isinstance(inspect.getattr_static(type(self), name), property) else "()")
-        raise StateError(f"{cls}.{call}: this {cls} was closed (close() released its "
+        raise StateError(f"{self._call_name(name)}: this {cls} was closed (close() released its "
                          f"{self._after_close[0]}) and serves the embedding no more; build a new "
                          f"{cls} {self._after_close[1]}")
+
+    def _refuse_replaced(self, name):
+        """Raise the refusal of ``name``, a method or property, on a switcher replaced by a newer one.
+
+        Raises:
+            StateError: always.
+        """
+        cls = type(self).__name__
+        raise StateError(f"{self._call_name(name)}: this {cls} was replaced by a newer {cls} of the "
+                         f"same embedding; use the newer one (close() this one to release its "
+                         f"{self._after_close[0]})")
 
     def __init__(self, param, total_classes, embed_dimension, dtype, cache_rows, find_param=None):
         _refuse_process_group(type(self).__name__)
@@ -199,14 +222,8 @@ class Switcher(SpeedTorchFiles):
     def _is_member(self):
         return self._steps.is_member(self, self._kind)
 
-    def _check_member(self):
-        if not self._is_member():
-            name = type(self).__name__
-            raise StateError(f"this {name} was replaced by a newer {name} of the same "
-                             f"embedding; use the newer one")
-
     def _check_step_start(self):
-        """Refuse to begin a step: a replaced switcher, or several ranks.
+        """Refuse to begin a step over several ranks.
 
         The ranks are checked at every step, not only when the switcher is
         built: one built before ``init_process_group`` would train a table per
@@ -214,10 +231,8 @@ class Switcher(SpeedTorchFiles):
         rows, whose gradients DDP would average.
 
         Raises:
-            StateError: replaced by a newer switcher of the embedding.
             OptionError: ``torch.distributed`` runs several ranks.
         """
-        self._check_member()
         _refuse_process_group(type(self).__name__)
 
     def _check_device(self, table):
@@ -254,7 +269,7 @@ class Switcher(SpeedTorchFiles):
         return data
 
     def _check_idle(self, what):
-        if self._is_member() and self._steps.busy():
+        if self._steps.busy():
             raise StateError(f"{what} between before_forward and after_step would be undone by "
                              f"after_step; call it between steps")
 
@@ -268,8 +283,7 @@ class Switcher(SpeedTorchFiles):
             StateError: the tables are behind the step (:meth:`SharedSteps.refuse_stale`);
                 nothing is written.
         """
-        if self._is_member():
-            self._steps.refuse_stale("a save")
+        self._steps.refuse_stale("a save")
 
     def _rewriting(self, what):
         """A context for ``what``, which replaces host rows or state: flush before, invalidate after.
@@ -278,7 +292,7 @@ class Switcher(SpeedTorchFiles):
             StateError: in the middle of a step.
         """
         self._check_idle(what)
-        return self._steps.rewriting() if self._is_member() else contextlib.nullcontext()
+        return self._steps.rewriting()
 
     def _prepare_table_read(self):
         """Make a read of a table through any reference to it see every row as trained, or refuse it.
@@ -310,8 +324,7 @@ class Switcher(SpeedTorchFiles):
         ``load``, the initialisers, ``table`` and ``state``, ...) do this
         themselves. Without a cache (``cache_rows=0``) the tables are always current.
         """
-        if self._is_member():
-            self._steps.flush()
+        self._steps.flush()
 
     def stats(self) -> dict:
         """The device cache's transport counters, shared by both switchers of the embedding.
@@ -324,10 +337,9 @@ class Switcher(SpeedTorchFiles):
             parameter, not the cache. All zero for a lone OptimizerFactory
             (no table, no cache).
         """
-        return self._steps.stats(self.cache_rows) if self._is_member() else idle_stats(self.cache_rows)
+        return self._steps.stats(self.cache_rows)
 
     def _finish(self, pos, neg):
-        self._check_member()
         step = self._steps.match(pos, neg, type(self).__name__)
         if self._gathered is not step:
             raise StateError(f"{type(self).__name__}.after_step without a matching "
