@@ -590,6 +590,28 @@ def test_other_nn_embedding_and_bag_arguments_are_refused_saying_what_to_do_inst
     assert torch.equal(torch.get_rng_state(), generator)
 
 
+@pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
+@pytest.mark.parametrize("max_rows", [{"max_rows": 4}, {}])
+def test_nn_embeddings_positional_padding_idx_is_refused_saying_to_pass_it_by_keyword(cls, max_rows, rng,
+                                                                                      tmp_path):
+    """``cls(n, d, 0)``, nn.Embedding's padding_idx by position, raised Python's bare TypeError (takes 3
+    positional arguments but 4 were given, or a missing max_rows), naming neither what the 0 would be
+    read as nor what to write instead."""
+    padding_idx = int(rng.integers(0, 10))
+    generator = torch.get_rng_state()
+    with pytest.raises(ss.DTypeError, match=rf"by position.*nn\.Embedding.*padding_idx={padding_idx}.*"
+                                            rf"by keyword.*max_rows=") as refused:
+        cls(10, 3, padding_idx, storage="mmap", path=tmp_path / "emb", backend="numpy", **max_rows)
+    assert isinstance(refused.value, TypeError)  # as Python's, for code that catches that
+    assert not (tmp_path / "emb").exists()  # nothing was built: no table file, no random rows drawn
+    assert torch.equal(torch.get_rng_state(), generator)
+    with pytest.raises(ss.OptionError, match=r"max_rows must be a positive int, got None"):
+        cls(10, 3, storage="mmap", path=tmp_path / "emb", backend="numpy", padding_idx=padding_idx)
+    assert not (tmp_path / "emb").exists()
+    emb = cls(10, 3, padding_idx=padding_idx, max_rows=4, backend="numpy").eval()  # the keyword way works
+    np.testing.assert_array_equal(emb(torch.tensor([padding_idx])).detach().numpy(), np.zeros((1, 3)))
+
+
 @pytest.mark.parametrize("source", ["array", "tensor", "npy"])
 def test_from_pretrained_starts_from_the_rows_and_trains_like_nn_embedding(rng, tmp_path, source):
     rows = rng.standard_normal((60, 5)).astype(np.float32)

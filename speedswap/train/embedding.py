@@ -33,7 +33,7 @@ from .module_state import (check_tables_state, copy_tables, missing_hint, note_l
                            tables_state, unpicklable)
 from .one_optimizer import claim
 from .options import (embedding_dtype, embedding_flags, forward_ids, outside_function_transforms, padding_option,
-                      refuse_bag_arguments, refuse_max_norm, refuse_other_keywords)
+                      refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
                         take_assigned)
@@ -90,7 +90,8 @@ class OffloadedEmbedding(RefusesConversion):
         num_embeddings: rows of the table.
         embedding_dim: row length.
         max_rows: the working set's capacity: the most distinct rows one step
-            may touch. More than ``num_embeddings`` is taken as ``num_embeddings``.
+            may touch (required). More than ``num_embeddings`` is taken as
+            ``num_embeddings``.
         storage: where the table (and optimizer state) lives: ``pinned``,
             ``mapped``, ``pageable``, ``mmap`` (files in the directory ``path``)
             or ``device``.
@@ -126,17 +127,22 @@ class OffloadedEmbedding(RefusesConversion):
             the rows it looks up in place, in eval forwards too, a write that
             the offloaded table does not make.
         norm_type: ``nn.Embedding``'s, for ``max_norm``; only the default.
+        *positional: refused, saying which keywords ``nn.Embedding`` reads
+            them as: every argument but the two sizes is taken by keyword
+            (``nn.Embedding(n, d, 0)``'s 0 is its ``padding_idx``, where a
+            third argument here might as well be meant as ``max_rows``).
         **others: refused, saying what to do instead: ``nn.Embedding``'s
             ``_weight`` and ``_freeze`` (:meth:`from_pretrained`),
             ``nn.EmbeddingBag``'s ``mode``, ``include_last_offset`` and
             ``per_sample_weights`` (README's pooled-lookup recipe).
 
     Raises:
-        OptionError: bad sizes, padding_idx or storage; ``max_norm`` or
-            ``norm_type`` given; ``scale_grad_by_freq``, ``sparse`` or
-            ``overwrite`` that is not a bool.
+        OptionError: bad sizes (no ``max_rows``), padding_idx or storage;
+            ``max_norm`` or ``norm_type`` given; ``scale_grad_by_freq``,
+            ``sparse`` or ``overwrite`` that is not a bool.
         DTypeError: a dtype that is not floating point; a keyword argument
-            it does not take (a ``TypeError``, as Python's). Nothing is built.
+            it does not take, or a third positional one (a ``TypeError``, as
+            Python's). Nothing is built.
         PathError: ``mmap`` files exist in ``path`` (without ``overwrite``).
 
     The embedding holds host (pinned) memory until :meth:`close` or until it
@@ -149,14 +155,14 @@ class OffloadedEmbedding(RefusesConversion):
         else:
             super().__setattr__(name, value)
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
+    def __init__(self, num_embeddings: int, embedding_dim: int, *positional, max_rows: Optional[int] = None,
                  storage: str = "pinned", dtype: Optional[torch.dtype] = None,
                  padding_idx: int = None, backend: BackendLike = "auto", path=None,
                  device: DeviceLike = None, overwrite: bool = False, cache_rows: int = 0,
                  scale_grad_by_freq: bool = False, sparse: bool = False, max_norm: float = None,
                  norm_type: float = 2.0, _initialise: bool = True, **others):
         super().__init__()
-        refuse_other_keywords(type(self).__name__, OffloadedEmbedding.__init__, others, {
+        refuse_other_arguments(type(self).__name__, OffloadedEmbedding.__init__, positional, others, {
             "_weight": "start the table from those rows with OffloadedEmbedding.from_pretrained(weight, "
                        "freeze=False, max_rows=...)",
             "_freeze": "OffloadedEmbedding.from_pretrained(weight, freeze=True, max_rows=...) builds a "

@@ -2,7 +2,7 @@
 
 import contextlib
 import inspect
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -10,7 +10,7 @@ import torch
 from ..convert import bool_option, int_option, torch_dtype
 from ..errors import DTypeError, OptionError
 
-__all__ = ["padding_option", "embedding_dtype", "embedding_flags", "refuse_max_norm", "refuse_other_keywords",
+__all__ = ["padding_option", "embedding_dtype", "embedding_flags", "refuse_max_norm", "refuse_other_arguments",
            "forward_ids", "refuse_bag_arguments", "outside_function_transforms"]
 
 _POOLING = ("it looks rows up and pools none: look a step's flat ids up in one call and pool the rows per "
@@ -96,32 +96,50 @@ def refuse_max_norm(cls: str, max_norm, norm_type, advice: str) -> None:
             f"clip the rows yourself between steps ({advice}) or leave max_norm out")
 
 
-def refuse_other_keywords(cls: str, init: Callable, others: Mapping, instead: Mapping[str, str]) -> None:
-    """Refuse the keyword arguments an embedding's constructor collected and does not take.
+def refuse_other_arguments(cls: str, init: Callable, positional: Sequence, others: Mapping,
+                           instead: Mapping[str, str]) -> None:
+    """Refuse the arguments an embedding's constructor collected and does not take.
 
     Code moved over from ``nn.Embedding`` or ``nn.EmbeddingBag`` passes
-    theirs (``_weight``, ``_freeze``, ``mode``, ...), for which Python's
-    ``TypeError`` names one and says nothing of what to do instead.
+    theirs: ``nn.Embedding``'s options by position (``padding_idx`` third),
+    where an offloaded embedding takes all but the two sizes by keyword (a
+    third positional argument could mean ``nn.Embedding``'s ``padding_idx``
+    or the offloaded one's ``max_rows``, so none is guessed at), or keywords
+    it does not take (``_weight``, ``_freeze``, ``mode``, ...). Python's
+    ``TypeError`` for either names one argument and says nothing of what to
+    do instead.
 
     Args:
         cls: the embedding class, for the message.
-        init: its ``__init__``, whose keyword arguments the message lists as the ones it takes.
-        others: the keyword arguments it collected (``**others``); none: nothing is refused.
+        init: its ``__init__``, whose arguments the message lists as the ones it takes.
+        positional: the positional arguments it collected after ``embedding_dim`` (``*positional``).
+        others: the keyword arguments it collected (``**others``); neither: nothing is refused.
         instead: what to do instead of ``_weight`` and ``_freeze`` for that class.
 
     Raises:
-        DTypeError: any given (a ``TypeError``, as Python's for an unexpected keyword).
+        DTypeError: any given (a ``TypeError``, as Python's for an unexpected argument).
     """
-    if not others:
+    if not positional and not others:
         return
-    advice, told = {**_BAG_INSTEAD, **instead}, {}
-    for name in others:  # one piece of advice for the arguments it answers
-        told.setdefault(advice.get(name, "no such argument (check its spelling)"), []).append(f"{name}=")
-    told = "; ".join(f"{' and '.join(names)}: {why}" for why, names in told.items())
+    refusals = []
+    if positional:
+        # What nn.Embedding, whose code passes them, reads them as: the keywords to write instead.
+        names = list(inspect.signature(torch.nn.Embedding.__init__).parameters)[3:]
+        read_as = ", ".join(f"{name}={value!r}" for name, value in zip(names, positional))
+        refusals.append(f"{cls} takes num_embeddings and embedding_dim by position and every other argument "
+                        f"by keyword, but got {len(positional)} more by position "
+                        f"({', '.join(map(repr, positional))}), which nn.Embedding reads as {read_as}: "
+                        f"pass {'it' if len(positional) == 1 else 'them'} by keyword, with max_rows= "
+                        f"(the most distinct rows one step may touch)")
+    if others:
+        advice, told = {**_BAG_INSTEAD, **instead}, {}
+        for name in others:  # one piece of advice for the arguments it answers
+            told.setdefault(advice.get(name, "no such argument (check its spelling)"), []).append(f"{name}=")
+        told = "; ".join(f"{' and '.join(names)}: {why}" for why, names in told.items())
+        refusals.append(f"{cls} does not take {', '.join(f'{name}=' for name in others)}. {told}")
     taken = [name for name, p in inspect.signature(init).parameters.items()
-             if name != "self" and not name.startswith("_") and p.kind is not p.VAR_KEYWORD]
-    raise DTypeError(f"{cls} does not take {', '.join(f'{name}=' for name in others)}. {told}. It takes "
-                     f"{', '.join(taken)}; nothing was built")
+             if name != "self" and not name.startswith("_") and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    raise DTypeError(f"{'. '.join(refusals)}. It takes {', '.join(taken)}; nothing was built")
 
 
 def forward_ids(input, ids):

@@ -47,7 +47,7 @@ from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import (embedding_dtype, embedding_flags, forward_ids, outside_function_transforms, padding_option,
-                      refuse_bag_arguments, refuse_max_norm, refuse_other_keywords)
+                      refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
 from .step_hooks import StepHooks
@@ -119,7 +119,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     Args:
         num_embeddings: rows of the whole table (at least the world size).
         embedding_dim: row length.
-        max_rows: the most distinct rows *this rank* looks up in one step.
+        max_rows: the most distinct rows *this rank* looks up in one step (required).
         process_group: the ranks sharing the table; None is the default
             group, or a single rank when ``torch.distributed`` is not initialised.
         storage: where this rank's rows and optimizer state live (as for
@@ -153,27 +153,30 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             the rows it looks up in place, in eval forwards too, a write that
             the offloaded table does not make.
         norm_type: ``nn.Embedding``'s, for ``max_norm``; only the default.
+        *positional: refused, saying which keywords ``nn.Embedding`` reads
+            them as: every argument but the two sizes is taken by keyword.
         **others: refused, saying what to do instead: ``nn.Embedding``'s
             ``_weight`` and ``_freeze``, ``nn.EmbeddingBag``'s ``mode``,
             ``include_last_offset`` and ``per_sample_weights``.
 
     Raises:
-        OptionError: bad sizes, storage or ``padding_idx``, fewer rows than
+        OptionError: bad sizes (no ``max_rows``), storage or ``padding_idx``, fewer rows than
             ranks, a ``cache_rows``; ``max_norm`` or ``norm_type`` given; a
             ``scale_grad_by_freq`` or ``sparse`` that is not a bool; a
             ``process_group`` this process is not a member of.
         DTypeError: a dtype that is not floating point; a keyword argument
-            it does not take (a ``TypeError``, as Python's). Nothing is built.
+            it does not take, or a third positional one (a ``TypeError``, as
+            Python's). Nothing is built.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, max_rows: int,
+    def __init__(self, num_embeddings: int, embedding_dim: int, *positional, max_rows: Optional[int] = None,
                  process_group=None, storage: str = "pinned", dtype: Optional[torch.dtype] = None,
                  backend: BackendLike = "auto", path=None, device: DeviceLike = None,
                  cache_rows: int = 0, padding_idx: Optional[int] = None,
                  scale_grad_by_freq: bool = False, sparse: bool = False,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, **others):
         super().__init__()
-        refuse_other_keywords(type(self).__name__, ShardedOffloadedEmbedding.__init__, others, {
+        refuse_other_arguments(type(self).__name__, ShardedOffloadedEmbedding.__init__, positional, others, {
             "_weight": "write this rank's rows into the table on every rank (emb.table.apply_(lambda t: "
                        "t.copy_(weight[emb.row_range.start:emb.row_range.stop]))), or emb.load(checkpoint)",
             "_freeze": "look rows up in eval mode or under torch.no_grad(): forwards then read the table "
