@@ -478,6 +478,17 @@ class HostTable:
         return self._buffer is None
 
     @property
+    def viewable(self) -> bool:
+        """Whether :meth:`to_numpy` hands out the table's own memory (False: a read-only copy).
+
+        False for a ``device`` table on a GPU, whose rows numpy cannot view.
+
+        Raises:
+            StateError: a closed table.
+        """
+        return self._live_buffer().host is not None
+
+    @property
     def writable(self):
         """False for a table adopted from a read-only array (writes raise StateError)."""
         return self._writable

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import speedswap as ss
+from cuda_helpers import device_tables_without_host_memory
 from test_cache import (EQUALITIES, SIZES, assert_cached_run_equals_in_memory,
                         assert_touched_rows_equal_reference)
 from test_optimizer_equivalence import OPTIMIZERS, TOL, assert_same
@@ -67,20 +68,21 @@ def test_every_element_wise_optimizer_with_a_switcher_cache(name, cache_rows, rn
 ROWS = 60
 
 
-def _pair(backend, cache_rows, table0, opt=torch.optim.Adam, optimizer_first=False, **kwargs):
-    """A model with a CAPACITY-row embedding, its optimizer, and both switchers (u, o)."""
+def _pair(backend, cache_rows, table0, opt=torch.optim.Adam, optimizer_first=False, storage="pageable",
+          **kwargs):
+    """A model with a CAPACITY-row embedding, its optimizer, and both switchers (u, o) over ``storage``."""
     device = ss.get_backend(backend).device
     model = torch.nn.ModuleDict({"u": torch.nn.Embedding(CAPACITY, DIM)}).to(device)
     optimizer = opt(model.parameters(), lr=0.05, **kwargs)
 
     def model_switch():
-        u = ss.ModelFactory(model["u"], len(table0), DIM, storage="pageable", backend=backend,
+        u = ss.ModelFactory(model["u"], len(table0), DIM, storage=storage, backend=backend,
                             cache_rows=cache_rows)
         u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
         return u
 
     def optimizer_switch():
-        return ss.OptimizerFactory(optimizer, len(table0), DIM, model, "u", storage="pageable",
+        return ss.OptimizerFactory(optimizer, len(table0), DIM, model, "u", storage=storage,
                                    backend=backend, cache_rows=cache_rows)
     if optimizer_first:
         o = optimizer_switch()
@@ -182,6 +184,34 @@ def test_whole_table_calls_see_the_cache(rng, backend, tmp_path):
     both(lambda k, m, opt, u, o: u.saveTorch(tmp_path / f"u{k}.pt"))
     both(lambda k, *pair: _train(*pair, batches[20:]))
     both(lambda k, m, opt, u, o: u.loadTorch(tmp_path / f"u{k}.pt"))
+
+
+@pytest.mark.parametrize("copy", ["to_numpy", "getNumpyVersion"])
+def test_a_copy_of_a_device_table_leaves_the_cache_as_it_is(copy, rng, backend, monkeypatch):
+    """A device table (``CPUPinn=False``, SpeedTorch's default) on a GPU has no host memory, so its
+    ``to_numpy()`` is a read-only copy; yet ModelFactory.to_numpy() emptied the device cache as for
+    the table's own memory handed out, and every later step fetched its rows again. The numpy
+    backend allocates such a table here, as the cuda backend does on a GPU."""
+    device_tables_without_host_memory(monkeypatch)
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    batches = _batches(rng, backend, 12)
+    expected, _ = _sparse_adam_in_memory(table0, batches[:8], backend)
+    counts = []
+    for copied in (False, True):
+        model, opt, u, o = _pair(backend, 20, table0, eps=1e-30, storage="device")
+        _train(model, opt, u, o, batches[:8])
+        assert bool(u._steps.cache.dirty.any())  # trained rows only in the cache: the copy must read them
+        if copied:
+            array = getattr(u, copy)()
+            np.testing.assert_allclose(array, expected, **TOL)
+            assert array.flags.writeable == (copy == "getNumpyVersion")  # to_numpy(): a read-only copy
+        _train(model, opt, u, o, batches[8:])
+        # Rows the copy wrote back (bytes to the host) would have gone back at eviction or the end.
+        counts.append({k: v for k, v in u.stats()["total"].items() if "d2h" not in k})
+        u.close()  # while its table's writes still go where the patched backend puts them
+        o.close()
+    assert counts[0]["hits"] > 0
+    assert counts[1] == counts[0]
 
 
 def test_stats_are_shared_and_prefetched_rows_hit(backend):

@@ -176,6 +176,7 @@ def test_to_numpy_of_a_device_table_takes_writes_or_refuses_them(backend, rng):
     table = ss.HostTable.from_numpy(ref, storage="device", backend=backend)
     array = table.to_numpy()
     np.testing.assert_array_equal(array, ref)
+    assert table.viewable == (not table.as_tensor().is_cuda)  # whether to_numpy() is the table's memory
     if table.as_tensor().is_cuda:
         with pytest.raises(ValueError, match="read-only"):
             array[3] = 42.0

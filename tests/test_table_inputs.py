@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap.backends.base import Buffer
-from speedswap.backends.cpu import NumpyBackend
+from cuda_helpers import device_tables_without_host_memory
 
 
 def random_rows(rng, shape, dtype=np.float32):
@@ -133,14 +132,7 @@ def test_a_table_without_host_memory_is_filled_with_bfloat16_bit_patterns_as_bfl
     """A cuda ``device`` table has no host array: its fill converted the int16 bit patterns it is
     handed by value (0x3F80, bfloat16 1.0, became 16256.0), which an H200 run caught. The numpy
     backend allocates such a buffer here, as the cuda backend does on a GPU."""
-    allocate = NumpyBackend.allocate
-
-    def no_host_for_device(self, shape, dtype, kind):
-        if kind != "device":
-            return allocate(self, shape, dtype, kind)
-        return Buffer(kind=kind, host=None, tensor=torch.empty(shape, dtype=dtype))
-
-    monkeypatch.setattr(NumpyBackend, "allocate", no_host_for_device)
+    device_tables_without_host_memory(monkeypatch)
     rows = torch.from_numpy(random_rows(rng, (9, 4))).bfloat16()
     table = ss.HostTable.from_numpy(rows, storage="device", backend="numpy")
     assert torch.equal(table.gather(list(range(9))), rows)

@@ -514,6 +514,8 @@ class ModelFactory(Switcher):
         (``copy=False``) also drops them from the cache, so writes to it before
         the next step are seen by that step (write between steps: after_step
         writes a step's rows back over a write made since its before_forward).
+        A copy (``copy=True``, or the read-only one of a device table on a GPU)
+        leaves them cached, and the next step hits them as without it.
         A copy made in the middle of a step holds the step's rows as they are
         in the model's embedding: after ``optimizer.step()``, the stepped rows,
         as an in-memory table holds them; the table's memory (``copy=False``)
@@ -524,21 +526,26 @@ class ModelFactory(Switcher):
         through a numpy view cannot be refused.
 
         Raises:
-            StateError: ``copy=False`` from ``optimizer.step()`` until :meth:`after_step`
-                (as :attr:`table`); before ``optimizer.step()`` the view shows what memory does.
+            StateError: ``copy=False`` of a table in host memory from ``optimizer.step()``
+                until :meth:`after_step` (as :attr:`table`); before ``optimizer.step()`` the
+                view shows what memory does.
             OptionError: ``copy`` is not a bool (``bool("False")`` is True: writes
                 meant for the table would go to a copy).
         """
         copy = bool_option(copy, "copy", hint=" (an independent copy; False: the table's own memory)")
-        if not copy:
+        if not copy and self._table.viewable:
             self._steps.hand_out("to_numpy(copy=False)")
             return self._table.to_numpy()
+        # A copy: the cache keeps its rows (a flush leaves them cached), and the next step hits them.
         self.flush()
         array = self._table.owner_copy()  # after optimizer.step() the table's to_numpy refuses
         in_step = self._steps.rows_in_step()
         if in_step is not None:
             rows, values = in_step
             host_tensor(array, self._table.dtype)[rows.cpu()] = values.cpu()
+        # Not asked for, it stands in for memory numpy cannot view: a write into it could not reach
+        # the table, so it raises, as HostTable.to_numpy's copy of such a table does.
+        array.flags.writeable = copy
         return array
 
     def getNumpyVersion(self) -> np.ndarray:
