@@ -1,6 +1,7 @@
 """ModelFactory / OptimizerFactory: the step protocol, errors that change nothing, checkpoints."""
 
 import copy
+import functools
 import gc
 import io
 import os
@@ -746,9 +747,13 @@ def test_to_numpy_refuses_a_copy_that_is_not_a_bool(copy_, backend, table0, rng)
     (lambda p: torch.optim.Adam(p, lr=0.1), True),
     (lambda p: torch.optim.Adagrad(p, lr=0.1), True),
 ])
-def test_a_model_factory_alone_with_per_row_optimizer_state_is_refused_at_the_step(make, refused, backend,
-                                                                                     table0, rng):
-    """Without an OptimizerFactory, state kept per slot would move with the slot to other rows."""
+@pytest.mark.parametrize("in_closure", [False, True], ids=["step()", "step(closure)"])
+def test_a_model_factory_alone_with_per_row_optimizer_state_is_refused_at_the_step(make, refused, in_closure,
+                                                                                     backend, table0, rng):
+    """Without an OptimizerFactory, state kept per slot would move with the slot to other rows.
+
+    With ``step(closure)`` the first step went through: the check looked for a gradient before the
+    closure's backward made one."""
     device = ss.get_backend(backend).device
     model = SkipGram().to(device)
     u = ss.ModelFactory(model.u_embeddings, ROWS, DIM, storage="pageable", backend=backend)
@@ -759,15 +764,24 @@ def test_a_model_factory_alone_with_per_row_optimizer_state_is_refused_at_the_st
     batches = zipf_batches(rng, 3, device, num_rows=ROWS)
     for pos, neg, ctx in batches:
         lp, ln = u.before_forward(pos, neg)
-        (skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), ctx) + head(ctx).sum()).backward()
-        head_opt.step()
+
+        def closure():
+            opt.zero_grad()
+            loss = skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), ctx) + head(ctx).sum()
+            loss.backward()
+            return loss
+
+        if not in_closure:
+            closure()
+        step = functools.partial(opt.step, closure) if in_closure else opt.step
         if refused:
             before = model.u_embeddings.weight.detach().clone()
             with pytest.raises(ss.OptionError, match="OptimizerFactory"):
-                opt.step()
+                step()
             assert torch.equal(model.u_embeddings.weight, before)
         else:
-            opt.step()
+            step()
+        head_opt.step()
         opt.zero_grad()
         head_opt.zero_grad()
         u.after_step(pos, neg)

@@ -175,6 +175,60 @@ def test_every_read_shows_memory_until_optimizer_step_and_again_after_after_step
         check(True, f"after afterOptimizerStep on both, step {step}")
 
 
+@pytest.mark.parametrize("stateful", [True, False], ids=["Adagrad+OptimizerFactory", "SGD alone"])
+@pytest.mark.parametrize("cache_rows", [0, 10])
+def test_reads_inside_a_step_closure_show_memory_until_the_optimizer_changes_the_rows(
+        backend, rng, tmp_path, cache_rows, stateful):
+    """``optimizer.step(closure)`` with an LBFGS-style closure (zero_grad, forward, backward, the
+    loss): a read of the tables inside the closure, before the optimizer changed any row, was
+    refused as after optimizer.step() from the second step on, where the last step's gradient was
+    still on the embedding when step() began (the first step, without one, read memory). The
+    tables hold what memory does there; they fall behind once the closure returned."""
+    device, emb, opt, u, o, reference, ref_opt = _switched(backend, rng, cache_rows, stateful)
+    kept, kept_state = u.table, (o.state.tables["sum"] if stateful else None)
+    files = []
+
+    def path(name):
+        files.append(tmp_path / f"{len(files)}-{name}")
+        return files[-1]
+
+    def check(current, when):
+        start = len(files)
+        memory = reference.weight.detach().cpu().numpy().copy()
+        np.testing.assert_allclose(u.getNumpyVersion(), memory, rtol=1e-5, atol=1e-6, err_msg=when)
+        _check(_row_reads(u, kept, path), memory, current, when, lambda: files[start:])
+        if stateful:
+            state = ref_opt.state[reference.weight]["sum"].cpu().numpy().copy()
+            _check(_state_reads(o, kept_state, path), state, current, when, lambda: files[start:])
+
+    switchers = (u, o) if stateful else (u,)
+    for step in range(STEPS):
+        ids = _zipf_ids(rng, device)
+        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+        for switcher in switchers:
+            local = switcher.beforeForwardPass(ids)
+
+        def closure():
+            opt.zero_grad()
+            loss = (emb(local) * weights).sum()
+            loss.backward()
+            check(True, f"inside the closure, step {step}")  # the reference has not stepped yet
+            return loss
+
+        def ref_closure():
+            ref_opt.zero_grad()
+            loss = (reference(ids) * weights).sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        ref_opt.step(ref_closure)
+        check(False, f"after optimizer.step(closure), step {step}")
+        for switcher in switchers:
+            switcher.afterOptimizerStep(ids)
+        check(True, f"after afterOptimizerStep, step {step}")
+
+
 @pytest.mark.parametrize("cache_rows", [0, 10])
 def test_reads_after_a_forward_that_renormalised_the_rows_are_refused(backend, rng, tmp_path, cache_rows):
     """An nn.Embedding(max_norm=...) renormalises the rows its forward looks up, in place: in the

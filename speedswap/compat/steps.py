@@ -40,6 +40,7 @@ from ..train.conversions import (guard_parameter, refuse_conversion, refuse_new_
                                  refuse_new_storage)
 from ..train.leftover import untouched
 from ..train.row_state import row_state_spec
+from ..train.step_hooks import closure_of
 from ..train.working_set import WorkingSet
 
 __all__ = ["SharedSteps", "steps_for", "MODEL", "OPTIMIZER"]
@@ -678,9 +679,33 @@ def _check_switched_steps(optimizer, args, kwargs):
     hold no row, so a step there with the last step's gradient is refused
     (:meth:`SharedSteps.refuse_stepping_again`). A step let through marks the
     switchers' step as stepping: from here the tables are behind its rows
-    (:meth:`SharedSteps.tables_behind`). Only parameters with a switcher and
-    a gradient are looked at, so other optimizers pay one loop over a
-    near-empty dictionary.
+    (:meth:`SharedSteps.tables_behind`). With a closure
+    (``optimizer.step(closure)``) both come after it returned, as the
+    step's narrowing does (:mod:`~speedswap.train.step_hooks`): its forward
+    and backward make the gradient looked at, and until it returns the
+    optimizer has changed no row, so reads inside it show what memory does.
+    """
+    closure, replace = closure_of(args, kwargs)
+    if closure is None:
+        _check_switched_params(optimizer)
+        return None
+
+    def closure_then_check():
+        loss = closure()
+        _check_switched_params(optimizer)
+        return loss
+
+    return replace(closure_then_check)
+
+
+def _check_switched_params(optimizer):
+    """:func:`_check_switched_steps`'s checks and mark, once ``optimizer``'s gradients are the step's.
+
+    Only parameters with a switcher and a gradient are looked at, so other
+    optimizers pay one loop over a near-empty dictionary.
+
+    Raises:
+        OptionError, StateError: as :func:`_check_switched_steps`; nothing has changed.
     """
     # A snapshot in one C call, as one_optimizer's hook takes: a switcher built or collected
     # meanwhile (another thread, a finalizer run by a collection inside the loop) would

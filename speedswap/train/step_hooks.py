@@ -19,10 +19,10 @@ things make that subtle, and this module handles them once for every owner
 
 import weakref
 
-__all__ = ["StepHooks"]
+__all__ = ["StepHooks", "closure_of"]
 
 
-def _closure_of(args, kwargs):
+def closure_of(args, kwargs):
     """``(closure, setter)``: the closure passed to ``step`` and how to replace it in (args, kwargs)."""
     if "closure" in kwargs:
         return kwargs["closure"], lambda fn: (args, {**kwargs, "closure": fn})
@@ -69,7 +69,7 @@ def _pre_hook(ref):
         if owner is None:
             return None
         owner._abort_step()  # a previous step that raised inside the optimizer
-        closure, replace = _closure_of(args, kwargs)
+        closure, replace = closure_of(args, kwargs)
         if closure is None:
             owner._begin_step()
             return None
