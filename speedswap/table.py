@@ -195,7 +195,9 @@ class HostTable:
     zero-copy device access), ``pageable`` (ordinary host memory), ``mmap`` (a
     ``.npy`` file, for tables larger than RAM) or ``device`` (GPU memory). On
     the numpy backend there is no device to pin for, so ``pinned``, ``mapped``
-    and ``device`` are ordinary host memory (:attr:`pinned` says which).
+    and ``device`` are ordinary host memory (:attr:`pinned` says which); a
+    ``device`` table there still hands out no view of it, as on a GPU
+    (:meth:`to_numpy` is a read-only copy), so code that runs on the CPU runs on a GPU.
 
     Pinned memory is returned to the driver when the table is closed (or used
     as a context manager) and no view from :meth:`to_numpy` is still alive.
@@ -481,7 +483,7 @@ class HostTable:
     def viewable(self) -> bool:
         """Whether :meth:`to_numpy` hands out the table's own memory (False: a read-only copy).
 
-        False for a ``device`` table on a GPU, whose rows numpy cannot view.
+        False for a ``device`` table, on every backend (on a GPU numpy cannot view its rows).
 
         Raises:
             StateError: a closed table.
@@ -1123,8 +1125,8 @@ class HostTable:
         Args:
             copy: return an independent copy. When False, a host table returns
                 its own memory (writes go through; the memory stays alive as
-                long as the array does), a device table a read-only host copy
-                (a write into it, which could not reach the table, raises
+                long as the array does), a device table a read-only host copy,
+                on every backend (a write into it, which could not reach the table, raises
                 numpy's ValueError; write with :meth:`scatter` or through
                 :meth:`as_tensor`, the GPU's memory itself).
                 The view of a table an embedding owns stays current while
@@ -1176,7 +1178,8 @@ class HostTable:
             return np.array(buffer.host, copy=True)
         # numpy has no bfloat16: the rows' bit patterns, as a host table's memory holds them.
         rows = buffer.tensor.view(torch.int16) if self.dtype is torch.bfloat16 else buffer.tensor
-        return rows.cpu().numpy().view(numpy_dtype(self.dtype))
+        # copy=True: on the CPU backend the device memory is the process's own, and .cpu() returns it.
+        return rows.to("cpu", copy=True).numpy().view(numpy_dtype(self.dtype))
 
     def flush(self):
         """Wait for pending device writes; an ``mmap`` table also flushes its file."""

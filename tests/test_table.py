@@ -167,27 +167,43 @@ def test_zeros_constructor(backend, storage, tmp_path):
     assert table.shape == (33, 3) and table.nbytes == 33 * 3 * 2
 
 
-def test_to_numpy_of_a_device_table_takes_writes_or_refuses_them(backend, rng):
-    """``storage="device"``: host memory on the CPU backend, whose view takes writes; GPU memory on a
-    GPU, which numpy cannot view: the copy handed out was writable, and writes into it (meant for the
-    table, as on the CPU) were dropped unseen (the H200 run of test_cache_sequences' switchers at
-    0b7eb58). It is read-only now."""
+def test_to_numpy_of_a_device_table_is_a_read_only_copy_on_every_backend(backend, rng):
+    """``storage="device"`` is the device's memory, which numpy cannot view: ``to_numpy()`` is a read-only
+    copy, writes go through ``scatter`` or ``as_tensor()``. On the CPU backend it was a writable view, so
+    code that wrote into it passed CI and raised "read-only" only on a GPU (stop 46, on an H200)."""
     ref = random_rows(rng, (10, 4), np.float32)
     table = ss.HostTable.from_numpy(ref, storage="device", backend=backend)
     array = table.to_numpy()
     np.testing.assert_array_equal(array, ref)
-    assert table.viewable == (not table.as_tensor().is_cuda)  # whether to_numpy() is the table's memory
-    if table.as_tensor().is_cuda:
-        with pytest.raises(ValueError, match="read-only"):
-            array[3] = 42.0
-        np.testing.assert_array_equal(table.to_numpy(copy=True), ref)
-        array = table.to_numpy(copy=True)  # a copy asked for is the caller's to write
+    assert not table.viewable  # to_numpy() is never the table's memory
+    assert not np.shares_memory(array, table.to_numpy())  # a copy each time, not the table
+    with pytest.raises(ValueError, match="read-only"):
         array[3] = 42.0
-        np.testing.assert_array_equal(table.to_numpy(copy=True), ref)
-    else:
-        array[3] = 42.0
-        np.testing.assert_array_equal(table.gather([3]).cpu().numpy(), np.full((1, 4), 42.0))
+    copy = table.to_numpy(copy=True)  # a copy asked for is the caller's to write
+    copy[3] = 42.0
+    np.testing.assert_array_equal(table.to_numpy(), ref)
+    new = random_rows(rng, (2, 4), np.float32)
+    table.scatter([3, 7], new)
+    table.as_tensor()[5] = torch.from_numpy(new[0]).to(table.device)
+    expected = ref.copy()
+    expected[[3, 7]], expected[5] = new, new[0]
+    np.testing.assert_array_equal(table.to_numpy(), expected)
+    np.testing.assert_array_equal(array, ref)  # the copy handed out before stays as it was
     table.close()
+
+
+@pytest.mark.parametrize("name", ["t.npy", "t.h5"])
+def test_a_file_loads_into_a_device_table_whole(backend, rng, tmp_path, name):
+    """A load into a new device table (HostTable.load, OffloadedEmbedding.from_pretrained) reads the
+    file into the table's own memory, not into a ``to_numpy()`` copy that would be dropped."""
+    ref = random_rows(rng, (50, 6), np.float32)
+    path = tmp_path / name
+    ss.HostTable.from_numpy(ref, storage="pageable", backend=backend).save(path)
+    loaded = ss.HostTable.load(path, storage="device", backend=backend)
+    np.testing.assert_array_equal(loaded.gather(np.arange(50)).cpu().numpy(), ref)
+    if name.endswith(".npy"):  # from_pretrained reads .npy files only
+        emb = ss.OffloadedEmbedding.from_pretrained(path, max_rows=8, storage="device", backend=backend)
+        np.testing.assert_array_equal(emb.table.gather(np.arange(50)).cpu().numpy(), ref)
 
 
 def test_to_numpy_shares_host_memory(backend, rng):

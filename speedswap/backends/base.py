@@ -28,7 +28,9 @@ class Buffer:
 
     Attributes:
         kind: the storage kind (one of :data:`STORAGE_KINDS`).
-        host: the rows as a numpy array when they live in host memory, else None.
+        host: the rows as a numpy array when they live in host memory, else None
+            (always None for ``device`` storage, on every backend: host code
+            sees a device table through copies only).
         tensor: a torch view of the same memory (never a copy).
         pinned: whether the host memory really is page-locked.
         device_ptr: the address the device reads the rows at (zero-copy

@@ -508,7 +508,7 @@ class ModelFactory(Switcher):
 
     def to_numpy(self, copy: bool = False) -> np.ndarray:
         """The table as a numpy array (the table's own memory for host storage, unless ``copy``; for
-        device storage on a GPU, ``CPUPinn=False``, a read-only copy: see :meth:`HostTable.to_numpy`).
+        device storage, ``CPUPinn=False``, a read-only copy on every backend: see :meth:`HostTable.to_numpy`).
 
         Cached rows are written back first. Handing out the table's memory
         (``copy=False``) also drops them from the cache, so writes to it before

@@ -94,7 +94,7 @@ class DataGadget(SpeedTorchFiles, CoreDataGadget):
         """A copy of the data as a numpy array (SpeedTorch returned a copy).
 
         ``to_numpy(copy=False)`` gives the zero-copy view of host data instead
-        (``CPUPinn=True``; device data, ``CPUPinn=False`` on a GPU, as a read-only copy).
+        (``CPUPinn=True``; device data, ``CPUPinn=False``, as a read-only copy on every backend).
 
         Raises:
             StateError: the gadget is closed.

@@ -232,7 +232,7 @@ def read_table(table, path, header: TableHeader, dataset: str = "table") -> None
     """
     target = table.as_tensor()
     if target.device.type == "cpu" and table.dtype is not torch.bfloat16:
-        host = table.to_numpy()
+        host = target.numpy()  # the table's own memory: a device table's to_numpy() is a copy
         if file_format(path) == "npy":
             read_npy_into(path, host, header)
             crc = None if header.crc32 is None else crc32_of(host)
