@@ -514,7 +514,7 @@ class ModelFactory(Switcher):
         (``copy=False``) also drops them from the cache, so writes to it before
         the next step are seen by that step (write between steps: after_step
         writes a step's rows back over a write made since its before_forward).
-        A copy (``copy=True``, or the read-only one of a device table on a GPU)
+        A copy (``copy=True``, or the read-only one of a device table)
         leaves them cached, and the next step hits them as without it.
         A copy made in the middle of a step holds the step's rows as they are
         in the model's embedding: after ``optimizer.step()``, the stepped rows,
