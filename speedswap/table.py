@@ -1119,6 +1119,28 @@ class HostTable:
             staged.commit(self)
         return self
 
+    def load_target(self) -> torch.Tensor:
+        """The table's own memory, for a load to write every row into: not a view handed out.
+
+        For :func:`~speedswap.files.read_table` and
+        :meth:`~speedswap.files.StagedRows.commit`, which write the rows and
+        keep no reference to it. :attr:`viewed` does not follow it: a device
+        table's :meth:`as_tensor` counts as alive for good, and an owner's
+        cache would keep no rows after every load. The caller has run the
+        :meth:`watch_writes` method (or the table is new), so nothing is
+        announced here; a load that stops midway is :func:`loading_into`'s.
+
+        Returns:
+            torch.Tensor of shape :attr:`shape` over the table's memory, on the
+            CPU for host storage kinds and on the GPU for ``device``.
+
+        Raises:
+            StateError: a closed or read-only table.
+        """
+        buffer = self._writable_buffer(loading=True)
+        self._backend.wait_host(buffer)
+        return buffer.tensor
+
     def to_numpy(self, copy=False):
         """The rows as a numpy array.
 

@@ -14,6 +14,7 @@ import gc
 import os
 import tempfile
 import threading
+import warnings
 import weakref
 
 import hypothesis.strategies as st
@@ -1012,6 +1013,36 @@ def test_the_cache_keeps_no_rows_while_a_view_of_the_tables_lives_and_works_agai
     for _ in range(3):
         _step(emb, opt, [1, 2, 3])
     assert emb.stats()["last_step"]["hits"] == 3
+
+
+@pytest.mark.parametrize("load", ["from_pretrained", "load"])
+def test_a_device_table_loaded_from_a_file_keeps_its_cache_working(load, backend, rng, tmp_path):
+    """A load writes the rows into the table's own memory. It took that memory with as_tensor(), which
+    for a device table counts as a view alive for good: after from_pretrained(path) or load(path) of a
+    storage="device" embedding the cache kept no rows ever again, warning of a view nobody held (on a
+    GPU; on the CPU too once its device tables had no host view)."""
+    rows = rng.standard_normal((100, 4), dtype=np.float32)
+    np.save(tmp_path / "rows.npy", rows)
+    options = dict(max_rows=32, storage="device", backend=backend, cache_rows=50)
+    if load == "from_pretrained":
+        emb = ss.OffloadedEmbedding.from_pretrained(tmp_path / "rows.npy", freeze=False, **options)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        emb.attach(opt)
+    else:
+        emb = ss.OffloadedEmbedding(100, 4, **options)
+        opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+        emb.attach(opt)
+        emb.load(tmp_path / "rows.npy")
+    assert not emb.table.viewed
+    expected = torch.from_numpy(rows.copy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "a view of the table ... is still alive" would raise
+        for _ in range(3):
+            _step(emb, opt, [1, 2, 3])
+            rows_in_step = expected[1:4]
+            rows_in_step.add_(2 * rows_in_step, alpha=-0.1)  # SGD on pow(2).sum(), as in memory
+    assert emb.stats()["last_step"]["hits"] == 3
+    np.testing.assert_array_equal(emb.table.to_numpy(), expected.numpy())
 
 
 @pytest.mark.filterwarnings("ignore:a view of the table")

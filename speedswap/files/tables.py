@@ -230,7 +230,7 @@ def read_table(table, path, header: TableHeader, dataset: str = "table") -> None
         FileFormatError: the file cannot be read, holds values a bfloat16 table
             would round, or not the bytes its recorded CRC-32 says (``header.crc32``).
     """
-    target = table.as_tensor()
+    target = table.load_target()
     if target.device.type == "cpu" and table.dtype is not torch.bfloat16:
         host = target.numpy()  # the table's own memory: a device table's to_numpy() is a copy
         if file_format(path) == "npy":
@@ -312,7 +312,7 @@ class StagedRows:
                 (the message names the rows already replaced).
         """
         rows = range(self.header.shape[0]) if rows is None else rows
-        target = table.as_tensor()[at:at + len(rows)]
+        target = table.load_target()[at:at + len(rows)]
         # The table's own memory, not to_numpy(): for a table on the GPU that is a copy,
         # and rows written into it would never reach the table.
         host = target.numpy() if target.device.type == "cpu" and table.dtype is not torch.bfloat16 else None
