@@ -9,6 +9,31 @@ import torch
 import speedswap as ss
 
 
+def fresh_seed():
+    """A new seed for a run that names none (SPEEDSWAP_SEED unset)."""
+    return int(np.random.SeedSequence().entropy % (2**31))
+
+
+# tryfirst: hypothesis's own pytest_configure reads --hypothesis-seed, so this must come before it.
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Seed hypothesis from SPEEDSWAP_SEED, or with one fresh seed for the run, as the ``seed`` fixture does.
+
+    A hypothesis test that fails prints its shrunk example but not the seed it
+    drew it with, so without a seed of our own a CI failure could not be
+    replayed. ``--hypothesis-seed`` given on the command line still wins.
+    """
+    if config.getoption("hypothesis_seed", default=None) is None:
+        config.option.hypothesis_seed = os.environ.get("SPEEDSWAP_SEED", str(fresh_seed()))
+
+
+def pytest_runtest_setup(item):
+    """Print a hypothesis test's seed (captured, so shown with its failure), as the ``seed`` fixture does."""
+    if item.get_closest_marker("hypothesis"):
+        value = item.config.option.hypothesis_seed
+        print(f"hypothesis seed for {item.name}: {value} (replay with SPEEDSWAP_SEED={value})")
+
+
 def _cuda_ready():
     return "cuda" in ss.available_backends()
 
@@ -53,7 +78,7 @@ def backend(request):
 @pytest.fixture
 def seed(request):
     """A fresh seed per test run, printed so a failure can be replayed (SPEEDSWAP_SEED=...)."""
-    value = int(os.environ.get("SPEEDSWAP_SEED", np.random.SeedSequence().entropy % (2**31)))
+    value = int(os.environ.get("SPEEDSWAP_SEED", fresh_seed()))
     print(f"seed for {request.node.name}: {value} (replay with SPEEDSWAP_SEED={value})")
     torch.manual_seed(value)
     return value
