@@ -387,11 +387,12 @@ def test_the_sketch_rescales_without_changing_ranks():
 
 # ------------------------------------------------------------- dirty rows
 
-def _trained_after(flush_or_prefetch, cache_rows, rows, backend):
+def _trained_after(flush_or_prefetch, cache_rows, rows, table0, backend):
     """SGD steps where hot rows are made clean (``"flush"`` or ``"prefetch"``), trained, then evicted.
 
     Args:
         rows: ``(hot1, hot2, rising)``, counted apart by the cache's sketch.
+        table0: the table to start from, of ``(100, 4)`` rows (``_embedding``'s size).
 
     Returns:
         the rows read in eval mode, the host table after a flush, and the
@@ -399,7 +400,6 @@ def _trained_after(flush_or_prefetch, cache_rows, rows, backend):
         2, ``rising`` evicts a hot row).
     """
     emb, opt = _embedding(backend, cache_rows)
-    table0 = np.random.default_rng(7).standard_normal((emb.num_embeddings, 4), dtype=np.float32)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     hot1, hot2, rising = rows
     if flush_or_prefetch == "flush":
@@ -426,13 +426,15 @@ def _trained_after(flush_or_prefetch, cache_rows, rows, backend):
 
 
 @pytest.mark.parametrize("made_clean_by", ["flush", "prefetch"])
-def test_a_row_changed_after_it_was_clean_is_written_back_when_evicted(made_clean_by, backend):
-    ids = _distinct_rows(_embedding(backend, 2)[0], 3)
-    rows, table, counters = _trained_after(made_clean_by, 2, ids, backend)
+def test_a_row_changed_after_it_was_clean_is_written_back_when_evicted(made_clean_by, backend, rng):
+    emb = _embedding(backend, 2)[0]
+    ids = _distinct_rows(emb, 3)
+    table0 = rng.standard_normal((emb.num_embeddings, 4), dtype=np.float32)
+    rows, table, counters = _trained_after(made_clean_by, 2, ids, table0, backend)
     evicting = [c for c in counters if c["evictions"]]
     # The evicted row changed after its clean point: its value must reach the host.
     assert len(evicting) == 1 and evicting[0]["rows_d2h"] == 1
-    expected, expected_table, _ = _trained_after(made_clean_by, 0, ids, backend)
+    expected, expected_table, _ = _trained_after(made_clean_by, 0, ids, table0, backend)
     np.testing.assert_array_equal(rows, expected)
     np.testing.assert_array_equal(table, expected_table)
 
@@ -1456,18 +1458,18 @@ def test_the_table_through_a_cached_embedding_mid_step_holds_the_rows_before_the
     assert not np.array_equal(reads[0][0], table0)  # the first step moved rows 1, 2, 3
 
 
-def test_an_mmap_embedding_dropped_without_close_keeps_its_cached_rows_in_its_files(tmp_path):
+def test_an_mmap_embedding_dropped_without_close_keeps_its_cached_rows_in_its_files(tmp_path, rng):
     """Without a cache an mmap table's files hold every step; a cache must not lose its rows on a drop."""
+    table0, batches = rng.standard_normal((20, 4), dtype=np.float32), rng.integers(0, 20, (6, 5))
     files = {}
     for cache_rows in (0, 10):
         path = tmp_path / f"cache{cache_rows}"
         emb = ss.OffloadedEmbedding(20, 4, max_rows=8, storage="mmap", path=path, backend="numpy",
                                     cache_rows=cache_rows)
-        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(
-            np.random.default_rng(6).standard_normal((20, 4), dtype=np.float32))))
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
         opt = torch.optim.Adam(emb.parameters(), lr=0.1)
         emb.attach(opt)
-        for ids in np.random.default_rng(5).integers(0, 20, (6, 5)):
+        for ids in batches:
             _step(emb, opt, ids)
         if cache_rows:
             assert emb.stats()["total"]["hits"] > 0

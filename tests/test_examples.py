@@ -114,8 +114,7 @@ def write_country_corpus(tmp_path, rng, lines=6000):
 
 
 @pytest.mark.slow
-def test_word2vec_on_a_small_text_learns_relations_gensim_can_read(tmp_path):
-    rng = np.random.default_rng(0)
+def test_word2vec_on_a_small_text_learns_relations_gensim_can_read(tmp_path, rng):
     corpus, wordsim, analogies = write_country_corpus(tmp_path, rng)
     common = ["--corpus", corpus, "--min-count", "5", "--dim", "24", "--window", "3", "--batch-size", "256",
               "--wordsim", wordsim, "--analogies", analogies]
@@ -171,9 +170,8 @@ def test_recommender_reaches_the_noise_and_equals_in_memory_training(tmp_path):
     assert in_memory["test_rmse"] < 0.6 * figures["baseline_rmse"]
 
 
-def test_recommender_reads_movielens_formats(tmp_path):
+def test_recommender_reads_movielens_formats(tmp_path, rng):
     recommender = load_example("recommender")
-    rng = np.random.default_rng(1)
     user_ids = rng.choice(np.arange(1, 5000), 40)            # MovieLens ids have gaps
     item_ids = rng.choice(np.arange(1, 90000), 70)
     users, items = rng.choice(user_ids, 500), rng.choice(item_ids, 500)
@@ -235,8 +233,7 @@ def test_logistic_regression_accuracy(tmp_path):
 
 
 @pytest.mark.slow
-def test_logistic_regression_reads_arrays(tmp_path):
-    rng = np.random.default_rng(2)
+def test_logistic_regression_reads_arrays(tmp_path, rng):
     x = rng.standard_normal((3000, 6)).astype(np.float32) * 5 + 3   # unscaled: the example standardises
     y = np.argmax(x[:, :3], axis=1)                                 # linearly separable classes
     np.save(tmp_path / "X.npy", x)
@@ -256,8 +253,7 @@ def _fails(args):
     return done.returncode, done.stderr
 
 
-def test_logistic_regression_refuses_files_that_would_train_on_wrong_labels(tmp_path):
-    rng = np.random.default_rng(3)
+def test_logistic_regression_refuses_files_that_would_train_on_wrong_labels(tmp_path, rng):
     np.save(tmp_path / "X.npy", rng.standard_normal((50, 4)))
     np.save(tmp_path / "y40.npy", rng.integers(0, 3, 40))                 # 10 rows of X without a label
     np.save(tmp_path / "yfrac.npy", rng.random(50))                       # 0.3 would have become class 0
@@ -404,8 +400,7 @@ def test_word2vec_refuses_a_table_dir_it_cannot_fill_before_it_builds_the_corpus
     assert re.search(message, error), error
 
 
-def test_logistic_regression_refuses_arrays_it_cannot_train_on(tmp_path, capsys):
-    rng = np.random.default_rng(4)
+def test_logistic_regression_refuses_arrays_it_cannot_train_on(tmp_path, capsys, rng):
     x = rng.standard_normal((60, 3))
     np.save(tmp_path / "y.npy", rng.integers(0, 3, 60))
     np.save(tmp_path / "ybig.npy", np.r_[rng.integers(0, 3, 59), 2_000_000])  # 2,000,001 classes
@@ -485,9 +480,8 @@ def test_linear_regression_data_files_are_its_own_or_refused(tmp_path):
     assert not (tmp_path / "none").exists()
 
 
-def test_linear_regression_time_limit_still_sees_a_batch():
+def test_linear_regression_time_limit_still_sees_a_batch(rng):
     lr = load_example("linear_regression")
-    rng = np.random.default_rng(5)
     x, y = rng.random((200, 3), dtype=np.float32), rng.random(200, dtype=np.float32)
     feeder = ss.BatchFeeder(x, y, batch_size=50, device="cpu")
     mean, std = torch.from_numpy(x.mean(0)), torch.from_numpy(x.std(0))

@@ -85,12 +85,11 @@ def rss_bytes():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("order", [BlockOrder(block_rows=256, window=4), "random"])
-def test_resident_memory_stays_within_the_budget_for_a_file_four_times_larger(tmp_path, order):
+def test_resident_memory_stays_within_the_budget_for_a_file_four_times_larger(tmp_path, order, rng):
     row_bytes, batch, prefetch = 4096, 256, 2
     window_bytes = 256 * 4 * row_bytes                            # 4 MiB
     budget = 2 * window_bytes + (prefetch + 2) * batch * row_bytes + (48 << 20)  # + 48 MiB for the allocator
     rows = 4 * budget // row_bytes
-    rng = np.random.default_rng(0)
     x = ss.data.create_npy(tmp_path / "x.npy", (rows, row_bytes // 4), np.float32,
                            lambda lo, hi: rng.random((hi - lo, row_bytes // 4), dtype=np.float32),
                            progress=False)
@@ -136,8 +135,8 @@ def test_a_batch_size_past_int64_over_a_file_gives_the_whole_epoch_as_from_memor
 
 
 @pytest.mark.parametrize("order", ["block", "random"])
-def test_drop_behind_keeps_an_epoch_out_of_the_page_cache(tmp_path, order):
-    mapped = write(tmp_path / "x.npy", np.random.default_rng(0).random((8192, 512), dtype=np.float32))
+def test_drop_behind_keeps_an_epoch_out_of_the_page_cache(tmp_path, order, rng):
+    mapped = write(tmp_path / "x.npy", rng.random((8192, 512), dtype=np.float32))
     for drop_behind in (False, True):
         drop_cache(tmp_path / "x.npy")
         assert cached_fraction(tmp_path / "x.npy") < 0.05  # a cold start

@@ -243,8 +243,8 @@ def test_mmap_over_a_file_far_larger_than_the_rows_touched(rng, tmp_path):
     gadget.close()
 
 
-def test_bad_files_fail_at_construction(tmp_path):
-    good = np.random.default_rng(1).standard_normal((10, 4)).astype(np.float32)
+def test_bad_files_fail_at_construction(tmp_path, rng):
+    good = rng.standard_normal((10, 4)).astype(np.float32)
     np.save(tmp_path / "t.npy", good)
     raw = (tmp_path / "t.npy").read_bytes()
     (tmp_path / "truncated.npy").write_bytes(raw[:-8])
@@ -264,11 +264,11 @@ def test_bad_files_fail_at_construction(tmp_path):
         ss.DataGadget(tmp_path / "data.h5", backend="numpy")
 
 
-def test_file_changed_before_it_is_read(tmp_path):
+def test_file_changed_before_it_is_read(tmp_path, rng):
     path = tmp_path / "d.npy"
-    np.save(path, np.random.default_rng(2).standard_normal((10, 4)).astype(np.float32))
+    np.save(path, rng.standard_normal((10, 4)).astype(np.float32))
     gadget = ss.DataGadget(path, backend="numpy")
-    np.save(path, np.random.default_rng(3).standard_normal((11, 4)).astype(np.float32))
+    np.save(path, rng.standard_normal((11, 4)).astype(np.float32))
     with pytest.raises(ss.FileFormatError, match=r"\(11, 4\)"):
         gadget.gadgetInit()
 

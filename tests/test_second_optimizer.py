@@ -362,17 +362,17 @@ def test_one_rank_sharded_embedding_refuses_a_second_optimizer_holding_its_weigh
 
 _TWO_RANKS = """
 import datetime, os, sys, numpy as np, torch, torch.distributed as dist, speedswap as ss
-rank, rendezvous, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rank, rendezvous, out, seed = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 dist.init_process_group('gloo', init_method=rendezvous, rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
-torch.manual_seed(0)
+torch.manual_seed(seed)  # every rank alike, as DDP code seeds them
 emb = ss.ShardedOffloadedEmbedding(50, 4, max_rows=8, backend='numpy', storage='pageable')
 lin = torch.nn.Linear(4, 1)
 model = torch.nn.ModuleList([emb, lin])
 opt1 = torch.optim.Adam(emb.parameters(), lr=0.01)
 opt2 = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # holds emb.weight too
 emb.attach(opt1)
-rng = np.random.default_rng(rank)
+rng = np.random.default_rng([seed, rank])
 refused = 0
 for step in range(4):
     # the second rank looks up nothing at step 2: no gradient on its weight, refused all the same
@@ -397,14 +397,14 @@ os._exit(0)
 """
 
 
-def test_two_ranks_refuse_the_second_optimizer_alike_and_train_on(tmp_path):
+def test_two_ranks_refuse_the_second_optimizer_alike_and_train_on(tmp_path, seed):
     """Refused on each rank before any collective, whatever each rank's gradient: no rank hangs."""
     script = tmp_path / "two_ranks.py"
     script.write_text(_TWO_RANKS)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent), "OMP_NUM_THREADS": "1"}
     rendezvous = rendezvous_url(tmp_path)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), rendezvous, str(tmp_path)], env=env,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), rendezvous, str(tmp_path), str(seed)],
+                              env=env, stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
         errors = [p.communicate(timeout=120)[1] for p in procs]
     finally:

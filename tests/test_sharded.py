@@ -1063,10 +1063,10 @@ def run_two_ranks(tmp_path, body):
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
 
 
-def test_ranks_seeded_alike_draw_different_starting_rows(tmp_path):
+def test_ranks_seeded_alike_draw_different_starting_rows(tmp_path, seed):
     """DDP code calls torch.manual_seed(s) on every rank; the shards must not repeat each other."""
     run_two_ranks(tmp_path,
-                  "torch.manual_seed(0)\n"
+                  f"torch.manual_seed({seed})\n"
                   "emb = ss.ShardedOffloadedEmbedding(10, 4, max_rows=4, backend='numpy', storage='pageable')\n"
                   "np.save(f'{out}/rows{rank}.npy', emb.table.to_numpy())\n"
                   "dist.barrier()\n")

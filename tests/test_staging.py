@@ -11,9 +11,8 @@ import speedswap as ss
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["pageable", "mmap"])
-def test_gathers_from_several_threads_each_get_their_own_rows(kind, tmp_path):
+def test_gathers_from_several_threads_each_get_their_own_rows(kind, tmp_path, rng):
     """Every staged table of a backend shares one ring: threads must not fill each other's slots."""
-    rng = np.random.default_rng(7)
     tables = [ss.HostTable.from_numpy(rng.standard_normal((5_000, 64)).astype(np.float32),
                                       storage=kind, backend="cuda",
                                       path=tmp_path / f"t{k}.npy" if kind == "mmap" else None)

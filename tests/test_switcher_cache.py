@@ -211,8 +211,8 @@ def test_a_copy_of_a_device_table_leaves_the_cache_as_it_is(copy, rng, backend):
     assert counts[1] == counts[0]
 
 
-def test_stats_are_shared_and_prefetched_rows_hit(backend):
-    table0 = np.random.default_rng(5).standard_normal((ROWS, DIM), dtype=np.float32)
+def test_stats_are_shared_and_prefetched_rows_hit(backend, rng):
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
     model, opt, u, o = _pair(backend, 8, table0, opt=torch.optim.SGD)
     first, second = torch.tensor([1, 2, 2]), torch.tensor([2, 3, 4])
     for ids, ahead in ((first, second), (second, None)):

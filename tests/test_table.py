@@ -107,10 +107,10 @@ def test_gather_scatter_property(backend, rows, dim, n, dtype, data_seed, id_dty
     np.testing.assert_array_equal(table.to_numpy(), ref)
 
 
-def test_uniform_and_normal_fill_every_row(backend, storage, tmp_path):
+def test_uniform_and_normal_fill_every_row(backend, storage, tmp_path, seed):
     path = tmp_path / "t.npy" if storage == "mmap" else None
     table = ss.HostTable.empty(20_000, 16, storage=storage, backend=backend, path=path)
-    table.uniform_(-0.5, 0.25, generator=torch.Generator().manual_seed(1))  # a CPU one for every kind
+    table.uniform_(-0.5, 0.25, generator=torch.Generator().manual_seed(seed))  # a CPU one for every kind
     values = table.to_numpy()
     assert values.min() >= -0.5 and values.max() < 0.25
     assert abs(values.mean() - (-0.125)) < 0.01
@@ -123,13 +123,13 @@ def test_uniform_and_normal_fill_every_row(backend, storage, tmp_path):
 
 
 @pytest.mark.parametrize("fill", ["uniform_", "normal_"])
-def test_a_seeded_cpu_generator_fills_every_storage_kind_alike(backend, storage, fill, tmp_path):
+def test_a_seeded_cpu_generator_fills_every_storage_kind_alike(backend, storage, fill, tmp_path, seed):
     """On the GPU a device table draws on the CPU and copies: torch refuses a CPU generator for CUDA tensors."""
     path = tmp_path / "t.npy" if storage == "mmap" else None
     reference = ss.HostTable.empty(5000, 8, storage="pageable", backend="numpy")
     table = ss.HostTable.empty(5000, 8, storage=storage, backend=backend, path=path)
-    getattr(reference, fill)(generator=torch.Generator().manual_seed(7))
-    getattr(table, fill)(generator=torch.Generator().manual_seed(7))
+    getattr(reference, fill)(generator=torch.Generator().manual_seed(seed))
+    getattr(table, fill)(generator=torch.Generator().manual_seed(seed))
     np.testing.assert_array_equal(table.to_numpy(), reference.to_numpy())
 
 

@@ -71,8 +71,9 @@ def test_subsampling_keeps_rare_words_and_thins_frequent_ones():
 def test_negative_sampler_draws_what_a_binary_search_of_the_cdf_draws(vocab, slice_, rng, monkeypatch):
     monkeypatch.setattr(word2vec.NegativeSampler, "SLICE", slice_)
     counts = np.concatenate([[0], (1e7 / np.arange(1, vocab) ** rng.uniform(0.5, 1.5)).astype(np.int64)])
-    sampler = word2vec.NegativeSampler(counts, torch.device("cpu"), seed=7)
-    uniform = torch.rand((50_000, 5), dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    draw_seed = int(rng.integers(2**31))  # the sampler's and the reference's, the same
+    sampler = word2vec.NegativeSampler(counts, torch.device("cpu"), seed=draw_seed)
+    uniform = torch.rand((50_000, 5), dtype=torch.float64, generator=torch.Generator().manual_seed(draw_seed))
     cdf = torch.from_numpy(np.cumsum(counts ** 0.75) / (counts ** 0.75).sum())
     assert torch.equal(sampler((50_000, 5)), torch.searchsorted(cdf, uniform).clamp_(max=vocab - 1))
 
