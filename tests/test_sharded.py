@@ -1569,36 +1569,56 @@ def _one_rank_adam(rng, rows, dim):
     return table0, emb, opt, ref, torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
 
 
+def _each_side_of_each_step(rng, emb, opt, ref, ref_opt, steps=20):
+    """Steps of ``_one_rank_adam``'s pair, each paused after its backward, a few of them marked for the test.
+
+    A step pulls 12 ids, drawn Zipf-like, towards random targets, on the sharded table and then on
+    the in-memory reference. About 30% of the steps are marked: never the first two (momentum
+    first), one at least.
+
+    Args:
+        rng: the test's generator.
+        emb, opt, ref, ref_opt: what ``_one_rank_adam`` returned.
+        steps: how many steps.
+
+    Yields:
+        ``(marked, optimizer, weight)`` for each side of each step, after its backward: the caller
+        may change ``weight.grad``; resuming steps ``optimizer`` and zeroes its gradients.
+    """
+    rows, dim = ref.shape
+    p = 1.0 / np.arange(1, rows + 1)
+    marked = rng.random(steps) < 0.3
+    marked[:2], marked[rng.integers(2, steps)] = False, True
+    for mark in marked:
+        ids = torch.from_numpy(rng.choice(rows, size=12, p=p / p.sum()))
+        target = torch.from_numpy(rng.standard_normal((12, dim)).astype(np.float32))
+        for lookup, optimizer, weight in ((emb, opt, emb.weight),
+                                          (lambda i: F.embedding(i, ref, sparse=True), ref_opt, ref)):
+            ((lookup(ids) - target) ** 2).sum().backward()
+            yield mark, optimizer, weight
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 @pytest.mark.parametrize("exchanged", [True, False], ids=["after_exchange_gradients", "before"])
 def test_a_gradient_multiplied_by_zero_in_place_trains_as_in_memory(rng, exchanged):
     """A non-zero gradient multiplied by 0 in place (``grad.mul_(0.0)``: a mask, a warm-up factor of
     0), then the step. In memory SparseAdam's sparse gradient still names the rows, at zero values,
     and moves them by their momentum. After ``exchange_gradients()`` the sharded step does the same;
     before it the placeholder changed, and the step is refused on every rank, no row changed."""
-    rows, dim, steps = 60, 4, 20
-    table0, emb, opt, ref, ref_opt = _one_rank_adam(rng, rows, dim)
-    p = 1.0 / np.arange(1, rows + 1)
-    masked = rng.random(steps) < 0.3
-    masked[:2], masked[rng.integers(2, steps)] = False, True  # momentum first, then one masked step at least
-    for mask in masked:
-        ids = torch.from_numpy(rng.choice(rows, size=12, p=p / p.sum()))
-        target = torch.from_numpy(rng.standard_normal((12, dim)).astype(np.float32))
-        for lookup, optimizer, weight in ((emb, opt, emb.weight),
-                                          (lambda i: F.embedding(i, ref, sparse=True), ref_opt, ref)):
-            ((lookup(ids) - target) ** 2).sum().backward()
-            if optimizer is opt and exchanged:
-                emb.exchange_gradients()
-            if mask:
-                if not exchanged and optimizer is opt:
-                    before = emb.table.to_numpy(copy=True)
-                    weight.grad.mul_(0.0)
-                    with pytest.raises(ss.StateError, match=r"emb\.exchange_gradients\(\) on every rank"):
-                        optimizer.step()
-                    np.testing.assert_array_equal(emb.table.to_numpy(), before)
-                    return
+    table0, emb, opt, ref, ref_opt = _one_rank_adam(rng, 60, 4)
+    for mask, optimizer, weight in _each_side_of_each_step(rng, emb, opt, ref, ref_opt):
+        if optimizer is opt and exchanged:
+            emb.exchange_gradients()
+        if mask:
+            if not exchanged and optimizer is opt:
+                before = emb.table.to_numpy(copy=True)
                 weight.grad.mul_(0.0)
-            optimizer.step()
-            optimizer.zero_grad()
+                with pytest.raises(ss.StateError, match=r"emb\.exchange_gradients\(\) on every rank"):
+                    optimizer.step()
+                np.testing.assert_array_equal(emb.table.to_numpy(), before)
+                return
+            weight.grad.mul_(0.0)
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
     assert not np.allclose(ref.detach().numpy(), table0)  # it trained
 
@@ -1608,24 +1628,13 @@ def test_zero_grad_then_a_negation_after_exchange_gradients_drops_the_step_as_in
     applied to every step, a skipped one too) and the step. In memory the zeroed sparse gradient names
     no row, negated or not, and SparseAdam moves none. The sharded step took the negation's ``-0.0``
     for a gradient the exchange had left at zero: Adam moved the skipped rows by their momentum."""
-    rows, dim, steps = 60, 4, 20
-    table0, emb, opt, ref, ref_opt = _one_rank_adam(rng, rows, dim)
-    p = 1.0 / np.arange(1, rows + 1)
-    skipped = rng.random(steps) < 0.3
-    skipped[:2], skipped[rng.integers(2, steps)] = False, True  # momentum first, then one skipped step at least
-    for skip in skipped:
-        ids = torch.from_numpy(rng.choice(rows, size=12, p=p / p.sum()))
-        target = torch.from_numpy(rng.standard_normal((12, dim)).astype(np.float32))
-        for lookup, optimizer, weight in ((emb, opt, emb.weight),
-                                          (lambda i: F.embedding(i, ref, sparse=True), ref_opt, ref)):
-            ((lookup(ids) - target) ** 2).sum().backward()
-            if optimizer is opt:
-                emb.exchange_gradients()
-            if skip:
-                optimizer.zero_grad(set_to_none=False)
-            weight.grad.neg_()
-            optimizer.step()
-            optimizer.zero_grad()
+    table0, emb, opt, ref, ref_opt = _one_rank_adam(rng, 60, 4)
+    for skip, optimizer, weight in _each_side_of_each_step(rng, emb, opt, ref, ref_opt):
+        if optimizer is opt:
+            emb.exchange_gradients()
+        if skip:
+            optimizer.zero_grad(set_to_none=False)
+        weight.grad.neg_()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
     assert not np.allclose(ref.detach().numpy(), table0)  # it trained
 
