@@ -305,8 +305,8 @@ def _quick_and_hanging_gpu_tests(tmp_path, monkeypatch, quick, failing=False):
         f"import pathlib, time, pytest\n\nMARKS = pathlib.Path({str(marks)!r})\n\n"
         f"@pytest.mark.gpu\n@pytest.mark.parametrize('i', range({quick}))\ndef test_quick(i):\n"
         f"    (MARKS / f'quick{{i}}').touch()\n\n"
-        + (f"@pytest.mark.gpu\ndef test_fails():\n    (MARKS / 'quick-failed').touch()\n"
-           f"    assert sum(range(4)) == 7, 'a distinctive failure'\n\n" if failing else "")
+        + ("@pytest.mark.gpu\ndef test_fails():\n    (MARKS / 'quick-failed').touch()\n"
+           "    assert sum(range(4)) == 7, 'a distinctive failure'\n\n" if failing else "")
         + f"@pytest.mark.gpu\ndef test_hangs():\n"
         f"    while len(list(MARKS.glob('quick*'))) < {quick + failing}:\n        time.sleep(0.05)\n"
         f"    (MARKS / 'hanging').touch()\n    time.sleep(120)\n")

@@ -10,7 +10,6 @@ prefetch's). Without a cache, and with one holding the whole table, which
 rows are cached follows from the ids alone, and that is checked too.
 """
 
-import numpy as np
 import pytest
 import torch
 

@@ -38,7 +38,7 @@ import torch
 
 from ..atomic import open_into, opening_error
 from ..files import identity, mapped_identity
-from ..errors import FileFormatError, StateError, ThreadStartError, warn
+from ..errors import FileFormatError, StateError, ThreadStartError
 
 __all__ = ["FileRows", "WindowReader", "RowReader"]
 
