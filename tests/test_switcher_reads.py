@@ -118,19 +118,10 @@ def _check(reads, expected, current, when, refused_files):
         assert not [f for f in refused_files() if f.exists()], f"a refused save wrote a file {when}"
 
 
-@pytest.mark.parametrize("stateful", [True, False], ids=["Adagrad+OptimizerFactory", "SGD alone"])
-@pytest.mark.parametrize("cache_rows", [0, 10])
-def test_every_read_shows_memory_until_optimizer_step_and_again_after_after_step(
-        backend, rng, tmp_path, cache_rows, stateful):
-    """Reads between beforeForwardPass and optimizer.step() were refused, though the tables hold
-    the step's rows and state as memory does there (not stepped yet; a cache's rows are written
-    back first). Now they return what memory shows; from optimizer.step() until afterOptimizerStep
-    they are refused but the copies (getNumpyVersion(), to_numpy(copy=True)), which add the step's
-    rows; after the ModelFactory's afterOptimizerStep, alone or with the OptimizerFactory's, all
-    read memory again."""
-    device, emb, opt, u, o, reference, ref_opt = _switched(backend, rng, cache_rows, stateful)
+def _reads_against_memory(u, o, reference, ref_opt, tmp_path, stateful, copies):
+    """``check(current, when)``: ``copies`` (reads that always show memory), and every read of the
+    rows and (``stateful``) their state, against the in-memory reference (see :func:`_check`)."""
     kept, kept_state = u.table, (o.state.tables["sum"] if stateful else None)
-    copies = {"u.getNumpyVersion()": u.getNumpyVersion, "u.to_numpy(copy=True)": lambda: u.to_numpy(copy=True)}
     files = []
 
     def path(name):
@@ -146,6 +137,22 @@ def test_every_read_shows_memory_until_optimizer_step_and_again_after_after_step
             state = ref_opt.state[reference.weight]["sum"].cpu().numpy().copy()
             _check(_state_reads(o, kept_state, path), state, current, when, lambda: files[start:])
 
+    return check
+
+
+@pytest.mark.parametrize("stateful", [True, False], ids=["Adagrad+OptimizerFactory", "SGD alone"])
+@pytest.mark.parametrize("cache_rows", [0, 10])
+def test_every_read_shows_memory_until_optimizer_step_and_again_after_after_step(
+        backend, rng, tmp_path, cache_rows, stateful):
+    """Reads between beforeForwardPass and optimizer.step() were refused, though the tables hold
+    the step's rows and state as memory does there (not stepped yet; a cache's rows are written
+    back first). Now they return what memory shows; from optimizer.step() until afterOptimizerStep
+    they are refused but the copies (getNumpyVersion(), to_numpy(copy=True)), which add the step's
+    rows; after the ModelFactory's afterOptimizerStep, alone or with the OptimizerFactory's, all
+    read memory again."""
+    device, emb, opt, u, o, reference, ref_opt = _switched(backend, rng, cache_rows, stateful)
+    copies = {"u.getNumpyVersion()": u.getNumpyVersion, "u.to_numpy(copy=True)": lambda: u.to_numpy(copy=True)}
+    check = _reads_against_memory(u, o, reference, ref_opt, tmp_path, stateful, copies)
     switchers = (u, o) if stateful else (u,)
     for step in range(STEPS):
         ids = _zipf_ids(rng, device)
@@ -185,22 +192,8 @@ def test_reads_inside_a_step_closure_show_memory_until_the_optimizer_changes_the
     still on the embedding when step() began (the first step, without one, read memory). The
     tables hold what memory does there; they fall behind once the closure returned."""
     device, emb, opt, u, o, reference, ref_opt = _switched(backend, rng, cache_rows, stateful)
-    kept, kept_state = u.table, (o.state.tables["sum"] if stateful else None)
-    files = []
-
-    def path(name):
-        files.append(tmp_path / f"{len(files)}-{name}")
-        return files[-1]
-
-    def check(current, when):
-        start = len(files)
-        memory = reference.weight.detach().cpu().numpy().copy()
-        np.testing.assert_allclose(u.getNumpyVersion(), memory, rtol=1e-5, atol=1e-6, err_msg=when)
-        _check(_row_reads(u, kept, path), memory, current, when, lambda: files[start:])
-        if stateful:
-            state = ref_opt.state[reference.weight]["sum"].cpu().numpy().copy()
-            _check(_state_reads(o, kept_state, path), state, current, when, lambda: files[start:])
-
+    check = _reads_against_memory(u, o, reference, ref_opt, tmp_path, stateful,
+                                  {"u.getNumpyVersion()": u.getNumpyVersion})
     switchers = (u, o) if stateful else (u,)
     for step in range(STEPS):
         ids = _zipf_ids(rng, device)
