@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import settings
 
 import speedswap as ss
 
@@ -22,7 +23,12 @@ def pytest_configure(config):
     A hypothesis test that fails prints its shrunk example but not the seed it
     drew it with, so without a seed of our own a CI failure could not be
     replayed. ``--hypothesis-seed`` given on the command line still wins.
+    With ``CI`` set hypothesis loads its "ci" profile, which derandomises:
+    every CI run drew the same examples whatever the seed. Its other settings
+    are kept, not that one (a ``--hypothesis-profile`` given still wins).
     """
+    settings.register_profile("speedswap", parent=settings.default, derandomize=False)
+    settings.load_profile("speedswap")
     if config.getoption("hypothesis_seed", default=None) is None:
         config.option.hypothesis_seed = os.environ.get("SPEEDSWAP_SEED", str(fresh_seed()))
 

@@ -23,12 +23,13 @@ def test_draws(n):
 '''
 
 
-def run_drawing_test(directory, speedswap_seed):
+def run_drawing_test(directory, speedswap_seed, ci):
     """Run DRAWING_TEST under tests/conftest.py in a fresh pytest process.
 
     Args:
         directory: an empty directory of the test's own; the run's files go there.
         speedswap_seed: the SPEEDSWAP_SEED to run with, or None to leave it unset.
+        ci: run with ``CI`` set (hypothesis then loads its "ci" profile), else with it unset.
 
     Returns:
         (the hypothesis seed the run printed, the examples it drew in order).
@@ -36,7 +37,9 @@ def run_drawing_test(directory, speedswap_seed):
     shutil.copy(Path(__file__).with_name("conftest.py"), directory)
     (directory / "test_draws.py").write_text(DRAWING_TEST)
     (directory / "draws.txt").unlink(missing_ok=True)
-    env = {name: value for name, value in os.environ.items() if name != "SPEEDSWAP_SEED"}
+    env = {name: value for name, value in os.environ.items() if name not in ("SPEEDSWAP_SEED", "CI")}
+    if ci:
+        env["CI"] = "true"
     if speedswap_seed is not None:
         env["SPEEDSWAP_SEED"] = str(speedswap_seed)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "test_draws.py"],
@@ -48,10 +51,13 @@ def run_drawing_test(directory, speedswap_seed):
 
 
 @pytest.mark.slow  # three pytest processes, each importing torch
-def test_the_printed_seed_replays_a_hypothesis_run_and_an_unseeded_run_is_fresh(tmp_path):
-    first_seed, first = run_drawing_test(tmp_path, None)
-    second_seed, second = run_drawing_test(tmp_path, None)
+@pytest.mark.parametrize("ci", [False, True], ids=["local", "CI"])
+def test_the_printed_seed_replays_a_hypothesis_run_and_an_unseeded_run_is_fresh(tmp_path, ci):
+    """Under CI hypothesis's "ci" profile derandomised every run: the same examples each time
+    whatever the seed, so CI never drew fresh ones (this test failed there, same draws)."""
+    first_seed, first = run_drawing_test(tmp_path, None, ci)
+    second_seed, second = run_drawing_test(tmp_path, None, ci)
     # No SPEEDSWAP_SEED: a fresh seed each run, and another seed draws other examples.
     assert second_seed != first_seed and second != first
-    replay_seed, replayed = run_drawing_test(tmp_path, first_seed)
+    replay_seed, replayed = run_drawing_test(tmp_path, first_seed, ci)
     assert replay_seed == first_seed and replayed == first
