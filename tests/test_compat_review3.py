@@ -87,12 +87,17 @@ def test_tables_handed_out_mid_step_are_refused_without_a_cache_too(backend, rng
     """Without a cache, u.table, getTorchVar(), to_numpy() and o.state handed out the host tables
     between optimizer.step() and after_step, which hold the step's rows and state as before the
     step: reads showed them stale. With a cache they were refused; now both are. The refusal says
-    where the rows and their state are read instead, and that is what memory holds."""
+    where the rows and their state are read instead, and that is what memory holds. The table is
+    in device memory (CPUPinn=False), so to_numpy() hands out no view but a read-only copy, which
+    holds the step's rows as memory does, as getNumpyVersion() does."""
     device, emb, opt, u, o, reference, ref_opt = _adagrad_switched(backend, rng, cache_rows)
     for _ in range(STEPS):
         ids, local = _step_before_after_step(rng, device, emb, opt, u, o, reference, ref_opt)
+        copy = u.to_numpy()
+        np.testing.assert_allclose(copy, reference.weight.detach().cpu().numpy(), rtol=1e-5, atol=1e-6)
+        assert not copy.flags.writeable
         for name, call in (("table", lambda: u.table), ("getTorchVar", u.getTorchVar),
-                           ("to_numpy", u.to_numpy), ("state", lambda: o.state)):
+                           ("state", lambda: o.state)):
             with pytest.raises(ss.StateError, match="before afterOptimizerStep") as refused:
                 call()
             # The ways to the rows and their state now: a copy of the table, and the optimizer's
