@@ -1024,6 +1024,9 @@ class HostTable:
         Host tables yield views of their own memory; a device table yields one
         chunk-sized host copy at a time, so no full-size copy is ever made. A
         bfloat16 table yields float32 chunks (exact; numpy has no bfloat16).
+        A copy is read-only, on every backend (a ``device`` table's on the
+        numpy backend too, as :meth:`to_numpy`'s): a write into it could not
+        reach the table, so it raises numpy's ValueError.
         The :meth:`watch_reads` method runs as the first chunk is taken, not
         at the call: a writer checks its path first, and a refused write
         leaves an owner's cache as it was.
@@ -1032,7 +1035,14 @@ class HostTable:
             numpy.ndarray chunks of consecutive rows.
         """
         for _, _, chunk in self._row_chunks(writing=False):
-            yield (chunk.float() if self.dtype is torch.bfloat16 else chunk).cpu().numpy()
+            if self.dtype is not torch.bfloat16 and self.viewable:
+                yield chunk.numpy()
+                continue
+            # copy=True: a CPU backend's device memory is the process's own, and .cpu() would return it.
+            rows = chunk.float().cpu() if self.dtype is torch.bfloat16 else chunk.to("cpu", copy=True)
+            array = rows.numpy()
+            array.flags.writeable = False
+            yield array
 
     def save(self, path, dataset: str = "table") -> None:
         """Write the table to ``path`` (``.npy`` or ``.h5``) atomically.

@@ -192,6 +192,32 @@ def test_to_numpy_of_a_device_table_is_a_read_only_copy_on_every_backend(backend
     table.close()
 
 
+@pytest.mark.parametrize("storage, dtype", [("device", torch.float32), ("device", torch.bfloat16),
+                                            ("pageable", torch.bfloat16), ("pageable", torch.float32)],
+                         ids=["device", "device-bfloat16", "pageable-bfloat16", "pageable"])
+def test_host_chunks_are_the_tables_memory_or_read_only_copies(backend, rng, storage, dtype):
+    """A chunk that is not the table's memory (a device table's rows, bfloat16 widened) is a copy, on
+    every backend: a write into it, which could not reach the table, raises. A CPU device table's
+    chunks were views of its memory, so a write through one reached the table in CI and went nowhere,
+    silently, on a GPU; a host table's float chunks are its memory on every backend."""
+    ref = random_rows(rng, (40, 6), np.float32)
+    table = ss.HostTable.from_numpy(torch.from_numpy(ref).to(dtype), storage=storage, backend=backend)
+    before = table.gather(np.arange(40)).float().cpu().numpy()
+    chunks = list(table.host_chunks())
+    np.testing.assert_array_equal(np.concatenate(chunks), before)
+    own_memory = storage != "device" and dtype is not torch.bfloat16
+    for chunk in chunks:
+        assert chunk.flags.writeable == own_memory
+        if own_memory:
+            chunk[0] = 7.0
+            before[0] = 7.0  # only one chunk at this size: row 0 is the table's
+        else:
+            with pytest.raises(ValueError, match="read-only"):
+                chunk[0] = 7.0
+    np.testing.assert_array_equal(table.gather(np.arange(40)).float().cpu().numpy(), before)
+    table.close()
+
+
 @pytest.mark.parametrize("name", ["t.npy", "t.h5"])
 def test_a_file_loads_into_a_device_table_whole(backend, rng, tmp_path, name):
     """A load into a new device table (HostTable.load, OffloadedEmbedding.from_pretrained) reads the
