@@ -1132,9 +1132,9 @@ class HostTable:
     def load_target(self) -> torch.Tensor:
         """The table's own memory, for a load to write every row into: not a view handed out.
 
-        For :func:`~speedswap.files.read_table` and
-        :meth:`~speedswap.files.StagedRows.commit`, which write the rows and
-        keep no reference to it. :attr:`viewed` does not follow it: a device
+        For :func:`~speedswap.files.read_table`,
+        :meth:`~speedswap.files.StagedRows.commit` and a switcher's
+        ``loadTorch``, which write the rows and keep no reference to it. :attr:`viewed` does not follow it: a device
         table's :meth:`as_tensor` counts as alive for good, and an owner's
         cache would keep no rows after every load. The caller has run the
         :meth:`watch_writes` method (or the table is new), so nothing is

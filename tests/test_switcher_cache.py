@@ -211,6 +211,41 @@ def test_a_copy_of_a_device_table_leaves_the_cache_as_it_is(copy, rng, backend):
     assert counts[1] == counts[0]
 
 
+@pytest.mark.parametrize("storage", ["device", "pageable"])
+def test_torch_files_leave_the_cache_working(storage, rng, backend, tmp_path):
+    """saveTorch copied the table through ``as_tensor()``, which a device table (``CPUPinn=False``)
+    counts as a view alive for good: after one saveTorch (or loadTorch, which wrote through it) the
+    cache kept no row again, and every later step fetched its rows from the table. A host table's
+    cache gave its rows up too. A saveTorch must leave the cache as a saveCupy does, and a loadTorch
+    as a loadCupy does (rows dropped, cached again by the next steps)."""
+    table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    batches = _batches(rng, backend, 12)
+    saved, _ = _sparse_adam_in_memory(table0, batches[:8], backend)
+    expected, _ = _sparse_adam_in_memory(table0, batches, backend)
+    counts = {}
+    for calls in ("none", "saveTorch", "saveCupy+loadCupy", "saveTorch+loadTorch"):
+        model, opt, u, o = _pair(backend, 20, table0, eps=1e-30, storage=storage)
+        _train(model, opt, u, o, batches[:8])
+        assert bool(u._steps.cache.dirty.any())  # trained rows only in the cache: the save must read them
+        pt, npy = tmp_path / f"{calls}.pt", tmp_path / f"{calls}.npy"
+        if "Torch" in calls:
+            u.saveTorch(pt)
+            np.testing.assert_allclose(torch.load(pt).numpy(), saved, **TOL)
+        if calls == "saveCupy+loadCupy":
+            u.saveCupy(npy)
+            u.loadCupy(npy)
+        if calls == "saveTorch+loadTorch":
+            u.loadTorch(pt)
+        _train(model, opt, u, o, batches[8:])
+        np.testing.assert_allclose(u.getNumpyVersion(), expected, **TOL, err_msg=calls)
+        counts[calls] = {k: v for k, v in u.stats()["total"].items() if "d2h" not in k}
+        u.close()
+        o.close()
+    assert counts["none"]["hits"] > 0
+    assert counts["saveTorch"] == counts["none"]
+    assert counts["saveTorch+loadTorch"] == counts["saveCupy+loadCupy"]
+
+
 def test_stats_are_shared_and_prefetched_rows_hit(backend, rng):
     table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
     model, opt, u, o = _pair(backend, 8, table0, opt=torch.optim.SGD)

@@ -32,7 +32,7 @@ import torch
 from ..atomic import as_path, atomic_output, check_regular_file
 from ..convert import bool_option, host_tensor, initialiser_option, int_option
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
-from ..table import HostTable
+from ..table import HostTable, loading_into
 from .steps import MODEL
 from .switcher import Switcher, device_of, storage_of, weight_of
 
@@ -573,7 +573,9 @@ class ModelFactory(Switcher):
         if _is_torch_file(saveFileName):
             self._check_saving()
             self.flush()
-            tensor = self._table.as_tensor().cpu().clone()
+            # A copy, as getNumpyVersion's: as_tensor() would count as a view handed out (a device
+            # table's for good), and the cache would give up its rows.
+            tensor = host_tensor(self._table.owner_copy(), self._table.dtype)
             # Written beside the target and renamed over it, as every save is: a failed write
             # (a full disk) leaves the previous file whole.
             with atomic_output(saveFileName) as temporary, open(temporary, "wb") as file:
@@ -627,8 +629,10 @@ class ModelFactory(Switcher):
                     f"datatype={str(tensor.dtype).removeprefix('torch.')!r})" if tensor.dim() == 2 else "")
             raise FileFormatError(f"{os.fspath(loadFileName)!r} holds {what}, but this table is "
                                   f"{self._table.shape} {self._table.dtype}; {fix}")
-        with self._rewriting("loadTorch"):
-            self._table.as_tensor().copy_(tensor)
+        # load_target(), as every load: as_tensor() would count as a view handed out (a device
+        # table's for good), and the cache would keep no rows from then on.
+        with self._rewriting("loadTorch"), loading_into([self._table], loadFileName):
+            self._table.load_target().copy_(tensor)
 
     def getTorchVar(self) -> torch.Tensor:
         """SpeedTorch's ``getTorchVar``: the full table as a torch tensor sharing its memory.
