@@ -792,6 +792,35 @@ def test_a_model_factory_alone_with_per_row_optimizer_state_is_refused_at_the_st
         np.testing.assert_allclose(u.getNumpyVersion(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_lbfgs_stepping_a_model_factory_alone_is_refused_before_any_row_changes(backend, table0, rng):
+    """LBFGS keeps its history (search directions, the last gradient) over every element of the
+    working set, flattened: not shaped like the parameter, so a ModelFactory alone let it through,
+    and from the second step on it moved this step's rows along directions of another step's rows
+    (0.30 from in-memory LBFGS after two steps). No OptimizerFactory can switch that state: the
+    refusal says to step the embedding with another optimizer."""
+    device = ss.get_backend(backend).device
+    model = SkipGram().to(device)
+    u = ss.ModelFactory(model.u_embeddings, ROWS, DIM, storage="pageable", backend=backend)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.LBFGS(model.u_embeddings.parameters(), lr=0.5, max_iter=3)
+    for pos, neg, ctx in zipf_batches(rng, 3, device, num_rows=ROWS):
+        lp, ln = u.before_forward(pos, neg)
+
+        def closure():
+            opt.zero_grad()
+            loss = skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), ctx)
+            loss.backward()
+            return loss
+
+        before = model.u_embeddings.weight.detach().clone()
+        with pytest.raises(ss.OptionError, match="LBFGS .*element-wise optimizer"):
+            opt.step(closure)
+        assert torch.equal(model.u_embeddings.weight, before)
+        opt.zero_grad()
+        u.after_step(pos, neg)
+    np.testing.assert_array_equal(u.getNumpyVersion(), table0)
+
+
 def test_a_frozen_embedding_of_a_model_factory_alone_may_sit_in_a_stateful_optimizer(backend, table0):
     """Adam skips a parameter without a gradient, so there is no state to mix."""
     device = ss.get_backend(backend).device

@@ -662,12 +662,30 @@ _STEPS = WeakIdKeyDictionary()
 
 
 def _keeps_row_state(optimizer, param) -> bool:
-    """Whether ``optimizer`` keeps state per element of ``param`` (Adam's moments, SGD's momentum)."""
+    """Whether ``optimizer`` keeps state per element of ``param`` (Adam's moments, SGD's momentum, LBFGS's history)."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        # Its history spans every element of its parameters, flattened: shaped like none of them,
+        # and none yet at the first step, which the state's shapes below would let through.
+        return True
     try:
         return bool(row_state_spec(optimizer, param))
     except OptionError:  # a class speedswap does not know: judge by the state it has made
         state = optimizer.state.get(param, {})
         return any(isinstance(v, torch.Tensor) and v.shape == param.shape for v in state.values())
+
+
+def _row_state_instead(optimizer, param) -> str:
+    """What to do instead of stepping a ModelFactory alone with ``optimizer``, which keeps per-row state."""
+    try:
+        row_state_spec(optimizer, param)
+    except OptionError:  # LBFGS, or a class speedswap does not know: an OptimizerFactory refuses it too
+        return (f"An OptimizerFactory cannot switch {type(optimizer).__name__}'s state either (speedswap "
+                f"moves the state of the element-wise optimizers it knows only): step the embedding "
+                f"with such an element-wise optimizer and an OptimizerFactory, or with SGD without "
+                f"momentum (stateless), and the model's other parameters with "
+                f"{type(optimizer).__name__}")
+    return ("Build an OptimizerFactory(optimizer, ...) for this embedding too (it switches the state "
+            "rows with the embedding's), or use a stateless optimizer (SGD without momentum)")
 
 
 def _check_switched_steps(optimizer, args, kwargs):
@@ -723,9 +741,7 @@ def _check_switched_params(optimizer):
             raise OptionError(
                 f"{type(optimizer).__name__} keeps state per row of the embedding, but only a "
                 f"ModelFactory switches its rows: each step's slots hold other rows, so one row's "
-                f"state would move another. Build an OptimizerFactory(optimizer, ...) for this "
-                f"embedding too (it switches the state rows with the embedding's), or use a "
-                f"stateless optimizer (SGD without momentum)")
+                f"state would move another. {_row_state_instead(optimizer, param)}")
         steps.current.stepping = True  # the tables fall behind the step's rows (tables_behind)
 
 
