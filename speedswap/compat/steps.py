@@ -67,7 +67,7 @@ class _Step:
         self.begun = set()  # kinds whose before_forward joined the step
         self.ended = set()  # kinds whose after_step ended their part
         self.stepped = False  # the OptimizerFactory's optimizer.step() finished within the step
-        self.stepping = False  # an optimizer.step() over the parameter began (see _check_switched_steps)
+        self.stepping = False  # an optimizer.step() over the parameter may have changed rows (_check_switched_steps)
         self.version = version  # the parameter's version when the step began (see tables_behind)
         self.grad = grad  # (param.grad, its version) when the step began, or None
 
@@ -604,8 +604,9 @@ class SharedSteps:
     def tables_behind(self) -> bool:
         """Whether the tables hold the step's rows or their state as before changes made since it began.
 
-        From an ``optimizer.step()`` over the parameter (marked before it runs,
-        by :func:`_check_switched_steps`), or with a ModelFactory an in-place
+        From an ``optimizer.step()`` over the parameter (marked by
+        :func:`_check_switched_steps` as it begins, or once its closure
+        returned: the optimizer changes no row before), or with a ModelFactory an in-place
         write into the parameter (``nn.Embedding(max_norm=...)`` renormalises
         the rows its forward looks up), until the step's rows are stored (the
         ModelFactory's after_step; a lone OptimizerFactory's). Before that the
