@@ -605,11 +605,24 @@ def test_nn_embeddings_positional_padding_idx_is_refused_saying_to_pass_it_by_ke
     assert isinstance(refused.value, TypeError)  # as Python's, for code that catches that
     assert not (tmp_path / "emb").exists()  # nothing was built: no table file, no random rows drawn
     assert torch.equal(torch.get_rng_state(), generator)
-    with pytest.raises(ss.OptionError, match=r"max_rows must be a positive int, got None"):
-        cls(10, 3, storage="mmap", path=tmp_path / "emb", backend="numpy", padding_idx=padding_idx)
-    assert not (tmp_path / "emb").exists()
     emb = cls(10, 3, padding_idx=padding_idx, max_rows=4, backend="numpy").eval()  # the keyword way works
     np.testing.assert_array_equal(emb(torch.tensor([padding_idx])).detach().numpy(), np.zeros((1, 3)))
+
+
+@pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
+def test_a_missing_max_rows_is_refused_saying_it_is_required_and_what_it_is(cls, rng, tmp_path):
+    """``cls(n, d)`` without ``max_rows`` said "max_rows must be a positive int, got None", as if the
+    user had passed None: not that the argument is required, nor how to choose it."""
+    num_rows, dim = int(rng.integers(5, 50)), int(rng.integers(1, 9))
+    generator = torch.get_rng_state()
+    with pytest.raises(ss.OptionError, match=rf"{cls.__name__} needs max_rows=.*distinct rows.*"
+                                            r"CapacityError") as refused:
+        cls(num_rows, dim, storage="mmap", path=tmp_path / "emb", backend="numpy")
+    assert "got None" not in str(refused.value)
+    assert not (tmp_path / "emb").exists()  # nothing was built: no table file, no random rows drawn
+    assert torch.equal(torch.get_rng_state(), generator)
+    with pytest.raises(ss.OptionError, match=r"max_rows must be a positive int, got 0"):
+        cls(num_rows, dim, max_rows=0, backend="numpy")  # a wrong value is still named as such
 
 
 @pytest.mark.parametrize("source", ["array", "tensor", "npy"])

@@ -32,8 +32,8 @@ from .leftover import untouched
 from .module_state import (check_tables_state, copy_tables, missing_hint, note_loaded, refused_after,
                            tables_state, unpicklable)
 from .one_optimizer import claim
-from .options import (embedding_dtype, embedding_flags, forward_ids, outside_function_transforms, padding_option,
-                      refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
+from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
+                      padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
                         take_assigned)
@@ -171,8 +171,7 @@ class OffloadedEmbedding(RefusesConversion):
         refuse_max_norm("OffloadedEmbedding", max_norm, norm_type, "emb.table.apply_")
         num_embeddings = int_option(num_embeddings, "num_embeddings")
         embedding_dim = int_option(embedding_dim, "embedding_dim")
-        max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
-                                  "step may touch)"), num_embeddings)
+        max_rows = max_rows_option(max_rows, num_embeddings, "OffloadedEmbedding", "one step")
         cache_rows = min(int_option(cache_rows, "cache_rows", minimum=0), num_embeddings)
         dtype = embedding_dtype(dtype)
         padding_idx = padding_option(padding_idx, num_embeddings)

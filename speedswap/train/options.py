@@ -10,7 +10,7 @@ import torch
 from ..convert import bool_option, int_option, torch_dtype
 from ..errors import DTypeError, OptionError
 
-__all__ = ["padding_option", "embedding_dtype", "embedding_flags", "refuse_max_norm", "refuse_other_arguments",
+__all__ = ["max_rows_option", "padding_option", "embedding_dtype", "embedding_flags", "refuse_max_norm", "refuse_other_arguments",
            "forward_ids", "refuse_bag_arguments", "outside_function_transforms"]
 
 _POOLING = ("it looks rows up and pools none: look a step's flat ids up in one call and pool the rows per "
@@ -24,6 +24,28 @@ _BAG_INSTEAD = {
     "include_last_offset": _POOLING,
     "per_sample_weights": "it is nn.EmbeddingBag's forward argument, and " + _POOLING,
 }
+
+
+def max_rows_option(max_rows, num_embeddings: int, who: str, per: str) -> int:
+    """``max_rows``, the working set's capacity, as an int no larger than ``num_embeddings``.
+
+    Args:
+        max_rows: as given (required: None means it was left out).
+        num_embeddings: rows of the whole table (a capacity beyond them is never needed).
+        who: the class, for the message.
+        per: who looks the rows up in one step (``"one step"``, ``"this rank in one step"``).
+
+    Raises:
+        OptionError: left out, or not a positive int.
+    """
+    what = f"the most distinct rows {per} may look up"
+    if max_rows is None:
+        raise OptionError(f"{who} needs max_rows=: {what}, all of the step's forwards together (each "
+                          f"row once however often its id repeats). It sizes the device working set "
+                          f"(max_rows x embedding_dim); a step that needs more raises CapacityError "
+                          f"saying how many it needed. The number of ids a step looks up is a safe "
+                          f"bound")
+    return min(int_option(max_rows, "max_rows", hint=f" ({what})"), num_embeddings)
 
 
 def padding_option(padding_idx, num_embeddings: int) -> Optional[int]:

@@ -46,8 +46,8 @@ from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE
                        Exchange, count_by_owner, owner_starts, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
-from .options import (embedding_dtype, embedding_flags, forward_ids, outside_function_transforms, padding_option,
-                      refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
+from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
+                      padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
 from .step_hooks import StepHooks
@@ -191,8 +191,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         scale_grad_by_freq, sparse = embedding_flags(scale_grad_by_freq, sparse)
         path = None if path is None else as_path(path)
         embedding_dim = int_option(embedding_dim, "embedding_dim")
-        max_rows = min(int_option(max_rows, "max_rows", hint=" (the most distinct rows one "
-                                  "rank looks up in one step)"), num_embeddings)
+        max_rows = max_rows_option(max_rows, num_embeddings, "ShardedOffloadedEmbedding",
+                                   "this rank in one step")
         dtype = embedding_dtype(dtype)
         backend = get_backend(backend, device)
         self._exchange = Exchange(process_group, backend.device)
