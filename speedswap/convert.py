@@ -17,7 +17,7 @@ from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 __all__ = ["int_option", "bool_option", "initialiser_option", "float_option", "check_rows", "check_dense",
            "check_has_values", "check_not_masked", "as_host_rows", "as_values_array", "as_host_array",
            "as_row_ids", "as_row_ids_deferred", "bounds_check", "read_bounds", "as_id_tensor", "check_id_range",
-           "as_row_values", "torch_dtype", "numpy_dtype", "host_tensor"]
+           "as_row_values", "torch_dtype", "numpy_dtype", "host_tensor", "numpy_view"]
 
 
 def int_option(value, name, *, minimum=1, hint=""):
@@ -223,6 +223,26 @@ def host_tensor(array, dtype) -> torch.Tensor:
     return tensor.view(torch.bfloat16) if dtype is torch.bfloat16 else tensor
 
 
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view (no copy) of a CPU tensor, as a table's host memory holds it: :func:`host_tensor` reversed.
+
+    numpy has no bfloat16: a bfloat16 tensor gives its ``uint16`` bit patterns
+    (``numpy_dtype(torch.bfloat16)``), which numpy copies and assigns unchanged.
+
+    Args:
+        tensor: a CPU tensor that does not require grad (``.detach()`` one that does).
+
+    Returns:
+        numpy.ndarray sharing ``tensor``'s memory, whose ``writeable`` flag may be set
+        (a copy's owner hands it out read-only or writable).
+    """
+    if tensor.dtype is torch.bfloat16:
+        # Through int16, not torch.uint16, whose .numpy() not every supported torch has.
+        return tensor.view(torch.int16).numpy().view(_BF16_BITS)
+    # A view of .numpy()'s array: numpy refuses to set that array's own WRITEABLE flag to True.
+    return tensor.numpy().view()
+
+
 def check_rows(shape, what="the data") -> tuple:
     """The shape of one row of data shaped ``shape``, which needs rows along its first axis.
 
@@ -373,7 +393,7 @@ def as_host_rows(array, what="the array") -> tuple:
         check_has_values(array, what)
         tensor = array.detach().cpu().resolve_neg()  # a lazy negation (z.conj().imag): .numpy() refuses it
         if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16: copy the bit patterns
-            return tensor.view(torch.int16).numpy().view(numpy_dtype(torch.bfloat16)), torch.bfloat16
+            return numpy_view(tensor), torch.bfloat16
         torch_dtype(tensor.dtype)  # a DTypeError naming the dtypes a table holds, not numpy's TypeError
         array = tensor.numpy()
     else:

@@ -27,7 +27,8 @@ from .atomic import as_path
 from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
 from .convert import (ROWS_ADVICE, as_host_rows, as_row_ids, as_row_values, bool_option, check_not_masked,
-                      float_option, host_tensor, initialiser_option, int_option, numpy_dtype, torch_dtype)
+                      float_option, host_tensor, initialiser_option, int_option, numpy_dtype, numpy_view,
+                      torch_dtype)
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      PathError, ShapeError, StateError)
 from .live import Registry
@@ -1208,10 +1209,8 @@ class HostTable:
         self._backend.wait_host(buffer)
         if buffer.host is not None:
             return np.array(buffer.host, copy=True)
-        # numpy has no bfloat16: the rows' bit patterns, as a host table's memory holds them.
-        rows = buffer.tensor.view(torch.int16) if self.dtype is torch.bfloat16 else buffer.tensor
         # copy=True: on the CPU backend the device memory is the process's own, and .cpu() returns it.
-        return rows.to("cpu", copy=True).numpy().view(numpy_dtype(self.dtype))
+        return numpy_view(buffer.tensor.to("cpu", copy=True))
 
     def flush(self):
         """Wait for pending device writes; an ``mmap`` table also flushes its file."""

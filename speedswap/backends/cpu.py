@@ -14,7 +14,7 @@ import os
 import numpy as np
 import torch
 
-from ..convert import host_tensor, numpy_dtype, torch_dtype
+from ..convert import host_tensor, numpy_dtype, numpy_view, torch_dtype
 from .base import Backend, Buffer
 
 __all__ = ["NumpyBackend", "anonymous_array", "huge_page_array", "available_ram", "assign_rows"]
@@ -163,8 +163,7 @@ class NumpyBackend(Backend):
         if target is None:
             # A device buffer hands out no host view (see allocate), yet its memory is the CPU's:
             # numpy's assignment writes it 2-3x faster than index_copy_ (bfloat16 as its bit patterns).
-            tensor = buffer.tensor
-            target = (tensor.view(torch.int16) if tensor.dtype is torch.bfloat16 else tensor).numpy()
+            target = numpy_view(buffer.tensor)
         assign_rows(target, rows, values)
 
 
@@ -175,12 +174,9 @@ def assign_rows(target: np.ndarray, rows: torch.Tensor, values: torch.Tensor) ->
     259 us for 4,900 rows of 100 floats, 7% of a word2vec training step).
 
     Args:
-        target: the rows' home, a 2-D numpy array (bfloat16 held as 16-bit patterns,
-            see ``convert.numpy_dtype``).
+        target: the rows' home, a 2-D numpy array (bfloat16 held as its ``uint16`` bit
+            patterns, see ``convert.numpy_view``).
         rows: unique int64 row ids, a CPU tensor.
-        values: ``(len(rows), dim)`` CPU tensor of the target's dtype.
+        values: ``(len(rows), dim)`` CPU tensor of the table's dtype.
     """
-    source = values.detach()
-    if source.dtype is torch.bfloat16:  # numpy has no bfloat16: move the bit patterns
-        source = source.view(torch.int16)
-    target[rows.numpy()] = source.numpy().view(target.dtype)
+    target[rows.numpy()] = numpy_view(values.detach())
