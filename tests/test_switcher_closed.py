@@ -164,3 +164,42 @@ def test_every_public_call_of_a_replaced_switcher_says_it_was_replaced(backend, 
     untouched = np.setdiff1d(np.arange(ROWS), touched)
     np.testing.assert_array_equal(trained[untouched], table[untouched])
     assert (trained[touched] != table[touched]).all(axis=1).all()
+
+
+def test_a_table_kept_from_a_replaced_switcher_refuses_writes_and_still_reads(backend, rng, tmp_path):
+    """A ModelFactory's ``table`` or an OptimizerFactory's state table taken before a newer switcher
+    replaced it took scatter, apply_, the initialisers and load_from, into rows nothing trains any
+    more: the writes were lost, silently. Reads stay: its rows are as trained until the replacement."""
+    model, opt, old_u, old_o, ids, _ = _switchers(rng, backend)
+    old_u.customInit(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+    kept = {("ModelFactory", "table"): old_u.table}
+    for name, state_table in old_o.state.tables.items():
+        state_table.apply_(lambda t: t.copy_(torch.from_numpy(rng.random((ROWS, DIM), dtype=np.float32))))
+        kept[("OptimizerFactory", name)] = state_table
+    rows = {key: table.to_numpy(copy=True) for key, table in kept.items()}
+    for key, table in kept.items():
+        table.save(tmp_path / f"{key[1]}.npy")  # a file of the right shape for load_from
+    u = ss.ModelFactory(model, ROWS, DIM, backend=backend)
+    o = ss.OptimizerFactory(opt, ROWS, DIM, torch.nn.ModuleDict({"e": model}), "e", backend=backend)
+    assert len(kept) == 3  # the table, Adam's exp_avg and exp_avg_sq
+
+    some = torch.from_numpy(np.unique(rng.integers(0, ROWS, BATCH)))
+    for (cls, name), table in kept.items():
+        newer = "table" if cls == "ModelFactory" else "state.tables"
+        writes = [lambda: table.scatter(some, torch.from_numpy(rng.standard_normal((len(some), DIM),
+                                                                                    dtype=np.float32))),
+                  lambda: table.apply_(torch.Tensor.mul_, 2.0),
+                  table.zero_, table.uniform_, table.normal_,
+                  lambda: table.load_from(tmp_path / f"{name}.npy")]
+        for write in writes:
+            with pytest.raises(ss.StateError, match=rf"its {cls} was replaced by a newer {cls} of the same "
+                                                    rf"embedding.*write into the newer {cls}'s {newer}"):
+                write()
+            np.testing.assert_array_equal(table.to_numpy(copy=True), rows[cls, name])  # refused before any row changed
+        np.testing.assert_array_equal(table.gather(some).cpu().numpy(), rows[cls, name][some.numpy()])
+    # What the rows are still good for: copying them into the newer switchers' tables.
+    u.table.load_from(tmp_path / "table.npy")
+    for name, state_table in o.state.tables.items():
+        state_table.scatter(torch.arange(ROWS), kept["OptimizerFactory", name].gather(torch.arange(ROWS)))
+        np.testing.assert_array_equal(state_table.to_numpy(copy=True), rows["OptimizerFactory", name])
+    np.testing.assert_array_equal(u.getNumpyVersion(), rows["ModelFactory", "table"])

@@ -471,7 +471,9 @@ class ModelFactory(Switcher):
         ``load_from``), through any reference to it, a kept one too, see the
         cache's rows and reach the next step (see :meth:`_prepare_table_write`).
         Writes are refused between before_forward and after_step, which
-        would write the step's rows back over them; reads from
+        would write the step's rows back over them, and once a newer
+        ModelFactory replaced this one (reads then still see the rows as
+        trained until the replacement); reads from
         ``optimizer.step()`` until after_step (:meth:`_prepare_table_read`),
         where the table holds the step's rows as before the step; before
         ``optimizer.step()`` they read what memory holds. A view
@@ -500,11 +502,12 @@ class ModelFactory(Switcher):
 
         Raises:
             StateError: between before_forward and after_step, which writes
-                the step's rows back over the write; nothing changes.
+                the step's rows back over the write, or once a newer
+                ModelFactory replaced this one; nothing changes.
         """
-        if self._is_member():
-            self._check_idle("a write into the table")
-            self._steps.hand_out("a write into the table")
+        self._refuse_write_when_replaced("table")
+        self._check_idle("a write into the table")
+        self._steps.hand_out("a write into the table")
 
     def to_numpy(self, copy: bool = False) -> np.ndarray:
         """The table as a numpy array (the table's own memory for host storage, unless ``copy``; for

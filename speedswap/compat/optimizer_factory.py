@@ -258,10 +258,12 @@ class OptimizerFactory(Switcher):
 
         Raises:
             StateError: between before_forward and after_step, which writes the
-                step's state rows back over the write; nothing changes.
+                step's state rows back over the write, or once a newer
+                OptimizerFactory replaced this one; nothing changes.
         """
-        if self._resetting or not self._is_member():
+        if self._resetting:
             return
+        self._refuse_write_when_replaced("state.tables")
         self._check_idle("a write into the optimizer state")
         self._steps.hand_out("a write into the optimizer state")
 
@@ -274,7 +276,8 @@ class OptimizerFactory(Switcher):
         without a cache. Reads through the tables' methods (``to_numpy``,
         ``gather``, ...) and writes between steps (``apply_``, ``scatter``,
         ...), through any reference to them, see the cache's state rows and
-        reach the next step (see :meth:`_prepare_state_write`); reads are
+        reach the next step (see :meth:`_prepare_state_write`); writes are
+        refused once a newer OptimizerFactory replaced this one; reads are
         refused from ``optimizer.step()`` until the ModelFactory's
         ``after_step`` (this switcher's own, without one), a kept table's too
         (:meth:`_prepare_table_read`): the tables hold the step's state rows

@@ -184,6 +184,27 @@ class Switcher(SpeedTorchFiles):
                          f"same embedding; use the newer one (close() this one to release its "
                          f"{self._after_close[0]})")
 
+    def _refuse_write_when_replaced(self, newer):
+        """Raise before a write into this switcher's table once a newer switcher replaced it.
+
+        For the tables' :meth:`HostTable.watch_writes` hooks: a table kept from
+        before the replacement (``old.table``) no longer trains, so a write into
+        it would be lost. Its reads stay allowed: it holds the rows as trained
+        until the replacement, which may be copied into the newer switcher's table.
+
+        Args:
+            newer: the newer switcher's attribute to write into instead (``"table"``).
+
+        Raises:
+            StateError: the switcher was replaced; nothing changes.
+        """
+        if not self._is_member():
+            cls = type(self).__name__
+            raise StateError(f"a write into a table kept from a replaced switcher: its {cls} was replaced "
+                             f"by a newer {cls} of the same embedding, which trains from its own table, so "
+                             f"the write would be lost; write into the newer {cls}'s {newer} instead "
+                             f"(this table's rows can still be read, and copied there)")
+
     def __init__(self, param, total_classes, embed_dimension, dtype, cache_rows, find_param=None):
         _refuse_process_group(type(self).__name__)
         total_classes = int_option(total_classes, "total_classes", hint=" (rows of the full table)")
