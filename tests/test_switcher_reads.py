@@ -105,15 +105,16 @@ def _state_reads(o, kept, path):
     }
 
 
-def _check(reads, expected, current, when, refused_files):
-    """Each read returns ``expected`` when ``current``; else it raises StateError naming afterOptimizerStep."""
+def _check(reads, expected, current, when, refused_files, before="optimizer.step()"):
+    """Each read returns ``expected`` when ``current``; else it raises StateError naming afterOptimizerStep
+    and, as the read that would have worked, one ``before`` what made the tables fall behind."""
     for name, read in reads.items():
         if current:
             np.testing.assert_allclose(read(), expected, rtol=1e-5, atol=1e-6, err_msg=f"{name} {when}")
             continue
         with pytest.raises(ss.StateError, match="afterOptimizerStep") as refused:
             read()
-        assert "before optimizer.step()" in str(refused.value), f"{name} {when}: {refused.value}"
+        assert f"read before {before}" in str(refused.value), f"{name} {when}: {refused.value}"
     if not current:
         assert not [f for f in refused_files() if f.exists()], f"a refused save wrote a file {when}"
 
@@ -248,7 +249,7 @@ def test_reads_after_a_forward_that_renormalised_the_rows_are_refused(backend, r
         assert np.abs(renormalised - memory).max() > 1e-3  # the forward changed rows in memory
         start = len(files)
         _check(_row_reads(u, kept, path), renormalised, False, f"after the forward, step {step}",
-               lambda: files[start:])
+               lambda: files[start:], before="that write")
         np.testing.assert_allclose(u.getNumpyVersion(), renormalised, rtol=1e-5, atol=1e-6)
         (out * weights).sum().backward()
         (ref_out * weights).sum().backward()
@@ -323,3 +324,80 @@ def test_writes_stay_refused_in_every_window_of_a_step(backend, rng, tmp_path, c
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(kept_state.to_numpy(copy=True),
                                ref_opt.state[reference.weight]["sum"].cpu().numpy(), rtol=1e-5, atol=1e-6)
+
+
+
+class _ClimbThenDescend(torch.optim.Optimizer):
+    """SAM's update (Foret et al.) without optimizer state: ``step(closure)`` moves the rows up the
+    gradient in place, calls the closure for the gradient there, then moves back and descends by it."""
+
+    def __init__(self, params, lr, rho):
+        super().__init__(params, {"lr": lr, "rho": rho})
+
+    @torch.no_grad()
+    def step(self, closure):
+        climbs = [(p, group, group["rho"] * p.grad / p.grad.norm())
+                  for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p, _, climb in climbs:
+            p.add_(climb)
+        with torch.enable_grad():
+            loss = closure()
+        for p, group, climb in climbs:
+            p.sub_(climb).sub_(group["lr"] * p.grad)
+        return loss
+
+
+def _by_hand(emb, closure, read):
+    """Plain SGD written out: the closure's gradient, an in-place update under no_grad, then ``read()``."""
+    closure()
+    with torch.no_grad():
+        emb.weight.sub_(0.3 * emb.weight.grad)
+    read()
+
+
+def _sam(emb, closure, read):
+    """A :class:`_ClimbThenDescend` step (stateless: a new one each step is the same), ``read()`` in its closure."""
+    def read_then_closure():
+        read()
+        return closure()
+    _ClimbThenDescend(emb.parameters(), lr=0.3, rho=0.05).step(read_then_closure)
+
+
+@pytest.mark.parametrize("update, cause", [
+    (_by_hand, "an update written by hand"),
+    (_sam, "an optimizer.step(closure) that changed the rows before calling its closure")],
+    ids=["update by hand", "step(closure) writing before its closure"])
+def test_a_read_after_an_in_place_write_without_max_norm_is_refused_naming_what_wrote(
+        backend, rng, update, cause):
+    """Rows written in place between beforeForwardPass and afterOptimizerStep with no optimizer.step()
+    seen yet (a hand-written update; SAM's step(closure), which climbs before its closure runs) leave
+    the tables behind as max_norm's forward does, but the refusal blamed "such as the
+    renormalisation of nn.Embedding(max_norm=...)'s forward" and said to read "before
+    optimizer.step()", neither of which applies. Training still equals the same updates in memory."""
+    device, emb, _, u, _, reference, _ = _switched(backend, rng, 0, False)
+    for step in range(3):
+        ids = _zipf_ids(rng, device)
+        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+        local = u.beforeForwardPass(ids)
+        reads = []
+
+        def refused_read():
+            with pytest.raises(ss.StateError, match="afterOptimizerStep") as refused:
+                u.table.to_numpy(copy=True)
+            reads.append(str(refused.value))
+
+        for module, at, read in ((emb, local, refused_read), (reference, ids, lambda: None)):
+            def closure(module=module, at=at):
+                module.zero_grad()
+                loss = (module(at) * weights).sum()
+                loss.backward()
+                return loss
+            closure()  # the gradient SAM climbs along
+            update(module, closure, read)
+            module.zero_grad()
+        assert len(reads) == 1
+        assert cause in reads[0] and "max_norm" in reads[0], reads[0]  # either writer may have written
+        assert "or read before that write" in reads[0] and "before optimizer.step()" not in reads[0], reads[0]
+        u.afterOptimizerStep(ids)
+        np.testing.assert_allclose(u.getNumpyVersion(), reference.weight.detach().cpu().numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=f"step {step}")

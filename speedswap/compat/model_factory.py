@@ -485,9 +485,9 @@ class ModelFactory(Switcher):
         :meth:`getNumpyVersion` there).
 
         Raises:
-            StateError: from ``optimizer.step()`` (or a forward that renormalised
-                the step's rows in place: ``max_norm``) until after_step (see
-                :meth:`SharedSteps.tables_behind`).
+            StateError: from ``optimizer.step()`` (or an in-place write into the
+                step's rows: a ``max_norm`` forward, an update written by hand)
+                until after_step (see :meth:`SharedSteps.tables_behind`).
         """
         self._steps.hand_out("ModelFactory.table")
         return self._table

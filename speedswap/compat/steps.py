@@ -632,17 +632,22 @@ class SharedSteps:
         if not self.tables_behind():
             return
         if self.current.stepping:
-            since = "optimizer.step()"
+            since = before = "optimizer.step()"
             changed = ("this step's rows and their optimizer state changed in the model's embedding "
                        "and the optimizer")
         else:
-            since = ("an in-place write into the model's embedding since beforeForwardPass, such as the "
-                     "renormalisation of nn.Embedding(max_norm=...)'s forward")
+            # No optimizer.step() seen (one with a closure is seen once its closure returned): the
+            # parameter's version tells only that something wrote the rows in place, not what.
+            since = ("an in-place write into the model's embedding since beforeForwardPass (the "
+                     "renormalisation of an nn.Embedding(max_norm=...) forward, an update written by hand "
+                     "such as weight.sub_(...) under torch.no_grad(), or an optimizer.step(closure) that "
+                     "changed the rows before calling its closure)")
+            before = "that write"
             changed = "this step's rows changed in the model's embedding"
         raise StateError(f"{what} after {since} and before afterOptimizerStep: {changed}, "
                          f"and the tables show them as before until the ModelFactory's "
                          f"afterOptimizerStep writes them back; call afterOptimizerStep first, or read "
-                         f"before optimizer.step() (for the rows now, ModelFactory.getNumpyVersion() "
+                         f"before {before} (for the rows now, ModelFactory.getNumpyVersion() "
                          f"copies the table with the step's rows as they are; their optimizer state, "
                          f"with an OptimizerFactory, is optimizer.state[weight][name] at the local ids "
                          f"ModelFactory.before_forward returned, weight being the model's embedding weight)")
