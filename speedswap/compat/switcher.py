@@ -110,10 +110,8 @@ def _refused_unless_serving(name, member):
 
     @functools.wraps(member)
     def checked(self, *args, **kwargs):
-        if self._closed:
-            self._refuse_closed(name)
-        if not self._is_member():
-            self._refuse_replaced(name)
+        if self._closed or not self._is_member():
+            self._refuse(name)
         return member(self, *args, **kwargs)
 
     checked.refused_unless_serving = True
@@ -162,27 +160,21 @@ class Switcher(SpeedTorchFiles):
         call = name + ("" if isinstance(inspect.getattr_static(type(self), name), property) else "()")
         return f"{type(self).__name__}.{call}"
 
-    def _refuse_closed(self, name):
-        """Raise the refusal of ``name``, a method or property, on a closed switcher.
+    def _refuse(self, name):
+        """Raise the refusal of ``name``, a method or property, on a closed switcher or one replaced by a newer one.
 
         Raises:
             StateError: always.
         """
         cls = type(self).__name__
-        raise StateError(f"{self._call_name(name)}: this {cls} was closed (close() released its "
-                         f"{self._after_close[0]}) and serves the embedding no more; build a new "
-                         f"{cls} {self._after_close[1]}")
-
-    def _refuse_replaced(self, name):
-        """Raise the refusal of ``name``, a method or property, on a switcher replaced by a newer one.
-
-        Raises:
-            StateError: always.
-        """
-        cls = type(self).__name__
-        raise StateError(f"{self._call_name(name)}: this {cls} was replaced by a newer {cls} of the "
-                         f"same embedding; use the newer one (close() this one to release its "
-                         f"{self._after_close[0]})")
+        released, go_on = self._after_close
+        if self._closed:
+            why = (f"was closed (close() released its {released}) and serves the embedding no more; "
+                   f"build a new {cls} {go_on}")
+        else:
+            why = (f"was replaced by a newer {cls} of the same embedding; use the newer one "
+                   f"(close() this one to release its {released})")
+        raise StateError(f"{self._call_name(name)}: this {cls} {why}")
 
     def _refuse_write_when_replaced(self, newer):
         """Raise before a write into this switcher's table once a newer switcher replaced it.
