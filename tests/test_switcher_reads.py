@@ -26,6 +26,19 @@ def _zipf_ids(rng, device):
     return torch.from_numpy(rng.permutation(ROWS)[rng.choice(ROWS, BATCH, p=p / p.sum())]).to(device)
 
 
+def _begin_step(rng, device, switchers):
+    """A step's fresh Zipf ids and output weights, its beforeForwardPass run on each of ``switchers``.
+
+    Returns:
+        ``(ids, weights, local)``: ``local`` the ids to feed the working set.
+    """
+    ids = _zipf_ids(rng, device)
+    weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
+    for switcher in switchers:
+        local = switcher.beforeForwardPass(ids)
+    return ids, weights, local
+
+
 def _switched(backend, rng, cache_rows, stateful, max_norm=None):
     """A switched embedding of a fresh random table and the same table in memory.
 
@@ -156,10 +169,7 @@ def test_every_read_shows_memory_until_optimizer_step_and_again_after_after_step
     check = _reads_against_memory(u, o, reference, ref_opt, tmp_path, stateful, copies)
     switchers = (u, o) if stateful else (u,)
     for step in range(STEPS):
-        ids = _zipf_ids(rng, device)
-        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
-        for switcher in switchers:
-            local = switcher.beforeForwardPass(ids)
+        ids, weights, local = _begin_step(rng, device, switchers)
         check(True, f"after beforeForwardPass, step {step}")
         out, ref_out = emb(local), reference(ids)
         check(True, f"after the forward, step {step}")
@@ -197,10 +207,7 @@ def test_reads_inside_a_step_closure_show_memory_until_the_optimizer_changes_the
                                   {"u.getNumpyVersion()": u.getNumpyVersion})
     switchers = (u, o) if stateful else (u,)
     for step in range(STEPS):
-        ids = _zipf_ids(rng, device)
-        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
-        for switcher in switchers:
-            local = switcher.beforeForwardPass(ids)
+        ids, weights, local = _begin_step(rng, device, switchers)
 
         def closure():
             opt.zero_grad()
@@ -238,10 +245,7 @@ def test_reads_after_a_forward_that_renormalised_the_rows_are_refused(backend, r
         return files[-1]
 
     for step in range(STEPS):
-        ids = _zipf_ids(rng, device)
-        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
-        u.beforeForwardPass(ids)
-        local = o.beforeForwardPass(ids)
+        ids, weights, local = _begin_step(rng, device, (u, o))
         memory = reference.weight.detach().cpu().numpy().copy()
         _check(_row_reads(u, kept, path), memory, True, f"after beforeForwardPass, step {step}", list)
         out, ref_out = emb(local), reference(ids)
@@ -301,10 +305,7 @@ def test_writes_stay_refused_in_every_window_of_a_step(backend, rng, tmp_path, c
                                    rtol=1e-5, atol=1e-6, err_msg=when)
 
     for step in range(STEPS):
-        ids = _zipf_ids(rng, device)
-        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
-        u.beforeForwardPass(ids)
-        local = o.beforeForwardPass(ids)
+        ids, weights, local = _begin_step(rng, device, (u, o))
         check(f"after beforeForwardPass, step {step}")
         out, ref_out = emb(local), reference(ids)
         check(f"after the forward, step {step}")
@@ -376,9 +377,7 @@ def test_a_read_after_an_in_place_write_without_max_norm_is_refused_naming_what_
     optimizer.step()", neither of which applies. Training still equals the same updates in memory."""
     device, emb, _, u, _, reference, _ = _switched(backend, rng, 0, False)
     for step in range(3):
-        ids = _zipf_ids(rng, device)
-        weights = torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)).to(device)
-        local = u.beforeForwardPass(ids)
+        ids, weights, local = _begin_step(rng, device, (u,))
         reads = []
 
         def refused_read():
