@@ -166,6 +166,35 @@ def test_every_public_call_of_a_replaced_switcher_says_it_was_replaced(backend, 
     assert (trained[touched] != table[touched]).all(axis=1).all()
 
 
+def test_a_replaced_switcher_whose_newer_one_was_closed_says_to_build_a_new_one(backend, rng):
+    """Once the newer switcher was closed too, a call of the replaced one (and a write into a table
+    kept from it) still said "use the newer one": a switcher that refuses every call itself."""
+    model, opt, old_u, old_o, _, _ = _switchers(rng, backend)
+    kept = old_u.table
+    u = ss.ModelFactory(model, ROWS, DIM, backend=backend)
+    o = ss.OptimizerFactory(opt, ROWS, DIM, torch.nn.ModuleDict({"e": model}), "e", backend=backend)
+    rows = torch.from_numpy(rng.choice(ROWS, 3, replace=False))
+    values = torch.from_numpy(rng.standard_normal((3, DIM), dtype=np.float32))
+    before = kept.to_numpy(copy=True)
+    u.close()
+    for switcher, cls, newer in ((old_u, "ModelFactory", u), (old_o, "OptimizerFactory", o)):
+        if newer is o:  # while the newer one serves, it is the one to use
+            with pytest.raises(ss.StateError, match=r"replaced by a newer OptimizerFactory of the same "
+                                                    r"embedding; use the newer one"):
+                switcher.stats()
+            o.close()
+        with pytest.raises(ss.StateError, match=rf"^{cls}\.stats\(\): this {cls} was replaced by a newer "
+                                                rf"{cls} of the same embedding, closed since: build a new "
+                                                rf"{cls} ") as refused:
+            switcher.stats()
+        assert "use the newer one" not in str(refused.value)
+    with pytest.raises(ss.StateError, match=r"replaced by a newer ModelFactory.*closed since.*build a new "
+                                            r"ModelFactory") as refused:
+        kept.scatter(rows, values)
+    assert "write into the newer" not in str(refused.value)
+    np.testing.assert_array_equal(kept.to_numpy(copy=True), before)  # refused before any row changed
+
+
 def test_a_table_kept_from_a_replaced_switcher_refuses_writes_and_still_reads(backend, rng, tmp_path):
     """A ModelFactory's ``table`` or an OptimizerFactory's state table taken before a newer switcher
     replaced it took scatter, apply_, the initialisers and load_from, into rows nothing trains any

@@ -140,12 +140,14 @@ class SharedSteps:
         member = self._members.get(kind)
         return member is not None and member.ref() is switcher
 
+    def serving(self, kind) -> bool:
+        """Whether a live switcher of ``kind`` serves the parameter (none once the last one closed)."""
+        member = self._members.get(kind)
+        return member is not None and member.ref() is not None
+
     def alone(self, kind) -> bool:
         """Whether the parameter's live switchers are one of ``kind`` and none of the other kind."""
-        def live(k):
-            member = self._members.get(k)
-            return member is not None and member.ref() is not None
-        return live(kind) and not live(OPTIMIZER if kind == MODEL else MODEL)
+        return self.serving(kind) and not self.serving(OPTIMIZER if kind == MODEL else MODEL)
 
     def busy(self) -> bool:
         """Whether a step is in progress: a switcher began it and has not ended it."""

@@ -171,9 +171,12 @@ class Switcher(SpeedTorchFiles):
         if self._closed:
             why = (f"was closed (close() released its {released}) and serves the embedding no more; "
                    f"build a new {cls} {go_on}")
-        else:
+        elif self._steps.serving(self._kind):
             why = (f"was replaced by a newer {cls} of the same embedding; use the newer one "
                    f"(close() this one to release its {released})")
+        else:
+            why = (f"was replaced by a newer {cls} of the same embedding, closed since: build a new "
+                   f"{cls} {go_on} (close() this one to release its {released})")
         raise StateError(f"{self._call_name(name)}: this {cls} {why}")
 
     def _refuse_write_when_replaced(self, newer):
@@ -192,10 +195,12 @@ class Switcher(SpeedTorchFiles):
         """
         if not self._is_member():
             cls = type(self).__name__
+            instead = (f"write into the newer {cls}'s {newer} instead" if self._steps.serving(self._kind)
+                       else f"that one was closed since: build a new {cls} and write into its {newer}")
             raise StateError(f"a write into a table kept from a replaced switcher: its {cls} was replaced "
                              f"by a newer {cls} of the same embedding, which trains from its own table, so "
-                             f"the write would be lost; write into the newer {cls}'s {newer} instead "
-                             f"(this table's rows can still be read, and copied there)")
+                             f"the write would be lost; {instead} (this table's rows can still be read, "
+                             f"and copied there)")
 
     def __init__(self, param, total_classes, embed_dimension, dtype, cache_rows, find_param=None):
         _refuse_process_group(type(self).__name__)
