@@ -1212,6 +1212,19 @@ class HostTable:
         # copy=True: on the CPU backend the device memory is the process's own, and .cpu() returns it.
         return numpy_view(buffer.tensor.to("cpu", copy=True))
 
+    def _mark_file(self, torn: bool) -> bool:
+        """Mark the ``.npy`` file an ``mmap`` table maps as rewritten in place, or lift the mark.
+
+        For :func:`loading_into` (see :func:`~speedswap.files.mark_npy_torn`).
+
+        Returns:
+            whether the file carries the mark (or carried it): only the
+            table's own ``.npy`` file, still at its path, is marked.
+        """
+        if self.storage != "mmap" or self._path is None or _file_id(self._path) != self._file_id:
+            return False
+        return files.mark_npy_torn(self._path, torn)
+
     def flush(self):
         """Wait for pending device writes; an ``mmap`` table also flushes its file."""
         buffer = self._live_buffer()
@@ -1245,7 +1258,10 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
     loaded and others not. Every one of ``tables`` then refuses use, reads
     included, with a :class:`~speedswap.StateError` that says so, until a
     load into it completes (or it is closed): training on would mix two
-    states. The exception goes on, with a note saying the same.
+    states. The exception goes on, with a note saying the same. The file of
+    an ``mmap`` table says so too, for the processes that open it later:
+    it is marked before the first write and unmarked once every row is
+    written and flushed to disk (:func:`~speedswap.files.mark_npy_torn`).
 
     Args:
         tables: every table the load writes; a refusal left by an earlier
@@ -1253,6 +1269,15 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
         path: the file or checkpoint read (``"state_dict"`` for a state dict's tensors), for the messages.
     """
     tables = list(tables)
+    marked = []  # the mmap tables whose files say "torn" on disk until the writes are done
+    try:
+        for table in tables:
+            if table._mark_file(True):
+                marked.append(table)
+    except BaseException:
+        for table in marked:  # nothing was written yet
+            table._mark_file(False)
+        raise
     for table in tables:
         table._torn = None
     try:
@@ -1267,3 +1292,6 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
         if hasattr(exc, "add_note"):  # Python 3.11+
             exc.add_note(f"speedswap: {why}.")
         raise
+    for table in marked:
+        table.flush()  # the rows on disk before the mark that says they are whole
+        table._mark_file(False)

@@ -1523,3 +1523,49 @@ def test_a_sealed_file_with_a_superblock_of_version_2_or_3_reads_as_damaged_afte
     assert os.waitpid(pid, 0)[1] == 0
     with pytest.raises(ss.FileFormatError, match="is damaged: its metadata checksum does not match"):
         ss.HostTable.load(path, backend="numpy")
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, MemoryError])
+def test_the_files_of_an_mmap_embedding_whose_load_stopped_say_so_until_a_load_completes(
+        rng, tmp_path, monkeypatch, stop):
+    """A load stopped while it wrote an ``mmap`` embedding's tables left their files part the
+    checkpoint's rows, part those before. The process refused the tables, but the files said
+    nothing: ``HostTable.load(path, mmap=True)`` in the next run trained on the mix. Now each file
+    the load writes is marked in its header until the load completes: numpy and speedswap refuse
+    it meanwhile, and speedswap says why."""
+    from speedswap.files import tables as tables_module
+    source = adam_embedding(rng)
+    source.save(tmp_path / "ckpt")
+    saved = {name.removeprefix("optimizer."): rows for name, rows in contents(source).items()}
+    target = ss.OffloadedEmbedding(60, DIM, max_rows=CAPACITY, storage="mmap", path=tmp_path / "tables",
+                                   backend="numpy")
+    target.table.apply_(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((60, DIM), dtype=np.float32))))
+    opt = torch.optim.Adam(target.parameters(), lr=0.01)
+    target.attach(opt)
+    train_step(target, opt, rng, 60)
+    on_disk = {path.stem: path for path in (tmp_path / "tables").glob("*.npy")}
+    assert sorted(on_disk) == sorted(saved)
+    commit, commits = tables_module.StagedRows.commit, []
+
+    def stopped_at_the_second(staged, table, **kwargs):
+        commits.append(table)
+        if len(commits) == 2:  # the first table holds the checkpoint's rows, the others their own
+            raise stop()
+        return commit(staged, table, **kwargs)
+    monkeypatch.setattr(tables_module.StagedRows, "commit", stopped_at_the_second)
+    with pytest.raises(stop):
+        target.load(tmp_path / "ckpt")
+    for path in on_disk.values():
+        with pytest.raises(ss.FileFormatError, match=r"a load into it stopped before it had written every "
+                                                    r"row.*part the load's.*load the checkpoint"):
+            ss.HostTable.load(path, mmap=True, backend="numpy")
+        with pytest.raises(ValueError):  # numpy takes it for no .npy file at all
+            np.load(path, mmap_mode="r")
+    monkeypatch.setattr(tables_module.StagedRows, "commit", commit)
+    target.load(tmp_path / "ckpt")  # a load that completes lifts the mark
+    for name, path in on_disk.items():
+        reopened = ss.HostTable.load(path, mmap=True, backend="numpy")
+        np.testing.assert_array_equal(reopened.to_numpy(), saved[name], err_msg=name)
+        np.testing.assert_array_equal(np.load(path), saved[name], err_msg=name)
+        reopened.close()
+    train_step(target, opt, rng, 60)  # and it trains again

@@ -17,13 +17,62 @@ from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
 
 __all__ = ["read_npy_header", "check_size", "map_npy", "open_npy_memmap", "npy_data_bytes", "create_npy_memmap",
-           "read_npy_into", "read_npy_rows", "write_npy"]
+           "read_npy_into", "read_npy_rows", "write_npy", "mark_npy_torn"]
 
 #: Held while numpy parses a header. It parses with ast.literal_eval, and CPython 3.11's AST
 #: constructor counts its recursion depth per interpreter, not per thread: two threads parsing
 #: at once (two checkpoint loads, a load beside a feeder opening its file) can fail with
 #: "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905).
 HEADER_PARSE = threading.Lock()
+
+
+#: The first bytes of a ``.npy`` file while a load rewrites its rows in place (:func:`mark_npy_torn`):
+#: numpy's magic with one letter changed, as long as it, so that nothing else in the file moves.
+TORN_MAGIC = b"\x93TORNY"
+_NPY_MAGIC = np.lib.format.MAGIC_PREFIX
+
+
+def mark_npy_torn(path, torn: bool) -> bool:
+    """Mark the ``.npy`` file at ``path`` as rewritten in place (``torn``), or lift the mark.
+
+    A load writes an ``mmap`` table's rows into its file in place: stopped
+    midway (Ctrl-C, a crash, the power lost), the file holds part the load's
+    rows, part those before, and reopened it would train on the mix. Marked
+    before the first row changes, the file is refused by
+    :func:`read_npy_header` (numpy takes it for no ``.npy`` file at all) until
+    a load completes and lifts the mark. The mark is on disk when this
+    returns (``fsync``), so lifted after the rows were flushed it never
+    calls rows whole that are not.
+
+    Args:
+        path: the file a table maps.
+        torn: True to mark it, False to lift the mark.
+
+    Returns:
+        whether the file carries the mark now (``torn``) or carried it: False
+        for a file with no ``.npy`` header (a bare ``np.memmap`` adopted as a
+        table), which is left as it is.
+
+    Raises:
+        PathError: the file cannot be opened or written (``errno`` says why).
+    """
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        raise saving_error(path, exc) from exc
+    try:
+        head = os.pread(fd, len(TORN_MAGIC), 0)
+        if head not in (_NPY_MAGIC, TORN_MAGIC):
+            return False
+        wanted = TORN_MAGIC if torn else _NPY_MAGIC
+        if head != wanted:
+            os.pwrite(fd, wanted, 0)
+            os.fsync(fd)
+        return True
+    except OSError as exc:
+        raise saving_error(path, exc) from exc
+    finally:
+        os.close(fd)
 
 
 def read_npy_header(path):
@@ -50,6 +99,16 @@ def read_npy_header(path):
     except OSError as exc:
         raise opening_error(path, exc, ".npy file") from exc
     with f:
+        try:
+            torn = f.read(len(TORN_MAGIC)) == TORN_MAGIC
+            f.seek(0)
+        except OSError as exc:  # a failing disk: as for a read of the rows
+            raise reading_error(path, exc) from exc
+        if torn:
+            raise FileFormatError(f"{path!r}: a load into it stopped before it had written every row (Ctrl-C, "
+                                  f"a crash, out of memory), so it holds part the load's rows, part those "
+                                  f"before. Make the table again (storage='mmap' with overwrite=True) and "
+                                  f"load the checkpoint into it, or delete the file")
         try:
             with HEADER_PARSE:
                 version = np.lib.format.read_magic(f)
