@@ -17,7 +17,7 @@ from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 __all__ = ["int_option", "bool_option", "initialiser_option", "float_option", "check_rows", "check_dense",
            "check_has_values", "check_not_masked", "as_host_rows", "as_values_array", "as_host_array",
            "as_row_ids", "as_row_ids_deferred", "bounds_check", "read_bounds", "as_id_tensor", "check_id_range",
-           "as_row_values", "torch_dtype", "numpy_dtype", "host_tensor", "numpy_view"]
+           "as_row_values", "torch_dtype", "numpy_dtype", "host_tensor", "numpy_view", "TABLE_DTYPES"]
 
 
 def int_option(value, name, *, minimum=1, hint=""):
@@ -121,7 +121,8 @@ _TORCH_TO_NUMPY = {t: n for n, t in _NUMPY_TO_TORCH.items()}
 _TORCH_UINT64 = getattr(torch, "uint64", None)
 #: numpy has no bfloat16: its rows are held as their 16-bit patterns and viewed by torch.
 _BF16_BITS = np.dtype(np.uint16)
-_SUPPORTED = sorted([str(n) for n in _NUMPY_TO_TORCH] + ["bfloat16"])
+#: The names of the dtypes a table holds, as refusals list them.
+TABLE_DTYPES = sorted([str(n) for n in _NUMPY_TO_TORCH] + ["bfloat16"])
 
 
 def _unsupported(dtype):
@@ -130,7 +131,7 @@ def _unsupported(dtype):
         # Ids from hashes or a tokenizer often come as uint64: say how to keep them.
         advice = ("; uint64 ids convert with ids.astype(np.int64) (a tensor: ids.to(torch.int64)), "
                   "which keeps every id below 2**63, the largest an int64 row id holds")
-    return DTypeError(f"dtype {dtype} is not supported; use one of {_SUPPORTED}{advice}")
+    return DTypeError(f"dtype {dtype} is not supported; use one of {TABLE_DTYPES}{advice}")
 
 
 #: Names numpy and torch read differently (torch.float is float32, np.dtype("float") float64).

@@ -1,5 +1,6 @@
 """BatchFeeder over files read with pread: same stream as from memory, bounded memory, errors not signals."""
 
+import ast
 import contextlib
 import ctypes
 import errno
@@ -7,6 +8,7 @@ import gc
 import mmap
 import operator
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -881,6 +883,20 @@ def test_create_npy_refuses_a_dtype_it_cannot_write_with_a_dtype_error(tmp_path,
     with pytest.raises(ss.DTypeError, match=message):
         ss.data.create_npy(tmp_path / "x.npy", (4, 3), dtype, fill, progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", ["uint64", np.complex64, torch.uint64])
+def test_create_npy_names_the_dtypes_it_writes_when_it_refuses_one(tmp_path, dtype):
+    """Its refusal listed the tables' dtypes: bfloat16, which it refuses too, and not the uint16/uint32 it takes."""
+    with pytest.raises(ss.DTypeError) as info:
+        ss.data.create_npy(tmp_path / "x.npy", (4, 3), dtype, progress=False)
+    choices = re.search(r"use one of (\[.*?\])", str(info.value))
+    assert choices, str(info.value)
+    offered = ast.literal_eval(choices.group(1))
+    assert {"uint16", "uint32", "float32", "int64"} <= set(offered) and "bfloat16" not in offered, offered
+    for name in offered:  # each choice offered is one it writes
+        ss.data.create_npy(tmp_path / f"{name}.npy", (2,), name, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{name}.npy" for name in offered)
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, "uint32", torch.uint16, torch.uint32])

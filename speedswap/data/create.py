@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from .. import files
 from ..atomic import as_path, atomic_output, open_into
-from ..convert import as_values_array, check_has_values, check_rows, int_option, numpy_dtype, torch_dtype
+from ..convert import (TABLE_DTYPES, as_values_array, check_has_values, check_rows, int_option, numpy_dtype,
+                       torch_dtype)
 from ..errors import DTypeError, OptionError, ShapeError
 
 __all__ = ["create_npy"]
@@ -111,6 +112,9 @@ def create_npy(path, shape, dtype, fill=None, *, chunk_bytes=64 << 20, progress=
 
 #: Token-id widths BatchFeeder reads (and widens on the device) though no table holds them.
 _TOKEN_DTYPES = {name: np.dtype(name) for name in ("uint16", "uint32")}
+#: The dtypes a file create_npy writes may hold, as its refusal lists them: a table's
+#: (torch_dtype's list would offer bfloat16 and leave out the token ids).
+_FILE_DTYPES = sorted(set(TABLE_DTYPES) - {"bfloat16"} | set(_TOKEN_DTYPES))
 
 
 def _file_dtype(dtype) -> np.dtype:
@@ -127,6 +131,10 @@ def _file_dtype(dtype) -> np.dtype:
             pass  # not a numpy dtype: torch_dtype below says what is supported
     if name in _TOKEN_DTYPES:
         return _TOKEN_DTYPES[name]
+    if name is not None and name != "bfloat16" and name not in _FILE_DTYPES:
+        advice = (" (uint64 token ids: uint32 holds those below 2**32, int64 those below 2**63)"
+                  if name == "uint64" else "")
+        raise DTypeError(f"dtype {name} is not supported by create_npy; use one of {_FILE_DTYPES}{advice}")
     if torch_dtype(dtype) is torch.bfloat16:  # DTypeError first for a name that is no dtype
         raise DTypeError("numpy has no bfloat16, so a .npy file cannot hold it; create the file as "
                          "float32, which holds every bfloat16 value exactly")
