@@ -209,6 +209,26 @@ def test_save_and_load_of_a_torch_file_name_save_torch_and_load_torch(rng, tmp_p
     np.testing.assert_array_equal(u.getNumpyVersion(), table)
 
 
+def test_an_optimizer_factory_save_of_a_npy_name_says_it_holds_no_single_table(rng, tmp_path):
+    """saveCupy("u_opt.npy"), the name SpeedTorch's cupy.save took, said "cannot tell the checkpoint
+    format of 'u_opt.npy'" and then that "*.npy is the table alone (an export)", which an
+    OptimizerFactory, with one state table per state tensor, has none of."""
+    model, opt, u, o = switchers()
+    o.optInit()
+    speedtorch_step(model, opt, u, o, torch.from_numpy(rng.integers(0, ROWS, 6)))
+    state = o.getNumpyVersion()
+    for call in (o.saveCupy, o.save, o.loadCupy, o.load):
+        with pytest.raises(ss.OptionError) as info:
+            call(tmp_path / "u_opt.npy")
+        message = str(info.value)
+        assert "cannot tell" not in message and "u_opt.npy" in message, message
+        assert repr(str(tmp_path / "u_opt.h5")) in message and repr(str(tmp_path / "u_opt")) in message, \
+            message  # the names to use instead
+    assert list(tmp_path.iterdir()) == []
+    for name, table in o.getNumpyVersion().items():
+        np.testing.assert_array_equal(table, state[name])  # nothing loaded
+
+
 @pytest.mark.parametrize("name, first", [("GPUPytorchModelFactory", "model_variable"),
                                          ("CPUPytorchModelFactory", "model_variable"),
                                          ("GPUPytorchOptimizerFactory", "given_optimizer"),

@@ -109,7 +109,8 @@ def checkpoint_kind(path) -> str:
     Raises:
         OptionError: any other suffix (``emb.pt`` is not a directory name
             anyone expects): say which format is meant; for a torch file
-            (``*.pt`` / ``*.pth``), how torch checkpoints are written and read.
+            (``*.pt`` / ``*.pth``), how torch checkpoints are written and read;
+            for ``*.npy`` (one table), the ``.h5`` and directory names to use.
     """
     fmt = files.suffix_format(path)
     if fmt == "h5":
@@ -119,6 +120,13 @@ def checkpoint_kind(path) -> str:
         return "dir"
     formats = ("a checkpoint is *.h5 / *.hdf5 (one HDF5 file) or a path with no suffix (a directory "
                "of .npy files); *.npy is the table alone (an export)")
+    if fmt == "npy":
+        # An OffloadedEmbedding's save and load take *.npy (its table alone) before asking here;
+        # what asks holds no single table (an OptimizerFactory's state tables).
+        stem = os.path.splitext(os.fspath(path))[0]
+        raise OptionError(f"{os.fspath(path)!r} names a .npy file, which holds one table, but this "
+                          f"checkpoint holds several tables: name one HDF5 file (*.h5 / *.hdf5, such as "
+                          f"{stem + '.h5'!r}) or a directory (no suffix, such as {stem!r})")
     if suffix.lower() in (".pt", ".pth"):
         raise OptionError(f"{os.fspath(path)!r} is a torch file, which this save/load does not write or "
                           f"read ({formats}). A torch checkpoint is written with "
