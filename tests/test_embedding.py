@@ -568,6 +568,13 @@ def test_max_norm_is_refused_with_the_reason(option):
         ss.OffloadedEmbedding(10, 3, max_rows=4, storage="pageable", backend="numpy", **option)
 
 
+def test_a_norm_type_alone_is_told_to_leave_norm_type_out():
+    """norm_type=1.0 without max_norm (which nn.Embedding ignores) was told to 'leave max_norm out',
+    which it had: the remedy named the one argument the call did not pass."""
+    with pytest.raises(ss.OptionError, match=r"norm_type=1\.0.* leave max_norm and norm_type out"):
+        ss.OffloadedEmbedding(10, 3, max_rows=4, storage="pageable", backend="numpy", norm_type=1.0)
+
+
 @pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
 @pytest.mark.parametrize("given, instead", [
     (lambda rows: dict(_weight=rows), r"_weight=: .*(from_pretrained|emb\.table\.apply_)"),

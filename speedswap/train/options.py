@@ -115,7 +115,7 @@ def refuse_max_norm(cls: str, max_norm, norm_type, advice: str) -> None:
         raise OptionError(
             f"{cls} does not support max_norm (got max_norm={max_norm!r}, norm_type={norm_type!r}): "
             f"nn.Embedding renormalises looked-up rows in place at every forward, eval included; "
-            f"clip the rows yourself between steps ({advice}) or leave max_norm out")
+            f"clip the rows yourself between steps ({advice}) or leave max_norm and norm_type out")
 
 
 def refuse_other_arguments(cls: str, init: Callable, positional: Sequence, others: Mapping,
