@@ -722,6 +722,29 @@ def test_a_state_saved_before_ranks_took_runs_is_refused_where_the_split_changed
         assert feeder.state_dict()["batch"] == 3
 
 
+def test_a_state_saved_before_ranks_took_runs_is_refused_with_a_remedy_that_works(rng):
+    """The refusal said 'build the feeder with the same arguments to resume it', which the caller had:
+    no arguments rebuild the old strided split of a block or sequential order."""
+    data = rng.standard_normal((100, 3)).astype(np.float32)
+
+    def feeder():
+        return ss.BatchFeeder(data, batch_size=10, order="sequential", device="cpu", rank=1, world_size=2)
+
+    saver = feeder()
+    saver.set_epoch(2)
+    old = {k: v for k, v in dict(saver.state_dict(), batch=3).items() if k != "shard"}
+    resumed = feeder()
+    with pytest.raises(ss.StateError) as info:
+        resumed.load_state_dict(old)
+    message = str(info.value)
+    assert "same arguments" not in message and "set_epoch(2)" in message, message
+    resumed.set_epoch(2)  # what the message says: epoch 2 afresh, as an uninterrupted run reads it
+    straight = feeder()
+    straight.set_epoch(2)
+    got, expected = [b[0] for b in resumed], [b[0] for b in straight]
+    assert len(got) == len(expected) == len(straight) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 @pytest.mark.gpu
 def test_gpu_batches_match_the_cpu_and_stay_valid(rng, tmp_path):
     n = 5000

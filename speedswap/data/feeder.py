@@ -673,7 +673,9 @@ class BatchFeeder:
         Raises:
             StateError: the state comes from a feeder with another seed, data
                 size, batch size, order, ``drop_last``, world size or split
-                between ranks (``shard``); or is malformed
+                between ranks (``shard``: a state saved before ranks took runs of
+                a block or sequential order is continued by no feeder, and the
+                message says to ``set_epoch`` its epoch instead); or is malformed
                 (not a dict, keys missing, a position that is not an int in
                 range). Nothing changes then.
         """
@@ -681,6 +683,7 @@ class BatchFeeder:
             raise StateError(f"not a BatchFeeder state: expected the dict state_dict() returns, got "
                              f"{type(state).__name__}")
         # States saved before the contiguous split had none: theirs was interleaved.
+        before_split = "shard" not in state
         state = {"shard": "interleaved", **state}
         missing = [key for key in _STATE_KEYS if key not in state]
         if missing:
@@ -690,8 +693,13 @@ class BatchFeeder:
         differ = [f"{key}: saved {state[key]!r}, this feeder {mine[key]!r}"
                   for key in _STATE_KEYS[2:] if key != "rank" and state[key] != mine[key]]
         if differ:
-            raise StateError("this state belongs to a different stream (" + "; ".join(differ) +
-                             "); build the feeder with the same arguments to resume it")
+            remedy = "build the feeder with the same arguments to resume it"
+            if before_split and state["shard"] != mine["shard"]:
+                # No arguments rebuild the old strided split, so no feeder continues the position.
+                remedy = (f"it was saved before ranks took runs of each epoch in {mine['order']['name']} "
+                          f"order, and no feeder continues it: start its epoch afresh with "
+                          f"set_epoch({state['epoch']!r})")
+            raise StateError("this state belongs to a different stream (" + "; ".join(differ) + "); " + remedy)
         epoch, batch = state["epoch"], state["batch"]
         # bool is an int to Python, but True is no epoch: a state holding one was not saved by a feeder.
         # numpy's ints are (a state kept in a numpy or Arrow log).
