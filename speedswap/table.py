@@ -57,10 +57,10 @@ def check_storage(storage, path=None):
         raise OptionError(f"storage='mmap' needs a .npy path, got {os.fspath(path)!r}")
 
 
-def _out_of_memory(shape, dtype, storage):
+def _out_of_memory(shape, dtype, storage, device: torch.device):
     nbytes = shape[0] * shape[1] * torch.empty(0, dtype=dtype).element_size()
     needs = f"a {shape[0]} x {shape[1]} {dtype} table needs {nbytes / 2**30:.2f} GiB of"
-    if storage == "device":
+    if storage == "device" and device.type == "cuda":  # on the numpy backend a device table is in RAM
         return OutOfMemoryError(f"{needs} GPU memory, which could not be allocated; keep it in "
                                 f"host memory (storage='pinned': only the rows a step touches go "
                                 f"to the GPU), or use fewer rows")
@@ -286,7 +286,7 @@ class HostTable:
         except (MemoryError, OSError, torch.OutOfMemoryError) as exc:  # the last: GPU memory
             if isinstance(exc, OSError) and exc.errno != errno.ENOMEM:
                 raise
-            raise _out_of_memory(shape, dtype, storage) from exc
+            raise _out_of_memory(shape, dtype, storage, backend.device) from exc
 
     @classmethod
     def zeros(cls, num_rows: int, dim: int, dtype="float32", storage: str = "pinned",

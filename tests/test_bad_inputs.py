@@ -542,6 +542,10 @@ CASES = [
      "is a directory"),
     ("nothing", lambda o, d: ss.HostTable.empty(2**40, 1024, storage="pageable", backend="numpy"),
      OutOfMemoryError, "storage='mmap'"),
+    # A device table of the numpy backend is host memory: the message spoke of GPU memory, said
+    # nothing of the RAM available, and its advice (storage='pinned') fails as this one does.
+    ("nothing", lambda o, d: ss.HostTable.empty(2**40, 1024, storage="device", backend="numpy"),
+     OutOfMemoryError, "GiB of RAM is available now); use storage='mmap'"),
     # The hint said path='table.npy', which an embedding refuses: its path is a directory.
     ("nothing", lambda o, d: ss.OffloadedEmbedding(2**40, 1024, max_rows=CAP, storage="pageable",
                                                    backend="numpy"),
