@@ -1212,17 +1212,18 @@ class HostTable:
         # copy=True: on the CPU backend the device memory is the process's own, and .cpu() returns it.
         return numpy_view(buffer.tensor.to("cpu", copy=True))
 
-    def _mark_file(self, torn: bool) -> bool:
+    def _mark_file(self, torn: bool) -> Optional[bool]:
         """Mark the ``.npy`` file an ``mmap`` table maps as rewritten in place, or lift the mark.
 
         For :func:`loading_into` (see :func:`~speedswap.files.mark_npy_torn`).
 
         Returns:
-            whether the file carries the mark (or carried it): only the
-            table's own ``.npy`` file, still at its path, is marked.
+            whether the file carried the mark before, or None for a table
+            with no file to mark: only the table's own ``.npy`` file, still
+            at its path, is marked.
         """
         if self.storage != "mmap" or self._path is None or _file_id(self._path) != self._file_id:
-            return False
+            return None
         return files.mark_npy_torn(self._path, torn)
 
     def flush(self):
@@ -1270,12 +1271,16 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
     """
     tables = list(tables)
     marked = []  # the mmap tables whose files say "torn" on disk until the writes are done
+    newly_marked = []  # those this load marked: one an earlier stopped load marked stays marked
     try:
         for table in tables:
-            if table._mark_file(True):
+            was_marked = table._mark_file(True)
+            if was_marked is not None:
                 marked.append(table)
+            if was_marked is False:
+                newly_marked.append(table)
     except BaseException:
-        for table in marked:  # nothing was written yet
+        for table in newly_marked:  # nothing was written yet
             table._mark_file(False)
         raise
     for table in tables:

@@ -1569,3 +1569,45 @@ def test_the_files_of_an_mmap_embedding_whose_load_stopped_say_so_until_a_load_c
         np.testing.assert_array_equal(np.load(path), saved[name], err_msg=name)
         reopened.close()
     train_step(target, opt, rng, 60)  # and it trains again
+
+
+def test_a_load_stopped_while_it_marks_the_files_leaves_marked_the_file_an_earlier_stopped_load_tore(
+        rng, tmp_path, monkeypatch):
+    """A load into several ``mmap`` tables stopped while it marked their files (Ctrl-C during a
+    mark's fsync, a file it cannot open) lifted the mark from every file it had reached, even one
+    an earlier stopped load had left marked: that file's rows are still part one load's, part
+    those before, but the next run opened it and trained on the mix."""
+    from speedswap.table import loading_into
+    from speedswap.files import tables as tables_module
+    checkpoint = tmp_path / "ckpt.npy"
+    np.save(checkpoint, rng.standard_normal((40, 8), dtype=np.float32))
+    first = ss.HostTable.from_numpy(rng.standard_normal((40, 8), dtype=np.float32), storage="mmap",
+                                    path=tmp_path / "first.npy", backend="numpy")
+    second_rows = rng.standard_normal((40, 8), dtype=np.float32)
+    second = ss.HostTable.from_numpy(second_rows, storage="mmap", path=tmp_path / "second.npy", backend="numpy")
+    commit = tables_module.StagedRows.commit
+
+    def stopped(staged, table, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(tables_module.StagedRows, "commit", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        first.load_from(checkpoint)  # the rows of first are now part the load's, as far as anyone knows
+    monkeypatch.setattr(tables_module.StagedRows, "commit", commit)
+    mark = ss.files.mark_npy_torn
+
+    def stopped_at_the_second(path, torn):
+        if torn and os.path.samefile(path, tmp_path / "second.npy"):
+            raise KeyboardInterrupt
+        return mark(path, torn)
+    monkeypatch.setattr(ss.files, "mark_npy_torn", stopped_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        with loading_into([first, second], checkpoint):
+            pytest.fail("no row is written before every file is marked")
+    monkeypatch.setattr(ss.files, "mark_npy_torn", mark)
+    with pytest.raises(ss.FileFormatError, match="a load into it stopped before it had written every row"):
+        ss.HostTable.load(tmp_path / "first.npy", mmap=True, backend="numpy")
+    with pytest.raises(ss.StateError, match="stopped"):
+        first.to_numpy()
+    np.testing.assert_array_equal(np.load(tmp_path / "second.npy"), second_rows)  # not marked, not changed
+    first.close()
+    second.close()

@@ -32,7 +32,7 @@ TORN_MAGIC = b"\x93TORNY"
 _NPY_MAGIC = np.lib.format.MAGIC_PREFIX
 
 
-def mark_npy_torn(path, torn: bool) -> bool:
+def mark_npy_torn(path, torn: bool) -> Optional[bool]:
     """Mark the ``.npy`` file at ``path`` as rewritten in place (``torn``), or lift the mark.
 
     A load writes an ``mmap`` table's rows into its file in place: stopped
@@ -49,9 +49,10 @@ def mark_npy_torn(path, torn: bool) -> bool:
         torn: True to mark it, False to lift the mark.
 
     Returns:
-        whether the file carries the mark now (``torn``) or carried it: False
-        for a file with no ``.npy`` header (a bare ``np.memmap`` adopted as a
-        table), which is left as it is.
+        whether the file carried the mark before (a stop while marking lifts
+        only the marks it made: the others tell of an earlier stopped load),
+        or None for a file with no ``.npy`` header (a bare ``np.memmap``
+        adopted as a table), which is left as it is.
 
     Raises:
         PathError: the file cannot be opened or written (``errno`` says why).
@@ -63,12 +64,12 @@ def mark_npy_torn(path, torn: bool) -> bool:
     try:
         head = os.pread(fd, len(TORN_MAGIC), 0)
         if head not in (_NPY_MAGIC, TORN_MAGIC):
-            return False
+            return None
         wanted = TORN_MAGIC if torn else _NPY_MAGIC
         if head != wanted:
             os.pwrite(fd, wanted, 0)
             os.fsync(fd)
-        return True
+        return head == TORN_MAGIC
     except OSError as exc:
         raise saving_error(path, exc) from exc
     finally:
