@@ -510,6 +510,8 @@ def test_a_table_larger_than_the_gpu_says_so_and_suggests_host_memory(monkeypatc
     def no_gpu_memory(shape, dtype, kind):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 TiB")
     monkeypatch.setattr(backend, "allocate", no_gpu_memory)
+    # A GPU's: the numpy backend's device tables are in RAM, and are told so (test_bad_inputs).
+    monkeypatch.setattr(backend, "device", torch.device("cuda", 0))
     with pytest.raises(OutOfMemoryError, match=r"4096\.00 GiB of GPU memory.*storage='pinned'") as info:
         ss.HostTable.empty(2**30, 1024, storage="device", backend=backend)
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
