@@ -1287,6 +1287,11 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
         table._torn = None
     try:
         yield
+        # Inside the try: stopped here, the files still say "torn", and so must the tables.
+        for table in marked:
+            table.flush()  # the rows on disk before the mark that says they are whole
+        for table in marked:
+            table._mark_file(False)
     except BaseException as exc:
         which = f"this table and {len(tables) - 1} more" if len(tables) > 1 else "this table"
         why = (f"a load from {os.fspath(path)!r} stopped ({type(exc).__name__}) while it wrote "
@@ -1297,6 +1302,3 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
         if hasattr(exc, "add_note"):  # Python 3.11+
             exc.add_note(f"speedswap: {why}.")
         raise
-    for table in marked:
-        table.flush()  # the rows on disk before the mark that says they are whole
-        table._mark_file(False)

@@ -1613,3 +1613,34 @@ def test_a_load_stopped_while_it_marks_the_files_leaves_marked_the_file_an_earli
     np.testing.assert_array_equal(np.load(tmp_path / "second.npy"), second_rows)  # not marked, not changed
     first.close()
     second.close()
+
+
+def test_a_load_stopped_while_it_flushes_an_mmap_table_leaves_it_refused_as_its_file_says(
+        rng, tmp_path, monkeypatch):
+    """Ctrl-C during the flush that ends a load into an ``mmap`` table (its writeback takes most
+    of the load's time) left the file marked "a load into it stopped", but the table in the
+    process took reads and writes as if the load had completed: it trained on, and its file,
+    still marked, was refused to the next run after every later step and close."""
+    checkpoint = tmp_path / "ckpt.npy"
+    saved = rng.standard_normal((40, 8), dtype=np.float32)
+    np.save(checkpoint, saved)
+    table = ss.HostTable.from_numpy(rng.standard_normal((40, 8), dtype=np.float32), storage="mmap",
+                                    path=tmp_path / "table.npy", backend="numpy")
+    flush = ss.HostTable.flush
+
+    def stopped(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ss.HostTable, "flush", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        table.load_from(checkpoint)
+    monkeypatch.setattr(ss.HostTable, "flush", flush)
+    with pytest.raises(ss.FileFormatError, match="a load into it stopped before it had written every row"):
+        ss.HostTable.load(tmp_path / "table.npy", mmap=True, backend="numpy")
+    with pytest.raises(ss.StateError, match="stopped"):
+        table.to_numpy()
+    table.load_from(checkpoint)  # a load that completes lifts both
+    np.testing.assert_array_equal(table.to_numpy(), saved)
+    table.close()
+    reopened = ss.HostTable.load(tmp_path / "table.npy", mmap=True, backend="numpy")
+    np.testing.assert_array_equal(reopened.to_numpy(), saved)
+    reopened.close()
