@@ -1262,7 +1262,8 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
     states. The exception goes on, with a note saying the same. The file of
     an ``mmap`` table says so too, for the processes that open it later:
     it is marked before the first write and unmarked once every row is
-    written and flushed to disk (:func:`~speedswap.files.mark_npy_torn`).
+    written and flushed to disk (:func:`~speedswap.files.mark_npy_torn`),
+    unless the load reads that very file (it writes back the rows it holds).
 
     Args:
         tables: every table the load writes; a refusal left by an earlier
@@ -1272,9 +1273,13 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
     tables = list(tables)
     marked = []  # the mmap tables whose files say "torn" on disk until the writes are done
     newly_marked = []  # those this load marked: one an earlier stopped load marked stays marked
+    # A load from a table's own file writes back the rows it holds: stopped, it leaves them
+    # whole, and a mark would change the file the load reads again (a file too large to stage).
+    reading = _file_id(path)
     try:
         for table in tables:
-            was_marked = table._mark_file(True)
+            own = reading is not None and table._file_id == reading
+            was_marked = None if own else table._mark_file(True)
             if was_marked is not None:
                 marked.append(table)
             if was_marked is False:

@@ -1644,3 +1644,19 @@ def test_a_load_stopped_while_it_flushes_an_mmap_table_leaves_it_refused_as_its_
     reopened = ss.HostTable.load(tmp_path / "table.npy", mmap=True, backend="numpy")
     np.testing.assert_array_equal(reopened.to_numpy(), saved)
     reopened.close()
+
+
+def test_an_mmap_table_too_large_to_stage_loads_from_its_own_file(rng, tmp_path, monkeypatch):
+    """A load into an ``mmap`` table from the very file it maps, too large to hold in RAM (read
+    again at commit, which checks the file did not change since it was verified), was refused
+    midway once loads marked the file they write: the mark's write changed the file's times,
+    so the load stopped ('changed or replaced since it was verified') and left the table refused
+    and its file marked, rows that were whole all along."""
+    from speedswap.files import tables as tables_module
+    monkeypatch.setattr(tables_module, "STAGE_RAM_SHARE", 0.0)  # as for a table larger than half the RAM
+    rows = rng.standard_normal((40, 8), dtype=np.float32)
+    table = ss.HostTable.from_numpy(rows, storage="mmap", path=tmp_path / "table.npy", backend="numpy")
+    table.load_from(tmp_path / "table.npy")
+    np.testing.assert_array_equal(table.to_numpy(), rows)
+    table.close()
+    np.testing.assert_array_equal(np.load(tmp_path / "table.npy"), rows)
