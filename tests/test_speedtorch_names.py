@@ -229,6 +229,21 @@ def test_an_optimizer_factory_save_of_a_npy_name_says_it_holds_no_single_table(r
         np.testing.assert_array_equal(table, state[name])  # nothing loaded
 
 
+def test_an_optimizer_factory_save_of_a_npy_name_does_not_claim_tables_it_lacks(tmp_path):
+    """The refusal of a .npy name said "this checkpoint holds several tables" to an
+    OptimizerFactory over Adagrad, whose checkpoint holds one state table ("sum"): what a .npy
+    file cannot hold is the manifest beside the tables, which names the optimizer a load checks."""
+    model, opt, u, o = switchers()
+    o.optInit()
+    assert len(o.state.tables) == 1  # Adagrad's sum
+    with pytest.raises(ss.OptionError) as info:
+        o.save(tmp_path / "u_opt.npy")
+    message = str(info.value)
+    assert "several tables" not in message, message
+    assert "one per state tensor" in message and "optimizer" in message, message
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("name, first", [("GPUPytorchModelFactory", "model_variable"),
                                          ("CPUPytorchModelFactory", "model_variable"),
                                          ("GPUPytorchOptimizerFactory", "given_optimizer"),

@@ -122,11 +122,14 @@ def checkpoint_kind(path) -> str:
                "of .npy files); *.npy is the table alone (an export)")
     if fmt == "npy":
         # An OffloadedEmbedding's save and load take *.npy (its table alone) before asking here;
-        # what asks holds no single table (an OptimizerFactory's state tables).
+        # what asks is an OptimizerFactory, whose state may be one table (Adagrad's): what a .npy
+        # file cannot hold is the optimizer's name beside it.
         stem = os.path.splitext(os.fspath(path))[0]
-        raise OptionError(f"{os.fspath(path)!r} names a .npy file, which holds one table, but this "
-                          f"checkpoint holds several tables: name one HDF5 file (*.h5 / *.hdf5, such as "
-                          f"{stem + '.h5'!r}) or a directory (no suffix, such as {stem!r})")
+        raise OptionError(f"{os.fspath(path)!r} names a .npy file, which holds one array and nothing "
+                          f"beside it, but this checkpoint holds the optimizer state's tables (one per "
+                          f"state tensor) and the name of the optimizer they belong to, which a load "
+                          f"checks: name one HDF5 file (*.h5 / *.hdf5, such as {stem + '.h5'!r}) or a "
+                          f"directory (no suffix, such as {stem!r})")
     if suffix.lower() in (".pt", ".pth"):
         raise OptionError(f"{os.fspath(path)!r} is a torch file, which this save/load does not write or "
                           f"read ({formats}). A torch checkpoint is written with "
