@@ -761,6 +761,21 @@ def test_a_checkpoint_too_large_to_stage_changed_after_it_was_verified_loads_not
         np.testing.assert_array_equal(table.to_numpy(), contents(source)[name], err_msg=name)
 
 
+def _commits_stop_at_the_second(monkeypatch, stop):
+    """Make a load's second table write raise ``stop``: the first table holds the checkpoint's rows,
+    the others their own. Returns the real ``StagedRows.commit``, to put back."""
+    from speedswap.files import tables as tables_module
+    commit, commits = tables_module.StagedRows.commit, []
+
+    def stopped_at_the_second(staged, table, **kwargs):
+        commits.append(table)
+        if len(commits) == 2:
+            raise stop()
+        return commit(staged, table, **kwargs)
+    monkeypatch.setattr(tables_module.StagedRows, "commit", stopped_at_the_second)
+    return commit
+
+
 @pytest.mark.parametrize("staged_in_ram, cache_rows", [(True, 0), (False, 0), (True, 20)],
                          ids=["staged", "read-again", "cached"])
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, MemoryError])
@@ -777,14 +792,7 @@ def test_a_load_stopped_while_it_writes_the_tables_leaves_them_refusing_use_unti
     source.save(path)
     saved = contents(source)
     target = adam_embedding(rng, cache_rows=cache_rows)
-    commit, commits = tables_module.StagedRows.commit, []
-
-    def stopped_at_the_second(staged, table, **kwargs):
-        commits.append(table)
-        if len(commits) == 2:  # the first table holds the checkpoint's rows, the others their own
-            raise stop()
-        return commit(staged, table, **kwargs)
-    monkeypatch.setattr(tables_module.StagedRows, "commit", stopped_at_the_second)
+    commit = _commits_stop_at_the_second(monkeypatch, stop)
     with pytest.raises(stop) as info:
         target.load(path)
     if sys.version_info >= (3, 11):
@@ -1547,14 +1555,7 @@ def test_the_files_of_an_mmap_embedding_whose_load_stopped_say_so_until_a_load_c
     train_step(target, opt, rng, 60)
     on_disk = {path.stem: path for path in (tmp_path / "tables").glob("*.npy")}
     assert sorted(on_disk) == sorted(saved)
-    commit, commits = tables_module.StagedRows.commit, []
-
-    def stopped_at_the_second(staged, table, **kwargs):
-        commits.append(table)
-        if len(commits) == 2:  # the first table holds the checkpoint's rows, the others their own
-            raise stop()
-        return commit(staged, table, **kwargs)
-    monkeypatch.setattr(tables_module.StagedRows, "commit", stopped_at_the_second)
+    commit = _commits_stop_at_the_second(monkeypatch, stop)
     with pytest.raises(stop):
         target.load(tmp_path / "ckpt")
     for path in on_disk.values():
