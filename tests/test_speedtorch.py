@@ -1012,3 +1012,30 @@ def test_a_second_optimizer_step_after_after_optimizer_step_is_refused(optimizer
     assert str(opt.state_dict()) == str(state)
     opt.zero_grad()
     opt.step()  # the gradient dropped: a step with nothing to apply is fine
+
+
+@pytest.mark.parametrize("keyword, value, instead", [
+    ("device", "cpu", r"device=: .*device of the model's embedding.*model\.to\(device\)"),
+    ("max_rows", 8, r"max_rows=: .*the model's embedding is the working set"),
+    ("wrong_name", 1, r"wrong_name=: no such argument"),
+])
+@pytest.mark.parametrize("kind", ["ModelFactory", "OptimizerFactory"])
+def test_a_keyword_a_switcher_does_not_take_is_refused_saying_what_to_do(kind, keyword, value, instead, rng,
+                                                                         tmp_path):
+    """``ModelFactory(..., device="cpu")`` (an OffloadedEmbedding's keyword) raised Python's bare
+    TypeError, an unexpected keyword, saying nothing of where a switcher works or what it takes."""
+    model = torch.nn.Embedding(8, DIM)
+    opt = torch.optim.Adam(model.parameters(), lr=float(rng.uniform(0.001, 0.1)))
+    other_dtype = "dtype" if kind == "ModelFactory" else "datatype"
+    for given, match in (({keyword: value}, instead),
+                         ({other_dtype: "float32"}, rf"{other_dtype}=: {kind} names it "
+                                                    rf"{'datatype' if kind == 'ModelFactory' else 'dtype'}=")):
+        build = (functools.partial(ss.ModelFactory, model, ROWS, DIM) if kind == "ModelFactory" else
+                 functools.partial(ss.OptimizerFactory, opt, ROWS, DIM, torch.nn.ModuleDict({"e": model}), "e"))
+        with pytest.raises(ss.DTypeError, match=match) as refused:
+            build(storage="mmap", path=tmp_path / "tables", backend="numpy", **given)
+        assert isinstance(refused.value, TypeError)  # as Python's, for code that catches that
+        assert f"It takes {'model_variable' if kind == 'ModelFactory' else 'given_optimizer'}, " \
+               in str(refused.value)
+        assert not (tmp_path / "tables").exists()  # nothing was built
+        assert not model.weight._backward_hooks

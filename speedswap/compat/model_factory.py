@@ -102,7 +102,8 @@ class ModelFactory(Switcher):
 
     Raises:
         OptionError, ShapeError, DTypeError: not an embedding, a bad size, dtype or
-            ``cache_rows`` (another than the embedding's OptimizerFactory's).
+            ``cache_rows`` (another than the embedding's OptimizerFactory's); a
+            keyword it does not take (``device``, ``max_rows``: DTypeError, a TypeError).
         DeviceError: the model is not on the backend's device.
         StateError: built in the middle of a step of the embedding's switchers.
 
@@ -128,7 +129,8 @@ class ModelFactory(Switcher):
 
     def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32",
                  CPUPinn=False, *, storage=None, backend="auto", path=None, overwrite=False,
-                 cache_rows: int = 0):
+                 cache_rows: int = 0, **others):
+        self._refuse_other_keywords(others)
         param = weight_of(model_variable)
         module = model_variable if isinstance(model_variable, torch.nn.Module) else None
         super().__init__(param, total_classes, embed_dimension, datatype, cache_rows,

@@ -92,7 +92,8 @@ class OptimizerFactory(Switcher):
             the same ``cache_rows``. Without a ModelFactory there is no cache.
 
     Raises:
-        DTypeError: ``given_optimizer`` is not an optimizer (its class, or the parameters).
+        DTypeError: ``given_optimizer`` is not an optimizer (its class, or the parameters);
+            a keyword it does not take (``device``, ``max_rows``, ``datatype``).
         OptionError: no such parameter, an optimizer not holding it, one
             whose state is not element-wise (LBFGS), or a bad ``cache_rows``
             (another than the embedding's ModelFactory's).
@@ -115,7 +116,8 @@ class OptimizerFactory(Switcher):
 
     def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
                  dtype="float32", CPUPinn=False, *, storage=None, backend="auto", path=None,
-                 overwrite=False, cache_rows: int = 0):
+                 overwrite=False, cache_rows: int = 0, **others):
+        self._refuse_other_keywords(others)
         # bool("False") is True, and RowState reads a non-bool as a set of file names.
         overwrite = bool_option(overwrite, "overwrite", hint=" (replace existing mmap state files in path)")
         param = _parameter_named(model, variable_name)

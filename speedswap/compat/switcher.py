@@ -11,6 +11,7 @@ import torch
 
 from ..convert import int_option, torch_dtype
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
+from ..train.options import refuse_other_arguments
 from .steps import steps_for
 
 __all__ = ["Switcher", "SpeedTorchFiles", "storage_of", "device_of", "weight_of"]
@@ -178,6 +179,25 @@ class Switcher(SpeedTorchFiles):
             why = (f"was replaced by a newer {cls} of the same embedding, closed since: build a new "
                    f"{cls} {go_on} (close() this one to release its {released})")
         raise StateError(f"{self._call_name(name)}: this {cls} {why}")
+
+    def _refuse_other_keywords(self, others: dict) -> None:
+        """Refuse keywords the constructor does not take, saying what to do instead, before anything is built.
+
+        Code moved over from :class:`~speedswap.OffloadedEmbedding` passes its
+        keywords (``device``, ``max_rows``), and the two switchers name the
+        dtype differently; Python's ``TypeError`` says neither.
+
+        Raises:
+            DTypeError: any given (a ``TypeError``, as Python's for an unexpected keyword).
+        """
+        cls = type(self).__name__
+        other_dtype = "dtype" if self._dtype_argument == "datatype" else "datatype"
+        refuse_other_arguments(cls, type(self).__init__, (), others, {
+            "device": "a switcher works on the device of the model's embedding: move the model there "
+                      "(model.to(device)) before building it",
+            "max_rows": "the model's embedding is the working set: its rows are the most distinct "
+                        "rows a step may touch",
+            other_dtype: f"{cls} names it {self._dtype_argument}="})
 
     def _refuse_write_when_replaced(self, newer):
         """Raise before a write into this switcher's table once a newer switcher replaced it.

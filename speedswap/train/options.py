@@ -104,7 +104,7 @@ def refuse_max_norm(cls: str, max_norm, norm_type, advice: str) -> None:
     """Refuse ``max_norm``, which ``nn.Embedding`` applies by writing rows in place at every lookup.
 
     Args:
-        cls: the embedding class, for the message.
+        cls: the embedding (or switcher) class, for the message.
         max_norm, norm_type: as given to it.
         advice: how to clip that class's rows instead.
 
@@ -120,7 +120,7 @@ def refuse_max_norm(cls: str, max_norm, norm_type, advice: str) -> None:
 
 def refuse_other_arguments(cls: str, init: Callable, positional: Sequence, others: Mapping,
                            instead: Mapping[str, str]) -> None:
-    """Refuse the arguments an embedding's constructor collected and does not take.
+    """Refuse the arguments an embedding's (or a switcher's) constructor collected and does not take.
 
     Code moved over from ``nn.Embedding`` or ``nn.EmbeddingBag`` passes
     theirs: ``nn.Embedding``'s options by position (``padding_idx`` third),
@@ -132,11 +132,12 @@ def refuse_other_arguments(cls: str, init: Callable, positional: Sequence, other
     do instead.
 
     Args:
-        cls: the embedding class, for the message.
+        cls: the embedding (or switcher) class, for the message.
         init: its ``__init__``, whose arguments the message lists as the ones it takes.
         positional: the positional arguments it collected after ``embedding_dim`` (``*positional``).
         others: the keyword arguments it collected (``**others``); neither: nothing is refused.
-        instead: what to do instead of ``_weight`` and ``_freeze`` for that class.
+        instead: what to do instead of ``_weight`` and ``_freeze`` for that class (of other
+            keywords too, for a switcher).
 
     Raises:
         DTypeError: any given (a ``TypeError``, as Python's for an unexpected argument).
@@ -189,7 +190,7 @@ def refuse_bag_arguments(cls: str, extra: tuple, offsets, per_sample_weights) ->
     The forwards call it only when one was given, so the usual call pays nothing.
 
     Args:
-        cls: the embedding class, for the message.
+        cls: the embedding (or switcher) class, for the message.
         extra: the positional arguments after the ids (``emb(ids, offsets)``).
         offsets, per_sample_weights: as given by keyword.
 
@@ -230,7 +231,7 @@ def outside_function_transforms(cls: str, reads: bool, ids, weight: torch.Tensor
     tensors the host reads cannot take. Called before anything changes.
 
     Args:
-        cls: the embedding class, for the message.
+        cls: the embedding (or switcher) class, for the message.
         reads: the forward reads the table, training nothing.
         ids: the ids as given (a tensor an op inside ``grad`` made is wrapped
             by it, and carries no gradient: its values are taken).
