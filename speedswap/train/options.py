@@ -104,7 +104,7 @@ def refuse_max_norm(cls: str, max_norm, norm_type, advice: str) -> None:
     """Refuse ``max_norm``, which ``nn.Embedding`` applies by writing rows in place at every lookup.
 
     Args:
-        cls: the embedding (or switcher) class, for the message.
+        cls: the embedding class, for the message.
         max_norm, norm_type: as given to it.
         advice: how to clip that class's rows instead.
 
@@ -190,7 +190,7 @@ def refuse_bag_arguments(cls: str, extra: tuple, offsets, per_sample_weights) ->
     The forwards call it only when one was given, so the usual call pays nothing.
 
     Args:
-        cls: the embedding (or switcher) class, for the message.
+        cls: the embedding class, for the message.
         extra: the positional arguments after the ids (``emb(ids, offsets)``).
         offsets, per_sample_weights: as given by keyword.
 
@@ -231,7 +231,7 @@ def outside_function_transforms(cls: str, reads: bool, ids, weight: torch.Tensor
     tensors the host reads cannot take. Called before anything changes.
 
     Args:
-        cls: the embedding (or switcher) class, for the message.
+        cls: the embedding class, for the message.
         reads: the forward reads the table, training nothing.
         ids: the ids as given (a tensor an op inside ``grad`` made is wrapped
             by it, and carries no gradient: its values are taken).
