@@ -21,6 +21,7 @@ import shutil
 import socket
 import stat
 import threading
+from typing import Union
 
 try:
     import fcntl
@@ -30,11 +31,15 @@ except ImportError:  # Windows: threads of one process still take turns (see loc
 from .errors import DTypeError, MissingFileError, PathError, SpeedswapError, warn
 from .mappings import mapped_for_writing
 
-__all__ = ["as_path", "atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries", "check_writable_dir",
-           "check_readable_file", "check_regular_file", "opening_error", "saving_error", "open_into", "fsync_dir",
-           "sync_new_name", "drop_cache", "locked", "one_save_at_a_time"]
+__all__ = ["PathLike", "as_path", "atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries",
+           "check_writable_dir", "check_readable_file", "check_regular_file", "opening_error", "saving_error",
+           "open_into", "fsync_dir", "sync_new_name", "drop_cache", "locked", "one_save_at_a_time"]
 
-def as_path(path) -> str:
+#: What a path argument takes: a str, an ``os.PathLike`` (``pathlib.Path``) or bytes (:func:`as_path`).
+PathLike = Union[str, bytes, os.PathLike]
+
+
+def as_path(path: PathLike) -> str:
     """``path`` as a str: the one check of the paths speedswap's calls take, before any is used.
 
     Args:

@@ -7,7 +7,7 @@ appears in this module: the cuda backend converts torch tensors itself.
 
 import functools
 import warnings
-from typing import Callable
+from typing import Callable, Sequence, Union
 
 import numpy as np
 import torch
@@ -17,7 +17,16 @@ from .errors import DeviceError, DTypeError, IdError, OptionError, ShapeError
 __all__ = ["int_option", "bool_option", "initialiser_option", "float_option", "check_rows", "check_dense",
            "check_has_values", "check_not_masked", "as_host_rows", "as_values_array", "as_host_array",
            "as_row_ids", "as_row_ids_deferred", "bounds_check", "read_bounds", "as_id_tensor", "check_id_range",
-           "as_row_values", "torch_dtype", "numpy_dtype", "host_tensor", "numpy_view", "TABLE_DTYPES"]
+           "as_row_values", "torch_dtype", "numpy_dtype", "host_tensor", "numpy_view", "TABLE_DTYPES",
+           "Ids", "Rows", "DTypeLike"]
+
+#: Row ids as the public calls take them: a 1-D (or, for lookups, any-shape) torch tensor, numpy
+#: array or sequence of ints (:func:`as_row_ids`).
+Ids = Union[torch.Tensor, np.ndarray, Sequence[int]]
+#: Row values: a tensor, array or nested sequence of one row per id (:func:`as_row_values`).
+Rows = Union[torch.Tensor, np.ndarray, Sequence]
+#: A dtype: a torch or numpy dtype, a numpy scalar type, or its name such as ``"float32"`` (:func:`torch_dtype`).
+DTypeLike = Union[torch.dtype, np.dtype, type, str]
 
 
 def int_option(value, name, *, minimum=1, hint=""):

@@ -23,12 +23,12 @@ import numpy as np
 import torch
 
 from . import files
-from .atomic import as_path
+from .atomic import PathLike, as_path
 from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
-from .convert import (ROWS_ADVICE, as_host_rows, as_row_ids, as_row_values, bool_option, check_not_masked,
-                      float_option, host_tensor, initialiser_option, int_option, numpy_dtype, numpy_view,
-                      torch_dtype)
+from .convert import (ROWS_ADVICE, DTypeLike, Ids, Rows, as_host_rows, as_row_ids, as_row_values, bool_option,
+                      check_not_masked, float_option, host_tensor, initialiser_option, int_option, numpy_dtype,
+                      numpy_view, torch_dtype)
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      PathError, ShapeError, StateError)
 from .live import Registry
@@ -216,7 +216,7 @@ class HostTable:
     around them), and do not :meth:`close` a table another thread is using.
     """
 
-    def __init__(self, buffer, backend, path=None):
+    def __init__(self, buffer, backend, path: Optional[PathLike] = None):
         self._buffer = buffer
         self._backend = backend
         self._path = None if path is None else as_path(path)
@@ -241,8 +241,8 @@ class HostTable:
 
     # ----------------------------------------------------------- constructors
     @classmethod
-    def empty(cls, num_rows: int, dim: int, dtype="float32", storage: str = "pinned",
-              backend: BackendLike = "auto", path=None, *, device: DeviceLike = None,
+    def empty(cls, num_rows: int, dim: int, dtype: DTypeLike = "float32", storage: str = "pinned",
+              backend: BackendLike = "auto", path: Optional[PathLike] = None, *, device: DeviceLike = None,
               overwrite: bool = False) -> "HostTable":
         """An uninitialised table.
 
@@ -289,8 +289,8 @@ class HostTable:
             raise _out_of_memory(shape, dtype, storage, backend.device) from exc
 
     @classmethod
-    def zeros(cls, num_rows: int, dim: int, dtype="float32", storage: str = "pinned",
-              backend: BackendLike = "auto", path=None, *, device: DeviceLike = None,
+    def zeros(cls, num_rows: int, dim: int, dtype: DTypeLike = "float32", storage: str = "pinned",
+              backend: BackendLike = "auto", path: Optional[PathLike] = None, *, device: DeviceLike = None,
               overwrite: bool = False) -> "HostTable":
         """A table of zeros; arguments as :meth:`empty`."""
         table = cls.empty(num_rows, dim, dtype, storage, backend, path, device=device,
@@ -299,7 +299,8 @@ class HostTable:
         return table
 
     @classmethod
-    def from_numpy(cls, array, storage: str = "pinned", backend: BackendLike = "auto", path=None,
+    def from_numpy(cls, array: Rows, storage: str = "pinned", backend: BackendLike = "auto",
+                   path: Optional[PathLike] = None,
                    *, device: DeviceLike = None, overwrite: bool = False) -> "HostTable":
         """A table holding a copy of the 2-D ``array``; arguments as :meth:`empty`.
 
@@ -325,7 +326,7 @@ class HostTable:
         return table
 
     @classmethod
-    def adopt(cls, array, backend: BackendLike = "auto", *, device: DeviceLike = None) -> "HostTable":
+    def adopt(cls, array: np.ndarray, backend: BackendLike = "auto", *, device: DeviceLike = None) -> "HostTable":
         """A table over an existing 2-D host array, sharing its memory (no copy).
 
         Use it to serve rows of data you already hold: an in-memory array, or
@@ -370,8 +371,9 @@ class HostTable:
         return cls(buffer, backend, path)
 
     @classmethod
-    def load(cls, path, storage: str = "pinned", backend: BackendLike = "auto", mmap: bool = False,
-             dataset: str = "table", *, device: DeviceLike = None, dtype=None) -> "HostTable":
+    def load(cls, path: PathLike, storage: str = "pinned", backend: BackendLike = "auto", mmap: bool = False,
+             dataset: str = "table", *, device: DeviceLike = None,
+             dtype: Optional[DTypeLike] = None) -> "HostTable":
         """A table read from a ``.npy`` or HDF5 file.
 
         Args:
@@ -496,7 +498,7 @@ class HostTable:
         """False for a table adopted from a read-only array (writes raise StateError)."""
         return self._writable
 
-    def memory(self):
+    def memory(self) -> dict:
         """Where this table's bytes are held.
 
         Returns:
@@ -696,7 +698,7 @@ class HostTable:
                              "read them with gather")
         return host_tensor(private, self.dtype)
 
-    def gather(self, rows, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def gather(self, rows: Ids, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Copy rows to a tensor on :attr:`device`.
 
         Args:
@@ -785,7 +787,7 @@ class HostTable:
                              "be written in place only there: gather under inference_mode too, or "
                              "pass a tensor made outside it")
 
-    def scatter(self, rows, values, *, check_unique: bool = True) -> None:
+    def scatter(self, rows: Ids, values: Rows, *, check_unique: bool = True) -> None:
         """Write ``values[i]`` into row ``rows[i]``.
 
         Args:
@@ -883,7 +885,7 @@ class HostTable:
                 native = torch.from_numpy(np.array(rows, dtype=rows.dtype.newbyteorder("=")))
                 chunk.copy_(native.view(chunk.dtype))
 
-    def zero_(self):
+    def zero_(self) -> "HostTable":
         """Set every row to zero, chunk by chunk. Returns self.
 
         A new ``mmap`` table (:meth:`empty`) that nothing has written into yet
@@ -899,7 +901,8 @@ class HostTable:
         self._unwritten_file = unwritten  # _row_chunks took the buffer to write, and wrote nothing
         return self
 
-    def uniform_(self, low=0.0, high=1.0, *, generator=None):
+    def uniform_(self, low: float = 0.0, high: float = 1.0, *,
+                 generator: Optional[torch.Generator] = None) -> "HostTable":
         """Fill with U(low, high) in place, chunk by chunk (no full-size temporary).
 
         Args:
@@ -932,7 +935,8 @@ class HostTable:
         return self._fill_random("uniform_", lambda tensor: tensor.uniform_(low, high, generator=generator),
                                  generator)
 
-    def normal_(self, mean=0.0, std=1.0, *, generator=None):
+    def normal_(self, mean: float = 0.0, std: float = 1.0, *,
+                generator: Optional[torch.Generator] = None) -> "HostTable":
         """Fill with N(mean, std²) in place, chunk by chunk. Returns self.
 
         Args:
@@ -977,7 +981,7 @@ class HostTable:
                 chunk.copy_(fill(torch.empty(chunk.shape, dtype=chunk.dtype, device=generator.device)))
         return self
 
-    def apply_(self, fn, *args, **kwargs):
+    def apply_(self, fn: Callable[..., object], *args, **kwargs) -> "HostTable":
         """Call an in-place initialiser such as ``torch.nn.init.xavier_uniform_`` on the table.
 
         ``fn`` receives one tensor viewing the whole table (no copy), so
@@ -1019,7 +1023,7 @@ class HostTable:
         return self
 
     # ----------------------------------------------------------------- files
-    def host_chunks(self):
+    def host_chunks(self) -> Iterator[np.ndarray]:
         """The rows as numpy arrays of about 64 MiB each, in order, as files store them.
 
         Host tables yield views of their own memory; a device table yields one
@@ -1045,7 +1049,7 @@ class HostTable:
             array.flags.writeable = False
             yield array
 
-    def save(self, path, dataset: str = "table") -> None:
+    def save(self, path: PathLike, dataset: str = "table") -> None:
         """Write the table to ``path`` (``.npy`` or ``.h5``) atomically.
 
         The file is written beside ``path`` under a temporary name, flushed,
@@ -1081,7 +1085,7 @@ class HostTable:
             return
         files.save_table(self, path, dataset)
 
-    def is_backing_file(self, path) -> bool:
+    def is_backing_file(self, path: PathLike) -> bool:
         """Whether ``path`` is the ``.npy`` file this ``mmap`` table maps, whole: a save there is a flush.
 
         Args:
@@ -1106,8 +1110,12 @@ class HostTable:
                             f"the file it maps: save to another path")
         return True
 
-    def load_from(self, path, dataset: str = "table") -> "HostTable":
+    def load_from(self, path: PathLike, dataset: str = "table") -> "HostTable":
         """Replace this table's rows with a file's, which must match shape and dtype.
+
+        Args:
+            path: a ``.npy`` or HDF5 (``.h5``, ``.hdf5``) file.
+            dataset: the HDF5 dataset holding the rows.
 
         Returns:
             self
@@ -1152,7 +1160,7 @@ class HostTable:
         self._backend.wait_host(buffer)
         return buffer.tensor
 
-    def to_numpy(self, copy=False):
+    def to_numpy(self, copy: bool = False) -> np.ndarray:
         """The rows as a numpy array.
 
         Args:
@@ -1226,7 +1234,7 @@ class HostTable:
             return None
         return files.mark_npy_torn(self._path, torn)
 
-    def flush(self):
+    def flush(self) -> None:
         """Wait for pending device writes; an ``mmap`` table also flushes its file."""
         buffer = self._live_buffer()
         self._backend.wait_host(buffer)
@@ -1234,7 +1242,7 @@ class HostTable:
             buffer.host.flush()
 
     # ------------------------------------------------------------- lifecycle
-    def close(self):
+    def close(self) -> None:
         """Release the table's memory (flushing an ``mmap`` file first). Idempotent."""
         if self._buffer is None:
             return

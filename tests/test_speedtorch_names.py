@@ -1,5 +1,7 @@
 """SpeedTorch's documented API, name by name: each works as SpeedTorch's did, or says what replaces it."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -259,7 +261,8 @@ def test_per_storage_classes_show_speedtorch_arguments_in_help(name, first):
     assert list(inspect.signature(cls).parameters) == expected
     assert expected[0] == first
     text = pydoc.render_doc(cls, renderer=pydoc.plaintext)
-    assert f"{name}({first}, total_classes, embed_dimension" in text
+    # The arguments in SpeedTorch's order, each with its type hint.
+    assert re.search(rf"{name}\({first}: [^\n]+, total_classes: int, embed_dimension: int", text), text[:600]
     doc = inspect.getdoc(cls)
     assert "Args:" in doc and "Raises:" in doc and "storage" in doc
 

@@ -25,16 +25,18 @@ capacity, and no unused slot is updated.
 import os
 import pickle
 import weakref
+from typing import Callable, NoReturn, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
-from ..atomic import as_path, atomic_output, check_regular_file
-from ..convert import bool_option, host_tensor, initialiser_option, int_option
+from ..atomic import PathLike, as_path, atomic_output, check_regular_file
+from ..backends.resolve import BackendLike
+from ..convert import DTypeLike, Ids, bool_option, host_tensor, initialiser_option, int_option
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
 from ..table import HostTable, loading_into
 from .steps import MODEL
-from .switcher import Switcher, device_of, storage_of, weight_of
+from .switcher import LocalIds, Switcher, device_of, storage_of, weight_of
 
 __all__ = ["ModelFactory"]
 
@@ -127,9 +129,10 @@ class ModelFactory(Switcher):
     _after_close = ("table", "for the embedding, and load the table saved before close() into it "
                              "(loadCupy / loadTorch) to go on from there")
 
-    def __init__(self, model_variable, total_classes, embed_dimension, datatype="float32",
-                 CPUPinn=False, *, storage=None, backend="auto", path=None, overwrite=False,
-                 cache_rows: int = 0, **others):
+    def __init__(self, model_variable: Union[torch.nn.Embedding, torch.nn.EmbeddingBag, torch.nn.Parameter],
+                 total_classes: int, embed_dimension: int, datatype: DTypeLike = "float32",
+                 CPUPinn: bool = False, *, storage: Optional[str] = None, backend: BackendLike = "auto",
+                 path: Optional[PathLike] = None, overwrite: bool = False, cache_rows: int = 0, **others):
         self._refuse_other_keywords(others)
         param = weight_of(model_variable)
         module = model_variable if isinstance(model_variable, torch.nn.Module) else None
@@ -153,7 +156,8 @@ class ModelFactory(Switcher):
         self._table.watch_writes(self._prepare_table_write)
 
     # ------------------------------------------------------------------ steps
-    def variableTransformer(self, batchSize, posPerBatch, negPerBatch=None):
+    def variableTransformer(self, batchSize: int, posPerBatch: int,
+                            negPerBatch: Optional[int] = None) -> Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]:
         """SpeedTorch's placeholders: numpy id arrays that every :meth:`before_forward` fills in place.
 
         They are numpy ``int64`` arrays, as SpeedTorch returned, holding the
@@ -270,7 +274,7 @@ class ModelFactory(Switcher):
                              f"made placeholders of shapes {want}; call variableTransformer "
                              f"again for this batch size, or feed the ids before_forward returns")
 
-    def before_forward(self, pos, neg=None):
+    def before_forward(self, pos: Ids, neg: Optional[Ids] = None) -> LocalIds:
         """Gather the rows of ``pos`` (and ``neg``) into the model's embedding (cached ones from the cache).
 
         Args:
@@ -306,7 +310,7 @@ class ModelFactory(Switcher):
             np.copyto(placeholder, local.cpu().numpy().reshape(placeholder.shape))
         return self._result(step)
 
-    def after_step(self, pos, neg=None):
+    def after_step(self, pos: Ids, neg: Optional[Ids] = None) -> None:
         """Write the step's updated rows back to the table, each distinct row once.
 
         With a cache, rows go to the cache (hits, and misses that find a
@@ -328,7 +332,7 @@ class ModelFactory(Switcher):
             # What a copy made before the loop, or now, would hold.
             self._stale = self._initial + [p.copy() for p in self._placeholders]
 
-    def prefetch(self, pos, neg=None) -> int:
+    def prefetch(self, pos: Ids, neg: Optional[Ids] = None) -> int:
         """Start bringing the rows of the next step's ids (and their optimizer state) into the cache.
 
         Call it while the current step computes, with the ids the next
@@ -354,7 +358,7 @@ class ModelFactory(Switcher):
         return self._steps.prefetch(pos, neg)
 
     # ------------------------------------------------------------ whole table
-    def zerosInit(self):
+    def zerosInit(self) -> None:
         """Set every row to zero.
 
         Raises:
@@ -363,7 +367,7 @@ class ModelFactory(Switcher):
         with self._rewriting("zerosInit"):
             self._table.zero_()
 
-    def uniformDistributionInit(self, low, high):
+    def uniformDistributionInit(self, low: float, high: float) -> None:
         """Fill the table from U(low, high) (torch's global generator).
 
         Args:
@@ -377,7 +381,7 @@ class ModelFactory(Switcher):
         with self._rewriting("uniformDistributionInit"):
             self._table.uniform_(low, high)
 
-    def normalDistributionInit(self, mean, stdDev):
+    def normalDistributionInit(self, mean: float, stdDev: float) -> None:
         """Fill the table from N(mean, stdDev²) (torch's global generator).
 
         Args:
@@ -392,7 +396,7 @@ class ModelFactory(Switcher):
         with self._rewriting("normalDistributionInit"):
             self._table.normal_(mean, stdDev)
 
-    def customInit(self, initFunction, *args):
+    def customInit(self, initFunction: Callable[..., object], *args) -> None:
         """Run an in-place initialiser such as ``torch.nn.init.xavier_uniform_`` on the whole table.
 
         Args:
@@ -411,10 +415,13 @@ class ModelFactory(Switcher):
         with self._rewriting("customInit"):
             self._table.apply_(initFunction, *args)
 
-    def save(self, path):
+    def save(self, path: PathLike) -> None:
         """Write the table (cached rows included) to ``path`` (``.npy`` or ``.h5``) atomically.
 
         Alias ``saveCupy``.
+
+        Args:
+            path: the target, ``.npy`` or ``.h5``.
 
         Raises:
             OptionError: a ``.pt``/``.pth`` path (:meth:`saveTorch` writes those; nothing is written).
@@ -428,11 +435,14 @@ class ModelFactory(Switcher):
         # (watch_reads): a refused save leaves the cache as it was.
         self._table.save(path)
 
-    def load(self, path):
+    def load(self, path: PathLike) -> None:
         """Replace the table's rows with a file's of the same shape and dtype. Alias ``loadCupy``.
 
         Cached rows are dropped (their optimizer state is written back first)
         once the file is verified; a refused load leaves them cached.
+
+        Args:
+            path: a ``.npy`` or ``.h5`` file of the table's shape and dtype.
 
         Raises:
             FileFormatError: another shape or dtype, or a bad file (nothing changes, the cache included).
@@ -445,7 +455,7 @@ class ModelFactory(Switcher):
         # and drop them once the file is verified: a refused load leaves the cache as it was.
         self._table.load_from(path)
 
-    def close(self):
+    def close(self) -> None:
         """Release the table's memory (an ``mmap`` table gets the cached rows first). Idempotent.
 
         The embedding's OptimizerFactory keeps working, without a cache.
@@ -530,6 +540,12 @@ class ModelFactory(Switcher):
         again (a view of an in-memory weight shows them stepped); reads
         through a numpy view cannot be refused.
 
+        Args:
+            copy: a copy of the rows rather than the table's own memory.
+
+        Returns:
+            numpy.ndarray of shape ``(total_classes, embed_dimension)``.
+
         Raises:
             StateError: ``copy=False`` of a table in host memory from ``optimizer.step()``
                 until :meth:`after_step` (as :attr:`table`); before ``optimizer.step()`` the
@@ -561,7 +577,7 @@ class ModelFactory(Switcher):
         """
         return self.to_numpy(copy=True)
 
-    def saveTorch(self, saveFileName) -> None:
+    def saveTorch(self, saveFileName: PathLike) -> None:
         """SpeedTorch's ``saveTorch``: ``*.pt``/``*.pth`` through ``torch.save`` (the table as one
         CPU tensor, as SpeedTorch wrote it); other suffixes as :meth:`save`.
 
@@ -595,7 +611,7 @@ class ModelFactory(Switcher):
         else:
             self.save(saveFileName)
 
-    def loadTorch(self, loadFileName) -> None:
+    def loadTorch(self, loadFileName: PathLike) -> None:
         """SpeedTorch's ``loadTorch``: reads ``*.pt``/``*.pth`` with ``torch.load(weights_only=True)``.
 
         Other suffixes load as :meth:`load`.
@@ -653,7 +669,7 @@ class ModelFactory(Switcher):
         self._steps.hand_out("getTorchVar")
         return self._table.as_tensor()
 
-    def getCupyVar(self):
+    def getCupyVar(self) -> NoReturn:
         """SpeedTorch returned the CuPy array behind the table; speedswap keeps CuPy out of its API.
 
         Raises:

@@ -2,18 +2,21 @@
 
 import contextlib
 import weakref
+from typing import NoReturn, Optional
 
 import torch
 
+from ..atomic import PathLike
 from ..backends import get_backend
-from ..convert import bool_option, torch_dtype
+from ..backends.resolve import BackendLike
+from ..convert import DTypeLike, Ids, bool_option, torch_dtype
 from ..errors import DTypeError, OptionError, StateError
 from ..train.caching import resetting_state
 from ..train.one_optimizer import claim
 from ..train.row_state import EmptySparseGradient, NarrowedStep, RowState
 from ..train.step_hooks import StepHooks
 from .steps import MODEL, OPTIMIZER
-from .switcher import Switcher, device_of, storage_of, weight_of
+from .switcher import LocalIds, Switcher, device_of, storage_of, weight_of
 
 __all__ = ["OptimizerFactory"]
 
@@ -114,9 +117,10 @@ class OptimizerFactory(Switcher):
     _after_close = ("optimizer state tables", "over the optimizer, and load the state saved before "
                                               "close() into it (load) to go on from there")
 
-    def __init__(self, given_optimizer, total_classes, embed_dimension, model, variable_name,
-                 dtype="float32", CPUPinn=False, *, storage=None, backend="auto", path=None,
-                 overwrite=False, cache_rows: int = 0, **others):
+    def __init__(self, given_optimizer: torch.optim.Optimizer, total_classes: int, embed_dimension: int,
+                 model: torch.nn.Module, variable_name: str, dtype: DTypeLike = "float32", CPUPinn: bool = False,
+                 *, storage: Optional[str] = None, backend: BackendLike = "auto", path: Optional[PathLike] = None,
+                 overwrite: bool = False, cache_rows: int = 0, **others):
         self._refuse_other_keywords(others)
         # bool("False") is True, and RowState reads a non-bool as a set of file names.
         overwrite = bool_option(overwrite, "overwrite", hint=" (replace existing mmap state files in path)")
@@ -204,7 +208,7 @@ class OptimizerFactory(Switcher):
             self._steps.fetch_again(step, self._param.data)
             self._state.gather(step.rows, read=self._steps.read_state(), resetting=self._resetting_state)
 
-    def close(self):
+    def close(self) -> None:
         """Release the state tables' memory and unhook the optimizer (other optimizers may step the
         embedding again). Idempotent.
 
@@ -295,7 +299,7 @@ class OptimizerFactory(Switcher):
         self._steps.hand_out("OptimizerFactory.state")
         return self._state
 
-    def init_state(self):
+    def init_state(self) -> None:
         """Reset every row's state to torch's initial value (cached state rows too). Alias ``optInit``.
 
         Only the per-row state: the optimizer's scalar state (Adam's ``step``)
@@ -308,11 +312,14 @@ class OptimizerFactory(Switcher):
         with self._rewriting("init_state"):
             self._state.init_state()
 
-    def before_forward(self, pos, neg=None):
+    def before_forward(self, pos: Ids, neg: Optional[Ids] = None) -> LocalIds:
         """Put the optimizer state of the step's rows into the optimizer.
 
         Call it with the same ids as the embedding's :class:`ModelFactory`
         (before or after it); the de-duplication is shared.
+
+        Args:
+            pos, neg: the ids given to :meth:`ModelFactory.before_forward`.
 
         Returns:
             the local ids, as :meth:`ModelFactory.before_forward`.
@@ -344,8 +351,11 @@ class OptimizerFactory(Switcher):
             raise
         return self._result(step)
 
-    def after_step(self, pos, neg=None):
+    def after_step(self, pos: Ids, neg: Optional[Ids] = None) -> None:
         """Write the step's optimizer state rows back, each distinct row once.
+
+        Args:
+            pos, neg: the same ids given to :meth:`before_forward`.
 
         Raises:
             StateError: other ids than the last ``before_forward``'s, or no
@@ -357,9 +367,12 @@ class OptimizerFactory(Switcher):
         step = self._finish(pos, neg)
         self._steps.end(step, OPTIMIZER, self._param_rows())
 
-    def save(self, path):
+    def save(self, path: PathLike) -> None:
         """Write every state table (cached state rows included) to one checkpoint (``.h5`` file or
         directory), atomically.
+
+        Args:
+            path: the target, an ``.h5`` file or a directory.
 
         Raises:
             OptionError, PathError, FileFormatError: as
@@ -376,12 +389,15 @@ class OptimizerFactory(Switcher):
         # as it was.
         save_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__})
 
-    def load(self, path):
+    def load(self, path: PathLike) -> None:
         """Read state tables written by :meth:`save`.
 
         The optimizer's scalar state (Adam's ``step``) is not in them: restore
         it with ``optimizer.load_state_dict(...)`` from a state_dict saved
         beside them, or the next step refuses (the tables hold trained state).
+
+        Args:
+            path: what :meth:`save` wrote.
 
         Raises:
             FileFormatError: a checkpoint of another optimizer or shape (nothing changes,
@@ -426,7 +442,7 @@ class OptimizerFactory(Switcher):
                           f"getNumpyVersion() for numpy copies of all (cupy.asarray(...) of the torch "
                           f"view if you need CuPy)")
 
-    def getCupyVar(self):
+    def getCupyVar(self) -> NoReturn:
         """SpeedTorch's ``getCupyVar``: speedswap hands out no CuPy arrays, and the state is several tables.
 
         Raises:
@@ -434,7 +450,7 @@ class OptimizerFactory(Switcher):
         """
         self._refuse_single_table("getCupyVar()")
 
-    def getTorchVar(self):
+    def getTorchVar(self) -> NoReturn:
         """SpeedTorch's ``getTorchVar``: the state is several tables, not one tensor.
 
         Raises:
@@ -442,7 +458,7 @@ class OptimizerFactory(Switcher):
         """
         self._refuse_single_table("getTorchVar()")
 
-    def saveTorch(self, saveFileName) -> None:
+    def saveTorch(self, saveFileName: PathLike) -> None:
         """SpeedTorch's ``saveTorch`` of an optimizer factory: :meth:`save`.
 
         The state tables are written as :meth:`save` writes them (one ``*.h5`` file
@@ -457,7 +473,7 @@ class OptimizerFactory(Switcher):
         """
         self.save(saveFileName)
 
-    def loadTorch(self, loadFileName) -> None:
+    def loadTorch(self, loadFileName: PathLike) -> None:
         """SpeedTorch's ``loadTorch`` of an optimizer factory: :meth:`load`.
 
         Args:

@@ -5,12 +5,14 @@
 """
 
 import inspect
-from typing import Optional
+from typing import NoReturn, Optional, Union
 
 import numpy as np
 import torch
 
-from ..convert import ROWS_ADVICE, as_row_ids
+from ..atomic import PathLike
+from ..backends.resolve import BackendLike, DeviceLike
+from ..convert import ROWS_ADVICE, Ids, Rows, as_row_ids
 from ..data.gadget import DataGadget as CoreDataGadget
 from ..errors import OptionError
 from .model_factory import ModelFactory
@@ -85,8 +87,9 @@ class DataGadget(SpeedTorchFiles, CoreDataGadget):
         as :class:`speedswap.data.gadget.DataGadget`.
     """
 
-    def __init__(self, fileName, CPUPinn: bool = False, *, mmap: Optional[bool] = None,
-                 backend="auto", storage: Optional[str] = None, device=None):
+    def __init__(self, fileName: Union[PathLike, np.ndarray, torch.Tensor], CPUPinn: bool = False, *,
+                 mmap: Optional[bool] = None, backend: BackendLike = "auto", storage: Optional[str] = None,
+                 device: DeviceLike = None):
         super().__init__(fileName, storage=storage or storage_of(CPUPinn), mmap=mmap,
                          backend=backend, device=device)
 
@@ -101,7 +104,7 @@ class DataGadget(SpeedTorchFiles, CoreDataGadget):
         """
         return self.to_numpy(copy=True)
 
-    def insertData(self, dataObject, indexes) -> None:
+    def insertData(self, dataObject: Rows, indexes: Ids) -> None:
         """SpeedTorch's name for :meth:`put` (same argument order: data, then indexes).
 
         Args:
@@ -113,7 +116,7 @@ class DataGadget(SpeedTorchFiles, CoreDataGadget):
         """
         self.put(dataObject, indexes)
 
-    def getData(self, indexes, negIndexes=None) -> torch.Tensor:
+    def getData(self, indexes: Ids, negIndexes: Optional[Ids] = None) -> torch.Tensor:
         """SpeedTorch's ``getData``: the rows of ``indexes`` flattened, then those of ``negIndexes``.
 
         As in SpeedTorch, the ids are flattened and concatenated, so the
@@ -137,7 +140,7 @@ class DataGadget(SpeedTorchFiles, CoreDataGadget):
                  for i, name in zip(ids, ("indexes", "negIndexes"))]
         return self.get(torch.cat(flats) if len(flats) > 1 else flats[0])
 
-    def getCupyVar(self):
+    def getCupyVar(self) -> NoReturn:
         """SpeedTorch returned the CuPy array behind the data; speedswap keeps CuPy out of its API.
 
         Raises:

@@ -5,16 +5,21 @@ See :mod:`speedswap.compat.model_factory` and :mod:`speedswap.compat.optimizer_f
 
 import functools
 import inspect
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
 
-from ..convert import int_option, torch_dtype
+from ..atomic import PathLike
+from ..convert import Ids, int_option, torch_dtype
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
 from ..train.options import refuse_other_arguments
 from .steps import steps_for
 
-__all__ = ["Switcher", "SpeedTorchFiles", "storage_of", "device_of", "weight_of"]
+#: What ``before_forward`` returns: the local ids of ``pos``, or of ``pos`` and ``neg``.
+LocalIds = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+__all__ = ["Switcher", "SpeedTorchFiles", "LocalIds", "storage_of", "device_of", "weight_of"]
 
 
 def storage_of(CPUPinn) -> str:
@@ -77,7 +82,7 @@ class SpeedTorchFiles:
     """SpeedTorch's ``saveCupy(saveFileName)`` / ``loadCupy(loadFileName)``: ``save`` / ``load``
     under its names, argument names included (old code may pass them by keyword)."""
 
-    def saveCupy(self, saveFileName):
+    def saveCupy(self, saveFileName: PathLike) -> None:
         """SpeedTorch's name for :meth:`save`.
 
         Args:
@@ -88,7 +93,7 @@ class SpeedTorchFiles:
         """
         return self.save(saveFileName)
 
-    def loadCupy(self, loadFileName):
+    def loadCupy(self, loadFileName: PathLike):
         """SpeedTorch's name for :meth:`load`.
 
         Args:
@@ -389,7 +394,8 @@ class Switcher(SpeedTorchFiles):
         return step.locals[0] if len(step.locals) == 1 else step.locals
 
     # SpeedTorch's names, with its argument names: old code may pass them by keyword.
-    def beforeForwardPass(self, retrievedPosIndexes, retrievedNegIndexes=None):
+    def beforeForwardPass(self, retrievedPosIndexes: Ids,
+                          retrievedNegIndexes: Optional[Ids] = None) -> LocalIds:
         """SpeedTorch's name for ``before_forward(pos, neg)``.
 
         Args:
@@ -404,7 +410,7 @@ class Switcher(SpeedTorchFiles):
         """
         return self.before_forward(retrievedPosIndexes, retrievedNegIndexes)
 
-    def afterOptimizerStep(self, retrievedPosIndexes, retrievedNegIndexes=None):
+    def afterOptimizerStep(self, retrievedPosIndexes: Ids, retrievedNegIndexes: Optional[Ids] = None) -> None:
         """SpeedTorch's name for ``after_step(pos, neg)``.
 
         Args:

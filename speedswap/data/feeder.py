@@ -15,21 +15,27 @@ import inspect
 import math
 import os
 import threading
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
 
 from ..backends import available_ram, get_backend, resolve_device
+from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import as_host_array, bool_option, check_has_values, check_rows, int_option
 from ..errors import (DeviceError, DTypeError, OptionError, OutOfMemoryError, ShapeError, StateError,
                       ThreadStartError, warn)
 from ..table import HostTable
 from .filesource import FileRows, RowReader, WindowReader
 from .gadget import DataGadget
-from .orders import make_order, shard
+from .orders import Order, make_order, shard
 from .readahead import CudaStager, LaunchAhead, ReaderThread, SyncReader, in_background
 
-__all__ = ["BatchFeeder"]
+__all__ = ["BatchFeeder", "Source"]
+
+#: What a feeder reads rows from: a numpy array (an ``np.memmap`` of a ``.npy`` file too), a tensor,
+#: a :class:`~speedswap.DataGadget` or a :class:`~speedswap.HostTable` (see :class:`BatchFeeder`).
+Source = Union[np.ndarray, torch.Tensor, DataGadget, HostTable]
 
 _STATE_KEYS = ("epoch", "batch", "seed", "num_rows", "batch_size", "drop_last", "rank",
                "world_size", "order", "shard")
@@ -462,9 +468,11 @@ class BatchFeeder:
         2 None
     """
 
-    def __init__(self, *sources, batch_size, order="random", drop_last=False, seed=0, device="auto",
-                 prefetch=2, rank=None, world_size=None, transform=None, drop_behind=None,
-                 lookahead: bool = False, backend="auto", **named_sources):
+    def __init__(self, *sources: Source, batch_size: int, order: Union[str, Order] = "random",
+                 drop_last: bool = False, seed: int = 0, device: DeviceLike = "auto", prefetch: int = 2,
+                 rank: Optional[int] = None, world_size: Optional[int] = None,
+                 transform: Optional[Callable[[object], object]] = None, drop_behind: Optional[bool] = None,
+                 lookahead: bool = False, backend: BackendLike = "auto", **named_sources: Source):
         for name, value in named_sources.items():
             # A DataLoader keyword is refused whatever its value (a sampler, a function) unless
             # it is data: a source may be named "sampler", but a RandomSampler is no source.
@@ -583,7 +591,7 @@ class BatchFeeder:
         return n // w if self._drop_last else -(-n // w)
 
     @property
-    def rows_per_rank(self):
+    def rows_per_rank(self) -> int:
         """Rows this rank reads per epoch: padding rows included, a last batch ``drop_last`` drops not."""
         return len(self) * self._batch_size if self._drop_last else self._share()
 
@@ -598,17 +606,17 @@ class BatchFeeder:
         return rows // self._batch_size if self._drop_last else -(-rows // self._batch_size)
 
     @property
-    def epoch(self):
+    def epoch(self) -> int:
         """The epoch the next batch comes from."""
         return self._epoch
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         """The device batches are delivered on."""
         return self._device
 
     @property
-    def order(self):
+    def order(self) -> Order:
         """The order object (see :mod:`speedswap.data.orders`)."""
         return self._order
 
@@ -626,13 +634,16 @@ class BatchFeeder:
         # After the bump: a loop on another thread that wakes up sees it was superseded.
         self._stop_reader()
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch (its order depends on it).
 
         After :meth:`load_state_dict`, and before a loop has started, the
         restored epoch keeps its restored position: a ``DistributedSampler``
         loop calls ``set_epoch`` at the top of every epoch, the resumed one
         too, and starting it over would train its first batches twice.
+
+        Args:
+            epoch: the epoch to start, from 0.
 
         Raises:
             OptionError: a negative or non-int epoch.
@@ -643,7 +654,7 @@ class BatchFeeder:
             return
         self._reposition(epoch, 0)
 
-    def state_dict(self):
+    def state_dict(self) -> dict:
         """Where the stream stands: the next batch to yield, and what defines the stream.
 
         Batches read ahead but not yet yielded are not counted, so resuming
@@ -657,7 +668,7 @@ class BatchFeeder:
                 "drop_last": self._drop_last, "rank": self._rank, "world_size": self._world_size,
                 "order": self._order.describe(), "shard": "contiguous" if self._contiguous else "interleaved"}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         """Continue the stream from :meth:`state_dict`'s position.
 
         Every rank of a world reads the same number of batches per epoch, in

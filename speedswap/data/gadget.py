@@ -19,10 +19,10 @@ import weakref
 import numpy as np
 import torch
 
-from typing import Optional
+from typing import Optional, Union
 
 from .. import files
-from ..atomic import as_path
+from ..atomic import PathLike, as_path
 from ..backends import STORAGE_KINDS, available_ram, get_backend
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import (as_host_array, as_id_tensor, as_values_array, check_dense, check_rows, numpy_dtype,
@@ -141,7 +141,8 @@ class DataGadget:
         >>> batch = gadget.get(torch.randint(0, len(gadget), (4096,)))  # doctest: +SKIP
     """
 
-    def __init__(self, source, *, storage: str = "pageable", mmap: Optional[bool] = None,
+    def __init__(self, source: Union[PathLike, np.ndarray, torch.Tensor], *, storage: str = "pageable",
+                 mmap: Optional[bool] = None,
                  backend: BackendLike = "auto", device: DeviceLike = None):
         if storage not in STORAGE_KINDS or storage == "mmap":
             raise OptionError(f"storage must be one of {[k for k in STORAGE_KINDS if k != 'mmap']}, "

@@ -12,14 +12,15 @@ import contextlib
 import os
 import weakref
 from collections.abc import Mapping
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from .. import files
+from ..atomic import PathLike
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import (as_host_rows, as_row_ids_deferred, bool_option, check_has_values, host_tensor,
+from ..convert import (Ids, Rows, as_host_rows, as_row_ids_deferred, bool_option, check_has_values, host_tensor,
                        int_option, torch_dtype)
 from ..errors import (CapacityError, DTypeError, IdError, OptionError, ShapeError, SpeedswapError, StateError,
                       warn)
@@ -157,7 +158,7 @@ class OffloadedEmbedding(RefusesConversion):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *positional, max_rows: Optional[int] = None,
                  storage: str = "pinned", dtype: Optional[torch.dtype] = None,
-                 padding_idx: int = None, backend: BackendLike = "auto", path=None,
+                 padding_idx: Optional[int] = None, backend: BackendLike = "auto", path: Optional[PathLike] = None,
                  device: DeviceLike = None, overwrite: bool = False, cache_rows: int = 0,
                  scale_grad_by_freq: bool = False, sparse: bool = False, max_norm: float = None,
                  norm_type: float = 2.0, _initialise: bool = True, **others):
@@ -253,7 +254,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._table.watch_writes(self._prepare_table_write)
 
     @classmethod
-    def from_pretrained(cls, embeddings, freeze: bool = True, *, max_rows: int,
+    def from_pretrained(cls, embeddings: Union[Rows, PathLike], freeze: bool = True, *, max_rows: int,
                         **kwargs) -> "OffloadedEmbedding":
         """An embedding whose table starts as ``embeddings``, like ``nn.Embedding.from_pretrained``.
 
@@ -343,7 +344,7 @@ class OffloadedEmbedding(RefusesConversion):
     def __reduce_ex__(self, protocol):
         raise unpicklable(type(self).__name__)
 
-    def check_conversion(self, fn) -> None:
+    def check_conversion(self, fn: Callable) -> None:
         refuse_conversion(type(self).__name__, fn, self.weight, self._table.dtype)
         if self._table.closed:
             return
@@ -351,7 +352,7 @@ class OffloadedEmbedding(RefusesConversion):
             refuse_new_storage(type(self).__name__, fn, self.weight, "optimizer.step()")
         refuse_new_gradient_storage(type(self).__name__, fn, self.weight)
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
                 f"storage={self._table.storage!r}"
                 + ("" if self.padding_idx is None else f", padding_idx={self.padding_idx}")
@@ -359,7 +360,7 @@ class OffloadedEmbedding(RefusesConversion):
                 + (", sparse=True" if self.sparse else ""))
 
     # ------------------------------------------------------------- training
-    def attach(self, optimizer):
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Offload ``optimizer``'s per-row state for :attr:`weight` and hook its ``step()``.
 
         Attaching (again, or to another optimizer) starts the offloaded
@@ -448,7 +449,7 @@ class OffloadedEmbedding(RefusesConversion):
             self._state.close()
             self._state = None
 
-    def init_state(self):
+    def init_state(self) -> None:
         """Reset every row's optimizer state to the value torch creates it with.
 
         For restarting the optimizer (a fresh ``torch.optim`` optimizer after
@@ -477,7 +478,9 @@ class OffloadedEmbedding(RefusesConversion):
     # host reads, the forward's one host wait) is Python state a traced graph would replay
     # stale; the rest of a compiled model is still compiled around this call.
     @torch.compiler.disable
-    def forward(self, input=None, *extra, ids=None, offsets=None, per_sample_weights=None) -> torch.Tensor:
+    def forward(self, input: Optional[Ids] = None, *extra, ids: Optional[Ids] = None,
+                offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The rows of the ids: a tensor of shape ``(*ids.shape, embedding_dim)``.
 
         Args:
@@ -525,7 +528,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._reached.track(out, local)  # a forward no backward reaches trains nothing
         return out
 
-    def slots(self, ids) -> torch.Tensor:
+    def slots(self, ids: Ids) -> torch.Tensor:
         """Training without autograd: bring the rows of ``ids`` into the step and return their slots.
 
         What a training ``forward`` does, minus the lookup: the rows join the
@@ -1099,7 +1102,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._gather_new(0, again=True)
 
     # ---------------------------------------------------------------- cache
-    def prefetch(self, ids) -> int:
+    def prefetch(self, ids: Ids) -> int:
         """Start bringing the rows of the next step's ``ids`` (and their state) into the cache.
 
         Call it while the current step computes. Rows of the current working
@@ -1129,7 +1132,7 @@ class OffloadedEmbedding(RefusesConversion):
         with torch.no_grad():
             return self._cache.prefetch(flat, self._working_set.holds, check_bounds)
 
-    def flush(self):
+    def flush(self) -> None:
         """Write the cached rows and their optimizer state back to the host tables.
 
         After it the host's table and state tables hold every row's current
@@ -1186,7 +1189,7 @@ class OffloadedEmbedding(RefusesConversion):
         optimizer = "" if self._state is None else type(self._state.optimizer).__name__
         return {"optimizer": optimizer}
 
-    def save(self, path):
+    def save(self, path: PathLike) -> None:
         """Write the table and all offloaded optimizer state to one checkpoint, atomically.
 
         The device cache writes its rows back only as the save reads them,
@@ -1220,13 +1223,16 @@ class OffloadedEmbedding(RefusesConversion):
             return
         save_tables(path, self._tables(), self._attrs())
 
-    def load(self, path):
+    def load(self, path: PathLike) -> None:
         """Restore a checkpoint written by :meth:`save` (attach the same optimizer class first).
 
         A ``*.npy`` path replaces the table's rows only (pretrained vectors, say)
         and leaves the optimizer state as it is.
 
         Restore the optimizer's own ``state_dict`` too: it holds the step count.
+
+        Args:
+            path: a checkpoint :meth:`save` wrote, or a ``.npy`` file of rows.
 
         Raises:
             FileFormatError: another shape, optimizer or a corrupt file: every
@@ -1261,11 +1267,19 @@ class OffloadedEmbedding(RefusesConversion):
         if self._state is not None:
             self._state.mark_loaded()
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True,
+                        assign: bool = False) -> tuple:
         """``nn.Module.load_state_dict``, refusing a ``state_dict`` that is not a mapping.
 
         The table and the attached optimizer's per-row state are restored from
         the state dict's ``_extra_state`` (see :meth:`set_extra_state`).
+
+        Args:
+            state_dict, strict: as ``nn.Module.load_state_dict``'s.
+            assign: must be False (see Raises).
+
+        Returns:
+            ``nn.Module.load_state_dict``'s named tuple of missing and unexpected keys.
 
         Raises:
             DTypeError: ``state_dict`` is not a mapping, or holds rows of another
@@ -1310,7 +1324,7 @@ class OffloadedEmbedding(RefusesConversion):
         return tables_state(type(self).__name__, self._tables(), self._attrs()["optimizer"],
                             self.num_embeddings)
 
-    def set_extra_state(self, state) -> None:
+    def set_extra_state(self, state: dict) -> None:
         """Restore what :meth:`get_extra_state` returned: the table and the optimizer's per-row state.
 
         Everything is checked before any row changes; a copy stopped midway
@@ -1319,6 +1333,9 @@ class OffloadedEmbedding(RefusesConversion):
         the device cache is emptied and a following ``optimizer.load_state_dict``
         (the optimizer's step count) is accepted. Attach the optimizer first:
         :meth:`attach` starts its per-row state afresh.
+
+        Args:
+            state: what :meth:`get_extra_state` returned (a ``state_dict()``'s ``_extra_state``).
 
         Raises:
             ShapeError, DTypeError: another table size or dtype: build the
@@ -1392,7 +1409,7 @@ class OffloadedEmbedding(RefusesConversion):
             missing_keys.remove(weight)  # given, and rightly not loaded
 
     # ------------------------------------------------------------- lifecycle
-    def close(self):
+    def close(self) -> None:
         """Release the table and optimizer state memory and unhook the optimizer. Idempotent.
 
         An ``mmap`` embedding's files are flushed and kept. Afterwards every

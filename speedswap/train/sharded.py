@@ -29,15 +29,15 @@ import itertools
 import os
 import weakref
 import zlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..atomic import as_path
+from ..atomic import PathLike, as_path
 from ..backends import get_backend
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import as_row_ids, as_row_ids_deferred, int_option
+from ..convert import Ids, as_row_ids, as_row_ids_deferred, int_option
 from ..errors import OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
@@ -170,8 +170,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *positional, max_rows: Optional[int] = None,
-                 process_group=None, storage: str = "pinned", dtype: Optional[torch.dtype] = None,
-                 backend: BackendLike = "auto", path=None, device: DeviceLike = None,
+                 process_group: Optional["torch.distributed.ProcessGroup"] = None, storage: str = "pinned",
+                 dtype: Optional[torch.dtype] = None, backend: BackendLike = "auto",
+                 path: Optional[PathLike] = None, device: DeviceLike = None,
                  cache_rows: int = 0, padding_idx: Optional[int] = None,
                  scale_grad_by_freq: bool = False, sparse: bool = False,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, **others):
@@ -358,7 +359,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """Bytes of ids, rows and gradients this rank has sent to other ranks so far."""
         return self._exchange.bytes_sent
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
                 f"rank={self.rank}, world_size={self.world_size}, rows={self.row_range.start}.."
                 f"{self.row_range.stop - 1}, storage={self.table.storage!r}"
@@ -376,7 +377,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     def __reduce_ex__(self, protocol):
         raise unpicklable(type(self).__name__)
 
-    def check_conversion(self, fn) -> None:
+    def check_conversion(self, fn: Callable) -> None:
         refuse_conversion(type(self).__name__, fn, self.weight, self.table.dtype)
         if not self.table.closed and self._step_in_flight():
             refuse_new_storage(type(self).__name__, fn, self.weight, "optimizer.step()")
@@ -414,13 +415,16 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         return tables_state(type(self).__name__, self._tables(), optimizer, self.num_embeddings,
                             **self._layout())
 
-    def set_extra_state(self, state) -> None:
+    def set_extra_state(self, state: dict) -> None:
         """Restore this rank's shard from :meth:`get_extra_state`'s state; everything is checked first.
 
         Not a collective, but every rank must load its own shard (a rank that
         did not, or failed, makes the next collective call raise ``StateError``
         on every rank: its optimizer state's history differs). To change the
         world size, :meth:`save` and :meth:`load` reshard.
+
+        Args:
+            state: what this rank's :meth:`get_extra_state` returned.
 
         Raises:
             FileFormatError: another rank, world size or rows, another
@@ -449,7 +453,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                                   self.num_embeddings, **self._layout())
 
     # ------------------------------------------------------------- training
-    def attach(self, optimizer):
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Offload ``optimizer``'s per-row state for the rows this rank owns and hook its ``step()``.
 
         Args:
@@ -525,7 +529,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     # Run eagerly under torch.compile, as OffloadedEmbedding.forward: the exchange and the step's
     # bookkeeping are Python state and collectives, not graph material.
     @torch.compiler.disable
-    def forward(self, input=None, *extra, ids=None, offsets=None, per_sample_weights=None) -> torch.Tensor:
+    def forward(self, input: Optional[Ids] = None, *extra, ids: Optional[Ids] = None,
+                offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The rows of this rank's ids: a tensor of shape ``(*ids.shape, embedding_dim)``.
 
         A collective: every rank of the group must call it (with empty ids
@@ -1127,7 +1133,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._exchange.begin(call, error, self._config(with_history=call not in (LOAD, LOAD_TABLE)),
                              _describe, f"{what}()")
 
-    def save(self, path) -> None:
+    def save(self, path: PathLike) -> None:
         """Write every rank's rows and optimizer state to the checkpoint directory ``path``.
 
         A collective. Each rank writes its shard; the checkpoint (a manifest
@@ -1135,6 +1141,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         complete only when every rank succeeded, and replaces an earlier
         one at ``path`` atomically. ``path`` must be on a file system that every
         rank sees (see :mod:`speedswap.train.sharded_checkpoint`).
+
+        Args:
+            path: the checkpoint directory, the same on every rank.
 
         Raises:
             StateError: called between a forward and the step, a rank failed
@@ -1147,7 +1156,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._begin_between_steps(SAVE, "save")
         save_shards(path, self._tables(), self._state, self.bounds, self._exchange)
 
-    def load(self, path) -> None:
+    def load(self, path: PathLike) -> None:
         """Restore a checkpoint written by :meth:`save` with any world size, or a ``.npy`` table.
 
         A collective. Each rank reads every saved shard that overlaps the
@@ -1158,6 +1167,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         count are restored too; without one, the rows alone (for evaluation).
         A ``*.npy`` file (not a directory) holds a whole table (pretrained
         vectors): each rank reads its rows and the optimizer state is left as it is.
+
+        Args:
+            path: a checkpoint directory :meth:`save` wrote, or a ``.npy`` file; the same on every rank.
 
         Raises:
             FileFormatError: another table size, dtype or optimizer, or bad files

@@ -37,15 +37,20 @@ import re
 import shutil
 import socket
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import atomic, files
+from ..atomic import PathLike
 from ..backends import available_ram
 from ..errors import DTypeError, FileFormatError, MissingFileError, PathError, StateError, warn
 from ..table import loading_into
 from .caching import rewriting
 from .exchange import Exchange, row_bounds
+
+if TYPE_CHECKING:  # a cycle at run time: embedding imports checkpoint, which imports this module
+    from .embedding import OffloadedEmbedding
 
 __all__ = ["save_shards", "load_shards", "all_unchanged", "stage_table_rows", "load_sharded", "run_everywhere",
            "ranks_on_this_machine", "MANIFEST"]
@@ -465,7 +470,7 @@ def stage_table_rows(path, table, rows, num_embeddings, sharing) -> files.Staged
                              rows=rows)
 
 
-def load_sharded(path, embedding) -> None:
+def load_sharded(path: PathLike, embedding: "OffloadedEmbedding") -> None:
     """Read a sharded checkpoint, whatever its world size, into one plain OffloadedEmbedding.
 
     For evaluation or export in a single process: afterwards
