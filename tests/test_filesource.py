@@ -1542,3 +1542,29 @@ def test_an_interrupt_as_a_read_ahead_thread_is_handed_to_its_loop_leaves_no_thr
         os.close(fd)
     assert not left and not opened, (f"a read-ahead thread dropped as it was handed over left {left} running, "
                                      f"{opened} open")
+
+
+@pytest.mark.parametrize("kind", [BlockOrder, SequentialOrder])
+def test_windows_of_file_rows_that_cannot_fit_in_ram_are_refused_when_the_feeder_is_built(kind, tmp_path, rng,
+                                                                                           monkeypatch):
+    """BlockOrder(window=4096) over a 20 GB file of 1 KiB rows passed the order's check (its layout, 16
+    bytes a row) and asked torch at the first batch for two 16 GiB windows: a raw RuntimeError mid-loop,
+    or, below the overcommit limit, a process killed for memory as the windows filled."""
+    import speedswap.data.feeder as feeder_module
+    n, block_rows = int(rng.integers(2000, 3000)), int(rng.integers(20, 40))
+    data = rng.standard_normal((n, 16)).astype(np.float32)
+    mapped, labels = write(tmp_path / "x.npy", data), write(tmp_path / "y.npy", np.arange(n))
+    two_windows_of_8 = 2 * 8 * block_rows * (16 * 4 + 8)
+    monkeypatch.setattr(feeder_module, "available_ram", lambda: 2 * two_windows_of_8 - 2)
+    with pytest.raises(ss.OptionError, match=r"window=8\) .*half the RAM available.*at most 7 blocks"):
+        ss.BatchFeeder(mapped, labels, batch_size=32, order=kind(block_rows, 8), device="cpu")
+    # In memory, or read at random, no window of rows is held: not refused.
+    ss.BatchFeeder(data, np.arange(n), batch_size=32, order=kind(block_rows, 8), device="cpu")
+    ss.BatchFeeder(mapped, labels, batch_size=32, order="random", device="cpu")
+    # The largest window named fits, and its epoch reads every row once.
+    feeder = ss.BatchFeeder(labels, mapped, batch_size=32, order=kind(block_rows, 7), device="cpu")
+    batches = list(feeder)
+    ids = np.concatenate([i.numpy() for i, _ in batches])
+    np.testing.assert_array_equal(np.sort(ids), np.arange(n))
+    for i, rows in batches:
+        np.testing.assert_array_equal(rows.numpy(), data[i.numpy()])

@@ -26,7 +26,7 @@ from ..convert import as_host_array, bool_option, check_has_values, check_rows, 
 from ..errors import (DeviceError, DTypeError, OptionError, OutOfMemoryError, ShapeError, StateError,
                       ThreadStartError, warn)
 from ..table import HostTable
-from .filesource import FileRows, RowReader, WindowReader
+from .filesource import FileRows, RowReader, WindowReader, window_rows
 from .gadget import DataGadget
 from .orders import Order, make_order, shard
 from .readahead import CudaStager, LaunchAhead, ReaderThread, SyncReader, in_background
@@ -259,6 +259,38 @@ def _check_prefetch(prefetch, batch_bytes, device):
                           f"(2 to 4 hide a batch's read time) or a smaller batch_size")
 
 
+def _check_windows_fit(order, files, num_rows):
+    """Refuse an order whose windows of file rows would take more than half the RAM available now.
+
+    In ``block`` and ``sequential`` order a file source is read a window of
+    blocks at a time into RAM the feeder owns, the next window while batches
+    come from this one: two windows at least (see
+    :class:`~speedswap.data.filesource.WindowReader`). The order's own check
+    counts only its layout of ids, where a window of the files holds their
+    whole rows. Checked once, as the layout is: a dip in the RAM free
+    mid-training must not stop a run.
+
+    Args:
+        order: the feeder's order, with ``windows``.
+        files: the :class:`~speedswap.data.filesource.FileRows` of the file sources (at least one).
+        num_rows: rows in the dataset.
+
+    Raises:
+        OptionError: two windows would take more than half the RAM available.
+    """
+    row_bytes = sum(file.row_bytes for file in files)
+    need = 2 * window_rows(num_rows, order.block_rows, order.window) * row_bytes
+    room = available_ram() // 2
+    if need > room:
+        most = room // (2 * order.block_rows * row_bytes)
+        smaller = (f"a window of at most {most:,} blocks" if most else
+                   f"window=1 and blocks of at most {max(1, room // (2 * row_bytes)):,} rows")
+        raise OptionError(f"{type(order).__name__}(block_rows={order.block_rows}, window={order.window}) reads "
+                          f"the file sources a window of blocks at a time into RAM, two windows at once: "
+                          f"{need:,} bytes, more than half the RAM available now ({room:,} bytes); use "
+                          f"{smaller}")
+
+
 def _resolve_ranks(rank, world_size):
     """``(rank, world_size)``: as given, or from ``torch.distributed`` when it is initialised.
 
@@ -360,7 +392,8 @@ class BatchFeeder:
     about the disk's sequential speed; ``random`` order keeps 16 row reads in
     flight. Resident memory stays within ``max(2, windows one batch spans)``
     windows of ``window * block_rows`` rows plus ``prefetch + 1`` batches,
-    whatever the file's size. A file truncated while it is read raises
+    whatever the file's size; an order whose two windows would not fit in
+    half the RAM available is refused when the feeder is built. A file truncated while it is read raises
     :class:`~speedswap.FileFormatError`, and so does one written in place
     (its size or modification time changed since the loop opened it), at
     the first batch read after the write, rather than go on with a mix of
@@ -431,7 +464,9 @@ class BatchFeeder:
             outside the world, ``world_size > 1`` without ``rank`` while
             ``torch.distributed`` is not initialised, a non-callable ``transform``, or
             ``drop_last`` with fewer rows per rank than ``batch_size`` (every
-            epoch would be empty), or a ``drop_last`` or ``lookahead`` that is not a bool.
+            epoch would be empty), a ``drop_last`` or ``lookahead`` that is not a bool,
+            or a ``block`` or ``sequential`` order over file sources whose
+            two windows of their rows would not fit in half the RAM available.
         ShapeError: sources with different numbers of rows, or none.
         DeviceError: a source on another device than ``device``, or on the meta
             device (which holds no values).
@@ -446,7 +481,9 @@ class BatchFeeder:
     Every argument is checked before a DataGadget source's rows are read
     (a gadget built from a path reads them when the feeder takes it) or a
     source that is not contiguous is copied; only a source on a device
-    other than ``device`` is found once its rows are where they will stay.
+    other than ``device``, and windows of file sources too large for the RAM
+    (whether a DataGadget maps its file is known once it is taken), are found
+    once the rows are where they will stay.
 
     uint16 and uint32 sources (token ids, say) are read and moved at their
     width and delivered as int32 and int64 batches with the same values.
@@ -552,6 +589,8 @@ class BatchFeeder:
         self._tables = [(what, source, table) for (what, source), table in zip(described, tables)
                         if table is not None]
         self._files = {k: file for k, (_, file) in enumerate(columns) if file is not None}
+        if self._files and hasattr(self._order, "windows"):
+            _check_windows_fit(self._order, self._files.values(), self._num_rows)
         # Where a table's rows live is known once it is read (a DataGadget asked for device
         # memory maps a file larger than the RAM instead).
         for (what, _), tensor in zip(described, self._columns):

@@ -40,7 +40,7 @@ from ..atomic import open_into, opening_error
 from ..files import identity, mapped_identity
 from ..errors import FileFormatError, StateError, ThreadStartError
 
-__all__ = ["FileRows", "WindowReader", "RowReader"]
+__all__ = ["FileRows", "WindowReader", "RowReader", "window_rows"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -457,6 +457,20 @@ class RowReader(_PoolReader):
                 fadvise(fd, *drop, dontneed)
 
 
+def window_rows(num_rows: int, block_rows: int, window: int) -> int:
+    """Rows in each of a :class:`WindowReader`'s window slots (it holds two at least): no more blocks than the file has.
+
+    Args:
+        num_rows: rows in the file.
+        block_rows: rows per block.
+        window: blocks per window.
+
+    Returns:
+        int
+    """
+    return min(window, -(-num_rows // block_rows)) * block_rows
+
+
 class WindowReader(_PoolReader):
     """Serves an epoch that visits a window of contiguous blocks at a time from RAM, reading ahead.
 
@@ -495,8 +509,7 @@ class WindowReader(_PoolReader):
         self._ids, self._size, self._block_rows = ids, batch_size, block_rows
         self._windows = windows
         num_blocks = -(-num_rows // block_rows)
-        # No window holds more blocks than the file has (small files, large blocks).
-        self._window_rows = min(windows.shape[1], num_blocks) * block_rows
+        self._window_rows = window_rows(num_rows, block_rows, windows.shape[1])
         self._window_of_block = np.empty(num_blocks, dtype=np.int64)
         self._slot_of_block = np.empty(num_blocks, dtype=np.int64)
         valid = windows >= 0
