@@ -1568,3 +1568,26 @@ def test_windows_of_file_rows_that_cannot_fit_in_ram_are_refused_when_the_feeder
     np.testing.assert_array_equal(np.sort(ids), np.arange(n))
     for i, rows in batches:
         np.testing.assert_array_equal(rows.numpy(), data[i.numpy()])
+
+
+
+@pytest.mark.parametrize("ahead_ns, tick_s", [(3600 * 10**9 + 123_456_789, 0.01), (3600 * 10**9, 2.0)])
+def test_a_file_stamped_ahead_of_this_clock_waits_at_most_its_own_tick_per_loop(tmp_path, rng, monkeypatch,
+                                                                               ahead_ns, tick_s):
+    """A file whose modification time is ahead of this machine's clock (a network file system's server
+    ahead, an archive from such a machine) made every loop wait 2 s, the whole-second tick, though its
+    times have nanoseconds and the docstring promises at most 10 ms: 2 s an epoch."""
+    n = int(rng.integers(100, 300))
+    data = rng.standard_normal((n, 4)).astype(np.float32)
+    path = tmp_path / "x.npy"
+    source = write(path, data)
+    ahead = time.time_ns() // 10**9 * 10**9 + ahead_ns  # whole seconds, or not: each its own tick
+    os.utime(path, ns=(ahead, ahead))
+    waits = []
+    monkeypatch.setattr(filesource, "time", type(time)("clock"))
+    filesource.time.time_ns, filesource.time.sleep = time.time_ns, waits.append
+    feeder = ss.BatchFeeder(np.arange(n), source, batch_size=32, order="random", device="cpu")
+    for _ in range(2):
+        for ids, rows in feeder:
+            np.testing.assert_array_equal(rows.numpy(), data[ids.numpy()])
+    assert len(waits) == 2 and all(0 < wait <= tick_s for wait in waits), waits

@@ -122,6 +122,11 @@ _TICK_NS = 10_000_000
 _SECONDS_TICK_NS = 2_000_000_000
 
 
+def _tick(mtime) -> int:
+    """The timestamp tick, in ns, of a file whose modification time is ``mtime`` ns: whole seconds mean 2 s."""
+    return _SECONDS_TICK_NS if mtime % 10**9 == 0 else _TICK_NS
+
+
 def _settle(versions) -> None:
     """Wait until a write from now on would stamp each file later than its modification time in ``versions``.
 
@@ -133,11 +138,10 @@ def _settle(versions) -> None:
     written in the last tick waits, at most one tick (10 ms, or 2 s where
     times are whole seconds).
     """
-    deadline = max((mtime + (_SECONDS_TICK_NS if mtime % 10**9 == 0 else _TICK_NS) for _, mtime in versions),
-                   default=0)
-    # Never longer than a tick: a time ahead of this clock (another machine's, on a network file system)
-    # is not waited out.
-    wait = min(deadline - time.time_ns(), _SECONDS_TICK_NS)
+    now = time.time_ns()
+    # Never longer than the file's own tick: a time ahead of this clock (another machine's, on a network
+    # file system) is not waited out; once a tick has passed here, it has there too.
+    wait = max((min(mtime + _tick(mtime) - now, _tick(mtime)) for _, mtime in versions), default=0)
     if wait > 0:
         time.sleep(wait / 1e9)
 
