@@ -242,6 +242,45 @@ def test_a_superseded_loop_raises():
     assert len(list(feeder)) == 10
 
 
+class _SwitchBeforeTaking:
+    """A feeder's lock that first runs ``switch`` once, where a thread switch could land just before it is taken."""
+
+    def __init__(self, lock, switch):
+        self._lock, self._switch = lock, switch
+
+    def __enter__(self):
+        switch, self._switch = self._switch, None
+        if switch is not None:
+            switch()
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc):
+        return self._lock.__exit__(*exc)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_loop_started_while_another_threads_loop_counts_a_batch_hands_out_no_batch_twice(order, rng):
+    """A loop started on one thread while another thread's loop ran took the position before the lock
+    that loop counts its batches under: batches counted meanwhile (one, or 57 in a stress run) were
+    handed out again by the new loop, rows read twice in the epoch. The old loop's batch counted just
+    before the new one took over is its last; the new loop goes on from the next."""
+    n, batch = int(rng.integers(200, 400)), int(rng.integers(3, 12))
+    rows = random_data(rng, (n, 3))
+    feeder = ss.BatchFeeder(np.arange(n), rows, batch_size=batch, order=order, seed=int(rng.integers(100)),
+                            device="cpu")
+    old = iter(feeder)
+    delivered = [next(old) for _ in range(int(rng.integers(1, 4)))]
+    # The old loop's thread counts one more batch as the new loop begins (see _SwitchBeforeTaking).
+    feeder._lock = _SwitchBeforeTaking(feeder._lock, lambda: delivered.append(next(old)))
+    delivered += list(feeder)
+    with pytest.raises(ss.StateError, match="superseded"):
+        next(old)
+    ids = np.concatenate([i.numpy() for i, _ in delivered])
+    np.testing.assert_array_equal(np.sort(ids), np.arange(n))  # every row once in the epoch
+    for i, got in delivered:
+        np.testing.assert_array_equal(got.numpy(), rows[i.numpy()])
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_sharding_splits_each_epoch_between_ranks(world_size, drop_last, rng):

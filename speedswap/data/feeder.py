@@ -665,13 +665,23 @@ class BatchFeeder:
                 f"rank {self._rank}/{self._world_size}, epoch {self._epoch}, batch {self._batch}/{len(self)})")
 
     # -------------------------------------------------------------- position
-    def _reposition(self, epoch, batch):
+    def _reposition(self, epoch=None, batch=0) -> int:
+        """Supersede the running loop and move to batch ``batch`` of ``epoch`` (None: stay where the feeder is).
+
+        Returns:
+            The new generation, the one a loop from here runs under.
+        """
         self._restored = False
         with self._lock:
             self._generation += 1
-            self._epoch, self._batch = epoch, batch
+            generation = self._generation
+            # Where the feeder stands is taken here, with the generation: a loop on another thread counts
+            # its batches under this lock, and a position read before it would hand them out again.
+            if epoch is not None:
+                self._epoch, self._batch = epoch, batch
         # After the bump: a loop on another thread that wakes up sees it was superseded.
         self._stop_reader()
+        return generation
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch (its order depends on it).
@@ -799,8 +809,7 @@ class BatchFeeder:
                             windows(self._num_rows, self._seed, epoch), drop_behind=self._drop_behind)
 
     def __iter__(self):
-        self._reposition(self._epoch, self._batch)
-        return self._run(self._generation)
+        return self._run(self._reposition())
 
     def _check_tables(self):
         """Refuse table sources closed or reloaded since the feeder was built.
