@@ -1024,14 +1024,16 @@ class HostTable:
 
     # ----------------------------------------------------------------- files
     def host_chunks(self) -> Iterator[np.ndarray]:
-        """The rows as numpy arrays of about 64 MiB each, in order, as files store them.
+        """The rows as read-only numpy arrays of about 64 MiB each, in order, as files store them.
 
         Host tables yield views of their own memory; a device table yields one
         chunk-sized host copy at a time, so no full-size copy is ever made. A
         bfloat16 table yields float32 chunks (exact; numpy has no bfloat16).
-        A copy is read-only, on every backend (a ``device`` table's on the
-        numpy backend too, as :meth:`to_numpy`'s): a write into it could not
-        reach the table, so it raises numpy's ValueError.
+        Every chunk is read-only, on every backend: a write into a copy could
+        not reach the table, and one into a view would go past the owner's
+        :meth:`watch_writes` method and :attr:`viewed` (a device cache's
+        rows would win over it), so both raise numpy's ValueError; write
+        with :meth:`apply_` or :meth:`scatter`.
         The :meth:`watch_reads` method runs as the first chunk is taken, not
         at the call: a writer checks its path first, and a refused write
         leaves an owner's cache as it was.
@@ -1041,7 +1043,9 @@ class HostTable:
         """
         for _, _, chunk in self._row_chunks(writing=False):
             if self.dtype is not torch.bfloat16 and self.viewable:
-                yield chunk.numpy()
+                view = chunk.numpy()  # a new array over the memory: the table's own stays writable
+                view.flags.writeable = False
+                yield view
                 continue
             # copy=True: a CPU backend's device memory is the process's own, and .cpu() would return it.
             rows = chunk.float().cpu() if self.dtype is torch.bfloat16 else chunk.to("cpu", copy=True)

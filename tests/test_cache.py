@@ -1435,6 +1435,36 @@ def test_the_table_through_the_embedding_sees_the_cache_and_writes_reach_the_nex
         np.testing.assert_array_equal(state[name], state0[name])
 
 
+def test_a_kept_tables_host_chunks_are_current_and_refuse_writes_the_cache_would_hide(backend, rng):
+    """``host_chunks()`` of a table kept from before training reads every row as trained, and its
+    chunks are read-only: a write into one reached the host memory past the cache, whose rows won over
+    it in eval forwards and the next steps (an in-memory table trains on from the written rows).
+    Refused, the cached training stays that of an in-memory table."""
+    start = torch.from_numpy(rng.standard_normal((100, 4), dtype=np.float32))
+    emb, opt = _embedding(backend, cache_rows=100)  # every row fits in the cache
+    emb.table.apply_(lambda t: t.copy_(start))
+    table = emb.table  # kept: reads through it write the cache's rows back, and leave them cached
+    ref = torch.nn.Embedding.from_pretrained(start.clone(), freeze=False).to(emb.weight.device)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    steps = rng.zipf(1.3, (12, 20)) % 100
+    for ids in steps[:6]:
+        _step(emb, opt, ids)
+        _step(ref, ref_opt, ids)
+    chunks = list(table.host_chunks())
+    np.testing.assert_allclose(np.concatenate(chunks), ref.weight.detach().cpu().numpy(), **TOL)
+    for chunk in chunks:
+        with pytest.raises(ValueError, match="read-only"):
+            chunk *= 2.0
+    for ids in steps[6:]:
+        _step(emb, opt, ids)
+        _step(ref, ref_opt, ids)
+    every = torch.arange(100, device=emb.weight.device)
+    with torch.no_grad():
+        np.testing.assert_allclose(emb(every).cpu().numpy(), ref.weight.detach().cpu().numpy(), **TOL)
+    assert emb.stats()["total"]["hits"] > 0  # the rows were served from the cache
+    np.testing.assert_allclose(emb.table.to_numpy(copy=True), ref.weight.detach().cpu().numpy(), **TOL)
+
+
 def test_the_table_through_a_cached_embedding_mid_step_holds_the_rows_before_the_step(backend, rng):
     """``emb.table`` between a training forward and its step hands the table out, holding the rows
     before the step as without a cache (it was refused); the cache keeps its rows for the step,

@@ -195,11 +195,12 @@ def test_to_numpy_of_a_device_table_is_a_read_only_copy_on_every_backend(backend
 @pytest.mark.parametrize("storage, dtype", [("device", torch.float32), ("device", torch.bfloat16),
                                             ("pageable", torch.bfloat16), ("pageable", torch.float32)],
                          ids=["device", "device-bfloat16", "pageable-bfloat16", "pageable"])
-def test_host_chunks_are_the_tables_memory_or_read_only_copies(backend, rng, storage, dtype):
+def test_host_chunks_are_read_only_views_of_the_tables_memory_or_copies(backend, rng, storage, dtype):
     """A chunk that is not the table's memory (a device table's rows, bfloat16 widened) is a copy, on
     every backend: a write into it, which could not reach the table, raises. A CPU device table's
     chunks were views of its memory, so a write through one reached the table in CI and went nowhere,
-    silently, on a GPU; a host table's float chunks are its memory on every backend."""
+    silently, on a GPU. A host table's float chunks are its memory on every backend, read-only too:
+    a write through one went past an owner's device cache (test_cache), and the table stays writable."""
     ref = random_rows(rng, (40, 6), np.float32)
     table = ss.HostTable.from_numpy(torch.from_numpy(ref).to(dtype), storage=storage, backend=backend)
     before = table.gather(np.arange(40)).float().cpu().numpy()
@@ -207,13 +208,13 @@ def test_host_chunks_are_the_tables_memory_or_read_only_copies(backend, rng, sto
     np.testing.assert_array_equal(np.concatenate(chunks), before)
     own_memory = storage != "device" and dtype is not torch.bfloat16
     for chunk in chunks:
-        assert chunk.flags.writeable == own_memory
-        if own_memory:
+        assert not chunk.flags.writeable
+        assert np.shares_memory(chunk, table.to_numpy()) == own_memory
+        with pytest.raises(ValueError, match="read-only"):
             chunk[0] = 7.0
-            before[0] = 7.0  # only one chunk at this size: row 0 is the table's
-        else:
-            with pytest.raises(ValueError, match="read-only"):
-                chunk[0] = 7.0
+    np.testing.assert_array_equal(table.gather(np.arange(40)).float().cpu().numpy(), before)
+    table.scatter([0], torch.full((1, 6), 7.0, dtype=dtype))  # the table's own writes still land
+    before[0] = 7.0
     np.testing.assert_array_equal(table.gather(np.arange(40)).float().cpu().numpy(), before)
     table.close()
 
