@@ -9,6 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import speedswap as ss
 from test_optimizer_equivalence import OPTIMIZERS, assert_same, torch_initial
@@ -907,27 +908,34 @@ def test_embedding_bag_arguments_are_refused_naming_the_pooling_recipe(cls, bag,
 @pytest.mark.parametrize("cache_rows", [0, 8])
 def test_a_view_kept_from_between_steps_shows_the_stepped_rows_once_step_returns(cache_rows, rng):
     """What README and the table's docstring say of a kept view: the step writes its rows back in
-    its post-hook, so only a post-hook registered before attach() sees them as before the step."""
+    its post-hook, so only a post-hook registered before attach() sees them as before the step; a
+    global one runs after the optimizer's own hooks (they said it saw them as before the step too)."""
     table0 = rng.standard_normal((NUM_ROWS, DIM)).astype(np.float32)
     emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=2 * BATCH, storage="pageable", backend="numpy",
                                 cache_rows=cache_rows)
     emb.table.scatter(torch.arange(NUM_ROWS), torch.from_numpy(table0))
     ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table0.copy()), freeze=False)
     opt, ref_opt = torch.optim.Adagrad(emb.parameters(), lr=0.1), torch.optim.Adagrad(ref.parameters(), lr=0.1)
-    seen = []
+    seen, seen_globally = [], []
     opt.register_step_post_hook(lambda *_: seen.append(view.copy()))
     emb.attach(opt)
     view = emb.table.to_numpy()  # the cache keeps no rows while it lives
-    for _ in range(4):
-        ids = torch.from_numpy(zipf(rng, NUM_ROWS, BATCH))
-        target = torch.from_numpy(rng.standard_normal((BATCH, DIM)).astype(np.float32))
-        for model in (emb, ref):
-            ((model(ids) - target) ** 2).sum().backward()
-        before = ref.weight.detach().numpy().copy()
-        np.testing.assert_allclose(view, before, **TOL)
-        opt.step()
-        ref_opt.step()
-        np.testing.assert_allclose(view, ref.weight.detach().numpy(), **TOL)
-        np.testing.assert_allclose(seen.pop(), before, **TOL)
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    hook = register_optimizer_step_post_hook(
+        lambda optimizer, *_: seen_globally.append(view.copy()) if optimizer is opt else None)
+    try:
+        for _ in range(4):
+            ids = torch.from_numpy(zipf(rng, NUM_ROWS, BATCH))
+            target = torch.from_numpy(rng.standard_normal((BATCH, DIM)).astype(np.float32))
+            for model in (emb, ref):
+                ((model(ids) - target) ** 2).sum().backward()
+            before = ref.weight.detach().numpy().copy()
+            np.testing.assert_allclose(view, before, **TOL)
+            opt.step()
+            ref_opt.step()
+            np.testing.assert_allclose(view, ref.weight.detach().numpy(), **TOL)
+            np.testing.assert_allclose(seen.pop(), before, **TOL)
+            np.testing.assert_allclose(seen_globally.pop(), ref.weight.detach().numpy(), **TOL)
+            opt.zero_grad()
+            ref_opt.zero_grad()
+    finally:
+        hook.remove()  # global: it would outlive the test

@@ -828,8 +828,9 @@ class OffloadedEmbedding(RefusesConversion):
         :meth:`get_extra_state`) stays current while it, or anything made from
         it, is alive, as a view of an in-memory parameter does (the step
         writes its rows back inside ``optimizer.step()``, in a post-hook: only
-        step post-hooks that run before it, global ones or ones registered
-        before :meth:`attach`, see them as before the step): the cache
+        step post-hooks that run before it, ones registered on the optimizer
+        before :meth:`attach`, see them as before the step; torch runs the
+        global ones after the optimizer's own): the cache
         keeps no rows meanwhile (each step writes its rows back), so keep
         ``to_numpy(copy=True)`` snapshots instead of views to let it work. A
         write through a view between steps trains on; one between a training
