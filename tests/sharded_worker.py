@@ -602,6 +602,23 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"paths.rank{rank}.json"), "w") as f:
             json.dump({"errors": errors, "kept": bool(np.array_equal(emb.table.to_numpy(), saved))}, f)
         return
+    elif kind == "nopath":   # rank 1 passes None where rank 0 passes the path: to save(), then to load()
+        emb, opt = make(name)
+        emb.load(table_file)
+        ckpt = os.path.join(out, "nopath-ckpt")
+        emb.save(ckpt)  # a good checkpoint, which the failed save below must leave alone
+        saved = emb.table.to_numpy(copy=True)
+        train(emb, opt, seed, range(2), world, rank)
+        trained = emb.table.to_numpy(copy=True)
+        errors = [caught(lambda: emb.save(ckpt if rank == 0 else None)),
+                  caught(lambda: emb.load(ckpt if rank == 0 else None))]
+        unchanged = bool(np.array_equal(emb.table.to_numpy(), trained))
+        train(emb, opt, seed, range(2, 4), world, rank)  # the ranks' calls still pair up
+        emb.load(ckpt)
+        with open(os.path.join(out, f"nopath.rank{rank}.json"), "w") as f:
+            json.dump({"errors": errors, "unchanged": unchanged,
+                       "kept": bool(np.array_equal(emb.table.to_numpy(), saved))}, f)
+        return
     elif kind == "differ":   # rank 1 builds its embedding (padding_idx too) or optimizer unlike rank 0's
         results = {}
         for what, dim, lr, padding_idx in (("dim", DIM + rank, 0.05, None),

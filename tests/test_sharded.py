@@ -346,7 +346,7 @@ def mismatched_calls(tmp_path_factory):
     seed = fixture_seed("mismatched_calls")
     assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
                      "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "zerodiffer:adam", "outsider:sgd", "twockpts:adam", "mixedload:sgd", "order:sgd",
-                     "oldleft:sgd"))
+                     "oldleft:sgd", "nopath:sgd"))
     return out, seed
 
 
@@ -380,6 +380,19 @@ def test_a_save_to_another_path_on_each_rank_fails_and_keeps_the_earlier_checkpo
     assert "shards of rank(s) [1] are not in" in stale["PathError"]
     assert "rank(s) [0]" in stale1["StateError"]
     assert all(r["kept"] for r in results)  # the earlier checkpoint loads, unchanged
+
+
+def test_a_path_one_rank_cannot_use_is_refused_on_every_rank_in_the_first_message(mismatched_calls):
+    """Rank 1's save(None) raised after the save's first message: rank 0 waited in the next one until
+    the gloo timeout (a RuntimeError, the group broken). Its load(None) raised before the first
+    message, and rank 0's load met rank 1's next forward instead."""
+    out, _ = mismatched_calls
+    results = reported(out, "nopath")
+    for error in results[1]["errors"]:
+        assert "path must be a str" in error["DTypeError"]
+    for error, what in zip(results[0]["errors"], ("save", "load")):
+        assert f"{what}() failed on rank(s) [1]" in error["StateError"]
+    assert all(r["unchanged"] and r["kept"] for r in results)
 
 
 def test_a_save_whose_earlier_checkpoint_cannot_be_removed_succeeds_on_every_rank(mismatched_calls):

@@ -29,7 +29,7 @@ import itertools
 import os
 import weakref
 import zlib
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -1122,16 +1122,31 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 _optimizer_fingerprint(self._state, self.weight) if with_optimizer else 0,
                 self._state_origin if history else 0, self._steps_since if history else 0]
 
-    def _begin_between_steps(self, call: int, what: str) -> None:
-        """Start the collective ``call`` (save or load): this rank's check travels to every rank."""
+    def _begin_between_steps(self, call: int, what: str, path) -> Tuple[str, int]:
+        """Start the collective ``call`` (save or load) of ``path``: this rank's checks travel to every rank.
+
+        ``path`` is checked here, in the message: a rank that raised on it
+        after the message (``None`` where its peers pass a path) would leave
+        its peers waiting in the save's next collective until the process
+        group's timeout, or pair their load with its next call.
+
+        Returns:
+            (``path`` as a str, the call: :data:`LOAD_TABLE` for a load of a
+            ``*.npy`` file that is not a directory).
+        """
         error = None
         try:
             self._check_between_steps(what)
+            path = as_path(path)
+            # A directory is a checkpoint whatever its name: save() writes one at a path ending ".npy" too.
+            if call == LOAD and path.endswith(".npy") and not os.path.isdir(path):
+                call = LOAD_TABLE
         except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not hang
             error = exc
         # A load replaces the optimizer state: ranks whose states went apart may load to agree again.
         self._exchange.begin(call, error, self._config(with_history=call not in (LOAD, LOAD_TABLE)),
                              _describe, f"{what}()")
+        return path, call
 
     def save(self, path: PathLike) -> None:
         """Write every rank's rows and optimizer state to the checkpoint directory ``path``.
@@ -1151,9 +1166,12 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 embeddings or optimizers differ.
             FileFormatError: ``path`` exists and is not a sharded checkpoint.
             PathError: the ranks do not write into one directory (another
-                ``path`` on some rank, or no file system every rank sees).
+                ``path`` on some rank, or no file system every rank sees), or
+                a ``path`` with a NUL byte.
+            DTypeError: ``path`` is not a path (None, say). A bad ``path`` raises
+                on its rank and ``StateError`` on the others, before anything is written.
         """
-        self._begin_between_steps(SAVE, "save")
+        path, _ = self._begin_between_steps(SAVE, "save", path)
         save_shards(path, self._tables(), self._state, self.bounds, self._exchange)
 
     def load(self, path: PathLike) -> None:
@@ -1177,12 +1195,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             StateError: called between a forward and the step, a rank failed,
                 another call on another rank, ranks whose embeddings or
                 optimizers differ, or ranks that read different checkpoints.
+            DTypeError, PathError: ``path`` is not a path (None, say), or holds a
+                NUL byte: on its rank, ``StateError`` on the others, no row changed.
         """
-        # A directory is a checkpoint whatever its name: save() writes one at a path ending ".npy" too.
-        path = as_path(path)
-        whole_table = path.endswith(".npy") and not os.path.isdir(path)
-        self._begin_between_steps(LOAD_TABLE if whole_table else LOAD, "load")
-        if whole_table:
+        path, call = self._begin_between_steps(LOAD, "load", path)
+        if call == LOAD_TABLE:
             sharing = ranks_on_this_machine(self._exchange)
             # Every rank stages its rows before any rank commits: all ranks load, or none.
             staged = run_everywhere(self._exchange, f"checking {os.fspath(path)!r}", lambda: stage_table_rows(
