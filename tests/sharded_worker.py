@@ -619,6 +619,27 @@ def run_scenario(scenario, seed, world, rank, out):
             json.dump({"errors": errors, "unchanged": unchanged,
                        "kept": bool(np.array_equal(emb.table.to_numpy(), saved))}, f)
         return
+    elif kind == "mixedsd":  # each rank restores its own state_dict() of another step, then of one step
+        emb, opt = make(name)
+        emb.load(table_file)
+        saved = {}
+        for step in range(5):
+            train(emb, opt, seed, [step], world, rank)
+            saved[step + 1] = copy.deepcopy({"emb": emb.state_dict(), "opt": opt.state_dict()})
+        emb, opt = make(name)
+
+        def restore(steps):
+            emb.load_state_dict(saved[steps]["emb"])
+            opt.load_state_dict(saved[steps]["opt"])
+        restore(2 if rank == 0 else 5)  # rank 0's latest file is older than rank 1's
+        before = emb.table.to_numpy(copy=True)
+        error = caught(lambda: train(emb, opt, seed, [5], world, rank))
+        unchanged = bool(np.array_equal(emb.table.to_numpy(), before))
+        restore(5)
+        train(emb, opt, seed, range(5, STEPS), world, rank)
+        with open(os.path.join(out, f"mixedsd.rank{rank}.json"), "w") as f:
+            json.dump({"error": error, "unchanged": unchanged}, f)
+        name = "mixedsd"
     elif kind == "differ":   # rank 1 builds its embedding (padding_idx too) or optimizer unlike rank 0's
         results = {}
         for what, dim, lr, padding_idx in (("dim", DIM + rank, 0.05, None),

@@ -346,7 +346,7 @@ def mismatched_calls(tmp_path_factory):
     seed = fixture_seed("mismatched_calls")
     assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
                      "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "zerodiffer:adam", "outsider:sgd", "twockpts:adam", "mixedload:sgd", "order:sgd",
-                     "oldleft:sgd", "nopath:sgd"))
+                     "oldleft:sgd", "nopath:sgd", "mixedsd:adam"))
     return out, seed
 
 
@@ -497,6 +497,19 @@ def test_an_embedding_built_on_a_group_this_rank_is_not_in_is_refused_with_an_op
     assert rank0 == {}  # the group's one rank builds its embedding
     assert "not a member of process_group" in rank1["OptionError"]
     assert "only on the group's ranks" in rank1["OptionError"]
+
+
+def test_ranks_restoring_state_dicts_of_different_steps_are_refused_before_any_row_changes(mismatched_calls):
+    """Rank 0 restored its state_dict() of step 2, rank 1 its of step 5: they trained on, rank 0's
+    Adam rows at step count 2 and rank 1's at 5. Both restoring step 5's then equals one process."""
+    out, seed = mismatched_calls
+    for result in reported(out, "mixedsd"):
+        error = result["error"]["StateError"]
+        assert "the ranks' embeddings differ" in error and "state_dict()s of different steps" in error
+        assert "rank 0: " in error and "2 step(s) since attach() or load(), as counted by the state_dict()" in error
+        assert "rank 1: " in error and "5 step(s) since attach() or load(), as counted by the state_dict()" in error
+        assert result["unchanged"]
+    assert_same(gathered(out, "mixedsd", 2), reference("adam", seed))
 
 
 def test_ranks_loading_different_checkpoints_are_refused_before_any_row_changes(mismatched_calls):

@@ -589,6 +589,21 @@ def test_a_sharded_state_dict_of_another_layout_is_refused_and_changes_nothing(l
     np.testing.assert_array_equal(target.table.to_numpy(), source.table.to_numpy())
 
 
+@pytest.mark.parametrize("steps", [-1, 2.0, "5", True])
+def test_a_sharded_state_dict_whose_step_count_is_not_a_count_is_refused_and_changes_nothing(steps, rng):
+    """The ranks compare the restored steps at the next call: a mangled count is refused at the load."""
+    source = sharded(initial(rng, torch.float32))
+    source.attach(make_adam(source.parameters()))
+    state = source.state_dict()
+    assert state["_extra_state"]["steps"] == 0
+    target = sharded()
+    target.attach(make_adam(target.parameters()))
+    before = target.table.to_numpy(copy=True)
+    with pytest.raises(ss.FileFormatError, match=f"steps={steps!r}, not a count of steps"):
+        target.load_state_dict({"_extra_state": {**state["_extra_state"], "steps": steps}})
+    np.testing.assert_array_equal(target.table.to_numpy(), before)
+
+
 def test_a_sharded_state_dict_without_the_shard_is_reported_missing():
     emb = sharded()
     with warnings.catch_warnings():

@@ -248,8 +248,9 @@ class Exchange:
                              f"attach the same optimizer class with the same hyperparameters on every "
                              f"rank at the same point (a rank that attached alone restarted its "
                              f"optimizer state: attach() on every rank to restart it everywhere, or "
-                             f"load() a checkpoint on every rank; step counts that differ come from a "
-                             f"step one rank took and another skipped, such as a step with no forward "
+                             f"load() a checkpoint on every rank; step counts that differ come from "
+                             f"state_dict()s of different steps restored on the ranks (restore one "
+                             f"step's on every rank), or from a step one rank took and another skipped, such as a step with no forward "
                              f"after zero_grad(set_to_none=False) on one rank and zero_grad() on "
                              f"another: zero gradients alike on every rank). No row changed")
         base = 3 + len(config)

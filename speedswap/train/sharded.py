@@ -38,7 +38,7 @@ from ..atomic import PathLike, as_path
 from ..backends import get_backend
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import Ids, as_row_ids, as_row_ids_deferred, int_option
-from ..errors import OptionError, StateError
+from ..errors import FileFormatError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 from .conversions import RefusesConversion, refuse_conversion, refuse_new_storage
@@ -404,7 +404,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
         Not a collective: each rank's ``state_dict()`` holds its own shard,
         with its rank, the world size and its rows, and loads only on the
-        same rank of a group of that size (save one per rank). The tensors
+        same rank of a group of that size (save one per rank). It also holds
+        the steps the optimizer state has taken since :meth:`attach` or
+        :meth:`load` (``"steps"``), which the ranks compare once restored. The tensors
         share the host tables' memory, as :class:`~speedswap.OffloadedEmbedding`'s do.
 
         Raises:
@@ -412,15 +414,18 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """
         self._check_open()
         optimizer = "" if self._state is None else type(self._state.optimizer).__name__
-        return tables_state(type(self).__name__, self._tables(), optimizer, self.num_embeddings,
-                            **self._layout())
+        return {**tables_state(type(self).__name__, self._tables(), optimizer, self.num_embeddings,
+                               **self._layout()), "steps": self._steps_since}
 
     def set_extra_state(self, state: dict) -> None:
         """Restore this rank's shard from :meth:`get_extra_state`'s state; everything is checked first.
 
-        Not a collective, but every rank must load its own shard (a rank that
-        did not, or failed, makes the next collective call raise ``StateError``
-        on every rank: its optimizer state's history differs). To change the
+        Not a collective, but every rank must load its own shard, of the same
+        step: a rank that did not, or failed, or restored a state saved at
+        another step than its peers' (each rank its own "latest" file), makes
+        the next collective call raise ``StateError`` on every rank, no row
+        changed: its optimizer state's history differs (the state's
+        ``"steps"``; a state saved without it counts none). To change the
         world size, :meth:`save` and :meth:`load` reshard.
 
         Args:
@@ -429,14 +434,16 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         Raises:
             FileFormatError: another rank, world size or rows, another
                 optimizer (or optimizer state saved before attach, or the
-                reverse), a newer format.
+                reverse), a newer format, a ``"steps"`` that is not a count.
             ShapeError, DTypeError: another table size or dtype.
             StateError: between a training forward and the step, or a closed embedding.
         """
         copy_tables(self._check_extra_state(state), self._tables())
         if self._state is not None:  # as after load(): optimizer.load_state_dict() may follow
             self._state.mark_loaded()
-            self._state_origin, self._steps_since = _LOADED, 0
+            # The saved count, not 0: ranks that restored states of different steps (Adam's step
+            # counts differ, SGD's rows are of different steps) are refused at the next call.
+            self._state_origin, self._steps_since = _RESTORED, state.get("steps", 0)
 
     def _check_extra_state(self, state) -> dict:
         """Check a state of :meth:`get_extra_state` against this shard (also for module_state.check_state_dict).
@@ -449,8 +456,14 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """
         self._check_between_steps("load_state_dict")
         optimizer = "" if self._state is None else type(self._state.optimizer).__name__
-        return check_tables_state(state, type(self).__name__, self._tables(), optimizer,
-                                  self.num_embeddings, **self._layout())
+        values = check_tables_state(state, type(self).__name__, self._tables(), optimizer,
+                                    self.num_embeddings, **self._layout())
+        steps = state.get("steps", 0)
+        if type(steps) is not int or steps < 0:
+            raise FileFormatError(f"the state dict's {type(self).__name__} entry holds steps={steps!r}, "
+                                  f"not a count of steps: it was changed after state_dict() made it; "
+                                  f"load a state dict as state_dict() returned it")
+        return values
 
     # ------------------------------------------------------------- training
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -1235,8 +1248,9 @@ _GRADIENT_LEFT = (
     "was changed: call optimizer.zero_grad() after each step on every rank, and emb.discard_step() on "
     "every rank to drop the forwards since")
 #: Where the attached optimizer's state came from, as integers for the ranks' comparison.
-_ORIGINS = ("", "attach()", "load()")
-_ATTACHED, _LOADED = 1, 2
+_ORIGINS = ("", "attach()", "load()", "attach() or load(), as counted by the state_dict() that "
+                                      "load_state_dict() restored")
+_ATTACHED, _LOADED, _RESTORED = 1, 2, 3
 #: ``padding_idx=None`` for the ranks' comparison: no row id.
 _NO_PADDING = -1
 #: The exchange's flags: some rank's step has rows only unreached forwards looked up; some
