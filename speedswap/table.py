@@ -520,7 +520,9 @@ class HostTable:
     # -------------------------------------------------------------- transport
     def _open_buffer(self):
         if self._buffer is None:
-            raise StateError("this HostTable is closed; its memory was released")
+            raise StateError("this HostTable is closed (close() released its rows, or the embedding or "
+                             "switcher it belonged to was closed); load what was saved of it "
+                             "(HostTable.load(path)) to read its rows again")
         return self._buffer
 
     def _live_buffer(self):

@@ -766,3 +766,64 @@ def test_from_pretrained_reads_a_byte_swapped_file_as_load_does(rng, tmp_path):
                                                backend="numpy") as emb:
         assert emb.table.dtype == torch.float32
         np.testing.assert_array_equal(emb.table.to_numpy(), rows)
+
+
+def _zipf_ids(rng, n):
+    return torch.from_numpy((rng.zipf(1.3, n) - 1) % ROWS)
+
+
+@pytest.mark.parametrize("kind", ["OffloadedEmbedding", "ShardedOffloadedEmbedding"])
+def test_a_closed_embedding_says_how_to_go_on_and_that_way_works(kind, backend, rng, tmp_path):
+    """A call on a closed embedding said only "this OffloadedEmbedding is closed; its memory was released".
+
+    The refusal now names the way on (build a new one, load what was saved), and that way gives
+    back the rows and Adam state trained before close(): the next step equals the in-memory one.
+    """
+    make = getattr(ss, kind)
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    reference = torch.nn.Parameter(torch.from_numpy(rows.copy()))   # trained lazily: SparseAdam
+    ref_opt = torch.optim.SparseAdam([reference], lr=0.05, eps=1e-30)
+    emb = make(ROWS, DIM, max_rows=CAP, backend=backend)
+    emb.table.scatter(np.arange(ROWS), rows)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)
+    emb.attach(opt)
+    device = emb.weight.device
+
+    def step(embedding, optimizer, ids):
+        embedding(ids.to(device)).pow(2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.nn.functional.embedding(ids, reference, sparse=True).pow(2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    for _ in range(3):
+        step(emb, opt, _zipf_ids(rng, 12))
+    emb.save(tmp_path / "ckpt")
+    steps = opt.state_dict()  # Adam's step count
+    emb.close()
+    with pytest.raises(ss.StateError, match=rf"{kind} is closed.* build a new {kind}.* load.* saved before close"):
+        emb(_zipf_ids(rng, 4).to(device))
+
+    again = make(ROWS, DIM, max_rows=CAP, backend=backend)
+    opt = torch.optim.Adam(again.parameters(), lr=0.05, eps=1e-30)
+    again.attach(opt)
+    again.load(tmp_path / "ckpt")
+    opt.load_state_dict(steps)
+    step(again, opt, _zipf_ids(rng, 12))
+    torch.testing.assert_close(again.table.as_tensor().cpu(), reference.detach())
+    again.close()
+
+
+def test_a_closed_table_says_how_to_read_its_rows_again_and_that_way_works(backend, rng, tmp_path):
+    """``HostTable`` said "closed; its memory was released", also where an embedding's close() closed it."""
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, backend=backend)
+    table = emb.table
+    table.scatter(np.arange(ROWS), rows)
+    table.save(tmp_path / "t.npy")
+    emb.close()
+    with pytest.raises(ss.StateError, match=r"HostTable is closed.* embedding or switcher.*HostTable\.load\(path\)"):
+        table.gather([0])
+    with ss.HostTable.load(tmp_path / "t.npy", backend=backend) as loaded:
+        np.testing.assert_array_equal(loaded.to_numpy(), rows)

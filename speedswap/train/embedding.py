@@ -472,7 +472,9 @@ class OffloadedEmbedding(RefusesConversion):
 
     def _check_open(self):
         if self._table.closed:
-            raise StateError("this OffloadedEmbedding is closed; its memory was released")
+            raise StateError("this OffloadedEmbedding is closed (close() released its table and optimizer "
+                             "state); build a new OffloadedEmbedding and load what was saved before close() "
+                             "into it (emb.load(path), or model.load_state_dict) to go on from there")
 
     # Run eagerly under torch.compile: the step's bookkeeping (rows joining the working set,
     # host reads, the forward's one host wait) is Python state a traced graph would replay

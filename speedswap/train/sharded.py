@@ -1084,7 +1084,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
     def _check_open(self):
         if self.table.closed:
-            raise StateError("this ShardedOffloadedEmbedding is closed; its memory was released")
+            raise StateError("this ShardedOffloadedEmbedding is closed (close() released this rank's rows "
+                             "and optimizer state); build a new ShardedOffloadedEmbedding on every rank and load "
+                             "the checkpoint saved before close() into it (emb.load(dir)) to go on from there")
 
     # ---------------------------------------------------------- checkpoints
     def _tables(self):
