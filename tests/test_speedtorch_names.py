@@ -340,6 +340,24 @@ def test_save_cupy_without_a_suffix_says_which_to_use(rng, tmp_path):
     assert (tmp_path / "u_opt").is_dir()
 
 
+def test_save_torch_and_load_torch_without_a_suffix_name_the_torch_one(rng, tmp_path):
+    """SpeedTorch's ``saveTorch("u")`` wrote ``torch.save`` to ``u`` as named; here the refusal named only
+    *.npy and *.h5, not the *.pt that saveTorch writes, nor how to load such a file SpeedTorch wrote."""
+    model, opt, u, o = switchers()
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(rows)))
+    with pytest.raises(ss.OptionError, match=r"saveTorch .*'.*u'.* \*\.pt"):
+        u.saveTorch(tmp_path / "u")
+    assert not any(tmp_path.iterdir())
+    torch.save(torch.from_numpy(rows * 2), tmp_path / "speedtorch_u")   # as SpeedTorch's saveTorch wrote it
+    with pytest.raises(ss.OptionError, match=r"loadTorch .*speedtorch_u.* \*\.pt.* renamed"):
+        u.loadTorch(tmp_path / "speedtorch_u")
+    np.testing.assert_array_equal(u.getNumpyVersion(), rows)          # nothing loaded
+    (tmp_path / "speedtorch_u").rename(tmp_path / "speedtorch_u.pt")   # the way the refusal names
+    u.loadTorch(tmp_path / "speedtorch_u.pt")
+    np.testing.assert_array_equal(u.getNumpyVersion(), rows * 2)
+
+
 @pytest.mark.parametrize("cache_rows", [0, 5])
 def test_optimizer_factory_get_numpy_version_copies_every_state_table(rng, cache_rows):
     """OptimizerFactory.getNumpyVersion() raised a bare AttributeError (SpeedTorch's inherited it, its

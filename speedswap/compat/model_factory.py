@@ -34,6 +34,7 @@ from ..atomic import PathLike, as_path, atomic_output, check_regular_file
 from ..backends.resolve import BackendLike
 from ..convert import DTypeLike, Ids, bool_option, host_tensor, initialiser_option, int_option
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
+from ..files import suffix_format
 from ..table import HostTable, loading_into
 from .steps import MODEL
 from .switcher import LocalIds, Switcher, device_of, storage_of, weight_of
@@ -58,6 +59,22 @@ def _check_stale(owner, args, kwargs):
 
 def _is_torch_file(path):
     return os.path.splitext(as_path(path))[1].lower() in (".pt", ".pth")
+
+
+def _refuse_unknown_suffix(path, call):
+    """Raise before ``saveTorch``/``loadTorch`` of a path whose suffix names no format.
+
+    SpeedTorch's saveTorch handed any name to ``torch.save`` (``saveTorch("u")``
+    wrote ``u``); the format here comes from the suffix, and the one these two
+    add to :meth:`~ModelFactory.save`'s is ``*.pt``.
+
+    Raises:
+        OptionError: neither a torch suffix nor a table file's; nothing is read or written.
+    """
+    if not _is_torch_file(path) and suffix_format(path) is None:
+        raise OptionError(f"{call} cannot tell the format of {os.fspath(path)!r}: name it *.pt / *.pth "
+                          f"(torch.save of the whole table; a file SpeedTorch's saveTorch wrote under "
+                          f"another name loads once renamed so), or *.npy / *.h5 / *.hdf5 as saveCupy takes")
 
 
 def _refuse_torch_file(path, instead):
@@ -588,9 +605,11 @@ class ModelFactory(Switcher):
 
         Raises:
             PathError: the directory is missing or the write failed (full disk, read-only).
+            OptionError: a suffix that names no format (SpeedTorch's ``saveTorch("u")``): name it ``u.pt``.
             StateError: called from ``optimizer.step()`` until :meth:`after_step` (nothing is
                 written; see :meth:`save`).
         """
+        _refuse_unknown_suffix(saveFileName, "saveTorch")
         if _is_torch_file(saveFileName):
             self._check_saving()
             self.flush()
@@ -622,9 +641,12 @@ class ModelFactory(Switcher):
         Raises:
             FileFormatError: the file holds no dense tensor of the table's shape and dtype (nothing changes).
             MissingFileError: no file at ``loadFileName``.
+            OptionError: a suffix that names no format (a file SpeedTorch's ``saveTorch("u")``
+                wrote): rename it ``u.pt``.
             PathError: a directory, or not a regular file (a named pipe, which
                 torch.load would wait on for a writer).
         """
+        _refuse_unknown_suffix(loadFileName, "loadTorch")
         if not _is_torch_file(loadFileName):
             self.load(loadFileName)
             return
