@@ -165,7 +165,7 @@ def test_after_step_before_any_before_forward_says_so(backend, table0):
     model, opt, u, o = build(backend, table0)
     snap = _snapshot(u, o)
     for switcher in (u, o):
-        with pytest.raises(ss.StateError, match="after_step before any before_forward"):
+        with pytest.raises(ss.StateError, match=r"afterOptimizerStep \(after_step\) before any beforeForwardPass"):
             switcher.after_step(torch.tensor([1, 2]))
     _assert_unchanged(u, o, snap)
 
@@ -180,7 +180,7 @@ def test_mismatched_after_step_changes_nothing(backend, table0):
     opt.step()
     snap = _snapshot(u, o)
     for wrong in [(torch.tensor([2, 1]), neg), (pos, None), (pos, torch.tensor([[3], [5]]))]:
-        with pytest.raises(ss.StateError, match="other than those of the last before_forward"):
+        with pytest.raises(ss.StateError, match=r"other than those of the last beforeForwardPass \(before_forward\)"):
             u.after_step(*wrong)
         with pytest.raises(ss.StateError):
             o.after_step(*wrong)

@@ -340,6 +340,35 @@ def test_save_cupy_without_a_suffix_says_which_to_use(rng, tmp_path):
     assert (tmp_path / "u_opt").is_dir()
 
 
+def test_a_forgotten_after_optimizer_step_is_refused_in_speedtorchs_names_and_the_fix_trains_exactly(rng):
+    """Forgetting a switcher's ``afterOptimizerStep`` raised "before_forward called twice without after_step;
+    finish the step with after_step(ids)": names a SpeedTorch user never called, for the two they did."""
+    model, opt, u, o = switchers()
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(rows)))
+    reference = torch.nn.Embedding.from_pretrained(torch.from_numpy(rows.copy()), freeze=False, sparse=True)
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+    batches = [torch.from_numpy((rng.zipf(1.3, 8) - 1) % ROWS) for _ in range(4)]
+    weights = [torch.from_numpy(rng.standard_normal((8, DIM), dtype=np.float32)) for _ in batches]
+    for step, (ids, w) in enumerate(zip(batches, weights)):
+        local = u.beforeForwardPass(ids)
+        o.beforeForwardPass(ids)
+        (model(local) * w).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:  # both switchers' afterOptimizerStep forgotten
+            for switcher in (u, o):
+                with pytest.raises(ss.StateError, match=r"^beforeForwardPass \(before_forward\) called twice "
+                                                        r"without afterOptimizerStep.* afterOptimizerStep\(ids\)"):
+                    switcher.beforeForwardPass(batches[step + 1])
+        u.afterOptimizerStep(ids)
+        o.afterOptimizerStep(ids)
+        (reference(ids) * w).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    np.testing.assert_allclose(u.getNumpyVersion(), reference.weight.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
 def test_save_torch_and_load_torch_without_a_suffix_name_the_torch_one(rng, tmp_path):
     """SpeedTorch's ``saveTorch("u")`` wrote ``torch.save`` to ``u`` as named; here the refusal named only
     *.npy and *.h5, not the *.pt that saveTorch writes, nor how to load such a file SpeedTorch wrote."""

@@ -316,8 +316,9 @@ class ModelFactory(Switcher):
         Nothing changes when this raises.
         """
         if self._gathered is not None:
-            raise StateError("before_forward called twice without after_step; finish the "
-                             "step with after_step(ids) so its rows are written back")
+            raise StateError("beforeForwardPass (before_forward) called twice without afterOptimizerStep "
+                             "(after_step); finish the step with afterOptimizerStep(ids) so its rows are "
+                             "written back")
         self._check_step_start()
         rows = self._param_rows()
         step = self._steps.prepare(pos, neg, MODEL)

@@ -155,8 +155,9 @@ class OptimizerFactory(Switcher):
                 and MODEL in step.begun - step.ended and OPTIMIZER not in step.begun):
             # Raised before the optimizer runs: it would step the rows with another step's state.
             raise StateError("optimizer.step() in a step whose optimizer state rows were not gathered: "
-                             "the ModelFactory's before_forward ran but the OptimizerFactory's did not; "
-                             "call before_forward(ids) on both switchers before the step")
+                             "the ModelFactory's beforeForwardPass (before_forward) ran but the "
+                             "OptimizerFactory's did not; call beforeForwardPass(ids) on both switchers "
+                             "before the step")
         if self._gathered is None and self._param.grad is not None and self._is_member():
             # A step without this switcher's rows (a zero gradient after
             # zero_grad(set_to_none=False)) steps the optimizer's full-size scratch state. State
@@ -329,8 +330,9 @@ class OptimizerFactory(Switcher):
             optimizer's state was lost (see :meth:`RowState.gather`).
         """
         if self._gathered is not None:
-            raise StateError("before_forward called twice without after_step; finish the "
-                             "step with after_step(ids) so its state rows are written back")
+            raise StateError("beforeForwardPass (before_forward) called twice without afterOptimizerStep "
+                             "(after_step); finish the step with afterOptimizerStep(ids) so its state "
+                             "rows are written back")
         self._check_step_start()
         self._state.check_not_replaced()  # an optimizer.load_state_dict() without self.load()
         if self._steps.alone(OPTIMIZER) and self._param.shape[0] >= self._steps.num_rows:

@@ -342,9 +342,9 @@ class SharedSteps:
             if step.same_ids(flats) and kind not in step.ended:
                 return step
             missing = " and ".join(sorted(step.begun - step.ended))
-            raise StateError(f"before_forward while the {missing} switcher of this embedding "
-                             f"has not called after_step for the last step; finish the step on "
-                             f"every switcher first")
+            raise StateError(f"beforeForwardPass (before_forward) while the {missing} switcher of "
+                             f"this embedding has not called afterOptimizerStep (after_step) for the "
+                             f"last step; finish the step on every switcher first")
         ws = self.working_set
         # The slots are about to hold other rows: a gradient still on them from the last
         # step must not be added to (zero_grad() drops it, or zeroes it in place: a new version).
@@ -418,13 +418,14 @@ class SharedSteps:
         self._undo_interrupted_step()
         flats, _, _ = self._as_tensors(pos, neg)
         if self.current is None:
-            raise StateError(f"{who}.after_step before any before_forward: a step begins with "
-                             f"before_forward(ids), then the forward, backward and "
-                             f"optimizer.step(), then after_step(ids) (nothing was written back)")
+            raise StateError(f"{who}.afterOptimizerStep (after_step) before any beforeForwardPass "
+                             f"(before_forward): a step begins with beforeForwardPass(ids), then the "
+                             f"forward, backward and optimizer.step(), then afterOptimizerStep(ids) "
+                             f"(nothing was written back)")
         if not self.current.same_ids(flats):
-            raise StateError(f"{who}.after_step got ids other than those of the last "
-                             f"before_forward; pass the same pos (and neg) ids to both, in the "
-                             f"same order (nothing was written back)")
+            raise StateError(f"{who}.afterOptimizerStep (after_step) got ids other than those of the "
+                             f"last beforeForwardPass (before_forward); pass the same pos (and neg) ids "
+                             f"to both, in the same order (nothing was written back)")
         return self.current
 
     def end(self, step, kind, rows):
