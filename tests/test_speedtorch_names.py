@@ -195,7 +195,7 @@ def test_speedtorch_argument_names_work_as_keywords(rng, tmp_path):
 
 def test_save_and_load_of_a_torch_file_name_save_torch_and_load_torch(rng, tmp_path):
     """saveCupy("u.pt") / loadCupy("u.pt") said "name it *.npy (numpy) or *.h5 / *.hdf5 (HDF5)", not
-    that the switcher's saveTorch / loadTorch write and read torch files."""
+    that the switcher's saveTorch / loadTorch write and read torch files; then "loadTorch writes and reads"."""
     _, _, u, _ = switchers()
     u.customInit(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
     table = u.getNumpyVersion()
@@ -203,7 +203,7 @@ def test_save_and_load_of_a_torch_file_name_save_torch_and_load_torch(rng, tmp_p
     u.zerosInit()
     for call, name in ((u.saveCupy, "saveTorch"), (u.save, "saveTorch"), (u.loadCupy, "loadTorch"),
                        (u.load, "loadTorch")):
-        with pytest.raises(ss.OptionError, match=name):
+        with pytest.raises(ss.OptionError, match=rf"{name} takes \*\.pt"):
             call(tmp_path / "u.pt")
     assert not np.any(u.getNumpyVersion())  # nothing loaded
     np.testing.assert_array_equal(torch.load(tmp_path / "u.pt", weights_only=True).numpy(), table)  # nor written

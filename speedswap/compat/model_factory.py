@@ -84,7 +84,7 @@ def _refuse_torch_file(path, instead):
         OptionError: ``path`` names a torch file; nothing is read or written.
     """
     if _is_torch_file(path):
-        raise OptionError(f"{os.fspath(path)!r} is a torch file: {instead} writes and reads *.pt / *.pth "
+        raise OptionError(f"{os.fspath(path)!r} is a torch file: {instead} takes *.pt / *.pth "
                           f"(torch.save of the whole table, as SpeedTorch's saveTorch/loadTorch did); "
                           f"save/load (saveCupy/loadCupy) take *.npy or *.h5 / *.hdf5")
 
