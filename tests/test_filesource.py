@@ -9,6 +9,7 @@ import mmap
 import operator
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -1591,3 +1592,61 @@ def test_a_file_stamped_ahead_of_this_clock_waits_at_most_its_own_tick_per_loop(
         for ids, rows in feeder:
             np.testing.assert_array_equal(rows.numpy(), data[ids.numpy()])
     assert len(waits) == 2 and all(0 < wait <= tick_s for wait in waits), waits
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("order", ["random", BlockOrder(block_rows=100, window=1)])
+def test_a_loop_over_a_file_continued_in_a_forked_process_raises_and_a_new_loop_reads_on(tmp_path, rng,
+                                                                                       monkeypatch, order):
+    """Without read-ahead a loop reads a file's rows on I/O threads, which a forked child does not have.
+    The child's loop handed its reads to the copied pool, whose count of idle threads (the parent's)
+    started no thread for them, or waited for a window the parent was reading at the fork: either way
+    for good. It now raises StateError, and a new loop in the child reads the stream on from the
+    batch after those handed out; the parent's loop goes on."""
+    n = 100 * int(rng.integers(20, 30))  # whole blocks: no batch spans three windows, two are read at a time
+    data = rng.uniform(1, 2, size=(n, 8)).astype(np.float32)
+    feeder = ss.BatchFeeder(np.arange(n), write(tmp_path / "x.npy", data), batch_size=64, order=order,
+                            seed=int(rng.integers(100)), device="cpu", prefetch=0)
+    real, loop = os.preadv, iter(feeder)
+    if order == "random":
+        # A batch's 16 parts read at once, on 16 threads, which then count themselves idle.
+        together = threading.Barrier(16, timeout=10)
+        monkeypatch.setattr(os, "preadv", lambda *args: (together.wait(), real(*args))[1])
+        first = [tuple(t.numpy() for t in next(loop))]
+        monkeypatch.setattr(os, "preadv", real)
+        time.sleep(0.2)
+    else:
+        # Windows 0 and 1 are read first; the third batch frees window 0 and starts reading window 2,
+        # which the disk holds back until after the fork.
+        disk = threading.Event()
+        disk.set()
+        monkeypatch.setattr(os, "preadv", lambda *args: (disk.wait(10), real(*args))[1])
+        first = [tuple(t.numpy() for t in next(loop)) for _ in range(2)]
+        disk.clear()
+        first.append(tuple(t.numpy() for t in next(loop)))
+    pid = os.fork()
+    if pid == 0:  # the child: within 10 s or killed
+        code = 1
+        try:
+            signal.alarm(10)
+            os.preadv = real  # the disk the child reads on its own
+            try:
+                next(loop)
+                code = 2
+            except ss.StateError as exc:
+                code = 0 if "forked" in str(exc) else 3
+            if code == 0:
+                batches = first + [tuple(t.numpy() for t in batch) for batch in feeder]
+                ids = np.concatenate([ids for ids, _ in batches])
+                code = 0 if (np.array_equal(np.sort(ids), np.arange(n))
+                             and all(np.array_equal(rows, data[ids]) for ids, rows in batches)) else 4
+        finally:
+            os._exit(code)
+    if order != "random":
+        disk.set()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+    batches = first + [tuple(t.numpy() for t in batch) for batch in loop]
+    np.testing.assert_array_equal(np.sort(np.concatenate([ids for ids, _ in batches])), np.arange(n))
+    for ids, rows in batches:
+        np.testing.assert_array_equal(rows, data[ids])

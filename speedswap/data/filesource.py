@@ -242,6 +242,21 @@ class _PoolReader:
                 raise opening_error(file.path, exc, ".npy file") from exc
             raise
 
+    def _check_process(self) -> None:
+        """Refuse to read in a process forked since the reader was made.
+
+        The child has the I/O pool's state but none of its threads: a read it
+        queued would wait forever for a thread that never takes it, and so
+        would a wait for a read the parent had in flight at the fork.
+
+        Raises:
+            StateError: this is a forked child.
+        """
+        if os.getpid() != self._pid:
+            raise StateError("this feeder loop's file reader belongs to the process this one was forked "
+                             "from, whose I/O threads it does not have; iterate the feeder anew in this "
+                             "process")
+
     def _read(self, column, first, count, out):
         """``pread`` rows ``[first, first + count)`` of file ``column`` into the uint8 array ``out``.
 
@@ -418,9 +433,10 @@ class RowReader(_PoolReader):
 
         Raises:
             FileFormatError: a file is shorter than its rows, or a disk error (EIO) reading it.
-            StateError: the reader was closed by another thread.
+            StateError: the reader was closed by another thread, or this process was forked from its own.
             ThreadStartError: no I/O thread could start.
         """
+        self._check_process()
         ids = self._ids[lo:hi]
         outs = [torch.empty((len(ids), *f.row_shape), dtype=f.dtype) for f in self._files]
         # Each thread takes a stretch of the sorted ids: nearby rows go to the
@@ -543,9 +559,10 @@ class WindowReader(_PoolReader):
 
         Raises:
             FileFormatError: a file is shorter than its rows, or a disk error (EIO) reading it.
-            StateError: the reader was closed by another thread.
+            StateError: the reader was closed by another thread, or this process was forked from its own.
             ThreadStartError: no I/O thread could start.
         """
+        self._check_process()
         first, last = int(self._frontier[lo]), int(self._frontier[hi - 1])
         for index in [i for i in self._resident if i < first]:
             slot, futures = self._resident.pop(index)
