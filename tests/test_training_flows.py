@@ -1477,6 +1477,55 @@ def test_an_accumulated_backward_whose_table_gradient_is_exactly_zero_trains_as_
                                rtol=1e-5, atol=1e-5)
 
 
+def _penalty(parameters):
+    return 1e-2 * sum(p.pow(2).sum() for p in parameters)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("flow", ["accumulated", "penalty_backward_first"])
+def test_a_penalty_over_the_weight_itself_before_a_forward_of_the_step_is_refused(rng, cache_rows, flow):
+    """An L2 penalty summed over ``model.parameters()`` reaches ``emb.weight``, the working set,
+    whose slots past the step's rows hold rows of earlier steps. With gradient accumulation (a
+    penalty in each micro-batch's loss) or the penalty's own backward before the forward, a
+    forward after that backward put its rows in those slots, and they trained on the penalty's
+    gradient of other rows (or the step, still without rows, was taken for one ``zero_grad()``
+    dropped and the gradient zeroed): the table drifted from the in-memory one, silently. That
+    forward is refused before anything changes; leaving the weight out of the penalty and
+    penalising the rows looked up, as the error says, trains as in memory."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    batches = zipf_ids(rng, STEPS)
+    for ids, target in batches[:3]:  # the working set's slots now hold rows of these steps
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            train_step(model, optimizer, ids, target)
+    ids, target = batches[3]
+    if flow == "accumulated":
+        looked_up = ids[:BATCH // 2]
+        (F.mse_loss(offloaded(looked_up), target[:BATCH // 2]) + _penalty(offloaded.parameters())).backward()
+    else:
+        looked_up = ids[:0]
+        _penalty(offloaded.parameters()).backward()
+    table, rows = offloaded.emb.table.to_numpy(copy=True), offloaded.emb.working_rows.clone()
+    with pytest.raises(ss.StateError, match=r"gradient outside .* lookups.*Nothing was changed"):
+        offloaded(ids[BATCH // 2:])
+    torch.testing.assert_close(offloaded.emb.working_rows, rows, rtol=0, atol=0)
+    np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table)
+    assert bool(offloaded.emb.weight.grad[len(rows):].any())  # the refused forward kept it too
+    offloaded.emb.discard_step()
+    opt.zero_grad()
+    for ids, target in batches[3:]:  # as the error says: the looked-up rows penalised, and the rest
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            for part, goal in zip(ids.chunk(2), target.chunk(2)):
+                rows = model.emb(part)
+                (F.mse_loss(model.lin(torch.tanh(rows).sum(1)), goal) + _penalty([rows])
+                 + _penalty(model.lin.parameters())).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
 def _flow_optimizers(flow, offloaded, reference):
     """Each side's optimizer for a flow of :func:`test_everyday_training_flows_train_as_in_memory`."""
     def make(model):

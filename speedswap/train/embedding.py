@@ -621,7 +621,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._reached.clear()
 
     def _gradient_zeroed(self) -> bool:
-        """Whether :attr:`weight` holds no gradient for the step's rows: None, or zeros.
+        """Whether :attr:`weight` holds no gradient: None, or zeros.
 
         Asked only after a backward with no step since, where a gradient is
         zero because ``zero_grad()`` dropped it (``set_to_none=False``
@@ -638,7 +638,10 @@ class OffloadedEmbedding(RefusesConversion):
         grad = self.weight.grad
         if grad is None:
             return True
-        if bool(self._step_gradient(grad).any()):
+        # All of it, not the step's rows alone: past them it holds values only where emb.weight was
+        # used outside its lookups, which no zero_grad() dropped (a forward then refuses to go on,
+        # see _refuse_gradient_outside_lookups), where a step without rows would pass for dropped.
+        if bool((self._step_gradient(grad) if grad.is_sparse else grad).any()):
             return False
         # Zero now: dropped if zero_() zeroed it since the last backward. One that backward left at
         # zero (a loss weighted by 0), or that was multiplied by 0 since, is accumulation, as in memory,
@@ -903,6 +906,7 @@ class OffloadedEmbedding(RefusesConversion):
             # would drop them too. The backward decides when it reaches the lookup (_gradient_dropped).
             self._adopt_replaced_data()
         else:
+            self._refuse_gradient_outside_lookups()
             self._drop_zeroed_step()  # which takes over a replaced weight.data first
         # The ids' range is checked by the working set, in a read it makes anyway.
         flat, shape, check_bounds = as_row_ids_deferred(ids, self.num_embeddings, self.weight.device)
@@ -930,6 +934,43 @@ class OffloadedEmbedding(RefusesConversion):
             raise
         self._seen_rows = ws.size  # weight.data is _full (adopted above) and holds them all
         return local
+
+    def _refuse_gradient_outside_lookups(self):
+        """Refuse a forward after a backward that gave a gradient to slots holding none of the step's rows.
+
+        Slots past the step's rows hold rows of earlier steps, or zeros: only
+        a use of :attr:`weight` itself outside the lookups (a penalty summed
+        over ``model.parameters()``, a layer tied to it) gives them a
+        gradient, computed from those other rows. The step's next rows would
+        take these slots and train on it, where in memory a row looked up
+        later in a step gets the penalty's gradient of its own value. Left
+        where no forward follows, it trains nothing and the step is exact (a
+        penalty after the step's last forward: its rows get their own).
+        Asked only in a forward after a backward of the same step (gradient
+        accumulation, a penalty's backward before the forward): one host
+        wait on a GPU, on a path that waits already (:meth:`_gradient_zeroed`).
+        A gradient the last step left (``_stale``) is refused at the step,
+        with its own advice.
+
+        Raises:
+            StateError: the gradient is non-zero past the step's rows; nothing changes.
+        """
+        grad = self.weight.grad
+        if not self._backward_ran or grad is None or grad.is_sparse or (self._stale and self._stale() is grad):
+            return
+        size = self._working_set.size
+        if not bool(grad[size:].any()):
+            return
+        raise StateError(
+            f"emb.weight got a gradient outside this OffloadedEmbedding's lookups (a term of the loss "
+            f"over emb.weight itself: an L2 penalty summed over model.parameters(), a layer tied to "
+            f"the weight) on slots {size} and above, which hold no row of this step: emb.weight is "
+            f"the step's working set, so that gradient was computed from rows of earlier steps, and "
+            f"the step's next rows, which take those slots, would train on it. Nothing was changed. "
+            f"Leave emb.weight out of such terms ([p for p in model.parameters() if p is not "
+            f"emb.weight]) and penalise the rows a step looks up (emb(ids).pow(2).sum()), or use the "
+            f"optimizer's weight_decay; call emb.discard_step() and optimizer.zero_grad(), and run "
+            f"the step again")
 
     def _count_hits(self, start):
         """The working set's ``count_also`` for a forward's rows: the cache's hits, in its one read."""
