@@ -101,7 +101,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     every rank); it gets its gradient from the exchange, not from autograd,
     so it has ``requires_grad=False`` and DDP leaves it alone (a rank's
     weight holds other rows than its peers'). Wrap the model in DDP as a
-    whole; the dense parameters are averaged by DDP, the table here.
+    whole; the dense parameters are averaged by DDP, the table here. A loss
+    term over :attr:`weight` itself (an L2 penalty summed over
+    ``model.parameters()``) is therefore a constant that trains no row,
+    where in memory it trains the rows a step looks up: penalise those rows
+    (``emb(ids).pow(2).sum()``) or use the optimizer's ``weight_decay``.
 
     The rows start as ``nn.Embedding``'s do, N(0, 1), each rank drawing its
     own from a generator seeded by torch's global one and its rank: shards
