@@ -345,6 +345,39 @@ def test_a_resume_that_restores_only_the_optimizer_state_dict_is_refused(rng, tm
     np.testing.assert_array_equal(resumed.emb.table.to_numpy(), offloaded.emb.table.to_numpy())
 
 
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_an_in_memory_runs_optimizer_state_dict_is_refused_saying_how_its_rows_state_goes_on(rng, cache_rows):
+    """Going on offloaded from an in-memory run: its optimizer's state_dict holds the whole table's
+    moments, which load_state_dict puts where the step would replace them with the tables' own. The
+    refusal said to restore "the checkpoint saved with it", which such a run has not; it now says
+    the state is the whole table's and how it goes into the tables, and that way training goes on
+    equal to the in-memory run."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    batches = zipf_ids(rng, STEPS)
+    for ids, target in batches[:5]:  # the in-memory run
+        train_step(reference, ref_opt, ids, target)
+    opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
+    offloaded.lin.load_state_dict(reference.lin.state_dict())
+    table = offloaded.emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.StateError, match=r"shaped like the whole table \(300, 6\).*set_extra_state"):
+        offloaded(batches[5][0])
+    np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table)
+    weight = reference.emb.weight
+    extra = offloaded.emb.get_extra_state()  # as the error says
+    extra["tables"] = {"table": weight.detach().clone(),
+                       **{f"optimizer.{name}": ref_opt.state[weight][name].clone()
+                          for name in ("exp_avg", "exp_avg_sq")}}
+    offloaded.emb.set_extra_state(extra)
+    for ids, target in batches[5:]:
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+    assert int(opt.state[offloaded.emb.weight]["step"]) == STEPS
+
+
 def test_init_state_accepts_an_older_optimizer_state_dict(rng):
     offloaded, opt, older, rest = _run_until_older_state_is_loaded(
         rng, lambda p: torch.optim.Adam(p, lr=0.01))

@@ -479,7 +479,25 @@ class RowState:
             f"tables, which the optimizer's state_dict does not hold. Restore the tables from the "
             f"checkpoint saved with it (emb.load(path), after emb.discard_step() if a forward "
             f"already ran; an OptimizerFactory's load(path)), or start the rows' state afresh "
-            f"(emb.init_state(), OptimizerFactory.optInit()); then train on")
+            f"(emb.init_state(), OptimizerFactory.optInit()); then train on"
+            + self._whole_table_hint({name: state[name] for name in replaced}))
+
+    def _whole_table_hint(self, replaced) -> str:
+        """How to restore per-row state loaded shaped like the whole table (an in-memory run's), or "".
+
+        An in-memory optimizer's ``state_dict`` holds every row's state: it
+        goes into the tables with the rows themselves, not through the
+        optimizer, where the step would replace it with the tables' own.
+        """
+        whole = tuple(next(iter(self.tables.values())).shape)
+        if not any(isinstance(value, torch.Tensor) and tuple(value.shape) == whole for value in replaced.values()):
+            return ""
+        tables = ", ".join(f"'optimizer.{name}': ..." for name in self.tables)
+        return (f". The state loaded is shaped like the whole table {whole}, as an in-memory "
+                f"optimizer's state_dict holds it: to go on from such a run, put it and the rows into "
+                f"an OffloadedEmbedding's tables (extra = emb.get_extra_state(); "
+                f"extra['tables'] = {{'table': rows, {tables}}}; emb.set_extra_state(extra)), and the "
+                f"optimizer's state_dict is accepted with them")
 
     def _buffer(self, name):
         if name not in self._scratch:
