@@ -832,10 +832,8 @@ class OffloadedEmbedding(RefusesConversion):
         hands out (of the optimizer state's tables too, as in
         :meth:`get_extra_state`) stays current while it, or anything made from
         it, is alive, as a view of an in-memory parameter does (the step
-        writes its rows back inside ``optimizer.step()``, in a post-hook: only
-        step post-hooks that run before it, ones registered on the optimizer
-        before :meth:`attach`, see them as before the step; torch runs the
-        global ones after the optimizer's own): the cache
+        writes its rows back inside ``optimizer.step()``, in a post-hook that
+        runs before any other, so every step post-hook sees them stepped): the cache
         keeps no rows meanwhile (each step writes its rows back), so keep
         ``to_numpy(copy=True)`` snapshots instead of views to let it work. A
         write through a view between steps trains on; one between a training

@@ -11,7 +11,9 @@ things make that subtle, and this module handles them once for every owner
   hook wraps the closure and narrows after it.
 * failures: an owner's ``begin`` either completes or changes nothing, and an
   owner whose step was interrupted (the optimizer raised between the hooks)
-  is put back by ``abort`` before anything else uses it.
+  is put back by ``abort`` before anything else uses it. The post-hook runs
+  first of the optimizer's, so a step the optimizer finished is kept whatever
+  later hooks raise, as in memory.
 * lifetime: the optimizer holds the hooks, the owner holds the optimizer; the
   hooks reach the owner through a weak reference, so dropping the owner frees
   its tables at once instead of when the cycle collector runs.
@@ -48,8 +50,12 @@ class StepHooks:
 
     def __init__(self, owner, optimizer):
         ref = weakref.ref(owner)
-        self._handles = (optimizer.register_step_pre_hook(_pre_hook(ref)),
-                         optimizer.register_step_post_hook(_post_hook(ref)))
+        post = optimizer.register_step_post_hook(_post_hook(ref))
+        # First of the optimizer's post-hooks (torch has no prepend for them): as in memory, every
+        # post-hook then finds the rows stepped, and one registered before attach that raises cannot
+        # keep them from being written back (the next call's _abort_step would undo the update).
+        optimizer._optimizer_step_post_hooks.move_to_end(post.id, last=False)
+        self._handles = (optimizer.register_step_pre_hook(_pre_hook(ref)), post)
         # The hooks die with the owner; the finalizer holds the handles, not the owner.
         self._finalizer = weakref.finalize(owner, _remove, self._handles)
 
