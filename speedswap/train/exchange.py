@@ -250,8 +250,9 @@ class Exchange:
                              f"optimizer state: attach() on every rank to restart it everywhere, or "
                              f"load() a checkpoint on every rank; step counts that differ come from "
                              f"state_dict()s of different steps restored on the ranks (restore one "
-                             f"step's on every rank), or from a step one rank took and another skipped, such as a step with no forward "
-                             f"after zero_grad(set_to_none=False) on one rank and zero_grad() on "
+                             f"step's on every rank), or from a step one rank took and another "
+                             f"skipped, such as a step with no forward after "
+                             f"zero_grad(set_to_none=False) on one rank and zero_grad() on "
                              f"another: zero gradients alike on every rank). No row changed")
         base = 3 + len(config)
         if expected is not None:
