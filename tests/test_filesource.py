@@ -886,6 +886,23 @@ def test_create_npy_refuses_a_dtype_it_cannot_write_with_a_dtype_error(tmp_path,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("dtype", [">f4", ">u2", np.dtype(np.int64).newbyteorder()])
+@pytest.mark.parametrize("filled", [False, True])
+def test_create_npy_refuses_the_other_byte_order_naming_the_native_dtype(tmp_path, rng, dtype, filled):
+    """'>f4' was refused with advice for arrays (a.astype), which fits no dtype argument, while '>u2'
+    was taken and written little-endian. Both are refused alike, naming the dtype to pass."""
+    other = np.dtype(dtype)
+    other = other.newbyteorder() if other.isnative else other  # the other order on any machine
+    native = other.newbyteorder()
+    rows = rng.integers(1, 1000, (4, 3)).astype(native)
+    fill = (lambda lo, hi: rows[lo:hi]) if filled else None
+    with pytest.raises(ss.DTypeError, match=f"other byte order.*pass '{native.name}'"):
+        ss.data.create_npy(tmp_path / "x.npy", rows.shape, other, fill, progress=False)
+    assert list(tmp_path.iterdir()) == []
+    ss.data.create_npy(tmp_path / "x.npy", rows.shape, native.name, lambda lo, hi: rows[lo:hi], progress=False)
+    np.testing.assert_array_equal(np.load(tmp_path / "x.npy"), rows)
+
+
 @pytest.mark.parametrize("dtype", ["uint64", np.complex64, torch.uint64])
 def test_create_npy_names_the_dtypes_it_writes_when_it_refuses_one(tmp_path, dtype):
     """Its refusal listed the tables' dtypes: bfloat16, which it refuses too, and not the uint16/uint32 it takes."""

@@ -121,14 +121,21 @@ def _file_dtype(dtype) -> np.dtype:
     """The file's numpy dtype: one speedswap's tables hold, or uint16/uint32 token ids.
 
     Raises:
-        DTypeError: any other dtype, bfloat16 included (no .npy holds it).
+        DTypeError: any other dtype, bfloat16 included (no .npy holds it), or
+            one of the other byte order (the file is written in this machine's).
     """
     name = str(dtype).replace("torch.", "") if isinstance(dtype, torch.dtype) else None
     if name is None:
         try:
-            name = np.dtype(dtype).name
+            parsed = np.dtype(dtype)
         except TypeError:
-            pass  # not a numpy dtype: torch_dtype below says what is supported
+            parsed = None  # not a numpy dtype: torch_dtype below says what is supported
+        if parsed is not None and not parsed.isnative:
+            # Refused whatever the kind: token ids would be written in this order under a header saying
+            # so, where a table's dtype was refused with advice for arrays (astype) that fits no dtype.
+            raise DTypeError(f"dtype {dtype!r} is {parsed.name} in the other byte order; create_npy "
+                             f"writes this machine's ({sys.byteorder}-endian): pass {parsed.name!r}")
+        name = None if parsed is None else parsed.name
     if name in _TOKEN_DTYPES:
         return _TOKEN_DTYPES[name]
     if name is not None and name != "bfloat16" and name not in _FILE_DTYPES:
