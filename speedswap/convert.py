@@ -749,10 +749,11 @@ def as_row_values(values, num_ids, dim, dtype, device, ids_shape=None, *, to=Non
         raise DeviceError(f"values are on {values.device} but this table lives on "
                           f"{device}; move them with .to({str(device)!r})")
     if values.dtype != dtype:
-        # A numpy array or list has no .to(); numpy has no bfloat16 to cast to.
+        # A numpy array has no .to() and a list no .astype(); numpy has no bfloat16 to cast to.
         cast = (f".to({dtype})" if issubclass(given, torch.Tensor)
                 else f"torch.as_tensor(a).to({dtype})" if dtype is torch.bfloat16
-                else f".astype('{_TORCH_TO_NUMPY[dtype]}')")
+                else f".astype('{_TORCH_TO_NUMPY[dtype]}')" if issubclass(given, np.ndarray)
+                else f"np.asarray(values, dtype='{_TORCH_TO_NUMPY[dtype]}')")
         raise DTypeError(f"values have dtype {values.dtype} but the table holds {dtype}; "
                          f"cast them with {cast} first")
     if tuple(values.shape) != (num_ids, dim):

@@ -79,14 +79,17 @@ def test_byte_swapped_values_are_written_exactly(table, rng):
     np.testing.assert_array_equal(table.to_numpy()[rows], values)
 
 
-@pytest.mark.parametrize("values, hint", [
-    (np.ones((2, 6), np.float64), r"\.astype\('float32'\)"),
-    ([[1.0] * 6] * 2, r"\.astype\('float32'\)"),
-    (torch.ones(2, 6, dtype=torch.float64), r"\.to\(torch\.float32\)"),
+@pytest.mark.parametrize("values, hint, cast", [
+    (np.full((2, 6), 1.5), r"\.astype\('float32'\)", lambda v: v.astype("float32")),
+    # A list has no .astype (it was advised one).
+    ([[1.5] * 6] * 2, r"np\.asarray\(values, dtype='float32'\)", lambda v: np.asarray(v, dtype="float32")),
+    (torch.full((2, 6), 1.5, dtype=torch.float64), r"\.to\(torch\.float32\)", lambda v: v.to(torch.float32)),
 ])
-def test_dtype_hint_fits_the_kind_of_values(table, values, hint):
+def test_dtype_hint_fits_the_kind_of_values(table, values, hint, cast):
     with pytest.raises(ss.DTypeError, match=hint):
         table.scatter([1, 2], values)
+    table.scatter([1, 2], cast(values))  # the advice, followed, writes the rows
+    np.testing.assert_array_equal(table.gather([1, 2]).cpu().numpy(), np.full((2, 6), 1.5, np.float32))
 
 
 # ------------------------------------------------------------ gather out=
