@@ -5,7 +5,8 @@ a full disk mid-save leaves the previous file intact. Temporaries are named
 ``.<name>.<host>.<pid>.<random>.tmp`` so a later save can prove which ones a
 dead process left behind and remove exactly those. Saves to one file take
 turns (:func:`one_save_at_a_time`, an ``flock`` on ``.<name>.speedswap.lock``
-beside it). OSErrors become :class:`~speedswap.errors.PathError` naming the
+beside it); loads that rewrite a file in place take turns on the file itself
+(:func:`rewriting_in_place`). OSErrors become :class:`~speedswap.errors.PathError` naming the
 user's path, never the temporary. Beside them, :func:`open_into`, an open whose
 descriptor no interrupt can lose, and the file-level calls built on it:
 :func:`fsync_dir`, and :func:`drop_cache` (a file's pages out of the page
@@ -21,7 +22,7 @@ import shutil
 import socket
 import stat
 import threading
-from typing import Union
+from typing import Iterator, Optional, Union
 
 try:
     import fcntl
@@ -33,7 +34,8 @@ from .mappings import mapped_for_writing
 
 __all__ = ["PathLike", "as_path", "atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries",
            "check_writable_dir", "check_readable_file", "check_regular_file", "opening_error", "saving_error",
-           "open_into", "fsync_dir", "sync_new_name", "drop_cache", "locked", "one_save_at_a_time"]
+           "open_into", "fsync_dir", "sync_new_name", "drop_cache", "locked", "one_save_at_a_time",
+           "rewriting_in_place"]
 
 #: What a path argument takes: a str, an ``os.PathLike`` (``pathlib.Path``) or bytes (:func:`as_path`).
 PathLike = Union[str, bytes, os.PathLike]
@@ -677,3 +679,56 @@ def one_save_at_a_time(path):
                         _FLOCKED.pop(opened[0], None)  # not yet recorded where an interrupt came as it was opened
                     finally:
                         os.close(opened[0])
+
+
+@contextlib.contextmanager
+def rewriting_in_place(path, identity: tuple) -> Iterator[Optional[int]]:
+    """Hold the file ``path`` names open read-write, and its turn, while its contents are rewritten in place.
+
+    For a load into an ``mmap`` table, which writes the rows into the table's
+    file where they lie, its torn mark saying so on disk meanwhile
+    (:func:`~speedswap.table.loading_into`). The file is opened, then checked:
+    a check of the path, then an open of it, would mark whatever file another
+    save renamed to that path in between. Two such loads at once (two
+    processes mapping the file) would mix their rows, and the first to finish
+    would lift the mark from rows the other is still writing: they take
+    turns, on an exclusive ``flock`` of the file itself, which holds between
+    threads (each opens its own descriptor) and processes of this host, and
+    which the system lets go of when its holder dies. Where ``flock`` is not
+    to be had (Windows, ENOLCK) they do not take turns.
+
+    Args:
+        path: the file's path.
+        identity: ``(st_dev, st_ino)`` of the file it must be (the one the table maps).
+
+    Yields:
+        the descriptor, open read-write; None where ``path`` names no file any
+        more, or another one: the map alone holds that file, and no one opens it.
+
+    Raises:
+        PathError: the file cannot be opened read-write (``errno`` says why).
+    """
+    opened = []  # the file's descriptor, from its opening: let go of at the end, whatever comes
+    try:
+        try:
+            fd = _open_recorded(path, os.O_RDWR, opened)
+        except (FileNotFoundError, NotADirectoryError):  # removed, or a directory on the way moved
+            fd = None
+        except OSError as exc:
+            raise saving_error(path, exc) from exc
+        if fd is not None:
+            opened_file = os.fstat(fd)
+            if (opened_file.st_dev, opened_file.st_ino) != tuple(identity):
+                _let_go(opened)  # replaced by a rename: not the file rewritten
+                fd = None
+        if fd is not None and fcntl is not None:
+            with contextlib.suppress(OSError):  # no flock (ENOLCK): loads do not take turns
+                fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        if opened:  # _let_go in place: no interrupt lands before the close (see _let_go)
+            with _RECORDING:
+                try:
+                    _FLOCKED.pop(opened[0], None)  # not yet recorded where an interrupt came as it was opened
+                finally:
+                    os.close(opened[0])

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import files
-from .atomic import PathLike, as_path
+from .atomic import PathLike, as_path, rewriting_in_place
 from .backends import STORAGE_KINDS, available_ram, get_backend
 from .backends.resolve import BackendLike, DeviceLike
 from .convert import (ROWS_ADVICE, DTypeLike, Ids, Rows, as_host_rows, as_row_ids, as_row_values, bool_option,
@@ -1226,20 +1226,6 @@ class HostTable:
         # copy=True: on the CPU backend the device memory is the process's own, and .cpu() returns it.
         return numpy_view(buffer.tensor.to("cpu", copy=True))
 
-    def _mark_file(self, torn: bool) -> Optional[bool]:
-        """Mark the ``.npy`` file an ``mmap`` table maps as rewritten in place, or lift the mark.
-
-        For :func:`loading_into` (see :func:`~speedswap.files.mark_npy_torn`).
-
-        Returns:
-            whether the file carried the mark before, or None for a table
-            with no file to mark: only the table's own ``.npy`` file, still
-            at its path, is marked.
-        """
-        if self.storage != "mmap" or self._path is None or _file_id(self._path) != self._file_id:
-            return None
-        return files.mark_npy_torn(self._path, torn)
-
     def flush(self) -> None:
         """Wait for pending device writes; an ``mmap`` table also flushes its file."""
         buffer = self._live_buffer()
@@ -1278,46 +1264,64 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
     it is marked before the first write and unmarked once every row is
     written and flushed to disk (:func:`~speedswap.files.mark_npy_torn`),
     unless the load reads that very file (it writes back the rows it holds).
+    Meanwhile the load holds the file's turn
+    (:func:`~speedswap.atomic.rewriting_in_place`): a load into the same file
+    from another process or thread waits for it.
 
     Args:
         tables: every table the load writes; a refusal left by an earlier
             stopped load is lifted for the writes.
         path: the file or checkpoint read (``"state_dict"`` for a state dict's tensors), for the messages.
+
+    Raises:
+        PathError: a table's file cannot be marked (nothing was written).
     """
     tables = list(tables)
-    marked = []  # the mmap tables whose files say "torn" on disk until the writes are done
-    newly_marked = []  # those this load marked: one an earlier stopped load marked stays marked
     # A load from a table's own file writes back the rows it holds: stopped, it leaves them
     # whole, and a mark would change the file the load reads again (a file too large to stage).
     reading = _file_id(path)
-    try:
-        for table in tables:
-            own = reading is not None and table._file_id == reading
-            was_marked = None if own else table._mark_file(True)
-            if was_marked is not None:
-                marked.append(table)
-            if was_marked is False:
-                newly_marked.append(table)
-    except BaseException:
-        for table in newly_marked:  # nothing was written yet
-            table._mark_file(False)
-        raise
+    # Each file once, however many tables map it, and in one order for every load: two loads
+    # into the same files take their turns without each holding one the other waits for.
+    to_mark = {}
     for table in tables:
-        table._torn = None
-    try:
-        yield
-        # Inside the try: stopped here, the files still say "torn", and so must the tables.
-        for table in marked:
-            table.flush()  # the rows on disk before the mark that says they are whole
-        for table in marked:
-            table._mark_file(False)
-    except BaseException as exc:
-        which = f"this table and {len(tables) - 1} more" if len(tables) > 1 else "this table"
-        why = (f"a load from {os.fspath(path)!r} stopped ({type(exc).__name__}) while it wrote "
-               f"{which}: the rows may be part the load's, part what was there before; load a "
-               f"checkpoint again (all of it) before using them, or close them")
+        if table.storage == "mmap" and table._path is not None and table._file_id not in (None, reading):
+            to_mark.setdefault(table._file_id, table._path)
+    with contextlib.ExitStack() as turns:
+        marked = {}  # identity -> (path, descriptor) of the files that say "torn" until the writes are done
+        newly_marked = []  # those this load marks: one an earlier stopped load marked stays marked
+        try:
+            for identity in sorted(to_mark):
+                file_path = to_mark[identity]
+                fd = turns.enter_context(rewriting_in_place(file_path, identity))
+                was_marked = None if fd is None else files.is_npy_torn(fd, file_path)
+                if was_marked is None:
+                    continue
+                marked[identity] = (file_path, fd)
+                if not was_marked:
+                    newly_marked.append((file_path, fd))  # before its write: one stopped midway is undone too
+                    files.mark_npy_torn(fd, file_path, True)
+        except BaseException:
+            for file_path, fd in newly_marked:  # nothing was written yet
+                files.mark_npy_torn(fd, file_path, False)
+            raise
         for table in tables:
-            table._torn = why
-        if hasattr(exc, "add_note"):  # Python 3.11+
-            exc.add_note(f"speedswap: {why}.")
-        raise
+            table._torn = None
+        try:
+            yield
+            # Inside the try: stopped here, the files still say "torn", and so must the tables.
+            for table in tables:
+                if table._file_id in marked:
+                    table.flush()  # the rows on disk before the mark that says they are whole
+            for file_path, fd in marked.values():
+                files.mark_npy_torn(fd, file_path, False)
+        except BaseException as exc:
+            which = f"this table and {len(tables) - 1} more" if len(tables) > 1 else "this table"
+            why = (f"a load from {os.fspath(path)!r} stopped ({type(exc).__name__}) while it wrote "
+                   f"{which}: the rows may be part the load's, part what was there before; load a "
+                   f"checkpoint again (all of it) before using them, or close them")
+            for table in tables:
+                table._torn = why
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(f"speedswap: {why}.")
+            raise
+

@@ -1598,10 +1598,10 @@ def test_a_load_stopped_while_it_marks_the_files_leaves_marked_the_file_an_earli
     monkeypatch.setattr(tables_module.StagedRows, "commit", commit)
     mark = ss.files.mark_npy_torn
 
-    def stopped_at_the_second(path, torn):
+    def stopped_at_the_second(fd, path, torn):
         if torn and os.path.samefile(path, tmp_path / "second.npy"):
             raise KeyboardInterrupt
-        return mark(path, torn)
+        return mark(fd, path, torn)
     monkeypatch.setattr(ss.files, "mark_npy_torn", stopped_at_the_second)
     with pytest.raises(KeyboardInterrupt):
         with loading_into([first, second], checkpoint):
@@ -1661,3 +1661,109 @@ def test_an_mmap_table_too_large_to_stage_loads_from_its_own_file(rng, tmp_path,
     np.testing.assert_array_equal(table.to_numpy(), rows)
     table.close()
     np.testing.assert_array_equal(np.load(tmp_path / "table.npy"), rows)
+
+
+def test_a_load_into_an_mmap_table_whose_path_another_save_replaced_leaves_the_new_file_unmarked(
+        rng, tmp_path, monkeypatch):
+    """A load into an ``mmap`` table checked that its path still named the table's file, then
+    opened the path again to mark it. Another process's save renamed its own file to that path in
+    between: the load marked that file "a load into it stopped", never lifted the mark (the path no
+    longer named the table's file), and the next run refused a file nobody had torn."""
+    checkpoint = tmp_path / "ckpt.npy"
+    saved = rng.standard_normal((40, 8), dtype=np.float32)
+    np.save(checkpoint, saved)
+    table_path = tmp_path / "table.npy"
+    table = ss.HostTable.from_numpy(rng.standard_normal((40, 8), dtype=np.float32), storage="mmap",
+                                    path=table_path, backend="numpy")
+    newer = rng.standard_normal((40, 8), dtype=np.float32)
+    np.save(tmp_path / "newer.npy", newer)
+    real_open = os.open
+
+    def another_save_lands_first(path, flags, *args, **kwargs):
+        if os.fspath(path) == os.fspath(table_path) and (tmp_path / "newer.npy").exists():
+            os.replace(tmp_path / "newer.npy", table_path)
+        return real_open(path, flags, *args, **kwargs)
+    monkeypatch.setattr(os, "open", another_save_lands_first)
+    table.load_from(checkpoint)
+    monkeypatch.setattr(os, "open", real_open)
+    assert not (tmp_path / "newer.npy").exists()  # the save did land where the mark was to be written
+    np.testing.assert_array_equal(table.to_numpy(), saved)
+    np.testing.assert_array_equal(np.load(table_path), newer)  # neither marked nor changed
+    table.close()
+
+
+def test_loads_into_one_mmap_file_from_two_processes_take_turns_so_its_mark_tells_the_truth(rng, tmp_path):
+    """Two processes map one ``.npy`` file and each loads a checkpoint into it. The load that
+    finished first lifted the file's torn mark while the other was still writing; killed then,
+    that one left the file part one checkpoint's rows, part the other's, and unmarked: the next
+    run trained on the mix. Now loads into one file take turns (a lock on the file, which a
+    killed holder lets go of), so the second load waits and then writes every row."""
+    import signal
+    import threading
+    path = tmp_path / "table.npy"
+    table = ss.HostTable.from_numpy(rng.standard_normal((64, 8), dtype=np.float32), storage="mmap", path=path,
+                                    backend="numpy")
+    ours, theirs = rng.standard_normal((2, 64, 8), dtype=np.float32)
+    np.save(tmp_path / "ours.npy", ours)
+    np.save(tmp_path / "theirs.npy", theirs)
+    to_child, from_child = os.pipe(), os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other process, the table's map shared with this one: no return into pytest
+        try:
+            from speedswap.files import tables as tables_module
+
+            def halting(staged, target, **kwargs):
+                rows = target.load_target().numpy()
+                rows[:32] = theirs[:32]
+                os.write(from_child[1], b"1")
+                os.read(to_child[0], 1)
+                rows[32:48] = theirs[32:48]
+                os.write(from_child[1], b"2")
+                os.read(to_child[0], 1)  # killed here, before the rest
+            tables_module.StagedRows.commit = halting
+            table.load_from(tmp_path / "theirs.npy")
+        finally:
+            os._exit(1)
+    try:
+        assert os.read(from_child[0], 1) == b"1"  # its load marked the file and wrote half the rows
+        ours_done = threading.Thread(target=table.load_from, args=(tmp_path / "ours.npy",))
+        ours_done.start()
+        ours_done.join(2.0)  # done at once, where loads into one file do not take turns
+        os.write(to_child[1], b"g")
+        assert os.read(from_child[0], 1) == b"2"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    ours_done.join(60)
+    assert not ours_done.is_alive()
+    np.testing.assert_array_equal(np.load(path), ours)  # whole, and unmarked
+    np.testing.assert_array_equal(table.to_numpy(), ours)
+    table.close()
+
+
+def test_a_mark_whose_sync_fails_is_lifted_again_and_nothing_is_loaded(rng, tmp_path, monkeypatch):
+    """The fsync of a load's torn mark failed (an I/O error) after the mark was written: the load
+    was refused, rightly, with the table's rows unchanged, but the mark stayed on the file, and
+    the next run refused a file no load had touched."""
+    checkpoint = tmp_path / "ckpt.npy"
+    np.save(checkpoint, rng.standard_normal((40, 8), dtype=np.float32))
+    rows = rng.standard_normal((40, 8), dtype=np.float32)
+    table_path = tmp_path / "table.npy"
+    table = ss.HostTable.from_numpy(rows, storage="mmap", path=table_path, backend="numpy")
+    ours = (os.stat(table_path).st_dev, os.stat(table_path).st_ino)
+    real_fsync = os.fsync
+    failed = []
+
+    def failing_once(fd):
+        if not failed and (os.fstat(fd).st_dev, os.fstat(fd).st_ino) == ours:
+            failed.append(fd)
+            raise OSError(errno.EIO, "Input/output error")
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", failing_once)
+    with pytest.raises(ss.PathError) as raised:
+        table.load_from(checkpoint)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert failed and raised.value.errno == errno.EIO
+    np.testing.assert_array_equal(table.to_numpy(), rows)
+    table.close()
+    np.testing.assert_array_equal(np.load(table_path), rows)  # no mark left behind

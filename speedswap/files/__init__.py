@@ -20,8 +20,8 @@ either, bfloat16 and all-or-nothing staging included.
 from .base import (H5_SUFFIXES, NPY_SUFFIXES, TableHeader, check_matches, file_format, identity,
                    mapped_identity, row_ranges, suffix_format)
 from .h5 import open_h5, read_before_replacing, read_h5_header, read_h5_into, write_h5
-from .npy import (check_size, create_npy_memmap, map_npy, mark_npy_torn, npy_data_bytes, open_npy_memmap,
-                  read_npy_header, read_npy_into, write_npy)
+from .npy import (check_size, create_npy_memmap, is_npy_torn, map_npy, mark_npy_torn, npy_data_bytes,
+                  open_npy_memmap, read_npy_header, read_npy_into, write_npy)
 from .tables import (StagedRows, check_table_matches, check_table_shape, read_table, read_table_header,
                      save_table, stage_table, stored_dtype)
 
@@ -35,6 +35,7 @@ __all__ = [
     "read_npy_header",
     "map_npy",
     "open_npy_memmap",
+    "is_npy_torn",
     "mark_npy_torn",
     "create_npy_memmap",
     "npy_data_bytes",

@@ -17,7 +17,7 @@ from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
 
 __all__ = ["read_npy_header", "check_size", "map_npy", "open_npy_memmap", "npy_data_bytes", "create_npy_memmap",
-           "read_npy_into", "read_npy_rows", "write_npy", "mark_npy_torn"]
+           "read_npy_into", "read_npy_rows", "write_npy", "is_npy_torn", "mark_npy_torn"]
 
 #: Held while numpy parses a header. It parses with ast.literal_eval, and CPython 3.11's AST
 #: constructor counts its recursion depth per interpreter, not per thread: two threads parsing
@@ -32,8 +32,29 @@ TORN_MAGIC = b"\x93TORNY"
 _NPY_MAGIC = np.lib.format.MAGIC_PREFIX
 
 
-def mark_npy_torn(path, torn: bool) -> Optional[bool]:
-    """Mark the ``.npy`` file at ``path`` as rewritten in place (``torn``), or lift the mark.
+def is_npy_torn(fd: int, path) -> Optional[bool]:
+    """Whether the ``.npy`` file open as ``fd`` carries the mark :func:`mark_npy_torn` writes.
+
+    Args:
+        fd: the file, open for reading.
+        path: its path, for messages.
+
+    Returns:
+        bool, or None for a file with no ``.npy`` header (a bare ``np.memmap``
+        adopted as a table), which is never marked.
+
+    Raises:
+        PathError: the file cannot be read (``errno`` says why).
+    """
+    try:
+        head = os.pread(fd, len(TORN_MAGIC), 0)
+    except OSError as exc:
+        raise saving_error(path, exc) from exc
+    return None if head not in (_NPY_MAGIC, TORN_MAGIC) else head == TORN_MAGIC
+
+
+def mark_npy_torn(fd: int, path, torn: bool) -> None:
+    """Mark the ``.npy`` file open as ``fd`` as rewritten in place (``torn``), or lift the mark.
 
     A load writes an ``mmap`` table's rows into its file in place: stopped
     midway (Ctrl-C, a crash, the power lost), the file holds part the load's
@@ -42,38 +63,24 @@ def mark_npy_torn(path, torn: bool) -> Optional[bool]:
     :func:`read_npy_header` (numpy takes it for no ``.npy`` file at all) until
     a load completes and lifts the mark. The mark is on disk when this
     returns (``fsync``), so lifted after the rows were flushed it never
-    calls rows whole that are not.
+    calls rows whole that are not. Written through the descriptor the load
+    holds (:func:`~speedswap.atomic.rewriting_in_place`), never by path: the
+    path may name another file by now.
 
     Args:
-        path: the file a table maps.
+        fd: the file, open read-write; one :func:`is_npy_torn` found a ``.npy`` header in.
+        path: its path, for messages.
         torn: True to mark it, False to lift the mark.
 
-    Returns:
-        whether the file carried the mark before (a stop while marking lifts
-        only the marks it made: the others tell of an earlier stopped load),
-        or None for a file with no ``.npy`` header (a bare ``np.memmap``
-        adopted as a table), which is left as it is.
-
     Raises:
-        PathError: the file cannot be opened or written (``errno`` says why).
+        PathError: the file cannot be written (``errno`` says why); the mark
+            may or may not have been written.
     """
     try:
-        fd = os.open(path, os.O_RDWR)
+        os.pwrite(fd, TORN_MAGIC if torn else _NPY_MAGIC, 0)
+        os.fsync(fd)
     except OSError as exc:
         raise saving_error(path, exc) from exc
-    try:
-        head = os.pread(fd, len(TORN_MAGIC), 0)
-        if head not in (_NPY_MAGIC, TORN_MAGIC):
-            return None
-        wanted = TORN_MAGIC if torn else _NPY_MAGIC
-        if head != wanted:
-            os.pwrite(fd, wanted, 0)
-            os.fsync(fd)
-        return head == TORN_MAGIC
-    except OSError as exc:
-        raise saving_error(path, exc) from exc
-    finally:
-        os.close(fd)
 
 
 def read_npy_header(path):
