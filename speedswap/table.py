@@ -1274,7 +1274,8 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
         path: the file or checkpoint read (``"state_dict"`` for a state dict's tensors), for the messages.
 
     Raises:
-        PathError: a table's file cannot be marked (nothing was written).
+        PathError: a table's file cannot be marked (nothing was written; a
+            note names any mark that could not be lifted again).
     """
     tables = list(tables)
     # A load from a table's own file writes back the rows it holds: stopped, it leaves them
@@ -1300,9 +1301,8 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
                 if not was_marked:
                     newly_marked.append((file_path, fd))  # before its write: one stopped midway is undone too
                     files.mark_npy_torn(fd, file_path, True)
-        except BaseException:
-            for file_path, fd in newly_marked:  # nothing was written yet
-                files.mark_npy_torn(fd, file_path, False)
+        except BaseException as exc:
+            _lift_marks(newly_marked, exc)  # nothing was written yet
             raise
         for table in tables:
             table._torn = None
@@ -1325,3 +1325,19 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
                 exc.add_note(f"speedswap: {why}.")
             raise
 
+
+def _lift_marks(marks, stopped: BaseException) -> None:
+    """Lift the torn marks ``marks`` (path, descriptor) that a load made before ``stopped`` stopped it.
+
+    Every one is tried, and ``stopped`` stays the error the user sees: a mark
+    that cannot be lifted (an I/O error) is a note on it (Python 3.11+).
+    """
+    for file_path, fd in marks:
+        try:
+            files.mark_npy_torn(fd, file_path, False)
+        except Exception as failed:
+            if hasattr(stopped, "add_note"):
+                stopped.add_note(f"speedswap: {os.fspath(file_path)!r} was marked for the load, and the mark "
+                                 f"could not be lifted again ({failed}): its rows are whole, but it is refused "
+                                 f"as a file a load stopped in until a load into it completes; load into it "
+                                 f"again")

@@ -1692,6 +1692,51 @@ def test_a_load_into_an_mmap_table_whose_path_another_save_replaced_leaves_the_n
     table.close()
 
 
+def test_a_mark_that_cannot_be_lifted_after_a_stopped_marking_leaves_the_first_cause_raised(
+        rng, tmp_path, monkeypatch):
+    """A load into three ``mmap`` tables stopped (Ctrl-C) while it marked the third file; lifting
+    the mark it had put on the first then failed (an I/O error). The user saw that PathError,
+    "could not save", not the Ctrl-C, and the second file kept a mark no load had earned. Now
+    every mark is tried, the Ctrl-C is what is raised, and a note names the file still marked."""
+    from speedswap.files.npy import TORN_MAGIC
+    from speedswap.table import loading_into
+    checkpoint = tmp_path / "ckpt.npy"
+    np.save(checkpoint, rng.standard_normal((40, 8), dtype=np.float32))
+    rows = {name: rng.standard_normal((40, 8), dtype=np.float32) for name in ("a", "b", "c")}
+    tables = [ss.HostTable.from_numpy(values, storage="mmap", path=tmp_path / f"{name}.npy", backend="numpy")
+              for name, values in rows.items()]
+    names = {(os.stat(tmp_path / f"{name}.npy").st_dev, os.stat(tmp_path / f"{name}.npy").st_ino): name
+             for name in rows}
+    marks = []  # the files in the order the load marked them
+    real_pwrite = os.pwrite
+
+    def failing(fd, data, offset):
+        stat = os.fstat(fd)
+        name = names.get((stat.st_dev, stat.st_ino))
+        if name is not None and data == TORN_MAGIC:
+            marks.append(name)
+            if len(marks) == 3:
+                raise KeyboardInterrupt
+        elif name is not None and marks and name == marks[0]:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_pwrite(fd, data, offset)
+    monkeypatch.setattr(os, "pwrite", failing)
+    with pytest.raises(KeyboardInterrupt) as raised:
+        with loading_into(tables, checkpoint):
+            pytest.fail("no row is written before every file is marked")
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    first, second, third = marks
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert f"{first}.npy" in notes and "could not be lifted" in notes
+    with pytest.raises(ss.FileFormatError, match="a load into it stopped"):
+        ss.HostTable.load(tmp_path / f"{first}.npy", mmap=True, backend="numpy")
+    for name in (second, third):  # lifted, and never marked
+        np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), rows[name], err_msg=name)
+    for table, values in zip(tables, rows.values()):  # nothing was written: the tables train on
+        np.testing.assert_array_equal(table.to_numpy(), values)
+        table.close()
+
+
 def test_loads_into_one_mmap_file_from_two_processes_take_turns_so_its_mark_tells_the_truth(rng, tmp_path):
     """Two processes map one ``.npy`` file and each loads a checkpoint into it. The load that
     finished first lifted the file's torn mark while the other was still writing; killed then,
