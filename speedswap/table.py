@@ -411,7 +411,7 @@ class HostTable:
         if mmap:
             check_storage("mmap", path)
             backend = get_backend(backend, device)
-            array = files.open_npy_memmap(path)
+            array = files.open_npy_memmap(path, header=header)  # the file the header describes
             return cls(backend.adopt(array, "mmap", header.table_dtype), backend, path)
         if storage == "mmap":
             raise OptionError("to use the file itself as the table pass mmap=True; "

@@ -123,14 +123,14 @@ def test_an_npy_file_truncated_as_it_is_mapped_is_refused_not_grown_with_zeros(v
     path = tmp_path / "t.npy"
     np.save(path, values)
     size = os.path.getsize(path)
-    checked = files.npy.read_npy_header
+    checked = files.tables.read_npy_header  # the header HostTable.load maps the file by
 
     def truncated_after_the_check(*args):  # as another process truncating the file just then
         header = checked(*args)
         os.truncate(path, size // 2)
         return header
 
-    monkeypatch.setattr(files.npy, "read_npy_header", truncated_after_the_check)
+    monkeypatch.setattr(files.tables, "read_npy_header", truncated_after_the_check)
     with pytest.raises(ss.FileFormatError, match="truncated"):
         ss.HostTable.load(path, mmap=True, backend="numpy")
     assert os.path.getsize(path) == size // 2  # the file as it was left, not grown back with zeros

@@ -1812,3 +1812,45 @@ def test_a_mark_whose_sync_fails_is_lifted_again_and_nothing_is_loaded(rng, tmp_
     np.testing.assert_array_equal(table.to_numpy(), rows)
     table.close()
     np.testing.assert_array_equal(np.load(table_path), rows)  # no mark left behind
+
+
+@pytest.mark.parametrize("how, suffix", [("load", ".npy"), ("load", ".h5"), ("load_from", ".npy"),
+                                         ("load_from", ".h5"), ("mmap", ".npy")])
+def test_a_table_file_replaced_between_its_header_and_its_rows_loads_nothing(rng, tmp_path, monkeypatch, how,
+                                                                              suffix):
+    """A file read for its header, then opened again by path for its rows, was replaced in between
+    by another save to that path (a rename), of another dtype: the rows of the new file were read
+    by the old file's header (float64 bytes as float32 numbers) and loaded without a word. Now the
+    rows must come from the file the header was read from, unchanged, or nothing is loaded."""
+    from speedswap.files import tables as tables_module
+    path = tmp_path / f"table{suffix}"
+    rows = rng.standard_normal((40, 8), dtype=np.float32)
+    other = rng.standard_normal((40, 8))  # float64: another table saved to the same path
+
+    def write(array, target):
+        if suffix == ".npy":
+            np.save(target, array)
+        else:
+            with h5py.File(target, "w") as f:  # another tool's file: no CRC-32 to catch the swap
+                f["table"] = array
+    write(rows, path)
+    reader = "read_npy_header" if suffix == ".npy" else "read_h5_header"
+    read_header = getattr(tables_module, reader)
+
+    def replaced_after_the_header(*args):
+        header = read_header(*args)
+        write(other, tmp_path / f"new{suffix}")
+        os.replace(tmp_path / f"new{suffix}", path)
+        return header
+    before = rng.standard_normal((40, 8), dtype=np.float32)
+    table = ss.HostTable.from_numpy(before, backend="numpy")
+    monkeypatch.setattr(tables_module, reader, replaced_after_the_header)
+    with pytest.raises(ss.FileFormatError, match="was changed or replaced since it was verified"):
+        if how == "load":
+            ss.HostTable.load(path, backend="numpy")
+        elif how == "mmap":
+            ss.HostTable.load(path, mmap=True, backend="numpy")
+        else:
+            table.load_from(path)
+    np.testing.assert_array_equal(table.to_numpy(), before)
+    table.close()

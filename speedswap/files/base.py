@@ -35,6 +35,7 @@ __all__ = [
     "identity",
     "file_version",
     "changed_error",
+    "check_version",
     "mapped_identity",
     "CHUNK_BYTES",
     "crc32_of",
@@ -83,6 +84,11 @@ class TableHeader:
             in an HDF5 attribute or a checkpoint's manifest.
         crc32: the CRC-32 of the stored bytes, where the file records one (the
             datasets of a speedswap HDF5 checkpoint); a read verifies it.
+        version: the :func:`file_version` of the file the header was read from,
+            as it was open for that read. A read of the rows opens the path
+            again, and must find that very file, unchanged
+            (:func:`check_version`): a save renamed to the path meanwhile
+            would have its rows read by another file's header.
     """
 
     shape: tuple
@@ -90,6 +96,7 @@ class TableHeader:
     offset: int = 0
     table_dtype: Optional[torch.dtype] = None
     crc32: Optional[int] = None
+    version: Optional[tuple] = None
 
 
 def check_dtype(dtype, path):
@@ -134,6 +141,24 @@ def changed_error(path) -> FileFormatError:
     return FileFormatError(f"{os.fspath(path)!r} was changed or replaced since it was verified (a "
                            f"save to it, or another writer?); nothing was loaded from it: load it again "
                            f"once the writer is done (do not save to a file while it is loaded)")
+
+
+def check_version(header: TableHeader, fd: int, path, *, unchanged: bool = True) -> None:
+    """Raise :func:`changed_error` unless the file open as ``fd`` is the one ``header`` was read from, unchanged.
+
+    Args:
+        header: the file's header (one with no ``version`` passes).
+        fd: the file opened again to read its rows.
+        path: its path, for the message.
+        unchanged: also refuse a write to it since (its size or times changed). False
+            for a map, which shares its rows with whoever writes them (another
+            process's ``mmap`` table): only which file it is matters.
+    """
+    if header.version is None:
+        return
+    now = file_version(os.fstat(fd))
+    if (now != header.version) if unchanged else (now[:2] != header.version[:2]):
+        raise changed_error(path)
 
 
 def mapped_identity(address) -> Optional[tuple]:

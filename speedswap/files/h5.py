@@ -93,6 +93,7 @@ def read_h5_header(path, dataset):
         _check_filters(data, path, dataset)
         table_dtype = data.attrs.get(_TABLE_DTYPE_ATTR)
         crc32 = data.attrs.get(_CRC32_ATTR)
+        version = file_version(os.fstat(f.id.get_vfd_handle()))  # the file open_h5 verified
     check_dtype(np.dtype(dtype), path)
     if table_dtype is None:
         table_dtype = table_dtype_of(np.dtype(dtype))
@@ -112,7 +113,7 @@ def read_h5_header(path, dataset):
             raise FileFormatError(f"{path!r}: {dataset!r} has {_CRC32_ATTR}={crc32!r}, not the CRC-32 "
                                   f"speedswap records; the file is damaged or not speedswap's: delete "
                                   f"the attribute to read it unverified") from None
-    return TableHeader(tuple(shape), np.dtype(dtype), table_dtype=table_dtype, crc32=crc32)
+    return TableHeader(tuple(shape), np.dtype(dtype), table_dtype=table_dtype, crc32=crc32, version=version)
 
 
 def _check_filters(data, path, dataset) -> None:
@@ -253,11 +254,13 @@ def read_h5_into(path, out, dataset, header=None, crc32: bool = False) -> Option
         that CRC-32, or None without ``crc32``.
 
     Raises:
-        FileFormatError: the dataset's shape or dtype differ from ``out``'s, or a chunk cannot be read.
+        FileFormatError: the dataset's shape or dtype differ from ``out``'s, a chunk cannot be read,
+            or the file was changed or replaced since ``header`` was read from it.
     """
     header = header or read_h5_header(path, dataset)
     check_matches(header, out.shape, out.dtype, path)
     with open_h5(path) as f:
+        base.check_version(header, f.id.get_vfd_handle(), path)
         data = f[dataset]
 
         def chunks():

@@ -107,6 +107,7 @@ def read_npy_header(path):
     except OSError as exc:
         raise opening_error(path, exc, ".npy file") from exc
     with f:
+        opened = os.fstat(f.fileno())  # before the reads: a write after it shows in the version
         try:
             torn = f.read(len(TORN_MAGIC)) == TORN_MAGIC
             f.seek(0)
@@ -141,8 +142,8 @@ def read_npy_header(path):
     if any(dim < 0 for dim in shape):
         raise FileFormatError(f"{path!r} has a corrupt header: its shape {shape} has a negative "
                               f"dimension; restore the file or write it again with numpy.save")
-    header = TableHeader(tuple(shape), dtype, offset, table_dtype_of(dtype))
-    expected, actual = _file_bytes(header), os.path.getsize(path)
+    header = TableHeader(tuple(shape), dtype, offset, table_dtype_of(dtype), version=base.file_version(opened))
+    expected, actual = _file_bytes(header), opened.st_size
     if actual != expected:
         kind = "truncated" if actual < expected else "longer than its header says"
         raise FileFormatError(f"{path!r} is {kind}: its header describes {shape} {dtype} "
@@ -206,12 +207,14 @@ def map_npy(path, header: "TableHeader", mode: str, shape=None) -> np.memmap:
         numpy.memmap
 
     Raises:
-        FileFormatError: the file is shorter than its header says.
+        FileFormatError: the file is shorter than its header says, or ``path``
+            names another file than the one ``header`` was read from.
         OSError: the file cannot be opened or mapped as asked.
     """
     path = os.fspath(path)  # as a str the map's filename is the path's, which readers open again
     need = _file_bytes(header)
     with open(path, "r+b" if mode == "r+" else "rb") as f:
+        base.check_version(header, f.fileno(), path, unchanged=False)  # its size is checked here
         size = os.fstat(f.fileno()).st_size
         if size < need:
             raise FileFormatError(f"{path!r} is {size:,} bytes but its header needs {need:,}: it was "
@@ -220,23 +223,26 @@ def map_npy(path, header: "TableHeader", mode: str, shape=None) -> np.memmap:
                          shape=header.shape if shape is None else shape, order="C")
 
 
-def open_npy_memmap(path, writable=True):
+def open_npy_memmap(path, writable=True, header: Optional[TableHeader] = None):
     """Memory-map a validated ``.npy`` file.
 
     Args:
         path: the file.
         writable: map read-write (changes write through to the file).
+        header: its :func:`read_npy_header`, if read already: the file mapped
+            must be the one it was read from, unchanged.
 
     Returns:
         numpy.memmap
 
     Raises:
         FileFormatError: the file holds its numbers byte-swapped (big-endian),
-            which torch cannot view where they lie, or it was truncated as it was mapped.
+            which torch cannot view where they lie, it was truncated as it was mapped,
+            or it was changed or replaced since ``header`` was read from it.
         PathError: the file cannot be opened as asked (read-write on a
             read-only file or file system); ``errno`` says why.
     """
-    header = read_npy_header(path)
+    header = header or read_npy_header(path)
     if not header.dtype.isnative:
         raise FileFormatError(f"{os.fspath(path)!r} holds {header.dtype.str} numbers, stored in the other "
                               f"byte order (a big-endian file), which torch cannot view where they lie: "
@@ -357,12 +363,14 @@ def read_npy_into(path, out, header=None):
     swaps the bytes there when the file holds them in the other order.
 
     Raises:
-        FileFormatError: the file's shape or dtype differ from ``out``'s.
+        FileFormatError: the file's shape or dtype differ from ``out``'s, or it was
+            changed or replaced since ``header`` was read from it.
     """
     header = header or read_npy_header(path)
     check_matches(header, out.shape, out.dtype, path)
     try:
         with open(path, "rb") as f:
+            base.check_version(header, f.fileno(), path)
             f.seek(header.offset)
             _read_exactly(f, memoryview(out.reshape(-1).view(np.uint8)), path)
     except OSError as exc:

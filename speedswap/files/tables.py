@@ -15,8 +15,8 @@ import torch
 from ..atomic import one_save_at_a_time
 from ..convert import torch_dtype
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
-from .base import (TableHeader, changed_error, crc32_behind, crc32_of, file_format, file_version, native_dtype,
-                   reading_error, row_ranges)
+from .base import (TableHeader, changed_error, check_version, crc32_behind, crc32_of, file_format, file_version,
+                   native_dtype, reading_error, row_ranges)
 from .h5 import (dataset_names, normal_dataset_name, open_h5, read_before_replacing, read_h5_header, read_h5_into,
                  write_h5)
 from .npy import read_npy_header, read_npy_into, read_npy_rows, write_npy
@@ -155,6 +155,9 @@ def _check_no_other_datasets(path, dataset) -> None:
 def _file_chunks(path, header, dataset, ranges, version=None):
     """Yield ``(start, stop, numpy rows)`` of a validated table file, chunk by chunk, in this machine's byte order.
 
+    The file opened must be the one ``header`` was read from, unchanged
+    (:func:`~speedswap.files.base.check_version`).
+
     Args:
         version: when given, the file opened must still be the one of this
             :func:`~speedswap.files.base.file_version`, or nothing is read (the
@@ -168,12 +171,14 @@ def _file_chunks(path, header, dataset, ranges, version=None):
         if file_format(path) == "npy":
             # Read, not mapped: a file truncated while it is read raises instead of SIGBUS.
             with open(path, "rb") as f:
+                check_version(header, f.fileno(), path)
                 if version is not None and file_version(os.fstat(f.fileno())) != version:
                     raise changed_error(path)
                 for start, stop in ranges:
                     yield start, stop, _native(read_npy_rows(f, header, start, stop, path))
             return
         with open_h5(path) as f:
+            check_version(header, f.id.get_vfd_handle(), path)
             if version is not None and file_version(os.fstat(f.id.get_vfd_handle())) != version:
                 raise changed_error(path)
             for start, stop in ranges:
