@@ -35,7 +35,7 @@ from .mappings import mapped_for_writing
 __all__ = ["PathLike", "as_path", "atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries",
            "check_writable_dir", "check_readable_file", "check_regular_file", "opening_error", "saving_error",
            "open_into", "fsync_dir", "sync_new_name", "drop_cache", "locked", "one_save_at_a_time",
-           "rewriting_in_place"]
+           "rewriting_in_place", "rewrite_under_way"]
 
 #: What a path argument takes: a str, an ``os.PathLike`` (``pathlib.Path``) or bytes (:func:`as_path`).
 PathLike = Union[str, bytes, os.PathLike]
@@ -732,3 +732,27 @@ def rewriting_in_place(path, identity: tuple) -> Iterator[Optional[int]]:
                     _FLOCKED.pop(opened[0], None)  # not yet recorded where an interrupt came as it was opened
                 finally:
                     os.close(opened[0])
+
+
+def rewrite_under_way(fd: int) -> bool:
+    """Whether a load holds the turn of the file open as ``fd`` now (:func:`rewriting_in_place`), on this host.
+
+    Tells a file a load is writing from one a stopped load left: both carry
+    the torn mark. False where ``flock`` is not to be had.
+
+    Args:
+        fd: the file, open for reading.
+
+    Returns:
+        bool
+    """
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no flock (ENOLCK)
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)  # on the open file: a fork meanwhile keeps no lock
+    return False

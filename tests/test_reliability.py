@@ -1854,3 +1854,21 @@ def test_a_table_file_replaced_between_its_header_and_its_rows_loads_nothing(rng
             table.load_from(path)
     np.testing.assert_array_equal(table.to_numpy(), before)
     table.close()
+
+
+def test_a_file_a_load_is_writing_says_so_not_that_a_load_stopped(rng, tmp_path):
+    """Opened while another process loaded a checkpoint into it, an ``mmap`` table's file was
+    refused as one a load had stopped in ("... or delete the file"): advice that, followed, deletes
+    a file a live load is writing. Now a file whose load holds its turn says a load is under way."""
+    from speedswap.table import loading_into
+    checkpoint = tmp_path / "ckpt.npy"
+    np.save(checkpoint, rng.standard_normal((40, 8), dtype=np.float32))
+    path = tmp_path / "table.npy"
+    table = ss.HostTable.from_numpy(rng.standard_normal((40, 8), dtype=np.float32), storage="mmap", path=path,
+                                    backend="numpy")
+    with loading_into([table], checkpoint):  # as the load of another process: its turn, on its own descriptor
+        with pytest.raises(ss.FileFormatError, match="a load into it is under way") as raised:
+            ss.HostTable.load(path, mmap=True, backend="numpy")
+        assert "delete" not in str(raised.value)
+    table.close()
+    np.load(path)  # the load completed: whole, unmarked

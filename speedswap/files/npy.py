@@ -10,8 +10,8 @@ from typing import Optional
 
 import numpy as np
 
-from ..atomic import (as_path, atomic_output, check_regular_file, check_writable_dir, opening_error, saving_error,
-                      sync_new_name, temp_path)
+from ..atomic import (as_path, atomic_output, check_regular_file, check_writable_dir, opening_error,
+                      rewrite_under_way, saving_error, sync_new_name, temp_path)
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
@@ -93,9 +93,11 @@ def read_npy_header(path):
         TableHeader
 
     Raises:
-        FileFormatError: not a ``.npy`` file, Fortran order, object or record
-            dtype, a negative dimension, a file shorter or longer than its
-            header says, or the header could not be read (a failing disk).
+        FileFormatError: marked as rewritten in place (:func:`mark_npy_torn`:
+            a load into it is under way, or one stopped midway), not a
+            ``.npy`` file, Fortran order, object or record dtype, a negative
+            dimension, a file shorter or longer than its header says, or the
+            header could not be read (a failing disk).
         MissingFileError: the file does not exist.
         PathError: ``path`` is a directory or another file that is not a
             regular one (a named pipe, whose open would wait for a writer),
@@ -113,6 +115,10 @@ def read_npy_header(path):
             f.seek(0)
         except OSError as exc:  # a failing disk: as for a read of the rows
             raise reading_error(path, exc) from exc
+        if torn and rewrite_under_way(f.fileno()):
+            raise FileFormatError(f"{path!r}: a load into it is under way (a process or thread of this machine "
+                                  f"is writing its rows in place, and the file says so until every row is "
+                                  f"written): open it once that load completes")
         if torn:
             raise FileFormatError(f"{path!r}: a load into it stopped before it had written every row (Ctrl-C, "
                                   f"a crash, out of memory), so it holds part the load's rows, part those "
