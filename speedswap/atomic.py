@@ -35,7 +35,7 @@ from .mappings import mapped_for_writing
 __all__ = ["PathLike", "as_path", "atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries",
            "check_writable_dir", "check_readable_file", "check_regular_file", "opening_error", "saving_error",
            "open_into", "fsync_dir", "sync_new_name", "drop_cache", "locked", "one_save_at_a_time",
-           "rewriting_in_place", "rewrite_under_way"]
+           "rewriting_in_place", "rewriting_error", "rewrite_under_way"]
 
 #: What a path argument takes: a str, an ``os.PathLike`` (``pathlib.Path``) or bytes (:func:`as_path`).
 PathLike = Union[str, bytes, os.PathLike]
@@ -198,6 +198,33 @@ def saving_error(path, exc, temporary=None) -> "PathError":
         exc.errno, "check the path")
     error = PathError(f"could not save {os.fspath(path)!r} ({reason}): {hint}. Any previous "
                       f"file at that path is intact")
+    error.errno = exc.errno
+    return error
+
+
+def rewriting_error(path, exc: OSError) -> "PathError":
+    """A :class:`PathError` naming ``path`` for an OSError met while a load rewrites that file in place.
+
+    For a load into an ``mmap`` table (:func:`rewriting_in_place`), which
+    writes the table's own file rather than saving a new one: what
+    :func:`saving_error` says (a previous file intact, save elsewhere) does
+    not hold for it.
+
+    Args:
+        path: the table's file.
+        exc: the OSError.
+
+    Returns:
+        PathError, with ``errno`` set as ``exc``'s.
+    """
+    hint = {errno.EROFS: "the file system is read-only",
+            errno.EACCES: "no permission to write the file",
+            errno.EPERM: "no permission to write the file",
+            errno.ENOSPC: "the disk is full; free space",
+            errno.EDQUOT: "the disk quota is exceeded; free space"}.get(exc.errno, "check the file")
+    error = PathError(f"a load into the mmap table over {os.fspath(path)!r} could not read or write that "
+                      f"file in place ({exc.strerror or exc}): {hint}, and load again (or load into a table whose "
+                      f"file is writable)")
     error.errno = exc.errno
     return error
 
@@ -715,7 +742,7 @@ def rewriting_in_place(path, identity: tuple) -> Iterator[Optional[int]]:
         except (FileNotFoundError, NotADirectoryError):  # removed, or a directory on the way moved
             fd = None
         except OSError as exc:
-            raise saving_error(path, exc) from exc
+            raise rewriting_error(path, exc) from exc
         if fd is not None:
             opened_file = os.fstat(fd)
             if (opened_file.st_dev, opened_file.st_ino) != tuple(identity):

@@ -1789,7 +1789,8 @@ def test_loads_into_one_mmap_file_from_two_processes_take_turns_so_its_mark_tell
 def test_a_mark_whose_sync_fails_is_lifted_again_and_nothing_is_loaded(rng, tmp_path, monkeypatch):
     """The fsync of a load's torn mark failed (an I/O error) after the mark was written: the load
     was refused, rightly, with the table's rows unchanged, but the mark stayed on the file, and
-    the next run refused a file no load had touched."""
+    the next run refused a file no load had touched. Its message said "could not save" the table's
+    file, "any previous file at that path is intact": a load saves no file."""
     checkpoint = tmp_path / "ckpt.npy"
     np.save(checkpoint, rng.standard_normal((40, 8), dtype=np.float32))
     rows = rng.standard_normal((40, 8), dtype=np.float32)
@@ -1809,6 +1810,9 @@ def test_a_mark_whose_sync_fails_is_lifted_again_and_nothing_is_loaded(rng, tmp_
         table.load_from(checkpoint)
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert failed and raised.value.errno == errno.EIO
+    message = str(raised.value)
+    assert "could not save" not in message and "previous file" not in message, message
+    assert f"load into the mmap table over {str(table_path)!r}" in message and "load again" in message, message
     np.testing.assert_array_equal(table.to_numpy(), rows)
     table.close()
     np.testing.assert_array_equal(np.load(table_path), rows)  # no mark left behind

@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from ..atomic import (as_path, atomic_output, check_regular_file, check_writable_dir, opening_error,
-                      rewrite_under_way, saving_error, sync_new_name, temp_path)
+                      rewrite_under_way, rewriting_error, saving_error, sync_new_name, temp_path)
 from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
@@ -49,7 +49,7 @@ def is_npy_torn(fd: int, path) -> Optional[bool]:
     try:
         head = os.pread(fd, len(TORN_MAGIC), 0)
     except OSError as exc:
-        raise saving_error(path, exc) from exc
+        raise rewriting_error(path, exc) from exc
     return None if head not in (_NPY_MAGIC, TORN_MAGIC) else head == TORN_MAGIC
 
 
@@ -80,7 +80,7 @@ def mark_npy_torn(fd: int, path, torn: bool) -> None:
         os.pwrite(fd, TORN_MAGIC if torn else _NPY_MAGIC, 0)
         os.fsync(fd)
     except OSError as exc:
-        raise saving_error(path, exc) from exc
+        raise rewriting_error(path, exc) from exc
 
 
 def read_npy_header(path):
