@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap.data.orders import BlockOrder, RandomOrder, SequentialOrder, make_order, shard
+from speedswap.data.orders import BlockOrder, Order, RandomOrder, SequentialOrder, make_order, shard
 
 ORDERS = ["random", "block", "sequential"]
 
@@ -1228,3 +1228,18 @@ def test_uint64_ids_are_refused_saying_how_to_convert_them(rng, kind):
     # What the message advises keeps every id.
     feeder = ss.BatchFeeder(ids.astype(np.int64), batch_size=16, order="sequential", device="cpu")
     np.testing.assert_array_equal(torch.cat([batch for (batch,) in feeder]).numpy().astype(np.uint64), ids)
+
+
+def test_an_order_of_another_class_is_refused_naming_the_orders_a_feeder_takes(rng):
+    """Order's docstring invited subclasses ("set name and implement indices"), which the feeder
+    refused saying only "or an order object"; it now names the three it takes and what to do."""
+    class Reversed(Order):
+        name = "reversed"
+
+        def indices(self, num_rows, seed, epoch):
+            return np.arange(num_rows)[::-1].copy()
+
+    data = rng.standard_normal((10, 3)).astype(np.float32)
+    with pytest.raises(ss.OptionError, match=r"\['RandomOrder', 'BlockOrder', 'SequentialOrder'\], got "
+                                             r"Reversed.*get\(ids\)"):
+        ss.BatchFeeder(data, batch_size=4, order=Reversed(), device="cpu")

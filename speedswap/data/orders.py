@@ -80,7 +80,10 @@ def _generator(seed, epoch):
 class Order:
     """An epoch order: which permutation of the rows each epoch reads.
 
-    Subclasses set :attr:`name` and implement :meth:`indices`. An order that
+    The base of the three orders a feeder takes (:data:`ORDERS`), which set
+    :attr:`name` and implement :meth:`indices`; a feeder refuses an order of
+    another class (:func:`make_order`), whose permutation nothing would
+    check and whose state it could not compare on resume. An order that
     visits the rows a window of contiguous blocks at a time also has
     ``block_rows`` and ``windows(num_rows, seed, epoch)`` (see
     :meth:`BlockOrder.windows`): the feeder then reads a file source in whole
@@ -277,8 +280,10 @@ def make_order(order, row_bytes, num_rows):
                               f"or pass an order object such as BlockOrder(block_rows=4096)")
         order = ORDERS[order]()
     if not isinstance(order, tuple(ORDERS.values())):
-        raise OptionError(f"order must be one of {sorted(ORDERS)} or an order object, "
-                          f"got {type(order).__name__}")
+        raise OptionError(f"order must be one of {sorted(ORDERS)} or an object of "
+                          f"{[cls.__name__ for cls in ORDERS.values()]}, got {type(order).__name__}: a "
+                          f"feeder takes no other order; for rows in an order of your own, read each "
+                          f"batch's ids from the source yourself (a DataGadget's get(ids))")
     if isinstance(order, (BlockOrder, SequentialOrder)):
         chosen = order.block_rows or max(1, BLOCK_BYTES // max(1, int(row_bytes)))
         capped = min(chosen, max(1, int(num_rows)))
