@@ -732,6 +732,10 @@ def rewriting_in_place(path, identity: tuple) -> Iterator[Optional[int]]:
         the descriptor, open read-write; None where ``path`` names no file any
         more, or another one: the map alone holds that file, and no one opens it.
 
+    Warns:
+        RuntimeWarning: before it waits for another load's turn, which a hung
+            holder would keep for good.
+
     Raises:
         PathError: the file cannot be opened read-write (``errno`` says why).
     """
@@ -750,7 +754,13 @@ def rewriting_in_place(path, identity: tuple) -> Iterator[Optional[int]]:
                 fd = None
         if fd is not None and fcntl is not None:
             with contextlib.suppress(OSError):  # no flock (ENOLCK): loads do not take turns
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # said before the wait: a hung holder would keep it waiting for good
+                    warn(f"a load into {os.fspath(path)!r} waits for another one into that file to finish "
+                         f"(another process or thread mapping it holds its turn); if none is running, "
+                         f"look for a process that hangs with the file open (lsof {os.fspath(path)!r})")
+                    fcntl.flock(fd, fcntl.LOCK_EX)
         yield fd
     finally:
         if opened:  # _let_go in place: no interrupt lands before the close (see _let_go)

@@ -1786,6 +1786,27 @@ def test_loads_into_one_mmap_file_from_two_processes_take_turns_so_its_mark_tell
     table.close()
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="no flock: loads into one file do not take turns")
+def test_a_load_that_waits_for_another_ones_turn_says_so_before_it_waits(rng, tmp_path):
+    """A load into a file whose turn another load holds waits for it, without a limit: a holder
+    that hangs kept it waiting without a word. It now warns first, naming the file."""
+    import fcntl
+    import threading
+    path = tmp_path / "table.npy"
+    table = ss.HostTable.from_numpy(rng.standard_normal((64, 8), dtype=np.float32), storage="mmap", path=path,
+                                    backend="numpy")
+    checkpoint = rng.standard_normal((64, 8), dtype=np.float32)
+    np.save(tmp_path / "ckpt.npy", checkpoint)
+    holder = os.open(path, os.O_RDWR)  # another load's turn, as rewriting_in_place takes it
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    threading.Timer(0.5, os.close, args=(holder,)).start()  # closing it lets go of the turn
+    with pytest.warns(RuntimeWarning, match=f"a load into {re.escape(repr(str(path)))} waits for another"):
+        table.load_from(tmp_path / "ckpt.npy")
+    np.testing.assert_array_equal(table.to_numpy(), checkpoint)
+    table.close()
+    np.testing.assert_array_equal(np.load(path), checkpoint)
+
+
 def test_a_mark_whose_sync_fails_is_lifted_again_and_nothing_is_loaded(rng, tmp_path, monkeypatch):
     """The fsync of a load's torn mark failed (an I/O error) after the mark was written: the load
     was refused, rightly, with the table's rows unchanged, but the mark stayed on the file, and
