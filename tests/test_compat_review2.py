@@ -199,7 +199,7 @@ def test_a_write_through_a_kept_model_factory_table_is_kept_and_one_mid_step_is_
         (emb(local) * ctx).sum().backward()
         if step == written:
             before = table.owner_copy()  # the table's memory: mid-step its reads are refused too
-            with pytest.raises(ss.StateError, match="undone by after_step"):
+            with pytest.raises(ss.StateError, match="undone by afterOptimizerStep"):
                 table.scatter(torch.arange(ROWS), new_rows)
             np.testing.assert_array_equal(table.owner_copy(), before)
         opt.step()

@@ -493,7 +493,7 @@ def test_a_write_into_the_optimizer_state_in_the_middle_of_a_step_is_refused(cac
     pos, neg, ctx = batches[15]
     lpos, lneg = u.before_forward(pos, neg)
     o.before_forward(pos, neg)
-    with pytest.raises(ss.StateError, match="between before_forward and after_step"):
+    with pytest.raises(ss.StateError, match=r"between beforeForwardPass \(before_forward\) and afterOptimizerStep"):
         kept["exp_avg"].scatter([int(pos[0])], torch.full((1, DIM), 0.25))
     skipgram_loss(model["u"](lpos), model["u"](lneg), ctx).backward()
     opt.step()

@@ -106,8 +106,9 @@ def _refuse_leftover_gradient(ref, incoming):
     if untouched(steps.param.grad, left, version):
         raise StateError("a backward adds to a gradient left by the previous step, which no "
                          "zero_grad() cleared; its slots now hold other rows, so it would train "
-                         "them. Gradient accumulation across before_forward/after_step is not "
-                         "supported: call optimizer.zero_grad() before each step's backward")
+                         "them. Gradient accumulation across steps (beforeForwardPass to "
+                         "afterOptimizerStep; before_forward to after_step) is not supported: call "
+                         "optimizer.zero_grad() before each step's backward")
 
 
 class SharedSteps:
@@ -161,8 +162,9 @@ class SharedSteps:
             OptionError: the parameter's switcher of the other kind has another ``cache_rows``.
         """
         if self.busy():
-            raise StateError(f"{who} built between before_forward and after_step of this "
-                             f"parameter's switchers; build switchers between steps (before the "
+            raise StateError(f"{who} built between beforeForwardPass (before_forward) and "
+                             f"afterOptimizerStep (after_step) of this parameter's switchers; build "
+                             f"switchers between steps (before the "
                              f"first forward works for every optimizer, Rprop included: "
                              f"SpeedTorch's advice to build its OptimizerFactory after a first "
                              f"backward does not apply)")
@@ -495,9 +497,9 @@ class SharedSteps:
         """
         if self.busy() or self._finished is None or not untouched(self.param.grad, *self._finished):
             return
-        raise StateError(f"{type(optimizer).__name__}.step() after after_step with the step's gradient "
-                         f"still on the embedding (step() twice, or no zero_grad() after a step): "
-                         f"after_step wrote the step's rows back, so this step would move only the "
+        raise StateError(f"{type(optimizer).__name__}.step() after afterOptimizerStep (after_step) with "
+                         f"the step's gradient still on the embedding (step() twice, or no zero_grad() "
+                         f"after a step): afterOptimizerStep wrote the step's rows back, so this step would move only the "
                          f"slots, which hold no row now, and count one more step in the optimizer's "
                          f"state. Nothing was changed: call optimizer.zero_grad() after each step, "
                          f"and optimizer.step() once, between loss.backward() and afterOptimizerStep")
@@ -532,12 +534,12 @@ class SharedSteps:
                for group in optimizer.param_groups for p in group["params"]):
             return
         raise StateError(
-            f"after_step without {type(optimizer).__name__}.step(): this step's backward left a "
-            f"gradient on the embedding's rows that no optimizer.step() applied, so after_step would "
-            f"write them back untrained and the next before_forward would drop the gradient. Call "
-            f"optimizer.step() between loss.backward() and after_step(ids) on the switchers; to skip "
-            f"this step's update on purpose, call optimizer.zero_grad() before after_step "
-            f"(nothing was written back)")
+            f"afterOptimizerStep (after_step) without {type(optimizer).__name__}.step(): this step's "
+            f"backward left a gradient on the embedding's rows that no optimizer.step() applied, so "
+            f"afterOptimizerStep would write them back untrained and the next beforeForwardPass would "
+            f"drop the gradient. Call optimizer.step() between loss.backward() and "
+            f"afterOptimizerStep(ids) on the switchers; to skip this step's update on purpose, call "
+            f"optimizer.zero_grad() before afterOptimizerStep (nothing was written back)")
 
     def _hand_over(self, states):
         self._states = states

@@ -313,8 +313,8 @@ class Switcher(SpeedTorchFiles):
 
     def _check_idle(self, what):
         if self._steps.busy():
-            raise StateError(f"{what} between before_forward and after_step would be undone by "
-                             f"after_step; call it between steps")
+            raise StateError(f"{what} between beforeForwardPass (before_forward) and afterOptimizerStep "
+                             f"(after_step) would be undone by afterOptimizerStep; call it between steps")
 
     def _check_saving(self):
         """Raise before a save from ``optimizer.step()`` until after_step, which writes the step's rows back.
