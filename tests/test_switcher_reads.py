@@ -299,7 +299,8 @@ def test_writes_stay_refused_in_every_window_of_a_step(backend, rng, tmp_path, c
 
     def check(when):
         for name, write in writes.items():
-            with pytest.raises(ss.StateError, match=r"between beforeForwardPass \(before_forward\) and afterOptimizerStep"):
+            with pytest.raises(ss.StateError,
+                               match=r"between beforeForwardPass \(before_forward\) and afterOptimizerStep"):
                 write()
         np.testing.assert_allclose(u.getNumpyVersion(), reference.weight.detach().cpu().numpy(),
                                    rtol=1e-5, atol=1e-6, err_msg=when)

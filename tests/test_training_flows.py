@@ -501,7 +501,8 @@ def test_switchers_refuse_after_step_when_the_optimizer_did_not_step(rng, cache_
         u.before_forward(ids)
         backward(model, o.before_forward(ids), target)
         if step == 1:
-            with pytest.raises(ss.StateError, match=r"afterOptimizerStep \(after_step\) without Adam\.step\(\).*zero_grad"):
+            with pytest.raises(ss.StateError,
+                               match=r"afterOptimizerStep \(after_step\) without Adam\.step\(\).*zero_grad"):
                 first.after_step(ids)
             if late_step:  # a step placed after after_step: the first after_step was refused already
                 with pytest.raises(ss.StateError, match=r"afterOptimizerStep \(after_step\) without Adam\.step\(\)"):

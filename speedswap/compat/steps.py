@@ -499,10 +499,11 @@ class SharedSteps:
             return
         raise StateError(f"{type(optimizer).__name__}.step() after afterOptimizerStep (after_step) with "
                          f"the step's gradient still on the embedding (step() twice, or no zero_grad() "
-                         f"after a step): afterOptimizerStep wrote the step's rows back, so this step would move only the "
-                         f"slots, which hold no row now, and count one more step in the optimizer's "
-                         f"state. Nothing was changed: call optimizer.zero_grad() after each step, "
-                         f"and optimizer.step() once, between loss.backward() and afterOptimizerStep")
+                         f"after a step): afterOptimizerStep wrote the step's rows back, so this step "
+                         f"would move only the slots, which hold no row now, and count one more step in "
+                         f"the optimizer's state. Nothing was changed: call optimizer.zero_grad() after "
+                         f"each step, and optimizer.step() once, between loss.backward() and "
+                         f"afterOptimizerStep")
 
     def _check_stepped(self, step):
         """Raise when a backward of ``step`` left a gradient no optimizer.step() applied.
