@@ -10,6 +10,7 @@ runs before any row is changed. :func:`warn` is the warnings' counterpart:
 it names the user's line, not speedswap's.
 """
 
+import contextlib
 import os
 import sys
 import warnings
@@ -114,11 +115,13 @@ def warn(message: str, category: type = RuntimeWarning) -> None:
         category: the warning class.
     """
     # speedswap's hooks run inside torch (optimizer.step(), a module's call, load_state_dict):
-    # the line to show is the user's call of torch, not torch's call of the hook.
+    # the line to show is the user's call of torch, not torch's call of the hook. speedswap's
+    # context managers run inside contextlib's: its frames are skipped too.
     torch = sys.modules.get("torch")
     skipped = (_PACKAGE,) if torch is None else (
         _PACKAGE, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
     frame, level = sys._getframe(1), 2  # stacklevel 2 is warn's caller
-    while frame is not None and frame.f_code.co_filename.startswith(skipped):
+    while frame is not None and (frame.f_code.co_filename.startswith(skipped)
+                                 or frame.f_code.co_filename == contextlib.__file__):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

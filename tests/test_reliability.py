@@ -1800,8 +1800,10 @@ def test_a_load_that_waits_for_another_ones_turn_says_so_before_it_waits(rng, tm
     holder = os.open(path, os.O_RDWR)  # another load's turn, as rewriting_in_place takes it
     fcntl.flock(holder, fcntl.LOCK_EX)
     threading.Timer(0.5, os.close, args=(holder,)).start()  # closing it lets go of the turn
-    with pytest.warns(RuntimeWarning, match=f"a load into {re.escape(repr(str(path)))} waits for another"):
+    with pytest.warns(RuntimeWarning, match=f"a load into {re.escape(repr(str(path)))} waits for another") as caught:
         table.load_from(tmp_path / "ckpt.npy")
+    # At the caller's line, not inside contextlib, whose frames the load's context managers run in.
+    assert [w.filename for w in caught] == [__file__]
     np.testing.assert_array_equal(table.to_numpy(), checkpoint)
     table.close()
     np.testing.assert_array_equal(np.load(path), checkpoint)
