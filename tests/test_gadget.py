@@ -284,6 +284,8 @@ def test_file_changed_before_it_is_read(tmp_path, rng):
     (lambda: ss.DataGadget(np.arange(6, dtype=np.uint16).reshape(3, 2)), ss.DTypeError,
      r"not uint16.*BatchFeeder\(np.load\(path, mmap_mode='r'\)\)"),
     (lambda: ss.DataGadget(np.arange(6, dtype=np.uint32).reshape(3, 2)), ss.DTypeError, "BatchFeeder"),
+    # Token ids from a big-endian file were told "uint16 is not supported", without the reader that takes them.
+    (lambda: ss.DataGadget(np.arange(6, dtype=">u2").reshape(3, 2)), ss.DTypeError, r"not uint16.*BatchFeeder"),
     # Objects that hold no numbers were called "0-d" data (np.asarray makes a 0-d object array of them).
     (lambda: ss.DataGadget(None), ss.DTypeError, "the dataset is a NoneType, not numbers"),
     (lambda: ss.DataGadget({"x": [1.0, 2.0]}), ss.DTypeError, "is a dict, not numbers"),

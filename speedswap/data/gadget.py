@@ -635,7 +635,8 @@ def _unmappable(path, dtype, why) -> DTypeError:
 
 def _refuse_token_ids(dtype):
     """Refuse uint16/uint32 rows, the widths token ids come in, naming the reader that takes them."""
-    name = str(dtype).replace("torch.", "")
+    # Named in this machine's byte order: a big-endian file's '>u2' holds token ids as much as 'uint16' does.
+    name = dtype.newbyteorder("=").name if isinstance(dtype, np.dtype) else str(dtype).replace("torch.", "")
     if name in ("uint16", "uint32"):
         raise DTypeError(f"DataGadget holds table dtypes, not {name}; for token ids of that width "
                          f"use BatchFeeder(np.load(path, mmap_mode='r')), which reads them as they "
