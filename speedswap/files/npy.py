@@ -83,11 +83,15 @@ def mark_npy_torn(fd: int, path, torn: bool) -> None:
         raise rewriting_error(path, exc) from exc
 
 
-def read_npy_header(path):
+def read_npy_header(path, exact_size: bool = True):
     """Read and validate the header of a ``.npy`` file.
 
     Args:
         path: the file.
+        exact_size: refuse a file that holds other than the rows its header
+            describes; False for a reader that checks each row it reads (a
+            feeder's pread), to which rows appended or cut later are its own
+            matter.
 
     Returns:
         TableHeader
@@ -96,7 +100,8 @@ def read_npy_header(path):
         FileFormatError: marked as rewritten in place (:func:`mark_npy_torn`:
             a load into it is under way, or one stopped midway), not a
             ``.npy`` file, Fortran order, object or record dtype, a negative
-            dimension, a file shorter or longer than its header says, or the
+            dimension, a file shorter or longer than its header says (with
+            ``exact_size``), or the
             header could not be read (a failing disk).
         MissingFileError: the file does not exist.
         PathError: ``path`` is a directory or another file that is not a
@@ -111,6 +116,11 @@ def read_npy_header(path):
     with f:
         opened = os.fstat(f.fileno())  # before the reads: a write after it shows in the version
         try:
+            # No read-ahead for a few header bytes: it would cache rows nobody asked for, and mark
+            # them to read ahead further for whoever reads them next (a feeder's random reads then
+            # fill the page cache its drop-behind keeps empty).
+            with contextlib.suppress(AttributeError, OSError):  # no fadvise here (macOS): only advice
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             torn = f.read(len(TORN_MAGIC)) == TORN_MAGIC
             f.seek(0)
         except OSError as exc:  # a failing disk: as for a read of the rows
@@ -150,7 +160,7 @@ def read_npy_header(path):
                               f"dimension; restore the file or write it again with numpy.save")
     header = TableHeader(tuple(shape), dtype, offset, table_dtype_of(dtype), version=base.file_version(opened))
     expected, actual = _file_bytes(header), opened.st_size
-    if actual != expected:
+    if exact_size and actual != expected:
         kind = "truncated" if actual < expected else "longer than its header says"
         raise FileFormatError(f"{path!r} is {kind}: its header describes {shape} {dtype} "
                               f"({expected} bytes) but the file has {actual} bytes")
