@@ -1667,3 +1667,30 @@ def test_a_loop_over_a_file_continued_in_a_forked_process_raises_and_a_new_loop_
     np.testing.assert_array_equal(np.sort(np.concatenate([ids for ids, _ in batches])), np.arange(n))
     for ids, rows in batches:
         np.testing.assert_array_equal(rows, data[ids])
+
+
+def test_a_file_rewritten_in_place_with_another_header_between_loops_is_refused_not_fed_shifted(tmp_path, rng):
+    # The next loop read the rows where the old header had put them: bytes of the new, longer header
+    # came out as rows (1e-19s), and every row after straddled two.
+    path = tmp_path / "x.npy"
+    n = 256
+    data = rng.standard_normal((n, 4)).astype(np.float32)
+    source = write(path, data)
+    os.utime(path, ns=(time.time_ns() - 3600 * 10**9,) * 2)  # written long ago (see the tests above)
+    feeder = ss.BatchFeeder(np.arange(n), source, batch_size=32, device="cpu")
+    for ids, rows in feeder:
+        np.testing.assert_array_equal(rows.numpy(), data[ids.numpy()])
+    _rewrite_rows_in_place(path, -data)  # same header: the next loop reads the new values
+    for ids, rows in feeder:
+        np.testing.assert_array_equal(rows.numpy(), -data[ids.numpy()])
+    descr = "{'descr': '<f4', 'fortran_order': False, 'shape': (%d, 4), }" % n
+    header = descr.ljust(source.offset + 64 - 10 - 1) + "\n"  # rows 64 bytes (4 rows) further on
+    with open(path, "r+b") as f:
+        f.write(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode() + (2 * data).tobytes())
+    np.testing.assert_array_equal(np.load(path), 2 * data)
+    with pytest.raises(ss.FileFormatError, match=rf"rewritten in place with another .npy header.*at byte "
+                                                 rf"{source.offset}, the file now at byte {source.offset + 64}"):
+        next(iter(feeder))
+    fresh = ss.BatchFeeder(np.arange(n), np.load(path, mmap_mode="r"), batch_size=32, device="cpu")
+    for ids, rows in fresh:  # what the message says to do
+        np.testing.assert_array_equal(rows.numpy(), 2 * data[ids.numpy()])

@@ -829,9 +829,14 @@ class BatchFeeder:
 
         Raises:
             StateError: as :meth:`_check_tables`.
+            FileFormatError: a mapped ``.npy`` file rewritten in place with
+                another header (:meth:`FileRows.check_layout`).
         """
         self._check_tables()
         replaced = [k for k, file in self._files.items() if file.replaced()]
+        for k, file in self._files.items():
+            if k not in replaced:  # a replaced file's map holds the old file, whose header the map read
+                file.check_layout()
         for k in replaced:
             warn(f"{self._files.pop(k).path!r} was replaced or removed after it was memory-mapped "
                  f"(or this system cannot show which file a map holds); the feeder reads the "

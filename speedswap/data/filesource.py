@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from ..atomic import open_into, opening_error
-from ..files import identity, mapped_identity
-from ..errors import FileFormatError, StateError, ThreadStartError
+from ..files import identity, mapped_identity, read_npy_header
+from ..errors import FileFormatError, SpeedswapError, StateError, ThreadStartError
 
 __all__ = ["FileRows", "WindowReader", "RowReader", "window_rows"]
 
@@ -57,13 +57,41 @@ class FileRows:
         identity: ``(st_dev, st_ino)`` of the file the rows are mapped from,
             or None when it cannot be known: then pread, which could read
             another file, is never used (:meth:`replaced` is True).
+        layout: where the ``.npy`` file's header put its rows, and as what
+            (:func:`_layout`), when the map was made; None for a file without
+            a ``.npy`` header (a raw memmap).
     """
 
-    def __init__(self, path, offset, num_rows, row_shape, dtype, identity):
+    def __init__(self, path, offset, num_rows, row_shape, dtype, identity, layout=None):
         self.path, self.offset, self.num_rows = path, int(offset), int(num_rows)
         self.row_shape, self.dtype = tuple(row_shape), dtype
         self.row_bytes = int(np.prod(row_shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
         self.identity = identity
+        self.layout = layout
+
+    def check_layout(self) -> None:
+        """Refuse a ``.npy`` file rewritten in place with another header since it was mapped.
+
+        The map (and the array the user holds) still places the rows where
+        the old header did: read through it or with pread, a row would be
+        bytes of the new header or straddle two rows. Rewrites that keep the
+        header (new values, same layout) are read as the file now holds them.
+
+        Raises:
+            FileFormatError: the header now puts the rows elsewhere or makes
+                them of another dtype or shape, or the file is no ``.npy``
+                file any more or is being loaded into (its mark says so).
+        """
+        if self.layout is None:
+            return
+        now = _layout(read_npy_header(self.path, exact_size=False))
+        if now != self.layout:
+            offset, dtype, row_shape = self.layout
+            raise FileFormatError(
+                f"{self.path!r} was rewritten in place with another .npy header since it was mapped: the "
+                f"map puts its rows of {dtype} {row_shape} at byte {offset}, the file now at byte "
+                f"{now[0]} as {now[1]} {now[2]}, so the mapped rows are no longer the file's rows; map "
+                f"it again (np.load(path, mmap_mode='r')) and build a new BatchFeeder over it")
 
     def replaced(self) -> bool:
         """Whether pread of the path might not read the mapped file.
@@ -106,8 +134,17 @@ class FileRows:
         base = np.frombuffer(handle, dtype=np.uint8).ctypes.data
         start = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
         offset = start + array.ctypes.data - base
+        try:
+            layout = _layout(read_npy_header(array.filename, exact_size=False))
+        except SpeedswapError:  # a raw file, or none at the path now: nothing to hold the map to
+            layout = None
         return cls(array.filename, offset, len(array), tensor.shape[1:], tensor.dtype,
-                   mapped_identity(array.ctypes.data))
+                   mapped_identity(array.ctypes.data), layout)
+
+
+def _layout(header) -> tuple:
+    """``(offset, dtype, row shape)`` of a ``.npy`` header: where its rows begin and what each is."""
+    return header.offset, header.dtype, tuple(header.shape[1:])
 
 
 def _version(stat) -> tuple:
