@@ -401,7 +401,10 @@ class BatchFeeder:
     once the file system's timestamp tick is over: at most 10 ms, or 2 s where
     times are whole seconds; no later write then keeps the time).
     A file replaced by a rename is not mixed in: the map keeps the old one.
-    A feeder's rows are those its sources had when it was built: rows
+    One rewritten in place between loops is read as it is now, unless its
+    new ``.npy`` header moved the rows or changed their dtype or shape: the
+    next loop then raises :class:`~speedswap.FileFormatError` (the map's
+    rows are no longer the file's). A feeder's rows are those its sources had when it was built: rows
     appended to a file later (which the loop reading it also raises for)
     are read only by a new feeder over a new ``np.load(path, mmap_mode="r")``.
     The reads run on I/O threads: where none can start (the thread limit, the
