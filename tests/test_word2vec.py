@@ -440,9 +440,10 @@ def test_corpus_errors_say_what_is_wrong(tmp_path):
 
 def test_similarity_and_analogy_files_read_as_gensim_reads_them(tmp_path):
     (tmp_path / "ws.tsv").write_text("# Word 1\tWord 2\tHuman (mean)\nTiger\tcat\t7.35\nking\tqueen\t8.58\n")
-    assert evaluate.read_word_pairs(tmp_path / "ws.tsv") == [("tiger", "cat", 7.35), ("king", "queen", 8.58)]
+    # As written: the scoring compares words upper-cased, as gensim does.
+    assert evaluate.read_word_pairs(tmp_path / "ws.tsv") == [("Tiger", "cat", 7.35), ("king", "queen", 8.58)]
     (tmp_path / "q.txt").write_text(": capital-common-countries\nAthens Greece Baghdad Iraq\n: family\nboy girl he she\n")
-    assert evaluate.read_analogies(tmp_path / "q.txt") == [("athens", "greece", "baghdad", "iraq"),
+    assert evaluate.read_analogies(tmp_path / "q.txt") == [("Athens", "Greece", "Baghdad", "Iraq"),
                                                           ("boy", "girl", "he", "she")]
     (tmp_path / "bad.tsv").write_text("tiger cat\n")
     with pytest.raises(ss.FileFormatError, match="bad.tsv:1: expected"):
@@ -518,6 +519,26 @@ def test_analogies_count_a_words_other_spellings_as_gensim_does(rng):
     assert (score.value, score.used) == pytest.approx(_gensim_analogy_accuracy(vectors, words, questions))
     assert evaluate.analogy_accuracy(vectors, words, questions[:2]).value == 1.0
 
+
+
+def test_test_set_words_whose_lower_case_does_not_upper_case_back_are_scored_as_gensim_scores_them(tmp_path, rng):
+    """Turkish "İ" lower-cases to "i" and a combining dot, which upper-case to "I" and the dot: the
+    readers lower-cased, so "İstanbul" and "İzmir" of the files were out of the vocabulary that
+    holds them, where gensim (which upper-cases the words as written) scores them."""
+    words = ["İstanbul", "Türkiye", "Paris", "Fransa", "İzmir", "Lyon"] + [f"w{i}" for i in range(30)]
+    vectors = rng.standard_normal((len(words), 8))
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    row = {word: i for i, word in enumerate(words)}
+    vectors[row["Fransa"]] = vectors[row["Türkiye"]] - vectors[row["İstanbul"]] + vectors[row["Paris"]]
+    (tmp_path / "q.txt").write_text(": capitals\nİstanbul Türkiye Paris Fransa\nİzmir İstanbul Lyon Paris\n"
+                                    ": others\nw1 w2 w3 w4\n", encoding="utf-8")
+    questions = evaluate.read_analogies(tmp_path / "q.txt")
+    score = evaluate.analogy_accuracy(vectors, words, questions)
+    assert (score.value, score.used) == pytest.approx(_gensim_analogy_accuracy(vectors, words, questions))
+    assert score.used == 3
+    assert evaluate.analogy_accuracy(vectors, words, questions[:1]).value == 1.0  # the planted answer
+    (tmp_path / "ws.tsv").write_text("İstanbul\tİzmir\t8\nParis\tLyon\t7\nw1\tw2\t1\n", encoding="utf-8")
+    assert evaluate.word_similarity(vectors, words, evaluate.read_word_pairs(tmp_path / "ws.tsv")).used == 3
 
 def test_read_only_vectors_are_scored_as_writable_ones_without_a_warning(rng):
     """A GPU table's to_numpy() and a file opened read-only give read-only float32 arrays, which

@@ -91,6 +91,9 @@ def _lines(path: os.PathLike):
 def read_word_pairs(path: os.PathLike) -> list:
     """``[(word1, word2, score), ...]`` of a word-similarity file (tab- or space-separated).
 
+    The words are kept as written: the scoring compares them upper-cased, as
+    gensim does (lower-casing first would lose letters, see :func:`read_analogies`).
+
     Raises:
         FileFormatError: a line that is not two words and a number or not UTF-8, or no pairs at all.
         MissingFileError: nothing at ``path``.
@@ -99,7 +102,7 @@ def read_word_pairs(path: os.PathLike) -> list:
     for number, line in _lines(path):
         fields = line.split("\t") if "\t" in line else line.split()
         try:
-            pairs.append((fields[0].lower(), fields[1].lower(), float(fields[2])))
+            pairs.append((fields[0], fields[1], float(fields[2])))
         except (IndexError, ValueError):
             raise ss.FileFormatError(f"{os.fspath(path)}:{number}: expected 'word1<TAB>word2<TAB>score' "
                                      f"(WordSim353's format), got {line[:80]!r}") from None
@@ -109,7 +112,13 @@ def read_word_pairs(path: os.PathLike) -> list:
 
 
 def read_analogies(path: os.PathLike) -> list:
-    """``[(a, b, c, d), ...]`` of an analogy file (questions-words.txt's format), lower-cased.
+    """``[(a, b, c, d), ...]`` of an analogy file (questions-words.txt's format), words as written.
+
+    The scoring compares words upper-cased, as gensim does. Lower-casing them
+    here would lose what upper-casing keeps: Turkish ``"İstanbul"`` lower-cases
+    to an ``i`` and a combining dot (U+0307), which upper-case to ``"I"`` and
+    the dot, not back to ``"İ"``, so a question with it would be out of the
+    vocabulary where gensim scores it.
 
     Raises:
         FileFormatError: a question that is not four words, a line that is not UTF-8, or no
@@ -120,7 +129,7 @@ def read_analogies(path: os.PathLike) -> list:
     for number, line in _lines(path):
         if line.startswith(":"):
             continue  # a section header
-        words = line.lower().split()
+        words = line.split()
         if len(words) != 4:
             raise ss.FileFormatError(f"{os.fspath(path)}:{number}: an analogy is four words "
                                      f"'a b c d' (a is to b as c is to d), got {line[:80]!r}")
