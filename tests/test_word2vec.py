@@ -34,6 +34,19 @@ def test_synthetic_corpus_plants_topics_with_zipf_frequencies(seed):
     assert corpus.counts[:20].mean() > 5 * corpus.counts[200:220].mean()
 
 
+
+@pytest.mark.parametrize("tokens, doc_len", [(1_020, 50), (10, 50), (99, 50), (1_000, 50), (7, 3)])
+def test_a_synthetic_corpus_has_the_length_asked_its_last_document_shorter(tokens, doc_len, seed):
+    """tokens=1,020 gave 1,000 tokens and tokens=10 gave 50: whole documents of doc_len only."""
+    corpus = synthetic_corpus(vocab=40, topics=4, tokens=tokens, doc_len=doc_len, background=0.0, seed=seed)
+    assert corpus.tokens.shape == (tokens,) and corpus.counts.sum() == tokens
+    np.testing.assert_array_equal(corpus.doc_starts, np.arange(0, tokens, doc_len))
+    for doc in np.split(corpus.tokens, corpus.doc_starts[1:]):  # each document inside one topic
+        assert (corpus.topics[doc] == corpus.topics[doc[0]]).all()
+    whole = synthetic_corpus(vocab=40, topics=4, tokens=-(-tokens // doc_len) * doc_len, doc_len=doc_len,
+                             background=0.0, seed=seed)
+    np.testing.assert_array_equal(corpus.tokens, whole.tokens[:tokens])  # the same draws, cut
+
 def test_a_synthetic_corpus_whose_topics_outnumber_some_words_fills_every_document(seed):
     """60 words over 50 topics leaves some topics without words: their documents went unfilled
     (np.empty garbage as word ids); now documents go to topics that have words."""

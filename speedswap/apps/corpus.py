@@ -79,7 +79,8 @@ def synthetic_corpus(vocab: int, topics: int, tokens: int, *, doc_len: int = 50,
         vocab: number of word ids (the embedding tables' rows).
         topics: number of planted topics.
         tokens: corpus length.
-        doc_len: tokens per document.
+        doc_len: tokens per document (the last one is shorter when ``tokens``
+            is not a multiple of it).
         background: share of tokens drawn regardless of the document's topic.
         zipf: the frequency exponent.
         seed: for reproducible corpora.
@@ -110,7 +111,7 @@ def synthetic_corpus(vocab: int, topics: int, tokens: int, *, doc_len: int = 50,
     rng = np.random.default_rng(seed)
     topic_of = rng.integers(0, topics, vocab)
     weight = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** zipf
-    num_docs = max(1, tokens // doc_len)
+    num_docs = -(-tokens // doc_len)
     doc_topic = rng.integers(0, topics, num_docs)
     # A topic the random assignment gave no word has no documents either: the others take them
     # (each document is filled from its topic's words, so an empty topic would leave it unfilled).
@@ -129,7 +130,8 @@ def synthetic_corpus(vocab: int, topics: int, tokens: int, *, doc_len: int = 50,
     noise = rng.random(ids.shape) < background
     cdf = np.cumsum(weight)
     ids[noise] = np.searchsorted(cdf, rng.random(int(noise.sum())) * cdf[-1])
-    ids = ids.ravel()
+    # Whole documents are drawn (so a multiple of doc_len gives the corpus it always gave), then cut.
+    ids = ids.ravel()[:tokens]
     return Corpus(tokens=ids, doc_starts=np.arange(0, len(ids), doc_len, dtype=np.int64),
                   counts=np.bincount(ids, minlength=vocab).astype(np.int64), topics=topic_of)
 
