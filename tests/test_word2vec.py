@@ -6,6 +6,7 @@ import errno
 import functools
 import io
 import os
+import re
 import stat
 import threading
 import tracemalloc
@@ -565,6 +566,20 @@ def test_read_only_vectors_are_scored_as_writable_ones_without_a_warning(rng):
         warnings.simplefilter("error")
         score = evaluate.analogy_accuracy(frozen, words, questions)
     assert (score.value, score.used) == pytest.approx(_gensim_analogy_accuracy(vectors, words, questions))
+
+
+@pytest.mark.parametrize("question", [("man", "woman", "king"), ("man", "woman", "king", "queen", "prince"),
+                                      "man woman king queen"])
+def test_analogy_questions_that_are_not_four_words_are_refused_not_scored_as_others(question, rng):
+    """Ids of three- or five-word questions were reshaped into rows of four: four three-word
+    questions scored as three other questions, four five-word ones as five (used > total), and a
+    question given as one string was out of the vocabulary (its letters looked up)."""
+    words = ["man", "woman", "king", "queen", "prince"]
+    vectors = rng.standard_normal((5, 3))
+    with pytest.raises(ss.ShapeError, match=r"four words \(a, b, c, d\).*got " + re.escape(repr(question))):
+        evaluate.analogy_accuracy(vectors, words, [question] * 4)
+    with pytest.raises(ss.ShapeError, match=r"\(word1, word2, score\), got \('man', 'woman'\)"):
+        evaluate.word_similarity(vectors, words, [("man", "king", 1.0), ("man", "woman")])
 
 @pytest.mark.parametrize("rows", [3, 6])
 def test_evaluation_refuses_vectors_without_one_row_per_word(rows, rng):

@@ -157,6 +157,14 @@ def _check_rows(vectors, words: Sequence[str]) -> None:
                             f"in the same order")
 
 
+def _check_items(items: Sequence[tuple], length: int, what: str, reader: str) -> None:
+    """Raise unless every item has ``length`` fields: a question of three words or five scored as four
+    (its ids reshaped into rows of four) silently scored other questions than those given."""
+    bad = next((item for item in items if len(item) != length), None)
+    if bad is not None:
+        raise ss.ShapeError(f"each item is {what}, got {bad!r}; {reader} reads such items from a file")
+
+
 def _index(words: Sequence[str], limit: int) -> dict:
     """The row of each upper-cased word among the first ``limit``: gensim's case-insensitive vocabulary.
 
@@ -190,9 +198,10 @@ def word_similarity(vectors: np.ndarray, words: Sequence[str], pairs: Sequence[t
         Score (``value`` is NaN when fewer than two pairs are in the vocabulary).
 
     Raises:
-        ShapeError: ``vectors`` is not ``(len(words), dim)``.
+        ShapeError: ``vectors`` is not ``(len(words), dim)``, or a pair is not three fields.
     """
     _check_rows(vectors, words)
+    _check_items(pairs, 3, "(word1, word2, score)", "read_word_pairs")
     index = _index(words, RESTRICT_VOCAB)
     known = [(index[a.upper()], index[b.upper()], s) for a, b, s in pairs
              if a.upper() in index and b.upper() in index]
@@ -219,10 +228,11 @@ def analogy_accuracy(vectors: np.ndarray, words: Sequence[str], questions: Seque
         Score (``value`` is NaN when no question is in the vocabulary).
 
     Raises:
-        ShapeError: ``vectors`` is not ``(len(words), dim)``.
+        ShapeError: ``vectors`` is not ``(len(words), dim)``, or a question is not four words.
         OptionError: ``batch`` is not a positive int.
     """
     _check_rows(vectors, words)
+    _check_items(questions, 4, "four words (a, b, c, d): a is to b as c is to d", "read_analogies")
     batch = convert.int_option(batch, "batch", hint=" (questions per matrix product)")
     index = _index(words, RESTRICT_VOCAB)
     known = np.array([[index[w.upper()] for w in q] for q in questions if all(w.upper() in index for w in q)],
