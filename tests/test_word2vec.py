@@ -480,6 +480,21 @@ def test_word_similarity_is_spearmans_rho_over_known_pairs(rng):
     assert (score.used, score.total) == (len(pairs), len(pairs) + 1)
 
 
+
+def test_similarity_scores_given_as_text_are_ranked_as_numbers(rng):
+    """Scores from a csv reader are strings: they were ranked as strings, "10" below "9"."""
+    words = [f"w{i}" for i in range(12)]
+    vectors = rng.standard_normal((12, 4))
+    pairs = [(f"w{a}", f"w{b}", float(rng.integers(0, 12))) for a, b in rng.integers(0, 12, (30, 2)) if a != b]
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    cosine = np.array([unit[int(a[1:])] @ unit[int(b[1:])] for a, b, _ in pairs])
+    human = np.array([s for *_, s in pairs])
+    ranks = [np.array([(x < v).sum() + ((x == v).sum() - 1) / 2 for v in x]) for x in (cosine, human)]
+    expected = np.corrcoef(*ranks)[0, 1]  # Spearman: Pearson of the average ranks
+    text = [(a, b, f"{s:g}") for a, b, s in pairs]
+    assert evaluate.word_similarity(vectors, words, text).value == pytest.approx(expected, abs=1e-6)
+    assert evaluate.word_similarity(vectors, words, pairs).value == pytest.approx(expected, abs=1e-6)
+
 def test_analogies_are_solved_by_3cosadd_excluding_the_question_words():
     # Two directions: "royal" (x) and "female" (y); the answer to man:woman::king:? is queen.
     words = ["man", "woman", "king", "queen", "prince"]

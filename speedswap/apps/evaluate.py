@@ -192,13 +192,15 @@ def word_similarity(vectors: np.ndarray, words: Sequence[str], pairs: Sequence[t
     Args:
         vectors: ``(vocab, dim)`` vectors, rows in ``words`` order (most frequent first).
         words: the vocabulary.
-        pairs: ``(word1, word2, score)`` from :func:`read_word_pairs`.
+        pairs: ``(word1, word2, score)`` from :func:`read_word_pairs` (a score may
+            also be the text of a number).
 
     Returns:
         Score (``value`` is NaN when fewer than two pairs are in the vocabulary).
 
     Raises:
         ShapeError: ``vectors`` is not ``(len(words), dim)``, or a pair is not three fields.
+        ValueError: a score that is not a number.
     """
     _check_rows(vectors, words)
     _check_items(pairs, 3, "(word1, word2, score)", "read_word_pairs")
@@ -210,7 +212,8 @@ def word_similarity(vectors: np.ndarray, words: Sequence[str], pairs: Sequence[t
     unit = _unit(vectors)
     a, b, human = (np.array(column) for column in zip(*known))
     cosine = (unit[a] * unit[b]).sum(1).numpy().astype(np.float64)
-    value = float(np.corrcoef(_ranks(cosine), _ranks(human))[0, 1])
+    # As numbers: scores given as text (a csv reader's) were ranked as text, "10" before "9".
+    value = float(np.corrcoef(_ranks(cosine), _ranks(human.astype(np.float64)))[0, 1])
     return Score(value, len(known), len(pairs))
 
 
