@@ -442,6 +442,28 @@ def test_topic_purity_needs_planted_topics_and_enough_frequent_words(tmp_path, r
         word2vec.topic_purity(rng.standard_normal((100, 4)), short)
 
 
+
+def test_files_that_start_with_a_byte_order_mark_read_as_without_it(tmp_path, rng):
+    """Windows editors start UTF-8 files with a byte-order mark: it became part of the corpus's first
+    word ("\\ufeffthe", a word of its own), hid the test sets' first "#" comment or ": section" header
+    (refused as a malformed pair or question), and was part of a first pair's word."""
+    words = ["the", "cat", "sat", "on", "mat"]
+    text = "\n".join(" ".join(rng.choice(words, 8)) for _ in range(20)) + "\n"
+    files = {"corpus": text, "ws": "# Word 1\tWord 2\tHuman (mean)\ncat\tmat\t7.5\n", "ws2": "cat\tmat\t7.5\n",
+             "q": ": family\nthe cat sat on\n", "q2": "the cat sat on\n"}
+    for name, content in files.items():
+        (tmp_path / name).write_text(content, encoding="utf-8")
+        (tmp_path / f"{name}.bom").write_text(content, encoding="utf-8-sig")
+        assert (tmp_path / f"{name}.bom").read_bytes()[:3] == b"\xef\xbb\xbf"
+    plain, marked = (read_text_corpus(tmp_path / name) for name in ("corpus", "corpus.bom"))
+    assert marked.words == plain.words and all(w in words for w in marked.words)
+    np.testing.assert_array_equal(marked.tokens, plain.tokens)
+    np.testing.assert_array_equal(marked.counts, plain.counts)
+    for name in ("ws", "ws2"):
+        assert evaluate.read_word_pairs(tmp_path / f"{name}.bom") == [("cat", "mat", 7.5)]
+    for name in ("q", "q2"):
+        assert evaluate.read_analogies(tmp_path / f"{name}.bom") == [("the", "cat", "sat", "on")]
+
 def test_corpus_errors_say_what_is_wrong(tmp_path):
     (tmp_path / "empty").write_text("\n \n")
     with pytest.raises(ss.FileFormatError, match="no words"):

@@ -163,7 +163,8 @@ def read_text_corpus(path: os.PathLike, vocab: Optional[int] = None, *, min_coun
     _check_positive(min_count=min_count, **({} if vocab is None else {"vocab": vocab}))
     name = check_readable_file(path, "corpus file")
     try:
-        with open(name, encoding="utf-8") as f:
+        # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first word.
+        with open(name, encoding="utf-8-sig") as f:
             seen, tokens, line_starts = _read_words(f)
     except UnicodeDecodeError as exc:
         raise _not_utf8(name, exc) from None

@@ -79,7 +79,8 @@ def _lines(path: os.PathLike):
     with open(name, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8").strip()
+                # A byte-order mark (Windows editors write one) would hide the first line's "#" or ":".
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8").strip()
             except UnicodeDecodeError as exc:
                 raise ss.FileFormatError(f"{name}:{number}: not UTF-8 ({exc.reason} at byte {exc.start} of "
                                          f"the line: {raw[:80]!r}); the test sets are UTF-8: convert the "
