@@ -5,6 +5,7 @@ import dataclasses
 import errno
 import functools
 import io
+import math
 import os
 import re
 import stat
@@ -79,6 +80,48 @@ def test_subsampling_keeps_rare_words_and_thins_frequent_ones():
     keep = keep_probabilities(counts, threshold=1e-3)
     assert keep[0] < 0.1 and keep[2] == 1.0 and keep[3] == 1.0
 
+
+
+def test_subsampling_is_word2vecs_formula():
+    """word2vec.c keeps an occurrence with probability (sqrt(cn / (sample * train_words)) + 1) *
+    (sample * train_words) / cn, capped at 1 (gensim: the same with its threshold_count)."""
+    counts = np.array([1_000_000, 54_321, 1_000, 77, 10, 1])
+    sample, train_words = 1e-4, counts.sum()
+    expected = [min(1.0, (math.sqrt(cn / (sample * train_words)) + 1) * (sample * train_words) / cn)
+                for cn in counts.tolist()]
+    np.testing.assert_allclose(keep_probabilities(counts, threshold=sample), expected, rtol=1e-12)
+    assert (keep_probabilities(counts, threshold=0.0) == 1.0).all()  # 0: keep every word
+
+
+def test_subsampling_and_the_dynamic_window_draw_their_distributions(rng):
+    """Each token is kept with its probability, and each kept centre's reach is uniform in
+    1..window, so a centre has a context d kept tokens away with probability (window - d + 1) / window.
+
+    Positions are the words, so the pairs say which tokens were kept (a kept token always pairs with
+    the next kept one) and how far apart they were. Each count is a sum of independent Bernoulli
+    draws; Hoeffding's bound P(|k/n - p| >= t) <= 2 exp(-2 n t**2) at t = sqrt(log(2e10) / (2 n))
+    makes each of the 2 + 2 * window checks fail with probability below 1e-10, all of them below 1e-9.
+    """
+    n, window = 200_000, 4
+    keep = np.where(np.arange(n) % 2 == 0, 0.3, 0.8)  # two keep rates, interleaved
+    centres, contexts = skipgram_pairs(np.arange(n), np.zeros(n, np.int64), keep, window, rng)
+
+    def bound(trials):
+        return math.sqrt(math.log(2e10) / (2 * trials))
+
+    kept = np.unique(np.concatenate([centres, contexts]))
+    for parity, p in ((0, 0.3), (1, 0.8)):
+        share = np.isin(np.arange(parity, n, 2), kept).mean()
+        assert abs(share - p) < bound(n // 2), (parity, share, p)
+    rank = np.full(n, -1)
+    rank[kept] = np.arange(len(kept))
+    offset = rank[contexts] - rank[centres]
+    assert (np.abs(offset) >= 1).all() and (np.abs(offset) <= window).all()
+    for d in range(1, window + 1):
+        trials = len(kept) - d  # centres with a kept token d further on (or d back)
+        for direction in (1, -1):
+            share = (offset == direction * d).sum() / trials
+            assert abs(share - (window - d + 1) / window) < bound(trials), (direction * d, share)
 
 @pytest.mark.parametrize("vocab", [3, 20_000, 300_000])
 @pytest.mark.parametrize("slice_", [1 << 20, 4099])  # one slice; many, the last one short
