@@ -547,7 +547,8 @@ def test_word_similarity_is_spearmans_rho_over_known_pairs(rng):
 
 
 def test_similarity_scores_given_as_text_are_ranked_as_numbers(rng):
-    """Scores from a csv reader are strings: they were ranked as strings, "10" below "9"."""
+    """Scores from a csv reader are strings: they were ranked as strings, "10" below "9"; a score
+    that is not a number was ranked among them too, and NaN as a tie of its own."""
     words = [f"w{i}" for i in range(12)]
     vectors = rng.standard_normal((12, 4))
     pairs = [(f"w{a}", f"w{b}", float(rng.integers(0, 12))) for a, b in rng.integers(0, 12, (30, 2)) if a != b]
@@ -559,6 +560,9 @@ def test_similarity_scores_given_as_text_are_ranked_as_numbers(rng):
     text = [(a, b, f"{s:g}") for a, b, s in pairs]
     assert evaluate.word_similarity(vectors, words, text).value == pytest.approx(expected, abs=1e-6)
     assert evaluate.word_similarity(vectors, words, pairs).value == pytest.approx(expected, abs=1e-6)
+    for score in ("high", None, float("nan")):  # ranked among the others, or a raw error: now a clear one
+        with pytest.raises(ss.DTypeError, match=f"a pair's score is a finite number.*got {score!r}"):
+            evaluate.word_similarity(vectors, words, text + [("w1", "w2", score)])
 
 def test_analogies_are_solved_by_3cosadd_excluding_the_question_words():
     # Two directions: "royal" (x) and "female" (y); the answer to man:woman::king:? is queen.

@@ -166,6 +166,14 @@ def _check_items(items: Sequence[tuple], length: int, what: str, reader: str) ->
         raise ss.ShapeError(f"each item is {what}, got {bad!r}; {reader} reads such items from a file")
 
 
+def _is_finite_number(value) -> bool:
+    """Whether ``value`` is a finite number or the text of one (``float`` takes it)."""
+    try:
+        return bool(np.isfinite(float(value)))
+    except (TypeError, ValueError):
+        return False
+
+
 def _index(words: Sequence[str], limit: int) -> dict:
     """The row of each upper-cased word among the first ``limit``: gensim's case-insensitive vocabulary.
 
@@ -201,7 +209,7 @@ def word_similarity(vectors: np.ndarray, words: Sequence[str], pairs: Sequence[t
 
     Raises:
         ShapeError: ``vectors`` is not ``(len(words), dim)``, or a pair is not three fields.
-        ValueError: a score that is not a number.
+        DTypeError: a score of a pair in the vocabulary that is not a finite number.
     """
     _check_rows(vectors, words)
     _check_items(pairs, 3, "(word1, word2, score)", "read_word_pairs")
@@ -210,6 +218,11 @@ def word_similarity(vectors: np.ndarray, words: Sequence[str], pairs: Sequence[t
              if a.upper() in index and b.upper() in index]
     if len(known) < 2:
         return Score(float("nan"), len(known), len(pairs))
+    bad = [score for *_, score in known if not _is_finite_number(score)]
+    if bad:
+        # None and NaN would rank as a tie of their own, and other text cannot be ranked with numbers.
+        raise ss.DTypeError(f"a pair's score is a finite number, or the text of one; got {bad[0]!r}: read the "
+                            f"pairs with read_word_pairs, or give (word1, word2, score) with numeric scores")
     unit = _unit(vectors)
     a, b, human = (np.array(column) for column in zip(*known))
     cosine = (unit[a] * unit[b]).sum(1).numpy().astype(np.float64)
