@@ -385,13 +385,17 @@ def test_a_save_to_another_path_on_each_rank_fails_and_keeps_the_earlier_checkpo
 def test_a_path_one_rank_cannot_use_is_refused_on_every_rank_in_the_first_message(mismatched_calls):
     """Rank 1's save(None) raised after the save's first message: rank 0 waited in the next one until
     the gloo timeout (a RuntimeError, the group broken). Its load(None) raised before the first
-    message, and rank 0's load met rank 1's next forward instead."""
+    message, and rank 0's load met rank 1's next forward instead. Rank 1's load(None) against rank 0's
+    load of a .npy was named a mismatch of calls, not the failure it is."""
     out, _ = mismatched_calls
     results = reported(out, "nopath")
     for error in results[1]["errors"]:
         assert "path must be a str" in error["DTypeError"]
     for error, what in zip(results[0]["errors"], ("save", "load")):
         assert f"{what}() failed on rank(s) [1]" in error["StateError"]
+    # Rank 0 loading a .npy met rank 1's refused load, which counts as a checkpoint's: the failure comes
+    # first (it read "the ranks made different calls at once ... call discard_step()").
+    assert results[0]["errors"][2]["StateError"].startswith("rank(s) [1] failed (their own errors say why)")
     assert all(r["unchanged"] and r["kept"] for r in results)
 
 

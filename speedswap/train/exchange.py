@@ -199,8 +199,9 @@ class Exchange:
 
         Raises:
             ``error`` itself on the rank that met it. On the others (on every
-            rank for the rest), StateError: ranks that make different calls,
-            ranks that failed, ranks whose ``config`` differs, or, with
+            rank for the rest), StateError, naming the first cause of these
+            that holds: ranks that failed, ranks that make different calls,
+            ranks whose ``config`` differs, or, with
             ``expected``, a rank that would send another a number of rows it
             does not expect.
         """
@@ -218,6 +219,19 @@ class Exchange:
         if error is not None:
             raise error
         calls = [row[0] for row in table]
+        made = "; ".join(f"rank {rank}: {CALLS[c]}" for rank, c in enumerate(calls))
+        # A rank's failure first: its own error is the cause, and it may be why its call differs (a load
+        # refused before it could tell a whole-table .npy from a checkpoint reports the latter).
+        failed = [rank for rank, row in enumerate(table) if row[1]]
+        if failed and len(set(calls)) > 1:
+            raise StateError(f"rank(s) {failed} failed (their own errors say why), and the ranks made "
+                             f"different calls at once ({made}); every rank stopped before changing a "
+                             f"row: mend the failed rank(s)' input, and make the same calls in the same "
+                             f"order on every rank")
+        if failed:
+            raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why); "
+                             f"every rank stopped before changing a row, so it can be retried "
+                             f"with good input on all ranks")
         if set(calls) == {TRAIN_FORWARD, EVAL_FORWARD}:
             trains = [rank for rank, c in enumerate(calls) if c == TRAIN_FORWARD]
             evals = [rank for rank, c in enumerate(calls) if c == EVAL_FORWARD]
@@ -225,7 +239,6 @@ class Exchange:
                              f"under torch.no_grad() on rank(s) {evals}; every rank must make the "
                              f"same call (the same model.train()/eval() and grad mode). No row changed")
         if len(set(calls)) > 1:
-            made = "; ".join(f"rank {rank}: {CALLS[c]}" for rank, c in enumerate(calls))
             raise StateError(f"the ranks made different calls at once ({made}). Every rank must "
                              f"make the same calls in the same order, as DDP needs: every forward, "
                              f"every exchange_gradients() and optimizer.step() (a step skipped on "
@@ -233,11 +246,6 @@ class Exchange:
                              f"torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler does), "
                              f"every save() and load(). No row changed; call discard_step() on every "
                              f"rank to drop the step under way, then train on")
-        failed = [rank for rank, row in enumerate(table) if row[1]]
-        if failed:
-            raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why); "
-                             f"every rank stopped before changing a row, so it can be retried "
-                             f"with good input on all ranks")
         configs = [row[3:3 + len(config)] for row in table]
         if any(c != configs[0] for c in configs):
             ranks = "; ".join(f"rank {rank}: {describe(c)}" for rank, c in enumerate(configs))
