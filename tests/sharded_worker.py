@@ -642,24 +642,45 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"mixedsd.rank{rank}.json"), "w") as f:
             json.dump({"error": error, "unchanged": unchanged}, f)
         name = "mixedsd"
-    elif kind == "differ":   # rank 1 builds its embedding (padding_idx too) or optimizer unlike rank 0's
+    elif kind == "differ":   # rank 1 builds its embedding (padding_idx, dtype too) or optimizer unlike rank 0's
         results = {}
-        for what, dim, lr, padding_idx in (("dim", DIM + rank, 0.05, None),
-                                           ("lr", DIM, 0.05 * (1 + rank), None),
-                                           ("padding", DIM, 0.05, PAD if rank else None)):
-            emb = ss.ShardedOffloadedEmbedding(NUM_ROWS, dim, max_rows=GLOBAL_BATCH, backend="numpy",
-                                               storage="pageable", padding_idx=padding_idx)
+        for what, dim, lr, options in (("dim", DIM + rank, 0.05, {}),
+                                       ("lr", DIM, 0.05 * (1 + rank), {}),
+                                       ("padding", DIM, 0.05, dict(padding_idx=PAD) if rank else {}),
+                                       ("dtype", DIM, 0.05, dict(dtype=torch.float64) if rank else {})):
+            built = []
+            results[what] = caught(lambda: built.append(ss.ShardedOffloadedEmbedding(
+                NUM_ROWS, dim, max_rows=GLOBAL_BATCH, backend="numpy", storage="pageable", **options)))
+            results[f"{what} built"] = bool(built)
+            if not built:
+                continue
+            emb, = built
             opt = torch.optim.SGD(emb.parameters(), lr=lr)
             emb.attach(opt)
             before = emb.table.to_numpy(copy=True)
-            try:
-                train(emb, opt, seed, range(1), world, rank)
-            except ss.SpeedswapError as exc:
-                results[what] = {type(exc).__name__: str(exc)}
+            results[what] = caught(lambda: train(emb, opt, seed, range(1), world, rank))
             results[f"{what} unchanged"] = bool(np.array_equal(emb.table.to_numpy(), before))
         with open(os.path.join(out, f"differ.rank{rank}.json"), "w") as f:
             json.dump(results, f)
         return
+    elif kind == "build":    # a constructor refused on rank 1 alone: every rank raises at once, then builds alike
+        ckpt_dir, blocked = os.path.join(out, "build-mmap"), os.path.join(out, "build-blocked")
+        if rank == 1:
+            open(blocked, "w").close()  # a file where rank 1's mmap directory would go
+        torch.distributed.barrier()
+        results = {}
+        for what, options in (("cache_rows", dict(cache_rows=rank)),  # refused on rank 1 only
+                              ("path", dict(storage="mmap", path=blocked if rank else ckpt_dir))):
+            started = time.monotonic()
+            results[what] = caught(lambda: make(name, **options))
+            results[f"{what} seconds"] = time.monotonic() - started
+        # Built again with good options on every rank (rank 0's mmap file of the failed build was removed).
+        emb, opt = make(name, storage="mmap", path=ckpt_dir)
+        emb.load(table_file)
+        train(emb, opt, seed, range(STEPS), world, rank)
+        with open(os.path.join(out, f"build.rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        name = "build"
     elif kind == "replaced":  # optimizer.load_state_dict() of an older state without emb.load()
         emb, opt = make(name)
         emb.load(table_file)

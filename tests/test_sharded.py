@@ -346,7 +346,7 @@ def mismatched_calls(tmp_path_factory):
     seed = fixture_seed("mismatched_calls")
     assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
                      "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "zerodiffer:adam", "outsider:sgd", "twockpts:adam", "mixedload:sgd", "order:sgd",
-                     "oldleft:sgd", "nopath:sgd", "mixedsd:adam"))
+                     "oldleft:sgd", "nopath:sgd", "mixedsd:adam", "build:adam"))
     return out, seed
 
 
@@ -413,19 +413,40 @@ def test_a_save_whose_earlier_checkpoint_cannot_be_removed_succeeds_on_every_ran
 
 
 def test_ranks_with_unlike_embeddings_or_optimizers_raise_before_any_row_moves(mismatched_calls):
-    """Another embedding_dim aborted gloo; another learning rate trained a shard unlike the others."""
+    """Another embedding_dim aborted gloo; another learning rate trained a shard unlike the others.
+    Tables unlike each other are refused as they are built; optimizers at the first forward."""
     out, _ = mismatched_calls
     for result in reported(out, "differ"):
         table = r"ShardedOffloadedEmbedding #\d+ built on its group"
+        for what in ("dim", "padding", "dtype"):
+            error = result[what]["StateError"]
+            assert error.startswith("building a ShardedOffloadedEmbedding: the ranks' embeddings differ"), error
+            assert not result[f"{what} built"]
         assert re.search(rf"rank 0: {table}: {NUM_ROWS} x {DIM} float32", result["dim"]["StateError"])
         assert re.search(rf"rank 1: {table}: {NUM_ROWS} x {DIM + 1} float32", result["dim"]["StateError"])
-        assert "the ranks' embeddings differ" in result["lr"]["StateError"]
-        assert "optimizer fingerprint" in result["lr"]["StateError"]
-        assert "the ranks' embeddings differ" in result["padding"]["StateError"]
+        assert re.search(rf"rank 1: {table}: {NUM_ROWS} x {DIM} float64", result["dtype"]["StateError"])
         described = result["padding"]["StateError"].split("; rank 1: ")
-        assert f"max_rows={sharded_worker.GLOBAL_BATCH}, optimizer" in described[0]  # no padding_idx
-        assert f"max_rows={sharded_worker.GLOBAL_BATCH}, padding_idx={PAD}, optimizer" in described[1]
-        assert result["dim unchanged"] and result["lr unchanged"] and result["padding unchanged"]
+        assert f"max_rows={sharded_worker.GLOBAL_BATCH}, no optimizer" in described[0]  # no padding_idx
+        assert f"max_rows={sharded_worker.GLOBAL_BATCH}, padding_idx={PAD}, no optimizer" in described[1]
+        assert result["lr built"] and "the ranks' embeddings differ" in result["lr"]["StateError"]
+        assert "optimizer fingerprint" in result["lr"]["StateError"]
+        assert result["lr unchanged"]
+
+
+def test_a_constructor_refused_on_one_rank_raises_on_every_rank_at_once(mismatched_calls):
+    """Rank 1's constructor raised (a cache_rows, an mmap path it cannot use) and rank 0, built, waited
+    in its next collective until the gloo timeout, then raised gloo's RuntimeError. Every rank now
+    raises at once, rank 0 naming rank 1, and a retry on every rank builds (no mmap file left behind)
+    and trains as one process."""
+    out, seed = mismatched_calls
+    rank0, rank1 = reported(out, "build")
+    assert "cache_rows=1: ShardedOffloadedEmbedding has no device cache" in rank1["cache_rows"]["OptionError"]
+    assert "cannot create the directory" in rank1["path"]["PathError"]
+    for what in ("cache_rows", "path"):
+        assert rank0[what]["StateError"].startswith(
+            "building a ShardedOffloadedEmbedding failed on rank(s) [1] (their own errors say why)")
+        assert rank0[f"{what} seconds"] < 30 and rank1[f"{what} seconds"] < 30  # the gloo timeout is 60 s
+    assert_same(gathered(out, "build", 2), reference("adam", seed))
 
 
 def test_an_older_optimizer_state_without_its_load_is_refused_on_every_rank(mismatched_calls):

@@ -15,7 +15,8 @@ table. A rank with nothing to send takes part with empty splits.
 
 **Failures.** A collective that one rank skips hangs the others, and two
 ranks in collectives of different kinds or sizes hang or abort. So every
-call (a forward, an exchange of gradients, a step, a save, a load) starts with the same message,
+call (a forward, an exchange of gradients, a step, a save, a load) starts with the same message
+(and a table's construction ends with it),
 :meth:`Exchange.begin`: what the rank is doing, whether its checks passed,
 the table's size and optimizer, and the counts of the rows to come. Every
 check that can fail runs *before* it; a rank that met bad input says so,
@@ -44,7 +45,7 @@ import torch.distributed as dist
 from ..errors import OptionError, StateError
 
 __all__ = ["row_bounds", "owner_starts", "owners", "count_by_owner", "Exchange", "CALLS", "TRAIN_FORWARD", "EVAL_FORWARD", "STEP", "SAVE",
-           "LOAD", "EXCHANGE", "GRAD_NORM", "LOAD_TABLE"]
+           "LOAD", "EXCHANGE", "GRAD_NORM", "LOAD_TABLE", "BUILD"]
 
 #: The collective calls, as :meth:`Exchange.begin` names them when ranks make different ones.
 #: An explicit exchange_gradients() is a call of its own: a rank exchanging there must not
@@ -52,8 +53,8 @@ __all__ = ["row_bounds", "owner_starts", "owners", "count_by_owner", "Exchange",
 #: .npy: its messages would pair with a sharded checkpoint's load, each rank loading its own file.
 CALLS = ("a training forward", "an eval forward (eval mode or torch.no_grad())",
          "optimizer.step()", "save()", "load() of a sharded checkpoint", "exchange_gradients()",
-         "grad_norm()", "load() of a whole-table .npy")
-TRAIN_FORWARD, EVAL_FORWARD, STEP, SAVE, LOAD, EXCHANGE, GRAD_NORM, LOAD_TABLE = range(len(CALLS))
+         "grad_norm()", "load() of a whole-table .npy", "building a ShardedOffloadedEmbedding")
+TRAIN_FORWARD, EVAL_FORWARD, STEP, SAVE, LOAD, EXCHANGE, GRAD_NORM, LOAD_TABLE, BUILD = range(len(CALLS))
 
 
 def row_bounds(num_rows: int, world_size: int) -> List[int]:
@@ -129,7 +130,8 @@ class Exchange:
         process_group: the group; None is the default group when
             ``torch.distributed`` is initialised, else a single rank.
         device: where messages are built: the table's device (a CUDA device
-            for NCCL, the CPU for gloo).
+            for NCCL, the CPU for gloo); None, where a rank has none (its
+            backend was refused), is the group's: torch's current CUDA device for NCCL, else the CPU.
         local: a single rank even when ``torch.distributed`` is initialised
             (one process reading a whole sharded checkpoint).
 
@@ -153,6 +155,9 @@ class Exchange:
         #: The group's global ranks, which name it alike on every rank (None passed or the default group).
         self.ranks = (tuple(dist.get_process_group_ranks(
             dist.group.WORLD if process_group is None else process_group)) if self.distributed else (0,))
+        if device is None:
+            nccl = self.distributed and dist.get_backend(process_group) == dist.Backend.NCCL
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
         self.device = torch.device(device)
         self.bytes_sent = 0  # rows' bytes this rank sent to other ranks (the benchmark reads it)
 

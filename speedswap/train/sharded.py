@@ -24,6 +24,7 @@ owning every row, which is how sharded checkpoints are read for evaluation:
 """
 
 import collections
+import contextlib
 import copy
 import itertools
 import os
@@ -42,7 +43,7 @@ from ..errors import FileFormatError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 from .conversions import RefusesConversion, refuse_conversion, refuse_new_storage
-from .exchange import (EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
+from .exchange import (BUILD, EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
                        Exchange, count_by_owner, owner_starts, owners, row_bounds)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
@@ -163,14 +164,27 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             ``_weight`` and ``_freeze``, ``nn.EmbeddingBag``'s ``mode``,
             ``include_last_offset`` and ``per_sample_weights``.
 
+    Building is a collective too: every rank of the group builds its
+    shard, then the ranks agree in one message that every rank built one,
+    alike. A rank that raises raises its own error, and every other rank a
+    ``StateError`` naming it, at once (not at its next collective, after the
+    process group's timeout).
+
     Raises:
         OptionError: bad sizes (no ``max_rows``), storage or ``padding_idx``, fewer rows than
             ranks, a ``cache_rows``; ``max_norm`` or ``norm_type`` given; a
             ``scale_grad_by_freq`` or ``sparse`` that is not a bool; a
-            ``process_group`` this process is not a member of.
+            ``process_group`` this process is not a member of (on that rank alone).
         DTypeError: a dtype that is not floating point; a keyword argument
             it does not take, or a third positional one (a ``TypeError``, as
-            Python's). Nothing is built.
+            Python's).
+        PathError, OutOfMemoryError: this rank's ``mmap`` files or memory (as for
+            :class:`~speedswap.OffloadedEmbedding`).
+        StateError: another rank raised one of these; ranks whose tables differ
+            (``num_embeddings``, ``embedding_dim``, ``max_rows``, ``dtype``,
+            ``padding_idx``), or another call (a forward) on another rank: on
+            every rank. Nothing is built on any rank (a shard made is released,
+            its ``mmap`` file removed).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *positional, max_rows: Optional[int] = None,
@@ -181,44 +195,61 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                  scale_grad_by_freq: bool = False, sparse: bool = False,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, **others):
         super().__init__()
-        refuse_other_arguments(type(self).__name__, ShardedOffloadedEmbedding.__init__, positional, others, {
-            "_weight": "write this rank's rows into the table on every rank (emb.table.apply_(lambda t: "
-                       "t.copy_(weight[emb.row_range.start:emb.row_range.stop]))), or emb.load(checkpoint)",
-            "_freeze": "look rows up in eval mode or under torch.no_grad(): forwards then read the table "
-                       "and nothing trains"})
-        if int_option(cache_rows, "cache_rows", minimum=0):
-            raise OptionError(f"cache_rows={cache_rows}: ShardedOffloadedEmbedding has no device cache; "
-                              f"its rows reach their owners through the exchange every step. Pass "
-                              f"cache_rows=0, or train in one process with OffloadedEmbedding(cache_rows=...)")
-        refuse_max_norm("ShardedOffloadedEmbedding", max_norm, norm_type, "emb.table.apply_ on every rank")
-        num_embeddings = int_option(num_embeddings, "num_embeddings")
-        padding_idx = padding_option(padding_idx, num_embeddings)
-        scale_grad_by_freq, sparse = embedding_flags(scale_grad_by_freq, sparse)
-        path = None if path is None else as_path(path)
-        embedding_dim = int_option(embedding_dim, "embedding_dim")
-        max_rows = max_rows_option(max_rows, num_embeddings, "ShardedOffloadedEmbedding",
-                                   "this rank in one step")
-        dtype = embedding_dtype(dtype)
-        backend = get_backend(backend, device)
-        self._exchange = Exchange(process_group, backend.device)
+        error, resolved = None, None
+        try:
+            refuse_other_arguments(type(self).__name__, ShardedOffloadedEmbedding.__init__, positional, others, {
+                "_weight": "write this rank's rows into the table on every rank (emb.table.apply_(lambda t: "
+                           "t.copy_(weight[emb.row_range.start:emb.row_range.stop]))), or emb.load(checkpoint)",
+                "_freeze": "look rows up in eval mode or under torch.no_grad(): forwards then read the table "
+                           "and nothing trains"})
+            if int_option(cache_rows, "cache_rows", minimum=0):
+                raise OptionError(f"cache_rows={cache_rows}: ShardedOffloadedEmbedding has no device cache; "
+                                  f"its rows reach their owners through the exchange every step. Pass "
+                                  f"cache_rows=0, or train in one process with OffloadedEmbedding(cache_rows=...)")
+            refuse_max_norm("ShardedOffloadedEmbedding", max_norm, norm_type, "emb.table.apply_ on every rank")
+            num_embeddings = int_option(num_embeddings, "num_embeddings")
+            padding_idx = padding_option(padding_idx, num_embeddings)
+            scale_grad_by_freq, sparse = embedding_flags(scale_grad_by_freq, sparse)
+            path = None if path is None else as_path(path)
+            embedding_dim = int_option(embedding_dim, "embedding_dim")
+            max_rows = max_rows_option(max_rows, num_embeddings, "ShardedOffloadedEmbedding",
+                                       "this rank in one step")
+            dtype = embedding_dtype(dtype)
+            self.num_embeddings, self.embedding_dim, self.max_rows = num_embeddings, embedding_dim, max_rows
+            self.padding_idx = padding_idx
+            self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
+            self._storage = storage
+            resolved = get_backend(backend, device)
+        except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it (see _agree_built)
+            error = exc
+        # Its own errors (no torch.distributed, or a process_group without this process) have no
+        # peer waiting for this rank: they raise here. Without a backend, messages go on the group's device.
+        self._exchange = Exchange(process_group, None if resolved is None else resolved.device)
         self.rank, self.world_size = self._exchange.rank, self._exchange.world_size
+        self.table = None
+        if error is None:
+            try:
+                self._build_shard(dtype, resolved, path)
+            except Exception as exc:  # noqa: BLE001 -- as above
+                error = exc
+        self._agree_built(error)
+
+    def _build_shard(self, dtype: torch.dtype, backend, path: Optional[str]) -> None:
+        """This rank's part of the constructor, from validated options: its shard of the table, the step's scratch."""
+        num_embeddings, embedding_dim, max_rows = self.num_embeddings, self.embedding_dim, self.max_rows
         self.bounds = row_bounds(num_embeddings, self.world_size)
         self._starts = owner_starts(self.bounds, backend.device)
-        self.num_embeddings, self.embedding_dim, self.max_rows = num_embeddings, embedding_dim, max_rows
-        self.padding_idx = padding_idx
-        self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
         shard_rows = self.bounds[self.rank + 1] - self.bounds[self.rank]
-        self._storage = storage
         self._path = None if path is None else os.path.join(path, f"rank{self.rank}")
-        self.table = HostTable.empty(shard_rows, embedding_dim, dtype, storage, backend,
-                                     file_in(self._path, "table", storage))
+        self.table = HostTable.empty(shard_rows, embedding_dim, dtype, self._storage, backend,
+                                     file_in(self._path, "table", self._storage))
         # nn.Embedding's initialisation, each rank drawing its own rows. DDP code seeds every
         # rank alike, so torch's global generator alone would give every shard the same rows:
         # one draw from it (the same on every rank) plus the rank seeds this rank's generator.
         seed = int(torch.randint(0, 2 ** 62, ()).item()) + self.rank
         self.table.normal_(generator=torch.Generator().manual_seed(seed))
-        if padding_idx is not None and padding_idx in self.row_range:
-            self.table.scatter([padding_idx - self.row_range.start],
+        if self.padding_idx is not None and self.padding_idx in self.row_range:
+            self.table.scatter([self.padding_idx - self.row_range.start],
                                torch.zeros(1, embedding_dim, dtype=dtype))
         compute = torch.float32 if dtype is torch.bfloat16 else dtype
         device = self.table.device
@@ -260,11 +291,39 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._reached = ReachedRows(dropped=_gradient_dropped(weakref.ref(self)))
         self._new_step()
         self.table.watch_writes(self._prepare_table_write)  # see _prepare_table_write
-        # Which table of the group this is (counted once built, so that a failed build counts on no
-        # rank): ranks calling tables built alike in another order (a then b here, b then a
+
+    def _agree_built(self, error: Optional[BaseException]) -> None:
+        """End the constructor with one message: every rank built its shard, alike, or every rank raises.
+
+        A rank that raised alone (an option refused there only, a ``path``
+        it cannot use, memory it cannot have) would leave its peers waiting
+        in their next collective until the process group's timeout; ranks
+        that built unlike tables (another size, dtype, ``max_rows``,
+        ``padding_idx``) would learn it only at their first forward.
+
+        Raises:
+            ``error`` on the rank that met it; on the others (on every rank
+            for the rest) StateError: a rank failed, another call on another
+            rank, or ranks whose tables differ. Every rank's shard is then
+            released (and its ``mmap`` file removed: a retry makes it again).
+        """
+        # Which table of the group this is, counted once built on every rank (a failed build counts
+        # on none): ranks calling tables built alike in another order (a then b here, b then a
         # there) would pair one table's messages with another's.
+        self._number = _BUILT[self._exchange.ranks] + 1
+        try:
+            # A rank that failed sends zeros for its config: its error is raised before any config is read.
+            config = [0] * _CONFIG_LENGTH if error else self._config(with_optimizer=False)
+            self._exchange.begin(BUILD, error, config, _describe, "building a ShardedOffloadedEmbedding")
+        except BaseException:
+            if self.table is not None:
+                made = self.table.path
+                self.table.close()
+                if made is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(made)
+            raise
         _BUILT[self._exchange.ranks] += 1
-        self._number = _BUILT[self._exchange.ranks]
 
     def _new_step(self):
         self._restore_narrowed()
@@ -1291,6 +1350,10 @@ def _optimizer_fingerprint(row_state, weight) -> int:
     settings = sorted((key, _plain(value)) for key, value in group.items() if key != "params")
     text = repr((type(optimizer).__module__, type(optimizer).__qualname__, settings))
     return zlib.crc32(text.encode()) + (1 << 32)  # never 0, which says "no optimizer"
+
+
+#: The integers of :meth:`ShardedOffloadedEmbedding._config`, which :func:`_describe` names.
+_CONFIG_LENGTH = 9
 
 
 def _describe(config) -> str:
