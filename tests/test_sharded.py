@@ -1367,6 +1367,25 @@ def test_a_device_cache_is_refused_with_a_speedswap_error(cache_rows):
     ss.ShardedOffloadedEmbedding(50, 3, max_rows=8, backend="numpy", storage="pageable", cache_rows=0)
 
 
+@pytest.mark.parametrize("call", ["prefetch", "flush"])
+def test_prefetch_and_flush_are_refused_saying_what_to_do(call, rng):
+    """Code moved over from OffloadedEmbedding met an AttributeError; a call that did nothing would hide
+    that the sharded table has no cache. Refused, naming what to do, and nothing changes."""
+    emb = ss.ShardedOffloadedEmbedding(50, 3, max_rows=8, backend="numpy", storage="pageable")
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+    emb.attach(opt)
+    ids = torch.from_numpy(rng.integers(0, 50, 6))
+    emb(ids).pow(2).sum().backward()
+    before = emb.table.to_numpy(copy=True)
+    args = (ids,) if call == "prefetch" else ()
+    with pytest.raises(ss.OptionError, match=rf"has no device cache, so {call}\(\)") as raised:
+        getattr(emb, call)(*args)
+    assert ("OffloadedEmbedding(cache_rows=...)" if call == "prefetch" else "emb.save(path)") in str(raised.value)
+    np.testing.assert_array_equal(emb.table.to_numpy(), before)
+    opt.step()  # the step under way goes on
+    assert not np.array_equal(emb.table.to_numpy(), before)
+
+
 def test_close_releases_the_shard_keeps_mmap_files_and_refuses_later_calls(tmp_path, rng):
     emb = ss.ShardedOffloadedEmbedding(40, 3, max_rows=8, backend="numpy", storage="mmap", path=tmp_path)
     head = torch.nn.Linear(3, 1)

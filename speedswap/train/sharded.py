@@ -30,7 +30,7 @@ import itertools
 import os
 import weakref
 import zlib
-from typing import Callable, Optional, Tuple
+from typing import Callable, NoReturn, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -139,8 +139,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         path: for ``storage="mmap"``, the directory for every rank's files.
         device: the CUDA device the rows move to.
         cache_rows: must be 0: a sharded table has no device cache of hot
-            rows (and no ``prefetch``); the keyword exists so that code moved
-            over from :class:`~speedswap.OffloadedEmbedding` is told so.
+            rows (:meth:`prefetch` and :meth:`flush` are refused too); the
+            keyword exists so that code moved over from
+            :class:`~speedswap.OffloadedEmbedding` is told so.
         padding_idx: as in ``nn.Embedding``: this row starts at zero (on the
             rank that owns it) and gets no gradient from any rank. As any
             row, it is stepped only at steps where some rank looked it up (a
@@ -708,6 +709,27 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         out = F.embedding(local, self._rows, scale_grad_by_freq=self.scale_grad_by_freq)
         self._reached.track(out, local)  # a forward no backward reaches trains nothing
         return out
+
+    def prefetch(self, ids: Ids) -> NoReturn:
+        """Refused: a sharded table has no device cache to prefetch into (see ``cache_rows``).
+
+        Raises:
+            OptionError: always, saying what to do instead; nothing changes.
+        """
+        raise OptionError("ShardedOffloadedEmbedding has no device cache, so prefetch() has nowhere to bring "
+                          "rows: each training forward fetches its rows from their owners. Drop the call, "
+                          "or train in one process with OffloadedEmbedding(cache_rows=...), whose prefetch() "
+                          "brings the next step's rows into its cache")
+
+    def flush(self) -> NoReturn:
+        """Refused: a sharded table has no device cache to write back (see ``cache_rows``).
+
+        Raises:
+            OptionError: always, saying what to do instead; nothing changes.
+        """
+        raise OptionError("ShardedOffloadedEmbedding has no device cache, so flush() has nothing to write "
+                          "back: emb.table holds every row this rank owns, as of the last optimizer.step(). "
+                          "Drop the call; to keep the rows, emb.save(path) on every rank")
 
     def _count_new(self, ids_sorted, new):
         """The working set's ``count_also``: how many of a forward's new rows each rank owns."""
