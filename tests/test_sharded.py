@@ -1386,6 +1386,54 @@ def test_prefetch_and_flush_are_refused_saying_what_to_do(call, rng):
     assert not np.array_equal(emb.table.to_numpy(), before)
 
 
+def test_stats_count_each_ranks_rows_as_its_ids_and_its_peers_say(tmp_path, seed):
+    """Each rank's counters against counts made from every rank's ids: Zipf ids, two forwards a step,
+    Adam, a step dropped by zero_grad() (it counts nothing) and an eval forward (nothing either)."""
+    rows = 97
+    run_two_ranks(tmp_path,
+                  "import json\n"
+                  f"rng = np.random.default_rng([{seed}, rank])\n"
+                  f"emb = ss.ShardedOffloadedEmbedding({rows}, 4, max_rows=80, backend='numpy', storage='pageable')\n"
+                  "opt = torch.optim.Adam(emb.parameters(), lr=0.01)\n"
+                  "emb.attach(opt)\n"
+                  f"p = 1.0 / np.arange(1, {rows} + 1)\n"
+                  "p /= p.sum()\n"
+                  "record = []\n"
+                  "for step in range(6):\n"
+                  f"    zipf = rng.permutation({rows})\n"
+                  f"    forwards = [zipf[rng.choice({rows}, size=rng.integers(1, 40), p=p)] for _ in range(2)]\n"
+                  "    sum(emb(torch.from_numpy(ids)).pow(2).sum() for ids in forwards).backward()\n"
+                  "    if step != 3:\n"
+                  "        opt.step()\n"
+                  "    opt.zero_grad()\n"
+                  "    record.append({'ids': [f.tolist() for f in forwards], 'stats': emb.stats()})\n"
+                  "with torch.no_grad():\n"
+                  f"    emb(torch.arange({rows}))\n"
+                  "json.dump({'steps': record, 'end': emb.stats()}, open(f'{out}/stats{rank}.json', 'w'))\n")
+    ranks = [json.loads((tmp_path / f"stats{r}.json").read_text()) for r in range(2)]
+    bounds = [0, 49, rows]  # torch.tensor_split's cut of 97 rows over 2 ranks
+    owned = [set(range(bounds[r], bounds[r + 1])) for r in range(2)]
+    total = [dict.fromkeys(ranks[0]["end"]["total"], 0) for _ in range(2)]
+    for step in range(6):
+        looked_up = [set().union(*ranks[r]["steps"][step]["ids"]) for r in range(2)]
+        for r in range(2):
+            expected = {"steps": 1, "unique_rows": len(looked_up[r]),
+                        "owned_rows": len((looked_up[0] | looked_up[1]) & owned[r]),
+                        "lookups": sum(len(ids) for ids in ranks[r]["steps"][step]["ids"]),
+                        "rows_from_peers": len(looked_up[r] - owned[r]),
+                        "rows_to_peers": len(looked_up[1 - r] & owned[r])}
+            last = ranks[r]["steps"][step - (step == 3)]["stats"]["last_step"]  # step 3 was dropped
+            if step != 3:
+                for name, count in expected.items():
+                    total[r][name] += count
+                assert last == expected, (step, r)
+            assert ranks[r]["steps"][step]["stats"]["last_step"] == last, (step, r)
+            assert ranks[r]["steps"][step]["stats"]["total"] == total[r], (step, r)
+    for r in range(2):
+        assert ranks[r]["end"]["total"] == total[r]  # the eval forward counted nothing
+        assert total[r]["rows_from_peers"] > 0 and total[r]["rows_to_peers"] > 0
+
+
 def test_close_releases_the_shard_keeps_mmap_files_and_refuses_later_calls(tmp_path, rng):
     emb = ss.ShardedOffloadedEmbedding(40, 3, max_rows=8, backend="numpy", storage="mmap", path=tmp_path)
     head = torch.nn.Linear(3, 1)

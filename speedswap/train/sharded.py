@@ -290,6 +290,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._narrowed = None
         self._empty_sparse = None  # an EmptySparseGradient while a step without rows is under way
         self._reached = ReachedRows(dropped=_gradient_dropped(weakref.ref(self)))
+        self._total, self._last_step = dict.fromkeys(_COUNTERS, 0), dict.fromkeys(_COUNTERS, 0)  # see stats()
         self._new_step()
         self.table.watch_writes(self._prepare_table_write)  # see _prepare_table_write
 
@@ -332,6 +333,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._looked_up.clear()
         self._sent_to_me = [[] for _ in range(self.world_size)]  # owned slots, per source, per call
         self._forwards = 0
+        self._moved = dict.fromkeys(_FORWARD_COUNTERS, 0)  # the step's forwards', for stats()
         self._rows.grad = None
         self.weight.grad = None
         self._backward_ran = False
@@ -703,6 +705,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         if not training:
             return rows[inverse].view(*shape, self.embedding_dim)
         self._forwards += 1
+        moved = self._moved
+        moved["lookups"] += local.numel()
+        # Only rows new to the step travel: each row once per step and pair of ranks.
+        moved["rows_from_peers"] += sum(counts) - counts[self.rank]
+        moved["rows_to_peers"] += sum(recv_counts) - recv_counts[self.rank]
         with torch.no_grad():
             self._rows[first_new:first_new + len(rows)] = rows
         # Slots name rows one to one, so counting them counts this forward's ids (scale_grad_by_freq).
@@ -730,6 +737,30 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         raise OptionError("ShardedOffloadedEmbedding has no device cache, so flush() has nothing to write "
                           "back: emb.table holds every row this rank owns, as of the last optimizer.step(). "
                           "Drop the call; to keep the rows, emb.save(path) on every rank")
+
+    def stats(self) -> dict:
+        """This rank's row counters: ``{"last_step": {...}, "total": {...}}``.
+
+        Counted when an ``optimizer.step()`` writes its rows back (a step
+        dropped by :meth:`discard_step` or ``zero_grad()`` counts nothing; a
+        step skipped before its backward counts with the step that takes its
+        rows; eval forwards count nothing). ``total`` adds every step's,
+        ``last_step`` is the last one's:
+
+        * ``steps``: steps that wrote rows back;
+        * ``lookups``: ids in this rank's training forwards;
+        * ``unique_rows``: the distinct rows they looked up;
+        * ``owned_rows``: the distinct rows of this rank's shard that some
+          rank looked up, each read from :attr:`table` (with its optimizer
+          state at the step) and written back once;
+        * ``rows_from_peers``: rows other ranks own that this rank's forwards
+          received (the step sends each one's gradient back);
+        * ``rows_to_peers``: rows of this rank's shard sent to other ranks'
+          forwards (the step receives each one's gradient).
+
+        Bytes between ranks: :attr:`bytes_sent`.
+        """
+        return {"last_step": dict(self._last_step), "total": dict(self._total)}
 
     def _count_new(self, ids_sorted, new):
         """The working set's ``count_also``: how many of a forward's new rows each rank owns."""
@@ -1128,6 +1159,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # Owned rows are unique shard-local ids, validated when they were looked up.
         self.table.scatter_validated(rows, self._full[:k].to(self.table.dtype))
         self._steps_since += 1
+        self._last_step = {"steps": 1, "unique_rows": self._looked_up.size, "owned_rows": k, **self._moved}
+        for name, count in self._last_step.items():
+            self._total[name] += count
         stepped = self.weight.grad is not None  # None where no backward reached the step on any rank
         zero = self._holds_kept_zero()  # a step on the kept zero gradient alone: it stays zeros, as in memory
         self._new_step()
@@ -1374,6 +1408,9 @@ def _optimizer_fingerprint(row_state, weight) -> int:
     return zlib.crc32(text.encode()) + (1 << 32)  # never 0, which says "no optimizer"
 
 
+#: The counters of :meth:`ShardedOffloadedEmbedding.stats`; the forwards count the last three.
+_FORWARD_COUNTERS = ("lookups", "rows_from_peers", "rows_to_peers")
+_COUNTERS = ("steps", "unique_rows", "owned_rows", *_FORWARD_COUNTERS)
 #: The integers of :meth:`ShardedOffloadedEmbedding._config`, which :func:`_describe` names.
 _CONFIG_LENGTH = 9
 
