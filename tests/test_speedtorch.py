@@ -277,9 +277,9 @@ def test_switchers_over_a_mean_embedding_bag_with_offsets_train_as_sparse_adagra
     ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.05)
     for pos, neg, _ in zipf_batches(rng, 30, "cpu", ROWS):
         ids = torch.cat([pos, neg.flatten()])
-        lengths = torch.from_numpy(rng.integers(1, 6, len(pos)))
-        lengths[-1] += len(ids) - lengths.sum()  # every id in some bag; a bag's length stays >= 1
-        offsets = torch.cumsum(lengths, 0) - lengths
+        # Every id in some bag and no bag empty, whatever the draw: bags start at 0 and at distinct cuts.
+        cuts = np.sort(rng.choice(np.arange(1, len(ids)), len(pos) - 1, replace=False))
+        offsets = torch.from_numpy(np.concatenate([[0], cuts]))
         target = torch.from_numpy(rng.standard_normal((len(pos), DIM)))
         local = u.before_forward(ids)
         o.before_forward(ids)
