@@ -165,6 +165,23 @@ def test_run_demo_refuses_a_path_without_mmap_storage(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_run_demo_gives_the_callers_thread_count_back_however_it_ends(monkeypatch):
+    # run_demo set torch's thread count for its run and left it so: a notebook cell or test run after
+    # it ran with the demo's count.
+    from speedswap.apps import word2vec
+    before = torch.get_num_threads()
+    during = []
+
+    def stop(*args, **kwargs):
+        during.append(torch.get_num_threads())
+        raise RuntimeError("stopped")
+    monkeypatch.setattr(word2vec, "cpu_threads", lambda: before + 1)
+    monkeypatch.setattr(word2vec, "train", stop)
+    with pytest.raises(RuntimeError, match="stopped"):
+        demo.run_demo(tiny=True, backend="numpy")
+    assert during == [before + 1] and torch.get_num_threads() == before
+
+
 @pytest.mark.parametrize("load, omp, says", [
     (0.2, None, None),
     (3.0, None, "load average was 3.0.*noise.*OMP_WAIT_POLICY=PASSIVE"),

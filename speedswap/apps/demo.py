@@ -159,10 +159,12 @@ def run_demo(tiny: bool = False, backend: str = "auto", storage: str = "pinned",
         raise ss.OptionError(f"path={os.fspath(path)!r} is where storage='mmap' keeps the table files, but "
                              f"storage is {storage!r}; drop path or use storage='mmap'")
     size = TINY if tiny else DEMO
-    if ss.get_backend(backend).device.type == "cpu":
-        torch.set_num_threads(word2vec.cpu_threads())
     corpus = synthetic_corpus(size["vocab"], size["topics"], size["tokens"], seed=seed)
     with contextlib.ExitStack() as cleanup:
+        if ss.get_backend(backend).device.type == "cpu":
+            # The caller's count back as the demo ends: a notebook or test run after it keeps its own.
+            cleanup.callback(torch.set_num_threads, torch.get_num_threads())
+            torch.set_num_threads(word2vec.cpu_threads())
         directory = path
         if storage == "mmap" and path is None:
             directory = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="speedswap-demo-"))
