@@ -268,7 +268,8 @@ def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):
     out, _, results, ended = two_ranks
     # Timed from the crash scenario's start: the whole launch's ten scenarios take longer on a loaded machine.
     started = min(float((out / f"crash.rank{rank}.started").read_text()) for rank in range(2))
-    assert ended - started < 30  # ended by the error, well before the 60 s gloo timeout
+    # Ended by the error, before the 60 s gloo timeout (the bound leaves a loaded runner its slack).
+    assert ended - started < 50
     (code0, err0), (code1, err1) = results
     assert code1 != 0 and "IdError" in err1
     assert code0 != 0 and "StateError" in err0 and "rank(s) [1]" in err0
