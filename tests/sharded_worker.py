@@ -642,12 +642,13 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"mixedsd.rank{rank}.json"), "w") as f:
             json.dump({"error": error, "unchanged": unchanged}, f)
         name = "mixedsd"
-    elif kind == "differ":   # rank 1 builds its embedding (padding_idx, dtype too) or optimizer unlike rank 0's
+    elif kind == "differ":   # rank 1 builds its embedding (its options too) or optimizer unlike rank 0's
         results = {}
         for what, dim, lr, options in (("dim", DIM + rank, 0.05, {}),
                                        ("lr", DIM, 0.05 * (1 + rank), {}),
                                        ("padding", DIM, 0.05, dict(padding_idx=PAD) if rank else {}),
-                                       ("dtype", DIM, 0.05, dict(dtype=torch.float64) if rank else {})):
+                                       ("dtype", DIM, 0.05, dict(dtype=torch.float64) if rank else {}),
+                                       ("freq", DIM, 0.05, dict(scale_grad_by_freq=True) if rank else {})):
             built = []
             results[what] = caught(lambda: built.append(ss.ShardedOffloadedEmbedding(
                 NUM_ROWS, dim, max_rows=GLOBAL_BATCH, backend="numpy", storage="pageable", **options)))

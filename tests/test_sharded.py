@@ -419,13 +419,16 @@ def test_ranks_with_unlike_embeddings_or_optimizers_raise_before_any_row_moves(m
     out, _ = mismatched_calls
     for result in reported(out, "differ"):
         table = r"ShardedOffloadedEmbedding #\d+ built on its group"
-        for what in ("dim", "padding", "dtype"):
+        for what in ("dim", "padding", "dtype", "freq"):
             error = result[what]["StateError"]
             assert error.startswith("building a ShardedOffloadedEmbedding: the ranks' embeddings differ"), error
             assert not result[f"{what} built"]
         assert re.search(rf"rank 0: {table}: {NUM_ROWS} x {DIM} float32", result["dim"]["StateError"])
         assert re.search(rf"rank 1: {table}: {NUM_ROWS} x {DIM + 1} float32", result["dim"]["StateError"])
         assert re.search(rf"rank 1: {table}: {NUM_ROWS} x {DIM} float64", result["dtype"]["StateError"])
+        # Each rank scaling by its own ids' counts, or not: like no one process (it trained on, silently).
+        assert f"max_rows={sharded_worker.GLOBAL_BATCH}, scale_grad_by_freq=True, no optimizer" in (
+            result["freq"]["StateError"].split("; rank 1: ")[1])
         described = result["padding"]["StateError"].split("; rank 1: ")
         assert f"max_rows={sharded_worker.GLOBAL_BATCH}, no optimizer" in described[0]  # no padding_idx
         assert f"max_rows={sharded_worker.GLOBAL_BATCH}, padding_idx={PAD}, no optimizer" in described[1]

@@ -256,7 +256,7 @@ class Exchange:
             ranks = "; ".join(f"rank {rank}: {describe(c)}" for rank, c in enumerate(configs))
             raise StateError(f"{what}: the ranks' embeddings differ ({ranks}). Build the "
                              f"ShardedOffloadedEmbedding with the same num_embeddings, "
-                             f"embedding_dim, max_rows, dtype and padding_idx on every rank, build "
+                             f"embedding_dim, max_rows, dtype, padding_idx and scale_grad_by_freq on every rank, build "
                              f"and call the tables in the same order on every rank, and "
                              f"attach the same optimizer class with the same hyperparameters on every "
                              f"rank at the same point (a rank that attached alone restarted its "

@@ -151,7 +151,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         scale_grad_by_freq: as in ``nn.Embedding``: each forward scales a
             row's gradient by the inverse of how often its own ids name it,
             so each rank scales by the counts of its own batch, as DDP over
-            ``nn.Embedding(scale_grad_by_freq=True)`` does.
+            ``nn.Embedding(scale_grad_by_freq=True)`` does. Every rank must pass the same one.
         sparse: accepted for ``nn.Embedding`` code; changes nothing. The
             owned rows' gradient is dense over the step's rows only, and
             ``torch.optim.SparseAdam`` trains it as it would a sparse one.
@@ -183,7 +183,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             :class:`~speedswap.OffloadedEmbedding`).
         StateError: another rank raised one of these; ranks whose tables differ
             (``num_embeddings``, ``embedding_dim``, ``max_rows``, ``dtype``,
-            ``padding_idx``), or another call (a forward) on another rank: on
+            ``padding_idx``, ``scale_grad_by_freq``), or another call (a forward) on another rank: on
             every rank. Nothing is built on any rank (a shard made is released,
             its ``mmap`` file removed).
     """
@@ -1239,7 +1239,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         ``max_rows`` (an owner's working set is
         sized for ``W * max_rows`` rows from its peers), ``padding_idx`` (a
         rank that took the row for an ordinary one would send its owner a
-        gradient for it) and, unless
+        gradient for it), ``scale_grad_by_freq`` (ranks scaling unlike each
+        other train like no one process, silently) and, unless
         ``with_optimizer`` is false (an eval forward), a fingerprint of the
         attached optimizer: a shard stepped by another optimizer, or another
         learning rate, would train unlike one process, silently; and where
@@ -1252,7 +1253,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         dtype_code = _DTYPE_CODES.get(dtype, len(_DTYPES) + zlib.crc32(str(dtype).encode()))
         history = with_optimizer and with_history and self._state is not None
         padding = _NO_PADDING if self.padding_idx is None else self.padding_idx
-        return [self._number, self.num_embeddings, self.embedding_dim, self.max_rows, padding, dtype_code,
+        return [self._number, self.num_embeddings, self.embedding_dim, self.max_rows, padding,
+                int(self.scale_grad_by_freq), dtype_code,
                 _optimizer_fingerprint(self._state, self.weight) if with_optimizer else 0,
                 self._state_origin if history else 0, self._steps_since if history else 0]
 
@@ -1412,17 +1414,18 @@ def _optimizer_fingerprint(row_state, weight) -> int:
 _FORWARD_COUNTERS = ("lookups", "rows_from_peers", "rows_to_peers")
 _COUNTERS = ("steps", "unique_rows", "owned_rows", *_FORWARD_COUNTERS)
 #: The integers of :meth:`ShardedOffloadedEmbedding._config`, which :func:`_describe` names.
-_CONFIG_LENGTH = 9
+_CONFIG_LENGTH = 10
 
 
 def _describe(config) -> str:
     """One rank's :meth:`ShardedOffloadedEmbedding._config` in words."""
-    number, rows, dim, max_rows, padding, dtype, optimizer, origin, steps = config
+    number, rows, dim, max_rows, padding, by_freq, dtype, optimizer, origin, steps = config
     dtype = str(_DTYPES[dtype]).replace("torch.", "") if 0 <= dtype < len(_DTYPES) else "another dtype"
     optimizer = "no optimizer" if optimizer == 0 else f"optimizer fingerprint {optimizer:#x}"
     if origin:
         optimizer += f", {steps} step(s) since {_ORIGINS[origin]}"
     padding = "" if padding == _NO_PADDING else f", padding_idx={padding}"
+    padding += ", scale_grad_by_freq=True" if by_freq else ""
     return (f"ShardedOffloadedEmbedding #{number} built on its group: {rows} x {dim} {dtype}, "
             f"max_rows={max_rows}{padding}, {optimizer}")
 
