@@ -669,12 +669,15 @@ def run_scenario(scenario, seed, world, rank, out):
         if rank == 1:
             open(blocked, "w").close()  # a file where rank 1's mmap directory would go
         torch.distributed.barrier()
+        torch.manual_seed(seed)  # on every rank alike, as DDP code does
         results = {}
         for what, options in (("cache_rows", dict(cache_rows=rank)),  # refused on rank 1 only
                               ("path", dict(storage="mmap", path=blocked if rank else ckpt_dir))):
             started = time.monotonic()
             results[what] = caught(lambda: make(name, **options))
             results[f"{what} seconds"] = time.monotonic() - started
+        # Every rank drew from torch's generator as many times: DDP code seeded alike still draws alike.
+        results["draw"] = torch.randint(0, 2 ** 62, ()).item()
         # Built again with good options on every rank (rank 0's mmap file of the failed build was removed).
         emb, opt = make(name, storage="mmap", path=ckpt_dir)
         emb.load(table_file)

@@ -450,6 +450,7 @@ def test_a_constructor_refused_on_one_rank_raises_on_every_rank_at_once(mismatch
         assert rank0[what]["StateError"].startswith(
             "building a ShardedOffloadedEmbedding failed on rank(s) [1] (their own errors say why)")
         assert rank0[f"{what} seconds"] < 30 and rank1[f"{what} seconds"] < 30  # the gloo timeout is 60 s
+    assert rank0["draw"] == rank1["draw"]  # rank 0 drew for its shard's rows and rank 1 not: apart
     assert_same(gathered(out, "build", 2), reference("adam", seed))
 
 

@@ -196,6 +196,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                  scale_grad_by_freq: bool = False, sparse: bool = False,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, **others):
         super().__init__()
+        # nn.Embedding's initialisation, each rank drawing its own rows. DDP code seeds every
+        # rank alike, so torch's global generator alone would give every shard the same rows:
+        # one draw from it plus the rank seeds this rank's generator. Drawn first, on every rank
+        # whatever fails: a rank that drew alone would leave the ranks' generators apart.
+        seed = int(torch.randint(0, 2 ** 62, ()).item())
         error, resolved = None, None
         try:
             refuse_other_arguments(type(self).__name__, ShardedOffloadedEmbedding.__init__, positional, others, {
@@ -230,12 +235,12 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self.table = None
         if error is None:
             try:
-                self._build_shard(dtype, resolved, path)
+                self._build_shard(dtype, resolved, path, seed)
             except Exception as exc:  # noqa: BLE001 -- as above
                 error = exc
         self._agree_built(error)
 
-    def _build_shard(self, dtype: torch.dtype, backend, path: Optional[str]) -> None:
+    def _build_shard(self, dtype: torch.dtype, backend, path: Optional[str], seed: int) -> None:
         """This rank's part of the constructor, from validated options: its shard of the table, the step's scratch."""
         num_embeddings, embedding_dim, max_rows = self.num_embeddings, self.embedding_dim, self.max_rows
         self.bounds = row_bounds(num_embeddings, self.world_size)
@@ -244,11 +249,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._path = None if path is None else os.path.join(path, f"rank{self.rank}")
         self.table = HostTable.empty(shard_rows, embedding_dim, dtype, self._storage, backend,
                                      file_in(self._path, "table", self._storage))
-        # nn.Embedding's initialisation, each rank drawing its own rows. DDP code seeds every
-        # rank alike, so torch's global generator alone would give every shard the same rows:
-        # one draw from it (the same on every rank) plus the rank seeds this rank's generator.
-        seed = int(torch.randint(0, 2 ** 62, ()).item()) + self.rank
-        self.table.normal_(generator=torch.Generator().manual_seed(seed))
+        self.table.normal_(generator=torch.Generator().manual_seed(seed + self.rank))  # see __init__
         if self.padding_idx is not None and self.padding_idx in self.row_range:
             self.table.scatter([self.padding_idx - self.row_range.start],
                                torch.zeros(1, embedding_dim, dtype=dtype))
