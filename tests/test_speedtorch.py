@@ -945,6 +945,44 @@ def test_a_first_step_without_before_forward_is_refused(ids_past_capacity, backe
     np.testing.assert_array_equal(changed, np.unique(ids.cpu().numpy()))
 
 
+@pytest.mark.parametrize("switched", ["nn.Embedding", "its weight"])
+def test_a_step_that_no_before_forward_began_is_refused_at_optimizer_step(switched, backend, table0, rng):
+    """With a ModelFactory alone, a step that forgot beforeForwardPass lost its update without an error.
+
+    Its forward fed ids within the capacity, so torch took them: the first training forward is
+    let through (SpeedTorch's Rprop recipe runs one before building the OptimizerFactory), and a
+    ModelFactory over the weight Parameter checks no forward at all. optimizer.step() then moved
+    slots holding no row of the table (or the last step's, written back already), and the next
+    beforeForwardPass overwrote them: the first step's update was lost, every step's over a weight.
+    """
+    device = ss.get_backend(backend).device
+    model = SkipGram().to(device)
+    lr = 0.05
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    weight = model.u_embeddings.weight
+    u = ss.ModelFactory(model.u_embeddings if switched == "nn.Embedding" else weight, ROWS, DIM, backend=backend)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    batches = zipf_batches(rng, 5, device, ROWS)
+    # The nn.Embedding's forwards are checked from the first step on: only the first is refused late.
+    forgotten = (0,) if switched == "nn.Embedding" else (0, 3)
+    for i, (pos, neg, ctx) in enumerate(batches):
+        if i in forgotten:  # beforeForwardPass forgotten, ids within the capacity fed as they are
+            wrong_pos, wrong_neg, wrong_ctx = zipf_batches(rng, 1, device, CAPACITY)[0]
+            skipgram_loss(model.u_embeddings(wrong_pos), model.u_embeddings(wrong_neg), wrong_ctx).backward()
+            slots = weight.detach().clone()
+            with pytest.raises(ss.StateError, match="no beforeForwardPass"):
+                opt.step()
+            torch.testing.assert_close(weight.detach(), slots, rtol=0, atol=0)  # nothing changed
+            opt.zero_grad()
+        lp, ln = u.beforeForwardPass(pos, neg)
+        skipgram_loss(model.u_embeddings(lp), model.u_embeddings(ln), ctx).backward()
+        opt.step()
+        opt.zero_grad()
+        u.afterOptimizerStep(pos, neg)
+    expected, _ = run_in_memory(lambda p: torch.optim.SGD(p, lr=lr), table0, batches, device)
+    np.testing.assert_allclose(u.getNumpyVersion(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_the_rprop_recipe_forward_before_the_optimizer_factory_is_still_allowed(table0, rng):
     """SpeedTorch's Rprop recipe: one forward and backward of the model's embedding, then the OptimizerFactory."""
     model = SkipGram()

@@ -263,7 +263,8 @@ class ModelFactory(Switcher):
     def _refuse_forward_outside_step(self, ids):
         """Refuse a forward of the model's embedding that no before_forward began (see :meth:`_refuse_wrong_ids`)."""
         # A training forward before the first step is allowed while no OptimizerFactory exists:
-        # SpeedTorch's Rprop recipe ran one, and its backward, before building it.
+        # SpeedTorch's Rprop recipe ran one, and its backward, before building it. An
+        # optimizer.step() on its gradient is refused (SharedSteps.refuse_stepping_between_steps).
         begun = self._steps.current is not None or not self._steps.alone(MODEL)
         if begun and torch.is_grad_enabled() and self._param.requires_grad:
             held = "the last step's rows" if self._steps.current is not None else "no rows of the table yet"

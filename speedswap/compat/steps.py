@@ -132,7 +132,7 @@ class SharedSteps:
         self._open = False  # the cache fetched the current step's rows and has not stored them
         self._states = _WAITING  # state rows handed over by OptimizerFactory.after_step
         self._leftover = None  # the last step's gradient, untouched since (see _refuse_leftover_gradient)
-        self._finished = None  # (param.grad, its version) when the last step ended (see refuse_stepping_again)
+        self._finished = None  # (param.grad, its version) when the last step ended (see refuse_stepping_between_steps)
         self._hook = None  # on the parameter once it requires grad (see _watch_gradients)
 
     # ------------------------------------------------------------ members
@@ -483,27 +483,47 @@ class SharedSteps:
         rows = self.current.rows
         return rows, self.param.detach()[:len(rows)]
 
-    def refuse_stepping_again(self, optimizer) -> None:
-        """Raise before an ``optimizer.step()`` between steps that would apply the last step's gradient again.
+    def refuse_stepping_between_steps(self, optimizer) -> None:
+        """Raise before an ``optimizer.step()`` between steps with a gradient on the parameter.
 
-        after_step wrote the step's rows back: a second ``optimizer.step()``
-        with the gradient still untouched would move only the slots (which
-        the next before_forward overwrites) and count a step in the
-        optimizer's scalar state (Adam's ``step``) for every row.
+        Between steps the slots hold no row the step would write back: none of
+        the table before the first ``before_forward``, and the last step's
+        rows, written back already, after its ``after_step``. A gradient
+        there is either the last step's, still untouched (``step()`` twice,
+        or no ``zero_grad()`` after a step: the step would move only the
+        slots and count one more step in the optimizer's scalar state, Adam's
+        ``step``, for every row), or one from a forward that no
+        ``before_forward`` began (forgotten, or over a ModelFactory built on
+        the weight Parameter, whose forwards are not checked): its update
+        would be lost, the first step's included. A gradient of zeros
+        (``zero_grad(set_to_none=False)``) moves no row and passes; so does
+        SpeedTorch's Rprop recipe, a forward and backward before the
+        OptimizerFactory is built with no ``step()`` until the first step.
 
         Raises:
-            StateError: the parameter's gradient is the one the last step
-                left, non-zero and untouched; nothing has changed.
+            StateError: such a gradient; nothing has changed.
         """
-        if self.busy() or self._finished is None or not untouched(self.param.grad, *self._finished):
+        grad = self.param.grad
+        # A host synchronisation, but only for a step() outside a step, which a right loop never makes.
+        if self.busy() or grad is None or not bool(_values(grad).any()):
             return
-        raise StateError(f"{type(optimizer).__name__}.step() after afterOptimizerStep (after_step) with "
-                         f"the step's gradient still on the embedding (step() twice, or no zero_grad() "
-                         f"after a step): afterOptimizerStep wrote the step's rows back, so this step "
-                         f"would move only the slots, which hold no row now, and count one more step in "
-                         f"the optimizer's state. Nothing was changed: call optimizer.zero_grad() after "
-                         f"each step, and optimizer.step() once, between loss.backward() and "
-                         f"afterOptimizerStep")
+        name = type(optimizer).__name__
+        if self._finished is not None and untouched(grad, *self._finished):
+            raise StateError(f"{name}.step() after afterOptimizerStep (after_step) with the step's "
+                             f"gradient still on the embedding (step() twice, or no zero_grad() after "
+                             f"a step): afterOptimizerStep wrote the step's rows back, so this step "
+                             f"would move only the slots, which hold no row now, and count one more "
+                             f"step in the optimizer's state. Nothing was changed: call "
+                             f"optimizer.zero_grad() after each step, and optimizer.step() once, "
+                             f"between loss.backward() and afterOptimizerStep")
+        held = "the last step's rows, written back already" if self.current is not None else \
+            "no rows of the table yet"
+        raise StateError(f"{name}.step() with a gradient on the embedding from a forward that no "
+                         f"beforeForwardPass (before_forward) began: its slots hold {held}, so this "
+                         f"update would reach no row of the table. Nothing was changed: begin each "
+                         f"step with beforeForwardPass(ids) on every switcher and feed the model the "
+                         f"local ids it returns, then loss.backward(), optimizer.step() and "
+                         f"afterOptimizerStep(ids); to drop this gradient, call optimizer.zero_grad()")
 
     def _check_stepped(self, step):
         """Raise when a backward of ``step`` left a gradient no optimizer.step() applied.
@@ -706,8 +726,8 @@ def _check_switched_steps(optimizer, args, kwargs):
     The ModelFactory's slots hold other rows every step, so without an
     OptimizerFactory swapping the state rows with them, Adam's moments (or
     SGD's momentum) of one row would move another; and between steps they
-    hold no row, so a step there with the last step's gradient is refused
-    (:meth:`SharedSteps.refuse_stepping_again`). A step let through marks the
+    hold no row, so a step there with a gradient on them is refused
+    (:meth:`SharedSteps.refuse_stepping_between_steps`). A step let through marks the
     switchers' step as stepping: from here the tables are behind its rows
     (:meth:`SharedSteps.tables_behind`). With a closure
     (``optimizer.step(closure)``) both come after it returned, as the
@@ -747,7 +767,7 @@ def _check_switched_params(optimizer):
         if not any(p is param for group in optimizer.param_groups for p in group["params"]):
             continue
         if not steps.busy():
-            steps.refuse_stepping_again(optimizer)
+            steps.refuse_stepping_between_steps(optimizer)
             continue
         if steps.alone(MODEL) and _keeps_row_state(optimizer, param):
             raise OptionError(
