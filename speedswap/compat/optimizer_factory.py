@@ -396,7 +396,10 @@ class OptimizerFactory(Switcher):
 
         The optimizer's scalar state (Adam's ``step``) is not in them: restore
         it with ``optimizer.load_state_dict(...)`` from a state_dict saved
-        beside them, or the next step refuses (the tables hold trained state).
+        beside them. An optimizer that holds no state yet then refuses the
+        next step (the tables hold trained state); one that has stepped is
+        not told: it goes on with its own step count, so Adam's bias
+        correction follows that count, not the checkpoint's.
 
         Args:
             path: what :meth:`save` wrote.
