@@ -198,47 +198,53 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         super().__init__()
         # nn.Embedding's initialisation, each rank drawing its own rows. DDP code seeds every
         # rank alike, so torch's global generator alone would give every shard the same rows:
-        # one draw from it plus the rank seeds this rank's generator. Drawn first, on every rank
-        # whatever fails: a rank that drew alone would leave the ranks' generators apart.
+        # one draw from it plus the rank seeds this rank's generator. A build that fails (on every
+        # rank together, see _agree_built) puts the generator back on every rank: a refused build
+        # changes nothing, and ranks of which some drew and some did not would stay apart.
+        generator = torch.get_rng_state()
         seed = int(torch.randint(0, 2 ** 62, ()).item())
-        error, resolved = None, None
         try:
-            refuse_other_arguments(type(self).__name__, ShardedOffloadedEmbedding.__init__, positional, others, {
-                "_weight": "write this rank's rows into the table on every rank (emb.table.apply_(lambda t: "
-                           "t.copy_(weight[emb.row_range.start:emb.row_range.stop]))), or emb.load(checkpoint)",
-                "_freeze": "look rows up in eval mode or under torch.no_grad(): forwards then read the table "
-                           "and nothing trains"})
-            if int_option(cache_rows, "cache_rows", minimum=0):
-                raise OptionError(f"cache_rows={cache_rows}: ShardedOffloadedEmbedding has no device cache; "
-                                  f"its rows reach their owners through the exchange every step. Pass "
-                                  f"cache_rows=0, or train in one process with OffloadedEmbedding(cache_rows=...)")
-            refuse_max_norm("ShardedOffloadedEmbedding", max_norm, norm_type, "emb.table.apply_ on every rank")
-            num_embeddings = int_option(num_embeddings, "num_embeddings")
-            padding_idx = padding_option(padding_idx, num_embeddings)
-            scale_grad_by_freq, sparse = embedding_flags(scale_grad_by_freq, sparse)
-            path = None if path is None else as_path(path)
-            embedding_dim = int_option(embedding_dim, "embedding_dim")
-            max_rows = max_rows_option(max_rows, num_embeddings, "ShardedOffloadedEmbedding",
-                                       "this rank in one step")
-            dtype = embedding_dtype(dtype)
-            self.num_embeddings, self.embedding_dim, self.max_rows = num_embeddings, embedding_dim, max_rows
-            self.padding_idx = padding_idx
-            self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
-            self._storage = storage
-            resolved = get_backend(backend, device)
-        except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it (see _agree_built)
-            error = exc
-        # Its own errors (no torch.distributed, or a process_group without this process) have no
-        # peer waiting for this rank: they raise here. Without a backend, messages go on the group's device.
-        self._exchange = Exchange(process_group, None if resolved is None else resolved.device)
-        self.rank, self.world_size = self._exchange.rank, self._exchange.world_size
-        self.table = None
-        if error is None:
+            error, resolved = None, None
             try:
-                self._build_shard(dtype, resolved, path, seed)
-            except Exception as exc:  # noqa: BLE001 -- as above
+                refuse_other_arguments(type(self).__name__, ShardedOffloadedEmbedding.__init__, positional, others, {
+                    "_weight": "write this rank's rows into the table on every rank (emb.table.apply_(lambda t: "
+                               "t.copy_(weight[emb.row_range.start:emb.row_range.stop]))), or emb.load(checkpoint)",
+                    "_freeze": "look rows up in eval mode or under torch.no_grad(): forwards then read the table "
+                               "and nothing trains"})
+                if int_option(cache_rows, "cache_rows", minimum=0):
+                    raise OptionError(f"cache_rows={cache_rows}: ShardedOffloadedEmbedding has no device cache; "
+                                      f"its rows reach their owners through the exchange every step. Pass "
+                                      f"cache_rows=0, or train in one process with OffloadedEmbedding(cache_rows=...)")
+                refuse_max_norm("ShardedOffloadedEmbedding", max_norm, norm_type, "emb.table.apply_ on every rank")
+                num_embeddings = int_option(num_embeddings, "num_embeddings")
+                padding_idx = padding_option(padding_idx, num_embeddings)
+                scale_grad_by_freq, sparse = embedding_flags(scale_grad_by_freq, sparse)
+                path = None if path is None else as_path(path)
+                embedding_dim = int_option(embedding_dim, "embedding_dim")
+                max_rows = max_rows_option(max_rows, num_embeddings, "ShardedOffloadedEmbedding",
+                                           "this rank in one step")
+                dtype = embedding_dtype(dtype)
+                self.num_embeddings, self.embedding_dim, self.max_rows = num_embeddings, embedding_dim, max_rows
+                self.padding_idx = padding_idx
+                self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
+                self._storage = storage
+                resolved = get_backend(backend, device)
+            except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it (see _agree_built)
                 error = exc
-        self._agree_built(error)
+            # Its own errors (no torch.distributed, or a process_group without this process) have no
+            # peer waiting for this rank: they raise here. Without a backend, messages go on the group's device.
+            self._exchange = Exchange(process_group, None if resolved is None else resolved.device)
+            self.rank, self.world_size = self._exchange.rank, self._exchange.world_size
+            self.table = None
+            if error is None:
+                try:
+                    self._build_shard(dtype, resolved, path, seed)
+                except Exception as exc:  # noqa: BLE001 -- as above
+                    error = exc
+            self._agree_built(error)
+        except BaseException:
+            torch.set_rng_state(generator)
+            raise
 
     def _build_shard(self, dtype: torch.dtype, backend, path: Optional[str], seed: int) -> None:
         """This rank's part of the constructor, from validated options: its shard of the table, the step's scratch."""
