@@ -13,6 +13,7 @@
 import contextlib
 import dataclasses
 import errno
+import math
 import mmap
 import os
 import warnings
@@ -69,6 +70,18 @@ def _out_of_memory(shape, dtype, storage, device: torch.device):
         f"available now); use storage='mmap' to keep it in a file, with path= a .npy file for a HostTable "
         f"or ModelFactory, a directory for an OffloadedEmbedding or OptimizerFactory (which keep their "
         f"optimizer state there too); or use fewer rows")
+
+
+def _aligned(ranges, dim, multiple):
+    """``ranges`` of rows ``dim`` long cut again: each but the last holds a multiple of ``multiple``
+    values, about as many as before, and the last at least ``multiple`` (or all of them)."""
+    unit = multiple // math.gcd(dim, multiple)  # the fewest rows holding a multiple of `multiple` values
+    step = max(unit, (ranges[0][1] - ranges[0][0]) // unit * unit)
+    rows = ranges[-1][1]
+    starts = list(range(0, rows, step))
+    if len(starts) > 1 and (rows - starts[-1]) * dim < multiple:
+        starts.pop()  # too short a last chunk joins the one before
+    return list(zip(starts, starts[1:] + [rows]))
 
 
 def _has_duplicates(flat):
@@ -860,15 +873,24 @@ class HostTable:
             self._backend.wait_host(buffer)
 
     # ------------------------------------------------------------ initialisers
-    def _row_chunks(self, writing=True):
-        """Row-range views of the table, about 64 MiB each."""
+    def _row_chunks(self, writing=True, values_multiple=1):
+        """Row-range views of the table, about 64 MiB each.
+
+        Args:
+            writing: the views are written (announced as a write) or only read.
+            values_multiple: every chunk but the last holds a multiple of this
+                many values, and the last at least this many (or is the whole table).
+        """
         tensor = (self._writable_buffer() if writing else self._live_buffer()).tensor
         if writing:
             self._announce_write()
         else:
             self._announce_read()
         self._backend.wait_host(self._buffer)
-        for start, stop in files.row_ranges(self._shape, numpy_dtype(self.dtype)):
+        ranges = files.row_ranges(self._shape, numpy_dtype(self.dtype))
+        if values_multiple > 1 and len(ranges) > 1:
+            ranges = _aligned(ranges, self._shape[1], values_multiple)
+        for start, stop in ranges:
             yield start, stop, tensor[start:stop]
 
     def _fill_from(self, source):
@@ -941,6 +963,10 @@ class HostTable:
                 generator: Optional[torch.Generator] = None) -> "HostTable":
         """Fill with N(mean, std²) in place, chunk by chunk. Returns self.
 
+        The chunks draw what one ``normal_`` call on the whole table draws:
+        after ``torch.manual_seed(s)`` a table holds the rows an
+        ``nn.Embedding`` of its shape would, on the CPU.
+
         Args:
             mean, std: the distribution's parameters.
             generator: a ``torch.Generator`` for reproducible fills, on any
@@ -976,7 +1002,11 @@ class HostTable:
         if generator is not None and not isinstance(generator, torch.Generator):
             raise DTypeError(f"{name}'s generator must be a torch.Generator, got "
                              f"{type(generator).__name__}; pass torch.Generator().manual_seed(seed)")
-        for _, _, chunk in self._row_chunks():
+        # torch's CPU normal_ draws float32 values 16 at a time and draws the last 16 of a tensor
+        # again when its size is not a multiple of 16: chunks of a multiple of 16 values, the
+        # last one at least 16, draw what one call on the whole table draws, so a seeded table
+        # starts as nn.Embedding's does at any size and row length.
+        for _, _, chunk in self._row_chunks(values_multiple=16):
             if generator is None or generator.device == chunk.device:
                 fill(chunk)
             else:

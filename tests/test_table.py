@@ -135,6 +135,30 @@ def test_a_seeded_cpu_generator_fills_every_storage_kind_alike(backend, storage,
     np.testing.assert_array_equal(table.to_numpy(), reference.to_numpy())
 
 
+@pytest.mark.parametrize("storage", ["pageable", "mmap"])
+@pytest.mark.parametrize("dim", [1, 3, 7, 16, 33])
+def test_a_seeded_table_draws_what_one_call_on_the_whole_tensor_draws(storage, dim, monkeypatch, tmp_path, rng):
+    """Tables are drawn chunk by chunk; nn.Embedding draws its weight in one normal_ call. The same
+    seed must give the same rows and leave torch's generator in the same state: swapping an
+    nn.Embedding for an OffloadedEmbedding changes no number."""
+    monkeypatch.setattr(ss.files.base, "CHUNK_BYTES", 29 * dim * 4)  # 29 rows a chunk, as 64 MiB would
+    rows = int(rng.integers(40, 400))                                  # a last chunk of any length
+    seed = int(rng.integers(2**62))
+    path = tmp_path / "t" if storage == "mmap" else None
+    torch.manual_seed(seed)
+    emb = ss.OffloadedEmbedding(rows, dim, max_rows=8, storage=storage, backend="numpy", path=path)
+    after = torch.rand(4)
+    torch.manual_seed(seed)
+    reference = torch.nn.Embedding(rows, dim)
+    np.testing.assert_array_equal(emb.table.to_numpy(), reference.weight.detach().numpy())
+    assert torch.equal(after, torch.rand(4))
+    generator = torch.Generator().manual_seed(seed)
+    emb.table.uniform_(-0.5, 0.25, generator=generator)
+    expected = torch.empty(rows, dim).uniform_(-0.5, 0.25, generator=generator.manual_seed(seed))
+    np.testing.assert_array_equal(emb.table.to_numpy(), expected.numpy())
+    emb.close()
+
+
 def test_apply_sees_the_whole_table_shape(backend):
     table = ss.HostTable.empty(4000, 64, storage="pageable", backend=backend)
     table.apply_(torch.nn.init.xavier_uniform_)
