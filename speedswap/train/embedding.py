@@ -33,6 +33,7 @@ from .leftover import untouched
 from .module_state import (check_tables_state, copy_tables, missing_hint, note_loaded, refused_after,
                            tables_state, unpicklable)
 from .one_optimizer import claim
+from .one_thread import OneThread, one_thread
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
 from .reached import KeptRows, ReachedRows, in_backward
@@ -163,6 +164,7 @@ class OffloadedEmbedding(RefusesConversion):
                  scale_grad_by_freq: bool = False, sparse: bool = False, max_norm: float = None,
                  norm_type: float = 2.0, _initialise: bool = True, **others):
         super().__init__()
+        self._one_thread = OneThread("this OffloadedEmbedding")
         refuse_other_arguments(type(self).__name__, OffloadedEmbedding.__init__, positional, others, {
             "_weight": "start the table from those rows with OffloadedEmbedding.from_pretrained(weight, "
                        "freeze=False, max_rows=...)",
@@ -344,6 +346,7 @@ class OffloadedEmbedding(RefusesConversion):
     def __reduce_ex__(self, protocol):
         raise unpicklable(type(self).__name__)
 
+    @one_thread
     def check_conversion(self, fn: Callable) -> None:
         refuse_conversion(type(self).__name__, fn, self.weight, self._table.dtype)
         if self._table.closed:
@@ -360,6 +363,7 @@ class OffloadedEmbedding(RefusesConversion):
                 + (", sparse=True" if self.sparse else ""))
 
     # ------------------------------------------------------------- training
+    @one_thread
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Offload ``optimizer``'s per-row state for :attr:`weight` and hook its ``step()``.
 
@@ -449,6 +453,7 @@ class OffloadedEmbedding(RefusesConversion):
             self._state.close()
             self._state = None
 
+    @one_thread
     def init_state(self) -> None:
         """Reset every row's optimizer state to the value torch creates it with.
 
@@ -480,6 +485,7 @@ class OffloadedEmbedding(RefusesConversion):
     # host reads, the forward's one host wait) is Python state a traced graph would replay
     # stale; the rest of a compiled model is still compiled around this call.
     @torch.compiler.disable
+    @one_thread
     def forward(self, input: Optional[Ids] = None, *extra, ids: Optional[Ids] = None,
                 offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -530,6 +536,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._reached.track(out, local)  # a forward no backward reaches trains nothing
         return out
 
+    @one_thread
     def slots(self, ids: Ids) -> torch.Tensor:
         """Training without autograd: bring the rows of ``ids`` into the step and return their slots.
 
@@ -574,6 +581,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._reached.reached(local)  # the caller writes these rows' gradient
         return local
 
+    @one_thread
     def discard_step(self) -> None:
         """Drop the rows (and gradients) of the training forwards since the last step, which will not run.
 
@@ -815,6 +823,7 @@ class OffloadedEmbedding(RefusesConversion):
         return bool(self._working_set.size)
 
     @property
+    @one_thread
     def table(self) -> HostTable:
         """The whole table: a :class:`~speedswap.HostTable` holding every row's current value.
 
@@ -854,6 +863,7 @@ class OffloadedEmbedding(RefusesConversion):
             cache.invalidate()
         return self._table
 
+    @one_thread
     def _prepare_table_read(self):
         """Have the device cache write its rows back before a read of the table through any reference to it.
 
@@ -863,6 +873,7 @@ class OffloadedEmbedding(RefusesConversion):
         if self._cache is not None and self._cache.num_slots:
             self._cache.flush()
 
+    @one_thread
     def _prepare_table_write(self):
         """Make a write into the table, through any reference to it, take effect as in memory.
 
@@ -985,9 +996,19 @@ class OffloadedEmbedding(RefusesConversion):
 
     # The step protocol of StepHooks.
     def _begin_step(self):
-        rows = self._working_set.rows
+        # The step's rows are this thread's from here until _end_step or _abort_step puts the
+        # parameter back: another thread's call in between would undo or read a step half done.
         if self._narrowed is not None:
             return
+        self._one_thread.enter()
+        try:
+            self._narrow_step()
+        finally:
+            if self._narrowed is None:  # nothing narrowed: an empty step, or one refused
+                self._one_thread.exit()
+
+    def _narrow_step(self):
+        rows = self._working_set.rows
         k = rows.shape[0]  # not len(): torch's Tensor.__len__ is Python (NOTES 47)
         if not k:
             self._refuse_eval_only_step()
@@ -1090,6 +1111,7 @@ class OffloadedEmbedding(RefusesConversion):
             self._empty_sparse.restore()
             self._empty_sparse = None
 
+    @one_thread
     def _end_step(self):
         self._eval_with_grad = False
         self._put_back_dense_zero_grad()
@@ -1116,6 +1138,7 @@ class OffloadedEmbedding(RefusesConversion):
             self._abort_step()  # the rows and state are read back as they were: retry or discard
             raise
         self._narrowed = None
+        self._one_thread.exit()  # the step's claim (see _begin_step); this call's holds until it returns
         for kept in self._kept or ():
             kept.put_back(self._full, self._state.step_state())
         self._kept = None
@@ -1129,6 +1152,7 @@ class OffloadedEmbedding(RefusesConversion):
         grad = self.weight.grad
         self._leftover = None if grad is None else (weakref.ref(grad), grad._version)
 
+    @one_thread
     def _abort_step(self):
         self._put_back_dense_zero_grad()
         if self._narrowed is None:
@@ -1137,6 +1161,7 @@ class OffloadedEmbedding(RefusesConversion):
         # hold every row as before it, so the working set is read back from them.
         self._narrowed.restore()
         self._narrowed = None
+        self._one_thread.exit()  # the step's claim (see _begin_step); this call's holds until it returns
         self._kept = None  # the rows are read back below, as they were
         self._state.release()
         # Nothing was stored: the cache too holds the rows as before, and the step goes on.
@@ -1144,6 +1169,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._gather_new(0, again=True)
 
     # ---------------------------------------------------------------- cache
+    @one_thread
     def prefetch(self, ids: Ids) -> int:
         """Start bringing the rows of the next step's ``ids`` (and their state) into the cache.
 
@@ -1174,6 +1200,7 @@ class OffloadedEmbedding(RefusesConversion):
         with torch.no_grad():
             return self._cache.prefetch(flat, self._working_set.holds, check_bounds)
 
+    @one_thread
     def flush(self) -> None:
         """Write the cached rows and their optimizer state back to the host tables.
 
@@ -1231,6 +1258,7 @@ class OffloadedEmbedding(RefusesConversion):
         optimizer = "" if self._state is None else type(self._state.optimizer).__name__
         return {"optimizer": optimizer}
 
+    @one_thread
     def save(self, path: PathLike) -> None:
         """Write the table and all offloaded optimizer state to one checkpoint, atomically.
 
@@ -1265,6 +1293,7 @@ class OffloadedEmbedding(RefusesConversion):
             return
         save_tables(path, self._tables(), self._attrs())
 
+    @one_thread
     def load(self, path: PathLike) -> None:
         """Restore a checkpoint written by :meth:`save` (attach the same optimizer class first).
 
@@ -1340,6 +1369,7 @@ class OffloadedEmbedding(RefusesConversion):
                               "it; load without assign")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
+    @one_thread
     def get_extra_state(self) -> dict:
         """The table and the attached optimizer's per-row state, for ``state_dict()``.
 
@@ -1366,6 +1396,7 @@ class OffloadedEmbedding(RefusesConversion):
         return tables_state(type(self).__name__, self._tables(), self._attrs()["optimizer"],
                             self.num_embeddings)
 
+    @one_thread
     def set_extra_state(self, state: dict) -> None:
         """Restore what :meth:`get_extra_state` returned: the table and the optimizer's per-row state.
 
@@ -1451,6 +1482,7 @@ class OffloadedEmbedding(RefusesConversion):
             missing_keys.remove(weight)  # given, and rightly not loaded
 
     # ------------------------------------------------------------- lifecycle
+    @one_thread
     def close(self) -> None:
         """Release the table and optimizer state memory and unhook the optimizer. Idempotent.
 
