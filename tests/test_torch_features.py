@@ -24,7 +24,7 @@ from rendezvous import rendezvous_url
 from test_training_flows import (ROWS, STEPS, adam_against_sparse_adam, assert_equal_to_reference,
                                  assert_trained_as_sparse_adam, both_sides, make_lazy, pair, step_both, train_step,
                                  zipf_ids)
-from training_helpers import CAPACITY, DIM, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
+from training_helpers import CAPACITY, DIM, NUM_ROWS, run_in_memory, run_switchers, skipgram_loss, zipf_batches
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])
@@ -378,6 +378,58 @@ def test_compiling_a_model_whole_with_fullgraph_is_refused_by_torch_before_any_r
     torch._dynamo.reset()
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
+
+
+@pytest.mark.parametrize("compiler, closure, cache_rows", [("eager", False, 40), ("aot_eager", False, 0),
+                                                       ("eager", True, 0)])
+def test_a_compiled_optimizer_step_trains_as_in_memory(rng, compiler, closure, cache_rows):
+    """``torch.compile(opt.step)``, PyTorch's recipe for a faster step, of the attached optimizer (and of
+    the reference's), with and without a closure. Dynamo traced the step hooks with the rest of the
+    step: the narrowing's ``param.data`` and ``param.grad`` assignments ran out of order, and the first
+    step raised torch's ``RuntimeError: attempting to assign a gradient of size '[81, 6]' to a tensor
+    of size '[24, 6]'``. The hooks (and a closure's narrowing) run eagerly now; the rest of the step
+    is compiled."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    torch._dynamo.reset()
+    steps = {optimizer: torch.compile(optimizer.step, backend=compiler) for optimizer in (opt, ref_opt)}
+    for ids, target in zipf_ids(rng, 12):
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            def loss(model=model, optimizer=optimizer):
+                optimizer.zero_grad()
+                value = F.mse_loss(model(ids), target)
+                value.backward()
+                return value
+            if closure:
+                steps[optimizer](loss)
+            else:
+                loss()
+                steps[optimizer]()
+    torch._dynamo.reset()
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+def test_switchers_train_with_a_compiled_optimizer_step_as_in_memory(rng):
+    """``torch.compile(opt.step)`` under an ``OptimizerFactory``: its step hooks raised torch's
+    ``RuntimeError`` (a gradient assigned to a parameter of another size) at the first step."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM)).astype(np.float32)
+    batches = zipf_batches(rng, 12, "cpu")
+
+    def compiled_adam(params):
+        opt = torch.optim.Adam(params, lr=0.01)
+        opt.step = torch.compile(opt.step, backend="eager")
+        return opt
+
+    torch._dynamo.reset()
+    table, state = run_switchers(compiled_adam, table0, batches, "numpy")
+    torch._dynamo.reset()
+    ref_table, ref_state = run_in_memory(lambda p: torch.optim.Adam(p, lr=0.01), table0, batches, "cpu",
+                                         initial_state=lambda name, group: 0.0)
+    np.testing.assert_allclose(table, ref_table, rtol=1e-5, atol=1e-6)
+    for name, value in ref_state.items():
+        np.testing.assert_allclose(state[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 #: torch.func calls of an embedding's forward, as they are written for an nn.Embedding.
 TORCH_FUNC_CALLS = {

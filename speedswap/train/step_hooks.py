@@ -17,9 +17,17 @@ things make that subtle, and this module handles them once for every owner
 * lifetime: the optimizer holds the hooks, the owner holds the optimizer; the
   hooks reach the owner through a weak reference, so dropping the owner frees
   its tables at once instead of when the cycle collector runs.
+* ``torch.compile(optimizer.step)``: dynamo traces the hooks with the step,
+  and the narrowing's ``param.data`` and ``param.grad`` assignments, replayed
+  from the trace, ran out of order (torch's ``RuntimeError`` for a gradient of
+  another size than its parameter). The hooks, and the closure wrapper that
+  narrows, run eagerly (``torch.compiler.disable``: a graph break each); the
+  optimizer's arithmetic between them is compiled.
 """
 
 import weakref
+
+import torch
 
 __all__ = ["StepHooks", "closure_of"]
 
@@ -70,6 +78,7 @@ def _remove(handles):
 
 
 def _pre_hook(ref):
+    @torch.compiler.disable
     def before_step(optimizer, args, kwargs):
         owner = ref()
         if owner is None:
@@ -80,6 +89,7 @@ def _pre_hook(ref):
             owner._begin_step()
             return None
 
+        @torch.compiler.disable
         def closure_then_narrow():
             # The forward inside the closure decides the rows; narrow only after it.
             current = ref()
@@ -95,6 +105,7 @@ def _pre_hook(ref):
 
 
 def _post_hook(ref):
+    @torch.compiler.disable
     def after_step(optimizer, args, kwargs):
         owner = ref()
         if owner is not None:
