@@ -19,6 +19,7 @@ The ``padding`` scenario builds the table with ``nn.Embedding``'s ``padding_idx`
 makes every rank's forwards itself (see :func:`padding_reference`).
 """
 
+import contextlib
 import copy
 import datetime
 import json
@@ -57,6 +58,8 @@ PAD = NUM_ROWS - 3
 EMBEDDING_OPTIONS = dict(padding_idx=PAD, scale_grad_by_freq=True)
 #: The clip scenario's max_norm: below most steps' gradient norm, so that most steps clip.
 MAX_NORM = 0.1
+#: The midfail scenario's steps at which rank 1 fails between the messages of a call, by the call.
+MIDWAY = {"forward": 3, "eval": 5, "step": 7, "exchange": 9}
 #: The checkpointed scenarios' steps: several of SKIPPED among them, and steps after the last.
 CHECKPOINTED_STEPS = 30
 
@@ -875,6 +878,55 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"outsider.rank{rank}.json"), "w") as f:
             json.dump(error, f)
         return
+    elif kind == "midfail":  # rank 1 fails between a call's messages (memory, a read): see MIDWAY
+        from unittest import mock
+        emb, opt = make(name)
+        emb.load(table_file)
+        results = {}
+
+        def fails_on_rank_1(what, call, injected):
+            """``call()`` on every rank, ``injected`` (a patch) making it fail on rank 1: the errors to ``results``."""
+            before = emb.table.to_numpy(copy=True)
+            try:
+                with injected if rank == 1 else contextlib.nullcontext():
+                    call()
+                error = {}
+            except Exception as exc:  # rank 1's own error is no SpeedswapError
+                error = {type(exc).__name__: str(exc)}
+            result = {"error": error, "unchanged": bool(np.array_equal(emb.table.to_numpy(), before))}
+            done = os.path.join(out, f"midfail-{what}.rank0.done")
+            if rank == 0:
+                open(done, "w").close()
+            else:  # in no collective until rank 0 has heard: heard at once, or never (see "exchange")
+                give_up = time.monotonic() + 30
+                while not os.path.exists(done) and time.monotonic() < give_up:
+                    time.sleep(0.01)
+                result["heard while waiting"] = os.path.exists(done)
+            results[what] = result
+
+        for step in range(STEPS):
+            ids, targets = global_batch(seed, step)
+            part = rank_slice(step, world, rank)
+            if step == MIDWAY["forward"]:  # reading the rows its peer asked for: the retry is the step's forward
+                fails_on_rank_1("forward", lambda: rank_loss(emb, ids[part], targets[part], world),
+                                mock.patch.object(emb, "_gather_owned", side_effect=MemoryError("injected")))
+            if step == MIDWAY["eval"]:  # an eval forward, then again: the rows of the table trained so far
+                with torch.no_grad():
+                    fails_on_rank_1("eval", lambda: emb(ids[part]), mock.patch.object(
+                        emb.table, "gather_validated", side_effect=MemoryError("injected")))
+                    np.save(os.path.join(out, f"midfail-eval.rank{rank}.npy"), emb(ids[part]).numpy())
+            rank_loss(emb, ids[part], targets[part], world).backward()
+            if step == MIDWAY["step"]:  # grouping its gradients by owner, before the step's first message
+                fails_on_rank_1("step", opt.step, mock.patch("torch.argsort", side_effect=RuntimeError("injected")))
+            if step == MIDWAY["exchange"]:  # the memory its peer's gradients arrive in
+                fails_on_rank_1("exchange", emb.exchange_gradients, mock.patch.object(
+                    torch.Tensor, "new_empty", side_effect=MemoryError("injected")))
+                emb.exchange_gradients()
+            opt.step()
+            opt.zero_grad()
+        with open(os.path.join(out, f"midfail.rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        name = "midfail"
     elif kind == "crash":    # rank 1 does not catch its error: every rank must exit, not hang
         emb, opt = make(name)
         ids = torch.arange(4) + (NUM_ROWS if rank == 1 else 0)

@@ -28,8 +28,8 @@ from host_syncs import HostSyncs
 from rendezvous import rendezvous_url
 from speedswap.train import sharded_checkpoint
 from speedswap.train.exchange import Exchange
-from sharded_worker import (CHECKPOINTED_STEPS, DIM, NUM_ROWS, PAD, SAVE_AT, SKIPPED, STEPS, initial_table,
-                            make, shard_arrays, train)
+from sharded_worker import (CHECKPOINTED_STEPS, DIM, MIDWAY, NUM_ROWS, PAD, SAVE_AT, SKIPPED, STEPS,
+                            initial_table, make, shard_arrays, train)
 from test_torch_features import TORCH_FUNC_CALLS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -273,6 +273,42 @@ def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):
     (code0, err0), (code1, err1) = results
     assert code1 != 0 and "IdError" in err1
     assert code0 != 0 and "StateError" in err0 and "rank(s) [1]" in err0
+
+
+@pytest.fixture(scope="module")
+def failed_midway(tmp_path_factory):
+    """Two ranks train Adam; at the steps of MIDWAY rank 1 fails between the messages of a call."""
+    out = tmp_path_factory.mktemp("midfail")
+    seed = fixture_seed("failed_midway")
+    assert_ok(launch(2, out, seed, "midfail:adam"))
+    return out, seed
+
+
+@pytest.mark.parametrize("what", sorted(MIDWAY))
+def test_a_failure_between_a_calls_messages_raises_on_every_rank_at_once(failed_midway, what):
+    """Rank 1 raised (out of memory, say) after the call's first message, leaving rank 0 waiting in
+    the next one until the gloo timeout (then a RuntimeError, the group broken): in a training or
+    an eval forward, reading the rows rank 0 asked for; at the step, before its first message
+    (grouping its gradients by owner); in exchange_gradients(), making the memory rank 0's
+    gradients arrive in. Now every rank raises at once, nothing changed, and the call is retried."""
+    out, _ = failed_midway
+    rank0, rank1 = (result[what] for result in reported(out, "midfail"))
+    expected = "MemoryError" if what != "step" else "RuntimeError"
+    assert rank1["error"] == {expected: "injected"}
+    assert "failed on rank(s) [1]" in rank0["error"]["StateError"], rank0["error"]
+    assert rank1["heard while waiting"]
+    assert rank0["unchanged"] and rank1["unchanged"]
+
+
+def test_calls_retried_after_failing_midway_train_as_one_process(failed_midway):
+    out, seed = failed_midway
+    # The eval forward retried reads the table of the steps before it, as in memory.
+    table, _ = sharded_worker.reference("adam", seed, steps=MIDWAY["eval"])
+    ids, _ = sharded_worker.global_batch(seed, MIDWAY["eval"])
+    for rank in range(2):
+        part = sharded_worker.rank_slice(MIDWAY["eval"], 2, rank)
+        np.testing.assert_allclose(np.load(out / f"midfail-eval.rank{rank}.npy"), table[ids[part].numpy()], **TOL)
+    assert_same(gathered(out, "midfail", 2), reference("adam", seed))
 
 
 #: The checkpointed scenarios: <loop>-<use_reentrant> (see sharded_worker.train_checkpointed).

@@ -24,7 +24,9 @@ every rank sees it, the failing rank raises its own error and the others a
 :class:`~speedswap.StateError` naming it, all without changing a row, and
 ranks that make different calls or hold different tables all raise
 ``StateError``. Work that can fail between collectives (file writes) ends
-with :meth:`Exchange.agree`.
+with :meth:`Exchange.agree` (:func:`run_everywhere`), and a message whose
+making can fail (the rows other ranks asked for, in memory sized by them)
+is sent by :meth:`Exchange.reply`, which agrees first.
 
 >>> row_bounds(10, 3)
 [0, 4, 7, 10]
@@ -37,7 +39,7 @@ with :meth:`Exchange.agree`.
 
 import functools
 import operator
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,7 +47,9 @@ import torch.distributed as dist
 from ..errors import OptionError, StateError
 
 __all__ = ["row_bounds", "owner_starts", "owners", "count_by_owner", "Exchange", "CALLS", "TRAIN_FORWARD", "EVAL_FORWARD", "STEP", "SAVE",
-           "LOAD", "EXCHANGE", "GRAD_NORM", "LOAD_TABLE", "BUILD"]
+           "LOAD", "EXCHANGE", "GRAD_NORM", "LOAD_TABLE", "BUILD", "run_everywhere"]
+
+T = TypeVar("T")
 
 #: The collective calls, as :meth:`Exchange.begin` names them when ranks make different ones.
 #: An explicit exchange_gradients() is a call of its own: a rank exchanging there must not
@@ -161,14 +165,20 @@ class Exchange:
         self.device = torch.device(device)
         self.bytes_sent = 0  # rows' bytes this rank sent to other ranks (the benchmark reads it)
 
-    def _all_to_all(self, send: torch.Tensor, send_counts: List[int],
-                    recv_counts: List[int]) -> torch.Tensor:
+    def _all_to_all(self, send: torch.Tensor, send_counts: List[int], recv_counts: List[int],
+                    recv: Optional[torch.Tensor]) -> torch.Tensor:
+        """Send ``send`` and receive into ``recv``, from :meth:`_receive_buffer`."""
         if self.world_size == 1:
             return send
-        recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
         dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts,
                                group=self.group)
         return recv
+
+    def _receive_buffer(self, send: torch.Tensor, recv_counts: List[int]) -> Optional[torch.Tensor]:
+        """Where the rows sent to this rank land (None with one rank: the message is ``send`` itself)."""
+        if self.world_size == 1:
+            return None
+        return send.new_empty((sum(recv_counts), *send.shape[1:]))
 
     def begin(self, call: int, error: Optional[BaseException], config: Sequence[int],
               describe: Callable[[Sequence[int]], str], what: str, *,
@@ -295,10 +305,45 @@ class Exchange:
         Returns:
             ``(sum(recv_counts), ...)`` rows, those from rank 0 first.
         """
+        self._count_bytes(send, send_counts)
+        return self._all_to_all(send, send_counts, recv_counts, self._receive_buffer(send, recv_counts))
+
+    def reply(self, what: str, make: Callable[[], torch.Tensor], send_counts: List[int],
+              recv_counts: List[int]) -> torch.Tensor:
+        """:meth:`rows` of what ``make()`` returns, once every rank has made its message.
+
+        For work between two messages of a call that may fail on one rank
+        (memory sized by what the other ranks asked for, a read of the
+        table): a rank that raised there and left the call would leave its
+        peers waiting in the all-to-all until the process group's timeout.
+        ``make()`` and the memory the rows are received into are made first,
+        then every rank hears in one :meth:`agree` whether every rank did.
+
+        Args:
+            what: the call, named in the error the other ranks raise.
+            make: this rank's rows, grouped by destination, as :meth:`rows` sends them.
+            send_counts, recv_counts: as for :meth:`rows`.
+
+        Returns:
+            As :meth:`rows`.
+
+        Raises:
+            ``make``'s exception (or the receive buffer's) on the rank that
+            met it; StateError naming the failed ranks on the others. No row
+            has moved between ranks then.
+        """
+        def prepare():
+            send = make().contiguous()  # a copy to make, if it is not: here, where it may fail
+            return send, self._receive_buffer(send, recv_counts)
+
+        send, recv = run_everywhere(self, what, prepare)
+        self._count_bytes(send, send_counts)
+        return self._all_to_all(send, send_counts, recv_counts, recv)
+
+    def _count_bytes(self, send: torch.Tensor, send_counts: List[int]) -> None:
         if len(send):
             row_bytes = send[0].numel() * send.element_size()
             self.bytes_sent += row_bytes * (sum(send_counts) - send_counts[self.rank])
-        return self._all_to_all(send, send_counts, recv_counts)
 
     def norm(self, local: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The ``norm_type``-norm of every rank's values, from each rank's norm ``local`` of its own.
@@ -382,3 +427,22 @@ class Exchange:
         failed = flags.nonzero().flatten().tolist()
         if failed:
             raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why)")
+
+
+def run_everywhere(exchange: Exchange, what: str, work: Callable[[], T], *, on_rank: Optional[int] = None) -> Optional[T]:
+    """Run ``work()`` (on every rank, or only ``on_rank``), then raise everywhere if it failed anywhere.
+
+    Returns:
+        What ``work()`` returned (None on the ranks that did not run it).
+
+    Raises:
+        as :meth:`Exchange.agree`.
+    """
+    error, result = None, None
+    if on_rank is None or exchange.rank == on_rank:
+        try:
+            result = work()
+        except Exception as exc:  # noqa: BLE001 -- every rank must reach agree()
+            error = exc
+    exchange.agree(error, what)
+    return result

@@ -44,7 +44,7 @@ from ..table import HostTable
 from .checkpoint import file_in
 from .conversions import RefusesConversion, refuse_conversion, refuse_new_storage
 from .exchange import (BUILD, EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
-                       Exchange, count_by_owner, owner_starts, owners, row_bounds)
+                       Exchange, count_by_owner, owner_starts, owners, row_bounds, run_everywhere)
 from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
@@ -52,8 +52,7 @@ from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_op
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
 from .step_hooks import StepHooks
-from .sharded_checkpoint import (all_unchanged, load_shards, ranks_on_this_machine, run_everywhere,
-                                 save_shards, stage_table_rows)
+from .sharded_checkpoint import all_unchanged, load_shards, ranks_on_this_machine, save_shards, stage_table_rows
 from .working_set import WorkingSet
 from .zero_marks import reads_as_zeroed
 
@@ -641,8 +640,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 state ``optimizer.load_state_dict()`` replaced without the
                 matching :meth:`load`, bad input on another rank, another call
                 (a step, a save) on another rank, or ranks whose embeddings or
-                optimizers differ. Whoever fails, every rank raises and no row
-                changes.
+                optimizers differ; another rank failed to read the rows this one
+                asked for (out of memory, say: that rank raises its own error).
+                Whoever fails, every rank raises at once and no row changes.
             OptionError: a forward under a ``torch.func`` transform, raised on
                 each rank that runs one, before any message (nothing changes).
         """
@@ -662,7 +662,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 # given it other storage since: the step trains weight.data, and the rows are
                 # gathered into, and written back from, _full.
                 self.weight.data = self._full
-        before, error, send, counts = copy.copy(self._looked_up), None, None, None
+        # Whoever fails, every rank raises with the step as it was before this forward: the working
+        # sets replace their tensors rather than write into them (see WorkingSet.add), so these restore them.
+        before = copy.copy(self._looked_up), copy.copy(self._owned), [parts[:] for parts in self._sent_to_me]
+        error, send, counts = None, None, None
         try:
             self._check_open()
             if extra or offsets is not None or per_sample_weights is not None:
@@ -676,8 +679,6 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                                      "step() is where gradients reach the rows' owners")
                 if self._forwards == 0:
                     self._check_optimizer_state()  # before a step begins, when emb.load still may run
-                # WorkingSet.add replaces its tensors rather than writing into them,
-                # so the shallow copy above restores it should another rank fail.
                 # Each rank's count of the new rows rides in the working set's one read.
                 local, first_new, counts = self._looked_up.add(flat.view(shape), check_bounds, self._count_new)
                 send = self._looked_up.rows[first_new:]  # sorted, so grouped by owner
@@ -692,23 +693,13 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             recv_counts, _ = self._exchange.begin(TRAIN_FORWARD if training else EVAL_FORWARD, error,
                                                   self._config(with_optimizer=training), _describe,
                                                   "a forward", send_counts=counts)
+            asked = self._exchange.rows(send, counts, recv_counts)
+            rows = self._exchange.reply("a forward (reading the rows other ranks asked for)",
+                                        lambda: self._answer(asked, recv_counts, training), recv_counts, counts)
         except BaseException:
-            self._looked_up = before
+            self._looked_up, self._owned, self._sent_to_me = before
             raise
-        asked = self._exchange.rows(send, counts, recv_counts) - self.bounds[self.rank]
-        if training:
-            slots, first_owned, _ = self._owned.add(asked)
-            self._gather_owned(first_owned)
-            for source, part in enumerate(slots.split(recv_counts)):
-                self._sent_to_me[source].append(part)
-            # Rows travel in the table's dtype: these were read from the table this step,
-            # so a bfloat16 table's rows go back to bfloat16 exactly, at half the bytes.
-            reply = self._full[slots].to(self.table.dtype)
-        else:
-            out = torch.empty(len(asked), self.embedding_dim, dtype=self.table.dtype,
-                              device=self.table.device)
-            reply = self.table.gather_validated(asked, out)
-        rows = self._exchange.rows(reply, recv_counts, counts).to(self.weight.dtype)
+        rows = rows.to(self.weight.dtype)
         if not training:
             return rows[inverse].view(*shape, self.embedding_dim)
         self._forwards += 1
@@ -723,6 +714,24 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         out = F.embedding(local, self._rows, scale_grad_by_freq=self.scale_grad_by_freq)
         self._reached.track(out, local)  # a forward no backward reaches trains nothing
         return out
+
+    def _answer(self, asked: torch.Tensor, recv_counts, training: bool) -> torch.Tensor:
+        """The rows of this rank's shard that the ranks' ``asked`` global ids name, in the table's dtype.
+
+        Work between a forward's messages, which may fail (memory, a read): see :meth:`Exchange.reply`.
+        A training forward also takes them into the step (the owned working set, gathered from the table).
+        """
+        asked = asked - self.bounds[self.rank]
+        if not training:
+            out = torch.empty(len(asked), self.embedding_dim, dtype=self.table.dtype, device=self.table.device)
+            return self.table.gather_validated(asked, out)
+        slots, first_owned, _ = self._owned.add(asked)
+        self._gather_owned(first_owned)
+        for source, part in enumerate(slots.split(recv_counts)):
+            self._sent_to_me[source].append(part)
+        # Rows travel in the table's dtype: these were read from the table this step,
+        # so a bfloat16 table's rows go back to bfloat16 exactly, at half the bytes.
+        return self._full[slots].to(self.table.dtype)
 
     def prefetch(self, ids: Ids) -> NoReturn:
         """Refused: a sharded table has no device cache to prefetch into (see ``cache_rows``).
@@ -929,8 +938,66 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         :data:`EXCHANGE` or :data:`STEP`.
         """
         what = "exchange_gradients()" if call == EXCHANGE else "optimizer.step()"
-        if error is not None:
-            self._exchange.begin(call, error, self._config(), _describe, what)  # raises everywhere
+        counts, flags = None, 0
+        if error is None:
+            try:
+                grad, order, counts, unreached, flags = self._gradients_by_owner()
+            except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not wait in the exchange
+                error = exc
+        recv_counts, flags = self._exchange.begin(
+            call, error, self._config(), _describe, what, send_counts=counts,
+            expected=[sum(len(part) for part in parts) for parts in self._sent_to_me], flags=flags)
+        any_unreached = flags & _UNREACHED
+        if flags & _REACHED:  # else no gradient moves (below)
+            received = self._exchange.reply(what, lambda: self._by_owner(grad, order, unreached, any_unreached),
+                                            counts, recv_counts)
+        self._exchanged = True  # not before: a retry after a failed reply exchanges again
+        self._put_back = None
+        if not flags & _REACHED:
+            if flags & _ZERO_KEPT:
+                # No backward reached the step, but the table's gradient is zeros
+                # (zero_grad(set_to_none=False)): torch steps it, counting the step as in
+                # memory, and every row goes back unchanged, as lazily in memory. On every rank.
+                self._keep_zero_grad()
+                self._put_back = torch.arange(self._owned.size, device=self.weight.device)
+                return
+            # No backward reached a forward of this step on any rank: in memory the table would
+            # have no gradient, and torch's step would skip it (Adam's step count included).
+            self.weight.grad = None
+            return
+        slots = torch.cat([part for parts in self._sent_to_me for part in parts])
+        k = self._owned.size
+        # All of it: the placeholder's mark, or an earlier step's rows, must not reach a clip's norm.
+        owned_grad = self._grad.zero_()[:k]
+        # One add per source, in rank order: a source's rows are distinct, so no
+        # add races another (on a GPU index_add_ sums duplicates atomically, in
+        # no fixed order), and every run sums a row's gradients in the same order.
+        for lo, hi in itertools.pairwise(itertools.accumulate(recv_counts, initial=0)):
+            if hi > lo:
+                owned_grad.index_add_(0, slots[lo:hi], received[lo:hi, :self.embedding_dim])
+        owned_grad.div_(self.world_size)
+        self._mark_zero_gradient()
+        self.weight.grad = self._grad
+        self._zero_kept = False
+        if any_unreached:
+            # The slots some reached row asked for, marked with no host wait (a bool mask's
+            # indexing reads its count, a number through a tensor index is copied to a GPU):
+            # the others point at a spare last entry.
+            asked_by_reached = torch.where(received[:, -1] > 0, slots, k)
+            got = torch.zeros(k + 1, dtype=torch.bool, device=grad.device).index_fill_(0, asked_by_reached, True)
+            kept = (~got[:k]).nonzero().squeeze(1)
+            self._put_back = kept if len(kept) else None
+
+    def _gradients_by_owner(self):
+        """This rank's part of the gradient exchange, before its first message: everything that may fail.
+
+        Returns:
+            (the looked-up rows' gradient, the order that groups its rows by owner, the count
+            for each owner, the slots of forwards no backward reached or None, the exchange's flags).
+
+        Raises:
+            StateError: ``weight.grad``'s placeholder was rescaled before the exchange (see :meth:`_check_grad_untouched`).
+        """
         k_local = self._looked_up.size
         grad = self._rows.grad
         grad = (grad[:k_local] if grad is not None
@@ -954,58 +1021,26 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             counts = torch.cat([counts, (self._grad[-1:, -1] != self._mark).to(counts.dtype)])
         counts = counts.tolist()
         if placeholder and counts.pop():
-            self._exchange.begin(call, StateError(_GRAD_CHANGED), self._config(), _describe, what)
+            raise StateError(_GRAD_CHANGED)
         unreached = self._reached.unreached_slots(k_local, grad.device)
-        recv_counts, flags = self._exchange.begin(
-            call, None, self._config(), _describe, what, send_counts=counts,
-            expected=[sum(len(part) for part in parts) for parts in self._sent_to_me],
-            flags=(_UNREACHED * (unreached is not None) | _REACHED * self._reached.any_reached()
-                   | _ZERO_KEPT * self._holds_kept_zero()))
-        self._exchanged = True
-        self._put_back = None
-        if not flags & _REACHED:
-            if flags & _ZERO_KEPT:
-                # No backward reached the step, but the table's gradient is zeros
-                # (zero_grad(set_to_none=False)): torch steps it, counting the step as in
-                # memory, and every row goes back unchanged, as lazily in memory. On every rank.
-                self._keep_zero_grad()
-                self._put_back = torch.arange(self._owned.size, device=self.weight.device)
-                return
-            # No backward reached a forward of this step on any rank: in memory the table would
-            # have no gradient, and torch's step would skip it (Adam's step count included).
-            self.weight.grad = None
-            return
-        any_unreached = flags & _UNREACHED
-        if any_unreached:
-            # Rows of forwards no backward reached (a step skipped before its backward) are
-            # flagged, so that owners put back those no reached forward looked up.
-            reached = torch.ones(k_local, 1, dtype=grad.dtype, device=grad.device)
+        flags = (_UNREACHED * (unreached is not None) | _REACHED * self._reached.any_reached()
+                 | _ZERO_KEPT * self._holds_kept_zero())
+        return grad, order, counts, unreached, flags
+
+    @staticmethod
+    def _by_owner(grad: torch.Tensor, order: torch.Tensor, unreached: Optional[torch.Tensor],
+                  flagged: bool) -> torch.Tensor:
+        """The exchange's message: ``grad``'s rows in ``order``, and with ``flagged`` a column that is 0 for ``unreached`` ones.
+
+        Rows of forwards no backward reached (a step skipped before its backward) are
+        flagged, so that owners put back those no reached forward looked up.
+        """
+        if flagged:
+            reached = torch.ones(len(grad), 1, dtype=grad.dtype, device=grad.device)
             if unreached is not None:
                 reached.index_fill_(0, unreached, 0)  # not reached[unreached] = 0: a host wait on a GPU
             grad = torch.cat([grad, reached], 1)
-        received = self._exchange.rows(grad[order], counts, recv_counts)
-        slots = torch.cat([part for parts in self._sent_to_me for part in parts])
-        k = self._owned.size
-        # All of it: the placeholder's mark, or an earlier step's rows, must not reach a clip's norm.
-        owned_grad = self._grad.zero_()[:k]
-        # One add per source, in rank order: a source's rows are distinct, so no
-        # add races another (on a GPU index_add_ sums duplicates atomically, in
-        # no fixed order), and every run sums a row's gradients in the same order.
-        for lo, hi in itertools.pairwise(itertools.accumulate(recv_counts, initial=0)):
-            if hi > lo:
-                owned_grad.index_add_(0, slots[lo:hi], received[lo:hi, :self.embedding_dim])
-        owned_grad.div_(self.world_size)
-        self._mark_zero_gradient()
-        self.weight.grad = self._grad
-        self._zero_kept = False
-        if any_unreached:
-            # The slots some reached row asked for, marked with no host wait (a bool mask's
-            # indexing reads its count, a number through a tensor index is copied to a GPU):
-            # the others point at a spare last entry.
-            asked_by_reached = torch.where(received[:, -1] > 0, slots, k)
-            got = torch.zeros(k + 1, dtype=torch.bool, device=grad.device).index_fill_(0, asked_by_reached, True)
-            kept = (~got[:k]).nonzero().squeeze(1)
-            self._put_back = kept if len(kept) else None
+        return grad[order]
 
     def _mark_zero_gradient(self) -> None:
         """Mark the exchanged gradient, where it is zero, so that :meth:`_zeroed_since_exchange` tells ``zero_()`` apart.

@@ -47,12 +47,12 @@ from ..backends import available_ram
 from ..errors import DTypeError, FileFormatError, MissingFileError, PathError, StateError, warn
 from ..table import loading_into
 from .caching import rewriting
-from .exchange import Exchange, row_bounds
+from .exchange import Exchange, row_bounds, run_everywhere
 
 if TYPE_CHECKING:  # a cycle at run time: embedding imports checkpoint, which imports this module
     from .embedding import OffloadedEmbedding
 
-__all__ = ["save_shards", "load_shards", "all_unchanged", "stage_table_rows", "load_sharded", "run_everywhere",
+__all__ = ["save_shards", "load_shards", "all_unchanged", "stage_table_rows", "load_sharded",
            "ranks_on_this_machine", "MANIFEST"]
 
 MANIFEST = "manifest.json"
@@ -172,18 +172,6 @@ def _restore_scalar_state(row_state, manifest):
         state[name] = value if dtype is None else torch.tensor(
             value, dtype=getattr(torch, dtype), device=device)
     row_state.mark_loaded()
-
-
-def run_everywhere(exchange, what, work, *, on_rank=None):
-    """Run ``work()`` (on every rank, or only ``on_rank``), then raise everywhere if it failed anywhere."""
-    error, result = None, None
-    if on_rank is None or exchange.rank == on_rank:
-        try:
-            result = work()
-        except Exception as exc:  # noqa: BLE001 -- every rank must reach agree()
-            error = exc
-    exchange.agree(error, what)
-    return result
 
 
 def save_shards(path, tables, row_state, bounds, exchange) -> None:
