@@ -53,7 +53,7 @@ def row_state(optimizer, param):
 
 
 def run_switchers(make_opt, table0, batches, backend, sparse=False, cache_rows=0, prefetch=False,
-                  replay_at=None, optimizer_switcher=True):
+                  replay_at=None, optimizer_switcher=True, restore_optimizer=True):
     """SpeedTorch-style training: placeholders, camelCase methods, host tables.
 
     Args:
@@ -63,6 +63,7 @@ def run_switchers(make_opt, table0, batches, backend, sparse=False, cache_rows=0
             working set already).
         replay_at: as in :func:`run_offloaded`, through the switchers' ``save``
             and ``load`` (and the optimizer's state_dict).
+        restore_optimizer: as in :func:`run_offloaded`.
         optimizer_switcher: build an OptimizerFactory; without it the
             ModelFactory trains alone (plain SGD keeps no per-row state).
     """
@@ -91,7 +92,8 @@ def run_switchers(make_opt, table0, batches, backend, sparse=False, cache_rows=0
             elif replay_at is not None and saved is not None and step == saved[0] + 10:
                 for k, switch in enumerate(switches):
                     switch.loadCupy(os.path.join(tmp, f"switch{k}" + (".npy" if k == 0 else "")))
-                opt.load_state_dict(saved[1])
+                if restore_optimizer:
+                    opt.load_state_dict(saved[1])
                 step, replay_at = saved[0], None
             pos, neg, ctx = batches[step]
             u_switch.beforeForwardPass(pos, neg)
@@ -116,7 +118,7 @@ def run_switchers(make_opt, table0, batches, backend, sparse=False, cache_rows=0
 
 
 def run_offloaded(make_opt, table0, batches, backend, cache_rows=0, prefetch=False,
-                  replay_at=None):
+                  replay_at=None, restore_optimizer=True):
     """OffloadedEmbedding training: two forward calls per step share one working set.
 
     Args:
@@ -126,6 +128,9 @@ def run_offloaded(make_opt, table0, batches, backend, cache_rows=0, prefetch=Fal
         replay_at: a step at which to save a checkpoint, train 10 more steps,
             then load the checkpoint (and the optimizer's state_dict) and train
             those steps again: the result must not change.
+        restore_optimizer: load the optimizer's state_dict saved with the
+            checkpoint; without it the checkpoint alone must restore the
+            optimizer's scalar state (Adam's step count).
     """
     emb = ss.OffloadedEmbedding(len(table0), DIM, max_rows=CAPACITY, storage="pinned",
                                 backend=backend, cache_rows=cache_rows,
@@ -141,7 +146,8 @@ def run_offloaded(make_opt, table0, batches, backend, cache_rows=0, prefetch=Fal
                 saved = (step, copy.deepcopy(opt.state_dict()))
             elif replay_at is not None and saved is not None and step == saved[0] + 10:
                 emb.load(os.path.join(tmp, "ckpt"))
-                opt.load_state_dict(saved[1])
+                if restore_optimizer:
+                    opt.load_state_dict(saved[1])
                 step, replay_at = saved[0], None
             pos, neg, ctx = batches[step]
             pos_rows = emb(pos)

@@ -72,7 +72,8 @@ class OptimizerFactory(Switcher):
 
     One table per state tensor shaped like the parameter (Adam's ``exp_avg``
     and ``exp_avg_sq``, ...); scalar state such as ``step`` stays in the
-    optimizer. Rows never touched hold the value torch creates the state with.
+    optimizer (:meth:`save` records it beside the tables). Rows never touched
+    hold the value torch creates the state with.
 
     Args:
         given_optimizer: the optimizer over the model's parameters. SGD (with
@@ -371,7 +372,7 @@ class OptimizerFactory(Switcher):
 
     def save(self, path: PathLike) -> None:
         """Write every state table (cached state rows included) to one checkpoint (``.h5`` file or
-        directory), atomically.
+        directory), atomically, with the optimizer's scalar state for the embedding (Adam's ``step``).
 
         Args:
             path: the target, an ``.h5`` file or a directory.
@@ -389,24 +390,28 @@ class OptimizerFactory(Switcher):
         # The state tables' watch_reads hook (_prepare_table_read) has the shared cache write its
         # rows back as save_tables first reads them, after every check: a refused save leaves it
         # as it was.
-        save_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__})
+        save_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__},
+                    row_state=self._state)
 
     def load(self, path: PathLike) -> None:
-        """Read state tables written by :meth:`save`.
+        """Read state tables written by :meth:`save`, and the optimizer's scalar state for the embedding.
 
-        The optimizer's scalar state (Adam's ``step``) is not in them: restore
-        it with ``optimizer.load_state_dict(...)`` from a state_dict saved
-        beside them. An optimizer that holds no state yet then refuses the
-        next step (the tables hold trained state); one that has stepped is
-        not told: it goes on with its own step count, so Adam's bias
-        correction follows that count, not the checkpoint's.
+        The optimizer's step count (Adam's ``step``, NAdam's ``mu_product``,
+        ...) for the embedding becomes the checkpoint's, whatever it did
+        since (a fresh optimizer, or one further on): training goes on as
+        from the save. ``optimizer.load_state_dict`` of a state_dict saved
+        beside it (for the other parameters) may come before or after. A
+        checkpoint of an older speedswap holds no step count: the
+        optimizer's own is kept only if it has none (SGD) or its
+        ``load_state_dict`` put it there since the last step; otherwise it
+        is dropped, and the next step asks for that ``load_state_dict``.
 
         Args:
             path: what :meth:`save` wrote.
 
         Raises:
-            FileFormatError: a checkpoint of another optimizer or shape (nothing changes,
-                the device cache included).
+            FileFormatError: a checkpoint of another optimizer or shape, or a damaged one
+                (nothing changes, the device cache included).
             StateError: called in the middle of a step.
         """
         from ..train.checkpoint import load_tables
@@ -414,8 +419,7 @@ class OptimizerFactory(Switcher):
         # The shared cache writes its rows back and drops them once the checkpoint is verified:
         # a refused load leaves it as it was.
         load_tables(path, self._state.tables, {"optimizer": type(self._state.optimizer).__name__},
-                    before_writes=self._prepare_state_write)
-        self._state.mark_loaded()
+                    before_writes=self._prepare_state_write, row_state=self._state)
 
     # SpeedTorch's optimizer factories inherited its model factories' names, over a table they never
     # set: getNumpyVersion, getCupyVar and getTorchVar raised AttributeError, saveTorch / loadTorch

@@ -2,7 +2,10 @@
 
 A model's table and its optimizer state tables must be saved and restored
 together: a checkpoint whose table is from step 1000 and whose Adam moments are
-from step 900 silently trains wrong. Both formats are therefore all-or-nothing:
+from step 900 silently trains wrong. So must the optimizer's scalar state for
+them (Adam's step count, which its bias correction follows): it is stored as
+the attribute ``optimizer_scalar_state`` (JSON text) and restored with the
+tables. Both formats are therefore all-or-nothing:
 
 * ``*.h5`` / ``*.hdf5``: one file with a dataset per table, written through
   :func:`speedswap.files.write_h5` (temporary file, fsync, rename). It
@@ -49,6 +52,8 @@ _MANIFEST = "checkpoint.json"
 _POINTER = "CURRENT"
 _VERSION = re.compile(r"v(\d{6,})")
 _FORMAT = "speedswap-checkpoint-1"
+#: The attribute holding the optimizer's scalar state (:meth:`RowState.scalar_state`) as JSON text.
+_SCALARS = "optimizer_scalar_state"
 
 
 def file_in(directory, name, storage):
@@ -368,7 +373,7 @@ def _check_replaceable_h5(path):
                     f"if it is yours to lose")
 
 
-def save_tables(path, tables, attrs):
+def save_tables(path, tables, attrs, row_state=None):
     """Write ``tables`` to one checkpoint atomically.
 
     Each table is read (:meth:`~speedswap.HostTable.host_chunks`, whose
@@ -381,6 +386,9 @@ def save_tables(path, tables, attrs):
         tables: ``{name: HostTable}``.
         attrs: ``{key: str or int}`` stored beside the tables and checked by
             :func:`load_tables` (the optimizer's class, for example).
+        row_state: the :class:`~speedswap.train.row_state.RowState` whose
+            tables are among ``tables``: the optimizer's scalar state for them
+            (the step count) is stored too, for :func:`load_tables` to restore.
 
     Raises:
         OptionError: a path with another suffix.
@@ -393,6 +401,8 @@ def save_tables(path, tables, attrs):
         FileFormatError: a checkpoint directory whose ``CURRENT`` was changed by hand.
     """
     attrs = {"format": _FORMAT, **attrs}
+    if row_state is not None:
+        attrs[_SCALARS] = json.dumps(row_state.scalar_state())
     if checkpoint_kind(path) == "h5":
         with atomic.one_save_at_a_time(path):  # the check and the write: another save to path waits for both
             _check_replaceable_h5(path)
@@ -498,10 +508,28 @@ def _check_attrs(path, stored, attrs):
                                   f"that wrote it")
 
 
-def _stage_all(path, tables, attrs):
-    """Check a checkpoint against ``tables`` and ``attrs`` and read every row: ``{name: StagedRows}``."""
+def _saved_scalar_state(path, stored, row_state):
+    """The checked scalar state the checkpoint's attributes ``stored`` hold for ``row_state``
+    (:meth:`RowState.check_scalar_state`), None when an older speedswap saved none."""
+    text = stored.get(_SCALARS)
+    if text is None:
+        return None
+    try:
+        saved = json.loads(text)
+    except (TypeError, ValueError):  # TypeError: an attribute damaged into another type
+        saved = text
+    return row_state.check_scalar_state(saved, repr(os.fspath(path)))
+
+
+def _stage_all(path, tables, attrs, row_state):
+    """Check a checkpoint against ``tables``, ``attrs`` and ``row_state`` and read every row.
+
+    Returns:
+        ``({name: StagedRows}, the scalar state for row_state)``.
+    """
     stored_attrs, sources = _read_manifest(path)
     _check_attrs(path, stored_attrs, attrs)
+    scalars = None if row_state is None else _saved_scalar_state(path, stored_attrs, row_state)
     if set(sources) != set(tables):
         # key=str: h5py lists a name that is not UTF-8 (a damaged one) as bytes, beside str names.
         raise FileFormatError(f"{os.fspath(path)!r} holds tables {sorted(sources, key=str)}, expected "
@@ -530,10 +558,10 @@ def _stage_all(path, tables, attrs):
         source, dataset, crc32, _ = sources[name]
         staged[name] = files.stage_table(source, headers[name], dataset, table.dtype,
                                          available_ram(), crc32=crc32)
-    return staged
+    return staged, scalars
 
 
-def load_tables(path, tables, attrs, before_writes: Optional[Callable[[], None]] = None):
+def load_tables(path, tables, attrs, before_writes: Optional[Callable[[], None]] = None, row_state=None):
     """Read a checkpoint written by :func:`save_tables` into ``tables``, all or nothing.
 
     Every header is checked, then every row of every table is read and
@@ -558,23 +586,29 @@ def load_tables(path, tables, attrs, before_writes: Optional[Callable[[], None]]
         before_writes: called once every table was read and verified, just
             before the first one changes (a device cache writes its rows back
             and drops them there): a refused load never reaches it.
+        row_state: the :class:`~speedswap.train.row_state.RowState` whose
+            tables are among ``tables``: once they are loaded, the optimizer
+            gets the scalar state saved with them (checked with the headers;
+            see :meth:`~speedswap.train.row_state.RowState.restore_scalar_state`
+            for a checkpoint that holds none).
 
     Raises:
         MissingFileError: no such file or directory.
         FileFormatError: not a speedswap checkpoint, other tables, other
             attributes, a table of another shape or dtype (a bfloat16 table's
-            checkpoint into a float32 table included), a corrupt file, an
-            HDF5 file replaced during the load, or a file too large to stage
+            checkpoint into a float32 table included), a damaged record of
+            the optimizer's scalar state, a corrupt file, an HDF5 file
+            replaced during the load, or a file too large to stage
             in RAM changed since it was verified.
     """
     if checkpoint_kind(path) == "dir" and os.path.isdir(path):
         # A save meanwhile would remove the version read here: it waits (see _save_dir).
         with atomic.locked(path, shared=True):
-            return _load_tables(path, tables, attrs, before_writes)
-    return _load_tables(path, tables, attrs, before_writes)
+            return _load_tables(path, tables, attrs, before_writes, row_state)
+    return _load_tables(path, tables, attrs, before_writes, row_state)
 
 
-def _load_tables(path, tables, attrs, before_writes):
+def _load_tables(path, tables, attrs, before_writes, row_state):
     opened = []  # an HDF5 file's descriptor, from its opening (atomic.open_into): closed whatever comes
     try:
         if checkpoint_kind(path) == "h5":
@@ -582,7 +616,7 @@ def _load_tables(path, tables, attrs, before_writes):
                 atomic.open_into(opened, path, os.O_RDONLY)
         held = opened[0] if opened else None
         try:
-            staged = _stage_all(path, tables, attrs)
+            staged, scalars = _stage_all(path, tables, attrs, row_state)
         except FileFormatError:
             if held is not None:  # a file saved over meanwhile explains what the reads found
                 _check_same_file(path, held)
@@ -610,3 +644,5 @@ def _load_tables(path, tables, attrs, before_writes):
                                       f"before it, the others were not: load an intact checkpoint before "
                                       f"training on") from exc
             loaded.append(name)
+        if row_state is not None:
+            row_state.restore_scalar_state(scalars)

@@ -30,8 +30,8 @@ from .checkpoint import checkpoint_kind, file_in, load_tables, save_tables
 from .conversions import (RefusesConversion, refuse_conversion, refuse_new_gradient_storage,
                           refuse_new_storage)
 from .leftover import untouched
-from .module_state import (check_tables_state, copy_tables, missing_hint, note_loaded, refused_after,
-                           tables_state, unpicklable)
+from .module_state import (SCALAR_STATE, check_tables_state, copy_tables, missing_hint, note_loaded,
+                           refused_after, tables_state, unpicklable)
 from .one_optimizer import claim
 from .one_thread import OneThread, one_thread
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
@@ -457,11 +457,12 @@ class OffloadedEmbedding(RefusesConversion):
     def init_state(self) -> None:
         """Reset every row's optimizer state to the value torch creates it with.
 
-        For restarting the optimizer (a fresh ``torch.optim`` optimizer after
-        :meth:`load`, when its ``state_dict`` was not saved). Only the per-row
-        state: the optimizer's scalar state (Adam's ``step``) goes on, as when
-        an in-memory optimizer's moment tensors are zeroed; :meth:`attach`
-        again for a full restart.
+        For restarting the optimizer's per-row state (after loading a
+        checkpoint of an older speedswap, which records no step count, when
+        the optimizer's ``state_dict`` was not saved). Only the per-row
+        state: the optimizer's scalar state (Adam's ``step``) goes on, as
+        when an in-memory optimizer's moment tensors are zeroed;
+        :meth:`attach` again for a full restart.
 
         It may run between a forward and the step: that is the advice of a
         step refused because the optimizer holds no state for trained rows.
@@ -1291,16 +1292,25 @@ class OffloadedEmbedding(RefusesConversion):
         if table_alone:
             self._table.save(path)
             return
-        save_tables(path, self._tables(), self._attrs())
+        save_tables(path, self._tables(), self._attrs(), row_state=self._state)
 
     @one_thread
     def load(self, path: PathLike) -> None:
         """Restore a checkpoint written by :meth:`save` (attach the same optimizer class first).
 
+        The table, the optimizer's per-row state and its scalar state for
+        :attr:`weight` (Adam's step count) are restored together, so training
+        goes on as it would have from the save, whatever the optimizer did
+        since (a fresh one, or one further on). Its ``load_state_dict`` of
+        the state_dict saved with the checkpoint may come before or after
+        (for its other parameters, and its options): it holds the same step.
+        A checkpoint of an older speedswap holds no step count: the
+        optimizer's own is kept only if it has none (SGD) or its
+        ``load_state_dict`` put it there since the last step; otherwise it
+        is dropped, and the next step asks for that ``load_state_dict``.
+
         A ``*.npy`` path replaces the table's rows only (pretrained vectors, say)
         and leaves the optimizer state as it is.
-
-        Restore the optimizer's own ``state_dict`` too: it holds the step count.
 
         Args:
             path: a checkpoint :meth:`save` wrote, or a ``.npy`` file of rows.
@@ -1319,8 +1329,8 @@ class OffloadedEmbedding(RefusesConversion):
         if files.suffix_format(path) == "npy":
             self._table.load_from(path)  # the table alone; optimizer state is left as it is
         else:
-            load_tables(path, self._tables(), self._attrs(), before_writes=self._prepare_table_write)
-            self._mark_state_loaded()
+            load_tables(path, self._tables(), self._attrs(), before_writes=self._prepare_table_write,
+                        row_state=self._state)
 
     def _check_restorable(self, what):
         """Refuse a restore of the tables that the step in flight would undo (one inside ``step()`` is dropped).
@@ -1332,11 +1342,6 @@ class OffloadedEmbedding(RefusesConversion):
         if self._step_in_flight():
             raise StateError(f"{what} between a training forward and optimizer.step() would be "
                              f"undone by the step; {what} between steps (or emb.discard_step() first)")
-
-    def _mark_state_loaded(self):
-        """The optimizer state tables were restored: a following ``optimizer.load_state_dict`` is accepted."""
-        if self._state is not None:
-            self._state.mark_loaded()
 
     def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True,
                         assign: bool = False) -> tuple:
@@ -1371,7 +1376,7 @@ class OffloadedEmbedding(RefusesConversion):
 
     @one_thread
     def get_extra_state(self) -> dict:
-        """The table and the attached optimizer's per-row state, for ``state_dict()``.
+        """The table and the attached optimizer's per-row and scalar state, for ``state_dict()``.
 
         The device cache is written back first, so the values are current.
         Between a training forward and ``optimizer.step()`` they are the
@@ -1385,8 +1390,10 @@ class OffloadedEmbedding(RefusesConversion):
 
         Returns:
             ``{"format", "version", "kind", "num_embeddings", "embedding_dim",
-            "dtype", "optimizer", "tables": {"table": ..., "optimizer.<state>": ...}}``
-            (see :mod:`speedswap.train.module_state`).
+            "dtype", "optimizer", "optimizer_scalar_state", "tables": {"table": ...,
+            "optimizer.<state>": ...}}`` (see :mod:`speedswap.train.module_state`);
+            ``"optimizer_scalar_state"`` (the step count: see :meth:`load`)
+            only with an optimizer attached.
 
         Raises:
             StateError: a closed embedding.
@@ -1394,18 +1401,21 @@ class OffloadedEmbedding(RefusesConversion):
         self._check_open()
         self.flush()
         return tables_state(type(self).__name__, self._tables(), self._attrs()["optimizer"],
-                            self.num_embeddings)
+                            self.num_embeddings,
+                            scalar_state=None if self._state is None else self._state.scalar_state())
 
     @one_thread
     def set_extra_state(self, state: dict) -> None:
-        """Restore what :meth:`get_extra_state` returned: the table and the optimizer's per-row state.
+        """Restore what :meth:`get_extra_state` returned: the table and the optimizer's per-row and scalar state.
 
         Everything is checked before any row changes; a copy stopped midway
         (Ctrl-C) leaves the tables refusing use until a load completes, as a
-        stopped :meth:`load` does. As after :meth:`load`,
-        the device cache is emptied and a following ``optimizer.load_state_dict``
-        (the optimizer's step count) is accepted. Attach the optimizer first:
-        :meth:`attach` starts its per-row state afresh.
+        stopped :meth:`load` does. As after :meth:`load`, the device cache is
+        emptied, the optimizer's step count is the saved one (a state of an
+        older speedswap, which holds none, is treated as :meth:`load` treats
+        such a checkpoint), and ``optimizer.load_state_dict`` of the
+        state_dict saved with it is accepted before or after. Attach the
+        optimizer first: :meth:`attach` starts its per-row state afresh.
 
         Args:
             state: what :meth:`get_extra_state` returned (a ``state_dict()``'s ``_extra_state``).
@@ -1413,7 +1423,8 @@ class OffloadedEmbedding(RefusesConversion):
         Raises:
             ShapeError, DTypeError: another table size or dtype: build the
                 embedding as the one that saved.
-            FileFormatError: not such a state, a newer format, or the
+            FileFormatError: not such a state, a newer format, a damaged
+                scalar state, or the
                 optimizer differs (state saved before attach, into an attached
                 embedding, or the reverse, as :meth:`load` refuses them; for the
                 rows alone see :func:`speedswap.train.module_state.rows_only`).
@@ -1422,23 +1433,28 @@ class OffloadedEmbedding(RefusesConversion):
         self._restore_extra_state(state)
 
     def _restore_extra_state(self, state):
-        values = self._check_extra_state(state)
+        values, scalars = self._check_extra_state(state)
         with rewriting(self._cache):  # cached rows predate the state's
             copy_tables(values, self._tables())
-            self._mark_state_loaded()
+            if self._state is not None:
+                self._state.restore_scalar_state(scalars)
 
-    def _check_extra_state(self, state) -> dict:
+    def _check_extra_state(self, state) -> tuple:
         """Check a state of :meth:`get_extra_state` against this embedding (also for :func:`check_state_dict`).
 
         Returns:
-            ``{table name: tensor}`` to copy into the tables.
+            ``({table name: tensor} to copy into the tables, the optimizer's
+            scalar state for RowState.restore_scalar_state)``.
 
         Raises:
             as :meth:`set_extra_state`; nothing changes.
         """
         self._check_restorable("load_state_dict")
-        return check_tables_state(state, type(self).__name__, self._tables(), self._attrs()["optimizer"],
-                                  self.num_embeddings)
+        values = check_tables_state(state, type(self).__name__, self._tables(), self._attrs()["optimizer"],
+                                    self.num_embeddings)
+        if self._state is None:
+            return values, None
+        return values, self._state.check_scalar_state(state.get(SCALAR_STATE), "the state dict")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

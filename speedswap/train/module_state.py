@@ -41,14 +41,18 @@ import torch
 from ..errors import DTypeError, FileFormatError, ShapeError, SpeedswapError, StateError
 from ..table import HostTable, loading_into
 
-__all__ = ["FORMAT", "VERSION", "tables_state", "check_tables_state", "check_state_dict", "copy_tables",
-           "missing_hint", "note_loaded", "refused_after", "rows_only", "unpicklable"]
+__all__ = ["FORMAT", "VERSION", "SCALAR_STATE", "tables_state", "check_tables_state", "check_state_dict",
+           "copy_tables", "missing_hint", "note_loaded", "refused_after", "rows_only", "unpicklable"]
 
 FORMAT = "speedswap-module-state"
 VERSION = 1
+#: The entry holding the optimizer's scalar state for the table (its step count), as
+#: :meth:`RowState.scalar_state` gives it; a state of an older speedswap has none.
+SCALAR_STATE = "optimizer_scalar_state"
 
 
-def tables_state(kind: str, tables: dict, optimizer: str, num_embeddings: int, **layout) -> dict:
+def tables_state(kind: str, tables: dict, optimizer: str, num_embeddings: int,
+                 scalar_state: Optional[dict] = None, **layout) -> dict:
     """The extra state of an embedding: its tables as zero-copy tensors and what a load checks.
 
     Args:
@@ -56,6 +60,9 @@ def tables_state(kind: str, tables: dict, optimizer: str, num_embeddings: int, *
         tables: ``{name: HostTable}``: ``"table"`` and ``"optimizer.<state>"``.
         optimizer: the attached optimizer's class name, ``""`` when none is.
         num_embeddings: rows of the whole table (a shard's tables hold fewer).
+        scalar_state: the attached optimizer's scalar state for the table
+            (:meth:`~speedswap.train.row_state.RowState.scalar_state`), kept
+            under :data:`SCALAR_STATE` for the owner's load to check and restore.
         layout: integers (or tuples of them) a load must match exactly
             (a shard's rank, world size and rows).
 
@@ -69,6 +76,7 @@ def tables_state(kind: str, tables: dict, optimizer: str, num_embeddings: int, *
             "num_embeddings": num_embeddings,
             "embedding_dim": first.dim, "dtype": str(first.dtype).replace("torch.", ""),
             "optimizer": optimizer, **layout,
+            **({} if scalar_state is None else {SCALAR_STATE: scalar_state}),
             "tables": {name: t.as_tensor().detach() for name, t in tables.items()}}
 
 
@@ -368,14 +376,18 @@ def rows_only(state_dict):
     for key, value in state_dict.items():
         if key.endswith("_extra_state") and isinstance(value, Mapping) and value.get("format") == FORMAT:
             tables = value.get("tables") or {}
-            out[key] = {**value, "optimizer": "", "tables": {k: v for k, v in tables.items() if k == "table"}}
+            out[key] = {**{k: v for k, v in value.items() if k != SCALAR_STATE}, "optimizer": "",
+                        "tables": {k: v for k, v in tables.items() if k == "table"}}
     return out
 
 
 def _is_plain(value) -> bool:
-    """Whether ``value`` is what :func:`tables_state` writes beside the tables: a number, a name, None, a list of them."""
+    """Whether ``value`` is what :func:`tables_state` writes beside the tables: a number, a name, None,
+    a list of them or a dict of them by name (the scalar state)."""
     if isinstance(value, (list, tuple)):
         return all(_is_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
     return value is None or isinstance(value, (str, numbers.Number))
 
 

@@ -4,7 +4,9 @@ What each ``torch.optim`` optimizer keeps per element, and what torch fills it
 with when it creates it, is the one piece of per-optimizer knowledge speedswap
 needs; it lives in :data:`_ROW_STATE`. Scalar state (``step``, NAdam's
 ``mu_product``, ASGD's ``eta``/``mu``) is shared by all rows and stays in the
-optimizer, where ``optimizer.state_dict()`` saves it.
+optimizer, where ``optimizer.state_dict()`` saves it; checkpoints record it
+beside the tables too (:meth:`RowState.scalar_state`), so that a load
+restores the two together.
 
 State is found by identity, ``optimizer.state[param]``, never by position in
 ``state_dict()``.
@@ -13,11 +15,12 @@ State is found by identity, ``optimizer.state[param]``, never by position in
 import contextlib
 import os
 import weakref
+from typing import Optional
 
 import numpy as np
 import torch
 
-from ..errors import DTypeError, OptionError, PathError, StateError
+from ..errors import DTypeError, FileFormatError, OptionError, PathError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
 
@@ -414,6 +417,102 @@ class RowState:
         self._fresh = False
         self._restored = True
 
+    def scalar_state(self) -> dict:
+        """The optimizer's state for the parameter that is not per row, for a checkpoint beside the tables.
+
+        The per-row moments in the tables are only half of it: Adam's bias
+        correction follows the step count, NAdam's ``mu_product`` and ASGD's
+        ``eta`` and ``mu`` the steps taken, so the tables restored with the
+        count of another point of training train wrong.
+
+        Returns:
+            ``{"stepped": bool, "scalars": {name: [value, dtype name or None]}}``
+            of JSON values (None: a Python number, as SparseAdam's count).
+            ``stepped`` tells "never stepped" from SGD's "no scalar state".
+        """
+        state = self.optimizer.state.get(self.param) or {}
+        scalars = {}
+        for name, value in state.items():
+            if name in self.spec:
+                continue
+            if isinstance(value, torch.Tensor):
+                scalars[name] = [value.item(), str(value.dtype).replace("torch.", "")]
+            else:
+                scalars[name] = [value, None]
+        return {"stepped": bool(state), "scalars": scalars}
+
+    def check_scalar_state(self, saved, source: str) -> Optional[dict]:
+        """Check what :meth:`scalar_state` gave a checkpoint, before any table changes.
+
+        Args:
+            saved: the checkpoint's record, or None for a checkpoint written
+                before speedswap recorded it.
+            source: the checkpoint, as the error names it.
+
+        Returns:
+            ``saved``, for :meth:`restore_scalar_state`.
+
+        Raises:
+            FileFormatError: not such a record (the checkpoint was edited or damaged).
+        """
+        if saved is None:
+            return None
+        scalars = saved.get("scalars") if isinstance(saved, dict) else None
+        if not (isinstance(saved, dict) and isinstance(saved.get("stepped"), bool)
+                and isinstance(scalars, dict)
+                and all(isinstance(name, str) and name not in self.spec and isinstance(entry, list)
+                        and len(entry) == 2 and isinstance(entry[0], (int, float))
+                        and not isinstance(entry[0], bool)
+                        and (entry[1] is None or isinstance(getattr(torch, str(entry[1]), None), torch.dtype))
+                        for name, entry in scalars.items())):
+            raise FileFormatError(f"{source}: the optimizer's scalar state recorded there ({saved!r}) is not "
+                                  f"what a save writes ({{'stepped': bool, 'scalars': {{name: [number, "
+                                  f"dtype]}}}}); the checkpoint was changed: restore it from a backup")
+        return saved
+
+    def restore_scalar_state(self, saved: Optional[dict]) -> None:
+        """Give the optimizer the checkpoint's scalar state for the parameter, once the tables hold its rows.
+
+        The optimizer's own (another point of training) is replaced: its
+        per-row state is the tables'. ``optimizer.load_state_dict`` of the
+        state_dict saved beside the checkpoint may still follow, or come
+        first: it holds the same values.
+
+        Args:
+            saved: from :meth:`check_scalar_state`. None, a checkpoint of an
+                older speedswap, which holds none: the optimizer's own scalar
+                state stays only where it cannot be of another point of
+                training: there is none (SGD), or ``optimizer.load_state_dict``
+                put it there since the last step (the state_dict saved with
+                the checkpoint, loaded first). Otherwise it is dropped, so
+                that the next step asks for ``optimizer.load_state_dict``
+                (see :meth:`gather`) instead of training on with a count
+                that does not go with the tables.
+        """
+        optimizer, param = self.optimizer, self.param
+        if saved is None:
+            state = optimizer.state.get(param) or {}
+            loaded = any(name in state and state[name] is not self._held.get(name) for name in self.spec)
+            if not loaded and any(name not in self.spec for name in state):
+                optimizer.state.pop(param)
+            self.mark_loaded()
+            return
+        optimizer.state.pop(param, None)
+        if not saved["stepped"]:  # saved before the first step: every row holds torch's initial state
+            self.init_state()
+            return
+        group = _group_of(optimizer, param)
+        state = optimizer.state[param]
+        for name in self.spec:
+            state[name] = self._buffer(name)  # replaced by the step's rows at the next step
+        for name, (value, dtype) in saved["scalars"].items():
+            # Where torch puts them: the step count on the CPU unless the optimizer is fused or
+            # capturable, everything else (ASGD's eta and mu) on the parameter's device.
+            on_param = name != "step" or group.get("fused") or group.get("capturable")
+            state[name] = value if dtype is None else torch.tensor(
+                value, dtype=getattr(torch, dtype), device=param.device if on_param else "cpu")
+        self.mark_loaded()
+
     def check_options(self) -> None:
         """Refuse group options that now ask for per-row state the tables do not hold.
 
@@ -556,8 +655,10 @@ class RowState:
                 return
             raise StateError(
                 f"{type(self.optimizer).__name__} holds no state for the offloaded parameter, but "
-                f"the host tables hold trained state; restore the optimizer with "
-                f"optimizer.load_state_dict(...) (it holds the step count), or restart the "
+                f"the host tables hold trained state (loaded from a checkpoint of an older "
+                f"speedswap, which records no step count, say); restore the optimizer with "
+                f"optimizer.load_state_dict(...) of the state_dict saved with it, after the load (it "
+                f"holds the step count), or restart the "
                 f"optimizer state from scratch with init_state() (OffloadedEmbedding.init_state, "
                 f"OptimizerFactory.optInit; a ShardedOffloadedEmbedding: discard_step() and "
                 f"attach(optimizer) on every rank); then call step() again")

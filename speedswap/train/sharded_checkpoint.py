@@ -39,8 +39,6 @@ import socket
 import zlib
 from typing import TYPE_CHECKING
 
-import torch
-
 from .. import atomic, files
 from ..atomic import PathLike
 from ..backends import available_ram
@@ -133,45 +131,14 @@ def ranks_on_this_machine(exchange) -> int:
     return len(next(group for group in exchange.ranks_by_value(host) if exchange.rank in group))
 
 
-def _scalar_state(row_state):
-    """The optimizer's state for the table that is not per row (the step count), as JSON."""
-    if row_state is None:
-        return {}
-    state = row_state.optimizer.state.get(row_state.param, {})
-    scalars = {}
-    for name, value in state.items():
-        if name in row_state.spec:
-            continue
-        if isinstance(value, torch.Tensor):
-            scalars[name] = [value.item(), str(value.dtype).replace("torch.", "")]
-        else:
-            scalars[name] = [value, None]
-    return scalars
-
-
 def _restore_scalar_state(row_state, manifest):
     """Give the optimizer the saved step count; its per-row state is read from the tables."""
-    optimizer, param = row_state.optimizer, row_state.param
-    scalars = manifest["scalar_state"]
     stepped = manifest.get("stepped")
     if stepped is None:
         # Saved before manifests said so. An optimizer with no scalar state (SGD
         # with momentum) looks the same stepped or not; the rows tell them apart.
-        stepped = bool(scalars) or not row_state.holds_initial_state()
-    optimizer.state.pop(param, None)
-    if not stepped:  # saved before the first step: every row holds torch's initial state
-        row_state.init_state()
-        return
-    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
-    # Fused and capturable optimizers keep the step count on the parameter's device.
-    device = param.device if group.get("fused") or group.get("capturable") else "cpu"
-    state = optimizer.state[param]
-    for name in row_state.spec:
-        state[name] = row_state._buffer(name)  # replaced by the step's rows at the next step
-    for name, (value, dtype) in scalars.items():
-        state[name] = value if dtype is None else torch.tensor(
-            value, dtype=getattr(torch, dtype), device=device)
-    row_state.mark_loaded()
+        stepped = bool(manifest["scalar_state"]) or not row_state.holds_initial_state()
+    row_state.restore_scalar_state({"stepped": stepped, "scalars": manifest["scalar_state"]})
 
 
 def save_shards(path, tables, row_state, bounds, exchange) -> None:
@@ -229,15 +196,15 @@ def save_shards(path, tables, row_state, bounds, exchange) -> None:
         if absent:
             raise PathError(f"the shards of rank(s) {absent} are not in {partial!r} although every "
                             f"rank wrote its own: {unshared}. Nothing was replaced")
+        scalars = {"stepped": False, "scalars": {}} if row_state is None else row_state.scalar_state()
         manifest = {"format": _FORMAT, "num_embeddings": bounds[-1],
                     "embedding_dim": tables["table"].dim,
                     "dtype": str(tables["table"].dtype).replace("torch.", ""),
                     "world_size": len(bounds) - 1, "bounds": list(bounds),
                     "optimizer": "" if row_state is None else type(row_state.optimizer).__name__,
-                    "scalar_state": _scalar_state(row_state), "tables": sorted(tables),
+                    "scalar_state": scalars["scalars"], "tables": sorted(tables),
                     # Whether the optimizer has stepped: SGD's momentum has no step count to say it.
-                    "stepped": row_state is not None
-                    and bool(row_state.optimizer.state.get(row_state.param)),
+                    "stepped": scalars["stepped"],
                     "checksums": True}  # every rank's crc32.rank<r>.json: a lost one is refused
         with atomic.atomic_output(os.path.join(partial, MANIFEST), note_interrupt=False) as tmp, open(tmp, "w") as f:
             json.dump(manifest, f, indent=1)
@@ -383,6 +350,9 @@ def load_shards(path, tables, row_state, rows, num_embeddings, exchange) -> None
 
     def check():
         manifest = read_manifest(path)
+        if row_state is not None:  # before any row changes (whether it stepped is read from the rows after)
+            row_state.check_scalar_state({"stepped": True, "scalars": manifest["scalar_state"]},
+                                         repr(os.fspath(path)))
         fingerprint = _fingerprint(path, manifest)
         return manifest, _plan(path, manifest, tables, row_state, rows, num_embeddings, sharing), fingerprint
 
