@@ -23,6 +23,7 @@ import torch
 import speedswap as ss
 from speedswap import atomic
 from speedswap.train import embedding as embedding_module
+from speedswap.train.checkpoint import save_tables
 from speedswap.errors import MissingFileError, OutOfMemoryError, PathError
 from isolated import outcomes_in_children
 from training_helpers import BATCH, CAPACITY, DIM, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
@@ -131,7 +132,8 @@ def test_switchers_step_with_a_closure_equals_in_memory(rng):
 # 3 ---------------------------------------------------------------------------
 def test_a_refused_step_leaves_the_embedding_as_it_was_and_the_advice_works(rng, tmp_path):
     emb = adam_embedding(rng)
-    emb.save(tmp_path / "ckpt")
+    # As an older speedswap saved it, without the step count (emb.load now restores it).
+    save_tables(tmp_path / "ckpt", emb._tables(), {"optimizer": "Adam"})
     fresh = torch.optim.Adam(emb.parameters(), lr=0.01)  # its state_dict is not restored
     emb.attach(fresh)
     emb.load(tmp_path / "ckpt")
