@@ -498,8 +498,10 @@ class RowState:
             self.mark_loaded()
             return
         optimizer.state.pop(param, None)
-        if not saved["stepped"]:  # saved before the first step: every row holds torch's initial state
-            self.init_state()
+        if not saved["stepped"]:
+            # Saved before the first step: as there, the next step starts the optimizer afresh
+            # if the tables hold torch's initial state, and refuses otherwise (see gather).
+            self.mark_loaded()
             return
         group = _group_of(optimizer, param)
         state = optimizer.state[param]

@@ -138,7 +138,11 @@ def _restore_scalar_state(row_state, manifest):
         # Saved before manifests said so. An optimizer with no scalar state (SGD
         # with momentum) looks the same stepped or not; the rows tell them apart.
         stepped = bool(manifest["scalar_state"]) or not row_state.holds_initial_state()
-    row_state.restore_scalar_state({"stepped": stepped, "scalars": manifest["scalar_state"]})
+    if not stepped:  # saved before the first step: every row holds torch's initial state
+        row_state.optimizer.state.pop(row_state.param, None)
+        row_state.init_state()
+        return
+    row_state.restore_scalar_state({"stepped": True, "scalars": manifest["scalar_state"]})
 
 
 def save_shards(path, tables, row_state, bounds, exchange) -> None:
