@@ -429,7 +429,8 @@ class Exchange:
             raise StateError(f"{what} failed on rank(s) {failed} (their own errors say why)")
 
 
-def run_everywhere(exchange: Exchange, what: str, work: Callable[[], T], *, on_rank: Optional[int] = None) -> Optional[T]:
+def run_everywhere(exchange: Exchange, what: str, work: Callable[[], T], *,
+                   on_rank: Optional[int] = None) -> Optional[T]:
     """Run ``work()`` (on every rank, or only ``on_rank``), then raise everywhere if it failed anywhere.
 
     Returns:

@@ -996,7 +996,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             for each owner, the slots of forwards no backward reached or None, the exchange's flags).
 
         Raises:
-            StateError: ``weight.grad``'s placeholder was rescaled before the exchange (see :meth:`_check_grad_untouched`).
+            StateError: ``weight.grad``'s placeholder was rescaled before the exchange
+                (see :meth:`_check_grad_untouched`).
         """
         k_local = self._looked_up.size
         grad = self._rows.grad
@@ -1030,7 +1031,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     @staticmethod
     def _by_owner(grad: torch.Tensor, order: torch.Tensor, unreached: Optional[torch.Tensor],
                   flagged: bool) -> torch.Tensor:
-        """The exchange's message: ``grad``'s rows in ``order``, and with ``flagged`` a column that is 0 for ``unreached`` ones.
+        """The exchange's message: ``grad``'s rows in ``order``, and with ``flagged`` a column that is
+        0 for ``unreached`` ones.
 
         Rows of forwards no backward reached (a step skipped before its backward) are
         flagged, so that owners put back those no reached forward looked up.
