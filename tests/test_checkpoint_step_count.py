@@ -204,3 +204,22 @@ def test_a_damaged_record_of_the_step_count_is_refused_before_anything_changes(h
         _load(emb, tmp_path / "ckpt", None if how == "dir" else state)
     assert_same(_result(emb), rows)
     assert int(opt.state[emb.weight]["step"]) == step == SAVED_AT + DETOUR
+
+
+@pytest.mark.parametrize("name", ["adam", "nadam", "asgd"])
+def test_a_sharded_state_dict_restores_the_step_count(name, rng, backend):
+    """ShardedOffloadedEmbedding's state_dict() (one rank, no process group): saved at 30, 10 steps on, loaded
+    without optimizer.load_state_dict, the steps from 30 again."""
+    table0, batches, detour, device = _setup(rng, backend)
+    emb = ss.ShardedOffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, backend=backend)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = OPTIMIZERS[name](emb.parameters())
+    emb.attach(opt)
+    _train(emb, opt, batches[:SAVED_AT])
+    saved = _serialised(emb.state_dict())
+    _train(emb, opt, detour)
+    emb.load_state_dict(saved)
+    _train(emb, opt, batches[SAVED_AT:])
+    actual = emb.table.to_numpy(copy=True), {k: t.to_numpy(copy=True) for k, t in emb._state.tables.items()}
+    assert_same(actual, _reference(name, table0, batches, device))
+    assert int(opt.state[emb.weight]["step"]) == STEPS

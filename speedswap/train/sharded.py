@@ -45,7 +45,7 @@ from .checkpoint import file_in
 from .conversions import RefusesConversion, refuse_conversion, refuse_new_storage
 from .exchange import (BUILD, EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
                        Exchange, count_by_owner, owner_starts, owners, row_bounds, run_everywhere)
-from .module_state import check_tables_state, copy_tables, tables_state, unpicklable
+from .module_state import SCALAR_STATE, check_tables_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
@@ -478,7 +478,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         with its rank, the world size and its rows, and loads only on the
         same rank of a group of that size (save one per rank). It also holds
         the steps the optimizer state has taken since :meth:`attach` or
-        :meth:`load` (``"steps"``), which the ranks compare once restored. The tensors
+        :meth:`load` (``"steps"``), which the ranks compare once restored, and the
+        optimizer's scalar state for the shard (the step count). The tensors
         share the host tables' memory, as :class:`~speedswap.OffloadedEmbedding`'s do.
 
         Raises:
@@ -486,8 +487,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """
         self._check_open()
         optimizer = "" if self._state is None else type(self._state.optimizer).__name__
+        scalars = None if self._state is None else self._state.scalar_state()
         return {**tables_state(type(self).__name__, self._tables(), optimizer, self.num_embeddings,
-                               **self._layout()), "steps": self._steps_since}
+                               scalar_state=scalars, **self._layout()), "steps": self._steps_since}
 
     def set_extra_state(self, state: dict) -> None:
         """Restore this rank's shard from :meth:`get_extra_state`'s state; everything is checked first.
@@ -497,7 +499,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         another step than its peers' (each rank its own "latest" file), makes
         the next collective call raise ``StateError`` on every rank, no row
         changed: its optimizer state's history differs (the state's
-        ``"steps"``; a state saved without it counts none). To change the
+        ``"steps"``; a state saved without it counts none). The optimizer's
+        step count becomes the saved one, as :meth:`load` restores it (a state
+        of an older speedswap, which holds none, is treated as
+        :meth:`OffloadedEmbedding.load` treats such a checkpoint), and
+        ``optimizer.load_state_dict`` may come before or after. To change the
         world size, :meth:`save` and :meth:`load` reshard.
 
         Args:
@@ -506,13 +512,15 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         Raises:
             FileFormatError: another rank, world size or rows, another
                 optimizer (or optimizer state saved before attach, or the
-                reverse), a newer format, a ``"steps"`` that is not a count.
+                reverse), a newer format, a ``"steps"`` that is not a count,
+                a damaged record of the optimizer's scalar state.
             ShapeError, DTypeError: another table size or dtype.
             StateError: between a training forward and the step, or a closed embedding.
         """
-        copy_tables(self._check_extra_state(state), self._tables())
+        values, scalars = self._check_extra_state(state)
+        copy_tables(values, self._tables())
         if self._state is not None:  # as after load(): optimizer.load_state_dict() may follow
-            self._state.mark_loaded()
+            self._state.restore_scalar_state(scalars)  # the step count: see OffloadedEmbedding.load
             # The saved count, not 0: ranks that restored states of different steps (Adam's step
             # counts differ, SGD's rows are of different steps) are refused at the next call.
             self._state_origin, self._steps_since = _RESTORED, state.get("steps", 0)
@@ -521,7 +529,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """Check a state of :meth:`get_extra_state` against this shard (also for module_state.check_state_dict).
 
         Returns:
-            ``{table name: tensor}`` to copy into the tables.
+            ``({table name: tensor} to copy into the tables, the optimizer's
+            scalar state for RowState.restore_scalar_state)``.
 
         Raises:
             as :meth:`set_extra_state`; nothing changes.
@@ -535,7 +544,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             raise FileFormatError(f"the state dict's {type(self).__name__} entry holds steps={steps!r}, "
                                   f"not a count of steps: it was changed after state_dict() made it; "
                                   f"load a state dict as state_dict() returned it")
-        return values
+        if self._state is None:
+            return values, None
+        return values, self._state.check_scalar_state(state.get(SCALAR_STATE), "the state dict")
 
     # ------------------------------------------------------------- training
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
