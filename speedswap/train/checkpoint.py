@@ -44,6 +44,7 @@ from ..backends import available_ram
 from ..errors import (FileFormatError, MissingFileError, OptionError, PathError,
                       SpeedswapError)
 from ..table import loading_into
+from .module_state import SCALAR_STATE  # the state dict names the record as the files do
 from .sharded_checkpoint import MANIFEST as SHARDED_MANIFEST
 
 __all__ = ["save_tables", "load_tables", "file_in", "checkpoint_kind", "current_version"]
@@ -52,8 +53,6 @@ _MANIFEST = "checkpoint.json"
 _POINTER = "CURRENT"
 _VERSION = re.compile(r"v(\d{6,})")
 _FORMAT = "speedswap-checkpoint-1"
-#: The attribute holding the optimizer's scalar state (:meth:`RowState.scalar_state`) as JSON text.
-_SCALARS = "optimizer_scalar_state"
 
 
 def file_in(directory, name, storage):
@@ -402,7 +401,7 @@ def save_tables(path, tables, attrs, row_state=None):
     """
     attrs = {"format": _FORMAT, **attrs}
     if row_state is not None:
-        attrs[_SCALARS] = json.dumps(row_state.scalar_state())
+        attrs[SCALAR_STATE] = json.dumps(row_state.scalar_state())
     if checkpoint_kind(path) == "h5":
         with atomic.one_save_at_a_time(path):  # the check and the write: another save to path waits for both
             _check_replaceable_h5(path)
@@ -511,7 +510,7 @@ def _check_attrs(path, stored, attrs):
 def _saved_scalar_state(path, stored, row_state):
     """The checked scalar state the checkpoint's attributes ``stored`` hold for ``row_state``
     (:meth:`RowState.check_scalar_state`), None when an older speedswap saved none."""
-    text = stored.get(_SCALARS)
+    text = stored.get(SCALAR_STATE)
     if text is None:
         return None
     try:

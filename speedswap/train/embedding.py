@@ -30,7 +30,7 @@ from .checkpoint import checkpoint_kind, file_in, load_tables, save_tables
 from .conversions import (RefusesConversion, refuse_conversion, refuse_new_gradient_storage,
                           refuse_new_storage)
 from .leftover import untouched
-from .module_state import (SCALAR_STATE, check_tables_state, copy_tables, missing_hint, note_loaded,
+from .module_state import (check_tables_state, checked_scalar_state, copy_tables, missing_hint, note_loaded,
                            refused_after, tables_state, unpicklable)
 from .one_optimizer import claim
 from .one_thread import OneThread, one_thread
@@ -1452,9 +1452,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._check_restorable("load_state_dict")
         values = check_tables_state(state, type(self).__name__, self._tables(), self._attrs()["optimizer"],
                                     self.num_embeddings)
-        if self._state is None:
-            return values, None
-        return values, self._state.check_scalar_state(state.get(SCALAR_STATE), "the state dict")
+        return values, checked_scalar_state(state, self._state)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):

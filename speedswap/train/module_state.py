@@ -41,7 +41,8 @@ import torch
 from ..errors import DTypeError, FileFormatError, ShapeError, SpeedswapError, StateError
 from ..table import HostTable, loading_into
 
-__all__ = ["FORMAT", "VERSION", "SCALAR_STATE", "tables_state", "check_tables_state", "check_state_dict",
+__all__ = ["FORMAT", "VERSION", "SCALAR_STATE", "tables_state", "check_tables_state", "checked_scalar_state",
+           "check_state_dict",
            "copy_tables", "missing_hint", "note_loaded", "refused_after", "rows_only", "unpicklable"]
 
 FORMAT = "speedswap-module-state"
@@ -49,6 +50,19 @@ VERSION = 1
 #: The entry holding the optimizer's scalar state for the table (its step count), as
 #: :meth:`RowState.scalar_state` gives it; a state of an older speedswap has none.
 SCALAR_STATE = "optimizer_scalar_state"
+
+
+def checked_scalar_state(state: Mapping, row_state) -> Optional[dict]:
+    """The optimizer's scalar state a :func:`tables_state` holds, checked for ``row_state`` (None without one).
+
+    Returns:
+        what :meth:`RowState.restore_scalar_state` takes: None for a state of an
+        older speedswap, or when no optimizer is attached (``row_state`` None).
+
+    Raises:
+        FileFormatError: a damaged record (:meth:`RowState.check_scalar_state`).
+    """
+    return None if row_state is None else row_state.check_scalar_state(state.get(SCALAR_STATE), "the state dict")
 
 
 def tables_state(kind: str, tables: dict, optimizer: str, num_embeddings: int,

@@ -45,7 +45,7 @@ from .checkpoint import file_in
 from .conversions import RefusesConversion, refuse_conversion, refuse_new_storage
 from .exchange import (BUILD, EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
                        Exchange, count_by_owner, owner_starts, owners, row_bounds, run_everywhere)
-from .module_state import SCALAR_STATE, check_tables_state, copy_tables, tables_state, unpicklable
+from .module_state import check_tables_state, checked_scalar_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
@@ -544,9 +544,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             raise FileFormatError(f"the state dict's {type(self).__name__} entry holds steps={steps!r}, "
                                   f"not a count of steps: it was changed after state_dict() made it; "
                                   f"load a state dict as state_dict() returned it")
-        if self._state is None:
-            return values, None
-        return values, self._state.check_scalar_state(state.get(SCALAR_STATE), "the state dict")
+        return values, checked_scalar_state(state, self._state)
 
     # ------------------------------------------------------------- training
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
