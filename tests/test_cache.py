@@ -366,8 +366,16 @@ def test_the_sketch_never_counts_less_than_the_decayed_truth(rng):
     # The sketch holds counts scaled by its current weight; compare in the truth's units.
     estimate = sketch.estimate(torch.arange(5000)).numpy() / sketch.weight * 0.9 ** -1
     assert (estimate >= truth * (1 - 1e-5) - 1e-6).all()
-    hot = np.argsort(-truth)[:10]
-    np.testing.assert_allclose(estimate[hot], truth[hot], rtol=0.15)
+    # Exactly what a count-min sketch holds: the least, over a row's cells, of the decayed uses
+    # of every row hashed there. (Hot rows within 15% of their truth came to 0.89 of that bound
+    # over 3,000 seeds: a hot row whose two cells both hold warm rows.) A cell takes at most
+    # 40 steps x 7 rows of positive float32 adds, each scaled and summed with a relative
+    # rounding of 2**-24: below 3.4e-5 in all (seen: 2.4e-7 over 300 seeds).
+    cells = sketch._cells(torch.arange(5000)).numpy()
+    assert np.bincount(cells.ravel()).max() <= 7
+    per_cell = np.zeros(sketch.counts.numel())
+    np.add.at(per_cell, cells.ravel(), np.tile(truth, len(cells)))
+    np.testing.assert_allclose(estimate, per_cell[cells].min(0), rtol=1e-4, atol=0)
 
 
 def test_the_sketch_add_returns_what_estimate_gives_after_it(rng):
