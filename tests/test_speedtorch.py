@@ -100,7 +100,9 @@ def test_init_methods(backend, table0):
     values = u.getNumpyVersion()
     assert values.min() >= -0.5 and values.max() <= 0.25 and values.std() > 0.1
     u.normalDistributionInit(3.0, 0.5)
-    assert abs(u.getNumpyVersion().mean() - 3.0) < 0.05
+    # The mean of 2,400 draws has a standard deviation of 0.5 / 49 = 0.0102: 0.05 was 4.9 of them,
+    # missed about once in a million seeds; 0.1 is 9.8 (never, in practice), and no other fill is near 3.
+    assert abs(u.getNumpyVersion().mean() - 3.0) < 0.1
     u.customInit(torch.nn.init.constant_, 1.5)
     assert (u.getNumpyVersion() == 1.5).all()
 
