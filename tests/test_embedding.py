@@ -644,7 +644,8 @@ def test_from_pretrained_starts_from_the_rows_and_trains_like_nn_embedding(rng, 
     assert not out.requires_grad
     np.testing.assert_array_equal(out.numpy(), rows[ids.numpy()])  # the padding row kept, as nn.Embedding
     emb = ss.OffloadedEmbedding.from_pretrained(given, freeze=False, max_rows=16, backend="numpy")
-    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(rows.copy()), freeze=False, sparse=True)
+    # Dense gradients, bit for bit: sparse-gradient Adagrad coalesces repeated ids and divides then adds.
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(rows.copy()), freeze=False)
     opt, ref_opt = torch.optim.Adagrad(emb.parameters(), lr=0.1), torch.optim.Adagrad(ref.parameters(), lr=0.1)
     emb.attach(opt)
     for _ in range(5):
@@ -653,7 +654,7 @@ def test_from_pretrained_starts_from_the_rows_and_trains_like_nn_embedding(rng, 
             (module(ids) ** 2).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
-    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(emb.table.to_numpy(), ref.weight.detach().numpy())
 
 
 @pytest.mark.parametrize("source", ["array", "tensor", "npy"])
