@@ -59,7 +59,7 @@ EMBEDDING_OPTIONS = dict(padding_idx=PAD, scale_grad_by_freq=True)
 #: The clip scenario's max_norm: below most steps' gradient norm, so that most steps clip.
 MAX_NORM = 0.1
 #: The midfail scenario's steps at which rank 1 fails between the messages of a call, by the call.
-MIDWAY = {"forward": 3, "eval": 5, "step": 7, "exchange": 9}
+MIDWAY = {"forward": 3, "eval": 5, "step": 7, "exchange": 9, "eval ids": 11, "forward ids": 13}
 #: The checkpointed scenarios' steps: several of SKIPPED among them, and steps after the last.
 CHECKPOINTED_STEPS = 30
 
@@ -904,6 +904,14 @@ def run_scenario(scenario, seed, world, rank, out):
                 result["heard while waiting"] = os.path.exists(done)
             results[what] = result
 
+        new_empty = torch.Tensor.new_empty
+
+        def ids_buffer_fails(tensor, *args, **kwargs):
+            """``Tensor.new_empty``, out of memory for int64 tensors: the ids other ranks ask for."""
+            if tensor.dtype == torch.int64:
+                raise MemoryError("injected")
+            return new_empty(tensor, *args, **kwargs)
+
         for step in range(STEPS):
             ids, targets = global_batch(seed, step)
             part = rank_slice(step, world, rank)
@@ -915,6 +923,13 @@ def run_scenario(scenario, seed, world, rank, out):
                     fails_on_rank_1("eval", lambda: emb(ids[part]), mock.patch.object(
                         emb.table, "gather_validated", side_effect=MemoryError("injected")))
                     np.save(os.path.join(out, f"midfail-eval.rank{rank}.npy"), emb(ids[part]).numpy())
+            if step == MIDWAY["eval ids"]:  # the memory the ids its peer asks for arrive in
+                with torch.no_grad():
+                    fails_on_rank_1("eval ids", lambda: emb(ids[part]),
+                                    mock.patch.object(torch.Tensor, "new_empty", ids_buffer_fails))
+            if step == MIDWAY["forward ids"]:  # the same in a training forward, whose retry is the step's forward
+                fails_on_rank_1("forward ids", lambda: rank_loss(emb, ids[part], targets[part], world),
+                                mock.patch.object(torch.Tensor, "new_empty", ids_buffer_fails))
             rank_loss(emb, ids[part], targets[part], world).backward()
             if step == MIDWAY["step"]:  # grouping its gradients by owner, before the step's first message
                 fails_on_rank_1("step", opt.step, mock.patch("torch.argsort", side_effect=RuntimeError("injected")))

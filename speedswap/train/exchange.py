@@ -24,9 +24,11 @@ every rank sees it, the failing rank raises its own error and the others a
 :class:`~speedswap.StateError` naming it, all without changing a row, and
 ranks that make different calls or hold different tables all raise
 ``StateError``. Work that can fail between collectives (file writes) ends
-with :meth:`Exchange.agree` (:func:`run_everywhere`), and a message whose
+with :meth:`Exchange.agree` (:func:`run_everywhere`), a message whose
 making can fail (the rows other ranks asked for, in memory sized by them)
-is sent by :meth:`Exchange.reply`, which agrees first.
+is sent by :meth:`Exchange.reply`, which agrees first, and the memory a
+message sized by the other ranks arrives in is made under that agreement
+too, or before the call's first message (:meth:`Exchange.rows`).
 
 >>> row_bounds(10, 3)
 [0, 4, 7, 10]
@@ -292,21 +294,38 @@ class Exchange:
         return ([table[s][base + self.rank] for s in range(world)],
                 functools.reduce(operator.or_, (row[2] for row in table)))
 
-    def rows(self, send: torch.Tensor, send_counts: List[int],
-             recv_counts: List[int]) -> torch.Tensor:
+    def rows(self, what: str, send: torch.Tensor, send_counts: List[int], recv_counts: List[int],
+             into: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Send ``send``'s rows, grouped by destination, and receive the rows sent here.
 
+        The memory they arrive in is sized by what the other ranks send. Made
+        here, it may fail on one rank (out of memory), which would leave its
+        peers waiting in the all-to-all until the process group's timeout: every
+        rank first hears in one :meth:`agree` whether every rank made it. A
+        caller that knows a bound passes ``into``, made beforehand, which saves that message.
+
         Args:
+            what: the call, named in the error the other ranks raise.
             send: ``(sum(send_counts), ...)`` rows, those for rank 0 first.
             send_counts: rows for each rank.
             recv_counts: rows from each rank (what :meth:`begin` returned, or
                 known from an earlier message).
+            into: memory for at least ``sum(recv_counts)`` rows shaped and typed
+                as ``send``'s, to receive into; given on every rank, or on none.
 
         Returns:
             ``(sum(recv_counts), ...)`` rows, those from rank 0 first.
+
+        Raises:
+            Without ``into``: the receive memory's exception on the rank that met it;
+            StateError naming the failed ranks on the others. No row has moved then.
         """
+        if into is None:
+            recv = run_everywhere(self, what, lambda: self._receive_buffer(send, recv_counts))
+        else:
+            recv = into[:sum(recv_counts)]
         self._count_bytes(send, send_counts)
-        return self._all_to_all(send, send_counts, recv_counts, self._receive_buffer(send, recv_counts))
+        return self._all_to_all(send, send_counts, recv_counts, recv)
 
     def reply(self, what: str, make: Callable[[], torch.Tensor], send_counts: List[int],
               recv_counts: List[int]) -> torch.Tensor:

@@ -276,6 +276,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._rows = torch.zeros(max_rows, embedding_dim, dtype=compute, device=device,
                                  requires_grad=True)
         self._grad = torch.zeros_like(self._full)
+        # Where the ids the peers ask for in a training forward arrive: each asks for at most
+        # max_rows new rows of this shard a forward. Made here, where a failure is agreed on
+        # (_agree_built), not between a forward's messages, whose agreement would cost one more.
+        self._asked = torch.empty(self.world_size * min(max_rows, shard_rows), dtype=torch.int64, device=device)
         # What the gradient placeholder holds in its last element until the exchange (see
         # _note_backward): the smallest normal number, which a rescale changes and a norm hardly sees.
         self._mark = torch.finfo(compute).tiny
@@ -650,7 +654,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 matching :meth:`load`, bad input on another rank, another call
                 (a step, a save) on another rank, or ranks whose embeddings or
                 optimizers differ; another rank failed to read the rows this one
-                asked for (out of memory, say: that rank raises its own error).
+                asked for, or, in an eval forward, to make the memory for the ids
+                this one asked for (out of memory, say: that rank raises its own error).
                 Whoever fails, every rank raises at once and no row changes.
             OptionError: a forward under a ``torch.func`` transform, raised on
                 each rank that runs one, before any message (nothing changes).
@@ -702,7 +707,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             recv_counts, _ = self._exchange.begin(TRAIN_FORWARD if training else EVAL_FORWARD, error,
                                                   self._config(with_optimizer=training), _describe,
                                                   "a forward", send_counts=counts)
-            asked = self._exchange.rows(send, counts, recv_counts)
+            # An eval forward's peers ask for any number of rows: their ids' memory is made, and agreed on, here.
+            asked = self._exchange.rows("a forward (making the memory for the ids other ranks ask for)", send,
+                                        counts, recv_counts, into=self._asked if training else None)
             rows = self._exchange.reply("a forward (reading the rows other ranks asked for)",
                                         lambda: self._answer(asked, recv_counts, training), recv_counts, counts)
         except BaseException:
