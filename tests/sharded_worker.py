@@ -60,6 +60,8 @@ EMBEDDING_OPTIONS = dict(padding_idx=PAD, scale_grad_by_freq=True)
 MAX_NORM = 0.1
 #: The midfail scenario's steps at which rank 1 fails between the messages of a call, by the call.
 MIDWAY = {"forward": 3, "eval": 5, "step": 7, "exchange": 9, "eval ids": 11, "forward ids": 13}
+#: The lastfail scenario's steps at which rank 1 fails after a call's last message (see that scenario).
+AFTER_LAST = {"gather": 3, "sum": 6, "optimizer": 9, "exchange sum": 12, "narrow": 15}
 #: The checkpointed scenarios' steps: several of SKIPPED among them, and steps after the last.
 CHECKPOINTED_STEPS = 30
 
@@ -942,6 +944,56 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"midfail.rank{rank}.json"), "w") as f:
             json.dump(results, f)
         name = "midfail"
+    elif kind == "lastfail":  # rank 1 fails after a step's (or exchange's) last message: see AFTER_LAST
+        from unittest import mock
+        emb, opt = make(name)
+        emb.load(table_file)
+        results = {}
+
+        def only_on_floats(method):
+            """A patch of ``torch.Tensor.method`` that raises for floating tensors: the gradients, not the ids."""
+            original = getattr(torch.Tensor, method)
+
+            def fails(tensor, *args, **kwargs):
+                if tensor.is_floating_point():
+                    raise RuntimeError("injected")
+                return original(tensor, *args, **kwargs)
+            return mock.patch.object(torch.Tensor, method, fails)
+
+        def retried(what, call, injected):
+            """``call()`` on every rank, ``injected`` making it fail on rank 1; a rank that raised calls it again."""
+            error = {}
+            try:
+                with injected if rank == 1 else contextlib.nullcontext():
+                    call()
+            except Exception as exc:
+                error = {type(exc).__name__: str(exc)}
+                call()  # alone, unless every rank raised
+            results[what] = error
+
+        failures = {  # the call, the patch making it fail on rank 1 after (or, now, before) its last message
+            "gather": (opt.step, mock.patch.object(emb._state, "gather", side_effect=MemoryError("injected"))),
+            "sum": (opt.step, only_on_floats("index_add_")),  # the owner summing its peers' gradients
+            "optimizer": (opt.step, mock.patch("torch.optim.adam.adam", side_effect=MemoryError("injected"))),
+            "exchange sum": (emb.exchange_gradients, only_on_floats("index_add_")),
+            "narrow": (opt.step, mock.patch("speedswap.train.sharded.NarrowedStep",
+                                            side_effect=MemoryError("injected"))),
+        }
+        for step in range(STEPS):
+            ids, targets = global_batch(seed, step)
+            part = rank_slice(step, world, rank)
+            rank_loss(emb, ids[part], targets[part], world).backward()
+            stepped = False
+            for what, (call, injected) in failures.items():
+                if step == AFTER_LAST[what]:
+                    retried(what, call, injected)
+                    stepped = call == opt.step
+            if not stepped:  # after exchange_gradients() too
+                opt.step()
+            opt.zero_grad()
+        with open(os.path.join(out, f"lastfail.rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        name = "lastfail"
     elif kind == "crash":    # rank 1 does not catch its error: every rank must exit, not hang
         emb, opt = make(name)
         ids = torch.arange(4) + (NUM_ROWS if rank == 1 else 0)

@@ -28,7 +28,7 @@ from host_syncs import HostSyncs
 from rendezvous import rendezvous_url
 from speedswap.train import sharded_checkpoint
 from speedswap.train.exchange import Exchange
-from sharded_worker import (CHECKPOINTED_STEPS, DIM, MIDWAY, NUM_ROWS, PAD, SAVE_AT, SKIPPED, STEPS,
+from sharded_worker import (AFTER_LAST, CHECKPOINTED_STEPS, DIM, MIDWAY, NUM_ROWS, PAD, SAVE_AT, SKIPPED, STEPS,
                             initial_table, make, shard_arrays, train)
 from test_torch_features import TORCH_FUNC_CALLS
 
@@ -321,6 +321,45 @@ def test_calls_retried_after_failing_midway_train_as_one_process(failed_midway):
         part = sharded_worker.rank_slice(MIDWAY["eval"], 2, rank)
         np.testing.assert_allclose(np.load(out / f"midfail-eval.rank{rank}.npy"), table[ids[part].numpy()], **TOL)
     assert_same(gathered(out, "midfail", 2), reference("adam", seed))
+
+
+@pytest.fixture(scope="module")
+def failed_after_the_last_message(tmp_path_factory):
+    """Two ranks train Adam; at AFTER_LAST's steps rank 1 fails after a call's last message, then calls it again."""
+    out = tmp_path_factory.mktemp("lastfail")
+    seed = fixture_seed("failed_after_the_last_message")
+    assert_ok(launch(2, out, seed, "lastfail:adam"))
+    return out, seed
+
+
+def test_a_step_failing_on_one_rank_in_its_optimizer_state_raises_on_every_rank_at_once(failed_after_the_last_message):
+    """Rank 1 could not read its rows' optimizer state (out of memory, say) after the step's
+    gradient exchange: rank 0 stepped its rows and rank 1 not, and rank 1's retry made a message
+    rank 0 did not (StateError on both at rank 0's next forward, the step lost on rank 1). The
+    state is read before the step's first message now: every rank raises, the retry steps every rank."""
+    out, _ = failed_after_the_last_message
+    rank0, rank1 = (result["gather"] for result in reported(out, "lastfail"))
+    assert rank1 == {"MemoryError": "injected"}
+    assert "optimizer.step() failed on rank(s) [1]" in rank0["StateError"], rank0
+
+
+@pytest.mark.parametrize("what", sorted(set(AFTER_LAST) - {"gather"}))
+def test_a_call_failing_on_one_rank_after_its_last_message_is_finished_by_that_rank_alone(
+        failed_after_the_last_message, what):
+    """Rank 1 failed after the call's last message (summing its peers' gradients, narrowing the
+    step's rows, inside the optimizer), where its peers have finished the call: its retry made
+    the call's messages again, which its peers did not (a StateError on both at rank 0's next
+    call, the step lost on rank 1, or pairs of collectives of different calls). Now the retry
+    on rank 1 alone finishes the call with no message (and the whole run trains as one process: below)."""
+    out, _ = failed_after_the_last_message
+    rank0, rank1 = (result[what] for result in reported(out, "lastfail"))
+    assert rank0 == {}
+    assert list(rank1.values()) == ["injected"], rank1
+
+
+def test_calls_retried_after_failing_after_their_last_message_train_as_one_process(failed_after_the_last_message):
+    out, seed = failed_after_the_last_message
+    assert_same(gathered(out, "lastfail", 2), reference("adam", seed))
 
 
 #: The checkpointed scenarios: <loop>-<use_reentrant> (see sharded_worker.train_checkpointed).
@@ -1832,6 +1871,80 @@ def test_a_loss_weighted_by_zero_trains_as_in_memory_after_exchange_gradients(rn
             optimizer.zero_grad(set_to_none=False)
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
     assert int(opt.state[emb.weight]["step"]) == int(ref_opt.state[ref]["step"]) == steps
+
+
+@pytest.mark.parametrize("where", ["index_add_", "NarrowedStep"])
+def test_a_step_failing_after_its_exchange_then_discarded_trains_on_as_in_memory(rng, where):
+    """A step that failed after reading its rows' optimizer state (narrowing the step's rows, out of
+    memory, say) and was dropped with discard_step(): the optimizer kept the state read for it, and
+    the next forward refused it as replaced by optimizer.load_state_dict() (StateError). The failed
+    steps now train nothing, as steps skipped in memory; the others as in memory."""
+    from unittest import mock
+    _, emb, opt, ref, ref_opt = _one_rank_adam(rng, 40, 3)
+    index_add_ = torch.Tensor.index_add_
+
+    def fails_on_floats(tensor, *args, **kwargs):  # the owner summing gradients, not the ids' counts
+        if tensor.is_floating_point():
+            raise MemoryError("injected")
+        return index_add_(tensor, *args, **kwargs)
+
+    injected = (mock.patch.object(torch.Tensor, "index_add_", fails_on_floats) if where == "index_add_"
+                else mock.patch("speedswap.train.sharded.NarrowedStep", side_effect=MemoryError("injected")))
+    p = 1.0 / np.arange(1, 41)
+    failing = set(rng.choice(np.arange(2, 40), 8, replace=False).tolist())
+    for step in range(40):
+        ids = torch.from_numpy(rng.choice(40, size=12, p=p / p.sum()))
+        target = torch.from_numpy(rng.standard_normal((12, 3)).astype(np.float32))
+        ((emb(ids) - target) ** 2).sum().backward()
+        if step in failing:
+            with injected, pytest.raises(MemoryError, match="injected"):
+                opt.step()
+            emb.discard_step()
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+        ((F.embedding(ids, ref, sparse=True) - target) ** 2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    for name, table in emb._state.tables.items():
+        np.testing.assert_allclose(table.to_numpy(), ref_opt.state[ref][name].to_dense().numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_an_exchange_failing_after_its_message_is_finished_by_calling_it_again(rng):
+    """exchange_gradients() failing after its message (out of memory summing the gradients that came
+    to this rank) left a half-summed gradient that grad_norm() and the step took for the exchanged
+    one, and calling it again raised "twice in one step". Now grad_norm() refuses it, and the call
+    made again finishes it: the norm and the steps are in-memory Adam's."""
+    from unittest import mock
+    _, emb, opt, ref, ref_opt = _one_rank_adam(rng, 40, 3)
+    index_add_ = torch.Tensor.index_add_
+
+    def fails_on_floats(tensor, *args, **kwargs):  # the owner summing gradients, not the ids' counts
+        if tensor.is_floating_point():
+            raise MemoryError("injected")
+        return index_add_(tensor, *args, **kwargs)
+
+    p = 1.0 / np.arange(1, 41)
+    for step in range(12):
+        ids = torch.from_numpy(rng.choice(40, size=12, p=p / p.sum()))
+        target = torch.from_numpy(rng.standard_normal((12, 3)).astype(np.float32))
+        ((emb(ids) - target) ** 2).sum().backward()
+        ((F.embedding(ids, ref, sparse=True) - target) ** 2).sum().backward()
+        if step % 4 == 1:
+            with mock.patch.object(torch.Tensor, "index_add_", fails_on_floats), \
+                    pytest.raises(MemoryError, match="injected"):
+                emb.exchange_gradients()
+            with pytest.raises(ss.StateError, match="again on this rank alone to finish it"):
+                emb.grad_norm()
+        emb.exchange_gradients()
+        torch.testing.assert_close(emb.grad_norm(), ref.grad.coalesce().values().norm(), rtol=1e-6, atol=0)
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_step_whose_optimizer_raised_is_retried_and_training_goes_on(rng):

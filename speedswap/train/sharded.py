@@ -83,7 +83,13 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     dense parameter, a step's gradient stays on :attr:`weight` until
     ``optimizer.zero_grad()``; a step that would apply it again (``step()``
     twice on one backward, no ``zero_grad()`` after a step) is refused with
-    ``StateError``, nothing changed: its rows were written back.
+    ``StateError``, nothing changed: its rows were written back. A step (or
+    :meth:`exchange_gradients`) that fails on one rank after its last message
+    (summing the gradients that came to it, inside the optimizer), when its
+    peers are done, raises on that rank alone, its rows and their state
+    unchanged: the same call again on that rank alone finishes it, with no
+    message. A rank that trains on instead is refused at its next call, on
+    every rank (its step count differs from its peers').
 
     **What is averaged.** A row's gradient is the sum over ranks of each
     rank's gradient for it, divided by the world size ``W``: the average DDP
@@ -298,6 +304,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._backward_ran = False
         self._rows.register_post_accumulate_grad_hook(_note_backward(weakref.ref(self)))
         self._narrowed = None
+        self._agreed = False  # see _new_step
         self._empty_sparse = None  # an EmptySparseGradient while a step without rows is under way
         self._reached = ReachedRows(dropped=_gradient_dropped(weakref.ref(self)))
         self._total, self._last_step = dict.fromkeys(_COUNTERS, 0), dict.fromkeys(_COUNTERS, 0)  # see stats()
@@ -339,6 +346,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
     def _new_step(self):
         self._restore_narrowed()
+        self._release_agreed_state()
         self._owned.clear()
         self._looked_up.clear()
         self._sent_to_me = [[] for _ in range(self.world_size)]  # owned slots, per source, per call
@@ -350,6 +358,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._reached.clear()
         self._kept = self._put_back = None
         self._exchanged = self._late_backward = False
+        # Whether the step's messages all went (_begin_step), and the exchange's message, while the
+        # local work after it is still to do (_take_gradients): a retry on this rank finishes alone.
+        self._agreed, self._arrived = False, None
         self._placeholder_version = None
         # The version of the gradient the last step left on `weight`, while weight.grad holds it
         # (see _leftover_unchanged); and whether a backward of this step found it not zeroed.
@@ -671,6 +682,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             # (_gradient_dropped), and the step's exchange flags the rows it left unreached.
             if not in_backward():
                 self._drop_zeroed_step()
+            if self._agreed:
+                self._reopen_step()  # a step that failed after its messages gets this forward's rows too
             if self._forwards == 0:
                 # weight is scratch between steps, and to_empty() (or weight.data = ...) may have
                 # given it other storage since: the step trains weight.data, and the rows are
@@ -841,8 +854,14 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 the last step's gradient: no ``zero_grad()`` after it), the optimizer's
                 state replaced (see :meth:`forward`), or ranks that disagree
                 about the step. Whichever rank fails, every rank raises, before
-                any gradient moves.
+                any gradient moves; except after the exchange's message (out of
+                memory summing the gradients that came to it): that rank alone
+                raises, and its retry of ``exchange_gradients()`` (alone) finishes it.
         """
+        if self._arrived is not None:
+            # Its messages went, and it failed after them on this rank alone: finished here, with no message.
+            self._take_gradients()
+            return
         error = None
         try:
             self._check_open()
@@ -859,6 +878,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not wait in the exchange
             error = exc
         self._exchange_gradients(error, EXCHANGE)
+        self._take_gradients()
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the whole table's gradient, every rank's owned rows: the same on every rank.
@@ -883,12 +903,17 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
         Raises:
             StateError: no :meth:`exchange_gradients` since the step's last
-                backward, on any rank (every rank raises, before any message).
+                backward, or one that failed after its message and was not
+                called again, on any rank (every rank raises, before any message).
             OptionError: ``norm_type`` is not a number (on that rank; StateError on the others).
         """
         error = None
         try:
             self._check_open()
+            if self._arrived is not None:
+                raise StateError("grad_norm() after an exchange_gradients() that failed on this rank after "
+                                 "its message (its own error said why): call emb.exchange_gradients() "
+                                 "again on this rank alone to finish it, then grad_norm() on every rank")
             if not self._exchanged or self._late_backward:
                 raise StateError("grad_norm() before the gradients reached their owners: call "
                                  "emb.exchange_gradients() on every rank after the step's last "
@@ -947,11 +972,12 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             self._state.gather(self._owned.rows[:0])
 
     def _exchange_gradients(self, error, call):
-        """The exchange itself: owners sum every rank's gradient for their rows into ``weight.grad``.
+        """The exchange's messages: each rank's gradient for every row travels to the row's owner.
 
         ``error``, this rank's reason to stop, is raised on every rank (as
         StateError on the others) before anything is sent; ``call`` is
-        :data:`EXCHANGE` or :data:`STEP`.
+        :data:`EXCHANGE` or :data:`STEP`. What arrived waits in ``_arrived``
+        for :meth:`_take_gradients`.
         """
         what = "exchange_gradients()" if call == EXCHANGE else "optimizer.step()"
         counts, flags = None, 0
@@ -963,11 +989,22 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         recv_counts, flags = self._exchange.begin(
             call, error, self._config(), _describe, what, send_counts=counts,
             expected=[sum(len(part) for part in parts) for parts in self._sent_to_me], flags=flags)
-        any_unreached = flags & _UNREACHED
-        if flags & _REACHED:  # else no gradient moves (below)
+        any_unreached, received = flags & _UNREACHED, None
+        if flags & _REACHED:  # else no gradient moves (see _take_gradients)
             received = self._exchange.reply(what, lambda: self._by_owner(grad, order, unreached, any_unreached),
                                             counts, recv_counts)
         self._exchanged = True  # not before: a retry after a failed reply exchanges again
+        self._arrived = received, recv_counts, flags
+
+    def _take_gradients(self) -> None:
+        """The owner's part of the exchange, after its last message: its rows' gradients summed into ``weight.grad``.
+
+        Work of this rank alone, which may fail here (memory, say) when its
+        peers have finished the call: the message stays in ``_arrived`` until
+        this is done, and the call retried on this rank alone comes here, with
+        no message. Each run starts afresh from the message.
+        """
+        received, recv_counts, flags = self._arrived
         self._put_back = None
         if not flags & _REACHED:
             if flags & _ZERO_KEPT:
@@ -976,10 +1013,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 # memory, and every row goes back unchanged, as lazily in memory. On every rank.
                 self._keep_zero_grad()
                 self._put_back = torch.arange(self._owned.size, device=self.weight.device)
-                return
-            # No backward reached a forward of this step on any rank: in memory the table would
-            # have no gradient, and torch's step would skip it (Adam's step count included).
-            self.weight.grad = None
+            else:
+                # No backward reached a forward of this step on any rank: in memory the table would
+                # have no gradient, and torch's step would skip it (Adam's step count included).
+                self.weight.grad = None
+            self._arrived = None
             return
         slots = torch.cat([part for parts in self._sent_to_me for part in parts])
         k = self._owned.size
@@ -995,14 +1033,15 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._mark_zero_gradient()
         self.weight.grad = self._grad
         self._zero_kept = False
-        if any_unreached:
+        if flags & _UNREACHED:
             # The slots some reached row asked for, marked with no host wait (a bool mask's
             # indexing reads its count, a number through a tensor index is copied to a GPU):
             # the others point at a spare last entry.
             asked_by_reached = torch.where(received[:, -1] > 0, slots, k)
-            got = torch.zeros(k + 1, dtype=torch.bool, device=grad.device).index_fill_(0, asked_by_reached, True)
+            got = torch.zeros(k + 1, dtype=torch.bool, device=slots.device).index_fill_(0, asked_by_reached, True)
             kept = (~got[:k]).nonzero().squeeze(1)
             self._put_back = kept if len(kept) else None
+        self._arrived = None
 
     def _gradients_by_owner(self):
         """This rank's part of the gradient exchange, before its first message: everything that may fail.
@@ -1086,7 +1125,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         step asks every rank). A host read, made only after an exchange, before its step.
         """
         grad = self._grad
-        return (self._exchanged and self.weight.grad is grad and not self._zero_kept
+        return (self._exchanged and self._arrived is None and self.weight.grad is grad and not self._zero_kept
                 and bool(~grad.any() & reads_as_zeroed(grad)))
 
     def _restore_narrowed(self) -> None:
@@ -1128,18 +1167,36 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
         Nothing was written back, so the table and state tables hold every
         owned row as before it; the owned rows, which the optimizer may have
-        half updated, are read from the table again.
+        half updated, are read from the table again. The exchanged gradient
+        stays: the retry steps on it with no message (see :meth:`_begin_step`).
         """
         self._put_back_dense_zero_grad()
         if self._narrowed is not None:
             self._restore_narrowed()
             self._gather_owned(0)
-            if self._exchanged:
-                # The retry exchanges again, backwards since the failure included, into a
-                # fresh placeholder (the exchanged gradient it replaces is made again).
-                self._exchanged = self._late_backward = False
-                self._put_back = None
-                self._set_placeholder()
+
+    def _reopen_step(self) -> None:
+        """Make a step that failed after its messages exchange again: a forward or backward since adds to its gradient.
+
+        The exchange is a collective: the peers must run that forward or
+        backward too (a forward is one; a backward on this rank alone is
+        refused at the exchange, by the rows it sends, on every rank).
+        """
+        self._release_agreed_state()
+        self._agreed = self._exchanged = self._late_backward = False
+        self._arrived = self._put_back = None
+        self._set_placeholder()  # the gradient the exchange made is made again, backwards since included
+
+    def _release_agreed_state(self) -> None:
+        """Give the optimizer its full-size scratch back if a step read its rows' state and did not write it back.
+
+        A step reads the state before its first message; one that failed
+        after its messages and is dropped (or opened again) leaves it read,
+        which the next step's check would take for a state that
+        ``optimizer.load_state_dict()`` replaced.
+        """
+        if self._agreed and self._state is not None:
+            self._state.release()
 
     def _put_back_dense_zero_grad(self):
         if self._empty_sparse is not None:
@@ -1148,6 +1205,15 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
     # The step protocol of StepHooks, which calls _abort_step() first (a retry of a step that raised).
     def _begin_step(self):
+        """Narrow :attr:`weight` to the step's owned rows, with their gradient and optimizer state.
+
+        A failure before the step's last message raises on every rank, nothing
+        changed (:meth:`_agree_to_step`); one after it, on this rank alone,
+        with the rows and their state unchanged and what the messages brought
+        kept: ``optimizer.step()`` again on this rank alone then finishes the
+        step with no message (a forward or backward before it makes the step
+        exchange again, a collective).
+        """
         if self._drop_zeroed_step(exchanged=False):
             return
         if self._forwards == 0:
@@ -1161,8 +1227,33 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 if self._state.needs_sparse_grad:
                     self._empty_sparse = EmptySparseGradient(self.weight)
             return
-        error, holds = None, 0
+        if self._agreed and self._late_backward:
+            self._reopen_step()  # a backward since the step failed: the retry exchanges its gradient too
+        if self._agreed:
+            # A retry of a step that failed after its last message, on this rank alone: its peers
+            # have stepped, so it makes no message, and reads the state again (_abort_step released it).
+            self._state.gather(self._owned.rows)
+        else:
+            self._agree_to_step()
+        # Work of this rank alone from here on: a failure raises here only, and the retry comes back here.
+        if self._arrived is not None:
+            self._take_gradients()
+        self._narrowed = NarrowedStep(self.weight, self._owned.size, self._state.needs_sparse_grad)
+        if self._put_back is not None:
+            self._kept = KeptRows(self._put_back, self._full, self._state.step_state(), self._state.spec)
+
+    def _agree_to_step(self) -> None:
+        """The step's checks and messages: every rank steps, or every rank raises with nothing changed.
+
+        Everything of the step that may fail and needs no message runs before
+        the first one, the read of the rows' optimizer state included: after
+        the last message a rank failing alone would leave its rows unstepped
+        where its peers' are stepped.
+        """
+        error, holds, gathered = None, 0, False
         try:
+            if self._arrived is not None:  # exchange_gradients() failed after its messages: finished first
+                self._take_gradients()
             if self._exchanged and self._late_backward:
                 raise StateError("a backward ran after exchange_gradients(), and its gradient would be "
                                  "lost: call exchange_gradients() after the step's last backward (or "
@@ -1172,26 +1263,29 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             else:
                 holds = _HOLDS_GRADIENT * (not self._zeroed_since_exchange())
             self._check_optimizer_state()  # optimizer.load_state_dict() since the forward
+            self._state.gather(self._owned.rows)
+            gathered = True
         except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not step without this one
             error = exc
-        if self._exchanged:
-            # The step makes no other message after exchange_gradients(): without this one a rank
-            # refusing its step (or skipping it, its own GradScaler having found infs) would
-            # leave its peers' rows stepped and its own not.
-            _, flags = self._exchange.begin(STEP, error, self._config(), _describe, "optimizer.step()",
-                                            flags=holds)
-            if not flags & _HOLDS_GRADIENT:
-                # zero_grad(set_to_none=False) zeroed the exchanged gradient on every rank: in memory
-                # the zeroed sparse gradient names no row, so the step moves none but counts (Adam's
-                # step). Decided by every rank's gradient, so alike on every rank.
-                self._keep_zero_grad()
-                self._put_back = torch.arange(self._owned.size, device=self.weight.device)
-        else:
-            self._exchange_gradients(error, STEP)
-        self._state.gather(self._owned.rows)  # refused above if it would raise: nothing to undo
-        self._narrowed = NarrowedStep(self.weight, self._owned.size, self._state.needs_sparse_grad)
-        if self._put_back is not None:
-            self._kept = KeptRows(self._put_back, self._full, self._state.step_state(), self._state.spec)
+        try:
+            if self._exchanged:
+                # The step makes no other message after exchange_gradients(): without this one a rank
+                # refusing its step (or skipping it, its own GradScaler having found infs) would
+                # leave its peers' rows stepped and its own not.
+                _, flags = self._exchange.begin(STEP, error, self._config(), _describe, "optimizer.step()",
+                                                flags=holds)
+                if not flags & _HOLDS_GRADIENT:
+                    # zero_grad(set_to_none=False) zeroed the exchanged gradient on every rank: in memory
+                    # the zeroed sparse gradient names no row, so the step moves none but counts (Adam's
+                    # step). Decided by every rank's gradient, so alike on every rank (_take_gradients).
+                    self._arrived = None, None, _ZERO_KEPT
+            else:
+                self._exchange_gradients(error, STEP)
+        except BaseException:
+            if gathered:  # the tables hold the state as it was: the optimizer gets its scratch back
+                self._state.release()
+            raise
+        self._agreed = True
 
     def _end_step(self):
         if self._forwards == 0:
@@ -1513,8 +1607,9 @@ def _gradient_dropped(ref):
         # A step whose gradients were exchanged (for a GradScaler that then skipped it): its
         # exchange is void too, and the next step's makes a fresh one, the dropped forwards
         # flagged unreached so that their owners put their rows back.
-        embedding._exchanged = embedding._late_backward = False
-        embedding._put_back = None
+        embedding._release_agreed_state()
+        embedding._exchanged = embedding._late_backward = embedding._agreed = False
+        embedding._put_back = embedding._arrived = None
         return True
     return dropped
 
