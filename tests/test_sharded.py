@@ -1220,6 +1220,62 @@ def test_ranks_seeded_alike_draw_different_starting_rows(tmp_path, seed):
     assert abs(rows.mean()) < 1 and 0.3 < rows.std() < 2
 
 
+#: The collectives each call makes on 2 ranks, by kind (see the test below).
+COLLECTIVES = {
+    # the call's check (begin), the ids, the agreement that the rows asked for were read (reply), the rows
+    "training forward": {"all_gather": 1, "all_to_all_single": 2, "all_reduce": 1},
+    # and the agreement on the memory the ids arrive in, which nothing bounds here (Exchange.rows)
+    "eval forward": {"all_gather": 1, "all_to_all_single": 2, "all_reduce": 2},
+    "backward": {},
+    # the call's check, the agreement that the gradients to send were made, the gradients
+    "optimizer.step()": {"all_gather": 1, "all_to_all_single": 1, "all_reduce": 1},
+    "exchange_gradients()": {"all_gather": 1, "all_to_all_single": 1, "all_reduce": 1},
+    "optimizer.step() after exchange_gradients()": {"all_gather": 1},  # the ranks agree to step
+}
+
+
+def test_each_call_makes_the_collectives_its_agreements_need_and_no_more(tmp_path, seed):
+    """Each collective is a latency every step pays (on NCCL a host wait, too): the agreements that
+    keep a failing rank from hanging its peers are counted here, so that none is added unnoticed."""
+    run_two_ranks(tmp_path,
+                  "import collections, json\n"
+                  "made = collections.Counter()\n"
+                  "def counted(name, collective):\n"
+                  "    def call(*args, **kwargs):\n"
+                  "        made[name] += 1\n"
+                  "        return collective(*args, **kwargs)\n"
+                  "    return call\n"
+                  "for name in ('all_gather', 'all_reduce', 'all_to_all_single', 'broadcast', 'barrier',\n"
+                  "             'all_gather_object', 'all_gather_into_tensor', 'reduce_scatter', 'send', 'recv'):\n"
+                  "    setattr(dist, name, counted(name, getattr(dist, name)))\n"
+                  "emb = ss.ShardedOffloadedEmbedding(60, 4, max_rows=16, storage='pageable', backend='numpy')\n"
+                  "opt = torch.optim.Adam(emb.parameters(), lr=0.1)\n"
+                  "emb.attach(opt)\n"
+                  "calls = {}\n"
+                  "def count(what, call):\n"
+                  "    made.clear()\n"
+                  "    result = call()\n"
+                  "    calls.setdefault(what, []).append(dict(made))\n"
+                  "    return result\n"
+                  f"rng = np.random.default_rng([{seed}, rank])\n"
+                  "for step in range(4):\n"
+                  "    ids = torch.from_numpy(np.minimum(rng.zipf(1.5, 12), 60) - 1)\n"
+                  "    rows = count('training forward', lambda: emb(ids))\n"
+                  "    count('backward', lambda: rows.pow(2).sum().backward())\n"
+                  "    if step % 2:\n"
+                  "        count('exchange_gradients()', emb.exchange_gradients)\n"
+                  "        count('optimizer.step() after exchange_gradients()', opt.step)\n"
+                  "    else:\n"
+                  "        count('optimizer.step()', opt.step)\n"
+                  "    opt.zero_grad()\n"
+                  "    with torch.no_grad():\n"
+                  "        count('eval forward', lambda: emb(ids))\n"
+                  "json.dump(calls, open(f'{out}/calls{rank}.json', 'w'))\n")
+    for rank in range(2):
+        calls = json.loads((tmp_path / f"calls{rank}.json").read_text())
+        assert calls == {what: [made] * len(calls[what]) for what, made in COLLECTIVES.items()}, calls
+
+
 def test_ranks_whose_zero_grad_differs_are_told_to_zero_gradients_alike(tmp_path):
     """A step with no forward after zero_grad(set_to_none=False) on rank 0 and zero_grad() on rank 1
     counts on rank 0 only (a zero gradient against None): the next forward refused on both ranks,
