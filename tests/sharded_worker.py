@@ -61,7 +61,7 @@ MAX_NORM = 0.1
 #: The midfail scenario's steps at which rank 1 fails between the messages of a call, by the call.
 MIDWAY = {"forward": 3, "eval": 5, "step": 7, "exchange": 9, "eval ids": 11, "forward ids": 13}
 #: The lastfail scenario's steps at which rank 1 fails after a call's last message (see that scenario).
-AFTER_LAST = {"gather": 3, "sum": 6, "optimizer": 9, "exchange sum": 12, "narrow": 15}
+AFTER_LAST = {"gather": 3, "sum": 6, "optimizer": 9, "exchange sum": 12, "narrow": 15, "lookup": 18}
 #: The checkpointed scenarios' steps: several of SKIPPED among them, and steps after the last.
 CHECKPOINTED_STEPS = 30
 
@@ -965,11 +965,12 @@ def run_scenario(scenario, seed, world, rank, out):
             error = {}
             try:
                 with injected if rank == 1 else contextlib.nullcontext():
-                    call()
+                    return call()
             except Exception as exc:
                 error = {type(exc).__name__: str(exc)}
-                call()  # alone, unless every rank raised
-            results[what] = error
+                return call()  # alone, unless every rank raised
+            finally:
+                results[what] = error
 
         failures = {  # the call, the patch making it fail on rank 1 after (or, now, before) its last message
             "gather": (opt.step, mock.patch.object(emb._state, "gather", side_effect=MemoryError("injected"))),
@@ -982,7 +983,12 @@ def run_scenario(scenario, seed, world, rank, out):
         for step in range(STEPS):
             ids, targets = global_batch(seed, step)
             part = rank_slice(step, world, rank)
-            rank_loss(emb, ids[part], targets[part], world).backward()
+            loss = lambda: rank_loss(emb, ids[part], targets[part], world)  # noqa: E731
+            if step == AFTER_LAST["lookup"]:  # the forward's output, from the rows its messages brought
+                retried("lookup", loss, mock.patch("torch.nn.functional.embedding",
+                                                   side_effect=MemoryError("injected"))).backward()
+            else:
+                loss().backward()
             stepped = False
             for what, (call, injected) in failures.items():
                 if step == AFTER_LAST[what]:

@@ -347,10 +347,11 @@ def test_a_step_failing_on_one_rank_in_its_optimizer_state_raises_on_every_rank_
 def test_a_call_failing_on_one_rank_after_its_last_message_is_finished_by_that_rank_alone(
         failed_after_the_last_message, what):
     """Rank 1 failed after the call's last message (summing its peers' gradients, narrowing the
-    step's rows, inside the optimizer), where its peers have finished the call: its retry made
-    the call's messages again, which its peers did not (a StateError on both at rank 0's next
-    call, the step lost on rank 1, or pairs of collectives of different calls). Now the retry
-    on rank 1 alone finishes the call with no message (and the whole run trains as one process: below)."""
+    step's rows, inside the optimizer; in a training forward, making its output from the rows
+    that came), where its peers have finished the call: its retry made the call's messages
+    again, which its peers did not (a StateError on both at rank 0's next call, the step lost
+    on rank 1, or pairs of collectives of different calls). Now the retry on rank 1 alone
+    finishes the call with no message (and the whole run trains as one process: below)."""
     out, _ = failed_after_the_last_message
     rank0, rank1 = (result[what] for result in reported(out, "lastfail"))
     assert rank0 == {}
@@ -1997,6 +1998,29 @@ def test_an_exchange_failing_after_its_message_is_finished_by_calling_it_again(r
                 emb.grad_norm()
         emb.exchange_gradients()
         torch.testing.assert_close(emb.grad_norm(), ref.grad.coalesce().values().norm(), rtol=1e-6, atol=0)
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_forward_failing_after_its_messages_trains_nothing_unless_it_is_run_again(rng):
+    """A training forward that failed making its output (out of memory, say), after its rows had
+    entered the step: the step moved them at a zero gradient (Adam's momentum moves them), where
+    in memory a failed lookup trains nothing. Now they are put back unless the forward is run again."""
+    from unittest import mock
+    _, emb, opt, ref, ref_opt = _one_rank_adam(rng, 40, 3)
+    p = 1.0 / np.arange(1, 41)
+    for step in range(30):
+        ids = torch.from_numpy(rng.choice(40, size=12, p=p / p.sum()))
+        target = torch.from_numpy(rng.standard_normal((12, 3)).astype(np.float32))
+        if step % 5 == 3:  # not run again
+            lost = torch.from_numpy(rng.choice(40, size=6, p=p / p.sum()))
+            with mock.patch("torch.nn.functional.embedding", side_effect=MemoryError("injected")), \
+                    pytest.raises(MemoryError, match="injected"):
+                emb(lost)
+        ((emb(ids) - target) ** 2).sum().backward()
+        ((F.embedding(ids, ref, sparse=True) - target) ** 2).sum().backward()
         for optimizer in (opt, ref_opt):
             optimizer.step()
             optimizer.zero_grad()

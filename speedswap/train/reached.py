@@ -75,6 +75,15 @@ class ReachedRows:
         # rows) never runs the node, and in memory the rows would get no gradient.
         output.grad_fn.register_prehook(functools.partial(_reach, weakref.ref(self), self._step, key))
 
+    def without_output(self, slots: torch.Tensor) -> None:
+        """Record slots a training forward looked up but returned no output for (it failed on the way).
+
+        Unreached, as the slots of a forward no backward reaches: put back at
+        the step unless a backward reaches them through another forward.
+        """
+        key, self._count = self._count, self._count + 1
+        self._unreached[key] = slots
+
     def forget_reached(self) -> None:
         """Count every forward so far as unreached: the gradient their backward gave was dropped.
 

@@ -83,13 +83,15 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     dense parameter, a step's gradient stays on :attr:`weight` until
     ``optimizer.zero_grad()``; a step that would apply it again (``step()``
     twice on one backward, no ``zero_grad()`` after a step) is refused with
-    ``StateError``, nothing changed: its rows were written back. A step (or
-    :meth:`exchange_gradients`) that fails on one rank after its last message
-    (summing the gradients that came to it, inside the optimizer), when its
-    peers are done, raises on that rank alone, its rows and their state
-    unchanged: the same call again on that rank alone finishes it, with no
-    message. A rank that trains on instead is refused at its next call, on
-    every rank (its step count differs from its peers').
+    ``StateError``, nothing changed: its rows were written back. A training
+    forward, step or :meth:`exchange_gradients` that fails on one rank after
+    its last message (making the forward's output, summing the gradients that
+    came to it, inside the optimizer), when its peers are done, raises on that
+    rank alone, its rows and their state unchanged: the same call again on
+    that rank alone (with the same ids, for a forward) finishes it, with no
+    message. A forward not run again trains nothing, as in memory; a rank that
+    trains on without its failed step is refused at its next call, on every
+    rank (its step count differs from its peers').
 
     **What is averaged.** A row's gradient is the sum over ranks of each
     rank's gradient for it, divided by the world size ``W``: the average DDP
@@ -361,6 +363,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # Whether the step's messages all went (_begin_step), and the exchange's message, while the
         # local work after it is still to do (_take_gradients): a retry on this rank finishes alone.
         self._agreed, self._arrived = False, None
+        self._unfinished = None  # (ids, slots) of a training forward that failed after its messages: see _look_up
         self._placeholder_version = None
         # The version of the gradient the last step left on `weight`, while weight.grad holds it
         # (see _leftover_unchanged); and whether a backward of this step found it not zeroed.
@@ -670,6 +673,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 Whoever fails, every rank raises at once and no row changes.
             OptionError: a forward under a ``torch.func`` transform, raised on
                 each rank that runs one, before any message (nothing changes).
+            A training forward that fails after its messages (out of memory
+            making its output) raises on this rank alone: the same forward (the
+            same ids) again on this rank alone finishes it, with no message.
         """
         # Refused whatever it reads: its lookup, a collective, is not made to run outside a transform.
         outside_function_transforms(type(self).__name__, False, input, self.weight)
@@ -692,7 +698,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # Whoever fails, every rank raises with the step as it was before this forward: the working
         # sets replace their tensors rather than write into them (see WorkingSet.add), so these restore them.
         before = copy.copy(self._looked_up), copy.copy(self._owned), [parts[:] for parts in self._sent_to_me]
-        error, send, counts = None, None, None
+        error, send, counts, unfinished = None, None, None, None
         try:
             self._check_open()
             if extra or offsets is not None or per_sample_weights is not None:
@@ -704,6 +710,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 if self._state is None:
                     raise StateError("call emb.attach(optimizer) before training: the optimizer's "
                                      "step() is where gradients reach the rows' owners")
+                unfinished, self._unfinished = self._unfinished, None
+                if unfinished is not None and not torch.equal(unfinished[0], flat.view(shape)):
+                    unfinished = None  # another forward: the failed one's rows wait unreached (see _look_up)
                 if self._forwards == 0:
                     self._check_optimizer_state()  # before a step begins, when emb.load still may run
                 # Each rank's count of the new rows rides in the working set's one read.
@@ -716,6 +725,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 counts = count_by_owner(owners(send, self._starts), self.world_size).tolist()
         except Exception as exc:  # noqa: BLE001 -- any failure must still reach the other ranks
             error = exc
+        if unfinished is not None and error is None:
+            return self._look_up(*unfinished)  # its messages went: on this rank alone, with none
         try:
             recv_counts, _ = self._exchange.begin(TRAIN_FORWARD if training else EVAL_FORWARD, error,
                                                   self._config(with_optimizer=training), _describe,
@@ -728,9 +739,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         except BaseException:
             self._looked_up, self._owned, self._sent_to_me = before
             raise
-        rows = rows.to(self.weight.dtype)
         if not training:
-            return rows[inverse].view(*shape, self.embedding_dim)
+            return rows.to(self.weight.dtype)[inverse].view(*shape, self.embedding_dim)
         self._forwards += 1
         moved = self._moved
         moved["lookups"] += local.numel()
@@ -738,10 +748,26 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         moved["rows_from_peers"] += sum(counts) - counts[self.rank]
         moved["rows_to_peers"] += sum(recv_counts) - recv_counts[self.rank]
         with torch.no_grad():
-            self._rows[first_new:first_new + len(rows)] = rows
-        # Slots name rows one to one, so counting them counts this forward's ids (scale_grad_by_freq).
-        out = F.embedding(local, self._rows, scale_grad_by_freq=self.scale_grad_by_freq)
-        self._reached.track(out, local)  # a forward no backward reaches trains nothing
+            self._rows[first_new:first_new + len(rows)] = rows  # a bfloat16 table's rows made float32 in place
+        return self._look_up(flat.view(shape), local)
+
+    def _look_up(self, ids: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """A training forward's output, from the step's rows, once its messages brought them.
+
+        Work of this rank alone, which may fail here (out of memory, say) when
+        its peers have finished the forward: the same forward again (the same
+        ``ids``) on this rank then comes back here, with no message. Any other
+        forward instead leaves the failed one's rows unreached, as a forward no
+        backward reaches: they train nothing.
+        """
+        try:
+            # Slots name rows one to one, so counting them counts this forward's ids (scale_grad_by_freq).
+            out = F.embedding(local, self._rows, scale_grad_by_freq=self.scale_grad_by_freq)
+            self._reached.track(out, local)  # a forward no backward reaches trains nothing
+        except BaseException:
+            self._reached.without_output(local)
+            self._unfinished = ids.clone(), local  # a copy: the caller may reuse its tensor before the retry
+            raise
         return out
 
     def _answer(self, asked: torch.Tensor, recv_counts, training: bool) -> torch.Tensor:
