@@ -196,7 +196,7 @@ def main(argv=None):
           f"{projection['measured_bytes_per_rank_step_W2'] / 1024:.0f} KiB")
     print(f"W=8 ({args.pairs // 8} pairs per rank): {counted_8 / 1024:.0f} KiB per rank per step "
           f"-> {projection['projected_exchange_ms_W8']:.2f} ms on {args.link_gbit:g} Gb/s links "
-          f"(bandwidth only; add ~3 collective latencies per step)")
+          f"(bandwidth only; add 7 collective latencies per step: 4 a forward, 3 a step)")
     print(f"load average before {load_before}, after {load_after}")
     common.write_results("distributed", out=args.out, payload={
         "vocab": args.vocab, "pairs_per_global_step": args.pairs, "dim": DIM, "negatives": NEGS,
