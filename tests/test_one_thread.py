@@ -1,12 +1,20 @@
-"""One thread at a time: a call on an OffloadedEmbedding while another thread is inside a call or a step raises.
+"""One thread at a time: a call while another thread is inside a call or a step's span raises.
 
 Before, an evaluation thread's lookups while the training thread was inside
-``optimizer.step()`` put the step's rows back under the optimizer: SGD and
-Adam failed with a size mismatch (512 against 151 rows), or the update was
-lost. Calls from several threads one after another work.
+``optimizer.step()`` put an OffloadedEmbedding's step rows back under the
+optimizer: SGD and Adam failed with a size mismatch (512 against 151 rows),
+or the update was lost. The SpeedTorch-style switchers and the sharded
+embedding were not covered: an evaluation thread's ``before_forward`` lookups
+cleared the working set under the training thread's step (71 of 300 rows
+trained wrong in 60 steps, or ``before_forward`` raised "called twice" on the
+training thread), its ``getNumpyVersion()`` loop flushed the device cache
+under the step (24 rows wrong), and a ``ShardedOffloadedEmbedding.save()`` loop
+dropped steps whose backward was running (21 rows wrong). Calls from several
+threads one after another work.
 """
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -22,99 +30,245 @@ def _zipf_ids(rng):
     return torch.from_numpy(rng.permutation(NUM_ROWS)[rng.choice(NUM_ROWS, size=IDS, p=p / p.sum())])
 
 
-def _pair(rng, backend, cache_rows):
-    """An offloaded embedding and an in-memory one holding the same random rows, each with its optimizer."""
-    rows = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
-    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=IDS, cache_rows=cache_rows, backend=backend)
-    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rows)))
-    opt = torch.optim.SGD(emb.parameters(), lr=LR)
-    emb.attach(opt)
-    reference = torch.nn.Embedding(NUM_ROWS, DIM)
-    reference.weight.data.copy_(torch.from_numpy(rows))
-    return emb, opt, reference, torch.optim.SGD(reference.parameters(), lr=LR)
-
-
 def _loss(rows, ids):
     return ((rows - ids.unsqueeze(1).float() / NUM_ROWS) ** 2).sum()
 
 
-def _reference_step(reference, opt, ids):
-    _loss(reference(ids), ids).backward()
-    opt.step()
-    opt.zero_grad()
+class _Trained:
+    """One of speedswap's ways to train a table, and what another thread may call on it.
+
+    ``spans_forward``: whether a training step holds the claim from its first
+    lookup (not only between the optimizer's step hooks).
+    """
+
+    spans_forward = True
+
+    def step(self, ids, before_step=lambda: None, retried=lambda call: call()):
+        """One training step of ``ids`` (each call through ``retried``); ``before_step()`` runs before the step."""
+        device = self.opt.param_groups[0]["params"][0].device
+        ids = ids.to(device)
+        _loss(retried(lambda: self.lookup(ids)), ids).backward()
+        before_step()
+        retried(self.opt.step)
+        self.opt.zero_grad()
+        retried(lambda: self.finish(ids))
+
+    def finish(self, ids):
+        """What ends a step after ``optimizer.step()``."""
 
 
-@pytest.mark.parametrize("cache_rows", [0, 60])
-def test_calls_from_another_thread_inside_a_step_are_refused_and_change_nothing(backend, rng, cache_rows,
-                                                                                  tmp_path):
-    emb, opt, reference, ref_opt = _pair(rng, backend, cache_rows)
-    inside, go = threading.Event(), threading.Event()
-    go.set()
+class _Offloaded(_Trained):
+    """An OffloadedEmbedding: the claim spans the step's hooks only."""
 
-    def hold(_optimizer, _args, _kwargs):  # runs after the embedding's hook narrowed the step's rows
-        inside.set()
-        assert go.wait(60)
-    opt.register_step_pre_hook(hold)
-    device = emb.weight.device
+    spans_forward = False
+
+    def __init__(self, rows, backend, cache_rows):
+        self.emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=IDS, cache_rows=cache_rows, backend=backend)
+        self.emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rows)))
+        self.opt = torch.optim.SGD(self.emb.parameters(), lr=LR)
+        self.emb.attach(self.opt)
+
+    def lookup(self, ids):
+        return self.emb(ids)
+
+    def rows(self):
+        return self.emb.table.to_numpy()
+
+    def evaluate(self, ids, path):
+        _no_grad(self.emb, ids)
+        self.emb.table.to_numpy()
+
+    def calls(self, other, path):
+        calls = {"training forward": lambda: self.emb(other),
+                 "eval forward": lambda: _no_grad(self.emb, other),
+                 "table read": lambda: self.emb.table.to_numpy(),
+                 "flush": self.emb.flush,
+                 "discard_step": self.emb.discard_step,
+                 "save": lambda: self.emb.save(path / "ck.h5"),
+                 "optimizer.step()": self.opt.step}
+        if self.emb.cache_rows:
+            calls["prefetch"] = lambda: self.emb.prefetch(other)
+        return calls
+
+
+class _Switchers(_Trained):
+    """A ModelFactory and an OptimizerFactory over a model's nn.Embedding: one claim for the pair."""
+
+    def __init__(self, rows, backend, cache_rows):
+        self.emb = torch.nn.Embedding(IDS, DIM).to(ss.get_backend(backend).device)
+        model = torch.nn.ModuleDict({"u_embeddings": self.emb})
+        self.opt = torch.optim.SGD(model.parameters(), lr=LR)
+        self.model_switch = ss.ModelFactory(self.emb, NUM_ROWS, DIM, backend=backend, cache_rows=cache_rows)
+        self.model_switch.customInit(lambda t: t.copy_(torch.from_numpy(rows)))
+        self.opt_switch = ss.OptimizerFactory(self.opt, NUM_ROWS, DIM, model, "u_embeddings", backend=backend,
+                                              cache_rows=cache_rows)
+
+    def lookup(self, ids):
+        local = self.model_switch.beforeForwardPass(ids)
+        self.opt_switch.beforeForwardPass(ids)
+        return self.emb(local)
+
+    def finish(self, ids):
+        self.model_switch.afterOptimizerStep(ids)
+        self.opt_switch.afterOptimizerStep(ids)
+
+    def rows(self):
+        return self.model_switch.getNumpyVersion()
+
+    def evaluate(self, ids, path):
+        local = self.model_switch.before_forward(ids[:IDS])  # SpeedTorch's lookup: a step without a backward
+        try:
+            _no_grad(self.emb, local)
+        finally:
+            self.model_switch.after_step(ids[:IDS])
+        self.model_switch.getNumpyVersion()
+
+    def calls(self, other, path):
+        model_switch, opt_switch = self.model_switch, self.opt_switch
+        return {"ModelFactory.before_forward": lambda: model_switch.before_forward(other),
+                "OptimizerFactory.before_forward": lambda: opt_switch.before_forward(other),
+                "after_step": lambda: model_switch.after_step(other),
+                "getNumpyVersion": model_switch.getNumpyVersion,
+                "OptimizerFactory.getNumpyVersion": opt_switch.getNumpyVersion,
+                "table": lambda: model_switch.table,
+                "state": lambda: opt_switch.state,
+                "flush": model_switch.flush,
+                "prefetch": lambda: model_switch.prefetch(other),
+                "init": lambda: model_switch.uniformDistributionInit(-1, 1),
+                "saveCupy": lambda: model_switch.saveCupy(path / "table.npy"),
+                "OptimizerFactory.save": lambda: opt_switch.save(path / "state.h5"),
+                "optimizer.step()": self.opt.step,
+                "ModelFactory.close": model_switch.close,
+                "OptimizerFactory.close": opt_switch.close}
+
+
+class _Sharded(_Trained):
+    """A ShardedOffloadedEmbedding in one process (one rank): the claim spans a training forward to the step."""
+
+    def __init__(self, rows, backend, cache_rows):
+        assert not cache_rows  # it has no cache
+        self.emb = ss.ShardedOffloadedEmbedding(NUM_ROWS, DIM, max_rows=IDS, storage="pageable", backend=backend)
+        self.emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rows)))
+        self.opt = torch.optim.SGD(self.emb.parameters(), lr=LR)
+        self.emb.attach(self.opt)
+
+    def lookup(self, ids):
+        return self.emb(ids)
+
+    def rows(self):
+        return self.emb.table.to_numpy()
+
+    def evaluate(self, ids, path):
+        _no_grad(self.emb, ids)
+        self.emb.save(path / "ck")
+
+    def calls(self, other, path):
+        emb = self.emb
+        return {"training forward": lambda: emb(other),
+                "eval forward": lambda: _no_grad(emb, other),
+                "discard_step": emb.discard_step,
+                "exchange_gradients": emb.exchange_gradients,
+                "grad_norm": emb.grad_norm,
+                "state_dict": emb.state_dict,
+                "table write": lambda: emb.table.apply_(torch.nn.init.zeros_),
+                "save": lambda: emb.save(path / "ck"),
+                "load": lambda: emb.load(path / "ck"),
+                "attach": lambda: emb.attach(self.opt),
+                "optimizer.step()": self.opt.step,
+                "close": emb.close}
+
+
+class _Reference:
+    """The same table trained in memory: nn.Embedding and the same torch optimizer."""
+
+    def __init__(self, rows):
+        self.emb = torch.nn.Embedding(NUM_ROWS, DIM)
+        self.emb.weight.data.copy_(torch.from_numpy(rows))
+        self.opt = torch.optim.SGD(self.emb.parameters(), lr=LR)
+
+    def step(self, ids):
+        _loss(self.emb(ids), ids).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def rows(self):
+        return self.emb.weight.detach().numpy()
+
+
+KINDS = [pytest.param(_Offloaded, 0, id="OffloadedEmbedding"),
+         pytest.param(_Offloaded, 60, id="OffloadedEmbedding-cached"),
+         pytest.param(_Switchers, 0, id="switchers"),
+         pytest.param(_Switchers, 60, id="switchers-cached"),
+         pytest.param(_Sharded, 0, id="ShardedOffloadedEmbedding")]
+
+
+#: Where the training thread waits while another makes its calls: inside the step, and, where the step's
+#: claim spans its lookups too, between the backward and the step.
+PAUSES = [pytest.param(*kind.values, where, id=f"{kind.id}-{where}") for kind in KINDS
+          for where in ("inside optimizer.step()", "before optimizer.step()")
+          if where == "inside optimizer.step()" or kind.values[0].spans_forward]
+
+
+def _pair(rng, kind, backend, cache_rows):
+    rows = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    return kind(rows, backend, cache_rows), _Reference(rows)
+
+
+@pytest.mark.parametrize("kind, cache_rows, where", PAUSES)
+def test_calls_from_another_thread_inside_a_step_are_refused_and_change_nothing(backend, rng, kind, cache_rows,
+                                                                                  where, tmp_path):
+    trained, reference = _pair(rng, kind, backend, cache_rows)
     for _ in range(4):
         ids = _zipf_ids(rng)
-        _loss(emb(ids.to(device)), ids.to(device)).backward()
-        opt.step()
-        opt.zero_grad()
-        _reference_step(reference, ref_opt, ids)
-    ids = _zipf_ids(rng)
-    _loss(emb(ids.to(device)), ids.to(device)).backward()
-    go.clear()
-    inside.clear()
-    raised = []
-    stepping = threading.Thread(target=lambda: raised.extend(_raised(opt.step)))
+        trained.step(ids)
+        reference.step(ids)
+    inside, go = threading.Event(), threading.Event()
+
+    def pause(*_):
+        inside.set()
+        assert go.wait(60)
+    # Registered after the embedding's (or switcher's) own pre-hook: it runs once the step's rows are narrowed.
+    hook = trained.opt.register_step_pre_hook(pause) if where == "inside optimizer.step()" else None
+    ids, raised = _zipf_ids(rng), []
+    stepping = threading.Thread(target=lambda: raised.extend(_raised(lambda: trained.step(
+        ids, before_step=pause if hook is None else lambda: None))))
     stepping.start()
     try:
         assert inside.wait(60)
-        other = _zipf_ids(rng).to(device)
-        calls = {"training forward": lambda: emb(other),
-                 "eval forward": lambda: _no_grad(emb, other),
-                 "table read": lambda: emb.table.to_numpy(),
-                 "flush": emb.flush,
-                 "discard_step": emb.discard_step,
-                 "save": lambda: emb.save(tmp_path / "ck.h5")}
-        if cache_rows:
-            calls["prefetch"] = lambda: emb.prefetch(other)
-        for what, call in calls.items():
+        other = _zipf_ids(rng).to(trained.opt.param_groups[0]["params"][0].device)
+        for what, call in trained.calls(other, tmp_path).items():
             with pytest.raises(ss.StateError, match="another thread"):
                 call()
-            assert inside.is_set(), what
+            assert stepping.is_alive(), what
     finally:
         go.set()
         stepping.join(60)
+    if hook is not None:
+        hook.remove()
     assert raised == []
-    assert not (tmp_path / "ck.h5").exists()
-    opt.zero_grad()
-    _reference_step(reference, ref_opt, ids)
+    assert list(tmp_path.iterdir()) == []  # no save wrote anything
+    reference.step(ids)
     for _ in range(4):  # this thread trains on where the other left off
         ids = _zipf_ids(rng)
-        _loss(emb(ids.to(device)), ids.to(device)).backward()
-        opt.step()
-        opt.zero_grad()
-        _reference_step(reference, ref_opt, ids)
-    np.testing.assert_allclose(emb.table.to_numpy(), reference.weight.detach().numpy(), rtol=1e-6, atol=1e-6)
+        trained.step(ids)
+        reference.step(ids)
+    np.testing.assert_allclose(trained.rows(), reference.rows(), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("cache_rows", [0, 60])
-def test_training_beside_an_evaluation_thread_trains_as_in_memory(backend, rng, cache_rows):
+@pytest.mark.parametrize("kind, cache_rows", KINDS)
+def test_training_beside_an_evaluation_thread_trains_as_in_memory(backend, rng, kind, cache_rows, tmp_path):
     """Whatever the interleaving, each call runs whole or is refused whole: retrying refused ones trains exactly."""
-    emb, opt, reference, ref_opt = _pair(rng, backend, cache_rows)
-    device = emb.weight.device
-    done, outcomes = threading.Event(), {"looked up": 0, "refused": 0, "other": []}
+    trained, reference = _pair(rng, kind, backend, cache_rows)
+    done, outcomes = threading.Event(), {"evaluated": 0, "refused": 0, "other": []}
 
     def evaluate():
         draws = np.random.default_rng(int(rng.integers(2**31)))
         while not done.is_set():
             try:
-                _no_grad(emb, torch.from_numpy(draws.integers(0, NUM_ROWS, 500)).to(device))
-                outcomes["looked up"] += 1
-            except ss.StateError as exc:
-                if "another thread" in str(exc):
+                trained.evaluate(torch.from_numpy(draws.integers(0, NUM_ROWS, 500)), tmp_path)
+                outcomes["evaluated"] += 1
+            except Exception as exc:  # noqa: BLE001 -- anything but a refusal fails the test
+                if isinstance(exc, ss.StateError) and "another thread" in str(exc):
                     outcomes["refused"] += 1
                 else:
                     outcomes["other"].append(exc)
@@ -124,16 +278,97 @@ def test_training_beside_an_evaluation_thread_trains_as_in_memory(backend, rng, 
     try:
         for _ in range(60):
             ids = _zipf_ids(rng)
-            rows = _retried(lambda: emb(ids.to(device)))
-            _loss(rows, ids.to(device)).backward()
-            _retried(opt.step)
-            opt.zero_grad()
-            _reference_step(reference, ref_opt, ids)
+            trained.step(ids, retried=_retried)
+            reference.step(ids)
     finally:
         done.set()
         evaluator.join(60)
-    assert outcomes["other"] == [] and outcomes["looked up"] > 0
-    np.testing.assert_allclose(emb.table.to_numpy(), reference.weight.detach().numpy(), rtol=1e-6, atol=1e-6)
+    assert outcomes["other"] == [] and outcomes["evaluated"] > 0
+    np.testing.assert_allclose(trained.rows(), reference.rows(), rtol=1e-6, atol=1e-6)
+
+
+def _refused_here(call):
+    """Whether ``call()`` on this thread is refused because another thread holds the embedding."""
+    try:
+        call()
+    except ss.StateError as exc:
+        if "another thread" in str(exc):
+            return True
+        raise
+    return False
+
+
+def _failing_step(opt):
+    """``opt.step()`` raising inside the step, once the embedding's hook narrowed its rows."""
+    def fail(*_):
+        raise RuntimeError("a failure inside optimizer.step()")
+    hook = opt.register_step_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="inside optimizer.step"):
+            opt.step()
+    finally:
+        hook.remove()
+
+
+def test_the_switchers_claim_ends_exactly_with_the_step_on_every_path(backend, rng):
+    """Refused calls, a step that raised and a switcher closed mid-step: held while the step is unfinished only."""
+    trained, reference = _pair(rng, _Switchers, backend, 0)
+    model_switch, opt_switch = trained.model_switch, trained.opt_switch
+    device = trained.emb.weight.device
+    ids, other = _zipf_ids(rng).to(device), _zipf_ids(rng).to(device)
+    with ThreadPoolExecutor(1) as training:  # one thread, which each step below runs on
+        def on_training(call):
+            return training.submit(call).result()
+
+        with pytest.raises(ss.IdError):
+            on_training(lambda: model_switch.before_forward(torch.tensor([NUM_ROWS])))
+        assert not _refused_here(model_switch.getNumpyVersion)  # refused ids began no step
+        local = on_training(lambda: model_switch.before_forward(ids))
+        assert _refused_here(model_switch.getNumpyVersion)
+        with pytest.raises(ss.StateError, match="while the model switcher"):
+            on_training(lambda: opt_switch.before_forward(other))  # refused: the step's are other ids
+        assert _refused_here(opt_switch.getNumpyVersion)
+        on_training(lambda: opt_switch.before_forward(ids))
+        on_training(lambda: _loss(trained.emb(local), ids).backward())
+        on_training(lambda: _failing_step(trained.opt))
+        assert _refused_here(model_switch.getNumpyVersion)  # the failed step's rows are still in flight
+        on_training(trained.opt.step)
+        trained.opt.zero_grad()
+        on_training(lambda: model_switch.after_step(ids))
+        assert _refused_here(model_switch.getNumpyVersion)  # the OptimizerFactory's part is unfinished
+        on_training(lambda: opt_switch.after_step(ids))
+        reference.step(ids.cpu())
+        np.testing.assert_allclose(model_switch.getNumpyVersion(), reference.rows(), rtol=1e-6, atol=1e-6)
+        on_training(lambda: trained.lookup(other))
+        assert _refused_here(opt_switch.getNumpyVersion)
+        on_training(model_switch.close)  # abandons the step
+        assert not _refused_here(opt_switch.getNumpyVersion)
+
+
+def test_the_sharded_claim_ends_exactly_with_the_step_on_every_path(backend, rng):
+    """A refused forward, discard_step and a step that raised: held from a training forward to the step's end only."""
+    trained, reference = _pair(rng, _Sharded, backend, 0)
+    emb, opt = trained.emb, trained.opt
+    ids = _zipf_ids(rng).to(emb.weight.device)
+    with ThreadPoolExecutor(1) as training:
+        def on_training(call):
+            return training.submit(call).result()
+
+        with pytest.raises(ss.IdError):
+            on_training(lambda: emb(torch.tensor([NUM_ROWS])))
+        assert not _refused_here(emb.state_dict)  # a refused forward began no step
+        on_training(lambda: _loss(emb(ids), ids).backward())
+        assert _refused_here(emb.state_dict)
+        on_training(emb.discard_step)
+        assert not _refused_here(emb.state_dict)
+        on_training(lambda: _loss(emb(ids), ids).backward())
+        on_training(lambda: _failing_step(opt))
+        assert _refused_here(emb.state_dict)  # the failed step's rows are still in flight
+        on_training(opt.step)
+        assert not _refused_here(emb.state_dict)
+        opt.zero_grad()
+    reference.step(ids.cpu())
+    np.testing.assert_allclose(trained.rows(), reference.rows(), rtol=1e-6, atol=1e-6)
 
 
 def _retried(call):

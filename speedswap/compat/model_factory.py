@@ -36,6 +36,7 @@ from ..convert import DTypeLike, Ids, bool_option, host_tensor, initialiser_opti
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
 from ..files import suffix_format
 from ..table import HostTable, loading_into
+from ..train.one_thread import one_thread
 from .steps import MODEL
 from .switcher import LocalIds, Switcher, device_of, storage_of, weight_of
 
@@ -474,6 +475,7 @@ class ModelFactory(Switcher):
         # and drop them once the file is verified: a refused load leaves the cache as it was.
         self._table.load_from(path)
 
+    @one_thread
     def close(self) -> None:
         """Release the table's memory (an ``mmap`` table gets the cached rows first). Idempotent.
 
@@ -523,6 +525,7 @@ class ModelFactory(Switcher):
         self._steps.hand_out("ModelFactory.table")
         return self._table
 
+    @one_thread
     def _prepare_table_write(self):
         """Make a write into the table, through any reference to it, take effect as in memory.
 

@@ -13,6 +13,7 @@ from ..convert import DTypeLike, Ids, bool_option, torch_dtype
 from ..errors import DTypeError, OptionError, StateError
 from ..train.caching import resetting_state
 from ..train.one_optimizer import claim
+from ..train.one_thread import one_thread
 from ..train.row_state import EmptySparseGradient, NarrowedStep, RowState
 from ..train.step_hooks import StepHooks
 from .steps import MODEL, OPTIMIZER
@@ -149,7 +150,8 @@ class OptimizerFactory(Switcher):
         self._claim = claim(self, param, given_optimizer,
                             instead="build the OptimizerFactory over this optimizer instead")
 
-    # The step protocol of StepHooks.
+    # The step protocol of StepHooks; each hook claims the switchers (another thread's step is refused).
+    @one_thread
     def _begin_step(self):
         step = self._steps.current
         if (self._gathered is None and step is not None and self._is_member()
@@ -181,6 +183,7 @@ class OptimizerFactory(Switcher):
             self._empty_sparse.restore()
             self._empty_sparse = None
 
+    @one_thread
     def _end_step(self):
         self._put_back_dense_zero_grad()
         step = self._gathered
@@ -197,6 +200,7 @@ class OptimizerFactory(Switcher):
         if step is not None:
             step.stepped = True  # the rows after_step writes back were stepped (see SharedSteps.end)
 
+    @one_thread
     def _abort_step(self):
         self._put_back_dense_zero_grad()
         if self._narrowing.step is None:
@@ -210,6 +214,7 @@ class OptimizerFactory(Switcher):
             self._steps.fetch_again(step, self._param.data)
             self._state.gather(step.rows, read=self._steps.read_state(), resetting=self._resetting_state)
 
+    @one_thread
     def close(self) -> None:
         """Release the state tables' memory and unhook the optimizer (other optimizers may step the
         embedding again). Idempotent.
@@ -244,6 +249,7 @@ class OptimizerFactory(Switcher):
         finally:
             self._resetting = False
 
+    @one_thread
     def _prepare_table_read(self):
         """As :meth:`Switcher._prepare_table_read`, but letting through :meth:`RowState.gather`'s reset.
 
@@ -254,6 +260,7 @@ class OptimizerFactory(Switcher):
         if not self._resetting:
             super()._prepare_table_read()
 
+    @one_thread
     def _prepare_state_write(self):
         """Make a write into a state table between steps, through any reference to it, reach the next step.
 

@@ -39,6 +39,7 @@ from ..train.caching import idle_stats, new_cache, rewriting
 from ..train.conversions import (guard_parameter, refuse_conversion, refuse_new_gradient_storage,
                                  refuse_new_storage)
 from ..train.leftover import untouched
+from ..train.one_thread import OneThread, one_thread
 from ..train.row_state import row_state_spec
 from ..train.step_hooks import closure_of
 from ..train.working_set import WorkingSet
@@ -134,6 +135,16 @@ class SharedSteps:
         self._leftover = None  # the last step's gradient, untouched since (see _refuse_leftover_gradient)
         self._finished = None  # (param.grad, its version) when the last step ended (see refuse_stepping_between_steps)
         self._hook = None  # on the parameter once it requires grad (see _watch_gradients)
+        # Both switchers' calls claim it, and a step holds it from its first begin() until it is
+        # no longer busy(): another thread's before_forward would clear the working set under
+        # the step, and its reads would flush and refill the cache the step fetches from.
+        self._one_thread = OneThread(
+            "this embedding's pair of switchers (ModelFactory, OptimizerFactory)",
+            span="between the beforeForwardPass (before_forward) that began a step and the last "
+                 "afterOptimizerStep (after_step) that ends it",
+            step="each step (beforeForwardPass on every switcher to afterOptimizerStep on every switcher)",
+            release="a thread that began a step holds them until it ends the step with afterOptimizerStep "
+                    "on every switcher that began it")
 
     # ------------------------------------------------------------ members
     def is_member(self, switcher, kind) -> bool:
@@ -177,6 +188,7 @@ class SharedSteps:
                     f"of one embedding share one device cache of rows and their optimizer "
                     f"state; pass the same cache_rows to both (or close the other one first)")
 
+    @one_thread
     def join(self, switcher, kind: str, cache_rows: int, tables) -> weakref.finalize:
         """Make ``switcher`` the parameter's switcher of ``kind``: the last act of its constructor.
 
@@ -209,6 +221,7 @@ class SharedSteps:
         leave.atexit = False  # at exit there is nothing to keep consistent
         return leave
 
+    @one_thread
     def check_conversion(self, fn) -> None:
         """Refuse ``model.double()``, ``.half()``, ``.to(...)`` of the parameter while a switcher serves it.
 
@@ -287,6 +300,7 @@ class SharedSteps:
             self.cache.end_step()  # the cache still holds the rows as before the step
         self._open, self._states = False, _WAITING
         self.current.ended |= self.current.begun
+        self._one_thread.hold(False)  # the step's claim (see begin)
 
     def _undo_interrupted_step(self):
         """Give the parameter its full shape back after an ``optimizer.step()`` that raised.
@@ -366,6 +380,11 @@ class SharedSteps:
     def begin(self, step, kind, rows):
         """Start ``kind``'s part of ``step`` (from :meth:`prepare`); the first part fetches its rows.
 
+        From here until no switcher's part is unfinished (:meth:`end`,
+        :meth:`withdraw`, a switcher closed in the middle of it) the calling
+        thread holds the switchers' claim: a call from another thread raises
+        (see :mod:`speedswap.train.one_thread`).
+
         Args:
             step: the step.
             kind: :data:`MODEL` or :data:`OPTIMIZER`.
@@ -380,6 +399,7 @@ class SharedSteps:
                                  hits=step.hits, picked=step.picked)
             self._open = True
         step.begun.add(kind)
+        self._one_thread.hold(True)  # the step's, until it is no longer busy (withdraw, end, _abandon)
 
     def withdraw(self, step, kind):
         """Undo :meth:`begin` of a ``before_forward`` that raised after it."""
@@ -463,6 +483,7 @@ class SharedSteps:
         if not step.unfinished():
             grad = self.param.grad
             self._finished = None if grad is None else (grad, grad._version)
+            self._one_thread.hold(False)
 
     def rows_in_step(self):
         """``(rows, values)`` of the step in progress, or None between steps.
@@ -766,15 +787,16 @@ def _check_switched_params(optimizer):
             continue  # torch skips a parameter without a gradient
         if not any(p is param for group in optimizer.param_groups for p in group["params"]):
             continue
-        if not steps.busy():
-            steps.refuse_stepping_between_steps(optimizer)
-            continue
-        if steps.alone(MODEL) and _keeps_row_state(optimizer, param):
-            raise OptionError(
-                f"{type(optimizer).__name__} keeps state per row of the embedding, but only a "
-                f"ModelFactory switches its rows: each step's slots hold other rows, so one row's "
-                f"state would move another. {_row_state_instead(optimizer, param)}")
-        steps.current.stepping = True  # the tables fall behind the step's rows (tables_behind)
+        with steps._one_thread:  # a step on another thread than the step's is refused, unmarked
+            if not steps.busy():
+                steps.refuse_stepping_between_steps(optimizer)
+                continue
+            if steps.alone(MODEL) and _keeps_row_state(optimizer, param):
+                raise OptionError(
+                    f"{type(optimizer).__name__} keeps state per row of the embedding, but only a "
+                    f"ModelFactory switches its rows: each step's slots hold other rows, so one row's "
+                    f"state would move another. {_row_state_instead(optimizer, param)}")
+            steps.current.stepping = True  # the tables fall behind the step's rows (tables_behind)
 
 
 #: The handle of :func:`_check_switched_steps`, registered when the first switcher joins.

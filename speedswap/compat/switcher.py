@@ -13,6 +13,7 @@ import torch
 from ..atomic import PathLike
 from ..convert import Ids, int_option, torch_dtype
 from ..errors import DeviceError, DTypeError, OptionError, ShapeError, StateError
+from ..train.one_thread import one_thread
 from ..train.options import refuse_other_arguments
 from .steps import steps_for
 
@@ -110,11 +111,13 @@ class SpeedTorchFiles:
 
 def _refused_unless_serving(name, member):
     """``member``, a public method or property of a switcher, raising before it runs once the switcher
-    is closed or replaced by a newer one of the embedding."""
+    is closed or replaced by a newer one of the embedding, or while another thread uses the embedding's
+    switchers (see :attr:`Switcher._one_thread`)."""
     if isinstance(member, property):
         return property(_refused_unless_serving(name, member.fget), doc=member.__doc__)
 
     @functools.wraps(member)
+    @one_thread  # the check and the call under one claim: no close() on another thread comes between them
     def checked(self, *args, **kwargs):
         if self._closed or not self._is_member():
             self._refuse(name)
@@ -134,6 +137,13 @@ class Switcher(SpeedTorchFiles):
     call and how to go on (see :meth:`__init_subclass__`). ``close()``
     itself always works, a replaced switcher's too: it releases what the
     switcher holds.
+
+    One thread at a time (:mod:`speedswap.train.one_thread`): each of those
+    calls, ``close()`` and the optimizer's step hooks claim the embedding's
+    switchers, and so does a step from its first ``before_forward`` to its
+    last ``after_step`` (:meth:`SharedSteps.begin <speedswap.compat.steps.SharedSteps.begin>`):
+    a call of either switcher from another thread meanwhile raises
+    :class:`~speedswap.StateError` before anything changes.
     """
 
     _kind = None  # MODEL or OPTIMIZER: the switcher's part in the shared step
@@ -250,6 +260,11 @@ class Switcher(SpeedTorchFiles):
         self.cache_rows = cache_rows
         self._leave = None
 
+    @property
+    def _one_thread(self):
+        """The claim of the embedding's switchers, shared by both (see :class:`SharedSteps`)."""
+        return self._steps._one_thread
+
     def _register(self, tables):
         """Share the step and the cache with the parameter's other switcher: the constructor's last act."""
         self._leave = self._steps.join(self, self._kind, self.cache_rows, tables)
@@ -337,6 +352,7 @@ class Switcher(SpeedTorchFiles):
         self._check_idle(what)
         return self._steps.rewriting()
 
+    @one_thread
     def _prepare_table_read(self):
         """Make a read of a table through any reference to it see every row as trained, or refuse it.
 

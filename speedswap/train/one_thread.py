@@ -9,6 +9,12 @@ thread while a step runs would put the step's rows back under the optimizer
 (the update lost, or a size mismatch inside the optimizer), and one while a
 training forward runs could read the rows a cache evicts. Such a call raises
 before anything changes; calls from several threads one after another work.
+
+Besides its calls, an object holds the claim for a span of its state: an
+:class:`~speedswap.OffloadedEmbedding` between the hooks of a step of its
+rows, the SpeedTorch-style switchers of one embedding from ``before_forward``
+to the last ``after_step``, a :class:`~speedswap.ShardedOffloadedEmbedding`
+from a training forward to the step (see :meth:`OneThread.hold`).
 """
 
 import functools
@@ -23,32 +29,36 @@ Method = TypeVar("Method", bound=Callable)
 
 
 class OneThread:
-    """Which thread is inside an object's calls or step, and how deep.
+    """Which thread is inside an object's calls or span, and how deep.
 
     Args:
         name: the object, as the error names it.
+        span: when, besides its calls, a thread holds it, as the error says it.
+        step: what a training thread should hold a lock around, as the error says it.
+        release: how a thread that stopped inside the span gives it back, as the error says it.
     """
 
-    def __init__(self, name: str):
-        self._name = name
+    def __init__(self, name: str, span: str = "between the hooks of an optimizer.step() of its rows",
+                 step: str = "the training step (forward, backward, optimizer.step())",
+                 release: str = "a thread whose optimizer.step() raised holds it until its next call"):
+        self._name, self._span, self._step, self._release = name, span, step, release
         self._lock = threading.Lock()  # makes the check and the claim one step
         self._thread, self._depth = None, 0
+        self._holding = False  # whether hold() holds one of the depth's claims (see hold)
 
     def enter(self) -> None:
         """Claim the object for this thread (again, if it holds it already).
 
         Raises:
-            StateError: another thread is inside a call or a step of it (nothing changes).
+            StateError: another thread is inside a call or a span of it (nothing changes).
         """
         me = threading.get_ident()
         with self._lock:
             if self._thread not in (None, me):
                 raise StateError(
-                    f"{self._name} is in use on another thread (inside one of its calls, or between "
-                    f"the hooks of an optimizer.step() of its rows). Its bookkeeping is not locked: use "
-                    f"it from one thread at a time, e.g. hold one threading.Lock around the training "
-                    f"step (forward, backward, optimizer.step()) and around each evaluation; a thread "
-                    f"whose optimizer.step() raised holds it until its next call")
+                    f"{self._name} is in use on another thread (inside one of its calls, or {self._span}). "
+                    f"Its bookkeeping is not locked: use it from one thread at a time, e.g. hold one "
+                    f"threading.Lock around {self._step} and around each evaluation; {self._release}")
             self._thread, self._depth = me, self._depth + 1
 
     def exit(self) -> None:
@@ -58,15 +68,35 @@ class OneThread:
             if not self._depth:
                 self._thread = None
 
+    def hold(self, busy: bool) -> None:
+        """Hold one claim for as long as the object is ``busy`` (inside a span, such as a step), none once not.
+
+        Called, inside a call this thread claimed (so the claim cannot be
+        refused), wherever a span may have begun or ended: the claim then
+        follows the object's state, whichever path (the span's end, an error,
+        a discard) led there.
+
+        Args:
+            busy: whether the object is inside a span now.
+        """
+        if busy != self._holding:
+            if busy:
+                self.enter()
+            else:
+                self.exit()
+            self._holding = busy
+
+    def __enter__(self) -> None:
+        self.enter()
+
+    def __exit__(self, *exc) -> None:
+        self.exit()
+
 
 def one_thread(method: Method) -> Method:
     """Run ``method`` holding its object's :class:`OneThread` (``self._one_thread``)."""
     @functools.wraps(method)
     def claimed(self, *args, **kwargs):
-        guard = self._one_thread
-        guard.enter()
-        try:
+        with self._one_thread:
             return method(self, *args, **kwargs)
-        finally:
-            guard.exit()
     return claimed

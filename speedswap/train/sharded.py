@@ -47,6 +47,7 @@ from .exchange import (BUILD, EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABL
                        Exchange, count_by_owner, owner_starts, owners, row_bounds, run_everywhere)
 from .module_state import check_tables_state, checked_scalar_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
+from .one_thread import OneThread, one_thread
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
 from .reached import KeptRows, ReachedRows, in_backward
@@ -92,6 +93,12 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     message. A forward not run again trains nothing, as in memory; a rank that
     trains on without its failed step is refused at its next call, on every
     rank (its step count differs from its peers').
+
+    **One thread at a time.** Each call, and a step from its first training
+    forward to the ``optimizer.step()`` (or :meth:`discard_step`) that ends
+    it, belong to one thread (see :mod:`speedswap.train.one_thread`): a call
+    from another thread meanwhile, an eval-mode forward too, raises
+    ``StateError`` on this rank, before anything changes or any message is sent.
 
     **What is averaged.** A row's gradient is the sum over ranks of each
     rank's gradient for it, divided by the world size ``W``: the average DDP
@@ -203,6 +210,16 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                  scale_grad_by_freq: bool = False, sparse: bool = False,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, **others):
         super().__init__()
+        # Each call claims it, and a step holds it from its first training forward until the step
+        # ends (see _new_step): another thread's call in between would drop the step, or undo it.
+        self._one_thread = OneThread(
+            "this ShardedOffloadedEmbedding",
+            span="between a training forward and the optimizer.step() (or discard_step()) that ends "
+                 "its step",
+            step="each training step (its forwards, backward and optimizer.step())",
+            release="a thread whose training forward began a step holds it until that step's "
+                    "optimizer.step() or discard_step() (after a zero_grad() that dropped the step, "
+                    "until its next call)")
         # nn.Embedding's initialisation, each rank drawing its own rows. DDP code seeds every
         # rank alike, so torch's global generator alone would give every shard the same rows:
         # one draw from it plus the rank seeds this rank's generator. A build that fails (on every
@@ -369,7 +386,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # (see _leftover_unchanged); and whether a backward of this step found it not zeroed.
         self._leftover_version, self._stale = None, False
         self._zero_kept = False  # see _keep_zero_grad
+        self._one_thread.hold(False)  # the step's claim, taken by its first training forward
 
+    @one_thread
     def discard_step(self) -> None:
         """Drop the rows and gradients of the forwards since the last step, whose step will not run.
 
@@ -403,6 +422,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """Whether :attr:`weight`'s gradient is the zeros :meth:`_keep_zero_grad` left (no backward since)."""
         return self._zero_kept and self.weight.grad is self._grad
 
+    @one_thread
     def _prepare_table_write(self):
         """Refuse a write into this rank's shard that the step in flight would undo (:meth:`HostTable.watch_writes`).
 
@@ -467,6 +487,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     def __reduce_ex__(self, protocol):
         raise unpicklable(type(self).__name__)
 
+    @one_thread
     def check_conversion(self, fn: Callable) -> None:
         refuse_conversion(type(self).__name__, fn, self.weight, self.table.dtype)
         if not self.table.closed and self._step_in_flight():
@@ -489,6 +510,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         return {"rank": self.rank, "world_size": self.world_size,
                 "rows": [self.row_range.start, self.row_range.stop]}
 
+    @one_thread
     def get_extra_state(self) -> dict:
         """This rank's shard of the table and of the optimizer's per-row state, for ``state_dict()``.
 
@@ -509,6 +531,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         return {**tables_state(type(self).__name__, self._tables(), optimizer, self.num_embeddings,
                                scalar_state=scalars, **self._layout()), "steps": self._steps_since}
 
+    @one_thread
     def set_extra_state(self, state: dict) -> None:
         """Restore this rank's shard from :meth:`get_extra_state`'s state; everything is checked first.
 
@@ -565,6 +588,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         return values, checked_scalar_state(state, self._state)
 
     # ------------------------------------------------------------- training
+    @one_thread
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Offload ``optimizer``'s per-row state for the rows this rank owns and hook its ``step()``.
 
@@ -673,10 +697,22 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 Whoever fails, every rank raises at once and no row changes.
             OptionError: a forward under a ``torch.func`` transform, raised on
                 each rank that runs one, before any message (nothing changes).
+            StateError: another thread is inside a call of this embedding, or
+                between a training forward and the step (on this rank alone;
+                nothing changes, and no message is sent).
             A training forward that fails after its messages (out of memory
             making its output) raises on this rank alone: the same forward (the
             same ids) again on this rank alone finishes it, with no message.
         """
+        if in_backward():
+            # Activation checkpointing's recompute, for the thread whose step holds the claim and
+            # waits in its backward: on a GPU the autograd engine runs it on a thread of its own.
+            return self._lookup(input, extra, ids, offsets, per_sample_weights)
+        with self._one_thread:
+            return self._lookup(input, extra, ids, offsets, per_sample_weights)
+
+    def _lookup(self, input, extra, ids, offsets, per_sample_weights) -> torch.Tensor:
+        """:meth:`forward`, once this thread may use the embedding."""
         # Refused whatever it reads: its lookup, a collective, is not made to run outside a transform.
         outside_function_transforms(type(self).__name__, False, input, self.weight)
         training = self.training and torch.is_grad_enabled()
@@ -742,6 +778,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         if not training:
             return rows.to(self.weight.dtype)[inverse].view(*shape, self.embedding_dim)
         self._forwards += 1
+        self._one_thread.hold(True)  # the step is this thread's until _new_step ends it
         moved = self._moved
         moved["lookups"] += local.numel()
         # Only rows new to the step travel: each row once per step and pair of ranks.
@@ -847,6 +884,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 target.copy_(self.table.gather_validated(
                     rows, torch.empty_like(target, dtype=self.table.dtype)))
 
+    @one_thread
     def exchange_gradients(self) -> None:
         """Send this step's row gradients to the rows' owners now, so that :attr:`weight` holds them.
 
@@ -906,6 +944,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._exchange_gradients(error, EXCHANGE)
         self._take_gradients()
 
+    @one_thread
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of the whole table's gradient, every rank's owned rows: the same on every rank.
 
@@ -1188,6 +1227,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._placeholder_version = placeholder._version
         self._leftover_version, self._zero_kept = None, False  # the placeholder replaced them
 
+    @one_thread
     def _abort_step(self) -> None:
         """Undo a step whose optimizer raised, for a retry (as :class:`~speedswap.OffloadedEmbedding` does).
 
@@ -1230,6 +1270,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             self._empty_sparse = None
 
     # The step protocol of StepHooks, which calls _abort_step() first (a retry of a step that raised).
+    @one_thread
     def _begin_step(self):
         """Narrow :attr:`weight` to the step's owned rows, with their gradient and optimizer state.
 
@@ -1313,6 +1354,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             raise
         self._agreed = True
 
+    @one_thread
     def _end_step(self):
         if self._forwards == 0:
             if self._empty_sparse is not None or self._holds_kept_zero():
@@ -1353,6 +1395,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             self.weight.grad = self._grad
             self._leftover_version = self._grad._version
 
+    @one_thread
     def close(self) -> None:
         """Release this rank's rows and optimizer state memory and unhook the optimizer. Idempotent.
 
@@ -1464,6 +1507,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                              _describe, f"{what}()")
         return path, call
 
+    @one_thread
     def save(self, path: PathLike) -> None:
         """Write every rank's rows and optimizer state to the checkpoint directory ``path``.
 
@@ -1490,6 +1534,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         path, _ = self._begin_between_steps(SAVE, "save", path)
         save_shards(path, self._tables(), self._state, self.bounds, self._exchange)
 
+    @one_thread
     def load(self, path: PathLike) -> None:
         """Restore a checkpoint written by :meth:`save` with any world size, or a ``.npy`` table.
 
