@@ -707,11 +707,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         if in_backward():
             # Activation checkpointing's recompute, for the thread whose step holds the claim and
             # waits in its backward: on a GPU the autograd engine runs it on a thread of its own.
-            return self._lookup(input, extra, ids, offsets, per_sample_weights)
+            return self._claimed_forward(input, extra, ids, offsets, per_sample_weights)
         with self._one_thread:
-            return self._lookup(input, extra, ids, offsets, per_sample_weights)
+            return self._claimed_forward(input, extra, ids, offsets, per_sample_weights)
 
-    def _lookup(self, input, extra, ids, offsets, per_sample_weights) -> torch.Tensor:
+    def _claimed_forward(self, input, extra, ids, offsets, per_sample_weights) -> torch.Tensor:
         """:meth:`forward`, once this thread may use the embedding."""
         # Refused whatever it reads: its lookup, a collective, is not made to run outside a transform.
         outside_function_transforms(type(self).__name__, False, input, self.weight)
