@@ -59,7 +59,9 @@ def assert_cached_run_equals_in_memory(run, name, cache_rows, prefetch, rng, bac
     """``run`` (run_offloaded or run_switchers) with a cache, a save/load mid-run, vs the reference.
 
     The reference steps the same optimizer on dense gradients and puts back the rows a step did
-    not touch: the arithmetic of a run without a cache, so a cache may change no bit of it.
+    not touch: the arithmetic of a run without a cache, so a cache may change no bit of it. On the
+    CPU, that is: CUDA's embedding backward may split the sum of a row's repeated ids into other
+    partial sums for the working set's slots than for the table's rows, so there it rounds.
     """
     device = ss.get_backend(backend).device
     table0 = rng.standard_normal((NUM_ROWS, dim), dtype=np.float32)
@@ -67,7 +69,7 @@ def assert_cached_run_equals_in_memory(run, name, cache_rows, prefetch, rng, bac
     make = EQUALITIES[name]
     expected = run_in_memory(make, table0, batches, device, initial_state=torch_initial)
     assert_same(run(make, table0, batches, backend, cache_rows=cache_rows, prefetch=prefetch,
-                    replay_at=STEPS // 2, **options), expected, exact=True)
+                    replay_at=STEPS // 2, **options), expected, exact=device.type == "cpu")
 
 
 def _equality(name, cache_rows, prefetch, rng, backend):

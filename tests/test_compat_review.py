@@ -90,10 +90,13 @@ def test_adagrad_rows_start_from_the_constructors_initial_accumulator_value(back
         (model.u_embeddings(local) @ model.head).tanh().sum().backward(); opt.step(); opt.zero_grad()
         u.after_step(ids)
         o.after_step(ids)
-    np.testing.assert_array_equal(u.getNumpyVersion(), ref.weight.detach().cpu().numpy())
-    np.testing.assert_array_equal(o.state.tables["sum"].to_numpy(copy=True),
-                                  ref_opt.state[ref.weight]["sum"].cpu().numpy())
-    np.testing.assert_array_equal(model.head.detach().cpu().numpy(), ref_head.detach().cpu().numpy())
+    # Bit for bit on the CPU; CUDA's embedding backward may split a row's repeated ids into other
+    # partial sums for the working set's slots than for the table's rows.
+    tol = dict(rtol=0, atol=0) if device.type == "cpu" else dict(rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(u.getNumpyVersion(), ref.weight.detach().cpu().numpy(), **tol)
+    np.testing.assert_allclose(o.state.tables["sum"].to_numpy(copy=True),
+                               ref_opt.state[ref.weight]["sum"].cpu().numpy(), **tol)
+    np.testing.assert_allclose(model.head.detach().cpu().numpy(), ref_head.detach().cpu().numpy(), **tol)
 
 
 def test_another_optimizer_over_the_switched_embedding_is_refused(backend, rng):
