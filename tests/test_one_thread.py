@@ -63,10 +63,14 @@ class _Offloaded(_Trained):
     spans_forward = False
 
     def __init__(self, rows, backend, cache_rows):
-        self.emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=IDS, cache_rows=cache_rows, backend=backend)
+        self.emb = self.build(backend, cache_rows)
         self.emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rows)))
         self.opt = torch.optim.SGD(self.emb.parameters(), lr=LR)
         self.emb.attach(self.opt)
+
+    @staticmethod
+    def build(backend, cache_rows):
+        return ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=IDS, cache_rows=cache_rows, backend=backend)
 
     def lookup(self, ids):
         return self.emb(ids)
@@ -142,21 +146,15 @@ class _Switchers(_Trained):
                 "OptimizerFactory.close": opt_switch.close}
 
 
-class _Sharded(_Trained):
+class _Sharded(_Offloaded):
     """A ShardedOffloadedEmbedding in one process (one rank): the claim spans a training forward to the step."""
 
-    def __init__(self, rows, backend, cache_rows):
+    spans_forward = True
+
+    @staticmethod
+    def build(backend, cache_rows):
         assert not cache_rows  # it has no cache
-        self.emb = ss.ShardedOffloadedEmbedding(NUM_ROWS, DIM, max_rows=IDS, storage="pageable", backend=backend)
-        self.emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rows)))
-        self.opt = torch.optim.SGD(self.emb.parameters(), lr=LR)
-        self.emb.attach(self.opt)
-
-    def lookup(self, ids):
-        return self.emb(ids)
-
-    def rows(self):
-        return self.emb.table.to_numpy()
+        return ss.ShardedOffloadedEmbedding(NUM_ROWS, DIM, max_rows=IDS, storage="pageable", backend=backend)
 
     def evaluate(self, ids, path):
         _no_grad(self.emb, ids)
