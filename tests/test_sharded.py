@@ -104,6 +104,14 @@ def fixture_seed(fixture):
     return seed
 
 
+def launched(tmp_path_factory, fixture, world, *scenarios):
+    """Run ``scenarios`` on ``world`` ranks with a fresh seed (see :func:`fixture_seed`): ``(out, seed)``."""
+    out = tmp_path_factory.mktemp(fixture)
+    seed = fixture_seed(fixture)
+    assert_ok(launch(world, out, seed, *scenarios))
+    return out, seed
+
+
 def on_one_and_two_ranks(tmp_path_factory, scenario, flows):
     """Run ``scenario:<flow>`` for each of ``flows`` on 1 and on 2 ranks: ``({world: out}, seed)``."""
     seed = fixture_seed(f"{scenario} runs")
@@ -117,11 +125,8 @@ def on_one_and_two_ranks(tmp_path_factory, scenario, flows):
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
     """Three ranks train with SGD, Adam (saving a checkpoint at SAVE_AT), Adagrad (mmap), and Adam skipping steps."""
-    out = tmp_path_factory.mktemp("three")
-    seed = fixture_seed("three_ranks")
-    assert_ok(launch(3, out, seed, "train:sgd", "train:adam", "train:adagrad", "bf16:adagrad",
-                     "skip:adam", "skipfwd:adam"))
-    return out, seed
+    return launched(tmp_path_factory, "three_ranks", 3, "train:sgd", "train:adam", "train:adagrad",
+                    "bf16:adagrad", "skip:adam", "skipfwd:adam")
 
 
 @pytest.mark.parametrize("name", ["sgd", "adam", "adagrad"])
@@ -278,10 +283,7 @@ def test_uncaught_error_on_one_rank_ends_every_rank(two_ranks):
 @pytest.fixture(scope="module")
 def failed_midway(tmp_path_factory):
     """Two ranks train Adam; at the steps of MIDWAY rank 1 fails between the messages of a call."""
-    out = tmp_path_factory.mktemp("midfail")
-    seed = fixture_seed("failed_midway")
-    assert_ok(launch(2, out, seed, "midfail:adam"))
-    return out, seed
+    return launched(tmp_path_factory, "failed_midway", 2, "midfail:adam")
 
 
 @pytest.mark.parametrize("what", sorted(set(MIDWAY) - {"forward ids"}))
@@ -326,10 +328,7 @@ def test_calls_retried_after_failing_midway_train_as_one_process(failed_midway):
 @pytest.fixture(scope="module")
 def failed_after_the_last_message(tmp_path_factory):
     """Two ranks train Adam; at AFTER_LAST's steps rank 1 fails after a call's last message, then calls it again."""
-    out = tmp_path_factory.mktemp("lastfail")
-    seed = fixture_seed("failed_after_the_last_message")
-    assert_ok(launch(2, out, seed, "lastfail:adam"))
-    return out, seed
+    return launched(tmp_path_factory, "failed_after_the_last_message", 2, "lastfail:adam")
 
 
 def test_a_step_failing_on_one_rank_in_its_optimizer_state_raises_on_every_rank_at_once(failed_after_the_last_message):
@@ -431,12 +430,10 @@ def test_zero_grad_keeping_tensors_after_exchange_gradients_trains_as_one_proces
 @pytest.fixture(scope="module")
 def mismatched_calls(tmp_path_factory):
     """Two ranks make different calls at once, or build their embeddings unlike each other."""
-    out = tmp_path_factory.mktemp("mismatched")
-    seed = fixture_seed("mismatched_calls")
-    assert_ok(launch(2, out, seed, "calls:adam", "savecall:sgd", "paths:sgd", "differ:sgd",
-                     "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd", "zerodiffer:adam", "outsider:sgd", "twockpts:adam", "mixedload:sgd", "order:sgd",
-                     "oldleft:sgd", "nopath:sgd", "mixedsd:adam", "build:adam"))
-    return out, seed
+    return launched(tmp_path_factory, "mismatched_calls", 2, "calls:adam", "savecall:sgd", "paths:sgd",
+                    "differ:sgd", "replaced:adam", "exchange:adam", "reattach:adam", "infskip:sgd",
+                    "zerodiffer:adam", "outsider:sgd", "twockpts:adam", "mixedload:sgd", "order:sgd",
+                    "oldleft:sgd", "nopath:sgd", "mixedsd:adam", "build:adam")
 
 
 def test_a_step_skipped_on_one_rank_only_raises_on_every_rank_instead_of_hanging(mismatched_calls):
