@@ -996,17 +996,16 @@ class OffloadedEmbedding(RefusesConversion):
         self._cache.fetch(rows, self._full[first_new:first_new + rows.shape[0]], first_new, lookups, **counting)
 
     # The step protocol of StepHooks.
+    @one_thread
     def _begin_step(self):
         # The step's rows are this thread's from here until _end_step or _abort_step puts the
         # parameter back: another thread's call in between would undo or read a step half done.
         if self._narrowed is not None:
             return
-        self._one_thread.enter()
         try:
             self._narrow_step()
         finally:
-            if self._narrowed is None:  # nothing narrowed: an empty step, or one refused
-                self._one_thread.exit()
+            self._one_thread.hold(self._narrowed is not None)  # none held for an empty or refused step
 
     def _narrow_step(self):
         rows = self._working_set.rows
@@ -1139,7 +1138,7 @@ class OffloadedEmbedding(RefusesConversion):
             self._abort_step()  # the rows and state are read back as they were: retry or discard
             raise
         self._narrowed = None
-        self._one_thread.exit()  # the step's claim (see _begin_step); this call's holds until it returns
+        self._one_thread.hold(False)  # the step's claim (see _begin_step); this call's holds until it returns
         for kept in self._kept or ():
             kept.put_back(self._full, self._state.step_state())
         self._kept = None
@@ -1162,7 +1161,7 @@ class OffloadedEmbedding(RefusesConversion):
         # hold every row as before it, so the working set is read back from them.
         self._narrowed.restore()
         self._narrowed = None
-        self._one_thread.exit()  # the step's claim (see _begin_step); this call's holds until it returns
+        self._one_thread.hold(False)  # the step's claim (see _begin_step); this call's holds until it returns
         self._kept = None  # the rows are read back below, as they were
         self._state.release()
         # Nothing was stored: the cache too holds the rows as before, and the step goes on.
