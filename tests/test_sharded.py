@@ -1927,6 +1927,18 @@ def test_a_loss_weighted_by_zero_trains_as_in_memory_after_exchange_gradients(rn
     assert int(opt.state[emb.weight]["step"]) == int(ref_opt.state[ref]["step"]) == steps
 
 
+def _summing_gradients_fails():
+    """A patch under which the owner's sum of the gradients that came to it runs out of memory."""
+    from unittest import mock
+    index_add_ = torch.Tensor.index_add_
+
+    def fails_on_floats(tensor, *args, **kwargs):  # the owner summing gradients, not the ids' counts
+        if tensor.is_floating_point():
+            raise MemoryError("injected")
+        return index_add_(tensor, *args, **kwargs)
+    return mock.patch.object(torch.Tensor, "index_add_", fails_on_floats)
+
+
 @pytest.mark.parametrize("where", ["index_add_", "NarrowedStep"])
 def test_a_step_failing_after_its_exchange_then_discarded_trains_on_as_in_memory(rng, where):
     """A step that failed after reading its rows' optimizer state (narrowing the step's rows, out of
@@ -1935,14 +1947,7 @@ def test_a_step_failing_after_its_exchange_then_discarded_trains_on_as_in_memory
     steps now train nothing, as steps skipped in memory; the others as in memory."""
     from unittest import mock
     _, emb, opt, ref, ref_opt = _one_rank_adam(rng, 40, 3)
-    index_add_ = torch.Tensor.index_add_
-
-    def fails_on_floats(tensor, *args, **kwargs):  # the owner summing gradients, not the ids' counts
-        if tensor.is_floating_point():
-            raise MemoryError("injected")
-        return index_add_(tensor, *args, **kwargs)
-
-    injected = (mock.patch.object(torch.Tensor, "index_add_", fails_on_floats) if where == "index_add_"
+    injected = (_summing_gradients_fails() if where == "index_add_"
                 else mock.patch("speedswap.train.sharded.NarrowedStep", side_effect=MemoryError("injected")))
     p = 1.0 / np.arange(1, 41)
     failing = set(rng.choice(np.arange(2, 40), 8, replace=False).tolist())
@@ -1972,15 +1977,7 @@ def test_an_exchange_failing_after_its_message_is_finished_by_calling_it_again(r
     to this rank) left a half-summed gradient that grad_norm() and the step took for the exchanged
     one, and calling it again raised "twice in one step". Now grad_norm() refuses it, and the call
     made again finishes it: the norm and the steps are in-memory Adam's."""
-    from unittest import mock
     _, emb, opt, ref, ref_opt = _one_rank_adam(rng, 40, 3)
-    index_add_ = torch.Tensor.index_add_
-
-    def fails_on_floats(tensor, *args, **kwargs):  # the owner summing gradients, not the ids' counts
-        if tensor.is_floating_point():
-            raise MemoryError("injected")
-        return index_add_(tensor, *args, **kwargs)
-
     p = 1.0 / np.arange(1, 41)
     for step in range(12):
         ids = torch.from_numpy(rng.choice(40, size=12, p=p / p.sum()))
@@ -1988,8 +1985,7 @@ def test_an_exchange_failing_after_its_message_is_finished_by_calling_it_again(r
         ((emb(ids) - target) ** 2).sum().backward()
         ((F.embedding(ids, ref, sparse=True) - target) ** 2).sum().backward()
         if step % 4 == 1:
-            with mock.patch.object(torch.Tensor, "index_add_", fails_on_floats), \
-                    pytest.raises(MemoryError, match="injected"):
+            with _summing_gradients_fails(), pytest.raises(MemoryError, match="injected"):
                 emb.exchange_gradients()
             with pytest.raises(ss.StateError, match="again on this rank alone to finish it"):
                 emb.grad_norm()
