@@ -344,7 +344,8 @@ def test_the_switchers_claim_ends_exactly_with_the_step_on_every_path(backend, r
 
 
 def test_the_sharded_claim_ends_exactly_with_the_step_on_every_path(backend, rng):
-    """A refused forward, discard_step and a step that raised: held from a training forward to the step's end only."""
+    """A refused forward, discard_step and steps that raised: held from a training forward (or a step's pre-hook)
+    to the step's end only."""
     trained, reference = _pair(rng, _Sharded, backend, 0)
     emb, opt = trained.emb, trained.opt
     ids = _zipf_ids(rng).to(emb.weight.device)
@@ -365,7 +366,59 @@ def test_the_sharded_claim_ends_exactly_with_the_step_on_every_path(backend, rng
         on_training(opt.step)
         assert not _refused_here(emb.state_dict)
         opt.zero_grad()
+        on_training(lambda: _failing_step(opt))  # a step without a forward, raising between its hooks
+        assert _refused_here(emb.state_dict)
+        on_training(opt.step)  # its next step ends it
+        assert not _refused_here(emb.state_dict)
     reference.step(ids.cpu())
+    np.testing.assert_allclose(trained.rows(), reference.rows(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_sharded_step_without_a_forward_is_its_threads_between_the_hooks(backend, rng, tmp_path):
+    """A step with no forward (a step of the other layers, on the zero gradient zero_grad(set_to_none=False)
+    left) held no claim between its hooks: another thread's training forward there was let in, and the
+    step's end took that forward's rows for rows it had stepped, raising "in use on another thread" on the
+    stepping thread after the optimizer ran. Now every call of another thread is refused there, and the
+    step ends as in memory."""
+    trained, reference = _pair(rng, _Sharded, backend, 0)
+    emb, opt = trained.emb, trained.opt
+    for _ in range(3):
+        ids = _zipf_ids(rng)
+        trained.step(ids)
+        reference.step(ids)
+    ids = _zipf_ids(rng).to(emb.weight.device)
+    _loss(emb(ids), ids).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # weight keeps a zero gradient: the next step steps it, with no rows
+    reference.step(ids.cpu())
+    inside, go = threading.Event(), threading.Event()
+
+    def pause(*_):
+        inside.set()
+        assert go.wait(60)
+    hook = opt.register_step_pre_hook(pause)  # after the embedding's: between its hooks
+    raised = []
+    stepping = threading.Thread(target=lambda: raised.extend(_raised(opt.step)))
+    stepping.start()
+    try:
+        assert inside.wait(60)
+        other = _zipf_ids(rng).to(emb.weight.device)
+        for what, call in trained.calls(other, tmp_path).items():
+            with pytest.raises(ss.StateError, match="another thread"):
+                call()
+            assert stepping.is_alive(), what
+    finally:
+        go.set()
+        stepping.join(60)
+    hook.remove()
+    assert raised == []
+    assert list(tmp_path.iterdir()) == []
+    assert not _refused_here(emb.state_dict)  # the claim ended with the step
+    opt.zero_grad()
+    for _ in range(4):
+        ids = _zipf_ids(rng)
+        trained.step(ids)
+        reference.step(ids)
     np.testing.assert_allclose(trained.rows(), reference.rows(), rtol=1e-6, atol=1e-6)
 
 

@@ -96,7 +96,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
     **One thread at a time.** Each call, and a step from its first training
     forward to the ``optimizer.step()`` (or :meth:`discard_step`) that ends
-    it, belong to one thread (see :mod:`speedswap.train.one_thread`): a call
+    it (a step without a forward: its ``optimizer.step()``), belong to one
+    thread (see :mod:`speedswap.train.one_thread`): a call
     from another thread meanwhile, an eval-mode forward too, raises
     ``StateError`` on this rank, before anything changes or any message is sent.
 
@@ -210,16 +211,18 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                  scale_grad_by_freq: bool = False, sparse: bool = False,
                  max_norm: Optional[float] = None, norm_type: float = 2.0, **others):
         super().__init__()
-        # Each call claims it, and a step holds it from its first training forward until the step
-        # ends (see _new_step): another thread's call in between would drop the step, or undo it.
+        # Each call claims it, and a step holds it from its first training forward (a step without
+        # one from its pre-hook) until the step ends (see _new_step and _begin_step): another
+        # thread's call in between would drop the step, or undo it.
         self._one_thread = OneThread(
             "this ShardedOffloadedEmbedding",
             span="between a training forward and the optimizer.step() (or discard_step()) that ends "
-                 "its step",
+                 "its step, or inside an optimizer.step()",
             step="each training step (its forwards, backward and optimizer.step())",
             release="a thread whose training forward began a step holds it until that step's "
                     "optimizer.step() or discard_step() (after a zero_grad() that dropped the step, "
-                    "until its next call)")
+                    "until its next call; after an optimizer.step() without a forward that raised, "
+                    "until its next training forward or step)")
         # nn.Embedding's initialisation, each rank drawing its own rows. DDP code seeds every
         # rank alike, so torch's global generator alone would give every shard the same rows:
         # one draw from it plus the rank seeds this rank's generator. A build that fails (on every
@@ -442,8 +445,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                              "between steps (after a step skipped before its backward, call "
                              "emb.discard_step() first, on every rank)")
 
-    def _drop_zeroed_step(self, *, exchanged: bool = True) -> bool:
-        """Discard the step if ``zero_grad()`` dropped its gradient after a backward; whether it did.
+    def _drop_zeroed_step(self, *, exchanged: bool = True) -> None:
+        """Discard the step if ``zero_grad()`` dropped its gradient after a backward.
 
         Args:
             exchanged: also discard a step whose gradient ``zero_grad(set_to_none=False)``
@@ -453,11 +456,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """
         if self._backward_ran and self.weight.grad is None:
             self._new_step()
-            return True
-        if exchanged and self._zeroed_since_exchange():
+        elif exchanged and self._zeroed_since_exchange():
             self.discard_step()
-            return True
-        return False
 
     @property
     def row_range(self) -> range:
@@ -1237,6 +1237,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         stays: the retry steps on it with no message (see :meth:`_begin_step`).
         """
         self._put_back_dense_zero_grad()
+        self._one_thread.hold(self._forwards > 0)  # a step without rows ends here (see _begin_step)
         if self._narrowed is not None:
             self._restore_narrowed()
             self._gather_owned(0)
@@ -1281,8 +1282,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         step with no message (a forward or backward before it makes the step
         exchange again, a collective).
         """
-        if self._drop_zeroed_step(exchanged=False):
-            return
+        self._drop_zeroed_step(exchanged=False)
         if self._forwards == 0:
             # No gradient (forwards and zero_grad are on every rank alike): no step, no collective,
             # unless the gradient is the last step's, which in memory would be applied again. A
@@ -1293,6 +1293,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 self._state.check_not_replaced()  # the scratch must be this state's, as at any step
                 if self._state.needs_sparse_grad:
                     self._empty_sparse = EmptySparseGradient(self.weight)
+            # This thread's until _end_step (or the next call's _abort_step): another thread's training
+            # forward between the hooks would put rows under the optimizer's step of the scratch, and
+            # _end_step would take them for rows this step stepped. (A forward holds it for a step with rows.)
+            self._one_thread.hold(True)
             return
         if self._agreed and self._late_backward:
             self._reopen_step()  # a backward since the step failed: the retry exchanges its gradient too
@@ -1357,6 +1361,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     @one_thread
     def _end_step(self):
         if self._forwards == 0:
+            self._one_thread.hold(False)  # the claim of a step without rows (see _begin_step)
             if self._empty_sparse is not None or self._holds_kept_zero():
                 # A step on the zero gradient alone (Adam counted it, as in memory) stepped the
                 # scratch only; torch's state for it becomes this state's scratch, as after any step.
