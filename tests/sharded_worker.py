@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as activation
+from torch.utils._python_dispatch import TorchDispatchMode
 
 NUM_ROWS, DIM, GLOBAL_BATCH = 301, 6, 60
 STEPS, SAVE_AT = 120, 50
@@ -59,7 +60,7 @@ EMBEDDING_OPTIONS = dict(padding_idx=PAD, scale_grad_by_freq=True)
 #: The clip scenario's max_norm: below most steps' gradient norm, so that most steps clip.
 MAX_NORM = 0.1
 #: The midfail scenario's steps at which rank 1 fails between the messages of a call, by the call.
-MIDWAY = {"forward": 3, "eval": 5, "step": 7, "exchange": 9, "eval ids": 11, "forward ids": 13}
+MIDWAY = {"forward": 3, "eval": 5, "step": 7, "exchange": 9, "eval ids": 11, "forward ids": 13, "eval output": 16}
 #: The lastfail scenario's steps at which rank 1 fails after a call's last message (see that scenario).
 AFTER_LAST = {"gather": 3, "sum": 6, "optimizer": 9, "exchange sum": 12, "narrow": 15, "lookup": 18}
 #: The checkpointed scenarios' steps: several of SKIPPED among them, and steps after the last.
@@ -314,6 +315,25 @@ def train_past_a_failed_forward(emb, opt, seed, world, rank, failing, errors_fil
         opt.zero_grad()
     with open(errors_file, "w") as f:
         json.dump(errors, f)
+
+
+class OutputMemoryFails(TorchDispatchMode):
+    """Out of memory for any new floating tensor of ``numel`` elements, however torch makes it.
+
+    An eval forward's output, in the ``midfail`` scenario: its ids are each there twice, so that
+    no other tensor of the forward is as long (not the unique rows, nor those the peer asks for).
+    """
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel = numel
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if (isinstance(result, torch.Tensor) and result.is_floating_point() and result.numel() == self.numel
+                and not func.is_view and not func._schema.is_mutable):  # made, not a view or written into
+            raise MemoryError("injected")
+        return result
 
 
 def caught(call):
@@ -932,6 +952,11 @@ def run_scenario(scenario, seed, world, rank, out):
             if step == MIDWAY["forward ids"]:  # the same in a training forward, whose retry is the step's forward
                 fails_on_rank_1("forward ids", lambda: rank_loss(emb, ids[part], targets[part], world),
                                 mock.patch.object(torch.Tensor, "new_empty", ids_buffer_fails))
+            if step == MIDWAY["eval output"]:  # making an eval forward's output, then again
+                twice = torch.cat([ids[part], ids[part]])
+                with torch.no_grad():
+                    fails_on_rank_1("eval output", lambda: emb(twice), OutputMemoryFails(twice.numel() * DIM))
+                    np.save(os.path.join(out, f"midfail-eval output.rank{rank}.npy"), emb(twice).numpy())
             rank_loss(emb, ids[part], targets[part], world).backward()
             if step == MIDWAY["step"]:  # grouping its gradients by owner, before the step's first message
                 fails_on_rank_1("step", opt.step, mock.patch("torch.argsort", side_effect=RuntimeError("injected")))

@@ -292,8 +292,10 @@ def test_a_failure_between_a_calls_messages_raises_on_every_rank_at_once(failed_
     the next one until the gloo timeout (then a RuntimeError, the group broken): in a training or
     an eval forward, reading the rows rank 0 asked for; in an eval forward, making the memory the
     ids rank 0 asks for arrive in; at the step, before its first message (grouping its gradients
-    by owner); in exchange_gradients(), making the memory rank 0's gradients arrive in. Now every
-    rank raises at once, nothing changed, and the call is retried."""
+    by owner); in exchange_gradients(), making the memory rank 0's gradients arrive in. And an
+    eval forward's output, made after its last message, raised on rank 1 alone, rank 0 done with
+    the call: a retry on rank 1 alone met rank 0's next call. Now every rank raises at once,
+    nothing changed, and the call is retried on every rank."""
     out, _ = failed_midway
     rank0, rank1 = (result[what] for result in reported(out, "midfail"))
     expected = "MemoryError" if what != "step" else "RuntimeError"
@@ -316,12 +318,13 @@ def test_a_training_forward_makes_no_memory_sized_by_its_peers_before_their_ids_
 
 def test_calls_retried_after_failing_midway_train_as_one_process(failed_midway):
     out, seed = failed_midway
-    # The eval forward retried reads the table of the steps before it, as in memory.
-    table, _ = sharded_worker.reference("adam", seed, steps=MIDWAY["eval"])
-    ids, _ = sharded_worker.global_batch(seed, MIDWAY["eval"])
-    for rank in range(2):
-        part = sharded_worker.rank_slice(MIDWAY["eval"], 2, rank)
-        np.testing.assert_allclose(np.load(out / f"midfail-eval.rank{rank}.npy"), table[ids[part].numpy()], **TOL)
+    # The eval forwards retried read the table of the steps before them, as in memory.
+    for what, repeats in (("eval", 1), ("eval output", 2)):
+        table, _ = sharded_worker.reference("adam", seed, steps=MIDWAY[what])
+        ids, _ = sharded_worker.global_batch(seed, MIDWAY[what])
+        for rank in range(2):
+            looked_up = np.tile(ids[sharded_worker.rank_slice(MIDWAY[what], 2, rank)].numpy(), repeats)
+            np.testing.assert_allclose(np.load(out / f"midfail-{what}.rank{rank}.npy"), table[looked_up], **TOL)
     assert_same(gathered(out, "midfail", 2), reference("adam", seed))
 
 
@@ -789,6 +792,9 @@ def test_one_rank_bfloat16_equals_offloaded_embedding(rng):
     sharded, plain = (emb.table.as_tensor().float() for emb in embs)
     assert sharded.dtype == torch.float32 and not torch.equal(sharded, table0.float())  # it trained
     torch.testing.assert_close(sharded, plain, rtol=0, atol=0)
+    ids = zipf_ids(rng, 40, (3, 10), 0, False)  # repeated ids, in float32 as a training forward's
+    with torch.no_grad():
+        torch.testing.assert_close(embs[0](ids), sharded[ids], rtol=0, atol=0)
 
 
 def zipf_ids(rng, rows, shape, pad, with_pad):

@@ -693,8 +693,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 (a step, a save) on another rank, or ranks whose embeddings or
                 optimizers differ; another rank failed to read the rows this one
                 asked for, or, in an eval forward, to make the memory for the ids
-                this one asked for (out of memory, say: that rank raises its own error).
-                Whoever fails, every rank raises at once and no row changes.
+                this one asked for or for its own output (out of memory, say: that
+                rank raises its own error). Whoever fails, every rank raises at
+                once and no row changes: the same forward again on every rank retries it.
             OptionError: a forward under a ``torch.func`` transform, raised on
                 each rank that runs one, before any message (nothing changes).
             StateError: another thread is inside a call of this embedding, or
@@ -759,6 +760,13 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 flat, shape = as_row_ids(ids, self.num_embeddings, self.table.device)
                 send, inverse = torch.unique(flat, return_inverse=True)
                 counts = count_by_owner(owners(send, self._starts), self.world_size).tolist()
+                # The output's memory (and a float32 copy of a bfloat16 table's rows), made before the first
+                # message, where a failure (out of memory) reaches every rank: made after the last one, it
+                # raised on this rank alone, its peers done with the call, and nothing told a retry.
+                out = torch.empty(len(flat), self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)
+                as_weight = (None if self.table.dtype == self.weight.dtype
+                             else torch.empty(len(send), self.embedding_dim, dtype=self.weight.dtype,
+                                              device=self.weight.device))
         except Exception as exc:  # noqa: BLE001 -- any failure must still reach the other ranks
             error = exc
         if unfinished is not None and error is None:
@@ -775,8 +783,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         except BaseException:
             self._looked_up, self._owned, self._sent_to_me = before
             raise
-        if not training:
-            return rows.to(self.weight.dtype)[inverse].view(*shape, self.embedding_dim)
+        if not training:  # into the memory made above: nothing here may fail once the peers are done
+            rows = rows if as_weight is None else as_weight.copy_(rows)
+            return torch.index_select(rows, 0, inverse, out=out).view(*shape, self.embedding_dim)
         self._forwards += 1
         self._one_thread.hold(True)  # the step is this thread's until _new_step ends it
         moved = self._moved
