@@ -317,21 +317,21 @@ def train_past_a_failed_forward(emb, opt, seed, world, rank, failing, errors_fil
         json.dump(errors, f)
 
 
-class OutputMemoryFails(TorchDispatchMode):
-    """Out of memory for any new floating tensor of ``numel`` elements, however torch makes it.
+class MemoryFails(TorchDispatchMode):
+    """Out of memory for any new tensor that ``which(tensor)`` picks, however torch makes it (a mode).
 
-    An eval forward's output, in the ``midfail`` scenario: its ids are each there twice, so that
-    no other tensor of the forward is as long (not the unique rows, nor those the peer asks for).
+    Args:
+        which: takes each tensor an operation made (not a view, nor one it wrote into).
     """
 
-    def __init__(self, numel):
+    def __init__(self, which):
         super().__init__()
-        self.numel = numel
+        self.which = which
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        if (isinstance(result, torch.Tensor) and result.is_floating_point() and result.numel() == self.numel
-                and not func.is_view and not func._schema.is_mutable):  # made, not a view or written into
+        if (isinstance(result, torch.Tensor) and not func.is_view and not func._schema.is_mutable
+                and self.which(result)):
             raise MemoryError("injected")
         return result
 
@@ -953,9 +953,11 @@ def run_scenario(scenario, seed, world, rank, out):
                 fails_on_rank_1("forward ids", lambda: rank_loss(emb, ids[part], targets[part], world),
                                 mock.patch.object(torch.Tensor, "new_empty", ids_buffer_fails))
             if step == MIDWAY["eval output"]:  # making an eval forward's output, then again
+                # Its ids each there twice: no other tensor of the forward is as long as its output.
                 twice = torch.cat([ids[part], ids[part]])
+                output = MemoryFails(lambda t: t.is_floating_point() and t.numel() == twice.numel() * DIM)
                 with torch.no_grad():
-                    fails_on_rank_1("eval output", lambda: emb(twice), OutputMemoryFails(twice.numel() * DIM))
+                    fails_on_rank_1("eval output", lambda: emb(twice), output)
                     np.save(os.path.join(out, f"midfail-eval output.rank{rank}.npy"), emb(twice).numpy())
             rank_loss(emb, ids[part], targets[part], world).backward()
             if step == MIDWAY["step"]:  # grouping its gradients by owner, before the step's first message

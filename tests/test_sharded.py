@@ -6,6 +6,7 @@ hang fails the test instead of blocking CI. Each launch runs several
 scenarios to pay the processes' start-up once.
 """
 
+import contextlib
 import functools
 import json
 import math
@@ -2023,6 +2024,62 @@ def test_a_forward_failing_after_its_messages_trains_nothing_unless_it_is_run_ag
         for optimizer in (opt, ref_opt):
             optimizer.step()
             optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bfloat16_step_needs_no_memory_once_it_writes_back(rng):
+    """A bfloat16 table's step made its rows bfloat16 after writing their optimizer state back: out
+    of memory there left the state stepped and the rows not, Adagrad's sums a step ahead of the
+    rows. The rows' bfloat16 memory is made with the table now: a step makes none (here any new
+    bfloat16 tensor runs out), and trains as OffloadedEmbedding does, bit for bit."""
+    table0 = torch.from_numpy(rng.standard_normal((40, 4), dtype=np.float32)).to(torch.bfloat16)
+    embs = [cls(40, 4, max_rows=12, dtype=torch.bfloat16, backend="numpy", storage="pageable")
+            for cls in (ss.ShardedOffloadedEmbedding, ss.OffloadedEmbedding)]
+    opts = []
+    for emb in embs:
+        emb.table.scatter(torch.arange(40), table0)
+        opts.append(torch.optim.Adagrad(emb.parameters(), lr=0.1))
+        emb.attach(opts[-1])
+    no_bfloat16 = sharded_worker.MemoryFails(lambda t: t.dtype == torch.bfloat16)
+    for _ in range(20):
+        ids = zipf_ids(rng, 40, 12, 0, False)
+        target = torch.from_numpy(rng.standard_normal((12, 4), dtype=np.float32))
+        for emb, opt in zip(embs, opts):
+            ((emb(ids) - target) ** 2).sum().backward()
+            with no_bfloat16 if emb is embs[0] else contextlib.nullcontext():
+                opt.step()
+            opt.zero_grad()
+    sharded, plain = (emb.table.as_tensor().float() for emb in embs)
+    assert not torch.equal(sharded, table0.float())  # it trained
+    torch.testing.assert_close(sharded, plain, rtol=0, atol=0)
+    torch.testing.assert_close(embs[0]._state.tables["sum"].as_tensor(), embs[1]._state.tables["sum"].as_tensor(),
+                               rtol=0, atol=0)
+
+
+def test_a_step_failing_before_its_write_back_is_retried_from_the_rows_as_they_were(rng):
+    """Putting back the rows that only a forward no backward reached looked up (out of memory, say)
+    raised after the optimizer had stepped the rows, which nothing read back: the retry stepped them
+    again from their stepped values (SGD moved them twice). A failure before the write-back now
+    reads the rows back, as a step whose optimizer raised does, and the retry trains as in memory."""
+    from unittest import mock
+    from speedswap.train.reached import KeptRows
+    emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 16)
+    p = 1.0 / np.arange(1, 26)
+    failing = set(rng.choice(20, 6, replace=False).tolist())
+    for step in range(20):
+        ids = torch.from_numpy(rng.choice(25, size=10, p=p / p.sum()))
+        target = torch.from_numpy(rng.standard_normal((10, 3)).astype(np.float32))
+        emb(torch.from_numpy(rng.integers(25, 30, 3)))  # left out of the loss: its rows are put back
+        ((emb(ids) - target) ** 2).sum().backward()
+        if step in failing:
+            with mock.patch.object(KeptRows, "put_back", side_effect=MemoryError("injected")), \
+                    pytest.raises(MemoryError, match="injected"):
+                opt.step()
+        opt.step()
+        opt.zero_grad()
+        ((F.embedding(ids, ref) - target) ** 2).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 

@@ -87,7 +87,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     ``StateError``, nothing changed: its rows were written back. A training
     forward, step or :meth:`exchange_gradients` that fails on one rank after
     its last message (making the forward's output, summing the gradients that
-    came to it, inside the optimizer), when its peers are done, raises on that
+    came to it, inside the optimizer or before writing the stepped rows back:
+    they are written whole or not at all), when its peers are done, raises on that
     rank alone, its rows and their state unchanged: the same call again on
     that rank alone (with the same ids, for a forward) finishes it, with no
     message. A forward not run again trains nothing, as in memory; a rank that
@@ -304,6 +305,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._rows = torch.zeros(max_rows, embedding_dim, dtype=compute, device=device,
                                  requires_grad=True)
         self._grad = torch.zeros_like(self._full)
+        # A bfloat16 table's owned rows in its own dtype, on their way from it (_gather_owned) and back
+        # (_end_step): made here, so that the write-back, once it wrote the rows' optimizer state, needs
+        # no memory to write the rows (out of memory there left the state stepped and the rows not).
+        self._in_table_dtype = None if dtype == compute else torch.empty_like(self._full, dtype=dtype)
         # Where the ids the peers ask for in a training forward arrive: each asks for at most
         # max_rows new rows of this shard a forward. Made here, where a failure is agreed on
         # (_agree_built), not between a forward's messages, whose agreement would cost one more.
@@ -887,11 +892,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         rows = self._owned.rows[first:]
         if len(rows):
             target = self._full[first:first + len(rows)]
-            if self.table.dtype == target.dtype:
+            if self._in_table_dtype is None:
                 self.table.gather_validated(rows, target)
             else:
-                target.copy_(self.table.gather_validated(
-                    rows, torch.empty_like(target, dtype=self.table.dtype)))
+                target.copy_(self.table.gather_validated(rows, self._in_table_dtype[first:first + len(rows)]))
 
     @one_thread
     def exchange_gradients(self) -> None:
@@ -1238,11 +1242,12 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
     @one_thread
     def _abort_step(self) -> None:
-        """Undo a step whose optimizer raised, for a retry (as :class:`~speedswap.OffloadedEmbedding` does).
+        """Undo a step that raised before its write-back (in its optimizer, say), for a retry.
 
-        Nothing was written back, so the table and state tables hold every
-        owned row as before it; the owned rows, which the optimizer may have
-        half updated, are read from the table again. The exchanged gradient
+        As :class:`~speedswap.OffloadedEmbedding` does: nothing was written
+        back, so the table and state tables hold every owned row as before
+        it; the owned rows, which the optimizer may have half updated, are
+        read from the table again. The exchanged gradient
         stays: the retry steps on it with no message (see :meth:`_begin_step`).
         """
         self._put_back_dense_zero_grad()
@@ -1385,15 +1390,20 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             # rank alike, the optimizer being the same; the retry exchanges again).
             self._state.check_step(k)
             self._narrowed.finish()
-        except StateError:
+            # Everything that may fail (memory) before the first write into the host tables: the step
+            # is then written back whole, or (_abort_step) not at all, its rows read back for a retry.
+            if self._kept is not None:
+                self._kept.put_back(self._full, self._state.step_state())
+            values = self._full[:k]
+            if self._in_table_dtype is not None:
+                values = self._in_table_dtype[:k].copy_(values)
+        except BaseException:
             self._abort_step()
             raise
         self._narrowed = None
-        if self._kept is not None:
-            self._kept.put_back(self._full, self._state.step_state())
         self._state.scatter(rows)
         # Owned rows are unique shard-local ids, validated when they were looked up.
-        self.table.scatter_validated(rows, self._full[:k].to(self.table.dtype))
+        self.table.scatter_validated(rows, values)
         self._steps_since += 1
         self._last_step = {"steps": 1, "unique_rows": self._looked_up.size, "owned_rows": k, **self._moved}
         for name, count in self._last_step.items():
