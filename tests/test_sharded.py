@@ -1407,6 +1407,32 @@ def test_a_grad_norm_order_that_is_not_a_number_is_refused_before_any_message(rn
     torch.testing.assert_close(emb.grad_norm("inf"), ref.grad.abs().max(), rtol=1e-6, atol=0)  # as torch's clip takes it
 
 
+def test_a_grad_norm_failing_on_one_rank_tells_its_peers_in_the_first_message(rng, monkeypatch):
+    """The norm of this rank's rows was taken after the ranks' first message: out of memory there
+    raised on this rank alone and left its peers waiting in the norms' all-gather until the group's
+    timeout. It is taken before now, and its failure goes in that message (every rank raises)."""
+    emb, opt, ref, _ = _sgd_against_in_memory(rng, 12)
+    ids = torch.from_numpy(rng.integers(0, 30, 10))
+    emb(ids).pow(3).sum().backward()
+    emb.exchange_gradients()
+    told, begin = [], emb._exchange.begin
+
+    def telling(call, error, *args, **kwargs):
+        told.append(error)
+        return begin(call, error, *args, **kwargs)
+
+    def out_of_memory(*_, **__):
+        raise MemoryError("injected")
+    monkeypatch.setattr(emb._exchange, "begin", telling)
+    with monkeypatch.context() as failing:
+        failing.setattr(torch.linalg, "vector_norm", out_of_memory)
+        with pytest.raises(MemoryError, match="injected"):
+            emb.grad_norm()
+    assert len(told) == 1 and isinstance(told[0], MemoryError)
+    F.embedding(ids, ref).pow(3).sum().backward()
+    torch.testing.assert_close(emb.grad_norm(), ref.grad.norm(), rtol=1e-6, atol=0)  # retried
+
+
 def _exchange_with_peers(monkeypatch, world):
     """An Exchange of ``world`` ranks in this one process: every peer sends what this rank sends."""
     monkeypatch.setattr(torch.distributed, "all_gather",

@@ -983,7 +983,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             StateError: no :meth:`exchange_gradients` since the step's last
                 backward, or one that failed after its message and was not
                 called again, on any rank (every rank raises, before any message).
-            OptionError: ``norm_type`` is not a number (on that rank; StateError on the others).
+            OptionError: ``norm_type`` is not a number (on that rank; StateError on the others,
+                as for any failure taking a rank's norm: out of memory, say).
         """
         error = None
         try:
@@ -1001,12 +1002,14 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             except (TypeError, ValueError):
                 raise OptionError(f"norm_type={norm_type!r}: the norm's order must be a number, as "
                                   f"torch.linalg.vector_norm's ord (2.0, 1.0, float('inf'), ...)") from None
+            # This rank's norm before the first message: failing after it (out of memory), this rank
+            # raised alone and its peers waited in the norms' all-gather until the group's timeout.
+            grad = self.weight.grad  # this rank's owned rows; zero beyond them
+            local = (torch.zeros((), dtype=self.weight.dtype, device=self.weight.device) if grad is None
+                     else torch.linalg.vector_norm(grad, order))
         except Exception as exc:  # noqa: BLE001 -- the other ranks must hear of it, not wait for this one
             error = exc
         self._exchange.begin(GRAD_NORM, error, self._config(), _describe, "grad_norm()")
-        grad = self.weight.grad  # this rank's owned rows; zero beyond them
-        local = (torch.zeros((), dtype=self.weight.dtype, device=self.weight.device) if grad is None
-                 else torch.linalg.vector_norm(grad, order))
         return self._exchange.norm(local, order)
 
     def _check_grad_untouched(self, optimizer) -> None:
