@@ -15,6 +15,7 @@ threads one after another work.
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -344,8 +345,8 @@ def test_the_switchers_claim_ends_exactly_with_the_step_on_every_path(backend, r
 
 
 def test_the_sharded_claim_ends_exactly_with_the_step_on_every_path(backend, rng):
-    """A refused forward, discard_step and steps that raised: held from a training forward (or a step's pre-hook)
-    to the step's end only."""
+    """A refused forward, one that failed after its messages, discard_step and steps that raised: held from a
+    training forward (or a step's pre-hook) to the step's end only."""
     trained, reference = _pair(rng, _Sharded, backend, 0)
     emb, opt = trained.emb, trained.opt
     ids = _zipf_ids(rng).to(emb.weight.device)
@@ -356,6 +357,10 @@ def test_the_sharded_claim_ends_exactly_with_the_step_on_every_path(backend, rng
         with pytest.raises(ss.IdError):
             on_training(lambda: emb(torch.tensor([NUM_ROWS])))
         assert not _refused_here(emb.state_dict)  # a refused forward began no step
+        with pytest.raises(MemoryError), mock.patch("torch.nn.functional.embedding",
+                                                    side_effect=MemoryError("making its output")):
+            on_training(lambda: emb(ids))
+        assert _refused_here(emb.state_dict)  # its rows are in the step, waiting for its retry (below)
         on_training(lambda: _loss(emb(ids), ids).backward())
         assert _refused_here(emb.state_dict)
         on_training(emb.discard_step)
