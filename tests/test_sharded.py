@@ -2085,11 +2085,12 @@ def test_a_bfloat16_step_needs_no_memory_once_it_writes_back(rng):
 def test_a_step_failing_before_its_write_back_is_retried_from_the_rows_as_they_were(rng):
     """Putting back the rows that only a forward no backward reached looked up (out of memory, say)
     raised after the optimizer had stepped the rows, which nothing read back: the retry stepped them
-    again from their stepped values (SGD moved them twice). A failure before the write-back now
-    reads the rows back, as a step whose optimizer raised does, and the retry trains as in memory."""
+    again from their stepped values. A failure before the write-back now reads the rows back, as a
+    step whose optimizer raised does; and the optimizer's step count, which it had counted (Adam's
+    bias correction a step ahead from then on), is put back too: the retry trains as in memory."""
     from unittest import mock
     from speedswap.train.reached import KeptRows
-    emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 16)
+    _, emb, opt, ref, ref_opt = _one_rank_adam(rng, 30, 3)
     p = 1.0 / np.arange(1, 26)
     failing = set(rng.choice(20, 6, replace=False).tolist())
     for step in range(20):
@@ -2103,9 +2104,10 @@ def test_a_step_failing_before_its_write_back_is_retried_from_the_rows_as_they_w
                 opt.step()
         opt.step()
         opt.zero_grad()
-        ((F.embedding(ids, ref) - target) ** 2).sum().backward()
+        ((F.embedding(ids, ref, sparse=True) - target) ** 2).sum().backward()
         ref_opt.step()
         ref_opt.zero_grad()
+    assert int(opt.state[emb.weight]["step"]) == int(ref_opt.state[ref]["step"]) == 20
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 

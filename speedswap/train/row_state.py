@@ -349,6 +349,7 @@ class RowState:
             self.close()
             raise
         self._scratch = {}
+        self._scalars_before = None  # see keep_scalar_state
         self.needs_sparse_grad = isinstance(optimizer, _SPARSE_GRAD_ONLY)
         self._initial_specs = []  # every initial state init_state filled the tables with
         self.init_state()  # HostTable.zero_ leaves the new sparse files of mmap tables as they are
@@ -691,6 +692,33 @@ class RowState:
         if state and all(name in state for name in self.spec):
             for name in self.spec:
                 state[name] = self._held[name] = self._buffer(name)
+
+    def keep_scalar_state(self) -> None:
+        """Keep the optimizer's scalar state for the parameter as it is before a step (see :meth:`undo_scalar_state`).
+
+        Torch counts a step (Adam's ``step``, in place) before it updates the
+        rows: a step that raised after that is retried from the rows as they
+        were, and would count twice.
+        """
+        state = self.optimizer.state.get(self.param) or {}
+        self._scalars_before = bool(state), {name: value.clone() if isinstance(value, torch.Tensor) else value
+                                             for name, value in state.items() if name not in self.spec}
+
+    def undo_scalar_state(self) -> None:
+        """Give the optimizer back the scalar state :meth:`keep_scalar_state` kept, after a step that raised.
+
+        The per-row state is :meth:`release`'s. A state torch made at that
+        step (there was none) is dropped whole: the retry makes it afresh.
+        Once per :meth:`keep_scalar_state`; nothing without one.
+        """
+        if self._scalars_before is None:
+            return
+        had_state, scalars = self._scalars_before
+        self._scalars_before = None
+        if not had_state:
+            self.optimizer.state.pop(self.param, None)
+        elif self.param in self.optimizer.state:
+            self.optimizer.state[self.param].update(scalars)
 
     def close(self):
         """Release the state tables' memory."""

@@ -1217,6 +1217,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             self._kept = None  # made again by the retried step
             if self._state is not None:  # close() releases the state first
                 self._state.release()
+                self._state.undo_scalar_state()  # the optimizer may have counted the step
 
     def _leftover_unchanged(self) -> bool:
         """Whether ``weight.grad`` still holds the gradient the last step applied, no ``zero_grad()`` since.
@@ -1326,6 +1327,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # Work of this rank alone from here on: a failure raises here only, and the retry comes back here.
         if self._arrived is not None:
             self._take_gradients()
+        self._state.keep_scalar_state()  # a step undone (_restore_narrowed) counts once when retried
         self._narrowed = NarrowedStep(self.weight, self._owned.size, self._state.needs_sparse_grad)
         if self._put_back is not None:
             self._kept = KeptRows(self._put_back, self._full, self._state.step_state(), self._state.spec)
