@@ -88,8 +88,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     forward, step or :meth:`exchange_gradients` that fails on one rank after
     its last message (making the forward's output, summing the gradients that
     came to it, inside the optimizer or before writing the stepped rows back:
-    they are written whole or not at all), when its peers are done, raises on that
-    rank alone, its rows and their state unchanged: the same call again on
+    they are written whole or not at all), when its peers are done, raises on
+    that rank alone, its rows and their state unchanged: the same call again on
     that rank alone (with the same ids, for a forward) finishes it, with no
     message. A forward not run again trains nothing, as in memory; a rank that
     trains on without its failed step is refused at its next call, on every
@@ -1251,8 +1251,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         As :class:`~speedswap.OffloadedEmbedding` does: nothing was written
         back, so the table and state tables hold every owned row as before
         it; the owned rows, which the optimizer may have half updated, are
-        read from the table again. The exchanged gradient
-        stays: the retry steps on it with no message (see :meth:`_begin_step`).
+        read from the table again, and the optimizer's scalar state (Adam's
+        step count) is put back. The exchanged gradient stays: the retry
+        steps on it with no message (see :meth:`_begin_step`).
         """
         self._put_back_dense_zero_grad()
         self._one_thread.hold(self._forwards > 0)  # a step without rows ends here (see _begin_step)
