@@ -13,7 +13,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import speedswap as ss
 from test_optimizer_equivalence import OPTIMIZERS, assert_same, torch_initial
-from training_helpers import CAPACITY, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
+from training_helpers import (CAPACITY, NUM_ROWS, failing_after_its_update, run_in_memory, skipgram_loss,
+                              zipf_batches)
 
 USERS, ITEMS, DIM, BATCH, STEPS = 300, 500, 8, 32, 200
 TOL = dict(rtol=1e-5, atol=1e-6)  # float32 rounding (repeated ids' gradients summed in another order)
@@ -561,6 +562,39 @@ def test_nn_embedding_gradient_options_train_as_nn_embedding_does(backend, rng, 
             np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), **TOL)
     emb.flush()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), **TOL)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 8])
+def test_a_step_whose_optimizer_raised_after_counting_it_counts_once_when_retried(backend, cache_rows, rng):
+    """The rows and state of a step whose optimizer raised are read back as they were, for a retry;
+    Adam's step count, which it had incremented in place before it updated the rows, was not: the
+    retry counted the step twice, and the bias correction ran ahead from then on."""
+    table0 = torch.from_numpy(rng.standard_normal((NUM_ROWS, DIM)).astype(np.float32))
+    batches = [torch.from_numpy(zipf(rng, NUM_ROWS, BATCH)) for _ in range(9)]
+    runs = []
+    for failing in (set(), {1, 4, 7}):
+        emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=2 * BATCH, storage="pageable", backend=backend,
+                                    cache_rows=cache_rows)
+        emb.table.apply_(lambda t: t.copy_(table0))
+        opt = torch.optim.Adam(emb.parameters(), lr=0.05)
+        emb.attach(opt)
+        for step, ids in enumerate(batches):
+            emb(ids.to(emb.weight.device)).pow(2).sum().backward()
+            if step in failing:
+                with failing_after_its_update(opt), pytest.raises(RuntimeError, match="injected failure"):
+                    opt.step()
+            opt.step()
+            opt.zero_grad()
+        emb.flush()
+        runs.append((int(opt.state[emb.weight]["step"]), emb.table.to_numpy(copy=True),
+                     {name: table.to_numpy(copy=True) for name, table in emb._state.tables.items()}))
+    (steps, table, state), (failed_steps, failed_table, failed_state) = runs
+    assert failed_steps == steps == len(batches)
+    assert not np.array_equal(table, table0.numpy())
+    np.testing.assert_array_equal(failed_table, table)
+    assert sorted(failed_state) == sorted(state) == ["exp_avg", "exp_avg_sq"]
+    for name in state:
+        np.testing.assert_array_equal(failed_state[name], state[name])
     assert not np.allclose(emb.table.to_numpy(), table0, atol=1e-3)
 
 @pytest.mark.parametrize("option", [dict(max_norm=1.0), dict(norm_type=1.0)])

@@ -5,9 +5,12 @@ table and per-row optimizer state as numpy arrays, so tests compare
 offloaded training against in-memory references.
 """
 
+import contextlib
 import copy
 import os
+import sys
 import tempfile
+from unittest import mock
 
 import numpy as np
 import torch
@@ -212,3 +215,26 @@ def refused_save_paths(tmp_path):
     return [*((tmp_path / "missing" / name, ss.PathError) for name in ("emb.h5", "emb", "emb.npy")),
             (tmp_path / "data.h5", ss.PathError), (tmp_path / "photos", ss.PathError),
             (tmp_path / "edited", ss.FileFormatError)]
+
+
+@contextlib.contextmanager
+def failing_after_its_update(optimizer, message="injected failure inside the optimizer"):
+    """Make ``optimizer``'s next steps raise ``RuntimeError(message)`` after its update ran.
+
+    The update function torch's ``step()`` calls (``torch.optim.adam.adam``,
+    ``torch.optim.sgd.sgd``, ...) runs whole, the step counted (Adam's
+    ``step``) and the rows and state updated in place, then raises: a failure
+    inside the optimizer, which skips the step's post-hooks. Patched in its
+    module rather than by overriding ``step`` in a subclass, whose
+    ``super().step()`` runs the step hooks itself once torch has wrapped the
+    parent class's ``step`` (it does when any instance of it is made).
+    """
+    module = sys.modules[type(optimizer).__module__]
+    name = type(optimizer).__name__.lower()
+    update = getattr(module, name)
+
+    def update_then_fail(*args, **kwargs):
+        update(*args, **kwargs)
+        raise RuntimeError(message)
+    with mock.patch.object(module, name, update_then_fail):
+        yield

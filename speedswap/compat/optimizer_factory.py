@@ -173,6 +173,7 @@ class OptimizerFactory(Switcher):
             if self._state.needs_sparse_grad and not grad.is_sparse and not bool(grad.any()):
                 self._empty_sparse = EmptySparseGradient(self._param)
         if self._gathered is not None and self._narrowing.step is None:
+            self._state.keep_scalar_state()  # a step undone (_abort_step) counts once when retried
             # SparseAdam gets the rows' gradient as a sparse one, even from an
             # nn.Embedding(sparse=False) as SpeedTorch's README builds it.
             self._narrowing.step = NarrowedStep(self._param, len(self._gathered.rows),
@@ -206,6 +207,7 @@ class OptimizerFactory(Switcher):
         if self._narrowing.step is None:
             return
         self._narrowing.restore()
+        self._state.undo_scalar_state()  # the optimizer may have counted the step before it raised
         step = self._gathered
         if step is not None:
             # The optimizer raised inside the step, which stored nothing: the rows and their

@@ -1032,6 +1032,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._state.gather(rows, read=self._cache.read_state,  # raises before anything changes
                            resetting=lambda: resetting_state(self._cache))
         zeroed = self._zeroed_since_backward()  # of the gradient as the backward left it, not narrowed
+        self._state.keep_scalar_state()  # a step undone (_abort_step) counts once when retried
         self._narrowed = NarrowedStep(self.weight, k, self._state.needs_sparse_grad)
         # Rows that only forwards no backward reached (a skipped loss) go back unchanged.
         unreached = self._reached.unreached_slots(k, self.weight.device)
@@ -1164,6 +1165,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._one_thread.hold(False)  # the step's claim (see _begin_step); this call's holds until it returns
         self._kept = None  # the rows are read back below, as they were
         self._state.release()
+        self._state.undo_scalar_state()  # the optimizer may have counted the step before it raised
         # Nothing was stored: the cache too holds the rows as before, and the step goes on.
         self._cache.restart_step()
         self._gather_new(0, again=True)
