@@ -857,10 +857,46 @@ class HostTable:
             rows: a contiguous 1-D int64 tensor of **unique** ids in ``[0, num_rows)``.
             values: a contiguous ``(len(rows), dim)`` tensor of the table's dtype
                 on :attr:`device` or the CPU, not requiring grad.
+
+        Raises:
+            StateError: a closed or read-only table; nothing is written.
+            torch.OutOfMemoryError, MemoryError: moving the ids or values
+                where the table is written; nothing is written.
+        """
+        self.prepare_scatter(rows, values)()
+
+    def prepare_scatter(self, rows: torch.Tensor, values: torch.Tensor) -> Callable[[], None]:
+        """Everything of :meth:`scatter_validated` that may fail, now; the write itself, returned.
+
+        For an owner that writes several tables as one (a step's rows and
+        their optimizer state): it prepares every table's write, then runs
+        them, so that a failure (out of memory moving the ids or values where
+        a table is written: device memory, or host memory for the cuda
+        backend's staged tables) leaves every table as it was. The returned
+        call only copies and writes.
+
+        Args:
+            rows, values: as for :meth:`scatter_validated`. ``values`` are read
+                when the returned call runs, not before: they may be filled in between.
+
+        Returns:
+            the write, to call once.
+
+        Raises:
+            As :meth:`scatter_validated`, and nothing is written.
         """
         buffer = self._writable_buffer()
         where = self._backend.ids_device(buffer)
-        self._write(buffer, rows.to(where), values.to(where))
+        rows = rows.to(where)
+        staged = values
+        if values.device.type != where.type or where.index not in (None, values.device.index):
+            staged = torch.empty(values.shape, dtype=values.dtype, device=where)  # filled by the write
+
+        def write():
+            if staged is not values:
+                staged.copy_(values)
+            self._write(buffer, rows, staged)
+        return write
 
     def _write(self, buffer, rows, values):
         """Have the backend write the rows; landed on return while a host view is alive (:attr:`viewed`)."""

@@ -386,17 +386,28 @@ class RowCache:
         staged = torch.empty(len(rows), table.dim, dtype=table.dtype, device=self.device)
         return out.copy_(table.gather_validated(rows, staged))
 
-    def _write_host(self, rows, weights, states, counters=None):
-        """Write rows (and their state, when given) back to the host tables."""
-        self.table.scatter_validated(rows, weights.to(self.table.dtype))
+    def _host_writes(self, rows, weights, states, counters=None) -> Callable[[], None]:
+        """Prepare writing rows (and their state, when given) back to the host tables; returns the writes.
+
+        Everything that may fail (converting the rows to the table's dtype,
+        each table's allocations: :meth:`HostTable.prepare_scatter`) runs
+        now, so that the rows and their state are written all together or
+        not at all. The returned call writes them, reading ``weights`` (in the
+        table's dtype; in another they are converted now) and ``states`` then.
+        """
+        writes = [self.table.prepare_scatter(rows, weights.to(self.table.dtype))]
         moved = len(rows) * self._row_bytes
         if states is not None:
-            for name, table in self.state_tables.items():
-                table.scatter_validated(rows, states[name])
+            writes += [table.prepare_scatter(rows, states[name]) for name, table in self.state_tables.items()]
             moved += len(rows) * self._state_row_bytes * len(states)
         counters = self._step if counters is None else counters
-        counters["rows_d2h"] += len(rows)
-        counters["bytes_d2h"] += moved
+
+        def write():
+            for write_rows in writes:
+                write_rows()
+            counters["rows_d2h"] += len(rows)
+            counters["bytes_d2h"] += moved
+        return write
 
     def _evicted(self, slots, n_changed):
         """The slots of ``slots`` (cheapest first, free ones first) whose rows must be written back
@@ -441,9 +452,9 @@ class RowCache:
     def _write_back(self, slots, rows, counters=None):
         """Write the rows of ``slots`` and their state to the host (``rows``: their ids)."""
         if len(slots):
-            self._write_host(rows, self.weights.index_select(0, slots),
-                             {name: s.index_select(0, slots) for name, s in self.states.items()},
-                             counters)
+            self._host_writes(rows, self.weights.index_select(0, slots),
+                              {name: s.index_select(0, slots) for name, s in self.states.items()},
+                              counters)()
 
     def _sources(self, rows, found, slot, n_miss, missed=None, into=None):
         """Where each of ``rows`` is once its uncached rows are gathered from the host: its slot, or
@@ -633,7 +644,7 @@ class RowCache:
             if self.num_slots:
                 self._warn_views()
                 self.flush()  # the step's rows then go over their cached (older) values
-            self._write_host(rows, weights, states)
+            self._host_writes(rows, weights, states)()
             if self.num_slots:
                 self._forget()  # all clean: the host holds every row's current value
             self._finish_step()
@@ -679,7 +690,7 @@ class RowCache:
             target.scatter_(0, placed, victims)
         if cached + self._n_hits == 0:
             # Nothing cached this step: the rows go back as they are, without a copy.
-            self._write_host(rows, weights, states)
+            self._host_writes(rows, weights, states)()
         else:
             n_rest = self._n_misses - cached
             if n_rest:
@@ -693,9 +704,9 @@ class RowCache:
                 _put_rows(self.states[name], target, values)
             if n_rest:
                 end = begin + n_rest
-                self._write_host(rows.index_select(0, rest), self.weights[begin:end],
-                                 None if states is None else
-                                 {name: self.states[name][begin:end] for name in states})
+                self._host_writes(rows.index_select(0, rest), self.weights[begin:end],
+                                  None if states is None else
+                                  {name: self.states[name][begin:end] for name in states})()
         self._finish_step()
 
     def _finish_step(self):

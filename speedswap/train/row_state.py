@@ -778,7 +778,8 @@ class RowState:
         Raises:
             StateError: the step left state the tables cannot take (see
                 :meth:`check_step`); nothing is written.
-            Whatever ``write`` or a table raises (out of memory): the optimizer
+            Whatever ``write`` or a table raises (out of memory): no table is
+                written (``write`` must keep to that too), and the optimizer
                 holds its full-size scratch again all the same.
         """
         state = self.optimizer.state.get(self.param)
@@ -793,8 +794,11 @@ class RowState:
             if write is not None:
                 write({name: state[name][:k] for name in self.tables})
             else:
-                for name, table in self.tables.items():
-                    table.scatter_validated(rows, state[name][:k])
+                # Every table's write prepared (allocated) before any is made: out of memory
+                # leaves each state table as it was, never some of them written.
+                writes = [table.prepare_scatter(rows, state[name][:k]) for name, table in self.tables.items()]
+                for write_rows in writes:
+                    write_rows()
         finally:
             # Between steps the optimizer holds full-size scratch, so its state_dict has the
             # parameter's declared shape; after a write that raised (out of memory) too, so

@@ -1,0 +1,232 @@
+"""A step whose write-back fails part-way changes nothing: rows and optimizer state stay as before it.
+
+After ``optimizer.step()`` (or a switcher's ``afterOptimizerStep``) the step's
+rows and their optimizer state rows go back: into the host table and each
+state table, or into the device cache's slots, the rows the cache does not
+keep to the host, and the rows a cached miss evicts to the host first. Between
+those writes the write-back allocates: on a GPU, each table's write moves the
+ids (and, for a staged table, the rows) to where the table is written, and
+the cache re-sorts its index of rows, gathers the rows going back and finds
+their positions. Out of memory at any of those calls must leave the table, the
+state and the cache as before the step, never some of them written: the step
+is then skipped (``discard_step()``) or, for the switchers, its
+``afterOptimizerStep`` called again, and training goes on exactly as if the
+failure had never happened.
+
+Each test makes the ``N``-th call of one such operation inside the write-back
+raise, for ``N = 1, 2, ...`` until the write-back gets through, at every step.
+On the numpy backend the moves are no-ops that cannot fail; failing them here
+stands for the GPU's allocations. RMSprop (centered, with momentum: three
+state tables) keeps a step count that its arithmetic does not use, so the
+retried steps leave the reference, the same optimizer applied in memory to
+each step's touched rows once, exactly comparable.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+from speedswap.train.cache import RowCache
+from speedswap.train.row_state import RowState
+from test_optimizer_equivalence import TOL, torch_initial
+from training_helpers import CAPACITY, DIM, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
+
+STEPS = 12
+
+
+def _rmsprop(params):
+    return torch.optim.RMSprop(params, lr=0.01, momentum=0.5, centered=True)
+
+
+#: The operations of the write-back that allocate, as (where it is looked up, its name).
+OPERATIONS = {
+    "move": (torch.Tensor, "to"),  # ids and rows to where a table is written; dtype conversions
+}
+
+
+def _allocates(operation, tensor, *args, **kwargs):
+    """Whether the call may allocate: a ``.to`` that only names the tensor's own dtype never does."""
+    if operation != "move":
+        return True
+    given = [*args, *kwargs.values()]
+    return any(not isinstance(arg, torch.dtype) or arg != tensor.dtype for arg in given)
+
+
+class FailingWriteBack:
+    """Makes the ``at``-th call of one operation inside the write-back raise ``torch.OutOfMemoryError``.
+
+    The write-back is :meth:`RowCache.store` and :meth:`RowState.scatter`
+    (which runs it for an OffloadedEmbedding, and is a lone OptimizerFactory's).
+    """
+
+    def __init__(self, monkeypatch, operation):
+        self.at, self.calls, self.failures, self._inside = None, 0, 0, 0
+        owner, name = OPERATIONS[operation]
+        original = getattr(owner, name)
+
+        def failing(*args, **kwargs):
+            if self._inside and self.at is not None and _allocates(operation, *args, **kwargs):
+                self.calls += 1
+                if self.calls == self.at:
+                    self.failures += 1
+                    raise torch.OutOfMemoryError(f"out of memory (injected at call {self.at} of {operation})")
+            return original(*args, **kwargs)
+        monkeypatch.setattr(owner, name, failing)
+        for cls, method in ((RowCache, "store"), (RowState, "scatter")):
+            monkeypatch.setattr(cls, method, self._watched(getattr(cls, method)))
+
+    def _watched(self, method):
+        def watched(*args, **kwargs):
+            self._inside += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._inside -= 1
+        return watched
+
+    def arm(self, at):
+        self.at, self.calls = at, 0
+
+    def disarm(self):
+        self.at = None
+
+
+def _host(table, states):
+    return table.to_numpy(copy=True), {name: t.to_numpy(copy=True) for name, t in states.items()}
+
+
+def _assert_unchanged(got, before, what):
+    np.testing.assert_array_equal(got[0], before[0], err_msg=f"the table, {what}")
+    for name in before[1]:
+        np.testing.assert_array_equal(got[1][name], before[1][name], err_msg=f"state {name!r}, {what}")
+
+
+def _assert_trained_as(got, expected):
+    table, state = got
+    ref_table, ref_state = expected
+    assert set(state) == set(ref_state)
+    for name, value, ref in [("table", table, ref_table), *((n, state[n], ref_state[n]) for n in state)]:
+        np.testing.assert_allclose(value, ref, **TOL, err_msg=name)
+
+
+def _reference(table0, batches):
+    return run_in_memory(_rmsprop, table0, batches, torch.device("cpu"), initial_state=torch_initial)
+
+
+@pytest.mark.parametrize("cache_rows,operation", [(0, "move")])
+def test_an_offloaded_step_whose_write_back_fails_changes_nothing(cache_rows, operation, rng, monkeypatch):
+    """OffloadedEmbedding without a cache: the table, then each state table."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, STEPS, "cpu")
+    expected = _reference(table0, batches)
+    failing = FailingWriteBack(monkeypatch, operation)
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy",
+                                cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = _rmsprop(emb.parameters())
+    emb.attach(opt)
+    for pos, neg, ctx in batches:
+        emb.flush()
+        before = _host(emb.table, emb._state.tables)
+        for at in range(1, 1000):
+            skipgram_loss(emb(pos), emb(neg), ctx).backward()
+            failing.arm(at)
+            try:
+                opt.step()
+                break
+            except torch.OutOfMemoryError:
+                failing.disarm()
+                emb.flush()
+                _assert_unchanged(_host(emb.table, emb._state.tables), before, f"after call {at} failed")
+                opt.zero_grad()
+                emb.discard_step()
+            finally:
+                failing.disarm()
+        opt.zero_grad()
+    assert failing.failures, "no injected failure happened"
+    emb.flush()
+    _assert_trained_as(_host(emb.table, emb._state.tables), expected)
+
+
+def _switchers_host(u, o):
+    """The switchers' host tables, the cache's rows written back first (the switchers' own reads: a
+    read through a table is refused in the middle of a step)."""
+    cache = u._steps.cache
+    if cache is not None:
+        cache.flush()
+    return u._table.owner_copy(), {name: t.owner_copy() for name, t in o._state.tables.items()}
+
+
+@pytest.mark.parametrize("cache_rows,operation,first", [(0, "move", "model"), (0, "move", "optimizer")])
+def test_a_switchers_write_back_that_fails_changes_nothing_and_after_step_again_finishes_it(
+        cache_rows, operation, first, rng, monkeypatch):
+    """ModelFactory + OptimizerFactory: the model's afterOptimizerStep stores the rows and their
+    state (taken from the optimizer there, or handed over by the OptimizerFactory's
+    afterOptimizerStep called first). When it fails, calling it again finishes the step."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, STEPS, "cpu")
+    expected = _reference(table0, batches)
+    failing = FailingWriteBack(monkeypatch, operation)
+    emb = torch.nn.Embedding(CAPACITY, DIM)
+    model = torch.nn.ModuleDict({"emb": emb})
+    opt = _rmsprop(model.parameters())
+    u = ss.ModelFactory(emb, NUM_ROWS, DIM, storage="pageable", backend="numpy", cache_rows=cache_rows)
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    o = ss.OptimizerFactory(opt, NUM_ROWS, DIM, model, "emb", storage="pageable", backend="numpy",
+                            cache_rows=cache_rows)
+    o.optInit()
+    for pos, neg, ctx in batches:
+        before = _switchers_host(u, o)
+        local_pos, local_neg = u.beforeForwardPass(pos, neg)
+        o.beforeForwardPass(pos, neg)
+        skipgram_loss(emb(local_pos), emb(local_neg), ctx).backward()
+        opt.step()
+        opt.zero_grad()
+        if first == "optimizer":
+            o.afterOptimizerStep(pos, neg)
+        for at in range(1, 1000):
+            failing.arm(at)
+            try:
+                u.afterOptimizerStep(pos, neg)
+                break
+            except torch.OutOfMemoryError:
+                failing.disarm()
+                _assert_unchanged(_switchers_host(u, o), before, f"after call {at} failed")
+            finally:
+                failing.disarm()
+        if first == "model":
+            o.afterOptimizerStep(pos, neg)
+    assert failing.failures, "no injected failure happened"
+    _assert_trained_as((u.getNumpyVersion(), {name: t.to_numpy(copy=True) for name, t in o.state.tables.items()}),
+                       expected)
+
+
+def test_a_lone_optimizer_factorys_write_back_that_fails_changes_no_state_table(rng, monkeypatch):
+    """Without a ModelFactory the OptimizerFactory writes its state rows to its tables itself (the
+    embedding's rows are the user's own swapping): all of them, or none."""
+    batches = zipf_batches(rng, 4, "cpu")
+    failing = FailingWriteBack(monkeypatch, "move")
+    emb = torch.nn.Embedding(CAPACITY, DIM)
+    model = torch.nn.ModuleDict({"emb": emb})
+    opt = _rmsprop(model.parameters())
+    o = ss.OptimizerFactory(opt, NUM_ROWS, DIM, model, "emb", storage="pageable", backend="numpy")
+    o.optInit()
+    for pos, neg, ctx in batches:
+        before = {name: t.owner_copy() for name, t in o._state.tables.items()}
+        local_pos, local_neg = o.beforeForwardPass(pos, neg)
+        skipgram_loss(emb(local_pos), emb(local_neg), ctx).backward()
+        opt.step()
+        opt.zero_grad()
+        for at in range(1, 1000):
+            failing.arm(at)
+            try:
+                o.afterOptimizerStep(pos, neg)
+                break
+            except torch.OutOfMemoryError:
+                failing.disarm()
+                _assert_unchanged((None, {name: t.owner_copy() for name, t in o._state.tables.items()}),
+                                  (None, before), f"after call {at} failed")
+            finally:
+                failing.disarm()
+    assert failing.failures, "no injected failure happened"
