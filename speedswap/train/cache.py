@@ -257,7 +257,7 @@ class RowCache:
         # The sorted index holds rows as int32 where they fit: half the memory a binary
         # search misses the CPU's caches in, and a faster sort.
         self._key_dtype = torch.int32 if table.num_rows < 2**31 else torch.int64
-        self._reindex()
+        self._reindex(self.slot_row)
         self.total = dict.fromkeys(COUNTERS, 0)
         self.last_step = dict.fromkeys(COUNTERS, 0)
         self.eval_total = dict.fromkeys(EVAL_COUNTERS, 0)
@@ -274,10 +274,16 @@ class RowCache:
             self.slot_row, self.stamp, self.dirty, self.score, self._sorted_rows, self._sorted_slots))
         return len(self.weights) * row + bookkeeping + self.sketch.nbytes
 
-    def _reindex(self):
+    def _reindex(self, slot_row):
+        """Make ``slot_row`` the row of each slot, with its sorted index; when sorting fails, nothing changes.
+
+        Sorting allocates (device memory on a GPU), so callers pass the new
+        rows out of place and change the slots' other bookkeeping after it.
+        """
+        sorted_rows, sorted_slots = torch.sort(slot_row.to(self._key_dtype))
         if hasattr(self, "_sorted_rows"):  # none yet when __init__ builds the first index
-            self._retire(self._sorted_rows, self._sorted_slots)
-        self._sorted_rows, self._sorted_slots = torch.sort(self.slot_row.to(self._key_dtype))
+            self._retire(self.slot_row, self._sorted_rows, self._sorted_slots)
+        self.slot_row, self._sorted_rows, self._sorted_slots = slot_row, sorted_rows, sorted_slots
 
     def _retire(self, *tensors):
         """Record ``tensors``, about to be dropped, for the current stream (on a GPU).
@@ -436,17 +442,17 @@ class RowCache:
         """Give ``slots`` (cheapest first, free ones first) to ``rows``: the bookkeeping half.
 
         Their rows must have been written back first (:meth:`_evicted`); the
-        caller fills the slots' values after it.
+        caller fills the slots' values after it. When it raises (out of memory
+        re-sorting the index) nothing has changed hands.
         """
+        self._reindex(self.slot_row.scatter(0, slots, rows))  # first: the one part that allocates
         free = min(len(slots), self._n_empty)
         self._n_empty -= free
-        self.slot_row.scatter_(0, slots, rows)
         # index_fill_, not `[slots] =`: a Python scalar assigned through a tensor index
         # is copied to the GPU with a host wait.
         self.stamp.index_fill_(0, slots, stamp)
         self.score.scatter_(0, slots, score)
         self.dirty.index_fill_(0, slots, dirty)
-        self._reindex()
         self._count(evictions=len(slots) - free)
 
     def _write_back(self, slots, rows, counters=None):
@@ -634,6 +640,10 @@ class RowCache:
         when dirty); misses left over, or all of them when torch skipped the
         parameter (``states`` is None), are written back to the host.
 
+        All or nothing: when it raises (out of memory), the slots and the host
+        tables hold every row and its state as before it, so the step can be
+        stored again or dropped (:meth:`end_step`).
+
         Args:
             rows: the working set's rows, by slot.
             weights: ``(len(rows), dim)`` updated rows.
@@ -649,7 +659,9 @@ class RowCache:
                 self._forget()  # all clean: the host holds every row's current value
             self._finish_step()
             return
-        target = self._step_slots()  # each row's slot, -1 for rows going back to the host
+        # Each row's slot, -1 for rows going back to the host: a copy, changed below, so that the
+        # step's own record stays as fetched for a store tried again after one that failed.
+        target = self._step_slots().clone()
         if not self._pinned:  # before the victims are chosen
             self._pin(self.stamp)
             self._pinned = True
@@ -676,37 +688,43 @@ class RowCache:
             # many of their victims must be written back.
             cached, n_changed = torch.stack(
                 [admitted.sum(), (admitted & self.dirty.index_select(0, victims)).sum()]).tolist()
-        # The scratch the rows going back may need, allocated before any slot changes hands:
-        # a failure (out of memory) must leave the bookkeeping describing the slots' rows.
-        if cached or self._n_hits:
-            self._scratch(self._n_misses - cached)
-            # Rows in the cache's dtype (a bfloat16 table's, from float32 math): the conversion
-            # allocates too. No copy when the dtypes match.
-            weights = weights.detach().to(self.weights.dtype)
-        if cached:
-            placed, victims = miss_pos.index_select(0, ranked[:cached]), victims[:cached]
-            self._write_back(*self._evicted(victims, n_changed))
-            self._take(victims, rows.index_select(0, placed), self.clock, miss_score[:cached], True)
-            target.scatter_(0, placed, victims)
         if cached + self._n_hits == 0:
             # Nothing cached this step: the rows go back as they are, without a copy.
             self._host_writes(rows, weights, states)()
-        else:
-            n_rest = self._n_misses - cached
-            if n_rest:
-                rest = positions(target < 0, n_rest)
-                begin = self._scratch(n_rest)
-                target.scatter_(0, rest, torch.arange(begin, begin + n_rest, device=self.device))
-            # One assignment puts every row in its slot, and the rows going back in scratch
-            # (contiguous, in slot order) for the host writes.
-            _put_rows(self.weights, target, weights)
-            for name, values in (states or {}).items():
-                _put_rows(self.states[name], target, values)
-            if n_rest:
-                end = begin + n_rest
-                self._host_writes(rows.index_select(0, rest), self.weights[begin:end],
-                                  None if states is None else
-                                  {name: self.states[name][begin:end] for name in states})()
+            self._finish_step()
+            return
+        # Everything that may fail (out of memory: device memory on a GPU) runs before the first
+        # write, so that a failure leaves every slot describing its row, and the slots and the
+        # host tables as before the step. The scratch the rows going back need:
+        n_rest = self._n_misses - cached
+        begin = self._scratch(n_rest)
+        # Rows in the cache's dtype (a bfloat16 table's, from float32 math): the conversion
+        # allocates too. No copy when the dtypes match.
+        weights = weights.detach().to(self.weights.dtype)
+        if cached:
+            placed, victims = miss_pos.index_select(0, ranked[:cached]), victims[:cached]
+            target.scatter_(0, placed, victims)
+        write_rest = None
+        if n_rest:
+            rest = positions(target < 0, n_rest)
+            end = begin + n_rest
+            target.scatter_(0, rest, torch.arange(begin, end, device=self.device))
+            # Prepared now, run last: the writes read the scratch rows the assignment below fills.
+            write_rest = self._host_writes(rows.index_select(0, rest), self.weights[begin:end],
+                                           None if states is None else
+                                           {name: self.states[name][begin:end] for name in states})
+        if cached:
+            # A failure in the write-back leaves the evicted rows cached (and dirty), one in
+            # _take leaves every slot to its row: the host copies written meanwhile are the same.
+            self._write_back(*self._evicted(victims, n_changed))
+            self._take(victims, rows.index_select(0, placed), self.clock, miss_score[:cached], True)
+        # From here nothing allocates. One assignment puts every row in its slot, and the rows
+        # going back in scratch (contiguous, in slot order) for the host writes.
+        _put_rows(self.weights, target, weights)
+        for name, values in (states or {}).items():
+            _put_rows(self.states[name], target, values)
+        if write_rest is not None:
+            write_rest()
         self._finish_step()
 
     def _finish_step(self):
@@ -980,12 +998,13 @@ class RowCache:
     def _forget(self, keep: Optional[torch.Tensor] = None):
         """Free every slot but those ``keep`` marks (None: all), without writing a row back."""
         drop = torch.ones_like(self.dirty) if keep is None else ~keep
-        self.slot_row.masked_fill_(drop, -1)
+        slot_row = self.slot_row.masked_fill(drop, -1)
+        n_empty = self.num_slots if keep is None else int((slot_row < 0).sum())
+        self._reindex(slot_row)  # first: the one part that allocates (see _take)
         self.stamp.masked_fill_(drop, -1)
         self.score.masked_fill_(drop, -torch.inf)
         self.dirty.masked_fill_(drop, False)
-        self._n_empty = self.num_slots if keep is None else int((self.slot_row < 0).sum())
-        self._reindex()
+        self._n_empty = n_empty
 
     def viewed(self) -> bool:
         """Whether a view of the tables handed out is alive (:attr:`HostTable.viewed`): then nothing is cached.
