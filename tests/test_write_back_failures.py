@@ -29,6 +29,7 @@ import torch
 import speedswap as ss
 from speedswap.train import cache as cache_module
 from speedswap.train.cache import RowCache
+from speedswap.train.reached import KeptRows
 from speedswap.train.row_state import RowState
 from test_optimizer_equivalence import assert_same, torch_initial
 from training_helpers import CAPACITY, DIM, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
@@ -46,7 +47,11 @@ OPERATIONS = {
     "gather": (torch.Tensor, "index_select"),
     "sort": (torch, "sort"),  # the cache's index of the rows it holds
     "positions": (cache_module, "positions"),
+    "where": (torch, "where"),  # what a step puts back instead of what it made (see KeptRows)
 }
+
+#: Those a store into the device cache makes between its writes.
+CACHE_OPERATIONS = ("move", "gather", "sort", "positions")
 
 
 def _allocates(operation, tensor, *args, **kwargs):
@@ -60,8 +65,9 @@ def _allocates(operation, tensor, *args, **kwargs):
 class FailingWriteBack:
     """Makes the ``at``-th call of one operation inside the write-back raise ``torch.OutOfMemoryError``.
 
-    The write-back is :meth:`RowCache.store` and :meth:`RowState.scatter`
-    (which runs it for an OffloadedEmbedding, and is a lone OptimizerFactory's).
+    The write-back is :meth:`KeptRows.put_back` (rows a step leaves alone),
+    :meth:`RowCache.store` and :meth:`RowState.scatter` (which runs it for an
+    OffloadedEmbedding, and is a lone OptimizerFactory's).
     """
 
     def __init__(self, monkeypatch, operation):
@@ -77,7 +83,7 @@ class FailingWriteBack:
                     raise torch.OutOfMemoryError(f"out of memory (injected at call {self.at} of {operation})")
             return original(*args, **kwargs)
         monkeypatch.setattr(owner, name, failing)
-        for cls, method in ((RowCache, "store"), (RowState, "scatter")):
+        for cls, method in ((KeptRows, "put_back"), (RowCache, "store"), (RowState, "scatter")):
             monkeypatch.setattr(cls, method, self._watched(getattr(cls, method)))
 
     def _watched(self, method):
@@ -112,7 +118,7 @@ def _reference(table0, batches):
 
 @pytest.mark.parametrize("cache_rows,operation", [
     (0, "move"),
-    *((20, operation) for operation in OPERATIONS),
+    *((20, operation) for operation in CACHE_OPERATIONS),
 ])
 def test_an_offloaded_step_whose_write_back_fails_changes_nothing(cache_rows, operation, rng, monkeypatch):
     """OffloadedEmbedding: no cache (the table, then each state table), and a 20-row cache (5%:
@@ -161,7 +167,7 @@ def _switchers_host(u, o):
 @pytest.mark.parametrize("cache_rows,operation,first", [
     (0, "move", "model"),
     (0, "move", "optimizer"),
-    *((20, operation, "model") for operation in OPERATIONS),
+    *((20, operation, "model") for operation in CACHE_OPERATIONS),
     (20, "move", "optimizer"),
 ])
 def test_a_switchers_write_back_that_fails_changes_nothing_and_after_step_again_finishes_it(
@@ -235,3 +241,37 @@ def test_a_lone_optimizer_factorys_write_back_that_fails_changes_no_state_table(
             finally:
                 failing.disarm()
     assert failing.failures, "no injected failure happened"
+
+
+def test_an_offloaded_step_whose_kept_rows_cannot_be_put_back_changes_nothing(rng, monkeypatch):
+    """Before the write-back the step puts back rows it must leave alone (here the padding row, in
+    every step and never looked up), which allocates. Out of memory there left the optimizer
+    holding the step's narrowed state: after discard_step() the next forward refused it as state
+    an optimizer.load_state_dict() had put in place, with advice that would lose every row's state."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = [(pos.clamp(min=1), neg.clamp(min=1), ctx) for pos, neg, ctx in zipf_batches(rng, STEPS, "cpu")]
+    expected = _reference(table0, batches)
+    failing = FailingWriteBack(monkeypatch, "where")
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy",
+                                padding_idx=0)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = _rmsprop(emb.parameters())
+    emb.attach(opt)
+    for pos, neg, ctx in batches:
+        before = _host(emb.table, emb._state.tables)
+        for at in range(1, 1000):
+            skipgram_loss(emb(pos), emb(neg), ctx).backward()
+            failing.arm(at)
+            try:
+                opt.step()
+                break
+            except torch.OutOfMemoryError:
+                failing.disarm()
+                _assert_unchanged(_host(emb.table, emb._state.tables), before, f"after call {at} failed")
+                opt.zero_grad()
+                emb.discard_step()
+            finally:
+                failing.disarm()
+        opt.zero_grad()
+    assert failing.failures, "no injected failure happened"
+    assert_same(_host(emb.table, emb._state.tables), expected, exact=True)

@@ -1140,8 +1140,15 @@ class OffloadedEmbedding(RefusesConversion):
             raise
         self._narrowed = None
         self._one_thread.hold(False)  # the step's claim (see _begin_step); this call's holds until it returns
-        for kept in self._kept or ():
-            kept.put_back(self._full, self._state.step_state())
+        try:
+            for kept in self._kept or ():
+                kept.put_back(self._full, self._state.step_state())
+        except BaseException:
+            # Out of memory putting rows back, before anything is written: the optimizer gets its
+            # full-size scratch back, as after a write-back that failed (RowState.scatter), so
+            # that the step can be discarded and training go on.
+            self._state.release()
+            raise
         self._kept = None
         self._reached.clear()
         weights = self._full[:k]
