@@ -1135,20 +1135,15 @@ class OffloadedEmbedding(RefusesConversion):
             # values are the step's, or the step is refused before anything is written back.
             self._state.check_step(k)
             self._narrowed.finish()
-        except StateError:
+            # Rows no backward reached go back as they were. Putting them back may fail (out of
+            # memory); before anything is written, as the refusals above, the step is undone then.
+            for kept in self._kept or ():
+                kept.put_back(self._full, self._state.step_state())
+        except BaseException:
             self._abort_step()  # the rows and state are read back as they were: retry or discard
             raise
         self._narrowed = None
         self._one_thread.hold(False)  # the step's claim (see _begin_step); this call's holds until it returns
-        try:
-            for kept in self._kept or ():
-                kept.put_back(self._full, self._state.step_state())
-        except BaseException:
-            # Out of memory putting rows back, before anything is written: the optimizer gets its
-            # full-size scratch back, as after a write-back that failed (RowState.scatter), so
-            # that the step can be discarded and training go on.
-            self._state.release()
-            raise
         self._kept = None
         self._reached.clear()
         weights = self._full[:k]

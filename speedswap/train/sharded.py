@@ -1403,13 +1403,15 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             values = self._full[:k]
             if self._in_table_dtype is not None:
                 values = self._in_table_dtype[:k].copy_(values)
+            # Owned rows are unique shard-local ids, validated when they were looked up. The table's
+            # write is prepared (staged) here; the state tables' before any is written (RowState.scatter).
+            write_rows = self.table.prepare_scatter(rows, values)
         except BaseException:
             self._abort_step()
             raise
         self._narrowed = None
         self._state.scatter(rows)
-        # Owned rows are unique shard-local ids, validated when they were looked up.
-        self.table.scatter_validated(rows, values)
+        write_rows()
         self._steps_since += 1
         self._last_step = {"steps": 1, "unique_rows": self._looked_up.size, "owned_rows": k, **self._moved}
         for name, count in self._last_step.items():
