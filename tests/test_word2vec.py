@@ -24,6 +24,7 @@ from speedswap.apps.corpus import keep_probabilities, read_text_corpus, skipgram
 from speedswap.apps.pairs import _ID_TENSORS, PairBatch, PairChunks, _groups
 from speedswap.apps.skipgram import SkipGram, manual_step
 from speedswap.apps.w2v_format import load_word2vec_format, save_word2vec_format
+from test_skipgram_step import _assert_trained_as
 
 
 def test_synthetic_corpus_plants_topics_with_zipf_frequencies(seed):
@@ -781,8 +782,10 @@ def test_sgd_without_autograd_trains_the_vectors_autograd_trains(backend, seed):
     for table in ("centre", "context"):
         reference, closed_form = (getattr(run.model, table).table.to_numpy() for run in runs)
         assert np.abs(reference).max() > 0.1  # trained well away from the initialisation
-        # The same sums in another order: float32 rounding, nothing more.
-        np.testing.assert_allclose(closed_form, reference, rtol=0, atol=2e-6)
+        # The same sums in another order: each step may round a row one ulp the other way, and later
+        # steps carry it. Seen: 7-16 ulps of the largest values (0.7-1.2), 0.48 of the old fixed
+        # atol=2e-6 over 26 seeds, a bound that did not grow with the steps or the table's scale.
+        _assert_trained_as(closed_form, reference, steps=300)
     np.testing.assert_allclose([loss for _, loss in runs[1].losses], [loss for _, loss in runs[0].losses],
                                rtol=1e-5)
 
