@@ -213,6 +213,22 @@ def _pair(rng, kind, backend, cache_rows):
     return kind(rows, backend, cache_rows), _Reference(rows)
 
 
+def _others_refused_while(stepping, inside, go, trained, other, tmp_path):
+    """Start ``stepping``, a thread that sets ``inside`` and waits for ``go`` mid-step; meanwhile each of
+    ``trained``'s calls from this thread (on ids ``other``) must raise StateError and leave it stepping."""
+    stepping.start()
+    try:
+        assert inside.wait(60)
+        other = other.to(trained.opt.param_groups[0]["params"][0].device)
+        for what, call in trained.calls(other, tmp_path).items():
+            with pytest.raises(ss.StateError, match="another thread"):
+                call()
+            assert stepping.is_alive(), what
+    finally:
+        go.set()
+        stepping.join(60)
+
+
 @pytest.mark.parametrize("kind, cache_rows, where", PAUSES)
 def test_calls_from_another_thread_inside_a_step_are_refused_and_change_nothing(backend, rng, kind, cache_rows,
                                                                                   where, tmp_path):
@@ -231,17 +247,7 @@ def test_calls_from_another_thread_inside_a_step_are_refused_and_change_nothing(
     ids, raised = _zipf_ids(rng), []
     stepping = threading.Thread(target=lambda: raised.extend(_raised(lambda: trained.step(
         ids, before_step=pause if hook is None else lambda: None))))
-    stepping.start()
-    try:
-        assert inside.wait(60)
-        other = _zipf_ids(rng).to(trained.opt.param_groups[0]["params"][0].device)
-        for what, call in trained.calls(other, tmp_path).items():
-            with pytest.raises(ss.StateError, match="another thread"):
-                call()
-            assert stepping.is_alive(), what
-    finally:
-        go.set()
-        stepping.join(60)
+    _others_refused_while(stepping, inside, go, trained, _zipf_ids(rng), tmp_path)
     if hook is not None:
         hook.remove()
     assert raised == []
@@ -404,17 +410,7 @@ def test_a_sharded_step_without_a_forward_is_its_threads_between_the_hooks(backe
     hook = opt.register_step_pre_hook(pause)  # after the embedding's: between its hooks
     raised = []
     stepping = threading.Thread(target=lambda: raised.extend(_raised(opt.step)))
-    stepping.start()
-    try:
-        assert inside.wait(60)
-        other = _zipf_ids(rng).to(emb.weight.device)
-        for what, call in trained.calls(other, tmp_path).items():
-            with pytest.raises(ss.StateError, match="another thread"):
-                call()
-            assert stepping.is_alive(), what
-    finally:
-        go.set()
-        stepping.join(60)
+    _others_refused_while(stepping, inside, go, trained, _zipf_ids(rng), tmp_path)
     hook.remove()
     assert raised == []
     assert list(tmp_path.iterdir()) == []

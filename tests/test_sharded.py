@@ -773,8 +773,9 @@ def test_word2vec_example_under_torchrun_steps_sgd_at_one_process_rate(tmp_path)
     assert figures["losses"][-1][1] < 3.8
 
 
-def test_one_rank_bfloat16_equals_offloaded_embedding(rng):
-    """Without a process group the sharded class is one shard; bfloat16 rows train in float32."""
+def _bfloat16_pair(rng):
+    """``(rows, embeddings, optimizers)``: a one-rank sharded and an OffloadedEmbedding on the same
+    random bfloat16 rows, each with Adagrad."""
     table0 = torch.from_numpy(rng.standard_normal((40, 4), dtype=np.float32)).to(torch.bfloat16)
     embs = [cls(40, 4, max_rows=12, dtype=torch.bfloat16, backend="numpy", storage="pageable")
             for cls in (ss.ShardedOffloadedEmbedding, ss.OffloadedEmbedding)]
@@ -783,6 +784,12 @@ def test_one_rank_bfloat16_equals_offloaded_embedding(rng):
         emb.table.scatter(torch.arange(40), table0)
         opts.append(torch.optim.Adagrad(emb.parameters(), lr=0.1))
         emb.attach(opts[-1])
+    return table0, embs, opts
+
+
+def test_one_rank_bfloat16_equals_offloaded_embedding(rng):
+    """Without a process group the sharded class is one shard; bfloat16 rows train in float32."""
+    table0, embs, opts = _bfloat16_pair(rng)
     for _ in range(30):
         ids = torch.from_numpy(rng.integers(0, 40, size=12))
         target = torch.from_numpy(rng.standard_normal((12, 4), dtype=np.float32))
@@ -2058,14 +2065,7 @@ def test_a_bfloat16_step_needs_no_memory_once_it_writes_back(rng):
     of memory there left the state stepped and the rows not, Adagrad's sums a step ahead of the
     rows. The rows' bfloat16 memory is made with the table now: a step makes none (here any new
     bfloat16 tensor runs out), and trains as OffloadedEmbedding does, bit for bit."""
-    table0 = torch.from_numpy(rng.standard_normal((40, 4), dtype=np.float32)).to(torch.bfloat16)
-    embs = [cls(40, 4, max_rows=12, dtype=torch.bfloat16, backend="numpy", storage="pageable")
-            for cls in (ss.ShardedOffloadedEmbedding, ss.OffloadedEmbedding)]
-    opts = []
-    for emb in embs:
-        emb.table.scatter(torch.arange(40), table0)
-        opts.append(torch.optim.Adagrad(emb.parameters(), lr=0.1))
-        emb.attach(opts[-1])
+    table0, embs, opts = _bfloat16_pair(rng)
     no_bfloat16 = sharded_worker.MemoryFails(lambda t: t.dtype == torch.bfloat16)
     for _ in range(20):
         ids = zipf_ids(rng, 40, 12, 0, False)

@@ -101,6 +101,24 @@ class FailingWriteBack:
     def disarm(self):
         self.at = None
 
+    def until_it_succeeds(self, call, host, before, recover=lambda: None):
+        """``call()`` with the 1st, 2nd, ... such operation failing, until one runs through.
+
+        After each failure the host tables must be as ``before`` (``host()``
+        reads them); ``recover()`` then readies the call again.
+        """
+        for at in range(1, 1000):
+            self.arm(at)
+            try:
+                call()
+                return
+            except torch.OutOfMemoryError:
+                self.disarm()
+                _assert_unchanged(host(), before, f"after call {at} failed")
+                recover()
+            finally:
+                self.disarm()
+
 
 def _host(table, states):
     return table.to_numpy(copy=True), {name: t.to_numpy(copy=True) for name, t in states.items()}
@@ -132,23 +150,20 @@ def test_an_offloaded_step_whose_write_back_fails_changes_nothing(cache_rows, op
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     opt = _rmsprop(emb.parameters())
     emb.attach(opt)
-    for pos, neg, ctx in batches:
+    def flushed_host():
         emb.flush()
-        before = _host(emb.table, emb._state.tables)
-        for at in range(1, 1000):
+        return _host(emb.table, emb._state.tables)
+
+    for pos, neg, ctx in batches:
+        def train():
             skipgram_loss(emb(pos), emb(neg), ctx).backward()
-            failing.arm(at)
-            try:
-                opt.step()
-                break
-            except torch.OutOfMemoryError:
-                failing.disarm()
-                emb.flush()
-                _assert_unchanged(_host(emb.table, emb._state.tables), before, f"after call {at} failed")
-                opt.zero_grad()
-                emb.discard_step()
-            finally:
-                failing.disarm()
+
+        def dropped():
+            opt.zero_grad()
+            emb.discard_step()
+            train()
+        train()
+        failing.until_it_succeeds(opt.step, flushed_host, flushed_host(), dropped)
         opt.zero_grad()
     assert failing.failures, "no injected failure happened"
     emb.flush()
@@ -196,16 +211,7 @@ def test_a_switchers_write_back_that_fails_changes_nothing_and_after_step_again_
         opt.zero_grad()
         if first == "optimizer":
             o.afterOptimizerStep(pos, neg)
-        for at in range(1, 1000):
-            failing.arm(at)
-            try:
-                u.afterOptimizerStep(pos, neg)
-                break
-            except torch.OutOfMemoryError:
-                failing.disarm()
-                _assert_unchanged(_switchers_host(u, o), before, f"after call {at} failed")
-            finally:
-                failing.disarm()
+        failing.until_it_succeeds(lambda: u.afterOptimizerStep(pos, neg), lambda: _switchers_host(u, o), before)
         if first == "model":
             o.afterOptimizerStep(pos, neg)
     assert failing.failures, "no injected failure happened"
@@ -223,23 +229,16 @@ def test_a_lone_optimizer_factorys_write_back_that_fails_changes_no_state_table(
     opt = _rmsprop(model.parameters())
     o = ss.OptimizerFactory(opt, NUM_ROWS, DIM, model, "emb", storage="pageable", backend="numpy")
     o.optInit()
+    def host():
+        return None, {name: t.owner_copy() for name, t in o._state.tables.items()}
+
     for pos, neg, ctx in batches:
-        before = {name: t.owner_copy() for name, t in o._state.tables.items()}
+        before = host()
         local_pos, local_neg = o.beforeForwardPass(pos, neg)
         skipgram_loss(emb(local_pos), emb(local_neg), ctx).backward()
         opt.step()
         opt.zero_grad()
-        for at in range(1, 1000):
-            failing.arm(at)
-            try:
-                o.afterOptimizerStep(pos, neg)
-                break
-            except torch.OutOfMemoryError:
-                failing.disarm()
-                _assert_unchanged((None, {name: t.owner_copy() for name, t in o._state.tables.items()}),
-                                  (None, before), f"after call {at} failed")
-            finally:
-                failing.disarm()
+        failing.until_it_succeeds(lambda: o.afterOptimizerStep(pos, neg), host, before)
     assert failing.failures, "no injected failure happened"
 
 
@@ -259,23 +258,20 @@ def test_an_offloaded_step_whose_kept_rows_cannot_be_put_back_changes_nothing(rn
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     opt = _rmsprop(emb.parameters())
     emb.attach(opt)
+    def host():
+        return _host(emb.table, emb._state.tables)
+
     for pos, neg, ctx in batches:
-        before = _host(emb.table, emb._state.tables)
-        skipgram_loss(emb(pos), emb(neg), ctx).backward()
-        for at in range(1, 1000):
-            failing.arm(at)
-            try:
-                opt.step()
-                break
-            except torch.OutOfMemoryError:
-                failing.disarm()
-                _assert_unchanged(_host(emb.table, emb._state.tables), before, f"after call {at} failed")
-                if recover == "discard":
-                    opt.zero_grad()
-                    emb.discard_step()
-                    skipgram_loss(emb(pos), emb(neg), ctx).backward()
-            finally:
-                failing.disarm()
+        def train():
+            skipgram_loss(emb(pos), emb(neg), ctx).backward()
+
+        def dropped():  # "retry": the failed step itself again
+            if recover == "discard":
+                opt.zero_grad()
+                emb.discard_step()
+                train()
+        train()
+        failing.until_it_succeeds(opt.step, host, host(), dropped)
         opt.zero_grad()
     assert failing.failures, "no injected failure happened"
     assert_same(_host(emb.table, emb._state.tables), expected, exact=True)
