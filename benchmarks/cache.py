@@ -14,13 +14,15 @@ unique rows. Bytes count rows and their Adam state, both directions. The
 would reach (see ``static_misses``).
 
 With ``--prefetch`` each step also prefetches the next step's rows, which
-trades bytes for a step that finds every row it can in the cache.
+trades bytes for a step that finds every row it can in the cache. With
+``--fused`` Adam is built ``fused=True`` (one kernel for its whole update):
+the same rows trained, bit for bit, in less time (NOTES 75).
 
 Usage:
     python benchmarks/cache.py [--steps 20] [--warmup 100] [--ids 1.1 uniform] [--caches 0.05]
-        [--threads 1] [--prefetch] [--keep-freed-memory]
+        [--threads 1] [--prefetch] [--fused] [--keep-freed-memory]
 
-Writes benchmarks/results/cache[-prefetch][-subset]-{cpu,gpu}.json and a PNG plot beside
+Writes benchmarks/results/cache[-prefetch][-fused][-subset]-{cpu,gpu}.json and a PNG plot beside
 it ("-subset" when ``--ids`` or ``--caches`` leave part of the sweep out).
 """
 
@@ -84,10 +86,11 @@ def step(emb, opt, batch, following=None):
     opt.zero_grad()
 
 
-def measure(exponent, fractions, steps, warmup, seed, prefetch=False):
+def measure(exponent, fractions, steps, warmup, seed, prefetch=False, fused=False):
     """Warm up and time the cache sizes ``fractions`` on one id distribution; returns their rows.
 
-    With ``prefetch`` every step prefetches the next one's rows (the no-cache run cannot).
+    With ``prefetch`` every step prefetches the next one's rows (the no-cache run cannot); with
+    ``fused`` Adam is built ``fused=True``.
     """
     rng = np.random.default_rng(seed)
     sample, rank = id_sampler(exponent, rng)
@@ -95,7 +98,7 @@ def measure(exponent, fractions, steps, warmup, seed, prefetch=False):
     for fraction in fractions:
         emb = ss.OffloadedEmbedding(VOCAB, DIM, max_rows=PAIRS * (2 + NEGS), storage="pageable",
                                     backend="numpy", cache_rows=int(fraction * VOCAB))
-        opt = torch.optim.Adam(emb.parameters(), lr=1e-3)
+        opt = torch.optim.Adam(emb.parameters(), lr=1e-3, fused=fused or None)
         emb.attach(opt)
         setups.append((fraction, emb, opt))
     batches = [make_batch(sample) for _ in range(warmup + steps + 1)]
@@ -195,6 +198,8 @@ def main(argv=None):
                         help="torch's intra-op threads")
     parser.add_argument("--prefetch", action="store_true",
                         help="prefetch each next step's rows (results in cache-prefetch-*.json)")
+    parser.add_argument("--fused", action="store_true",
+                        help="build Adam with fused=True (results in cache[-prefetch]-fused-*.json)")
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="ss.keep_freed_memory() first: otherwise glibc's page faults are part of "
                              "every step's time (NOTES 31, 41)")
@@ -207,7 +212,7 @@ def main(argv=None):
     started = os.getloadavg()
     rows = []
     for exponent in [d for d in DISTRIBUTIONS if str(d) in args.ids]:
-        rows += measure(exponent, fractions, args.steps, args.warmup, args.seed, args.prefetch)
+        rows += measure(exponent, fractions, args.steps, args.warmup, args.seed, args.prefetch, args.fused)
         print(f"{exponent}: done, load {os.getloadavg()[0]:.1f}", flush=True)
     annotate(rows)
     print(f"{'ids':>10} {'cache':>6} {'hit':>6} {'MB h2d':>8} {'MB d2h':>8} {'bytes x':>8} "
@@ -220,14 +225,17 @@ def main(argv=None):
               f"{r['step_s_median'] * 1e3:8.1f} "
               f"{r['step_vs_no_cache']:6.2f} {str(r['step_difference_is_noise']):>6} "
               f"{np.mean(r['loadavg_1min']):6.1f}")
-    payload = {"policy": "frequency sketch with admission", "vocab": VOCAB, "dim": DIM, "pairs": PAIRS, "negatives": NEGS,
-               "optimizer": "Adam", "backend": "numpy", "steps": args.steps, "prefetch": args.prefetch,
+    payload = {"policy": "frequency sketch with admission", "vocab": VOCAB, "dim": DIM, "pairs": PAIRS,
+               "negatives": NEGS,
+               "optimizer": "Adam (fused=True)" if args.fused else "Adam", "backend": "numpy",
+               "steps": args.steps, "prefetch": args.prefetch,
                "threads": args.threads, "keep_freed_memory": kept,
                "warmup": args.warmup, "loadavg_start": started, "loadavg_end": os.getloadavg(),
                "cpu_count": os.cpu_count(), "rows": rows}
     # A subset of the sweep gets a name of its own: it must not replace the whole sweep's results.
     whole = fractions == sorted({0.0, *CACHE_FRACTIONS}) and set(args.ids) == {str(d) for d in DISTRIBUTIONS}
-    name = "cache" + ("-prefetch" if args.prefetch else "") + ("" if whole else "-subset")
+    name = ("cache" + ("-prefetch" if args.prefetch else "") + ("-fused" if args.fused else "")
+            + ("" if whole else "-subset"))
     path = common.write_results(name, payload, args.out)
     plot(rows, path.with_suffix(".png"))
     print(f"wrote {path.with_suffix('.png')}")

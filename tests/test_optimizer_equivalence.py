@@ -43,6 +43,12 @@ OPTIMIZERS = {
     "rprop": lambda p: torch.optim.Rprop(p, lr=0.02),
     "asgd": lambda p: torch.optim.ASGD(p, lr=0.05, t0=50),
     "sparse_adam": lambda p: torch.optim.SparseAdam(list(p), lr=0.01),
+    # fused=True: one kernel for the whole update, on the CPU too (benchmarks/NOTES.md, entry 75).
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
+    "adagrad_fused": lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01, initial_accumulator_value=0.3,
+                                                   fused=True),
+    "sgd_momentum_fused": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01,
+                                                    fused=True),
 }
 
 
@@ -211,7 +217,7 @@ def test_untouched_rows_hold_torch_initial_state(name, backend, rng):
     preloaded = _first_step(name, weight0, {k: torch.from_numpy(v[:6]).to(device)
                                             for k, v in tables.items()}, device)
     assert set(preloaded) == set(by_torch) == {"weight", *tables}
-    if name == "sgd_momentum":
+    if name.startswith("sgd_momentum"):
         # Torch's very first SGD step copies the gradient into the buffer
         # (skipping dampening); speedswap leaves that first step to torch
         # and stores zero for rows it did not touch, as dense torch does.

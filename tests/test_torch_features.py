@@ -70,14 +70,17 @@ def test_activation_checkpointing_trains_as_in_memory(backend, rng, cache_rows, 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_autocast_and_a_grad_scaler_that_skips_steps_train_as_in_memory(rng, cache_rows, set_to_none):
+@pytest.mark.parametrize("fused", [None, True], ids=["plain", "fused"])
+def test_autocast_and_a_grad_scaler_that_skips_steps_train_as_in_memory(rng, cache_rows, set_to_none, fused):
     """``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward (the linear layer runs in
     bfloat16; the lookup stays float32, as ``nn.Embedding``'s) and a ``GradScaler`` whose scale
     grows every 3 steps, with inf injected into the loss at some steps: the scaler skips those
     steps and halves its scale; no row they looked up trains (in memory the reference forgets
-    them), and the next steps train as in memory."""
+    them), and the next steps train as in memory. A plain Adam's step is not called at such a
+    step; a ``fused=True`` one's is, handed the scaler's inf flag, and unscales and skips inside
+    its kernel: its rows go back as they were, and the step it counted is taken back."""
     offloaded, reference = pair(rng, cache_rows=cache_rows)
-    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (offloaded, reference))
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01, fused=fused) for m in (offloaded, reference))
     offloaded.emb.attach(opt)
     make_lazy(ref_opt, reference.emb)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3) for _ in range(2)]
