@@ -8,9 +8,11 @@ references of ``test_training_flows``: a lazy ``nn.Parameter`` table, or
 ``SparseAdam`` on a sparse gradient) and compares the two to float32 rounding.
 """
 
+import concurrent.futures
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +68,68 @@ def test_activation_checkpointing_trains_as_in_memory(backend, rng, cache_rows, 
                     optimizer.zero_grad()
     assert_trained_as_sparse_adam(emb, ref, ref_opt)
     assert not torch.equal(ref, table0)  # the rows trained through the recomputed forward
+
+
+def _on_a_thread_of_its_own(fn):
+    """Run ``fn()`` on another thread, as a GPU's autograd engine runs a CUDA backward; re-raise what it raised."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_prefetch_after_a_backward_that_recomputed_the_lookup_on_another_thread_trains_as_in_memory(
+        backend, rng, reentrant):
+    """A GPU's autograd engine runs a CUDA backward, activation checkpointing's recompute of the
+    lookup with it, on a thread of its own (one per device) while the thread that called
+    ``backward()`` waits. The recompute's fetch made that thread the cache's training thread, so
+    the training thread's ``prefetch`` of the next batch after the backward raised ``StateError``
+    ("prefetch was called on another thread"). Here the backward runs on another thread on every
+    backend, as it does there; each step prefetches the next batch and trains as SparseAdam in memory.
+    """
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, ROWS, cache_rows=40)
+    batches = zipf_ids(rng, STEPS + 1)
+    for step in range(STEPS):
+        ids, target = batches[step]
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            def block(ids, scale):
+                return torch.tanh(lookup(ids.to(to)).cpu()).sum(1) * scale
+            out = activation.checkpoint(block, ids, torch.ones(1, requires_grad=True), use_reentrant=reentrant)
+            _on_a_thread_of_its_own(((out - target) ** 2).sum().backward)
+            if lookup is emb:
+                emb.prefetch(batches[step + 1][0])
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_trained_as_sparse_adam(emb, ref, ref_opt)
+    assert emb.stats()["total"]["prefetched_rows"] > 0  # the prefetches brought rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointed_cuda_lookups_with_a_prefetch_each_step_train_as_in_memory(rng, reentrant):
+    """The GPU case of the test above, with torch's own threads: the lookup and the loss on the
+    device, so the autograd engine recomputes the lookup on its thread for the device, and the
+    training thread prefetches the next batch after each backward."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, "cuda", ROWS, cache_rows=40)
+    batches = zipf_ids(rng, STEPS + 1)
+    recomputed_on = set()
+    for step in range(STEPS):
+        ids, target = batches[step]
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            def block(ids, scale):
+                if torch.is_grad_enabled() and lookup is emb:
+                    recomputed_on.add(threading.get_ident())
+                return torch.tanh(lookup(ids)).sum(1) * scale
+            scale = torch.ones(1, device=to, requires_grad=True)
+            out = activation.checkpoint(block, ids.to(to), scale, use_reentrant=reentrant)
+            ((out - target.to(to)) ** 2).sum().backward()
+            if lookup is emb:
+                emb.prefetch(batches[step + 1][0])
+            optimizer.step()
+            optimizer.zero_grad()
+    # The case under test: the recompute ran on the engine's thread, not on this one.
+    assert recomputed_on - {threading.get_ident()}, "the lookup was never recomputed on another thread"
+    assert_trained_as_sparse_adam(emb, ref, ref_opt)
+    assert emb.stats()["total"]["prefetched_rows"] > 0
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])

@@ -99,8 +99,11 @@ handed out, alive or not by then: one dropped already may have written rows
 evicting them would write them back over the writes).
 
 **One thread.** Nothing locks the bookkeeping, so a prefetch must come from
-the thread that trains (the last to fetch a step's rows, or the one that made
-the cache before any did): one from another thread is refused.
+the thread that trains (the last to fetch a step's rows outside a backward,
+or the one that made the cache before any did): one from another thread is
+refused. A fetch inside a backward (activation checkpointing's recompute,
+which a GPU's autograd engine runs on a thread of its own) leaves the
+training thread as it was.
 """
 
 import contextlib
@@ -114,6 +117,7 @@ from ..backends.cpu import assign_rows, huge_page_array
 from ..convert import host_tensor, numpy_dtype, numpy_view, read_bounds
 from ..errors import StateError, warn
 from ..table import HostTable
+from .reached import in_backward
 from .sketch import FrequencySketch
 from .sync_free import find_sorted, positions, reads_are_free, sort_marking_firsts
 
@@ -573,7 +577,11 @@ class RowCache:
                 once for the working set and the cache).
         """
         self._wait_prefetch()
-        self._thread = threading.get_ident()
+        if not in_backward():
+            # A forward inside a backward (activation checkpointing's recompute) runs, on a GPU, on
+            # the autograd engine's thread of the device, while the thread that called backward()
+            # waits for it: that thread still trains, and its prefetch after the backward is due.
+            self._thread = threading.get_ident()
         if not again:
             self._count(lookups=lookups, unique_rows=len(rows) - carried)
         if not len(rows):
@@ -785,10 +793,11 @@ class RowCache:
         if threading.get_ident() != self._thread:
             raise StateError(
                 "prefetch was called on another thread than the one training this table (the last to "
-                "run a training forward, or to attach the optimizer before any): a prefetch landing "
-                "inside a forward or a step would train wrong rows. Call it on the training thread, "
-                "after a training forward there, between the forward and optimizer.step() or between "
-                "steps: on a GPU its copies run on a side stream in the background already")
+                "run a training forward outside a backward, or to attach the optimizer before any): a "
+                "prefetch landing inside a forward or a step would train wrong rows. Call it on the "
+                "training thread, after a training forward there, between the forward and "
+                "optimizer.step() or between steps: on a GPU its copies run on a side stream in the "
+                "background already")
         self._wait_prefetch()
         self._give_up_for_views()  # an evicted row is written back, clean or not
         # Sorted with each distinct id marked, not torch.unique: no host wait for its count.
