@@ -207,3 +207,43 @@ def test_a_write_into_a_viewed_table_no_owner_watches_has_landed_on_a_gpu_when_i
     torch.cuda.synchronize()
     np.testing.assert_array_equal(table.to_numpy(copy=True)[2], later)
     table.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_cpu_feeder_loop_shows_the_writes_queued_into_its_pinned_gadget_before_it(rng, monkeypatch, prefetch):
+    """A CPU feeder over a pinned DataGadget gathers its rows on the CPU, through the tensor it took
+    when it was built, which follows no write. On a GPU a ``put`` of rows on the device is a kernel
+    that may still be queued when the loop starts: the loop's batches showed the rows as before it.
+    Each loop now starts after the writes queued before it, as a GPU feeder's copies do."""
+    land_host_writes_late(monkeypatch)
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    gadget = ss.DataGadget(rows.copy(), storage="pinned", backend="numpy")
+    feeder = ss.BatchFeeder(np.arange(ROWS), gadget, batch_size=7, order="random", seed=int(rng.integers(1000)),
+                            device="cpu", prefetch=prefetch)
+    for _ in range(2):
+        ids = rng.choice(ROWS, size=5, replace=False)
+        rows[ids] = rng.standard_normal((5, DIM), dtype=np.float32)
+        gadget.put(torch.from_numpy(rows[ids]), ids)
+        for index, batch in feeder:
+            np.testing.assert_array_equal(batch.numpy(), rows[index.numpy()])
+    gadget.close()
+
+
+@pytest.mark.gpu
+def test_a_cpu_feeder_loop_reads_a_gpu_write_into_its_pinned_gadget_queued_behind_other_work(rng):
+    """The GPU case of the test above: a write into the pinned gadget queued behind a large matmul
+    (``scatter_validated``: no id check, whose host wait would run the queue first), then a loop of
+    a CPU feeder over it, which read the rows before the kernel wrote them."""
+    kernels_or_skip()  # the zero-copy kernels write host memory when they run
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    gadget = ss.DataGadget(rows.copy(), storage="pinned", backend="cuda")
+    feeder = ss.BatchFeeder(np.arange(ROWS), gadget, batch_size=7, order="sequential", device="cpu")
+    busy = torch.randn(8192, 8192, device="cuda")
+    for _ in range(4):
+        busy = busy @ busy / 8192
+    ids = rng.choice(ROWS, size=5, replace=False)
+    rows[ids] = rng.standard_normal((5, DIM), dtype=np.float32)
+    gadget.table.scatter_validated(torch.from_numpy(ids).cuda(), torch.from_numpy(rows[ids]).cuda())
+    for index, batch in feeder:
+        np.testing.assert_array_equal(batch.numpy(), rows[index.numpy()])
+    gadget.close()

@@ -380,7 +380,8 @@ class BatchFeeder:
     ahead is raised in the training loop. Sources must not be changed while a
     feeder iterates over them; between loops they may be, except those copied
     because they were not contiguous (on a GPU, a loop's
-    copies wait for the work your stream had queued when the loop began).
+    copies wait for the work your stream had queued when the loop began, and
+    its CPU gathers from a pinned table for the writes queued into it).
     One thread at a time iterates a feeder: a loop superseded from another
     thread raises :class:`~speedswap.StateError`.
 
@@ -889,6 +890,7 @@ class BatchFeeder:
                 self._next_ids = (epoch + 1, in_background(self._host_ids, epoch + 1), os.getpid())
             if self._stager is not None:
                 self._stager.follow()
+            self._follow_host_writes()
             reader = (self._reader_thread(read, start, count) if threaded
                       else LaunchAhead(read, start, count, self._prefetch) if launched
                       else SyncReader(read, start))
@@ -936,6 +938,21 @@ class BatchFeeder:
                     _close_readers(readers, wait=False)
             if self._readers is readers:
                 self._readers = ()
+
+    def _follow_host_writes(self):
+        """Make this loop's CPU gathers read the device writes queued so far into its table sources.
+
+        A source in page-locked memory on a GPU is written by kernels (``DataGadget.put`` of rows on
+        the device) that may still be queued when the loop starts, and the CPU reads its rows through
+        the tensor the feeder took when it was built, which no write waits for: the loop's batches
+        showed the rows as before them. Once per loop, as :meth:`CudaStager.follow` orders what the
+        GPU reads (the sources the zero-copy kernel reads are ordered by it, with no host wait).
+        """
+        read_by_kernels = [id(table) for table in self._kernel_tables.values()]
+        for _, _, table in self._tables:
+            # A file map's rows are written by the CPU, at once; its flush() would sync the file.
+            if id(table) not in read_by_kernels and table.storage != "mmap":
+                table.flush()  # a wait for the table's device writes, and nothing else
 
     def _reader_thread(self, read, start, count):
         """A :class:`ReaderThread`, or where none can start a :class:`SyncReader`: the same batches, later."""
