@@ -191,7 +191,10 @@ def test_a_write_into_a_viewed_table_on_a_gpu_has_landed_when_it_returns(rng):
 @pytest.mark.gpu
 def test_a_write_into_a_viewed_table_no_owner_watches_has_landed_on_a_gpu_when_it_returns(rng):
     """As above, for a pinned HostTable of one's own: its scatter's kernel, queued behind other work,
-    left the view showing the rows as before, and overwrote a write made through the view meanwhile."""
+    left the view showing the rows as before, and overwrote a write made through the view meanwhile.
+    ``scatter_validated``, as above: ``scatter``'s id check reads the ids' bounds (a host wait for
+    the matmuls queued before them), so its kernel was queued on an idle stream and the view was
+    likely read after it ran, with or without the wait under test."""
     kernels_or_skip()
     table0 = rng.standard_normal((ROWS, DIM), dtype=np.float32)
     table = ss.HostTable.from_numpy(table0, storage="pinned", backend="cuda")
@@ -200,7 +203,7 @@ def test_a_write_into_a_viewed_table_no_owner_watches_has_landed_on_a_gpu_when_i
     for _ in range(4):
         busy = busy @ busy / 8192
     new = rng.standard_normal((5, DIM), dtype=np.float32)
-    table.scatter(torch.arange(5, device="cuda"), torch.from_numpy(new).cuda(), check_unique=False)
+    table.scatter_validated(torch.arange(5, device="cuda"), torch.from_numpy(new).cuda())
     np.testing.assert_array_equal(view[:5], new)  # read at once, without a wait of the caller's
     later = rng.standard_normal(DIM, dtype=np.float32)
     view[2] = later
