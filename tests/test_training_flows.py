@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import speedswap as ss
 from rendezvous import rendezvous_url
+from training_helpers import step_failing_once
 import speedswap.train.embedding as embedding_module
 from speedswap.train.module_state import rows_only
 from speedswap.train.zero_marks import reads_as_zeroed
@@ -1378,6 +1379,78 @@ def test_a_step_on_zero_gradients_after_discard_step_counts_as_in_memory(rng):
         for ids, target in batches[2:]:
             train_step(model, optimizer, ids, target)
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("lookup", ["none", "no_grad"])
+def test_a_step_without_rows_whose_optimizer_raised_after_counting_it_counts_once_when_retried(rng, cache_rows,
+                                                                                               lookup):
+    """A step of the linear layer alone (no forward of the embedding, or one under torch.no_grad(), after
+    zero_grad(set_to_none=False)) whose Adam raised after counting it was not undone: the retry made the
+    next forward raise 'emb.weight was written between steps' (the failed step's write into the scratch),
+    and the table's step was counted twice, its bias correction a step ahead from then on."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    batches = zipf_ids(rng, 9)
+    x = torch.from_numpy(rng.standard_normal((BATCH, DIM)).astype(np.float32))
+    for step, (ids, target) in enumerate(batches):
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            if step % 3 == 2:  # the linear layer alone
+                if lookup == "no_grad":
+                    with torch.no_grad():
+                        model.emb(ids)
+                F.mse_loss(model.lin(x), target).backward()
+                if model is offloaded:
+                    step_failing_once(opt, list(offloaded.lin.parameters()))
+            else:
+                F.mse_loss(model(ids), target).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+    assert int(opt.state[offloaded.emb.weight]["step"]) == len(batches)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_switchers_step_without_rows_whose_optimizer_raised_after_counting_it_counts_once_when_retried(
+        rng, cache_rows):
+    """As above, for the SpeedTorch-style switchers: a step of the linear layer alone (no before_forward)
+    whose Adam raised after counting it was counted twice once retried."""
+    model, opt, u, o = switchers(rng, cache_rows)
+    table0 = u.getNumpyVersion()
+    reference = Model(LazyTable(table0), copy.deepcopy(model["lin"]))
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    make_lazy(ref_opt, reference.emb)
+    batches = zipf_ids(rng, 9)
+    x = torch.from_numpy(rng.standard_normal((BATCH, DIM)).astype(np.float32))
+    for step, (ids, target) in enumerate(batches):
+        if step % 3 == 2:  # the linear layer alone
+            for lin, optimizer in ((model["lin"], opt), (reference.lin, ref_opt)):
+                F.mse_loss(lin(x), target).backward()
+                if optimizer is opt:  # the reference never fails
+                    step_failing_once(opt, list(lin.parameters()))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+            continue
+        u.before_forward(ids)
+        backward(model, o.before_forward(ids), target)
+        opt.step()
+        u.after_step(ids)
+        o.after_step(ids)
+        opt.zero_grad(set_to_none=False)
+        F.mse_loss(reference(ids), target).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=False)
+    assert int(opt.state[model["u"].weight]["step"]) == len(batches)
+    table, state = snapshot(u, o)
+    assert not np.allclose(table, table0, atol=1e-3)
+    tol = dict(rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(table, reference.emb.weight.detach().numpy(), **tol)
+    for name, values in state.items():
+        np.testing.assert_allclose(values, ref_opt.state[reference.emb.weight][name].numpy(), err_msg=name, **tol)
+    for mine, ref in zip(model["lin"].parameters(), reference.lin.parameters()):
+        np.testing.assert_allclose(mine.detach().numpy(), ref.detach().numpy(), **tol)
 
 
 @pytest.mark.parametrize("cache_rows", [0, 40])

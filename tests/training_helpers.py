@@ -238,3 +238,28 @@ def failing_after_its_update(optimizer, message="injected failure inside the opt
         raise RuntimeError(message)
     with mock.patch.object(module, name, update_then_fail):
         yield
+
+
+def step_failing_once(optimizer, dense):
+    """``optimizer.step()`` raising after its update (:func:`failing_after_its_update`), then ``dense`` put back.
+
+    In memory nothing undoes a step that raised, and speedswap undoes its own
+    parameters' only: the test puts the ``dense`` parameters and their
+    optimizer state back by hand, so that the caller's retry of the step
+    trains exactly as a step that never failed.
+    """
+    saved = [(p.detach().clone(), copy.deepcopy(optimizer.state.get(p))) for p in dense]
+    try:
+        with failing_after_its_update(optimizer):
+            optimizer.step()
+    except RuntimeError as exc:
+        assert "injected failure" in str(exc), exc
+    else:
+        raise AssertionError("optimizer.step() did not raise")
+    with torch.no_grad():
+        for p, (values, state) in zip(dense, saved):
+            p.copy_(values)
+            if state is None:
+                optimizer.state.pop(p, None)
+            else:
+                optimizer.state[p] = state

@@ -137,6 +137,7 @@ class OptimizerFactory(Switcher):
         self._narrowing = _Narrowing(self._state)
         weakref.finalize(self, self._narrowing.restore).atexit = False
         self._empty_sparse = None  # SparseAdam's gradient in a step without this switcher's rows
+        self._empty_step = False  # whether a step without this switcher's rows is between its hooks
         self._resetting = False  # whether RowState.gather is resetting the tables (see _resetting_state)
         # Weak hooks (see StepHooks): they act only inside a step, and
         # optimizer.step(closure) narrows after the closure's forward.
@@ -169,6 +170,8 @@ class OptimizerFactory(Switcher):
             # before_forward would refuse it as another state_dict's. Any other state is refused now.
             self._state.check_not_replaced()
             self._state.release()
+            self._state.keep_scalar_state()  # the optimizer counts the step (Adam's step): undone if it raises
+            self._empty_step = True
             grad = self._param.grad
             if self._state.needs_sparse_grad and not grad.is_sparse and not bool(grad.any()):
                 self._empty_sparse = EmptySparseGradient(self._param)
@@ -187,6 +190,7 @@ class OptimizerFactory(Switcher):
     @one_thread
     def _end_step(self):
         self._put_back_dense_zero_grad()
+        self._empty_step = False
         step = self._gathered
         if self._narrowing.step is not None:
             try:
@@ -204,6 +208,9 @@ class OptimizerFactory(Switcher):
     @one_thread
     def _abort_step(self):
         self._put_back_dense_zero_grad()
+        if self._empty_step:
+            self._empty_step = False
+            self._state.undo_scalar_state()  # the optimizer may have counted the step before it raised
         if self._narrowing.step is None:
             return
         self._narrowing.restore()

@@ -242,9 +242,9 @@ class OffloadedEmbedding(RefusesConversion):
         # weight's version between steps: a write into the scratch then (nn.init.normal_(emb.weight))
         # reaches no row, and is refused at the next training forward (see _refuse_weight_writes).
         self._version_between_steps = self.weight._version
-        # Whether the step in progress holds no rows and began with no refused write pending:
-        # the optimizer's write into the scratch then is its own, not one to refuse (see _end_step).
-        self._empty_step = False
+        # weight's version when the step in progress began, if it holds no rows (None otherwise): the
+        # optimizer's write into the scratch then is its own, not one to refuse (see _end_empty_step).
+        self._empty_step = None
         # The empty sparse gradient a step without rows hands SparseAdam for its dense zero one.
         self._empty_sparse = None
         # Whether an eval-mode forward with gradients enabled ran since the last step: its rows
@@ -1017,7 +1017,8 @@ class OffloadedEmbedding(RefusesConversion):
             # optimizer.load_state_dict() put there without the tables is refused first, as a
             # step with rows refuses it.
             self._state.check_not_replaced()
-            self._empty_step = self.weight._version == self._version_between_steps
+            self._state.keep_scalar_state()  # the optimizer counts a step without rows too (Adam's step)
+            self._empty_step = self.weight._version
             self._sparse_gradient_for_empty_step()
             return
         stale = self._stale and self._stale()
@@ -1117,16 +1118,8 @@ class OffloadedEmbedding(RefusesConversion):
         self._eval_with_grad = False
         self._put_back_dense_zero_grad()
         if self._narrowed is None:
-            if self._empty_step:
-                # A step without rows whose zero gradient the optimizer applied to the scratch
-                # (Adam counts the step, as in memory): its in-place write reached no row and
-                # is no write into weight between steps to refuse at the next forward.
-                self._version_between_steps = self.weight._version
-                self._empty_step = False
-                # At the first step torch created the per-row state for the scratch: it becomes
-                # this state's scratch, as after any step (the next forward took it for a
-                # load_state_dict() that replaced the tables' state).
-                self._state.release()
+            if self._empty_step is not None:
+                self._end_empty_step()  # Adam counted it, as in memory
             return
         rows = self._working_set.rows
         k = rows.shape[0]
@@ -1155,9 +1148,28 @@ class OffloadedEmbedding(RefusesConversion):
         grad = self.weight.grad
         self._leftover = None if grad is None else (weakref.ref(grad), grad._version)
 
+    def _end_empty_step(self):
+        """End a step without rows, done or raised: the optimizer applied its zero gradient to the scratch alone.
+
+        Its in-place write reached no row and is no write into :attr:`weight`
+        between steps to refuse at the next forward, unless one was pending
+        when the step began. At the first step torch created the per-row state
+        for the scratch: it becomes this state's scratch, as after any step
+        (the next forward would take it for a ``load_state_dict()`` that
+        replaced the tables' state).
+        """
+        if self._empty_step == self._version_between_steps:
+            self._version_between_steps = self.weight._version
+        self._empty_step = None
+        self._state.release()
+
     @one_thread
     def _abort_step(self):
         self._put_back_dense_zero_grad()
+        if self._empty_step is not None:
+            self._end_empty_step()
+            self._state.undo_scalar_state()  # the optimizer may have counted the step before it raised
+            return
         if self._narrowed is None:
             return
         # The optimizer raised inside a step: the table and state tables still
