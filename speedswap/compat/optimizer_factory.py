@@ -172,6 +172,9 @@ class OptimizerFactory(Switcher):
             self._state.release()
             self._state.keep_scalar_state()  # the optimizer counts the step (Adam's step): undone if it raises
             self._empty_step = True
+            # This thread's until the step ends: another thread's before_forward would put its rows and
+            # their state under the optimizer's step of the full-size scratch.
+            self._one_thread.hold(True)
             grad = self._param.grad
             if self._state.needs_sparse_grad and not grad.is_sparse and not bool(grad.any()):
                 self._empty_sparse = EmptySparseGradient(self._param)
@@ -190,7 +193,7 @@ class OptimizerFactory(Switcher):
     @one_thread
     def _end_step(self):
         self._put_back_dense_zero_grad()
-        self._empty_step = False
+        self._end_empty_step()
         step = self._gathered
         if self._narrowing.step is not None:
             try:
@@ -205,11 +208,17 @@ class OptimizerFactory(Switcher):
         if step is not None:
             step.stepped = True  # the rows after_step writes back were stepped (see SharedSteps.end)
 
+    def _end_empty_step(self):
+        """End a step without this switcher's rows, if one is under way: its claim ends with it."""
+        if self._empty_step:
+            self._empty_step = False
+            self._one_thread.hold(self._steps.busy())  # a step begun since keeps it (see SharedSteps.begin)
+
     @one_thread
     def _abort_step(self):
         self._put_back_dense_zero_grad()
         if self._empty_step:
-            self._empty_step = False
+            self._end_empty_step()
             self._state.undo_scalar_state()  # the optimizer may have counted the step before it raised
         if self._narrowing.step is None:
             return
@@ -240,6 +249,7 @@ class OptimizerFactory(Switcher):
         # After an optimizer.step() that raised the parameter is still narrowed, and no hook
         # of this switcher will put it back: the ModelFactory would train on the step's rows.
         self._narrowing.restore()
+        self._end_empty_step()
         self._leave()  # cached state rows are written back while the tables are open
         self._state.close()
 

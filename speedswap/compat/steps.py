@@ -141,7 +141,7 @@ class SharedSteps:
         self._one_thread = OneThread(
             "this embedding's pair of switchers (ModelFactory, OptimizerFactory)",
             span="between the beforeForwardPass (before_forward) that began a step and the last "
-                 "afterOptimizerStep (after_step) that ends it",
+                 "afterOptimizerStep (after_step) that ends it, or inside an optimizer.step()",
             step="each step (beforeForwardPass on every switcher to afterOptimizerStep on every switcher)",
             release="a thread that began a step holds them until it ends the step with afterOptimizerStep "
                     "on every switcher that began it")

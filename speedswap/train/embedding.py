@@ -1005,7 +1005,9 @@ class OffloadedEmbedding(RefusesConversion):
         try:
             self._narrow_step()
         finally:
-            self._one_thread.hold(self._narrowed is not None)  # none held for an empty or refused step
+            # None for a refused step. One for a step without rows too: another thread's training forward
+            # would gather rows into the scratch the optimizer steps (Adam moves it by its momentum).
+            self._one_thread.hold(self._narrowed is not None or self._empty_step is not None)
 
     def _narrow_step(self):
         rows = self._working_set.rows
@@ -1161,6 +1163,7 @@ class OffloadedEmbedding(RefusesConversion):
         if self._empty_step == self._version_between_steps:
             self._version_between_steps = self.weight._version
         self._empty_step = None
+        self._one_thread.hold(False)  # the step's claim (see _begin_step); this call's holds until it returns
         self._state.release()
 
     @one_thread

@@ -11,10 +11,11 @@ training forward runs could read the rows a cache evicts. Such a call raises
 before anything changes; calls from several threads one after another work.
 
 Besides its calls, an object holds the claim for a span of its state: an
-:class:`~speedswap.OffloadedEmbedding` between the hooks of a step of its
-rows, the SpeedTorch-style switchers of one embedding from ``before_forward``
-to the last ``after_step``, a :class:`~speedswap.ShardedOffloadedEmbedding`
-from a training forward to the step (see :meth:`OneThread.hold`).
+:class:`~speedswap.OffloadedEmbedding` between the hooks of a step (one
+without its rows too), the SpeedTorch-style switchers of one embedding from
+``before_forward`` to the last ``after_step``, a
+:class:`~speedswap.ShardedOffloadedEmbedding` from a training forward to the
+step (see :meth:`OneThread.hold`).
 """
 
 import functools
@@ -38,7 +39,7 @@ class OneThread:
         release: how a thread that stopped inside the span gives it back, as the error says it.
     """
 
-    def __init__(self, name: str, span: str = "between the hooks of an optimizer.step() of its rows",
+    def __init__(self, name: str, span: str = "between the hooks of an optimizer.step()",
                  step: str = "the training step (forward, backward, optimizer.step())",
                  release: str = "a thread whose optimizer.step() raised holds it until its next call"):
         self._name, self._span, self._step, self._release = name, span, step, release
