@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from training_helpers import CAPACITY, DIM, run_in_memory, skipgram_loss, zipf_batches
+from training_helpers import BATCH, CAPACITY, DIM, NEGS, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
 
 ROWS = 300
 
@@ -549,6 +549,40 @@ def test_a_placeholder_copied_once_before_the_loop_raises_before_training_the_wr
     """Ids passed as ``model(input=ids)`` went unchecked (the hook read only positional ones)."""
     with pytest.raises(ss.StateError, match="earlier content of the variableTransformer"):
         _placeholder_run(lambda x: torch.tensor(x), rng, by_keyword=by_keyword)
+
+
+@pytest.mark.parametrize("mistake", ["copy kept", "reshaped copy kept", "copy of new placeholders", "table ids"])
+def test_wrong_ids_fed_after_the_first_forwards_raise_before_training_the_wrong_rows(mistake, rng):
+    """The model's ids were checked in its embedding's first 20 forwards only: a copy of the placeholders
+    kept from a later step on (a model that keeps its input tensor), a copy of placeholders made anew by
+    a later variableTransformer, or the table ids fed after those forwards trained the wrong rows
+    silently (1.08 off in-memory SGD at the end). Every forward is checked now, a copy reshaped
+    (squeeze(1)) too, and the refused forward changes nothing."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM)).astype(np.float32)
+    batches = zipf_batches(rng, 30, "cpu")
+    emb = torch.nn.Embedding(CAPACITY, DIM)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    u = ss.ModelFactory(emb, NUM_ROWS, DIM, backend="numpy")
+    u.customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    pos_in, neg_in = u.variableTransformer(BATCH, 1, NEGS)
+    late = 25  # two forwards a step: past the first 20
+    for step, (pos, neg, ctx) in enumerate(batches):
+        if step == late and mistake == "copy of new placeholders":
+            pos_in, neg_in = u.variableTransformer(BATCH, 1, NEGS)
+            kept = torch.tensor(pos_in)
+        u.beforeForwardPass(pos, neg)
+        if step == late - 1:
+            kept = torch.tensor(pos_in).squeeze(1) if mistake == "reshaped copy kept" else torch.tensor(pos_in)
+        if step == late:
+            with pytest.raises(ss.StateError, match="earlier content of the variableTransformer|was fed id"):
+                emb(pos if mistake == "table ids" else kept)
+        skipgram_loss(emb(torch.from_numpy(pos_in)).squeeze(1), emb(torch.from_numpy(neg_in)), ctx).backward()
+        opt.step()
+        opt.zero_grad()
+        u.afterOptimizerStep(pos, neg)
+    expected, _ = run_in_memory(lambda params: torch.optim.SGD(params, lr=0.1), table0, batches, "cpu")
+    assert not np.allclose(expected, table0, atol=1e-3)
+    np.testing.assert_allclose(u.getNumpyVersion(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_from_numpy_view_of_the_placeholder_stays_current(rng):

@@ -386,7 +386,7 @@ class _SkipGram(torch.nn.Module):
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 def test_a_compiled_model_trained_by_switchers_trains_as_in_memory_without_recompiling(rng, compiler):
     """``torch.compile`` of a model whose ``nn.Embedding`` a ``ModelFactory`` and an ``OptimizerFactory``
-    switch, against in-memory lazy Adam. The switcher's check of its first forwards' ids (stale
+    switch, against in-memory lazy Adam. The switcher's check of its forwards' ids (stale
     placeholder copies, table ids) is a forward pre-hook; traced, it recompiled at every checked
     forward until dynamo's recompile limit (8) stopped compiling it, with a warning, or, with
     ``torch._dynamo.config.fail_on_recompile_limit_hit``, raised ``FailOnRecompileLimitHit``. It runs
@@ -408,7 +408,7 @@ def test_a_compiled_model_trained_by_switchers_trains_as_in_memory_without_recom
         for step, (pos, neg, ctx) in enumerate(batches):
             for switch in (u_switch, opt_switch):
                 switch.beforeForwardPass(pos, neg)
-            if step == 8:  # of the 20 forwards checked, after those that recompiled
+            if step == 8:  # after the forwards that recompiled
                 with pytest.raises(ss.StateError, match="earlier content of the variableTransformer"):
                     compiled(stale, torch.from_numpy(neg_in), ctx)
             compiled(torch.from_numpy(pos_in).squeeze(1), torch.from_numpy(neg_in), ctx).backward()

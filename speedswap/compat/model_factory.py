@@ -43,12 +43,8 @@ from .switcher import LocalIds, Switcher, device_of, storage_of, weight_of
 __all__ = ["ModelFactory"]
 
 
-#: How many forwards of a switcher's embedding are checked for ids other than the step's local ones.
-_STALE_CHECKS = 20
-
-
-# Run eagerly under torch.compile: the check reads the ids on the host and counts itself down,
-# which dynamo would trace again at each of the checked forwards (recompiling each time).
+# Run eagerly under torch.compile: the check reads the ids on the host, which dynamo would
+# trace again at each forward (recompiling each time).
 @torch.compiler.disable
 def _check_stale(owner, args, kwargs):
     switcher = owner()
@@ -162,8 +158,8 @@ class ModelFactory(Switcher):
                                       device=device_of(param), overwrite=overwrite)
         self._check_device(self._table)
         self._placeholders = None
-        # The first forwards of the model's embedding are checked for stale placeholder copies.
-        self._stale_checks, self._stale_hook = _STALE_CHECKS, None
+        # Every forward of the model's embedding is checked for ids other than the step's local ones.
+        self._stale_hook = None
         if isinstance(model_variable, torch.nn.Module):
             owner = weakref.ref(self)
             self._stale_hook = model_variable.register_forward_pre_hook(
@@ -183,8 +179,8 @@ class ModelFactory(Switcher):
         :meth:`before_forward`. Convert them every step (``torch.from_numpy(x)``
         shares their memory, so one ``from_numpy`` view kept across steps stays
         current; ``torch.tensor(x)`` copies). A copy made once before the loop
-        would feed stale ids: the first forwards are checked for that, and
-        raise :class:`~speedswap.StateError`. Simpler: feed the ids :meth:`before_forward` returns.
+        would feed stale ids: every forward of the embedding is checked for
+        that, and raises :class:`~speedswap.StateError`. Simpler: feed the ids :meth:`before_forward` returns.
 
         Args:
             batchSize: rows of the batch.
@@ -231,10 +227,6 @@ class ModelFactory(Switcher):
                 content of the placeholders and not their content now (either
                 would train the wrong rows).
         """
-        self._stale_checks -= 1
-        if self._stale_checks <= 0 and self._stale_hook is not None:
-            self._stale_hook.remove()
-            self._stale_hook = None
         step = self._gathered
         if step is None and self._is_member():
             self._refuse_forward_outside_step(ids)
@@ -250,16 +242,17 @@ class ModelFactory(Switcher):
                              f"variableTransformer placeholders it fills), not the table ids")
         if self._placeholders is None:
             return
-        for old in self._stale:
-            current = [p for p in self._placeholders if p.shape == old.shape]
-            if fed.shape == old.shape and np.array_equal(fed, old) and not any(
-                    np.array_equal(fed, p) for p in current):
-                self._stale_checks = 0
-                raise StateError("the model was fed ids equal to an earlier content of the "
-                                 "variableTransformer placeholders, not their content now: a copy "
-                                 "made once (torch.tensor(x)) would train the wrong rows. Convert "
-                                 "the placeholders every step (torch.from_numpy(x) shares their "
-                                 "memory), or feed the ids before_forward returns")
+        # Compared flat: a copy reshaped (squeeze(1)) is as stale. The step's own ids first: most
+        # forwards need that one comparison only.
+        fed = fed.ravel()
+        if any(p.size == fed.size and np.array_equal(fed, p.ravel()) for p in self._placeholders):
+            return
+        if any(old.size == fed.size and np.array_equal(fed, old.ravel()) for old in self._stale):
+            raise StateError("the model was fed ids equal to an earlier content of the "
+                             "variableTransformer placeholders, not their content now: a copy "
+                             "made once (torch.tensor(x)) would train the wrong rows. Convert "
+                             "the placeholders every step (torch.from_numpy(x) shares their "
+                             "memory), or feed the ids before_forward returns")
 
     def _refuse_forward_outside_step(self, ids):
         """Refuse a forward of the model's embedding that no before_forward began (see :meth:`_refuse_wrong_ids`)."""
@@ -348,7 +341,7 @@ class ModelFactory(Switcher):
         """
         step = self._finish(pos, neg)
         self._steps.end(step, MODEL, self._param_rows())
-        if self._placeholders is not None and self._stale_checks > 0:
+        if self._placeholders is not None:
             # What a copy made before the loop, or now, would hold.
             self._stale = self._initial + [p.copy() for p in self._placeholders]
 
