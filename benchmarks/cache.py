@@ -16,7 +16,7 @@ would reach (see ``static_misses``).
 With ``--prefetch`` each step also prefetches the next step's rows, which
 trades bytes for a step that finds every row it can in the cache. With
 ``--fused`` Adam is built ``fused=True`` (one kernel for its whole update):
-the same rows trained, bit for bit, in less time (NOTES 75).
+the same rows trained, bit for bit, in less time (NOTES 76).
 
 Usage:
     python benchmarks/cache.py [--steps 20] [--warmup 100] [--ids 1.1 uniform] [--caches 0.05]

@@ -43,7 +43,7 @@ OPTIMIZERS = {
     "rprop": lambda p: torch.optim.Rprop(p, lr=0.02),
     "asgd": lambda p: torch.optim.ASGD(p, lr=0.05, t0=50),
     "sparse_adam": lambda p: torch.optim.SparseAdam(list(p), lr=0.01),
-    # fused=True: one kernel for the whole update, on the CPU too (benchmarks/NOTES.md, entry 75).
+    # fused=True: one kernel for the whole update, on the CPU too (benchmarks/NOTES.md, entry 76).
     "adam_fused": lambda p: torch.optim.Adam(p, lr=0.01, fused=True),
     "adagrad_fused": lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01, initial_accumulator_value=0.3,
                                                    fused=True),
