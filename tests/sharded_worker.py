@@ -62,7 +62,8 @@ MAX_NORM = 0.1
 #: The midfail scenario's steps at which rank 1 fails between the messages of a call, by the call.
 MIDWAY = {"forward": 3, "eval": 5, "step": 7, "exchange": 9, "eval ids": 11, "forward ids": 13, "eval output": 16}
 #: The lastfail scenario's steps at which rank 1 fails after a call's last message (see that scenario).
-AFTER_LAST = {"gather": 3, "sum": 6, "optimizer": 9, "exchange sum": 12, "narrow": 15, "lookup": 18}
+AFTER_LAST = {"gather": 3, "sum": 6, "optimizer": 9, "exchange sum": 12, "narrow": 15, "lookup": 18,
+              "state write": 21}
 #: The checkpointed scenarios' steps: several of SKIPPED among them, and steps after the last.
 CHECKPOINTED_STEPS = 30
 
@@ -1006,6 +1007,10 @@ def run_scenario(scenario, seed, world, rank, out):
             "exchange sum": (emb.exchange_gradients, only_on_floats("index_add_")),
             "narrow": (opt.step, mock.patch("speedswap.train.sharded.NarrowedStep",
                                             side_effect=MemoryError("injected"))),
+            # Preparing the write-back of the rows' optimizer state (staging memory on a cuda table),
+            # its last table's, once the others' are prepared: the step ran and nothing is written yet.
+            "state write": (opt.step, mock.patch.object(list(emb._state.tables.values())[-1], "prepare_scatter",
+                                                        side_effect=MemoryError("injected"))),
         }
         for step in range(STEPS):
             ids, targets = global_batch(seed, step)

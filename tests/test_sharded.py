@@ -362,6 +362,9 @@ def test_a_call_failing_on_one_rank_after_its_last_message_is_finished_by_that_r
 
 
 def test_calls_retried_after_failing_after_their_last_message_train_as_one_process(failed_after_the_last_message):
+    """Preparing the write-back of the step's optimizer state ("state write") ran after the step's undo
+    for a retry had ended: its failure left the rows stepped in the working set and Adam's step
+    counted, and the retry stepped them again (896 of 1806 values wrong). It is prepared inside it now."""
     out, seed = failed_after_the_last_message
     assert_same(gathered(out, "lastfail", 2), reference("adam", seed))
 

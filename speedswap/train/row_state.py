@@ -15,7 +15,7 @@ State is found by identity, ``optimizer.state[param]``, never by position in
 import contextlib
 import os
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -794,15 +794,62 @@ class RowState:
             if write is not None:
                 write({name: state[name][:k] for name in self.tables})
             else:
-                # Every table's write prepared (allocated) before any is made: out of memory
-                # leaves each state table as it was, never some of them written.
-                writes = [table.prepare_scatter(rows, state[name][:k]) for name, table in self.tables.items()]
-                for write_rows in writes:
-                    write_rows()
+                self._table_writes(rows, state, k)()
         finally:
-            # Between steps the optimizer holds full-size scratch, so its state_dict has the
-            # parameter's declared shape; after a write that raised (out of memory) too, so
-            # that the next step, once this one is discarded, takes the state as its own.
-            for name in self.tables:
-                state[name] = self._held[name] = self._buffer(name)
+            # After a write that raised (out of memory) too, so that the next step, once this
+            # one is discarded, takes the state as its own.
+            self._hand_back(state)
         self._fresh = self._restored = False
+
+    def prepare_scatter(self, rows: torch.Tensor) -> Callable[[], None]:
+        """Everything of :meth:`scatter` into the tables that may fail, now; the writes themselves, returned.
+
+        For an owner that writes the rows' table with their state (a step's
+        write-back) and undoes the step when anything fails before the first
+        write: it prepares the table's write and this, then writes. A failure
+        here writes nothing and leaves the optimizer holding the step's state,
+        for the owner's undo (:meth:`release`, :meth:`undo_scalar_state`).
+
+        Args:
+            rows: the ids given to :meth:`gather`.
+
+        Returns:
+            the writes, to call once: they also give the optimizer its full-size scratch back, as :meth:`scatter`.
+
+        Raises:
+            As :meth:`scatter` without ``write``; nothing is written.
+        """
+        state = self.optimizer.state.get(self.param)
+        if not state:
+            return lambda: None  # the parameter had no gradient: torch skipped it, nothing changed
+        k = rows.shape[0]
+        self.check_step(k)
+        write_rows = self._table_writes(rows, state, k)
+
+        def write():
+            write_rows()
+            self._hand_back(state)
+            self._fresh = self._restored = False
+        return write
+
+    def _table_writes(self, rows, state, k) -> Callable[[], None]:
+        """Every state table's write of the step's ``k`` rows, prepared (allocated); returns the writes.
+
+        Prepared before any is made: out of memory leaves each state table as
+        it was, never some of them written.
+        """
+        writes = [table.prepare_scatter(rows, state[name][:k]) for name, table in self.tables.items()]
+
+        def write():
+            for write_rows in writes:
+                write_rows()
+        return write
+
+    def _hand_back(self, state) -> None:
+        """Give the optimizer its full-size scratch in ``state`` after a step's write-back.
+
+        Between steps the optimizer holds it, so that its state_dict has the
+        parameter's declared shape.
+        """
+        for name in self.tables:
+            state[name] = self._held[name] = self._buffer(name)

@@ -1403,14 +1403,15 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             values = self._full[:k]
             if self._in_table_dtype is not None:
                 values = self._in_table_dtype[:k].copy_(values)
-            # Owned rows are unique shard-local ids, validated when they were looked up. The table's
-            # write is prepared (staged) here; the state tables' before any is written (RowState.scatter).
+            # Owned rows are unique shard-local ids, validated when they were looked up. The tables'
+            # writes are prepared (staged: on a cuda table, memory) here, where a failure undoes the step.
+            write_state = self._state.prepare_scatter(rows)
             write_rows = self.table.prepare_scatter(rows, values)
         except BaseException:
             self._abort_step()
             raise
         self._narrowed = None
-        self._state.scatter(rows)
+        write_state()
         write_rows()
         self._steps_since += 1
         self._last_step = {"steps": 1, "unique_rows": self._looked_up.size, "owned_rows": k, **self._moved}
