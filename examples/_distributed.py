@@ -37,6 +37,9 @@ STEPS = 300
 #: Corpus tokens made into pairs at a time, so memory stays flat whatever the corpus's length.
 CHUNK_TOKENS = 1_000_000
 
+#: Values of the centre table drawn at a time (see centre_rows).
+CHUNK_VALUES = 1 << 20
+
 
 def init(device):
     """Join the process group torchrun describes: NCCL for a GPU, gloo for the CPU.
@@ -119,6 +122,35 @@ def _batches(corpus, args, per_rank, device):
         epoch += 1
 
 
+def centre_rows(table, rows, seed):
+    """Fill ``table`` with the ``rows`` of the centre table the one-process run starts from.
+
+    That run draws the whole table uniform in ``±0.5 / dim`` from a generator
+    seeded with ``seed`` (``speedswap.apps.word2vec``); each rank draws the same
+    values from the start, a chunk at a time, and keeps its own rows. The
+    ranks so start from that table at any world size (with a seed per rank
+    each world size started from another), holding one chunk besides their
+    rows; a rank draws the values of every row before its last.
+
+    Args:
+        table: this rank's shard (``emb.table``), float32.
+        rows: the rows it holds (``emb.row_range``).
+        seed: ``--seed``.
+    """
+    dim = table.dim
+    generator = torch.Generator().manual_seed(seed)
+    chunk = max(1, CHUNK_VALUES // dim)
+
+    def fill(shard):
+        for first in range(0, rows.stop, chunk):
+            end = min(first + chunk, rows.stop)
+            drawn = torch.empty(end - first, dim).uniform_(-0.5 / dim, 0.5 / dim, generator=generator)
+            if end > rows.start:
+                start = max(first, rows.start)
+                shard[start - rows.start:end - rows.start] = drawn[start - first:]
+    table.apply_(fill)
+
+
 def word2vec_sharded(args, corpus, backend):
     """Train skip-gram vectors with both tables sharded over the ranks; rank 0 reports.
 
@@ -135,9 +167,8 @@ def word2vec_sharded(args, corpus, backend):
                                             storage=args.storage, backend=backend, path=path)
 
     centre, context = table("centre", per_rank), table("context", per_rank * (args.negatives + 1))
-    # word2vec's initialisation; each rank draws its own rows (a seed per rank).
-    generator = torch.Generator().manual_seed(args.seed * 1000 + rank)
-    centre.table.uniform_(-0.5 / args.dim, 0.5 / args.dim, generator=generator)
+    # word2vec's initialisation, as the one-process run draws it.
+    centre_rows(centre.table, centre.row_range, args.seed)
     context.table.zero_()
     model = word2vec.SkipGram(centre, context)
     optimizer_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam,

@@ -64,6 +64,8 @@ MIDWAY = {"forward": 3, "eval": 5, "step": 7, "exchange": 9, "eval ids": 11, "fo
 #: The lastfail scenario's steps at which rank 1 fails after a call's last message (see that scenario).
 AFTER_LAST = {"gather": 3, "sum": 6, "optimizer": 9, "exchange sum": 12, "narrow": 15, "lookup": 18,
               "state write": 21}
+#: The init scenario's rows: blocks drawn whole, in part and cut between ranks (see ShardedOffloadedEmbedding._draw_rows).
+INITIAL_ROWS = 2 * 1024 + 301
 #: The checkpointed scenarios' steps: several of SKIPPED among them, and steps after the last.
 CHECKPOINTED_STEPS = 30
 
@@ -361,6 +363,12 @@ def run_scenario(scenario, seed, world, rank, out):
         if name == "adam":
             emb.save(os.path.join(out, f"ckpt-{world}"))
         train(emb, opt, seed, range(SAVE_AT, STEPS), world, rank)
+    elif kind == "init":     # the starting rows of a table of INITIAL_ROWS rows of dtype `name`, seeded alike
+        torch.manual_seed(seed)
+        emb = ss.ShardedOffloadedEmbedding(INITIAL_ROWS, DIM, max_rows=1, backend="numpy", storage="pageable",
+                                           dtype=getattr(torch, name))
+        emb.attach(torch.optim.SGD(emb.parameters(), lr=0.1))  # no state tables: the rows alone are saved
+        name = f"init-{name}"
     elif kind == "bf16":     # a bfloat16 table: rows travel as bfloat16, gradients as float32
         emb, opt = make(name, dtype=torch.bfloat16)
         rows = emb.row_range

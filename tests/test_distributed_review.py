@@ -14,6 +14,7 @@ import torch
 
 import speedswap as ss
 from speedswap.apps.corpus import synthetic_corpus
+from speedswap.train.exchange import row_bounds
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -52,6 +53,25 @@ def test_sharded_word2vec_batches_survive_a_short_last_chunk(monkeypatch):
         # Every rank trains a full batch at every step, and the ranks' pairs at a step differ.
         assert [len(share[step][0]) for share in shares] == [per_rank] * world
         assert not torch.equal(shares[0][step][0], shares[1][step][0])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sharded_word2vec_starts_from_the_one_process_table_at_any_world_size(monkeypatch, seed, world):
+    """Each rank drew its centre rows from a generator seeded with ``--seed`` and its rank: the same
+    seed started each world size from another table. Now every rank's rows are the one-process run's
+    (chunks smaller than a rank's rows, and cut inside them)."""
+    distributed = load_example("_distributed")
+    monkeypatch.setattr(distributed, "CHUNK_VALUES", 70)  # 7 rows of 10 a chunk
+    num_rows, dim = 100, 10
+    one_process = ss.HostTable.empty(num_rows, dim, storage="pageable", backend="numpy")
+    one_process.uniform_(-0.5 / dim, 0.5 / dim, generator=torch.Generator().manual_seed(seed))  # apps.word2vec's
+    bounds = row_bounds(num_rows, world)
+    shards = []
+    for rank in range(world):
+        shard = ss.HostTable.empty(bounds[rank + 1] - bounds[rank], dim, storage="pageable", backend="numpy")
+        distributed.centre_rows(shard, range(bounds[rank], bounds[rank + 1]), seed)
+        shards.append(shard.to_numpy())
+    np.testing.assert_array_equal(np.concatenate(shards), one_process.to_numpy())
 
 
 def test_sharded_word2vec_batch_larger_than_the_corpus_names_the_option(monkeypatch):

@@ -32,6 +32,7 @@ import weakref
 import zlib
 from typing import Callable, NoReturn, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -57,7 +58,11 @@ from .sharded_checkpoint import all_unchanged, load_shards, ranks_on_this_machin
 from .working_set import WorkingSet
 from .zero_marks import reads_as_zeroed
 
-__all__ = ["ShardedOffloadedEmbedding"]
+__all__ = ["ShardedOffloadedEmbedding", "INITIAL_BLOCK_ROWS"]
+
+#: Rows of the whole table drawn from one seeded stream at build (see ShardedOffloadedEmbedding._draw_rows):
+#: part of what a seed makes, so changing it changes every seeded table.
+INITIAL_BLOCK_ROWS = 1024
 
 
 class ShardedOffloadedEmbedding(RefusesConversion):
@@ -124,11 +129,15 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     where in memory it trains the rows a step looks up: penalise those rows
     (``emb(ids).pow(2).sum()``) or use the optimizer's ``weight_decay``.
 
-    The rows start as ``nn.Embedding``'s do, N(0, 1), each rank drawing its
-    own from a generator seeded by torch's global one and its rank: shards
-    never repeat each other, even when every rank seeds torch alike, and the
-    starting table depends on the world size (load one to start from the
-    same table at any size).
+    The rows start as ``nn.Embedding``'s do, N(0, 1), and the whole table
+    they make is the same at any world size: each block of
+    :data:`INITIAL_BLOCK_ROWS` rows of the whole table is drawn from a stream
+    of its own (numpy's PCG64, seeded by one draw from torch's global
+    generator and the block's number), and each rank draws the blocks its rows
+    are in. Ranks seeded alike (``torch.manual_seed(s)``, as DDP code does)
+    so start from one table on 1, 2 or ``W`` ranks, whose shards never
+    repeat each other; the values are not those ``nn.Embedding`` draws with
+    torch's generator (that stream cannot skip to a rank's first row).
 
     ``state_dict()`` holds this rank's shard of the rows and of their
     optimizer state as ``<prefix>_extra_state`` (not :attr:`weight`, per-step
@@ -224,9 +233,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                     "optimizer.step() or discard_step() (after a zero_grad() that dropped the step, "
                     "until its next call; after an optimizer.step() without a forward that raised, "
                     "until its next training forward or step)")
-        # nn.Embedding's initialisation, each rank drawing its own rows. DDP code seeds every
-        # rank alike, so torch's global generator alone would give every shard the same rows:
-        # one draw from it plus the rank seeds this rank's generator. A build that fails (on every
+        # nn.Embedding's initialisation, the same table at any world size: one draw from torch's
+        # global generator seeds every block's stream (see _draw_rows). A build that fails (on every
         # rank together, see _agree_built) puts the generator back on every rank: a refused build
         # changes nothing, and ranks of which some drew and some did not would stay apart.
         generator = torch.get_rng_state()
@@ -283,7 +291,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._path = None if path is None else os.path.join(path, f"rank{self.rank}")
         self.table = HostTable.empty(shard_rows, embedding_dim, dtype, self._storage, backend,
                                      file_in(self._path, "table", self._storage))
-        self.table.normal_(generator=torch.Generator().manual_seed(seed + self.rank))  # see __init__
+        self._draw_rows(seed)
         if self.padding_idx is not None and self.padding_idx in self.row_range:
             self.table.scatter([self.padding_idx - self.row_range.start],
                                torch.zeros(1, embedding_dim, dtype=dtype))
@@ -337,6 +345,28 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._total, self._last_step = dict.fromkeys(_COUNTERS, 0), dict.fromkeys(_COUNTERS, 0)  # see stats()
         self._new_step()
         self.table.watch_writes(self._prepare_table_write)  # see _prepare_table_write
+
+    def _draw_rows(self, seed: int) -> None:
+        """Fill this rank's shard with its rows of the N(0, 1) table ``seed`` makes at any world size.
+
+        Block ``b`` of the whole table (rows ``b * INITIAL_BLOCK_ROWS`` up to
+        the next block's) is ``standard_normal`` values, row after row, from numpy's PCG64 seeded with
+        ``SeedSequence(seed, spawn_key=(b,))``: independent streams (torch's
+        generator takes only 32 bits of a seed, and the 2**32 streams it has
+        would repeat blocks between tables). Each rank draws the part of each
+        of its blocks up to its last row: at most one block's rows more than it owns.
+        """
+        start, stop, dim = self.row_range.start, self.row_range.stop, self.embedding_dim
+
+        def fill(shard: torch.Tensor) -> None:
+            drawn = np.float64 if shard.dtype == torch.float64 else np.float32  # others round from float32
+            for first in range(start - start % INITIAL_BLOCK_ROWS, stop, INITIAL_BLOCK_ROWS):
+                block = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
+                    seed, spawn_key=(first // INITIAL_BLOCK_ROWS,))))
+                end = min(first + INITIAL_BLOCK_ROWS, stop)
+                rows = block.standard_normal((end - first, dim), dtype=drawn)[max(start - first, 0):]
+                shard[max(first, start) - start:end - start] = torch.from_numpy(rows)
+        self.table.apply_(fill)
 
     def _agree_built(self, error: Optional[BaseException]) -> None:
         """End the constructor with one message: every rank built its shard, alike, or every rank raises.
