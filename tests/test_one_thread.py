@@ -174,7 +174,11 @@ class _Sharded(_Offloaded):
                 "load": lambda: emb.load(path / "ck"),
                 "attach": lambda: emb.attach(self.opt),
                 "optimizer.step()": self.opt.step,
-                "close": emb.close}
+                "close": emb.close,
+                # As activation checkpointing's recompute runs, inside this thread's own backward
+                # (a custom backward runs with gradients off: an eval forward).
+                "training forward inside a backward": lambda: _in_backward(lambda: emb(other), grad=True),
+                "eval forward inside a backward": lambda: _in_backward(lambda: emb(other), grad=False)}
 
 
 class _Reference:
@@ -441,6 +445,21 @@ def _retried(call):
 def _no_grad(emb, ids):
     with torch.no_grad():
         return emb(ids)
+
+
+def _in_backward(call, grad):
+    """``call()`` inside a backward on this thread, with gradients on (``grad``) or off."""
+    class Backward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, out_grad):
+            with torch.set_grad_enabled(grad):
+                call()
+            return out_grad
+    Backward.apply(torch.ones(1, requires_grad=True)).sum().backward()
 
 
 def _raised(call):

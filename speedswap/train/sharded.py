@@ -735,14 +735,19 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 each rank that runs one, before any message (nothing changes).
             StateError: another thread is inside a call of this embedding, or
                 between a training forward and the step (on this rank alone;
-                nothing changes, and no message is sent).
+                nothing changes, and no message is sent). Not told inside a
+                backward on a GPU, where the autograd engine's device thread runs
+                a recompute (activation checkpointing) for the thread that holds the step.
             A training forward that fails after its messages (out of memory
             making its output) raises on this rank alone: the same forward (the
             same ids) again on this rank alone finishes it, with no message.
         """
-        if in_backward():
+        if in_backward() and self.weight.device.type != "cpu":
             # Activation checkpointing's recompute, for the thread whose step holds the claim and
-            # waits in its backward: on a GPU the autograd engine runs it on a thread of its own.
+            # waits in its backward: on a GPU the autograd engine runs it on a device thread of its
+            # own, which cannot be told from another thread's. On the CPU a backward runs on the
+            # thread that called it, which claims as for any call: another thread's backward (an eval
+            # forward in it too) is refused.
             return self._claimed_forward(input, extra, ids, offsets, per_sample_weights)
         with self._one_thread:
             return self._claimed_forward(input, extra, ids, offsets, per_sample_weights)
