@@ -360,12 +360,18 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
         def fill(shard: torch.Tensor) -> None:
             drawn = np.float64 if shard.dtype == torch.float64 else np.float32  # others round from float32
+            # Drawn straight into the rows where numpy can write them (host memory of the drawn dtype).
+            direct = shard.device.type == "cpu" and shard.dtype in (torch.float32, torch.float64)
             for first in range(start - start % INITIAL_BLOCK_ROWS, stop, INITIAL_BLOCK_ROWS):
                 block = np.random.Generator(np.random.PCG64(np.random.SeedSequence(
                     seed, spawn_key=(first // INITIAL_BLOCK_ROWS,))))
-                end = min(first + INITIAL_BLOCK_ROWS, stop)
-                rows = block.standard_normal((end - first, dim), dtype=drawn)[max(start - first, 0):]
-                shard[max(first, start) - start:end - start] = torch.from_numpy(rows)
+                if first < start:
+                    block.standard_normal((start - first, dim), dtype=drawn)  # the rows before this rank's
+                rows = shard[max(first, start) - start:min(first + INITIAL_BLOCK_ROWS, stop) - start]
+                if direct:
+                    block.standard_normal(dtype=drawn, out=rows.numpy())
+                else:
+                    rows.copy_(torch.from_numpy(block.standard_normal(tuple(rows.shape), dtype=drawn)))
         self.table.apply_(fill)
 
     def _agree_built(self, error: Optional[BaseException]) -> None:
