@@ -741,9 +741,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 each rank that runs one, before any message (nothing changes).
             StateError: another thread is inside a call of this embedding, or
                 between a training forward and the step (on this rank alone;
-                nothing changes, and no message is sent). Not told inside a
-                backward on a GPU, where the autograd engine's device thread runs
-                a recompute (activation checkpointing) for the thread that holds the step.
+                nothing changes, and no message is sent). On a GPU a forward
+                inside a backward (activation checkpointing's recompute, which the
+                autograd engine runs on a device thread of its own) takes no claim.
             A training forward that fails after its messages (out of memory
             making its output) raises on this rank alone: the same forward (the
             same ids) again on this rank alone finishes it, with no message.
