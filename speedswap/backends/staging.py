@@ -5,18 +5,25 @@ the zero-copy kernels are not installed), and the feeder's host sources, reach
 the GPU through a ring of slots allocated by torch with ``pin_memory=True``:
 the CPU gathers rows into a slot and the slot is copied asynchronously. Each
 slot has its own event, so a slot is rewritten only after the copy that last
-used it finished (FFCV's ring), never after a device-wide synchronize. Needs
-torch's CUDA build only, not CuPy.
+used it finished (FFCV's ring), never after a device-wide synchronize. A
+gather larger than a slot's :data:`PIECE_BYTES` goes through the ring in
+pieces: the page-locked memory stays bounded, and the CPU fills one slot
+while the last one is copied. Needs torch's CUDA build only, not CuPy.
 
 Writes need no ring: the rows to write arrive on the CPU (see
 :meth:`~speedswap.backends.base.Backend.ids_device`) and the CPU writes them.
 """
 
+import math
 import threading
 
 import torch
 
-__all__ = ["StagingRing"]
+__all__ = ["StagingRing", "PIECE_BYTES"]
+
+#: The most bytes a slot holds (unless one row is larger): a slot keeps its page-locked memory for
+#: the ring's life, and one sized by the largest gather (an eval read of a whole table) kept that.
+PIECE_BYTES = 64 << 20
 
 
 class StagingRing:
@@ -54,7 +61,9 @@ class StagingRing:
         return self._buffers[i][:nbytes].view(dtype).view(shape), self._events[i]
 
     def gather(self, host, rows, out):
-        """CPU-gather ``host[rows]`` into a slot, then copy it to ``out`` asynchronously.
+        """CPU-gather ``host[rows]`` into slots, then copy them to ``out`` asynchronously.
+
+        In pieces of at most :data:`PIECE_BYTES`, one slot each.
 
         Args:
             host: a CPU tensor of rows.
@@ -66,9 +75,13 @@ class StagingRing:
             ``out``, before the copy has finished; it is ordered on torch's
             current stream of the ring's device.
         """
+        row_bytes = math.prod(out.shape[1:]) * out.element_size()
+        rows_per_piece = max(1, PIECE_BYTES // max(1, row_bytes))
         with self._lock:
-            staging, event = self._take(out.numel() * out.element_size(), out.dtype, out.shape)
-            torch.index_select(host, 0, rows, out=staging)
-            out.copy_(staging, non_blocking=True)
-            event.record(torch.cuda.current_stream(self._device))
+            for start in range(0, len(rows), rows_per_piece):
+                part = out[start:start + rows_per_piece]
+                staging, event = self._take(part.numel() * part.element_size(), part.dtype, part.shape)
+                torch.index_select(host, 0, rows[start:start + rows_per_piece], out=staging)
+                part.copy_(staging, non_blocking=True)
+                event.record(torch.cuda.current_stream(self._device))
         return out
