@@ -93,18 +93,20 @@ def make_lazy(optimizer, table, initial=None):
     optimizer.register_step_post_hook(post)
 
 
-def pair(rng, padding_idx=None, pad_row=None, sparse=False, cache_rows=0):
+def pair(rng, padding_idx=None, pad_row=None, sparse=False, cache_rows=0, sharded=False):
     """An offloaded model and its in-memory reference, from the same random rows and linear layer.
 
     ``sparse``: the reference table's gradient is sparse (for ``torch.optim.SparseAdam``).
     ``cache_rows``: the offloaded embedding's device cache.
+    ``sharded``: a :class:`~speedswap.ShardedOffloadedEmbedding` of one rank (no padding row, no cache).
     """
     table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     if padding_idx is not None:
         table0[padding_idx] = 0.0 if pad_row is None else pad_row
     linear = torch.nn.Linear(DIM, 1)
-    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=2 * BATCH * WIDTH + 1, storage="pageable",
-                                backend="numpy", padding_idx=padding_idx, cache_rows=cache_rows)
+    options = dict(max_rows=2 * BATCH * WIDTH + 1, storage="pageable", backend="numpy")
+    emb = (ss.ShardedOffloadedEmbedding(ROWS, DIM, **options) if sharded else
+           ss.OffloadedEmbedding(ROWS, DIM, padding_idx=padding_idx, cache_rows=cache_rows, **options))
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))  # pad_row too: pretrained rows
     return Model(emb, copy.deepcopy(linear)), Model(LazyTable(table0, padding_idx, sparse), linear)
 
@@ -1381,15 +1383,16 @@ def test_a_step_on_zero_gradients_after_discard_step_counts_as_in_memory(rng):
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
-@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("kind,cache_rows", [("offloaded", 0), ("offloaded", 40), ("sharded", 0)])
 @pytest.mark.parametrize("lookup", ["none", "no_grad"])
-def test_a_step_without_rows_whose_optimizer_raised_after_counting_it_counts_once_when_retried(rng, cache_rows,
+def test_a_step_without_rows_whose_optimizer_raised_after_counting_it_counts_once_when_retried(rng, kind, cache_rows,
                                                                                                lookup):
     """A step of the linear layer alone (no forward of the embedding, or one under torch.no_grad(), after
     zero_grad(set_to_none=False)) whose Adam raised after counting it was not undone: the retry made the
     next forward raise 'emb.weight was written between steps' (the failed step's write into the scratch),
-    and the table's step was counted twice, its bias correction a step ahead from then on."""
-    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    and the table's step was counted twice, its bias correction a step ahead from then on (a sharded
+    embedding of one rank: counted twice too)."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows, sharded=kind == "sharded")
     opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (offloaded, reference))
     offloaded.emb.attach(opt)
     make_lazy(ref_opt, reference.emb)

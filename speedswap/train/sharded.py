@@ -341,6 +341,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._narrowed = None
         self._agreed = False  # see _new_step
         self._empty_sparse = None  # an EmptySparseGradient while a step without rows is under way
+        # Whether a step without rows on the kept zero gradient is under way: the optimizer counts it
+        # (Adam's step), and _abort_step takes the count back for a retry.
+        self._empty_counted = False
         self._reached = ReachedRows(dropped=_gradient_dropped(weakref.ref(self)))
         self._total, self._last_step = dict.fromkeys(_COUNTERS, 0), dict.fromkeys(_COUNTERS, 0)  # see stats()
         self._new_step()
@@ -1298,6 +1301,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """
         self._put_back_dense_zero_grad()
         self._one_thread.hold(self._forwards > 0)  # a step without rows ends here (see _begin_step)
+        if self._empty_counted:
+            self._empty_counted = False
+            self._state.release()  # torch may have made its per-row state for the scratch
+            self._state.undo_scalar_state()  # the optimizer may have counted the step before it raised
         if self._narrowed is not None:
             self._restore_narrowed()
             self._gather_owned(0)
@@ -1351,6 +1358,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 raise StateError(_GRADIENT_LEFT)
             if self._holds_kept_zero():
                 self._state.check_not_replaced()  # the scratch must be this state's, as at any step
+                self._state.keep_scalar_state()  # the optimizer counts a step without rows too
+                self._empty_counted = True
                 if self._state.needs_sparse_grad:
                     self._empty_sparse = EmptySparseGradient(self.weight)
             # This thread's until _end_step (or the next call's _abort_step): another thread's training
@@ -1423,6 +1432,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     def _end_step(self):
         if self._forwards == 0:
             self._one_thread.hold(False)  # the claim of a step without rows (see _begin_step)
+            self._empty_counted = False
             if self._empty_sparse is not None or self._holds_kept_zero():
                 # A step on the zero gradient alone (Adam counted it, as in memory) stepped the
                 # scratch only; torch's state for it becomes this state's scratch, as after any step.
