@@ -8,6 +8,7 @@ row no training forward looked up gets its value and optimizer state back as
 they were before the step.
 """
 
+import concurrent.futures
 import copy
 import functools
 import subprocess
@@ -17,12 +18,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import speedswap as ss
 from rendezvous import rendezvous_url
 from training_helpers import step_failing_once
 import speedswap.train.embedding as embedding_module
+import speedswap.train.sharded as sharded_module
 from speedswap.train.module_state import rows_only
+from speedswap.train.reached import in_backward
 from speedswap.train.zero_marks import reads_as_zeroed
 
 ROWS, DIM, BATCH, WIDTH, STEPS = 300, 6, 8, 5, 30
@@ -1412,6 +1416,31 @@ def test_a_step_without_rows_whose_optimizer_raised_after_counting_it_counts_onc
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
     assert int(opt.state[offloaded.emb.weight]["step"]) == len(batches)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_sharded_lookup_recomputed_on_the_autograd_engines_thread_trains_as_in_memory(rng, reentrant, monkeypatch):
+    """On a GPU the autograd engine runs a backward, activation checkpointing's recompute of the lookup with
+    it, on a thread of its own while the thread that called ``backward()`` waits. A sharded embedding holds
+    its claim from the step's first training forward: the recompute was refused (``StateError`` in the
+    backward; reentrant, whose first run is no training forward, the recompute took the step's claim and
+    the training thread's ``optimizer.step()`` was refused). Here the backward runs on another thread, as
+    there, and the embedding is told it is a GPU's (no CUDA needed); it trains as in memory."""
+    monkeypatch.setattr(sharded_module, "recomputed_on_engine_thread", lambda device: in_backward())
+    offloaded, reference = pair(rng, sharded=True)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    for ids, target in zipf_ids(rng, 8):
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            def block(ids, scale, model=model):
+                return model(ids) * scale
+            out = checkpoint(block, ids, torch.ones(1, requires_grad=True), use_reentrant=reentrant)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=1) as engine:
+                engine.submit(F.mse_loss(out, target).backward).result()
+            optimizer.step()
+            optimizer.zero_grad()
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 

@@ -15,9 +15,13 @@ Besides its calls, an object holds the claim for a span of its state: an
 without its rows too), the SpeedTorch-style switchers of one embedding from
 ``before_forward`` to the last ``after_step``, a
 :class:`~speedswap.ShardedOffloadedEmbedding` from a training forward to the
-step (see :meth:`OneThread.hold`).
+step (see :meth:`OneThread.hold`). A GPU's autograd engine recomputes a
+checkpointed lookup on a thread of its own for the thread that waits in
+``backward()``: that call runs lent the waiting thread's claim
+(:meth:`OneThread.lent`).
 """
 
+import contextlib
 import functools
 import threading
 from typing import Callable, TypeVar
@@ -46,6 +50,7 @@ class OneThread:
         self._lock = threading.Lock()  # makes the check and the claim one step
         self._thread, self._depth = None, 0
         self._holding = False  # whether hold() holds one of the depth's claims (see hold)
+        self._lent = threading.local()  # .on: this thread runs lent the claim (see lent)
 
     def enter(self) -> None:
         """Claim the object for this thread (again, if it holds it already).
@@ -53,6 +58,8 @@ class OneThread:
         Raises:
             StateError: another thread is inside a call or a span of it (nothing changes).
         """
+        if getattr(self._lent, "on", False):
+            return
         me = threading.get_ident()
         with self._lock:
             if self._thread not in (None, me):
@@ -64,6 +71,8 @@ class OneThread:
 
     def exit(self) -> None:
         """Give back one :meth:`enter` of this thread."""
+        if getattr(self._lent, "on", False):
+            return
         with self._lock:
             self._depth -= 1
             if not self._depth:
@@ -80,12 +89,31 @@ class OneThread:
         Args:
             busy: whether the object is inside a span now.
         """
+        if getattr(self._lent, "on", False):
+            return  # the span is the waiting thread's, which ends it
         if busy != self._holding:
             if busy:
                 self.enter()
             else:
                 self.exit()
             self._holding = busy
+
+    @contextlib.contextmanager
+    def lent(self):
+        """Run the block on this thread for the thread that holds the claim, or would take it, and waits.
+
+        For the autograd engine's thread of a device, which runs a backward
+        (activation checkpointing's recompute of a lookup in it) while the
+        thread that called ``backward()`` waits in it: the two never run at
+        once. The block's calls take, hold and give back no claim: whatever
+        the waiting thread holds stays its own, and a span the block begins
+        is not claimed until that thread's next call.
+        """
+        self._lent.on = True
+        try:
+            yield
+        finally:
+            self._lent.on = False
 
     def __enter__(self) -> None:
         self.enter()

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import StateError
 
-__all__ = ["ReachedRows", "KeptRows", "in_backward"]
+__all__ = ["ReachedRows", "KeptRows", "in_backward", "recomputed_on_engine_thread"]
 
 
 class ReachedRows:
@@ -159,6 +159,17 @@ def in_backward() -> bool:
         True inside a backward (``torch.autograd`` or a checkpoint's), else False.
     """
     return torch._C._current_graph_task_id() != -1
+
+
+def recomputed_on_engine_thread(device: torch.device) -> bool:
+    """Whether this is a forward inside a backward that the autograd engine may run on a thread of its own.
+
+    It runs a backward on ``device`` on its thread for that device (CUDA),
+    not on the thread that called ``backward()``, which waits in it: there a
+    training forward is activation checkpointing's recompute for that thread.
+    A CPU backward runs on the calling thread.
+    """
+    return in_backward() and device.type != "cpu"
 
 
 class KeptRows:

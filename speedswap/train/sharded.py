@@ -51,7 +51,7 @@ from .one_optimizer import claim
 from .one_thread import OneThread, one_thread
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
-from .reached import KeptRows, ReachedRows, in_backward
+from .reached import KeptRows, ReachedRows, in_backward, recomputed_on_engine_thread
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
 from .step_hooks import StepHooks
 from .sharded_checkpoint import all_unchanged, load_shards, ranks_on_this_machine, save_shards, stage_table_rows
@@ -751,13 +751,14 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             making its output) raises on this rank alone: the same forward (the
             same ids) again on this rank alone finishes it, with no message.
         """
-        if in_backward() and self.weight.device.type != "cpu":
-            # Activation checkpointing's recompute, for the thread whose step holds the claim and
-            # waits in its backward: on a GPU the autograd engine runs it on a device thread of its
-            # own, which cannot be told from another thread's. On the CPU a backward runs on the
-            # thread that called it, which claims as for any call: another thread's backward (an eval
-            # forward in it too) is refused.
-            return self._claimed_forward(input, extra, ids, offsets, per_sample_weights)
+        if recomputed_on_engine_thread(self.weight.device):
+            # Activation checkpointing's recompute, for the thread that waits in its backward (and holds
+            # the step's claim once its first training forward ran): on a GPU the autograd engine runs it
+            # on a device thread of its own, which cannot be told from another thread's. On the CPU a
+            # backward runs on the thread that called it, which claims as for any call: another thread's
+            # backward (an eval forward in it too) is refused.
+            with self._one_thread.lent():
+                return self._claimed_forward(input, extra, ids, offsets, per_sample_weights)
         with self._one_thread:
             return self._claimed_forward(input, extra, ids, offsets, per_sample_weights)
 
