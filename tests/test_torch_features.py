@@ -103,6 +103,37 @@ def test_a_prefetch_after_a_backward_that_recomputed_the_lookup_on_another_threa
     assert emb.stats()["total"]["prefetched_rows"] > 0  # the prefetches brought rows
 
 
+def test_a_thread_that_takes_over_with_reentrant_checkpointed_lookups_may_prefetch_after_its_steps(backend, rng):
+    """A thread that takes the training over and looks its rows up only through reentrant activation
+    checkpointing (its first forward under ``no_grad()``, the training lookup in the recompute,
+    inside the backward) never fetched outside a backward, so it was never the training thread:
+    its prefetches between steps, after ``optimizer.step()``, raised ``StateError`` ("prefetch was
+    called on another thread") at every step. A step's end makes its thread the training one."""
+    emb, opt, ref, ref_opt, device = adam_against_sparse_adam(rng, backend, ROWS, cache_rows=40)
+    batches = zipf_ids(rng, 2 * STEPS + 1)
+    prefetched = []
+
+    def train(steps, checkpointed):
+        for step in steps:
+            ids, target = batches[step]
+            for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+                def block(ids, scale):
+                    return torch.tanh(lookup(ids.to(to)).cpu()).sum(1) * scale
+                scale = torch.ones(1, requires_grad=True)
+                out = (activation.checkpoint(block, ids, scale, use_reentrant=True) if checkpointed
+                       else block(ids, scale))
+                ((out - target) ** 2).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            prefetched.append(emb.prefetch(batches[step + 1][0]))
+
+    train(range(STEPS), checkpointed=False)  # this thread trains first
+    _on_a_thread_of_its_own(lambda: train(range(STEPS, 2 * STEPS), checkpointed=True))  # then this one
+    assert len(prefetched) == 2 * STEPS
+    assert sum(prefetched[STEPS:]) > 0  # its prefetches brought rows
+    assert_trained_as_sparse_adam(emb, ref, ref_opt)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_checkpointed_cuda_lookups_with_a_prefetch_each_step_train_as_in_memory(rng, reentrant):

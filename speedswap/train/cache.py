@@ -99,11 +99,12 @@ handed out, alive or not by then: one dropped already may have written rows
 evicting them would write them back over the writes).
 
 **One thread.** Nothing locks the bookkeeping, so a prefetch must come from
-the thread that trains (the last to fetch a step's rows outside a backward,
-or the one that made the cache before any did): one from another thread is
-refused. A fetch inside a backward (activation checkpointing's recompute,
-which a GPU's autograd engine runs on a thread of its own) leaves the
-training thread as it was.
+the thread that trains (the last to fetch a step's rows or end a step outside
+a backward, or the one that made the cache before any did): one from another
+thread is refused. A fetch inside a backward (activation checkpointing's
+recompute, which a GPU's autograd engine runs on a thread of its own) leaves
+the training thread as it was; the step's end, on the thread that called
+``optimizer.step()``, then names it.
 """
 
 import contextlib
@@ -253,7 +254,8 @@ class RowCache:
         self._side = torch.cuda.Stream(device) if device.type == "cuda" and n else None
         self._waited = set()  # streams that waited for the side stream since it was last given work
         self.clock = 0  # the current step; stamps below it are evictable
-        # The training thread: the one that made the cache, then the last to fetch a step's rows.
+        # The training thread: the one that made the cache, then the last to fetch a step's rows
+        # or end a step, outside a backward (_note_training_thread).
         self._thread = threading.get_ident()
         self._n_empty = n
         self._warned_views = False  # see _warn_views
@@ -577,11 +579,7 @@ class RowCache:
                 once for the working set and the cache).
         """
         self._wait_prefetch()
-        if not in_backward():
-            # A forward inside a backward (activation checkpointing's recompute) runs, on a GPU, on
-            # the autograd engine's thread of the device, while the thread that called backward()
-            # waits for it: that thread still trains, and its prefetch after the backward is due.
-            self._thread = threading.get_ident()
+        self._note_training_thread()
         if not again:
             self._count(lookups=lookups, unique_rows=len(rows) - carried)
         if not len(rows):
@@ -741,6 +739,9 @@ class RowCache:
 
     def end_step(self):
         """Close the step's accounts and advance the clock (also after a step that was abandoned)."""
+        # A thread whose lookups all ran inside a backward (reentrant checkpointing's recompute) fetched
+        # on no training forward of its own: its step's end makes it the training thread.
+        self._note_training_thread()
         self.clock += 1
         divisor = self.sketch.next_step()
         if divisor != 1.0:
@@ -749,6 +750,17 @@ class RowCache:
         for key, value in self._step.items():
             self.total[key] += value
         self._begin_step()
+
+    def _note_training_thread(self):
+        """Make this thread the training one (the only one :meth:`prefetch` serves), unless inside a backward.
+
+        A forward inside a backward (activation checkpointing's recompute), and an optimizer
+        step run by a gradient hook, run on a GPU on the autograd engine's thread of the
+        device, while the thread that called backward() waits for it: that thread still
+        trains, and its prefetch after the backward is due.
+        """
+        if not in_backward():
+            self._thread = threading.get_ident()
 
     # ---------------------------------------------------------------- prefetch
     @_outside_inference_mode
@@ -793,10 +805,10 @@ class RowCache:
         if threading.get_ident() != self._thread:
             raise StateError(
                 "prefetch was called on another thread than the one training this table (the last to "
-                "run a training forward outside a backward, or to attach the optimizer before any): a "
-                "prefetch landing inside a forward or a step would train wrong rows. Call it on the "
-                "training thread, after a training forward there, between the forward and "
-                "optimizer.step() or between steps: on a GPU its copies run on a side stream in the "
+                "run a training forward or optimizer.step() outside a backward, or to attach the optimizer "
+                "before any): a prefetch landing inside a forward or a step would train wrong rows. Call "
+                "it on the training thread, after a training forward or a step there, between the forward "
+                "and optimizer.step() or between steps: on a GPU its copies run on a side stream in the "
                 "background already")
         self._wait_prefetch()
         self._give_up_for_views()  # an evicted row is written back, clean or not
