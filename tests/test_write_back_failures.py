@@ -9,9 +9,10 @@ ids (and, for a staged table, the rows) to where the table is written, and
 the cache re-sorts its index of rows, gathers the rows going back and finds
 their positions. Out of memory at any of those calls must leave the table, the
 state and the cache as before the step, never some of them written: the step
-is then skipped (``discard_step()``) or, for the switchers, its
-``afterOptimizerStep`` called again, and training goes on exactly as if the
-failure had never happened.
+is then skipped (``discard_step()``) or stepped again (``optimizer.step()``;
+for the switchers, its ``afterOptimizerStep`` called again), and training
+goes on exactly as if the failure had never happened, the optimizer's step
+count included.
 
 Each test makes the ``N``-th call of one such operation inside the write-back
 raise, for ``N = 1, 2, ...`` until the write-back gets through, at every step.
@@ -138,9 +139,11 @@ def _reference(table0, batches):
     (0, "move"),
     *((20, operation) for operation in CACHE_OPERATIONS),
 ])
-def test_an_offloaded_step_whose_write_back_fails_changes_nothing(cache_rows, operation, rng, monkeypatch):
+@pytest.mark.parametrize("recover", ["discard", "retry"])
+def test_an_offloaded_step_whose_write_back_fails_changes_nothing(cache_rows, operation, recover, rng, monkeypatch):
     """OffloadedEmbedding: no cache (the table, then each state table), and a 20-row cache (5%:
-    hits, misses that evict, misses that go back to the host)."""
+    hits, misses that evict, misses that go back to the host). The failed step is dropped and
+    trained again, or stepped again as it is."""
     table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
     batches = zipf_batches(rng, STEPS, "cpu")
     expected = _reference(table0, batches)
@@ -158,14 +161,16 @@ def test_an_offloaded_step_whose_write_back_fails_changes_nothing(cache_rows, op
         def train():
             skipgram_loss(emb(pos), emb(neg), ctx).backward()
 
-        def dropped():
-            opt.zero_grad()
-            emb.discard_step()
-            train()
+        def dropped():  # "retry": the failed step itself again
+            if recover == "discard":
+                opt.zero_grad()
+                emb.discard_step()
+                train()
         train()
         failing.until_it_succeeds(opt.step, flushed_host, flushed_host(), dropped)
         opt.zero_grad()
     assert failing.failures, "no injected failure happened"
+    assert opt.state[emb.weight]["step"] == len(batches)  # a failed step counts as none, as in memory
     emb.flush()
     assert_same(_host(emb.table, emb._state.tables), expected, exact=True)
 

@@ -1134,6 +1134,10 @@ class OffloadedEmbedding(RefusesConversion):
             # memory); before anything is written, as the refusals above, the step is undone then.
             for kept in self._kept or ():
                 kept.put_back(self._full, self._state.step_state())
+            weights = self._full[:k]
+            # Rows and state go to the cache, or back to the host: each row written once. All or
+            # nothing (out of memory): a failure leaves them where they were, to be read back below.
+            self._state.scatter(rows, write=lambda states: self._cache.store(rows, weights, states))
         except BaseException:
             self._abort_step()  # the rows and state are read back as they were: retry or discard
             raise
@@ -1141,9 +1145,6 @@ class OffloadedEmbedding(RefusesConversion):
         self._one_thread.hold(False)  # the step's claim (see _begin_step); this call's holds until it returns
         self._kept = None
         self._reached.clear()
-        weights = self._full[:k]
-        # Rows and state go to the cache, or back to the host: each row written once.
-        self._state.scatter(rows, write=lambda states: self._cache.store(rows, weights, states))
         self._working_set.clear()
         self._backward_ran = False
         self._version_between_steps = self.weight._version  # the optimizer wrote it in place
