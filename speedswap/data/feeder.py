@@ -381,7 +381,10 @@ class BatchFeeder:
     feeder iterates over them; between loops they may be, except those copied
     because they were not contiguous (on a GPU, a loop's
     copies wait for the work your stream had queued when the loop began, and
-    its CPU gathers from a pinned table for the writes queued into it).
+    its CPU gathers from a pinned table for the writes queued into it). A
+    write during a loop may or may not reach the batches after it: on the
+    CPU an in-RAM source is gathered at each batch and sees it, but batches
+    already read ahead (on a GPU, or from a file) were read before it.
     One thread at a time iterates a feeder: a loop superseded from another
     thread raises :class:`~speedswap.StateError`.
 
