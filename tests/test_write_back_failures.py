@@ -135,24 +135,13 @@ def _reference(table0, batches):
     return run_in_memory(_rmsprop, table0, batches, torch.device("cpu"), initial_state=torch_initial)
 
 
-@pytest.mark.parametrize("cache_rows,operation", [
-    (0, "move"),
-    *((20, operation) for operation in CACHE_OPERATIONS),
-])
-@pytest.mark.parametrize("recover", ["discard", "retry"])
-def test_an_offloaded_step_whose_write_back_fails_changes_nothing(cache_rows, operation, recover, rng, monkeypatch):
-    """OffloadedEmbedding: no cache (the table, then each state table), and a 20-row cache (5%:
-    hits, misses that evict, misses that go back to the host). The failed step is dropped and
-    trained again, or stepped again as it is."""
-    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
-    batches = zipf_batches(rng, STEPS, "cpu")
-    expected = _reference(table0, batches)
-    failing = FailingWriteBack(monkeypatch, operation)
-    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy",
-                                cache_rows=cache_rows)
-    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    opt = _rmsprop(emb.parameters())
-    emb.attach(opt)
+def _train_recovering(emb, opt, batches, failing, recover):
+    """Train ``emb`` on ``batches``; a failed step is dropped and trained again (``recover="discard"``)
+    or stepped again (``"retry"``).
+
+    Each failure must leave the host's rows and state as before the step (flushed from the cache
+    first), and a failed step counts as none, as in memory; the table is flushed at the end.
+    """
     def flushed_host():
         emb.flush()
         return _host(emb.table, emb._state.tables)
@@ -172,6 +161,27 @@ def test_an_offloaded_step_whose_write_back_fails_changes_nothing(cache_rows, op
     assert failing.failures, "no injected failure happened"
     assert opt.state[emb.weight]["step"] == len(batches)  # a failed step counts as none, as in memory
     emb.flush()
+
+
+@pytest.mark.parametrize("cache_rows,operation", [
+    (0, "move"),
+    *((20, operation) for operation in CACHE_OPERATIONS),
+])
+@pytest.mark.parametrize("recover", ["discard", "retry"])
+def test_an_offloaded_step_whose_write_back_fails_changes_nothing(cache_rows, operation, recover, rng, monkeypatch):
+    """OffloadedEmbedding: no cache (the table, then each state table), and a 20-row cache (5%:
+    hits, misses that evict, misses that go back to the host). The failed step is dropped and
+    trained again, or stepped again as it is."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, STEPS, "cpu")
+    expected = _reference(table0, batches)
+    failing = FailingWriteBack(monkeypatch, operation)
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy",
+                                cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = _rmsprop(emb.parameters())
+    emb.attach(opt)
+    _train_recovering(emb, opt, batches, failing, recover)
     assert_same(_host(emb.table, emb._state.tables), expected, exact=True)
 
 
@@ -263,20 +273,5 @@ def test_an_offloaded_step_whose_kept_rows_cannot_be_put_back_changes_nothing(rn
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     opt = _rmsprop(emb.parameters())
     emb.attach(opt)
-    def host():
-        return _host(emb.table, emb._state.tables)
-
-    for pos, neg, ctx in batches:
-        def train():
-            skipgram_loss(emb(pos), emb(neg), ctx).backward()
-
-        def dropped():  # "retry": the failed step itself again
-            if recover == "discard":
-                opt.zero_grad()
-                emb.discard_step()
-                train()
-        train()
-        failing.until_it_succeeds(opt.step, host, host(), dropped)
-        opt.zero_grad()
-    assert failing.failures, "no injected failure happened"
+    _train_recovering(emb, opt, batches, failing, recover)
     assert_same(_host(emb.table, emb._state.tables), expected, exact=True)
