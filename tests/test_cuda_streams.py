@@ -94,6 +94,55 @@ def test_an_event_recorded_while_another_thread_waits_is_not_lost(monkeypatch):
     assert late is not None and late.recorded and not late.waited  # still pending: waited on later
 
 
+@pytest.mark.parametrize("direction", ["gather", "scatter"])
+def test_a_wait_on_another_thread_during_a_launch_waits_for_that_kernel(direction, monkeypatch):
+    """A zero-copy kernel is launched and recorded as one step under the lock ``wait_host`` takes.
+
+    Without it, a thread that waited on the table between the launch and its
+    record (the training thread, while a feeder thread moves rows) returned
+    at once and read host rows the kernel was still writing, or freed them.
+    """
+    events = []
+
+    class FakeEvent:
+        def __init__(self):
+            self.recorded = self.waited = False
+            events.append(self)
+
+        def record(self, stream):
+            self.recorded = True
+
+        def synchronize(self):
+            self.waited = True
+
+    class Stream:
+        cuda_stream = 7
+
+    backend = object.__new__(cuda.CudaBackend)  # the kernel branches need no device here
+    backend.device = torch.device("cpu")
+    array = np.arange(16, dtype=np.float32).reshape(4, 4)
+    buffer = Buffer(kind="pinned", host=array, tensor=torch.from_numpy(array), pinned=True, device_ptr=1)
+    waiter = threading.Thread(target=backend.wait_host, args=(buffer,))
+    waiter_blocked = []
+
+    def launch(tensor, device_ptr, rows, data, stream):  # another thread waits right after the launch
+        waiter.start()
+        waiter.join(timeout=0.3)
+        waiter_blocked.append(waiter.is_alive())
+
+    class Kernels:
+        gather = scatter = staticmethod(launch)
+
+    backend._kernels = Kernels()
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    getattr(backend, direction)(buffer, torch.tensor([2, 0]), torch.empty(2, 4))
+    waiter.join()
+    assert waiter_blocked == [True], "the wait ran between the launch and its record"
+    assert [(event.recorded, event.waited) for event in events] == [(True, True)]
+    assert buffer.pending == {}  # waited on, then forgotten
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["pinned", "mapped", "pageable"])
 def test_no_stream_races_over_many_rounds(kind, rng, tmp_path):

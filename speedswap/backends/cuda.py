@@ -280,6 +280,20 @@ class CudaBackend(Backend):
                 event = buffer.pending[stream.cuda_stream] = torch.cuda.Event()
             event.record(stream)
 
+    def _launch(self, kernel, buffer, rows, data):
+        """Queue a zero-copy ``kernel`` (with ``data``: a gather's ``out``, a scatter's values)
+        on ``buffer``'s host rows and record it, as one step.
+
+        Under the lock :meth:`wait_host` takes: a wait on another thread between
+        the launch and its record would miss the kernel, and its caller read
+        host rows the kernel still writes, or free the memory under it.
+        """
+        stream = torch.cuda.current_stream(self.device)
+        with _PENDING_LOCK:
+            kernel(buffer.tensor, buffer.device_ptr, rows, data, stream)
+            if len(rows):
+                self._record(buffer, stream)
+
     def wait_host(self, buffer):
         """Block until every kernel queued on ``buffer``, on any stream, has finished."""
         _wait_all(buffer.pending)
@@ -297,10 +311,7 @@ class CudaBackend(Backend):
             return torch.index_select(buffer.tensor, 0, rows, out=out)
         if buffer.device_ptr is None:
             return self._staging.gather(buffer.tensor, rows, out)
-        stream = torch.cuda.current_stream(self.device)
-        self._kernels.gather(buffer.tensor, buffer.device_ptr, rows, out, stream)
-        if len(rows):
-            self._record(buffer, stream)
+        self._launch(self._kernels.gather, buffer, rows, out)
         return out
 
     def scatter(self, buffer, rows, values):
@@ -311,7 +322,4 @@ class CudaBackend(Backend):
                 self._record_device(buffer)
             buffer.tensor.index_copy_(0, rows, values)
             return
-        stream = torch.cuda.current_stream(self.device)
-        self._kernels.scatter(buffer.tensor, buffer.device_ptr, rows, values, stream)
-        if len(rows):
-            self._record(buffer, stream)
+        self._launch(self._kernels.scatter, buffer, rows, values)
