@@ -389,6 +389,32 @@ def test_the_sketch_add_returns_what_estimate_gives_after_it(rng):
         sketch.next_step()
 
 
+@pytest.mark.parametrize("failing", ["take", "amin"])
+def test_a_sketch_add_that_fails_counts_nothing(failing, rng, monkeypatch):
+    """Out of memory reading the estimates back must not leave the use counted: the cache's
+    store, tried again after a failure, counts its rows only if the first try did not."""
+    sketch = FrequencySketch(width=256, device="cpu", decay=0.9)
+    sketch.add(torch.from_numpy(np.unique(rng.zipf(1.3, 200) % 3000)))
+    before = sketch.counts.clone()
+
+    original = getattr(torch, failing)
+
+    def out_of_memory_when_allocating(*args, out=None, **kwargs):
+        if out is None:
+            raise torch.OutOfMemoryError("out of memory (injected)")
+        return original(*args, out=out, **kwargs)
+    monkeypatch.setattr(torch, failing, out_of_memory_when_allocating)
+    rows = torch.from_numpy(np.unique(rng.zipf(1.3, 200) % 3000))
+    try:
+        added = sketch.add(rows)
+    except torch.OutOfMemoryError:
+        torch.testing.assert_close(sketch.counts, before, rtol=0, atol=0)
+    else:  # it allocated nothing there: counted, and its estimates are the counts'
+        monkeypatch.undo()
+        torch.testing.assert_close(added, sketch.estimate(rows), rtol=0, atol=0)
+        assert not torch.equal(sketch.counts, before)
+
+
 def test_the_sketch_rescales_without_changing_ranks():
     sketch = FrequencySketch(width=64, device="cpu", decay=0.5)
     for step in range(120):  # 2**120 > the rescale threshold

@@ -185,6 +185,35 @@ def test_an_offloaded_step_whose_write_back_fails_changes_nothing(cache_rows, op
     assert_same(_host(emb.table, emb._state.tables), expected, exact=True)
 
 
+@pytest.mark.parametrize("operation", CACHE_OPERATIONS)
+def test_a_cached_step_stored_again_after_a_failure_keeps_the_rows_a_run_without_it_keeps(operation, rng,
+                                                                                        monkeypatch):
+    """The policy too: a store that failed counted the step's rows in the cache's sketch; stored
+    again, the step must not count them twice (its rows would outrank rows used as often, and
+    evict them where a run without the failure keeps them)."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, STEPS, "cpu")
+
+    def cached():
+        emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy",
+                                    cache_rows=20)
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+        opt = _rmsprop(emb.parameters())
+        emb.attach(opt)
+        return emb, opt
+
+    clean, clean_opt = cached()
+    for pos, neg, ctx in batches:
+        skipgram_loss(clean(pos), clean(neg), ctx).backward()
+        clean_opt.step()
+        clean_opt.zero_grad()
+    clean.flush()
+    emb, opt = cached()
+    _train_recovering(emb, opt, batches, FailingWriteBack(monkeypatch, operation), "retry")
+    torch.testing.assert_close(emb._cache.slot_row, clean._cache.slot_row, rtol=0, atol=0)
+    torch.testing.assert_close(emb._cache.score, clean._cache.score, rtol=0, atol=0)
+
+
 def _switchers_host(u, o):
     """The switchers' host tables, the cache's rows written back first (the switchers' own reads: a
     read through a table is refused in the middle of a step)."""

@@ -307,6 +307,7 @@ class RowCache:
 
     def _begin_step(self):
         self._step = dict.fromkeys(COUNTERS, 0)
+        self._counted = False  # whether a store counted the step's rows in the sketch (see store)
         self.restart_step()
 
     def restart_step(self):
@@ -672,7 +673,11 @@ class RowCache:
             self._pin(self.stamp)
             self._pinned = True
         # The step's use of its rows, counted once for all its fetches: one hashing, not one per lookup.
-        count = self.sketch.add(rows)
+        # A store tried again after one that failed reads the counts the first one added: counted
+        # twice, the step's rows would outrank rows as used and evict them where a run without
+        # the failure keeps them.
+        count = self.sketch.estimate(rows) if self._counted else self.sketch.add(rows)
+        self._counted = True
         if self._n_hits:
             hit_slot, hit_count = target, count  # all hits: no misses to leave out
             if self._n_misses:

@@ -69,14 +69,19 @@ class FrequencySketch:
     def add(self, rows: torch.Tensor) -> torch.Tensor:
         """Count one use of each of ``rows`` (int64, unique) in the current step.
 
+        All or nothing: everything it allocates is allocated before the
+        counters change, so a failure (out of memory) counts nothing.
+
         Returns:
             the rows' estimates including this use, as :meth:`estimate` would
             give them now (read while their counters are still in cache).
         """
         cells = self._cells(rows)
+        taken = torch.empty(cells.shape, dtype=self.counts.dtype, device=self.counts.device)
+        estimates = torch.empty(len(rows), dtype=self.counts.dtype, device=self.counts.device)
         self.counts.view(-1).index_add_(0, cells.view(-1), self._one.expand(cells.numel()),
                                         alpha=self.weight)
-        return torch.take(self.counts, cells).amin(0)
+        return torch.amin(torch.take(self.counts, cells, out=taken), 0, out=estimates)
 
     def estimate(self, rows: torch.Tensor) -> torch.Tensor:
         """The decayed use count of each of ``rows`` (never below the true one), float32."""
