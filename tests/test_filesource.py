@@ -1694,3 +1694,32 @@ def test_a_file_rewritten_in_place_with_another_header_between_loops_is_refused_
     fresh = ss.BatchFeeder(np.arange(n), np.load(path, mmap_mode="r"), batch_size=32, device="cpu")
     for ids, rows in fresh:  # what the message says to do
         np.testing.assert_array_equal(rows.numpy(), 2 * data[ids.numpy()])
+
+
+@pytest.mark.parametrize("cut", ["truncated", "saved with fewer rows"])
+def test_a_file_cut_short_between_loops_is_refused_before_the_loop_hands_a_batch(tmp_path, rng, cut):
+    # In random order the next loop handed out the batches whose rows the shorter file still held
+    # (68 of 512 here, the last row cut) and raised only at the first row past its end, mid-epoch.
+    path = tmp_path / "x.npy"
+    n = 4096
+    data = rng.standard_normal((n, 4)).astype(np.float32)
+    source = write(path, data)  # never read again here: its pages past the new end would be a SIGBUS
+    feeder = ss.BatchFeeder(np.arange(n), source, batch_size=8, order="random", seed=1, device="cpu")
+    for ids, rows in feeder:
+        np.testing.assert_array_equal(rows.numpy(), data[ids.numpy()])
+    if cut == "truncated":
+        os.truncate(path, os.path.getsize(path) - 4 * 4)  # the last row
+    else:  # another writer's np.save: same file, same header length, fewer rows
+        subprocess.run([sys.executable, "-c", f"import numpy as np; np.save({str(path)!r}, "
+                        f"np.ones(({n - 1}, 4), np.float32))"], check=True, timeout=120)
+    handed = []
+    with pytest.raises(ss.FileFormatError) as raised:
+        for ids, _ in feeder:
+            handed.append(ids)
+    assert len(handed) == 0, f"{len(handed)} of {len(feeder)} batches handed out before the error"
+    assert "too short for the 4,096 rows this feeder was built with" in str(raised.value)
+    state = feeder.state_dict()
+    assert (state["epoch"], state["batch"]) == (1, 0)  # nothing counted: the loop resumes there once restored
+    np.save(path, data)  # restored: the same feeder reads on
+    for ids, rows in feeder:
+        np.testing.assert_array_equal(rows.numpy(), data[ids.numpy()])

@@ -398,7 +398,8 @@ class BatchFeeder:
     windows of ``window * block_rows`` rows plus ``prefetch + 1`` batches,
     whatever the file's size; an order whose two windows would not fit in
     half the RAM available is refused when the feeder is built. A file truncated while it is read raises
-    :class:`~speedswap.FileFormatError`, and so does one written in place
+    :class:`~speedswap.FileFormatError` (one cut short between loops, as the next loop begins, before
+    it hands out a batch), and so does one written in place
     (its size or modification time changed since the loop opened it), at
     the first batch read after the write, rather than go on with a mix of
     old and new rows (a file written just before the loop opened it is read

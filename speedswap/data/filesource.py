@@ -183,6 +183,29 @@ def _settle(versions) -> None:
         time.sleep(wait / 1e9)
 
 
+def _check_long_enough(file, size) -> None:
+    """Refuse a file cut short since it was mapped, before a loop hands out any of its rows.
+
+    Otherwise a loop in ``random`` order hands out every batch whose rows the
+    shorter file still holds, and raises only at the first row past its end,
+    mid-epoch. A file cut during a loop is :meth:`_PoolReader._check_unchanged`'s.
+
+    Args:
+        file: the :class:`FileRows` of the source.
+        size: the file's size in bytes now.
+
+    Raises:
+        FileFormatError: the file ends before the last of the source's rows.
+    """
+    end = file.offset + file.num_rows * file.row_bytes
+    if size < end:
+        raise FileFormatError(
+            f"{file.path!r} is {size:,} bytes, too short for the {file.num_rows:,} rows this feeder was "
+            f"built with (bytes {file.offset:,} to {end:,}): it was truncated, or rewritten with fewer "
+            f"rows, since it was mapped. Restore the file to go on, or map it again "
+            f"(np.load(path, mmap_mode='r')) and build a new BatchFeeder over it")
+
+
 def _disk_error(file, exc, doing) -> FileFormatError:
     """A :class:`FileFormatError` naming the file for an OSError of the disk or file system (EIO).
 
@@ -270,6 +293,7 @@ class _PoolReader:
                 if identity(stat) != file.identity:  # replaced since checked
                     raise FileFormatError(f"{file.path!r} was replaced by another file while the "
                                           f"feeder opened it; iterate the feeder again")
+                _check_long_enough(file, stat.st_size)
                 self._versions.append(_version(stat))
                 os.posix_fadvise(self._fds[-1], 0, 0, advice)
             _settle(self._versions)
