@@ -2,7 +2,9 @@
 
 import contextlib
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -326,6 +328,32 @@ def test_a_mapped_file_truncated_after_opening_raises_not_sigbus(rng, tmp_path):
         gadget.get([4095])
 
 
+@pytest.mark.parametrize("rewrite, now", [(np.float64, "float64 (4,)"), (np.float32, "float32 (8,)")])
+def test_a_mapped_file_rewritten_in_place_with_another_header_is_refused_not_read_as_the_old_one(
+        rng, tmp_path, rewrite, now):
+    # np.save by another writer to the path truncates and rewrites the very file the gadget maps:
+    # get read the new bytes where the old header put its rows, float64 halves as float32 values.
+    path = tmp_path / "data.npy"
+    data = random_data(rng, (4096, 4))
+    np.save(path, data)
+    gadget = ss.DataGadget(path, mmap=True, backend="numpy")
+    np.testing.assert_array_equal(gadget.get([7, 4095]).numpy(), data[[7, 4095]])
+    gadget.put(-data[:2], [0, 1])  # writes through the map: the file changes, its header not
+    np.testing.assert_array_equal(gadget.get([1, 7]).numpy(), np.stack([-data[1], data[7]]))
+    new = random_data(rng, (4096, 4)).astype(rewrite).reshape(-1, *((8,) if rewrite is np.float32 else (4,)))
+    done = subprocess.run([sys.executable, "-c", f"import numpy as np, sys; np.save({str(path)!r}, "
+                           f"np.frombuffer(sys.stdin.buffer.read(), {new.dtype.str!r}).reshape({new.shape}))"],
+                          input=new.tobytes(), timeout=120)
+    assert done.returncode == 0
+    with pytest.raises(ss.FileFormatError, match=rf"rewritten in place with another .npy header.*now holds "
+                                                 rf"rows of {re.escape(now)}"):
+        gadget.get([7])
+    gadget.close()
+    fresh = ss.DataGadget(path, mmap=True, backend="numpy")  # what the message says to do
+    np.testing.assert_array_equal(fresh.get([7]).numpy(), new[[7]])
+    fresh.close()
+
+
 @pytest.mark.parametrize("change", ["removed", "replaced by a shorter file"])
 def test_a_mapped_file_removed_or_replaced_by_rename_still_gives_its_rows(rng, tmp_path, change):
     path = tmp_path / "data.npy"
@@ -551,7 +579,7 @@ def close_once_the_rows_are_read(monkeypatch):
     """Make every gadget's reads of rows close it from another thread once they are read.
 
     Returns:
-        the list that each read's ``(table, mapped)`` is appended to.
+        the list that each read's description with its table is appended to.
     """
     build, built = speedswap.data.gadget.DataGadget._build_table, []
 
@@ -576,7 +604,7 @@ def test_a_gadget_closed_while_its_first_use_reads_releases_the_rows_read(rng, t
     built = close_once_the_rows_are_read(monkeypatch)
     with pytest.raises(ss.StateError, match="closed"):
         gadget.get([0])
-    assert gadget.closed and built[0][0].closed  # the rows read are released, not held by the gadget
+    assert gadget.closed and built[0].table.closed  # the rows read are released, not held by the gadget
 
 
 def test_a_gadget_closed_while_a_load_reads_the_new_rows_holds_none_of_them(rng, tmp_path, monkeypatch):
@@ -591,7 +619,7 @@ def test_a_gadget_closed_while_a_load_reads_the_new_rows_holds_none_of_them(rng,
     built = close_once_the_rows_are_read(monkeypatch)
     with pytest.raises(ss.StateError, match="closed"):
         gadget.load(other)
-    assert gadget.closed and old.closed and built[0][0].closed  # neither the old rows nor the new are held
+    assert gadget.closed and old.closed and built[0].table.closed  # neither the old rows nor the new are held
     assert gadget.shape == (40, 3) and gadget.path == str(path)  # the data it held when closed
 
 

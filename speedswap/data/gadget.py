@@ -75,6 +75,8 @@ class _Held:
         table: the :class:`~speedswap.HostTable` once the rows are read, else None.
         mapped: the identity of the file a mapped table maps (``get`` checks it for
             truncation: the path may name another file later), else None.
+        seen: the file's version at which ``get`` last found its header unchanged
+            (:func:`~speedswap.files.check_mapped` keeps it).
     """
 
     path: Optional[str]
@@ -85,6 +87,7 @@ class _Held:
     dtype: torch.dtype
     table: Optional[HostTable] = None
     mapped: object = None
+    seen: list = dataclasses.field(default_factory=list)
 
 
 class DataGadget:
@@ -222,14 +225,14 @@ class DataGadget:
         if held.table is None:
             # Read outside the lock (a process forked mid-read must not inherit it held); the
             # first table installed is the gadget's, since another thread may write into it at once.
-            table, mapped = self._build_table(held)
+            built = self._build_table(held)
             with self._installing:
                 # Not over a load's data (read meanwhile from another file), nor once closed.
                 installed = self._held is held and not self._closed
                 if installed:
-                    self._held = dataclasses.replace(held, table=table, mapped=mapped)
+                    self._held = built
             if not installed:  # another thread's first use or load read the rows first, or close() came
-                table.close()
+                built.table.close()
             if self._closed:
                 raise StateError("this DataGadget was closed while its rows were read; build a new "
                                  "one to read the data again")
@@ -294,8 +297,8 @@ class DataGadget:
             return nbytes > RAM_SHARE * available_ram()
         return self._mmap
 
-    def _build_table(self, held):
-        """``(table, mapped)``: ``held``'s rows read into a new table, and the identity of the file it maps.
+    def _build_table(self, held) -> _Held:
+        """``held`` with its rows read into a new table; a mapped file's with its identity and the header mapped by.
 
         Args:
             held: a description without a table (:meth:`_describe`).
@@ -309,8 +312,9 @@ class DataGadget:
             mapped = isinstance(flat, np.memmap) and self._mmap is not False and adoptable
             shared = self._storage == "pageable" and self._mmap is not False and adoptable
             if mapped or shared:
-                return HostTable.adopt(flat, backend=self._backend), None
-            return HostTable.from_numpy(flat, storage=self._storage, backend=self._backend), None
+                return dataclasses.replace(held, table=HostTable.adopt(flat, backend=self._backend))
+            return dataclasses.replace(held, table=HostTable.from_numpy(flat, storage=self._storage,
+                                                                         backend=self._backend))
         header = files.read_npy_header(held.path)  # again: the file may have changed since then
         files.check_matches(header, held.header.shape, held.header.dtype, held.path)
         if self._wants_mmap(rows[0] * rows[1] * header.dtype.itemsize):
@@ -321,10 +325,11 @@ class DataGadget:
             # write the dataset on disk depending on the RAM free today.
             mode = "r+" if self._mmap is True and os.access(held.path, os.W_OK) else "r"
             array = files.map_npy(held.path, header, mode, rows)
-            # The file the map holds, which get() checks for truncation: the path may
-            # name another file later (removed, or replaced by a rename).
+            # The file the map holds, which get() checks for truncation and a new header: the path
+            # may name another file later (removed, or replaced by a rename).
             mapped = files.mapped_identity(array.ctypes.data) or files.identity(os.stat(held.path))
-            return HostTable.adopt(array, backend=self._backend), mapped
+            return dataclasses.replace(held, table=HostTable.adopt(array, backend=self._backend), mapped=mapped,
+                                       header=header)
         # Read into the table, not copied from a map: a file truncated meanwhile ends a read
         # early (FileFormatError), where a map's missing page is a SIGBUS.
         table = HostTable.empty(*rows, header.table_dtype, self._storage, self._backend)
@@ -333,7 +338,7 @@ class DataGadget:
         except BaseException:
             table.close()  # half-filled, and perhaps page-locked memory: not left to the collector
             raise
-        return table, None
+        return dataclasses.replace(held, table=table)
 
     # ------------------------------------------------------------ properties
     @property
@@ -405,13 +410,15 @@ class DataGadget:
         Raises:
             IdError, DTypeError, DeviceError: bad ids.
             FileFormatError: the file a gadget built from its path maps was
-                truncated since. A gadget built from a memory-mapped array you
+                truncated since, or rewritten in place with another header
+                (rows elsewhere, or of another dtype or shape). A gadget built from a memory-mapped array you
                 made cannot see its file: truncating that file under it ends
                 the process with SIGBUS, as it would for numpy.
         """
         with _InUse(self) as held:
             if held.path is not None and held.table.storage == "mmap":
-                files.check_size(held.path, held.header, held.mapped)  # not SIGBUS on a truncated file
+                # Not SIGBUS on a truncated file, nor its new bytes read where the old header put them.
+                files.check_mapped(held.path, held.header, held.mapped, held.seen)
             rows = held.table.gather(idx)
         return rows.view((*rows.shape[:-1], *held.row_shape))  # a tuple: () for one label
 
@@ -533,9 +540,9 @@ class DataGadget:
         # The gadget keeps describing its old data until the new rows are read and installed with
         # their description at once: a get meanwhile, or a load that fails, sees no mix of the two.
         held = self._describe(path)
-        table = None
+        built = None
         try:
-            table, mapped = self._build_table(held)
+            built = self._build_table(held)
             # Installed under close()'s lock: a gadget closed while the new rows were read must not
             # hold them (close() released the old ones and will not look again).
             with self._installing:
@@ -544,10 +551,10 @@ class DataGadget:
                                      "are released; build a new DataGadget over the file to read it")
                 # Installed before the old rows are closed: a flush of those that fails leaves the
                 # gadget holding the file it was asked to load, not old rows under the new shape.
-                old, self._held = self._held, dataclasses.replace(held, table=table, mapped=mapped)
+                old, self._held = self._held, built
         except BaseException:
-            if table is not None:
-                table.close()
+            if built is not None:
+                built.table.close()
             raise
         if old.table is not None:
             self._close_unused(old.table)

@@ -12,11 +12,11 @@ import numpy as np
 
 from ..atomic import (as_path, atomic_output, check_regular_file, check_writable_dir, opening_error,
                       rewrite_under_way, rewriting_error, saving_error, sync_new_name, temp_path)
-from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
+from ..errors import FileFormatError, MissingFileError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
 
-__all__ = ["read_npy_header", "check_size", "map_npy", "open_npy_memmap", "npy_data_bytes", "create_npy_memmap",
+__all__ = ["read_npy_header", "check_mapped", "map_npy", "open_npy_memmap", "npy_data_bytes", "create_npy_memmap",
            "read_npy_into", "read_npy_rows", "write_npy", "is_npy_torn", "mark_npy_torn"]
 
 #: Held while numpy parses a header. It parses with ast.literal_eval, and CPython 3.11's AST
@@ -174,12 +174,18 @@ def _file_bytes(header: "TableHeader") -> int:
     return header.offset + math.prod(header.shape) * header.dtype.itemsize
 
 
-def check_size(path, header: "TableHeader", mapped: tuple) -> None:
-    """Raise FileFormatError when the mapped ``.npy`` file is shorter than ``header`` says.
+def check_mapped(path, header: "TableHeader", mapped: tuple, seen: list) -> None:
+    """Raise FileFormatError when the mapped ``.npy`` file was cut short or rewritten with another header.
 
     Reading a memory-mapped page past the end of a truncated file kills the
     process with SIGBUS, so mapped readers check before they touch the pages
-    (a truncation between this check and the read can still crash).
+    (a truncation between this check and the read can still crash). A file
+    rewritten in place (``np.save`` to its path truncates and writes the
+    mapped file) with another header puts its rows elsewhere, or makes them
+    of another dtype or row shape: the map would read its bytes as the old
+    header placed them. The header is read again only when the file changed
+    (its size or times) since it was last found unchanged: a mapped file
+    nobody writes costs one ``stat``.
 
     Args:
         path: the path the file was mapped from.
@@ -188,6 +194,14 @@ def check_size(path, header: "TableHeader", mapped: tuple) -> None:
             ``path`` no longer names it (removed, replaced by a rename, or a
             directory on the way moved), the map alone holds that file, whole:
             there is nothing to check.
+        seen: the :func:`~speedswap.files.base.file_version` at which the
+            file's header was last found to be ``header``'s, a list of at most
+            one, updated here (empty: ``header.version``).
+
+    Raises:
+        FileFormatError: the file is shorter than ``header`` says, or its
+            header now puts the rows elsewhere or makes them of another dtype
+            or row shape (or is no ``.npy`` header any more).
     """
     need = _file_bytes(header)
     try:
@@ -201,6 +215,22 @@ def check_size(path, header: "TableHeader", mapped: tuple) -> None:
         raise FileFormatError(f"{os.fspath(path)!r} is {size:,} bytes but its header needs {need:,}: "
                               f"it was truncated after it was opened; restore it and rebuild the "
                               f"DataGadget")
+    version = base.file_version(stat)  # taken before the header is read: a write after it is checked next time
+    if version == (seen[0] if seen else header.version):
+        return
+    try:
+        now = read_npy_header(path, exact_size=False)
+    except MissingFileError:  # removed since the stat: the map alone holds the file, whole
+        return
+    if now.version[:2] != mapped:  # replaced by a rename since the stat: the map holds the old file
+        return
+    if (now.offset, now.dtype, now.shape[1:]) != (header.offset, header.dtype, header.shape[1:]):
+        raise FileFormatError(f"{os.fspath(path)!r} was rewritten in place with another .npy header since it "
+                              f"was mapped: the map reads rows of {header.dtype} {header.shape[1:]} from byte "
+                              f"{header.offset}, the file now holds rows of {now.dtype} {now.shape[1:]} from "
+                              f"byte {now.offset}, so the mapped rows are not the file's; build a new "
+                              f"DataGadget over it")
+    seen[:] = [version]
 
 
 def map_npy(path, header: "TableHeader", mode: str, shape=None) -> np.memmap:
