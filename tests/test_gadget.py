@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -328,6 +329,36 @@ def test_a_mapped_file_truncated_after_opening_raises_not_sigbus(rng, tmp_path):
         gadget.get([4095])
 
 
+_TRUNCATED_UNDER_A_GADGET = textwrap.dedent("""
+    import os, sys, numpy as np, speedswap as ss
+    path = sys.argv[1]
+    np.save(path, np.random.default_rng(int(sys.argv[2])).uniform(1, 2, (4096, 64)).astype(np.float32))
+    gadget = ss.DataGadget(path, mmap=True, backend="numpy")
+    gadget.get([4095])
+    os.truncate(path, os.path.getsize(path) // 2)
+    calls = {"put": lambda: gadget.put(np.ones((1, 64), np.float32), [4095]),
+             "save": lambda: gadget.save(path + ".copy.npy"),
+             "getNumpyVersion": gadget.getNumpyVersion}
+    for name, call in calls.items():
+        try:
+            call()
+        except ss.FileFormatError as exc:
+            print(name, "raised:", exc, flush=True)
+""")
+
+
+def test_every_call_on_a_mapped_file_truncated_after_opening_raises_not_sigbus(rng, tmp_path):
+    # Only get checked the file: a put into a row past the new end, a save or getNumpyVersion
+    # copying the rows, ended the process with SIGBUS.
+    path = tmp_path / "data.npy"
+    done = subprocess.run([sys.executable, "-c", _TRUNCATED_UNDER_A_GADGET, str(path), str(rng.integers(2**31))],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"exit status {done.returncode} (-7 is SIGBUS): {done.stderr}"
+    for name in ("put", "save", "getNumpyVersion"):
+        assert f"{name} raised:" in done.stdout and "truncated" in done.stdout, done.stdout + done.stderr
+    assert os.listdir(tmp_path) == ["data.npy"]  # the save wrote nothing
+
+
 @pytest.mark.parametrize("rewrite, now", [(np.float64, "float64 (4,)"), (np.float32, "float32 (8,)")])
 def test_a_mapped_file_rewritten_in_place_with_another_header_is_refused_not_read_as_the_old_one(
         rng, tmp_path, rewrite, now):
@@ -345,9 +376,11 @@ def test_a_mapped_file_rewritten_in_place_with_another_header_is_refused_not_rea
                            f"np.frombuffer(sys.stdin.buffer.read(), {new.dtype.str!r}).reshape({new.shape}))"],
                           input=new.tobytes(), timeout=120)
     assert done.returncode == 0
-    with pytest.raises(ss.FileFormatError, match=rf"rewritten in place with another .npy header.*now holds "
-                                                 rf"rows of {re.escape(now)}"):
-        gadget.get([7])
+    for call in (lambda: gadget.get([7]), lambda: gadget.put(data[:2], [0, 1])):
+        with pytest.raises(ss.FileFormatError, match=rf"rewritten in place with another .npy header.*now "
+                                                     rf"holds rows of {re.escape(now)}"):
+            call()
+    np.testing.assert_array_equal(np.load(path), new)  # the refused put wrote nothing into the new file
     gadget.close()
     fresh = ss.DataGadget(path, mmap=True, backend="numpy")  # what the message says to do
     np.testing.assert_array_equal(fresh.get([7]).numpy(), new[[7]])

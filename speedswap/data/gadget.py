@@ -73,9 +73,9 @@ class _Held:
         header: the file's header when it was opened, None for an array.
         row_shape, num_rows, dtype: the shape of a row, the rows, the table's torch dtype.
         table: the :class:`~speedswap.HostTable` once the rows are read, else None.
-        mapped: the identity of the file a mapped table maps (``get`` checks it for
-            truncation: the path may name another file later), else None.
-        seen: the file's version at which ``get`` last found its header unchanged
+        mapped: the identity of the file a mapped table maps (every call checks it
+            for truncation: the path may name another file later), else None.
+        seen: the file's version at which a call last found its header unchanged
             (:func:`~speedswap.files.check_mapped` keeps it).
     """
 
@@ -270,6 +270,9 @@ class DataGadget:
 
         Raises:
             StateError: the gadget is closed.
+            FileFormatError: the file a gadget built from its path maps was
+                truncated since, or rewritten in place with another header
+                (:func:`~speedswap.files.check_mapped`); ``use`` is held then.
         """
         self._live()  # the rows are read outside the lock
         with self._installing:
@@ -280,6 +283,10 @@ class DataGadget:
                 del self._users[ended]
             use.acquire()
             self._users[use] = (held.table, threading.get_ident())
+        if held.path is not None and held.table.storage == "mmap":
+            # Before any call touches the mapped rows: a page past the end of a truncated file is a SIGBUS
+            # (a get's read, a put's write, a save's copy), and a new header's rows are elsewhere.
+            files.check_mapped(held.path, held.header, held.mapped, held.seen)
         return held
 
     def _close_unused(self, table: HostTable) -> None:
@@ -325,8 +332,8 @@ class DataGadget:
             # write the dataset on disk depending on the RAM free today.
             mode = "r+" if self._mmap is True and os.access(held.path, os.W_OK) else "r"
             array = files.map_npy(held.path, header, mode, rows)
-            # The file the map holds, which get() checks for truncation and a new header: the path
-            # may name another file later (removed, or replaced by a rename).
+            # The file the map holds, which every call checks for truncation and a new header: the
+            # path may name another file later (removed, or replaced by a rename).
             mapped = files.mapped_identity(array.ctypes.data) or files.identity(os.stat(held.path))
             return dataclasses.replace(held, table=HostTable.adopt(array, backend=self._backend), mapped=mapped,
                                        header=header)
@@ -411,14 +418,12 @@ class DataGadget:
             IdError, DTypeError, DeviceError: bad ids.
             FileFormatError: the file a gadget built from its path maps was
                 truncated since, or rewritten in place with another header
-                (rows elsewhere, or of another dtype or shape). A gadget built from a memory-mapped array you
-                made cannot see its file: truncating that file under it ends
-                the process with SIGBUS, as it would for numpy.
+                (rows elsewhere, or of another dtype or shape). A gadget built
+                from a memory-mapped array you made cannot see its file:
+                truncating that file under it ends the process with SIGBUS,
+                as it would for numpy.
         """
         with _InUse(self) as held:
-            if held.path is not None and held.table.storage == "mmap":
-                # Not SIGBUS on a truncated file, nor its new bytes read where the old header put them.
-                files.check_mapped(held.path, held.header, held.mapped, held.seen)
             rows = held.table.gather(idx)
         return rows.view((*rows.shape[:-1], *held.row_shape))  # a tuple: () for one label
 
@@ -435,6 +440,7 @@ class DataGadget:
             DuplicateIdError: ``idx`` repeats an id.
             StateError: the data is read-only (a read-only file or array, or a
                 file mapped because it outgrew the RAM, without ``mmap=True``).
+            FileFormatError: as :meth:`get`; nothing is written.
         """
         with _InUse(self) as held:
             self._put(held, t, idx)
@@ -474,6 +480,7 @@ class DataGadget:
 
         Raises:
             StateError: the gadget is closed.
+            FileFormatError: as :meth:`get`.
         """
         with _InUse(self) as held:
             held.table.flush()
@@ -490,6 +497,7 @@ class DataGadget:
             PathError: ``path`` is the file the gadget maps, but the gadget
                 holds only part of it (a slice) or reads it as another dtype.
             StateError: the gadget is closed.
+            FileFormatError: as :meth:`get`; nothing is written.
         """
         if files.suffix_format(path) != "npy":
             raise OptionError(f"DataGadget saves .npy files; name the target *.npy, got {os.fspath(path)!r}")
@@ -573,6 +581,7 @@ class DataGadget:
 
         Raises:
             OptionError: ``copy`` is not a bool (as :meth:`HostTable.to_numpy`).
+            FileFormatError: as :meth:`get`.
         """
         with _InUse(self) as held:
             return held.table.to_numpy(copy=copy).reshape(held.num_rows, *held.row_shape)
