@@ -461,8 +461,8 @@ def as_id_tensor(ids, device, *, to=None, what="ids", num_rows=None):
             raise DeviceError(f"{what} are on {ids.device} but this table lives on "
                               f"{device}; move them with .to({str(device)!r})")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise DTypeError(f"{what} must be integers, got a tensor of {ids.dtype}; "
-                             f"convert with .long() if they are whole numbers")
+            raise _not_integers(what, f"a tensor of {ids.dtype}", ids.dtype == torch.bool, ".long()",
+                                "mask.nonzero().flatten()")
         if ids.is_quantized:  # torch cannot convert one to int64: its integers are a scaled code
             raise DTypeError(f"{what} must be integers, got a quantized tensor of {ids.dtype}; convert "
                              f"it with .int_repr().long() for its stored integers, or "
@@ -507,10 +507,29 @@ def as_id_tensor(ids, device, *, to=None, what="ids", num_rows=None):
         arr = arr.astype(np.int64)  # np.array([3, 7], dtype=object): ids like any others
     # kind, not np.issubdtype: numpy counts timedelta64 as an integer type.
     if arr.dtype.kind not in "iu":
-        raise DTypeError(f"{what} must be integers, got an array of {arr.dtype}; "
-                         f"convert with .astype(np.int64) if they are whole numbers")
+        raise _not_integers(what, f"an array of {arr.dtype}", arr.dtype == bool, ".astype(np.int64)",
+                            "np.flatnonzero(mask)")
     flat = _read_only(np.ascontiguousarray(arr.reshape(-1), dtype=np.int64))
     return _moved(flat, target), arr.shape
+
+
+def _not_integers(what, got, mask, cast, selected) -> DTypeError:
+    """The :class:`DTypeError` for ids that are not integers, with the conversion that fits them.
+
+    Whole numbers held as floats are cast. Bools are a mask (SpeedTorch's CuPy arrays took one as an
+    index): cast, True and False would be the ids 1 and 0, so the rows it selects are named instead.
+
+    Args:
+        what: how the ids are named.
+        got: what they are, for the message (``"an array of bool"``).
+        mask: whether they are bools.
+        cast: the cast of whole numbers (``".long()"``).
+        selected: the expression of the ids of the rows a mask selects.
+    """
+    if mask:
+        return DTypeError(f"{what} must be integers, got {got}: a mask, not row ids; pass the ids of the "
+                          f"rows it selects, {selected}")
+    return DTypeError(f"{what} must be integers, got {got}; convert with {cast} if they are whole numbers")
 
 
 def _beyond_int64(what, value, num_rows):

@@ -98,6 +98,30 @@ def test_pageable_array_is_shared_pinned_is_copied(rng):
     assert data[4].tolist() == [7.0, 7.0, 7.0]
 
 
+@pytest.mark.parametrize("as_type", ["numpy", "tensor", "list"])
+def test_a_boolean_mask_as_ids_is_refused_with_advice_that_selects_its_rows(as_type, rng):
+    # SpeedTorch's CuPy arrays took a mask as an index; here the error said to convert it with
+    # .astype(np.int64) / .long(), which makes the mask's True and False the ids 1 and 0: rows 1
+    # and 0, read or overwritten in place of the rows the mask selects.
+    data = random_data(rng, (10, 3))
+    gadget = ss.DataGadget(data.copy(), backend="numpy")
+    mask = np.zeros(10, dtype=bool)
+    mask[rng.choice(10, 3, replace=False)] = True
+    ids = {"numpy": mask, "tensor": torch.from_numpy(mask), "list": mask.tolist()}[as_type]
+    for call in (lambda: gadget.getData(ids), lambda: gadget.get(ids),
+                 lambda: gadget.insertData(torch.ones(3, 3), ids)):
+        with pytest.raises(ss.DTypeError, match="must be integers") as raised:
+            call()
+        message = str(raised.value)
+        assert "astype(np.int64)" not in message and ".long()" not in message, message
+        advice = re.search(r"np\.flatnonzero\(mask\)|mask\.nonzero\(\)\.flatten\(\)", message)
+        assert advice is not None, message
+        selected = (np.flatnonzero(mask) if advice.group() == "np.flatnonzero(mask)"
+                    else torch.from_numpy(mask).nonzero().flatten())
+        np.testing.assert_array_equal(gadget.get(selected).numpy(), data[mask])  # the advice selects its rows
+    np.testing.assert_array_equal(gadget.to_numpy(), data)
+
+
 def test_bad_puts_change_nothing(rng):
     data = random_data(rng, (40, 3))
     gadget = ss.DataGadget(data.copy(), backend="numpy")
