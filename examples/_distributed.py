@@ -6,36 +6,38 @@ Start one process per rank with torchrun (it sets the ``RANK``/``WORLD_SIZE``/
     torchrun --nproc-per-node 2 examples/word2vec.py --distributed
 
 Each rank owns ``1/W`` of every table's rows and of their Adam state
-(:class:`speedswap.ShardedOffloadedEmbedding`), reads its own share of every
-epoch (:class:`speedswap.BatchFeeder` takes rank and world size from
-``torch.distributed``), and trains on ``--batch-size / W`` pairs per step, so
-one step covers the same number of pairs as one process does. The ranks'
-gradients are averaged, as DDP averages them: the recommender's loss is a
-mean, so the average is one process's gradient; word2vec's is a sum over
-pairs (its ``--lr`` is per pair), so each rank's is multiplied by ``W``
-first, and a step moves the rows as one process's step on all the ranks'
-pairs would. The loss is reported per pair, over every rank's pairs, as the
-one-process run reports it.
+(:class:`speedswap.ShardedOffloadedEmbedding`) and trains ``--batch-size / W``
+of a step's examples, so one step covers what one process's step does. The
+recommender reads its own share of every epoch (:class:`speedswap.BatchFeeder`
+takes rank and world size from ``torch.distributed``). word2vec trains the
+one-process run's steps at any world size: every rank makes all of that
+run's pairs and negatives from ``--seed`` (this work is not split over the
+ranks) and trains a slice of each step's batch (:func:`_shares`), so
+``--distributed --steps N`` trains, on any number of ranks, the vectors
+``examples/word2vec.py --steps N --schedule constant`` trains, to float32
+rounding.
+The ranks' gradients are averaged, as DDP averages them: the recommender's
+loss is a mean, so the average is one process's gradient; word2vec's is a
+sum over pairs (its ``--lr`` is per pair), so each rank's is multiplied by
+``W`` first, and a step moves the rows as one process's step on all the
+ranks' pairs would. The loss is reported per pair, over every rank's pairs,
+as the one-process run reports it.
 """
 
 import os
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import speedswap as ss
 from speedswap.apps import word2vec
-from speedswap.apps.corpus import keep_probabilities, skipgram_pairs
+from speedswap.apps.pairs import PairChunks
 
 
 #: Optimizer steps when ``--steps`` is not given: the sharded run counts steps, not epochs.
 STEPS = 300
-
-#: Corpus tokens made into pairs at a time, so memory stays flat whatever the corpus's length.
-CHUNK_TOKENS = 1_000_000
 
 #: Values of the centre table drawn at a time (see centre_rows).
 CHUNK_VALUES = 1 << 20
@@ -85,41 +87,34 @@ def finish():
     os._exit(0)
 
 
-def _batches(corpus, args, per_rank, device):
-    """Endless (centres, contexts) batches: this rank's share of every chunk of the corpus.
+def _shares(stream, batch_size, rank, world, corpus_tokens):
+    """Endless (centres, contexts, negatives, pairs): this rank's share of each step the one-process run takes.
 
-    Every rank draws the same pairs (the same seed) and the feeder hands each
-    its own share, the same number of full batches on every rank
-    (``drop_last``). A chunk with fewer pairs than one batch per rank (the
-    corpus's short last chunk) is skipped, as every chunk's uneven tail is.
+    ``stream`` gives the one-process run's chunks (:class:`PairChunks`: every
+    pair and its negatives drawn from ``--seed``), which every rank makes
+    whole; each chunk is cut into batches of ``batch_size`` pairs (its last one
+    shorter), as :func:`speedswap.apps.word2vec.train` cuts it, and each rank
+    takes a contiguous slice of every batch, slices that differ by at most
+    one pair (none for some ranks in a batch of fewer pairs than ranks). So a
+    step trains the same pairs with the same negatives at any world size.
+    ``pairs`` is the whole batch's count. A chunk without pairs makes no
+    step, as in one process.
 
     Raises:
-        OptionError: a whole pass over the corpus makes fewer pairs than
-            one batch per rank (``--batch-size`` larger than the corpus's pairs).
+        OptionError: the first pass over the corpus made no pair (subsampling
+            kept no two words of a document): the run would wait for ever.
     """
-    rng = np.random.default_rng(args.seed)
-    keep = keep_probabilities(corpus.counts, args.subsample)
-    doc_id = np.searchsorted(corpus.doc_starts, np.arange(len(corpus.tokens)), side="right")
-    chunk, epoch, world = CHUNK_TOKENS, 0, dist.get_world_size()
-    while True:
-        most = 0  # the most pairs a chunk of this pass made
-        for start in range(0, len(corpus.tokens), chunk):
-            stop = min(start + chunk, len(corpus.tokens))
-            centres, contexts = skipgram_pairs(corpus.tokens[start:stop], doc_id[start:stop],
-                                               keep, args.window, rng)
-            most = max(most, len(centres))
-            # The feeder would refuse it (every rank's epoch empty); every rank skips it alike.
-            if len(centres) < per_rank * world:
-                continue
-            feeder = ss.BatchFeeder(centres, contexts, batch_size=per_rank, order="random",
-                                    drop_last=True, seed=args.seed + epoch, device=device)
-            yield from feeder
-        if most < per_rank * world:  # no batch this pass: the next ones would loop for ever
-            raise ss.OptionError(f"--batch-size {args.batch_size} is {per_rank:,} pairs per rank on {world} "
-                                 f"ranks, but a pass over the corpus made at most {most:,} (centre, "
-                                 f"context) pairs per chunk of {chunk:,} tokens, fewer than "
-                                 f"{per_rank * world:,}; give a smaller --batch-size or a longer corpus")
-        epoch += 1
+    read, paired = 0, False  # corpus tokens read; whether any chunk had pairs
+    for chunk in stream:
+        read, paired = read + chunk.tokens, paired or len(chunk.centres) > 0
+        if not paired and read >= corpus_tokens:
+            raise ss.OptionError(f"a pass over the corpus ({corpus_tokens:,} tokens) gave no skip-gram "
+                                 f"pairs: subsampling kept no two words of a document; lower --subsample "
+                                 f"(0 keeps every word) or give a longer corpus")
+        for start in range(0, len(chunk.centres), batch_size):
+            pairs = min(batch_size, len(chunk.centres) - start)
+            share = slice(start + pairs * rank // world, start + pairs * (rank + 1) // world)
+            yield chunk.centres[share], chunk.contexts[share], chunk.negatives[share], pairs
 
 
 def centre_rows(table, rows, seed):
@@ -159,7 +154,7 @@ def word2vec_sharded(args, corpus, backend):
     """
     device = ss.get_backend(backend).device
     rank, world = init(device)
-    per_rank = batch_per_rank(args.batch_size, world)
+    per_rank = -(-args.batch_size // world)  # the most pairs a rank's share of a step holds
 
     def table(name, max_rows):
         path = None if args.table_dir is None else f"{args.table_dir}/{name}"
@@ -177,25 +172,29 @@ def word2vec_sharded(args, corpus, backend):
     optimizer = optimizer_cls(model.parameters(), lr=lr)
     centre.attach(optimizer)
     context.attach(optimizer)
-    sampler = word2vec.NegativeSampler(corpus.counts, device, seed=args.seed * 1000 + rank)
-    batches = _batches(corpus, args, per_rank, device)
+    chunks = PairChunks(corpus, window=args.window, negatives=args.negatives, subsample=args.subsample,
+                        chunk_tokens=word2vec.CHUNK_TOKENS, seed=args.seed)
 
     steps = args.steps or STEPS
-    losses, start = [], time.perf_counter()
-    for step in range(steps):
-        centres, contexts = next(batches)
-        loss = model(centres, contexts, sampler((len(centres), args.negatives)))
-        optimizer.zero_grad()
-        # The rows' gradients are averaged over the ranks, as DDP averages; word2vec's loss sums its
-        # pairs' (lr is per pair), so W times each rank's loss averages to the sum over all ranks' pairs.
-        (loss * world).backward()
-        optimizer.step()  # gradients reach the rows' owners, which step them
-        if step % 20 == 0 or step == steps - 1:
-            # The loss is summed over a rank's pairs: the sum over every rank's, per pair.
-            total = torch.stack([loss.detach(), torch.tensor(float(len(centres)), device=loss.device)])
-            dist.all_reduce(total)
-            losses.append((step, float(total[0] / total[1])))
-            word2vec.check_finite_loss(losses[-1], per_rank * world, lr)  # the same sum on every rank: all stop
+    losses, pairs, start = [], 0, time.perf_counter()
+    # Made on a background thread, as in one process: an endless stream, which the loop stops.
+    with chunks.stream(1 << 30) as stream:
+        batches = _shares(stream, args.batch_size, rank, world, len(corpus.tokens))
+        for step in range(steps):
+            *ids, step_pairs = next(batches)
+            loss = model(*(t.to(device) for t in ids))
+            optimizer.zero_grad()
+            # The rows' gradients are averaged over the ranks, as DDP averages; word2vec's loss sums its
+            # pairs' (lr is per pair), so W times each rank's loss averages to the sum over all ranks' pairs.
+            (loss * world).backward()
+            optimizer.step()  # gradients reach the rows' owners, which step them
+            pairs += step_pairs
+            if step % 20 == 0 or step == steps - 1:
+                # The loss is summed over a rank's pairs: the sum over every rank's, per pair.
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append((step, float(total) / step_pairs))
+                word2vec.check_finite_loss(losses[-1], step_pairs, lr)  # the same sum on every rank: all stop
     seconds = time.perf_counter() - start
 
     # An eval forward is a collective too: rank 0 asks for every row, the others for none.
@@ -207,7 +206,7 @@ def word2vec_sharded(args, corpus, backend):
     if rank != 0:
         return None, None
     figures = {"world_size": world, "seconds": seconds, "losses": losses,
-               "pairs_per_second": steps * per_rank * world / seconds,
+               "pairs_per_second": pairs / seconds,
                "bytes_sent_per_step": float(sent) / steps,
                "host_bytes_rank0": ss.info()["host_bytes"] + ss.info()["file_bytes"]}
     print(f"{world} ranks: {figures['pairs_per_second']:,.0f} pairs/s, loss per pair "

@@ -4,7 +4,6 @@ Ranks are simulated by patching ``torch.distributed``'s rank and world size,
 as ``tests/test_feeder.py`` does: what a rank reads depends on nothing else.
 """
 
-import argparse
 import importlib.util
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 
 import speedswap as ss
 from speedswap.apps.corpus import synthetic_corpus
+from speedswap.apps.pairs import PairChunks
 from speedswap.train.exchange import row_bounds
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -35,24 +35,47 @@ def as_rank(monkeypatch, rank, world):
     monkeypatch.setattr(dist, "get_world_size", lambda: world)
 
 
-W2V_ARGS = argparse.Namespace(seed=0, subsample=1e-3, window=5, batch_size=65_536)
+def rows_of(centres, contexts, negatives):
+    """A batch's pairs, each ``(centre, context, *negatives)``, sorted: the batch as a multiset of pairs."""
+    return sorted(map(tuple, torch.cat([centres[:, None], contexts[:, None], negatives], dim=1).tolist()))
 
 
-def test_sharded_word2vec_batches_survive_a_short_last_chunk(monkeypatch):
-    """A corpus whose last chunk makes fewer pairs than one global batch trains on; it used to raise."""
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_sharded_word2vec_steps_are_the_one_process_steps_cut_between_the_ranks(world, seed):
+    """Each rank drew its negatives from ``--seed * 1000 + rank`` and read ``--batch-size / W`` pairs of
+    its own: the steps depended on the world size. Now every step is the one-process run's batch, its
+    negatives included, the ranks' slices differing by at most a pair; a chunk's short last batch trains,
+    as in one process (chunks of 1000, 1000 and 2 tokens: the last makes a step of 2 pairs, in which
+    some ranks get none)."""
     distributed = load_example("_distributed")
-    monkeypatch.setattr(distributed, "CHUNK_TOKENS", 1_000)
-    corpus = synthetic_corpus(200, 4, 2_050, seed=0)  # chunks of 1000, 1000 and 50 tokens
-    per_rank, world, steps = 256, 2, 40  # 40 steps: more than two passes over the corpus
+    corpus = synthetic_corpus(200, 4, 2_002, seed=seed)  # the last document: 2 words, so 2 pairs
+    chunks = PairChunks(corpus, window=5, negatives=3, subsample=0, chunk_tokens=1_000, seed=seed)
+    batch_size, steps = 1_001, 40  # 40 steps: more than two passes over the corpus
+    with chunks.batches(1 << 30, batch_size=batch_size) as planned:
+        expected = [next(b for b in planned if len(b)) for _ in range(steps)]
     shares = []
     for rank in range(world):
-        as_rank(monkeypatch, rank, world)
-        batches = distributed._batches(corpus, W2V_ARGS, per_rank, torch.device("cpu"))
-        shares.append([next(batches) for _ in range(steps)])
-    for step in range(steps):
-        # Every rank trains a full batch at every step, and the ranks' pairs at a step differ.
-        assert [len(share[step][0]) for share in shares] == [per_rank] * world
-        assert not torch.equal(shares[0][step][0], shares[1][step][0])
+        with chunks.stream(1 << 30) as stream:
+            batches = distributed._shares(stream, batch_size, rank, world, len(corpus.tokens))
+            shares.append([next(batches) for _ in range(steps)])
+    assert sum(len(batch) == 2 for batch in expected) >= 2
+    for step, batch in enumerate(expected):
+        ranks = [share[step] for share in shares]
+        assert [pairs for *_, pairs in ranks] == [len(batch)] * world
+        sizes = [len(centres) for centres, *_ in ranks]
+        assert sum(sizes) == len(batch) and max(sizes) - min(sizes) <= 1
+        union = [torch.cat(ids) for ids in zip(*(ids for *ids, _ in ranks))]
+        assert rows_of(*union) == rows_of(batch.centres, batch.contexts, batch.negatives)
+
+
+def test_sharded_word2vec_corpus_without_pairs_is_refused_after_one_pass():
+    """One-word documents give no pair: the ranks would wait for a step for ever."""
+    distributed = load_example("_distributed")
+    corpus = synthetic_corpus(50, 2, 400, doc_len=1, seed=0)
+    chunks = PairChunks(corpus, window=3, negatives=2, subsample=1e-3, chunk_tokens=150, seed=0)
+    with chunks.stream(1 << 30) as stream:
+        with pytest.raises(ss.OptionError, match=r"a pass over the corpus \(400 tokens\) gave no skip-gram pairs"):
+            next(distributed._shares(stream, 64, 0, 2, len(corpus.tokens)))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -72,16 +95,6 @@ def test_sharded_word2vec_starts_from_the_one_process_table_at_any_world_size(mo
         distributed.centre_rows(shard, range(bounds[rank], bounds[rank + 1]), seed)
         shards.append(shard.to_numpy())
     np.testing.assert_array_equal(np.concatenate(shards), one_process.to_numpy())
-
-
-def test_sharded_word2vec_batch_larger_than_the_corpus_names_the_option(monkeypatch):
-    """Not the feeder's ``drop_last`` nor a per-rank batch the user never gave: ``--batch-size``."""
-    distributed = load_example("_distributed")
-    corpus = synthetic_corpus(200, 4, 3_000, seed=0)  # a few thousand pairs
-    as_rank(monkeypatch, 0, 2)
-    with pytest.raises(ss.OptionError, match=r"--batch-size 65536") as raised:
-        next(distributed._batches(corpus, W2V_ARGS, 32_768, torch.device("cpu")))
-    assert "drop_last" not in str(raised.value)
 
 
 def test_a_world_size_smaller_than_the_group_says_the_rank_came_from_torch_distributed(monkeypatch):

@@ -43,11 +43,13 @@ from .pairs import NegativeSampler, PairBatch, PairChunks
 from .skipgram import SkipGram, manual_step
 
 __all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "check_finite_loss", "cores_granted", "cpu_threads", "DEFAULT_LR",
-           "topic_purity", "nearest_neighbours"]
+           "CHUNK_TOKENS", "topic_purity", "nearest_neighbours"]
 
 #: The default learning rate of each optimizer: word2vec's 0.025 per pair for SGD.
 DEFAULT_LR = {"sgd": 0.025, "adam": 0.01, "adamax": 0.01}
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamax": torch.optim.Adamax}
+#: Corpus tokens made into pairs at a time (:func:`train`'s default), so memory stays flat whatever the corpus's length.
+CHUNK_TOKENS = 1_000_000
 #: word2vec's floor for the decayed rate, as a share of the starting rate.
 _LR_FLOOR = 1e-4
 #: Seeds are below this: the pair thread seeds each epoch's negatives with ``seed * 100_003 + epoch``,
@@ -316,7 +318,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
           optimizer: str = "sgd", lr: Optional[float] = None, schedule: str = "linear",
           storage: str = "pinned", backend: str = "auto", directory: Optional[str] = None,
           speedtorch_api: bool = False, autograd: Optional[bool] = None, cache_rows: int = 0,
-          prefetch: bool = False, chunk_tokens: int = 1_000_000, seed: int = 0,
+          prefetch: bool = False, chunk_tokens: int = CHUNK_TOKENS, seed: int = 0,
           progress: bool = True) -> TrainResult:
     """Train skip-gram vectors with both tables in host memory.
 
