@@ -197,12 +197,14 @@ def word2vec_sharded(args, corpus, backend):
                 word2vec.check_finite_loss(losses[-1], step_pairs, lr)  # the same sum on every rank: all stop
     seconds = time.perf_counter() - start
 
+    # Each rank counts what it sent, so the sum is every rank's: read before the gather below, which
+    # sends rank 0 the whole table once and is no step's traffic. On the device: NCCL reduces GPU tensors only.
+    sent = torch.tensor([centre.bytes_sent + context.bytes_sent], dtype=torch.float64, device=device)
+    dist.all_reduce(sent)
     # An eval forward is a collective too: rank 0 asks for every row, the others for none.
     with torch.no_grad():
         wanted = torch.arange(corpus.vocab_size if rank == 0 else 0, device=device)
         vectors = centre(wanted).cpu().numpy()
-    sent = torch.tensor([centre.bytes_sent + context.bytes_sent], dtype=torch.float64, device=device)  # NCCL: GPU only
-    dist.all_reduce(sent)
     if rank != 0:
         return None, None
     figures = {"world_size": world, "seconds": seconds, "losses": losses,

@@ -6,6 +6,8 @@ run wraps around the corpus and trains the short last batch of a pass. The
 reference trains the same steps in memory with plain ``nn.Embedding`` tables.
 """
 
+import itertools
+import json
 import os
 import subprocess
 import sys
@@ -58,29 +60,58 @@ def finish(runs):
     return outputs
 
 
-def in_memory(seed):
-    """The centre vectors of the run's steps trained in memory: nn.Embedding tables, plain SGD.
+def one_process_steps(seed):
+    """The one-process run's first ``STEPS`` batches, ``(centres, contexts, negatives)`` each.
 
-    The steps are the one-process run's: ``PairChunks`` batches of ``BATCH`` pairs
-    (a chunk's last one shorter), the tables word2vec's start (centre uniform in
-    ``±0.5 / dim`` from a generator seeded with the seed, context zero).
+    Its pairs are ``PairChunks``' (one chunk a pass here), each chunk cut in
+    order into batches of ``BATCH`` pairs, its last one shorter (``Chunk.batches``).
     """
     corpus = synthetic_corpus(VOCAB, TOPICS, TOKENS, seed=seed)
+    chunks = PairChunks(corpus, window=WINDOW, negatives=NEGATIVES, subsample=SUBSAMPLE, chunk_tokens=1_000_000,
+                        seed=seed)
+    batches = (tuple(ids[start:start + BATCH] for ids in (chunk.centres, chunk.contexts, chunk.negatives))
+               for epoch in itertools.count() for chunk in chunks.epoch(epoch)
+               for start in range(0, len(chunk.centres), BATCH))
+    return list(itertools.islice(batches, STEPS))
+
+
+def in_memory(steps, seed):
+    """The centre vectors ``steps`` train in memory: nn.Embedding tables, plain SGD, word2vec's start.
+
+    The start: centre vectors uniform in ``±0.5 / dim`` from a generator seeded
+    with the seed, context vectors zero.
+    """
     centre, context = torch.nn.Embedding(VOCAB, DIM), torch.nn.Embedding(VOCAB, DIM)
     with torch.no_grad():
         centre.weight.uniform_(-0.5 / DIM, 0.5 / DIM, generator=torch.Generator().manual_seed(seed))
         context.weight.zero_()
     model = SkipGram(centre, context)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    chunks = PairChunks(corpus, window=WINDOW, negatives=NEGATIVES, subsample=SUBSAMPLE, chunk_tokens=1_000_000,
-                        seed=seed)
-    with chunks.batches(1 << 30, batch_size=BATCH) as batches:
-        steps = (batch for batch in batches if len(batch))
-        for _, batch in zip(range(STEPS), steps):
-            optimizer.zero_grad()
-            model(batch.centres, batch.contexts, batch.negatives).backward()
-            optimizer.step()
+    for batch in steps:
+        optimizer.zero_grad()
+        model(*batch).backward()
+        optimizer.step()
     return centre.weight.detach().numpy()
+
+
+def bytes_per_step(steps, world):
+    """What ``world`` ranks send each other a step, on average over ``steps``, counted as the README counts.
+
+    Rank ``r`` trains pairs ``[n * r // W, n * (r + 1) // W)`` of a step of ``n``;
+    rows belong to ranks as ``torch.tensor_split`` cuts them. For each distinct
+    row of a forward that another rank owns, a rank sends its id (8 bytes) and
+    its gradient, and the owner sends the row (``4 * DIM`` bytes each).
+    """
+    owner = torch.cat([torch.full((len(rows),), rank) for rank, rows in
+                       enumerate(torch.tensor_split(torch.arange(VOCAB), world))])
+    sent = 0
+    for centres, contexts, negatives in steps:
+        n = len(centres)
+        for rank in range(world):
+            share = slice(n * rank // world, n * (rank + 1) // world)
+            for ids in (centres[share], torch.cat([contexts[share, None], negatives[share]], dim=1)):
+                sent += int((owner[ids.unique()] != rank).sum()) * (8 + 2 * 4 * DIM)
+    return sent / len(steps)
 
 
 @pytest.mark.slow
@@ -89,7 +120,8 @@ def test_distributed_word2vec_trains_the_one_process_vectors_at_any_world_size(t
     ``--batch-size / W`` pairs: 1, 2 and 3 ranks trained three different models from one seed, none of them
     the one-process run's, and a batch size the world size did not divide was refused."""
     args = [*TINY, "--seed", seed, "--device", "cpu", "--quiet", "--distributed"]
-    runs = {world: start(world, tmp_path, [*args, "--save", tmp_path / f"{world}.npy"]) for world in (1, 2, 3)}
+    runs = {world: start(world, tmp_path, [*args, "--save", tmp_path / f"{world}.npy",
+                                           "--json", tmp_path / f"{world}.json"]) for world in (1, 2, 3)}
     one_process = subprocess.run([sys.executable, ROOT / "examples" / "word2vec.py", *map(str, TINY),
                                   "--seed", str(seed), "--device", "cpu", "--quiet", "--schedule", "constant",
                                   "--save", tmp_path / "one.npy"], cwd=ROOT, capture_output=True, text=True,
@@ -97,7 +129,8 @@ def test_distributed_word2vec_trains_the_one_process_vectors_at_any_world_size(t
                                  timeout=DEADLINE)
     assert one_process.returncode == 0, one_process.stdout + one_process.stderr
     finish(list(runs.values()))
-    expected = in_memory(seed)
+    steps = one_process_steps(seed)
+    expected = in_memory(steps, seed)
     start_table = torch.empty(VOCAB, DIM).uniform_(-0.5 / DIM, 0.5 / DIM,
                                                    generator=torch.Generator().manual_seed(seed)).numpy()
     assert np.abs(expected - start_table).max() > 0.1  # training moved the vectors: no run can pass untrained
@@ -107,3 +140,7 @@ def test_distributed_word2vec_trains_the_one_process_vectors_at_any_world_size(t
         np.testing.assert_allclose(np.load(tmp_path / f"{name}.npy"), expected, rtol=0,
                                    atol=1e-6 * np.abs(expected).max(),
                                    err_msg=f"{name} rank(s)" if name != "one" else "the one-process run")
+    # What the ranks sent each other: the training steps' rows, not rank 0's gather of the table at the end.
+    for world in (1, 2, 3):
+        reported = json.loads((tmp_path / f"{world}.json").read_text())["bytes_sent_per_step"]
+        assert reported == pytest.approx(bytes_per_step(steps, world), rel=1e-12), f"{world} rank(s)"
