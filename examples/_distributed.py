@@ -101,16 +101,17 @@ def _shares(stream, batch_size, rank, world, corpus_tokens):
     step, as in one process.
 
     Raises:
-        OptionError: the first pass over the corpus made no pair (subsampling
-            kept no two words of a document): the run would wait for ever.
+        OptionError: the first pass over the corpus made no pair (no document
+            kept two words): the run would wait for ever.
     """
     read, paired = 0, False  # corpus tokens read; whether any chunk had pairs
     for chunk in stream:
         read, paired = read + chunk.tokens, paired or len(chunk.centres) > 0
         if not paired and read >= corpus_tokens:
             raise ss.OptionError(f"a pass over the corpus ({corpus_tokens:,} tokens) gave no skip-gram "
-                                 f"pairs: subsampling kept no two words of a document; lower --subsample "
-                                 f"(0 keeps every word) or give a longer corpus")
+                                 f"pairs: no document kept two words (documents of one word, or "
+                                 f"subsampling dropped the others); lower --subsample (0 keeps every "
+                                 f"word) or give a corpus with longer documents")
         for start in range(0, len(chunk.centres), batch_size):
             pairs = min(batch_size, len(chunk.centres) - start)
             share = slice(start + pairs * rank // world, start + pairs * (rank + 1) // world)
