@@ -147,23 +147,18 @@ def centre_rows(table, rows, seed):
     table.apply_(fill)
 
 
-def word2vec_sharded(args, corpus, backend):
-    """Train skip-gram vectors with both tables sharded over the ranks; rank 0 reports.
+def _skipgram(args, corpus, backend, per_rank):
+    """The sharded tables, at word2vec's start as the one-process run draws it, and their optimizer.
 
     Returns:
-        ``(figures, centre vectors)`` on rank 0; ``(None, None)`` on the others.
+        ``(centre, context, model, optimizer, lr)``
     """
-    device = ss.get_backend(backend).device
-    rank, world = init(device)
-    per_rank = -(-args.batch_size // world)  # the most pairs a rank's share of a step holds
-
     def table(name, max_rows):
         path = None if args.table_dir is None else f"{args.table_dir}/{name}"
         return ss.ShardedOffloadedEmbedding(corpus.vocab_size, args.dim, max_rows=max_rows,
                                             storage=args.storage, backend=backend, path=path)
 
     centre, context = table("centre", per_rank), table("context", per_rank * (args.negatives + 1))
-    # word2vec's initialisation, as the one-process run draws it.
     centre_rows(centre.table, centre.row_range, args.seed)
     context.table.zero_()
     model = word2vec.SkipGram(centre, context)
@@ -173,14 +168,27 @@ def word2vec_sharded(args, corpus, backend):
     optimizer = optimizer_cls(model.parameters(), lr=lr)
     centre.attach(optimizer)
     context.attach(optimizer)
+    return centre, context, model, optimizer, lr
+
+
+def word2vec_sharded(args, corpus, backend):
+    """Train skip-gram vectors with both tables sharded over the ranks; rank 0 reports.
+
+    Returns:
+        ``(figures, centre vectors)`` on rank 0; ``(None, None)`` on the others.
+    """
+    device = ss.get_backend(backend).device
+    rank, world = init(device)
     chunks = PairChunks(corpus, window=args.window, negatives=args.negatives, subsample=args.subsample,
                         chunk_tokens=word2vec.CHUNK_TOKENS, seed=args.seed)
-
     steps = args.steps or STEPS
-    losses, pairs, start = [], 0, time.perf_counter()
-    # Made on a background thread, as in one process: an endless stream, which the loop stops.
+    # Started before the tables are built, as in one process, so that the first chunk is made
+    # meanwhile; an endless stream, which the loop stops.
     with chunks.stream(1 << 30) as stream:
+        # A rank's share of a step holds at most --batch-size / W pairs, rounded up.
+        centre, context, model, optimizer, lr = _skipgram(args, corpus, backend, -(-args.batch_size // world))
         batches = _shares(stream, args.batch_size, rank, world, len(corpus.tokens))
+        losses, pairs, start = [], 0, time.perf_counter()
         for step in range(steps):
             *ids, step_pairs = next(batches)
             loss = model(*(t.to(device) for t in ids))
