@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,10 +22,11 @@ from rendezvous import rendezvous_url
 from speedswap.apps.corpus import synthetic_corpus
 from speedswap.apps.pairs import PairChunks
 from speedswap.apps.skipgram import SkipGram
+from speedswap.apps.word2vec import CHUNK_TOKENS
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "example_rank.py"
-DEADLINE = 180  # seconds for all the runs, against a hang (a collective that hangs ends at gloo's timeout)
+DEADLINE = 180  # seconds for the ranks of all the runs, against a hang (a collective that hangs ends at gloo's timeout)
 
 #: About 2,600 pairs a pass, so 30 steps of 257 pairs make about three passes, each ending in a short batch.
 VOCAB, TOPICS, TOKENS, DIM, NEGATIVES, WINDOW, SUBSAMPLE, LR, STEPS = 100, 4, 1500, 16, 5, 5, 1e-3, 0.025, 30
@@ -34,7 +36,7 @@ TINY = ["--vocab", VOCAB, "--topics", TOPICS, "--tokens", TOKENS, "--dim", DIM, 
         "--window", WINDOW, "--subsample", SUBSAMPLE, "--lr", LR, "--steps", STEPS, "--batch-size", BATCH]
 
 
-def start(world, out, args):
+def launch(world, out, args):
     """Start ``examples/word2vec.py ARGS`` on ``world`` ranks: the processes."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     rendezvous = rendezvous_url(out)
@@ -44,9 +46,11 @@ def start(world, out, args):
 
 
 def finish(runs):
-    """Wait for every run's processes, killing all after :data:`DEADLINE`; fail on any that failed."""
+    """Wait for every run's processes, killing all after :data:`DEADLINE`; fail if any failed."""
+    deadline = time.monotonic() + DEADLINE
     try:
-        outputs = [[proc.communicate(timeout=DEADLINE)[0] for proc in procs] for procs in runs]
+        outputs = [[proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for proc in procs]
+                   for procs in runs]
     except subprocess.TimeoutExpired:
         pytest.fail(f"ranks still running after {DEADLINE} s: a collective hung")
     finally:
@@ -57,7 +61,6 @@ def finish(runs):
     for procs, output in zip(runs, outputs):
         for rank, (proc, text) in enumerate(zip(procs, output)):
             assert proc.returncode == 0, f"rank {rank} of {len(procs)} failed:\n{text[-3000:]}"
-    return outputs
 
 
 def one_process_steps(seed):
@@ -67,7 +70,7 @@ def one_process_steps(seed):
     order into batches of ``BATCH`` pairs, its last one shorter (``Chunk.batches``).
     """
     corpus = synthetic_corpus(VOCAB, TOPICS, TOKENS, seed=seed)
-    chunks = PairChunks(corpus, window=WINDOW, negatives=NEGATIVES, subsample=SUBSAMPLE, chunk_tokens=1_000_000,
+    chunks = PairChunks(corpus, window=WINDOW, negatives=NEGATIVES, subsample=SUBSAMPLE, chunk_tokens=CHUNK_TOKENS,
                         seed=seed)
     batches = (tuple(ids[start:start + BATCH] for ids in (chunk.centres, chunk.contexts, chunk.negatives))
                for epoch in itertools.count() for chunk in chunks.epoch(epoch)
@@ -120,8 +123,8 @@ def test_distributed_word2vec_trains_the_one_process_vectors_at_any_world_size(t
     ``--batch-size / W`` pairs: 1, 2 and 3 ranks trained three different models from one seed, none of them
     the one-process run's, and a batch size the world size did not divide was refused."""
     args = [*TINY, "--seed", seed, "--device", "cpu", "--quiet", "--distributed"]
-    runs = {world: start(world, tmp_path, [*args, "--save", tmp_path / f"{world}.npy",
-                                           "--json", tmp_path / f"{world}.json"]) for world in (1, 2, 3)}
+    runs = {world: launch(world, tmp_path, [*args, "--save", tmp_path / f"{world}.npy",
+                                            "--json", tmp_path / f"{world}.json"]) for world in (1, 2, 3)}
     one_process = subprocess.run([sys.executable, ROOT / "examples" / "word2vec.py", *map(str, TINY),
                                   "--seed", str(seed), "--device", "cpu", "--quiet", "--schedule", "constant",
                                   "--save", tmp_path / "one.npy"], cwd=ROOT, capture_output=True, text=True,
@@ -130,6 +133,7 @@ def test_distributed_word2vec_trains_the_one_process_vectors_at_any_world_size(t
     assert one_process.returncode == 0, one_process.stdout + one_process.stderr
     finish(list(runs.values()))
     steps = one_process_steps(seed)
+    assert any(len(centres) < BATCH for centres, *_ in steps)  # a pass's short last batch is among them
     expected = in_memory(steps, seed)
     start_table = torch.empty(VOCAB, DIM).uniform_(-0.5 / DIM, 0.5 / DIM,
                                                    generator=torch.Generator().manual_seed(seed)).numpy()
