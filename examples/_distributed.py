@@ -93,12 +93,22 @@ def _shares(stream, batch_size, rank, world, corpus_tokens):
     ``stream`` gives the one-process run's chunks (:class:`PairChunks`: every
     pair and its negatives drawn from ``--seed``), which every rank makes
     whole; each chunk is cut into batches of ``batch_size`` pairs (its last one
-    shorter), as :func:`speedswap.apps.word2vec.train` cuts it, and each rank
-    takes a contiguous slice of every batch, slices that differ by at most
-    one pair (none for some ranks in a batch of fewer pairs than ranks). So a
-    step trains the same pairs with the same negatives at any world size.
-    ``pairs`` is the whole batch's count. A chunk without pairs makes no
-    step, as in one process.
+    shorter), as :func:`speedswap.apps.word2vec.train` cuts it, and rank ``r``
+    takes pairs ``[n * r // W, n * (r + 1) // W)`` of a batch of ``n``: slices
+    that differ by at most one pair (none for some ranks in a batch of fewer
+    pairs than ranks). So a step trains the same pairs with the same
+    negatives at any world size. A chunk without pairs makes no step, as in
+    one process.
+
+    Args:
+        stream: the chunks of :meth:`PairChunks.stream`, pass after pass.
+        batch_size: ``--batch-size``: a step's pairs over all the ranks.
+        rank, world: this rank, and the world size.
+        corpus_tokens: the corpus's length (a pass's tokens).
+
+    Yields:
+        this rank's ``centres``, ``contexts`` and ``negatives`` of a step (CPU
+        tensors), and ``pairs``, the step's pairs over all the ranks.
 
     Raises:
         OptionError: the first pass over the corpus made no pair (no document
