@@ -638,6 +638,24 @@ def test_from_pretrained_refuses_rows_from_numpy_refuses_before_making_its_files
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("given", ["array", "npy file"])
+def test_from_pretrained_without_max_rows_says_what_it_is_before_making_its_files(given, rng, tmp_path):
+    """nn.Embedding.from_pretrained(rows) takes no max_rows, and the same call here raised Python's
+    bare TypeError ("missing 1 required keyword-only argument"), where the constructor says what
+    max_rows is and how to choose it."""
+    rows = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    source = rows
+    if given == "npy file":
+        source = tmp_path / "rows.npy"
+        np.save(source, rows)
+    with pytest.raises(ss.OptionError, match="OffloadedEmbedding needs max_rows=: the most distinct rows"):
+        ss.OffloadedEmbedding.from_pretrained(source, storage="mmap", path=tmp_path / "emb", backend="numpy")
+    assert not (tmp_path / "emb").exists()
+    with ss.OffloadedEmbedding.from_pretrained(source, max_rows=CAP, storage="mmap", path=tmp_path / "emb",
+                                               backend="numpy") as emb:
+        np.testing.assert_array_equal(emb.table.to_numpy(), rows)
+
+
 @pytest.mark.parametrize("freeze", ["False", "no", 0])
 def test_from_pretrained_refuses_a_freeze_that_is_not_a_bool_before_making_its_files(freeze, rng, tmp_path):
     """freeze="False" (read from a config file) is true to Python: the table was built and frozen,

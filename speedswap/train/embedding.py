@@ -256,8 +256,8 @@ class OffloadedEmbedding(RefusesConversion):
         self._table.watch_writes(self._prepare_table_write)
 
     @classmethod
-    def from_pretrained(cls, embeddings: Union[Rows, PathLike], freeze: bool = True, *, max_rows: int,
-                        **kwargs) -> "OffloadedEmbedding":
+    def from_pretrained(cls, embeddings: Union[Rows, PathLike], freeze: bool = True, *,
+                        max_rows: Optional[int] = None, **kwargs) -> "OffloadedEmbedding":
         """An embedding whose table starts as ``embeddings``, like ``nn.Embedding.from_pretrained``.
 
         Args:
@@ -267,7 +267,9 @@ class OffloadedEmbedding(RefusesConversion):
             freeze: as in ``nn.Embedding``: True leaves :attr:`weight` frozen,
                 so forwards read the table and nothing trains (no
                 :meth:`attach` needed); False trains it after :meth:`attach`.
-            max_rows: the working set's capacity (see the class).
+            max_rows: the working set's capacity (see the class); required, as
+                there (left out, it raises the class's ``OptionError`` saying what it is,
+                where ``nn.Embedding.from_pretrained`` takes none).
             **kwargs: the other arguments of the class (``storage``,
                 ``padding_idx``, ``backend``, ``cache_rows``, ...). ``dtype``
                 defaults to the rows' floating dtype. The padding row keeps its
@@ -287,7 +289,7 @@ class OffloadedEmbedding(RefusesConversion):
                 of another dtype than ``dtype``; an ``mmap`` table's file is
                 removed again (with ``overwrite=True``, the one it replaced
                 is gone too).
-            OptionError, PathError: as the class's constructor; ``freeze`` that
+            OptionError, PathError: as the class's constructor (``max_rows`` left out too); ``freeze`` that
                 is not a bool (``bool("False")`` is True: it would freeze the table);
                 an HDF5 path (``.h5``/``.hdf5``), which :meth:`load` reads.
         """
