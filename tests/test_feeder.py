@@ -606,6 +606,25 @@ def test_a_dataloader_keyword_is_refused_with_what_the_feeder_does_instead(rng, 
         ss.BatchFeeder(x, batch_size=2, device="cpu", **{keyword: value})
 
 
+def test_a_dataloader_or_dataset_given_as_a_source_is_refused_with_the_feeder_that_replaces_it(rng):
+    # BatchFeeder(loader) said only which types a source may be, leaving a DataLoader user to dig
+    # the arrays out. The advice now given, followed, hands out the loader's batches.
+    x = torch.from_numpy(rng.standard_normal((50, 3)).astype(np.float32))
+    y = torch.from_numpy(rng.integers(0, 5, 50))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    for given, advice in [(loader, "DataLoader's place: pass the arrays its dataset holds, as "
+                                   "ss.BatchFeeder(*loader.dataset.tensors, batch_size=...)"),
+                          (loader.dataset, "no per-row __getitem__: pass the arrays the dataset holds, as "
+                                           "ss.BatchFeeder(*dataset.tensors, batch_size=...)"),
+                          ([x, y], "np.asarray(...), or pass the arrays it holds as sources of their own")]:
+        with pytest.raises(ss.DTypeError, match=re.escape(advice)):
+            ss.BatchFeeder(given, batch_size=8, device="cpu")
+    feeder = ss.BatchFeeder(*loader.dataset.tensors, batch_size=8, order="sequential", device="cpu")
+    assert len(feeder) == len(loader)
+    for (xb, yb), (x_loaded, y_loaded) in zip(feeder, loader):
+        assert torch.equal(xb, x_loaded) and torch.equal(yb, y_loaded)
+
+
 def test_a_source_not_contiguous_whose_copy_would_not_fit_in_ram_is_refused_before_it_is_copied(
         monkeypatch, rng):
     # A column slice or a Fortran-order .npy of a file larger than RAM was copied into RAM

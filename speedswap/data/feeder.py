@@ -134,13 +134,29 @@ def _checked(source, what):
                          f"ss.DataGadget(path) or np.load(path, mmap_mode='r')")
     if not isinstance(source, (np.ndarray, torch.Tensor)):
         raise DTypeError(f"{what} is a {type(source).__name__}; sources must be numpy arrays, "
-                         f"memmaps, torch tensors, DataGadgets or HostTables")
+                         f"memmaps, torch tensors, DataGadgets or HostTables{_instead_of(source)}")
     # numpy has no bfloat16: its bits are held as int16 and the tensor views them back.
     bfloat16 = isinstance(source, torch.Tensor) and source.dtype == torch.bfloat16
     array = as_host_array(source.view(torch.int16) if bfloat16 else source, what)
     if not array.flags.c_contiguous:
         _check_copy_fits(array, what)
     return array, _row_bytes(array.shape, array.itemsize)
+
+
+def _instead_of(source) -> str:
+    """What to pass in place of a source that is no array, for what DataLoader users reach for; else ''."""
+    if isinstance(source, torch.utils.data.DataLoader):
+        return ("; the feeder takes the DataLoader's place: pass the arrays its dataset holds, as "
+                "ss.BatchFeeder(*loader.dataset.tensors, batch_size=...) for a TensorDataset")
+    if isinstance(source, torch.utils.data.Dataset):
+        # A Dataset's rows come one __getitem__ at a time, the per-row cost the feeder exists to avoid.
+        return ("; the feeder gathers each batch from arrays in one index, with no per-row __getitem__: "
+                "pass the arrays the dataset holds, as ss.BatchFeeder(*dataset.tensors, batch_size=...) "
+                "for a TensorDataset")
+    if isinstance(source, (list, tuple)):
+        return ("; convert it with np.asarray(...), or pass the arrays it holds as sources of their own: "
+                "ss.BatchFeeder(x, y, batch_size=...)")
+    return ""
 
 
 def _check_copy_fits(array, what):
