@@ -122,6 +122,22 @@ def test_a_boolean_mask_as_ids_is_refused_with_advice_that_selects_its_rows(as_t
     np.testing.assert_array_equal(gadget.to_numpy(), data)
 
 
+def test_a_dataloader_over_a_gadget_is_refused_with_what_reads_its_rows_and_that_works(rng, tmp_path):
+    # DataLoader(gadget) failed inside torch's fetcher with "'DataGadget' object is not subscriptable",
+    # which names neither get() nor BatchFeeder.
+    data = random_data(rng, (30, 2, 3))
+    np.save(tmp_path / "x.npy", data)
+    gadget = ss.DataGadget(str(tmp_path / "x.npy"), CPUPinn=True, backend="numpy")
+    advice = r"read a batch with gadget.get\(ids\) \(SpeedTorch: getData\(ids\)\), or iterate whole batches " \
+             r"with ss.BatchFeeder\(gadget, batch_size=...\)"
+    with pytest.raises(ss.DTypeError, match=advice):
+        next(iter(torch.utils.data.DataLoader(gadget, batch_size=8)))
+    ids = rng.permutation(30)[:8]
+    np.testing.assert_array_equal(gadget.get(ids).numpy(), data[ids])
+    feeder = ss.BatchFeeder(gadget, batch_size=8, order="sequential", device="cpu")
+    np.testing.assert_array_equal(torch.cat([rows for (rows,) in feeder]).numpy(), data)
+
+
 def test_bad_puts_change_nothing(rng):
     data = random_data(rng, (40, 3))
     gadget = ss.DataGadget(data.copy(), backend="numpy")

@@ -19,7 +19,7 @@ import weakref
 import numpy as np
 import torch
 
-from typing import Optional, Union
+from typing import NoReturn, Optional, Union
 
 from .. import files
 from ..atomic import PathLike, as_path
@@ -392,6 +392,19 @@ class DataGadget:
 
     def __len__(self):
         return self._held.num_rows
+
+    def __getitems__(self, idx) -> NoReturn:
+        """Refused: what a ``DataLoader`` over the gadget calls for each batch's rows.
+
+        Raises:
+            DTypeError: always, saying what reads the rows instead.
+        """
+        # torch's DataLoader fetches a batch through __getitems__ when a dataset has one, else one
+        # dataset[i] per row; without this, DataLoader(gadget) failed inside torch's fetcher with
+        # "'DataGadget' object is not subscriptable". No __getitem__: np.asarray would call it.
+        raise DTypeError("a DataGadget is no torch Dataset for a DataLoader to read row by row: read a "
+                         "batch with gadget.get(ids) (SpeedTorch: getData(ids)), or iterate whole "
+                         "batches with ss.BatchFeeder(gadget, batch_size=...), one gather each")
 
     def __repr__(self):
         held = self._held
