@@ -227,6 +227,15 @@ def other_dtype(d):
     return d / "float64.npy"
 
 
+def saved_with_suffix(d, suffix):
+    """``d / "vectors"``, with the file ``vectors<suffix>`` saved beside it (then ``emb.load("vectors")``)."""
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=CAP, backend="numpy")
+    emb.attach(torch.optim.Adam(emb.parameters()))
+    emb.save(d / f"vectors{suffix}")
+    emb.close()
+    return d / "vectors"
+
+
 def other_embedding_checkpoint(d, suffix=""):
     emb = ss.OffloadedEmbedding(ROWS + 1, DIM, max_rows=CAP, backend="numpy")
     emb.attach(torch.optim.Adam(emb.parameters()))
@@ -408,7 +417,10 @@ CASES = [
     ("embedding", lambda o, d: o.save(d / "emb.pt"), ss.OptionError, "no suffix"),
     ("embedding", lambda o, d: o.save(d / "nope" / "ckpt"), PathError, "does not exist"),
     ("embedding", lambda o, d: o.save(a_foreign_directory(d)), PathError, "not a speedswap"),
-    ("embedding", lambda o, d: o.load(d / "missing"), MissingFileError, "no checkpoint"),
+    ("embedding", lambda o, d: o.load(d / "missing"), MissingFileError, "missing'; check the path"),
+    # A path with no suffix is a directory checkpoint: the file saved beside it went unmentioned.
+    ("embedding", lambda o, d: o.load(saved_with_suffix(d, ".npy")), MissingFileError,
+     "vectors.npy' is a file: load that path, suffix included"),
     # Named the checkpoint's inner file (other/v000001/table.npy) and advised HostTable.load, which
     # loads no checkpoint: an embedding of the saved shape is what loads it.
     ("embedding", lambda o, d: o.load(other_embedding_checkpoint(d)), ss.FileFormatError,
@@ -457,6 +469,8 @@ CASES = [
     ("switchers", lambda o, d: o[0].load(other_shape(d)), ss.FileFormatError, "shape"),
     ("switchers", lambda o, d: o[0].save(d / "nope" / "t.npy"), PathError, "does not exist"),
     ("switchers", lambda o, d: o[1].load(d / "missing"), MissingFileError, "no checkpoint"),
+    ("switchers", lambda o, d: o[1].load(saved_with_suffix(d, ".h5")), MissingFileError,
+     "vectors.h5' is a file: load that path, suffix included"),
     ("switchers", lambda o, d: o[1].save(d / "state.pt"), ss.OptionError, "no suffix"),
     # Paths: None, a file descriptor or a list raised os.fspath's raw TypeError, a NUL byte its ValueError.
     ("table", lambda o, d: o.save(None), ss.DTypeError, "path must be a str or an os.PathLike"),

@@ -157,7 +157,11 @@ def current_version(path):
     if not os.path.isdir(path):
         if os.path.exists(path):
             raise PathError(f"{path!r} is a file; a directory checkpoint was expected")
-        hint = ""
+        # A path with no suffix names a directory: emb.load("vectors") after emb.save("vectors.npy")
+        # found no directory, and said only that.
+        beside = [path + suffix for suffix in (".npy", ".h5", ".hdf5") if os.path.isfile(path + suffix)]
+        hint = (f"; a path with no suffix names a directory checkpoint, and {beside[0]!r} is a file: "
+                f"load that path, suffix included" if beside else "; check the path")
         if os.path.isfile(os.path.join(path + ".old", _MANIFEST)):
             hint = (f"; an interrupted save of an older speedswap left the previous checkpoint "
                     f"at {path + '.old'!r}: rename it to {path!r}")
