@@ -842,6 +842,47 @@ def test_a_write_into_weight_between_steps_is_refused_at_the_next_forward(rng, w
         opt.zero_grad()
 
 
+def test_a_write_through_weight_data_before_attach_is_refused_there_and_the_advice_trains_as_in_memory(rng):
+    """``self.emb.weight.data.uniform_(-a, a)``, word2vec's initialisation in PyTorch code, keeps the
+    weight's version: it wrote the scratch unseen, and training started from the table's N(0, 1) rows,
+    silently (with them the vectors barely learn)."""
+    class SkipGram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = ss.OffloadedEmbedding(50, 4, max_rows=32, backend="numpy")
+            self.emb.weight.data.uniform_(-0.5 / 4, 0.5 / 4)
+
+    model = SkipGram()
+    emb, table = model.emb, model.emb.table.to_numpy(copy=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(ss.StateError, match=r"written through weight\.data before attach .* the table was not "
+                                            r"changed. Write the table instead: emb\.table\.uniform_\(-a, a\)"):
+        emb.attach(opt)
+    np.testing.assert_array_equal(emb.table.to_numpy(), table)
+    assert not opt.state
+    emb.table.uniform_(-0.5 / 4, 0.5 / 4)  # the advice; then attach goes on (said once)
+    emb.attach(opt)
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(emb.table.to_numpy(copy=True)), freeze=False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    assert np.abs(ref.weight.detach().numpy()).max() <= 0.5 / 4
+    for _ in range(5):
+        ids = torch.from_numpy(rng.zipf(1.3, 24) % 50)
+        ctx = torch.from_numpy(rng.standard_normal((24, 4), dtype=np.float32))
+        for lookup, optimizer in ((emb, opt), (ref, ref_opt)):
+            (lookup(ids) * ctx).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_new_scratch_storage_before_attach_is_no_write_through_weight_data():
+    """to_empty() gives weight uninitialised storage, which attach must not take for a user's write."""
+    emb = ss.OffloadedEmbedding(50, 4, max_rows=32, backend="numpy")
+    emb.weight.data = torch.full_like(emb.weight, 7.0)  # new storage, as to_empty()'s, sure to be non-zero
+    emb.to_empty(device="cpu")
+    emb.attach(torch.optim.SGD(emb.parameters(), lr=0.05))
+
+
 def test_a_state_dict_load_into_weight_is_not_taken_for_a_stray_write(rng):
     """The step after the load trains its rows as in-memory SGD does (the test only ran it: a step
     that raised failed it, one that trained nothing or the wrong rows passed)."""

@@ -54,6 +54,16 @@ _STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran
                               "_eval_with_grad", "_empty_sparse"})
 
 
+def _scratch_written(how: str) -> StateError:
+    """The refusal of a write into an embedding's ``weight``, made ``how``, which no row sees."""
+    return StateError(
+        f"emb.weight was written {how}, but it is only the working-set scratch of an "
+        f"OffloadedEmbedding: the table was not changed. Write the table instead: "
+        f"emb.table.uniform_(-a, a), emb.table.apply_(torch.nn.init.normal_, std=0.01), "
+        f"emb.load('vectors.npy'), or OffloadedEmbedding.from_pretrained(...); skip emb.weight in "
+        f"loops that initialise every parameter")
+
+
 class OffloadedEmbedding(RefusesConversion):
     """A drop-in ``nn.Embedding`` for tables larger than device memory.
 
@@ -242,6 +252,9 @@ class OffloadedEmbedding(RefusesConversion):
         # weight's version between steps: a write into the scratch then (nn.init.normal_(emb.weight))
         # reaches no row, and is refused at the next training forward (see _refuse_weight_writes).
         self._version_between_steps = self.weight._version
+        # A write through weight.data keeps that version; until the first attach the scratch is known
+        # to hold the zeros it was made with, so attach finds such a write (see _refuse_data_writes).
+        self._scratch_unused = True
         # weight's version when the step in progress began, if it holds no rows (None otherwise): the
         # optimizer's write into the scratch then is its own, not one to refuse (see _end_empty_step).
         self._empty_step = None
@@ -398,7 +411,10 @@ class OffloadedEmbedding(RefusesConversion):
             PathError: with ``storage="mmap"``, a file the new state would
                 replace exists and this embedding did not create it (and no
                 ``overwrite``). Nothing changes: the optimizer attached before stays.
-            StateError: a closed embedding, or between a training forward and the step.
+            StateError: a closed embedding, or between a training forward and the step;
+                at the first attach, a write into :attr:`weight` through ``weight.data``
+                since it was built (``emb.weight.data.uniform_(-a, a)``), which reached no row
+                (said once: the next attach goes on).
             OutOfMemoryError: the new state tables or the device cache do not
                 fit. Nothing changes: the new state is made before the old one
                 is released (attaching again needs room for both for a moment),
@@ -412,6 +428,7 @@ class OffloadedEmbedding(RefusesConversion):
         if self._step_in_flight():
             raise StateError("attach between a training forward and optimizer.step() would drop "
                              "the step's rows; attach between steps")
+        self._refuse_data_writes()
         # An unsupported optimizer, or a file the new state may not replace, is refused before
         # the old state is closed.
         check_state_files(optimizer, self.weight, self._storage, self._path, self._overwrite or self._created)
@@ -801,19 +818,35 @@ class OffloadedEmbedding(RefusesConversion):
         Between steps :attr:`weight` is scratch whose slots name no row, so
         ``nn.init.normal_(emb.weight)`` or ``emb.weight.copy_(pretrained)``
         changes nothing the model sees. (Writes through ``weight.data`` keep
-        the version and go unseen.)
+        the version: only :meth:`attach` finds one, made before the first step.)
 
         Raises:
             StateError: ``weight`` was written in place since the last step.
         """
         if self.weight._version != self._version_between_steps:
             self._version_between_steps = self.weight._version  # said once
-            raise StateError(
-                "emb.weight was written between steps (an initialiser, a copy_ into it), but it is "
-                "only the working-set scratch of an OffloadedEmbedding: the table was not changed. "
-                "Write the table instead: emb.table.apply_(torch.nn.init.normal_, std=0.01), "
-                "emb.load('vectors.npy'), or OffloadedEmbedding.from_pretrained(...); skip "
-                "emb.weight in loops that initialise every parameter")
+            raise _scratch_written("between steps (an initialiser, a copy_ into it)")
+
+    def _refuse_data_writes(self):
+        """Refuse the first :meth:`attach` after a write through ``weight.data``, which reached no row.
+
+        ``self.emb.weight.data.uniform_(-a, a)`` in a model's ``__init__`` is how
+        PyTorch code initialises word2vec's vectors; here it writes the scratch,
+        and training would start from the table's N(0, 1) rows. Such a write
+        keeps :attr:`weight`'s version, but until the first attach (before any
+        step) the scratch holds the zeros it was made with (``to_empty()``
+        replaces ``weight.data``, not them), so a value other than zero is one.
+        Said once. Costs one read of the scratch (on a GPU, one host wait) per
+        embedding.
+
+        Raises:
+            StateError: the scratch holds a value other than zero at the first attach.
+        """
+        if self._scratch_unused:
+            self._scratch_unused = False
+            if bool(self._full.any()):
+                raise _scratch_written("through weight.data before attach (emb.weight.data.uniform_(-a, a), "
+                                       "the usual word2vec initialisation)")
 
     def _step_in_flight(self) -> bool:
         """Whether training forwards hold rows for a step still to come (a step zero_grad() dropped holds none).
