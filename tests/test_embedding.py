@@ -875,6 +875,21 @@ def test_a_write_through_weight_data_before_attach_is_refused_there_and_the_advi
     np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-6, atol=1e-6)
 
 
+def test_a_table_left_unattached_is_named_by_its_sizes(rng):
+    """Of a model's several tables, the one not attached said only "call emb.attach(optimizer)"."""
+    items = ss.OffloadedEmbedding(60, 4, max_rows=16, backend="numpy")
+    users = ss.OffloadedEmbedding(30, 4, max_rows=16, padding_idx=0, backend="numpy")
+    opt = torch.optim.Adagrad([items.weight, users.weight], lr=0.1)
+    items.attach(opt)  # users forgotten
+    table = users.table.to_numpy(copy=True)
+    items(torch.from_numpy(rng.integers(0, 60, 8)))
+    with pytest.raises(ss.StateError, match=r"this OffloadedEmbedding\(30, 4, max_rows=16, storage='pinned', "
+                                            r"padding_idx=0\) has no optimizer attached: call emb\.attach"):
+        users(torch.from_numpy(rng.integers(0, 30, 8)))
+    np.testing.assert_array_equal(users.table.to_numpy(), table)
+    assert not len(users.working_rows)
+
+
 def test_new_scratch_storage_before_attach_is_no_write_through_weight_data():
     """to_empty() gives weight uninitialised storage, which attach must not take for a user's write."""
     emb = ss.OffloadedEmbedding(50, 4, max_rows=32, backend="numpy")

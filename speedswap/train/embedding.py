@@ -943,8 +943,11 @@ class OffloadedEmbedding(RefusesConversion):
     def _add_rows(self, ids):
         """Local ids (slots) of ``ids``, their rows gathered into the working set."""
         if self._state is None:
-            raise StateError("call emb.attach(optimizer) before training: the optimizer's "
-                             "step() is where the updated rows are written back")
+            # Named by its sizes: in a model of several tables, the one left out of the attach loop.
+            raise StateError(f"this {self!r} has no optimizer attached: call emb.attach(optimizer) "
+                             f"before training it, with the optimizer that holds its weight (each "
+                             f"offloaded embedding of a model is attached on its own): the optimizer's "
+                             f"step() is where the updated rows are written back")
         if in_backward():
             # Activation checkpointing runs the forward again inside the backward, after any
             # zero_grad() since its first run, whose rows are in the step: dropping the step here
