@@ -825,10 +825,12 @@ def test_from_pretrained_refuses_rows_that_are_not_a_table(rng):
     lambda w: torch.nn.init.normal_(w, std=0.01),
     lambda w: w.detach().copy_(torch.ones_like(w)),
 ], ids=["initialiser", "copy_into_detached"])
-def test_a_write_into_weight_between_steps_is_refused_at_the_next_forward(rng, write):
+@pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding], ids=lambda cls: cls.__name__)
+def test_a_write_into_weight_between_steps_is_refused_at_the_next_forward(rng, write, cls):
     """emb.weight is scratch between steps: writing it changes no row, so training would silently
-    ignore it (an init loop over model.parameters(), a copy of pretrained vectors)."""
-    emb = ss.OffloadedEmbedding(40, 3, max_rows=8, backend="numpy")
+    ignore it (an init loop over model.parameters(), a copy of pretrained vectors). A sharded
+    embedding's is the rows its rank owns in a step (one process here)."""
+    emb = cls(40, 3, max_rows=8, backend="numpy")
     opt = torch.optim.SGD(emb.parameters(), lr=0.1)
     emb.attach(opt)
     for _ in range(2):
@@ -842,14 +844,43 @@ def test_a_write_into_weight_between_steps_is_refused_at_the_next_forward(rng, w
         opt.zero_grad()
 
 
-def test_a_write_through_weight_data_before_attach_is_refused_there_and_the_advice_trains_as_in_memory(rng):
+@pytest.mark.parametrize("written", [False, True], ids=["own", "written_before"])
+@pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding], ids=lambda cls: cls.__name__)
+def test_a_step_without_rows_writes_the_scratch_as_its_own_and_keeps_a_write_before_it_refused(rng, cls, written):
+    """A step without rows on a zero gradient (zero_grad(set_to_none=False), no forward since) has
+    Adam step the scratch alone (weight decay moves it): that write is the embedding's own, and the
+    next forward goes on; a write into weight made before that step is still refused there."""
+    emb = cls(40, 3, max_rows=8, backend="numpy")
+    opt = torch.optim.Adam(emb.parameters(), lr=0.1, weight_decay=0.1)
+    emb.attach(opt)
+    ids = torch.from_numpy(rng.integers(0, 40, 6))
+    emb(ids).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    if written:
+        torch.nn.init.normal_(emb.weight)
+    version = emb.weight._version
+    opt.step()  # no forward since: a step without rows
+    assert emb.weight._version > version, "the step without rows did not write the scratch: nothing tested"
+    table = emb.table.to_numpy(copy=True)
+    if written:
+        with pytest.raises(ss.StateError, match=r"emb\.weight was written between steps"):
+            emb(ids)
+        np.testing.assert_array_equal(emb.table.to_numpy(), table)
+    emb(ids).pow(2).sum().backward()  # said once, or nothing to say: training goes on
+    opt.step()
+    assert not np.array_equal(emb.table.to_numpy(), table)
+
+
+@pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding], ids=lambda cls: cls.__name__)
+def test_a_write_through_weight_data_before_attach_is_refused_there_and_the_advice_trains_as_in_memory(rng, cls):
     """``self.emb.weight.data.uniform_(-a, a)``, word2vec's initialisation in PyTorch code, keeps the
     weight's version: it wrote the scratch unseen, and training started from the table's N(0, 1) rows,
     silently (with them the vectors barely learn)."""
     class SkipGram(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.emb = ss.OffloadedEmbedding(50, 4, max_rows=32, backend="numpy")
+            self.emb = cls(50, 4, max_rows=32, backend="numpy")
             self.emb.weight.data.uniform_(-0.5 / 4, 0.5 / 4)
 
     model = SkipGram()

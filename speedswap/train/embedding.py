@@ -39,6 +39,7 @@ from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_op
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
                         take_assigned)
+from .scratch_writes import ScratchWrites
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
 from .zero_marks import reads_as_zeroed
@@ -48,20 +49,10 @@ __all__ = ["OffloadedEmbedding"]
 #: The plain attributes a training step sets in every forward, backward and step. nn.Module's
 #: __setattr__ checks each name against the parameters, buffers and submodules (4 us a call;
 #: NOTES 47): these are never any of those, so they are set as on any object.
-_STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran", "_version_between_steps",
+_STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran",
                               "_version_at_backward", "_grad_at_backward", "_leftover", "_stale",
                               "_empty_step",
                               "_eval_with_grad", "_empty_sparse"})
-
-
-def _scratch_written(how: str) -> StateError:
-    """The refusal of a write into an embedding's ``weight``, made ``how``, which no row sees."""
-    return StateError(
-        f"emb.weight was written {how}, but it is only the working-set scratch of an "
-        f"OffloadedEmbedding: the table was not changed. Write the table instead: "
-        f"emb.table.uniform_(-a, a), emb.table.apply_(torch.nn.init.normal_, std=0.01), "
-        f"emb.load('vectors.npy'), or OffloadedEmbedding.from_pretrained(...); skip emb.weight in "
-        f"loops that initialise every parameter")
 
 
 class OffloadedEmbedding(RefusesConversion):
@@ -249,14 +240,11 @@ class OffloadedEmbedding(RefusesConversion):
         self.cache_rows, self._cache = cache_rows, None
         self._writeback = None  # an mmap embedding's: writes the cache back should it be dropped unclosed
         self._closed_stats = None  # what stats() reports once close() has released the cache
-        # weight's version between steps: a write into the scratch then (nn.init.normal_(emb.weight))
-        # reaches no row, and is refused at the next training forward (see _refuse_weight_writes).
-        self._version_between_steps = self.weight._version
-        # A write through weight.data keeps that version; until the first attach the scratch is known
-        # to hold the zeros it was made with, so attach finds such a write (see _refuse_data_writes).
-        self._scratch_unused = True
-        # weight's version when the step in progress began, if it holds no rows (None otherwise): the
-        # optimizer's write into the scratch then is its own, not one to refuse (see _end_empty_step).
+        # A write into the scratch between steps (nn.init.normal_(emb.weight)) reaches no row: refused
+        # at the next training forward, or (through weight.data, before it) at the first attach.
+        self._scratch_writes = ScratchWrites(self.weight)
+        # True while a step without rows is under way (None otherwise): the optimizer's write into the
+        # scratch then is its own, not one to refuse (see _end_empty_step).
         self._empty_step = None
         # The empty sparse gradient a step without rows hands SparseAdam for its dense zero one.
         self._empty_sparse = None
@@ -428,7 +416,7 @@ class OffloadedEmbedding(RefusesConversion):
         if self._step_in_flight():
             raise StateError("attach between a training forward and optimizer.step() would drop "
                              "the step's rows; attach between steps")
-        self._refuse_data_writes()
+        self._scratch_writes.refuse_written_through_data(self._full)  # as built: to_empty() may replace .data
         # An unsupported optimizer, or a file the new state may not replace, is refused before
         # the old state is closed.
         check_state_files(optimizer, self.weight, self._storage, self._path, self._overwrite or self._created)
@@ -645,7 +633,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._backward_ran = False
         self._stale = None
         self._eval_with_grad = False
-        self._version_between_steps = self.weight._version  # SAM may have perturbed the dropped step's
+        self._scratch_writes.note_own(self.weight)  # SAM may have perturbed the dropped step's
         self._reached.clear()
 
     def _gradient_zeroed(self) -> bool:
@@ -812,42 +800,6 @@ class OffloadedEmbedding(RefusesConversion):
         else:
             self._seen_rows = self._working_set.size
 
-    def _refuse_weight_writes(self):
-        """Refuse a step after a write into :attr:`weight` between steps, which reached no row.
-
-        Between steps :attr:`weight` is scratch whose slots name no row, so
-        ``nn.init.normal_(emb.weight)`` or ``emb.weight.copy_(pretrained)``
-        changes nothing the model sees. (Writes through ``weight.data`` keep
-        the version: only :meth:`attach` finds one, made before the first step.)
-
-        Raises:
-            StateError: ``weight`` was written in place since the last step.
-        """
-        if self.weight._version != self._version_between_steps:
-            self._version_between_steps = self.weight._version  # said once
-            raise _scratch_written("between steps (an initialiser, a copy_ into it)")
-
-    def _refuse_data_writes(self):
-        """Refuse the first :meth:`attach` after a write through ``weight.data``, which reached no row.
-
-        ``self.emb.weight.data.uniform_(-a, a)`` in a model's ``__init__`` is how
-        PyTorch code initialises word2vec's vectors; here it writes the scratch,
-        and training would start from the table's N(0, 1) rows. Such a write
-        keeps :attr:`weight`'s version, but until the first attach (before any
-        step) the scratch holds the zeros it was made with (``to_empty()``
-        replaces ``weight.data``, not them), so a value other than zero is one.
-        Said once. Costs one read of the scratch (on a GPU, one host wait) per
-        embedding.
-
-        Raises:
-            StateError: the scratch holds a value other than zero at the first attach.
-        """
-        if self._scratch_unused:
-            self._scratch_unused = False
-            if bool(self._full.any()):
-                raise _scratch_written("through weight.data before attach (emb.weight.data.uniform_(-a, a), "
-                                       "the usual word2vec initialisation)")
-
     def _step_in_flight(self) -> bool:
         """Whether training forwards hold rows for a step still to come (a step zero_grad() dropped holds none).
 
@@ -961,7 +913,7 @@ class OffloadedEmbedding(RefusesConversion):
         ws = self._working_set
         start = ws.size
         if start == 0:
-            self._refuse_weight_writes()
+            self._scratch_writes.refuse_written(self.weight)
             self._state.check_not_replaced()  # refused before a step begins, when emb.load still may run
         try:
             if start == 0 and self._padding_row is not None:
@@ -1058,7 +1010,8 @@ class OffloadedEmbedding(RefusesConversion):
             # step with rows refuses it.
             self._state.check_not_replaced()
             self._state.keep_scalar_state()  # the optimizer counts a step without rows too (Adam's step)
-            self._empty_step = self.weight._version
+            self._scratch_writes.begin_own(self.weight)  # the optimizer steps the scratch: its own write
+            self._empty_step = True
             self._sparse_gradient_for_empty_step()
             return
         stale = self._stale and self._stale()
@@ -1185,7 +1138,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._reached.clear()
         self._working_set.clear()
         self._backward_ran = False
-        self._version_between_steps = self.weight._version  # the optimizer wrote it in place
+        self._scratch_writes.note_own(self.weight)  # the optimizer wrote it in place
         grad = self.weight.grad
         self._leftover = None if grad is None else (weakref.ref(grad), grad._version)
 
@@ -1199,8 +1152,7 @@ class OffloadedEmbedding(RefusesConversion):
         (the next forward would take it for a ``load_state_dict()`` that
         replaced the tables' state).
         """
-        if self._empty_step == self._version_between_steps:
-            self._version_between_steps = self.weight._version
+        self._scratch_writes.end_own(self.weight)
         self._empty_step = None
         self._one_thread.hold(False)  # the step's claim (see _begin_step); this call's holds until it returns
         self._state.release()

@@ -53,6 +53,7 @@ from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_op
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
 from .reached import KeptRows, ReachedRows, in_backward, recomputed_on_engine_thread
 from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
+from .scratch_writes import ScratchWrites
 from .step_hooks import StepHooks
 from .sharded_checkpoint import all_unchanged, load_shards, ranks_on_this_machine, save_shards, stage_table_rows
 from .working_set import WorkingSet
@@ -304,6 +305,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self.weight = torch.nn.Parameter(
             torch.zeros(capacity, embedding_dim, dtype=compute, device=device), requires_grad=False)
         self._full = self.weight.data
+        # A write into the scratch between steps (nn.init.normal_(emb.weight)) reaches no row: refused
+        # at the next training forward, or (through weight.data, before it) at the first attach.
+        self._scratch_writes = ScratchWrites(self.weight)
         self._owned = WorkingSet(capacity, device)          # shard-local ids of owned rows
         self._looked_up = WorkingSet(                       # global ids this rank asked for
             max_rows, device,
@@ -452,6 +456,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """
         had_grad = self.weight.grad is not None
         self._new_step()
+        self._scratch_writes.note_own(self.weight)  # a step that failed in its optimizer wrote the scratch
         if had_grad:
             self._keep_zero_grad()
 
@@ -674,6 +679,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 old state is closed first, and a failure leaves it detached).
         """
         self._check_between_steps("attach")
+        self._scratch_writes.refuse_written_through_data(self._full)  # on this rank: attach is no collective
         # An unsupported optimizer, or a file the new state may not replace, is refused before
         # the old state is closed.
         check_state_files(optimizer, self.weight, self._storage, self._path, self._created)
@@ -801,6 +807,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 if unfinished is not None and not torch.equal(unfinished[0], flat.view(shape)):
                     unfinished = None  # another forward: the failed one's rows wait unreached (see _look_up)
                 if self._forwards == 0:
+                    # Raised on every rank, as bad input is: the ranks' forwards stay one collective.
+                    self._scratch_writes.refuse_written(self.weight)
                     self._check_optimizer_state()  # before a step begins, when emb.load still may run
                 # Each rank's count of the new rows rides in the working set's one read.
                 local, first_new, counts = self._looked_up.add(flat.view(shape), check_bounds, self._count_new)
@@ -1304,6 +1312,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._one_thread.hold(self._forwards > 0)  # a step without rows ends here (see _begin_step)
         if self._empty_counted:
             self._empty_counted = False
+            self._scratch_writes.end_own(self.weight)  # the retry begins it again
             self._state.release()  # torch may have made its per-row state for the scratch
             self._state.undo_scalar_state()  # the optimizer may have counted the step before it raised
         if self._narrowed is not None:
@@ -1357,6 +1366,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             # zero one torch steps on the scratch (Adam counts the step, as in memory).
             if self._leftover_unchanged():
                 raise StateError(_GRADIENT_LEFT)
+            self._scratch_writes.begin_own(self.weight)  # the optimizer may step the scratch: its own write
             if self._holds_kept_zero():
                 self._state.check_not_replaced()  # the scratch must be this state's, as at any step
                 self._state.keep_scalar_state()  # the optimizer counts a step without rows too
@@ -1433,6 +1443,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     def _end_step(self):
         if self._forwards == 0:
             self._one_thread.hold(False)  # the claim of a step without rows (see _begin_step)
+            self._scratch_writes.end_own(self.weight)
             self._empty_counted = False
             if self._empty_sparse is not None or self._holds_kept_zero():
                 # A step on the zero gradient alone (Adam counted it, as in memory) stepped the
@@ -1472,6 +1483,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         stepped = self.weight.grad is not None  # None where no backward reached the step on any rank
         zero = self._holds_kept_zero()  # a step on the kept zero gradient alone: it stays zeros, as in memory
         self._new_step()
+        self._scratch_writes.note_own(self.weight)  # the optimizer wrote it in place
         if zero:
             self._keep_zero_grad()
         elif stepped:
