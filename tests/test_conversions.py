@@ -50,11 +50,15 @@ def test_embedding_refuses_a_conversion_before_anything_converts_and_keeps_train
     conversions = [model.double, model.half, model.bfloat16, lambda: model.to(torch.float64),
                    lambda: model.to(dtype=torch.float16), lambda: model.type(torch.float64),
                    lambda: model.to("meta"), lambda: model.to_empty(device="meta")]
-    for convert in conversions:
+    # The example of converting the rest alone converts as the call did (it said .double() after a .half()).
+    examples = ["torch.float64", "torch.float16", "torch.bfloat16", "torch.float64", "torch.float16",
+                "torch.float64", "'meta'", "'meta'"]
+    for convert, example in zip(conversions, examples):
         with pytest.raises(ss.OptionError, match="cannot be converted") as refused:
             convert()
         assert_unchanged(model, before)
         assert "converted already" not in str(refused.value)
+        assert f"(e.g. model.head.to({example}))" in str(refused.value)
     model.float()           # what it already is: fine
     model.to("cpu")
     assert_unchanged(model, before)

@@ -143,8 +143,10 @@ def refuse_conversion(kind: str, fn, weight: torch.Tensor, table_dtype: torch.dt
     probe = fn(torch.zeros(1, dtype=weight.dtype, device=weight.device))
     if (probe.dtype, probe.device) == (weight.dtype, weight.device):
         return
-    unchanged = ("Nothing was converted: convert the other submodules one by one "
-                 "(e.g. model.head.double()), leaving the embedding as it is")
+    # The example converts as the call did: model.head.double() after a .half() sent users the wrong way.
+    to = f"{probe.dtype}" if probe.dtype != weight.dtype else repr(str(probe.device))
+    unchanged = (f"Nothing was converted: convert the other submodules one by one "
+                 f"(e.g. model.head.to({to})), leaving the embedding as it is")
     if probe.device == weight.device and probe.dtype == table_dtype:
         # A bfloat16 table trains through a float32 weight: "build it with dtype=" would send
         # the user to what they did already.
