@@ -234,9 +234,9 @@ def word2vec_sharded(args, corpus, backend):
           f"{losses[0][1]:.3f} -> {losses[-1][1]:.3f}, "
           f"{figures['bytes_sent_per_step'] / 1024:.1f} KiB exchanged per step (all ranks)")
     if corpus.topics is not None:
-        purity, chance = word2vec.topic_purity(vectors, corpus)
-        figures.update(topic_purity=purity, chance=chance)
-        print(f"topic purity {purity:.3f} (chance {chance:.3f})")
+        purity, line = word2vec.purity_report(vectors, corpus)
+        figures.update(purity)
+        print(f"topic purity {line}")
     return figures, vectors
 
 

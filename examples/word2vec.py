@@ -290,9 +290,9 @@ def main(argv=None):
             ("words/s", f"{result.words_per_second:,.0f}  ({figures['pairs_per_second']:,.0f} pairs/s)"),
             ("loss per pair", f"{result.losses[0][1]:.3f} -> {result.losses[-1][1]:.3f}")]
     if corpus.topics is not None:
-        purity, chance = word2vec.topic_purity(result.vectors, corpus)
-        figures.update(topic_purity=purity, chance=chance)
-        rows.append(("topic purity", f"{purity:.3f}  (chance {chance:.3f})"))
+        purity, line = word2vec.purity_report(result.vectors, corpus)
+        figures.update(purity)
+        rows.append(("topic purity", line))
     quality_rows, quality = evaluate_vectors(args, result.vectors, corpus)
     figures.update(quality)
     rows += quality_rows

@@ -230,6 +230,23 @@ def test_topic_purity_is_chance_for_random_vectors_and_one_for_planted_ones(rng)
     assert word2vec.topic_purity(planted, corpus)[0] == 1.0
 
 
+def test_a_corpus_too_short_to_score_purity_ends_no_report(rng):
+    """The examples scored purity after training and raised there for a short corpus (seed 777 of
+    100 words x 1,500 tokens, as tests/test_distributed_word2vec.py draws one in ~1,000: ten words
+    occur 20+ times), losing the run's report: the report now says it was not scored."""
+    short = synthetic_corpus(vocab=100, topics=4, tokens=1500, seed=777)
+    vectors = rng.standard_normal((100, 8))
+    with pytest.raises(ss.OptionError, match="only 10 words occur 20"):
+        word2vec.topic_purity(vectors, short)
+    assert word2vec.purity_report(vectors, short) == (
+        {}, "not scored: only 10 words occur 20+ times; make the corpus longer to score topic purity")
+    corpus = synthetic_corpus(vocab=600, topics=6, tokens=60_000, seed=1)
+    vectors = rng.standard_normal((600, 16))
+    purity, chance = word2vec.topic_purity(vectors, corpus)
+    assert word2vec.purity_report(vectors, corpus) == (
+        {"topic_purity": purity, "chance": chance}, f"{purity:.3f}  (chance {chance:.3f})")
+
+
 def test_training_refuses_a_corpus_without_pairs_and_bad_run_lengths(tmp_path):
     (tmp_path / "text").write_text("a\nb\na\n")  # one-word documents: no window holds two words
     lonely = read_text_corpus(tmp_path / "text")

@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -43,7 +43,7 @@ from .pairs import NegativeSampler, PairBatch, PairChunks
 from .skipgram import SkipGram, manual_step
 
 __all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "check_finite_loss", "cores_granted", "cpu_threads", "DEFAULT_LR",
-           "CHUNK_TOKENS", "topic_purity", "nearest_neighbours"]
+           "CHUNK_TOKENS", "topic_purity", "purity_report", "nearest_neighbours"]
 
 #: The default learning rate of each optimizer: word2vec's 0.025 per pair for SGD.
 DEFAULT_LR = {"sgd": 0.025, "adam": 0.01, "adamax": 0.01}
@@ -593,3 +593,21 @@ def topic_purity(vectors: np.ndarray, corpus: Corpus, *, words: int = 1000, k: i
     sizes = np.bincount(topic).astype(np.float64)
     chance = float((sizes * (sizes - 1)).sum() / (len(scored) * (len(scored) - 1)))
     return purity, chance
+
+
+def purity_report(vectors: np.ndarray, corpus: Corpus) -> Tuple[dict, str]:
+    """:func:`topic_purity` for a run's report, which a corpus too short to score does not end.
+
+    Args:
+        vectors: the trained centre vectors.
+        corpus: a synthetic corpus (with planted topics).
+
+    Returns:
+        ``({"topic_purity": ..., "chance": ...}, "0.912  (chance 0.251)")``;
+        ``({}, "not scored: ...")`` when too few words occur often enough to score.
+    """
+    try:
+        purity, chance = topic_purity(vectors, corpus)
+    except ss.OptionError as exc:  # raised after training: the run's other figures still stand
+        return {}, f"not scored: {exc}"
+    return {"topic_purity": purity, "chance": chance}, f"{purity:.3f}  (chance {chance:.3f})"
