@@ -161,7 +161,8 @@ def test_read_text_corpus_ranks_words_and_keeps_lines_apart(tmp_path):
 
 def _read_as_string_lists(path, vocab=None, min_count=1):
     """The corpus reader as it was, every line a list of strings (1.8 GB for text8): the reference."""
-    with open(path, encoding="utf-8") as f:
+    # utf-8-sig: a byte-order mark opening the file is no text, as read_text_corpus reads it.
+    with open(path, encoding="utf-8-sig") as f:
         lines = [line.split() for line in f]
     counter = collections.Counter(word for line in lines for word in line)
     ranked = sorted((item for item in counter.items() if item[1] >= min_count),
