@@ -11,8 +11,9 @@ of a step's examples, so one step covers what one process's step does. The
 recommender reads its own share of every epoch (:class:`speedswap.BatchFeeder`
 takes rank and world size from ``torch.distributed``). word2vec trains the
 one-process run's steps at any world size: every rank makes all of that
-run's pairs and negatives from ``--seed`` (this work is not split over the
-ranks) and trains a slice of each step's batch (:func:`_shares`), so
+run's pairs from ``--seed`` (this work is not split over the ranks), trains
+a slice of each step's batch (:func:`_shares`) and draws the negatives of
+its slice only, the ones that run draws for those pairs, so
 ``--distributed --steps N`` trains, on any number of ranks, the vectors
 ``examples/word2vec.py --steps N --schedule constant`` trains, to float32
 rounding.
@@ -91,14 +92,16 @@ def _shares(stream, batch_size, rank, world, corpus_tokens):
     """Endless (centres, contexts, negatives, pairs): this rank's share of each step the one-process run takes.
 
     ``stream`` gives the one-process run's chunks (:class:`PairChunks`: every
-    pair and its negatives drawn from ``--seed``), which every rank makes
-    whole; each chunk is cut into batches of ``batch_size`` pairs (its last one
-    shorter), as :func:`speedswap.apps.word2vec.train` cuts it, and rank ``r``
-    takes pairs ``[n * r // W, n * (r + 1) // W)`` of a batch of ``n``: slices
-    that differ by at most one pair (none for some ranks in a batch of fewer
-    pairs than ranks). So a step trains the same pairs with the same
-    negatives at any world size. A chunk without pairs makes no step, as in
-    one process.
+    pair drawn from ``--seed``), which every rank makes whole; each chunk is
+    cut into batches of ``batch_size`` pairs (its last one shorter), as
+    :func:`speedswap.apps.word2vec.train` cuts it, and rank ``r`` takes pairs
+    ``[n * r // W, n * (r + 1) // W)`` of a batch of ``n``: slices that
+    differ by at most one pair (none for some ranks in a batch of fewer
+    pairs than ranks), and draws their negatives only
+    (:meth:`~speedswap.apps.pairs.Chunk.pairs`: the ones one process draws
+    for those pairs). So a step trains the same pairs with the same
+    negatives at any world size, and each rank draws ``1/W`` of them. A
+    chunk without pairs makes no step, as in one process.
 
     Args:
         stream: the chunks of :meth:`PairChunks.stream`, pass after pass.
@@ -124,8 +127,7 @@ def _shares(stream, batch_size, rank, world, corpus_tokens):
                                  f"word) or give a corpus with longer documents")
         for start in range(0, len(chunk.centres), batch_size):
             pairs = min(batch_size, len(chunk.centres) - start)
-            share = slice(start + pairs * rank // world, start + pairs * (rank + 1) // world)
-            yield chunk.centres[share], chunk.contexts[share], chunk.negatives[share], pairs
+            yield (*chunk.pairs(start + pairs * rank // world, start + pairs * (rank + 1) // world), pairs)
 
 
 def centre_rows(table, rows, seed):

@@ -5,6 +5,8 @@ as ``tests/test_feeder.py`` does: what a rank reads depends on nothing else.
 """
 
 import importlib.util
+import itertools
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ import torch
 
 import speedswap as ss
 from speedswap.apps.corpus import synthetic_corpus
-from speedswap.apps.pairs import PairChunks
+from speedswap.apps.pairs import NegativeSampler, PairChunks
 from speedswap.train.exchange import row_bounds
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -66,6 +68,28 @@ def test_sharded_word2vec_steps_are_the_one_process_steps_cut_between_the_ranks(
         assert sum(sizes) == len(batch) and max(sizes) - min(sizes) <= 1
         union = [torch.cat(ids) for ids in zip(*(ids for *ids, _ in ranks))]
         assert rows_of(*union) == rows_of(batch.centres, batch.contexts, batch.negatives)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_sharded_word2vec_rank_draws_the_negatives_of_its_own_pairs_only(world, seed, monkeypatch):
+    """Every rank drew all of each chunk's negatives, the one-process run's, and kept its share: 2 ranks
+    trained 0.39x the pairs/s of 2 ranks drawing their own (NOTES 78). Now a rank draws the negatives
+    of the pairs it trains, 1/W of them (steps of 1,001 pairs, chunks of about 6,000)."""
+    distributed = load_example("_distributed")
+    corpus = synthetic_corpus(200, 4, 4_000, seed=seed)
+    chunks = PairChunks(corpus, window=5, negatives=3, subsample=0, chunk_tokens=1_000, seed=seed)
+    drawn = []
+    call = NegativeSampler.__call__
+    monkeypatch.setattr(NegativeSampler, "__call__",
+                        lambda self, shape, **kw: drawn.append(math.prod(shape)) or call(self, shape, **kw))
+    every_pass = itertools.chain.from_iterable(map(chunks.epoch, itertools.count()))  # no thread: counted as taken
+    batches = distributed._shares(every_pass, 1_001, world - 1, world, len(corpus.tokens))
+    steps = [next(batches) for _ in range(15)]
+    trained = sum(len(centres) for centres, *_ in steps)
+    first, second = itertools.islice(chunks.epoch(0), 2)
+    assert sum(pairs for *_, pairs in steps) > len(first.centres) + len(second.centres)  # into a third chunk
+    assert all(negatives.shape == (len(centres), 3) for centres, _, negatives, _ in steps)
+    assert sum(drawn) == 3 * trained, (sum(drawn), trained)
 
 
 def test_sharded_word2vec_corpus_without_pairs_is_refused_after_one_pass():

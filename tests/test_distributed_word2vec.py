@@ -72,8 +72,7 @@ def one_process_steps(seed):
     corpus = synthetic_corpus(VOCAB, TOPICS, TOKENS, seed=seed)
     chunks = PairChunks(corpus, window=WINDOW, negatives=NEGATIVES, subsample=SUBSAMPLE, chunk_tokens=CHUNK_TOKENS,
                         seed=seed)
-    batches = (tuple(ids[start:start + BATCH] for ids in (chunk.centres, chunk.contexts, chunk.negatives))
-               for epoch in itertools.count() for chunk in chunks.epoch(epoch)
+    batches = (chunk.pairs(start, start + BATCH) for epoch in itertools.count() for chunk in chunks.epoch(epoch)
                for start in range(0, len(chunk.centres), BATCH))
     return list(itertools.islice(batches, STEPS))
 

@@ -124,6 +124,13 @@ def test_subsampling_and_the_dynamic_window_draw_their_distributions(rng):
             share = (offset == direction * d).sum() / trials
             assert abs(share - (window - d + 1) / window) < bound(trials), (direction * d, share)
 
+def philox_uniform(seed, stream, count):
+    """The uniform numbers a sampler seeded with ``seed`` draws on ``stream``: numpy's Philox, keyed by the
+    seed's ``SeedSequence`` spawned to ``stream``, its float64s from the first."""
+    key = np.random.SeedSequence(seed, spawn_key=stream).generate_state(2, np.uint64)
+    return np.random.Generator(np.random.Philox(key=key)).random(count)
+
+
 @pytest.mark.parametrize("vocab", [3, 20_000, 300_000])
 @pytest.mark.parametrize("slice_", [1 << 20, 4099])  # one slice; many, the last one short
 def test_negative_sampler_draws_what_a_binary_search_of_the_cdf_draws(vocab, slice_, rng, monkeypatch):
@@ -131,9 +138,9 @@ def test_negative_sampler_draws_what_a_binary_search_of_the_cdf_draws(vocab, sli
     counts = np.concatenate([[0], (1e7 / np.arange(1, vocab) ** rng.uniform(0.5, 1.5)).astype(np.int64)])
     draw_seed = int(rng.integers(2**31))  # the sampler's and the reference's, the same
     sampler = word2vec.NegativeSampler(counts, torch.device("cpu"), seed=draw_seed)
-    uniform = torch.rand((50_000, 5), dtype=torch.float64, generator=torch.Generator().manual_seed(draw_seed))
+    uniform = torch.from_numpy(philox_uniform(draw_seed, (3, 1), 250_000).reshape(50_000, 5))
     cdf = torch.from_numpy(np.cumsum(counts ** 0.75) / (counts ** 0.75).sum())
-    assert torch.equal(sampler((50_000, 5)), torch.searchsorted(cdf, uniform).clamp_(max=vocab - 1))
+    assert torch.equal(sampler((50_000, 5), stream=(3, 1)), torch.searchsorted(cdf, uniform).clamp_(max=vocab - 1))
 
 
 def test_negative_sampler_follows_unigram_to_the_three_quarters():
@@ -143,6 +150,78 @@ def test_negative_sampler_follows_unigram_to_the_three_quarters():
     expected = counts ** 0.75 / (counts ** 0.75).sum()
     assert draws[1] == 0  # a word that never occurs is never a negative
     np.testing.assert_allclose(draws, expected, atol=0.01)
+
+
+def test_negatives_drawn_by_position_have_the_distribution_torchs_generator_drew():
+    """Negatives came from torch's generator, one stream an epoch; now from Philox streams addressed by
+    position (so that a rank can draw its own pairs' negatives only). The distribution must not change.
+
+    Pearson's chi-square of 4,000,000 draws of a 50,000-word Zipf vocabulary (words with zero count
+    left out, rare ones pooled so that each bin expects at least 20 draws) against the unigram^0.75
+    probabilities: a sampler that draws them exceeds the threshold, the 1 - 1e-6 quantile of the
+    chi-square distribution (Wilson and Hilferty's approximation, within a fraction of a percent at
+    these degrees of freedom), with probability about 1e-6. torch's generator and the inverse CDF,
+    the old sampler, pass it too; the same draws fail it against unigram^0.7: the check can fail."""
+    rng = np.random.default_rng(0)
+    vocab, draws = 50_000, 4_000_000
+    counts = (1e7 / np.arange(1, vocab + 1) ** 1.1).astype(np.int64)
+    counts[rng.choice(vocab, 50, replace=False)] = 0  # words that never occur: never drawn
+    cdf = torch.from_numpy(np.cumsum(counts ** 0.75) / (counts ** 0.75).sum())
+    old = torch.searchsorted(cdf, torch.rand(draws, dtype=torch.float64,
+                                            generator=torch.Generator().manual_seed(0))).clamp_(max=vocab - 1)
+    new = word2vec.NegativeSampler(counts, torch.device("cpu"), seed=0)((draws,), stream=(0, 0))
+
+    def chi_square(drawn, power):
+        """Pearson's statistic of ``drawn`` against unigram^power, and its 1 - 1e-6 quantile."""
+        expected = counts ** power / (counts ** power).sum() * draws
+        observed = np.bincount(drawn.numpy(), minlength=vocab)
+        assert observed[counts == 0].sum() == 0
+        order = np.argsort(-expected[counts > 0])
+        expected, observed = expected[counts > 0][order], observed[counts > 0][order]
+        common = expected >= 20  # the rest pooled (about 11,000 words here)
+        assert common.sum() > 10_000 and not common.all()
+        bins_e = np.append(expected[common], expected[~common].sum())
+        bins_o = np.append(observed[common], observed[~common].sum())
+        df, z = len(bins_e) - 1, 4.753  # z: the standard normal's 1 - 1e-6 quantile
+        return ((bins_o - bins_e) ** 2 / bins_e).sum(), df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+    statistic, threshold = chi_square(new, 0.75)
+    assert statistic < threshold, (statistic, threshold)
+    statistic, threshold = chi_square(old, 0.75)
+    assert statistic < threshold, (statistic, threshold)
+    statistic, threshold = chi_square(new, 0.7)
+    assert statistic > threshold, (statistic, threshold)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_ranks_share_of_a_step_draws_the_negatives_one_process_draws_for_those_pairs(world, seed, monkeypatch):
+    """Every rank drew all of a chunk's negatives, the one-process run's, and kept its share's: 2 ranks
+    trained at 0.39x the pairs/s of ranks that drew their own (NOTES 78). Now a share's negatives
+    are drawn by position in the chunk's stream: the same as one process's draw of the whole chunk,
+    at the cost of the share's draws only. Steps of 1,001 pairs (not a multiple of 2 or 3), slices
+    of 4,099 draws and 5 negatives a pair: shares start and slices end inside Philox's 4-word blocks."""
+    monkeypatch.setattr(word2vec.NegativeSampler, "SLICE", 4_099)
+    corpus = synthetic_corpus(vocab=3_000, topics=8, tokens=9_000, seed=seed)
+    chunks = PairChunks(corpus, window=5, negatives=5, subsample=1e-3, chunk_tokens=4_000, seed=seed)
+    chunk = list(chunks.epoch(1))[1]
+    pairs, step = len(chunk.centres), 1_001
+    assert pairs > 5 * step and pairs % step
+    whole = chunk.sampler((pairs, 5), stream=(1, 1))  # one process's draw of the whole chunk, in one call
+    assert len(whole.unique()) > 500
+    drawn = []
+    draw = word2vec.NegativeSampler._draw
+    monkeypatch.setattr(word2vec.NegativeSampler, "_draw", lambda self, u: drawn.append(len(u)) or draw(self, u))
+    for rank in range(world):
+        drawn.clear()
+        share = 0
+        for start in range(0, pairs, step):
+            n = min(step, pairs - start)
+            first, stop = start + n * rank // world, start + n * (rank + 1) // world
+            centres, contexts, negatives = chunk.pairs(first, stop)
+            assert torch.equal(centres, chunk.centres[first:stop]) and torch.equal(contexts, chunk.contexts[first:stop])
+            assert torch.equal(negatives, whole[first:stop]), (rank, start)
+            share += stop - first
+        assert sum(drawn) == 5 * share and abs(share - pairs / world) <= pairs // step + 1
 
 
 def test_read_text_corpus_ranks_words_and_keeps_lines_apart(tmp_path):
@@ -367,8 +446,8 @@ def test_pair_stream_equals_the_epochs_and_raises_the_threads_errors():
     streamed = list(chunks.stream(2, ahead=1))
     assert [c.tokens for c in streamed] == [c.tokens for c in expected] == [2000] * 4 + [1000] + [2000] * 4 + [1000]
     for a, b in zip(streamed, expected):
-        assert torch.equal(a.centres, b.centres) and torch.equal(a.negatives, b.negatives)
-    assert streamed[0].negatives.shape == (len(streamed[0].centres), 2)
+        assert all(map(torch.equal, a.pairs(0, len(a.centres)), b.pairs(0, len(b.centres))))
+    assert streamed[0].pairs(0, len(streamed[0].centres))[2].shape == (len(streamed[0].centres), 2)
     early = chunks.stream(100, ahead=1)
     next(early)
     early.close()  # stops the thread: leaving a loop early strands nothing

@@ -1,9 +1,9 @@
 """Skip-gram training examples made ahead of the training loop: pairs, their negatives, planned batches.
 
 A background thread turns the corpus, one chunk of tokens at a time, into
-(centre, context, negatives) arrays (subsampling, dynamic window, unigram^0.75
-negatives); a second one cuts each chunk into batches and plans them
-(:class:`PairBatch`: ids checked, pairs sorted by centre, context ids
+shuffled (centre, context) arrays (subsampling, dynamic window); a second one
+cuts each chunk into batches, draws their unigram^0.75 negatives and plans
+them (:class:`PairBatch`: ids checked, pairs sorted by centre, context ids
 grouped), the bookkeeping of the closed-form training step, while the
 training loop trains the batches planned before. numpy's and torch's
 kernels release the GIL, so on a CPU with two cores the pairs and the plans
@@ -48,8 +48,15 @@ class NegativeSampler:
     word whose CDF reaches the bucket's start, and at most a couple of
     compares finish the search. It returns exactly what ``torch.searchsorted``
     on the CDF returns, about 2.7 times faster on a CPU (its binary search
-    was most of the pair thread's time). Vocabularies whose tail is too
+    was most of the time spent making the training examples). Vocabularies whose tail is too
     dense for a guide table of at most ``2**22`` buckets use the binary search.
+
+    The uniform numbers come from streams of a counter-based generator
+    (numpy's ``Philox``), one per ``(seed, *stream)``, in which any draw can
+    be reached directly by its position: the draws of a slice of pairs are
+    the same whoever draws them and however the pairs are cut, and cost
+    that slice's draws only (a rank of a sharded run draws its own pairs'
+    negatives, and they are the ones one process draws for those pairs).
     """
 
     #: The most compares a guide-table lookup may need before binary search is cheaper.
@@ -61,7 +68,7 @@ class NegativeSampler:
         weight = np.asarray(counts, dtype=np.float64) ** power
         cdf = np.cumsum(weight) / weight.sum()
         self._cdf = torch.from_numpy(cdf).to(device)
-        self._generator = torch.Generator(device=device).manual_seed(seed)
+        self._seed = seed
         self._last = len(cdf) - 1
         self._buckets, self._guide, self._steps = 0, None, 0
         # Buckets are a power of two, so u * buckets is exact and floor(u * buckets) / buckets <= u;
@@ -77,24 +84,43 @@ class NegativeSampler:
             self._buckets, self._steps = buckets, steps
             self._guide = torch.from_numpy(np.minimum(guide[:-1], self._last)).to(device)
 
-    def __call__(self, shape: Sequence[int]) -> torch.Tensor:
-        """Negative word ids of ``shape`` (int64, on the sampler's device).
+    def __call__(self, shape: Sequence[int], *, stream: Sequence[int] = (), first: int = 0) -> torch.Tensor:
+        """Negative word ids of ``shape`` (int64, on the sampler's device): draws ``first, first + 1, ...`` of a stream.
 
-        Drawn :data:`SLICE` at a time into the result: the same draws as one
-        call (the generator's stream does not depend on how it is cut), but
-        the temporaries stay a few MiB, in the CPU's caches and reused by the
-        allocator, where a chunk's worth (tens of millions of draws) made each
-        of the six passes a trip to memory and every new page a page fault.
+        The draws fill the result in row-major order, so row ``i`` of a
+        ``(P, K)`` draw from ``first=s * K`` holds draws ``(s + i) * K ...``:
+        the negatives of pair ``s + i`` of the stream, as a draw of all its
+        pairs from ``first=0`` holds them.
+
+        They are drawn :data:`SLICE` at a time into the result: the same draws
+        as one pass, but the temporaries stay a few MiB, in the CPU's caches
+        and reused by the allocator, where a chunk's worth (tens of millions
+        of draws) made each of the six passes a trip to memory and every new
+        page a page fault.
+
+        Args:
+            shape: the result's shape.
+            stream: non-negative ints naming the stream among the sampler
+                seed's (a sharded word2vec run's chunk: ``(epoch, chunk)``).
+            first: the stream's draw the result starts at (>= 0).
+
+        Returns:
+            the word ids, in ``[0, len(counts))``, never a word of count 0.
         """
+        key = np.random.SeedSequence(self._seed, spawn_key=tuple(stream)).generate_state(2, np.uint64)
+        # Philox makes four 64-bit words per counter value and a float64 uniform takes one: start at
+        # the counter value holding draw `first`, and skip the draws before it.
+        uniform = np.random.Generator(np.random.Philox(key=key, counter=first // 4))
+        uniform.random(first % 4)
         out = torch.empty(shape, dtype=torch.int64, device=self._cdf.device)
         flat = out.view(-1)
         for start in range(0, len(flat), self.SLICE):
             part = flat[start:start + self.SLICE]
-            part.copy_(self._draw(len(part)))
+            part.copy_(self._draw(torch.from_numpy(uniform.random(len(part))).to(self._cdf.device)))
         return out
 
-    def _draw(self, count: int) -> torch.Tensor:
-        u = torch.rand(count, dtype=torch.float64, device=self._cdf.device, generator=self._generator)
+    def _draw(self, u: torch.Tensor) -> torch.Tensor:
+        """The word of each uniform number of ``u`` (float64 in ``[0, 1)``, on the sampler's device)."""
         if self._guide is None:
             return torch.searchsorted(self._cdf, u).clamp_(max=self._last)
         # The first word whose CDF reaches u lies at most `steps` words past the guide's.
@@ -284,16 +310,36 @@ _ID_TENSORS = tuple(field.name for field in dataclasses.fields(PairBatch)
 class Chunk:
     """The training examples of one stretch of the corpus, in random order.
 
+    A pair's negatives are drawn when the pair is taken (:meth:`pairs`),
+    from the chunk's stream of the sampler at the pair's place in it: a
+    slice of the chunk costs that slice's draws only, and its negatives are
+    the same whoever takes it and however the chunk is cut.
+
     Attributes:
         centres, contexts: ``(P,)`` int64 CPU tensors, one (centre, context) pair per row.
-        negatives: ``(P, K)`` int64 CPU tensor of negative words for each pair.
         tokens: corpus tokens the chunk covers (before subsampling): its share of an epoch.
+        negatives: negative words per pair (K).
+        sampler: draws them, on the CPU.
+        stream: the chunk's stream of ``sampler``.
     """
 
     centres: torch.Tensor
     contexts: torch.Tensor
-    negatives: torch.Tensor
     tokens: int
+    negatives: int
+    sampler: NegativeSampler
+    stream: tuple
+
+    def pairs(self, start: int, stop: int) -> tuple:
+        """Pairs ``[start, stop)`` (clipped to the chunk) and their negatives, drawn now.
+
+        Returns:
+            ``(centres, contexts, negatives)``: ``(n,)``, ``(n,)`` and ``(n, K)`` int64 CPU tensors.
+        """
+        centres, contexts = self.centres[start:stop], self.contexts[start:stop]
+        negatives = self.sampler((len(centres), self.negatives), stream=self.stream,
+                                 first=start * self.negatives)
+        return centres, contexts, negatives
 
     def batches(self, batch_size: int, rows: int, *, pin: bool = False) -> Iterator[PairBatch]:
         """The chunk's pairs in planned batches of ``batch_size`` (the last one may be shorter), in order.
@@ -308,9 +354,8 @@ class Chunk:
         """
         count = max(1, -(-len(self.centres) // batch_size))
         for start in range(0, count * batch_size, batch_size):
-            stop = start + batch_size
-            batch = PairBatch.plan(self.centres[start:stop], self.contexts[start:stop], self.negatives[start:stop],
-                                   centre_rows=rows, context_rows=rows, words=self.tokens / count)
+            batch = PairBatch.plan(*self.pairs(start, start + batch_size), centre_rows=rows, context_rows=rows,
+                                   words=self.tokens / count)
             yield batch.packed(pin=True) if pin else batch
 
 
@@ -319,7 +364,10 @@ class PairChunks:
 
     Pairs are made per chunk of ``chunk_tokens`` tokens, so memory stays flat
     however long the corpus is. Every random draw comes from ``(seed, epoch)``
-    generators, so the stream is the same with or without the thread.
+    generators, and each chunk's negatives from its ``(epoch, chunk)`` stream
+    of a :class:`NegativeSampler` seeded with ``seed``, so the pairs and their
+    negatives are the same with or without the thread, and however the
+    chunks are cut.
 
     Args:
         corpus: the corpus.
@@ -337,22 +385,21 @@ class PairChunks:
         self._window, self._negatives, self._chunk_tokens, self._seed = window, negatives, chunk_tokens, seed
         self._keep = keep_probabilities(corpus.counts, subsample)
         self._doc_id = np.searchsorted(corpus.doc_starts, np.arange(len(corpus.tokens)), side="right")
+        self._sampler = NegativeSampler(corpus.counts, torch.device("cpu"), seed=seed)
 
     def epoch(self, epoch: int) -> Iterator[Chunk]:
-        """The chunks of one pass over the corpus, made on the calling thread."""
+        """The chunks of one pass over the corpus, made on the calling thread (their negatives: :meth:`Chunk.pairs`)."""
         rng = np.random.default_rng([self._seed, epoch])
-        sampler = NegativeSampler(self._corpus.counts, torch.device("cpu"), seed=self._seed * 100_003 + epoch)
         tokens = self._corpus.tokens
-        for start in range(0, len(tokens), self._chunk_tokens):
+        for index, start in enumerate(range(0, len(tokens), self._chunk_tokens)):
             stop = min(start + self._chunk_tokens, len(tokens))
             centres, contexts = skipgram_pairs(tokens[start:stop], self._doc_id[start:stop], self._keep,
                                                self._window, rng)
             # Shuffled here, on the pair thread, so the training loop reads its batches in order:
             # contiguous copies instead of a random gather on the loop's own thread.
             shuffle = rng.permutation(len(centres))
-            centres, contexts = centres[shuffle], contexts[shuffle]
-            yield Chunk(torch.from_numpy(centres), torch.from_numpy(contexts),
-                        sampler((len(centres), self._negatives)), stop - start)
+            yield Chunk(torch.from_numpy(centres[shuffle]), torch.from_numpy(contexts[shuffle]), stop - start,
+                        self._negatives, self._sampler, (epoch, index))
 
     def stream(self, epochs: int, *, ahead: int = 1) -> Background:
         """The chunks of ``epochs`` passes, made by a background thread up to ``ahead`` chunks early.
