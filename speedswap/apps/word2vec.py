@@ -38,6 +38,7 @@ from tqdm import tqdm
 import speedswap as ss
 from speedswap import convert
 
+from .arguments import SEED_LIMIT
 from .corpus import Corpus
 from .pairs import NegativeSampler, PairBatch, PairChunks
 from .skipgram import SkipGram, manual_step
@@ -52,9 +53,6 @@ _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamax": torch
 CHUNK_TOKENS = 1_000_000
 #: word2vec's floor for the decayed rate, as a share of the starting rate.
 _LR_FLOOR = 1e-4
-#: Seeds are below this: the pair thread seeds each epoch's negatives with ``seed * 100_003 + epoch``,
-#: which overflows torch's 64-bit seed from about 2**46 on; 2**32 keeps well inside.
-_SEED_LIMIT = 1 << 32
 
 
 def cores_granted() -> int:
@@ -402,7 +400,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     window = convert.int_option(window, "window", hint=" (the largest context reach)")
     chunk_tokens = convert.int_option(chunk_tokens, "chunk_tokens", hint=" (tokens made into pairs at a time)")
     seed = convert.int_option(seed, "seed", minimum=0)
-    if seed >= _SEED_LIMIT:
+    if seed >= SEED_LIMIT:
         raise ss.OptionError(f"seed must be below 2**32, got {seed}")
     subsample = convert.float_option(subsample, "subsample")
     if subsample < 0:
