@@ -203,7 +203,11 @@ def test_a_ranks_share_of_a_step_draws_the_negatives_one_process_draws_for_those
     monkeypatch.setattr(word2vec.NegativeSampler, "SLICE", 4_099)
     corpus = synthetic_corpus(vocab=3_000, topics=8, tokens=9_000, seed=seed)
     chunks = PairChunks(corpus, window=5, negatives=5, subsample=1e-3, chunk_tokens=4_000, seed=seed)
-    chunk = list(chunks.epoch(1))[1]
+    every = [chunk for epoch in (0, 1) for chunk in chunks.epoch(epoch)]
+    # Each chunk of each epoch draws from a stream of its own: no two draw the same negatives.
+    heads = {tuple(chunk.pairs(0, 200)[2].view(-1).tolist()) for chunk in every}
+    assert len(every) == 6 and len(heads) == 6
+    chunk = every[4]  # epoch 1's second chunk
     pairs, step = len(chunk.centres), 1_001
     assert pairs > 5 * step and pairs % step
     whole = chunk.sampler((pairs, 5), stream=(1, 1))  # one process's draw of the whole chunk, in one call
