@@ -221,6 +221,21 @@ class HostTable:
     refusing every read and write with a :class:`~speedswap.StateError`,
     as a closed one does, until a load into it completes or it is closed.
 
+    An ``mmap`` table mapped from its own file (made by :meth:`empty` and
+    the other constructors, or :meth:`load` with ``mmap=True``) checks the
+    file before each call touches its rows, at one ``os.stat`` while the file
+    is unchanged. Truncated since (its missing pages would kill the process
+    with SIGBUS) or rewritten in place with another ``.npy`` header (``np.save``
+    of another array to its path), every read, write, load and :meth:`flush`
+    raises :class:`~speedswap.FileFormatError` before anything changes:
+    restore the file, or build the table again from a checkpoint. Rewritten
+    with the same header, the file's new rows are the table's. Removed, or
+    replaced by a rename, the file stays whole in the map and the table goes
+    on with it, but no path names it: :meth:`flush` raises
+    :class:`~speedswap.PathError`, and its rows go at :meth:`close` unless
+    saved (:meth:`save` to the path writes a new file). The file of an
+    adopted memmap (:meth:`adopt`) is its caller's to check.
+
     Threads: like a numpy array or a tensor, a table takes no lock. Gathers
     may run in several threads at once, and so may scatters to disjoint rows;
     a gather that runs while another thread scatters the same rows can return
@@ -229,7 +244,8 @@ class HostTable:
     around them), and do not :meth:`close` a table another thread is using.
     """
 
-    def __init__(self, buffer, backend, path: Optional[PathLike] = None):
+    def __init__(self, buffer, backend, path: Optional[PathLike] = None,
+                 header: Optional[files.TableHeader] = None):
         self._buffer = buffer
         self._backend = backend
         self._path = None if path is None else as_path(path)
@@ -238,6 +254,13 @@ class HostTable:
         # a new file the map no longer reaches.
         self._file_id = None if path is None else (
             files.mapped_identity(buffer.host.ctypes.data) or _file_id(path))
+        # The header of the .npy file this table mapped itself (empty, load): every call that touches
+        # the rows checks the file against it first (_check_file). None for an adopted memmap, whose
+        # file its caller holds (a DataGadget checks its own), and for memory.
+        self._mapped_header = header
+        # Absolute: a relative path names another file after a chdir.
+        self._mapped_path = None if header is None else os.path.abspath(path)
+        self._seen = []  # the file's version at which its header was last found unchanged (check_mapped)
         self._shape = tuple(buffer.tensor.shape)
         self._dtype = buffer.tensor.dtype
         self._kind = buffer.kind  # still reported once the buffer is released
@@ -291,7 +314,8 @@ class HostTable:
         backend = get_backend(backend, device)
         if storage == "mmap":
             array = files.create_npy_memmap(path, shape, numpy_dtype(dtype), overwrite)
-            table = cls(backend.adopt(array, "mmap", dtype), backend, path)
+            table = cls(backend.adopt(array, "mmap", dtype), backend, path,
+                        files.TableHeader(array.shape, array.dtype, array.offset))
             table._unwritten_file = True
             return table
         try:
@@ -425,7 +449,7 @@ class HostTable:
             check_storage("mmap", path)
             backend = get_backend(backend, device)
             array = files.open_npy_memmap(path, header=header)  # the file the header describes
-            return cls(backend.adopt(array, "mmap", header.table_dtype), backend, path)
+            return cls(backend.adopt(array, "mmap", header.table_dtype), backend, path, header)
         if storage == "mmap":
             raise OptionError("to use the file itself as the table pass mmap=True; "
                               "storage='mmap' with a copy would need a second file")
@@ -543,9 +567,50 @@ class HostTable:
             raise StateError(self._torn)
         return self._open_buffer()
 
+    def _rows_buffer(self):
+        """The buffer, to touch its rows: :meth:`_live_buffer` once the file passed :meth:`_check_file`."""
+        buffer = self._live_buffer()
+        self._check_file()
+        return buffer
+
+    def _check_file(self) -> None:
+        """Refuse to touch the rows of an ``mmap`` table whose file was cut short or rewritten with another header.
+
+        Every call that reads, writes, hands out or flushes the rows runs it
+        first, once (:func:`~speedswap.files.check_mapped`: one ``stat`` while
+        the file is unchanged): a page past the end of a truncated file would
+        kill the process with SIGBUS, and a new header's rows lie elsewhere
+        or are of another dtype. A truncation between this check and the
+        access can still crash. What the check lets through:
+
+        * the file rewritten in place with the same header (``np.save`` of
+          an array of its shape and dtype, another process's writes through
+          its own map): the table is the file, and holds the new rows from
+          then on (an embedding's device cache keeps its own until evicted).
+        * the file removed, or replaced by a rename (``os.replace``, a
+          save to the path from elsewhere): the map still holds the old
+          file, whole, and the table goes on with it, but no path names it
+          any more, so its rows are lost once the table is closed. :meth:`flush`
+          refuses then; :meth:`save` to the path writes the rows to a new file there.
+
+        The mark a load puts on the file (:func:`loading_into`) moves no
+        row: it is read through, and loads take their turns by its lock. A
+        table not mapped from its own ``.npy`` file (memory, or an adopted
+        memmap, whose file its caller holds) has nothing to check.
+
+        Raises:
+            FileFormatError: the file is shorter than the table's rows, or
+                its header now puts the rows elsewhere or makes them of
+                another dtype or row length (or is no ``.npy`` header any more).
+        """
+        if self._mapped_header is not None:
+            files.check_mapped(self._mapped_path, self._mapped_header, self._file_id, self._seen,
+                               "restore the file to go on, or close the table and build it again from a "
+                               "checkpoint (HostTable.load, or a new embedding's load)", marked=True)
+
     def _writable_buffer(self, *, loading=False):
         """The buffer, to write; ``loading``: for a load, which a stopped one's refusal lets through."""
-        buffer = self._open_buffer() if loading else self._live_buffer()
+        buffer = self._open_buffer() if loading else self._rows_buffer()
         if not self._writable:
             raise StateError("this HostTable shares a read-only array (e.g. a file mapped with "
                              "mmap_mode='r'), so its rows cannot be written; map the file 'r+' "
@@ -679,6 +744,8 @@ class HostTable:
                 :meth:`from_numpy`.
             OptionError: ``for_reading`` is not a bool (``bool("False")`` is True:
                 a read-only table would hand out its read-only map).
+            FileFormatError: an ``mmap`` table's file was truncated or rewritten
+                with another header since it was mapped.
 
         Example:
             >>> import os, tempfile, numpy as np, speedswap as ss
@@ -690,7 +757,7 @@ class HostTable:
             (1.0, 5.0)
         """
         for_reading = bool_option(for_reading, "for_reading", hint=" (the caller only reads the tensor)")
-        buffer = self._live_buffer()
+        buffer = self._rows_buffer()
         self._announce_read()
         self._backend.wait_host(buffer)
         self._unwritten_file = False  # whoever holds the tensor may write through it
@@ -732,8 +799,10 @@ class HostTable:
             IdError, DTypeError, DeviceError: bad ids (see :func:`~speedswap.convert.as_row_ids`).
             ShapeError, DTypeError, DeviceError: a bad ``out``.
             OptionError: ``out`` shares memory with the table or with ``rows``.
+            FileFormatError: an ``mmap`` table's file was truncated or rewritten
+                with another header since it was mapped.
         """
-        buffer = self._live_buffer()
+        buffer = self._rows_buffer()
         flat, shape = as_row_ids(rows, self.num_rows, self.device,
                                  to=self._backend.ids_device(buffer), advice=ROWS_ADVICE)
         target_shape = (*shape, self.dim)
@@ -752,7 +821,7 @@ class HostTable:
         return out
 
     def gather_validated(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """:meth:`gather` for ids a public call has already validated: no checks at all.
+        """:meth:`gather` for ids a public call has already validated: no checks of its arguments.
 
         The training layer's path (a second range check would be a second
         host synchronisation on a GPU).
@@ -764,8 +833,11 @@ class HostTable:
 
         Returns:
             ``out``, as :meth:`gather`.
+
+        Raises:
+            FileFormatError: as :meth:`gather`, for an ``mmap`` table's file.
         """
-        buffer = self._live_buffer()
+        buffer = self._rows_buffer()
         self._read(buffer, rows.to(self._backend.ids_device(buffer)), out)
         return out
 
@@ -821,6 +893,8 @@ class HostTable:
             DuplicateIdError: ``rows`` repeat an id.
             OptionError: ``check_unique`` is not a bool.
             StateError: a read-only table.
+            FileFormatError: an ``mmap`` table's file was truncated or rewritten
+                with another header since it was mapped.
 
         Every check runs before any row is written. On a GPU the write is
         ordered on torch's current stream and may still be running on return,
@@ -847,7 +921,7 @@ class HostTable:
         self._write(buffer, flat, values)
 
     def scatter_validated(self, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """:meth:`scatter` for ids and values already validated: no checks at all.
+        """:meth:`scatter` for ids and values already validated: no checks of its arguments.
 
         On a GPU the write may still be running on return, as :meth:`scatter`'s,
         unless a host view this table handed out is alive (:attr:`viewed`): then it
@@ -860,6 +934,8 @@ class HostTable:
 
         Raises:
             StateError: a closed or read-only table; nothing is written.
+            FileFormatError: an ``mmap`` table's file was truncated or rewritten
+                with another header since it was mapped; nothing is written.
             torch.OutOfMemoryError, MemoryError: moving the ids or values
                 where the table is written; nothing is written.
         """
@@ -917,7 +993,7 @@ class HostTable:
             values_multiple: every chunk but the last holds a multiple of this
                 many values, and the last at least this many (or is the whole table).
         """
-        tensor = (self._writable_buffer() if writing else self._live_buffer()).tensor
+        tensor = (self._writable_buffer() if writing else self._rows_buffer()).tensor
         if writing:
             self._announce_write()
         else:
@@ -1146,6 +1222,8 @@ class HostTable:
                 to it at the same time); nothing is written, and the
                 :meth:`watch_reads` method was not called.
             StateError: a closed table (its rows are gone).
+            FileFormatError: an ``mmap`` table's file was truncated or rewritten
+                with another header since it was mapped; nothing is written.
         """
         self._live_buffer()
         files.file_format(path)
@@ -1195,7 +1273,9 @@ class HostTable:
         Raises:
             FileFormatError: the file is malformed, corrupt, or another
                 shape/dtype; the table is left unchanged (the file is read and
-                verified completely before any row changes).
+                verified completely before any row changes), or this ``mmap``
+                table's own file was truncated or rewritten with another
+                header since it was mapped.
             OptionError: another suffix, or (HDF5) a ``dataset`` that names
                 no dataset.
             StateError: a closed or read-only table.
@@ -1256,9 +1336,11 @@ class HostTable:
         Raises:
             OptionError: ``copy`` is not a bool (``bool("False")`` is True: writes
                 meant for the table would go to a copy).
+            FileFormatError: an ``mmap`` table's file was truncated or rewritten
+                with another header since it was mapped.
         """
         copy = bool_option(copy, "copy", hint=" (an independent copy; False: the table's own memory)")
-        buffer = self._live_buffer()
+        buffer = self._rows_buffer()
         self._announce_read()
         if copy:
             return self.owner_copy()
@@ -1285,7 +1367,7 @@ class HostTable:
         Raises:
             StateError: a closed table.
         """
-        buffer = self._live_buffer()
+        buffer = self._rows_buffer()
         self._backend.wait_host(buffer)
         if buffer.host is not None:
             return np.array(buffer.host, copy=True)
@@ -1293,8 +1375,28 @@ class HostTable:
         return numpy_view(buffer.tensor.to("cpu", copy=True))
 
     def flush(self) -> None:
-        """Wait for pending device writes; an ``mmap`` table also flushes its file."""
-        buffer = self._live_buffer()
+        """Wait for pending device writes; an ``mmap`` table also flushes its file.
+
+        Raises:
+            StateError: a closed table, or one a stopped load left refusing use.
+            FileFormatError: an ``mmap`` table's file was truncated or rewritten
+                with another header since it was mapped (see the class docstring).
+            PathError: an ``mmap`` table's path no longer names the file it
+                maps (removed, or replaced by a rename): the rows would be
+                flushed into a file nobody can open, and go when the table is
+                closed; nothing is flushed. Save them with :meth:`save`.
+        """
+        buffer = self._rows_buffer()
+        if self._mapped_header is not None and _file_id(self._mapped_path) != self._file_id:
+            raise PathError(f"{os.fspath(self._path)!r} no longer names the file this table maps (it was "
+                            f"removed, or replaced by a rename, since the table mapped it): the table's "
+                            f"rows are in that file, which no path reaches, and go when the table is "
+                            f"closed. Save them with table.save(path) (a new file), then build the table "
+                            f"again from it")
+        self._sync(buffer)
+
+    def _sync(self, buffer) -> None:
+        """Wait for pending device writes to ``buffer``; an ``mmap`` table's file is flushed too."""
         self._backend.wait_host(buffer)
         if self.storage == "mmap":
             buffer.host.flush()
@@ -1305,7 +1407,8 @@ class HostTable:
         if self._buffer is None:
             return
         self._torn = None  # its rows go, whatever they hold
-        self.flush()
+        # No checks: a file truncated or replaced since is refused by every use, not by its release.
+        self._sync(self._buffer)
         self._buffer = None
         _LIVE.discard(self)
 
@@ -1347,6 +1450,8 @@ def loading_into(tables: Iterable[HostTable], path) -> Iterator[None]:
     # A load from a table's own file writes back the rows it holds: stopped, it leaves them
     # whole, and a mark would change the file the load reads again (a file too large to stage).
     reading = _file_id(path)
+    for table in tables:
+        table._check_file()  # before any file is marked or row written
     # Each file once, however many tables map it, and in one order for every load: two loads
     # into the same files take their turns without each holding one the other waits for.
     to_mark = {}

@@ -499,10 +499,10 @@ def test_a_load_whose_old_rows_fail_to_flush_holds_the_new_file_consistently(rng
     other = random_data(rng, (11, 4))
     np.save(tmp_path / "other.npy", other)
 
-    def disk_error():  # as msync failing on the old file's disk
+    def disk_error(buffer):  # as msync failing on the old file's disk (close syncs, without flush's checks)
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(old, "flush", disk_error)
+    monkeypatch.setattr(old, "_sync", disk_error)
     with pytest.raises(OSError):
         gadget.load(tmp_path / "other.npy")
     assert gadget.table is not old and gadget.shape == (11, 4)

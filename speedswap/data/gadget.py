@@ -286,7 +286,8 @@ class DataGadget:
         if held.path is not None and held.table.storage == "mmap":
             # Before any call touches the mapped rows: a page past the end of a truncated file is a SIGBUS
             # (a get's read, a put's write, a save's copy), and a new header's rows are elsewhere.
-            files.check_mapped(held.path, held.header, held.mapped, held.seen)
+            files.check_mapped(held.path, held.header, held.mapped, held.seen,
+                               "restore the file, or build a new DataGadget over it")
         return held
 
     def _close_unused(self, table: HostTable) -> None:

@@ -83,7 +83,7 @@ def mark_npy_torn(fd: int, path, torn: bool) -> None:
         raise rewriting_error(path, exc) from exc
 
 
-def read_npy_header(path, exact_size: bool = True):
+def read_npy_header(path, exact_size: bool = True, *, marked: bool = False):
     """Read and validate the header of a ``.npy`` file.
 
     Args:
@@ -92,13 +92,18 @@ def read_npy_header(path, exact_size: bool = True):
             describes; False for a reader that checks each row it reads (a
             feeder's pread), to which rows appended or cut later are its own
             matter.
+        marked: read a file marked as rewritten in place (:func:`mark_npy_torn`)
+            as the header it carries, mark aside: for a table that maps the
+            file already, where the mark moves no row (its loads take turns
+            with other processes' through the mark's lock, not its header).
 
     Returns:
         TableHeader
 
     Raises:
         FileFormatError: marked as rewritten in place (:func:`mark_npy_torn`:
-            a load into it is under way, or one stopped midway), not a
+            a load into it is under way, or one stopped midway; not with
+            ``marked``), not a
             ``.npy`` file, Fortran order, object or record dtype, a negative
             dimension, a file shorter or longer than its header says (with
             ``exact_size``), or the
@@ -125,18 +130,22 @@ def read_npy_header(path, exact_size: bool = True):
             f.seek(0)
         except OSError as exc:  # a failing disk: as for a read of the rows
             raise reading_error(path, exc) from exc
-        if torn and rewrite_under_way(f.fileno()):
+        if torn and not marked and rewrite_under_way(f.fileno()):
             raise FileFormatError(f"{path!r}: a load into it is under way (a process or thread of this machine "
                                   f"is writing its rows in place, and the file says so until every row is "
                                   f"written): open it once that load completes")
-        if torn:
+        if torn and not marked:
             raise FileFormatError(f"{path!r}: a load into it stopped before it had written every row (Ctrl-C, "
                                   f"a crash, out of memory), so it holds part the load's rows, part those "
                                   f"before. Make the table again (storage='mmap' with overwrite=True) and "
                                   f"load the checkpoint into it, or delete the file")
         try:
             with HEADER_PARSE:
-                version = np.lib.format.read_magic(f)
+                if torn:  # numpy's read_magic refuses the mark; the version follows it, as it follows the magic
+                    f.seek(len(TORN_MAGIC))
+                    version = tuple(f.read(2))
+                else:
+                    version = np.lib.format.read_magic(f)
                 if version == (1, 0):
                     shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
                 elif version in ((2, 0), (3, 0)):  # 3.0 differs only in a UTF-8 header (record field names)
@@ -174,7 +183,8 @@ def _file_bytes(header: "TableHeader") -> int:
     return header.offset + math.prod(header.shape) * header.dtype.itemsize
 
 
-def check_mapped(path, header: "TableHeader", mapped: tuple, seen: list) -> None:
+def check_mapped(path, header: "TableHeader", mapped: tuple, seen: list, remedy: str, *,
+                 marked: bool = False) -> None:
     """Raise FileFormatError when the mapped ``.npy`` file was cut short or rewritten with another header.
 
     Reading a memory-mapped page past the end of a truncated file kills the
@@ -197,11 +207,17 @@ def check_mapped(path, header: "TableHeader", mapped: tuple, seen: list) -> None
         seen: the :func:`~speedswap.files.base.file_version` at which the
             file's header was last found to be ``header``'s, a list of at most
             one, updated here (empty: ``header.version``).
+        remedy: what the holder of the map can do, ending each message
+            (``"restore the file, or build a new DataGadget over it"``).
+        marked: take a file marked as rewritten in place by a load as the
+            header it carries (see :func:`read_npy_header`): for a table
+            whose own loads mark its file.
 
     Raises:
         FileFormatError: the file is shorter than ``header`` says, or its
             header now puts the rows elsewhere or makes them of another dtype
-            or row shape (or is no ``.npy`` header any more).
+            or row shape (or is no ``.npy`` header any more, or, without
+            ``marked``, is marked as rewritten in place by a load).
     """
     need = _file_bytes(header)
     try:
@@ -213,13 +229,13 @@ def check_mapped(path, header: "TableHeader", mapped: tuple, seen: list) -> None
     size = stat.st_size
     if size < need:
         raise FileFormatError(f"{os.fspath(path)!r} is {size:,} bytes but its header needs {need:,}: "
-                              f"it was truncated after it was opened; restore it and rebuild the "
-                              f"DataGadget")
+                              f"it was truncated after it was mapped, and the map's rows past its end are "
+                              f"gone (reading one would kill the process with SIGBUS); {remedy}")
     version = base.file_version(stat)  # taken before the header is read: a write after it is checked next time
     if version == (seen[0] if seen else header.version):
         return
     try:
-        now = read_npy_header(path, exact_size=False)
+        now = read_npy_header(path, exact_size=False, marked=marked)
     except MissingFileError:  # removed since the stat: the map alone holds the file, whole
         return
     if now.version[:2] != mapped:  # replaced by a rename since the stat: the map holds the old file
@@ -228,8 +244,7 @@ def check_mapped(path, header: "TableHeader", mapped: tuple, seen: list) -> None
         raise FileFormatError(f"{os.fspath(path)!r} was rewritten in place with another .npy header since it "
                               f"was mapped: the map reads rows of {header.dtype} {header.shape[1:]} from byte "
                               f"{header.offset}, the file now holds rows of {now.dtype} {now.shape[1:]} from "
-                              f"byte {now.offset}, so the mapped rows are not the file's; build a new "
-                              f"DataGadget over it")
+                              f"byte {now.offset}, so the mapped rows are not the file's; {remedy}")
     seen[:] = [version]
 
 

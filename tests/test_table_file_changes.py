@@ -1,0 +1,202 @@
+"""An ``mmap`` table whose file another writer changes: refused before any row is touched, never a SIGBUS.
+
+Each test trains an ``OffloadedEmbedding`` kept in files (``storage="mmap"``)
+with Adam a few steps on Zipf ids, changes one of its files the way another
+process would, and checks what the next step does against ``SparseAdam`` on
+an in-memory ``nn.Embedding`` (offloaded Adam is lazy, as SparseAdam is).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+
+ROWS, DIM, BATCH, STEPS = 500, 8, 64, 4
+FILES = ("table", "exp_avg", "exp_avg_sq")
+
+# Shared with the subprocess: a SIGBUS there fails its test instead of killing pytest.
+_TRAINING = textwrap.dedent("""
+    import os, numpy as np, torch, speedswap as ss
+
+    ROWS, DIM, BATCH = 500, 8, 64
+
+    def zipf_ids(rng):
+        p = 1.0 / np.arange(1, ROWS + 1)
+        return torch.from_numpy(rng.permutation(ROWS)[rng.choice(ROWS, BATCH, p=p / p.sum())])
+
+    def trained(directory, seed, steps, cache_rows=0):
+        '''An mmap embedding and its Adam, and an nn.Embedding with SparseAdam, trained alike on Zipf ids.'''
+        rng = np.random.default_rng(seed)
+        emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH, storage="mmap", path=directory,
+                                    backend="numpy", cache_rows=cache_rows)
+        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+        opt = torch.optim.Adam(emb.parameters(), lr=0.01, eps=1e-30)  # SparseAdam adds eps elsewhere
+        emb.attach(opt)
+        ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(emb.table.to_numpy(copy=True)), freeze=False,
+                                                 sparse=True)
+        ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-30)
+        for _ in range(steps):
+            step((emb, opt), (ref, ref_opt), ids=zipf_ids(rng), weights=torch.from_numpy(
+                rng.standard_normal((BATCH, DIM), dtype=np.float32)))
+        return emb, opt, ref, ref_opt, rng
+
+    def step(*models, ids, weights):
+        for module, optimizer in models:
+            ((module(ids) * weights).sum() ** 2).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+""")
+exec(_TRAINING)  # trained, step, zipf_ids: one definition for this process and the subprocesses
+
+
+def _file_bytes(directory):
+    return {name: (directory / f"{name}.npy").read_bytes() for name in FILES}
+
+
+def _rewrite_in_place(path, array):
+    """``np.save(path, array)`` from another process: it truncates and rewrites the very file the table maps."""
+    done = subprocess.run([sys.executable, "-c", f"import numpy as np, sys; np.save({str(path)!r}, np.frombuffer("
+                           f"sys.stdin.buffer.read(), {array.dtype.str!r}).reshape({array.shape}))"],
+                          input=array.tobytes(), timeout=120)
+    assert done.returncode == 0
+
+
+_TRUNCATED = _TRAINING + textwrap.dedent("""
+    import sys
+    directory, seed, name, when = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    emb, opt, ref, ref_opt, rng = trained(directory, seed, 3)
+    emb.flush()
+    path = os.path.join(directory, name + ".npy")
+    before = {n: open(os.path.join(directory, n + ".npy"), "rb").read() for n in ("table", "exp_avg", "exp_avg_sq")}
+    ids, weights = zipf_ids(rng), torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32))
+    try:
+        if when == "before the forward":
+            os.truncate(path, 100)
+        loss = ((emb(ids) * weights).sum() ** 2)
+        loss.backward()
+        if when == "before the step":
+            os.truncate(path, 100)
+        opt.step()
+    except ss.FileFormatError as exc:
+        print("refused:", exc, flush=True)
+    emb.discard_step()  # the refused step's rows stay in flight until then (it may be retried instead)
+    for n, data in before.items():
+        if n != name:
+            assert open(os.path.join(directory, n + ".npy"), "rb").read() == data, n + " changed"
+    calls = {"gather": lambda t: t.gather([ROWS - 1]), "scatter": lambda t: t.scatter([ROWS - 1], torch.ones(DIM)),
+             "to_numpy": lambda t: t.to_numpy(copy=True), "save": lambda t: t.save(path + ".copy.npy"),
+             "flush": lambda t: t.flush(), "load_from": lambda t: t.load_from(os.path.join(directory, "saved.npy"))}
+    table = emb.table if name == "table" else emb._state.tables[name]  # no public handle on a state table
+    np.save(os.path.join(directory, "saved.npy"), np.ones(table.shape, np.float32))
+    for what, call in calls.items():
+        try:
+            call(table)
+        except ss.FileFormatError as exc:
+            print(what, "refused:", "truncated" in str(exc), flush=True)
+    emb.close()  # no SIGBUS in its flush either
+    print("closed", flush=True)
+""")
+
+
+@pytest.mark.parametrize("name, when", [("table", "before the forward"), ("table", "before the step"),
+                                        ("exp_avg_sq", "before the step")])
+def test_a_truncated_mmap_file_is_refused_with_no_sigbus_and_the_other_files_unchanged(tmp_path, seed, name, when):
+    """os.truncate of an mmap table's file killed the next gather or scatter with SIGBUS: no traceback, the
+    process gone, its cached rows with it."""
+    done = subprocess.run([sys.executable, "-c", _TRUNCATED, str(tmp_path / "emb"), str(seed), name, when],
+                          capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert done.returncode == 0, f"exit status {done.returncode} (-7 is SIGBUS): {done.stdout}{done.stderr}"
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("refused:") and "truncated after it was mapped" in lines[0], done.stdout
+    for what in ("gather", "scatter", "to_numpy", "save", "flush", "load_from"):
+        assert f"{what} refused: True" in lines, done.stdout
+    assert lines[-1] == "closed"
+    assert not (tmp_path / "emb" / f"{name}.npy.copy.npy").exists()  # the refused save wrote nothing
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_an_mmap_file_rewritten_with_another_header_is_refused_and_no_file_changes(tmp_path, seed, name):
+    """np.save of another array to an mmap table's path (same inode, truncated and rewritten) was read
+    and trained with as the old layout: float64 halves as float32 rows, silently."""
+    emb, opt, ref, ref_opt, rng = trained(tmp_path / "emb", seed, STEPS)
+    emb.flush()
+    new = rng.standard_normal((ROWS, DIM // 2))  # float64: the same bytes, other rows
+    _rewrite_in_place(tmp_path / "emb" / f"{name}.npy", new)
+    before = _file_bytes(tmp_path / "emb")
+    ids = zipf_ids(rng)
+    with pytest.raises(ss.FileFormatError, match=r"rewritten in place with another \.npy header.*float64 \(4,\)"):
+        (emb(ids).sum() ** 2).backward()
+        opt.step()
+    assert _file_bytes(tmp_path / "emb") == before  # the rewritten file too: nothing was written into it
+    np.testing.assert_array_equal(np.load(tmp_path / "emb" / f"{name}.npy"), new)
+    emb.close()
+
+
+def test_a_write_back_refused_for_one_file_writes_none_of_the_steps_tables(tmp_path, seed):
+    """A step writes its rows and their optimizer state back together: a state file changed once the step
+    read its rows (here inside Adam's update) is found before the table's rows are written, not after."""
+    emb, opt, ref, ref_opt, rng = trained(tmp_path / "emb", seed, STEPS)
+    ids = zipf_ids(rng)
+    (emb(ids).sum() ** 2).backward()
+    adam = sys.modules[type(opt).__module__]  # torch.optim.adam, whose update function step() calls
+    update, before = adam.adam, {}
+
+    def update_then_rewrite(*args, **kwargs):  # the step has read every row it writes back
+        update(*args, **kwargs)
+        _rewrite_in_place(tmp_path / "emb" / "exp_avg_sq.npy", rng.standard_normal((ROWS, DIM // 2)))
+        before.update(_file_bytes(tmp_path / "emb"))
+    with mock.patch.object(adam, "adam", update_then_rewrite):
+        with pytest.raises(ss.FileFormatError, match="exp_avg_sq.npy' was rewritten in place"):
+            opt.step()
+    assert before and _file_bytes(tmp_path / "emb") == before
+    emb.discard_step()
+    emb.close()
+
+
+def test_an_mmap_file_rewritten_with_the_same_header_holds_the_new_rows(tmp_path, seed):
+    """The table is the file: rows another writer puts there in the table's layout are its rows from then on,
+    as rows another process writes through its own map are (documented in HostTable._check_file)."""
+    emb, opt, ref, ref_opt, rng = trained(tmp_path / "emb", seed, STEPS)
+    emb.flush()
+    new = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    _rewrite_in_place(tmp_path / "emb" / "table.npy", new)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(new))
+    for _ in range(STEPS):  # the state rows are as before: both go on from them
+        step((emb, opt), (ref, ref_opt), ids=zipf_ids(rng),
+             weights=torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)))
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+    emb.close()
+
+
+@pytest.mark.parametrize("change", ["replaced by a rename", "removed"])
+def test_an_mmap_file_renamed_away_keeps_training_exactly_and_flush_refuses_to_lose_the_rows(tmp_path, seed,
+                                                                                            change):
+    """The map holds the old file, whole: training goes on with it exactly. But it is a file no path names,
+    which goes at close: table.flush() returned as if the rows were on disk at the path."""
+    emb, opt, ref, ref_opt, rng = trained(tmp_path / "emb", seed, STEPS)
+    path = tmp_path / "emb" / "table.npy"
+    other = rng.standard_normal((3, DIM), dtype=np.float32)
+    if change == "removed":
+        os.unlink(path)
+    else:
+        np.save(tmp_path / "other.npy", other)
+        os.replace(tmp_path / "other.npy", path)
+    for _ in range(STEPS):
+        step((emb, opt), (ref, ref_opt), ids=zipf_ids(rng),
+             weights=torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)))
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ss.PathError, match="no longer names the file this table maps"):
+        emb.table.flush()
+    if change == "replaced by a rename":
+        np.testing.assert_array_equal(np.load(path), other)  # the refused flush left the new file alone
+    emb.table.save(path)  # what the message says: the rows, in a new file at the path
+    np.testing.assert_allclose(np.load(path), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+    emb.close()
