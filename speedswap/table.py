@@ -605,8 +605,9 @@ class HostTable:
         """
         if self._mapped_header is not None:
             files.check_mapped(self._mapped_path, self._mapped_header, self._file_id, self._seen,
-                               "restore the file to go on, or close the table and build it again from a "
-                               "checkpoint (HostTable.load, or a new embedding's load)", marked=True)
+                               "restore the file to go on (an embedding's close writes its cached rows back "
+                               "only then), or build the table again from a checkpoint (HostTable.load, or "
+                               "a new embedding's load)", marked=True)
 
     def _writable_buffer(self, *, loading=False):
         """The buffer, to write; ``loading``: for a load, which a stopped one's refusal lets through."""
