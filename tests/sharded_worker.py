@@ -807,7 +807,7 @@ def run_scenario(scenario, seed, world, rank, out):
         train(emb, opt, seed, range(3, 5), world, rank)
         before = emb.table.to_numpy(copy=True)
         if rank == 1:
-            emb.attach(opt)  # its Adam moments and step count restart; its peer's go on
+            emb.attach(opt, restart=True)  # its Adam moments and step count restart; its peer's go on
         error = caught(lambda: train(emb, opt, seed, range(5, 6), world, rank))
         emb.discard_step()
         opt.zero_grad()

@@ -143,7 +143,7 @@ def test_a_group_option_that_asks_for_per_row_state_the_tables_lack_is_refused(r
     np.testing.assert_array_equal(model.emb.table.to_numpy(), table)
     for mine, before in zip(model.lin.parameters(), linear):
         assert torch.equal(mine.detach(), before)
-    model.emb.attach(opt)  # the advice: attaching again makes the tables for the new state
+    model.emb.attach(opt, restart=True)  # the advice: attaching again makes the tables for the new state
     opt.zero_grad()
     F.mse_loss(model(ids), target).backward()
     opt.step()

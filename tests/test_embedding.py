@@ -505,7 +505,7 @@ def test_a_backward_after_the_step_of_its_forward_is_refused(cache_rows, rng):
 
 
 def test_attaching_the_same_optimizer_again_restarts_its_state_step_count_included(rng):
-    """attach() starts the offloaded state afresh: Adam's bias correction must restart with its moments."""
+    """attach(restart=True) starts the offloaded state afresh: Adam's bias correction must restart with its moments."""
     table0 = rng.standard_normal((20, 3)).astype(np.float32)
     emb = ss.OffloadedEmbedding(20, 3, max_rows=8, storage="pageable", backend="numpy")
     opt = torch.optim.Adam(emb.parameters(), lr=0.1, eps=1e-30)
@@ -515,7 +515,7 @@ def test_attaching_the_same_optimizer_again_restarts_its_state_step_count_includ
         opt.step()
         opt.zero_grad()
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
-    emb.attach(opt)
+    emb.attach(opt, restart=True)
     ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
     ref_opt = torch.optim.SparseAdam([ref], lr=0.1, eps=1e-30)
     for ids in ([4, 5], [5, 1], [1, 2, 4]):
@@ -527,6 +527,54 @@ def test_attaching_the_same_optimizer_again_restarts_its_state_step_count_includ
         ref_opt.step()
         ref_opt.zero_grad()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind, options", [(ss.OffloadedEmbedding, {}), (ss.OffloadedEmbedding, {"cache_rows": 60}),
+                                           (ss.ShardedOffloadedEmbedding, {})], ids=["plain", "cached", "sharded"])
+def test_attaching_the_attached_optimizer_again_by_mistake_is_refused_and_training_goes_on_as_in_memory(
+        rng, tmp_path, kind, options):
+    """An attach left inside the training loop (a notebook cell run twice) restarted Adam's moments and
+    step count for the table, silently: training went on unlike the same Adam in memory. Once the
+    optimizer trained the table (steps, or a checkpoint loaded) it is refused, nothing changed, unless
+    restart=True; before any step there is nothing to lose and it is taken."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, 12, "cpu")
+    make = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
+    emb = kind(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy", **options)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = make(emb.parameters())
+    emb.attach(opt)
+    emb.attach(opt)  # nothing trained yet
+    for step, (pos, neg, ctx) in enumerate(batches):
+        if step == 6:
+            table = emb.table.to_numpy(copy=True)
+            state = {name: t.to_numpy(copy=True) for name, t in emb._state.tables.items()}
+            with pytest.raises(ss.StateError, match=r"attached to this \w+ already.*restart=True"):
+                emb.attach(opt)
+            with pytest.raises(ss.OptionError, match="restart"):
+                emb.attach(opt, restart="yes")
+            np.testing.assert_array_equal(emb.table.to_numpy(), table)
+            for name, values in state.items():
+                np.testing.assert_array_equal(emb._state.tables[name].to_numpy(), values, err_msg=name)
+        skipgram_loss(emb(pos), emb(neg), ctx).backward()
+        opt.step()
+        opt.zero_grad()
+    expected, expected_state = run_in_memory(make, table0, batches, "cpu", initial_state=lambda name, group: 0.0)
+    np.testing.assert_allclose(emb.table.to_numpy(), expected, **TOL)
+    for name, table in emb._state.tables.items():
+        np.testing.assert_allclose(table.to_numpy(), expected_state[name], err_msg=name, **TOL)
+    # A resume: the checkpoint loaded into a new Adam is trained state too.
+    emb.save(tmp_path / "ckpt")
+    emb.close()
+    emb = kind(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy", **options)
+    opt = make(emb.parameters())
+    emb.attach(opt)
+    emb.load(tmp_path / "ckpt")
+    with pytest.raises(ss.StateError, match="restart=True"):
+        emb.attach(opt)
+    emb.attach(opt, restart=True)  # on purpose: a fresh Adam over the loaded table
+    for name, table in emb._state.tables.items():
+        assert not table.to_numpy().any(), name
 
 
 @pytest.mark.parametrize("cache_rows", [0, 10])

@@ -348,7 +348,7 @@ def test_an_attach_out_of_memory_leaves_the_old_optimizer_attached_and_unchanged
     else:
         monkeypatch.setattr(embedding_module, "new_cache", out_of_memory)
     with pytest.raises(MemoryError):
-        emb.attach(new)
+        emb.attach(new, restart=again)  # the same Adam, trained: a restart on purpose
     monkeypatch.undo()
     train(adam, batches[6:12])  # as if the attach had never been tried
     fresh = lambda name, group: 0.0  # noqa: E731
@@ -356,7 +356,7 @@ def test_an_attach_out_of_memory_leaves_the_old_optimizer_attached_and_unchanged
     np.testing.assert_allclose(emb.table.to_numpy(), middle, **TOL)
     for name, table in emb._state.tables.items():
         np.testing.assert_allclose(table.to_numpy(), middle_state[name], err_msg=name, **TOL)
-    emb.attach(new)  # a retry that fits starts afresh
+    emb.attach(new, restart=again)  # a retry that fits starts afresh
     train(new, batches[12:])
     expected, expected_state = run_in_memory(make_new, middle, batches[12:], "cpu", initial_state=fresh)
     np.testing.assert_allclose(emb.table.to_numpy(), expected, **TOL)

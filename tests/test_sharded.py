@@ -1191,12 +1191,12 @@ def test_a_step_refused_for_missing_optimizer_state_leaves_the_embedding_usable(
     capacity = emb.weight.shape
     opt.load_state_dict(torch.optim.Adam(emb.parameters(), lr=0.1).state_dict())
     before = emb.table.to_numpy(copy=True)
-    with pytest.raises(ss.StateError, match="discard_step\\(\\) and attach\\(optimizer\\)"):
+    with pytest.raises(ss.StateError, match="discard_step\\(\\) and attach\\(optimizer, restart=True\\)"):
         step(rng.integers(0, 40, 5))
     assert emb.weight.shape == capacity  # not left narrowed to the failed step's rows
     np.testing.assert_array_equal(emb.table.to_numpy(), before)
     emb.discard_step()
-    emb.attach(opt)
+    emb.attach(opt, restart=True)
     for _ in range(3):
         step(rng.integers(0, 40, 8))
     assert not np.array_equal(emb.table.to_numpy(), before)

@@ -38,7 +38,7 @@ from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_op
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
-                        take_assigned)
+                        refuse_unasked_restart, take_assigned)
 from .scratch_writes import ScratchWrites
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
@@ -367,15 +367,18 @@ class OffloadedEmbedding(RefusesConversion):
 
     # ------------------------------------------------------------- training
     @one_thread
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, optimizer: torch.optim.Optimizer, *, restart: bool = False) -> None:
         """Offload ``optimizer``'s per-row state for :attr:`weight` and hook its ``step()``.
 
-        Attaching (again, or to another optimizer) starts the offloaded
-        optimizer state afresh; an optimizer attached before (to this or
-        another speedswap parameter) also drops its scalar state for
-        :attr:`weight` (Adam's ``step``), as a fresh optimizer's. State put
-        there by ``optimizer.load_state_dict`` is kept, for a resume (then
-        :meth:`load` the checkpoint saved with it). ``optimizer.step(closure)``
+        Attaching starts the offloaded optimizer state afresh; an optimizer
+        attached before (to this or another speedswap parameter) also drops
+        its scalar state for :attr:`weight` (Adam's ``step``), as a fresh
+        optimizer's. Attaching the optimizer that is attached already, once
+        it trained the table (a step, or a checkpoint loaded), is refused
+        unless ``restart=True``: by mistake (an attach inside the training
+        loop) it would silently restart Adam's moments and step count. State
+        put there by ``optimizer.load_state_dict`` is kept, for a resume
+        (then :meth:`load` the checkpoint saved with it). ``optimizer.step(closure)``
         works: the rows are narrowed after the closure's forward and backward.
 
         Only this optimizer may step :attr:`weight` from now on (until
@@ -391,15 +394,20 @@ class OffloadedEmbedding(RefusesConversion):
 
         Args:
             optimizer: a ``torch.optim`` optimizer whose params include :attr:`weight`.
+            restart: attach the optimizer attached already again, starting
+                its state for the table afresh on purpose (:meth:`init_state`
+                restarts the per-row state alone, the step count going on).
 
         Raises:
             DTypeError: ``optimizer`` is not an optimizer (its class, or the parameters).
             OptionError: the optimizer does not hold :attr:`weight`, or its
-                state is not element-wise (LBFGS). Nothing changes.
+                state is not element-wise (LBFGS); ``restart`` that is not a bool.
+                Nothing changes.
             PathError: with ``storage="mmap"``, a file the new state would
                 replace exists and this embedding did not create it (and no
                 ``overwrite``). Nothing changes: the optimizer attached before stays.
             StateError: a closed embedding, or between a training forward and the step;
+                ``optimizer`` attached already and trained since, without ``restart=True``;
                 at the first attach, a write into :attr:`weight` through ``weight.data``
                 since it was built (``emb.weight.data.uniform_(-a, a)``), which reached no row
                 (said once: the next attach goes on).
@@ -416,6 +424,8 @@ class OffloadedEmbedding(RefusesConversion):
         if self._step_in_flight():
             raise StateError("attach between a training forward and optimizer.step() would drop "
                              "the step's rows; attach between steps")
+        if not bool_option(restart, "restart", hint=" (start the attached optimizer's state afresh)"):
+            refuse_unasked_restart(self._state, optimizer, type(self).__name__)
         self._scratch_writes.refuse_written_through_data(self._full)  # as built: to_empty() may replace .data
         # An unsupported optimizer, or a file the new state may not replace, is refused before
         # the old state is closed.
@@ -469,7 +479,7 @@ class OffloadedEmbedding(RefusesConversion):
         the optimizer's ``state_dict`` was not saved). Only the per-row
         state: the optimizer's scalar state (Adam's ``step``) goes on, as
         when an in-memory optimizer's moment tensors are zeroed;
-        :meth:`attach` again for a full restart.
+        ``attach(optimizer, restart=True)`` for a full restart.
 
         It may run between a forward and the step: that is the advice of a
         step refused because the optimizer holds no state for trained rows.

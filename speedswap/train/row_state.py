@@ -25,7 +25,7 @@ from ..table import HostTable
 from .checkpoint import file_in
 
 __all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep", "EmptySparseGradient",
-           "drop_leftover_state", "check_state_files",
+           "drop_leftover_state", "refuse_unasked_restart", "check_state_files",
            "take_assigned"]
 
 #: (id of a scratch tensor a RowState handed an optimizer, id of its parameter) -> the tensor,
@@ -46,6 +46,38 @@ def drop_leftover_state(optimizer, param) -> None:
     state = optimizer.state.get(param) or {}
     if any(_SCRATCH.get((id(value), id(param))) is value for value in state.values()):
         optimizer.state.pop(param, None)
+
+
+def refuse_unasked_restart(state: Optional["RowState"], optimizer, owner: str, trained: Optional[bool] = None,
+                           everywhere: str = "") -> None:
+    """Refuse attaching the optimizer that is attached already, once it trained the table.
+
+    Attaching starts the offloaded state afresh (moments and step count): an
+    ``attach`` left inside the training loop, or a notebook cell run twice,
+    would silently train on unlike the same optimizer in memory. Called
+    unless the attach says ``restart=True``.
+
+    Args:
+        state: the :class:`RowState` attached now, or None.
+        optimizer: the optimizer being attached.
+        owner: the embedding's class name, for the message.
+        trained: whether a step or a checkpoint load changed ``state`` since
+            it was made; None reads :attr:`RowState.trained`. (A sharded
+            embedding tells from its step count, which every rank shares:
+            a rank whose owned rows no step reached holds fresh tables.)
+        everywhere: appended to the advice (" on every rank").
+
+    Raises:
+        StateError: ``optimizer`` is ``state``'s and ``trained``.
+    """
+    if state is None or state.optimizer is not optimizer or not (state.trained if trained is None else trained):
+        return
+    raise StateError(
+        f"this {type(optimizer).__name__} is attached to this {owner} already, and has trained it since "
+        f"(steps, or a checkpoint loaded): attaching it again would start its state for the table "
+        f"afresh (moments and step count), and training would go on unlike the same optimizer in "
+        f"memory. Attach once, before the training loop; to restart that state on purpose, call "
+        f"emb.attach(optimizer, restart=True){everywhere}. Nothing was changed")
 
 
 def _adam_like(group, defaults):
@@ -364,6 +396,11 @@ class RowState:
         self._held = {name: state[name] for name, value in self.spec.items()
                       if isinstance(state.get(name), torch.Tensor) and bool((state[name] == value).all())}
 
+    @property
+    def trained(self) -> bool:
+        """Whether the tables hold state a step or a checkpoint load wrote (since :meth:`init_state`)."""
+        return not self._fresh
+
     def init_state(self):
         """Set every row's state to the value torch creates it with (a fresh optimizer).
 
@@ -543,9 +580,9 @@ class RowState:
                 f"{type(self.optimizer).__name__}'s options for the offloaded parameter changed since it "
                 f"was attached: they now keep per-row state {missing}, which its host tables (made for "
                 f"{sorted(self.spec) or 'no per-row state'}) do not hold. Set the option before "
-                f"attaching, or attach again (emb.attach(optimizer); a new OptimizerFactory), which "
-                f"makes the tables anew and starts the per-row state and step count afresh; nothing "
-                f"was changed")
+                f"attaching, or attach again (emb.attach(optimizer, restart=True); a new "
+                f"OptimizerFactory), which makes the tables anew and starts the per-row state and step "
+                f"count afresh; nothing was changed")
 
     def check_not_replaced(self) -> None:
         """Refuse per-row state that ``optimizer.load_state_dict()`` put in place of the tables'.
@@ -664,7 +701,7 @@ class RowState:
                 f"holds the step count), or restart the "
                 f"optimizer state from scratch with init_state() (OffloadedEmbedding.init_state, "
                 f"OptimizerFactory.optInit; a ShardedOffloadedEmbedding: discard_step() and "
-                f"attach(optimizer) on every rank); then call step() again")
+                f"attach(optimizer, restart=True) on every rank); then call step() again")
         k = rows.shape[0]
         views = {name: self._buffer(name)[:k] for name in self.tables}
         if read is not None:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from ..atomic import PathLike, as_path
 from ..backends import get_backend
 from ..backends.resolve import BackendLike, DeviceLike
-from ..convert import Ids, as_row_ids, as_row_ids_deferred, int_option
+from ..convert import Ids, as_row_ids, as_row_ids_deferred, bool_option, int_option
 from ..errors import FileFormatError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
@@ -52,7 +52,8 @@ from .one_thread import OneThread, one_thread
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
 from .reached import KeptRows, ReachedRows, in_backward, recomputed_on_engine_thread
-from .row_state import EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state
+from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
+                        refuse_unasked_restart)
 from .scratch_writes import ScratchWrites
 from .step_hooks import StepHooks
 from .sharded_checkpoint import all_unchanged, load_shards, ranks_on_this_machine, save_shards, stage_table_rows
@@ -638,21 +639,27 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
     # ------------------------------------------------------------- training
     @one_thread
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach(self, optimizer: torch.optim.Optimizer, *, restart: bool = False) -> None:
         """Offload ``optimizer``'s per-row state for the rows this rank owns and hook its ``step()``.
 
         Args:
             optimizer: this rank's ``torch.optim`` optimizer, built over
                 parameters that include :attr:`weight`.
+            restart: attach the optimizer attached already again, starting
+                its state afresh on purpose (see below).
 
         ``optimizer.step(closure)`` works: the closure's forwards and
         backward run first (on every rank), then the exchange and the step.
 
         Attaching again starts the offloaded optimizer state afresh (an
         ``mmap`` embedding's state files included; the same optimizer's scalar
-        state for :attr:`weight`, Adam's ``step``, too). Attach on every rank
-        alike: the next collective call of a rank that attached alone raises
-        ``StateError`` on every rank, no row changed.
+        state for :attr:`weight`, Adam's ``step``, too). The optimizer
+        attached already is refused once it trained the table (a step, or
+        a checkpoint loaded) unless ``restart=True``: by mistake (an attach
+        inside the training loop) it would silently restart Adam's moments
+        and step count. Attach on every rank alike: the next collective call
+        of a rank that attached alone raises ``StateError`` on every rank, no
+        row changed.
 
         Only this optimizer may step :attr:`weight` from now on (until
         :meth:`close`, or another ``attach``): the ``step()`` of any other
@@ -667,11 +674,13 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         Raises:
             DTypeError: ``optimizer`` is not an optimizer (its class, or the parameters).
             OptionError: the optimizer does not hold :attr:`weight`, or its
-                state is not element-wise. Nothing changes.
+                state is not element-wise; ``restart`` that is not a bool.
+                Nothing changes.
             PathError: with ``storage="mmap"``, a file the new state would
                 replace exists and this embedding did not create it. Nothing
                 changes: the optimizer attached before stays.
-            StateError: between a training forward and the step.
+            StateError: between a training forward and the step; ``optimizer``
+                attached already and trained since, without ``restart=True``.
             OutOfMemoryError: the new state tables do not fit. Nothing changes:
                 the new state is made before the old one is released, so the
                 optimizer attached before stays, with its state (with
@@ -679,6 +688,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 old state is closed first, and a failure leaves it detached).
         """
         self._check_between_steps("attach")
+        if not bool_option(restart, "restart", hint=" (start the attached optimizer's state afresh)"):
+            refuse_unasked_restart(self._state, optimizer, type(self).__name__,
+                                   trained=self._state_origin != _ATTACHED or self._steps_since > 0,
+                                   everywhere=" on every rank")
         self._scratch_writes.refuse_written_through_data(self._full)  # on this rank: attach is no collective
         # An unsupported optimizer, or a file the new state may not replace, is refused before
         # the old state is closed.
