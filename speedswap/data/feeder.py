@@ -434,8 +434,10 @@ class BatchFeeder:
     reading and the files closed.
 
     Args:
-        *sources: the data, each of shape ``(n, ...)``.
-        batch_size: rows per batch.
+        *sources: the data, each of shape ``(n, ...)``. Every option is a
+            keyword: ``BatchFeeder(x, 64)``, DataLoader's way of giving the
+            batch size, is refused, saying ``BatchFeeder(x, batch_size=64)``.
+        batch_size: rows per batch (required).
         order: ``"random"`` (a new permutation each epoch, from ``(seed, epoch)``),
             ``"block"`` (quasi-random: shuffled contiguous blocks, rows
             shuffled within a window of blocks, for files larger than RAM),
@@ -479,7 +481,8 @@ class BatchFeeder:
         **named_sources: sources by name; batches are then dicts.
 
     Raises:
-        OptionError: no sources, both positional and named ones, an unknown
+        OptionError: no sources, no ``batch_size``, a number given by position
+            (``DataLoader(x, 64)``'s batch size), both positional and named ones, an unknown
             option (a keyword whose value is not a source; for DataLoader's
             ``shuffle``, ``num_workers``, ``sampler``, ``collate_fn`` and the like
             the message names the option that does the job), a bad backend, a bad
@@ -529,7 +532,7 @@ class BatchFeeder:
         2 None
     """
 
-    def __init__(self, *sources: Source, batch_size: int, order: Union[str, Order] = "random",
+    def __init__(self, *sources: Source, batch_size: Optional[int] = None, order: Union[str, Order] = "random",
                  drop_last: bool = False, seed: int = 0, device: DeviceLike = "auto", prefetch: int = 2,
                  rank: Optional[int] = None, world_size: Optional[int] = None,
                  transform: Optional[Callable[[object], object]] = None, drop_behind: Optional[bool] = None,
@@ -547,6 +550,14 @@ class BatchFeeder:
                 raise OptionError(f"BatchFeeder has no option {name!r} (got {name}={value!r}){instead}; "
                                   f"a keyword that is not an option names a data source (an array, "
                                   f"tensor, DataGadget or HostTable). Options: {', '.join(options)}")
+        numbers = [value for value in sources if isinstance(value, (int, float, np.number))]
+        if numbers:  # bool is an int too: DataLoader(x, 64, True)'s shuffle
+            raise OptionError(f"BatchFeeder takes every option by keyword: its positional arguments are data "
+                              f"sources, and {numbers[0]} is none. For the batch size, which "
+                              f"DataLoader(x, {numbers[0]}) reads there: BatchFeeder(x, batch_size={numbers[0]})")
+        if batch_size is None:
+            raise OptionError("BatchFeeder needs batch_size=: the rows of each batch, e.g. "
+                              "BatchFeeder(x, y, batch_size=4096)")
         if sources and named_sources:
             raise OptionError("give the sources either all by position (batches are tuples) or "
                               "all by name (batches are dicts), not both")
