@@ -188,7 +188,13 @@ def word2vec_sharded(args, corpus, backend):
 
     Returns:
         ``(figures, centre vectors)`` on rank 0; ``(None, None)`` on the others.
+
+    Raises:
+        OptionError: a corpus without a document of two or more words, as the
+            one-process run says it, on every rank before it joins the group
+            or builds a table (an mmap run's files).
     """
+    word2vec.check_gives_pairs(corpus)
     device = ss.get_backend(backend).device
     rank, world = init(device)
     chunks = PairChunks(corpus, window=args.window, negatives=args.negatives, subsample=args.subsample,

@@ -4,6 +4,7 @@ Ranks are simulated by patching ``torch.distributed``'s rank and world size,
 as ``tests/test_feeder.py`` does: what a rank reads depends on nothing else.
 """
 
+import argparse
 import importlib.util
 import itertools
 import math
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import speedswap as ss
+from speedswap.apps import word2vec
 from speedswap.apps.corpus import synthetic_corpus
 from speedswap.apps.pairs import NegativeSampler, PairChunks
 from speedswap.train.exchange import row_bounds
@@ -100,6 +102,30 @@ def test_sharded_word2vec_corpus_without_pairs_is_refused_after_one_pass():
     with chunks.stream(1 << 30) as stream:
         with pytest.raises(ss.OptionError, match=r"a pass over the corpus \(400 tokens\) gave no skip-gram pairs"):
             next(distributed._shares(stream, 64, 0, 2, len(corpus.tokens)))
+
+
+def test_sharded_word2vec_refuses_a_corpus_without_pairs_before_it_joins_the_group_or_builds_a_table(
+        monkeypatch, tmp_path):
+    """One-word documents: the sharded run joined the process group and built its tables (an mmap run's
+    files) before a pass of the pair stream told it there were no pairs; the one-process run refuses
+    such a corpus first. Now the sharded run does too, with the one-process run's message."""
+    distributed = load_example("_distributed")
+    corpus = synthetic_corpus(50, 2, 400, doc_len=1, seed=0)
+    with pytest.raises(ss.OptionError) as one_process:
+        word2vec.train(corpus, dim=4, steps=3, batch_size=8, backend="numpy", progress=False)
+    joined = []
+    monkeypatch.setattr(distributed, "init", lambda device: joined.append(device) or (0, 1))
+
+    def build(*args, **kwargs):
+        raise AssertionError("a table was built for a corpus without pairs")
+    monkeypatch.setattr(ss, "ShardedOffloadedEmbedding", build)
+    args = argparse.Namespace(window=3, negatives=2, subsample=0.0, seed=0, steps=3, batch_size=8, dim=4,
+                              table_dir=str(tmp_path), storage="mmap", optimizer="sgd", lr=None)
+    with pytest.raises(ss.OptionError) as sharded:
+        distributed.word2vec_sharded(args, corpus, "numpy")
+    assert str(sharded.value) == str(one_process.value)
+    assert "two or more words" in str(sharded.value)
+    assert joined == [] and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -43,7 +43,8 @@ from .corpus import Corpus
 from .pairs import NegativeSampler, PairBatch, PairChunks
 from .skipgram import SkipGram, manual_step
 
-__all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "check_finite_loss", "cores_granted", "cpu_threads", "DEFAULT_LR",
+__all__ = ["NegativeSampler", "SkipGram", "TrainResult", "train", "check_gives_pairs", "check_finite_loss",
+           "cores_granted", "cpu_threads", "DEFAULT_LR",
            "CHUNK_TOKENS", "topic_purity", "purity_report", "nearest_neighbours"]
 
 #: The default learning rate of each optimizer: word2vec's 0.025 per pair for SGD.
@@ -405,10 +406,7 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     subsample = convert.float_option(subsample, "subsample")
     if subsample < 0:
         raise ss.OptionError(f"subsample must be >= 0 (0: keep every word), got {subsample!r}")
-    if not (np.diff(corpus.doc_starts, append=len(corpus.tokens)) >= 2).any():
-        # Checked here, not only once a pass gave no pairs: by then the tables (an mmap run's files) exist.
-        raise ss.OptionError(f"the corpus ({len(corpus.tokens):,} tokens) gives no skip-gram pairs; "
-                             f"it needs documents of two or more words")
+    check_gives_pairs(corpus)
     if directory is not None and storage != "mmap":
         raise ss.OptionError(f"directory={os.fspath(directory)!r} is where storage='mmap' keeps the table "
                              f"files, but storage is {storage!r}; drop directory or use storage='mmap'")
@@ -441,6 +439,21 @@ def train(corpus: Corpus, *, dim: int = 100, epochs: Optional[int] = None, steps
     return TrainResult(vectors=job.vectors(), losses=run.losses, words=int(round(run.words)), pairs=run.pairs,
                        steps=run.steps, seconds=seconds, model=job.model, optimizer=job.optimizer,
                        storage=storage, autograd=autograd, switchers=job.switchers)
+
+
+def check_gives_pairs(corpus: Corpus) -> None:
+    """Refuse a corpus without a document of two or more words: no window holds a pair.
+
+    Checked before a run builds anything, not only once a pass gave no pairs:
+    by then the tables (an mmap run's files) exist, and a sharded run has
+    joined its process group.
+
+    Raises:
+        OptionError: no document of ``corpus`` has two or more words.
+    """
+    if not (np.diff(corpus.doc_starts, append=len(corpus.tokens)) >= 2).any():
+        raise ss.OptionError(f"the corpus ({len(corpus.tokens):,} tokens) gives no skip-gram pairs; "
+                             f"it needs documents of two or more words")
 
 
 def check_finite_loss(loss: tuple, pairs: int, lr: float) -> None:
