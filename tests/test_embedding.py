@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import inspect
 import io
 import os
 import tracemalloc
@@ -678,6 +679,17 @@ def test_other_nn_embedding_and_bag_arguments_are_refused_saying_what_to_do_inst
     assert "It takes num_embeddings, embedding_dim, max_rows" in str(refused.value)
     assert not (tmp_path / "emb").exists()  # nothing was built: no table file, no random rows drawn
     assert torch.equal(torch.get_rng_state(), generator)
+
+
+@pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])
+def test_the_constructor_signature_shows_no_private_argument(cls, tmp_path):
+    """OffloadedEmbedding's signature (inspect.signature, help()) showed from_pretrained's private
+    _initialise=True as a keyword to pass: given False, it built a table of whatever the memory held."""
+    names = list(inspect.signature(cls).parameters)
+    assert [name for name in names if name.startswith("_")] == [], names
+    with pytest.raises(ss.DTypeError, match="_initialise=: no such argument"):
+        cls(10, 3, max_rows=4, storage="mmap", path=tmp_path / "emb", backend="numpy", _initialise=False)
+    assert not (tmp_path / "emb").exists()
 
 
 @pytest.mark.parametrize("cls", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding])

@@ -163,7 +163,9 @@ class OffloadedEmbedding(RefusesConversion):
                  padding_idx: Optional[int] = None, backend: BackendLike = "auto", path: Optional[PathLike] = None,
                  device: DeviceLike = None, overwrite: bool = False, cache_rows: int = 0,
                  scale_grad_by_freq: bool = False, sparse: bool = False, max_norm: float = None,
-                 norm_type: float = 2.0, _initialise: bool = True, **others):
+                 norm_type: float = 2.0, **others):
+        # Set by from_pretrained on the instance it builds, which draws no rows here (see below).
+        pretrained = vars(self).pop("_pretrained", False)
         super().__init__()
         self._one_thread = OneThread("this OffloadedEmbedding")
         refuse_other_arguments(type(self).__name__, OffloadedEmbedding.__init__, positional, others, {
@@ -192,7 +194,7 @@ class OffloadedEmbedding(RefusesConversion):
         # from_pretrained writes every row itself and, as nn.Embedding(_weight=...) does, draws
         # no random numbers: the layers built after the table start from the values they would
         # in memory, and a table (an mmap file) is written once.
-        if _initialise:
+        if not pretrained:
             self._table.normal_()  # nn.Embedding's initialisation
             if padding_idx is not None:
                 self._table.scatter([padding_idx], torch.zeros(1, embedding_dim, dtype=dtype))
@@ -320,7 +322,11 @@ class OffloadedEmbedding(RefusesConversion):
         kwargs.setdefault("dtype", dtype)
         if rows is None:  # before the table is made: a refused file leaves no mmap file behind
             files.check_table_matches(header, shape, embedding_dtype(kwargs["dtype"]), embeddings)
-        emb = cls(shape[0], shape[1], max_rows=max_rows, _initialise=False, **kwargs)
+        # Built as cls(...) builds it, marked first so that its constructor draws no rows: a keyword
+        # for that would show in the public signature (help(), inspect) as one to pass.
+        emb = cls.__new__(cls)
+        object.__setattr__(emb, "_pretrained", True)
+        emb.__init__(shape[0], shape[1], max_rows=max_rows, **kwargs)
         try:
             if rows is None:
                 # Straight into the new table's memory: load() would first stage the whole
