@@ -17,43 +17,10 @@ import pytest
 import torch
 
 import speedswap as ss
+from mmap_training import BATCH, DIM, ROWS, step, trained, zipf_ids  # tests/, as sharded_worker
 
-ROWS, DIM, BATCH, STEPS = 500, 8, 64, 4
+STEPS = 4
 FILES = ("table", "exp_avg", "exp_avg_sq")
-
-# Shared with the subprocess: a SIGBUS there fails its test instead of killing pytest.
-_TRAINING = textwrap.dedent("""
-    import os, numpy as np, torch, speedswap as ss
-
-    ROWS, DIM, BATCH = 500, 8, 64
-
-    def zipf_ids(rng):
-        p = 1.0 / np.arange(1, ROWS + 1)
-        return torch.from_numpy(rng.permutation(ROWS)[rng.choice(ROWS, BATCH, p=p / p.sum())])
-
-    def trained(directory, seed, steps, cache_rows=0):
-        '''An mmap embedding and its Adam, and an nn.Embedding with SparseAdam, trained alike on Zipf ids.'''
-        rng = np.random.default_rng(seed)
-        emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH, storage="mmap", path=directory,
-                                    backend="numpy", cache_rows=cache_rows)
-        emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
-        opt = torch.optim.Adam(emb.parameters(), lr=0.01, eps=1e-30)  # SparseAdam adds eps elsewhere
-        emb.attach(opt)
-        ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(emb.table.to_numpy(copy=True)), freeze=False,
-                                                 sparse=True)
-        ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-30)
-        for _ in range(steps):
-            step((emb, opt), (ref, ref_opt), ids=zipf_ids(rng), weights=torch.from_numpy(
-                rng.standard_normal((BATCH, DIM), dtype=np.float32)))
-        return emb, opt, ref, ref_opt, rng
-
-    def step(*models, ids, weights):
-        for module, optimizer in models:
-            ((module(ids) * weights).sum() ** 2).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-""")
-exec(_TRAINING)  # trained, step, zipf_ids: one definition for this process and the subprocesses
 
 
 def _file_bytes(directory):
@@ -68,8 +35,11 @@ def _rewrite_in_place(path, array):
     assert done.returncode == 0
 
 
-_TRUNCATED = _TRAINING + textwrap.dedent("""
-    import sys
+_TRUNCATED = textwrap.dedent("""
+    import os, sys
+    import numpy as np, torch, speedswap as ss
+    sys.path.insert(0, sys.argv[5])
+    from mmap_training import BATCH, DIM, ROWS, trained, zipf_ids
     directory, seed, name, when = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     emb, opt, ref, ref_opt, rng = trained(directory, seed, 3)
     emb.flush()
@@ -110,7 +80,7 @@ _TRUNCATED = _TRAINING + textwrap.dedent("""
 def test_a_truncated_mmap_file_is_refused_with_no_sigbus_and_the_other_files_unchanged(tmp_path, seed, name, when):
     """os.truncate of an mmap table's file killed the next gather or scatter with SIGBUS: no traceback, the
     process gone, its cached rows with it."""
-    done = subprocess.run([sys.executable, "-c", _TRUNCATED, str(tmp_path / "emb"), str(seed), name, when],
+    done = subprocess.run([sys.executable, "-c", _TRUNCATED, str(tmp_path / "emb"), str(seed), name, when, os.path.dirname(__file__)],
                           capture_output=True, text=True, timeout=300, cwd=os.getcwd())
     assert done.returncode == 0, f"exit status {done.returncode} (-7 is SIGBUS): {done.stdout}{done.stderr}"
     lines = done.stdout.splitlines()
