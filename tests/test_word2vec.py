@@ -139,8 +139,29 @@ def test_negative_sampler_draws_what_a_binary_search_of_the_cdf_draws(vocab, sli
     draw_seed = int(rng.integers(2**31))  # the sampler's and the reference's, the same
     sampler = word2vec.NegativeSampler(counts, torch.device("cpu"), seed=draw_seed)
     uniform = torch.from_numpy(philox_uniform(draw_seed, (3, 1), 250_000).reshape(50_000, 5))
-    cdf = torch.from_numpy(np.cumsum(counts ** 0.75) / (counts ** 0.75).sum())
-    assert torch.equal(sampler((50_000, 5), stream=(3, 1)), torch.searchsorted(cdf, uniform).clamp_(max=vocab - 1))
+    cdf = np.cumsum(counts ** 0.75)
+    cdf = torch.from_numpy(cdf / cdf[-1])
+    assert torch.equal(sampler((50_000, 5), stream=(3, 1)), torch.searchsorted(cdf, uniform, right=True))
+
+
+@pytest.mark.parametrize("lookup", ["guide table", "binary search"])
+def test_negative_sampler_never_draws_a_word_of_count_zero_at_the_cdfs_edges(lookup, rng, monkeypatch):
+    """The first word whose CDF *reached* u was drawn: for u == 0.0 a leading word of count 0 (Philox
+    gives 0.0 once in 2**53 draws), and a word of count 0 whose CDF equals u. Now the first whose CDF
+    exceeds u, tried at every edge: u = 0, u = each word's CDF exactly, the largest float below 1."""
+    if lookup == "binary search":
+        monkeypatch.setattr(word2vec.NegativeSampler, "_MAX_STEPS", -1)  # no guide table is fine enough
+    counts = rng.integers(1, 1000, size=300)
+    counts[[0, 1, 57, 58, 59, 200, 297, 298, 299]] = 0  # leading, inner runs and trailing zeros
+    sampler = word2vec.NegativeSampler(counts, torch.device("cpu"))
+    assert (sampler._guide is None) == (lookup == "binary search")
+    cdf = np.cumsum(counts.astype(np.float64) ** 0.75)
+    cdf /= cdf[-1]
+    edges = np.concatenate([[0.0, np.nextafter(1.0, 0.0)], cdf[cdf < 1], np.nextafter(cdf[cdf < 1], 1.0)])
+    drawn = sampler._draw(torch.from_numpy(edges)).numpy()
+    assert (counts[drawn] > 0).all(), edges[counts[drawn] == 0]
+    # Each is the word whose CDF interval [previous CDF, its CDF) holds u.
+    np.testing.assert_array_equal(drawn, np.searchsorted(cdf, edges, side="right"))
 
 
 def test_negative_sampler_follows_unigram_to_the_three_quarters():

@@ -66,7 +66,9 @@ class NegativeSampler:
 
     def __init__(self, counts: Sequence[int], device: torch.device, power: float = 0.75, seed: int = 0):
         weight = np.asarray(counts, dtype=np.float64) ** power
-        cdf = np.cumsum(weight) / weight.sum()
+        # Divided by its own last value, the CDF ends at exactly 1.0, above every uniform number.
+        cdf = np.cumsum(weight)
+        cdf /= cdf[-1]
         self._cdf = torch.from_numpy(cdf).to(device)
         self._seed = seed
         self._last = len(cdf) - 1
@@ -75,14 +77,14 @@ class NegativeSampler:
         # four per word to start with, at most 2**22 (a 32 MiB table).
         buckets = 1 << min(max(int(4 * len(cdf) - 1).bit_length(), 10), 22)
         while True:
-            guide = np.searchsorted(cdf, np.arange(buckets + 1, dtype=np.float64) / buckets)
+            guide = np.searchsorted(cdf, np.arange(buckets + 1, dtype=np.float64) / buckets, side="right")
             steps = int(np.diff(guide).max())
             if steps <= 2 or buckets >= 1 << 22:
                 break
             buckets *= 2
         if steps <= self._MAX_STEPS:
             self._buckets, self._steps = buckets, steps
-            self._guide = torch.from_numpy(np.minimum(guide[:-1], self._last)).to(device)
+            self._guide = torch.from_numpy(guide[:-1]).to(device)
 
     def __call__(self, shape: Sequence[int], *, stream: Sequence[int] = (), first: int = 0) -> torch.Tensor:
         """Negative word ids of ``shape`` (int64, on the sampler's device): draws ``first, first + 1, ...`` of a stream.
@@ -120,13 +122,19 @@ class NegativeSampler:
         return out
 
     def _draw(self, u: torch.Tensor) -> torch.Tensor:
-        """The word of each uniform number of ``u`` (float64 in ``[0, 1)``, on the sampler's device)."""
+        """The word of each uniform number of ``u`` (float64 in ``[0, 1)``, on the sampler's device).
+
+        The word is the first whose CDF exceeds ``u``: its CDF is above its
+        predecessor's, so its count is not 0 (the first whose CDF *reaches*
+        ``u`` would be a leading word of count 0 for ``u == 0``, or a word of
+        count 0 whose CDF equals ``u``). The CDF ends at 1.0, above every ``u``.
+        """
         if self._guide is None:
-            return torch.searchsorted(self._cdf, u).clamp_(max=self._last)
-        # The first word whose CDF reaches u lies at most `steps` words past the guide's.
+            return torch.searchsorted(self._cdf, u, right=True)
+        # The first word whose CDF exceeds u lies at most `steps` words past the guide's.
         word = self._guide[(u * self._buckets).long()]
         for _ in range(self._steps):
-            word.add_(self._cdf[word] < u).clamp_(max=self._last)
+            word.add_(self._cdf[word] <= u)
         return word
 
 
