@@ -579,6 +579,47 @@ def test_attaching_the_attached_optimizer_again_by_mistake_is_refused_and_traini
 
 
 @pytest.mark.parametrize("cache_rows", [0, 10])
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.SparseAdam])
+def test_an_attach_by_mistake_after_init_state_is_refused_for_the_step_count_it_would_drop(make, cache_rows, rng):
+    """init_state() restarts the rows' moments and leaves the step count going on, so the tables were as
+    fresh as at attach: attaching the same optimizer again was taken, and silently restarted its step
+    count (Adam's bias correction) as well. The count is trained state too; restart=True takes it."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, 8, "cpu")
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy",
+                                cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = make(emb.parameters(), lr=0.05, eps=1e-30)  # Adam then trains as SparseAdam does
+    emb.attach(opt)
+
+    def train(steps):
+        for pos, neg, ctx in steps:
+            skipgram_loss(emb(pos), emb(neg), ctx).backward()
+            opt.step()
+            opt.zero_grad()
+
+    train(batches[:3])
+    emb.init_state()  # the moments restart; the count, 3, goes on
+    with pytest.raises(ss.StateError, match=r"attached to this OffloadedEmbedding already.*restart=True"):
+        emb.attach(opt)
+    train(batches[3:])
+    # What went on is SparseAdam in memory whose moment tensors were zeroed after 3 steps, its count kept.
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+    for step, (pos, neg, ctx) in enumerate(batches):
+        if step == 3:
+            for name in ("exp_avg", "exp_avg_sq"):
+                ref_opt.state[ref][name].zero_()
+        rows = functools.partial(torch.nn.functional.embedding, weight=ref, sparse=True)
+        skipgram_loss(rows(pos), rows(neg), ctx).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert int(opt.state[emb.weight]["step"]) == int(ref_opt.state[ref]["step"]) == len(batches)
+    emb.flush()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), **TOL)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 10])
 @pytest.mark.parametrize("option", ["scale_grad_by_freq", "sparse"])
 def test_nn_embedding_gradient_options_train_as_nn_embedding_does(backend, rng, cache_rows, option):
     """``scale_grad_by_freq`` (Adagrad: lazy equals dense) and ``sparse`` (SparseAdam), Zipf ids with repeats.

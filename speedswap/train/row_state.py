@@ -398,8 +398,15 @@ class RowState:
 
     @property
     def trained(self) -> bool:
-        """Whether the tables hold state a step or a checkpoint load wrote (since :meth:`init_state`)."""
-        return not self._fresh
+        """Whether a step or a checkpoint load changed the optimizer's state for the parameter since this was made.
+
+        The tables tell of a load or of a step with rows (until :meth:`init_state`);
+        the optimizer's step count, of a step that wrote no row (one without
+        rows, or one before :meth:`init_state` reset the rows): it counted that
+        step, and goes on counting (Adam's bias correction).
+        """
+        step = (self.optimizer.state.get(self.param) or {}).get("step")
+        return not self._fresh or (step is not None and bool(step != 0))
 
     def init_state(self):
         """Set every row's state to the value torch creates it with (a fresh optimizer).
