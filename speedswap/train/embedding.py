@@ -1249,6 +1249,10 @@ class OffloadedEmbedding(RefusesConversion):
         table rows, bytes add their optimizer state's, and state that crosses
         alone, as :meth:`init_state` reads the cached rows' again, counts in
         bytes only; flushes count in ``total``), evictions and prefetched rows.
+        The first step after :meth:`attach` (or :meth:`init_state`) reads no
+        optimizer state, which every row then holds at its initial value:
+        torch makes it on the device, so that step's bytes device-to-host
+        exceed its bytes host-to-device.
         ``total`` includes the step in progress (a prefetch counts at once),
         ``last_step`` is the last step that ended. A step that raised inside
         the optimizer and is retried counts its rows once and its copies twice.
