@@ -1249,7 +1249,7 @@ class OffloadedEmbedding(RefusesConversion):
         table rows, bytes add their optimizer state's, and state that crosses
         alone, as :meth:`init_state` reads the cached rows' again, counts in
         bytes only; flushes count in ``total``), evictions and prefetched rows.
-        The first step after :meth:`attach` (or :meth:`init_state`) reads no
+        The first step with rows after :meth:`attach` (or :meth:`init_state`) reads no
         optimizer state, which every row then holds at its initial value:
         torch makes it on the device, so that step's bytes device-to-host
         exceed its bytes host-to-device.
