@@ -163,6 +163,44 @@ def test_checkpointed_cuda_lookups_with_a_prefetch_each_step_train_as_in_memory(
     assert emb.stats()["total"]["prefetched_rows"] > 0
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointed_lookups_of_a_sharded_embedding_train_as_in_memory(backend, rng, reentrant):
+    """A ``ShardedOffloadedEmbedding`` of one rank under activation checkpointing, against SparseAdam in
+    memory. On a GPU the autograd engine recomputes the lookup on its thread for the device while the
+    training thread, which holds the step's claim, waits in ``backward()`` (NOTES' open list: the CPU
+    test of ``test_training_flows`` only simulates that thread); on the CPU it recomputes on this one."""
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    storage = "pinned" if backend == "cuda" else "pageable"
+    emb = ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=ROWS, storage=storage, backend=backend)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.Adam(emb.parameters(), lr=0.05, eps=1e-30)  # SparseAdam's steps at eps=1e-30
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.astype(np.float64)))
+    ref_opt = torch.optim.SparseAdam([ref], lr=0.05, eps=1e-30)
+    device = ss.get_backend(backend).device
+    recomputed_on = set()
+    for ids, target in zipf_ids(rng, STEPS):
+        for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
+            def block(ids, scale):
+                if torch.is_grad_enabled() and lookup is emb:
+                    recomputed_on.add(threading.get_ident())
+                return torch.tanh(lookup(ids)).sum(1) * scale
+            scale = torch.ones(1, device=to, requires_grad=True)
+            out = activation.checkpoint(block, ids.to(to), scale, use_reentrant=reentrant)
+            ((out.cpu() - target) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert recomputed_on, "the lookup was never recomputed"
+    if backend == "cuda":  # the case under test: the engine's thread, not this one
+        assert recomputed_on - {threading.get_ident()}, "the lookup was never recomputed on another thread"
+    table = ref.detach().numpy()
+    np.testing.assert_allclose(emb.table.to_numpy(), table, rtol=1e-5, atol=1e-5 * np.abs(table).max())
+    for name in ("exp_avg", "exp_avg_sq"):
+        expected = ref_opt.state[ref][name].numpy()
+        np.testing.assert_allclose(emb._state.tables[name].to_numpy(), expected, rtol=1e-5,
+                                   atol=1e-5 * np.abs(expected).max(), err_msg=name)
+
+
 @pytest.mark.parametrize("cache_rows", [0, 40])
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("fused", [None, True], ids=["plain", "fused"])
