@@ -134,6 +134,21 @@ def test_a_thread_that_takes_over_with_reentrant_checkpointed_lookups_may_prefet
     assert_trained_as_sparse_adam(emb, ref, ref_opt)
 
 
+def checkpointed_backward(lookup, ids, target, reentrant, recomputed_on):
+    """The backward of a squared error on ``tanh(lookup(ids))`` under activation checkpointing.
+
+    Adds the thread of each run of the lookup with gradients on to ``recomputed_on``: the recompute's,
+    and a non-reentrant checkpoint's first forward (on the calling thread).
+    """
+    def block(ids, scale):
+        if torch.is_grad_enabled():
+            recomputed_on.add(threading.get_ident())
+        return torch.tanh(lookup(ids)).sum(1) * scale
+    scale = torch.ones(1, device=ids.device, requires_grad=True)
+    out = activation.checkpoint(block, ids, scale, use_reentrant=reentrant)
+    ((out - target.to(out.device)) ** 2).sum().backward()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_checkpointed_cuda_lookups_with_a_prefetch_each_step_train_as_in_memory(rng, reentrant):
@@ -146,13 +161,7 @@ def test_checkpointed_cuda_lookups_with_a_prefetch_each_step_train_as_in_memory(
     for step in range(STEPS):
         ids, target = batches[step]
         for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
-            def block(ids, scale):
-                if torch.is_grad_enabled() and lookup is emb:
-                    recomputed_on.add(threading.get_ident())
-                return torch.tanh(lookup(ids)).sum(1) * scale
-            scale = torch.ones(1, device=to, requires_grad=True)
-            out = activation.checkpoint(block, ids.to(to), scale, use_reentrant=reentrant)
-            ((out - target.to(to)) ** 2).sum().backward()
+            checkpointed_backward(lookup, ids.to(to), target, reentrant, recomputed_on if lookup is emb else set())
             if lookup is emb:
                 emb.prefetch(batches[step + 1][0])
             optimizer.step()
@@ -181,13 +190,7 @@ def test_checkpointed_lookups_of_a_sharded_embedding_train_as_in_memory(backend,
     recomputed_on = set()
     for ids, target in zipf_ids(rng, STEPS):
         for lookup, optimizer, to in both_sides(emb, opt, ref, ref_opt, device):
-            def block(ids, scale):
-                if torch.is_grad_enabled() and lookup is emb:
-                    recomputed_on.add(threading.get_ident())
-                return torch.tanh(lookup(ids)).sum(1) * scale
-            scale = torch.ones(1, device=to, requires_grad=True)
-            out = activation.checkpoint(block, ids.to(to), scale, use_reentrant=reentrant)
-            ((out.cpu() - target) ** 2).sum().backward()
+            checkpointed_backward(lookup, ids.to(to), target, reentrant, recomputed_on if lookup is emb else set())
             optimizer.step()
             optimizer.zero_grad()
     assert recomputed_on, "the lookup was never recomputed"
