@@ -1570,9 +1570,10 @@ def test_windows_of_file_rows_that_cannot_fit_in_ram_are_refused_when_the_feeder
     or, below the overcommit limit, a process killed for memory as the windows filled."""
     import speedswap.data.feeder as feeder_module
     n, block_rows = int(rng.integers(2000, 3000)), int(rng.integers(20, 40))
-    data = rng.standard_normal((n, 16)).astype(np.float32)
+    # Rows of 1 KiB, so that two windows, not the epoch's row ids (48 bytes a row), outgrow the RAM.
+    data = rng.standard_normal((n, 256)).astype(np.float32)
     mapped, labels = write(tmp_path / "x.npy", data), write(tmp_path / "y.npy", np.arange(n))
-    two_windows_of_8 = 2 * 8 * block_rows * (16 * 4 + 8)
+    two_windows_of_8 = 2 * 8 * block_rows * (256 * 4 + 8)
     monkeypatch.setattr(feeder_module, "available_ram", lambda: 2 * two_windows_of_8 - 2)
     with pytest.raises(ss.OptionError, match=r"window=8\) .*half the RAM available.*at most 7 blocks"):
         ss.BatchFeeder(mapped, labels, batch_size=32, order=kind(block_rows, 8), device="cpu")

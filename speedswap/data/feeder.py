@@ -275,6 +275,43 @@ def _check_prefetch(prefetch, batch_bytes, device):
                           f"(2 to 4 hide a batch's read time) or a smaller batch_size")
 
 
+#: RAM an epoch's order takes per row of the dataset, at its peak: int64 row ids for the epoch being
+#: read and for the next one, drawn ahead, and the arrays of laying one out (a block order's shuffled
+#: grid, a window reader's map of rows to windows, a rank's share). Measured over two epochs of
+#: 20,000,000 rows: 16-28 bytes a row in random order, 16-40 in block and sequential order, by source
+#: (in RAM or a file) and world size (benchmarks/NOTES.md, entry 81); rounded up, for the margin
+#: a peak that depends on when the thread drawing the next epoch runs needs.
+_ORDER_BYTES_PER_ROW = {"random": 32, "block": 48, "sequential": 48}
+
+
+def _check_order_fits(order, num_rows):
+    """Refuse a dataset with more rows than the RAM available can hold the epoch's order of.
+
+    Windows and batches are bounded whatever the file's size, but an epoch's
+    order is not: it holds the ids of every row. A 4 GiB file of int32 tokens
+    (a billion rows) needs about 40 GB for it, and ran the process out of
+    memory at the first batch (numpy's MemoryError inside the file reader)
+    or, past the overcommit limit, was killed for it as the next epoch's order
+    was drawn. Checked once, as the window is: nothing is read yet.
+
+    Args:
+        order: the feeder's order.
+        num_rows: rows in the dataset.
+
+    Raises:
+        OutOfMemoryError: the order's ids would take more than 3/4 of the RAM available.
+    """
+    per_row = _ORDER_BYTES_PER_ROW[order.name]
+    need, room = num_rows * per_row, available_ram() * 3 // 4
+    if need > room:
+        raise OutOfMemoryError(
+            f"the sources have {num_rows:,} rows, and each epoch's {order.name} order holds ids for "
+            f"every row: about {need:,} bytes of RAM ({per_row} a row), more than 3/4 of the RAM available "
+            f"({room:,} bytes); give the feeder fewer, wider rows: view a 1-D token file as sequences "
+            f"(x[:len(x) - len(x) % 512].reshape(-1, 512), a view: nothing is read), or split the rows "
+            f"between feeders (x[:len(x) // 2], then x[len(x) // 2:])")
+
+
 def _check_windows_fit(order, files, num_rows):
     """Refuse an order whose windows of file rows would take more than half the RAM available now.
 
@@ -412,8 +449,11 @@ class BatchFeeder:
     about the disk's sequential speed; ``random`` order keeps 16 row reads in
     flight. Resident memory stays within ``max(2, windows one batch spans)``
     windows of ``window * block_rows`` rows plus ``prefetch + 1`` batches,
-    whatever the file's size; an order whose two windows would not fit in
-    half the RAM available is refused when the feeder is built. A file truncated while it is read raises
+    whatever the file's size, besides the epoch's order: row ids of every row,
+    counted as 32 bytes a row in ``random`` order and 48 in ``block`` and
+    ``sequential`` order. An order whose two windows would not fit in
+    half the RAM available, or whose ids would not fit in 3/4 of it, is refused
+    when the feeder is built. A file truncated while it is read raises
     :class:`~speedswap.FileFormatError` (one cut short between loops, as the next loop begins, before
     it hands out a batch), and so does one written in place
     (its size or modification time changed since the loop opened it), at
@@ -503,7 +543,10 @@ class BatchFeeder:
         StateError: a DataGadget or HostTable source that is closed.
         OutOfMemoryError: a source that is not contiguous whose copy would
             take more than 3/4 of the RAM available (a column slice of a
-            file larger than RAM): write a contiguous copy to disk instead.
+            file larger than RAM): write a contiguous copy to disk instead;
+            or so many rows that the ids of an epoch's order would take more
+            than 3/4 of the RAM available (a 1-D file of small values): view
+            them as fewer, wider rows.
 
     Every argument is checked before a DataGadget source's rows are read
     (a gadget built from a path reads them when the feeder takes it) or a
@@ -616,6 +659,7 @@ class BatchFeeder:
                               f"rows; use a batch_size <= {self._share()} or drop_last=False")
         # A batch_size past the rows makes one batch of them all: that is what read-ahead holds.
         _check_prefetch(self._prefetch, min(self._batch_size, self._share()) * row_bytes, self._device)
+        _check_order_fits(self._order, self._num_rows)
         self._widen = widen if any(widen) else None  # read per batch: None when nothing widens
         columns = [_as_tensor(source, data, what)
                    for (what, _), (source, _), (data, _) in zip(described, signed, checked)]
