@@ -5,6 +5,7 @@ import pytest
 
 import speedswap as ss
 import speedswap.data.feeder as feeder_module
+import speedswap.data.gadget as gadget_module
 from speedswap.data.orders import BlockOrder, SequentialOrder
 
 
@@ -49,3 +50,38 @@ def test_more_rows_than_the_ram_can_hold_an_epochs_order_of_are_refused_before_t
         feeder = ss.BatchFeeder(source, np.arange(n), batch_size=64, order=order, seed=5, device="cpu")
         for batch, ids in feeder:
             np.testing.assert_array_equal(batch.numpy(), tokens[ids.numpy()])
+
+
+@pytest.mark.parametrize("dtype", [">f4", ">i8", ">u2"])
+def test_a_big_endian_file_too_large_to_read_whole_is_refused_with_a_rewrite_that_never_reads_it_whole(
+        tmp_path, rng, monkeypatch, dtype):
+    """A map of a big-endian .npy given to the feeder, or one a DataGadget maps because it outgrows the
+    RAM, was refused with a.astype(...) (np.save(new, np.load(path, mmap_mode='r').astype(...)) for
+    the gadget): for the file larger than the RAM that is mapped, a copy of all of it in RAM. The
+    advice is now create_npy's chunked copy; followed to the letter, its rows stream as numpy reads
+    the original's."""
+    n = int(rng.integers(500, 900))
+    values = (rng.zipf(1.3, (n, 3)) % 60_000).astype(dtype)
+    if values.dtype.kind == "f":
+        values = (rng.standard_normal((n, 3)) * values).astype(dtype)
+    path, new_path = str(tmp_path / "big.npy"), str(tmp_path / "native.npy")
+    np.save(path, values)
+    native = np.dtype(dtype).newbyteorder("=").name
+    advice = (rf"create_npy\(new_path, x.shape, '{native}', lambda lo, hi: x\[lo:hi\]\)")
+    with pytest.raises(ss.DTypeError, match=r"other byte order.*" + advice):
+        ss.BatchFeeder(np.load(path, mmap_mode="r"), batch_size=32, device="cpu")
+    if native != "uint16":  # a DataGadget holds no token ids (it says to feed their map instead)
+        monkeypatch.setattr(gadget_module, "available_ram", lambda: 4096)  # mapped: too large to copy
+        with pytest.raises(ss.DTypeError, match=r"3/4 of the RAM available.*" + advice):
+            ss.DataGadget(path, backend="numpy").read()
+    # The advice, as written.
+    x = np.load(path, mmap_mode="r")
+    ss.data.create_npy(new_path, x.shape, native, lambda lo, hi: x[lo:hi], progress=False)
+    mapped = np.load(new_path, mmap_mode="r")
+    assert mapped.dtype.isnative
+    feeder = ss.BatchFeeder(mapped, np.arange(n), batch_size=32, order="block", seed=2, device="cpu")
+    seen = []
+    for batch, ids in feeder:
+        np.testing.assert_array_equal(batch.numpy(), values[ids.numpy()].astype(native))
+        seen.append(ids.numpy())
+    np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(n))

@@ -22,7 +22,7 @@ from ..convert import (TABLE_DTYPES, as_values_array, check_has_values, check_ro
                        torch_dtype)
 from ..errors import DTypeError, OptionError, ShapeError
 
-__all__ = ["create_npy"]
+__all__ = ["create_npy", "native_copy_advice"]
 
 #: Written data is synced and dropped from the page cache this often, so a
 #: file larger than RAM does not push everything else out of memory.
@@ -115,6 +115,25 @@ _TOKEN_DTYPES = {name: np.dtype(name) for name in ("uint16", "uint32")}
 #: The dtypes a file create_npy writes may hold, as its refusal lists them: a table's
 #: (torch_dtype's list would offer bfloat16 and leave out the token ids).
 _FILE_DTYPES = sorted(set(TABLE_DTYPES) - {"bfloat16"} | set(_TOKEN_DTYPES))
+
+
+def native_copy_advice(dtype: np.dtype) -> str:
+    """How to rewrite a ``.npy`` file of byte-swapped ``dtype`` in this machine's byte order, a chunk at a time.
+
+    For the errors that refuse such a file where it would be read in place:
+    ``np.load(path, mmap_mode='r').astype(...)`` reads the whole file into
+    RAM, and a file mapped because it is larger than the RAM runs the process
+    out of memory that way.
+
+    Args:
+        dtype: the file's numpy dtype, in the other byte order (``'>f4'``).
+
+    Returns:
+        The advice, a sentence to end a message with.
+    """
+    return (f"write a copy in this machine's byte order a chunk at a time (x.astype() would read the whole "
+            f"file into RAM): x = np.load(path, mmap_mode='r'); ss.data.create_npy(new_path, x.shape, "
+            f"'{dtype.newbyteorder('=').name}', lambda lo, hi: x[lo:hi]), then read new_path")
 
 
 def _file_dtype(dtype) -> np.dtype:

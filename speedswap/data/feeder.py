@@ -26,6 +26,7 @@ from ..convert import as_host_array, bool_option, check_has_values, check_rows, 
 from ..errors import (DeviceError, DTypeError, OptionError, OutOfMemoryError, ShapeError, StateError,
                       ThreadStartError, warn)
 from ..table import HostTable
+from .create import native_copy_advice
 from .filesource import FileRows, RowReader, WindowReader, window_rows
 from .gadget import DataGadget
 from .orders import Order, make_order, shard
@@ -135,6 +136,11 @@ def _checked(source, what):
     if not isinstance(source, (np.ndarray, torch.Tensor)):
         raise DTypeError(f"{what} is a {type(source).__name__}; sources must be numpy arrays, "
                          f"memmaps, torch tensors, DataGadgets or HostTables{_instead_of(source)}")
+    if isinstance(source, np.memmap) and source.dtype.fields is None and not source.dtype.isnative:
+        # as_host_array's advice, a.astype(...), would read a file larger than the RAM into it whole.
+        raise DTypeError(f"{what} maps a file of {source.dtype.newbyteorder('=')} in the other byte order "
+                         f"({source.dtype.str!r}, big-endian), which torch cannot read in place; "
+                         f"{native_copy_advice(source.dtype)}")
     # numpy has no bfloat16: its bits are held as int16 and the tensor views them back.
     bfloat16 = isinstance(source, torch.Tensor) and source.dtype == torch.bfloat16
     array = as_host_array(source.view(torch.int16) if bfloat16 else source, what)

@@ -29,6 +29,7 @@ from ..convert import (as_host_array, as_id_tensor, as_values_array, check_dense
                        torch_dtype)
 from ..errors import DTypeError, OptionError, ShapeError, StateError
 from ..table import HostTable
+from .create import native_copy_advice
 
 __all__ = ["DataGadget"]
 
@@ -659,8 +660,8 @@ def _unmappable(path, dtype, why) -> DTypeError:
     what = "this memmap" if path is None else repr(path)
     return DTypeError(f"{what} holds {dtype.newbyteorder('=')} in the other byte order ({dtype.str!r}, "
                       f"big-endian), which torch cannot read in place, and it would be mapped ({why}); "
-                      f"pass mmap=False to read it into memory in this machine's byte order, or write it "
-                      f"once in that order: np.save(new, np.load(path, mmap_mode='r').astype('={dtype.char}'))")
+                      f"pass mmap=False to read it into memory in this machine's byte order, or "
+                      f"{native_copy_advice(dtype)}")
 
 
 def _refuse_token_ids(dtype):
