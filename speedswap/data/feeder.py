@@ -284,7 +284,7 @@ def _check_prefetch(prefetch, batch_bytes, device):
 #: RAM an epoch's order takes per row of the dataset, at its peak: int64 row ids for the epoch being
 #: read and for the next one, drawn ahead, and the arrays of laying one out (a block order's shuffled
 #: grid, a window reader's map of rows to windows, a rank's share). Measured over two epochs of
-#: 20,000,000 rows: 16-28 bytes a row in random order, 16-40 in block and sequential order, by source
+#: 20,000,000 rows: 16-30 bytes a row in random order, 16-40 in block and sequential order, by source
 #: (in RAM or a file) and world size (benchmarks/NOTES.md, entry 81); rounded up, for the margin
 #: a peak that depends on when the thread drawing the next epoch runs needs.
 _ORDER_BYTES_PER_ROW = {"random": 32, "block": 48, "sequential": 48}
