@@ -448,8 +448,9 @@ class BatchFeeder:
     thread raises :class:`~speedswap.StateError`.
 
     **Files.** A memory-mapped source (``np.load(path, mmap_mode="r")``, a
-    mapped DataGadget) is read with ``pread``, never through its map (see
-    :mod:`speedswap.data.filesource`). In ``block`` and ``sequential`` order
+    mapped DataGadget, a tensor or plain array over a shared map of a file:
+    ``torch.from_numpy(np.load(path, mmap_mode="r"))``) is read with ``pread``,
+    never through its map (see :mod:`speedswap.data.filesource`). In ``block`` and ``sequential`` order
     each block is one large read into RAM the feeder owns, the next window is
     read while batches come from the current one, so an epoch streams at
     about the disk's sequential speed; ``random`` order keeps 16 row reads in

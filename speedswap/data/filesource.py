@@ -38,6 +38,7 @@ import torch
 
 from ..atomic import open_into, opening_error
 from ..files import identity, mapped_identity, read_npy_header
+from ..mappings import shared_file_at
 from ..errors import FileFormatError, SpeedswapError, StateError, ThreadStartError
 
 __all__ = ["FileRows", "WindowReader", "RowReader", "window_rows"]
@@ -115,6 +116,11 @@ class FileRows:
         where that cannot be confirmed, :meth:`replaced` is True and the
         feeder reads through the map.
 
+        A plain array or tensor over a shared map of a file (``np.asarray(memmap)``,
+        ``torch.from_numpy(memmap)``) is found by its address among the process's
+        mappings: read through the map, it was paged in whole and killed the
+        process with SIGBUS when the file was truncated.
+
         Args:
             array: a host numpy array (the source's memory), C-contiguous.
             tensor: the source's tensor view of it (gives the row shape and dtype).
@@ -122,6 +128,8 @@ class FileRows:
         Returns:
             FileRows or None.
         """
+        if not isinstance(array, np.memmap):
+            return cls._of_address(array, tensor)
         handle = getattr(array, "_mmap", None)
         # A copy-on-write map ("c") may hold private changes pread would not see.
         if not isinstance(array, np.memmap) or handle is None or array.mode == "c" or not array.filename:
@@ -140,6 +148,22 @@ class FileRows:
             layout = None
         return cls(array.filename, offset, len(array), tensor.shape[1:], tensor.dtype,
                    mapped_identity(array.ctypes.data), layout)
+
+
+    @classmethod
+    def _of_address(cls, array, tensor):
+        """:meth:`of` for an array that is no ``np.memmap``: the file of the shared mapping holding it, or None."""
+        if not array.flags.c_contiguous or not array.nbytes:
+            return None
+        found = shared_file_at(array.ctypes.data, array.nbytes)
+        if found is None:
+            return None
+        try:
+            layout = _layout(read_npy_header(found.path, exact_size=False))
+        except SpeedswapError:  # a raw file: nothing to hold the map to
+            layout = None
+        return cls(found.path, found.offset + array.ctypes.data - found.start, len(array), tensor.shape[1:],
+                   tensor.dtype, found.identity, layout)
 
 
 def _layout(header) -> tuple:
