@@ -155,6 +155,11 @@ class FileRows:
         """:meth:`of` for an array that is no ``np.memmap``: the file of the shared mapping holding it, or None."""
         if not array.flags.c_contiguous or not array.nbytes:
             return None
+        root = array
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if root.flags.owndata:  # numpy allocated it: no file behind it, and no need to read the mappings
+            return None
         found = shared_file_at(array.ctypes.data, array.nbytes)
         if found is None:
             return None
