@@ -80,8 +80,8 @@ _TRUNCATED = textwrap.dedent("""
 def test_a_truncated_mmap_file_is_refused_with_no_sigbus_and_the_other_files_unchanged(tmp_path, seed, name, when):
     """os.truncate of an mmap table's file killed the next gather or scatter with SIGBUS: no traceback, the
     process gone, its cached rows with it."""
-    done = subprocess.run([sys.executable, "-c", _TRUNCATED, str(tmp_path / "emb"), str(seed), name, when, os.path.dirname(__file__)],
-                          capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    done = subprocess.run([sys.executable, "-c", _TRUNCATED, str(tmp_path / "emb"), str(seed), name, when,
+                           os.path.dirname(__file__)], capture_output=True, text=True, timeout=300, cwd=os.getcwd())
     assert done.returncode == 0, f"exit status {done.returncode} (-7 is SIGBUS): {done.stdout}{done.stderr}"
     lines = done.stdout.splitlines()
     assert lines[0].startswith("refused:") and "truncated after it was mapped" in lines[0], done.stdout
