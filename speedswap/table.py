@@ -222,16 +222,18 @@ class HostTable:
     as a closed one does, until a load into it completes or it is closed.
 
     An ``mmap`` table mapped from its own file (made by :meth:`empty` and
-    the other constructors, or :meth:`load` with ``mmap=True``) checks the
-    file before each call touches its rows, at one ``os.stat`` while the file
-    is unchanged. Truncated since (its missing pages would kill the process
-    with SIGBUS) or rewritten in place with another ``.npy`` header (``np.save``
+    the other constructors, or :meth:`load` with ``mmap=True``) holds a
+    descriptor of the file until it is closed, and checks the file through it
+    before each call touches its rows, at one ``os.fstat`` while the file is
+    unchanged. Truncated since (its missing pages would kill the process
+    with SIGBUS), under its path or any other name it has by then, or
+    rewritten in place with another ``.npy`` header (``np.save``
     of another array to its path), every read, write, load and :meth:`flush`
     raises :class:`~speedswap.FileFormatError` before anything changes:
     restore the file, or build the table again from a checkpoint. Rewritten
     with the same header, the file's new rows are the table's. Removed, or
     replaced by a rename, the file stays whole in the map and the table goes
-    on with it, but no path names it: :meth:`flush` raises
+    on with it, but its path no longer names it: :meth:`flush` raises
     :class:`~speedswap.PathError`, and its rows go at :meth:`close` unless
     saved (:meth:`save` to the path writes a new file). The file of an
     adopted memmap (:meth:`adopt`) is its caller's to check.
@@ -254,13 +256,11 @@ class HostTable:
         # a new file the map no longer reaches.
         self._file_id = None if path is None else (
             files.mapped_identity(buffer.host.ctypes.data) or _file_id(path))
-        # The header of the .npy file this table mapped itself (empty, load): every call that touches
-        # the rows checks the file against it first (_check_file). None for an adopted memmap, whose
-        # file its caller holds (a DataGadget checks its own), and for memory.
-        self._mapped_header = header
-        # Absolute: a relative path names another file after a chdir.
-        self._mapped_path = None if header is None else os.path.abspath(path)
-        self._seen = []  # the file's version at which its header was last found unchanged (check_mapped)
+        # The .npy file this table mapped itself (empty, load), held open: every call that touches the
+        # rows checks it first (_check_file), whatever its names by then. None for an adopted memmap,
+        # whose file its caller holds (a DataGadget checks its own), and for memory. Its path is
+        # absolute: a relative one names another file after a chdir.
+        self._mapped = None if header is None else files.MappedFile(os.path.abspath(path), header, self._file_id)
         self._shape = tuple(buffer.tensor.shape)
         self._dtype = buffer.tensor.dtype
         self._kind = buffer.kind  # still reported once the buffer is released
@@ -577,11 +577,14 @@ class HostTable:
         """Refuse to touch the rows of an ``mmap`` table whose file was cut short or rewritten with another header.
 
         Every call that reads, writes, hands out or flushes the rows runs it
-        first, once (:func:`~speedswap.files.check_mapped`: one ``stat`` while
-        the file is unchanged): a page past the end of a truncated file would
-        kill the process with SIGBUS, and a new header's rows lie elsewhere
-        or are of another dtype. A truncation between this check and the
-        access can still crash. What the check lets through:
+        first, once (:meth:`~speedswap.files.MappedFile.check`: one ``fstat``
+        of the descriptor the table holds on its file while the file is
+        unchanged): a page past the end of a truncated file would kill the
+        process with SIGBUS, and a new header's rows lie elsewhere or are of
+        another dtype. The descriptor reaches the mapped file whatever names
+        it has: one renamed away and truncated through its new name (or a hard
+        link) is refused too. A truncation between this check and the access
+        can still crash. What the check lets through:
 
         * the file rewritten in place with the same header (``np.save`` of
           an array of its shape and dtype, another process's writes through
@@ -589,9 +592,11 @@ class HostTable:
           then on (an embedding's device cache keeps its own until evicted).
         * the file removed, or replaced by a rename (``os.replace``, a
           save to the path from elsewhere): the map still holds the old
-          file, whole, and the table goes on with it, but no path names it
-          any more, so its rows are lost once the table is closed. :meth:`flush`
-          refuses then; :meth:`save` to the path writes the rows to a new file there.
+          file, whole, and the table goes on with it (the new file at the
+          path is never read), but its path no longer names it, so its rows
+          are lost once the table is closed unless another name reaches it.
+          :meth:`flush` refuses then; :meth:`save` to the path writes the
+          rows to a new file there.
 
         The mark a load puts on the file (:func:`loading_into`) moves no
         row: it is read through, and loads take their turns by its lock. A
@@ -603,9 +608,8 @@ class HostTable:
                 its header now puts the rows elsewhere or makes them of
                 another dtype or row length (or is no ``.npy`` header any more).
         """
-        if self._mapped_header is not None:
-            files.check_mapped(self._mapped_path, self._mapped_header, self._file_id, self._seen,
-                               "restore the file to go on (an embedding's close writes its cached rows back "
+        if self._mapped is not None:
+            self._mapped.check("restore the file to go on (an embedding's close writes its cached rows back "
                                "only then), or build the table again from a checkpoint (HostTable.load, or "
                                "a new embedding's load)", marked=True)
 
@@ -1388,7 +1392,7 @@ class HostTable:
                 closed; nothing is flushed. Save them with :meth:`save`.
         """
         buffer = self._rows_buffer()
-        if self._mapped_header is not None and _file_id(self._mapped_path) != self._file_id:
+        if self._mapped is not None and _file_id(self._mapped.path) != self._file_id:
             raise PathError(f"{os.fspath(self._path)!r} no longer names the file this table maps (it was "
                             f"removed, or replaced by a rename, since the table mapped it): the table's "
                             f"rows are in that file, which no path reaches, and go when the table is "
@@ -1411,6 +1415,8 @@ class HostTable:
         # No checks: a file truncated or replaced since is refused by every use, not by its release.
         self._sync(self._buffer)
         self._buffer = None
+        if self._mapped is not None:
+            self._mapped.close()  # after the buffer: no call passes _live_buffer to check through it closed
         _LIVE.discard(self)
 
     def __enter__(self):

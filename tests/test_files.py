@@ -188,15 +188,13 @@ def test_a_read_error_in_an_npy_header_is_a_file_format_error_and_the_table_keep
     """A failing disk (EIO) under the header's read escaped as the raw OSError, where the same
     error under the rows' read is a FileFormatError."""
     import errno
-    import io
     from speedswap.files import npy
     path = tmp_path / "t.npy"
     np.save(path, values)
 
-    class FailingReads(io.FileIO):
-        def read(self, *args):
-            raise OSError(errno.EIO, "Input/output error")
-    monkeypatch.setattr(npy, "open", lambda name, mode: FailingReads(name, mode), raising=False)
+    def failing_read(self, size):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(npy._PositionedReader, "read", failing_read)  # the header's reads, by pread
     table = ss.HostTable.from_numpy(values[::-1].copy(), backend=backend)
     with pytest.raises(ss.FileFormatError, match="could not be read.*Input/output error"):
         table.load_from(path)

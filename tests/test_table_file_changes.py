@@ -6,6 +6,7 @@ process would, and checks what the next step does against ``SparseAdam`` on
 an in-memory ``nn.Embedding`` (offloaded Adam is lazy, as SparseAdam is).
 """
 
+import gc
 import os
 import subprocess
 import sys
@@ -170,3 +171,107 @@ def test_an_mmap_file_renamed_away_keeps_training_exactly_and_flush_refuses_to_l
     emb.table.save(path)  # what the message says: the rows, in a new file at the path
     np.testing.assert_allclose(np.load(path), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
     emb.close()
+
+
+_TRUNCATED_ELSEWHERE = textwrap.dedent("""
+    import os, sys
+    import numpy as np, torch, speedswap as ss
+    sys.path.insert(0, sys.argv[4])
+    from mmap_training import BATCH, DIM, trained, zipf_ids
+    directory, seed, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    emb, opt, ref, ref_opt, rng = trained(directory, seed, 3)
+    emb.flush()
+    path = os.path.join(directory, "table.npy")
+    if how == "renamed away":
+        reached = os.path.join(directory, "moved.npy")
+        os.rename(path, reached)
+    elif how == "its directory moved":
+        os.rename(directory, directory + ".moved")
+        reached = os.path.join(directory + ".moved", "table.npy")
+    else:  # "a hard link, the path replaced": the path names a new whole file, the link the mapped one
+        reached = os.path.join(os.path.dirname(directory), "link.npy")
+        os.link(path, reached)
+        np.save(path + ".new.npy", np.ones((3, DIM), np.float32))
+        os.replace(path + ".new.npy", path)
+    os.truncate(reached, 100)
+    ids, weights = zipf_ids(rng), torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32))
+    try:
+        ((emb(ids) * weights).sum() ** 2).backward()
+        opt.step()
+    except ss.FileFormatError as exc:
+        print("refused:", exc, flush=True)
+    emb.discard_step()
+    emb.close()
+    print("closed", flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["renamed away", "its directory moved", "a hard link, the path replaced"])
+def test_a_mapped_file_truncated_through_another_name_is_refused_with_no_sigbus(tmp_path, seed, how):
+    """The check went by path: a file renamed away (or reached through a hard link once its path named
+    another file) went unchecked, and truncated through that name it killed the next gather with SIGBUS."""
+    done = subprocess.run([sys.executable, "-c", _TRUNCATED_ELSEWHERE, str(tmp_path / "emb"), str(seed), how,
+                           os.path.dirname(__file__)], capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert done.returncode == 0, f"exit status {done.returncode} (-7 is SIGBUS): {done.stdout}{done.stderr}"
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("refused:") and "truncated after it was mapped" in lines[0], done.stdout
+    assert lines[-1] == "closed" and not done.stderr, done.stdout + done.stderr
+
+
+def test_a_mapped_file_renamed_away_is_checked_by_its_own_header_not_the_file_at_its_path(tmp_path, seed):
+    """Renamed away, the mapped file is still the table: rewritten in place through its new name with the
+    same header its rows are the table's (the new file at its path, of another header, is never read);
+    with another header it is refused, where the check by path had let it be read as the old layout."""
+    emb, opt, ref, ref_opt, rng = trained(tmp_path / "emb", seed, STEPS)
+    emb.flush()
+    path, moved = tmp_path / "emb" / "table.npy", tmp_path / "moved.npy"
+    os.rename(path, moved)
+    np.save(path, rng.standard_normal((ROWS, DIM // 2)))  # float64 rows: another header at the path
+    new = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    _rewrite_in_place(moved, new)
+    with torch.no_grad():
+        ref.weight.copy_(torch.from_numpy(new))
+    for _ in range(STEPS):
+        step((emb, opt), (ref, ref_opt), ids=zipf_ids(rng),
+             weights=torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)))
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+    emb.flush()
+    other = rng.standard_normal((ROWS, DIM // 2))
+    _rewrite_in_place(moved, other)
+    with pytest.raises(ss.FileFormatError, match=r"rewritten in place with another \.npy header.*float64 \(4,\)"):
+        emb.table.gather([0])
+    np.testing.assert_array_equal(np.load(moved), other)
+    emb.close()
+
+
+def _open_descriptors():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd (Linux)")
+def test_mapped_files_hold_no_descriptor_once_closed_or_dropped(tmp_path, seed):
+    """Each mmap table (and mapped DataGadget) holds a descriptor of its file: closed with it, once however
+    often close() is called, and with the table when it is dropped unclosed."""
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    np.save(tmp_path / "data.npy", rows)
+    before = _open_descriptors()
+    for i in range(2000):
+        table = ss.HostTable.load(tmp_path / "data.npy", mmap=True, backend="numpy")
+        picked = rng.integers(0, ROWS, 4)
+        np.testing.assert_array_equal(table.gather(picked).numpy(), rows[picked])
+        if i % 3:
+            table.close()
+        if i % 3 == 2:
+            table.close()  # a second close closes no other descriptor that took its number
+        del table  # i % 3 == 0: dropped unclosed
+    for i in range(200):
+        gadget = ss.DataGadget(tmp_path / "data.npy", mmap=True, backend="numpy")
+        gadget.load(tmp_path / "data.npy")  # the first file's table and descriptor go
+        np.testing.assert_array_equal(gadget.get([i % ROWS]).numpy(), rows[[i % ROWS]])
+        if i % 2:
+            gadget.close()
+        del gadget
+    gc.collect()
+    assert _open_descriptors() == before
+

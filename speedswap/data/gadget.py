@@ -74,10 +74,8 @@ class _Held:
         header: the file's header when it was opened, None for an array.
         row_shape, num_rows, dtype: the shape of a row, the rows, the table's torch dtype.
         table: the :class:`~speedswap.HostTable` once the rows are read, else None.
-        mapped: the identity of the file a mapped table maps (every call checks it
-            for truncation: the path may name another file later), else None.
-        seen: the file's version at which a call last found its header unchanged
-            (:func:`~speedswap.files.check_mapped` keeps it).
+        file: the file a mapped table maps, held open (every call checks it for
+            truncation and a new header, whatever names it by then), else None.
     """
 
     path: Optional[str]
@@ -87,8 +85,7 @@ class _Held:
     num_rows: int
     dtype: torch.dtype
     table: Optional[HostTable] = None
-    mapped: object = None
-    seen: list = dataclasses.field(default_factory=list)
+    file: Optional[files.MappedFile] = None
 
 
 class DataGadget:
@@ -233,7 +230,7 @@ class DataGadget:
                 if installed:
                     self._held = built
             if not installed:  # another thread's first use or load read the rows first, or close() came
-                built.table.close()
+                self._close_unused(built)
             if self._closed:
                 raise StateError("this DataGadget was closed while its rows were read; build a new "
                                  "one to read the data again")
@@ -273,7 +270,7 @@ class DataGadget:
             StateError: the gadget is closed.
             FileFormatError: the file a gadget built from its path maps was
                 truncated since, or rewritten in place with another header
-                (:func:`~speedswap.files.check_mapped`); ``use`` is held then.
+                (:meth:`~speedswap.files.MappedFile.check`); ``use`` is held then.
         """
         self._live()  # the rows are read outside the lock
         with self._installing:
@@ -284,15 +281,18 @@ class DataGadget:
                 del self._users[ended]
             use.acquire()
             self._users[use] = (held.table, threading.get_ident())
-        if held.path is not None and held.table.storage == "mmap":
+        if held.file is not None:
             # Before any call touches the mapped rows: a page past the end of a truncated file is a SIGBUS
             # (a get's read, a put's write, a save's copy), and a new header's rows are elsewhere.
-            files.check_mapped(held.path, held.header, held.mapped, held.seen,
-                               "restore the file, or build a new DataGadget over it")
+            held.file.check("restore the file, or build a new DataGadget over it")
         return held
 
-    def _close_unused(self, table: HostTable) -> None:
-        """Close ``table`` once no call under way on another thread uses it (see :meth:`_take`)."""
+    def _close_unused(self, held: _Held) -> None:
+        """Close ``held``'s table, and the file it maps, once no call under way on another thread uses it.
+
+        (See :meth:`_take`.)
+        """
+        table = held.table
         me = threading.get_ident()
         with self._installing:
             under_way = [use for use, (used, thread) in self._users.items() if used is table and thread != me]
@@ -300,6 +300,8 @@ class DataGadget:
             with use:  # taken once that call has released it
                 pass
         table.close()
+        if held.file is not None:
+            held.file.close()  # after the calls under way: each checked it before touching the rows
 
     def _wants_mmap(self, nbytes):
         if self._mmap is None:
@@ -334,10 +336,11 @@ class DataGadget:
             # write the dataset on disk depending on the RAM free today.
             mode = "r+" if self._mmap is True and os.access(held.path, os.W_OK) else "r"
             array = files.map_npy(held.path, header, mode, rows)
-            # The file the map holds, which every call checks for truncation and a new header: the
-            # path may name another file later (removed, or replaced by a rename).
-            mapped = files.mapped_identity(array.ctypes.data) or files.identity(os.stat(held.path))
-            return dataclasses.replace(held, table=HostTable.adopt(array, backend=self._backend), mapped=mapped,
+            # The file the map holds, held open for every call to check for truncation and a new header:
+            # the path may name another file later (removed, or replaced by a rename).
+            file = files.MappedFile(held.path, header, files.mapped_identity(array.ctypes.data)
+                                    or files.identity(os.stat(held.path)))
+            return dataclasses.replace(held, table=HostTable.adopt(array, backend=self._backend), file=file,
                                        header=header)
         # Read into the table, not copied from a map: a file truncated meanwhile ends a read
         # early (FileFormatError), where a map's missing page is a SIGBUS.
@@ -577,10 +580,10 @@ class DataGadget:
                 old, self._held = self._held, built
         except BaseException:
             if built is not None:
-                built.table.close()
+                self._close_unused(built)
             raise
         if old.table is not None:
-            self._close_unused(old.table)
+            self._close_unused(old)
         return self
 
     def to_numpy(self, copy: bool = False) -> np.ndarray:
@@ -609,9 +612,9 @@ class DataGadget:
         """
         with self._installing:  # a first use or load reading meanwhile then releases what it read
             self._closed = True
-        table = self._held.table
-        if table is not None:
-            self._close_unused(table)
+        held = self._held
+        if held.table is not None:
+            self._close_unused(held)
 
     def __enter__(self):
         return self

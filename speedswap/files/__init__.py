@@ -20,7 +20,7 @@ either, bfloat16 and all-or-nothing staging included.
 from .base import (H5_SUFFIXES, NPY_SUFFIXES, TableHeader, check_matches, file_format, identity,
                    mapped_identity, row_ranges, suffix_format)
 from .h5 import open_h5, read_before_replacing, read_h5_header, read_h5_into, write_h5
-from .npy import (check_mapped, create_npy_memmap, is_npy_torn, map_npy, mark_npy_torn, npy_data_bytes,
+from .npy import (MappedFile, create_npy_memmap, is_npy_torn, map_npy, mark_npy_torn, npy_data_bytes,
                   open_npy_memmap, read_npy_header, read_npy_into, write_npy)
 from .tables import (StagedRows, check_table_matches, check_table_shape, read_table, read_table_header,
                      save_table, stage_table, stored_dtype)
@@ -48,7 +48,7 @@ __all__ = [
     "check_matches",
     "write_h5",
     "row_ranges",
-    "check_mapped",
+    "MappedFile",
     "suffix_format",
     "stored_dtype",
     "read_table_header",

@@ -6,17 +6,18 @@ import os
 import sys
 import threading
 import tokenize
+import weakref
 from typing import Optional
 
 import numpy as np
 
 from ..atomic import (as_path, atomic_output, check_regular_file, check_writable_dir, opening_error,
                       rewrite_under_way, rewriting_error, saving_error, sync_new_name, temp_path)
-from ..errors import FileFormatError, MissingFileError, OptionError, PathError, SpeedswapError
+from ..errors import FileFormatError, OptionError, PathError, SpeedswapError
 from . import base
 from .base import TableHeader, check_dtype, check_matches, reading_error, table_dtype_of
 
-__all__ = ["read_npy_header", "check_mapped", "map_npy", "open_npy_memmap", "npy_data_bytes", "create_npy_memmap",
+__all__ = ["read_npy_header", "MappedFile", "map_npy", "open_npy_memmap", "npy_data_bytes", "create_npy_memmap",
            "read_npy_into", "read_npy_rows", "write_npy", "is_npy_torn", "mark_npy_torn"]
 
 #: Held while numpy parses a header. It parses with ast.literal_eval, and CPython 3.11's AST
@@ -119,47 +120,75 @@ def read_npy_header(path, exact_size: bool = True, *, marked: bool = False):
     except OSError as exc:
         raise opening_error(path, exc, ".npy file") from exc
     with f:
-        opened = os.fstat(f.fileno())  # before the reads: a write after it shows in the version
-        try:
-            # No read-ahead for a few header bytes: it would cache rows nobody asked for, and mark
-            # them to read ahead further for whoever reads them next (a feeder's random reads then
-            # fill the page cache its drop-behind keeps empty).
-            with contextlib.suppress(AttributeError, OSError):  # no fadvise here (macOS): only advice
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-            torn = f.read(len(TORN_MAGIC)) == TORN_MAGIC
-            f.seek(0)
-        except OSError as exc:  # a failing disk: as for a read of the rows
-            raise reading_error(path, exc) from exc
-        if torn and not marked and rewrite_under_way(f.fileno()):
-            raise FileFormatError(f"{path!r}: a load into it is under way (a process or thread of this machine "
-                                  f"is writing its rows in place, and the file says so until every row is "
-                                  f"written): open it once that load completes")
-        if torn and not marked:
-            raise FileFormatError(f"{path!r}: a load into it stopped before it had written every row (Ctrl-C, "
-                                  f"a crash, out of memory), so it holds part the load's rows, part those "
-                                  f"before. Make the table again (storage='mmap' with overwrite=True) and "
-                                  f"load the checkpoint into it, or delete the file")
-        try:
-            with HEADER_PARSE:
-                if torn:  # numpy's read_magic refuses the mark; the version follows it, as it follows the magic
-                    f.seek(len(TORN_MAGIC))
-                    version = tuple(f.read(2))
-                else:
-                    version = np.lib.format.read_magic(f)
-                if version == (1, 0):
-                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-                elif version in ((2, 0), (3, 0)):  # 3.0 differs only in a UTF-8 header (record field names)
-                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-                else:  # a layout numpy itself does not read
-                    raise ValueError(f"format version {version}; numpy writes 1.0, 2.0 and 3.0")
-        # numpy answers some damaged headers from tokenize (a header cut mid-dict) or its dtype
-        # parser (descr ',f4') with their own errors, not a ValueError.
-        except (ValueError, SyntaxError, tokenize.TokenError) as exc:
-            raise FileFormatError(f"{path!r} is not a valid .npy file ({exc}); "
-                                  f"write it with numpy.save") from exc
-        except OSError as exc:  # a failing disk: as for a read of the rows
-            raise reading_error(path, exc) from exc
-        offset = f.tell()
+        return _read_header(f.fileno(), path, exact_size, marked)
+
+
+class _PositionedReader:
+    """The reads numpy's header parser makes (``read``, ``seek``, ``tell``), as ``os.pread`` of a descriptor.
+
+    A ``pread`` moves no file offset: threads may read one descriptor at once
+    (the one a :class:`MappedFile` holds, which every gather of a table checks).
+    """
+
+    def __init__(self, fd: int):
+        self._fd, self._at = fd, 0
+
+    def read(self, size: int) -> bytes:
+        data = os.pread(self._fd, size, self._at)
+        self._at += len(data)
+        return data
+
+    def seek(self, at: int) -> None:
+        self._at = at
+
+    def tell(self) -> int:
+        return self._at
+
+
+def _read_header(fd: int, path, exact_size: bool, marked: bool) -> TableHeader:
+    """:func:`read_npy_header` of the file open as ``fd`` (``path`` for messages)."""
+    opened = os.fstat(fd)  # before the reads: a write after it shows in the version
+    f = _PositionedReader(fd)
+    try:
+        # No read-ahead for a few header bytes: it would cache rows nobody asked for, and mark
+        # them to read ahead further for whoever reads them next (a feeder's random reads then
+        # fill the page cache its drop-behind keeps empty).
+        with contextlib.suppress(AttributeError, OSError):  # no fadvise here (macOS): only advice
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        torn = f.read(len(TORN_MAGIC)) == TORN_MAGIC
+        f.seek(0)
+    except OSError as exc:  # a failing disk: as for a read of the rows
+        raise reading_error(path, exc) from exc
+    if torn and not marked and rewrite_under_way(fd):
+        raise FileFormatError(f"{path!r}: a load into it is under way (a process or thread of this machine "
+                              f"is writing its rows in place, and the file says so until every row is "
+                              f"written): open it once that load completes")
+    if torn and not marked:
+        raise FileFormatError(f"{path!r}: a load into it stopped before it had written every row (Ctrl-C, "
+                              f"a crash, out of memory), so it holds part the load's rows, part those "
+                              f"before. Make the table again (storage='mmap' with overwrite=True) and "
+                              f"load the checkpoint into it, or delete the file")
+    try:
+        with HEADER_PARSE:
+            if torn:  # numpy's read_magic refuses the mark; the version follows it, as it follows the magic
+                f.seek(len(TORN_MAGIC))
+                version = tuple(f.read(2))
+            else:
+                version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version in ((2, 0), (3, 0)):  # 3.0 differs only in a UTF-8 header (record field names)
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:  # a layout numpy itself does not read
+                raise ValueError(f"format version {version}; numpy writes 1.0, 2.0 and 3.0")
+    # numpy answers some damaged headers from tokenize (a header cut mid-dict) or its dtype
+    # parser (descr ',f4') with their own errors, not a ValueError.
+    except (ValueError, SyntaxError, tokenize.TokenError) as exc:
+        raise FileFormatError(f"{path!r} is not a valid .npy file ({exc}); "
+                              f"write it with numpy.save") from exc
+    except OSError as exc:  # a failing disk: as for a read of the rows
+        raise reading_error(path, exc) from exc
+    offset = f.tell()
     check_dtype(dtype, path)
     if fortran and len(shape) > 1:
         raise FileFormatError(f"{path!r} is stored in Fortran order; speedswap needs rows "
@@ -183,69 +212,102 @@ def _file_bytes(header: "TableHeader") -> int:
     return header.offset + math.prod(header.shape) * header.dtype.itemsize
 
 
-def check_mapped(path, header: "TableHeader", mapped: tuple, seen: list, remedy: str, *,
-                 marked: bool = False) -> None:
-    """Raise FileFormatError when the mapped ``.npy`` file was cut short or rewritten with another header.
+class MappedFile:
+    """A descriptor held on a mapped ``.npy`` file, to check the file through before the map's pages are touched.
 
     Reading a memory-mapped page past the end of a truncated file kills the
-    process with SIGBUS, so mapped readers check before they touch the pages
-    (a truncation between this check and the read can still crash). A file
-    rewritten in place (``np.save`` to its path truncates and writes the
-    mapped file) with another header puts its rows elsewhere, or makes them
-    of another dtype or row shape: the map would read its bytes as the old
-    header placed them. The header is read again only when the file changed
-    (its size or times) since it was last found unchanged: a mapped file
-    nobody writes costs one ``stat``.
+    process with SIGBUS, so mapped readers :meth:`check` before they touch
+    the pages (a truncation between the check and the read can still crash).
+    The check goes through a descriptor of the mapped file itself, opened
+    when it was mapped: it sees that file whatever names it has now (renamed
+    away, or truncated through a hard link or a directory moved), and never
+    another file that now sits at its path. A file removed, or replaced at
+    its path by a rename, stays whole in the map, and the check finds it so.
 
-    Args:
-        path: the path the file was mapped from.
-        header: its header when it was mapped.
-        mapped: the mapped file's :func:`~speedswap.files.identity`. When
-            ``path`` no longer names it (removed, replaced by a rename, or a
-            directory on the way moved), the map alone holds that file, whole:
-            there is nothing to check.
-        seen: the :func:`~speedswap.files.base.file_version` at which the
-            file's header was last found to be ``header``'s, a list of at most
-            one, updated here (empty: ``header.version``).
-        remedy: what the holder of the map can do, ending each message
-            (``"restore the file, or build a new DataGadget over it"``).
-        marked: take a file marked as rewritten in place by a load as the
-            header it carries (see :func:`read_npy_header`): for a table
-            whose own loads mark its file.
+    The descriptor is closed by :meth:`close`, or when the holder drops this
+    object (a finalizer), so a holder collected without closing leaks none.
 
-    Raises:
-        FileFormatError: the file is shorter than ``header`` says, or its
-            header now puts the rows elsewhere or makes them of another dtype
-            or row shape (or is no ``.npy`` header any more, or, without
-            ``marked``, is marked as rewritten in place by a load).
+    Threads may :meth:`check` at once (the header is read with ``pread``);
+    none may while another closes it (the descriptor's number may name
+    another file by then).
     """
-    need = _file_bytes(header)
-    try:
-        stat = os.stat(path)
-    except OSError:  # ENOENT, but also ENOTDIR where a directory on the way became a file
-        return
-    if base.identity(stat) != mapped:
-        return
-    size = stat.st_size
-    if size < need:
-        raise FileFormatError(f"{os.fspath(path)!r} is {size:,} bytes but its header needs {need:,}: "
-                              f"it was truncated after it was mapped, and the map's rows past its end are "
-                              f"gone (reading one would kill the process with SIGBUS); {remedy}")
-    version = base.file_version(stat)  # taken before the header is read: a write after it is checked next time
-    if version == (seen[0] if seen else header.version):
-        return
-    try:
-        now = read_npy_header(path, exact_size=False, marked=marked)
-    except MissingFileError:  # removed since the stat: the map alone holds the file, whole
-        return
-    if now.version[:2] != mapped:  # replaced by a rename since the stat: the map holds the old file
-        return
-    if (now.offset, now.dtype, now.shape[1:]) != (header.offset, header.dtype, header.shape[1:]):
-        raise FileFormatError(f"{os.fspath(path)!r} was rewritten in place with another .npy header since it "
-                              f"was mapped: the map reads rows of {header.dtype} {header.shape[1:]} from byte "
-                              f"{header.offset}, the file now holds rows of {now.dtype} {now.shape[1:]} from "
-                              f"byte {now.offset}, so the mapped rows are not the file's; {remedy}")
-    seen[:] = [version]
+
+    def __init__(self, path, header: TableHeader, identity: Optional[tuple]):
+        """Open the mapped file, which must still be at ``path``.
+
+        Args:
+            path: the file, just mapped.
+            header: its header when it was mapped.
+            identity: the mapped file's :func:`~speedswap.files.identity`
+                (from the map itself where the system shows it); None when
+                it is not known (no file at ``path`` by then).
+
+        Raises:
+            FileFormatError: ``path`` names another file than the one mapped
+                (replaced by a rename since), or none.
+            PathError: the file cannot be opened for reading (``errno`` says why).
+        """
+        self.path = os.fspath(path)
+        self.header = header
+        self._seen = header.version  # the file's version at which its header was last found to be header's
+        try:
+            # Not inherited by a child process (PEP 446); a named pipe renamed to the path meanwhile is
+            # refused below, not waited on for a writer.
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError as exc:
+            raise base.changed_error(self.path) from exc
+        except OSError as exc:
+            raise opening_error(self.path, exc, ".npy file") from exc
+        self._close = weakref.finalize(self, os.close, fd)
+        self._fd = fd
+        if identity is None or base.identity(os.fstat(fd)) != tuple(identity):
+            self.close()
+            raise base.changed_error(self.path)
+
+    def close(self) -> None:
+        """Close the descriptor. Idempotent."""
+        self._close()
+
+    def check(self, remedy: str, *, marked: bool = False) -> None:
+        """Raise FileFormatError when the mapped file was cut short or rewritten with another header.
+
+        A file rewritten in place (``np.save`` to its path truncates and
+        writes the mapped file) with another header puts its rows elsewhere,
+        or makes them of another dtype or row shape: the map would read its
+        bytes as the old header placed them. The header is read again only
+        when the file changed (its size or times) since it was last found
+        unchanged: a mapped file nobody writes costs one ``fstat``.
+
+        Args:
+            remedy: what the holder of the map can do, ending each message
+                (``"restore the file, or build a new DataGadget over it"``).
+            marked: take a file marked as rewritten in place by a load as the
+                header it carries (see :func:`read_npy_header`): for a table
+                whose own loads mark its file.
+
+        Raises:
+            FileFormatError: the file is shorter than the header mapped says,
+                or its header now puts the rows elsewhere or makes them of
+                another dtype or row shape (or is no ``.npy`` header any more,
+                or, without ``marked``, is marked as rewritten in place by a load).
+        """
+        header, path = self.header, self.path
+        need = _file_bytes(header)
+        stat = os.fstat(self._fd)
+        if stat.st_size < need:
+            raise FileFormatError(f"{path!r} is {stat.st_size:,} bytes but its header needs {need:,}: "
+                                  f"it was truncated after it was mapped, and the map's rows past its end are "
+                                  f"gone (reading one would kill the process with SIGBUS); {remedy}")
+        version = base.file_version(stat)  # taken before the header is read: a write after it is checked next time
+        if version == self._seen:
+            return
+        now = _read_header(self._fd, path, exact_size=False, marked=marked)
+        if (now.offset, now.dtype, now.shape[1:]) != (header.offset, header.dtype, header.shape[1:]):
+            raise FileFormatError(f"{path!r} was rewritten in place with another .npy header since it "
+                                  f"was mapped: the map reads rows of {header.dtype} {header.shape[1:]} from byte "
+                                  f"{header.offset}, the file now holds rows of {now.dtype} {now.shape[1:]} from "
+                                  f"byte {now.offset}, so the mapped rows are not the file's; {remedy}")
+        self._seen = version
 
 
 def map_npy(path, header: "TableHeader", mode: str, shape=None) -> np.memmap:
