@@ -275,3 +275,71 @@ def test_mapped_files_hold_no_descriptor_once_closed_or_dropped(tmp_path, seed):
     gc.collect()
     assert _open_descriptors() == before
 
+
+_CLOSE_TRUNCATED = textwrap.dedent("""
+    import os, sys
+    import numpy as np, torch, speedswap as ss
+    sys.path.insert(0, sys.argv[4])
+    from mmap_training import BATCH, DIM, step, trained, zipf_ids
+    directory, seed, then = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    emb, opt, ref, ref_opt, rng = trained(directory, seed, 3, cache_rows=200)
+    emb.flush()
+    path = os.path.join(directory, "table.npy")
+    whole = open(path, "rb").read()
+    step((emb, opt), (ref, ref_opt), ids=zipf_ids(rng),
+         weights=torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)))  # rows cached, dirty
+    os.truncate(path, 100)
+    if then == "never closed":
+        sys.exit(0)  # the embedding is open at exit
+    try:
+        emb.close()
+    except ss.FileFormatError as exc:
+        print("refused:", exc, flush=True)
+    if then == "restored":
+        with open(path, "r+b") as f:  # the very file the table maps, whole again
+            f.write(whole)
+        emb.close()
+        np.testing.assert_allclose(np.load(path), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+        for name in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_allclose(np.load(os.path.join(directory, name + ".npy")),
+                                       ref_opt.state[ref.weight][name].numpy(), rtol=1e-5, atol=1e-6)
+        print("kept", flush=True)
+    elif then == "discarded":
+        emb.close(discard=True)
+        emb.close()
+        print("closed", flush=True)
+""")
+
+
+@pytest.mark.parametrize("then", ["restored", "discarded", "left open", "never closed"])
+def test_a_cached_embedding_over_a_truncated_file_says_what_close_loses_and_exits_with_no_traceback(
+        tmp_path, seed, then):
+    """close() of a cached mmap embedding whose file was truncated raised the table's error, named no lost
+    rows, could not be got past, and at exit the finalizer printed the same traceback again."""
+    done = subprocess.run([sys.executable, "-c", _CLOSE_TRUNCATED, str(tmp_path / "emb"), str(seed), then,
+                           os.path.dirname(__file__)], capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stdout}{done.stderr}"
+    lines = done.stdout.splitlines()
+    if then == "never closed":  # nothing told the user: one warning, and no traceback
+        assert not lines and "Traceback" not in done.stderr, done.stderr
+        assert "could not write back the" in done.stderr and "they are lost" in done.stderr, done.stderr
+        return
+    assert not done.stderr, done.stderr
+    assert lines[0].startswith("refused: close() could not write back the ") and "truncated" in lines[0], lines
+    assert "rows of this embedding's device cache" in lines[0] and "close(discard=True)" in lines[0], lines
+    assert int(lines[0].split("write back the ")[1].split()[0]) > 0, lines
+    assert lines[1:] == {"restored": ["kept"], "discarded": ["closed"], "left open": []}[then], lines
+
+
+def test_close_discard_drops_the_cached_rows_not_yet_written_back(tmp_path, seed):
+    """close(discard=True) of a whole file: the files keep what the last write-back put there, byte for byte."""
+    emb, opt, ref, ref_opt, rng = trained(tmp_path / "emb", seed, STEPS, cache_rows=200)
+    emb.flush()
+    before = _file_bytes(tmp_path / "emb")
+    step((emb, opt), (ref, ref_opt), ids=zipf_ids(rng),
+         weights=torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)))
+    with pytest.raises(ss.OptionError, match="discard"):
+        emb.close(discard="False")
+    emb.close(discard=True)
+    assert _file_bytes(tmp_path / "emb") == before
+    assert not np.array_equal(np.load(tmp_path / "emb" / "table.npy"), ref.weight.detach().numpy())

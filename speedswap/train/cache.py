@@ -990,6 +990,16 @@ class RowCache:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def drop_changes(self):
+        """Forget which cached rows changed since they were last written back: :meth:`flush` writes none of them.
+
+        For an owner whose host tables can no longer take the rows (a file
+        truncated under its map) and that is told to drop them. The rows stay
+        cached as they are until the cache goes.
+        """
+        self._wait_prefetch()  # a prefetch's writes of the flags first
+        self.dirty.zero_()
+
     def reload_state(self):
         """Read every cached row's optimizer state from the host again (its state tables were reset).
 

@@ -22,8 +22,8 @@ from ..atomic import PathLike
 from ..backends.resolve import BackendLike, DeviceLike
 from ..convert import (Ids, Rows, as_host_rows, as_row_ids_deferred, bool_option, check_has_values, host_tensor,
                        int_option, torch_dtype)
-from ..errors import (CapacityError, DTypeError, IdError, OptionError, ShapeError, SpeedswapError, StateError,
-                      warn)
+from ..errors import (CapacityError, DTypeError, FileFormatError, IdError, OptionError, ShapeError, SpeedswapError,
+                      StateError, warn)
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import checkpoint_kind, file_in, load_tables, save_tables
@@ -460,7 +460,7 @@ class OffloadedEmbedding(RefusesConversion):
         # Dropped without close() (or at exit), an mmap embedding still writes its cached rows
         # back: its files must hold them, as they hold every row without a cache. (Other
         # tables die with the embedding: nothing to write to.)
-        self._writeback = weakref.finalize(self, self._cache.flush) if self._storage == "mmap" else None
+        self._writeback = weakref.finalize(self, _write_back, cache) if self._storage == "mmap" else None
         self._hooks = StepHooks(self, optimizer)
         self._claim = claim(self, self.weight, optimizer)
 
@@ -1526,17 +1526,49 @@ class OffloadedEmbedding(RefusesConversion):
 
     # ------------------------------------------------------------- lifecycle
     @one_thread
-    def close(self) -> None:
+    def close(self, discard: bool = False) -> None:
         """Release the table and optimizer state memory and unhook the optimizer. Idempotent.
 
-        An ``mmap`` embedding's files are flushed and kept. Afterwards every
-        call but :meth:`close` raises :class:`~speedswap.StateError`; the
-        optimizer's ``step()`` no longer touches this embedding.
+        An ``mmap`` embedding's files are flushed and kept, with the rows its
+        device cache holds written back first. Afterwards every call but
+        :meth:`close` raises :class:`~speedswap.StateError`; the optimizer's
+        ``step()`` no longer touches this embedding.
+
+        Args:
+            discard: drop the cached rows that changed since they were last
+                written back instead of writing them (with their optimizer
+                state): for files that can no longer take them (see Raises).
+                Their files keep what they hold of those rows.
+
+        Raises:
+            FileFormatError: the cached rows could not be written back (a
+                file truncated or rewritten with another header since it was
+                mapped); nothing was released. Restore the file and call
+                ``close()`` again to keep them, or ``close(discard=True)`` to
+                drop them. Left open, the embedding writes them back when it
+                is collected or at exit if the file is whole by then, and
+                drops them silently otherwise: this error said so.
+            OptionError: ``discard`` is not a bool.
         """
+        # bool("False") is True: the rows meant to be kept would be dropped.
+        discard = bool_option(discard, "discard", hint=" (drop the cached rows not yet written back)")
         if self._table.closed:
             return
         self._abort_step()
-        self.flush()  # an mmap embedding's files keep the cached rows too
+        if discard and self._cache is not None:
+            self._cache.drop_changes()
+        try:
+            self.flush()  # an mmap embedding's files keep the cached rows too
+        except FileFormatError as exc:
+            if self._writeback is not None:  # told here: at exit it writes them back quietly, or drops them
+                self._writeback.detach()
+                self._writeback = weakref.finalize(self, _write_back, self._cache, told=True)
+            lost = int(self._cache.dirty.sum())
+            raise FileFormatError(
+                f"close() could not write back the {lost} rows of this embedding's device cache that changed "
+                f"since they were last written back, nor their optimizer state ({exc}). Nothing was released. "
+                f"Restore the file (its bytes, into the same file: the table maps it) and call close() again "
+                f"to keep them, or call close(discard=True) to drop them") from exc
         if self._cache is not None:
             if self._writeback is not None:
                 self._writeback.detach()
@@ -1557,6 +1589,22 @@ class OffloadedEmbedding(RefusesConversion):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _write_back(cache, told: bool = False) -> None:
+    """Write back the cached rows of an ``mmap`` embedding dropped without ``close()``, or alive at exit.
+
+    A file that can no longer take them (truncated, or rewritten with another
+    header) is said in one warning, not a traceback from a finalizer, unless a
+    refused ``close()`` has said so already (``told``).
+    """
+    try:
+        cache.flush()
+    except FileFormatError as exc:
+        if not told:
+            warn(f"an OffloadedEmbedding dropped without close() (or open at exit) could not write back "
+                 f"the {int(cache.dirty.sum())} rows of its device cache that changed since they were last "
+                 f"written back; they are lost: {exc}")
 
 
 def _refuse_ddp(weight):
