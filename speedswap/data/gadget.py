@@ -288,10 +288,7 @@ class DataGadget:
         return held
 
     def _close_unused(self, held: _Held) -> None:
-        """Close ``held``'s table, and the file it maps, once no call under way on another thread uses it.
-
-        (See :meth:`_take`.)
-        """
+        """Close ``held``'s table and mapped file once no call under way in another thread uses them (:meth:`_take`)."""
         table = held.table
         me = threading.get_ident()
         with self._installing:
@@ -299,9 +296,11 @@ class DataGadget:
         for use in under_way:
             with use:  # taken once that call has released it
                 pass
-        table.close()
-        if held.file is not None:
-            held.file.close()  # after the calls under way: each checked it before touching the rows
+        try:
+            table.close()
+        finally:
+            if held.file is not None:
+                held.file.close()  # after the calls under way: each checked it before touching the rows
 
     def _wants_mmap(self, nbytes):
         if self._mmap is None:
