@@ -126,6 +126,14 @@ def _maps_whole_file(array: np.ndarray, path) -> bool:
             and node.nbytes == int(np.prod(header.shape)) * header.dtype.itemsize)
 
 
+def _file_offset(array: np.memmap) -> int:
+    """The byte of its file at which the memmap ``array`` (or a view of one, which keeps its map) starts."""
+    # np.memmap maps from the allocation boundary at or before its offset (a view keeps its
+    # parent's); the view's own bytes start wherever it lies inside that map.
+    mapped_from = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
+    return mapped_from + array.ctypes.data - np.frombuffer(array._mmap, np.uint8).ctypes.data
+
+
 def _copy_on_write(array: np.memmap) -> Optional[np.ndarray]:
     """A private copy-on-write map of the file bytes the read-only memmap ``array`` shows, or None.
 
@@ -143,10 +151,7 @@ def _copy_on_write(array: np.memmap) -> Optional[np.ndarray]:
     """
     if getattr(array, "filename", None) is None or getattr(array, "_mmap", None) is None:
         return None
-    # np.memmap maps from the allocation boundary at or before its offset; the view's
-    # own bytes start wherever it lies inside that map.
-    mapped_from = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
-    offset = mapped_from + array.ctypes.data - np.frombuffer(array._mmap, np.uint8).ctypes.data
+    offset = _file_offset(array)
     try:
         with open(array.filename, "rb") as f:
             mapped = files.mapped_identity(array.ctypes.data)
@@ -235,8 +240,10 @@ class HostTable:
     replaced by a rename, the file stays whole in the map and the table goes
     on with it, but its path no longer names it: :meth:`flush` raises
     :class:`~speedswap.PathError`, and its rows go at :meth:`close` unless
-    saved (:meth:`save` to the path writes a new file). The file of an
-    adopted memmap (:meth:`adopt`) is its caller's to check.
+    saved (:meth:`save` to the path writes a new file). A table over an
+    adopted memmap (:meth:`adopt`) checks only that its file is still long
+    enough (one ``fstat`` through the map's own descriptor), and refuses
+    alike a file truncated under it; what the file holds is its caller's.
 
     Threads: like a numpy array or a tensor, a table takes no lock. Gathers
     may run in several threads at once, and so may scatters to disjoint rows;
@@ -257,10 +264,14 @@ class HostTable:
         self._file_id = None if path is None else (
             files.mapped_identity(buffer.host.ctypes.data) or _file_id(path))
         # The .npy file this table mapped itself (empty, load), held open: every call that touches the
-        # rows checks it first (_check_file), whatever its names by then. None for an adopted memmap,
-        # whose file its caller holds (a DataGadget checks its own), and for memory. Its path is
-        # absolute: a relative one names another file after a chdir.
+        # rows checks it first (_check_file), whatever its names by then. None for an adopted memmap
+        # (see _adopted_map) and for memory. Its path is absolute: a relative one names another file
+        # after a chdir.
         self._mapped = None if header is None else files.MappedFile(os.path.abspath(path), header, self._file_id)
+        # An adopted memmap's mmap object, the byte of its file its rows end at, and the file's name (None
+        # for a map of a file object): every call that touches the rows checks the file is that long first,
+        # through the descriptor the mmap object keeps (its size()), whatever names the file has.
+        self._adopted_map = None
         self._shape = tuple(buffer.tensor.shape)
         self._dtype = buffer.tensor.dtype
         self._kind = buffer.kind  # still reported once the buffer is released
@@ -378,7 +389,10 @@ class HostTable:
 
         Returns:
             HostTable with storage ``mmap`` for a memmap (writes reach the file
-            when it was mapped ``r+``) and ``pageable`` otherwise.
+            when it was mapped ``r+``) and ``pageable`` otherwise. A memmap's
+            table refuses every call that would touch its rows once the file
+            was truncated under the map (a page past its end would kill the
+            process with SIGBUS), with a :class:`~speedswap.FileFormatError`.
 
         Raises:
             ShapeError: ``array`` is not 2-D or not C-contiguous.
@@ -405,7 +419,10 @@ class HostTable:
             # refuses writes itself (see _writable_buffer).
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             buffer = backend.adopt(array, "mmap" if mapped else "pageable")
-        return cls(buffer, backend, path)
+        table = cls(buffer, backend, path)
+        if getattr(array, "_mmap", None) is not None:  # a memmap's, or a view's of one
+            table._adopted_map = (array._mmap, _file_offset(array) + array.nbytes, array.filename)
+        return table
 
     @classmethod
     def load(cls, path: PathLike, storage: str = "pinned", backend: BackendLike = "auto", mmap: bool = False,
@@ -599,9 +616,10 @@ class HostTable:
           rows to a new file there.
 
         The mark a load puts on the file (:func:`loading_into`) moves no
-        row: it is read through, and loads take their turns by its lock. A
-        table not mapped from its own ``.npy`` file (memory, or an adopted
-        memmap, whose file its caller holds) has nothing to check.
+        row: it is read through, and loads take their turns by its lock. An
+        adopted memmap's file is checked for its length alone (what it holds
+        is its caller's: it may be no ``.npy`` file); a table in memory has
+        nothing to check.
 
         Raises:
             FileFormatError: the file is shorter than the table's rows, or
@@ -612,6 +630,15 @@ class HostTable:
             self._mapped.check("restore the file to go on (an embedding's close writes its cached rows back "
                                "only then), or build the table again from a checkpoint (HostTable.load, or "
                                "a new embedding's load)", marked=True)
+        elif self._adopted_map is not None:
+            mapping, end, name = self._adopted_map
+            size = mapping.size()  # an fstat of the mapped file, through the mmap object's own descriptor
+            if size < end:
+                raise FileFormatError(f"{'the file' if name is None else repr(name)} is {size:,} bytes but the "
+                                      f"memmap this table adopted reaches byte {end:,}: it was truncated after it "
+                                      f"was mapped, and the map's rows past its end are gone (reading one would "
+                                      f"kill the process with SIGBUS); restore the file, or map it again and "
+                                      f"adopt the new map")
 
     def _writable_buffer(self, *, loading=False):
         """The buffer, to write; ``loading``: for a load, which a stopped one's refusal lets through."""
@@ -1415,6 +1442,7 @@ class HostTable:
         # No checks: a file truncated or replaced since is refused by every use, not by its release.
         self._sync(self._buffer)
         self._buffer = None
+        self._adopted_map = None  # the map goes with the buffer, not with the table
         if self._mapped is not None:
             self._mapped.close()  # after the buffer: no call passes _live_buffer to check through it closed
         _LIVE.discard(self)

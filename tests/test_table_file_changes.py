@@ -343,3 +343,47 @@ def test_close_discard_drops_the_cached_rows_not_yet_written_back(tmp_path, seed
     emb.close(discard=True)
     assert _file_bytes(tmp_path / "emb") == before
     assert not np.array_equal(np.load(tmp_path / "emb" / "table.npy"), ref.weight.detach().numpy())
+
+
+_ADOPTED_TRUNCATED = textwrap.dedent("""
+    import os, sys
+    import numpy as np, speedswap as ss
+    path, seed, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((1000, 16), dtype=np.float32)
+    np.save(path, rows)
+    whole = ss.HostTable.adopt(np.load(path, mmap_mode=mode), backend="numpy")
+    part = ss.HostTable.adopt(np.load(path, mmap_mode=mode)[100:400], backend="numpy")  # a view: rows 100-399
+    offset = os.path.getsize(path) - rows.nbytes
+    os.truncate(path, offset + 600 * rows.itemsize * 16)  # rows 600 on are gone
+    picked = rng.integers(0, 300, 64)
+    assert np.array_equal(part.gather(picked).numpy(), rows[100:400][picked]), "part"
+    print("part read", flush=True)
+    for call in (lambda: whole.gather([999]), lambda: whole.to_numpy(copy=True), lambda: whole.gather([0])):
+        try:
+            call()
+        except ss.FileFormatError as exc:
+            print("refused:", exc, flush=True)
+    os.truncate(path, offset + 200 * rows.itemsize * 16)  # now part of the view's rows too
+    try:
+        part.gather([0])
+    except ss.FileFormatError as exc:
+        print("refused:", exc, flush=True)
+    whole.close()
+    part.close()
+    print("closed", flush=True)
+""")
+
+
+@pytest.mark.parametrize("mode", ["r+", "r", "c"])
+def test_an_adopted_memmap_whose_file_is_truncated_is_refused_with_no_sigbus(tmp_path, seed, mode):
+    """HostTable.adopt(np.load(path, mmap_mode=...)) checked nothing: truncating the file under it killed the
+    next gather with SIGBUS. Now each call checks the file still holds the adopted rows (a view's own only)."""
+    done = subprocess.run([sys.executable, "-c", _ADOPTED_TRUNCATED, str(tmp_path / "data.npy"), str(seed), mode],
+                          capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert done.returncode == 0, f"exit status {done.returncode} (-7 is SIGBUS): {done.stdout}{done.stderr}"
+    lines = done.stdout.splitlines()
+    assert lines[0] == "part read" and lines[-1] == "closed" and len(lines) == 6, done.stdout
+    for line in lines[1:5]:
+        assert line.startswith("refused:") and "truncated after it was mapped" in line, line
+    assert "reaches byte" in lines[1] and "data.npy" in lines[1], lines[1]

@@ -436,9 +436,9 @@ class DataGadget:
             FileFormatError: the file a gadget built from its path maps was
                 truncated since, or rewritten in place with another header
                 (rows elsewhere, or of another dtype or shape). A gadget built
-                from a memory-mapped array you made cannot see its file:
-                truncating that file under it ends the process with SIGBUS,
-                as it would for numpy.
+                from a memory-mapped array you made sees only its file's
+                length (:meth:`HostTable.adopt`): truncated under it, the file
+                is refused too, but what it holds is yours to keep.
         """
         with _InUse(self) as held:
             rows = held.table.gather(idx)
