@@ -6,11 +6,14 @@ Where there is no ``/proc`` (not Linux), or its format is not this parser's,
 no mapping is listed, and the callers fall back to what they can prove.
 """
 
+import mmap
 import os
 import stat as stat_module
 from typing import Iterator, NamedTuple, Optional
 
-__all__ = ["Mapping", "mappings", "mapped_for_writing", "shared_file_at"]
+import numpy as np
+
+__all__ = ["Mapping", "mappings", "mapped_for_writing", "shared_file_at", "memmap_file_offset"]
 
 
 class Mapping(NamedTuple):
@@ -86,3 +89,18 @@ def shared_file_at(address: int, size: int) -> Optional[Mapping]:
     if not stat_module.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != found.identity:
         return None
     return found
+
+
+def memmap_file_offset(array) -> int:
+    """The byte of its file at which an ``np.memmap`` (or a view of one, which keeps its map) starts.
+
+    Args:
+        array: an ``np.memmap`` whose map is open (its ``_mmap`` is not None).
+
+    Returns:
+        The file offset of ``array``'s first byte.
+    """
+    # np.memmap maps from the allocation boundary at or before its offset (a view keeps its
+    # parent's); the view's own bytes start wherever it lies inside that map.
+    mapped_from = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
+    return mapped_from + array.ctypes.data - np.frombuffer(array._mmap, np.uint8).ctypes.data

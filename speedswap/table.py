@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import errno
 import math
-import mmap
 import os
 import warnings
 import weakref
@@ -33,6 +32,7 @@ from .convert import (ROWS_ADVICE, DTypeLike, Ids, Rows, as_host_rows, as_row_id
 from .errors import (DeviceError, DuplicateIdError, DTypeError, FileFormatError, OptionError, OutOfMemoryError,
                      PathError, ShapeError, StateError)
 from .live import Registry
+from .mappings import memmap_file_offset
 
 __all__ = ["HostTable", "live_tables", "check_storage", "loading_into"]
 
@@ -126,14 +126,6 @@ def _maps_whole_file(array: np.ndarray, path) -> bool:
             and node.nbytes == int(np.prod(header.shape)) * header.dtype.itemsize)
 
 
-def _file_offset(array: np.memmap) -> int:
-    """The byte of its file at which the memmap ``array`` (or a view of one, which keeps its map) starts."""
-    # np.memmap maps from the allocation boundary at or before its offset (a view keeps its
-    # parent's); the view's own bytes start wherever it lies inside that map.
-    mapped_from = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
-    return mapped_from + array.ctypes.data - np.frombuffer(array._mmap, np.uint8).ctypes.data
-
-
 def _copy_on_write(array: np.memmap) -> Optional[np.ndarray]:
     """A private copy-on-write map of the file bytes the read-only memmap ``array`` shows, or None.
 
@@ -151,7 +143,7 @@ def _copy_on_write(array: np.memmap) -> Optional[np.ndarray]:
     """
     if getattr(array, "filename", None) is None or getattr(array, "_mmap", None) is None:
         return None
-    offset = _file_offset(array)
+    offset = memmap_file_offset(array)
     try:
         with open(array.filename, "rb") as f:
             mapped = files.mapped_identity(array.ctypes.data)
@@ -421,7 +413,7 @@ class HostTable:
             buffer = backend.adopt(array, "mmap" if mapped else "pageable")
         table = cls(buffer, backend, path)
         if getattr(array, "_mmap", None) is not None:  # a memmap's, or a view's of one
-            table._adopted_map = (array._mmap, _file_offset(array) + array.nbytes, array.filename)
+            table._adopted_map = (array._mmap, memmap_file_offset(array) + array.nbytes, array.filename)
         return table
 
     @classmethod

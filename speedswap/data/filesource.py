@@ -26,7 +26,6 @@ nobody iterates, closed where no thread can wait): only reads then fail.
 """
 
 import concurrent.futures
-import mmap
 import os
 import threading
 import time
@@ -38,7 +37,7 @@ import torch
 
 from ..atomic import open_into, opening_error
 from ..files import identity, mapped_identity, read_npy_header
-from ..mappings import shared_file_at
+from ..mappings import memmap_file_offset, shared_file_at
 from ..errors import FileFormatError, SpeedswapError, StateError, ThreadStartError
 
 __all__ = ["FileRows", "WindowReader", "RowReader", "window_rows"]
@@ -132,23 +131,17 @@ class FileRows:
             return cls._of_address(array, tensor)
         handle = getattr(array, "_mmap", None)
         # A copy-on-write map ("c") may hold private changes pread would not see.
-        if not isinstance(array, np.memmap) or handle is None or array.mode == "c" or not array.filename:
+        if handle is None or array.mode == "c" or not array.filename:
             return None
         if not array.flags.c_contiguous:
             return None
-        # numpy maps from the allocation-granularity boundary below the memmap's
-        # offset, and views keep that offset: the array's file offset follows
-        # from its address inside the map.
-        base = np.frombuffer(handle, dtype=np.uint8).ctypes.data
-        start = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
-        offset = start + array.ctypes.data - base
+        offset = memmap_file_offset(array)
         try:
             layout = _layout(read_npy_header(array.filename, exact_size=False))
         except SpeedswapError:  # a raw file, or none at the path now: nothing to hold the map to
             layout = None
         return cls(array.filename, offset, len(array), tensor.shape[1:], tensor.dtype,
                    mapped_identity(array.ctypes.data), layout)
-
 
     @classmethod
     def _of_address(cls, array, tensor):
