@@ -91,16 +91,19 @@ def shared_file_at(address: int, size: int) -> Optional[Mapping]:
     return found
 
 
-def memmap_file_offset(array) -> int:
-    """The byte of its file at which an ``np.memmap`` (or a view of one, which keeps its map) starts.
+def memmap_file_offset(array, memmap=None) -> int:
+    """The byte of its file at which an array over a memory map starts.
 
     Args:
-        array: an ``np.memmap`` whose map is open (its ``_mmap`` is not None).
+        array: an ``np.memmap`` (or a view of one, which keeps its map) whose
+            map is open (its ``_mmap`` is not None), or any array inside ``memmap``'s map.
+        memmap: the ``np.memmap`` holding ``array``; None: ``array`` itself.
 
     Returns:
         The file offset of ``array``'s first byte.
     """
+    memmap = array if memmap is None else memmap
     # np.memmap maps from the allocation boundary at or before its offset (a view keeps its
-    # parent's); the view's own bytes start wherever it lies inside that map.
-    mapped_from = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
-    return mapped_from + array.ctypes.data - np.frombuffer(array._mmap, np.uint8).ctypes.data
+    # parent's); the array's own bytes start wherever it lies inside that map.
+    mapped_from = memmap.offset - memmap.offset % mmap.ALLOCATIONGRANULARITY
+    return mapped_from + array.ctypes.data - np.frombuffer(memmap._mmap, np.uint8).ctypes.data

@@ -126,26 +126,41 @@ def _maps_whole_file(array: np.ndarray, path) -> bool:
             and node.nbytes == int(np.prod(header.shape)) * header.dtype.itemsize)
 
 
-def _copy_on_write(array: np.memmap) -> Optional[np.ndarray]:
-    """A private copy-on-write map of the file bytes the read-only memmap ``array`` shows, or None.
+def _memmap_under(array: np.ndarray) -> Optional[np.memmap]:
+    """The ``np.memmap`` whose map holds ``array``: itself, or the first memmap among its bases, or None.
+
+    ``np.asarray(memmap)`` and other plain views of a memmap are no memmaps,
+    yet their rows are the file's as much as the memmap's are.
+    """
+    node = array
+    while isinstance(node, np.ndarray):
+        if isinstance(node, np.memmap) and getattr(node, "_mmap", None) is not None:
+            return node
+        node = node.base
+    return None
+
+
+def _copy_on_write(array: np.ndarray, memmap: np.memmap) -> Optional[np.ndarray]:
+    """A private copy-on-write map of the file bytes ``array``, inside a read-only memmap, shows, or None.
 
     Reading it reads the same page cache (no copy). A write copies the page it
     touches into this process's private memory, so it reaches neither the file
     nor ``array``, and cannot fault on a page the system mapped read-only.
 
     Args:
-        array: an ``np.memmap`` (or a view of one) over a file mapped ``'r'``.
+        array: a view of ``memmap`` (itself, or a plain view: :func:`_memmap_under`).
+        memmap: an ``np.memmap`` over a file mapped ``'r'``.
 
     Returns:
         numpy.ndarray of ``array``'s shape and dtype, or None when the file
         cannot be mapped again: no file name (a memmap of a file object), or
         the name now names another file (replaced since it was mapped).
     """
-    if getattr(array, "filename", None) is None or getattr(array, "_mmap", None) is None:
+    if memmap.filename is None:
         return None
-    offset = memmap_file_offset(array)
+    offset = memmap_file_offset(array, memmap)
     try:
-        with open(array.filename, "rb") as f:
+        with open(memmap.filename, "rb") as f:
             mapped = files.mapped_identity(array.ctypes.data)
             if mapped is not None and mapped != files.identity(os.fstat(f.fileno())):
                 return None
@@ -380,10 +395,11 @@ class HostTable:
             backend, device: as in :meth:`empty`.
 
         Returns:
-            HostTable with storage ``mmap`` for a memmap (writes reach the file
-            when it was mapped ``r+``) and ``pageable`` otherwise. A memmap's
-            table refuses every call that would touch its rows once the file
-            was truncated under the map (a page past its end would kill the
+            HostTable with storage ``mmap`` for a memmap, or a plain view of
+            one (``np.asarray(memmap)``; writes reach the file when it was
+            mapped ``r+``), and ``pageable`` otherwise. A memmap's table
+            refuses every call that would touch its rows once the file was
+            truncated under the map (a page past its end would kill the
             process with SIGBUS), with a :class:`~speedswap.FileFormatError`.
 
         Raises:
@@ -404,16 +420,17 @@ class HostTable:
         int_option(array.shape[1], "dim")
         torch_dtype(array.dtype)
         backend = get_backend(backend, device)
-        mapped = isinstance(array, np.memmap)
-        path = array.filename if mapped and array.mode in ("r+", "w+") else None
+        memmap = _memmap_under(array)
+        path = memmap.filename if memmap is not None and memmap.mode in ("r+", "w+") else None
         with warnings.catch_warnings():
             # torch warns that it cannot mark a tensor read-only; this table
             # refuses writes itself (see _writable_buffer).
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            buffer = backend.adopt(array, "mmap" if mapped else "pageable")
+            buffer = backend.adopt(array, "pageable" if memmap is None else "mmap")
         table = cls(buffer, backend, path)
-        if getattr(array, "_mmap", None) is not None:  # a memmap's, or a view's of one
-            table._adopted_map = (array._mmap, memmap_file_offset(array) + array.nbytes, array.filename)
+        if memmap is not None:
+            end = memmap_file_offset(array, memmap) + array.nbytes
+            table._adopted_map = (memmap._mmap, end, memmap.filename)
         return table
 
     @classmethod
@@ -785,8 +802,8 @@ class HostTable:
         self._announce_read()
         self._backend.wait_host(buffer)
         self._unwritten_file = False  # whoever holds the tensor may write through it
-        if (for_reading or self._writable or not isinstance(buffer.host, np.memmap)
-                or buffer.host.mode != "r"):
+        memmap = None if buffer.host is None else _memmap_under(buffer.host)
+        if for_reading or self._writable or memmap is None or memmap.mode != "r":
             # Memory the process may write (a read-only array over ordinary memory too).
             if buffer.host is None:
                 if self._before_read is not None:
@@ -795,7 +812,7 @@ class HostTable:
             if not self._follows(buffer.host, for_reading):
                 return buffer.tensor
             return host_tensor(self._handed_out(buffer.host), self.dtype)
-        private = _copy_on_write(buffer.host)
+        private = _copy_on_write(buffer.host, memmap)
         if private is None:
             raise StateError("this read-only HostTable maps a file that cannot be mapped again "
                              "copy-on-write (a memmap made from a file object, or a file replaced "
@@ -1423,7 +1440,7 @@ class HostTable:
         """Wait for pending device writes to ``buffer``; an ``mmap`` table's file is flushed too."""
         self._backend.wait_host(buffer)
         if self.storage == "mmap":
-            buffer.host.flush()
+            _memmap_under(buffer.host).flush()  # an adopted plain view of a memmap has no flush() of its own
 
     # ------------------------------------------------------------- lifecycle
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """Streaming a dataset larger than RAM through BatchFeeder: what a demanding user's review found."""
 
+import os
 import subprocess
 import sys
 
@@ -93,9 +94,10 @@ def test_a_big_endian_file_too_large_to_read_whole_is_refused_with_a_rewrite_tha
 
 _TRUNCATED_UNDER_A_VIEW = """
 import sys, numpy as np, torch, speedswap as ss
-path, wrap, order = sys.argv[1:]
-mapped = np.load(path, mmap_mode="r")
-source = torch.from_numpy(mapped) if wrap == "tensor" else np.asarray(mapped)
+path, wrap, order, tests = sys.argv[1:]
+sys.path.insert(0, tests)
+from test_streaming_review import _over_the_map
+source = _over_the_map(np.load(path, mmap_mode="r"), wrap)
 feeder = ss.BatchFeeder(source, batch_size=64, order=order, device="cpu", prefetch=0)
 try:
     for k, (rows,) in enumerate(feeder):
@@ -108,25 +110,34 @@ except ss.FileFormatError as exc:
 
 
 def _over_the_map(mapped, wrap):
-    """A memmap given as what does not say it is one: a tensor over it, or a plain ndarray view."""
-    return torch.from_numpy(mapped) if wrap == "tensor" else np.asarray(mapped)
+    """A memmap given as what does not say it is one: a tensor over it, a plain ndarray view, or a
+    DataGadget (storage="pageable") or HostTable adopting such a view."""
+    return {"tensor": torch.from_numpy, "ndarray": np.asarray,
+            "gadget": lambda m: ss.DataGadget(np.asarray(m), storage="pageable", backend="numpy"),
+            "table": lambda m: ss.HostTable.adopt(np.asarray(m), backend="numpy")}[wrap](mapped)
 
 
-@pytest.mark.parametrize("wrap", ["tensor", "ndarray"])
+@pytest.mark.parametrize("wrap", ["tensor", "ndarray", "gadget", "table"])
 @pytest.mark.parametrize("order", ["random", "block"])
 def test_a_tensor_or_plain_array_over_a_map_is_read_with_pread_and_a_truncation_raises_instead_of_sigbus(
         tmp_path, rng, wrap, order):
     """torch.from_numpy(np.load(path, mmap_mode='r')) and np.asarray(memmap) are no np.memmap, so the
     feeder read them through the map: a 6.1 GB file streamed in block order peaked at 6,340 MB of
     resident memory (641 MB now), and a file truncated mid-epoch killed the process with
-    SIGBUS (exit status 135), where a memmap raises FileFormatError. Found by the mapping they lie in."""
+    SIGBUS (exit status 135), where a memmap raises FileFormatError. Found by the mapping they lie in.
+    A DataGadget (storage="pageable") or a HostTable adopting np.asarray(memmap) held a "pageable"
+    table the feeder read in place, with the same SIGBUS: it is an mmap table now."""
     n = int(rng.integers(2000, 4000))
     data = rng.standard_normal((n, 5)).astype(np.float32)
     labels = rng.zipf(1.3, n) % 1000
     np.save(tmp_path / "x.npy", data)
     np.save(tmp_path / "y.npy", labels)
     source = _over_the_map(np.load(tmp_path / "x.npy", mmap_mode="r"), wrap)
-    feeder = ss.BatchFeeder(source, _over_the_map(np.load(tmp_path / "y.npy", mmap_mode="r"), wrap), np.arange(n),
+    if wrap in ("gadget", "table"):
+        assert source.storage == "mmap"
+    labels_wrap = wrap if wrap in ("tensor", "ndarray") else "ndarray"  # tables hold no int64 labels
+    feeder = ss.BatchFeeder(source, _over_the_map(np.load(tmp_path / "y.npy", mmap_mode="r"), labels_wrap),
+                            np.arange(n),
                             batch_size=64, order=order, seed=3, device="cpu")
     assert sorted(feeder._files) == [0, 1]  # both read with pread, the ids from RAM
     seen = []
@@ -136,8 +147,8 @@ def test_a_tensor_or_plain_array_over_a_map_is_read_with_pread_and_a_truncation_
         seen.append(ids.numpy())
     np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(n))
     # In a subprocess: a SIGBUS would kill pytest itself.
-    done = subprocess.run([sys.executable, "-c", _TRUNCATED_UNDER_A_VIEW, str(tmp_path / "x.npy"), wrap, order],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _TRUNCATED_UNDER_A_VIEW, str(tmp_path / "x.npy"), wrap, order,
+                           os.path.dirname(__file__)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"exit status {done.returncode} (-7 is SIGBUS): {done.stderr}"
     assert "raised:" in done.stdout and "x.npy" in done.stdout, done.stdout + done.stderr
 
