@@ -33,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..errors import OptionError, StateError
 
 __all__ = ["RefusesConversion", "guard_conversions", "guard_parameter", "refuse_conversion",
-           "refuse_new_gradient_storage", "refuse_new_storage"]
+           "refuse_new_gradient_storage", "refuse_new_parameter", "refuse_new_storage"]
 
 #: ``checked``: ``(fn, ids of the modules checked for it)`` on a thread while a checked
 #: ``nn.Module._apply`` runs: torch's recursion into the children need not walk their subtrees again.
@@ -44,15 +44,89 @@ _GUARDED_PARAMETERS = WeakIdKeyDictionary()
 
 
 class RefusesConversion(torch.nn.Module):
-    """An ``nn.Module`` whose dtype and device are fixed when it is built.
+    """An ``nn.Module`` whose ``weight`` parameter, dtype and device are fixed when it is built.
 
     Its :meth:`check_conversion` runs for every ``model.double()``,
     ``.to(...)`` and the like on a model holding it, before anything converts.
+
+    Its ``weight`` is the parameter it first set (the step's working set),
+    which its hooks, the attached optimizer and its state are made for:
+    ``emb.weight = nn.Parameter(vectors)`` (how an ``nn.Embedding`` is given
+    pretrained rows), ``del emb.weight``, and what does those through
+    ``nn.Module``'s own calls (``torch.nn.utils.parametrize`` and the
+    ``weight_norm``/``spectral_norm`` built on it, pruning) are refused
+    before the module changes: in memory they replace or reparametrize the
+    whole table, here they would reach only the scratch. (``register_parametrization``
+    sets the weight to its right inverse, most often itself, before the deletion
+    refused: the next training forward refuses that write once, as any write
+    into the scratch between steps.) What changes
+    ``_parameters`` behind ``nn.Module``'s back (the deprecated
+    ``torch.nn.utils.weight_norm``) is refused at the next use of
+    ``weight`` (a forward, the step), before any row changes.
     """
 
     def __init__(self):
         super().__init__()
         guard_conversions()
+
+    def __setattr__(self, name, value):
+        if name != "weight":
+            super().__setattr__(name, value)
+        elif "_built_weight" in vars(self):
+            if value is not self._built_weight:
+                # Not registered any more: torch took it out itself (the deprecated weight_norm).
+                raise _replacing_weight(type(self).__name__, "assigning emb.weight",
+                                        *([_TAKEN] if "weight" not in self._parameters else []))
+            super().__setattr__(name, value)
+        else:
+            super().__setattr__(name, value)
+            if isinstance(value, torch.nn.Parameter):
+                # The first weight set is the one built; held outside _parameters (object.__setattr__
+                # registers nothing), so a replacement behind nn.Module's back can be told from it.
+                object.__setattr__(self, "_built_weight", value)
+
+    def __getattr__(self, name):
+        # Every read of weight comes here (nn.Module keeps it in _parameters, not __dict__): as
+        # nn.Module.__getattr__, which it saves a call of, but for a weight torch took out itself.
+        if name == "weight" and "_built_weight" in self.__dict__:
+            weight = self.__dict__["_parameters"].get("weight")
+            if weight is None:
+                raise _replacing_weight(type(self).__name__, "taking emb.weight out of the module's parameters "
+                                                             "(the deprecated torch.nn.utils.weight_norm)", _TAKEN)
+            return weight
+        return super().__getattr__(name)
+
+    def __delattr__(self, name):
+        if name == "weight" and "_built_weight" in vars(self):
+            raise _replacing_weight(type(self).__name__, "deleting emb.weight (as register_parametrization, "
+                                                         "weight_norm and spectral_norm do)")
+        super().__delattr__(name)
+
+    def register_parameter(self, name: str, param) -> None:
+        """As ``nn.Module``'s, refusing the built ``weight`` under another name (pruning moves it to ``weight_orig``).
+
+        Raises:
+            OptionError: ``param`` is the built weight and ``name`` is not ``"weight"``; nothing changes.
+        """
+        if name != "weight" and param is not None and param is vars(self).get("_built_weight"):
+            raise _replacing_weight(type(self).__name__, f"registering emb.weight as {name!r} (as "
+                                                         f"torch.nn.utils.prune does)")
+        super().register_parameter(name, param)
+
+    def refuse_replaced_weight(self, weight: torch.Tensor) -> None:
+        """Refuse a forward whose ``weight`` is not the parameter built.
+
+        Called once ``torch.func`` transforms were refused (they hand their own tensor in).
+
+        Raises:
+            OptionError: another tensor stands for ``weight`` (``functional_call`` with
+                other values, a parameter put in ``_parameters`` directly); nothing changes.
+        """
+        if weight is not self._built_weight:
+            raise _replacing_weight(type(self).__name__, "putting another tensor in emb.weight's place "
+                                                         "(torch.func.functional_call with a 'weight', "
+                                                         "_parameters['weight'] = ...)",
+                                    "no row changed: this forward was refused")
 
     def check_conversion(self, fn) -> None:
         """Refuse ``fn`` if it would convert this module.
@@ -64,6 +138,22 @@ class RefusesConversion(torch.nn.Module):
             OptionError: ``fn`` changes this module's dtype or device.
         """
         raise NotImplementedError
+
+
+#: What a refusal after torch took the weight out of the module itself says changed.
+_TAKEN = ("no row changed, but torch had taken the weight out of the module's parameters before this "
+          "refusal: rebuild the embedding and load its state into it")
+
+
+def _replacing_weight(kind: str, how: str, what: str = "nothing was changed") -> OptionError:
+    """The error of replacing an offloaded embedding's ``weight`` (see :class:`RefusesConversion`)."""
+    return OptionError(
+        f"{how} is not supported by this {kind}: its weight is only the scratch a step's rows are "
+        f"trained in, the one its hooks and the attached optimizer hold, and the table lives on the "
+        f"host: in memory this would replace or reparametrize the whole table, here it would reach "
+        f"no row ({what}). To give the table other rows, write them into it (emb.table.scatter(ids, rows), "
+        f"emb.load(path); OffloadedEmbedding.from_pretrained(vectors, freeze=False, max_rows=...) "
+        f"builds one from them); to constrain rows, apply the function to the lookup's output instead")
 
 
 def guard_conversions() -> None:
@@ -160,6 +250,37 @@ def refuse_conversion(kind: str, fn, weight: torch.Tensor, table_dtype: torch.dt
         f"this {kind} cannot be converted to {probe.dtype} on {probe.device} after it is built "
         f"(its table and optimizer state live on the host for {table_dtype} rows on "
         f"{weight.device}); {instead}. {unchanged}")
+
+
+def refuse_new_parameter(kind: str) -> None:
+    """Raise if ``nn.Module._apply`` would give the weight a new parameter whatever the conversion.
+
+    With ``torch.__future__.set_overwrite_module_params_on_conversion(True)``
+    every conversion, even one to the dtype and device the module is on
+    already, puts a new ``Parameter`` in ``_parameters``; with
+    ``set_swap_module_params_on_conversion(True)`` it swaps the parameter's
+    tensor for another (which torch refuses, deep inside, for a weight held
+    weakly, as an attached embedding's is). The embedding's hooks and the
+    attached optimizer hold the weight built (see :class:`RefusesConversion`).
+
+    Args:
+        kind: the embedding's class name, for the message.
+
+    Raises:
+        OptionError: either flag is set; called before anything converts.
+    """
+    future = torch.__future__
+    flags = [name for name, on in (("set_overwrite_module_params_on_conversion",
+                                    future.get_overwrite_module_params_on_conversion()),
+                                   ("set_swap_module_params_on_conversion",
+                                    future.get_swap_module_params_on_conversion())) if on]
+    if flags:
+        raise OptionError(
+            f"with torch.__future__.{flags[0]}(True), every conversion (to the dtype and device the "
+            f"{kind} is on already too) replaces its weight's parameter, which its hooks and the "
+            f"attached optimizer hold: the step's rows would train a tensor the table never sees. "
+            f"Nothing was converted: set it back to False around this call (its default), or convert "
+            f"the other submodules one by one, leaving the embedding as it is")
 
 
 def refuse_new_storage(kind: str, fn, weight: torch.Tensor, until: str) -> None:

@@ -28,7 +28,7 @@ from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import checkpoint_kind, file_in, load_tables, save_tables
 from .conversions import (RefusesConversion, refuse_conversion, refuse_new_gradient_storage,
-                          refuse_new_storage)
+                          refuse_new_parameter, refuse_new_storage)
 from .leftover import untouched
 from .module_state import (check_tables_state, checked_scalar_state, copy_tables, missing_hint, note_loaded,
                            refused_after, tables_state, unpicklable)
@@ -358,6 +358,7 @@ class OffloadedEmbedding(RefusesConversion):
     @one_thread
     def check_conversion(self, fn: Callable) -> None:
         refuse_conversion(type(self).__name__, fn, self.weight, self._table.dtype)
+        refuse_new_parameter(type(self).__name__)
         if self._table.closed:
             return
         if self._step_in_flight():
@@ -541,6 +542,7 @@ class OffloadedEmbedding(RefusesConversion):
         weight = self.weight  # read once: each read of a parameter goes through Module.__getattr__
         reads = not (self.training and torch.is_grad_enabled() and weight.requires_grad)
         outside, ids = outside_function_transforms(type(self).__name__, reads, ids, weight)
+        self.refuse_replaced_weight(weight)
         self._check_open()
         self._abort_step()
         if reads:

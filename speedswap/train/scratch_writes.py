@@ -64,7 +64,10 @@ class ScratchWrites:
         """
         if weight._version != self._version:
             self._version = weight._version
-            raise _written("between steps (an initialiser, a copy_ into it)")
+            # A refused register_parametrization (spectral_norm...) is one too: torch sets the weight to its
+            # right inverse (itself, most often) before it deletes the weight, which is what is refused.
+            raise _written("between steps (an initialiser, a copy_ into it, or a refused "
+                           "register_parametrization, which sets it first)")
 
     def refuse_written_through_data(self, scratch: torch.Tensor) -> None:
         """At the first attach, refuse a write through ``weight.data`` since the embedding was built.

@@ -43,7 +43,7 @@ from ..convert import Ids, as_row_ids, as_row_ids_deferred, bool_option, int_opt
 from ..errors import FileFormatError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
-from .conversions import RefusesConversion, refuse_conversion, refuse_new_storage
+from .conversions import RefusesConversion, refuse_conversion, refuse_new_parameter, refuse_new_storage
 from .exchange import (BUILD, EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
                        Exchange, count_by_owner, owner_starts, owners, row_bounds, run_everywhere)
 from .module_state import check_tables_state, checked_scalar_state, copy_tables, tables_state, unpicklable
@@ -540,6 +540,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     @one_thread
     def check_conversion(self, fn: Callable) -> None:
         refuse_conversion(type(self).__name__, fn, self.weight, self.table.dtype)
+        refuse_new_parameter(type(self).__name__)
         if not self.table.closed and self._step_in_flight():
             refuse_new_storage(type(self).__name__, fn, self.weight, "optimizer.step()")
 
@@ -785,6 +786,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """:meth:`forward`, once this thread may use the embedding."""
         # Refused whatever it reads: its lookup, a collective, is not made to run outside a transform.
         outside_function_transforms(type(self).__name__, False, input, self.weight)
+        self.refuse_replaced_weight(self.weight)
         training = self.training and torch.is_grad_enabled()
         if training:
             self._abort_step()

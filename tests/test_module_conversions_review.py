@@ -1,0 +1,157 @@
+"""What PyTorch does to any ``nn.Module``, done to a model holding an offloaded embedding.
+
+Each test trains an offloaded model and its lazy in-memory reference
+(``test_training_flows.pair``) on Zipf ids, tries what a user would do to an
+``nn.Embedding`` model half way, and checks that it either trains as in memory
+or raises a ``SpeedswapError`` before anything changed, after which training
+goes on as in memory.
+"""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.utils.prune as prune
+from torch.nn.utils import parametrize
+
+import speedswap as ss
+from test_training_flows import ROWS, STEPS, assert_equal_to_reference, make_lazy, pair, train_step, zipf_ids
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, weight):
+        return 2 * weight
+
+
+def _old_weight_norm(emb):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for parametrizations.weight_norm
+        torch.nn.utils.weight_norm(emb, "weight")
+
+
+#: What replaces or reparametrizes an ``nn.Embedding``'s weight through ``nn.Module``'s own calls.
+#: In memory each replaces or constrains the whole table; the first is how pretrained vectors are
+#: put into an ``nn.Embedding`` (``emb.weight = nn.Parameter(vectors)``).
+REPLACEMENTS = {
+    "assign_pretrained_rows": lambda emb: setattr(
+        emb, "weight", torch.nn.Parameter(torch.randn(ROWS, emb.embedding_dim))),
+    "assign_a_scratch_like_parameter": lambda emb: setattr(
+        emb, "weight", torch.nn.Parameter(torch.randn_like(emb.weight))),
+    "delete": lambda emb: delattr(emb, "weight"),
+    "register_parametrization": lambda emb: parametrize.register_parametrization(emb, "weight", _Doubled()),
+    "weight_norm": lambda emb: torch.nn.utils.parametrizations.weight_norm(emb, "weight"),
+    "spectral_norm": lambda emb: torch.nn.utils.parametrizations.spectral_norm(emb, "weight"),
+    "prune": lambda emb: prune.random_unstructured(emb, "weight", amount=0.3),
+}
+
+#: Those that set the weight (to itself) before the deletion refused: ``register_parametrization``
+#: and what is built on it without a right inverse returning several tensors (weight_norm's does).
+SETS_THE_WEIGHT_FIRST = {"register_parametrization", "spectral_norm"}
+
+
+def _lazy_pair(rng, cache_rows=0, sharded=False):
+    offloaded, reference = pair(rng, cache_rows=cache_rows, sharded=sharded)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    return offloaded, reference, opt, ref_opt
+
+
+@pytest.mark.parametrize("sharded, cache_rows", [(False, 0), (False, 40), (True, 0)],
+                         ids=["offloaded", "offloaded_cached", "sharded_one_rank"])
+@pytest.mark.parametrize("how", list(REPLACEMENTS))
+def test_replacing_or_reparametrizing_the_weight_is_refused_before_the_module_changes(rng, how, sharded,
+                                                                                   cache_rows):
+    """``emb.weight = nn.Parameter(vectors)`` (before or after attach) left the table as it was and trained
+    the old weight's rows: silently not what the same model in memory trains (a table started from
+    ``vectors``); a parametrization (``weight_norm`` gave NaN rows), pruning or ``del emb.weight`` trained
+    wrongly or failed deep inside (``AttributeError: 'NoneType' object has no attribute 'is_sparse'``).
+    Each is refused with ``OptionError`` before the module changes (but for the write of the weight onto
+    itself that ``register_parametrization`` makes first, which the next training forward refuses once, as
+    any write into the scratch between steps), and training goes on as in memory."""
+    offloaded, reference, opt, ref_opt = _lazy_pair(rng, cache_rows, sharded)
+    emb = offloaded.emb
+    weight, names = emb.weight, [name for name, _ in offloaded.named_parameters()]
+    batches = zipf_ids(rng, STEPS)
+    for step, (ids, target) in enumerate(batches):
+        if step == STEPS // 2:
+            table = emb.table.to_numpy(copy=True)
+            with pytest.raises(ss.OptionError, match="emb.table.scatter"):
+                REPLACEMENTS[how](emb)
+            assert emb.weight is weight and type(emb) in (ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding)
+            assert [name for name, _ in offloaded.named_parameters()] == names
+            assert not emb._forward_pre_hooks  # pruning's hook, had it gone that far
+            np.testing.assert_array_equal(emb.table.to_numpy(), table)
+            if how in SETS_THE_WEIGHT_FIRST:
+                with pytest.raises(ss.StateError, match="register_parametrization"):
+                    offloaded(ids)
+        train_step(offloaded, opt, ids, target)
+        train_step(reference, ref_opt, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["offloaded", "sharded_one_rank"])
+def test_a_weight_taken_out_behind_the_modules_back_is_refused_at_the_next_forward(rng, sharded):
+    """The deprecated ``torch.nn.utils.weight_norm`` deletes ``_parameters['weight']`` itself before it
+    sets the computed weight: refused at that assignment, and again at every forward and step, with no
+    row changed (before, the embedding trained the scratch and left the table as it was, silently)."""
+    offloaded, _, opt, _ = _lazy_pair(rng, sharded=sharded)
+    (ids, target), = zipf_ids(rng, 1)
+    table = offloaded.emb.table.to_numpy(copy=True)
+    with pytest.raises(ss.OptionError, match="rebuild the embedding"):
+        _old_weight_norm(offloaded.emb)
+    for _ in range(2):
+        with pytest.raises(ss.OptionError, match="rebuild the embedding"):
+            offloaded(ids)
+    with pytest.raises(ss.OptionError, match="rebuild the embedding"):
+        opt.step()
+    np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval", "no_grad"])
+def test_functional_call_with_another_weight_is_refused_and_with_the_models_own_trains_as_in_memory(rng, mode):
+    """``torch.func.functional_call(model, {"emb.weight": other}, ids)`` returned rows of ``other`` by
+    working-set slot (in memory: ``other[ids]``), or in eval mode the table's rows: silently another
+    output. Refused, nothing changed; with the model's own parameters it trains as the model does."""
+    offloaded, reference, opt, ref_opt = _lazy_pair(rng)
+    other = torch.randn_like(offloaded.emb.weight)
+    for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
+        if step == STEPS // 2:
+            offloaded.train(mode == "train")
+            with torch.set_grad_enabled(mode != "no_grad"), pytest.raises(ss.OptionError, match="functional_call"):
+                torch.func.functional_call(offloaded, {"emb.weight": other}, (ids,))
+            offloaded.train()
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            out = torch.func.functional_call(model, dict(model.named_parameters()), (ids,))
+            torch.nn.functional.mse_loss(out, target).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("flag", ["overwrite", "swap"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["offloaded", "sharded_one_rank"])
+def test_a_conversion_under_torchs_future_flags_that_replace_parameters_is_refused(rng, flag, sharded):
+    """With ``torch.__future__.set_overwrite_module_params_on_conversion(True)``, ``model.to("cpu")`` of
+    a model on the CPU gave the weight a new ``Parameter`` that neither the embedding's hooks nor the
+    attached optimizer hold; with ``set_swap_module_params_on_conversion(True)`` it failed
+    inside torch (``RuntimeError: _apply(): Couldn't swap OffloadedEmbedding.weight``). Refused with
+    ``OptionError`` before any module converts; with the flag back off the conversion goes through and
+    training goes on as in memory."""
+    offloaded, reference, opt, ref_opt = _lazy_pair(rng, sharded=sharded)
+    setter = getattr(torch.__future__, f"set_{flag}_module_params_on_conversion")
+    lin_weight = offloaded.lin.weight
+    for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
+        if step == STEPS // 2:
+            setter(True)
+            try:
+                with pytest.raises(ss.OptionError, match=f"set_{flag}_module_params_on_conversion"):
+                    offloaded.to("cpu")
+            finally:
+                setter(False)
+            assert offloaded.lin.weight is lin_weight  # nothing converted (under the flag a new Parameter)
+            offloaded.to("cpu")
+        train_step(offloaded, opt, ids, target)
+        train_step(reference, ref_opt, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
