@@ -155,3 +155,39 @@ def test_a_conversion_under_torchs_future_flags_that_replace_parameters_is_refus
         train_step(offloaded, opt, ids, target)
         train_step(reference, ref_opt, ids, target)
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+#: ``weight.data = tensor`` between steps, as torch's own utilities and hand-written loops make it.
+DATA_ASSIGNMENTS = {
+    "scaled": lambda model: setattr(model.emb.weight, "data", model.emb.weight.data * 1.5),
+    "vector_to_parameters": lambda model: torch.nn.utils.vector_to_parameters(
+        torch.nn.utils.parameters_to_vector(model.emb.parameters()) + 1, model.emb.parameters()),
+}
+
+
+@pytest.mark.parametrize("sharded, cache_rows", [(False, 0), (False, 40), (True, 0)],
+                         ids=["offloaded", "offloaded_cached", "sharded_one_rank"])
+@pytest.mark.parametrize("how", list(DATA_ASSIGNMENTS))
+@pytest.mark.parametrize("read_table", [False, True], ids=["", "table_read_before_the_forward"])
+def test_other_values_assigned_to_weight_data_between_steps_are_refused_once(rng, how, sharded, cache_rows,
+                                                                             read_table):
+    """``emb.weight.data = tensor`` between steps (``vector_to_parameters``) put values in slots that name
+    no row: the next forward pointed the weight back at its scratch and the values were lost, silently (in
+    memory they replace the table's rows). Refused once at the next training forward, with nothing
+    changed; the same values again (``weight.data = weight.data.clone()``) go through. Training goes on as
+    the in-memory model that was not assigned anything."""
+    offloaded, reference, opt, ref_opt = _lazy_pair(rng, cache_rows, sharded)
+    for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
+        if step == STEPS // 2:
+            table = offloaded.emb.table.to_numpy(copy=True)
+            DATA_ASSIGNMENTS[how](offloaded)
+            if read_table:  # with a cache, a read of the table brings the weight its scratch back first
+                offloaded.emb.table.to_numpy()
+            with pytest.raises(ss.StateError, match=r"weight.data = tensor between steps"):
+                offloaded(ids)
+            np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table)
+        if step == STEPS // 2 + 1:
+            offloaded.emb.weight.data = offloaded.emb.weight.data.clone()
+        train_step(offloaded, opt, ids, target)
+        train_step(reference, ref_opt, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)

@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import OptionError, StateError
 
-__all__ = ["RefusesConversion", "guard_conversions", "guard_parameter", "refuse_conversion",
+__all__ = ["RefusesConversion", "gives_new_storage", "guard_conversions", "guard_parameter", "refuse_conversion",
            "refuse_new_gradient_storage", "refuse_new_parameter", "refuse_new_storage"]
 
 #: ``checked``: ``(fn, ids of the modules checked for it)`` on a thread while a checked
@@ -303,7 +303,7 @@ def refuse_new_storage(kind: str, fn, weight: torch.Tensor, until: str) -> None:
         StateError: ``fn`` returns another tensor than the one it is given;
             called before anything converts, so the model is as it was.
     """
-    if _gives_new_storage(fn, weight):
+    if gives_new_storage(fn, weight):
         raise StateError(f"this {kind} holds the rows of a step in progress, and this conversion gives "
                          f"its weight new storage (to_empty() leaves it uninitialised): {until} would "
                          f"write that memory back to the table as the step's rows. Nothing was "
@@ -328,7 +328,7 @@ def refuse_new_gradient_storage(kind: str, fn, weight: torch.Tensor) -> None:
         StateError: ``weight`` holds a gradient and ``fn`` returns another
             tensor than the one it is given; called before anything converts.
     """
-    if weight.grad is not None and _gives_new_storage(fn, weight):
+    if weight.grad is not None and gives_new_storage(fn, weight):
         raise StateError(f"this {kind}'s weight holds a gradient (the zeros zero_grad(set_to_none=False) "
                          f"leaves), and this conversion gives it new storage (to_empty() leaves it "
                          f"uninitialised), to which the next backward would add: the step would train "
@@ -336,7 +336,7 @@ def refuse_new_gradient_storage(kind: str, fn, weight: torch.Tensor) -> None:
                          f"(set_to_none=True, the default) first")
 
 
-def _gives_new_storage(fn, weight: torch.Tensor) -> bool:
+def gives_new_storage(fn, weight: torch.Tensor) -> bool:
     """Whether the conversion ``fn`` returns another tensor than a tensor like ``weight`` it is given."""
     probe = torch.zeros(1, dtype=weight.dtype, device=weight.device)
     return fn(probe) is not probe

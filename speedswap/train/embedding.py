@@ -27,7 +27,7 @@ from ..errors import (CapacityError, DTypeError, FileFormatError, IdError, Optio
 from ..table import HostTable
 from .caching import idle_stats, new_cache, resetting_state, rewriting
 from .checkpoint import checkpoint_kind, file_in, load_tables, save_tables
-from .conversions import (RefusesConversion, refuse_conversion, refuse_new_gradient_storage,
+from .conversions import (RefusesConversion, gives_new_storage, refuse_conversion, refuse_new_gradient_storage,
                           refuse_new_parameter, refuse_new_storage)
 from .leftover import untouched
 from .module_state import (check_tables_state, checked_scalar_state, copy_tables, missing_hint, note_loaded,
@@ -364,6 +364,8 @@ class OffloadedEmbedding(RefusesConversion):
         if self._step_in_flight():
             refuse_new_storage(type(self).__name__, fn, self.weight, "optimizer.step()")
         refuse_new_gradient_storage(type(self).__name__, fn, self.weight)
+        if gives_new_storage(fn, self.weight):
+            self._scratch_writes.note_conversion()  # to_empty(): its memory is no write of the user's
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, max_rows={self.max_rows}, "
@@ -807,12 +809,16 @@ class OffloadedEmbedding(RefusesConversion):
         train them, and the working set's own storage is what the table and
         the next forwards read. Only the slots the working set had when
         ``weight.data`` was last seen to be its own are taken: rows that
-        joined later cannot be in the assigned copy.
+        joined later cannot be in the assigned copy. Between steps the slots
+        hold no row: other values assigned are refused at the next training
+        forward (:meth:`ScratchWrites.take_back`).
 
         Raises:
             StateError: the new data is not shaped, typed and placed as
                 :attr:`weight` (nothing changes).
         """
+        if not self._working_set.size:  # values assigned between steps reach no row: refused, not taken
+            self._scratch_writes.take_back(self.weight, self._full)
         if take_assigned(self._full, self.weight.data, self._seen_rows, _refused_data):
             self.weight.data = self._full
         else:

@@ -23,6 +23,7 @@ import torch
 from ..errors import DTypeError, FileFormatError, OptionError, PathError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
+from .scratch_writes import same_memory
 
 __all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep", "EmptySparseGradient",
            "drop_leftover_state", "refuse_unasked_restart", "check_state_files",
@@ -235,7 +236,7 @@ def take_assigned(own, data, rows, refusal) -> bool:
         StateError: ``data`` is not shaped, typed and placed as ``own``.
             Nothing changes.
     """
-    if (data.data_ptr(), data.shape, data.stride()) == (own.data_ptr(), own.shape, own.stride()):
+    if same_memory(data, own):
         return False
     if (data.shape, data.dtype, data.device) != (own.shape, own.dtype, own.device):
         raise StateError(refusal(data, own))

@@ -6,14 +6,15 @@ working set of a step's rows) or of a :class:`~speedswap.ShardedOffloadedEmbeddi
 An initialiser over ``model.parameters()`` (``nn.init.normal_(emb.weight)``), a
 ``copy_`` into it, or ``emb.weight.data.uniform_(-a, a)`` in a model's
 ``__init__`` (word2vec's usual initialisation in PyTorch code) changes nothing the
-model trains on: training would start from the table's rows, silently.
+model trains on: training would start from the table's rows, silently. So does
+``weight.data = tensor`` between steps (``torch.nn.utils.vector_to_parameters``).
 """
 
 import torch
 
 from ..errors import StateError
 
-__all__ = ["ScratchWrites"]
+__all__ = ["ScratchWrites", "same_memory"]
 
 
 class ScratchWrites:
@@ -24,6 +25,10 @@ class ScratchWrites:
     the next training forward that begins a step. A write through
     ``weight.data`` keeps the version; until the first attach the scratch still
     holds the zeros it was built with, so a value other than zero is one.
+    ``weight.data = tensor`` between steps is another tensor than the scratch:
+    the embedding gives the weight its scratch back (:meth:`take_back`),
+    noting a write if the values differ, unless a conversion made it
+    (``to_empty()``, whose memory is uninitialised: :meth:`note_conversion`).
 
     Args:
         weight: the embedding's weight, as built.
@@ -33,6 +38,8 @@ class ScratchWrites:
         self._version = weight._version  # as of the embedding's last write of its own
         self._clean = False  # whether no write was pending when the open own write began (begin_own)
         self._before_attach = True
+        self._replaced = False  # whether take_back found other values assigned through weight.data
+        self._converting = False  # whether a conversion giving weight new storage was let through since
 
     def note_own(self, weight: torch.Tensor) -> None:
         """Take ``weight``'s version now as the embedding's own write (the optimizer's, in a step)."""
@@ -54,14 +61,47 @@ class ScratchWrites:
             self._version = weight._version
         self._clean = False
 
+    def note_conversion(self) -> None:
+        """Note that a conversion (``to_empty()``) is about to give ``weight`` other storage: no write of the user's."""
+        self._converting = True
+
+    def take_back(self, weight: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Between steps, point ``weight.data`` back at ``scratch`` if it was replaced by a tensor like it.
+
+        A replacement holding other values than ``scratch`` is a write that
+        reaches no row, refused at the next training forward
+        (:meth:`refuse_written`); one a conversion made is not. Costs a
+        comparison of the two (on a GPU, one host wait), only when
+        ``weight.data`` was replaced.
+
+        Args:
+            weight: the embedding's weight.
+            scratch: the memory its slots live in (``weight.data`` as built).
+        """
+        converting, self._converting = self._converting, False
+        data = weight.data
+        if same_memory(data, scratch) or (data.shape, data.dtype, data.device) != \
+                (scratch.shape, scratch.dtype, scratch.device):
+            return  # an unlike tensor is the step's to refuse (it cannot hold the step's rows)
+        with torch.no_grad():
+            # NaN rows stay NaN in a clone (the scratch keeps rows of earlier steps).
+            equal = bool(((data == scratch) | (data.isnan() & scratch.isnan())).all())
+        self._replaced |= not (converting or equal)
+        weight.data = scratch
+
     def refuse_written(self, weight: torch.Tensor) -> None:
         """Refuse a step's first training forward after a write into ``weight`` since the embedding's own.
 
         Said once: the next forward goes on.
 
         Raises:
-            StateError: ``weight`` was written in place; nothing changes.
+            StateError: ``weight`` was written in place, or :meth:`take_back` found other values
+                assigned to ``weight.data``; nothing changes.
         """
+        if self._replaced:
+            self._replaced = False
+            raise _written("through weight.data = tensor between steps (torch.nn.utils.vector_to_parameters, "
+                           "a hand-written update)")
         if weight._version != self._version:
             self._version = weight._version
             # A refused register_parametrization (spectral_norm...) is one too: torch sets the weight to its
@@ -87,6 +127,11 @@ class ScratchWrites:
             if bool(scratch.any()):
                 raise _written("through weight.data before attach (emb.weight.data.uniform_(-a, a), "
                                "the usual word2vec initialisation)")
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same memory, shape and strides (``a`` may be another tensor object)."""
+    return (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
 
 
 def _written(how: str) -> StateError:

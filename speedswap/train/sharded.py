@@ -43,7 +43,8 @@ from ..convert import Ids, as_row_ids, as_row_ids_deferred, bool_option, int_opt
 from ..errors import FileFormatError, OptionError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
-from .conversions import RefusesConversion, refuse_conversion, refuse_new_parameter, refuse_new_storage
+from .conversions import (RefusesConversion, gives_new_storage, refuse_conversion, refuse_new_parameter,
+                          refuse_new_storage)
 from .exchange import (BUILD, EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABLE, SAVE, STEP, TRAIN_FORWARD,
                        Exchange, count_by_owner, owner_starts, owners, row_bounds, run_everywhere)
 from .module_state import check_tables_state, checked_scalar_state, copy_tables, tables_state, unpicklable
@@ -543,6 +544,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         refuse_new_parameter(type(self).__name__)
         if not self.table.closed and self._step_in_flight():
             refuse_new_storage(type(self).__name__, fn, self.weight, "optimizer.step()")
+        if gives_new_storage(fn, self.weight):
+            self._scratch_writes.note_conversion()  # to_empty(): its memory is no write of the user's
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """Save this rank's shard as ``<prefix>_extra_state`` alone: :attr:`weight` is scratch."""
@@ -801,7 +804,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             if self._forwards == 0:
                 # weight is scratch between steps, and to_empty() (or weight.data = ...) may have
                 # given it other storage since: the step trains weight.data, and the rows are
-                # gathered into, and written back from, _full.
+                # gathered into, and written back from, _full. Other values assigned are refused below.
+                self._scratch_writes.take_back(self.weight, self._full)
                 self.weight.data = self._full
         # Whoever fails, every rank raises with the step as it was before this forward: the working
         # sets replace their tensors rather than write into them (see WorkingSet.add), so these restore them.
