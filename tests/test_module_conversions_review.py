@@ -39,6 +39,7 @@ REPLACEMENTS = {
     "assign_a_scratch_like_parameter": lambda emb: setattr(
         emb, "weight", torch.nn.Parameter(torch.randn_like(emb.weight))),
     "delete": lambda emb: delattr(emb, "weight"),
+    "register_parameter": lambda emb: emb.register_parameter("weight", None),
     "register_parametrization": lambda emb: parametrize.register_parametrization(emb, "weight", _Doubled()),
     "weight_norm": lambda emb: torch.nn.utils.parametrizations.weight_norm(emb, "weight"),
     "spectral_norm": lambda emb: torch.nn.utils.parametrizations.spectral_norm(emb, "weight"),

@@ -103,12 +103,17 @@ class RefusesConversion(torch.nn.Module):
         super().__delattr__(name)
 
     def register_parameter(self, name: str, param) -> None:
-        """As ``nn.Module``'s, refusing the built ``weight`` under another name (pruning moves it to ``weight_orig``).
+        """As ``nn.Module``'s, refusing another ``weight`` or the built one under another name.
 
         Raises:
-            OptionError: ``param`` is the built weight and ``name`` is not ``"weight"``; nothing changes.
+            OptionError: ``name`` is ``"weight"`` and ``param`` is not the built weight, or
+                ``param`` is the built weight under another name (pruning moves it to
+                ``weight_orig``); nothing changes.
         """
-        if name != "weight" and param is not None and param is vars(self).get("_built_weight"):
+        built = vars(self).get("_built_weight")
+        if built is not None and name == "weight" and param is not built:
+            raise _replacing_weight(type(self).__name__, "registering another emb.weight")
+        if built is not None and name != "weight" and param is built:
             raise _replacing_weight(type(self).__name__, f"registering emb.weight as {name!r} (as "
                                                          f"torch.nn.utils.prune does)")
         super().register_parameter(name, param)
