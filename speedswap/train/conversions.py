@@ -1,4 +1,4 @@
-"""``nn.Module``'s dtype and device conversions, which an offloaded embedding refuses before any converts.
+"""``nn.Module``'s conversions and weight replacements, which an offloaded embedding refuses before any happens.
 
 ``model.double()``, ``.half()``, ``.to(device)``, ``.cuda()`` give each
 parameter new storage. An offloaded embedding's :attr:`weight` is only the
@@ -16,6 +16,11 @@ before them. So the first embedding built wraps ``nn.Module._apply`` once
 (:func:`guard_conversions`) to check the whole tree it is called on before
 it delegates to torch's own: a refused conversion leaves every module as it
 was. For a tree with no offloaded embedding the wrapper only walks it.
+
+The same goes for what replaces the weight itself (``emb.weight = ...``, a
+parametrization, pruning, ``torch.__future__``'s flags that make conversions
+replace parameters): :class:`RefusesConversion` keeps the parameter it was
+built with.
 
 A SpeedTorch-style switcher trains a plain ``nn.Embedding`` of the model
 whose rows it fills from its host tables: no module of the tree stands for
@@ -342,6 +347,15 @@ def refuse_new_gradient_storage(kind: str, fn, weight: torch.Tensor) -> None:
 
 
 def gives_new_storage(fn, weight: torch.Tensor) -> bool:
-    """Whether the conversion ``fn`` returns another tensor than a tensor like ``weight`` it is given."""
+    """Whether the conversion ``fn`` returns another tensor than a tensor like ``weight`` it is given.
+
+    Args:
+        fn: the conversion ``nn.Module._apply`` applies to each tensor.
+        weight: the parameter it would convert (only its dtype and device are used).
+
+    Returns:
+        True for a conversion that gives ``weight`` other storage (``to_empty()``), False
+        for one that keeps it (``.to(its device)``, ``.float()`` of a float32 one).
+    """
     probe = torch.zeros(1, dtype=weight.dtype, device=weight.device)
     return fn(probe) is not probe
