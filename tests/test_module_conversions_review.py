@@ -7,6 +7,9 @@ or raises a ``SpeedswapError`` before anything changed, after which training
 goes on as in memory.
 """
 
+import multiprocessing
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -189,6 +192,53 @@ def test_other_values_assigned_to_weight_data_between_steps_are_refused_once(rng
             np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table)
         if step == STEPS // 2 + 1:
             offloaded.emb.weight.data = offloaded.emb.weight.data.clone()
+        train_step(offloaded, opt, ids, target)
+        train_step(reference, ref_opt, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+def _train_in_a_forked_process(model, opt, batch):
+    """Exit 0 if a training forward and step ran, 3 if the forward raised StateError (nothing changed), 4 else."""
+    ids, target = batch
+    try:
+        train_step(model, opt, ids, target)
+    except ss.StateError:
+        os._exit(3)
+    except BaseException:
+        os._exit(4)
+    os._exit(0)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forks the test process")
+@pytest.mark.parametrize("case", ["share_memory", "mmap", "private_copy"])
+def test_training_in_a_forked_process_a_table_shared_with_the_parent_is_refused(rng, tmp_path, case):
+    """``model.share_memory()`` then training in forked ``torch.multiprocessing`` workers (Hogwild): in
+    memory the children train the parent's table; the offloaded children trained copy-on-write copies
+    of its host memory and the parent's table never moved, silently (with mmap storage they wrote the
+    shared files through working sets of their own). Refused in the child before anything changes;
+    a child training its own copy (no ``share_memory()``, in memory as offloaded) still may. The parent
+    trains on as in memory."""
+    offloaded, reference, opt, ref_opt = _lazy_pair(rng)
+    if case == "mmap":
+        table0 = offloaded.emb.table.to_numpy(copy=True)
+        emb = ss.OffloadedEmbedding(ROWS, table0.shape[1], max_rows=offloaded.emb.max_rows, storage="mmap",
+                                    path=tmp_path, backend="numpy")
+        emb.table.scatter(torch.arange(ROWS), torch.from_numpy(table0))
+        offloaded.emb = emb
+        opt = torch.optim.Adam(offloaded.parameters(), lr=0.05)
+        emb.attach(opt)
+    batches = zipf_ids(rng, STEPS)
+    for step, (ids, target) in enumerate(batches):
+        if step == STEPS // 2:
+            if case == "share_memory":
+                offloaded.share_memory()
+            table = offloaded.emb.table.to_numpy(copy=True)
+            child = multiprocessing.get_context("fork").Process(
+                target=_train_in_a_forked_process, args=(offloaded, opt, batches[0]))
+            child.start()
+            child.join()
+            assert child.exitcode == (0 if case == "private_copy" else 3)
+            np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table)
         train_step(offloaded, opt, ids, target)
         train_step(reference, ref_opt, ids, target)
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)

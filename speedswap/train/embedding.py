@@ -33,6 +33,7 @@ from .leftover import untouched
 from .module_state import (check_tables_state, checked_scalar_state, copy_tables, missing_hint, note_loaded,
                            refused_after, tables_state, unpicklable)
 from .one_optimizer import claim
+from .one_process import OneProcess
 from .one_thread import OneThread, one_thread
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
@@ -168,6 +169,7 @@ class OffloadedEmbedding(RefusesConversion):
         pretrained = vars(self).pop("_pretrained", False)
         super().__init__()
         self._one_thread = OneThread("this OffloadedEmbedding")
+        self._one_process = OneProcess("this OffloadedEmbedding")
         refuse_other_arguments(type(self).__name__, OffloadedEmbedding.__init__, positional, others, {
             "_weight": "start the table from those rows with OffloadedEmbedding.from_pretrained(weight, "
                        "freeze=False, max_rows=...)",
@@ -419,7 +421,8 @@ class OffloadedEmbedding(RefusesConversion):
                 ``optimizer`` attached already and trained since, without ``restart=True``;
                 at the first attach, a write into :attr:`weight` through ``weight.data``
                 since it was built (``emb.weight.data.uniform_(-a, a)``), which reached no row
-                (said once: the next attach goes on).
+                (said once: the next attach goes on); in a process forked from the one that built
+                it, a table the two share (see :mod:`~speedswap.train.one_process`).
             OutOfMemoryError: the new state tables or the device cache do not
                 fit. Nothing changes: the new state is made before the old one
                 is released (attaching again needs room for both for a moment),
@@ -430,6 +433,7 @@ class OffloadedEmbedding(RefusesConversion):
                 succeeds; the table is intact).
         """
         self._check_open()
+        self._one_process.refuse_shared_training(self.weight, self._storage == "mmap")
         if self._step_in_flight():
             raise StateError("attach between a training forward and optimizer.step() would drop "
                              "the step's rows; attach between steps")
@@ -531,7 +535,9 @@ class OffloadedEmbedding(RefusesConversion):
                 ``input`` and ``ids``, or neither (DTypeError); ``offsets`` or
                 ``per_sample_weights``, by position or keyword (DTypeError).
             CapacityError: the step touches more than ``max_rows`` distinct rows.
-            StateError: training before :meth:`attach`.
+            StateError: training before :meth:`attach`; training, in a process forked from
+                the one that built it, a table the two share (after ``model.share_memory()``,
+                or in mmap files: see :mod:`~speedswap.train.one_process`).
             OptionError: a training forward inside ``DistributedDataParallel``
                 that averages :attr:`weight`'s gradient (see :func:`_refuse_ddp`);
                 under a ``torch.func`` transform, a training forward, or one of
@@ -556,6 +562,7 @@ class OffloadedEmbedding(RefusesConversion):
                 flat, shape, check_bounds = as_row_ids_deferred(ids, self.num_embeddings, weight.device)
                 rows = self._cache.read(flat, counted=True, check_bounds=check_bounds)
                 return rows.view(*shape, self.embedding_dim).to(weight.dtype)
+        self._one_process.refuse_shared_training(weight, self._storage == "mmap")
         _refuse_ddp(weight)
         local = self._add_rows(ids)
         # Slots name rows one to one, so counting them counts the ids (scale_grad_by_freq).
