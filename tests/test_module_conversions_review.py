@@ -242,3 +242,20 @@ def test_training_in_a_forked_process_a_table_shared_with_the_parent_is_refused(
         train_step(offloaded, opt, ids, target)
         train_step(reference, ref_opt, ids, target)
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+def test_a_weight_average_of_the_model_is_refused_saying_what_to_average_instead(rng):
+    """``AveragedModel(model)`` deep-copies the model, which an offloaded embedding refuses: the message
+    said to build another model for a copy, not what to average instead. Averaging the dense layers
+    alone trains as in memory."""
+    offloaded, reference, opt, ref_opt = _lazy_pair(rng)
+    with pytest.raises(ss.StateError, match=r"AveragedModel\(model.head\)"):
+        torch.optim.swa_utils.AveragedModel(offloaded)
+    averages = [torch.optim.swa_utils.AveragedModel(model.lin) for model in (offloaded, reference)]
+    for ids, target in zipf_ids(rng, STEPS):
+        for model, optimizer, average in zip((offloaded, reference), (opt, ref_opt), averages):
+            train_step(model, optimizer, ids, target)
+            average.update_parameters(model.lin)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+    for mine, ref in zip(*(average.parameters() for average in averages)):
+        np.testing.assert_allclose(mine.detach().numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)

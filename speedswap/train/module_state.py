@@ -373,9 +373,11 @@ def unpicklable(kind: str) -> StateError:
     return StateError(f"{kind} cannot be pickled or deep-copied: its table and optimizer state "
                       f"live in host memory (or files) that the module only points to. Checkpoint "
                       f"with torch.save(model.state_dict()), which holds them, or emb.save(path); "
-                      f"for a copy, build another model and load_state_dict() into it. If this came from "
-                      f"torch.save(model, path), torch had opened path first and left it truncated: a "
-                      f"checkpoint kept there is lost")
+                      f"for a copy, build another model and load_state_dict() into it. A weight average "
+                      f"(torch.optim.swa_utils.AveragedModel, an EMA copy) deep-copies the model: average "
+                      f"the other modules alone (AveragedModel(model.head)), not the table. If this came "
+                      f"from torch.save(model, path), torch had opened path first and left it truncated: "
+                      f"a checkpoint kept there is lost")
 
 
 def rows_only(state_dict):
