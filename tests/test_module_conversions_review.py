@@ -166,6 +166,8 @@ DATA_ASSIGNMENTS = {
     "scaled": lambda model: setattr(model.emb.weight, "data", model.emb.weight.data * 1.5),
     "vector_to_parameters": lambda model: torch.nn.utils.vector_to_parameters(
         torch.nn.utils.parameters_to_vector(model.emb.parameters()) + 1, model.emb.parameters()),
+    # to_empty()'s own new storage goes through; the values assigned before it are still refused.
+    "scaled_then_to_empty": lambda model: (DATA_ASSIGNMENTS["scaled"](model), model.emb.to_empty(device="cpu")),
 }
 
 

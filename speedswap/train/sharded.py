@@ -545,6 +545,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         if not self.table.closed and self._step_in_flight():
             refuse_new_storage(type(self).__name__, fn, self.weight, "optimizer.step()")
         if gives_new_storage(fn, self.weight):
+            self._scratch_writes.take_back(self.weight, self._full)  # weight.data = ... before it: the user's
             self._scratch_writes.note_conversion()  # to_empty(): its memory is no write of the user's
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
