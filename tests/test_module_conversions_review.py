@@ -212,15 +212,17 @@ def _train_in_a_forked_process(model, opt, batch):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="forks the test process")
-@pytest.mark.parametrize("case", ["share_memory", "mmap", "private_copy"])
-def test_training_in_a_forked_process_a_table_shared_with_the_parent_is_refused(rng, tmp_path, case):
+@pytest.mark.parametrize("sharded, case", [(False, "share_memory"), (False, "mmap"), (False, "private_copy"),
+                                           (True, "share_memory"), (True, "private_copy")],
+                         ids=lambda value: {False: "offloaded", True: "sharded_one_rank"}.get(value, value))
+def test_training_in_a_forked_process_a_table_shared_with_the_parent_is_refused(rng, tmp_path, sharded, case):
     """``model.share_memory()`` then training in forked ``torch.multiprocessing`` workers (Hogwild): in
     memory the children train the parent's table; the offloaded children trained copy-on-write copies
     of its host memory and the parent's table never moved, silently (with mmap storage they wrote the
     shared files through working sets of their own). Refused in the child before anything changes;
     a child training its own copy (no ``share_memory()``, in memory as offloaded) still may. The parent
     trains on as in memory."""
-    offloaded, reference, opt, ref_opt = _lazy_pair(rng)
+    offloaded, reference, opt, ref_opt = _lazy_pair(rng, sharded=sharded)
     if case == "mmap":
         table0 = offloaded.emb.table.to_numpy(copy=True)
         emb = ss.OffloadedEmbedding(ROWS, table0.shape[1], max_rows=offloaded.emb.max_rows, storage="mmap",

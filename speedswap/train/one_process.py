@@ -75,4 +75,4 @@ class OneProcess:
             f"shared table, but this one lives in host memory of process {self._pid} that this process "
             f"holds only a copy-on-write copy of, so its training would never reach that table. Nothing "
             f"was changed: train the embedding in the process that built it (to split one table over "
-            f"several processes, use ShardedOffloadedEmbedding with torch.distributed)")
+            f"several processes, build a ShardedOffloadedEmbedding in each, under torch.distributed)")

@@ -49,6 +49,7 @@ from .exchange import (BUILD, EVAL_FORWARD, EXCHANGE, GRAD_NORM, LOAD, LOAD_TABL
                        Exchange, count_by_owner, owner_starts, owners, row_bounds, run_everywhere)
 from .module_state import check_tables_state, checked_scalar_state, copy_tables, tables_state, unpicklable
 from .one_optimizer import claim
+from .one_process import OneProcess
 from .one_thread import OneThread, one_thread
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
@@ -227,6 +228,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # Each call claims it, and a step holds it from its first training forward (a step without
         # one from its pre-hook) until the step ends (see _new_step and _begin_step): another
         # thread's call in between would drop the step, or undo it.
+        self._one_process = OneProcess("this ShardedOffloadedEmbedding")
         self._one_thread = OneThread(
             "this ShardedOffloadedEmbedding",
             span="between a training forward and the optimizer.step() (or discard_step()) that ends "
@@ -685,7 +687,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 replace exists and this embedding did not create it. Nothing
                 changes: the optimizer attached before stays.
             StateError: between a training forward and the step; ``optimizer``
-                attached already and trained since, without ``restart=True``.
+                attached already and trained since, without ``restart=True``; in a
+                process forked from the one that built it, a shard the two share
+                (see :mod:`~speedswap.train.one_process`).
             OutOfMemoryError: the new state tables do not fit. Nothing changes:
                 the new state is made before the old one is released, so the
                 optimizer attached before stays, with its state (with
@@ -693,6 +697,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 old state is closed first, and a failure leaves it detached).
         """
         self._check_between_steps("attach")
+        self._one_process.refuse_shared_training(self.weight, self._storage == "mmap")
         if not bool_option(restart, "restart", hint=" (start the attached optimizer's state afresh)"):
             refuse_unasked_restart(self._state, optimizer, type(self).__name__,
                                    trained=self._state_origin != _ATTACHED or self._steps_since > 0,
@@ -755,7 +760,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 ``input`` and ``ids``, or neither: DTypeError; ``offsets`` or
                 ``per_sample_weights``, by position or keyword: DTypeError).
             CapacityError: this rank looks up more than ``max_rows`` distinct rows in a step.
-            StateError: training before :meth:`attach`, an optimizer whose
+            StateError: training in a process forked from the one that built it a shard the
+                two share (see :mod:`~speedswap.train.one_process`; raised on this rank alone);
+                training before :meth:`attach`, an optimizer whose
                 state ``optimizer.load_state_dict()`` replaced without the
                 matching :meth:`load`, bad input on another rank, another call
                 (a step, a save) on another rank, or ranks whose embeddings or
@@ -793,6 +800,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self.refuse_replaced_weight(self.weight)
         training = self.training and torch.is_grad_enabled()
         if training:
+            # A forked process sends no message its parent's ranks would match: raised here alone.
+            self._one_process.refuse_shared_training(self.weight, self._storage == "mmap")
             self._abort_step()
             # Activation checkpointing runs the forward again inside the backward, on every rank
             # alike, after any zero_grad() since its first run, whose rows are in the step: dropping
