@@ -19,7 +19,8 @@ import torch.nn.utils.prune as prune
 from torch.nn.utils import parametrize
 
 import speedswap as ss
-from test_training_flows import ROWS, STEPS, assert_equal_to_reference, make_lazy, pair, train_step, zipf_ids
+from test_training_flows import (ROWS, STEPS, assert_equal_to_reference, backward, make_lazy, pair, switchers,
+                                 train_step, zipf_ids)
 
 
 class _Doubled(torch.nn.Module):
@@ -263,3 +264,49 @@ def test_a_weight_average_of_the_model_is_refused_saying_what_to_average_instead
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
     for mine, ref in zip(*(average.parameters() for average in averages)):
         np.testing.assert_allclose(mine.detach().numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+def _switch_step(model, opt, u, o, ids, target):
+    u.before_forward(ids)
+    backward(model, o.before_forward(ids), target)
+    opt.step()
+    u.after_step(ids)
+    o.after_step(ids)
+    opt.zero_grad()
+
+
+def _switch_in_a_forked_process(model, opt, u, o, batch):
+    """As :func:`_train_in_a_forked_process`, for a step of the SpeedTorch-style switchers."""
+    try:
+        _switch_step(model, opt, u, o, *batch)
+    except ss.StateError:
+        os._exit(3)
+    except BaseException:
+        os._exit(4)
+    os._exit(0)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forks the test process")
+def test_switchers_refuse_training_in_a_forked_process_after_share_memory(rng):
+    """The switchers' host tables are as private to a forked process as an OffloadedEmbedding's: after
+    ``model.share_memory()`` a child's steps trained its copies and the parent's table never moved,
+    silently. Refused in the child before anything changes; the parent trains on as a run that
+    never forked."""
+    seed = int(rng.integers(2**31))
+    model, opt, u, o = switchers(np.random.default_rng(seed))
+    alone, alone_opt, alone_u, alone_o = switchers(np.random.default_rng(seed))
+    alone.load_state_dict(model.state_dict())
+    batches = zipf_ids(rng, 6)
+    for step, (ids, target) in enumerate(batches):
+        if step == 3:
+            model.share_memory()
+            child = multiprocessing.get_context("fork").Process(
+                target=_switch_in_a_forked_process, args=(model, opt, u, o, batches[0]))
+            child.start()
+            child.join()
+            assert child.exitcode == 3
+        _switch_step(model, opt, u, o, ids, target)
+        _switch_step(alone, alone_opt, alone_u, alone_o, ids, target)
+    np.testing.assert_array_equal(u.getNumpyVersion(), alone_u.getNumpyVersion())
+    for name, table in o.state.tables.items():
+        np.testing.assert_array_equal(table.to_numpy(), alone_o.state.tables[name].to_numpy(), err_msg=name)

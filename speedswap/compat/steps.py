@@ -39,6 +39,7 @@ from ..train.caching import idle_stats, new_cache, rewriting
 from ..train.conversions import (guard_parameter, refuse_conversion, refuse_new_gradient_storage,
                                  refuse_new_storage)
 from ..train.leftover import untouched
+from ..train.one_process import OneProcess
 from ..train.one_thread import OneThread, one_thread
 from ..train.row_state import row_state_spec
 from ..train.step_hooks import closure_of
@@ -138,6 +139,8 @@ class SharedSteps:
         # Both switchers' calls claim it, and a step holds it from its first begin() until it is
         # no longer busy(): another thread's before_forward would clear the working set under
         # the step, and its reads would flush and refill the cache the step fetches from.
+        self._one_process = OneProcess("this embedding's pair of switchers (ModelFactory, OptimizerFactory)")
+        self._in_files = False  # whether a member's table or optimizer state is in mmap files (see join)
         self._one_thread = OneThread(
             "this embedding's pair of switchers (ModelFactory, OptimizerFactory)",
             span="between the beforeForwardPass (before_forward) that began a step and the last "
@@ -215,6 +218,9 @@ class SharedSteps:
         guard_parameter(self.param, self.check_conversion)
         _watch_optimizer_steps()
         member = self._members[kind] = _Member(switcher, tables, cache_rows)
+        state = getattr(tables, "tables", None)  # an OptimizerFactory's RowState: {name: HostTable}
+        # Kept once a member brought one: forked processes would share those files (see prepare).
+        self._in_files |= any(t.storage == "mmap" for t in (state.values() if state is not None else [tables]))
         self._rebuild()
         _STEPS[self.param] = weakref.ref(self)
         leave = weakref.finalize(switcher, self._leave, kind, member)
@@ -348,8 +354,11 @@ class SharedSteps:
             IdError, DTypeError, DeviceError: bad ids.
             CapacityError: more distinct rows than the parameter has.
             StateError: a step is in progress that ``kind`` cannot join (other
-                ids, or it ended its part already).
+                ids, or it ended its part already); in a process forked from the one
+                that built the switchers, tables the two share (after ``model.share_memory()``,
+                or in mmap files: see :mod:`~speedswap.train.one_process`).
         """
+        self._one_process.refuse_shared_training(self.param, self._in_files)
         self._undo_interrupted_step()
         flats, shapes, unsigned = self._as_tensors(pos, neg)
         self._watch_gradients()  # a parameter unfrozen since the switchers were built
