@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import speedswap as ss
-from speedswap.train.module_state import check_state_dict, rows_only
+from speedswap.train.module_state import check_state_dict, in_memory_state_dict, rows_only
 from test_training_flows import DIM, ROWS, LazyTable, Model, make_lazy, zipf_ids
 
 CAPACITY = 81
@@ -634,3 +634,37 @@ def test_a_torch_file_given_to_save_or_load_says_how_torch_files_are_read(suffix
     np.testing.assert_array_equal(model.emb.table.to_numpy(copy=True), table0)  # nothing loaded
     model.load_state_dict(torch.load(path))  # what the message says works
     np.testing.assert_array_equal(model.emb.table.to_numpy(copy=True), table0)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 30])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_offloaded_models_state_dict_loads_into_the_same_model_with_nn_embedding(rng, tmp_path, cache_rows,
+                                                                                   dtype):
+    """An offloaded model's state dict held the step's scratch as ``weight`` and the table in
+    ``_extra_state``: the same model built with ``nn.Embedding`` refused it (torch's size mismatch).
+    ``in_memory_state_dict`` makes the one it loads: after Adam steps on Zipf ids (cached rows not yet
+    written back among them), through torch.save and torch.load, it gives the trained model's outputs."""
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    model = offloaded("pageable", dtype, cache_rows, None, table0)
+    opt = make_adam(model.parameters())
+    model.emb.attach(opt)
+    for ids, target in zipf_ids(rng, N_STEPS):
+        step(model, opt, ids, target)
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    plain = Model(torch.nn.Embedding(ROWS, DIM), torch.nn.Linear(DIM, 1))  # float32: the rows computed with
+    plain.load_state_dict(in_memory_state_dict(torch.load(tmp_path / "model.pt")))
+    expected = snapshot(model)
+    np.testing.assert_array_equal(plain.emb.weight.detach().float().numpy(), expected["table"])
+    assert not np.allclose(expected["table"], table0, atol=1e-3)  # it trained
+    model.eval()
+    every = torch.arange(ROWS).view(-1, 2)
+    with torch.no_grad():
+        np.testing.assert_array_equal(plain(every).numpy(), model(every).numpy())
+
+
+def test_a_sharded_state_dict_is_refused_for_an_in_memory_model_saying_how_to_export(rng):
+    emb = ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy")
+    state = Model(emb, torch.nn.Linear(DIM, 1)).state_dict()
+    with pytest.raises(ss.OptionError, match="load_sharded"):
+        in_memory_state_dict(state)
+    assert "emb._extra_state" in state  # nothing changed in it

@@ -38,12 +38,13 @@ from typing import Optional
 
 import torch
 
-from ..errors import DTypeError, FileFormatError, ShapeError, SpeedswapError, StateError
+from ..errors import DTypeError, FileFormatError, OptionError, ShapeError, SpeedswapError, StateError
 from ..table import HostTable, loading_into
 
 __all__ = ["FORMAT", "VERSION", "SCALAR_STATE", "tables_state", "check_tables_state", "checked_scalar_state",
            "check_state_dict",
-           "copy_tables", "missing_hint", "note_loaded", "refused_after", "rows_only", "unpicklable"]
+           "copy_tables", "in_memory_state_dict", "missing_hint", "note_loaded", "refused_after", "rows_only",
+           "unpicklable"]
 
 FORMAT = "speedswap-module-state"
 VERSION = 1
@@ -394,6 +395,44 @@ def rows_only(state_dict):
             tables = value.get("tables") or {}
             out[key] = {**{k: v for k, v in value.items() if k != SCALAR_STATE}, "optimizer": "",
                         "tables": {k: v for k, v in tables.items() if k == "table"}}
+    return out
+
+
+def in_memory_state_dict(state_dict):
+    """A copy of ``state_dict`` that the same model with ``nn.Embedding`` in place of each ``OffloadedEmbedding`` loads.
+
+    For deployment or evaluation in memory: each embedding's ``weight`` (the
+    scratch of a step's rows) becomes its whole table, in the weight's dtype
+    (a table stored in bfloat16 as the float32 rows the embedding computes
+    with: a copy; otherwise shared, not copied), and its ``_extra_state``
+    (tables, optimizer state) goes.
+
+    >>> plain_model.load_state_dict(in_memory_state_dict(offloaded_model.state_dict()))  # doctest: +SKIP
+
+    Args:
+        state_dict: an offloaded model's ``state_dict()`` (or one ``torch.load`` read back).
+
+    Returns:
+        a new state dict, with the same ``_metadata``.
+
+    Raises:
+        OptionError: it holds a ``ShardedOffloadedEmbedding``'s state, one rank's
+            shard of the rows (nothing is made): export the whole table from a
+            sharded checkpoint with ``speedswap.load_sharded`` instead.
+    """
+    out = copy.copy(state_dict)  # an OrderedDict keeps its _metadata
+    for key, value in state_dict.items():
+        if not (key.endswith("_extra_state") and isinstance(value, Mapping) and value.get("format") == FORMAT):
+            continue
+        if value.get("kind") != "OffloadedEmbedding":
+            raise OptionError(
+                f"{key!r} is a {value.get('kind')}'s state: one rank's shard of the table, not the whole "
+                f"table an nn.Embedding holds. Save the table on every rank (emb.save(path)), read it "
+                f"into an OffloadedEmbedding in one process with speedswap.load_sharded(path, emb), and "
+                f"convert that model's state dict")
+        weight = key[:-len("_extra_state")] + "weight"
+        del out[key]
+        out[weight] = value["tables"]["table"].to(state_dict[weight].dtype)
     return out
 
 
