@@ -200,11 +200,10 @@ def test_other_values_assigned_to_weight_data_between_steps_are_refused_once(rng
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
-def _train_in_a_forked_process(model, opt, batch):
-    """Exit 0 if a training forward and step ran, 3 if the forward raised StateError (nothing changed), 4 else."""
-    ids, target = batch
+def _in_a_forked_process(step, *args):
+    """Exit 0 if ``step(*args)`` (a training forward and step) ran, 3 if it raised StateError, 4 else."""
     try:
-        train_step(model, opt, ids, target)
+        step(*args)
     except ss.StateError:
         os._exit(3)
     except BaseException:
@@ -239,7 +238,7 @@ def test_training_in_a_forked_process_a_table_shared_with_the_parent_is_refused(
                 offloaded.share_memory()
             table = offloaded.emb.table.to_numpy(copy=True)
             child = multiprocessing.get_context("fork").Process(
-                target=_train_in_a_forked_process, args=(offloaded, opt, batches[0]))
+                target=_in_a_forked_process, args=(train_step, offloaded, opt, *batches[0]))
             child.start()
             child.join()
             assert child.exitcode == (0 if case == "private_copy" else 3)
@@ -275,17 +274,6 @@ def _switch_step(model, opt, u, o, ids, target):
     opt.zero_grad()
 
 
-def _switch_in_a_forked_process(model, opt, u, o, batch):
-    """As :func:`_train_in_a_forked_process`, for a step of the SpeedTorch-style switchers."""
-    try:
-        _switch_step(model, opt, u, o, *batch)
-    except ss.StateError:
-        os._exit(3)
-    except BaseException:
-        os._exit(4)
-    os._exit(0)
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="forks the test process")
 def test_switchers_refuse_training_in_a_forked_process_after_share_memory(rng):
     """The switchers' host tables are as private to a forked process as an OffloadedEmbedding's: after
@@ -301,7 +289,7 @@ def test_switchers_refuse_training_in_a_forked_process_after_share_memory(rng):
         if step == 3:
             model.share_memory()
             child = multiprocessing.get_context("fork").Process(
-                target=_switch_in_a_forked_process, args=(model, opt, u, o, batches[0]))
+                target=_in_a_forked_process, args=(_switch_step, model, opt, u, o, *batches[0]))
             child.start()
             child.join()
             assert child.exitcode == 3
