@@ -201,7 +201,13 @@ def test_other_values_assigned_to_weight_data_between_steps_are_refused_once(rng
 
 
 def _in_a_forked_process(step, *args):
-    """Exit 0 if ``step(*args)`` (a training forward and step) ran, 3 if it raised StateError, 4 else."""
+    """Exit 0 if ``step(*args)`` (a training forward and step) ran, 3 if it raised StateError, 4 else.
+
+    One torch thread: GNU OpenMP is not fork-safe, and a forked child's first parallel region waits
+    forever for the parent's pool threads, which it does not have (the whole suite hung here once
+    earlier tests had started that pool).
+    """
+    torch.set_num_threads(1)
     try:
         step(*args)
     except ss.StateError:
@@ -209,6 +215,15 @@ def _in_a_forked_process(step, *args):
     except BaseException:
         os._exit(4)
     os._exit(0)
+
+
+def _join(child, timeout=120):
+    """Wait for a forked child; a hung one is killed and fails the test, not the suite."""
+    child.join(timeout)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+        pytest.fail(f"the forked process hung for {timeout} s")
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="forks the test process")
@@ -240,7 +255,7 @@ def test_training_in_a_forked_process_a_table_shared_with_the_parent_is_refused(
             child = multiprocessing.get_context("fork").Process(
                 target=_in_a_forked_process, args=(train_step, offloaded, opt, *batches[0]))
             child.start()
-            child.join()
+            _join(child)
             assert child.exitcode == (0 if case == "private_copy" else 3)
             np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table)
         train_step(offloaded, opt, ids, target)
@@ -291,7 +306,7 @@ def test_switchers_refuse_training_in_a_forked_process_after_share_memory(rng):
             child = multiprocessing.get_context("fork").Process(
                 target=_in_a_forked_process, args=(_switch_step, model, opt, u, o, *batches[0]))
             child.start()
-            child.join()
+            _join(child)
             assert child.exitcode == 3
         _switch_step(model, opt, u, o, ids, target)
         _switch_step(alone, alone_opt, alone_u, alone_o, ids, target)
