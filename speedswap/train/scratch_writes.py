@@ -10,6 +10,8 @@ model trains on: training would start from the table's rows, silently. So does
 ``weight.data = tensor`` between steps (``torch.nn.utils.vector_to_parameters``).
 """
 
+from typing import Callable, Optional
+
 import torch
 
 from ..errors import StateError
@@ -32,9 +34,12 @@ class ScratchWrites:
 
     Args:
         weight: the embedding's weight, as built.
+        written: the error for a refused write, given how it was made; by
+            default an offloaded embedding's, which names its table's methods.
     """
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, written: Optional[Callable[[str], StateError]] = None):
+        self._written = written or _written
         self._version = weight._version  # as of the embedding's last write of its own
         self._clean = False  # whether no write was pending when the open own write began (begin_own)
         self._before_attach = True
@@ -100,14 +105,14 @@ class ScratchWrites:
         """
         if self._replaced:
             self._replaced = False
-            raise _written("through weight.data = tensor between steps (torch.nn.utils.vector_to_parameters, "
-                           "a hand-written update)")
+            raise self._written("through weight.data = tensor between steps "
+                                "(torch.nn.utils.vector_to_parameters, a hand-written update)")
         if weight._version != self._version:
             self._version = weight._version
             # A refused register_parametrization (spectral_norm...) is one too: torch sets the weight to its
             # right inverse (itself, most often) before it deletes the weight, which is what is refused.
-            raise _written("between steps (an initialiser, a copy_ into it, or a refused "
-                           "register_parametrization, which sets it first)")
+            raise self._written("between steps (an initialiser, a copy_ into it, or a refused "
+                                "register_parametrization, which sets it first)")
 
     def refuse_written_through_data(self, scratch: torch.Tensor) -> None:
         """At the first attach, refuse a write through ``weight.data`` since the embedding was built.
@@ -125,8 +130,8 @@ class ScratchWrites:
         if self._before_attach:
             self._before_attach = False
             if bool(scratch.any()):
-                raise _written("through weight.data before attach (emb.weight.data.uniform_(-a, a), "
-                               "the usual word2vec initialisation)")
+                raise self._written("through weight.data before attach (emb.weight.data.uniform_(-a, a), "
+                                    "the usual word2vec initialisation)")
 
 
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
