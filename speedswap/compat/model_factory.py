@@ -165,6 +165,8 @@ class ModelFactory(Switcher):
             self._stale_hook = model_variable.register_forward_pre_hook(
                 lambda module, args, kwargs: _check_stale(owner, args, kwargs), with_kwargs=True)
         self._register(self._table)
+        if module is not None:  # its loads write the slots: not refused (a bare weight's module is unknown)
+            self._steps.watch_loads(module)
         # Reads and writes through any reference to the table see the cache's rows.
         self._table.watch_reads(self._prepare_table_read)
         self._table.watch_writes(self._prepare_table_write)
@@ -304,7 +306,9 @@ class ModelFactory(Switcher):
             CapacityError: more distinct rows than the embedding has.
             ShapeError: ids that do not fit the placeholders.
             StateError: the previous step was not finished with :meth:`after_step`
-                (on this switcher, or on the embedding's OptimizerFactory).
+                (on this switcher, or on the embedding's OptimizerFactory); once, the
+                model's embedding was written in place since the last step, which
+                reached no row of the table (an initialiser over ``model.parameters()``).
             OptionError: ``torch.distributed`` runs several ranks (the
                 switcher was built before ``init_process_group``).
 

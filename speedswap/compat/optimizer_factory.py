@@ -45,6 +45,14 @@ def _parameter_named(model, variable_name):
                           f"parameters are {names}") from None
 
 
+def _owner_named(model, variable_name):
+    """The module whose own parameter :func:`_parameter_named` found: the submodule, or the parameter's owner."""
+    try:
+        return model.get_submodule(variable_name)
+    except AttributeError:  # the parameter's name: its owner is the module before the last dot
+        return model.get_submodule(variable_name.rpartition(".")[0])
+
+
 class _Narrowing:
     """The parameter's narrowing for the step in progress, held apart from the factory.
 
@@ -143,6 +151,7 @@ class OptimizerFactory(Switcher):
         # optimizer.step(closure) narrows after the closure's forward.
         self._hooks = StepHooks(self, given_optimizer)
         self._register(self._state)
+        self._steps.watch_loads(_owner_named(model, variable_name))  # its loads write the slots: not refused
         for table in self._state.tables.values():  # reads and writes through any reference to them
             table.watch_reads(self._prepare_table_read)
             table.watch_writes(self._prepare_state_write)

@@ -30,7 +30,7 @@ import functools
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..convert import as_id_tensor, bounds_check, check_id_range, is_uint64, read_bounds
@@ -42,6 +42,7 @@ from ..train.leftover import untouched
 from ..train.one_process import OneProcess
 from ..train.one_thread import OneThread, one_thread
 from ..train.row_state import row_state_spec
+from ..train.scratch_writes import ScratchWrites
 from ..train.step_hooks import closure_of
 from ..train.working_set import WorkingSet
 
@@ -136,6 +137,10 @@ class SharedSteps:
         self._leftover = None  # the last step's gradient, untouched since (see _refuse_leftover_gradient)
         self._finished = None  # (param.grad, its version) when the last step ended (see refuse_stepping_between_steps)
         self._hook = None  # on the parameter once it requires grad (see _watch_gradients)
+        # Between steps the parameter's slots hold no row: a write into them in place is lost
+        # at the next before_forward, so it is refused there (see watch_loads for the loads).
+        self.scratch_writes = ScratchWrites(param, _written)
+        self._load_hooks = {}  # id(module) -> its load_state_dict post hook (see watch_loads)
         # Both switchers' calls claim it, and a step holds it from its first begin() until it is
         # no longer busy(): another thread's before_forward would clear the working set under
         # the step, and its reads would flush and refill the cache the step fetches from.
@@ -218,6 +223,8 @@ class SharedSteps:
         guard_parameter(self.param, self.check_conversion)
         _watch_optimizer_steps()
         member = self._members[kind] = _Member(switcher, tables, cache_rows)
+        if kind == MODEL:  # its slots are the table's from here: writes before are not lost to it
+            self.scratch_writes.note_own(self.param)
         state = getattr(tables, "tables", None)  # an OptimizerFactory's RowState: {name: HostTable}
         # Kept once a member brought one: forked processes would share those files (see prepare).
         self._in_files |= any(t.storage == "mmap" for t in (state.values() if state is not None else [tables]))
@@ -264,6 +271,21 @@ class SharedSteps:
                 functools.partial(_refuse_leftover_gradient, weakref.ref(self)))
             weakref.finalize(self, self._hook.remove).atexit = False
 
+    def watch_loads(self, module: torch.nn.Module) -> None:
+        """Take ``module.load_state_dict(...)`` as a write of the switchers' own, once per module.
+
+        ``module`` holds the parameter: a load of the model's state dict
+        (saved with the switchers' tables, which ``save``/``load`` restore)
+        writes the slots in place, as a load overwrites the weight in memory,
+        and is no write to refuse at the next ``before_forward``.
+
+        Args:
+            module: the module whose own parameter the switched weight is.
+        """
+        if id(module) not in self._load_hooks:
+            self._load_hooks[id(module)] = module.register_load_state_dict_post_hook(
+                functools.partial(_note_load, weakref.ref(self)))
+
     def _leave(self, kind, member):
         if self._members.get(kind) is not member:
             return  # replaced by a newer switcher of its kind
@@ -286,6 +308,9 @@ class SharedSteps:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        for handle in self._load_hooks.values():
+            handle.remove()
+        self._load_hooks.clear()
         self._leftover = self._finished = self.current = None
         if _STEPS.get(self.param) is not None and _STEPS[self.param]() is self:
             del _STEPS[self.param]
@@ -306,6 +331,7 @@ class SharedSteps:
             self.cache.end_step()  # the cache still holds the rows as before the step
         self._open, self._states = False, _WAITING
         self.current.ended |= self.current.begun
+        self.scratch_writes.note_own(self.param)  # the slots of a dropped step: the step's writes
         self._one_thread.hold(False)  # the step's claim (see begin)
 
     def _undo_interrupted_step(self):
@@ -356,7 +382,9 @@ class SharedSteps:
             StateError: a step is in progress that ``kind`` cannot join (other
                 ids, or it ended its part already); in a process forked from the one
                 that built the switchers, tables the two share (after ``model.share_memory()``,
-                or in mmap files: see :mod:`~speedswap.train.one_process`).
+                or in mmap files: see :mod:`~speedswap.train.one_process`); once, a new step
+                after a write in place into the ModelFactory's embedding since the last step
+                (:meth:`ScratchWrites.refuse_written`: it reached no row of the table).
         """
         self._one_process.refuse_shared_training(self.param, self._in_files)
         self._undo_interrupted_step()
@@ -370,6 +398,10 @@ class SharedSteps:
             raise StateError(f"beforeForwardPass (before_forward) while the {missing} switcher of "
                              f"this embedding has not called afterOptimizerStep (after_step) for the "
                              f"last step; finish the step on every switcher first")
+        # An optimizer.step() between steps that raised ran no post-hook: its write is still open.
+        self.scratch_writes.end_own(self.param)
+        if self.serving(MODEL):  # a lone OptimizerFactory's parameter holds the user's rows: theirs to write
+            self.scratch_writes.refuse_written(self.param)
         ws = self.working_set
         # The slots are about to hold other rows: a gradient still on them from the last
         # step must not be added to (zero_grad() drops it, or zeroes it in place: a new version).
@@ -490,6 +522,7 @@ class SharedSteps:
             self._open, self._states = False, _WAITING
         step.ended.add(kind)
         if not step.unfinished():
+            self.scratch_writes.note_own(self.param)  # in a step the slots are its rows: its writes
             grad = self.param.grad
             self._finished = None if grad is None else (grad, grad._version)
             self._one_thread.hold(False)
@@ -799,6 +832,11 @@ def _check_switched_params(optimizer):
         with steps._one_thread:  # a step on another thread than the step's is refused, unmarked
             if not steps.busy():
                 steps.refuse_stepping_between_steps(optimizer)
+                # A zero gradient: the step may write the slots (Adam's moments, weight decay), which
+                # hold no row; its write is the switchers' own (_note_switched_steps ends it). One such
+                # step that raised ran no post-hook: its write, the optimizer's too, ends here.
+                steps.scratch_writes.end_own(param)
+                steps.scratch_writes.begin_own(param)
                 continue
             if steps.alone(MODEL) and _keeps_row_state(optimizer, param):
                 raise OptionError(
@@ -808,13 +846,49 @@ def _check_switched_params(optimizer):
             steps.current.stepping = True  # the tables fall behind the step's rows (tables_behind)
 
 
-#: The handle of :func:`_check_switched_steps`, registered when the first switcher joins.
+def _note_switched_steps(optimizer, args, kwargs):
+    """A global optimizer step post-hook: end the own writes :func:`_check_switched_params` began between steps.
+
+    A step that raised runs no post-hook: the next step's pre-hook, or the
+    next ``before_forward``, ends its write.
+    """
+    for key, ref in _STEPS.data.copy().items():  # a snapshot, as in _check_switched_params
+        param, steps = key(), ref()
+        if param is None or steps is None or steps.busy():
+            continue
+        if any(p is param for group in optimizer.param_groups for p in group["params"]):
+            steps.scratch_writes.end_own(param)
+
+
+def _note_load(ref, module, incompatible_keys):
+    """A load_state_dict post-hook (see :meth:`SharedSteps.watch_loads`): the load's write is the switchers'."""
+    steps = ref()
+    if steps is not None:
+        steps.scratch_writes.note_own(steps.param)
+
+
+def _written(how: str) -> StateError:
+    """The refusal of a write into the ModelFactory's embedding between steps (see :class:`ScratchWrites`)."""
+    return StateError(
+        f"the model's embedding weight, switched by a ModelFactory, was written {how}, but between steps "
+        f"its slots hold no row of the table (beforeForwardPass fills them with the step's rows): the "
+        f"table was not changed, and nothing was. Write the table instead, between steps: "
+        f"u_switch.normalDistributionInit(mean, std), u_switch.uniformDistributionInit(low, high), "
+        f"u_switch.customInit(fn), u_switch.table.apply_(torch.nn.init.normal_, std=0.01), "
+        f"u_switch.loadCupy(path); skip the embedding's weight in loops that initialise every parameter "
+        f"(model.load_state_dict(...) is accepted once a ModelFactory was given the nn.Embedding, or an "
+        f"OptimizerFactory the model, not the bare weight). The next beforeForwardPass goes on")
+
+
+#: The handles of :func:`_check_switched_steps` and :func:`_note_switched_steps`, registered when the
+#: first switcher joins.
 _SWITCHED_STEPS_HOOK = []
 
 
 def _watch_optimizer_steps():
     if not _SWITCHED_STEPS_HOOK:
         _SWITCHED_STEPS_HOOK.append(register_optimizer_step_pre_hook(_check_switched_steps))
+        _SWITCHED_STEPS_HOOK.append(register_optimizer_step_post_hook(_note_switched_steps))
 
 
 def steps_for(param: torch.nn.Parameter, num_rows: int) -> SharedSteps:
