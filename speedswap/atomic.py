@@ -28,6 +28,10 @@ try:
     import fcntl
 except ImportError:  # Windows: threads of one process still take turns (see locked)
     fcntl = None
+try:
+    import resource
+except ImportError:  # Windows: no descriptor limit to name
+    resource = None
 
 from .errors import DTypeError, MissingFileError, PathError, SpeedswapError, warn
 from .mappings import mapped_for_writing
@@ -194,12 +198,27 @@ def saving_error(path, exc, temporary=None) -> "PathError":
             errno.ENOSPC: "the disk is full; free space or save elsewhere",
             errno.EDQUOT: "the disk quota is exceeded; free space or save elsewhere",
             errno.EFBIG: "the file is larger than this file system or the process's file-size "
-                         "limit (ulimit -f) allows; save elsewhere or raise the limit"}.get(
-        exc.errno, "check the path")
+                         "limit (ulimit -f) allows; save elsewhere or raise the limit",
+            errno.ENOMEM: "the process has no address space left to map it (ulimit -v); raise the limit "
+                          "or use fewer or smaller mmap tables"}.get(exc.errno)
+    hint = hint or _descriptors_hint(exc) or "check the path"
     error = PathError(f"could not save {os.fspath(path)!r} ({reason}): {hint}. Any previous "
                       f"file at that path is intact")
     error.errno = exc.errno
     return error
+
+
+def _descriptors_hint(exc: OSError) -> Optional[str]:
+    """What to do when ``exc`` says the process or the system has run out of file descriptors, else None."""
+    if exc.errno == errno.EMFILE:
+        limit = (f" ({resource.getrlimit(resource.RLIMIT_NOFILE)[0]}; ulimit -n, or "
+                 f"resource.setrlimit(resource.RLIMIT_NOFILE, ...) up to its hard limit)" if resource else "")
+        return (f"the process has as many files open as its limit allows{limit}; an mmap table holds two "
+                f"descriptors while it lives (its map and one that checks its file). Raise the limit, close "
+                f"tables no longer used, or keep fewer tables in mmap storage")
+    if exc.errno == errno.ENFILE:
+        return "the system has as many files open as it allows (fs.file-max); close files or raise that limit"
+    return None
 
 
 def rewriting_error(path, exc: OSError) -> "PathError":
@@ -430,6 +449,8 @@ def opening_error(path, exc, what="file") -> "PathError":
     if exc.errno in (errno.EACCES, errno.EPERM):
         message = (f"no permission to read the {what} {os.fspath(path)!r}; make it readable "
                    f"(chmod u+r) or read it as a user who may")
+    elif _descriptors_hint(exc):
+        message = f"cannot open the {what} {os.fspath(path)!r} ({exc.strerror or exc}): {_descriptors_hint(exc)}"
     else:
         message = f"cannot open the {what} {os.fspath(path)!r} ({exc.strerror or exc}); check the path"
     error = PathError(message)

@@ -332,8 +332,15 @@ class HostTable:
         backend = get_backend(backend, device)
         if storage == "mmap":
             array = files.create_npy_memmap(path, shape, numpy_dtype(dtype), overwrite)
-            table = cls(backend.adopt(array, "mmap", dtype), backend, path,
-                        files.TableHeader(array.shape, array.dtype, array.offset))
+            try:
+                table = cls(backend.adopt(array, "mmap", dtype), backend, path,
+                            files.TableHeader(array.shape, array.dtype, array.offset))
+            except BaseException:  # out of descriptors, say: no table, and no new file a retry would refuse
+                if not overwrite:
+                    del array
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                raise
             table._unwritten_file = True
             return table
         try:

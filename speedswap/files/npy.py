@@ -463,7 +463,12 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
     sync_new_name(directory, path, "open it as it is (its rows are zeros) with HostTable.load(path, mmap=True) "
                                    "(add dtype='bfloat16' for a bfloat16 table's file), or make it again with "
                                    "overwrite=True, which also makes its name durable")
-    return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
+    try:
+        return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
+    except OSError as exc:  # no descriptor or address space left: the file made for nothing goes
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise saving_error(path, exc) from exc
 
 
 def _write_sparse(target, header, size) -> int:

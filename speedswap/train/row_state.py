@@ -372,14 +372,23 @@ class RowState:
         self._shape = tuple(param.shape)
         self._group = _group_of(optimizer, param)  # its options are read again at every step
         self.tables = {}
+        made = []  # the mmap files this call names that no file had before it
         try:
             for name in self.spec:
                 file = file_in(path, name, storage)
+                new = file is not None and not os.path.lexists(file)
                 self.tables[name] = HostTable.empty(
                     num_rows, param.shape[1], dtype, storage, backend, file, device=param.device,
                     overwrite=_may_replace(overwrite, file))
+                if new:  # (a table that failed removed its own new file)
+                    made.append(file)
         except BaseException:
             self.close()
+            # Half made, they are no state, and the owner, which never learns of them, would
+            # refuse a retry (a file it did not create); a replaced file it may replace again.
+            for file in made:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(file)
             raise
         self._scratch = {}
         self._scalars_before = None  # see keep_scalar_state

@@ -1,0 +1,69 @@
+"""A process out of file descriptors: an ``mmap`` table it cannot make is refused clearly, and leaves no file.
+
+An ``mmap`` table holds two descriptors while it lives (its map and one that
+checks its file), so a recommender with hundreds of tables in files meets
+``ulimit -n``. Before, the attach that met it raised numpy's bare ``OSError``
+and left the state files it had made, and the retry after raising the limit
+was refused: "already exists ... speedswap does not replace a file it did not
+create". Each case runs in a subprocess, since the limit is the process's.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+_ATTACH_UNDER_LIMITS = textwrap.dedent("""
+    import os, resource, sys
+    import numpy as np, torch, speedswap as ss
+    sys.path.insert(0, sys.argv[3])
+    from mmap_training import BATCH, DIM, ROWS, step, zipf_ids
+    directory, seed = sys.argv[1], int(sys.argv[2])
+    rng = np.random.default_rng(seed)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH, storage="mmap", path=directory, backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(emb.table.to_numpy(copy=True)), freeze=False,
+                                             sparse=True)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-30)
+    opt = torch.optim.Adam(emb.parameters(), lr=0.01, eps=1e-30)  # SparseAdam adds eps elsewhere
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd"))
+    for spare in range(64):  # one more descriptor each time, until the attach has enough
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + spare, hard))
+        try:
+            emb.attach(opt)
+        except ss.PathError as exc:
+            assert "ulimit -n" in str(exc), exc
+            assert sorted(os.listdir(directory)) == ["table.npy"], os.listdir(directory)
+            assert not opt.state
+            print("refused", flush=True)
+            continue
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        break
+    print("attached", sorted(os.listdir(directory)), flush=True)
+    for _ in range(30):
+        step((emb, opt), (ref, ref_opt), ids=zipf_ids(rng),
+             weights=torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)))
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
+    ref_state = ref_opt.state[ref.weight]
+    for name in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_allclose(emb._state.tables[name].to_numpy(), ref_state[name].to_dense().numpy(),
+                                   rtol=1e-4, atol=1e-6)
+    emb.close()
+    print("trained as in memory", flush=True)
+""")
+
+
+def test_an_attach_out_of_descriptors_is_refused_leaves_no_state_file_and_a_retry_trains_as_in_memory(
+        tmp_path, seed):
+    done = subprocess.run([sys.executable, "-c", _ATTACH_UNDER_LIMITS, str(tmp_path / "emb"), str(seed),
+                           os.path.dirname(__file__)], capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    # A limit at what is open refuses the first of Adam's two state tables; one that lets it through
+    # refuses the second (its temporary, its directory, its map or the descriptor that checks it); then
+    # the attach has enough.
+    assert lines.count("refused") >= 2, done.stdout
+    assert lines[-2] == "attached ['exp_avg.npy', 'exp_avg_sq.npy', 'table.npy']", done.stdout
+    assert lines[-1] == "trained as in memory"
