@@ -13,38 +13,54 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _ATTACH_UNDER_LIMITS = textwrap.dedent("""
     import os, resource, sys
     import numpy as np, torch, speedswap as ss
-    sys.path.insert(0, sys.argv[3])
+    sys.path.insert(0, sys.argv[4])
     from mmap_training import BATCH, DIM, ROWS, step, zipf_ids
-    directory, seed = sys.argv[1], int(sys.argv[2])
+    directory, seed, again = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "again"
     rng = np.random.default_rng(seed)
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH, storage="mmap", path=directory, backend="numpy")
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
     ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(emb.table.to_numpy(copy=True)), freeze=False,
                                              sparse=True)
-    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-30)
-    opt = torch.optim.Adam(emb.parameters(), lr=0.01, eps=1e-30)  # SparseAdam adds eps elsewhere
+    def adam():
+        return torch.optim.Adam(emb.parameters(), lr=0.01, eps=1e-30)  # SparseAdam adds eps elsewhere
+    def train(opt, ref_opt, steps):
+        for _ in range(steps):
+            step((emb, opt), (ref, ref_opt), ids=zipf_ids(rng),
+                 weights=torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)))
+    if again:  # an attach that replaces the files of the optimizer attached before
+        emb.attach(first := adam())
+        train(first, torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-30), 10)
+        emb.flush()
+        before = sorted(os.listdir(directory))
+    else:
+        before = ["table.npy"]
+    opt = adam()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     open_now = len(os.listdir("/proc/self/fd"))
-    for spare in range(64):  # one more descriptor each time, until the attach has enough
+    for spare in range(-4, 64):  # one more descriptor each time, until the attach has enough (an attach
+        # again closes the old state's four before it opens any)
         resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + spare, hard))
         try:
-            emb.attach(opt)
+            emb.attach(opt, restart=again)
+            refused = None
         except ss.PathError as exc:
-            assert "ulimit -n" in str(exc), exc
-            assert sorted(os.listdir(directory)) == ["table.npy"], os.listdir(directory)
-            assert not opt.state
-            print("refused", flush=True)
-            continue
+            refused = exc
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        break
+        if refused is None:
+            break
+        assert "ulimit -n" in str(refused), refused
+        assert sorted(os.listdir(directory)) == before, os.listdir(directory)  # no temporary either
+        assert not opt.state
+        print("refused", flush=True)
     print("attached", sorted(os.listdir(directory)), flush=True)
-    for _ in range(30):
-        step((emb, opt), (ref, ref_opt), ids=zipf_ids(rng),
-             weights=torch.from_numpy(rng.standard_normal((BATCH, DIM), dtype=np.float32)))
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-30)
+    train(opt, ref_opt, 30)
     np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-5, atol=1e-6)
     ref_state = ref_opt.state[ref.weight]
     for name in ("exp_avg", "exp_avg_sq"):
@@ -55,9 +71,11 @@ _ATTACH_UNDER_LIMITS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("attach", ["first", "again"])
 def test_an_attach_out_of_descriptors_is_refused_leaves_no_state_file_and_a_retry_trains_as_in_memory(
-        tmp_path, seed):
-    done = subprocess.run([sys.executable, "-c", _ATTACH_UNDER_LIMITS, str(tmp_path / "emb"), str(seed),
+        tmp_path, seed, attach):
+    """``again``: a new optimizer's attach (``restart=True``), whose state files replace the old ones'."""
+    done = subprocess.run([sys.executable, "-c", _ATTACH_UNDER_LIMITS, str(tmp_path / "emb"), str(seed), attach,
                            os.path.dirname(__file__)], capture_output=True, text=True, timeout=300, cwd=os.getcwd())
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()

@@ -435,7 +435,10 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
         # to be replaced: it keeps the old inode.
         with atomic_output(path, replace_mapped=True) as tmp:
             offset = _write_sparse(tmp, header, size)
-        return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
+            # Mapped before it takes the name: a map that fails (no descriptor left) leaves the old file.
+            array = _mapped(tmp, dtype, offset, shape, named=path)
+        array.filename = os.path.abspath(path)  # as np.memmap(path) names it; the inode is the same
+        return array
     tmp = temp_path(path)
     try:
         offset = _write_sparse(tmp, header, size)
@@ -464,11 +467,23 @@ def create_npy_memmap(path, shape, dtype, overwrite: bool = False):
                                    "(add dtype='bfloat16' for a bfloat16 table's file), or make it again with "
                                    "overwrite=True, which also makes its name durable")
     try:
-        return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
-    except OSError as exc:  # no descriptor or address space left: the file made for nothing goes
+        return _mapped(path, dtype, offset, shape)
+    except BaseException:  # the file made for nothing goes
         with contextlib.suppress(OSError):
             os.unlink(path)
-        raise saving_error(path, exc) from exc
+        raise
+
+
+def _mapped(path, dtype, offset, shape, named=None) -> np.memmap:
+    """``path``'s rows mapped for writing; ``named``, the name it will have, if it is a temporary.
+
+    Raises:
+        PathError: the process has no descriptor or address space left (what to do is said).
+    """
+    try:
+        return np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=tuple(shape), order="C")
+    except OSError as exc:
+        raise (saving_error(path, exc) if named is None else saving_error(named, exc, temporary=path)) from exc
 
 
 def _write_sparse(target, header, size) -> int:
