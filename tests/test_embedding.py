@@ -1022,12 +1022,31 @@ def test_a_table_left_unattached_is_named_by_its_sizes(rng):
     assert not len(users.working_rows)
 
 
-def test_new_scratch_storage_before_attach_is_no_write_through_weight_data():
-    """to_empty() gives weight uninitialised storage, which attach must not take for a user's write."""
+def test_new_scratch_storage_before_attach_is_no_write_through_weight_data(rng):
+    """to_empty() gives weight uninitialised storage, which attach must not take for a user's write; and the
+    steps after it train the table's rows as in-memory SGD does (the test only ran the attach)."""
     emb = ss.OffloadedEmbedding(50, 4, max_rows=32, backend="numpy")
     emb.weight.data = torch.full_like(emb.weight, 7.0)  # new storage, as to_empty()'s, sure to be non-zero
     emb.to_empty(device="cpu")
-    emb.attach(torch.optim.SGD(emb.parameters(), lr=0.05))
+    opt = torch.optim.SGD(emb.parameters(), lr=0.05)
+    emb.attach(opt)
+    table = emb.table.to_numpy(copy=True)
+    # The 7.0 assigned before to_empty() was a write of the user's that reached no row: refused once, at the
+    # first training forward, as ShardedOffloadedEmbedding refuses it; nothing changed.
+    with pytest.raises(ss.StateError, match="written through weight.data = tensor"):
+        emb(torch.tensor([1, 2]))
+    np.testing.assert_array_equal(emb.table.to_numpy(), table)
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(table), freeze=False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    p = 1.0 / np.arange(1, 51)
+    for _ in range(5):
+        ids = torch.from_numpy(rng.permutation(50)[rng.choice(50, size=16, p=p / p.sum())])
+        ctx = torch.from_numpy(rng.standard_normal((16, 4), dtype=np.float32))
+        for lookup, optimizer in ((emb, opt), (ref, ref_opt)):
+            (lookup(ids) * ctx).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.weight.detach().numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_state_dict_load_into_weight_is_not_taken_for_a_stray_write(rng):

@@ -389,12 +389,28 @@ def test_an_in_memory_runs_optimizer_state_dict_is_refused_saying_how_its_rows_s
 
 
 def test_init_state_accepts_an_older_optimizer_state_dict(rng):
-    offloaded, opt, older, rest = _run_until_older_state_is_loaded(
-        rng, lambda p: torch.optim.Adam(p, lr=0.01))
+    """The steps after it train as in memory from fresh moments for every row, the older step count and the
+    linear layer's older moments (the test only ran them: a step that trained wrong passed)."""
+    make = lambda p: torch.optim.Adam(p, lr=0.01)  # noqa: E731
+    offloaded, opt, older, rest = _run_until_older_state_is_loaded(rng, make)
+    reference = Model(LazyTable(offloaded.emb.table.to_numpy(copy=True)), copy.deepcopy(offloaded.lin))
+    ref_opt = make(reference.parameters())
+    make_lazy(ref_opt, reference.emb)
     opt.load_state_dict(older)
     offloaded.emb.init_state()  # the user's explicit choice: fresh moments, the older step count
-    train_step(offloaded, opt, *rest[0])
-    train_step(offloaded, opt, *rest[1])
+    # The linear layer's moments; the table's are replaced below. A copy: torch loads the step counts as given,
+    # so that two optimizers loaded from one dict would count each other's steps.
+    ref_opt.load_state_dict(copy.deepcopy(older))
+    step = older["state"][0]["step"].clone()  # the offloaded optimizer counts on in older's own
+    start = int(step)
+    assert 0 < start < 10  # older than the 10 steps trained
+    ref_opt.state[reference.emb.weight] = {"step": step, "exp_avg": torch.zeros(ROWS, DIM),
+                                           "exp_avg_sq": torch.zeros(ROWS, DIM)}
+    for ids, target in rest:
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            train_step(model, optimizer, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+    assert int(opt.state[offloaded.emb.weight]["step"]) == int(step) == start + len(rest)
 
 
 @pytest.mark.parametrize("emb_first", [True, False], ids=["emb_then_opt", "opt_then_emb"])
