@@ -304,11 +304,14 @@ def imaginary_of_conjugate(rows=ROWS):
     return torch.randn(rows, DIM, dtype=torch.complex64).conj().imag
 
 
-def optimizer_factory(**kwargs):
-    """An OptimizerFactory of Adam over a fresh working-set embedding, with ``kwargs``."""
-    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(CAP, DIM)})
-    return ss.OptimizerFactory(torch.optim.Adam(model.parameters()), ROWS, DIM, model, "u", backend="numpy",
-                               **kwargs)
+def optimizer_factory(optimizer=torch.optim.Adam, sparse=False, name="u", **kwargs):
+    """An OptimizerFactory of ``optimizer`` over a fresh working-set embedding named ``name``, with ``kwargs``."""
+    model = torch.nn.ModuleDict({"u": torch.nn.Embedding(CAP, DIM, sparse=sparse)})
+    return ss.OptimizerFactory(optimizer(model.parameters()), ROWS, DIM, model, name, backend="numpy", **kwargs)
+
+
+class SubclassedAdam(torch.optim.Adam):
+    """Adam under another name: torch's own step, which raises at a sparse gradient."""
 
 
 def inference_tensor(make, *args):
@@ -527,6 +530,11 @@ CASES = [
     ("nothing", lambda o, d: ss.HostTable.zeros(ROWS, DIM, storage="mmap", path=existing_table_dir(d) / "table.npy",
                                                 overwrite="False", backend="numpy"), ss.OptionError, "overwrite must be True"),
     ("nothing", lambda o, d: optimizer_factory(overwrite=1), ss.OptionError, "overwrite must be True"),
+    # SpeedTorch's word2vec notebook builds nn.Embedding(sparse=True): torch's "Adam does not support
+    # sparse gradients" came at the first optimizer.step(), in the middle of the switchers' step.
+    ("nothing", lambda o, d: optimizer_factory(sparse=True), ss.OptionError, "Build it with sparse=False"),
+    ("nothing", lambda o, d: optimizer_factory(SubclassedAdam, sparse=True, name="u.weight"), ss.OptionError,
+     "and SubclassedAdam does not take the sparse gradient"),
     # model.get_parameter on None: a raw AttributeError.
     ("nothing", lambda o, d: ss.OptimizerFactory(torch.optim.SGD(torch.nn.Embedding(CAP, DIM).parameters(), lr=1),
                                                  ROWS, DIM, None, "u", backend="numpy"),

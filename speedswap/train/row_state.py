@@ -13,6 +13,7 @@ State is found by identity, ``optimizer.state[param]``, never by position in
 """
 
 import contextlib
+import inspect
 import os
 import weakref
 from typing import Callable, Optional
@@ -27,7 +28,7 @@ from .scratch_writes import same_memory
 
 __all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep", "EmptySparseGradient",
            "drop_leftover_state", "refuse_unasked_restart", "check_state_files",
-           "take_assigned"]
+           "take_assigned", "refuses_sparse_grad"]
 
 #: (id of a scratch tensor a RowState handed an optimizer, id of its parameter) -> the tensor,
 #: held weakly. By ids: a tensor's == is element-wise (no WeakSet), and an attribute on the
@@ -130,6 +131,28 @@ SUPPORTED_OPTIMIZERS = tuple(sorted({cls.__name__ for cls in _ROW_STATE}))
 
 #: Optimizers that refuse dense gradients.
 _SPARSE_GRAD_ONLY = (torch.optim.SparseAdam,)
+
+#: The steps of torch's optimizers that refuse a sparse gradient ("Adam does not support sparse
+#: gradients"): of the ones above, SGD, Adagrad and SparseAdam take one. Unwrapped, as the first
+#: optimizer built of a class wraps its class's step in a profiling hook.
+_DENSE_GRAD_STEPS = frozenset(inspect.unwrap(cls.step) for cls in _ROW_STATE
+                              if cls not in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam))
+
+
+def refuses_sparse_grad(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` is the step of a torch optimizer that raises at a sparse gradient.
+
+    A subclass with a step of its own may take one: only torch's own steps are known to refuse it.
+
+    Args:
+        optimizer: any optimizer.
+
+    Returns:
+        True for Adam, AdamW, Adamax, NAdam, RAdam, Adadelta, RMSprop, Rprop
+        and ASGD, and their subclasses that keep torch's ``step``.
+    """
+    step = getattr(type(optimizer), "step", None)
+    return callable(step) and inspect.unwrap(step) in _DENSE_GRAD_STEPS
 
 
 def _group_of(optimizer, param):
