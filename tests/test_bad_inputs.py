@@ -660,6 +660,44 @@ def test_from_pretrained_refuses_rows_from_numpy_refuses_before_making_its_files
     assert list(tmp_path.iterdir()) == []
 
 
+def int_rows_npy(d, rng):
+    """The path of a ``.npy`` file of int64 rows (ids saved where vectors were meant)."""
+    np.save(d / "ints.npy", rng.integers(0, 9, (ROWS, DIM)))
+    return d / "ints.npy"
+
+
+@pytest.mark.parametrize("make, dtype, fragment", [
+    # Said "use torch.float32, ...", not how: from_pretrained took the rows' dtype.
+    (lambda d, rng: torch.from_numpy(rng.integers(0, 9, (ROWS, DIM))), None,
+     "rows are torch.int64, but an embedding trains floating-point rows; pass dtype=torch.float32"),
+    (lambda d, rng: rng.integers(0, 2, (ROWS, DIM)).astype(bool), None, "rows are torch.bool"),
+    (int_rows_npy, None, "convert the file first: np.save(path, np.load(path).astype(np.float32))"),
+    # copy_ into the float32 table dropped the imaginary part, with only torch's ComplexWarning.
+    (lambda d, rng: torch.complex(*torch.from_numpy(rng.standard_normal((2, ROWS, DIM), dtype=np.float32))),
+     torch.float32, "dtype torch.complex64 is not supported"),
+], ids=["int-tensor", "bool-array", "int-npy", "complex-tensor-to-float32"])
+def test_from_pretrained_of_rows_not_floating_point_says_how_to_convert_before_making_files(make, dtype, fragment,
+                                                                                          rng, tmp_path):
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    rows = make(inputs, rng)
+    given = {} if dtype is None else {"dtype": dtype}
+    with pytest.raises(ss.DTypeError) as info:
+        ss.OffloadedEmbedding.from_pretrained(rows, max_rows=CAP, storage="mmap", path=tmp_path / "emb",
+                                              backend="numpy", **given)
+    assert fragment in str(info.value), str(info.value)
+    assert not (tmp_path / "emb").exists()
+
+
+def test_from_pretrained_of_integer_rows_with_a_float_dtype_holds_their_values(rng):
+    """What the refusal above says to do works: the rows are converted as they are read."""
+    rows = rng.integers(-50, 50, (ROWS, DIM))
+    for given in (rows, torch.from_numpy(rows)):
+        emb = ss.OffloadedEmbedding.from_pretrained(given, max_rows=CAP, dtype=torch.float32, backend="numpy")
+        np.testing.assert_array_equal(emb.table.to_numpy(), rows.astype(np.float32))
+        emb.close()
+
+
 @pytest.mark.parametrize("given", ["array", "npy file"])
 def test_from_pretrained_without_max_rows_says_what_it_is_before_making_its_files(given, rng, tmp_path):
     """nn.Embedding.from_pretrained(rows) takes no max_rows, and the same call here raised Python's

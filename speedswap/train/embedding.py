@@ -311,7 +311,8 @@ class OffloadedEmbedding(RefusesConversion):
         elif isinstance(embeddings, torch.Tensor):  # copied from where it is: a GPU's rows need no host copy
             check_has_values(embeddings, "embeddings")
             rows = embeddings.detach()
-            shape, dtype = tuple(rows.shape), rows.dtype
+            # Refused as an array's are: copy_ into a dtype= given would drop a complex one's imaginary part.
+            shape, dtype = tuple(rows.shape), torch_dtype(rows.dtype)
         else:
             array, dtype = as_host_rows(embeddings, "embeddings")
             if not isinstance(dtype, torch.dtype):  # big-endian rows: a native copy torch can view
@@ -321,6 +322,12 @@ class OffloadedEmbedding(RefusesConversion):
         if len(shape) != 2:
             raise ShapeError(f"from_pretrained takes (num_embeddings, embedding_dim) rows, got shape "
                              f"{tuple(shape)}")
+        if "dtype" not in kwargs and not dtype.is_floating_point:
+            # embedding_dtype's "use torch.float32" says nothing of how, for rows that are not a dtype given.
+            convert = ("convert the file first: np.save(path, np.load(path).astype(np.float32))" if rows is None
+                       else "pass dtype=torch.float32 (or another floating dtype) to convert them as they are read")
+            raise DTypeError(f"from_pretrained's rows are {dtype}, but an embedding trains floating-point rows; "
+                             f"{convert}")
         kwargs.setdefault("dtype", dtype)
         if rows is None:  # before the table is made: a refused file leaves no mmap file behind
             files.check_table_matches(header, shape, embedding_dtype(kwargs["dtype"]), embeddings)
