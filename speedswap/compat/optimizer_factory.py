@@ -67,10 +67,9 @@ def _refuse_sparse_embedding(optimizer, owner, variable_name):
         name = type(optimizer).__name__
         raise OptionError(f"the model's {variable_name!r} ({type(owner).__name__}) was built with sparse=True, "
                           f"and {name} does not take the sparse gradient it gives: its first optimizer.step() "
-                          f"would raise. "
-                          f"Build it with sparse=False (SpeedTorch's README asks for that too; the step "
-                          f"updates only the step's rows either way), or train it with SGD, Adagrad or "
-                          f"SparseAdam, which take sparse gradients")
+                          f"would raise. Build it with sparse=False (SpeedTorch's README asks for that too; "
+                          f"the step updates only the step's rows either way), or train it with SGD or "
+                          f"Adagrad (without weight_decay) or SparseAdam, which take sparse gradients")
 
 
 class _Narrowing:
