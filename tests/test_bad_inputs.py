@@ -535,6 +535,10 @@ CASES = [
     ("nothing", lambda o, d: optimizer_factory(sparse=True), ss.OptionError, "Build it with sparse=False"),
     ("nothing", lambda o, d: optimizer_factory(SubclassedAdam, sparse=True, name="u.weight"), ss.OptionError,
      "and SubclassedAdam does not take the sparse gradient"),
+    # torch's "add(sparse, dense) is not supported. Use add(dense, sparse) instead."
+    ("nothing", lambda o, d: optimizer_factory(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+                                               sparse=True),
+     ss.OptionError, "and SGD with weight_decay=0.01 does not take the sparse gradient"),
     # model.get_parameter on None: a raw AttributeError.
     ("nothing", lambda o, d: ss.OptimizerFactory(torch.optim.SGD(torch.nn.Embedding(CAP, DIM).parameters(), lr=1),
                                                  ROWS, DIM, None, "u", backend="numpy"),

@@ -14,7 +14,7 @@ from ..errors import DTypeError, OptionError, StateError
 from ..train.caching import resetting_state
 from ..train.one_optimizer import claim
 from ..train.one_thread import one_thread
-from ..train.row_state import EmptySparseGradient, NarrowedStep, RowState, refuses_sparse_grad
+from ..train.row_state import EmptySparseGradient, NarrowedStep, RowState, sparse_grad_refusal
 from ..train.step_hooks import StepHooks
 from .steps import MODEL, OPTIMIZER
 from .switcher import LocalIds, Switcher, device_of, storage_of, weight_of
@@ -53,7 +53,7 @@ def _owner_named(model, variable_name):
         return model.get_submodule(variable_name.rpartition(".")[0])
 
 
-def _refuse_sparse_embedding(optimizer, owner, variable_name):
+def _refuse_sparse_embedding(optimizer, param, owner, variable_name):
     """Refuse an ``nn.Embedding(sparse=True)`` whose optimizer's step raises at its sparse gradient.
 
     Refused here, before anything is built: the first ``optimizer.step()``
@@ -61,15 +61,17 @@ def _refuse_sparse_embedding(optimizer, owner, variable_name):
 
     Raises:
         OptionError: ``owner`` was built with ``sparse=True`` and ``optimizer``
-            is one of torch's that takes no sparse gradient (Adam, Adamax, ...).
+            is one of torch's that takes no sparse gradient of ``param``
+            (Adam, Adamax, ..., SGD or Adagrad with weight decay).
     """
-    if getattr(owner, "sparse", False) is True and refuses_sparse_grad(optimizer):
-        name = type(optimizer).__name__
+    refused = sparse_grad_refusal(optimizer, param) if getattr(owner, "sparse", False) is True else None
+    if refused is not None:
         raise OptionError(f"the model's {variable_name!r} ({type(owner).__name__}) was built with sparse=True, "
-                          f"and {name} does not take the sparse gradient it gives: its first optimizer.step() "
-                          f"would raise. Build it with sparse=False (SpeedTorch's README asks for that too; "
-                          f"the step updates only the step's rows either way), or train it with SGD or "
-                          f"Adagrad (without weight_decay) or SparseAdam, which take sparse gradients")
+                          f"and {refused} does not take the sparse gradient it gives: its first "
+                          f"optimizer.step() would raise. Build it with sparse=False (SpeedTorch's README asks "
+                          f"for that too; the step updates only the step's rows either way), or train it "
+                          f"with SGD or Adagrad (without weight_decay) or SparseAdam, which take sparse "
+                          f"gradients")
 
 
 class _Narrowing:
@@ -128,7 +130,8 @@ class OptimizerFactory(Switcher):
             a keyword it does not take (``device``, ``max_rows``, ``datatype``).
         OptionError: no such parameter, an optimizer not holding it, one
             whose state is not element-wise (LBFGS), one that takes no sparse
-            gradient (Adam) over an ``nn.Embedding(sparse=True)``, or a bad
+            gradient (Adam, SGD with weight decay) over an
+            ``nn.Embedding(sparse=True)``, or a bad
             ``cache_rows`` (another than the embedding's ModelFactory's).
         StateError: built in the middle of a step of the embedding's switchers.
 
@@ -155,7 +158,7 @@ class OptimizerFactory(Switcher):
         # bool("False") is True, and RowState reads a non-bool as a set of file names.
         overwrite = bool_option(overwrite, "overwrite", hint=" (replace existing mmap state files in path)")
         param = _parameter_named(model, variable_name)
-        _refuse_sparse_embedding(given_optimizer, _owner_named(model, variable_name), variable_name)
+        _refuse_sparse_embedding(given_optimizer, param, _owner_named(model, variable_name), variable_name)
         super().__init__(param, total_classes, embed_dimension, dtype, cache_rows,
                          find_param=lambda: _parameter_named(model, variable_name))
         self._state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),

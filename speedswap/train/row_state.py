@@ -28,7 +28,7 @@ from .scratch_writes import same_memory
 
 __all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep", "EmptySparseGradient",
            "drop_leftover_state", "refuse_unasked_restart", "check_state_files",
-           "take_assigned", "refuses_sparse_grad"]
+           "take_assigned", "sparse_grad_refusal"]
 
 #: (id of a scratch tensor a RowState handed an optimizer, id of its parameter) -> the tensor,
 #: held weakly. By ids: a tensor's == is element-wise (no WeakSet), and an attribute on the
@@ -137,22 +137,38 @@ _SPARSE_GRAD_ONLY = (torch.optim.SparseAdam,)
 #: optimizer built of a class wraps its class's step in a profiling hook.
 _DENSE_GRAD_STEPS = frozenset(inspect.unwrap(cls.step) for cls in _ROW_STATE
                               if cls not in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.SparseAdam))
+#: The steps that take a sparse gradient only without weight decay ("weight_decay option is not
+#: compatible with sparse gradients", and SGD's "add(sparse, dense) is not supported").
+_UNDECAYED_SPARSE_GRAD_STEPS = frozenset(inspect.unwrap(cls.step) for cls in (torch.optim.SGD, torch.optim.Adagrad))
 
 
-def refuses_sparse_grad(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` is the step of a torch optimizer that raises at a sparse gradient.
+def sparse_grad_refusal(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Optional[str]:
+    """What of ``optimizer`` makes its ``step()`` raise at a sparse gradient of ``param``, if anything.
 
     A subclass with a step of its own may take one: only torch's own steps are known to refuse it.
 
     Args:
         optimizer: any optimizer.
+        param: the parameter whose gradient is sparse.
 
     Returns:
-        True for Adam, AdamW, Adamax, NAdam, RAdam, Adadelta, RMSprop, Rprop
-        and ASGD, and their subclasses that keep torch's ``step``.
+        ``"Adam"`` for Adam, AdamW, Adamax, NAdam, RAdam, Adadelta, RMSprop,
+        Rprop and ASGD (and their subclasses that keep torch's ``step``),
+        ``"SGD with weight_decay=0.1"`` for SGD or Adagrad whose group of
+        ``param`` decays; None otherwise (an optimizer that does not hold
+        ``param`` too: that is refused elsewhere).
     """
     step = getattr(type(optimizer), "step", None)
-    return callable(step) and inspect.unwrap(step) in _DENSE_GRAD_STEPS
+    if not callable(step):
+        return None
+    step, name = inspect.unwrap(step), type(optimizer).__name__
+    if step in _DENSE_GRAD_STEPS:
+        return name
+    if step in _UNDECAYED_SPARSE_GRAD_STEPS:
+        for group in getattr(optimizer, "param_groups", ()):
+            if any(p is param for p in group["params"]) and group.get("weight_decay", 0) != 0:
+                return f"{name} with weight_decay={group['weight_decay']}"
+    return None
 
 
 def _group_of(optimizer, param):
