@@ -664,6 +664,17 @@ def test_from_pretrained_refuses_rows_from_numpy_refuses_before_making_its_files
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_optimizer_with_a_step_of_its_own_over_a_sparse_embedding_is_not_refused():
+    """Only torch's own steps are known to refuse a sparse gradient: a step of one's own may take it."""
+
+    class OwnStep(torch.optim.Adam):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    optimizer_factory(OwnStep, sparse=True).close()
+    optimizer_factory(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), sparse=True).close()
+
+
 def int_rows_npy(d, rng):
     """The path of a ``.npy`` file of int64 rows (ids saved where vectors were meant)."""
     np.save(d / "ints.npy", rng.integers(0, 9, (ROWS, DIM)))
