@@ -307,8 +307,10 @@ class ModelFactory(Switcher):
             ShapeError: ids that do not fit the placeholders.
             StateError: the previous step was not finished with :meth:`after_step`
                 (on this switcher, or on the embedding's OptimizerFactory); once, the
-                model's embedding was written in place since the last step, which
-                reached no row of the table (an initialiser over ``model.parameters()``).
+                model's embedding was written in place since the last step, or given
+                other values through ``weight.data = tensor``, which reached no row of
+                the table (an initialiser over ``model.parameters()``,
+                ``torch.nn.utils.vector_to_parameters``).
             OptionError: ``torch.distributed`` runs several ranks (the
                 switcher was built before ``init_process_group``).
 

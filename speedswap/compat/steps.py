@@ -36,8 +36,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..convert import as_id_tensor, bounds_check, check_id_range, is_uint64, read_bounds
 from ..errors import IdError, OptionError, StateError
 from ..train.caching import idle_stats, new_cache, rewriting
-from ..train.conversions import (guard_parameter, refuse_conversion, refuse_new_gradient_storage,
-                                 refuse_new_storage)
+from ..train.conversions import (gives_new_storage, guard_parameter, refuse_conversion,
+                                 refuse_new_gradient_storage, refuse_new_storage)
 from ..train.leftover import untouched
 from ..train.one_process import OneProcess
 from ..train.one_thread import OneThread, one_thread
@@ -140,6 +140,7 @@ class SharedSteps:
         # Between steps the parameter's slots hold no row: a write into them in place is lost
         # at the next before_forward, so it is refused there (see watch_loads for the loads).
         self.scratch_writes = ScratchWrites(param, _written)
+        self._scratch = None  # the slots' memory (param.data) since a ModelFactory joined (see take_back_scratch)
         self._load_hooks = {}  # id(module) -> its load_state_dict post hook (see watch_loads)
         # Both switchers' calls claim it, and a step holds it from its first begin() until it is
         # no longer busy(): another thread's before_forward would clear the working set under
@@ -225,6 +226,7 @@ class SharedSteps:
         member = self._members[kind] = _Member(switcher, tables, cache_rows)
         if kind == MODEL:  # its slots are the table's from here: writes before are not lost to it
             self.scratch_writes.note_own(self.param)
+            self._scratch = self.param.data
         state = getattr(tables, "tables", None)  # an OptimizerFactory's RowState: {name: HostTable}
         # Kept once a member brought one: forked processes would share those files (see prepare).
         self._in_files |= any(t.storage == "mmap" for t in (state.values() if state is not None else [tables]))
@@ -258,6 +260,8 @@ class SharedSteps:
             if self.busy():
                 refuse_new_storage(kind, fn, self.param, "after_step")
             refuse_new_gradient_storage(kind, fn, self.param)
+            if gives_new_storage(fn, self.param):
+                self.scratch_writes.note_conversion()  # to_empty(): its memory is no write of the user's
 
     def _watch_gradients(self):
         """Hook :func:`_refuse_leftover_gradient` on the parameter, once, when it takes gradients.
@@ -285,6 +289,21 @@ class SharedSteps:
         if id(module) not in self._load_hooks:
             self._load_hooks[id(module)] = module.register_load_state_dict_post_hook(
                 functools.partial(_note_load, weakref.ref(self)))
+
+    def take_back_scratch(self) -> None:
+        """Between steps, give the parameter its slots back after ``param.data = tensor``.
+
+        ``torch.nn.utils.vector_to_parameters`` (or an update written by hand)
+        assigns the weight other memory, which torch counts as no write: the
+        next step would fill it with the table's rows, and the values
+        assigned would be lost. Other values than the slots hold are refused
+        at the step's start (:meth:`ScratchWrites.take_back`, then
+        :meth:`prepare`). In a step (SAM's ``p.data = old_p``) the step's rows
+        are in the assigned memory and after_step writes them back; with no
+        ModelFactory the parameter holds the user's own rows.
+        """
+        if self._scratch is not None and self.serving(MODEL) and not self.busy():
+            self.scratch_writes.take_back(self.param, self._scratch)
 
     def _leave(self, kind, member):
         if self._members.get(kind) is not member:
@@ -383,8 +402,9 @@ class SharedSteps:
                 ids, or it ended its part already); in a process forked from the one
                 that built the switchers, tables the two share (after ``model.share_memory()``,
                 or in mmap files: see :mod:`~speedswap.train.one_process`); once, a new step
-                after a write in place into the ModelFactory's embedding since the last step
-                (:meth:`ScratchWrites.refuse_written`: it reached no row of the table).
+                after a write into the ModelFactory's embedding since the last step, in place
+                or through ``param.data = tensor`` (:meth:`take_back_scratch`;
+                :meth:`ScratchWrites.refuse_written`: it reached no row of the table).
         """
         self._one_process.refuse_shared_training(self.param, self._in_files)
         self._undo_interrupted_step()
@@ -701,7 +721,8 @@ class SharedSteps:
         ModelFactory's after_step; a lone OptimizerFactory's). Before that the
         step's rows in the parameter and the optimizer are those read from the
         tables, which (once a cache wrote its rows back) hold what memory holds.
-        A write through ``param.data`` changes no version and goes unseen.
+        A write through ``param.data`` changes no version and goes unseen
+        (between steps, ``param.data = tensor`` is refused: :meth:`take_back_scratch`).
         """
         step = self.current
         if step is None or not step.unfinished():

@@ -307,7 +307,9 @@ class Switcher(SpeedTorchFiles):
         (:meth:`SharedSteps.check_conversion`); this catches what no
         ``nn.Module._apply`` did (``weight.data = weight.data.double()``),
         new storage of another kind, which the host table cannot fill:
-        training would silently stop.
+        training would silently stop. Between steps, other memory of the same
+        kind assigned to ``weight.data`` gives way to the slots again
+        (:meth:`SharedSteps.take_back_scratch`), refused by the step it begins.
 
         Raises:
             OptionError: the parameter was converted or replaced since.
@@ -317,6 +319,7 @@ class Switcher(SpeedTorchFiles):
                               f"was built (load_state_dict(assign=True), or a conversion that makes new "
                               f"parameters): the switcher would fill the old one and training would "
                               f"stop; build the switchers after replacing it")
+        self._steps.take_back_scratch()
         data = self._param.data
         if (data.dtype, data.device) != self._built_for:
             dtype, device = self._built_for
