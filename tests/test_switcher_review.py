@@ -2,7 +2,15 @@
 
 * ``weight.data = tensor`` between steps (``torch.nn.utils.vector_to_parameters``)
   reached no row: refused once by the next ``before_forward``, the slots given back.
+* ``copy.deepcopy(model)``, ``AveragedModel(model)``, ``torch.save(model)`` of a model
+  whose embedding a ModelFactory switches would copy (and average) a few slots
+  of stale rows: refused, naming the way out; after ``close()``, or with only an
+  OptimizerFactory, the model copies as any other.
 """
+
+import copy
+import io
+import pickle
 
 import numpy as np
 import pytest
@@ -91,3 +99,58 @@ def test_weight_data_given_the_same_values_or_converted_goes_on(backend, table0,
                 model.to_empty(device=device)
         train_step(model, opt, switchers, batch)
     assert_trained_as_in_memory(switchers, table0, batches)
+
+
+# ------------------------------------------------------------------ copies of the model
+
+COPIES = {
+    "deepcopy": copy.deepcopy,
+    "AveragedModel": torch.optim.swa_utils.AveragedModel,
+    "torch.save": lambda model: torch.save(model, io.BytesIO()),
+    "pickle": pickle.dumps,
+}
+
+
+@pytest.mark.parametrize("copier", list(COPIES))
+@pytest.mark.parametrize("given", ["embedding", "embedding, no OptimizerFactory", "bare weight"])
+def test_a_copy_of_a_switched_model_is_refused_and_names_the_way_out(backend, table0, rng, copier, given):
+    optimizer_switcher = given != "embedding, no OptimizerFactory"
+    if given == "bare weight":  # the OptimizerFactory, given the model, knows the module
+        model, opt, switchers = build(backend, table0)
+        switchers[0].close()
+        switchers[0] = ss.ModelFactory(model.u_embeddings.weight, ROWS, DIM, backend=backend)
+        switchers[0].customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    else:
+        model, opt, switchers = build(backend, table0, optimizer_switcher)
+    batches = zipf_batches(rng, 6, ss.get_backend(backend).device, ROWS)
+    for batch in batches[:3]:
+        train_step(model, opt, switchers, batch)
+    before = [s.getNumpyVersion() for s in switchers]
+    keys = list(model.state_dict())
+    with pytest.raises(ss.StateError, match=r"AveragedModel\(model\.head\).*getNumpyVersion"):
+        COPIES[copier](model)
+    assert_unchanged(switchers, before)
+    # The way out works, and the model is as it was: its state_dict, a conversion that keeps it, training.
+    torch.optim.swa_utils.AveragedModel(model.lin).update_parameters(model.lin)
+    assert list(model.state_dict()) == keys
+    model.to(ss.get_backend(backend).device)
+    for batch in batches[3:]:
+        train_step(model, opt, switchers, batch)
+    assert_trained_as_in_memory(switchers, table0, batches, optimizer_switcher)
+
+
+def test_a_model_copies_as_any_other_once_its_switchers_are_closed_or_with_an_optimizer_factory_alone(
+        backend, table0, rng):
+    """The copies' hooks do nothing: a copy's forward takes any ids, and its loads go through."""
+    model, opt, switchers = build(backend, table0)
+    o = switchers[1]
+    switchers[0].close()  # the OptimizerFactory alone: the weight holds the user's own rows
+    for copier in (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
+        copied = copier(model)
+        ids = torch.arange(CAPACITY, device=model.u_embeddings.weight.device)
+        torch.testing.assert_close(copied.u_embeddings(ids), model.u_embeddings(ids), rtol=0, atol=0)
+        copied.load_state_dict(model.state_dict())
+        torch.optim.swa_utils.AveragedModel(model).update_parameters(model)
+    o.close()
+    copied = copy.deepcopy(model)
+    torch.testing.assert_close(copied.u_embeddings.weight, model.u_embeddings.weight, rtol=0, atol=0)

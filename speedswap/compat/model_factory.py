@@ -37,7 +37,7 @@ from ..errors import FileFormatError, OptionError, ShapeError, StateError
 from ..files import suffix_format
 from ..table import HostTable, loading_into
 from ..train.one_thread import one_thread
-from .steps import MODEL
+from .steps import MODEL, ModuleHook
 from .switcher import LocalIds, Switcher, device_of, storage_of, weight_of
 
 __all__ = ["ModelFactory"]
@@ -163,7 +163,8 @@ class ModelFactory(Switcher):
         if isinstance(model_variable, torch.nn.Module):
             owner = weakref.ref(self)
             self._stale_hook = model_variable.register_forward_pre_hook(
-                lambda module, args, kwargs: _check_stale(owner, args, kwargs), with_kwargs=True)
+                ModuleHook(lambda module, args, kwargs: _check_stale(owner, args, kwargs), self._steps),
+                with_kwargs=True)
         self._register(self._table)
         if module is not None:  # its loads write the slots: not refused (a bare weight's module is unknown)
             self._steps.watch_loads(module)

@@ -46,7 +46,7 @@ from ..train.scratch_writes import ScratchWrites
 from ..train.step_hooks import closure_of
 from ..train.working_set import WorkingSet
 
-__all__ = ["SharedSteps", "steps_for", "MODEL", "OPTIMIZER"]
+__all__ = ["SharedSteps", "ModuleHook", "steps_for", "MODEL", "OPTIMIZER"]
 
 _NAMES = ("pos ids", "neg ids")
 
@@ -112,6 +112,44 @@ def _refuse_leftover_gradient(ref, incoming):
                          "them. Gradient accumulation across steps (beforeForwardPass to "
                          "afterOptimizerStep; before_forward to after_step) is not supported: call "
                          "optimizer.zero_grad() before each step's backward")
+
+
+class ModuleHook:
+    """A hook of the switchers on a module of the user's model: a copy of the model is refused while it would be wrong.
+
+    ``copy.deepcopy(model)`` (``torch.optim.swa_utils.AveragedModel``, an EMA
+    copy) and pickling (``torch.save(model)``) copy the module's hooks with it.
+    While a ModelFactory switches the embedding, its ``nn.Embedding`` holds a
+    step's slots, not the table, so the copy would hold a few slots of stale
+    rows and an average of it would average those: refused, naming the way out
+    (:func:`_copied`). Otherwise (only an OptimizerFactory: the weight holds
+    the user's rows) the copy goes on with a hook that does nothing, as the
+    copy's parameter is no switcher's.
+
+    Args:
+        fn: the hook, or None for one that does nothing.
+        steps: the embedding's :class:`SharedSteps`, held weakly.
+    """
+
+    def __init__(self, fn, steps=None):
+        self._fn = fn
+        self._steps = None if steps is None else weakref.ref(steps)
+
+    def __call__(self, *args, **kwargs):
+        return None if self._fn is None else self._fn(*args, **kwargs)
+
+    def _refuse_copy(self):
+        steps = None if self._steps is None else self._steps()
+        if steps is not None and steps.serving(MODEL):
+            raise _copied()
+
+    def __deepcopy__(self, memo):
+        self._refuse_copy()
+        return ModuleHook(None)
+
+    def __reduce_ex__(self, protocol):
+        self._refuse_copy()
+        return ModuleHook, (None,)
 
 
 class SharedSteps:
@@ -288,7 +326,7 @@ class SharedSteps:
         """
         if id(module) not in self._load_hooks:
             self._load_hooks[id(module)] = module.register_load_state_dict_post_hook(
-                functools.partial(_note_load, weakref.ref(self)))
+                ModuleHook(functools.partial(_note_load, weakref.ref(self)), self))
 
     def take_back_scratch(self) -> None:
         """Between steps, give the parameter its slots back after ``param.data = tensor``.
@@ -899,6 +937,20 @@ def _written(how: str) -> StateError:
         f"u_switch.loadCupy(path); skip the embedding's weight in loops that initialise every parameter "
         f"(model.load_state_dict(...) is accepted once a ModelFactory was given the nn.Embedding, or an "
         f"OptimizerFactory the model, not the bare weight). The next beforeForwardPass goes on")
+
+
+def _copied() -> StateError:
+    """The refusal of a copy of a model whose embedding a ModelFactory switches (see :class:`ModuleHook`)."""
+    return StateError(
+        "a model whose nn.Embedding a ModelFactory switches cannot be deep-copied or pickled: the "
+        "embedding holds only the slots of a step's rows (stale rows between steps), while the table "
+        "lives in the switcher's host memory, so a copy (copy.deepcopy, an EMA copy, "
+        "torch.optim.swa_utils.AveragedModel) would hold, and average, those slots. Average the other "
+        "modules alone (AveragedModel(model.head)); for a copy of the whole model, build it with an "
+        "nn.Embedding of every row and copy the table in (nn.Embedding.from_pretrained("
+        "torch.from_numpy(u_switch.getNumpyVersion()), freeze=False)); checkpoint with "
+        "torch.save(model.state_dict()) and u_switch.saveCupy(path). If this came from "
+        "torch.save(model, path), torch had opened path first and left it truncated")
 
 
 #: The handles of :func:`_check_switched_steps` and :func:`_note_switched_steps`, registered when the
