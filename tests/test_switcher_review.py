@@ -6,6 +6,8 @@
   whose embedding a ModelFactory switches would copy (and average) a few slots
   of stale rows: refused, naming the way out; after ``close()``, or with only an
   OptimizerFactory, the model copies as any other.
+* ``model.load_state_dict(sd, assign=True)`` would replace the switched weight:
+  refused at the load, the embedding left as it was; ``assign=False`` goes on.
 """
 
 import copy
@@ -154,3 +156,42 @@ def test_a_model_copies_as_any_other_once_its_switchers_are_closed_or_with_an_op
     o.close()
     copied = copy.deepcopy(model)
     torch.testing.assert_close(copied.u_embeddings.weight, model.u_embeddings.weight, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ load_state_dict(assign=True)
+
+@pytest.mark.parametrize("given", ["embedding", "embedding, no OptimizerFactory", "bare weight"])
+@pytest.mark.parametrize("cache_rows", [0, 16])
+def test_a_load_with_assign_is_refused_at_the_load_and_assign_false_trains_as_in_memory(
+        backend, table0, rng, tmp_path, given, cache_rows):
+    """A save and load in the middle of training (Adam, Zipf ids): the model's state_dict, the
+    switchers' files and the optimizer's state; ``assign=True`` is refused before the embedding
+    changes, ``assign=False`` goes on and the table trains as the in-memory reference."""
+    optimizer_switcher = given != "embedding, no OptimizerFactory"
+    model, opt, switchers = build(backend, table0, optimizer_switcher, cache_rows)
+    if given == "bare weight":
+        switchers[0].close()
+        switchers[0] = ss.ModelFactory(model.u_embeddings.weight, ROWS, DIM, backend=backend, cache_rows=cache_rows)
+        switchers[0].customInit(lambda t: t.copy_(torch.from_numpy(table0)))
+    batches = zipf_batches(rng, 16, ss.get_backend(backend).device, ROWS)
+    weight = model.u_embeddings.weight
+    for batch in batches[:4]:
+        train_step(model, opt, switchers, batch)
+    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    files = [tmp_path / "u.npy", tmp_path / "opt"][:len(switchers)]
+    for switcher, path in zip(switchers, files):
+        switcher.saveCupy(path)
+    for batch in batches[4:8]:
+        train_step(model, opt, switchers, batch)
+    slots = weight.detach().clone()
+    with pytest.raises(ss.StateError, match=r"assign=True.*'u_embeddings\.weight'.*assign=False"):
+        model.load_state_dict(saved[0], assign=True)
+    assert model.u_embeddings.weight is weight
+    torch.testing.assert_close(weight.detach(), slots, rtol=0, atol=0)
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    for switcher, path in zip(switchers, files):
+        switcher.loadCupy(path)
+    for batch in batches[4:]:
+        train_step(model, opt, switchers, batch)
+    assert_trained_as_in_memory(switchers, table0, batches, optimizer_switcher)

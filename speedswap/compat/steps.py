@@ -179,7 +179,7 @@ class SharedSteps:
         # at the next before_forward, so it is refused there (see watch_loads for the loads).
         self.scratch_writes = ScratchWrites(param, _written)
         self._scratch = None  # the slots' memory (param.data) since a ModelFactory joined (see take_back_scratch)
-        self._load_hooks = {}  # id(module) -> its load_state_dict post hook (see watch_loads)
+        self._load_hooks = {}  # id(module) -> its load_state_dict pre and post hooks (see watch_loads)
         # Both switchers' calls claim it, and a step holds it from its first begin() until it is
         # no longer busy(): another thread's before_forward would clear the working set under
         # the step, and its reads would flush and refill the cache the step fetches from.
@@ -319,14 +319,18 @@ class SharedSteps:
         ``module`` holds the parameter: a load of the model's state dict
         (saved with the switchers' tables, which ``save``/``load`` restore)
         writes the slots in place, as a load overwrites the weight in memory,
-        and is no write to refuse at the next ``before_forward``.
+        and is no write to refuse at the next ``before_forward``. A load with
+        ``assign=True``, which would replace the parameter, is refused before
+        it reaches the module (:func:`_refuse_assign`).
 
         Args:
             module: the module whose own parameter the switched weight is.
         """
         if id(module) not in self._load_hooks:
-            self._load_hooks[id(module)] = module.register_load_state_dict_post_hook(
-                ModuleHook(functools.partial(_note_load, weakref.ref(self)), self))
+            ref = weakref.ref(self)
+            self._load_hooks[id(module)] = (
+                module.register_load_state_dict_pre_hook(ModuleHook(functools.partial(_refuse_assign, ref), self)),
+                module.register_load_state_dict_post_hook(ModuleHook(functools.partial(_note_load, ref), self)))
 
     def take_back_scratch(self) -> None:
         """Between steps, give the parameter its slots back after ``param.data = tensor``.
@@ -365,8 +369,9 @@ class SharedSteps:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        for handle in self._load_hooks.values():
-            handle.remove()
+        for handles in self._load_hooks.values():
+            for handle in handles:
+                handle.remove()
         self._load_hooks.clear()
         self._leftover = self._finished = self.current = None
         if _STEPS.get(self.param) is not None and _STEPS[self.param]() is self:
@@ -917,6 +922,32 @@ def _note_switched_steps(optimizer, args, kwargs):
             continue
         if any(p is param for group in optimizer.param_groups for p in group["params"]):
             steps.scratch_writes.end_own(param)
+
+
+def _refuse_assign(ref, module, state_dict, prefix, local_metadata, *_):
+    """A load_state_dict pre-hook (see :meth:`SharedSteps.watch_loads`): refuse replacing the switched weight.
+
+    Raises:
+        StateError: ``load_state_dict(..., assign=True)`` of a state dict holding the weight; the
+            module and those under it are left as they were (modules loaded before it in the
+            model were loaded).
+    """
+    steps = ref()
+    if steps is None or not local_metadata.get("assign_to_params_buffers", False):
+        return
+    name = next((n for n, p in module.named_parameters(recurse=False) if p is steps.param), None)
+    if name is None or prefix + name not in state_dict:
+        return
+    # torch writes the flag into the state dict's own _metadata and never takes it back: a retry
+    # of the same state dict with assign=False would be taken as assign=True again.
+    local_metadata.pop("assign_to_params_buffers")
+    raise StateError(
+        f"model.load_state_dict(..., assign=True) would replace the model's embedding weight "
+        f"{prefix + name!r} with the state dict's tensor, but speedswap's switchers (and the optimizer) "
+        f"hold this Parameter: they would fill and step the old one, which the model no longer reads. "
+        f"The embedding was not loaded (modules before it in the model were): load with assign=False "
+        f"(the default), which copies into the embedding's slots (the switchers' loadCupy restores "
+        f"the table), or close() its switchers, load, and build them again")
 
 
 def _note_load(ref, module, incompatible_keys):
