@@ -165,13 +165,18 @@ def test_switchers_refuse_a_weight_converted_around_the_module_walk(rng):
 
 
 def test_switchers_refuse_a_weight_replaced_after_them():
-    """load_state_dict(assign=True) gives the module a new weight; the switchers filled the old one."""
+    """A new weight in the module's place: the switchers would fill the old one. load_state_dict(assign=True)
+    is refused at the load (the weight stays), another Parameter assigned by the next step."""
     model = torch.nn.Embedding(8, DIM)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     holder = torch.nn.ModuleDict({"e": model})
     u = ss.ModelFactory(model, ROWS, DIM, CPUPinn=True, backend="numpy")
     o = ss.OptimizerFactory(opt, ROWS, DIM, holder, "e", CPUPinn=True, backend="numpy")
-    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    weight = model.weight
+    with pytest.raises(ss.OptionError, match="assign=True"):
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    assert model.weight is weight
+    model.weight = torch.nn.Parameter(weight.detach().clone())
     for switcher in (u, o):
         with pytest.raises(ss.OptionError, match="weight was replaced"):
             switcher.before_forward(torch.tensor([1, 2]))

@@ -184,7 +184,7 @@ def test_a_load_with_assign_is_refused_at_the_load_and_assign_false_trains_as_in
     for batch in batches[4:8]:
         train_step(model, opt, switchers, batch)
     slots = weight.detach().clone()
-    with pytest.raises(ss.StateError, match=r"assign=True.*'u_embeddings\.weight'.*assign=False"):
+    with pytest.raises(ss.OptionError, match=r"assign=True.*'u_embeddings\.weight'.*assign=False"):
         model.load_state_dict(saved[0], assign=True)
     assert model.u_embeddings.weight is weight
     torch.testing.assert_close(weight.detach(), slots, rtol=0, atol=0)

@@ -928,7 +928,7 @@ def _refuse_assign(ref, module, state_dict, prefix, local_metadata, *_):
     """A load_state_dict pre-hook (see :meth:`SharedSteps.watch_loads`): refuse replacing the switched weight.
 
     Raises:
-        StateError: ``load_state_dict(..., assign=True)`` of a state dict holding the weight; the
+        OptionError: ``load_state_dict(..., assign=True)`` of a state dict holding the weight; the
             module and those under it are left as they were (modules loaded before it in the
             model were loaded).
     """
@@ -941,7 +941,7 @@ def _refuse_assign(ref, module, state_dict, prefix, local_metadata, *_):
     # torch writes the flag into the state dict's own _metadata and never takes it back: a retry
     # of the same state dict with assign=False would be taken as assign=True again.
     local_metadata.pop("assign_to_params_buffers")
-    raise StateError(
+    raise OptionError(
         f"model.load_state_dict(..., assign=True) would replace the model's embedding weight "
         f"{prefix + name!r} with the state dict's tensor, but speedswap's switchers (and the optimizer) "
         f"hold this Parameter: they would fill and step the old one, which the model no longer reads. "

@@ -316,7 +316,7 @@ class Switcher(SpeedTorchFiles):
         """
         if self._find_param is not None and self._find_param() is not self._param:
             raise OptionError(f"the model's embedding weight was replaced after {type(self).__name__} "
-                              f"was built (load_state_dict(assign=True), or a conversion that makes new "
+                              f"was built (a Parameter assigned in its place, or a conversion that makes new "
                               f"parameters): the switcher would fill the old one and training would "
                               f"stop; build the switchers after replacing it")
         self._steps.take_back_scratch()
