@@ -571,7 +571,7 @@ def test_a_file_reader_closed_by_two_threads_returns_to_each_once_its_files_are_
     rows = filesource.FileRows(str(path), ss.files.read_npy_header(path).offset, 64, (3,), torch.float32,
                                ss.files.identity(os.stat(path)))
     held = fds_on(path)
-    reader = filesource.RowReader([rows], rng.permutation(64))
+    reader = filesource.RowReader([rows])
     shutdown, entered, release = reader._pool.shutdown, threading.Event(), threading.Event()
 
     def slow_shutdown(**kwargs):  # as a pool waiting for a read in flight
@@ -1053,7 +1053,7 @@ def test_a_file_reader_closed_in_a_forked_child_does_not_wait_for_its_parents_po
     write(path, rng.standard_normal((64, 3)).astype(np.float32))
     rows = filesource.FileRows(str(path), ss.files.read_npy_header(path).offset, 64, (3,), torch.float32,
                                ss.files.identity(os.stat(path)))
-    reader = filesource.RowReader([rows], rng.permutation(64))
+    reader = filesource.RowReader([rows])
 
     def child():
         held = fds_on(path)
@@ -1094,7 +1094,7 @@ def test_a_batch_read_while_another_thread_closes_the_reader_is_refused(tmp_path
     write(path, rng.standard_normal((64, 3)).astype(np.float32))
     rows = filesource.FileRows(str(path), ss.files.read_npy_header(path).offset, 64, (3,), torch.float32,
                                ss.files.identity(os.stat(path)))
-    reader = filesource.RowReader([rows], rng.permutation(64))
+    reader = filesource.RowReader([rows])
     wait = reader._wait
 
     def closed_once_read(futures):  # as set_epoch closing the reader on another thread just then
@@ -1103,7 +1103,7 @@ def test_a_batch_read_while_another_thread_closes_the_reader_is_refused(tmp_path
 
     reader._wait = closed_once_read
     with pytest.raises(ss.StateError, match="closed by another thread"):
-        reader.read(0, 16)
+        reader.read(0, rng.permutation(64)[:16])
 
 
 @_SWEEPS_MODEL_CTRL_C
@@ -1135,7 +1135,7 @@ def test_an_interrupt_anywhere_as_a_file_reader_is_made_leaves_no_descriptor(tmp
 
     def make_and_close(counting):
         counting(True)
-        reader = filesource.RowReader(files, rng.permutation(64))
+        reader = filesource.RowReader(files)
         counting(False)
         reader.close()
 
@@ -1181,8 +1181,8 @@ def test_an_interrupt_anywhere_as_a_file_reader_is_closed_leaves_no_descriptor_t
 
     def read_and_close_twice(counting):
         ids = rng.permutation(64)
-        reader = filesource.RowReader(files, ids, threads=1)
-        for got, array in zip(reader.read(0, 32), data):  # the pool has a thread to wait for
+        reader = filesource.RowReader(files, threads=1)
+        for got, array in zip(reader.read(0, ids[:32]), data):  # the pool has a thread to wait for
             np.testing.assert_array_equal(got.numpy(), array[ids[:32]])
         counting(True)
         try:
@@ -1209,12 +1209,12 @@ def test_an_interrupt_anywhere_as_a_file_reader_is_closed_leaves_no_descriptor_t
     assert not left and not wrong, f"a close interrupted at {left}, {wrong} (of {points})"
 
 
-def row_reader(path, data, ids, threads=16, drop_behind=False):
-    """A RowReader of ``ids`` over a fresh ``.npy`` at ``path`` holding ``data``."""
+def row_reader(path, data, threads=16, drop_behind=False):
+    """A RowReader over a fresh ``.npy`` at ``path`` holding ``data``."""
     write(path, data)
     rows = filesource.FileRows(str(path), ss.files.read_npy_header(path).offset, len(data), data.shape[1:],
                                torch.from_numpy(data[:0]).dtype, ss.files.identity(os.stat(path)))
-    return filesource.RowReader([rows], ids, threads=threads, drop_behind=drop_behind)
+    return filesource.RowReader([rows], threads=threads, drop_behind=drop_behind)
 
 
 @pytest.mark.parametrize("row_floats", [3, 1025])  # 12-byte rows, and rows that straddle pages
@@ -1229,7 +1229,7 @@ def test_a_short_read_mid_part_still_gives_every_row_exactly_and_drops_each_rows
     n = 300
     data = rng.standard_normal((n, row_floats)).astype(np.float32)
     ids = np.concatenate([rng.permutation(n), rng.integers(0, n, 100)])  # repeats too, as padding makes
-    reader = row_reader(tmp_path / "x.npy", data, ids, threads, drop_behind)
+    reader = row_reader(tmp_path / "x.npy", data, threads, drop_behind)
     offset, size = reader._files[0].offset, reader._files[0].row_bytes
     preadv, fadvise, calls, short, dropped = os.preadv, os.posix_fadvise, [], [], []
 
@@ -1248,7 +1248,7 @@ def test_a_short_read_mid_part_still_gives_every_row_exactly_and_drops_each_rows
     monkeypatch.setattr(os, "posix_fadvise", recording)
     try:
         for lo in range(0, len(ids), 64):
-            (got,) = reader.read(lo, min(lo + 64, len(ids)))
+            (got,) = reader.read(lo, ids[lo:lo + 64])
             np.testing.assert_array_equal(got.numpy(), data[ids[lo:lo + 64]])
     finally:
         reader.close()
@@ -1266,7 +1266,7 @@ def test_a_disk_error_mid_part_is_raised_naming_its_row_and_never_read_again(tmp
     handed to _read to try again, which would hide a disk that fails now and then."""
     data = rng.standard_normal((200, 4)).astype(np.float32)
     ids = rng.permutation(200)
-    reader = row_reader(tmp_path / "x.npy", data, ids, threads)
+    reader = row_reader(tmp_path / "x.npy", data, threads)
     offset, size = reader._files[0].offset, reader._files[0].row_bytes
     bad = int(ids[int(rng.integers(0, 100))])
     preadv, calls = os.preadv, []
@@ -1281,9 +1281,9 @@ def test_a_disk_error_mid_part_is_raised_naming_its_row_and_never_read_again(tmp
     try:
         with pytest.raises(ss.FileFormatError, match=rf"x\.npy.*Input/output error while reading rows "
                                                      rf"{bad}\.\.{bad} \(bytes") as raised:
-            reader.read(0, 100)
+            reader.read(0, ids[:100])
         assert raised.value.errno == errno.EIO and calls.count(offset + bad * size) == 1
-        (got,) = reader.read(100, 200)  # the next batch reads on
+        (got,) = reader.read(100, ids[100:200])  # the next batch reads on
         np.testing.assert_array_equal(got.numpy(), data[ids[100:]])
     finally:
         reader.close()

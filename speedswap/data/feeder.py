@@ -29,7 +29,7 @@ from ..table import HostTable
 from .create import native_copy_advice
 from .filesource import FileRows, RowReader, WindowReader, window_rows
 from .gadget import DataGadget
-from .orders import Order, make_order, shard
+from .orders import Order, epoch_share, make_order
 from .readahead import CudaStager, LaunchAhead, ReaderThread, SyncReader, in_background
 
 __all__ = ["BatchFeeder", "Source"]
@@ -281,41 +281,45 @@ def _check_prefetch(prefetch, batch_bytes, device):
                           f"(2 to 4 hide a batch's read time) or a smaller batch_size")
 
 
-#: RAM an epoch's order takes per row of the dataset, at its peak: int64 row ids for the epoch being
-#: read and for the next one, drawn ahead, and the arrays of laying one out (a block order's shuffled
-#: grid, a window reader's map of rows to windows, a rank's share). Measured over two epochs of
-#: 20,000,000 rows: 16-30 bytes a row in random order, 16-40 in block and sequential order, by source
-#: (in RAM or a file) and world size (benchmarks/NOTES.md, entry 81); rounded up, for the margin
-#: a peak that depends on when the thread drawing the next epoch runs needs.
-_ORDER_BYTES_PER_ROW = {"random": 32, "block": 48, "sequential": 48}
+#: RAM a ``random`` epoch's order takes per row of the dataset, at its peak: int64 row ids for the
+#: epoch being read and for the next one, drawn ahead, and a rank's share split from the whole
+#: permutation. Measured over two epochs of 20,000,000 rows: 16-30 bytes a row, by source (in RAM
+#: or a file) and world size (benchmarks/NOTES.md, entries 81 and 88); rounded up, for the margin a
+#: peak that depends on when the thread drawing the next epoch runs needs. ``block`` and
+#: ``sequential`` orders hold no ids (:class:`~speedswap.data.orders.WindowedShare`).
+_RANDOM_ORDER_BYTES_PER_ROW = 32
 
 
 def _check_order_fits(order, num_rows):
-    """Refuse a dataset with more rows than the RAM available can hold the epoch's order of.
+    """Refuse a dataset with more rows than the RAM available can hold a ``random`` epoch's order of.
 
-    Windows and batches are bounded whatever the file's size, but an epoch's
-    order is not: it holds the ids of every row. A 4 GiB file of int32 tokens
-    (a billion rows) needs about 40 GB for it, and ran the process out of
-    memory at the first batch (numpy's MemoryError inside the file reader)
-    or, past the overcommit limit, was killed for it as the next epoch's order
-    was drawn. Checked once, as the window is: nothing is read yet.
+    Windows and batches are bounded whatever the file's size, and so are the
+    ids of a ``block`` or ``sequential`` epoch, made a window at a time; but
+    a ``random`` epoch is one permutation of every row, held whole. A 4 GiB
+    file of int32 tokens (a billion rows) needs about 32 GB for it, and ran
+    the process out of memory at the first batch or, past the overcommit
+    limit, was killed for it as the next epoch's order was drawn. Checked
+    once, as the window is: nothing is read yet.
 
     Args:
         order: the feeder's order.
         num_rows: rows in the dataset.
 
     Raises:
-        OutOfMemoryError: the order's ids would take more than 3/4 of the RAM available.
+        OutOfMemoryError: a ``random`` order's ids would take more than 3/4 of the RAM available.
     """
-    per_row = _ORDER_BYTES_PER_ROW[order.name]
+    if order.name != "random":
+        return
+    per_row = _RANDOM_ORDER_BYTES_PER_ROW
     need, room = num_rows * per_row, available_ram() * 3 // 4
     if need > room:
         raise OutOfMemoryError(
-            f"the sources have {num_rows:,} rows, and each epoch's {order.name} order holds ids for "
-            f"every row: about {need:,} bytes of RAM ({per_row} a row), more than 3/4 of the RAM available "
-            f"({room:,} bytes); give the feeder fewer, wider rows: view a 1-D token file as sequences "
-            f"(x[:len(x) - len(x) % 512].reshape(-1, 512), a view: nothing is read), or split the rows "
-            f"between feeders (x[:len(x) // 2], then x[len(x) // 2:])")
+            f"the sources have {num_rows:,} rows, and each epoch's random order holds ids for every "
+            f"row: about {need:,} bytes of RAM ({per_row} a row), more than 3/4 of the RAM available "
+            f"({room:,} bytes); use order=\"block\" (shuffled blocks of rows, their ids made a window "
+            f"at a time: no per-row memory, and a file is read in long stretches), or give the feeder "
+            f"fewer, wider rows: view a 1-D token file as sequences (x[:len(x) - len(x) % 512]"
+            f".reshape(-1, 512), a view: nothing is read)")
 
 
 def _check_windows_fit(order, files, num_rows):
@@ -432,7 +436,7 @@ class BatchFeeder:
     spot, which is faster than any hand-off. On every device the next epoch's
     order is drawn on a thread while this epoch is read (it is a pure function
     of ``seed`` and the epoch, so a loop that jumps elsewhere draws its own;
-    memory: one more epoch of row ids). Where no thread can start (the
+    memory: one more epoch of row ids in ``random`` order). Where no thread can start (the
     process's thread limit, the interpreter shutting down), both are done on
     the loop's thread: the same batches, later (a warning says so for the
     read-ahead). An exception met while reading
@@ -456,11 +460,13 @@ class BatchFeeder:
     about the disk's sequential speed; ``random`` order keeps 16 row reads in
     flight. Resident memory stays within ``max(2, windows one batch spans)``
     windows of ``window * block_rows`` rows plus ``prefetch + 1`` batches,
-    whatever the file's size, besides the epoch's order: row ids of every row,
-    counted as 32 bytes a row in ``random`` order and 48 in ``block`` and
-    ``sequential`` order. An order whose two windows would not fit in
-    half the RAM available, or whose ids would not fit in 3/4 of it, is refused
-    when the feeder is built. A file truncated while it is read raises
+    whatever the file's size. So is the epoch's order in ``block`` and
+    ``sequential`` order, whose row ids are made a window at a time as the
+    epoch reaches them; in ``random`` order it holds an id for every row,
+    counted as 32 bytes a row (the next epoch's is drawn ahead). An order
+    whose two windows would not fit in half the RAM available, or a ``random``
+    order whose ids would not fit in 3/4 of it, is refused when the feeder is
+    built. A file truncated while it is read raises
     :class:`~speedswap.FileFormatError` (one cut short between loops, as the next loop begins, before
     it hands out a batch), and so does one written in place
     (its size or modification time changed since the loop opened it), at
@@ -551,9 +557,10 @@ class BatchFeeder:
         OutOfMemoryError: a source that is not contiguous whose copy would
             take more than 3/4 of the RAM available (a column slice of a
             file larger than RAM): write a contiguous copy to disk instead;
-            or so many rows that the ids of an epoch's order would take more
-            than 3/4 of the RAM available (a 1-D file of small values): view
-            them as fewer, wider rows.
+            or, in ``random`` order, so many rows that the ids of an epoch's
+            order would take more than 3/4 of the RAM available (a 1-D file
+            of small values): use ``block`` order, or view them as fewer,
+            wider rows.
 
     Every argument is checked before a DataGadget source's rows are read
     (a gadget built from a path reads them when the feeder takes it) or a
@@ -703,8 +710,8 @@ class BatchFeeder:
         self._restored = False
         self._lock = threading.Lock()  # the position and generation change together
         self._readers = ()  # the running loop's batch reader and file reader
-        self._ids = (None, None, None)  # (epoch, CPU ids, device ids) of the epoch being read
-        # (epoch, Future of its CPU ids, the drawing process): the next epoch's, drawn ahead.
+        self._ids = (None, None, None)  # (epoch, its share, device ids or None) of the epoch being read
+        # (epoch, Future of its share, the drawing process): the next epoch's, drawn ahead.
         self._next_ids = (None, None, None)
 
     # ------------------------------------------------------------ properties
@@ -858,9 +865,14 @@ class BatchFeeder:
 
     # ------------------------------------------------------------- iteration
     def _host_ids(self, epoch):
-        """This rank's rows of ``epoch``, in order: a pure function of the feeder's settings and ``epoch``."""
-        order = self._order.indices(self._num_rows, self._seed, epoch)
-        return torch.from_numpy(shard(order, self._rank, self._world_size, self._drop_last, self._contiguous))
+        """This rank's share of ``epoch`` (:func:`~speedswap.data.orders.epoch_share`): its rows, in order.
+
+        A pure function of the feeder's settings and ``epoch``. In ``random``
+        order the ids are held; in ``block`` and ``sequential`` order they are
+        made as a loop reads them.
+        """
+        return epoch_share(self._order, self._num_rows, self._seed, epoch, self._rank, self._world_size,
+                           self._drop_last, self._contiguous)
 
     def _epoch_ids(self, epoch):
         if self._ids[0] != epoch:
@@ -868,8 +880,11 @@ class BatchFeeder:
             self._next_ids = (None, None, None)
             # A process forked during the draw has no thread to finish it: it draws its own.
             ids = future.result() if drawn == epoch and pid == os.getpid() else self._host_ids(epoch)
-            on_device = (ids.to(self._device)
-                         if self._kernel_tables or any(t.device.type == "cuda" for t in self._columns)
+            # Held ids go to the device once an epoch; a windowed share's are made per batch, and the
+            # stager copies each batch's (CudaStager.launch).
+            on_device = (torch.from_numpy(ids.ids).to(self._device)
+                         if ids.ids is not None and (self._kernel_tables or
+                                                     any(t.device.type == "cuda" for t in self._columns))
                          else None)
             if on_device is not None and self._stager is not None:
                 # Its batches are gathered on the side stream: a new epoch must not free it under them.
@@ -884,15 +899,13 @@ class BatchFeeder:
         if self._readers is readers:
             self._readers = ()
 
-    def _file_reader(self, ids, epoch):
-        """The reader of this epoch's file sources: whole blocks if the order has windows, else rows."""
+    def _file_reader(self, share):
+        """The reader of this epoch's file sources: whole blocks if the share visits windows, else rows."""
         files = list(self._files.values())
-        windows = getattr(self._order, "windows", None)
-        if windows is None:
-            return RowReader(files, ids.numpy(), drop_behind=self._drop_behind)
+        if share.windows is None:
+            return RowReader(files, drop_behind=self._drop_behind)
         # A batch past the epoch is the epoch: numpy's int64 arange cannot step 2**63 or more.
-        return WindowReader(files, ids.numpy(), min(self._batch_size, len(ids)), self._order.block_rows,
-                            windows(self._num_rows, self._seed, epoch), drop_behind=self._drop_behind)
+        return WindowReader(files, share, min(self._batch_size, len(share)), drop_behind=self._drop_behind)
 
     def __iter__(self):
         return self._run(self._reposition())
@@ -933,8 +946,8 @@ class BatchFeeder:
         self._check_sources()
         count = len(self)
         epoch, start = self._epoch, self._batch
-        ids, device_ids = self._epoch_ids(epoch)
-        size = self._batch_size
+        share, device_ids = self._epoch_ids(epoch)
+        size, total = self._batch_size, len(share)
         advanced_by = threading.get_ident()  # the thread that last ran the loop
 
         # `read` holds what it reads, not the feeder: the loop's readers hold `read`, and the feeder
@@ -942,13 +955,16 @@ class BatchFeeder:
         # wait for the garbage collector to close its files, or for good while a read-ahead thread
         # runs `read`.
         columns, stager, file_columns = self._columns, self._stager, tuple(self._files)
-        files = self._file_reader(ids, epoch) if self._files else None
+        files = self._file_reader(share) if self._files else None
+        # This loop's own: a windowed share's cursor keeps the window it is in (batches come in order).
+        take = share.cursor()
 
         def read(k):
             lo = k * size
-            rows = ids[lo:lo + size]  # the last batch's slice stops at the epoch's end
+            ids = take(lo, min(lo + size, total))  # the last batch stops at the epoch's end
+            rows = torch.from_numpy(ids)
             # File sources come already gathered, in batch order.
-            parts = {} if files is None else dict(zip(file_columns, files.read(lo, lo + len(rows))))
+            parts = {} if files is None else dict(zip(file_columns, files.read(lo, ids)))
             if stager is not None:
                 return stager.launch(columns, rows, None if device_ids is None else device_ids[lo:lo + size], parts)
             if not parts:  # in-RAM sources: the common case, and a batch costs microseconds

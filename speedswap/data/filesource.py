@@ -502,17 +502,20 @@ class RowReader(_PoolReader):
 
     Args:
         files: the :class:`FileRows` of the file sources.
-        ids: this rank's row ids for the whole epoch (int64 numpy array, in range).
         threads: reads in flight at once.
         drop_behind: drop each row from the page cache once read.
     """
 
-    def __init__(self, files, ids, threads=16, drop_behind=True):
+    def __init__(self, files, threads=16, drop_behind=True):
         super().__init__(files, threads, drop_behind, os.POSIX_FADV_RANDOM)
-        self._ids, self._threads = ids, threads
+        self._threads = threads
 
-    def read(self, lo, hi):
-        """Positions ``[lo, hi)`` of the epoch, one fresh CPU tensor per file.
+    def read(self, lo, ids):
+        """The rows ``ids`` (positions ``lo, lo + 1, ...`` of the epoch), one fresh CPU tensor per file.
+
+        Args:
+            lo: the position of ``ids[0]`` in this rank's epoch (unused: rows are read where they are).
+            ids: the batch's row ids, an int64 numpy array, in range.
 
         Raises:
             FileFormatError: a file is shorter than its rows, or a disk error (EIO) reading it.
@@ -520,7 +523,6 @@ class RowReader(_PoolReader):
             ThreadStartError: no I/O thread could start.
         """
         self._check_process()
-        ids = self._ids[lo:hi]
         outs = [torch.empty((len(ids), *f.row_shape), dtype=f.dtype) for f in self._files]
         # Each thread takes a stretch of the sorted ids: nearby rows go to the
         # disk together, and a thread's requests arrive in ascending order.
@@ -586,59 +588,56 @@ class WindowReader(_PoolReader):
 
     Args:
         files: the :class:`FileRows` of the file sources.
-        ids: this rank's row ids for the whole epoch (int64 numpy array).
+        share: this rank's share of the epoch, a
+            :class:`~speedswap.data.orders.WindowedShare`: its windows of blocks
+            in reading order, and which window each position needs. Its ids
+            come with each batch (:meth:`read`); none are held here.
         batch_size: rows per batch.
-        block_rows: rows per block.
-        windows: ``(num_windows, window)`` block ids in reading order, ``-1``
-            padded (an order's ``windows(...)``); the epoch visits them in turn.
         threads: blocks read at once.
         drop_behind: drop each block from the page cache once copied.
     """
 
-    def __init__(self, files, ids, batch_size, block_rows, windows, threads=2, drop_behind=True):
+    def __init__(self, files, share, batch_size, threads=2, drop_behind=True):
         # RANDOM turns the kernel's read-ahead off: a block is read whole by its own
         # pread, and read-ahead past its end would fetch the neighbouring block,
         # which this epoch reads at another time (or, with drop_behind, reads again).
         super().__init__(files, threads, drop_behind, os.POSIX_FADV_RANDOM)
         try:
-            self._plan(files, ids, batch_size, block_rows, windows)
+            self._plan(files, share, batch_size)
         except BaseException:  # the arena may not fit: the caller never gets a reader to close
             self.close()
             raise
 
-    def _plan(self, files, ids, batch_size, block_rows, windows):
+    def _plan(self, files, share, batch_size):
         """Map blocks to windows and slots, and allocate the arena (``__init__``'s arguments)."""
         num_rows = files[0].num_rows
-        self._ids, self._size, self._block_rows = ids, batch_size, block_rows
-        self._windows = windows
-        num_blocks = -(-num_rows // block_rows)
-        self._window_rows = window_rows(num_rows, block_rows, windows.shape[1])
+        self._share, self._block_rows = share, share.block_rows
+        windows = self._windows = share.windows
+        num_blocks = -(-num_rows // self._block_rows)
+        self._window_rows = window_rows(num_rows, self._block_rows, windows.shape[1])
         self._window_of_block = np.empty(num_blocks, dtype=np.int64)
         self._slot_of_block = np.empty(num_blocks, dtype=np.int64)
         valid = windows >= 0
         self._window_of_block[windows[valid]] = np.nonzero(valid)[0]
         self._slot_of_block[windows[valid]] = np.nonzero(valid)[1]
-        # The windows in reading order are non-decreasing along the epoch
-        # except for padding rows: `frontier` is the window each position
-        # needs resident, `needed` the windows this rank really visits. Kept
-        # as int32, 4 bytes a row: the only per-row array besides the ids.
-        frontier = np.maximum.accumulate(self._window_of_block[ids // block_rows])
-        self._needed = np.unique(frontier)
-        self._frontier = np.searchsorted(self._needed, frontier).astype(np.int32)
-        del frontier
-        lo = np.arange(0, len(ids), batch_size)
-        hi = np.minimum(lo + batch_size, len(ids)) - 1
-        span = int((self._frontier[hi] - self._frontier[lo]).max()) + 1 if len(ids) else 1
-        self._slots = max(2, span)
+        # The windows this rank visits, in reading order: every one from its first position's to
+        # its last's (a window holds at least one row). Nothing per row: the window a position
+        # needs is worked out per batch (share.frontier).
+        self._last = int(share.frontier(len(share) - 1)) if len(share) else -1
+        self._slots = max(2, share.span(batch_size))
         self._arenas = [torch.empty((self._slots * self._window_rows, f.row_bytes), dtype=torch.uint8)
                         for f in files]
         self._typed = [a.view(f.dtype).view(len(a), *f.row_shape) for a, f in zip(self._arenas, files)]
-        self._resident = {}  # index into `needed` -> (slot, futures)
+        self._resident = {}  # window (a row of `windows`) -> (slot, futures)
         self._free = list(range(self._slots))
-        self._next = None  # index into `needed` of the next window to read
+        self._next = None  # the next window to read
 
-    def read(self, lo, hi):
-        """Positions ``[lo, hi)`` of the epoch (batches come in order), one fresh CPU tensor per file.
+    def read(self, lo, ids):
+        """The rows ``ids``, positions ``lo, lo + 1, ...`` of the epoch (batches in order), a fresh CPU tensor per file.
+
+        Args:
+            lo: the position of ``ids[0]`` in this rank's share.
+            ids: the batch's row ids (the share's at those positions), an int64 numpy array.
 
         Raises:
             FileFormatError: a file is shorter than its rows, or a disk error (EIO) reading it.
@@ -646,25 +645,25 @@ class WindowReader(_PoolReader):
             ThreadStartError: no I/O thread could start.
         """
         self._check_process()
-        first, last = int(self._frontier[lo]), int(self._frontier[hi - 1])
+        hi = lo + len(ids)
+        first, last = int(self._share.frontier(lo)), int(self._share.frontier(hi - 1))
         for index in [i for i in self._resident if i < first]:
             slot, futures = self._resident.pop(index)
             self._wait(futures)  # a slot is rewritten only after its reads finished
             self._free.append(slot)
         if self._next is None or self._next < first:
             self._next = first
-        while self._free and self._next < len(self._needed):
+        while self._free and self._next <= self._last:
             self._load(self._next)
             self._next += 1
         for index in range(first, last + 1):
             self._wait(self._resident[index][1])
-        ids = self._ids[lo:hi]
         blocks = ids // self._block_rows
         wins = self._window_of_block[blocks]
         slots = np.zeros(hi - lo, dtype=np.int64)
         held = np.zeros(hi - lo, dtype=bool)
         for index in range(first, last + 1):
-            here = wins == self._needed[index]
+            here = wins == index
             slots[here], held[here] = self._resident[index][0], True
         local = (slots * self._window_rows + self._slot_of_block[blocks] * self._block_rows
                  + ids - blocks * self._block_rows)
@@ -682,7 +681,7 @@ class WindowReader(_PoolReader):
 
     def _load(self, index):
         slot = self._free.pop()
-        blocks = self._windows[self._needed[index]]
+        blocks = self._windows[index]
         futures = []
         # Blocks in file order, so the requests in flight are close together on disk.
         for position in np.argsort(blocks):

@@ -6,6 +6,12 @@ An order turns ``(num_rows, seed, epoch)`` into a permutation of
 their arguments, which is what makes a :class:`~speedswap.BatchFeeder`
 resumable: the rest of an epoch is recomputed, never stored.
 
+A feeder takes a rank's share of an epoch from :func:`epoch_share`. In
+``random`` order that holds an int64 id for each of the share's rows; in
+``block`` and ``sequential`` order the ids are made as the epoch reaches
+them, one window of blocks at a time, so an epoch's memory does not grow
+with the rows (only with the blocks: their shuffled order).
+
 >>> from speedswap.data.orders import BlockOrder, shard
 >>> order = BlockOrder(block_rows=2, window=2)
 >>> sorted(order.indices(7, seed=0, epoch=0).tolist())
@@ -22,7 +28,8 @@ from ..backends import available_ram
 from ..convert import int_option
 from ..errors import OptionError
 
-__all__ = ["Order", "RandomOrder", "BlockOrder", "SequentialOrder", "ORDERS", "make_order", "shard"]
+__all__ = ["Order", "RandomOrder", "BlockOrder", "SequentialOrder", "ORDERS", "make_order", "shard",
+           "epoch_share"]
 
 #: Bytes per block when ``order="block"`` picks the block size itself: large
 #: enough that reading one block from disk is a sequential read, small enough
@@ -131,6 +138,10 @@ class SequentialOrder(Order):
         """``arange(num_rows)``; ``seed`` and ``epoch`` are ignored."""
         return np.arange(num_rows, dtype=np.int64)
 
+    def _cursor(self, num_rows, seed, epoch):
+        """``ids(a, b)``: the epoch's ids at positions ``[a, b)``, which in file order are the positions."""
+        return lambda a, b: np.arange(a, b, dtype=np.int64)
+
     @property
     def _layout_bytes_per_block(self):
         """Bytes :meth:`windows` lays out per block of a window: its int64 block id."""
@@ -180,6 +191,10 @@ class BlockOrder(Order):
             4 MiB of rows (see :func:`make_order`).
         window: blocks shuffled together.
 
+    A feeder makes an epoch's row ids one window at a time, as it reaches
+    the window (:func:`epoch_share`): besides a window's ids, an epoch holds
+    only its shuffled blocks, whatever the rows.
+
     Raises:
         OptionError: a non-positive ``block_rows`` or ``window``; when a feeder
             takes the order (or an epoch is first laid out), a window whose
@@ -193,16 +208,18 @@ class BlockOrder(Order):
         self.block_rows = None if block_rows is None else int_option(block_rows, "BlockOrder block_rows")
         self.window = int_option(window, "BlockOrder window")
         self._fits = None  # the (block_rows, window) found to fit in RAM (see _check_window)
-        self._last = (None, None)
 
     def indices(self, num_rows, seed, epoch):
         """Blocks shuffled, then rows shuffled within each window of blocks (see :meth:`Order.indices`).
+
+        The whole epoch at once, an int64 id a row: a feeder makes them a
+        window at a time instead (:func:`epoch_share`), the same ids.
 
         Raises:
             OptionError: ``block_rows`` was never chosen (use :func:`make_order`),
                 or the window's layout would not fit in the RAM available.
         """
-        return self._layout(num_rows, seed, epoch)[1]
+        return np.concatenate(list(self._lanes(num_rows, seed, epoch)))
 
     def windows(self, num_rows, seed, epoch):
         """Which blocks each window of the epoch holds, in the order the epoch reads them.
@@ -216,37 +233,48 @@ class BlockOrder(Order):
             (block ``b`` is rows ``[b * block_rows, (b + 1) * block_rows)``),
             ``-1`` where the last window is short.
         """
-        return self._layout(num_rows, seed, epoch)[0]
+        return self._blocks(num_rows, seed, epoch)[1].reshape(-1, self.window)
 
     @property
     def _layout_bytes_per_block(self):
-        """Bytes the layout takes per block of a window: ``block_rows`` int64 row ids, and their shuffled copy."""
-        return 16 * _chosen(self)
+        """Bytes a window's ids take per block at their peak (:meth:`_lanes`): ``block_rows``
+        int64 ids, a bool each saying which are padding, and the ids copied without it."""
+        return 17 * _chosen(self)
 
-    def _layout(self, num_rows, seed, epoch):
-        # The feeder asks for an epoch's indices and then its windows: compute them once.
-        key = (num_rows, seed, epoch, self.block_rows, self.window)
-        last = self._last  # read once: the feeder draws the next epoch's on another thread
-        if last[0] != key:
-            last = self._last = (key, self._compute_layout(num_rows, seed, epoch))
-        return last[1]
-
-    def _compute_layout(self, num_rows, seed, epoch):
-        size, window = _chosen(self), self.window
+    def _blocks(self, num_rows, seed, epoch):
+        """``(generator, blocks)``: the epoch's shuffled block ids, ``-1``-padded to whole windows, and
+        the generator that drew them, which then shuffles the windows (:meth:`_lanes`)."""
         _check_window(self, num_rows)
         rng = _generator(seed, epoch)
-        num_blocks = -(-num_rows // size)
-        num_windows = -(-num_blocks // window)
-        # A (windows, window * size) grid of row ids, block after block in the
-        # shuffled block order, with -1 where the last block or window is
-        # short; shuffling each grid row and dropping the -1s shuffles every
-        # window in one vectorised pass.
-        blocks = np.full(num_windows * window, -1, dtype=np.int64)
+        num_blocks = -(-num_rows // self.block_rows)
+        blocks = np.full(-(-num_blocks // self.window) * self.window, -1, dtype=np.int64)
         blocks[:num_blocks] = rng.permutation(num_blocks)
-        grid = blocks[:, None] * size + np.arange(size, dtype=np.int64)
-        grid[(blocks < 0)[:, None] | (grid >= num_rows)] = -1
-        grid = rng.permuted(grid.reshape(num_windows, window * size), axis=1).reshape(-1)
-        return blocks.reshape(num_windows, window), grid[grid >= 0]
+        return rng, blocks
+
+    def _lanes(self, num_rows, seed, epoch):
+        """Yield each window's row ids in turn, shuffled: the epoch, a window at a time.
+
+        Each window is laid out as ``window * block_rows`` slots, block after
+        block, ``-1`` where the last block or window is short, shuffled, and
+        the ``-1`` dropped. The one generator shuffles window after window
+        (after drawing the blocks), as ``Generator.permuted(grid, axis=1)``
+        shuffles a grid's rows: the epoch is the one it was when the whole
+        grid was laid out and shuffled at once (tests/test_lazy_orders.py
+        compares them), but one window's ids are held at a time.
+        """
+        rng, blocks = self._blocks(num_rows, seed, epoch)
+        size = self.block_rows
+        offsets = np.arange(size, dtype=np.int64)
+        for window in blocks.reshape(-1, self.window):
+            lane = (window[:, None] * size + offsets).reshape(-1)
+            padding = np.repeat(window < 0, size) | (lane >= num_rows)
+            lane[padding] = -1
+            rng.shuffle(lane)
+            yield lane[lane >= 0] if padding.any() else lane
+
+    def _cursor(self, num_rows, seed, epoch):
+        """``ids(a, b)``: the epoch's ids at positions ``[a, b)``, made a window at a time (:class:`_LaneCursor`)."""
+        return _LaneCursor(lambda: self._lanes(num_rows, seed, epoch))
 
     def describe(self):
         return {"name": self.name, "block_rows": self.block_rows, "window": self.window}
@@ -320,21 +348,203 @@ def shard(indices, rank, world_size, drop_last, contiguous=False):
             ``rank`` that is not an int in ``[0, world_size)`` (a stride
             would hand it another rank's rows, a run none).
     """
-    world_size = int_option(world_size, "world_size")
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
-        raise OptionError(f"rank must be an int from 0 to {world_size - 1} (the world has {world_size} "
-                          f"ranks), got {rank!r}")
-    rank = int(rank)  # a numpy uint64 would promote the int64 positions below to float64
+    rank, world_size = _checked_rank(rank, world_size)
     n = len(indices)
     if world_size == 1 or not n:  # no rows: every share is empty (and nothing to reduce mod n)
         return indices
-    per_rank = n // world_size if drop_last else -(-n // world_size)
+    first, per_rank = _run_of(n, rank, world_size, drop_last)
     # Position p of the padded order is indices[p % n] (the padding repeats it from the start).
     # Only this rank's positions are made, reduced mod n first: a world larger than the data
     # would otherwise pad it to world_size rows, past any memory (or int64) for a huge one.
     steps = np.arange(per_rank, dtype=np.int64)
     if contiguous:
-        positions = (rank * per_rank) % n + steps
+        positions = first + steps
     else:
         positions = rank % n + (world_size % n) * steps  # < 2n: a step of w <= n, or one step
     return indices[positions % n]
+
+
+def _checked_rank(rank, world_size):
+    """``(rank, world_size)`` as ints, checked as :func:`shard` documents."""
+    world_size = int_option(world_size, "world_size")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
+        raise OptionError(f"rank must be an int from 0 to {world_size - 1} (the world has {world_size} "
+                          f"ranks), got {rank!r}")
+    return int(rank), world_size  # a numpy uint64 would promote int64 positions to float64
+
+
+def _run_of(num_rows, rank, world_size, drop_last):
+    """``(first, length)``: the run of the padded epoch order a rank takes with ``contiguous`` (see :func:`shard`).
+
+    Positions ``first, ..., first + length - 1`` of the order, each taken mod
+    ``num_rows`` (the padding repeats the order from its start); ``first`` is
+    below ``num_rows``. A single rank takes the whole order.
+    """
+    if world_size == 1:
+        return 0, num_rows
+    per_rank = num_rows // world_size if drop_last else -(-num_rows // world_size)
+    return (rank * per_rank) % num_rows, per_rank
+
+
+class _LaneCursor:
+    """An epoch's ids by position, made a window (a lane) at a time from an order's lanes.
+
+    Positions are asked for in ascending order, as a loop reads its batches;
+    the lanes before the one asked for are made and dropped (a loop resumed
+    mid-epoch pays the time of the windows before it, not their memory). A
+    position before the current lane starts the lanes over: the padding that
+    evens out ranks repeats the epoch's first rows at the end of the last
+    rank's run. Not shared between threads: each loop makes its own.
+
+    Args:
+        lanes: makes a fresh iterator of the epoch's lanes (numpy int64 arrays, in order).
+    """
+
+    def __init__(self, lanes):
+        self._make = lanes
+        self._restart()
+
+    def _restart(self):
+        self._lanes, self._lane, self._start, self._end = self._make(), None, 0, 0
+
+    def __call__(self, a, b):
+        """The ids at positions ``[a, b)`` of the epoch, a fresh int64 array."""
+        if a < self._start:
+            self._restart()
+        pieces = []
+        while a < b:
+            while a >= self._end:
+                self._lane = None  # dropped before the next is made: one lane held at a time
+                self._lane = next(self._lanes)
+                self._start, self._end = self._end, self._end + len(self._lane)
+            stop = min(b, self._end)
+            # Copied: a view would keep the whole lane alive as long as the batch's ids.
+            pieces.append(self._lane[a - self._start:stop - self._start].copy())
+            a = stop
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces or [np.empty(0, dtype=np.int64)])
+
+
+class HeldShare:
+    """A rank's ids of one epoch, held whole (``random`` order): see :func:`epoch_share`.
+
+    Attributes:
+        ids: numpy int64 array, the share's ids in order.
+        windows: None (the order visits no windows of blocks).
+    """
+
+    windows = None
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def __len__(self):
+        return len(self.ids)
+
+    def cursor(self):
+        """``ids(lo, hi)``: the share's ids at positions ``[lo, hi)``."""
+        return lambda lo, hi: self.ids[lo:hi]
+
+
+class WindowedShare:
+    """A rank's run of one epoch of a windowed order, its ids made as they are read: see :func:`epoch_share`.
+
+    Position ``p`` of the run is position ``(first + p) % num_rows`` of the
+    epoch's order (the padding that evens out ranks wraps to its start).
+
+    Attributes:
+        ids: None (nothing is held).
+        windows: the epoch's ``(num_windows, window)`` block ids (the order's ``windows``).
+        block_rows: rows per block.
+    """
+
+    ids = None
+
+    def __init__(self, order, num_rows, seed, epoch, first, length):
+        self._order, self._num_rows, self._seed, self._epoch = order, num_rows, seed, epoch
+        self._first, self._length = first, length
+        self.block_rows = order.block_rows
+        self.windows = order.windows(num_rows, seed, epoch)
+        rows = np.where(self.windows == (num_rows - 1) // self.block_rows,
+                        num_rows - (num_rows - 1) // self.block_rows * self.block_rows, self.block_rows)
+        # Where each window's rows end in the epoch's order: small, an int64 a window.
+        self._ends = np.cumsum(np.where(self.windows >= 0, rows, 0).sum(axis=1))
+
+    def __len__(self):
+        return self._length
+
+    def cursor(self):
+        """``ids(lo, hi)``: the run's ids at positions ``[lo, hi)``, asked for in ascending order (a loop's).
+
+        Each call makes a fresh array of ``hi - lo`` ids, a window of the
+        order at a time (see :class:`_LaneCursor`); one cursor per loop.
+        """
+        ids, n = self._order._cursor(self._num_rows, self._seed, self._epoch), self._num_rows
+
+        def take(lo, hi):
+            a, b = self._first + lo, self._first + hi
+            if b <= n:
+                return ids(a, b)
+            # The run wraps to the order's start: at most world_size - 1 ids of padding.
+            head = ids(a, n) if a < n else np.empty(0, dtype=np.int64)
+            return np.concatenate([head, ids(max(a, n) - n, b - n)])
+        return take
+
+    def frontier(self, positions):
+        """The window each of the run's ``positions`` needs read: the latest window the run has reached.
+
+        Windows are read in the epoch's order, so it is the window of the
+        position in the order, except for padding past the order's end, which
+        needs the last window (its rows, from the first windows, are read
+        directly if no longer held).
+
+        Args:
+            positions: int or numpy int64 array of positions in ``[0, len(self))``.
+
+        Returns:
+            Row indices into :attr:`windows`, of ``positions``' shape.
+        """
+        return np.searchsorted(self._ends, np.minimum(self._first + positions, self._num_rows - 1), side="right")
+
+    def span(self, batch_size):
+        """The most windows one batch of the run needs read at once (batches start at multiples of ``batch_size``).
+
+        A batch needs windows ``frontier(lo) .. frontier(hi - 1)``: one, and one
+        more for each window that starts inside it, past its first row. Counted
+        over the windows, not the batches (a batch of one row over a billion
+        rows would need an array of a billion batches).
+        """
+        # Where each window after the first starts, as a position of the run; only those its
+        # frontier reaches before the order's end (padding adds no window).
+        starts = self._ends[:-1] - self._first
+        last = min(self._length, self._num_rows - self._first) - 1
+        inside = starts[(starts >= 1) & (starts <= last) & (starts % batch_size != 0)]
+        return 1 + (int(np.bincount((inside - 1) // batch_size).max()) if len(inside) else 0)
+
+
+def epoch_share(order, num_rows, seed, epoch, rank, world_size, drop_last, contiguous):
+    """A rank's share of one epoch, as :func:`shard` splits ``order.indices(...)``: the same ids.
+
+    An order with ``windows`` (``block``, ``sequential``) split in runs
+    (``contiguous``, or a single rank) gives a :class:`WindowedShare`, which
+    makes its ids a window of blocks at a time as they are read; any other,
+    a :class:`HeldShare` of the ids (an int64 a row, the whole permutation
+    while it is split).
+
+    Args:
+        order: the epoch's order (see :func:`make_order`).
+        num_rows: rows in the dataset (at least one).
+        seed: the feeder's seed.
+        epoch: the epoch.
+        rank, world_size, drop_last, contiguous: as :func:`shard` takes them.
+
+    Returns:
+        A share: ``len(share)`` ids, read with ``share.cursor()(lo, hi)``.
+
+    Raises:
+        OptionError: as :func:`shard`, and as the order's ``windows`` for a window that cannot fit in RAM.
+    """
+    rank, world_size = _checked_rank(rank, world_size)
+    if hasattr(order, "windows") and (contiguous or world_size == 1):
+        first, length = _run_of(num_rows, rank, world_size, drop_last)
+        return WindowedShare(order, num_rows, seed, epoch, first, length)
+    return HeldShare(shard(order.indices(num_rows, seed, epoch), rank, world_size, drop_last, contiguous))

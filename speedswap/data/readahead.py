@@ -346,8 +346,9 @@ class CudaStager:
             columns: the feeder's source tensors, in order; host ones are
                 gathered on the CPU and staged, device ones gathered on the GPU.
             ids: the batch's row ids, a CPU int64 tensor.
-            device_ids: the same ids on the GPU (None when no column is on it or
-                read by a kernel).
+            device_ids: the same ids on the GPU, or None: then they are copied
+                here when a column is on the GPU or read by a kernel (a
+                ``block`` or ``sequential`` epoch's ids are made per batch).
             gathered: ``{column index: CPU tensor}`` of columns whose batch was
                 already read (file sources); they are staged whole.
 
@@ -357,6 +358,10 @@ class CudaStager:
         """
         rings = iter(self._rings)
         with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            if device_ids is None and (self._kernel_tables or any(c.device.type == "cuda" for c in columns)):
+                # Through page-locked memory: a copy from pageable memory would make the host wait for
+                # the side stream. Made and used on this stream, so freed after its work here.
+                device_ids = ids.pin_memory().to(self._device, non_blocking=True)
             out = []
             for k, column in enumerate(columns):
                 if column.device.type == "cuda":
