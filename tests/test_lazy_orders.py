@@ -193,14 +193,14 @@ _EPOCH = textwrap.dedent("""
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
 @pytest.mark.parametrize("order", ["block", "sequential"])
 def test_an_epoch_over_two_to_the_27_rows_holds_no_id_per_row(tmp_path, order):
-    """2**27 int8 rows (a sparse file: no disk written): the old order held 16-48 bytes a row, 2-6 GB, and was
-    refused where 3/4 of the RAM free could not hold it. The epoch's peak resident growth is now a few
-    windows and batches. The file's rows are zeros but one 1 every 16381 rows, summed to check every row
-    was read once."""
+    """2**27 int8 rows, a 128 MiB file: the old order held 16-48 bytes a row, 2-6 GB, and was refused where
+    3/4 of the RAM free could not hold it. The epoch's peak resident growth is now a few windows and
+    batches. The file's rows are zeros but one 1 every 16381 rows, summed to check every row was read
+    once."""
     n = 1 << 27
     path = tmp_path / "big.npy"
     x = np.lib.format.open_memmap(path, mode="w+", dtype=np.int8, shape=(n,))
-    x[::16381] = 1  # about a page in 4 written: the rest of the file stays a hole
+    x[::16381] = 1
     del x
     try:
         out = subprocess.run([sys.executable, "-c", _EPOCH, str(path), order], capture_output=True, text=True,
@@ -213,3 +213,41 @@ def test_an_epoch_over_two_to_the_27_rows_holds_no_id_per_row(tmp_path, order):
     # Two windows of 2**19 rows of the file and a few batches: some 20 MB, 0.15 bytes a row. Held to
     # 1 byte a row: an int64 id per row would be 8.
     assert growth < n, f"{growth / n:.2f} bytes a row"
+
+
+_WINDOWS = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from speedswap.data.orders import BlockOrder, epoch_share
+
+    def peak():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+    n, block_rows, window = map(int, sys.argv[1:])
+    order = BlockOrder(block_rows=block_rows, window=window)
+    share = epoch_share(order, n, 7, 0, 0, 1, False, False)
+    take, before, total = share.cursor(), peak(), 0
+    for lo in range(0, n, 1 << 16):
+        total += int(take(lo, min(lo + (1 << 16), n)).sum())
+    print(total, peak() - before, window * order._layout_bytes_per_block)
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_block_epoch_holds_one_windows_ids_at_a_time_as_the_window_check_counts(rng, padded):
+    """A pass over a block epoch of about 2**24 rows in windows of 2**23 (64 MiB of int64 ids: above
+    glibc's largest mmap threshold, so a window freed goes back to the kernel and the peak is what is
+    alive). Whole windows peak at one window's ids; with the last block short, the windows with padding
+    at what _check_window counts (17 bytes a row: ids, flags, the compacted copy). The generator's own
+    references to the last window (a view of it too) held two windows' ids while it made the next."""
+    block_rows, window = 1 << 21, 4
+    n = (1 << 24) - (int(rng.integers(1, 1 << 20)) if padded else 0)
+    out = subprocess.run([sys.executable, "-c", _WINDOWS, str(n), str(block_rows), str(window)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    total, growth, counted = map(int, out.stdout.split())
+    assert total == n * (n - 1) // 2  # every row once
+    held = counted if padded else 8 * window * block_rows
+    assert growth <= held + (1 << 20), (growth, held)  # 1 MiB for a batch's ids and the blocks
