@@ -904,7 +904,7 @@ class BatchFeeder:
         files = list(self._files.values())
         if share.windows is None:
             return RowReader(files, drop_behind=self._drop_behind)
-        # A batch past the epoch is the epoch: numpy's int64 arange cannot step 2**63 or more.
+        # A batch past the epoch is the epoch: the reader's int64 arithmetic cannot take 2**63 or more.
         return WindowReader(files, share, min(self._batch_size, len(share)), drop_behind=self._drop_behind)
 
     def __iter__(self):
