@@ -306,7 +306,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # receives at most W * max_rows: the owned working set can never overflow
         # after the lookups passed their own checks (nothing fails between collectives).
         capacity = min(self.world_size * max_rows, self.bounds[1] - self.bounds[0])
-        self.weight = torch.nn.Parameter(
+        self.weight = _ExchangedWeight(
             torch.zeros(capacity, embedding_dim, dtype=compute, device=device), requires_grad=False)
         self._full = self.weight.data
         # A write into the scratch between steps (nn.init.normal_(emb.weight)) reaches no row: refused
@@ -1734,6 +1734,38 @@ _UNREACHED, _REACHED, _ZERO_KEPT = 1, 2, 4
 #: The step's flag after exchange_gradients(): some rank's gradient is not zero_grad(set_to_none=False)'s
 #: zeros (see _zeroed_since_exchange); without it on any rank, the step moves no row.
 _HOLDS_GRADIENT = 8
+
+
+class _ExchangedWeight(torch.nn.Parameter):
+    """The sharded embedding's :attr:`weight`: a parameter whose gradient comes from the exchange, not autograd.
+
+    It has ``requires_grad=False`` (so DDP leaves it alone), for which torch
+    refuses a hook with "cannot register a hook on a tensor that doesn't
+    require gradient", saying nothing of why. No backward ever reaches it: its
+    gradient is the owned rows' average over the ranks, written by
+    :meth:`ShardedOffloadedEmbedding.exchange_gradients` (or the step). An
+    :class:`~speedswap.OffloadedEmbedding`'s weight hook sees the working
+    set's gradient in the backward; here there is no such moment, so the
+    hooks are refused, saying where the gradient can be seen.
+    """
+
+    def register_hook(self, hook):
+        raise _no_weight_hooks("register_hook")
+
+    def register_post_accumulate_grad_hook(self, hook):
+        raise _no_weight_hooks("register_post_accumulate_grad_hook")
+
+
+def _no_weight_hooks(method: str) -> OptionError:
+    """The error of a hook on :class:`_ExchangedWeight` (see there)."""
+    return OptionError(
+        f"emb.weight.{method}(...) on a ShardedOffloadedEmbedding: its weight takes no gradient from "
+        f"autograd (requires_grad=False; the owned rows' gradient, averaged over the ranks, arrives by "
+        f"the exchange at optimizer.step()), so no backward would ever run the hook. Nothing was "
+        f"registered. To see or change the gradient of the rows a rank looks up, register the hook on "
+        f"the lookup's output (out = emb(ids); out.register_hook(fn)), as on any activation; to read "
+        f"or rescale the owned rows' gradient, call emb.exchange_gradients() on every rank after the "
+        f"last backward and use emb.weight.grad before optimizer.step()")
 
 
 def _plain(value):
