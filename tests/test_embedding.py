@@ -408,15 +408,6 @@ def test_a_gradient_cleared_after_a_step_that_raised_stays_cleared(rng):
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
 
 
-def test_load_state_dict_with_assign_is_refused_before_it_disconnects_the_working_set():
-    emb = ss.OffloadedEmbedding(20, 3, max_rows=4, storage="pageable", backend="numpy")
-    weight = emb.weight
-    with pytest.raises(ss.OptionError, match="assign=True"):
-        emb.load_state_dict(copy.deepcopy(emb.state_dict()), assign=True)
-    assert emb.weight is weight
-    emb.load_state_dict(copy.deepcopy(emb.state_dict()))
-
-
 @pytest.mark.parametrize("cache_rows", [0, 6])
 def test_sam_perturbs_the_rows_between_two_passes_and_trains_as_in_memory(cache_rows, rng):
     """Sharpness-aware minimisation: backward, perturb weight in place, zero_grad, forward and

@@ -8,6 +8,8 @@ rows and their state alone) and does to the model what a user does to an
 memory.
 """
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -66,4 +68,43 @@ def test_what_the_sharded_hook_refusal_advises_sees_the_gradients_in_memory_sees
         for optimizer in (opt, ref_opt):
             optimizer.step()
             optimizer.zero_grad()
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["offloaded", "sharded_one_rank"])
+@pytest.mark.parametrize("how", ["model", "embedding"])
+def test_load_state_dict_with_assign_restores_the_tables_and_keeps_the_scratch(rng, sharded, how):
+    """``load_state_dict(sd, assign=True)`` of a model holding an offloaded embedding, or of the
+    embedding itself, restores the table and its optimizer state from the state dict, as
+    ``assign=False`` does, and keeps :attr:`weight` (the scratch the rows are gathered into, which
+    the optimizer holds): training resumed from it equals the in-memory run resumed from the same
+    step. ``OffloadedEmbedding.load_state_dict(assign=True)`` was refused (``OptionError``) though
+    its weight is never loaded, while the same load through the model went through: the two differed.
+    The linear layer is frozen: ``assign=True`` hands it the state dict's tensors, which the optimizer
+    built before does not hold, in memory as here."""
+    offloaded, reference, opt, ref_opt = _lazy_pair(rng, sharded)
+    for model in (offloaded, reference):
+        model.lin.requires_grad_(False)
+    emb, weight = offloaded.emb, offloaded.emb.weight
+    batches = zipf_ids(rng, STEPS)
+    saved = None
+    for step, (ids, target) in enumerate(batches):
+        if step == STEPS // 3:
+            saved = [copy.deepcopy(x.state_dict()) for x in (offloaded, opt, reference, ref_opt)]
+        if step == 2 * STEPS // 3:  # back to the saved step, on both sides
+            state, opt_state, ref_state, ref_opt_state = copy.deepcopy(saved)
+            table = state["emb._extra_state"]["tables"]["table"].clone()
+            if how == "model":
+                loaded = offloaded.load_state_dict(state, assign=True)
+            else:
+                loaded = emb.load_state_dict({k[len("emb."):]: v for k, v in state.items() if k.startswith("emb.")},
+                                             assign=True)
+            assert not loaded.missing_keys and not loaded.unexpected_keys
+            assert emb.weight is weight and offloaded.emb.weight is weight
+            np.testing.assert_array_equal(emb.table.to_numpy(), table.numpy())
+            opt.load_state_dict(opt_state)
+            reference.load_state_dict(ref_state)
+            ref_opt.load_state_dict(ref_opt_state)
+        train_step(offloaded, opt, ids, target)
+        train_step(reference, ref_opt, ids, target)
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)

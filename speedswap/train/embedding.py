@@ -1403,7 +1403,11 @@ class OffloadedEmbedding(RefusesConversion):
 
         Args:
             state_dict, strict: as ``nn.Module.load_state_dict``'s.
-            assign: must be False (see Raises).
+            assign: as ``nn.Module.load_state_dict``'s for the other modules of a
+                model; for this one it changes nothing: the tables are copied
+                into (they live on the host, in their own memory), and
+                :attr:`weight`, the working-set scratch, is kept and not
+                loaded, as without it.
 
         Returns:
             ``nn.Module.load_state_dict``'s named tuple of missing and unexpected keys.
@@ -1411,18 +1415,12 @@ class OffloadedEmbedding(RefusesConversion):
         Raises:
             DTypeError: ``state_dict`` is not a mapping, or holds rows of another
                 dtype (nothing changes).
-            OptionError: ``assign=True``: it would replace :attr:`weight`, whose
-                storage the embedding gathers rows into (nothing changes).
             ShapeError, FileFormatError, StateError: see :meth:`set_extra_state`.
         """
         if not isinstance(state_dict, Mapping):
             raise DTypeError(f"load_state_dict takes a mapping (what state_dict() returns), got "
                              f"{type(state_dict).__name__}; the table itself is restored "
                              f"with emb.load(path)")
-        if assign:
-            raise OptionError("load_state_dict(assign=True) would replace the embedding's weight, the "
-                              "working set its rows are gathered into, and training would stop reaching "
-                              "it; load without assign")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     @one_thread
