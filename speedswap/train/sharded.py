@@ -131,7 +131,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     term over :attr:`weight` itself (an L2 penalty summed over
     ``model.parameters()``) is therefore a constant that trains no row,
     where in memory it trains the rows a step looks up: penalise those rows
-    (``emb(ids).pow(2).sum()``) or use the optimizer's ``weight_decay``.
+    (``emb(ids).pow(2).sum()``) or use the optimizer's ``weight_decay``. A
+    hook on :attr:`weight` (``register_hook``), which no backward would run,
+    is refused with ``OptionError`` (hook the lookup's output instead).
 
     The rows start as ``nn.Embedding``'s do, N(0, 1), and the whole table
     they make is the same at any world size: each block of
