@@ -32,14 +32,14 @@ def test_a_hook_on_the_sharded_weight_is_refused_saying_where_its_gradient_is(rn
     set's gradient (``test_torch_features``). A ``ShardedOffloadedEmbedding``'s weight gets its gradient
     from the exchange at the step (``requires_grad=False``): torch refused the hook with its own
     ``RuntimeError`` ("cannot register a hook on a tensor that doesn't require gradient"), which said
-    nothing of why or what to do. It is an ``OptionError`` now, naming the lookup's output and
+    nothing of why or what to do. It is a ``StateError`` now (a ``RuntimeError`` too), naming the lookup's output and
     ``exchange_gradients()``; nothing is registered and training goes on as in memory."""
     offloaded, reference, opt, ref_opt = _lazy_pair(rng, sharded=True)
     emb = offloaded.emb
     batches = zipf_ids(rng, STEPS)
     for step, (ids, target) in enumerate(batches):
         if step == STEPS // 2:
-            with pytest.raises(ss.OptionError, match=r"no gradient from autograd.*exchange_gradients"):
+            with pytest.raises(ss.StateError, match=r"no gradient from autograd.*exchange_gradients"):
                 getattr(emb.weight, method)(lambda *args: None)
             assert not emb.weight._backward_hooks and not getattr(emb.weight, "_post_accumulate_grad_hooks", None)
         train_step(offloaded, opt, ids, target)

@@ -26,6 +26,7 @@ owning every row, which is how sharded checkpoints are read for evaluation:
 import collections
 import contextlib
 import copy
+import functools
 import itertools
 import os
 import weakref
@@ -133,7 +134,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     where in memory it trains the rows a step looks up: penalise those rows
     (``emb(ids).pow(2).sum()``) or use the optimizer's ``weight_decay``. A
     hook on :attr:`weight` (``register_hook``), which no backward would run,
-    is refused with ``OptionError`` (hook the lookup's output instead).
+    is refused with ``StateError`` (hook the lookup's output instead).
 
     The rows start as ``nn.Embedding``'s do, N(0, 1), and the whole table
     they make is the same at any world size: each block of
@@ -308,8 +309,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # receives at most W * max_rows: the owned working set can never overflow
         # after the lookups passed their own checks (nothing fails between collectives).
         capacity = min(self.world_size * max_rows, self.bounds[1] - self.bounds[0])
-        self.weight = _ExchangedWeight(
+        self.weight = torch.nn.Parameter(
             torch.zeros(capacity, embedding_dim, dtype=compute, device=device), requires_grad=False)
+        # No backward reaches weight: torch's own refusal of a hook on it says nothing of why (see _refuse_hook).
+        for method in ("register_hook", "register_post_accumulate_grad_hook"):
+            setattr(self.weight, method, functools.partial(_refuse_hook, method))
         self._full = self.weight.data
         # A write into the scratch between steps (nn.init.normal_(emb.weight)) reaches no row: refused
         # at the next training forward, or (through weight.data, before it) at the first attach.
@@ -1738,29 +1742,23 @@ _UNREACHED, _REACHED, _ZERO_KEPT = 1, 2, 4
 _HOLDS_GRADIENT = 8
 
 
-class _ExchangedWeight(torch.nn.Parameter):
-    """The sharded embedding's :attr:`weight`: a parameter whose gradient comes from the exchange, not autograd.
+def _refuse_hook(method: str, *args, **kwargs) -> NoReturn:
+    """Refuse ``emb.weight.<method>(hook)`` on a sharded embedding's weight, which no backward reaches.
 
-    It has ``requires_grad=False`` (so DDP leaves it alone), for which torch
-    refuses a hook with "cannot register a hook on a tensor that doesn't
-    require gradient", saying nothing of why. No backward ever reaches it: its
-    gradient is the owned rows' average over the ranks, written by
-    :meth:`ShardedOffloadedEmbedding.exchange_gradients` (or the step). An
-    :class:`~speedswap.OffloadedEmbedding`'s weight hook sees the working
-    set's gradient in the backward; here there is no such moment, so the
-    hooks are refused, saying where the gradient can be seen.
+    Set on that parameter in place of torch's methods (a subclass of
+    ``nn.Parameter`` would break ``nn.Parameter(emb.weight)``, as
+    ``weight_norm`` calls it, whose refusal must be this module's). Its
+    ``requires_grad=False`` (so DDP leaves it alone) made torch raise "cannot
+    register a hook on a tensor that doesn't require gradient", which says
+    nothing of why: its gradient is the owned rows' average over the ranks,
+    written by :meth:`ShardedOffloadedEmbedding.exchange_gradients` (or the
+    step). An :class:`~speedswap.OffloadedEmbedding`'s weight hook sees the
+    working set's gradient in the backward; here there is no such moment.
+
+    Raises:
+        StateError: always (a ``RuntimeError``, as torch's was); nothing is registered.
     """
-
-    def register_hook(self, hook):
-        raise _no_weight_hooks("register_hook")
-
-    def register_post_accumulate_grad_hook(self, hook):
-        raise _no_weight_hooks("register_post_accumulate_grad_hook")
-
-
-def _no_weight_hooks(method: str) -> OptionError:
-    """The error of a hook on :class:`_ExchangedWeight` (see there)."""
-    return OptionError(
+    raise StateError(
         f"emb.weight.{method}(...) on a ShardedOffloadedEmbedding: its weight takes no gradient from "
         f"autograd (requires_grad=False; the owned rows' gradient, averaged over the ranks, arrives by "
         f"the exchange at optimizer.step()), so no backward would ever run the hook. Nothing was "
