@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from test_training_flows import STEPS, assert_equal_to_reference, make_lazy, pair, train_step, zipf_ids
+from test_training_flows import BATCH, STEPS, assert_equal_to_reference, make_lazy, pair, train_step, zipf_ids
 
 
 def _lazy_pair(rng, sharded):
@@ -107,4 +107,86 @@ def test_load_state_dict_with_assign_restores_the_tables_and_keeps_the_scratch(r
             ref_opt.load_state_dict(ref_opt_state)
         train_step(offloaded, opt, ids, target)
         train_step(reference, ref_opt, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+def _tied_loss(model, ids, target):
+    """A loss with an output layer tied to the embedding's weight: logits over the table's rows."""
+    hidden = torch.tanh(model.emb(ids)).sum(1)
+    logits = hidden @ model.emb.weight.t()
+    return torch.nn.functional.mse_loss(model.lin(hidden), target) + 1e-3 * logits.pow(2).mean()
+
+
+def _penalised_loss(model, ids, target):
+    """A loss with an L2 penalty summed over ``model.parameters()``, the weight among them."""
+    penalty = 1e-2 * sum(p.pow(2).sum() for p in model.parameters())
+    return torch.nn.functional.mse_loss(model(ids), target) + penalty
+
+
+def _snapshot(offloaded, opt):
+    emb = offloaded.emb
+    return (emb.table.to_numpy(copy=True), {n: t.to_numpy(copy=True) for n, t in emb._state.tables.items()},
+            [p.detach().clone() for p in offloaded.lin.parameters()], copy.deepcopy(opt.state_dict()["state"]))
+
+
+def _assert_same_snapshot(before, after):
+    np.testing.assert_array_equal(before[0], after[0])
+    for name in before[1]:
+        np.testing.assert_array_equal(before[1][name], after[1][name])
+    for old, new in zip(before[2], after[2]):
+        torch.testing.assert_close(old, new, rtol=0, atol=0)
+    assert repr(before[3]) == repr(after[3])  # Adam's step counts and the linear layer's moments
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first_step", "later_step"])
+@pytest.mark.parametrize("loss", [_tied_loss, _penalised_loss], ids=["tied_output_layer", "penalty"])
+def test_a_use_of_the_weight_outside_the_lookups_is_refused_at_a_step_with_one_forward(rng, loss, first):
+    """A layer tied to ``emb.weight`` (logits over the scratch's slots, of which those past the step's rows
+    hold rows of earlier steps) or a penalty over it, in a step of one forward, backward and
+    ``optimizer.step()``, trained on silently: the forward refusal (``_refuse_gradient_outside_lookups``)
+    needs a forward after the backward. The step is refused now, told on the host with no value read, also
+    at the first step, where the slots past the step's rows are zero and their gradient can be too.
+    Nothing changes (table, optimizer state, the linear layer, Adam's step counts); following the advice
+    (discard, zero_grad, the weight out of the loss) trains as in memory."""
+    offloaded, reference, opt, ref_opt = _lazy_pair(rng, sharded=False)
+    batches = zipf_ids(rng, STEPS)
+    start = 0 if first else STEPS // 3
+    for ids, target in batches[:start]:
+        train_step(offloaded, opt, ids, target)
+        train_step(reference, ref_opt, ids, target)
+    ids, target = batches[start]
+    loss(offloaded, ids, target).backward()
+    before = _snapshot(offloaded, opt)
+    with pytest.raises(ss.StateError, match=r"outside its lookups.*Nothing was changed"):
+        opt.step()
+    _assert_same_snapshot(before, _snapshot(offloaded, opt))
+    offloaded.emb.discard_step()
+    opt.zero_grad()
+    for ids, target in batches[start:]:
+        train_step(offloaded, opt, ids, target)
+        train_step(reference, ref_opt, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_hook_that_rescales_the_weights_gradient_trains_as_in_memory_and_is_no_use_outside_the_lookups(
+        rng, cache_rows):
+    """The step's check of a use outside the lookups compares what reaches the weight with what the lookups
+    handed it; a hook of the user's on the weight (per-row rescaling of the gradient) replaces it, after
+    the check: two forwards in one backward, gradient accumulation, such a hook, train as in memory."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    for model in (offloaded, reference):
+        model.emb.weight.register_hook(lambda grad: grad * 0.5)
+    batches = zipf_ids(rng, 2 * STEPS)
+    for (ids, target), (more, more_target) in zip(batches[::2], batches[1::2]):
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            both = torch.nn.functional.mse_loss(model(ids), target) + torch.nn.functional.mse_loss(model(more),
+                                                                                                 more_target)
+            both.backward()
+            torch.nn.functional.mse_loss(model(ids[:BATCH // 2]), target[:BATCH // 2]).backward()  # accumulated
+            optimizer.step()
+            optimizer.zero_grad()
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)

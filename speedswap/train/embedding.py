@@ -52,7 +52,7 @@ __all__ = ["OffloadedEmbedding"]
 #: NOTES 47): these are never any of those, so they are set as on any object.
 _STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran",
                               "_version_at_backward", "_grad_at_backward", "_leftover", "_stale",
-                              "_empty_step",
+                              "_empty_step", "_lookups", "_lookup_grad", "_outside",
                               "_eval_with_grad", "_empty_sparse"})
 
 
@@ -225,6 +225,13 @@ class OffloadedEmbedding(RefusesConversion):
         # and its hook live as long as weight.
         self._leftover = None
         self._stale = None  # the step's gradient, while it holds the one the last step left
+        # The step's lookups read weight through one view of it, made at its first training forward
+        # (_lookup_view): their gradient reaches weight through that view's one node, whose output
+        # (_lookup_grad) is then what reaches weight, unless something else adds to it (a penalty over
+        # emb.weight, a layer tied to it): told by identity, with no value read (see _note_outside_use).
+        self._lookups, self._lookup_grad, self._outside = None, None, False
+        # A hook on weight itself, the first: it sees the gradient before any hook of the user's replaces it.
+        self.weight.register_hook(_note_outside_use(weakref.ref(self)))
         with torch.enable_grad():  # the embedding may be built under no_grad()
             self._accumulator = self.weight.view_as(self.weight).grad_fn.next_functions[0][0]
         self._accumulator.register_prehook(_note_leftover_gradient(weakref.ref(self)))
@@ -573,10 +580,26 @@ class OffloadedEmbedding(RefusesConversion):
         _refuse_ddp(weight)
         local = self._add_rows(ids)
         # Slots name rows one to one, so counting them counts the ids (scale_grad_by_freq).
-        out = F.embedding(local, weight, padding_idx=None if self.padding_idx is None else 0,
+        out = F.embedding(local, self._lookup_view(weight), padding_idx=None if self.padding_idx is None else 0,
                           scale_grad_by_freq=self.scale_grad_by_freq)
         self._reached.track(out, local)  # a forward no backward reaches trains nothing
         return out
+
+    def _lookup_view(self, weight: torch.Tensor) -> torch.Tensor:
+        """The view of ``weight`` every training lookup of the step reads, made at the first (see ``__init__``).
+
+        One view, so that the engine sums the lookups' gradients at its node
+        and hands weight's gradient accumulator one tensor, which
+        :func:`_note_lookups` notes.
+        """
+        if self._lookups is None:
+            self._lookups = weight.view_as(weight)
+            self._lookups.grad_fn.register_hook(_note_lookups(weakref.ref(self)))
+        return self._lookups
+
+    def _forget_lookups(self):
+        """End the step's lookup view and what its backwards noted (see ``__init__``)."""
+        self._lookups, self._lookup_grad, self._outside = None, None, False
 
     @one_thread
     def slots(self, ids: Ids) -> torch.Tensor:
@@ -666,6 +689,7 @@ class OffloadedEmbedding(RefusesConversion):
             self.weight.grad.zero_()
         self._backward_ran = False
         self._stale = None
+        self._forget_lookups()
         self._eval_with_grad = False
         self._scratch_writes.note_own(self.weight)  # SAM may have perturbed the dropped step's
         self._reached.clear()
@@ -981,9 +1005,9 @@ class OffloadedEmbedding(RefusesConversion):
         over ``model.parameters()``, a layer tied to it) gives them a
         gradient, computed from those other rows. The step's next rows would
         take these slots and train on it, where in memory a row looked up
-        later in a step gets the penalty's gradient of its own value. Left
-        where no forward follows, it trains nothing and the step is exact (a
-        penalty after the step's last forward: its rows get their own).
+        later in a step gets the penalty's gradient of its own value. Where
+        no forward follows, the step refuses it
+        (:meth:`_refuse_use_outside_lookups`, which reads no value).
         Asked only in a forward after a backward of the same step (gradient
         accumulation, a penalty's backward before the forward): one host
         wait on a GPU, on a path that waits already (:meth:`_gradient_zeroed`).
@@ -1059,6 +1083,7 @@ class OffloadedEmbedding(RefusesConversion):
                              "hold other rows, so the step would train them on it. Call "
                              "emb.discard_step() and optimizer.zero_grad(), run the step's forwards "
                              "and backwards again, and zero_grad() after each step")
+        self._refuse_use_outside_lookups()
         self._adopt_replaced_data()
         self._state.check_not_replaced()  # optimizer.load_state_dict() between the forward and the step
         self._state.gather(rows, read=self._cache.read_state,  # raises before anything changes
@@ -1080,6 +1105,32 @@ class OffloadedEmbedding(RefusesConversion):
             # Slot 0 as a slice: its copy and put-back are views, with no index tensor made each step.
             self._kept.append(KeptRows(slice(0, 1), self._full, state, spec,
                                        unless=self._reached.looked_up(0, self.weight.device)))
+
+    def _refuse_use_outside_lookups(self):
+        """Refuse a step whose gradient a backward added to through ``weight`` itself, not the lookups.
+
+        A term of the loss over :attr:`weight` (a layer tied to it, an L2
+        penalty summed over ``model.parameters()``) reads the working-set
+        scratch, not the table: its slots past the step's rows hold rows of
+        earlier steps (a tied layer's logits are the scratch's slots), and
+        the step's rows get the gradient of a loss in-memory training never
+        computes. Told by :func:`_note_outside_use`, on the host: no value
+        is read (a forward after such a backward is refused too, by
+        :meth:`_refuse_gradient_outside_lookups`).
+
+        Raises:
+            StateError: nothing changes (no parameter of the optimizer is stepped).
+        """
+        if self._outside:
+            raise StateError(
+                "optimizer.step() after a backward that reached this OffloadedEmbedding's weight outside its "
+                "lookups (a layer tied to emb.weight, logits = h @ emb.weight.t(); a penalty summed over "
+                "model.parameters()): emb.weight is the step's working set, not the table, so that term "
+                "read rows of earlier steps in its slots and the step would train on it. Nothing was "
+                "changed. Leave emb.weight out of the loss: penalise the rows a step looks up "
+                "(emb(ids).pow(2).sum()) or use the optimizer's weight_decay; a layer tied to the table is "
+                "not supported (give the output layer its own weight). Then call emb.discard_step() and "
+                "optimizer.zero_grad(), and run the step again")
 
     def _refuse_eval_only_step(self):
         """Refuse a step whose only forwards since the last one ran in eval mode with gradients on.
@@ -1176,6 +1227,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._reached.clear()
         self._working_set.clear()
         self._backward_ran = False
+        self._forget_lookups()
         self._scratch_writes.note_own(self.weight)  # the optimizer wrote it in place
         grad = self.weight.grad
         self._leftover = None if grad is None else (weakref.ref(grad), grad._version)
@@ -1192,6 +1244,7 @@ class OffloadedEmbedding(RefusesConversion):
         """
         self._scratch_writes.end_own(self.weight)
         self._empty_step = None
+        self._forget_lookups()
         self._one_thread.hold(False)  # the step's claim (see _begin_step); this call's holds until it returns
         self._state.release()
 
@@ -1697,6 +1750,40 @@ def _note_leftover_gradient(ref):
         elif embedding._stale is not None and not untouched(grad, embedding._stale(),
                                                              embedding._version_at_backward):
             embedding._stale = None  # zero_grad() since the last backward dropped it
+        return None
+    return note
+
+
+def _note_lookups(ref):
+    """A post-hook on the node of the step's lookup view: note the gradient it hands ``weight``.
+
+    Held until :func:`_note_outside_use` takes it: the engine adds another
+    term in place only into a tensor nothing else holds, so with it held a
+    sum is another tensor.
+    """
+    def note(grad_inputs, _grad_outputs):
+        embedding = ref()
+        if embedding is not None:
+            embedding._lookup_grad = grad_inputs[0]
+        return None
+    return note
+
+
+def _note_outside_use(ref):
+    """A hook on ``weight``: note a gradient that is not the lookups' alone.
+
+    What reaches ``weight`` in a backward is the tensor the lookup view's
+    node handed it (:func:`_note_lookups`) exactly when nothing else used
+    ``weight``: anything else is the sum, or another term. Registered first,
+    it sees the gradient before a hook of the user's may replace it. Read by
+    :meth:`OffloadedEmbedding._refuse_use_outside_lookups`.
+    """
+    def note(grad):
+        embedding = ref()
+        if embedding is not None:
+            ours, embedding._lookup_grad = embedding._lookup_grad, None
+            if grad is not ours:
+                embedding._outside = True
         return None
     return note
 
