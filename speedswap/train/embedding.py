@@ -52,7 +52,7 @@ __all__ = ["OffloadedEmbedding"]
 #: NOTES 47): these are never any of those, so they are set as on any object.
 _STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran",
                               "_version_at_backward", "_grad_at_backward", "_leftover", "_stale",
-                              "_empty_step", "_lookups", "_lookup_grad", "_outside",
+                              "_empty_step", "_lookups", "_lookups_version", "_lookup_grad", "_outside",
                               "_eval_with_grad", "_empty_sparse"})
 
 
@@ -229,7 +229,7 @@ class OffloadedEmbedding(RefusesConversion):
         # (_lookup_view): their gradient reaches weight through that view's one node, whose output
         # (_lookup_grad) is then what reaches weight, unless something else adds to it (a penalty over
         # emb.weight, a layer tied to it): told by identity, with no value read (see _note_outside_use).
-        self._lookups, self._lookup_grad, self._outside = None, None, False
+        self._lookups, self._lookups_version, self._lookup_grad, self._outside = None, None, None, False
         # A hook on weight itself, the first: it sees the gradient before any hook of the user's replaces it.
         self.weight.register_hook(_note_outside_use(weakref.ref(self)))
         with torch.enable_grad():  # the embedding may be built under no_grad()
@@ -590,10 +590,12 @@ class OffloadedEmbedding(RefusesConversion):
 
         One view, so that the engine sums the lookups' gradients at its node
         and hands weight's gradient accumulator one tensor, which
-        :func:`_note_lookups` notes.
+        :func:`_note_lookups` notes. Made again once ``weight`` was written in
+        place (SAM perturbs it between two passes): autograd then gives the
+        old view a new node, without the hook.
         """
-        if self._lookups is None:
-            self._lookups = weight.view_as(weight)
+        if self._lookups is None or self._lookups._version != self._lookups_version:
+            self._lookups, self._lookups_version = weight.view_as(weight), weight._version
             self._lookups.grad_fn.register_hook(_note_lookups(weakref.ref(self)))
         return self._lookups
 
