@@ -446,11 +446,12 @@ def opening_error(path, exc, what="file") -> "PathError":
     Returns:
         PathError, with ``errno`` set as ``exc``'s.
     """
+    hint = _descriptors_hint(exc)
     if exc.errno in (errno.EACCES, errno.EPERM):
         message = (f"no permission to read the {what} {os.fspath(path)!r}; make it readable "
                    f"(chmod u+r) or read it as a user who may")
-    elif _descriptors_hint(exc):
-        message = f"cannot open the {what} {os.fspath(path)!r} ({exc.strerror or exc}): {_descriptors_hint(exc)}"
+    elif hint:
+        message = f"cannot open the {what} {os.fspath(path)!r} ({exc.strerror or exc}): {hint}"
     else:
         message = f"cannot open the {what} {os.fspath(path)!r} ({exc.strerror or exc}); check the path"
     error = PathError(message)
