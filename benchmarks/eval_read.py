@@ -5,7 +5,7 @@ An ``OffloadedEmbedding`` forward outside training (here ``eval()`` under
 from the host, each once (``RowCache.read``). Per id distribution (Zipf 1.1,
 popular rows scattered over the table, and uniform) one embedding per cache
 size (0, 1, 5, 20% of the rows; vocabulary 1M, dim 64, Adam) is trained by
-``cache.py``'s skip-gram step until its cache holds the hot rows, then eval
+``cache.py``'s skip-gram step until its cache is full (``cache.fill``), then eval
 forwards of fresh ids (4096 each, the same ids for every cache size) are
 timed in interleaved rounds, so load from other processes hits every size
 alike. Rows and bytes read from the host per forward come from
@@ -73,12 +73,22 @@ def measure(distribution, fractions, args):
     for batch in [cache.make_batch(sample) for _ in range(args.train_steps)]:
         for _, emb, opt in setups:
             cache.step(emb, opt, batch)
+    # Then on until its cache is full: 60 steps left a 20% cache of Zipf 1.1 ids still filling, holding every
+    # row it had met rather than the rows its policy keeps.
+    trained, filling = {}, {}
+    for fraction, emb, opt in setups:
+        trained[fraction] = args.train_steps + cache.fill(emb, opt, lambda: cache.make_batch(sample),
+                                                          10 * args.train_steps)
+        last = emb.stats()["last_step"]
+        filling[fraction] = bool(emb.cache_rows and last["bytes_d2h"] < last["bytes_h2d"])
     batches = [torch.from_numpy(sample(args.ids)) for _ in range(args.warmup + args.repeats)]
     for _, emb, _ in setups:
         emb.eval()
     label = distribution if distribution == "uniform" else f"zipf {distribution}"
     with torch.no_grad():  # from here on, forwards as an evaluation loop makes them
-        rows = [{"distribution": label, **row} for row in evaluate(setups, batches, sample, rank, args)]
+        rows = [{"distribution": label, "train_steps": trained[row["cache_fraction"]],
+                 "filling": filling[row["cache_fraction"]], **row}
+                for row in evaluate(setups, batches, sample, rank, args)]
     for _, emb, _ in setups:
         emb.close()
     annotate(rows)
@@ -152,7 +162,8 @@ def main(argv=None):
                         help="timed eval forwards per cache size, each of fresh ids")
     parser.add_argument("--warmup", type=nonnegative_int, default=5, help="eval forwards per cache size before timing")
     parser.add_argument("--train-steps", type=nonnegative_int, default=60,
-                        help=f"training steps first ({TRAIN_IDS} ids each, cache.py's): the cache fills with hot rows")
+                        help=f"training steps first ({TRAIN_IDS} ids each, cache.py's), the same for every cache size; "
+                             "then each trains on until its cache is full, at most 10x as many more steps")
     parser.add_argument("--distributions", nargs="+", type=distribution, default=[1.1, "uniform"],
                         help="id distributions: Zipf exponents, or 'uniform'")
     parser.add_argument("--caches", nargs="+", type=share, default=[0.01, 0.05, 0.2],

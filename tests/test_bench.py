@@ -701,6 +701,9 @@ def test_the_eval_read_benchmark_reads_fewer_rows_through_a_cache_and_keeps_its_
         assert row["bytes_h2d_per_forward"] == row["rows_h2d_per_forward"] * row_bytes
         assert row["cache_bytes_after_wide_forward"] == row["cache_bytes_before_wide_forward"]
         assert row["wide_forward_ids"] == 10 * result["train_ids_per_step"]
+        # Every cache is full when its forwards are timed, after the shared steps and at most 10x more.
+        assert not row["filling"]
+        assert result["train_steps"] <= row["train_steps"] <= 11 * result["train_steps"]
         if fraction:
             assert row["cache_bytes_before_wide_forward"] > 0
             # Each uncached row once: no more rows than the ids the cache missed.
