@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import speedswap as ss
-from test_training_flows import BATCH, STEPS, assert_equal_to_reference, make_lazy, pair, train_step, zipf_ids
+from test_training_flows import (BATCH, DIM, ROWS, STEPS, WIDTH, LazyTable, assert_equal_to_reference, make_lazy,
+                                 pair, train_step, zipf_ids)
 
 
 def _lazy_pair(rng, sharded):
@@ -163,6 +164,83 @@ def test_a_use_of_the_weight_outside_the_lookups_is_refused_at_a_step_with_one_f
     offloaded.emb.discard_step()
     opt.zero_grad()
     for ids, target in batches[start:]:
+        train_step(offloaded, opt, ids, target)
+        train_step(reference, ref_opt, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+def _shift_first_forwards_rows(table, ids, shift):
+    """Add ``shift``'s rows to the rows a step's one forward so far looked up, in place under ``no_grad()``.
+
+    An offloaded table holds them in ``weight[:len(working_rows)]``, in slot order; an in-memory one at their ids.
+    """
+    if isinstance(table, ss.OffloadedEmbedding):
+        rows = table.working_rows
+        where = slice(0, len(rows))
+    else:
+        rows = where = torch.unique(ids)
+    with torch.no_grad():
+        table.weight[where] += shift[rows]
+
+
+def _squared_error(table, ids, target):
+    return ((table(ids).sum(1) - target) ** 2).sum()
+
+
+@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam", "SparseAdam"])
+def test_rows_written_in_place_between_two_forwards_of_one_backward_train_as_in_memory(rng, optimizer, cache_rows):
+    """Forward, the rows it looked up shifted in place under ``no_grad()``, a second forward, one backward over
+    both losses, ``optimizer.step()``: in memory the write breaks no graph (an embedding's backward saves its
+    ids, not its weight) and the step trains both forwards' gradients. It was refused as a use of the weight
+    outside the lookups: the lookups read a view of the weight, which autograd gives a new node after the
+    write, so the two forwards' gradients reached the weight through two nodes, and their sum was neither
+    node's. The lookups now read one alias with one node for the step: trained as the in-memory lazy
+    reference, on fresh rows, shifts and Zipf ids."""
+    sparse = optimizer == "SparseAdam"
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    shift = torch.from_numpy(rng.standard_normal((ROWS, DIM)).astype(np.float32))
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=2 * BATCH * WIDTH, sparse=sparse, storage="pageable",
+                                backend="numpy", cache_rows=cache_rows)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    reference = LazyTable(table0, sparse=sparse)
+    opt, ref_opt = (getattr(torch.optim, optimizer)(t.parameters(), lr=0.05) for t in (emb, reference))
+    emb.attach(opt)
+    make_lazy(ref_opt, reference)
+    batches = zipf_ids(rng, 2 * STEPS)
+    for (ids, target), (more, more_target) in zip(batches[::2], batches[1::2]):
+        for table, optimizer in ((emb, opt), (reference, ref_opt)):
+            loss = _squared_error(table, ids, target)
+            _shift_first_forwards_rows(table, ids, shift)
+            (loss + _squared_error(table, more, more_target)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), reference.weight.detach().numpy(), rtol=1e-6, atol=1e-6)
+    ref_state = {k: v for k, v in ref_opt.state[reference.weight].items() if torch.is_tensor(v) and v.ndim}
+    assert emb._state.tables.keys() == ref_state.keys()  # Adam's moments, none for SGD
+    for name, table in emb._state.tables.items():
+        np.testing.assert_allclose(table.to_numpy(), ref_state[name].numpy(), rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("loss", [_tied_loss, _penalised_loss], ids=["tied_output_layer", "penalty"])
+def test_a_use_of_the_weight_outside_the_lookups_after_rows_written_between_two_forwards_is_refused(rng, loss):
+    """The pattern above (forward, rows written in place, a second forward, one backward) with a tied
+    output layer or a penalty over the weight in the second forward's loss: refused at the step as with one
+    forward, nothing changed; after the advice (discard, zero_grad) training goes on as in memory."""
+    offloaded, reference, opt, ref_opt = _lazy_pair(rng, sharded=False)
+    shift = torch.from_numpy(rng.standard_normal((ROWS, DIM)).astype(np.float32))
+    batches = zipf_ids(rng, STEPS)
+    (ids, target), (more, more_target) = batches[:2]
+    first = torch.nn.functional.mse_loss(offloaded(ids), target)
+    _shift_first_forwards_rows(offloaded.emb, ids, shift)
+    (first + loss(offloaded, more, more_target)).backward()
+    before = _snapshot(offloaded, opt)
+    with pytest.raises(ss.StateError, match=r"outside its lookups.*Nothing was changed"):
+        opt.step()
+    _assert_same_snapshot(before, _snapshot(offloaded, opt))
+    offloaded.emb.discard_step()
+    opt.zero_grad()
+    for ids, target in batches[2:]:
         train_step(offloaded, opt, ids, target)
         train_step(reference, ref_opt, ids, target)
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)

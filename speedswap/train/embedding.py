@@ -52,7 +52,7 @@ __all__ = ["OffloadedEmbedding"]
 #: NOTES 47): these are never any of those, so they are set as on any object.
 _STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran",
                               "_version_at_backward", "_grad_at_backward", "_leftover", "_stale",
-                              "_empty_step", "_lookups", "_lookups_version", "_lookup_grad", "_outside",
+                              "_empty_step", "_lookups", "_lookup_grad", "_outside",
                               "_eval_with_grad", "_empty_sparse"})
 
 
@@ -225,11 +225,11 @@ class OffloadedEmbedding(RefusesConversion):
         # and its hook live as long as weight.
         self._leftover = None
         self._stale = None  # the step's gradient, while it holds the one the last step left
-        # The step's lookups read weight through one view of it, made at its first training forward
-        # (_lookup_view): their gradient reaches weight through that view's one node, whose output
+        # The step's lookups read weight through one alias of it, made at its first training forward
+        # (_lookup_alias): their gradient reaches weight through that alias's one node, whose output
         # (_lookup_grad) is then what reaches weight, unless something else adds to it (a penalty over
         # emb.weight, a layer tied to it): told by identity, with no value read (see _note_outside_use).
-        self._lookups, self._lookups_version, self._lookup_grad, self._outside = None, None, None, False
+        self._lookups, self._lookup_grad, self._outside = None, None, False
         # A hook on weight itself, the first: it sees the gradient before any hook of the user's replaces it.
         self.weight.register_hook(_note_outside_use(weakref.ref(self)))
         with torch.enable_grad():  # the embedding may be built under no_grad()
@@ -580,27 +580,29 @@ class OffloadedEmbedding(RefusesConversion):
         _refuse_ddp(weight)
         local = self._add_rows(ids)
         # Slots name rows one to one, so counting them counts the ids (scale_grad_by_freq).
-        out = F.embedding(local, self._lookup_view(weight), padding_idx=None if self.padding_idx is None else 0,
+        out = F.embedding(local, self._lookup_alias(weight), padding_idx=None if self.padding_idx is None else 0,
                           scale_grad_by_freq=self.scale_grad_by_freq)
         self._reached.track(out, local)  # a forward no backward reaches trains nothing
         return out
 
-    def _lookup_view(self, weight: torch.Tensor) -> torch.Tensor:
-        """The view of ``weight`` every training lookup of the step reads, made at the first (see ``__init__``).
+    def _lookup_alias(self, weight: torch.Tensor) -> torch.Tensor:
+        """The alias of ``weight`` every training lookup of the step reads, made at the first (see ``__init__``).
 
-        One view, so that the engine sums the lookups' gradients at its node
-        and hands weight's gradient accumulator one tensor, which
-        :func:`_note_lookups` notes. Made again once ``weight`` was written in
-        place (SAM perturbs it between two passes): autograd then gives the
-        old view a new node, without the hook.
+        One alias with one node (:class:`_Lookups`), so that the engine sums
+        the lookups' gradients there and hands weight's gradient accumulator
+        one tensor, which :func:`_note_lookups` notes. Kept for the whole step,
+        also once ``weight`` was written in place between two forwards
+        (rows perturbed under ``no_grad()``, then one backward over both):
+        no lookup saves ``weight`` for its backward, so the write does not
+        break the graph, and the one node still takes every lookup's gradient.
         """
-        if self._lookups is None or self._lookups._version != self._lookups_version:
-            self._lookups, self._lookups_version = weight.view_as(weight), weight._version
+        if self._lookups is None:
+            self._lookups = _Lookups.apply(weight)
             self._lookups.grad_fn.register_hook(_note_lookups(weakref.ref(self)))
         return self._lookups
 
     def _forget_lookups(self):
-        """End the step's lookup view and what its backwards noted (see ``__init__``)."""
+        """End the step's lookup alias and what its backwards noted (see ``__init__``)."""
         self._lookups, self._lookup_grad, self._outside = None, None, False
 
     @one_thread
@@ -1756,8 +1758,27 @@ def _note_leftover_gradient(ref):
     return note
 
 
+class _Lookups(torch.autograd.Function):
+    """``weight`` under a node of its own, for the step's lookups (:meth:`OffloadedEmbedding._lookup_alias`).
+
+    The same memory, not a copy. Not a view either: autograd gives a view a
+    new node each time its base is written in place, and the lookups of the
+    forwards before and after such a write would reach ``weight`` through two
+    nodes, whose sum no hook on either node sees. A ``detach()``ed alias keeps
+    this node whatever writes ``weight`` gets.
+    """
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad  # the tensor itself: what _note_lookups notes is what reaches weight
+
+
 def _note_lookups(ref):
-    """A post-hook on the node of the step's lookup view: note the gradient it hands ``weight``.
+    """A post-hook on the node of the step's lookups (:class:`_Lookups`): note the gradient it hands ``weight``.
 
     Held until :func:`_note_outside_use` takes it: the engine adds another
     term in place only into a tensor nothing else holds, so with it held a
@@ -1774,7 +1795,7 @@ def _note_lookups(ref):
 def _note_outside_use(ref):
     """A hook on ``weight``: note a gradient that is not the lookups' alone.
 
-    What reaches ``weight`` in a backward is the tensor the lookup view's
+    What reaches ``weight`` in a backward is the tensor the lookups'
     node handed it (:func:`_note_lookups`) exactly when nothing else used
     ``weight``: anything else is the sum, or another term. Registered first,
     it sees the gradient before a hook of the user's may replace it. Read by
