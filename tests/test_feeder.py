@@ -808,6 +808,30 @@ def test_a_state_saved_before_ranks_took_runs_is_refused_with_a_remedy_that_work
     assert len(got) == len(expected) == len(straight) and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
+def test_a_block_state_saved_before_each_window_had_its_own_generator_is_refused(rng):
+    """Such a state's epoch shuffled its windows with one generator, the rows within them in another order:
+    resumed mid-epoch, it would read some of the epoch's rows twice and others never, and nothing would
+    say so. Refused, nothing changed, with the remedy that works (its epoch afresh); a random or
+    sequential order's state, whose stream did not change, is taken."""
+    data = rng.permutation(100)
+
+    def feeder(order):
+        return ss.BatchFeeder(data, batch_size=10, order=order, seed=3, device="cpu")
+
+    blocks = feeder("block")
+    saved = blocks.state_dict()
+    old = dict(saved, epoch=2, batch=3, order={k: v for k, v in saved["order"].items() if k != "shuffle"})
+    with pytest.raises(ss.StateError) as info:
+        blocks.load_state_dict(old)
+    message = str(info.value)
+    assert "its own generator" in message and "set_epoch(2)" in message and "same arguments" not in message
+    assert blocks.state_dict() == saved
+    for order in ("random", "sequential"):
+        other = feeder(order)
+        other.load_state_dict(dict(other.state_dict(), epoch=2, batch=3))
+        assert (other.state_dict()["epoch"], other.state_dict()["batch"]) == (2, 3)
+
+
 @pytest.mark.gpu
 def test_gpu_batches_match_the_cpu_and_stay_valid(rng, tmp_path):
     n = 5000

@@ -3,10 +3,11 @@
 Until review-l a feeder held an int64 id for every row of an epoch (and of the next, drawn ahead): 16 to
 48 bytes a row (benchmarks/NOTES.md, entry 81), so a 1-D token file needed several times its size in
 RAM, and a large one was refused. In ``block`` and ``sequential`` order the ids are now made as the epoch
-reaches them. These tests hold the lazy orders to a reference of the old, materialised ones written
-here from their definition (the seed's generator draws the block order, then shuffles each window's
-grid row), for one rank and for each rank of a world, across epochs, resumed mid-epoch, with and without
-``drop_last``; and measure the memory of an epoch over 2**27 rows.
+reaches them. These tests hold the lazy orders to a reference laid out whole, written here from their
+definition (the seed's generator draws the block order; since review-w each window's rows are shuffled by
+that window's child of the epoch's SeedSequence, so a resumed epoch makes no window before its own), for
+one rank and for each rank of a world, across epochs, resumed mid-epoch, with and without ``drop_last``;
+and measure the memory of an epoch over 2**27 rows.
 """
 
 import os
@@ -23,19 +24,24 @@ from speedswap.data.orders import BlockOrder, SequentialOrder, epoch_share
 
 
 def reference_order(order, num_rows, seed, epoch):
-    """The epoch's order as the code before review-l laid it out: whole, in one pass."""
+    """The epoch's order laid out whole, in one pass: the blocks drawn by the epoch's generator, then
+    the rows of each window permuted by the generator of the window's child of the epoch's SeedSequence
+    (SeedSequence.spawn's, where the order makes the child directly)."""
     if isinstance(order, SequentialOrder):
         return np.arange(num_rows)
     size, window = order.block_rows, order.window
-    rng = np.random.default_rng(np.random.SeedSequence([seed, epoch]))
+    sequence = np.random.SeedSequence([seed, epoch])
     num_blocks = -(-num_rows // size)
     num_windows = -(-num_blocks // window)
     blocks = np.full(num_windows * window, -1)
-    blocks[:num_blocks] = rng.permutation(num_blocks)
+    blocks[:num_blocks] = np.random.default_rng(sequence).permutation(num_blocks)
     grid = blocks[:, None] * size + np.arange(size)
     grid[(blocks < 0)[:, None] | (grid >= num_rows)] = -1
-    grid = rng.permuted(grid.reshape(num_windows, window * size), axis=1).reshape(-1)
-    return grid[grid >= 0]
+    lanes = []
+    for row, child in zip(grid.reshape(num_windows, window * size), sequence.spawn(num_windows)):
+        rows = row[row >= 0]
+        lanes.append(rows[np.random.default_rng(child).permutation(len(rows))])
+    return np.concatenate(lanes)
 
 
 def reference_share(order, rank, world_size, drop_last):
@@ -57,7 +63,7 @@ def random_order(rng, kind, num_rows):
 
 
 @pytest.mark.parametrize("kind", [BlockOrder, SequentialOrder])
-def test_the_windowed_orders_are_the_orders_laid_out_whole_before(rng, kind):
+def test_the_windowed_orders_are_their_definition_laid_out_whole(rng, kind):
     for _ in range(30):
         n = int(rng.integers(1, 400))
         order, seed, epoch = random_order(rng, kind, n), int(rng.integers(1 << 40)), int(rng.integers(100))
@@ -117,11 +123,11 @@ def test_the_most_windows_a_batch_needs_is_counted_as_from_every_positions_windo
 @pytest.mark.parametrize("kind", [BlockOrder, SequentialOrder])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("where", ["ram", "file"])
-def test_a_feeders_batches_are_the_old_orders_across_epochs_and_resumed_mid_epoch(tmp_path, rng, kind,
-                                                                                  world_size, where):
+def test_a_feeders_batches_are_the_reference_orders_across_epochs_and_resumed_mid_epoch(tmp_path, rng, kind,
+                                                                                        world_size, where):
     """Every rank, both drop_last, uneven last batches: the batches of the reference order, two epochs, and
     the rest of an epoch after load_state_dict at a batch mid-epoch. From a file the window reader
-    reads whole windows of blocks; in RAM rows are gathered by id: both must give the old stream."""
+    reads whole windows of blocks; in RAM rows are gathered by id: both must give the reference stream."""
     n = int(rng.integers(60, 400))
     tokens = (rng.zipf(1.3, n) % 5000).astype(np.int32)
     np.save(tmp_path / "x.npy", tokens)
@@ -154,6 +160,81 @@ def test_a_feeders_batches_are_the_old_orders_across_epochs_and_resumed_mid_epoc
             assert len(got) == len(expected) - state["batch"]
             for ids, want in zip(got, expected[state["batch"]:]):
                 np.testing.assert_array_equal(ids, want)
+
+
+def test_a_cursor_makes_the_windows_it_reads_and_none_before(rng, monkeypatch):
+    """A block epoch read from any position makes the window holding it and those after, each once, then
+    window 0 again for the padding that wraps to the epoch's start. Until review-w one generator shuffled
+    window after window, so a loop resumed near an epoch's end shuffled every window before it first
+    (NOTES 91)."""
+    made, lane = [], BlockOrder._lane
+
+    def counted(self, num_rows, seed, epoch, k, blocks):
+        made.append(k)
+        return lane(self, num_rows, seed, epoch, k, blocks)
+
+    monkeypatch.setattr(BlockOrder, "_lane", counted)
+    for _ in range(30):
+        n = int(rng.integers(20, 400))
+        order, seed, epoch = random_order(rng, BlockOrder, n), int(rng.integers(1 << 40)), int(rng.integers(10))
+        world_size = int(rng.integers(1, 4))
+        rank = int(rng.integers(world_size))
+        share = epoch_share(order, n, seed, epoch, rank, world_size, False, world_size > 1)
+        expected = reference_share(reference_order(order, n, seed, epoch), rank, world_size, False)
+        start, size = int(rng.integers(0, len(share))), int(rng.integers(1, 20))
+        made.clear()
+        take = share.cursor()
+        got = [take(lo, min(lo + size, len(share))) for lo in range(start, len(share), size)]
+        np.testing.assert_array_equal(np.concatenate(got), expected[start:])
+        # The windows the positions read fall in, in reading order, each run of one window once.
+        window_of_block = np.empty(-(-n // order.block_rows), dtype=np.int64)
+        valid = share.windows >= 0
+        window_of_block[share.windows[valid]] = np.nonzero(valid)[0]
+        read = window_of_block[expected[start:] // order.block_rows]
+        assert made == read[np.r_[True, read[1:] != read[:-1]]].tolist()
+
+
+@pytest.mark.parametrize("order", ["random", "block", "sequential"])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_feeder_resumed_at_a_window_start_or_inside_one_gives_the_uninterrupted_batches(tmp_path, rng, order,
+                                                                                         world_size):
+    """Each rank, two seeds, batches of one row (every window start is a batch's) and of a random size:
+    load_state_dict at a batch that starts a window, and at batches inside one, in epochs 0 and 1, then
+    read to the end of the next epoch: bit for bit the batches of a feeder never interrupted. From a file
+    (the window reader) and from RAM."""
+    n = int(rng.integers(60, 200))
+    tokens = (rng.zipf(1.3, n) % 5000).astype(np.int32)
+    np.save(tmp_path / "x.npy", tokens)
+    for source in (np.load(tmp_path / "x.npy", mmap_mode="r"), tokens):
+        for seed in rng.integers(1 << 40, size=2).tolist():
+            kind = {"block": BlockOrder, "sequential": SequentialOrder}.get(order)
+            made = order if kind is None else random_order(rng, kind, n)
+            for rank in range(world_size):
+                for batch_size in (1, int(rng.integers(2, n // world_size + 1))):
+                    def build():
+                        return ss.BatchFeeder(source, batch_size=batch_size, order=made, seed=seed, rank=rank,
+                                              world_size=world_size, device="cpu", prefetch=int(rng.integers(0, 3)))
+                    feeder = build()
+                    whole = [[batch.numpy().copy() for (batch,) in feeder] for _ in range(3)]
+                    for epoch in (0, 1):
+                        starts = np.arange(len(feeder)) * batch_size
+                        if kind is None:
+                            at_window = np.zeros(len(starts), dtype=bool)
+                        else:
+                            share = epoch_share(feeder.order, n, seed, epoch, rank, world_size, False,
+                                                world_size > 1)
+                            frontier = share.frontier(np.arange(len(share)))
+                            at_window = np.r_[True, frontier[1:] != frontier[:-1]][starts]
+                        picks = [rng.choice(np.nonzero(where)[0], size=min(2, int(where.sum())), replace=False)
+                                 for where in (at_window, ~at_window)]
+                        for batch in np.concatenate(picks).tolist():
+                            resumed = build()
+                            resumed.load_state_dict(dict(feeder.state_dict(), epoch=epoch, batch=batch))
+                            got = [b.numpy() for _ in range(2) for (b,) in resumed]
+                            want = whole[epoch][batch:] + whole[epoch + 1]
+                            assert len(got) == len(want)
+                            for a, b in zip(got, want):
+                                np.testing.assert_array_equal(a, b)
 
 
 def test_random_order_still_refuses_rows_its_ids_cannot_fit_and_names_block_order(rng, monkeypatch):
@@ -239,9 +320,10 @@ _WINDOWS = textwrap.dedent("""
 def test_a_block_epoch_holds_one_windows_ids_at_a_time_as_the_window_check_counts(rng, padded):
     """A pass over a block epoch of about 2**24 rows in windows of 2**23 (64 MiB of int64 ids: above
     glibc's largest mmap threshold, so a window freed goes back to the kernel and the peak is what is
-    alive). Whole windows peak at one window's ids; with the last block short, the windows with padding
-    at what _check_window counts (17 bytes a row: ids, flags, the compacted copy). The generator's own
-    references to the last window (a view of it too) held two windows' ids while it made the next."""
+    alive) peaks at one window's ids, what _check_window counts, with the last block short too. Before
+    review-w a window with padding was shuffled with it, then copied without it: 17 bytes a row. The
+    generator's own references to the last window (a view of it too) once held two windows' ids while
+    it made the next."""
     block_rows, window = 1 << 21, 4
     n = (1 << 24) - (int(rng.integers(1, 1 << 20)) if padded else 0)
     out = subprocess.run([sys.executable, "-c", _WINDOWS, str(n), str(block_rows), str(window)],
@@ -249,5 +331,5 @@ def test_a_block_epoch_holds_one_windows_ids_at_a_time_as_the_window_check_count
     assert out.returncode == 0, out.stderr
     total, growth, counted = map(int, out.stdout.split())
     assert total == n * (n - 1) // 2  # every row once
-    held = counted if padded else 8 * window * block_rows
-    assert growth <= held + (1 << 20), (growth, held)  # 1 MiB for a batch's ids and the blocks
+    assert counted == 8 * window * block_rows
+    assert growth <= counted + (1 << 20), (growth, counted)  # 1 MiB for a batch's ids and the blocks

@@ -22,6 +22,8 @@ with the rows (only with the blocks: their shuffled order).
 [3, 4, 0]
 """
 
+import functools
+
 import numpy as np
 
 from ..backends import available_ram
@@ -48,10 +50,11 @@ def _chosen(order):
 def _check_window(order, num_rows):
     """Refuse a window whose layout could not fit in the RAM available now; once per window size.
 
-    A window larger than the data's blocks is allowed, not capped: the layout
-    pads it with empty slots, which changes a block order's shuffle, so
-    capping would change the stream of a saved feeder. But the padding is
-    laid out whole, so an absurd window (``2**40``) fails there.
+    A window larger than the data's blocks is allowed, not capped: capping
+    would change the order's settings, which a saved feeder state is compared
+    by. It is counted as though all its blocks were there (``windows`` lays
+    out a slot for each, ``-1`` where the data has none), so an absurd window
+    (``2**40``) is refused here, not when its slots are laid out.
 
     A window accepted once (when a feeder took the order, or at its first
     layout) is not checked again at each epoch: the RAM available dipping for
@@ -82,6 +85,13 @@ def _generator(seed, epoch):
     # A SeedSequence of the pair, not seed + epoch: (seed=0, epoch=1) and
     # (seed=1, epoch=0) must not give the same order.
     return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
+
+
+def _window_generator(seed, epoch, window):
+    # The window-th child of the epoch's SeedSequence (what its spawn() would hand out), made
+    # directly: a window is shuffled without drawing the shuffles of the windows before it, so
+    # an epoch resumed near its end reaches its window at once.
+    return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)], spawn_key=(int(window),)))
 
 
 class Order:
@@ -138,8 +148,9 @@ class SequentialOrder(Order):
         """``arange(num_rows)``; ``seed`` and ``epoch`` are ignored."""
         return np.arange(num_rows, dtype=np.int64)
 
-    def _cursor(self, num_rows, seed, epoch):
-        """``ids(a, b)``: the epoch's ids at positions ``[a, b)``, which in file order are the positions."""
+    def _cursor(self, share):
+        """``ids(a, b)``: the epoch's ids at positions ``[a, b)``, which in file order are the positions
+        (``share``, the :class:`WindowedShare` reading them, does not matter)."""
         return lambda a, b: np.arange(a, b, dtype=np.int64)
 
     @property
@@ -193,7 +204,9 @@ class BlockOrder(Order):
 
     A feeder makes an epoch's row ids one window at a time, as it reaches
     the window (:func:`epoch_share`): besides a window's ids, an epoch holds
-    only its shuffled blocks, whatever the rows.
+    only its shuffled blocks, whatever the rows. Each window is shuffled by
+    its own generator, so a feeder resumed mid-epoch makes only the windows
+    from its position on.
 
     Raises:
         OptionError: a non-positive ``block_rows`` or ``window``; when a feeder
@@ -219,7 +232,8 @@ class BlockOrder(Order):
             OptionError: ``block_rows`` was never chosen (use :func:`make_order`),
                 or the window's layout would not fit in the RAM available.
         """
-        return np.concatenate(list(self._lanes(num_rows, seed, epoch)))
+        windows = self.windows(num_rows, seed, epoch)
+        return np.concatenate([self._lane(num_rows, seed, epoch, k, blocks) for k, blocks in enumerate(windows)])
 
     def windows(self, num_rows, seed, epoch):
         """Which blocks each window of the epoch holds, in the order the epoch reads them.
@@ -232,66 +246,55 @@ class BlockOrder(Order):
             numpy.ndarray of int64, shape ``(num_windows, window)``: block ids
             (block ``b`` is rows ``[b * block_rows, (b + 1) * block_rows)``),
             ``-1`` where the last window is short.
+
+        Raises:
+            OptionError: as :meth:`indices`.
         """
-        return self._blocks(num_rows, seed, epoch)[1].reshape(-1, self.window)
+        num_blocks = -(-num_rows // _chosen(self))
+        _check_window(self, num_rows)
+        blocks = np.full(-(-num_blocks // self.window) * self.window, -1, dtype=np.int64)
+        blocks[:num_blocks] = _generator(seed, epoch).permutation(num_blocks)
+        return blocks.reshape(-1, self.window)
 
     @property
     def _layout_bytes_per_block(self):
-        """Bytes a window's ids take per block at their peak (:meth:`_lanes`): ``block_rows``
-        int64 ids, and where a window has padding, a bool each saying which are ids and the ids
-        copied without it (tests/test_lazy_orders.py measures the peak against it)."""
-        return 17 * _chosen(self)
+        """Bytes a window's ids take per block (:meth:`_lane`): ``block_rows`` int64 ids, the most a
+        window holds (tests/test_lazy_orders.py measures the peak against it)."""
+        return 8 * _chosen(self)
 
-    def _blocks(self, num_rows, seed, epoch):
-        """``(generator, blocks)``: the epoch's shuffled block ids, ``-1``-padded to whole windows, and
-        the generator that drew them, which then shuffles the windows (:meth:`_lanes`)."""
-        _check_window(self, num_rows)
-        rng = _generator(seed, epoch)
-        num_blocks = -(-num_rows // self.block_rows)
-        blocks = np.full(-(-num_blocks // self.window) * self.window, -1, dtype=np.int64)
-        blocks[:num_blocks] = rng.permutation(num_blocks)
-        return rng, blocks
+    def _lane(self, num_rows, seed, epoch, k, blocks):
+        """Window ``k``'s row ids in the epoch's order: the rows of its ``blocks`` (row ``k`` of
+        :meth:`windows`), shuffled by the window's own generator.
 
-    def _lanes(self, num_rows, seed, epoch):
-        """Yield each window's row ids in turn, shuffled: the epoch, a window at a time.
-
-        Each window is laid out as ``window * block_rows`` slots, block after
-        block, ``-1`` where the last block or window is short, shuffled, and
-        the ``-1`` dropped. The one generator shuffles window after window
-        (after drawing the blocks), as ``Generator.permuted(grid, axis=1)``
-        shuffles a grid's rows: the epoch is the one it was when the whole
-        grid was laid out and shuffled at once (tests/test_lazy_orders.py
-        compares them), but one window's ids are held at a time.
+        Each window has its own generator, a child of the epoch's seed: a
+        window is made without the ones before it, so a loop resumed
+        mid-epoch makes only the windows it reads (:class:`_LaneCursor`).
+        Until review-w one generator shuffled window after window, and a
+        resumed epoch shuffled every window before its own first (NOTES 91):
+        for a given seed the rows within each window now come in another
+        order (the blocks of each window are the same).
         """
-        rng, blocks = self._blocks(num_rows, seed, epoch)
         size = self.block_rows
-        # The last block, if it is short: with the -1 blocks of the last window, the only padding.
-        last = (num_rows - 1) // size if num_rows % size else -1
-        for window in blocks.reshape(-1, self.window):
-            # Made in place, block by block: no temporary as large as the window.
-            lane = np.arange(len(window) * size, dtype=np.int64)
-            for i, block in enumerate(window.tolist()):
-                part = lane[i * size:(i + 1) * size]
-                if block < 0:
-                    part[:] = -1
-                else:
-                    part += (block - i) * size
-                    if block == last:
-                        part[part >= num_rows] = -1
-            rng.shuffle(lane)
-            if (window < 0).any() or (window == last).any():  # the others have no padding to drop
-                lane = lane[lane >= 0]
-            yield lane
-            # Dropped before the next window's are made, or these references (a view too) keep two
-            # windows' ids alive at once (NOTES 88: 651 MB against 383 MB over a 2**25-row window).
-            del lane, part
+        blocks = blocks[blocks >= 0]  # -1 pads the last window; the last block may be short
+        rows = np.minimum(size, num_rows - blocks * size)
+        lane = np.arange(int(rows.sum()), dtype=np.int64)
+        start = 0
+        for block, count in zip(blocks.tolist(), rows.tolist()):
+            # In place, block by block: no temporary as large as the window.
+            lane[start:start + count] += block * size - start
+            start += count
+        _window_generator(seed, epoch, k).shuffle(lane)
+        return lane
 
-    def _cursor(self, num_rows, seed, epoch):
+    def _cursor(self, share):
         """``ids(a, b)``: the epoch's ids at positions ``[a, b)``, made a window at a time (:class:`_LaneCursor`)."""
-        return _LaneCursor(lambda: self._lanes(num_rows, seed, epoch))
+        lane = functools.partial(self._lane, share.num_rows, share.seed, share.epoch)
+        return _LaneCursor(lambda k: lane(k, share.windows[k]), share.ends)
 
     def describe(self):
-        return {"name": self.name, "block_rows": self.block_rows, "window": self.window}
+        # "shuffle": each window shuffled by its own generator; a state saved before (which has no
+        # such key) resumed the rows of its windows in another order, and is refused.
+        return {"name": self.name, "block_rows": self.block_rows, "window": self.window, "shuffle": "per-window"}
 
 
 ORDERS = {"random": RandomOrder, "block": BlockOrder, "sequential": SequentialOrder}
@@ -403,35 +406,33 @@ def _run_of(num_rows, rank, world_size, drop_last):
 class _LaneCursor:
     """An epoch's ids by position, made a window (a lane) at a time from an order's lanes.
 
-    Positions are asked for in ascending order, as a loop reads its batches;
-    the lanes before the one asked for are made and dropped (a loop resumed
-    mid-epoch pays the time of the windows before it, not their memory). A
-    position before the current lane starts the lanes over: the padding that
-    evens out ranks repeats the epoch's first rows at the end of the last
-    rank's run. Not shared between threads: each loop makes its own.
+    The lane holding a position is made when a position in it is first asked
+    for, and dropped when a position of another is: one lane is held at a
+    time, and none before the first asked for is made (a loop resumed
+    mid-epoch, or the padding that evens out ranks, which repeats the epoch's
+    first rows at the end of the last rank's run, costs the lanes it reads).
+    A loop asks for its positions in ascending order, so it makes each lane
+    once. Not shared between threads: each loop makes its own.
 
     Args:
-        lanes: makes a fresh iterator of the epoch's lanes (numpy int64 arrays, in order).
+        lane: ``lane(k)``, the epoch's ``k``-th lane (a numpy int64 array).
+        ends: numpy int64 array, where each lane ends in the epoch (strictly increasing: no lane is empty).
     """
 
-    def __init__(self, lanes):
-        self._make = lanes
-        self._restart()
-
-    def _restart(self):
-        self._lanes, self._lane, self._start, self._end = self._make(), None, 0, 0
+    def __init__(self, lane, ends):
+        self._make, self._ends = lane, ends
+        self._k, self._lane, self._start = -1, None, 0
 
     def __call__(self, a, b):
         """The ids at positions ``[a, b)`` of the epoch, a fresh int64 array."""
-        if a < self._start:
-            self._restart()
         pieces = []
         while a < b:
-            while a >= self._end:
+            k = int(np.searchsorted(self._ends, a, side="right"))
+            if k != self._k:
                 self._lane = None  # dropped before the next is made: one lane held at a time
-                self._lane = next(self._lanes)
-                self._start, self._end = self._end, self._end + len(self._lane)
-            stop = min(b, self._end)
+                self._lane = self._make(k)
+                self._k, self._start = k, int(self._ends[k - 1]) if k else 0
+            stop = min(b, int(self._ends[k]))
             # Copied: a view would keep the whole lane alive as long as the batch's ids.
             pieces.append(self._lane[a - self._start:stop - self._start].copy())
             a = stop
@@ -467,21 +468,23 @@ class WindowedShare:
 
     Attributes:
         ids: None (nothing is held).
+        num_rows, seed, epoch: the epoch's, as :func:`epoch_share` took them.
         windows: the epoch's ``(num_windows, window)`` block ids (the order's ``windows``).
+        ends: numpy int64 array, where each window's rows end in the epoch's order.
         block_rows: rows per block.
     """
 
     ids = None
 
     def __init__(self, order, num_rows, seed, epoch, first, length):
-        self._order, self._num_rows, self._seed, self._epoch = order, num_rows, seed, epoch
+        self._order, self.num_rows, self.seed, self.epoch = order, num_rows, seed, epoch
         self._first, self._length = first, length
         self.block_rows = order.block_rows
         self.windows = order.windows(num_rows, seed, epoch)
         rows = np.where(self.windows == (num_rows - 1) // self.block_rows,
                         num_rows - (num_rows - 1) // self.block_rows * self.block_rows, self.block_rows)
-        # Where each window's rows end in the epoch's order: small, an int64 a window.
-        self._ends = np.cumsum(np.where(self.windows >= 0, rows, 0).sum(axis=1))
+        # Small: an int64 a window.
+        self.ends = np.cumsum(np.where(self.windows >= 0, rows, 0).sum(axis=1))
 
     def __len__(self):
         return self._length
@@ -492,7 +495,7 @@ class WindowedShare:
         Each call makes a fresh array of ``hi - lo`` ids, a window of the
         order at a time (see :class:`_LaneCursor`); one cursor per loop.
         """
-        ids, n = self._order._cursor(self._num_rows, self._seed, self._epoch), self._num_rows
+        ids, n = self._order._cursor(self), self.num_rows
 
         def take(lo, hi):
             a, b = self._first + lo, self._first + hi
@@ -517,7 +520,7 @@ class WindowedShare:
         Returns:
             Row indices into :attr:`windows`, of ``positions``' shape.
         """
-        return np.searchsorted(self._ends, np.minimum(self._first + positions, self._num_rows - 1), side="right")
+        return np.searchsorted(self.ends, np.minimum(self._first + positions, self.num_rows - 1), side="right")
 
     def span(self, batch_size):
         """The most windows one batch of the run needs read at once (batches start at multiples of ``batch_size``).
@@ -529,8 +532,8 @@ class WindowedShare:
         """
         # Where each window after the first starts, as a position of the run; only those its
         # frontier reaches before the order's end (padding adds no window).
-        starts = self._ends[:-1] - self._first
-        last = min(self._length, self._num_rows - self._first) - 1
+        starts = self.ends[:-1] - self._first
+        last = min(self._length, self.num_rows - self._first) - 1
         inside = starts[(starts >= 1) & (starts <= last) & (starts % batch_size != 0)]
         return 1 + (int(np.bincount((inside - 1) // batch_size).max()) if len(inside) else 0)
 
