@@ -1047,9 +1047,13 @@ def test_a_block_is_never_larger_than_the_data(order):
     for rows in epochs:
         np.testing.assert_array_equal(rows, np.arange(10))
     small = ss.BatchFeeder(np.zeros((10_000, 9), dtype=np.uint8), batch_size=1000, order="block", device="cpu")
-    assert small.order.block_rows == 10_000  # 4 MiB of 9-byte rows is 466,033 rows
+    assert small.order.block_rows == 10_000  # 4 MiB of 9-byte rows and their 8-byte ids is 246,723 rows
     large = ss.BatchFeeder(np.zeros((5_000, 1024), dtype=np.uint8), batch_size=1000, order="block", device="cpu")
-    assert large.order.block_rows == 4096  # 4 MiB of 1 KiB rows: the data holds more
+    assert large.order.block_rows == 4064  # 4 MiB of 1 KiB rows and their ids: the data holds more
+    # A sequential order holds no ids: 4 MiB of rows.
+    large = ss.BatchFeeder(np.zeros((5_000, 1024), dtype=np.uint8), batch_size=1000, order="sequential",
+                           device="cpu")
+    assert large.order.block_rows == 4096
 
 
 def test_launch_ahead_reads_depth_batches_ahead_in_order_and_raises_at_the_failing_batch():

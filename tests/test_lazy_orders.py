@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap.data.orders import BlockOrder, SequentialOrder, epoch_share
+from speedswap.data.orders import BLOCK_BYTES, BlockOrder, SequentialOrder, epoch_share
 
 
 def reference_order(order, num_rows, seed, epoch):
@@ -235,6 +235,34 @@ def test_a_feeder_resumed_at_a_window_start_or_inside_one_gives_the_uninterrupte
                             assert len(got) == len(want)
                             for a, b in zip(got, want):
                                 np.testing.assert_array_equal(a, b)
+
+
+def test_a_default_block_holds_block_bytes_of_one_byte_rows_and_their_ids(rng, monkeypatch):
+    """The default block size counted only the rows' data: over 1-byte rows a window's int64 ids were 8
+    times its rows (268 MB a window over a 2**27-row int8 file, NOTES 88). A default block is now
+    BLOCK_BYTES of rows and their ids: each window's ids as the order makes them (their arrays' bytes)
+    and the window's rows come to at most window * BLOCK_BYTES, and no block is smaller than it needs to
+    be. The epoch is the reference order of that block size: every row once."""
+    n = 9 * (BLOCK_BYTES // 9) + int(rng.integers(1, 1 << 16))  # two windows of 8 blocks, the last short
+    tokens = (rng.zipf(1.3, n) % 100).astype(np.int8)
+    made, lane = [], BlockOrder._lane
+
+    def kept(self, *args):
+        made.append(lane(self, *args))
+        return made[-1]
+
+    monkeypatch.setattr(BlockOrder, "_lane", kept)
+    seed = int(rng.integers(1 << 40))
+    feeder = ss.BatchFeeder(tokens, batch_size=1 << 16, order="block", seed=seed, device="cpu")
+    order = feeder.order
+    assert order.block_rows * (1 + 8) <= BLOCK_BYTES < (order.block_rows + 1) * (1 + 8)
+    values = np.concatenate([batch.numpy() for (batch,) in feeder])
+    expected = reference_order(order, n, seed, 0)
+    assert len(made) == 2  # each window made once
+    np.testing.assert_array_equal(np.concatenate(made), expected)
+    np.testing.assert_array_equal(values, tokens[expected])
+    held = max(ids.nbytes for ids in made) + order.window * order.block_rows * tokens.itemsize
+    assert held <= order.window * BLOCK_BYTES, (held, order.block_rows)
 
 
 def test_random_order_still_refuses_rows_its_ids_cannot_fit_and_names_block_order(rng, monkeypatch):

@@ -495,8 +495,9 @@ class BatchFeeder:
             ``"block"`` (quasi-random: shuffled contiguous blocks, rows
             shuffled within a window of blocks, for files larger than RAM),
             ``"sequential"``, or an order object from :mod:`speedswap.data.orders`.
-            A block is about 4 MiB of rows unless the order names its size,
-            and never more rows than the sources have (:attr:`order` is then
+            A block is about 4 MiB of rows unless the order names its size
+            (in ``block`` order, 4 MiB of rows and their 8-byte ids, which the
+            order holds a window of), and never more rows than the sources have (:attr:`order` is then
             a copy with the block size used).
         drop_last: drop the last, incomplete batch (and, with several ranks,
             the rows that do not divide evenly between them).

@@ -33,9 +33,10 @@ from ..errors import OptionError
 __all__ = ["Order", "RandomOrder", "BlockOrder", "SequentialOrder", "ORDERS", "make_order", "shard",
            "epoch_share"]
 
-#: Bytes per block when ``order="block"`` picks the block size itself: large
-#: enough that reading one block from disk is a sequential read, small enough
-#: that a window of blocks stays a small share of RAM.
+#: Bytes per block when a windowed order picks the block size itself (:func:`make_order`): its
+#: rows and the ids the order holds for them (a block order's int64 ids). Large enough that
+#: reading one block from disk is a sequential read, small enough that a window of blocks stays
+#: a small share of RAM.
 BLOCK_BYTES = 4 << 20
 
 
@@ -133,7 +134,7 @@ class SequentialOrder(Order):
     Args:
         block_rows: rows per block when a file source is read a window of
             blocks at a time (see :meth:`windows`); None lets :func:`make_order`
-            pick about 4 MiB of rows. It does not change the order.
+            pick about 4 MiB of rows (:data:`BLOCK_BYTES`). It does not change the order.
         window: blocks read together.
     """
 
@@ -152,6 +153,9 @@ class SequentialOrder(Order):
         """``ids(a, b)``: the epoch's ids at positions ``[a, b)``, which in file order are the positions
         (``share``, the :class:`WindowedShare` reading them, does not matter)."""
         return lambda a, b: np.arange(a, b, dtype=np.int64)
+
+    #: Bytes the order holds per row of a window: none (a batch's ids are made from its positions).
+    _held_bytes_per_row = 0
 
     @property
     def _layout_bytes_per_block(self):
@@ -199,7 +203,7 @@ class BlockOrder(Order):
 
     Args:
         block_rows: rows per block, or None to let the feeder pick about
-            4 MiB of rows (see :func:`make_order`).
+            4 MiB of rows and their ids (:data:`BLOCK_BYTES`, :func:`make_order`).
         window: blocks shuffled together.
 
     A feeder makes an epoch's row ids one window at a time, as it reaches
@@ -256,11 +260,14 @@ class BlockOrder(Order):
         blocks[:num_blocks] = _generator(seed, epoch).permutation(num_blocks)
         return blocks.reshape(-1, self.window)
 
+    #: Bytes the order holds per row of a window: its int64 id (:meth:`_lane`).
+    _held_bytes_per_row = 8
+
     @property
     def _layout_bytes_per_block(self):
         """Bytes a window's ids take per block (:meth:`_lane`): ``block_rows`` int64 ids, the most a
         window holds (tests/test_lazy_orders.py measures the peak against it)."""
-        return 8 * _chosen(self)
+        return self._held_bytes_per_row * _chosen(self)
 
     def _lane(self, num_rows, seed, epoch, k, blocks):
         """Window ``k``'s row ids in the epoch's order: the rows of its ``blocks`` (row ``k`` of
@@ -307,7 +314,10 @@ def make_order(order, row_bytes, num_rows):
         order: ``"random"``, ``"block"``, ``"sequential"``, or an order object
             (:class:`RandomOrder`, :class:`BlockOrder`, :class:`SequentialOrder`).
         row_bytes: bytes of one row across all sources; sets the block size
-            of a :class:`BlockOrder` that has none (about 4 MiB per block).
+            of a :class:`BlockOrder` or :class:`SequentialOrder` that has none:
+            :data:`BLOCK_BYTES` of rows and of the ids the order holds for
+            them (a block order's 8 bytes a row: 1-byte rows in blocks of
+            4 MiB of data made a window's ids 8 times its rows).
         num_rows: rows in the dataset: no block is larger (a block order
             lays out and shuffles whole windows of blocks, so ten rows of one
             byte in a block of 4 MiB of rows cost 0.5 GiB and 2 s an epoch).
@@ -330,7 +340,7 @@ def make_order(order, row_bytes, num_rows):
                           f"feeder takes no other order; for rows in an order of your own, read each "
                           f"batch's ids from the source yourself (a DataGadget's get(ids))")
     if isinstance(order, (BlockOrder, SequentialOrder)):
-        chosen = order.block_rows or max(1, BLOCK_BYTES // max(1, int(row_bytes)))
+        chosen = order.block_rows or max(1, BLOCK_BYTES // (max(1, int(row_bytes)) + order._held_bytes_per_row))
         capped = min(chosen, max(1, int(num_rows)))
         if capped != order.block_rows:
             order = type(order)(capped, order.window)
