@@ -212,10 +212,12 @@ def test_a_feeder_resumed_at_a_window_start_or_inside_one_gives_the_uninterrupte
             for rank in range(world_size):
                 for batch_size in (1, int(rng.integers(2, n // world_size + 1))):
                     def build():
-                        return ss.BatchFeeder(source, batch_size=batch_size, order=made, seed=seed, rank=rank,
-                                              world_size=world_size, device="cpu", prefetch=int(rng.integers(0, 3)))
+                        return ss.BatchFeeder(source, np.arange(n), batch_size=batch_size, order=made, seed=seed,
+                                              rank=rank, world_size=world_size, device="cpu",
+                                              prefetch=int(rng.integers(0, 3)))
                     feeder = build()
-                    whole = [[batch.numpy().copy() for (batch,) in feeder] for _ in range(3)]
+                    whole = [[(values.numpy().copy(), ids.numpy().copy()) for values, ids in feeder]
+                             for _ in range(3)]
                     for epoch in (0, 1):
                         starts = np.arange(len(feeder)) * batch_size
                         if kind is None:
@@ -230,11 +232,12 @@ def test_a_feeder_resumed_at_a_window_start_or_inside_one_gives_the_uninterrupte
                         for batch in np.concatenate(picks).tolist():
                             resumed = build()
                             resumed.load_state_dict(dict(feeder.state_dict(), epoch=epoch, batch=batch))
-                            got = [b.numpy() for _ in range(2) for (b,) in resumed]
+                            got = [(values.numpy(), ids.numpy()) for _ in range(2) for values, ids in resumed]
                             want = whole[epoch][batch:] + whole[epoch + 1]
                             assert len(got) == len(want)
-                            for a, b in zip(got, want):
-                                np.testing.assert_array_equal(a, b)
+                            for (values, ids), (want_values, want_ids) in zip(got, want):
+                                np.testing.assert_array_equal(ids, want_ids)
+                                np.testing.assert_array_equal(values, want_values)
 
 
 def test_a_default_block_holds_block_bytes_of_one_byte_rows_and_their_ids(rng, monkeypatch):
