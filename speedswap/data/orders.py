@@ -277,7 +277,7 @@ class BlockOrder(Order):
         window is made without the ones before it, so a loop resumed
         mid-epoch makes only the windows it reads (:class:`_LaneCursor`).
         Until review-w one generator shuffled window after window, and a
-        resumed epoch shuffled every window before its own first (NOTES 91):
+        resumed epoch shuffled every window before its own first (NOTES 93):
         for a given seed the rows within each window now come in another
         order (the blocks of each window are the same).
         """
