@@ -190,17 +190,17 @@ def _squared_error(table, ids, target):
 @pytest.mark.parametrize("cache_rows", [0, 40])
 @pytest.mark.parametrize("optimizer", ["SGD", "Adam", "SparseAdam"])
 def test_rows_written_in_place_between_two_forwards_of_one_backward_train_as_in_memory(rng, optimizer, cache_rows):
-    """Forward, the rows it looked up shifted in place under ``no_grad()``, a second forward, one backward over
-    both losses, ``optimizer.step()``: in memory the write breaks no graph (an embedding's backward saves its
-    ids, not its weight) and the step trains both forwards' gradients. It was refused as a use of the weight
-    outside the lookups: the lookups read a view of the weight, which autograd gives a new node after the
-    write, so the two forwards' gradients reached the weight through two nodes, and their sum was neither
-    node's. The lookups now read one alias with one node for the step: trained as the in-memory lazy
-    reference, on fresh rows, shifts and Zipf ids."""
+    """Forward, the rows it looked up shifted in place under ``no_grad()``, a second forward over the same rows
+    (in another order, against other targets), one backward over both losses, ``optimizer.step()``: in memory
+    the write breaks no graph (an embedding's backward saves its ids, not its weight) and the step trains both
+    forwards' gradients. It was refused as a use of the weight outside the lookups: the lookups read a view of
+    the weight, which autograd gives a new node after the write, so the two forwards' gradients reached the
+    weight through two nodes, and their sum was neither node's. The lookups now read one alias with one node
+    for the step: trained as the in-memory lazy reference, on fresh rows, shifts and Zipf ids."""
     sparse = optimizer == "SparseAdam"
     table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     shift = torch.from_numpy(rng.standard_normal((ROWS, DIM)).astype(np.float32))
-    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=2 * BATCH * WIDTH, sparse=sparse, storage="pageable",
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH * WIDTH, sparse=sparse, storage="pageable",
                                 backend="numpy", cache_rows=cache_rows)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
     reference = LazyTable(table0, sparse=sparse)
@@ -208,11 +208,12 @@ def test_rows_written_in_place_between_two_forwards_of_one_backward_train_as_in_
     emb.attach(opt)
     make_lazy(ref_opt, reference)
     batches = zipf_ids(rng, 2 * STEPS)
-    for (ids, target), (more, more_target) in zip(batches[::2], batches[1::2]):
+    for (ids, target), (_, more_target) in zip(batches[::2], batches[1::2]):
         for table, optimizer in ((emb, opt), (reference, ref_opt)):
             loss = _squared_error(table, ids, target)
             _shift_first_forwards_rows(table, ids, shift)
-            (loss + _squared_error(table, more, more_target)).backward()
+            # The same rows: a forward bringing in new ones after the write is refused (test below).
+            (loss + _squared_error(table, ids.flip(0), more_target)).backward()
             optimizer.step()
             optimizer.zero_grad()
     trained = emb.table.to_numpy()
@@ -224,18 +225,62 @@ def test_rows_written_in_place_between_two_forwards_of_one_backward_train_as_in_
         np.testing.assert_allclose(table.to_numpy(), ref_state[name].numpy(), rtol=1e-6, atol=1e-6, err_msg=name)
 
 
+def _halve_weight(table, ids, shift):
+    with torch.no_grad():
+        table.weight.mul_(0.5)
+
+
+@pytest.mark.parametrize("backward_between", [False, True], ids=["one_backward", "backward_between"])
+@pytest.mark.parametrize("write", [_shift_first_forwards_rows, _halve_weight], ids=["held_rows", "whole_weight"])
+@pytest.mark.parametrize("cache_rows", [0, 40])
+def test_a_forward_of_new_rows_after_a_write_into_the_weight_in_the_middle_of_a_step_is_refused(
+        rng, cache_rows, write, backward_between):
+    """``emb.weight`` holds the rows a step looked up so far. ``weight.mul_(0.5)`` between two forwards
+    halves those rows, while in memory it halves the whole table: rows the second forward brought in came
+    from the table unhalved, silently (a write reaching only the held rows cannot be told from it without
+    reading values). A forward that brings in new rows after such a write is refused now, with or without a
+    backward between, before the working set, the cache, its counters or any table changes; after the
+    advice (discard the step) training goes on as in memory."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (offloaded, reference))
+    offloaded.emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    emb = offloaded.emb
+    shift = torch.from_numpy(rng.standard_normal((ROWS, DIM)).astype(np.float32))
+    for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
+        if step == STEPS // 2:
+            loss = torch.nn.functional.mse_loss(offloaded(ids), target)
+            if backward_between:
+                loss.backward()
+            write(emb, ids, shift)
+            new_rows = torch.from_numpy(np.setdiff1d(np.arange(ROWS), ids.numpy())[:ids.numel()]).view(ids.shape)
+            before = _snapshot(offloaded, opt)  # which flushes the cache: counted in stats()
+            working, stats = emb.working_rows.clone(), emb.stats()
+            with pytest.raises(ss.StateError, match=r"written in place since this step's last training forward"
+                                                    r".*does not hold yet.*nothing was changed"):
+                offloaded(new_rows)
+            assert torch.equal(emb.working_rows, working) and emb.stats() == stats
+            _assert_same_snapshot(before, _snapshot(offloaded, opt))
+            emb.discard_step()  # the reference skips the step
+            opt.zero_grad()
+            continue
+        train_step(offloaded, opt, ids, target)
+        train_step(reference, ref_opt, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
 @pytest.mark.parametrize("loss", [_tied_loss, _penalised_loss], ids=["tied_output_layer", "penalty"])
 def test_a_use_of_the_weight_outside_the_lookups_after_rows_written_between_two_forwards_is_refused(rng, loss):
-    """The pattern above (forward, rows written in place, a second forward, one backward) with a tied
+    """The pattern above (forward, rows written in place, a second forward of its rows, one backward) with a tied
     output layer or a penalty over the weight in the second forward's loss: refused at the step as with one
     forward, nothing changed; after the advice (discard, zero_grad) training goes on as in memory."""
     offloaded, reference, opt, ref_opt = _lazy_pair(rng, sharded=False)
     shift = torch.from_numpy(rng.standard_normal((ROWS, DIM)).astype(np.float32))
     batches = zipf_ids(rng, STEPS)
-    (ids, target), (more, more_target) = batches[:2]
+    (ids, target), (_, more_target) = batches[:2]
     first = torch.nn.functional.mse_loss(offloaded(ids), target)
     _shift_first_forwards_rows(offloaded.emb, ids, shift)
-    (first + loss(offloaded, more, more_target)).backward()
+    (first + loss(offloaded, ids.flip(0), more_target)).backward()
     before = _snapshot(offloaded, opt)
     with pytest.raises(ss.StateError, match=r"outside its lookups.*Nothing was changed"):
         opt.step()

@@ -52,7 +52,7 @@ __all__ = ["OffloadedEmbedding"]
 #: NOTES 47): these are never any of those, so they are set as on any object.
 _STEP_ATTRIBUTES = frozenset({"_narrowed", "_kept", "_seen_rows", "_backward_ran",
                               "_version_at_backward", "_grad_at_backward", "_leftover", "_stale",
-                              "_empty_step", "_lookups", "_lookup_grad", "_outside",
+                              "_empty_step", "_lookups", "_lookup_grad", "_outside", "_version_at_lookup",
                               "_eval_with_grad", "_empty_sparse"})
 
 
@@ -210,6 +210,9 @@ class OffloadedEmbedding(RefusesConversion):
         # Whether a backward reached `weight` since the step began: a forward that then
         # finds no gradient follows a zero_grad() that dropped the step (see discard_step).
         self._backward_ran, self._version_at_backward = False, None
+        # weight's version when the step's last training forward had gathered its rows: one that differs
+        # at the next forward was written in place in the middle of the step (see _refuse_rows_after_write).
+        self._version_at_lookup = None
         # Whether the gradient held a non-zero value when the last backward ended (a 0-dim bool
         # tensor, computed on the device; None for a sparse gradient, which its version tells
         # about), the gradient and its version then: a gradient zero now
@@ -984,7 +987,9 @@ class OffloadedEmbedding(RefusesConversion):
         try:
             if start == 0 and self._padding_row is not None:
                 ws.start_with(self._padding_row)  # slot 0
-            local, _, hits = ws.add(flat.view(shape), check_bounds, self._count_hits(start))
+            written = start and self.weight._version != self._version_at_lookup
+            local, _, hits = ws.add(flat.view(shape), check_bounds, self._count_hits(start),
+                                    self._refuse_rows_after_write if written else None)
         except (CapacityError, IdError):
             if start == 0:
                 ws.clear()  # the padding row too: a refused forward leaves no trace
@@ -999,7 +1004,32 @@ class OffloadedEmbedding(RefusesConversion):
             self.discard_step()
             raise
         self._seen_rows = ws.size  # weight.data is _full (adopted above) and holds them all
+        self._version_at_lookup = self.weight._version  # the gather wrote through .data, which it does not count
         return local
+
+    def _refuse_rows_after_write(self, new: int):
+        """Refuse a training forward that brings new rows into a step whose ``weight`` was written in place since.
+
+        ``weight`` holds the rows the step looked up so far, in its first
+        slots; the others are scratch. A write into it (``weight.mul_(0.5)``
+        under ``no_grad()``, a perturbation) reaches those rows; rows a later
+        forward brings in come from the table without it, where in
+        ``nn.Embedding``'s whole weight they have it. Whether the write reached
+        only the held rows (SAM's perturbation, a gradient's shape) or the
+        scratch too cannot be told without reading values, so a forward of
+        new rows after it is refused; forwards of held rows go on (SAM passes
+        over one batch twice). Told from ``weight``'s version, on the host.
+
+        Raises:
+            StateError: always, before the working set or the cache changes.
+        """
+        raise StateError(f"emb.weight was written in place since this step's last training forward, and "
+                         f"this forward looks up {new:,} row(s) the step does not hold yet. emb.weight holds "
+                         f"only the rows the step has looked up: a write into it reaches those, and rows "
+                         f"looked up after it would come from the table without it, where nn.Embedding's "
+                         f"whole weight has it. Look up every row of the step before writing into "
+                         f"emb.weight, or write the table between steps (emb.table.apply_, scatter); "
+                         f"nothing was changed (emb.discard_step() drops the step)")
 
     def _refuse_gradient_outside_lookups(self):
         """Refuse a forward after a backward that gave a gradient to slots holding none of the step's rows.
@@ -1562,7 +1592,7 @@ class OffloadedEmbedding(RefusesConversion):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        """torch's, with the extra state checked first, :attr:`weight` not loaded, and a warning when the state is missing.
+        """torch's, with the extra state checked first, :attr:`weight` not loaded, a warning when the state is missing.
 
         Checked first, a refused state leaves the working set too as it was
         (mid-step it holds the step's rows). The saved :attr:`weight` is the

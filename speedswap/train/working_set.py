@@ -119,7 +119,8 @@ class WorkingSet:
         self._added_at = torch.empty(0, dtype=torch.int64, device=self.device)  # no add has run
 
     def add(self, ids: torch.Tensor, check_bounds: Optional[Callable[[int, int], None]] = None,
-            count_also: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> Added:
+            count_also: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+            refuse_new: Optional[Callable[[int], None]] = None) -> Added:
         """Give every id a slot (reusing the slot of a row already held) and return local ids.
 
         Nothing changes when this raises.
@@ -137,6 +138,9 @@ class WorkingSet:
                 called with the ids sorted and a bool mask with one True per
                 new row, it returns a 1-D int64 tensor of counts, read in the
                 same transfer (:attr:`Added.counts`).
+            refuse_new: for a caller that may not take new rows now: called
+                with their count, when there are any, before anything changes;
+                it raises.
 
         Returns:
             Added: ``local``, an int64 tensor shaped like ``ids`` on
@@ -175,6 +179,8 @@ class WorkingSet:
         if check_bounds is not None:
             check_bounds(*values[:2])
             values = values[2:]
+        if refuse_new is not None and n_new:
+            refuse_new(n_new)
         if held + n_new > self.capacity:
             raise CapacityError(
                 f"this step touches {held + n_new} distinct rows of {self.table} but its "
