@@ -38,6 +38,7 @@ from .mappings import mapped_for_writing
 
 __all__ = ["PathLike", "as_path", "atomic_output", "temp_path", "is_temporary", "remove_stale_temporaries",
            "check_writable_dir", "check_readable_file", "check_regular_file", "opening_error", "saving_error",
+           "keep_owner_and_mode", "replace_together",
            "open_into", "fsync_dir", "sync_new_name", "drop_cache", "locked", "one_save_at_a_time",
            "rewriting_in_place", "rewriting_error", "rewrite_under_way"]
 
@@ -371,11 +372,8 @@ def atomic_output(path, replace_mapped: bool = False, note_interrupt: bool = Tru
             try:
                 try:
                     open(tmp, "xb").close()  # a new file: the mode a plain open() gives, under the umask
-                    if os.path.exists(path):  # a replaced one keeps the owner and the mode it had
-                        replaced = os.stat(path)
-                        with contextlib.suppress(OSError):  # only root gives a file away (a member, its group)
-                            os.chown(tmp, replaced.st_uid, replaced.st_gid)
-                        os.chmod(tmp, replaced.st_mode & 0o777)
+                    if os.path.exists(path):
+                        keep_owner_and_mode(tmp, path)
                 except OSError as exc:
                     raise saving_error(path, exc, tmp) from exc
                 yield tmp
@@ -400,6 +398,53 @@ def atomic_output(path, replace_mapped: bool = False, note_interrupt: bool = Tru
             _note_new_name(exc, path, "as the save finished (its directory synced, its turn let go of)",
                            "saving again makes sure")
         raise
+
+
+def keep_owner_and_mode(new, replaced) -> None:
+    """Give the new file ``new`` the owner and permission bits of ``replaced``, the file it is to replace.
+
+    As a plain ``open()`` that rewrites a file keeps them. Only root gives a
+    file away (a member, its group): the owner is kept where the user may.
+
+    Raises:
+        OSError: ``replaced`` cannot be read, or ``new``'s mode cannot be set.
+    """
+    kept = os.stat(replaced)
+    with contextlib.suppress(OSError):
+        os.chown(new, kept.st_uid, kept.st_gid)
+    os.chmod(new, kept.st_mode & 0o777)
+
+
+def replace_together(moves) -> None:
+    """Rename new files over the files they replace, all in one pass, then make their names durable.
+
+    For files that go together (an optimizer's state tables): each new one is
+    made, whole, under a :func:`temp_path` name beside its target, so that no
+    target is replaced before every new file exists. The renames are one call
+    into C: an interrupt (Ctrl-C) lands before the first or after the last,
+    never between two.
+
+    Args:
+        moves: ``[(temporary, target)]``, each temporary in its target's directory.
+
+    Raises:
+        PathError: a rename failed (``errno`` says why). The targets renamed
+            before it, which the message names, hold their new files; the
+            others hold their old ones, and their temporaries are left.
+    """
+    done = []  # os.replace returns None: appended by C as each rename returns
+    try:
+        done.extend(map(os.replace, [new for new, _ in moves], [target for _, target in moves]))
+    except OSError as exc:
+        new, target = moves[len(done)]
+        error = saving_error(target, exc, new)
+        if done:
+            error = PathError(f"{error}; the files renamed before it, {[target for _, target in moves[:len(done)]]!r}, "
+                              f"hold their new ones already")
+            error.errno = exc.errno
+        raise error from exc
+    for directory in {os.path.dirname(target) for _, target in moves}:
+        fsync_dir(directory)
 
 
 def check_readable_file(path, what="file") -> str:

@@ -543,6 +543,32 @@ class HostTable:
         """The backing file of an ``mmap`` table, else None."""
         return self._path
 
+    def renamed(self, path: PathLike) -> None:
+        """Take ``path`` as the name of this ``mmap`` table's file, which its owner has just renamed there.
+
+        For an owner that makes the file under a temporary name and renames it
+        into place only once the rest of its work succeeded (new optimizer
+        state tables replacing the old state's files). The map, and the
+        descriptor that checks the file, hold the file whatever its names:
+        they go on as they are.
+
+        Args:
+            path: the file's new name, where the caller renamed it (not checked).
+
+        Raises:
+            StateError: a closed table, or one that maps no file it made
+                itself (memory, an adopted memmap).
+        """
+        buffer = self._live_buffer()
+        if self._mapped is None:
+            raise StateError(f"renamed() follows the file of an mmap table made by HostTable.empty or load; "
+                             f"this table (storage={self.storage!r}) maps no such file")
+        self._path = as_path(path)
+        self._mapped.path = os.path.abspath(self._path)  # absolute, as made: a chdir must not change the file
+        memmap = _memmap_under(buffer.host)
+        if memmap is not None:
+            memmap.filename = self._mapped.path  # as np.memmap(path) names it; the inode is the same
+
     @property
     def nbytes(self):
         """Bytes the rows occupy."""

@@ -433,7 +433,12 @@ class OffloadedEmbedding(RefusesConversion):
                 Nothing changes.
             PathError: with ``storage="mmap"``, a file the new state would
                 replace exists and this embedding did not create it (and no
-                ``overwrite``). Nothing changes: the optimizer attached before stays.
+                ``overwrite``), or a new state file cannot be made (out of file
+                descriptors, a disk error). Nothing changes: the optimizer
+                attached before stays, its state files intact: the new ones
+                are made beside them and replace them last (where one of those
+                renames fails, which only a failing file system does, the files
+                replaced before it stay replaced, and the message names them).
             StateError: a closed embedding, or between a training forward and the step;
                 ``optimizer`` attached already and trained since, without ``restart=True``;
                 at the first attach, a write into :attr:`weight` through ``weight.data``
@@ -443,11 +448,7 @@ class OffloadedEmbedding(RefusesConversion):
             OutOfMemoryError: the new state tables or the device cache do not
                 fit. Nothing changes: the new state is made before the old one
                 is released (attaching again needs room for both for a moment),
-                so the optimizer attached before stays, with its state. With
-                ``storage="mmap"`` the new files take the old ones' names, so
-                the old state is closed first, and a failure leaves the
-                embedding detached (training refuses until an attach
-                succeeds; the table is intact).
+                so the optimizer attached before stays, with its state.
         """
         self._check_open()
         self._one_process.refuse_shared_training(self.weight, self._storage == "mmap")
@@ -458,18 +459,23 @@ class OffloadedEmbedding(RefusesConversion):
             refuse_unasked_restart(self._state, optimizer, type(self).__name__)
         self._scratch_writes.refuse_written_through_data(self._full)  # as built: to_empty() may replace .data
         # An unsupported optimizer, or a file the new state may not replace, is refused before
-        # the old state is closed.
+        # anything changes.
         check_state_files(optimizer, self.weight, self._storage, self._path, self._overwrite or self._created)
-        if self._storage == "mmap":
-            self._release_state()  # its files take the new state's names
+        if self._cache is not None:
+            # The old cache's rows into the tables while the old state is whole: once the new state's
+            # files replaced the old ones' (mmap), releasing the old state must have nothing left to fail.
+            self._cache.flush()
         held = optimizer.state.get(self.weight)
         drop_leftover_state(optimizer, self.weight)  # this one's or an earlier one's: a fresh start
         try:
+            # With mmap storage, the files that replace the old state's are made under temporary names
+            # and replace them only once the cache is made too: a refused attach leaves them intact.
             state = RowState(optimizer, self.weight, self.num_embeddings, self.weight.dtype, self._storage,
-                             self._backend, self._path, overwrite=self._overwrite or self._created)
-            self._created |= {t.path for t in state.tables.values()}  # a retry may replace its files
+                             self._backend, self._path, overwrite=self._overwrite or self._created,
+                             replace_later=True)
             try:
                 cache = new_cache(self.cache_rows, self._table, state.tables, self.weight.dtype)
+                state.replace_files()
             except BaseException:
                 state.close()  # unhooked, it would be saved and read as the attached optimizer's
                 raise
@@ -477,6 +483,7 @@ class OffloadedEmbedding(RefusesConversion):
             if held is not None:  # the state an earlier attach left it (Adam's step) stays, as the old tables do
                 optimizer.state[self.weight] = held
             raise
+        self._created |= {t.path for t in state.tables.values()}  # a later attach may replace its files
         self._release_state()
         for table in state.tables.values():  # reads of the state, a view kept too, as of the table
             table.watch_reads(self._prepare_table_read)

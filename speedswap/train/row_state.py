@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from ..atomic import keep_owner_and_mode, remove_stale_temporaries, replace_together, saving_error, temp_path
 from ..errors import DTypeError, FileFormatError, OptionError, PathError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
@@ -225,10 +226,11 @@ def _may_replace(overwrite, file) -> bool:
 def check_state_files(optimizer, param, storage, path=None, overwrite=False) -> None:
     """Refuse, before anything changes, an optimizer whose :class:`RowState` could not be made.
 
-    An owner that attaches again closes its old state before it makes the
-    new one (with ``mmap`` storage the new files take the old ones' names),
-    so whatever would refuse the new state is checked first: a refused
-    attach leaves the old optimizer attached.
+    An owner that attaches again keeps its old state until the new one is
+    made in full (with ``mmap`` storage the new files are made beside the old
+    ones' and replace them last), so a refused attach leaves the old optimizer
+    attached; what can be told from the arguments alone is refused here, before
+    the owner changes anything (the optimizer's leftover state).
 
     Args:
         optimizer, param, storage, path, overwrite: as :class:`RowState` takes them.
@@ -378,6 +380,25 @@ class EmptySparseGradient:
             self._param.grad = self._dense
 
 
+def _made_beside(target, file) -> str:
+    """Where the new state table that is to replace ``target`` (named ``file``) is made: in a new directory beside it.
+
+    A directory, not a temporary file name: a table's file is named
+    ``*.npy``. :func:`temp_path` names it, so that the next attach removes
+    it once this process is gone (a kill left it).
+
+    Raises:
+        PathError: the directory cannot be made (a read-only or full file system).
+    """
+    remove_stale_temporaries(target)  # of an attach that was killed
+    directory = temp_path(target)
+    try:
+        os.mkdir(directory)
+    except OSError as exc:
+        raise saving_error(file, exc, directory) from exc
+    return os.path.join(directory, os.path.basename(file))
+
+
 class RowState:
     """The per-row optimizer state of one embedding parameter, in host tables.
 
@@ -397,43 +418,63 @@ class RowState:
         path: for ``storage="mmap"``, the directory for ``<name>.npy`` files.
         overwrite: let ``mmap`` tables replace existing files: True, or the set
             of file paths that may be replaced (those the owner created itself).
+            The new tables are made under temporary names beside those files,
+            which they replace only once every table exists (:meth:`replace_files`).
+        replace_later: leave that replacing to the owner's call of
+            :meth:`replace_files`, once its other work succeeded too (a device
+            cache over the new tables); :meth:`close` before it replaces nothing.
 
     Raises:
         OptionError: an optimizer that cannot be offloaded (see :func:`row_state_spec`).
-        PathError: an ``mmap`` file exists and may not be replaced.
+        PathError: an ``mmap`` file exists and may not be replaced, cannot be
+            made (out of descriptors, a disk error), or cannot be renamed in
+            place (see :meth:`replace_files`). No file was replaced, unless
+            by renames done before one that failed (see there).
     """
 
     def __init__(self, optimizer, param, num_rows, dtype, storage, backend, path=None,
-                 overwrite=False):
+                 overwrite=False, replace_later=False):
         self.optimizer = optimizer
         self.param = param
         self.spec = row_state_spec(optimizer, param)
         self._shape = tuple(param.shape)
         self._group = _group_of(optimizer, param)  # its options are read again at every step
-        self.tables = {}
-        made = []  # the mmap files this call names that no file had before it
-        try:
-            for name in self.spec:
-                file = file_in(path, name, storage)
-                new = file is not None and not os.path.lexists(file)
-                self.tables[name] = HostTable.empty(
-                    num_rows, param.shape[1], dtype, storage, backend, file, device=param.device,
-                    overwrite=_may_replace(overwrite, file))
-                if new:  # (a table that failed removed its own new file)
-                    made.append(file)
-        except BaseException:
-            self.close()
-            # Half made, they are no state, and the owner, which never learns of them, would
-            # refuse a retry (a file it did not create); a replaced file it may replace again.
-            for file in made:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(file)
-            raise
         self._scratch = {}
         self._scalars_before = None  # see keep_scalar_state
         self.needs_sparse_grad = isinstance(optimizer, _SPARSE_GRAD_ONLY)
         self._initial_specs = []  # every initial state init_state filled the tables with
-        self.init_state()  # HostTable.zero_ leaves the new sparse files of mmap tables as they are
+        self.tables = {}
+        # Until replace_files: the mmap files this made at names no file had, and (table name, its
+        # file in a temporary directory, the file it is to replace, the name the owner gave that)
+        # for each table made beside a file it is to replace; close() removes them (see there).
+        self._made, self._aside = [], []
+        try:
+            for name in self.spec:
+                file = file_in(path, name, storage)
+                replacing = file is not None and os.path.lexists(file) and _may_replace(overwrite, file)
+                at = file  # an existing file that may not be replaced is refused by HostTable.empty
+                if replacing:
+                    # Made beside the file it replaces, which stays until every table exists (and the
+                    # owner's other work succeeded: replace_later): a refused state replaces nothing.
+                    # In a temporary directory, under its own name (a table's file is named *.npy).
+                    target = os.path.realpath(file)  # a symbolic link keeps naming the state file
+                    at = _made_beside(target, file)
+                    self._aside.append((name, at, target, file))
+                self.tables[name] = HostTable.empty(num_rows, param.shape[1], dtype, storage, backend, at,
+                                                    device=param.device)
+                if replacing:
+                    try:
+                        keep_owner_and_mode(at, target)
+                    except OSError as exc:
+                        raise saving_error(file, exc, at) from exc
+                elif file is not None:
+                    self._made.append(file)
+            self.init_state()  # HostTable.zero_ leaves the new sparse files of mmap tables as they are
+            if not replace_later:
+                self.replace_files()
+        except BaseException:
+            self.close()
+            raise
         # Whether the tables were restored (a checkpoint load, an explicit init_state)
         # since the last step, so that state an optimizer.load_state_dict() put in place
         # may be replaced by theirs; the initial state set here does not count.
@@ -813,10 +854,50 @@ class RowState:
         elif self.param in self.optimizer.state:
             self.optimizer.state[self.param].update(scalars)
 
+    def replace_files(self) -> None:
+        """Put the ``mmap`` files made beside the files they replace in their place, and name them so.
+
+        The files replaced may be mapped by the old state's tables: those keep
+        their files (a map holds its file whatever its names), so the old
+        state trains on exactly until its owner closes it. Called by
+        ``__init__`` unless ``replace_later``; once.
+
+        Raises:
+            PathError: a rename failed. The renames are of files just made
+                beside their targets, on their file system, in one pass no
+                interrupt lands inside (:func:`~speedswap.atomic.replace_together`):
+                one fails only when the file system does (an I/O error, a remount
+                read-only). Those done before it are not undone, since the files
+                they replaced have no name left to go back to; the message names
+                them. The old state's tables of those go on with their old files
+                in their maps, and their ``flush()`` refuses, as for any table
+                whose file was replaced (see :meth:`HostTable.flush`). :meth:`close`
+                removes the rest.
+        """
+        replace_together([(at, target) for _, at, target, _ in self._aside])
+        for name, at, _, file in self._aside:
+            self.tables[name].renamed(file)
+            with contextlib.suppress(OSError):  # empty now; left, it goes with the process (see _made_beside)
+                os.rmdir(os.path.dirname(at))
+        self._made, self._aside = [], []
+
     def close(self):
-        """Release the state tables' memory."""
+        """Release the state tables' memory.
+
+        The files of a state refused before :meth:`replace_files` go too:
+        half made, they are no state, and the owner, which never learns of
+        them, would refuse a retry (a file it did not create). The files they
+        were to replace stay as they are.
+        """
         for table in self.tables.values():
             table.close()
+        for file in self._made + [at for _, at, _, _ in self._aside]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(file)
+        for _, at, _, _ in self._aside:
+            with contextlib.suppress(OSError):  # not shutil.rmtree: it takes descriptors, which may be what lacked
+                os.rmdir(os.path.dirname(at))
+        self._made, self._aside = [], []
 
     def check_step(self, k):
         """Refuse per-row state the step left in a form the tables cannot take, before any is written.

@@ -690,17 +690,17 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 state is not element-wise; ``restart`` that is not a bool.
                 Nothing changes.
             PathError: with ``storage="mmap"``, a file the new state would
-                replace exists and this embedding did not create it. Nothing
-                changes: the optimizer attached before stays.
+                replace exists and this embedding did not create it, or a new
+                state file cannot be made (out of file descriptors, a disk
+                error). Nothing changes: the optimizer attached before stays,
+                its state files intact (see :meth:`OffloadedEmbedding.attach`).
             StateError: between a training forward and the step; ``optimizer``
                 attached already and trained since, without ``restart=True``; in a
                 process forked from the one that built it, a shard the two share
                 (see :mod:`~speedswap.train.one_process`).
             OutOfMemoryError: the new state tables do not fit. Nothing changes:
                 the new state is made before the old one is released, so the
-                optimizer attached before stays, with its state (with
-                ``storage="mmap"`` the new files take the old ones' names: the
-                old state is closed first, and a failure leaves it detached).
+                optimizer attached before stays, with its state.
         """
         self._check_between_steps("attach")
         self._one_process.refuse_shared_training(self.weight, self._storage == "mmap")
@@ -710,10 +710,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                                    everywhere=" on every rank")
         self._scratch_writes.refuse_written_through_data(self._full)  # on this rank: attach is no collective
         # An unsupported optimizer, or a file the new state may not replace, is refused before
-        # the old state is closed.
+        # anything changes.
         check_state_files(optimizer, self.weight, self._storage, self._path, self._created)
-        if self._storage == "mmap":
-            self._release_state()  # its files take the new state's names
         held = optimizer.state.get(self.weight)
         drop_leftover_state(optimizer, self.weight)  # this one's or an earlier one's: a fresh start
         try:

@@ -1,0 +1,231 @@
+"""A refused re-attach of an ``mmap`` embedding's optimizer leaves the old one attached, its state files intact.
+
+The new optimizer's state files take the old ones' names (``exp_avg.npy``,
+``exp_avg_sq.npy``). Before, an attach again closed the old state first, so a
+new state that could not be made (out of file descriptors, a disk error) left
+the embedding with no optimizer attached and the old state gone. Now the new
+files are made beside the old ones and replace them only once every one
+exists. Each case trains an ``mmap`` embedding with Adam on Zipf ids beside
+SparseAdam on an ``nn.Embedding``, is refused a new Adam again and again (the
+fault one call later each time), training on with the old one in between as
+the reference does, then attaches the new one and trains on as the reference
+with a new SparseAdam.
+"""
+
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import speedswap as ss
+from speedswap import files
+from mmap_training import BATCH, DIM, ROWS, assert_as_in_memory, entries, train, trained  # tests/, as sharded_worker
+
+STATE_FILES = ["exp_avg.npy", "exp_avg_sq.npy", "table.npy"]
+
+
+def _adam(emb):
+    return torch.optim.Adam(emb.parameters(), lr=0.01, eps=1e-30)  # SparseAdam adds eps elsewhere
+
+
+def _sparse_adam(ref):
+    return torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-30)
+
+
+_UNDER_LIMITS = textwrap.dedent("""
+    import os, resource, sys
+    import torch, speedswap as ss
+    sys.path.insert(0, sys.argv[3])
+    from mmap_training import assert_as_in_memory, entries, train, trained
+    directory, seed = sys.argv[1], int(sys.argv[2])
+    emb, opt, ref, ref_opt, rng = trained(directory, seed, 10)
+    new = torch.optim.Adam(emb.parameters(), lr=0.01, eps=1e-30)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for spare in range(-4, 64):  # one more descriptor each time, until the attach has enough
+        before = entries(directory)
+        open_now = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + spare, hard))
+        try:
+            emb.attach(new)
+            refused = None
+        except ss.PathError as exc:
+            refused = exc
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if refused is None:
+            break
+        assert "ulimit -n" in str(refused), refused
+        assert entries(directory) == before, sorted(os.listdir(directory))  # bit for bit, no temporary either
+        assert not new.state
+        train(emb, opt, ref, ref_opt, rng, 2)  # the old optimizer is attached still
+        assert_as_in_memory(emb, ref, ref_opt, directory)
+        print("refused", flush=True)
+    print("attached", sorted(os.listdir(directory)), flush=True)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-30)
+    train(emb, new, ref, ref_opt, rng, 20)
+    assert_as_in_memory(emb, ref, ref_opt, directory)
+    emb.close()
+    print("trained as in memory", flush=True)
+""")
+
+
+def test_a_re_attach_out_of_descriptors_keeps_the_old_optimizer_and_its_files_and_a_retry_restarts(tmp_path, seed):
+    """In a subprocess: the limit is the process's."""
+    done = subprocess.run([sys.executable, "-c", _UNDER_LIMITS, str(tmp_path / "emb"), str(seed),
+                           os.path.dirname(__file__)], capture_output=True, text=True, timeout=300, cwd=os.getcwd())
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    # Refused at the first new table, then at the second (its temporary directory's file, its map, the
+    # descriptor that checks it), then attached.
+    assert lines.count("refused") >= 2, done.stdout
+    assert lines[-2] == f"attached {STATE_FILES}", done.stdout
+    assert lines[-1] == "trained as in memory"
+
+
+class Injected(OSError):
+    pass
+
+
+def _failing_at(original, index, counter):
+    def fail(*args, **kwargs):
+        counter[0] += 1
+        if counter[0] - 1 == index:
+            raise Injected(errno.EIO, "injected failure")
+        return original(*args, **kwargs)
+    return fail
+
+
+#: The calls that make the new state's files: its temporary directories, each file's header and size,
+#: the sync before it has its name there, its mode, and the descriptor that checks it (the renames over
+#: the old files: the tests below). Some failures are let through (a directory's sync; makedirs of the
+#: embedding's directory, which exists): the attach succeeds then.
+POINTS = [(os, "mkdir"), (files.npy, "_write_sparse"), (os, "fsync"), (os, "chmod"), (os, "open")]
+
+
+def _re_attach_failing_at(module, name, index, directory, seed, cache_rows, monkeypatch):
+    """Train, then attach a new Adam with call ``index`` of ``name`` failing; check what follows.
+
+    Refused, the old optimizer must stay attached with its files bit for bit
+    as they were and train on as in memory, and a retry must succeed. Either
+    way the new optimizer must then train as a new SparseAdam in memory.
+
+    Returns:
+        ``(reached, refused)``: whether the attach made that call, and whether it was refused.
+    """
+    emb, opt, ref, ref_opt, rng = trained(directory, seed, 10, cache_rows=cache_rows)
+    new = _adam(emb)
+    emb.flush()
+    before = entries(directory)
+    counter = [0]
+    monkeypatch.setattr(module, name, _failing_at(getattr(module, name), index, counter))
+    try:
+        emb.attach(new)
+        refused = None
+    except OSError as exc:
+        refused = exc
+    finally:
+        monkeypatch.undo()
+    if refused is not None:
+        assert isinstance(refused, ss.PathError) and "injected failure" in str(refused), refused
+        assert entries(directory) == before, f"a re-attach failing at {name} call {index} changed the files"
+        assert not new.state
+        train(emb, opt, ref, ref_opt, rng, 5)
+        assert_as_in_memory(emb, ref, ref_opt, directory)
+        emb.attach(new)
+    assert sorted(os.listdir(directory)) == STATE_FILES
+    ref_opt = _sparse_adam(ref)
+    train(emb, new, ref, ref_opt, rng, 10)
+    assert_as_in_memory(emb, ref, ref_opt, directory)
+    emb.close()
+    return counter[0] > index, refused is not None
+
+
+@pytest.mark.parametrize("cache_rows", [0, 16])
+@pytest.mark.parametrize("module,name", POINTS, ids=[name for _, name in POINTS])
+def test_a_re_attach_failing_at_any_call_keeps_the_old_optimizer_and_its_files_and_a_retry_restarts(
+        module, name, cache_rows, tmp_path, seed, monkeypatch):
+    """Each call in turn, from a new embedding trained alike, until the attach makes no more of them."""
+    outcomes = []
+    while not outcomes or outcomes[-1][0]:
+        outcomes.append(_re_attach_failing_at(module, name, len(outcomes), tmp_path / f"emb{len(outcomes)}", seed,
+                                              cache_rows, monkeypatch))
+    assert any(refused for _, refused in outcomes), f"no failure of {name} refused the attach"
+
+
+def test_a_re_attach_whose_first_rename_fails_changes_nothing(tmp_path, seed, monkeypatch):
+    directory = tmp_path / "emb"
+    emb, opt, ref, ref_opt, rng = trained(directory, seed, 10)
+    new = _adam(emb)
+    before = entries(directory)
+    monkeypatch.setattr(os, "replace", _failing_at(os.replace, 0, [0]))
+    with pytest.raises(ss.PathError, match="injected failure") as refused:
+        emb.attach(new)
+    monkeypatch.undo()
+    assert "already" not in str(refused.value)
+    assert entries(directory) == before
+    assert not new.state
+    train(emb, opt, ref, ref_opt, rng, 10)
+    assert_as_in_memory(emb, ref, ref_opt, directory)
+    emb.close()
+
+
+def test_a_re_attach_whose_second_rename_fails_names_the_file_replaced_and_the_old_optimizer_trains_on(
+        tmp_path, seed, monkeypatch):
+    """Not undone (the file replaced is gone): said, and the old state trains on in its maps."""
+    directory = tmp_path / "emb"
+    emb, opt, ref, ref_opt, rng = trained(directory, seed, 10)
+    new = _adam(emb)
+    monkeypatch.setattr(os, "replace", _failing_at(os.replace, 1, [0]))
+    with pytest.raises(ss.PathError, match="injected failure") as refused:
+        emb.attach(new)
+    monkeypatch.undo()
+    message = str(refused.value)
+    assert os.fspath(directory / "exp_avg_sq.npy") in message
+    assert f"{[os.fspath(directory / 'exp_avg.npy')]!r}, hold their new ones already" in message, message
+    assert sorted(os.listdir(directory)) == STATE_FILES  # no temporary left
+    assert not new.state
+    train(emb, opt, ref, ref_opt, rng, 10)
+    assert_as_in_memory(emb, ref, ref_opt)  # its files are not all its own any more
+    with pytest.raises(ss.PathError, match="no longer names the file this table maps"):
+        emb._state.tables["exp_avg"].flush()
+    emb.attach(new)
+    assert sorted(os.listdir(directory)) == STATE_FILES
+    ref_opt = _sparse_adam(ref)
+    train(emb, new, ref, ref_opt, rng, 20)
+    assert_as_in_memory(emb, ref, ref_opt, directory)
+    emb.close()
+
+
+def test_a_refused_re_attach_of_a_one_rank_sharded_embedding_keeps_the_old_optimizer_and_its_files(
+        tmp_path, seed, monkeypatch):
+    """ShardedOffloadedEmbedding.attach makes its new state as OffloadedEmbedding's does."""
+    rng = np.random.default_rng(seed)
+    emb = ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=BATCH, storage="mmap", path=tmp_path, backend="numpy")
+    emb.table.scatter(torch.arange(ROWS), torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32)))
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(emb.table.to_numpy(copy=True)), freeze=False,
+                                             sparse=True)
+    emb.attach(opt := _adam(emb))
+    ref_opt = _sparse_adam(ref)
+    train(emb, opt, ref, ref_opt, rng, 10)
+    directory, new = tmp_path / "rank0", _adam(emb)
+    for index in (0, 1):  # Adam's first state table, then its second
+        before = entries(directory)
+        monkeypatch.setattr(files.npy, "_write_sparse", _failing_at(files.npy._write_sparse, index, [0]))
+        with pytest.raises(ss.PathError, match="injected failure"):
+            emb.attach(new)
+        monkeypatch.undo()
+        assert entries(directory) == before
+        assert not new.state
+        train(emb, opt, ref, ref_opt, rng, 5)
+        assert_as_in_memory(emb, ref, ref_opt, directory)
+    emb.attach(new)
+    assert sorted(os.listdir(directory)) == STATE_FILES
+    ref_opt = _sparse_adam(ref)
+    train(emb, new, ref, ref_opt, rng, 20)
+    assert_as_in_memory(emb, ref, ref_opt, directory)
+    emb.close()
