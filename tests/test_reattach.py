@@ -229,3 +229,63 @@ def test_a_refused_re_attach_of_a_one_rank_sharded_embedding_keeps_the_old_optim
     train(emb, new, ref, ref_opt, rng, 20)
     assert_as_in_memory(emb, ref, ref_opt, directory)
     emb.close()
+
+
+def _mmap_embedding_with_adam(directory, rng, **options):
+    """A new mmap embedding of random rows with a new Adam attached, and an nn.Embedding of them with SparseAdam."""
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH, storage="mmap", path=directory, backend="numpy", **options)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+    emb.attach(opt := _adam(emb))
+    ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(emb.table.to_numpy(copy=True)), freeze=False,
+                                             sparse=True)
+    return emb, opt, ref, _sparse_adam(ref)
+
+
+def test_a_re_attach_over_a_state_file_behind_a_symbolic_link_keeps_the_link_and_the_files_mode(
+        tmp_path, seed, monkeypatch):
+    """As a save through a link does (atomic_output): the file the link names is replaced, in its directory."""
+    rng = np.random.default_rng(seed)
+    elsewhere, directory = tmp_path / "elsewhere", tmp_path / "emb"
+    elsewhere.mkdir()
+    directory.mkdir()
+    np.save(elsewhere / "moments.npy", rng.standard_normal((ROWS, DIM), dtype=np.float32))
+    os.chmod(elsewhere / "moments.npy", 0o640)
+    os.symlink(elsewhere / "moments.npy", directory / "exp_avg.npy")
+    emb, opt, ref, ref_opt = _mmap_embedding_with_adam(directory, rng, overwrite=True)
+    train(emb, opt, ref, ref_opt, rng, 10)
+    new = _adam(emb)
+    before = entries(elsewhere)
+    monkeypatch.setattr(files.npy, "_write_sparse", _failing_at(files.npy._write_sparse, 1, [0]))
+    with pytest.raises(ss.PathError, match="injected failure"):
+        emb.attach(new)
+    monkeypatch.undo()
+    assert entries(elsewhere) == before and os.path.islink(directory / "exp_avg.npy")
+    train(emb, opt, ref, ref_opt, rng, 5)
+    assert_as_in_memory(emb, ref, ref_opt, directory)
+    emb.attach(new)
+    assert os.readlink(directory / "exp_avg.npy") == os.fspath(elsewhere / "moments.npy")
+    assert sorted(os.listdir(elsewhere)) == ["moments.npy"]
+    assert os.stat(elsewhere / "moments.npy").st_mode & 0o777 == 0o640
+    ref_opt = _sparse_adam(ref)
+    train(emb, new, ref, ref_opt, rng, 10)
+    assert_as_in_memory(emb, ref, ref_opt, directory)
+    emb.close()
+
+
+def test_an_attach_that_would_replace_a_directory_is_refused_before_any_state_file_is_replaced(tmp_path, seed):
+    """Its rename would fail after the other files' were done: refused before any is made."""
+    rng = np.random.default_rng(seed)
+    directory = tmp_path / "emb"
+    directory.mkdir()
+    np.save(directory / "exp_avg.npy", rng.standard_normal((ROWS, DIM), dtype=np.float32))
+    (directory / "exp_avg_sq.npy").mkdir()
+    before = entries(directory)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=BATCH, storage="mmap", path=directory, backend="numpy",
+                                overwrite=True)
+    opt = _adam(emb)
+    with pytest.raises(ss.PathError, match="exp_avg_sq.npy") as refused:
+        emb.attach(opt)
+    assert {name: data for name, data in entries(directory).items() if name != "table.npy"} == before
+    assert "is not a regular file" in str(refused.value) and "Nothing was replaced" in str(refused.value)
+    assert not opt.state
+    emb.close()

@@ -388,8 +388,14 @@ def _made_beside(target, file) -> str:
     it once this process is gone (a kill left it).
 
     Raises:
-        PathError: the directory cannot be made (a read-only or full file system).
+        PathError: ``target`` is not a regular file (a rename over it would
+            fail after others were done), or the directory cannot be made (a
+            read-only or full file system).
     """
+    if os.path.exists(target) and not os.path.isfile(target):
+        raise PathError(f"{file!r} is not a regular file (a directory, a named pipe, a socket or a device), and the "
+                        f"state table {os.path.splitext(os.path.basename(file))[0]!r} would replace it with one; "
+                        f"move it away. Nothing was replaced")
     remove_stale_temporaries(target)  # of an attach that was killed
     directory = temp_path(target)
     try:
@@ -464,7 +470,8 @@ class RowState:
                                                     device=param.device)
                 if replacing:
                     try:
-                        keep_owner_and_mode(at, target)
+                        if os.path.exists(target):  # (a symbolic link may name no file yet)
+                            keep_owner_and_mode(at, target)
                     except OSError as exc:
                         raise saving_error(file, exc, at) from exc
                 elif file is not None:
