@@ -419,13 +419,14 @@ def replace_together(moves) -> None:
     """Rename new files over the files they replace, all in one pass, then make their names durable.
 
     For files that go together (an optimizer's state tables): each new one is
-    made, whole, under a :func:`temp_path` name beside its target, so that no
-    target is replaced before every new file exists. The renames are one call
-    into C: an interrupt (Ctrl-C) lands before the first or after the last,
-    never between two.
+    made, whole, under a temporary name beside its target (a :func:`temp_path`
+    name, or a file in a directory of that name), so that no target is
+    replaced before every new file exists. The renames are one call into C:
+    an interrupt (Ctrl-C) lands before the first or after the last, never
+    between two.
 
     Args:
-        moves: ``[(temporary, target)]``, each temporary in its target's directory.
+        moves: ``[(temporary, target)]``, each temporary beside its target (on its file system).
 
     Raises:
         PathError: a rename failed (``errno`` says why). The targets renamed

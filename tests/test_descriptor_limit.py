@@ -43,7 +43,7 @@ _ATTACH_UNDER_LIMITS = textwrap.dedent("""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     open_now = len(os.listdir("/proc/self/fd"))
     for spare in range(-4, 64):  # one more descriptor each time, until the attach has enough (an attach
-        # again closes the old state's four before it opens any)
+        # again keeps the old state's four open until the new state has its own)
         resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + spare, hard))
         try:
             emb.attach(opt, restart=again)
