@@ -289,3 +289,25 @@ def test_an_attach_that_would_replace_a_directory_is_refused_before_any_state_fi
     assert "is not a regular file" in str(refused.value) and "Nothing was replaced" in str(refused.value)
     assert not opt.state
     emb.close()
+
+
+def test_a_refused_restart_of_the_attached_optimizer_keeps_its_state_and_step_count(tmp_path, seed, monkeypatch):
+    """``attach(opt, restart=True)`` of the attached optimizer, refused: it trains on as if never asked."""
+    directory = tmp_path / "emb"
+    emb, opt, ref, ref_opt, rng = trained(directory, seed, 10)
+    emb.flush()
+    before = entries(directory)
+    monkeypatch.setattr(files.npy, "_write_sparse", _failing_at(files.npy._write_sparse, 1, [0]))
+    with pytest.raises(ss.PathError, match="injected failure"):
+        emb.attach(opt, restart=True)
+    monkeypatch.undo()
+    assert entries(directory) == before
+    train(emb, opt, ref, ref_opt, rng, 10)
+    assert_as_in_memory(emb, ref, ref_opt, directory)
+    assert int(opt.state[emb.weight]["step"]) == ref_opt.state[ref.weight]["step"] == 20
+    emb.attach(opt, restart=True)
+    ref_opt = _sparse_adam(ref)
+    train(emb, opt, ref, ref_opt, rng, 10)
+    assert_as_in_memory(emb, ref, ref_opt, directory)
+    assert int(opt.state[emb.weight]["step"]) == 10
+    emb.close()
