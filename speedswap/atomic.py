@@ -416,14 +416,16 @@ def keep_owner_and_mode(new, replaced) -> None:
 
 
 def replace_together(moves) -> None:
-    """Rename new files over the files they replace, all in one pass, then make their names durable.
+    """Rename new files over the files they replace, all in one pass.
 
     For files that go together (an optimizer's state tables): each new one is
     made, whole, under a temporary name beside its target (a :func:`temp_path`
     name, or a file in a directory of that name), so that no target is
     replaced before every new file exists. The renames are one call into C:
     an interrupt (Ctrl-C) lands before the first or after the last, never
-    between two.
+    between two. The names are not synced: the caller syncs their directories
+    (:func:`sync_new_name`) once it has taken the new files as its own, so
+    that an interrupt during that sync cannot read as the files not replaced.
 
     Args:
         moves: ``[(temporary, target)]``, each temporary beside its target (on its file system).
@@ -444,8 +446,6 @@ def replace_together(moves) -> None:
                               f"hold their new ones already")
             error.errno = exc.errno
         raise error from exc
-    for directory in {os.path.dirname(target) for _, target in moves}:
-        fsync_dir(directory)
 
 
 def check_readable_file(path, what="file") -> str:

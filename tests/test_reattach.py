@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap import files
+from speedswap import atomic, files
 from mmap_training import BATCH, DIM, ROWS, assert_as_in_memory, entries, train, trained  # tests/, as sharded_worker
 
 STATE_FILES = ["exp_avg.npy", "exp_avg_sq.npy", "table.npy"]
@@ -155,6 +155,54 @@ def test_a_re_attach_failing_at_any_call_keeps_the_old_optimizer_and_its_files_a
         outcomes.append(_re_attach_failing_at(module, name, len(outcomes), tmp_path / f"emb{len(outcomes)}", seed,
                                               cache_rows, monkeypatch))
     assert any(refused for _, refused in outcomes), f"no failure of {name} refused the attach"
+
+
+class Interrupted(KeyboardInterrupt):
+    pass
+
+
+def test_an_interrupt_at_any_directory_sync_of_a_re_attach_refuses_it_before_the_renames_and_not_after(
+        tmp_path, seed, monkeypatch):
+    """A Ctrl-C lands as a directory's slow sync returns: the new files' (refused), or the renames' (attached)."""
+    outcomes = []
+    while not outcomes or outcomes[-1] != "done":
+        index, directory = len(outcomes), tmp_path / f"emb{len(outcomes)}"
+        emb, opt, ref, ref_opt, rng = trained(directory, seed, 10)
+        new = _adam(emb)
+        before = entries(directory)
+        counter, sync = [0], atomic.fsync_dir
+
+        def interrupted(path, index=index, counter=counter, sync=sync):
+            counter[0] += 1
+            sync(path)
+            if counter[0] - 1 == index:
+                raise Interrupted
+
+        monkeypatch.setattr(atomic, "fsync_dir", interrupted)
+        try:
+            emb.attach(new)
+            outcomes.append("done")
+        except Interrupted as exc:
+            notes = getattr(exc, "__notes__", [])
+            if emb._state.optimizer is new:
+                outcomes.append("attached")
+                assert any(f"{os.fspath(directory)}/exp_avg" in note and "is the new file" in note for note in notes)
+            else:
+                outcomes.append("refused")
+        finally:
+            monkeypatch.undo()
+        if outcomes[-1] == "refused":
+            assert entries(directory) == before
+            assert not new.state
+            train(emb, opt, ref, ref_opt, rng, 5)
+            assert_as_in_memory(emb, ref, ref_opt, directory)
+            emb.attach(new)
+        assert sorted(os.listdir(directory)) == STATE_FILES
+        ref_opt = _sparse_adam(ref)
+        train(emb, new, ref, ref_opt, rng, 10)
+        assert_as_in_memory(emb, ref, ref_opt, directory)
+        emb.close()
+    assert "refused" in outcomes and "attached" in outcomes, outcomes
 
 
 def test_a_re_attach_whose_first_rename_fails_changes_nothing(tmp_path, seed, monkeypatch):

@@ -494,6 +494,7 @@ class OffloadedEmbedding(RefusesConversion):
         self._writeback = weakref.finalize(self, _write_back, cache) if self._storage == "mmap" else None
         self._hooks = StepHooks(self, optimizer)
         self._claim = claim(self, self.weight, optimizer)
+        state.sync_names()  # last: an interrupt during it comes after the attach
 
     def _release_state(self):
         """Unhook the attached optimizer and release its state and the device cache (rows written back first)."""

@@ -21,7 +21,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..atomic import keep_owner_and_mode, remove_stale_temporaries, replace_together, saving_error, temp_path
+from ..atomic import (keep_owner_and_mode, remove_stale_temporaries, replace_together, saving_error, sync_new_name,
+                      temp_path)
 from ..errors import DTypeError, FileFormatError, OptionError, PathError, StateError
 from ..table import HostTable
 from .checkpoint import file_in
@@ -428,7 +429,8 @@ class RowState:
             which they replace only once every table exists (:meth:`replace_files`).
         replace_later: leave that replacing to the owner's call of
             :meth:`replace_files`, once its other work succeeded too (a device
-            cache over the new tables); :meth:`close` before it replaces nothing.
+            cache over the new tables), and :meth:`sync_names` after it, once it
+            took the new state as its own; :meth:`close` before it replaces nothing.
 
     Raises:
         OptionError: an optimizer that cannot be offloaded (see :func:`row_state_spec`).
@@ -454,6 +456,7 @@ class RowState:
         # file in a temporary directory, the file it is to replace, the name the owner gave that)
         # for each table made beside a file it is to replace; close() removes them (see there).
         self._made, self._aside = [], []
+        self._unsynced = {}  # directory -> a file replace_files renamed in it (see sync_names)
         try:
             for name in self.spec:
                 file = file_in(path, name, storage)
@@ -492,6 +495,8 @@ class RowState:
         state = optimizer.state.get(param) or {}
         self._held = {name: state[name] for name, value in self.spec.items()
                       if isinstance(state.get(name), torch.Tensor) and bool((state[name] == value).all())}
+        if not replace_later:
+            self.sync_names()  # last: an interrupt during it comes after the files were replaced
 
     @property
     def trained(self) -> bool:
@@ -882,11 +887,24 @@ class RowState:
                 removes the rest.
         """
         replace_together([(at, target) for _, at, target, _ in self._aside])
-        for name, at, _, file in self._aside:
+        for name, at, target, file in self._aside:
             self.tables[name].renamed(file)
+            self._unsynced[os.path.dirname(target)] = target
             with contextlib.suppress(OSError):  # empty now; left, it goes with the process (see _made_beside)
                 os.rmdir(os.path.dirname(at))
         self._made, self._aside = [], []
+
+    def sync_names(self) -> None:
+        """Make the names :meth:`replace_files` gave the new files durable: sync their directories.
+
+        Apart from :meth:`replace_files`, for the owner to call once it took
+        this state as its own: a sync may take long, and an interrupt (Ctrl-C)
+        during it comes after the files were replaced, so it must not undo the
+        attach. It carries a note saying so (Python 3.11+).
+        """
+        unsynced, self._unsynced = self._unsynced, {}
+        for directory, file in unsynced.items():
+            sync_new_name(directory, file, "the new optimizer state's files are in place")
 
     def close(self):
         """Release the state tables' memory.

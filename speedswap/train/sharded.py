@@ -716,7 +716,13 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         drop_leftover_state(optimizer, self.weight)  # this one's or an earlier one's: a fresh start
         try:
             state = RowState(optimizer, self.weight, self.table.num_rows, self.weight.dtype,
-                             self._storage, self.table.backend, self._path, overwrite=self._created)
+                             self._storage, self.table.backend, self._path, overwrite=self._created,
+                             replace_later=True)
+            try:
+                state.replace_files()
+            except BaseException:
+                state.close()
+                raise
         except BaseException:
             if held is not None:  # the state an earlier attach left it (Adam's step) stays, as the old tables do
                 optimizer.state[self.weight] = held
@@ -729,6 +735,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._hooks = StepHooks(self, optimizer)
         # Refused whatever the gradient, which differs from rank to rank: every rank alike.
         self._claim = claim(self, self.weight, optimizer, frozen_may_stay=False)
+        state.sync_names()  # last: an interrupt during it comes after the attach
 
     def _release_state(self):
         """Unhook the attached optimizer and release its state."""
