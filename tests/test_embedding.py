@@ -523,6 +523,49 @@ def test_attaching_the_same_optimizer_again_restarts_its_state_step_count_includ
 
 @pytest.mark.parametrize("kind, options", [(ss.OffloadedEmbedding, {}), (ss.OffloadedEmbedding, {"cache_rows": 60}),
                                            (ss.ShardedOffloadedEmbedding, {})], ids=["plain", "cached", "sharded"])
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.Adagrad])
+def test_a_restart_right_after_the_optimizers_load_state_dict_starts_it_afresh(make, kind, options, rng, tmp_path):
+    """A resume (emb.load, then the optimizer's load_state_dict, as documented), then
+    attach(optimizer, restart=True) before any step: the restart kept the loaded state (Adam's step
+    count, the saved scratch) and the next step raised StateError "per-row state ... was replaced",
+    advising init_state(), which would have kept the loaded step count. Now it trains as a fresh
+    optimizer of its kind, in memory, lazily, from the loaded rows."""
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, 8, "cpu")
+    opt_options = dict(lr=0.05, eps=1e-30) if make is torch.optim.Adam else dict(lr=0.05)
+
+    def train(emb, opt, steps):
+        for pos, neg, ctx in steps:
+            skipgram_loss(emb(pos), emb(neg), ctx).backward()
+            opt.step()
+            opt.zero_grad()
+
+    emb = kind(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy", **options)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = make(emb.parameters(), **opt_options)
+    emb.attach(opt)
+    train(emb, opt, batches[:4])
+    emb.save(tmp_path / "ckpt")
+    saved = copy.deepcopy(opt.state_dict())
+    emb.close()
+    emb = kind(NUM_ROWS, DIM, max_rows=CAPACITY, storage="pageable", backend="numpy", **options)
+    opt = make(emb.parameters(), **opt_options)
+    emb.attach(opt)
+    emb.load(tmp_path / "ckpt")
+    opt.load_state_dict(saved)
+    emb.attach(opt, restart=True)
+    loaded = emb.table.to_numpy(copy=True)
+    train(emb, opt, batches[4:])
+    expected, expected_state = run_in_memory(lambda p: make(p, **opt_options), loaded, batches[4:], "cpu",
+                                             initial_state=torch_initial)
+    assert int(opt.state[emb.weight]["step"]) == len(batches[4:])
+    np.testing.assert_allclose(emb.table.to_numpy(), expected, **TOL)
+    for name, table in emb._state.tables.items():
+        np.testing.assert_allclose(table.to_numpy(), expected_state[name], err_msg=name, **TOL)
+
+
+@pytest.mark.parametrize("kind, options", [(ss.OffloadedEmbedding, {}), (ss.OffloadedEmbedding, {"cache_rows": 60}),
+                                           (ss.ShardedOffloadedEmbedding, {})], ids=["plain", "cached", "sharded"])
 def test_attaching_the_attached_optimizer_again_by_mistake_is_refused_and_training_goes_on_as_in_memory(
         rng, tmp_path, kind, options):
     """An attach left inside the training loop (a notebook cell run twice) restarted Adam's moments and

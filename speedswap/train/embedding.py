@@ -406,7 +406,8 @@ class OffloadedEmbedding(RefusesConversion):
         unless ``restart=True``: by mistake (an attach inside the training
         loop) it would silently restart Adam's moments and step count. State
         put there by ``optimizer.load_state_dict`` is kept, for a resume
-        (then :meth:`load` the checkpoint saved with it). ``optimizer.step(closure)``
+        (then :meth:`load` the checkpoint saved with it), unless ``restart=True``
+        asks for a fresh start. ``optimizer.step(closure)``
         works: the rows are narrowed after the closure's forward and backward.
 
         Only this optimizer may step :attr:`weight` from now on (until
@@ -455,7 +456,8 @@ class OffloadedEmbedding(RefusesConversion):
         if self._step_in_flight():
             raise StateError("attach between a training forward and optimizer.step() would drop "
                              "the step's rows; attach between steps")
-        if not bool_option(restart, "restart", hint=" (start the attached optimizer's state afresh)"):
+        restart = bool_option(restart, "restart", hint=" (start the attached optimizer's state afresh)")
+        if not restart:
             refuse_unasked_restart(self._state, optimizer, type(self).__name__)
         self._scratch_writes.refuse_written_through_data(self._full)  # as built: to_empty() may replace .data
         # An unsupported optimizer, or a file the new state may not replace, is refused before
@@ -466,7 +468,7 @@ class OffloadedEmbedding(RefusesConversion):
             # files replaced the old ones' (mmap), releasing the old state must have nothing left to fail.
             self._cache.flush()
         held = optimizer.state.get(self.weight)
-        drop_leftover_state(optimizer, self.weight)  # this one's or an earlier one's: a fresh start
+        drop_leftover_state(optimizer, self.weight, restart)  # this one's or an earlier one's: a fresh start
         try:
             # With mmap storage, the files that replace the old state's are made under temporary names
             # and replace them only once the cache is made too: a refused attach leaves them intact.

@@ -38,17 +38,21 @@ __all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep",
 _SCRATCH = weakref.WeakValueDictionary()
 
 
-def drop_leftover_state(optimizer, param) -> None:
+def drop_leftover_state(optimizer, param, restart: bool = False) -> None:
     """Drop the state an earlier attach of ``param`` left in ``optimizer`` (``step`` included).
 
     Attaching starts the offloaded state afresh, so the optimizer must start
     afresh too: fresh moments with the step count of an earlier run would be
     bias-corrected wrongly. Such state holds this parameter's scratch
     tensors. State the user put there (``load_state_dict`` before attaching,
-    for a resume) or that torch created with the optimizer is kept.
+    for a resume) or that torch created with the optimizer is kept, unless
+    ``restart``: an ``attach(optimizer, restart=True)`` asked for a fresh
+    start, and a state_dict loaded since the last step (a resume's) would
+    keep its step count and be refused at the next step as per-row state
+    the tables do not hold.
     """
     state = optimizer.state.get(param) or {}
-    if any(_SCRATCH.get((id(value), id(param))) is value for value in state.values()):
+    if restart or any(_SCRATCH.get((id(value), id(param))) is value for value in state.values()):
         optimizer.state.pop(param, None)
 
 

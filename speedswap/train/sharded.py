@@ -666,7 +666,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
         Attaching again starts the offloaded optimizer state afresh (an
         ``mmap`` embedding's state files included; the same optimizer's scalar
-        state for :attr:`weight`, Adam's ``step``, too). The optimizer
+        state for :attr:`weight`, Adam's ``step``, too; with ``restart=True``
+        also state its ``load_state_dict`` put there). The optimizer
         attached already is refused once it trained the table (a step, or
         a checkpoint loaded) unless ``restart=True``: by mistake (an attach
         inside the training loop) it would silently restart Adam's moments
@@ -704,7 +705,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """
         self._check_between_steps("attach")
         self._one_process.refuse_shared_training(self.weight, self._storage == "mmap")
-        if not bool_option(restart, "restart", hint=" (start the attached optimizer's state afresh)"):
+        restart = bool_option(restart, "restart", hint=" (start the attached optimizer's state afresh)")
+        if not restart:
             refuse_unasked_restart(self._state, optimizer, type(self).__name__,
                                    trained=self._state_origin != _ATTACHED or self._steps_since > 0,
                                    everywhere=" on every rank")
@@ -713,7 +715,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # anything changes.
         check_state_files(optimizer, self.weight, self._storage, self._path, self._created)
         held = optimizer.state.get(self.weight)
-        drop_leftover_state(optimizer, self.weight)  # this one's or an earlier one's: a fresh start
+        drop_leftover_state(optimizer, self.weight, restart)  # this one's or an earlier one's: a fresh start
         try:
             state = RowState(optimizer, self.weight, self.table.num_rows, self.weight.dtype,
                              self._storage, self.table.backend, self._path, overwrite=self._created,
