@@ -725,37 +725,6 @@ def test_switchers_built_again_and_again_leave_no_hooks_behind():
     assert len(model.weight._backward_hooks) == 1
 
 
-@pytest.mark.parametrize("opt_init", [True, False], ids=["optInit", "no_optInit"])
-@pytest.mark.parametrize("close_first", [True, False], ids=["closed", "replaced"])
-def test_a_new_optimizer_factory_over_the_optimizer_an_earlier_one_trained_starts_it_afresh(close_first, opt_init,
-                                                                                             backend, table0, rng):
-    """A second OptimizerFactory over the optimizer an earlier one trained (a notebook cell run again, an
-    optimizer restarted for a new phase) made fresh state tables but kept the earlier one's state in the
-    optimizer: its first step raised StateError "per-row state ... was replaced", and after the optInit()
-    that error advises (SpeedTorch's recipe calls it anyway) Adam's step count went on while the
-    moments started afresh, bias-corrected as after 5 steps, training as no optimizer in memory does.
-    As an OffloadedEmbedding's attach does, it drops the state the earlier factory left: training goes
-    on as a fresh Adam's over the rows as they were, lazily."""
-    model, opt, u, o = build(backend, table0)
-    device = model.u_embeddings.weight.device
-    batches = zipf_batches(rng, 10, device, ROWS)
-    train(model, opt, u, o, batches[:5])
-    if close_first:
-        o.close()
-    o = ss.OptimizerFactory(opt, ROWS, DIM, model, "u_embeddings", CPUPinn=True, backend=backend)
-    if opt_init:
-        o.optInit()
-    at_switch = u.to_numpy(copy=True)
-    train(model, opt, u, o, batches[5:])
-    assert int(opt.state[model.u_embeddings.weight]["step"]) == 5
-    expected, expected_state = run_in_memory(lambda p: torch.optim.Adam(p, lr=0.01), at_switch, batches[5:],
-                                             device, initial_state=lambda name, group: 0.0)
-    np.testing.assert_allclose(u.to_numpy(copy=True), expected, rtol=1e-5, atol=1e-6)
-    for name, table in o.state.tables.items():
-        np.testing.assert_allclose(table.to_numpy(copy=True), expected_state[name], rtol=1e-5, atol=1e-6,
-                                   err_msg=name)
-
-
 @pytest.mark.parametrize("then", ["backward", "step"])
 def test_closed_switchers_leave_the_embedding_to_train_as_in_memory(then, backend, table0, rng):
     """Closed, the switchers kept their gradient hook and step check on the parameter while the

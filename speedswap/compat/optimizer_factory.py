@@ -14,8 +14,7 @@ from ..errors import DTypeError, OptionError, StateError
 from ..train.caching import resetting_state
 from ..train.one_optimizer import claim
 from ..train.one_thread import one_thread
-from ..train.row_state import (EmptySparseGradient, NarrowedStep, RowState, drop_leftover_state,
-                               sparse_grad_refusal)
+from ..train.row_state import EmptySparseGradient, NarrowedStep, RowState, sparse_grad_refusal
 from ..train.step_hooks import StepHooks
 from .steps import MODEL, OPTIMIZER
 from .switcher import LocalIds, Switcher, device_of, storage_of, weight_of
@@ -104,10 +103,7 @@ class OptimizerFactory(Switcher):
     One table per state tensor shaped like the parameter (Adam's ``exp_avg``
     and ``exp_avg_sq``, ...); scalar state such as ``step`` stays in the
     optimizer (:meth:`save` records it beside the tables). Rows never touched
-    hold the value torch creates the state with. Built over an optimizer that
-    an earlier OptimizerFactory trained, it starts that optimizer's state for
-    the embedding afresh (Adam's ``step`` included), as a fresh optimizer's;
-    state its ``load_state_dict`` put there is kept, for a resume.
+    hold the value torch creates the state with.
 
     Args:
         given_optimizer: the optimizer over the model's parameters. SGD (with
@@ -165,18 +161,9 @@ class OptimizerFactory(Switcher):
         _refuse_sparse_embedding(given_optimizer, param, _owner_named(model, variable_name), variable_name)
         super().__init__(param, total_classes, embed_dimension, dtype, cache_rows,
                          find_param=lambda: _parameter_named(model, variable_name))
-        # An earlier factory's state (its scratch, Adam's step) would go on beside the fresh tables:
-        # dropped, as attach drops it; put back should the tables not be made.
-        held = given_optimizer.state.get(param)
-        drop_leftover_state(given_optimizer, param)
-        try:
-            self._state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),
-                                  storage or storage_of(CPUPinn),
-                                  get_backend(backend, device_of(param)), path, overwrite=overwrite)
-        except BaseException:
-            if held is not None:
-                given_optimizer.state[param] = held
-            raise
+        self._state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),
+                              storage or storage_of(CPUPinn),
+                              get_backend(backend, device_of(param)), path, overwrite=overwrite)
         for table in self._state.tables.values():
             self._check_device(table)
         self._narrowing = _Narrowing(self._state)
