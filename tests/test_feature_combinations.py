@@ -405,13 +405,13 @@ class SwitcherCombination(Combination):
 # Derandomised: the same examples each run, a few seconds each. The probe run for longer (thousands of
 # examples, and an itertools sweep of every optimizer, storage, dtype, cache and prefetch setting) found
 # the attach(restart=True) defect test_embedding's test_a_restart_right_after_... covers.
-@settings(max_examples=20, deadline=None, derandomize=True)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(combinations())
 def test_drawn_combinations_train_as_in_memory(c):
     run_combination(c)
 
 
-@settings(max_examples=20, deadline=None, derandomize=True)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(combinations(switchers=True))
 def test_drawn_switcher_combinations_train_as_in_memory(c):
     run_combination(c)
