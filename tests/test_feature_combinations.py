@@ -44,20 +44,23 @@ CACHES = [0, 10, ROWS]
 BETWEEN = ["eval", "no_grad", "save_h5", "save_dir", "state_dict", "restart", "new_optimizer", "init_state",
            "read_table", "flush", "save_same", "load_back", "prefetch"]
 MAX_ROWS = 2 * BATCH * WIDTH + 1
+PAD = 7  # the padding row, when one is drawn: pretrained (0.5), it moves only with weight decay
 
 
 class Combination:
     """An offloaded Model and its in-memory lazy reference, driven through one drawn sequence."""
 
-    def __init__(self, gen, opt_name, wd, storage, bf16, cache_rows, tmp):
+    def __init__(self, gen, opt_name, wd, storage, bf16, cache_rows, tmp, padding_idx=None):
         self.gen, self.opt_name, self.wd, self.bf16, self.tmp = gen, opt_name, wd, bf16, tmp
-        self.made, self.saved = 0, []
+        self.made, self.saved, self.padding_idx = 0, [], padding_idx
         table0 = gen.standard_normal((ROWS, DIM)).astype(np.float32)
         if bf16:
             table0 = torch.from_numpy(table0).bfloat16().float().numpy()
+        if padding_idx is not None:
+            table0[padding_idx] = 0.5
         linear = torch.nn.Linear(DIM, 1)
         self.model = Model(self._embedding(storage, cache_rows, table0), copy.deepcopy(linear))
-        self.reference = Model(LazyTable(table0), linear)
+        self.reference = Model(LazyTable(table0, padding_idx), linear)
         self.opt = self._new_opt()
         self.ref_opt = self._new_ref_opt()
 
@@ -66,7 +69,7 @@ class Combination:
         emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=MAX_ROWS, storage=storage, backend="numpy",
                                     dtype=torch.bfloat16 if self.bf16 else torch.float32,
                                     path=f"{self.tmp}/emb{self.made}" if storage == "mmap" else None,
-                                    cache_rows=cache_rows)
+                                    cache_rows=cache_rows, padding_idx=self.padding_idx)
         if table0 is not None:
             emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
         return emb
@@ -94,18 +97,38 @@ class Combination:
     def close(self):
         self.model.emb.close()
 
-    def step(self, batches, k, accumulate, prefetch_at):
-        """Train step ``k`` on both sides; prefetch step k+1's ids at ``prefetch_at`` ("before", "middle")."""
+    def step(self, batches, k, accumulate, prefetch_at, read_at=None):
+        """Train step ``k`` on both sides; prefetch step k+1's ids at ``prefetch_at`` ("before", "middle").
+
+        ``read_at``: ``(i, mode)``, a read of other rows after the step's forward ``i`` ("eval": in
+        eval mode, "no_grad": under no_grad), which must see them as they were before the step.
+        """
         ids, target = batches[k]
         parts = list(zip(ids.chunk(2), target.chunk(2))) if accumulate else [(ids, target)]
+        probe = torch.from_numpy(self.gen.integers(0, ROWS, (BATCH, WIDTH)))
+        with torch.no_grad():
+            before = self.reference(probe)
         for model, opt in ((self.model, self.opt), (self.reference, self.ref_opt)):
             for i, (part, goal) in enumerate(parts):
                 out = model(part)
                 if model is self.model and k + 1 < len(batches) and prefetch_at == ("middle", i):
                     model.emb.prefetch(batches[k + 1][0])
+                if model is self.model and read_at is not None and read_at[0] == i:
+                    self.read(probe, before, read_at[1], "a read in the middle of a step")
                 F.mse_loss(out, goal).backward()
             opt.step()
             opt.zero_grad()
+
+    def read(self, probe, want, mode, what):
+        """The offloaded model's output for ``probe`` in ``mode`` ("eval", "no_grad") against ``want``."""
+        if mode == "eval":
+            self.model.eval()
+            got = self.model(probe)
+            self.model.train()
+        else:
+            with torch.no_grad():
+                got = self.model(probe)
+        assert_close(got, want, self.bf16, what)
 
     def between(self, op, batches, k, fresh_storage, fresh_cache):
         if op == "prefetch":  # the next step's ids, or others no step may look up
@@ -113,16 +136,9 @@ class Combination:
                           else torch.from_numpy(self.gen.integers(0, ROWS, 20)))
         elif op in ("eval", "no_grad"):
             probe = torch.from_numpy(self.gen.integers(0, ROWS, (BATCH, WIDTH)))
-            if op == "eval":
-                self.model.eval()
-                self.reference.eval()
-                got, want = self.model(probe), self.reference(probe)
-                self.model.train()
-                self.reference.train()
-            else:
-                with torch.no_grad():
-                    got, want = self.model(probe), self.reference(probe)
-            assert_close(got, want, self.bf16, op)
+            with torch.no_grad():
+                want = self.reference(probe)
+            self.read(probe, want, op, op)
         elif op in ("save_h5", "save_dir"):
             path = f"{self.tmp}/ckpt{self.made}" + (".h5" if op == "save_h5" else "")
             self.model.emb.save(path)
@@ -249,13 +265,15 @@ def combinations(draw, switchers=False):
         wd=draw(st.sampled_from([0.0, 0.1])),
         storage=draw(st.sampled_from(STORAGES)),
         bf16=not switchers and draw(st.booleans()),
+        padding_idx=None if switchers else draw(st.sampled_from([None, PAD])),
         cache_rows=draw(st.sampled_from(CACHES)),
         prefetch=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
         plan=[(draw(st.booleans()),  # accumulate
                draw(st.sampled_from([None, "before", ("middle", 0), ("middle", 1)])),
                draw(st.lists(st.sampled_from(SWITCHER_BETWEEN if switchers else BETWEEN), max_size=2)),
-               draw(st.sampled_from(STORAGES)), draw(st.sampled_from(CACHES)))
+               draw(st.sampled_from(STORAGES)), draw(st.sampled_from(CACHES)),
+               None if switchers else draw(st.sampled_from([None, (0, "eval"), (0, "no_grad"), (1, "no_grad")])))
               for _ in range(steps)])
 
 
@@ -266,13 +284,14 @@ def run_combination(c):
         if c["switchers"]:
             run = SwitcherCombination(gen, c["opt_name"], c["wd"], c["storage"], c["cache_rows"], tmp)
         else:
-            run = Combination(gen, c["opt_name"], c["wd"], c["storage"], c["bf16"], c["cache_rows"], tmp)
+            run = Combination(gen, c["opt_name"], c["wd"], c["storage"], c["bf16"], c["cache_rows"], tmp,
+                              c["padding_idx"])
         batches = zipf_ids(gen, len(c["plan"]))
         try:
-            for k, (accumulate, prefetch_at, ops, fresh_storage, fresh_cache) in enumerate(c["plan"]):
+            for k, (accumulate, prefetch_at, ops, fresh_storage, fresh_cache, read_at) in enumerate(c["plan"]):
                 if c["prefetch"] and prefetch_at == "before":
                     run.prefetch(batches[k][0])
-                run.step(batches, k, accumulate, prefetch_at if c["prefetch"] else None)
+                run.step(batches, k, accumulate, prefetch_at if c["prefetch"] else None, read_at)
                 for op in ops:
                     run.between(op, batches, k, fresh_storage, fresh_cache)
             run.check("end")
@@ -322,7 +341,9 @@ class SwitcherCombination(Combination):
         self.u.close()
         self.o.close()
 
-    def step(self, batches, k, accumulate, prefetch_at):
+    def step(self, batches, k, accumulate, prefetch_at, read_at=None):
+        """As :meth:`Combination.step`, SpeedTorch's way; ``read_at`` is None (the model's embedding holds the
+        step's rows only: nothing to read other rows through)."""
         ids, target = batches[k]
         parts = list(zip(ids.chunk(2), target.chunk(2))) if accumulate else [(ids, target)]
         given = [part for part, _ in parts]
