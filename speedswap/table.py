@@ -756,6 +756,11 @@ class HostTable:
         return bool(self._views) or self._device_view
 
     @property
+    def viewed_for_good(self) -> bool:
+        """Whether :attr:`viewed` stays True for the table's life: a watched device table handed out its tensor."""
+        return self._device_view
+
+    @property
     def views_handed_out(self) -> int:
         """How many views this table has handed out so far that :attr:`viewed` follows.
 

@@ -1057,6 +1057,29 @@ def test_the_cache_keeps_no_rows_while_a_view_of_the_tables_lives_and_works_agai
     assert emb.stats()["last_step"]["hits"] == 3
 
 
+def test_a_device_tables_state_dict_says_the_cache_is_off_for_good_and_emb_save_keeps_it_working(backend, tmp_path):
+    """A device table's tensor handed out counts as alive for good (README, device cache). The warning
+    after a state_dict() of a storage="device" embedding advised a cloned state_dict, which cannot help:
+    making it hands the tensor out. It now says the cache is off for the table's life and to checkpoint
+    with emb.save, which leaves a second embedding's cache working."""
+    embs = []
+    for _ in range(2):
+        emb = ss.OffloadedEmbedding(100, 4, max_rows=32, storage="device", backend=backend, cache_rows=50)
+        opt = torch.optim.Adam(emb.parameters(), lr=0.1)
+        emb.attach(opt)
+        _step(emb, opt, [1, 2, 3])
+        embs.append((emb, opt))
+    (viewed, opt), (saved, saved_opt) = embs
+    viewed.state_dict()  # dropped at once
+    with pytest.warns(RuntimeWarning, match=r"for the table's life.*Checkpoint with emb.save") as caught:
+        _step(viewed, opt, [1, 2, 3])
+    assert "cloned state_dict" not in str(caught[0].message)
+    saved.save(tmp_path / "checkpoint")
+    for emb, optimizer in embs:
+        _step(emb, optimizer, [1, 2, 3])
+    assert viewed.stats()["last_step"]["hits"] == 0 and saved.stats()["last_step"]["hits"] == 3
+
+
 @pytest.mark.parametrize("load", ["from_pretrained", "load"])
 def test_a_device_table_loaded_from_a_file_keeps_its_cache_working(load, backend, rng, tmp_path):
     """A load writes the rows into the table's own memory. It took that memory with as_tensor(), which

@@ -1056,6 +1056,13 @@ class RowCache:
         """Say, once, that a view kept alive keeps the cache from caching: it costs speed, unseen."""
         if not self._warned_views:
             self._warned_views = True
+            if any(t.viewed_for_good for t in (self.table, *self.state_tables.values())):
+                # A cloned state_dict does not help here: making it handed the tensor out already.
+                warn("a device table's tensor was handed out (as_tensor(), state_dict(), getTorchVar()); "
+                     "speedswap cannot tell when such a tensor and its views are gone, so the device cache "
+                     "keeps no rows from now on, for the table's life. Checkpoint with emb.save (the "
+                     "switchers' saveCupy or saveTorch), which copy the rows and leave the cache working")
+                return
             warn("a view of the table or its optimizer state that to_numpy() or as_tensor() handed out "
                  "(or a kept state_dict(), whose tensors are such views) is still alive, so the device "
                  "cache keeps no rows until it is dropped: reads and writes through it must see every "
