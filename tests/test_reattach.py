@@ -12,7 +12,6 @@ the reference does, then attaches the new one and trains on as the reference
 with a new SparseAdam.
 """
 
-import errno
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import torch
 import speedswap as ss
 from speedswap import atomic, files
 from mmap_training import BATCH, DIM, ROWS, assert_as_in_memory, entries, train, trained  # tests/, as sharded_worker
+from test_fault_injection import _failing_at
 
 STATE_FILES = ["exp_avg.npy", "exp_avg_sq.npy", "table.npy"]
 
@@ -35,6 +35,23 @@ def _adam(emb):
 
 def _sparse_adam(ref):
     return torch.optim.SparseAdam(ref.parameters(), lr=0.01, eps=1e-30)
+
+
+def _trains_on_after_refusal(emb, opt, ref, ref_opt, rng, directory, before, new, steps, why=""):
+    """A refused attach of ``new``: the files bit for bit as ``before``, ``new`` without state, the old ``opt``
+    training on as in memory."""
+    assert entries(directory) == before, why
+    assert not new.state
+    train(emb, opt, ref, ref_opt, rng, steps)
+    assert_as_in_memory(emb, ref, ref_opt, directory)
+
+
+def _trains_as_restarted(emb, new, ref, rng, directory, steps):
+    """An attach of ``new`` that went through: the state files alone, ``new`` training as a new SparseAdam."""
+    assert sorted(os.listdir(directory)) == STATE_FILES
+    ref_opt = _sparse_adam(ref)
+    train(emb, new, ref, ref_opt, rng, steps)
+    assert_as_in_memory(emb, ref, ref_opt, directory)
 
 
 _UNDER_LIMITS = textwrap.dedent("""
@@ -87,19 +104,6 @@ def test_a_re_attach_out_of_descriptors_keeps_the_old_optimizer_and_its_files_an
     assert lines[-1] == "trained as in memory"
 
 
-class Injected(OSError):
-    pass
-
-
-def _failing_at(original, index, counter):
-    def fail(*args, **kwargs):
-        counter[0] += 1
-        if counter[0] - 1 == index:
-            raise Injected(errno.EIO, "injected failure")
-        return original(*args, **kwargs)
-    return fail
-
-
 #: The calls that make the new state's files: its temporary directories, each file's header and size,
 #: the sync before it has its name there, its mode, and the descriptor that checks it (the renames over
 #: the old files: the tests below). Some failures are let through (a directory's sync; makedirs of the
@@ -132,15 +136,10 @@ def _re_attach_failing_at(module, name, index, directory, seed, cache_rows, monk
         monkeypatch.undo()
     if refused is not None:
         assert isinstance(refused, ss.PathError) and "injected failure" in str(refused), refused
-        assert entries(directory) == before, f"a re-attach failing at {name} call {index} changed the files"
-        assert not new.state
-        train(emb, opt, ref, ref_opt, rng, 5)
-        assert_as_in_memory(emb, ref, ref_opt, directory)
+        _trains_on_after_refusal(emb, opt, ref, ref_opt, rng, directory, before, new, 5,
+                                 f"a re-attach failing at {name} call {index} changed the files")
         emb.attach(new)
-    assert sorted(os.listdir(directory)) == STATE_FILES
-    ref_opt = _sparse_adam(ref)
-    train(emb, new, ref, ref_opt, rng, 10)
-    assert_as_in_memory(emb, ref, ref_opt, directory)
+    _trains_as_restarted(emb, new, ref, rng, directory, 10)
     emb.close()
     return counter[0] > index, refused is not None
 
@@ -192,15 +191,9 @@ def test_an_interrupt_at_any_directory_sync_of_a_re_attach_refuses_it_before_the
         finally:
             monkeypatch.undo()
         if outcomes[-1] == "refused":
-            assert entries(directory) == before
-            assert not new.state
-            train(emb, opt, ref, ref_opt, rng, 5)
-            assert_as_in_memory(emb, ref, ref_opt, directory)
+            _trains_on_after_refusal(emb, opt, ref, ref_opt, rng, directory, before, new, 5)
             emb.attach(new)
-        assert sorted(os.listdir(directory)) == STATE_FILES
-        ref_opt = _sparse_adam(ref)
-        train(emb, new, ref, ref_opt, rng, 10)
-        assert_as_in_memory(emb, ref, ref_opt, directory)
+        _trains_as_restarted(emb, new, ref, rng, directory, 10)
         emb.close()
     assert "refused" in outcomes and "attached" in outcomes, outcomes
 
@@ -215,10 +208,7 @@ def test_a_re_attach_whose_first_rename_fails_changes_nothing(tmp_path, seed, mo
         emb.attach(new)
     monkeypatch.undo()
     assert "already" not in str(refused.value)
-    assert entries(directory) == before
-    assert not new.state
-    train(emb, opt, ref, ref_opt, rng, 10)
-    assert_as_in_memory(emb, ref, ref_opt, directory)
+    _trains_on_after_refusal(emb, opt, ref, ref_opt, rng, directory, before, new, 10)
     emb.close()
 
 
@@ -242,10 +232,7 @@ def test_a_re_attach_whose_second_rename_fails_names_the_file_replaced_and_the_o
     with pytest.raises(ss.PathError, match="no longer names the file this table maps"):
         emb._state.tables["exp_avg"].flush()
     emb.attach(new)
-    assert sorted(os.listdir(directory)) == STATE_FILES
-    ref_opt = _sparse_adam(ref)
-    train(emb, new, ref, ref_opt, rng, 20)
-    assert_as_in_memory(emb, ref, ref_opt, directory)
+    _trains_as_restarted(emb, new, ref, rng, directory, 20)
     emb.close()
 
 
@@ -267,15 +254,9 @@ def test_a_refused_re_attach_of_a_one_rank_sharded_embedding_keeps_the_old_optim
         with pytest.raises(ss.PathError, match="injected failure"):
             emb.attach(new)
         monkeypatch.undo()
-        assert entries(directory) == before
-        assert not new.state
-        train(emb, opt, ref, ref_opt, rng, 5)
-        assert_as_in_memory(emb, ref, ref_opt, directory)
+        _trains_on_after_refusal(emb, opt, ref, ref_opt, rng, directory, before, new, 5)
     emb.attach(new)
-    assert sorted(os.listdir(directory)) == STATE_FILES
-    ref_opt = _sparse_adam(ref)
-    train(emb, new, ref, ref_opt, rng, 20)
-    assert_as_in_memory(emb, ref, ref_opt, directory)
+    _trains_as_restarted(emb, new, ref, rng, directory, 20)
     emb.close()
 
 
