@@ -1088,6 +1088,53 @@ def test_a_second_optimizer_step_after_after_optimizer_step_is_refused(optimizer
     opt.step()  # the gradient dropped: a step with nothing to apply is fine
 
 
+def _files_under(directory):
+    """Every file under ``directory`` (temporaries and locks too) -> its bytes."""
+    return {os.path.relpath(os.path.join(at, name), directory): open(os.path.join(at, name), "rb").read()
+            for at, _, names in os.walk(directory) for name in names}
+
+
+@pytest.mark.parametrize("kind", ["ModelFactory", "OptimizerFactory"])
+def test_a_switcher_refused_for_its_device_makes_and_replaces_no_file(kind, rng, tmp_path, monkeypatch):
+    """A backend whose rows move to another device than the embedding's was refused (DeviceError) only
+    once the switcher had made its mmap table or state files: a new file stayed behind, so a retry was
+    refused for it, and overwrite=True had already replaced trained files with fresh ones, whose tables
+    were never closed. (The check is made to refuse here: this machine may have one device only.)"""
+    trained = SkipGram()
+    trained_opt = torch.optim.Adam(trained.parameters(), lr=float(rng.uniform(0.001, 0.1)))
+    u = ss.ModelFactory(trained.u_embeddings, ROWS, DIM, storage="mmap", path=tmp_path / "u.npy", backend="numpy")
+    u.customInit(lambda t: t.copy_(torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32))))
+    o = ss.OptimizerFactory(trained_opt, ROWS, DIM, trained, "u_embeddings", storage="mmap",
+                            path=tmp_path / "opt", backend="numpy")
+    train(trained, trained_opt, u, o, zipf_batches(rng, 3, "cpu", ROWS))
+    o.close()
+    u.close()
+    before = _files_under(tmp_path)
+    assert sorted(before) == ["opt/exp_avg.npy", "opt/exp_avg_sq.npy", "u.npy"]
+    assert np.load(tmp_path / "opt" / "exp_avg.npy").any()  # trained: a fresh file in its place would differ
+    model = SkipGram()
+    weight = model.u_embeddings.weight.detach().clone()
+    opt = torch.optim.Adam(model.parameters(), lr=float(rng.uniform(0.001, 0.1)))
+    build = (functools.partial(ss.ModelFactory, model.u_embeddings, ROWS, DIM) if kind == "ModelFactory" else
+             functools.partial(ss.OptimizerFactory, opt, ROWS, DIM, model, "u_embeddings"))
+    name = "u.npy" if kind == "ModelFactory" else "opt"
+
+    def refused(self, backend):
+        raise ss.DeviceError("refused here")
+
+    monkeypatch.setattr(ss.compat.switcher.Switcher, "_check_device", refused)
+    for path, overwrite in ((tmp_path / name, True), (tmp_path / "new" / name, False)):
+        os.makedirs(tmp_path / "new", exist_ok=True)
+        with pytest.raises(ss.DeviceError, match="refused here"):
+            build(storage="mmap", path=path, backend="numpy", overwrite=overwrite)
+        assert _files_under(tmp_path) == before  # nothing made, replaced, or left aside
+    monkeypatch.undo()
+    assert torch.equal(model.u_embeddings.weight, weight) and not opt.state
+    assert not model.u_embeddings.weight._backward_hooks
+    build(storage="mmap", path=tmp_path / "new" / name, backend="numpy").close()  # nothing there to refuse it
+    assert (tmp_path / "new" / name).exists()
+
+
 @pytest.mark.parametrize("keyword, value, instead", [
     ("device", "cpu", r"device=: .*device of the model's embedding.*model\.to\(device\)"),
     ("max_rows", 8, r"max_rows=: .*the model's embedding is the working set"),

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..atomic import PathLike, as_path, atomic_output, check_regular_file
+from ..backends import get_backend
 from ..backends.resolve import BackendLike
 from ..convert import DTypeLike, Ids, bool_option, host_tensor, initialiser_option, int_option
 from ..errors import FileFormatError, OptionError, ShapeError, StateError
@@ -153,10 +154,11 @@ class ModelFactory(Switcher):
         super().__init__(param, total_classes, embed_dimension, datatype, cache_rows,
                          find_param=None if module is None else lambda: weight_of(module))
         storage = storage or storage_of(CPUPinn)
+        backend = get_backend(backend, device_of(param))
+        self._check_device(backend)  # before the table's mmap file is made (or replaced)
         # zero_ leaves a new mmap table's sparse file of zeros as it is (see HostTable.zero_).
         self._table = HostTable.zeros(total_classes, embed_dimension, datatype, storage, backend, path,
                                       device=device_of(param), overwrite=overwrite)
-        self._check_device(self._table)
         self._placeholders = None
         # Every forward of the model's embedding is checked for ids other than the step's local ones.
         self._stale_hook = None

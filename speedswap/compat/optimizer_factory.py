@@ -161,11 +161,10 @@ class OptimizerFactory(Switcher):
         _refuse_sparse_embedding(given_optimizer, param, _owner_named(model, variable_name), variable_name)
         super().__init__(param, total_classes, embed_dimension, dtype, cache_rows,
                          find_param=lambda: _parameter_named(model, variable_name))
+        backend = get_backend(backend, device_of(param))
+        self._check_device(backend)  # before RowState makes (or replaces) any state file
         self._state = RowState(given_optimizer, param, total_classes, torch_dtype(dtype),
-                              storage or storage_of(CPUPinn),
-                              get_backend(backend, device_of(param)), path, overwrite=overwrite)
-        for table in self._state.tables.values():
-            self._check_device(table)
+                              storage or storage_of(CPUPinn), backend, path, overwrite=overwrite)
         self._narrowing = _Narrowing(self._state)
         weakref.finalize(self, self._narrowing.restore).atexit = False
         self._empty_sparse = None  # SparseAdam's gradient in a step without this switcher's rows

@@ -293,11 +293,19 @@ class Switcher(SpeedTorchFiles):
         """
         _refuse_process_group(type(self).__name__)
 
-    def _check_device(self, table):
-        if table.device != self._param.device:
-            raise DeviceError(f"the table's rows move to {table.device} but the model's "
+    def _check_device(self, backend):
+        """Refuse a backend that moves rows to another device than the parameter's.
+
+        Called with the resolved backend before the tables are made: a refused
+        switcher leaves no ``mmap`` file made, or replaced, behind.
+
+        Raises:
+            DeviceError: the backend's device is not the parameter's.
+        """
+        if backend.device != self._param.device:
+            raise DeviceError(f"the table's rows move to {backend.device} but the model's "
                               f"embedding is on {self._param.device}; move the model with "
-                              f".to({str(table.device)!r}) or pick the matching backend")
+                              f".to({str(backend.device)!r}) or pick the matching backend")
 
     def _param_rows(self):
         """The parameter's storage now; it must still be the dtype and device it was built with.
