@@ -435,6 +435,15 @@ def replace_together(moves) -> None:
             before it, which the message names, hold their new files; the
             others hold their old ones, and their temporaries are left.
     """
+    # No save's turn (one_save_at_a_time) is taken, as atomic_output takes one: a turn keeps a save's
+    # check of its target and its rename together, and no check here can go stale. The caller's (that
+    # it may replace the targets: its own files, or overwrite=True) is of their names. A save of this
+    # process to a target is refused (mapped_for_writing) before and after the renames alike, since the
+    # old or the new state's table maps the file the name holds. A rename of another process's save,
+    # or of another owner's replace_together over the same names, comes wholly before or after each
+    # of these, as with turns: the last names the file, none is half written, and every table keeps
+    # its own file in its map. Two such owners at once may leave the names split between their files,
+    # as the per-file turns of the overwrites before replace_together could.
     done = []  # os.replace returns None: appended by C as each rename returns
     try:
         done.extend(map(os.replace, [new for new, _ in moves], [target for _, target in moves]))
