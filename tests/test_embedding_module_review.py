@@ -178,15 +178,23 @@ def _step_refused_as_outside_use_then_trained_on(offloaded, reference, opt, ref_
 def _shift_first_forwards_rows(table, ids, shift):
     """Add ``shift``'s rows to the rows a step's one forward so far looked up, in place under ``no_grad()``.
 
-    An offloaded table holds them in ``weight[:len(working_rows)]``, in slot order; an in-memory one at their ids.
+    An offloaded table holds them in ``weight[:len(working_rows)]``, in slot order (a sharded one of one rank
+    owns every row: its owned rows); an in-memory one at their ids.
     """
-    if isinstance(table, ss.OffloadedEmbedding):
-        rows = table.working_rows
+    if isinstance(table, (ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding)):
+        rows = _held_rows(table)[-1]
         where = slice(0, len(rows))
     else:
         rows = where = torch.unique(ids)
     with torch.no_grad():
         table.weight[where] += shift[rows]
+
+
+def _held_rows(emb):
+    """The rows a step holds: an offloaded embedding's working rows; a sharded one's looked-up and owned rows."""
+    if isinstance(emb, ss.ShardedOffloadedEmbedding):
+        return emb._looked_up.rows.clone(), emb._owned.rows.clone()
+    return (emb.working_rows.clone(),)
 
 
 def _squared_error(table, ids, target):
@@ -238,16 +246,21 @@ def _halve_weight(table, ids, shift):
 
 @pytest.mark.parametrize("backward_between", [False, True], ids=["one_backward", "backward_between"])
 @pytest.mark.parametrize("write", [_shift_first_forwards_rows, _halve_weight], ids=["held_rows", "whole_weight"])
-@pytest.mark.parametrize("cache_rows", [0, 40])
+@pytest.mark.parametrize("sharded, cache_rows, looked_up", [(False, 0, "new_rows"), (False, 40, "new_rows"),
+                                                             (True, 0, "new_rows"), (True, 0, "held_rows")],
+                         ids=["offloaded", "offloaded_cache", "sharded", "sharded_held_rows"])
 def test_a_forward_of_new_rows_after_a_write_into_the_weight_in_the_middle_of_a_step_is_refused(
-        rng, cache_rows, write, backward_between):
+        rng, sharded, cache_rows, looked_up, write, backward_between):
     """``emb.weight`` holds the rows a step looked up so far. ``weight.mul_(0.5)`` between two forwards
     halves those rows, while in memory it halves the whole table: rows the second forward brought in came
     from the table unhalved, silently (a write reaching only the held rows cannot be told from it without
     reading values). A forward that brings in new rows after such a write is refused now, with or without a
     backward between, before the working set, the cache, its counters or any table changes; after the
-    advice (discard the step) training goes on as in memory."""
-    offloaded, reference = pair(rng, cache_rows=cache_rows)
+    advice (discard the step) training goes on as in memory. A ``ShardedOffloadedEmbedding`` (one rank)
+    trained on silently too, and also wrong for a forward of the step's own rows: its lookups read copies
+    of the rows taken at the forwards, which the write into its weight (the owned rows) did not reach, so
+    it refuses any training forward after the write."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows, sharded=sharded)
     opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (offloaded, reference))
     offloaded.emb.attach(opt)
     make_lazy(ref_opt, reference.emb)
@@ -259,19 +272,41 @@ def test_a_forward_of_new_rows_after_a_write_into_the_weight_in_the_middle_of_a_
             if backward_between:
                 loss.backward()
             write(emb, ids, shift)
-            new_rows = torch.from_numpy(np.setdiff1d(np.arange(ROWS), ids.numpy())[:ids.numel()]).view(ids.shape)
+            if looked_up == "new_rows":
+                ids = torch.from_numpy(np.setdiff1d(np.arange(ROWS), ids.numpy())[:ids.numel()]).view(ids.shape)
             before = _snapshot(offloaded, opt)  # which flushes the cache: counted in stats()
-            working, stats = emb.working_rows.clone(), emb.stats()
+            held, stats = _held_rows(emb), emb.stats()
+            why = r".*gathered them from their owners" if sharded else r".*does not hold yet"
             with pytest.raises(ss.StateError, match=r"written in place since this step's last training forward"
-                                                    r".*does not hold yet.*nothing was changed"):
-                offloaded(new_rows)
-            assert torch.equal(emb.working_rows, working) and emb.stats() == stats
+                                                    + why + r".*nothing was changed"):
+                offloaded(ids.flip(0))
+            assert all(map(torch.equal, _held_rows(emb), held)) and emb.stats() == stats
             _assert_same_snapshot(before, _snapshot(offloaded, opt))
             emb.discard_step()  # the reference skips the step
             opt.zero_grad()
             continue
         train_step(offloaded, opt, ids, target)
         train_step(reference, ref_opt, ids, target)
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
+@pytest.mark.parametrize("backward_between", [False, True], ids=["write_then_backward", "backward_then_write"])
+def test_rows_written_into_the_sharded_weight_after_the_steps_last_forward_train_as_in_memory(rng, backward_between):
+    """What the sharded refusal above advises: the step's rows shifted in place in ``emb.weight`` (one
+    rank: its owned rows) after the step's last forward, before or after its backward, then
+    ``optimizer.step()``: the step trains the shifted rows, as the in-memory lazy reference does."""
+    offloaded, reference, opt, ref_opt = _lazy_pair(rng, sharded=True)
+    shift = torch.from_numpy(rng.standard_normal((ROWS, DIM)).astype(np.float32))
+    for ids, target in zipf_ids(rng, STEPS):
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            loss = torch.nn.functional.mse_loss(model(ids), target)
+            if backward_between:
+                loss.backward()
+            _shift_first_forwards_rows(model.emb, ids, shift)
+            if not backward_between:
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 

@@ -431,6 +431,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._looked_up.clear()
         self._sent_to_me = [[] for _ in range(self.world_size)]  # owned slots, per source, per call
         self._forwards = 0
+        # weight's version once the step's last training forward had gathered its rows: one that differs
+        # at the next forward was written in place in the middle of the step (see _refuse_forward_after_write).
+        self._version_at_lookup = None
         self._moved = dict.fromkeys(_FORWARD_COUNTERS, 0)  # the step's forwards', for stats()
         self._rows.grad = None
         self.weight.grad = None
@@ -852,6 +855,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                     # Raised on every rank, as bad input is: the ranks' forwards stay one collective.
                     self._scratch_writes.refuse_written(self.weight)
                     self._check_optimizer_state()  # before a step begins, when emb.load still may run
+                elif self.weight._version != self._version_at_lookup:
+                    self._refuse_forward_after_write()  # on every rank too
                 # Each rank's count of the new rows rides in the working set's one read.
                 local, first_new, counts = self._looked_up.add(flat.view(shape), check_bounds, self._count_new)
                 send = self._looked_up.rows[first_new:]  # sorted, so grouped by owner
@@ -895,7 +900,33 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         moved["rows_to_peers"] += sum(recv_counts) - recv_counts[self.rank]
         with torch.no_grad():
             self._rows[first_new:first_new + len(rows)] = rows  # a bfloat16 table's rows made float32 in place
+        self._version_at_lookup = self.weight._version  # _answer gathered through _full, which it does not count
         return self._look_up(flat.view(shape), local)
+
+    def _refuse_forward_after_write(self) -> NoReturn:
+        """Refuse a training forward in a step whose :attr:`weight` was written in place since its last one.
+
+        :attr:`weight` holds the owned rows the step's forwards (on any rank)
+        looked up; the lookups read copies of the rows, taken from their
+        owners' weights at each forward. A write into it (``weight.mul_(0.5)``
+        under ``no_grad()``, a perturbation of the held rows) reaches the owned
+        rows, which the step trains, but none of those copies: a later forward
+        would read the step's rows without it, where ``nn.Embedding``'s
+        forward reads them with it, and the rows it brings in would come from
+        the table without it. Refused for held rows as well as new ones (where
+        :class:`~speedswap.OffloadedEmbedding` refuses new ones only: its
+        lookups read its weight). Told from the version, on the host.
+
+        Raises:
+            StateError: always; the caller sends it to every rank, before any row moves.
+        """
+        raise StateError("emb.weight was written in place since this step's last training forward: a "
+                         "ShardedOffloadedEmbedding's forwards read the step's rows as its forwards gathered "
+                         "them from their owners, which the write did not reach, where nn.Embedding's forward "
+                         "reads the weight as written (and rows new to the step would come from the table "
+                         "without it). Write into emb.weight after the step's last training forward, or write "
+                         "the table between steps (emb.table.apply_ on every rank); nothing was changed "
+                         "(emb.discard_step() on every rank drops the step)")
 
     def _look_up(self, ids: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """A training forward's output, from the step's rows, once its messages brought them.
@@ -1360,6 +1391,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         if self._narrowed is not None:
             self._restore_narrowed()
             self._gather_owned(0)
+            # The optimizer's writes, undone by the gather: no write of the user's for the next forward to refuse.
+            self._version_at_lookup = self.weight._version
 
     def _reopen_step(self) -> None:
         """Make a step that failed after its messages exchange again: a forward or backward since adds to its gradient.
