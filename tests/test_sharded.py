@@ -2160,6 +2160,39 @@ def test_a_step_whose_optimizer_raised_is_retried_and_training_goes_on(rng):
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_forward_after_a_step_whose_optimizer_raised_after_writing_the_rows_is_no_write_of_the_users(
+        rng, monkeypatch):
+    """An optimizer that raised after it had stepped ``weight`` in place (inside its ``step()``: the
+    rows are read back from the table, for a retry) moved the weight's version as a write of the
+    user's does, and the next forward, which adds its rows to the failed step, must not be refused as
+    a forward after a write in the middle of the step: it goes on, and the retried step trains both
+    backwards' gradients, as in memory."""
+    emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 16)
+    module = sys.modules[torch.optim.SGD.__module__]  # torch.optim.sgd, which torch.optim's names shadow
+    stepped, fail = module.sgd, []
+
+    def steps_then_raises(*args, **kwargs):
+        stepped(*args, **kwargs)
+        if fail:
+            fail.pop()
+            raise RuntimeError("after stepping")
+    monkeypatch.setattr(module, "sgd", steps_then_raises)  # what SGD.step calls to update the rows
+    for _ in range(4):
+        first, second = (torch.from_numpy(rng.integers(0, 30, 6)) for _ in range(2))
+        for lookup, optim in ((emb, opt), (lambda i: F.embedding(i, ref), ref_opt)):
+            (lookup(first) ** 3).sum().backward()
+            if optim is opt:
+                version = emb.weight._version
+                fail.append(True)
+                with pytest.raises(RuntimeError, match="after stepping"):
+                    optim.step()
+                assert emb.weight._version != version  # the optimizer wrote the rows, then raised
+            (lookup(second) ** 3).sum().backward()
+            optim.step()
+            optim.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_after_a_step_whose_optimizer_raised_more_backwards_accumulate_and_close_works(rng):
     """Gradient accumulation goes on after the failed step (the retry exchanges again), and a
     close() right after a failed step releases the embedding."""
