@@ -1464,6 +1464,47 @@ def test_a_grad_norm_failing_on_one_rank_tells_its_peers_in_the_first_message(rn
     torch.testing.assert_close(emb.grad_norm(), ref.grad.norm(), rtol=1e-6, atol=0)  # retried
 
 
+def test_a_forward_retried_on_its_rank_alone_after_a_write_into_the_weight_is_refused_there_alone(
+        rng, monkeypatch):
+    """A training forward that failed after its messages (making its output) is finished by the same
+    forward again on its rank alone, with no message. A write into ``emb.weight`` before that retry
+    reaches none of the rows it would read: it is refused, as any forward after such a write, on this
+    rank alone, sending no message its peers (done with the forward) would not match; nothing changes.
+    After ``discard_step()`` training goes on as in memory."""
+    emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 12)
+    ids = torch.from_numpy(rng.integers(0, 30, 8))
+    told, begin = [], emb._exchange.begin
+
+    def telling(call, error, *args, **kwargs):
+        told.append(error)
+        return begin(call, error, *args, **kwargs)
+
+    def out_of_memory(*_, **__):
+        raise MemoryError("injected")
+    monkeypatch.setattr(emb._exchange, "begin", telling)
+    emb(ids).pow(3).sum().backward()
+    with monkeypatch.context() as failing:
+        failing.setattr(F, "embedding", out_of_memory)  # the output, made after the forward's messages
+        with pytest.raises(MemoryError, match="injected"):
+            emb(ids.flip(0))
+    assert len(told) == 2
+    with torch.no_grad():
+        emb.weight.mul_(0.5)
+    for _ in range(2):  # refused again: nothing changed
+        with pytest.raises(ss.StateError, match=r"written in place since this step's last training forward"):
+            emb(ids.flip(0))
+    assert len(told) == 2  # no message
+    emb.discard_step()
+    opt.zero_grad()
+    for _ in range(3):
+        ids = torch.from_numpy(rng.integers(0, 30, 8))
+        for lookup, optim in ((emb, opt), (lambda i: F.embedding(i, ref), ref_opt)):
+            lookup(ids).pow(3).sum().backward()
+            optim.step()
+            optim.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def _exchange_with_peers(monkeypatch, world):
     """An Exchange of ``world`` ranks in this one process: every peer sends what this rank sends."""
     monkeypatch.setattr(torch.distributed, "all_gather",

@@ -787,6 +787,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 this one asked for or for its own output (out of memory, say: that
                 rank raises its own error). Whoever fails, every rank raises at
                 once and no row changes: the same forward again on every rank retries it.
+            StateError: a training forward after a write into :attr:`weight` in place since
+                the step's last training forward, which its lookups would not see (on
+                every rank, or on this rank alone for the retry of a forward that failed
+                after its messages); nothing changes: :meth:`discard_step` drops the step.
             OptionError: a forward under a ``torch.func`` transform, raised on
                 each rank that runs one, before any message (nothing changes).
             StateError: another thread is inside a call of this embedding, or
@@ -874,8 +878,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                                               device=self.weight.device))
         except Exception as exc:  # noqa: BLE001 -- any failure must still reach the other ranks
             error = exc
-        if unfinished is not None and error is None:
-            return self._look_up(*unfinished)  # its messages went: on this rank alone, with none
+        if unfinished is not None:  # its messages went: on this rank alone, with none
+            if error is not None:  # a write into weight since (its peers are done: no message to tell them)
+                self._unfinished = unfinished
+                raise error
+            return self._look_up(*unfinished)
         try:
             recv_counts, _ = self._exchange.begin(TRAIN_FORWARD if training else EVAL_FORWARD, error,
                                                   self._config(with_optimizer=training), _describe,
