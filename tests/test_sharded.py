@@ -1438,6 +1438,21 @@ def test_a_grad_norm_order_that_is_not_a_number_is_refused_before_any_message(rn
     torch.testing.assert_close(emb.grad_norm("inf"), ref.grad.abs().max(), rtol=1e-6, atol=0)  # as torch's clip takes it
 
 
+def _errors_told(emb, monkeypatch):
+    """The error (or None) each of ``emb``'s messages from now on tells its peers, in a list filled as they go."""
+    told, begin = [], emb._exchange.begin
+
+    def telling(call, error, *args, **kwargs):
+        told.append(error)
+        return begin(call, error, *args, **kwargs)
+    monkeypatch.setattr(emb._exchange, "begin", telling)
+    return told
+
+
+def _out_of_memory(*_, **__):
+    raise MemoryError("injected")
+
+
 def test_a_grad_norm_failing_on_one_rank_tells_its_peers_in_the_first_message(rng, monkeypatch):
     """The norm of this rank's rows was taken after the ranks' first message: out of memory there
     raised on this rank alone and left its peers waiting in the norms' all-gather until the group's
@@ -1446,17 +1461,9 @@ def test_a_grad_norm_failing_on_one_rank_tells_its_peers_in_the_first_message(rn
     ids = torch.from_numpy(rng.integers(0, 30, 10))
     emb(ids).pow(3).sum().backward()
     emb.exchange_gradients()
-    told, begin = [], emb._exchange.begin
-
-    def telling(call, error, *args, **kwargs):
-        told.append(error)
-        return begin(call, error, *args, **kwargs)
-
-    def out_of_memory(*_, **__):
-        raise MemoryError("injected")
-    monkeypatch.setattr(emb._exchange, "begin", telling)
+    told = _errors_told(emb, monkeypatch)
     with monkeypatch.context() as failing:
-        failing.setattr(torch.linalg, "vector_norm", out_of_memory)
+        failing.setattr(torch.linalg, "vector_norm", _out_of_memory)
         with pytest.raises(MemoryError, match="injected"):
             emb.grad_norm()
     assert len(told) == 1 and isinstance(told[0], MemoryError)
@@ -1473,18 +1480,10 @@ def test_a_forward_retried_on_its_rank_alone_after_a_write_into_the_weight_is_re
     After ``discard_step()`` training goes on as in memory."""
     emb, opt, ref, ref_opt = _sgd_against_in_memory(rng, 12)
     ids = torch.from_numpy(rng.integers(0, 30, 8))
-    told, begin = [], emb._exchange.begin
-
-    def telling(call, error, *args, **kwargs):
-        told.append(error)
-        return begin(call, error, *args, **kwargs)
-
-    def out_of_memory(*_, **__):
-        raise MemoryError("injected")
-    monkeypatch.setattr(emb._exchange, "begin", telling)
+    told = _errors_told(emb, monkeypatch)
     emb(ids).pow(3).sum().backward()
     with monkeypatch.context() as failing:
-        failing.setattr(F, "embedding", out_of_memory)  # the output, made after the forward's messages
+        failing.setattr(F, "embedding", _out_of_memory)  # the output, made after the forward's messages
         with pytest.raises(MemoryError, match="injected"):
             emb(ids.flip(0))
     assert len(told) == 2
