@@ -43,7 +43,7 @@ from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state
 from .scratch_writes import ScratchWrites
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
-from .zero_marks import reads_as_zeroed
+from .zero_marks import holds_nonzero, reads_as_zeroed
 
 __all__ = ["OffloadedEmbedding"]
 
@@ -732,7 +732,7 @@ class OffloadedEmbedding(RefusesConversion):
         # All of it, not the step's rows alone: past them it holds values only where emb.weight was
         # used outside its lookups, which no zero_grad() dropped (a forward then refuses to go on,
         # see _refuse_gradient_outside_lookups), where a step without rows would pass for dropped.
-        if bool((self._step_gradient(grad) if grad.is_sparse else grad).any()):
+        if bool(holds_nonzero(self._step_gradient(grad) if grad.is_sparse else grad)):
             return False
         # Zero now: dropped if zero_() zeroed it since the last backward. One that backward left at
         # zero (a loss weighted by 0), or that was multiplied by 0 since, is accumulation, as in memory,
@@ -777,7 +777,7 @@ class OffloadedEmbedding(RefusesConversion):
         nonzero = self._grad_at_backward[1]
         if nonzero is None or not (self._written_since_backward(grad) or self._zeroes_unversioned()):
             return None
-        return self._cleared(grad) & ~self._step_gradient(grad).any()
+        return self._cleared(grad) & ~holds_nonzero(self._step_gradient(grad))
 
     def _zeroes_unversioned(self) -> bool:
         """Whether the attached optimizer's ``zero_grad()`` may zero the gradient without a version bump.
@@ -1065,7 +1065,7 @@ class OffloadedEmbedding(RefusesConversion):
         if not self._backward_ran or grad is None or grad.is_sparse or (self._stale and self._stale() is grad):
             return
         size = self._working_set.size
-        if not bool(grad[size:].any()):
+        if not bool(holds_nonzero(grad[size:])):
             return
         raise StateError(
             f"emb.weight got a gradient outside this OffloadedEmbedding's lookups (a term of the loss "
@@ -1216,7 +1216,7 @@ class OffloadedEmbedding(RefusesConversion):
         if grad is None:
             return
         values = grad.coalesce().values() if grad.is_sparse else grad
-        if bool(values.any()):
+        if bool(holds_nonzero(values)):
             raise StateError(
                 "optimizer.step() found a non-zero gradient on an OffloadedEmbedding's weight but no "
                 "training forward since the last step (step() twice, or no zero_grad() after a step): "
@@ -1880,7 +1880,7 @@ def _note_backward(ref):
             # by zero_(), which bumps it, so its version tells, without a coalesce per backward.
             grad = embedding.weight.grad
             size = embedding._working_set.size
-            nonzero = None if grad.is_sparse else grad[:size].any()
+            nonzero = None if grad.is_sparse else holds_nonzero(grad[:size])
             if nonzero is not None and size:
                 # A gradient left at zero is marked (-0.0, +0.0: the same values) for _cleared, on the
                 # device, in one launch: +0.0 too, so that a negation, which turns -0.0 into +0.0 as

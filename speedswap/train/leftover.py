@@ -10,6 +10,8 @@ only when it cannot tell (a host wait on a GPU, in that case alone); a
 leftover of zeros adds nothing to any row, so it is no reason to refuse.
 """
 
+from .zero_marks import holds_nonzero
+
 __all__ = ["untouched"]
 
 
@@ -27,4 +29,4 @@ def untouched(grad, left, version: int) -> bool:
     if grad is None or grad is not left or grad._version != version:
         return False
     values = grad.coalesce().values() if grad.is_sparse else grad
-    return bool(values.any())
+    return bool(holds_nonzero(values))

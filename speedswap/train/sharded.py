@@ -61,7 +61,7 @@ from .scratch_writes import ScratchWrites
 from .step_hooks import StepHooks
 from .sharded_checkpoint import all_unchanged, load_shards, ranks_on_this_machine, save_shards, stage_table_rows
 from .working_set import WorkingSet
-from .zero_marks import reads_as_zeroed
+from .zero_marks import holds_nonzero, reads_as_zeroed
 
 __all__ = ["ShardedOffloadedEmbedding", "INITIAL_BLOCK_ROWS"]
 
@@ -1325,7 +1325,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """
         grad = self._grad
         marks = grad[0, :2] if self.embedding_dim > 1 else grad[:2, 0]
-        torch.where(grad.any(), marks, self._zero_marks[:len(marks)], out=marks)
+        torch.where(holds_nonzero(grad), marks, self._zero_marks[:len(marks)], out=marks)
 
     def _zeroed_since_exchange(self) -> bool:
         """Whether ``zero_grad(set_to_none=False)`` zeroed this rank's gradient since the exchange filled it.
@@ -1340,7 +1340,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """
         grad = self._grad
         return (self._exchanged and self._arrived is None and self.weight.grad is grad and not self._zero_kept
-                and bool(~grad.any() & reads_as_zeroed(grad)))
+                and bool(~holds_nonzero(grad) & reads_as_zeroed(grad)))
 
     def _restore_narrowed(self) -> None:
         """Give :attr:`weight` and the optimizer their full-size tensors back after a step that raised."""
