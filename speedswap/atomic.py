@@ -416,24 +416,35 @@ def keep_owner_and_mode(new, replaced) -> None:
 
 
 def replace_together(moves) -> None:
-    """Rename new files over the files they replace, all in one pass.
+    """Rename new files over the files they replace, all of them or none.
 
     For files that go together (an optimizer's state tables): each new one is
     made, whole, under a temporary name beside its target (a :func:`temp_path`
     name, or a file in a directory of that name), so that no target is
-    replaced before every new file exists. The renames are one call into C:
-    an interrupt (Ctrl-C) lands before the first or after the last, never
-    between two. The names are not synced: the caller syncs their directories
-    (:func:`sync_new_name`) once it has taken the new files as its own, so
-    that an interrupt during that sync cannot read as the files not replaced.
+    replaced before every new file exists. Each target's file is first given
+    a second name beside it (a hard link, a :func:`temp_path` name), so that
+    a rename that fails puts back the files renamed before it, as does an
+    interrupt (Ctrl-C) that lands as the renames return: every target then
+    names the file it named before. The renames are one call into C, and so
+    is the putting back: an interrupt lands before the first rename or after
+    the last, never between two (nor between a failed rename and the putting
+    back, unless in the very moment it fails). The names are not synced: the caller syncs
+    their directories (:func:`sync_new_name`) once it has taken the new files
+    as its own, so that an interrupt during that sync cannot read as the files
+    not replaced.
 
     Args:
         moves: ``[(temporary, target)]``, each temporary beside its target (on its file system).
 
     Raises:
-        PathError: a rename failed (``errno`` says why). The targets renamed
-            before it, which the message names, hold their new files; the
-            others hold their old ones, and their temporaries are left.
+        PathError: nothing was replaced, and the temporaries are left (the
+            caller removes them); ``errno`` says why. Either a target's file
+            could not be given a second name (another user's file where the
+            file system protects hard links, as in a sticky ``/tmp``; a file
+            system without hard links), before any rename; or a rename
+            failed, and those before it were put back. Where putting one back
+            failed too (the file system failing), the message names the
+            targets that hold their new files and where their old ones are.
     """
     # No save's turn (one_save_at_a_time) is taken, as atomic_output takes one: a turn keeps a save's
     # check of its target and its rename together, and no check here can go stale. The caller's (that
@@ -444,17 +455,74 @@ def replace_together(moves) -> None:
     # of these, as with turns: the last names the file, none is half written, and every table keeps
     # its own file in its map. Two such owners at once may leave the names split between their files,
     # as the per-file turns of the overwrites before replace_together could.
-    done = []  # os.replace returns None: appended by C as each rename returns
+    news, targets = [new for new, _ in moves], [target for _, target in moves]
+    kept = []  # each target's second name (None: it names no file), recorded before the link: removed last
+    done, undone = [], []  # os.replace returns None: appended by C as each rename returns
+    replaced = False
     try:
-        done.extend(map(os.replace, [new for new, _ in moves], [target for _, target in moves]))
-    except OSError as exc:
-        new, target = moves[len(done)]
-        error = saving_error(target, exc, new)
-        if done:
-            error = PathError(f"{error}; the files renamed before it, {[target for _, target in moves[:len(done)]]!r}, "
-                              f"hold their new ones already")
-            error.errno = exc.errno
-        raise error from exc
+        for new, target in moves:
+            kept.append(temp_path(target))
+            try:
+                os.link(target, kept[-1], follow_symlinks=False)  # the entry itself: a symbolic link stays one
+            except FileNotFoundError:
+                kept[-1] = None  # putting back renames the new file back to its temporary name
+            except OSError as exc:
+                error = PathError(f"{saving_error(target, exc, new)}: its file could not be given a second name "
+                                  f"beside it (a hard link), which puts it back should the rename of a file that "
+                                  f"goes with it fail. Nothing was replaced")
+                error.errno = exc.errno
+                raise error from exc
+        back_from = [target if aside is None else aside for aside, target in zip(kept, targets)]
+        back_to = [new if aside is None else target for aside, new, target in zip(kept, news, targets)]
+        try:
+            done.extend(map(os.replace, news, targets))
+            replaced = True
+        except BaseException as exc:  # the OSError of rename len(done), or an interrupt as the renames returned
+            try:
+                # First thing: only an interrupt landing in the moment a rename fails could skip it, leaving
+                # those before it renamed, their old files under the names in `kept` (not removed below).
+                undone.extend(map(os.replace, back_from[:len(done)], back_to[:len(done)]))
+            except OSError as failed:
+                raise _not_put_back(moves, kept, done, undone, failed) from exc
+            if not isinstance(exc, OSError):
+                raise
+            new, target = moves[len(done)]
+            error = saving_error(target, exc, new)
+            if done:
+                error = PathError(f"{error}; the files renamed before it, {targets[:len(done)]!r}, were put "
+                                  f"back: nothing was replaced")
+                error.errno = exc.errno
+            raise error from exc
+    finally:
+        # Second names of files put back (gone with that rename), of files replaced (the old state's maps
+        # hold them) or not renamed: removed. Those of files renamed and not put back are the files' last.
+        for index, aside in enumerate(kept):
+            if aside is not None and (replaced or not len(undone) <= index < len(done)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(aside)
+
+
+def _not_put_back(moves, kept, done, undone, failed: OSError) -> "PathError":
+    """The :class:`PathError` of a :func:`replace_together` whose putting back failed at ``moves[len(undone)]``.
+
+    Args:
+        moves, kept: the call's moves, and each target's second name (None where it named no file).
+        done, undone: the renames done, and those put back.
+        failed: the OSError of the rename that was to put one back.
+
+    Returns:
+        PathError, with ``errno`` set as ``failed``'s.
+    """
+    left = range(len(undone), len(done))
+    kept_as = {moves[index][1]: kept[index] for index in left if kept[index] is not None}
+    made = [moves[index][1] for index in left if kept[index] is None]
+    todo = [f"rename each old file back over its target ({{target: old file}}) {kept_as!r}"] if kept_as else []
+    todo += [f"remove {made!r}, which named no file before"] if made else []
+    error = PathError(f"files that go together were renamed in part (a rename failed, or an interrupt came), and "
+                      f"putting back those renamed failed too ({failed.strerror or failed}): the file system may "
+                      f"be failing. To have the files as before, {' and '.join(todo)}")
+    error.errno = failed.errno
+    return error
 
 
 def check_readable_file(path, what="file") -> str:

@@ -12,6 +12,7 @@ the reference does, then attaches the new one and trains on as the reference
 with a new SparseAdam.
 """
 
+import errno
 import os
 import subprocess
 import sys
@@ -25,6 +26,8 @@ import speedswap as ss
 from speedswap import atomic, files
 from mmap_training import BATCH, DIM, ROWS, assert_as_in_memory, entries, train, trained  # tests/, as sharded_worker
 from test_fault_injection import _failing_at
+from test_optimizer_equivalence import assert_same, torch_initial
+from training_helpers import CAPACITY, NUM_ROWS, run_in_memory, skipgram_loss, zipf_batches
 
 STATE_FILES = ["exp_avg.npy", "exp_avg_sq.npy", "table.npy"]
 
@@ -105,10 +108,11 @@ def test_a_re_attach_out_of_descriptors_keeps_the_old_optimizer_and_its_files_an
 
 
 #: The calls that make the new state's files: its temporary directories, each file's header and size,
-#: the sync before it has its name there, its mode, and the descriptor that checks it (the renames over
-#: the old files: the tests below). Some failures are let through (a directory's sync; makedirs of the
-#: embedding's directory, which exists): the attach succeeds then.
-POINTS = [(os, "mkdir"), (files.npy, "_write_sparse"), (os, "fsync"), (os, "chmod"), (os, "open")]
+#: the sync before it has its name there, its mode, the descriptor that checks it, and the second name
+#: each old file gets for the renames to put it back from (the renames over the old files: the tests
+#: below). Some failures are let through (a directory's sync; makedirs of the embedding's directory,
+#: which exists): the attach succeeds then.
+POINTS = [(os, "mkdir"), (files.npy, "_write_sparse"), (os, "fsync"), (os, "chmod"), (os, "open"), (os, "link")]
 
 
 def _re_attach_failing_at(module, name, index, directory, seed, cache_rows, monkeypatch):
@@ -212,28 +216,91 @@ def test_a_re_attach_whose_first_rename_fails_changes_nothing(tmp_path, seed, mo
     emb.close()
 
 
-def test_a_re_attach_whose_second_rename_fails_names_the_file_replaced_and_the_old_optimizer_trains_on(
+def _amsgrad(params):
+    """AdamW with amsgrad: three state tables (exp_avg, exp_avg_sq, max_exp_avg_sq), three renames at a re-attach."""
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, amsgrad=True)
+
+
+def _steps(emb, opt, batches):
+    """A step of ``opt`` over ``emb`` for each of ``batches`` (training_helpers', as run_offloaded takes them)."""
+    for pos, neg, ctx in batches:
+        skipgram_loss(emb(pos), emb(neg), ctx).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _as_in_memory(emb, directory, table0, batches):
+    """``emb``'s table, its attached optimizer's state tables and their files: ``_amsgrad`` stepped in memory over
+    ``batches`` from ``table0`` (the touched rows only), bit for bit."""
+    emb.flush()
+    state = {name: table.to_numpy(copy=True) for name, table in emb._state.tables.items()}
+    assert_same((emb.table.to_numpy(copy=True), state),
+                run_in_memory(_amsgrad, table0, batches, torch.device("cpu"), initial_state=torch_initial), exact=True)
+    for name, rows in state.items():
+        np.testing.assert_array_equal(np.load(directory / f"{name}.npy"), rows, err_msg=name)
+
+
+def test_a_re_attach_whose_second_of_three_renames_fails_puts_the_first_back_and_changes_nothing(
         tmp_path, seed, monkeypatch):
-    """Not undone (the file replaced is gone): said, and the old state trains on in its maps."""
+    """The first state file renamed is put back: every file as before, the old optimizer training on from them."""
+    rng = np.random.default_rng(seed)
+    table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
+    batches = zipf_batches(rng, 30, torch.device("cpu"))
     directory = tmp_path / "emb"
-    emb, opt, ref, ref_opt, rng = trained(directory, seed, 10)
-    new = _adam(emb)
-    monkeypatch.setattr(os, "replace", _failing_at(os.replace, 1, [0]))
+    emb = ss.OffloadedEmbedding(NUM_ROWS, DIM, max_rows=CAPACITY, storage="mmap", path=directory, backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    emb.attach(opt := _amsgrad(emb.parameters()))
+    _steps(emb, opt, batches[:10])
+    emb.flush()
+    before, new, calls = entries(directory), _amsgrad(emb.parameters()), [0]
+    assert len(before) == 4  # the table and three state files
+    monkeypatch.setattr(os, "replace", _failing_at(os.replace, 1, calls))
     with pytest.raises(ss.PathError, match="injected failure") as refused:
         emb.attach(new)
     monkeypatch.undo()
-    message = str(refused.value)
-    assert os.fspath(directory / "exp_avg_sq.npy") in message
-    assert f"{[os.fspath(directory / 'exp_avg.npy')]!r}, hold their new ones already" in message, message
-    assert sorted(os.listdir(directory)) == STATE_FILES  # no temporary left
+    assert calls[0] == 3  # the first rename, the second (failed), the first put back
+    assert os.fspath(directory / "exp_avg_sq.npy") in str(refused.value)
+    assert f"{[os.fspath(directory / 'exp_avg.npy')]!r}, were put back: nothing was replaced" in str(refused.value)
+    assert entries(directory) == before  # bit for bit, no temporary or second name left
     assert not new.state
-    train(emb, opt, ref, ref_opt, rng, 10)
-    assert_as_in_memory(emb, ref, ref_opt)  # its files are not all its own any more
-    with pytest.raises(ss.PathError, match="no longer names the file this table maps"):
-        emb._state.tables["exp_avg"].flush()
+    _steps(emb, opt, batches[10:20])
+    _as_in_memory(emb, directory, table0, batches[:20])  # its files still its own: flushed, and named
     emb.attach(new)
-    _trains_as_restarted(emb, new, ref, rng, directory, 20)
+    table = emb.table.to_numpy(copy=True)
+    _steps(emb, new, batches[20:])
+    _as_in_memory(emb, directory, table, batches[20:])
     emb.close()
+
+
+def test_renames_together_whose_putting_back_fails_too_say_where_the_old_files_are(tmp_path, monkeypatch):
+    """The second rename fails, then the first one's putting back: its old file is kept, and named."""
+    targets = [tmp_path / f"{name}.npy" for name in ("a", "b", "c")]
+    moves = []
+    for index, target in enumerate(targets):
+        target.write_bytes(b"old %d" % index)
+        (tmp_path / f"new{index}").write_bytes(b"new %d" % index)
+        moves.append((os.fspath(tmp_path / f"new{index}"), os.fspath(target)))
+    calls, replace = [], os.replace
+
+    def failing(*args):  # the second call (b's rename) and the third (a's putting back)
+        calls.append(args)
+        if len(calls) in (2, 3):
+            raise OSError(errno.EIO, "injected failure")
+        return replace(*args)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(ss.PathError, match="putting back those renamed failed too") as refused:
+        atomic.replace_together(moves)
+    monkeypatch.undo()
+    assert len(calls) == 3
+    kept = [name for name in os.listdir(tmp_path) if atomic.is_temporary(name)]
+    assert len(kept) == 1 and (tmp_path / kept[0]).read_bytes() == b"old 0"
+    assert f"{ {os.fspath(targets[0]): os.fspath(tmp_path / kept[0])}!r}" in str(refused.value), refused.value
+    assert [target.read_bytes() for target in targets] == [b"new 0", b"old 1", b"old 2"]
+    os.replace(tmp_path / kept[0], targets[0])  # as the message says
+    atomic.replace_together(moves[1:])
+    assert [target.read_bytes() for target in targets] == [b"old 0", b"new 1", b"new 2"]
+    assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy"]
 
 
 def test_a_refused_re_attach_of_a_one_rank_sharded_embedding_keeps_the_old_optimizer_and_its_files(

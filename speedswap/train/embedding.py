@@ -437,9 +437,8 @@ class OffloadedEmbedding(RefusesConversion):
                 ``overwrite``), or a new state file cannot be made (out of file
                 descriptors, a disk error). Nothing changes: the optimizer
                 attached before stays, its state files intact: the new ones
-                are made beside them and replace them last (where one of those
-                renames fails, which only a failing file system does, the files
-                replaced before it stay replaced, and the message names them).
+                are made beside them and replace them last, all or none (where
+                one of those renames fails, the ones before it are put back).
             StateError: a closed embedding, or between a training forward and the step;
                 ``optimizer`` attached already and trained since, without ``restart=True``;
                 at the first attach, a write into :attr:`weight` through ``weight.data``

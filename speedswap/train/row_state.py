@@ -440,8 +440,7 @@ class RowState:
         OptionError: an optimizer that cannot be offloaded (see :func:`row_state_spec`).
         PathError: an ``mmap`` file exists and may not be replaced, cannot be
             made (out of descriptors, a disk error), or cannot be renamed in
-            place (see :meth:`replace_files`). No file was replaced, unless
-            by renames done before one that failed (see there).
+            place (see :meth:`replace_files`). No file was replaced.
     """
 
     def __init__(self, optimizer, param, num_rows, dtype, storage, backend, path=None,
@@ -879,16 +878,14 @@ class RowState:
         ``__init__`` unless ``replace_later``; once.
 
         Raises:
-            PathError: a rename failed. The renames are of files just made
-                beside their targets, on their file system, in one pass no
-                interrupt lands inside (:func:`~speedswap.atomic.replace_together`):
-                one fails only when the file system does (an I/O error, a remount
-                read-only). Those done before it are not undone, since the files
-                they replaced have no name left to go back to; the message names
-                them. The old state's tables of those go on with their old files
-                in their maps, and their ``flush()`` refuses, as for any table
-                whose file was replaced (see :meth:`HostTable.flush`). :meth:`close`
-                removes the rest.
+            PathError: the renames were refused, and nothing was replaced
+                (:func:`~speedswap.atomic.replace_together`, all or none): a
+                file to replace cannot be given a second name to be put back
+                from (another user's file in a sticky directory, a file system
+                without hard links), or a rename failed (an I/O error, a remount
+                read-only, another user's file in a sticky directory) and those
+                before it were put back. The old state's tables go on with their
+                files under their names. :meth:`close` removes the new files.
         """
         replace_together([(at, target) for _, at, target, _ in self._aside])
         for name, at, target, file in self._aside:
