@@ -543,6 +543,15 @@ class HostTable:
         """The backing file of an ``mmap`` table, else None."""
         return self._path
 
+    @property
+    def file_identity(self) -> Optional[tuple]:
+        """Which file an ``mmap`` table maps, whatever its names: :func:`~speedswap.files.identity`, else None.
+
+        For an owner that may replace the files it made, and must tell them from
+        others put under their names since.
+        """
+        return self._file_id
+
     def renamed(self, path: PathLike) -> None:
         """Take ``path`` as the name of this ``mmap`` table's file, which its owner has just renamed there.
 

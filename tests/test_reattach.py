@@ -14,6 +14,7 @@ with a new SparseAdam.
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -301,6 +302,27 @@ def test_renames_together_whose_putting_back_fails_too_say_where_the_old_files_a
     atomic.replace_together(moves[1:])
     assert [target.read_bytes() for target in targets] == [b"old 0", b"new 1", b"new 2"]
     assert sorted(os.listdir(tmp_path)) == ["a.npy", "b.npy", "c.npy"]
+
+
+def test_a_re_attach_over_another_file_put_under_a_state_file_s_name_is_refused_and_changes_nothing(tmp_path, seed):
+    """By which file is there, not its name: a copy of the state file itself, moved over it, is not speedswap's."""
+    directory = tmp_path / "emb"
+    emb, opt, ref, ref_opt, rng = trained(directory, seed, 10)
+    emb.flush()
+    shutil.copyfile(directory / "exp_avg_sq.npy", tmp_path / "copy.npy")
+    os.replace(tmp_path / "copy.npy", directory / "exp_avg_sq.npy")  # the same bytes, another file
+    before, new = entries(directory), _adam(emb)
+    with pytest.raises(ss.PathError, match="is not the file speedswap made there") as refused:
+        emb.attach(new)
+    assert os.fspath(directory / "exp_avg_sq.npy") in str(refused.value)
+    assert entries(directory) == before
+    assert not new.state
+    train(emb, opt, ref, ref_opt, rng, 10)
+    assert_as_in_memory(emb, ref, ref_opt)  # from its maps: its exp_avg_sq file has no name any more
+    os.unlink(directory / "exp_avg_sq.npy")  # the other file moved away: the retry makes a new one there
+    emb.attach(new)
+    _trains_as_restarted(emb, new, ref, rng, directory, 20)
+    emb.close()
 
 
 def test_a_refused_re_attach_of_a_one_rank_sharded_embedding_keeps_the_old_optimizer_and_its_files(

@@ -191,7 +191,8 @@ class OffloadedEmbedding(RefusesConversion):
         table_file = file_in(path, "table", storage)
         self._table = HostTable.empty(num_embeddings, embedding_dim, dtype, storage, backend,
                                      table_file, device=device, overwrite=overwrite)
-        self._created = {table_file}  # mmap files this embedding made and may replace
+        # The mmap files this embedding made and may replace, and which file each is (RowState.made_files)
+        self._created = {} if table_file is None else {table_file: self._table.file_identity}
         self._backend = self._table.backend
         # from_pretrained writes every row itself and, as nn.Embedding(_weight=...) does, draws
         # no random numbers: the layers built after the table start from the values they would
@@ -357,7 +358,7 @@ class OffloadedEmbedding(RefusesConversion):
         except BaseException:
             emb.close()
             # Half made, it is no table, and it would make a retry raise ("already exists").
-            for made in emb._created - {None}:
+            for made in emb._created:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(made)
             raise
@@ -433,8 +434,9 @@ class OffloadedEmbedding(RefusesConversion):
                 state is not element-wise (LBFGS); ``restart`` that is not a bool.
                 Nothing changes.
             PathError: with ``storage="mmap"``, a file the new state would
-                replace exists and this embedding did not create it (and no
-                ``overwrite``), or a new state file cannot be made (out of file
+                replace exists and this embedding did not create it (or another
+                file was put under its name since; and no ``overwrite``), or
+                a new state file cannot be made (out of file
                 descriptors, a disk error). Nothing changes: the optimizer
                 attached before stays, its state files intact: the new ones
                 are made beside them and replace them last, all or none (where
@@ -484,7 +486,7 @@ class OffloadedEmbedding(RefusesConversion):
             if held is not None:  # the state an earlier attach left it (Adam's step) stays, as the old tables do
                 optimizer.state[self.weight] = held
             raise
-        self._created |= {t.path for t in state.tables.values()}  # a later attach may replace its files
+        self._created |= state.made_files()  # a later attach may replace them
         self._release_state()
         for table in state.tables.values():  # reads of the state, a view kept too, as of the table
             table.watch_reads(self._prepare_table_read)

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from .. import files
 from ..atomic import (keep_owner_and_mode, remove_stale_temporaries, replace_together, saving_error, sync_new_name,
                       temp_path)
 from ..errors import DTypeError, FileFormatError, OptionError, PathError, StateError
@@ -224,8 +225,18 @@ def row_state_spec(optimizer, param, group=None):
 
 
 def _may_replace(overwrite, file) -> bool:
-    """Whether an ``mmap`` state table may replace ``file`` (``overwrite`` as :class:`RowState` takes it)."""
-    return overwrite if isinstance(overwrite, bool) else file in overwrite
+    """Whether an ``mmap`` state table may replace ``file`` (``overwrite`` as :class:`RowState` takes it).
+
+    Not by its name alone: another file put under that name since the owner
+    made its own there (moved or saved there by the user, or by another
+    process) is not the owner's to replace.
+    """
+    if isinstance(overwrite, bool):
+        return overwrite
+    try:
+        return file in overwrite and files.identity(os.stat(file)) == overwrite[file]
+    except OSError:  # gone since, or a dangling symbolic link: no file of the owner's
+        return False
 
 
 def check_state_files(optimizer, param, storage, path=None, overwrite=False) -> None:
@@ -243,11 +254,19 @@ def check_state_files(optimizer, param, storage, path=None, overwrite=False) -> 
     Raises:
         DTypeError, OptionError: an optimizer that cannot be offloaded (see
             :func:`row_state_spec`).
-        PathError: an ``mmap`` state file exists and may not be replaced.
+        PathError: an ``mmap`` state file exists and may not be replaced: the
+            owner did not make it, or another file was put under its name since.
     """
     for name in row_state_spec(optimizer, param):
         file = file_in(path, name, storage)
         if file is not None and os.path.exists(file) and not _may_replace(overwrite, file):
+            if not isinstance(overwrite, bool) and file in overwrite:
+                raise PathError(f"{file!r} is not the file speedswap made there: another one was put under that "
+                                f"name since (moved, copied or saved there), and the state table {name!r} of "
+                                f"{type(optimizer).__name__} would replace it; speedswap does not replace a file "
+                                f"it did not create. Move it out of {os.fspath(path)!r}, or build the owner with "
+                                f"overwrite=True; nothing was changed (the optimizer attached before stays "
+                                f"attached)")
             raise PathError(f"{file!r} already exists, and the state table {name!r} of "
                             f"{type(optimizer).__name__} would replace it; speedswap does not replace "
                             f"a file it did not create. Move it out of {os.fspath(path)!r}, or build the "
@@ -427,8 +446,10 @@ class RowState:
         storage: storage kind of the state tables.
         backend: the backend (name or instance).
         path: for ``storage="mmap"``, the directory for ``<name>.npy`` files.
-        overwrite: let ``mmap`` tables replace existing files: True, or the set
-            of file paths that may be replaced (those the owner created itself).
+        overwrite: let ``mmap`` tables replace existing files: True, or the
+            files that may be replaced (those the owner made itself), ``{path:
+            identity}`` as :meth:`made_files` gives them: each only while its
+            path still names that file.
             The new tables are made under temporary names beside those files,
             which they replace only once every table exists (:meth:`replace_files`).
         replace_later: leave that replacing to the owner's call of
@@ -868,6 +889,14 @@ class RowState:
             self.optimizer.state.pop(self.param, None)
         elif self.param in self.optimizer.state:
             self.optimizer.state[self.param].update(scalars)
+
+    def made_files(self) -> dict:
+        """The state tables' ``mmap`` files, and which file each is: ``{path: (st_dev, st_ino)}``.
+
+        For the owner's ``overwrite`` at a later attach: the files it may replace.
+        Those of the tables' maps, named as :meth:`replace_files` names them.
+        """
+        return {table.path: table.file_identity for table in self.tables.values() if table.path is not None}
 
     def replace_files(self) -> None:
         """Put the ``mmap`` files made beside the files they replace in their place, and name them so.

@@ -347,7 +347,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self._state_origin, self._steps_since = 0, 0
         self._hooks = None  # StepHooks on the attached optimizer
         self._claim = None  # refuses other optimizers' steps over weight (see attach)
-        self._created = set()  # mmap state files this embedding made and may replace
+        self._created = {}  # mmap state files this embedding made and may replace: RowState.made_files
         # A backward reaching the looked-up rows gives `weight` a gradient for the optimizer's
         # zero_grad() to drop: a step whose gradient is gone is then discarded, not taken.
         self._backward_ran = False
@@ -694,9 +694,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 state is not element-wise; ``restart`` that is not a bool.
                 Nothing changes.
             PathError: with ``storage="mmap"``, a file the new state would
-                replace exists and this embedding did not create it, or a new
-                state file cannot be made (out of file descriptors, a disk
-                error). Nothing changes: the optimizer attached before stays,
+                replace exists and this embedding did not create it (or another
+                file was put under its name since), or a new state file cannot
+                be made (out of file descriptors, a disk error). Nothing changes: the optimizer attached before stays,
                 its state files intact (see :meth:`OffloadedEmbedding.attach`).
             StateError: between a training forward and the step; ``optimizer``
                 attached already and trained since, without ``restart=True``; in a
@@ -733,7 +733,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 optimizer.state[self.weight] = held
             raise
         self._release_state()
-        self._created |= {t.path for t in state.tables.values()}
+        self._created |= state.made_files()
         self._state = state
         self._state_origin, self._steps_since = _ATTACHED, 0
         # Weak hooks that run a closure's forward and backward before the exchange (step(closure)).
