@@ -696,8 +696,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             PathError: with ``storage="mmap"``, a file the new state would
                 replace exists and this embedding did not create it (or another
                 file was put under its name since), or a new state file cannot
-                be made (out of file descriptors, a disk error). Nothing changes: the optimizer attached before stays,
-                its state files intact (see :meth:`OffloadedEmbedding.attach`).
+                be made (out of file descriptors, a disk error). Nothing changes:
+                the optimizer attached before stays, its state files intact (see
+                :meth:`OffloadedEmbedding.attach`).
             StateError: between a training forward and the step; ``optimizer``
                 attached already and trained since, without ``restart=True``; in a
                 process forked from the one that built it, a shard the two share
