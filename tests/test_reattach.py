@@ -203,6 +203,42 @@ def test_an_interrupt_at_any_directory_sync_of_a_re_attach_refuses_it_before_the
     assert "refused" in outcomes and "attached" in outcomes, outcomes
 
 
+@pytest.mark.parametrize("kind", [ss.OffloadedEmbedding, ss.ShardedOffloadedEmbedding], ids=lambda kind: kind.__name__)
+def test_an_interrupt_as_a_re_attach_closes_the_old_state_s_tables_leaves_the_new_optimizer_attached(
+        kind, tmp_path, seed, monkeypatch):
+    """A Ctrl-C lands as each old table's map is flushed in turn: the attach is done by then, and holds."""
+    outcomes = []
+    while not outcomes or outcomes[-1] != "done":
+        emb, opt, ref, ref_opt, rng, directory = _trained(kind, tmp_path / f"emb{len(outcomes)}", seed)
+        index = len(outcomes)
+        new = _adam(emb)
+        monkeypatch.setattr(ss.HostTable, "close", _interrupted_at(ss.HostTable.close, index))
+        try:
+            emb.attach(new)
+            outcomes.append("done")
+        except Interrupted as exc:
+            outcomes.append("interrupted")
+            assert any("the new optimizer is attached" in note for note in getattr(exc, "__notes__", [])), exc
+        finally:
+            monkeypatch.undo()
+        assert emb._state.optimizer is new
+        _trains_as_restarted(emb, new, ref, rng, directory, 10)
+        emb.close()
+    assert outcomes == ["interrupted", "interrupted", "done"], outcomes  # Adam's two old tables, then none
+
+
+def _interrupted_at(original, index):
+    """``original``, whose call ``index`` raises :class:`Interrupted` before it runs."""
+    counter = [0]
+
+    def interrupted(*args, **kwargs):
+        counter[0] += 1
+        if counter[0] - 1 == index:
+            raise Interrupted
+        return original(*args, **kwargs)
+    return interrupted
+
+
 def test_a_re_attach_whose_first_rename_fails_changes_nothing(tmp_path, seed, monkeypatch):
     directory = tmp_path / "emb"
     emb, opt, ref, ref_opt, rng = trained(directory, seed, 10)
@@ -325,18 +361,30 @@ def test_a_re_attach_over_another_file_put_under_a_state_file_s_name_is_refused_
     emb.close()
 
 
-def test_a_refused_re_attach_of_a_one_rank_sharded_embedding_keeps_the_old_optimizer_and_its_files(
-        tmp_path, seed, monkeypatch):
-    """ShardedOffloadedEmbedding.attach makes its new state as OffloadedEmbedding's does."""
+def _trained(kind, path, seed):
+    """``trained(path, seed, 10)`` for an OffloadedEmbedding, or the same for a one-rank ShardedOffloadedEmbedding.
+
+    Returns:
+        the embedding, its Adam, an nn.Embedding with SparseAdam, the generator, and where the state files are.
+    """
+    if kind is ss.OffloadedEmbedding:
+        return (*trained(path, seed, 10), path)
     rng = np.random.default_rng(seed)
-    emb = ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=BATCH, storage="mmap", path=tmp_path, backend="numpy")
+    emb = ss.ShardedOffloadedEmbedding(ROWS, DIM, max_rows=BATCH, storage="mmap", path=path, backend="numpy")
     emb.table.scatter(torch.arange(ROWS), torch.from_numpy(rng.standard_normal((ROWS, DIM), dtype=np.float32)))
     ref = torch.nn.Embedding.from_pretrained(torch.from_numpy(emb.table.to_numpy(copy=True)), freeze=False,
                                              sparse=True)
     emb.attach(opt := _adam(emb))
     ref_opt = _sparse_adam(ref)
     train(emb, opt, ref, ref_opt, rng, 10)
-    directory, new = tmp_path / "rank0", _adam(emb)
+    return emb, opt, ref, ref_opt, rng, path / "rank0"
+
+
+def test_a_refused_re_attach_of_a_one_rank_sharded_embedding_keeps_the_old_optimizer_and_its_files(
+        tmp_path, seed, monkeypatch):
+    """ShardedOffloadedEmbedding.attach makes its new state as OffloadedEmbedding's does."""
+    emb, opt, ref, ref_opt, rng, directory = _trained(ss.ShardedOffloadedEmbedding, tmp_path, seed)
+    new = _adam(emb)
     for index in (0, 1):  # Adam's first state table, then its second
         before = entries(directory)
         monkeypatch.setattr(files.npy, "_write_sparse", _failing_at(files.npy._write_sparse, index, [0]))

@@ -38,8 +38,8 @@ from .one_thread import OneThread, one_thread
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
 from .reached import KeptRows, ReachedRows, in_backward
-from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
-                        refuse_unasked_restart, take_assigned)
+from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, close_replaced,
+                        drop_leftover_state, refuse_unasked_restart, take_assigned)
 from .scratch_writes import ScratchWrites
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
@@ -487,7 +487,7 @@ class OffloadedEmbedding(RefusesConversion):
                 optimizer.state[self.weight] = held
             raise
         self._created |= state.made_files()  # a later attach may replace them
-        self._release_state()
+        old = self._unhook_state()
         for table in state.tables.values():  # reads of the state, a view kept too, as of the table
             table.watch_reads(self._prepare_table_read)
         self._state, self._cache = state, cache
@@ -497,19 +497,24 @@ class OffloadedEmbedding(RefusesConversion):
         self._writeback = weakref.finalize(self, _write_back, cache) if self._storage == "mmap" else None
         self._hooks = StepHooks(self, optimizer)
         self._claim = claim(self, self.weight, optimizer)
-        state.sync_names()  # last: an interrupt during it comes after the attach
+        close_replaced(old, state)  # last: an interrupt during it comes after the attach
 
-    def _release_state(self):
-        """Unhook the attached optimizer and release its state and the device cache (rows written back first)."""
+    def _unhook_state(self) -> Optional[RowState]:
+        """Unhook the attached optimizer, and let go of the device cache (rows written back first) and of its state.
+
+        Returns:
+            the state let go of, still to be closed (its tables' maps are flushed as they are closed,
+            which may take long); None where no optimizer was attached.
+        """
         if self._cache is not None:
             self._cache.flush()  # cached rows are the current ones
             if self._writeback is not None:
                 self._writeback.detach()
             self._cache = None
-        if self._state is not None:
+        state, self._state = self._state, None
+        if state is not None:
             self._hooks.remove()
-            self._state.close()
-            self._state = None
+        return state
 
     @one_thread
     def init_state(self) -> None:

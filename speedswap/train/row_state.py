@@ -31,7 +31,7 @@ from .scratch_writes import same_memory
 
 __all__ = ["row_state_spec", "RowState", "SUPPORTED_OPTIMIZERS", "NarrowedStep", "EmptySparseGradient",
            "drop_leftover_state", "refuse_unasked_restart", "check_state_files",
-           "take_assigned", "sparse_grad_refusal"]
+           "take_assigned", "sparse_grad_refusal", "close_replaced"]
 
 #: (id of a scratch tensor a RowState handed an optimizer, id of its parameter) -> the tensor,
 #: held weakly. By ids: a tensor's == is element-wise (no WeakSet), and an attribute on the
@@ -272,6 +272,36 @@ def check_state_files(optimizer, param, storage, path=None, overwrite=False) -> 
                             f"a file it did not create. Move it out of {os.fspath(path)!r}, or build the "
                             f"owner with overwrite=True; nothing was changed (the optimizer attached "
                             f"before stays attached)")
+
+
+def close_replaced(old: Optional["RowState"], new: "RowState") -> None:
+    """Close ``old``, the state an attach replaced with ``new``, then make ``new``'s file names durable.
+
+    Last in an attach, once ``new`` is attached in ``old``'s place: closing
+    the old tables flushes their maps, which may take long, and an interrupt
+    (Ctrl-C) meanwhile would have left the owner half released had it held
+    ``old`` still. It comes after the attach, and carries a note saying so
+    (Python 3.11+); the old tables it left open are released as they are
+    collected.
+
+    Args:
+        old: the state let go of (None where no optimizer was attached).
+        new: the state attached.
+
+    Raises:
+        KeyboardInterrupt (or any BaseException of the close or the sync): with that note.
+    """
+    try:
+        if old is not None:
+            old.close()
+    except BaseException as exc:
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"speedswap: the new optimizer is attached: this {type(exc).__name__} came after the "
+                         f"attach, as the old one's state tables were closed; those left open are released as "
+                         f"they are collected")
+        raise
+    finally:
+        new.sync_names()  # an interrupt during it has its own note (sync_new_name)
 
 
 def _described(tensor) -> str:

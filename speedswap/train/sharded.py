@@ -55,8 +55,8 @@ from .one_thread import OneThread, one_thread
 from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_option, outside_function_transforms,
                       padding_option, refuse_bag_arguments, refuse_max_norm, refuse_other_arguments)
 from .reached import KeptRows, ReachedRows, in_backward, recomputed_on_engine_thread
-from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, drop_leftover_state,
-                        refuse_unasked_restart)
+from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, close_replaced,
+                        drop_leftover_state, refuse_unasked_restart)
 from .scratch_writes import ScratchWrites
 from .step_hooks import StepHooks
 from .sharded_checkpoint import all_unchanged, load_shards, ranks_on_this_machine, save_shards, stage_table_rows
@@ -733,24 +733,28 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             if held is not None:  # the state an earlier attach left it (Adam's step) stays, as the old tables do
                 optimizer.state[self.weight] = held
             raise
-        self._release_state()
         self._created |= state.made_files()
+        old = self._unhook_state()
         self._state = state
         self._state_origin, self._steps_since = _ATTACHED, 0
         # Weak hooks that run a closure's forward and backward before the exchange (step(closure)).
         self._hooks = StepHooks(self, optimizer)
         # Refused whatever the gradient, which differs from rank to rank: every rank alike.
         self._claim = claim(self, self.weight, optimizer, frozen_may_stay=False)
-        state.sync_names()  # last: an interrupt during it comes after the attach
+        close_replaced(old, state)  # last: an interrupt during it comes after the attach
 
-    def _release_state(self):
-        """Unhook the attached optimizer and release its state."""
+    def _unhook_state(self) -> Optional[RowState]:
+        """Unhook the attached optimizer and let go of its state.
+
+        Returns:
+            the state let go of, still to be closed (see :func:`~speedswap.train.row_state.close_replaced`);
+            None where no optimizer was attached.
+        """
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
-        if self._state is not None:
-            self._state.close()
-            self._state = None
+        state, self._state = self._state, None
+        return state
 
     # Run eagerly under torch.compile, as OffloadedEmbedding.forward: the exchange and the step's
     # bookkeeping are Python state and collectives, not graph material.
