@@ -5,11 +5,14 @@ The new optimizer's state files take the old ones' names (``exp_avg.npy``,
 new state that could not be made (out of file descriptors, a disk error) left
 the embedding with no optimizer attached and the old state gone. Now the new
 files are made beside the old ones and replace them only once every one
-exists. Each case trains an ``mmap`` embedding with Adam on Zipf ids beside
-SparseAdam on an ``nn.Embedding``, is refused a new Adam again and again (the
-fault one call later each time), training on with the old one in between as
-the reference does, then attaches the new one and trains on as the reference
-with a new SparseAdam.
+exists, all of them or none (a rename that fails puts back those before it),
+and only while their names hold the files the embedding made. Each case
+trains an ``mmap`` embedding with Adam on Zipf ids beside SparseAdam on an
+``nn.Embedding``, is refused a new Adam again and again (the fault one call
+later each time), training on with the old one in between as the reference
+does, then attaches the new one and trains on as the reference with a new
+SparseAdam. An interrupt once the files are replaced, as the old state's
+tables are closed, comes after the attach.
 """
 
 import errno
