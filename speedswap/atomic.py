@@ -422,27 +422,29 @@ def replace_together(moves) -> None:
     made, whole, under a temporary name beside its target (a :func:`temp_path`
     name, or a file in a directory of that name), so that no target is
     replaced before every new file exists. Each target's file is first given
-    a second name beside it (a hard link, a :func:`temp_path` name), so that
-    a rename that fails puts back the files renamed before it, as does an
-    interrupt (Ctrl-C) that lands as the renames return: every target then
-    names the file it named before. The renames are one call into C, and so
-    is the putting back: an interrupt lands before the first rename or after
-    the last, never between two (nor between a failed rename and the putting
-    back, unless in the very moment it fails). The names are not synced: the caller syncs
-    their directories (:func:`sync_new_name`) once it has taken the new files
-    as its own, so that an interrupt during that sync cannot read as the files
-    not replaced.
+    a second name beside it (a :func:`temp_path` name), so that a rename that
+    fails puts back the files renamed before it, as does an interrupt
+    (Ctrl-C) that lands as the renames return: every target then names the
+    file it named before. That name is a hard link, so that the target names
+    the old file or the new one at every moment; where no link can be made
+    (a file system without hard links: vfat, exFAT, FUSE mounts, SMB; another
+    user's file where the file system protects hard links) the old file is
+    renamed to it instead, just before the new file is renamed over the
+    target, which then names no file in between. The renames are one call
+    into C, and so is the putting back: an interrupt lands before the first
+    rename or after the last, never between two (nor between a failed rename
+    and the putting back, unless in the very moment it fails). The names are
+    not synced: the caller syncs their directories (:func:`sync_new_name`)
+    once it has taken the new files as its own, so that an interrupt during
+    that sync cannot read as the files not replaced.
 
     Args:
         moves: ``[(temporary, target)]``, each temporary beside its target (on its file system).
 
     Raises:
-        PathError: nothing was replaced, and the temporaries are left (the
-            caller removes them); ``errno`` says why. Either a target's file
-            could not be given a second name (another user's file where the
-            file system protects hard links, as in a sticky ``/tmp``; a file
-            system without hard links), before any rename; or a rename
-            failed, and those before it were put back. Where putting one back
+        PathError: a rename failed (``errno`` says why), and those before it
+            were put back: nothing was replaced, and what is left of the
+            temporaries is the caller's to remove. Where putting one back
             failed too (the file system failing), the message names the
             targets that hold their new files and where their old ones are.
     """
@@ -450,72 +452,83 @@ def replace_together(moves) -> None:
     # check of its target and its rename together, and no check here can go stale. The caller's (that
     # it may replace the targets: its own files, or overwrite=True) is of their names. A save of this
     # process to a target is refused (mapped_for_writing) before and after the renames alike, since the
-    # old or the new state's table maps the file the name holds. A rename of another process's save,
-    # or of another owner's replace_together over the same names, comes wholly before or after each
-    # of these, as with turns: the last names the file, none is half written, and every table keeps
-    # its own file in its map. Two such owners at once may leave the names split between their files,
-    # as the per-file turns of the overwrites before replace_together could.
-    news, targets = [new for new, _ in moves], [target for _, target in moves]
-    kept = []  # each target's second name (None: it names no file), recorded before the link: removed last
+    # old or the new state's table maps the file the name holds; that is why a hard link is made where it
+    # can be: a file renamed aside leaves its target naming no file for a moment, in which another thread's
+    # check passes (os.replace lets other threads run), and a kill then leaves the old file under a temporary
+    # name only. A rename of another process's save, or of another owner's replace_together over the same
+    # names, comes wholly before or after each of these, as with turns: the last names the file, none is
+    # half written, and every table keeps its own file in its map. Two such owners at once may leave the
+    # names split between their files, as the per-file turns of the overwrites before replace_together could.
+    kept = []  # each target's old file's second name (None: it names no file), recorded before it is made
+    leaves = []  # each target's first rename, from which on it names its old file no more (of `renames`)
+    renames, backs, of = [], [], []  # in order, the renames; the one that puts each back; the move each is of
     done, undone = [], []  # os.replace returns None: appended by C as each rename returns
     replaced = False
     try:
-        for new, target in moves:
+        for index, (new, target) in enumerate(moves):
+            leaves.append(len(renames))
             kept.append(temp_path(target))
+            back = (kept[index], target)  # the old file back over the new one
             try:
-                os.link(target, kept[-1], follow_symlinks=False)  # the entry itself: a symbolic link stays one
+                os.link(target, kept[index], follow_symlinks=False)  # the entry itself: a symbolic link stays one
             except FileNotFoundError:
-                kept[-1] = None  # putting back renames the new file back to its temporary name
-            except OSError as exc:
-                error = PathError(f"{saving_error(target, exc, new)}: its file could not be given a second name "
-                                  f"beside it (a hard link), which puts it back should the rename of a file that "
-                                  f"goes with it fail. Nothing was replaced")
-                error.errno = exc.errno
-                raise error from exc
-        back_from = [target if aside is None else aside for aside, target in zip(kept, targets)]
-        back_to = [new if aside is None else target for aside, new, target in zip(kept, news, targets)]
+                kept[index] = None
+                back = (target, new)  # the new file back to its temporary name
+            except OSError:  # no hard links here: the old file (a symbolic link itself) is renamed aside first
+                renames.append((target, kept[index]))
+                backs.append(back)
+                of.append(index)
+                back = (target, new)
+            renames.append((new, target))
+            backs.append(back)
+            of.append(index)
         try:
-            done.extend(map(os.replace, news, targets))
+            done.extend(map(os.replace, [source for source, _ in renames], [name for _, name in renames]))
             replaced = True
         except BaseException as exc:  # the OSError of rename len(done), or an interrupt as the renames returned
             try:
                 # First thing: only an interrupt landing in the moment a rename fails could skip it, leaving
                 # those before it renamed, their old files under the names in `kept` (not removed below).
-                undone.extend(map(os.replace, back_from[:len(done)], back_to[:len(done)]))
+                # Last done first: a file renamed aside goes back once its new file is off its name.
+                undo = backs[:len(done)][::-1]
+                undone.extend(map(os.replace, [source for source, _ in undo], [name for _, name in undo]))
             except OSError as failed:
-                raise _not_put_back(moves, kept, done, undone, failed) from exc
+                raise _not_put_back(moves, kept, leaves, len(done) - len(undone), failed) from exc
             if not isinstance(exc, OSError):
                 raise
-            new, target = moves[len(done)]
-            error = saving_error(target, exc, new)
-            if done:
-                error = PathError(f"{error}; the files renamed before it, {targets[:len(done)]!r}, were put "
-                                  f"back: nothing was replaced")
+            failing = of[len(done)]
+            error = saving_error(moves[failing][1], exc, moves[failing][0])
+            if failing:
+                error = PathError(f"{error}; the files renamed before it, {[name for _, name in moves[:failing]]!r}, "
+                                  f"were put back: nothing was replaced")
                 error.errno = exc.errno
             raise error from exc
     finally:
         # Second names of files put back (gone with that rename), of files replaced (the old state's maps
         # hold them) or not renamed: removed. Those of files renamed and not put back are the files' last.
+        left = len(done) - len(undone)
         for index, aside in enumerate(kept):
-            if aside is not None and (replaced or not len(undone) <= index < len(done)):
+            if aside is not None and (replaced or leaves[index] >= left):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(aside)
 
 
-def _not_put_back(moves, kept, done, undone, failed: OSError) -> "PathError":
-    """The :class:`PathError` of a :func:`replace_together` whose putting back failed at ``moves[len(undone)]``.
+def _not_put_back(moves, kept, leaves, left: int, failed: OSError) -> "PathError":
+    """The :class:`PathError` of a :func:`replace_together` whose putting back failed, ``left`` renames still done.
 
     Args:
-        moves, kept: the call's moves, and each target's second name (None where it named no file).
-        done, undone: the renames done, and those put back.
+        moves, kept: the call's moves, and each target's old file's second name (None where it named no file).
+        leaves: each target's first rename (an index of the call's renames), from which on it names its old
+            file no more.
+        left: how many of the renames, the first ones, are not put back.
         failed: the OSError of the rename that was to put one back.
 
     Returns:
         PathError, with ``errno`` set as ``failed``'s.
     """
-    left = range(len(undone), len(done))
-    kept_as = {moves[index][1]: kept[index] for index in left if kept[index] is not None}
-    made = [moves[index][1] for index in left if kept[index] is None]
+    moved = [index for index in range(len(moves)) if leaves[index] < left]
+    kept_as = {moves[index][1]: kept[index] for index in moved if kept[index] is not None}
+    made = [moves[index][1] for index in moved if kept[index] is None]
     todo = [f"rename each old file back over its target ({{target: old file}}) {kept_as!r}"] if kept_as else []
     todo += [f"remove {made!r}, which named no file before"] if made else []
     error = PathError(f"files that go together were renamed in part (a rename failed, or an interrupt came), and "

@@ -112,10 +112,10 @@ def test_a_re_attach_out_of_descriptors_keeps_the_old_optimizer_and_its_files_an
 
 
 #: The calls that make the new state's files: its temporary directories, each file's header and size,
-#: the sync before it has its name there, its mode, the descriptor that checks it, and the second name
-#: each old file gets for the renames to put it back from (the renames over the old files: the tests
-#: below). Some failures are let through (a directory's sync; makedirs of the embedding's directory,
-#: which exists): the attach succeeds then.
+#: the sync before it has its name there, its mode, the descriptor that checks it, and the hard link
+#: that gives each old file a second name for the renames to put it back from (the renames over the old
+#: files: the tests below). Some failures are let through (a directory's sync; makedirs of the embedding's
+#: directory, which exists; a link, for which a rename stands in): the attach succeeds then.
 POINTS = [(os, "mkdir"), (files.npy, "_write_sparse"), (os, "fsync"), (os, "chmod"), (os, "open"), (os, "link")]
 
 
@@ -161,7 +161,11 @@ def test_a_re_attach_failing_at_any_call_keeps_the_old_optimizer_and_its_files_a
     while not outcomes or outcomes[-1][0]:
         outcomes.append(_re_attach_failing_at(module, name, len(outcomes), tmp_path / f"emb{len(outcomes)}", seed,
                                               cache_rows, monkeypatch))
-    assert any(refused for _, refused in outcomes), f"no failure of {name} refused the attach"
+    refusals = [refused for _, refused in outcomes]
+    if name == "link":  # the old file is renamed aside instead, as where there are no hard links
+        assert not any(refusals), f"a failure of {name} refused the attach: {refusals}"
+    else:
+        assert any(refusals), f"no failure of {name} refused the attach"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -242,6 +246,26 @@ def _interrupted_at(original, index):
     return interrupted
 
 
+def _no_hard_links(src, dst, **kwargs):
+    """``os.link`` on a file system without hard links (vfat, exFAT, FUSE mounts): the source is looked up first."""
+    os.lstat(src)
+    raise OSError(errno.EPERM, "Operation not permitted (injected: no hard links)")
+
+
+def test_a_re_attach_where_no_hard_link_can_be_made_replaces_the_files_and_trains_as_restarted(
+        tmp_path, seed, monkeypatch):
+    """The old files are renamed aside to be put back from: the attach goes through as with links."""
+    directory = tmp_path / "emb"
+    emb, opt, ref, ref_opt, rng = trained(directory, seed, 10)
+    new = _adam(emb)
+    monkeypatch.setattr(os, "link", _no_hard_links)
+    emb.attach(new)
+    monkeypatch.undo()
+    assert emb._state.optimizer is new
+    _trains_as_restarted(emb, new, ref, rng, directory, 10)  # no old file left under a name aside either
+    emb.close()
+
+
 def test_a_re_attach_whose_first_rename_fails_changes_nothing(tmp_path, seed, monkeypatch):
     directory = tmp_path / "emb"
     emb, opt, ref, ref_opt, rng = trained(directory, seed, 10)
@@ -280,9 +304,15 @@ def _as_in_memory(emb, directory, table0, batches):
         np.testing.assert_array_equal(np.load(directory / f"{name}.npy"), rows, err_msg=name)
 
 
+@pytest.mark.parametrize("links,failing,calls_made", [(True, 1, 3), (False, 2, 5), (False, 3, 7)],
+                         ids=["links", "no-links-aside", "no-links-over"])
 def test_a_re_attach_whose_second_of_three_renames_fails_puts_the_first_back_and_changes_nothing(
-        tmp_path, seed, monkeypatch):
-    """The first state file renamed is put back: every file as before, the old optimizer training on from them."""
+        links, failing, calls_made, tmp_path, seed, monkeypatch):
+    """The first state file renamed is put back: every file as before, the old optimizer training on from them.
+
+    Without hard links each old file is renamed aside before its new one is renamed over it: the second
+    file's rename aside fails, or its new file's rename once its old one is aside; those done are put back.
+    """
     rng = np.random.default_rng(seed)
     table0 = rng.standard_normal((NUM_ROWS, DIM), dtype=np.float32)
     batches = zipf_batches(rng, 30, torch.device("cpu"))
@@ -294,11 +324,13 @@ def test_a_re_attach_whose_second_of_three_renames_fails_puts_the_first_back_and
     emb.flush()
     before, new, calls = entries(directory), _amsgrad(emb.parameters()), [0]
     assert len(before) == 4  # the table and three state files
-    monkeypatch.setattr(os, "replace", _failing_at(os.replace, 1, calls))
+    monkeypatch.setattr(os, "replace", _failing_at(os.replace, failing, calls))
+    if not links:
+        monkeypatch.setattr(os, "link", _no_hard_links)
     with pytest.raises(ss.PathError, match="injected failure") as refused:
         emb.attach(new)
     monkeypatch.undo()
-    assert calls[0] == 3  # the first rename, the second (failed), the first put back
+    assert calls[0] == calls_made  # the renames before the failed one, it, and each of those put back
     assert os.fspath(directory / "exp_avg_sq.npy") in str(refused.value)
     assert f"{[os.fspath(directory / 'exp_avg.npy')]!r}, were put back: nothing was replaced" in str(refused.value)
     assert entries(directory) == before  # bit for bit, no temporary or second name left
@@ -312,8 +344,13 @@ def test_a_re_attach_whose_second_of_three_renames_fails_puts_the_first_back_and
     emb.close()
 
 
-def test_renames_together_whose_putting_back_fails_too_say_where_the_old_files_are(tmp_path, monkeypatch):
-    """The second rename fails, then the first one's putting back: its old file is kept, and named."""
+@pytest.mark.parametrize("links,failing", [(True, (2, 3)), (False, (3, 4))], ids=["links", "no-links"])
+def test_renames_together_whose_putting_back_fails_too_say_where_the_old_files_are(links, failing, tmp_path,
+                                                                                   monkeypatch):
+    """b's rename fails, then a's putting back: a's old file is kept, and named.
+
+    Without hard links a's old file is renamed aside (the first rename), then b's (the third) fails.
+    """
     targets = [tmp_path / f"{name}.npy" for name in ("a", "b", "c")]
     moves = []
     for index, target in enumerate(targets):
@@ -322,17 +359,19 @@ def test_renames_together_whose_putting_back_fails_too_say_where_the_old_files_a
         moves.append((os.fspath(tmp_path / f"new{index}"), os.fspath(target)))
     calls, replace = [], os.replace
 
-    def failing(*args):  # the second call (b's rename) and the third (a's putting back)
+    def failing_replace(*args):  # b's rename, then a's putting back
         calls.append(args)
-        if len(calls) in (2, 3):
+        if len(calls) in failing:
             raise OSError(errno.EIO, "injected failure")
         return replace(*args)
 
-    monkeypatch.setattr(os, "replace", failing)
+    monkeypatch.setattr(os, "replace", failing_replace)
+    if not links:
+        monkeypatch.setattr(os, "link", _no_hard_links)
     with pytest.raises(ss.PathError, match="putting back those renamed failed too") as refused:
         atomic.replace_together(moves)
     monkeypatch.undo()
-    assert len(calls) == 3
+    assert len(calls) == failing[-1]
     kept = [name for name in os.listdir(tmp_path) if atomic.is_temporary(name)]
     assert len(kept) == 1 and (tmp_path / kept[0]).read_bytes() == b"old 0"
     assert f"{ {os.fspath(targets[0]): os.fspath(tmp_path / kept[0])}!r}" in str(refused.value), refused.value
@@ -410,9 +449,13 @@ def _mmap_embedding_with_adam(directory, rng, **options):
     return emb, opt, ref, _sparse_adam(ref)
 
 
+@pytest.mark.parametrize("links", [True, False], ids=["links", "no-links"])
 def test_a_re_attach_over_a_state_file_behind_a_symbolic_link_keeps_the_link_and_the_files_mode(
-        tmp_path, seed, monkeypatch):
-    """As a save through a link does (atomic_output): the file the link names is replaced, in its directory."""
+        links, tmp_path, seed, monkeypatch):
+    """As a save through a link does (atomic_output): the file the link names is replaced, in its directory.
+
+    Where no hard link can be made, that file is renamed aside in its directory, and removed from there.
+    """
     rng = np.random.default_rng(seed)
     elsewhere, directory = tmp_path / "elsewhere", tmp_path / "emb"
     elsewhere.mkdir()
@@ -431,7 +474,10 @@ def test_a_re_attach_over_a_state_file_behind_a_symbolic_link_keeps_the_link_and
     assert entries(elsewhere) == before and os.path.islink(directory / "exp_avg.npy")
     train(emb, opt, ref, ref_opt, rng, 5)
     assert_as_in_memory(emb, ref, ref_opt, directory)
+    if not links:
+        monkeypatch.setattr(os, "link", _no_hard_links)
     emb.attach(new)
+    monkeypatch.undo()
     assert os.readlink(directory / "exp_avg.npy") == os.fspath(elsewhere / "moments.npy")
     assert sorted(os.listdir(elsewhere)) == ["moments.npy"]
     assert os.stat(elsewhere / "moments.npy").st_mode & 0o777 == 0o640

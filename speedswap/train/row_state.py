@@ -937,14 +937,12 @@ class RowState:
         ``__init__`` unless ``replace_later``; once.
 
         Raises:
-            PathError: the renames were refused, and nothing was replaced
-                (:func:`~speedswap.atomic.replace_together`, all or none): a
-                file to replace cannot be given a second name to be put back
-                from (another user's file in a sticky directory, a file system
-                without hard links), or a rename failed (an I/O error, a remount
-                read-only, another user's file in a sticky directory) and those
-                before it were put back. The old state's tables go on with their
-                files under their names. :meth:`close` removes the new files.
+            PathError: a rename failed (an I/O error, a remount read-only,
+                another user's file in a sticky directory), and those before
+                it were put back: nothing was replaced
+                (:func:`~speedswap.atomic.replace_together`, all or none). The
+                old state's tables go on with their files under their names.
+                :meth:`close` removes the new files.
         """
         replace_together([(at, target) for _, at, target, _ in self._aside])
         for name, at, target, file in self._aside:
