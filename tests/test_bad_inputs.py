@@ -11,6 +11,7 @@ state must be bit-identical afterwards, and a valid call must still work.
 Other engineers add rows for their entry points (the feeder) to ``CASES``.
 """
 
+import errno
 import gc
 import hashlib
 import os
@@ -762,6 +763,26 @@ def test_from_pretrained_of_a_mismatched_file_leaves_no_half_made_mmap_file(rng,
     with ss.OffloadedEmbedding.from_pretrained(tmp_path / "rows.npy", max_rows=CAP, storage="mmap",
                                                path=tmp_path / "emb", backend="numpy") as emb:
         np.testing.assert_array_equal(emb.table.to_numpy(), rows.astype(np.float32))
+
+
+def test_from_pretrained_refused_as_it_reads_leaves_another_file_put_under_its_table_s_name(
+        rng, tmp_path, monkeypatch):
+    """Its half-made table.npy is removed by its identity, not its name: a file moved there meanwhile stays."""
+    rows = rng.standard_normal((ROWS, DIM), dtype=np.float32)
+    np.save(tmp_path / "rows.npy", rows)
+    (tmp_path / "emb").mkdir()
+    np.save(tmp_path / "theirs.npy", rng.standard_normal((ROWS, DIM), dtype=np.float32))
+    theirs = (tmp_path / "theirs.npy").read_bytes()
+
+    def moved_over_then_failing(table, path, header, dataset="table"):
+        os.replace(tmp_path / "theirs.npy", tmp_path / "emb" / "table.npy")
+        raise OSError(errno.EIO, "injected failure")
+
+    monkeypatch.setattr(ss.files, "read_table", moved_over_then_failing)
+    with pytest.raises(OSError, match="injected failure"):
+        ss.OffloadedEmbedding.from_pretrained(tmp_path / "rows.npy", max_rows=CAP, storage="mmap",
+                                              path=tmp_path / "emb", backend="numpy")
+    assert (tmp_path / "emb" / "table.npy").read_bytes() == theirs
 
 
 @pytest.mark.parametrize("name", ["rows.h5", "rows.hdf5"])

@@ -357,10 +357,12 @@ class OffloadedEmbedding(RefusesConversion):
                 emb.table.apply_(lambda t: t.copy_(rows))
         except BaseException:
             emb.close()
-            # Half made, it is no table, and it would make a retry raise ("already exists").
-            for made in emb._created:
+            # Half made, it is no table, and it would make a retry raise ("already exists"). Removed only
+            # while its name holds it: another file moved or saved there since is not this one's to remove.
+            for made, identity in emb._created.items():
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(made)
+                    if files.identity(os.stat(made)) == identity:
+                        os.unlink(made)
             raise
         emb.weight.requires_grad_(not freeze)
         return emb
