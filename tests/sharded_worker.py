@@ -41,6 +41,8 @@ STEPS, SAVE_AT = 120, 50
 SKIPPED = frozenset(range(2, STEPS, 5))
 #: Steps the ``zerokept`` scenario takes on a zero gradient (zero_grad(set_to_none=False)): they count.
 ZEROED = frozenset(range(3, STEPS, 7))
+#: The sam scenario's rho: each step moves the rows by SAM_RHO times their gradient between its two passes.
+SAM_RHO = 5.0
 #: scenario -> (optimizer class, its reference in one process, kwargs, sparse reference gradient)
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, torch.optim.SGD, dict(lr=0.05), False),
@@ -114,11 +116,13 @@ def rank_loss(emb, ids, targets, world):
     return loss * (world / GLOBAL_BATCH)
 
 
-def reference(name, seed, steps=STEPS, skipped=(), clip=None, zeroed=()):
+def reference(name, seed, steps=STEPS, skipped=(), clip=None, zeroed=(), sam=0.0):
     """One process, one dense parameter, the union batch: the table and per-row state after ``steps``.
 
     The steps in ``skipped`` are left out; those in ``zeroed`` are taken on a zero gradient (Adam
-    counts them); with ``clip``, every gradient is clipped to that norm.
+    counts them); with ``clip``, every gradient is clipped to that norm; with ``sam``, each step's
+    gradient is taken again with the rows moved by ``sam`` times the first one (SAM), the move
+    undone through ``weight.data`` before the step.
     """
     _, ref_cls, kwargs, sparse = OPTIMIZERS[name]
     weight = torch.nn.Parameter(initial_table(seed))
@@ -127,8 +131,16 @@ def reference(name, seed, steps=STEPS, skipped=(), clip=None, zeroed=()):
         if step in skipped:
             continue
         ids, targets = global_batch(seed, step)
-        loss = ((F.embedding(ids, weight, sparse=sparse) - targets) ** 2).sum() / GLOBAL_BATCH
-        loss.backward()
+
+        def backward():
+            (((F.embedding(ids, weight, sparse=sparse) - targets) ** 2).sum() / GLOBAL_BATCH).backward()
+        backward()
+        if sam:
+            move = sam * weight.grad.to_dense()
+            weight.data.add_(move)
+            opt.zero_grad()
+            backward()
+            weight.data.sub_(move)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_([weight], clip)
         if step in zeroed:
@@ -421,6 +433,22 @@ def run_scenario(scenario, seed, world, rank, out):
         with open(os.path.join(out, f"exchzero-{name}.rank{rank}.json"), "w") as f:
             json.dump(errors, f)
         name = f"exchzero-{name}"
+    elif kind == "sam":      # SAM through weight.data: rows moved by SAM_RHO times their gradient between two passes
+        emb, opt = make(name)
+        emb.load(table_file)
+        for step in range(STEPS):
+            ids, targets = global_batch(seed, step)
+            part = rank_slice(step, world, rank)
+            rank_loss(emb, ids[part], targets[part], world).backward()
+            emb.exchange_gradients()  # weight.grad: the gradient of the rows this rank owns, for SAM to read
+            move = SAM_RHO * emb.weight.grad
+            emb.weight.data.add_(move)
+            opt.zero_grad()
+            rank_loss(emb, ids[part], targets[part], world).backward()
+            emb.weight.data.sub_(move)
+            opt.step()
+            opt.zero_grad()
+        name = f"{name}-sam"
     elif kind == "padding":  # padding_idx, scale_grad_by_freq; the last rank owns the padding row
         emb, opt = make(name, **EMBEDDING_OPTIONS)
         emb.load(table_file)  # the padding row too: pretrained, not zero

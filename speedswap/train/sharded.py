@@ -434,6 +434,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # weight's version once the step's last training forward had gathered its rows: one that differs
         # at the next forward was written in place in the middle of the step (see _refuse_forward_after_write).
         self._version_at_lookup = None
+        # Whether the owned working set holds rows of a step zero_grad() dropped, changed through
+        # weight.data since (SAM's perturbation): the next forwards read them (see _drop_zeroed_step).
+        self._carried = False
         self._moved = dict.fromkeys(_FORWARD_COUNTERS, 0)  # the step's forwards', for stats()
         self._rows.grad = None
         self.weight.grad = None
@@ -507,7 +510,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                              "between steps (after a step skipped before its backward, call "
                              "emb.discard_step() first, on every rank)")
 
-    def _drop_zeroed_step(self, *, exchanged: bool = True) -> None:
+    def _drop_zeroed_step(self, *, exchanged: bool = True, carry: bool = False) -> Optional[StateError]:
         """Discard the step if ``zero_grad()`` dropped its gradient after a backward.
 
         Args:
@@ -515,11 +518,57 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 zeroed after :meth:`exchange_gradients` (a step a ``GradScaler`` skipped),
                 keeping the zero gradient, as in memory. The step passes False: it takes
                 such a step, moving no row, on every rank alike (see :meth:`_begin_step`).
+            carry: a training forward's call: owned rows changed through ``weight.data``
+                since they were gathered (SAM perturbs them between two passes over a batch,
+                with a ``zero_grad()`` between) stay in the owned working set, in their slots
+                of :attr:`weight`, for this forward and the step to read and write back; the
+                rest of the step is dropped (every rank looks its rows up again, from their
+                owners, so that each reads them as changed). Costs a gather of the owned rows,
+                on this path only. Decided by each rank for its own rows: a rank whose rows
+                are unchanged drops them, which its table holds as they are.
+
+        Returns:
+            With ``carry``, the refusal for the forward to raise on every rank, nothing
+            dropped, or None.
         """
         if self._backward_ran and self.weight.grad is None:
-            self._new_step()
+            drop = self._new_step
         elif exchanged and self._zeroed_since_exchange():
-            self.discard_step()
+            drop = self.discard_step
+        else:
+            return None
+        owned = None
+        # A write in place (p.add_(e) under no_grad()) moves the version: the step is dropped and the
+        # next forward refuses it as a write between steps (its reach cannot be told, see ScratchWrites).
+        if carry and self.weight._version == self._version_at_lookup and self._owned_rows_changed():
+            if self.table.viewed:
+                return StateError(
+                    "the owned rows of the step zero_grad() dropped differ from this rank's table, and a view "
+                    "the table handed out (to_numpy(), as_tensor()) is alive: a write through it cannot be told "
+                    "from rows changed through emb.weight.data between two backwards (SAM), whose step goes on "
+                    "and would write its rows back over the write. Nothing was changed: call emb.discard_step() "
+                    "on every rank after zero_grad() of a skipped step, before writing through a view (or write "
+                    "with emb.table.scatter), then go on")
+            owned = copy.copy(self._owned)
+        drop()
+        if owned is not None:
+            self._owned, self._carried = owned, True
+        return None
+
+    def _owned_rows_changed(self) -> bool:
+        """Whether the owned rows in :attr:`weight` differ from this rank's table's values of them.
+
+        A write through ``weight.data`` (``p.data.add_(e)``) keeps the weight's
+        version, so the rows themselves are compared. NaN counts as equal to
+        NaN: a row that diverged to NaN (the usual reason to skip a step) is
+        unchanged, not perturbed.
+        """
+        k = self._owned.size
+        if not k:
+            return False
+        table = self.table.gather_validated(
+            self._owned.rows, torch.empty(k, self.embedding_dim, dtype=self.table.dtype, device=self.table.device))
+        return not torch.allclose(table.to(self._full.dtype), self._full[:k], rtol=0, atol=0, equal_nan=True)
 
     @property
     def row_range(self) -> range:
@@ -824,6 +873,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         outside_function_transforms(type(self).__name__, False, input, self.weight)
         self.refuse_replaced_weight(self.weight)
         training = self.training and torch.is_grad_enabled()
+        refusal = None  # of the step zero_grad() dropped, raised in the first message: on every rank
         if training:
             # A forked process sends no message its parent's ranks would match: raised here alone.
             self._one_process.refuse_shared_training(self.weight, self._storage == "mmap")
@@ -832,9 +882,12 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             # alike, after any zero_grad() since its first run, whose rows are in the step: dropping
             # the step here would drop them too. The backward decides when it reaches the lookup
             # (_gradient_dropped), and the step's exchange flags the rows it left unreached.
-            if not in_backward():
-                self._drop_zeroed_step()
-            if self._agreed:
+            if not in_backward() and not self.table.closed:
+                try:
+                    refusal = self._drop_zeroed_step(carry=True)
+                except Exception as exc:  # noqa: BLE001 -- its gather failed (memory), nothing dropped
+                    refusal = exc
+            if self._agreed and refusal is None:
                 self._reopen_step()  # a step that failed after its messages gets this forward's rows too
             if self._forwards == 0:
                 # weight is scratch between steps, and to_empty() (or weight.data = ...) may have
@@ -848,6 +901,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         error, send, counts, unfinished = None, None, None, None
         try:
             self._check_open()
+            if refusal is not None:
+                raise refusal
             if extra or offsets is not None or per_sample_weights is not None:
                 refuse_bag_arguments(type(self).__name__, extra, offsets, per_sample_weights)
             ids = forward_ids(input, ids)
@@ -1298,7 +1353,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         if placeholder and counts.pop():
             raise StateError(_GRAD_CHANGED)
         unreached = self._reached.unreached_slots(k_local, grad.device)
-        flags = (_UNREACHED * (unreached is not None) | _REACHED * self._reached.any_reached()
+        # Owned rows carried from a dropped step (SAM) that no forward since asked for are put back too.
+        flags = (_UNREACHED * (unreached is not None or self._carried) | _REACHED * self._reached.any_reached()
                  | _ZERO_KEPT * self._holds_kept_zero())
         return grad, order, counts, unreached, flags
 
@@ -1448,6 +1504,12 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """
         self._drop_zeroed_step(exchanged=False)
         if self._forwards == 0:
+            if self._carried:
+                # Rows carried for a forward (SAM's second pass) that failed and was not run again: no
+                # forward reads them, and the optimizer may step the scratch they are in. Dropped, as
+                # any write through weight.data between steps goes unseen.
+                self._owned.clear()
+                self._carried = False
             # No gradient (forwards and zero_grad are on every rank alike): no step, no collective,
             # unless the gradient is the last step's, which in memory would be applied again. A
             # zero one torch steps on the scratch (Adam counts the step, as in memory).
@@ -1628,7 +1690,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         one skipped before its backward leaves its rows here, waiting for the next step.
         """
         self._drop_zeroed_step()
-        return bool(self._looked_up.size or self._forwards)
+        return bool(self._looked_up.size or self._forwards or self._carried)
 
     def _check_between_steps(self, what):
         self._check_open()
