@@ -1116,6 +1116,40 @@ def test_sharded_sam_perturbing_through_weight_data_equals_in_memory(rng, make_o
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
+def test_sharded_sam_undoing_its_move_by_assigning_weight_data_is_refused_at_the_step_then_trains_on(rng):
+    """SAM undoing its move with ``p.data = saved`` (davda54/sam) on a sharded embedding: the step trained
+    the assigned tensor and wrote back the owned rows of weight's own storage, moved and unstepped (2.4 max
+    difference to in-memory SGD after one step), silently. Refused at the step (in its first message: on
+    every rank), the table unchanged, with weight given its own storage back: the move undone in it, the
+    step trains as in memory."""
+    offloaded, reference = pair(rng, sharded=True)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (offloaded, reference))
+    emb = offloaded.emb
+    emb.attach(opt)
+    for ids, target in zipf_ids(rng, STEPS):
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            F.mse_loss(model(ids), target).backward()
+            if model is offloaded:
+                emb.exchange_gradients()
+            moves = [(p, p.data.clone(), 0.05 * p.grad) for p in model.parameters()]
+            for p, _, move in moves:
+                p.data.add_(move)
+            optimizer.zero_grad()
+            F.mse_loss(model(ids), target).backward()
+            for p, saved, _ in moves:
+                p.data = saved
+            if model is offloaded:
+                table = emb.table.to_numpy(copy=True)
+                with pytest.raises(ss.StateError, match=r"weight.data was assigned.*sub_"):
+                    optimizer.step()
+                np.testing.assert_array_equal(emb.table.to_numpy(), table)
+                assert emb.weight.data.data_ptr() == emb._full.data_ptr()
+                emb.weight.data.sub_(moves[0][2])
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
 def test_sharded_sam_with_a_view_of_the_table_alive_is_refused_then_trains_on(rng):
     """SAM through ``p.data`` on a sharded embedding while a ``to_numpy()`` view of its table is alive: the
     perturbed rows cannot be told from rows a write through the view changed, and keeping them would write

@@ -57,7 +57,7 @@ from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_op
 from .reached import KeptRows, ReachedRows, in_backward, recomputed_on_engine_thread
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, close_replaced,
                         drop_leftover_state, refuse_unasked_restart)
-from .scratch_writes import ScratchWrites
+from .scratch_writes import ScratchWrites, same_memory
 from .step_hooks import StepHooks
 from .sharded_checkpoint import all_unchanged, load_shards, ranks_on_this_machine, save_shards, stage_table_rows
 from .working_set import WorkingSet
@@ -845,6 +845,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 the step's last training forward, which its lookups would not see (on
                 every rank, or on this rank alone for the retry of a forward that failed
                 after its messages); nothing changes: :meth:`discard_step` drops the step.
+            StateError: a training forward after a ``zero_grad()`` that dropped a step whose owned
+                rows were changed through ``weight.data`` (SAM), while a view of the table is alive:
+                such rows cannot be told from a write through the view (on every rank; nothing
+                changes: :meth:`discard_step` drops the step).
             OptionError: a forward under a ``torch.func`` transform, raised on
                 each rank that runs one, before any message (nothing changes).
             StateError: another thread is inside a call of this embedding, or
@@ -1553,6 +1557,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         """
         error, holds, gathered = None, 0, False
         try:
+            if not same_memory(self.weight.data, self._full):
+                # The step trains, and writes back, the owned rows in weight's own storage: assigned values
+                # would be stepped and lost. Given back, with the rows as before the assignment.
+                self.weight.data = self._full
+                raise StateError(_DATA_ASSIGNED)
             if self._arrived is not None:  # exchange_gradients() failed after its messages: finished first
                 self._take_gradients()
             if self._exchanged and self._late_backward:
@@ -1841,6 +1850,14 @@ _GRADIENT_LEFT = (
     "apply it again, but its rows were written back then and its slots hold other rows now. Nothing "
     "was changed: call optimizer.zero_grad() after each step on every rank, and emb.discard_step() on "
     "every rank to drop the forwards since")
+#: Why a step refuses a weight whose .data was assigned another tensor since the step's forwards.
+_DATA_ASSIGNED = (
+    "emb.weight.data was assigned another tensor in the middle of a step (SAM undoing its move with "
+    "p.data = old_p, say), but a ShardedOffloadedEmbedding's step trains and writes back the owned rows in "
+    "weight's own storage: the assigned values would be stepped and lost. Undo the move in place instead "
+    "(emb.weight.data.sub_(e)). Nothing was changed, and emb.weight has its own storage back, holding the "
+    "rows as they were before the assignment: undo the move in it and call optimizer.step() again, or "
+    "emb.discard_step() on every rank to skip the step")
 #: Where the attached optimizer's state came from, as integers for the ranks' comparison.
 _ORIGINS = ("", "attach()", "load()", "attach() or load(), as counted by the state_dict() that "
                                       "load_state_dict() restored")
