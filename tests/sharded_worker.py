@@ -43,6 +43,9 @@ SKIPPED = frozenset(range(2, STEPS, 5))
 ZEROED = frozenset(range(3, STEPS, 7))
 #: The sam scenario's rho: each step moves the rows by SAM_RHO times their gradient between its two passes.
 SAM_RHO = 5.0
+#: Steps at which only rank 0 moves its rows (its peers' owned rows stay as gathered, theirs dropped at the
+#: next forward, while rank 0 keeps its moved ones in the step).
+SAM_RANK0_ONLY = frozenset(range(1, STEPS, 2))
 #: scenario -> (optimizer class, its reference in one process, kwargs, sparse reference gradient)
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, torch.optim.SGD, dict(lr=0.05), False),
@@ -116,13 +119,14 @@ def rank_loss(emb, ids, targets, world):
     return loss * (world / GLOBAL_BATCH)
 
 
-def reference(name, seed, steps=STEPS, skipped=(), clip=None, zeroed=(), sam=0.0):
+def reference(name, seed, steps=STEPS, skipped=(), clip=None, zeroed=(), sam=0.0, sam_rank0_rows=None):
     """One process, one dense parameter, the union batch: the table and per-row state after ``steps``.
 
     The steps in ``skipped`` are left out; those in ``zeroed`` are taken on a zero gradient (Adam
     counts them); with ``clip``, every gradient is clipped to that norm; with ``sam``, each step's
     gradient is taken again with the rows moved by ``sam`` times the first one (SAM), the move
-    undone through ``weight.data`` before the step.
+    undone through ``weight.data`` before the step, and at the steps in :data:`SAM_RANK0_ONLY` only
+    rows below ``sam_rank0_rows`` (rank 0's) moved, if given.
     """
     _, ref_cls, kwargs, sparse = OPTIMIZERS[name]
     weight = torch.nn.Parameter(initial_table(seed))
@@ -137,6 +141,8 @@ def reference(name, seed, steps=STEPS, skipped=(), clip=None, zeroed=(), sam=0.0
         backward()
         if sam:
             move = sam * weight.grad.to_dense()
+            if sam_rank0_rows is not None and step in SAM_RANK0_ONLY:
+                move[sam_rank0_rows:] = 0
             weight.data.add_(move)
             opt.zero_grad()
             backward()
@@ -441,7 +447,7 @@ def run_scenario(scenario, seed, world, rank, out):
             part = rank_slice(step, world, rank)
             rank_loss(emb, ids[part], targets[part], world).backward()
             emb.exchange_gradients()  # weight.grad: the gradient of the rows this rank owns, for SAM to read
-            move = SAM_RHO * emb.weight.grad
+            move = SAM_RHO * emb.weight.grad * (rank == 0 or step not in SAM_RANK0_ONLY)
             emb.weight.data.add_(move)
             opt.zero_grad()
             rank_loss(emb, ids[part], targets[part], world).backward()
