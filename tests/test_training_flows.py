@@ -1117,6 +1117,41 @@ def test_sharded_sam_perturbing_through_weight_data_equals_in_memory(rng, make_o
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
+def test_a_sharded_step_skipped_by_zero_grad_for_a_nan_row_is_dropped_not_kept_as_sam(rng):
+    """A row that diverged to NaN makes the loss NaN; the loop skips that step with ``zero_grad()``. The next
+    forward compares the skipped step's owned rows with the table's to tell a dropped step from rows SAM
+    moved through ``weight.data``: NaN must count as equal to NaN, or the skipped step's rows would be kept
+    in the next step (counted in its owned rows, taking its capacity). The next steps own their own rows
+    only, and train as in memory."""
+    offloaded, reference = pair(rng, sharded=True)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (offloaded, reference))
+    emb = offloaded.emb
+    emb.attach(opt)
+    make_lazy(ref_opt, reference.emb)
+    bad = int(rng.integers(ROWS))
+    emb.table.scatter([bad], torch.full((1, DIM), float("nan")))
+    with torch.no_grad():
+        reference.emb.weight[bad] = float("nan")
+    skipped = torch.from_numpy(rng.choice(ROWS, size=(BATCH, WIDTH)))
+    skipped[0, 0] = bad
+    for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+        loss = F.mse_loss(model(skipped), torch.zeros(BATCH, 1))
+        assert not torch.isfinite(loss)
+        loss.backward()
+        optimizer.zero_grad()  # the step is skipped
+    reference.emb.looked_up.clear()
+    others = torch.from_numpy(np.setdiff1d(np.arange(ROWS), [bad]))
+    for ids, target in zipf_ids(rng, 4):
+        ids = others[ids % len(others)]
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            train_step(model, optimizer, ids, target)
+        assert emb.stats()["last_step"]["owned_rows"] == len(torch.unique(ids))
+    np.testing.assert_array_equal(emb.table.to_numpy()[bad], np.nan)
+    table, ref_table = emb.table.to_numpy().copy(), reference.emb.weight.detach().numpy().copy()
+    table[bad] = ref_table[bad] = 0.0  # NaN never equals itself: compared apart above
+    np.testing.assert_allclose(table, ref_table, rtol=1e-6, atol=1e-6)
+
+
 def test_sharded_sam_undoing_its_move_by_assigning_weight_data_is_refused_at_the_step_then_trains_on(rng):
     """SAM undoing its move with ``p.data = saved`` (davda54/sam) on a sharded embedding: the step trained
     the assigned tensor and wrote back the owned rows of weight's own storage, moved and unstepped (2.4 max
