@@ -1186,17 +1186,21 @@ def test_sharded_sam_undoing_its_move_by_assigning_weight_data_is_refused_at_the
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
-def test_sharded_sam_with_a_view_of_the_table_alive_is_refused_then_trains_on(rng):
-    """SAM through ``p.data`` on a sharded embedding while a ``to_numpy()`` view of its table is alive: the
-    perturbed rows cannot be told from rows a write through the view changed, and keeping them would write
-    the step's rows back over such a write. The forward is refused (on every rank: in its first message),
-    with nothing changed; after ``discard_step()`` training goes on, the skipped step dropped, as in memory."""
+@pytest.mark.parametrize("how", ["view_alive", "in_place"])
+def test_sharded_sam_that_cannot_be_kept_is_refused_then_trains_on(rng, how):
+    """SAM on a sharded embedding where its moved rows cannot be kept in the step. ``view_alive``: through
+    ``p.data`` while a ``to_numpy()`` view of the table is alive: the moved rows cannot be told from rows a
+    write through the view changed, and keeping them would write the step's rows back over such a write.
+    ``in_place``: through ``p.add_`` under ``no_grad()``, which may have reached rows the step does not
+    hold (``weight.mul_(0.5)``): it was refused as a write between steps, saying to write the table. The
+    forward is refused (in its first message: on every rank), saying what to do, with nothing changed;
+    after ``discard_step()`` training goes on, the skipped step dropped, as in memory."""
     offloaded, reference = pair(rng, sharded=True)
     opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (offloaded, reference))
     emb = offloaded.emb
     emb.attach(opt)
     make_lazy(ref_opt, reference.emb)
-    view = emb.table.to_numpy()
+    view = emb.table.to_numpy() if how == "view_alive" else None
     for step, (ids, target) in enumerate(zipf_ids(rng, 6)):
         for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
             if step != 3:
@@ -1205,13 +1209,19 @@ def test_sharded_sam_with_a_view_of_the_table_alive_is_refused_then_trains_on(rn
             F.mse_loss(model(ids), target).backward()
             if model is offloaded:
                 emb.exchange_gradients()
-                emb.weight.data.add_(0.05 * emb.weight.grad)
+                if view is not None:
+                    emb.weight.data.add_(0.05 * emb.weight.grad)
+                else:
+                    with torch.no_grad():
+                        emb.weight.add_(0.05 * emb.weight.grad)
             optimizer.zero_grad()
             if model is offloaded:
-                table, owned, state = view.copy(), emb._owned.rows.clone(), emb.stats()
-                with pytest.raises(ss.StateError, match="view.*discard_step"):
-                    offloaded(ids)
-                np.testing.assert_array_equal(view, table)
+                table, owned, state = emb.table.to_numpy(copy=True), emb._owned.rows.clone(), emb.stats()
+                advice = "view.*discard_step" if view is not None else r"weight\.data\.add_.*discard_step"
+                for _ in range(2):  # refused until discard_step()
+                    with pytest.raises(ss.StateError, match=advice):
+                        offloaded(ids)
+                np.testing.assert_array_equal(emb.table.to_numpy(), table)
                 assert torch.equal(emb._owned.rows, owned) and emb.stats() == state
                 emb.discard_step()
             else:

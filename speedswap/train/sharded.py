@@ -529,7 +529,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
 
         Returns:
             With ``carry``, the refusal for the forward to raise on every rank, nothing
-            dropped, or None.
+            dropped (rows changed while a view of the table is alive; :attr:`weight` written
+            in place since the step's last forward), or None.
         """
         if self._backward_ran and self.weight.grad is None:
             drop = self._new_step
@@ -537,10 +538,12 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             drop = self.discard_step
         else:
             return None
+        if carry and self._version_at_lookup is not None and self.weight._version != self._version_at_lookup:
+            # Written in place (p.add_(e) under no_grad()): whether it reached rows the step does not hold
+            # (weight.mul_(0.5) reaches every row in memory) cannot be told, as for any forward after one.
+            return StateError(_WRITTEN_BEFORE_DROP)
         owned = None
-        # A write in place (p.add_(e) under no_grad()) moves the version: the step is dropped and the
-        # next forward refuses it as a write between steps (its reach cannot be told, see ScratchWrites).
-        if carry and self.weight._version == self._version_at_lookup and self._owned_rows_changed():
+        if carry and self._owned_rows_changed():
             if self.table.viewed:
                 return StateError(
                     "the owned rows of the step zero_grad() dropped differ from this rank's table, and a view "
@@ -846,9 +849,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 every rank, or on this rank alone for the retry of a forward that failed
                 after its messages); nothing changes: :meth:`discard_step` drops the step.
             StateError: a training forward after a ``zero_grad()`` that dropped a step whose owned
-                rows were changed through ``weight.data`` (SAM), while a view of the table is alive:
-                such rows cannot be told from a write through the view (on every rank; nothing
-                changes: :meth:`discard_step` drops the step).
+                rows were changed through ``weight.data`` (SAM), while a view of the table is alive
+                (such rows cannot be told from a write through the view), or whose :attr:`weight`
+                was written in place after its last forward (SAM through ``weight.add_``): on every
+                rank; nothing changes: :meth:`discard_step` drops the step.
             OptionError: a forward under a ``torch.func`` transform, raised on
                 each rank that runs one, before any message (nothing changes).
             StateError: another thread is inside a call of this embedding, or
@@ -1850,6 +1854,14 @@ _GRADIENT_LEFT = (
     "apply it again, but its rows were written back then and its slots hold other rows now. Nothing "
     "was changed: call optimizer.zero_grad() after each step on every rank, and emb.discard_step() on "
     "every rank to drop the forwards since")
+#: Why a forward refuses a step zero_grad() dropped after emb.weight was written in place.
+_WRITTEN_BEFORE_DROP = (
+    "emb.weight was written in place after this step's last training forward, and zero_grad() then dropped "
+    "the step's gradient: this forward would drop the step and read its rows from the table, without the "
+    "write. For SAM, move the rows through emb.weight.data instead (emb.weight.data.add_(e), then "
+    "emb.weight.data.sub_(e) before optimizer.step()): the step keeps them for its second pass. To "
+    "initialise rows, write the table (emb.table.apply_ on every rank). Nothing was changed: "
+    "emb.discard_step() on every rank drops the step, and the write with it")
 #: Why a step refuses a weight whose .data was assigned another tensor since the step's forwards.
 _DATA_ASSIGNED = (
     "emb.weight.data was assigned another tensor in the middle of a step (SAM undoing its move with "
