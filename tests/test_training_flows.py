@@ -1044,6 +1044,77 @@ def test_sam_perturbing_through_weight_data_equals_in_memory(backend, rng, resto
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def _sam_over_other_ids_in_its_second_pass(rng, backend):
+    """An SGD embedding and its in-memory reference, and the loop's batches: pass 1 over ``ids``, pass 2 over
+    the next batch's ids, whose rows (mostly) join the step after its first backward."""
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=2 * BATCH * WIDTH, storage="pageable", backend=backend)
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.SGD(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SGD([ref], lr=0.01)
+    batches = zipf_ids(rng, STEPS + 1)
+    return emb, opt, ref, ref_opt, list(zip(batches, batches[1:]))
+
+
+@pytest.mark.parametrize("undo", ["sub_data", "assign_after_the_second_pass"])
+def test_sam_with_a_second_pass_over_other_ids_undoing_its_move_equals_in_memory(backend, rng, undo):
+    """SAM whose second pass looks up other rows, the move undone in place or by assigning ``p.data - e``
+    after that pass (a tensor holding the new rows as they are): trains as in memory."""
+    emb, opt, ref, ref_opt, pairs = _sam_over_other_ids_in_its_second_pass(rng, backend)
+    device = ss.get_backend(backend).device
+    for (ids, target), (ids2, target2) in pairs:
+        for lookup, optimizer, param, to in ((emb, opt, emb.weight, device),
+                                             (lambda i: F.embedding(i, ref), ref_opt, ref, "cpu")):
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            move = 0.05 * param.grad
+            param.data.add_(move)
+            optimizer.zero_grad()
+            ((lookup(ids2.to(to)).cpu().sum(1) - target2) ** 2).sum().backward()
+            if undo == "sub_data":
+                param.data.sub_(move)
+            else:
+                param.data = param.data - move
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_sam_assigning_a_copy_older_than_its_second_pass_rows_is_refused_then_trains_on(backend, rng):
+    """``old_p = p.data.clone()`` after the first backward, a second pass over other ids, ``p.data = old_p``:
+    the copy's slots of the rows that joined since held other rows, which the step trained from (3.9 max
+    difference to in-memory SGD, silently). Refused at the step, nothing changed; after ``discard_step()``
+    (the reference skips the step too) training goes on as in memory."""
+    emb, opt, ref, ref_opt, pairs = _sam_over_other_ids_in_its_second_pass(rng, backend)
+    device = ss.get_backend(backend).device
+    for step, ((ids, target), (ids2, target2)) in enumerate(pairs):
+        refused = step % 3 == 1
+        for lookup, optimizer, param, to in ((emb, opt, emb.weight, device),
+                                             (lambda i: F.embedding(i, ref), ref_opt, ref, "cpu")):
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            move = 0.05 * param.grad
+            old = param.data.clone()
+            param.data.add_(move)
+            optimizer.zero_grad()
+            ((lookup(ids2.to(to)).cpu().sum(1) - target2) ** 2).sum().backward()
+            if not refused:
+                param.data.sub_(move)
+                optimizer.step()
+            elif optimizer is opt:
+                table, held, own = emb.table.to_numpy(copy=True), emb.weight.detach().clone(), emb.weight.data_ptr()
+                param.data = old
+                with pytest.raises(ss.StateError, match="joined the step after its first backward"):
+                    optimizer.step()
+                assert emb.weight.data_ptr() == own and torch.equal(emb.weight.detach(), held)
+                np.testing.assert_array_equal(emb.table.to_numpy(copy=True), table)
+                emb.discard_step()
+            else:
+                param.data = old  # in memory the copy is the whole table: the step skipped restores it
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_write_through_a_kept_view_after_a_dropped_step_is_refused_then_kept(backend, rng):
     """A step skipped by zero_grad() after its backward, then a write through a kept
     ``to_numpy()`` view: the next forward found the step's rows unlike the table's, took them

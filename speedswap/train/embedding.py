@@ -40,7 +40,7 @@ from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_op
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, close_replaced,
                         drop_leftover_state, refuse_unasked_restart, take_assigned)
-from .scratch_writes import ScratchWrites
+from .scratch_writes import ScratchWrites, same_memory
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
 from .zero_marks import holds_nonzero, reads_as_zeroed
@@ -208,6 +208,9 @@ class OffloadedEmbedding(RefusesConversion):
             torch.zeros(max_rows, embedding_dim, dtype=compute, device=self._table.device))
         self._full = self.weight.data
         self._seen_rows = 0  # working-set rows when weight.data was last seen to be _full
+        # Working-set rows when the step's first backward ran (None before it): a copy of weight.data
+        # taken after it (SAM's old_p) may predate the rows that joined since (see _adopt_replaced_data).
+        self._rows_at_backward = None
         # Whether a backward reached `weight` since the step began: a forward that then
         # finds no gradient follows a zero_grad() that dropped the step (see discard_step).
         self._backward_ran, self._version_at_backward = False, None
@@ -882,10 +885,48 @@ class OffloadedEmbedding(RefusesConversion):
         """
         if not self._working_set.size:  # values assigned between steps reach no row: refused, not taken
             self._scratch_writes.take_back(self.weight, self._full)
+        self._refuse_copy_older_than_rows()
         if take_assigned(self._full, self.weight.data, self._seen_rows, _refused_data):
             self.weight.data = self._full
         else:
             self._seen_rows = self._working_set.size
+
+    def _refuse_copy_older_than_rows(self):
+        """Refuse a ``weight.data = tensor`` whose values for rows that joined after the first backward are not theirs.
+
+        SAM keeps a copy of the rows (``old_p = p.data.clone()``) after the
+        first backward and assigns it back before the step. Rows its second
+        pass brought in (a pass over other ids) are not in that copy: their
+        slots held other rows when it was taken, and taking them would train
+        those rows from other rows' values, silently, where in memory the
+        copy holds the whole table. Such rows must be assigned their current
+        values or the table's (a copy taken after they joined); a row
+        assigned other values cannot be told from a stale one. One comparison
+        of the rows that joined since, on this path only.
+
+        Raises:
+            StateError: a row that joined after the first backward is assigned
+                other values; nothing changes (:attr:`weight` gets its own
+                storage back, holding the rows as before the assignment).
+        """
+        data, first = self.weight.data, self._rows_at_backward
+        if (first is None or self._seen_rows <= first or same_memory(data, self._full)
+                or (data.shape, data.dtype, data.device) != (self._full.shape, self._full.dtype, self._full.device)):
+            return
+        joined = slice(first, self._seen_rows)
+        with torch.no_grad():
+            assigned = data[joined]
+            table = self._cache.read(self._working_set.rows[joined]).to(self._full.dtype)
+            if bool((_same_rows(assigned, self._full[joined]) | _same_rows(assigned, table)).all()):
+                return
+        self.weight.data = self._full
+        raise StateError(
+            f"emb.weight.data was assigned a tensor whose values for rows that joined the step after its first "
+            f"backward ({self._seen_rows - first} of them) are neither theirs nor the table's: a copy taken "
+            f"before they joined (SAM's old_p = p.data.clone() after the first backward, with a second pass "
+            f"over other ids) holds other rows in their slots, and cannot be told from new values. Nothing was "
+            f"changed: emb.weight has its own storage back, with the rows as before the assignment. Undo a "
+            f"move in place instead (emb.weight.data.sub_(e)), or take the copy after the step's last forward")
 
     def _step_in_flight(self) -> bool:
         """Whether training forwards hold rows for a step still to come (a step zero_grad() dropped holds none).
@@ -1002,6 +1043,7 @@ class OffloadedEmbedding(RefusesConversion):
         if start == 0:
             self._scratch_writes.refuse_written(self.weight)
             self._state.check_not_replaced()  # refused before a step begins, when emb.load still may run
+            self._rows_at_backward = None  # a backward before the step's first forward holds none of its rows
         try:
             if start == 0 and self._padding_row is not None:
                 ws.start_with(self._padding_row)  # slot 0
@@ -1761,6 +1803,11 @@ def _refuse_ddp(weight):
             "the working set that this embedding's next training forward refuses)")
 
 
+def _same_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row, whether ``a`` and ``b`` hold the same values (NaN the same as NaN), as a bool tensor."""
+    return ((a == b) | (a.isnan() & b.isnan())).all(dim=1)
+
+
 def _refused_data(data, full):
     return (f"weight.data was replaced by a {tuple(data.shape)} {data.dtype} tensor on "
             f"{data.device}; an OffloadedEmbedding's weight is its working set, "
@@ -1883,6 +1930,8 @@ def _note_backward(ref):
         if embedding is not None:
             embedding._backward_ran = True
             embedding._version_at_backward = embedding.weight._version
+            if embedding._rows_at_backward is None:
+                embedding._rows_at_backward = embedding._working_set.size
             # A dense gradient's values are noted, on the device (a GPU's host does not wait here):
             # torch._foreach_zero_ zeroes it on CUDA without a version bump. A sparse one is zeroed
             # by zero_(), which bumps it, so its version tells, without a coalesce per backward.
