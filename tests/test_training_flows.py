@@ -1313,10 +1313,13 @@ def test_weight_data_replaced_by_an_unlike_tensor_is_refused(rng):
     np.testing.assert_array_equal(emb.table.to_numpy(), before)
 
 
-def test_sam_assigning_weight_data_then_reading_the_table_mid_step_keeps_the_perturbation(rng):
-    """``emb.table`` with a cache between SAM's passes (``p.data = perturbed``, ``zero_grad()``): the
-    assigned, perturbed rows were once compared unadopted, found unchanged, and the step was dropped
-    with its perturbation. The read sees the rows before the step, and SAM trains as in memory."""
+@pytest.mark.parametrize("move", ["in_place", "assigned"])
+def test_sam_reading_the_table_between_its_passes_keeps_the_move_or_refuses_an_assigned_one(rng, move):
+    """``emb.table`` with a cache between SAM's passes (the rows moved, ``zero_grad()``): the read
+    sees the rows before the step, and SAM trains as in memory. Rows moved through ``p.data =
+    p.data + e`` are refused there, nothing changed: an assigned tensor cannot be told from a copy
+    taken before the step's forwards (the loop of ``_rolled_back_mid_step``), which holds other
+    rows; after ``discard_step()`` (the reference skips the step too) training goes on."""
     table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=16, storage="pageable", backend="numpy", cache_rows=6)
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
@@ -1327,16 +1330,61 @@ def test_sam_assigning_weight_data_then_reading_the_table_mid_step_keeps_the_per
     ids = torch.from_numpy(rng.choice(ROWS, size=3, replace=False))
     for lookup, optimizer, param in ((emb, opt, emb.weight), (lambda i: F.embedding(i, ref), ref_opt, ref)):
         (lookup(ids) ** 3).sum().backward()
-        saved = param.data.clone()
-        param.data = param.data + 0.5 * param.grad
+        saved, unmoved = param.data.clone(), param.detach().clone()
+        if move == "in_place":
+            param.data.add_(0.5 * param.grad)
+        else:
+            param.data = param.data + 0.5 * param.grad
         optimizer.zero_grad()
-        if optimizer is opt:
+        if optimizer is opt and move == "assigned":
+            with pytest.raises(ss.StateError, match="cannot be told from rows moved on purpose"):
+                emb.table.to_numpy(copy=True)
+            assert torch.equal(emb.weight.detach(), unmoved)
+            emb.discard_step()
             np.testing.assert_array_equal(emb.table.to_numpy(copy=True), table0)
+        elif optimizer is opt:
+            np.testing.assert_array_equal(emb.table.to_numpy(copy=True), table0)
+        if move == "assigned":
+            param.data = saved  # the reference skips the step as well
+            continue
         (lookup(ids) ** 3).sum().backward()
         param.data = saved
         optimizer.step()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
-    assert not np.allclose(table0[ids.numpy()], ref.detach().numpy()[ids.numpy()])
+    if move == "in_place":
+        assert not np.allclose(table0[ids.numpy()], ref.detach().numpy()[ids.numpy()])
+
+
+def test_rolling_back_to_a_copy_taken_before_the_steps_forwards_is_refused_then_trains_on(rng):
+    """``saved = p.data.clone()`` at the top of the loop, forward, backward, then (a loss spike) ``p.data =
+    saved`` and ``zero_grad()`` to skip the step: in memory the table is as before the step. The copy held
+    other rows' values (the last step's slots), which the next forward took for rows SAM moved and trained
+    (4.5 max difference to in-memory SGD, silently). Refused at that forward, nothing changed; after
+    ``discard_step()`` training goes on as in memory."""
+    table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=2 * BATCH * WIDTH, storage="pageable", backend="numpy")
+    emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
+    opt = torch.optim.SGD(emb.parameters(), lr=0.01)
+    emb.attach(opt)
+    ref = torch.nn.Parameter(torch.from_numpy(table0.copy()))
+    ref_opt = torch.optim.SGD([ref], lr=0.01)
+    for step, (ids, target) in enumerate(zipf_ids(rng, STEPS)):
+        table = emb.table.to_numpy(copy=True)
+        for lookup, optimizer, param in ((emb, opt, emb.weight), (lambda i: F.embedding(i, ref), ref_opt, ref)):
+            saved = param.data.clone()
+            ((lookup(ids).sum(1) - target) ** 2).sum().backward()
+            if step % 4 == 3:
+                param.data = saved
+                optimizer.zero_grad()
+                if optimizer is opt:
+                    with pytest.raises(ss.StateError, match="a snapshot to roll back to"):
+                        emb(ids)
+                    emb.discard_step()
+                    np.testing.assert_array_equal(emb.table.to_numpy(copy=True), table)
+                continue
+            optimizer.step()
+            optimizer.zero_grad()
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("probe", ["autograd_grad_of_the_output", "backward_into_another_input"])

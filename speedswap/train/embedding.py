@@ -830,10 +830,14 @@ class OffloadedEmbedding(RefusesConversion):
         Raises:
             StateError: the rows differ from the table's and a view of the
                 table is alive: a write through it cannot be told from rows
-                changed in place, and taking it for one would undo it.
+                changed in place, and taking it for one would undo it; or
+                they were assigned (:meth:`_refuse_assigned_to_dropped_step`).
         """
+        dropped = self._backward_ran and self._gradient_zeroed()
+        if dropped:
+            self._refuse_assigned_to_dropped_step()
         self._adopt_replaced_data()  # the rows compared below are the user's
-        if self._backward_ran and self._gradient_zeroed():
+        if dropped:
             if self.weight._version != self._version_at_backward:
                 self._keep_perturbed_step()
             elif self._rows_changed():
@@ -848,6 +852,42 @@ class OffloadedEmbedding(RefusesConversion):
                 self._keep_perturbed_step()
             else:
                 self.discard_step()
+
+    def _refuse_assigned_to_dropped_step(self):
+        """Refuse a ``weight.data = tensor`` unlike the table's rows, met once ``zero_grad()`` dropped the step.
+
+        ``weight`` holds the step's rows only, and between steps its slots hold
+        other rows' values: a copy taken before the step's forwards (a snapshot
+        to roll back to, ``saved = p.data.clone()``) holds none of them, where in
+        memory it is the table as before the step. Assigned back, then
+        ``zero_grad()``, its values would pass for rows SAM moved, and the step
+        would go on training them, silently. Which one an assigned tensor is
+        cannot be told, so it is refused; rows moved in place
+        (``weight.data.add_(e)``) are SAM's, and rows assigned the table's
+        values (a restore) are dropped with the step. One read of the step's
+        rows, on this path only.
+
+        Raises:
+            StateError: the assigned rows differ from the table's; nothing
+                changes (:attr:`weight` gets its own storage back, holding the
+                step's rows as before the assignment).
+        """
+        data, full, rows = self.weight.data, self._full, self._seen_rows
+        if (not rows or same_memory(data, full)
+                or (data.shape, data.dtype, data.device) != (full.shape, full.dtype, full.device)):
+            return  # nothing assigned, or what _adopt_replaced_data refuses as misshapen
+        with torch.no_grad():
+            table = self._cache.read(self._working_set.rows[:rows]).to(full.dtype)
+            if bool(_same_rows(data[:rows], table).all()):
+                return
+        self.weight.data = full
+        raise StateError(
+            "emb.weight.data was assigned a tensor whose rows differ from the table's, and zero_grad() then "
+            "dropped the step: emb.weight holds the step's rows only, so a copy taken before its forwards "
+            "(a snapshot to roll back to) holds other rows' values, which cannot be told from rows moved on "
+            "purpose (SAM). Nothing was changed: emb.weight has its own storage back. To skip the step, call "
+            "emb.discard_step(); to move rows between two passes (SAM), move them in place "
+            "(emb.weight.data.add_(e), then emb.weight.data.sub_(e) before optimizer.step())")
 
     def _keep_perturbed_step(self):
         """Go on with a step whose rows were changed in place after its gradient was dropped (SAM)."""
