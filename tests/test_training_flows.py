@@ -1257,15 +1257,18 @@ def test_sharded_sam_undoing_its_move_by_assigning_weight_data_is_refused_at_the
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
-@pytest.mark.parametrize("how", ["view_alive", "in_place"])
+@pytest.mark.parametrize("how", ["view_alive", "in_place", "assigned"])
 def test_sharded_sam_that_cannot_be_kept_is_refused_then_trains_on(rng, how):
     """SAM on a sharded embedding where its moved rows cannot be kept in the step. ``view_alive``: through
     ``p.data`` while a ``to_numpy()`` view of the table is alive: the moved rows cannot be told from rows a
     write through the view changed, and keeping them would write the step's rows back over such a write.
     ``in_place``: through ``p.add_`` under ``no_grad()``, which may have reached rows the step does not
-    hold (``weight.mul_(0.5)``): it was refused as a write between steps, saying to write the table. The
-    forward is refused (in its first message: on every rank), saying what to do, with nothing changed;
-    after ``discard_step()`` training goes on, the skipped step dropped, as in memory."""
+    hold (``weight.mul_(0.5)``): it was refused as a write between steps, saying to write the table.
+    ``assigned``: through ``p.data = p.data + e``, whose tensor the step's rows are not in: the step was
+    dropped, the assignment refused as an initialiser's (write the table), once, and the forward run again
+    trained on without the move. The forward is refused (in its first message: on every rank), saying what
+    to do, with nothing changed; after ``discard_step()`` training goes on, the skipped step dropped, as in
+    memory."""
     offloaded, reference = pair(rng, sharded=True)
     opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (offloaded, reference))
     emb = offloaded.emb
@@ -1280,15 +1283,17 @@ def test_sharded_sam_that_cannot_be_kept_is_refused_then_trains_on(rng, how):
             F.mse_loss(model(ids), target).backward()
             if model is offloaded:
                 emb.exchange_gradients()
-                if view is not None:
+                if how == "view_alive":
                     emb.weight.data.add_(0.05 * emb.weight.grad)
+                elif how == "assigned":
+                    emb.weight.data = emb.weight.data + 0.05 * emb.weight.grad
                 else:
                     with torch.no_grad():
                         emb.weight.add_(0.05 * emb.weight.grad)
             optimizer.zero_grad()
             if model is offloaded:
                 table, owned, state = emb.table.to_numpy(copy=True), emb._owned.rows.clone(), emb.stats()
-                advice = "view.*discard_step" if view is not None else r"weight\.data\.add_.*discard_step"
+                advice = "view.*discard_step" if how == "view_alive" else r"weight\.data\.add_.*discard_step"
                 for _ in range(2):  # refused until discard_step()
                     with pytest.raises(ss.StateError, match=advice):
                         offloaded(ids)

@@ -470,8 +470,12 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         ``zero_grad(set_to_none=False)`` an in-memory table's gradient is
         zeros, and an ``optimizer.step()`` on it still counts (Adam's step).
         """
-        had_grad = self.weight.grad is not None
+        had_grad, in_step = self.weight.grad is not None, self._forwards
         self._new_step()
+        if in_step and not same_memory(self.weight.data, self._full):
+            # Assigned in the step (SAM's p.data = p.data + e, refused at the next forward): dropped with
+            # it, as a write in place is below, not refused again as an initialiser's between steps.
+            self.weight.data = self._full
         self._scratch_writes.note_own(self.weight)  # a step that failed in its optimizer wrote the scratch
         if had_grad:
             self._keep_zero_grad()
@@ -530,7 +534,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         Returns:
             With ``carry``, the refusal for the forward to raise on every rank, nothing
             dropped (rows changed while a view of the table is alive; :attr:`weight` written
-            in place since the step's last forward), or None.
+            in place, or its ``.data`` assigned, since the step's last forward), or None.
         """
         if self._backward_ran and self.weight.grad is None:
             drop = self._new_step
@@ -542,6 +546,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             # Written in place (p.add_(e) under no_grad()): whether it reached rows the step does not hold
             # (weight.mul_(0.5) reaches every row in memory) cannot be told, as for any forward after one.
             return StateError(_WRITTEN_BEFORE_DROP)
+        if carry and not same_memory(self.weight.data, self._full):
+            # Assigned (p.data = p.data + e): the owned rows are in weight's own storage, unmoved, and the
+            # assigned tensor's slots cannot be told to hold them (see _DATA_ASSIGNED). Dropping the step
+            # here lost the move, and the next forward refused the tensor as an initialiser's, once.
+            return StateError(_ASSIGNED_BEFORE_DROP)
         owned = None
         if carry and self._owned_rows_changed():
             if self.table.viewed:
@@ -851,8 +860,9 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             StateError: a training forward after a ``zero_grad()`` that dropped a step whose owned
                 rows were changed through ``weight.data`` (SAM), while a view of the table is alive
                 (such rows cannot be told from a write through the view), or whose :attr:`weight`
-                was written in place after its last forward (SAM through ``weight.add_``): on every
-                rank; nothing changes: :meth:`discard_step` drops the step.
+                was written in place, or its ``.data`` assigned, after its last forward (SAM through
+                ``weight.add_`` or ``p.data = p.data + e``): on every rank; nothing changes:
+                :meth:`discard_step` drops the step.
             OptionError: a forward under a ``torch.func`` transform, raised on
                 each rank that runs one, before any message (nothing changes).
             StateError: another thread is inside a call of this embedding, or
@@ -1862,6 +1872,15 @@ _WRITTEN_BEFORE_DROP = (
     "emb.weight.data.sub_(e) before optimizer.step()): the step keeps them for its second pass. To "
     "initialise rows, write the table (emb.table.apply_ on every rank). Nothing was changed: "
     "emb.discard_step() on every rank drops the step, and the write with it")
+#: Why a forward refuses a step zero_grad() dropped after emb.weight.data was assigned another tensor.
+_ASSIGNED_BEFORE_DROP = (
+    "emb.weight.data was assigned another tensor after this step's last training forward (SAM moving the "
+    "rows with p.data = p.data + e, say), and zero_grad() then dropped the step's gradient: a "
+    "ShardedOffloadedEmbedding keeps the step's rows in weight's own storage, which the assignment did not "
+    "reach, so this forward would read them unmoved. Move the rows in place instead "
+    "(emb.weight.data.add_(e), then emb.weight.data.sub_(e) before optimizer.step()): the step keeps them "
+    "for its second pass. Nothing was changed: emb.discard_step() on every rank drops the step, and the "
+    "assignment with it")
 #: Why a step refuses a weight whose .data was assigned another tensor since the step's forwards.
 _DATA_ASSIGNED = (
     "emb.weight.data was assigned another tensor in the middle of a step (SAM undoing its move with "
