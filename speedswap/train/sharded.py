@@ -507,7 +507,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             StateError: rows of the shard are in a step; nothing changes.
         """
         self._abort_step()
-        self._drop_zeroed_step()
+        self._drop_zeroed_step(carry=True)  # rows SAM moved stay in the step: refused below, as any step's
         if self._owned.size:
             raise StateError("a write into this rank's shard between a training forward and optimizer.step() "
                              "would be undone by the step, which writes the rows it gathered back; write "
@@ -522,7 +522,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 zeroed after :meth:`exchange_gradients` (a step a ``GradScaler`` skipped),
                 keeping the zero gradient, as in memory. The step passes False: it takes
                 such a step, moving no row, on every rank alike (see :meth:`_begin_step`).
-            carry: a training forward's call: owned rows changed through ``weight.data``
+            carry: a training forward's call, or a call that refuses a step in flight (a
+                table write, save, load_state_dict): owned rows changed through ``weight.data``
                 since they were gathered (SAM perturbs them between two passes over a batch,
                 with a ``zero_grad()`` between) stay in the owned working set, in their slots
                 of :attr:`weight`, for this forward and the step to read and write back; the
@@ -532,9 +533,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 are unchanged drops them, which its table holds as they are.
 
         Returns:
-            With ``carry``, the refusal for the forward to raise on every rank, nothing
-            dropped (rows changed while a view of the table is alive; :attr:`weight` written
-            in place, or its ``.data`` assigned, since the step's last forward), or None.
+            With ``carry``, the refusal for the forward to raise on every rank (other callers
+            refuse the step it leaves in flight), nothing dropped (rows changed while a view of
+            the table is alive; :attr:`weight` written in place, or its ``.data`` assigned,
+            since the step's last forward), or None.
         """
         if self._backward_ran and self.weight.grad is None:
             drop = self._new_step
@@ -1709,10 +1711,15 @@ class ShardedOffloadedEmbedding(RefusesConversion):
     def _step_in_flight(self) -> bool:
         """Whether training forwards since the last step hold rows for a step still to come.
 
-        A step ``zero_grad()`` dropped after its backward is discarded first;
-        one skipped before its backward leaves its rows here, waiting for the next step.
+        A step ``zero_grad()`` dropped after its backward is discarded first,
+        unless SAM moved its rows between two passes (:meth:`_drop_zeroed_step`'s
+        ``carry``, whose refusals leave the step in flight for the next forward
+        to raise); one skipped before its backward leaves its rows here, waiting
+        for the next step. A step the optimizer raised inside is undone first (as a
+        forward does), or its writes into :attr:`weight` would read as the user's.
         """
-        self._drop_zeroed_step()
+        self._abort_step()
+        self._drop_zeroed_step(carry=True)
         return bool(self._looked_up.size or self._forwards or self._carried)
 
     def _check_between_steps(self, what):
