@@ -1210,6 +1210,31 @@ def test_a_sharded_table_call_between_sams_passes_is_refused_and_sam_trains_on(r
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
+@pytest.mark.parametrize("call", ["table_scatter", "save", "load_state_dict"])
+def test_a_sharded_table_call_after_a_step_whose_optimizer_raised_and_zero_grad_goes_through(rng, tmp_path, call):
+    """A step whose optimizer raised, given up with ``zero_grad()``: the optimizer's writes into ``weight``
+    are not the user's. Keeping SAM's step at these calls (above) first refused a ``save`` and a
+    ``load_state_dict`` here, taking those writes for a move of ``weight`` in place; the step is undone
+    first, as a forward does, and the call goes through. The next forward refused those writes as the
+    user's between steps, once (with or without the call), as it no longer does. ``state_dict()`` held the
+    failed step's count in Adam's scalar state, which the load restored (0.004 max difference to in memory
+    here); it undoes the step first too. Training goes on as in memory, the step skipped."""
+    offloaded, opt, reference, ref_opt, table_call = _sharded_adam_pair_and_table_call(rng, tmp_path, call)
+    for step, (ids, target) in enumerate(zipf_ids(rng, 6)):
+        if step != 3:
+            for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+                train_step(model, optimizer, ids, target)
+            continue
+        F.mse_loss(offloaded(ids), target).backward()
+        step_failing_once(opt, list(offloaded.lin.parameters()))
+        opt.zero_grad()
+        table_call()
+        if call == "table_scatter":
+            with torch.no_grad():
+                reference.emb.weight[0] = 0.0
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
 def _sharded_adam_pair_and_table_call(rng, tmp_path, call):
     """(offloaded, opt, reference, ref_opt, table_call): :func:`pair`'s sharded model and its lazy reference,
     with Adam, and ``call`` of the embedding's: ``table_scatter`` (zeros into row 0), ``save`` or

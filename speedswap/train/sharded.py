@@ -655,6 +655,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             StateError: a closed embedding.
         """
         self._check_open()
+        self._abort_step()  # a step the optimizer raised inside counted itself in the scalar state: undone first
         optimizer = "" if self._state is None else type(self._state.optimizer).__name__
         scalars = None if self._state is None else self._state.scalar_state()
         return {**tables_state(type(self).__name__, self._tables(), optimizer, self.num_embeddings,
@@ -1479,8 +1480,10 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         if self._narrowed is not None:
             self._restore_narrowed()
             self._gather_owned(0)
-            # The optimizer's writes, undone by the gather: no write of the user's for the next forward to refuse.
+            # The optimizer's writes, undone by the gather: no write of the user's for the next forward to refuse,
+            # in this step or, once zero_grad() gave it up, the next (as discard_step() notes).
             self._version_at_lookup = self.weight._version
+            self._scratch_writes.note_own(self.weight)
 
     def _reopen_step(self) -> None:
         """Make a step that failed after its messages exchange again: a forward or backward since adds to its gradient.
