@@ -1196,7 +1196,7 @@ def test_a_sharded_table_call_between_sams_passes_is_refused_and_sam_trains_on(r
     table, unmoved, silently (0.05 to 0.22 max difference to in-memory SGD over 6 steps). The step is kept,
     as the second pass's forward keeps it, and the call refused as any call in the middle of a step, nothing
     changed; SAM trains on as in memory."""
-    offloaded, opt, reference, ref_opt, table_call = _sharded_adam_pair_and_table_call(rng, tmp_path, call)
+    offloaded, opt, reference, ref_opt, table_call = _adam_pair_and_table_call(rng, tmp_path, call, sharded=True)
 
     def refused():
         table = offloaded.emb.table.to_numpy(copy=True)
@@ -1210,16 +1210,21 @@ def test_a_sharded_table_call_between_sams_passes_is_refused_and_sam_trains_on(r
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "offloaded"])
 @pytest.mark.parametrize("call", ["table_scatter", "save", "load_state_dict"])
-def test_a_sharded_table_call_after_a_step_whose_optimizer_raised_and_zero_grad_goes_through(rng, tmp_path, call):
+def test_a_table_call_after_a_step_whose_optimizer_raised_and_zero_grad_goes_through(rng, tmp_path, call, sharded):
     """A step whose optimizer raised, given up with ``zero_grad()``: the optimizer's writes into ``weight``
-    are not the user's. Keeping SAM's step at these calls (above) first refused a ``save`` and a
+    are not the user's. Sharded: keeping SAM's step at these calls (above) first refused a ``save`` and a
     ``load_state_dict`` here, taking those writes for a move of ``weight`` in place; the step is undone
     first, as a forward does, and the call goes through. The next forward refused those writes as the
     user's between steps, once (with or without the call), as it no longer does. ``state_dict()`` held the
     failed step's count in Adam's scalar state, which the load restored (0.004 max difference to in memory
-    here); it undoes the step first too. Training goes on as in memory, the step skipped."""
-    offloaded, opt, reference, ref_opt, table_call = _sharded_adam_pair_and_table_call(rng, tmp_path, call)
+    here); it undoes the step first too. ``OffloadedEmbedding``: the next forward took those writes for
+    SAM's move in place, kept the step, and refused its new rows as looked up after a write in place, until
+    ``discard_step()``; ``emb.table`` refused the narrowed ``weight.data`` the failed step left as assigned
+    by the user; ``state_dict()`` held the failed step's count too. Training goes on as in memory, the step
+    skipped."""
+    offloaded, opt, reference, ref_opt, table_call = _adam_pair_and_table_call(rng, tmp_path, call, sharded)
     for step, (ids, target) in enumerate(zipf_ids(rng, 6)):
         if step != 3:
             for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
@@ -1235,11 +1240,11 @@ def test_a_sharded_table_call_after_a_step_whose_optimizer_raised_and_zero_grad_
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
-def _sharded_adam_pair_and_table_call(rng, tmp_path, call):
-    """(offloaded, opt, reference, ref_opt, table_call): :func:`pair`'s sharded model and its lazy reference,
-    with Adam, and ``call`` of the embedding's: ``table_scatter`` (zeros into row 0), ``save`` or
+def _adam_pair_and_table_call(rng, tmp_path, call, sharded):
+    """(offloaded, opt, reference, ref_opt, table_call): :func:`pair`'s model (``sharded`` or not) and its lazy
+    reference, with Adam, and ``call`` of the embedding's: ``table_scatter`` (zeros into row 0), ``save`` or
     ``load_state_dict`` (of its own state dict)."""
-    offloaded, reference = pair(rng, sharded=True)
+    offloaded, reference = pair(rng, sharded=sharded)
     opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (offloaded, reference))
     offloaded.emb.attach(opt)
     make_lazy(ref_opt, reference.emb)

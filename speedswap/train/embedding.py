@@ -1009,7 +1009,9 @@ class OffloadedEmbedding(RefusesConversion):
         if self._backward_ran and not self._table.closed and self._gradient_zeroed():
             # A step zero_grad() dropped after its backward is discarded now: the next forward
             # would take rows written through the table meanwhile for rows changed in place
-            # (SAM), go on with the step, and write its rows back over the writes.
+            # (SAM), go on with the step, and write its rows back over the writes. A step the optimizer
+            # raised inside is undone first: its writes into weight are no move of SAM's.
+            self._abort_step()
             self._drop_zeroed_step()
         cache = self._cache
         # Mid-step the cache must keep the slots the step stores its rows in: the table's reads
@@ -1402,6 +1404,9 @@ class OffloadedEmbedding(RefusesConversion):
         # Nothing was stored: the cache too holds the rows as before, and the step goes on.
         self._cache.restart_step()
         self._gather_new(0, again=True)
+        # The optimizer's writes, undone by the gather: no write of the user's for a forward to refuse, nor, once
+        # zero_grad() gave the step up, a move in place (SAM's) to keep the step for (see _drop_zeroed_step).
+        self._version_at_lookup = self._version_at_backward = self.weight._version
 
     # ---------------------------------------------------------------- cache
     @one_thread
@@ -1635,6 +1640,7 @@ class OffloadedEmbedding(RefusesConversion):
             StateError: a closed embedding.
         """
         self._check_open()
+        self._abort_step()  # a step the optimizer raised inside counted itself in the scalar state: undone first
         self.flush()
         return tables_state(type(self).__name__, self._tables(), self._attrs()["optimizer"],
                             self.num_embeddings,
