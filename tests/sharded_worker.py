@@ -111,6 +111,16 @@ def rank_slice(step, world, rank):
     return slice(bounds[rank], bounds[rank + 1]) if rank < ranks else slice(0, 0)
 
 
+def exchanged_backward(emb, seed, step, world, rank):
+    """This rank's part of the step's global batch: its loss's backward, then ``exchange_gradients()`` (``weight.grad``
+    then holds the gradient of the rows this rank owns). Returns the part's ids and targets."""
+    ids, targets = global_batch(seed, step)
+    part = rank_slice(step, world, rank)
+    rank_loss(emb, ids[part], targets[part], world).backward()
+    emb.exchange_gradients()
+    return ids[part], targets[part]
+
+
 def rank_loss(emb, ids, targets, world):
     """This rank's loss, from two forward calls (they share one step's working set)."""
     half = len(ids) // 2
@@ -443,14 +453,11 @@ def run_scenario(scenario, seed, world, rank, out):
         emb, opt = make(name)
         emb.load(table_file)
         for step in range(STEPS):
-            ids, targets = global_batch(seed, step)
-            part = rank_slice(step, world, rank)
-            rank_loss(emb, ids[part], targets[part], world).backward()
-            emb.exchange_gradients()  # weight.grad: the gradient of the rows this rank owns, for SAM to read
+            ids, targets = exchanged_backward(emb, seed, step, world, rank)  # weight.grad: for SAM to read
             move = SAM_RHO * emb.weight.grad * (rank == 0 or step not in SAM_RANK0_ONLY)
             emb.weight.data.add_(move)
             opt.zero_grad()
-            rank_loss(emb, ids[part], targets[part], world).backward()
+            rank_loss(emb, ids, targets, world).backward()
             emb.weight.data.sub_(move)
             opt.step()
             opt.zero_grad()
@@ -464,10 +471,7 @@ def run_scenario(scenario, seed, world, rank, out):
         emb, opt = make(name)
         emb.load(table_file)
         for step in range(STEPS):
-            ids, targets = global_batch(seed, step)
-            part = rank_slice(step, world, rank)
-            rank_loss(emb, ids[part], targets[part], world).backward()
-            emb.exchange_gradients()
+            exchanged_backward(emb, seed, step, world, rank)
             torch.nn.utils.clip_grads_with_norm_(emb.parameters(), MAX_NORM, emb.grad_norm())
             opt.step()
             opt.zero_grad()
