@@ -1044,6 +1044,10 @@ def test_sam_perturbing_through_weight_data_equals_in_memory(backend, rng, resto
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def _differs(a, b):
+    return not np.allclose(a, b)
+
+
 def _sam_over_other_ids_in_its_second_pass(rng, backend):
     """An SGD embedding and its in-memory reference, and the loop's batches: pass 1 over ``ids``, pass 2 over
     the next batch's ids, whose rows (mostly) join the step after its first backward."""
@@ -1058,12 +1062,14 @@ def _sam_over_other_ids_in_its_second_pass(rng, backend):
     return emb, opt, ref, ref_opt, list(zip(batches, batches[1:]))
 
 
-@pytest.mark.parametrize("undo", ["sub_data", "assign_after_the_second_pass"])
+@pytest.mark.parametrize("undo", ["sub_data", "assign_a_copy_after_the_second_pass", "assign_undone_values"])
 def test_sam_with_a_second_pass_over_other_ids_undoing_its_move_equals_in_memory(backend, rng, undo):
-    """SAM whose second pass looks up other rows, the move undone in place or by assigning ``p.data - e``
-    after that pass (a tensor holding the new rows as they are): trains as in memory."""
+    """SAM whose second pass looks up other rows, the move undone in place, or in place and then a copy
+    assigned after that pass (a tensor holding the new rows as they are): trains as in memory. Undone by
+    assigning ``p.data - e``, whose values are the table's to rounding only, as a stale copy's are not
+    the rows' at all: refused at the step, nothing changed, and training goes on after ``discard_step()``."""
     emb, opt, ref, ref_opt, pairs = _sam_over_other_ids_in_its_second_pass(rng, backend)
-    device = ss.get_backend(backend).device
+    device, table0 = ss.get_backend(backend).device, emb.table.to_numpy(copy=True)
     for (ids, target), (ids2, target2) in pairs:
         for lookup, optimizer, param, to in ((emb, opt, emb.weight, device),
                                              (lambda i: F.embedding(i, ref), ref_opt, ref, "cpu")):
@@ -1072,13 +1078,25 @@ def test_sam_with_a_second_pass_over_other_ids_undoing_its_move_equals_in_memory
             param.data.add_(move)
             optimizer.zero_grad()
             ((lookup(ids2.to(to)).cpu().sum(1) - target2) ** 2).sum().backward()
-            if undo == "sub_data":
-                param.data.sub_(move)
-            else:
+            if undo == "assign_undone_values":
+                held = param.detach().clone()
                 param.data = param.data - move
+                if optimizer is opt:
+                    table = emb.table.to_numpy(copy=True)
+                    with pytest.raises(ss.StateError, match="cannot be told from rows moved on purpose"):
+                        optimizer.step()
+                    assert torch.equal(emb.weight.detach(), held)
+                    np.testing.assert_array_equal(emb.table.to_numpy(copy=True), table)
+                    emb.discard_step()
+                optimizer.zero_grad()  # the reference skips the step too
+                continue
+            param.data.sub_(move)
+            if undo == "assign_a_copy_after_the_second_pass":
+                param.data = param.data.clone()
             optimizer.step()
             optimizer.zero_grad()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert (np.array_equal if undo == "assign_undone_values" else _differs)(emb.table.to_numpy(), table0)
 
 
 def test_sam_assigning_a_copy_older_than_its_second_pass_rows_is_refused_then_trains_on(backend, rng):
@@ -1426,12 +1444,15 @@ def test_sam_reading_the_table_between_its_passes_keeps_the_move_or_refuses_an_a
         assert not np.allclose(table0[ids.numpy()], ref.detach().numpy()[ids.numpy()])
 
 
-def test_rolling_back_to_a_copy_taken_before_the_steps_forwards_is_refused_then_trains_on(rng):
-    """``saved = p.data.clone()`` at the top of the loop, forward, backward, then (a loss spike) ``p.data =
-    saved`` and ``zero_grad()`` to skip the step: in memory the table is as before the step. The copy held
-    other rows' values (the last step's slots), which the next forward took for rows SAM moved and trained
-    (4.5 max difference to in-memory SGD, silently). Refused at that forward, nothing changed; after
-    ``discard_step()`` training goes on as in memory."""
+@pytest.mark.parametrize("then", ["zero_grad", "step"])
+def test_rolling_back_to_a_copy_taken_before_the_steps_forwards_is_refused_then_trains_on(rng, then):
+    """``saved = p.data.clone()`` at the top of the loop, forward, backward, then ``p.data = saved`` (to undo
+    what a hook wrote, or a loss spike) and ``zero_grad()`` to skip the step, or ``optimizer.step()`` to
+    take it from the saved values: in memory the copy is the table as before the step. It held other rows'
+    values (the last step's slots): the next forward took them for rows SAM moved and trained them (4.47
+    max difference to in-memory SGD, silently), and a step took them for the rows (3.55 over four steps
+    rolled back, silently). Refused at that forward or step, nothing changed; after ``discard_step()``
+    training goes on as in memory (the reference skips those steps too)."""
     table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=2 * BATCH * WIDTH, storage="pageable", backend="numpy")
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
@@ -1445,13 +1466,17 @@ def test_rolling_back_to_a_copy_taken_before_the_steps_forwards_is_refused_then_
             saved = param.data.clone()
             ((lookup(ids).sum(1) - target) ** 2).sum().backward()
             if step % 4 == 3:
+                held = param.detach().clone()
                 param.data = saved
-                optimizer.zero_grad()
+                if then == "zero_grad":
+                    optimizer.zero_grad()
                 if optimizer is opt:
                     with pytest.raises(ss.StateError, match="a snapshot to roll back to"):
-                        emb(ids)
+                        emb(ids) if then == "zero_grad" else optimizer.step()
+                    assert torch.equal(emb.weight.detach(), held)
                     emb.discard_step()
                     np.testing.assert_array_equal(emb.table.to_numpy(copy=True), table)
+                optimizer.zero_grad()
                 continue
             optimizer.step()
             optimizer.zero_grad()
