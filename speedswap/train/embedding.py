@@ -599,6 +599,8 @@ class OffloadedEmbedding(RefusesConversion):
                 # The ids' range is checked by the cache, in a read it makes anyway (with some rows cached).
                 flat, shape, check_bounds = as_row_ids_deferred(ids, self.num_embeddings, weight.device)
                 rows = self._cache.read(flat, counted=True, check_bounds=check_bounds)
+                if self._working_set.size:
+                    rows = self._with_step_rows(flat, rows)
                 return rows.view(*shape, self.embedding_dim).to(weight.dtype)
         self._one_process.refuse_shared_training(weight, self._storage == "mmap")
         _refuse_ddp(weight)
@@ -608,6 +610,23 @@ class OffloadedEmbedding(RefusesConversion):
                           scale_grad_by_freq=self.scale_grad_by_freq)
         self._reached.track(out, local)  # a forward no backward reaches trains nothing
         return out
+
+    def _with_step_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` of the flat ``ids`` read from the table, those of the step in flight as :attr:`weight` holds them.
+
+        Between a training forward and ``optimizer.step()`` the table holds the
+        step's rows as before it, and :attr:`weight` holds them as the step
+        will train them: moved in place, where SAM perturbs them between its
+        two passes. ``nn.Embedding``'s eval forward reads its weight, moved
+        rows too (they were read unmoved: 0.020 max difference). A tensor
+        assigned to ``weight.data`` is taken first, as the step would take it.
+
+        Raises:
+            StateError: the assigned tensor is refused (see :meth:`_adopt_replaced_data`).
+        """
+        self._adopt_replaced_data()
+        slots, held = self._working_set.slots_of(ids)
+        return torch.where(held[:, None], self._full.index_select(0, slots), rows.to(self._full.dtype))
 
     def _lookup_alias(self, weight: torch.Tensor) -> torch.Tensor:
         """The alias of ``weight`` every training lookup of the step reads, made at the first (see ``__init__``).

@@ -895,10 +895,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         self.refuse_replaced_weight(self.weight)
         training = self.training and torch.is_grad_enabled()
         refusal = None  # of the step zero_grad() dropped, raised in the first message: on every rank
+        # A step whose optimizer raised is put back first: an eval forward's owned rows are read from weight.
+        self._abort_step()
         if training:
             # A forked process sends no message its parent's ranks would match: raised here alone.
             self._one_process.refuse_shared_training(self.weight, self._storage == "mmap")
-            self._abort_step()
             # Activation checkpointing runs the forward again inside the backward, on every rank
             # alike, after any zero_grad() since its first run, whose rows are in the step: dropping
             # the step here would drop them too. The backward decides when it reaches the lookup
@@ -1044,7 +1045,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         asked = asked - self.bounds[self.rank]
         if not training:
             out = torch.empty(len(asked), self.embedding_dim, dtype=self.table.dtype, device=self.table.device)
-            return self.table.gather_validated(asked, out)
+            rows = self.table.gather_validated(asked, out)
+            return self._with_step_rows(asked, rows) if self._owned.size else rows
         slots, first_owned, _ = self._owned.add(asked)
         self._gather_owned(first_owned)
         for source, part in enumerate(slots.split(recv_counts)):
@@ -1052,6 +1054,29 @@ class ShardedOffloadedEmbedding(RefusesConversion):
         # Rows travel in the table's dtype: these were read from the table this step,
         # so a bfloat16 table's rows go back to bfloat16 exactly, at half the bytes.
         return self._full[slots].to(self.table.dtype)
+
+    def _with_step_rows(self, asked: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` of the shard-local ``asked`` ids read from the table, the step's owned rows as weight holds them.
+
+        Between a training forward and ``optimizer.step()`` the table holds the
+        step's rows as before it, and :attr:`weight` holds the owned ones as
+        the step will train them: moved in place, where SAM perturbs them
+        between its two passes. ``nn.Embedding``'s eval forward reads its
+        weight, moved rows too (they were read unmoved: 0.031 max difference).
+        In the table's dtype, as rows travel: a bfloat16 table's moved rows
+        are rounded to it.
+
+        Raises:
+            StateError: :attr:`weight`'s ``.data`` was assigned another tensor,
+                which the step refuses too; nothing changes.
+        """
+        if not same_memory(self.weight.data, self._full):
+            raise StateError("an eval forward between assigning emb.weight.data and optimizer.step(): a "
+                             "ShardedOffloadedEmbedding trains its weight's own storage, and refuses the "
+                             "assigned tensor at the step. Move and undo rows in place "
+                             "(emb.weight.data.add_(e), emb.weight.data.sub_(e)), or call emb.discard_step()")
+        slots, held = self._owned.slots_of(asked)
+        return torch.where(held[:, None], self._full.index_select(0, slots).to(rows.dtype), rows)
 
     def prefetch(self, ids: Ids) -> NoReturn:
         """Refused: a sharded table has no device cache to prefetch into (see ``cache_rows``).

@@ -97,6 +97,18 @@ class WorkingSet:
             return torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
         return self._find(ids)[1]
 
+    def slots_of(self, ids: torch.Tensor):
+        """Each of ``ids``' slot, and whether it has one: ``(slots, held)``, sync-free.
+
+        Args:
+            ids: table ids, a 1-D int64 tensor on :attr:`device`; the working set must not be empty.
+
+        Returns:
+            int64 slots (meaningful where held, a valid slot elsewhere) and a bool mask, each shaped like ``ids``.
+        """
+        position, held = self._find(ids)
+        return self._slot_of_sorted.index_select(0, position), held
+
     def _find(self, ids):
         """(position in the sorted rows, found) of each id; the position is meaningful where found."""
         # The rows are kept sorted, so one binary search per id finds the held ones.
