@@ -884,10 +884,13 @@ class OffloadedEmbedding(RefusesConversion):
         NaN counts as equal to NaN: a row that diverged to NaN (the usual
         reason to skip a step) is unchanged, not perturbed.
         """
-        rows = self._working_set.rows
+        rows = self._working_set.size
+        return not bool(_same_rows(self._table_rows(rows), self._full[:rows]).all())
+
+    def _table_rows(self, rows: int) -> torch.Tensor:
+        """The table's (and cache's) values of the step's first ``rows`` rows, in :attr:`weight`'s dtype: one read."""
         with torch.no_grad():
-            current = self._cache.read(rows).to(self._full.dtype)
-        return not torch.allclose(current, self._full[:len(rows)], rtol=0, atol=0, equal_nan=True)
+            return self._cache.read(self._working_set.rows[:rows]).to(self._full.dtype)
 
     def _adopt_replaced_data(self):
         """Take the values of a ``weight.data = tensor`` assignment into the working set.
@@ -941,7 +944,7 @@ class OffloadedEmbedding(RefusesConversion):
             return  # nothing assigned, or what take_assigned refuses as misshapen
         with torch.no_grad():
             assigned = data[:rows]
-            table = self._cache.read(self._working_set.rows[:rows]).to(full.dtype)
+            table = self._table_rows(rows)
             stale = ~(_same_rows(assigned, full[:rows]) | _same_rows(assigned, table))
             if not bool(stale.any()):
                 return
