@@ -1366,6 +1366,41 @@ def test_eval_forwards_between_sams_passes_read_the_moved_rows_as_in_memory(rng,
     assert_equal_to_reference(offloaded, opt, reference, ref_opt)
 
 
+def test_eval_forwards_between_sam_passes_over_other_ids_read_as_in_memory(backend, rng):
+    """The eval reads of the test above on every backend (the step's rows found on the device, taken from
+    weight): SAM whose second pass brings in other rows, probed by eval forwards after the move, after the
+    second pass (whose rows joined unmoved) and after the undo, against the in-memory table's rows."""
+    emb, opt, ref, ref_opt, pairs = _sam_over_other_ids_in_its_second_pass(rng, backend)
+    device = ss.get_backend(backend).device
+    for (ids, target), (ids2, target2) in pairs:
+        probe = torch.cat([ids.flatten(), ids2.flatten(), torch.from_numpy(rng.integers(0, ROWS, 20))])
+        read = []
+        for lookup, optimizer, param, to in ((emb, opt, emb.weight, device),
+                                             (lambda i: F.embedding(i, ref), ref_opt, ref, "cpu")):
+            def probed():
+                if lookup is emb:
+                    emb.eval()
+                with torch.no_grad():
+                    rows = lookup(probe.to(to)).cpu()
+                emb.train()
+                return rows
+            ((lookup(ids.to(to)).cpu().sum(1) - target) ** 2).sum().backward()
+            move = 0.05 * param.grad
+            param.data.add_(move)
+            optimizer.zero_grad()
+            rows = [probed()]
+            ((lookup(ids2.to(to)).cpu().sum(1) - target2) ** 2).sum().backward()
+            rows.append(probed())
+            param.data.sub_(move)
+            rows.append(probed())
+            optimizer.step()
+            optimizer.zero_grad()
+            read.append(rows)
+        for mine, theirs in zip(*read):
+            np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_sharded_sam_undoing_its_move_by_assigning_weight_data_is_refused_at_the_step_then_trains_on(rng):
     """SAM undoing its move with ``p.data = saved`` (davda54/sam) on a sharded embedding: the step trained
     the assigned tensor and wrote back the owned rows of weight's own storage, moved and unstepped (2.4 max
