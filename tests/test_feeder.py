@@ -808,28 +808,57 @@ def test_a_state_saved_before_ranks_took_runs_is_refused_with_a_remedy_that_work
     assert len(got) == len(expected) == len(straight) and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_a_block_state_saved_before_each_window_had_its_own_generator_is_refused(rng):
-    """Such a state's epoch shuffled its windows with one generator, the rows within them in another order:
-    resumed mid-epoch, it would read some of the epoch's rows twice and others never, and nothing would
-    say so. Refused, nothing changed, with the remedy that works (its epoch afresh); a random or
-    sequential order's state, whose stream did not change, is taken."""
+@pytest.mark.parametrize("order, saved_order", [
+    ("random", {"name": "random"}),
+    ("block", {"name": "block", "block_rows": 7, "window": 3, "shuffle": "per-window"}),
+    ("block", {"name": "block", "block_rows": 7, "window": 3}),
+], ids=["random", "block-per-window", "block-one-generator"])
+def test_a_state_saved_with_earlier_streams_is_refused_with_a_remedy_that_works(rng, order, saved_order):
+    """Until review-z an epoch was drawn from SeedSequence([seed, epoch]) (and, before review-w, a block
+    order's windows were shuffled one after another by one generator): such a state resumed mid-epoch
+    would read some of the epoch's rows twice and others never, and nothing would say so. Refused,
+    nothing changed, with the remedy that works (its epoch afresh); a sequential order's state, which
+    has no stream, is taken."""
     data = rng.permutation(100)
 
     def feeder(order):
+        if order == "block":
+            order = BlockOrder(block_rows=7, window=3)
         return ss.BatchFeeder(data, batch_size=10, order=order, seed=3, device="cpu")
 
-    blocks = feeder("block")
-    saved = blocks.state_dict()
-    old = dict(saved, epoch=2, batch=3, order={k: v for k, v in saved["order"].items() if k != "shuffle"})
+    resumed = feeder(order)
+    saved = resumed.state_dict()
     with pytest.raises(ss.StateError) as info:
-        blocks.load_state_dict(old)
+        resumed.load_state_dict(dict(saved, epoch=2, batch=3, order=saved_order))
     message = str(info.value)
-    assert "its own generator" in message and "set_epoch(2)" in message and "same arguments" not in message
-    assert blocks.state_dict() == saved
-    for order in ("random", "sequential"):
-        other = feeder(order)
-        other.load_state_dict(dict(other.state_dict(), epoch=2, batch=3))
-        assert (other.state_dict()["epoch"], other.state_dict()["batch"]) == (2, 3)
+    assert "set_epoch(2)" in message and "same arguments" not in message, message
+    assert "SeedSequence([seed, epoch])" in message, message
+    assert ("its own generator" in message) == ("shuffle" not in saved_order and order == "block"), message
+    assert resumed.state_dict() == saved
+    resumed.set_epoch(2)  # what the message says: epoch 2 afresh, as an uninterrupted run reads it
+    straight = feeder(order)
+    straight.set_epoch(2)
+    got, expected = [b[0] for b in resumed], [b[0] for b in straight]
+    assert len(got) == len(expected) == len(straight) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    other = feeder("sequential")
+    other.load_state_dict(dict(other.state_dict(), epoch=2, batch=3))
+    assert (other.state_dict()["epoch"], other.state_dict()["batch"]) == (2, 3)
+
+
+@pytest.mark.parametrize("kind", [RandomOrder, BlockOrder])
+def test_an_epochs_order_is_not_the_seeds_own_stream_nor_another_seeds_epoch(rng, kind):
+    """Epochs were drawn from SeedSequence([seed, epoch]), which numpy pads with zero words: epoch 0 was
+    default_rng(seed)'s own stream (data a user drew with the feeder's seed shared its bits: its
+    permutation(n) was the random order of epoch 0), and seed s + 2**32 (two 32-bit words) read seed s's
+    epoch 1 at its epoch 0, which a millisecond timestamp as seed can hit."""
+    n = 1000
+    order = kind() if kind is RandomOrder else kind(block_rows=1, window=n)  # blocks of one row: one window
+    seed = int(rng.integers(1 << 32))
+    first = order.indices(n, seed, 0)
+    assert not np.array_equal(first, np.random.default_rng(seed).permutation(n))
+    assert not np.array_equal(order.indices(n, seed + 2**32, 0), order.indices(n, seed, 1))
+    if kind is BlockOrder:  # the blocks' permutation, which the epoch's generator draws
+        assert not np.array_equal(order.windows(n, seed, 0)[0], np.random.default_rng(seed).permutation(n))
 
 
 @pytest.mark.gpu

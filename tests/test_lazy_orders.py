@@ -4,8 +4,9 @@ Until review-l a feeder held an int64 id for every row of an epoch (and of the n
 48 bytes a row (benchmarks/NOTES.md, entry 81), so a 1-D token file needed several times its size in
 RAM, and a large one was refused. In ``block`` and ``sequential`` order the ids are now made as the epoch
 reaches them. These tests hold the lazy orders to a reference laid out whole, written here from their
-definition (the seed's generator draws the block order; since review-w each window's rows are shuffled by
-that window's child of the epoch's SeedSequence, so a resumed epoch makes no window before its own), for
+definition (the epoch's generator, the seed's SeedSequence child ``(epoch,)``, draws the block order; since
+review-w each window's rows are shuffled by that window's child of the epoch's SeedSequence, so a resumed
+epoch makes no window before its own), for
 one rank and for each rank of a world, across epochs, resumed mid-epoch, with and without ``drop_last``;
 and measure the memory of an epoch over 2**27 rows.
 """
@@ -20,17 +21,20 @@ import pytest
 import torch
 
 import speedswap as ss
-from speedswap.data.orders import BLOCK_BYTES, BlockOrder, SequentialOrder, epoch_share
+from speedswap.data.orders import BLOCK_BYTES, BlockOrder, RandomOrder, SequentialOrder, epoch_share
 
 
 def reference_order(order, num_rows, seed, epoch):
-    """The epoch's order laid out whole, in one pass: the blocks drawn by the epoch's generator, then
-    the rows of each window permuted by the generator of the window's child of the epoch's SeedSequence
-    (SeedSequence.spawn's, where the order makes the child directly)."""
+    """The epoch's order laid out whole, in one pass: a random order's is the permutation the epoch's
+    generator draws; a block order's blocks are drawn by it, then the rows of each window permuted by the
+    generator of the window's child of the epoch's SeedSequence (SeedSequence.spawn's, where the order
+    makes the child directly). The epoch's SeedSequence is the seed's own ``epoch``-th child."""
     if isinstance(order, SequentialOrder):
         return np.arange(num_rows)
+    sequence = np.random.SeedSequence(seed).spawn(epoch + 1)[epoch]
+    if isinstance(order, RandomOrder):
+        return np.random.default_rng(sequence).permutation(num_rows)
     size, window = order.block_rows, order.window
-    sequence = np.random.SeedSequence([seed, epoch])
     num_blocks = -(-num_rows // size)
     num_windows = -(-num_blocks // window)
     blocks = np.full(num_windows * window, -1)
@@ -67,6 +71,13 @@ def test_the_windowed_orders_are_their_definition_laid_out_whole(rng, kind):
     for _ in range(30):
         n = int(rng.integers(1, 400))
         order, seed, epoch = random_order(rng, kind, n), int(rng.integers(1 << 40)), int(rng.integers(100))
+        np.testing.assert_array_equal(order.indices(n, seed, epoch), reference_order(order, n, seed, epoch))
+
+
+def test_the_random_order_is_its_definition(rng):
+    for _ in range(30):
+        n, seed, epoch = int(rng.integers(1, 400)), int(rng.integers(1 << 40)), int(rng.integers(100))
+        order = RandomOrder()
         np.testing.assert_array_equal(order.indices(n, seed, epoch), reference_order(order, n, seed, epoch))
 
 

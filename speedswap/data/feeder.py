@@ -29,7 +29,7 @@ from ..table import HostTable
 from .create import native_copy_advice
 from .filesource import FileRows, RowReader, WindowReader, window_rows
 from .gadget import DataGadget
-from .orders import Order, epoch_share, make_order
+from .orders import Order, earlier_streams, epoch_share, make_order
 from .readahead import CudaStager, LaunchAhead, ReaderThread, SyncReader, in_background
 
 __all__ = ["BatchFeeder", "Source"]
@@ -828,9 +828,10 @@ class BatchFeeder:
             StateError: the state comes from a feeder with another seed, data
                 size, batch size, order, ``drop_last``, world size or split
                 between ranks (``shard``: a state saved before ranks took runs of
-                a block or sequential order, or a block order's state saved before
-                each of its windows had its own generator, is continued by no
-                feeder, and the message says to ``set_epoch`` its epoch instead); or is malformed
+                a block or sequential order, or a random or block order's state
+                saved with earlier streams (:data:`~speedswap.data.orders.STREAMS`),
+                is continued by no feeder, and the message says to ``set_epoch``
+                its epoch instead); or is malformed
                 (not a dict, keys missing, a position that is not an int in
                 range). Nothing changes then.
         """
@@ -854,13 +855,11 @@ class BatchFeeder:
                 remedy = (f"it was saved before ranks took runs of each epoch in {mine['order']['name']} "
                           f"order, and no feeder continues it: start its epoch afresh with "
                           f"set_epoch({state['epoch']!r})")
-            elif (isinstance(state["order"], dict) and state["order"].get("name") == "block"
-                  and "shuffle" not in state["order"]):
-                # Saved before each window of a block order had its own generator (orders.BlockOrder._lane):
-                # the rows of its windows came in another order, which no feeder gives now.
-                remedy = (f"it was saved before each window of a block order was shuffled by its own "
-                          f"generator (the rows within its windows came in another order), and no feeder "
-                          f"continues it: start its epoch afresh with set_epoch({state['epoch']!r})")
+            elif earlier_streams(state["order"]) is not None:
+                # Its epochs came from streams no order draws now: no feeder continues the position.
+                remedy = (f"it was saved when {earlier_streams(state['order'])}, and no feeder continues it "
+                          f"(its epochs now come in another order): start its epoch afresh with "
+                          f"set_epoch({state['epoch']!r})")
             raise StateError("this state belongs to a different stream (" + "; ".join(differ) + "); " + remedy)
         epoch, batch = state["epoch"], state["batch"]
         # bool is an int to Python, but True is no epoch: a state holding one was not saved by a feeder.

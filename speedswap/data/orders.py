@@ -82,17 +82,50 @@ def _check_window(order, num_rows):
     order._fits = size
 
 
+#: The version of the streams the ``random`` and ``block`` orders draw from, saved with their settings
+#: (:meth:`Order.describe`) in a feeder state: a state saved with other streams, resumed mid-epoch,
+#: would read some of its epoch's rows twice and others never, so a feeder refuses it.
+STREAMS = 2
+
+#: How each earlier version of :data:`STREAMS` drew an epoch, for the refusal's message.
+_EARLIER_STREAMS = {
+    0: "each epoch's generator was seeded with SeedSequence([seed, epoch]), and one generator shuffled a block "
+       "order's windows one after another (before each window had its own generator)",
+    1: "each epoch's generator was seeded with SeedSequence([seed, epoch])",
+}
+
+
+def earlier_streams(described):
+    """How a saved order drew its epochs, if with streams no order draws now.
+
+    Args:
+        described: a feeder state's ``order`` (the order's :meth:`Order.describe` when it was saved).
+
+    Returns:
+        str, the earlier streams (:data:`_EARLIER_STREAMS`); None for today's, for a
+        ``sequential`` order (which has no stream) or for settings no order saved.
+    """
+    if not isinstance(described, dict) or described.get("name") not in ("random", "block"):
+        return None
+    # States saved before the version was kept: a block order's marked its per-window generators
+    # with "shuffle" (version 1); a random order's stream did not change then.
+    before = 1 if described["name"] == "random" or "shuffle" in described else 0
+    return _EARLIER_STREAMS.get(described.get("streams", before))
+
+
 def _generator(seed, epoch):
-    # A SeedSequence of the pair, not seed + epoch: (seed=0, epoch=1) and
-    # (seed=1, epoch=0) must not give the same order.
-    return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)]))
+    # The seed's SeedSequence child (epoch,), not SeedSequence([seed, epoch]) nor seed + epoch: numpy
+    # pads a spawn key's entropy to its pool (four words) first, so no (seed < 2**128, epoch) pair
+    # shares another's stream, nor that of default_rng(seed) (a user's data drawn with the feeder's
+    # seed); [seed, epoch] was default_rng(seed) at epoch 0, and seed + 2**32's epoch 0 seed's epoch 1.
+    return np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(int(epoch),)))
 
 
 def _window_generator(seed, epoch, window):
     # The window-th child of the epoch's SeedSequence (what its spawn() would hand out), made
     # directly: a window is shuffled without drawing the shuffles of the windows before it, so
     # an epoch resumed near its end reaches its window at once.
-    return np.random.default_rng(np.random.SeedSequence([int(seed), int(epoch)], spawn_key=(int(window),)))
+    return np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(int(epoch), int(window))))
 
 
 class Order:
@@ -188,6 +221,9 @@ class RandomOrder(Order):
     def indices(self, num_rows, seed, epoch):
         """A uniform permutation drawn from ``(seed, epoch)``."""
         return _generator(seed, epoch).permutation(num_rows)
+
+    def describe(self):
+        return {"name": self.name, "streams": STREAMS}
 
 
 class BlockOrder(Order):
@@ -299,9 +335,7 @@ class BlockOrder(Order):
         return _LaneCursor(lambda k: lane(k, share.windows[k]), share.ends)
 
     def describe(self):
-        # "shuffle": each window shuffled by its own generator; a state saved before (which has no
-        # such key) resumed the rows of its windows in another order, and is refused.
-        return {"name": self.name, "block_rows": self.block_rows, "window": self.window, "shuffle": "per-window"}
+        return {"name": self.name, "block_rows": self.block_rows, "window": self.window, "streams": STREAMS}
 
 
 ORDERS = {"random": RandomOrder, "block": BlockOrder, "sequential": SequentialOrder}
