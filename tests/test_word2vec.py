@@ -486,6 +486,35 @@ def test_pair_stream_equals_the_epochs_and_raises_the_threads_errors():
         list(chunks.stream(1))
 
 
+def test_an_epochs_pairs_are_drawn_from_the_seeds_epoch_child_not_its_own_stream(rng):
+    """An epoch's subsampling, windows and shuffles were drawn from default_rng([seed, epoch]), which numpy
+    pads with zero words: epoch 0 was default_rng(seed)'s stream, the one synthetic_corpus(seed=seed)
+    makes its corpus from (the demo passes both the same seed), and seed s + 2**32 read seed s's epoch 1
+    at its epoch 0. Now each epoch draws from the seed's SeedSequence child (epoch,): its first chunk is
+    made here from that definition, and from neither of the streams it used to share."""
+    seed = int(rng.integers(1 << 32))
+    corpus = synthetic_corpus(vocab=300, topics=4, tokens=3_000, seed=seed)
+    doc_ids = np.searchsorted(corpus.doc_starts, np.arange(2_000), side="right")
+    keep = keep_probabilities(corpus.counts, 1e-3)
+
+    def first_chunk(generator):
+        centres, contexts = skipgram_pairs(corpus.tokens[:2_000], doc_ids, keep, 3, generator)
+        shuffle = generator.permutation(len(centres))
+        return centres[shuffle], contexts[shuffle]
+
+    def made(seed, epoch):
+        chunks = PairChunks(corpus, window=3, negatives=2, subsample=1e-3, chunk_tokens=2_000, seed=seed)
+        chunk = next(chunks.epoch(epoch))
+        return chunk.centres.numpy(), chunk.contexts.numpy()
+
+    for epoch in (0, 1):
+        expected = first_chunk(np.random.default_rng(np.random.SeedSequence(seed).spawn(epoch + 1)[epoch]))
+        got = made(seed, epoch)
+        assert len(got[0]) > 1_000 and all(map(np.array_equal, got, expected)), epoch
+    assert not all(map(np.array_equal, made(seed, 0), first_chunk(np.random.default_rng(seed))))
+    assert not all(map(np.array_equal, made(seed + 2**32, 0), made(seed, 1)))
+
+
 def test_a_planned_batch_holds_the_same_pairs_sorted_by_centre_and_groups_its_ids(rng, backend):
     device = ss.get_backend(backend).device
     pairs, columns, vocab = 500, 5, 300

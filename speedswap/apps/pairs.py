@@ -371,8 +371,9 @@ class PairChunks:
     """Makes :class:`Chunk` s of a corpus, epoch after epoch, optionally on a background thread.
 
     Pairs are made per chunk of ``chunk_tokens`` tokens, so memory stays flat
-    however long the corpus is. Every random draw comes from ``(seed, epoch)``
-    generators, and each chunk's negatives from its ``(epoch, chunk)`` stream
+    however long the corpus is. An epoch's subsampling, windows and shuffles
+    come from its generator, the seed's ``SeedSequence`` child ``(epoch,)``,
+    and each chunk's negatives from its ``(epoch, chunk)`` stream
     of a :class:`NegativeSampler` seeded with ``seed``, so the pairs and their
     negatives are the same with or without the thread, and however the
     chunks are cut.
@@ -397,7 +398,10 @@ class PairChunks:
 
     def epoch(self, epoch: int) -> Iterator[Chunk]:
         """The chunks of one pass over the corpus, made on the calling thread (their negatives: :meth:`Chunk.pairs`)."""
-        rng = np.random.default_rng([self._seed, epoch])
+        # The seed's SeedSequence child (epoch,), as an order's epoch (speedswap.data.orders._generator):
+        # default_rng([seed, epoch]) was default_rng(seed)'s stream at epoch 0 (synthetic_corpus's, for
+        # the same seed), and seed + 2**32's epoch 0 was seed's epoch 1.
+        rng = np.random.default_rng(np.random.SeedSequence(self._seed, spawn_key=(epoch,)))
         tokens = self._corpus.tokens
         for index, start in enumerate(range(0, len(tokens), self._chunk_tokens)):
             stop = min(start + self._chunk_tokens, len(tokens))
