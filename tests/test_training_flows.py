@@ -1401,6 +1401,49 @@ def test_eval_forwards_between_sam_passes_over_other_ids_read_as_in_memory(backe
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:a view of the table:RuntimeWarning")  # a kept view turns the cache off: meant
+@pytest.mark.parametrize("sharded, cache_rows", [(False, 0), (False, 40), (True, 0)],
+                         ids=["offloaded", "offloaded_cache", "sharded"])
+def test_an_eval_forward_after_a_write_through_a_view_into_a_dropped_steps_rows_reads_it_or_is_refused(
+        rng, sharded, cache_rows):
+    """A step skipped by ``zero_grad()`` after its backward, a write through a kept ``to_numpy()`` view into
+    one of its rows, an eval forward: it read the row from weight, as before the write (8.7 max difference
+    to in-memory, silently), where the training forward after it refuses the write (see
+    ``test_a_write_through_a_kept_view_after_a_dropped_step_is_refused_then_kept``). Refused too, nothing
+    changed; after ``discard_step()`` it reads the write. An eval forward before the write drops the
+    step, as the table's reads do: the write then reads as in memory. Training goes on as in memory."""
+    offloaded, reference = pair(rng, cache_rows=cache_rows, sharded=sharded)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (offloaded, reference))
+    emb = offloaded.emb
+    emb.attach(opt)
+    view = emb.table.to_numpy()
+    for step, (ids, target) in enumerate(zipf_ids(rng, 12)):
+        for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
+            F.mse_loss(model(ids), target).backward()
+            if model is offloaded and sharded:
+                emb.exchange_gradients()
+            if step % 4 != 2:
+                optimizer.step()
+            optimizer.zero_grad()
+        if step % 4 != 2:
+            continue
+        row, value = int(ids.flatten()[step % WIDTH]), float(step)
+        if step % 8 == 6:  # an eval forward first drops the skipped step
+            np.testing.assert_array_equal(_eval_rows(offloaded, ids).numpy(), _eval_rows(reference, ids).numpy())
+        view[row] = value
+        with torch.no_grad():
+            reference.emb.weight[row] = value
+        if step % 8 == 2:
+            table = view.copy()  # emb.table refuses the write as well
+            with pytest.raises(ss.StateError, match="a view the table handed out"):
+                _eval_rows(offloaded, ids)
+            np.testing.assert_array_equal(view, table)
+            emb.discard_step()
+        np.testing.assert_array_equal(_eval_rows(offloaded, ids).numpy(), _eval_rows(reference, ids).numpy())
+    del view
+    assert_equal_to_reference(offloaded, opt, reference, ref_opt)
+
+
 def test_sharded_sam_undoing_its_move_by_assigning_weight_data_is_refused_at_the_step_then_trains_on(rng):
     """SAM undoing its move with ``p.data = saved`` (davda54/sam) on a sharded embedding: the step trained
     the assigned tensor and wrote back the owned rows of weight's own storage, moved and unstepped (2.4 max

@@ -575,7 +575,9 @@ class OffloadedEmbedding(RefusesConversion):
             CapacityError: the step touches more than ``max_rows`` distinct rows.
             StateError: training before :meth:`attach`; training, in a process forked from
                 the one that built it, a table the two share (after ``model.share_memory()``,
-                or in mmap files: see :mod:`~speedswap.train.one_process`).
+                or in mmap files: see :mod:`~speedswap.train.one_process`); a forward, an
+                eval one too while a view of the table is alive, after a ``zero_grad()`` that
+                dropped a step whose rows differ from the table's (see :meth:`_drop_zeroed_step`).
             OptionError: a training forward inside ``DistributedDataParallel``
                 that averages :attr:`weight`'s gradient (see :func:`_refuse_ddp`);
                 under a ``torch.func`` transform, a training forward, or one of
@@ -592,6 +594,12 @@ class OffloadedEmbedding(RefusesConversion):
         self._check_open()
         self._abort_step()
         if reads:
+            if self._working_set.size and self._table.viewed:
+                # A write through a view after zero_grad() dropped the step reached the table, not weight, which
+                # the step's rows are read from below: the step is dropped first (refused where its rows differ
+                # from the table's), as by a training forward.
+                with outside:
+                    self._drop_zeroed_step()
             self._eval_with_grad |= torch.is_grad_enabled() and weight.requires_grad
             with outside:
                 if self._cache is None:

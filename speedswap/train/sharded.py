@@ -860,7 +860,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 the step's last training forward, which its lookups would not see (on
                 every rank, or on this rank alone for the retry of a forward that failed
                 after its messages); nothing changes: :meth:`discard_step` drops the step.
-            StateError: a training forward after a ``zero_grad()`` that dropped a step whose owned
+            StateError: a training forward (an eval one too, while a view of this rank's table is
+                alive) after a ``zero_grad()`` that dropped a step whose owned
                 rows were changed through ``weight.data`` (SAM), while a view of the table is alive
                 (such rows cannot be told from a write through the view), or whose :attr:`weight`
                 was written in place, or its ``.data`` assigned, after its last forward (SAM through
@@ -904,11 +905,8 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             # alike, after any zero_grad() since its first run, whose rows are in the step: dropping
             # the step here would drop them too. The backward decides when it reaches the lookup
             # (_gradient_dropped), and the step's exchange flags the rows it left unreached.
-            if not in_backward() and not self.table.closed:
-                try:
-                    refusal = self._drop_zeroed_step(carry=True)
-                except Exception as exc:  # noqa: BLE001 -- its gather failed (memory), nothing dropped
-                    refusal = exc
+            if not in_backward():
+                refusal = self._refusal_of_dropped_step()
             if self._agreed and refusal is None:
                 self._reopen_step()  # a step that failed after its messages gets this forward's rows too
             if self._forwards == 0:
@@ -917,6 +915,11 @@ class ShardedOffloadedEmbedding(RefusesConversion):
                 # gathered into, and written back from, _full. Other values assigned are refused below.
                 self._scratch_writes.take_back(self.weight, self._full)
                 self.weight.data = self._full
+        elif self._owned.size and self.table.viewed:
+            # A write through a view after zero_grad() dropped the step reached the table, not weight, which
+            # _answer reads the step's owned rows from: the step is dropped first (refused where they differ
+            # from the table's), as by a training forward.
+            refusal = self._refusal_of_dropped_step()
         # Whoever fails, every rank raises with the step as it was before this forward: the working
         # sets replace their tensors rather than write into them (see WorkingSet.add), so these restore them.
         before = copy.copy(self._looked_up), copy.copy(self._owned), [parts[:] for parts in self._sent_to_me]
@@ -991,6 +994,15 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             self._rows[first_new:first_new + len(rows)] = rows  # a bfloat16 table's rows made float32 in place
         self._version_at_lookup = self.weight._version  # _answer gathered through _full, which it does not count
         return self._look_up(flat.view(shape), local)
+
+    def _refusal_of_dropped_step(self) -> Optional[BaseException]:
+        """:meth:`_drop_zeroed_step` for a forward: the refusal it returns or raises (every rank raises it), or None."""
+        if self.table.closed:
+            return None  # refused by the forward's own check
+        try:
+            return self._drop_zeroed_step(carry=True)
+        except Exception as exc:  # noqa: BLE001 -- its gather failed (memory), nothing dropped
+            return exc
 
     def _refuse_forward_after_write(self) -> NoReturn:
         """Refuse a training forward in a step whose :attr:`weight` was written in place since its last one.
