@@ -1581,7 +1581,7 @@ def test_sam_reading_the_table_between_its_passes_keeps_the_move_or_refuses_an_a
         assert not np.allclose(table0[ids.numpy()], ref.detach().numpy()[ids.numpy()])
 
 
-@pytest.mark.parametrize("then", ["zero_grad", "step"])
+@pytest.mark.parametrize("then", ["zero_grad", "step", "discard_step"])
 def test_rolling_back_to_a_copy_taken_before_the_steps_forwards_is_refused_then_trains_on(rng, then):
     """``saved = p.data.clone()`` at the top of the loop, forward, backward, then ``p.data = saved`` (to undo
     what a hook wrote, or a loss spike) and ``zero_grad()`` to skip the step, or ``optimizer.step()`` to
@@ -1589,7 +1589,9 @@ def test_rolling_back_to_a_copy_taken_before_the_steps_forwards_is_refused_then_
     values (the last step's slots): the next forward took them for rows SAM moved and trained them (4.47
     max difference to in-memory SGD, silently), and a step took them for the rows (3.55 over four steps
     rolled back, silently). Refused at that forward or step, nothing changed; after ``discard_step()``
-    training goes on as in memory (the reference skips those steps too)."""
+    training goes on as in memory (the reference skips those steps too). ``discard_step()`` right after
+    the assignment skips the step: the next forward took the copy back as a write into weight between
+    steps and refused it, once, saying to write the table; now the copy goes with the step."""
     table0 = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     emb = ss.OffloadedEmbedding(ROWS, DIM, max_rows=2 * BATCH * WIDTH, storage="pageable", backend="numpy")
     emb.table.apply_(lambda t: t.copy_(torch.from_numpy(table0)))
@@ -1607,7 +1609,11 @@ def test_rolling_back_to_a_copy_taken_before_the_steps_forwards_is_refused_then_
                 param.data = saved
                 if then == "zero_grad":
                     optimizer.zero_grad()
-                if optimizer is opt:
+                if optimizer is opt and then == "discard_step":
+                    emb.discard_step()
+                    assert emb.weight.data_ptr() == emb._full.data_ptr()  # the copy went with the step
+                    np.testing.assert_array_equal(emb.table.to_numpy(copy=True), table)
+                elif optimizer is opt:
                     with pytest.raises(ss.StateError, match="a snapshot to roll back to"):
                         emb(ids) if then == "zero_grad" else optimizer.step()
                     assert torch.equal(emb.weight.detach(), held)

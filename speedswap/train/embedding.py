@@ -710,7 +710,9 @@ class OffloadedEmbedding(RefusesConversion):
         ``optimizer.step()`` would also train the skipped forwards' rows, with
         whatever gradient they hold (Adam moves a row even at a zero
         gradient), where in-memory lazy training leaves them alone. The table,
-        the optimizer state and the cache keep those rows as they were.
+        the optimizer state and the cache keep those rows as they were; a
+        tensor assigned to ``weight.data`` in the step (a snapshot restored
+        to roll it back) goes with it.
 
         ``optimizer.zero_grad()`` (``set_to_none=False`` too: a gradient ``zero_()``
         zeroed after a backward with no step since counts as dropped, one the
@@ -738,6 +740,9 @@ class OffloadedEmbedding(RefusesConversion):
         if self._working_set.size:
             self._working_set.clear()
             self._cache.end_step()  # nothing is stored: the cache holds the rows as before
+            # A tensor assigned to weight.data in the step (a snapshot restored to skip it) goes with it, as a
+            # write in place does: taken back at the next forward, it read as a write between steps and was refused.
+            self.weight.data = self._full
         if self.weight.grad is not None:
             # Its slots will hold other rows, so its values go; a zero gradient stays, as in
             # memory after zero_grad(set_to_none=False), and a step on it counts (Adam's step).
