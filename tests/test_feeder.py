@@ -562,6 +562,8 @@ def test_a_reader_error_reaches_the_loop_and_never_hangs(tmp_path, monkeypatch, 
      "world_size=2 without rank"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, prefetch=-1), ss.OptionError, "prefetch"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, seed=-1), ss.OptionError, "seed"),
+    # Five 32-bit words: numpy appends the epoch's spawn key unpadded, into another seed's (seed, epoch, window).
+    (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, seed=2**128), ss.OptionError, r"below 2\*\*128"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, transform=3), ss.OptionError, "callable"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, drop_last="no"), ss.OptionError, "drop_last"),
     (lambda: ss.BatchFeeder(np.ones(5), batch_size=2, drop_last=None), ss.OptionError, "drop_last"),

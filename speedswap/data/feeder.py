@@ -629,6 +629,10 @@ class BatchFeeder:
                           hint="; the same seed gives the same stream (resumable). For a different order "
                                "each run, draw one (seed=secrets.randbits(63)) and keep it with the "
                                "checkpoint")
+        if seed >= 2**128:
+            # numpy's SeedSequence pads a seed to four 32-bit words before an epoch's spawn key, so
+            # (seed, epoch, window) name one stream each below 2**128; a longer seed runs into the key.
+            raise OptionError(f"seed must be below 2**128, got {seed} (seed=secrets.randbits(128) draws one)")
         if transform is not None and not callable(transform):
             raise OptionError(f"transform must be callable, got {type(transform).__name__}")
         if drop_behind is not None and not isinstance(drop_behind, (bool, np.bool_)):  # 1 == True, but no bool
