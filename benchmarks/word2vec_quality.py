@@ -3,10 +3,12 @@
 Corpus: the reStructuredText sources of two Debian documentation packages,
 ``linux-doc-6.1`` (the Linux kernel's Documentation/, translations left out)
 and ``python3.11-doc`` (the Python 3.11 manuals), fetched with
-``apt-get download`` (Debian bookworm), unpacked with ``dpkg-deb -x``,
-lower-cased, cut into words ``[a-z]+``, one paragraph (a run of non-blank
-lines) per line. The package versions and the corpus's SHA-256 go into the
-results, since a Debian point release can change the text. Evaluation:
+``apt-get download`` (Debian bookworm) at the versions every recorded run
+used (:data:`PACKAGES`: a point release can change the text, and a stale
+or newer apt list would otherwise fetch another corpus without a word),
+unpacked with ``dpkg-deb -x``, lower-cased, cut into words ``[a-z]+``, one
+paragraph (a run of non-blank lines) per line. The package versions and
+the corpus's SHA-256 go into the results. Evaluation:
 gensim's own ``wordsim353.tsv`` and ``questions-words.txt``
 (``gensim/test/test_data``), scored with speedswap's reader and with gensim's
 ``KeyedVectors.evaluate_*`` (which also proves gensim loads the saved file).
@@ -39,7 +41,8 @@ from common import ROOT, add_out_option, positive_int, write_results
 
 from speedswap.apps.demo import DEMO
 
-PACKAGES = ("linux-doc-6.1", "python3.11-doc")
+#: The packages at the versions of the recorded corpus (benchmarks/README.md: sha256 36f3d691...).
+PACKAGES = ("linux-doc-6.1=6.1.192-2", "python3.11-doc=3.11.2-6+deb12u9")
 TOKEN = re.compile(r"[a-z]+")
 GENSIM_RUN = r"""
 import json, sys, time
@@ -70,7 +73,10 @@ def assemble_corpus(directory: Path) -> dict:
     debs = directory / "debs"
     debs.mkdir(parents=True, exist_ok=True)
     if not list(debs.glob("*.deb")):
-        subprocess.run(["apt-get", "download", *PACKAGES], cwd=debs, check=True)
+        if subprocess.run(["apt-get", "download", *PACKAGES], cwd=debs).returncode:
+            sys.exit(f"apt-get could not download {' '.join(PACKAGES)}, the recorded corpus's packages: "
+                     "run apt-get update if its lists are stale; if Debian no longer serves these versions, "
+                     "pass --corpus FILE (the figures in benchmarks/README.md are for this corpus only)")
     versions = sorted(p.name for p in debs.glob("*.deb"))
     if not text.exists():
         tmp = text.with_suffix(".tmp")
