@@ -342,14 +342,9 @@ class ModelFactory(Switcher):
             pos, neg: the same ids given to :meth:`before_forward`.
 
         Raises:
-            StateError: other ids than the last ``before_forward``'s, or no
-                ``before_forward`` on this switcher; or, with an OptimizerFactory,
-                a backward since ``before_forward`` whose gradient no
-                ``optimizer.step()`` applied (call it first; or
-                ``optimizer.zero_grad()`` to skip the update). Nothing is written.
+            as :meth:`Switcher.after_step <speedswap.compat.switcher.Switcher.after_step>`; nothing is written.
         """
-        step = self._finish(pos, neg)
-        self._steps.end(step, MODEL, self._param_rows())
+        super().after_step(pos, neg)
         if self._placeholders is not None:
             # What a copy made before the loop, or now, would hold.
             self._stale = self._initial + [p.copy() for p in self._placeholders]

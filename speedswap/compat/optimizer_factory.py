@@ -412,22 +412,6 @@ class OptimizerFactory(Switcher):
             raise
         return self._result(step)
 
-    def after_step(self, pos: Ids, neg: Optional[Ids] = None) -> None:
-        """Write the step's optimizer state rows back, each distinct row once.
-
-        Args:
-            pos, neg: the same ids given to :meth:`before_forward`.
-
-        Raises:
-            StateError: other ids than the last ``before_forward``'s, or no
-                ``before_forward`` on this switcher; or, with an OptimizerFactory,
-                a backward since ``before_forward`` whose gradient no
-                ``optimizer.step()`` applied (call it first; or
-                ``optimizer.zero_grad()`` to skip the update). Nothing is written.
-        """
-        step = self._finish(pos, neg)
-        self._steps.end(step, OPTIMIZER, self._param_rows())
-
     def save(self, path: PathLike) -> None:
         """Write every state table (cached state rows included) to one checkpoint (``.h5`` file or
         directory), atomically, with the optimizer's scalar state for the embedding (Adam's ``step``).

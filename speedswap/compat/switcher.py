@@ -409,12 +409,24 @@ class Switcher(SpeedTorchFiles):
         """
         return self._steps.stats(self.cache_rows)
 
-    def _finish(self, pos, neg):
+    def after_step(self, pos: Ids, neg: Optional[Ids] = None) -> None:
+        """Write the step's rows back (the model's rows, or the optimizer's state rows), each distinct row once.
+
+        Args:
+            pos, neg: the same ids given to :meth:`before_forward`.
+
+        Raises:
+            StateError: other ids than the last ``before_forward``'s, or no
+                ``before_forward`` on this switcher; or, with an OptimizerFactory,
+                a backward since ``before_forward`` whose gradient no
+                ``optimizer.step()`` applied (call it first; or
+                ``optimizer.zero_grad()`` to skip the update). Nothing is written.
+        """
         step = self._steps.match(pos, neg, type(self).__name__)
         if self._gathered is not step:
             raise StateError(f"{type(self).__name__}.after_step without a matching "
                              f"before_forward on this switcher; call before_forward(ids) first")
-        return step
+        self._steps.end(step, self._kind, self._param_rows())
 
     @staticmethod
     def _result(step):
