@@ -4,6 +4,7 @@ import copy
 import functools
 import inspect
 import io
+import math
 import os
 import tracemalloc
 
@@ -406,6 +407,28 @@ def test_a_gradient_cleared_after_a_step_that_raised_stays_cleared(rng):
             ref_opt.step()
             ref_opt.zero_grad()
     np.testing.assert_allclose(emb.table.to_numpy(), ref.detach().numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_same_rows_is_exact_with_nan_equal_to_nan_as_both_embeddings_ask_it(dtype, rng):
+    """same_rows answers whether a step's rows were written, for OffloadedEmbedding (_rows_changed, assigned
+    weight.data) and ShardedOffloadedEmbedding (_owned_rows_changed, which asked torch.allclose with rtol=0,
+    atol=0, equal_nan=True). Random rows, each changed in at most one element to a value drawn from random
+    ones, signed zeros, infinities and NaN, against an element by element reference in Python floats."""
+    from speedswap.train.scratch_writes import same_rows
+    specials = [0.0, -0.0, float("inf"), float("-inf"), float("nan")]
+    a = rng.standard_normal((64, 5))
+    a.flat[rng.choice(a.size, 40, replace=False)] = rng.choice(specials, 40)
+    b = a.copy()
+    changed = rng.random(64) < 0.5
+    for row in np.flatnonzero(changed):
+        b[row, rng.integers(5)] = rng.choice(specials + [float(rng.standard_normal())])
+    a, b = torch.from_numpy(a).to(dtype), torch.from_numpy(b).to(dtype)
+    expected = [all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(ra.tolist(), rb.tolist()))
+                for ra, rb in zip(a, b)]
+    assert same_rows(a, b).tolist() == expected
+    assert [torch.allclose(ra, rb, rtol=0, atol=0, equal_nan=True) for ra, rb in zip(a, b)] == expected
+    assert not all(expected) and any(expected)  # both answers drawn (each all but certain)
 
 
 @pytest.mark.parametrize("cache_rows", [0, 6])

@@ -40,7 +40,7 @@ from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_op
 from .reached import KeptRows, ReachedRows, in_backward
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, close_replaced,
                         drop_leftover_state, refuse_unasked_restart, take_assigned)
-from .scratch_writes import ScratchWrites, same_memory
+from .scratch_writes import ScratchWrites, same_memory, same_rows
 from .step_hooks import StepHooks
 from .working_set import WorkingSet
 from .zero_marks import holds_nonzero, reads_as_zeroed
@@ -898,7 +898,7 @@ class OffloadedEmbedding(RefusesConversion):
         reason to skip a step) is unchanged, not perturbed.
         """
         rows = self._working_set.size
-        return not bool(_same_rows(self._table_rows(rows), self._full[:rows]).all())
+        return not bool(same_rows(self._table_rows(rows), self._full[:rows]).all())
 
     def _table_rows(self, rows: int) -> torch.Tensor:
         """The table's (and cache's) values of the step's first ``rows`` rows, in :attr:`weight`'s dtype: one read."""
@@ -958,7 +958,7 @@ class OffloadedEmbedding(RefusesConversion):
         with torch.no_grad():
             assigned = data[:rows]
             table = self._table_rows(rows)
-            stale = ~(_same_rows(assigned, full[:rows]) | _same_rows(assigned, table))
+            stale = ~(same_rows(assigned, full[:rows]) | same_rows(assigned, table))
             if not bool(stale.any()):
                 return
             count = int(stale.sum())
@@ -1854,11 +1854,6 @@ def _refuse_ddp(weight):
             "_set_params_and_buffers_to_ignore_for_model(model, ['<its name>.weight']), on a model "
             "built anew (this DDP's construction copied rank 0's weight into this one, a write into "
             "the working set that this embedding's next training forward refuses)")
-
-
-def _same_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per row, whether ``a`` and ``b`` hold the same values (NaN the same as NaN), as a bool tensor."""
-    return ((a == b) | (a.isnan() & b.isnan())).all(dim=1)
 
 
 def _refused_data(data, full):

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import StateError
 
-__all__ = ["ScratchWrites", "same_memory"]
+__all__ = ["ScratchWrites", "same_memory", "same_rows"]
 
 
 class ScratchWrites:
@@ -137,6 +137,22 @@ class ScratchWrites:
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same memory, shape and strides (``a`` may be another tensor object)."""
     return (a.data_ptr(), a.shape, a.stride()) == (b.data_ptr(), b.shape, b.stride())
+
+
+def same_rows(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row, whether ``a`` and ``b`` hold the same values, as a bool tensor.
+
+    Exact, as numbers compare (``-0.0`` equals ``+0.0``, an infinity equals
+    the same infinity), and NaN equals NaN: a row that diverged to NaN (the
+    usual reason to skip a step) is unchanged, not written.
+
+    Args:
+        a, b: 2-D tensors of one shape.
+
+    Returns:
+        a bool tensor of ``a.shape[0]`` elements, on their device.
+    """
+    return ((a == b) | (a.isnan() & b.isnan())).all(dim=1)
 
 
 def _written(how: str) -> StateError:

@@ -57,7 +57,7 @@ from .options import (embedding_dtype, embedding_flags, forward_ids, max_rows_op
 from .reached import KeptRows, ReachedRows, in_backward, recomputed_on_engine_thread
 from .row_state import (EmptySparseGradient, NarrowedStep, RowState, check_state_files, close_replaced,
                         drop_leftover_state, refuse_unasked_restart)
-from .scratch_writes import ScratchWrites, same_memory
+from .scratch_writes import ScratchWrites, same_memory, same_rows
 from .step_hooks import StepHooks
 from .sharded_checkpoint import all_unchanged, load_shards, ranks_on_this_machine, save_shards, stage_table_rows
 from .working_set import WorkingSet
@@ -582,7 +582,7 @@ class ShardedOffloadedEmbedding(RefusesConversion):
             return False
         table = self.table.gather_validated(
             self._owned.rows, torch.empty(k, self.embedding_dim, dtype=self.table.dtype, device=self.table.device))
-        return not torch.allclose(table.to(self._full.dtype), self._full[:k], rtol=0, atol=0, equal_nan=True)
+        return not bool(same_rows(table.to(self._full.dtype), self._full[:k]).all())
 
     @property
     def row_range(self) -> range:
