@@ -663,7 +663,7 @@ def _open_recorded(path, flags, opened, mode=0o777) -> int:
 def _let_go(opened) -> None:
     """Close the descriptor last in ``opened``, releasing its ``flock``, and forget it (no fork copies it unrecorded).
 
-    In the middle of a turn only: its end lets go in place (:func:`locked`, :func:`one_save_at_a_time`).
+    In the middle of a turn only: its end lets go in place (:func:`_turn`).
     An interrupt (Ctrl-C) lands on entering a function, and one on entering this one leaves the
     descriptor in ``opened`` for that end; it is taken out only as it is closed.
     """
@@ -674,6 +674,34 @@ def _let_go(opened) -> None:
             del _FLOCKED[fd]
         finally:
             os.close(fd)
+
+
+def _turn(body, *args):
+    """A turn on a descriptor: the generator ``body(*args, opened)``, then the descriptor it left in ``opened`` closed.
+
+    ``body`` opens the descriptor into the list ``opened`` (:func:`_open_recorded`), takes the turn and yields
+    to the turn's block; the turn ends with it, whatever comes. The close is in place here, not a call of
+    :func:`_let_go`: an interrupt (Ctrl-C) lands on entering a function, and one that landed there would keep
+    the descriptor, and its ``flock``, for good. One that lands on resuming this generator or ``body`` lands
+    inside the ``try``.
+
+    Args:
+        body: a generator function that yields once.
+        args: ``body``'s arguments before ``opened``.
+
+    Yields:
+        what ``body`` yields: a generator for :func:`contextlib.contextmanager`.
+    """
+    opened = []  # the descriptor, from its opening: let go of at the end, whatever comes
+    try:
+        return (yield from body(*args, opened))
+    finally:
+        if opened:  # no interrupt lands before the close
+            with _RECORDING:
+                try:
+                    _FLOCKED.pop(opened[0], None)  # not yet recorded where an interrupt came as it was opened
+                finally:
+                    os.close(opened[0])
 
 
 def _after_fork_in_child() -> None:
@@ -731,26 +759,23 @@ def locked(directory, shared=False):
         directory: an existing directory (a checkpoint, or the parent its first save creates it in).
         shared: a load's lock, which other loads may hold at the same time.
     """
-    opened, flocked = [], False  # the directory's descriptor, from its opening: let go of at the end, whatever comes
-    try:
-        if fcntl is not None:
-            with contextlib.suppress(OSError):  # not to be opened, or no flock (ENOLCK): threads still take turns
-                fcntl.flock(_open_recorded(directory, os.O_RDONLY, opened), fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-                flocked = True
-        if flocked:
+    return _turn(_directory_turn, directory, shared)
+
+
+def _directory_turn(directory, shared, opened):
+    """:func:`locked`'s turn, on the directory's descriptor, opened into ``opened`` (:func:`_turn`)."""
+    flocked = False
+    if fcntl is not None:
+        with contextlib.suppress(OSError):  # not to be opened, or no flock (ENOLCK): threads still take turns
+            fcntl.flock(_open_recorded(directory, os.O_RDONLY, opened), fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+            flocked = True
+    if flocked:
+        yield
+    else:
+        with _LOCKS_LOCK:
+            lock = _LOCKS.setdefault(os.path.realpath(directory), threading.Lock())
+        with lock:
             yield
-        else:
-            with _LOCKS_LOCK:
-                lock = _LOCKS.setdefault(os.path.realpath(directory), threading.Lock())
-            with lock:
-                yield
-    finally:
-        if opened:  # _let_go in place: no interrupt lands before the close (see _let_go)
-            with _RECORDING:
-                try:
-                    _FLOCKED.pop(opened[0], None)  # not yet recorded where an interrupt came as it was opened
-                finally:
-                    os.close(opened[0])
 
 
 #: The suffix of the lock file beside a file being saved (:func:`one_save_at_a_time`).
@@ -834,12 +859,16 @@ def one_save_at_a_time(path):
     Raises:
         PathError: something that is not a regular file (a named pipe) is where the lock file goes.
     """
+    return _turn(_save_turn, path)
+
+
+def _save_turn(path, opened):
+    """:func:`one_save_at_a_time`'s turn, on the lock file's descriptor, opened into ``opened`` (:func:`_turn`)."""
     lock = _lock_path(as_path(path))
     held = _HELD.__dict__.setdefault("locks", set())
     if lock in held:
         yield
         return
-    opened = []  # the lock file's descriptor, from its opening: let go of at the end, whatever comes
     try:
         flocked = _flocked(lock, opened)
         held.add(lock)
@@ -855,15 +884,7 @@ def one_save_at_a_time(path):
             with turns:
                 yield
     finally:
-        try:
-            held.discard(lock)
-        finally:
-            if opened:  # _let_go in place: no interrupt lands before the close (see _let_go)
-                with _RECORDING:
-                    try:
-                        _FLOCKED.pop(opened[0], None)  # not yet recorded where an interrupt came as it was opened
-                    finally:
-                        os.close(opened[0])
+        held.discard(lock)
 
 
 @contextlib.contextmanager
@@ -897,36 +918,32 @@ def rewriting_in_place(path, identity: tuple) -> Iterator[Optional[int]]:
     Raises:
         PathError: the file cannot be opened read-write (``errno`` says why).
     """
-    opened = []  # the file's descriptor, from its opening: let go of at the end, whatever comes
+    return _turn(_rewrite_turn, path, identity)
+
+
+def _rewrite_turn(path, identity, opened):
+    """:func:`rewriting_in_place`'s turn, on the file's descriptor, opened into ``opened`` (:func:`_turn`)."""
     try:
-        try:
-            fd = _open_recorded(path, os.O_RDWR, opened)
-        except (FileNotFoundError, NotADirectoryError):  # removed, or a directory on the way moved
+        fd = _open_recorded(path, os.O_RDWR, opened)
+    except (FileNotFoundError, NotADirectoryError):  # removed, or a directory on the way moved
+        fd = None
+    except OSError as exc:
+        raise rewriting_error(path, exc) from exc
+    if fd is not None:
+        opened_file = os.fstat(fd)
+        if (opened_file.st_dev, opened_file.st_ino) != tuple(identity):
+            _let_go(opened)  # replaced by a rename: not the file rewritten
             fd = None
-        except OSError as exc:
-            raise rewriting_error(path, exc) from exc
-        if fd is not None:
-            opened_file = os.fstat(fd)
-            if (opened_file.st_dev, opened_file.st_ino) != tuple(identity):
-                _let_go(opened)  # replaced by a rename: not the file rewritten
-                fd = None
-        if fd is not None and fcntl is not None:
-            with contextlib.suppress(OSError):  # no flock (ENOLCK): loads do not take turns
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:  # said before the wait: a hung holder would keep it waiting for good
-                    warn(f"a load into {os.fspath(path)!r} waits for another one into that file to finish "
-                         f"(another process or thread mapping it holds its turn); if none is running, "
-                         f"look for a process that hangs with the file open (lsof {os.fspath(path)!r})")
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-        yield fd
-    finally:
-        if opened:  # _let_go in place: no interrupt lands before the close (see _let_go)
-            with _RECORDING:
-                try:
-                    _FLOCKED.pop(opened[0], None)  # not yet recorded where an interrupt came as it was opened
-                finally:
-                    os.close(opened[0])
+    if fd is not None and fcntl is not None:
+        with contextlib.suppress(OSError):  # no flock (ENOLCK): loads do not take turns
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # said before the wait: a hung holder would keep it waiting for good
+                warn(f"a load into {os.fspath(path)!r} waits for another one into that file to finish "
+                     f"(another process or thread mapping it holds its turn); if none is running, "
+                     f"look for a process that hangs with the file open (lsof {os.fspath(path)!r})")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+    yield fd
 
 
 def rewrite_under_way(fd: int) -> bool:
