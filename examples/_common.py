@@ -11,6 +11,7 @@ import os
 import sys
 
 import torch
+from tqdm import tqdm
 
 import speedswap as ss
 from speedswap.apps.arguments import (SEED_LIMIT, nonnegative_float, nonnegative_int,  # noqa: F401 (the examples')
@@ -103,6 +104,15 @@ def backend_and_device(args):
                              f"node (torchrun --nproc-per-node), or train with --device cpu")
         torch.cuda.set_device(int(local_rank))
     return backend, ss.get_backend(backend).device
+
+
+def progress_bar(batches, desc, quiet):
+    """``batches`` under a tqdm progress bar that goes away when done; none with ``--quiet``.
+
+    Shown on a terminal only (``disable=None``), so redirected logs are not
+    flooded.
+    """
+    return tqdm(batches, desc=desc, leave=False, disable=True if quiet else None)
 
 
 def memory_rows(memory, storage):

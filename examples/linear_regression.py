@@ -44,7 +44,6 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 import speedswap as ss  # noqa: E402
 from speedswap.apps.demo import storage_words  # noqa: E402
@@ -52,7 +51,7 @@ from speedswap.atomic import drop_cache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (HelpFormatter, add_common_arguments, backend_and_device, positive_float,  # noqa: E402
-                     positive_int, run, write_json)
+                     positive_int, progress_bar, run, write_json)
 
 
 def generate_dataset(directory, rows, features, seed=0, chunk_bytes=64 << 20):
@@ -167,9 +166,7 @@ def fit(loader, mean, std, true_w, *, epochs, lr, device, label, progress=True, 
             drop_cache(path)
         total_loss, seen = 0.0, 0
         start = time.perf_counter()
-        # disable=None: bars only on a terminal, so redirected logs are not flooded.
-        for x, y in tqdm(loader, desc=f"{label} epoch {epoch + 1}", leave=False,
-                         disable=None if progress else True):
+        for x, y in progress_bar(loader, f"{label} epoch {epoch + 1}", quiet=not progress):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             x = (x - mean) / std
             residual = x @ w + b - y

@@ -39,13 +39,13 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 import speedswap as ss  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (HelpFormatter, add_common_arguments, backend_and_device,  # noqa: E402
-                     existing_file, nonnegative_float, positive_float, positive_int, run, share, write_json)
+                     existing_file, nonnegative_float, positive_float, positive_int, progress_bar, run, share,
+                     write_json)
 
 
 def synthetic_classes(samples, features, classes, informative, separation, seed):
@@ -202,9 +202,7 @@ def main(argv=None):
     history = []
     for epoch in range(args.epochs):
         start, total = time.perf_counter(), 0.0
-        # disable=None: bars only on a terminal, so redirected logs are not flooded.
-        for xb, yb in tqdm(feeder, desc=f"epoch {epoch + 1}", leave=False,
-                           disable=True if args.quiet else None):
+        for xb, yb in progress_bar(feeder, f"epoch {epoch + 1}", args.quiet):
             loss = penalised_loss(model, xb, yb, args.l1, args.l2)
             optimizer.zero_grad()
             loss.backward()

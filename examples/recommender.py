@@ -38,15 +38,14 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 import speedswap as ss  # noqa: E402
 from speedswap.apps.demo import format_rows, memory_summary  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (HelpFormatter, add_common_arguments, backend_and_device, check_torchrun,  # noqa: E402
-                     existing_file, memory_rows, nonnegative_float, positive_float, positive_int, run, share,
-                     write_json)
+                     existing_file, memory_rows, nonnegative_float, positive_float, positive_int, progress_bar,
+                     run, share, write_json)
 
 
 def read_ratings(path):
@@ -194,9 +193,8 @@ def fit(model, optimizer, tables, data, train, test, mean, args, device, label, 
     history, seconds = [], 0.0
     for epoch in range(args.epochs):
         start = time.perf_counter()
-        # disable=None: bars only on a terminal, so redirected logs are not flooded.
-        bar = tqdm(feeder, desc=f"{label} epoch {epoch + 1}", leave=False, disable=True if args.quiet else None)
-        for batch_users, batch_items, batch_ratings in bar:
+        for batch_users, batch_items, batch_ratings in progress_bar(feeder, f"{label} epoch {epoch + 1}",
+                                                                    args.quiet):
             predicted, norms = model(batch_users, batch_items)
             loss = (predicted - batch_ratings).pow(2).mean() + args.l2 * norms.mean()
             optimizer.zero_grad()
