@@ -928,7 +928,7 @@ def _interrupted_at(run, point, modules=(atomic,)):
 @pytest.mark.skipif(atomic.fcntl is None or not os.path.isdir("/proc/self/fd"),
                     reason="flock, and names open files through /proc (Linux)")
 @pytest.mark.parametrize("phase", ["taking", "leaving"])
-@pytest.mark.parametrize("turn", ["a save's", "a checkpoint save's", "a checkpoint load's"])
+@pytest.mark.parametrize("turn", ["a save's", "a checkpoint save's", "a checkpoint load's", "a rewrite's"])
 def test_an_interrupt_anywhere_as_a_turn_is_taken_or_left_keeps_neither_the_turn_nor_a_descriptor(tmp_path, turn,
                                                                                                   phase):
     """A turn is an flock on a descriptor that atomic.py opens, records for the fork hook, and closes as
@@ -941,15 +941,18 @@ def test_an_interrupt_anywhere_as_a_turn_is_taken_or_left_keeps_neither_the_turn
     turn is open, no record or turn of this thread is left, and the lock is free."""
     path, checkpoint = tmp_path / "t.npy", tmp_path / "ckpt"
     checkpoint.mkdir()
+    path.write_bytes(b"rows")  # a load into an mmap table rewrites its file, on which it takes the turn
+    identity = (path.stat().st_dev, path.stat().st_ino)
     take_the_turn = {"a save's": lambda: atomic.one_save_at_a_time(path),
                      "a checkpoint save's": lambda: atomic.locked(checkpoint),
-                     "a checkpoint load's": lambda: atomic.locked(checkpoint, shared=True)}[turn]
+                     "a checkpoint load's": lambda: atomic.locked(checkpoint, shared=True),
+                     "a rewrite's": lambda: atomic.rewriting_in_place(path, identity)}[turn]
 
     def take_and_leave(counting):
         counting(phase == "taking")
         with take_the_turn():
             counting(phase == "leaving")
-    lock = atomic._lock_path(path) if turn == "a save's" else checkpoint
+    lock = {"a save's": atomic._lock_path(path), "a rewrite's": path}.get(turn, checkpoint)
     records = dict(atomic._FLOCKED)
     kept, points = [], []
     while True:
