@@ -15,8 +15,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import speedswap as ss
 from test_optimizer_equivalence import OPTIMIZERS, assert_same, torch_initial
-from training_helpers import (CAPACITY, NUM_ROWS, failing_after_its_update, run_in_memory, skipgram_loss,
-                              zipf_batches)
+from training_helpers import (CAPACITY, NUM_ROWS, EagerStateAdagrad, failing_after_its_update, run_in_memory,
+                              skipgram_loss, zipf_batches)
 
 USERS, ITEMS, DIM, BATCH, STEPS = 300, 500, 8, 32, 200
 TOL = dict(rtol=1e-5, atol=1e-6)  # float32 rounding (repeated ids' gradients summed in another order)
@@ -546,7 +546,7 @@ def test_attaching_the_same_optimizer_again_restarts_its_state_step_count_includ
 
 @pytest.mark.parametrize("kind, options", [(ss.OffloadedEmbedding, {}), (ss.OffloadedEmbedding, {"cache_rows": 60}),
                                            (ss.ShardedOffloadedEmbedding, {})], ids=["plain", "cached", "sharded"])
-@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.Adagrad])
+@pytest.mark.parametrize("make", [torch.optim.Adam, torch.optim.Adagrad, EagerStateAdagrad])
 def test_a_restart_right_after_the_optimizers_load_state_dict_starts_it_afresh(make, kind, options, rng, tmp_path):
     """A resume (emb.load, then the optimizer's load_state_dict, as documented), then
     attach(optimizer, restart=True) before any step: the restart kept the loaded state (Adam's step

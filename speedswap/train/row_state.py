@@ -111,6 +111,19 @@ def _adagrad(group, defaults):
     return {"sum": float(defaults["initial_accumulator_value"])}
 
 
+def _constructed_adagrad_state(optimizer, param) -> dict:
+    """The state ``torch.optim.Adagrad``'s constructor gives ``param``: ``step`` 0, ``sum`` at its initial value.
+
+    torch before 2.12 makes an Adagrad's state there only: its ``step()`` raises
+    ``KeyError: 'sum'`` at a parameter whose state was dropped (a restart, a
+    checkpoint saved before the first step), where 2.12 makes this same state
+    at the step. Made by the constructor, so that it is torch's own in every version.
+    """
+    fused = _group_of(optimizer, param).get("fused")
+    initial = optimizer.defaults["initial_accumulator_value"]
+    return torch.optim.Adagrad([param], initial_accumulator_value=initial, fused=fused).state[param]
+
+
 def _lr(group):
     lr = group["lr"]
     return float(lr.item() if isinstance(lr, torch.Tensor) else lr)
@@ -846,25 +859,32 @@ class RowState:
                 self._fresh = held is not None
                 if held is not None:
                     self.spec = held  # what the tables hold: moved to torch's below
-            if self._fresh:
-                # torch creates the initial state at this step, from the group as it is now
-                # (Rprop's step_size is the lr now, which a scheduler may have changed since
-                # attach): every table row must hold what torch creates.
-                spec = row_state_spec(self.optimizer, self.param)
-                if spec != self.spec:
-                    self.spec = spec
-                    with resetting():
-                        self.init_state()
+            if not self._fresh:
+                raise StateError(
+                    f"{type(self.optimizer).__name__} holds no state for the offloaded parameter, but "
+                    f"the host tables hold trained state (loaded from a checkpoint of an older "
+                    f"speedswap, which records no step count, say); restore the optimizer with "
+                    f"optimizer.load_state_dict(...) of the state_dict saved with it, after the load (it "
+                    f"holds the step count), or restart the "
+                    f"optimizer state from scratch with init_state() (OffloadedEmbedding.init_state, "
+                    f"OptimizerFactory.optInit; a ShardedOffloadedEmbedding: discard_step() and "
+                    f"attach(optimizer, restart=True) on every rank); then call step() again")
+            # torch creates the initial state at this step, from the group as it is now
+            # (Rprop's step_size is the lr now, which a scheduler may have changed since
+            # attach): every table row must hold what torch creates.
+            spec = row_state_spec(self.optimizer, self.param)
+            if spec != self.spec:
+                self.spec = spec
+                with resetting():
+                    self.init_state()
+            if state or not isinstance(self.optimizer, torch.optim.Adagrad):
                 return
-            raise StateError(
-                f"{type(self.optimizer).__name__} holds no state for the offloaded parameter, but "
-                f"the host tables hold trained state (loaded from a checkpoint of an older "
-                f"speedswap, which records no step count, say); restore the optimizer with "
-                f"optimizer.load_state_dict(...) of the state_dict saved with it, after the load (it "
-                f"holds the step count), or restart the "
-                f"optimizer state from scratch with init_state() (OffloadedEmbedding.init_state, "
-                f"OptimizerFactory.optInit; a ShardedOffloadedEmbedding: discard_step() and "
-                f"attach(optimizer, restart=True) on every rank); then call step() again")
+            # torch before 2.12 steps an Adagrad only on the state its constructor made: made so,
+            # holding the scratch the optimizer holds between steps, then read as any step's.
+            state = self.optimizer.state[self.param] = _constructed_adagrad_state(self.optimizer, self.param)
+            self._hand_back(state)
+            if not rows.shape[0]:
+                return  # asked for no row (a sharded step's check before its messages): prepared
         k = rows.shape[0]
         views = {name: self._buffer(name)[:k] for name in self.tables}
         if read is not None:
