@@ -19,7 +19,8 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["speedswap", "speedswap.*"]),
     python_requires=">=3.10",  # CuPy 14, which the cuda extras need
-    install_requires=["numpy>=1.22", "torch>=2.6", "h5py>=3.6", "tqdm>=4.60"],
+    # The floors are tested ones: .ci/oldest runs the suite on them (.ci/oldest.txt).
+    install_requires=["numpy>=1.24", "torch>=2.6", "h5py>=3.8", "tqdm>=4.60"],
     extras_require={
         # CuPy is optional and only the cuda backend imports it. From 14 on it finds the CUDA
         # runtime and NVRTC (which compiles the row kernels) in NVIDIA's wheels; CuPy 13

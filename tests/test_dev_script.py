@@ -12,6 +12,7 @@ import importlib.machinery
 import importlib.util
 import os
 import platform
+import re
 import shlex
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 DEV = ROOT / "dev"
@@ -316,3 +318,17 @@ def test_second_run_installs_nothing_and_passes_arguments_and_exit_status_throug
     result = subprocess.run([str(DEV), "demo", "--no-such-option"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "unrecognized arguments: --no-such-option" in result.stderr
+
+
+# --- the oldest releases setup.py admits --------------------------------------------------------
+
+def test_the_oldest_run_pins_exactly_the_floors_setup_py_declares():
+    """.ci/oldest tests the floors only while its constraints are them: a floor raised (or a
+    dependency added) in setup.py without its pin would leave the declared floor untested."""
+    setup_py = (ROOT / "setup.py").read_text()
+    requires = setup_py[setup_py.index("install_requires=["):]
+    floors = {name: Version(floor) for name, floor in re.findall(r'"([\w-]+)>=([\d.]+)"',
+                                                                  requires[:requires.index("]")])}
+    pins = {name: Version(pin) for name, pin in (line.split("==") for line in
+            (ROOT / ".ci" / "oldest.txt").read_text().splitlines() if line and not line.startswith("#"))}
+    assert floors and pins == floors
