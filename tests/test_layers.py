@@ -44,7 +44,7 @@ def _unit(module_path):
 
 def _public_names():
     """``speedswap.__all__``, read from the source as the walk below reads imports (nothing imported)."""
-    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    tree = ast.parse((PACKAGE / "__init__.py").read_text(encoding="utf-8"))
     return next(set(ast.literal_eval(node.value)) for node in tree.body
                 if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets))
 
@@ -59,7 +59,7 @@ def _package_name(name):
 
 def _imported_units(module_path):
     """Top-level speedswap names a module imports (relative or absolute)."""
-    tree = ast.parse(module_path.read_text(), filename=str(module_path))
+    tree = ast.parse(module_path.read_text(encoding="utf-8"), filename=str(module_path))
     depth = len(module_path.relative_to(PACKAGE).parts) - 1  # folders below speedswap/
     found = set()
     for node in ast.walk(tree):
@@ -122,7 +122,7 @@ def test_the_walk_finds_relative_and_absolute_imports():
 @pytest.mark.parametrize("module_path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_no_module_loads_files_from_the_checkout(module_path):
     """An installed wheel has no checkout: nothing may import code by path from one."""
-    source = module_path.read_text()
+    source = module_path.read_text(encoding="utf-8")
     assert "spec_from_file_location" not in source and '"benchmarks"' not in source
 
 
@@ -135,7 +135,7 @@ FILES_RANKS = {"base": 0, "h5seal": 0, "npy": 1, "h5": 1, "tables": 2, "__init__
 def test_file_modules_import_only_those_below_them(module_path):
     unit = module_path.stem
     assert unit in FILES_RANKS, f"files/{module_path.name} has no layer in this test: place it"
-    tree = ast.parse(module_path.read_text(), filename=str(module_path))
+    tree = ast.parse(module_path.read_text(encoding="utf-8"), filename=str(module_path))
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 1:  # a sibling in files/
             names = [node.module.split(".")[0]] if node.module else [alias.name for alias in node.names]

@@ -269,4 +269,5 @@ def test_float16_training_equals_in_memory_bit_for_bit_without_vector_kernels(rn
     run = subprocess.run([sys.executable, "-c", _FLOAT16_SCRIPT, str(rng.integers(2**31))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split()[-1] == "DEFAULT"  # the plain kernels really ran
+    # The plain kernels really ran (torch 2.6 names them "NO AVX", 2.13 "DEFAULT").
+    assert run.stdout.splitlines()[-1] in ("DEFAULT", "NO AVX")

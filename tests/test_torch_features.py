@@ -28,6 +28,13 @@ from test_training_flows import (ROWS, STEPS, adam_against_sparse_adam, assert_e
                                  zipf_ids)
 from training_helpers import CAPACITY, DIM, NUM_ROWS, run_in_memory, run_switchers, skipgram_loss, zipf_batches
 
+# dynamo's limit on recompiles, and its switch to raise at the limit: torch 2.6 names them
+# cache_size_limit and fail_on_cache_limit_hit (2.13 keeps those as aliases of these).
+_DYNAMO = torch._dynamo.config
+RECOMPILE_LIMIT = "recompile_limit" if hasattr(_DYNAMO, "recompile_limit") else "cache_size_limit"
+FAIL_AT_RECOMPILE_LIMIT = ("fail_on_recompile_limit_hit" if hasattr(_DYNAMO, "fail_on_recompile_limit_hit")
+                           else "fail_on_cache_limit_hit")
+
 
 @pytest.mark.parametrize("cache_rows", [0, 40])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
@@ -476,7 +483,7 @@ def test_a_compiled_model_trained_by_switchers_trains_as_in_memory_without_recom
     stale = torch.tensor(pos_in)  # a copy made once, before the loop: stale from the first step on
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=compiler)
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+    with torch._dynamo.config.patch(**{FAIL_AT_RECOMPILE_LIMIT: True}):
         for step, (pos, neg, ctx) in enumerate(batches):
             for switch in (u_switch, opt_switch):
                 switch.beforeForwardPass(pos, neg)
@@ -506,7 +513,8 @@ def test_compiling_a_model_whole_with_fullgraph_is_refused_by_torch_before_any_r
     batches = zipf_ids(rng, STEPS)
     table0 = offloaded.emb.table.to_numpy(copy=True)
     torch._dynamo.reset()
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="disable"):
+    # torch 2.6 names the disabled forward's wrapper: "inline in skipfiles: OffloadedEmbedding.forward | _fn".
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="disable|skipfiles: OffloadedEmbedding.forward"):
         torch.compile(offloaded, backend="eager", fullgraph=True)(batches[0][0])
     assert not len(offloaded.emb.working_rows)
     np.testing.assert_array_equal(offloaded.emb.table.to_numpy(), table0)
@@ -539,7 +547,7 @@ def test_a_compiled_optimizer_step_trains_as_in_memory(rng, compiler, closure, c
     make_lazy(ref_opt, reference.emb)
     torch._dynamo.reset()
     steps = {optimizer: torch.compile(optimizer.step, backend=compiler) for optimizer in (opt, ref_opt)}
-    with torch._dynamo.config.patch(recompile_limit=16):  # 12 steps, each compiled
+    with torch._dynamo.config.patch(**{RECOMPILE_LIMIT: 16}):  # 12 steps, each compiled
         for ids, target in zipf_ids(rng, 12):
             for model, optimizer in ((offloaded, opt), (reference, ref_opt)):
                 def loss(model=model, optimizer=optimizer):
@@ -569,7 +577,7 @@ def test_switchers_train_with_a_compiled_optimizer_step_as_in_memory(rng):
         opt.step = torch.compile(opt.step, backend="eager")
         return opt
 
-    with torch._dynamo.config.patch(recompile_limit=16):
+    with torch._dynamo.config.patch(**{RECOMPILE_LIMIT: 16}):
         torch._dynamo.reset()
         table, state = run_switchers(compiled_adam, table0, batches, "numpy")
         torch._dynamo.reset()

@@ -23,8 +23,10 @@ def _run(args, cwd, timeout=300):
     # torch thread, as the suite shares a small machine.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(OMP_NUM_THREADS="1", PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    # UTF-8 named: pip prints non-ASCII, and the decoding would otherwise follow the process's locale,
+    # which the suite on torch 2.6 saw turn ASCII midway (.ci/oldest).
     done = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          encoding="utf-8", timeout=timeout)
     assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -76,6 +78,6 @@ def test_the_installed_wheel_runs_bench_help_and_the_demo(venv_python, tmp_path)
 @pytest.mark.slow
 def test_the_installed_wheel_runs_the_dry_suite_without_the_tests(venv_python, tmp_path):
     _run([venv_python, "-m", "speedswap", "bench", "--all", "--dry-run", "--out", "results"], cwd=tmp_path)
-    summary = (tmp_path / "results" / "SUMMARY.md").read_text()
+    summary = (tmp_path / "results" / "SUMMARY.md").read_text(encoding="utf-8")
     assert "installed wheel" in summary  # the gpu tests are not there, and the summary says so
     assert (tmp_path / "results" / "transport-cpu.json").exists()
