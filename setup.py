@@ -20,7 +20,7 @@ setup(
     packages=find_packages(include=["speedswap", "speedswap.*"]),
     python_requires=">=3.10",  # CuPy 14, which the cuda extras need
     # The floors are tested ones: .ci/oldest runs the suite on them (.ci/oldest.txt).
-    install_requires=["numpy>=1.24", "torch>=2.6", "h5py>=3.8", "tqdm>=4.60"],
+    install_requires=["numpy>=1.24", "torch>=2.6", "h5py>=3.10", "tqdm>=4.60"],
     extras_require={
         # CuPy is optional and only the cuda backend imports it. From 14 on it finds the CUDA
         # runtime and NVRTC (which compiles the row kernels) in NVIDIA's wheels; CuPy 13
